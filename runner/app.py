@@ -1,0 +1,201 @@
+"""One run, start to finish: validate, resolve precision, build, train, log, clean up.
+
+Everything that can be wrong with the input is checked before the MLflow run exists, so a bad
+config never leaves a RUNNING run behind; once the run exists it always ends FINISHED, FAILED or
+KILLED, with its config, precision table and log attached.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import random
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+import runner
+from runner.errors import ConfigError
+from runner.precision import AmpEngine, Resolution, resolve
+from runner.validation import validate
+
+log = logging.getLogger(__name__)
+
+
+def select_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            "trainer.device", "cuda was requested but no CUDA device is available", "auto, cpu"
+        )
+    return torch.device(name)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)  # seeds CUDA too
+    try:
+        import numpy
+
+        numpy.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+
+
+def resolve_precision(cfg: DictConfig, device: torch.device) -> Resolution:
+    """The resolved Apex properties; an error finding stops the run before anything is built."""
+    values = OmegaConf.to_container(cfg.precision, resolve=True)
+    opt_level = values.pop("opt_level")
+    resolution = resolve(opt_level, values, device=device)
+    for finding in resolution.findings:
+        if finding.level == "error":
+            hint = f" {finding.hint}" if finding.hint else ""
+            raise ConfigError(f"precision.{finding.property}", finding.message + hint)
+    return resolution
+
+
+def findings_table(resolution: Resolution) -> str:
+    if not resolution.findings:
+        return "No findings: the precision properties are consistent."
+    lines = ["level    property               message"]
+    for f in resolution.findings:
+        hint = f" Hint: {f.hint}" if f.hint else ""
+        lines.append(f"{f.level:<8} {f.property:<22} {f.message}{hint}")
+    return "\n".join(lines)
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def environment_tags(device: torch.device) -> dict[str, str]:
+    from runner.tracking import git_commit
+
+    tags = {
+        "runner_version": runner.__version__,
+        "python_version": platform.python_version(),
+        "torch_version": torch.__version__,
+        "cuda_version": str(torch.version.cuda),
+        "device": device.type,
+        "device_name": device_name(device),
+        "num_threads": str(torch.get_num_threads()),
+    }
+    commit = git_commit(Path(runner.__file__).parent) or git_commit(os.getcwd())
+    if commit:
+        tags["git_commit"] = commit
+    return tags
+
+
+def run(
+    cfg: DictConfig,
+    *,
+    overrides: Sequence[str] = (),
+    output_dir: str | os.PathLike | None = None,
+) -> float | None:
+    """Train once as `cfg` says; returns the best validation accuracy (None for a dry run)."""
+    validate(cfg)
+    device = select_device(cfg.trainer.device)
+    resolution = resolve_precision(cfg, device)
+    properties = resolution.properties
+
+    if cfg.dry_run:
+        print(OmegaConf.to_yaml(cfg, resolve=True))
+        print(properties.table())
+        print(findings_table(resolution))
+        return None
+    log.info("Precision (Apex %s, resolved):\n%s", properties.opt_level, properties.table())
+    for finding in resolution.findings:
+        log.warning("%s: precision.%s: %s %s", finding.level, finding.property, finding.message,
+                    finding.hint)
+
+    # Heavy builders are imported only for a real run.
+    from runner.data import build_datasets, build_loaders
+    from runner.models import build_model
+    from runner.optim import build_optimizer, build_scheduler
+    from runner.probes import MemoryProbe
+    from runner.tracking import Tracker, flatten
+    from runner.trainer import Trainer
+
+    tracker = Tracker(cfg.mlflow.tracking_uri, cfg.mlflow.experiment_name)
+    memory = MemoryProbe(device)
+    memory.reset()
+    seed_everything(cfg.trainer.seed)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = cfg.trainer.cudnn_benchmark
+
+    bundle = build_datasets(cfg.data)
+    train_loader, val_loader = build_loaders(
+        bundle, cfg.trainer.batch_size, cfg.trainer.num_workers, device.type, cfg.trainer.seed
+    )
+    model = build_model(cfg.model, bundle.num_classes, bundle.image_size).to(device)
+    if cfg.trainer.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    optimizer = build_optimizer(cfg.optimizer, model.parameters())
+    engine = AmpEngine(properties, device)
+    model, optimizer = engine.prepare(model, optimizer)
+    steps_per_epoch = len(train_loader)
+    if cfg.trainer.limit_train_batches is not None:
+        steps_per_epoch = min(steps_per_epoch, cfg.trainer.limit_train_batches)
+    scheduler = build_scheduler(cfg.scheduler, optimizer, steps_per_epoch, cfg.trainer.max_epochs)
+
+    config_tree = OmegaConf.to_container(cfg, resolve=True)
+    params = flatten(config_tree)
+    params.update({f"precision.{k}": v for k, v in properties.as_params().items()})
+    params["data.num_classes"] = str(bundle.num_classes)
+    params["data.train_size"] = str(len(bundle.train))
+    params["data.val_size"] = str(len(bundle.val))
+    params["model.num_parameters"] = str(sum(p.numel() for p in model.parameters()))
+    tags = environment_tags(device)
+    tags.update(
+        {
+            "opt_level": properties.opt_level,
+            "overrides": " ".join(overrides),
+            "peak_mem_kind": memory.kind,
+            "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        }
+    )
+    tags.update({str(k): str(v) for k, v in cfg.mlflow.tags.items()})
+    run_name = cfg.mlflow.run_name or f"{cfg.model.name}-{properties.opt_level}"
+
+    with tracker.start_run(run_name, params, tags) as tracked:
+        log.info("MLflow run %r (%s) in %s", run_name, tracked.run_id, tracker.tracking_uri)
+        tracked.log_text(OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
+        tracked.log_text(OmegaConf.to_yaml(OmegaConf.create(list(overrides))), "overrides.yaml")
+        tracked.log_text(properties.table() + "\n\n" + findings_table(resolution), "precision.txt")
+        trainer = Trainer(
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            engine=engine,
+            train_loader=train_loader,
+            val_loader=val_loader,
+            device=device,
+            cfg=cfg.trainer,
+            on_metrics=tracked.log_metrics,
+            memory=memory,
+        )
+        try:
+            result = trainer.fit()
+        finally:
+            if output_dir is not None:
+                tracked.log_file(Path(output_dir) / "runner.log", "logs")
+    log.info(
+        "Finished %s: best val_acc %.4f in %.1f s.\n%s",
+        run_name,
+        result.best_val_acc,
+        result.train_time_s,
+        tracker.hint(),
+    )
+    return result.best_val_acc

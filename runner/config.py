@@ -1,0 +1,195 @@
+"""Typed schemas for every config group, registered in Hydra's ConfigStore.
+
+Hydra merges each YAML option into these dataclasses, so a typo'd key, a wrong type or an unknown
+group choice stops the run at compose time, before torch, data or models are imported. Value rules
+that types cannot express (positive lr, known model names, ...) live in `runner.validation`.
+This module must stay free of heavy imports: it runs on every invocation, dry runs included.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+MODEL_NAMES = ("tiny", "resnet18", "resnet50", "densenet161", "vgg16_bn", "resnext50_32x4d")
+DATASET_NAMES = ("synthetic", "cifar10", "cifar100", "imagefolder")
+OPTIMIZER_NAMES = ("sgd", "adam", "adamw")
+SCHEDULER_NAMES = ("none", "cosine", "step", "onecycle")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+# ---- model ---------------------------------------------------------------------------------
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    # Replace the ImageNet stem (7x7/2 conv + max-pool) with a 3x3/1 conv for 32x32 inputs.
+    # null = automatic: on for images of at most 64 pixels.
+    small_input: Optional[bool] = None
+
+
+@dataclass
+class TinyModelConfig(ModelConfig):
+    width: int = 16
+
+
+# ---- data ----------------------------------------------------------------------------------
+@dataclass
+class DataConfig:
+    name: str = MISSING
+    image_size: int = 32
+
+
+@dataclass
+class CifarConfig(DataConfig):
+    root: str = "data"
+    download: bool = True
+    augment: bool = True
+
+
+@dataclass
+class ImageFolderConfig(DataConfig):
+    root: str = MISSING
+    train_dir: str = "train"
+    val_dir: str = "val"
+    num_classes: Optional[int] = None  # null = the number of class folders found
+    augment: bool = True
+    image_size: int = 224
+
+
+@dataclass
+class SyntheticConfig(DataConfig):
+    num_train: int = 10000
+    num_val: int = 2000
+    num_classes: int = 10
+    seed: int = 0
+    noise: float = 1.0  # std of the per-image noise added to the class pattern
+
+
+# ---- optimizer -----------------------------------------------------------------------------
+@dataclass
+class OptimizerConfig:
+    name: str = MISSING
+    lr: float = 0.1
+    weight_decay: float = 0.0
+
+
+@dataclass
+class SGDConfig(OptimizerConfig):
+    momentum: float = 0.9
+    dampening: float = 0.0
+    nesterov: bool = False
+
+
+@dataclass
+class AdamConfig(OptimizerConfig):
+    lr: float = 1e-3
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    amsgrad: bool = False
+
+
+# ---- scheduler (stepped once per optimizer-step attempt) -----------------------------------
+@dataclass
+class SchedulerConfig:
+    name: str = MISSING
+
+
+@dataclass
+class CosineConfig(SchedulerConfig):
+    eta_min: float = 0.0
+
+
+@dataclass
+class StepLRConfig(SchedulerConfig):
+    step_epochs: int = 30
+    gamma: float = 0.1
+
+
+@dataclass
+class OneCycleConfig(SchedulerConfig):
+    max_lr: Optional[float] = None  # null = the optimizer's lr
+    pct_start: float = 0.3
+    div_factor: float = 25.0
+    final_div_factor: float = 1e4
+
+
+# ---- precision (Apex amp's five properties; resolved by runner.precision) ------------------
+@dataclass
+class PrecisionConfig:
+    opt_level: str = MISSING
+    cast_model_type: Optional[str] = None  # float32 | float16 | bfloat16 | null
+    patch_torch_functions: bool = False
+    keep_batchnorm_fp32: Any = None  # true | false | null
+    master_weights: Optional[bool] = None
+    loss_scale: Any = 1.0  # "dynamic" or a positive number
+
+
+# ---- trainer and tracking ------------------------------------------------------------------
+@dataclass
+class TrainerConfig:
+    max_epochs: int = 10
+    batch_size: int = 128
+    device: str = "auto"  # auto | cpu | cuda
+    seed: int = 42
+    num_workers: int = 2
+    channels_last: bool = False
+    cudnn_benchmark: bool = True
+    grad_clip_norm: Optional[float] = None  # max L2 norm of the unscaled fp32 gradients
+    limit_train_batches: Optional[int] = None
+    limit_val_batches: Optional[int] = None
+    log_every_n_steps: int = 50
+    progress_bar: bool = True
+
+
+@dataclass
+class MlflowConfig:
+    tracking_uri: str = "sqlite:///mlflow.db"  # relative paths: the directory the user launched from
+    experiment_name: str = "amp-runner"
+    run_name: Optional[str] = None  # null = "<model>-<opt_level>", e.g. densenet161-O2
+    tags: Dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = MISSING
+    data: DataConfig = MISSING
+    optimizer: OptimizerConfig = MISSING
+    scheduler: SchedulerConfig = MISSING
+    precision: PrecisionConfig = MISSING
+    trainer: TrainerConfig = MISSING
+    mlflow: MlflowConfig = MISSING
+    dry_run: bool = False
+
+
+SCHEMAS: dict[str, dict[str, type]] = {
+    "model": {"torchvision": ModelConfig, "tiny": TinyModelConfig},
+    "data": {"cifar": CifarConfig, "imagefolder": ImageFolderConfig, "synthetic": SyntheticConfig},
+    "optimizer": {"sgd": SGDConfig, "adam": AdamConfig},
+    "scheduler": {
+        "none": SchedulerConfig,
+        "cosine": CosineConfig,
+        "step": StepLRConfig,
+        "onecycle": OneCycleConfig,
+    },
+    "precision": {"apex": PrecisionConfig},
+    "trainer": {"default": TrainerConfig},
+    "mlflow": {"default": MlflowConfig},
+}
+
+
+def register_configs() -> None:
+    """Store the schemas: `base_run` types the root, `schema/<group>/<kind>` types each option.
+
+    Option files pull their schema with `- /schema/<group>/<kind>@_here_` in their defaults list,
+    which keeps the schemas out of the group's list of choices.
+    """
+    cs = ConfigStore.instance()
+    cs.store(name="base_run", node=RunConfig)
+    for group, kinds in SCHEMAS.items():
+        for kind, node in kinds.items():
+            cs.store(group=f"schema/{group}", name=kind, node=node)
+
+
+register_configs()

@@ -1,0 +1,27 @@
+"""Errors a user can fix by changing the config; the CLI prints them without a traceback."""
+from __future__ import annotations
+
+from typing import Iterable
+
+
+class RunnerError(Exception):
+    """Base class: the message alone tells the user what to do."""
+
+
+class ConfigError(RunnerError):
+    """A config value is wrong: names the key, what was wrong, and what is allowed."""
+
+    def __init__(self, key: str, problem: str, allowed: str | Iterable[str] | None = None):
+        self.key = key
+        self.problem = problem
+        if allowed is not None and not isinstance(allowed, str):
+            allowed = ", ".join(str(a) for a in allowed)
+        self.allowed = allowed
+        message = f"{key}: {problem}"
+        if allowed:
+            message += f" (allowed: {allowed})"
+        super().__init__(message)
+
+
+class DataError(RunnerError):
+    """A dataset cannot be found or read; the message names the config key to change."""

@@ -1,0 +1,80 @@
+"""Timing and memory probes: what `epoch_time_s` and `peak_mem_mb` mean on each device.
+
+CUDA: the caching allocator's max allocated bytes, reset when the run starts.
+CPU: the process's peak resident memory (VmHWM) above the resident memory at run start. Linux lets
+a process reset its high-water mark (writing 5 to /proc/self/clear_refs); where that is refused the
+figure falls back to getrusage's ru_maxrss, which may include peaks from before the run. The kind of
+figure is reported (`kind`) and logged as the `peak_mem_kind` tag. DataLoader worker processes are
+not counted on CPU.
+"""
+from __future__ import annotations
+
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+_STATUS = Path("/proc/self/status")
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+def _status_kb(field: str) -> int | None:
+    try:
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+class MemoryProbe:
+    """Peak memory of this run in MB, from `reset()` on."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.kind = "cuda_max_allocated" if device.type == "cuda" else "cpu_rss_peak_above_start"
+        self._baseline_kb = 0
+
+    def reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        try:
+            _CLEAR_REFS.write_text("5")  # resets VmHWM to the current RSS
+        except OSError:
+            self.kind = "cpu_ru_maxrss_above_start"
+        self._baseline_kb = _status_kb("VmRSS") or 0
+
+    def peak_mb(self) -> float:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / 2**20
+        if self.kind == "cpu_rss_peak_above_start":
+            peak_kb = _status_kb("VmHWM") or 0
+        else:
+            peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+        return max(0, peak_kb - self._baseline_kb) / 1024
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued device work so wall-clock timings mean something."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Stopwatch:
+    """Wall-clock seconds between start() and stop(), device-synchronised at both ends."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._t0 = 0.0
+
+    def start(self) -> None:
+        synchronize(self.device)
+        self._t0 = time.perf_counter()
+
+    def stop(self) -> float:
+        synchronize(self.device)
+        return time.perf_counter() - self._t0

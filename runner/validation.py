@@ -1,0 +1,145 @@
+"""Value rules that types cannot express, checked before anything is built or logged.
+
+Hydra and the schemas in `runner.config` already reject unknown keys, wrong types and unknown
+group choices; this catches the rest (a negative lr, an unknown model name, a data.root that does
+not exist) with a message naming the key, what was wrong and what is allowed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Any, Callable
+
+from omegaconf import DictConfig, OmegaConf
+
+from runner.config import DATASET_NAMES, DEVICES, MODEL_NAMES, OPTIMIZER_NAMES, SCHEDULER_NAMES
+from runner.errors import ConfigError
+
+Rule = tuple[str, Callable[[Any], bool], str]
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def positive(v: Any) -> bool:
+    return _finite(v) and v > 0
+
+
+def non_negative(v: Any) -> bool:
+    return _finite(v) and v >= 0
+
+
+def unit_interval(v: Any) -> bool:  # [0, 1)
+    return _finite(v) and 0 <= v < 1
+
+
+def optional(rule: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda v: v is None or rule(v)
+
+
+def one_of(choices: tuple[str, ...]) -> Callable[[Any], bool]:
+    return lambda v: v in choices
+
+
+def _rules(cfg: DictConfig) -> list[Rule]:
+    """(key, predicate, what is allowed) for every key present in this config."""
+    rules: list[Rule] = [
+        ("model.name", one_of(MODEL_NAMES), ", ".join(MODEL_NAMES)),
+        ("data.name", one_of(DATASET_NAMES), ", ".join(DATASET_NAMES)),
+        ("data.image_size", lambda v: isinstance(v, int) and v >= 8, "an integer >= 8"),
+        ("optimizer.name", one_of(OPTIMIZER_NAMES), ", ".join(OPTIMIZER_NAMES)),
+        ("optimizer.lr", positive, "a finite number > 0"),
+        ("optimizer.weight_decay", non_negative, "a finite number >= 0"),
+        ("optimizer.momentum", unit_interval, "a number in [0, 1)"),
+        ("optimizer.dampening", unit_interval, "a number in [0, 1)"),
+        ("optimizer.eps", positive, "a finite number > 0"),
+        (
+            "optimizer.betas",
+            lambda v: v is not None and len(v) == 2 and all(unit_interval(b) for b in v),
+            "two numbers in [0, 1), e.g. [0.9, 0.999]",
+        ),
+        ("scheduler.name", one_of(SCHEDULER_NAMES), ", ".join(SCHEDULER_NAMES)),
+        ("scheduler.eta_min", non_negative, "a finite number >= 0"),
+        ("scheduler.step_epochs", lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
+        ("scheduler.gamma", lambda v: _finite(v) and 0 < v <= 1, "a number in (0, 1]"),
+        ("scheduler.max_lr", optional(positive), "null or a finite number > 0"),
+        ("scheduler.pct_start", lambda v: _finite(v) and 0 < v < 1, "a number in (0, 1)"),
+        ("scheduler.div_factor", positive, "a finite number > 0"),
+        ("scheduler.final_div_factor", positive, "a finite number > 0"),
+        ("trainer.max_epochs", lambda v: v >= 1, "an integer >= 1"),
+        ("trainer.batch_size", lambda v: v >= 1, "an integer >= 1"),
+        ("trainer.device", one_of(DEVICES), ", ".join(DEVICES)),
+        ("trainer.num_workers", lambda v: v >= 0, "an integer >= 0"),
+        ("trainer.grad_clip_norm", optional(positive), "null or a finite number > 0"),
+        ("trainer.limit_train_batches", optional(lambda v: v >= 1), "null or an integer >= 1"),
+        ("trainer.limit_val_batches", optional(lambda v: v >= 1), "null or an integer >= 1"),
+        ("trainer.log_every_n_steps", lambda v: v >= 1, "an integer >= 1"),
+        ("mlflow.tracking_uri", lambda v: bool(v and v.strip()), "a non-empty MLflow URI"),
+        ("mlflow.experiment_name", lambda v: bool(v and v.strip()), "a non-empty name"),
+    ]
+    name = cfg.data.get("name")
+    if name == "synthetic":
+        rules += [
+            ("data.num_train", lambda v: v >= 1, "an integer >= 1"),
+            ("data.num_val", lambda v: v >= 1, "an integer >= 1"),
+            ("data.num_classes", lambda v: v >= 2, "an integer >= 2"),
+            ("data.noise", non_negative, "a finite number >= 0"),
+        ]
+    elif name in ("cifar10", "cifar100"):
+        rules += [
+            ("data.image_size", lambda v: v == 32, "32 (CIFAR images are 32x32)"),
+            ("data.root", lambda v: not os.path.isfile(v), "a folder (it is a file)"),
+        ]
+    elif name == "imagefolder":
+        rules += [
+            ("data.root", os.path.isdir, "an existing folder with train/ and val/ class folders"),
+            ("data.num_classes", optional(lambda v: v >= 2), "null or an integer >= 2"),
+        ]
+    return rules
+
+
+def _check_known_keys(cfg: DictConfig) -> None:
+    """Hydra's `+key=value` appends even to typed nodes; a key no schema declares is a typo."""
+    for section in cfg:
+        node = cfg[section]
+        schema = OmegaConf.get_type(node) if isinstance(node, DictConfig) else None
+        if not dataclasses.is_dataclass(schema):
+            continue
+        declared = [f.name for f in dataclasses.fields(schema)]
+        for key in node:
+            if key not in declared:
+                raise ConfigError(f"{section}.{key}", "unknown key", declared)
+
+
+def validate(cfg: DictConfig) -> None:
+    """Raise ConfigError for the first key whose value breaks its rule."""
+    _check_known_keys(cfg)
+    for key, ok, allowed in _rules(cfg):
+        section, _, leaf = key.rpartition(".")
+        parent = OmegaConf.select(cfg, section)
+        if parent is None or leaf not in parent.keys():  # (`in` is False for ??? values)
+            continue  # this option has no such key (e.g. momentum for adam)
+        if OmegaConf.is_missing(parent, leaf):
+            raise ConfigError(key, "is required but not set", allowed)
+        value = parent[leaf]
+        try:
+            good = ok(value)
+        except TypeError:
+            good = False
+        if not good:
+            raise ConfigError(key, f"got {value!r}", allowed)
+    _check_combinations(cfg)
+
+
+def _check_combinations(cfg: DictConfig) -> None:
+    """Rules that involve several keys."""
+    opt = cfg.optimizer
+    if opt.get("nesterov") and (opt.momentum <= 0 or opt.dampening != 0):
+        raise ConfigError(
+            "optimizer.nesterov",
+            f"needs momentum > 0 and dampening 0 (got momentum {opt.momentum}, "
+            f"dampening {opt.dampening})",
+            "nesterov=false, or momentum > 0 with dampening 0",
+        )

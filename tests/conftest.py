@@ -1,0 +1,62 @@
+"""Shared fixtures: real Hydra composition of the project's config tree, real SQLite MLflow stores."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+import runner.config  # noqa: F401  (registers the schemas)
+from runner.paths import config_dir
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Settings that make a real run take seconds on a CPU: tiny model, small synthetic images.
+FAST = [
+    "model=tiny",
+    "data=synthetic",
+    "data.num_train=96",
+    "data.num_val=32",
+    "data.image_size=16",
+    "trainer.batch_size=32",
+    "trainer.max_epochs=2",
+    "trainer.num_workers=0",
+    "trainer.progress_bar=false",
+    "trainer.log_every_n_steps=2",
+]
+
+
+def compose_config(*overrides: str, return_hydra_config: bool = False):
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        return compose("config", overrides=list(overrides), return_hydra_config=return_hydra_config)
+
+
+@pytest.fixture
+def compose_cfg():
+    return compose_config
+
+
+@pytest.fixture
+def tracking_uri(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+
+def run_cli(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`python -m runner ARGS` in a real subprocess, as a user would type it."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return subprocess.run(
+        [sys.executable, "-m", "runner", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

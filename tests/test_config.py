@@ -1,0 +1,173 @@
+"""Every option of every group composes; bad keys, types, choices and values are refused early."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+from hydra.errors import HydraException
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from runner.config import DATASET_NAMES, MODEL_NAMES, OPTIMIZER_NAMES, SCHEDULER_NAMES
+from runner.errors import ConfigError
+from runner.paths import config_dir
+from runner.validation import validate
+from tests.conftest import compose_config
+
+GROUP_NAMES = {
+    "model": MODEL_NAMES,
+    "data": DATASET_NAMES,
+    "optimizer": OPTIMIZER_NAMES,
+    "scheduler": SCHEDULER_NAMES,
+}
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (config_dir() / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize("group", sorted(GROUP_NAMES))
+def test_group_options_are_exactly_the_supported_names(group):
+    assert set(options(group)) == set(GROUP_NAMES[group])
+
+
+@pytest.mark.parametrize(
+    "group,option",
+    [(g, o) for g in ("model", "data", "optimizer", "scheduler", "precision", "trainer", "mlflow")
+     for o in options(g)],
+)
+def test_every_option_composes(group, option):
+    cfg = compose_config(f"{group}={option}")
+    node = cfg[group]
+    if group in GROUP_NAMES:
+        assert node.name == option
+    if group == "precision":
+        assert node.opt_level == option.upper()
+    OmegaConf.to_container(cfg, resolve=True)  # no interpolation left broken
+
+
+def test_defaults_are_a_sensible_run():
+    cfg = compose_config()
+    assert cfg.model.name == "resnet18"
+    assert cfg.data.name == "cifar10" and cfg.data.download is True
+    assert cfg.optimizer.name == "sgd"
+    assert cfg.scheduler.name == "cosine"
+    assert cfg.precision.opt_level == "O0"
+    assert cfg.trainer.batch_size == 128
+    assert cfg.mlflow.tracking_uri == "sqlite:///mlflow.db"
+    assert cfg.dry_run is False
+    synthetic = compose_config("data=synthetic").data
+    assert (synthetic.num_train, synthetic.num_val, synthetic.image_size) == (10000, 2000, 32)
+    validate(cfg)
+
+
+APEX_TABLE = {
+    "o0": ("float32", False, None, False, 1.0),
+    "o1": (None, True, None, None, "dynamic"),
+    "o2": ("float16", False, True, True, "dynamic"),
+    "o3": ("float16", False, False, False, 1.0),
+}
+
+
+@pytest.mark.parametrize("preset", sorted(APEX_TABLE))
+def test_precision_presets_fix_the_five_apex_properties(preset):
+    p = compose_config(f"precision={preset}").precision
+    got = (p.cast_model_type, p.patch_torch_functions, p.keep_batchnorm_fp32, p.master_weights,
+           p.loss_scale)
+    assert got == APEX_TABLE[preset]
+
+
+def test_precision_property_overridable_by_key():
+    cfg = compose_config("precision=o2", "precision.master_weights=false", "precision.loss_scale=128")
+    assert cfg.precision.master_weights is False
+    assert cfg.precision.loss_scale == 128
+
+
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        (["trainer.max_epoch=2"], "trainer.max_epoch"),  # typo'd key
+        (["optimizer.lr=fast"], "optimizer.lr"),  # wrong type
+        (["trainer.batch_size=1.5"], "trainer.batch_size"),
+        (["model=resnet1000"], "model/resnet1000"),  # unknown choice
+        (["precision=o4"], "precision/o4"),
+        (["optimizer=sgd", "optimizer.eps=1e-4"], "optimizer.eps"),  # key of another option
+        (["data=synthetic", "data.root=/tmp"], "data.root"),
+        (["model=resnet18", "model.width=8"], "model.width"),
+    ],
+)
+def test_bad_keys_types_and_choices_fail_at_compose_time(overrides, needle):
+    with pytest.raises((HydraException, OmegaConfBaseException)) as info:
+        compose_config(*overrides)
+    text = str(info.value) + str(info.value.__cause__ or "")
+    assert needle in text
+
+
+def test_unknown_choice_lists_the_available_options():
+    with pytest.raises(HydraException) as info:
+        compose_config("model=resnet1000")
+    for name in MODEL_NAMES:
+        assert name in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "overrides,key",
+    [
+        (["optimizer.lr=-0.1"], "optimizer.lr"),
+        (["optimizer.lr=0"], "optimizer.lr"),
+        (["optimizer.lr=nan"], "optimizer.lr"),
+        (["optimizer.lr=inf"], "optimizer.lr"),
+        (["optimizer.weight_decay=-1"], "optimizer.weight_decay"),
+        (["optimizer.momentum=1.5"], "optimizer.momentum"),
+        (["optimizer=adam", "optimizer.eps=0"], "optimizer.eps"),
+        (["optimizer=adam", "optimizer.betas=[0.9]"], "optimizer.betas"),
+        (["optimizer=adamw", "optimizer.betas=[0.9,1.2]"], "optimizer.betas"),
+        (["optimizer.nesterov=true", "optimizer.momentum=0"], "optimizer.nesterov"),
+        (["trainer.batch_size=0"], "trainer.batch_size"),
+        (["trainer.max_epochs=-1"], "trainer.max_epochs"),
+        (["trainer.num_workers=-2"], "trainer.num_workers"),
+        (["trainer.log_every_n_steps=0"], "trainer.log_every_n_steps"),
+        (["trainer.limit_train_batches=0"], "trainer.limit_train_batches"),
+        (["trainer.grad_clip_norm=-1"], "trainer.grad_clip_norm"),
+        (["trainer.device=tpu"], "trainer.device"),
+        (["model.name=resnet1000"], "model.name"),
+        (["data.name=mnist"], "data.name"),
+        (["scheduler=step", "scheduler.gamma=0"], "scheduler.gamma"),
+        (["scheduler=onecycle", "scheduler.pct_start=1.0"], "scheduler.pct_start"),
+        (["data=cifar10", "data.image_size=64"], "data.image_size"),
+        (["data=synthetic", "data.num_classes=1"], "data.num_classes"),
+        (["data=synthetic", "data.num_train=0"], "data.num_train"),
+        (["data=synthetic", "data.image_size=4"], "data.image_size"),
+        (["data=imagefolder"], "data.root"),  # required, not set
+        (["data=imagefolder", "data.root=/no/such/folder"], "data.root"),
+        (["mlflow.experiment_name= "], "mlflow.experiment_name"),
+        (["+trainer.max_epoch=2"], "trainer.max_epoch"),  # Hydra appends with +: still a typo
+        (["+optimizer.eps=1e-4"], "optimizer.eps"),
+    ],
+)
+def test_value_rules_name_the_key(overrides, key):
+    cfg = compose_config(*overrides)
+    with pytest.raises(ConfigError) as info:
+        validate(cfg)
+    assert info.value.key == key
+    assert str(info.value).startswith(key + ":")
+    assert info.value.allowed  # the message says what is allowed
+
+
+def test_cifar_root_that_is_a_file_is_refused(tmp_path: Path):
+    a_file = tmp_path / "not-a-folder"
+    a_file.write_text("x")
+    with pytest.raises(ConfigError, match="data.root"):
+        validate(compose_config("data=cifar10", f"data.root={a_file}"))
+
+
+def test_valid_values_pass():
+    for overrides in (
+        ["optimizer=adam", "optimizer.lr=3e-4"],
+        ["optimizer=sgd", "optimizer.nesterov=true"],
+        ["scheduler=onecycle", "scheduler.max_lr=0.5"],
+        ["trainer.grad_clip_norm=1.0", "trainer.limit_train_batches=3"],
+    ):
+        validate(compose_config(*overrides))
+    assert not math.isnan(compose_config().optimizer.lr)
