@@ -1,0 +1,5 @@
+"""Apex amp's O0-O3 on modern PyTorch: resolve the five properties, then run them with AmpEngine."""
+from runner.precision.engine import AmpEngine
+from runner.precision.properties import LEVELS, Finding, Properties, Resolution, resolve
+
+__all__ = ["LEVELS", "Properties", "Finding", "Resolution", "resolve", "AmpEngine"]

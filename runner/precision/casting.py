@@ -1,0 +1,105 @@
+"""Cast a model to a 16-bit type for O2/O3, the way Apex did, without patching `forward`.
+
+Parameters are cast in place (`param.data`), so an optimizer built before the cast still holds
+the same Parameter objects. With `keep_batchnorm_fp32`, BatchNorm layers keep fp32 weights and
+running statistics: PyTorch's batch_norm (CPU and CUDA) takes half/bf16 activations with fp32
+weights natively and returns the activation dtype, so no casts are needed around them.
+Model inputs are cast to the model dtype and floating outputs come back as fp32 through hooks
+on the top module (removable), so the loss is computed in fp32 as in Apex.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils.hooks import RemovableHandle
+
+
+def _cast_tensor(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
+
+
+def cast_module_(model: nn.Module, dtype: torch.dtype,
+                 keep_batchnorm_fp32: Optional[bool]) -> nn.Module:
+    """Cast floating parameters (and their grads) and buffers to `dtype`, in place.
+
+    With `keep_batchnorm_fp32`, every `_BatchNorm` (SyncBatchNorm included) is set to fp32 instead.
+    Integer buffers (`num_batches_tracked`) are left alone.
+    """
+    for module in model.modules():
+        target = torch.float32 if keep_batchnorm_fp32 and isinstance(module, _BatchNorm) else dtype
+        for param in module._parameters.values():
+            if param is None or not param.is_floating_point() or param.dtype == target:
+                continue
+            with torch.no_grad():
+                param.data = param.data.to(target)
+                if param.grad is not None:
+                    param.grad = param.grad.to(target)
+        for name, buf in module._buffers.items():
+            if buf is not None and buf.is_floating_point() and buf.dtype != target:
+                module._buffers[name] = buf.to(target)
+    return model
+
+
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """Apply `fn` to every tensor nested in tuples (named ones too), lists and dicts."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple):
+        items = [map_tensors(o, fn) for o in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    if isinstance(obj, list):
+        return [map_tensors(o, fn) for o in obj]
+    if isinstance(obj, dict):
+        out = {k: map_tensors(v, fn) for k, v in obj.items()}
+        try:
+            return type(obj)(out)
+        except TypeError:
+            return out
+    return obj
+
+
+class IOCastHooks:
+    """Handles of the input/output cast hooks on one module; `remove()` restores plain forward."""
+
+    def __init__(self, handles: list[RemovableHandle]):
+        self.handles = handles
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+def install_io_casts(model: nn.Module, dtype: torch.dtype,
+                     output_dtype: torch.dtype = torch.float32) -> IOCastHooks:
+    """Cast floating inputs (args and kwargs) to `dtype` and floating outputs to `output_dtype`."""
+
+    def to_model(t: torch.Tensor) -> torch.Tensor:
+        return _cast_tensor(t, dtype)
+
+    def to_output(t: torch.Tensor) -> torch.Tensor:
+        return _cast_tensor(t, output_dtype)
+
+    def pre_hook(module: nn.Module, args: tuple, kwargs: dict):
+        return map_tensors(args, to_model), map_tensors(kwargs, to_model)
+
+    def post_hook(module: nn.Module, args: tuple, output: Any):
+        return map_tensors(output, to_output)
+
+    return IOCastHooks([
+        model.register_forward_pre_hook(pre_hook, with_kwargs=True),
+        model.register_forward_hook(post_hook),
+    ])
+
+
+def cast_model(model: nn.Module, dtype: torch.dtype,
+               keep_batchnorm_fp32: Optional[bool]) -> Optional[IOCastHooks]:
+    """Apex-style model cast: weights to `dtype` (fp32 BatchNorm if asked); for a 16-bit `dtype`
+    also install the input/output casts. Returns the hooks (None when `dtype` is fp32)."""
+    cast_module_(model, dtype, keep_batchnorm_fp32)
+    if dtype in (torch.float16, torch.bfloat16):
+        return install_io_casts(model, dtype)
+    return None

@@ -1,0 +1,114 @@
+"""Loss scaling: a fixed scale, or Apex's dynamic scale that backs off on overflow and grows back.
+
+The scale lives on the host as a Python float: the engine reads the non-finite flag once per step
+anyway, so updating the scale in Python costs no extra device sync, and multiplying the loss by a
+Python float launches no host-to-device copy of its own. A static scale of exactly 1.0 needs no
+pass over the gradients at all (`needs_check` is False).
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Any, Optional, Sequence, Union
+
+import torch
+
+LossScaleSpec = Union[float, str]
+
+
+class LossScaler:
+    """One loss's scale. `loss_scale` is "dynamic" or a positive float (static)."""
+
+    def __init__(
+        self,
+        loss_scale: LossScaleSpec = "dynamic",
+        init_scale: float = 2.0 ** 16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        min_loss_scale: Optional[float] = None,
+        max_loss_scale: float = 2.0 ** 24,
+    ):
+        self.dynamic = loss_scale == "dynamic"
+        if not self.dynamic:
+            loss_scale = float(loss_scale)
+            if not math.isfinite(loss_scale) or loss_scale <= 0:
+                raise ValueError(
+                    f"loss_scale must be 'dynamic' or a positive number, got {loss_scale!r}")
+        if growth_factor <= 1.0 or not 0.0 < backoff_factor < 1.0 or growth_interval < 1:
+            raise ValueError("need growth_factor > 1, 0 < backoff_factor < 1, growth_interval >= 1")
+        self.growth_factor = float(growth_factor)
+        self.backoff_factor = float(backoff_factor)
+        self.growth_interval = int(growth_interval)
+        self.min_loss_scale = None if min_loss_scale is None else float(min_loss_scale)
+        self.max_loss_scale = float(max_loss_scale)
+        start = min(float(init_scale), self.max_loss_scale) if self.dynamic else loss_scale
+        if self.dynamic and self.min_loss_scale is not None:
+            start = max(start, self.min_loss_scale)
+        self._scale: float = float(start)
+        self._unskipped = 0  # clean steps since the last change of scale (Apex's name)
+
+    @property
+    def scale(self) -> float:
+        return self._scale
+
+    @property
+    def needs_check(self) -> bool:
+        """Whether gradients must be unscaled and checked: dynamic, or a static scale != 1."""
+        return self.dynamic or self._scale != 1.0
+
+    def unscale_(self, grads: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+        """Divide `grads` by the scale in place and flag non-finite values.
+
+        Returns a one-element float tensor (non-zero: some gradient was inf/NaN) on the device of
+        the first gradient, without a host sync; None when there is nothing to do (no gradients,
+        or a static scale of 1.0, which needs no pass at all).
+        """
+        if not self.needs_check or not grads:
+            return None
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+        for g in grads:
+            if g.is_sparse:
+                g = g._values()  # scaling is linear: the stored values can be unscaled as they are
+            groups[(g.device, g.dtype)].append(g)
+        found: dict[torch.device, torch.Tensor] = {}
+        inv: dict[torch.device, torch.Tensor] = {}
+        for (device, _), tensors in groups.items():
+            if device not in found:
+                found[device] = torch.zeros(1, dtype=torch.float32, device=device)
+                inv[device] = torch.full((1,), 1.0 / self._scale, dtype=torch.float32,
+                                         device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(tensors, found[device], inv[device])
+        flags = list(found.values())
+        first = flags[0]
+        for other in flags[1:]:
+            first = first + other.to(first.device, non_blocking=True)
+        return first
+
+    def update(self, found_inf: bool) -> None:
+        """After a step attempt: dynamic scales back off on overflow and grow after
+        `growth_interval` clean steps; static scales never change."""
+        if not self.dynamic:
+            return
+        if found_inf:
+            self._scale *= self.backoff_factor
+            if self.min_loss_scale is not None:
+                self._scale = max(self._scale, self.min_loss_scale)
+            self._unskipped = 0
+            return
+        self._unskipped += 1
+        if self._unskipped >= self.growth_interval:
+            self._scale = min(self._scale * self.growth_factor, self.max_loss_scale)
+            self._unskipped = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        # Apex's keys, so checkpoints read the same either way.
+        return {"loss_scale": self._scale, "unskipped": self._unskipped}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._scale = float(state["loss_scale"])
+        self._unskipped = int(state.get("unskipped", 0))
+
+    def __repr__(self) -> str:
+        kind = "dynamic" if self.dynamic else "static"
+        return f"LossScaler({kind}, scale={self._scale:g})"
