@@ -128,14 +128,14 @@ def run(
     from runner.tracking import Tracker, flatten
     from runner.trainer import Trainer
 
-    tracker = Tracker(cfg.mlflow.tracking_uri, cfg.mlflow.experiment_name)
     memory = MemoryProbe(device)
     memory.reset()
     seed_everything(cfg.trainer.seed)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = cfg.trainer.cudnn_benchmark
 
-    bundle = build_datasets(cfg.data)
+    bundle = build_datasets(cfg.data)  # a missing dataset stops here, before the store is touched
+    tracker = Tracker(cfg.mlflow.tracking_uri, cfg.mlflow.experiment_name)
     train_loader, val_loader = build_loaders(
         bundle, cfg.trainer.batch_size, cfg.trainer.num_workers, device.type, cfg.trainer.seed
     )

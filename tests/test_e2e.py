@@ -1,0 +1,212 @@
+"""End-to-end runs on CPU at every Apex level, read back from a real SQLite MLflow store.
+
+In-process runs go through real Hydra composition and `runner.app.run`; a few subprocess runs check
+what a user sees from `python -m runner` (exit status, messages, final run state).
+"""
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from runner import app
+from tests.conftest import FAST, REPO, compose_config, run_cli
+
+EPOCH_METRICS = [
+    "val_loss",
+    "val_acc",
+    "epoch_time_s",
+    "samples_per_s",
+    "peak_mem_mb",
+    "loss_scale",
+    "skipped_steps",
+]
+FINAL_METRICS = ["best_val_acc", "train_time_s"]
+PRECISION_KEYS = [
+    "opt_level",
+    "cast_model_type",
+    "patch_torch_functions",
+    "keep_batchnorm_fp32",
+    "master_weights",
+    "loss_scale",
+]
+
+
+def only_run(uri: str, experiment: str = "amp-runner"):
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name(experiment)
+    assert exp is not None, f"experiment {experiment!r} missing in {uri}"
+    runs = client.search_runs([exp.experiment_id])
+    assert len(runs) == 1, [r.info.run_name for r in runs]
+    return client, runs[0]
+
+
+def all_runs(uri: str):
+    client = MlflowClient(uri)
+    return [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
+
+
+@pytest.mark.parametrize("level", ["o0", "o1", "o2", "o3"])
+def test_each_level_trains_and_logs_the_contract(level, tracking_uri):
+    cfg = compose_config(*FAST, f"precision={level}", f"mlflow.tracking_uri={tracking_uri}")
+    best = app.run(cfg, overrides=[f"precision={level}"])
+
+    client, run = only_run(tracking_uri)
+    assert run.info.status == "FINISHED"
+    assert run.info.run_name == f"tiny-{level.upper()}"
+    metrics = run.data.metrics
+    for name in ["train_loss", *EPOCH_METRICS, *FINAL_METRICS]:
+        assert name in metrics, f"{name} not logged"
+        assert math.isfinite(metrics[name]), f"{name} = {metrics[name]}"
+    assert 0.0 <= metrics["val_acc"] <= 1.0
+    assert metrics["best_val_acc"] == pytest.approx(best)
+    assert metrics["epoch_time_s"] > 0 and metrics["samples_per_s"] > 0
+    assert metrics["peak_mem_mb"] >= 0
+    history = client.get_metric_history(run.info.run_id, "val_acc")
+    assert [m.step for m in history] == [1, 2]  # one value per epoch
+    assert len(client.get_metric_history(run.info.run_id, "train_loss")) >= 2
+
+    params = run.data.params
+    for key in PRECISION_KEYS:
+        assert f"precision.{key}" in params
+    assert params["precision.opt_level"] == level.upper()
+    assert params["model.name"] == "tiny" and params["trainer.max_epochs"] == "2"
+    tags = run.data.tags
+    assert tags["opt_level"] == level.upper()
+    assert tags["overrides"] == f"precision={level}"
+    assert tags["peak_mem_kind"].startswith("cpu_")
+    assert "torch_version" in tags and "device_name" in tags
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"config.yaml", "overrides.yaml", "precision.txt"} <= artifacts
+
+
+def test_training_learns_on_synthetic_data(tracking_uri):
+    """Accuracy must mean something: the tiny model beats chance (10%) clearly."""
+    cfg = compose_config(
+        *FAST,
+        "data.num_train=256",
+        "data.num_val=64",
+        "trainer.max_epochs=3",
+        "optimizer=adam",
+        "optimizer.lr=3e-3",
+        f"mlflow.tracking_uri={tracking_uri}",
+    )
+    best = app.run(cfg)
+    assert best > 0.5
+
+
+def test_dry_run_prints_and_creates_no_run(tmp_path, capsys):
+    uri = f"sqlite:///{tmp_path / 'dry.db'}"
+    cfg = compose_config("precision=o2", "dry_run=true", f"mlflow.tracking_uri={uri}")
+    assert app.run(cfg) is None
+    out = capsys.readouterr().out
+    assert "opt_level: O2" in out  # the resolved config
+    assert "master_weights" in out and "float16" in out  # the precision table
+    assert not (tmp_path / "dry.db").exists()
+
+
+def test_failure_mid_run_marks_the_run_failed(tmp_path, tracking_uri):
+    """A corrupt image met during training fails the run: FAILED, with the error as a tag."""
+    from PIL import Image
+
+    for split in ("train", "val"):
+        for label in ("a", "b"):
+            folder = tmp_path / "images" / split / label
+            folder.mkdir(parents=True)
+            for i in range(4):
+                Image.new("RGB", (12, 12), (40 * i, 10, 200)).save(folder / f"{i}.png")
+    (tmp_path / "images" / "val" / "b" / "9.png").write_bytes(b"not a png")
+    cfg = compose_config(
+        *[o for o in FAST if not o.startswith("data")],
+        "data=imagefolder",
+        f"data.root={tmp_path / 'images'}",
+        "data.image_size=16",
+        "trainer.batch_size=4",
+        "trainer.max_epochs=1",
+        f"mlflow.tracking_uri={tracking_uri}",
+    )
+    with pytest.raises(Exception):
+        app.run(cfg)
+    _, run = only_run(tracking_uri)
+    assert run.info.status == "FAILED"
+    assert "9.png" in run.data.tags["error"] or "image" in run.data.tags["error"].lower()
+
+
+# ---- what a user sees from the command line ---------------------------------------------------
+@pytest.mark.slow
+def test_cli_run_finishes_and_attaches_config_and_log(tmp_path):
+    result = run_cli(*FAST, "precision=o2", "trainer.max_epochs=1", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"  # the default store, in the launch directory
+    client, run = only_run(uri)
+    assert run.info.status == "FINISHED"
+    assert run.info.run_name == "tiny-O2"
+    assert "precision=o2" in run.data.tags["overrides"]
+    logs = {a.path for a in client.list_artifacts(run.info.run_id, "logs")}
+    assert "logs/runner.log" in logs
+    output = result.stdout + result.stderr
+    assert "mlflow ui --backend-store-uri" in output and "#/experiments/" in output
+    assert not (tmp_path / "outputs").exists() or any((tmp_path / "outputs").rglob("runner.log"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["model=resnet1000"], "model/resnet1000"),
+        (["trainer.max_epoch=2"], "trainer.max_epoch"),
+        (["optimizer.lr=-0.1"], "optimizer.lr"),
+        (["data=cifar10", "data.download=false", "data.root=missing-folder"], "data.root"),
+    ],
+)
+def test_cli_bad_input_exits_nonzero_naming_the_key(tmp_path, args, needle):
+    result = run_cli(*args, "trainer.device=cpu", cwd=tmp_path, timeout=300)
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    assert needle in output
+    assert "Traceback" not in output
+    if (tmp_path / "mlflow.db").exists():
+        assert all(r.info.status != "RUNNING" for r in all_runs(f"sqlite:///{tmp_path / 'mlflow.db'}"))
+
+
+@pytest.mark.slow
+def test_cli_missing_cifar_says_how_to_fix_it(tmp_path):
+    result = run_cli("data=cifar10", "data.download=false", "data.root=nowhere", cwd=tmp_path)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "data.root" in output and "data=synthetic" in output
+
+
+@pytest.mark.slow
+def test_ctrl_c_marks_the_run_killed(tmp_path):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    args = [*FAST, "data.num_train=100000", "trainer.max_epochs=1", "trainer.log_every_n_steps=1"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "runner", *args],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    seen = []
+    deadline = time.monotonic() + 240
+    for line in proc.stdout:  # wait until training has started
+        seen.append(line)
+        if "MLflow run" in line or time.monotonic() > deadline:
+            break
+    time.sleep(2)
+    proc.send_signal(signal.SIGINT)
+    rest, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, "".join(seen) + rest
+    _, run = only_run(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert run.info.status == "KILLED"
+    assert "interrupted" in run.data.tags["error"]

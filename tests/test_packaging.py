@@ -1,0 +1,38 @@
+"""The config tree ships inside the wheel: `python -m runner` works from a non-editable install."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+
+@pytest.mark.slow
+def test_wheel_install_finds_conf_and_experiments(tmp_path: Path):
+    wheels, site = tmp_path / "wheels", tmp_path / "site"
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run([*pip, "wheel", str(REPO), "--no-deps", "-w", str(wheels)], check=True,
+                   cwd=tmp_path, capture_output=True)
+    wheel = next(wheels.glob("amp_runner-*.whl"))
+    subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)], check=True,
+                   capture_output=True)
+    env = dict(os.environ, PYTHONPATH=str(site))
+    probe = subprocess.run(
+        [sys.executable, "-c", "import runner.paths as p; print(p.config_dir())"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, check=True,
+    )
+    conf = Path(probe.stdout.strip())
+    assert conf == site / "runner" / "conf"  # the wheel's copy, not the source tree
+    assert (conf / "precision" / "o2.yaml").is_file()
+    assert (conf / "experiment" / "README.md").is_file()  # experiments/ ships as a group
+    result = subprocess.run(
+        [sys.executable, "-m", "runner", "model=tiny", "data=synthetic", "precision=o1",
+         "dry_run=true"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "opt_level: O1" in result.stdout
