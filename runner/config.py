@@ -124,6 +124,7 @@ class PrecisionConfig:
     keep_batchnorm_fp32: Any = None  # true | false | null
     master_weights: Optional[bool] = None
     loss_scale: Any = 1.0  # "dynamic" or a positive number
+    autocast_dtype: str = "float16"  # O1's autocast type: float16 | bfloat16 (bf16 on CPU)
 
 
 # ---- trainer and tracking ------------------------------------------------------------------

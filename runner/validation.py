@@ -47,6 +47,7 @@ def _rules(cfg: DictConfig) -> list[Rule]:
     """(key, predicate, what is allowed) for every key present in this config."""
     rules: list[Rule] = [
         ("model.name", one_of(MODEL_NAMES), ", ".join(MODEL_NAMES)),
+        ("model.width", lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
         ("data.name", one_of(DATASET_NAMES), ", ".join(DATASET_NAMES)),
         ("data.image_size", lambda v: isinstance(v, int) and v >= 8, "an integer >= 8"),
         ("optimizer.name", one_of(OPTIMIZER_NAMES), ", ".join(OPTIMIZER_NAMES)),

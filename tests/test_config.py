@@ -132,6 +132,7 @@ def test_unknown_choice_lists_the_available_options():
         (["trainer.grad_clip_norm=-1"], "trainer.grad_clip_norm"),
         (["trainer.device=tpu"], "trainer.device"),
         (["model.name=resnet1000"], "model.name"),
+        (["model=tiny", "model.width=0"], "model.width"),
         (["data.name=mnist"], "data.name"),
         (["scheduler=step", "scheduler.gamma=0"], "scheduler.gamma"),
         (["scheduler=onecycle", "scheduler.pct_start=1.0"], "scheduler.pct_start"),

@@ -1,0 +1,339 @@
+"""Datasets and loaders: a `data` config section in, train/val datasets and DataLoaders out.
+
+Four sources: `synthetic` (generated from a seed, nothing on disk), `cifar10` / `cifar100`
+(torchvision's python-pickle format) and `imagefolder` (root/<split>/<class>/<image>).
+Anything a user can fix (a wrong root, a missing split, no network for the download) raises
+`DataError` whose message names the config key to change, so the CLI can print it without a
+traceback. This module is imported only for a real run (the dry run never loads it).
+"""
+from __future__ import annotations
+
+import os
+import pickle
+from dataclasses import dataclass
+from typing import Any, List, Optional, Tuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from omegaconf.errors import MissingMandatoryValue
+from torch.utils.data import DataLoader, Dataset
+from torchvision import datasets
+from torchvision import transforms as T
+from torchvision.datasets import CIFAR10, CIFAR100
+
+from runner.config import DATASET_NAMES
+from runner.errors import ConfigError, DataError
+
+# Per-channel statistics of the training sets (the values the literature normalises with).
+CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR10_STD = (0.2470, 0.2435, 0.2616)
+CIFAR100_MEAN = (0.5071, 0.4865, 0.4409)
+CIFAR100_STD = (0.2673, 0.2564, 0.2762)
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+_SUGGESTION = "set data.download=true (needs network) or use data=synthetic"
+
+
+@dataclass
+class DataBundle:
+    """Both splits plus what the model builder needs to know about them."""
+
+    train: Dataset
+    val: Dataset
+    num_classes: int
+    image_size: int
+    name: str
+
+
+# ---- synthetic -----------------------------------------------------------------------------
+class SyntheticDataset(Dataset):
+    """Learnable images generated per item from (seed, split, index): no disk, no big allocation.
+
+    Each class owns a fixed smooth random pattern (low-resolution noise upsampled bilinearly).
+    A sample is that pattern, randomly shifted and scaled in contrast, plus a smooth per-sample
+    "clutter" field that belongs to no class, plus white noise of std `noise`. The class is thus
+    recoverable (a small CNN gets well above chance within a couple of epochs) but not trivially,
+    so accuracy curves mean something when precision levels are compared.
+
+    Every random draw for item i comes from a generator seeded with (seed, split, i), so an item is
+    identical in every process and DataLoader worker, whatever order items are fetched in. Train
+    and val share the class patterns (seeded with seed alone) but never a sample. Labels are
+    balanced: a seeded permutation of 0, 1, ..., C-1, 0, 1, ...
+    """
+
+    # Resolution of the random fields before upsampling (smaller = smoother).
+    PATTERN_RES = 4
+    CLUTTER_RES = 4
+    # Relative weights of the parts of an image; the class pattern has unit std per channel.
+    CLUTTER_STD = 0.75
+    CONTRAST_RANGE = (0.5, 1.5)
+    MAX_SHIFT_FRACTION = 1 / 8
+
+    _SPLIT_IDS = {"train": 1, "val": 2}
+
+    def __init__(
+        self,
+        num_samples: int,
+        num_classes: int,
+        image_size: int,
+        seed: int = 0,
+        noise: float = 1.0,
+        split: str = "train",
+    ):
+        if split not in self._SPLIT_IDS:
+            raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+        self.num_samples = int(num_samples)
+        self.num_classes = int(num_classes)
+        self.image_size = int(image_size)
+        self.seed = int(seed)
+        self.noise = float(noise)
+        self.split = split
+        self.max_shift = max(1, int(self.image_size * self.MAX_SHIFT_FRACTION))
+        # The patterns are rendered on a canvas larger than the image; a sample crops at an offset.
+        self._canvas = self.image_size + 2 * self.max_shift
+
+        rng = np.random.default_rng([self.seed, 0])
+        low = rng.standard_normal((self.num_classes, 3, self.PATTERN_RES, self.PATTERN_RES))
+        self._patterns_low = torch.from_numpy(low.astype(np.float32))
+        # Labels: balanced and deterministic; the permutation spreads the classes over indices.
+        label_rng = np.random.default_rng([self.seed, self._SPLIT_IDS[split], 0])
+        labels = np.arange(self.num_samples) % self.num_classes
+        self.targets: List[int] = label_rng.permutation(labels).tolist()
+        self._patterns: Optional[torch.Tensor] = None
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def _upsample(self, low: torch.Tensor, size: int) -> torch.Tensor:
+        """Bilinear upsampling, normalised to zero mean and unit std per channel."""
+        field = F.interpolate(low, size=(size, size), mode="bilinear", align_corners=False)
+        field = field - field.mean(dim=(-2, -1), keepdim=True)
+        return field / field.std(dim=(-2, -1), keepdim=True).clamp_min(1e-6)
+
+    def _class_pattern(self, label: int) -> torch.Tensor:
+        # Rendered once per process (lazily, so workers do it themselves) if it stays small;
+        # with many classes at 224 px it is re-rendered per item instead (a few hundred us).
+        if self._patterns is None:
+            nbytes = self.num_classes * 3 * self._canvas**2 * 4
+            if nbytes > 64 * 2**20:
+                return self._upsample(self._patterns_low[label : label + 1], self._canvas)[0]
+            self._patterns = self._upsample(self._patterns_low, self._canvas)
+        return self._patterns[label]
+
+    def __getitem__(self, index: int) -> Tuple[torch.Tensor, int]:
+        if index < 0:
+            index += self.num_samples
+        if not 0 <= index < self.num_samples:
+            raise IndexError(f"index {index} out of range for {self.num_samples} samples")
+        label = self.targets[index]
+        rng = np.random.default_rng([self.seed, self._SPLIT_IDS[self.split], 1, index])
+        size, shift = self.image_size, self.max_shift
+        dy, dx = rng.integers(0, 2 * shift + 1, size=2)
+        contrast = rng.uniform(*self.CONTRAST_RANGE)
+        clutter_low = rng.standard_normal((1, 3, self.CLUTTER_RES, self.CLUTTER_RES))
+        noise = rng.standard_normal((3, size, size), dtype=np.float32)
+
+        pattern = self._class_pattern(label)[:, dy : dy + size, dx : dx + size]
+        clutter = self._upsample(torch.from_numpy(clutter_low.astype(np.float32)), size)[0]
+        image = contrast * pattern + self.CLUTTER_STD * clutter
+        image = image + self.noise * torch.from_numpy(noise)
+        return image.contiguous(), label
+
+    def __repr__(self) -> str:
+        return (
+            f"SyntheticDataset(split={self.split}, n={self.num_samples}, "
+            f"classes={self.num_classes}, size={self.image_size}, seed={self.seed})"
+        )
+
+
+def _build_synthetic(cfg: Any) -> DataBundle:
+    num_classes = int(getattr(cfg, "num_classes", 10))
+    image_size = int(getattr(cfg, "image_size", 32))
+    common = dict(
+        num_classes=num_classes,
+        image_size=image_size,
+        seed=int(getattr(cfg, "seed", 0)),
+        noise=float(getattr(cfg, "noise", 1.0)),
+    )
+    train = SyntheticDataset(int(getattr(cfg, "num_train", 10000)), split="train", **common)
+    val = SyntheticDataset(int(getattr(cfg, "num_val", 2000)), split="val", **common)
+    return DataBundle(train, val, num_classes, image_size, "synthetic")
+
+
+# ---- CIFAR ---------------------------------------------------------------------------------
+class _PresenceCheck:
+    """Accept any dataset in the real on-disk format, not only the byte-exact original.
+
+    torchvision md5s every extracted file (`_check_integrity`, `_load_meta`), so a small dataset
+    written in the same format (tests, subsets) is refused as "corrupted"; here the files only have
+    to exist. Downloads lose nothing: `download()` still checks the archive's md5 before extracting.
+    """
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self.root, self.base_folder, name)
+
+    def _check_integrity(self) -> bool:
+        return not missing_cifar_files(type(self), self.root)
+
+    def _load_meta(self) -> None:
+        with open(self._path(self.meta["filename"]), "rb") as f:
+            self.classes = pickle.load(f, encoding="latin1")[self.meta["key"]]
+        self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
+
+
+class CheckedCIFAR10(_PresenceCheck, CIFAR10):
+    pass
+
+
+class CheckedCIFAR100(_PresenceCheck, CIFAR100):
+    pass
+
+
+def missing_cifar_files(cls: type, root: str) -> List[str]:
+    names = [name for name, _ in cls.train_list + cls.test_list] + [cls.meta["filename"]]
+    return [n for n in names if not os.path.isfile(os.path.join(root, cls.base_folder, n))]
+
+
+def _check_root(cfg: Any) -> str:
+    try:
+        root = getattr(cfg, "root", None)
+    except MissingMandatoryValue:  # `root: ???` in imagefolder.yaml
+        root = None
+    if root is None or str(root) in ("", "???"):
+        raise DataError(
+            "data.root is not set: pass data.root=/path/to/dataset, or use data=synthetic"
+        )
+    root = os.path.abspath(os.path.expanduser(str(root)))
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise DataError(f"data.root={root} is a file, not a directory")
+    return root
+
+
+def _build_cifar(cfg: Any, name: str) -> DataBundle:
+    root = _check_root(cfg)
+    cls = CheckedCIFAR10 if name == "cifar10" else CheckedCIFAR100
+    mean, std = (CIFAR10_MEAN, CIFAR10_STD) if name == "cifar10" else (CIFAR100_MEAN, CIFAR100_STD)
+    image_size = int(getattr(cfg, "image_size", 32))
+    download = bool(getattr(cfg, "download", False))
+
+    resize = [T.Resize(image_size)] if image_size != 32 else []
+    tail = resize + [T.ToTensor(), T.Normalize(mean, std)]
+    augment = [T.RandomCrop(32, padding=4), T.RandomHorizontalFlip()]
+    train_tf = T.Compose((augment if getattr(cfg, "augment", True) else []) + tail)
+    val_tf = T.Compose(list(tail))
+
+    download_error = None
+    if download and missing_cifar_files(cls, root):
+        try:  # torchvision checks the archive's md5 before extracting
+            cls(root, train=True, download=True)
+        except Exception as exc:  # URLError/OSError without network, RuntimeError on a bad md5
+            download_error = f"{type(exc).__name__}: {exc}"
+    missing = missing_cifar_files(cls, root)
+    if missing:
+        folder = os.path.join(root, cls.base_folder)
+        why = (
+            f"downloading {cls.url} failed ({download_error})"
+            if download_error
+            else "data.download is false"
+        )
+        raise DataError(
+            f"{name} not found under data.root={root}: expected {folder} "
+            f"(missing: {', '.join(missing)}); {why}. To fix: point data.root at the folder "
+            f"that contains {cls.base_folder}, set data.download=true (needs network), "
+            f"or use data=synthetic."
+        )
+    try:
+        train = cls(root, train=True, transform=train_tf)
+        val = cls(root, train=False, transform=val_tf)
+    except (OSError, EOFError, KeyError, ValueError, pickle.UnpicklingError) as exc:
+        raise DataError(
+            f"{name} under data.root={root} cannot be read ({type(exc).__name__}: {exc}); "
+            f"delete {os.path.join(root, cls.base_folder)} and {_SUGGESTION}."
+        ) from exc
+    return DataBundle(train, val, len(train.classes), image_size, name)
+
+
+# ---- ImageFolder ---------------------------------------------------------------------------
+def _build_imagefolder(cfg: Any) -> DataBundle:
+    root = _check_root(cfg)
+    if not os.path.isdir(root):
+        raise DataError(
+            f"data.root={root} does not exist (expected {root}/<split>/<class>/<image>)"
+        )
+    image_size = int(getattr(cfg, "image_size", 224))
+    norm = [T.ToTensor(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
+    resize = [T.Resize(int(image_size * 256 / 224)), T.CenterCrop(image_size)]
+    if getattr(cfg, "augment", True):
+        train_tf = T.Compose([T.RandomResizedCrop(image_size), T.RandomHorizontalFlip()] + norm)
+    else:
+        train_tf = T.Compose(resize + norm)
+    val_tf = T.Compose(resize + norm)
+
+    splits = {}
+    for key, tf in (("train_dir", train_tf), ("val_dir", val_tf)):
+        sub = str(getattr(cfg, key, "train" if key == "train_dir" else "val"))
+        path = os.path.join(root, sub)
+        if not os.path.isdir(path):
+            raise DataError(
+                f"data.root={root} has no folder {sub!r} (expected {path}/<class>/<image>); "
+                f"fix data.root or data.{key}"
+            )
+        try:
+            splits[key] = datasets.ImageFolder(path, transform=tf)
+        except (FileNotFoundError, OSError) as exc:
+            raise DataError(
+                f"data.root={root}: cannot read {path} as an ImageFolder: {exc}"
+            ) from exc
+    train, val = splits["train_dir"], splits["val_dir"]
+    if train.classes != val.classes:
+        only_train = sorted(set(train.classes) - set(val.classes))
+        only_val = sorted(set(val.classes) - set(train.classes))
+        raise DataError(
+            f"data.root={root}: train and val class folders differ "
+            f"(only in train: {only_train or '-'}; only in val: {only_val or '-'})"
+        )
+    found = len(train.classes)
+    wanted = getattr(cfg, "num_classes", None)
+    if wanted is not None and int(wanted) != found:
+        raise ConfigError(
+            "data.num_classes",
+            f"is {wanted} but data.root={root} has {found} class folders",
+            allowed=f"{found} or null",
+        )
+    return DataBundle(train, val, found, image_size, "imagefolder")
+
+
+# ---- entry points --------------------------------------------------------------------------
+def build_datasets(cfg: Any) -> DataBundle:
+    """Build the train and val datasets described by the `data` config section."""
+    name = getattr(cfg, "name", None)
+    if name == "synthetic":
+        return _build_synthetic(cfg)
+    if name in ("cifar10", "cifar100"):
+        return _build_cifar(cfg, name)
+    if name == "imagefolder":
+        return _build_imagefolder(cfg)
+    raise ConfigError("data.name", f"unknown dataset {name!r}", allowed=DATASET_NAMES)
+
+
+def build_loaders(
+    bundle: DataBundle, batch_size: int, num_workers: int, device_type: str, seed: int
+) -> Tuple[DataLoader, DataLoader]:
+    """Train loader (shuffled by a generator seeded with `seed`, so the order is reproducible)
+    and val loader (fixed order). Pinned memory only helps host-to-GPU copies, so only on cuda;
+    persistent workers avoid re-forking (and re-rendering synthetic patterns) every epoch."""
+    generator = torch.Generator()
+    generator.manual_seed(int(seed))
+    common = dict(
+        batch_size=int(batch_size),
+        num_workers=int(num_workers),
+        pin_memory=device_type == "cuda",
+        persistent_workers=int(num_workers) > 0,
+        drop_last=False,
+    )
+    train = DataLoader(bundle.train, shuffle=True, generator=generator, **common)
+    val = DataLoader(bundle.val, shuffle=False, **common)
+    return train, val
+

@@ -1,0 +1,96 @@
+"""runner.models: every configured model builds offline, with the right head and stem."""
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torch import nn
+
+from runner.config import MODEL_NAMES, ModelConfig, TinyModelConfig
+from runner.errors import ConfigError
+from runner.models import MODEL_REGISTRY, TinyCNN, build_model
+
+
+def model_cfg(name: str, **kw):
+    schema = TinyModelConfig if name == "tiny" else ModelConfig
+    return OmegaConf.structured(schema(name=name, **kw))
+
+
+def test_registry_matches_config_names():
+    assert set(MODEL_REGISTRY) == set(MODEL_NAMES)
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_every_model_builds_for_small_images(name):
+    torch.manual_seed(0)
+    model = build_model(model_cfg(name), num_classes=7, image_size=32).eval()
+    with torch.no_grad():
+        out = model(torch.randn(2, 3, 32, 32))
+    assert out.shape == (2, 7)
+    assert torch.isfinite(out).all()
+
+
+def test_small_input_auto_replaces_the_stems():
+    resnet = build_model(model_cfg("resnet18"), 10, 32)
+    assert resnet.conv1.kernel_size == (3, 3) and resnet.conv1.stride == (1, 1)
+    assert resnet.conv1.bias is None
+    assert isinstance(resnet.maxpool, nn.Identity)
+
+    resnext = build_model(model_cfg("resnext50_32x4d"), 10, 64)  # 64 is still "small"
+    assert resnext.conv1.kernel_size == (3, 3)
+
+    densenet = build_model(model_cfg("densenet161"), 10, 32)
+    assert densenet.features.conv0.kernel_size == (3, 3)
+    assert densenet.features.conv0.stride == (1, 1)
+    assert isinstance(densenet.features.pool0, nn.Identity)
+
+    vgg = build_model(model_cfg("vgg16_bn"), 10, 32)
+    assert vgg.avgpool.output_size in (1, (1, 1))
+    assert vgg.classifier[0].in_features == 512
+    assert vgg.classifier[-1].out_features == 10
+
+
+def test_small_input_false_keeps_the_torchvision_stem():
+    model = build_model(model_cfg("resnet18", small_input=False), 10, 32)
+    assert model.conv1.kernel_size == (7, 7) and model.conv1.stride == (2, 2)
+    assert isinstance(model.maxpool, nn.MaxPool2d)
+
+
+def test_small_input_true_forces_the_small_stem_for_large_images():
+    model = build_model(model_cfg("resnet18", small_input=True), 10, 224)
+    assert model.conv1.kernel_size == (3, 3)
+
+
+def test_large_images_keep_the_stem_and_run():
+    model = build_model(model_cfg("resnet18"), num_classes=7, image_size=224).eval()
+    assert model.conv1.kernel_size == (7, 7)
+    with torch.no_grad():
+        assert model(torch.randn(1, 3, 224, 224)).shape == (1, 7)
+
+
+@pytest.mark.parametrize("size", [8, 16, 224])
+def test_tiny_model_any_size_and_width(size):
+    model = build_model(model_cfg("tiny", width=4), num_classes=3, image_size=size).eval()
+    assert isinstance(model, TinyCNN)
+    assert any(isinstance(m, nn.BatchNorm2d) for m in model.modules())
+    assert model[-1].in_features == 16  # 4 * width
+    with torch.no_grad():
+        assert model(torch.randn(2, 3, size, size)).shape == (2, 3)
+
+
+def test_works_with_plain_objects():
+    class Cfg:
+        name = "tiny"
+        width = 8
+        small_input = None
+
+    assert build_model(Cfg(), 5, 32)(torch.randn(2, 3, 32, 32)).shape == (2, 5)
+
+
+def test_unknown_name_is_a_config_error():
+    with pytest.raises(ConfigError) as info:
+        build_model(OmegaConf.create({"name": "resnet1000", "small_input": None}), 10, 32)
+    assert info.value.key == "model.name"
+    message = str(info.value)
+    assert "model.name" in message and "resnet1000" in message
+    assert all(name in message for name in MODEL_NAMES)
