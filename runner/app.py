@@ -51,21 +51,10 @@ def resolve_precision(cfg: DictConfig, device: torch.device) -> Resolution:
     values = OmegaConf.to_container(cfg.precision, resolve=True)
     opt_level = values.pop("opt_level")
     resolution = resolve(opt_level, values, device=device)
-    for finding in resolution.findings:
-        if finding.level == "error":
-            hint = f" {finding.hint}" if finding.hint else ""
-            raise ConfigError(f"precision.{finding.property}", finding.message + hint)
+    for finding in resolution.errors:
+        hint = f" {finding.hint}" if finding.hint else ""
+        raise ConfigError(f"precision.{finding.property}", finding.message + hint)
     return resolution
-
-
-def findings_table(resolution: Resolution) -> str:
-    if not resolution.findings:
-        return "No findings: the precision properties are consistent."
-    lines = ["level    property               message"]
-    for f in resolution.findings:
-        hint = f" Hint: {f.hint}" if f.hint else ""
-        lines.append(f"{f.level:<8} {f.property:<22} {f.message}{hint}")
-    return "\n".join(lines)
 
 
 def device_name(device: torch.device) -> str:
@@ -113,12 +102,11 @@ def run(
     if cfg.dry_run:
         print(OmegaConf.to_yaml(cfg, resolve=True))
         print(properties.table())
-        print(findings_table(resolution))
+        print(resolution.findings_table())
         return None
     log.info("Precision (Apex %s, resolved):\n%s", properties.opt_level, properties.table())
-    for finding in resolution.findings:
-        log.warning("%s: precision.%s: %s %s", finding.level, finding.property, finding.message,
-                    finding.hint)
+    if resolution.findings:
+        log.warning("Precision findings:\n%s", resolution.findings_table())
 
     # Heavy builders are imported only for a real run.
     from runner.data import build_datasets, build_loaders
@@ -173,7 +161,7 @@ def run(
         log.info("MLflow run %r (%s) in %s", run_name, tracked.run_id, tracker.tracking_uri)
         tracked.log_text(OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
         tracked.log_text(OmegaConf.to_yaml(OmegaConf.create(list(overrides))), "overrides.yaml")
-        tracked.log_text(properties.table() + "\n\n" + findings_table(resolution), "precision.txt")
+        tracked.log_text(properties.table() + "\n\n" + resolution.findings_table(), "precision.txt")
         trainer = Trainer(
             model=model,
             optimizer=optimizer,

@@ -87,6 +87,49 @@ def test_each_level_trains_and_logs_the_contract(level, tracking_uri):
     assert {"config.yaml", "overrides.yaml", "precision.txt"} <= artifacts
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["precision=o2", "optimizer=adamw", "scheduler=onecycle", "trainer.grad_clip_norm=1.0",
+         "trainer.channels_last=true", "precision.loss_scale=128"],
+        ["precision=o1", "precision.autocast_dtype=bfloat16", "optimizer=adam", "scheduler=step",
+         "scheduler.step_epochs=1", "mlflow.run_name=bf16-autocast", "+mlflow.tags.team=vision"],
+        ["precision=o3", "precision.cast_model_type=bfloat16", "scheduler=none",
+         "trainer.limit_train_batches=2", "trainer.limit_val_batches=1"],
+    ],
+    ids=["o2-adamw-onecycle-clip-channels_last-static128", "o1-bf16-adam-step", "o3-bf16-limits"],
+)
+def test_option_combinations_finish(overrides, tracking_uri):
+    cfg = compose_config(*FAST, *overrides, f"mlflow.tracking_uri={tracking_uri}")
+    app.run(cfg, overrides=overrides)
+    _, run = only_run(tracking_uri)
+    assert run.info.status == "FINISHED"
+    assert all(math.isfinite(run.data.metrics[m]) for m in EPOCH_METRICS)
+    if "mlflow.run_name=bf16-autocast" in overrides:
+        assert run.info.run_name == "bf16-autocast"
+        assert run.data.tags["team"] == "vision"
+        assert run.data.params["precision.autocast_dtype"] == "bfloat16"
+
+
+def test_cifar10_in_the_real_format_trains(tmp_path, tracking_uri):
+    from tests.test_data import write_cifar10
+
+    write_cifar10(tmp_path)
+    cfg = compose_config(
+        *[o for o in FAST if not o.startswith("data")],
+        "data=cifar10",
+        f"data.root={tmp_path}",
+        "data.download=false",
+        "trainer.batch_size=8",
+        f"mlflow.tracking_uri={tracking_uri}",
+    )
+    app.run(cfg)
+    _, run = only_run(tracking_uri)
+    assert run.info.status == "FINISHED"
+    assert run.data.params["data.train_size"] == "20" and run.data.params["data.val_size"] == "6"
+    assert run.data.params["data.num_classes"] == "10"
+
+
 def test_training_learns_on_synthetic_data(tracking_uri):
     """Accuracy must mean something: the tiny model beats chance (10%) clearly."""
     cfg = compose_config(
@@ -109,6 +152,7 @@ def test_dry_run_prints_and_creates_no_run(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "opt_level: O2" in out  # the resolved config
     assert "master_weights" in out and "float16" in out  # the precision table
+    assert "warning" in out and "emulated on CPU" in out  # the findings (fp16 on this CPU)
     assert not (tmp_path / "dry.db").exists()
 
 

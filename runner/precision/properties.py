@@ -140,6 +140,17 @@ class Resolution:
     def warnings(self) -> list[Finding]:
         return [f for f in self.findings if f.level == "warning"]
 
+    def findings_table(self) -> str:
+        """The findings as printed before training, by dry runs, and attached to the run."""
+        if not self.findings:
+            return "No findings: the precision properties are consistent."
+        w = max(len("property"), *(len(f.property) for f in self.findings))
+        lines = [f"{'level':<8} {'property':<{w}}  message"]
+        for f in self.findings:
+            hint = f" Hint: {f.hint}" if f.hint else ""
+            lines.append(f"{f.level:<8} {f.property:<{w}}  {f.message}{hint}")
+        return "\n".join(lines)
+
 
 # ---- parsing -------------------------------------------------------------------------------
 def _key(name: str) -> str:
