@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -130,6 +129,19 @@ def test_cifar10_in_the_real_format_trains(tmp_path, tracking_uri):
     assert run.data.params["data.num_classes"] == "10"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("level", ["o0", "o1", "o2", "o3"])
+def test_each_level_on_cuda(level, tracking_uri):
+    cfg = compose_config(*FAST, f"precision={level}", "trainer.device=cuda",
+                         "trainer.channels_last=true", f"mlflow.tracking_uri={tracking_uri}")
+    app.run(cfg)
+    _, run = only_run(tracking_uri)
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["peak_mem_kind"] == "cuda_max_allocated"
+    assert run.data.metrics["peak_mem_mb"] > 0
+    assert all(math.isfinite(run.data.metrics[m]) for m in EPOCH_METRICS)
+
+
 def test_training_learns_on_synthetic_data(tracking_uri):
     """Accuracy must mean something: the tiny model beats chance (10%) clearly."""
     cfg = compose_config(
@@ -176,11 +188,11 @@ def test_failure_mid_run_marks_the_run_failed(tmp_path, tracking_uri):
         "trainer.max_epochs=1",
         f"mlflow.tracking_uri={tracking_uri}",
     )
-    with pytest.raises(Exception):
+    with pytest.raises(OSError, match="9.png"):  # PIL's UnidentifiedImageError
         app.run(cfg)
     _, run = only_run(tracking_uri)
     assert run.info.status == "FAILED"
-    assert "9.png" in run.data.tags["error"] or "image" in run.data.tags["error"].lower()
+    assert "UnidentifiedImageError" in run.data.tags["error"] and "9.png" in run.data.tags["error"]
 
 
 # ---- what a user sees from the command line ---------------------------------------------------
