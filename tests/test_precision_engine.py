@@ -57,6 +57,15 @@ def props(level: str, **overrides) -> Properties:
     return resolve(level, overrides).properties
 
 
+def sgd_engine(p: Properties, lr: float = 0.1, **engine_kw):
+    """A fresh model with plain SGD, prepared by an engine for `p`."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    engine = AmpEngine(p, CPU, **engine_kw)
+    engine.prepare(model, opt)
+    return model, opt, engine
+
+
 class OpRecorder(TorchDispatchMode):
     """Records every aten op that runs (to prove what the engine does or does not do)."""
 
@@ -407,10 +416,7 @@ def test_dynamic_scale_growth_and_bounds():
 
 
 def test_engine_scale_grows_after_growth_interval_clean_steps():
-    model = make_model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    engine = AmpEngine(props("O1", autocast_dtype="bfloat16"), CPU)
-    engine.prepare(model, opt)
+    model, opt, engine = sgd_engine(props("O1", autocast_dtype="bfloat16"), lr=0.01)
     engine.scalers[0].growth_interval = 3
     engine.scalers[0].load_state_dict({"loss_scale": 4.0})
     x, y = make_batch()
@@ -430,10 +436,7 @@ def test_unscale_flags_non_finite_in_fp32_and_fp16():
 
 
 def test_static_scale_one_adds_no_pass_over_grads():
-    model = make_model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    engine = AmpEngine(props("O0"), CPU)
-    engine.prepare(model, opt)
+    model, opt, engine = sgd_engine(props("O0"))
     x, y = make_batch()
     loss = nn.functional.cross_entropy(model(x), y)
     with OpRecorder() as bwd:
@@ -454,10 +457,7 @@ def test_static_scale_one_adds_no_pass_over_grads():
 
 def test_checked_steps_sync_exactly_once():
     for p in (props("O2"), props("O3", loss_scale=8.0)):
-        model = make_model()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        engine = AmpEngine(p, CPU)
-        engine.prepare(model, opt)
+        model, opt, engine = sgd_engine(p)
         engine.scalers[0].load_state_dict({"loss_scale": 8.0})
         x, y = make_batch()
         engine.backward(nn.functional.cross_entropy(model(x), y))
@@ -471,10 +471,7 @@ def test_checked_steps_sync_exactly_once():
 
 
 def test_static_scale_other_than_one_unscales_and_skips_inf():
-    model = make_model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    engine = AmpEngine(props("O0", loss_scale=128.0), CPU)
-    engine.prepare(model, opt)
+    model, opt, engine = sgd_engine(props("O0", loss_scale=128.0))
     x, y = make_batch()
     ref = make_model()
     nn.functional.cross_entropy(ref(x), y).backward()
@@ -493,10 +490,7 @@ def test_clip_grad_norm_exact_on_unscaled_fp32_grads():
     ref = make_model()
     nn.functional.cross_entropy(ref(x), y).backward()
     ref_norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
-    model = make_model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    engine = AmpEngine(props("O0", loss_scale=1024.0), CPU)
-    engine.prepare(model, opt)
+    model, opt, engine = sgd_engine(props("O0", loss_scale=1024.0))
     engine.backward(nn.functional.cross_entropy(model(x), y))
     norm = engine.clip_grad_norm_(0.1)
     torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=0)
@@ -506,10 +500,7 @@ def test_clip_grad_norm_exact_on_unscaled_fp32_grads():
 
 def test_clip_grad_norm_o2_clips_fp32_masters():
     x, y = make_batch()
-    model = make_model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    engine = AmpEngine(props("O2"), CPU)
-    engine.prepare(model, opt)
+    model, opt, engine = sgd_engine(props("O2"))
     engine.scalers[0].load_state_dict({"loss_scale": 1024.0})
     # fp32 reference with the same (fp16-rounded) weights
     ref = make_model()
@@ -551,10 +542,7 @@ def test_lr_scheduler_created_before_prepare_drives_master_groups():
 
 
 def test_state_dict_round_trip():
-    model = make_model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    engine = AmpEngine(props("O2", cast_model_type="bfloat16"), CPU, num_losses=2)
-    engine.prepare(model, opt)
+    model, opt, engine = sgd_engine(props("O2", cast_model_type="bfloat16"), num_losses=2)
     x, y = make_batch()
     _one_step(engine, model, opt, x, y, poison=True)
     _one_step(engine, model, opt, x, y)
@@ -575,10 +563,7 @@ def test_num_losses_gives_one_scaler_per_loss():
 
 
 def test_backward_between_unscale_and_step_is_refused():
-    model = make_model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    engine = AmpEngine(props("O0"), CPU)
-    engine.prepare(model, opt)
+    model, opt, engine = sgd_engine(props("O0"))
     x, y = make_batch()
     engine.backward(nn.functional.cross_entropy(model(x), y))
     engine.clip_grad_norm_(1.0)
