@@ -27,7 +27,9 @@ def test_wheel_install_finds_conf_and_experiments(tmp_path: Path):
     )
     conf = Path(probe.stdout.strip())
     assert conf == site / "runner" / "conf"  # the wheel's copy, not the source tree
-    assert (conf / "precision" / "o2.yaml").is_file()
+    source = REPO / "conf"
+    shipped = {p.relative_to(conf) for p in conf.rglob("*.yaml")}
+    assert {p.relative_to(source) for p in source.rglob("*.yaml")} <= shipped  # every option
     assert (conf / "experiment" / "README.md").is_file()  # experiments/ ships as a group
     result = subprocess.run(
         [sys.executable, "-m", "runner", "model=tiny", "data=synthetic", "precision=o1",
