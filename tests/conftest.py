@@ -67,3 +67,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _launch_in_tmp_dir(tmp_path: Path, monkeypatch):
+    """A run writes ./mlruns (artifacts), ./outputs and ./data where it is launched: keep every
+    test's files in its own temporary folder, never in the checkout."""
+    monkeypatch.chdir(tmp_path)
