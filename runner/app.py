@@ -10,6 +10,7 @@ import logging
 import os
 import platform
 import random
+import re
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -19,7 +20,10 @@ from omegaconf import DictConfig, OmegaConf
 
 import runner
 from runner.errors import ConfigError
+from runner.paths import config_dir
 from runner.precision import AmpEngine, Resolution, resolve
+from runner.precision.checks import DeviceInfo, tensor_core_findings
+from runner.precision.properties import parse_opt_level
 from runner.validation import validate
 
 log = logging.getLogger(__name__)
@@ -46,14 +50,64 @@ def seed_everything(seed: int) -> None:
         pass
 
 
-def resolve_precision(cfg: DictConfig, device: torch.device) -> Resolution:
-    """The resolved Apex properties; an error finding stops the run before anything is built."""
+_OPT_LEVEL_OVERRIDE = re.compile(r"^(?:~|\+\+|\+)?precision\.opt_level(?:=(.*))?$")
+_PRESET_CHOICE = re.compile(r"^(?:\+\+|\+)?precision=(.*)$")
+
+
+def _default_preset() -> str:
+    """The precision option conf/config.yaml's defaults list picks (o0)."""
+    for entry in OmegaConf.load(config_dir() / "config.yaml").get("defaults", []):
+        if isinstance(entry, DictConfig) and "precision" in entry:
+            return str(entry["precision"])
+    return "o0"
+
+
+def preset_options() -> list[str]:
+    return sorted(p.stem for p in (config_dir() / "precision").glob("*.yaml"))
+
+
+def check_opt_level_override(overrides: Sequence[str]) -> None:
+    """A level is a preset of every property: `precision.opt_level=O2` on top of the o0 preset
+    would keep o0's other properties under the name O2. Refuse it, naming the preset to choose."""
+    choices = [m.group(1) for o in overrides if (m := _PRESET_CHOICE.match(o.strip()))]
+    preset = choices[-1] if choices else _default_preset()
+    for override in overrides:
+        match = _OPT_LEVEL_OVERRIDE.match(override.strip())
+        if not match:
+            continue
+        raw = (match.group(1) or "").strip().strip("'\"")
+        try:
+            preset_file = config_dir() / "precision" / f"{preset}.yaml"
+            preset_level = str(OmegaConf.load(preset_file).opt_level)
+        except (OSError, ValueError, AttributeError):
+            preset_level = None
+        if raw:
+            level = parse_opt_level(raw)  # "02" is refused here, with the letter-O hint
+            if level == preset_level:
+                continue  # the preset's own level: harmless
+            suffix = "_bf16" if preset.endswith("_bf16") and level != "O0" else ""
+            instead = f"use precision={level.lower()}{suffix} instead"
+        else:
+            instead = "choose the level with precision=<preset>"
+        raise ConfigError(
+            "precision.opt_level",
+            f"{override!r} overrides the level of the precision={preset} preset; a level is a "
+            f"preset of all its properties, so choose it as one: {instead}",
+            [f"precision={o}" for o in preset_options()],
+        )
+
+
+def resolve_precision(cfg: DictConfig, device: torch.device | DeviceInfo) -> Resolution:
+    """The resolved Apex properties and findings (about the device and the optimizer too); an error
+    finding (every warning with precision.strict=true) stops the run before anything is built."""
     values = OmegaConf.to_container(cfg.precision, resolve=True)
     opt_level = values.pop("opt_level")
-    resolution = resolve(opt_level, values, device=device)
+    device_info = device if isinstance(device, DeviceInfo) else DeviceInfo.from_torch(device)
+    optimizer = OmegaConf.to_container(cfg.optimizer, resolve=True) if "optimizer" in cfg else None
+    resolution = resolve(opt_level, values, device=device_info, optimizer=optimizer)
     for finding in resolution.errors:
-        hint = f" {finding.hint}" if finding.hint else ""
-        raise ConfigError(f"precision.{finding.property}", finding.message + hint)
+        hint = f" Hint: {finding.hint}" if finding.hint else ""
+        raise ConfigError(finding.key, finding.message + hint)
     return resolution
 
 
@@ -94,6 +148,7 @@ def run(
     output_dir: str | os.PathLike | None = None,
 ) -> float | None:
     """Train once as `cfg` says; returns the best validation accuracy (None for a dry run)."""
+    check_opt_level_override(overrides)
     validate(cfg)
     device = select_device(cfg.trainer.device)
     resolution = resolve_precision(cfg, device)
@@ -107,6 +162,8 @@ def run(
     log.info("Precision (Apex %s, resolved):\n%s", properties.opt_level, properties.table())
     if resolution.findings:
         log.warning("Precision findings:\n%s", resolution.findings_table())
+    else:
+        log.info("%s", resolution.findings_table())
 
     # Heavy builders are imported only for a real run.
     from runner.data import build_datasets, build_loaders
@@ -130,6 +187,12 @@ def run(
     model = build_model(cfg.model, bundle.num_classes, bundle.image_size).to(device)
     if cfg.trainer.channels_last:
         model = model.to(memory_format=torch.channels_last)
+    shape_findings = tensor_core_findings(
+        model, cfg.trainer.batch_size, properties, DeviceInfo.from_torch(device))
+    if shape_findings:  # info only: never stops the run
+        resolution.findings.extend(shape_findings)
+        log.info("Precision findings about the model:\n%s",
+                 Resolution(properties, shape_findings).findings_table())
     optimizer = build_optimizer(cfg.optimizer, model.parameters())
     engine = AmpEngine(properties, device)
     model, optimizer = engine.prepare(model, optimizer)
@@ -151,6 +214,8 @@ def run(
             "opt_level": properties.opt_level,
             "overrides": " ".join(overrides),
             "peak_mem_kind": memory.kind,
+            "precision.findings": resolution.summary(),
+            "precision.findings_list": resolution.compact() or "none",
             "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         }
     )

@@ -125,6 +125,15 @@ class PrecisionConfig:
     master_weights: Optional[bool] = None
     loss_scale: Any = 1.0  # "dynamic" or a positive number
     autocast_dtype: str = "float16"  # O1's autocast type: float16 | bfloat16 (bf16 on CPU)
+    # dynamic loss scaling (used when loss_scale is "dynamic")
+    init_scale: float = 65536.0  # 2^16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000  # clean steps before the scale grows
+    hysteresis: int = 1  # overflows tolerated before a back-off (1 = Apex, 2 = DeepSpeed)
+    min_loss_scale: Optional[float] = None
+    max_loss_scale: float = 16777216.0  # 2^24
+    strict: bool = False  # every precision warning becomes an error
 
 
 # ---- trainer and tracking ------------------------------------------------------------------
@@ -142,6 +151,8 @@ class TrainerConfig:
     limit_val_batches: Optional[int] = None
     log_every_n_steps: int = 50
     progress_bar: bool = True
+    # stop after this many consecutive skipped steps or non-finite losses (divergence guard)
+    max_bad_steps: int = 50
 
 
 @dataclass

@@ -25,3 +25,8 @@ class ConfigError(RunnerError):
 
 class DataError(RunnerError):
     """A dataset cannot be found or read; the message names the config key to change."""
+
+
+class DivergenceError(RunnerError):
+    """Training diverged: the loss stayed inf/NaN, or every step was skipped, for
+    `trainer.max_bad_steps` consecutive steps; the message says which and at which step."""

@@ -2,6 +2,13 @@
 
 The hot path of a step holds no MLflow call and no host sync beyond the engine's single found-inf
 read: losses accumulate on the device and are read every `log_every_n_steps` steps.
+
+Divergence guard: `trainer.max_bad_steps` consecutive skipped steps, or consecutive non-finite
+losses, stop the run with a `DivergenceError`. Skips are known on the host for free (the engine's
+step returns False), so they are caught at the step they reach the limit. Non-finite losses are
+counted on the device (a counter reset by every finite loss, no sync) and the counter is read
+together with the loss at the periodic reads (every `log_every_n_steps` steps and at the end of an
+epoch), so that detection can lag by up to `log_every_n_steps` steps.
 """
 from __future__ import annotations
 
@@ -16,6 +23,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from runner.errors import DivergenceError
 from runner.probes import MemoryProbe, Stopwatch
 
 log = logging.getLogger(__name__)
@@ -68,6 +76,10 @@ class Trainer:
         self.val_batches = _limit(len(val_loader), cfg.limit_val_batches)
         self.global_step = 0
         self.clock = Stopwatch(device)
+        self.max_bad_steps = int(getattr(cfg, "max_bad_steps", 50))
+        self.skip_streak = 0  # consecutive skipped steps (host-side: engine.step says so)
+        # consecutive non-finite losses up to the last step, kept on the device (no sync)
+        self.bad_loss_streak = torch.zeros((), dtype=torch.int64, device=device)
 
     # ---- one step ---------------------------------------------------------------------------
     def _to_device(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,11 +107,49 @@ class Trainer:
         stepped = self.engine.step(self.optimizer)
         self._step_scheduler(stepped)
         self.engine.zero_grad(self.optimizer)
-        return loss.detach().float()
+        loss = loss.detach().float()
+        # +1 on a non-finite loss, back to 0 on a finite one; stays on the device.
+        self.bad_loss_streak.add_(1).mul_(~torch.isfinite(loss))
+        self.skip_streak = 0 if stepped else self.skip_streak + 1
+        return loss
+
+    # ---- divergence guard ----------------------------------------------------------------------
+    def _check_skips(self) -> None:
+        """Host-side, free: stop once `max_bad_steps` consecutive steps were skipped."""
+        if self.skip_streak < self.max_bad_steps:
+            return
+        # Failing anyway: one read tells whether the loss itself was non-finite.
+        bad_losses = int(self.bad_loss_streak.item())
+        if bad_losses >= self.max_bad_steps:
+            self._raise_bad_loss(bad_losses)
+        scale = self.engine.loss_scale
+        dynamic = self.engine.scalers[0].dynamic
+        cause = (f"the gradients overflow even at loss scale {scale:g}; lower "
+                 "precision.min_loss_scale, or the model produces inf/NaN gradients in 16 bit"
+                 if dynamic else
+                 f"the static loss scale {scale:g} overflows the gradients; lower "
+                 "precision.loss_scale or use precision.loss_scale=dynamic")
+        raise DivergenceError(
+            f"training diverged: {self.skip_streak} consecutive steps were skipped (inf/NaN "
+            f"gradients) up to step {self.global_step}: {cause}; try precision=o2 or a bf16 preset "
+            f"(precision=o2_bf16), or raise trainer.max_bad_steps={self.max_bad_steps} to wait "
+            "longer")
+
+    def _raise_bad_loss(self, bad_losses: int) -> None:
+        raise DivergenceError(
+            f"training diverged: the loss was inf/NaN for {bad_losses} consecutive steps up to "
+            f"step {self.global_step} (trainer.max_bad_steps={self.max_bad_steps}): the model "
+            "produces non-finite values even at the smallest loss scale, or pure fp16 "
+            "overflowed; try precision=o2 or a bf16 preset (precision=o2_bf16), or a lower "
+            "optimizer.lr")
 
     # ---- epochs -----------------------------------------------------------------------------
     def _log_train_loss(self, window: torch.Tensor, count: int, bar) -> None:
-        value = (window / count).item()  # the periodic host read of the loss
+        # The periodic host read: the mean loss and the non-finite-loss streak in one transfer.
+        value, bad_losses = torch.stack(
+            [window / count, self.bad_loss_streak.to(window.dtype)]).tolist()
+        if bad_losses >= self.max_bad_steps:
+            self._raise_bad_loss(int(bad_losses))
         lr = self.optimizer.param_groups[0]["lr"]
         self.on_metrics({"train_loss": value, "lr": lr}, self.global_step)
         bar.set_postfix(loss=f"{value:.4f}", scale=f"{self.engine.loss_scale:g}", refresh=False)
@@ -126,6 +176,7 @@ class Trainer:
                 count += 1
                 samples += y.shape[0]
                 self.global_step += 1
+                self._check_skips()
                 if self.global_step % self.cfg.log_every_n_steps == 0:
                     self._log_train_loss(window, count, bar)
                     window.zero_()

@@ -77,6 +77,7 @@ def _rules(cfg: DictConfig) -> list[Rule]:
         ("trainer.limit_train_batches", optional(lambda v: v >= 1), "null or an integer >= 1"),
         ("trainer.limit_val_batches", optional(lambda v: v >= 1), "null or an integer >= 1"),
         ("trainer.log_every_n_steps", lambda v: v >= 1, "an integer >= 1"),
+        ("trainer.max_bad_steps", lambda v: v >= 1, "an integer >= 1"),
         ("mlflow.tracking_uri", lambda v: bool(v and v.strip()), "a non-empty MLflow URI"),
         ("mlflow.experiment_name", lambda v: bool(v and v.strip()), "a non-empty name"),
     ]

@@ -5,6 +5,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -43,7 +44,7 @@ def test_every_option_composes(group, option):
     if group in GROUP_NAMES:
         assert node.name == option
     if group == "precision":
-        assert node.opt_level == option.upper()
+        assert node.opt_level == option.split("_")[0].upper()  # o2_bf16 is still level O2
     OmegaConf.to_container(cfg, resolve=True)  # no interpolation left broken
 
 
@@ -67,7 +68,19 @@ APEX_TABLE = {
     "o1": (None, True, None, None, "dynamic"),
     "o2": ("float16", False, True, True, "dynamic"),
     "o3": ("float16", False, False, False, 1.0),
+    # bfloat16 variants: same levels, no loss scaling (bf16 has fp32's exponent range)
+    "o1_bf16": (None, True, None, None, 1.0),
+    "o2_bf16": ("bfloat16", False, True, True, 1.0),
+    "o3_bf16": ("bfloat16", False, False, False, 1.0),
 }
+AUTOCAST_DTYPE = {"o1": "float16", "o1_bf16": "bfloat16"}
+SCALER_KNOBS = dict(init_scale=65536.0, growth_factor=2.0, backoff_factor=0.5,
+                    growth_interval=2000, hysteresis=1, min_loss_scale=None,
+                    max_loss_scale=16777216.0, strict=False)
+
+
+def test_precision_options_are_the_levels_and_their_bf16_variants():
+    assert options("precision") == sorted(APEX_TABLE)
 
 
 @pytest.mark.parametrize("preset", sorted(APEX_TABLE))
@@ -76,6 +89,29 @@ def test_precision_presets_fix_the_five_apex_properties(preset):
     got = (p.cast_model_type, p.patch_torch_functions, p.keep_batchnorm_fp32, p.master_weights,
            p.loss_scale)
     assert got == APEX_TABLE[preset]
+    assert p.opt_level == preset.split("_")[0].upper()
+    if preset in AUTOCAST_DTYPE:
+        assert p.autocast_dtype == AUTOCAST_DTYPE[preset]
+    assert {k: p[k] for k in SCALER_KNOBS} == SCALER_KNOBS
+
+
+def test_bf16_presets_resolve_without_warnings_on_cpu():
+    from runner.precision import resolve
+
+    for preset in ("o1_bf16", "o2_bf16", "o3_bf16"):
+        values = dict(compose_config(f"precision={preset}").precision)
+        r = resolve(values.pop("opt_level"), values, device="cpu")
+        assert not r.findings, (preset, r.findings_table())
+        assert torch.bfloat16 in r.properties.compute_dtypes
+
+
+def test_loss_scaling_knobs_are_keys():
+    cfg = compose_config("precision=o2", "precision.hysteresis=2", "precision.init_scale=1024",
+                         "precision.min_loss_scale=1", "precision.strict=true")
+    assert (cfg.precision.hysteresis, cfg.precision.init_scale) == (2, 1024)
+    assert cfg.precision.min_loss_scale == 1 and cfg.precision.strict is True
+    with pytest.raises((HydraException, OmegaConfBaseException)):
+        compose_config("precision.hysteresis=two")
 
 
 def test_precision_property_overridable_by_key():
@@ -128,6 +164,7 @@ def test_unknown_choice_lists_the_available_options():
         (["trainer.max_epochs=-1"], "trainer.max_epochs"),
         (["trainer.num_workers=-2"], "trainer.num_workers"),
         (["trainer.log_every_n_steps=0"], "trainer.log_every_n_steps"),
+        (["trainer.max_bad_steps=0"], "trainer.max_bad_steps"),
         (["trainer.limit_train_batches=0"], "trainer.limit_train_batches"),
         (["trainer.grad_clip_norm=-1"], "trainer.grad_clip_norm"),
         (["trainer.device=tpu"], "trainer.device"),

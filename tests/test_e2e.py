@@ -16,6 +16,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from runner import app
+from runner.errors import ConfigError
 from tests.conftest import FAST, REPO, compose_config, run_cli
 
 EPOCH_METRICS = [
@@ -110,6 +111,58 @@ def test_option_combinations_finish(overrides, tracking_uri):
         assert run.data.params["precision.autocast_dtype"] == "bfloat16"
 
 
+@pytest.mark.parametrize("preset", ["o1_bf16", "o2_bf16", "o3_bf16"])
+def test_bf16_presets_train_without_loss_scaling(preset, tracking_uri):
+    cfg = compose_config(*FAST, f"precision={preset}", "trainer.max_epochs=1",
+                         f"mlflow.tracking_uri={tracking_uri}")
+    app.run(cfg, overrides=[f"precision={preset}"])
+    client, run = only_run(tracking_uri)
+    assert run.info.status == "FINISHED"
+    level = preset.split("_")[0].upper()
+    assert run.info.run_name == f"tiny-{level}" and run.data.params["precision.opt_level"] == level
+    assert run.data.params["precision.loss_scale"] == "1.0"
+    assert "bfloat16" in (run.data.params["precision.cast_model_type"],
+                          run.data.params["precision.autocast_dtype"])
+    assert run.data.metrics["loss_scale"] == 1.0 and run.data.metrics["skipped_steps"] == 0
+    assert run.data.tags["precision.findings"] == "0 error, 0 warning, 0 info"
+    assert run.data.tags["precision.findings_list"] == "none"
+
+
+def test_findings_are_tagged_and_attached(tracking_uri):
+    overrides = ["precision=o2", "precision.master_weights=false", "trainer.max_epochs=1"]
+    cfg = compose_config(*FAST, *overrides, f"mlflow.tracking_uri={tracking_uri}")
+    app.run(cfg, overrides=overrides)
+    client, run = only_run(tracking_uri)
+    tags = run.data.tags
+    assert tags["precision.findings"] == "0 error, 2 warning, 0 info"
+    assert tags["precision.findings_list"] == (
+        "warning precision.master_weights; warning precision.cast_model_type")
+    text = client.download_artifacts(run.info.run_id, "precision.txt")
+    content = open(text).read()
+    assert "2^-11" in content and "emulated on CPU" in content
+    assert run.data.params["precision.hysteresis"] == "1"
+    assert run.data.params["trainer.max_bad_steps"] == "50"
+
+
+def test_strict_refuses_before_a_run_exists(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'never.db'}"
+    cfg = compose_config(*FAST, "precision=o2", "precision.strict=true",
+                         f"mlflow.tracking_uri={uri}")
+    with pytest.raises(ConfigError) as e:
+        app.run(cfg)
+    assert e.value.key == "precision.cast_model_type" and "emulated on CPU" in str(e.value)
+    assert not (tmp_path / "never.db").exists()
+
+
+def test_dry_run_shows_findings_and_scaling_knobs(capsys):
+    cfg = compose_config("precision=o2", "precision.cast_model_type=bfloat16", "dry_run=true",
+                         "trainer.device=cpu")
+    assert app.run(cfg) is None
+    out = capsys.readouterr().out
+    assert "hysteresis" in out and "max_loss_scale" in out
+    assert "info" in out and "unneeded with bfloat16" in out
+
+
 def test_cifar10_in_the_real_format_trains(tmp_path, tracking_uri):
     from tests.test_data import write_cifar10
 
@@ -140,6 +193,21 @@ def test_each_level_on_cuda(level, tracking_uri):
     assert run.data.tags["peak_mem_kind"] == "cuda_max_allocated"
     assert run.data.metrics["peak_mem_mb"] > 0
     assert all(math.isfinite(run.data.metrics[m]) for m in EPOCH_METRICS)
+
+
+@pytest.mark.gpu
+def test_tensor_core_shapes_are_an_info_on_cuda(tracking_uri):
+    """The tiny model's last Linear has 10 outputs and the batch is 30: one info finding, tagged
+    and attached, and the run still finishes."""
+    cfg = compose_config(*FAST, "precision=o2", "trainer.device=cuda", "trainer.batch_size=30",
+                         f"mlflow.tracking_uri={tracking_uri}")
+    app.run(cfg)
+    client, run = only_run(tracking_uri)
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["precision.findings"].endswith("1 info")
+    assert "info model" in run.data.tags["precision.findings_list"]
+    content = open(client.download_artifacts(run.info.run_id, "precision.txt")).read()
+    assert "not multiples of 8" in content and "batch size 30" in content
 
 
 def test_training_learns_on_synthetic_data(tracking_uri):
@@ -266,3 +334,28 @@ def test_ctrl_c_marks_the_run_killed(tmp_path):
     _, run = only_run(f"sqlite:///{tmp_path / 'mlflow.db'}")
     assert run.info.status == "KILLED"
     assert "interrupted" in run.data.tags["error"]
+
+
+@pytest.mark.slow
+def test_cli_sweep_composes_bf16_presets(tmp_path):
+    result = run_cli("-m", "precision=o0,o1_bf16,o2_bf16", "dry_run=true", "trainer.device=cpu",
+                     cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert out.count("opt_level: O0") == 1 and out.count("opt_level: O1") == 1
+    assert out.count("opt_level: O2") == 1 and out.count("autocast_dtype: bfloat16") == 2
+
+
+@pytest.mark.slow
+def test_cli_opt_level_override_and_divergence_exit_2_without_traceback(tmp_path):
+    result = run_cli("precision=o1", "precision.opt_level=O2", "trainer.device=cpu", cwd=tmp_path,
+                     timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode == 2 and "use precision=o2" in output and "Traceback" not in output
+    result = run_cli(*FAST, "precision=o3", "precision.loss_scale=1e10", "trainer.max_bad_steps=2",
+                     cwd=tmp_path, timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode == 2 and "consecutive steps were skipped" in output
+    assert "Traceback" not in output
+    _, run = only_run(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert run.info.status == "FAILED" and "DivergenceError" in run.data.tags["error"]

@@ -5,6 +5,10 @@ runner works on the resolved `Properties`, never on the level name. `resolve` pa
 normalises every value once (config files, the CLI and Python callers spell them differently)
 and runs the rules in `RULES`, which return `Finding`s (info / warning / error) for the caller to
 print and log. Invalid values raise `ConfigError` naming the `precision.<key>`.
+
+Rules about the combination of properties live here; rules about the hardware, the optimizer's
+epsilon and the model's shapes live in `runner.precision.checks`. With `strict=True` every warning
+becomes an error.
 """
 from __future__ import annotations
 
@@ -39,9 +43,17 @@ LEVEL_DESCRIPTIONS = {
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
-# Keys an override may name: the five Apex properties, plus the dtype O1's autocast uses.
+# Dynamic loss scaling knobs (Apex's / torch.amp.GradScaler's defaults; hysteresis is
+# DeepSpeed's, 1 = Apex). They only matter when loss_scale is "dynamic".
+SCALER_DEFAULTS: dict[str, Any] = dict(
+    init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,
+    hysteresis=1, min_loss_scale=None, max_loss_scale=2.0 ** 24,
+)
+
+# Keys an override may name: the five Apex properties, the dtype O1's autocast uses, and the
+# dynamic loss scaling knobs; `strict` is accepted too (it changes findings, not properties).
 PROPERTY_KEYS = ("cast_model_type", "patch_torch_functions", "keep_batchnorm_fp32",
-                 "master_weights", "loss_scale", "autocast_dtype")
+                 "master_weights", "loss_scale", "autocast_dtype", *SCALER_DEFAULTS)
 
 _DTYPE_ALIASES: dict[str, torch.dtype] = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
@@ -69,10 +81,41 @@ class Properties:
     master_weights: Optional[bool]
     loss_scale: LossScale
     autocast_dtype: torch.dtype = torch.float16
+    # dynamic loss scaling (see runner.precision.scaler.LossScaler)
+    init_scale: float = 2.0 ** 16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    hysteresis: int = 1
+    min_loss_scale: Optional[float] = None
+    max_loss_scale: float = 2.0 ** 24
 
     @property
     def dynamic_loss_scale(self) -> bool:
         return self.loss_scale == "dynamic"
+
+    @property
+    def autocasts(self) -> bool:
+        """True when forward runs under autocast (O1-like)."""
+        return self.patch_torch_functions
+
+    @property
+    def compute_dtypes(self) -> set[torch.dtype]:
+        """The 16-bit types the forward/backward actually compute in (empty: fp32 only)."""
+        used = set()
+        if self.casts_to_half:
+            used.add(self.cast_model_type)
+        if self.patch_torch_functions:
+            used.add(self.autocast_dtype)
+        return used
+
+    @property
+    def optimizer_state_dtype(self) -> torch.dtype:
+        """The type of the weights the optimizer steps, hence of its state (Adam's moments):
+        the model's 16-bit type without master weights, else fp32."""
+        if self.casts_to_half and not self.uses_master_weights:
+            return self.cast_model_type
+        return torch.float32
 
     @property
     def casts_to_half(self) -> bool:
@@ -99,6 +142,7 @@ class Properties:
             "master_weights": fmt(self.master_weights),
             "loss_scale": fmt(self.loss_scale),
             "autocast_dtype": fmt(self.autocast_dtype),
+            **{k: fmt(getattr(self, k)) for k in SCALER_DEFAULTS},
         }
 
     def table(self) -> str:
@@ -120,9 +164,20 @@ class Finding:
     message: str
     hint: str = ""
 
+    @property
+    def key(self) -> str:
+        """The config key to change: `precision.<property>`, or the property itself when it
+        already names another group's key (`optimizer.eps`) or a whole group (`model`)."""
+        if "." in self.property or self.property in _OTHER_GROUPS:
+            return self.property
+        return f"precision.{self.property}"
+
     def __str__(self) -> str:
-        text = f"[{self.level}] precision.{self.property}: {self.message}"
+        text = f"[{self.level}] {self.key}: {self.message}"
         return f"{text} ({self.hint})" if self.hint else text
+
+
+_OTHER_GROUPS = ("model", "data", "optimizer", "scheduler", "trainer")
 
 
 @dataclass
@@ -140,15 +195,27 @@ class Resolution:
     def warnings(self) -> list[Finding]:
         return [f for f in self.findings if f.level == "warning"]
 
+    @property
+    def infos(self) -> list[Finding]:
+        return [f for f in self.findings if f.level == "info"]
+
+    def summary(self) -> str:
+        """Counts, e.g. "0 error, 2 warning, 1 info" (the `precision.findings` MLflow tag)."""
+        return f"{len(self.errors)} error, {len(self.warnings)} warning, {len(self.infos)} info"
+
+    def compact(self) -> str:
+        """One line per run: "warning precision.cast_model_type; info model" (empty: none)."""
+        return "; ".join(f"{f.level} {f.key}" for f in self.findings)
+
     def findings_table(self) -> str:
         """The findings as printed before training, by dry runs, and attached to the run."""
         if not self.findings:
             return "No findings: the precision properties are consistent."
-        w = max(len("property"), *(len(f.property) for f in self.findings))
+        w = max(len("property"), *(len(f.key) for f in self.findings))
         lines = [f"{'level':<8} {'property':<{w}}  message"]
         for f in self.findings:
             hint = f" Hint: {f.hint}" if f.hint else ""
-            lines.append(f"{f.level:<8} {f.property:<{w}}  {f.message}{hint}")
+            lines.append(f"{f.level:<8} {f.key:<{w}}  {f.message}{hint}")
         return "\n".join(lines)
 
 
@@ -227,6 +294,29 @@ def parse_loss_scale(value: Any) -> LossScale:
     return number
 
 
+def _parse_number(name: str, value: Any, ok: Callable[[float], bool], allowed: str,
+                  allow_none: bool = False, integer: bool = False) -> Any:
+    if value is None or (isinstance(value, str) and value.strip().lower() in _NONE_STRINGS):
+        if allow_none:
+            return None
+        raise ConfigError(_key(name), "must not be None", allowed)
+    number: Optional[float] = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value)
+    elif isinstance(value, str):
+        try:
+            number = float(value.strip())
+        except ValueError:
+            number = None
+    if number is None or not math.isfinite(number) or not ok(number):
+        raise ConfigError(_key(name), f"got {value!r}", allowed)
+    if integer:
+        if number != int(number):
+            raise ConfigError(_key(name), f"got {value!r}", allowed)
+        return int(number)
+    return number
+
+
 _PARSERS: dict[str, Callable[[Any], Any]] = {
     "cast_model_type": lambda v: _parse_dtype(
         "cast_model_type", v, (torch.float16, torch.bfloat16, torch.float32), allow_none=True),
@@ -236,13 +326,36 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "loss_scale": parse_loss_scale,
     "autocast_dtype": lambda v: _parse_dtype(
         "autocast_dtype", v, (torch.float16, torch.bfloat16), allow_none=False),
+    "init_scale": lambda v: _parse_number(
+        "init_scale", v, lambda x: x > 0, "a finite number > 0, e.g. 65536"),
+    "growth_factor": lambda v: _parse_number(
+        "growth_factor", v, lambda x: x > 1, "a finite number > 1, e.g. 2"),
+    "backoff_factor": lambda v: _parse_number(
+        "backoff_factor", v, lambda x: 0 < x < 1, "a number in (0, 1), e.g. 0.5"),
+    "growth_interval": lambda v: _parse_number(
+        "growth_interval", v, lambda x: x >= 1, "an integer >= 1, e.g. 2000", integer=True),
+    "hysteresis": lambda v: _parse_number(
+        "hysteresis", v, lambda x: x >= 1, "an integer >= 1 (1 = Apex, 2 = DeepSpeed)",
+        integer=True),
+    "min_loss_scale": lambda v: _parse_number(
+        "min_loss_scale", v, lambda x: x > 0, "null or a finite number > 0", allow_none=True),
+    "max_loss_scale": lambda v: _parse_number(
+        "max_loss_scale", v, lambda x: x > 0, "a finite number > 0, e.g. 16777216 (2^24)"),
 }
 
 
 # ---- rules ---------------------------------------------------------------------------------
-# A rule looks at resolved properties (and the device, None when unknown) and yields findings.
-# Add one by decorating a function with @rule; `resolve` runs them all in order.
-Rule = Callable[[Properties, Optional[torch.device]], Iterable[Finding]]
+@dataclass(frozen=True)
+class Context:
+    """What a rule may look at besides the properties; None where the caller does not know."""
+
+    device: Any = None  # runner.precision.checks.DeviceInfo
+    optimizer: Optional[Mapping[str, Any]] = None  # the optimizer config: name, eps, ...
+
+
+# A rule looks at resolved properties and the context and yields findings. Add one by decorating
+# a function with @rule; `resolve` runs them all in order (these, then runner.precision.checks).
+Rule = Callable[[Properties, Context], Iterable[Finding]]
 RULES: list[Rule] = []
 
 
@@ -251,26 +364,18 @@ def rule(fn: Rule) -> Rule:
     return fn
 
 
-@rule
-def _fp16_on_cpu(p: Properties, device: Optional[torch.device]) -> Iterable[Finding]:
-    if device is None or device.type != "cpu":
-        return
-    if p.cast_model_type == torch.float16:
-        yield Finding("warning", "cast_model_type",
-                      "fp16 is emulated on CPU and far slower than bfloat16",
-                      "set precision.cast_model_type=bfloat16 on CPU")
-    if p.patch_torch_functions and p.autocast_dtype == torch.float16:
-        yield Finding("warning", "patch_torch_functions",
-                      "fp16 is emulated on CPU and far slower than bfloat16",
-                      "autocast with autocast_dtype=bfloat16 on CPU")
+def _level_preset(level: str, dtype: Optional[torch.dtype] = None) -> str:
+    """The preset to choose for `level`: precision=o2, or precision=o2_bf16 for bfloat16."""
+    suffix = "_bf16" if dtype == torch.bfloat16 and level != "O0" else ""
+    return f"precision={level.lower()}{suffix}"
 
 
 @rule
-def _master_weights_without_half_model(p: Properties, device: Optional[torch.device]
-                                       ) -> Iterable[Finding]:
+def _master_weights_without_half_model(p: Properties, ctx: Context) -> Iterable[Finding]:
     if p.master_weights and not p.casts_to_half:
         if p.opt_level == "O1" and p.cast_model_type is None:
-            what = "O1 keeps the model in fp32"
+            what = ("O1 keeps the model's weights in fp32, so they are their own masters "
+                    "(Apex refused master_weights with O1)")
         else:
             what = ("the model is not cast to a 16-bit type "
                     f"(cast_model_type={dtype_name(p.cast_model_type)})")
@@ -279,30 +384,147 @@ def _master_weights_without_half_model(p: Properties, device: Optional[torch.dev
                       "leave precision.master_weights unset (null) for this level")
 
 
-def _as_device(device: torch.device | str | None) -> Optional[torch.device]:
-    return None if device is None else torch.device(device)
+@rule
+def _o1_cast_model(p: Properties, ctx: Context) -> Iterable[Finding]:
+    if p.opt_level == "O1" and p.casts_to_half:
+        yield Finding(
+            "warning", "cast_model_type",
+            f"O1 casts around ops (autocast) and keeps the weights fp32; cast_model_type="
+            f"{dtype_name(p.cast_model_type)} makes every weight 16-bit as well, which is O2/O3 "
+            "with autocast on top (Apex refused this: with O1 the weights should remain fp32)",
+            f"leave precision.cast_model_type null under O1, or use "
+            f"{_level_preset('O2', p.cast_model_type)} for a 16-bit model")
+
+
+@rule
+def _o1_keep_batchnorm(p: Properties, ctx: Context) -> Iterable[Finding]:
+    if p.opt_level == "O1" and p.keep_batchnorm_fp32 is not None:
+        yield Finding(
+            "warning", "keep_batchnorm_fp32",
+            f"keep_batchnorm_fp32={p.keep_batchnorm_fp32} under O1: autocast already runs "
+            "batch norm in fp32 and the model is not cast, so the setting has no effect "
+            "(Apex refused it: with O1 it should be None)",
+            "leave precision.keep_batchnorm_fp32 null under O1")
+
+
+@rule
+def _patch_outside_o1(p: Properties, ctx: Context) -> Iterable[Finding]:
+    if p.patch_torch_functions and p.opt_level != "O1":
+        yield Finding(
+            "warning", "patch_torch_functions",
+            f"patch_torch_functions=True under {p.opt_level}: autocast now runs on top of the "
+            "level's casts, a mix Apex refused outright (only opt_level O1 may patch functions)",
+            f"set precision.patch_torch_functions=false, or use {_level_preset('O1')}")
+
+
+@rule
+def _o0_loss_scaling(p: Properties, ctx: Context) -> Iterable[Finding]:
+    if p.opt_level == "O0" and p.loss_scale != 1.0 and not p.compute_dtypes:
+        what = "dynamic loss scaling" if p.dynamic_loss_scale else f"loss_scale={p.loss_scale:g}"
+        yield Finding(
+            "warning", "loss_scale",
+            f"{what} under O0: fp32 gradients do not underflow, so scaling only adds a pass over "
+            "the gradients each step (and skips steps that overflow)",
+            "set precision.loss_scale=1.0 for the fp32 baseline")
+
+
+# Relative size below which an update to a weight is lost to rounding (half its spacing).
+_VANISHING_UPDATE = {torch.float16: "2^-11", torch.bfloat16: "2^-8"}
+
+
+@rule
+def _o2_without_masters(p: Properties, ctx: Context) -> Iterable[Finding]:
+    if p.opt_level == "O2" and p.casts_to_half and not p.master_weights:
+        name = dtype_name(p.cast_model_type)
+        yield Finding(
+            "warning", "master_weights",
+            f"O2 without master weights: the optimizer updates the {name} weights directly, and "
+            f"an update smaller than {_VANISHING_UPDATE[p.cast_model_type]} of a weight rounds "
+            f"away in {name}, so small learning rates (and late, decayed ones) stop training",
+            "keep precision.master_weights=true (fp32 master copies) under O2")
+
+
+@rule
+def _bf16_dynamic_scaling(p: Properties, ctx: Context) -> Iterable[Finding]:
+    if p.dynamic_loss_scale and p.compute_dtypes == {torch.bfloat16}:
+        yield Finding(
+            "info", "loss_scale",
+            "dynamic loss scaling is unneeded with bfloat16: it has fp32's exponent range, so "
+            "gradients do not underflow; scaling only adds a pass over the gradients per step",
+            "set precision.loss_scale=1.0 (the *_bf16 presets do)")
+
+
+@rule
+def _o3_batchnorm_fp32(p: Properties, ctx: Context) -> Iterable[Finding]:
+    if p.opt_level == "O3" and p.keep_batchnorm_fp32:
+        yield Finding(
+            "info", "keep_batchnorm_fp32",
+            "O3 with keep_batchnorm_fp32=True: everything 16-bit except BatchNorm, Apex's "
+            "\"speed of light\" setting; allowed", "")
+
+
+def _check_scaler_bounds(values: Mapping[str, Any]) -> None:
+    low, high = values["min_loss_scale"], values["max_loss_scale"]
+    if low is not None and low > high:
+        raise ConfigError(_key("min_loss_scale"),
+                          f"{low:g} is above max_loss_scale {high:g}",
+                          "null or a number <= max_loss_scale")
+
+
+def _as_device_info(device: Any):
+    from runner.precision.checks import DeviceInfo
+
+    if device is None or isinstance(device, DeviceInfo):
+        return device
+    return DeviceInfo.from_torch(device)
 
 
 def resolve(opt_level: str, overrides: Mapping[str, Any] | None = None,
-            device: torch.device | str | None = None) -> Resolution:
+            device: Any = None, *, optimizer: Optional[Mapping[str, Any]] = None,
+            strict: Optional[bool] = None) -> Resolution:
     """Level defaults, then `overrides` by key, parsed and normalised; then every rule's findings.
 
     `overrides` may be the whole precision config (its values equal to the level's defaults are
-    fine, and an `opt_level` key is accepted when it names the same level).
+    fine, an `opt_level` key is accepted when it names the same level, and a `strict` key is read
+    like the `strict` argument). `device` is a torch.device, a device string or a
+    `checks.DeviceInfo` (None: unknown, no hardware rules). `optimizer` is the optimizer config
+    (`name`, `eps`, ...; None: no optimizer rules). `strict=True` turns every warning into an
+    error.
     """
     level = parse_opt_level(opt_level)
     values: dict[str, Any] = dict(LEVELS[level])
+    values.update(SCALER_DEFAULTS)
+    strict_value: Any = False
     for key, raw in (overrides or {}).items():
         if key == "opt_level":
             if parse_opt_level(raw) != level:
                 raise ConfigError(_key("opt_level"),
                                   f"override {raw!r} contradicts the level {level}", tuple(LEVELS))
             continue
+        if key == "strict":
+            strict_value = raw
+            continue
         if key not in _PARSERS:
-            raise ConfigError(_key(str(key)), "unknown precision property", PROPERTY_KEYS)
+            raise ConfigError(_key(str(key)), "unknown precision property",
+                              (*PROPERTY_KEYS, "strict"))
         values[key] = _PARSERS[key](raw)
+    if strict is None:
+        strict = bool(_parse_bool("strict", strict_value, allow_none=False))
+    _check_scaler_bounds(values)
     props = Properties(opt_level=level, **values)
-    dev = _as_device(device)
-    findings = [f for r in RULES for f in r(props, dev)]
+    ctx = Context(device=_as_device_info(device), optimizer=optimizer)
+    findings = [f for r in RULES for f in r(props, ctx)]
+    if strict:
+        findings = [_strict(f) for f in findings]
     return Resolution(properties=props, findings=findings)
 
+
+def _strict(finding: Finding) -> Finding:
+    if finding.level != "warning":
+        return finding
+    hint = finding.hint + ("; " if finding.hint else "") + "an error because precision.strict=true"
+    return Finding("error", finding.property, finding.message, hint)
+
+
+# Hardware, optimizer and model-shape rules register themselves after the rules above.
+from runner.precision import checks as _checks  # noqa: E402,F401

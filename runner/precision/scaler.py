@@ -4,6 +4,14 @@ The scale lives on the host as a Python float: the engine reads the non-finite f
 anyway, so updating the scale in Python costs no extra device sync, and multiplying the loss by a
 Python float launches no host-to-device copy of its own. A static scale of exactly 1.0 needs no
 pass over the gradients at all (`needs_check` is False).
+
+Hysteresis (DeepSpeed's and Megatron-LM's `hysteresis`, with DeepSpeed's default
+`consecutive_hysteresis=False`): a counter starts at `hysteresis` and every overflow decrements it;
+the scale backs off only when the counter has reached 0, and then on every further overflow, until
+the scale next grows (after `growth_interval` clean steps), which refills the counter. So
+`hysteresis=2` tolerates one overflow per growth period without lowering the scale. An overflowing
+step is always skipped, whatever the counter says. `hysteresis=1` (the default) is Apex's scaler:
+every overflow backs off.
 """
 from __future__ import annotations
 
@@ -28,6 +36,7 @@ class LossScaler:
         growth_interval: int = 2000,
         min_loss_scale: Optional[float] = None,
         max_loss_scale: float = 2.0 ** 24,
+        hysteresis: int = 1,
     ):
         self.dynamic = loss_scale == "dynamic"
         if not self.dynamic:
@@ -37,6 +46,9 @@ class LossScaler:
                     f"loss_scale must be 'dynamic' or a positive number, got {loss_scale!r}")
         if growth_factor <= 1.0 or not 0.0 < backoff_factor < 1.0 or growth_interval < 1:
             raise ValueError("need growth_factor > 1, 0 < backoff_factor < 1, growth_interval >= 1")
+        if int(hysteresis) != hysteresis or hysteresis < 1:
+            raise ValueError(f"hysteresis must be an integer >= 1, got {hysteresis!r}")
+        self.hysteresis = int(hysteresis)
         self.growth_factor = float(growth_factor)
         self.backoff_factor = float(backoff_factor)
         self.growth_interval = int(growth_interval)
@@ -47,6 +59,22 @@ class LossScaler:
             start = max(start, self.min_loss_scale)
         self._scale: float = float(start)
         self._unskipped = 0  # clean steps since the last change of scale (Apex's name)
+        self._hysteresis_left = self.hysteresis  # overflows still tolerated before a back-off
+
+    @classmethod
+    def from_properties(cls, properties: Any, **overrides: Any) -> "LossScaler":
+        """The scaler resolved `Properties` describe: `loss_scale` and every dynamic-scaling knob
+        (init_scale, growth_factor, backoff_factor, growth_interval, hysteresis, min_loss_scale,
+        max_loss_scale). Keyword `overrides` replace single knobs (e.g. Apex's
+        `amp.initialize(min_loss_scale=...)`)."""
+        kwargs: dict[str, Any] = {
+            name: getattr(properties, name)
+            for name in ("init_scale", "growth_factor", "backoff_factor", "growth_interval",
+                         "hysteresis", "min_loss_scale", "max_loss_scale")
+            if hasattr(properties, name)
+        }
+        kwargs.update(overrides)
+        return cls(properties.loss_scale, **kwargs)
 
     @property
     def scale(self) -> float:
@@ -86,28 +114,38 @@ class LossScaler:
         return first
 
     def update(self, found_inf: bool) -> None:
-        """After a step attempt: dynamic scales back off on overflow and grow after
-        `growth_interval` clean steps; static scales never change."""
+        """After a step attempt: dynamic scales back off on overflow (once the hysteresis counter
+        is spent) and grow after `growth_interval` clean steps; static scales never change."""
         if not self.dynamic:
             return
         if found_inf:
-            self._scale *= self.backoff_factor
-            if self.min_loss_scale is not None:
-                self._scale = max(self._scale, self.min_loss_scale)
             self._unskipped = 0
+            self._hysteresis_left = max(self._hysteresis_left - 1, 0)
+            if self._hysteresis_left == 0:
+                self._scale *= self.backoff_factor
+                if self.min_loss_scale is not None:
+                    self._scale = max(self._scale, self.min_loss_scale)
             return
         self._unskipped += 1
         if self._unskipped >= self.growth_interval:
             self._scale = min(self._scale * self.growth_factor, self.max_loss_scale)
             self._unskipped = 0
+            self._hysteresis_left = self.hysteresis
+
+    @property
+    def hysteresis_left(self) -> int:
+        """Overflows still tolerated before the next back-off (0: every overflow backs off)."""
+        return self._hysteresis_left
 
     def state_dict(self) -> dict[str, Any]:
-        # Apex's keys, so checkpoints read the same either way.
-        return {"loss_scale": self._scale, "unskipped": self._unskipped}
+        # Apex's keys, so checkpoints read the same either way, plus the hysteresis counter.
+        return {"loss_scale": self._scale, "unskipped": self._unskipped,
+                "hysteresis_tracker": self._hysteresis_left}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._scale = float(state["loss_scale"])
         self._unskipped = int(state.get("unskipped", 0))
+        self._hysteresis_left = int(state.get("hysteresis_tracker", self.hysteresis))
 
     def __repr__(self) -> str:
         kind = "dynamic" if self.dynamic else "static"

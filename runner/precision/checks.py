@@ -1,0 +1,213 @@
+"""Findings about the machine, the optimizer and the model, beyond the properties themselves.
+
+Every rule takes a *description* of the device (`DeviceInfo`), never a live device, so each one is
+testable on any machine: `DeviceInfo("cuda", (6, 1), "Tesla P100")` describes a Pascal GPU on a
+laptop without a GPU. `DeviceInfo.from_torch(device)` describes the device a run uses.
+
+- fp16 on a CPU: emulated, far slower than bfloat16 (warning).
+- fp16 on a CUDA GPU below compute capability 7.0: no Tensor Cores, so fp16 saves memory but
+  brings no speed-up (warning).
+- bfloat16 on a CUDA GPU below compute capability 8.0: not supported in hardware (error).
+- Adam/AdamW `eps` that underflows in the type holding the optimizer state (error), or is a
+  subnormal there (warning).
+- Tensor Core shapes (`tensor_core_findings`, needs the built model): Linear/Conv2d sizes and a
+  batch size that are not multiples of 8 (one info finding).
+"""
+from __future__ import annotations
+
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Literal, Optional
+
+import torch
+from torch import nn
+
+from runner.precision.properties import (
+    HALF_DTYPES,
+    Context,
+    Finding,
+    Properties,
+    dtype_name,
+    rule,
+)
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """What the rules need to know about a device: its type, CUDA compute capability, name."""
+
+    type: Literal["cpu", "cuda"] | str
+    capability: Optional[tuple[int, int]] = None  # CUDA (major, minor); None: CPU or unknown
+    name: str = ""
+
+    @classmethod
+    def from_torch(cls, device: torch.device | str) -> "DeviceInfo":
+        device = torch.device(device)
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                return cls("cuda", None, "cuda (not available)")
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            major, minor = torch.cuda.get_device_capability(index)
+            return cls("cuda", (major, minor), torch.cuda.get_device_name(index))
+        return cls(device.type, None, _cpu_name() if device.type == "cpu" else device.type)
+
+    def describe(self) -> str:
+        if self.capability is None:
+            return self.name or self.type
+        major, minor = self.capability
+        return f"{self.name or 'this GPU'} (compute capability {major}.{minor})"
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def _dtype_users(p: Properties) -> list[tuple[str, torch.dtype]]:
+    """(property, 16-bit dtype) for each way the properties compute in 16 bit."""
+    users = []
+    if p.casts_to_half:
+        users.append(("cast_model_type", p.cast_model_type))
+    if p.patch_torch_functions and p.autocast_dtype in HALF_DTYPES:
+        users.append(("autocast_dtype", p.autocast_dtype))
+    return users
+
+
+# ---- device rules ----------------------------------------------------------------------------
+@rule
+def _fp16_on_cpu(p: Properties, ctx: Context) -> Iterable[Finding]:
+    device = ctx.device
+    if device is None or device.type != "cpu":
+        return
+    if p.cast_model_type == torch.float16:
+        yield Finding("warning", "cast_model_type",
+                      "fp16 is emulated on CPU and far slower than bfloat16 "
+                      "(about 100x slower than fp32 for ResNet-18)",
+                      "set precision.cast_model_type=bfloat16 on CPU (precision=o2_bf16/o3_bf16)")
+    if p.patch_torch_functions and p.autocast_dtype == torch.float16:
+        yield Finding("warning", "patch_torch_functions",
+                      "fp16 is emulated on CPU and far slower than bfloat16 "
+                      "(autocast with float16)",
+                      "autocast with autocast_dtype=bfloat16 on CPU (precision=o1_bf16)")
+
+
+@rule
+def _cuda_capability(p: Properties, ctx: Context) -> Iterable[Finding]:
+    device = ctx.device
+    if device is None or device.type != "cuda" or device.capability is None:
+        return
+    seen: set[torch.dtype] = set()
+    for prop, dtype in _dtype_users(p):
+        if dtype in seen:
+            continue
+        seen.add(dtype)
+        if dtype == torch.float16 and device.capability < (7, 0):
+            yield Finding(
+                "warning", prop,
+                f"fp16 on {device.describe()}: no Tensor Cores below capability 7.0 (Volta), so "
+                "fp16 saves memory but does not speed training up (it may slow it down)",
+                "expect memory savings only; precision=o0 is as fast here")
+        if dtype == torch.bfloat16 and device.capability < (8, 0):
+            yield Finding(
+                "error", prop,
+                f"bfloat16 on {device.describe()}: bfloat16 needs compute capability 8.0 "
+                "(Ampere) or newer",
+                "use an fp16 preset (precision=o1 or o2) on this GPU")
+
+
+# ---- optimizer rules -------------------------------------------------------------------------
+_ADAM_NAMES = ("adam", "adamw")
+
+
+def _normal_eps(dtype: torch.dtype) -> str:
+    """The smallest power of ten that is a normal number in `dtype` (fp16: "1e-4")."""
+    tiny = torch.finfo(dtype).tiny
+    exponent = 0
+    while 10.0 ** (exponent - 1) >= tiny:
+        exponent -= 1
+    return f"1e{exponent}"
+
+
+@rule
+def _adam_eps_underflow(p: Properties, ctx: Context) -> Iterable[Finding]:
+    """Adam divides by sqrt(v) + eps in the type of its state. Where eps rounds to 0 in that type
+    (fp16: anything below 2^-25 ~ 3e-8, e.g. the default 1e-8), a parameter whose squared gradient
+    underflowed (|grad| < ~2.4e-4 in fp16) gets 0/0 = NaN or m/0 = inf: the weights blow up."""
+    opt = ctx.optimizer
+    if not opt or str(opt.get("name", "")).lower() not in _ADAM_NAMES or opt.get("eps") is None:
+        return
+    dtype = p.optimizer_state_dtype
+    if dtype not in HALF_DTYPES:
+        return
+    eps = float(opt["eps"])
+    name = dtype_name(dtype)
+    stored = torch.tensor(eps, dtype=dtype).item()
+    why = f"the optimizer state is {name} ({p.opt_level} without fp32 master weights)"
+    fix = (f"set optimizer.eps={_normal_eps(dtype)}, or keep fp32 master weights "
+           "(precision=o2, precision.master_weights=true)")
+    if stored == 0.0:
+        yield Finding(
+            "error", "optimizer.eps",
+            f"{opt.get('name')} eps={eps:g} underflows to 0 in {name}: {why}, so sqrt(v) + eps "
+            "is 0 "
+            "wherever the squared gradient underflowed, and the update becomes inf/NaN", fix)
+    elif abs(stored) < torch.finfo(dtype).tiny:
+        yield Finding(
+            "warning", "optimizer.eps",
+            f"{opt.get('name')} eps={eps:g} is a subnormal {name} number (stored as {stored:.3g}): "
+            f"{why}, and subnormals lose precision (and flush to zero on some hardware)", fix)
+
+
+# ---- model shapes (called by the app once the model is built) ---------------------------------
+def _off_eight(n: int) -> bool:
+    return n % 8 != 0
+
+
+def tensor_core_findings(model: nn.Module, batch_size: Optional[int], properties: Properties,
+                         device_info: Optional[DeviceInfo]) -> list[Finding]:
+    """One info finding listing the Linear/Conv2d layers (and the batch size) whose sizes are not
+    multiples of 8, which Tensor Cores need for fp16/bf16 GEMMs and convolutions; [] when the run
+    is not 16-bit on a CUDA device or every size fits. A Conv2d's input channels of 1 or 3 (an
+    image) are not listed: cuDNN pads those itself."""
+    if device_info is None or device_info.type != "cuda" or not properties.compute_dtypes:
+        return []
+    offenders: list[str] = []
+    layers = 0
+    for name, module in model.named_modules():
+        sizes: list[str] = []
+        if isinstance(module, nn.Linear):
+            layers += 1
+            if _off_eight(module.in_features):
+                sizes.append(f"in_features {module.in_features}")
+            if _off_eight(module.out_features):
+                sizes.append(f"out_features {module.out_features}")
+        elif isinstance(module, nn.Conv2d):
+            layers += 1
+            if module.in_channels not in (1, 3) and _off_eight(module.in_channels):
+                sizes.append(f"in_channels {module.in_channels}")
+            if _off_eight(module.out_channels):
+                sizes.append(f"out_channels {module.out_channels}")
+        if sizes:
+            offenders.append(f"{name or type(module).__name__} ({', '.join(sizes)})")
+    parts: list[str] = []
+    if offenders:
+        shown = ", ".join(offenders[:3])
+        more = f" and {len(offenders) - 3} more" if len(offenders) > 3 else ""
+        parts.append(f"{len(offenders)} of {layers} Linear/Conv2d layers have sizes that are not "
+                     f"multiples of 8: {shown}{more}")
+    if batch_size is not None and _off_eight(batch_size):
+        parts.append(f"the batch size {batch_size} is not a multiple of 8")
+    if not parts:
+        return []
+    dtypes = "/".join(sorted(dtype_name(d) for d in properties.compute_dtypes))
+    return [Finding(
+        "info", "model" if offenders else "trainer.batch_size",
+        "; ".join(parts)
+        + f", so {dtypes} Tensor Core kernels pad them or fall back to slower ones",
+        "sizes that are multiples of 8 (trainer.batch_size, layer widths) use Tensor Cores fully")]
