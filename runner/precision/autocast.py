@@ -2,21 +2,226 @@
 
 Autocast casts per op (matmul/conv in 16 bit, reductions and losses in fp32) and leaves the model's
 weights in fp32, which is what Apex O1 achieved by monkey-patching torch functions.
+
+Apex's registration API is kept on top of it: `register_half_function(module, name)`,
+`register_float_function(module, name)` and `register_promote_function(module, name)` name a
+function whose floating tensor arguments are cast to the 16-bit type / fp32 / the widest floating
+type of the arguments before it runs (with autocast off inside it, so the cast sticks). The
+attribute `module.name` is replaced only while an O1 region is open (patched on entering the
+outermost region, restored on leaving it; nested and re-entered regions are counted), so code
+outside the region sees the original function. As in Apex the patch is on the module attribute:
+a reference taken before (`from torch import matmul`) is not affected, and the patch is visible to
+every thread while a region is open.
+
+Apex also banned `binary_cross_entropy` under O1: on 16-bit inputs it saturates (log of a
+rounded-to-1 probability) and is unsafe to autocast. Inside the region
+`torch.nn.functional.binary_cross_entropy` (which `nn.BCELoss` calls) raises on 16-bit inputs with a
+pointer to `BCEWithLogitsLoss`, on CPU as well as CUDA.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager
+import functools
+import threading
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 
 from runner.precision.properties import Properties
 
+_HALF = (torch.float16, torch.bfloat16)
+_KINDS = ("half", "float", "promote")
+
+# (module, name) -> kind, in registration order (a later registration of the same name wins).
+_REGISTRY: dict[tuple[int, str], tuple[Any, str, str]] = {}
+_LOCK = threading.RLock()
+_depth = 0
+_saved: list[tuple[Any, str, Any]] = []   # (module, name, original attribute) while patched
+_region_device_type = "cpu"
+_region_half_dtype = torch.float16
+
+BANNED_MESSAGE = (
+    "{name} on 16-bit inputs is banned inside the O1 mixed-precision region (as in Apex amp): "
+    "the probability input has already been rounded to 16 bits, so log(p) and log(1-p) saturate "
+    "and the loss is unsafe to autocast. Return logits instead of sigmoid outputs and use "
+    "torch.nn.BCEWithLogitsLoss / torch.nn.functional.binary_cross_entropy_with_logits, which are "
+    "safe (fused sigmoid + log in fp32). If you must, cast the inputs with .float() first.")
+
+
+def _register(module: Any, name: str, kind: str) -> None:
+    if not hasattr(module, name):
+        raise AttributeError(f"{getattr(module, '__name__', module)!r} has no attribute {name!r}")
+    if not callable(getattr(module, name)):
+        raise TypeError(f"{getattr(module, '__name__', module)!r}.{name} is not callable")
+    with _LOCK:
+        if _depth:
+            raise RuntimeError("register_*_function must be called outside an O1 autocast region")
+        _REGISTRY[(id(module), name)] = (module, name, kind)
+
+
+def register_half_function(module: Any, name: str) -> None:
+    """Inside the O1 region, `module.name` runs on 16-bit copies of its floating tensor args."""
+    _register(module, name, "half")
+
+
+def register_float_function(module: Any, name: str) -> None:
+    """Inside the O1 region, `module.name` runs on fp32 copies of its floating tensor args."""
+    _register(module, name, "float")
+
+
+def register_promote_function(module: Any, name: str) -> None:
+    """Inside the O1 region, `module.name` runs with its floating tensor args cast to the widest
+    floating type among them (fp16 + fp32 -> fp32; fp16 + bf16 -> fp32)."""
+    _register(module, name, "promote")
+
+
+def clear_registrations() -> None:
+    """Forget every registered function (tests; a fresh process starts empty)."""
+    with _LOCK:
+        if _depth:
+            raise RuntimeError("cannot clear registrations inside an O1 autocast region")
+        _REGISTRY.clear()
+
+
+def registered_functions() -> list[tuple[Any, str, str]]:
+    return list(_REGISTRY.values())
+
+
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from _tensors(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _tensors(o)
+
+
+def _cast_all(obj: Any, dtype: torch.dtype) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() and obj.dtype != dtype else obj
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_cast_all(o, dtype) for o in obj)
+    if isinstance(obj, list):
+        return [_cast_all(o, dtype) for o in obj]
+    if isinstance(obj, dict):
+        return {k: _cast_all(v, dtype) for k, v in obj.items()}
+    return obj
+
+
+def _widest(args: tuple, kwargs: dict) -> torch.dtype | None:
+    dtypes = {t.dtype for t in _tensors((args, kwargs)) if t.is_floating_point()}
+    if not dtypes:
+        return None
+    if len(dtypes) == 1:
+        return dtypes.pop()
+    wide = [d for d in dtypes if d not in _HALF]
+    if wide:
+        return max(wide, key=lambda d: torch.finfo(d).bits)
+    return torch.float32  # fp16 with bf16: neither holds the other
+
+
+def _casting_wrapper(fn: Callable, kind: str) -> Callable:
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if kind == "half":
+            dtype = _region_half_dtype
+        elif kind == "float":
+            dtype = torch.float32
+        else:
+            dtype = _widest(args, kwargs)
+        if dtype is not None:
+            args, kwargs = _cast_all(args, dtype), _cast_all(kwargs, dtype)
+        with torch.autocast(_region_device_type, enabled=False):
+            return fn(*args, **kwargs)
+
+    wrapper.__amp_original__ = fn  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _banned_wrapper(fn: Callable, name: str) -> Callable:
+    @functools.wraps(fn)
+    def wrapper(input, *args, **kwargs):
+        if isinstance(input, torch.Tensor) and input.dtype in _HALF:
+            raise RuntimeError(BANNED_MESSAGE.format(name=name))
+        return fn(input, *args, **kwargs)
+
+    wrapper.__amp_original__ = fn  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _banned() -> list[tuple[Any, str, str]]:
+    return [(torch.nn.functional, "binary_cross_entropy",
+             "torch.nn.functional.binary_cross_entropy (and nn.BCELoss)")]
+
+
+_ABSENT = object()
+
+
+def _set_patch(module: Any, name: str, make: Callable[[Callable], Callable]) -> None:
+    """Replace `module.name` by `make(original)`, remembering the raw attribute (a class's
+    staticmethod stays a staticmethod; an inherited attribute is deleted again on restore)."""
+    raw = vars(module).get(name, _ABSENT) if hasattr(module, "__dict__") else _ABSENT
+    _saved.append((module, name, raw))
+    if isinstance(raw, staticmethod):
+        setattr(module, name, staticmethod(make(raw.__func__)))
+    else:
+        setattr(module, name, make(getattr(module, name)))
+
+
+def _patch() -> None:
+    for module, name, kind in _REGISTRY.values():
+        _set_patch(module, name, lambda fn, kind=kind: _casting_wrapper(fn, kind))
+    for module, name, label in _banned():
+        _set_patch(module, name, lambda fn, label=label: _banned_wrapper(fn, label))
+
+
+def _unpatch() -> None:
+    while _saved:
+        module, name, raw = _saved.pop()  # reverse order: a name patched twice comes back
+        if raw is _ABSENT:
+            delattr(module, name)
+        else:
+            setattr(module, name, raw)
+
+
+@contextlib.contextmanager
+def function_patches(device_type: str, half_dtype: torch.dtype) -> Iterator[None]:
+    """Apply the registered casts and the BCE ban for the duration (counted, re-entrant)."""
+    global _depth, _region_device_type, _region_half_dtype
+    with _LOCK:
+        if _depth == 0:
+            _region_device_type, _region_half_dtype = device_type, half_dtype
+            try:
+                _patch()
+            except BaseException:
+                _unpatch()
+                raise
+        _depth += 1
+    try:
+        yield
+    finally:
+        with _LOCK:
+            _depth -= 1
+            if _depth == 0:
+                _unpatch()
+
+
+def in_patched_region() -> bool:
+    return _depth > 0
+
+
+@contextlib.contextmanager
+def _o1_region(device_type: str, dtype: torch.dtype) -> Iterator[None]:
+    with torch.autocast(device_type, dtype=dtype), function_patches(device_type, dtype):
+        yield
+
 
 def autocast_context(properties: Properties, device: torch.device | str) -> ContextManager:
-    """`torch.autocast(<device type>, dtype=autocast_dtype)` under patch_torch_functions,
-    else a no-op context."""
+    """`torch.autocast(<device type>, dtype=autocast_dtype)` plus the registered function casts
+    and the BCE ban under patch_torch_functions, else a no-op context."""
     if not properties.patch_torch_functions:
         return contextlib.nullcontext()
     device_type = torch.device(device).type
-    return torch.autocast(device_type, dtype=properties.autocast_dtype)
+    return _o1_region(device_type, properties.autocast_dtype)

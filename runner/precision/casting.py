@@ -73,6 +73,15 @@ class IOCastHooks:
         self.handles = []
 
 
+def install_output_cast(model: nn.Module, output_dtype: torch.dtype) -> IOCastHooks:
+    """Cast floating outputs to `output_dtype` (Apex's `cast_model_outputs` without a model cast)."""
+
+    def post_hook(module: nn.Module, args: tuple, output: Any):
+        return map_tensors(output, lambda t: _cast_tensor(t, output_dtype))
+
+    return IOCastHooks([model.register_forward_hook(post_hook)])
+
+
 def install_io_casts(model: nn.Module, dtype: torch.dtype,
                      output_dtype: torch.dtype = torch.float32) -> IOCastHooks:
     """Cast floating inputs (args and kwargs) to `dtype` and floating outputs to `output_dtype`."""
@@ -96,10 +105,14 @@ def install_io_casts(model: nn.Module, dtype: torch.dtype,
 
 
 def cast_model(model: nn.Module, dtype: torch.dtype,
-               keep_batchnorm_fp32: Optional[bool]) -> Optional[IOCastHooks]:
+               keep_batchnorm_fp32: Optional[bool],
+               output_dtype: Optional[torch.dtype] = None) -> Optional[IOCastHooks]:
     """Apex-style model cast: weights to `dtype` (fp32 BatchNorm if asked); for a 16-bit `dtype`
-    also install the input/output casts. Returns the hooks (None when `dtype` is fp32)."""
+    also install the input/output casts (outputs to `output_dtype`, fp32 when None).
+    Returns the hooks (None when `dtype` is fp32 and no output cast is asked for)."""
     cast_module_(model, dtype, keep_batchnorm_fp32)
     if dtype in (torch.float16, torch.bfloat16):
-        return install_io_casts(model, dtype)
+        return install_io_casts(model, dtype, output_dtype or torch.float32)
+    if output_dtype is not None:
+        return install_output_cast(model, output_dtype)
     return None

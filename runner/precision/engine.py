@@ -3,33 +3,78 @@
 The trainer calls, per step: `with engine.autocast(): loss = ...`, `engine.backward(loss)`,
 optionally `engine.clip_grad_norm_(max_norm)`, `engine.step(optimizer)`,
 `engine.zero_grad(optimizer)`.
-The engine never wraps `optimizer.step` (LR schedulers wrap it themselves), and reads the
-non-finite flag from the device at most once per step, only when a check is needed at all
-(dynamic scale, or a static scale other than 1).
+The engine never wraps `optimizer.step` (LR schedulers wrap it themselves; the Apex facade in
+`amp.py` does, on the instance), and reads the non-finite flags from the device at most once per
+step, only when a check is needed at all (dynamic scale, or a static scale other than 1).
+
+Gradient accumulation: several `backward` calls of one loss before one `step` accumulate scaled
+gradients, unscaled once at the step. Several losses (`num_losses`, `loss_id`): before a
+different loss's backward, the gradients already accumulated are unscaled by their own scaler
+(its overflow flag recorded against that loss) and moved into fp32 stash buffers, which are added
+back after the last loss is unscaled; the step is skipped if any loss overflowed, and each scaler
+updates once per round with its own loss's verdict, however many optimizers step that loss.
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
-from typing import Any, ContextManager, Iterator, Optional
+from typing import Any, Callable, ContextManager, Iterator, Optional
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from runner.precision.autocast import autocast_context
-from runner.precision.casting import IOCastHooks, cast_model
+from runner.precision.casting import IOCastHooks, cast_model, install_output_cast
 from runner.precision.master import MasterWeights
 from runner.precision.properties import Properties
 from runner.precision.scaler import LossScaler
 
 
+_SCALER_KNOBS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "hysteresis",
+                 "min_loss_scale", "max_loss_scale")
+
+
+def _make_scaler(properties: Properties, min_loss_scale: Optional[float],
+                 max_loss_scale: Optional[float]) -> LossScaler:
+    """A scaler for `properties.loss_scale` with the loss-scaling knobs the properties carry
+    (read with defaults: older Properties have none); explicit min/max arguments win."""
+    accepted = inspect.signature(LossScaler).parameters
+    kw = {k: getattr(properties, k) for k in _SCALER_KNOBS
+          if k in accepted and getattr(properties, k, None) is not None}
+    if min_loss_scale is not None:
+        kw["min_loss_scale"] = min_loss_scale
+    if max_loss_scale is not None:
+        kw["max_loss_scale"] = max_loss_scale
+    return LossScaler(properties.loss_scale, **kw)
+
+
 @dataclass
 class _OptimizerState:
-    """What the engine tracks per prepared optimizer between backward and step."""
+    """What the engine tracks per prepared optimizer between backward and step (one "round")."""
 
     models: list[nn.Module] = field(default_factory=list)
     masters: Optional[MasterWeights] = None
-    unscaled: bool = False
-    found_inf: Optional[torch.Tensor] = None
+    n_groups: int = 0
+    # loss ids whose *scaled* gradients sit in the model's .grad (accumulated, one scale)
+    scaled_ids: set[int] = field(default_factory=set)
+    # every loss id that contributed gradients this round (their scalers update at the step)
+    loss_ids: set[int] = field(default_factory=set)
+    # fp32 sums of already unscaled gradients of earlier losses: id(stepped param) -> tensor
+    stash: dict[int, torch.Tensor] = field(default_factory=dict)
+    flags: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # device flags per loss
+    found: dict[int, bool] = field(default_factory=dict)               # resolved flags per loss
+    unscaled: bool = False  # the stepped .grad hold the final, unscaled values
+    clipped: bool = False
+
+    def reset(self) -> None:
+        self.scaled_ids.clear()
+        self.loss_ids.clear()
+        self.stash.clear()
+        self.flags.clear()
+        self.found.clear()
+        self.unscaled = False
+        self.clipped = False
 
 
 class AmpEngine:
@@ -41,49 +86,96 @@ class AmpEngine:
         device: torch.device | str,
         num_losses: int = 1,
         min_loss_scale: Optional[float] = None,
-        max_loss_scale: float = 2.0 ** 24,
+        max_loss_scale: Optional[float] = None,
+        cast_model_outputs: Optional[torch.dtype] = None,
     ):
         if num_losses < 1:
             raise ValueError(f"num_losses must be >= 1, got {num_losses}")
         self.properties = properties
         self.device = torch.device(device)
-        self.scalers = [
-            LossScaler(properties.loss_scale, min_loss_scale=min_loss_scale,
-                       max_loss_scale=max_loss_scale)
-            for _ in range(num_losses)
-        ]
+        self.cast_model_outputs = cast_model_outputs
+        self.scalers = [_make_scaler(properties, min_loss_scale, max_loss_scale)
+                        for _ in range(num_losses)]
         self.skipped_steps = 0
         self._optimizers: dict[int, tuple[torch.optim.Optimizer, _OptimizerState]] = {}
         self._io_hooks: list[IOCastHooks] = []
-        self._pending_losses: set[int] = set()  # loss_ids with a backward since the last step
-        self._last_losses: set[int] = {0}
+        self._model_hooks: list[RemovableHandle] = []
+        # loss id -> the overflow verdict its scaler was updated with since that loss's last
+        # backward (absent: not updated yet). Several optimizers stepping one loss's gradients
+        # update its scaler once (backing off if any of them overflowed).
+        self._round: dict[int, bool] = {}
 
     # ---- setup -----------------------------------------------------------------------------
     def prepare(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]):
         """Cast `model` per the properties and give `optimizer` fp32 masters where asked.
 
         `model` must already be on the device. Returns the same objects, modified in place.
+        With master weights, `model.state_dict()` returns fp32 tensors (the masters' exact values
+        for parameters that have one) and `model.load_state_dict(sd)` also re-seeds the masters
+        (from fp32 values in `sd` when present, else from the loaded model).
         """
-        p = self.properties
-        if p.cast_model_type is not None:
-            hooks = cast_model(model, p.cast_model_type, p.keep_batchnorm_fp32)
-            if hooks is not None:
-                self._io_hooks.append(hooks)
+        self.cast(model)
         if optimizer is not None:
-            _, state = self._optimizers.setdefault(id(optimizer), (optimizer, _OptimizerState()))
-            state.models.append(model)
-            if p.uses_master_weights:
-                if state.masters is None:
-                    state.masters = MasterWeights(optimizer)
-                else:  # one optimizer over several models, prepared one by one
-                    state.masters.add_new_half_params()
+            self.add_optimizer(optimizer, [model])
         return model, optimizer
 
+    def cast(self, model: nn.Module) -> nn.Module:
+        """The model half of `prepare`: cast, IO hooks, fp32 state-dict hooks."""
+        p = self.properties
+        hooks = None
+        if p.cast_model_type is not None:
+            hooks = cast_model(model, p.cast_model_type, p.keep_batchnorm_fp32,
+                               self.cast_model_outputs)
+        elif self.cast_model_outputs is not None:
+            hooks = install_output_cast(model, self.cast_model_outputs)
+        if hooks is not None:
+            self._io_hooks.append(hooks)
+        if p.casts_to_half:
+            # (plain functions: torch tags hooks with attributes, which bound methods refuse)
+            self._model_hooks += [
+                model.register_state_dict_post_hook(
+                    lambda *a: self._fp32_state_hook(*a)),
+                model.register_load_state_dict_pre_hook(lambda *a: self._load_pre_hook(*a)),
+                model.register_load_state_dict_post_hook(lambda *a: self._load_post_hook(*a)),
+            ]
+        return model
+
+    def add_optimizer(self, optimizer: torch.optim.Optimizer,
+                      models: list[nn.Module] = ()) -> torch.optim.Optimizer:
+        """The optimizer half of `prepare`, after its models were cast: fp32 masters for its
+        16-bit parameters where asked; `models` get their grads cleared by `zero_grad`."""
+        _, state = self._optimizers.setdefault(id(optimizer), (optimizer, _OptimizerState()))
+        state.models.extend(m for m in models if all(m is not o for o in state.models))
+        if self.properties.uses_master_weights:
+            if state.masters is None:
+                state.masters = MasterWeights(optimizer)
+            else:  # one optimizer over several models, prepared one by one
+                state.masters.add_new_half_params()
+        state.n_groups = len(optimizer.param_groups)
+        return optimizer
+
     def remove_hooks(self) -> None:
-        """Remove the input/output cast hooks from every prepared model."""
+        """Remove the input/output cast and state-dict hooks from every prepared model."""
         for h in self._io_hooks:
             h.remove()
         self._io_hooks = []
+        for h in self._model_hooks:
+            h.remove()
+        self._model_hooks = []
+
+    def release(self) -> None:
+        """Undo `prepare` as far as it can be undone: hooks removed, optimizers get the model's
+        parameters back (with the master values, rounded). The model stays in its cast type."""
+        self.remove_hooks()
+        for _, st in self._optimizers.values():
+            if st.masters is not None:
+                st.masters.release()
+                st.masters = None
+        self._optimizers.clear()
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return [opt for opt, _ in self._optimizers.values()]
 
     def _state(self, optimizer: Optional[torch.optim.Optimizer]
                ) -> tuple[torch.optim.Optimizer, _OptimizerState]:
@@ -98,104 +190,273 @@ class AmpEngine:
         except KeyError:
             raise RuntimeError("this optimizer was not passed to AmpEngine.prepare") from None
 
+    def sync_param_groups(self, optimizer: Optional[torch.optim.Optimizer] = None) -> int:
+        """After `optimizer.add_param_group`: give new 16-bit params fp32 masters (also done
+        automatically at the next unscale/step). Returns how many masters were added."""
+        optimizer, st = self._state(optimizer)
+        st.n_groups = len(optimizer.param_groups)
+        if st.masters is None:
+            return 0
+        return st.masters.add_new_half_params()
+
+    # ---- model state dicts under a 16-bit cast -------------------------------------------
+    def _master_map(self) -> dict[int, nn.Parameter]:
+        out: dict[int, nn.Parameter] = {}
+        for _, st in self._optimizers.values():
+            if st.masters is not None:
+                out.update(st.masters.master_of())
+        return out
+
+    def _fp32_state_hook(self, module: nn.Module, state_dict: dict, prefix: str,
+                         local_metadata: Any) -> None:
+        masters = self._master_map()
+        for name, param in module.named_parameters(prefix=prefix.rstrip(".") if prefix else "",
+                                                   remove_duplicate=False):
+            if name in state_dict and id(param) in masters:
+                state_dict[name] = masters[id(param)].detach()
+        for key, value in list(state_dict.items()):
+            if (key.startswith(prefix) and torch.is_tensor(value)
+                    and value.dtype in (torch.float16, torch.bfloat16)):
+                state_dict[key] = value.float()
+
+    def _load_pre_hook(self, module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+        masters = self._master_map()
+        pending = []
+        for name, param in module.named_parameters(remove_duplicate=False):
+            value = state_dict.get(prefix + name)
+            if id(param) in masters and torch.is_tensor(value):
+                pending.append((masters[id(param)], value))
+        module.__dict__["_amp_pending_masters"] = pending
+
+    @torch.no_grad()
+    def _load_post_hook(self, module: nn.Module, incompatible_keys: Any) -> None:
+        pending = module.__dict__.pop("_amp_pending_masters", [])
+        exact = set()
+        for master, value in pending:
+            if value.dtype == torch.float32 and value.shape == master.shape:
+                master.copy_(value)  # exact: the checkpoint carries the fp32 values
+                exact.add(id(master))
+        self.refresh_masters(skip=exact)  # the rest from what the model now holds
+
+    @torch.no_grad()
+    def refresh_masters(self, skip: Optional[set[int]] = None) -> None:
+        """Re-seed every master from its model parameter (after loading weights into the model
+        other than through `model.load_state_dict`, e.g. `param.copy_`)."""
+        for _, st in self._optimizers.values():
+            if st.masters is None:
+                continue
+            for p, m in zip(st.masters.model_params, st.masters.masters):
+                if skip is None or id(m) not in skip:
+                    m.copy_(p)
+
+    def load_model_state(self, model: nn.Module, state_dict: dict, strict: bool = True):
+        """`model.load_state_dict(state_dict)` with the masters re-seeded (fp32 values of the
+        state dict exactly, else from the model)."""
+        return model.load_state_dict(state_dict, strict=strict)  # the hooks re-seed the masters
+
     # ---- per step --------------------------------------------------------------------------
     def autocast(self) -> ContextManager:
         """Context for forward and loss: `torch.autocast` under O1-style properties, else no-op."""
         return autocast_context(self.properties, self.device)
 
-    def backward(self, loss: torch.Tensor, loss_id: int = 0) -> None:
-        """`(loss.float() * scale).backward()`; no multiply when the scale is exactly 1."""
+    def _check_loss_id(self, loss_id: int) -> None:
         if not 0 <= loss_id < len(self.scalers):
             raise ValueError(f"loss_id {loss_id} out of range for num_losses={len(self.scalers)}")
-        if any(st.unscaled for _, st in self._optimizers.values()):
-            raise RuntimeError("backward after unscale_/clip_grad_norm_ and before step: "
-                               "gradients would mix scaled and unscaled values")
+
+    def scale_loss(self, loss: torch.Tensor, loss_id: int = 0,
+                   optimizers: Optional[list[torch.optim.Optimizer]] = None) -> torch.Tensor:
+        """`loss.float() * scale`, ready for `.backward()`; prepares the optimizers' gradients
+        for it first. `backward(loss, loss_id)` is `scale_loss(loss, loss_id).backward()`.
+
+        Gradients of one loss accumulate scaled (gradient accumulation; unscaled once at the
+        step). Before a *different* loss's backward, the gradients already there are unscaled by
+        their own scaler (overflow recorded against that loss) and moved into fp32 stash buffers,
+        so each loss keeps its own scale and each scaler backs off only for its own overflow.
+        """
+        self._check_loss_id(loss_id)
+        states = (self._optimizers.values() if optimizers is None
+                  else [self._state(o) for o in optimizers])
+        for opt, st in states:
+            self._before_backward(opt, st, loss_id)
+        self._round.pop(loss_id, None)
         scale = self.scalers[loss_id].scale
         loss = loss.float()
         if scale != 1.0:
             loss = loss * scale
-        loss.backward()
-        self._pending_losses.add(loss_id)
+        return loss
 
-    def _step_scalers(self) -> list[LossScaler]:
-        """The scalers whose losses produced this step's gradients."""
-        ids = sorted(self._pending_losses or self._last_losses)
-        scalers = [self.scalers[i] for i in ids]
-        if len({s.scale for s in scalers}) > 1:
-            # Gradients of losses with different scales are summed in .grad and cannot be told
-            # apart any more; per-loss unscaling at backward time is needed for that case.
-            raise RuntimeError(f"losses {ids} have different scales "
-                               f"{[s.scale for s in scalers]} but share one step")
-        return scalers
+    def backward(self, loss: torch.Tensor, loss_id: int = 0) -> None:
+        """`(loss.float() * scale).backward()`; no multiply when the scale is exactly 1."""
+        self.scale_loss(loss, loss_id).backward()
+
+    def _before_backward(self, opt: torch.optim.Optimizer, st: _OptimizerState,
+                         loss_id: int) -> None:
+        if st.clipped:
+            raise RuntimeError("backward after clip_grad_norm_ and before step: the clipped "
+                               "gradients would be mixed with new ones")
+        if st.unscaled:
+            self._stash_grads(opt, st)
+        elif st.scaled_ids and loss_id not in st.scaled_ids:
+            pending_checks = any(self.scalers[i].needs_check for i in st.scaled_ids)
+            if pending_checks or self.scalers[loss_id].needs_check:
+                self.unscale_(opt)
+                self._stash_grads(opt, st)
+        st.scaled_ids.add(loss_id)
+        st.loss_ids.add(loss_id)
+
+    @torch.no_grad()
+    def _stash_grads(self, opt: torch.optim.Optimizer, st: _OptimizerState) -> None:
+        """Move the (unscaled) stepped gradients into the fp32 stash and clear the model's."""
+        for p in self._stepped_params(opt):
+            g = p.grad
+            if g is None:
+                continue
+            buf = st.stash.get(id(p))
+            if buf is None:
+                st.stash[id(p)] = g.detach().to(torch.float32, copy=True)
+            else:
+                buf.add_(g)
+            p.grad = None
+        self._clear_model_grads(opt, st)
+        st.unscaled = False
+
+    def _clear_model_grads(self, opt: torch.optim.Optimizer, st: _OptimizerState) -> None:
+        if st.masters is not None:
+            for p in st.masters.model_params:
+                p.grad = None
+            st.masters.zero_grad()
 
     def unscale_(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
         """Make the stepped gradients true fp32 values: once per step (a no-op until step after).
 
         O2: copy the model's half grads into the fp32 masters. Then, where a check is needed,
-        unscale in place and record a non-finite flag as a device tensor (no host sync here).
+        unscale in place and record a non-finite flag as a device tensor (no host sync here);
+        gradients stashed from earlier losses are added back.
         """
         optimizer, st = self._state(optimizer)
         if st.unscaled:
             return
+        if len(optimizer.param_groups) != st.n_groups:
+            self.sync_param_groups(optimizer)
         if st.masters is not None:
             st.masters.copy_grads_to_master()
-        scaler = self._step_scalers()[0]
-        if scaler.needs_check:
-            grads = [p.grad for p in self._stepped_params(optimizer) if p.grad is not None]
-            st.found_inf = scaler.unscale_(grads)
+        if st.scaled_ids:
+            scaler = self.scalers[min(st.scaled_ids)]  # one scale: see _before_backward
+            if scaler.needs_check:
+                grads = [p.grad for p in self._stepped_params(optimizer) if p.grad is not None]
+                flag = scaler.unscale_(grads)
+                if flag is not None:
+                    for i in st.scaled_ids:
+                        st.flags.setdefault(i, []).append(flag)
+            st.scaled_ids.clear()
+        if st.stash:
+            with torch.no_grad():
+                for p in self._stepped_params(optimizer):
+                    buf = st.stash.get(id(p))
+                    if buf is None:
+                        continue
+                    if p.grad is None:
+                        p.grad = buf if buf.dtype == p.dtype else buf.to(p.dtype)
+                    else:
+                        p.grad.add_(buf)
+            st.stash.clear()
         st.unscaled = True
+
+    def _resolve(self, st: _OptimizerState) -> dict[int, bool]:
+        """The per-loss overflow verdicts of this round: at most one host sync per call."""
+        pending = [(i, flags) for i, flags in st.flags.items() if flags]
+        if pending:
+            sums = []
+            for _, flags in pending:
+                f = flags[0]
+                for o in flags[1:]:
+                    f = f + o.to(f.device)
+                sums.append(f)
+            if len(sums) == 1:
+                values = [sums[0].item()]
+            else:
+                dev = sums[0].device
+                values = torch.cat([s.to(dev) for s in sums]).tolist()
+            for (i, flags), v in zip(pending, values):
+                st.found[i] = st.found.get(i, False) or v != 0
+                flags.clear()
+        return st.found
+
+    def _update_scalers(self, st: _OptimizerState) -> None:
+        for i in sorted(st.loss_ids):
+            found = st.found.get(i, False)
+            done = self._round.get(i)
+            if done is None:
+                self.scalers[i].update(found)
+                self._round[i] = found
+            elif found and not done:
+                self.scalers[i].update(True)
+                self._round[i] = True
+
+    def settle(self, optimizer: Optional[torch.optim.Optimizer] = None) -> bool:
+        """Unscale, check and update the scalers now (Apex's end of `scale_loss`); the next
+        `step` of this optimizer then only steps or skips. Returns True when it will skip."""
+        optimizer, st = self._state(optimizer)
+        self.unscale_(optimizer)
+        found = self._resolve(st)
+        self._update_scalers(st)
+        return any(found.values())
+
+    def will_skip(self, optimizer: Optional[torch.optim.Optimizer] = None) -> bool:
+        """Whether the overflow verdicts known so far make the next step a skip (may sync)."""
+        _, st = self._state(optimizer)
+        return any(self._resolve(st).values())
 
     def clip_grad_norm_(self, max_norm: float, optimizer: Optional[torch.optim.Optimizer] = None,
                         norm_type: float = 2.0) -> torch.Tensor:
         """Clip the unscaled gradients the optimizer will step (masters under O2); returns the
         total norm before clipping. Non-finite grads give a non-finite norm; the step is skipped."""
-        optimizer, _ = self._state(optimizer)
-        self.unscale_(optimizer)
-        params = [p for p in self._stepped_params(optimizer) if p.grad is not None]
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
-
-    def step(self, optimizer: Optional[torch.optim.Optimizer] = None) -> bool:
-        """Unscale if not done, then skip (non-finite grads) or step.
-
-        Returns True when the optimizer stepped."""
         optimizer, st = self._state(optimizer)
         self.unscale_(optimizer)
-        scalers = self._step_scalers()
+        params = [p for p in self._stepped_params(optimizer) if p.grad is not None]
+        st.clipped = True
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+
+    def step(self, optimizer: Optional[torch.optim.Optimizer] = None, *args: Any,
+             step_fn: Optional[Callable[..., Any]] = None, **kwargs: Any) -> bool:
+        """Unscale if not done, then skip (non-finite grads) or step; masters -> model.
+
+        Each scaler whose loss contributed to this step updates once per round (backing off only
+        for its own loss's overflow). `step_fn` replaces `optimizer.step` (the Apex facade passes
+        the unwrapped step). Returns True when the optimizer stepped."""
+        optimizer, st = self._state(optimizer)
+        self.unscale_(optimizer)
         # The only host sync of the step, and none when no check ran.
-        found_inf = st.found_inf is not None and bool(st.found_inf.item())
+        found_inf = any(self._resolve(st).values())
         if found_inf:
             self.skipped_steps += 1
         else:
-            optimizer.step()
+            (step_fn or optimizer.step)(*args, **kwargs)
             if st.masters is not None:
                 st.masters.copy_master_to_model()
-        for s in scalers:
-            s.update(found_inf)
-        self._end_step(st)
+        self._update_scalers(st)
+        st.reset()
         return not found_inf
 
-    def _end_step(self, st: _OptimizerState) -> None:
-        st.unscaled = False
-        st.found_inf = None
-        if self._pending_losses:
-            self._last_losses = set(self._pending_losses)
-        self._pending_losses.clear()
-
-    def zero_grad(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
-        """Model grads to None; the masters' grad buffers are kept for reuse. Also forgets a
-        pending unscale, so a step abandoned by the caller does not leak into the next one."""
+    def zero_grad(self, optimizer: Optional[torch.optim.Optimizer] = None,
+                  set_to_none: bool = True) -> None:
+        """Model and master grads cleared (to None by default; the masters' grad buffers are kept
+        for reuse). Also forgets a pending unscale or stash, so a step abandoned by the caller
+        does not leak into the next one."""
         optimizer, st = self._state(optimizer)
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                p.grad = None
+        params = [p for group in optimizer.param_groups for p in group["params"]]
         if st.masters is not None:
-            for p in st.masters.model_params:
-                p.grad = None
+            params += st.masters.model_params
             st.masters.zero_grad()
         for model in st.models:
-            for p in model.parameters():
+            params += list(model.parameters())
+        for p in params:
+            if set_to_none:
                 p.grad = None
-        self._end_step(st)
+            elif p.grad is not None:
+                p.grad.detach_().requires_grad_(False)
+                p.grad.zero_()
+        st.reset()
 
     # ---- introspection and checkpoints -------------------------------------------------------
     def _stepped_params(self, optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:

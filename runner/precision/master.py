@@ -26,10 +26,12 @@ class MasterWeights:
         self._grad_buffers: list[Optional[torch.Tensor]] = []
         self.add_new_half_params()
 
-    def add_new_half_params(self) -> None:
+    def add_new_half_params(self) -> int:
         """Give a master to every half parameter of the optimizer that has none yet (again after
-        another model that shares this optimizer was cast)."""
-        seen: dict[int, nn.Parameter] = {}
+        another model that shares this optimizer was cast, or after `add_param_group`).
+        Returns how many masters were added."""
+        before = len(self.masters)
+        seen: dict[int, nn.Parameter] = {id(p): m for p, m in zip(self.model_params, self.masters)}
         for group in self.optimizer.param_groups:
             params = group["params"]
             for i, p in enumerate(params):
@@ -46,6 +48,7 @@ class MasterWeights:
                 self.masters.append(master)
                 self._grad_buffers.append(None)
                 self._move_state(p, master)
+        return len(self.masters) - before
 
     def _move_state(self, param: torch.Tensor, master: torch.Tensor) -> None:
         """Optimizer state made before prepare (rare) follows the parameter, in fp32."""
@@ -100,6 +103,28 @@ class MasterWeights:
         """Re-seed the masters from the model, e.g. after loading model weights into it."""
         if self.masters:
             torch._foreach_copy_(self.masters, self.model_params)
+
+    def master_of(self) -> dict[int, nn.Parameter]:
+        """id(model parameter) -> its fp32 master."""
+        return {id(p): m for p, m in zip(self.model_params, self.masters)}
+
+    @torch.no_grad()
+    def release(self) -> None:
+        """Undo the pairing: the model gets the (rounded) master values and its own parameters
+        back in the optimizer's groups; optimizer state follows them unchanged (fp32)."""
+        self.copy_master_to_model()
+        back = {id(m): p for p, m in zip(self.model_params, self.masters)}
+        state = self.optimizer.state
+        for group in self.optimizer.param_groups:
+            params = group["params"]
+            for i, m in enumerate(params):
+                p = back.get(id(m))
+                if p is None:
+                    continue
+                params[i] = p
+                if m in state:
+                    state[p] = state.pop(m)
+        self.model_params, self.masters, self._grad_buffers = [], [], []
 
     def zero_grad(self) -> None:
         """Drop the masters' grads; the buffers are kept and reused by the next copy."""
