@@ -111,18 +111,6 @@ def resolve_precision(cfg: DictConfig, device: torch.device | DeviceInfo) -> Res
     return resolution
 
 
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "cpu"
-
-
 def environment_tags(device: torch.device) -> dict[str, str]:
     from runner.tracking import git_commit
 
@@ -132,7 +120,7 @@ def environment_tags(device: torch.device) -> dict[str, str]:
         "torch_version": torch.__version__,
         "cuda_version": str(torch.version.cuda),
         "device": device.type,
-        "device_name": device_name(device),
+        "device_name": DeviceInfo.from_torch(device).name,
         "num_threads": str(torch.get_num_threads()),
     }
     commit = git_commit(Path(runner.__file__).parent) or git_commit(os.getcwd())

@@ -17,6 +17,7 @@ from torch import nn
 
 from runner.precision import amp
 from runner.precision import autocast as ac
+from tests.precision_helpers import Snapshot, batch, net
 
 
 @pytest.fixture(autouse=True)
@@ -26,16 +27,6 @@ def _fresh_amp():
     yield
     amp.deinitialize()
     ac.clear_registrations()
-
-
-def net(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
-
-
-def batch(seed: int = 1, n: int = 12):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
 
 
 def ce(model, x, y):
@@ -213,23 +204,13 @@ def test_inf_in_any_parameter_skips_step_and_halves_scale(where):
     idx = {"first": 0, "middle": n // 2, "last": n - 1}[where]
     x, y = batch()
     train_step(model, opt, x, y)  # creates the Adam state
-    weights = {k: v.detach().clone() for k, v in model.named_parameters()}
-    masters = [p.detach().clone() for p in amp.master_params(opt)]
-    opt_state = copy.deepcopy(opt.state_dict())
+    before = Snapshot(model, amp.master_params(opt), opt)
     train_step(model, opt, x, y, poison_param=idx)
     assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 512.0
     assert amp.engine().skipped_steps == 1
-    for k, v in model.named_parameters():
-        assert torch.equal(v, weights[k]), k
-    for p, m in zip(amp.master_params(opt), masters):
-        assert torch.equal(p, m)
-    after = opt.state_dict()
-    assert after["param_groups"] == opt_state["param_groups"]
-    for i, s in opt_state["state"].items():
-        for k, v in s.items():
-            assert torch.equal(after["state"][i][k], v), (i, k)
+    before.assert_unchanged(model, amp.master_params(opt), opt)
     train_step(model, opt, x, y)
-    assert any(not torch.equal(v, weights[k]) for k, v in model.named_parameters())
+    assert any(not torch.equal(v, before.weights[k]) for k, v in model.named_parameters())
 
 
 def test_optimizer_zero_grad_clears_model_grads_under_o2():

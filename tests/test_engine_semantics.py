@@ -14,39 +14,12 @@ import copy
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from runner.precision import AmpEngine, resolve
+from runner.precision import AmpEngine
 from runner.precision import autocast as ac
+from tests.precision_helpers import OpRecorder, batch, net, props
 
 CPU = torch.device("cpu")
-
-
-def props(level: str, **overrides):
-    return resolve(level, overrides).properties
-
-
-class Recorder(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-    def count(self, name: str) -> int:
-        return sum(name in op for op in self.ops)
-
-
-def net(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
-
-
-def data(seed: int = 1, n: int = 12):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
 
 
 def two_losses(model, x, y):
@@ -72,7 +45,7 @@ def _fp32_grads(model, losses_fn, x, y):
 
 def test_two_losses_with_different_scales_sum_exactly_like_fp32():
     model = net()
-    x, y = data()
+    x, y = batch()
     want = _fp32_grads(model, two_losses, x, y)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     engine = AmpEngine(props("O0", loss_scale="dynamic"), CPU, num_losses=2)
@@ -93,7 +66,7 @@ def test_two_losses_with_different_scales_sum_exactly_like_fp32():
 @pytest.mark.parametrize("poisoned", [0, 1])
 def test_only_the_overflowing_loss_backs_off(poisoned):
     model = net()
-    x, y = data()
+    x, y = batch()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     engine = AmpEngine(props("O0", loss_scale="dynamic"), CPU, num_losses=2)
     engine.prepare(model, opt)
@@ -122,7 +95,7 @@ def test_only_the_overflowing_loss_backs_off(poisoned):
 
 def test_two_losses_o2_fp16_masters_match_fp32_reference():
     model = net()
-    x, y = data()
+    x, y = batch()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     engine = AmpEngine(props("O2"), CPU, num_losses=2)
     engine.prepare(model, opt)
@@ -147,7 +120,7 @@ def test_backward_after_unscale_accumulates_in_fp32():
     """Apex allowed scale_loss twice before one step (each exit unscales): the second backward
     stashes the unscaled gradients first."""
     model = net()
-    x, y = data()
+    x, y = batch()
     want = _fp32_grads(model, lambda m, x, y: [nn.functional.cross_entropy(m(x), y)], x, y)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     engine = AmpEngine(props("O0", loss_scale="dynamic"), CPU)
@@ -185,7 +158,7 @@ def test_one_loss_over_two_optimizers_updates_its_scaler_once_per_round():
 @pytest.mark.parametrize("level", ["O0", "O2"])
 def test_gradient_accumulation_unscales_once(level):
     model = net()
-    xs = [data(seed) for seed in (1, 2, 3)]
+    xs = [batch(seed) for seed in (1, 2, 3)]
     ref = copy.deepcopy(model)
     p = props(level, loss_scale="dynamic") if level == "O0" else props(level)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -197,11 +170,11 @@ def test_gradient_accumulation_unscales_once(level):
                 r.copy_(q.float())
     for x, y in xs:
         nn.functional.cross_entropy(ref(x), y).backward()
-    with Recorder() as rec:
+    with OpRecorder() as rec:
         for x, y in xs:
             engine.backward(nn.functional.cross_entropy(model(x), y))
     assert rec.count("non_finite_check") == 0  # nothing unscaled between the backward calls
-    with Recorder() as rec:
+    with OpRecorder() as rec:
         engine.unscale_(opt)
     assert rec.count("non_finite_check") == 1
     for g, r in zip((q.grad for q in engine.master_params(opt)), ref.parameters()):
@@ -219,7 +192,7 @@ def test_o2_state_dict_is_fp32_masters_and_loads_into_fp32_model():
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     engine = AmpEngine(props("O2"), CPU)
     engine.prepare(model, opt)
-    x, y = data()
+    x, y = batch()
     for _ in range(3):
         engine.backward(nn.functional.cross_entropy(model(x), y))
         assert engine.step(opt)
@@ -282,7 +255,7 @@ def test_add_param_group_after_prepare_gets_masters(explicit):
     opt.add_param_group({"params": list(head.parameters()), "lr": 0.05})
     if explicit:
         assert engine.sync_param_groups(opt) == 2
-    x, y = data()
+    x, y = batch()
     before = head.weight.detach().clone()
     engine.backward(head(model(x).half()).float().square().mean())
     assert engine.step(opt)
@@ -300,7 +273,7 @@ def test_zero_grad_clears_model_and_master_grads():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     engine = AmpEngine(props("O2"), CPU)
     engine.prepare(model, opt)
-    x, y = data()
+    x, y = batch()
     engine.backward(nn.functional.cross_entropy(model(x), y))
     engine.unscale_(opt)
     assert all(p.grad is not None for p in engine.master_params(opt))

@@ -12,12 +12,12 @@ from collections import namedtuple
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from runner.errors import ConfigError
 from runner.precision import LEVELS, AmpEngine, Finding, Properties, Resolution, resolve
 from runner.precision.casting import cast_model
 from runner.precision.scaler import LossScaler
+from tests.precision_helpers import OpRecorder, Snapshot, props
 
 CPU = torch.device("cpu")
 
@@ -53,10 +53,6 @@ def make_batch(seed: int = 1):
     return x, y
 
 
-def props(level: str, **overrides) -> Properties:
-    return resolve(level, overrides).properties
-
-
 def sgd_engine(p: Properties, lr: float = 0.1, **engine_kw):
     """A fresh model with plain SGD, prepared by an engine for `p`."""
     model = make_model()
@@ -64,21 +60,6 @@ def sgd_engine(p: Properties, lr: float = 0.1, **engine_kw):
     engine = AmpEngine(p, CPU, **engine_kw)
     engine.prepare(model, opt)
     return model, opt, engine
-
-
-class OpRecorder(TorchDispatchMode):
-    """Records every aten op that runs (to prove what the engine does or does not do)."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-    def count(self, name: str) -> int:
-        return sum(name in op for op in self.ops)
 
 
 def fp32_reference_losses(steps: int, lr: float = 0.1) -> list[float]:
@@ -375,22 +356,11 @@ def test_dynamic_scaler_skips_inf_step_and_backs_off(level):
     engine.prepare(model, opt)
     x, y = make_batch()
     assert _one_step(engine, model, opt, x, y)  # creates Adam state
-    weights = copy.deepcopy(model.state_dict())
-    masters = [p.detach().clone() for p in engine.master_params(opt)]
-    opt_state = copy.deepcopy(opt.state_dict())
+    before = Snapshot(model, engine.master_params(opt), opt)
     assert not _one_step(engine, model, opt, x, y, poison=True)
     assert engine.skipped_steps == 1
     assert engine.loss_scale == 64.0
-    for k, v in model.state_dict().items():
-        if k.endswith(("weight", "bias")):
-            assert torch.equal(v, weights[k]), k
-    for p, m in zip(engine.master_params(opt), masters):
-        assert torch.equal(p, m)
-    after = opt.state_dict()
-    assert after["param_groups"] == opt_state["param_groups"]
-    for i, s in opt_state["state"].items():
-        for k, v in s.items():
-            assert torch.equal(after["state"][i][k], v), (i, k)
+    before.assert_unchanged(model, engine.master_params(opt), opt)
     assert _one_step(engine, model, opt, x, y)  # next clean step goes through
     assert engine.skipped_steps == 1
 

@@ -281,17 +281,22 @@ def parse_loss_scale(value: Any) -> LossScale:
     allowed = '"dynamic" or a positive finite number'
     if isinstance(value, str) and value.strip().lower() == "dynamic":
         return "dynamic"
-    number: Optional[float] = None
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        number = float(value)
-    elif isinstance(value, str):
-        try:
-            number = float(value.strip())
-        except ValueError:
-            number = None
+    number = _to_number(value)
     if number is None or not math.isfinite(number) or number <= 0:
         raise ConfigError(_key("loss_scale"), f"invalid loss scale {value!r}", allowed)
     return number
+
+
+def _to_number(value: Any) -> Optional[float]:
+    """A float from a number or a numeric string ("128.0"); None for anything else."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value.strip())
+        except ValueError:
+            return None
+    return None
 
 
 def _parse_number(name: str, value: Any, ok: Callable[[float], bool], allowed: str,
@@ -300,14 +305,7 @@ def _parse_number(name: str, value: Any, ok: Callable[[float], bool], allowed: s
         if allow_none:
             return None
         raise ConfigError(_key(name), "must not be None", allowed)
-    number: Optional[float] = None
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        number = float(value)
-    elif isinstance(value, str):
-        try:
-            number = float(value.strip())
-        except ValueError:
-            number = None
+    number = _to_number(value)
     if number is None or not math.isfinite(number) or not ok(number):
         raise ConfigError(_key(name), f"got {value!r}", allowed)
     if integer:

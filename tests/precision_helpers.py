@@ -1,0 +1,61 @@
+"""Small shared pieces of the precision tests: resolved properties, an op recorder, a tiny net."""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from runner.precision import Properties, resolve
+
+
+def props(level: str, **overrides) -> Properties:
+    return resolve(level, overrides).properties
+
+
+class OpRecorder(TorchDispatchMode):
+    """Records every aten op that runs (to prove what the engine does or does not do)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+    def count(self, name: str) -> int:
+        return sum(name in op for op in self.ops)
+
+
+def net(seed: int = 0) -> nn.Module:
+    """Linear-BatchNorm-ReLU-Linear: every layer kind whose precision handling differs."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def batch(seed: int = 1, n: int = 12):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+class Snapshot:
+    """Model weights, masters and optimizer state at one moment, to prove a skipped step left
+    every one of them bit-identical."""
+
+    def __init__(self, model: nn.Module, masters, optimizer: torch.optim.Optimizer):
+        self.weights = {k: v.detach().clone() for k, v in model.named_parameters()}
+        self.masters = [p.detach().clone() for p in masters]
+        self.optimizer_state = copy.deepcopy(optimizer.state_dict())
+
+    def assert_unchanged(self, model: nn.Module, masters, optimizer: torch.optim.Optimizer):
+        for k, v in model.named_parameters():
+            assert torch.equal(v, self.weights[k]), k
+        for p, m in zip(masters, self.masters, strict=True):
+            assert torch.equal(p, m)
+        after = optimizer.state_dict()
+        assert after["param_groups"] == self.optimizer_state["param_groups"]
+        for i, state in self.optimizer_state["state"].items():
+            for k, v in state.items():
+                assert torch.equal(after["state"][i][k], v), (i, k)
