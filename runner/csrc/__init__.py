@@ -1,2 +1,213 @@
-"""C++ (CPU) and CUDA kernels for the precision engine's hot paths, and the loader that builds
-them with ninja. The kernels arrive with the kernels issue; until then the engine uses torch ops."""
+"""The engine's fused multi-tensor kernels: C++ for CPU tensors, CUDA for GPU tensors.
+
+Both backends expose the same functions (see `ops.h`): `unscale_check`, `check_finite`,
+`l2norm`, `copy_scale`, `sgd_step`, `adam_step`. They are compiled on first use with
+`torch.utils.cpp_extension.load` (ninja) into a per-user cache, reused by later runs and rebuilt
+when a source file or a compiler flag changes; `python -m runner.csrc build` builds them ahead of
+time. When a build fails (no compiler, no CUDA toolkit), `load` says why and the engine uses
+torch's own ops instead: which backend runs is printed at start and logged as
+`precision.kernels` (cuda | cpp | torch).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Optional
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE_DIR = Path(__file__).resolve().parent
+HEADERS = ("ops.h", "step_math.h", "multi_tensor_apply.cuh")
+SOURCES = {"cpp": ("cpu.cpp",), "cuda": ("cuda.cu", "cuda_bindings.cpp")}
+BACKENDS = tuple(SOURCES)
+# What `precision.kernels` accepts: auto (the device's kernels, torch if they cannot be built),
+# fused (the device's kernels or an error), torch (never build; torch's own ops).
+CHOICES = ("auto", "fused", "torch")
+
+
+class KernelBuildError(RuntimeError):
+    """The kernels could not be compiled or loaded; the message says why and how to fix it."""
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """A loaded backend: `ops` is the compiled module, `name` is "cpp" or "cuda"."""
+
+    name: str
+    ops: ModuleType
+    device_type: str  # "cpu" or "cuda": the tensors this backend takes
+
+
+def backend_for(device: torch.device | str) -> str:
+    return "cuda" if torch.device(device).type == "cuda" else "cpp"
+
+
+def _cpu_flags() -> list[str]:
+    """Vector-ISA flags for this CPU, spelled out (not -march=native) so that the flags, hence
+    the cache key, differ between CPUs that need different builds (a home shared over NFS)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return []
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags = set()
+    for line in info.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    if {"avx2", "fma", "f16c"} <= flags:
+        return ["-mavx2", "-mfma", "-mf16c"]
+    return []
+
+
+def build_flags(backend: str) -> dict[str, list[str]]:
+    cflags = ["-O3", "-fopenmp", *_cpu_flags()] if backend == "cpp" else ["-O3"]
+    flags = {"extra_cflags": cflags, "extra_ldflags": ["-fopenmp"] if backend == "cpp" else []}
+    if backend == "cuda":
+        # no --use_fast_math: IEEE division/sqrt and no flush of subnormal gradients to zero,
+        # so both backends compute the same values
+        flags["extra_cuda_cflags"] = ["-O3", "-lineinfo"]
+    return flags
+
+
+def cache_dir(backend: str) -> Path:
+    """`$AMP_RUNNER_KERNEL_CACHE` or `~/.cache/amp-runner/kernels`, per torch build and backend
+    (an extension is tied to the torch it was compiled against)."""
+    root = Path(os.environ.get("AMP_RUNNER_KERNEL_CACHE")
+                or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+                / "amp-runner" / "kernels")
+    tag = f"torch{torch.__version__}-py{platform.python_version()}".replace("+", "_")
+    return root / tag / backend
+
+
+def _module_name(backend: str) -> str:
+    """One module name per source/flag content, so a stale .so of the same name, already
+    imported or cached, is never mistaken for the current sources."""
+    digest = hashlib.sha256()
+    for name in (*HEADERS, *SOURCES[backend]):
+        path = SOURCE_DIR / name
+        if path.exists():
+            digest.update(name.encode() + path.read_bytes())
+    digest.update(repr(build_flags(backend)).encode())
+    if backend == "cuda":
+        digest.update(os.environ.get("TORCH_CUDA_ARCH_LIST", "").encode())
+    return f"amp_runner_{backend}_{digest.hexdigest()[:12]}"
+
+
+_LOADED: dict[str, Kernels] = {}
+_FAILED: dict[str, str] = {}
+
+
+def build(backend: str, verbose: bool = False) -> Kernels:
+    """Compile (or load from the cache) one backend; raises KernelBuildError with the reason."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {backend!r}; expected one of {BACKENDS}")
+    if backend in _LOADED:
+        return _LOADED[backend]
+    from torch.utils import cpp_extension
+
+    directory = cache_dir(backend)
+    directory.mkdir(parents=True, exist_ok=True)
+    name = _module_name(backend)
+    fresh = not any(directory.glob(f"{name}*.so"))
+    if fresh:
+        log.info("Building amp-runner's %s kernels into %s (once; about a minute)",
+                 backend, directory)
+    started = time.perf_counter()
+    try:
+        if backend == "cuda":
+            _check_cuda_home()
+        module = cpp_extension.load(
+            name=name,
+            sources=[str(SOURCE_DIR / s) for s in SOURCES[backend]],
+            build_directory=str(directory),
+            with_cuda=backend == "cuda",
+            verbose=verbose,
+            **build_flags(backend),
+        )
+    except KernelBuildError:
+        raise
+    except Exception as error:  # compiler missing, compile error, ninja missing, ...
+        raise KernelBuildError(f"{type(error).__name__}: {_last_lines(str(error))}") from error
+    if fresh:
+        log.info("Built the %s kernels in %.0f s", backend, time.perf_counter() - started)
+    kernels = Kernels(name=backend, ops=module,
+                      device_type="cuda" if backend == "cuda" else "cpu")
+    _LOADED[backend] = kernels
+    return kernels
+
+
+def cuda_toolkit() -> Optional[str]:
+    """The CUDA toolkit torch's builder will use (CUDA_HOME, else where nvcc is), or None when
+    there is none usable (no nvcc, or a folder without the CUDA headers)."""
+    from torch.utils import cpp_extension
+
+    home = cpp_extension.CUDA_HOME
+    if home and (Path(home) / "include" / "cuda_runtime.h").is_file():
+        return home
+    return None
+
+
+def cuda_arch_list() -> str:
+    """The GPU architectures a CUDA build targets: TORCH_CUDA_ARCH_LIST, else the GPUs present."""
+    if os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        return os.environ["TORCH_CUDA_ARCH_LIST"]
+    caps = sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
+    return ";".join(f"{a}.{b}" for a, b in caps) or "torch's default list"
+
+
+def _check_cuda_home() -> None:
+    if cuda_toolkit() is None:
+        from torch.utils import cpp_extension
+
+        raise KernelBuildError(
+            f"no usable CUDA toolkit (CUDA_HOME={cpp_extension.CUDA_HOME}): set CUDA_HOME to the "
+            "folder that holds bin/nvcc and include/cuda_runtime.h, e.g. /usr/local/cuda")
+
+
+def _last_lines(text: str, n: int = 12) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return "\n".join(lines[-n:])
+
+
+def load(device: torch.device | str, choice: str = "auto") -> Optional[Kernels]:
+    """The kernels for `device`'s tensors per `choice` (see CHOICES): None means torch's ops.
+
+    With "auto" a failed build logs one warning (why, and how to fix it) and returns None; with
+    "fused" it raises KernelBuildError.
+    """
+    if choice not in CHOICES:
+        raise ValueError(f"precision.kernels={choice!r}; expected one of {CHOICES}")
+    if choice == "torch":
+        return None
+    backend = backend_for(device)
+    if backend in _FAILED and choice == "auto":
+        return None
+    try:
+        return build(backend)
+    except KernelBuildError as error:
+        if choice == "fused":
+            raise
+        _FAILED[backend] = str(error)
+        log.warning(
+            "amp-runner's fused %s kernels could not be built, so the engine uses torch's own "
+            "ops (slower: more passes over the parameters). Why:\n%s\nTo fix: install a C++ "
+            "compiler and ninja%s, then run `python -m runner.csrc build` to see the full log; "
+            "precision.kernels=torch silences this.", backend, error,
+            " and point CUDA_HOME at the CUDA toolkit (the folder holding bin/nvcc)"
+            if backend == "cuda" else "")
+        return None
+
+
+def name_of(kernels: Optional[Kernels]) -> str:
+    """What `precision.kernels` is logged as: cuda | cpp | torch."""
+    return kernels.name if kernels is not None else "torch"

@@ -1,0 +1,393 @@
+// C++ (CPU) backend of the fused multi-tensor kernels.
+//
+// Every op splits its tensor lists into spans of at most kSpan elements (one tensor each) and runs
+// the spans in parallel with PyTorch's own at::parallel_for (its OpenMP pool, its thread count).
+// Inside a span, 16-bit inputs are converted block by block into small fp32 buffers (F16C for
+// fp16 where the CPU has it, bit shifts for bf16), the fp32 arithmetic of step_math.h runs over
+// the block in plain loops the compiler vectorises, and 16-bit outputs are rounded back (to
+// nearest even, as torch does). fp32 tensors are read and written in place, without a copy.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <type_traits>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#include "ops.h"
+
+namespace amp_runner {
+namespace {
+
+constexpr int64_t kSpan = 1 << 16;  // elements per parallel work item
+constexpr int64_t kBlock = 512;     // elements per conversion buffer (2 KiB of fp32, in L1)
+
+struct Span {
+  int64_t tensor;
+  int64_t begin;
+  int64_t end;
+};
+
+std::vector<Span> make_spans(const TensorList& tensors) {
+  std::vector<Span> spans;
+  for (int64_t t = 0; t < static_cast<int64_t>(tensors.size()); ++t) {
+    const int64_t n = tensors[t].numel();
+    for (int64_t b = 0; b < n; b += kSpan) spans.push_back({t, b, std::min(n, b + kSpan)});
+  }
+  return spans;
+}
+
+template <typename F>
+void for_each_span(const std::vector<Span>& spans, const F& fn) {
+  at::parallel_for(0, static_cast<int64_t>(spans.size()), 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) fn(spans[i], i);
+  });
+}
+
+// ---- 16-bit <-> fp32 conversion of a block -------------------------------------------------
+inline void to_float(const c10::Half* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(h));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+inline void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t u = static_cast<uint32_t>(bits[i]) << 16;
+    std::memcpy(dst + i, &u, sizeof(u));
+  }
+}
+
+inline void from_float(const float* src, c10::Half* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(src + i),
+                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), h);
+  }
+#endif
+  for (; i < n; ++i) dst[i] = c10::Half(src[i]);
+}
+
+inline void from_float(const float* src, c10::BFloat16* dst, int64_t n) {
+  uint16_t* bits = reinterpret_cast<uint16_t*>(dst);
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, src + i, sizeof(u));
+    // round to nearest even; NaN stays a (quiet) NaN, as c10::BFloat16 does
+    const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    bits[i] = (u & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t{0x7FC0} : static_cast<uint16_t>(rounded);
+  }
+}
+
+inline void from_float(const float* src, float* dst, int64_t n) {
+  if (src != dst) std::memcpy(dst, src, n * sizeof(float));
+}
+
+// A pointer to `n` fp32 values: `src` itself for fp32, else `buf` filled by conversion.
+template <typename T>
+inline const float* load_block(const T* src, float* buf, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    return src;
+  } else {
+    to_float(src, buf, n);
+    return buf;
+  }
+}
+
+// ---- non-finite test over raw bits (no conversion, integer ops that vectorise) -------------
+template <typename T>
+inline bool any_nonfinite(const T* src, int64_t n) {
+  uint32_t bad = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    const uint32_t* b = reinterpret_cast<const uint32_t*>(src);
+    for (int64_t i = 0; i < n; ++i) bad |= nonfinite_bits32(b[i]);
+  } else if constexpr (std::is_same_v<T, c10::Half>) {
+    const uint16_t* b = reinterpret_cast<const uint16_t*>(src);
+    for (int64_t i = 0; i < n; ++i) bad |= nonfinite_bits_fp16(b[i]);
+  } else {
+    const uint16_t* b = reinterpret_cast<const uint16_t*>(src);
+    for (int64_t i = 0; i < n; ++i) bad |= nonfinite_bits_bf16(b[i]);
+  }
+  return bad != 0;
+}
+
+// Calls fn(T{}) with T the C++ type of `dtype` (float, c10::Half or c10::BFloat16).
+template <typename F>
+inline void dispatch(at::ScalarType dtype, const F& fn) {
+  switch (dtype) {
+    case at::kFloat: fn(float{}); break;
+    case at::kHalf: fn(c10::Half{}); break;
+    case at::kBFloat16: fn(c10::BFloat16{}); break;
+    default: TORCH_CHECK(false, "unsupported dtype ", dtype);
+  }
+}
+
+// Like dispatch, with `void` for "no tensor" (an empty optional list).
+template <typename F>
+inline void dispatch_optional(bool present, at::ScalarType dtype, const F& fn) {
+  if (!present) {
+    fn(static_cast<void*>(nullptr));
+    return;
+  }
+  dispatch(dtype, [&](auto tag) { fn(static_cast<decltype(tag)*>(nullptr)); });
+}
+
+inline float read_scalar(const at::Tensor& t) { return *t.data_ptr<float>(); }
+
+inline bool flag_set(const std::optional<at::Tensor>& found_inf) {
+  return found_inf.has_value() && found_inf->defined() && read_scalar(*found_inf) != 0.f;
+}
+
+inline void raise_flag(const at::Tensor& found_inf) { *found_inf.data_ptr<float>() = 1.f; }
+
+at::Device device_of(const TensorList& tensors) {
+  return tensors.empty() ? at::Device(at::kCPU) : tensors[0].device();
+}
+
+void check_cpu(const TensorList& tensors, const char* op) {
+  for (const auto& t : tensors) {
+    TORCH_CHECK(t.device().is_cpu(), op, ": the C++ backend takes CPU tensors, got ", t.device());
+  }
+}
+
+}  // namespace
+
+// ---- ops -----------------------------------------------------------------------------------
+void unscale_check(const TensorList& grads, const TensorList& out, const at::Tensor& inv_scale,
+                   const at::Tensor& found_inf) {
+  check_lists("unscale_check", {&grads, &out}, {"grads", "out"}, {false, false}, {false, false});
+  check_cpu(grads, "unscale_check");
+  check_scalar(inv_scale, "inv_scale", at::kCPU);
+  check_scalar(found_inf, "found_inf", at::kCPU);
+  const float inv = read_scalar(inv_scale);
+  std::atomic<bool> bad{false};
+  for_each_span(make_spans(grads), [&](const Span& s, int64_t) {
+    const at::Tensor& g = grads[s.tensor];
+    const at::Tensor& o = out[s.tensor];
+    dispatch(g.scalar_type(), [&](auto gt) {
+      using G = decltype(gt);
+      dispatch(o.scalar_type(), [&](auto ot) {
+        using O = decltype(ot);
+        const G* gp = static_cast<const G*>(g.data_ptr()) + s.begin;
+        O* op = static_cast<O*>(o.data_ptr()) + s.begin;
+        float buf[kBlock];
+        float res[kBlock];
+        bool local_bad = false;
+        for (int64_t b = 0; b < s.end - s.begin; b += kBlock) {
+          const int64_t n = std::min(kBlock, s.end - s.begin - b);
+          local_bad |= any_nonfinite(gp + b, n);
+          const float* x = load_block(gp + b, buf, n);
+          float* y = std::is_same_v<O, float> ? reinterpret_cast<float*>(op + b) : res;
+          for (int64_t i = 0; i < n; ++i) y[i] = x[i] * inv;
+          if constexpr (!std::is_same_v<O, float>) from_float(res, op + b, n);
+        }
+        if (local_bad) bad.store(true, std::memory_order_relaxed);
+      });
+    });
+  });
+  if (bad.load()) raise_flag(found_inf);
+}
+
+void check_finite(const TensorList& tensors, const at::Tensor& found_inf) {
+  check_lists("check_finite", {&tensors}, {"tensors"}, {false}, {false});
+  check_cpu(tensors, "check_finite");
+  check_scalar(found_inf, "found_inf", at::kCPU);
+  std::atomic<bool> bad{false};
+  for_each_span(make_spans(tensors), [&](const Span& s, int64_t) {
+    if (bad.load(std::memory_order_relaxed)) return;  // the answer is known
+    const at::Tensor& t = tensors[s.tensor];
+    dispatch(t.scalar_type(), [&](auto tag) {
+      using T = decltype(tag);
+      if (any_nonfinite(static_cast<const T*>(t.data_ptr()) + s.begin, s.end - s.begin)) {
+        bad.store(true, std::memory_order_relaxed);
+      }
+    });
+  });
+  if (bad.load()) raise_flag(found_inf);
+}
+
+std::tuple<at::Tensor, at::Tensor> l2norm(const TensorList& tensors, const at::Tensor& scale,
+                                          const std::optional<at::Tensor>& found_inf) {
+  check_lists("l2norm", {&tensors}, {"tensors"}, {false}, {false});
+  check_cpu(tensors, "l2norm");
+  check_scalar(scale, "scale", at::kCPU);
+  if (found_inf.has_value()) check_scalar(*found_inf, "found_inf", at::kCPU);
+  const float sc = read_scalar(scale);
+  const auto spans = make_spans(tensors);
+  std::vector<double> partial(spans.size(), 0.0);
+  std::atomic<bool> bad{false};
+  for_each_span(spans, [&](const Span& s, int64_t index) {
+    const at::Tensor& t = tensors[s.tensor];
+    dispatch(t.scalar_type(), [&](auto tag) {
+      using T = decltype(tag);
+      const T* p = static_cast<const T*>(t.data_ptr()) + s.begin;
+      constexpr int kLanes = 16;  // independent fp32 accumulators: a vectorisable reduction
+      float buf[kBlock];
+      double sum = 0.0;
+      bool local_bad = false;
+      for (int64_t b = 0; b < s.end - s.begin; b += kBlock) {
+        const int64_t n = std::min(kBlock, s.end - s.begin - b);
+        local_bad |= any_nonfinite(p + b, n);
+        const float* x = load_block(p + b, buf, n);
+        float acc[kLanes] = {};
+        int64_t i = 0;
+        for (; i + kLanes <= n; i += kLanes) {
+          for (int j = 0; j < kLanes; ++j) {
+            const float v = x[i + j] * sc;
+            acc[j] += v * v;
+          }
+        }
+        for (; i < n; ++i) {
+          const float v = x[i] * sc;
+          acc[0] += v * v;
+        }
+        for (int j = 0; j < kLanes; ++j) sum += acc[j];
+      }
+      partial[index] = sum;
+      if (local_bad) bad.store(true, std::memory_order_relaxed);
+    });
+  });
+  // Per-tensor sums in span order: deterministic whatever the thread count.
+  std::vector<double> per(tensors.size(), 0.0);
+  for (size_t i = 0; i < spans.size(); ++i) per[spans[i].tensor] += partial[i];
+  auto per_tensor = at::empty({static_cast<int64_t>(tensors.size())}, scale.options());
+  float* out = per_tensor.data_ptr<float>();
+  double total = 0.0;
+  for (size_t t = 0; t < per.size(); ++t) {
+    out[t] = static_cast<float>(std::sqrt(per[t]));
+    total += per[t];
+  }
+  auto total_norm = at::empty({}, scale.options());
+  *total_norm.data_ptr<float>() = static_cast<float>(std::sqrt(total));
+  if (found_inf.has_value() && bad.load()) raise_flag(*found_inf);
+  return {total_norm, per_tensor};
+}
+
+void copy_scale(const TensorList& src, const TensorList& dst, const at::Tensor& scale) {
+  check_lists("copy_scale", {&src, &dst}, {"src", "dst"}, {false, false}, {false, false});
+  check_cpu(src, "copy_scale");
+  check_scalar(scale, "scale", at::kCPU);
+  const float sc = read_scalar(scale);
+  for_each_span(make_spans(src), [&](const Span& s, int64_t) {
+    const at::Tensor& a = src[s.tensor];
+    const at::Tensor& d = dst[s.tensor];
+    dispatch(a.scalar_type(), [&](auto at_) {
+      using S = decltype(at_);
+      dispatch(d.scalar_type(), [&](auto dt_) {
+        using D = decltype(dt_);
+        const S* sp = static_cast<const S*>(a.data_ptr()) + s.begin;
+        D* dp = static_cast<D*>(d.data_ptr()) + s.begin;
+        float buf[kBlock];
+        float res[kBlock];
+        for (int64_t b = 0; b < s.end - s.begin; b += kBlock) {
+          const int64_t n = std::min(kBlock, s.end - s.begin - b);
+          const float* x = load_block(sp + b, buf, n);
+          float* y = std::is_same_v<D, float> ? reinterpret_cast<float*>(dp + b) : res;
+          for (int64_t i = 0; i < n; ++i) y[i] = x[i] * sc;
+          if constexpr (!std::is_same_v<D, float>) from_float(res, dp + b, n);
+        }
+      });
+    });
+  });
+}
+
+namespace {
+
+// The shared skeleton of the fused steps: per span, the gradient block in fp32 times `gs`,
+// `update(i, g)` on element i of the span, then the 16-bit copy of the updated params.
+template <typename Update>
+void fused_step(const char* op, const TensorList& params, const TensorList& grads,
+                const TensorList& model_copies, const at::Tensor& grad_scale,
+                const std::optional<at::Tensor>& found_inf, bool maximize, const Update& update) {
+  check_cpu(params, op);
+  check_scalar(grad_scale, "grad_scale", device_of(params));
+  if (found_inf.has_value()) check_scalar(*found_inf, "found_inf", device_of(params));
+  if (flag_set(found_inf)) return;  // an overflow: the step does nothing at all
+  const float gs = read_scalar(grad_scale) * (maximize ? -1.f : 1.f);
+  const bool with_copies = !model_copies.empty();
+  for_each_span(make_spans(params), [&](const Span& s, int64_t) {
+    const at::Tensor& g = grads[s.tensor];
+    dispatch(g.scalar_type(), [&](auto gt) {
+      using G = decltype(gt);
+      dispatch_optional(with_copies, with_copies ? model_copies[s.tensor].scalar_type() : at::kFloat,
+                        [&](auto* ct) {
+        using C = std::remove_pointer_t<decltype(ct)>;
+        const G* gp = static_cast<const G*>(g.data_ptr()) + s.begin;
+        float* pp = params[s.tensor].data_ptr<float>() + s.begin;
+        float buf[kBlock];
+        float scaled[kBlock];
+        for (int64_t b = 0; b < s.end - s.begin; b += kBlock) {
+          const int64_t n = std::min(kBlock, s.end - s.begin - b);
+          const float* x = load_block(gp + b, buf, n);
+          for (int64_t i = 0; i < n; ++i) scaled[i] = x[i] * gs;
+          update(s.tensor, s.begin + b, n, scaled);
+          if constexpr (!std::is_void_v<C>) {  // (an fp32 "copy" is the param itself: no-op)
+            C* cp = static_cast<C*>(model_copies[s.tensor].data_ptr()) + s.begin;
+            from_float(pp + b, cp + b, n);
+          }
+        }
+      });
+    });
+  });
+}
+
+}  // namespace
+
+void sgd_step(const TensorList& params, const TensorList& grads, const TensorList& momentum_bufs,
+              const TensorList& model_copies, const at::Tensor& grad_scale,
+              const std::optional<at::Tensor>& found_inf, double lr, double weight_decay,
+              double momentum, double dampening, bool nesterov, bool maximize, bool first_run) {
+  const bool with_momentum = momentum != 0.0;
+  check_step_lists("sgd_step", params, grads, momentum_bufs, momentum_bufs, with_momentum,
+                   model_copies);
+  const SgdArgs args = make_sgd_args(lr, weight_decay, momentum, dampening, nesterov, first_run);
+  fused_step("sgd_step", params, grads, model_copies, grad_scale, found_inf, maximize,
+             [&](int64_t t, int64_t offset, int64_t n, const float* g) {
+               float* p = params[t].data_ptr<float>() + offset;
+               if (with_momentum) {
+                 float* buf = momentum_bufs[t].data_ptr<float>() + offset;
+                 for (int64_t i = 0; i < n; ++i) sgd_update(p[i], buf[i], g[i], args);
+               } else {
+                 float unused = 0.f;
+                 for (int64_t i = 0; i < n; ++i) sgd_update(p[i], unused, g[i], args);
+               }
+             });
+}
+
+void adam_step(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
+               const TensorList& exp_avg_sqs, const TensorList& model_copies,
+               const at::Tensor& grad_scale, const std::optional<at::Tensor>& found_inf,
+               double lr, double beta1, double beta2, double eps, double weight_decay,
+               double bias_correction1, double bias_correction2, bool decoupled, bool maximize) {
+  check_step_lists("adam_step", params, grads, exp_avgs, exp_avg_sqs, true, model_copies);
+  const AdamArgs args = make_adam_args(lr, beta1, beta2, eps, weight_decay, bias_correction1,
+                                       bias_correction2, decoupled);
+  fused_step("adam_step", params, grads, model_copies, grad_scale, found_inf, maximize,
+             [&](int64_t t, int64_t offset, int64_t n, const float* g) {
+               float* p = params[t].data_ptr<float>() + offset;
+               float* m = exp_avgs[t].data_ptr<float>() + offset;
+               float* v = exp_avg_sqs[t].data_ptr<float>() + offset;
+               for (int64_t i = 0; i < n; ++i) adam_update(p[i], m[i], v[i], g[i], args);
+             });
+}
+
+}  // namespace amp_runner
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  AMP_RUNNER_BIND_OPS(m, amp_runner, "cpp");
+}

@@ -1,0 +1,431 @@
+// CUDA backend of the fused multi-tensor kernels (same functions as cpu.cpp; see ops.h).
+//
+// Each op groups its list positions by dtype (fp16/bf16/fp32 gradients may share a list), then
+// runs one multi-tensor-apply pass per group. Flags stay on the device: the step kernels read
+// found_inf themselves and return at once when it is set, so the host never waits for a verdict
+// it does not need. The element math is step_math.h's, shared with the C++ backend.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <map>
+#include <tuple>
+#include <vector>
+
+#include "multi_tensor_apply.cuh"
+#include "ops.h"
+
+namespace amp_runner {
+namespace {
+
+using mta::kILP;
+using mta::TensorListMeta;
+
+__device__ __forceinline__ bool nonfinite(float x) { return !isfinite(x); }
+
+// Positions of `lists` grouped by the dtypes the lists have there (absent lists: kFloat).
+std::map<std::vector<at::ScalarType>, std::vector<int64_t>> group_by_dtypes(
+    const std::vector<const TensorList*>& lists) {
+  std::map<std::vector<at::ScalarType>, std::vector<int64_t>> groups;
+  const size_t n = lists[0]->size();
+  for (size_t i = 0; i < n; ++i) {
+    std::vector<at::ScalarType> key;
+    for (const TensorList* l : lists) key.push_back(l->empty() ? at::kFloat : (*l)[i].scalar_type());
+    groups[key].push_back(static_cast<int64_t>(i));
+  }
+  return groups;
+}
+
+template <typename F>
+void dispatch(at::ScalarType dtype, const F& fn) {
+  switch (dtype) {
+    case at::kFloat: fn(float{}); break;
+    case at::kHalf: fn(c10::Half{}); break;
+    case at::kBFloat16: fn(c10::BFloat16{}); break;
+    default: TORCH_CHECK(false, "unsupported dtype ", dtype);
+  }
+}
+
+void check_cuda(const TensorList& tensors, const char* op) {
+  for (const auto& t : tensors) {
+    TORCH_CHECK(t.is_cuda(), op, ": the CUDA backend takes CUDA tensors, got ", t.device());
+  }
+}
+
+at::Device device_of(const TensorList& tensors) {
+  return tensors.empty() ? at::Device(at::kCUDA) : tensors[0].device();
+}
+
+const float* ptr_or_null(const std::optional<at::Tensor>& t) {
+  return t.has_value() && t->defined() ? t->data_ptr<float>() : nullptr;
+}
+
+// ---- element ops ---------------------------------------------------------------------------
+// out = in * (*scale); flags non-finite inputs when `found` is given.
+template <typename In, typename Out>
+struct ScaleOp {
+  __device__ void operator()(TensorListMeta<2>& meta, const float* scale, float* found) const {
+    const mta::ChunkRef c = mta::chunk_of(meta);
+    const In* in = mta::list_ptr<In>(meta, 0, c);
+    Out* out = mta::list_ptr<Out>(meta, 1, c);
+    const float s = *scale;
+    const bool vector = c.length % kILP == 0 && mta::aligned<In>(in) && mta::aligned<Out>(out);
+    bool bad = false;
+    mta::for_chunk(c.length, vector, [&](int64_t i0, bool vec) {
+      float x[kILP];
+      if (vec) {
+        mta::load_pack(x, in, i0);
+      } else {
+#pragma unroll
+        for (int j = 0; j < kILP; ++j) {
+          const int64_t i = mta::strided(i0, j);
+          x[j] = i < c.length ? static_cast<float>(in[i]) : 0.f;
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kILP; ++j) {
+        bad |= nonfinite(x[j]);
+        x[j] *= s;
+      }
+      if (vec) {
+        mta::store_pack(out, i0, x);
+      } else {
+#pragma unroll
+        for (int j = 0; j < kILP; ++j) {
+          const int64_t i = mta::strided(i0, j);
+          if (i < c.length) out[i] = static_cast<Out>(x[j]);
+        }
+      }
+    });
+    if (found != nullptr && bad) *found = 1.f;
+  }
+};
+
+// Read-only non-finite check.
+template <typename T>
+struct CheckOp {
+  __device__ void operator()(TensorListMeta<1>& meta, float* found) const {
+    const mta::ChunkRef c = mta::chunk_of(meta);
+    const T* in = mta::list_ptr<T>(meta, 0, c);
+    const bool vector = c.length % kILP == 0 && mta::aligned<T>(in);
+    bool bad = false;
+    mta::for_chunk(c.length, vector, [&](int64_t i0, bool vec) {
+      float x[kILP];
+      if (vec) {
+        mta::load_pack(x, in, i0);
+      } else {
+#pragma unroll
+        for (int j = 0; j < kILP; ++j) {
+          const int64_t i = mta::strided(i0, j);
+          x[j] = i < c.length ? static_cast<float>(in[i]) : 0.f;
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kILP; ++j) bad |= nonfinite(x[j]);
+    });
+    if (bad) *found = 1.f;
+  }
+};
+
+// Sum of squares of scale * x per chunk into partials[tensor_index * max_chunks + chunk].
+template <typename T>
+struct SumSquaresOp {
+  __device__ void operator()(TensorListMeta<1>& meta, const float* scale, float* partials,
+                             int max_chunks, float* found) const {
+    const mta::ChunkRef c = mta::chunk_of(meta);
+    const T* in = mta::list_ptr<T>(meta, 0, c);
+    const float s = *scale;
+    const bool vector = c.length % kILP == 0 && mta::aligned<T>(in);
+    float acc = 0.f;
+    bool bad = false;
+    mta::for_chunk(c.length, vector, [&](int64_t i0, bool vec) {
+      float x[kILP];
+      if (vec) {
+        mta::load_pack(x, in, i0);
+      } else {
+#pragma unroll
+        for (int j = 0; j < kILP; ++j) {
+          const int64_t i = mta::strided(i0, j);
+          x[j] = i < c.length ? static_cast<float>(in[i]) : 0.f;
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kILP; ++j) {
+        bad |= nonfinite(x[j]);
+        const float v = x[j] * s;
+        acc += v * v;
+      }
+    });
+    // block reduction: warps, then the warp sums
+    __shared__ float warp_sums[mta::kThreads / 32];
+    for (int offset = 16; offset > 0; offset /= 2) acc += __shfl_down_sync(0xffffffffu, acc, offset);
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    if (lane == 0) warp_sums[warp] = acc;
+    __syncthreads();
+    if (warp == 0) {
+      acc = lane < static_cast<int>(blockDim.x / 32) ? warp_sums[lane] : 0.f;
+      for (int offset = 16; offset > 0; offset /= 2) acc += __shfl_down_sync(0xffffffffu, acc, offset);
+      if (lane == 0) {
+        const int tensor = meta.tensor_index[c.local];
+        partials[static_cast<int64_t>(tensor) * max_chunks + meta.block_chunk[blockIdx.x]] = acc;
+      }
+    }
+    if (found != nullptr && bad) *found = 1.f;
+  }
+};
+
+// One block per tensor: the sum of its chunk partials (fp64), its norm, its squared norm.
+__global__ void l2norm_per_tensor(const float* partials, int max_chunks, float* norms,
+                                  double* squares) {
+  __shared__ double sums[256];
+  double acc = 0.0;
+  const float* row = partials + static_cast<int64_t>(blockIdx.x) * max_chunks;
+  for (int i = threadIdx.x; i < max_chunks; i += blockDim.x) acc += row[i];
+  sums[threadIdx.x] = acc;
+  __syncthreads();
+  for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
+    if (threadIdx.x < stride) sums[threadIdx.x] += sums[threadIdx.x + stride];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    squares[blockIdx.x] = sums[0];
+    norms[blockIdx.x] = static_cast<float>(sqrt(sums[0]));
+  }
+}
+
+__global__ void l2norm_total(const double* squares, int n, float* total) {
+  __shared__ double sums[256];
+  double acc = 0.0;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) acc += squares[i];
+  sums[threadIdx.x] = acc;
+  __syncthreads();
+  for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
+    if (threadIdx.x < stride) sums[threadIdx.x] += sums[threadIdx.x + stride];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) *total = static_cast<float>(sqrt(sums[0]));
+}
+
+// Fused optimizer steps. Lists: 0 params (fp32), 1 grads (G), 2 and 3 state (fp32; for SGD
+// 2 = momentum buffer, 3 unused), 4 the 16-bit model copy (C; unused when C is float).
+template <typename G, typename C, bool kAdam>
+struct StepOp {
+  __device__ void operator()(TensorListMeta<5>& meta, const float* grad_scale, const float* found,
+                             float sign, AdamArgs adam, SgdArgs sgd, bool with_momentum) const {
+    if (found != nullptr && *found != 0.f) return;  // an overflow: the step does nothing at all
+    constexpr bool kCopy = !std::is_same<C, float>::value;
+    const mta::ChunkRef c = mta::chunk_of(meta);
+    float* p = mta::list_ptr<float>(meta, 0, c);
+    const G* g = mta::list_ptr<G>(meta, 1, c);
+    float* s1 = mta::list_ptr<float>(meta, 2, c);
+    float* s2 = mta::list_ptr<float>(meta, 3, c);
+    C* copy = mta::list_ptr<C>(meta, 4, c);
+    const float gs = *grad_scale * sign;
+    const bool state1 = kAdam || with_momentum;
+    const bool vector = c.length % kILP == 0 && mta::aligned<float>(p) && mta::aligned<G>(g) &&
+                        (!state1 || mta::aligned<float>(s1)) &&
+                        (!kAdam || mta::aligned<float>(s2)) && (!kCopy || mta::aligned<C>(copy));
+    mta::for_chunk(c.length, vector, [&](int64_t i0, bool vec) {
+      float pv[kILP], gv[kILP], av[kILP] = {}, bv[kILP] = {};
+      if (vec) {
+        mta::load_pack(pv, p, i0);
+        mta::load_pack(gv, g, i0);
+        if (state1) mta::load_pack(av, s1, i0);
+        if (kAdam) mta::load_pack(bv, s2, i0);
+      } else {
+#pragma unroll
+        for (int j = 0; j < kILP; ++j) {
+          const int64_t i = mta::strided(i0, j);
+          if (i < c.length) {
+            pv[j] = p[i];
+            gv[j] = static_cast<float>(g[i]);
+            if (state1) av[j] = s1[i];
+            if (kAdam) bv[j] = s2[i];
+          } else {
+            pv[j] = gv[j] = 0.f;
+          }
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kILP; ++j) {
+        if (kAdam) {
+          adam_update(pv[j], av[j], bv[j], gv[j] * gs, adam);
+        } else {
+          sgd_update(pv[j], av[j], gv[j] * gs, sgd);
+        }
+      }
+      if (vec) {
+        mta::store_pack(p, i0, pv);
+        if (state1) mta::store_pack(s1, i0, av);
+        if (kAdam) mta::store_pack(s2, i0, bv);
+        if (kCopy) mta::store_pack(copy, i0, pv);
+      } else {
+#pragma unroll
+        for (int j = 0; j < kILP; ++j) {
+          const int64_t i = mta::strided(i0, j);
+          if (i < c.length) {
+            p[i] = pv[j];
+            if (state1) s1[i] = av[j];
+            if (kAdam) s2[i] = bv[j];
+            if (kCopy) copy[i] = static_cast<C>(pv[j]);
+          }
+        }
+      }
+    });
+  }
+};
+
+float* scalar_ptr(const at::Tensor& t) { return t.data_ptr<float>(); }
+
+}  // namespace
+
+void unscale_check(const TensorList& grads, const TensorList& out, const at::Tensor& inv_scale,
+                   const at::Tensor& found_inf) {
+  check_lists("unscale_check", {&grads, &out}, {"grads", "out"}, {false, false}, {false, false});
+  check_cuda(grads, "unscale_check");
+  check_scalar(inv_scale, "inv_scale", device_of(grads));
+  check_scalar(found_inf, "found_inf", device_of(grads));
+  for (const auto& [dtypes, positions] : group_by_dtypes({&grads, &out})) {
+    dispatch(dtypes[0], [&](auto in_tag) {
+      dispatch(dtypes[1], [&](auto out_tag) {
+        using In = decltype(in_tag);
+        using Out = decltype(out_tag);
+        mta::multi_tensor_apply<2>({&grads, &out}, positions, ScaleOp<In, Out>{},
+                                   static_cast<const float*>(scalar_ptr(inv_scale)),
+                                   scalar_ptr(found_inf));
+      });
+    });
+  }
+}
+
+void check_finite(const TensorList& tensors, const at::Tensor& found_inf) {
+  check_lists("check_finite", {&tensors}, {"tensors"}, {false}, {false});
+  check_cuda(tensors, "check_finite");
+  check_scalar(found_inf, "found_inf", device_of(tensors));
+  for (const auto& [dtypes, positions] : group_by_dtypes({&tensors})) {
+    dispatch(dtypes[0], [&](auto tag) {
+      using T = decltype(tag);
+      mta::multi_tensor_apply<1>({&tensors}, positions, CheckOp<T>{}, scalar_ptr(found_inf));
+    });
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> l2norm(const TensorList& tensors, const at::Tensor& scale,
+                                          const std::optional<at::Tensor>& found_inf) {
+  check_lists("l2norm", {&tensors}, {"tensors"}, {false}, {false});
+  check_cuda(tensors, "l2norm");
+  const at::Device device = tensors.empty() ? scale.device() : device_of(tensors);
+  check_scalar(scale, "scale", device);
+  if (found_inf.has_value()) check_scalar(*found_inf, "found_inf", device);
+  const c10::cuda::CUDAGuard guard(device);
+  const int64_t n = static_cast<int64_t>(tensors.size());
+  auto per_tensor = at::empty({n}, scale.options());
+  auto total = at::empty({}, scale.options());
+  if (n == 0) {
+    total.zero_();
+    return {total, per_tensor};
+  }
+  int64_t max_chunks = 1;
+  for (const auto& t : tensors) {
+    max_chunks = std::max<int64_t>(max_chunks, (t.numel() + mta::kChunk - 1) / mta::kChunk);
+  }
+  auto partials = at::zeros({n * max_chunks}, scale.options());
+  auto squares = at::empty({n}, scale.options().dtype(at::kDouble));
+  for (const auto& [dtypes, positions] : group_by_dtypes({&tensors})) {
+    dispatch(dtypes[0], [&](auto tag) {
+      using T = decltype(tag);
+      mta::multi_tensor_apply<1>({&tensors}, positions, SumSquaresOp<T>{},
+                                 static_cast<const float*>(scalar_ptr(scale)),
+                                 scalar_ptr(partials), static_cast<int>(max_chunks),
+                                 const_cast<float*>(ptr_or_null(found_inf)));
+    });
+  }
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  l2norm_per_tensor<<<static_cast<unsigned>(n), 256, 0, stream>>>(
+      partials.data_ptr<float>(), static_cast<int>(max_chunks), per_tensor.data_ptr<float>(),
+      squares.data_ptr<double>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  l2norm_total<<<1, 256, 0, stream>>>(squares.data_ptr<double>(), static_cast<int>(n),
+                                      total.data_ptr<float>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {total, per_tensor};
+}
+
+void copy_scale(const TensorList& src, const TensorList& dst, const at::Tensor& scale) {
+  check_lists("copy_scale", {&src, &dst}, {"src", "dst"}, {false, false}, {false, false});
+  check_cuda(src, "copy_scale");
+  check_scalar(scale, "scale", device_of(src));
+  for (const auto& [dtypes, positions] : group_by_dtypes({&src, &dst})) {
+    dispatch(dtypes[0], [&](auto in_tag) {
+      dispatch(dtypes[1], [&](auto out_tag) {
+        using In = decltype(in_tag);
+        using Out = decltype(out_tag);
+        mta::multi_tensor_apply<2>({&src, &dst}, positions, ScaleOp<In, Out>{},
+                                   static_cast<const float*>(scalar_ptr(scale)),
+                                   static_cast<float*>(nullptr));
+      });
+    });
+  }
+}
+
+namespace {
+
+// Absent lists are stood in for by the params (never read or written: the op's flags say so).
+template <bool kAdam>
+void launch_step(const char* op, const TensorList& params, const TensorList& grads,
+                 const TensorList& state1, const TensorList& state2,
+                 const TensorList& model_copies, const at::Tensor& grad_scale,
+                 const std::optional<at::Tensor>& found_inf, bool maximize, const AdamArgs& adam,
+                 const SgdArgs& sgd, bool with_momentum) {
+  check_cuda(params, op);
+  const at::Device device = device_of(params);
+  check_scalar(grad_scale, "grad_scale", device);
+  if (found_inf.has_value()) check_scalar(*found_inf, "found_inf", device);
+  const TensorList& s1 = state1.empty() ? params : state1;
+  const TensorList& s2 = state2.empty() ? params : state2;
+  const TensorList& copies = model_copies.empty() ? params : model_copies;
+  const float sign = maximize ? -1.f : 1.f;
+  for (const auto& [dtypes, positions] : group_by_dtypes({&grads, &model_copies})) {
+    dispatch(dtypes[0], [&](auto g_tag) {
+      dispatch(dtypes[1], [&](auto c_tag) {
+        using G = decltype(g_tag);
+        using C = decltype(c_tag);  // float: no copy (the param is its own)
+        mta::multi_tensor_apply<5>({&params, &grads, &s1, &s2, &copies}, positions,
+                                   StepOp<G, C, kAdam>{},
+                                   static_cast<const float*>(scalar_ptr(grad_scale)),
+                                   ptr_or_null(found_inf), sign, adam, sgd, with_momentum);
+      });
+    });
+  }
+}
+
+}  // namespace
+
+void sgd_step(const TensorList& params, const TensorList& grads, const TensorList& momentum_bufs,
+              const TensorList& model_copies, const at::Tensor& grad_scale,
+              const std::optional<at::Tensor>& found_inf, double lr, double weight_decay,
+              double momentum, double dampening, bool nesterov, bool maximize, bool first_run) {
+  const bool with_momentum = momentum != 0.0;
+  check_step_lists("sgd_step", params, grads, momentum_bufs, momentum_bufs, with_momentum,
+                   model_copies);
+  launch_step<false>("sgd_step", params, grads, with_momentum ? momentum_bufs : TensorList{},
+                     TensorList{}, model_copies, grad_scale, found_inf, maximize, AdamArgs{},
+                     make_sgd_args(lr, weight_decay, momentum, dampening, nesterov, first_run),
+                     with_momentum);
+}
+
+void adam_step(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
+               const TensorList& exp_avg_sqs, const TensorList& model_copies,
+               const at::Tensor& grad_scale, const std::optional<at::Tensor>& found_inf,
+               double lr, double beta1, double beta2, double eps, double weight_decay,
+               double bias_correction1, double bias_correction2, bool decoupled, bool maximize) {
+  check_step_lists("adam_step", params, grads, exp_avgs, exp_avg_sqs, true, model_copies);
+  launch_step<true>("adam_step", params, grads, exp_avgs, exp_avg_sqs, model_copies, grad_scale,
+                    found_inf, maximize,
+                    make_adam_args(lr, beta1, beta2, eps, weight_decay, bias_correction1,
+                                   bias_correction2, decoupled),
+                    SgdArgs{}, true);
+}
+
+}  // namespace amp_runner

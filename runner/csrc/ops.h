@@ -1,0 +1,168 @@
+// The kernels' interface, identical for the C++ (CPU) and CUDA backends, and the argument checks
+// both run before touching memory. Each backend implements these functions in its own namespace
+// and binds them with AMP_RUNNER_BIND_OPS, so Python sees the same module API from either.
+//
+// Lists: tensors at the same position in the lists of one call are elementwise partners (a
+// gradient, its parameter, its optimizer state, its 16-bit model copy). Partners must have the
+// same number of elements and the same layout (contiguous or channels_last alike: any dense,
+// non-overlapping layout works, elementwise over memory). Dtypes may differ between positions
+// and lists (fp16/bf16/fp32 gradients in one list); parameters and optimizer state are fp32.
+// Scale and flag arguments are one-element fp32 tensors on the tensors' device, so a gradient
+// multiplier computed on the GPU (a clipping coefficient) needs no host round trip.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "step_math.h"
+
+namespace amp_runner {
+
+using TensorList = std::vector<at::Tensor>;
+
+inline bool is_half_or_float(at::ScalarType t) {
+  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+}
+
+// One-element fp32 tensor on `device`.
+inline void check_scalar(const at::Tensor& t, const char* name, const at::Device& device) {
+  TORCH_CHECK(t.numel() == 1 && t.scalar_type() == at::kFloat,
+              name, " must be a one-element float32 tensor, got ", t.scalar_type(), " with ",
+              t.numel(), " elements");
+  TORCH_CHECK(t.device() == device, name, " is on ", t.device(), ", the tensors on ", device);
+}
+
+// `lists[0]` is the reference list; every other list has its length (or is empty where
+// `optional[i]`), and partners share numel, strides and device. `fp32[i]`: list i must be fp32.
+inline void check_lists(const char* op, const std::vector<const TensorList*>& lists,
+                        const std::vector<const char*>& names, const std::vector<bool>& optional,
+                        const std::vector<bool>& fp32) {
+  const TensorList& ref = *lists[0];
+  for (size_t l = 0; l < lists.size(); ++l) {
+    const TensorList& list = *lists[l];
+    if (list.empty() && optional[l]) continue;
+    TORCH_CHECK(list.size() == ref.size(), op, ": ", names[l], " has ", list.size(),
+                " tensors, ", names[0], " has ", ref.size());
+    for (size_t i = 0; i < list.size(); ++i) {
+      const at::Tensor& t = list[i];
+      const at::Tensor& r = ref[i];
+      TORCH_CHECK(t.defined(), op, ": ", names[l], "[", i, "] is undefined");
+      TORCH_CHECK(!t.is_sparse(), op, ": ", names[l], "[", i, "] is sparse");
+      TORCH_CHECK(is_half_or_float(t.scalar_type()), op, ": ", names[l], "[", i, "] is ",
+                  t.scalar_type(), "; float16, bfloat16 or float32 expected");
+      TORCH_CHECK(!fp32[l] || t.scalar_type() == at::kFloat, op, ": ", names[l], "[", i,
+                  "] must be float32, got ", t.scalar_type());
+      TORCH_CHECK(t.is_non_overlapping_and_dense(), op, ": ", names[l], "[", i,
+                  "] is not dense (a strided view); pass the whole tensor");
+      TORCH_CHECK(t.numel() == r.numel(), op, ": ", names[l], "[", i, "] has ", t.numel(),
+                  " elements, ", names[0], "[", i, "] has ", r.numel());
+      TORCH_CHECK(t.numel() <= 1 || t.strides() == r.strides(), op, ": ", names[l], "[", i,
+                  "] and ", names[0], "[", i, "] have different layouts (strides ", t.strides(),
+                  " vs ", r.strides(), ")");
+      TORCH_CHECK(t.device() == ref[0].device(), op, ": ", names[l], "[", i, "] is on ",
+                  t.device(), ", ", names[0], "[0] on ", ref[0].device());
+    }
+  }
+}
+
+// out[i] = grads[i] * inv_scale (out[i] may be grads[i] itself: in place); found_inf = 1 if
+// any gradient holds inf/NaN.
+void unscale_check(const TensorList& grads, const TensorList& out, const at::Tensor& inv_scale,
+                   const at::Tensor& found_inf);
+// found_inf = 1 if any tensor holds inf/NaN; reads only.
+void check_finite(const TensorList& tensors, const at::Tensor& found_inf);
+// (total L2 norm, per-tensor L2 norms) of scale * tensors, accumulated in fp32 per chunk and
+// fp64 across chunks; inf/NaN propagate into the norms and also set found_inf when given.
+std::tuple<at::Tensor, at::Tensor> l2norm(const TensorList& tensors, const at::Tensor& scale,
+                                          const std::optional<at::Tensor>& found_inf);
+// dst[i] = src[i] * scale, converted to dst's dtype (fp32 masters -> 16-bit model).
+void copy_scale(const TensorList& src, const TensorList& dst, const at::Tensor& scale);
+// One SGD step on fp32 params from grads * grad_scale; writes the 16-bit model copies when
+// given (an empty list: none; params[i] itself at position i: none for that param). Does nothing
+// when found_inf is given and set.
+void sgd_step(const TensorList& params, const TensorList& grads, const TensorList& momentum_bufs,
+              const TensorList& model_copies, const at::Tensor& grad_scale,
+              const std::optional<at::Tensor>& found_inf, double lr, double weight_decay,
+              double momentum, double dampening, bool nesterov, bool maximize, bool first_run);
+// One Adam/AdamW step (bias corrections for this step given), same conventions as sgd_step.
+void adam_step(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
+               const TensorList& exp_avg_sqs, const TensorList& model_copies,
+               const at::Tensor& grad_scale, const std::optional<at::Tensor>& found_inf,
+               double lr, double beta1, double beta2, double eps, double weight_decay,
+               double bias_correction1, double bias_correction2, bool decoupled, bool maximize);
+
+inline AdamArgs make_adam_args(double lr, double beta1, double beta2, double eps,
+                               double weight_decay, double bias_correction1,
+                               double bias_correction2, bool decoupled) {
+  AdamArgs a;
+  a.beta1 = static_cast<float>(beta1);
+  a.beta2 = static_cast<float>(beta2);
+  a.one_minus_beta1 = static_cast<float>(1.0 - beta1);
+  a.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+  a.eps = static_cast<float>(eps);
+  a.step_size = static_cast<float>(lr / bias_correction1);
+  a.bias_correction2_sqrt = static_cast<float>(std::sqrt(bias_correction2));
+  a.l2_weight_decay = decoupled ? 0.f : static_cast<float>(weight_decay);
+  a.decay = decoupled ? static_cast<float>(1.0 - lr * weight_decay) : 1.f;
+  return a;
+}
+
+inline SgdArgs make_sgd_args(double lr, double weight_decay, double momentum, double dampening,
+                             bool nesterov, bool first_run) {
+  SgdArgs s;
+  s.lr = static_cast<float>(lr);
+  s.weight_decay = static_cast<float>(weight_decay);
+  s.momentum = static_cast<float>(momentum);
+  s.one_minus_dampening = static_cast<float>(1.0 - dampening);
+  s.nesterov = nesterov;
+  s.first_run = first_run;
+  return s;
+}
+
+// Argument checks shared by both backends' step functions.
+inline void check_step_lists(const char* op, const TensorList& params, const TensorList& grads,
+                             const TensorList& state_a, const TensorList& state_b,
+                             bool state_b_used, const TensorList& model_copies) {
+  check_lists(op, {&params, &grads, &state_a, &state_b, &model_copies},
+              {"params", "grads", "state", "state2", "model_copies"},
+              {false, false, !state_b_used, !state_b_used, true},
+              {true, false, true, true, false});
+  for (size_t i = 0; i < model_copies.size(); ++i) {
+    // an fp32 param that is the model's own parameter is passed as its own copy (not written)
+    TORCH_CHECK(model_copies[i].scalar_type() != at::kFloat ||
+                    model_copies[i].data_ptr() == params[i].data_ptr(),
+                op, ": model_copies[", i, "] is a float32 tensor other than params[", i,
+                "]; a copy is the 16-bit model parameter, or the param itself for none");
+  }
+}
+
+}  // namespace amp_runner
+
+// Both backends expose the same Python API.
+#define AMP_RUNNER_BIND_OPS(m, ns, backend_name)                                                  \
+  m.attr("backend") = backend_name;                                                              \
+  m.def("unscale_check", &ns::unscale_check, "out = grads * inv_scale; flag inf/NaN",            \
+        pybind11::arg("grads"), pybind11::arg("out"), pybind11::arg("inv_scale"),                \
+        pybind11::arg("found_inf"));                                                             \
+  m.def("check_finite", &ns::check_finite, "flag inf/NaN (read-only)", pybind11::arg("tensors"), \
+        pybind11::arg("found_inf"));                                                             \
+  m.def("l2norm", &ns::l2norm, "(total, per-tensor) L2 norms of scale * tensors",                \
+        pybind11::arg("tensors"), pybind11::arg("scale"),                                        \
+        pybind11::arg("found_inf") = pybind11::none());                                          \
+  m.def("copy_scale", &ns::copy_scale, "dst = src * scale", pybind11::arg("src"),                \
+        pybind11::arg("dst"), pybind11::arg("scale"));                                           \
+  m.def("sgd_step", &ns::sgd_step, "fused SGD step on fp32 params", pybind11::arg("params"),     \
+        pybind11::arg("grads"), pybind11::arg("momentum_bufs"), pybind11::arg("model_copies"),   \
+        pybind11::arg("grad_scale"), pybind11::arg("found_inf"), pybind11::arg("lr"),            \
+        pybind11::arg("weight_decay"), pybind11::arg("momentum"), pybind11::arg("dampening"),    \
+        pybind11::arg("nesterov"), pybind11::arg("maximize"), pybind11::arg("first_run"));       \
+  m.def("adam_step", &ns::adam_step, "fused Adam/AdamW step on fp32 params",                     \
+        pybind11::arg("params"), pybind11::arg("grads"), pybind11::arg("exp_avgs"),              \
+        pybind11::arg("exp_avg_sqs"), pybind11::arg("model_copies"), pybind11::arg("grad_scale"),\
+        pybind11::arg("found_inf"), pybind11::arg("lr"), pybind11::arg("beta1"),                 \
+        pybind11::arg("beta2"), pybind11::arg("eps"), pybind11::arg("weight_decay"),             \
+        pybind11::arg("bias_correction1"), pybind11::arg("bias_correction2"),                    \
+        pybind11::arg("decoupled"), pybind11::arg("maximize"))
