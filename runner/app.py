@@ -19,6 +19,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 import runner
+from runner import csrc
 from runner.errors import ConfigError
 from runner.paths import config_dir
 from runner.precision import AmpEngine, Resolution, resolve
@@ -182,7 +183,9 @@ def run(
         log.info("Precision findings about the model:\n%s",
                  Resolution(properties, shape_findings).findings_table())
     optimizer = build_optimizer(cfg.optimizer, model.parameters())
-    engine = AmpEngine(properties, device)
+    engine = AmpEngine(properties, device, kernels=cfg.precision.kernels)
+    kernels = csrc.name_of(engine.kernels)
+    log.info("Kernels: %s (precision.kernels=%s)", kernels, cfg.precision.kernels)
     model, optimizer = engine.prepare(model, optimizer)
     steps_per_epoch = len(train_loader)
     if cfg.trainer.limit_train_batches is not None:
@@ -192,6 +195,7 @@ def run(
     config_tree = OmegaConf.to_container(cfg, resolve=True)
     params = flatten(config_tree)
     params.update({f"precision.{k}": v for k, v in properties.as_params().items()})
+    params["precision.kernels"] = kernels  # the backend in use: cuda | cpp | torch
     params["data.num_classes"] = str(bundle.num_classes)
     params["data.train_size"] = str(len(bundle.train))
     params["data.val_size"] = str(len(bundle.val))

@@ -134,6 +134,9 @@ class PrecisionConfig:
     min_loss_scale: Optional[float] = None
     max_loss_scale: float = 16777216.0  # 2^24
     strict: bool = False  # every precision warning becomes an error
+    # fused C++/CUDA kernels (runner.csrc): auto (build on first use; torch's ops if that
+    # fails, with a warning), fused (the kernels or an error), torch (never build)
+    kernels: str = "auto"
 
 
 # ---- trainer and tracking ------------------------------------------------------------------

@@ -14,6 +14,7 @@ from typing import Any, Callable
 from omegaconf import DictConfig, OmegaConf
 
 from runner.config import DATASET_NAMES, DEVICES, MODEL_NAMES, OPTIMIZER_NAMES, SCHEDULER_NAMES
+from runner.csrc import CHOICES as KERNEL_CHOICES
 from runner.errors import ConfigError
 
 Rule = tuple[str, Callable[[Any], bool], str]
@@ -69,6 +70,7 @@ def _rules(cfg: DictConfig) -> list[Rule]:
         ("scheduler.pct_start", lambda v: _finite(v) and 0 < v < 1, "a number in (0, 1)"),
         ("scheduler.div_factor", positive, "a finite number > 0"),
         ("scheduler.final_div_factor", positive, "a finite number > 0"),
+        ("precision.kernels", one_of(KERNEL_CHOICES), ", ".join(KERNEL_CHOICES)),
         ("trainer.max_epochs", lambda v: v >= 1, "an integer >= 1"),
         ("trainer.batch_size", lambda v: v >= 1, "an integer >= 1"),
         ("trainer.device", one_of(DEVICES), ", ".join(DEVICES)),

@@ -59,3 +59,39 @@ class Snapshot:
         for i, state in self.optimizer_state["state"].items():
             for k, v in state.items():
                 assert torch.equal(after["state"][i][k], v), (i, k)
+
+
+class KernelSpy:
+    """Counts an engine's calls into its compiled kernels; every call still runs the real kernel
+    (the spy only sits between the engine and the module, so the engine's choices are visible)."""
+
+    OPS = ("unscale_check", "check_finite", "l2norm", "copy_scale", "sgd_step", "adam_step")
+
+    def __init__(self, engine):
+        import dataclasses
+        from collections import Counter
+        from types import SimpleNamespace
+
+        assert engine.kernels is not None, "the engine runs without kernels"
+        self.calls: Counter = Counter()
+        real = engine.kernels.ops
+
+        def wrap(name):
+            def call(*args, **kwargs):
+                self.calls[name] += 1
+                return getattr(real, name)(*args, **kwargs)
+            return call
+
+        engine.kernels = dataclasses.replace(
+            engine.kernels, ops=SimpleNamespace(**{n: wrap(n) for n in self.OPS}))
+
+    def count(self, name: str) -> int:
+        return self.calls[name]
+
+    def reset(self) -> None:
+        self.calls.clear()
+
+
+def total_norm(tensors) -> torch.Tensor:
+    """The L2 norm of all tensors together, in fp32 (what clip_grad_norm_ computes)."""
+    return torch.linalg.vector_norm(torch.cat([t.detach().float().flatten() for t in tensors]))

@@ -168,6 +168,7 @@ def test_unknown_choice_lists_the_available_options():
         (["trainer.limit_train_batches=0"], "trainer.limit_train_batches"),
         (["trainer.grad_clip_norm=-1"], "trainer.grad_clip_norm"),
         (["trainer.device=tpu"], "trainer.device"),
+        (["precision.kernels=fast"], "precision.kernels"),
         (["model.name=resnet1000"], "model.name"),
         (["model=tiny", "model.width=0"], "model.width"),
         (["data.name=mnist"], "data.name"),

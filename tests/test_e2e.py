@@ -77,6 +77,7 @@ def test_each_level_trains_and_logs_the_contract(level, tracking_uri):
     for key in PRECISION_KEYS:
         assert f"precision.{key}" in params
     assert params["precision.opt_level"] == level.upper()
+    assert params["precision.kernels"] == "cpp"  # the backend in use, not the choice "auto"
     assert params["model.name"] == "tiny" and params["trainer.max_epochs"] == "2"
     tags = run.data.tags
     assert tags["opt_level"] == level.upper()
@@ -95,7 +96,8 @@ def test_each_level_trains_and_logs_the_contract(level, tracking_uri):
         ["precision=o1", "precision.autocast_dtype=bfloat16", "optimizer=adam", "scheduler=step",
          "scheduler.step_epochs=1", "mlflow.run_name=bf16-autocast", "+mlflow.tags.team=vision"],
         ["precision=o3", "precision.cast_model_type=bfloat16", "scheduler=none",
-         "trainer.limit_train_batches=2", "trainer.limit_val_batches=1"],
+         "trainer.limit_train_batches=2", "trainer.limit_val_batches=1",
+         "precision.kernels=torch"],
     ],
     ids=["o2-adamw-onecycle-clip-channels_last-static128", "o1-bf16-adam-step", "o3-bf16-limits"],
 )
@@ -105,6 +107,8 @@ def test_option_combinations_finish(overrides, tracking_uri):
     _, run = only_run(tracking_uri)
     assert run.info.status == "FINISHED"
     assert all(math.isfinite(run.data.metrics[m]) for m in EPOCH_METRICS)
+    if "precision.kernels=torch" in overrides:
+        assert run.data.params["precision.kernels"] == "torch"
     if "mlflow.run_name=bf16-autocast" in overrides:
         assert run.info.run_name == "bf16-autocast"
         assert run.data.tags["team"] == "vision"

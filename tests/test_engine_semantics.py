@@ -17,7 +17,7 @@ from torch import nn
 
 from runner.precision import AmpEngine
 from runner.precision import autocast as ac
-from tests.precision_helpers import OpRecorder, batch, net, props
+from tests.precision_helpers import KernelSpy, OpRecorder, batch, net, props
 
 CPU = torch.device("cpu")
 
@@ -155,15 +155,17 @@ def test_one_loss_over_two_optimizers_updates_its_scaler_once_per_round():
 
 
 # ---- gradient accumulation -----------------------------------------------------------------
+@pytest.mark.parametrize("kernels", ["torch", "auto"])
 @pytest.mark.parametrize("level", ["O0", "O2"])
-def test_gradient_accumulation_unscales_once(level):
+def test_gradient_accumulation_unscales_once(level, kernels):
     model = net()
     xs = [batch(seed) for seed in (1, 2, 3)]
     ref = copy.deepcopy(model)
     p = props(level, loss_scale="dynamic") if level == "O0" else props(level)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    engine = AmpEngine(p, CPU)
+    engine = AmpEngine(p, CPU, kernels=kernels)
     engine.prepare(model, opt)
+    spy = KernelSpy(engine) if kernels == "auto" else None
     if level == "O2":
         with torch.no_grad():
             for r, q in zip(ref.parameters(), model.parameters()):
@@ -173,10 +175,14 @@ def test_gradient_accumulation_unscales_once(level):
     with OpRecorder() as rec:
         for x, y in xs:
             engine.backward(nn.functional.cross_entropy(model(x), y))
-    assert rec.count("non_finite_check") == 0  # nothing unscaled between the backward calls
+
+    def checks():
+        return spy.count("unscale_check") if spy else rec.count("non_finite_check")
+
+    assert checks() == 0  # nothing unscaled between the backward calls
     with OpRecorder() as rec:
         engine.unscale_(opt)
-    assert rec.count("non_finite_check") == 1
+    assert checks() == 1
     for g, r in zip((q.grad for q in engine.master_params(opt)), ref.parameters()):
         if level == "O0":
             assert torch.equal(g, r.grad)

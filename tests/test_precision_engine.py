@@ -17,7 +17,7 @@ from runner.errors import ConfigError
 from runner.precision import LEVELS, AmpEngine, Finding, Properties, Resolution, resolve
 from runner.precision.casting import cast_model
 from runner.precision.scaler import LossScaler
-from tests.precision_helpers import OpRecorder, Snapshot, props
+from tests.precision_helpers import KernelSpy, OpRecorder, Snapshot, props, total_norm
 
 CPU = torch.device("cpu")
 
@@ -294,10 +294,12 @@ def test_master_weights_are_fp32_copies_held_by_the_optimizer():
     # one step: masters step in fp32 and the model receives a rounded copy
     x, y = make_batch()
     engine.backward(nn.functional.cross_entropy(model(x), y))
+    engine.unscale_(opt)  # the masters' fp32 .grad buffers are filled (also with kernels)
     assert engine.step(opt)
     for p, m in zip(masters.model_params, masters.masters):
         assert torch.equal(m.half(), p)
     bufs = [m.grad for m in masters.masters]
+    assert all(b is not None and b.dtype == torch.float32 for b in bufs)
     engine.zero_grad(opt)
     assert all(p.grad is None for p in model.parameters())
     engine.backward(nn.functional.cross_entropy(model(x), y))
@@ -426,19 +428,68 @@ def test_static_scale_one_adds_no_pass_over_grads():
         assert grads[id(p)] is p.grad and torch.equal(p.grad, g)
 
 
-def test_checked_steps_sync_exactly_once():
+@pytest.mark.parametrize("kernels", ["torch", "auto"])
+def test_checked_steps_sync_exactly_once(kernels):
     for p in (props("O2"), props("O3", loss_scale=8.0)):
-        model, opt, engine = sgd_engine(p)
+        model, opt, engine = sgd_engine(p, kernels=kernels)
+        spy = KernelSpy(engine) if kernels == "auto" else None
         engine.scalers[0].load_state_dict({"loss_scale": 8.0})
         x, y = make_batch()
         engine.backward(nn.functional.cross_entropy(model(x), y))
         with OpRecorder() as rec:
             engine.unscale_(opt)
-        assert rec.count("non_finite_check") >= 1 and rec.count("_local_scalar_dense") == 0
+        checks = spy.count("unscale_check") if spy else rec.count("non_finite_check")
+        assert checks >= 1 and rec.count("_local_scalar_dense") == 0
         with OpRecorder() as rec:
             assert engine.step(opt)
         assert rec.count("_local_scalar_dense") == 1
-        assert rec.count("non_finite_check") == 0  # unscale_ is once per step
+        # unscale_ is once per step
+        assert (spy.count("unscale_check") == checks) if spy else rec.count("non_finite_check") == 0
+
+
+def test_fused_step_checks_and_syncs_once_without_fp32_master_grads():
+    """With kernels, a step nobody unscaled runs from the scaled fp16 model gradients: one
+    read-only check pass, one host read, one fused update that also writes the fp16 model."""
+    model, opt, engine = sgd_engine(props("O2"))
+    spy = KernelSpy(engine)
+    x, y = make_batch()
+    masters = engine.masters(opt)
+    engine.scalers[0].load_state_dict({"loss_scale": 1024.0})
+    engine.backward(nn.functional.cross_entropy(model(x), y))
+    unscaled = {id(m): p.grad.float() / 1024.0
+                for p, m in zip(masters.model_params, masters.masters)}
+    unscaled.update({id(p): p.grad / 1024.0 for p in engine.master_params(opt)
+                     if id(p) not in unscaled})
+    before = {id(p): p.detach().clone() for p in engine.master_params(opt)}
+    with OpRecorder() as rec:
+        assert engine.step(opt)
+    assert rec.count("_local_scalar_dense") == 1
+    assert spy.count("check_finite") == 1 and spy.count("sgd_step") == 1
+    assert spy.count("unscale_check") == 0 and spy.count("copy_scale") == 0
+    assert all(m.grad is None for m in masters.masters)  # no fp32 gradient copies
+    for p in engine.master_params(opt):  # SGD without momentum on the unscaled gradient, fp32
+        torch.testing.assert_close(p, before[id(p)] - 0.1 * unscaled[id(p)], rtol=1e-6,
+                                   atol=1e-7)
+    for p, m in zip(masters.model_params, masters.masters):
+        assert torch.equal(p, m.half())  # the model copy written by the same pass
+
+
+@pytest.mark.parametrize("where", ["first", "last"])
+def test_fused_step_skips_on_overflow_and_backs_off(where):
+    model, opt, engine = sgd_engine(props("O2"))
+    spy = KernelSpy(engine)
+    masters = engine.masters(opt)
+    snap = Snapshot(model, masters.masters, opt)
+    x, y = make_batch()
+    engine.backward(nn.functional.cross_entropy(model(x), y))
+    params = list(model.parameters())
+    target = params[0] if where == "first" else params[-1]
+    target.grad.view(-1)[0 if where == "first" else -1] = float("inf")
+    scale = engine.loss_scale
+    assert not engine.step(opt)
+    assert spy.count("check_finite") == 1 and spy.count("sgd_step") == 0
+    snap.assert_unchanged(model, masters.masters, opt)
+    assert engine.loss_scale == scale / 2 and engine.skipped_steps == 1
 
 
 def test_static_scale_other_than_one_unscales_and_skips_inf():
@@ -456,22 +507,33 @@ def test_static_scale_other_than_one_unscales_and_skips_inf():
 
 
 # ---- clipping ------------------------------------------------------------------------------
-def test_clip_grad_norm_exact_on_unscaled_fp32_grads():
+@pytest.mark.parametrize("kernels", ["torch", "auto"])
+def test_clip_grad_norm_exact_on_unscaled_fp32_grads(kernels):
+    """O0 with a static scale: the norm of the unscaled gradients, and a step on clipped ones.
+    torch's path rewrites the gradients; the kernels fold the coefficient into the fused step."""
     x, y = make_batch()
     ref = make_model()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     nn.functional.cross_entropy(ref(x), y).backward()
-    ref_norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
-    model, opt, engine = sgd_engine(props("O0", loss_scale=1024.0))
+    ref_norm = total_norm(p.grad for p in ref.parameters())
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+    ref_opt.step()
+    model, opt, engine = sgd_engine(props("O0", loss_scale=1024.0), kernels=kernels)
     engine.backward(nn.functional.cross_entropy(model(x), y))
     norm = engine.clip_grad_norm_(0.1)
     torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=0)
-    clipped = torch.nn.utils.get_total_norm([p.grad for p in engine.master_params(opt)])
-    assert clipped.item() == pytest.approx(0.1, rel=1e-4)
+    if kernels == "torch":
+        clipped = total_norm(p.grad for p in engine.master_params(opt))
+        assert clipped.item() == pytest.approx(0.1, rel=1e-4)
+    assert engine.step(opt)
+    for p, r in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-7)
 
 
-def test_clip_grad_norm_o2_clips_fp32_masters():
+@pytest.mark.parametrize("kernels", ["torch", "auto"])
+def test_clip_grad_norm_o2_clips_fp32_masters(kernels):
     x, y = make_batch()
-    model, opt, engine = sgd_engine(props("O2"))
+    model, opt, engine = sgd_engine(props("O2"), kernels=kernels)
     engine.scalers[0].load_state_dict({"loss_scale": 1024.0})
     # fp32 reference with the same (fp16-rounded) weights
     ref = make_model()
@@ -479,16 +541,31 @@ def test_clip_grad_norm_o2_clips_fp32_masters():
         for r, p in zip(ref.parameters(), model.parameters()):
             r.copy_(p.float())
     nn.functional.cross_entropy(ref(x), y).backward()
-    ref_norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
+    ref_norm = total_norm(p.grad for p in ref.parameters())
     engine.backward(nn.functional.cross_entropy(model(x), y))
+    # the unscaled gradients in fp32, before clipping
+    masters = engine.masters(opt)
+    unscaled = {id(m): p.grad.float() / 1024.0 for p, m in zip(masters.model_params,
+                                                               masters.masters)}
+    unscaled.update({id(p): p.grad / 1024.0 for p in engine.master_params(opt)
+                     if id(p) not in unscaled})
+    before = {id(p): p.detach().clone() for p in engine.master_params(opt)}
     norm = engine.clip_grad_norm_(0.05)
     assert norm.dtype == torch.float32
     torch.testing.assert_close(norm, ref_norm, rtol=2e-2, atol=0)  # fp16 forward: ~1e-3 apart
-    masters = list(engine.master_params(opt))
-    assert all(p.grad.dtype == torch.float32 for p in masters)
-    clipped = torch.nn.utils.get_total_norm([p.grad for p in masters])
-    assert clipped.item() == pytest.approx(0.05, rel=1e-3)
+    torch.testing.assert_close(norm, total_norm(unscaled.values()), rtol=1e-5, atol=0)
+    stepped = list(engine.master_params(opt))
+    if kernels == "torch":
+        assert all(p.grad.dtype == torch.float32 for p in stepped)
+        clipped = total_norm(p.grad for p in stepped)
+        assert clipped.item() == pytest.approx(0.05, rel=1e-3)
     assert engine.step(opt)
+    coef = 0.05 / (norm.item() + 1e-6)
+    for p in stepped:  # plain SGD: the update is lr times the clipped gradient
+        torch.testing.assert_close(p, before[id(p)] - 0.1 * coef * unscaled[id(p)], rtol=1e-5,
+                                   atol=1e-7)
+    for p, m in zip(masters.model_params, masters.masters):
+        assert torch.equal(p, m.half())
 
 
 # ---- schedulers, state ---------------------------------------------------------------------

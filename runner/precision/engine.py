@@ -7,6 +7,17 @@ The engine never wraps `optimizer.step` (LR schedulers wrap it themselves; the A
 `amp.py` does, on the instance), and reads the non-finite flags from the device at most once per
 step, only when a check is needed at all (dynamic scale, or a static scale other than 1).
 
+Kernels (`runner.csrc`, `kernels="auto"`): where there is precision work to fuse (fp32 masters,
+or a loss-scale check), a step that nobody unscaled first runs straight from the model's scaled
+gradients: a read-only check pass (or the clipping norm, which also flags non-finite values),
+the single host read, then one fused pass that unscales, clips, updates the fp32 params and
+their optimizer state and writes the 16-bit model copy (`fused.py`). No fp32 master gradients
+are materialised on that path. When something asked for the unscaled gradients first
+(`unscale_`, several losses, the facade's `scale_loss`), one kernel pass copies, unscales and
+checks them into the masters' `.grad`, and the fused step reads those. Without kernels (a failed
+build, `kernels="torch"`, an optimizer the kernels do not implement) the same steps run on
+torch's own ops. A plain fp32 run (O0) has nothing to fuse and always steps with its optimizer.
+
 Gradient accumulation: several `backward` calls of one loss before one `step` accumulate scaled
 gradients, unscaled once at the step. Several losses (`num_losses`, `loss_id`): before a
 different loss's backward, the gradients already accumulated are unscaled by their own scaler
@@ -16,7 +27,6 @@ updates once per round with its own loss's verdict, however many optimizers step
 """
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Iterator, Optional
 
@@ -24,29 +34,13 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from runner import csrc
+from runner.precision import fused
 from runner.precision.autocast import autocast_context
 from runner.precision.casting import IOCastHooks, cast_model, install_output_cast
 from runner.precision.master import MasterWeights
 from runner.precision.properties import Properties
 from runner.precision.scaler import LossScaler
-
-
-_SCALER_KNOBS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "hysteresis",
-                 "min_loss_scale", "max_loss_scale")
-
-
-def _make_scaler(properties: Properties, min_loss_scale: Optional[float],
-                 max_loss_scale: Optional[float]) -> LossScaler:
-    """A scaler for `properties.loss_scale` with the loss-scaling knobs the properties carry
-    (read with defaults: older Properties have none); explicit min/max arguments win."""
-    accepted = inspect.signature(LossScaler).parameters
-    kw = {k: getattr(properties, k) for k in _SCALER_KNOBS
-          if k in accepted and getattr(properties, k, None) is not None}
-    if min_loss_scale is not None:
-        kw["min_loss_scale"] = min_loss_scale
-    if max_loss_scale is not None:
-        kw["max_loss_scale"] = max_loss_scale
-    return LossScaler(properties.loss_scale, **kw)
 
 
 @dataclass
@@ -66,6 +60,10 @@ class _OptimizerState:
     found: dict[int, bool] = field(default_factory=dict)               # resolved flags per loss
     unscaled: bool = False  # the stepped .grad hold the final, unscaled values
     clipped: bool = False
+    # kernels: the fused step's work and gradient multiplier (inverse scale times the clipping
+    # coefficient) once a lazy clip computed them; applied by the step (or by unscale_)
+    plans: Optional[list[fused.GroupPlan]] = None
+    multiplier: Optional[torch.Tensor] = None
 
     def reset(self) -> None:
         self.scaled_ids.clear()
@@ -75,6 +73,8 @@ class _OptimizerState:
         self.found.clear()
         self.unscaled = False
         self.clipped = False
+        self.plans = None
+        self.multiplier = None
 
 
 class AmpEngine:
@@ -88,14 +88,20 @@ class AmpEngine:
         min_loss_scale: Optional[float] = None,
         max_loss_scale: Optional[float] = None,
         cast_model_outputs: Optional[torch.dtype] = None,
+        kernels: str = "auto",
     ):
         if num_losses < 1:
             raise ValueError(f"num_losses must be >= 1, got {num_losses}")
         self.properties = properties
         self.device = torch.device(device)
         self.cast_model_outputs = cast_model_outputs
-        self.scalers = [_make_scaler(properties, min_loss_scale, max_loss_scale)
+        bounds = {k: v for k, v in (("min_loss_scale", min_loss_scale),
+                                    ("max_loss_scale", max_loss_scale)) if v is not None}
+        self.scalers = [LossScaler.from_properties(properties, **bounds)
                         for _ in range(num_losses)]
+        # the compiled kernels for this device (None: torch's ops); see runner.csrc
+        self.kernels: Optional[csrc.Kernels] = csrc.load(self.device, kernels)
+        self._scale_tensors: dict[float, torch.Tensor] = {}
         self.skipped_steps = 0
         self._optimizers: dict[int, tuple[torch.optim.Optimizer, _OptimizerState]] = {}
         self._io_hooks: list[IOCastHooks] = []
@@ -331,24 +337,25 @@ class AmpEngine:
 
         O2: copy the model's half grads into the fp32 masters. Then, where a check is needed,
         unscale in place and record a non-finite flag as a device tensor (no host sync here);
-        gradients stashed from earlier losses are added back.
+        gradients stashed from earlier losses are added back. With kernels, the copy, the
+        unscale and the check are one pass (and a pending lazy clip's coefficient is applied).
         """
         optimizer, st = self._state(optimizer)
         if st.unscaled:
             return
         if len(optimizer.param_groups) != st.n_groups:
             self.sync_param_groups(optimizer)
-        if st.masters is not None:
-            st.masters.copy_grads_to_master()
-        if st.scaled_ids:
-            scaler = self.scalers[min(st.scaled_ids)]  # one scale: see _before_backward
-            if scaler.needs_check:
+        # one scale: see _before_backward
+        scaler = self.scalers[min(st.scaled_ids)] if st.scaled_ids else None
+        check = scaler is not None and scaler.needs_check
+        if not self._kernel_unscale(optimizer, st, scaler, check):
+            if st.masters is not None:
+                st.masters.copy_grads_to_master()
+            if check:
                 grads = [p.grad for p in self._stepped_params(optimizer) if p.grad is not None]
-                flag = scaler.unscale_(grads)
-                if flag is not None:
-                    for i in st.scaled_ids:
-                        st.flags.setdefault(i, []).append(flag)
-            st.scaled_ids.clear()
+                self._record_flag(st, scaler.unscale_(grads))
+        st.scaled_ids.clear()
+        st.plans = st.multiplier = None
         if st.stash:
             with torch.no_grad():
                 for p in self._stepped_params(optimizer):
@@ -361,6 +368,66 @@ class AmpEngine:
                         p.grad.add_(buf)
             st.stash.clear()
         st.unscaled = True
+
+    def _kernel_unscale(self, optimizer: torch.optim.Optimizer, st: _OptimizerState,
+                        scaler: Optional[LossScaler], check: bool) -> bool:
+        """One kernel pass: the model's 16-bit grads into the masters' fp32 `.grad`, the model's
+        own fp32 grads in place, all times the multiplier, non-finite values flagged. False when
+        there is nothing for the kernels to do or they cannot take these tensors."""
+        if self.kernels is None or (st.masters is None and not check and st.multiplier is None):
+            return False
+        src, dst = st.masters.attach_grad_buffers() if st.masters is not None else ([], [])
+        if check or st.multiplier is not None:
+            masters = st.masters.model_of() if st.masters is not None else {}
+            own = [p.grad for p in self._stepped_params(optimizer)
+                   if p.grad is not None and id(p) not in masters]
+            src, dst = src + own, dst + own
+        if not fused.kernel_compatible(src, dst, self.device):
+            return False
+        if st.multiplier is not None:
+            multiplier = st.multiplier
+        else:
+            multiplier = self._scale_tensor(1.0 / scaler.scale if check else 1.0)
+        if check:
+            flag = torch.zeros(1, dtype=torch.float32, device=self.device)
+            self.kernels.ops.unscale_check(src, dst, multiplier, flag)
+            self._record_flag(st, flag)
+        elif src:
+            self.kernels.ops.copy_scale(src, dst, multiplier)
+        return True
+
+    def _record_flag(self, st: _OptimizerState, flag: Optional[torch.Tensor]) -> None:
+        """A device-side non-finite flag counts against every loss whose gradients it covers."""
+        if flag is not None:
+            for i in st.scaled_ids:
+                st.flags.setdefault(i, []).append(flag)
+
+    def _scale_tensor(self, value: float) -> torch.Tensor:
+        """`value` as a one-element fp32 tensor on the device, cached: the kernels take scales
+        as device tensors, and the scale changes rarely."""
+        t = self._scale_tensors.get(value)
+        if t is None:
+            if len(self._scale_tensors) > 16:
+                self._scale_tensors.clear()
+            t = self._scale_tensors[value] = torch.full((1,), value, dtype=torch.float32,
+                                                        device=self.device)
+        return t
+
+    def _lazy_plans(self, optimizer: torch.optim.Optimizer, st: _OptimizerState
+                    ) -> Optional[list[fused.GroupPlan]]:
+        """The fused step's work when it can run straight from the model's scaled gradients:
+        kernels loaded, precision work to fuse (masters or a check), one loss's gradients in
+        place and nothing unscaled or stashed yet, an optimizer the kernels implement."""
+        if self.kernels is None or st.unscaled or st.stash or len(st.scaled_ids) != 1:
+            return None
+        if st.masters is None and not self.scalers[min(st.scaled_ids)].needs_check:
+            return None
+        model_of = st.masters.model_of() if st.masters is not None else {}
+
+        def grad_of(p: torch.Tensor) -> Optional[torch.Tensor]:
+            return model_of.get(id(p), p).grad
+
+        return fused.plan(optimizer, self.device, grad_of, lambda p: model_of.get(id(p)))
 
     def _resolve(self, st: _OptimizerState) -> dict[int, bool]:
         """The per-loss overflow verdicts of this round: at most one host sync per call."""
@@ -410,8 +477,24 @@ class AmpEngine:
     def clip_grad_norm_(self, max_norm: float, optimizer: Optional[torch.optim.Optimizer] = None,
                         norm_type: float = 2.0) -> torch.Tensor:
         """Clip the unscaled gradients the optimizer will step (masters under O2); returns the
-        total norm before clipping. Non-finite grads give a non-finite norm; the step is skipped."""
+        total norm before clipping. Non-finite grads give a non-finite norm; the step is skipped.
+
+        With kernels on the fused path the gradients are not rewritten: the norm comes from the
+        scaled model gradients (a pass that also flags non-finite values), and the clipping
+        coefficient joins the inverse scale in the multiplier the fused step applies."""
         optimizer, st = self._state(optimizer)
+        plans = self._lazy_plans(optimizer, st) if float(norm_type) == 2.0 else None
+        if plans is not None:
+            scaler = self.scalers[min(st.scaled_ids)]
+            inv = self._scale_tensor(1.0 / scaler.scale)
+            flag = torch.zeros(1, dtype=torch.float32, device=self.device)
+            total, _ = self.kernels.ops.l2norm(fused.gradients(plans), inv, flag)
+            if scaler.needs_check:
+                self._record_flag(st, flag)
+            st.multiplier = inv * torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            st.plans = plans
+            st.clipped = True
+            return total
         self.unscale_(optimizer)
         params = [p for p in self._stepped_params(optimizer) if p.grad is not None]
         st.clipped = True
@@ -423,20 +506,59 @@ class AmpEngine:
 
         Each scaler whose loss contributed to this step updates once per round (backing off only
         for its own loss's overflow). `step_fn` replaces `optimizer.step` (the Apex facade passes
-        the unwrapped step). Returns True when the optimizer stepped."""
+        the unwrapped step) where the kernels do not step. Returns True when the optimizer
+        stepped."""
         optimizer, st = self._state(optimizer)
-        self.unscale_(optimizer)
-        # The only host sync of the step, and none when no check ran.
-        found_inf = any(self._resolve(st).values())
+        plans = None
+        if not args and not kwargs:
+            plans = st.plans if st.plans is not None else self._lazy_plans(optimizer, st)
+        if plans is not None:  # fused, straight from the model's scaled gradients
+            multiplier = st.multiplier
+            if multiplier is None:
+                scaler = self.scalers[min(st.scaled_ids)]
+                if scaler.needs_check:
+                    flag = torch.zeros(1, dtype=torch.float32, device=self.device)
+                    self.kernels.ops.check_finite(fused.gradients(plans), flag)
+                    self._record_flag(st, flag)
+                multiplier = self._scale_tensor(1.0 / scaler.scale)
+            found_inf = any(self._resolve(st).values())  # the only host sync of the step
+            if not found_inf:
+                fused.apply(self.kernels, optimizer, plans, multiplier)
+        else:
+            self.unscale_(optimizer)
+            # The only host sync of the step, and none when no check ran.
+            found_inf = any(self._resolve(st).values())
+            if not found_inf:
+                self._step_unscaled(optimizer, st, step_fn, args, kwargs)
         if found_inf:
             self.skipped_steps += 1
-        else:
-            (step_fn or optimizer.step)(*args, **kwargs)
-            if st.masters is not None:
-                st.masters.copy_master_to_model()
         self._update_scalers(st)
         st.reset()
         return not found_inf
+
+    def _step_unscaled(self, optimizer: torch.optim.Optimizer, st: _OptimizerState,
+                       step_fn: Optional[Callable[..., Any]], args: tuple, kwargs: dict) -> None:
+        """The step on gradients already unscaled into `.grad`: with masters and kernels, fused
+        with the copy back into the model; else the optimizer's own step, then the copy."""
+        if st.masters is not None and self.kernels is not None and not args and not kwargs:
+            model_of = st.masters.model_of()
+            plans = fused.plan(optimizer, self.device, lambda p: p.grad,
+                               lambda p: model_of.get(id(p)))
+            if plans is not None:
+                fused.apply(self.kernels, optimizer, plans, self._scale_tensor(1.0))
+                return
+        (step_fn or optimizer.step)(*args, **kwargs)
+        if st.masters is not None:
+            self._copy_back(st.masters)
+
+    def _copy_back(self, masters: MasterWeights) -> None:
+        """Masters (fp32) -> the model's 16-bit parameters, rounded."""
+        if self.kernels is not None and fused.kernel_compatible(
+                masters.masters, masters.model_params, self.device):
+            self.kernels.ops.copy_scale(masters.masters, masters.model_params,
+                                        self._scale_tensor(1.0))
+        else:
+            masters.copy_master_to_model()
 
     def zero_grad(self, optimizer: Optional[torch.optim.Optimizer] = None,
                   set_to_none: bool = True) -> None:

@@ -8,7 +8,7 @@ the model already has (BatchNorm under keep_batchnorm_fp32) are their own master
 """
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 from torch import nn
@@ -65,20 +65,16 @@ class MasterWeights:
     def __len__(self) -> int:
         return len(self.masters)
 
-    def params(self) -> Iterator[torch.Tensor]:
-        """Every parameter the optimizer steps: the masters and the model's own fp32 params."""
-        for group in self.optimizer.param_groups:
-            yield from group["params"]
-
-    @torch.no_grad()
-    def copy_grads_to_master(self) -> None:
-        """model .grad (half) -> master .grad (fp32), into buffers allocated once.
+    def attach_grad_buffers(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Point every master's `.grad` at its fp32 buffer (allocated once) and return the
+        (model half grads, master buffers) pairs still to be filled, for one pass that copies
+        (and, with the kernels, unscales and checks) them.
 
         A master whose model parameter has no gradient gets `.grad = None`, so the optimizer
         skips it exactly as it would have skipped the model parameter.
         """
-        dst: list[torch.Tensor] = []
         src: list[torch.Tensor] = []
+        dst: list[torch.Tensor] = []
         for i, (p, m) in enumerate(zip(self.model_params, self.masters)):
             if p.grad is None:
                 m.grad = None
@@ -87,8 +83,14 @@ class MasterWeights:
             if buf is None:
                 buf = self._grad_buffers[i] = torch.empty_like(m)
             m.grad = buf
-            dst.append(buf)
             src.append(p.grad)
+            dst.append(buf)
+        return src, dst
+
+    @torch.no_grad()
+    def copy_grads_to_master(self) -> None:
+        """model .grad (half) -> master .grad (fp32), into buffers allocated once."""
+        src, dst = self.attach_grad_buffers()
         if dst:
             torch._foreach_copy_(dst, src)
 
@@ -98,15 +100,13 @@ class MasterWeights:
         if self.masters:
             torch._foreach_copy_(self.model_params, self.masters)
 
-    @torch.no_grad()
-    def copy_model_to_master(self) -> None:
-        """Re-seed the masters from the model, e.g. after loading model weights into it."""
-        if self.masters:
-            torch._foreach_copy_(self.masters, self.model_params)
-
     def master_of(self) -> dict[int, nn.Parameter]:
         """id(model parameter) -> its fp32 master."""
         return {id(p): m for p, m in zip(self.model_params, self.masters)}
+
+    def model_of(self) -> dict[int, torch.Tensor]:
+        """id(master) -> the 16-bit model parameter it mirrors."""
+        return {id(m): p for p, m in zip(self.model_params, self.masters)}
 
     @torch.no_grad()
     def release(self) -> None:

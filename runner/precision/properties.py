@@ -483,8 +483,8 @@ def resolve(opt_level: str, overrides: Mapping[str, Any] | None = None,
     """Level defaults, then `overrides` by key, parsed and normalised; then every rule's findings.
 
     `overrides` may be the whole precision config (its values equal to the level's defaults are
-    fine, an `opt_level` key is accepted when it names the same level, and a `strict` key is read
-    like the `strict` argument). `device` is a torch.device, a device string or a
+    fine, an `opt_level` key is accepted when it names the same level, a `strict` key is read
+    like the `strict` argument, and `kernels`, the engine's backend choice, is ignored here). `device` is a torch.device, a device string or a
     `checks.DeviceInfo` (None: unknown, no hardware rules). `optimizer` is the optimizer config
     (`name`, `eps`, ...; None: no optimizer rules). `strict=True` turns every warning into an
     error.
@@ -502,6 +502,8 @@ def resolve(opt_level: str, overrides: Mapping[str, Any] | None = None,
         if key == "strict":
             strict_value = raw
             continue
+        if key == "kernels":
+            continue  # how the engine runs (AmpEngine(kernels=...)), not a property
         if key not in _PARSERS:
             raise ConfigError(_key(str(key)), "unknown precision property",
                               (*PROPERTY_KEYS, "strict"))

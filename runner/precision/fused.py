@@ -1,0 +1,191 @@
+"""Fused optimizer steps: torch.optim's SGD, Adam and AdamW param groups run by the kernels.
+
+The optimizer object stays torch's own: its `param_groups` (hyperparameters, as LR schedulers
+edit them) are read at every step and its `state` is kept in torch's layout (`momentum_buffer`;
+`step` as a CPU scalar tensor, `exp_avg`, `exp_avg_sq`), so `state_dict()`, checkpoints and
+schedulers work unchanged and a run can move between the fused and the torch path. One kernel
+pass reads each gradient (16-bit model gradients directly, times a multiplier that folds in the
+inverse loss scale and the clipping coefficient), updates the fp32 parameter and its state, and
+writes the 16-bit model copy, instead of separate copy, unscale, step and copy-back passes.
+
+Anything the kernels do not implement (amsgrad, capturable or differentiable groups, tensor
+learning rates, sparse or non-dense gradients, 16-bit parameters, a subclass with its own `step`)
+makes `plan` return None, and the engine takes torch's path for that step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from runner.csrc import Kernels
+
+FUSED_TYPES = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+_DENSE_FORMATS = (torch.contiguous_format, torch.channels_last, torch.channels_last_3d)
+
+
+@dataclass
+class GroupPlan:
+    """One param group's work: the fp32 params with a gradient, the gradients to read, and the
+    16-bit model parameters to write (the param itself where it is the model's own fp32 param:
+    the kernels skip writing a param onto itself)."""
+
+    group: dict
+    params: list[torch.Tensor]
+    grads: list[torch.Tensor]
+    copies: list[torch.Tensor]
+
+
+def supports(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the kernels implement this optimizer's update for every group."""
+    if type(optimizer) not in FUSED_TYPES:
+        return False
+    for group in optimizer.param_groups:
+        if group.get("amsgrad") or group.get("capturable") or group.get("differentiable"):
+            return False
+        if torch.is_tensor(group["lr"]) or any(torch.is_tensor(b) for b in group.get("betas", ())):
+            return False
+    return True
+
+
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    return any(t.is_contiguous(memory_format=f) for f in _DENSE_FORMATS if
+               f is torch.contiguous_format or t.dim() == (4 if f is torch.channels_last else 5))
+
+
+def _partners(a: torch.Tensor, b: torch.Tensor, device: torch.device) -> bool:
+    """Whether the kernels can run elementwise over `a` and `b` together: both on `device`,
+    16/32-bit floating, dense, same shape and the same memory layout."""
+    return (a.device == device and b.device == device and a.dtype in _KERNEL_DTYPES
+            and b.dtype in _KERNEL_DTYPES and not a.is_sparse and not b.is_sparse
+            and a.shape == b.shape and _dense(a) and (a.numel() <= 1 or a.stride() == b.stride()))
+
+
+def kernel_compatible(src: list[torch.Tensor], dst: list[torch.Tensor],
+                      device: torch.device) -> bool:
+    """Whether one kernel call can take these partner lists (see `_partners`)."""
+    return len(src) == len(dst) and all(_partners(a, b, device) for a, b in zip(src, dst))
+
+
+def plan(optimizer: torch.optim.Optimizer, device: torch.device,
+         grad_of: Callable[[torch.Tensor], Optional[torch.Tensor]],
+         copy_of: Callable[[torch.Tensor], Optional[torch.Tensor]]) -> Optional[list[GroupPlan]]:
+    """The step's work per group, or None when some part of it needs torch's path.
+
+    `grad_of(param)` is the gradient to step with (None: the param has none this step);
+    `copy_of(param)` the 16-bit model parameter that mirrors it, or None.
+    """
+    if not supports(optimizer):
+        return None
+    plans = []
+    for group in optimizer.param_groups:
+        params, grads, copies = [], [], []
+        for p in group["params"]:
+            g = grad_of(p)
+            if g is None:
+                continue
+            if p.dtype != torch.float32 or not _partners(p, g, device):
+                return None
+            copy = copy_of(p)
+            if copy is None:
+                copy = p
+            elif not _partners(p, copy, device):
+                return None
+            state = optimizer.state.get(p)
+            if state and torch.is_tensor(state.get("step")) and state["step"].device.type != "cpu":
+                return None  # a device-side step counter (torch's fused/capturable state)
+            params.append(p)
+            grads.append(g)
+            copies.append(copy)
+        plans.append(GroupPlan(group, params, grads, copies))
+    return plans
+
+
+def gradients(plans: list[GroupPlan]) -> list[torch.Tensor]:
+    return [g for gp in plans for g in gp.grads]
+
+
+def _buckets(n: int, key) -> list[list[int]]:
+    """Indices 0..n-1 grouped by `key(i)` (a step number, a first-run flag): one kernel call
+    each, in first-seen order."""
+    buckets: dict = {}
+    for i in range(n):
+        buckets.setdefault(key(i), []).append(i)
+    return list(buckets.values())
+
+
+def _scalar_dtype() -> torch.dtype:
+    # torch.optim keeps `step` in float32 unless the default dtype is float64
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+@torch.no_grad()
+def apply(kernels: Kernels, optimizer: torch.optim.Optimizer, plans: list[GroupPlan],
+          grad_scale: torch.Tensor) -> None:
+    """One step of every group: params -= update(grads * grad_scale), model copies written.
+
+    The engine has decided on the host that this step runs (no overflow), so the kernels get
+    no found_inf flag; Adam's step counters advance here, as torch's do."""
+    adam = isinstance(optimizer, torch.optim.Adam)  # AdamW is an Adam in torch >= 2.6
+    for gp in plans:
+        if not gp.params:
+            continue
+        if adam:
+            _adam(kernels, optimizer, gp, grad_scale)
+        else:
+            _sgd(kernels, optimizer, gp, grad_scale)
+    # What torch's LR-scheduler wrapper of `optimizer.step` records: the optimizer has stepped.
+    optimizer._opt_called = True  # type: ignore[attr-defined]
+
+
+def _sgd(kernels, optimizer, gp: GroupPlan, grad_scale) -> None:
+    g = gp.group
+    momentum = g["momentum"]
+    first = [False] * len(gp.params)
+    bufs: list[torch.Tensor] = []
+    if momentum != 0:
+        for i, p in enumerate(gp.params):
+            state = optimizer.state[p]
+            buf = state.get("momentum_buffer")
+            if buf is None:  # the kernel writes it whole on the first step
+                buf = state["momentum_buffer"] = torch.empty_like(
+                    p, memory_format=torch.preserve_format)
+                first[i] = True
+            bufs.append(buf)
+    for idx in _buckets(len(gp.params), lambda i: first[i]):
+        kernels.ops.sgd_step(
+            [gp.params[i] for i in idx], [gp.grads[i] for i in idx],
+            [bufs[i] for i in idx] if bufs else [], [gp.copies[i] for i in idx],
+            grad_scale, None, float(g["lr"]), float(g["weight_decay"]), float(momentum),
+            float(g["dampening"]), bool(g["nesterov"]), bool(g.get("maximize", False)),
+            first[idx[0]])
+
+
+def _adam(kernels, optimizer, gp: GroupPlan, grad_scale) -> None:
+    g = gp.group
+    beta1, beta2 = (float(b) for b in g["betas"])
+    decoupled = bool(g.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)))
+    exp_avgs, exp_avg_sqs, steps = [], [], []
+    for p in gp.params:
+        state = optimizer.state[p]
+        if len(state) == 0:  # torch's lazy initialisation, same keys and layout
+            state["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        exp_avgs.append(state["exp_avg"])
+        exp_avg_sqs.append(state["exp_avg_sq"])
+        steps.append(state["step"])
+    torch._foreach_add_(steps, 1)
+    numbers = [float(s) for s in steps]
+    for idx in _buckets(len(gp.params), lambda i: numbers[i]):
+        step = numbers[idx[0]]
+        kernels.ops.adam_step(
+            [gp.params[i] for i in idx], [gp.grads[i] for i in idx],
+            [exp_avgs[i] for i in idx], [exp_avg_sqs[i] for i in idx],
+            [gp.copies[i] for i in idx], grad_scale, None, float(g["lr"]), beta1, beta2,
+            float(g["eps"]), float(g["weight_decay"]), 1.0 - beta1 ** step,
+            1.0 - beta2 ** step, decoupled, bool(g.get("maximize", False)))
