@@ -1,4 +1,5 @@
-"""Small shared pieces of the precision tests: resolved properties, an op recorder, a tiny net."""
+"""Small shared pieces of the precision tests: resolved properties, an op recorder, a tiny net,
+a gradient norm."""
 from __future__ import annotations
 
 import copy
@@ -38,6 +39,12 @@ def net(seed: int = 0) -> nn.Module:
 def batch(seed: int = 1, n: int = 12):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def total_norm(grads) -> torch.Tensor:
+    """The 2-norm of all `grads` together, computed explicitly (torch.nn.utils.get_total_norm
+    needs torch 2.6; the package supports torch 2.4)."""
+    return torch.linalg.vector_norm(torch.cat([g.detach().flatten() for g in grads]))
 
 
 class Snapshot:

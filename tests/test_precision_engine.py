@@ -17,7 +17,7 @@ from runner.errors import ConfigError
 from runner.precision import LEVELS, AmpEngine, Finding, Properties, Resolution, resolve
 from runner.precision.casting import cast_model
 from runner.precision.scaler import LossScaler
-from tests.precision_helpers import OpRecorder, Snapshot, props
+from tests.precision_helpers import OpRecorder, Snapshot, props, total_norm
 
 CPU = torch.device("cpu")
 
@@ -460,12 +460,12 @@ def test_clip_grad_norm_exact_on_unscaled_fp32_grads():
     x, y = make_batch()
     ref = make_model()
     nn.functional.cross_entropy(ref(x), y).backward()
-    ref_norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
+    ref_norm = total_norm([p.grad for p in ref.parameters()])
     model, opt, engine = sgd_engine(props("O0", loss_scale=1024.0))
     engine.backward(nn.functional.cross_entropy(model(x), y))
     norm = engine.clip_grad_norm_(0.1)
     torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=0)
-    clipped = torch.nn.utils.get_total_norm([p.grad for p in engine.master_params(opt)])
+    clipped = total_norm([p.grad for p in engine.master_params(opt)])
     assert clipped.item() == pytest.approx(0.1, rel=1e-4)
 
 
@@ -479,14 +479,14 @@ def test_clip_grad_norm_o2_clips_fp32_masters():
         for r, p in zip(ref.parameters(), model.parameters()):
             r.copy_(p.float())
     nn.functional.cross_entropy(ref(x), y).backward()
-    ref_norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
+    ref_norm = total_norm([p.grad for p in ref.parameters()])
     engine.backward(nn.functional.cross_entropy(model(x), y))
     norm = engine.clip_grad_norm_(0.05)
     assert norm.dtype == torch.float32
     torch.testing.assert_close(norm, ref_norm, rtol=2e-2, atol=0)  # fp16 forward: ~1e-3 apart
     masters = list(engine.master_params(opt))
     assert all(p.grad.dtype == torch.float32 for p in masters)
-    clipped = torch.nn.utils.get_total_norm([p.grad for p in masters])
+    clipped = total_norm([p.grad for p in masters])
     assert clipped.item() == pytest.approx(0.05, rel=1e-3)
     assert engine.step(opt)
 
