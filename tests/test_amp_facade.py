@@ -118,6 +118,67 @@ def test_initialize_level_spellings_and_overrides(capsys):
         amp.initialize(net(), opt_level="02", verbosity=0)
 
 
+def _scale() -> float:
+    return amp.state_dict()["loss_scaler0"]["loss_scale"]
+
+
+def test_initialize_max_loss_scale_caps_the_start_and_growth():
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", max_loss_scale=2.0 ** 10,
+                                verbosity=0)
+    assert _scale() == 2.0 ** 10  # the dynamic start, 2**16, capped
+    # one clean step short of a growth (growth_interval 2000): it would double without the cap
+    amp.load_state_dict({"loss_scaler0": {"loss_scale": 2.0 ** 10, "unskipped": 1999}})
+    x, y = batch()
+    train_step(model, opt, x, y)
+    assert amp.state_dict()["loss_scaler0"] == {**amp.state_dict()["loss_scaler0"],
+                                                "loss_scale": 2.0 ** 10, "unskipped": 0}
+
+
+def test_initialize_min_loss_scale_floors_the_back_off():
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", min_loss_scale=2.0 ** 15,
+                                verbosity=0)
+    x, y = batch()
+    before = Snapshot(model, amp.master_params(opt), opt)
+    for _ in range(3):
+        train_step(model, opt, x, y, poison_param=0)
+        assert _scale() == 2.0 ** 15  # 2**16 halves once, then stays at the floor
+    assert amp.engine().skipped_steps == 3  # at the floor, overflowing steps are still skipped
+    before.assert_unchanged(model, amp.master_params(opt), opt)
+
+
+def test_initialize_cast_model_type_override():
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", cast_model_type=torch.bfloat16,
+                                verbosity=0)
+    assert amp.engine().properties.cast_model_type == torch.bfloat16
+    assert model[0].weight.dtype == model[3].weight.dtype == torch.bfloat16
+    assert model[1].weight.dtype == model[1].running_mean.dtype == torch.float32  # BN kept fp32
+    assert all(p.dtype == torch.float32 for p in amp.master_params(opt))
+    x, y = batch()
+    losses = [train_step(model, opt, x, y).item() for _ in range(5)]
+    assert losses[-1] < losses[0]
+
+
+def test_initialize_master_weights_false_under_o2_steps_the_half_model():
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", master_weights=False, verbosity=0)
+    assert amp.engine().properties.master_weights is False
+    assert amp.engine().masters(opt) is None
+    stepped = list(amp.master_params(opt))
+    assert [id(p) for p in stepped] == [id(p) for p in model.parameters()]  # no fp32 copies
+    assert stepped[0].dtype == torch.float16
+    before = model[0].weight.detach().clone()
+    x, y = batch()
+    train_step(model, opt, x, y)
+    assert model[0].weight.dtype == torch.float16 and not torch.equal(model[0].weight, before)
+
+
 def test_enabled_false_is_a_no_op():
     m = net()
     o = torch.optim.SGD(m.parameters(), lr=0.1)
