@@ -467,6 +467,68 @@ def test_amp_state_dict_layout():
     assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 8.0
 
 
+# ---- copies and whole-model pickles ----------------------------------------------------------
+def _zero_weights(model: nn.Module) -> nn.Module:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    return model
+
+
+def _first_layer_dtype(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
+    """`model(x)` and the dtype the first Linear computed in (fp16: autocast or a half model)."""
+    seen = {}
+    handle = model[0].register_forward_hook(lambda mod, args, out: seen.update(dtype=out.dtype))
+    try:
+        out = model(x)
+    finally:
+        handle.remove()
+    return out, seen["dtype"]
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_deepcopy_is_an_independent_model_that_still_casts(level):
+    """The EMA pattern: a copy of an initialised model runs on its own weights (zeroed here:
+    Linear/BatchNorm(eval)/ReLU/Linear then output exactly 0), casts like the original, and
+    leaves the original alone."""
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
+    x, y = batch()
+    train_step(model, opt, x, y)
+    model.eval()
+    expected = model(x).detach()
+    ema = copy.deepcopy(model)
+    out, inner = _first_layer_dtype(ema, x)
+    assert torch.equal(out, expected) and inner == torch.float16
+    _zero_weights(ema)
+    out, inner = _first_layer_dtype(ema, x)
+    assert out.dtype == torch.float32 and inner == torch.float16
+    assert torch.equal(out, torch.zeros_like(out))
+    assert torch.equal(model(x), expected)  # the original still runs its own weights
+    assert ema[0].weight.dtype == model[0].weight.dtype
+
+
+def test_torch_save_and_load_of_a_whole_o1_model(tmp_path):
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O1", verbosity=0)
+    x, y = batch()
+    train_step(model, opt, x, y)
+    model.eval()
+    expected = model(x).detach()
+    torch.save(model, tmp_path / "model.pt")
+    amp.deinitialize()  # the loaded model needs no live engine
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    out, inner = _first_layer_dtype(loaded, x)
+    assert torch.equal(out, expected) and out.dtype == torch.float32
+    assert inner == torch.float16  # still autocast inside forward
+    assert loaded[0].weight.dtype == torch.float32
+    _zero_weights(loaded)
+    out = loaded(x)
+    assert torch.equal(out, torch.zeros_like(out))
+
+
 # ---- re-initialize ---------------------------------------------------------------------------
 def test_reinitialize_removes_previous_wrappers_and_hooks():
     m1 = net()

@@ -307,6 +307,22 @@ def test_io_casts_handle_nested_structures_and_remove():
     assert not model._forward_hooks and not model._forward_pre_hooks
 
 
+def test_cast_model_hooks_travel_with_deepcopy_and_torch_save(tmp_path):
+    """The IO-cast hooks are picklable: a cast model saved whole loads and still casts."""
+    model = make_model()
+    cast_model(model, torch.bfloat16, keep_batchnorm_fp32=True)
+    model.eval()
+    x, _ = make_batch()
+    expected = model(x)
+    torch.save(model, tmp_path / "model.pt")
+    for twin in (copy.deepcopy(model), torch.load(tmp_path / "model.pt", weights_only=False)):
+        seen = {}
+        twin.conv.register_forward_pre_hook(lambda module, args: seen.update(dtype=args[0].dtype))
+        out = twin(x)
+        assert seen["dtype"] == torch.bfloat16 and out.dtype == torch.float32
+        assert torch.equal(out, expected)
+
+
 # ---- master weights ------------------------------------------------------------------------
 def test_master_weights_are_fp32_copies_held_by_the_optimizer():
     model = make_model()

@@ -11,7 +11,9 @@ How Apex's behaviour is reproduced on modern PyTorch (CPU and CUDA):
 * O1: Apex patched torch functions globally. Here each model's `forward` is wrapped in the
   engine's autocast region (plus the registered function casts), so no context manager is needed
   in user code. Floating model outputs come back as fp32 (unless `cast_model_outputs` says
-  otherwise), so a loss computed outside `forward` runs in fp32.
+  otherwise), so a loss computed outside `forward` runs in fp32. The wrapper is an object that
+  holds its model, not a closure: `copy.deepcopy(model)` (an EMA copy) runs on the copy's own
+  weights, and `torch.save(model)` pickles it.
 * O2/O3: the model is cast (fp32 BatchNorm under O2), inputs are cast to the model type and
   outputs to fp32 (or `cast_model_outputs`). O2's optimizer steps fp32 masters;
   `model.state_dict()` returns fp32 tensors (the masters' values) and `model.load_state_dict`
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import types
 import warnings
 from collections import OrderedDict
@@ -42,12 +45,13 @@ import torch
 from torch import nn
 
 from runner.precision.autocast import (
+    autocast_context,
     register_float_function,
     register_half_function,
     register_promote_function,
 )
 from runner.precision.engine import AmpEngine
-from runner.precision.properties import LEVEL_DESCRIPTIONS, resolve
+from runner.precision.properties import LEVEL_DESCRIPTIONS, Properties, resolve
 
 __all__ = [
     "initialize", "scale_loss", "master_params", "state_dict", "load_state_dict",
@@ -169,16 +173,39 @@ def _uninstall_optimizer(opt: torch.optim.Optimizer) -> None:
 
 
 # ---- O1 forward --------------------------------------------------------------------------
+class _AutocastForward:
+    """O1's `model.forward`: the model's own forward run in the O1 region.
+
+    An object holding its model, not a closure over it: `copy.deepcopy(model)` copies it along
+    with the model (memo), so the copy's forward runs the copy's weights, and `torch.save(model)`
+    can pickle it. It keeps the engine's properties and device, not the engine, so a copy does not
+    drag the engine (optimizers, masters) along."""
+
+    def __init__(self, module: nn.Module, properties: Properties, device: torch.device,
+                 previous: Any = None):
+        self.module = module
+        self.properties = properties
+        self.device = device
+        self.previous = previous  # the instance `forward` it replaced; None: the class's
+
+    def _inner(self):
+        if self.previous is not None:
+            return self.previous
+        return type(self.module).forward.__get__(self.module)
+
+    def __call__(self, *args, **kwargs):
+        with autocast_context(self.properties, self.device):
+            return self._inner()(*args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(self._inner())
+
+
 def _wrap_forward(model: nn.Module, eng: AmpEngine) -> None:
     previous = model.__dict__.get("forward", _MISSING)
-    inner = model.forward
-
-    @functools.wraps(inner)
-    def forward(*args, **kwargs):
-        with eng.autocast():
-            return inner(*args, **kwargs)
-
-    model.forward = forward
+    model.forward = _AutocastForward(model, eng.properties, eng.device,
+                                     None if previous is _MISSING else previous)
     _amp_state.forward_wraps.append((model, previous))
 
 
