@@ -602,6 +602,103 @@ def test_register_functions_apply_inside_the_o1_forward_only():
     assert calls[-1] == [torch.float16]
 
 
+def test_function_decorators_cast_inside_the_o1_forward_only():
+    """Each decorated function records the dtypes it receives and the dtype of a matmul inside
+    it; undecorated, the O1 region would hand it the raw dtypes and autocast the matmul (fp16)."""
+    seen: list[tuple[str, torch.dtype, torch.dtype, torch.dtype]] = []
+
+    def record(name, a, b):
+        seen.append((name, a.dtype, b.dtype, (a @ b.to(a.dtype).T).dtype))
+        return a
+
+    @amp.half_function
+    def as_half(a, b):
+        return record("half", a, b)
+
+    @amp.float_function
+    def as_float(a, b):
+        return record("float", a, b)
+
+    @amp.promote_function
+    def promoted(a, b):
+        return record("promote", a, b)
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.lin(x)  # fp16 under O1's autocast, x is fp32
+            as_half(x, x)
+            as_float(h, h)
+            promoted(h, x)
+            promoted(h, h)
+            return h
+
+    model = amp.initialize(M(), opt_level="O1", verbosity=0)
+    x = torch.randn(2, 4)
+    model(x)
+    h16, f32 = torch.float16, torch.float32
+    assert seen == [("half", h16, h16, h16), ("float", f32, f32, f32),
+                    ("promote", f32, f32, f32), ("promote", h16, h16, h16)]
+    assert as_half.__name__ == "as_half"
+    seen.clear()
+    as_half(x, x), as_float(x.half(), x.half()), promoted(x.half(), x)  # outside: unchanged
+    assert seen == [("half", f32, f32, f32), ("float", h16, h16, h16),
+                    ("promote", h16, f32, h16)]
+
+
+def test_disable_casts_runs_a_matmul_inside_forward_in_fp32():
+    seen = {}
+
+    @amp.half_function
+    def as_half(a):
+        seen["decorated"] = a.dtype
+        return a
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, 3))
+
+        def forward(self, x):
+            seen["before"] = (x @ self.w).dtype
+            with amp.disable_casts():
+                inside = x @ self.w
+                as_half(x)
+                with pytest.raises(RuntimeError, match="BCEWithLogitsLoss"):  # the ban stays
+                    nn.functional.binary_cross_entropy(torch.rand(2).half(), torch.rand(2).half())
+            seen["after"] = (x @ self.w).dtype
+            return inside
+
+    model = amp.initialize(M(), opt_level="O1", verbosity=0)
+    x = torch.randn(2, 4)
+    out = model(x)
+    assert seen == {"before": torch.float16, "decorated": torch.float32,
+                    "after": torch.float16}
+    assert out.dtype == torch.float32 and torch.equal(out, x @ model.w)  # fp32, bit for bit
+    with amp.disable_casts():  # around the call: the whole forward runs uncast
+        model(x)
+    assert seen["before"] == seen["after"] == torch.float32
+    model(x)
+    assert seen["before"] == torch.float16  # and casting is back after the block
+
+
+def test_amp_state_loss_scalers_report_the_current_scale():
+    assert amp._amp_state.loss_scalers == []  # before initialize
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", num_losses=2, verbosity=0)
+    scalers = amp._amp_state.loss_scalers
+    assert [s.loss_scale() for s in scalers] == [2.0 ** 16, 2.0 ** 16]
+    x, y = batch()
+    train_step(model, opt, x, y, poison_param=1)  # an injected inf in loss 0's gradients
+    assert amp._amp_state.loss_scalers[0].loss_scale() == 2.0 ** 15
+    assert scalers[0].loss_scale() == 2.0 ** 15  # a view taken before follows the back-off
+    assert scalers[1].loss_scale() == 2.0 ** 16  # only the overflowing loss's scaler
+
+
 def test_bce_banned_inside_o1_forward():
     class Bad(nn.Module):
         def __init__(self):

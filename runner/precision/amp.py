@@ -13,7 +13,9 @@ How Apex's behaviour is reproduced on modern PyTorch (CPU and CUDA):
   in user code. Floating model outputs come back as fp32 (unless `cast_model_outputs` says
   otherwise), so a loss computed outside `forward` runs in fp32. The wrapper is an object that
   holds its model, not a closure: `copy.deepcopy(model)` (an EMA copy) runs on the copy's own
-  weights, and `torch.save(model)` pickles it.
+  weights, and `torch.save(model)` pickles it. Apex's decorators (`half_function`,
+  `float_function`, `promote_function`) and `disable_casts()` act on that same region
+  (`autocast.py`).
 * O2/O3: the model is cast (fp32 BatchNorm under O2), inputs are cast to the model type and
   outputs to fp32 (or `cast_model_outputs`). O2's optimizer steps fp32 masters;
   `model.state_dict()` returns fp32 tensors (the masters' values) and `model.load_state_dict`
@@ -30,6 +32,7 @@ How Apex's behaviour is reproduced on modern PyTorch (CPU and CUDA):
   losses are unscaled separately and summed in fp32 (only the overflowing loss's scale backs off;
   the step is skipped when any of them overflowed). `delay_unscale=True` leaves gradients scaled
   for accumulation; the next `scale_loss` without it unscales them all.
+  `_amp_state.loss_scalers[i].loss_scale()` reads loss i's current scale, as Apex scripts did.
 """
 from __future__ import annotations
 
@@ -39,25 +42,45 @@ import inspect
 import types
 import warnings
 from collections import OrderedDict
-from typing import Any, Iterator, Optional
+from typing import Any, ContextManager, Iterator, Optional
 
 import torch
 from torch import nn
 
 from runner.precision.autocast import (
     autocast_context,
+    casts_disabled,
+    float_function,
+    half_function,
+    promote_function,
     register_float_function,
     register_half_function,
     register_promote_function,
 )
 from runner.precision.engine import AmpEngine
 from runner.precision.properties import LEVEL_DESCRIPTIONS, Properties, resolve
+from runner.precision.scaler import LossScaler
 
 __all__ = [
     "initialize", "scale_loss", "master_params", "state_dict", "load_state_dict",
     "register_half_function", "register_float_function", "register_promote_function",
+    "half_function", "float_function", "promote_function", "disable_casts",
     "engine", "deinitialize",
 ]
+
+
+class _ApexLossScaler:
+    """What Apex scripts read from `amp._amp_state.loss_scalers[i]`: `loss_scale()`, the current
+    scale of the engine's scaler for loss i (a live view: it follows back-offs and growth)."""
+
+    def __init__(self, scaler: LossScaler) -> None:
+        self._scaler = scaler
+
+    def loss_scale(self) -> float:
+        return self._scaler.scale
+
+    def __repr__(self) -> str:
+        return f"<amp loss scaler: {self._scaler!r}>"
 
 
 class _AmpState:
@@ -67,6 +90,13 @@ class _AmpState:
         self.verbosity = 1
         self.forward_wraps: list[tuple[nn.Module, Any]] = []  # (model, previous instance forward)
         self.optimizers: list[torch.optim.Optimizer] = []
+
+    @property
+    def loss_scalers(self) -> list[_ApexLossScaler]:
+        """Apex's `_amp_state.loss_scalers`, one per loss (empty before `initialize`)."""
+        if self.engine is None:
+            return []
+        return [_ApexLossScaler(s) for s in self.engine.scalers]
 
 
 _amp_state = _AmpState()
@@ -318,6 +348,14 @@ def scale_loss(loss: torch.Tensor, optimizers, loss_id: int = 0, model=None,
     if skip and _amp_state.verbosity >= 1:
         print(f"Gradient overflow.  Skipping step, loss scaler {loss_id} reducing loss scale to "
               f"{eng.scalers[loss_id].scale:g}")
+
+
+def disable_casts() -> ContextManager[None]:
+    """Apex's `amp.disable_casts()`: inside it O1 casts nothing, so ops run in their inputs' own
+    types (autocast off for the engine's device; registered and decorated functions uncast; a
+    model called inside runs its forward uncast). For this thread only, like torch.autocast."""
+    eng = _amp_state.engine
+    return casts_disabled(None if eng is None else eng.device.type)
 
 
 def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
