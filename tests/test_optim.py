@@ -1,5 +1,6 @@
-"""runner.optim.build_optimizer from composed configs: each option builds its own torch class with
-the configured hyperparameters, and Adam's L2 penalty is not confused with AdamW's decoupled decay."""
+"""runner.optim.build_optimizer from composed configs: each option builds its own torch class
+with the configured hyperparameters, and Adam's L2 penalty is not confused with AdamW's decoupled
+weight decay."""
 from __future__ import annotations
 
 import pytest
