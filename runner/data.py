@@ -233,16 +233,17 @@ def _build_cifar(cfg: Any, name: str) -> DataBundle:
     missing = missing_cifar_files(cls, root)
     if missing:
         folder = os.path.join(root, cls.base_folder)
-        why = (
-            f"downloading {cls.url} failed ({download_error})"
-            if download_error
-            else "data.download is false"
-        )
+        if download_error:  # asking for data.download=true again would not help
+            why = f"downloading {cls.url} failed ({download_error})"
+            fixes = (f"point data.root at a folder that already contains {cls.base_folder} "
+                     f"(copied from a machine with network), or use data=synthetic")
+        else:
+            why = "data.download is false"
+            fixes = (f"point data.root at the folder that contains {cls.base_folder}, "
+                     f"set data.download=true (needs network), or use data=synthetic")
         raise DataError(
             f"{name} not found under data.root={root}: expected {folder} "
-            f"(missing: {', '.join(missing)}); {why}. To fix: point data.root at the folder "
-            f"that contains {cls.base_folder}, set data.download=true (needs network), "
-            f"or use data=synthetic."
+            f"(missing: {', '.join(missing)}); {why}. To fix: {fixes}."
         )
     try:
         train = cls(root, train=True, transform=train_tf)

@@ -1,4 +1,5 @@
-"""Small shared pieces of the precision tests: resolved properties, an op recorder, a tiny net."""
+"""Small shared pieces of the precision tests: resolved properties, an op recorder, a tiny net,
+a gradient norm."""
 from __future__ import annotations
 
 import copy
@@ -38,6 +39,12 @@ def net(seed: int = 0) -> nn.Module:
 def batch(seed: int = 1, n: int = 12):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def total_norm(grads) -> torch.Tensor:
+    """The 2-norm of all `grads` together, computed explicitly (torch.nn.utils.get_total_norm
+    needs torch 2.6; the package supports torch 2.4)."""
+    return torch.linalg.vector_norm(torch.cat([g.detach().float().flatten() for g in grads]))
 
 
 class Snapshot:
@@ -91,7 +98,3 @@ class KernelSpy:
     def reset(self) -> None:
         self.calls.clear()
 
-
-def total_norm(tensors) -> torch.Tensor:
-    """The L2 norm of all tensors together, in fp32 (what clip_grad_norm_ computes)."""
-    return torch.linalg.vector_norm(torch.cat([t.detach().float().flatten() for t in tensors]))

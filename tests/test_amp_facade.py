@@ -118,6 +118,67 @@ def test_initialize_level_spellings_and_overrides(capsys):
         amp.initialize(net(), opt_level="02", verbosity=0)
 
 
+def _scale() -> float:
+    return amp.state_dict()["loss_scaler0"]["loss_scale"]
+
+
+def test_initialize_max_loss_scale_caps_the_start_and_growth():
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", max_loss_scale=2.0 ** 10,
+                                verbosity=0)
+    assert _scale() == 2.0 ** 10  # the dynamic start, 2**16, capped
+    # one clean step short of a growth (growth_interval 2000): it would double without the cap
+    amp.load_state_dict({"loss_scaler0": {"loss_scale": 2.0 ** 10, "unskipped": 1999}})
+    x, y = batch()
+    train_step(model, opt, x, y)
+    assert amp.state_dict()["loss_scaler0"] == {**amp.state_dict()["loss_scaler0"],
+                                                "loss_scale": 2.0 ** 10, "unskipped": 0}
+
+
+def test_initialize_min_loss_scale_floors_the_back_off():
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", min_loss_scale=2.0 ** 15,
+                                verbosity=0)
+    x, y = batch()
+    before = Snapshot(model, amp.master_params(opt), opt)
+    for _ in range(3):
+        train_step(model, opt, x, y, poison_param=0)
+        assert _scale() == 2.0 ** 15  # 2**16 halves once, then stays at the floor
+    assert amp.engine().skipped_steps == 3  # at the floor, overflowing steps are still skipped
+    before.assert_unchanged(model, amp.master_params(opt), opt)
+
+
+def test_initialize_cast_model_type_override():
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", cast_model_type=torch.bfloat16,
+                                verbosity=0)
+    assert amp.engine().properties.cast_model_type == torch.bfloat16
+    assert model[0].weight.dtype == model[3].weight.dtype == torch.bfloat16
+    assert model[1].weight.dtype == model[1].running_mean.dtype == torch.float32  # BN kept fp32
+    assert all(p.dtype == torch.float32 for p in amp.master_params(opt))
+    x, y = batch()
+    losses = [train_step(model, opt, x, y).item() for _ in range(5)]
+    assert losses[-1] < losses[0]
+
+
+def test_initialize_master_weights_false_under_o2_steps_the_half_model():
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", master_weights=False, verbosity=0)
+    assert amp.engine().properties.master_weights is False
+    assert amp.engine().masters(opt) is None
+    stepped = list(amp.master_params(opt))
+    assert [id(p) for p in stepped] == [id(p) for p in model.parameters()]  # no fp32 copies
+    assert stepped[0].dtype == torch.float16
+    before = model[0].weight.detach().clone()
+    x, y = batch()
+    train_step(model, opt, x, y)
+    assert model[0].weight.dtype == torch.float16 and not torch.equal(model[0].weight, before)
+
+
 def test_enabled_false_is_a_no_op():
     m = net()
     o = torch.optim.SGD(m.parameters(), lr=0.1)
@@ -406,6 +467,68 @@ def test_amp_state_dict_layout():
     assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 8.0
 
 
+# ---- copies and whole-model pickles ----------------------------------------------------------
+def _zero_weights(model: nn.Module) -> nn.Module:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    return model
+
+
+def _first_layer_dtype(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
+    """`model(x)` and the dtype the first Linear computed in (fp16: autocast or a half model)."""
+    seen = {}
+    handle = model[0].register_forward_hook(lambda mod, args, out: seen.update(dtype=out.dtype))
+    try:
+        out = model(x)
+    finally:
+        handle.remove()
+    return out, seen["dtype"]
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_deepcopy_is_an_independent_model_that_still_casts(level):
+    """The EMA pattern: a copy of an initialised model runs on its own weights (zeroed here:
+    Linear/BatchNorm(eval)/ReLU/Linear then output exactly 0), casts like the original, and
+    leaves the original alone."""
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
+    x, y = batch()
+    train_step(model, opt, x, y)
+    model.eval()
+    expected = model(x).detach()
+    ema = copy.deepcopy(model)
+    out, inner = _first_layer_dtype(ema, x)
+    assert torch.equal(out, expected) and inner == torch.float16
+    _zero_weights(ema)
+    out, inner = _first_layer_dtype(ema, x)
+    assert out.dtype == torch.float32 and inner == torch.float16
+    assert torch.equal(out, torch.zeros_like(out))
+    assert torch.equal(model(x), expected)  # the original still runs its own weights
+    assert ema[0].weight.dtype == model[0].weight.dtype
+
+
+def test_torch_save_and_load_of_a_whole_o1_model(tmp_path):
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O1", verbosity=0)
+    x, y = batch()
+    train_step(model, opt, x, y)
+    model.eval()
+    expected = model(x).detach()
+    torch.save(model, tmp_path / "model.pt")
+    amp.deinitialize()  # the loaded model needs no live engine
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    out, inner = _first_layer_dtype(loaded, x)
+    assert torch.equal(out, expected) and out.dtype == torch.float32
+    assert inner == torch.float16  # still autocast inside forward
+    assert loaded[0].weight.dtype == torch.float32
+    _zero_weights(loaded)
+    out = loaded(x)
+    assert torch.equal(out, torch.zeros_like(out))
+
+
 # ---- re-initialize ---------------------------------------------------------------------------
 def test_reinitialize_removes_previous_wrappers_and_hooks():
     m1 = net()
@@ -477,6 +600,103 @@ def test_register_functions_apply_inside_the_o1_forward_only():
     assert calls[-1] == [torch.float32, torch.float32]
     Ops.dtypes(torch.randn(2).half())
     assert calls[-1] == [torch.float16]
+
+
+def test_function_decorators_cast_inside_the_o1_forward_only():
+    """Each decorated function records the dtypes it receives and the dtype of a matmul inside
+    it; undecorated, the O1 region would hand it the raw dtypes and autocast the matmul (fp16)."""
+    seen: list[tuple[str, torch.dtype, torch.dtype, torch.dtype]] = []
+
+    def record(name, a, b):
+        seen.append((name, a.dtype, b.dtype, (a @ b.to(a.dtype).T).dtype))
+        return a
+
+    @amp.half_function
+    def as_half(a, b):
+        return record("half", a, b)
+
+    @amp.float_function
+    def as_float(a, b):
+        return record("float", a, b)
+
+    @amp.promote_function
+    def promoted(a, b):
+        return record("promote", a, b)
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.lin(x)  # fp16 under O1's autocast, x is fp32
+            as_half(x, x)
+            as_float(h, h)
+            promoted(h, x)
+            promoted(h, h)
+            return h
+
+    model = amp.initialize(M(), opt_level="O1", verbosity=0)
+    x = torch.randn(2, 4)
+    model(x)
+    h16, f32 = torch.float16, torch.float32
+    assert seen == [("half", h16, h16, h16), ("float", f32, f32, f32),
+                    ("promote", f32, f32, f32), ("promote", h16, h16, h16)]
+    assert as_half.__name__ == "as_half"
+    seen.clear()
+    as_half(x, x), as_float(x.half(), x.half()), promoted(x.half(), x)  # outside: unchanged
+    assert seen == [("half", f32, f32, f32), ("float", h16, h16, h16),
+                    ("promote", h16, f32, h16)]
+
+
+def test_disable_casts_runs_a_matmul_inside_forward_in_fp32():
+    seen = {}
+
+    @amp.half_function
+    def as_half(a):
+        seen["decorated"] = a.dtype
+        return a
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, 3))
+
+        def forward(self, x):
+            seen["before"] = (x @ self.w).dtype
+            with amp.disable_casts():
+                inside = x @ self.w
+                as_half(x)
+                with pytest.raises(RuntimeError, match="BCEWithLogitsLoss"):  # the ban stays
+                    nn.functional.binary_cross_entropy(torch.rand(2).half(), torch.rand(2).half())
+            seen["after"] = (x @ self.w).dtype
+            return inside
+
+    model = amp.initialize(M(), opt_level="O1", verbosity=0)
+    x = torch.randn(2, 4)
+    out = model(x)
+    assert seen == {"before": torch.float16, "decorated": torch.float32,
+                    "after": torch.float16}
+    assert out.dtype == torch.float32 and torch.equal(out, x @ model.w)  # fp32, bit for bit
+    with amp.disable_casts():  # around the call: the whole forward runs uncast
+        model(x)
+    assert seen["before"] == seen["after"] == torch.float32
+    model(x)
+    assert seen["before"] == torch.float16  # and casting is back after the block
+
+
+def test_amp_state_loss_scalers_report_the_current_scale():
+    assert amp._amp_state.loss_scalers == []  # before initialize
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", num_losses=2, verbosity=0)
+    scalers = amp._amp_state.loss_scalers
+    assert [s.loss_scale() for s in scalers] == [2.0 ** 16, 2.0 ** 16]
+    x, y = batch()
+    train_step(model, opt, x, y, poison_param=1)  # an injected inf in loss 0's gradients
+    assert amp._amp_state.loss_scalers[0].loss_scale() == 2.0 ** 15
+    assert scalers[0].loss_scale() == 2.0 ** 15  # a view taken before follows the back-off
+    assert scalers[1].loss_scale() == 2.0 ** 16  # only the overflowing loss's scaler
 
 
 def test_bce_banned_inside_o1_forward():

@@ -1,11 +1,13 @@
 """runner.data: CIFAR and ImageFolder datasets in their real on-disk formats, synthetic data,
-loaders. Everything is written into tmp_path; nothing is downloaded."""
+loaders. Everything is written into tmp_path; nothing is downloaded (the download-failure test
+points torchvision at a closed port on this machine)."""
 from __future__ import annotations
 
 import os
 import pickle
 import struct
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,6 +21,7 @@ from runner.data import (
     CIFAR10_STD,
     CIFAR100_MEAN,
     CIFAR100_STD,
+    CheckedCIFAR10,
     DataBundle,
     build_datasets,
     build_loaders,
@@ -100,8 +103,8 @@ def write_cifar100(root, n_train=12, n_test=5):
     return train, test
 
 
-def cifar_cfg(name, root, **kw):
-    return OmegaConf.structured(CifarConfig(name=name, root=str(root), download=False, **kw))
+def cifar_cfg(name, root, download=False, **kw):
+    return OmegaConf.structured(CifarConfig(name=name, root=str(root), download=download, **kw))
 
 
 def expected_image(row, mean, std):
@@ -176,6 +179,33 @@ def test_missing_cifar_names_root_and_alternatives(tmp_path):
     assert "data.root" in message and str(root) in message
     assert "cifar-10-batches-py" in message
     assert "data.download=true" in message and "data=synthetic" in message
+
+
+def test_readme_quotes_the_real_missing_cifar_message(tmp_path):
+    with pytest.raises(DataError) as info:
+        build_datasets(cifar_cfg("cifar10", tmp_path / "nowhere"))
+    message = str(info.value)
+    head = message[: message.index("data.root=") + len("data.root=")]
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert f"**`{head}...`**" in readme, head
+
+
+def test_failed_download_says_so_and_does_not_suggest_downloading(tmp_path, monkeypatch):
+    """A real download attempt that fails: torchvision fetches from a closed port on this host
+    (port 9, discard, refuses the connection), as it would fail without network."""
+    for var in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy",
+                "ALL_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+    url = "http://127.0.0.1:9/cifar-10-python.tar.gz"
+    monkeypatch.setattr(CheckedCIFAR10, "url", url)
+    root = tmp_path / "data"
+    with pytest.raises(DataError) as info:
+        build_datasets(cifar_cfg("cifar10", root, download=True))
+    message = str(info.value)
+    assert f"downloading {url} failed (URLError:" in message
+    assert f"data.root={root}" in message and "data=synthetic" in message
+    assert "cifar-10-batches-py" in message
+    assert "data.download=true" not in message  # it was true: repeating it would not help
 
 
 def test_incomplete_cifar_lists_missing_files(tmp_path):

@@ -11,7 +11,11 @@ How Apex's behaviour is reproduced on modern PyTorch (CPU and CUDA):
 * O1: Apex patched torch functions globally. Here each model's `forward` is wrapped in the
   engine's autocast region (plus the registered function casts), so no context manager is needed
   in user code. Floating model outputs come back as fp32 (unless `cast_model_outputs` says
-  otherwise), so a loss computed outside `forward` runs in fp32.
+  otherwise), so a loss computed outside `forward` runs in fp32. The wrapper is an object that
+  holds its model, not a closure: `copy.deepcopy(model)` (an EMA copy) runs on the copy's own
+  weights, and `torch.save(model)` pickles it. Apex's decorators (`half_function`,
+  `float_function`, `promote_function`) and `disable_casts()` act on that same region
+  (`autocast.py`).
 * O2/O3: the model is cast (fp32 BatchNorm under O2), inputs are cast to the model type and
   outputs to fp32 (or `cast_model_outputs`). O2's optimizer steps fp32 masters;
   `model.state_dict()` returns fp32 tensors (the masters' values) and `model.load_state_dict`
@@ -28,32 +32,55 @@ How Apex's behaviour is reproduced on modern PyTorch (CPU and CUDA):
   losses are unscaled separately and summed in fp32 (only the overflowing loss's scale backs off;
   the step is skipped when any of them overflowed). `delay_unscale=True` leaves gradients scaled
   for accumulation; the next `scale_loss` without it unscales them all.
+  `_amp_state.loss_scalers[i].loss_scale()` reads loss i's current scale, as Apex scripts did.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import types
 import warnings
 from collections import OrderedDict
-from typing import Any, Iterator, Optional
+from typing import Any, ContextManager, Iterator, Optional
 
 import torch
 from torch import nn
 
 from runner.precision.autocast import (
+    autocast_context,
+    casts_disabled,
+    float_function,
+    half_function,
+    promote_function,
     register_float_function,
     register_half_function,
     register_promote_function,
 )
 from runner.precision.engine import AmpEngine
-from runner.precision.properties import LEVEL_DESCRIPTIONS, resolve
+from runner.precision.properties import LEVEL_DESCRIPTIONS, Properties, resolve
+from runner.precision.scaler import LossScaler
 
 __all__ = [
     "initialize", "scale_loss", "master_params", "state_dict", "load_state_dict",
     "register_half_function", "register_float_function", "register_promote_function",
+    "half_function", "float_function", "promote_function", "disable_casts",
     "engine", "deinitialize",
 ]
+
+
+class _ApexLossScaler:
+    """What Apex scripts read from `amp._amp_state.loss_scalers[i]`: `loss_scale()`, the current
+    scale of the engine's scaler for loss i (a live view: it follows back-offs and growth)."""
+
+    def __init__(self, scaler: LossScaler) -> None:
+        self._scaler = scaler
+
+    def loss_scale(self) -> float:
+        return self._scaler.scale
+
+    def __repr__(self) -> str:
+        return f"<amp loss scaler: {self._scaler!r}>"
 
 
 class _AmpState:
@@ -63,6 +90,13 @@ class _AmpState:
         self.verbosity = 1
         self.forward_wraps: list[tuple[nn.Module, Any]] = []  # (model, previous instance forward)
         self.optimizers: list[torch.optim.Optimizer] = []
+
+    @property
+    def loss_scalers(self) -> list[_ApexLossScaler]:
+        """Apex's `_amp_state.loss_scalers`, one per loss (empty before `initialize`)."""
+        if self.engine is None:
+            return []
+        return [_ApexLossScaler(s) for s in self.engine.scalers]
 
 
 _amp_state = _AmpState()
@@ -169,16 +203,39 @@ def _uninstall_optimizer(opt: torch.optim.Optimizer) -> None:
 
 
 # ---- O1 forward --------------------------------------------------------------------------
+class _AutocastForward:
+    """O1's `model.forward`: the model's own forward run in the O1 region.
+
+    An object holding its model, not a closure over it: `copy.deepcopy(model)` copies it along
+    with the model (memo), so the copy's forward runs the copy's weights, and `torch.save(model)`
+    can pickle it. It keeps the engine's properties and device, not the engine, so a copy does not
+    drag the engine (optimizers, masters) along."""
+
+    def __init__(self, module: nn.Module, properties: Properties, device: torch.device,
+                 previous: Any = None):
+        self.module = module
+        self.properties = properties
+        self.device = device
+        self.previous = previous  # the instance `forward` it replaced; None: the class's
+
+    def _inner(self):
+        if self.previous is not None:
+            return self.previous
+        return type(self.module).forward.__get__(self.module)
+
+    def __call__(self, *args, **kwargs):
+        with autocast_context(self.properties, self.device):
+            return self._inner()(*args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(self._inner())
+
+
 def _wrap_forward(model: nn.Module, eng: AmpEngine) -> None:
     previous = model.__dict__.get("forward", _MISSING)
-    inner = model.forward
-
-    @functools.wraps(inner)
-    def forward(*args, **kwargs):
-        with eng.autocast():
-            return inner(*args, **kwargs)
-
-    model.forward = forward
+    model.forward = _AutocastForward(model, eng.properties, eng.device,
+                                     None if previous is _MISSING else previous)
     _amp_state.forward_wraps.append((model, previous))
 
 
@@ -291,6 +348,14 @@ def scale_loss(loss: torch.Tensor, optimizers, loss_id: int = 0, model=None,
     if skip and _amp_state.verbosity >= 1:
         print(f"Gradient overflow.  Skipping step, loss scaler {loss_id} reducing loss scale to "
               f"{eng.scalers[loss_id].scale:g}")
+
+
+def disable_casts() -> ContextManager[None]:
+    """Apex's `amp.disable_casts()`: inside it O1 casts nothing, so ops run in their inputs' own
+    types (autocast off for the engine's device; registered and decorated functions uncast; a
+    model called inside runs its forward uncast). For this thread only, like torch.autocast."""
+    eng = _amp_state.engine
+    return casts_disabled(None if eng is None else eng.device.type)
 
 
 def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:

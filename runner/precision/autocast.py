@@ -13,6 +13,12 @@ outside the region sees the original function. As in Apex the patch is on the mo
 a reference taken before (`from torch import matmul`) is not affected, and the patch is visible to
 every thread while a region is open.
 
+Apex's decorator forms, `half_function(fn)`, `float_function(fn)` and `promote_function(fn)`, wrap a
+user function with the same casts; the wrapper casts only while an O1 region is open and otherwise
+calls `fn` unchanged. `casts_disabled()` (Apex's `amp.disable_casts()`) turns O1's casting off for
+the current thread: autocast off, registered and decorated functions run on their inputs as they
+are, and an O1 region opened inside (a model's forward) does not autocast. The BCE ban stays.
+
 Apex also banned `binary_cross_entropy` under O1: on 16-bit inputs it saturates (log of a
 rounded-to-1 probability) and is unsafe to autocast. Inside the region
 `torch.nn.functional.binary_cross_entropy` (which `nn.BCELoss` calls) raises on 16-bit inputs with a
@@ -23,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from typing import Any, Callable, ContextManager, Iterator
+from typing import Any, Callable, ContextManager, Iterator, Optional
 
 import torch
 
@@ -39,6 +45,7 @@ _depth = 0
 _saved: list[tuple[Any, str, Any]] = []   # (module, name, original attribute) while patched
 _region_device_type = "cpu"
 _region_half_dtype = torch.float16
+_thread = threading.local()  # .disabled: depth of casts_disabled() in this thread
 
 BANNED_MESSAGE = (
     "{name} on 16-bit inputs is banned inside the O1 mixed-precision region (as in Apex amp): "
@@ -73,6 +80,23 @@ def register_promote_function(module: Any, name: str) -> None:
     """Inside the O1 region, `module.name` runs with its floating tensor args cast to the widest
     floating type among them (fp16 + fp32 -> fp32; fp16 + bf16 -> fp32)."""
     _register(module, name, "promote")
+
+
+def half_function(fn: Callable) -> Callable:
+    """Decorator form of `register_half_function`: inside the O1 region `fn` runs on 16-bit copies
+    of its floating tensor args (with autocast off); elsewhere it runs unchanged."""
+    return _casting_wrapper(fn, "half")
+
+
+def float_function(fn: Callable) -> Callable:
+    """Decorator form of `register_float_function`: fp32 args inside the O1 region."""
+    return _casting_wrapper(fn, "float")
+
+
+def promote_function(fn: Callable) -> Callable:
+    """Decorator form of `register_promote_function`: args cast to their widest floating type
+    inside the O1 region."""
+    return _casting_wrapper(fn, "promote")
 
 
 def clear_registrations() -> None:
@@ -122,9 +146,18 @@ def _widest(args: tuple, kwargs: dict) -> torch.dtype | None:
     return torch.float32  # fp16 with bf16: neither holds the other
 
 
+def _casts_disabled_here() -> bool:
+    return getattr(_thread, "disabled", 0) > 0
+
+
 def _casting_wrapper(fn: Callable, kind: str) -> Callable:
+    """`fn` with its floating args cast per `kind` while an O1 region is open and casts are not
+    disabled (a registered function is patched in only inside a region; a decorated one is
+    wrapped for good and checks)."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        if not _depth or _casts_disabled_here():
+            return fn(*args, **kwargs)
         if kind == "half":
             dtype = _region_half_dtype
         elif kind == "float":
@@ -213,8 +246,24 @@ def in_patched_region() -> bool:
 
 
 @contextlib.contextmanager
+def casts_disabled(device_type: Optional[str]) -> Iterator[None]:
+    """Apex's `amp.disable_casts()` for this thread: autocast off for `device_type` (None: no
+    autocast to turn off), registered/decorated functions uncast, O1 regions opened inside it
+    without autocast."""
+    ctx = (torch.autocast(device_type, enabled=False) if device_type is not None
+           else contextlib.nullcontext())
+    with ctx:
+        _thread.disabled = getattr(_thread, "disabled", 0) + 1
+        try:
+            yield
+        finally:
+            _thread.disabled -= 1
+
+
+@contextlib.contextmanager
 def _o1_region(device_type: str, dtype: torch.dtype) -> Iterator[None]:
-    with torch.autocast(device_type, dtype=dtype), function_patches(device_type, dtype):
+    with (torch.autocast(device_type, dtype=dtype, enabled=not _casts_disabled_here()),
+          function_patches(device_type, dtype)):
         yield
 
 

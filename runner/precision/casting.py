@@ -5,10 +5,13 @@ the same Parameter objects. With `keep_batchnorm_fp32`, BatchNorm layers keep fp
 running statistics: PyTorch's batch_norm (CPU and CUDA) takes half/bf16 activations with fp32
 weights natively and returns the activation dtype, so no casts are needed around them.
 Model inputs are cast to the model dtype and floating outputs come back as fp32 through hooks
-on the top module (removable), so the loss is computed in fp32 as in Apex.
+on the top module (removable), so the loss is computed in fp32 as in Apex. The hooks are
+module-level functions bound with `functools.partial`, not closures: a cast model can be
+deep-copied (the copy casts too) and pickled whole (`torch.save(model)`).
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Optional
 
 import torch
@@ -73,34 +76,31 @@ class IOCastHooks:
         self.handles = []
 
 
+def _cast_inputs_hook(dtype: torch.dtype, module: nn.Module, args: tuple, kwargs: dict):
+    """Forward pre-hook (with kwargs) body: floating inputs to `dtype`."""
+    cast = functools.partial(_cast_tensor, dtype=dtype)
+    return map_tensors(args, cast), map_tensors(kwargs, cast)
+
+
+def _cast_outputs_hook(dtype: torch.dtype, module: nn.Module, args: tuple, output: Any):
+    """Forward hook body: floating outputs to `dtype`."""
+    return map_tensors(output, functools.partial(_cast_tensor, dtype=dtype))
+
+
 def install_output_cast(model: nn.Module, output_dtype: torch.dtype) -> IOCastHooks:
     """Cast floating outputs to `output_dtype` (Apex's `cast_model_outputs` without a model cast)."""
-
-    def post_hook(module: nn.Module, args: tuple, output: Any):
-        return map_tensors(output, lambda t: _cast_tensor(t, output_dtype))
-
-    return IOCastHooks([model.register_forward_hook(post_hook)])
+    return IOCastHooks([
+        model.register_forward_hook(functools.partial(_cast_outputs_hook, output_dtype)),
+    ])
 
 
 def install_io_casts(model: nn.Module, dtype: torch.dtype,
                      output_dtype: torch.dtype = torch.float32) -> IOCastHooks:
     """Cast floating inputs (args and kwargs) to `dtype` and floating outputs to `output_dtype`."""
-
-    def to_model(t: torch.Tensor) -> torch.Tensor:
-        return _cast_tensor(t, dtype)
-
-    def to_output(t: torch.Tensor) -> torch.Tensor:
-        return _cast_tensor(t, output_dtype)
-
-    def pre_hook(module: nn.Module, args: tuple, kwargs: dict):
-        return map_tensors(args, to_model), map_tensors(kwargs, to_model)
-
-    def post_hook(module: nn.Module, args: tuple, output: Any):
-        return map_tensors(output, to_output)
-
     return IOCastHooks([
-        model.register_forward_pre_hook(pre_hook, with_kwargs=True),
-        model.register_forward_hook(post_hook),
+        model.register_forward_pre_hook(functools.partial(_cast_inputs_hook, dtype),
+                                        with_kwargs=True),
+        *install_output_cast(model, output_dtype).handles,
     ])
 
 
