@@ -509,24 +509,74 @@ def test_deepcopy_is_an_independent_model_that_still_casts(level):
     assert ema[0].weight.dtype == model[0].weight.dtype
 
 
-def test_torch_save_and_load_of_a_whole_o1_model(tmp_path):
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_torch_save_and_load_of_a_whole_model(tmp_path, level):
     model = net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = amp.initialize(model, opt, opt_level="O1", verbosity=0)
+    model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
     x, y = batch()
     train_step(model, opt, x, y)
     model.eval()
     expected = model(x).detach()
+    weight_dtype = model[0].weight.dtype
     torch.save(model, tmp_path / "model.pt")
     amp.deinitialize()  # the loaded model needs no live engine
     loaded = torch.load(tmp_path / "model.pt", weights_only=False)
     out, inner = _first_layer_dtype(loaded, x)
     assert torch.equal(out, expected) and out.dtype == torch.float32
-    assert inner == torch.float16  # still autocast inside forward
-    assert loaded[0].weight.dtype == torch.float32
+    assert inner == torch.float16  # O1: still autocast inside forward; O2/O3: a half model
+    assert loaded[0].weight.dtype == weight_dtype
+    assert loaded.state_dict()["0.weight"].dtype == weight_dtype  # no engine: its own dtype
     _zero_weights(loaded)
     out = loaded(x)
     assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_loading_weights_into_an_o2_copy_leaves_the_masters_alone():
+    """The EMA update `ema.load_state_dict(model.state_dict())`: the copy carries the model's
+    state-dict hooks, which must not re-seed the original's fp32 masters from fp16 weights."""
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    x, y = batch()
+    train_step(model, opt, x, y)
+    masters = amp.engine().masters(opt)
+    # masters hold fp32 values that fp16 cannot: re-seeding would change them
+    assert any(not torch.equal(m, p.float()) for p, m in zip(masters.model_params,
+                                                              masters.masters))
+    before = [m.detach().clone() for m in masters.masters]
+    ema = copy.deepcopy(model)
+    sd = model.state_dict()
+    assert all(v.dtype != torch.float16 for v in sd.values())  # fp32 masters' values
+    ema.load_state_dict(sd)
+    assert all(torch.equal(m, b) for m, b in zip(masters.masters, before))
+    for (name, p), q in zip(model.named_parameters(), ema.parameters()):
+        assert torch.equal(p, q), name  # the copy got the weights, in its 16-bit type
+
+
+def test_loading_one_of_two_o2_models_reseeds_only_its_own_masters():
+    enc, head = net(1), net(2)
+    opt = torch.optim.SGD([*enc.parameters(), *head.parameters()], lr=0.1)
+    (enc, head), opt = amp.initialize([enc, head], opt, opt_level="O2", verbosity=0)
+    x, y = batch()
+    for _ in range(2):
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(head(enc(x)[:, :3].repeat(1, 2)), y)
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+    masters = amp.engine().masters(opt)
+    head_ids = {id(p) for p in head.parameters()}
+    head_masters = [m for p, m in zip(masters.model_params, masters.masters)
+                    if id(p) in head_ids]
+    assert any(not torch.equal(m, m.half().float()) for m in head_masters)  # real fp32 values
+    before = [m.detach().clone() for m in head_masters]
+    enc.load_state_dict(net(3).state_dict())  # new fp32 weights for the encoder only
+    assert all(torch.equal(m, b) for m, b in zip(head_masters, before))
+    enc_masters = {id(p): m for p, m in zip(masters.model_params, masters.masters)}
+    for (name, p), want in zip(enc.named_parameters(), net(3).parameters()):
+        if id(p) in enc_masters:  # the encoder's masters took the loaded fp32 values exactly
+            assert torch.equal(enc_masters[id(p)], want), name
 
 
 # ---- re-initialize ---------------------------------------------------------------------------

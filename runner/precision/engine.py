@@ -27,6 +27,7 @@ updates once per round with its own loss's verdict, however many optimizers step
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Iterator, Optional
 
@@ -41,6 +42,28 @@ from runner.precision.casting import IOCastHooks, cast_model, install_output_cas
 from runner.precision.master import MasterWeights
 from runner.precision.properties import Properties
 from runner.precision.scaler import LossScaler
+
+
+class _EngineHook:
+    """A model state-dict hook that calls an engine method through a weak reference: the model
+    stays picklable (pickling drops the engine, and the unpickled hook does nothing) and does not
+    keep the engine alive; a deep copy of the model shares the engine (torch tags hooks with
+    attributes, which bound methods refuse, so this is an object, not a bound method)."""
+
+    def __init__(self, engine: "AmpEngine", method: str):
+        self._engine: Optional[weakref.ref] = weakref.ref(engine)
+        self._method = method
+
+    def __call__(self, *args: Any) -> Any:
+        engine = self._engine() if self._engine is not None else None
+        return None if engine is None else getattr(engine, self._method)(*args)
+
+    def __getstate__(self) -> dict:
+        return {"_method": self._method}
+
+    def __setstate__(self, state: dict) -> None:
+        self._method = state["_method"]
+        self._engine = None
 
 
 @dataclass
@@ -137,12 +160,13 @@ class AmpEngine:
         if hooks is not None:
             self._io_hooks.append(hooks)
         if p.casts_to_half:
-            # (plain functions: torch tags hooks with attributes, which bound methods refuse)
+            # torch < 2.5 has the state-dict post hook under its private name only
+            register_state_hook = getattr(model, "register_state_dict_post_hook", None) or \
+                model._register_state_dict_hook
             self._model_hooks += [
-                model.register_state_dict_post_hook(
-                    lambda *a: self._fp32_state_hook(*a)),
-                model.register_load_state_dict_pre_hook(lambda *a: self._load_pre_hook(*a)),
-                model.register_load_state_dict_post_hook(lambda *a: self._load_post_hook(*a)),
+                register_state_hook(_EngineHook(self, "_fp32_state_hook")),
+                model.register_load_state_dict_pre_hook(_EngineHook(self, "_load_pre_hook")),
+                model.register_load_state_dict_post_hook(_EngineHook(self, "_load_post_hook")),
             ]
         return model
 
@@ -242,17 +266,21 @@ class AmpEngine:
             if value.dtype == torch.float32 and value.shape == master.shape:
                 master.copy_(value)  # exact: the checkpoint carries the fp32 values
                 exact.add(id(master))
-        self.refresh_masters(skip=exact)  # the rest from what the model now holds
+        # the rest from what the model now holds; only this module's own parameters (a copy of
+        # the model, e.g. an EMA, carries these hooks too and must not touch the masters)
+        self.refresh_masters(skip=exact, only={id(q) for q in module.parameters()})
 
     @torch.no_grad()
-    def refresh_masters(self, skip: Optional[set[int]] = None) -> None:
-        """Re-seed every master from its model parameter (after loading weights into the model
-        other than through `model.load_state_dict`, e.g. `param.copy_`)."""
+    def refresh_masters(self, skip: Optional[set[int]] = None,
+                        only: Optional[set[int]] = None) -> None:
+        """Re-seed the masters from their model parameters (after loading weights into the
+        model other than through `model.load_state_dict`, e.g. `param.copy_`); `skip` holds ids
+        of masters to leave alone, `only` (if given) ids of the model parameters to take."""
         for _, st in self._optimizers.values():
             if st.masters is None:
                 continue
             for p, m in zip(st.masters.model_params, st.masters.masters):
-                if skip is None or id(m) not in skip:
+                if (skip is None or id(m) not in skip) and (only is None or id(p) in only):
                     m.copy_(p)
 
     def load_model_state(self, model: nn.Module, state_dict: dict, strict: bool = True):
