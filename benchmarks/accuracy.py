@@ -24,13 +24,9 @@ from __future__ import annotations
 
 import argparse
 import csv
-import datetime as _dt
 import json
 import logging
 import math
-import os
-import platform
-import shlex
 import statistics
 import sys
 import tempfile
@@ -41,9 +37,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # `python benchmarks/accuracy.py` from a checkout
-    sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
+from common import REPO, command, machine, now  # noqa: E402
 
 EXPERIMENT = "accuracy-parity"
 TARGET_POINTS = 1.0  # a checked level's mean must be within this many points of O0's mean
@@ -347,38 +342,10 @@ def _pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.2f}"
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown CPU"
-
-
 def preset_options() -> list[str]:
     from runner.paths import config_dir
 
     return sorted(p.stem for p in (config_dir() / "precision").glob("*.yaml"))
-
-
-def machine(device: str) -> dict[str, str]:
-    import torch
-
-    info = {
-        "cpu": cpu_model(),
-        "cores": str(os.cpu_count()),
-        "torch_threads": str(torch.get_num_threads()),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "device": device,
-    }
-    if device == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(0)
-        info["cuda"] = str(torch.version.cuda)
-    return info
 
 
 def render_markdown(report: dict, rows: list[LevelSummary]) -> str:
@@ -517,9 +484,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "num_val": int(composed.data.get("num_val", 0) or 0),
         "target_points": TARGET_POINTS,
         "overrides": task_overrides(args),
-        "command": "python benchmarks/accuracy.py " + shlex.join(argv) if argv
-        else "python benchmarks/accuracy.py",
-        "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": command("accuracy.py", argv),
+        "date": now(),
         "total_wall_s": total_wall,
         "tracking_uri": args.tracking_uri,
         "experiment": args.experiment,

@@ -1,0 +1,297 @@
+"""Kernel benchmark: one O2 Adam step (unscale + check + step + copy back) on a real model's
+parameter list, fused kernels against the stock torch composition, near the bandwidth limit?
+
+Variants, timed interleaved in one process (a, b, c, a, b, c, ...), medians:
+  (a) fused: the runner's engine (AmpEngine, O2, Adam) stepping from the scaled fp16 model
+      gradients: a read-only check pass (2 B/param), the single host read, one fused pass
+      (read grad 2, master 4, m 4, v 4; write master 4, m 4, v 4, fp16 copy 2): 30 B/param.
+  (b) stock: torch._foreach_copy_ of the fp16 grads into fp32 master grads (6 B/param),
+      torch._amp_foreach_non_finite_check_and_unscale_ on them (8), the host read of the flag,
+      torch.optim.Adam(fused=True) on the masters (28), torch._foreach_copy_ of the masters into
+      the fp16 model (6): 48 B/param.
+  (c) torch.optim.AdamW(fused=True) on plain fp32 parameters: 28 B/param (no mixed precision).
+Achieved GB/s = bytes / median time, also as a fraction of a copy-bandwidth measurement taken in
+the same run (a 1 GiB fp32 copy: read + write).
+
+    python benchmarks/kernels.py                        # CPU (or CUDA if present)
+    python benchmarks/kernels.py --device cuda --iters 50
+    python benchmarks/kernels.py --models resnet50 --iters 5
+
+Targets (issue 4): CPU: (a) >= 1.4x faster than (b) and >= 70% of the copy bandwidth; H100/H200:
+(a) >= 1.3x faster than (b) and >= 80% of the copy bandwidth. The script reports, it does not
+gate: exit 0 whatever the verdict, 1 if a variant crashed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
+from common import REPO, command, machine, now  # noqa: E402
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+MODELS = ("resnet50", "vgg16")
+BYTES_PER_PARAM = {"a_fused": 30, "b_stock": 48, "c_adamw_fp32": 28}
+TARGETS = {"cpu": {"speedup": 1.4, "bandwidth": 0.70}, "cuda": {"speedup": 1.3, "bandwidth": 0.80}}
+LOSS_SCALE = 1024.0
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--models", default=",".join(MODELS),
+                   help=f"comma-separated torchvision models (default {','.join(MODELS)})")
+    p.add_argument("--iters", type=int, default=None,
+                   help="timed steps per variant (default 11 on CPU, 50 on CUDA)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--out", type=Path, default=None,
+                   help="Markdown results (default benchmarks/results/kernels_<device>.md)")
+    args = p.parse_args(argv)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device here")
+    args.models = [m for m in args.models.split(",") if m]
+    unknown = [m for m in args.models if not hasattr(__import__("torchvision").models, m)]
+    if unknown:
+        p.error(f"unknown torchvision model(s): {', '.join(unknown)}")
+    args.iters = args.iters or (50 if args.device == "cuda" else 11)
+    args.out = args.out or REPO / "benchmarks" / "results" / f"kernels_{args.device}.md"
+    return args
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], None], device: torch.device) -> float:
+    sync(device)
+    started = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - started
+
+
+def copy_bandwidth(device: torch.device, iters: int) -> float:
+    """GB/s of a 1 GiB fp32 copy (bytes read + bytes written), median."""
+    x = torch.ones(2 ** 28, device=device)
+    y = torch.empty_like(x)
+    for _ in range(2):
+        y.copy_(x)
+    times = [timed(lambda: y.copy_(x), device) for _ in range(max(iters, 5))]
+    return 2 * x.numel() * 4 / statistics.median(times) / 1e9
+
+
+def param_shapes(model: str) -> list[torch.Size]:
+    import torchvision
+
+    with torch.device("meta"):
+        net = getattr(torchvision.models, model)()
+    return [p.shape for p in net.parameters()]
+
+
+class Params(nn.Module):
+    """A module holding parameters of the given shapes (the model's list, without its forward:
+    the optimizer step does not need one)."""
+
+    def __init__(self, shapes: list[torch.Size], dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        g = torch.Generator(device=device).manual_seed(0)
+        self.params = nn.ParameterList(
+            nn.Parameter(torch.randn(s, generator=g, device=device, dtype=torch.float32)
+                         .mul_(0.02).to(dtype)) for s in shapes)
+
+
+def scaled_grads(shapes, device) -> list[torch.Tensor]:
+    g = torch.Generator(device=device).manual_seed(1)
+    return [torch.randn(s, generator=g, device=device).mul_(0.01 * LOSS_SCALE).half()
+            for s in shapes]
+
+
+def variant_fused(shapes, grads, device):
+    """(a) The runner's engine: O2 (fp16 model, fp32 masters), Adam, dynamic loss scale."""
+    from runner.precision import AmpEngine, resolve
+
+    model = Params(shapes, torch.float32, device)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    engine = AmpEngine(resolve("O2", {"keep_batchnorm_fp32": False}).properties, device,
+                       kernels="fused")
+    engine.scalers[0].load_state_dict({"loss_scale": LOSS_SCALE})
+    engine.prepare(model, opt)
+    for p, g in zip(model.parameters(), grads):
+        p.grad = g
+    loss = torch.zeros((), device=device)
+
+    def step():
+        engine.scale_loss(loss)  # this round's gradients are loss 0's, as backward would say
+        assert engine.step(opt)
+
+    return step, engine
+
+
+def variant_stock(shapes, grads, device):
+    """(b) The stock torch composition of the same O2 step."""
+    half = list(Params(shapes, torch.float16, device).parameters())
+    masters = [p.detach().float().requires_grad_(True) for p in half]
+    master_grads = [torch.empty_like(m) for m in masters]
+    for m, g in zip(masters, master_grads):
+        m.grad = g
+    opt = torch.optim.Adam(masters, lr=1e-4, fused=True)
+    found = torch.zeros(1, device=device)
+    inv = torch.full((1,), 1.0 / LOSS_SCALE, device=device)
+
+    @torch.no_grad()
+    def step():
+        torch._foreach_copy_(master_grads, grads)
+        torch._amp_foreach_non_finite_check_and_unscale_(master_grads, found, inv)
+        if found.item() == 0:  # the skip decision, as every loss-scaled step makes it
+            opt.step()
+            torch._foreach_copy_(half, masters)
+
+    return step, None
+
+
+def variant_adamw_fp32(shapes, grads, device):
+    """(c) AdamW(fused=True) on plain fp32 parameters: the fp32 training floor."""
+    params = list(Params(shapes, torch.float32, device).parameters())
+    for p, g in zip(params, grads):
+        p.grad = g.float() / LOSS_SCALE
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    return opt.step, None
+
+
+VARIANTS = {"a_fused": variant_fused, "b_stock": variant_stock, "c_adamw_fp32": variant_adamw_fp32}
+
+
+def bench_model(model: str, device: torch.device, iters: int, warmup: int,
+                bandwidth: float) -> dict:
+    shapes = param_shapes(model)
+    n = sum(s.numel() for s in shapes)
+    grads = scaled_grads(shapes, device)
+    steps = {}
+    kernels = None
+    for name, make in VARIANTS.items():
+        steps[name], engine = make(shapes, grads, device)
+        if engine is not None:
+            from runner import csrc
+
+            kernels = csrc.name_of(engine.kernels)
+    for _ in range(warmup):
+        for fn in steps.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(iters):  # interleaved: every variant sees the same conditions
+        for name, fn in steps.items():
+            times[name].append(timed(fn, device))
+    rows = {}
+    for name, ts in times.items():
+        median = statistics.median(ts)
+        moved = BYTES_PER_PARAM[name] * n
+        rows[name] = {
+            "median_ms": median * 1e3,
+            "min_ms": min(ts) * 1e3,
+            "bytes_per_param": BYTES_PER_PARAM[name],
+            "gbytes": moved / 1e9,
+            "gb_per_s": moved / median / 1e9,
+            "fraction_of_copy": moved / median / 1e9 / bandwidth,
+        }
+    speedup = rows["b_stock"]["median_ms"] / rows["a_fused"]["median_ms"]
+    return {"model": model, "params": n, "tensors": len(shapes), "kernels": kernels,
+            "variants": rows, "speedup_a_vs_b": speedup}
+
+
+def verdict(device: str, results: list[dict]) -> str:
+    t = TARGETS[device]
+    parts = []
+    ok = True
+    for r in results:
+        a = r["variants"]["a_fused"]
+        good = r["speedup_a_vs_b"] >= t["speedup"] and a["fraction_of_copy"] >= t["bandwidth"]
+        ok &= good
+        parts.append(f"{r['model']}: {r['speedup_a_vs_b']:.2f}x vs stock, "
+                     f"{100 * a['fraction_of_copy']:.0f}% of copy bandwidth"
+                     f" ({'meets' if good else 'misses'} target)")
+    head = "PASS" if ok else "MISS"
+    return (f"{head}: targets on {device} are >= {t['speedup']}x faster than the stock "
+            f"composition and >= {100 * t['bandwidth']:.0f}% of the copy bandwidth. "
+            + "; ".join(parts) + ".")
+
+
+def render(report: dict) -> str:
+    m = report["machine"]
+    lines = [
+        f"# Kernels: one O2 Adam step ({report['device']})",
+        "",
+        "Unscale + overflow check + Adam step on fp32 masters + copy back into the fp16 model, "
+        "for a torchvision model's parameter list. Median of "
+        f"{report['iters']} interleaved steps per variant (after {report['warmup']} warm-up "
+        "steps). Bytes are what each variant must move per step; GB/s is bytes / median time; "
+        f"the copy bandwidth measured in the same run is {report['copy_gb_per_s']:.1f} GB/s "
+        "(1 GiB fp32 copy, read + write).",
+        "",
+        "| model | params | variant | B/param | GB moved | median ms | GB/s | % of copy bw |",
+        "|---|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    labels = {"a_fused": "(a) fused kernels (engine, `precision.kernels`={k})",
+              "b_stock": "(b) stock torch composition", "c_adamw_fp32": "(c) AdamW fused, fp32"}
+    for r in report["results"]:
+        for name, v in r["variants"].items():
+            lines.append(
+                f"| {r['model']} | {r['params'] / 1e6:.1f}M | {labels[name].format(k=r['kernels'])}"
+                f" | {v['bytes_per_param']} | {v['gbytes']:.2f} | {v['median_ms']:.1f} | "
+                f"{v['gb_per_s']:.1f} | {100 * v['fraction_of_copy']:.0f}% |")
+    lines += ["", "Speed-up of (a) over (b): " + ", ".join(
+        f"{r['model']} {r['speedup_a_vs_b']:.2f}x" for r in report["results"]) + ".", "",
+        f"Verdict: {report['verdict']}", "", "## Setup", "",
+        f"- Machine: {m['cpu']}, {m['cores']} cores (torch uses {m['torch_threads']} threads)"
+        + (f"; GPU {m['gpu']}, CUDA {m['cuda']}" if "gpu" in m else "")
+        + f"; torch {m['torch']}, Python {m['python']}, {m['platform']}",
+        f"- Date: {report['date']}",
+        f"- Command: `{report['command']}`",
+        ""]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    print(f"Kernel benchmark on {args.device}: {', '.join(args.models)}; {args.iters} steps per "
+          "variant", flush=True)
+    bandwidth = copy_bandwidth(device, args.iters)
+    print(f"copy bandwidth: {bandwidth:.1f} GB/s", flush=True)
+    results = []
+    for model in args.models:
+        print(f"{model} ...", end=" ", flush=True)
+        r = bench_model(model, device, args.iters, args.warmup, bandwidth)
+        results.append(r)
+        print(", ".join(f"{k} {v['median_ms']:.1f} ms" for k, v in r["variants"].items()),
+              flush=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    report = {
+        "benchmark": "kernels", "device": args.device, "iters": args.iters,
+        "warmup": args.warmup, "copy_gb_per_s": bandwidth, "results": results,
+        "verdict": verdict(args.device, results), "machine": machine(args.device),
+        "command": command("kernels.py", argv), "date": now(),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    text = render(report)
+    args.out.write_text(text)
+    args.out.with_suffix(".json").write_text(json.dumps(report, indent=2))
+    print()
+    print(text)
+    print(f"Wrote {args.out} and {args.out.with_suffix('.json')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
