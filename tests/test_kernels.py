@@ -21,6 +21,7 @@ import torch
 from runner import csrc
 
 SIZES = [1, 7, 65535, 65536, 65537, 3 * 65536 + 5]  # odd, chunk edges, several chunks
+LARGE = (1 << 22) + 3  # 4M elements: many chunks, an odd tail
 HALF = (torch.float16, torch.bfloat16)
 
 
@@ -55,8 +56,9 @@ def poison_positions(tensors):
                                                 (torch.float32, torch.float32)])
 def test_unscale_check_into_fp32_is_exact(backend, in_dtype, out_dtype):
     d = dev(backend)
-    grads = [randn(n, in_dtype, d, seed=i, scale=1000.0) for i, n in enumerate(SIZES)]
-    out = [torch.empty(n, dtype=out_dtype, device=d) for n in SIZES]
+    sizes = [*SIZES, LARGE]
+    grads = [randn(n, in_dtype, d, seed=i, scale=1000.0) for i, n in enumerate(sizes)]
+    out = [torch.empty(n, dtype=out_dtype, device=d) for n in sizes]
     found = scalar(backend, 0.0)
     inv = 1.0 / 3000.0  # not a power of two: a real rounding
     backend.ops.unscale_check(grads, out, scalar(backend, inv), found)
@@ -131,7 +133,7 @@ def test_check_finite_is_read_only_and_finds_every_position(backend, dtype):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_l2norm_matches_float64(backend, dtype):
     d = dev(backend)
-    tensors = [randn(n, dtype, d, seed=40 + i, scale=8.0) for i, n in enumerate(SIZES)]
+    tensors = [randn(n, dtype, d, seed=40 + i, scale=8.0) for i, n in enumerate([*SIZES, LARGE])]
     scale = 1.0 / 8.0
     total, per = backend.ops.l2norm(tensors, scalar(backend, scale), None)
     want_per = torch.stack([torch.linalg.vector_norm(t.double() * scale) for t in tensors])
@@ -269,16 +271,19 @@ def test_adam_step_matches_torch_optim(backend, kind, case, grad_dtype):
 
 @pytest.mark.parametrize("op", ["sgd", "adam"])
 def test_steps_do_nothing_when_found_inf_is_set(backend, op):
+    """An inf/NaN in the first, a middle or the last gradient, at its first or last element:
+    the check pass raises the flag, and the fused step given that flag leaves the weights, the
+    optimizer state and the 16-bit copies bit for bit as they were. A clear flag steps."""
     d = dev(backend)
     params = [randn(n, torch.float32, d, seed=120 + i) for i, n in enumerate(SIZES)]
-    grads = [randn(n, torch.float16, d, seed=130 + i) for i, n in enumerate(SIZES)]
+    clean = [randn(n, torch.float16, d, seed=130 + i) for i, n in enumerate(SIZES)]
     state1 = [torch.full_like(p, 0.25) for p in params]
     state2 = [torch.full_like(p, 0.5) for p in params]
     copies = [p.half() for p in params]
     everything = [*params, *state1, *state2, *copies]
     before = [t.clone() for t in everything]
 
-    def run(flag):
+    def run(grads, flag):
         if op == "sgd":
             backend.ops.sgd_step(params, grads, state1, copies, scalar(backend, 1.0), flag, 0.1,
                                  1e-4, 0.9, 0.0, False, False, False)
@@ -286,9 +291,15 @@ def test_steps_do_nothing_when_found_inf_is_set(backend, op):
             backend.ops.adam_step(params, grads, state1, state2, copies, scalar(backend, 1.0),
                                   flag, 1e-3, 0.9, 0.999, 1e-8, 0.0, 0.1, 0.001, False, False)
 
-    run(scalar(backend, 1.0))
-    assert all(torch.equal(a, b) for a, b in zip(everything, before))
-    run(scalar(backend, 0.0))  # a clear flag: the step runs and changes params and state
+    for t, e in poison_positions(clean):
+        grads = [g.clone() for g in clean]
+        grads[t][e] = float("nan") if e else float("inf")
+        found = scalar(backend, 0.0)
+        backend.ops.check_finite(grads, found)
+        assert found.item() == 1.0, (t, e)
+        run(grads, found)
+        assert all(torch.equal(a, b) for a, b in zip(everything, before)), (t, e)
+    run(clean, scalar(backend, 0.0))  # a clear flag: the step runs and changes params and state
     changed = [not torch.equal(a, b) for a, b in zip(everything, before)]
     n = len(SIZES)
     assert all(changed[:n]) and all(changed[n:2 * n])
