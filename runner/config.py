@@ -160,6 +160,7 @@ class MlflowConfig:
     tracking_uri: str = "sqlite:///mlflow.db"  # relative paths: the directory the user launched from
     experiment_name: str = "amp-runner"
     run_name: Optional[str] = None  # null = "<model>-<opt_level>", e.g. densenet161-O2
+    sweep_name: Optional[str] = None  # a sweep's parent run; null = "sweep <swept overrides>"
     tags: Dict[str, str] = field(default_factory=dict)
 
 
