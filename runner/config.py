@@ -174,6 +174,9 @@ class RunConfig:
     trainer: TrainerConfig = MISSING
     mlflow: MlflowConfig = MISSING
     dry_run: bool = False
+    # Free-form settings of an experiment config (experiments/), e.g. a batch size per level that
+    # `trainer.batch_size: ${experiment.batch_size.${precision.opt_level}}` picks; logged as params.
+    experiment: Dict[str, Any] = field(default_factory=dict)
 
 
 SCHEMAS: dict[str, dict[str, type]] = {

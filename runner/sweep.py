@@ -93,7 +93,6 @@ def preflight(config: DictConfig, config_name: str | None, tracking_uri: str) ->
     from hydra import compose
 
     from runner.app import check_config
-    from runner.tracking import resolve_tracking_uri
 
     jobs = sweep_jobs(config)
     if jobs is None:
@@ -102,7 +101,7 @@ def preflight(config: DictConfig, config_name: str | None, tracking_uri: str) ->
         cfg = compose(config_name=config_name, overrides=overrides)
         try:
             check_config(cfg, overrides)
-            same_store(cfg, tracking_uri, config.mlflow.experiment_name, resolve_tracking_uri)
+            same_store(cfg, tracking_uri, config.mlflow.experiment_name)
         except ConfigError as error:
             raise ConfigError(
                 error.key, f"{error.problem} (in sweep job #{number}: {' '.join(overrides)})",
@@ -110,9 +109,11 @@ def preflight(config: DictConfig, config_name: str | None, tracking_uri: str) ->
     return len(jobs)
 
 
-def same_store(cfg: DictConfig, tracking_uri: str, experiment_name: str, resolve) -> None:
+def same_store(cfg: DictConfig, tracking_uri: str, experiment_name: str) -> None:
     """A child run must live beside its parent: the store and experiment cannot vary in a sweep."""
-    if resolve(cfg.mlflow.tracking_uri) != tracking_uri:
+    from runner.tracking import resolve_tracking_uri
+
+    if resolve_tracking_uri(cfg.mlflow.tracking_uri) != tracking_uri:
         raise ConfigError("mlflow.tracking_uri", f"a sweep's jobs log to their parent run's store "
                           f"{tracking_uri!r}, got {cfg.mlflow.tracking_uri!r}; it cannot be swept",
                           "one value for the whole sweep")
@@ -128,11 +129,11 @@ def run_job(cfg: DictConfig, parent: SweepParent, *, overrides: Sequence[str], o
     happened before the run existed) and returned as NaN, so the sweep goes on; an optimising
     sweeper (Optuna) takes NaN as a failed trial."""
     from runner.app import default_run_name, run
-    from runner.tracking import PARENT_RUN_TAG, Tracker, resolve_tracking_uri
+    from runner.tracking import PARENT_RUN_TAG, Tracker
 
     tags = {PARENT_RUN_TAG: parent.run_id, JOB_NUM_TAG: str(job_num)}
     try:
-        same_store(cfg, parent.tracking_uri, parent.experiment_name, resolve_tracking_uri)
+        same_store(cfg, parent.tracking_uri, parent.experiment_name)
         best = run(cfg, overrides=overrides, output_dir=output_dir, extra_tags=tags)
         return math.nan if best is None else best
     except Exception as error:  # noqa: BLE001  (recorded and counted; the sweep goes on)
@@ -198,7 +199,7 @@ class MlflowSweepCallback(Callback):
         if config.dry_run:
             return  # a dry run creates no run, in a sweep too
         import runner
-        from runner.tracking import PARENT_RUN_TAG, Tracker, resolve_tracking_uri  # noqa: F401
+        from runner.tracking import Tracker, resolve_tracking_uri
 
         try:
             tracking_uri = resolve_tracking_uri(config.mlflow.tracking_uri)
