@@ -28,8 +28,10 @@ from pathlib import Path
 from typing import IO, Any, Sequence
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from runner.errors import ConfigError, RunnerError
 
@@ -98,7 +100,12 @@ def preflight(config: DictConfig, config_name: str | None, tracking_uri: str) ->
     if jobs is None:
         return None
     for number, overrides in enumerate(jobs):
-        cfg = compose(config_name=config_name, overrides=overrides)
+        try:
+            cfg = compose(config_name=config_name, overrides=overrides)
+        except (HydraException, OmegaConfBaseException) as error:  # a typo'd key or option
+            cause = f"\n{error.__cause__}" if error.__cause__ else ""
+            raise RunnerError(f"sweep job #{number} ({' '.join(overrides)}): {error}{cause}") \
+                from error
         try:
             check_config(cfg, overrides)
             same_store(cfg, tracking_uri, config.mlflow.experiment_name)

@@ -62,11 +62,14 @@ def run_cli(*args: str, cwd: Path, timeout: float = 600) -> subprocess.Completed
 def run_in_process(*args: str) -> int:
     """`python -m runner ARGS` through the real CLI entry and Hydra, in this process (no import
     cost; the sweep's jobs run here too); returns the exit status."""
+    import logging
+
     from hydra.core.global_hydra import GlobalHydra
 
     from runner.__main__ import cli
 
-    saved = sys.argv
+    root = logging.getLogger()
+    saved = sys.argv, root.handlers[:], root.level
     sys.argv = ["runner", *args]
     try:
         cli()
@@ -74,7 +77,8 @@ def run_in_process(*args: str) -> int:
     except SystemExit as stop:
         return stop.code if isinstance(stop.code, int) else 1
     finally:
-        sys.argv = saved
+        sys.argv, root.handlers[:], level = saved
+        root.setLevel(level)  # Hydra configured logging for its jobs: undo it for later tests
         GlobalHydra.instance().clear()  # so that later compose() calls can initialise again
 
 

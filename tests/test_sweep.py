@@ -109,12 +109,17 @@ def test_jobs_in_one_process_do_not_leak_into_each_other(tmp_path):
     assert mlflow.active_run() is None
 
 
-def test_a_bad_value_in_any_job_stops_the_sweep_before_it_starts(tmp_path, capsys):
+@pytest.mark.parametrize("sweep,needles", [
+    ("optimizer.lr=0.1,-1", ["optimizer.lr: got -1.0 (in sweep job #1:", "a finite number > 0"]),
+    ("trainer.max_epoch=1,2", ["sweep job #0 (", "Key 'max_epoch' not in 'TrainerConfig'"]),
+], ids=["bad-value", "typo-key"])
+def test_bad_input_in_any_job_stops_the_sweep_before_it_starts(sweep, needles, tmp_path, capsys):
     uri = f"sqlite:///{tmp_path / 'never.db'}"
-    status = run_in_process("-m", *FAST, "optimizer.lr=0.1,-1", f"mlflow.tracking_uri={uri}")
+    status = run_in_process("-m", *FAST, sweep, f"mlflow.tracking_uri={uri}")
     assert status == 2
     output = "".join(capsys.readouterr())
-    assert "optimizer.lr: got -1.0 (in sweep job #1:" in output and "a finite number > 0" in output
+    assert all(needle in output for needle in needles), output[-2000:]
+    assert "Traceback" not in output and "UserWarning" not in output
     assert not (tmp_path / "never.db").exists()  # no store, no parent, no job ran
 
 
