@@ -12,7 +12,7 @@ the sweep's parent run (under `report/`), so they show in the MLflow UI beside t
     python -m runner.report --tracking-uri http://127.0.0.1:5000 --sweep multirun/2026-01-01/10-00-00
 
 Exit status: 0 when the report was written, 1 when there is nothing to report (no such
-experiment, sweep or runs: the message says which), 2 for bad arguments.
+store, experiment, sweep or runs: the message says which), 2 for bad arguments.
 """
 from __future__ import annotations
 
@@ -341,8 +341,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from runner.tracking import RetryingClient, resolve_tracking_uri, ui_hint
 
     uri = resolve_tracking_uri(args.tracking_uri)
-    client = RetryingClient(uri)
     try:
+        if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).is_file():
+            raise NothingToReport(f"no MLflow store at {uri} (opening it would create an empty "
+                                  "one); set --tracking-uri to the runs' mlflow.tracking_uri")
+        client = RetryingClient(uri)
         parent, runs = select_runs(client, args.experiment, args.parent, args.sweep)
     except NothingToReport as reason:
         print(f"Nothing to report: {reason}", file=sys.stderr)

@@ -193,6 +193,12 @@ def test_runs_lacking_metrics_are_reported_not_fatal(tracking_uri, tmp_path, cap
     assert {p.name for p in out.iterdir()} == REPORT_FILES
 
 
+def test_a_missing_store_is_not_created(tmp_path, capsys):
+    assert report.main(["--out", str(tmp_path / "r")]) == 1  # ./mlflow.db, the default
+    assert "no MLflow store at sqlite:///" in capsys.readouterr().err
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "r").exists()
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--experiment", "nope"], "no experiment 'nope'"),
     ([], "no runs in experiment 'amp-runner'"),

@@ -16,7 +16,7 @@ from mlflow.tracking import MlflowClient
 
 from runner.sweep import claim_gpu
 from runner.tracking import PARENT_RUN_TAG, retry_when_locked
-from tests.conftest import FAST, run_cli, run_in_process
+from tests.conftest import FAST, compose_config, run_cli, run_in_process
 from tests.test_e2e import EPOCH_METRICS, FINAL_METRICS
 
 
@@ -181,6 +181,17 @@ def test_ctrl_c_during_a_sweep_marks_the_job_and_the_parent_killed(tmp_path):
 
 
 # ---- building blocks ------------------------------------------------------------------------------
+def test_parallel_launcher_runs_one_job_per_gpu_or_one_on_cpu():
+    pytest.importorskip("hydra_plugins.hydra_joblib_launcher", reason="pip install '.[joblib]'")
+    import torch
+
+    cfg = compose_config("hydra/launcher=parallel", return_hydra_config=True)
+    assert cfg.hydra.launcher._target_.endswith("JoblibLauncher")
+    assert cfg.hydra.launcher.n_jobs == max(1, torch.cuda.device_count())
+    assert compose_config("hydra/launcher=parallel", "hydra.launcher.n_jobs=3",
+                          return_hydra_config=True).hydra.launcher.n_jobs == 3
+
+
 def test_each_parallel_job_gets_a_gpu_of_its_own(tmp_path):
     first, second = claim_gpu(tmp_path, 2), claim_gpu(tmp_path, 2)
     assert first[0] == 0 and second[0] == 1
