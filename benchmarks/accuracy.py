@@ -187,21 +187,6 @@ def compose(overrides: Sequence[str]):
         return hydra_compose("config", overrides=list(overrides))
 
 
-def describe_dtype(precision) -> str:
-    """What the level computes in, from the resolved preset."""
-    cast = precision.get("cast_model_type")
-    if precision.get("opt_level") == "O0":
-        return "float32"
-    if cast is None:
-        return f"float32 weights, autocast {precision.get('autocast_dtype')}"
-    parts = [str(cast)]
-    if precision.get("keep_batchnorm_fp32"):
-        parts.append("fp32 BatchNorm")
-    if precision.get("master_weights"):
-        parts.append("fp32 master weights")
-    return parts[0] + (f" ({', '.join(parts[1:])})" if len(parts) > 1 else "")
-
-
 def prepare_store(tracking_uri: str, experiment: str) -> None:
     """Create the experiment with its artifacts beside a SQLite database (not ./mlartifacts in the
     directory the benchmark was started from)."""
@@ -235,6 +220,7 @@ def read_run_metrics(tracking_uri: str, experiment: str, key: str) -> tuple[str 
 def run_one(args, level: str, seed: int, session: str) -> RunResult:
     from runner.app import run
     from runner.errors import DivergenceError
+    from runner.report import describe_dtype
 
     key = f"{session}/{level}/s{seed}"
     overrides = [

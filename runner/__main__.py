@@ -9,6 +9,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 import runner.config  # noqa: F401  (registers the schemas before Hydra composes)
+from runner import sweep  # the sweep callback and the `runner.parallel_jobs` resolver
 from runner.errors import RunnerError
 from runner.paths import config_dir
 
@@ -17,27 +18,37 @@ log = logging.getLogger("runner")
 
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")
 def main(cfg: DictConfig) -> float | None:
+    """One run, or one job of a sweep; returns the best validation accuracy (what an optimising
+    sweeper such as Optuna maximises). A failing single run exits non-zero; a failing sweep job is
+    recorded and returns NaN so that the sweep goes on (runner.sweep)."""
+    hydra_cfg = HydraConfig.get()
+    job = {"overrides": list(hydra_cfg.overrides.task), "output_dir": hydra_cfg.runtime.output_dir}
+    parent = sweep.current_parent()
+    if parent is not None:
+        return sweep.run_job(cfg, parent, job_num=int(hydra_cfg.job.num), **job)
+
     from runner.app import run
 
-    hydra_cfg = HydraConfig.get()
     try:
-        return run(
-            cfg,
-            overrides=list(hydra_cfg.overrides.task),
-            output_dir=hydra_cfg.runtime.output_dir,
-        )
+        return run(cfg, **job)
     except RunnerError as error:
         log.error("%s", error)
         sys.exit(2)
 
 
 def cli() -> None:
-    """Console-script entry (`amp-runner ...`); Ctrl-C exits 130 after the run is marked KILLED."""
+    """Console-script entry (`amp-runner ...`); Ctrl-C exits 130 after the run (and a sweep's
+    parent run) is marked KILLED; a sweep that stops early leaves no RUNNING parent behind."""
     try:
         main()
     except KeyboardInterrupt:
+        sweep.close_open_parent("KILLED", "interrupted by the user (Ctrl-C)")
         print("Interrupted.", file=sys.stderr)
         sys.exit(130)
+    except SystemExit as stop:
+        if stop.code not in (0, None):
+            sweep.close_open_parent("FAILED", f"the sweep stopped early (exit status {stop.code})")
+        raise
 
 
 if __name__ == "__main__":

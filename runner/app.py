@@ -13,7 +13,7 @@ import random
 import re
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -130,17 +130,30 @@ def environment_tags(device: torch.device) -> dict[str, str]:
     return tags
 
 
+def check_config(cfg: DictConfig, overrides: Sequence[str] = ()) -> tuple[torch.device, Resolution]:
+    """Everything that can be wrong with the input, checked without building anything: raises
+    ConfigError naming the key. A sweep runs it on every job's config before the first job."""
+    check_opt_level_override(overrides)
+    validate(cfg)
+    device = select_device(cfg.trainer.device)
+    return device, resolve_precision(cfg, device)
+
+
+def default_run_name(cfg: DictConfig) -> str:
+    """`mlflow.run_name`, or `<model>-<level>` (e.g. densenet161-O2)."""
+    return cfg.mlflow.run_name or f"{cfg.model.name}-{cfg.precision.opt_level}"
+
+
 def run(
     cfg: DictConfig,
     *,
     overrides: Sequence[str] = (),
     output_dir: str | os.PathLike | None = None,
+    extra_tags: Mapping[str, str] | None = None,
 ) -> float | None:
-    """Train once as `cfg` says; returns the best validation accuracy (None for a dry run)."""
-    check_opt_level_override(overrides)
-    validate(cfg)
-    device = select_device(cfg.trainer.device)
-    resolution = resolve_precision(cfg, device)
+    """Train once as `cfg` says; returns the best validation accuracy (None for a dry run).
+    `extra_tags` are added to the run's own (a sweep job passes its parent run's id this way)."""
+    device, resolution = check_config(cfg, overrides)
     properties = resolution.properties
 
     if cfg.dry_run:
@@ -212,7 +225,8 @@ def run(
         }
     )
     tags.update({str(k): str(v) for k, v in cfg.mlflow.tags.items()})
-    run_name = cfg.mlflow.run_name or f"{cfg.model.name}-{properties.opt_level}"
+    tags.update(extra_tags or {})
+    run_name = default_run_name(cfg)
 
     with tracker.start_run(run_name, params, tags) as tracked:
         log.info("MLflow run %r (%s) in %s", run_name, tracked.run_id, tracker.tracking_uri)

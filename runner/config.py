@@ -163,6 +163,7 @@ class MlflowConfig:
     tracking_uri: str = "sqlite:///mlflow.db"  # relative paths: the directory the user launched from
     experiment_name: str = "amp-runner"
     run_name: Optional[str] = None  # null = "<model>-<opt_level>", e.g. densenet161-O2
+    sweep_name: Optional[str] = None  # a sweep's parent run; null = "sweep <swept overrides>"
     tags: Dict[str, str] = field(default_factory=dict)
 
 
@@ -176,6 +177,9 @@ class RunConfig:
     trainer: TrainerConfig = MISSING
     mlflow: MlflowConfig = MISSING
     dry_run: bool = False
+    # Free-form settings of an experiment config (experiments/), e.g. a batch size per level that
+    # `trainer.batch_size: ${experiment.batch_size.${precision.opt_level}}` picks; logged as params.
+    experiment: Dict[str, Any] = field(default_factory=dict)
 
 
 SCHEMAS: dict[str, dict[str, type]] = {

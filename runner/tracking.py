@@ -3,16 +3,22 @@
 Metrics go out with `log_batch(..., synchronous=False)`, so the training loop never waits on the
 store; every pending operation is awaited before the run is ended. A run always ends in a final
 state: FINISHED, FAILED (the error as the `error` tag) or KILLED (Ctrl-C).
+
+A SQLite store has one writer at a time. MLflow waits for the lock a while, but parallel sweep jobs
+can still meet "database is locked"; every store call made here is retried on that error (an
+asynchronous metric batch that failed on it is sent again), so concurrent writers lose nothing.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import random
 import subprocess
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, TypeVar
 
 from mlflow.entities import Metric, Param, RunStatus
 from mlflow.exceptions import MlflowException
@@ -27,6 +33,45 @@ EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 MAX_PARAMS_PER_BATCH = 100
 MAX_PARAM_LENGTH = 6000
 MAX_TAG_LENGTH = 5000
+PARENT_RUN_TAG = "mlflow.parentRunId"  # what the MLflow UI nests child runs by
+LOCKED_RETRIES = 8
+
+T = TypeVar("T")
+
+
+def is_database_locked(error: BaseException) -> bool:
+    """SQLite's "database is locked", as MLflow reports it (directly or from its logging thread)."""
+    return "database is locked" in str(error)
+
+
+def retry_when_locked(call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Call a store operation, retrying with a jittered backoff while another writer holds the
+    SQLite lock. A failed write was rolled back, so retrying it cannot duplicate anything."""
+    delay = 0.05
+    for attempt in range(1, LOCKED_RETRIES + 1):
+        try:
+            return call(*args, **kwargs)
+        except MlflowException as error:
+            if attempt == LOCKED_RETRIES or not is_database_locked(error):
+                raise
+            log.warning("MLflow store busy (database is locked), retry %d/%d in %.2f s",
+                        attempt, LOCKED_RETRIES - 1, delay)
+            time.sleep(delay * (1 + random.random()))
+            delay = min(2 * delay, 2.0)
+    raise AssertionError("unreachable")
+
+
+class RetryingClient:
+    """An MlflowClient whose every call goes through `retry_when_locked`."""
+
+    def __init__(self, tracking_uri: str):
+        self._client = MlflowClient(tracking_uri)
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self._client, name)
+        if not callable(attribute):
+            return attribute
+        return functools.partial(retry_when_locked, attribute)
 
 
 def resolve_tracking_uri(uri: str, base_dir: str | os.PathLike | None = None) -> str:
@@ -79,11 +124,11 @@ def ui_hint(tracking_uri: str, experiment_id: str) -> str:
 class TrackedRun:
     """One MLflow run in progress; metrics are sent asynchronously in batches."""
 
-    def __init__(self, client: MlflowClient, run_id: str, experiment_id: str):
+    def __init__(self, client: RetryingClient, run_id: str, experiment_id: str):
         self.client = client
         self.run_id = run_id
         self.experiment_id = experiment_id
-        self._pending: list[Any] = []
+        self._pending: list[tuple[Any, list[Metric]]] = []
 
     def log_params(self, params: Mapping[str, str]) -> None:
         items = [Param(k, str(v)[:MAX_PARAM_LENGTH]) for k, v in sorted(params.items())]
@@ -98,7 +143,7 @@ class TrackedRun:
         batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
         operation = self.client.log_batch(self.run_id, metrics=batch, synchronous=False)
         if operation is not None:
-            self._pending.append(operation)
+            self._pending.append((operation, batch))
 
     def log_text(self, text: str, artifact_file: str) -> None:
         self.client.log_text(self.run_id, text, artifact_file)
@@ -108,10 +153,16 @@ class TrackedRun:
             self.client.log_artifact(self.run_id, str(path), artifact_path)
 
     def flush(self) -> None:
-        """Wait until every asynchronously logged metric has reached the store."""
+        """Wait until every asynchronously logged metric has reached the store; a batch that met
+        a locked SQLite store is sent again, synchronously (and retried)."""
         pending, self._pending = self._pending, []
-        for operation in pending:
-            operation.wait()
+        for operation, batch in pending:
+            try:
+                operation.wait()
+            except MlflowException as error:
+                if not is_database_locked(error):
+                    raise
+                self.client.log_batch(self.run_id, metrics=batch)
 
     def end(self, status: str, error: str | None = None) -> None:
         try:
@@ -127,7 +178,7 @@ class Tracker:
 
     def __init__(self, tracking_uri: str, experiment_name: str):
         self.tracking_uri = resolve_tracking_uri(tracking_uri)
-        self.client = MlflowClient(self.tracking_uri)
+        self.client = RetryingClient(self.tracking_uri)
         try:
             self.experiment_id = self._experiment(experiment_name)
         except (MlflowException, OSError) as error:
@@ -146,15 +197,26 @@ class Tracker:
                 self.client.set_experiment_tag(experiment_id, *EXPERIMENT_KIND)
         return experiment_id
 
+    def create_run(self, run_name: str, tags: Mapping[str, str]) -> TrackedRun:
+        """A new RUNNING run; the caller must `end` it (`start_run` does)."""
+        run = self.client.create_run(
+            self.experiment_id, run_name=run_name, tags={k: str(v) for k, v in tags.items()}
+        )
+        return TrackedRun(self.client, run.info.run_id, self.experiment_id)
+
+    def record_failure(self, run_name: str, tags: Mapping[str, str], error: BaseException) -> str:
+        """A FAILED run holding only the error: for a sweep job that failed before its run
+        existed, so that the sweep's tree still shows every job."""
+        tracked = self.create_run(run_name, tags)
+        tracked.end(RunStatus.to_string(RunStatus.FAILED), f"{type(error).__name__}: {error}")
+        return tracked.run_id
+
     @contextmanager
     def start_run(
         self, run_name: str, params: Mapping[str, str], tags: Mapping[str, str]
     ) -> Iterator[TrackedRun]:
         """Create the run; end it FINISHED, FAILED (error tag) or KILLED whatever happens."""
-        run = self.client.create_run(
-            self.experiment_id, run_name=run_name, tags={k: str(v) for k, v in tags.items()}
-        )
-        tracked = TrackedRun(self.client, run.info.run_id, self.experiment_id)
+        tracked = self.create_run(run_name, tags)
         try:
             tracked.log_params(params)
             yield tracked

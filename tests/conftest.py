@@ -59,6 +59,43 @@ def run_cli(*args: str, cwd: Path, timeout: float = 600) -> subprocess.Completed
     )
 
 
+def run_in_process(*args: str) -> int:
+    """`python -m runner ARGS` through the real CLI entry and Hydra, in this process (no import
+    cost; the sweep's jobs run here too); returns the exit status."""
+    import logging
+
+    from hydra.core.global_hydra import GlobalHydra
+
+    from runner.__main__ import cli
+
+    root = logging.getLogger()
+    saved = sys.argv, root.handlers[:], root.level
+    sys.argv = ["runner", *args]
+    try:
+        cli()
+        return 0
+    except SystemExit as stop:
+        return stop.code if isinstance(stop.code, int) else 1
+    finally:
+        sys.argv, root.handlers[:], level = saved
+        root.setLevel(level)  # Hydra configured logging for its jobs: undo it for later tests
+        GlobalHydra.instance().clear()  # so that later compose() calls can initialise again
+
+
+# A sweep over the four Apex levels, small enough for a CPU: fp16 is emulated there (slow), so few
+# batches. Run once per test session, in a real subprocess; tests read its store.
+LEVELS_SWEEP = [*FAST, "data.num_train=64", "precision=o0,o1,o2,o3"]
+
+
+@pytest.fixture(scope="session")
+def levels_sweep(tmp_path_factory):
+    """(completed process, tracking URI) of `python -m runner -m precision=o0,o1,o2,o3 ...`."""
+    folder = tmp_path_factory.mktemp("levels-sweep")
+    result = run_cli("-m", *LEVELS_SWEEP, cwd=folder)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result, f"sqlite:///{folder / 'mlflow.db'}"
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu` run where CUDA is present and skip cleanly elsewhere."""
     if torch.cuda.is_available():

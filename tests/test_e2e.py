@@ -348,6 +348,7 @@ def test_cli_sweep_composes_bf16_presets(tmp_path):
     out = result.stdout
     assert out.count("opt_level: O0") == 1 and out.count("opt_level: O1") == 1
     assert out.count("opt_level: O2") == 1 and out.count("autocast_dtype: bfloat16") == 2
+    assert not (tmp_path / "mlflow.db").exists()  # a dry-run sweep creates no parent run either
 
 
 @pytest.mark.slow

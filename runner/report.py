@@ -1,0 +1,380 @@
+"""`python -m runner.report`: the precision levels of a sweep side by side, from MLflow.
+
+Reads the runs back from any MLflow store (a SQLite file or a tracking server) and writes one
+comparison table (Markdown and CSV, a row per run) and figures (PNG): grouped bars of training
+time, peak memory and best validation accuracy per level and model, and the validation accuracy
+curve of every run. Each run is compared with its model's O0 (fp32) run: speedup = O0's train time /
+the run's, memory ratio = the run's peak memory / O0's. The files are also logged as artifacts of
+the sweep's parent run (under `report/`), so they show in the MLflow UI beside the runs.
+
+    python -m runner.report                                  # the newest sweep in ./mlflow.db
+    python -m runner.report --parent <run id> --out report   # one sweep, by its parent run
+    python -m runner.report --tracking-uri http://127.0.0.1:5000 --sweep multirun/2026-01-01/10-00-00
+
+Exit status: 0 when the report was written, 1 when there is nothing to report (no such
+store, experiment, sweep or runs: the message says which), 2 for bad arguments.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime as _dt
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from runner.sweep import SWEEP_DIR_TAG
+
+EXPERIMENT = "amp-runner"
+BASELINE_LEVEL = "O0"
+ARTIFACT_DIR = "report"
+TABLE_MD, TABLE_CSV = "comparison.md", "comparison.csv"
+BARS_PNG, CURVES_PNG = "time_memory_accuracy.png", "val_acc_curves.png"
+# metric -> what the table calls it; a run lacking one is reported with "-" and a note.
+METRICS = {
+    "best_val_acc": "best val acc",
+    "train_time_s": "train time",
+    "samples_per_s": "throughput",
+    "peak_mem_mb": "peak memory",
+    "skipped_steps": "skipped steps",
+}
+
+
+class NothingToReport(Exception):
+    """No experiment, sweep or run matched: the message says what was looked for, and where."""
+
+
+def _plain(value: Any) -> Any:
+    """A config value, or its spelling as an MLflow param ("None", "True", "False")."""
+    if isinstance(value, str):
+        return {"None": None, "null": None, "True": True, "False": False}.get(value, value)
+    return value
+
+
+def describe_dtype(precision: Mapping[str, Any]) -> str:
+    """What a level computes in, from its precision properties: a config node (`cfg.precision`) or
+    a run's `precision.*` params without the prefix."""
+    get = lambda key: _plain(precision.get(key))  # noqa: E731
+    cast = get("cast_model_type")
+    if get("opt_level") == BASELINE_LEVEL:
+        return "float32"
+    if cast is None:
+        return f"float32 weights, autocast {get('autocast_dtype')}"
+    extras = [label for key, label in (("keep_batchnorm_fp32", "fp32 BatchNorm"),
+                                       ("master_weights", "fp32 master weights")) if get(key)]
+    return str(cast) + (f" ({', '.join(extras)})" if extras else "")
+
+
+@dataclass
+class Row:
+    """One run's line of the comparison."""
+
+    run_id: str
+    run_name: str
+    status: str
+    model: str
+    optimizer: str
+    level: str
+    dtype: str
+    batch_size: int | None
+    metrics: dict[str, float] = field(default_factory=dict)
+    val_acc: list[tuple[int, float]] = field(default_factory=list)  # (epoch, accuracy)
+    speedup: float | None = None
+    memory_ratio: float | None = None
+    baseline: str | None = None
+    peak_mem_kind: str = "?"
+
+    def get(self, metric: str) -> float | None:
+        value = self.metrics.get(metric)
+        return None if value is None or math.isnan(value) else value
+
+    @property
+    def missing(self) -> list[str]:
+        return [m for m in METRICS if self.get(m) is None]
+
+
+# ---- reading runs ---------------------------------------------------------------------------------
+def select_runs(client, experiment_name: str, parent_id: str | None, sweep: str | None):
+    """(parent run or None, its runs): the children of `parent_id`, of the newest sweep whose
+    parent is named `sweep` or whose folder ends with it, or of the newest sweep; in an experiment
+    without sweeps, every run of the experiment."""
+    from mlflow.exceptions import MlflowException
+
+    from runner.tracking import PARENT_RUN_TAG
+
+    experiment = client.get_experiment_by_name(experiment_name)
+    if experiment is None:
+        raise NothingToReport(f"no experiment {experiment_name!r} in {client.tracking_uri}; "
+                              "set --experiment (the runs' mlflow.experiment_name)")
+    ids = [experiment.experiment_id]
+    parent = None
+    if parent_id:
+        try:
+            parent = client.get_run(parent_id)
+        except MlflowException as error:
+            raise NothingToReport(f"no run {parent_id!r} in {client.tracking_uri}: {error.message}")
+    else:
+        sweeps = client.search_runs(ids, filter_string=f"tags.`{SWEEP_DIR_TAG}` != ''",
+                                    order_by=["attributes.start_time DESC"])
+        if sweep:
+            sweeps = [r for r in sweeps if r.info.run_name == sweep
+                      or r.data.tags[SWEEP_DIR_TAG].rstrip("/").endswith(sweep.rstrip("/"))]
+            if not sweeps:
+                raise NothingToReport(f"no sweep named {sweep!r} or in a folder ending with it in "
+                                      f"experiment {experiment_name!r} of {client.tracking_uri}")
+        parent = sweeps[0] if sweeps else None
+    if parent is None:
+        runs = [r for r in client.search_runs(ids) if PARENT_RUN_TAG not in r.data.tags]
+    else:
+        runs = client.search_runs(
+            [parent.info.experiment_id],
+            filter_string=f"tags.`{PARENT_RUN_TAG}` = '{parent.info.run_id}'")
+    if not runs:
+        where = f"sweep {parent.info.run_name!r} ({parent.info.run_id})" if parent else \
+            f"experiment {experiment_name!r}"
+        raise NothingToReport(f"no runs in {where} of {client.tracking_uri}: run a sweep first, "
+                              "e.g. python -m runner -m precision=o0,o1,o2,o3")
+    return parent, sorted(runs, key=lambda r: r.info.start_time)
+
+
+def _history(client, run_id: str, metric: str) -> list[tuple[int, float]]:
+    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, metric))
+
+
+def to_row(client, run) -> Row:
+    params = run.data.params
+    precision = {k.removeprefix("precision."): v for k, v in params.items()
+                 if k.startswith("precision.")}
+    batch = params.get("trainer.batch_size")
+    row = Row(
+        run_id=run.info.run_id,
+        run_name=run.info.run_name,
+        status=run.info.status,
+        model=params.get("model.name", "?"),
+        optimizer=params.get("optimizer.name", "?"),
+        level=params.get("precision.opt_level", "?"),
+        dtype=describe_dtype(precision) if precision else "?",
+        batch_size=int(batch) if batch and batch.isdigit() else None,
+        metrics={k: v for k, v in run.data.metrics.items() if k in METRICS},
+        val_acc=_history(client, run.info.run_id, "val_acc"),
+        peak_mem_kind=run.data.tags.get("peak_mem_kind", "?"),
+    )
+    # Throughput: the mean over the epochs after the first (which includes warm-up) when there are.
+    throughput = [v for _, v in _history(client, run.info.run_id, "samples_per_s")]
+    if len(throughput) > 1:
+        row.metrics["samples_per_s"] = sum(throughput[1:]) / len(throughput[1:])
+    return row
+
+
+def add_baseline_ratios(rows: Sequence[Row]) -> None:
+    """Speedup and memory ratio against the same model's O0 run (one with the same optimizer and
+    batch size when there is one, else the first)."""
+    for row in rows:
+        candidates = [b for b in rows if b.model == row.model and b.level == BASELINE_LEVEL
+                      and b.get("train_time_s") is not None]
+        if not candidates:
+            continue
+        base = min(candidates, key=lambda b: (b.optimizer != row.optimizer,
+                                              b.batch_size != row.batch_size))
+        row.baseline = base.run_name
+        time, base_time = row.get("train_time_s"), base.get("train_time_s")
+        if time and base_time:
+            row.speedup = base_time / time
+        memory, base_memory = row.get("peak_mem_mb"), base.get("peak_mem_mb")
+        if memory is not None and base_memory:
+            row.memory_ratio = memory / base_memory
+
+
+# ---- writing --------------------------------------------------------------------------------------
+COLUMNS = ["run", "model", "level", "dtype", "optimizer", "batch size", "status",
+           "best val acc (%)", "train time (s)", "throughput (samples/s)", "peak memory (MB)",
+           "skipped steps", "speedup vs O0", "memory vs O0"]
+
+
+def _fmt(value: float | None, spec: str, scale: float = 1.0) -> str:
+    return "-" if value is None else format(value * scale, spec)
+
+
+def table_cells(row: Row) -> list[str]:
+    return [row.run_name, row.model, row.level, row.dtype, row.optimizer,
+            "-" if row.batch_size is None else str(row.batch_size), row.status,
+            _fmt(row.get("best_val_acc"), ".2f", 100), _fmt(row.get("train_time_s"), ".1f"),
+            _fmt(row.get("samples_per_s"), ".0f"), _fmt(row.get("peak_mem_mb"), ".0f"),
+            _fmt(row.get("skipped_steps"), ".0f"), _fmt(row.speedup, ".2f"),
+            _fmt(row.memory_ratio, ".2f")]
+
+
+def render_markdown(rows: Sequence[Row], title: str, source: str) -> str:
+    lines = [f"# {title}", "", source, "",
+             "| " + " | ".join(COLUMNS) + " |",
+             "|" + "---|" * 7 + "---:|" * (len(COLUMNS) - 7)]
+    lines += ["| " + " | ".join(table_cells(r)) + " |" for r in rows]
+    lines += ["", "Speedup: the model's O0 train time / the run's (above 1 is faster); memory: the "
+              "run's peak memory / O0's (below 1 is less). Throughput is the mean over the epochs "
+              "after the first. Train time covers all epochs, validation included. Peak memory: "
+              + ", ".join(sorted({r.peak_mem_kind for r in rows})) + " (the runs' `peak_mem_kind`:"
+              " CUDA's max allocated memory, or on a CPU the process's resident-memory growth).",
+              ""]
+    missing = [r for r in rows if r.missing]
+    if missing:
+        lines += ["Runs lacking metrics (shown as -):", ""]
+        lines += [f"- {r.run_name} ({r.status}): no {', '.join(r.missing)}" for r in missing]
+        lines.append("")
+    if not any(r.baseline for r in rows):
+        lines += ["No finished O0 run to compare with: speedup and memory ratio are empty.", ""]
+    lines += [f"![time, memory and accuracy per level]({BARS_PNG})", "",
+              f"![validation accuracy per epoch]({CURVES_PNG})", ""]
+    return "\n".join(lines)
+
+
+def write_csv(rows: Sequence[Row], path: Path) -> None:
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["run_id", "run_name", "model", "level", "dtype", "optimizer",
+                         "batch_size", "status", *METRICS, "speedup_vs_o0", "memory_vs_o0",
+                         "baseline_run"])
+        for r in rows:
+            writer.writerow([r.run_id, r.run_name, r.model, r.level, r.dtype, r.optimizer,
+                             r.batch_size, r.status, *(r.get(m) for m in METRICS), r.speedup,
+                             r.memory_ratio, r.baseline])
+
+
+def bar_labels(rows: Sequence[Row]) -> list[str]:
+    """Each run's label within its model: the level, plus whatever else varies (dtype, batch size,
+    optimizer), so that two bars never share a label."""
+    varies = {key: len({getattr(r, key) for r in rows}) > 1 for key in ("optimizer", "batch_size")}
+    labels = []
+    for r in rows:
+        label = r.level + (" bf16" if "bfloat16" in r.dtype else "")
+        if varies["optimizer"]:
+            label += f" {r.optimizer}"
+        if varies["batch_size"]:
+            label += f" b{r.batch_size}"
+        labels.append(label)
+    return labels
+
+
+def plot_bars(rows: Sequence[Row], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r.model for r in rows))
+    labels = bar_labels(rows)
+    series = list(dict.fromkeys(labels))
+    panels = [("train_time_s", "train time (s)", 1.0), ("peak_mem_mb", "peak memory (MB)", 1.0),
+              ("best_val_acc", "best val accuracy (%)", 100.0)]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    width = 0.8 / max(1, len(series))
+    for ax, (metric, title, scale) in zip(axes, panels):
+        for i, name in enumerate(series):
+            values = []
+            for model in models:
+                match = [r for r, lbl in zip(rows, labels) if r.model == model and lbl == name]
+                value = match[0].get(metric) if match else None
+                values.append(math.nan if value is None else value * scale)
+            positions = [m + (i - (len(series) - 1) / 2) * width for m in range(len(models))]
+            ax.bar(positions, values, width, label=name)
+        ax.set_xticks(range(len(models)), models)
+        ax.set_title(title)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(title="level", fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_curves(rows: Sequence[Row], path: Path) -> None:
+    import matplotlib
+    import matplotlib.ticker
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for r in rows:
+        if r.val_acc:
+            epochs, accs = zip(*r.val_acc)
+            ax.plot(epochs, [100 * a for a in accs], marker="o", label=f"{r.run_name} ({r.status})"
+                    if r.status != "FINISHED" else r.run_name)
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("validation accuracy (%)")
+    ax.set_title("Validation accuracy per run")
+    ax.grid(alpha=0.3)
+    if ax.lines:
+        ax.legend(fontsize="small")
+    else:
+        ax.text(0.5, 0.5, "no run logged val_acc", ha="center", va="center",
+                transform=ax.transAxes)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# ---- entry point ----------------------------------------------------------------------------------
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m runner.report",
+        description="Compare the runs of a sweep (precision levels, models, batch sizes) from "
+        "MLflow: a Markdown and CSV table and PNG figures, also logged on the sweep's parent run.")
+    parser.add_argument("--tracking-uri", default="sqlite:///mlflow.db",
+                        help="MLflow store or server (default: sqlite:///mlflow.db, the runner's "
+                        "default, relative to this directory)")
+    parser.add_argument("--experiment", default=EXPERIMENT,
+                        help=f"MLflow experiment name (default: {EXPERIMENT})")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--parent", metavar="RUN_ID",
+                       help="the sweep's parent run id (printed at the end of the sweep)")
+    which.add_argument("--sweep", metavar="NAME_OR_DIR",
+                       help="the sweep's parent run name, or its folder (multirun/<date>/<time>)")
+    parser.add_argument("--out", type=Path, default=Path("report"),
+                        help="folder for the table and figures (default: ./report)")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    from runner.tracking import RetryingClient, resolve_tracking_uri, ui_hint
+
+    uri = resolve_tracking_uri(args.tracking_uri)
+    try:
+        if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).is_file():
+            raise NothingToReport(f"no MLflow store at {uri} (opening it would create an empty "
+                                  "one); set --tracking-uri to the runs' mlflow.tracking_uri")
+        client = RetryingClient(uri)
+        parent, runs = select_runs(client, args.experiment, args.parent, args.sweep)
+    except NothingToReport as reason:
+        print(f"Nothing to report: {reason}", file=sys.stderr)
+        return 1
+    rows = [to_row(client, run) for run in runs]
+    add_baseline_ratios(rows)
+
+    title = f"Precision comparison: {parent.info.run_name}" if parent else \
+        f"Precision comparison: experiment {args.experiment}"
+    source = (f"{len(rows)} runs from `{uri}`, experiment `{args.experiment}`"
+              + (f", parent run `{parent.info.run_id}`" if parent else "")
+              + f"; written {_dt.datetime.now().isoformat(timespec='seconds')}.")
+    markdown = render_markdown(rows, title, source)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / TABLE_MD).write_text(markdown)
+    write_csv(rows, args.out / TABLE_CSV)
+    plot_bars(rows, args.out / BARS_PNG)
+    plot_curves(rows, args.out / CURVES_PNG)
+
+    print(markdown)
+    print(f"Wrote {', '.join(str(args.out / n) for n in (TABLE_MD, TABLE_CSV, BARS_PNG, CURVES_PNG))}")
+    if parent is not None:
+        client.log_artifacts(parent.info.run_id, str(args.out), ARTIFACT_DIR)
+        print(f"Logged them on the sweep's parent run {parent.info.run_id} (artifacts/{ARTIFACT_DIR}). "
+              + ui_hint(uri, parent.info.experiment_id))
+    else:
+        print("No sweep parent run: the files were not logged to MLflow.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

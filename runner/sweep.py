@@ -1,0 +1,334 @@
+"""Hydra multirun -> one MLflow parent run, with every job of the sweep as its child run.
+
+Hydra calls `MlflowSweepCallback` (registered under `hydra.callbacks` in conf/config.yaml) in the
+launching process when a sweep starts and ends, and in the job's own process around each job; the
+joblib launcher pickles the callback, parent run id included, into its worker processes.
+
+- Sweep start: every job's config is checked (basic sweeper), then the store, the experiment and
+  the parent run are created, all before the first job, so a bad value stops the sweep at once and
+  parallel jobs never race to create the SQLite schema.
+- Each job: a child run (tagged `mlflow.parentRunId`, which the MLflow UI nests by). A failing job
+  is recorded FAILED and returns NaN instead of raising, because Hydra 1.3's basic sweeper re-raises
+  the first failure, stops the sweep and skips the end-of-sweep callback.
+- Sweep end: the parent ends FINISHED with the number of failed children; the process exits 1 if
+  any job failed. Ctrl-C or a crash of the sweep machinery ends the parent KILLED or FAILED
+  (`close_open_parent`, called by the CLI).
+
+Only light imports at module level: Hydra instantiates this callback for single runs too.
+"""
+from __future__ import annotations
+
+import fcntl
+import gc
+import logging
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, Sequence
+
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from runner.errors import ConfigError, RunnerError
+
+log = logging.getLogger(__name__)
+
+SWEEP_DIR_TAG = "sweep.dir"
+SWEEP_OVERRIDES_TAG = "sweep.overrides"
+SWEEP_LAUNCHER_TAG = "sweep.launcher"
+FAILED_JOBS_TAG = "sweep.failed_jobs"
+JOB_NUM_TAG = "sweep.job_num"
+BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
+JOBLIB_LAUNCHER = "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher"
+MAX_RUN_NAME = 200
+
+
+@dataclass(frozen=True)
+class SweepParent:
+    """What a job needs to become a child run: where the parent lives and its id."""
+
+    tracking_uri: str
+    experiment_name: str
+    experiment_id: str
+    run_id: str
+
+
+_job_parent: SweepParent | None = None  # set around each job, in the job's own process
+_open_parent: Any = None  # the launching process's RUNNING parent (a TrackedRun), until it ends
+
+
+def current_parent() -> SweepParent | None:
+    """The parent run of the job running in this process; None outside a sweep (or a dry run)."""
+    return _job_parent
+
+
+# ---- the jobs of a sweep -------------------------------------------------------------------------
+def sweep_jobs(config: DictConfig) -> list[list[str]] | None:
+    """Every job's overrides, expanded as Hydra's basic sweeper will (`hydra.sweeper.params`, then
+    the command line); None for another sweeper (Optuna, ...), whose jobs are known only later."""
+    if OmegaConf.select(config, "hydra.sweeper._target_") != BASIC_SWEEPER:
+        return None
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+
+    params = OmegaConf.select(config, "hydra.sweeper.params") or {}
+    arguments = [f"{key}={value}" for key, value in params.items()]
+    arguments += list(config.hydra.overrides.task)
+    parsed = OverridesParser.create().parse_overrides(arguments)
+    return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+
+
+def sweep_overrides(config: DictConfig) -> list[str]:
+    """The overrides that make this a sweep (`precision=o0,o1`, `+experiment=...`), for naming."""
+    arguments = list(config.hydra.overrides.task)
+    parsed = OverridesParser.create().parse_overrides(arguments)
+    return [text for text, o in zip(arguments, parsed)
+            if o.is_sweep_override() or o.get_key_element().lstrip("+~") == "experiment"]
+
+
+def preflight(config: DictConfig, config_name: str | None, tracking_uri: str) -> int | None:
+    """Check every job's config before any job runs (ConfigError names the job and the key);
+    returns the number of jobs, or None when the sweeper decides them as it goes."""
+    from hydra import compose
+
+    from runner.app import check_config
+
+    jobs = sweep_jobs(config)
+    if jobs is None:
+        return None
+    for number, overrides in enumerate(jobs):
+        try:
+            cfg = compose(config_name=config_name, overrides=overrides)
+        except (HydraException, OmegaConfBaseException) as error:  # a typo'd key or option
+            cause = f"\n{error.__cause__}" if error.__cause__ else ""
+            raise RunnerError(f"sweep job #{number} ({' '.join(overrides)}): {error}{cause}") \
+                from error
+        try:
+            check_config(cfg, overrides)
+            same_store(cfg, tracking_uri, config.mlflow.experiment_name)
+        except ConfigError as error:
+            raise ConfigError(
+                error.key, f"{error.problem} (in sweep job #{number}: {' '.join(overrides)})",
+                error.allowed) from error
+    return len(jobs)
+
+
+def same_store(cfg: DictConfig, tracking_uri: str, experiment_name: str) -> None:
+    """A child run must live beside its parent: the store and experiment cannot vary in a sweep."""
+    from runner.tracking import resolve_tracking_uri
+
+    if resolve_tracking_uri(cfg.mlflow.tracking_uri) != tracking_uri:
+        raise ConfigError("mlflow.tracking_uri", f"a sweep's jobs log to their parent run's store "
+                          f"{tracking_uri!r}, got {cfg.mlflow.tracking_uri!r}; it cannot be swept",
+                          "one value for the whole sweep")
+    if cfg.mlflow.experiment_name != experiment_name:
+        raise ConfigError("mlflow.experiment_name", f"a sweep's jobs log to their parent run's "
+                          f"experiment {experiment_name!r}, got {cfg.mlflow.experiment_name!r}; it "
+                          "cannot be swept", "one value for the whole sweep")
+
+
+def run_job(cfg: DictConfig, parent: SweepParent, *, overrides: Sequence[str], output_dir: str,
+            job_num: int) -> float:
+    """One sweep job as a child run. A failure is logged, recorded as a FAILED child (also when it
+    happened before the run existed) and returned as NaN, so the sweep goes on; an optimising
+    sweeper (Optuna) takes NaN as a failed trial."""
+    from runner.app import default_run_name, run
+    from runner.tracking import PARENT_RUN_TAG, Tracker
+
+    tags = {PARENT_RUN_TAG: parent.run_id, JOB_NUM_TAG: str(job_num)}
+    try:
+        same_store(cfg, parent.tracking_uri, parent.experiment_name)
+        best = run(cfg, overrides=overrides, output_dir=output_dir, extra_tags=tags)
+        return math.nan if best is None else best
+    except Exception as error:  # noqa: BLE001  (recorded and counted; the sweep goes on)
+        if isinstance(error, RunnerError):
+            log.error("Sweep job #%d failed: %s", job_num, error)
+        else:
+            log.exception("Sweep job #%d failed", job_num)
+        try:
+            tracker = Tracker(parent.tracking_uri, parent.experiment_name)
+            if not tracker.client.search_runs(
+                [parent.experiment_id],
+                filter_string=f"tags.`{PARENT_RUN_TAG}` = '{parent.run_id}' "
+                              f"and tags.`{JOB_NUM_TAG}` = '{job_num}'",
+            ):
+                tracker.record_failure(default_run_name(cfg), tags, error)
+        except Exception:  # noqa: BLE001  (the store itself is failing: the log says so)
+            log.exception("Could not record sweep job #%d's failure in MLflow", job_num)
+        return math.nan
+
+
+# ---- one GPU per job with the joblib launcher ------------------------------------------------------
+def claim_gpu(lock_dir: Path, count: int) -> tuple[int, IO[str]] | None:
+    """The first GPU index no other job of this sweep holds (an exclusive lock file per GPU in the
+    sweep folder, released when the handle is closed); None when all are taken."""
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    for index in range(count):
+        handle = open(lock_dir / f".gpu{index}.lock", "w")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            continue
+        return index, handle
+    return None
+
+
+def gpu_count() -> int:
+    import torch  # here, not at import: single runs load this module too
+
+    return torch.cuda.device_count()
+
+
+def parallel_jobs() -> int:
+    """`hydra/launcher=parallel`'s n_jobs: one job per GPU, one at a time without a GPU, so that
+    no job's timings and peak memory are spoiled by a neighbour on the same device."""
+    return max(1, gpu_count())
+
+
+OmegaConf.register_new_resolver("runner.parallel_jobs", parallel_jobs, replace=True)
+
+
+# ---- the callback ---------------------------------------------------------------------------------
+class MlflowSweepCallback(Callback):
+    """Makes a Hydra multirun one MLflow parent run with a child run per job."""
+
+    def __init__(self) -> None:
+        self.parent: SweepParent | None = None
+        self._gpu: tuple[int, IO[str]] | None = None
+
+    # launching process
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        global _open_parent
+        if config.dry_run:
+            return  # a dry run creates no run, in a sweep too
+        import runner
+        from runner.tracking import Tracker, resolve_tracking_uri
+
+        try:
+            tracking_uri = resolve_tracking_uri(config.mlflow.tracking_uri)
+            jobs = preflight(config, kwargs.get("config_name"), tracking_uri)
+            tracker = Tracker(config.mlflow.tracking_uri, config.mlflow.experiment_name)
+        except RunnerError as error:
+            log.error("%s", error)
+            raise SystemExit(2) from error
+        launcher = str(OmegaConf.select(config, "hydra.launcher._target_") or "")
+        self._warn_shared_device(config, launcher)
+        name = config.mlflow.sweep_name or " ".join(["sweep", *sweep_overrides(config)])
+        tags = {
+            SWEEP_DIR_TAG: str(Path(config.hydra.sweep.dir).resolve()),
+            SWEEP_OVERRIDES_TAG: " ".join(config.hydra.overrides.task),
+            SWEEP_LAUNCHER_TAG: launcher.rsplit(".", 1)[-1],
+            "runner_version": runner.__version__,
+            "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+            **{str(k): str(v) for k, v in config.mlflow.tags.items()},
+        }
+        _open_parent = tracker.create_run(name[:MAX_RUN_NAME], tags)
+        self.parent = SweepParent(tracker.tracking_uri, config.mlflow.experiment_name,
+                                  tracker.experiment_id, _open_parent.run_id)
+        count = "" if jobs is None else f" of {jobs} jobs"
+        log.info("Sweep%s: MLflow parent run %r (%s) in %s", count, name, self.parent.run_id,
+                 tracker.tracking_uri)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        global _open_parent
+        if self.parent is None or _open_parent is None:
+            return
+        from mlflow.entities import RunStatus
+
+        from runner.tracking import PARENT_RUN_TAG, Tracker
+
+        tracker = Tracker(self.parent.tracking_uri, self.parent.experiment_name)
+        children = tracker.client.search_runs(
+            [self.parent.experiment_id],
+            filter_string=f"tags.`{PARENT_RUN_TAG}` = '{self.parent.run_id}'",
+        )
+        failed = [c for c in children if c.info.status != "FINISHED"]
+        parent, _open_parent = _open_parent, None
+        parent.log_metrics({"jobs": len(children), "failed_jobs": len(failed)}, 0)
+        parent.set_tag(FAILED_JOBS_TAG, "; ".join(
+            f"{c.info.run_name} ({c.info.status})" for c in failed) or "none")
+        parent.end(RunStatus.to_string(RunStatus.FINISHED))
+        failures = f", {len(failed)} failed: " + ", ".join(c.info.run_name for c in failed) \
+            if failed else ", none failed"
+        log.info(
+            "Sweep finished: %d jobs%s.\nCompare them:  python -m runner.report --tracking-uri %s "
+            "--experiment %s --parent %s\n%s", len(children), failures, tracker.tracking_uri,
+            self.parent.experiment_name, self.parent.run_id, tracker.hint())
+        if failed:
+            raise SystemExit(1)  # Hydra swallows a callback's exceptions, not SystemExit
+
+    # each job's process
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        global _job_parent
+        if self.parent is None:
+            return  # a single run, or a dry-run sweep
+        _end_fluent_runs()
+        gc.collect()  # the previous in-process job's model and optimizer
+        count = gpu_count()
+        if count > 1:  # one job per GPU: take a free one for this job
+            self._gpu = claim_gpu(Path(config.hydra.sweep.dir), count)
+            if self._gpu is None:
+                log.warning("More parallel jobs than GPUs: this job shares GPU 0, so its timings "
+                            "and memory figures are not comparable; set hydra.launcher.n_jobs=%d",
+                            count)
+            else:
+                import torch
+
+                torch.cuda.set_device(self._gpu[0])
+        _job_parent = self.parent
+
+    def on_job_end(self, config: DictConfig, job_return: Any = None, **kwargs: Any) -> None:
+        global _job_parent
+        if self.parent is None:
+            return
+        _job_parent = None
+        _end_fluent_runs()
+        if self._gpu is not None:
+            self._gpu[1].close()
+            self._gpu = None
+        if "torch" in sys.modules:
+            import torch
+
+            if torch.cuda.is_initialized():
+                torch.cuda.empty_cache()
+
+    @staticmethod
+    def _warn_shared_device(config: DictConfig, launcher: str) -> None:
+        """Parallel jobs on one device spoil each other's timings and memory figures."""
+        if launcher != JOBLIB_LAUNCHER:
+            return
+        n_jobs = OmegaConf.select(config, "hydra.launcher.n_jobs")
+        devices = max(1, gpu_count())
+        if n_jobs is not None and (n_jobs < 0 or n_jobs > devices):
+            log.warning(
+                "hydra.launcher.n_jobs=%s runs more jobs at once than there are devices (%d): "
+                "their timings and peak memory are not comparable. hydra/launcher=parallel runs "
+                "one job per GPU (one at a time on a CPU).", n_jobs, devices)
+
+
+def _end_fluent_runs() -> None:
+    """A job that left an MLflow fluent run active must not leak it into the next job."""
+    if "mlflow" not in sys.modules:
+        return
+    import mlflow
+
+    while mlflow.active_run() is not None:
+        mlflow.end_run()
+
+
+def close_open_parent(status: str, reason: str) -> None:
+    """End a sweep's parent that is still RUNNING because the sweep stopped early (Ctrl-C, a crash
+    of the launcher): KILLED or FAILED, with the reason as its `error` tag."""
+    global _open_parent, _job_parent
+    parent, _open_parent = _open_parent, None
+    _job_parent = None  # the interrupted in-process job never reached on_job_end
+    if parent is None:
+        return
+    try:
+        parent.end(status, reason)
+    except Exception:  # noqa: BLE001  (exiting anyway; say so)
+        log.exception("Could not end the sweep's parent run %s", parent.run_id)

@@ -1,0 +1,69 @@
+"""The experiment configs: each is documented, dry-runs every job it promises, and trains at its
+own shape (a real fixed-budget run on synthetic data of the same shape; the full runs need a GPU
+and the real datasets)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from runner import app
+from runner.paths import config_dir
+from tests.conftest import REPO, compose_config, run_in_process
+
+EXPERIMENTS = {"cpu_demo": 8, "cifar10_opt_levels": 16, "vgg16_batch_sizes": 15}  # jobs each
+
+
+def test_every_experiment_states_its_command_and_needs():
+    folder = config_dir() / "experiment"
+    assert sorted(p.stem for p in folder.glob("*.yaml")) == sorted(EXPERIMENTS)
+    readme = (REPO / "README.md").read_text() + (folder / "README.md").read_text()
+    for name in EXPERIMENTS:
+        text = (folder / f"{name}.yaml").read_text()
+        assert text.startswith("# @package _global_")
+        assert f"python -m runner -m +experiment={name}" in text
+        assert "python -m runner.report --experiment" in text
+        assert "What the full run needs" in text or "What it needs" in text
+        assert f"`{name}`" in readme or f"`{name}.yaml`" in readme
+
+
+@pytest.mark.parametrize("name,jobs", EXPERIMENTS.items())
+def test_dry_run_resolves_every_job_of_the_sweep(name, jobs, capsys, tmp_path):
+    assert run_in_process("-m", f"+experiment={name}", "dry_run=true", "trainer.device=cpu") == 0
+    out = capsys.readouterr().out
+    assert out.count("  opt_level: O") == jobs  # one resolved config per job
+    assert f"name: {name}" in out  # the experiment's own settings
+    assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_cifar10_comparison_uses_the_published_batch_sizes_and_epochs():
+    for level, batch, epochs in [("o0", 512, 25), ("o1", 1024, 50), ("o2", 1024, 50),
+                                 ("o3", 1024, 50)]:
+        cfg = compose_config("+experiment=cifar10_opt_levels", f"precision={level}")
+        assert (cfg.trainer.batch_size, cfg.trainer.max_epochs) == (batch, epochs), level
+        assert cfg.data.name == "cifar10" and cfg.mlflow.experiment_name == "cifar10-opt-levels"
+    # Adam's eps must survive O3's fp16 optimizer state (1e-8 is 0 there; the runner refuses it)
+    cfg = compose_config("+experiment=cifar10_opt_levels", "+experiment/cifar10_optimizer=adam",
+                         "precision=o3")
+    assert cfg.optimizer.name == "adam" and cfg.optimizer.eps == 1e-4
+    app.check_config(cfg)
+
+
+@pytest.mark.parametrize("name,overrides", [
+    ("cifar10_opt_levels", ["model=densenet161", "+experiment/cifar10_optimizer=adam",
+                            "precision=o0"]),
+    ("cifar10_opt_levels", ["model=resnext50_32x4d", "+experiment/cifar10_optimizer=sgd",
+                            "precision=o2_bf16"]),
+    ("vgg16_batch_sizes", ["precision=o1_bf16"]),
+    ("cpu_demo", ["model=resnet18", "precision=o3_bf16"]),
+])
+def test_experiment_trains_on_synthetic_data_of_its_shape(name, overrides, tracking_uri):
+    budget = ["data=synthetic", "data.num_train=8", "data.num_val=4", "trainer.batch_size=4",
+              "trainer.max_epochs=1", "trainer.limit_train_batches=1", "trainer.num_workers=0",
+              "trainer.progress_bar=false", "trainer.device=cpu"]
+    cfg = compose_config(f"+experiment={name}", *overrides, *budget,
+                         f"mlflow.tracking_uri={tracking_uri}")
+    expected = {"cpu_demo": 16}.get(name, 32)  # CIFAR-shaped: 32x32, 10 classes
+    assert cfg.data.image_size == expected and cfg.data.num_classes == 10
+    best = app.run(cfg, overrides=overrides)
+    assert math.isfinite(best)

@@ -1,0 +1,213 @@
+"""`python -m runner.report` on real MLflow stores: the O0-O3 sweep's SQLite store (made once per
+session by a real multirun), the same runs served by a real `mlflow server` on localhost through
+its REST API, and small stores written with the runner's Tracker for the edge cases."""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from runner import report
+from runner.sweep import SWEEP_DIR_TAG
+from runner.tracking import PARENT_RUN_TAG, Tracker
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+REPORT_FILES = {"comparison.md", "comparison.csv", "time_memory_accuracy.png",
+                "val_acc_curves.png"}
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def sweep_parent(uri: str):
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("amp-runner")
+    parents = client.search_runs([exp.experiment_id], filter_string=f"tags.`{SWEEP_DIR_TAG}` != ''")
+    assert len(parents) == 1
+    return client, parents[0]
+
+
+def assert_png(path: Path, width: int, height: int) -> None:
+    import matplotlib.image
+
+    assert path.read_bytes()[:8] == PNG_SIGNATURE
+    pixels = matplotlib.image.imread(path)
+    assert pixels.shape[:2] == (height, width)
+    assert pixels.std() > 0.05  # something was drawn, not a blank canvas
+
+
+# ---- the level sweep ------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_report_compares_the_levels_and_logs_itself_on_the_parent(levels_sweep, tmp_path, capsys):
+    _, uri = levels_sweep
+    out = tmp_path / "report"
+    assert report.main(["--tracking-uri", uri, "--out", str(out)]) == 0
+    assert {p.name for p in out.iterdir()} == REPORT_FILES
+
+    client, parent = sweep_parent(uri)
+    rows = read_csv(out / "comparison.csv")
+    assert [(r["model"], r["level"], r["status"]) for r in rows] == [
+        ("tiny", level, "FINISHED") for level in ("O0", "O1", "O2", "O3")]
+    assert [r["dtype"] for r in rows] == [
+        "float32", "float32 weights, autocast float16",
+        "float16 (fp32 BatchNorm, fp32 master weights)", "float16"]
+    runs = {r["level"]: client.get_run(r["run_id"]) for r in rows}
+    assert all(run.data.tags[PARENT_RUN_TAG] == parent.info.run_id for run in runs.values())
+    o0_time = runs["O0"].data.metrics["train_time_s"]
+    o0_memory = runs["O0"].data.metrics["peak_mem_mb"]
+    for row in rows:
+        metrics = runs[row["level"]].data.metrics
+        assert float(row["best_val_acc"]) == pytest.approx(metrics["best_val_acc"])
+        assert float(row["train_time_s"]) == pytest.approx(metrics["train_time_s"])
+        assert float(row["peak_mem_mb"]) == pytest.approx(metrics["peak_mem_mb"])
+        assert float(row["skipped_steps"]) == metrics["skipped_steps"]
+        assert row["batch_size"] == "32" and row["baseline_run"] == "tiny-O0"
+        assert float(row["speedup_vs_o0"]) == pytest.approx(o0_time / metrics["train_time_s"])
+        if o0_memory > 0:
+            assert float(row["memory_vs_o0"]) == pytest.approx(metrics["peak_mem_mb"] / o0_memory)
+    # throughput: the mean over the epochs after the first (epoch 2 of 2 here)
+    history = client.get_metric_history(runs["O1"].info.run_id, "samples_per_s")
+    assert float(rows[1]["samples_per_s"]) == pytest.approx(
+        next(m.value for m in history if m.step == 2))
+
+    markdown = (out / "comparison.md").read_text()
+    assert markdown.startswith("# Precision comparison: sweep precision=o0,o1,o2,o3")
+    table = [line for line in markdown.splitlines() if line.startswith("| tiny-O")]
+    assert len(table) == 4
+    assert table[0].strip("| ").split(" | ")[-2] == "1.00"  # O0's speedup against itself
+    assert "speedup vs O0" in markdown and "Runs lacking metrics" not in markdown
+    assert_png(out / "time_memory_accuracy.png", 1500, 450)
+    assert_png(out / "val_acc_curves.png", 800, 500)
+
+    logged = {a.path for a in client.list_artifacts(parent.info.run_id, "report")}
+    assert logged == {f"report/{name}" for name in REPORT_FILES}
+    assert f"Logged them on the sweep's parent run {parent.info.run_id}" in capsys.readouterr().out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rest(base: str, endpoint: str, payload: dict | None = None) -> dict:
+    data = None if payload is None else json.dumps(payload).encode()
+    request = urllib.request.Request(f"{base}/api/2.0/mlflow/{endpoint}", data=data,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.loads(response.read())
+
+
+@pytest.mark.slow
+def test_a_tracking_server_serves_the_sweep_tree(levels_sweep, tmp_path):
+    """What the MLflow UI reads: a real `mlflow server` on the sweep's store, over REST."""
+    _, uri = levels_sweep
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    log = (tmp_path / "server.log").open("w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri,
+         "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+        cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=2):
+                    break
+            except (urllib.error.URLError, ConnectionError):
+                assert time.monotonic() < deadline, "mlflow server did not start in 120 s"
+                time.sleep(0.5)
+
+        experiment = rest(base, "experiments/get-by-name?experiment_name=amp-runner")["experiment"]
+        ids = [experiment["experiment_id"]]
+        tags = {t["key"]: t["value"] for t in experiment["tags"]}
+        assert tags["mlflow.experimentKind"] == "custom_model_development"  # the runs page
+        parents = rest(base, "runs/search", {
+            "experiment_ids": ids, "filter": f"tags.`{SWEEP_DIR_TAG}` != ''"})["runs"]
+        assert len(parents) == 1
+        parent_id = parents[0]["info"]["run_id"]
+        children = rest(base, "runs/search", {
+            "experiment_ids": ids, "filter": f"tags.`{PARENT_RUN_TAG}` = '{parent_id}'"})["runs"]
+        assert sorted(c["info"]["run_name"] for c in children) == [
+            "tiny-O0", "tiny-O1", "tiny-O2", "tiny-O3"]
+        for child in children:
+            assert child["info"]["status"] == "FINISHED"
+            metrics = {m["key"]: m["value"] for m in child["data"]["metrics"]}
+            assert 0 <= metrics["best_val_acc"] <= 1 and metrics["train_time_s"] > 0
+            assert math.isfinite(metrics["samples_per_s"]) and "peak_mem_mb" in metrics
+        parent_metrics = {m["key"]: m["value"] for m in parents[0]["data"]["metrics"]}
+        assert parent_metrics == {"jobs": 4.0, "failed_jobs": 0.0}
+
+        # the report reads the same runs through the server
+        out = tmp_path / "via-server"
+        assert report.main(["--tracking-uri", base, "--parent", parent_id, "--out", str(out)]) == 0
+        assert [r["level"] for r in read_csv(out / "comparison.csv")] == ["O0", "O1", "O2", "O3"]
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        log.close()
+
+
+# ---- edge cases, on small stores written with the runner's Tracker ------------------------------
+def test_runs_lacking_metrics_are_reported_not_fatal(tracking_uri, tmp_path, capsys):
+    tracker = Tracker(tracking_uri, "amp-runner")
+    parent = tracker.create_run("sweep precision=o0,o3", {SWEEP_DIR_TAG: str(tmp_path)})
+    child_tags = {PARENT_RUN_TAG: parent.run_id}
+    params = {"model.name": "tiny", "optimizer.name": "sgd", "trainer.batch_size": "32",
+              "precision.opt_level": "O0", "precision.cast_model_type": "float32"}
+    with tracker.start_run("tiny-O0", params, child_tags) as run:
+        for epoch, acc in [(1, 0.5), (2, 0.7)]:
+            run.log_metrics({"val_acc": acc, "samples_per_s": 100.0 * epoch,
+                             "peak_mem_mb": 50.0, "skipped_steps": 0.0}, epoch)
+        run.log_metrics({"best_val_acc": 0.7, "train_time_s": 10.0}, 2)
+    tracker.record_failure("tiny-O3", child_tags, RuntimeError("diverged"))
+    parent.end("FINISHED")
+
+    out = tmp_path / "report"
+    assert report.main(["--tracking-uri", tracking_uri, "--out", str(out)]) == 0
+    rows = {r["run_name"]: r for r in read_csv(out / "comparison.csv")}
+    assert rows["tiny-O0"]["samples_per_s"] == "200.0" and rows["tiny-O0"]["speedup_vs_o0"] == "1.0"
+    assert rows["tiny-O3"]["status"] == "FAILED" and rows["tiny-O3"]["best_val_acc"] == ""
+    assert rows["tiny-O3"]["level"] == "?"  # it failed before any param was logged
+    markdown = (out / "comparison.md").read_text()
+    assert ("- tiny-O3 (FAILED): no best_val_acc, train_time_s, samples_per_s, peak_mem_mb, "
+            "skipped_steps") in markdown
+    assert {p.name for p in out.iterdir()} == REPORT_FILES
+
+
+def test_a_missing_store_is_not_created(tmp_path, capsys):
+    assert report.main(["--out", str(tmp_path / "r")]) == 1  # ./mlflow.db, the default
+    assert "no MLflow store at sqlite:///" in capsys.readouterr().err
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--experiment", "nope"], "no experiment 'nope'"),
+    ([], "no runs in experiment 'amp-runner'"),
+    (["--parent", "0123456789abcdef"], "no run '0123456789abcdef'"),
+    (["--sweep", "multirun/never"], "no sweep named 'multirun/never'"),
+])
+def test_nothing_to_report_says_why(args, needle, tracking_uri, tmp_path, capsys):
+    Tracker(tracking_uri, "amp-runner")  # an empty experiment
+    assert report.main(["--tracking-uri", tracking_uri, "--out", str(tmp_path / "r"), *args]) == 1
+    err = capsys.readouterr().err
+    assert "Nothing to report: " in err and needle in err and "Traceback" not in err
+    assert not (tmp_path / "r").exists()
