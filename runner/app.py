@@ -10,7 +10,6 @@ import logging
 import os
 import platform
 import random
-import re
 import sys
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -24,7 +23,7 @@ from runner.errors import ConfigError
 from runner.paths import config_dir
 from runner.precision import AmpEngine, Resolution, resolve
 from runner.precision.checks import DeviceInfo, tensor_core_findings
-from runner.precision.properties import parse_opt_level
+from runner.precision.properties import level_preset, parse_opt_level
 from runner.validation import validate
 
 log = logging.getLogger(__name__)
@@ -51,51 +50,36 @@ def seed_everything(seed: int) -> None:
         pass
 
 
-_OPT_LEVEL_OVERRIDE = re.compile(r"^(?:~|\+\+|\+)?precision\.opt_level(?:=(.*))?$")
-_PRESET_CHOICE = re.compile(r"^(?:\+\+|\+)?precision=(.*)$")
-
-
-def _default_preset() -> str:
-    """The precision option conf/config.yaml's defaults list picks (o0)."""
-    for entry in OmegaConf.load(config_dir() / "config.yaml").get("defaults", []):
-        if isinstance(entry, DictConfig) and "precision" in entry:
-            return str(entry["precision"])
-    return "o0"
-
-
 def preset_options() -> list[str]:
     return sorted(p.stem for p in (config_dir() / "precision").glob("*.yaml"))
 
 
-def check_opt_level_override(overrides: Sequence[str]) -> None:
+def check_opt_level(cfg: DictConfig) -> None:
     """A level is a preset of every property: `precision.opt_level=O2` on top of the o0 preset
-    would keep o0's other properties under the name O2. Refuse it, naming the preset to choose."""
-    choices = [m.group(1) for o in overrides if (m := _PRESET_CHOICE.match(o.strip()))]
-    preset = choices[-1] if choices else _default_preset()
-    for override in overrides:
-        match = _OPT_LEVEL_OVERRIDE.match(override.strip())
-        if not match:
-            continue
-        raw = (match.group(1) or "").strip().strip("'\"")
-        try:
-            preset_file = config_dir() / "precision" / f"{preset}.yaml"
-            preset_level = str(OmegaConf.load(preset_file).opt_level)
-        except (OSError, ValueError, AttributeError):
-            preset_level = None
-        if raw:
-            level = parse_opt_level(raw)  # "02" is refused here, with the letter-O hint
-            if level == preset_level:
-                continue  # the preset's own level: harmless
-            suffix = "_bf16" if preset.endswith("_bf16") and level != "O0" else ""
-            instead = f"use precision={level.lower()}{suffix} instead"
-        else:
-            instead = "choose the level with precision=<preset>"
-        raise ConfigError(
-            "precision.opt_level",
-            f"{override!r} overrides the level of the precision={preset} preset; a level is a "
-            f"preset of all its properties, so choose it as one: {instead}",
-            [f"precision={o}" for o in preset_options()],
-        )
+    would keep o0's other properties under the name O2. The merged `opt_level` must be the
+    preset's own, however it was changed (command line, experiment file, code); else refuse it,
+    naming the preset to choose."""
+    node = cfg.precision
+    preset = node.preset if not OmegaConf.is_missing(node, "preset") else None
+    preset_file = config_dir() / "precision" / f"{preset}.yaml"
+    if preset is None or not preset_file.is_file():
+        return  # a preset from another config search path: nothing to compare with
+    preset_level = str(OmegaConf.load(preset_file).opt_level)
+    if OmegaConf.is_missing(node, "opt_level") or node.opt_level is None:
+        level, instead = None, "choose the level with precision=<preset>"
+    else:
+        level = parse_opt_level(node.opt_level)  # "02" is refused here, with the letter-O hint
+        if level == preset_level:
+            return
+        dtype = torch.bfloat16 if preset.endswith("_bf16") else None
+        instead = f"use {level_preset(level, dtype)} instead"
+    raise ConfigError(
+        "precision.opt_level",
+        f"{level or 'no level'} overrides the level of the precision={preset} preset "
+        f"({preset_level}); a level is a preset of all its properties, so choose it as one: "
+        f"{instead}",
+        [f"precision={o}" for o in preset_options()],
+    )
 
 
 def resolve_precision(cfg: DictConfig, device: torch.device | DeviceInfo) -> Resolution:
@@ -130,18 +114,27 @@ def environment_tags(device: torch.device) -> dict[str, str]:
     return tags
 
 
-def check_config(cfg: DictConfig, overrides: Sequence[str] = ()) -> tuple[torch.device, Resolution]:
+def check_config(cfg: DictConfig) -> tuple[torch.device, Resolution]:
     """Everything that can be wrong with the input, checked without building anything: raises
     ConfigError naming the key. A sweep runs it on every job's config before the first job."""
-    check_opt_level_override(overrides)
+    check_opt_level(cfg)
     validate(cfg)
     device = select_device(cfg.trainer.device)
     return device, resolve_precision(cfg, device)
 
 
 def default_run_name(cfg: DictConfig) -> str:
-    """`mlflow.run_name`, or `<model>-<level>` (e.g. densenet161-O2)."""
-    return cfg.mlflow.run_name or f"{cfg.model.name}-{cfg.precision.opt_level}"
+    """`mlflow.run_name`, or `<model>-<level>` (e.g. densenet161-O2), with `-bf16` where the run
+    computes in bfloat16, so that o2 and o2_bf16 runs of one sweep are told apart."""
+    if cfg.mlflow.run_name:
+        return cfg.mlflow.run_name
+    name = f"{cfg.model.name}-{cfg.precision.opt_level}"
+    values = OmegaConf.to_container(cfg.precision, resolve=True)
+    try:
+        properties = resolve(values.pop("opt_level"), values).properties
+    except ConfigError:  # a failed job is still named; its error says what was wrong
+        return name
+    return f"{name}-bf16" if torch.bfloat16 in properties.compute_dtypes else name
 
 
 def run(
@@ -153,7 +146,7 @@ def run(
 ) -> float | None:
     """Train once as `cfg` says; returns the best validation accuracy (None for a dry run).
     `extra_tags` are added to the run's own (a sweep job passes its parent run's id this way)."""
-    device, resolution = check_config(cfg, overrides)
+    device, resolution = check_config(cfg)
     properties = resolution.properties
 
     if cfg.dry_run:
@@ -175,8 +168,6 @@ def run(
     from runner.tracking import Tracker, flatten
     from runner.trainer import Trainer
 
-    memory = MemoryProbe(device)
-    memory.reset()
     seed_everything(cfg.trainer.seed)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = cfg.trainer.cudnn_benchmark
@@ -186,6 +177,12 @@ def run(
     train_loader, val_loader = build_loaders(
         bundle, cfg.trainer.batch_size, cfg.trainer.num_workers, device.type, cfg.trainer.seed
     )
+    csrc.load(device, cfg.precision.kernels)  # built or loaded now, so not counted below
+    # peak_mem_mb counts the training state (model, optimizer, activations), as on a GPU, where
+    # the data and the tracking store live in host memory: on a CPU the baseline is taken after
+    # the datasets, the store and the kernels are in memory
+    memory = MemoryProbe(device)
+    memory.reset()
     model = build_model(cfg.model, bundle.num_classes, bundle.image_size).to(device)
     if cfg.trainer.channels_last:
         model = model.to(memory_format=torch.channels_last)

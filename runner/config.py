@@ -118,6 +118,7 @@ class OneCycleConfig(SchedulerConfig):
 # ---- precision (Apex amp's five properties; resolved by runner.precision) ------------------
 @dataclass
 class PrecisionConfig:
+    preset: str = MISSING  # the option file it came from (o2, o2_bf16, ...): see opt_level
     opt_level: str = MISSING
     cast_model_type: Optional[str] = None  # float32 | float16 | bfloat16 | null
     patch_torch_functions: bool = False

@@ -107,7 +107,7 @@ def preflight(config: DictConfig, config_name: str | None, tracking_uri: str) ->
             raise RunnerError(f"sweep job #{number} ({' '.join(overrides)}): {error}{cause}") \
                 from error
         try:
-            check_config(cfg, overrides)
+            check_config(cfg)
             same_store(cfg, tracking_uri, config.mlflow.experiment_name)
         except ConfigError as error:
             raise ConfigError(

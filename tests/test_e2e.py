@@ -123,7 +123,9 @@ def test_bf16_presets_train_without_loss_scaling(preset, tracking_uri):
     client, run = only_run(tracking_uri)
     assert run.info.status == "FINISHED"
     level = preset.split("_")[0].upper()
-    assert run.info.run_name == f"tiny-{level}" and run.data.params["precision.opt_level"] == level
+    assert run.info.run_name == f"tiny-{level}-bf16"  # told apart from the fp16 preset's runs
+    assert run.data.params["precision.opt_level"] == level
+    assert run.data.params["precision.preset"] == preset
     assert run.data.params["precision.loss_scale"] == "1.0"
     assert "bfloat16" in (run.data.params["precision.cast_model_type"],
                           run.data.params["precision.autocast_dtype"])
@@ -265,6 +267,30 @@ def test_failure_mid_run_marks_the_run_failed(tmp_path, tracking_uri):
     _, run = only_run(tracking_uri)
     assert run.info.status == "FAILED"
     assert "UnidentifiedImageError" in run.data.tags["error"] and "9.png" in run.data.tags["error"]
+
+
+# ---- peak memory on a CPU ---------------------------------------------------------------------
+@pytest.mark.slow
+def test_cpu_peak_memory_counts_the_training_state_not_the_data(tmp_path):
+    """Two real runs in fresh processes: 60000 synthetic 16-px images (176 MiB of data) with the
+    narrow tiny net, and 96 images with a 16x wider net. peak_mem_mb must follow the model and
+    its activations, as the GPU figure does, not the datasets held in host memory."""
+    def peak(*overrides: str) -> float:
+        uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+        result = run_cli(*FAST, "trainer.max_epochs=1", "trainer.limit_train_batches=3",
+                         f"mlflow.tracking_uri={uri}", *overrides, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-2000:]
+        runs = MlflowClient(uri).search_runs(
+            [MlflowClient(uri).get_experiment_by_name("amp-runner").experiment_id],
+            order_by=["attributes.start_time DESC"], max_results=1)
+        assert runs[0].data.tags["peak_mem_kind"] == "cpu_rss_peak_above_start"
+        return runs[0].data.metrics["peak_mem_mb"]
+
+    data_mb = 60000 * 3 * 16 * 16 * 4 / 2**20
+    big_data = peak("data.num_train=60000")
+    wide_model = peak("model.width=256", "data.image_size=32")
+    assert big_data < data_mb / 2, (big_data, data_mb)  # the data is not counted
+    assert wide_model > big_data + 100  # the wider net's weights and activations are
 
 
 # ---- what a user sees from the command line ---------------------------------------------------

@@ -13,7 +13,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from runner.app import check_opt_level_override, resolve_precision
+from runner.app import check_opt_level, resolve_precision
 from runner.errors import ConfigError
 from runner.precision import Finding, resolve
 from runner.precision.checks import DeviceInfo, tensor_core_findings
@@ -348,32 +348,45 @@ def test_static_scale_other_than_one_still_detects_and_flags():
     assert s.scale == 4.0
 
 
-# ---- precision.opt_level on the command line -------------------------------------------------
+# ---- precision.opt_level: the level is a preset -----------------------------------------------
 @pytest.mark.parametrize("overrides,instead", [
     (["precision.opt_level=O2"], "use precision=o2"),
     (["precision=o1", "precision.opt_level=o3"], "use precision=o3"),
-    (["precision=o3", "+precision.opt_level=O1"], "use precision=o1"),
     (["precision=o1_bf16", "precision.opt_level=O2"], "use precision=o2_bf16"),
     (["precision=o2", "++precision.opt_level=O0"], "use precision=o0"),
 ])
 def test_opt_level_override_is_refused_naming_the_preset(overrides, instead):
     with pytest.raises(ConfigError) as e:
-        check_opt_level_override(overrides)
+        check_opt_level(compose_config(*overrides))
     assert e.value.key == "precision.opt_level"
     assert instead in str(e.value) and "precision=o2_bf16" in e.value.allowed
 
 
 def test_opt_level_override_equal_to_the_preset_is_harmless():
-    check_opt_level_override(["precision=o2", "precision.opt_level=O2"])
-    check_opt_level_override(["precision.opt_level=O0"])  # the default preset is o0
-    check_opt_level_override(["precision=o2", "precision.loss_scale=128"])
+    check_opt_level(compose_config("precision=o2", "precision.opt_level=O2"))
+    check_opt_level(compose_config("precision.opt_level=O0"))  # the default preset is o0
+    check_opt_level(compose_config("precision=o2", "precision.loss_scale=128"))
+    check_opt_level(compose_config("precision=o3_bf16", "precision.opt_level=o3"))
 
 
 def test_opt_level_zero_prefix_keeps_the_letter_o_hint():
     with pytest.raises(ConfigError, match="letter O"):
-        check_opt_level_override(["precision=o2", "precision.opt_level=02"])
+        check_opt_level(compose_config("precision=o2", "precision.opt_level=02"))
     with pytest.raises(ConfigError, match="letter O"):
         resolve("02")
+
+
+def test_opt_level_is_checked_from_the_config_not_the_command_line():
+    """A config whose level contradicts its preset is refused however it got there: here an
+    app.run call that passes no override strings at all."""
+    from runner import app
+
+    cfg = compose_config("precision=o3", "precision.opt_level=O1")
+    with pytest.raises(ConfigError, match="use precision=o1"):
+        app.check_config(cfg)
+    cfg = compose_config("precision=o3", "precision.opt_level=???")  # (deletion is refused)
+    with pytest.raises(ConfigError, match="choose the level with precision=<preset>"):
+        app.check_config(cfg)
 
 
 def test_app_run_refuses_the_opt_level_override(tmp_path):

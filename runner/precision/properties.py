@@ -362,7 +362,7 @@ def rule(fn: Rule) -> Rule:
     return fn
 
 
-def _level_preset(level: str, dtype: Optional[torch.dtype] = None) -> str:
+def level_preset(level: str, dtype: Optional[torch.dtype] = None) -> str:
     """The preset to choose for `level`: precision=o2, or precision=o2_bf16 for bfloat16."""
     suffix = "_bf16" if dtype == torch.bfloat16 and level != "O0" else ""
     return f"precision={level.lower()}{suffix}"
@@ -391,7 +391,7 @@ def _o1_cast_model(p: Properties, ctx: Context) -> Iterable[Finding]:
             f"{dtype_name(p.cast_model_type)} makes every weight 16-bit as well, which is O2/O3 "
             "with autocast on top (Apex refused this: with O1 the weights should remain fp32)",
             f"leave precision.cast_model_type null under O1, or use "
-            f"{_level_preset('O2', p.cast_model_type)} for a 16-bit model")
+            f"{level_preset('O2', p.cast_model_type)} for a 16-bit model")
 
 
 @rule
@@ -412,7 +412,7 @@ def _patch_outside_o1(p: Properties, ctx: Context) -> Iterable[Finding]:
             "warning", "patch_torch_functions",
             f"patch_torch_functions=True under {p.opt_level}: autocast now runs on top of the "
             "level's casts, a mix Apex refused outright (only opt_level O1 may patch functions)",
-            f"set precision.patch_torch_functions=false, or use {_level_preset('O1')}")
+            f"set precision.patch_torch_functions=false, or use {level_preset('O1')}")
 
 
 @rule
@@ -484,7 +484,8 @@ def resolve(opt_level: str, overrides: Mapping[str, Any] | None = None,
 
     `overrides` may be the whole precision config (its values equal to the level's defaults are
     fine, an `opt_level` key is accepted when it names the same level, a `strict` key is read
-    like the `strict` argument, and `kernels`, the engine's backend choice, is ignored here). `device` is a torch.device, a device string or a
+    like the `strict` argument, and `kernels` (the engine's backend choice) and `preset` (the
+    option file's name) are ignored here). `device` is a torch.device, a device string or a
     `checks.DeviceInfo` (None: unknown, no hardware rules). `optimizer` is the optimizer config
     (`name`, `eps`, ...; None: no optimizer rules). `strict=True` turns every warning into an
     error.
@@ -502,8 +503,8 @@ def resolve(opt_level: str, overrides: Mapping[str, Any] | None = None,
         if key == "strict":
             strict_value = raw
             continue
-        if key == "kernels":
-            continue  # how the engine runs (AmpEngine(kernels=...)), not a property
+        if key in ("kernels", "preset"):
+            continue  # how the engine runs (AmpEngine(kernels=...)); the preset's file name
         if key not in _PARSERS:
             raise ConfigError(_key(str(key)), "unknown precision property",
                               (*PROPERTY_KEYS, "strict"))
