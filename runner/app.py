@@ -166,7 +166,7 @@ def run(
     from runner.optim import build_optimizer, build_scheduler
     from runner.probes import MemoryProbe
     from runner.tracking import Tracker, flatten
-    from runner.trainer import Trainer
+    from runner.trainer import Trainer, limit_batches
 
     seed_everything(cfg.trainer.seed)
     if device.type == "cuda":
@@ -197,9 +197,7 @@ def run(
     kernels = csrc.name_of(engine.kernels)
     log.info("Kernels: %s (precision.kernels=%s)", kernels, cfg.precision.kernels)
     model, optimizer = engine.prepare(model, optimizer)
-    steps_per_epoch = len(train_loader)
-    if cfg.trainer.limit_train_batches is not None:
-        steps_per_epoch = min(steps_per_epoch, cfg.trainer.limit_train_batches)
+    steps_per_epoch = limit_batches(len(train_loader), cfg.trainer.limit_train_batches)
     scheduler = build_scheduler(cfg.scheduler, optimizer, steps_per_epoch, cfg.trainer.max_epochs)
 
     config_tree = OmegaConf.to_container(cfg, resolve=True)

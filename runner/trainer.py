@@ -42,7 +42,8 @@ class FitResult:
     epochs: list[dict[str, float]] = field(default_factory=list)
 
 
-def _limit(n_batches: int, limit: int | None) -> int:
+def limit_batches(n_batches: int, limit: int | None) -> int:
+    """Batches per epoch after `trainer.limit_*_batches` (None: all)."""
     return n_batches if limit is None else min(n_batches, limit)
 
 
@@ -72,8 +73,8 @@ class Trainer:
         self.on_metrics = on_metrics
         self.memory = memory
         self.criterion = nn.CrossEntropyLoss()
-        self.train_batches = _limit(len(train_loader), cfg.limit_train_batches)
-        self.val_batches = _limit(len(val_loader), cfg.limit_val_batches)
+        self.train_batches = limit_batches(len(train_loader), cfg.limit_train_batches)
+        self.val_batches = limit_batches(len(val_loader), cfg.limit_val_batches)
         self.global_step = 0
         self.clock = Stopwatch(device)
         self.max_bad_steps = int(getattr(cfg, "max_bad_steps", 50))

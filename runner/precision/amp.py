@@ -368,10 +368,8 @@ def state_dict(destination: Optional[dict] = None) -> dict:
     """Apex layout: `{"loss_scaler0": {"loss_scale": ..., "unskipped": ...}, ...}`."""
     out = OrderedDict() if destination is None else destination
     eng = _amp_state.engine
-    if eng is None:
-        return out
-    for i, s in enumerate(eng.scalers):
-        out[f"loss_scaler{i}"] = s.state_dict()
+    if eng is not None:  # the engine's own layout, without its runner-only skipped_steps
+        out.update((k, v) for k, v in eng.state_dict().items() if k.startswith("loss_scaler"))
     return out
 
 

@@ -33,9 +33,9 @@ from typing import Any, Callable, ContextManager, Iterator, Optional
 
 import torch
 
-from runner.precision.properties import Properties
+from runner.precision.casting import cast_tensor, map_tensors
+from runner.precision.properties import HALF_DTYPES, Properties
 
-_HALF = (torch.float16, torch.bfloat16)
 _KINDS = ("half", "float", "promote")
 
 # (module, name) -> kind, in registration order (a later registration of the same name wins).
@@ -107,10 +107,6 @@ def clear_registrations() -> None:
         _REGISTRY.clear()
 
 
-def registered_functions() -> list[tuple[Any, str, str]]:
-    return list(_REGISTRY.values())
-
-
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
         yield obj
@@ -123,15 +119,7 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
 
 
 def _cast_all(obj: Any, dtype: torch.dtype) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(dtype) if obj.is_floating_point() and obj.dtype != dtype else obj
-    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(_cast_all(o, dtype) for o in obj)
-    if isinstance(obj, list):
-        return [_cast_all(o, dtype) for o in obj]
-    if isinstance(obj, dict):
-        return {k: _cast_all(v, dtype) for k, v in obj.items()}
-    return obj
+    return map_tensors(obj, lambda t: cast_tensor(t, dtype))
 
 
 def _widest(args: tuple, kwargs: dict) -> torch.dtype | None:
@@ -140,7 +128,7 @@ def _widest(args: tuple, kwargs: dict) -> torch.dtype | None:
         return None
     if len(dtypes) == 1:
         return dtypes.pop()
-    wide = [d for d in dtypes if d not in _HALF]
+    wide = [d for d in dtypes if d not in HALF_DTYPES]
     if wide:
         return max(wide, key=lambda d: torch.finfo(d).bits)
     return torch.float32  # fp16 with bf16: neither holds the other
@@ -176,7 +164,7 @@ def _casting_wrapper(fn: Callable, kind: str) -> Callable:
 def _banned_wrapper(fn: Callable, name: str) -> Callable:
     @functools.wraps(fn)
     def wrapper(input, *args, **kwargs):
-        if isinstance(input, torch.Tensor) and input.dtype in _HALF:
+        if isinstance(input, torch.Tensor) and input.dtype in HALF_DTYPES:
             raise RuntimeError(BANNED_MESSAGE.format(name=name))
         return fn(input, *args, **kwargs)
 

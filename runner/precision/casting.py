@@ -19,8 +19,10 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.hooks import RemovableHandle
 
+from runner.precision.properties import HALF_DTYPES
 
-def _cast_tensor(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+
+def cast_tensor(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
 
 
@@ -78,13 +80,13 @@ class IOCastHooks:
 
 def _cast_inputs_hook(dtype: torch.dtype, module: nn.Module, args: tuple, kwargs: dict):
     """Forward pre-hook (with kwargs) body: floating inputs to `dtype`."""
-    cast = functools.partial(_cast_tensor, dtype=dtype)
+    cast = functools.partial(cast_tensor, dtype=dtype)
     return map_tensors(args, cast), map_tensors(kwargs, cast)
 
 
 def _cast_outputs_hook(dtype: torch.dtype, module: nn.Module, args: tuple, output: Any):
     """Forward hook body: floating outputs to `dtype`."""
-    return map_tensors(output, functools.partial(_cast_tensor, dtype=dtype))
+    return map_tensors(output, functools.partial(cast_tensor, dtype=dtype))
 
 
 def install_output_cast(model: nn.Module, output_dtype: torch.dtype) -> IOCastHooks:
@@ -111,7 +113,7 @@ def cast_model(model: nn.Module, dtype: torch.dtype,
     also install the input/output casts (outputs to `output_dtype`, fp32 when None).
     Returns the hooks (None when `dtype` is fp32 and no output cast is asked for)."""
     cast_module_(model, dtype, keep_batchnorm_fp32)
-    if dtype in (torch.float16, torch.bfloat16):
+    if dtype in HALF_DTYPES:
         return install_io_casts(model, dtype, output_dtype or torch.float32)
     if output_dtype is not None:
         return install_output_cast(model, output_dtype)

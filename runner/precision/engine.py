@@ -40,7 +40,7 @@ from runner.precision import fused
 from runner.precision.autocast import autocast_context
 from runner.precision.casting import IOCastHooks, cast_model, install_output_cast
 from runner.precision.master import MasterWeights
-from runner.precision.properties import Properties
+from runner.precision.properties import HALF_DTYPES, Properties
 from runner.precision.scaler import LossScaler
 
 
@@ -246,7 +246,7 @@ class AmpEngine:
                 state_dict[name] = masters[id(param)].detach()
         for key, value in list(state_dict.items()):
             if (key.startswith(prefix) and torch.is_tensor(value)
-                    and value.dtype in (torch.float16, torch.bfloat16)):
+                    and value.dtype in HALF_DTYPES):
                 state_dict[key] = value.float()
 
     def _load_pre_hook(self, module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
@@ -496,11 +496,6 @@ class AmpEngine:
         found = self._resolve(st)
         self._update_scalers(st)
         return any(found.values())
-
-    def will_skip(self, optimizer: Optional[torch.optim.Optimizer] = None) -> bool:
-        """Whether the overflow verdicts known so far make the next step a skip (may sync)."""
-        _, st = self._state(optimizer)
-        return any(self._resolve(st).values())
 
     def clip_grad_norm_(self, max_norm: float, optimizer: Optional[torch.optim.Optimizer] = None,
                         norm_type: float = 2.0) -> torch.Tensor:

@@ -13,7 +13,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-HALF_DTYPES = (torch.float16, torch.bfloat16)
+from runner.precision.properties import HALF_DTYPES
+
 
 
 class MasterWeights:
