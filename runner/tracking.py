@@ -215,16 +215,19 @@ class Tracker:
     def start_run(
         self, run_name: str, params: Mapping[str, str], tags: Mapping[str, str]
     ) -> Iterator[TrackedRun]:
-        """Create the run; end it FINISHED, FAILED (error tag) or KILLED whatever happens."""
+        """Create the run; end it FINISHED, FAILED (error tag) or KILLED whatever happens. A run
+        that did not finish says where to see what it logged (a finished one: the caller)."""
         tracked = self.create_run(run_name, tags)
         try:
             tracked.log_params(params)
             yield tracked
         except KeyboardInterrupt:
             tracked.end(RunStatus.to_string(RunStatus.KILLED), "interrupted by the user (Ctrl-C)")
+            log.warning("Run %r (%s) marked KILLED.\n%s", run_name, tracked.run_id, self.hint())
             raise
         except BaseException as error:
             tracked.end(RunStatus.to_string(RunStatus.FAILED), f"{type(error).__name__}: {error}")
+            log.warning("Run %r (%s) marked FAILED.\n%s", run_name, tracked.run_id, self.hint())
             raise
         else:
             tracked.end(RunStatus.to_string(RunStatus.FINISHED))

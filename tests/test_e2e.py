@@ -364,6 +364,7 @@ def test_ctrl_c_marks_the_run_killed(tmp_path):
     _, run = only_run(f"sqlite:///{tmp_path / 'mlflow.db'}")
     assert run.info.status == "KILLED"
     assert "interrupted" in run.data.tags["error"]
+    assert "marked KILLED" in rest and "mlflow ui --backend-store-uri sqlite:///" in rest
 
 
 @pytest.mark.slow
@@ -390,3 +391,5 @@ def test_cli_opt_level_override_and_divergence_exit_2_without_traceback(tmp_path
     assert "Traceback" not in output
     _, run = only_run(f"sqlite:///{tmp_path / 'mlflow.db'}")
     assert run.info.status == "FAILED" and "DivergenceError" in run.data.tags["error"]
+    # a failed run still says where to look: the UI command and the runs page
+    assert "marked FAILED" in output and f"#/experiments/{run.info.experiment_id}/runs" in output
