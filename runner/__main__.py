@@ -37,14 +37,15 @@ def main(cfg: DictConfig) -> float | None:
 
 
 def cli() -> None:
-    """Console-script entry (`amp-runner ...`); Ctrl-C exits 130 after the run (and a sweep's
-    parent run) is marked KILLED; a sweep that stops early leaves no RUNNING parent behind."""
+    """Console-script entry (`amp-runner ...`); Ctrl-C exits 130 and SIGTERM 143 after the run
+    (and a sweep's parent run) is marked KILLED (and, from a first signal, checkpointed); a sweep
+    that stops early leaves no RUNNING parent behind."""
     try:
         main()
-    except KeyboardInterrupt:
-        sweep.close_open_parent("KILLED", "interrupted by the user (Ctrl-C)")
-        print("Interrupted.", file=sys.stderr)
-        sys.exit(130)
+    except KeyboardInterrupt as interrupt:  # Ctrl-C, or SIGTERM after its checkpoint
+        sweep.close_open_parent("KILLED", str(interrupt) or "interrupted by the user (Ctrl-C)")
+        print(f"Interrupted: {interrupt}" if str(interrupt) else "Interrupted.", file=sys.stderr)
+        sys.exit(getattr(interrupt, "exit_code", 130))
     except SystemExit as stop:
         if stop.code not in (0, None):
             sweep.close_open_parent("FAILED", f"the sweep stopped early (exit status {stop.code})")

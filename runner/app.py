@@ -11,15 +11,18 @@ import os
 import platform
 import random
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 import runner
-from runner import csrc
+from runner import checkpoint, csrc, distributed
+from runner.distributed import Comm
 from runner.errors import ConfigError
+from runner.interrupts import StopRequest
 from runner.paths import config_dir
 from runner.precision import AmpEngine, Resolution, resolve
 from runner.precision.checks import DeviceInfo, tensor_core_findings
@@ -120,6 +123,9 @@ def check_config(cfg: DictConfig) -> tuple[torch.device, Resolution]:
     check_opt_level(cfg)
     validate(cfg)
     device = select_device(cfg.trainer.device)
+    if cfg.trainer.sync_batchnorm and device.type != "cuda":
+        raise ConfigError("trainer.sync_batchnorm", "SyncBatchNorm needs CUDA GPUs (NCCL); it has "
+                          f"no implementation on {device.type} (Gloo)", "false on a CPU")
     return device, resolve_precision(cfg, device)
 
 
@@ -137,46 +143,39 @@ def default_run_name(cfg: DictConfig) -> str:
     return f"{name}-bf16" if torch.bfloat16 in properties.compute_dtypes else name
 
 
-def run(
-    cfg: DictConfig,
-    *,
-    overrides: Sequence[str] = (),
-    output_dir: str | os.PathLike | None = None,
-    extra_tags: Mapping[str, str] | None = None,
-) -> float | None:
-    """Train once as `cfg` says; returns the best validation accuracy (None for a dry run).
-    `extra_tags` are added to the run's own (a sweep job passes its parent run's id this way)."""
-    device, resolution = check_config(cfg)
-    properties = resolution.properties
+@dataclass
+class Parts:
+    """What a run trains with, built from the config as `run` builds it (benchmarks reuse it)."""
 
-    if cfg.dry_run:
-        print(OmegaConf.to_yaml(cfg, resolve=True))
-        print(properties.table())
-        print(resolution.findings_table())
-        return None
-    log.info("Precision (Apex %s, resolved):\n%s", properties.opt_level, properties.table())
-    if resolution.findings:
-        log.warning("Precision findings:\n%s", resolution.findings_table())
-    else:
-        log.info("%s", resolution.findings_table())
+    bundle: Any
+    train_loader: Any
+    val_loader: Any
+    model: torch.nn.Module  # the model itself (prepared by the engine; not DDP-wrapped)
+    optimizer: torch.optim.Optimizer
+    engine: AmpEngine
+    scheduler: Any
+    memory: Any  # runner.probes.MemoryProbe, reset before the model was built
 
-    # Heavy builders are imported only for a real run.
+
+def build(cfg: DictConfig, device: torch.device, resolution: Resolution,
+          comm: Comm | None = None) -> Parts:
+    """Data, model, optimizer, engine and scheduler for `cfg` (valid: see check_config).
+    Seeds first, so every rank of a distributed run builds the same initial weights."""
     from runner.data import build_datasets, build_loaders
     from runner.models import build_model
     from runner.optim import build_optimizer, build_scheduler
     from runner.probes import MemoryProbe
-    from runner.tracking import Tracker, flatten
-    from runner.trainer import Trainer, limit_batches
+    from runner.trainer import limit_batches
 
+    comm = comm or Comm()
+    properties = resolution.properties
     seed_everything(cfg.trainer.seed)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = cfg.trainer.cudnn_benchmark
-
     bundle = build_datasets(cfg.data)  # a missing dataset stops here, before the store is touched
-    tracker = Tracker(cfg.mlflow.tracking_uri, cfg.mlflow.experiment_name)
     train_loader, val_loader = build_loaders(
-        bundle, cfg.trainer.batch_size, cfg.trainer.num_workers, device.type, cfg.trainer.seed
-    )
+        bundle, cfg.trainer.batch_size, cfg.trainer.num_workers, device.type, cfg.trainer.seed,
+        rank=comm.rank, world_size=comm.world_size)
     csrc.load(device, cfg.precision.kernels)  # built or loaded now, so not counted below
     # peak_mem_mb counts the training state (model, optimizer, activations), as on a GPU, where
     # the data and the tracking store live in host memory: on a CPU the baseline is taken after
@@ -184,6 +183,8 @@ def run(
     memory = MemoryProbe(device)
     memory.reset()
     model = build_model(cfg.model, bundle.num_classes, bundle.image_size).to(device)
+    if cfg.trainer.sync_batchnorm:  # before the cast: keep_batchnorm_fp32 still applies
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if cfg.trainer.channels_last:
         model = model.to(memory_format=torch.channels_last)
     shape_findings = tensor_core_findings(
@@ -193,63 +194,161 @@ def run(
         log.info("Precision findings about the model:\n%s",
                  Resolution(properties, shape_findings).findings_table())
     optimizer = build_optimizer(cfg.optimizer, model.parameters())
-    engine = AmpEngine(properties, device, kernels=cfg.precision.kernels)
-    kernels = csrc.name_of(engine.kernels)
-    log.info("Kernels: %s (precision.kernels=%s)", kernels, cfg.precision.kernels)
-    model, optimizer = engine.prepare(model, optimizer)
+    engine = AmpEngine(properties, device, kernels=cfg.precision.kernels,
+                       flag_reducer=distributed.flag_reducer(comm))
+    model, optimizer = engine.prepare(model, optimizer)  # cast and masters before any DDP wrap
     steps_per_epoch = limit_batches(len(train_loader), cfg.trainer.limit_train_batches)
     scheduler = build_scheduler(cfg.scheduler, optimizer, steps_per_epoch, cfg.trainer.max_epochs)
+    return Parts(bundle, train_loader, val_loader, model, optimizer, engine, scheduler, memory)
 
+
+def run(
+    cfg: DictConfig,
+    *,
+    overrides: Sequence[str] = (),
+    output_dir: str | os.PathLike | None = None,
+    extra_tags: Mapping[str, str] | None = None,
+) -> float | None:
+    """Train once as `cfg` says; returns the best validation accuracy (None for a dry run).
+    `extra_tags` are added to the run's own (a sweep job passes its parent run's id this way).
+    Under torchrun this is one rank of a DistributedDataParallel run (see runner.distributed)."""
+    device, resolution = check_config(cfg)
+    properties = resolution.properties
+    run_name = default_run_name(cfg)
+    folder = checkpoint.run_folder(cfg.trainer.checkpoint_dir, cfg.mlflow.experiment_name,
+                                   run_name)
     config_tree = OmegaConf.to_container(cfg, resolve=True)
-    params = flatten(config_tree)
+    resume_path = checkpoint.find(cfg.resume, folder)  # a missing path: ConfigError, here
+    state = checkpoint.load(resume_path) if resume_path is not None else None
+    if state is not None:
+        checkpoint.check_resumable(state, config_tree, resume_path)
+
+    if cfg.dry_run:
+        print(OmegaConf.to_yaml(cfg, resolve=True))
+        print(properties.table())
+        print(resolution.findings_table())
+        if resume_path is not None:
+            print(f"Would resume from {resume_path} (epoch {state['epoch']}, batch "
+                  f"{state['batch']})")
+        return None
+    log.info("Precision (Apex %s, resolved):\n%s", properties.opt_level, properties.table())
+    if resolution.findings:
+        log.warning("Precision findings:\n%s", resolution.findings_table())
+    else:
+        log.info("%s", resolution.findings_table())
+
+    comm, rank_device = distributed.setup(cfg.trainer.device)
+    if not comm.is_main:  # one console story: rank 0's (the others still say what goes wrong)
+        logging.getLogger("runner").setLevel(logging.WARNING)
+    try:
+        return _train(cfg, rank_device or device, resolution, comm, run_name, folder, state,
+                      resume_path, overrides, output_dir, extra_tags or {})
+    finally:
+        comm.close()
+
+
+def _train(cfg: DictConfig, device: torch.device, resolution: Resolution, comm: Comm,
+           run_name: str, folder: Path, state: dict | None, resume_path: Path | None,
+           overrides: Sequence[str], output_dir: str | os.PathLike | None,
+           extra_tags: Mapping[str, str]) -> float:
+    from runner.optim import rebuild_scheduler_at
+    from runner.tracking import Tracker, flatten, null_run
+    from runner.trainer import Trainer
+
+    properties = resolution.properties
+    # only rank 0 talks to the store; its failure (an unreachable server) stops every rank
+    tracker = comm.on_main(lambda: Tracker(cfg.mlflow.tracking_uri, cfg.mlflow.experiment_name))
+    parts = build(cfg, device, resolution, comm)
+    model = parts.model
+    if comm.active:
+        model = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None)
+    kernels = csrc.name_of(parts.engine.kernels)
+    log.info("Kernels: %s (precision.kernels=%s)", kernels, cfg.precision.kernels)
+
+    params = flatten(OmegaConf.to_container(cfg, resolve=True))
     params.update({f"precision.{k}": v for k, v in properties.as_params().items()})
     params["precision.kernels"] = kernels  # the backend in use: cuda | cpp | torch
-    params["data.num_classes"] = str(bundle.num_classes)
-    params["data.train_size"] = str(len(bundle.train))
-    params["data.val_size"] = str(len(bundle.val))
-    params["model.num_parameters"] = str(sum(p.numel() for p in model.parameters()))
+    params["data.num_classes"] = str(parts.bundle.num_classes)
+    params["data.train_size"] = str(len(parts.bundle.train))
+    params["data.val_size"] = str(len(parts.bundle.val))
+    params["model.num_parameters"] = str(sum(p.numel() for p in parts.model.parameters()))
+    params["distributed.world_size"] = str(comm.world_size)
+    params["trainer.global_batch_size"] = str(cfg.trainer.batch_size * comm.world_size)
     tags = environment_tags(device)
     tags.update(
         {
             "opt_level": properties.opt_level,
             "overrides": " ".join(overrides),
-            "peak_mem_kind": memory.kind,
+            "peak_mem_kind": parts.memory.kind,
             "precision.findings": resolution.summary(),
             "precision.findings_list": resolution.compact() or "none",
             "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         }
     )
     tags.update({str(k): str(v) for k, v in cfg.mlflow.tags.items()})
-    tags.update(extra_tags or {})
-    run_name = default_run_name(cfg)
+    tags.update(extra_tags)
+    if state is not None:
+        tags["resumed_from"] = str(resume_path)
+        if state["config"]["trainer"]["max_epochs"] != cfg.trainer.max_epochs:  # params are
+            tags["trainer.max_epochs"] = str(cfg.trainer.max_epochs)  # immutable: the new value
 
-    with tracker.start_run(run_name, params, tags) as tracked:
-        log.info("MLflow run %r (%s) in %s", run_name, tracked.run_id, tracker.tracking_uri)
-        tracked.log_text(OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
-        tracked.log_text(OmegaConf.to_yaml(OmegaConf.create(list(overrides))), "overrides.yaml")
-        tracked.log_text(properties.table() + "\n\n" + resolution.findings_table(), "precision.txt")
-        trainer = Trainer(
-            model=model,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            engine=engine,
-            train_loader=train_loader,
-            val_loader=val_loader,
-            device=device,
-            cfg=cfg.trainer,
-            on_metrics=tracked.log_metrics,
-            memory=memory,
-        )
-        try:
-            result = trainer.fit()
-        finally:
-            if output_dir is not None:
-                tracked.log_file(Path(output_dir) / "runner.log", "logs")
-    log.info(
-        "Finished %s: best val_acc %.4f in %.1f s.\n%s",
-        run_name,
-        result.best_val_acc,
-        result.train_time_s,
-        tracker.hint(),
-    )
+    with StopRequest() as stop:
+        # metrics the store cannot take by the end go to a local store here (runner.replay)
+        offline_dir = Path(output_dir) if output_dir is not None else folder
+        tracked_run = (tracker.start_run(run_name, params, tags,
+                                         resume_run_id=state["mlflow_run_id"] if state else None,
+                                         offline_dir=offline_dir / "mlflow-offline")
+                       if comm.is_main else null_run())
+        with tracked_run as tracked:
+            if comm.is_main:
+                log.info("MLflow run %r (%s) in %s", run_name, tracked.run_id,
+                         tracker.tracking_uri)
+                if state is None:
+                    tracked.log_text(OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
+                    tracked.log_text(OmegaConf.to_yaml(OmegaConf.create(list(overrides))),
+                                     "overrides.yaml")
+                    tracked.log_text(properties.table() + "\n\n" + resolution.findings_table(),
+                                     "precision.txt")
+            path = checkpoint.path_for(folder, tracked.run_id) if comm.is_main else None
+            static = {"mlflow_run_id": tracked.run_id, "config": OmegaConf.to_container(
+                cfg, resolve=True), "world_size": comm.world_size}
+
+            def save(trainer_state: dict) -> str:
+                checkpoint.save(path, {**static, **trainer_state})
+                return str(path)
+
+            trainer = Trainer(
+                model=model,
+                optimizer=parts.optimizer,
+                scheduler=parts.scheduler,
+                engine=parts.engine,
+                train_loader=parts.train_loader,
+                val_loader=parts.val_loader,
+                device=device,
+                cfg=cfg.trainer,
+                on_metrics=tracked.log_metrics,
+                memory=parts.memory,
+                comm=comm,
+                checkpointer=save if comm.is_main else None,
+                stop=stop,
+            )
+            if state is not None:
+                old_budget = state["config"]["trainer"]["max_epochs"]
+                trainer.restore(state, scheduler=old_budget == cfg.trainer.max_epochs)
+                if old_budget != cfg.trainer.max_epochs:  # the schedule of the new length
+                    trainer.scheduler = rebuild_scheduler_at(
+                        cfg.scheduler, parts.optimizer, trainer.train_batches,
+                        cfg.trainer.max_epochs, trainer.global_step, cfg.optimizer.lr)
+                log.info("Resuming %s from %s: after epoch %d and %d batches of the next "
+                         "(step %d)", run_name, resume_path, state["epoch"], state["batch"],
+                         state["global_step"])
+            try:
+                result = trainer.fit()
+            finally:
+                if output_dir is not None:
+                    tracked.log_file(Path(output_dir) / "runner.log", "logs")
+    if comm.is_main:
+        log.info("Finished %s: best val_acc %.4f in %.1f s.\n%s", run_name, result.best_val_acc,
+                 result.train_time_s, tracker.hint())
     return result.best_val_acc

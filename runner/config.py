@@ -32,6 +32,7 @@ class ModelConfig:
 @dataclass
 class TinyModelConfig(ModelConfig):
     width: int = 16
+    norm: str = "batch"  # batch | group (GroupNorm: no batch statistics, e.g. for DDP tests)
 
 
 # ---- data ----------------------------------------------------------------------------------
@@ -157,6 +158,12 @@ class TrainerConfig:
     progress_bar: bool = True
     # stop after this many consecutive skipped steps or non-finite losses (divergence guard)
     max_bad_steps: int = 50
+    # ... or once a dynamic loss scale falls below this while steps overflow (2^-14)
+    collapsed_loss_scale: float = 6.103515625e-05
+    # checkpoints: <checkpoint_dir>/<experiment>/<run name>/<run id>/last.pt (launch directory)
+    checkpoint_dir: str = "checkpoints"
+    checkpoint_every_n_epochs: int = 1  # 0: only when interrupted
+    sync_batchnorm: bool = False  # SyncBatchNorm under torchrun (GPUs with NCCL only)
 
 
 @dataclass
@@ -178,6 +185,7 @@ class RunConfig:
     trainer: TrainerConfig = MISSING
     mlflow: MlflowConfig = MISSING
     dry_run: bool = False
+    resume: Optional[str] = None  # auto (the latest checkpoint of this run name) or a path
     # Free-form settings of an experiment config (experiments/), e.g. a batch size per level that
     # `trainer.batch_size: ${experiment.batch_size.${precision.opt_level}}` picks; logged as params.
     experiment: Dict[str, Any] = field(default_factory=dict)

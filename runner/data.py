@@ -8,6 +8,7 @@ traceback. This module is imported only for a real run (the dry run never loads 
 """
 from __future__ import annotations
 
+import itertools
 import os
 import pickle
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from omegaconf.errors import MissingMandatoryValue
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from torchvision import datasets
 from torchvision import transforms as T
 from torchvision.datasets import CIFAR10, CIFAR100
@@ -319,14 +320,44 @@ def build_datasets(cfg: Any) -> DataBundle:
     raise ConfigError("data.name", f"unknown dataset {name!r}", allowed=DATASET_NAMES)
 
 
+class EpochSampler(DistributedSampler):
+    """The training order: a permutation drawn from (seed, epoch) alone, so that an epoch's order
+    does not depend on what ran before it (a resumed run sees what an uninterrupted one would),
+    each rank taking every world_size-th index (DistributedSampler's sharding, also for one
+    process). `skip` leaves out the first samples of this rank's share: the batches an
+    interrupted epoch already trained on."""
+
+    skip = 0
+
+    def __iter__(self):
+        return itertools.islice(super().__iter__(), self.skip, None)
+
+    def __len__(self) -> int:
+        return max(0, super().__len__() - self.skip)
+
+
+class ShardSampler(Sampler[int]):
+    """Validation order: rank r of w takes indices r, r + w, ... (no padding, so that the summed
+    counts over the ranks are exactly the dataset's)."""
+
+    def __init__(self, size: int, rank: int = 0, world_size: int = 1):
+        self.indices = range(rank, size, world_size)
+
+    def __iter__(self):
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
 def build_loaders(
-    bundle: DataBundle, batch_size: int, num_workers: int, device_type: str, seed: int
+    bundle: DataBundle, batch_size: int, num_workers: int, device_type: str, seed: int,
+    rank: int = 0, world_size: int = 1,
 ) -> Tuple[DataLoader, DataLoader]:
-    """Train loader (shuffled by a generator seeded with `seed`, so the order is reproducible)
-    and val loader (fixed order). Pinned memory only helps host-to-GPU copies, so only on cuda;
-    persistent workers avoid re-forking (and re-rendering synthetic patterns) every epoch."""
-    generator = torch.Generator()
-    generator.manual_seed(int(seed))
+    """Train loader (shuffled per epoch from `seed`: see EpochSampler; this rank's share of
+    every epoch) and val loader (fixed order, this rank's share). `batch_size` is per process.
+    Pinned memory only helps host-to-GPU copies, so only on cuda; persistent workers avoid
+    re-forking (and re-rendering synthetic patterns) every epoch."""
     common = dict(
         batch_size=int(batch_size),
         num_workers=int(num_workers),
@@ -334,7 +365,9 @@ def build_loaders(
         persistent_workers=int(num_workers) > 0,
         drop_last=False,
     )
-    train = DataLoader(bundle.train, shuffle=True, generator=generator, **common)
-    val = DataLoader(bundle.val, shuffle=False, **common)
+    train_sampler = EpochSampler(bundle.train, num_replicas=world_size, rank=rank, shuffle=True,
+                                 seed=int(seed), drop_last=False)
+    train = DataLoader(bundle.train, sampler=train_sampler, **common)
+    val = DataLoader(bundle.val, sampler=ShardSampler(len(bundle.val), rank, world_size),
+                     **common)
     return train, val
-

@@ -12,6 +12,8 @@ torchvision is imported inside the builders so that importing this module stays 
 """
 from __future__ import annotations
 
+import math
+
 from typing import Any, Callable, Dict
 
 from torch import nn
@@ -32,10 +34,14 @@ def resolve_small_input(cfg: Any, image_size: int) -> bool:
 
 
 # ---- tiny ----------------------------------------------------------------------------------
-def _conv_bn_relu(in_ch: int, out_ch: int, stride: int) -> nn.Sequential:
+NORMS = ("batch", "group")
+
+
+def _conv_bn_relu(in_ch: int, out_ch: int, stride: int, norm: str = "batch") -> nn.Sequential:
+    layer = nn.BatchNorm2d(out_ch) if norm == "batch" else nn.GroupNorm(math.gcd(4, out_ch), out_ch)
     return nn.Sequential(
         nn.Conv2d(in_ch, out_ch, kernel_size=3, stride=stride, padding=1, bias=False),
-        nn.BatchNorm2d(out_ch),
+        layer,
         nn.ReLU(inplace=True),
     )
 
@@ -49,11 +55,12 @@ class TinyCNN(nn.Sequential):
     false) the first block also strides so that a 224-pixel batch stays cheap.
     """
 
-    def __init__(self, num_classes: int, width: int = 16, small_input: bool = True):
+    def __init__(self, num_classes: int, width: int = 16, small_input: bool = True,
+                 norm: str = "batch"):
         super().__init__(
-            _conv_bn_relu(3, width, stride=1 if small_input else 2),
-            _conv_bn_relu(width, 2 * width, stride=2),
-            _conv_bn_relu(2 * width, 4 * width, stride=2),
+            _conv_bn_relu(3, width, stride=1 if small_input else 2, norm=norm),
+            _conv_bn_relu(width, 2 * width, stride=2, norm=norm),
+            _conv_bn_relu(2 * width, 4 * width, stride=2, norm=norm),
             nn.AdaptiveAvgPool2d(1),
             nn.Flatten(),
             nn.Linear(4 * width, num_classes),
@@ -64,7 +71,8 @@ class TinyCNN(nn.Sequential):
 
 
 def _build_tiny(cfg: Any, num_classes: int, small_input: bool) -> nn.Module:
-    return TinyCNN(num_classes, width=int(getattr(cfg, "width", 16)), small_input=small_input)
+    return TinyCNN(num_classes, width=int(getattr(cfg, "width", 16)), small_input=small_input,
+                   norm=str(getattr(cfg, "norm", "batch")))
 
 
 # ---- torchvision ---------------------------------------------------------------------------

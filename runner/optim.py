@@ -5,6 +5,7 @@ attempt, skipped steps included: the schedule stays aligned with the data at eve
 """
 from __future__ import annotations
 
+import warnings
 from typing import Iterable
 
 import torch
@@ -60,3 +61,23 @@ def build_scheduler(
             final_div_factor=cfg.final_div_factor,
         )
     raise ValueError(f"unknown scheduler {cfg.name!r}")
+
+
+def rebuild_scheduler_at(cfg, optimizer: torch.optim.Optimizer, steps_per_epoch: int,
+                         max_epochs: int, step: int, base_lr: float) -> LRScheduler | None:
+    """The schedule for a new length, positioned at `step`: for a resumed run whose
+    `trainer.max_epochs` changed (a cosine or one-cycle schedule of the old length would turn
+    back up, or refuse to step, past its end). Every group's lr goes back to `base_lr` (the
+    configured optimizer.lr) without the old scheduler's keys, a fresh scheduler of the new
+    length is built and stepped `step` times (no optimizer step)."""
+    for group in optimizer.param_groups:
+        for key in ("initial_lr", "max_lr", "min_lr"):
+            group.pop(key, None)
+        group["lr"] = base_lr
+    scheduler = build_scheduler(cfg, optimizer, steps_per_epoch, max_epochs)
+    if scheduler is not None:
+        with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": intended
+            warnings.simplefilter("ignore")
+            for _ in range(step):
+                scheduler.step()
+    return scheduler

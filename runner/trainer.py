@@ -8,12 +8,25 @@ losses, stop the run with a `DivergenceError`. Skips are known on the host for f
 step returns False), so they are caught at the step they reach the limit. Non-finite losses are
 counted on the device (a counter reset by every finite loss, no sync) and the counter is read
 together with the loss at the periodic reads (every `log_every_n_steps` steps and at the end of an
-epoch), so that detection can lag by up to `log_every_n_steps` steps.
+epoch), so that detection can lag by up to `log_every_n_steps` steps. A dynamic loss scale that
+falls below `trainer.collapsed_loss_scale` while steps keep overflowing also stops the run.
+
+Checkpoints and interrupts: after every `trainer.checkpoint_every_n_epochs` epochs, and when a
+SIGINT/SIGTERM asks the run to stop (after the step in progress), the checkpointer gets the whole
+state (runner.checkpoint). A resumed run continues at the epoch and batch it stopped at: the
+training order of an epoch depends only on the seed and the epoch (runner.data's EpochSampler),
+so the batches an interrupted epoch already trained on are skipped, not repeated.
+
+Under torchrun (runner.distributed) every rank runs this loop on its shard; the metrics are
+reduced across ranks at the periodic reads (loss mean, non-finite streak and stop requests),
+after validation (loss and accuracy sums) and per epoch (samples, peak memory), and only rank 0's
+sink logs them.
 """
 from __future__ import annotations
 
 import logging
 import math
+import signal
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -23,7 +36,10 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from runner import checkpoint as ckpt
+from runner.distributed import Comm, unwrap
 from runner.errors import DivergenceError
+from runner.interrupts import RunInterrupted, StopRequest
 from runner.probes import MemoryProbe, Stopwatch
 
 log = logging.getLogger(__name__)
@@ -47,6 +63,9 @@ def limit_batches(n_batches: int, limit: int | None) -> int:
     return n_batches if limit is None else min(n_batches, limit)
 
 
+Checkpointer = Callable[[dict], str]  # writes a checkpoint state, returns where
+
+
 class Trainer:
     def __init__(
         self,
@@ -61,8 +80,15 @@ class Trainer:
         cfg,
         on_metrics: MetricsSink,
         memory: MemoryProbe,
+        comm: Comm | None = None,
+        checkpointer: Checkpointer | None = None,
+        stop: StopRequest | None = None,
     ):
-        self.model = model
+        self.model = model  # possibly DistributedDataParallel: the forward of training
+        self.module = unwrap(model)  # the model itself: evaluation, checkpoints
+        self.comm = comm or Comm()
+        self.checkpointer = checkpointer  # None: this rank writes none
+        self.stop = stop
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.engine = engine
@@ -81,6 +107,14 @@ class Trainer:
         self.skip_streak = 0  # consecutive skipped steps (host-side: engine.step says so)
         # consecutive non-finite losses up to the last step, kept on the device (no sync)
         self.bad_loss_streak = torch.zeros((), dtype=torch.int64, device=device)
+        # where training starts (a resumed run: after `epochs_done` epochs and `batches_done`
+        # batches of the next one), what it has seen so far, and the RNG to restore at the start
+        self.epochs_done = 0
+        self.batches_done = 0
+        self.best = -math.inf
+        self.history: list[dict[str, float]] = []
+        self.elapsed_before = 0.0  # training seconds of earlier sessions of this run
+        self._rng_at_start: dict | None = None
 
     # ---- one step ---------------------------------------------------------------------------
     def _to_device(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,7 +150,20 @@ class Trainer:
 
     # ---- divergence guard ----------------------------------------------------------------------
     def _check_skips(self) -> None:
-        """Host-side, free: stop once `max_bad_steps` consecutive steps were skipped."""
+        """Host-side, free: stop once `max_bad_steps` consecutive steps were skipped, or once a
+        dynamic loss scale backed off below `trainer.collapsed_loss_scale` (overflows at every
+        scale: the scaled gradients would be below fp16's range anyway)."""
+        if self.skip_streak == 0:
+            return
+        scaler = self.engine.scalers[0]
+        floor = float(getattr(self.cfg, "collapsed_loss_scale", 0.0) or 0.0)
+        if scaler.dynamic and scaler.scale < floor:
+            raise DivergenceError(
+                f"training diverged: the dynamic loss scale collapsed to {scaler.scale:g}, below "
+                f"trainer.collapsed_loss_scale={floor:g}, after {self.skip_streak} consecutive "
+                f"overflowing steps up to step {self.global_step}: the gradients are inf/NaN "
+                "even when scaled down to nothing; try precision=o2 or a bf16 preset "
+                "(precision=o2_bf16), or a lower optimizer.lr")
         if self.skip_streak < self.max_bad_steps:
             return
         # Failing anyway: one read tells whether the loss itself was non-finite.
@@ -145,31 +192,101 @@ class Trainer:
             "optimizer.lr")
 
     # ---- epochs -----------------------------------------------------------------------------
-    def _log_train_loss(self, window: torch.Tensor, count: int, bar) -> None:
-        # The periodic host read: the mean loss and the non-finite-loss streak in one transfer.
-        value, bad_losses = torch.stack(
-            [window / count, self.bad_loss_streak.to(window.dtype)]).tolist()
+    def _stop_flag(self) -> torch.Tensor:
+        return torch.tensor(float(self.stop is not None and self.stop.requested), device=self.device)
+
+    def _log_train_loss(self, window: torch.Tensor, count: int, bar) -> bool:
+        """The periodic host read: the mean loss (over the ranks), the non-finite-loss streak and
+        the stop request (their maxima over the ranks, so that all ranks act alike), in one
+        transfer. Returns whether the run is asked to stop."""
+        mean = self.comm.sum_(window / count) / self.comm.world_size
+        flags = self.comm.max_(torch.stack([self.bad_loss_streak.to(window.dtype),
+                                            self._stop_flag().to(window.dtype)]))
+        value, bad_losses, stop = torch.cat([mean.reshape(1), flags]).tolist()
         if bad_losses >= self.max_bad_steps:
             self._raise_bad_loss(int(bad_losses))
         lr = self.optimizer.param_groups[0]["lr"]
         self.on_metrics({"train_loss": value, "lr": lr}, self.global_step)
         bar.set_postfix(loss=f"{value:.4f}", scale=f"{self.engine.loss_scale:g}", refresh=False)
+        return stop > 0
 
-    def train_epoch(self, epoch: int) -> tuple[float, int]:
-        """Returns (seconds, samples) for one pass over the training batches."""
+    def _stop_requested_now(self) -> bool:
+        """Between periodic reads: a single process acts on a signal at the next step; ranks of
+        a distributed run agree at the periodic reads instead (a collective per step would cost)."""
+        return not self.comm.active and self.stop is not None and self.stop.requested
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+    def state(self, epochs_done: int, batches_done: int) -> dict:
+        """Everything a resumed run needs (see runner.checkpoint)."""
+        return {
+            "model": self.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "engine": self.engine.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "epoch": epochs_done,
+            "batch": batches_done,
+            "global_step": self.global_step,
+            "best_val_acc": self.best,
+            "history": self.history,
+            "elapsed_s": self.elapsed_before + (time.perf_counter() - self._started),
+            "skip_streak": self.skip_streak,
+            "bad_loss_streak": int(self.bad_loss_streak.item()),
+            "rng": ckpt.rng_state(),
+        }
+
+    def restore(self, state: dict, scheduler: bool = True) -> None:
+        """Continue from a checkpoint's state (the same model, optimizer and engine setup);
+        `scheduler=False` leaves the scheduler to the caller (a schedule of another length)."""
+        self.module.load_state_dict(state["model"])  # O2: re-seeds the fp32 masters exactly
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.engine.load_state_dict(state["engine"])
+        if scheduler and self.scheduler is not None and state["scheduler"] is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.epochs_done = int(state["epoch"])
+        self.batches_done = int(state["batch"])
+        self.global_step = int(state["global_step"])
+        self.best = float(state["best_val_acc"])
+        self.history = list(state["history"])
+        self.elapsed_before = float(state["elapsed_s"])
+        self.skip_streak = int(state["skip_streak"])
+        self.bad_loss_streak.fill_(int(state["bad_loss_streak"]))
+        self._rng_at_start = state["rng"]
+
+    def _save(self, epochs_done: int, batches_done: int) -> str | None:
+        if self.checkpointer is None:
+            return None
+        where = self.checkpointer(self.state(epochs_done, batches_done))
+        log.info("Checkpoint: %s (after epoch %d%s)", where, epochs_done,
+                 f" and {batches_done} batches" if batches_done else "")
+        return where
+
+    def _interrupted(self, epochs_done: int, batches_done: int) -> RunInterrupted:
+        where = self._save(epochs_done, batches_done)
+        # the signal this rank got, or (another rank's request) SIGTERM, what torchrun forwards
+        signum = self.stop.signum if self.stop is not None and self.stop.signum else signal.SIGTERM
+        return RunInterrupted(int(signum), where)
+
+    def train_epoch(self, epoch: int, skip: int = 0) -> tuple[float, int]:
+        """Returns (seconds, samples over all ranks) for one pass over the training batches,
+        starting after the first `skip` (an interrupted epoch, resumed)."""
         self.model.train()
+        sampler = getattr(self.train_loader, "sampler", None)
+        if hasattr(sampler, "set_epoch"):  # the epoch's order, minus what was already trained
+            sampler.set_epoch(epoch)
+            sampler.skip = skip * (self.train_loader.batch_size or 1)
         window = torch.zeros((), device=self.device)
         count = samples = 0
         bar = tqdm(
             total=self.train_batches,
+            initial=skip,
             desc=f"epoch {epoch}/{self.cfg.max_epochs}",
             unit="batch",
-            disable=not self.cfg.progress_bar,
+            disable=not self.cfg.progress_bar or not self.comm.is_main,
             dynamic_ncols=True,
         )
         self.clock.start()
         with bar:
-            for index, (x, y) in enumerate(self.train_loader):
+            for index, (x, y) in enumerate(self.train_loader, start=skip):
                 if index >= self.train_batches:
                     break
                 x, y = self._to_device(x, y)
@@ -178,55 +295,67 @@ class Trainer:
                 samples += y.shape[0]
                 self.global_step += 1
                 self._check_skips()
+                stop = False
                 if self.global_step % self.cfg.log_every_n_steps == 0:
-                    self._log_train_loss(window, count, bar)
+                    stop = self._log_train_loss(window, count, bar)
                     window.zero_()
                     count = 0
                 bar.update()
+                if (stop or self._stop_requested_now()) and index + 1 < self.train_batches:
+                    raise self._interrupted(epoch - 1, index + 1)
             if count:  # short epochs still report their loss
                 self._log_train_loss(window, count, bar)
-        return self.clock.stop(), samples
+        seconds = self.clock.stop()
+        total = self.comm.sum_(torch.tensor(float(samples), device=self.device)).item()
+        return seconds, int(total)
 
     @torch.no_grad()
     def evaluate(self) -> tuple[float, float]:
-        """Returns (mean loss, accuracy) over the validation batches."""
-        self.model.eval()
-        loss_sum = torch.zeros((), device=self.device)
-        correct = torch.zeros((), device=self.device, dtype=torch.long)
+        """Returns (mean loss, accuracy) over the validation batches of all ranks (each rank
+        evaluates its own share with the model itself: no collective inside the loop)."""
+        self.module.eval()
+        loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
+        correct = torch.zeros((), device=self.device, dtype=torch.float64)
         seen = 0
         for index, (x, y) in enumerate(self.val_loader):
             if index >= self.val_batches:
                 break
             x, y = self._to_device(x, y)
             with self.engine.autocast():
-                logits = self.model(x)
+                logits = self.module(x)
             loss_sum += nn.functional.cross_entropy(logits.float(), y, reduction="sum")
             correct += (logits.argmax(dim=1) == y).sum()
             seen += y.shape[0]
-        if seen == 0:
+        totals = self.comm.sum_(torch.stack(
+            [loss_sum, correct, torch.tensor(float(seen), device=self.device, dtype=torch.float64)]))
+        loss_total, correct_total, seen_total = totals.tolist()
+        if seen_total == 0:
             return math.nan, math.nan
-        return loss_sum.item() / seen, correct.item() / seen
+        return loss_total / seen_total, correct_total / seen_total
 
     def fit(self) -> FitResult:
-        best = -math.inf
-        history: list[dict[str, float]] = []
-        started = time.perf_counter()
-        for epoch in range(1, self.cfg.max_epochs + 1):
-            seconds, samples = self.train_epoch(epoch)
+        self._started = time.perf_counter()
+        if self._rng_at_start is not None:  # a resumed run draws what the uninterrupted one would
+            ckpt.restore_rng(self._rng_at_start)
+        every = int(getattr(self.cfg, "checkpoint_every_n_epochs", 0) or 0)
+        for epoch in range(self.epochs_done + 1, self.cfg.max_epochs + 1):
+            skip, self.batches_done = self.batches_done, 0
+            seconds, samples = self.train_epoch(epoch, skip)
             val_loss, val_acc = self.evaluate()
+            peak = self.comm.max_(torch.tensor(self.memory.peak_mb(), device=self.device)).item()
             metrics = {
                 "val_loss": val_loss,
                 "val_acc": val_acc,
                 "epoch_time_s": seconds,
                 "samples_per_s": samples / seconds if seconds > 0 else math.nan,
-                "peak_mem_mb": self.memory.peak_mb(),
+                "peak_mem_mb": peak,
                 "loss_scale": self.engine.loss_scale,
                 "skipped_steps": float(self.engine.skipped_steps),
             }
             self.on_metrics(metrics, epoch)
-            history.append(metrics)
+            self.history.append(metrics)
             if not math.isnan(val_acc):
-                best = max(best, val_acc)
+                self.best = max(self.best, val_acc)
             log.info(
                 "epoch %d/%d: val_acc %.4f  val_loss %.4f  %.1f s  %.0f samples/s  "
                 "peak mem %.0f MB  loss scale %g  skipped %d",
@@ -240,7 +369,14 @@ class Trainer:
                 metrics["loss_scale"],
                 self.engine.skipped_steps,
             )
-        train_time = time.perf_counter() - started
-        best_val_acc = best if best != -math.inf else math.nan
-        self.on_metrics({"best_val_acc": best_val_acc, "train_time_s": train_time}, self.cfg.max_epochs)
-        return FitResult(best_val_acc=best_val_acc, train_time_s=train_time, epochs=history)
+            last = epoch == self.cfg.max_epochs
+            stop = bool(self.comm.max_(self._stop_flag()).item())
+            if stop and not last:
+                raise self._interrupted(epoch, 0)
+            if every and (epoch % every == 0 or last):
+                self._save(epoch, 0)
+        train_time = self.elapsed_before + time.perf_counter() - self._started
+        best_val_acc = self.best if self.best != -math.inf else math.nan
+        self.on_metrics({"best_val_acc": best_val_acc, "train_time_s": train_time},
+                        self.cfg.max_epochs)
+        return FitResult(best_val_acc=best_val_acc, train_time_s=train_time, epochs=self.history)

@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner.config import DATASET_NAMES, DEVICES, MODEL_NAMES, OPTIMIZER_NAMES, SCHEDULER_NAMES
 from runner.csrc import CHOICES as KERNEL_CHOICES
+from runner.models import NORMS
 from runner.errors import ConfigError
 
 Rule = tuple[str, Callable[[Any], bool], str]
@@ -49,6 +50,7 @@ def _rules(cfg: DictConfig) -> list[Rule]:
     rules: list[Rule] = [
         ("model.name", one_of(MODEL_NAMES), ", ".join(MODEL_NAMES)),
         ("model.width", lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
+        ("model.norm", one_of(NORMS), ", ".join(NORMS)),
         ("data.name", one_of(DATASET_NAMES), ", ".join(DATASET_NAMES)),
         ("data.image_size", lambda v: isinstance(v, int) and v >= 8, "an integer >= 8"),
         ("optimizer.name", one_of(OPTIMIZER_NAMES), ", ".join(OPTIMIZER_NAMES)),
@@ -80,6 +82,10 @@ def _rules(cfg: DictConfig) -> list[Rule]:
         ("trainer.limit_val_batches", optional(lambda v: v >= 1), "null or an integer >= 1"),
         ("trainer.log_every_n_steps", lambda v: v >= 1, "an integer >= 1"),
         ("trainer.max_bad_steps", lambda v: v >= 1, "an integer >= 1"),
+        ("trainer.collapsed_loss_scale", non_negative, "a finite number >= 0 (0: never)"),
+        ("trainer.checkpoint_every_n_epochs", lambda v: v >= 0, "an integer >= 0 (0: only "
+         "when interrupted)"),
+        ("trainer.checkpoint_dir", lambda v: bool(v and v.strip()), "a folder path"),
         ("mlflow.tracking_uri", lambda v: bool(v and v.strip()), "a non-empty MLflow URI"),
         ("mlflow.experiment_name", lambda v: bool(v and v.strip()), "a non-empty name"),
     ]

@@ -6,11 +6,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-import socket
-import subprocess
-import sys
-import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -20,6 +15,7 @@ from mlflow.tracking import MlflowClient
 from runner import report
 from runner.sweep import SWEEP_DIR_TAG
 from runner.tracking import PARENT_RUN_TAG, Tracker
+from tests.conftest import MlflowServer
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 REPORT_FILES = {"comparison.md", "comparison.csv", "time_memory_accuracy.png",
@@ -96,12 +92,6 @@ def test_report_compares_the_levels_and_logs_itself_on_the_parent(levels_sweep, 
     assert f"Logged them on the sweep's parent run {parent.info.run_id}" in capsys.readouterr().out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def rest(base: str, endpoint: str, payload: dict | None = None) -> dict:
     data = None if payload is None else json.dumps(payload).encode()
     request = urllib.request.Request(f"{base}/api/2.0/mlflow/{endpoint}", data=data,
@@ -114,24 +104,9 @@ def rest(base: str, endpoint: str, payload: dict | None = None) -> dict:
 def test_a_tracking_server_serves_the_sweep_tree(levels_sweep, tmp_path):
     """What the MLflow UI reads: a real `mlflow server` on the sweep's store, over REST."""
     _, uri = levels_sweep
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    log = (tmp_path / "server.log").open("w")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri,
-         "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-        cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
+    server = MlflowServer(uri, tmp_path).start()
+    base = server.url
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=2):
-                    break
-            except (urllib.error.URLError, ConnectionError):
-                assert time.monotonic() < deadline, "mlflow server did not start in 120 s"
-                time.sleep(0.5)
-
         experiment = rest(base, "experiments/get-by-name?experiment_name=amp-runner")["experiment"]
         ids = [experiment["experiment_id"]]
         tags = {t["key"]: t["value"] for t in experiment["tags"]}
@@ -157,13 +132,7 @@ def test_a_tracking_server_serves_the_sweep_tree(levels_sweep, tmp_path):
         assert report.main(["--tracking-uri", base, "--parent", parent_id, "--out", str(out)]) == 0
         assert [r["level"] for r in read_csv(out / "comparison.csv")] == ["O0", "O1", "O2", "O3"]
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-        log.close()
+        server.stop()
 
 
 # ---- edge cases, on small stores written with the runner's Tracker ------------------------------

@@ -112,6 +112,7 @@ class AmpEngine:
         max_loss_scale: Optional[float] = None,
         cast_model_outputs: Optional[torch.dtype] = None,
         kernels: str = "auto",
+        flag_reducer: Optional[Callable[[torch.Tensor], Any]] = None,
     ):
         if num_losses < 1:
             raise ValueError(f"num_losses must be >= 1, got {num_losses}")
@@ -125,6 +126,9 @@ class AmpEngine:
         # the compiled kernels for this device (None: torch's ops); see runner.csrc
         self.kernels: Optional[csrc.Kernels] = csrc.load(self.device, kernels)
         self._scale_tensors: dict[float, torch.Tensor] = {}
+        # data-parallel training: sums the non-finite flags over the ranks in place before the
+        # host read, so that every rank skips (and backs off) together
+        self.flag_reducer = flag_reducer
         self.skipped_steps = 0
         self._optimizers: dict[int, tuple[torch.optim.Optimizer, _OptimizerState]] = {}
         self._io_hooks: list[IOCastHooks] = []
@@ -467,11 +471,14 @@ class AmpEngine:
                 for o in flags[1:]:
                     f = f + o.to(f.device)
                 sums.append(f)
-            if len(sums) == 1:
+            if len(sums) == 1 and self.flag_reducer is None:
                 values = [sums[0].item()]
             else:
                 dev = sums[0].device
-                values = torch.cat([s.to(dev) for s in sums]).tolist()
+                combined = torch.cat([s.to(dev).reshape(1) for s in sums])
+                if self.flag_reducer is not None:
+                    self.flag_reducer(combined)
+                values = combined.tolist()
             for (i, flags), v in zip(pending, values):
                 st.found[i] = st.found.get(i, False) or v != 0
                 flags.clear()

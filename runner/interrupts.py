@@ -1,0 +1,58 @@
+"""SIGINT and SIGTERM stop a run cleanly: the current step finishes, a checkpoint is written, the
+MLflow run is marked KILLED and the process exits 128 + the signal's number (130 for Ctrl-C, 143
+for SIGTERM, what schedulers such as SLURM send before they kill a job). A second Ctrl-C stops
+at once (the run is still marked KILLED, but no checkpoint is written)."""
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from types import FrameType
+from typing import Optional
+
+log = logging.getLogger(__name__)
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """The run stopped on a signal after writing its checkpoint; `exit_code` is 128 + signal."""
+
+    def __init__(self, signum: int, checkpoint: Optional[str] = None):
+        self.signum = signum
+        self.checkpoint = checkpoint
+        self.exit_code = 128 + signum
+        where = f"; checkpoint {checkpoint} (resume=auto continues)" if checkpoint else ""
+        super().__init__(f"interrupted by {signal.Signals(signum).name}{where}")
+
+
+class StopRequest:
+    """Records the first SIGINT/SIGTERM instead of dying, for the training loop to act on between
+    steps (`requested`). Installed as a context manager, in the main thread only (elsewhere
+    Python cannot take signals, and the defaults stay)."""
+
+    def __init__(self) -> None:
+        self.signum: Optional[int] = None
+        self._previous: dict[int, object] = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # the second Ctrl-C: now
+        self.signum = signum
+        log.warning("%s received: stopping after this step with a checkpoint (Ctrl-C again to "
+                    "stop at once)", signal.Signals(signum).name)
+
+    def __enter__(self) -> "StopRequest":
+        if threading.current_thread() is threading.main_thread():
+            for sig in SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()

@@ -1,0 +1,115 @@
+"""`python -m runner.replay FOLDER`: deliver what a run could not log while its tracking server was
+away.
+
+When the server does not answer at the end of a run, the run writes the metrics it still holds,
+its final status, its error and its log file into a local MLflow store, `FOLDER/mlflow.db` (the
+run's output folder's `mlflow-offline/`), as a run tagged with the server's URI and the server
+run's id. Once the server is back, this command sends them there (into the same server run,
+which then ends with its real status) and marks the local run as replayed, so a second replay
+sends nothing twice. `--to URI` sends them to another server than the recorded one.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Sequence
+
+from mlflow.entities import Metric, RunStatus
+from mlflow.tracking import MlflowClient
+
+TARGET_RUN = "replay.target_run_id"
+TARGET_URI = "replay.target_uri"
+STATUS = "replay.status"
+DONE = "replay.done"
+DB = "mlflow.db"
+
+log = logging.getLogger(__name__)
+
+
+def local_uri(folder: Path) -> str:
+    return f"sqlite:///{folder.resolve() / DB}"
+
+
+def write_offline(folder: Path, tracked: Any, status: str, error: str | None,
+                  metrics: list[Metric], artifacts: list[tuple[str, str | None]]) -> Path:
+    """The undelivered part of `tracked` (a runner.tracking.TrackedRun) as a run of a local
+    store in `folder`; returns the folder."""
+    folder.mkdir(parents=True, exist_ok=True)
+    client = MlflowClient(local_uri(folder))
+    name = tracked.experiment_name or "amp-runner"
+    experiment = client.get_experiment_by_name(name)
+    experiment_id = experiment.experiment_id if experiment else client.create_experiment(
+        name, artifact_location=(folder / "artifacts").resolve().as_uri())
+    tags = {TARGET_RUN: tracked.run_id, TARGET_URI: tracked.tracking_uri, STATUS: status}
+    if error:
+        tags["error"] = error
+    run = client.create_run(experiment_id, run_name=f"replay of {tracked.run_id}", tags=tags)
+    for i in range(0, len(metrics), 1000):
+        client.log_batch(run.info.run_id, metrics=metrics[i:i + 1000])
+    for path, artifact_path in artifacts:
+        client.log_artifact(run.info.run_id, path, artifact_path)
+    client.set_terminated(run.info.run_id, status=RunStatus.to_string(RunStatus.FINISHED))
+    return folder
+
+
+def replay(folder: Path, to: str | None = None) -> list[str]:
+    """Send every not-yet-replayed run of the local store in `folder`; returns the server run ids
+    it completed. Raises (nothing is marked replayed) when the server does not take them."""
+    local = MlflowClient(local_uri(folder))
+    done = []
+    experiments = [e.experiment_id for e in local.search_experiments()]
+    for run in local.search_runs(experiments, filter_string=f"tags.`{TARGET_RUN}` != ''"):
+        tags = run.data.tags
+        if DONE in tags:
+            continue
+        target_uri = to or tags[TARGET_URI]
+        target_id = tags[TARGET_RUN]
+        server = MlflowClient(target_uri)
+        server.get_run(target_id)  # the run must exist there: raises with MLflow's message
+        metrics = [m for key in run.data.metrics
+                   for m in local.get_metric_history(run.info.run_id, key)]
+        metrics = [Metric(m.key, m.value, m.timestamp, m.step) for m in metrics]
+        for i in range(0, len(metrics), 1000):
+            server.log_batch(target_id, metrics=metrics[i:i + 1000])
+        with tempfile.TemporaryDirectory() as scratch:
+            if local.list_artifacts(run.info.run_id):
+                path = local.download_artifacts(run.info.run_id, "", scratch)
+                server.log_artifacts(target_id, path)
+        if "error" in tags:
+            server.set_tag(target_id, "error", tags["error"])
+        server.set_terminated(target_id, status=tags[STATUS])
+        local.set_tag(run.info.run_id, DONE, target_uri)
+        log.info("Replayed %d metrics into run %s at %s (status %s)", len(metrics), target_id,
+                 target_uri, tags[STATUS])
+        done.append(target_id)
+    return done
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m runner.replay", description=__doc__)
+    parser.add_argument("folder", type=Path, help="the offline store's folder (mlflow-offline/ "
+                        "in the run's output folder; the run's log names it)")
+    parser.add_argument("--to", default=None, help="the tracking server (default: the one the "
+                        "run was logging to)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    folder = args.folder if args.folder.is_dir() else args.folder.parent
+    if not (folder / DB).is_file():
+        print(f"No offline store in {folder} (expected {folder / DB})", file=sys.stderr)
+        return 2
+    try:
+        done = replay(folder, args.to)
+    except Exception as error:  # noqa: BLE001  (the server is still away, or refuses)
+        print(f"Replay failed, nothing marked as replayed: {type(error).__name__}: {error}",
+              file=sys.stderr)
+        return 1
+    print(f"Replayed {len(done)} run(s)" + (f": {', '.join(done)}" if done else
+                                             " (nothing left to replay)"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

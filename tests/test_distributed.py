@@ -1,0 +1,140 @@
+"""Data-parallel training with real torchrun processes (Gloo on CPU) against one process.
+
+2 processes with batch 16 each see, step for step, the same 32 images as 1 process with batch 32
+(runner.data.EpochSampler shards every epoch's permutation), and DDP averages their gradients, so
+both must reach the same weights. The model is the GroupNorm variant of `tiny` (BatchNorm's batch
+statistics differ by construction between 2 x 16 and 1 x 32 images).
+
+Tolerances: O0 (fp32) differs only by the order of the gradient sums: rtol 1e-5, atol 1e-6 on
+the weights after 10 SGD steps. o2_bf16 computes each half batch's gradients in bfloat16 and
+all-reduces them in bfloat16 (8 bits of mantissa), so the updates differ by the bf16 rounding of
+the gradients: at most 10 steps x lr 0.1 x a momentum sum of up to 1/(1-0.9) x |g| x 2^-8, a few
+1e-3 in absolute terms: atol 5e-3 (measured: 2.5e-3; one process under torchrun matches the
+plain run to 3e-6). The test also checks that training moved the weights by far more than that.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from runner import app, checkpoint
+from runner.errors import ConfigError
+from tests.conftest import REPO, compose_config
+
+COMMON = [
+    "model=tiny_gn",
+    "data=synthetic",
+    "data.num_train=160",
+    "data.num_val=40",
+    "data.image_size=16",
+    "trainer.max_epochs=2",
+    "trainer.num_workers=0",
+    "trainer.progress_bar=false",
+    "trainer.log_every_n_steps=1",
+    "scheduler=none",
+]
+
+
+def _weights(folder: Path, run_name: str) -> dict[str, torch.Tensor]:
+    root = checkpoint.run_folder(folder / "checkpoints", "amp-runner", run_name)
+    return checkpoint.load(checkpoint.find("auto", root))["model"]
+
+
+def torchrun(nproc: int, args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone",
+         f"--nproc_per_node={nproc}", "-m", "runner", *args],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset,rtol,atol", [("o0", 1e-5, 1e-6), ("o2_bf16", 0.0, 5e-3)])
+def test_two_gloo_processes_train_like_one_with_the_global_batch(tmp_path, preset, rtol, atol):
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir()
+    two.mkdir()
+    store = "mlflow.tracking_uri=sqlite:///{}/mlflow.db"
+    reference = compose_config(*COMMON, f"precision={preset}", "trainer.batch_size=32",
+                               store.format(one), f"trainer.checkpoint_dir={one}/checkpoints")
+    app.run(reference)
+    result = torchrun(2, [*COMMON, f"precision={preset}", "trainer.batch_size=16",
+                          store.format(two), f"trainer.checkpoint_dir={two}/checkpoints"], two)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+    run_name = app.default_run_name(reference)
+    a, b = _weights(one, run_name), _weights(two, run_name)
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=rtol, atol=atol,
+                                   msg=lambda m, key=key: f"{key}: {m}")
+    device, resolution = app.check_config(reference)
+    start = app.build(reference, device, resolution).model.state_dict()  # the initial weights
+    moved = max((a[k] - start[k]).abs().max().item() for k in a)
+    assert moved > 10 * max(atol, 1e-5), moved  # the comparison is not vacuous
+
+    # only rank 0 logged: one run, with the world size and the global batch size
+    client = MlflowClient(f"sqlite:///{two}/mlflow.db")
+    (run,) = client.search_runs([client.get_experiment_by_name("amp-runner").experiment_id])
+    assert run.info.status == "FINISHED"
+    assert run.data.params["distributed.world_size"] == "2"
+    assert run.data.params["trainer.global_batch_size"] == "32"
+    # metrics reduced over the ranks: the same validation accuracy as one process (all 40 images)
+    client1 = MlflowClient(f"sqlite:///{one}/mlflow.db")
+    (run1,) = client1.search_runs([client1.get_experiment_by_name("amp-runner").experiment_id])
+    assert run.data.metrics["samples_per_s"] > 0
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")] == \
+        list(range(1, 11))  # 5 steps per epoch: each step of the global batch, once
+    if preset == "o0":
+        assert run.data.metrics["val_acc"] == pytest.approx(run1.data.metrics["val_acc"],
+                                                            abs=1 / 40)
+
+
+def test_sync_batchnorm_on_a_cpu_is_a_config_error():
+    cfg = compose_config(*COMMON, "trainer.sync_batchnorm=true", "trainer.device=cpu")
+    with pytest.raises(ConfigError) as e:
+        app.check_config(cfg)
+    assert e.value.key == "trainer.sync_batchnorm" and "NCCL" in str(e.value)
+
+
+def test_the_slurm_launcher_runs_one_task_per_gpu():
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    cfg = compose_config("hydra/launcher=slurm", "hydra.launcher.gpus_per_node=4",
+                         "hydra.launcher.partition=gpu", return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher") and launcher.partition == "gpu"
+    assert launcher.tasks_per_node == 4 and launcher.signal_delay_s > 0
+
+
+def test_slurm_tasks_become_ranks():
+    """What a task of a 2-node, 4-task SLURM job sees: SLURM's variables; submitit's helper
+    turns them into the ones torch.distributed reads."""
+    pytest.importorskip("submitit")
+    from runner import distributed
+
+    saved = dict(os.environ)  # submitit writes os.environ itself: restore all of it after
+    try:
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            os.environ.pop(key, None)
+        os.environ.update({
+            "SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": "123", "SLURM_NTASKS": "4",
+            "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_JOB_NUM_NODES": "2",
+            "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "node[7-8]",
+            "SLURM_STEP_NODELIST": "node[7-8]"})
+        assert distributed.from_slurm_tasks()
+        assert distributed.launched_by_torchrun()
+        assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == \
+            ("3", "4", "1")
+        assert os.environ["MASTER_ADDR"] == "node7"
+        os.environ["SLURM_NTASKS"] = "1"  # one task: an ordinary single-process run
+        assert not distributed.from_slurm_tasks()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
