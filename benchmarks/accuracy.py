@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
-from common import REPO, command, machine, now  # noqa: E402
+from common import REPO, command, compose, machine, now  # noqa: E402
 
 EXPERIMENT = "accuracy-parity"
 TARGET_POINTS = 1.0  # a checked level's mean must be within this many points of O0's mean
@@ -152,6 +152,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available")
 
+    from runner.app import preset_options
+
     known = preset_options()
     levels = args.levels or (CUDA_LEVELS if args.device == "cuda" else CPU_LEVELS)
     unknown = [lvl for lvl in levels if lvl not in known]
@@ -174,17 +176,6 @@ def task_overrides(args: argparse.Namespace) -> list[str]:
         f"trainer.device={args.device}",
         *args.extra,
     ]
-
-
-def compose(overrides: Sequence[str]):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    import runner.config  # noqa: F401  (registers the schemas)
-    from runner.paths import config_dir
-
-    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-        return hydra_compose("config", overrides=list(overrides))
 
 
 def describe_dtype(precision) -> str:
@@ -340,12 +331,6 @@ def verdict(rows: list[LevelSummary]) -> str:
 
 def _pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.2f}"
-
-
-def preset_options() -> list[str]:
-    from runner.paths import config_dir
-
-    return sorted(p.stem for p in (config_dir() / "precision").glob("*.yaml"))
 
 
 def render_markdown(report: dict, rows: list[LevelSummary]) -> str:

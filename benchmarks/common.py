@@ -1,5 +1,7 @@
-"""What every benchmark records beside its numbers: the machine, the versions, the exact command
-and the date, so that a committed result can be reproduced and compared like with like."""
+"""Shared by the benchmarks. What every benchmark records beside its numbers (the machine, the
+versions, the exact command, the date, the load average), so that a committed result can be
+reproduced and compared like with like; and the runner's own objects built from a composed config
+(`build_runner`), so that the timing benchmarks step exactly what a run steps."""
 from __future__ import annotations
 
 import datetime as _dt
@@ -7,8 +9,9 @@ import os
 import platform
 import shlex
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, Optional, Sequence
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # `python benchmarks/<name>.py` from a checkout
@@ -44,3 +47,101 @@ def command(script: str, argv: Sequence[str]) -> str:
 
 def now() -> str:
     return _dt.datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+def load_average() -> list[float]:
+    """1-, 5- and 15-minute load averages: timings on a shared machine are only as good as its
+    quiet, so every timing benchmark records them at its start and end."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
+
+
+def compose(overrides: Sequence[str]):
+    """The project's config tree composed with Hydra's compose API, as `python -m runner` would."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    import runner.config  # noqa: F401  (registers the schemas)
+    from runner.paths import config_dir
+
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        return hydra_compose("config", overrides=list(overrides))
+
+
+@dataclass
+class RunnerParts:
+    """What `runner.app.run` builds for one config, plus one training batch on the device."""
+
+    cfg: Any
+    device: Any
+    properties: Any
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    engine: Any
+    trainer: Any
+    memory: Any
+    batch: tuple
+    kernels: str
+    fp32_model: Any = None  # a copy of the model before the engine cast it (same weights)
+
+
+def build_runner(cfg, on_metrics: Optional[Callable] = None, keep_fp32_copy: bool = False
+                 ) -> RunnerParts:
+    """The runner's own objects for `cfg`, built by the same calls in the same order as
+    `runner.app.run` (which builds and trains in one function, so the build half is repeated
+    here without the MLflow run), then one batch of the training data moved to the device the
+    trainer's way. A benchmark times `parts.trainer.train_step(*parts.batch)`: the runner's step.
+
+    The memory probe is reset before anything is built, as in a run, so `parts.memory.peak_mb()`
+    counts weights, masters, optimizer state and activations. `keep_fp32_copy` keeps a copy of the
+    freshly initialised fp32 model (before the engine cast it) for a hand-written comparison
+    loop that must start from the same weights."""
+    import copy
+
+    import torch
+
+    from runner import csrc
+    from runner.app import resolve_precision, seed_everything, select_device
+    from runner.data import build_datasets, build_loaders
+    from runner.models import build_model
+    from runner.optim import build_optimizer, build_scheduler
+    from runner.precision import AmpEngine
+    from runner.probes import MemoryProbe
+    from runner.trainer import Trainer
+    from runner.validation import validate
+
+    validate(cfg)
+    device = select_device(cfg.trainer.device)
+    properties = resolve_precision(cfg, device).properties
+    memory = MemoryProbe(device)
+    memory.reset()
+    seed_everything(cfg.trainer.seed)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = cfg.trainer.cudnn_benchmark
+    bundle = build_datasets(cfg.data)
+    train_loader, val_loader = build_loaders(
+        bundle, cfg.trainer.batch_size, cfg.trainer.num_workers, device.type, cfg.trainer.seed)
+    model = build_model(cfg.model, bundle.num_classes, bundle.image_size).to(device)
+    if cfg.trainer.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    fp32_model = copy.deepcopy(model) if keep_fp32_copy else None
+    optimizer = build_optimizer(cfg.optimizer, model.parameters())
+    engine = AmpEngine(properties, device, kernels=cfg.precision.kernels)
+    model, optimizer = engine.prepare(model, optimizer)
+    steps_per_epoch = len(train_loader)
+    if cfg.trainer.limit_train_batches is not None:
+        steps_per_epoch = min(steps_per_epoch, cfg.trainer.limit_train_batches)
+    scheduler = build_scheduler(cfg.scheduler, optimizer, steps_per_epoch, cfg.trainer.max_epochs)
+    trainer = Trainer(
+        model=model, optimizer=optimizer, scheduler=scheduler, engine=engine,
+        train_loader=train_loader, val_loader=val_loader, device=device, cfg=cfg.trainer,
+        on_metrics=on_metrics or (lambda metrics, step: None), memory=memory)
+    x, y = next(iter(train_loader))
+    batch = trainer._to_device(x, y)
+    return RunnerParts(cfg=cfg, device=device, properties=properties, model=model,
+                       optimizer=optimizer, scheduler=scheduler, engine=engine, trainer=trainer,
+                       memory=memory, batch=batch, kernels=csrc.name_of(engine.kernels),
+                       fp32_model=fp32_model)
