@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
-from common import REPO, command, compose, machine, now  # noqa: E402
+from common import REPO, command, compose, describe_dtype, machine, now  # noqa: E402
 
 EXPERIMENT = "accuracy-parity"
 TARGET_POINTS = 1.0  # a checked level's mean must be within this many points of O0's mean
@@ -176,21 +176,6 @@ def task_overrides(args: argparse.Namespace) -> list[str]:
         f"trainer.device={args.device}",
         *args.extra,
     ]
-
-
-def describe_dtype(precision) -> str:
-    """What the level computes in, from the resolved preset."""
-    cast = precision.get("cast_model_type")
-    if precision.get("opt_level") == "O0":
-        return "float32"
-    if cast is None:
-        return f"float32 weights, autocast {precision.get('autocast_dtype')}"
-    parts = [str(cast)]
-    if precision.get("keep_batchnorm_fp32"):
-        parts.append("fp32 BatchNorm")
-    if precision.get("master_weights"):
-        parts.append("fp32 master weights")
-    return parts[0] + (f" ({', '.join(parts[1:])})" if len(parts) > 1 else "")
 
 
 def prepare_store(tracking_uri: str, experiment: str) -> None:

@@ -70,6 +70,21 @@ def compose(overrides: Sequence[str]):
         return hydra_compose("config", overrides=list(overrides))
 
 
+def describe_dtype(precision) -> str:
+    """What a level computes in, from its composed `precision` config section."""
+    cast = precision.get("cast_model_type")
+    if precision.get("opt_level") == "O0":
+        return "float32"
+    if cast is None:
+        return f"float32 weights, autocast {precision.get('autocast_dtype')}"
+    parts = [str(cast)]
+    if precision.get("keep_batchnorm_fp32"):
+        parts.append("fp32 BatchNorm")
+    if precision.get("master_weights"):
+        parts.append("fp32 master weights")
+    return parts[0] + (f" ({', '.join(parts[1:])})" if len(parts) > 1 else "")
+
+
 @dataclass
 class RunnerParts:
     """What `runner.app.run` builds for one config, plus one training batch on the device."""
@@ -84,12 +99,13 @@ class RunnerParts:
     trainer: Any
     memory: Any
     batch: tuple
+    cpu_batch: tuple  # the same batch as the loader gave it (host memory), for reuse
     kernels: str
     fp32_model: Any = None  # a copy of the model before the engine cast it (same weights)
 
 
-def build_runner(cfg, on_metrics: Optional[Callable] = None, keep_fp32_copy: bool = False
-                 ) -> RunnerParts:
+def build_runner(cfg, on_metrics: Optional[Callable] = None, keep_fp32_copy: bool = False,
+                 cpu_batch: Optional[tuple] = None) -> RunnerParts:
     """The runner's own objects for `cfg`, built by the same calls in the same order as
     `runner.app.run` (which builds and trains in one function, so the build half is repeated
     here without the MLflow run), then one batch of the training data moved to the device the
@@ -98,7 +114,8 @@ def build_runner(cfg, on_metrics: Optional[Callable] = None, keep_fp32_copy: boo
     The memory probe is reset before anything is built, as in a run, so `parts.memory.peak_mb()`
     counts weights, masters, optimizer state and activations. `keep_fp32_copy` keeps a copy of the
     freshly initialised fp32 model (before the engine cast it) for a hand-written comparison
-    loop that must start from the same weights."""
+    loop that must start from the same weights. `cpu_batch` (a previous build's `cpu_batch`, for
+    the same data config) skips drawing the batch again: synthetic 224-px images take seconds."""
     import copy
 
     import torch
@@ -139,9 +156,10 @@ def build_runner(cfg, on_metrics: Optional[Callable] = None, keep_fp32_copy: boo
         model=model, optimizer=optimizer, scheduler=scheduler, engine=engine,
         train_loader=train_loader, val_loader=val_loader, device=device, cfg=cfg.trainer,
         on_metrics=on_metrics or (lambda metrics, step: None), memory=memory)
-    x, y = next(iter(train_loader))
+    x, y = cpu_batch if cpu_batch is not None else next(iter(train_loader))
     batch = trainer._to_device(x, y)
     return RunnerParts(cfg=cfg, device=device, properties=properties, model=model,
                        optimizer=optimizer, scheduler=scheduler, engine=engine, trainer=trainer,
-                       memory=memory, batch=batch, kernels=csrc.name_of(engine.kernels),
+                       memory=memory, batch=batch, cpu_batch=(x, y),
+                       kernels=csrc.name_of(engine.kernels),
                        fp32_model=fp32_model)

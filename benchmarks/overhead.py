@@ -286,17 +286,18 @@ def task_overrides(args: argparse.Namespace, level: str) -> list[str]:
 
 
 # ---- timing -------------------------------------------------------------------------------------
-def timed_block(step: Callable[[], object], steps: int, device) -> float:
+def timed_block(step: Callable[[], object], steps: int, device) -> tuple[float, object]:
     """Seconds per step over `steps` steps, device-synchronised at both ends (queued GPU work
-    counts; within the block the CPU may run ahead, as in training)."""
+    counts; within the block the CPU may run ahead, as in training), and the last step's
+    result."""
     from runner.probes import synchronize
 
     synchronize(device)
     started = time.perf_counter()
     for _ in range(steps):
-        step()
+        result = step()
     synchronize(device)
-    return (time.perf_counter() - started) / steps
+    return (time.perf_counter() - started) / steps, result
 
 
 def _quartiles(values: list[float]) -> tuple[float, float]:
@@ -351,7 +352,7 @@ class Level:
     def run_round(self, index: int, block: int) -> None:
         order = list(self.sides) if index % 2 == 0 else list(reversed(self.sides))
         for name in order:
-            self.times[name].append(timed_block(self.sides[name], block, self.device))
+            self.times[name].append(timed_block(self.sides[name], block, self.device)[0])
 
     def result(self) -> dict:
         runner, hand = self.times["runner"], self.times["handwritten"]
