@@ -38,7 +38,8 @@ from pathlib import Path
 from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
-from common import REPO, command, compose, describe_dtype, machine, now  # noqa: E402
+from common import (REPO, command, compose, describe_dtype, machine, now,  # noqa: E402
+                    prepare_store)
 
 EXPERIMENT = "accuracy-parity"
 TARGET_POINTS = 1.0  # a checked level's mean must be within this many points of O0's mean
@@ -176,22 +177,6 @@ def task_overrides(args: argparse.Namespace) -> list[str]:
         f"trainer.device={args.device}",
         *args.extra,
     ]
-
-
-def prepare_store(tracking_uri: str, experiment: str) -> None:
-    """Create the experiment with its artifacts beside a SQLite database (not ./mlartifacts in the
-    directory the benchmark was started from)."""
-    from mlflow.tracking import MlflowClient
-
-    from runner.tracking import EXPERIMENT_KIND
-
-    client = MlflowClient(tracking_uri)
-    if client.get_experiment_by_name(experiment) is not None:
-        return
-    location = None
-    if tracking_uri.startswith("sqlite:///"):
-        location = (Path(tracking_uri[len("sqlite:///"):]).parent / "mlartifacts").as_uri()
-    client.create_experiment(experiment, artifact_location=location, tags=dict([EXPERIMENT_KIND]))
 
 
 def read_run_metrics(tracking_uri: str, experiment: str, key: str) -> tuple[str | None, dict]:

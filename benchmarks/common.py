@@ -85,6 +85,22 @@ def describe_dtype(precision) -> str:
     return parts[0] + (f" ({', '.join(parts[1:])})" if len(parts) > 1 else "")
 
 
+def prepare_store(tracking_uri: str, experiment: str) -> None:
+    """Create the experiment with its artifacts beside a SQLite database (not ./mlartifacts in the
+    directory the benchmark was started from)."""
+    from mlflow.tracking import MlflowClient
+
+    from runner.tracking import EXPERIMENT_KIND
+
+    client = MlflowClient(tracking_uri)
+    if client.get_experiment_by_name(experiment) is not None:
+        return
+    location = None
+    if tracking_uri.startswith("sqlite:///"):
+        location = (Path(tracking_uri[len("sqlite:///"):]).parent / "mlartifacts").as_uri()
+    client.create_experiment(experiment, artifact_location=location, tags=dict([EXPERIMENT_KIND]))
+
+
 @dataclass
 class RunnerParts:
     """What `runner.app.run` builds for one config, plus one training batch on the device."""
