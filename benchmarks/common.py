@@ -49,6 +49,25 @@ def now() -> str:
     return _dt.datetime.now().astimezone().isoformat(timespec="seconds")
 
 
+def add_threads_option(parser) -> None:
+    parser.add_argument(
+        "--threads", type=int, default=None,
+        help="torch's CPU threads (default: torch's choice, one per core). On a small shared "
+        "machine 1 makes CPU timings far less sensitive to other processes (a parallel op "
+        "waits for its slowest thread), at the cost of speed")
+
+
+def apply_threads(parser, args) -> None:
+    """`--threads` into torch, before `machine()` records the thread count."""
+    if args.threads is None:
+        return
+    if args.threads < 1:
+        parser.error("--threads must be at least 1")
+    import torch
+
+    torch.set_num_threads(args.threads)
+
+
 def load_average() -> list[float]:
     """1-, 5- and 15-minute load averages: timings on a shared machine are only as good as its
     quiet, so every timing benchmark records them at its start and end."""

@@ -44,8 +44,8 @@ from pathlib import Path
 from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
-from common import (REPO, build_runner, command, compose, describe_dtype,  # noqa: E402
-                    load_average, machine, now)
+from common import (REPO, add_threads_option, apply_threads, build_runner,  # noqa: E402
+                    command, compose, describe_dtype, load_average, machine, now)
 from overhead import handwritten_step, timed_block  # noqa: E402
 
 MODELS = ["resnet18", "resnet50", "densenet161", "vgg16_bn"]
@@ -116,7 +116,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    "and write the table and figure to --out")
     p.add_argument("--extra", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
                    help="more Hydra overrides for every cell, applied last")
+    add_threads_option(p)
     args = p.parse_args(argv)
+    apply_threads(p, args)
 
     if args.from_json:
         missing = [str(f) for f in args.from_json if not f.is_file()]

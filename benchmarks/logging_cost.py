@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
-from common import (REPO, build_runner, command, compose, load_average, machine,  # noqa: E402
-                    now, prepare_store)
+from common import (REPO, add_threads_option, apply_threads, build_runner,  # noqa: E402
+                    command, compose, load_average, machine, now, prepare_store)
 
 EXPERIMENT = "logging-cost"
 TARGET_FRACTION = 0.01
@@ -89,7 +89,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    "benchmarks/results/logging_cost_<device>.md)")
     p.add_argument("--extra", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
                    help="more Hydra overrides, applied last")
+    add_threads_option(p)
     args = p.parse_args(argv)
+    apply_threads(p, args)
 
     import torch
 
