@@ -79,7 +79,7 @@ fi
   exit 1
 }
 "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || {
-  echo "no CUDA device here: this suite is for a GPU machine (CPU figures: see benchmarks/README.md)" >&2
+  echo "no CUDA device here: this suite is for a GPU machine (see benchmarks/README.md)" >&2
   exit 1
 }
 # 2. The CUDA toolkit for the kernels' build.
@@ -98,7 +98,8 @@ fi
   "$PY" -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, \
 'cudnn', torch.backends.cudnn.version(), torch.cuda.get_device_name(0))"
   echo "CUDA_HOME=${CUDA_HOME:-unset}"
-  "$PY" -m pip list 2>/dev/null | grep -i -E "^(torch|torchvision|mlflow|hydra|omegaconf|matplotlib) "
+  "$PY" -m pip list 2>/dev/null \
+    | grep -i -E "^(torch|torchvision|mlflow|hydra|omegaconf|matplotlib) "
 } > "$OUT/environment.txt" 2>&1
 head -n 40 "$OUT/environment.txt" | grep -E "torch|CUDA_HOME|NVIDIA|H100|H200" | head -n 8
 "$PY" -c "import matplotlib" 2> /dev/null \

@@ -408,6 +408,7 @@ def verdict(report: dict) -> str:
 def render(report: dict) -> str:
     t = report["task"]
     m = report["machine"]
+    rows = report["results"]
     lines = [
         f"# Runner overhead ({report['device']})",
         "",
@@ -443,7 +444,8 @@ def render(report: dict) -> str:
         "",
         "The first-loss column is the loss of each side's first step, on the same weights and "
         "batch: equal values show that both sides start from the same model and data. The "
-        f"runner's fused kernels in use: {', '.join(sorted({r['kernels'] for r in report['results']}))}.",
+        f"runner's kernel backend: {', '.join(sorted({r['kernels'] for r in rows}))} (O0 has "
+        "nothing to fuse and steps with its optimizer).",
         "",
         "## Setup",
         "",
