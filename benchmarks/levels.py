@@ -221,6 +221,8 @@ def measure_cell(args, model: str, level: str, batches: dict) -> dict:
             "steps": args.steps, "warmup": args.warmup, "status": "ok", "error": None}
     device = torch.device(args.device)
     release_memory(device)
+    if device.type == "cuda":  # what earlier cells left behind (should be ~0): in the peak too
+        cell["allocated_before_mb"] = torch.cuda.memory_allocated(device) / 2**20
     try:
         cfg = compose(cell_overrides(args, model, preset))
         cell["opt_level"] = str(cfg.precision.opt_level)
