@@ -38,7 +38,8 @@ from pathlib import Path
 from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
-from common import REPO, command, machine, now  # noqa: E402
+from common import (REPO, command, compose, machine, now,  # noqa: E402
+                    prepare_store)
 
 EXPERIMENT = "accuracy-parity"
 TARGET_POINTS = 1.0  # a checked level's mean must be within this many points of O0's mean
@@ -152,6 +153,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available")
 
+    from runner.app import preset_options
+
     known = preset_options()
     levels = args.levels or (CUDA_LEVELS if args.device == "cuda" else CPU_LEVELS)
     unknown = [lvl for lvl in levels if lvl not in known]
@@ -174,33 +177,6 @@ def task_overrides(args: argparse.Namespace) -> list[str]:
         f"trainer.device={args.device}",
         *args.extra,
     ]
-
-
-def compose(overrides: Sequence[str]):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    import runner.config  # noqa: F401  (registers the schemas)
-    from runner.paths import config_dir
-
-    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-        return hydra_compose("config", overrides=list(overrides))
-
-
-def prepare_store(tracking_uri: str, experiment: str) -> None:
-    """Create the experiment with its artifacts beside a SQLite database (not ./mlartifacts in the
-    directory the benchmark was started from)."""
-    from mlflow.tracking import MlflowClient
-
-    from runner.tracking import EXPERIMENT_KIND
-
-    client = MlflowClient(tracking_uri)
-    if client.get_experiment_by_name(experiment) is not None:
-        return
-    location = None
-    if tracking_uri.startswith("sqlite:///"):
-        location = (Path(tracking_uri[len("sqlite:///"):]).parent / "mlartifacts").as_uri()
-    client.create_experiment(experiment, artifact_location=location, tags=dict([EXPERIMENT_KIND]))
 
 
 def read_run_metrics(tracking_uri: str, experiment: str, key: str) -> tuple[str | None, dict]:
@@ -326,12 +302,6 @@ def verdict(rows: list[LevelSummary]) -> str:
 
 def _pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.2f}"
-
-
-def preset_options() -> list[str]:
-    from runner.paths import config_dir
-
-    return sorted(p.stem for p in (config_dir() / "precision").glob("*.yaml"))
 
 
 def render_markdown(report: dict, rows: list[LevelSummary]) -> str:

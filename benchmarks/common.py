@@ -1,5 +1,7 @@
-"""What every benchmark records beside its numbers: the machine, the versions, the exact command
-and the date, so that a committed result can be reproduced and compared like with like."""
+"""Shared by the benchmarks. What every benchmark records beside its numbers (the machine, the
+versions, the exact command, the date, the load average), so that a committed result can be
+reproduced and compared like with like; and the runner's own objects built from a composed config
+(`build_runner`), so that the timing benchmarks step exactly what a run steps."""
 from __future__ import annotations
 
 import datetime as _dt
@@ -7,8 +9,9 @@ import os
 import platform
 import shlex
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, Optional, Sequence
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # `python benchmarks/<name>.py` from a checkout
@@ -44,3 +47,114 @@ def command(script: str, argv: Sequence[str]) -> str:
 
 def now() -> str:
     return _dt.datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+def add_threads_option(parser) -> None:
+    parser.add_argument(
+        "--threads", type=int, default=None,
+        help="torch's CPU threads (default: torch's choice, one per core). On a small shared "
+        "machine 1 makes CPU timings far less sensitive to other processes (a parallel op "
+        "waits for its slowest thread), at the cost of speed")
+
+
+def apply_threads(parser, args) -> None:
+    """`--threads` into torch, before `machine()` records the thread count."""
+    if args.threads is None:
+        return
+    if args.threads < 1:
+        parser.error("--threads must be at least 1")
+    import torch
+
+    torch.set_num_threads(args.threads)
+
+
+def load_average() -> list[float]:
+    """1-, 5- and 15-minute load averages: timings on a shared machine are only as good as its
+    quiet, so every timing benchmark records them at its start and end."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
+
+
+def compose(overrides: Sequence[str]):
+    """The project's config tree composed with Hydra's compose API, as `python -m runner` would."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    import runner.config  # noqa: F401  (registers the schemas)
+    from runner.paths import config_dir
+
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        return hydra_compose("config", overrides=list(overrides))
+
+
+def prepare_store(tracking_uri: str, experiment: str) -> None:
+    """Create the experiment with its artifacts beside a SQLite database (not ./mlartifacts in the
+    directory the benchmark was started from)."""
+    from mlflow.tracking import MlflowClient
+
+    from runner.tracking import EXPERIMENT_KIND
+
+    client = MlflowClient(tracking_uri)
+    if client.get_experiment_by_name(experiment) is not None:
+        return
+    location = None
+    if tracking_uri.startswith("sqlite:///"):
+        location = (Path(tracking_uri[len("sqlite:///"):]).parent / "mlartifacts").as_uri()
+    client.create_experiment(experiment, artifact_location=location, tags=dict([EXPERIMENT_KIND]))
+
+
+@dataclass
+class RunnerParts:
+    """What `runner.app.run` builds for one config, plus one training batch on the device."""
+
+    cfg: Any
+    device: Any
+    properties: Any
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    engine: Any
+    trainer: Any
+    memory: Any
+    batch: tuple
+    cpu_batch: tuple  # the same batch as the loader gave it (host memory), for reuse
+    kernels: str
+    fp32_model: Any = None  # a copy of the model before the engine cast it (same weights)
+
+
+def build_runner(cfg, on_metrics: Optional[Callable] = None, keep_fp32_copy: bool = False,
+                 cpu_batch: Optional[tuple] = None) -> RunnerParts:
+    """The runner's own objects for `cfg`, built by `runner.app.build` exactly as a run builds
+    them (without the MLflow run), a Trainer over them, then one batch of the training data moved
+    to the device the trainer's way. A benchmark times `parts.trainer.train_step(*parts.batch)`:
+    the runner's step.
+
+    The memory probe is reset where a run resets it (once the data is in memory), so
+    `parts.memory.peak_mb()` counts weights, masters, optimizer state and activations.
+    `keep_fp32_copy` keeps a copy of the freshly initialised fp32 model (before the engine cast
+    it) for a hand-written comparison loop that must start from the same weights. `cpu_batch` (a
+    previous build's `cpu_batch`, for the same data config) skips drawing the batch again:
+    synthetic 224-px images take seconds."""
+    import copy
+
+    from runner import app, csrc
+    from runner.trainer import Trainer
+
+    device, resolution = app.check_config(cfg)
+    copies: list = []
+    parts = app.build(cfg, device, resolution, on_model=(
+        lambda model: copies.append(copy.deepcopy(model))) if keep_fp32_copy else None)
+    trainer = Trainer(
+        model=parts.model, optimizer=parts.optimizer, scheduler=parts.scheduler,
+        engine=parts.engine, train_loader=parts.train_loader, val_loader=parts.val_loader,
+        device=device, cfg=cfg.trainer,
+        on_metrics=on_metrics or (lambda metrics, step: None), memory=parts.memory)
+    x, y = cpu_batch if cpu_batch is not None else next(iter(parts.train_loader))
+    batch = trainer._to_device(x, y)
+    return RunnerParts(cfg=cfg, device=device, properties=resolution.properties,
+                       model=parts.model, optimizer=parts.optimizer, scheduler=parts.scheduler,
+                       engine=parts.engine, trainer=trainer, memory=parts.memory, batch=batch,
+                       cpu_batch=(x, y), kernels=csrc.name_of(parts.engine.kernels),
+                       fp32_model=copies[0] if copies else None)

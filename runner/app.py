@@ -13,7 +13,7 @@ import random
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -158,9 +158,12 @@ class Parts:
 
 
 def build(cfg: DictConfig, device: torch.device, resolution: Resolution,
-          comm: Comm | None = None) -> Parts:
+          comm: Comm | None = None,
+          on_model: Callable[[torch.nn.Module], None] | None = None) -> Parts:
     """Data, model, optimizer, engine and scheduler for `cfg` (valid: see check_config).
-    Seeds first, so every rank of a distributed run builds the same initial weights."""
+    Seeds first, so every rank of a distributed run builds the same initial weights.
+    `on_model` sees the freshly built model before the engine casts it (a benchmark keeps an
+    fp32 copy of the same weights this way)."""
     from runner.data import build_datasets, build_loaders
     from runner.models import build_model
     from runner.optim import build_optimizer, build_scheduler
@@ -187,6 +190,8 @@ def build(cfg: DictConfig, device: torch.device, resolution: Resolution,
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if cfg.trainer.channels_last:
         model = model.to(memory_format=torch.channels_last)
+    if on_model is not None:
+        on_model(model)
     shape_findings = tensor_core_findings(
         model, cfg.trainer.batch_size, properties, DeviceInfo.from_torch(device))
     if shape_findings:  # info only: never stops the run

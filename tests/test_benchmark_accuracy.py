@@ -2,23 +2,16 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.benchmark_helpers import load_benchmark
 
 
 def _load_benchmark():
-    spec = importlib.util.spec_from_file_location(
-        "benchmark_accuracy", REPO / "benchmarks" / "accuracy.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("accuracy")
 
 
 @pytest.mark.slow  # two real runs and a fresh MLflow store: about 10-15 s on 2 cores

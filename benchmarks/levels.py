@@ -1,0 +1,568 @@
+"""Per-level table: throughput, step time and peak memory of each precision level, per model.
+
+Every cell is the runner's real path: the objects `runner.app.run` builds for the config
+(`common.build_runner`: model, optimizer, scheduler, AmpEngine from the preset, Trainer), stepped
+with `Trainer.train_step` on one synthetic batch held in memory on the device (no data loading in
+the timing). After warm-up steps, each timed step is device-synchronised; the step time is the
+median, throughput is batch / median step time. Peak memory is the runner's own MemoryProbe,
+reset before the cell's objects are built (as at the start of a run):
+  CUDA: torch.cuda.max_memory_allocated (weights, masters, optimizer state, activations, batch).
+  CPU:  the process's peak resident memory above its resident memory at the reset (VmHWM,
+        Linux); freed memory of the previous cell is handed back to the OS (malloc_trim) first.
+        A coarser figure than CUDA's: allocator caching and thread pools count too.
+
+The `torch_amp` row is not a runner level: it is overhead.py's hand-written torch.autocast +
+torch.amp.GradScaler loop (bf16 without a scaler on CPU) on the same model, data and optimizer,
+the reference the O2 target is judged against.
+
+    python benchmarks/levels.py                                     # CPU: 32 px, O0 + bf16
+    python benchmarks/levels.py --device cuda --models resnet18,resnet50            # part 1
+    python benchmarks/levels.py --device cuda --models densenet161,vgg16_bn --merge  # part 2
+    python benchmarks/levels.py --from-json a.json b.json --out results/levels_cuda.md
+
+GPU defaults: 224x224, batch 128 (256 for resnet18), channels_last and cudnn.benchmark on, TF32
+off (the fp32 baseline is true fp32), 10 warm-up and 30 timed steps per cell: about 8-12 minutes
+for the whole table on an H100, so it runs as two commands of a few minutes each (two model
+halves, the second merged into the first's results). Targets (issue 7, H100/H200, ResNet-50 at
+224x224, batch 128): O1 and O2 at least 2x O0's throughput; O2 peak memory at most 0.6x O0's;
+O2 not slower than torch_amp. Outputs: Markdown, CSV, JSON and a PNG figure (grouped bars).
+Exit 0 whatever the verdict; 1 if a cell crashed; 2 for bad arguments.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import ctypes
+import gc
+import json
+import math
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
+from common import (REPO, add_threads_option, apply_threads, build_runner,  # noqa: E402
+                    command, compose, load_average, machine, now)
+from overhead import handwritten_step, timed_block  # noqa: E402
+
+MODELS = ["resnet18", "resnet50", "densenet161", "vgg16_bn"]
+HANDWRITTEN = "torch_amp"
+CUDA_LEVELS = ["o0", "o1", "o2", "o3", "o1_bf16", "o2_bf16", "o3_bf16", HANDWRITTEN]
+CPU_LEVELS = ["o0", "o1_bf16", "o2_bf16", "o3_bf16"]
+LEVEL_ORDER = ["o0", "o1", "o2", "o3", "o1_bf16", "o2_bf16", "o3_bf16", HANDWRITTEN]
+DEFAULTS = {
+    "cuda": {"image_size": 224, "steps": 30, "warmup": 10, "channels_last": True},
+    "cpu": {"image_size": 32, "steps": 3, "warmup": 1, "channels_last": False},
+}
+# Issue 7's GPU targets, judged on ResNet-50 at 224x224, batch 128, on an H100/H200.
+TARGET_MODEL, TARGET_SIZE, TARGET_BATCH = "resnet50", 224, 128
+TARGET_SPEEDUP, TARGET_MEMORY = 2.0, 0.6
+
+
+def default_batch(device: str, model: str) -> int:
+    if device == "cuda":
+        return 256 if model == "resnet18" else 128
+    return 64
+
+
+def handwritten_preset(device: str) -> str:
+    """The preset whose settings the torch_amp row takes: fp16 with a scaler on CUDA, bf16 on
+    CPU (fp16 is emulated there)."""
+    return "o1" if device == "cuda" else "o1_bf16"
+
+
+# ---- arguments ----------------------------------------------------------------------------------
+def _csv_list(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python benchmarks/levels.py",
+        description="Per-level table: throughput, step time and peak memory of each precision "
+        "level per model, on the runner's real training step; Markdown, CSV, JSON and a PNG.")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--models", type=_csv_list, default=None,
+                   help=f"comma-separated model options (default {','.join(MODELS)})")
+    p.add_argument("--levels", type=_csv_list, default=None,
+                   help=f"comma-separated presets, and {HANDWRITTEN} for the hand-written "
+                   f"autocast loop (default: CUDA {','.join(CUDA_LEVELS)}; CPU "
+                   f"{','.join(CPU_LEVELS)})")
+    p.add_argument("--image-size", type=int, default=None,
+                   help="synthetic image side (default 224 on CUDA, 32 on CPU)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="batch size for every model (default: CUDA 128, 256 for resnet18; "
+                   "CPU 64)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="timed steps per cell (default 30 on CUDA, 3 on CPU)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="untimed steps per cell first (default 10 on CUDA, 1 on CPU)")
+    p.add_argument("--channels-last", choices=["on", "off"], default=None,
+                   help="trainer.channels_last (default on for CUDA, off for CPU)")
+    p.add_argument("--tf32", action="store_true",
+                   help="allow TF32 for fp32 matmuls/convolutions on CUDA (default off: O0 is "
+                   "true fp32)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="Markdown table; .csv, .json and .png beside (default "
+                   "benchmarks/results/levels_<device>.md)")
+    p.add_argument("--merge", action="store_true",
+                   help="keep the cells of an existing --out JSON (same device) that this run "
+                   "does not measure, so that several commands fill one table")
+    p.add_argument("--from-json", type=Path, nargs="+", default=None, metavar="JSON",
+                   help="measure nothing: merge these results files (later ones win per cell) "
+                   "and write the table and figure to --out")
+    p.add_argument("--extra", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                   help="more Hydra overrides for every cell, applied last")
+    add_threads_option(p)
+    args = p.parse_args(argv)
+    apply_threads(p, args)
+
+    if args.from_json:
+        missing = [str(f) for f in args.from_json if not f.is_file()]
+        if missing:
+            p.error(f"--from-json: no such file: {', '.join(missing)}")
+        devices = {json.loads(f.read_text()).get("device") for f in args.from_json}
+        if len(devices) != 1:
+            p.error(f"--from-json: the files are from different devices ({devices})")
+        args.device = devices.pop()
+        args.out = args.out or REPO / "benchmarks" / "results" / f"levels_{args.device}.md"
+        return args
+
+    import torch
+
+    from runner.app import preset_options
+    from runner.config import MODEL_NAMES
+
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is available")
+    d = DEFAULTS[args.device]
+    args.image_size = d["image_size"] if args.image_size is None else args.image_size
+    args.steps = d["steps"] if args.steps is None else args.steps
+    args.warmup = d["warmup"] if args.warmup is None else args.warmup
+    args.channels_last = d["channels_last"] if args.channels_last is None \
+        else args.channels_last == "on"
+    for name in ("image_size", "steps", "batch_size"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.warmup < 0:
+        p.error("--warmup must be >= 0")
+    args.models = list(dict.fromkeys(args.models or MODELS))
+    unknown = [m for m in args.models if m not in MODEL_NAMES]
+    if unknown:
+        p.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODEL_NAMES)}")
+    levels = args.levels or (CUDA_LEVELS if args.device == "cuda" else CPU_LEVELS)
+    known = [*preset_options(), HANDWRITTEN]
+    unknown = [lvl for lvl in levels if lvl not in known]
+    if unknown:
+        p.error(f"unknown level(s) {', '.join(unknown)}; choose from {', '.join(known)}")
+    args.levels = list(dict.fromkeys(levels))
+    args.out = args.out or REPO / "benchmarks" / "results" / f"levels_{args.device}.md"
+    if args.merge and args.out.with_suffix(".json").is_file():
+        previous = json.loads(args.out.with_suffix(".json").read_text())
+        if previous.get("device") != args.device:
+            p.error(f"--merge: {args.out.with_suffix('.json')} holds {previous.get('device')} "
+                    f"results, not {args.device}")
+    return args
+
+
+def cell_overrides(args, model: str, preset: str) -> list[str]:
+    batch = args.batch_size or default_batch(args.device, model)
+    return [
+        f"model={model}",
+        "data=synthetic",
+        f"data.image_size={args.image_size}",
+        f"data.num_train={batch}",
+        f"data.num_val={batch}",
+        f"trainer.batch_size={batch}",
+        "trainer.num_workers=0",
+        "trainer.progress_bar=false",
+        f"trainer.device={args.device}",
+        f"trainer.channels_last={str(args.channels_last).lower()}",
+        "trainer.cudnn_benchmark=true",
+        f"precision={preset}",
+        *args.extra,
+    ]
+
+
+# ---- measuring ----------------------------------------------------------------------------------
+def release_memory(device) -> None:
+    """Free the previous cell's memory before the next reset, so that its peak is the new cell's:
+    the CUDA cache emptied; on CPU glibc's free lists handed back to the OS (else a later cell
+    reuses resident memory and its peak above the reset under-counts)."""
+    import torch
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def measure_cell(args, model: str, level: str, batches: dict) -> dict:
+    """One (model, level): build, warm up, time `args.steps` steps, read the peak memory."""
+    import torch
+
+    from runner.errors import ConfigError
+
+    preset = handwritten_preset(args.device) if level == HANDWRITTEN else level
+    batch_size = args.batch_size or default_batch(args.device, model)
+    cell = {"model": model, "level": level, "preset": preset, "batch_size": batch_size,
+            "image_size": args.image_size, "channels_last": args.channels_last,
+            "steps": args.steps, "warmup": args.warmup, "status": "ok", "error": None}
+    device = torch.device(args.device)
+    release_memory(device)
+    if device.type == "cuda":  # what earlier cells left behind (should be ~0): in the peak too
+        cell["allocated_before_mb"] = torch.cuda.memory_allocated(device) / 2**20
+    try:
+        cfg = compose(cell_overrides(args, model, preset))
+        cell["opt_level"] = str(cfg.precision.opt_level)
+        from runner.report import describe_dtype
+
+        cell["dtype"] = describe_dtype(cfg.precision)
+        key = (args.image_size, batch_size)
+        parts = build_runner(cfg, cpu_batch=batches.get(key))
+        batches[key] = parts.cpu_batch
+        cell["kernels"] = parts.kernels
+        cell["memory_kind"] = parts.memory.kind
+        if level == HANDWRITTEN:
+            # the O1 engine leaves the model as built (fp32, no hooks): the loop takes it over
+            step = handwritten_step(parts.model, cfg, parts.properties, parts.batch)
+            cell["opt_level"] = "-"
+            cell["dtype"] = (f"float32 weights, torch.autocast {parts.properties.autocast_dtype}"
+                             .replace("torch.", "") + (" + GradScaler" if
+                                                       parts.properties.dynamic_loss_scale
+                                                       else ""))
+        else:
+            trainer, batch = parts.trainer, parts.batch
+            step = lambda: trainer.train_step(*batch)  # noqa: E731
+        for _ in range(args.warmup):
+            step()
+        times = []
+        for _ in range(args.steps):
+            seconds, loss = timed_block(step, 1, device)
+            times.append(seconds)
+        loss = float(loss)
+        median = statistics.median(times)
+        cell.update({
+            "step_ms": 1e3 * median,
+            "step_ms_min": 1e3 * min(times),
+            "step_ms_max": 1e3 * max(times),
+            "samples_per_s": batch_size / median,
+            "peak_mem_mb": parts.memory.peak_mb(),
+            "final_loss_finite": math.isfinite(loss),
+            "skipped_steps": parts.engine.skipped_steps if level != HANDWRITTEN else None,
+        })
+    except ConfigError as error:  # e.g. bf16 on a GPU before Ampere: an outcome, not a crash
+        cell["status"], cell["error"] = "refused", str(error)
+    except torch.cuda.OutOfMemoryError as error:
+        cell["status"], cell["error"] = "out of memory", str(error).splitlines()[0]
+    except Exception as error:  # noqa: BLE001  (reported; the exit status says so)
+        cell["status"], cell["error"] = "crashed", f"{type(error).__name__}: {error}"
+        traceback.print_exc()
+    return cell  # the cell's objects go with this frame; the next cell releases their memory
+
+
+# ---- merging and reporting ----------------------------------------------------------------------
+def merge(reports: list[dict]) -> dict:
+    """One report from several (same device): later reports' cells replace earlier ones with the
+    same (model, level); every contributing run (command, date, machine) is kept."""
+    runs: list[dict] = []
+    cells: dict[tuple[str, str], dict] = {}
+    for report in reports:
+        offset = len(runs)
+        runs.extend(report["runs"])
+        for cell in report["cells"]:
+            cells[(cell["model"], cell["level"])] = {**cell, "run": cell["run"] + offset}
+    used = sorted({c["run"] for c in cells.values()})
+    renumber = {old: new for new, old in enumerate(used)}
+    ordered = sorted(cells.values(), key=lambda c: (
+        MODELS.index(c["model"]) if c["model"] in MODELS else len(MODELS), c["model"],
+        LEVEL_ORDER.index(c["level"]) if c["level"] in LEVEL_ORDER else len(LEVEL_ORDER)))
+    return {
+        "benchmark": "levels",
+        "device": reports[-1]["device"],
+        "runs": [runs[i] for i in used],
+        "cells": [{**c, "run": renumber[c["run"]]} for c in ordered],
+    }
+
+
+def _ok(cell: dict | None) -> bool:
+    return cell is not None and cell["status"] == "ok"
+
+
+def relative(cells: list[dict]) -> None:
+    """Throughput and peak memory as multiples of the same model's O0 cell (when measured)."""
+    base = {c["model"]: c for c in cells if c["level"] == "o0" and _ok(c)}
+    for c in cells:
+        b = base.get(c["model"])
+        ok = _ok(c) and b is not None
+        c["speedup_vs_o0"] = c["samples_per_s"] / b["samples_per_s"] if ok else None
+        c["memory_vs_o0"] = (c["peak_mem_mb"] / b["peak_mem_mb"]
+                             if ok and b["peak_mem_mb"] > 0 else None)
+
+
+def verdict(report: dict) -> str:
+    cells = {(c["model"], c["level"]): c for c in report["cells"]}
+    if report["device"] != "cuda":
+        parts = []
+        for model in dict.fromkeys(c["model"] for c in report["cells"]):
+            speedups = [f"{c['level']} {c['speedup_vs_o0']:.2f}x" for c in report["cells"]
+                        if c["model"] == model and c["level"] != "o0"
+                        and c.get("speedup_vs_o0") is not None]
+            if speedups:
+                parts.append(f"{model}: " + ", ".join(speedups))
+        return ("NO TARGETS on CPU (issue 7's targets are for ResNet-50 on an H100/H200). "
+                "Throughput against O0: " + ("; ".join(parts) or "no O0 baseline") + ".")
+    o0, o1, o2, amp = (cells.get((TARGET_MODEL, lvl)) for lvl in ("o0", "o1", "o2", HANDWRITTEN))
+    if not (_ok(o0) and _ok(o1) and _ok(o2) and _ok(amp)):
+        return (f"NOT JUDGED: the targets need {TARGET_MODEL}'s o0, o1, o2 and {HANDWRITTEN} "
+                "cells, and some are missing or failed.")
+    checks = [
+        (f"O1 {o1['speedup_vs_o0']:.2f}x O0 throughput (>= {TARGET_SPEEDUP:g}x)",
+         o1["speedup_vs_o0"] >= TARGET_SPEEDUP),
+        (f"O2 {o2['speedup_vs_o0']:.2f}x O0 throughput (>= {TARGET_SPEEDUP:g}x)",
+         o2["speedup_vs_o0"] >= TARGET_SPEEDUP),
+        (f"O2 peak memory {o2['memory_vs_o0']:.2f}x O0 (<= {TARGET_MEMORY:g}x)",
+         o2["memory_vs_o0"] <= TARGET_MEMORY),
+        (f"O2 {o2['samples_per_s'] / amp['samples_per_s']:.2f}x the hand-written autocast + "
+         "GradScaler loop's throughput (>= 1)", o2["samples_per_s"] >= amp["samples_per_s"]),
+    ]
+    head = "PASS" if all(ok for _, ok in checks) else "MISS"
+    text = f"{head} ({TARGET_MODEL}): " + "; ".join(
+        f"{label}: {'meets' if ok else 'misses'}" for label, ok in checks) + "."
+    gpu = report["runs"][o2["run"]]["machine"].get("gpu", "")
+    if (o0["image_size"], o0["batch_size"]) != (TARGET_SIZE, TARGET_BATCH) or \
+            not any(name in gpu for name in ("H100", "H200")):
+        text += (f" (The targets are set for an H100/H200 at {TARGET_SIZE}x{TARGET_SIZE}, batch "
+                 f"{TARGET_BATCH}; this setting differs, so the verdict is informational.)")
+    return text
+
+
+def _fmt(value, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def render(report: dict) -> str:
+    device = report["device"]
+    memory_note = (
+        "CUDA `max_memory_allocated`, reset per cell" if device == "cuda" else
+        "the process's peak resident memory above its resident memory when the cell started "
+        "(MemoryProbe, `cpu_rss_peak_above_start`): weights, masters, optimizer state, "
+        "activations and whatever the allocator and thread pools keep; coarser than a GPU "
+        "allocator's count")
+    first = report["runs"][0] if report["runs"] else {}
+    lines = [
+        f"# Precision levels: throughput and memory ({device})",
+        "",
+        "Each cell is the runner's training step (`Trainer.train_step` on the objects "
+        "`runner.app.run` builds) on one synthetic batch in memory: median step time over the "
+        "timed steps (device-synchronised), throughput = batch / median step time, peak memory "
+        f"= {memory_note}. `torch_amp` is a hand-written torch.autocast loop (+ GradScaler for "
+        "fp16) on the same model, data and optimizer, for comparison. "
+        + ("fp32 TF32 is off, so O0 is true fp32. " if device == "cuda" and
+           not first.get("settings", {}).get("tf32") else "")
+        + "`x O0` columns are relative to the same model's O0 cell. A throwaway pass (the tiny "
+        "model, one step per level) runs before the first cell, so that one-time "
+        "initialisation is charged to no cell.",
+        "",
+        "| model | level | preset | dtype | image | batch | step ms | samples/s | x O0 "
+        "throughput | peak MB | x O0 memory | note |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for c in report["cells"]:
+        note = c["status"] if c["status"] != "ok" else ""
+        if c["status"] == "ok" and not c.get("final_loss_finite", True):
+            note = "loss non-finite (timing still valid)"
+        if c.get("skipped_steps"):
+            note = (note + "; " if note else "") + f"{c['skipped_steps']} skipped"
+        lines.append(
+            f"| {c['model']} | {c.get('opt_level', '?')} | `{c['level']}` | {c.get('dtype', '?')}"
+            f" | {c['image_size']} | {c['batch_size']} | {_fmt(c.get('step_ms'), '.1f')} | "
+            f"{_fmt(c.get('samples_per_s'), '.0f')} | {_fmt(c.get('speedup_vs_o0'), '.2f', 'x')}"
+            f" | {_fmt(c.get('peak_mem_mb'), '.0f')} | "
+            f"{_fmt(c.get('memory_vs_o0'), '.2f', 'x')} | {note} |")
+    lines += ["", f"Verdict: {report['verdict']}", ""]
+    failed = [c for c in report["cells"] if c["status"] != "ok"]
+    if failed:
+        lines += ["Cells without figures:", ""]
+        lines += [f"- {c['model']} `{c['level']}`: {c['status']}: {c['error']}" for c in failed]
+        lines.append("")
+    lines += ["## Setup", ""]
+    for i, run in enumerate(report["runs"]):
+        m = run["machine"]
+        s = run["settings"]
+        models = sorted({c["model"] for c in report["cells"] if c["run"] == i})
+        lines += [
+            f"- Run {i + 1} ({', '.join(models)}): {m['cpu']}, {m['cores']} cores (torch uses "
+            f"{m['torch_threads']} threads)"
+            + (f"; GPU {m['gpu']}, CUDA {m['cuda']}" if "gpu" in m else "")
+            + f"; torch {m['torch']}, Python {m['python']}",
+            f"  - {s['warmup']} warm-up + {s['steps']} timed steps per cell; channels_last "
+            f"{'on' if s['channels_last'] else 'off'}; cudnn.benchmark on"
+            + (f"; TF32 {'on' if s.get('tf32') else 'off'}" if device == "cuda" else ""),
+            f"  - Load average (1, 5, 15 min): {run['load_start']} at start, {run['load_end']} "
+            f"at end; date {run['date']}; wall time {run['wall_s']:.0f} s",
+            f"  - Command: `{run['command']}`",
+        ]
+    if report["runs"]:
+        lines += ["- Config per cell (Hydra overrides): "
+                  + " ".join(f"`{o}`" for o in report["runs"][-1]["overrides"])]
+    lines.append("")
+    return "\n".join(lines)
+
+
+def figure(report: dict, path: Path) -> Path | None:
+    """Grouped bars, one group (column) per model with its own scale, since models differ by an
+    order of magnitude: throughput (top row) and peak memory (bottom row) per level, each bar
+    labelled with its multiple of the model's O0. None (and a note) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no figure (render one later with --from-json)",
+              file=sys.stderr)
+        return None
+    cells = [c for c in report["cells"] if _ok(c)]
+    if not cells:
+        return None
+    models = list(dict.fromkeys(c["model"] for c in cells))
+    levels = [lvl for lvl in LEVEL_ORDER if any(c["level"] == lvl for c in cells)]
+    levels += sorted({c["level"] for c in cells} - set(levels))
+    color = {lvl: plt.get_cmap("tab10")(i % 10) for i, lvl in enumerate(levels)}
+    fig, axes = plt.subplots(2, len(models), figsize=(2.0 + 2.6 * len(models), 6.5),
+                             squeeze=False)
+    rows = (("samples_per_s", "speedup_vs_o0", "throughput (samples/s)"),
+            ("peak_mem_mb", "memory_vs_o0", "peak memory (MB)"))
+    for col, model in enumerate(models):
+        mine = [c for lvl in levels for c in cells if c["model"] == model and c["level"] == lvl]
+        for row, (key, rel, label) in enumerate(rows):
+            ax = axes[row][col]
+            xs = range(len(mine))
+            bars = ax.bar(xs, [c[key] for c in mine], color=[color[c["level"]] for c in mine],
+                          edgecolor="white",
+                          hatch=[("//" if c["level"] == HANDWRITTEN else "") for c in mine])
+            for bar, c in zip(bars, mine):
+                if c.get(rel) is not None:
+                    ax.annotate(f"{c[rel]:.2f}x", (bar.get_x() + bar.get_width() / 2,
+                                                   bar.get_height()),
+                                ha="center", va="bottom", fontsize=7)
+            ax.set_xticks(list(xs), [c["level"] for c in mine], rotation=45, ha="right",
+                          fontsize=8)
+            ax.margins(y=0.12)
+            ax.grid(axis="y", alpha=0.3)
+            if col == 0:
+                ax.set_ylabel(label)
+            if row == 0:
+                ax.set_title(f"{model}, batch {mine[0]['batch_size']}", fontsize=10)
+    run = report["runs"][-1]
+    where = run["machine"].get("gpu") or run["machine"]["cpu"]
+    sizes = "/".join(str(s) for s in sorted({c["image_size"] for c in cells}))
+    fig.suptitle(f"Precision levels on {report['device']} ({where})\n{sizes} px synthetic "
+                 "inputs; bar labels: multiple of the model's O0", fontsize=11)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+CSV_FIELDS = ["model", "level", "preset", "opt_level", "dtype", "image_size", "batch_size",
+              "channels_last", "status", "step_ms", "samples_per_s", "speedup_vs_o0",
+              "peak_mem_mb", "memory_vs_o0", "memory_kind", "kernels", "steps", "warmup", "run"]
+
+
+def write_outputs(out: Path, report: dict, with_figure: bool = True) -> list[Path]:
+    relative(report["cells"])
+    report["verdict"] = verdict(report)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(render(report))
+    csv_path, json_path = out.with_suffix(".csv"), out.with_suffix(".json")
+    with csv_path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(report["cells"])
+    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    paths = [out, csv_path, json_path]
+    if with_figure:
+        png = figure(report, out.with_suffix(".png"))
+        if png is not None:
+            paths.append(png)
+    return paths
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.from_json:
+        report = merge([json.loads(f.read_text()) for f in args.from_json])
+        paths = write_outputs(args.out, report)
+        print(render(report))
+        print("Wrote " + ", ".join(str(p) for p in paths))
+        return 0
+
+    import torch
+
+    if args.device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = args.tf32
+        torch.backends.cudnn.allow_tf32 = args.tf32
+    previous = []
+    json_path = args.out.with_suffix(".json")
+    if args.merge and json_path.is_file():
+        previous = [json.loads(json_path.read_text())]
+    run = {
+        "command": command("levels.py", argv), "date": now(), "machine": machine(args.device),
+        "load_start": load_average(), "load_end": None, "wall_s": 0.0,
+        "settings": {"steps": args.steps, "warmup": args.warmup,
+                     "channels_last": args.channels_last, "tf32": args.tf32},
+        "overrides": cell_overrides(args, "<model>", "<level>"),
+    }
+    total = len(args.models) * len(args.levels)
+    print(f"Levels on {args.device}: {', '.join(args.models)} x {', '.join(args.levels)} at "
+          f"{args.image_size} px, {args.warmup}+{args.steps} steps per cell; load average "
+          f"{run['load_start']}", flush=True)
+    started = time.perf_counter()
+    cells: list[dict] = []
+    batches: dict = {}
+    # A throwaway pass first (the tiny model, one step per level), so that one-time
+    # initialisation (thread pools, oneDNN/cuDNN/cuBLAS handles and workspaces, the kernels'
+    # load) is charged to no cell's time or peak memory.
+    primer = argparse.Namespace(**{**vars(args), "steps": 1, "warmup": 0})
+    for level in args.levels:
+        measure_cell(primer, "tiny", level, batches)
+    print(f"primed in {time.perf_counter() - started:.0f} s", flush=True)
+    for model in args.models:
+        for level in args.levels:
+            print(f"[{len(cells) + 1}/{total}] {model} {level} ...", end=" ", flush=True)
+            cell = measure_cell(args, model, level, batches)
+            cell["run"] = 0
+            cells.append(cell)
+            if cell["status"] == "ok":
+                print(f"{cell['step_ms']:.1f} ms/step, {cell['samples_per_s']:.0f} samples/s, "
+                      f"peak {cell['peak_mem_mb']:.0f} MB", flush=True)
+            else:
+                print(f"{cell['status']}: {cell['error']}", flush=True)
+            # results after every cell: a command stopped at its time limit keeps what it measured
+            run["load_end"], run["wall_s"] = load_average(), time.perf_counter() - started
+            report = merge([*previous, {"device": args.device, "runs": [run], "cells": cells}])
+            write_outputs(args.out, report, with_figure=False)
+    paths = write_outputs(args.out, report)
+    print()
+    print(render(report))
+    print("Wrote " + ", ".join(str(p) for p in paths))
+    return 1 if any(c["status"] == "crashed" for c in cells) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

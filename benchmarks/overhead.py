@@ -1,0 +1,537 @@
+"""Runner overhead: the runner's training step against a hand-written PyTorch loop doing the same
+work, per precision level, timed interleaved in one process.
+
+The runner's side is the real thing: the objects `runner.app.run` builds (model, optimizer,
+scheduler, AmpEngine from the resolved preset, Trainer; `common.build_runner`), stepped with
+`Trainer.train_step`. The hand-written side is what a user would write with stock PyTorch, from
+the same initial weights, on the same batch in memory, with the same optimizer and scheduler
+settings (built by the runner's own `build_optimizer`/`build_scheduler`, which are the torch
+constructors):
+  O0  plain fp32: forward, loss, backward, optimizer step, scheduler step, zero_grad.
+  O1  torch.autocast around forward and loss; torch.amp.GradScaler where the preset scales the
+      loss dynamically (fp16); no scaler where it does not (bf16: `o1_bf16`, the CPU preset).
+  O2  a 16-bit model (BatchNorm kept fp32) with fp32 master weights in stock torch ops:
+      torch._foreach_copy_ of the 16-bit grads into fp32 master grads,
+      torch._amp_foreach_non_finite_check_and_unscale_ and the host read of its flag (only where
+      the preset scales the loss: a bf16 preset's scale is 1 and the runner checks nothing
+      either), the optimizer's step on the masters, torch._foreach_copy_ back into the model.
+Blocks of steps alternate between the two (the order flips every round) for every level, so
+load drift on a shared machine hits both sides alike; the figure is the median step time of each
+side and their ratio, runner / hand-written.
+
+    python benchmarks/overhead.py                       # CPU: o0, o1_bf16, o2_bf16
+    python benchmarks/overhead.py --device cuda         # GPU: o0, o1, o2 (fp16)
+    python benchmarks/overhead.py --levels o0 --rounds 5 --model tiny
+
+Targets (issue 7): ratio <= 1.03 for O0 and O1 (bf16 on CPU), ResNet-18 on 32x32 inputs at batch
+64, CPU and GPU; O2: the runner faster than the stock loop (ratio < 1). Exit 0 whatever the
+verdict; 1 if a step crashed; 2 for bad arguments.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+from typing import Callable, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
+from common import (REPO, add_threads_option, apply_threads, build_runner,  # noqa: E402
+                    command, compose, load_average, machine, now)
+
+TARGET_RATIO = 1.03  # O0 and O1: runner / hand-written at most this
+CPU_LEVELS = ["o0", "o1_bf16", "o2_bf16"]
+CUDA_LEVELS = ["o0", "o1", "o2"]
+# (rounds, steps per block, warm-up steps) per device: CPU steps take ~0.5-2 s, GPU ones ~10 ms
+DEFAULTS = {"cpu": (15, 1, 2), "cuda": (20, 25, 20)}
+
+
+# ---- the hand-written loops ---------------------------------------------------------------------
+def handwritten_kind(properties) -> str:
+    """Which stock loop does the work of this resolved preset: fp32, autocast or o2."""
+    if properties.opt_level == "O0":
+        return "fp32"
+    if properties.autocasts and not properties.casts_to_half:
+        return "autocast"
+    if properties.casts_to_half and properties.uses_master_weights:
+        return "o2"
+    raise ValueError(f"no hand-written loop for {properties.opt_level} with these properties "
+                     "(only O0, O1 and O2 with master weights have one)")
+
+
+def _static_or_dynamic(properties) -> bool:
+    """True for dynamic loss scaling; a static scale other than 1 has no stock equivalent here."""
+    if properties.dynamic_loss_scale:
+        return True
+    if float(properties.loss_scale) != 1.0:
+        raise ValueError(f"the hand-written loops take a dynamic loss scale or none, not a static "
+                         f"scale of {properties.loss_scale}")
+    return False
+
+
+def handwritten_step(model, cfg, properties, batch) -> Callable[[], object]:
+    """A stock-PyTorch training step doing the work of the runner's step under `properties`,
+    on `model` (fp32, already on the device and in its memory format; it is cast here for O2).
+    Returns a function running one step on `batch` (and returning the detached loss)."""
+    import torch
+    from torch import nn
+
+    from runner.optim import build_optimizer, build_scheduler
+
+    kind = handwritten_kind(properties)
+    x, y = batch
+    device_type = x.device.type
+    criterion = nn.CrossEntropyLoss()
+    dynamic = _static_or_dynamic(properties)
+
+    def scheduler_for(optimizer):
+        return build_scheduler(cfg.scheduler, optimizer, 1, cfg.trainer.max_epochs)
+
+    if kind == "fp32":
+        optimizer = build_optimizer(cfg.optimizer, model.parameters())
+        scheduler = scheduler_for(optimizer)
+
+        def step():
+            loss = criterion(model(x), y)
+            loss.backward()
+            optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        return step
+
+    if kind == "autocast":
+        optimizer = build_optimizer(cfg.optimizer, model.parameters())
+        scheduler = scheduler_for(optimizer)
+        dtype = properties.autocast_dtype
+        scaler = torch.amp.GradScaler(
+            device_type, init_scale=properties.init_scale, growth_factor=properties.growth_factor,
+            backoff_factor=properties.backoff_factor,
+            growth_interval=properties.growth_interval) if dynamic else None
+
+        def step():
+            with torch.autocast(device_type, dtype=dtype):
+                loss = criterion(model(x), y)
+            if scaler is None:
+                loss.backward()
+                optimizer.step()
+            else:
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+            if scheduler is not None:
+                with warnings.catch_warnings():  # a skipped first step is expected
+                    warnings.simplefilter("ignore", UserWarning)
+                    scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        return step
+
+    # kind == "o2": 16-bit model, fp32 BatchNorm, fp32 masters, in stock torch ops
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    half = properties.cast_model_type
+    model.to(half)
+    if properties.keep_batchnorm_fp32:
+        for module in model.modules():
+            if isinstance(module, _BatchNorm):
+                module.float()
+    params = list(model.parameters())
+    half_params = [p for p in params if p.dtype == half]
+    masters = {id(p): p.detach().float().requires_grad_(True) for p in half_params}
+    master_list = [masters[id(p)] for p in half_params]
+    master_grads = [torch.empty_like(m) for m in master_list]
+    fp32_params = [p for p in params if id(p) not in masters]
+    optimizer = build_optimizer(cfg.optimizer, [masters.get(id(p), p) for p in params])
+    scheduler = scheduler_for(optimizer)
+    found = torch.zeros(1, device=x.device)
+    scale = {"value": float(properties.init_scale) if dynamic else 1.0, "clean": 0}
+    inv = torch.full((1,), 1.0 / scale["value"], device=x.device)
+
+    @torch.no_grad()
+    def update_scale(overflow: bool) -> None:
+        if overflow:
+            scale["value"] *= properties.backoff_factor
+            scale["clean"] = 0
+        else:
+            scale["clean"] += 1
+            if scale["clean"] >= properties.growth_interval:
+                scale["value"] = min(scale["value"] * properties.growth_factor,
+                                     properties.max_loss_scale)
+                scale["clean"] = 0
+        inv.fill_(1.0 / scale["value"])
+
+    def step():
+        # inputs cast in every step and outputs back to fp32, as the runner's model hooks do
+        loss = criterion(model(x.to(half)).float(), y)
+        (loss * scale["value"] if dynamic else loss).backward()
+        with torch.no_grad():
+            for m, g in zip(master_list, master_grads):
+                m.grad = g
+            torch._foreach_copy_(master_grads, [p.grad for p in half_params])
+            overflow = False
+            if dynamic:
+                found.zero_()
+                torch._amp_foreach_non_finite_check_and_unscale_(
+                    master_grads + [p.grad for p in fp32_params], found, inv)
+                overflow = found.item() != 0
+            if not overflow:
+                optimizer.step()
+                torch._foreach_copy_(half_params, master_list)
+            if dynamic:
+                update_scale(overflow)
+        if scheduler is not None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                scheduler.step()
+        model.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+# ---- arguments ----------------------------------------------------------------------------------
+def _csv_list(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python benchmarks/overhead.py",
+        description="Runner overhead: Trainer.train_step against a hand-written PyTorch loop "
+        "doing the same work, interleaved, per precision level; writes Markdown, CSV and JSON.")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--levels", type=_csv_list, default=None,
+                   help=f"comma-separated presets (default: CPU {','.join(CPU_LEVELS)}; CUDA "
+                   f"{','.join(CUDA_LEVELS)}); O3 has no hand-written counterpart")
+    p.add_argument("--model", default="resnet18", help="model config option (default resnet18)")
+    p.add_argument("--image-size", type=int, default=32, help="synthetic image side (default 32)")
+    p.add_argument("--batch-size", type=int, default=64, help="batch size (default 64)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="interleaved rounds, each one block per side and level (default 15 on "
+                   "CPU, 20 on CUDA)")
+    p.add_argument("--block", type=int, default=None,
+                   help="steps per timed block (default 1 on CPU, 25 on CUDA)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="untimed steps per side and level first (default 2 on CPU, 20 on CUDA)")
+    p.add_argument("--channels-last", action="store_true",
+                   help="trainer.channels_last=true (model and inputs channels-last, both sides)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="Markdown results; .csv and .json beside (default "
+                   "benchmarks/results/overhead_<device>.md)")
+    p.add_argument("--extra", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                   help="more Hydra overrides for the runner's config, applied last "
+                   "(e.g. optimizer=adamw); the hand-written loop takes the same settings")
+    add_threads_option(p)
+    args = p.parse_args(argv)
+    apply_threads(p, args)
+
+    import torch
+
+    from runner.app import preset_options
+
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is available")
+    rounds, block, warmup = DEFAULTS[args.device]
+    args.rounds = rounds if args.rounds is None else args.rounds
+    args.block = block if args.block is None else args.block
+    args.warmup = warmup if args.warmup is None else args.warmup
+    for name in ("rounds", "block", "batch_size", "image_size"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.warmup < 0:
+        p.error("--warmup must be >= 0")
+    from runner.config import MODEL_NAMES
+
+    if args.model not in MODEL_NAMES:
+        p.error(f"unknown model {args.model!r}; choose from {', '.join(MODEL_NAMES)}")
+    levels = args.levels or (CUDA_LEVELS if args.device == "cuda" else CPU_LEVELS)
+    known = preset_options()
+    unknown = [lvl for lvl in levels if lvl not in known]
+    if unknown:
+        p.error(f"unknown level(s) {', '.join(unknown)}; choose from {', '.join(known)}")
+    o3 = [lvl for lvl in levels if lvl.startswith("o3")]
+    if o3:
+        p.error(f"{', '.join(o3)}: O3 has no hand-written counterpart here; choose O0, O1 or O2 "
+                "presets")
+    args.levels = list(dict.fromkeys(levels))
+    args.out = args.out or REPO / "benchmarks" / "results" / f"overhead_{args.device}.md"
+    return args
+
+
+def task_overrides(args: argparse.Namespace, level: str) -> list[str]:
+    """The runner's config for one level: synthetic data of exactly one batch, in memory."""
+    return [
+        f"model={args.model}",
+        "data=synthetic",
+        f"data.image_size={args.image_size}",
+        f"data.num_train={args.batch_size}",
+        f"data.num_val={args.batch_size}",
+        f"trainer.batch_size={args.batch_size}",
+        "trainer.num_workers=0",
+        "trainer.progress_bar=false",
+        f"trainer.device={args.device}",
+        f"trainer.channels_last={str(args.channels_last).lower()}",
+        f"precision={level}",
+        *args.extra,
+    ]
+
+
+# ---- timing -------------------------------------------------------------------------------------
+def timed_block(step: Callable[[], object], steps: int, device) -> tuple[float, object]:
+    """Seconds per step over `steps` steps, device-synchronised at both ends (queued GPU work
+    counts; within the block the CPU may run ahead, as in training), and the last step's
+    result."""
+    from runner.probes import synchronize
+
+    synchronize(device)
+    started = time.perf_counter()
+    for _ in range(steps):
+        result = step()
+    synchronize(device)
+    return (time.perf_counter() - started) / steps, result
+
+
+def _quartiles(values: list[float]) -> tuple[float, float]:
+    if len(values) < 2:
+        return values[0], values[0]
+    q = statistics.quantiles(values, n=4, method="inclusive")
+    return q[0], q[2]
+
+
+def describe(times: list[float]) -> dict:
+    p25, p75 = _quartiles(times)
+    return {"median_ms": 1e3 * statistics.median(times), "p25_ms": 1e3 * p25,
+            "p75_ms": 1e3 * p75, "min_ms": 1e3 * min(times), "samples": len(times)}
+
+
+def target_for(opt_level: str) -> tuple[str, float]:
+    """('<=', 1.03) for O0/O1, ('<', 1.0) for O2: the runner must beat the stock O2 loop."""
+    return ("<", 1.0) if opt_level == "O2" else ("<=", TARGET_RATIO)
+
+
+def meets(ratio: float, target: tuple[str, float]) -> bool:
+    op, bound = target
+    return ratio < bound if op == "<" else ratio <= bound
+
+
+class Level:
+    """One level's two sides, built once and stepped in blocks."""
+
+    def __init__(self, args, level: str):
+        cfg = compose(task_overrides(args, level))
+        parts = build_runner(cfg, keep_fp32_copy=True)
+        self.level = level
+        self.device = parts.device
+        self.opt_level = parts.properties.opt_level
+        self.kind = handwritten_kind(parts.properties)
+        self.kernels = parts.kernels
+        self.engine = parts.engine
+        trainer, batch = parts.trainer, parts.batch
+        self.sides: dict[str, Callable[[], object]] = {
+            "runner": lambda: trainer.train_step(*batch),
+            "handwritten": handwritten_step(parts.fp32_model, cfg, parts.properties, batch),
+        }
+        parts.fp32_model = None  # the hand-written step holds it now
+        self.first_loss = {name: float(step()) for name, step in self.sides.items()}
+        self.times: dict[str, list[float]] = {name: [] for name in self.sides}
+
+    def warm_up(self, steps: int) -> None:
+        for step in self.sides.values():
+            for _ in range(steps):
+                step()
+
+    def run_round(self, index: int, block: int) -> None:
+        order = list(self.sides) if index % 2 == 0 else list(reversed(self.sides))
+        for name in order:
+            self.times[name].append(timed_block(self.sides[name], block, self.device)[0])
+
+    def result(self) -> dict:
+        runner, hand = self.times["runner"], self.times["handwritten"]
+        ratio = statistics.median(runner) / statistics.median(hand)
+        paired = [r / h for r, h in zip(runner, hand)]
+        p25, p75 = _quartiles(paired)
+        target = target_for(self.opt_level)
+        return {
+            "level": self.level, "opt_level": self.opt_level, "handwritten": self.kind,
+            "kernels": self.kernels, "runner_ms": describe(runner),
+            "handwritten_ms": describe(hand), "ratio": ratio,
+            "ratio_of_minima": min(runner) / min(hand),
+            "paired_ratio_median": statistics.median(paired), "paired_ratio_p25": p25,
+            "paired_ratio_p75": p75, "target": f"{target[0]} {target[1]:g}",
+            "meets_target": meets(ratio, target),
+            "first_loss_runner": self.first_loss["runner"],
+            "first_loss_handwritten": self.first_loss["handwritten"],
+            "runner_skipped_steps": self.engine.skipped_steps,
+        }
+
+
+# ---- report -------------------------------------------------------------------------------------
+TARGET_TASK = {"model": "resnet18", "image_size": 32, "batch_size": 64}
+
+HANDWRITTEN_LABELS = {
+    "fp32": "plain fp32 loop",
+    "autocast": "torch.autocast{scaler}",
+    "o2": "16-bit model + fp32 masters (_foreach_copy_, {check}optimizer step, copy back)",
+}
+
+
+def handwritten_label(row: dict, dynamic: bool) -> str:
+    label = HANDWRITTEN_LABELS[row["handwritten"]]
+    return label.format(scaler=" + GradScaler" if dynamic else " (no scaler: bf16)",
+                        check="unscale+check, " if dynamic else "")
+
+
+def verdict(report: dict) -> str:
+    rows = report["results"]
+    task = report["task"]
+    parts = [f"{r['opt_level']} (`{r['level']}`) {r['ratio']:.3f} (target {r['target']}: "
+             f"{'meets' if r['meets_target'] else 'misses'})" for r in rows]
+    head = "PASS" if all(r["meets_target"] for r in rows) else "MISS"
+    text = f"{head}: runner / hand-written median step time: " + "; ".join(parts) + "."
+    if any(task[k] != v for k, v in TARGET_TASK.items()):
+        text += (" (The targets are set for resnet18 on 32x32 inputs at batch 64; this task "
+                 "differs, so the verdict is informational.)")
+    return text
+
+
+def render(report: dict) -> str:
+    t = report["task"]
+    m = report["machine"]
+    rows = report["results"]
+    lines = [
+        f"# Runner overhead ({report['device']})",
+        "",
+        f"The runner's training step (`Trainer.train_step` on the objects `runner.app.run` "
+        f"builds) against a hand-written PyTorch loop doing the same work, {t['model']} on "
+        f"{t['image_size']}x{t['image_size']} synthetic inputs at batch {t['batch_size']}"
+        f"{', channels-last' if t['channels_last'] else ''}, the same initial weights, the same "
+        f"batch in memory and the same optimizer and scheduler settings. {report['rounds']} "
+        f"interleaved rounds per level of one {report['block']}-step block per side (the order "
+        f"flips every round), after {report['warmup']} warm-up steps per side; times are per "
+        "step, medians over the blocks; the ratio is runner / hand-written (below 1: the runner "
+        "is faster). The paired ratio is the median of the per-round ratios of adjacent blocks, "
+        "with its interquartile range: the spread that load on the machine left. The ratio of "
+        "the fastest blocks (minima) is the least disturbed by other processes; the verdict "
+        "uses the medians.",
+        "",
+        "| level | preset | hand-written loop | runner ms | hand-written ms | ratio | paired "
+        "ratio [IQR] | ratio of minima | target | meets | first loss (runner / hand-written) |",
+        "|---|---|---|---:|---:|---:|---|---:|---|---|---|",
+    ]
+    for r in report["results"]:
+        dynamic = r["level"] in report["dynamic_levels"]
+        lines.append(
+            f"| {r['opt_level']} | `{r['level']}` | {handwritten_label(r, dynamic)} | "
+            f"{r['runner_ms']['median_ms']:.1f} | {r['handwritten_ms']['median_ms']:.1f} | "
+            f"{r['ratio']:.3f} | {r['paired_ratio_median']:.3f} [{r['paired_ratio_p25']:.3f}, "
+            f"{r['paired_ratio_p75']:.3f}] | {r['ratio_of_minima']:.3f} | {r['target']} | "
+            f"{'yes' if r['meets_target'] else '**no**'} | "
+            f"{r['first_loss_runner']:.4f} / {r['first_loss_handwritten']:.4f} |")
+    lines += [
+        "",
+        f"Verdict: {report['verdict']}",
+        "",
+        "The first-loss column is the loss of each side's first step, on the same weights and "
+        "batch: equal values show that both sides start from the same model and data. The "
+        f"runner's kernel backend: {', '.join(sorted({r['kernels'] for r in rows}))} (O0 has "
+        "nothing to fuse and steps with its optimizer).",
+        "",
+        "## Setup",
+        "",
+        f"- Machine: {m['cpu']}, {m['cores']} cores (torch uses {m['torch_threads']} threads)"
+        + (f"; GPU {m['gpu']}, CUDA {m['cuda']}" if "gpu" in m else "")
+        + f"; torch {m['torch']}, Python {m['python']}, {m['platform']}",
+        f"- Load average (1, 5, 15 min): {report['load_start']} at start, {report['load_end']} "
+        "at end",
+        f"- Date: {report['date']}; wall time {report['wall_s']:.0f} s",
+        f"- Command: `{report['command']}`",
+        "- Runner config (Hydra overrides, per level `precision=<level>`): "
+        + " ".join(f"`{o}`" for o in report["overrides"]),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+CSV_FIELDS = ["level", "opt_level", "handwritten", "runner_median_ms", "handwritten_median_ms",
+              "ratio", "paired_ratio_median", "paired_ratio_p25", "paired_ratio_p75",
+              "ratio_of_minima", "target",
+              "meets_target", "samples", "first_loss_runner", "first_loss_handwritten"]
+
+
+def write_outputs(out: Path, report: dict) -> list[Path]:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(render(report))
+    csv_path, json_path = out.with_suffix(".csv"), out.with_suffix(".json")
+    with csv_path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        writer.writeheader()
+        for r in report["results"]:
+            writer.writerow({**{k: r[k] for k in CSV_FIELDS if k in r},
+                             "runner_median_ms": r["runner_ms"]["median_ms"],
+                             "handwritten_median_ms": r["handwritten_ms"]["median_ms"],
+                             "samples": r["runner_ms"]["samples"]})
+    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    return [out, csv_path, json_path]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    load_start = load_average()
+    started = time.perf_counter()
+    print(f"Runner overhead on {args.device}: {args.model} {args.image_size}px batch "
+          f"{args.batch_size}, levels {', '.join(args.levels)}; {args.rounds} rounds of "
+          f"{args.block}-step blocks; load average {load_start}", flush=True)
+    try:
+        levels = []
+        for level in args.levels:
+            print(f"building {level} ...", flush=True)
+            levels.append(Level(args, level))
+        for lv in levels:
+            lv.warm_up(args.warmup)
+        for index in range(args.rounds):
+            for lv in levels:
+                lv.run_round(index, args.block)
+            print(f"round {index + 1}/{args.rounds}: " + ", ".join(
+                f"{lv.level} {1e3 * lv.times['runner'][-1]:.1f}/"
+                f"{1e3 * lv.times['handwritten'][-1]:.1f} ms" for lv in levels), flush=True)
+    except Exception:  # noqa: BLE001  (a crash is reported and the exit status says so)
+        traceback.print_exc()
+        return 1
+    results = [lv.result() for lv in levels]
+    dynamic = []
+    for lv in levels:
+        if lv.engine.scalers[0].dynamic:
+            dynamic.append(lv.level)
+    report = {
+        "benchmark": "overhead", "device": args.device, "levels": args.levels,
+        "task": {"model": args.model, "image_size": args.image_size,
+                 "batch_size": args.batch_size, "channels_last": args.channels_last},
+        "rounds": args.rounds, "block": args.block, "warmup": args.warmup,
+        "dynamic_levels": dynamic, "results": results,
+        "overrides": task_overrides(args, "<level>"),
+        "machine": machine(args.device), "command": command("overhead.py", argv),
+        "date": now(), "load_start": load_start, "load_end": load_average(),
+        "wall_s": time.perf_counter() - started,
+    }
+    report["verdict"] = verdict(report)
+    paths = write_outputs(args.out, report)
+    print()
+    print(render(report))
+    print("Wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
