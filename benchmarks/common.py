@@ -90,19 +90,11 @@ def compose(overrides: Sequence[str]):
 
 
 def prepare_store(tracking_uri: str, experiment: str) -> None:
-    """Create the experiment with its artifacts beside a SQLite database (not ./mlartifacts in the
-    directory the benchmark was started from)."""
-    from mlflow.tracking import MlflowClient
+    """Create the store and the experiment (artifacts beside a SQLite database) before the runs,
+    as the runner's own Tracker does."""
+    from runner.tracking import Tracker
 
-    from runner.tracking import EXPERIMENT_KIND
-
-    client = MlflowClient(tracking_uri)
-    if client.get_experiment_by_name(experiment) is not None:
-        return
-    location = None
-    if tracking_uri.startswith("sqlite:///"):
-        location = (Path(tracking_uri[len("sqlite:///"):]).parent / "mlartifacts").as_uri()
-    client.create_experiment(experiment, artifact_location=location, tags=dict([EXPERIMENT_KIND]))
+    Tracker(tracking_uri, experiment)
 
 
 @dataclass
@@ -122,6 +114,22 @@ class RunnerParts:
     cpu_batch: tuple  # the same batch as the loader gave it (host memory), for reuse
     kernels: str
     fp32_model: Any = None  # a copy of the model before the engine cast it (same weights)
+
+
+def one_batch_task(model: str, image_size: int, batch_size: int, device: str) -> list[str]:
+    """Overrides for a timing benchmark's task: synthetic data of exactly one batch (drawn once,
+    kept in memory), no worker processes, no progress bar."""
+    return [
+        f"model={model}",
+        "data=synthetic",
+        f"data.image_size={image_size}",
+        f"data.num_train={batch_size}",
+        f"data.num_val={batch_size}",
+        f"trainer.batch_size={batch_size}",
+        "trainer.num_workers=0",
+        "trainer.progress_bar=false",
+        f"trainer.device={device}",
+    ]
 
 
 def build_runner(cfg, on_metrics: Optional[Callable] = None, keep_fp32_copy: bool = False,

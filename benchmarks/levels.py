@@ -45,7 +45,7 @@ from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from common import (REPO, add_threads_option, apply_threads, build_runner,  # noqa: E402
-                    command, compose, load_average, machine, now)
+                    command, compose, load_average, machine, now, one_batch_task)
 from overhead import handwritten_step, timed_block  # noqa: E402
 
 MODELS = ["resnet18", "resnet50", "densenet161", "vgg16_bn"]
@@ -174,15 +174,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def cell_overrides(args, model: str, preset: str) -> list[str]:
     batch = args.batch_size or default_batch(args.device, model)
     return [
-        f"model={model}",
-        "data=synthetic",
-        f"data.image_size={args.image_size}",
-        f"data.num_train={batch}",
-        f"data.num_val={batch}",
-        f"trainer.batch_size={batch}",
-        "trainer.num_workers=0",
-        "trainer.progress_bar=false",
-        f"trainer.device={args.device}",
+        *one_batch_task(model, args.image_size, batch, args.device),
         f"trainer.channels_last={str(args.channels_last).lower()}",
         "trainer.cudnn_benchmark=true",
         f"precision={preset}",

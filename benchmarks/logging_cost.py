@@ -38,7 +38,8 @@ from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from common import (REPO, add_threads_option, apply_threads, build_runner,  # noqa: E402
-                    command, compose, load_average, machine, now, prepare_store)
+                    command, compose, load_average, machine, now, one_batch_task,
+                    prepare_store)
 
 EXPERIMENT = "logging-cost"
 TARGET_FRACTION = 0.01
@@ -119,15 +120,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def task_overrides(args) -> list[str]:
     return [
-        f"model={args.model}",
-        "data=synthetic",
-        f"data.image_size={args.image_size}",
-        f"data.num_train={args.batch_size}",
-        f"data.num_val={args.batch_size}",
-        f"trainer.batch_size={args.batch_size}",
-        "trainer.num_workers=0",
-        "trainer.progress_bar=false",
-        f"trainer.device={args.device}",
+        *one_batch_task(args.model, args.image_size, args.batch_size, args.device),
         f"mlflow.tracking_uri={args.tracking_uri}",
         f"mlflow.experiment_name={EXPERIMENT}",
         *args.extra,

@@ -42,7 +42,7 @@ from typing import Callable, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from common import (REPO, add_threads_option, apply_threads, build_runner,  # noqa: E402
-                    command, compose, load_average, machine, now)
+                    command, compose, load_average, machine, now, one_batch_task)
 
 TARGET_RATIO = 1.03  # O0 and O1: runner / hand-written at most this
 CPU_LEVELS = ["o0", "o1_bf16", "o2_bf16"]
@@ -272,15 +272,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def task_overrides(args: argparse.Namespace, level: str) -> list[str]:
     """The runner's config for one level: synthetic data of exactly one batch, in memory."""
     return [
-        f"model={args.model}",
-        "data=synthetic",
-        f"data.image_size={args.image_size}",
-        f"data.num_train={args.batch_size}",
-        f"data.num_val={args.batch_size}",
-        f"trainer.batch_size={args.batch_size}",
-        "trainer.num_workers=0",
-        "trainer.progress_bar=false",
-        f"trainer.device={args.device}",
+        *one_batch_task(args.model, args.image_size, args.batch_size, args.device),
         f"trainer.channels_last={str(args.channels_last).lower()}",
         f"precision={level}",
         *args.extra,

@@ -143,6 +143,25 @@ def default_run_name(cfg: DictConfig) -> str:
     return f"{name}-bf16" if torch.bfloat16 in properties.compute_dtypes else name
 
 
+def shape_findings(cfg: DictConfig, properties, device_info: DeviceInfo,
+                   model: torch.nn.Module | None = None) -> list:
+    """The Tensor Core findings about the model's layer sizes and the batch size (16-bit on a
+    CUDA GPU only). Without `model` (a dry run) the model is built on PyTorch's meta device:
+    its shapes, no memory, no data."""
+    if device_info.type != "cuda" or not properties.compute_dtypes:
+        return []
+    if model is None:
+        from runner.data import declared_num_classes
+        from runner.models import build_model
+
+        num_classes = declared_num_classes(cfg.data)
+        if num_classes is None:
+            return []
+        with torch.device("meta"):
+            model = build_model(cfg.model, num_classes, cfg.data.image_size)
+    return tensor_core_findings(model, cfg.trainer.batch_size, properties, device_info)
+
+
 @dataclass
 class Parts:
     """What a run trains with, built from the config as `run` builds it (benchmarks reuse it)."""
@@ -192,12 +211,11 @@ def build(cfg: DictConfig, device: torch.device, resolution: Resolution,
         model = model.to(memory_format=torch.channels_last)
     if on_model is not None:
         on_model(model)
-    shape_findings = tensor_core_findings(
-        model, cfg.trainer.batch_size, properties, DeviceInfo.from_torch(device))
-    if shape_findings:  # info only: never stops the run
-        resolution.findings.extend(shape_findings)
+    findings = shape_findings(cfg, properties, DeviceInfo.from_torch(device), model)
+    if findings:  # info only: never stops the run
+        resolution.findings.extend(findings)
         log.info("Precision findings about the model:\n%s",
-                 Resolution(properties, shape_findings).findings_table())
+                 Resolution(properties, findings).findings_table())
     optimizer = build_optimizer(cfg.optimizer, model.parameters())
     engine = AmpEngine(properties, device, kernels=cfg.precision.kernels,
                        flag_reducer=distributed.flag_reducer(comm))
@@ -229,6 +247,8 @@ def run(
         checkpoint.check_resumable(state, config_tree, resume_path)
 
     if cfg.dry_run:
+        resolution.findings.extend(
+            shape_findings(cfg, properties, DeviceInfo.from_torch(device)))
         print(OmegaConf.to_yaml(cfg, resolve=True))
         print(properties.table())
         print(resolution.findings_table())

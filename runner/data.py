@@ -308,6 +308,24 @@ def _build_imagefolder(cfg: Any) -> DataBundle:
 
 
 # ---- entry points --------------------------------------------------------------------------
+def declared_num_classes(cfg: Any) -> Optional[int]:
+    """The number of classes the `data` config implies without loading anything (a dry run
+    sizes the model's head with it): None where only the dataset itself can tell."""
+    name = getattr(cfg, "name", None)
+    if name == "synthetic":
+        return int(getattr(cfg, "num_classes", 10))
+    if name in ("cifar10", "cifar100"):
+        return 10 if name == "cifar10" else 100
+    if name == "imagefolder":
+        wanted = getattr(cfg, "num_classes", None)
+        if wanted is not None:
+            return int(wanted)
+        train = os.path.join(str(getattr(cfg, "root", "")), str(getattr(cfg, "train_dir", "train")))
+        if os.path.isdir(train):
+            return sum(entry.is_dir() for entry in os.scandir(train)) or None
+    return None
+
+
 def build_datasets(cfg: Any) -> DataBundle:
     """Build the train and val datasets described by the `data` config section."""
     name = getattr(cfg, "name", None)

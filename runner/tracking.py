@@ -86,6 +86,16 @@ def resolve_tracking_uri(uri: str, base_dir: str | os.PathLike | None = None) ->
     return uri
 
 
+def artifact_location(tracking_uri: str) -> str | None:
+    """Where a new experiment keeps its artifacts: `mlartifacts/` beside a SQLite database (not
+    MLflow's default, `./mlruns` in whatever folder a run was launched from); for a server or any
+    other store, the store's own default (None)."""
+    prefix = "sqlite:///"
+    if tracking_uri.startswith(prefix):
+        return (Path(tracking_uri[len(prefix):]).parent / "mlartifacts").resolve().as_uri()
+    return None
+
+
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
     """Nested config -> {"a.b.c": "value"} for MLflow params."""
     flat: dict[str, str] = {}
@@ -308,7 +318,9 @@ class Tracker:
     def _experiment(self, name: str) -> str:
         experiment = self.client.get_experiment_by_name(name)
         if experiment is None:
-            experiment_id = self.client.create_experiment(name, tags=dict([EXPERIMENT_KIND]))
+            experiment_id = self.client.create_experiment(
+                name, artifact_location=artifact_location(self.tracking_uri),
+                tags=dict([EXPERIMENT_KIND]))
         else:
             experiment_id = experiment.experiment_id
             if experiment.tags.get(EXPERIMENT_KIND[0]) is None:

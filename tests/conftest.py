@@ -96,6 +96,29 @@ def levels_sweep(tmp_path_factory):
     return result, f"sqlite:///{folder / 'mlflow.db'}"
 
 
+def start_cli(*args: str, cwd: Path, env: dict | None = None) -> subprocess.Popen:
+    """`python -m runner ARGS` started in the background (stdout and stderr merged, line by line),
+    for tests that act on a run while it trains (signals, a server going away)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return subprocess.Popen([sys.executable, "-m", "runner", *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def read_until(proc: subprocess.Popen, text: str, timeout: float = 240) -> list[str]:
+    """The lines `proc` prints up to the first that holds `text` (or until it ends or `timeout`
+    seconds pass: the caller's assertions then show what it printed)."""
+    import time
+
+    seen = []
+    deadline = time.monotonic() + timeout
+    for line in proc.stdout:
+        seen.append(line)
+        if text in line or time.monotonic() > deadline:
+            break
+    return seen
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu` run where CUDA is present and skip cleanly elsewhere."""
     if torch.cuda.is_available():

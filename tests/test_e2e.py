@@ -6,18 +6,16 @@ what a user sees from `python -m runner` (exit status, messages, final run state
 from __future__ import annotations
 
 import math
-import os
 import signal
-import subprocess
-import sys
 import time
+from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
 
 from runner import app
 from runner.errors import ConfigError
-from tests.conftest import FAST, REPO, compose_config, run_cli
+from tests.conftest import FAST, compose_config, read_until, run_cli, start_cli
 
 EPOCH_METRICS = [
     "val_loss",
@@ -86,6 +84,10 @@ def test_each_level_trains_and_logs_the_contract(level, tracking_uri):
     assert "torch_version" in tags and "device_name" in tags
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"config.yaml", "overrides.yaml", "precision.txt"} <= artifacts
+    # beside the database, whatever folder the run was launched from
+    db = Path(tracking_uri[len("sqlite:///"):])
+    experiment = client.get_experiment(run.info.experiment_id)
+    assert experiment.artifact_location == (db.parent / "mlartifacts").resolve().as_uri()
 
 
 @pytest.mark.parametrize(
@@ -340,23 +342,9 @@ def test_cli_missing_cifar_says_how_to_fix_it(tmp_path):
 
 @pytest.mark.slow
 def test_ctrl_c_marks_the_run_killed(tmp_path):
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     args = [*FAST, "data.num_train=100000", "trainer.max_epochs=1", "trainer.log_every_n_steps=1"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "runner", *args],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    seen = []
-    deadline = time.monotonic() + 240
-    for line in proc.stdout:  # wait until training has started
-        seen.append(line)
-        if "MLflow run" in line or time.monotonic() > deadline:
-            break
+    proc = start_cli(*args, cwd=tmp_path)
+    seen = read_until(proc, "MLflow run")  # training has started
     time.sleep(2)
     proc.send_signal(signal.SIGINT)
     rest, _ = proc.communicate(timeout=120)

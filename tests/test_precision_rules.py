@@ -220,6 +220,25 @@ def test_tensor_core_shapes_silent_when_aligned_or_not_applicable():
     assert [(f.level, f.property) for f in only_batch] == [("info", "trainer.batch_size")]
 
 
+def test_dry_run_shape_findings_come_from_a_meta_model(tmp_path):
+    """A dry run has no data and builds no weights: the model is built on the meta device, its
+    head sized from the data config (CIFAR-100: 100 classes; an ImageFolder: its class folders)."""
+    from runner import app
+
+    cfg = compose_config("model=resnet50", "precision=o2", "data=cifar100",
+                         "trainer.batch_size=128")
+    p = app.check_config(cfg)[1].properties
+    (finding,) = app.shape_findings(cfg, p, AMPERE)
+    assert "fc (out_features 100)" in finding.message and "batch size" not in finding.message
+    assert app.shape_findings(cfg, p, CPU) == []  # not a CUDA device: nothing built at all
+    for name in ("a", "b", "c"):
+        (tmp_path / "train" / name).mkdir(parents=True)
+    folder = compose_config("model=tiny", "precision=o2_bf16", "data=imagefolder",
+                            f"data.root={tmp_path}", "trainer.batch_size=64")
+    (finding,) = app.shape_findings(folder, app.check_config(folder)[1].properties, AMPERE)
+    assert "out_features 3" in finding.message
+
+
 # ---- strict mode -----------------------------------------------------------------------------
 def test_strict_turns_warnings_into_errors_and_keeps_infos():
     r = resolve("O2", {"strict": True, "master_weights": False}, device=CPU)

@@ -7,10 +7,7 @@ metric are compared bit for bit.
 """
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,7 +19,7 @@ from runner import app, checkpoint
 from runner.errors import ConfigError, DivergenceError
 from runner.interrupts import RunInterrupted, StopRequest
 from runner.trainer import Trainer
-from tests.conftest import FAST, REPO, compose_config
+from tests.conftest import FAST, compose_config, read_until, run_cli, start_cli
 
 NON_TIMING = ("train_loss", "lr", "val_loss", "val_acc", "loss_scale", "skipped_steps",
               "best_val_acc")
@@ -240,18 +237,10 @@ def test_a_collapsed_dynamic_loss_scale_stops_the_run(tmp_path):
 # ---- SIGTERM to a real process, then resume=auto ------------------------------------------------------
 @pytest.mark.slow
 def test_sigterm_checkpoints_marks_killed_and_resumes(tmp_path):
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     args = settings(tmp_path, "data.num_train=20000", "trainer.max_epochs=2",
                     "trainer.log_every_n_steps=1")
-    proc = subprocess.Popen([sys.executable, "-m", "runner", *args], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    seen = []
-    deadline = time.monotonic() + 240
-    for line in proc.stdout:  # wait until training has started
-        seen.append(line)
-        if "MLflow run" in line or time.monotonic() > deadline:
-            break
+    proc = start_cli(*args, cwd=tmp_path)
+    seen = read_until(proc, "MLflow run")  # training has started
     time.sleep(2)
     proc.send_signal(signal.SIGTERM)
     rest, _ = proc.communicate(timeout=120)
@@ -266,9 +255,7 @@ def test_sigterm_checkpoints_marks_killed_and_resumes(tmp_path):
     assert state["mlflow_run_id"] == run.info.run_id and state["global_step"] > 0
     stopped_at = state["global_step"]
 
-    resumed = subprocess.run([sys.executable, "-m", "runner", *args, "trainer.max_epochs=1",
-                              "resume=auto"], cwd=tmp_path, env=env, capture_output=True,
-                             text=True, timeout=600)
+    resumed = run_cli(*args, "trainer.max_epochs=1", "resume=auto", cwd=tmp_path)
     if stopped_at < 625:  # stopped inside epoch 1: a budget of 1 finishes that epoch
         assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
         (run,) = runs_by_name(uri).values()

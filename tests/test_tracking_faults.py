@@ -15,7 +15,7 @@ from mlflow.tracking import MlflowClient
 from runner import app, replay
 from runner.errors import RunnerError
 from runner.tracking import Tracker, TrackedRun
-from tests.conftest import FAST, REPO, compose_config, free_port
+from tests.conftest import FAST, REPO, compose_config, free_port, read_until, start_cli
 
 
 def test_an_unreachable_server_at_start_stops_the_run_before_any_training(tmp_path):
@@ -57,19 +57,13 @@ def test_metrics_logged_while_the_server_is_away_arrive_when_it_is_back(mlflow_s
 def test_a_run_that_ends_while_the_server_is_away_is_saved_offline_and_replayed(
         mlflow_server, tmp_path):
     server = mlflow_server.start()
-    env = dict(os.environ, PYTHONUNBUFFERED="1", AMP_RUNNER_MLFLOW_END_TIMEOUT="3")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env = {"AMP_RUNNER_MLFLOW_END_TIMEOUT": "3"}
     work = tmp_path / "work"
     work.mkdir()
     args = [*FAST, "data.num_train=3000", "trainer.log_every_n_steps=1",
             f"mlflow.tracking_uri={server.url}"]
-    proc = subprocess.Popen([sys.executable, "-m", "runner", *args], cwd=work, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    seen = []
-    for line in proc.stdout:  # the run exists on the server: now take the server away
-        seen.append(line)
-        if "MLflow run" in line:
-            break
+    proc = start_cli(*args, cwd=work, env=env)
+    seen = read_until(proc, "MLflow run")  # the run exists on the server: now take it away
     server.stop()  # (even the run's start-up artifacts may not have reached it)
     rest, _ = proc.communicate(timeout=600)
     output = "".join(seen) + rest
@@ -80,16 +74,19 @@ def test_a_run_that_ends_while_the_server_is_away_is_saved_offline_and_replayed(
     assert (folder / replay.DB).is_file()
 
     # still away: the replay says so and marks nothing as done
-    still_away = subprocess.run([sys.executable, "-m", "runner.replay", str(folder)], env=env,
-                                capture_output=True, text=True, timeout=120)
+    def replay_cli() -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "runner.replay", str(folder)],
+                              env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True,
+                              text=True, timeout=120)
+
+    still_away = replay_cli()
     assert still_away.returncode == 1 and "nothing marked as replayed" in still_away.stderr
 
     server.start()
     client = MlflowClient(server.url)
     (run,) = client.search_runs([client.get_experiment_by_name("amp-runner").experiment_id])
     assert run.info.status == "RUNNING"  # what the server knew before it went away
-    done = subprocess.run([sys.executable, "-m", "runner.replay", str(folder)], env=env,
-                          capture_output=True, text=True, timeout=120)
+    done = replay_cli()
     assert done.returncode == 0, done.stdout + done.stderr
     run = client.get_run(run.info.run_id)
     assert run.info.status == "FINISHED"
@@ -101,8 +98,7 @@ def test_a_run_that_ends_while_the_server_is_away_is_saved_offline_and_replayed(
     assert "logs/runner.log" in logs  # the log file went offline too, and came back
     top = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"config.yaml", "overrides.yaml", "precision.txt"} <= top  # sent or replayed
-    again = subprocess.run([sys.executable, "-m", "runner.replay", str(folder)], env=env,
-                           capture_output=True, text=True, timeout=120)
+    again = replay_cli()
     assert again.returncode == 0 and "nothing left to replay" in again.stdout
 
 

@@ -73,29 +73,13 @@ struct ScaleOp {
     bool bad = false;
     mta::for_chunk(c.length, vector, [&](int64_t i0, bool vec) {
       float x[kILP];
-      if (vec) {
-        mta::load_pack(x, in, i0);
-      } else {
-#pragma unroll
-        for (int j = 0; j < kILP; ++j) {
-          const int64_t i = mta::strided(i0, j);
-          x[j] = i < c.length ? static_cast<float>(in[i]) : 0.f;
-        }
-      }
+      mta::load(x, in, i0, vec, c.length);
 #pragma unroll
       for (int j = 0; j < kILP; ++j) {
         bad |= nonfinite(x[j]);
         x[j] *= s;
       }
-      if (vec) {
-        mta::store_pack(out, i0, x);
-      } else {
-#pragma unroll
-        for (int j = 0; j < kILP; ++j) {
-          const int64_t i = mta::strided(i0, j);
-          if (i < c.length) out[i] = static_cast<Out>(x[j]);
-        }
-      }
+      mta::store(out, i0, vec, c.length, x);
     });
     if (found != nullptr && bad) *found = 1.f;
   }
@@ -111,15 +95,7 @@ struct CheckOp {
     bool bad = false;
     mta::for_chunk(c.length, vector, [&](int64_t i0, bool vec) {
       float x[kILP];
-      if (vec) {
-        mta::load_pack(x, in, i0);
-      } else {
-#pragma unroll
-        for (int j = 0; j < kILP; ++j) {
-          const int64_t i = mta::strided(i0, j);
-          x[j] = i < c.length ? static_cast<float>(in[i]) : 0.f;
-        }
-      }
+      mta::load(x, in, i0, vec, c.length);
 #pragma unroll
       for (int j = 0; j < kILP; ++j) bad |= nonfinite(x[j]);
     });
@@ -140,15 +116,7 @@ struct SumSquaresOp {
     bool bad = false;
     mta::for_chunk(c.length, vector, [&](int64_t i0, bool vec) {
       float x[kILP];
-      if (vec) {
-        mta::load_pack(x, in, i0);
-      } else {
-#pragma unroll
-        for (int j = 0; j < kILP; ++j) {
-          const int64_t i = mta::strided(i0, j);
-          x[j] = i < c.length ? static_cast<float>(in[i]) : 0.f;
-        }
-      }
+      mta::load(x, in, i0, vec, c.length);
 #pragma unroll
       for (int j = 0; j < kILP; ++j) {
         bad |= nonfinite(x[j]);
@@ -228,25 +196,10 @@ struct StepOp {
                         (!kAdam || mta::aligned<float>(s2)) && (!kCopy || mta::aligned<C>(copy));
     mta::for_chunk(c.length, vector, [&](int64_t i0, bool vec) {
       float pv[kILP], gv[kILP], av[kILP] = {}, bv[kILP] = {};
-      if (vec) {
-        mta::load_pack(pv, p, i0);
-        mta::load_pack(gv, g, i0);
-        if (state1) mta::load_pack(av, s1, i0);
-        if (kAdam) mta::load_pack(bv, s2, i0);
-      } else {
-#pragma unroll
-        for (int j = 0; j < kILP; ++j) {
-          const int64_t i = mta::strided(i0, j);
-          if (i < c.length) {
-            pv[j] = p[i];
-            gv[j] = static_cast<float>(g[i]);
-            if (state1) av[j] = s1[i];
-            if (kAdam) bv[j] = s2[i];
-          } else {
-            pv[j] = gv[j] = 0.f;
-          }
-        }
-      }
+      mta::load(pv, p, i0, vec, c.length);
+      mta::load(gv, g, i0, vec, c.length);
+      if (state1) mta::load(av, s1, i0, vec, c.length);
+      if (kAdam) mta::load(bv, s2, i0, vec, c.length);
 #pragma unroll
       for (int j = 0; j < kILP; ++j) {
         if (kAdam) {
@@ -255,23 +208,10 @@ struct StepOp {
           sgd_update(pv[j], av[j], gv[j] * gs, sgd);
         }
       }
-      if (vec) {
-        mta::store_pack(p, i0, pv);
-        if (state1) mta::store_pack(s1, i0, av);
-        if (kAdam) mta::store_pack(s2, i0, bv);
-        if (kCopy) mta::store_pack(copy, i0, pv);
-      } else {
-#pragma unroll
-        for (int j = 0; j < kILP; ++j) {
-          const int64_t i = mta::strided(i0, j);
-          if (i < c.length) {
-            p[i] = pv[j];
-            if (state1) s1[i] = av[j];
-            if (kAdam) s2[i] = bv[j];
-            if (kCopy) copy[i] = static_cast<C>(pv[j]);
-          }
-        }
-      }
+      mta::store(p, i0, vec, c.length, pv);
+      if (state1) mta::store(s1, i0, vec, c.length, av);
+      if (kAdam) mta::store(s2, i0, vec, c.length, bv);
+      if (kCopy) mta::store(copy, i0, vec, c.length, pv);
     });
   }
 };

@@ -166,5 +166,36 @@ __device__ __forceinline__ int64_t strided(int64_t i0, int j) {
   return i0 + static_cast<int64_t>(j) * blockDim.x;
 }
 
+// The kILP values of the thread's slot i0 (see for_chunk) as fp32: one vector load on the vector
+// path, else the strided elements below `length` (zero beyond it).
+template <typename T>
+__device__ __forceinline__ void load(float (&out)[kILP], const T* src, int64_t i0, bool vec,
+                                     int64_t length) {
+  if (vec) {
+    load_pack(out, src, i0);
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < kILP; ++j) {
+    const int64_t i = strided(i0, j);
+    out[j] = i < length ? static_cast<float>(src[i]) : 0.f;
+  }
+}
+
+// The counterpart of load: the values back to `dst`'s type, only the elements that exist.
+template <typename T>
+__device__ __forceinline__ void store(T* dst, int64_t i0, bool vec, int64_t length,
+                                      const float (&in)[kILP]) {
+  if (vec) {
+    store_pack(dst, i0, in);
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < kILP; ++j) {
+    const int64_t i = strided(i0, j);
+    if (i < length) dst[i] = static_cast<T>(in[j]);
+  }
+}
+
 }  // namespace mta
 }  // namespace amp_runner
