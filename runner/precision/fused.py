@@ -22,7 +22,6 @@ import torch
 from runner.csrc import Kernels
 
 FUSED_TYPES = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
-_DENSE_FORMATS = (torch.contiguous_format, torch.channels_last, torch.channels_last_3d)
 
 
 @dataclass
@@ -53,16 +52,21 @@ _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _dense(t: torch.Tensor) -> bool:
-    return any(t.is_contiguous(memory_format=f) for f in _DENSE_FORMATS if
-               f is torch.contiguous_format or t.dim() == (4 if f is torch.channels_last else 5))
+    """Contiguous, or channels_last (4-D) / channels_last_3d (5-D): no gaps, no overlaps."""
+    if t.is_contiguous():
+        return True
+    dim = t.dim()
+    return (dim == 4 and t.is_contiguous(memory_format=torch.channels_last)) or (
+        dim == 5 and t.is_contiguous(memory_format=torch.channels_last_3d))
 
 
 def _partners(a: torch.Tensor, b: torch.Tensor, device: torch.device) -> bool:
     """Whether the kernels can run elementwise over `a` and `b` together: both on `device`,
-    16/32-bit floating, dense, same shape and the same memory layout."""
+    16/32-bit floating, dense, same shape and the same memory layout (checked per step, so in
+    the order that rejects nothing of a normal step soonest: cheap attributes first)."""
     return (a.device == device and b.device == device and a.dtype in _KERNEL_DTYPES
-            and b.dtype in _KERNEL_DTYPES and not a.is_sparse and not b.is_sparse
-            and a.shape == b.shape and _dense(a) and (a.numel() <= 1 or a.stride() == b.stride()))
+            and b.dtype in _KERNEL_DTYPES and a.shape == b.shape and not a.is_sparse
+            and not b.is_sparse and _dense(a) and (a.numel() <= 1 or a.stride() == b.stride()))
 
 
 def kernel_compatible(src: list[torch.Tensor], dst: list[torch.Tensor],
@@ -180,7 +184,7 @@ def _adam(kernels, optimizer, gp: GroupPlan, grad_scale) -> None:
         exp_avg_sqs.append(state["exp_avg_sq"])
         steps.append(state["step"])
     torch._foreach_add_(steps, 1)
-    numbers = [float(s) for s in steps]
+    numbers = torch.stack(steps).tolist()  # (one read of every counter, not one per parameter)
     for idx in _buckets(len(gp.params), lambda i: numbers[i]):
         step = numbers[idx[0]]
         kernels.ops.adam_step(
