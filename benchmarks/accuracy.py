@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
-from common import (REPO, command, compose, machine, now,  # noqa: E402
+from common import (REPO, command, compose, csv_list, machine, now,  # noqa: E402
                     prepare_store)
 
 EXPERIMENT = "accuracy-parity"
@@ -103,21 +103,17 @@ class LevelSummary:
 
 
 # ---- arguments ----------------------------------------------------------------------------------
-def _csv_list(text: str) -> list[str]:
-    return [part.strip() for part in text.split(",") if part.strip()]
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python benchmarks/accuracy.py",
         description="Accuracy parity of the precision levels against O0 (fp32): real training "
         "runs over several seeds; writes a Markdown table, a CSV and a JSON.",
     )
-    parser.add_argument("--levels", type=_csv_list, default=None,
+    parser.add_argument("--levels", type=csv_list, default=None,
                         help="comma-separated precision presets (default: on CPU "
                         f"{','.join(CPU_LEVELS)}; on CUDA {','.join(CUDA_LEVELS)}); o0, the "
                         "baseline, is added when missing")
-    parser.add_argument("--seeds", type=_csv_list, default=None,
+    parser.add_argument("--seeds", type=csv_list, default=None,
                         help="comma-separated trainer.seed values (default 0,1,2); the dataset "
                         "(data.seed) stays fixed")
     parser.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")

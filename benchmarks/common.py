@@ -68,6 +68,11 @@ def apply_threads(parser, args) -> None:
     torch.set_num_threads(args.threads)
 
 
+def csv_list(text: str) -> list[str]:
+    """An argparse type: "a, b,c" -> ["a", "b", "c"] (empty parts dropped)."""
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
 def load_average() -> list[float]:
     """1-, 5- and 15-minute load averages: timings on a shared machine are only as good as its
     quiet, so every timing benchmark records them at its start and end."""

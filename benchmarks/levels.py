@@ -45,7 +45,7 @@ from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from common import (REPO, add_threads_option, apply_threads, build_runner,  # noqa: E402
-                    command, compose, load_average, machine, now, one_batch_task)
+                    command, compose, csv_list, load_average, machine, now, one_batch_task)
 from overhead import handwritten_step, timed_block  # noqa: E402
 
 MODELS = ["resnet18", "resnet50", "densenet161", "vgg16_bn"]
@@ -75,19 +75,15 @@ def handwritten_preset(device: str) -> str:
 
 
 # ---- arguments ----------------------------------------------------------------------------------
-def _csv_list(text: str) -> list[str]:
-    return [part.strip() for part in text.split(",") if part.strip()]
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python benchmarks/levels.py",
         description="Per-level table: throughput, step time and peak memory of each precision "
         "level per model, on the runner's real training step; Markdown, CSV, JSON and a PNG.")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--models", type=_csv_list, default=None,
+    p.add_argument("--models", type=csv_list, default=None,
                    help=f"comma-separated model options (default {','.join(MODELS)})")
-    p.add_argument("--levels", type=_csv_list, default=None,
+    p.add_argument("--levels", type=csv_list, default=None,
                    help=f"comma-separated presets, and {HANDWRITTEN} for the hand-written "
                    f"autocast loop (default: CUDA {','.join(CUDA_LEVELS)}; CPU "
                    f"{','.join(CPU_LEVELS)})")

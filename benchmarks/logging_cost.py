@@ -38,7 +38,7 @@ from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from common import (REPO, add_threads_option, apply_threads, build_runner,  # noqa: E402
-                    command, compose, load_average, machine, now, one_batch_task,
+                    command, compose, csv_list, load_average, machine, now, one_batch_task,
                     prepare_store)
 
 EXPERIMENT = "logging-cost"
@@ -63,10 +63,6 @@ class Sink:
         self.total += 1
 
 
-def _csv_list(text: str) -> list[str]:
-    return [part.strip() for part in text.split(",") if part.strip()]
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python benchmarks/logging_cost.py",
@@ -80,7 +76,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="training steps per block (one epoch over batches in memory; default 100)")
     p.add_argument("--rounds", type=int, default=8,
                    help="rounds, each one block per variant (default 8)")
-    p.add_argument("--intervals", type=_csv_list, default=None,
+    p.add_argument("--intervals", type=csv_list, default=None,
                    help="comma-separated log_every_n_steps values (default: 1 and the runner's "
                    "default, trainer.log_every_n_steps)")
     p.add_argument("--tracking-uri", default=None,

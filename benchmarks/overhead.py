@@ -42,7 +42,7 @@ from typing import Callable, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from common import (REPO, add_threads_option, apply_threads, build_runner,  # noqa: E402
-                    command, compose, load_average, machine, now, one_batch_task)
+                    command, compose, csv_list, load_average, machine, now, one_batch_task)
 
 TARGET_RATIO = 1.03  # O0 and O1: runner / hand-written at most this
 CPU_LEVELS = ["o0", "o1_bf16", "o2_bf16"]
@@ -199,17 +199,13 @@ def handwritten_step(model, cfg, properties, batch) -> Callable[[], object]:
 
 
 # ---- arguments ----------------------------------------------------------------------------------
-def _csv_list(text: str) -> list[str]:
-    return [part.strip() for part in text.split(",") if part.strip()]
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python benchmarks/overhead.py",
         description="Runner overhead: Trainer.train_step against a hand-written PyTorch loop "
         "doing the same work, interleaved, per precision level; writes Markdown, CSV and JSON.")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--levels", type=_csv_list, default=None,
+    p.add_argument("--levels", type=csv_list, default=None,
                    help=f"comma-separated presets (default: CPU {','.join(CPU_LEVELS)}; CUDA "
                    f"{','.join(CUDA_LEVELS)}); O3 has no hand-written counterpart")
     p.add_argument("--model", default="resnet18", help="model config option (default resnet18)")

@@ -208,39 +208,48 @@ void check_cpu(const TensorList& tensors, const char* op) {
 }  // namespace
 
 // ---- ops -----------------------------------------------------------------------------------
+namespace {
+
+// dst = src * scale, converted to dst's dtype (dst may be src: in place). With `check`, returns
+// whether any source value is inf/NaN (tested on the raw bits, before scaling).
+bool scale_lists(const TensorList& src, const TensorList& dst, float scale, bool check) {
+  std::atomic<bool> bad{false};
+  for_each_span(make_spans(src), [&](const Span& s, int64_t) {
+    const at::Tensor& a = src[s.tensor];
+    const at::Tensor& d = dst[s.tensor];
+    dispatch(a.scalar_type(), [&](auto st) {
+      using S = decltype(st);
+      dispatch(d.scalar_type(), [&](auto dt) {
+        using D = decltype(dt);
+        const S* sp = static_cast<const S*>(a.data_ptr()) + s.begin;
+        D* dp = static_cast<D*>(d.data_ptr()) + s.begin;
+        float buf[kBlock];
+        float res[kBlock];
+        bool local_bad = false;
+        for (int64_t b = 0; b < s.end - s.begin; b += kBlock) {
+          const int64_t n = std::min(kBlock, s.end - s.begin - b);
+          if (check) local_bad |= any_nonfinite(sp + b, n);
+          const float* x = load_block(sp + b, buf, n);
+          float* y = std::is_same_v<D, float> ? reinterpret_cast<float*>(dp + b) : res;
+          for (int64_t i = 0; i < n; ++i) y[i] = x[i] * scale;
+          if constexpr (!std::is_same_v<D, float>) from_float(res, dp + b, n);
+        }
+        if (local_bad) bad.store(true, std::memory_order_relaxed);
+      });
+    });
+  });
+  return bad.load();
+}
+
+}  // namespace
+
 void unscale_check(const TensorList& grads, const TensorList& out, const at::Tensor& inv_scale,
                    const at::Tensor& found_inf) {
   check_lists("unscale_check", {&grads, &out}, {"grads", "out"}, {false, false}, {false, false});
   check_cpu(grads, "unscale_check");
   check_scalar(inv_scale, "inv_scale", at::kCPU);
   check_scalar(found_inf, "found_inf", at::kCPU);
-  const float inv = read_scalar(inv_scale);
-  std::atomic<bool> bad{false};
-  for_each_span(make_spans(grads), [&](const Span& s, int64_t) {
-    const at::Tensor& g = grads[s.tensor];
-    const at::Tensor& o = out[s.tensor];
-    dispatch(g.scalar_type(), [&](auto gt) {
-      using G = decltype(gt);
-      dispatch(o.scalar_type(), [&](auto ot) {
-        using O = decltype(ot);
-        const G* gp = static_cast<const G*>(g.data_ptr()) + s.begin;
-        O* op = static_cast<O*>(o.data_ptr()) + s.begin;
-        float buf[kBlock];
-        float res[kBlock];
-        bool local_bad = false;
-        for (int64_t b = 0; b < s.end - s.begin; b += kBlock) {
-          const int64_t n = std::min(kBlock, s.end - s.begin - b);
-          local_bad |= any_nonfinite(gp + b, n);
-          const float* x = load_block(gp + b, buf, n);
-          float* y = std::is_same_v<O, float> ? reinterpret_cast<float*>(op + b) : res;
-          for (int64_t i = 0; i < n; ++i) y[i] = x[i] * inv;
-          if constexpr (!std::is_same_v<O, float>) from_float(res, op + b, n);
-        }
-        if (local_bad) bad.store(true, std::memory_order_relaxed);
-      });
-    });
-  });
-  if (bad.load()) raise_flag(found_inf);
+  if (scale_lists(grads, out, read_scalar(inv_scale), /*check=*/true)) raise_flag(found_inf);
 }
 
 void check_finite(const TensorList& tensors, const at::Tensor& found_inf) {
@@ -322,28 +331,7 @@ void copy_scale(const TensorList& src, const TensorList& dst, const at::Tensor& 
   check_lists("copy_scale", {&src, &dst}, {"src", "dst"}, {false, false}, {false, false});
   check_cpu(src, "copy_scale");
   check_scalar(scale, "scale", at::kCPU);
-  const float sc = read_scalar(scale);
-  for_each_span(make_spans(src), [&](const Span& s, int64_t) {
-    const at::Tensor& a = src[s.tensor];
-    const at::Tensor& d = dst[s.tensor];
-    dispatch(a.scalar_type(), [&](auto at_) {
-      using S = decltype(at_);
-      dispatch(d.scalar_type(), [&](auto dt_) {
-        using D = decltype(dt_);
-        const S* sp = static_cast<const S*>(a.data_ptr()) + s.begin;
-        D* dp = static_cast<D*>(d.data_ptr()) + s.begin;
-        float buf[kBlock];
-        float res[kBlock];
-        for (int64_t b = 0; b < s.end - s.begin; b += kBlock) {
-          const int64_t n = std::min(kBlock, s.end - s.begin - b);
-          const float* x = load_block(sp + b, buf, n);
-          float* y = std::is_same_v<D, float> ? reinterpret_cast<float*>(dp + b) : res;
-          for (int64_t i = 0; i < n; ++i) y[i] = x[i] * sc;
-          if constexpr (!std::is_same_v<D, float>) from_float(res, dp + b, n);
-        }
-      });
-    });
-  });
+  scale_lists(src, dst, read_scalar(scale), /*check=*/false);
 }
 
 namespace {

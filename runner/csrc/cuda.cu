@@ -220,23 +220,32 @@ float* scalar_ptr(const at::Tensor& t) { return t.data_ptr<float>(); }
 
 }  // namespace
 
+namespace {
+
+// dst = src * (*scale) per dtype group; `found` (may be null) flags non-finite source values.
+void scale_lists(const TensorList& src, const TensorList& dst, const at::Tensor& scale,
+                 float* found) {
+  for (const auto& [dtypes, positions] : group_by_dtypes({&src, &dst})) {
+    dispatch(dtypes[0], [&](auto in_tag) {
+      dispatch(dtypes[1], [&](auto out_tag) {
+        using In = decltype(in_tag);
+        using Out = decltype(out_tag);
+        mta::multi_tensor_apply<2>({&src, &dst}, positions, ScaleOp<In, Out>{},
+                                   static_cast<const float*>(scalar_ptr(scale)), found);
+      });
+    });
+  }
+}
+
+}  // namespace
+
 void unscale_check(const TensorList& grads, const TensorList& out, const at::Tensor& inv_scale,
                    const at::Tensor& found_inf) {
   check_lists("unscale_check", {&grads, &out}, {"grads", "out"}, {false, false}, {false, false});
   check_cuda(grads, "unscale_check");
   check_scalar(inv_scale, "inv_scale", device_of(grads));
   check_scalar(found_inf, "found_inf", device_of(grads));
-  for (const auto& [dtypes, positions] : group_by_dtypes({&grads, &out})) {
-    dispatch(dtypes[0], [&](auto in_tag) {
-      dispatch(dtypes[1], [&](auto out_tag) {
-        using In = decltype(in_tag);
-        using Out = decltype(out_tag);
-        mta::multi_tensor_apply<2>({&grads, &out}, positions, ScaleOp<In, Out>{},
-                                   static_cast<const float*>(scalar_ptr(inv_scale)),
-                                   scalar_ptr(found_inf));
-      });
-    });
-  }
+  scale_lists(grads, out, inv_scale, scalar_ptr(found_inf));
 }
 
 void check_finite(const TensorList& tensors, const at::Tensor& found_inf) {
@@ -296,17 +305,7 @@ void copy_scale(const TensorList& src, const TensorList& dst, const at::Tensor& 
   check_lists("copy_scale", {&src, &dst}, {"src", "dst"}, {false, false}, {false, false});
   check_cuda(src, "copy_scale");
   check_scalar(scale, "scale", device_of(src));
-  for (const auto& [dtypes, positions] : group_by_dtypes({&src, &dst})) {
-    dispatch(dtypes[0], [&](auto in_tag) {
-      dispatch(dtypes[1], [&](auto out_tag) {
-        using In = decltype(in_tag);
-        using Out = decltype(out_tag);
-        mta::multi_tensor_apply<2>({&src, &dst}, positions, ScaleOp<In, Out>{},
-                                   static_cast<const float*>(scalar_ptr(scale)),
-                                   static_cast<float*>(nullptr));
-      });
-    });
-  }
+  scale_lists(src, dst, scale, nullptr);
 }
 
 namespace {
