@@ -194,7 +194,7 @@ def build(cfg: DictConfig, device: torch.device, resolution: Resolution,
     seed_everything(cfg.trainer.seed)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = cfg.trainer.cudnn_benchmark
-    bundle = build_datasets(cfg.data)  # a missing dataset stops here, before the store is touched
+    bundle = build_datasets(cfg.data)  # a missing dataset stops here, before any run exists
     train_loader, val_loader = build_loaders(
         bundle, cfg.trainer.batch_size, cfg.trainer.num_workers, device.type, cfg.trainer.seed,
         rank=comm.rank, world_size=comm.world_size)
@@ -266,16 +266,17 @@ def run(
     if not comm.is_main:  # one console story: rank 0's (the others still say what goes wrong)
         logging.getLogger("runner").setLevel(logging.WARNING)
     try:
-        return _train(cfg, rank_device or device, resolution, comm, run_name, folder, state,
-                      resume_path, overrides, output_dir, extra_tags or {})
+        return _train(cfg, config_tree, rank_device or device, resolution, comm, run_name,
+                      folder, state, resume_path, overrides, output_dir, extra_tags or {})
     finally:
         comm.close()
 
 
-def _train(cfg: DictConfig, device: torch.device, resolution: Resolution, comm: Comm,
-           run_name: str, folder: Path, state: dict | None, resume_path: Path | None,
-           overrides: Sequence[str], output_dir: str | os.PathLike | None,
-           extra_tags: Mapping[str, str]) -> float:
+def _train(cfg: DictConfig, config_tree: dict, device: torch.device, resolution: Resolution,
+           comm: Comm, run_name: str, folder: Path, state: dict | None,
+           resume_path: Path | None, overrides: Sequence[str],
+           output_dir: str | os.PathLike | None, extra_tags: Mapping[str, str]) -> float:
+    """`run`'s second half: build, track (rank 0), train; `config_tree` is `cfg` resolved."""
     from runner.optim import rebuild_scheduler_at
     from runner.tracking import Tracker, flatten, null_run
     from runner.trainer import Trainer
@@ -291,7 +292,7 @@ def _train(cfg: DictConfig, device: torch.device, resolution: Resolution, comm: 
     kernels = csrc.name_of(parts.engine.kernels)
     log.info("Kernels: %s (precision.kernels=%s)", kernels, cfg.precision.kernels)
 
-    params = flatten(OmegaConf.to_container(cfg, resolve=True))
+    params = flatten(config_tree)
     params.update({f"precision.{k}": v for k, v in properties.as_params().items()})
     params["precision.kernels"] = kernels  # the backend in use: cuda | cpp | torch
     params["data.num_classes"] = str(parts.bundle.num_classes)
@@ -336,8 +337,8 @@ def _train(cfg: DictConfig, device: torch.device, resolution: Resolution, comm: 
                     tracked.log_text(properties.table() + "\n\n" + resolution.findings_table(),
                                      "precision.txt")
             path = checkpoint.path_for(folder, tracked.run_id) if comm.is_main else None
-            static = {"mlflow_run_id": tracked.run_id, "config": OmegaConf.to_container(
-                cfg, resolve=True), "world_size": comm.world_size}
+            static = {"mlflow_run_id": tracked.run_id, "config": config_tree,
+                      "world_size": comm.world_size}
 
             def save(trainer_state: dict) -> str:
                 checkpoint.save(path, {**static, **trainer_state})
