@@ -252,8 +252,24 @@ class Trainer:
         self.bad_loss_streak.fill_(int(state["bad_loss_streak"]))
         self._rng_at_start = state["rng"]
 
+    def _healthy(self) -> bool:
+        """Whether every floating parameter and buffer of the model is finite (one host read).
+        A non-finite loss reaches the weights before the divergence guard's next read (O0 and
+        the bf16 presets skip no step), and such weights must never replace the last good
+        checkpoint."""
+        tensors = [t.detach() for t in (*self.module.parameters(), *self.module.buffers())
+                   if t.is_floating_point() and t.numel()]
+        if not tensors:
+            return True
+        return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all().item())
+
     def _save(self, epochs_done: int, batches_done: int) -> str | None:
         if self.checkpointer is None:
+            return None
+        if not self._healthy():
+            log.warning("No checkpoint written after epoch %d%s: the model's weights are inf/NaN "
+                        "(the run is diverging); the last checkpoint, if any, is the last good "
+                        "state", epochs_done, f" and {batches_done} batches" if batches_done else "")
             return None
         where = self.checkpointer(self.state(epochs_done, batches_done))
         log.info("Checkpoint: %s (after epoch %d%s)", where, epochs_done,

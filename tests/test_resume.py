@@ -220,6 +220,20 @@ def test_divergence_keeps_the_last_good_checkpoint(tmp_path):
     assert saved == [1]  # no checkpoint of the diverged state
 
 
+def test_weights_blown_up_before_the_guard_stops_the_run_are_never_checkpointed(tmp_path):
+    """O0 skips no step: with lr=1e30 the weights are inf/NaN from step 2 on, yet the guard
+    (trainer.max_bad_steps=8, longer than an epoch of 5 steps) stops the run only in epoch 2. The
+    end of epoch 1 must not write those weights; a real run, a real checkpoint folder."""
+    cfg = compose_config(*settings(tmp_path, "precision=o0", "optimizer.lr=1e30",
+                                   "scheduler=none", "trainer.max_bad_steps=8",
+                                   "trainer.max_epochs=4", "mlflow.run_name=blown"))
+    with pytest.raises(DivergenceError, match="inf/NaN"):
+        app.run(cfg)
+    folder = checkpoint.run_folder(tmp_path / "checkpoints", "amp-runner", "blown")
+    assert checkpoint.find("auto", folder) is None
+    assert runs_by_name(cfg.mlflow.tracking_uri)["blown"].info.status == "FAILED"
+
+
 def test_a_collapsed_dynamic_loss_scale_stops_the_run(tmp_path):
     """Weights blown up to inf: every step overflows at every scale; the dynamic scale halves
     each time and the run stops once it is below trainer.collapsed_loss_scale (2^-14), before the
