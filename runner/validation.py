@@ -37,6 +37,13 @@ def unit_interval(v: Any) -> bool:  # [0, 1)
     return _finite(v) and 0 <= v < 1
 
 
+SEED_RANGE = "an integer in [0, 2**63)"
+
+
+def seed(v: Any) -> bool:  # what torch.manual_seed and a generator take, without wrapping
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63
+
+
 def optional(rule: Callable[[Any], bool]) -> Callable[[Any], bool]:
     return lambda v: v is None or rule(v)
 
@@ -73,6 +80,8 @@ def _rules(cfg: DictConfig) -> list[Rule]:
         ("scheduler.div_factor", positive, "a finite number > 0"),
         ("scheduler.final_div_factor", positive, "a finite number > 0"),
         ("precision.kernels", one_of(KERNEL_CHOICES), ", ".join(KERNEL_CHOICES)),
+        ("data.seed", seed, SEED_RANGE),
+        ("trainer.seed", seed, SEED_RANGE),
         ("trainer.max_epochs", lambda v: v >= 1, "an integer >= 1"),
         ("trainer.batch_size", lambda v: v >= 1, "an integer >= 1"),
         ("trainer.device", one_of(DEVICES), ", ".join(DEVICES)),

@@ -13,7 +13,7 @@ from omegaconf.errors import OmegaConfBaseException
 from runner.config import DATASET_NAMES, MODEL_NAMES, OPTIMIZER_NAMES, SCHEDULER_NAMES
 from runner.errors import ConfigError
 from runner.paths import config_dir
-from runner.validation import validate
+from runner.validation import _rules, validate
 from tests.conftest import compose_config
 
 GROUP_NAMES = {
@@ -154,9 +154,8 @@ def test_unknown_choice_lists_the_available_options():
         assert name in str(info.value)
 
 
-@pytest.mark.parametrize(
-    "overrides,key",
-    [
+# (overrides, the key the error names): at least one failing case per value rule
+VALUE_CASES = [
         (["optimizer.lr=-0.1"], "optimizer.lr"),
         (["optimizer.lr=0"], "optimizer.lr"),
         (["optimizer.lr=nan"], "optimizer.lr"),
@@ -190,8 +189,30 @@ def test_unknown_choice_lists_the_available_options():
         (["mlflow.experiment_name= "], "mlflow.experiment_name"),
         (["+trainer.max_epoch=2"], "trainer.max_epoch"),  # Hydra appends with +: still a typo
         (["+optimizer.eps=1e-4"], "optimizer.eps"),
-    ],
-)
+        (["optimizer.dampening=1"], "optimizer.dampening"),
+        (["scheduler=cosine", "scheduler.eta_min=-1e-3"], "scheduler.eta_min"),
+        (["scheduler=step", "scheduler.step_epochs=0"], "scheduler.step_epochs"),
+        (["scheduler=onecycle", "scheduler.max_lr=0"], "scheduler.max_lr"),
+        (["scheduler=onecycle", "scheduler.div_factor=0"], "scheduler.div_factor"),
+        (["scheduler=onecycle", "scheduler.final_div_factor=-1"], "scheduler.final_div_factor"),
+        (["model=tiny", "model.norm=layer"], "model.norm"),
+        (["trainer.seed=-1"], "trainer.seed"),
+        (["trainer.seed=99999999999999999999999"], "trainer.seed"),  # past torch's 64 bits
+        (["data=synthetic", "data.seed=18446744073709551616"], "data.seed"),
+        (["data=synthetic", "data.num_val=0"], "data.num_val"),
+        (["data=synthetic", "data.noise=-0.5"], "data.noise"),
+        (["data=imagefolder", "data.root=.", "data.num_classes=1"], "data.num_classes"),
+        (["optimizer.name=lbfgs"], "optimizer.name"),
+        (["scheduler.name=plateau"], "scheduler.name"),
+        (["trainer.limit_val_batches=0"], "trainer.limit_val_batches"),
+        (["trainer.collapsed_loss_scale=-1"], "trainer.collapsed_loss_scale"),
+        (["trainer.checkpoint_every_n_epochs=-1"], "trainer.checkpoint_every_n_epochs"),
+        (["trainer.checkpoint_dir= "], "trainer.checkpoint_dir"),
+        (["mlflow.tracking_uri= "], "mlflow.tracking_uri"),
+]
+
+
+@pytest.mark.parametrize("overrides,key", VALUE_CASES)
 def test_value_rules_name_the_key(overrides, key):
     cfg = compose_config(*overrides)
     with pytest.raises(ConfigError) as info:
@@ -199,6 +220,14 @@ def test_value_rules_name_the_key(overrides, key):
     assert info.value.key == key
     assert str(info.value).startswith(key + ":")
     assert info.value.allowed  # the message says what is allowed
+
+
+@pytest.mark.parametrize("data", ["synthetic", "cifar10", "imagefolder"])
+def test_every_value_rule_has_a_failing_case(data):
+    """A rule added to runner.validation without a case above is a rule nobody saw fail."""
+    covered = {key for _, key in VALUE_CASES} | {"data.root"}  # cifar's: the test below
+    rules = {key for key, _, _ in _rules(compose_config(f"data={data}"))}
+    assert rules - covered == set()
 
 
 def test_cifar_root_that_is_a_file_is_refused(tmp_path: Path):
