@@ -30,7 +30,11 @@ def test_wheel_install_finds_conf_and_experiments(tmp_path: Path):
     source = REPO / "conf"
     shipped = {p.relative_to(conf) for p in conf.rglob("*.yaml")}
     assert {p.relative_to(source) for p in source.rglob("*.yaml")} <= shipped  # every option
-    assert (conf / "experiment" / "README.md").is_file()  # experiments/ ships as a group
+    # experiments/ ships as the `experiment` group (conf/experiment is a link to it, which
+    # rglob does not follow on every Python: look at the folder itself)
+    experiments = {p.name for p in (REPO / "experiments").glob("*.yaml")}
+    assert experiments and experiments <= {p.name for p in (conf / "experiment").glob("*.yaml")}
+    assert (conf / "experiment" / "README.md").is_file()
     result = subprocess.run(
         [sys.executable, "-m", "runner", "model=tiny", "data=synthetic", "precision=o1",
          "dry_run=true"],
@@ -38,3 +42,9 @@ def test_wheel_install_finds_conf_and_experiments(tmp_path: Path):
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "opt_level: O1" in result.stdout
+    experiment = subprocess.run(  # an experiment, composed from the wheel's copy, as a sweep
+        [sys.executable, "-m", "runner", "-m", "+experiment=cpu_demo", "dry_run=true"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert experiment.returncode == 0, experiment.stderr[-2000:]
+    assert "opt_level: O0" in experiment.stdout and "opt_level: O2" in experiment.stdout
