@@ -13,7 +13,8 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-MODEL_NAMES = ("tiny", "resnet18", "resnet50", "densenet161", "vgg16_bn", "resnext50_32x4d")
+MODEL_NAMES = ("tiny", "resnet18", "resnet50", "densenet161", "vgg16", "vgg16_bn",
+               "resnext50_32x4d")
 DATASET_NAMES = ("synthetic", "cifar10", "cifar100", "imagefolder")
 OPTIMIZER_NAMES = ("sgd", "adam", "adamw")
 SCHEDULER_NAMES = ("none", "cosine", "step", "onecycle")

@@ -114,22 +114,27 @@ def _build_densenet161(cfg: Any, num_classes: int, small_input: bool) -> nn.Modu
     return model
 
 
-def _build_vgg16_bn(cfg: Any, num_classes: int, small_input: bool) -> nn.Module:
+def _vgg_builder(arch: str) -> Callable[[Any, int, bool], nn.Module]:
     """VGG has no stem to change; a 32-px image leaves a 1x1x512 map after the five max-pools.
 
     torchvision pools that to 7x7 and feeds 25088 features to the classifier (49 copies of the
     same value); pooling to 1x1 and a 512-input first layer is the usual CIFAR VGG.
     """
-    from torchvision import models
 
-    model = models.vgg16_bn(weights=None, num_classes=num_classes)
-    if small_input:
-        model.avgpool = nn.AdaptiveAvgPool2d(1)
-        first = nn.Linear(512, model.classifier[0].out_features)
-        nn.init.normal_(first.weight, 0, 0.01)
-        nn.init.zeros_(first.bias)
-        model.classifier[0] = first
-    return model
+    def build(cfg: Any, num_classes: int, small_input: bool) -> nn.Module:
+        from torchvision import models
+
+        model = getattr(models, arch)(weights=None, num_classes=num_classes)
+        if small_input:
+            model.avgpool = nn.AdaptiveAvgPool2d(1)
+            first = nn.Linear(512, model.classifier[0].out_features)
+            nn.init.normal_(first.weight, 0, 0.01)
+            nn.init.zeros_(first.bias)
+            model.classifier[0] = first
+        return model
+
+    build.__doc__ = f"torchvision {arch}, random init (a 1x1 pool for small images)."
+    return build
 
 
 # name -> builder(cfg, num_classes, small_input); keys must equal runner.config.MODEL_NAMES.
@@ -138,7 +143,8 @@ MODEL_REGISTRY: Dict[str, Callable[[Any, int, bool], nn.Module]] = {
     "resnet18": _resnet_builder("resnet18"),
     "resnet50": _resnet_builder("resnet50"),
     "densenet161": _build_densenet161,
-    "vgg16_bn": _build_vgg16_bn,
+    "vgg16": _vgg_builder("vgg16"),
+    "vgg16_bn": _vgg_builder("vgg16_bn"),
     "resnext50_32x4d": _resnet_builder("resnext50_32x4d"),
 }
 

@@ -44,10 +44,12 @@ def test_small_input_auto_replaces_the_stems():
     assert densenet.features.conv0.stride == (1, 1)
     assert isinstance(densenet.features.pool0, nn.Identity)
 
-    vgg = build_model(model_cfg("vgg16_bn"), 10, 32)
-    assert vgg.avgpool.output_size in (1, (1, 1))
-    assert vgg.classifier[0].in_features == 512
-    assert vgg.classifier[-1].out_features == 10
+    for name in ("vgg16", "vgg16_bn"):
+        vgg = build_model(model_cfg(name), 10, 32)
+        assert vgg.avgpool.output_size in (1, (1, 1))
+        assert vgg.classifier[0].in_features == 512
+        assert vgg.classifier[-1].out_features == 10
+        assert any(isinstance(m, nn.BatchNorm2d) for m in vgg.modules()) == (name == "vgg16_bn")
 
 
 def test_small_input_false_keeps_the_torchvision_stem():
