@@ -179,6 +179,20 @@ def test_initialize_master_weights_false_under_o2_steps_the_half_model():
     assert model[0].weight.dtype == torch.float16 and not torch.equal(model[0].weight, before)
 
 
+@pytest.mark.parametrize("make", [torch.optim.Adam, torch.optim.AdamW])
+def test_an_adam_eps_that_underflows_in_half_state_is_refused(make):
+    """O3 keeps Adam's state in fp16, where the default eps 1e-8 is 0: refused before any step,
+    as in the runner; with eps=1e-4, or fp32 masters (O2), the same optimizer is accepted."""
+    model = net()
+    opt = make([{"params": model[0].parameters()},
+                {"params": model[1:].parameters(), "eps": 1e-8}], lr=1e-3, eps=1e-4)
+    with pytest.raises(ValueError, match=r"optimizer\.eps.*1e-4|eps=1e-08 underflows"):
+        amp.initialize(model, opt, opt_level="O3", verbosity=0)
+    opt = make(net().parameters(), lr=1e-3, eps=1e-4)
+    amp.initialize(net(), opt, opt_level="O3", verbosity=0)
+    amp.initialize(net(), make(net().parameters(), lr=1e-3), opt_level="O2", verbosity=0)
+
+
 def test_enabled_false_is_a_no_op():
     m = net()
     o = torch.optim.SGD(m.parameters(), lr=0.1)

@@ -205,10 +205,19 @@ def test_tensor_core_shapes_one_info_naming_the_layers():
     assert "convs.0" not in msg  # 3 input channels (an image): cuDNN pads them
 
 
-def test_tensor_core_shapes_counts_beyond_the_first_few():
+def test_tensor_core_shapes_list_every_layer_of_every_convolution_kind():
     p = resolve("O1").properties
-    out = tensor_core_findings(Net(widths=(3, 12, 20, 28, 36, 44), classes=5), 64, p, AMPERE)
-    assert len(out) == 1 and "and 3 more" in out[0].message and "batch size" not in out[0].message
+    model = Net(widths=(3, 12, 20, 28, 36, 44), classes=5)
+    model.extra = nn.ModuleList([nn.Conv1d(1, 6, 3), nn.ConvTranspose2d(16, 16, 2),
+                                 nn.Conv3d(8, 12, 1)])
+    out = tensor_core_findings(model, 64, p, AMPERE)
+    assert len(out) == 1 and "batch size" not in out[0].message
+    msg = out[0].message
+    assert "8 of 9" in msg  # all but the aligned transposed conv
+    for name in ("convs.0", "convs.4", "fc", "extra.0 (out_channels 6)",
+                 "extra.2 (out_channels 12)"):
+        assert name in msg
+    assert "extra.1" not in msg and "extra.0 (in_channels" not in msg
 
 
 def test_tensor_core_shapes_silent_when_aligned_or_not_applicable():

@@ -262,6 +262,22 @@ def deinitialize() -> None:
 
 
 # ---- public API --------------------------------------------------------------------------
+def _adam_description(optimizers: list) -> Optional[dict]:
+    """The optimizer as the precision rules read it (`name`, `eps`): the Adam/AdamW group with
+    the smallest eps among `optimizers`, so an eps that underflows in 16-bit state is refused
+    here as in the runner; None when there is no Adam."""
+    found: Optional[dict] = None
+    for o in optimizers:
+        if not isinstance(o, torch.optim.Adam) and not isinstance(o, torch.optim.AdamW):
+            continue
+        name = "adamw" if isinstance(o, torch.optim.AdamW) else "adam"
+        for group in o.param_groups:
+            eps = group.get("eps")
+            if eps is not None and (found is None or float(eps) < found["eps"]):
+                found = {"name": name, "eps": float(eps)}
+    return found
+
+
 def initialize(models, optimizers=None, enabled: bool = True, opt_level: str = "O1",
                cast_model_type=None, patch_torch_functions=None, keep_batchnorm_fp32=None,
                master_weights=None, loss_scale=None, cast_model_outputs=None,
@@ -288,7 +304,7 @@ def initialize(models, optimizers=None, enabled: bool = True, opt_level: str = "
         keep_batchnorm_fp32=keep_batchnorm_fp32, master_weights=master_weights,
         loss_scale=loss_scale).items() if v is not None}
     device = _device_of(model_list)
-    resolution = resolve(opt_level, overrides, device)
+    resolution = resolve(opt_level, overrides, device, optimizer=_adam_description(opt_list))
     if resolution.errors:
         raise ValueError("amp.initialize: inconsistent precision properties\n"
                          + resolution.findings_table())

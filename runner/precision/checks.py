@@ -10,7 +10,7 @@ laptop without a GPU. `DeviceInfo.from_torch(device)` describes the device a run
 - bfloat16 on a CUDA GPU below compute capability 8.0: not supported in hardware (error).
 - Adam/AdamW `eps` that underflows in the type holding the optimizer state (error), or is a
   subnormal there (warning).
-- Tensor Core shapes (`tensor_core_findings`, needs the built model): Linear/Conv2d sizes and a
+- Tensor Core shapes (`tensor_core_findings`, needs the built model): Linear/convolution sizes and a
   batch size that are not multiples of 8 (one info finding).
 """
 from __future__ import annotations
@@ -171,10 +171,11 @@ def _off_eight(n: int) -> bool:
 
 def tensor_core_findings(model: nn.Module, batch_size: Optional[int], properties: Properties,
                          device_info: Optional[DeviceInfo]) -> list[Finding]:
-    """One info finding listing the Linear/Conv2d layers (and the batch size) whose sizes are not
-    multiples of 8, which Tensor Cores need for fp16/bf16 GEMMs and convolutions; [] when the run
-    is not 16-bit on a CUDA device or every size fits. A Conv2d's input channels of 1 or 3 (an
-    image) are not listed: cuDNN pads those itself."""
+    """One info finding listing every Linear and convolution layer (1d/2d/3d, transposed too) and
+    the batch size whose sizes are not multiples of 8, which Tensor Cores need for fp16/bf16 GEMMs
+    and convolutions; [] when the run is not 16-bit on a CUDA device or every size fits. A
+    convolution's input channels of 1 or 3 (an image, a signal) are not listed: cuDNN pads those
+    itself."""
     if device_info is None or device_info.type != "cuda" or not properties.compute_dtypes:
         return []
     offenders: list[str] = []
@@ -187,7 +188,7 @@ def tensor_core_findings(model: nn.Module, batch_size: Optional[int], properties
                 sizes.append(f"in_features {module.in_features}")
             if _off_eight(module.out_features):
                 sizes.append(f"out_features {module.out_features}")
-        elif isinstance(module, nn.Conv2d):
+        elif isinstance(module, nn.modules.conv._ConvNd):
             layers += 1
             if module.in_channels not in (1, 3) and _off_eight(module.in_channels):
                 sizes.append(f"in_channels {module.in_channels}")
@@ -197,10 +198,8 @@ def tensor_core_findings(model: nn.Module, batch_size: Optional[int], properties
             offenders.append(f"{name or type(module).__name__} ({', '.join(sizes)})")
     parts: list[str] = []
     if offenders:
-        shown = ", ".join(offenders[:3])
-        more = f" and {len(offenders) - 3} more" if len(offenders) > 3 else ""
-        parts.append(f"{len(offenders)} of {layers} Linear/Conv2d layers have sizes that are not "
-                     f"multiples of 8: {shown}{more}")
+        parts.append(f"{len(offenders)} of {layers} Linear/convolution layers have sizes that are "
+                     f"not multiples of 8: {', '.join(offenders)}")
     if batch_size is not None and _off_eight(batch_size):
         parts.append(f"the batch size {batch_size} is not a multiple of 8")
     if not parts:
