@@ -45,12 +45,14 @@ def tracking_uri(tmp_path: Path) -> str:
     return f"sqlite:///{tmp_path / 'mlflow.db'}"
 
 
-def run_cli(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
-    """`python -m runner ARGS` in a real subprocess, as a user would type it."""
+def run_cli(*args: str, cwd: Path, timeout: float = 600,
+            python_flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """`python -m runner ARGS` in a real subprocess, as a user would type it (`python_flags`:
+    interpreter options such as `-X importtime`)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     return subprocess.run(
-        [sys.executable, "-m", "runner", *args],
+        [sys.executable, *python_flags, "-m", "runner", *args],
         cwd=cwd,
         env=env,
         capture_output=True,

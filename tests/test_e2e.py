@@ -7,15 +7,17 @@ from __future__ import annotations
 
 import math
 import signal
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
+import torch
 from mlflow.tracking import MlflowClient
 
 from runner import app
 from runner.errors import ConfigError
-from tests.conftest import FAST, compose_config, read_until, run_cli, start_cli
+from tests.conftest import FAST, REPO, compose_config, read_until, run_cli, start_cli
 
 EPOCH_METRICS = [
     "val_loss",
@@ -82,6 +84,11 @@ def test_each_level_trains_and_logs_the_contract(level, tracking_uri):
     assert tags["overrides"] == f"precision={level}"
     assert tags["peak_mem_kind"].startswith("cpu_")
     assert "torch_version" in tags and "device_name" in tags
+    assert tags["cuda_version"] == str(torch.version.cuda)
+    if (REPO / ".git").exists():  # a git checkout: the commit the run's code came from
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+                              text=True).stdout.strip()
+        assert tags.get("git_commit") == head or not head  # (no git: no tag)
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"config.yaml", "overrides.yaml", "precision.txt"} <= artifacts
     # beside the database, whatever folder the run was launched from
@@ -330,6 +337,20 @@ def test_cli_bad_input_exits_nonzero_naming_the_key(tmp_path, args, needle):
     assert "Traceback" not in output
     if (tmp_path / "mlflow.db").exists():
         assert all(r.info.status != "RUNNING" for r in all_runs(f"sqlite:///{tmp_path / 'mlflow.db'}"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args", [["trainer.max_epoch=2"], ["model=resnet1000"],
+                                  ["trainer.batch_size=many"]])
+def test_a_config_error_stops_before_torch_is_imported(tmp_path, args):
+    """A typo'd key, an unknown choice or a wrong type is Hydra's compose-time error: no data,
+    no model, not even torch is loaded (seconds, not the import of a deep-learning stack)."""
+    result = run_cli(*args, cwd=tmp_path, timeout=300, python_flags=("-X", "importtime"))
+    assert result.returncode != 0
+    imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines()
+                if line.startswith("import time:")}
+    assert "hydra" in imported  # the probe works
+    assert not {m for m in imported if m.split(".")[0] in ("torch", "torchvision", "mlflow")}
 
 
 @pytest.mark.slow

@@ -58,6 +58,26 @@ def test_scheduler_advances_once_per_attempt_even_when_every_step_is_skipped(sch
     assert not [w for w in caught if "lr_scheduler" in str(w.message)], [str(w.message) for w in caught]
 
 
+LEVELS = [("O0", {}), ("O1", {"autocast_dtype": "bfloat16"}), ("O2", {}),
+          ("O2", {"cast_model_type": "bfloat16", "loss_scale": 1.0}), ("O3", {}),
+          ("O3", {"loss_scale": "dynamic"})]
+
+
+@pytest.mark.parametrize("scheduler", ["cosine", "step", "onecycle"])
+@pytest.mark.parametrize("level,overrides", LEVELS, ids=lambda v: str(v))
+def test_scheduler_steps_once_per_attempt_at_every_level_without_warnings(level, overrides,
+                                                                          scheduler):
+    """Steps that are taken, at every level and type (fp16 is emulated here, the model tiny):
+    the schedule advances once per step and PyTorch says nothing about the call order."""
+    trainer, _ = make_trainer(level, overrides, scheduler=scheduler)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train_epoch(1)
+    assert trainer.engine.skipped_steps < trainer.train_batches  # real steps, not only skips
+    assert trainer.scheduler.last_epoch == trainer.train_batches == 4
+    assert not [w for w in caught if "lr_scheduler" in str(w.message)], [str(w.message) for w in caught]
+
+
 def test_fit_logs_every_n_steps_and_each_epoch():
     trainer, logged = make_trainer("O0", {})
     result = trainer.fit()
