@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import os
 import pickle
+import signal
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
@@ -368,6 +369,14 @@ class ShardSampler(Sampler[int]):
         return len(self.indices)
 
 
+def _ignore_stop_signals(worker_id: int) -> None:
+    """DataLoader workers leave SIGINT/SIGTERM to the main process: a terminal's Ctrl-C and a
+    scheduler's SIGTERM reach the whole process group, and the main process alone stops the run
+    (after its step, with a checkpoint) and then shuts the workers down."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def build_loaders(
     bundle: DataBundle, batch_size: int, num_workers: int, device_type: str, seed: int,
     rank: int = 0, world_size: int = 1,
@@ -382,6 +391,7 @@ def build_loaders(
         pin_memory=device_type == "cuda",
         persistent_workers=int(num_workers) > 0,
         drop_last=False,
+        worker_init_fn=_ignore_stop_signals if int(num_workers) > 0 else None,
     )
     train_sampler = EpochSampler(bundle.train, num_replicas=world_size, rank=rank, shuffle=True,
                                  seed=int(seed), drop_last=False)

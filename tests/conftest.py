@@ -98,13 +98,16 @@ def levels_sweep(tmp_path_factory):
     return result, f"sqlite:///{folder / 'mlflow.db'}"
 
 
-def start_cli(*args: str, cwd: Path, env: dict | None = None) -> subprocess.Popen:
+def start_cli(*args: str, cwd: Path, env: dict | None = None,
+              new_session: bool = False) -> subprocess.Popen:
     """`python -m runner ARGS` started in the background (stdout and stderr merged, line by line),
-    for tests that act on a run while it trains (signals, a server going away)."""
+    for tests that act on a run while it trains (signals, a server going away). `new_session`:
+    its own process group, which `os.killpg` signals as a terminal's Ctrl-C would."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     return subprocess.Popen([sys.executable, "-m", "runner", *args], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=new_session)
 
 
 def read_until(proc: subprocess.Popen, text: str, timeout: float = 240) -> list[str]:

@@ -6,6 +6,7 @@ what a user sees from `python -m runner` (exit status, messages, final run state
 from __future__ import annotations
 
 import math
+import os
 import signal
 import subprocess
 import time
@@ -362,14 +363,20 @@ def test_cli_missing_cifar_says_how_to_fix_it(tmp_path):
 
 
 @pytest.mark.slow
-def test_ctrl_c_marks_the_run_killed(tmp_path):
-    args = [*FAST, "data.num_train=100000", "trainer.max_epochs=1", "trainer.log_every_n_steps=1"]
-    proc = start_cli(*args, cwd=tmp_path)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_ctrl_c_marks_the_run_killed(tmp_path, workers):
+    """Ctrl-C as a terminal sends it: to the whole process group, DataLoader workers included;
+    the main process alone acts on it (one message), and the run stops cleanly."""
+    args = [*FAST, "data.num_train=100000", "trainer.max_epochs=1", "trainer.log_every_n_steps=1",
+            f"trainer.num_workers={workers}"]
+    proc = start_cli(*args, cwd=tmp_path, new_session=True)
     seen = read_until(proc, "MLflow run")  # training has started
-    time.sleep(2)
-    proc.send_signal(signal.SIGINT)
+    time.sleep(3)
+    os.killpg(proc.pid, signal.SIGINT)
     rest, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, "".join(seen) + rest
+    assert rest.count("SIGINT received") == 1, rest
+    assert list(tmp_path.rglob("last.pt"))  # stopped after its step, with a checkpoint
     _, run = only_run(f"sqlite:///{tmp_path / 'mlflow.db'}")
     assert run.info.status == "KILLED"
     assert "interrupted" in run.data.tags["error"]
