@@ -14,6 +14,7 @@ plain run to 3e-6). The test also checks that training moved the weights by far 
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -95,6 +96,28 @@ def test_two_gloo_processes_train_like_one_with_the_global_batch(tmp_path, prese
     if preset == "o0":
         assert run.data.metrics["val_acc"] == pytest.approx(run1.data.metrics["val_acc"],
                                                             abs=1 / 40)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kernels", ["torch", "fused"])
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path, kernels):
+    """tests/ddp_flag_probe.py under torchrun: rank 1 alone puts an inf into its gradients at
+    step 2; both ranks skip that step, halve the scale, and end with identical masters."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(REPO / "tests" / "ddp_flag_probe.py"), str(tmp_path), kernels],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for record in ranks:
+        assert record["backend"] == ("cpp" if kernels == "fused" else "torch")
+        assert record["stepped"] == [True, False, True, True]
+        assert record["skipped_steps"] == [0, 1, 1, 1]
+        assert record["loss_scale"][1] == record["loss_scale"][0] / 2
+    assert ranks[0]["loss_scale"] == ranks[1]["loss_scale"]
+    assert ranks[0]["masters"] == ranks[1]["masters"]  # bit for bit
 
 
 def test_sync_batchnorm_on_a_cpu_is_a_config_error():
