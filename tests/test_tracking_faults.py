@@ -54,6 +54,36 @@ def test_metrics_logged_while_the_server_is_away_arrive_when_it_is_back(mlflow_s
 
 
 @pytest.mark.slow
+def test_a_run_whose_server_goes_away_and_comes_back_finishes_with_every_metric(
+        mlflow_server, tmp_path):
+    """`python -m runner` against a real server that is stopped while the run trains and started
+    again: training never waits, and the server ends up with the whole run, FINISHED, with no
+    offline store (END_TIMEOUT 120 s: the run may end before the server is back)."""
+    server = mlflow_server.start()
+    work = tmp_path / "work"
+    work.mkdir()
+    args = [*FAST, "data.num_train=3000", "trainer.log_every_n_steps=1",
+            f"mlflow.tracking_uri={server.url}"]
+    proc = start_cli(*args, cwd=work, env={"AMP_RUNNER_MLFLOW_END_TIMEOUT": "120"})
+    seen = read_until(proc, "MLflow run")
+    server.stop()
+    time.sleep(3)  # training goes on meanwhile
+    server.start()
+    rest, _ = proc.communicate(timeout=600)
+    output = "".join(seen) + rest
+    assert proc.returncode == 0, output
+    assert "runner.replay" not in output, output  # everything was delivered
+    client = MlflowClient(server.url)
+    (run,) = client.search_runs([client.get_experiment_by_name("amp-runner").experiment_id])
+    assert run.info.status == "FINISHED"
+    steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, "train_loss"))
+    assert steps == list(range(1, 189))  # 94 steps per epoch, none lost, none twice
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "val_acc")] == [1, 2]
+    logs = {a.path for a in client.list_artifacts(run.info.run_id, "logs")}
+    assert "logs/runner.log" in logs
+
+
+@pytest.mark.slow
 def test_a_run_that_ends_while_the_server_is_away_is_saved_offline_and_replayed(
         mlflow_server, tmp_path):
     server = mlflow_server.start()
