@@ -23,8 +23,6 @@ bad arguments.
 from __future__ import annotations
 
 import argparse
-import csv
-import json
 import logging
 import math
 import statistics
@@ -39,7 +37,7 @@ from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from common import (REPO, command, compose, csv_list, machine, now,  # noqa: E402
-                    prepare_store)
+                    prepare_store, write_results)
 
 EXPERIMENT = "accuracy-parity"
 TARGET_POINTS = 1.0  # a checked level's mean must be within this many points of O0's mean
@@ -376,23 +374,14 @@ def render_markdown(report: dict, rows: list[LevelSummary]) -> str:
     return "\n".join(lines)
 
 
-def write_outputs(out: Path, report: dict, rows: list[LevelSummary]) -> tuple[Path, Path, Path]:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    md = render_markdown(report, rows)
-    out.write_text(md)
-    csv_path, json_path = out.with_suffix(".csv"), out.with_suffix(".json")
+def write_outputs(out: Path, report: dict, rows: list[LevelSummary]) -> list[Path]:
     fields = ["level", "opt_level", "dtype", "seed", "status", "best_val_acc", "train_time_s",
               "skipped_steps", "wall_s", "run_id", "error"]
-    with csv_path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        for r in report["_results"]:
-            writer.writerow({k: v for k, v in asdict(r).items() if k in fields})
     payload = {k: v for k, v in report.items() if not k.startswith("_")}
     payload["summary"] = [asdict(r) for r in rows]
     payload["verdict"] = verdict(rows)
-    json_path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
-    return out, csv_path, json_path
+    return write_results(out, render_markdown(report, rows),
+                         [asdict(r) for r in report["_results"]], fields, payload)
 
 
 # ---- entry point --------------------------------------------------------------------------------

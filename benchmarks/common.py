@@ -4,7 +4,9 @@ reproduced and compared like with like; and the runner's own objects built from 
 (`build_runner`), so that the timing benchmarks step exactly what a run steps."""
 from __future__ import annotations
 
+import csv
 import datetime as _dt
+import json
 import os
 import platform
 import shlex
@@ -71,6 +73,22 @@ def apply_threads(parser, args) -> None:
 def csv_list(text: str) -> list[str]:
     """An argparse type: "a, b,c" -> ["a", "b", "c"] (empty parts dropped)."""
     return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def write_results(out: Path, markdown: str, rows: Sequence[dict], fields: Sequence[str],
+                  payload: dict) -> list[Path]:
+    """The files every benchmark leaves: `out` (the Markdown table), `out`.csv (one row per
+    result, the columns `fields`; other keys of a row are left out) and `out`.json (`payload`,
+    everything). Returns their paths."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(markdown)
+    csv_path, json_path = out.with_suffix(".csv"), out.with_suffix(".json")
+    with csv_path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(fields), extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    json_path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    return [out, csv_path, json_path]
 
 
 def load_average() -> list[float]:

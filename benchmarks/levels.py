@@ -31,7 +31,6 @@ Exit 0 whatever the verdict; 1 if a cell crashed; 2 for bad arguments.
 from __future__ import annotations
 
 import argparse
-import csv
 import ctypes
 import gc
 import json
@@ -45,7 +44,8 @@ from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from common import (REPO, add_threads_option, apply_threads, build_runner,  # noqa: E402
-                    command, compose, csv_list, load_average, machine, now, one_batch_task)
+                    command, compose, csv_list, load_average, machine, now, one_batch_task,
+                    write_results)
 from overhead import handwritten_step, timed_block  # noqa: E402
 
 MODELS = ["resnet18", "resnet50", "densenet161", "vgg16_bn"]
@@ -474,15 +474,7 @@ CSV_FIELDS = ["model", "level", "preset", "opt_level", "dtype", "image_size", "b
 def write_outputs(out: Path, report: dict, with_figure: bool = True) -> list[Path]:
     relative(report["cells"])
     report["verdict"] = verdict(report)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render(report))
-    csv_path, json_path = out.with_suffix(".csv"), out.with_suffix(".json")
-    with csv_path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(report["cells"])
-    json_path.write_text(json.dumps(report, indent=2) + "\n")
-    paths = [out, csv_path, json_path]
+    paths = write_results(out, render(report), report["cells"], CSV_FIELDS, report)
     if with_figure:
         png = figure(report, out.with_suffix(".png"))
         if png is not None:

@@ -26,8 +26,6 @@ Target (issue 7): under 1% of the step time at the default interval. Exit 0 what
 from __future__ import annotations
 
 import argparse
-import csv
-import json
 import statistics
 import sys
 import tempfile
@@ -39,7 +37,7 @@ from typing import Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from common import (REPO, add_threads_option, apply_threads, build_runner,  # noqa: E402
                     command, compose, csv_list, load_average, machine, now, one_batch_task,
-                    prepare_store)
+                    prepare_store, write_results)
 
 EXPERIMENT = "logging-cost"
 TARGET_FRACTION = 0.01
@@ -287,15 +285,7 @@ CSV_FIELDS = ["log_every_n_steps", "default", "calls", "calls_per_block", "step_
 
 
 def write_outputs(out: Path, report: dict) -> list[Path]:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render(report))
-    csv_path, json_path = out.with_suffix(".csv"), out.with_suffix(".json")
-    with csv_path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
-        writer.writeheader()
-        writer.writerows(report["results"])
-    json_path.write_text(json.dumps(report, indent=2) + "\n")
-    return [out, csv_path, json_path]
+    return write_results(out, render(report), report["results"], CSV_FIELDS, report)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -30,8 +30,6 @@ verdict; 1 if a step crashed; 2 for bad arguments.
 from __future__ import annotations
 
 import argparse
-import csv
-import json
 import statistics
 import sys
 import time
@@ -42,7 +40,8 @@ from typing import Callable, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from common import (REPO, add_threads_option, apply_threads, build_runner,  # noqa: E402
-                    command, compose, csv_list, load_average, machine, now, one_batch_task)
+                    command, compose, csv_list, load_average, machine, now, one_batch_task,
+                    write_results)
 
 TARGET_RATIO = 1.03  # O0 and O1: runner / hand-written at most this
 CPU_LEVELS = ["o0", "o1_bf16", "o2_bf16"]
@@ -458,19 +457,10 @@ CSV_FIELDS = ["level", "opt_level", "handwritten", "runner_median_ms", "handwrit
 
 
 def write_outputs(out: Path, report: dict) -> list[Path]:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render(report))
-    csv_path, json_path = out.with_suffix(".csv"), out.with_suffix(".json")
-    with csv_path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
-        writer.writeheader()
-        for r in report["results"]:
-            writer.writerow({**{k: r[k] for k in CSV_FIELDS if k in r},
-                             "runner_median_ms": r["runner_ms"]["median_ms"],
-                             "handwritten_median_ms": r["handwritten_ms"]["median_ms"],
-                             "samples": r["runner_ms"]["samples"]})
-    json_path.write_text(json.dumps(report, indent=2) + "\n")
-    return [out, csv_path, json_path]
+    rows = [{**r, "runner_median_ms": r["runner_ms"]["median_ms"],
+             "handwritten_median_ms": r["handwritten_ms"]["median_ms"],
+             "samples": r["runner_ms"]["samples"]} for r in report["results"]]
+    return write_results(out, render(report), rows, CSV_FIELDS, report)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
