@@ -129,17 +129,19 @@ def check_config(cfg: DictConfig) -> tuple[torch.device, Resolution]:
     return device, resolve_precision(cfg, device)
 
 
-def default_run_name(cfg: DictConfig) -> str:
+def default_run_name(cfg: DictConfig, properties=None) -> str:
     """`mlflow.run_name`, or `<model>-<level>` (e.g. densenet161-O2), with `-bf16` where the run
-    computes in bfloat16, so that o2 and o2_bf16 runs of one sweep are told apart."""
+    computes in bfloat16, so that o2 and o2_bf16 runs of one sweep are told apart. `properties`:
+    the resolved ones, when the caller has them (else resolved here)."""
     if cfg.mlflow.run_name:
         return cfg.mlflow.run_name
     name = f"{cfg.model.name}-{cfg.precision.opt_level}"
-    values = OmegaConf.to_container(cfg.precision, resolve=True)
-    try:
-        properties = resolve(values.pop("opt_level"), values).properties
-    except ConfigError:  # a failed job is still named; its error says what was wrong
-        return name
+    if properties is None:
+        values = OmegaConf.to_container(cfg.precision, resolve=True)
+        try:
+            properties = resolve(values.pop("opt_level"), values).properties
+        except ConfigError:  # a failed job is still named; its error says what was wrong
+            return name
     return f"{name}-bf16" if torch.bfloat16 in properties.compute_dtypes else name
 
 
@@ -237,7 +239,7 @@ def run(
     Under torchrun this is one rank of a DistributedDataParallel run (see runner.distributed)."""
     device, resolution = check_config(cfg)
     properties = resolution.properties
-    run_name = default_run_name(cfg)
+    run_name = default_run_name(cfg, properties)
     folder = checkpoint.run_folder(cfg.trainer.checkpoint_dir, cfg.mlflow.experiment_name,
                                    run_name)
     config_tree = OmegaConf.to_container(cfg, resolve=True)

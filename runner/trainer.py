@@ -266,14 +266,14 @@ class Trainer:
     def _save(self, epochs_done: int, batches_done: int) -> str | None:
         if self.checkpointer is None:
             return None
+        after = f"epoch {epochs_done}" + (f" and {batches_done} batches" if batches_done else "")
         if not self._healthy():
-            log.warning("No checkpoint written after epoch %d%s: the model's weights are inf/NaN "
-                        "(the run is diverging); the last checkpoint, if any, is the last good "
-                        "state", epochs_done, f" and {batches_done} batches" if batches_done else "")
+            log.warning("No checkpoint written after %s: the model's weights are inf/NaN (the run "
+                        "is diverging); the last checkpoint, if any, is the last good state",
+                        after)
             return None
         where = self.checkpointer(self.state(epochs_done, batches_done))
-        log.info("Checkpoint: %s (after epoch %d%s)", where, epochs_done,
-                 f" and {batches_done} batches" if batches_done else "")
+        log.info("Checkpoint: %s (after %s)", where, after)
         return where
 
     def _interrupted(self, epochs_done: int, batches_done: int) -> RunInterrupted:

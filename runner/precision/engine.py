@@ -421,12 +421,16 @@ class AmpEngine:
         else:
             multiplier = self._scale_tensor(1.0 / scaler.scale if check else 1.0)
         if check:
-            flag = torch.zeros(1, dtype=torch.float32, device=self.device)
+            flag = self._new_flag()
             self.kernels.ops.unscale_check(src, dst, multiplier, flag)
             self._record_flag(st, flag)
         elif src:
             self.kernels.ops.copy_scale(src, dst, multiplier)
         return True
+
+    def _new_flag(self) -> torch.Tensor:
+        """A cleared device-side found-inf flag for a kernel to raise (read at `_resolve`)."""
+        return torch.zeros(1, dtype=torch.float32, device=self.device)
 
     def _record_flag(self, st: _OptimizerState, flag: Optional[torch.Tensor]) -> None:
         """A device-side non-finite flag counts against every loss whose gradients it covers."""
@@ -517,7 +521,7 @@ class AmpEngine:
         if plans is not None:
             scaler = self.scalers[min(st.scaled_ids)]
             inv = self._scale_tensor(1.0 / scaler.scale)
-            flag = torch.zeros(1, dtype=torch.float32, device=self.device)
+            flag = self._new_flag()
             total, _ = self.kernels.ops.l2norm(fused.gradients(plans), inv, flag)
             if scaler.needs_check:
                 self._record_flag(st, flag)
@@ -547,7 +551,7 @@ class AmpEngine:
             if multiplier is None:
                 scaler = self.scalers[min(st.scaled_ids)]
                 if scaler.needs_check:
-                    flag = torch.zeros(1, dtype=torch.float32, device=self.device)
+                    flag = self._new_flag()
                     self.kernels.ops.check_finite(fused.gradients(plans), flag)
                     self._record_flag(st, flag)
                 multiplier = self._scale_tensor(1.0 / scaler.scale)
