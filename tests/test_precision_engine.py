@@ -211,6 +211,16 @@ def test_findings():
 
 
 # ---- casting -------------------------------------------------------------------------------
+def assert_cast_keeping_batchnorm_fp32(model: nn.Module, half: torch.dtype) -> None:
+    """make_model()'s conv/linear layers in `half`; its BatchNorms' weights and statistics fp32."""
+    for m in (model.conv, model.conv2, model.fc):
+        assert all(p.dtype == half for p in m.parameters())
+    for bn in (model.bn, model.bn2):
+        assert all(p.dtype == torch.float32 for p in bn.parameters())
+        assert bn.running_mean.dtype == bn.running_var.dtype == torch.float32
+        assert bn.num_batches_tracked.dtype == torch.long
+
+
 def test_o2_casting_keeps_batchnorm_fp32_and_casts_io():
     model = make_model()
     params_before = list(model.parameters())
@@ -226,12 +236,7 @@ def test_o2_casting_keeps_batchnorm_fp32_and_casts_io():
     engine = AmpEngine(props("O2"), CPU)
     engine.prepare(model, None)
     assert list(model.parameters()) == params_before  # same Parameter objects, cast in place
-    for m in (model.conv, model.conv2, model.fc):
-        assert all(p.dtype == torch.float16 for p in m.parameters())
-    for bn in (model.bn, model.bn2):
-        assert all(p.dtype == torch.float32 for p in bn.parameters())
-        assert bn.running_mean.dtype == bn.running_var.dtype == torch.float32
-        assert bn.num_batches_tracked.dtype == torch.long
+    assert_cast_keeping_batchnorm_fp32(model, torch.float16)
     x, _ = make_batch()
     out = model(x)
     assert seen == {"conv_in": torch.float16, "bn_in": torch.float16}
@@ -261,12 +266,7 @@ def test_keep_batchnorm_fp32_covers_sync_batchnorm(mode):
     seen = {}
     model.bn.register_forward_pre_hook(lambda module, args: seen.update(bn_in=args[0].dtype))
     AmpEngine(props("O2", cast_model_type="bfloat16"), CPU).prepare(model, None)
-    for m in (model.conv, model.conv2, model.fc):
-        assert all(p.dtype == torch.bfloat16 for p in m.parameters())
-    for bn in (model.bn, model.bn2):
-        assert all(p.dtype == torch.float32 for p in bn.parameters())
-        assert bn.running_mean.dtype == bn.running_var.dtype == torch.float32
-        assert bn.num_batches_tracked.dtype == torch.long
+    assert_cast_keeping_batchnorm_fp32(model, torch.bfloat16)
     getattr(model, mode)()
     getattr(ref, mode)()
     x, _ = make_batch()
