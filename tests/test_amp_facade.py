@@ -500,18 +500,23 @@ def _first_layer_dtype(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor,
     return out, seen["dtype"]
 
 
-@pytest.mark.parametrize("level", ["O1", "O2"])
-def test_deepcopy_is_an_independent_model_that_still_casts(level):
-    """The EMA pattern: a copy of an initialised model runs on its own weights (zeroed here:
-    Linear/BatchNorm(eval)/ReLU/Linear then output exactly 0), casts like the original, and
-    leaves the original alone."""
+def trained_for_one_step(level: str):
+    """An initialised net after one SGD step, in eval mode: (model, x, its output for x)."""
     model = net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
     x, y = batch()
     train_step(model, opt, x, y)
     model.eval()
-    expected = model(x).detach()
+    return model, x, model(x).detach()
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_deepcopy_is_an_independent_model_that_still_casts(level):
+    """The EMA pattern: a copy of an initialised model runs on its own weights (zeroed here:
+    Linear/BatchNorm(eval)/ReLU/Linear then output exactly 0), casts like the original, and
+    leaves the original alone."""
+    model, x, expected = trained_for_one_step(level)
     ema = copy.deepcopy(model)
     out, inner = _first_layer_dtype(ema, x)
     assert torch.equal(out, expected) and inner == torch.float16
@@ -525,13 +530,7 @@ def test_deepcopy_is_an_independent_model_that_still_casts(level):
 
 @pytest.mark.parametrize("level", ["O1", "O2", "O3"])
 def test_torch_save_and_load_of_a_whole_model(tmp_path, level):
-    model = net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
-    x, y = batch()
-    train_step(model, opt, x, y)
-    model.eval()
-    expected = model(x).detach()
+    model, x, expected = trained_for_one_step(level)
     weight_dtype = model[0].weight.dtype
     torch.save(model, tmp_path / "model.pt")
     amp.deinitialize()  # the loaded model needs no live engine
