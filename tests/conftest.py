@@ -36,11 +36,6 @@ def compose_config(*overrides: str, return_hydra_config: bool = False):
 
 
 @pytest.fixture
-def compose_cfg():
-    return compose_config
-
-
-@pytest.fixture
 def tracking_uri(tmp_path: Path) -> str:
     return f"sqlite:///{tmp_path / 'mlflow.db'}"
 
