@@ -1,9 +1,16 @@
 """Accuracy parity benchmark: do the mixed-precision levels reach O0's validation accuracy?
 
 With fixed seeds, a fixed model and epoch budget, and synthetic data made hard enough that O0 ends
-well short of 100% (about 85-90%), every checked level (O1, O2 and their bfloat16 presets) should
-reach O0's mean best validation accuracy within 1 point, over 3 seeds. O3 (pure 16-bit) is run and
-reported whatever it does, never checked.
+well short of 100% (about 85-90%), every checked level (O1, O2, their bfloat16 and fp8 presets,
+and the compiled rows) should reach O0's mean best validation accuracy within 1 point, over 3
+seeds. O3 (pure 16-bit) is run and reported whatever it does, never checked against O0; O3 in bf16
+with stochastic rounding (`o3_bf16_sr`) has a check of its own: its mean within 0.3 point of
+`o2_bf16`'s (the same bf16 model with fp32 master weights, which stochastic rounding replaces).
+
+A level is a precision preset, or `<preset>+compile` for the same preset with
+`trainer.compile=true` (its row shows the compile time). On the default task's tiny CNN, whose
+only Linear layer has 10 outputs (not a multiple of 16), `o1_fp8` converts no layer to fp8: the
+table shows each fp8 row's `precision.fp8_layers` so that this is seen.
 
 Every (level, seed) is a real `runner.app.run` on the config tree composed with Hydra's compose
 API, logged to an MLflow store (by default a fresh SQLite store in a temporary folder, never the
@@ -11,11 +18,12 @@ user's ./mlflow.db). The seeds vary `trainer.seed` (weight init and shuffling or
 (`data.seed`) stays fixed, so every run is validated on the very same images and the levels are
 compared on equal terms.
 
-    python benchmarks/accuracy.py                       # CPU: o0 + o1_bf16, o2_bf16, o3_bf16
-    python benchmarks/accuracy.py --device cuda         # GPU: o0, o1, o2, o3 + the bf16 presets
-    python benchmarks/accuracy.py --levels o0,o2_bf16 --seeds 0 --epochs 2
+    python benchmarks/accuracy.py                   # CPU: o0, bf16 presets, o1_fp8, 2 compiled
+    python benchmarks/accuracy.py --device cuda     # GPU: o0-o3, bf16, fp8, 3 compiled
+    python benchmarks/accuracy.py --levels o0,o2_bf16,o2_bf16+compile --seeds 0 --epochs 2
 
-Writes a Markdown table (also printed), a CSV with one row per run and a JSON with everything.
+Writes a Markdown table (also printed), a CSV with one row per run and a JSON with everything,
+after every run (a run stopped at a time limit keeps what it finished).
 Exit status: 0 when every run finished, whatever the verdict (a benchmark, not a test); 1 when a
 run crashed (an exception other than the runner's divergence stop, which is an outcome); 2 for
 bad arguments.
@@ -36,14 +44,20 @@ from pathlib import Path
 from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
-from common import (REPO, command, compose, csv_list, machine, now,  # noqa: E402
+from common import (REPO, command, compose, csv_list, describe_level,  # noqa: E402
+                    fresh_compile_cache, machine, model_label, model_overrides, now, parse_level,
                     prepare_store, write_results)
 
 EXPERIMENT = "accuracy-parity"
 TARGET_POINTS = 1.0  # a checked level's mean must be within this many points of O0's mean
 BASELINE = "o0"
-CPU_LEVELS = ["o0", "o1_bf16", "o2_bf16", "o3_bf16"]
-CUDA_LEVELS = ["o0", "o1", "o2", "o3", "o1_bf16", "o2_bf16", "o3_bf16"]
+# stochastic rounding's own check: o3_bf16_sr (bf16 weights, no masters) against o2_bf16 (the same
+# bf16 model with fp32 master weights)
+SR_LEVEL, SR_REFERENCE, SR_TARGET_POINTS = "o3_bf16_sr", "o2_bf16", 0.3
+CPU_LEVELS = ["o0", "o1_bf16", "o2_bf16", "o3_bf16", "o3_bf16_sr", "o1_fp8",
+              "o0+compile", "o2_bf16+compile"]
+CUDA_LEVELS = ["o0", "o1", "o2", "o3", "o1_bf16", "o2_bf16", "o3_bf16", "o3_bf16_sr", "o1_fp8",
+               "o2_fp8", "o0+compile", "o2_bf16+compile", "o1_fp8+compile"]
 DEFAULT_SEEDS = [0, 1, 2]
 DEFAULT_EPOCHS = 10
 # The fixed task. Synthetic 16-px images whose white noise (std 4, against a class pattern of unit
@@ -64,6 +78,7 @@ TASK_OVERRIDES = [
     "trainer.num_workers=0",
     "trainer.progress_bar=false",
     "trainer.log_every_n_steps=50",
+    "trainer.checkpoint_every_n_epochs=0",  # no checkpoint files (only an interrupt writes one)
 ]
 
 log = logging.getLogger("benchmarks.accuracy")
@@ -71,13 +86,18 @@ log = logging.getLogger("benchmarks.accuracy")
 
 @dataclass
 class RunResult:
-    level: str
+    level: str  # the level spec: a preset, or <preset>+compile
     seed: int
     opt_level: str = ""
     dtype: str = ""
+    compiled: bool = False
+    fp8: str | None = None  # precision.fp8_linear (tensorwise | rowwise) where the preset has fp8
     status: str = "finished"  # finished | diverged | crashed
     best_val_acc: float | None = None
-    train_time_s: float | None = None
+    train_time_s: float | None = None  # the run's train_time_s: training, validation, compiling
+    epochs_time_s: float | None = None  # the sum of its epoch_time_s: training only
+    compile_time_s: float | None = None  # compiled runs: compiling the training step
+    fp8_layers: int | None = None  # fp8 runs: the precision.fp8_layers param
     skipped_steps: float | None = None
     wall_s: float | None = None
     run_id: str | None = None
@@ -89,14 +109,22 @@ class LevelSummary:
     level: str
     opt_level: str
     dtype: str
-    checked: bool
+    checked: bool  # against O0, within TARGET_POINTS
+    compiled: bool = False
+    fp8: str | None = None
     accs: dict[int, float | None] = field(default_factory=dict)
     mean: float | None = None
     std: float | None = None
     diff_points: float | None = None
     within_target: bool | None = None
+    sr_checked: bool = False  # o3_bf16_sr: against o2_bf16, within SR_TARGET_POINTS
+    vs_reference_points: float | None = None
+    within_sr_target: bool | None = None
     skipped_steps: float | None = None
     mean_train_time_s: float | None = None
+    mean_epochs_time_s: float | None = None
+    compile_times_s: list[float] = field(default_factory=list)  # per seed, in seed order
+    fp8_layers: list[int] = field(default_factory=list)  # per seed (the same model: one value)
     statuses: list[str] = field(default_factory=list)
 
 
@@ -108,7 +136,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "runs over several seeds; writes a Markdown table, a CSV and a JSON.",
     )
     parser.add_argument("--levels", type=csv_list, default=None,
-                        help="comma-separated precision presets (default: on CPU "
+                        help="comma-separated precision presets, each optionally with +compile "
+                        "(trainer.compile=true) (default: on CPU "
                         f"{','.join(CPU_LEVELS)}; on CUDA {','.join(CUDA_LEVELS)}); o0, the "
                         "baseline, is added when missing")
     parser.add_argument("--seeds", type=csv_list, default=None,
@@ -117,7 +146,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
     parser.add_argument("--epochs", type=int, default=DEFAULT_EPOCHS,
                         help=f"trainer.max_epochs (default {DEFAULT_EPOCHS})")
-    parser.add_argument("--model", default="tiny", help="model config option (default tiny)")
+    parser.add_argument("--model", default="tiny",
+                        help="model config option, or <zoo>:<arch> for model=<zoo> "
+                        "model.arch=<arch> (default tiny)")
     parser.add_argument("--out", type=Path, default=None,
                         help="the Markdown table; the .csv and .json go beside it (default "
                         "benchmarks/results/accuracy_<cpu|cuda>.md)")
@@ -147,13 +178,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available")
 
-    from runner.app import preset_options
+    from runner.plan import preset_options
 
     known = preset_options()
     levels = args.levels or (CUDA_LEVELS if args.device == "cuda" else CPU_LEVELS)
-    unknown = [lvl for lvl in levels if lvl not in known]
-    if unknown:
-        parser.error(f"unknown level(s) {', '.join(unknown)}; choose from {', '.join(known)}")
+    try:
+        levels = [parse_level(lvl, known).name for lvl in levels]
+    except ValueError as error:
+        parser.error(str(error))
     if BASELINE not in levels:
         levels = [BASELINE, *levels]
     args.levels = list(dict.fromkeys(levels))  # unique, in order
@@ -165,7 +197,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 # ---- running ------------------------------------------------------------------------------------
 def task_overrides(args: argparse.Namespace) -> list[str]:
     return [
-        f"model={args.model}",
+        *model_overrides(args.model),
         *TASK_OVERRIDES,
         f"trainer.max_epochs={args.epochs}",
         f"trainer.device={args.device}",
@@ -173,43 +205,71 @@ def task_overrides(args: argparse.Namespace) -> list[str]:
     ]
 
 
-def read_run_metrics(tracking_uri: str, experiment: str, key: str) -> tuple[str | None, dict]:
-    """The finished run tagged `benchmark_key=<key>` and its latest metric values."""
+@dataclass
+class StoredRun:
+    """What a benchmark reads back from the MLflow store about one of its runs."""
+
+    run_id: str | None = None
+    metrics: dict[str, float] = field(default_factory=dict)  # the latest value of each
+    params: dict[str, str] = field(default_factory=dict)
+    histories: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # (step, value)
+
+
+def read_run(tracking_uri: str, experiment: str, key: str,
+             histories: Sequence[str] = ()) -> StoredRun:
+    """The run tagged `benchmark_key=<key>`: its latest metric values, its params, and the whole
+    history of each metric named in `histories`, by step. An empty StoredRun when there is none."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri)
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
-        return None, {}
+        return StoredRun()
     runs = client.search_runs([exp.experiment_id], filter_string=f"tags.benchmark_key = '{key}'")
     if not runs:
-        return None, {}
-    return runs[0].info.run_id, dict(runs[0].data.metrics)
+        return StoredRun()
+    run = runs[0]
+    stored = StoredRun(run.info.run_id, dict(run.data.metrics), dict(run.data.params))
+    for name in histories:
+        points = client.get_metric_history(run.info.run_id, name)
+        stored.histories[name] = sorted((int(m.step), float(m.value)) for m in points)
+    return stored
+
+
+def run_name(model: str, level: str, seed: int) -> str:
+    """`<model>-<preset>[-compiled]-seed<seed>` (the runner's own suffix for a compiled run)."""
+    return f"{model}-{level.replace('+compile', '-compiled')}-seed{seed}"
 
 
 def run_one(args, level: str, seed: int, session: str) -> RunResult:
     from runner.app import run
     from runner.errors import DivergenceError
-    from runner.report import describe_dtype
+    from runner.plan import preset_options
 
+    spec = parse_level(level, preset_options())
     key = f"{session}/{level}/s{seed}"
     overrides = [
         *task_overrides(args),
-        f"precision={level}",
+        *spec.overrides(),
         f"trainer.seed={seed}",
         f"mlflow.tracking_uri={args.tracking_uri}",
         f"mlflow.experiment_name={args.experiment}",
-        f"mlflow.run_name={args.model}-{level}-seed{seed}",
+        f"mlflow.run_name={run_name(model_label(args.model), level, seed)}",
         f"+mlflow.tags.benchmark={EXPERIMENT}",
         f"+mlflow.tags.benchmark_key={key}",
         f"+mlflow.tags.benchmark_seed={seed}",
     ]
-    result = RunResult(level=level, seed=seed)
+    result = RunResult(level=level, seed=seed, compiled=spec.compile)
+    if spec.compile:  # compiled from scratch: no code of an earlier run reused in memory
+        import torch
+
+        torch._dynamo.reset()
     started = time.perf_counter()
     try:
         cfg = compose(overrides)
         result.opt_level = str(cfg.precision.opt_level)
-        result.dtype = describe_dtype(cfg.precision)
+        result.dtype = describe_level(cfg.precision, spec.compile)
+        result.fp8 = cfg.precision.get("fp8_linear") or None
         result.best_val_acc = run(cfg, overrides=overrides)
     except DivergenceError as error:  # an outcome (O3 may do this), not a crash
         result.status, result.error = "diverged", str(error)
@@ -219,12 +279,18 @@ def run_one(args, level: str, seed: int, session: str) -> RunResult:
         print(traceback.format_exc(), file=sys.stderr)
     result.wall_s = time.perf_counter() - started
     try:
-        result.run_id, metrics = read_run_metrics(args.tracking_uri, args.experiment, key)
+        stored = read_run(args.tracking_uri, args.experiment, key, histories=["epoch_time_s"])
     except Exception as error:  # noqa: BLE001
-        metrics = {}
+        stored = StoredRun()
         log.warning("could not read the run's metrics back: %s", error)
-    result.train_time_s = metrics.get("train_time_s")
-    result.skipped_steps = metrics.get("skipped_steps")
+    result.run_id = stored.run_id
+    result.train_time_s = stored.metrics.get("train_time_s")
+    result.skipped_steps = stored.metrics.get("skipped_steps")
+    result.compile_time_s = stored.metrics.get("compile_time_s")
+    epochs = stored.histories.get("epoch_time_s")
+    result.epochs_time_s = sum(v for _, v in epochs) if epochs else None
+    if "precision.fp8_layers" in stored.params:
+        result.fp8_layers = int(stored.params["precision.fp8_layers"])
     if result.best_val_acc is None and result.status == "finished":
         result.status, result.error = "crashed", "the run returned no accuracy"
     return result
@@ -245,7 +311,13 @@ def summarise(results: list[RunResult], levels: list[str], seeds: list[int]) -> 
             opt_level=first.opt_level,
             dtype=first.dtype,
             checked=level != BASELINE and first.opt_level != "O3",
+            compiled=first.compiled,
+            fp8=first.fp8,
+            sr_checked=level == SR_LEVEL,
             accs={r.seed: r.best_val_acc if r.status == "finished" else None for r in mine},
+            compile_times_s=[r.compile_time_s for r in sorted(mine, key=lambda r: r.seed)
+                             if r.compile_time_s is not None],
+            fp8_layers=[r.fp8_layers for r in mine if r.fp8_layers is not None],
             statuses=[r.status for r in mine],
         )
         accs = _finite(summary.accs.get(s) for s in seeds)
@@ -256,13 +328,21 @@ def summarise(results: list[RunResult], levels: list[str], seeds: list[int]) -> 
         summary.skipped_steps = sum(skipped) if skipped else None
         times = _finite(r.train_time_s for r in mine)
         summary.mean_train_time_s = statistics.fmean(times) if times else None
+        times = _finite(r.epochs_time_s for r in mine)
+        summary.mean_epochs_time_s = statistics.fmean(times) if times else None
         rows.append(summary)
     base = next((r for r in rows if r.level == BASELINE), None)
+    reference = next((r for r in rows if r.level == SR_REFERENCE), None)
     for row in rows:
         if base is not None and base.mean is not None and row.mean is not None:
             row.diff_points = 100.0 * (row.mean - base.mean)
         if row.checked:
             row.within_target = row.diff_points is not None and abs(row.diff_points) <= TARGET_POINTS
+        if row.sr_checked and reference is not None:
+            if reference.mean is not None and row.mean is not None:
+                row.vs_reference_points = 100.0 * (row.mean - reference.mean)
+            row.within_sr_target = (row.vs_reference_points is not None
+                                    and abs(row.vs_reference_points) <= SR_TARGET_POINTS)
     return rows
 
 
@@ -273,6 +353,7 @@ def verdict(rows: list[LevelSummary]) -> str:
     checked = [r for r in rows if r.checked]
     missed = [r for r in checked if not r.within_target]
     o3 = [r for r in rows if r.opt_level == "O3"]
+    sr = next((r for r in rows if r.sr_checked), None)
 
     def fmt(r: LevelSummary) -> str:
         if r.diff_points is None:
@@ -289,13 +370,61 @@ def verdict(rows: list[LevelSummary]) -> str:
     else:
         parts.append(f"PASS: every checked level is within {TARGET_POINTS:g} point of O0's "
                      f"{100 * base.mean:.2f}% ({', '.join(fmt(r) for r in checked)} points)")
+    if sr is not None:
+        if not any(r.level == SR_REFERENCE for r in rows):
+            parts.append(f"{SR_LEVEL} against {SR_REFERENCE}: NOT JUDGED ({SR_REFERENCE} was "
+                         "not run)")
+        elif sr.vs_reference_points is None:
+            parts.append(f"{SR_LEVEL} against {SR_REFERENCE}: NOT JUDGED (a run did not finish)")
+        else:
+            parts.append(f"{SR_LEVEL} against {SR_REFERENCE}: "
+                         f"{'PASS' if sr.within_sr_target else 'MISS'}, "
+                         f"{sr.vs_reference_points:+.2f} point(s) "
+                         f"(target: within {SR_TARGET_POINTS:g})")
     if o3:
-        parts.append(f"O3 (reported, not checked): {', '.join(fmt(r) for r in o3)} points")
+        parts.append(f"O3 against O0 (reported, not checked): {', '.join(fmt(r) for r in o3)} "
+                     "points")
     return "Verdict: " + "; ".join(parts) + "."
 
 
 def _pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.2f}"
+
+
+def notes(report: dict, rows: list[LevelSummary]) -> list[str]:
+    """What the table's fp8 and compile columns mean, and what a reader could misread: an fp8
+    row whose model has no layer fp8 can convert."""
+    lines = []
+    if any(r.fp8 for r in rows):
+        text = ("fp8 layers: the runs' `precision.fp8_layers` param, the number of Linear "
+                "layers that ran their GEMMs in fp8 (torchao converts only Linear layers whose "
+                "sizes are multiples of 16; each run's `fp8_layers.txt` artifact lists every "
+                "layer and why it stayed). On a CPU fp8 is emulated: its numerics, not its "
+                "speed.")
+        empty = [r.level for r in rows if r.fp8 and r.fp8_layers and not any(r.fp8_layers)]
+        if empty:
+            names = ", ".join(f"`{lvl}`" for lvl in empty)
+            why = (" The tiny CNN's only Linear layer has 10 outputs, not a multiple of 16."
+                   if report.get("model") == "tiny" else "")
+            text += (f" **{names} converted no layer to fp8 on `{report.get('model')}`**:{why} "
+                     "Such a row is its bf16 level (O1's bf16 autocast, or O2's bf16 model with "
+                     "fp32 masters) with fp8 switched on and nothing to apply it to; it says "
+                     "nothing about fp8's accuracy.")
+        lines += [text, ""]
+    if any(r.compiled for r in rows):
+        lines += [
+            "compile (s): each compiled run's `compile_time_s` (compiling the training step "
+            "before the first epoch), per seed in seed order. torch.compile's on-disk cache was "
+            f"{report.get('compile_cache', 'not recorded')}, so a level's first seed compiles "
+            "cold and its later seeds find its graphs in that cache; the process's first "
+            "compiled run also pays torch.compile's one-time start-up. epochs (s): the mean over "
+            "seeds "
+            "of the summed `epoch_time_s` (training only: no compiling, no validation); "
+            "train_time_s (s): the mean of the runs' `train_time_s` (training, validation and "
+            "compiling).",
+            "",
+        ]
+    return lines
 
 
 def render_markdown(report: dict, rows: list[LevelSummary]) -> str:
@@ -307,12 +436,17 @@ def render_markdown(report: dict, rows: list[LevelSummary]) -> str:
         "",
         f"Best validation accuracy (%) over {report['epochs']} epochs, per seed "
         f"(`trainer.seed`; the dataset, `data.seed`, is fixed), for each precision level against "
-        f"O0 (fp32). A checked level (O1, O2, their bf16 presets) passes when its mean is within "
-        f"{TARGET_POINTS:g} point of O0's mean; O3 is reported, not checked.",
+        f"O0 (fp32). A checked level (O1, O2, their bf16 and fp8 presets, compiled rows) passes "
+        f"when its mean is within {TARGET_POINTS:g} point of O0's mean; O3 is reported, not "
+        f"checked against O0, except that `{SR_LEVEL}` (bf16 weights without fp32 masters, "
+        f"stochastic rounding) passes when its mean is within {SR_TARGET_POINTS:g} point of "
+        f"`{SR_REFERENCE}`'s (the same bf16 model with fp32 master weights). `<preset>+compile` "
+        "is the preset with `trainer.compile=true`.",
         "",
         "| level | preset | dtype | " + " | ".join(f"seed {s}" for s in seeds)
-        + " | mean ± std | Δ vs O0 (points) | within 1 point | skipped steps | mean train time (s) |",
-        "|---|---|---|" + "---:|" * len(seeds) + "---:|---:|---|---:|---:|",
+        + " | mean ± std | Δ vs O0 (points) | check | skipped steps | fp8 layers | compile (s) "
+        "| epochs (s) | train_time_s (s) |",
+        "|---|---|---|" + "---:|" * len(seeds) + "---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         accs = []
@@ -328,16 +462,27 @@ def render_markdown(report: dict, rows: list[LevelSummary]) -> str:
         diff = "-" if r.diff_points is None else f"{r.diff_points:+.2f}"
         if r.level == BASELINE:
             within = "baseline"
+        elif r.sr_checked:
+            within = (f"vs `{SR_REFERENCE}` within {SR_TARGET_POINTS:g}: " + (
+                "not judged" if r.vs_reference_points is None else
+                f"{'yes' if r.within_sr_target else '**no**'} ({r.vs_reference_points:+.2f})"))
         elif not r.checked:  # O3: reported whatever it is
             within = "not checked" + ("" if r.diff_points is None else
                                       f" ({'yes' if abs(r.diff_points) <= TARGET_POINTS else 'no'})")
         else:
-            within = "yes" if r.within_target else "**no**"
+            within = f"within {TARGET_POINTS:g}: " + ("yes" if r.within_target else "**no**")
         skipped = "-" if r.skipped_steps is None else f"{r.skipped_steps:g}"
+        fp8 = "-" if not r.fp8 else ("?" if not r.fp8_layers else
+                                     " / ".join(str(n) for n in dict.fromkeys(r.fp8_layers)))
+        compiled = "-" if not r.compiled else (" / ".join(f"{t:.1f}" for t in r.compile_times_s)
+                                               or "?")
+        epochs = "-" if r.mean_epochs_time_s is None else f"{r.mean_epochs_time_s:.1f}"
         ttime = "-" if r.mean_train_time_s is None else f"{r.mean_train_time_s:.1f}"
         lines.append(f"| {r.opt_level or '?'} | `{r.level}` | {r.dtype or '?'} | "
-                     + " | ".join(accs) + f" | {mean} | {diff} | {within} | {skipped} | {ttime} |")
+                     + " | ".join(accs) + f" | {mean} | {diff} | {within} | {skipped} | {fp8} | "
+                     f"{compiled} | {epochs} | {ttime} |")
     lines += ["", verdict(rows), ""]
+    lines += notes(report, rows)
     if base is not None and base.mean is not None and n_val:
         p = base.mean
         se = 100 * math.sqrt(p * (1 - p) / n_val)
@@ -362,7 +507,8 @@ def render_markdown(report: dict, rows: list[LevelSummary]) -> str:
         f"- Command: `{report['command']}`",
         f"- Total wall time: {report['total_wall_s'] / 60:.1f} min for {len(report['runs'])} runs",
         f"- MLflow: experiment `{report['experiment']}` in `{report['tracking_uri']}`",
-        "- Task (Hydra overrides, then `precision=<level> trainer.seed=<seed>`): "
+        "- Task (Hydra overrides, then `precision=<preset> trainer.seed=<seed>`, and "
+        "`trainer.compile=true` for a `+compile` level): "
         + " ".join(f"`{o}`" for o in report["overrides"]),
         "",
     ]
@@ -376,7 +522,8 @@ def render_markdown(report: dict, rows: list[LevelSummary]) -> str:
 
 def write_outputs(out: Path, report: dict, rows: list[LevelSummary]) -> list[Path]:
     fields = ["level", "opt_level", "dtype", "seed", "status", "best_val_acc", "train_time_s",
-              "skipped_steps", "wall_s", "run_id", "error"]
+              "epochs_time_s", "compile_time_s", "fp8_layers", "skipped_steps", "wall_s",
+              "run_id", "error"]
     payload = {k: v for k, v in report.items() if not k.startswith("_")}
     payload["summary"] = [asdict(r) for r in rows]
     payload["verdict"] = verdict(rows)
@@ -398,42 +545,53 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.tracking_uri = resolve_tracking_uri(args.tracking_uri)
     prepare_store(args.tracking_uri, args.experiment)
 
+    compile_cache = fresh_compile_cache() if any(
+        lvl.endswith("+compile") for lvl in args.levels) else None
     session = uuid.uuid4().hex[:12]
     total = len(args.levels) * len(args.seeds)
     print(f"Accuracy parity: {len(args.levels)} levels x {len(args.seeds)} seeds on "
           f"{args.device}, {args.epochs} epochs; MLflow store {args.tracking_uri}", flush=True)
+    composed = compose(task_overrides(args))
+    report = {
+        "benchmark": EXPERIMENT,
+        "device": args.device,
+        "model": args.model,
+        "levels": args.levels,
+        "seeds": args.seeds,
+        "epochs": args.epochs,
+        "num_val": int(composed.data.get("num_val", 0) or 0),
+        "target_points": TARGET_POINTS,
+        "sr_check": {"level": SR_LEVEL, "reference": SR_REFERENCE,
+                     "target_points": SR_TARGET_POINTS},
+        "compile_cache": compile_cache,
+        "overrides": task_overrides(args),
+        "command": command("accuracy.py", argv),
+        "date": now(),
+        "total_wall_s": 0.0,
+        "tracking_uri": args.tracking_uri,
+        "experiment": args.experiment,
+        "machine": machine(args.device),
+        "runs": [],
+        "_results": [],
+    }
     started = time.perf_counter()
-    results: list[RunResult] = []
+    results: list[RunResult] = report["_results"]
     for level in args.levels:
         for seed in args.seeds:
             print(f"[{len(results) + 1}/{total}] {level} seed {seed} ...", end=" ", flush=True)
             result = run_one(args, level, seed, session)
             results.append(result)
             acc = "-" if result.best_val_acc is None else f"{100 * result.best_val_acc:.2f}%"
-            print(f"{result.status}: best val acc {acc}, skipped {result.skipped_steps}, "
-                  f"{result.wall_s:.0f} s", flush=True)
-    total_wall = time.perf_counter() - started
-
+            extra = "" if result.compile_time_s is None else \
+                f", compiled in {result.compile_time_s:.1f} s"
+            print(f"{result.status}: best val acc {acc}, skipped {result.skipped_steps}"
+                  f"{extra}, {result.wall_s:.0f} s", flush=True)
+            # the results so far after every run: a command stopped at a time limit keeps them
+            report["runs"] = [asdict(r) for r in results]
+            report["total_wall_s"] = time.perf_counter() - started
+            paths = write_outputs(args.out, report,
+                                  summarise(results, args.levels, args.seeds))
     rows = summarise(results, args.levels, args.seeds)
-    composed = compose(task_overrides(args))
-    report = {
-        "benchmark": EXPERIMENT,
-        "device": args.device,
-        "levels": args.levels,
-        "seeds": args.seeds,
-        "epochs": args.epochs,
-        "num_val": int(composed.data.get("num_val", 0) or 0),
-        "target_points": TARGET_POINTS,
-        "overrides": task_overrides(args),
-        "command": command("accuracy.py", argv),
-        "date": now(),
-        "total_wall_s": total_wall,
-        "tracking_uri": args.tracking_uri,
-        "experiment": args.experiment,
-        "machine": machine(args.device),
-        "runs": [asdict(r) for r in results],
-        "_results": results,
-    }
     paths = write_outputs(args.out, report, rows)
     print()
     print(render_markdown(report, rows))

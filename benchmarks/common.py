@@ -100,6 +100,59 @@ def load_average() -> list[float]:
         return []
 
 
+COMPILE_SUFFIX = "+compile"
+
+
+@dataclass(frozen=True)
+class LevelSpec:
+    """A benchmark's level: a precision preset, run eagerly or with `trainer.compile=true`
+    (written `<preset>+compile`, e.g. `o2_bf16+compile`)."""
+
+    preset: str
+    compile: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.preset + (COMPILE_SUFFIX if self.compile else "")
+
+    def overrides(self) -> list[str]:
+        return [f"precision={self.preset}", *(["trainer.compile=true"] if self.compile else [])]
+
+
+def parse_level(text: str, known: Sequence[str]) -> LevelSpec:
+    """`<preset>` or `<preset>+compile` into a LevelSpec; a ValueError saying what is wrong (an
+    unknown preset, with the known ones, or an unknown suffix) otherwise."""
+    preset, plus, suffix = text.partition("+")
+    if plus and suffix != COMPILE_SUFFIX[1:]:
+        raise ValueError(f"{text!r}: the only suffix is {COMPILE_SUFFIX} (trainer.compile=true)")
+    if preset not in known:
+        raise ValueError(f"unknown level {preset!r}; choose from {', '.join(known)} (each "
+                         f"optionally with {COMPILE_SUFFIX})")
+    return LevelSpec(preset, bool(plus))
+
+
+def describe_level(precision: Any, compiled: bool = False) -> str:
+    """What a level computes in (`runner.report.describe_dtype`: fp8 Linear layers and stochastic
+    rounding included), plus torch.compile, which is a trainer setting, not a precision property."""
+    from runner.report import describe_dtype
+
+    return describe_dtype(precision) + ("; torch.compile" if compiled else "")
+
+
+def fresh_compile_cache() -> str:
+    """Point torch.compile's on-disk cache (Inductor's graphs and kernels, Triton's too) at a new
+    empty folder for this process, unless `TORCHINDUCTOR_CACHE_DIR` is set already, so that a
+    compile time measured here is a cold compile and not a hit on an earlier run's cache. Returns
+    what the results should say about the cache."""
+    import tempfile
+
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        return (f"TORCHINDUCTOR_CACHE_DIR={os.environ['TORCHINDUCTOR_CACHE_DIR']} (set by the "
+                "user: compiles may reuse what earlier runs cached)")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench-inductor-")
+    return "a new empty folder for this run (the first compile of each graph is cold)"
+
+
 def compose(overrides: Sequence[str]):
     """The project's config tree composed with Hydra's compose API, as `python -m runner` would."""
     from hydra import compose as hydra_compose
@@ -139,11 +192,24 @@ class RunnerParts:
     fp32_model: Any = None  # a copy of the model before the engine cast it (same weights)
 
 
+def model_overrides(model: str) -> list[str]:
+    """A benchmark's model: a model config option (`resnet50`), or `<zoo>:<arch>` for a model of
+    a zoo by name (`torchvision:vit_b_16` -> `model=torchvision model.arch=vit_b_16`)."""
+    zoo, colon, arch = model.partition(":")
+    return [f"model={zoo}", f"model.arch={arch}"] if colon else [f"model={model}"]
+
+
+def model_label(model: str) -> str:
+    """The short name of a benchmark's model: the zoo's architecture name for `<zoo>:<arch>`."""
+    return model.partition(":")[2] or model
+
+
 def one_batch_task(model: str, image_size: int, batch_size: int, device: str) -> list[str]:
     """Overrides for a timing benchmark's task: synthetic data of exactly one batch (drawn once,
-    kept in memory), no worker processes, no progress bar."""
+    kept in memory), no worker processes, no progress bar. `model` as `model_overrides` takes
+    it."""
     return [
-        f"model={model}",
+        *model_overrides(model),
         "data=synthetic",
         f"data.image_size={image_size}",
         f"data.num_train={batch_size}",
@@ -171,11 +237,13 @@ def build_runner(cfg, on_metrics: Optional[Callable] = None, keep_fp32_copy: boo
     import copy
 
     from runner import app, csrc
+    from runner.plan import make_plan
     from runner.trainer import Trainer
 
-    device, resolution = app.check_config(cfg)
+    plan = make_plan(cfg)
+    device, resolution = plan.device, plan.resolution
     copies: list = []
-    parts = app.build(cfg, device, resolution, on_model=(
+    parts = app.build(plan, on_model=(
         lambda model: copies.append(copy.deepcopy(model))) if keep_fp32_copy else None)
     trainer = Trainer(
         model=parts.model, optimizer=parts.optimizer, scheduler=parts.scheduler,

@@ -7,23 +7,39 @@ the timing). After warm-up steps, each timed step is device-synchronised; the st
 median, throughput is batch / median step time. Peak memory is the runner's own MemoryProbe,
 reset before the cell's objects are built (as at the start of a run):
   CUDA: torch.cuda.max_memory_allocated (weights, masters, optimizer state, activations, batch).
-  CPU:  the process's peak resident memory above its resident memory at the reset (VmHWM,
-        Linux); freed memory of the previous cell is handed back to the OS (malloc_trim) first.
-        A coarser figure than CUDA's: allocator caching and thread pools count too.
+  CPU:  the training state counted from the tensors on the trainer's first step (weights,
+        masters, gradients, optimizer state, activations saved for backward: runner.memory),
+        which does not depend on what earlier cells left in the process. The hand-written
+        torch_amp row, which the trainer does not step, reports the process's peak resident
+        memory above its resident memory at the reset instead (VmHWM, Linux; freed memory of
+        the previous cell handed back to the OS first with malloc_trim), a coarser figure that
+        is not compared with O0's.
 
 The `torch_amp` row is not a runner level: it is overhead.py's hand-written torch.autocast +
 torch.amp.GradScaler loop (bf16 without a scaler on CPU) on the same model, data and optimizer,
 the reference the O2 target is judged against.
 
-    python benchmarks/levels.py                                     # CPU: 32 px, O0 + bf16
-    python benchmarks/levels.py --device cuda --models resnet18,resnet50            # part 1
-    python benchmarks/levels.py --device cuda --models densenet161,vgg16_bn --merge  # part 2
+A level `<preset>+compile` is the preset with `trainer.compile=true` (the model compiled in place,
+as a run compiles it). Its first step, which compiles the training forward and backward, is timed
+on its own and kept out of the step time: `compile_s` is that first step's time minus the median
+step time. torch.compile's on-disk cache starts empty (a new TORCHINDUCTOR_CACHE_DIR per process
+unless one is set), so compiles are cold. By default compiled rows are measured for one model per
+device (COMPILE_MODELS: ResNet-18 on CPU, ResNet-50 and ViT-B/16 on CUDA): compiling a model
+takes tens of seconds to minutes. A model is a model config option or `<zoo>:<arch>`
+(`torchvision:vit_b_16` -> `model=torchvision model.arch=vit_b_16`).
+
+    python benchmarks/levels.py                     # CPU: 32 px, O0 + bf16, 2 compiled cells
+    python benchmarks/levels.py --device cuda --models resnet18,resnet50
+    python benchmarks/levels.py --device cuda --models densenet161,vgg16_bn --merge
+    python benchmarks/levels.py --device cuda --models torchvision:vit_b_16 --merge
     python benchmarks/levels.py --from-json a.json b.json --out results/levels_cuda.md
 
+(gpu_suite.sh splits the GPU table into commands that each fit a 10-minute device call.)
+
 GPU defaults: 224x224, batch 128 (256 for resnet18), channels_last and cudnn.benchmark on, TF32
-off (the fp32 baseline is true fp32), 10 warm-up and 30 timed steps per cell: about 8-12 minutes
-for the whole table on an H100, so it runs as two commands of a few minutes each (two model
-halves, the second merged into the first's results). Targets (issue 7, H100/H200, ResNet-50 at
+off (the fp32 baseline is true fp32), 10 warm-up and 30 timed steps per cell: the whole table runs
+as several commands of a few minutes each (model groups, each merged into the previous results;
+see gpu_suite.sh). Targets (issue 7, H100/H200, ResNet-50 at
 224x224, batch 128): O1 and O2 at least 2x O0's throughput; O2 peak memory at most 0.6x O0's;
 O2 not slower than torch_amp. Outputs: Markdown, CSV, JSON and a PNG figure (grouped bars).
 Exit 0 whatever the verdict; 1 if a cell crashed; 2 for bad arguments.
@@ -43,16 +59,27 @@ from pathlib import Path
 from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
-from common import (REPO, add_threads_option, apply_threads, build_runner,  # noqa: E402
-                    command, compose, csv_list, load_average, machine, now, one_batch_task,
-                    write_results)
+from common import (COMPILE_SUFFIX, REPO, add_threads_option, apply_threads,  # noqa: E402
+                    build_runner, command, compose, csv_list, describe_level,
+                    fresh_compile_cache, load_average, machine, model_label, now,
+                    one_batch_task, parse_level, write_results)
 from overhead import handwritten_step, timed_block  # noqa: E402
 
 MODELS = ["resnet18", "resnet50", "densenet161", "vgg16_bn"]
+VIT = "torchvision:vit_b_16"  # the ViT of the GPU table (model=torchvision model.arch=vit_b_16)
 HANDWRITTEN = "torch_amp"
-CUDA_LEVELS = ["o0", "o1", "o2", "o3", "o1_bf16", "o2_bf16", "o3_bf16", HANDWRITTEN]
+CUDA_LEVELS = ["o0", "o1", "o2", "o3", "o1_bf16", "o2_bf16", "o3_bf16", "o1_fp8", "o2_fp8",
+               HANDWRITTEN]
 CPU_LEVELS = ["o0", "o1_bf16", "o2_bf16", "o3_bf16"]
-LEVEL_ORDER = ["o0", "o1", "o2", "o3", "o1_bf16", "o2_bf16", "o3_bf16", HANDWRITTEN]
+# compiled rows, by default for these models only (compiling a model takes tens of seconds on a
+# GPU machine, a minute or more on a small CPU)
+CUDA_COMPILE_LEVELS = ["o0+compile", "o1_bf16+compile", "o2_bf16+compile", "o1_fp8+compile",
+                       "o2_fp8+compile"]
+CPU_COMPILE_LEVELS = ["o0+compile", "o2_bf16+compile"]
+COMPILE_MODELS = {"cuda": ["resnet50", VIT], "cpu": ["resnet18"]}
+_EAGER = ["o0", "o1", "o2", "o3", "o1_bf16", "o2_bf16", "o3_bf16", "o3_bf16_sr", "o1_fp8",
+          "o2_fp8"]
+LEVEL_ORDER = [*_EAGER, HANDWRITTEN, *(f"{lvl}{COMPILE_SUFFIX}" for lvl in _EAGER)]
 DEFAULTS = {
     "cuda": {"image_size": 224, "steps": 30, "warmup": 10, "channels_last": True},
     "cpu": {"image_size": 32, "steps": 3, "warmup": 1, "channels_last": False},
@@ -66,6 +93,15 @@ def default_batch(device: str, model: str) -> int:
     if device == "cuda":
         return 256 if model == "resnet18" else 128
     return 64
+
+
+def default_levels(device: str, model: str) -> list[str]:
+    """The levels measured for `model` when --levels is not given: every level of the device,
+    and the compiled rows for the models of COMPILE_MODELS."""
+    levels = CUDA_LEVELS if device == "cuda" else CPU_LEVELS
+    if model in COMPILE_MODELS[device]:
+        levels = [*levels, *(CUDA_COMPILE_LEVELS if device == "cuda" else CPU_COMPILE_LEVELS)]
+    return levels
 
 
 def handwritten_preset(device: str) -> str:
@@ -82,11 +118,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "level per model, on the runner's real training step; Markdown, CSV, JSON and a PNG.")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--models", type=csv_list, default=None,
-                   help=f"comma-separated model options (default {','.join(MODELS)})")
+                   help=f"comma-separated model options, or <zoo>:<arch> (e.g. {VIT}) "
+                   f"(default {','.join(MODELS)})")
     p.add_argument("--levels", type=csv_list, default=None,
-                   help=f"comma-separated presets, and {HANDWRITTEN} for the hand-written "
-                   f"autocast loop (default: CUDA {','.join(CUDA_LEVELS)}; CPU "
-                   f"{','.join(CPU_LEVELS)})")
+                   help=f"comma-separated presets, each optionally with {COMPILE_SUFFIX} "
+                   f"(trainer.compile=true), and {HANDWRITTEN} for the hand-written autocast "
+                   f"loop, for every model (default: CUDA {','.join(CUDA_LEVELS)}; CPU "
+                   f"{','.join(CPU_LEVELS)}; plus, for {', '.join(COMPILE_MODELS['cuda'])} on "
+                   f"CUDA, {','.join(CUDA_COMPILE_LEVELS)}, and for "
+                   f"{', '.join(COMPILE_MODELS['cpu'])} on CPU, {','.join(CPU_COMPILE_LEVELS)})")
     p.add_argument("--image-size", type=int, default=None,
                    help="synthetic image side (default 224 on CUDA, 32 on CPU)")
     p.add_argument("--batch-size", type=int, default=None,
@@ -112,6 +152,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    "and write the table and figure to --out")
     p.add_argument("--extra", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
                    help="more Hydra overrides for every cell, applied last")
+    p.add_argument("--no-prime", dest="prime", action="store_false",
+                   help="skip the throwaway pass before the first cell (quicker; one-time "
+                   "initialisation, torch.compile's start-up included, then lands in the first "
+                   "cells' figures)")
     add_threads_option(p)
     args = p.parse_args(argv)
     apply_threads(p, args)
@@ -129,8 +173,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
     import torch
 
-    from runner.app import preset_options
-    from runner.config import MODEL_NAMES
+    from runner.plan import preset_options
 
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -149,15 +192,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.warmup < 0:
         p.error("--warmup must be >= 0")
     args.models = list(dict.fromkeys(args.models or MODELS))
-    unknown = [m for m in args.models if m not in MODEL_NAMES]
-    if unknown:
-        p.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODEL_NAMES)}")
-    levels = args.levels or (CUDA_LEVELS if args.device == "cuda" else CPU_LEVELS)
-    known = [*preset_options(), HANDWRITTEN]
-    unknown = [lvl for lvl in levels if lvl not in known]
-    if unknown:
-        p.error(f"unknown level(s) {', '.join(unknown)}; choose from {', '.join(known)}")
-    args.levels = list(dict.fromkeys(levels))
+    for model in args.models:
+        problem = model_problem(model)
+        if problem:
+            p.error(f"unknown model {model!r}: {problem}")
+    known = preset_options()
+    levels = {model: list(dict.fromkeys(args.levels or default_levels(args.device, model)))
+              for model in args.models}
+    for level in dict.fromkeys(lvl for lvls in levels.values() for lvl in lvls):
+        if level == HANDWRITTEN:
+            continue
+        try:
+            parse_level(level, known)
+        except ValueError as error:
+            p.error(f"{error}, or {HANDWRITTEN}")
+    args.levels = levels  # per model
     args.out = args.out or REPO / "benchmarks" / "results" / f"levels_{args.device}.md"
     if args.merge and args.out.with_suffix(".json").is_file():
         previous = json.loads(args.out.with_suffix(".json").read_text())
@@ -167,13 +216,28 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def cell_overrides(args, model: str, preset: str) -> list[str]:
+def model_problem(model: str) -> str | None:
+    """Why `model` (an option, or `<zoo>:<arch>`) does not compose with the config tree, or None:
+    the composition error's first line."""
+    from common import model_overrides
+
+    try:
+        compose(model_overrides(model))
+    except Exception as error:  # noqa: BLE001  (Hydra's own errors: reported as the reason)
+        return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return None
+
+
+def cell_overrides(args, model: str, level: str) -> list[str]:
+    """The cell's Hydra overrides; `level` a preset or `<preset>+compile`."""
     batch = args.batch_size or default_batch(args.device, model)
+    preset, plus, _ = level.partition("+")
     return [
         *one_batch_task(model, args.image_size, batch, args.device),
         f"trainer.channels_last={str(args.channels_last).lower()}",
         "trainer.cudnn_benchmark=true",
         f"precision={preset}",
+        *(["trainer.compile=true"] if plus else []),
         *args.extra,
     ]
 
@@ -202,26 +266,28 @@ def measure_cell(args, model: str, level: str, batches: dict) -> dict:
 
     from runner.errors import ConfigError
 
-    preset = handwritten_preset(args.device) if level == HANDWRITTEN else level
+    compiled = level.endswith(COMPILE_SUFFIX)
+    preset = handwritten_preset(args.device) if level == HANDWRITTEN else \
+        level.removesuffix(COMPILE_SUFFIX)
     batch_size = args.batch_size or default_batch(args.device, model)
-    cell = {"model": model, "level": level, "preset": preset, "batch_size": batch_size,
-            "image_size": args.image_size, "channels_last": args.channels_last,
-            "steps": args.steps, "warmup": args.warmup, "status": "ok", "error": None}
+    cell = {"model": model, "level": level, "preset": preset, "compiled": compiled,
+            "batch_size": batch_size, "image_size": args.image_size,
+            "channels_last": args.channels_last, "steps": args.steps, "warmup": args.warmup,
+            "status": "ok", "error": None}
     device = torch.device(args.device)
     release_memory(device)
+    if compiled:  # no compiled code of an earlier cell reused (nor counted towards its limit)
+        torch._dynamo.reset()
     if device.type == "cuda":  # what earlier cells left behind (should be ~0): in the peak too
         cell["allocated_before_mb"] = torch.cuda.memory_allocated(device) / 2**20
     try:
-        cfg = compose(cell_overrides(args, model, preset))
+        cfg = compose(cell_overrides(args, model, preset + (COMPILE_SUFFIX if compiled else "")))
         cell["opt_level"] = str(cfg.precision.opt_level)
-        from runner.report import describe_dtype
-
-        cell["dtype"] = describe_dtype(cfg.precision)
+        cell["dtype"] = describe_level(cfg.precision, compiled)
         key = (args.image_size, batch_size)
         parts = build_runner(cfg, cpu_batch=batches.get(key))
         batches[key] = parts.cpu_batch
         cell["kernels"] = parts.kernels
-        cell["memory_kind"] = parts.memory.kind
         if level == HANDWRITTEN:
             # the O1 engine leaves the model as built (fp32, no hooks): the loop takes it over
             step = handwritten_step(parts.model, cfg, parts.properties, parts.batch)
@@ -233,7 +299,18 @@ def measure_cell(args, model: str, level: str, batches: dict) -> dict:
         else:
             trainer, batch = parts.trainer, parts.batch
             step = lambda: trainer.train_step(*batch)  # noqa: E731
-        for _ in range(args.warmup):
+        if parts.engine.fp8 is not None:  # Linear layers running in fp8 (precision.fp8_layers)
+            cell["fp8_layers"] = len(parts.engine.fp8.converted)
+        # The first step on its own: a compiled cell compiles the training forward and backward
+        # there (it is also the first warm-up step; a compiled cell takes it even with
+        # --warmup 0, so that compiling never lands in the timed steps)
+        warmup = args.warmup
+        if warmup > 0 or compiled:
+            first, _ = timed_block(step, 1, device)
+            cell["first_step_ms"] = 1e3 * first
+            warmup = max(warmup - 1, 0)
+            cell["warmup"] = max(args.warmup, 1)
+        for _ in range(warmup):
             step()
         times = []
         for _ in range(args.steps):
@@ -241,15 +318,21 @@ def measure_cell(args, model: str, level: str, batches: dict) -> dict:
             times.append(seconds)
         loss = float(loss)
         median = statistics.median(times)
+        peak, kind = parts.memory.peak_mb(), parts.memory.kind
+        if math.isnan(peak):  # on a CPU, a loop the runner's trainer never stepped (torch_amp)
+            peak, kind = parts.memory.rss_growth_mb(), parts.memory.rss_kind
+        cell["memory_kind"] = kind
         cell.update({
             "step_ms": 1e3 * median,
             "step_ms_min": 1e3 * min(times),
             "step_ms_max": 1e3 * max(times),
             "samples_per_s": batch_size / median,
-            "peak_mem_mb": parts.memory.peak_mb(),
+            "peak_mem_mb": peak,
             "final_loss_finite": math.isfinite(loss),
             "skipped_steps": parts.engine.skipped_steps if level != HANDWRITTEN else None,
         })
+        if compiled:  # compiling: the first step's time beyond a compiled step's
+            cell["compile_s"] = max(cell["first_step_ms"] - cell["step_ms"], 0.0) / 1e3
     except ConfigError as error:  # e.g. bf16 on a GPU before Ampere: an outcome, not a crash
         cell["status"], cell["error"] = "refused", str(error)
     except torch.cuda.OutOfMemoryError as error:
@@ -289,14 +372,33 @@ def _ok(cell: dict | None) -> bool:
 
 
 def relative(cells: list[dict]) -> None:
-    """Throughput and peak memory as multiples of the same model's O0 cell (when measured)."""
+    """Throughput and peak memory as multiples of the same model's O0 cell (when measured); a
+    compiled cell's throughput also as a multiple of its preset's eager cell (compile on/off)."""
     base = {c["model"]: c for c in cells if c["level"] == "o0" and _ok(c)}
+    by_level = {(c["model"], c["level"]): c for c in cells if _ok(c)}
     for c in cells:
         b = base.get(c["model"])
         ok = _ok(c) and b is not None
         c["speedup_vs_o0"] = c["samples_per_s"] / b["samples_per_s"] if ok else None
-        c["memory_vs_o0"] = (c["peak_mem_mb"] / b["peak_mem_mb"]
-                             if ok and b["peak_mem_mb"] > 0 else None)
+        c["memory_vs_o0"] = (c["peak_mem_mb"] / b["peak_mem_mb"] if ok and b["peak_mem_mb"] > 0
+                             and c["memory_kind"] == b["memory_kind"] else None)
+        if c["level"].endswith(COMPILE_SUFFIX):
+            eager = by_level.get((c["model"], c["level"].removesuffix(COMPILE_SUFFIX)))
+            c["speedup_vs_eager"] = (c["samples_per_s"] / eager["samples_per_s"]
+                                     if _ok(c) and eager is not None else None)
+
+
+def compile_summary(cells: list[dict]) -> str:
+    """`torch.compile against the same preset eager: <model>: <preset> 1.10x, ...`, or ''."""
+    parts = []
+    for model in dict.fromkeys(c["model"] for c in cells):
+        ratios = [f"{c['level'].removesuffix(COMPILE_SUFFIX)} {c['speedup_vs_eager']:.2f}x"
+                  for c in cells if c["model"] == model
+                  and c.get("speedup_vs_eager") is not None]
+        if ratios:
+            parts.append(f"{model_label(model)}: " + ", ".join(ratios))
+    return (" torch.compile, throughput against the same preset eager: " + "; ".join(parts)
+            + ".") if parts else ""
 
 
 def verdict(report: dict) -> str:
@@ -308,13 +410,14 @@ def verdict(report: dict) -> str:
                         if c["model"] == model and c["level"] != "o0"
                         and c.get("speedup_vs_o0") is not None]
             if speedups:
-                parts.append(f"{model}: " + ", ".join(speedups))
+                parts.append(f"{model_label(model)}: " + ", ".join(speedups))
         return ("NO TARGETS on CPU (issue 7's targets are for ResNet-50 on an H100/H200). "
-                "Throughput against O0: " + ("; ".join(parts) or "no O0 baseline") + ".")
+                "Throughput against O0: " + ("; ".join(parts) or "no O0 baseline") + "."
+                + compile_summary(report["cells"]))
     o0, o1, o2, amp = (cells.get((TARGET_MODEL, lvl)) for lvl in ("o0", "o1", "o2", HANDWRITTEN))
     if not (_ok(o0) and _ok(o1) and _ok(o2) and _ok(amp)):
         return (f"NOT JUDGED: the targets need {TARGET_MODEL}'s o0, o1, o2 and {HANDWRITTEN} "
-                "cells, and some are missing or failed.")
+                "cells, and some are missing or failed." + compile_summary(report["cells"]))
     checks = [
         (f"O1 {o1['speedup_vs_o0']:.2f}x O0 throughput (>= {TARGET_SPEEDUP:g}x)",
          o1["speedup_vs_o0"] >= TARGET_SPEEDUP),
@@ -333,7 +436,7 @@ def verdict(report: dict) -> str:
             not any(name in gpu for name in ("H100", "H200")):
         text += (f" (The targets are set for an H100/H200 at {TARGET_SIZE}x{TARGET_SIZE}, batch "
                  f"{TARGET_BATCH}; this setting differs, so the verdict is informational.)")
-    return text
+    return text + compile_summary(report["cells"])
 
 
 def _fmt(value, spec: str, suffix: str = "") -> str:
@@ -344,10 +447,11 @@ def render(report: dict) -> str:
     device = report["device"]
     memory_note = (
         "CUDA `max_memory_allocated`, reset per cell" if device == "cuda" else
-        "the process's peak resident memory above its resident memory when the cell started "
-        "(MemoryProbe, `cpu_rss_peak_above_start`): weights, masters, optimizer state, "
-        "activations and whatever the allocator and thread pools keep; coarser than a GPU "
-        "allocator's count")
+        "the training state counted from the tensors (MemoryProbe, `cpu_tensor_accounted`: "
+        "weights, masters, gradients, optimizer state and the activations saved for backward in "
+        "one step, runner.memory); the hand-written `torch_amp` row, which the runner's trainer "
+        "does not step, has the process's peak resident memory above its resident memory when "
+        "the cell started instead (`cpu_rss_peak_above_start`), not compared with O0's")
     first = report["runs"][0] if report["runs"] else {}
     lines = [
         f"# Precision levels: throughput and memory ({device})",
@@ -359,13 +463,15 @@ def render(report: dict) -> str:
         "fp16) on the same model, data and optimizer, for comparison. "
         + ("fp32 TF32 is off, so O0 is true fp32. " if device == "cuda" and
            not first.get("settings", {}).get("tf32") else "")
-        + "`x O0` columns are relative to the same model's O0 cell. A throwaway pass (the tiny "
-        "model, one step per level) runs before the first cell, so that one-time "
-        "initialisation is charged to no cell.",
+        + "`x O0` columns are relative to the same model's O0 cell (eager). A throwaway pass "
+        "(the tiny model, one step per level) runs before the first cell, so that one-time "
+        "initialisation is charged to no cell"
+        + ("" if all(r["settings"].get("primed", True) for r in report["runs"]) else
+           " (skipped in a run with --no-prime: see Setup)") + ".",
         "",
         "| model | level | preset | dtype | image | batch | step ms | samples/s | x O0 "
-        "throughput | peak MB | x O0 memory | note |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "throughput | peak MB | x O0 memory | compile s | note |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for c in report["cells"]:
         note = c["status"] if c["status"] != "ok" else ""
@@ -373,13 +479,36 @@ def render(report: dict) -> str:
             note = "loss non-finite (timing still valid)"
         if c.get("skipped_steps"):
             note = (note + "; " if note else "") + f"{c['skipped_steps']} skipped"
+        if c.get("fp8_layers") is not None:
+            note = (note + "; " if note else "") + f"{c['fp8_layers']} Linear layers in fp8"
         lines.append(
-            f"| {c['model']} | {c.get('opt_level', '?')} | `{c['level']}` | {c.get('dtype', '?')}"
-            f" | {c['image_size']} | {c['batch_size']} | {_fmt(c.get('step_ms'), '.1f')} | "
+            f"| {model_label(c['model'])} | {c.get('opt_level', '?')} | `{c['level']}` | "
+            f"{c.get('dtype', '?')} | {c['image_size']} | {c['batch_size']} | "
+            f"{_fmt(c.get('step_ms'), '.1f')} | "
             f"{_fmt(c.get('samples_per_s'), '.0f')} | {_fmt(c.get('speedup_vs_o0'), '.2f', 'x')}"
             f" | {_fmt(c.get('peak_mem_mb'), '.0f')} | "
-            f"{_fmt(c.get('memory_vs_o0'), '.2f', 'x')} | {note} |")
+            f"{_fmt(c.get('memory_vs_o0'), '.2f', 'x')} | {_fmt(c.get('compile_s'), '.1f')} | "
+            f"{note} |")
     lines += ["", f"Verdict: {report['verdict']}", ""]
+    if any(c.get("compiled") for c in report["cells"]):
+        caches = {r["settings"].get("compile_cache") for r in report["runs"]} - {None}
+        lines += [
+            f"`<preset>{COMPILE_SUFFIX}`: the preset with `trainer.compile=true` (the model "
+            "compiled in place, as a run compiles it; the engine's step stays eager). Its first "
+            "step compiles the training forward and backward and is kept out of the timed "
+            "steps; compile s = that first step's time minus the median step time. "
+            "torch.compile's cache: " + ("; ".join(sorted(caches)) or "not recorded") + "."
+            + (" On a CPU a compiled cell's peak memory also counts what compiling held in the "
+               "process." if device != "cuda" else ""),
+            ""]
+    if any(c.get("fp8_layers") is not None for c in report["cells"]):
+        lines += [
+            "fp8 rows: the note gives how many Linear layers ran their GEMMs in fp8 (torchao "
+            "converts those whose sizes are multiples of 16; convolutions stay in bf16)"
+            + ("; on a CPU fp8 is emulated: no speed-up is expected" if device != "cuda" else
+               "; without compilation torchao's fp8 is expected to be slower than bf16 (the "
+               "runner warns), so compare the `+compile` rows") + ".",
+            ""]
     failed = [c for c in report["cells"] if c["status"] != "ok"]
     if failed:
         lines += ["Cells without figures:", ""]
@@ -389,7 +518,7 @@ def render(report: dict) -> str:
     for i, run in enumerate(report["runs"]):
         m = run["machine"]
         s = run["settings"]
-        models = sorted({c["model"] for c in report["cells"] if c["run"] == i})
+        models = sorted({model_label(c["model"]) for c in report["cells"] if c["run"] == i})
         lines += [
             f"- Run {i + 1} ({', '.join(models)}): {m['cpu']}, {m['cores']} cores (torch uses "
             f"{m['torch_threads']} threads)"
@@ -397,6 +526,7 @@ def render(report: dict) -> str:
             + f"; torch {m['torch']}, Python {m['python']}",
             f"  - {s['warmup']} warm-up + {s['steps']} timed steps per cell; channels_last "
             f"{'on' if s['channels_last'] else 'off'}; cudnn.benchmark on"
+            + ("" if s.get("primed", True) else "; no throwaway pass (--no-prime)")
             + (f"; TF32 {'on' if s.get('tf32') else 'off'}" if device == "cuda" else ""),
             f"  - Load average (1, 5, 15 min): {run['load_start']} at start, {run['load_end']} "
             f"at end; date {run['date']}; wall time {run['wall_s']:.0f} s",
@@ -412,7 +542,8 @@ def render(report: dict) -> str:
 def figure(report: dict, path: Path) -> Path | None:
     """Grouped bars, one group (column) per model with its own scale, since models differ by an
     order of magnitude: throughput (top row) and peak memory (bottom row) per level, each bar
-    labelled with its multiple of the model's O0. None (and a note) without matplotlib."""
+    labelled with its multiple of the model's O0; a compiled level takes its preset's colour,
+    cross-hatched. None (and a note) without matplotlib."""
     try:
         import matplotlib
 
@@ -428,8 +559,14 @@ def figure(report: dict, path: Path) -> Path | None:
     models = list(dict.fromkeys(c["model"] for c in cells))
     levels = [lvl for lvl in LEVEL_ORDER if any(c["level"] == lvl for c in cells)]
     levels += sorted({c["level"] for c in cells} - set(levels))
-    color = {lvl: plt.get_cmap("tab10")(i % 10) for i, lvl in enumerate(levels)}
-    fig, axes = plt.subplots(2, len(models), figsize=(2.0 + 2.6 * len(models), 6.5),
+    presets = list(dict.fromkeys(lvl.removesuffix(COMPILE_SUFFIX) for lvl in levels))
+    palette = {p: plt.get_cmap("tab10")(i % 10) for i, p in enumerate(presets)}
+    color = {lvl: palette[lvl.removesuffix(COMPILE_SUFFIX)] for lvl in levels}
+    hatch = {lvl: "//" if lvl == HANDWRITTEN else "xx" if lvl.endswith(COMPILE_SUFFIX) else ""
+             for lvl in levels}
+    most = max(sum(c["model"] == m for c in cells) for m in models)
+    fig, axes = plt.subplots(2, len(models),
+                             figsize=(2.0 + max(2.6, 0.32 * most) * len(models), 6.5),
                              squeeze=False)
     rows = (("samples_per_s", "speedup_vs_o0", "throughput (samples/s)"),
             ("peak_mem_mb", "memory_vs_o0", "peak memory (MB)"))
@@ -440,7 +577,7 @@ def figure(report: dict, path: Path) -> Path | None:
             xs = range(len(mine))
             bars = ax.bar(xs, [c[key] for c in mine], color=[color[c["level"]] for c in mine],
                           edgecolor="white",
-                          hatch=[("//" if c["level"] == HANDWRITTEN else "") for c in mine])
+                          hatch=[hatch[c["level"]] for c in mine])
             for bar, c in zip(bars, mine):
                 if c.get(rel) is not None:
                     ax.annotate(f"{c[rel]:.2f}x", (bar.get_x() + bar.get_width() / 2,
@@ -453,12 +590,15 @@ def figure(report: dict, path: Path) -> Path | None:
             if col == 0:
                 ax.set_ylabel(label)
             if row == 0:
-                ax.set_title(f"{model}, batch {mine[0]['batch_size']}", fontsize=10)
+                ax.set_title(f"{model_label(model)}, batch {mine[0]['batch_size']}",
+                             fontsize=10)
     run = report["runs"][-1]
     where = run["machine"].get("gpu") or run["machine"]["cpu"]
     sizes = "/".join(str(s) for s in sorted({c["image_size"] for c in cells}))
     fig.suptitle(f"Precision levels on {report['device']} ({where})\n{sizes} px synthetic "
-                 "inputs; bar labels: multiple of the model's O0", fontsize=11)
+                 "inputs; bar labels: multiple of the model's O0"
+                 + ("; cross-hatched: +compile" if any(c.get("compiled") for c in cells) else ""),
+                 fontsize=11)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -466,9 +606,11 @@ def figure(report: dict, path: Path) -> Path | None:
     return path
 
 
-CSV_FIELDS = ["model", "level", "preset", "opt_level", "dtype", "image_size", "batch_size",
-              "channels_last", "status", "step_ms", "samples_per_s", "speedup_vs_o0",
-              "peak_mem_mb", "memory_vs_o0", "memory_kind", "kernels", "steps", "warmup", "run"]
+CSV_FIELDS = ["model", "level", "preset", "compiled", "opt_level", "dtype", "image_size",
+              "batch_size", "channels_last", "status", "step_ms", "samples_per_s",
+              "speedup_vs_o0", "speedup_vs_eager", "peak_mem_mb", "memory_vs_o0",
+              "first_step_ms", "compile_s", "fp8_layers", "memory_kind", "kernels", "steps",
+              "warmup", "run"]
 
 
 def write_outputs(out: Path, report: dict, with_figure: bool = True) -> list[Path]:
@@ -501,36 +643,48 @@ def main(argv: Sequence[str] | None = None) -> int:
     json_path = args.out.with_suffix(".json")
     if args.merge and json_path.is_file():
         previous = [json.loads(json_path.read_text())]
+    every_level = list(dict.fromkeys(lvl for lvls in args.levels.values() for lvl in lvls))
+    compiling = [lvl for lvl in every_level if lvl.endswith(COMPILE_SUFFIX)]
     run = {
         "command": command("levels.py", argv), "date": now(), "machine": machine(args.device),
         "load_start": load_average(), "load_end": None, "wall_s": 0.0,
         "settings": {"steps": args.steps, "warmup": args.warmup,
-                     "channels_last": args.channels_last, "tf32": args.tf32},
+                     "channels_last": args.channels_last, "tf32": args.tf32,
+                     "primed": args.prime,
+                     "compile_cache": fresh_compile_cache() if compiling else None},
         "overrides": cell_overrides(args, "<model>", "<level>"),
     }
-    total = len(args.models) * len(args.levels)
-    print(f"Levels on {args.device}: {', '.join(args.models)} x {', '.join(args.levels)} at "
-          f"{args.image_size} px, {args.warmup}+{args.steps} steps per cell; load average "
+    total = sum(len(lvls) for lvls in args.levels.values())
+    print(f"Levels on {args.device}: "
+          + "; ".join(f"{model} x {', '.join(lvls)}" for model, lvls in args.levels.items())
+          + f" at {args.image_size} px, {args.warmup}+{args.steps} steps per cell; load average "
           f"{run['load_start']}", flush=True)
     started = time.perf_counter()
     cells: list[dict] = []
     batches: dict = {}
-    # A throwaway pass first (the tiny model, one step per level), so that one-time
-    # initialisation (thread pools, oneDNN/cuDNN/cuBLAS handles and workspaces, the kernels'
-    # load) is charged to no cell's time or peak memory.
-    primer = argparse.Namespace(**{**vars(args), "steps": 1, "warmup": 0})
-    for level in args.levels:
-        measure_cell(primer, "tiny", level, batches)
-    print(f"primed in {time.perf_counter() - started:.0f} s", flush=True)
+    # A throwaway pass first (the tiny model, one step per level; of the compiled levels only
+    # the first), so that one-time initialisation (thread pools, oneDNN/cuDNN/cuBLAS handles and
+    # workspaces, the kernels' load, torch.compile's own start-up) is charged to no cell's time
+    # or peak memory.
+    # The primer's batch is one larger than the cells', so that no cell's graph is in
+    # torch.compile's cache from it.
+    primer = argparse.Namespace(**{**vars(args), "steps": 1, "warmup": 0, "batch_size": (
+        args.batch_size or default_batch(args.device, "tiny")) + 1})
+    if args.prime:
+        for level in [lvl for lvl in every_level if lvl not in compiling] + compiling[:1]:
+            measure_cell(primer, "tiny", level, batches)
+        print(f"primed in {time.perf_counter() - started:.0f} s", flush=True)
     for model in args.models:
-        for level in args.levels:
+        for level in args.levels[model]:
             print(f"[{len(cells) + 1}/{total}] {model} {level} ...", end=" ", flush=True)
             cell = measure_cell(args, model, level, batches)
             cell["run"] = 0
             cells.append(cell)
             if cell["status"] == "ok":
+                compiled = "" if cell.get("compile_s") is None else \
+                    f", compiled in {cell['compile_s']:.1f} s"
                 print(f"{cell['step_ms']:.1f} ms/step, {cell['samples_per_s']:.0f} samples/s, "
-                      f"peak {cell['peak_mem_mb']:.0f} MB", flush=True)
+                      f"peak {cell['peak_mem_mb']:.0f} MB{compiled}", flush=True)
             else:
                 print(f"{cell['status']}: {cell['error']}", flush=True)
             # results after every cell: a command stopped at its time limit keeps what it measured

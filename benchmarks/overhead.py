@@ -231,7 +231,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
     import torch
 
-    from runner.app import preset_options
+    from runner.plan import preset_options
 
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -19,6 +19,7 @@ DATASET_NAMES = ("synthetic", "cifar10", "cifar100", "imagefolder")
 OPTIMIZER_NAMES = ("sgd", "adam", "adamw")
 SCHEDULER_NAMES = ("none", "cosine", "step", "onecycle")
 DEVICES = ("auto", "cpu", "cuda")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")  # torch.compile's modes
 
 
 # ---- model ---------------------------------------------------------------------------------
@@ -128,6 +129,8 @@ class PrecisionConfig:
     master_weights: Optional[bool] = None
     loss_scale: Any = 1.0  # "dynamic" or a positive number
     autocast_dtype: str = "float16"  # O1's autocast type: float16 | bfloat16 (bf16 on CPU)
+    fp8_linear: Optional[str] = None  # torchao float8 Linear layers: null | tensorwise | rowwise
+    stochastic_rounding: bool = False  # a bf16 model without masters, its updates rounded at random
     # dynamic loss scaling (used when loss_scale is "dynamic")
     init_scale: float = 65536.0  # 2^16
     growth_factor: float = 2.0
@@ -165,6 +168,10 @@ class TrainerConfig:
     checkpoint_dir: str = "checkpoints"
     checkpoint_every_n_epochs: int = 1  # 0: only when interrupted
     sync_batchnorm: bool = False  # SyncBatchNorm under torchrun (GPUs with NCCL only)
+    compile: bool = False  # the model's forward (and backward) through torch.compile
+    compile_mode: str = "default"  # default | reduce-overhead | max-autotune
+    # range diagnostics (runner.diagnostics) on steps 1, 1+n, 1+2n, ...; 0 = off (no hooks at all)
+    diagnose_every_n_steps: int = 0
 
 
 @dataclass
@@ -174,6 +181,10 @@ class MlflowConfig:
     run_name: Optional[str] = None  # null = "<model>-<opt_level>", e.g. densenet161-O2
     sweep_name: Optional[str] = None  # a sweep's parent run; null = "sweep <swept overrides>"
     tags: Dict[str, str] = field(default_factory=dict)
+    # liveness (runner.liveness): a run's heartbeat period, and how old the heartbeat of a
+    # RUNNING run on another host must be for a starting run to end it as KILLED
+    heartbeat_s: float = 60.0
+    stale_after_s: float = 600.0
 
 
 @dataclass

@@ -98,19 +98,16 @@ class Comm:
         self.active = False
 
 
-def setup(device_choice: str) -> tuple[Comm, Optional[torch.device]]:
-    """Join torchrun's process group when launched by it: (comm, this rank's device). Without
-    torchrun: (Comm(), None), and the caller picks the device as usual. `trainer.device`
-    decides the backend: NCCL with one GPU per local rank, or Gloo on CPUs."""
+def setup(device: torch.device | str) -> tuple[Comm, torch.device]:
+    """Join torchrun's process group when launched by it: (comm, this rank's device). `device` is
+    the run's planned device (runner.plan: cpu or cuda, already checked): a torchrun rank on
+    CUDA takes GPU LOCAL_RANK with NCCL, on a CPU Gloo. Without torchrun: (Comm(), `device`)."""
+    device = torch.device(device)
     if not launched_by_torchrun() and not from_slurm_tasks():
-        return Comm(), None
+        return Comm(), device
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])
-    use_cuda = device_choice == "cuda" or (device_choice == "auto" and torch.cuda.is_available())
-    if use_cuda:
-        if not torch.cuda.is_available():
-            raise ConfigError("trainer.device", "cuda was requested but no CUDA device is "
-                              "available", "auto, cpu")
+    if device.type == "cuda":
         if local_rank >= torch.cuda.device_count():
             raise ConfigError("trainer.device", f"local rank {local_rank} has no GPU (this node "
                               f"has {torch.cuda.device_count()}); start at most that many "
@@ -119,7 +116,6 @@ def setup(device_choice: str) -> tuple[Comm, Optional[torch.device]]:
         torch.cuda.set_device(device)
         backend = "nccl"
     else:
-        device = torch.device("cpu")
         backend = "gloo"
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30))

@@ -1,14 +1,20 @@
 """Timing and memory probes: what `epoch_time_s` and `peak_mem_mb` mean on each device.
 
-CUDA: the caching allocator's max allocated bytes, reset when the run starts.
-CPU: the process's peak resident memory (VmHWM) above the resident memory at run start. Linux lets
-a process reset its high-water mark (writing 5 to /proc/self/clear_refs); where that is refused the
-figure falls back to getrusage's ru_maxrss, which may include peaks from before the run. The kind of
-figure is reported (`kind`) and logged as the `peak_mem_kind` tag. DataLoader worker processes are
-not counted on CPU.
+CUDA: `peak_mem_mb` is the caching allocator's max allocated bytes, reset when the run starts.
+CPU: `peak_mem_mb` is the training state counted from the tensors themselves (`runner.memory`:
+weights, masters, gradients, optimizer state and the activations saved for backward in one step),
+which the trainer records once it has measured a step; a process's resident memory cannot tell one
+run from another that ran before it in the same process (a sweep's jobs reuse what earlier ones
+freed). The resident-memory figure is still kept, as `rss_growth_mb`: the process's peak resident
+memory (VmHWM) above the resident memory at run start. Linux lets a process reset its high-water
+mark (writing 5 to /proc/self/clear_refs); where that is refused the figure falls back to
+getrusage's ru_maxrss, which may include peaks from before the run (`rss_kind` says which).
+The kind of `peak_mem_mb` is reported (`kind`) and logged as the `peak_mem_kind` tag. DataLoader
+worker processes are not counted on CPU.
 """
 from __future__ import annotations
 
+import math
 import resource
 import time
 from pathlib import Path
@@ -30,14 +36,17 @@ def _status_kb(field: str) -> int | None:
 
 
 class MemoryProbe:
-    """Peak memory of this run in MB, from `reset()` on."""
+    """Peak memory of this run in MB, from `reset()` on (see the module's docstring)."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.kind = "cuda_max_allocated" if device.type == "cuda" else "cpu_rss_peak_above_start"
+        self.kind = "cuda_max_allocated" if device.type == "cuda" else "cpu_tensor_accounted"
+        self.rss_kind = "cpu_rss_peak_above_start"
         self._baseline_kb = 0
+        self._tensor_mb: float | None = None
 
     def reset(self) -> None:
+        self._tensor_mb = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -45,13 +54,27 @@ class MemoryProbe:
         try:
             _CLEAR_REFS.write_text("5")  # resets VmHWM to the current RSS
         except OSError:
-            self.kind = "cpu_ru_maxrss_above_start"
+            self.rss_kind = "cpu_ru_maxrss_above_start"
         self._baseline_kb = _status_kb("VmRSS") or 0
 
+    def record_tensors(self, total_mb: float) -> None:
+        """A tensor-accounted total of the training state (`runner.memory.MemoryByKind`): the
+        largest recorded is the CPU's `peak_mb()`."""
+        self._tensor_mb = total_mb if self._tensor_mb is None else max(self._tensor_mb, total_mb)
+
     def peak_mb(self) -> float:
+        """CUDA: the allocator's peak. CPU: the largest tensor-accounted total recorded (NaN
+        before the first one)."""
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device) / 2**20
-        if self.kind == "cpu_rss_peak_above_start":
+        return math.nan if self._tensor_mb is None else self._tensor_mb
+
+    def rss_growth_mb(self) -> float | None:
+        """CPU: the process's peak resident memory above its resident memory at `reset()`
+        (None on CUDA, where the allocator's figure is exact)."""
+        if self.device.type == "cuda":
+            return None
+        if self.rss_kind == "cpu_rss_peak_above_start":
             peak_kb = _status_kb("VmHWM") or 0
         else:
             peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux

@@ -20,10 +20,8 @@ from typing import Any, Sequence
 from mlflow.entities import Metric, RunStatus
 from mlflow.tracking import MlflowClient
 
-TARGET_RUN = "replay.target_run_id"
-TARGET_URI = "replay.target_uri"
-STATUS = "replay.status"
-DONE = "replay.done"
+from runner import tags as tag
+
 DB = "mlflow.db"
 
 log = logging.getLogger(__name__)
@@ -43,9 +41,10 @@ def write_offline(folder: Path, tracked: Any, status: str, error: str | None,
     experiment = client.get_experiment_by_name(name)
     experiment_id = experiment.experiment_id if experiment else client.create_experiment(
         name, artifact_location=(folder / "artifacts").resolve().as_uri())
-    tags = {TARGET_RUN: tracked.run_id, TARGET_URI: tracked.tracking_uri, STATUS: status}
+    tags = {tag.REPLAY_TARGET_RUN: tracked.run_id, tag.REPLAY_TARGET_URI: tracked.tracking_uri,
+            tag.REPLAY_STATUS: status}
     if error:
-        tags["error"] = error
+        tags[tag.ERROR] = error
     run = client.create_run(experiment_id, run_name=f"replay of {tracked.run_id}", tags=tags)
     for i in range(0, len(metrics), 1000):
         client.log_batch(run.info.run_id, metrics=metrics[i:i + 1000])
@@ -61,12 +60,13 @@ def replay(folder: Path, to: str | None = None) -> list[str]:
     local = MlflowClient(local_uri(folder))
     done = []
     experiments = [e.experiment_id for e in local.search_experiments()]
-    for run in local.search_runs(experiments, filter_string=f"tags.`{TARGET_RUN}` != ''"):
+    for run in local.search_runs(experiments,
+                                 filter_string=f"tags.`{tag.REPLAY_TARGET_RUN}` != ''"):
         tags = run.data.tags
-        if DONE in tags:
+        if tag.REPLAY_DONE in tags:
             continue
-        target_uri = to or tags[TARGET_URI]
-        target_id = tags[TARGET_RUN]
+        target_uri = to or tags[tag.REPLAY_TARGET_URI]
+        target_id = tags[tag.REPLAY_TARGET_RUN]
         server = MlflowClient(target_uri)
         server.get_run(target_id)  # the run must exist there: raises with MLflow's message
         metrics = [m for key in run.data.metrics
@@ -78,12 +78,12 @@ def replay(folder: Path, to: str | None = None) -> list[str]:
             if local.list_artifacts(run.info.run_id):
                 path = local.download_artifacts(run.info.run_id, "", scratch)
                 server.log_artifacts(target_id, path)
-        if "error" in tags:
-            server.set_tag(target_id, "error", tags["error"])
-        server.set_terminated(target_id, status=tags[STATUS])
-        local.set_tag(run.info.run_id, DONE, target_uri)
+        if tag.ERROR in tags:
+            server.set_tag(target_id, tag.ERROR, tags[tag.ERROR])
+        server.set_terminated(target_id, status=tags[tag.REPLAY_STATUS])
+        local.set_tag(run.info.run_id, tag.REPLAY_DONE, target_uri)
         log.info("Replayed %d metrics into run %s at %s (status %s)", len(metrics), target_id,
-                 target_uri, tags[STATUS])
+                 target_uri, tags[tag.REPLAY_STATUS])
         done.append(target_id)
     return done
 

@@ -2,10 +2,14 @@
 
 Reads the runs back from any MLflow store (a SQLite file or a tracking server) and writes one
 comparison table (Markdown and CSV, a row per run) and figures (PNG): grouped bars of training
-time, peak memory and best validation accuracy per level and model, and the validation accuracy
-curve of every run. Each run is compared with its model's O0 (fp32) run: speedup = O0's train time /
-the run's, memory ratio = the run's peak memory / O0's. The files are also logged as artifacts of
-the sweep's parent run (under `report/`), so they show in the MLflow UI beside the runs.
+time, peak memory and best validation accuracy per level and model, stacked bars of each run's
+memory by kind (weights, fp32 masters, gradients, optimizer state, activations: `mem_*_mb`), and
+the validation accuracy curve of every run. Each run is compared with its model's O0 (fp32) run:
+speedup = O0's train time / the run's, memory ratio = the run's peak memory / O0's. The files are also logged as artifacts of
+the sweep's parent run (under `report/`), so they show in the MLflow UI beside the runs. Runs that
+did not finish are listed under the table with the reason: their `error` tag (a failure, an
+interrupt, or "process vanished: ..." for a run whose process was killed outright and that a later
+run ended KILLED: runner.liveness), or for a run still RUNNING its last heartbeat.
 
     python -m runner.report                                  # the newest sweep in ./mlflow.db
     python -m runner.report --parent <run id> --out report   # one sweep, by its parent run
@@ -25,13 +29,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from runner.sweep import SWEEP_DIR_TAG
+from runner import tags as tag
 
 EXPERIMENT = "amp-runner"
 BASELINE_LEVEL = "O0"
 ARTIFACT_DIR = "report"
 TABLE_MD, TABLE_CSV = "comparison.md", "comparison.csv"
 BARS_PNG, CURVES_PNG = "time_memory_accuracy.png", "val_acc_curves.png"
+MEMORY_PNG = "memory_by_kind.png"
 # metric -> what the table calls it; a run lacking one is reported with "-" and a note.
 METRICS = {
     "best_val_acc": "best val acc",
@@ -40,6 +45,16 @@ METRICS = {
     "peak_mem_mb": "peak memory",
     "skipped_steps": "skipped steps",
 }
+# memory by kind (runner.memory): reported where a run logged them, never listed as missing (runs
+# made before they existed lack them)
+MEMORY_METRICS = {
+    "mem_weights_mb": "weights",
+    "mem_master_weights_mb": "fp32 masters",
+    "mem_grads_mb": "gradients",
+    "mem_optimizer_state_mb": "optimizer state",
+    "mem_activations_mb": "activations",
+}
+MEMORY_TOTAL = "mem_total_mb"
 
 
 class NothingToReport(Exception):
@@ -58,13 +73,16 @@ def describe_dtype(precision: Mapping[str, Any]) -> str:
     a run's `precision.*` params without the prefix."""
     get = lambda key: _plain(precision.get(key))  # noqa: E731
     cast = get("cast_model_type")
+    fp8 = get("fp8_linear")
+    fp8_part = f", fp8 Linear ({fp8})" if fp8 else ""
     if get("opt_level") == BASELINE_LEVEL:
-        return "float32"
+        return "float32" + fp8_part
     if cast is None:
-        return f"float32 weights, autocast {get('autocast_dtype')}"
+        return f"float32 weights, autocast {get('autocast_dtype')}" + fp8_part
     extras = [label for key, label in (("keep_batchnorm_fp32", "fp32 BatchNorm"),
-                                       ("master_weights", "fp32 master weights")) if get(key)]
-    return str(cast) + (f" ({', '.join(extras)})" if extras else "")
+                                       ("master_weights", "fp32 master weights"),
+                                       ("stochastic_rounding", "stochastic rounding")) if get(key)]
+    return str(cast) + (f" ({', '.join(extras)})" if extras else "") + fp8_part
 
 
 @dataclass
@@ -85,6 +103,10 @@ class Row:
     memory_ratio: float | None = None
     baseline: str | None = None
     peak_mem_kind: str = "?"
+    # why it did not finish: the `error` tag (a failure, an interrupt, or "process vanished: ..."
+    # for a run whose process was killed outright, ended KILLED by a later run); for a run still
+    # RUNNING, its last heartbeat
+    reason: str | None = None
 
     def get(self, metric: str) -> float | None:
         value = self.metrics.get(metric)
@@ -102,7 +124,6 @@ def select_runs(client, experiment_name: str, parent_id: str | None, sweep: str 
     without sweeps, every run of the experiment."""
     from mlflow.exceptions import MlflowException
 
-    from runner.tracking import PARENT_RUN_TAG
 
     experiment = client.get_experiment_by_name(experiment_name)
     if experiment is None:
@@ -116,21 +137,21 @@ def select_runs(client, experiment_name: str, parent_id: str | None, sweep: str 
         except MlflowException as error:
             raise NothingToReport(f"no run {parent_id!r} in {client.tracking_uri}: {error.message}")
     else:
-        sweeps = client.search_runs(ids, filter_string=f"tags.`{SWEEP_DIR_TAG}` != ''",
+        sweeps = client.search_runs(ids, filter_string=f"tags.`{tag.SWEEP_DIR}` != ''",
                                     order_by=["attributes.start_time DESC"])
         if sweep:
             sweeps = [r for r in sweeps if r.info.run_name == sweep
-                      or r.data.tags[SWEEP_DIR_TAG].rstrip("/").endswith(sweep.rstrip("/"))]
+                      or r.data.tags[tag.SWEEP_DIR].rstrip("/").endswith(sweep.rstrip("/"))]
             if not sweeps:
                 raise NothingToReport(f"no sweep named {sweep!r} or in a folder ending with it in "
                                       f"experiment {experiment_name!r} of {client.tracking_uri}")
         parent = sweeps[0] if sweeps else None
     if parent is None:
-        runs = [r for r in client.search_runs(ids) if PARENT_RUN_TAG not in r.data.tags]
+        runs = [r for r in client.search_runs(ids) if tag.PARENT_RUN not in r.data.tags]
     else:
         runs = client.search_runs(
             [parent.info.experiment_id],
-            filter_string=f"tags.`{PARENT_RUN_TAG}` = '{parent.info.run_id}'")
+            filter_string=f"tags.`{tag.PARENT_RUN}` = '{parent.info.run_id}'")
     if not runs:
         where = f"sweep {parent.info.run_name!r} ({parent.info.run_id})" if parent else \
             f"experiment {experiment_name!r}"
@@ -157,15 +178,31 @@ def to_row(client, run) -> Row:
         level=params.get("precision.opt_level", "?"),
         dtype=describe_dtype(precision) if precision else "?",
         batch_size=int(batch) if batch and batch.isdigit() else None,
-        metrics={k: v for k, v in run.data.metrics.items() if k in METRICS},
+        metrics={k: v for k, v in run.data.metrics.items()
+                 if k in METRICS or k in MEMORY_METRICS or k == MEMORY_TOTAL},
         val_acc=_history(client, run.info.run_id, "val_acc"),
-        peak_mem_kind=run.data.tags.get("peak_mem_kind", "?"),
+        peak_mem_kind=run.data.tags.get(tag.PEAK_MEM_KIND, "?"),
+        reason=end_reason(run.info.status, run.data.tags),
     )
     # Throughput: the mean over the epochs after the first (which includes warm-up) when there are.
     throughput = [v for _, v in _history(client, run.info.run_id, "samples_per_s")]
     if len(throughput) > 1:
         row.metrics["samples_per_s"] = sum(throughput[1:]) / len(throughput[1:])
     return row
+
+
+def end_reason(status: str, tags: Mapping[str, str]) -> str | None:
+    """Why a run is not FINISHED, from its tags: its `error`, or for a RUNNING run when and where
+    it last showed life (a run whose process vanished stays RUNNING until the next run or sweep
+    of its experiment starts and ends it KILLED)."""
+    if status == "FINISHED":
+        return None
+    if status == "RUNNING":
+        if tag.HEARTBEAT not in tags:
+            return "running (no heartbeat recorded)"
+        return (f"running: last heartbeat {tags[tag.HEARTBEAT]} (host {tags.get(tag.HOST, '?')},"
+                f" pid {tags.get(tag.PID, '?')})")
+    return tags.get(tag.ERROR)
 
 
 def add_baseline_ratios(rows: Sequence[Row]) -> None:
@@ -190,7 +227,9 @@ def add_baseline_ratios(rows: Sequence[Row]) -> None:
 # ---- writing --------------------------------------------------------------------------------------
 COLUMNS = ["run", "model", "level", "dtype", "optimizer", "batch size", "status",
            "best val acc (%)", "train time (s)", "throughput (samples/s)", "peak memory (MB)",
-           "skipped steps", "speedup vs O0", "memory vs O0"]
+           "skipped steps", "weights (MB)", "masters (MB)", "grads (MB)",
+           "optimizer state (MB)", "activations (MB)", "state total (MB)", "speedup vs O0",
+           "memory vs O0"]
 
 
 def _fmt(value: float | None, spec: str, scale: float = 1.0) -> str:
@@ -202,8 +241,9 @@ def table_cells(row: Row) -> list[str]:
             "-" if row.batch_size is None else str(row.batch_size), row.status,
             _fmt(row.get("best_val_acc"), ".2f", 100), _fmt(row.get("train_time_s"), ".1f"),
             _fmt(row.get("samples_per_s"), ".0f"), _fmt(row.get("peak_mem_mb"), ".0f"),
-            _fmt(row.get("skipped_steps"), ".0f"), _fmt(row.speedup, ".2f"),
-            _fmt(row.memory_ratio, ".2f")]
+            _fmt(row.get("skipped_steps"), ".0f"),
+            *(_fmt(row.get(m), ".2f") for m in (*MEMORY_METRICS, MEMORY_TOTAL)),
+            _fmt(row.speedup, ".2f"), _fmt(row.memory_ratio, ".2f")]
 
 
 def render_markdown(rows: Sequence[Row], title: str, source: str) -> str:
@@ -215,16 +255,26 @@ def render_markdown(rows: Sequence[Row], title: str, source: str) -> str:
               "run's peak memory / O0's (below 1 is less). Throughput is the mean over the epochs "
               "after the first. Train time covers all epochs, validation included. Peak memory: "
               + ", ".join(sorted({r.peak_mem_kind for r in rows})) + " (the runs' `peak_mem_kind`:"
-              " CUDA's max allocated memory, or on a CPU the process's resident-memory growth).",
+              " CUDA's max allocated memory, or on a CPU the training state counted from the "
+              "tensors). Weights, masters, grads, optimizer state and activations: the memory of "
+              "each kind of tensor in one training step, counted from the tensors themselves "
+              "(activations: the bytes saved for backward); state total is their sum.",
               ""]
     missing = [r for r in rows if r.missing]
     if missing:
         lines += ["Runs lacking metrics (shown as -):", ""]
         lines += [f"- {r.run_name} ({r.status}): no {', '.join(r.missing)}" for r in missing]
         lines.append("")
+    unfinished = [r for r in rows if r.status != "FINISHED"]
+    if unfinished:
+        lines += ["Runs that did not finish:", ""]
+        lines += [f"- {r.run_name} ({r.status}): {r.reason or 'no reason recorded'}"
+                  for r in unfinished]
+        lines.append("")
     if not any(r.baseline for r in rows):
         lines += ["No finished O0 run to compare with: speedup and memory ratio are empty.", ""]
     lines += [f"![time, memory and accuracy per level]({BARS_PNG})", "",
+              f"![memory by kind per level]({MEMORY_PNG})", "",
               f"![validation accuracy per epoch]({CURVES_PNG})", ""]
     return "\n".join(lines)
 
@@ -233,12 +283,13 @@ def write_csv(rows: Sequence[Row], path: Path) -> None:
     with path.open("w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["run_id", "run_name", "model", "level", "dtype", "optimizer",
-                         "batch_size", "status", *METRICS, "speedup_vs_o0", "memory_vs_o0",
-                         "baseline_run"])
+                         "batch_size", "status", *METRICS, *MEMORY_METRICS, MEMORY_TOTAL,
+                         "speedup_vs_o0", "memory_vs_o0", "baseline_run", "reason"])
         for r in rows:
             writer.writerow([r.run_id, r.run_name, r.model, r.level, r.dtype, r.optimizer,
-                             r.batch_size, r.status, *(r.get(m) for m in METRICS), r.speedup,
-                             r.memory_ratio, r.baseline])
+                             r.batch_size, r.status, *(r.get(m) for m in METRICS),
+                             *(r.get(m) for m in (*MEMORY_METRICS, MEMORY_TOTAL)), r.speedup,
+                             r.memory_ratio, r.baseline, r.reason])
 
 
 def bar_labels(rows: Sequence[Row]) -> list[str]:
@@ -282,6 +333,36 @@ def plot_bars(rows: Sequence[Row], path: Path) -> None:
         ax.set_title(title)
         ax.grid(axis="y", alpha=0.3)
     axes[0].legend(title="level", fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_memory(rows: Sequence[Row], path: Path) -> None:
+    """One stacked bar per run (labelled by model and level): the MB of each kind of tensor."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [(r, label) for r, label in zip(rows, bar_labels(rows))
+             if any(r.get(m) is not None for m in MEMORY_METRICS)]
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(shown) + 3), 5))
+    bottoms = [0.0] * len(shown)
+    positions = range(len(shown))
+    for metric, name in MEMORY_METRICS.items():
+        values = [r.get(metric) or 0.0 for r, _ in shown]
+        ax.bar(positions, values, 0.6, bottom=bottoms, label=name)
+        bottoms = [b + v for b, v in zip(bottoms, values)]
+    ax.set_xticks(list(positions), [f"{r.model}\n{label}" for r, label in shown])
+    ax.set_ylabel("MB")
+    ax.set_title("Memory by kind in one training step (from the tensors)")
+    ax.grid(axis="y", alpha=0.3)
+    if shown:
+        ax.legend(fontsize="small")
+    else:
+        ax.text(0.5, 0.5, "no run logged memory by kind (mem_*_mb)", ha="center", va="center",
+                transform=ax.transAxes)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -364,9 +445,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     write_csv(rows, args.out / TABLE_CSV)
     plot_bars(rows, args.out / BARS_PNG)
     plot_curves(rows, args.out / CURVES_PNG)
+    plot_memory(rows, args.out / MEMORY_PNG)
 
     print(markdown)
-    print(f"Wrote {', '.join(str(args.out / n) for n in (TABLE_MD, TABLE_CSV, BARS_PNG, CURVES_PNG))}")
+    written = (TABLE_MD, TABLE_CSV, BARS_PNG, MEMORY_PNG, CURVES_PNG)
+    print(f"Wrote {', '.join(str(args.out / n) for n in written)}")
     if parent is not None:
         client.log_artifacts(parent.info.run_id, str(args.out), ARTIFACT_DIR)
         print(f"Logged them on the sweep's parent run {parent.info.run_id} (artifacts/{ARTIFACT_DIR}). "

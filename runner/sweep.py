@@ -7,25 +7,33 @@ joblib launcher pickles the callback, parent run id included, into its worker pr
 - Sweep start: every job's config is checked (basic sweeper), then the store, the experiment and
   the parent run are created, all before the first job, so a bad value stops the sweep at once and
   parallel jobs never race to create the SQLite schema.
-- Each job: a child run (tagged `mlflow.parentRunId`, which the MLflow UI nests by). A failing job
-  is recorded FAILED and returns NaN instead of raising, because Hydra 1.3's basic sweeper re-raises
-  the first failure, stops the sweep and skips the end-of-sweep callback.
+- Each job: a child run (tagged `mlflow.parentRunId`, which the MLflow UI nests by). The job finds
+  its parent in the sweep's folder (`SweepParent`, written there while the parent is open), so
+  it works the same for in-process jobs, joblib worker processes and SLURM jobs on other nodes.
+  A failing job is recorded FAILED and returns NaN instead of raising, because Hydra 1.3's basic
+  sweeper re-raises the first failure, stops the sweep and skips the end-of-sweep callback.
 - Sweep end: the parent ends FINISHED with the number of failed children; the process exits 1 if
   any job failed. Ctrl-C or a crash of the sweep machinery ends the parent KILLED or FAILED
-  (`close_open_parent`, called by the CLI).
+  (`LaunchScope`, held by the CLI).
 
-Only light imports at module level: Hydra instantiates this callback for single runs too.
+Only light imports at module level, and nothing happens on import: Hydra instantiates this
+callback for single runs too; the CLI registers the config resolver (`register_resolvers`).
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
 import fcntl
 import gc
+import json
 import logging
 import math
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Sequence
+from typing import IO, Any, Iterator, Sequence
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
@@ -33,15 +41,11 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from runner import tags as tag
 from runner.errors import ConfigError, RunnerError
 
 log = logging.getLogger(__name__)
 
-SWEEP_DIR_TAG = "sweep.dir"
-SWEEP_OVERRIDES_TAG = "sweep.overrides"
-SWEEP_LAUNCHER_TAG = "sweep.launcher"
-FAILED_JOBS_TAG = "sweep.failed_jobs"
-JOB_NUM_TAG = "sweep.job_num"
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
 JOBLIB_LAUNCHER = "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher"
 MAX_RUN_NAME = 200
@@ -49,21 +53,50 @@ MAX_RUN_NAME = 200
 
 @dataclass(frozen=True)
 class SweepParent:
-    """What a job needs to become a child run: where the parent lives and its id."""
+    """What a job needs to become a child run: where the parent lives and its id. Written into
+    the sweep's folder while the parent run is open (`save`), read there by each job (`load`)."""
 
     tracking_uri: str
     experiment_name: str
     experiment_id: str
     run_id: str
 
+    FILE = ".amp-runner-sweep.json"
 
-_job_parent: SweepParent | None = None  # set around each job, in the job's own process
-_open_parent: Any = None  # the launching process's RUNNING parent (a TrackedRun), until it ends
+    @classmethod
+    def load(cls, sweep_dir: str | os.PathLike) -> "SweepParent | None":
+        """The open parent of the sweep in `sweep_dir`; None when there is none (a single run, a
+        dry-run sweep, or a sweep that has ended)."""
+        try:
+            data = json.loads((Path(sweep_dir) / cls.FILE).read_text())
+            return cls(**{f.name: str(data[f.name]) for f in dataclasses.fields(cls)})
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def save(self, sweep_dir: str | os.PathLike) -> None:
+        folder = Path(sweep_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f"{self.FILE}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(dataclasses.asdict(self)))
+        os.replace(tmp, folder / self.FILE)  # a job never reads half a file
+
+    @classmethod
+    def forget(cls, sweep_dir: str | os.PathLike) -> None:
+        (Path(sweep_dir) / cls.FILE).unlink(missing_ok=True)
 
 
-def current_parent() -> SweepParent | None:
-    """The parent run of the job running in this process; None outside a sweep (or a dry run)."""
-    return _job_parent
+def job_parent() -> SweepParent | None:
+    """The parent run of the Hydra job running in this process: the open parent of its sweep's
+    folder; None outside a multirun (or for a dry-run sweep, which opens no parent)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized():
+        return None
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode != RunMode.MULTIRUN:
+        return None
+    return SweepParent.load(hydra_cfg.sweep.dir)
 
 
 # ---- the jobs of a sweep -------------------------------------------------------------------------
@@ -94,7 +127,7 @@ def preflight(config: DictConfig, config_name: str | None, tracking_uri: str) ->
     returns the number of jobs, or None when the sweeper decides them as it goes."""
     from hydra import compose
 
-    from runner.app import check_config
+    from runner.plan import make_plan
 
     jobs = sweep_jobs(config)
     if jobs is None:
@@ -107,7 +140,7 @@ def preflight(config: DictConfig, config_name: str | None, tracking_uri: str) ->
             raise RunnerError(f"sweep job #{number} ({' '.join(overrides)}): {error}{cause}") \
                 from error
         try:
-            check_config(cfg)
+            make_plan(cfg)
             same_store(cfg, tracking_uri, config.mlflow.experiment_name)
         except ConfigError as error:
             raise ConfigError(
@@ -135,10 +168,11 @@ def run_job(cfg: DictConfig, parent: SweepParent, *, overrides: Sequence[str], o
     """One sweep job as a child run. A failure is logged, recorded as a FAILED child (also when it
     happened before the run existed) and returned as NaN, so the sweep goes on; an optimising
     sweeper (Optuna) takes NaN as a failed trial."""
-    from runner.app import default_run_name, run
-    from runner.tracking import PARENT_RUN_TAG, Tracker
+    from runner.app import run
+    from runner.plan import default_run_name
+    from runner.tracking import Tracker
 
-    tags = {PARENT_RUN_TAG: parent.run_id, JOB_NUM_TAG: str(job_num)}
+    tags = {tag.PARENT_RUN: parent.run_id, tag.JOB_NUM: str(job_num)}
     try:
         same_store(cfg, parent.tracking_uri, parent.experiment_name)
         best = run(cfg, overrides=overrides, output_dir=output_dir, extra_tags=tags)
@@ -152,8 +186,8 @@ def run_job(cfg: DictConfig, parent: SweepParent, *, overrides: Sequence[str], o
             tracker = Tracker(parent.tracking_uri, parent.experiment_name)
             if not tracker.client.search_runs(
                 [parent.experiment_id],
-                filter_string=f"tags.`{PARENT_RUN_TAG}` = '{parent.run_id}' "
-                              f"and tags.`{JOB_NUM_TAG}` = '{job_num}'",
+                filter_string=f"tags.`{tag.PARENT_RUN}` = '{parent.run_id}' "
+                              f"and tags.`{tag.JOB_NUM}` = '{job_num}'",
             ):
                 tracker.record_failure(default_run_name(cfg), tags, error)
         except Exception:  # noqa: BLE001  (the store itself is failing: the log says so)
@@ -189,7 +223,10 @@ def parallel_jobs() -> int:
     return max(1, gpu_count())
 
 
-OmegaConf.register_new_resolver("runner.parallel_jobs", parallel_jobs, replace=True)
+def register_resolvers() -> None:
+    """The config resolvers the runner's config tree uses (`${runner.parallel_jobs:}` in
+    conf/hydra/launcher/parallel.yaml); the CLI calls this before Hydra composes."""
+    OmegaConf.register_new_resolver("runner.parallel_jobs", parallel_jobs, replace=True)
 
 
 # ---- the callback ---------------------------------------------------------------------------------
@@ -198,11 +235,19 @@ class MlflowSweepCallback(Callback):
 
     def __init__(self) -> None:
         self.parent: SweepParent | None = None
+        self._parent_run: Any = None  # the launching process's open parent (a TrackedRun)
+        self._sweep_dir: Path | None = None
         self._gpu: tuple[int, IO[str]] | None = None
+
+    def __getstate__(self) -> dict:
+        """What a launcher ships to its worker processes (joblib pickles the callback): the
+        parent's address; the open run and a claimed GPU stay with the process that holds them."""
+        return {**self.__dict__, "_parent_run": None, "_gpu": None}
 
     # launching process
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        global _open_parent
+        sweep_dir = Path(config.hydra.sweep.dir)
+        SweepParent.forget(sweep_dir)  # an earlier sweep's leftover must not adopt these jobs
         if config.dry_run:
             return  # a dry run creates no run, in a sweep too
         import runner
@@ -211,49 +256,55 @@ class MlflowSweepCallback(Callback):
         try:
             tracking_uri = resolve_tracking_uri(config.mlflow.tracking_uri)
             jobs = preflight(config, kwargs.get("config_name"), tracking_uri)
-            tracker = Tracker(config.mlflow.tracking_uri, config.mlflow.experiment_name)
+            tracker = Tracker.from_config(config.mlflow)
         except RunnerError as error:
             log.error("%s", error)
             raise SystemExit(2) from error
+        tracker.reap()  # the experiment's RUNNING runs whose process is gone end KILLED
         launcher = str(OmegaConf.select(config, "hydra.launcher._target_") or "")
         self._warn_shared_device(config, launcher)
         name = config.mlflow.sweep_name or " ".join(["sweep", *sweep_overrides(config)])
         tags = {
-            SWEEP_DIR_TAG: str(Path(config.hydra.sweep.dir).resolve()),
-            SWEEP_OVERRIDES_TAG: " ".join(config.hydra.overrides.task),
-            SWEEP_LAUNCHER_TAG: launcher.rsplit(".", 1)[-1],
+            tag.SWEEP_DIR: str(sweep_dir.resolve()),
+            tag.SWEEP_OVERRIDES: " ".join(config.hydra.overrides.task),
+            tag.SWEEP_LAUNCHER: launcher.rsplit(".", 1)[-1],
             "runner_version": runner.__version__,
-            "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+            tag.COMMAND: " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
             **{str(k): str(v) for k, v in config.mlflow.tags.items()},
         }
-        _open_parent = tracker.create_run(name[:MAX_RUN_NAME], tags)
+        self._parent_run = tracker.create_run(name[:MAX_RUN_NAME], tags)
         self.parent = SweepParent(tracker.tracking_uri, config.mlflow.experiment_name,
-                                  tracker.experiment_id, _open_parent.run_id)
+                                  tracker.experiment_id, self._parent_run.run_id)
+        self.parent.save(sweep_dir)
+        self._sweep_dir = sweep_dir
+        scope = _SCOPE.get()
+        if scope is not None:
+            scope.adopt(self)
         count = "" if jobs is None else f" of {jobs} jobs"
         log.info("Sweep%s: MLflow parent run %r (%s) in %s", count, name, self.parent.run_id,
                  tracker.tracking_uri)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        global _open_parent
-        if self.parent is None or _open_parent is None:
+        if self.parent is None or self._parent_run is None:
             return
         from mlflow.entities import RunStatus
 
-        from runner.tracking import PARENT_RUN_TAG, Tracker
+        from runner.tracking import Tracker, end_state
 
         tracker = Tracker(self.parent.tracking_uri, self.parent.experiment_name)
         children = tracker.client.search_runs(
             [self.parent.experiment_id],
-            filter_string=f"tags.`{PARENT_RUN_TAG}` = '{self.parent.run_id}'",
+            filter_string=f"tags.`{tag.PARENT_RUN}` = '{self.parent.run_id}'",
         )
         failed = [c for c in children if c.info.status != "FINISHED"]
-        parent, _open_parent = _open_parent, None
+        parent, self._parent_run = self._parent_run, None
+        SweepParent.forget(self._sweep_dir)
         parent.log_metrics({"jobs": len(children), "failed_jobs": len(failed)}, 0)
-        parent.set_tag(FAILED_JOBS_TAG, "; ".join(
-            f"{c.info.run_name} ({c.info.status})" for c in failed) or "none")
+        parent.set_tag(tag.FAILED_JOBS, "; ".join(
+            f"{c.info.run_name} ({end_state(c)})" for c in failed) or "none")
         parent.end(RunStatus.to_string(RunStatus.FINISHED))
-        failures = f", {len(failed)} failed: " + ", ".join(c.info.run_name for c in failed) \
-            if failed else ", none failed"
+        failures = f", {len(failed)} failed: " + ", ".join(
+            f"{c.info.run_name} ({end_state(c)})" for c in failed) if failed else ", none failed"
         log.info(
             "Sweep finished: %d jobs%s.\nCompare them:  python -m runner.report --tracking-uri %s "
             "--experiment %s --parent %s\n%s", len(children), failures, tracker.tracking_uri,
@@ -261,9 +312,20 @@ class MlflowSweepCallback(Callback):
         if failed:
             raise SystemExit(1)  # Hydra swallows a callback's exceptions, not SystemExit
 
+    def end_early(self, status: str, reason: str) -> None:
+        """End the parent run if the sweep stopped before `on_multirun_end` (see LaunchScope)."""
+        parent, self._parent_run = self._parent_run, None
+        if parent is None:
+            return
+        if self._sweep_dir is not None:
+            SweepParent.forget(self._sweep_dir)
+        try:
+            parent.end(status, reason)
+        except Exception:  # noqa: BLE001  (exiting anyway; say so)
+            log.exception("Could not end the sweep's parent run %s", parent.run_id)
+
     # each job's process
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
-        global _job_parent
         if self.parent is None:
             return  # a single run, or a dry-run sweep
         _end_fluent_runs()
@@ -279,13 +341,10 @@ class MlflowSweepCallback(Callback):
                 import torch
 
                 torch.cuda.set_device(self._gpu[0])
-        _job_parent = self.parent
 
     def on_job_end(self, config: DictConfig, job_return: Any = None, **kwargs: Any) -> None:
-        global _job_parent
         if self.parent is None:
             return
-        _job_parent = None
         _end_fluent_runs()
         if self._gpu is not None:
             self._gpu[1].close()
@@ -320,15 +379,36 @@ def _end_fluent_runs() -> None:
         mlflow.end_run()
 
 
-def close_open_parent(status: str, reason: str) -> None:
-    """End a sweep's parent that is still RUNNING because the sweep stopped early (Ctrl-C, a crash
-    of the launcher): KILLED or FAILED, with the reason as its `error` tag."""
-    global _open_parent, _job_parent
-    parent, _open_parent = _open_parent, None
-    _job_parent = None  # the interrupted in-process job never reached on_job_end
-    if parent is None:
-        return
+class LaunchScope:
+    """The sweeps one CLI invocation launched: a sweep that stops early (Ctrl-C, a crash of the
+    launcher) never reaches Hydra's end-of-sweep callback, so the CLI ends whatever parent run
+    its sweeps left open (`close_open`). Each callback owns its parent; the scope only lists the
+    callbacks, for the duration of the CLI call (`launch_scope`)."""
+
+    def __init__(self) -> None:
+        self._callbacks: list[MlflowSweepCallback] = []
+
+    def adopt(self, callback: "MlflowSweepCallback") -> None:
+        self._callbacks.append(callback)
+
+    def close_open(self, status: str, reason: str) -> None:
+        """End every parent still open: KILLED or FAILED, with the reason as its `error` tag."""
+        for callback in self._callbacks:
+            callback.end_early(status, reason)
+
+
+_SCOPE: contextvars.ContextVar[LaunchScope | None] = contextvars.ContextVar(
+    "amp_runner_launch_scope", default=None)
+
+
+@contextlib.contextmanager
+def launch_scope() -> Iterator[LaunchScope]:
+    """The CLI's scope for the sweeps it launches (see `LaunchScope`); outside it (a sweep
+    started through Hydra's API by other code) a sweep that stops early leaves its parent
+    RUNNING, for the next start's reaping to end."""
+    scope = LaunchScope()
+    token = _SCOPE.set(scope)
     try:
-        parent.end(status, reason)
-    except Exception:  # noqa: BLE001  (exiting anyway; say so)
-        log.exception("Could not end the sweep's parent run %s", parent.run_id)
+        yield scope
+    finally:
+        _SCOPE.reset(token)

@@ -1,15 +1,24 @@
 """MLflow run lifecycle for one training run: params, tags, batched async metrics, final status.
 
-Metrics go out with `log_batch(..., synchronous=False)`, so the training loop never waits on the
-store; every pending operation is awaited before the run is ended. A run always ends in a final
-state: FINISHED, FAILED (the error as the `error` tag) or KILLED (Ctrl-C).
+Metrics go out from a background thread, so the training loop never waits on the store; every
+pending metric is delivered before the run is ended. A run always ends in a final state: FINISHED,
+FAILED (the error as the `error` tag) or KILLED (Ctrl-C, SIGTERM).
+
+A process that is killed outright (SIGKILL, the OOM killer, a lost node) cannot end its run, so
+every run carries liveness tags (its host and process, and a heartbeat refreshed by another
+background thread: runner.liveness), and every run or sweep that starts ends the RUNNING runs of
+its experiment whose process is gone as KILLED (`Tracker.reap`).
 
 A SQLite store has one writer at a time. MLflow waits for the lock a while, but parallel sweep jobs
 can still meet "database is locked"; every store call made here is retried on that error (an
 asynchronous metric batch that failed on it is sent again), so concurrent writers lose nothing.
+MLflow creates a new SQLite store's tables without any guard against a second process doing the
+same, so the store is opened (created, if new) under a file lock beside the database
+(`<database>.lock`): any number of runs may start at once against a store that does not exist yet.
 """
 from __future__ import annotations
 
+import fcntl
 import functools
 import logging
 import os
@@ -22,21 +31,27 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, TypeVar
 
-from mlflow.entities import Metric, Param, RunStatus
+from mlflow.entities import Metric, Param, Run, RunStatus, RunTag
 from mlflow.exceptions import MlflowException
+from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, ErrorCode
 from mlflow.tracking import MlflowClient
 
+from runner import liveness
+from runner import tags as tag
 from runner.errors import ConfigError, RunnerError
+from runner.liveness import LIVENESS_TAGS, ProcessIdentity, now_iso, parse_iso, was_reaped
 
 log = logging.getLogger(__name__)
 
-# MLflow 3.x opens GenAI experiments on an overview page; this shows the training-runs view.
-EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 MAX_PARAMS_PER_BATCH = 100
 MAX_PARAM_LENGTH = 6000
 MAX_TAG_LENGTH = 5000
-PARENT_RUN_TAG = "mlflow.parentRunId"  # what the MLflow UI nests child runs by
 LOCKED_RETRIES = 8
+HEARTBEAT_S = 60.0  # mlflow.heartbeat_s's default
+STALE_AFTER_S = 600.0  # mlflow.stale_after_s's default
+STORE_LOCK_TIMEOUT_S = 120.0  # how long a start waits for another process creating the store
+SQLITE = "sqlite:///"
+SQLITE_HEADER = b"SQLite format 3\x00"
 
 T = TypeVar("T")
 
@@ -79,11 +94,94 @@ class RetryingClient:
 def resolve_tracking_uri(uri: str, base_dir: str | os.PathLike | None = None) -> str:
     """Make a relative SQLite URI absolute against the launch directory (Hydra does not chdir,
     but the printed `mlflow ui` command must work from anywhere)."""
-    prefix = "sqlite:///"
+    prefix = SQLITE
     if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
         path = Path(base_dir or os.getcwd()) / uri[len(prefix):]
         return prefix + str(path.resolve())
     return uri
+
+
+def sqlite_path(tracking_uri: str) -> Path | None:
+    """The database file of a `sqlite:///` URI (resolved); None for any other store."""
+    if not tracking_uri.startswith(SQLITE):
+        return None
+    return Path(tracking_uri[len(SQLITE):].split("?", 1)[0])
+
+
+@contextmanager
+def store_lock(tracking_uri: str, timeout_s: float = STORE_LOCK_TIMEOUT_S) -> Iterator[None]:
+    """Exclusive, across processes, for a SQLite store: an advisory lock on `<database>.lock`
+    beside the database (in an existing folder: see `prepare_sqlite_file`); nothing for other
+    stores, whose server serialises its own schema work. Waits up to `timeout_s`, then raises
+    RunnerError."""
+    path = sqlite_path(tracking_uri)
+    if path is None:
+        yield
+        return
+    lock = path.with_name(path.name + ".lock")
+    # read-only and created world-readable: flock needs no write access, so people sharing a
+    # store can all take it
+    descriptor = os.open(lock, os.O_RDONLY | os.O_CREAT, 0o666)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise RunnerError(
+                        f"mlflow.tracking_uri: the tracking store {tracking_uri!r} stayed locked "
+                        f"by another process for {timeout_s:.0f} s ({lock} is held: a process "
+                        "creating the store, or one that hangs). Find it with `fuser "
+                        f"{lock}`, or use another store.") from None
+                time.sleep(0.05)
+        try:
+            yield
+        finally:
+            fcntl.flock(descriptor, fcntl.LOCK_UN)
+    finally:
+        os.close(descriptor)
+
+
+def prepare_sqlite_file(path: Path) -> None:
+    """Create the database's folder (as MLflow would); raise OSError for a database path MLflow
+    cannot use, at once (MLflow itself retries for about 100 s before it gives up on a file that
+    is not a database or cannot be opened)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise OSError(f"cannot create the folder {path.parent} ({error.strerror}: "
+                      f"{error.filename})") from error
+    if path.exists() and not path.is_file():
+        raise IsADirectoryError(f"{path} is not a file")
+    if path.is_file() and path.stat().st_size:
+        with path.open("rb") as f:
+            if f.read(len(SQLITE_HEADER)) != SQLITE_HEADER:
+                raise OSError(f"{path} is not an SQLite database")
+    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise PermissionError(f"{path if path.exists() else path.parent} is not writable")
+
+
+def startup_error(tracking_uri: str, error: BaseException) -> RunnerError:
+    """What a store that cannot be used at the start is: the URI, the cause and a fix."""
+    cause = f"{type(error).__name__}: {error}" if not isinstance(error, MlflowException) \
+        else str(error.message)
+    path = sqlite_path(tracking_uri)
+    if path is None:
+        fix = "Start the server, fix the URI, or use the default sqlite:///mlflow.db."
+    elif is_database_locked(error):
+        fix = ("Another process keeps the database locked: try again, or for many runs at once "
+               "log to an MLflow server (mlflow server --backend-store-uri "
+               f"{tracking_uri}, then mlflow.tracking_uri=http://host:5000).")
+    elif "out-of-date database schema" in cause:
+        fix = "Upgrade the store as said above (a backup first), or use another store."
+    else:
+        fix = (f"Make sure the folder {path.parent} exists (or can be created) and is writable, "
+               "and that the file is an MLflow database, or set mlflow.tracking_uri to "
+               "another store.")
+    return RunnerError(f"mlflow.tracking_uri: cannot use the tracking store {tracking_uri!r}: "
+                       f"{cause.strip()}. {fix}")
 
 
 def artifact_location(tracking_uri: str) -> str | None:
@@ -133,13 +231,26 @@ def ui_hint(tracking_uri: str, experiment_id: str) -> str:
     )
 
 
+def end_state(run: Run) -> str:
+    """A run's status for a summary line; a run a reaper ended says why (its `error` tag)."""
+    if was_reaped(run.data.tags):
+        return f"{run.info.status}: {run.data.tags[tag.ERROR]}"
+    return run.info.status
+
+
 class TrackedRun:
     """One MLflow run in progress. Metrics go into a buffer that a background thread sends in
     batches, so the training loop never waits on the store: a store that does not answer (a
     tracking server that went away) keeps them buffered and retried with a growing pause, and
     they arrive once it is back. At the end, whatever still cannot be delivered (metrics, the
     final status, the log file) is written to a local MLflow store in `offline_dir`, and one
-    command (`python -m runner.replay <folder>`) replays it into the server later."""
+    command (`python -m runner.replay <folder>`) replays it into the server later.
+
+    With `heartbeat_s`, a third thread sets the `runner.heartbeat` tag every `heartbeat_s` seconds
+    until `end` (a long compile, validation or checkpoint never looks like a dead process; a store
+    that does not answer just misses beats). Should another process have ended the run as vanished
+    meanwhile (it could not see the heartbeat for longer than its `mlflow.stale_after_s`: a store
+    out of reach, a suspended process), the next beat, or `end`, undoes that."""
 
     BATCH = 1000  # MLflow's limit of metrics per log_batch call
     MAX_PAUSE_S = 30.0
@@ -147,7 +258,7 @@ class TrackedRun:
 
     def __init__(self, client: RetryingClient, run_id: str, experiment_id: str,
                  tracking_uri: str = "", experiment_name: str = "",
-                 offline_dir: str | os.PathLike | None = None):
+                 offline_dir: str | os.PathLike | None = None, heartbeat_s: float | None = None):
         self.client = client
         self.run_id = run_id
         self.experiment_id = experiment_id
@@ -157,12 +268,20 @@ class TrackedRun:
         self._buffer: list[Metric] = []
         self._artifacts: list[tuple[str, str | None]] = []  # not delivered: for the offline store
         self._lock = threading.Lock()
+        self._sending = threading.Lock()  # one sender at a time: the thread, flush, end
         self._wake = threading.Event()
         self._closing = False
         self._outage: str | None = None  # the error while the store does not answer
         self._sender = threading.Thread(target=self._send_loop, daemon=True,
                                         name=f"mlflow-sender-{run_id[:8]}")
         self._sender.start()
+        self.heartbeat_s = heartbeat_s
+        self._stop_beating = threading.Event()
+        self._heart: threading.Thread | None = None
+        if heartbeat_s is not None:
+            self._heart = threading.Thread(target=self._beat_loop, daemon=True,
+                                           name=f"mlflow-heartbeat-{run_id[:8]}")
+            self._heart.start()
 
     def log_params(self, params: Mapping[str, str]) -> None:
         items = [Param(k, str(v)[:MAX_PARAM_LENGTH]) for k, v in sorted(params.items())]
@@ -204,21 +323,23 @@ class TrackedRun:
 
     # ---- the sender ---------------------------------------------------------------------------
     def _send_some(self) -> bool:
-        """Send up to BATCH buffered metrics; False when the store did not take them."""
-        with self._lock:
-            batch = self._buffer[: self.BATCH]
-        if not batch:
-            return True
-        try:
-            self.client.log_batch(self.run_id, metrics=batch)
-        except Exception as error:  # noqa: BLE001  (buffered and retried; see _send_loop)
-            if self._outage is None:
-                log.warning("The tracking store %s does not take metrics (%s): buffering them "
-                            "and retrying; training goes on", self.tracking_uri, error)
-            self._outage = f"{type(error).__name__}: {error}"
-            return False
-        with self._lock:
-            del self._buffer[: len(batch)]
+        """Send up to BATCH buffered metrics; False when the store did not take them. One call
+        at a time (the sender thread and a `flush` never send the same batch twice)."""
+        with self._sending:
+            with self._lock:
+                batch = self._buffer[: self.BATCH]
+            if not batch:
+                return True
+            try:
+                self.client.log_batch(self.run_id, metrics=batch)
+            except Exception as error:  # noqa: BLE001  (buffered and retried; see _send_loop)
+                if self._outage is None:
+                    log.warning("The tracking store %s does not take metrics (%s): buffering "
+                                "them and retrying; training goes on", self.tracking_uri, error)
+                self._outage = f"{type(error).__name__}: {error}"
+                return False
+            with self._lock:
+                del self._buffer[: len(batch)]
         if self._outage is not None:
             log.warning("The tracking store %s answers again: sending the buffered metrics",
                         self.tracking_uri)
@@ -240,6 +361,43 @@ class TrackedRun:
                 pass
             pause = 0.0 if not self._pending() else min(max(1.0, 2 * pause), self.MAX_PAUSE_S)
 
+    # ---- the heartbeat --------------------------------------------------------------------------
+    def _beat_loop(self) -> None:
+        while not self._stop_beating.wait(self.heartbeat_s):
+            self._beat()
+
+    def _beat(self) -> None:
+        """Set the heartbeat tag, and undo a reaper's verdict on this live run. Errors are not
+        reported: the metric sender already says when the store is away."""
+        try:
+            self.client.set_tag(self.run_id, tag.HEARTBEAT, now_iso())
+            self._undo_reap()
+        except Exception as error:  # noqa: BLE001  (a missed beat; the next one may go)
+            log.debug("Heartbeat of run %s not delivered: %s", self.run_id, error)
+
+    def _undo_reap(self) -> None:
+        run = self.client.get_run(self.run_id)
+        if run.info.status != RunStatus.to_string(RunStatus.KILLED) or not was_reaped(
+                run.data.tags):
+            return
+        self.client.update_run(self.run_id, status=RunStatus.to_string(RunStatus.RUNNING))
+        self.client.delete_tag(self.run_id, tag.ERROR)
+        log.warning("Run %s had been ended by another process (%s), which could not see its "
+                    "heartbeat for a while (the store out of reach, this process suspended, or "
+                    "that host's clock ahead): it is RUNNING again", self.run_id,
+                    run.data.tags[tag.ERROR])
+
+    def _stop_heart(self) -> None:
+        """Stop the heartbeat thread, with a last beat (which undoes a reaper's verdict) unless
+        the store is known to be away (the end has its own deadline for that)."""
+        if self._heart is None:
+            return
+        self._stop_beating.set()
+        self._heart.join(timeout=30)
+        self._heart = None
+        if self._outage is None:
+            self._beat()
+
     def flush(self, timeout: float | None = None) -> bool:
         """Send every buffered metric now (retrying until `timeout`); True when all went."""
         deadline = time.monotonic() + (self.END_TIMEOUT_S if timeout is None else timeout)
@@ -253,9 +411,19 @@ class TrackedRun:
             pause = min(2 * pause, 5.0)
         return True
 
+    def deliver(self, timeout: float = 10.0) -> bool:
+        """Before a checkpoint: the metrics logged so far, in the store (a process killed right
+        after the checkpoint loses none of what it covers, and its resume does not log them
+        again). A store that does not answer within `timeout` keeps them buffered (they go out
+        later, or to the offline store at the end); training goes on."""
+        if self._outage is not None:
+            return False  # the sender is already retrying; do not stall the checkpoint
+        return self.flush(timeout=timeout)
+
     def end(self, status: str, error: str | None = None) -> None:
         """Deliver the rest and the final status; what the store does not take within
         END_TIMEOUT_S goes to the offline store (see `runner.replay`)."""
+        self._stop_heart()
         self._closing = True
         self._wake.set()
         self._sender.join(timeout=60)
@@ -269,7 +437,7 @@ class TrackedRun:
                     self.client.log_artifact(self.run_id, path, artifact_path)
                     self._artifacts.pop(0)
                 if error:
-                    self.set_tag("error", error)
+                    self.set_tag(tag.ERROR, error)
                 self.client.set_terminated(self.run_id, status=status)
                 return
             except Exception as failure:  # noqa: BLE001  (retried, then written offline)
@@ -295,46 +463,152 @@ class TrackedRun:
 
 
 class Tracker:
-    """The tracking store and experiment; checked once at start, before any training."""
+    """The tracking store and experiment; checked once at start, before any training.
 
-    def __init__(self, tracking_uri: str, experiment_name: str):
+    `heartbeat_s`: how often its runs refresh their heartbeat; `stale_after_s`: how old the
+    heartbeat of a run on another host must be for `reap` to end it; `lock_timeout_s`: how long
+    opening a SQLite store waits for another process that holds its lock (see `store_lock`)."""
+
+    def __init__(self, tracking_uri: str, experiment_name: str, *,
+                 heartbeat_s: float = HEARTBEAT_S, stale_after_s: float = STALE_AFTER_S,
+                 lock_timeout_s: float = STORE_LOCK_TIMEOUT_S):
         self.tracking_uri = resolve_tracking_uri(tracking_uri)
         self.experiment_name = experiment_name
+        self.heartbeat_s = heartbeat_s
+        self.stale_after_s = stale_after_s
         if self.tracking_uri.startswith(("http://", "https://")):
             # MLflow's own retries would block a call for minutes while a server is away; the
             # runner buffers and retries metrics itself, and a server that does not answer at
             # the start is an error at once (user settings of these variables win)
             os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
             os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
-        self.client = RetryingClient(self.tracking_uri)
         try:
-            self.experiment_id = self._experiment(experiment_name)
-        except (MlflowException, OSError) as error:
-            raise RunnerError(
-                f"mlflow.tracking_uri: cannot use the tracking store {self.tracking_uri!r}: "
-                f"{error}. Start the server, fix the URI, or use the default sqlite:///mlflow.db."
-            ) from error
+            database = sqlite_path(self.tracking_uri)
+            if database is not None:
+                prepare_sqlite_file(database)
+            # the first client of a URI in a process opens MLflow's store, which creates the
+            # tables of a new database: under the lock, with the experiment's creation
+            with store_lock(self.tracking_uri, lock_timeout_s):
+                self.client = RetryingClient(self.tracking_uri)
+                self.experiment_id = self._experiment(experiment_name)
+        except RunnerError:
+            raise
+        except Exception as error:  # noqa: BLE001  (any store error at the start: the user's)
+            raise startup_error(self.tracking_uri, error) from error
+
+    @classmethod
+    def from_config(cls, mlflow_cfg: Any) -> "Tracker":
+        """The tracker an `mlflow` config node describes (`cfg.mlflow`)."""
+        return cls(mlflow_cfg.tracking_uri, mlflow_cfg.experiment_name,
+                   heartbeat_s=float(mlflow_cfg.heartbeat_s),
+                   stale_after_s=float(mlflow_cfg.stale_after_s))
 
     def _experiment(self, name: str) -> str:
         experiment = self.client.get_experiment_by_name(name)
         if experiment is None:
-            experiment_id = self.client.create_experiment(
-                name, artifact_location=artifact_location(self.tracking_uri),
-                tags=dict([EXPERIMENT_KIND]))
-        else:
-            experiment_id = experiment.experiment_id
-            if experiment.tags.get(EXPERIMENT_KIND[0]) is None:
-                self.client.set_experiment_tag(experiment_id, *EXPERIMENT_KIND)
+            try:
+                return self.client.create_experiment(
+                    name, artifact_location=artifact_location(self.tracking_uri),
+                    tags=dict([tag.EXPERIMENT_KIND]))
+            except MlflowException as error:  # created meanwhile by a run on another machine
+                if error.error_code != ErrorCode.Name(RESOURCE_ALREADY_EXISTS):
+                    raise
+                experiment = self.client.get_experiment_by_name(name)
+                if experiment is None:
+                    raise
+        experiment_id = experiment.experiment_id
+        if experiment.tags.get(tag.EXPERIMENT_KIND[0]) is None:
+            self.client.set_experiment_tag(experiment_id, *tag.EXPERIMENT_KIND)
         return experiment_id
+
+    def _liveness_tags(self) -> dict[str, str]:
+        return {**ProcessIdentity.current().tags(), tag.HEARTBEAT: now_iso()}
 
     def create_run(self, run_name: str, tags: Mapping[str, str],
                    offline_dir: str | os.PathLike | None = None) -> TrackedRun:
-        """A new RUNNING run; the caller must `end` it (`start_run` does)."""
-        run = self.client.create_run(
-            self.experiment_id, run_name=run_name, tags={k: str(v) for k, v in tags.items()}
-        )
+        """A new RUNNING run, with this process's liveness tags and a heartbeat; the caller must
+        `end` it (`start_run` does)."""
+        tags = {**{k: str(v) for k, v in tags.items()}, **self._liveness_tags()}
+        run = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags)
         return TrackedRun(self.client, run.info.run_id, self.experiment_id, self.tracking_uri,
-                          self.experiment_name, offline_dir)
+                          self.experiment_name, offline_dir, self.heartbeat_s)
+
+    # ---- runs whose process is gone -------------------------------------------------------------
+    def running_runs(self) -> list[Run]:
+        """Every RUNNING run of this experiment that carries liveness tags."""
+        runs: list[Run] = []
+        token = None
+        while True:
+            page = self.client.search_runs(
+                [self.experiment_id], max_results=1000, page_token=token,
+                filter_string=f"attributes.status = 'RUNNING' and tags.`{tag.HEARTBEAT}` != ''")
+            runs.extend(page)
+            token = page.token
+            if not token:
+                return runs
+
+    def vanished(self, run: Run, here: ProcessIdentity | None = None,
+                 now: float | None = None) -> str | None:
+        """Why a RUNNING run's process is known to be gone (the reason `reap` writes), or None:
+        alive, finished, or not judged (see runner.liveness)."""
+        if run.info.status != RunStatus.to_string(RunStatus.RUNNING):
+            return None
+        return liveness.vanished(run.data.tags, self.stale_after_s, here, now)
+
+    def end_vanished(self, run: Run, reason: str) -> bool:
+        """End `run` KILLED with `reason` as its `error` tag, at its last heartbeat, provided it is
+        still as it was judged (RUNNING, the same liveness tags): a run another process reaped or
+        reopened meanwhile is left alone. On SQLite the check and the end are one step under the
+        store's lock; elsewhere the window between them is a store round trip. True when this
+        call ended it."""
+        run_id = run.info.run_id
+        with store_lock(self.tracking_uri):
+            now = self.client.get_run(run_id)
+            seen = {k: run.data.tags.get(k) for k in LIVENESS_TAGS}
+            if now.info.status != RunStatus.to_string(RunStatus.RUNNING) or \
+                    {k: now.data.tags.get(k) for k in LIVENESS_TAGS} != seen:
+                return False
+            beat = parse_iso(now.data.tags.get(tag.HEARTBEAT, ""))
+            end_ms = max(run.info.start_time or 0, int(beat * 1000)) if beat else None
+            self.client.log_batch(run_id, tags=[RunTag(tag.ERROR, reason[:MAX_TAG_LENGTH])])
+            self.client.set_terminated(run_id, status=RunStatus.to_string(RunStatus.KILLED),
+                                       end_time=end_ms)
+        return True
+
+    def reap(self, here: ProcessIdentity | None = None, now: float | None = None) -> list[str]:
+        """End as KILLED every RUNNING run of this experiment whose process is gone (on this
+        host: its pid is dead or another process; elsewhere: no heartbeat for `stale_after_s`),
+        with the `error` tag "process vanished: no heartbeat since <time> (host <h>, pid <p>)";
+        one warning line per run ended. Live runs and runs without liveness tags are never
+        touched. Returns the ids of the runs ended here. A store that fails meanwhile is only
+        reported: reaping is housekeeping, never a reason not to train."""
+        here = here or ProcessIdentity.current()
+        ended = []
+        try:
+            for run in self.running_runs():
+                reason = self.vanished(run, here, now)
+                if reason is not None and self.end_vanished(run, reason):
+                    log.warning("Ended run %r (%s) as KILLED: %s", run.info.run_name,
+                                run.info.run_id, reason)
+                    ended.append(run.info.run_id)
+        except Exception as error:  # noqa: BLE001  (see the docstring)
+            log.warning("Could not look for runs whose process vanished in %s: %s",
+                        self.tracking_uri, error)
+        return ended
+
+    def latest_run(self, run_name: str) -> Run | None:
+        """The most recently started run named `run_name` in this experiment (any status), or
+        None: for `resume=auto` to see what became of the run it would continue."""
+        quote = "'" if "'" not in run_name else '"'
+        if quote in run_name:  # MLflow's filter strings cannot escape quotes: filter here
+            runs = [r for r in self.client.search_runs(
+                [self.experiment_id], order_by=["attributes.start_time DESC"], max_results=1000)
+                if r.info.run_name == run_name]
+        else:
+            runs = self.client.search_runs(
+                [self.experiment_id], max_results=1, order_by=["attributes.start_time DESC"],
+                filter_string=f"attributes.run_name = {quote}{run_name}{quote}")
+        return runs[0] if runs else None
 
     def record_failure(self, run_name: str, tags: Mapping[str, str], error: BaseException) -> str:
         """A FAILED run holding only the error: for a sweep job that failed before its run
@@ -345,7 +619,8 @@ class Tracker:
 
     def reopen_run(self, run_id: str, tags: Mapping[str, str],
                    offline_dir: str | os.PathLike | None = None) -> TrackedRun:
-        """A run of this experiment set RUNNING again (a resumed run goes on logging into it)."""
+        """A run of this experiment set RUNNING again (a resumed run goes on logging into it),
+        with this process's liveness tags."""
         try:
             run = self.client.get_run(run_id)
         except MlflowException as error:
@@ -356,11 +631,17 @@ class Tracker:
             raise ConfigError("resume", f"the checkpoint's MLflow run {run_id} belongs to "
                               f"experiment {run.info.experiment_id}, not {self.experiment_id}",
                               "the experiment_name the checkpointed run used")
-        self.client.update_run(run_id, status=RunStatus.to_string(RunStatus.RUNNING))
+        # the new owner first, then the status, as one step against `end_vanished`
+        with store_lock(self.tracking_uri):
+            self.client.log_batch(run_id, tags=[RunTag(k, v)
+                                                for k, v in self._liveness_tags().items()])
+            self.client.update_run(run_id, status=RunStatus.to_string(RunStatus.RUNNING))
+        if tag.ERROR in run.data.tags:  # why the last session ended: not true of a running run
+            self.client.delete_tag(run_id, tag.ERROR)
         tracked = TrackedRun(self.client, run_id, self.experiment_id, self.tracking_uri,
-                             self.experiment_name, offline_dir)
-        count = int(run.data.tags.get("resume.count", "0")) + 1
-        for key, value in {**tags, "resume.count": str(count)}.items():
+                             self.experiment_name, offline_dir, self.heartbeat_s)
+        count = int(run.data.tags.get(tag.RESUME_COUNT, "0")) + 1
+        for key, value in {**tags, tag.RESUME_COUNT: str(count)}.items():
             tracked.set_tag(key, value)
         return tracked
 

@@ -21,22 +21,40 @@ Under torchrun (runner.distributed) every rank runs this loop on its shard; the 
 reduced across ranks at the periodic reads (loss mean, non-finite streak and stop requests),
 after validation (loss and accuracy sums) and per epoch (samples, peak memory), and only rank 0's
 sink logs them.
+
+Memory by kind (runner.memory): the first training step of a session runs under an activation
+meter (the bytes autograd saves for backward) and, after its optimizer step, the weights, masters,
+gradients and optimizer state are counted from the tensors; a step that was skipped (no optimizer
+state yet) is counted again at the next step, until one steps. The `mem_*_mb` metrics go out with
+the epoch's metrics; on a CPU the total is also `peak_mem_mb` (runner.probes), and the process's
+resident-memory growth is `rss_growth_mb`. Neither reads the device: no sync.
+
+Range diagnostics (runner.diagnostics), with `trainer.diagnose_every_n_steps` = n > 0: steps 1,
+1 + n, 1 + 2n, ... run with a probe's hooks on the model's layers, installed before the forward
+and removed after the backward (other steps carry no hook; with n = 0 none is ever made). The
+probe is read once per diagnosed step (one host sync) and its `diag_*` metrics logged at that
+step; `diagnostics/layers.csv`, `exponents.csv` and `grad_exponents.png` go to the artifact sink
+after each epoch that diagnosed a step.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import signal
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from pathlib import Path
+from typing import Callable, Mapping, Optional
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
 from runner import checkpoint as ckpt
+from runner import diagnostics as diag
+from runner import memory as mem
 from runner.distributed import Comm, unwrap
 from runner.errors import DivergenceError
 from runner.interrupts import RunInterrupted, StopRequest
@@ -83,7 +101,11 @@ class Trainer:
         comm: Comm | None = None,
         checkpointer: Checkpointer | None = None,
         stop: StopRequest | None = None,
+        on_artifact: diag.ArtifactSink | None = None,
+        artifact_dir: Path | None = None,
     ):
+        """`on_artifact(path, folder)` takes the files the trainer writes (the diagnostics; e.g.
+        TrackedRun.log_file), written under `artifact_dir` (None: a new temporary folder)."""
         self.model = model  # possibly DistributedDataParallel: the forward of training
         self.module = unwrap(model)  # the model itself: evaluation, checkpoints
         self.comm = comm or Comm()
@@ -115,6 +137,16 @@ class Trainer:
         self.history: list[dict[str, float]] = []
         self.elapsed_before = 0.0  # training seconds of earlier sessions of this run
         self._rng_at_start: dict | None = None
+        # memory by kind: measured on the first step of the session that steps (see the docstring)
+        self.memory_parts: Optional[mem.MemoryByKind] = None
+        self._memory_final = False
+        self._memory_logged = False
+        every = int(getattr(cfg, "diagnose_every_n_steps", 0) or 0)
+        self.diagnostics: Optional[diag.RunDiagnostics] = None
+        if every > 0:
+            properties = getattr(engine, "properties", None)
+            formats = diag.run_formats(properties.compute_dtypes if properties else ())
+            self.diagnostics = diag.RunDiagnostics(every, formats, artifact_dir, on_artifact)
 
     # ---- one step ---------------------------------------------------------------------------
     def _to_device(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,12 +166,29 @@ class Trainer:
             self.scheduler.step()
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        with self.engine.autocast():
-            loss = self.criterion(self.model(x), y)
-        self.engine.backward(loss)
+        step = self.global_step + 1
+        probe = (self.diagnostics.probe(self.module)
+                 if self.diagnostics is not None and self.diagnostics.due(step) else None)
+        meter = None if self._memory_final else mem.ActivationMeter(
+            mem.model_state_tensors(self.module, self.engine, self.optimizer))
+        with contextlib.ExitStack() as around:  # the meter and the probe's hooks: this step only
+            if meter is not None:
+                around.enter_context(meter)
+            if probe is not None:
+                around.enter_context(probe)
+            with self.engine.autocast():
+                loss = self.criterion(self.model(x), y)
+            self.engine.backward(loss)
+            if probe is not None:
+                probe.observe_weight_grads()  # as stored: scaled by the loss scale
+        if probe is not None:
+            records = self.diagnostics.collect(probe, step, self.engine.loss_scale)
+            self.on_metrics(self.diagnostics.metrics(records), step)
         if self.cfg.grad_clip_norm:
             self.engine.clip_grad_norm_(self.cfg.grad_clip_norm, self.optimizer)
         stepped = self.engine.step(self.optimizer)
+        if meter is not None:
+            self._measure_memory(meter.bytes, stepped)
         self._step_scheduler(stepped)
         self.engine.zero_grad(self.optimizer)
         loss = loss.detach().float()
@@ -147,6 +196,25 @@ class Trainer:
         self.bad_loss_streak.add_(1).mul_(~torch.isfinite(loss))
         self.skip_streak = 0 if stepped else self.skip_streak + 1
         return loss
+
+    def _measure_memory(self, activations: int, stepped: bool) -> None:
+        """Memory by kind after the optimizer step, before zero_grad (the gradients still held);
+        final once a step was taken (a skipped one has no optimizer state yet)."""
+        self.memory_parts = mem.measure(self.module, self.optimizer, self.engine, activations)
+        self.memory.record_tensors(self.memory_parts.total / mem.MB)
+        self._memory_final = stepped
+        self._memory_logged = False
+
+    def _memory_metrics(self) -> dict[str, float]:
+        """The `mem_*_mb` figures once per measurement, and `rss_growth_mb` on a CPU."""
+        out: dict[str, float] = {}
+        if self.memory_parts is not None and not self._memory_logged:
+            out.update(self.memory_parts.metrics())
+            self._memory_logged = self._memory_final
+        rss = self.memory.rss_growth_mb()
+        if rss is not None:
+            out["rss_growth_mb"] = rss
+        return out
 
     # ---- divergence guard ----------------------------------------------------------------------
     def _check_skips(self) -> None:
@@ -349,10 +417,66 @@ class Trainer:
             return math.nan, math.nan
         return loss_total / seen_total, correct_total / seen_total
 
+    # ---- torch.compile -----------------------------------------------------------------------
+    def _first_batch_shapes(self) -> list[int]:
+        """The batch sizes this rank's training loop meets: the full one, and a smaller last
+        batch where the data does not divide evenly."""
+        size = self.train_loader.batch_size or 1
+        sampler = getattr(self.train_loader, "sampler", None)
+        if sampler is not None and hasattr(sampler, "__len__"):  # (this rank's share, whole)
+            count = len(sampler) + int(getattr(sampler, "skip", 0))
+        else:
+            count = len(self.train_loader.dataset)
+        sizes = [min(size, count)]
+        last = count % size
+        full_batches = count // size
+        if last and full_batches < self.train_batches:  # the partial batch is reached
+            sizes.append(last)
+        return sizes
+
+    @torch.no_grad()
+    def _snapshot(self) -> tuple[list[torch.Tensor], dict]:
+        return [b.detach().clone() for b in self.module.buffers()], ckpt.rng_state()
+
+    @torch.no_grad()
+    def _restore_snapshot(self, snapshot: tuple[list[torch.Tensor], dict]) -> None:
+        buffers, rng = snapshot
+        for b, saved in zip(self.module.buffers(), buffers):
+            b.copy_(saved)
+        ckpt.restore_rng(rng)
+
+    def compile_warmup(self) -> float:
+        """With `trainer.compile`, compile the training forward and backward before the clock
+        of the first epoch starts: one forward and backward per batch shape the loop will meet,
+        on the first training batch, after which the gradients, the model's buffers (BatchNorm
+        statistics) and every random generator are put back as they were, so the run trains
+        exactly as if nothing had happened. Returns the seconds it took (`compile_time_s`); the
+        validation forward compiles at the first validation (outside `epoch_time_s`)."""
+        snapshot = self._snapshot()
+        try:
+            self.model.train()
+            x, y = next(iter(self.train_loader))
+            x, y = self._to_device(x, y)
+            self.clock.start()  # (the batch is fetched: only compiling is timed)
+            for size in self._first_batch_shapes():
+                with self.engine.autocast():
+                    loss = self.criterion(self.model(x[:size]), y[:size])
+                self.engine.backward(loss)
+                self.engine.zero_grad(self.optimizer)
+            seconds = self.clock.stop()
+        finally:
+            self._restore_snapshot(snapshot)
+        return seconds
+
     def fit(self) -> FitResult:
         self._started = time.perf_counter()
         if self._rng_at_start is not None:  # a resumed run draws what the uninterrupted one would
             ckpt.restore_rng(self._rng_at_start)
+        if getattr(self.cfg, "compile", False):
+            seconds = self.compile_warmup()
+            log.info("torch.compile: the training step compiled in %.1f s (compile_time_s, not "
+                     "counted in epoch_time_s)", seconds)
+            self.on_metrics({"compile_time_s": seconds}, self.global_step)
         every = int(getattr(self.cfg, "checkpoint_every_n_epochs", 0) or 0)
         for epoch in range(self.epochs_done + 1, self.cfg.max_epochs + 1):
             skip, self.batches_done = self.batches_done, 0
@@ -367,8 +491,11 @@ class Trainer:
                 "peak_mem_mb": peak,
                 "loss_scale": self.engine.loss_scale,
                 "skipped_steps": float(self.engine.skipped_steps),
+                **self._memory_metrics(),
             }
             self.on_metrics(metrics, epoch)
+            if self.diagnostics is not None:
+                self.diagnostics.write()
             self.history.append(metrics)
             if not math.isnan(val_acc):
                 self.best = max(self.best, val_acc)

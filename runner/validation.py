@@ -13,7 +13,14 @@ from typing import Any, Callable
 
 from omegaconf import DictConfig, OmegaConf
 
-from runner.config import DATASET_NAMES, DEVICES, MODEL_NAMES, OPTIMIZER_NAMES, SCHEDULER_NAMES
+from runner.config import (
+    COMPILE_MODES,
+    DATASET_NAMES,
+    DEVICES,
+    MODEL_NAMES,
+    OPTIMIZER_NAMES,
+    SCHEDULER_NAMES,
+)
 from runner.csrc import CHOICES as KERNEL_CHOICES
 from runner.models import NORMS
 from runner.errors import ConfigError
@@ -95,8 +102,14 @@ def _rules(cfg: DictConfig) -> list[Rule]:
         ("trainer.checkpoint_every_n_epochs", lambda v: v >= 0, "an integer >= 0 (0: only "
          "when interrupted)"),
         ("trainer.checkpoint_dir", lambda v: bool(v and v.strip()), "a folder path"),
+        ("trainer.compile_mode", one_of(COMPILE_MODES), ", ".join(COMPILE_MODES)),
+        ("trainer.diagnose_every_n_steps", lambda v: v >= 0,
+         "an integer >= 0 (0: off; n: diagnose steps 1, 1+n, 1+2n, ...)"),
         ("mlflow.tracking_uri", lambda v: bool(v and v.strip()), "a non-empty MLflow URI"),
         ("mlflow.experiment_name", lambda v: bool(v and v.strip()), "a non-empty name"),
+        ("mlflow.heartbeat_s", lambda v: _finite(v) and v >= 1, "a number of seconds >= 1"),
+        ("mlflow.stale_after_s", positive, "a finite number of seconds > 0, at least twice "
+         "mlflow.heartbeat_s"),
     ]
     name = cfg.data.get("name")
     if name == "synthetic":
@@ -154,6 +167,14 @@ def validate(cfg: DictConfig) -> None:
 
 def _check_combinations(cfg: DictConfig) -> None:
     """Rules that involve several keys."""
+    tracking = cfg.mlflow
+    if "stale_after_s" in tracking and tracking.stale_after_s < 2 * tracking.heartbeat_s:
+        raise ConfigError(
+            "mlflow.stale_after_s",
+            f"{tracking.stale_after_s} s is less than two heartbeats (mlflow.heartbeat_s="
+            f"{tracking.heartbeat_s}): a live run on another host would be ended as vanished "
+            "after one late heartbeat",
+            f"a number >= {2 * tracking.heartbeat_s:g} (2 x mlflow.heartbeat_s)")
     opt = cfg.optimizer
     if opt.get("nesterov") and (opt.momentum <= 0 or opt.dampening != 0):
         raise ConfigError(

@@ -173,7 +173,7 @@ class MlflowServer:
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=2):
                     return self
-            except (urllib.error.URLError, ConnectionError):
+            except (urllib.error.URLError, ConnectionError, TimeoutError):  # (a slow start)
                 assert time.monotonic() < deadline, "mlflow server did not start in time"
                 time.sleep(0.5)
 

@@ -72,7 +72,8 @@ class KernelSpy:
     """Counts an engine's calls into its compiled kernels; every call still runs the real kernel
     (the spy only sits between the engine and the module, so the engine's choices are visible)."""
 
-    OPS = ("unscale_check", "check_finite", "l2norm", "copy_scale", "sgd_step", "adam_step")
+    OPS = ("unscale_check", "check_finite", "l2norm", "copy_scale", "sgd_step", "adam_step",
+           "stochastic_round", "sgd_step_sr", "adam_step_sr")
 
     def __init__(self, engine):
         import dataclasses

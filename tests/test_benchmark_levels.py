@@ -55,9 +55,65 @@ def test_levels_benchmark_smoke_and_merge(tmp_path: Path, capsys):
     assert again.with_suffix(".png").is_file()
 
 
+@pytest.mark.slow  # one compiled cell: a cold CPU compile of the tiny model, 15-30 s on 2 cores
+def test_levels_benchmark_compiled_and_fp8_rows(tmp_path: Path, monkeypatch):
+    # torch.compile's cache in this test's folder (the benchmark keeps a cache that is set)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    bench = load_benchmark("levels")
+    out = tmp_path / "levels.md"
+    assert bench.main(["--device", "cpu", "--models", "tiny", "--image-size", "16",
+                       "--batch-size", "8", "--steps", "1", "--warmup", "0", "--no-prime",
+                       "--levels", "o0,o0+compile,o1_fp8", "--out", str(out)]) == 0
+
+    table = out.read_text()
+    assert "| tiny | O0 | `o0+compile` | float32; torch.compile | 16 | 8 |" in table
+    assert "| tiny | O1 | `o1_fp8` | float32 weights, autocast bfloat16, fp8 Linear (tensorwise) |" \
+        in table and "| 0 Linear layers in fp8 |" in table
+    assert "torch.compile, throughput against the same preset eager: tiny: o0 " in table
+    assert "no throwaway pass (--no-prime)" in table
+
+    report = json.loads(out.with_suffix(".json").read_text())
+    cells = {c["level"]: c for c in report["cells"]}
+    assert list(cells) == ["o0", "o1_fp8", "o0+compile"]  # the eager levels first
+    assert all(c["status"] == "ok" for c in cells.values())
+    compiled = cells["o0+compile"]
+    # the compiling first step is taken even with --warmup 0 and kept out of the timed steps
+    assert compiled["compiled"] and compiled["warmup"] == 1 and compiled["steps"] == 1
+    assert compiled["first_step_ms"] > 0 and compiled["compile_s"] >= 0
+    assert compiled["speedup_vs_eager"] == pytest.approx(
+        compiled["samples_per_s"] / cells["o0"]["samples_per_s"])
+    assert "first_step_ms" not in cells["o0"] and cells["o0"].get("compile_s") is None
+    assert cells["o1_fp8"]["fp8_layers"] == 0
+    assert report["runs"][0]["settings"]["compile_cache"].startswith(
+        f"TORCHINDUCTOR_CACHE_DIR={tmp_path / 'inductor'}")
+    with out.with_suffix(".csv").open() as f:
+        assert [r["compiled"] for r in csv.DictReader(f)] == ["False", "False", "True"]
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_levels_default_compiled_rows_are_for_one_model_per_device():
+    bench = load_benchmark("levels")
+    args = bench.parse_args(["--device", "cpu"])
+    assert args.levels["resnet18"] == [*bench.CPU_LEVELS, "o0+compile", "o2_bf16+compile"]
+    for model in ("resnet50", "densenet161", "vgg16_bn"):
+        assert args.levels[model] == bench.CPU_LEVELS
+    assert bench.default_levels("cuda", "resnet50")[-5:] == bench.CUDA_COMPILE_LEVELS
+    assert bench.default_levels("cuda", bench.VIT) == bench.default_levels("cuda", "resnet50")
+    assert {"o1_fp8", "o2_fp8"} <= set(bench.default_levels("cuda", "vgg16_bn"))
+    assert not any(lvl.endswith("+compile") for lvl in bench.default_levels("cuda", "vgg16_bn"))
+    args = bench.parse_args(["--device", "cpu", "--models", "tiny", "--levels",
+                             "o2_bf16+compile,torch_amp"])
+    assert args.levels == {"tiny": ["o2_bf16+compile", "torch_amp"]}
+    common = load_benchmark("common")
+    assert common.model_overrides(bench.VIT) == ["model=torchvision", "model.arch=vit_b_16"]
+    assert common.model_overrides("resnet50") == ["model=resnet50"]
+
+
 def test_levels_benchmark_rejects_bad_arguments(tmp_path: Path, capsys):
     bench = load_benchmark("levels")
     for argv, message in [(["--levels", "o9"], "unknown level"),
+                          (["--levels", "o2_bf16+fast"], "the only suffix is +compile"),
+                          (["--levels", "torch_amp+compile"], "unknown level 'torch_amp'"),
                           (["--models", "resnet99"], "unknown model"),
                           (["--steps", "0"], "--steps must be at least 1"),
                           (["--from-json", str(tmp_path / "none.json")], "no such file")]:

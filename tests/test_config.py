@@ -79,8 +79,12 @@ APEX_TABLE = {
     "o1_bf16": (None, True, None, None, 1.0),
     "o2_bf16": ("bfloat16", False, True, True, 1.0),
     "o3_bf16": ("bfloat16", False, False, False, 1.0),
+    # beyond Apex (issue 14): fp8 Linear layers over O1/O2 in bf16; O3 bf16 rounded stochastically
+    "o1_fp8": (None, True, None, None, 1.0),
+    "o2_fp8": ("bfloat16", False, True, True, 1.0),
+    "o3_bf16_sr": ("bfloat16", False, False, False, 1.0),
 }
-AUTOCAST_DTYPE = {"o1": "float16", "o1_bf16": "bfloat16"}
+AUTOCAST_DTYPE = {"o1": "float16", "o1_bf16": "bfloat16", "o1_fp8": "bfloat16"}
 SCALER_KNOBS = dict(init_scale=65536.0, growth_factor=2.0, backoff_factor=0.5,
                     growth_interval=2000, hysteresis=1, min_loss_scale=None,
                     max_loss_scale=16777216.0, strict=False)
@@ -208,7 +212,12 @@ VALUE_CASES = [
         (["trainer.collapsed_loss_scale=-1"], "trainer.collapsed_loss_scale"),
         (["trainer.checkpoint_every_n_epochs=-1"], "trainer.checkpoint_every_n_epochs"),
         (["trainer.checkpoint_dir= "], "trainer.checkpoint_dir"),
+        (["trainer.diagnose_every_n_steps=-1"], "trainer.diagnose_every_n_steps"),
         (["mlflow.tracking_uri= "], "mlflow.tracking_uri"),
+        (["mlflow.heartbeat_s=0.5"], "mlflow.heartbeat_s"),
+        (["mlflow.stale_after_s=0"], "mlflow.stale_after_s"),
+        (["mlflow.heartbeat_s=60", "mlflow.stale_after_s=100"], "mlflow.stale_after_s"),
+        (["trainer.compile_mode=fastest"], "trainer.compile_mode"),
 ]
 
 

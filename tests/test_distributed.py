@@ -25,6 +25,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from runner import app, checkpoint
+from runner.plan import default_run_name, make_plan
 from runner.errors import ConfigError
 from tests.conftest import REPO, compose_config
 
@@ -70,14 +71,13 @@ def test_two_gloo_processes_train_like_one_with_the_global_batch(tmp_path, prese
                           store.format(two), f"trainer.checkpoint_dir={two}/checkpoints"], two)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
-    run_name = app.default_run_name(reference)
+    run_name = default_run_name(reference)
     a, b = _weights(one, run_name), _weights(two, run_name)
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=rtol, atol=atol,
                                    msg=lambda m, key=key: f"{key}: {m}")
-    device, resolution = app.check_config(reference)
-    start = app.build(reference, device, resolution).model.state_dict()  # the initial weights
+    start = app.build(make_plan(reference)).model.state_dict()  # the initial weights
     moved = max((a[k] - start[k]).abs().max().item() for k in a)
     assert moved > 10 * max(atol, 1e-5), moved  # the comparison is not vacuous
 
@@ -123,7 +123,7 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path, kernels)
 def test_sync_batchnorm_on_a_cpu_is_a_config_error():
     cfg = compose_config(*COMMON, "trainer.sync_batchnorm=true", "trainer.device=cpu")
     with pytest.raises(ConfigError) as e:
-        app.check_config(cfg)
+        make_plan(cfg)
     assert e.value.key == "trainer.sync_batchnorm" and "NCCL" in str(e.value)
 
 

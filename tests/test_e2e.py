@@ -293,7 +293,7 @@ def test_cpu_peak_memory_counts_the_training_state_not_the_data(tmp_path):
         runs = MlflowClient(uri).search_runs(
             [MlflowClient(uri).get_experiment_by_name("amp-runner").experiment_id],
             order_by=["attributes.start_time DESC"], max_results=1)
-        assert runs[0].data.tags["peak_mem_kind"] == "cpu_rss_peak_above_start"
+        assert runs[0].data.tags["peak_mem_kind"] == "cpu_tensor_accounted"
         return runs[0].data.metrics["peak_mem_mb"]
 
     data_mb = 60000 * 3 * 16 * 16 * 4 / 2**20

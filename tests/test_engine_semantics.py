@@ -305,7 +305,8 @@ class Funcs:
 
 
 def _o1_engine(dtype="bfloat16"):
-    return AmpEngine(props("O1", autocast_dtype=dtype), CPU)
+    """An O1 engine with Apex's function patches, as the facade (`amp.initialize`) makes it."""
+    return AmpEngine(props("O1", autocast_dtype=dtype), CPU, patch_functions=True)
 
 
 def test_register_float_function_runs_fp32_inside_the_region_only():

@@ -13,7 +13,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from runner.app import check_opt_level, resolve_precision
+from runner.plan import check_opt_level, resolve_precision
 from runner.errors import ConfigError
 from runner.precision import Finding, resolve
 from runner.precision.checks import DeviceInfo, tensor_core_findings
@@ -232,19 +232,19 @@ def test_tensor_core_shapes_silent_when_aligned_or_not_applicable():
 def test_dry_run_shape_findings_come_from_a_meta_model(tmp_path):
     """A dry run has no data and builds no weights: the model is built on the meta device, its
     head sized from the data config (CIFAR-100: 100 classes; an ImageFolder: its class folders)."""
-    from runner import app
+    from runner import plan
 
     cfg = compose_config("model=resnet50", "precision=o2", "data=cifar100",
                          "trainer.batch_size=128")
-    p = app.check_config(cfg)[1].properties
-    (finding,) = app.shape_findings(cfg, p, AMPERE)
+    p = plan.check_config(cfg)[1].properties
+    (finding,) = plan.shape_findings(cfg, p, AMPERE)
     assert "fc (out_features 100)" in finding.message and "batch size" not in finding.message
-    assert app.shape_findings(cfg, p, CPU) == []  # not a CUDA device: nothing built at all
+    assert plan.shape_findings(cfg, p, CPU) == []  # not a CUDA device: nothing built at all
     for name in ("a", "b", "c"):
         (tmp_path / "train" / name).mkdir(parents=True)
     folder = compose_config("model=tiny", "precision=o2_bf16", "data=imagefolder",
                             f"data.root={tmp_path}", "trainer.batch_size=64")
-    (finding,) = app.shape_findings(folder, app.check_config(folder)[1].properties, AMPERE)
+    (finding,) = plan.shape_findings(folder, plan.check_config(folder)[1].properties, AMPERE)
     assert "out_features 3" in finding.message
 
 
@@ -407,14 +407,14 @@ def test_opt_level_zero_prefix_keeps_the_letter_o_hint():
 def test_opt_level_is_checked_from_the_config_not_the_command_line():
     """A config whose level contradicts its preset is refused however it got there: here an
     app.run call that passes no override strings at all."""
-    from runner import app
+    from runner.plan import make_plan
 
     cfg = compose_config("precision=o3", "precision.opt_level=O1")
     with pytest.raises(ConfigError, match="use precision=o1"):
-        app.check_config(cfg)
+        make_plan(cfg)
     cfg = compose_config("precision=o3", "precision.opt_level=???")  # (deletion is refused)
     with pytest.raises(ConfigError, match="choose the level with precision=<preset>"):
-        app.check_config(cfg)
+        make_plan(cfg)
 
 
 def test_app_run_refuses_the_opt_level_override(tmp_path):

@@ -13,13 +13,14 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from runner import report
-from runner.sweep import SWEEP_DIR_TAG
-from runner.tracking import PARENT_RUN_TAG, Tracker
+from runner.tags import SWEEP_DIR as SWEEP_DIR_TAG
+from runner.tags import PARENT_RUN as PARENT_RUN_TAG
+from runner.tracking import Tracker
 from tests.conftest import MlflowServer
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 REPORT_FILES = {"comparison.md", "comparison.csv", "time_memory_accuracy.png",
-                "val_acc_curves.png"}
+                "memory_by_kind.png", "val_acc_curves.png"}
 
 
 def read_csv(path: Path) -> list[dict[str, str]]:
@@ -180,3 +181,38 @@ def test_nothing_to_report_says_why(args, needle, tracking_uri, tmp_path, capsys
     err = capsys.readouterr().err
     assert "Nothing to report: " in err and needle in err and "Traceback" not in err
     assert not (tmp_path / "r").exists()
+
+
+def test_memory_by_kind_columns_and_stacked_bars(tracking_uri, tmp_path):
+    """Runs that logged mem_*_mb get them in the table and CSV and a stacked bar each; a run
+    without them (made before they existed) shows - and is not listed as lacking metrics."""
+    tracker = Tracker(tracking_uri, "amp-runner")
+    parent = tracker.create_run("sweep precision=o0,o2", {SWEEP_DIR_TAG: str(tmp_path)})
+    parts = {"O0": (4.0, 0.0, 4.0, 4.0, 20.0), "O2": (2.0, 4.0, 2.0, 4.0, 10.0)}
+    for level in ("O0", "O2", "O3"):
+        params = {"model.name": "tiny", "optimizer.name": "sgd", "trainer.batch_size": "32",
+                  "precision.opt_level": level}
+        with tracker.start_run(f"tiny-{level}", params, {PARENT_RUN_TAG: parent.run_id}) as run:
+            memory = dict(zip(report.MEMORY_METRICS, parts.get(level, ())))
+            if memory:
+                memory["mem_total_mb"] = sum(memory.values())
+            run.log_metrics({"val_acc": 0.5, "samples_per_s": 10.0, "skipped_steps": 0.0,
+                             "peak_mem_mb": memory.get("mem_total_mb", 30.0), **memory}, 1)
+            run.log_metrics({"best_val_acc": 0.5, "train_time_s": 1.0}, 1)
+    parent.end("FINISHED")
+
+    out = tmp_path / "report"
+    assert report.main(["--tracking-uri", tracking_uri, "--out", str(out)]) == 0
+    assert {p.name for p in out.iterdir()} == REPORT_FILES
+    rows = {r["level"]: r for r in read_csv(out / "comparison.csv")}
+    assert float(rows["O2"]["mem_master_weights_mb"]) == 4.0
+    assert float(rows["O2"]["mem_total_mb"]) == 22.0 and float(rows["O0"]["mem_total_mb"]) == 32.0
+    assert rows["O3"]["mem_weights_mb"] == ""
+    assert float(rows["O2"]["memory_vs_o0"]) == pytest.approx(22.0 / 32.0)
+    markdown = (out / "comparison.md").read_text()
+    line = next(x for x in markdown.splitlines() if x.startswith("| tiny-O2 "))
+    cells = line.strip("| ").split(" | ")
+    assert cells[-8:-2] == ["2.00", "4.00", "2.00", "4.00", "10.00", "22.00"]
+    assert "Runs lacking metrics" not in markdown and "memory_by_kind.png" in markdown
+    assert_png(out / "memory_by_kind.png", 600, 500)
+

@@ -16,6 +16,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from runner import app, checkpoint
+from runner.plan import make_plan
 from runner.errors import ConfigError, DivergenceError
 from runner.interrupts import RunInterrupted, StopRequest
 from runner.trainer import Trainer
@@ -156,11 +157,11 @@ def test_resume_auto_without_a_checkpoint_starts_fresh(tmp_path):
 
 # ---- a run stopped mid-epoch continues at its step ------------------------------------------------
 def _trainer(cfg, **kw) -> Trainer:
-    device, resolution = app.check_config(cfg)
-    parts = app.build(cfg, device, resolution)
+    plan = make_plan(cfg)
+    parts = app.build(plan)
     return Trainer(model=parts.model, optimizer=parts.optimizer, scheduler=parts.scheduler,
                    engine=parts.engine, train_loader=parts.train_loader,
-                   val_loader=parts.val_loader, device=device, cfg=cfg.trainer,
+                   val_loader=parts.val_loader, device=plan.device, cfg=cfg.trainer,
                    memory=parts.memory, **kw)
 
 
@@ -277,3 +278,25 @@ def test_sigterm_checkpoints_marks_killed_and_resumes(tmp_path):
         steps = [m.step for m in MlflowClient(uri).get_metric_history(run.info.run_id,
                                                                        "train_loss")]
         assert steps == sorted(set(steps)) and steps[-1] == 625  # one epoch, no step twice
+
+
+def test_resume_auto_of_a_finished_run_says_so_and_changes_nothing(tmp_path, caplog):
+    """resume=auto of a run that met its epoch budget: nothing trains, the MLflow run keeps its
+    status, tags and metrics (no resume.count bump), the checkpoint is untouched."""
+    common = settings(tmp_path, "trainer.max_epochs=1")
+    best = app.run(compose_config(*common))
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    (before,) = runs_by_name(uri).values()
+    path = checkpoint.find("auto", checkpoint.run_folder(tmp_path / "checkpoints", "amp-runner",
+                                                         before.info.run_name))
+    stamp = path.stat().st_mtime_ns
+    with caplog.at_level("INFO", logger="runner"):
+        again = app.run(compose_config(*common, "resume=auto"))
+    assert again == best
+    assert "already trained 1 epochs" in caplog.text and "raise trainer.max_epochs" in caplog.text
+    (after,) = runs_by_name(uri).values()
+    assert after.info.status == before.info.status == "FINISHED"
+    assert after.info.end_time == before.info.end_time
+    assert after.data.tags == before.data.tags and after.data.metrics == before.data.metrics
+    assert history(uri, after.info.run_id) == history(uri, before.info.run_id)
+    assert path.stat().st_mtime_ns == stamp

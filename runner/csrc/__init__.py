@@ -1,7 +1,8 @@
 """The engine's fused multi-tensor kernels: C++ for CPU tensors, CUDA for GPU tensors.
 
 Both backends expose the same functions (see `ops.h`): `unscale_check`, `check_finite`,
-`l2norm`, `copy_scale`, `sgd_step`, `adam_step`. They are compiled on first use with
+`l2norm`, `copy_scale`, `sgd_step`, `adam_step`, and for bf16 weights without fp32 masters
+`stochastic_round`, `sgd_step_sr`, `adam_step_sr` (see runner/precision/rounding.py). They are compiled on first use with
 `torch.utils.cpp_extension.load` (ninja) into a per-user cache, reused by later runs and rebuilt
 when a source file or a compiler flag changes; `python -m runner.csrc build` builds them ahead of
 time. When a build fails (no compiler, no CUDA toolkit), `load` says why and the engine uses
@@ -116,9 +117,11 @@ def build(backend: str, verbose: bool = False) -> Kernels:
         return _LOADED[backend]
     from torch.utils import cpp_extension
 
-    directory = cache_dir(backend)
-    directory.mkdir(parents=True, exist_ok=True)
     name = _module_name(backend)
+    # one build folder per source version: checkouts of different sources (branches, worktrees)
+    # sharing the cache never rebuild over each other's objects
+    directory = cache_dir(backend) / name
+    directory.mkdir(parents=True, exist_ok=True)
     fresh = not any(directory.glob(f"{name}*.so"))
     if fresh:
         log.info("Building amp-runner's %s kernels into %s (once; about a minute)",

@@ -424,6 +424,170 @@ void adam_step(const TensorList& params, const TensorList& grads, const TensorLi
              });
 }
 
+// ---- stochastic rounding -------------------------------------------------------------------
+namespace {
+
+// dst[0..n) = src[0..n) rounded stochastically, the values being elements index.. of a tensor
+// under `key`. The block must not straddle a multiple of 2^32 elements (spans and blocks start
+// at multiples of their sizes, which divide 2^32), so the high index word is one for the block
+// and the loop runs on 32-bit integers (it vectorises).
+inline void store_sr(const float* __restrict__ src, c10::BFloat16* dst, int64_t n,
+                     const SrKey& key, int64_t index) {
+  const uint32_t lo = static_cast<uint32_t>(index);
+  const uint32_t hi = static_cast<uint32_t>(static_cast<uint64_t>(index) >> 32);
+  TORCH_INTERNAL_ASSERT(static_cast<uint64_t>(lo) + static_cast<uint64_t>(n) <= (1ull << 32));
+  const SrKey k = key;
+  uint16_t* __restrict__ out = reinterpret_cast<uint16_t*>(dst);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    out[i] = sr_round_bf16(src[i], sr_bits(k, lo + static_cast<uint32_t>(i), hi));
+  }
+}
+
+// Calls fn(static_cast<S*>(nullptr)) with S = void (no list), float or c10::BFloat16.
+template <typename F>
+inline void dispatch_state(bool present, at::ScalarType dtype, const F& fn) {
+  if (!present) {
+    fn(static_cast<void*>(nullptr));
+  } else if (dtype == at::kFloat) {
+    fn(static_cast<float*>(nullptr));
+  } else {
+    TORCH_CHECK(dtype == at::kBFloat16, "unsupported optimizer state dtype ", dtype);
+    fn(static_cast<c10::BFloat16*>(nullptr));
+  }
+}
+
+// A block of optimizer state as fp32: fp32 state in place, bf16 converted into `buf` (and
+// rounded back to nearest by state_store), no state: `buf` (scratch, never read).
+template <typename S>
+inline float* state_load(const at::Tensor* t, int64_t offset, float* buf, int64_t n) {
+  if constexpr (std::is_same_v<S, float>) {
+    return t->data_ptr<float>() + offset;
+  } else if constexpr (std::is_same_v<S, c10::BFloat16>) {
+    to_float(static_cast<const c10::BFloat16*>(t->data_ptr()) + offset, buf, n);
+    return buf;
+  } else {
+    return buf;
+  }
+}
+
+template <typename S>
+inline void state_store(const at::Tensor* t, int64_t offset, const float* buf, int64_t n) {
+  if constexpr (std::is_same_v<S, c10::BFloat16>) {
+    from_float(buf, static_cast<c10::BFloat16*>(t->data_ptr()) + offset, n);
+  }
+}
+
+// The skeleton of the stochastic-rounding steps: per block, the bf16 params, the gradients and
+// the state in fp32, `update(n, p, g, gs, a, b)` over them, the state back in its dtype and the
+// params rounded stochastically.
+template <typename Update>
+void sr_fused_step(const char* op, const TensorList& params, const TensorList& grads,
+                   const TensorList& state_a, const TensorList& state_b,
+                   const at::Tensor& grad_scale, const std::optional<at::Tensor>& found_inf,
+                   bool maximize, const std::vector<SrKey>& keys, const Update& update) {
+  check_cpu(params, op);
+  check_scalar(grad_scale, "grad_scale", device_of(params));
+  if (found_inf.has_value()) check_scalar(*found_inf, "found_inf", device_of(params));
+  if (flag_set(found_inf)) return;  // an overflow: the step does nothing at all
+  const float gs = read_scalar(grad_scale) * (maximize ? -1.f : 1.f);
+  const bool with_a = !state_a.empty();
+  const bool with_b = !state_b.empty();
+  for_each_span(make_spans(params), [&](const Span& s, int64_t) {
+    const int64_t t = s.tensor;
+    const at::Tensor* a_t = with_a ? &state_a[t] : nullptr;
+    const at::Tensor* b_t = with_b ? &state_b[t] : nullptr;
+    dispatch(grads[t].scalar_type(), [&](auto gt) {
+      dispatch_state(with_a, with_a ? a_t->scalar_type() : at::kFloat, [&](auto* at_) {
+        dispatch_state(with_b, with_b ? b_t->scalar_type() : at::kFloat, [&](auto* bt_) {
+          using G = decltype(gt);
+          using A = std::remove_pointer_t<decltype(at_)>;
+          using B = std::remove_pointer_t<decltype(bt_)>;
+          const G* gp = static_cast<const G*>(grads[t].data_ptr()) + s.begin;
+          c10::BFloat16* pp = static_cast<c10::BFloat16*>(params[t].data_ptr()) + s.begin;
+          float pbuf[kBlock], gbuf[kBlock], abuf[kBlock], bbuf[kBlock];
+          for (int64_t b = 0; b < s.end - s.begin; b += kBlock) {
+            const int64_t n = std::min(kBlock, s.end - s.begin - b);
+            to_float(pp + b, pbuf, n);
+            const float* g = load_block(gp + b, gbuf, n);
+            float* a = state_load<A>(a_t, s.begin + b, abuf, n);
+            float* bv = state_load<B>(b_t, s.begin + b, bbuf, n);
+            update(n, pbuf, g, gs, a, bv);
+            state_store<A>(a_t, s.begin + b, a, n);
+            state_store<B>(b_t, s.begin + b, bv, n);
+            store_sr(pbuf, pp + b, n, keys[t], s.begin + b);
+          }
+        });
+      });
+    });
+  });
+}
+
+}  // namespace
+
+void stochastic_round(const TensorList& src, const TensorList& dst, uint64_t seed, uint64_t step,
+                      const std::vector<int64_t>& tensor_ids) {
+  check_sr_round_lists(src, dst);
+  check_cpu(src, "stochastic_round");
+  const std::vector<SrKey> keys = sr_keys("stochastic_round", seed, step, tensor_ids, src.size());
+  for_each_span(make_spans(src), [&](const Span& s, int64_t) {
+    const float* sp = src[s.tensor].data_ptr<float>() + s.begin;
+    c10::BFloat16* dp = static_cast<c10::BFloat16*>(dst[s.tensor].data_ptr()) + s.begin;
+    for (int64_t b = 0; b < s.end - s.begin; b += kBlock) {
+      store_sr(sp + b, dp + b, std::min(kBlock, s.end - s.begin - b), keys[s.tensor],
+               s.begin + b);
+    }
+  });
+}
+
+void sgd_step_sr(const TensorList& params, const TensorList& grads,
+                 const TensorList& momentum_bufs, const at::Tensor& grad_scale,
+                 const std::optional<at::Tensor>& found_inf, double lr, double weight_decay,
+                 double momentum, double dampening, bool nesterov, bool maximize, bool first_run,
+                 uint64_t seed, uint64_t step, const std::vector<int64_t>& tensor_ids) {
+  const bool with_momentum = momentum != 0.0;
+  check_sr_step_lists("sgd_step_sr", params, grads, momentum_bufs, TensorList{}, with_momentum,
+                      false);
+  const auto keys = sr_keys("sgd_step_sr", seed, step, tensor_ids, params.size());
+  const SgdArgs args = make_sgd_args(lr, weight_decay, momentum, dampening, nesterov, first_run);
+  sr_fused_step("sgd_step_sr", params, grads, with_momentum ? momentum_bufs : TensorList{},
+                TensorList{}, grad_scale, found_inf, maximize, keys,
+                [&](int64_t n, float* __restrict__ p, const float* __restrict__ g, float gs,
+                    float* __restrict__ buf, float*) {
+                  const SgdArgs a = args;  // (see sgd_step)
+                  if (with_momentum) {
+#pragma omp simd
+                    for (int64_t i = 0; i < n; ++i) sgd_update(p[i], buf[i], g[i] * gs, a);
+                  } else {
+#pragma omp simd
+                    for (int64_t i = 0; i < n; ++i) {
+                      float unused = 0.f;
+                      sgd_update(p[i], unused, g[i] * gs, a);
+                    }
+                  }
+                });
+}
+
+void adam_step_sr(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
+                  const TensorList& exp_avg_sqs, const at::Tensor& grad_scale,
+                  const std::optional<at::Tensor>& found_inf, double lr, double beta1,
+                  double beta2, double eps, double weight_decay, double bias_correction1,
+                  double bias_correction2, bool decoupled, bool maximize, uint64_t seed,
+                  uint64_t step, const std::vector<int64_t>& tensor_ids) {
+  check_sr_step_lists("adam_step_sr", params, grads, exp_avgs, exp_avg_sqs, true, true);
+  const auto keys = sr_keys("adam_step_sr", seed, step, tensor_ids, params.size());
+  const AdamArgs args = make_adam_args(lr, beta1, beta2, eps, weight_decay, bias_correction1,
+                                       bias_correction2, decoupled);
+  sr_fused_step("adam_step_sr", params, grads, exp_avgs, exp_avg_sqs, grad_scale, found_inf,
+                maximize, keys,
+                [&](int64_t n, float* __restrict__ p, const float* __restrict__ g, float gs,
+                    float* __restrict__ m, float* __restrict__ v) {
+                  const AdamArgs a = args;
+#pragma omp simd
+                  for (int64_t i = 0; i < n; ++i) adam_update(p[i], m[i], v[i], g[i] * gs, a);
+                });
+}
+
 }  // namespace amp_runner
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -216,6 +216,117 @@ struct StepOp {
   }
 };
 
+// ---- stochastic rounding -------------------------------------------------------------------
+// The kILP values of the thread's slot i0 rounded stochastically into bf16 `dst` (the chunk's
+// first element being element `offset` of its tensor, keyed by `key`).
+__device__ __forceinline__ void store_sr(c10::BFloat16* dst, int64_t i0, bool vec, int64_t length,
+                                         int64_t offset, const SrKey& key,
+                                         const float (&in)[kILP]) {
+  uint16_t bits[kILP];
+#pragma unroll
+  for (int j = 0; j < kILP; ++j) {
+    const uint64_t index = static_cast<uint64_t>(offset + mta::element(i0, j, vec));
+    bits[j] = sr_round_bf16(in[j], sr_bits(key, static_cast<uint32_t>(index),
+                                           static_cast<uint32_t>(index >> 32)));
+  }
+  uint16_t* out = reinterpret_cast<uint16_t*>(dst);
+  if (vec) {
+    mta::Pack<uint16_t, kILP> pk;
+#pragma unroll
+    for (int j = 0; j < kILP; ++j) pk.v[j] = bits[j];
+    reinterpret_cast<mta::Pack<uint16_t, kILP>*>(out)[i0] = pk;
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < kILP; ++j) {
+    const int64_t i = mta::strided(i0, j);
+    if (i < length) out[i] = bits[j];
+  }
+}
+
+// The key of this block's tensor: the host puts k1 in the tag, k2 follows from it.
+template <int Depth>
+__device__ __forceinline__ SrKey block_key(const mta::TaggedListMeta<Depth>& meta,
+                                           const mta::ChunkRef& c) {
+  const uint32_t k1 = meta.tag[c.local];
+  return SrKey{k1, sr_mix(k1 ^ 0x85EBCA6Bu)};
+}
+
+// dst (bf16) = src (fp32) rounded stochastically.
+struct SrRoundOp {
+  __device__ void operator()(mta::TaggedListMeta<2>& meta) const {
+    const mta::ChunkRef c = mta::chunk_of(meta);
+    const float* in = mta::list_ptr<float>(meta, 0, c);
+    c10::BFloat16* out = mta::list_ptr<c10::BFloat16>(meta, 1, c);
+    const SrKey key = block_key(meta, c);
+    const bool vector = c.length % kILP == 0 && mta::aligned<float>(in) &&
+                        mta::aligned<c10::BFloat16>(out);
+    mta::for_chunk(c.length, vector, [&](int64_t i0, bool vec) {
+      float x[kILP];
+      mta::load(x, in, i0, vec, c.length);
+      store_sr(out, i0, vec, c.length, c.offset, key, x);
+    });
+  }
+};
+
+// Stochastic-rounding steps. Lists: 0 params (bf16, in place), 1 grads (G), 2 and 3 state (A, B:
+// bf16 or fp32; for SGD 2 = momentum buffer, 3 unused). State is stored back in its own dtype
+// (bf16 rounded to nearest even), the params stochastically.
+template <typename G, typename A, typename B, bool kAdam>
+struct SrStepOp {
+  __device__ void operator()(mta::TaggedListMeta<4>& meta, const float* grad_scale,
+                             const float* found, float sign, AdamArgs adam, SgdArgs sgd,
+                             bool with_momentum) const {
+    if (found != nullptr && *found != 0.f) return;  // an overflow: the step does nothing at all
+    const mta::ChunkRef c = mta::chunk_of(meta);
+    c10::BFloat16* p = mta::list_ptr<c10::BFloat16>(meta, 0, c);
+    const G* g = mta::list_ptr<G>(meta, 1, c);
+    A* s1 = mta::list_ptr<A>(meta, 2, c);
+    B* s2 = mta::list_ptr<B>(meta, 3, c);
+    const SrKey key = block_key(meta, c);
+    const float gs = *grad_scale * sign;
+    const bool state1 = kAdam || with_momentum;
+    const bool vector = c.length % kILP == 0 && mta::aligned<c10::BFloat16>(p) &&
+                        mta::aligned<G>(g) && (!state1 || mta::aligned<A>(s1)) &&
+                        (!kAdam || mta::aligned<B>(s2));
+    mta::for_chunk(c.length, vector, [&](int64_t i0, bool vec) {
+      float pv[kILP], gv[kILP], av[kILP] = {}, bv[kILP] = {};
+      mta::load(pv, p, i0, vec, c.length);
+      mta::load(gv, g, i0, vec, c.length);
+      if (state1) mta::load(av, s1, i0, vec, c.length);
+      if (kAdam) mta::load(bv, s2, i0, vec, c.length);
+#pragma unroll
+      for (int j = 0; j < kILP; ++j) {
+        if (kAdam) {
+          adam_update(pv[j], av[j], bv[j], gv[j] * gs, adam);
+        } else {
+          sgd_update(pv[j], av[j], gv[j] * gs, sgd);
+        }
+      }
+      if (state1) mta::store(s1, i0, vec, c.length, av);
+      if (kAdam) mta::store(s2, i0, vec, c.length, bv);
+      store_sr(p, i0, vec, c.length, c.offset, key, pv);
+    });
+  }
+};
+
+// Calls fn(T{}) with T float or c10::BFloat16 (the optimizer-state dtypes of the SR steps).
+template <typename F>
+void dispatch_state(at::ScalarType dtype, const F& fn) {
+  switch (dtype) {
+    case at::kFloat: fn(float{}); break;
+    case at::kBFloat16: fn(c10::BFloat16{}); break;
+    default: TORCH_CHECK(false, "unsupported optimizer state dtype ", dtype);
+  }
+}
+
+std::vector<uint32_t> key_tags(const std::vector<SrKey>& keys) {
+  std::vector<uint32_t> tags;
+  tags.reserve(keys.size());
+  for (const SrKey& k : keys) tags.push_back(k.k1);
+  return tags;
+}
+
 float* scalar_ptr(const at::Tensor& t) { return t.data_ptr<float>(); }
 
 }  // namespace
@@ -365,6 +476,85 @@ void adam_step(const TensorList& params, const TensorList& grads, const TensorLi
                     make_adam_args(lr, beta1, beta2, eps, weight_decay, bias_correction1,
                                    bias_correction2, decoupled),
                     SgdArgs{}, true);
+}
+
+void stochastic_round(const TensorList& src, const TensorList& dst, uint64_t seed, uint64_t step,
+                      const std::vector<int64_t>& tensor_ids) {
+  check_sr_round_lists(src, dst);
+  check_cuda(src, "stochastic_round");
+  const auto tags = key_tags(sr_keys("stochastic_round", seed, step, tensor_ids, src.size()));
+  std::vector<int64_t> positions(src.size());
+  for (size_t i = 0; i < positions.size(); ++i) positions[i] = static_cast<int64_t>(i);
+  mta::multi_tensor_apply_tagged<2>({&src, &dst}, positions, tags, SrRoundOp{});
+}
+
+namespace {
+
+// Absent state lists are stood in for by the params (never read or written: the op's flags say
+// so; their dtype group is then bf16's).
+template <bool kAdam>
+void launch_step_sr(const char* op, const TensorList& params, const TensorList& grads,
+                    const TensorList& state1, const TensorList& state2,
+                    const at::Tensor& grad_scale, const std::optional<at::Tensor>& found_inf,
+                    bool maximize, const AdamArgs& adam, const SgdArgs& sgd, bool with_momentum,
+                    const std::vector<SrKey>& keys) {
+  check_cuda(params, op);
+  const at::Device device = device_of(params);
+  check_scalar(grad_scale, "grad_scale", device);
+  if (found_inf.has_value()) check_scalar(*found_inf, "found_inf", device);
+  const TensorList& s1 = state1.empty() ? params : state1;
+  const TensorList& s2 = state2.empty() ? params : state2;
+  const auto tags = key_tags(keys);
+  const float sign = maximize ? -1.f : 1.f;
+  for (const auto& [dtypes, positions] : group_by_dtypes({&grads, &s1, &s2})) {
+    dispatch(dtypes[0], [&](auto g_tag) {
+      dispatch_state(dtypes[1], [&](auto a_tag) {
+        dispatch_state(dtypes[2], [&](auto b_tag) {
+          using G = decltype(g_tag);
+          using A = decltype(a_tag);
+          using B = decltype(b_tag);
+          mta::multi_tensor_apply_tagged<4>({&params, &grads, &s1, &s2}, positions, tags,
+                                            SrStepOp<G, A, B, kAdam>{},
+                                            static_cast<const float*>(scalar_ptr(grad_scale)),
+                                            ptr_or_null(found_inf), sign, adam, sgd,
+                                            with_momentum);
+        });
+      });
+    });
+  }
+}
+
+}  // namespace
+
+void sgd_step_sr(const TensorList& params, const TensorList& grads,
+                 const TensorList& momentum_bufs, const at::Tensor& grad_scale,
+                 const std::optional<at::Tensor>& found_inf, double lr, double weight_decay,
+                 double momentum, double dampening, bool nesterov, bool maximize, bool first_run,
+                 uint64_t seed, uint64_t step, const std::vector<int64_t>& tensor_ids) {
+  const bool with_momentum = momentum != 0.0;
+  check_sr_step_lists("sgd_step_sr", params, grads, momentum_bufs, TensorList{}, with_momentum,
+                      false);
+  launch_step_sr<false>("sgd_step_sr", params, grads,
+                        with_momentum ? momentum_bufs : TensorList{}, TensorList{}, grad_scale,
+                        found_inf, maximize, AdamArgs{},
+                        make_sgd_args(lr, weight_decay, momentum, dampening, nesterov, first_run),
+                        with_momentum,
+                        sr_keys("sgd_step_sr", seed, step, tensor_ids, params.size()));
+}
+
+void adam_step_sr(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
+                  const TensorList& exp_avg_sqs, const at::Tensor& grad_scale,
+                  const std::optional<at::Tensor>& found_inf, double lr, double beta1,
+                  double beta2, double eps, double weight_decay, double bias_correction1,
+                  double bias_correction2, bool decoupled, bool maximize, uint64_t seed,
+                  uint64_t step, const std::vector<int64_t>& tensor_ids) {
+  check_sr_step_lists("adam_step_sr", params, grads, exp_avgs, exp_avg_sqs, true, true);
+  launch_step_sr<true>("adam_step_sr", params, grads, exp_avgs, exp_avg_sqs, grad_scale,
+                       found_inf, maximize,
+                       make_adam_args(lr, beta1, beta2, eps, weight_decay, bias_correction1,
+                                      bias_correction2, decoupled),
+                       SgdArgs{}, true,
+                       sr_keys("adam_step_sr", seed, step, tensor_ids, params.size()));
 }
 
 }  // namespace amp_runner

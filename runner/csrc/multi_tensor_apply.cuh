@@ -6,6 +6,7 @@
 // host synchronisation. Long lists take several launches; a tensor whose chunks straddle two
 // launches is carried over. Each block handles one chunk with kThreads threads, kILP elements
 // per thread per iteration, using vector loads and stores where every list's chunk is aligned.
+// multi_tensor_apply_tagged also carries one 32-bit word per tensor (a stochastic-rounding key).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -16,6 +17,7 @@
 #include <c10/util/Half.h>
 
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace amp_runner {
@@ -42,29 +44,39 @@ struct TensorListMeta {
   unsigned char block_tensor[kMaxBlocks];
   int block_chunk[kMaxBlocks];
 };
+// The same with one 32-bit word per tensor chosen by the caller (a stochastic-rounding key).
+template <int Depth>
+struct TaggedListMeta : TensorListMeta<Depth> {
+  uint32_t tag[MaxTensors<Depth>::value];
+};
 static_assert(sizeof(TensorListMeta<1>) < 3900, "kernel parameters must stay under 4 KiB");
 static_assert(sizeof(TensorListMeta<5>) < 3900, "kernel parameters must stay under 4 KiB");
+static_assert(sizeof(TaggedListMeta<2>) < 3900, "kernel parameters must stay under 4 KiB");
+static_assert(sizeof(TaggedListMeta<4>) < 3900, "kernel parameters must stay under 4 KiB");
 
-template <int Depth, typename Op, typename... Args>
-__global__ void __launch_bounds__(kThreads)
-    multi_tensor_kernel(TensorListMeta<Depth> meta, Op op, Args... args) {
+template <typename Meta, typename Op, typename... Args>
+__global__ void __launch_bounds__(kThreads) multi_tensor_kernel(Meta meta, Op op, Args... args) {
   op(meta, args...);
 }
 
-// Runs `op` over the tensors at `positions` of the `Depth` lists (partners share numel).
-template <int Depth, typename Op, typename... Args>
-void multi_tensor_apply(const std::vector<const std::vector<at::Tensor>*>& lists,
-                        const std::vector<int64_t>& positions, Op op, Args... args) {
+namespace detail {
+
+// multi_tensor_apply with the metadata type Meta; `tags` (TaggedListMeta only) per position.
+template <int Depth, typename Meta, typename Op, typename... Args>
+void apply(const std::vector<const std::vector<at::Tensor>*>& lists,
+           const std::vector<int64_t>& positions, const std::vector<uint32_t>* tags, Op op,
+           Args... args) {
+  constexpr bool kTagged = !std::is_same<Meta, TensorListMeta<Depth>>::value;
   TORCH_CHECK(lists.size() == static_cast<size_t>(Depth), "multi_tensor_apply: depth mismatch");
   if (positions.empty()) return;
   const at::Tensor& first = (*lists[0])[positions[0]];
   const c10::cuda::CUDAGuard guard(first.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  TensorListMeta<Depth> meta;
+  Meta meta;
   int tensors = 0;
   int blocks = 0;
   auto launch = [&]() {
-    multi_tensor_kernel<Depth><<<blocks, kThreads, 0, stream>>>(meta, op, args...);
+    multi_tensor_kernel<Meta><<<blocks, kThreads, 0, stream>>>(meta, op, args...);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     blocks = 0;
   };
@@ -74,6 +86,7 @@ void multi_tensor_apply(const std::vector<const std::vector<at::Tensor>*>& lists
     for (int d = 0; d < Depth; ++d) meta.addresses[d][tensors] = (*lists[d])[position].data_ptr();
     meta.numel[tensors] = n;
     meta.tensor_index[tensors] = static_cast<int>(position);
+    if constexpr (kTagged) meta.tag[tensors] = (*tags)[position];
     ++tensors;
     const int64_t chunks = (n + kChunk - 1) / kChunk;
     for (int64_t c = 0; c < chunks; ++c) {
@@ -89,12 +102,30 @@ void multi_tensor_apply(const std::vector<const std::vector<at::Tensor>*>& lists
           for (int d = 0; d < Depth; ++d) meta.addresses[d][0] = meta.addresses[d][tensors - 1];
           meta.numel[0] = meta.numel[tensors - 1];
           meta.tensor_index[0] = meta.tensor_index[tensors - 1];
+          if constexpr (kTagged) meta.tag[0] = meta.tag[tensors - 1];
           tensors = 1;
         }
       }
     }
   }
   if (blocks > 0) launch();
+}
+
+}  // namespace detail
+
+// Runs `op` over the tensors at `positions` of the `Depth` lists (partners share numel).
+template <int Depth, typename Op, typename... Args>
+void multi_tensor_apply(const std::vector<const std::vector<at::Tensor>*>& lists,
+                        const std::vector<int64_t>& positions, Op op, Args... args) {
+  detail::apply<Depth, TensorListMeta<Depth>>(lists, positions, nullptr, op, args...);
+}
+
+// The same, `op` receiving a TaggedListMeta<Depth> whose tag[slot] is tags[position].
+template <int Depth, typename Op, typename... Args>
+void multi_tensor_apply_tagged(const std::vector<const std::vector<at::Tensor>*>& lists,
+                               const std::vector<int64_t>& positions,
+                               const std::vector<uint32_t>& tags, Op op, Args... args) {
+  detail::apply<Depth, TaggedListMeta<Depth>>(lists, positions, &tags, op, args...);
 }
 
 // ---- per-chunk access helpers for ops ------------------------------------------------------
@@ -164,6 +195,11 @@ __device__ __forceinline__ void for_chunk(int64_t length, bool vector, const F& 
 // Scalar path: element index of slot j for a thread whose first element is i0.
 __device__ __forceinline__ int64_t strided(int64_t i0, int j) {
   return i0 + static_cast<int64_t>(j) * blockDim.x;
+}
+
+// The index in the chunk of slot j of the thread's slot i0 (see for_chunk).
+__device__ __forceinline__ int64_t element(int64_t i0, int j, bool vec) {
+  return vec ? i0 * kILP + j : strided(i0, j);
 }
 
 // The kILP values of the thread's slot i0 (see for_chunk) as fp32: one vector load on the vector

@@ -6,7 +6,8 @@
 // gradient, its parameter, its optimizer state, its 16-bit model copy). Partners must have the
 // same number of elements and the same layout (contiguous or channels_last alike: any dense,
 // non-overlapping layout works, elementwise over memory). Dtypes may differ between positions
-// and lists (fp16/bf16/fp32 gradients in one list); parameters and optimizer state are fp32.
+// and lists (fp16/bf16/fp32 gradients in one list); parameters and optimizer state are fp32,
+// except in the stochastic-rounding steps (bf16 params; bf16 or fp32 state).
 // Scale and flag arguments are one-element fp32 tensors on the tensors' device, so a gradient
 // multiplier computed on the GPU (a clipping coefficient) needs no host round trip.
 #pragma once
@@ -94,6 +95,30 @@ void adam_step(const TensorList& params, const TensorList& grads, const TensorLi
                double lr, double beta1, double beta2, double eps, double weight_decay,
                double bias_correction1, double bias_correction2, bool decoupled, bool maximize);
 
+// Stochastic rounding (see step_math.h): random bits per element from (seed, step, tensor id,
+// element index in memory order). `tensor_ids[i]` names list position i, in [0, 2^32): the
+// caller passes an id that is stable across runs and resumes (a param's index in its optimizer).
+//
+// dst[i] = src[i] rounded stochastically to bf16 (src fp32, dst bf16).
+void stochastic_round(const TensorList& src, const TensorList& dst, uint64_t seed, uint64_t step,
+                      const std::vector<int64_t>& tensor_ids);
+// One SGD step on bf16 params updated in place, without fp32 masters: each param and its state
+// are loaded to fp32, updated by sgd_update (the same math as sgd_step), the state is stored back
+// in its own dtype (bf16 or fp32; bf16 rounded to nearest even) and the param rounded
+// stochastically. Grads in any of fp16/bf16/fp32. Does nothing when found_inf is given and set.
+void sgd_step_sr(const TensorList& params, const TensorList& grads,
+                 const TensorList& momentum_bufs, const at::Tensor& grad_scale,
+                 const std::optional<at::Tensor>& found_inf, double lr, double weight_decay,
+                 double momentum, double dampening, bool nesterov, bool maximize, bool first_run,
+                 uint64_t seed, uint64_t step, const std::vector<int64_t>& tensor_ids);
+// The Adam/AdamW counterpart (adam_update, as adam_step; same conventions as sgd_step_sr).
+void adam_step_sr(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
+                  const TensorList& exp_avg_sqs, const at::Tensor& grad_scale,
+                  const std::optional<at::Tensor>& found_inf, double lr, double beta1,
+                  double beta2, double eps, double weight_decay, double bias_correction1,
+                  double bias_correction2, bool decoupled, bool maximize, uint64_t seed,
+                  uint64_t step, const std::vector<int64_t>& tensor_ids);
+
 inline AdamArgs make_adam_args(double lr, double beta1, double beta2, double eps,
                                double weight_decay, double bias_correction1,
                                double bias_correction2, bool decoupled) {
@@ -139,6 +164,50 @@ inline void check_step_lists(const char* op, const TensorList& params, const Ten
   }
 }
 
+// The per-position keys of a stochastic-rounding op (after checking the ids).
+inline std::vector<SrKey> sr_keys(const char* op, uint64_t seed, uint64_t step,
+                                  const std::vector<int64_t>& tensor_ids, size_t n) {
+  TORCH_CHECK(tensor_ids.size() == n, op, ": tensor_ids has ", tensor_ids.size(),
+              " ids for ", n, " tensors");
+  std::vector<SrKey> keys;
+  keys.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t id = tensor_ids[i];
+    TORCH_CHECK(id >= 0 && id <= 0xFFFFFFFFll, op, ": tensor_ids[", i, "] = ", id,
+                " is outside [0, 2^32)");
+    keys.push_back(sr_key(seed, step, static_cast<uint32_t>(id)));
+  }
+  return keys;
+}
+
+inline void check_sr_round_lists(const TensorList& src, const TensorList& dst) {
+  check_lists("stochastic_round", {&src, &dst}, {"src", "dst"}, {false, false}, {true, false});
+  for (size_t i = 0; i < dst.size(); ++i) {
+    TORCH_CHECK(dst[i].scalar_type() == at::kBFloat16, "stochastic_round: dst[", i,
+                "] must be bfloat16, got ", dst[i].scalar_type());
+  }
+}
+
+// Argument checks of the stochastic-rounding steps: bf16 params, state bf16 or fp32.
+inline void check_sr_step_lists(const char* op, const TensorList& params, const TensorList& grads,
+                                const TensorList& state_a, const TensorList& state_b,
+                                bool state_a_used, bool state_b_used) {
+  check_lists(op, {&params, &grads, &state_a, &state_b}, {"params", "grads", "state", "state2"},
+              {false, false, !state_a_used, !state_b_used}, {false, false, false, false});
+  for (size_t i = 0; i < params.size(); ++i) {
+    TORCH_CHECK(params[i].scalar_type() == at::kBFloat16, op, ": params[", i,
+                "] must be bfloat16 (stochastic rounding writes bf16 weights), got ",
+                params[i].scalar_type());
+  }
+  for (const TensorList* list : {&state_a, &state_b}) {
+    for (size_t i = 0; i < list->size(); ++i) {
+      const at::ScalarType t = (*list)[i].scalar_type();
+      TORCH_CHECK(t == at::kBFloat16 || t == at::kFloat, op, ": optimizer state [", i,
+                  "] must be bfloat16 or float32, got ", t);
+    }
+  }
+}
+
 }  // namespace amp_runner
 
 // Both backends expose the same Python API.
@@ -165,4 +234,22 @@ inline void check_step_lists(const char* op, const TensorList& params, const Ten
         pybind11::arg("found_inf"), pybind11::arg("lr"), pybind11::arg("beta1"),                 \
         pybind11::arg("beta2"), pybind11::arg("eps"), pybind11::arg("weight_decay"),             \
         pybind11::arg("bias_correction1"), pybind11::arg("bias_correction2"),                    \
-        pybind11::arg("decoupled"), pybind11::arg("maximize"))
+        pybind11::arg("decoupled"), pybind11::arg("maximize"));                                  \
+  m.def("stochastic_round", &ns::stochastic_round, "dst = bf16(src), rounded stochastically",   \
+        pybind11::arg("src"), pybind11::arg("dst"), pybind11::arg("seed"), pybind11::arg("step"),\
+        pybind11::arg("tensor_ids"));                                                            \
+  m.def("sgd_step_sr", &ns::sgd_step_sr,                                                         \
+        "fused SGD step on bf16 params, stored stochastically rounded",                          \
+        pybind11::arg("params"), pybind11::arg("grads"), pybind11::arg("momentum_bufs"),         \
+        pybind11::arg("grad_scale"), pybind11::arg("found_inf"), pybind11::arg("lr"),            \
+        pybind11::arg("weight_decay"), pybind11::arg("momentum"), pybind11::arg("dampening"),    \
+        pybind11::arg("nesterov"), pybind11::arg("maximize"), pybind11::arg("first_run"),        \
+        pybind11::arg("seed"), pybind11::arg("step"), pybind11::arg("tensor_ids"));              \
+  m.def("adam_step_sr", &ns::adam_step_sr,                                                       \
+        "fused Adam/AdamW step on bf16 params, stored stochastically rounded",                   \
+        pybind11::arg("params"), pybind11::arg("grads"), pybind11::arg("exp_avgs"),              \
+        pybind11::arg("exp_avg_sqs"), pybind11::arg("grad_scale"), pybind11::arg("found_inf"),   \
+        pybind11::arg("lr"), pybind11::arg("beta1"), pybind11::arg("beta2"), pybind11::arg("eps"),\
+        pybind11::arg("weight_decay"), pybind11::arg("bias_correction1"),                        \
+        pybind11::arg("bias_correction2"), pybind11::arg("decoupled"), pybind11::arg("maximize"),\
+        pybind11::arg("seed"), pybind11::arg("step"), pybind11::arg("tensor_ids"))

@@ -63,6 +63,84 @@ AMP_HD void sgd_update(float& p, float& buf, float g, const SgdArgs& s) {
   p = p + (-s.lr) * g;
 }
 
+// ---- stochastic rounding fp32 -> bf16 ----------------------------------------------------
+// For bf16 weights stepped without fp32 masters: an update smaller than half of bf16's spacing
+// (the spacing is 2^-8 to 2^-7 of the value) is lost by round-to-nearest every time; rounded
+// stochastically it moves the weight by one spacing with probability (update / spacing), so it
+// is not lost on average.
+//
+// Random bits are a pure function of (seed, step, tensor id, element index) -- a counter-based
+// generator, no state -- so they do not depend on threads, spans, chunks or launch geometry, and
+// a resumed run draws exactly the bits the uninterrupted run would have drawn. Definition (all
+// arithmetic on uint32, wrapping; lo/hi are the low/high 32 bits of a 64-bit value):
+//
+//   mix(x)        = lowbias32: x ^= x >> 16; x *= 0x7FEB352D; x ^= x >> 15; x *= 0x846CA68B;
+//                   x ^= x >> 16   (a bijection of uint32 with low avalanche bias)
+//   k1            = mix(mix(mix(mix(mix(lo(seed) ^ 0x9E3779B9) ^ hi(seed)) ^ lo(step))
+//                       ^ hi(step)) ^ tensor_id)
+//   k2            = mix(k1 ^ 0x85EBCA6B)
+//   bits(i)       = mix(mix(lo(i) ^ k1) ^ k2 ^ hi(i))       i: the element's index in memory order
+//   r(i)          = bits(i) >> 16                           (16 random bits)
+//
+// For fixed other inputs, k1 is a bijection of tensor_id and of lo(step), so two tensors, or two
+// steps with the same high word (any two below 2^32), never share a key; bits(i) is a bijection
+// of lo(i). The same
+// definition is written in torch integer ops in runner/precision/rounding.py, bit for bit.
+struct SrKey {
+  uint32_t k1;
+  uint32_t k2;
+};
+
+AMP_HD uint32_t sr_mix(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  x ^= x >> 16;
+  return x;
+}
+
+AMP_HD SrKey sr_key(uint64_t seed, uint64_t step, uint32_t tensor_id) {
+  uint32_t h = sr_mix(static_cast<uint32_t>(seed) ^ 0x9E3779B9u);
+  h = sr_mix(h ^ static_cast<uint32_t>(seed >> 32));
+  h = sr_mix(h ^ static_cast<uint32_t>(step));
+  h = sr_mix(h ^ static_cast<uint32_t>(step >> 32));
+  h = sr_mix(h ^ tensor_id);
+  return SrKey{h, sr_mix(h ^ 0x85EBCA6Bu)};
+}
+
+AMP_HD uint32_t sr_bits(const SrKey& key, uint32_t index_lo, uint32_t index_hi) {
+  return sr_mix(sr_mix(index_lo ^ key.k1) ^ key.k2 ^ index_hi);
+}
+
+AMP_HD uint32_t float_bits(float x) {
+#ifdef __CUDA_ARCH__
+  return __float_as_uint(x);
+#else
+  uint32_t u;
+  __builtin_memcpy(&u, &x, sizeof(u));
+  return u;
+#endif
+}
+
+// The bf16 bit pattern of x rounded stochastically with the random word `bits` (its top 16 bits
+// are used): r = bits >> 16 is added to x's fp32 bit pattern and the low 16 bits are cut off.
+// Between two neighbouring bf16 values lo < |x| < hi (same sign) the fp32 patterns are evenly
+// spaced in value, so |x| becomes hi with probability exactly (|x| - lo) / (hi - lo) over the
+// 2^16 values of r (unbiased), else lo; a value that bf16 represents (low 16 bits zero) never
+// changes, and the result is always one of the two neighbours. Signs are symmetric (the
+// magnitude is rounded). Zeros (either sign) and +-inf stay as they are; NaN becomes the quiet
+// NaN 0x7FC0, as torch's round-to-nearest conversion does. Subnormals are rounded like any other
+// value (bf16 has fp32's exponent range, its subnormals are fp32's cut to 16 bits; nothing is
+// flushed). A finite value above bf16's largest finite value (0x7F7F, about 3.39e38) rounds to it
+// or to inf, inf with probability (|x| - max) / 2^120, as if inf were the next value (round to
+// nearest sends such values to inf from max + 2^119 on).
+AMP_HD uint16_t sr_round_bf16(float x, uint32_t bits) {
+  const uint32_t u = float_bits(x);
+  const uint16_t rounded = static_cast<uint16_t>((u + (bits >> 16)) >> 16);
+  return (u & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t{0x7FC0} : rounded;
+}
+
 // Non-finite (inf or NaN) test on the bits: the exponent field is all ones. Vectorises on the
 // host (no call to isfinite) and reads 16-bit values without converting them.
 AMP_HD bool nonfinite_bits32(uint32_t bits) { return (bits & 0x7F800000u) == 0x7F800000u; }

@@ -9,13 +9,14 @@
 How Apex's behaviour is reproduced on modern PyTorch (CPU and CUDA):
 
 * O1: Apex patched torch functions globally. Here each model's `forward` is wrapped in the
-  engine's autocast region (plus the registered function casts), so no context manager is needed
-  in user code. Floating model outputs come back as fp32 (unless `cast_model_outputs` says
-  otherwise), so a loss computed outside `forward` runs in fp32. The wrapper is an object that
-  holds its model, not a closure: `copy.deepcopy(model)` (an EMA copy) runs on the copy's own
-  weights, and `torch.save(model)` pickles it. Apex's decorators (`half_function`,
-  `float_function`, `promote_function`) and `disable_casts()` act on that same region
-  (`autocast.py`).
+  facade's O1 region (autocast plus the registered function casts and the binary_cross_entropy
+  ban, which only the facade installs: the runner's O1 is plain autocast), so no context
+  manager is needed in user code. Floating model outputs come back as fp32 (unless
+  `cast_model_outputs` says otherwise), so a loss computed outside `forward` runs in fp32. The
+  wrapper is an object that holds its model, not a closure: `copy.deepcopy(model)` (an EMA copy)
+  runs on the copy's own weights, and `torch.save(model)` pickles it. Apex's decorators
+  (`half_function`, `float_function`, `promote_function`) and `disable_casts()` act on that same
+  region (`autocast.py`).
 * O2/O3: the model is cast (fp32 BatchNorm under O2), inputs are cast to the model type and
   outputs to fp32 (or `cast_model_outputs`). O2's optimizer steps fp32 masters;
   `model.state_dict()` returns fp32 tensors (the masters' values) and `model.load_state_dict`
@@ -58,8 +59,9 @@ from runner.precision.autocast import (
     register_promote_function,
 )
 from runner.precision.engine import AmpEngine
-from runner.precision.properties import LEVEL_DESCRIPTIONS, Properties, resolve
-from runner.precision.scaler import LossScaler
+from runner.precision.properties import LEVEL_DESCRIPTIONS, Properties
+from runner.precision.rules import resolve
+from runner.precision.scaler import LossScaler, state_dict_problems
 
 __all__ = [
     "initialize", "scale_loss", "master_params", "state_dict", "load_state_dict",
@@ -224,7 +226,7 @@ class _AutocastForward:
         return type(self.module).forward.__get__(self.module)
 
     def __call__(self, *args, **kwargs):
-        with autocast_context(self.properties, self.device):
+        with autocast_context(self.properties, self.device, patch_functions=True):
             return self._inner()(*args, **kwargs)
 
     @property
@@ -282,10 +284,13 @@ def initialize(models, optimizers=None, enabled: bool = True, opt_level: str = "
                cast_model_type=None, patch_torch_functions=None, keep_batchnorm_fp32=None,
                master_weights=None, loss_scale=None, cast_model_outputs=None,
                num_losses: int = 1, verbosity: int = 1, min_loss_scale=None,
-               max_loss_scale: float = 2.0 ** 24):
+               max_loss_scale: float = 2.0 ** 24, fp8_linear=None, stochastic_rounding=None):
     """Apex's `amp.initialize`: returns `models` (and `optimizers`, when given) in the shape they
     came in. Property arguments left None take the level's default. Calling it again
-    re-initialises (the previous call's wrappers and hooks are removed first)."""
+    re-initialises (the previous call's wrappers and hooks are removed first). Beyond Apex:
+    `fp8_linear="tensorwise"|"rowwise"` runs the Linear layers' GEMMs in fp8 (torchao; O1 with
+    bf16 autocast or O2 with a bf16 model), `stochastic_rounding=True` rounds a bf16 model's
+    weights stochastically at each update (O3 with cast_model_type=torch.bfloat16)."""
     deinitialize()
     _amp_state.verbosity = verbosity
     if not enabled:
@@ -302,7 +307,8 @@ def initialize(models, optimizers=None, enabled: bool = True, opt_level: str = "
     overrides = {k: v for k, v in dict(
         cast_model_type=cast_model_type, patch_torch_functions=patch_torch_functions,
         keep_batchnorm_fp32=keep_batchnorm_fp32, master_weights=master_weights,
-        loss_scale=loss_scale).items() if v is not None}
+        loss_scale=loss_scale, fp8_linear=fp8_linear,
+        stochastic_rounding=stochastic_rounding).items() if v is not None}
     device = _device_of(model_list)
     resolution = resolve(opt_level, overrides, device, optimizer=_adam_description(opt_list))
     if resolution.errors:
@@ -314,7 +320,8 @@ def initialize(models, optimizers=None, enabled: bool = True, opt_level: str = "
         output_dtype = torch.float32  # O1: the loss outside forward runs in fp32 (see module doc)
 
     eng = AmpEngine(props, device, num_losses=num_losses, min_loss_scale=min_loss_scale,
-                    max_loss_scale=max_loss_scale, cast_model_outputs=output_dtype)
+                    max_loss_scale=max_loss_scale, cast_model_outputs=output_dtype,
+                    patch_functions=True)
     for m in model_list:
         eng.cast(m)
         if props.patch_torch_functions:
@@ -390,13 +397,50 @@ def state_dict(destination: Optional[dict] = None) -> dict:
 
 
 def load_state_dict(sd: dict) -> None:
+    """Apex's `amp.load_state_dict`: loss `i`'s scaler takes `sd["loss_scaler<i>"]`. The whole
+    dict is checked before any scaler changes: a key other than `loss_scaler<i>` (or the engine's
+    own `skipped_steps`, accepted and ignored) is a RuntimeError, as in Apex; entries numbered
+    with a gap, or one that is malformed (`loss_scale` missing, not a finite number > 0,
+    `unskipped` missing or not an integer >= 0, an unknown key), a ValueError naming the key; a
+    `sd` that is not a dict a TypeError. More or fewer entries than `num_losses` only warn, as
+    in Apex: the ones present load in order."""
     eng = _amp_state.engine
     if eng is None:
         raise RuntimeError("amp.load_state_dict before amp.initialize (or with enabled=False)")
-    keys = [k for k in sd if k.startswith("loss_scaler")]
-    if len(keys) != len(eng.scalers):
-        warnings.warn(f"amp state_dict has {len(keys)} loss scalers, while {len(eng.scalers)} "
+    if not isinstance(sd, dict):
+        raise TypeError(f"amp.load_state_dict expects the dict amp.state_dict() returns, got "
+                        f"{type(sd).__name__}")
+    indices = {key: _scaler_number(key) for key in sd}
+    unexpected = [key for key, index in indices.items()
+                  if index is None and key != "skipped_steps"]
+    if unexpected:
+        raise RuntimeError("Error(s) in loading state_dict. Unexpected key(s) in state_dict: "
+                           + ", ".join(f'"{key}"' for key in unexpected)
+                           + " (amp's state dict holds loss_scaler0, loss_scaler1, ...)")
+    count = sum(index is not None for index in indices.values())
+    gap = next((i for i in range(count) if f"loss_scaler{i}" not in sd), None)
+    if gap is not None:
+        raise ValueError(f"amp.load_state_dict: loss_scaler{gap} is missing (the entries are "
+                         f"loss_scaler0 .. loss_scaler{count - 1}, one per loss, in order)")
+    problems = [p for i in range(count)
+                for p in state_dict_problems(sd[f"loss_scaler{i}"], f"loss_scaler{i}")]
+    skipped = sd.get("skipped_steps", 0)
+    if not isinstance(skipped, int) or isinstance(skipped, bool) or skipped < 0:
+        problems.append(f"skipped_steps: {skipped!r} is not an integer >= 0")
+    if problems:
+        raise ValueError("amp.load_state_dict: malformed state dict: " + "; ".join(problems))
+    if count != len(eng.scalers):
+        warnings.warn(f"amp state_dict has {count} loss scalers, while {len(eng.scalers)} "
                       "are used", stacklevel=2)
-    for i, s in enumerate(eng.scalers):
-        if f"loss_scaler{i}" in sd:
-            s.load_state_dict(sd[f"loss_scaler{i}"])
+    for i, s in enumerate(eng.scalers[:count]):
+        s.load_state_dict(sd[f"loss_scaler{i}"])
+
+
+def _scaler_number(key: Any) -> Optional[int]:
+    """`i` for the key `loss_scaler<i>` (decimal digits, no leading zero), else None."""
+    if not isinstance(key, str) or not key.startswith("loss_scaler"):
+        return None
+    digits = key[len("loss_scaler"):]
+    if not (digits.isascii() and digits.isdecimal()) or digits != str(int(digits)):
+        return None
+    return int(digits)

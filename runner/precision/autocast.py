@@ -1,26 +1,29 @@
 """The O1 context: Apex's "patch torch functions" is today's `torch.autocast`.
 
 Autocast casts per op (matmul/conv in 16 bit, reductions and losses in fp32) and leaves the model's
-weights in fp32, which is what Apex O1 achieved by monkey-patching torch functions.
+weights in fp32, which is what Apex O1 achieved by monkey-patching torch functions. The runner's
+O1 is exactly that: `autocast_context(properties, device)` is plain `torch.autocast`.
 
-Apex's registration API is kept on top of it: `register_half_function(module, name)`,
-`register_float_function(module, name)` and `register_promote_function(module, name)` name a
-function whose floating tensor arguments are cast to the 16-bit type / fp32 / the widest floating
-type of the arguments before it runs (with autocast off inside it, so the cast sticks). The
-attribute `module.name` is replaced only while an O1 region is open (patched on entering the
-outermost region, restored on leaving it; nested and re-entered regions are counted), so code
-outside the region sees the original function. As in Apex the patch is on the module attribute:
-a reference taken before (`from torch import matmul`) is not affected, and the patch is visible to
-every thread while a region is open.
+The Apex facade (`amp.initialize`) adds Apex's function patches on top
+(`autocast_context(..., patch_functions=True)`, its O1 region). Apex's registration API:
+`register_half_function(module, name)`, `register_float_function(module, name)` and
+`register_promote_function(module, name)` name a function whose floating tensor arguments are
+cast to the 16-bit type / fp32 / the widest floating type of the arguments before it runs (with
+autocast off inside it, so the cast sticks). The attribute `module.name` is replaced only while
+such a region is open (patched on entering the outermost region, restored on leaving it; nested
+and re-entered regions are counted), so code outside the region sees the original function. As
+in Apex the patch is on the module attribute: a reference taken before (`from torch import
+matmul`) is not affected, and the patch is visible to every thread while a region is open.
 
 Apex's decorator forms, `half_function(fn)`, `float_function(fn)` and `promote_function(fn)`, wrap a
-user function with the same casts; the wrapper casts only while an O1 region is open and otherwise
-calls `fn` unchanged. `casts_disabled()` (Apex's `amp.disable_casts()`) turns O1's casting off for
-the current thread: autocast off, registered and decorated functions run on their inputs as they
-are, and an O1 region opened inside (a model's forward) does not autocast. The BCE ban stays.
+user function with the same casts; the wrapper casts only while a patched O1 region is open and
+otherwise calls `fn` unchanged. `casts_disabled()` (Apex's `amp.disable_casts()`) turns O1's
+casting off for the current thread: autocast off, registered and decorated functions run on their
+inputs as they are, and a patched O1 region opened inside (a model's forward) does not autocast.
+The BCE ban stays.
 
 Apex also banned `binary_cross_entropy` under O1: on 16-bit inputs it saturates (log of a
-rounded-to-1 probability) and is unsafe to autocast. Inside the region
+rounded-to-1 probability) and is unsafe to autocast. Inside the patched region
 `torch.nn.functional.binary_cross_entropy` (which `nn.BCELoss` calls) raises on 16-bit inputs with a
 pointer to `BCEWithLogitsLoss`, on CPU as well as CUDA.
 """
@@ -255,10 +258,14 @@ def _o1_region(device_type: str, dtype: torch.dtype) -> Iterator[None]:
         yield
 
 
-def autocast_context(properties: Properties, device: torch.device | str) -> ContextManager:
-    """`torch.autocast(<device type>, dtype=autocast_dtype)` plus the registered function casts
-    and the BCE ban under patch_torch_functions, else a no-op context."""
+def autocast_context(properties: Properties, device: torch.device | str,
+                     patch_functions: bool = False) -> ContextManager:
+    """Under patch_torch_functions, `torch.autocast(<device type>, dtype=autocast_dtype)`; with
+    `patch_functions` (the Apex facade) also the registered function casts and the BCE ban.
+    Without patch_torch_functions, a no-op context."""
     if not properties.patch_torch_functions:
         return contextlib.nullcontext()
     device_type = torch.device(device).type
+    if not patch_functions:
+        return torch.autocast(device_type, dtype=properties.autocast_dtype)
     return _o1_region(device_type, properties.autocast_dtype)

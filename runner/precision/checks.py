@@ -28,8 +28,8 @@ from runner.precision.properties import (
     Context,
     Finding,
     Properties,
+    RuleSet,
     dtype_name,
-    rule,
 )
 
 
@@ -59,6 +59,10 @@ class DeviceInfo:
         return f"{self.name or 'this GPU'} (compute capability {major}.{minor})"
 
 
+# Rules about the machine and the optimizer, run after the level rules (runner.precision.rules).
+DEVICE_RULES = RuleSet()
+
+
 def _cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -80,7 +84,7 @@ def _dtype_users(p: Properties) -> list[tuple[str, torch.dtype]]:
 
 
 # ---- device rules ----------------------------------------------------------------------------
-@rule
+@DEVICE_RULES
 def _fp16_on_cpu(p: Properties, ctx: Context) -> Iterable[Finding]:
     device = ctx.device
     if device is None or device.type != "cpu":
@@ -97,7 +101,7 @@ def _fp16_on_cpu(p: Properties, ctx: Context) -> Iterable[Finding]:
                       "autocast with autocast_dtype=bfloat16 on CPU (precision=o1_bf16)")
 
 
-@rule
+@DEVICE_RULES
 def _cuda_capability(p: Properties, ctx: Context) -> Iterable[Finding]:
     device = ctx.device
     if device is None or device.type != "cuda" or device.capability is None:
@@ -121,6 +125,46 @@ def _cuda_capability(p: Properties, ctx: Context) -> Iterable[Finding]:
                 "use an fp16 preset (precision=o1 or o2) on this GPU")
 
 
+# fp8 GEMMs need Ada (8.9) or Hopper (9.0) Tensor Cores.
+FP8_MIN_CAPABILITY = (8, 9)
+
+
+@DEVICE_RULES
+def _fp8_device(p: Properties, ctx: Context) -> Iterable[Finding]:
+    """fp8 Linear layers: torchao installed; on CUDA a GPU with fp8 Tensor Cores (and
+    torch.compile, without which torchao's casts run as separate slow kernels); on a CPU
+    emulated, for numerics only."""
+    if p.fp8_linear is None:
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("torchao") is None:
+        yield Finding("error", "fp8_linear",
+                      "fp8 Linear layers need torchao, which is not installed",
+                      'pip install "amp-runner[fp8]" (torchao)')
+    device = ctx.device
+    if device is None:
+        return
+    if device.type == "cpu":
+        yield Finding("info", "fp8_linear",
+                      "fp8 on a CPU is emulated (torchao's emulate mode): the numerics of fp8 "
+                      "training, no speed-up",
+                      "measure fp8's speed on a CUDA GPU of compute capability 8.9 or newer")
+    elif device.type == "cuda" and device.capability is not None:
+        if device.capability < FP8_MIN_CAPABILITY:
+            yield Finding(
+                "error", "fp8_linear",
+                f"fp8 on {device.describe()}: fp8 Tensor Cores need compute capability 8.9 "
+                "(Ada) or 9.0 (Hopper) or newer",
+                "use precision=o1_bf16 or o2_bf16 on this GPU")
+        elif ctx.compiled is False:
+            yield Finding(
+                "warning", "fp8_linear",
+                "fp8 without torch.compile: torchao's scaling and casting run as separate "
+                "kernels around each GEMM, so fp8 will be slower than bf16",
+                "set trainer.compile=true")
+
+
 # ---- optimizer rules -------------------------------------------------------------------------
 _ADAM_NAMES = ("adam", "adamw")
 
@@ -134,7 +178,7 @@ def _normal_eps(dtype: torch.dtype) -> str:
     return f"1e{exponent}"
 
 
-@rule
+@DEVICE_RULES
 def _adam_eps_underflow(p: Properties, ctx: Context) -> Iterable[Finding]:
     """Adam divides by sqrt(v) + eps in the type of its state. Where eps rounds to 0 in that type
     (fp16: anything below 2^-25 ~ 3e-8, e.g. the default 1e-8), a parameter whose squared gradient

@@ -7,16 +7,47 @@ The engine never wraps `optimizer.step` (LR schedulers wrap it themselves; the A
 `amp.py` does, on the instance), and reads the non-finite flags from the device at most once per
 step, only when a check is needed at all (dynamic scale, or a static scale other than 1).
 
-Kernels (`runner.csrc`, `kernels="auto"`): where there is precision work to fuse (fp32 masters,
-or a loss-scale check), a step that nobody unscaled first runs straight from the model's scaled
-gradients: a read-only check pass (or the clipping norm, which also flags non-finite values),
-the single host read, then one fused pass that unscales, clips, updates the fp32 params and
-their optimizer state and writes the 16-bit model copy (`fused.py`). No fp32 master gradients
-are materialised on that path. When something asked for the unscaled gradients first
-(`unscale_`, several losses, the facade's `scale_loss`), one kernel pass copies, unscales and
-checks them into the masters' `.grad`, and the fused step reads those. Without kernels (a failed
-build, `kernels="torch"`, an optimizer the kernels do not implement) the same steps run on
-torch's own ops. A plain fp32 run (O0) has nothing to fuse and always steps with its optimizer.
+Stages. Each prepared optimizer is in one `Stage`; every call checks it and moves it on. The
+usual round is
+
+    READY --backward--> ACCUMULATING [--unscale_--> UNSCALED] [--clip_grad_norm_--> CLIPPED]
+          --step--> STEPPED --zero_grad--> READY
+
+and in full (rows: the stage; columns: the call; entries: the next stage):
+
+    stage         backward        unscale_, settle   clip_grad_norm_   step      zero_grad
+    READY         ACCUMULATING    UNSCALED           CLIPPED           STEPPED   READY
+    ACCUMULATING  ACCUMULATING    UNSCALED           CLIPPED           STEPPED   READY
+    UNSCALED      ACCUMULATING 1  (no-op) 2          CLIPPED           STEPPED   READY
+    CLIPPED       error           (no-op) 3          CLIPPED           STEPPED   READY
+    STEPPED       ACCUMULATING 4  error              error             error     READY
+
+    1 the unscaled gradients go to the fp32 stash; the new ones accumulate scaled
+    2 as torch's GradScaler: unscale_ twice is a no-op (settle only re-reads the verdict)
+    3 unscale_ applies a planned fused step's multiplier to .grad, else does nothing
+    4 a new round; .grad is kept as it is, as plain torch keeps it without zero_grad
+
+Several losses and gradient accumulation stay in ACCUMULATING; the Apex facade's `scale_loss`
+ends in `settle` (UNSCALED) and its `optimizer.step()` steps from there; one loss over several
+optimizers moves each optimizer on its own. The errors are RuntimeErrors that name the call,
+the stage and what to do: `step`, `unscale_`, `clip_grad_norm_` or `settle` after `step` and
+before the next backward (the gradients were already stepped or skipped), and `backward` after
+`clip_grad_norm_` and before the step. A round's data (which losses' scaled gradients sit in
+`.grad`, the stash of earlier losses, the device flags and verdicts, a planned fused step) lives
+in one `_Round`, replaced at each step and `zero_grad`.
+
+Execution paths (`paths.py`), one per optimizer: with the compiled kernels (`runner.csrc`,
+`kernels="auto"`) and precision work to fuse (fp32 masters, or a loss-scale check), a step that
+nobody unscaled first runs straight from the model's scaled gradients: a read-only check pass
+(or the clipping norm, which also flags non-finite values), the single host read, then one fused
+pass that unscales, clips, updates the fp32 params and their optimizer state and writes the
+16-bit model copy (`fused.py`). No fp32 master gradients are materialised on that path. When
+something asked for the unscaled gradients first (`unscale_`, several losses, the facade's
+`scale_loss`), one kernel pass copies, unscales and checks them into the masters' `.grad`, and
+the fused step reads those. Without kernels (a failed build, `kernels="torch"`) the same steps
+run on torch's own ops; an optimizer the kernels do not implement steps with its own `step`
+after the kernels' copy and unscale. A plain fp32 run (O0) has nothing to fuse and always steps
+with its optimizer.
 
 Gradient accumulation: several `backward` calls of one loss before one `step` accumulate scaled
 gradients, unscaled once at the step. Several losses (`num_losses`, `loss_id`): before a
@@ -24,10 +55,14 @@ different loss's backward, the gradients already accumulated are unscaled by the
 (its overflow flag recorded against that loss) and moved into fp32 stash buffers, which are added
 back after the last loss is unscaled; the step is skipped if any loss overflowed, and each scaler
 updates once per round with its own loss's verdict, however many optimizers step that loss.
+
+O1 here is plain `torch.autocast`; Apex's function patches (registered casts, the
+binary_cross_entropy ban, `autocast.py`) are installed only with `patch_functions=True`, which
+the Apex facade (`amp.initialize`) passes.
 """
 from __future__ import annotations
 
-import weakref
+import enum
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Iterator, Optional
 
@@ -36,43 +71,52 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from runner import csrc
-from runner.precision import fused
+from runner.precision import fp8, paths
 from runner.precision.autocast import autocast_context
 from runner.precision.casting import IOCastHooks, cast_model, install_output_cast
-from runner.precision.master import MasterWeights
-from runner.precision.properties import HALF_DTYPES, Properties
+from runner.precision.master import MasterSet, MasterWeights
+from runner.precision.properties import Properties
 from runner.precision.scaler import LossScaler
 
 
-class _EngineHook:
-    """A model state-dict hook that calls an engine method through a weak reference: the model
-    stays picklable (pickling drops the engine, and the unpickled hook does nothing) and does not
-    keep the engine alive; a deep copy of the model shares the engine (torch tags hooks with
-    attributes, which bound methods refuse, so this is an object, not a bound method)."""
+class Stage(enum.Enum):
+    """Where one optimizer is in its round (see the module docstring for the transitions)."""
 
-    def __init__(self, engine: "AmpEngine", method: str):
-        self._engine: Optional[weakref.ref] = weakref.ref(engine)
-        self._method = method
+    READY = "ready"                # no gradients of this round yet (prepared, or zero_grad)
+    ACCUMULATING = "accumulating"  # scaled gradients of one or more backward calls
+    UNSCALED = "unscaled"          # the stepped .grad hold true values (unscale_, settle)
+    CLIPPED = "clipped"            # clipped: true values in .grad, or a planned fused step
+                                   # holds the clipping coefficient in its multiplier
+    STEPPED = "stepped"            # stepped or skipped; the next backward starts a new round
 
-    def __call__(self, *args: Any) -> Any:
-        engine = self._engine() if self._engine is not None else None
-        return None if engine is None else getattr(engine, self._method)(*args)
 
-    def __getstate__(self) -> dict:
-        return {"_method": self._method}
+# The calls refused after the step (stage STEPPED): what happened, why it is wrong, what to do.
+_AFTER_STEP = {
+    "step": ("step() called twice without a backward in between",
+             "this round's gradients were already stepped (or the step skipped), and stepping "
+             "them again would apply them twice",
+             "Run the next round's backward (after zero_grad) before stepping again."),
+    "clip_grad_norm_": ("clip_grad_norm_() called after step()",
+                        "the step has already used the gradients, so clipping them now changes "
+                        "nothing",
+                        "Clip between backward and step: backward, clip_grad_norm_, step, "
+                        "zero_grad."),
+    "unscale_": ("unscale_() called after step()", "the step has already used the gradients",
+                 "Call unscale_ between backward and step (step unscales by itself when nobody "
+                 "did)."),
+    "settle": ("settle() called after step()", "the step has already used the gradients",
+               "Settle between backward and step (the Apex facade does so at the end of "
+               "scale_loss)."),
+}
 
-    def __setstate__(self, state: dict) -> None:
-        self._method = state["_method"]
-        self._engine = None
+_BACKWARD_AFTER_CLIP = ("backward after clip_grad_norm_ and before step: the clipped gradients "
+                        "would be mixed with new ones")
 
 
 @dataclass
-class _OptimizerState:
-    """What the engine tracks per prepared optimizer between backward and step (one "round")."""
+class _Round:
+    """One optimizer's data between its first backward and its step (or zero_grad)."""
 
-    models: list[nn.Module] = field(default_factory=list)
-    masters: Optional[MasterWeights] = None
-    n_groups: int = 0
     # loss ids whose *scaled* gradients sit in the model's .grad (accumulated, one scale)
     scaled_ids: set[int] = field(default_factory=set)
     # every loss id that contributed gradients this round (their scalers update at the step)
@@ -81,23 +125,67 @@ class _OptimizerState:
     stash: dict[int, torch.Tensor] = field(default_factory=dict)
     flags: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # device flags per loss
     found: dict[int, bool] = field(default_factory=dict)               # resolved flags per loss
-    unscaled: bool = False  # the stepped .grad hold the final, unscaled values
-    clipped: bool = False
-    # kernels: the fused step's work and gradient multiplier (inverse scale times the clipping
-    # coefficient) once a lazy clip computed them; applied by the step (or by unscale_)
-    plans: Optional[list[fused.GroupPlan]] = None
-    multiplier: Optional[torch.Tensor] = None
+    # a fused step planned from the scaled gradients by a lazy clip (its multiplier set)
+    planned: Optional[paths.ScaledStep] = None
 
-    def reset(self) -> None:
-        self.scaled_ids.clear()
-        self.loss_ids.clear()
-        self.stash.clear()
-        self.flags.clear()
-        self.found.clear()
-        self.unscaled = False
-        self.clipped = False
-        self.plans = None
-        self.multiplier = None
+    def record(self, flag: Optional[torch.Tensor]) -> None:
+        """A device-side non-finite flag counts against every loss whose gradients it covers."""
+        if flag is not None:
+            for i in self.scaled_ids:
+                self.flags.setdefault(i, []).append(flag)
+
+    def verdicts(self, flag_reducer: Optional[Callable[[torch.Tensor], Any]]) -> dict[int, bool]:
+        """The per-loss overflow verdicts of this round: at most one host sync per call."""
+        pending = [(i, flags) for i, flags in self.flags.items() if flags]
+        if pending:
+            sums = []
+            for _, flags in pending:
+                f = flags[0]
+                for o in flags[1:]:
+                    f = f + o.to(f.device)
+                sums.append(f)
+            if len(sums) == 1 and flag_reducer is None:
+                values = [sums[0].item()]
+            else:
+                dev = sums[0].device
+                combined = torch.cat([s.to(dev).reshape(1) for s in sums])
+                if flag_reducer is not None:
+                    flag_reducer(combined)
+                values = combined.tolist()
+            for (i, flags), v in zip(pending, values):
+                self.found[i] = self.found.get(i, False) or v != 0
+                flags.clear()
+        return self.found
+
+
+@dataclass
+class _Prepared:
+    """What the engine keeps per prepared optimizer."""
+
+    optimizer: torch.optim.Optimizer
+    path: paths.ExecutionPath
+    models: list[nn.Module] = field(default_factory=list)  # their grads cleared by zero_grad
+    masters: Optional[MasterWeights] = None
+    n_groups: int = 0
+    stage: Stage = Stage.READY
+    round: _Round = field(default_factory=_Round)
+
+    def refuse_after_step(self, call: str) -> None:
+        """`call` (a key of `_AFTER_STEP`) is refused in stage STEPPED."""
+        if self.stage is Stage.STEPPED:
+            what, why, fix = _AFTER_STEP[call]
+            raise RuntimeError(f"{what} (this optimizer's stage: '{self.stage.value}'): {why}. "
+                               f"{fix}")
+
+    def refuse_backward(self) -> None:
+        """A backward is refused in stage CLIPPED."""
+        if self.stage is Stage.CLIPPED:
+            raise RuntimeError(f"{_BACKWARD_AFTER_CLIP} (this optimizer's stage: "
+                               f"'{self.stage.value}'). Call step() (or zero_grad()) first.")
+
+    def new_round(self, stage: Stage) -> None:
+        self.stage = stage
+        self.round = _Round()
 
 
 class AmpEngine:
@@ -113,30 +201,51 @@ class AmpEngine:
         cast_model_outputs: Optional[torch.dtype] = None,
         kernels: str = "auto",
         flag_reducer: Optional[Callable[[torch.Tensor], Any]] = None,
+        patch_functions: bool = False,
+        seed: int = 0,
     ):
         if num_losses < 1:
             raise ValueError(f"num_losses must be >= 1, got {num_losses}")
         self.properties = properties
         self.device = torch.device(device)
         self.cast_model_outputs = cast_model_outputs
+        # Apex's function patches in the O1 region (the facade's); the runner's O1 is autocast
+        self.patch_functions = patch_functions
         bounds = {k: v for k, v in (("min_loss_scale", min_loss_scale),
                                     ("max_loss_scale", max_loss_scale)) if v is not None}
         self.scalers = [LossScaler.from_properties(properties, **bounds)
                         for _ in range(num_losses)]
+        self._scales = paths.ScaleTensors(self.device)
+        # stochastic rounding's random key: the run's seed and the count of rounded steps
+        self._clock = paths.RoundingClock(seed) if properties.stochastic_rounding else None
+        # which Linear layers run in fp8 (fp8_linear), once a model is cast
+        self.fp8: Optional[fp8.Conversion] = None
+        self._optimizers: dict[int, _Prepared] = {}
         # the compiled kernels for this device (None: torch's ops); see runner.csrc
-        self.kernels: Optional[csrc.Kernels] = csrc.load(self.device, kernels)
-        self._scale_tensors: dict[float, torch.Tensor] = {}
+        self._kernels: Optional[csrc.Kernels] = csrc.load(self.device, kernels)
         # data-parallel training: sums the non-finite flags over the ranks in place before the
         # host read, so that every rank skips (and backs off) together
         self.flag_reducer = flag_reducer
         self.skipped_steps = 0
-        self._optimizers: dict[int, tuple[torch.optim.Optimizer, _OptimizerState]] = {}
+        self._master_set = MasterSet()
         self._io_hooks: list[IOCastHooks] = []
         self._model_hooks: list[RemovableHandle] = []
         # loss id -> the overflow verdict its scaler was updated with since that loss's last
         # backward (absent: not updated yet). Several optimizers stepping one loss's gradients
         # update its scaler once (backing off if any of them overflowed).
-        self._round: dict[int, bool] = {}
+        self._verdicts: dict[int, bool] = {}
+
+    @property
+    def kernels(self) -> Optional[csrc.Kernels]:
+        """The compiled kernels for this device, or None (torch's ops)."""
+        return self._kernels
+
+    @kernels.setter
+    def kernels(self, kernels: Optional[csrc.Kernels]) -> None:
+        """Replacing the kernels (None: torch's ops) re-chooses every optimizer's path."""
+        self._kernels = kernels
+        for st in self._optimizers.values():
+            st.path = paths.choose(kernels, self.device, self._scales, self._clock)
 
     # ---- setup -----------------------------------------------------------------------------
     def prepare(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]):
@@ -153,8 +262,16 @@ class AmpEngine:
         return model, optimizer
 
     def cast(self, model: nn.Module) -> nn.Module:
-        """The model half of `prepare`: cast, IO hooks, fp32 state-dict hooks."""
+        """The model half of `prepare`: fp8 Linear layers (fp8_linear), cast, IO hooks, fp32
+        state-dict hooks."""
         p = self.properties
+        if p.fp8_linear is not None:
+            conversion = fp8.convert(model, p.fp8_linear, emulate=not self._fp8_hardware())
+            if self.fp8 is None:
+                self.fp8 = conversion
+            else:  # several models: one listing
+                self.fp8.converted += conversion.converted
+                self.fp8.skipped += conversion.skipped
         hooks = None
         if p.cast_model_type is not None:
             hooks = cast_model(model, p.cast_model_type, p.keep_batchnorm_fp32,
@@ -164,28 +281,33 @@ class AmpEngine:
         if hooks is not None:
             self._io_hooks.append(hooks)
         if p.casts_to_half:
-            # torch < 2.5 has the state-dict post hook under its private name only
-            register_state_hook = getattr(model, "register_state_dict_post_hook", None) or \
-                model._register_state_dict_hook
-            self._model_hooks += [
-                register_state_hook(_EngineHook(self, "_fp32_state_hook")),
-                model.register_load_state_dict_pre_hook(_EngineHook(self, "_load_pre_hook")),
-                model.register_load_state_dict_post_hook(_EngineHook(self, "_load_post_hook")),
-            ]
+            self._model_hooks += self._master_set.install_state_dict_hooks(model)
         return model
+
+    def _fp8_hardware(self) -> bool:
+        """Whether this device has fp8 Tensor Cores (else torchao emulates fp8)."""
+        from runner.precision.checks import FP8_MIN_CAPABILITY
+
+        return (self.device.type == "cuda" and torch.cuda.is_available()
+                and torch.cuda.get_device_capability(self.device) >= FP8_MIN_CAPABILITY)
 
     def add_optimizer(self, optimizer: torch.optim.Optimizer,
                       models: list[nn.Module] = ()) -> torch.optim.Optimizer:
         """The optimizer half of `prepare`, after its models were cast: fp32 masters for its
-        16-bit parameters where asked; `models` get their grads cleared by `zero_grad`."""
-        _, state = self._optimizers.setdefault(id(optimizer), (optimizer, _OptimizerState()))
-        state.models.extend(m for m in models if all(m is not o for o in state.models))
+        16-bit parameters where asked; `models` get their grads cleared by `zero_grad`. The
+        optimizer's execution path (kernels or torch's ops) is chosen here, once."""
+        st = self._optimizers.get(id(optimizer))
+        if st is None:
+            st = self._optimizers[id(optimizer)] = _Prepared(
+                optimizer, paths.choose(self._kernels, self.device, self._scales, self._clock))
+        st.models.extend(m for m in models if all(m is not o for o in st.models))
         if self.properties.uses_master_weights:
-            if state.masters is None:
-                state.masters = MasterWeights(optimizer)
+            if st.masters is None:
+                st.masters = MasterWeights(optimizer)
+                self._master_set.add(st.masters)
             else:  # one optimizer over several models, prepared one by one
-                state.masters.add_new_half_params()
-        state.n_groups = len(optimizer.param_groups)
+                st.masters.add_new_half_params()
+        st.n_groups = len(optimizer.param_groups)
         return optimizer
 
     def remove_hooks(self) -> None:
@@ -201,18 +323,14 @@ class AmpEngine:
         """Undo `prepare` as far as it can be undone: hooks removed, optimizers get the model's
         parameters back (with the master values, rounded). The model stays in its cast type."""
         self.remove_hooks()
-        for _, st in self._optimizers.values():
-            if st.masters is not None:
-                st.masters.release()
-                st.masters = None
+        self._master_set.release()
         self._optimizers.clear()
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
-        return [opt for opt, _ in self._optimizers.values()]
+        return [st.optimizer for st in self._optimizers.values()]
 
-    def _state(self, optimizer: Optional[torch.optim.Optimizer]
-               ) -> tuple[torch.optim.Optimizer, _OptimizerState]:
+    def _state(self, optimizer: Optional[torch.optim.Optimizer]) -> _Prepared:
         if optimizer is None:
             if len(self._optimizers) != 1:
                 raise RuntimeError(
@@ -224,68 +342,26 @@ class AmpEngine:
         except KeyError:
             raise RuntimeError("this optimizer was not passed to AmpEngine.prepare") from None
 
+    def stage(self, optimizer: Optional[torch.optim.Optimizer] = None) -> Stage:
+        """Where `optimizer` is in its round (see `Stage`)."""
+        return self._state(optimizer).stage
+
     def sync_param_groups(self, optimizer: Optional[torch.optim.Optimizer] = None) -> int:
         """After `optimizer.add_param_group`: give new 16-bit params fp32 masters (also done
         automatically at the next unscale/step). Returns how many masters were added."""
-        optimizer, st = self._state(optimizer)
-        st.n_groups = len(optimizer.param_groups)
+        st = self._state(optimizer)
+        st.n_groups = len(st.optimizer.param_groups)
         if st.masters is None:
             return 0
         return st.masters.add_new_half_params()
 
-    # ---- model state dicts under a 16-bit cast -------------------------------------------
-    def _master_map(self) -> dict[int, nn.Parameter]:
-        out: dict[int, nn.Parameter] = {}
-        for _, st in self._optimizers.values():
-            if st.masters is not None:
-                out.update(st.masters.master_of())
-        return out
-
-    def _fp32_state_hook(self, module: nn.Module, state_dict: dict, prefix: str,
-                         local_metadata: Any) -> None:
-        masters = self._master_map()
-        for name, param in module.named_parameters(prefix=prefix.rstrip(".") if prefix else "",
-                                                   remove_duplicate=False):
-            if name in state_dict and id(param) in masters:
-                state_dict[name] = masters[id(param)].detach()
-        for key, value in list(state_dict.items()):
-            if (key.startswith(prefix) and torch.is_tensor(value)
-                    and value.dtype in HALF_DTYPES):
-                state_dict[key] = value.float()
-
-    def _load_pre_hook(self, module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
-        masters = self._master_map()
-        pending = []
-        for name, param in module.named_parameters(remove_duplicate=False):
-            value = state_dict.get(prefix + name)
-            if id(param) in masters and torch.is_tensor(value):
-                pending.append((masters[id(param)], value))
-        module.__dict__["_amp_pending_masters"] = pending
-
-    @torch.no_grad()
-    def _load_post_hook(self, module: nn.Module, incompatible_keys: Any) -> None:
-        pending = module.__dict__.pop("_amp_pending_masters", [])
-        exact = set()
-        for master, value in pending:
-            if value.dtype == torch.float32 and value.shape == master.shape:
-                master.copy_(value)  # exact: the checkpoint carries the fp32 values
-                exact.add(id(master))
-        # the rest from what the model now holds; only this module's own parameters (a copy of
-        # the model, e.g. an EMA, carries these hooks too and must not touch the masters)
-        self.refresh_masters(skip=exact, only={id(q) for q in module.parameters()})
-
-    @torch.no_grad()
+    # ---- model state dicts under a 16-bit cast (the hooks live with the masters) -----------
     def refresh_masters(self, skip: Optional[set[int]] = None,
                         only: Optional[set[int]] = None) -> None:
         """Re-seed the masters from their model parameters (after loading weights into the
         model other than through `model.load_state_dict`, e.g. `param.copy_`); `skip` holds ids
         of masters to leave alone, `only` (if given) ids of the model parameters to take."""
-        for _, st in self._optimizers.values():
-            if st.masters is None:
-                continue
-            for p, m in zip(st.masters.model_params, st.masters.masters):
-                if (skip is None or id(m) not in skip) and (only is None or id(p) in only):
-                    m.copy_(p)
+        self._master_set.refresh(skip, only)
 
     def load_model_state(self, model: nn.Module, state_dict: dict, strict: bool = True):
         """`model.load_state_dict(state_dict)` with the masters re-seeded (fp32 values of the
@@ -294,8 +370,10 @@ class AmpEngine:
 
     # ---- per step --------------------------------------------------------------------------
     def autocast(self) -> ContextManager:
-        """Context for forward and loss: `torch.autocast` under O1-style properties, else no-op."""
-        return autocast_context(self.properties, self.device)
+        """Context for forward and loss: `torch.autocast` under O1-style properties (with Apex's
+        function patches only when the engine was made with `patch_functions`), else no-op."""
+        return autocast_context(self.properties, self.device,
+                                patch_functions=self.patch_functions)
 
     def _check_loss_id(self, loss_id: int) -> None:
         if not 0 <= loss_id < len(self.scalers):
@@ -304,7 +382,8 @@ class AmpEngine:
     def scale_loss(self, loss: torch.Tensor, loss_id: int = 0,
                    optimizers: Optional[list[torch.optim.Optimizer]] = None) -> torch.Tensor:
         """`loss.float() * scale`, ready for `.backward()`; prepares the optimizers' gradients
-        for it first. `backward(loss, loss_id)` is `scale_loss(loss, loss_id).backward()`.
+        for it first (every prepared optimizer when `optimizers` is None). `backward(loss,
+        loss_id)` is `scale_loss(loss, loss_id).backward()`.
 
         Gradients of one loss accumulate scaled (gradient accumulation; unscaled once at the
         step). Before a *different* loss's backward, the gradients already there are unscaled by
@@ -312,11 +391,13 @@ class AmpEngine:
         so each loss keeps its own scale and each scaler backs off only for its own overflow.
         """
         self._check_loss_id(loss_id)
-        states = (self._optimizers.values() if optimizers is None
+        states = (list(self._optimizers.values()) if optimizers is None
                   else [self._state(o) for o in optimizers])
-        for opt, st in states:
-            self._before_backward(opt, st, loss_id)
-        self._round.pop(loss_id, None)
+        for st in states:  # (all checked before any of them moves on)
+            st.refuse_backward()
+        for st in states:
+            self._before_backward(st, loss_id)
+        self._verdicts.pop(loss_id, None)
         scale = self.scalers[loss_id].scale
         loss = loss.float()
         if scale != 1.0:
@@ -327,185 +408,106 @@ class AmpEngine:
         """`(loss.float() * scale).backward()`; no multiply when the scale is exactly 1."""
         self.scale_loss(loss, loss_id).backward()
 
-    def _before_backward(self, opt: torch.optim.Optimizer, st: _OptimizerState,
-                         loss_id: int) -> None:
-        if st.clipped:
-            raise RuntimeError("backward after clip_grad_norm_ and before step: the clipped "
-                               "gradients would be mixed with new ones")
-        if st.unscaled:
-            self._stash_grads(opt, st)
-        elif st.scaled_ids and loss_id not in st.scaled_ids:
-            pending_checks = any(self.scalers[i].needs_check for i in st.scaled_ids)
+    def _before_backward(self, st: _Prepared, loss_id: int) -> None:
+        rnd = st.round
+        if st.stage is Stage.UNSCALED:
+            self._stash_grads(st)
+        elif rnd.scaled_ids and loss_id not in rnd.scaled_ids:
+            pending_checks = any(self.scalers[i].needs_check for i in rnd.scaled_ids)
             if pending_checks or self.scalers[loss_id].needs_check:
-                self.unscale_(opt)
-                self._stash_grads(opt, st)
-        st.scaled_ids.add(loss_id)
-        st.loss_ids.add(loss_id)
+                self._unscale(st)
+                self._stash_grads(st)
+        rnd.scaled_ids.add(loss_id)
+        rnd.loss_ids.add(loss_id)
+        st.stage = Stage.ACCUMULATING
 
     @torch.no_grad()
-    def _stash_grads(self, opt: torch.optim.Optimizer, st: _OptimizerState) -> None:
+    def _stash_grads(self, st: _Prepared) -> None:
         """Move the (unscaled) stepped gradients into the fp32 stash and clear the model's."""
-        for p in self._stepped_params(opt):
+        stash = st.round.stash
+        for p in paths.stepped_params(st.optimizer):
             g = p.grad
             if g is None:
                 continue
-            buf = st.stash.get(id(p))
+            buf = stash.get(id(p))
             if buf is None:
-                st.stash[id(p)] = g.detach().to(torch.float32, copy=True)
+                stash[id(p)] = g.detach().to(torch.float32, copy=True)
             else:
                 buf.add_(g)
             p.grad = None
-        self._clear_model_grads(opt, st)
-        st.unscaled = False
-
-    def _clear_model_grads(self, opt: torch.optim.Optimizer, st: _OptimizerState) -> None:
         if st.masters is not None:
             for p in st.masters.model_params:
                 p.grad = None
             st.masters.zero_grad()
 
     def unscale_(self, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
-        """Make the stepped gradients true fp32 values: once per step (a no-op until step after).
+        """Make the stepped gradients true fp32 values: once per round (a no-op until the step).
 
         O2: copy the model's half grads into the fp32 masters. Then, where a check is needed,
         unscale in place and record a non-finite flag as a device tensor (no host sync here);
         gradients stashed from earlier losses are added back. With kernels, the copy, the
         unscale and the check are one pass (and a pending lazy clip's coefficient is applied).
         """
-        optimizer, st = self._state(optimizer)
-        if st.unscaled:
-            return
-        if len(optimizer.param_groups) != st.n_groups:
-            self.sync_param_groups(optimizer)
+        st = self._state(optimizer)
+        st.refuse_after_step("unscale_")
+        self._unscale(st)
+
+    def _unscale(self, st: _Prepared) -> None:
+        rnd = st.round
+        if st.stage is Stage.UNSCALED or (st.stage is Stage.CLIPPED and rnd.planned is None):
+            return  # .grad already hold the true values
+        if len(st.optimizer.param_groups) != st.n_groups:
+            self.sync_param_groups(st.optimizer)
         # one scale: see _before_backward
-        scaler = self.scalers[min(st.scaled_ids)] if st.scaled_ids else None
-        check = scaler is not None and scaler.needs_check
-        if not self._kernel_unscale(optimizer, st, scaler, check):
-            if st.masters is not None:
-                st.masters.copy_grads_to_master()
-            if check:
-                grads = [p.grad for p in self._stepped_params(optimizer) if p.grad is not None]
-                self._record_flag(st, scaler.unscale_(grads))
-        st.scaled_ids.clear()
-        st.plans = st.multiplier = None
-        if st.stash:
+        scaler = self.scalers[min(rnd.scaled_ids)] if rnd.scaled_ids else None
+        multiplier = rnd.planned.multiplier if rnd.planned is not None else None
+        rnd.record(st.path.unscale(st.optimizer, st.masters, scaler, multiplier))
+        rnd.scaled_ids.clear()
+        rnd.planned = None
+        if rnd.stash:
             with torch.no_grad():
-                for p in self._stepped_params(optimizer):
-                    buf = st.stash.get(id(p))
+                for p in paths.stepped_params(st.optimizer):
+                    buf = rnd.stash.get(id(p))
                     if buf is None:
                         continue
                     if p.grad is None:
                         p.grad = buf if buf.dtype == p.dtype else buf.to(p.dtype)
                     else:
                         p.grad.add_(buf)
-            st.stash.clear()
-        st.unscaled = True
+            rnd.stash.clear()
+        if st.stage is not Stage.CLIPPED:
+            st.stage = Stage.UNSCALED
 
-    def _kernel_unscale(self, optimizer: torch.optim.Optimizer, st: _OptimizerState,
-                        scaler: Optional[LossScaler], check: bool) -> bool:
-        """One kernel pass: the model's 16-bit grads into the masters' fp32 `.grad`, the model's
-        own fp32 grads in place, all times the multiplier, non-finite values flagged. False when
-        there is nothing for the kernels to do or they cannot take these tensors."""
-        if self.kernels is None or (st.masters is None and not check and st.multiplier is None):
-            return False
-        src, dst = st.masters.attach_grad_buffers() if st.masters is not None else ([], [])
-        if check or st.multiplier is not None:
-            masters = st.masters.model_of() if st.masters is not None else {}
-            own = [p.grad for p in self._stepped_params(optimizer)
-                   if p.grad is not None and id(p) not in masters]
-            src, dst = src + own, dst + own
-        if not fused.kernel_compatible(src, dst, self.device):
-            return False
-        if st.multiplier is not None:
-            multiplier = st.multiplier
-        else:
-            multiplier = self._scale_tensor(1.0 / scaler.scale if check else 1.0)
-        if check:
-            flag = self._new_flag()
-            self.kernels.ops.unscale_check(src, dst, multiplier, flag)
-            self._record_flag(st, flag)
-        elif src:
-            self.kernels.ops.copy_scale(src, dst, multiplier)
-        return True
-
-    def _new_flag(self) -> torch.Tensor:
-        """A cleared device-side found-inf flag for a kernel to raise (read at `_resolve`)."""
-        return torch.zeros(1, dtype=torch.float32, device=self.device)
-
-    def _record_flag(self, st: _OptimizerState, flag: Optional[torch.Tensor]) -> None:
-        """A device-side non-finite flag counts against every loss whose gradients it covers."""
-        if flag is not None:
-            for i in st.scaled_ids:
-                st.flags.setdefault(i, []).append(flag)
-
-    def _scale_tensor(self, value: float) -> torch.Tensor:
-        """`value` as a one-element fp32 tensor on the device, cached: the kernels take scales
-        as device tensors, and the scale changes rarely."""
-        t = self._scale_tensors.get(value)
-        if t is None:
-            if len(self._scale_tensors) > 16:
-                self._scale_tensors.clear()
-            t = self._scale_tensors[value] = torch.full((1,), value, dtype=torch.float32,
-                                                        device=self.device)
-        return t
-
-    def _lazy_plans(self, optimizer: torch.optim.Optimizer, st: _OptimizerState
-                    ) -> Optional[list[fused.GroupPlan]]:
-        """The fused step's work when it can run straight from the model's scaled gradients:
-        kernels loaded, precision work to fuse (masters or a check), one loss's gradients in
-        place and nothing unscaled or stashed yet, an optimizer the kernels implement."""
-        if self.kernels is None or st.unscaled or st.stash or len(st.scaled_ids) != 1:
+    def _scaled_step(self, st: _Prepared) -> Optional[paths.ScaledStep]:
+        """The step straight from the model's scaled gradients: the one a lazy clip planned, or
+        a new plan when one loss's gradients sit in place with nothing unscaled or stashed and
+        the path can plan it (kernels, precision work to fuse, an optimizer they implement)."""
+        rnd = st.round
+        if rnd.planned is not None:
+            return rnd.planned
+        if rnd.stash or len(rnd.scaled_ids) != 1:
             return None
-        if st.masters is None and not self.scalers[min(st.scaled_ids)].needs_check:
-            return None
-        model_of = st.masters.model_of() if st.masters is not None else {}
+        return st.path.plan(st.optimizer, st.masters, self.scalers[min(rnd.scaled_ids)])
 
-        def grad_of(p: torch.Tensor) -> Optional[torch.Tensor]:
-            return model_of.get(id(p), p).grad
-
-        return fused.plan(optimizer, self.device, grad_of, lambda p: model_of.get(id(p)))
-
-    def _resolve(self, st: _OptimizerState) -> dict[int, bool]:
-        """The per-loss overflow verdicts of this round: at most one host sync per call."""
-        pending = [(i, flags) for i, flags in st.flags.items() if flags]
-        if pending:
-            sums = []
-            for _, flags in pending:
-                f = flags[0]
-                for o in flags[1:]:
-                    f = f + o.to(f.device)
-                sums.append(f)
-            if len(sums) == 1 and self.flag_reducer is None:
-                values = [sums[0].item()]
-            else:
-                dev = sums[0].device
-                combined = torch.cat([s.to(dev).reshape(1) for s in sums])
-                if self.flag_reducer is not None:
-                    self.flag_reducer(combined)
-                values = combined.tolist()
-            for (i, flags), v in zip(pending, values):
-                st.found[i] = st.found.get(i, False) or v != 0
-                flags.clear()
-        return st.found
-
-    def _update_scalers(self, st: _OptimizerState) -> None:
-        for i in sorted(st.loss_ids):
-            found = st.found.get(i, False)
-            done = self._round.get(i)
+    def _update_scalers(self, rnd: _Round) -> None:
+        for i in sorted(rnd.loss_ids):
+            found = rnd.found.get(i, False)
+            done = self._verdicts.get(i)
             if done is None:
                 self.scalers[i].update(found)
-                self._round[i] = found
+                self._verdicts[i] = found
             elif found and not done:
                 self.scalers[i].update(True)
-                self._round[i] = True
+                self._verdicts[i] = True
 
     def settle(self, optimizer: Optional[torch.optim.Optimizer] = None) -> bool:
         """Unscale, check and update the scalers now (Apex's end of `scale_loss`); the next
         `step` of this optimizer then only steps or skips. Returns True when it will skip."""
-        optimizer, st = self._state(optimizer)
-        self.unscale_(optimizer)
-        found = self._resolve(st)
-        self._update_scalers(st)
+        st = self._state(optimizer)
+        st.refuse_after_step("settle")
+        self._unscale(st)
+        found = st.round.verdicts(self.flag_reducer)
+        self._update_scalers(st.round)
         return any(found.values())
 
     def clip_grad_norm_(self, max_norm: float, optimizer: Optional[torch.optim.Optimizer] = None,
@@ -516,23 +518,19 @@ class AmpEngine:
         With kernels on the fused path the gradients are not rewritten: the norm comes from the
         scaled model gradients (a pass that also flags non-finite values), and the clipping
         coefficient joins the inverse scale in the multiplier the fused step applies."""
-        optimizer, st = self._state(optimizer)
-        plans = self._lazy_plans(optimizer, st) if float(norm_type) == 2.0 else None
-        if plans is not None:
-            scaler = self.scalers[min(st.scaled_ids)]
-            inv = self._scale_tensor(1.0 / scaler.scale)
-            flag = self._new_flag()
-            total, _ = self.kernels.ops.l2norm(fused.gradients(plans), inv, flag)
-            if scaler.needs_check:
-                self._record_flag(st, flag)
-            st.multiplier = inv * torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            st.plans = plans
-            st.clipped = True
-            return total
-        self.unscale_(optimizer)
-        params = [p for p in self._stepped_params(optimizer) if p.grad is not None]
-        st.clipped = True
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+        st = self._state(optimizer)
+        st.refuse_after_step("clip_grad_norm_")
+        planned = self._scaled_step(st) if float(norm_type) == 2.0 else None
+        if planned is not None:
+            total, flag = st.path.clip(planned, max_norm)
+            st.round.record(flag)
+            st.round.planned = planned
+        else:
+            self._unscale(st)
+            params = [p for p in paths.stepped_params(st.optimizer) if p.grad is not None]
+            total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+        st.stage = Stage.CLIPPED
+        return total
 
     def step(self, optimizer: Optional[torch.optim.Optimizer] = None, *args: Any,
              step_fn: Optional[Callable[..., Any]] = None, **kwargs: Any) -> bool:
@@ -542,65 +540,32 @@ class AmpEngine:
         for its own loss's overflow). `step_fn` replaces `optimizer.step` (the Apex facade passes
         the unwrapped step) where the kernels do not step. Returns True when the optimizer
         stepped."""
-        optimizer, st = self._state(optimizer)
-        plans = None
-        if not args and not kwargs:
-            plans = st.plans if st.plans is not None else self._lazy_plans(optimizer, st)
-        if plans is not None:  # fused, straight from the model's scaled gradients
-            multiplier = st.multiplier
-            if multiplier is None:
-                scaler = self.scalers[min(st.scaled_ids)]
-                if scaler.needs_check:
-                    flag = self._new_flag()
-                    self.kernels.ops.check_finite(fused.gradients(plans), flag)
-                    self._record_flag(st, flag)
-                multiplier = self._scale_tensor(1.0 / scaler.scale)
-            found_inf = any(self._resolve(st).values())  # the only host sync of the step
-            if not found_inf:
-                fused.apply(self.kernels, optimizer, plans, multiplier)
+        st = self._state(optimizer)
+        st.refuse_after_step("step")
+        rnd = st.round
+        planned = None if args or kwargs else self._scaled_step(st)
+        if planned is not None:  # fused, straight from the model's scaled gradients
+            if planned.multiplier is None:  # (a lazy clip has checked already)
+                rnd.record(st.path.check(planned))
         else:
-            self.unscale_(optimizer)
-            # The only host sync of the step, and none when no check ran.
-            found_inf = any(self._resolve(st).values())
-            if not found_inf:
-                self._step_unscaled(optimizer, st, step_fn, args, kwargs)
+            self._unscale(st)
+        # The only host sync of the step, and none when no check ran.
+        found_inf = any(rnd.verdicts(self.flag_reducer).values())
         if found_inf:
             self.skipped_steps += 1
-        self._update_scalers(st)
-        st.reset()
-        return not found_inf
-
-    def _step_unscaled(self, optimizer: torch.optim.Optimizer, st: _OptimizerState,
-                       step_fn: Optional[Callable[..., Any]], args: tuple, kwargs: dict) -> None:
-        """The step on gradients already unscaled into `.grad`: with masters and kernels, fused
-        with the copy back into the model; else the optimizer's own step, then the copy."""
-        if st.masters is not None and self.kernels is not None and not args and not kwargs:
-            model_of = st.masters.model_of()
-            plans = fused.plan(optimizer, self.device, lambda p: p.grad,
-                               lambda p: model_of.get(id(p)))
-            if plans is not None:
-                fused.apply(self.kernels, optimizer, plans, self._scale_tensor(1.0))
-                return
-        (step_fn or optimizer.step)(*args, **kwargs)
-        if st.masters is not None:
-            self._copy_back(st.masters)
-
-    def _copy_back(self, masters: MasterWeights) -> None:
-        """Masters (fp32) -> the model's 16-bit parameters, rounded."""
-        if self.kernels is not None and fused.kernel_compatible(
-                masters.masters, masters.model_params, self.device):
-            self.kernels.ops.copy_scale(masters.masters, masters.model_params,
-                                        self._scale_tensor(1.0))
         else:
-            masters.copy_master_to_model()
+            st.path.apply(st.optimizer, st.masters, planned, step_fn, args, kwargs)
+        self._update_scalers(rnd)
+        st.new_round(Stage.STEPPED)
+        return not found_inf
 
     def zero_grad(self, optimizer: Optional[torch.optim.Optimizer] = None,
                   set_to_none: bool = True) -> None:
         """Model and master grads cleared (to None by default; the masters' grad buffers are kept
         for reuse). Also forgets a pending unscale or stash, so a step abandoned by the caller
-        does not leak into the next one."""
-        optimizer, st = self._state(optimizer)
-        params = [p for group in optimizer.param_groups for p in group["params"]]
+        does not leak into the next one: the optimizer is READY again."""
+        st = self._state(optimizer)
+        params = list(paths.stepped_params(st.optimizer))
         if st.masters is not None:
             params += st.masters.model_params
             st.masters.zero_grad()
@@ -612,31 +577,29 @@ class AmpEngine:
             elif p.grad is not None:
                 p.grad.detach_().requires_grad_(False)
                 p.grad.zero_()
-        st.reset()
+        st.new_round(Stage.READY)
 
     # ---- introspection and checkpoints -------------------------------------------------------
-    def _stepped_params(self, optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
-        for group in optimizer.param_groups:
-            yield from group["params"]
-
     def master_params(self, optimizer: Optional[torch.optim.Optimizer] = None
                       ) -> Iterator[torch.Tensor]:
         """What the optimizer steps: the fp32 masters under master weights, else the model's."""
-        optimizer, _ = self._state(optimizer)
-        return self._stepped_params(optimizer)
+        return paths.stepped_params(self._state(optimizer).optimizer)
 
     def masters(self, optimizer: Optional[torch.optim.Optimizer] = None) -> Optional[MasterWeights]:
         """The model<->master pairing of `optimizer`, or None without master weights."""
-        return self._state(optimizer)[1].masters
+        return self._state(optimizer).masters
 
     @property
     def loss_scale(self) -> float:
         return self.scalers[0].scale
 
     def state_dict(self) -> dict[str, Any]:
-        """Apex layout (`loss_scaler0`, ...) plus `skipped_steps`."""
+        """Apex layout (`loss_scaler0`, ...) plus `skipped_steps` (and, with stochastic
+        rounding, `rounding_steps`: the count that keys the next step's random bits)."""
         sd: dict[str, Any] = {f"loss_scaler{i}": s.state_dict() for i, s in enumerate(self.scalers)}
         sd["skipped_steps"] = self.skipped_steps
+        if self._clock is not None:
+            sd["rounding_steps"] = self._clock.steps
         return sd
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -644,3 +607,5 @@ class AmpEngine:
             if f"loss_scaler{i}" in state:
                 s.load_state_dict(state[f"loss_scaler{i}"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
+        if self._clock is not None:
+            self._clock.steps = int(state.get("rounding_steps", 0))

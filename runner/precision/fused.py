@@ -11,17 +11,32 @@ writes the 16-bit model copy, instead of separate copy, unscale, step and copy-b
 Anything the kernels do not implement (amsgrad, capturable or differentiable groups, tensor
 learning rates, sparse or non-dense gradients, 16-bit parameters, a subclass with its own `step`)
 makes `plan` return None, and the engine takes torch's path for that step.
+
+Stochastic rounding (`Rounding`): bf16 parameters without fp32 masters are updated in place by the
+`*_step_sr` kernels, which compute in fp32 and store each parameter rounded up or down at random
+(`runner.precision.rounding`); `plan(..., param_dtype=torch.bfloat16)` plans them, and `apply`
+with a `Rounding` runs them (no model copies: the parameter is the model's own).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 import torch
 
 from runner.csrc import Kernels
 
 FUSED_TYPES = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+
+
+@dataclass(frozen=True)
+class Rounding:
+    """A stochastically rounded step's random key: the run's seed, the step's number (restored on
+    resume) and each param's tensor id (`rounding.tensor_ids`)."""
+
+    seed: int
+    step: int
+    ids: Mapping[int, int]  # id(param) -> its index in the optimizer's flattened param list
 
 
 @dataclass
@@ -77,11 +92,14 @@ def kernel_compatible(src: list[torch.Tensor], dst: list[torch.Tensor],
 
 def plan(optimizer: torch.optim.Optimizer, device: torch.device,
          grad_of: Callable[[torch.Tensor], Optional[torch.Tensor]],
-         copy_of: Callable[[torch.Tensor], Optional[torch.Tensor]]) -> Optional[list[GroupPlan]]:
+         copy_of: Callable[[torch.Tensor], Optional[torch.Tensor]],
+         param_dtype: torch.dtype = torch.float32) -> Optional[list[GroupPlan]]:
     """The step's work per group, or None when some part of it needs torch's path.
 
     `grad_of(param)` is the gradient to step with (None: the param has none this step);
-    `copy_of(param)` the 16-bit model parameter that mirrors it, or None.
+    `copy_of(param)` the 16-bit model parameter that mirrors it, or None. Every stepped param
+    must be of `param_dtype`: fp32 (masters, or an fp32 model), or bf16 for a stochastically
+    rounded step (whose params are their own copies).
     """
     if not supports(optimizer):
         return None
@@ -92,7 +110,7 @@ def plan(optimizer: torch.optim.Optimizer, device: torch.device,
             g = grad_of(p)
             if g is None:
                 continue
-            if p.dtype != torch.float32 or not _partners(p, g, device):
+            if p.dtype != param_dtype or not _partners(p, g, device):
                 return None
             copy = copy_of(p)
             if copy is None:
@@ -129,8 +147,9 @@ def _scalar_dtype() -> torch.dtype:
 
 @torch.no_grad()
 def apply(kernels: Kernels, optimizer: torch.optim.Optimizer, plans: list[GroupPlan],
-          grad_scale: torch.Tensor) -> None:
-    """One step of every group: params -= update(grads * grad_scale), model copies written.
+          grad_scale: torch.Tensor, rounding: Optional[Rounding] = None) -> None:
+    """One step of every group: params -= update(grads * grad_scale), model copies written (or,
+    with `rounding`, bf16 params stored stochastically rounded).
 
     The engine has decided on the host that this step runs (no overflow), so the kernels get
     no found_inf flag; Adam's step counters advance here, as torch's do."""
@@ -139,14 +158,18 @@ def apply(kernels: Kernels, optimizer: torch.optim.Optimizer, plans: list[GroupP
         if not gp.params:
             continue
         if adam:
-            _adam(kernels, optimizer, gp, grad_scale)
+            _adam(kernels, optimizer, gp, grad_scale, rounding)
         else:
-            _sgd(kernels, optimizer, gp, grad_scale)
+            _sgd(kernels, optimizer, gp, grad_scale, rounding)
     # What torch's LR-scheduler wrapper of `optimizer.step` records: the optimizer has stepped.
     optimizer._opt_called = True  # type: ignore[attr-defined]
 
 
-def _sgd(kernels, optimizer, gp: GroupPlan, grad_scale) -> None:
+def _pick(items: list, idx: list[int]) -> list:
+    return [items[i] for i in idx]
+
+
+def _sgd(kernels, optimizer, gp: GroupPlan, grad_scale, rounding: Optional[Rounding]) -> None:
     g = gp.group
     momentum = g["momentum"]
     first = [False] * len(gp.params)
@@ -160,16 +183,21 @@ def _sgd(kernels, optimizer, gp: GroupPlan, grad_scale) -> None:
                     p, memory_format=torch.preserve_format)
                 first[i] = True
             bufs.append(buf)
+    hyper = (float(g["lr"]), float(g["weight_decay"]), float(momentum), float(g["dampening"]),
+             bool(g["nesterov"]), bool(g.get("maximize", False)))
     for idx in _buckets(len(gp.params), lambda i: first[i]):
-        kernels.ops.sgd_step(
-            [gp.params[i] for i in idx], [gp.grads[i] for i in idx],
-            [bufs[i] for i in idx] if bufs else [], [gp.copies[i] for i in idx],
-            grad_scale, None, float(g["lr"]), float(g["weight_decay"]), float(momentum),
-            float(g["dampening"]), bool(g["nesterov"]), bool(g.get("maximize", False)),
-            first[idx[0]])
+        params, grads = _pick(gp.params, idx), _pick(gp.grads, idx)
+        momenta = _pick(bufs, idx) if bufs else []
+        if rounding is None:
+            kernels.ops.sgd_step(params, grads, momenta, _pick(gp.copies, idx), grad_scale, None,
+                                 *hyper, first[idx[0]])
+        else:
+            kernels.ops.sgd_step_sr(params, grads, momenta, grad_scale, None, *hyper,
+                                    first[idx[0]], rounding.seed, rounding.step,
+                                    [rounding.ids[id(p)] for p in params])
 
 
-def _adam(kernels, optimizer, gp: GroupPlan, grad_scale) -> None:
+def _adam(kernels, optimizer, gp: GroupPlan, grad_scale, rounding: Optional[Rounding]) -> None:
     g = gp.group
     beta1, beta2 = (float(b) for b in g["betas"])
     decoupled = bool(g.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)))
@@ -187,9 +215,15 @@ def _adam(kernels, optimizer, gp: GroupPlan, grad_scale) -> None:
     numbers = torch.stack(steps).tolist()  # (one read of every counter, not one per parameter)
     for idx in _buckets(len(gp.params), lambda i: numbers[i]):
         step = numbers[idx[0]]
-        kernels.ops.adam_step(
-            [gp.params[i] for i in idx], [gp.grads[i] for i in idx],
-            [exp_avgs[i] for i in idx], [exp_avg_sqs[i] for i in idx],
-            [gp.copies[i] for i in idx], grad_scale, None, float(g["lr"]), beta1, beta2,
-            float(g["eps"]), float(g["weight_decay"]), 1.0 - beta1 ** step,
-            1.0 - beta2 ** step, decoupled, bool(g.get("maximize", False)))
+        params = _pick(gp.params, idx)
+        moments = (_pick(exp_avgs, idx), _pick(exp_avg_sqs, idx))
+        hyper = (float(g["lr"]), beta1, beta2, float(g["eps"]), float(g["weight_decay"]),
+                 1.0 - beta1 ** step, 1.0 - beta2 ** step, decoupled,
+                 bool(g.get("maximize", False)))
+        if rounding is None:
+            kernels.ops.adam_step(params, _pick(gp.grads, idx), *moments,
+                                  _pick(gp.copies, idx), grad_scale, None, *hyper)
+        else:
+            kernels.ops.adam_step_sr(params, _pick(gp.grads, idx), *moments, grad_scale, None,
+                                     *hyper, rounding.seed, rounding.step,
+                                     [rounding.ids[id(p)] for p in params])

@@ -5,16 +5,21 @@ model gets a rounded copy after each step. The masters replace the half paramete
 optimizer's existing `param_groups` dicts (not new dicts), so an LR scheduler made before or after
 keeps driving the same groups, and `optimizer.step` itself is never touched. fp32 parameters that
 the model already has (BatchNorm under keep_batchnorm_fp32) are their own masters.
+
+`MasterSet` holds one engine's masters (one `MasterWeights` per optimizer) and the state-dict
+hooks of the 16-bit models they mirror: `model.state_dict()` returns fp32 tensors (the masters'
+exact values where a parameter has one) and `model.load_state_dict(sd)` re-seeds the masters.
 """
 from __future__ import annotations
 
-from typing import Optional
+import weakref
+from typing import Any, Optional
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from runner.precision.properties import HALF_DTYPES
-
 
 
 class MasterWeights:
@@ -131,3 +136,107 @@ class MasterWeights:
         """Drop the masters' grads; the buffers are kept and reused by the next copy."""
         for m in self.masters:
             m.grad = None
+
+
+class _StateDictHook:
+    """A model state-dict hook that calls a `MasterSet` method through a weak reference: the
+    model does not keep the masters (nor the engine that owns them) alive, and stays picklable.
+    Pickling and `copy.deepcopy` both go through `__getstate__`, which drops the reference: the
+    hook of a saved-and-loaded or deep-copied model does nothing, so the copy's state dict is its
+    own (16-bit) tensors and loading into it leaves the masters alone. (torch tags hooks with
+    attributes, which bound methods refuse, so this is an object, not a bound method.)"""
+
+    def __init__(self, target: "MasterSet", method: str):
+        self._target: Optional[weakref.ref] = weakref.ref(target)
+        self._method = method
+
+    def __call__(self, *args: Any) -> Any:
+        target = self._target() if self._target is not None else None
+        return None if target is None else getattr(target, self._method)(*args)
+
+    def __getstate__(self) -> dict:
+        return {"_method": self._method}
+
+    def __setstate__(self, state: dict) -> None:
+        self._method = state["_method"]
+        self._target = None
+
+
+class MasterSet:
+    """One engine's master weights (one `MasterWeights` per optimizer; empty without master
+    weights) and the state-dict hooks of its 16-bit models."""
+
+    def __init__(self) -> None:
+        self._all: list[MasterWeights] = []
+
+    def add(self, masters: MasterWeights) -> None:
+        if all(masters is not m for m in self._all):
+            self._all.append(masters)
+
+    def release(self) -> None:
+        """`MasterWeights.release` for every optimizer; the set is empty afterwards."""
+        for masters in self._all:
+            masters.release()
+        self._all = []
+
+    def master_of(self) -> dict[int, nn.Parameter]:
+        """id(model parameter) -> its fp32 master, over every optimizer."""
+        out: dict[int, nn.Parameter] = {}
+        for masters in self._all:
+            out.update(masters.master_of())
+        return out
+
+    @torch.no_grad()
+    def refresh(self, skip: Optional[set[int]] = None, only: Optional[set[int]] = None) -> None:
+        """Re-seed the masters from their model parameters; `skip` holds ids of masters to leave
+        alone, `only` (if given) ids of the model parameters to take."""
+        for masters in self._all:
+            for p, m in zip(masters.model_params, masters.masters):
+                if (skip is None or id(m) not in skip) and (only is None or id(p) in only):
+                    m.copy_(p)
+
+    def install_state_dict_hooks(self, model: nn.Module) -> list[RemovableHandle]:
+        """fp32 `model.state_dict()` (the masters' exact values for parameters that have one,
+        every other 16-bit tensor as `.float()`), and `model.load_state_dict(sd)` re-seeding the
+        masters (from fp32 values in `sd` when present, else from the loaded model)."""
+        # torch < 2.5 has the state-dict post hook under its private name only
+        register_state_hook = getattr(model, "register_state_dict_post_hook", None) or \
+            model._register_state_dict_hook
+        return [
+            register_state_hook(_StateDictHook(self, "_fp32_state_hook")),
+            model.register_load_state_dict_pre_hook(_StateDictHook(self, "_load_pre_hook")),
+            model.register_load_state_dict_post_hook(_StateDictHook(self, "_load_post_hook")),
+        ]
+
+    def _fp32_state_hook(self, module: nn.Module, state_dict: dict, prefix: str,
+                         local_metadata: Any) -> None:
+        masters = self.master_of()
+        for name, param in module.named_parameters(prefix=prefix.rstrip(".") if prefix else "",
+                                                   remove_duplicate=False):
+            if name in state_dict and id(param) in masters:
+                state_dict[name] = masters[id(param)].detach()
+        for key, value in list(state_dict.items()):
+            if (key.startswith(prefix) and torch.is_tensor(value)
+                    and value.dtype in HALF_DTYPES):
+                state_dict[key] = value.float()
+
+    def _load_pre_hook(self, module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+        masters = self.master_of()
+        pending = []
+        for name, param in module.named_parameters(remove_duplicate=False):
+            value = state_dict.get(prefix + name)
+            if id(param) in masters and torch.is_tensor(value):
+                pending.append((masters[id(param)], value))
+        module.__dict__["_amp_pending_masters"] = pending
+
+    @torch.no_grad()
+    def _load_post_hook(self, module: nn.Module, incompatible_keys: Any) -> None:
+        pending = module.__dict__.pop("_amp_pending_masters", [])
+        exact = set()
+        for master, value in pending:
+            if value.dtype == torch.float32 and value.shape == master.shape:
+                master.copy_(value)  # exact: the checkpoint carries the fp32 values
+                exact.add(id(master))
+        # the rest from what the model now holds; only this module's own parameters (another
+        # model whose parameters share the optimizer keeps its masters)
+        self.refresh(skip=exact, only={id(q) for q in module.parameters()})

@@ -1,14 +1,14 @@
 """Apex amp's optimization levels as five resolved properties, plus the rules that judge them.
 
 A level (O0-O3) is only a preset for five properties; users override any of them by key, so the
-runner works on the resolved `Properties`, never on the level name. `resolve` parses and
-normalises every value once (config files, the CLI and Python callers spell them differently)
-and runs the rules in `RULES`, which return `Finding`s (info / warning / error) for the caller to
-print and log. Invalid values raise `ConfigError` naming the `precision.<key>`.
+runner works on the resolved `Properties`, never on the level name. `resolve_properties` parses
+and normalises every value once (config files, the CLI and Python callers spell them
+differently); invalid values raise `ConfigError` naming the `precision.<key>`. The rules in
+`LEVEL_RULES` judge the combination of properties and return `Finding`s (info / warning / error).
 
-Rules about the combination of properties live here; rules about the hardware, the optimizer's
-epsilon and the model's shapes live in `runner.precision.checks`. With `strict=True` every warning
-becomes an error.
+Rules about the hardware, the optimizer's epsilon and the model's shapes live in
+`runner.precision.checks` (which builds on this module); `runner.precision.rules.resolve` runs
+both sets (with `strict=True` every warning becomes an error).
 """
 from __future__ import annotations
 
@@ -53,7 +53,12 @@ SCALER_DEFAULTS: dict[str, Any] = dict(
 # Keys an override may name: the five Apex properties, the dtype O1's autocast uses, and the
 # dynamic loss scaling knobs; `strict` is accepted too (it changes findings, not properties).
 PROPERTY_KEYS = ("cast_model_type", "patch_torch_functions", "keep_batchnorm_fp32",
-                 "master_weights", "loss_scale", "autocast_dtype", *SCALER_DEFAULTS)
+                 "master_weights", "loss_scale", "autocast_dtype", "fp8_linear",
+                 "stochastic_rounding", *SCALER_DEFAULTS)
+
+# torchao's float8 training recipes for Linear layers (e4m3 forward, e5m2 gradients, dynamic
+# scaling): one scale per tensor, or per row (more accurate, slower).
+FP8_RECIPES = ("tensorwise", "rowwise")
 
 _DTYPE_ALIASES: dict[str, torch.dtype] = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
@@ -89,6 +94,10 @@ class Properties:
     hysteresis: int = 1
     min_loss_scale: Optional[float] = None
     max_loss_scale: float = 2.0 ** 24
+    # beyond Apex: torchao's float8 recipe for the Linear layers' GEMMs (None: none), and
+    # stochastic rounding of a bf16 model's weights at each update (no fp32 masters)
+    fp8_linear: Optional[str] = None
+    stochastic_rounding: bool = False
 
     @property
     def dynamic_loss_scale(self) -> bool:
@@ -142,6 +151,8 @@ class Properties:
             "master_weights": fmt(self.master_weights),
             "loss_scale": fmt(self.loss_scale),
             "autocast_dtype": fmt(self.autocast_dtype),
+            "fp8_linear": fmt(self.fp8_linear),
+            "stochastic_rounding": fmt(self.stochastic_rounding),
             **{k: fmt(getattr(self, k)) for k in SCALER_DEFAULTS},
         }
 
@@ -277,6 +288,15 @@ def _parse_bool(name: str, value: Any, allow_none: bool) -> Optional[bool]:
     raise ConfigError(_key(name), f"expected a boolean, got {value!r}", allowed)
 
 
+def _parse_choice(name: str, value: Any, choices: tuple[str, ...]) -> Optional[str]:
+    """One of `choices` (case-insensitive), or None (null, "none")."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in _NONE_STRINGS):
+        return None
+    if isinstance(value, str) and value.strip().lower() in choices:
+        return value.strip().lower()
+    raise ConfigError(_key(name), f"got {value!r}", ["null", *choices])
+
+
 def parse_loss_scale(value: Any) -> LossScale:
     allowed = '"dynamic" or a positive finite number'
     if isinstance(value, str) and value.strip().lower() == "dynamic":
@@ -339,6 +359,8 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
         "min_loss_scale", v, lambda x: x > 0, "null or a finite number > 0", allow_none=True),
     "max_loss_scale": lambda v: _parse_number(
         "max_loss_scale", v, lambda x: x > 0, "a finite number > 0, e.g. 16777216 (2^24)"),
+    "fp8_linear": lambda v: _parse_choice("fp8_linear", v, FP8_RECIPES),
+    "stochastic_rounding": lambda v: _parse_bool("stochastic_rounding", v, allow_none=False),
 }
 
 
@@ -349,17 +371,24 @@ class Context:
 
     device: Any = None  # runner.precision.checks.DeviceInfo
     optimizer: Optional[Mapping[str, Any]] = None  # the optimizer config: name, eps, ...
+    compiled: Optional[bool] = None  # whether the forward runs through torch.compile
 
 
-# A rule looks at resolved properties and the context and yields findings. Add one by decorating
-# a function with @rule; `resolve` runs them all in order (these, then runner.precision.checks).
+# A rule looks at resolved properties and the context and yields findings.
 Rule = Callable[[Properties, Context], Iterable[Finding]]
-RULES: list[Rule] = []
 
 
-def rule(fn: Rule) -> Rule:
-    RULES.append(fn)
-    return fn
+class RuleSet(list):
+    """An ordered list of rules; decorating a function with the set appends it."""
+
+    def __call__(self, fn: Rule) -> Rule:
+        self.append(fn)
+        return fn
+
+
+# The rules about the combination of properties; `runner.precision.rules.resolve` runs these,
+# then the hardware and optimizer rules of `runner.precision.checks`.
+LEVEL_RULES = RuleSet()
 
 
 def level_preset(level: str, dtype: Optional[torch.dtype] = None) -> str:
@@ -368,7 +397,7 @@ def level_preset(level: str, dtype: Optional[torch.dtype] = None) -> str:
     return f"precision={level.lower()}{suffix}"
 
 
-@rule
+@LEVEL_RULES
 def _master_weights_without_half_model(p: Properties, ctx: Context) -> Iterable[Finding]:
     if p.master_weights and not p.casts_to_half:
         if p.opt_level == "O1" and p.cast_model_type is None:
@@ -382,7 +411,7 @@ def _master_weights_without_half_model(p: Properties, ctx: Context) -> Iterable[
                       "leave precision.master_weights unset (null) for this level")
 
 
-@rule
+@LEVEL_RULES
 def _o1_cast_model(p: Properties, ctx: Context) -> Iterable[Finding]:
     if p.opt_level == "O1" and p.casts_to_half:
         yield Finding(
@@ -394,7 +423,7 @@ def _o1_cast_model(p: Properties, ctx: Context) -> Iterable[Finding]:
             f"{level_preset('O2', p.cast_model_type)} for a 16-bit model")
 
 
-@rule
+@LEVEL_RULES
 def _o1_keep_batchnorm(p: Properties, ctx: Context) -> Iterable[Finding]:
     if p.opt_level == "O1" and p.keep_batchnorm_fp32 is not None:
         yield Finding(
@@ -405,7 +434,7 @@ def _o1_keep_batchnorm(p: Properties, ctx: Context) -> Iterable[Finding]:
             "leave precision.keep_batchnorm_fp32 null under O1")
 
 
-@rule
+@LEVEL_RULES
 def _patch_outside_o1(p: Properties, ctx: Context) -> Iterable[Finding]:
     if p.patch_torch_functions and p.opt_level != "O1":
         yield Finding(
@@ -415,7 +444,7 @@ def _patch_outside_o1(p: Properties, ctx: Context) -> Iterable[Finding]:
             f"set precision.patch_torch_functions=false, or use {level_preset('O1')}")
 
 
-@rule
+@LEVEL_RULES
 def _o0_loss_scaling(p: Properties, ctx: Context) -> Iterable[Finding]:
     if p.opt_level == "O0" and p.loss_scale != 1.0 and not p.compute_dtypes:
         what = "dynamic loss scaling" if p.dynamic_loss_scale else f"loss_scale={p.loss_scale:g}"
@@ -430,19 +459,74 @@ def _o0_loss_scaling(p: Properties, ctx: Context) -> Iterable[Finding]:
 _VANISHING_UPDATE = {torch.float16: "2^-11", torch.bfloat16: "2^-8"}
 
 
-@rule
+@LEVEL_RULES
 def _o2_without_masters(p: Properties, ctx: Context) -> Iterable[Finding]:
-    if p.opt_level == "O2" and p.casts_to_half and not p.master_weights:
+    if p.opt_level == "O2" and p.casts_to_half and not p.master_weights \
+            and not p.stochastic_rounding:
         name = dtype_name(p.cast_model_type)
+        hint = "keep precision.master_weights=true (fp32 master copies) under O2"
+        if p.cast_model_type == torch.bfloat16:
+            hint += (", or round the bf16 weights stochastically "
+                     "(precision.stochastic_rounding=true, as precision=o3_bf16_sr does)")
         yield Finding(
             "warning", "master_weights",
             f"O2 without master weights: the optimizer updates the {name} weights directly, and "
             f"an update smaller than {_VANISHING_UPDATE[p.cast_model_type]} of a weight rounds "
             f"away in {name}, so small learning rates (and late, decayed ones) stop training",
-            "keep precision.master_weights=true (fp32 master copies) under O2")
+            hint)
 
 
-@rule
+@LEVEL_RULES
+def _stochastic_rounding(p: Properties, ctx: Context) -> Iterable[Finding]:
+    """Stochastic rounding stores a bf16 model's weights at each update; it replaces fp32
+    masters, so it needs a bf16 model and no masters."""
+    if not p.stochastic_rounding:
+        return
+    if p.cast_model_type != torch.bfloat16:
+        yield Finding(
+            "error", "stochastic_rounding",
+            "stochastic rounding stores bfloat16 weights rounded up or down at random, but this "
+            f"level keeps the weights in {dtype_name(p.cast_model_type or torch.float32)}"
+            + (" (O1 does not cast the model)" if p.cast_model_type is None else ""),
+            "use precision=o3_bf16_sr (a bf16 model without master weights), or set "
+            "precision.stochastic_rounding=false")
+    elif p.uses_master_weights:
+        yield Finding(
+            "error", "stochastic_rounding",
+            "stochastic rounding replaces fp32 master weights (the update is computed in fp32 "
+            "and stored in bf16 unbiased); with master_weights=true the weights are updated "
+            "in fp32 already",
+            "set precision.master_weights=false (or use precision=o3_bf16_sr), or "
+            "precision.stochastic_rounding=false")
+
+
+@LEVEL_RULES
+def _fp8_linear_level(p: Properties, ctx: Context) -> Iterable[Finding]:
+    """torchao's float8 training: Linear GEMMs in fp8 (e4m3 forward, e5m2 gradients), the rest of
+    the model in bf16 (autocast or a cast model) with the weights updated in high precision."""
+    if p.fp8_linear is None:
+        return
+    if torch.float16 in p.compute_dtypes:
+        yield Finding(
+            "error", "fp8_linear",
+            "fp8 Linear layers with float16: torchao's float8 training runs the rest of the "
+            "model in bfloat16 or fp32 (its scaled fp8 GEMMs output bf16), not fp16",
+            "use precision=o1_fp8 (bf16 autocast) or precision=o2_fp8 (bf16 model)")
+    elif p.opt_level == "O3":
+        yield Finding(
+            "error", "fp8_linear",
+            "fp8 Linear layers under O3: torchao's float8 training needs the weights updated in "
+            "high precision (fp32 masters, or an fp32 model), and O3 keeps no masters",
+            "use precision=o2_fp8 (bf16 model, fp32 master weights)")
+    elif p.opt_level == "O0":
+        yield Finding(
+            "error", "fp8_linear",
+            "fp8 Linear layers under O0: O0 is the fp32 baseline the other levels are compared "
+            "with",
+            "use precision=o1_fp8 or precision=o2_fp8")
+
+
+@LEVEL_RULES
 def _bf16_dynamic_scaling(p: Properties, ctx: Context) -> Iterable[Finding]:
     if p.dynamic_loss_scale and p.compute_dtypes == {torch.bfloat16}:
         yield Finding(
@@ -452,7 +536,7 @@ def _bf16_dynamic_scaling(p: Properties, ctx: Context) -> Iterable[Finding]:
             "set precision.loss_scale=1.0 (the *_bf16 presets do)")
 
 
-@rule
+@LEVEL_RULES
 def _o3_batchnorm_fp32(p: Properties, ctx: Context) -> Iterable[Finding]:
     if p.opt_level == "O3" and p.keep_batchnorm_fp32:
         yield Finding(
@@ -469,26 +553,14 @@ def _check_scaler_bounds(values: Mapping[str, Any]) -> None:
                           "null or a number <= max_loss_scale")
 
 
-def _as_device_info(device: Any):
-    from runner.precision.checks import DeviceInfo
-
-    if device is None or isinstance(device, DeviceInfo):
-        return device
-    return DeviceInfo.from_torch(device)
-
-
-def resolve(opt_level: str, overrides: Mapping[str, Any] | None = None,
-            device: Any = None, *, optimizer: Optional[Mapping[str, Any]] = None,
-            strict: Optional[bool] = None) -> Resolution:
-    """Level defaults, then `overrides` by key, parsed and normalised; then every rule's findings.
+def resolve_properties(opt_level: str, overrides: Mapping[str, Any] | None = None
+                       ) -> tuple[Properties, bool]:
+    """Level defaults, then `overrides` by key, parsed and normalised: (properties, strict).
 
     `overrides` may be the whole precision config (its values equal to the level's defaults are
     fine, an `opt_level` key is accepted when it names the same level, a `strict` key is read
-    like the `strict` argument, and `kernels` (the engine's backend choice) and `preset` (the
-    option file's name) are ignored here). `device` is a torch.device, a device string or a
-    `checks.DeviceInfo` (None: unknown, no hardware rules). `optimizer` is the optimizer config
-    (`name`, `eps`, ...; None: no optimizer rules). `strict=True` turns every warning into an
-    error.
+    and returned, and `kernels` (the engine's backend choice) and `preset` (the option file's
+    name) are ignored here). Invalid values raise ConfigError naming the `precision.<key>`.
     """
     level = parse_opt_level(opt_level)
     values: dict[str, Any] = dict(LEVELS[level])
@@ -509,23 +581,14 @@ def resolve(opt_level: str, overrides: Mapping[str, Any] | None = None,
             raise ConfigError(_key(str(key)), "unknown precision property",
                               (*PROPERTY_KEYS, "strict"))
         values[key] = _PARSERS[key](raw)
-    if strict is None:
-        strict = bool(_parse_bool("strict", strict_value, allow_none=False))
+    strict = bool(_parse_bool("strict", strict_value, allow_none=False))
     _check_scaler_bounds(values)
-    props = Properties(opt_level=level, **values)
-    ctx = Context(device=_as_device_info(device), optimizer=optimizer)
-    findings = [f for r in RULES for f in r(props, ctx)]
-    if strict:
-        findings = [_strict(f) for f in findings]
-    return Resolution(properties=props, findings=findings)
+    return Properties(opt_level=level, **values), strict
 
 
-def _strict(finding: Finding) -> Finding:
+def strict_finding(finding: Finding) -> Finding:
+    """`finding` as `precision.strict=true` sees it: a warning becomes an error."""
     if finding.level != "warning":
         return finding
     hint = finding.hint + ("; " if finding.hint else "") + "an error because precision.strict=true"
     return Finding("error", finding.property, finding.message, hint)
-
-
-# Hardware, optimizer and model-shape rules register themselves after the rules above.
-from runner.precision import checks as _checks  # noqa: E402,F401

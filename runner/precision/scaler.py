@@ -16,7 +16,9 @@ every overflow backs off.
 from __future__ import annotations
 
 import math
+import numbers
 from collections import defaultdict
+from collections.abc import Mapping
 from typing import Any, Optional, Sequence, Union
 
 import torch
@@ -150,3 +152,37 @@ class LossScaler:
     def __repr__(self) -> str:
         kind = "dynamic" if self.dynamic else "static"
         return f"LossScaler({kind}, scale={self._scale:g})"
+
+
+def state_dict_problems(state: Any, name: str = "loss_scaler") -> list[str]:
+    """What is wrong with one scaler's state dict in the layout `state_dict` writes (Apex's, plus
+    the hysteresis counter); `name` is what the caller calls it (e.g. `engine.loss_scaler0`).
+    `loss_scale` a finite number > 0 and `unskipped` an integer >= 0 (both required, as in
+    Apex), `hysteresis_tracker` an integer >= 0 (optional), nothing else. Each problem names its
+    key; none: `LossScaler.load_state_dict` takes the dict as it is."""
+    if not isinstance(state, Mapping):
+        return [f"{name}: a dict of loss_scale and unskipped belongs here, not a "
+                f"{type(state).__name__}"]
+    problems = [f"{name}.{key}: unknown key (allowed: {', '.join(_STATE_KEYS)})"
+                for key in state if key not in _STATE_KEYS]
+    scale = state.get("loss_scale")
+    if "loss_scale" not in state:
+        problems.append(f"{name}.loss_scale: missing")
+    elif not _is_real(scale) or not math.isfinite(scale) or scale <= 0:
+        problems.append(f"{name}.loss_scale: {scale!r} is not a finite number > 0")
+    for key in ("unskipped", "hysteresis_tracker"):
+        if key not in state:
+            if key == "unskipped":
+                problems.append(f"{name}.unskipped: missing")
+            continue
+        value = state[key]
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 0:
+            problems.append(f"{name}.{key}: {value!r} is not an integer >= 0")
+    return problems
+
+
+_STATE_KEYS = ("loss_scale", "unskipped", "hysteresis_tracker")
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)

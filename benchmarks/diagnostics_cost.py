@@ -1,0 +1,268 @@
+"""Range diagnostics cost: what does `trainer.diagnose_every_n_steps` add to a training step?
+
+The runner's objects for each (model, level) (`common.build_runner`), stepped with the trainer's
+own `Trainer.train_step` on one synthetic batch held in memory. Blocks of `--steps` steps
+alternate, round after round, between three variants:
+  off          `trainer.diagnose_every_n_steps=0`: no probe, no hook (checked: the model holds
+               no hook during the step);
+  diagnosed    every step diagnosed (a `RangeProbe` in the run's formats: hooks on every layer,
+               the exponent histograms and threshold counts of every activation, activation
+               gradient and weight gradient, the one host read, the CSV rows appended);
+  memory meter every step under the activation meter and counted by kind (what a run does on
+               its first step only).
+Figures: the median step time per variant, the extra time of a diagnosed step over an off one
+(per diagnosed step, and as a share of the step), that share amortised over the intervals n of
+`--intervals` (diagnose_every_n_steps=n diagnoses one step in n), and the values observed per
+diagnosed step.
+
+    python benchmarks/diagnostics_cost.py                     # CPU: tiny and ResNet-18, ~3 min
+    python benchmarks/diagnostics_cost.py --models resnet18 --levels o0 --steps 3 --rounds 2
+
+Measures; does not gate. Exit 0 whatever the numbers, 1 if a cell crashed, 2 for bad arguments.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
+from common import (REPO, add_threads_option, apply_threads, build_runner,  # noqa: E402
+                    command, compose, csv_list, load_average, machine, now, one_batch_task,
+                    write_results)
+
+VARIANTS = ("off", "diagnosed", "memory meter")
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python benchmarks/diagnostics_cost.py",
+        description="The cost of range diagnostics (and of the memory meter) per training step, "
+        "against the same step without them; writes Markdown, CSV and JSON.")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--models", type=csv_list, default=["tiny", "resnet18"],
+                   help="comma-separated model options (default tiny,resnet18)")
+    p.add_argument("--levels", type=csv_list, default=None,
+                   help="comma-separated precision presets (default: o0,o2_bf16 on a CPU, "
+                   "o0,o2 on CUDA)")
+    p.add_argument("--image-size", type=int, default=32, help="synthetic image side (default 32)")
+    p.add_argument("--batch-size", type=int, default=32, help="batch size (default 32)")
+    p.add_argument("--steps", type=int, default=4, help="steps per block (default 4)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds, each one block per variant (default 3)")
+    p.add_argument("--intervals", type=csv_list, default=["1", "50", "100"],
+                   help="diagnose_every_n_steps values to amortise over (default 1,50,100)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="Markdown results; .csv and .json beside (default "
+                   "benchmarks/results/diagnostics_cost_<device>.md)")
+    p.add_argument("--extra", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                   help="more Hydra overrides, applied last")
+    add_threads_option(p)
+    args = p.parse_args(argv)
+    apply_threads(p, args)
+
+    import torch
+
+    from runner.config import MODEL_NAMES
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is available")
+    unknown = [m for m in args.models if m not in MODEL_NAMES]
+    if unknown or not args.models:
+        p.error(f"unknown model(s) {unknown}; choose from {', '.join(MODEL_NAMES)}")
+    for name in ("image_size", "batch_size", "steps", "rounds"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    try:
+        args.intervals = [int(v) for v in args.intervals]
+    except ValueError:
+        p.error(f"--intervals must be integers, got {args.intervals}")
+    if not args.intervals or any(v < 1 for v in args.intervals):
+        p.error("--intervals must be at least 1")
+    args.levels = args.levels or (["o0", "o2_bf16"] if args.device == "cpu" else ["o0", "o2"])
+    args.out = args.out or REPO / "benchmarks" / "results" / f"diagnostics_cost_{args.device}.md"
+    return args
+
+
+def cell_overrides(args, model: str, level: str) -> list[str]:
+    return [*one_batch_task(model, args.image_size, args.batch_size, args.device),
+            f"precision={level}", *args.extra]
+
+
+def hook_count(module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
+               + len(m._backward_pre_hooks) for m in module.modules() if m is not module)
+
+
+def run_cell(args, model: str, level: str, batches: dict) -> dict:
+    """One (model, level): interleaved blocks of the three variants."""
+    from runner.diagnostics import RunDiagnostics, run_formats
+    from runner.probes import synchronize
+
+    cell = {"model": model, "level": level, "status": "ok", "error": None}
+    gc.collect()
+    try:
+        cfg = compose(cell_overrides(args, model, level))
+        key = (args.image_size, args.batch_size)
+        parts = build_runner(cfg, cpu_batch=batches.get(key))
+        batches[key] = parts.cpu_batch
+        trainer, batch, device = parts.trainer, parts.batch, parts.device
+        formats = run_formats(parts.properties.compute_dtypes)
+        folder = Path(tempfile.mkdtemp(prefix="diagnostics-cost-"))
+        diagnosed = RunDiagnostics(1, formats, folder)
+        cell["formats"] = ",".join(f.name for f in formats)
+        hooks = {"off": [], "diagnosed": []}
+        criterion = trainer.criterion
+
+        def counting(variant):
+            def loss(logits, y):
+                hooks[variant].append(hook_count(trainer.module))
+                return criterion(logits, y)
+            return loss
+
+        def block(variant: str) -> float:
+            trainer.diagnostics = diagnosed if variant == "diagnosed" else None
+            trainer._memory_final = True
+            trainer.criterion = counting(variant) if variant in hooks else criterion
+            synchronize(device)
+            started = time.perf_counter()
+            for _ in range(args.steps):
+                trainer._memory_final = variant != "memory meter"  # metered: every step
+                trainer.train_step(*batch)
+                trainer.global_step += 1
+            synchronize(device)
+            return (time.perf_counter() - started) / args.steps
+
+        for variant in VARIANTS:  # warm-up: caches, the first (metered) step, the CSV files
+            block(variant)
+        samples = {v: [] for v in VARIANTS}
+        for index in range(args.rounds):
+            order = VARIANTS if index % 2 == 0 else tuple(reversed(VARIANTS))
+            for variant in order:
+                samples[variant].append(block(variant))
+            print(f"{model} {level} round {index + 1}/{args.rounds}: " + ", ".join(
+                f"{v} {1e3 * samples[v][-1]:.1f} ms" for v in VARIANTS), flush=True)
+        off, on, meter = (statistics.median(samples[v]) for v in VARIANTS)
+        observed = sum(r.stats.count for r in diagnosed.last)
+        cell.update({
+            "step_ms_off": 1e3 * off,
+            "step_ms_diagnosed": 1e3 * on,
+            "step_ms_memory_meter": 1e3 * meter,
+            "diag_ms_per_diagnosed_step": 1e3 * (on - off),
+            "diag_fraction": (on - off) / off,
+            "meter_ms_per_step": 1e3 * (meter - off),
+            "meter_fraction": (meter - off) / off,
+            "values_observed_per_step": observed,
+            "ns_per_value": 1e9 * (on - off) / observed if observed else None,
+            "hooks_when_off": max(hooks["off"]),
+            "hooks_when_diagnosed": max(hooks["diagnosed"]),
+            "layers": len(diagnosed.last) // 3,
+            **{f"amortised_fraction_every_{n}": (on - off) / n / off for n in args.intervals},
+        })
+        del parts, trainer
+    except Exception as error:  # noqa: BLE001  (reported; the exit status says so)
+        cell["status"], cell["error"] = "crashed", f"{type(error).__name__}: {error}"
+        traceback.print_exc()
+    return cell
+
+
+def _pct(value) -> str:
+    return "-" if value is None else f"{100 * value:.2f}%"
+
+
+def render(report: dict) -> str:
+    m = report["machine"]
+    intervals = report["intervals"]
+    lines = [
+        f"# Range diagnostics cost ({report['device']})",
+        "",
+        "The trainer's own step (`Trainer.train_step`) on one synthetic "
+        f"{report['image_size']}x{report['image_size']} batch of {report['batch_size']} held "
+        f"in memory; blocks of {report['steps']} steps alternate over {report['rounds']} rounds "
+        "between diagnostics off, every step diagnosed (the run's formats: fp16 for O0 as the "
+        "reference, bf16 for the bf16 presets) and every step under the memory meter (what a "
+        "run does on its first step only). Step times are medians over the blocks; the cost of a "
+        "diagnosed step is its median minus the off median, amortised over n for "
+        "`trainer.diagnose_every_n_steps=n`.",
+        "",
+        "| model | level | layers | values per step | step ms (off) | step ms (diagnosed) | "
+        "per diagnosed step | ns per value | " + " | ".join(f"every {n}" for n in intervals)
+        + " | memory meter (first step) | hooks when off |",
+        "|---|---|---:|---:|---:|---:|---:|---:|" + "---:|" * len(intervals) + "---:|---:|",
+    ]
+    for c in report["results"]:
+        if c["status"] != "ok":
+            lines.append(f"| {c['model']} | {c['level']} | {c['status']}: {c['error']} |")
+            continue
+        lines.append(
+            f"| {c['model']} | {c['level']} ({c['formats']}) | {c['layers']} | "
+            f"{c['values_observed_per_step']:,} | {c['step_ms_off']:.1f} | "
+            f"{c['step_ms_diagnosed']:.1f} | {c['diag_ms_per_diagnosed_step']:.1f} ms "
+            f"({_pct(c['diag_fraction'])}) | {c['ns_per_value']:.1f} | "
+            + " | ".join(_pct(c[f"amortised_fraction_every_{n}"]) for n in intervals)
+            + f" | {c['meter_ms_per_step']:.1f} ms ({_pct(c['meter_fraction'])}) | "
+            f"{c['hooks_when_off']} |")
+    lines += [
+        "",
+        "Off, no hook is installed (`hooks when off`: the most hooks any submodule of the model "
+        "held during an off step, counted from inside the step) and nothing is computed, so the "
+        "off step is the plain step; its cost is the timing noise.",
+        "",
+        "## Setup",
+        "",
+        f"- Machine: {m['cpu']}, {m['cores']} cores (torch uses {m['torch_threads']} threads)"
+        + (f"; GPU {m['gpu']}, CUDA {m['cuda']}" if "gpu" in m else "")
+        + f"; torch {m['torch']}, Python {m['python']}, {m['platform']}",
+        f"- Load average (1, 5, 15 min): {report['load_start']} at start, {report['load_end']} "
+        "at end",
+        f"- Date: {report['date']}; wall time {report['wall_s']:.0f} s",
+        f"- Command: `{report['command']}`",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def csv_fields(intervals: Sequence[int]) -> list[str]:
+    return ["model", "level", "formats", "status", "layers", "values_observed_per_step",
+            "step_ms_off", "step_ms_diagnosed", "step_ms_memory_meter",
+            "diag_ms_per_diagnosed_step", "diag_fraction", "ns_per_value",
+            *(f"amortised_fraction_every_{n}" for n in intervals), "meter_ms_per_step",
+            "meter_fraction", "hooks_when_off", "hooks_when_diagnosed", "error"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    load_start = load_average()
+    started = time.perf_counter()
+    print(f"Range diagnostics cost on {args.device}: {', '.join(args.models)} x "
+          f"{', '.join(args.levels)}, {args.rounds} rounds of {args.steps}-step blocks; load "
+          f"average {load_start}", flush=True)
+    batches: dict = {}
+    results = [run_cell(args, model, level, batches) for model in args.models
+               for level in args.levels]
+    report = {
+        "benchmark": "diagnostics_cost", "device": args.device, "image_size": args.image_size,
+        "batch_size": args.batch_size, "steps": args.steps, "rounds": args.rounds,
+        "intervals": args.intervals, "results": results, "machine": machine(args.device),
+        "command": command("diagnostics_cost.py", argv), "date": now(),
+        "load_start": load_start, "load_end": load_average(),
+        "wall_s": time.perf_counter() - started,
+        "overrides": {f"{m}/{lv}": cell_overrides(args, m, lv) for m in args.models
+                      for lv in args.levels},
+    }
+    paths = write_results(args.out, render(report), results, csv_fields(args.intervals), report)
+    print()
+    print(render(report))
+    print("Wrote " + ", ".join(str(p) for p in paths))
+    return 1 if any(c["status"] != "ok" for c in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,564 @@
+"""The stall case: where pure bf16 (O3) stops learning and stochastic rounding does not.
+
+Without fp32 master weights, every update `w - lr * g` is rounded back to bf16, whose 8-bit
+significand spaces neighbouring values 2^-8 of a weight apart: an update smaller than half that
+spacing rounds back to the old weight and is lost. With a small enough learning rate many updates
+are that small, so `o3_bf16` (round to nearest) keeps only the few that survive rounding and falls
+far behind (on the default task it ends 23 points below the reference),
+while `o2_bf16` (the same bf16 model with fp32 master weights, which keep the small updates) and
+`o3_bf16_sr` (no masters; each weight rounded up or down at random in proportion to its distance,
+so small updates survive on average) train alike.
+
+The task: the tiny CNN on synthetic 16-px images (10 classes, noise std 2), plain SGD with
+momentum at lr 0.003 and no schedule, batch 128. Every (level, seed) is a real `runner.app.run`
+logged to an MLflow store (by default a fresh SQLite store in a temporary folder); the per-epoch
+`val_acc` and `train_loss` histories are read back from the store. Results: a Markdown table, a
+CSV (one row per run and epoch), a JSON with everything, and a PNG figure (train loss and
+validation accuracy per epoch, mean over the seeds with a min-max band).
+
+    python benchmarks/rounding.py                          # 3 levels x 3 seeds, 10 epochs, CPU
+    python benchmarks/rounding.py --seeds 0 --epochs 3
+    python benchmarks/rounding.py --lr 0.03 --seeds 0      # a larger lr: no stall
+
+Verdict: the stall is shown when `o3_bf16`'s mean best validation accuracy is at least
+STALL_POINTS below `o2_bf16`'s while `o3_bf16_sr`'s is within SR_POINTS of it. Exit status: 0
+when every run finished, whatever the verdict; 1 when a run crashed (a `DivergenceError` is an
+outcome); 2 for bad arguments.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
+from accuracy import read_run  # noqa: E402
+from common import (REPO, add_threads_option, apply_threads, command, compose,  # noqa: E402
+                    csv_list, describe_level, machine, now, prepare_store, write_results)
+
+EXPERIMENT = "rounding-stall"
+REFERENCE, STALLS, ROUNDS = "o2_bf16", "o3_bf16", "o3_bf16_sr"
+LEVELS = [REFERENCE, STALLS, ROUNDS]
+DEFAULT_SEEDS = [0, 1, 2]
+DEFAULT_EPOCHS = 10
+DEFAULT_LR = 0.003
+# The verdict's thresholds, on the mean over seeds of each run's best validation accuracy: the
+# stall is shown when o3_bf16 ends at least STALL_POINTS below o2_bf16 and o3_bf16_sr within
+# SR_POINTS of it.
+STALL_POINTS = 10.0
+SR_POINTS = 2.0
+# The task (the lr and epochs come from the options; --extra overrides any of it). The training
+# loss is logged once per epoch (log_every_n_steps is set to the epoch's step count), so each
+# logged value is that epoch's mean.
+TASK_OVERRIDES = [
+    "model=tiny",
+    "data=synthetic",
+    "data.num_train=4000",
+    "data.num_val=1000",
+    "data.image_size=16",
+    "data.num_classes=10",
+    "data.noise=2.0",
+    "data.seed=0",
+    "optimizer=sgd",
+    "optimizer.momentum=0.9",
+    "scheduler=none",
+    "trainer.batch_size=128",
+    "trainer.num_workers=0",
+    "trainer.progress_bar=false",
+    "trainer.checkpoint_every_n_epochs=0",  # no checkpoint files (only an interrupt writes one)
+]
+# the reference drawn wide and pale under the others: o3_bf16_sr follows it closely
+STYLES = {REFERENCE: {"color": "tab:blue", "linewidth": 4.0, "alpha": 0.45, "marker": None},
+          STALLS: {"color": "tab:red", "linewidth": 1.6, "marker": "o", "markersize": 3},
+          ROUNDS: {"color": "tab:green", "linewidth": 1.6, "marker": "s", "markersize": 3}}
+
+log = logging.getLogger("benchmarks.rounding")
+
+
+@dataclass
+class RunResult:
+    level: str
+    seed: int
+    dtype: str = ""
+    status: str = "finished"  # finished | diverged | crashed
+    best_val_acc: float | None = None
+    final_val_acc: float | None = None
+    final_train_loss: float | None = None
+    val_acc: list[float | None] = field(default_factory=list)  # per epoch, from the store
+    train_loss: list[float | None] = field(default_factory=list)  # per epoch (its mean)
+    wall_s: float | None = None
+    run_id: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class LevelSummary:
+    level: str
+    dtype: str
+    best: dict[int, float | None] = field(default_factory=dict)  # per seed
+    mean: float | None = None
+    std: float | None = None
+    vs_reference_points: float | None = None
+    final_val_acc: float | None = None  # means over seeds
+    final_train_loss: float | None = None
+    # per epoch over the seeds: mean, min, max (None where a seed has no value)
+    val_acc: dict[str, list[float | None]] = field(default_factory=dict)
+    train_loss: dict[str, list[float | None]] = field(default_factory=dict)
+    statuses: list[str] = field(default_factory=list)
+
+
+# ---- arguments ----------------------------------------------------------------------------------
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python benchmarks/rounding.py",
+        description="The stall case: o2_bf16 (fp32 masters), o3_bf16 (round to nearest) and "
+        "o3_bf16_sr (stochastic rounding) at a learning rate small enough that bf16 loses most "
+        "updates; real runs over several seeds; Markdown, CSV, JSON and a PNG figure.")
+    parser.add_argument("--levels", type=csv_list, default=None,
+                        help=f"comma-separated presets (default {','.join(LEVELS)}; the verdict "
+                        "needs those three)")
+    parser.add_argument("--seeds", type=csv_list, default=None,
+                        help="comma-separated trainer.seed values (default 0,1,2); the dataset "
+                        "(data.seed) stays fixed")
+    parser.add_argument("--epochs", type=int, default=DEFAULT_EPOCHS,
+                        help=f"trainer.max_epochs (default {DEFAULT_EPOCHS})")
+    parser.add_argument("--lr", type=float, default=DEFAULT_LR,
+                        help=f"optimizer.lr (default {DEFAULT_LR})")
+    parser.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu",
+                        help="default cpu (the committed results are a CPU run)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="the Markdown table; .csv, .json and .png go beside it (default "
+                        "benchmarks/results/rounding_<cpu|cuda>.md)")
+    parser.add_argument("--tracking-uri", default=None,
+                        help="MLflow store (default: sqlite:///<a new temporary folder>/mlflow.db)")
+    parser.add_argument("--experiment", default=EXPERIMENT,
+                        help=f"MLflow experiment name (default {EXPERIMENT})")
+    parser.add_argument("--extra", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                        help="more Hydra overrides, applied after the benchmark's own")
+    parser.add_argument("--verbose", "-v", action="store_true", help="show the runner's log")
+    add_threads_option(parser)
+    args = parser.parse_args(argv)
+    apply_threads(parser, args)
+
+    if args.epochs < 1:
+        parser.error("--epochs must be at least 1")
+    if not (args.lr > 0 and math.isfinite(args.lr)):
+        parser.error(f"--lr must be a positive number, got {args.lr}")
+    try:
+        args.seeds = [int(s) for s in (args.seeds or DEFAULT_SEEDS)]
+    except ValueError:
+        parser.error(f"--seeds must be integers, got {args.seeds}")
+    if not args.seeds:
+        parser.error("--seeds is empty")
+
+    import torch
+
+    args.device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" \
+        else args.device
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available")
+
+    from runner.plan import preset_options
+
+    known = preset_options()
+    levels = args.levels or LEVELS
+    unknown = [lvl for lvl in levels if lvl not in known]
+    if unknown:
+        parser.error(f"unknown level(s) {', '.join(unknown)}; choose from {', '.join(known)}")
+    args.levels = list(dict.fromkeys(levels))
+    if args.out is None:
+        args.out = REPO / "benchmarks" / "results" / f"rounding_{args.device}.md"
+    return args
+
+
+# ---- running ------------------------------------------------------------------------------------
+def task_overrides(args: argparse.Namespace) -> list[str]:
+    """The task's overrides: the fixed ones, the options', the training loss logged once per
+    epoch, then --extra (so that a user's override wins)."""
+    base = [*TASK_OVERRIDES, f"optimizer.lr={args.lr}", f"trainer.max_epochs={args.epochs}",
+            f"trainer.device={args.device}"]
+    cfg = compose([*base, *args.extra])
+    steps = math.ceil(int(cfg.data.num_train) / int(cfg.trainer.batch_size))
+    return [*base, f"trainer.log_every_n_steps={steps}", *args.extra]
+
+
+def per_epoch(history: list[tuple[int, float]], epochs: int) -> list[float | None]:
+    """A per-epoch metric (step = epoch, 1-based) as a list over epochs 1..`epochs`."""
+    values = dict(history)
+    return [values.get(epoch) for epoch in range(1, epochs + 1)]
+
+
+def epoch_means(history: list[tuple[int, float]], steps_per_epoch: int,
+                epochs: int) -> list[float | None]:
+    """The training loss per epoch from its logged history (step = optimizer step; each value
+    the mean loss since the previous one): the values logged within an epoch, weighted by the
+    steps each covers. With one value per epoch (the default task) that value itself."""
+    sums = [0.0] * epochs
+    weights = [0] * epochs
+    previous = 0
+    for step, value in history:
+        epoch = math.ceil(step / steps_per_epoch)
+        start = max(previous, (epoch - 1) * steps_per_epoch)
+        if 1 <= epoch <= epochs:
+            sums[epoch - 1] += value * (step - start)
+            weights[epoch - 1] += step - start
+        previous = step
+    return [s / w if w else None for s, w in zip(sums, weights)]
+
+
+def run_one(args, level: str, seed: int, session: str, overrides_task: list[str]) -> RunResult:
+    from runner.app import run
+    from runner.errors import DivergenceError
+
+    key = f"{session}/{level}/s{seed}"
+    overrides = [
+        *overrides_task,
+        f"precision={level}",
+        f"trainer.seed={seed}",
+        f"mlflow.tracking_uri={args.tracking_uri}",
+        f"mlflow.experiment_name={args.experiment}",
+        f"mlflow.run_name=tiny-{level}-lr{args.lr:g}-seed{seed}",
+        f"+mlflow.tags.benchmark={EXPERIMENT}",
+        f"+mlflow.tags.benchmark_key={key}",
+        f"+mlflow.tags.benchmark_seed={seed}",
+    ]
+    result = RunResult(level=level, seed=seed)
+    started = time.perf_counter()
+    cfg = None
+    try:
+        cfg = compose(overrides)
+        result.dtype = describe_level(cfg.precision)
+        result.best_val_acc = run(cfg, overrides=overrides)
+    except DivergenceError as error:  # an outcome, not a crash
+        result.status, result.error = "diverged", str(error)
+    except Exception as error:  # noqa: BLE001  (reported, and the exit status says so)
+        result.status, result.error = "crashed", f"{type(error).__name__}: {error}"
+        print(traceback.format_exc(), file=sys.stderr)
+    result.wall_s = time.perf_counter() - started
+    try:
+        stored = read_run(args.tracking_uri, args.experiment, key,
+                          histories=["val_acc", "train_loss"])
+    except Exception as error:  # noqa: BLE001
+        log.warning("could not read the run's metrics back: %s", error)
+        return result
+    result.run_id = stored.run_id
+    if cfg is not None and stored.run_id is not None:
+        steps = math.ceil(int(cfg.data.num_train) / int(cfg.trainer.batch_size))
+        result.val_acc = per_epoch(stored.histories.get("val_acc", []), args.epochs)
+        result.train_loss = epoch_means(stored.histories.get("train_loss", []), steps,
+                                        args.epochs)
+        done = [v for v in result.val_acc if v is not None]
+        result.final_val_acc = done[-1] if done else None
+        losses = [v for v in result.train_loss if v is not None]
+        result.final_train_loss = losses[-1] if losses else None
+    if result.best_val_acc is None and result.status == "finished":
+        result.status, result.error = "crashed", "the run returned no accuracy"
+    return result
+
+
+# ---- summary ------------------------------------------------------------------------------------
+def _finite(values) -> list[float]:
+    return [float(v) for v in values if v is not None and not math.isnan(float(v))]
+
+
+def _band(series: list[list[float | None]], epochs: int) -> dict[str, list[float | None]]:
+    """Per epoch: mean, min and max over the seeds that have a finite value there."""
+    band: dict[str, list[float | None]] = {"mean": [], "min": [], "max": []}
+    for i in range(epochs):
+        values = _finite(s[i] for s in series if i < len(s))
+        band["mean"].append(statistics.fmean(values) if values else None)
+        band["min"].append(min(values) if values else None)
+        band["max"].append(max(values) if values else None)
+    return band
+
+
+def summarise(results: list[RunResult], levels: list[str], seeds: list[int],
+              epochs: int) -> list[LevelSummary]:
+    rows = []
+    for level in levels:
+        mine = [r for r in results if r.level == level]
+        row = LevelSummary(level=level, dtype=mine[0].dtype if mine else "",
+                           best={r.seed: r.best_val_acc if r.status == "finished" else None
+                                 for r in mine},
+                           statuses=[r.status for r in mine])
+        best = _finite(row.best.get(s) for s in seeds)
+        if best and len(best) == len(seeds):
+            row.mean = statistics.fmean(best)
+            row.std = statistics.stdev(best) if len(best) > 1 else 0.0
+        finals = _finite(r.final_val_acc for r in mine)
+        row.final_val_acc = statistics.fmean(finals) if finals else None
+        losses = _finite(r.final_train_loss for r in mine)
+        row.final_train_loss = statistics.fmean(losses) if losses else None
+        row.val_acc = _band([r.val_acc for r in mine], epochs)
+        row.train_loss = _band([r.train_loss for r in mine], epochs)
+        rows.append(row)
+    reference = next((r for r in rows if r.level == REFERENCE), None)
+    for row in rows:
+        if reference is not None and reference.mean is not None and row.mean is not None:
+            row.vs_reference_points = 100.0 * (row.mean - reference.mean)
+    return rows
+
+
+def verdict(rows: list[LevelSummary]) -> str:
+    by = {r.level: r for r in rows}
+    missing = [lvl for lvl in LEVELS if lvl not in by or by[lvl].mean is None]
+    if missing:
+        return (f"Verdict: NOT JUDGED: {', '.join(missing)} did not finish every seed (the "
+                f"verdict compares {STALLS} and {ROUNDS} with {REFERENCE}).")
+    stall, sr = by[STALLS].vs_reference_points, by[ROUNDS].vs_reference_points
+    stalls, keeps = stall <= -STALL_POINTS, abs(sr) <= SR_POINTS
+    head = "STALL SHOWN" if stalls and keeps else "STALL NOT SHOWN"
+    return (f"Verdict: {head}: {STALLS} {stall:+.2f} points from {REFERENCE}'s "
+            f"{100 * by[REFERENCE].mean:.2f}% ({'stalls' if stalls else 'does not stall'}: "
+            f"the threshold is at least {STALL_POINTS:g} points below); {ROUNDS} {sr:+.2f} points "
+            f"({'keeps up' if keeps else 'does not keep up'}: the threshold is within "
+            f"{SR_POINTS:g} points).")
+
+
+# ---- reporting ----------------------------------------------------------------------------------
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.2f}"
+
+
+def render_markdown(report: dict, rows: list[LevelSummary], figure_name: str | None) -> str:
+    seeds, epochs = report["seeds"], report["epochs"]
+    chance = 100.0 / report["num_classes"] if report.get("num_classes") else None
+    lines = [
+        f"# The stall case: bf16 rounding at a small learning rate ({report['device']})",
+        "",
+        f"The tiny CNN trained for {epochs} epochs at lr {report['lr']:g} (SGD with momentum, no "
+        "schedule) in three ways: `o2_bf16`, a bf16 model with fp32 master weights (the "
+        "reference); `o3_bf16`, bf16 weights without masters, each update rounded to the "
+        "nearest bf16 value; `o3_bf16_sr`, bf16 weights without masters, each update rounded up "
+        "or down at random in proportion to its distance (stochastic rounding). bf16 spaces "
+        "neighbouring values 2^-8 of a weight apart, so an update smaller than half of that is "
+        "lost by round to nearest, and at a learning rate this small many updates are that "
+        "small. Best validation accuracy (%) per seed "
+        "(`trainer.seed`; the data, `data.seed`, is fixed), then the last epoch's validation "
+        "accuracy and mean training loss, means over the seeds"
+        + (f"; chance is {chance:.0f}%." if chance else "."),
+        "",
+        "| level | dtype | " + " | ".join(f"seed {s}" for s in seeds)
+        + f" | mean ± std | Δ vs `{REFERENCE}` (points) | last val acc | last train loss |",
+        "|---|---|" + "---:|" * len(seeds) + "---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        accs = []
+        for s in seeds:
+            value = r.best.get(s)
+            if value is None:
+                accs.append(next((x.status for x in report["_results"]
+                                  if x.level == r.level and x.seed == s), "missing"))
+            else:
+                accs.append(_pct(value))
+        mean = "-" if r.mean is None else f"{100 * r.mean:.2f} ± {100 * (r.std or 0):.2f}"
+        diff = ("reference" if r.level == REFERENCE else
+                "-" if r.vs_reference_points is None else f"{r.vs_reference_points:+.2f}")
+        loss = "-" if r.final_train_loss is None else f"{r.final_train_loss:.3f}"
+        lines.append(f"| `{r.level}` | {r.dtype or '?'} | " + " | ".join(accs)
+                     + f" | {mean} | {diff} | {_pct(r.final_val_acc)} | {loss} |")
+    lines += ["", verdict(rows), ""]
+    lines += ["## Per epoch (mean over the seeds)", "",
+              "| epoch | " + " | ".join(f"`{r.level}` val acc" for r in rows) + " | "
+              + " | ".join(f"`{r.level}` train loss" for r in rows) + " |",
+              "|---:|" + "---:|" * (2 * len(rows))]
+    for i in range(epochs):
+        lines.append(f"| {i + 1} | " + " | ".join(_pct(r.val_acc["mean"][i]) for r in rows)
+                     + " | " + " | ".join("-" if r.train_loss["mean"][i] is None else
+                                          f"{r.train_loss['mean'][i]:.3f}" for r in rows) + " |")
+    lines.append("")
+    if figure_name:
+        lines += [f"![Training loss and validation accuracy per epoch]({figure_name})", "",
+                  "The figure: per epoch, the mean over the seeds (line) and the lowest and "
+                  "highest seed (band); the training loss is each epoch's mean.", ""]
+    m = report["machine"]
+    lines += [
+        "## Setup",
+        "",
+        f"- Machine: {m['cpu']}, {m['cores']} cores (torch uses {m['torch_threads']} threads)"
+        + (f", GPU {m['gpu']} (CUDA {m['cuda']})" if "gpu" in m else "")
+        + f"; torch {m['torch']}, Python {m['python']}, {m['platform']}",
+        f"- Date: {report['date']}",
+        f"- Command: `{report['command']}`",
+        f"- Total wall time: {report['total_wall_s'] / 60:.1f} min for {len(report['runs'])} runs",
+        f"- MLflow: experiment `{report['experiment']}` in `{report['tracking_uri']}`",
+        f"- Verdict thresholds: `{STALLS}` at least {STALL_POINTS:g} points below `{REFERENCE}`,"
+        f" `{ROUNDS}` within {SR_POINTS:g} points of it (means of the best validation accuracy "
+        "over the seeds)",
+        "- Task (Hydra overrides, then `precision=<level> trainer.seed=<seed>`): "
+        + " ".join(f"`{o}`" for o in report["overrides"]),
+        "",
+    ]
+    unfinished = [r for r in report["_results"] if r.status != "finished"]
+    if unfinished:
+        lines += ["## Runs that did not finish", ""]
+        lines += [f"- `{r.level}` seed {r.seed}: {r.status}: {r.error}" for r in unfinished]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def figure(report: dict, rows: list[LevelSummary], path: Path) -> Path | None:
+    """Two panels over the epochs, one line per level: the training loss (each epoch's mean) and
+    the validation accuracy, each the mean over the seeds with a min-max band. None (and a note)
+    without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no figure", file=sys.stderr)
+        return None
+    epochs = list(range(1, report["epochs"] + 1))
+    fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(11, 4.4))
+    for row in rows:
+        style = STYLES.get(row.level, {"linewidth": 1.6, "marker": "^", "markersize": 3})
+        label = {REFERENCE: f"{REFERENCE} (fp32 master weights)",
+                 STALLS: f"{STALLS} (round to nearest, no masters)",
+                 ROUNDS: f"{ROUNDS} (stochastic rounding, no masters)"}.get(row.level, row.level)
+        for ax, band, scale in ((loss_ax, row.train_loss, 1.0), (acc_ax, row.val_acc, 100.0)):
+            points = [(e, m, lo, hi) for e, m, lo, hi in
+                      zip(epochs, band["mean"], band["min"], band["max"]) if m is not None]
+            if not points:
+                continue
+            xs = [p[0] for p in points]
+            line, = ax.plot(xs, [scale * p[1] for p in points], label=label, **style)
+            ax.fill_between(xs, [scale * p[2] for p in points], [scale * p[3] for p in points],
+                            color=line.get_color(), alpha=0.15, linewidth=0)
+    if report.get("num_classes"):
+        acc_ax.axhline(100.0 / report["num_classes"], color="grey", linestyle=":", linewidth=1,
+                       label="chance")
+    loss_ax.set_title("training loss (epoch mean)")
+    loss_ax.set_xlabel("epoch")
+    loss_ax.set_ylabel("cross-entropy")
+    acc_ax.set_title("validation accuracy")
+    acc_ax.set_xlabel("epoch")
+    acc_ax.set_ylabel("%")
+    for ax in (loss_ax, acc_ax):
+        ax.grid(alpha=0.3)
+        ax.set_xticks(epochs)
+    acc_ax.legend(fontsize=8, loc="best")
+    where = report["machine"].get("gpu") or report["machine"]["cpu"]
+    seeds = len(report["seeds"])
+    head = verdict(rows).removeprefix("Verdict: ").split(":")[0].lower()
+    fig.suptitle(f"bf16 weights at lr {report['lr']:g}: fp32 masters, round to nearest, "
+                 f"stochastic rounding ({head})\ntiny CNN, synthetic 16-px data, SGD momentum "
+                 f"0.9; mean of {seeds} seed{'s' if seeds > 1 else ''}, band: lowest to highest "
+                 f"seed; {where}", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+CSV_FIELDS = ["level", "seed", "epoch", "status", "val_acc", "train_loss", "best_val_acc",
+              "run_id"]
+
+
+def csv_rows(results: list[RunResult]) -> list[dict]:
+    """One row per run and epoch (a run without a history: one row with its status)."""
+    rows = []
+    for r in results:
+        epochs = max(len(r.val_acc), len(r.train_loss))
+        for i in range(epochs):
+            rows.append({"level": r.level, "seed": r.seed, "epoch": i + 1, "status": r.status,
+                         "val_acc": r.val_acc[i] if i < len(r.val_acc) else None,
+                         "train_loss": r.train_loss[i] if i < len(r.train_loss) else None,
+                         "best_val_acc": r.best_val_acc, "run_id": r.run_id})
+        if not epochs:
+            rows.append({"level": r.level, "seed": r.seed, "epoch": None, "status": r.status,
+                         "best_val_acc": r.best_val_acc, "run_id": r.run_id})
+    return rows
+
+
+def write_outputs(out: Path, report: dict, rows: list[LevelSummary],
+                  with_figure: bool = True) -> list[Path]:
+    png = out.with_suffix(".png")
+    drawn = figure(report, rows, png) if with_figure else None
+    payload = {k: v for k, v in report.items() if not k.startswith("_")}
+    payload["summary"] = [asdict(r) for r in rows]
+    payload["verdict"] = verdict(rows)
+    payload["thresholds"] = {"stall_points": STALL_POINTS, "sr_points": SR_POINTS}
+    paths = write_results(out, render_markdown(report, rows, png.name if drawn else None),
+                          csv_rows(report["_results"]), CSV_FIELDS, payload)
+    return paths + ([drawn] if drawn else [])
+
+
+# ---- entry point --------------------------------------------------------------------------------
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    if args.tracking_uri is None:
+        folder = Path(tempfile.mkdtemp(prefix="rounding-stall-"))
+        args.tracking_uri = f"sqlite:///{folder / 'mlflow.db'}"
+    from runner.tracking import resolve_tracking_uri
+
+    args.tracking_uri = resolve_tracking_uri(args.tracking_uri)
+    prepare_store(args.tracking_uri, args.experiment)
+    overrides = task_overrides(args)
+    composed = compose(overrides)
+
+    session = uuid.uuid4().hex[:12]
+    total = len(args.levels) * len(args.seeds)
+    print(f"Rounding stall: {len(args.levels)} levels x {len(args.seeds)} seeds on {args.device}, "
+          f"{args.epochs} epochs at lr {args.lr:g}; MLflow store {args.tracking_uri}", flush=True)
+    report = {
+        "benchmark": EXPERIMENT,
+        "device": args.device,
+        "levels": args.levels,
+        "seeds": args.seeds,
+        "epochs": args.epochs,
+        "lr": args.lr,
+        "num_classes": int(composed.data.get("num_classes", 0) or 0),
+        "overrides": overrides,
+        "command": command("rounding.py", argv),
+        "date": now(),
+        "total_wall_s": 0.0,
+        "tracking_uri": args.tracking_uri,
+        "experiment": args.experiment,
+        "machine": machine(args.device),
+        "runs": [],
+        "_results": [],
+    }
+    started = time.perf_counter()
+    results: list[RunResult] = report["_results"]
+    for seed in args.seeds:  # seed-major: a run stopped early leaves every level compared
+        for level in args.levels:
+            print(f"[{len(results) + 1}/{total}] {level} seed {seed} ...", end=" ", flush=True)
+            result = run_one(args, level, seed, session, overrides)
+            results.append(result)
+            print(f"{result.status}: best val acc {_pct(result.best_val_acc)}%, last train loss "
+                  f"{'-' if result.final_train_loss is None else f'{result.final_train_loss:.3f}'}"
+                  f", {result.wall_s:.0f} s", flush=True)
+            report["runs"] = [asdict(r) for r in results]
+            report["total_wall_s"] = time.perf_counter() - started
+            write_outputs(args.out, report,
+                          summarise(results, args.levels, args.seeds, args.epochs),
+                          with_figure=False)
+    rows = summarise(results, args.levels, args.seeds, args.epochs)
+    paths = write_outputs(args.out, report, rows)
+    print()
+    print(render_markdown(report, rows, None))
+    print("Wrote " + ", ".join(str(p) for p in paths))
+    crashed = [r for r in results if r.status == "crashed"]
+    if crashed:
+        print(f"{len(crashed)} run(s) crashed: "
+              + "; ".join(f"{r.level} seed {r.seed}: {r.error}" for r in crashed), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""A run's plan: everything decided from the config before anything is built.
+
+`make_plan(cfg)` checks the whole input (the preset's level, the value rules, the device, the
+precision properties and their findings), names the run, finds its checkpoint folder and decides
+whether it resumes (and from which checkpoint, checked against the config). It builds nothing,
+logs nothing and creates no MLflow run, so a bad config stops here with a `ConfigError` naming the
+key. The resulting `RunPlan` is frozen and is what a run, a dry run, a sweep's up-front check of
+every job and the benchmarks all work from (`runner.app.build(plan)` builds the parts).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from runner import checkpoint
+from runner.errors import ConfigError
+from runner.paths import config_dir
+from runner.precision import Finding, Properties, Resolution, resolve
+from runner.precision.checks import DeviceInfo, tensor_core_findings
+from runner.precision.properties import level_preset, parse_opt_level
+from runner.resume import Resume
+from runner.validation import validate
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What one run will be, decided once from its config."""
+
+    cfg: DictConfig  # the composed config (read, never changed, after planning)
+    config_tree: Mapping[str, Any]  # `cfg` resolved to plain containers (params, checkpoints)
+    device: torch.device  # cpu or cuda; under torchrun each rank takes cuda:LOCAL_RANK of it
+    resolution: Resolution  # the resolved precision properties and every finding about them
+    run_name: str
+    checkpoint_folder: Path  # <checkpoint_dir>/<experiment>/<run name>: this name's runs
+    resume: Optional[Resume]  # the checkpoint this run continues from, checked; None: fresh
+
+    @property
+    def properties(self) -> Properties:
+        return self.resolution.properties
+
+
+def make_plan(cfg: DictConfig) -> RunPlan:
+    """Check everything about `cfg` and decide the run (see the module docstring); raises
+    ConfigError naming the key for any bad input, before anything is built."""
+    device, resolution = check_config(cfg)
+    run_name = default_run_name(cfg, resolution.properties)
+    folder = checkpoint.run_folder(cfg.trainer.checkpoint_dir, cfg.mlflow.experiment_name,
+                                   run_name)
+    config_tree = OmegaConf.to_container(cfg, resolve=True)
+    resume = Resume.decide(cfg.resume, folder, config_tree)
+    return RunPlan(cfg, config_tree, device, resolution, run_name, folder, resume)
+
+
+def check_config(cfg: DictConfig) -> tuple[torch.device, Resolution]:
+    """The checks of `make_plan` that need no file: the preset's level, the value rules, the
+    device and the precision properties; raises ConfigError naming the key."""
+    check_opt_level(cfg)
+    validate(cfg)
+    device = select_device(cfg.trainer.device)
+    if cfg.trainer.sync_batchnorm and device.type != "cuda":
+        raise ConfigError("trainer.sync_batchnorm", "SyncBatchNorm needs CUDA GPUs (NCCL); it has "
+                          f"no implementation on {device.type} (Gloo)", "false on a CPU")
+    return device, resolve_precision(cfg, device)
+
+
+def select_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            "trainer.device", "cuda was requested but no CUDA device is available", "auto, cpu"
+        )
+    return torch.device(name)
+
+
+# ---- the precision level -------------------------------------------------------------------------
+def preset_options() -> list[str]:
+    return sorted(p.stem for p in (config_dir() / "precision").glob("*.yaml"))
+
+
+_PRESET_NAME = re.compile(r"^o([0-3])(?:_|$)")
+
+
+def preset_level(preset: Optional[str]) -> Optional[str]:
+    """The level a preset's name declares: `o2`, `o2_bf16`, `o2_anything` -> "O2"; None for a
+    name outside that convention (a user's own preset), whose level is not checked."""
+    match = _PRESET_NAME.match(preset or "")
+    return f"O{match.group(1)}" if match else None
+
+
+def check_opt_level(cfg: DictConfig) -> None:
+    """A level is a preset of every property: `precision.opt_level=O2` on top of the o0 preset
+    would keep o0's other properties under the name O2. The merged `opt_level` must be the
+    preset's own (the one its name declares), however it was changed (command line, experiment
+    file, code); else refuse it, naming the preset to choose."""
+    node = cfg.precision
+    preset = node.preset if not OmegaConf.is_missing(node, "preset") else None
+    declared = preset_level(preset)
+    if declared is None:
+        return  # a preset outside the o<N>[_...] convention: nothing to compare with
+    if OmegaConf.is_missing(node, "opt_level") or node.opt_level is None:
+        level, instead = None, "choose the level with precision=<preset>"
+    else:
+        level = parse_opt_level(node.opt_level)  # "02" is refused here, with the letter-O hint
+        if level == declared:
+            return
+        dtype = torch.bfloat16 if preset.endswith("_bf16") else None
+        instead = f"use {level_preset(level, dtype)} instead"
+    raise ConfigError(
+        "precision.opt_level",
+        f"{level or 'no level'} overrides the level of the precision={preset} preset "
+        f"({declared}); a level is a preset of all its properties, so choose it as one: "
+        f"{instead}",
+        [f"precision={o}" for o in preset_options()],
+    )
+
+
+def resolve_precision(cfg: DictConfig, device: torch.device | DeviceInfo) -> Resolution:
+    """The resolved Apex properties and findings (about the device and the optimizer too); an error
+    finding (every warning with precision.strict=true) stops the run before anything is built."""
+    values = OmegaConf.to_container(cfg.precision, resolve=True)
+    opt_level = values.pop("opt_level")
+    device_info = device if isinstance(device, DeviceInfo) else DeviceInfo.from_torch(device)
+    optimizer = OmegaConf.to_container(cfg.optimizer, resolve=True) if "optimizer" in cfg else None
+    compiled = bool(OmegaConf.select(cfg, "trainer.compile", default=False))
+    resolution = resolve(opt_level, values, device=device_info, optimizer=optimizer,
+                         compiled=compiled)
+    for finding in resolution.errors:
+        hint = f" Hint: {finding.hint}" if finding.hint else ""
+        raise ConfigError(finding.key, finding.message + hint)
+    return resolution
+
+
+def default_run_name(cfg: DictConfig, properties: Optional[Properties] = None) -> str:
+    """`mlflow.run_name`, or `<model>-<level>` (e.g. densenet161-O2) with what sets the run apart
+    from the other runs of a sweep: `-bf16` where it computes in bfloat16 (`-fp8` with fp8 Linear
+    layers instead), `-sr` with stochastic rounding, `-compiled` through torch.compile.
+    `properties`: the resolved ones, when the caller has them (else resolved here)."""
+    if cfg.mlflow.run_name:
+        return cfg.mlflow.run_name
+    name = f"{cfg.model.name}-{cfg.precision.opt_level}"
+    if properties is None:
+        values = OmegaConf.to_container(cfg.precision, resolve=True)
+        try:
+            properties = resolve(values.pop("opt_level"), values).properties
+        except ConfigError:  # a failed job is still named; its error says what was wrong
+            return name
+    if properties.fp8_linear is not None:
+        name += "-fp8"
+    elif torch.bfloat16 in properties.compute_dtypes:
+        name += "-bf16"
+    if properties.stochastic_rounding:
+        name += "-sr"
+    if OmegaConf.select(cfg, "trainer.compile", default=False):
+        name += "-compiled"
+    return name
+
+
+def shape_findings(cfg: DictConfig, properties: Properties, device_info: DeviceInfo,
+                   model: torch.nn.Module | None = None) -> list[Finding]:
+    """The Tensor Core findings about the model's layer sizes and the batch size (16-bit on a
+    CUDA GPU only). Without `model` (a dry run) the model is built on PyTorch's meta device:
+    its shapes, no memory, no data."""
+    if device_info.type != "cuda" or not properties.compute_dtypes:
+        return []
+    if model is None:
+        from runner.data import declared_num_classes
+        from runner.models import build_model
+
+        num_classes = declared_num_classes(cfg.data)
+        if num_classes is None:
+            return []
+        with torch.device("meta"):
+            model = build_model(cfg.model, num_classes, cfg.data.image_size)
+    return tensor_core_findings(model, cfg.trainer.batch_size, properties, device_info)

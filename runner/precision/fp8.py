@@ -1,0 +1,91 @@
+"""fp8 Linear layers through torchao's float8 training (the `fp8_linear` property).
+
+`convert(model, recipe, emulate)` swaps every `nn.Linear` whose input and output sizes are
+multiples of 16 (what torchao's scaled fp8 GEMM takes) for torchao's `Float8Linear`, in place:
+the layer keeps its own weight and bias Parameters (the optimizer and the state dict see the
+same tensors under the same names), and its matmuls run in fp8: e4m3 for the forward's inputs
+and weights, e5m2 for the gradients, each tensor scaled dynamically (per tensor, or per row with
+the `rowwise` recipe). Everything else stays in the level's type (bf16). Layers that cannot be
+converted are listed with the reason. On a CPU, or a GPU without fp8 Tensor Cores, torchao's
+emulation computes the same numerics in higher precision (no speed-up): `emulate=True`.
+
+torchao is an optional dependency (`amp-runner[fp8]`); it is imported only here, on use.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from runner.precision.properties import Finding
+
+# torchao's scaled fp8 GEMM takes matrices whose sizes are multiples of 16
+FP8_DIVISOR = 16
+
+
+@dataclass
+class Conversion:
+    """Which Linear layers run in fp8 (their qualified names), and which stay as they were."""
+
+    recipe: str
+    emulated: bool
+    converted: list[str] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (name, why)
+
+    def findings(self) -> list[Finding]:
+        """An info finding naming every Linear layer left out of fp8 (none: no finding)."""
+        if not self.skipped:
+            return []
+        listed = ", ".join(f"{name} ({why})" for name, why in self.skipped)
+        return [Finding(
+            "info", "fp8_linear",
+            f"{len(self.skipped)} of {len(self.skipped) + len(self.converted)} Linear layers stay "
+            f"in the level's type, not fp8: {listed}",
+            f"sizes that are multiples of {FP8_DIVISOR} let torchao run a layer in fp8")]
+
+    def listing(self) -> str:
+        """The `fp8_layers.txt` artifact: one line per Linear layer."""
+        lines = [f"# fp8_linear={self.recipe}{' (emulated)' if self.emulated else ''}: "
+                 f"{len(self.converted)} Linear layers in fp8, {len(self.skipped)} not"]
+        lines += [f"fp8   {name}" for name in self.converted]
+        lines += [f"kept  {name}  ({why})" for name, why in self.skipped]
+        return "\n".join(lines) + "\n"
+
+
+def _why_not(module: nn.Linear) -> str | None:
+    sizes = []
+    if module.in_features % FP8_DIVISOR:
+        sizes.append(f"in_features {module.in_features}")
+    if module.out_features % FP8_DIVISOR:
+        sizes.append(f"out_features {module.out_features}")
+    if sizes:
+        return f"{', '.join(sizes)} not a multiple of {FP8_DIVISOR}"
+    return None
+
+
+def convert(model: nn.Module, recipe: str, emulate: bool) -> Conversion:
+    """Swap `model`'s eligible Linear layers for torchao's Float8Linear (in place) with the
+    `recipe` ("tensorwise" or "rowwise"); `emulate` on a device without fp8 Tensor Cores."""
+    import dataclasses
+
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    conversion = Conversion(recipe, emulate)
+    if type(model) is nn.Linear:  # torchao replaces a root Linear by a new module, not in place
+        conversion.skipped.append((type(model).__name__, "the model itself is one Linear layer"))
+        return conversion
+    eligible: set[str] = set()
+    for name, module in model.named_modules():
+        if type(module) is nn.Linear:  # (not a subclass torchao would not know how to copy)
+            why = _why_not(module)
+            if why is None:
+                eligible.add(name)
+                conversion.converted.append(name or type(module).__name__)
+            else:
+                conversion.skipped.append((name or type(module).__name__, why))
+    if eligible:
+        config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe),
+                                     emulate=emulate)
+        convert_to_float8_training(model, config=config,
+                                   module_filter_fn=lambda _module, name: name in eligible)
+    return conversion

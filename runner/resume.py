@@ -1,0 +1,106 @@
+"""Resuming a run: which checkpoint it continues, whether that fits the config, what it changes.
+
+`Resume.decide` is part of planning a run (runner.plan): `resume=auto` takes the most recent
+checkpoint of the same experiment and run name (none yet: a fresh run), `resume=PATH` a given
+one; the checkpoint must have been written with the same config, except a different
+`trainer.max_epochs` (not below the epochs it already trained). Everything a resumed run changes
+is done here: the tags it adds to its MLflow run, and the restore of the trainer, with the
+learning-rate schedule rebuilt for a new epoch budget (a cosine or one-cycle schedule of the old
+length would turn back up, or refuse to step, past its end).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+from omegaconf import DictConfig
+
+from runner import checkpoint
+from runner import tags as tag
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Resume:
+    """A checkpoint this run continues from, already checked against the run's config."""
+
+    path: Path
+    state: Mapping[str, Any]
+
+    @classmethod
+    def decide(cls, resume: Optional[str], folder: Path,
+               config: Mapping[str, Any]) -> Optional["Resume"]:
+        """The checkpoint `resume` (the config's value) names under the run's `folder`, loaded
+        and checked against `config` (the resolved config tree); None for a fresh run. Raises
+        ConfigError for a missing path, an unreadable file or a config that differs."""
+        path = checkpoint.find(resume, folder)
+        if path is None:
+            return None
+        state = checkpoint.load(path)
+        checkpoint.check_resumable(state, config, path)
+        return cls(path, state)
+
+    @property
+    def run_id(self) -> str:
+        """The MLflow run the checkpointed run logged into (the resumed run goes on in it)."""
+        return self.state["mlflow_run_id"]
+
+    @property
+    def saved_max_epochs(self) -> int:
+        return int(self.state["config"]["trainer"]["max_epochs"])
+
+    def finished(self, max_epochs: int) -> bool:
+        """Whether the checkpointed run has already trained `max_epochs` epochs (its last
+        checkpoint is that of the end of its last epoch): a resume has nothing to do."""
+        return int(self.state["epoch"]) >= int(max_epochs) and int(self.state["batch"]) == 0
+
+    def finished_message(self) -> str:
+        return (f"already trained {int(self.state['epoch'])} epochs (checkpoint {self.path}); "
+                "raise trainer.max_epochs to train more. Nothing was changed.")
+
+    @property
+    def best_val_acc(self) -> Optional[float]:
+        value = float(self.state["best_val_acc"])
+        return None if value == float("-inf") else value
+
+    def budget_changed(self, max_epochs: int) -> bool:
+        return self.saved_max_epochs != int(max_epochs)
+
+    def position(self) -> str:
+        """Where it continues: "epoch 3, batch 7"."""
+        return f"epoch {self.state['epoch']}, batch {self.state['batch']}"
+
+    def tags(self, max_epochs: int) -> dict[str, str]:
+        """What the resumed MLflow run gains: where it resumed from, and a changed epoch budget
+        (params are immutable, so the new value goes into a tag)."""
+        out = {tag.RESUMED_FROM: str(self.path)}
+        if self.budget_changed(max_epochs):
+            out[tag.MAX_EPOCHS] = str(max_epochs)
+        return out
+
+    def check_fits(self, parts: Any, world_size: int) -> None:
+        """The checkpoint's contents must fit what this run built (`runner.app.Parts`): model
+        keys, shapes and dtypes, the optimizer's kind and params, the loss scalers, the
+        scheduler's kind, the world size; a ConfigError names each difference. Called before the
+        MLflow run is reopened."""
+        checkpoint.check_structure(self.state, model=parts.model, optimizer=parts.optimizer,
+                                   engine=parts.engine, scheduler=parts.scheduler,
+                                   world_size=world_size, path=self.path)
+
+    def restore(self, trainer: Any, cfg: DictConfig, run_name: str) -> None:
+        """Put the checkpoint's state into `trainer` (built for `cfg`); with a new epoch budget,
+        rebuild the schedule of the new length at the step reached instead of loading it."""
+        from runner.optim import rebuild_scheduler_at
+
+        changed = self.budget_changed(cfg.trainer.max_epochs)
+        trainer.restore(self.state, scheduler=not changed)
+        if changed:
+            trainer.scheduler = rebuild_scheduler_at(
+                cfg.scheduler, trainer.optimizer, trainer.train_batches, cfg.trainer.max_epochs,
+                trainer.global_step, cfg.optimizer.lr)
+        log.info("Resuming %s from %s: after epoch %d and %d batches of the next (step %d)",
+                 run_name, self.path, self.state["epoch"], self.state["batch"],
+                 self.state["global_step"])

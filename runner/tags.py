@@ -1,0 +1,46 @@
+"""Every MLflow tag name the runner writes or reads, in one place.
+
+Tags are the runner's contract with the MLflow UI, `runner.report`, `runner.replay` and any
+script a user writes against the store; a name used in two modules is defined here once.
+"""
+from __future__ import annotations
+
+# ---- MLflow's own ---------------------------------------------------------------------------
+PARENT_RUN = "mlflow.parentRunId"  # what the MLflow UI nests a sweep's child runs by
+# MLflow 3.x opens GenAI experiments on an overview page; this kind shows the training-runs view
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+
+# ---- every run ------------------------------------------------------------------------------
+ERROR = "error"  # why a run ended FAILED or KILLED
+OPT_LEVEL = "opt_level"
+OVERRIDES = "overrides"  # the command-line overrides of the job
+COMMAND = "command"  # the whole command line
+PEAK_MEM_KIND = "peak_mem_kind"  # what peak_mem_mb measures on this device
+FINDINGS = "precision.findings"  # "0 error, 2 warning, 1 info"
+FINDINGS_LIST = "precision.findings_list"  # "warning precision.master_weights; info model"
+GIT_COMMIT = "git_commit"
+
+# ---- liveness (runner.liveness): who runs a RUNNING run, and its last sign of life ------------
+HOST = "runner.host"
+PID = "runner.pid"
+PID_START = "runner.pid_start"  # the process's start time, clock ticks since boot (Linux)
+PID_SPACE = "runner.pid_space"  # "<boot id>:<PID namespace>": where the pid is that process
+HEARTBEAT = "runner.heartbeat"  # ISO 8601 UTC time of the last heartbeat (mlflow.heartbeat_s)
+
+# ---- a resumed run ----------------------------------------------------------------------------
+RESUME_COUNT = "resume.count"
+RESUMED_FROM = "resumed_from"
+MAX_EPOCHS = "trainer.max_epochs"  # a changed epoch budget (params cannot change)
+
+# ---- sweeps ---------------------------------------------------------------------------------
+SWEEP_DIR = "sweep.dir"
+SWEEP_OVERRIDES = "sweep.overrides"
+SWEEP_LAUNCHER = "sweep.launcher"
+FAILED_JOBS = "sweep.failed_jobs"
+JOB_NUM = "sweep.job_num"
+
+# ---- the offline store of a run whose tracking server went away (runner.replay) ---------------
+REPLAY_TARGET_RUN = "replay.target_run_id"  # the server run the offline run belongs to
+REPLAY_TARGET_URI = "replay.target_uri"
+REPLAY_STATUS = "replay.status"  # the status the server run ends with
+REPLAY_DONE = "replay.done"  # set once delivered (replaying twice sends nothing twice)
