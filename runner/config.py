@@ -13,6 +13,8 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from runner.precision.levels import LEVEL_VALUES, SCALER_DEFAULTS
+
 MODEL_NAMES = ("tiny", "resnet18", "resnet50", "densenet161", "vgg16", "vgg16_bn",
                "resnext50_32x4d")
 DATASET_NAMES = ("synthetic", "cifar10", "cifar100", "imagefolder")
@@ -132,13 +134,15 @@ class PrecisionConfig:
     fp8_linear: Optional[str] = None  # torchao float8 Linear layers: null | tensorwise | rowwise
     stochastic_rounding: bool = False  # a bf16 model without masters, its updates rounded at random
     # dynamic loss scaling (used when loss_scale is "dynamic")
-    init_scale: float = 65536.0  # 2^16
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 2000  # clean steps before the scale grows
-    hysteresis: int = 1  # overflows tolerated before a back-off (1 = Apex, 2 = DeepSpeed)
-    min_loss_scale: Optional[float] = None
-    max_loss_scale: float = 16777216.0  # 2^24
+    # (defaults: runner.precision.levels.SCALER_DEFAULTS, the one table of them)
+    init_scale: float = SCALER_DEFAULTS["init_scale"]  # 2^16
+    growth_factor: float = SCALER_DEFAULTS["growth_factor"]
+    backoff_factor: float = SCALER_DEFAULTS["backoff_factor"]
+    growth_interval: int = SCALER_DEFAULTS["growth_interval"]  # clean steps before it grows
+    # overflows tolerated before a back-off (1 = Apex, 2 = DeepSpeed)
+    hysteresis: int = SCALER_DEFAULTS["hysteresis"]
+    min_loss_scale: Optional[float] = SCALER_DEFAULTS["min_loss_scale"]
+    max_loss_scale: float = SCALER_DEFAULTS["max_loss_scale"]  # 2^24
     strict: bool = False  # every precision warning becomes an error
     # fused C++/CUDA kernels (runner.csrc): auto (build on first use; torch's ops if that
     # fails, with a warning), fused (the kernels or an error), torch (never build)
@@ -220,7 +224,8 @@ SCHEMAS: dict[str, dict[str, type]] = {
 
 
 def register_configs() -> None:
-    """Store the schemas: `base_run` types the root, `schema/<group>/<kind>` types each option.
+    """Store the schemas: `base_run` types the root, `schema/<group>/<kind>` types each option,
+    `schema/precision/level/<level>` holds each Apex level's properties.
 
     Option files pull their schema with `- /schema/<group>/<kind>@_here_` in their defaults list,
     which keeps the schemas out of the group's list of choices.
@@ -230,6 +235,10 @@ def register_configs() -> None:
     for group, kinds in SCHEMAS.items():
         for kind, node in kinds.items():
             cs.store(group=f"schema/{group}", name=kind, node=node)
+    # a precision preset pulls its level's properties with `- /schema/precision/level/O2@_here_`
+    # and states only what differs (the level table is defined once, in runner.precision.levels)
+    for level, values in LEVEL_VALUES.items():
+        cs.store(group="schema/precision/level", name=level, node={"opt_level": level, **values})
 
 
 register_configs()

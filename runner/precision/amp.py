@@ -59,6 +59,7 @@ from runner.precision.autocast import (
     register_promote_function,
 )
 from runner.precision.engine import AmpEngine
+from runner.precision.levels import SCALER_DEFAULTS
 from runner.precision.properties import LEVEL_DESCRIPTIONS, Properties
 from runner.precision.rules import resolve
 from runner.precision.scaler import LossScaler, state_dict_problems
@@ -284,7 +285,7 @@ def initialize(models, optimizers=None, enabled: bool = True, opt_level: str = "
                cast_model_type=None, patch_torch_functions=None, keep_batchnorm_fp32=None,
                master_weights=None, loss_scale=None, cast_model_outputs=None,
                num_losses: int = 1, verbosity: int = 1, min_loss_scale=None,
-               max_loss_scale: float = 2.0 ** 24, fp8_linear=None, stochastic_rounding=None):
+               max_loss_scale: float = SCALER_DEFAULTS["max_loss_scale"], fp8_linear=None, stochastic_rounding=None):
     """Apex's `amp.initialize`: returns `models` (and `optimizers`, when given) in the shape they
     came in. Property arguments left None take the level's default. Calling it again
     re-initialises (the previous call's wrappers and hooks are removed first). Beyond Apex:

@@ -19,20 +19,13 @@ from typing import Any, Callable, Iterable, Literal, Mapping, Optional, Union
 import torch
 
 from runner.errors import ConfigError
+from runner.precision.levels import LEVEL_VALUES, SCALER_DEFAULTS
 
 LossScale = Union[float, Literal["dynamic"]]
 
-# The five properties each Apex level fixes (apex/amp/frontend.py).
-LEVELS: dict[str, dict[str, Any]] = {
-    "O0": dict(cast_model_type=torch.float32, patch_torch_functions=False,
-               keep_batchnorm_fp32=None, master_weights=False, loss_scale=1.0),
-    "O1": dict(cast_model_type=None, patch_torch_functions=True,
-               keep_batchnorm_fp32=None, master_weights=None, loss_scale="dynamic"),
-    "O2": dict(cast_model_type=torch.float16, patch_torch_functions=False,
-               keep_batchnorm_fp32=True, master_weights=True, loss_scale="dynamic"),
-    "O3": dict(cast_model_type=torch.float16, patch_torch_functions=False,
-               keep_batchnorm_fp32=False, master_weights=False, loss_scale=1.0),
-}
+# The five properties each Apex level fixes (apex/amp/frontend.py), from the one table of
+# `runner.precision.levels` with its dtype names parsed (set below, after the parsers).
+LEVELS: dict[str, dict[str, Any]] = {}
 
 LEVEL_DESCRIPTIONS = {
     "O0": "fp32 baseline",
@@ -42,13 +35,6 @@ LEVEL_DESCRIPTIONS = {
 }
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
-
-# Dynamic loss scaling knobs (Apex's / torch.amp.GradScaler's defaults; hysteresis is
-# DeepSpeed's, 1 = Apex). They only matter when loss_scale is "dynamic".
-SCALER_DEFAULTS: dict[str, Any] = dict(
-    init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,
-    hysteresis=1, min_loss_scale=None, max_loss_scale=2.0 ** 24,
-)
 
 # Keys an override may name: the five Apex properties, the dtype O1's autocast uses, and the
 # dynamic loss scaling knobs; `strict` is accepted too (it changes findings, not properties).
@@ -87,13 +73,13 @@ class Properties:
     loss_scale: LossScale
     autocast_dtype: torch.dtype = torch.float16
     # dynamic loss scaling (see runner.precision.scaler.LossScaler)
-    init_scale: float = 2.0 ** 16
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 2000
-    hysteresis: int = 1
-    min_loss_scale: Optional[float] = None
-    max_loss_scale: float = 2.0 ** 24
+    init_scale: float = SCALER_DEFAULTS["init_scale"]
+    growth_factor: float = SCALER_DEFAULTS["growth_factor"]
+    backoff_factor: float = SCALER_DEFAULTS["backoff_factor"]
+    growth_interval: int = SCALER_DEFAULTS["growth_interval"]
+    hysteresis: int = SCALER_DEFAULTS["hysteresis"]
+    min_loss_scale: Optional[float] = SCALER_DEFAULTS["min_loss_scale"]
+    max_loss_scale: float = SCALER_DEFAULTS["max_loss_scale"]
     # beyond Apex: torchao's float8 recipe for the Linear layers' GEMMs (None: none), and
     # stochastic rounding of a bf16 model's weights at each update (no fp32 masters)
     fp8_linear: Optional[str] = None
@@ -362,6 +348,9 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "fp8_linear": lambda v: _parse_choice("fp8_linear", v, FP8_RECIPES),
     "stochastic_rounding": lambda v: _parse_bool("stochastic_rounding", v, allow_none=False),
 }
+
+LEVELS.update({level: {key: _PARSERS[key](value) for key, value in values.items()}
+               for level, values in LEVEL_VALUES.items()})
 
 
 # ---- rules ---------------------------------------------------------------------------------

@@ -23,6 +23,8 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
+from runner.precision.levels import SCALER_DEFAULTS
+
 LossScaleSpec = Union[float, str]
 
 
@@ -32,13 +34,13 @@ class LossScaler:
     def __init__(
         self,
         loss_scale: LossScaleSpec = "dynamic",
-        init_scale: float = 2.0 ** 16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
-        min_loss_scale: Optional[float] = None,
-        max_loss_scale: float = 2.0 ** 24,
-        hysteresis: int = 1,
+        init_scale: float = SCALER_DEFAULTS["init_scale"],
+        growth_factor: float = SCALER_DEFAULTS["growth_factor"],
+        backoff_factor: float = SCALER_DEFAULTS["backoff_factor"],
+        growth_interval: int = SCALER_DEFAULTS["growth_interval"],
+        min_loss_scale: Optional[float] = SCALER_DEFAULTS["min_loss_scale"],
+        max_loss_scale: float = SCALER_DEFAULTS["max_loss_scale"],
+        hysteresis: int = SCALER_DEFAULTS["hysteresis"],
     ):
         self.dynamic = loss_scale == "dynamic"
         if not self.dynamic:
@@ -71,8 +73,7 @@ class LossScaler:
         `amp.initialize(min_loss_scale=...)`)."""
         kwargs: dict[str, Any] = {
             name: getattr(properties, name)
-            for name in ("init_scale", "growth_factor", "backoff_factor", "growth_interval",
-                         "hysteresis", "min_loss_scale", "max_loss_scale")
+            for name in SCALER_DEFAULTS
             if hasattr(properties, name)
         }
         kwargs.update(overrides)
