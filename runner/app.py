@@ -23,12 +23,13 @@ import torch
 from omegaconf import OmegaConf
 
 import runner
-from runner import csrc, distributed
+from runner import csrc, distributed, options, targets
 from runner import checkpoint
 from runner import tags as tag
 from runner.distributed import Comm
+from runner.errors import ConfigError
 from runner.interrupts import StopRequest
-from runner.plan import RunPlan, make_plan, shape_findings
+from runner.plan import RunPlan, check_model_output, declared_input, make_plan, shape_findings
 from runner.precision import AmpEngine, Finding, Resolution
 from runner.precision.checks import DeviceInfo
 
@@ -59,6 +60,7 @@ class Parts:
     scheduler: Any
     memory: Any  # runner.probes.MemoryProbe, reset before the model was built
     findings: list[Finding] = field(default_factory=list)  # about the built model (info only)
+    criterion: torch.nn.Module = field(default_factory=torch.nn.CrossEntropyLoss)  # the loss
 
 
 def build(plan: RunPlan, device: Optional[torch.device] = None, comm: Optional[Comm] = None,
@@ -87,6 +89,8 @@ def build(plan: RunPlan, device: Optional[torch.device] = None, comm: Optional[C
     # peak_mem_mb counts the training state (model, optimizer, activations), as on a GPU, where
     # the data and the tracking store live in host memory: on a CPU the baseline is taken after
     # the datasets, the store and the kernels are in memory
+    if declared_input(cfg) is None:  # only the dataset could tell: check the output now
+        check_model_output(cfg.model, bundle.num_classes, tuple(bundle.train[0][0].shape))
     memory = MemoryProbe(device)
     memory.reset()
     model = build_model(cfg.model, bundle.num_classes, bundle.image_size).to(device)
@@ -110,8 +114,21 @@ def build(plan: RunPlan, device: Optional[torch.device] = None, comm: Optional[C
         model.compile(mode=cfg.trainer.compile_mode)
     steps_per_epoch = limit_batches(len(train_loader), cfg.trainer.limit_train_batches)
     scheduler = build_scheduler(cfg.scheduler, optimizer, steps_per_epoch, cfg.trainer.max_epochs)
+    criterion = build_loss(cfg).to(device)
     return Parts(bundle, train_loader, val_loader, model, optimizer, engine, scheduler, memory,
-                 findings)
+                 findings, criterion)
+
+
+def build_loss(cfg) -> torch.nn.Module:
+    """The criterion `loss._target_` names (torch.nn.CrossEntropyLoss by default, and for a
+    config without a loss group), called as criterion(logits, targets)."""
+    if "loss" not in cfg:
+        return torch.nn.CrossEntropyLoss()
+    criterion = targets.call("loss", cfg.loss)
+    if not isinstance(criterion, torch.nn.Module):
+        raise ConfigError("loss._target_", f"{cfg.loss._target_} returned a "
+                          f"{type(criterion).__name__}, not an nn.Module (a criterion)")
+    return criterion
 
 
 # ---- what the MLflow run records -----------------------------------------------------------------
@@ -168,6 +185,8 @@ def run_record(plan: RunPlan, parts: Parts, resolution: Resolution, *, world_siz
     tags = dict(environment)
     tags.update({
         tag.OPT_LEVEL: plan.properties.opt_level,
+        tag.MODEL: options.label(cfg.model),
+        tag.MODEL_CLASS: f"{type(parts.model).__module__}.{type(parts.model).__qualname__}",
         tag.OVERRIDES: " ".join(launch.overrides),
         tag.PEAK_MEM_KIND: parts.memory.kind,
         tag.FINDINGS: resolution.summary(),
@@ -302,6 +321,7 @@ def train(plan: RunPlan, comm: Comm, device: torch.device, launch: Launch) -> fl
                 cfg=cfg.trainer,
                 on_metrics=tracked.log_metrics,
                 memory=parts.memory,
+                criterion=parts.criterion,
                 comm=comm,
                 checkpointer=save if comm.is_main else None,
                 stop=stop,

@@ -2,7 +2,8 @@
 
 Hydra merges each YAML option into these dataclasses, so a typo'd key, a wrong type or an unknown
 group choice stops the run at compose time, before torch, data or models are imported. Value rules
-that types cannot express (positive lr, known model names, ...) live in `runner.validation`.
+that types cannot express (positive lr, known model names, ...) live with each option's spec in
+`runner.options` and are applied by `runner.validation`.
 This module must stay free of heavy imports: it runs on every invocation, dry runs included.
 """
 from __future__ import annotations
@@ -13,111 +14,32 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from runner.options import (  # noqa: F401  (the option schemas and names, re-exported)
+    BUILT_IN_MODELS,
+    DATASET_NAMES,
+    MODEL_NAMES,
+    OPTIMIZER_NAMES,
+    SCHEDULER_NAMES,
+    AdamConfig,
+    CifarConfig,
+    CosineConfig,
+    DataConfig,
+    ImageFolderConfig,
+    ModelConfig,
+    OneCycleConfig,
+    OptimizerConfig,
+    SchedulerConfig,
+    SGDConfig,
+    StepLRConfig,
+    SyntheticConfig,
+    TinyModelConfig,
+    VitTinyConfig,
+    schemas,
+)
 from runner.precision.levels import LEVEL_VALUES, SCALER_DEFAULTS
 
-MODEL_NAMES = ("tiny", "resnet18", "resnet50", "densenet161", "vgg16", "vgg16_bn",
-               "resnext50_32x4d")
-DATASET_NAMES = ("synthetic", "cifar10", "cifar100", "imagefolder")
-OPTIMIZER_NAMES = ("sgd", "adam", "adamw")
-SCHEDULER_NAMES = ("none", "cosine", "step", "onecycle")
 DEVICES = ("auto", "cpu", "cuda")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")  # torch.compile's modes
-
-
-# ---- model ---------------------------------------------------------------------------------
-@dataclass
-class ModelConfig:
-    name: str = MISSING
-    # Replace the ImageNet stem (7x7/2 conv + max-pool) with a 3x3/1 conv for 32x32 inputs.
-    # null = automatic: on for images of at most 64 pixels.
-    small_input: Optional[bool] = None
-
-
-@dataclass
-class TinyModelConfig(ModelConfig):
-    width: int = 16
-    norm: str = "batch"  # batch | group (GroupNorm: no batch statistics, e.g. for DDP tests)
-
-
-# ---- data ----------------------------------------------------------------------------------
-@dataclass
-class DataConfig:
-    name: str = MISSING
-    image_size: int = 32
-
-
-@dataclass
-class CifarConfig(DataConfig):
-    root: str = "data"
-    download: bool = True
-    augment: bool = True
-
-
-@dataclass
-class ImageFolderConfig(DataConfig):
-    root: str = MISSING
-    train_dir: str = "train"
-    val_dir: str = "val"
-    num_classes: Optional[int] = None  # null = the number of class folders found
-    augment: bool = True
-    image_size: int = 224
-
-
-@dataclass
-class SyntheticConfig(DataConfig):
-    num_train: int = 10000
-    num_val: int = 2000
-    num_classes: int = 10
-    seed: int = 0
-    noise: float = 1.0  # std of the per-image noise added to the class pattern
-
-
-# ---- optimizer -----------------------------------------------------------------------------
-@dataclass
-class OptimizerConfig:
-    name: str = MISSING
-    lr: float = 0.1
-    weight_decay: float = 0.0
-
-
-@dataclass
-class SGDConfig(OptimizerConfig):
-    momentum: float = 0.9
-    dampening: float = 0.0
-    nesterov: bool = False
-
-
-@dataclass
-class AdamConfig(OptimizerConfig):
-    lr: float = 1e-3
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
-    amsgrad: bool = False
-
-
-# ---- scheduler (stepped once per optimizer-step attempt) -----------------------------------
-@dataclass
-class SchedulerConfig:
-    name: str = MISSING
-
-
-@dataclass
-class CosineConfig(SchedulerConfig):
-    eta_min: float = 0.0
-
-
-@dataclass
-class StepLRConfig(SchedulerConfig):
-    step_epochs: int = 30
-    gamma: float = 0.1
-
-
-@dataclass
-class OneCycleConfig(SchedulerConfig):
-    max_lr: Optional[float] = None  # null = the optimizer's lr
-    pct_start: float = 0.3
-    div_factor: float = 25.0
-    final_div_factor: float = 1e4
 
 
 # ---- precision (Apex amp's five properties; resolved by runner.precision) ------------------
@@ -193,8 +115,11 @@ class MlflowConfig:
 
 @dataclass
 class RunConfig:
-    model: ModelConfig = MISSING
-    data: DataConfig = MISSING
+    # model and data are typed by their option's own schema (runner.options); an option with a
+    # `_target_` (the user's callable) is untyped: its keys are the callable's arguments
+    model: Any = MISSING
+    data: Any = MISSING
+    loss: Any = MISSING  # a criterion by `_target_` (conf/loss/cross_entropy.yaml by default)
     optimizer: OptimizerConfig = MISSING
     scheduler: SchedulerConfig = MISSING
     precision: PrecisionConfig = MISSING
@@ -208,15 +133,7 @@ class RunConfig:
 
 
 SCHEMAS: dict[str, dict[str, type]] = {
-    "model": {"torchvision": ModelConfig, "tiny": TinyModelConfig},
-    "data": {"cifar": CifarConfig, "imagefolder": ImageFolderConfig, "synthetic": SyntheticConfig},
-    "optimizer": {"sgd": SGDConfig, "adam": AdamConfig},
-    "scheduler": {
-        "none": SchedulerConfig,
-        "cosine": CosineConfig,
-        "step": StepLRConfig,
-        "onecycle": OneCycleConfig,
-    },
+    **schemas(),  # model, data, optimizer and scheduler: from the option specs
     "precision": {"apex": PrecisionConfig},
     "trainer": {"default": TrainerConfig},
     "mlflow": {"default": MlflowConfig},

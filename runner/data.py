@@ -18,13 +18,15 @@ from typing import Any, List, Optional, Tuple
 import numpy as np
 import torch
 import torch.nn.functional as F
+from omegaconf import OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from torchvision import datasets
 from torchvision import transforms as T
 from torchvision.datasets import CIFAR10, CIFAR100
 
-from runner.config import DATASET_NAMES
+from runner import options, targets
+from runner.options import DATASET_NAMES
 from runner.errors import ConfigError, DataError
 
 # Per-channel statistics of the training sets (the values the literature normalises with).
@@ -150,7 +152,7 @@ class SyntheticDataset(Dataset):
         )
 
 
-def _build_synthetic(cfg: Any) -> DataBundle:
+def build_synthetic(cfg: Any) -> DataBundle:
     num_classes = int(getattr(cfg, "num_classes", 10))
     image_size = int(getattr(cfg, "image_size", 32))
     common = dict(
@@ -213,7 +215,8 @@ def _check_root(cfg: Any) -> str:
     return root
 
 
-def _build_cifar(cfg: Any, name: str) -> DataBundle:
+def build_cifar(cfg: Any) -> DataBundle:
+    name = str(getattr(cfg, "name"))
     root = _check_root(cfg)
     cls = CheckedCIFAR10 if name == "cifar10" else CheckedCIFAR100
     mean, std = (CIFAR10_MEAN, CIFAR10_STD) if name == "cifar10" else (CIFAR100_MEAN, CIFAR100_STD)
@@ -259,7 +262,7 @@ def _build_cifar(cfg: Any, name: str) -> DataBundle:
 
 
 # ---- ImageFolder ---------------------------------------------------------------------------
-def _build_imagefolder(cfg: Any) -> DataBundle:
+def build_imagefolder(cfg: Any) -> DataBundle:
     root = _check_root(cfg)
     if not os.path.isdir(root):
         raise DataError(
@@ -308,35 +311,70 @@ def _build_imagefolder(cfg: Any) -> DataBundle:
     return DataBundle(train, val, found, image_size, "imagefolder")
 
 
+# ---- the user's own: data._target_ -------------------------------------------------------------
+TARGET_KEYS = ("name", "num_classes")  # the runner's keys of a `_target_` dataset, not arguments
+
+
+def _target_extra(cfg: Any, target: Any) -> dict[str, Any]:
+    """The number of classes goes to the callable too when it takes `num_classes` and it is set."""
+    wanted = cfg.get("num_classes")
+    return {"num_classes": int(wanted)} if wanted is not None and \
+        targets.accepts(target, "num_classes") else {}
+
+
+def check_target(cfg: Any) -> None:
+    target = targets.resolve("data._target_", cfg["_target_"]) \
+        if not OmegaConf.is_missing(cfg, "_target_") else None
+    targets.check("data", cfg, TARGET_KEYS, _target_extra(cfg, target) if target else {})
+
+
+def build_target(cfg: Any) -> DataBundle:
+    """`data._target_(**args)` -> (train, val); the classes are `data.num_classes` or
+    len(train.classes), the image size the last dimension of the first training input."""
+    path = cfg["_target_"]
+    target = targets.resolve("data._target_", path)
+    pair = targets.call("data", cfg, TARGET_KEYS, _target_extra(cfg, target))
+    if not (isinstance(pair, (tuple, list)) and len(pair) == 2
+            and all(hasattr(d, "__getitem__") and hasattr(d, "__len__") for d in pair)):
+        raise ConfigError("data._target_", f"{path} returned a {type(pair).__name__}, not a "
+                          "(train, val) pair of map-style datasets")
+    train, val = pair
+    if len(train) == 0 or len(val) == 0:
+        raise ConfigError("data._target_", f"{path} returned an empty "
+                          f"{'training' if len(train) == 0 else 'validation'} set")
+    num_classes = cfg.get("num_classes")
+    if num_classes is None:
+        classes = getattr(train, "classes", None)
+        if classes is None:
+            raise ConfigError("data.num_classes", f"is null and the training set {path} returned "
+                              "has no .classes to count", "the number of classes, e.g. "
+                              "+data.num_classes=10 (or data.num_classes=10 with data=custom)")
+        num_classes = len(classes)
+    sample = train[0]
+    if not (isinstance(sample, (tuple, list)) and len(sample) == 2
+            and isinstance(sample[0], torch.Tensor)):
+        raise ConfigError("data._target_", f"the training set of {path} yields a "
+                          f"{type(sample).__name__}, not an (input tensor, target) pair")
+    name = str(cfg.get("name") or path.rsplit(".", 1)[-1])
+    return DataBundle(train, val, int(num_classes), int(sample[0].shape[-1]), name)
+
+
 # ---- entry points --------------------------------------------------------------------------
 def declared_num_classes(cfg: Any) -> Optional[int]:
     """The number of classes the `data` config implies without loading anything (a dry run
     sizes the model's head with it): None where only the dataset itself can tell."""
-    name = getattr(cfg, "name", None)
-    if name == "synthetic":
-        return int(getattr(cfg, "num_classes", 10))
-    if name in ("cifar10", "cifar100"):
-        return 10 if name == "cifar10" else 100
-    if name == "imagefolder":
-        wanted = getattr(cfg, "num_classes", None)
-        if wanted is not None:
-            return int(wanted)
-        train = os.path.join(str(getattr(cfg, "root", "")), str(getattr(cfg, "train_dir", "train")))
-        if os.path.isdir(train):
-            return sum(entry.is_dir() for entry in os.scandir(train)) or None
-    return None
+    spec = options.spec_for("data", cfg)
+    return spec.classes(cfg) if spec is not None and spec.classes is not None else None
 
 
 def build_datasets(cfg: Any) -> DataBundle:
-    """Build the train and val datasets described by the `data` config section."""
-    name = getattr(cfg, "name", None)
-    if name == "synthetic":
-        return _build_synthetic(cfg)
-    if name in ("cifar10", "cifar100"):
-        return _build_cifar(cfg, name)
-    if name == "imagefolder":
-        return _build_imagefolder(cfg)
-    raise ConfigError("data.name", f"unknown dataset {name!r}", allowed=DATASET_NAMES)
+    """Build the train and val datasets described by the `data` config section (its option's
+    builder, `runner.options.SPECS`)."""
+    spec = options.spec_for("data", cfg)
+    if spec is None:
+        name = getattr(cfg, "name", None)
+        raise ConfigError("data.name", f"unknown dataset {name!r}", allowed=DATASET_NAMES)
+    return spec.build()(cfg)
 
 
 class EpochSampler(DistributedSampler):

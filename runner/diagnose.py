@@ -35,6 +35,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Optional, Sequence
 
+from runner import options
 from runner.errors import RunnerError
 
 DEFAULT_STEPS = 3
@@ -390,14 +391,15 @@ def run(cfg, overrides: Sequence[str], steps: int, out: Path) -> Preflight:
                  "overrides": " ".join(overrides),
                  "command": " ".join(["python -m runner.diagnose", *sys.argv[1:]])})
     tags.update({str(k): str(v) for k, v in cfg.mlflow.tags.items()})
-    name = cfg.mlflow.run_name or f"{cfg.model.name}-diagnose"
+    name = cfg.mlflow.run_name or f"{options.label(cfg.model)}-diagnose"
     out.mkdir(parents=True, exist_ok=True)
     with tracker.start_run(name, params, tags) as tracked:
         trainer = Trainer(
             model=parts.model, optimizer=parts.optimizer, scheduler=parts.scheduler,
             engine=parts.engine, train_loader=parts.train_loader, val_loader=parts.val_loader,
-            device=device, cfg=cfg.trainer, on_metrics=tracked.log_metrics, memory=parts.memory)
-        title = (f"Range pre-flight: {cfg.model.name} on {cfg.data.name}, batch "
+            device=device, cfg=cfg.trainer, on_metrics=tracked.log_metrics, memory=parts.memory,
+            criterion=parts.criterion)
+        title = (f"Range pre-flight: {options.label(cfg.model)} on {options.label(cfg.data)}, batch "
                  f"{cfg.trainer.batch_size}, {steps} fp32 training steps on {device.type} "
                  f"(asked for precision={target})")
         result, text, paths = preflight(trainer, steps, out, title, device.type)

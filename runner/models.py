@@ -6,20 +6,27 @@ from the data, not the model config, so one model option works with every datase
 
 ImageNet architectures shrink a 224-pixel image 4x in their stem (7x7/2 conv + 3x3/2 max-pool)
 which leaves almost nothing of a 32-pixel CIFAR image; `small_input` swaps that stem for a 3x3/1
-conv, the usual CIFAR adaptation. Adding a model is one line in `MODEL_REGISTRY`.
+conv, the usual CIFAR adaptation, wherever the architecture has one (`small_stem`: ResNet/ResNeXt,
+DenseNet, VGG), for the built-in names and torchvision's zoo alike.
 
-torchvision is imported inside the builders so that importing this module stays cheap.
+The builders are named by the option specs (`runner.options.SPECS`); `model=torchvision` and
+`model=timm` build any model of those libraries by name, and a `_target_` builds the user's own
+(`runner.targets`). torchvision and timm are imported inside the builders so that importing this
+module stays cheap.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from typing import Any, Callable, Dict
 
+from omegaconf import OmegaConf
 from torch import nn
 
-from runner.config import MODEL_NAMES
+from runner import options, targets
 from runner.errors import ConfigError
+from runner.options import MODEL_NAMES, NORMS
 
 # Largest image side for which `small_input: null` picks the small stem.
 SMALL_INPUT_MAX_SIZE = 64
@@ -34,9 +41,6 @@ def resolve_small_input(cfg: Any, image_size: int) -> bool:
 
 
 # ---- tiny ----------------------------------------------------------------------------------
-NORMS = ("batch", "group")
-
-
 def _conv_bn_relu(in_ch: int, out_ch: int, stride: int, norm: str = "batch") -> nn.Sequential:
     layer = nn.BatchNorm2d(out_ch) if norm == "batch" else nn.GroupNorm(math.gcd(4, out_ch), out_ch)
     return nn.Sequential(
@@ -70,7 +74,7 @@ class TinyCNN(nn.Sequential):
                 nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
 
 
-def _build_tiny(cfg: Any, num_classes: int, small_input: bool) -> nn.Module:
+def build_tiny(cfg: Any, num_classes: int, small_input: bool) -> nn.Module:
     return TinyCNN(num_classes, width=int(getattr(cfg, "width", 16)), small_input=small_input,
                    norm=str(getattr(cfg, "norm", "batch")))
 
@@ -86,79 +90,175 @@ def _small_conv(in_ch: int, out_ch: int, mode: str = "fan_out") -> nn.Conv2d:
     return conv
 
 
-def _resnet_builder(arch: str) -> Callable[[Any, int, bool], nn.Module]:
-    """ResNet and ResNeXt share the stem: conv1 (7x7/2) + maxpool (3x3/2)."""
-
-    def build(cfg: Any, num_classes: int, small_input: bool) -> nn.Module:
-        from torchvision import models
-
-        model = getattr(models, arch)(weights=None, num_classes=num_classes)
-        if small_input:
-            model.conv1 = _small_conv(model.conv1.in_channels, model.conv1.out_channels)
-            model.maxpool = nn.Identity()
-        return model
-
-    build.__doc__ = f"torchvision {arch}, random init."
-    return build
-
-
-def _build_densenet161(cfg: Any, num_classes: int, small_input: bool) -> nn.Module:
-    """DenseNet's stem is features.conv0 (7x7/2) + features.pool0 (3x3/2)."""
+def small_stem(model: nn.Module) -> bool:
+    """Give a torchvision model the CIFAR stem where its architecture has one; False: it has
+    none (a ViT, MobileNet, ... keep theirs)."""
     from torchvision import models
 
-    model = models.densenet161(weights=None, num_classes=num_classes)
-    if small_input:
+    if isinstance(model, models.ResNet):  # ResNet, ResNeXt, Wide ResNet: conv1 (7x7/2) + maxpool
+        model.conv1 = _small_conv(model.conv1.in_channels, model.conv1.out_channels)
+        model.maxpool = nn.Identity()
+    elif isinstance(model, models.DenseNet):  # features.conv0 (7x7/2) + features.pool0 (3x3/2)
         conv0 = model.features.conv0
         model.features.conv0 = _small_conv(conv0.in_channels, conv0.out_channels, mode="default")
         model.features.pool0 = nn.Identity()
+    elif isinstance(model, models.VGG):
+        # VGG has no stem to change; a 32-px image leaves a 1x1x512 map after the five max-pools.
+        # torchvision pools that to 7x7 and feeds 25088 features to the classifier (49 copies of
+        # the same value); pooling to 1x1 and a 512-input first layer is the usual CIFAR VGG.
+        model.avgpool = nn.AdaptiveAvgPool2d(1)
+        first = nn.Linear(512, model.classifier[0].out_features)
+        nn.init.normal_(first.weight, 0, 0.01)
+        nn.init.zeros_(first.bias)
+        model.classifier[0] = first
+    else:
+        return False
+    return True
+
+
+def _torchvision(arch: str, num_classes: int, small_input: bool, **kwargs: Any) -> nn.Module:
+    from torchvision import models
+
+    model = models.get_model(arch, weights=None, num_classes=num_classes, **kwargs)
+    if small_input:
+        small_stem(model)
     return model
 
 
-def _vgg_builder(arch: str) -> Callable[[Any, int, bool], nn.Module]:
-    """VGG has no stem to change; a 32-px image leaves a 1x1x512 map after the five max-pools.
-
-    torchvision pools that to 7x7 and feeds 25088 features to the classifier (49 copies of the
-    same value); pooling to 1x1 and a 512-input first layer is the usual CIFAR VGG.
-    """
-
-    def build(cfg: Any, num_classes: int, small_input: bool) -> nn.Module:
-        from torchvision import models
-
-        model = getattr(models, arch)(weights=None, num_classes=num_classes)
-        if small_input:
-            model.avgpool = nn.AdaptiveAvgPool2d(1)
-            first = nn.Linear(512, model.classifier[0].out_features)
-            nn.init.normal_(first.weight, 0, 0.01)
-            nn.init.zeros_(first.bias)
-            model.classifier[0] = first
-        return model
-
-    build.__doc__ = f"torchvision {arch}, random init (a 1x1 pool for small images)."
-    return build
+def build_torchvision_named(cfg: Any, num_classes: int, small_input: bool) -> nn.Module:
+    """A built-in name (resnet18, densenet161, vgg16, ...): torchvision's model of that name."""
+    return _torchvision(str(getattr(cfg, "name")), num_classes, small_input)
 
 
-# name -> builder(cfg, num_classes, small_input); keys must equal runner.config.MODEL_NAMES.
-MODEL_REGISTRY: Dict[str, Callable[[Any, int, bool], nn.Module]] = {
-    "tiny": _build_tiny,
-    "resnet18": _resnet_builder("resnet18"),
-    "resnet50": _resnet_builder("resnet50"),
-    "densenet161": _build_densenet161,
-    "vgg16": _vgg_builder("vgg16"),
-    "vgg16_bn": _vgg_builder("vgg16_bn"),
-    "resnext50_32x4d": _resnet_builder("resnext50_32x4d"),
-}
+def build_vit_tiny(cfg: Any, num_classes: int, small_input: bool) -> nn.Module:
+    """torchvision's VisionTransformer at the sizes of `VitTinyConfig` (vit_tiny.yaml)."""
+    from torchvision.models import VisionTransformer
+
+    sizes = {f.name: int(getattr(cfg, f.name, f.default))
+             for f in dataclasses.fields(options.VitTinyConfig) if f.name != "name"}
+    return VisionTransformer(**sizes, num_classes=num_classes)
+
+
+# ---- the zoos: torchvision and timm by name -----------------------------------------------
+ZOO_KEYS = {"torchvision": ("name", "arch", "small_input"), "timm": ("name", "arch", "pretrained")}
+DOWNLOADS = ("weights", "pretrained", "pretrained_cfg", "pretrained_cfg_overlay",
+             "checkpoint_path")  # builder arguments that would fetch or load weights
+
+
+def _zoo_kwargs(zoo: str, cfg: Any) -> dict[str, Any]:
+    return targets.arguments(cfg, ZOO_KEYS[zoo])
+
+
+def _refuse_downloads(zoo: str, cfg: Any) -> None:
+    for key in DOWNLOADS:
+        if key in ZOO_KEYS[zoo]:
+            continue
+        value = _zoo_kwargs(zoo, cfg).get(key)
+        if value not in (None, False, ""):
+            raise ConfigError(f"model.{key}", f"got {value!r}: models are trained from random "
+                              "init here and nothing may be downloaded", "null (or leave it out)")
+
+
+def _unknown_arch(zoo: str, arch: Any, known: list[str], listing: str) -> ConfigError:
+    import difflib
+
+    close = difflib.get_close_matches(str(arch), known, n=5, cutoff=0.5)
+    hint = f"; closest: {', '.join(close)}" if close else ""
+    return ConfigError("model.arch", f"unknown {zoo} model {arch!r}{hint}", f"a name in {listing}")
+
+
+def torchvision_names() -> list[str]:
+    import torchvision
+
+    return torchvision.models.list_models(module=torchvision.models)
+
+
+def check_torchvision_zoo(cfg: Any) -> None:
+    arch = cfg.get("arch")
+    if arch not in torchvision_names():
+        raise _unknown_arch("torchvision", arch, torchvision_names(),
+                            "torchvision.models.list_models(module=torchvision.models)")
+    _refuse_downloads("torchvision", cfg)
+
+
+def build_torchvision_zoo(cfg: Any, num_classes: int, small_input: bool) -> nn.Module:
+    """model=torchvision model.arch=NAME: any torchvision classification model, random init;
+    every key but name, arch and small_input is the builder's keyword argument."""
+    kwargs = _zoo_kwargs("torchvision", cfg)
+    return _torchvision(str(cfg.arch), kwargs.pop("num_classes", num_classes), small_input,
+                        **kwargs)
+
+
+def _timm():
+    try:
+        import timm
+    except ImportError:
+        raise ConfigError("model", "model=timm needs timm, which is not installed",
+                          'pip install "amp-runner[timm]"') from None
+    return timm
+
+
+def check_timm(cfg: Any) -> None:
+    timm = _timm()
+    if cfg.get("pretrained"):
+        raise ConfigError("model.pretrained", "pretrained weights would be a download: models are "
+                          "trained from random init here and nothing may be downloaded", "false")
+    arch = cfg.get("arch")
+    if not isinstance(arch, str) or not timm.is_model(arch):
+        raise _unknown_arch("timm", arch, timm.list_models(), "timm.list_models()")
+    _refuse_downloads("timm", cfg)
+
+
+def build_timm(cfg: Any, num_classes: int, small_input: bool) -> nn.Module:
+    """model=timm model.arch=NAME: timm.create_model(NAME, pretrained=False, ...), random init;
+    every key but name, arch and pretrained is create_model's keyword argument."""
+    kwargs = _zoo_kwargs("timm", cfg)
+    return _timm().create_model(str(cfg.arch), pretrained=False,
+                                num_classes=kwargs.pop("num_classes", num_classes), **kwargs)
+
+
+# ---- the user's own: model._target_ ------------------------------------------------------------
+TARGET_KEYS = ("name", "small_input")  # the runner's keys of a `_target_` model, not arguments
+
+
+def _num_classes_extra(cfg: Any, num_classes: int) -> dict[str, int]:
+    target = targets.resolve("model._target_", cfg["_target_"])
+    arg = targets.num_classes_arg("model", cfg, target, required=True)
+    return {arg: num_classes} if arg else {}
+
+
+def check_target(cfg: Any) -> None:
+    if OmegaConf.is_missing(cfg, "_target_"):
+        raise ConfigError("model._target_", "is required but not set", targets.HOW)
+    targets.check("model", cfg, TARGET_KEYS, _num_classes_extra(cfg, 2))
+
+
+def build_target(cfg: Any, num_classes: int, small_input: bool) -> nn.Module:
+    """The user's callable: `model._target_` with the node's other keys as its arguments, and
+    the number of classes as `num_classes` (or the argument `model._num_classes_` names)."""
+    model = targets.call("model", cfg, TARGET_KEYS, _num_classes_extra(cfg, num_classes))
+    if not isinstance(model, nn.Module):
+        raise ConfigError("model._target_", f"{cfg['_target_']} returned a "
+                          f"{type(model).__name__}, not an nn.Module")
+    return model
 
 
 def build_model(cfg: Any, num_classes: int, image_size: int) -> nn.Module:
-    """Build `cfg.name` with random weights for `num_classes` outputs and `image_size` inputs.
+    """Build the model `cfg` describes (its option's builder, `runner.options.SPECS`) with random
+    weights for `num_classes` outputs and `image_size` inputs.
 
     `image_size` only decides `small_input: null`; the models themselves accept any size their
-    pooling allows. Raises ConfigError for a name not in the registry.
+    pooling allows. Raises ConfigError for a name that no option has.
     """
-    name = getattr(cfg, "name", None)
-    builder = MODEL_REGISTRY.get(name) if isinstance(name, str) else None
-    if builder is None:
+    spec = options.spec_for("model", cfg)
+    if spec is None:
+        name = getattr(cfg, "name", None)
         raise ConfigError("model.name", f"unknown model {name!r}", allowed=MODEL_NAMES)
     if int(num_classes) < 1:
         raise ConfigError("data.num_classes", f"must be at least 1, got {num_classes}")
-    return builder(cfg, int(num_classes), resolve_small_input(cfg, int(image_size)))
+    return spec.build()(cfg, int(num_classes), resolve_small_input(cfg, int(image_size)))
+
+
+# name -> builder(cfg, num_classes, small_input) of every model option (from the specs)
+MODEL_REGISTRY: Dict[str, Callable[[Any, int, bool], nn.Module]] = {
+    spec.name: spec.build() for spec in options.SPECS if spec.group == "model"}

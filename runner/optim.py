@@ -1,4 +1,5 @@
-"""Optimizers and LR schedulers from config.
+"""Optimizers and LR schedulers from config: each option's builder (named by its spec in
+`runner.options`).
 
 Schedulers are built per optimizer-step attempt (not per epoch), so the trainer steps them once per
 attempt, skipped steps included: the schedule stays aligned with the data at every precision level.
@@ -11,56 +12,69 @@ from typing import Iterable
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
+from runner import options
+
 
 def build_optimizer(cfg, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    params = list(params)
-    if cfg.name == "sgd":
-        return torch.optim.SGD(
-            params,
-            lr=cfg.lr,
-            momentum=cfg.momentum,
-            dampening=cfg.dampening,
-            weight_decay=cfg.weight_decay,
-            nesterov=cfg.nesterov,
-        )
-    if cfg.name in ("adam", "adamw"):
-        cls = torch.optim.Adam if cfg.name == "adam" else torch.optim.AdamW
-        return cls(
-            params,
-            lr=cfg.lr,
-            betas=tuple(cfg.betas),
-            eps=cfg.eps,
-            weight_decay=cfg.weight_decay,
-            amsgrad=cfg.amsgrad,
-        )
-    raise ValueError(f"unknown optimizer {cfg.name!r}")  # validation rejects it earlier
+    """The optimizer of `cfg`'s option (its builder in `runner.options.SPECS`)."""
+    return _spec("optimizer", cfg).build()(cfg, list(params))
 
 
 def build_scheduler(
     cfg, optimizer: torch.optim.Optimizer, steps_per_epoch: int, max_epochs: int
 ) -> LRScheduler | None:
-    total_steps = max(1, steps_per_epoch * max_epochs)
-    if cfg.name == "none":
-        return None
-    if cfg.name == "cosine":
-        return torch.optim.lr_scheduler.CosineAnnealingLR(
-            optimizer, T_max=total_steps, eta_min=cfg.eta_min
-        )
-    if cfg.name == "step":
-        return torch.optim.lr_scheduler.StepLR(
-            optimizer, step_size=max(1, cfg.step_epochs * steps_per_epoch), gamma=cfg.gamma
-        )
-    if cfg.name == "onecycle":
-        max_lr = cfg.max_lr if cfg.max_lr is not None else optimizer.param_groups[0]["lr"]
-        return torch.optim.lr_scheduler.OneCycleLR(
-            optimizer,
-            max_lr=max_lr,
-            total_steps=total_steps,
-            pct_start=cfg.pct_start,
-            div_factor=cfg.div_factor,
-            final_div_factor=cfg.final_div_factor,
-        )
-    raise ValueError(f"unknown scheduler {cfg.name!r}")
+    """The scheduler of `cfg`'s option, over `max_epochs` epochs of `steps_per_epoch` steps."""
+    return _spec("scheduler", cfg).build()(cfg, optimizer, steps_per_epoch, max_epochs)
+
+
+def _spec(group: str, cfg) -> options.Spec:
+    spec = options.spec_for(group, cfg)
+    if spec is None:  # validation rejects it earlier
+        raise ValueError(f"unknown {group} {getattr(cfg, 'name', None)!r}")
+    return spec
+
+
+def build_sgd(cfg, params: list) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, dampening=cfg.dampening,
+                           weight_decay=cfg.weight_decay, nesterov=cfg.nesterov)
+
+
+def _adam(cls: type, cfg, params: list) -> torch.optim.Optimizer:
+    return cls(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+               weight_decay=cfg.weight_decay, amsgrad=cfg.amsgrad)
+
+
+def build_adam(cfg, params: list) -> torch.optim.Optimizer:
+    return _adam(torch.optim.Adam, cfg, params)
+
+
+def build_adamw(cfg, params: list) -> torch.optim.Optimizer:
+    return _adam(torch.optim.AdamW, cfg, params)
+
+
+def _total_steps(steps_per_epoch: int, max_epochs: int) -> int:
+    return max(1, steps_per_epoch * max_epochs)
+
+
+def build_no_scheduler(cfg, optimizer, steps_per_epoch: int, max_epochs: int) -> None:
+    return None
+
+
+def build_cosine(cfg, optimizer, steps_per_epoch: int, max_epochs: int) -> LRScheduler:
+    return torch.optim.lr_scheduler.CosineAnnealingLR(
+        optimizer, T_max=_total_steps(steps_per_epoch, max_epochs), eta_min=cfg.eta_min)
+
+
+def build_step(cfg, optimizer, steps_per_epoch: int, max_epochs: int) -> LRScheduler:
+    return torch.optim.lr_scheduler.StepLR(
+        optimizer, step_size=max(1, cfg.step_epochs * steps_per_epoch), gamma=cfg.gamma)
+
+
+def build_onecycle(cfg, optimizer, steps_per_epoch: int, max_epochs: int) -> LRScheduler:
+    max_lr = cfg.max_lr if cfg.max_lr is not None else optimizer.param_groups[0]["lr"]
+    return torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, max_lr=max_lr, total_steps=_total_steps(steps_per_epoch, max_epochs),
+        pct_start=cfg.pct_start, div_factor=cfg.div_factor, final_div_factor=cfg.final_div_factor)
 
 
 def rebuild_scheduler_at(cfg, optimizer: torch.optim.Optimizer, steps_per_epoch: int,

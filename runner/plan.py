@@ -17,7 +17,7 @@ from typing import Any, Mapping, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from runner import checkpoint
+from runner import checkpoint, options, targets
 from runner.errors import ConfigError
 from runner.paths import config_dir
 from runner.precision import Finding, Properties, Resolution, resolve
@@ -65,7 +65,9 @@ def check_config(cfg: DictConfig) -> tuple[torch.device, Resolution]:
     if cfg.trainer.sync_batchnorm and device.type != "cuda":
         raise ConfigError("trainer.sync_batchnorm", "SyncBatchNorm needs CUDA GPUs (NCCL); it has "
                           f"no implementation on {device.type} (Gloo)", "false on a CPU")
-    return device, resolve_precision(cfg, device)
+    resolution = resolve_precision(cfg, device)
+    check_parts(cfg)
+    return device, resolution
 
 
 def select_device(name: str) -> torch.device:
@@ -137,13 +139,14 @@ def resolve_precision(cfg: DictConfig, device: torch.device | DeviceInfo) -> Res
 
 
 def default_run_name(cfg: DictConfig, properties: Optional[Properties] = None) -> str:
-    """`mlflow.run_name`, or `<model>-<level>` (e.g. densenet161-O2) with what sets the run apart
+    """`mlflow.run_name`, or `<model>-<level>` (e.g. densenet161-O2; a zoo model's arch,
+    vit_b_16-O2; a `_target_` model's class, MyNet-O2) with what sets the run apart
     from the other runs of a sweep: `-bf16` where it computes in bfloat16 (`-fp8` with fp8 Linear
     layers instead), `-sr` with stochastic rounding, `-compiled` through torch.compile.
     `properties`: the resolved ones, when the caller has them (else resolved here)."""
     if cfg.mlflow.run_name:
         return cfg.mlflow.run_name
-    name = f"{cfg.model.name}-{cfg.precision.opt_level}"
+    name = f"{options.label(cfg.model)}-{cfg.precision.opt_level}"
     if properties is None:
         values = OmegaConf.to_container(cfg.precision, resolve=True)
         try:
@@ -178,3 +181,84 @@ def shape_findings(cfg: DictConfig, properties: Properties, device_info: DeviceI
         with torch.device("meta"):
             model = build_model(cfg.model, num_classes, cfg.data.image_size)
     return tensor_core_findings(model, cfg.trainer.batch_size, properties, device_info)
+
+
+# ---- the model, the data and the loss ----------------------------------------------------------
+def check_parts(cfg: DictConfig) -> None:
+    """What the model, data and loss configs name, before anything is built: a zoo's model name,
+    the user's `_target_`s (imported, arguments bound to their signatures), and the model's
+    output against the data's classes (built on the meta device, one forward), so that a dry
+    run and a sweep's up-front check find them too. Raises ConfigError naming the key."""
+    for group in ("model", "data"):
+        spec = options.spec_for(group, cfg[group])
+        if spec is not None:
+            spec.run_check(cfg[group])
+    if "loss" in cfg:
+        targets.check("loss", cfg.loss)
+    declared = declared_input(cfg)
+    if declared is not None:
+        check_model_output(cfg.model, *declared)
+
+
+def declared_input(cfg: DictConfig) -> Optional[tuple[int, tuple[int, ...]]]:
+    """(classes, input shape) the `data` config implies without loading anything: a built-in
+    option's (3-channel images of data.image_size); None where only the dataset can tell."""
+    from runner.data import declared_num_classes
+
+    spec = options.spec_for("data", cfg.data)
+    num_classes = declared_num_classes(cfg.data)
+    if spec is None or not spec.by_name or num_classes is None:
+        return None
+    size = int(cfg.data.image_size)
+    return num_classes, (3, size, size)
+
+
+_CHECKED_OUTPUTS: set[tuple[str, int, tuple[int, ...]]] = set()  # (model yaml, classes, shape)
+
+
+def _output_key(node: Any) -> str:
+    """The key to name when a model's output does not fit the data."""
+    for key in (node.get(targets.NUM_CLASSES_ARG), "num_classes"):
+        if key is not None and key in node:
+            return f"model.{key}"
+    if options.has_target(node):
+        return "model._target_"
+    return "model.arch" if "arch" in node else "model.name"
+
+
+def check_model_output(node: Any, num_classes: int, shape: tuple[int, ...]) -> None:
+    """Build the model on the meta device (shapes only: no memory, no data) and run one forward
+    of a 2-sample batch of `shape`: its output must be logits of shape (2, num_classes). An op
+    without a meta implementation skips the check (the real run finds any problem)."""
+    from runner.models import build_model
+
+    memo = (OmegaConf.to_yaml(node, resolve=True), int(num_classes), tuple(shape))
+    if memo in _CHECKED_OUTPUTS:
+        return
+    label = options.label(node)
+    batch = (2, *shape)
+    try:
+        with torch.device("meta"):
+            model = build_model(node, num_classes, shape[-1])
+    except ConfigError:
+        raise
+    except NotImplementedError:
+        return
+    except Exception as exc:
+        rejected = targets.rejected_argument(exc)
+        raise ConfigError(f"model.{rejected}" if rejected else _output_key(node),
+                          f"building {label} failed: {type(exc).__name__}: {exc}") from None
+    try:
+        with torch.no_grad():
+            out = model(torch.empty(batch, device="meta"))
+    except NotImplementedError:
+        return
+    except Exception as exc:
+        raise ConfigError(_output_key(node), f"{label} fails on a batch of shape {batch} (the "
+                          f"data's): {type(exc).__name__}: {exc}") from None
+    got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+    if got != (2, num_classes):
+        raise ConfigError(_output_key(node), f"{label} outputs {got} for a batch of shape "
+                          f"{batch}, but the data has {num_classes} classes",
+                          f"a model whose output is (batch, {num_classes}): logits, one per class")
+    _CHECKED_OUTPUTS.add(memo)

@@ -173,7 +173,8 @@ def to_row(client, run) -> Row:
         run_id=run.info.run_id,
         run_name=run.info.run_name,
         status=run.info.status,
-        model=params.get("model.name", "?"),
+        # a zoo model's arch or a _target_ model's class (the `model` tag), else the option name
+        model=run.data.tags.get(tag.MODEL) or params.get("model.name", "?"),
         optimizer=params.get("optimizer.name", "?"),
         level=params.get("precision.opt_level", "?"),
         dtype=describe_dtype(precision) if precision else "?",

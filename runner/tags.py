@@ -13,6 +13,8 @@ EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 # ---- every run ------------------------------------------------------------------------------
 ERROR = "error"  # why a run ended FAILED or KILLED
 OPT_LEVEL = "opt_level"
+MODEL = "model"  # what the run name calls the model: a zoo's arch, a _target_'s class, a name
+MODEL_CLASS = "model.class"  # the built model's class, module-qualified (my_pkg.nets.MyNet)
 OVERRIDES = "overrides"  # the command-line overrides of the job
 COMMAND = "command"  # the whole command line
 PEAK_MEM_KIND = "peak_mem_kind"  # what peak_mem_mb measures on this device

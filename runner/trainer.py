@@ -103,6 +103,7 @@ class Trainer:
         stop: StopRequest | None = None,
         on_artifact: diag.ArtifactSink | None = None,
         artifact_dir: Path | None = None,
+        criterion: nn.Module | None = None,
     ):
         """`on_artifact(path, folder)` takes the files the trainer writes (the diagnostics; e.g.
         TrackedRun.log_file), written under `artifact_dir` (None: a new temporary folder)."""
@@ -120,7 +121,8 @@ class Trainer:
         self.cfg = cfg
         self.on_metrics = on_metrics
         self.memory = memory
-        self.criterion = nn.CrossEntropyLoss()
+        # the loss (runner.app.build_loss: the `loss` group); cross-entropy by default
+        self.criterion = criterion if criterion is not None else nn.CrossEntropyLoss()
         self.train_batches = limit_batches(len(train_loader), cfg.limit_train_batches)
         self.val_batches = limit_batches(len(val_loader), cfg.limit_val_batches)
         self.global_step = 0
@@ -407,7 +409,8 @@ class Trainer:
             x, y = self._to_device(x, y)
             with self.engine.autocast():
                 logits = self.module(x)
-            loss_sum += nn.functional.cross_entropy(logits.float(), y, reduction="sum")
+            # the training criterion, as a sum over the batch (it returns the batch mean)
+            loss_sum += self.criterion(logits.float(), y).double() * y.shape[0]
             correct += (logits.argmax(dim=1) == y).sum()
             seen += y.shape[0]
         totals = self.comm.sum_(torch.stack(

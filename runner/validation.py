@@ -2,90 +2,47 @@
 
 Hydra and the schemas in `runner.config` already reject unknown keys, wrong types and unknown
 group choices; this catches the rest (a negative lr, an unknown model name, a data.root that does
-not exist) with a message naming the key, what was wrong and what is allowed.
+not exist) with a message naming the key, what was wrong and what is allowed. The rules of an
+option live with its spec (`runner.options`); those of the other groups are here.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
-import os
-from typing import Any, Callable
 
 from omegaconf import DictConfig, OmegaConf
 
-from runner.config import (
-    COMPILE_MODES,
-    DATASET_NAMES,
-    DEVICES,
-    MODEL_NAMES,
-    OPTIMIZER_NAMES,
-    SCHEDULER_NAMES,
-)
+from runner import options
+from runner.config import COMPILE_MODES, DEVICES
 from runner.csrc import CHOICES as KERNEL_CHOICES
-from runner.models import NORMS
 from runner.errors import ConfigError
-
-Rule = tuple[str, Callable[[Any], bool], str]
-
-
-def _finite(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def positive(v: Any) -> bool:
-    return _finite(v) and v > 0
-
-
-def non_negative(v: Any) -> bool:
-    return _finite(v) and v >= 0
-
-
-def unit_interval(v: Any) -> bool:  # [0, 1)
-    return _finite(v) and 0 <= v < 1
-
-
-SEED_RANGE = "an integer in [0, 2**63)"
-
-
-def seed(v: Any) -> bool:  # what torch.manual_seed and a generator take, without wrapping
-    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63
-
-
-def optional(rule: Callable[[Any], bool]) -> Callable[[Any], bool]:
-    return lambda v: v is None or rule(v)
-
-
-def one_of(choices: tuple[str, ...]) -> Callable[[Any], bool]:
-    return lambda v: v in choices
+from runner.values import (  # noqa: F401  (the predicates, where they were before)
+    SEED_RANGE,
+    Rule,
+    finite,
+    non_negative,
+    one_of,
+    optional,
+    positive,
+    seed,
+    unit_interval,
+)
 
 
 def _rules(cfg: DictConfig) -> list[Rule]:
     """(key, predicate, what is allowed) for every key present in this config."""
-    rules: list[Rule] = [
-        ("model.name", one_of(MODEL_NAMES), ", ".join(MODEL_NAMES)),
-        ("model.width", lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
-        ("model.norm", one_of(NORMS), ", ".join(NORMS)),
-        ("data.name", one_of(DATASET_NAMES), ", ".join(DATASET_NAMES)),
-        ("data.image_size", lambda v: isinstance(v, int) and v >= 8, "an integer >= 8"),
-        ("optimizer.name", one_of(OPTIMIZER_NAMES), ", ".join(OPTIMIZER_NAMES)),
-        ("optimizer.lr", positive, "a finite number > 0"),
-        ("optimizer.weight_decay", non_negative, "a finite number >= 0"),
-        ("optimizer.momentum", unit_interval, "a number in [0, 1)"),
-        ("optimizer.dampening", unit_interval, "a number in [0, 1)"),
-        ("optimizer.eps", positive, "a finite number > 0"),
-        (
-            "optimizer.betas",
-            lambda v: v is not None and len(v) == 2 and all(unit_interval(b) for b in v),
-            "two numbers in [0, 1), e.g. [0.9, 0.999]",
-        ),
-        ("scheduler.name", one_of(SCHEDULER_NAMES), ", ".join(SCHEDULER_NAMES)),
-        ("scheduler.eta_min", non_negative, "a finite number >= 0"),
-        ("scheduler.step_epochs", lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
-        ("scheduler.gamma", lambda v: _finite(v) and 0 < v <= 1, "a number in (0, 1]"),
-        ("scheduler.max_lr", optional(positive), "null or a finite number > 0"),
-        ("scheduler.pct_start", lambda v: _finite(v) and 0 < v < 1, "a number in (0, 1)"),
-        ("scheduler.div_factor", positive, "a finite number > 0"),
-        ("scheduler.final_div_factor", positive, "a finite number > 0"),
+    rules: list[Rule] = []
+    for group in options.GROUPS:  # the name (unless a `_target_` names the callable), its rules
+        node = cfg.get(group)
+        if node is None:
+            continue
+        if not options.has_target(node):
+            names = options.names(group)
+            rules.append((f"{group}.name", one_of(names), ", ".join(names)))
+        spec = options.spec_for(group, node)
+        if spec is not None:
+            rules += [(f"{group}.{key}", ok, allowed) for key, ok, allowed in spec.rules]
+    rules += [
+        ("loss.label_smoothing", lambda v: finite(v) and 0 <= v < 1, "a number in [0, 1)"),
         ("precision.kernels", one_of(KERNEL_CHOICES), ", ".join(KERNEL_CHOICES)),
         ("data.seed", seed, SEED_RANGE),
         ("trainer.seed", seed, SEED_RANGE),
@@ -107,28 +64,10 @@ def _rules(cfg: DictConfig) -> list[Rule]:
          "an integer >= 0 (0: off; n: diagnose steps 1, 1+n, 1+2n, ...)"),
         ("mlflow.tracking_uri", lambda v: bool(v and v.strip()), "a non-empty MLflow URI"),
         ("mlflow.experiment_name", lambda v: bool(v and v.strip()), "a non-empty name"),
-        ("mlflow.heartbeat_s", lambda v: _finite(v) and v >= 1, "a number of seconds >= 1"),
+        ("mlflow.heartbeat_s", lambda v: finite(v) and v >= 1, "a number of seconds >= 1"),
         ("mlflow.stale_after_s", positive, "a finite number of seconds > 0, at least twice "
          "mlflow.heartbeat_s"),
     ]
-    name = cfg.data.get("name")
-    if name == "synthetic":
-        rules += [
-            ("data.num_train", lambda v: v >= 1, "an integer >= 1"),
-            ("data.num_val", lambda v: v >= 1, "an integer >= 1"),
-            ("data.num_classes", lambda v: v >= 2, "an integer >= 2"),
-            ("data.noise", non_negative, "a finite number >= 0"),
-        ]
-    elif name in ("cifar10", "cifar100"):
-        rules += [
-            ("data.image_size", lambda v: v == 32, "32 (CIFAR images are 32x32)"),
-            ("data.root", lambda v: not os.path.isfile(v), "a folder (it is a file)"),
-        ]
-    elif name == "imagefolder":
-        rules += [
-            ("data.root", os.path.isdir, "an existing folder with train/ and val/ class folders"),
-            ("data.num_classes", optional(lambda v: v >= 2), "null or an integer >= 2"),
-        ]
     return rules
 
 

@@ -218,6 +218,9 @@ VALUE_CASES = [
         (["mlflow.stale_after_s=0"], "mlflow.stale_after_s"),
         (["mlflow.heartbeat_s=60", "mlflow.stale_after_s=100"], "mlflow.stale_after_s"),
         (["trainer.compile_mode=fastest"], "trainer.compile_mode"),
+        (["loss.label_smoothing=1.0"], "loss.label_smoothing"),
+        (["model=vit_tiny", "model.patch_size=0"], "model.patch_size"),
+        (["model=torchvision", "model.arch= "], "model.arch"),
 ]
 
 

@@ -1,0 +1,326 @@
+"""The built-in options of the model, data, optimizer and scheduler groups: one `Spec` each.
+
+A spec holds everything about an option in one place: its schema (the dataclass that types the
+option's YAML, stored as `schema/<group>/<kind>`; None for an option whose extra keys pass through
+to its builder as arguments), its value rules, and its builder (a "module:function" path, imported
+when a run builds it). The name lists (`MODEL_NAMES`, ...), the schemas Hydra types the options
+with and the value rules `runner.validation` applies are all derived from `SPECS`: adding a
+built-in option is one spec here plus its YAML file in conf/<group>/.
+
+Beyond the built-in names, a `model`, `data` or `loss` node with a `_target_` is the user's own
+callable (`runner.targets`), built by the group's `TARGET_SPECS` entry. Torch-free: this module is
+imported while Hydra composes.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, Mapping, Optional
+
+from omegaconf import MISSING
+
+from runner.values import (
+    Rule,
+    integer_at_least,
+    non_negative,
+    one_of,
+    optional,
+    positive,
+    unit_interval,
+    finite,
+)
+
+
+# ---- schemas -------------------------------------------------------------------------------
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    # Replace the ImageNet stem (7x7/2 conv + max-pool) with a 3x3/1 conv for 32x32 inputs.
+    # null = automatic: on for images of at most 64 pixels.
+    small_input: Optional[bool] = None
+
+
+NORMS = ("batch", "group")
+
+
+@dataclass
+class TinyModelConfig(ModelConfig):
+    width: int = 16
+    norm: str = "batch"  # batch | group (GroupNorm: no batch statistics, e.g. for DDP tests)
+
+
+@dataclass
+class VitTinyConfig:
+    """torchvision's VisionTransformer, small: 32-px images in 8x8 patches of 4 px."""
+    name: str = MISSING
+    image_size: int = 32  # must equal the data's image size (vit_tiny.yaml interpolates it)
+    patch_size: int = 4
+    num_layers: int = 4
+    num_heads: int = 4
+    hidden_dim: int = 128  # a multiple of num_heads (and of 16: Tensor Core friendly)
+    mlp_dim: int = 256
+
+
+@dataclass
+class DataConfig:
+    name: str = MISSING
+    image_size: int = 32
+
+
+@dataclass
+class CifarConfig(DataConfig):
+    root: str = "data"
+    download: bool = True
+    augment: bool = True
+
+
+@dataclass
+class ImageFolderConfig(DataConfig):
+    root: str = MISSING
+    train_dir: str = "train"
+    val_dir: str = "val"
+    num_classes: Optional[int] = None  # null = the number of class folders found
+    augment: bool = True
+    image_size: int = 224
+
+
+@dataclass
+class SyntheticConfig(DataConfig):
+    num_train: int = 10000
+    num_val: int = 2000
+    num_classes: int = 10
+    seed: int = 0
+    noise: float = 1.0  # std of the per-image noise added to the class pattern
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = MISSING
+    lr: float = 0.1
+    weight_decay: float = 0.0
+
+
+@dataclass
+class SGDConfig(OptimizerConfig):
+    momentum: float = 0.9
+    dampening: float = 0.0
+    nesterov: bool = False
+
+
+@dataclass
+class AdamConfig(OptimizerConfig):
+    lr: float = 1e-3
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    amsgrad: bool = False
+
+
+@dataclass
+class SchedulerConfig:
+    name: str = MISSING
+
+
+@dataclass
+class CosineConfig(SchedulerConfig):
+    eta_min: float = 0.0
+
+
+@dataclass
+class StepLRConfig(SchedulerConfig):
+    step_epochs: int = 30
+    gamma: float = 0.1
+
+
+@dataclass
+class OneCycleConfig(SchedulerConfig):
+    max_lr: Optional[float] = None  # null = the optimizer's lr
+    pct_start: float = 0.3
+    div_factor: float = 25.0
+    final_div_factor: float = 1e4
+
+
+# ---- specs ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Spec:
+    """One option: `group`/`name`, its builder ("module:function"), its schema (`kind`: the name
+    it is stored under, `schema/<group>/<kind>`; None: untyped, extra keys are the builder's
+    arguments), its value rules (keys under the group) and, for data, the number of classes it
+    has without loading anything (`classes`: a function of the data node)."""
+
+    group: str
+    name: str
+    builder: str
+    kind: Optional[str] = None
+    schema: Optional[type] = None
+    rules: tuple[Rule, ...] = ()
+    classes: Optional[Callable[[Any], Optional[int]]] = None
+    by_name: bool = True  # builds from its name alone (False: needs arch or _target_)
+    check: Optional[str] = None  # "module:function(node)": checks before any work (imports)
+
+    def build(self) -> Callable[..., Any]:
+        return _load(self.builder)
+
+    def run_check(self, node: Any) -> None:
+        if self.check is not None:
+            _load(self.check)(node)
+
+
+def _load(path: str) -> Callable[..., Any]:
+    module, _, function = path.partition(":")
+    return getattr(importlib.import_module(module), function)
+
+
+_INT_1 = (integer_at_least(1), "an integer >= 1")
+_TINY_RULES = (("width", *_INT_1), ("norm", one_of(NORMS), ", ".join(NORMS)))
+_VIT_RULES = tuple((k, *_INT_1) for k in ("image_size", "patch_size", "num_layers",
+                                           "num_heads", "hidden_dim", "mlp_dim"))
+_ZOO_RULES = (("arch", lambda v: isinstance(v, str) and bool(v.strip()), "a model name"),)
+_DATA_RULES = (("image_size", lambda v: isinstance(v, int) and v >= 8, "an integer >= 8"),)
+_CIFAR_RULES = (
+    ("image_size", lambda v: v == 32, "32 (CIFAR images are 32x32)"),
+    ("root", lambda v: not os.path.isfile(v), "a folder (it is a file)"),
+)
+_OPT_RULES = (
+    ("lr", positive, "a finite number > 0"),
+    ("weight_decay", non_negative, "a finite number >= 0"),
+)
+_ADAM_RULES = _OPT_RULES + (
+    ("eps", positive, "a finite number > 0"),
+    ("betas", lambda v: v is not None and len(v) == 2 and all(unit_interval(b) for b in v),
+     "two numbers in [0, 1), e.g. [0.9, 0.999]"),
+)
+
+
+def _torchvision(name: str, builder: str = "runner.models:build_torchvision_named") -> Spec:
+    return Spec("model", name, builder, "torchvision", ModelConfig)
+
+
+def _synthetic_classes(node: Any) -> Optional[int]:
+    return int(node.get("num_classes", 10))
+
+
+def _imagefolder_classes(node: Any) -> Optional[int]:
+    wanted = node.get("num_classes")
+    if wanted is not None:
+        return int(wanted)
+    train = os.path.join(str(node.get("root", "")), str(node.get("train_dir", "train")))
+    if os.path.isdir(train):
+        return sum(entry.is_dir() for entry in os.scandir(train)) or None
+    return None
+
+
+def _declared_classes(node: Any) -> Optional[int]:
+    wanted = node.get("num_classes")
+    return None if wanted is None else int(wanted)
+
+
+SPECS: tuple[Spec, ...] = (
+    # models: tiny CNNs, torchvision architectures by name, a small ViT, and the zoos
+    Spec("model", "tiny", "runner.models:build_tiny", "tiny", TinyModelConfig, _TINY_RULES),
+    *(_torchvision(n) for n in ("resnet18", "resnet50", "densenet161", "vgg16", "vgg16_bn",
+                                "resnext50_32x4d")),
+    Spec("model", "vit_tiny", "runner.models:build_vit_tiny", "vit_tiny", VitTinyConfig,
+         _VIT_RULES),
+    Spec("model", "torchvision", "runner.models:build_torchvision_zoo", rules=_ZOO_RULES,
+         by_name=False, check="runner.models:check_torchvision_zoo"),
+    Spec("model", "timm", "runner.models:build_timm", rules=_ZOO_RULES, by_name=False,
+         check="runner.models:check_timm"),
+    Spec("model", "custom", "runner.models:build_target", by_name=False,
+         check="runner.models:check_target"),
+    # data
+    Spec("data", "synthetic", "runner.data:build_synthetic", "synthetic", SyntheticConfig,
+         _DATA_RULES + (
+             ("num_train", *_INT_1),
+             ("num_val", *_INT_1),
+             ("num_classes", integer_at_least(2), "an integer >= 2"),
+             ("noise", non_negative, "a finite number >= 0"),
+         ), classes=_synthetic_classes),
+    Spec("data", "cifar10", "runner.data:build_cifar", "cifar", CifarConfig,
+         _DATA_RULES + _CIFAR_RULES, classes=lambda node: 10),
+    Spec("data", "cifar100", "runner.data:build_cifar", "cifar", CifarConfig,
+         _DATA_RULES + _CIFAR_RULES, classes=lambda node: 100),
+    Spec("data", "imagefolder", "runner.data:build_imagefolder", "imagefolder",
+         ImageFolderConfig, _DATA_RULES + (
+             ("root", os.path.isdir, "an existing folder with train/ and val/ class folders"),
+             ("num_classes", optional(integer_at_least(2)), "null or an integer >= 2"),
+         ), classes=_imagefolder_classes),
+    Spec("data", "custom", "runner.data:build_target", classes=_declared_classes,
+         rules=(("num_classes", optional(integer_at_least(1)), "null or an integer >= 1"),),
+         by_name=False, check="runner.data:check_target"),
+    # optimizers
+    Spec("optimizer", "sgd", "runner.optim:build_sgd", "sgd", SGDConfig, _OPT_RULES + (
+        ("momentum", unit_interval, "a number in [0, 1)"),
+        ("dampening", unit_interval, "a number in [0, 1)"),
+    )),
+    Spec("optimizer", "adam", "runner.optim:build_adam", "adam", AdamConfig, _ADAM_RULES),
+    Spec("optimizer", "adamw", "runner.optim:build_adamw", "adam", AdamConfig, _ADAM_RULES),
+    # schedulers (stepped once per optimizer-step attempt)
+    Spec("scheduler", "none", "runner.optim:build_no_scheduler", "none", SchedulerConfig),
+    Spec("scheduler", "cosine", "runner.optim:build_cosine", "cosine", CosineConfig,
+         (("eta_min", non_negative, "a finite number >= 0"),)),
+    Spec("scheduler", "step", "runner.optim:build_step", "step", StepLRConfig, (
+        ("step_epochs", *_INT_1),
+        ("gamma", lambda v: finite(v) and 0 < v <= 1, "a number in (0, 1]"),
+    )),
+    Spec("scheduler", "onecycle", "runner.optim:build_onecycle", "onecycle", OneCycleConfig, (
+        ("max_lr", optional(positive), "null or a finite number > 0"),
+        ("pct_start", lambda v: finite(v) and 0 < v < 1, "a number in (0, 1)"),
+        ("div_factor", positive, "a finite number > 0"),
+        ("final_div_factor", positive, "a finite number > 0"),
+    )),
+)
+
+GROUPS = ("model", "data", "optimizer", "scheduler")
+# the spec that builds a node with a `_target_` (the user's own callable), per group
+TARGET_SPECS = {"model": "custom", "data": "custom"}
+
+
+def names(group: str) -> tuple[str, ...]:
+    return tuple(s.name for s in SPECS if s.group == group)
+
+
+def built_in(group: str) -> tuple[str, ...]:
+    """The options that build from their name alone (no arch, no _target_)."""
+    return tuple(s.name for s in SPECS if s.group == group and s.by_name)
+
+
+def schemas() -> dict[str, dict[str, type]]:
+    """{group: {kind: schema}} for Hydra's ConfigStore (`schema/<group>/<kind>`)."""
+    out: dict[str, dict[str, type]] = {}
+    for s in SPECS:
+        if s.kind is not None:
+            out.setdefault(s.group, {})[s.kind] = s.schema
+    return out
+
+
+def has_target(node: Any) -> bool:
+    return hasattr(node, "keys") and "_target_" in node.keys()
+
+
+def spec_for(group: str, node: Any) -> Optional[Spec]:
+    """The spec that builds `node`: the group's target spec for a `_target_` node, else the one
+    its `name` names (None: an unknown name)."""
+    name = TARGET_SPECS.get(group) if has_target(node) else (
+        node.get("name") if hasattr(node, "get") else getattr(node, "name", None))
+    return next((s for s in SPECS if s.group == group and s.name == name), None)
+
+
+def label(node: Mapping[str, Any]) -> str:
+    """What a model (or dataset) is called in run names and reports: a zoo model's arch
+    (vit_b_16), a `_target_`'s class or function (its path's last part, MyNet), else the
+    option's name."""
+    arch = node.get("arch")
+    if arch:
+        return str(arch)
+    target = node.get("_target_")
+    if target:
+        return str(target).rsplit(".", 1)[-1]
+    return str(node.get("name") or "model")
+
+
+MODEL_NAMES = names("model")
+DATASET_NAMES = names("data")
+OPTIMIZER_NAMES = names("optimizer")
+SCHEDULER_NAMES = names("scheduler")
+BUILT_IN_MODELS = built_in("model")
