@@ -69,7 +69,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
     import torch
 
-    from runner.config import MODEL_NAMES
+    from runner.config import BUILT_IN_MODELS as MODEL_NAMES  # by name alone
 
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is available")

@@ -246,7 +246,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.warmup < 0:
         p.error("--warmup must be >= 0")
-    from runner.config import MODEL_NAMES
+    from runner.config import BUILT_IN_MODELS as MODEL_NAMES  # by name alone
 
     if args.model not in MODEL_NAMES:
         p.error(f"unknown model {args.model!r}; choose from {', '.join(MODEL_NAMES)}")

@@ -70,6 +70,9 @@ FORMAT = 2  # the digest in the zip comment; RNG states as tensors and plain typ
 LEGACY_FORMAT = 1  # no digest; NumPy's RNG state as an ndarray
 # config keys a resumed run may change: the epoch budget may grow, and these say how to resume
 RESUMABLE_CHANGES = ("trainer.max_epochs", "resume")
+# keys added to the config after checkpoints were written without them: the value those runs had
+# (before the `loss` group, every run trained with a plain cross-entropy)
+IMPLIED_BEFORE = {"loss._target_": "torch.nn.CrossEntropyLoss", "loss.label_smoothing": 0.0}
 
 _ALLOWED = "an intact checkpoint written by amp-runner"
 _TRAILER_PREFIX = b"amp-runner checkpoint format 2 sha256:"
@@ -515,7 +518,7 @@ def config_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> 
     for key in sorted(set(a) | set(b)):
         if key in RESUMABLE_CHANGES:
             continue
-        old, new = a.get(key, missing), b.get(key, missing)
+        old, new = a.get(key, IMPLIED_BEFORE.get(key, missing)), b.get(key, missing)
         if old != new:
             show = lambda v: "(absent)" if v is missing else repr(v)  # noqa: E731
             out.append(f"{key}: {show(old)} -> {show(new)}")

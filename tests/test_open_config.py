@@ -332,3 +332,18 @@ def test_name_lists_are_derived_from_the_specs():
     assert SCHEMAS["model"]["vit_tiny"] is options.VitTinyConfig
     with pytest.raises(ConfigError, match="model.name: unknown model 'nope'"):
         build_model(compose_config("model=tiny", "model.name=nope").model, 3, 32)
+
+
+def test_a_checkpoint_from_before_the_loss_group_resumes_with_the_default_loss():
+    """Such a checkpoint's config has no `loss`: its runs trained with plain cross-entropy, so
+    only a different loss is a difference."""
+    from omegaconf import OmegaConf
+
+    from runner.checkpoint import config_differences
+
+    current = OmegaConf.to_container(compose_config(*SYNTHETIC), resolve=True)
+    before = {k: v for k, v in current.items() if k != "loss"}
+    assert config_differences(before, current) == []
+    smoothed = OmegaConf.to_container(compose_config(*SYNTHETIC, "loss.label_smoothing=0.1"),
+                                      resolve=True)
+    assert config_differences(before, smoothed) == ["loss.label_smoothing: 0.0 -> 0.1"]
