@@ -172,7 +172,7 @@ def test_own_model_data_and_loss_from_a_config_dir_and_the_cli(project: Path):
 @pytest.mark.slow
 def test_zoo_models_by_name_train_to_finished_runs(tmp_path: Path):
     """timm's ViT-S/16 (two blocks, at 32 px) and torchvision's MobileNetV3 by name, with
-    arguments the zoo option does not know passed through."""
+    arguments the zoo option does not know passed through, and vit_tiny."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     common = [*SYNTHETIC, *QUICK, "trainer.limit_train_batches=1", f"mlflow.tracking_uri={uri}"]
     timm_run = run_cli("model=timm", "model.arch=vit_small_patch16_224", "+model.img_size=32",
@@ -180,8 +180,11 @@ def test_zoo_models_by_name_train_to_finished_runs(tmp_path: Path):
                        cwd=tmp_path)
     check_output(timm_run)
     assert run_in_process("model=torchvision", "model.arch=mobilenet_v3_small", *common) == 0
+    # the built-in small ViT trains on a CPU in seconds
+    assert run_in_process("model=vit_tiny", "precision=o2_bf16", "optimizer=adamw", *common) == 0
     runs = finished_runs(uri)
-    assert set(runs) == {"vit_small_patch16_224-O1-bf16", "mobilenet_v3_small-O0"}
+    assert set(runs) == {"vit_small_patch16_224-O1-bf16", "mobilenet_v3_small-O0",
+                         "vit_tiny-O2-bf16"}
     timm = runs["vit_small_patch16_224-O1-bf16"]
     assert timm.data.params["model.arch"] == "vit_small_patch16_224"
     assert timm.data.params["model.img_size"] == "32" and timm.data.params["model.depth"] == "2"
@@ -213,13 +216,6 @@ def test_vision_transformers_build_and_run_at_32_px():
     torch.manual_seed(0)
     out = build_model(tiny.model, 4, 32)(x)
     assert out.shape == (2, 4) and torch.isfinite(out).all()
-
-
-def test_vit_tiny_trains_on_a_cpu_in_seconds(tmp_path: Path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    assert run_in_process("model=vit_tiny", *SYNTHETIC, *QUICK, "precision=o2_bf16",
-                          "optimizer=adamw", f"mlflow.tracking_uri={uri}") == 0
-    assert set(finished_runs(uri)) == {"vit_tiny-O2-bf16"}
 
 
 def test_the_torchvision_zoo_gives_resnets_the_cifar_stem():
