@@ -26,7 +26,7 @@ from torch import nn
 
 from runner import options, targets
 from runner.errors import ConfigError
-from runner.options import MODEL_NAMES, NORMS
+from runner.options import MODEL_NAMES, NORMS  # noqa: F401  (NORMS: where it was before)
 
 # Largest image side for which `small_input: null` picks the small stem.
 SMALL_INPUT_MAX_SIZE = 64
@@ -223,7 +223,7 @@ TARGET_KEYS = ("name", "small_input")  # the runner's keys of a `_target_` model
 
 def _num_classes_extra(cfg: Any, num_classes: int) -> dict[str, int]:
     target = targets.resolve("model._target_", cfg["_target_"])
-    arg = targets.num_classes_arg("model", cfg, target, required=True)
+    arg = targets.num_classes_arg("model", cfg, target)
     return {arg: num_classes} if arg else {}
 
 

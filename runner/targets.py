@@ -123,18 +123,17 @@ def check_arguments(group: str, path: str, target: Any, kwargs: Mapping[str, Any
                           names) from None
 
 
-def num_classes_arg(group: str, node: Any, target: Any, required: bool) -> Optional[str]:
+def num_classes_arg(group: str, node: Any, target: Any) -> Optional[str]:
     """The argument the number of classes goes to: the one `_num_classes_` names (which the
-    callable must take), else `num_classes` when the callable takes it; None: not passed."""
+    callable must take), else `num_classes` when the callable takes it and the node does not set
+    it itself (a value of the user's is passed as it is); None: not passed."""
     named = node.get(NUM_CLASSES_ARG) if hasattr(node, "get") else None
     if named is not None:
         if not accepts(target, str(named)):
             raise ConfigError(f"{group}.{NUM_CLASSES_ARG}",
                               f"{node[TARGET]} takes no argument {named!r}")
         return str(named)
-    if "num_classes" in node and not required:
-        return None  # set by the user: passed as it is
-    if accepts(target, "num_classes"):
+    if "num_classes" not in node and accepts(target, "num_classes"):
         return "num_classes"
     return None
 

@@ -6,7 +6,6 @@ input a `_target_` or a zoo name can be: exit 2, no traceback, no MLflow run.
 """
 from __future__ import annotations
 
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -218,6 +217,13 @@ def test_vision_transformers_build_and_run_at_32_px():
     assert out.shape == (2, 4) and torch.isfinite(out).all()
 
 
+def test_the_number_of_classes_goes_to_the_argument_the_option_names(project: Path):
+    cfg = compose_config("model=custom", "model._target_=my_pkg.nets.Head",
+                         "+model._num_classes_=n_out", *SYNTHETIC)
+    make_plan(cfg)  # the output fits: 4 classes went to n_out
+    assert build_model(cfg.model, 4, 32).net[-1].out_features == 4
+
+
 def test_the_torchvision_zoo_gives_resnets_the_cifar_stem():
     small = build_model(compose_config("model=torchvision", "model.arch=wide_resnet50_2").model,
                         10, 32)
@@ -257,6 +263,9 @@ BAD = [
      "model._num_classes_", "takes no argument 'width'"),
     (["--config-dir", "my_conf", "model=seven"], "model._target_",
      "outputs (2, 7) for a batch of shape (2, 3, 32, 32), but the data has 4 classes"),
+    (["model=custom", "model._target_=my_pkg.nets.MyNet", "+model.num_classes=5"],
+     "model.num_classes", "MyNet outputs (2, 5) for a batch of shape (2, 3, 32, 32), but the "
+     "data has 4 classes"),
     (["model=tiny", "+model.num_classes=3"], "model.num_classes", "unknown key"),
     (["model=torchvision", "model.arch=vit_b16"], "model.arch",
      "unknown torchvision model 'vit_b16'; closest: vit_b_16"),
