@@ -46,7 +46,7 @@ from typing import Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from common import (REPO, command, compose, csv_list, describe_level,  # noqa: E402
                     fresh_compile_cache, machine, model_label, model_overrides, now, parse_level,
-                    prepare_store, write_results)
+                    parse_seeds, prepare_store, resolve_device, write_results)
 
 EXPERIMENT = "accuracy-parity"
 TARGET_POINTS = 1.0  # a checked level's mean must be within this many points of O0's mean
@@ -164,19 +164,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
     if args.epochs < 1:
         parser.error("--epochs must be at least 1")
-    try:
-        args.seeds = [int(s) for s in (args.seeds or DEFAULT_SEEDS)]
-    except ValueError:
-        parser.error(f"--seeds must be integers, got {args.seeds}")
-    if not args.seeds:
-        parser.error("--seeds is empty")
-
-    import torch
-
-    args.device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" \
-        else args.device
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device is available")
+    args.seeds = parse_seeds(parser, args.seeds, DEFAULT_SEEDS)
+    args.device = resolve_device(parser, args.device)
 
     from runner.plan import preset_options
 

@@ -75,6 +75,57 @@ def csv_list(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
+def int_list(parser, option: str, values: Sequence[Any]) -> list[int]:
+    """`values` (an option's comma-separated parts, or its default) as integers; otherwise the
+    parser's error `--<option> must be integers, got <values>`."""
+    try:
+        return [int(v) for v in values]
+    except ValueError:
+        parser.error(f"--{option} must be integers, got {values}")
+
+
+def parse_seeds(parser, seeds: Optional[Sequence[str]], default: Sequence[int]) -> list[int]:
+    """`--seeds` (its parts, or None) as integers, `default` where none were given; the parser's
+    error where one is not an integer or none are left."""
+    seeds = int_list(parser, "seeds", seeds or default)
+    if not seeds:
+        parser.error("--seeds is empty")
+    return seeds
+
+
+def resolve_device(parser, device: str) -> str:
+    """`--device`: `auto` is cuda where a CUDA device is available, cpu otherwise; `cuda` where
+    none is available is the parser's error."""
+    import torch
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available")
+    return device
+
+
+def check_at_least_one(parser, args, names: Sequence[str]) -> None:
+    """The parser's error `--<name> must be at least 1` for the first of the integer options
+    `names` (attribute names, `image_size` for `--image-size`) below 1; None (an option left to a
+    per-case default) is not checked."""
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+
+
+def check_presets(parser, levels: Sequence[str]) -> None:
+    """The parser's error, with the known presets, where a level of `levels` is not a precision
+    preset (no `+compile` suffix here: see `parse_level` for that)."""
+    from runner.plan import preset_options
+
+    known = preset_options()
+    unknown = [lvl for lvl in levels if lvl not in known]
+    if unknown:
+        parser.error(f"unknown level(s) {', '.join(unknown)}; choose from {', '.join(known)}")
+
+
 def write_results(out: Path, markdown: str, rows: Sequence[dict], fields: Sequence[str],
                   payload: dict) -> list[Path]:
     """The files every benchmark leaves: `out` (the Markdown table), `out`.csv (one row per

@@ -34,8 +34,8 @@ from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from common import (REPO, add_threads_option, apply_threads, build_runner,  # noqa: E402
-                    command, compose, csv_list, load_average, machine, now, one_batch_task,
-                    write_results)
+                    check_at_least_one, command, compose, csv_list, int_list, load_average,
+                    machine, now, one_batch_task, resolve_device, write_results)
 
 VARIANTS = ("off", "diagnosed", "memory meter")
 
@@ -67,22 +67,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     apply_threads(p, args)
 
-    import torch
-
     from runner.config import MODEL_NAMES
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: no CUDA device is available")
+    args.device = resolve_device(p, args.device)
     unknown = [m for m in args.models if m not in MODEL_NAMES]
     if unknown or not args.models:
         p.error(f"unknown model(s) {unknown}; choose from {', '.join(MODEL_NAMES)}")
-    for name in ("image_size", "batch_size", "steps", "rounds"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1")
-    try:
-        args.intervals = [int(v) for v in args.intervals]
-    except ValueError:
-        p.error(f"--intervals must be integers, got {args.intervals}")
+    check_at_least_one(p, args, ("image_size", "batch_size", "steps", "rounds"))
+    args.intervals = int_list(p, "intervals", args.intervals)
     if not args.intervals or any(v < 1 for v in args.intervals):
         p.error("--intervals must be at least 1")
     args.levels = args.levels or (["o0", "o2_bf16"] if args.device == "cpu" else ["o0", "o2"])

@@ -36,8 +36,8 @@ from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from common import (REPO, add_threads_option, apply_threads, build_runner,  # noqa: E402
-                    command, compose, csv_list, load_average, machine, now, one_batch_task,
-                    prepare_store, write_results)
+                    check_at_least_one, command, compose, csv_list, int_list, load_average,
+                    machine, now, one_batch_task, prepare_store, resolve_device, write_results)
 
 EXPERIMENT = "logging-cost"
 TARGET_FRACTION = 0.01
@@ -88,22 +88,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     apply_threads(p, args)
 
-    import torch
-
     from runner.config import MODEL_NAMES
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: no CUDA device is available")
+    args.device = resolve_device(p, args.device)
     if args.model not in MODEL_NAMES:
         p.error(f"unknown model {args.model!r}; choose from {', '.join(MODEL_NAMES)}")
-    for name in ("image_size", "batch_size", "steps", "rounds"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    check_at_least_one(p, args, ("image_size", "batch_size", "steps", "rounds"))
     default = int(compose(["trainer=default"]).trainer.log_every_n_steps)
-    try:
-        intervals = [int(v) for v in (args.intervals or [1, default])]
-    except ValueError:
-        p.error(f"--intervals must be integers, got {args.intervals}")
+    intervals = int_list(p, "intervals", args.intervals or [1, default])
     if any(v < 1 for v in intervals):
         p.error("--intervals must be at least 1")
     args.intervals = list(dict.fromkeys(intervals))

@@ -42,8 +42,9 @@ from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from accuracy import read_run  # noqa: E402
-from common import (REPO, add_threads_option, apply_threads, command, compose,  # noqa: E402
-                    csv_list, describe_level, machine, now, prepare_store, write_results)
+from common import (REPO, add_threads_option, apply_threads, check_presets,  # noqa: E402
+                    command, compose, csv_list, describe_level, machine, now, parse_seeds,
+                    prepare_store, resolve_device, write_results)
 
 EXPERIMENT = "rounding-stall"
 REFERENCE, STALLS, ROUNDS = "o2_bf16", "o3_bf16", "o3_bf16_sr"
@@ -153,27 +154,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--epochs must be at least 1")
     if not (args.lr > 0 and math.isfinite(args.lr)):
         parser.error(f"--lr must be a positive number, got {args.lr}")
-    try:
-        args.seeds = [int(s) for s in (args.seeds or DEFAULT_SEEDS)]
-    except ValueError:
-        parser.error(f"--seeds must be integers, got {args.seeds}")
-    if not args.seeds:
-        parser.error("--seeds is empty")
-
-    import torch
-
-    args.device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" \
-        else args.device
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device is available")
-
-    from runner.plan import preset_options
-
-    known = preset_options()
+    args.seeds = parse_seeds(parser, args.seeds, DEFAULT_SEEDS)
+    args.device = resolve_device(parser, args.device)
     levels = args.levels or LEVELS
-    unknown = [lvl for lvl in levels if lvl not in known]
-    if unknown:
-        parser.error(f"unknown level(s) {', '.join(unknown)}; choose from {', '.join(known)}")
+    check_presets(parser, levels)
     args.levels = list(dict.fromkeys(levels))
     if args.out is None:
         args.out = REPO / "benchmarks" / "results" / f"rounding_{args.device}.md"
