@@ -126,6 +126,33 @@ def check_presets(parser, levels: Sequence[str]) -> None:
         parser.error(f"unknown level(s) {', '.join(unknown)}; choose from {', '.join(known)}")
 
 
+def setup_lines(report: dict, versions: str = "") -> list[str]:
+    """A timing benchmark's Setup lines: the machine (`versions`, e.g. "MLflow 2.x, ", stands
+    between Python's version and the platform), the load average at start and end, the date and
+    wall time, the command."""
+    m = report["machine"]
+    return [
+        f"- Machine: {m['cpu']}, {m['cores']} cores (torch uses {m['torch_threads']} threads)"
+        + (f"; GPU {m['gpu']}, CUDA {m['cuda']}" if "gpu" in m else "")
+        + f"; torch {m['torch']}, Python {m['python']}, {versions}{m['platform']}",
+        f"- Load average (1, 5, 15 min): {report['load_start']} at start, {report['load_end']} "
+        "at end",
+        f"- Date: {report['date']}; wall time {report['wall_s']:.0f} s",
+        f"- Command: `{report['command']}`",
+    ]
+
+
+def save_figure(fig, path: Path) -> Path:
+    """A benchmark's figure: laid out, written to `path` (its folder made) at 110 dpi, closed."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def write_results(out: Path, markdown: str, rows: Sequence[dict], fields: Sequence[str],
                   payload: dict) -> list[Path]:
     """The files every benchmark leaves: `out` (the Markdown table), `out`.csv (one row per

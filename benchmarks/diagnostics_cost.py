@@ -35,7 +35,7 @@ from typing import Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from common import (REPO, add_threads_option, apply_threads, build_runner,  # noqa: E402
                     check_at_least_one, command, compose, csv_list, int_list, load_average,
-                    machine, now, one_batch_task, resolve_device, write_results)
+                    machine, now, one_batch_task, resolve_device, setup_lines, write_results)
 
 VARIANTS = ("off", "diagnosed", "memory meter")
 
@@ -169,7 +169,6 @@ def _pct(value) -> str:
 
 
 def render(report: dict) -> str:
-    m = report["machine"]
     intervals = report["intervals"]
     lines = [
         f"# Range diagnostics cost ({report['device']})",
@@ -208,13 +207,7 @@ def render(report: dict) -> str:
         "",
         "## Setup",
         "",
-        f"- Machine: {m['cpu']}, {m['cores']} cores (torch uses {m['torch_threads']} threads)"
-        + (f"; GPU {m['gpu']}, CUDA {m['cuda']}" if "gpu" in m else "")
-        + f"; torch {m['torch']}, Python {m['python']}, {m['platform']}",
-        f"- Load average (1, 5, 15 min): {report['load_start']} at start, {report['load_end']} "
-        "at end",
-        f"- Date: {report['date']}; wall time {report['wall_s']:.0f} s",
-        f"- Command: `{report['command']}`",
+        *setup_lines(report),
         "",
     ]
     return "\n".join(lines)

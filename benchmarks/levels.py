@@ -62,7 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from common import (COMPILE_SUFFIX, REPO, add_threads_option, apply_threads,  # noqa: E402
                     build_runner, check_at_least_one, command, compose, csv_list,
                     describe_level, fresh_compile_cache, load_average, machine, model_label, now,
-                    one_batch_task, parse_level, resolve_device, write_results)
+                    one_batch_task, parse_level, resolve_device, save_figure, write_results)
 from overhead import handwritten_step, timed_block  # noqa: E402
 
 MODELS = ["resnet18", "resnet50", "densenet161", "vgg16_bn"]
@@ -591,11 +591,7 @@ def figure(report: dict, path: Path) -> Path | None:
                  "inputs; bar labels: multiple of the model's O0"
                  + ("; cross-hatched: +compile" if any(c.get("compiled") for c in cells) else ""),
                  fontsize=11)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 CSV_FIELDS = ["model", "level", "preset", "compiled", "opt_level", "dtype", "image_size",

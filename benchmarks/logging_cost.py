@@ -37,7 +37,8 @@ from typing import Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from common import (REPO, add_threads_option, apply_threads, build_runner,  # noqa: E402
                     check_at_least_one, command, compose, csv_list, int_list, load_average,
-                    machine, now, one_batch_task, prepare_store, resolve_device, write_results)
+                    machine, now, one_batch_task, prepare_store, resolve_device, setup_lines,
+                    write_results)
 
 EXPERIMENT = "logging-cost"
 TARGET_FRACTION = 0.01
@@ -217,7 +218,6 @@ def verdict(args, rows: list[dict]) -> tuple[str, dict]:
 
 def render(report: dict) -> str:
     t = report["task"]
-    m = report["machine"]
     lines = [
         f"# MLflow logging cost ({report['device']})",
         "",
@@ -255,14 +255,7 @@ def render(report: dict) -> str:
         "",
         "## Setup",
         "",
-        f"- Machine: {m['cpu']}, {m['cores']} cores (torch uses {m['torch_threads']} threads)"
-        + (f"; GPU {m['gpu']}, CUDA {m['cuda']}" if "gpu" in m else "")
-        + f"; torch {m['torch']}, Python {m['python']}, MLflow {report['mlflow']}, "
-        f"{m['platform']}",
-        f"- Load average (1, 5, 15 min): {report['load_start']} at start, {report['load_end']} "
-        "at end",
-        f"- Date: {report['date']}; wall time {report['wall_s']:.0f} s",
-        f"- Command: `{report['command']}`",
+        *setup_lines(report, versions=f"MLflow {report['mlflow']}, "),
         f"- MLflow: experiment `{EXPERIMENT}` in `{report['tracking_uri']}`",
         "- Runner config (Hydra overrides): " + " ".join(f"`{o}`" for o in report["overrides"]),
         "",

@@ -41,7 +41,7 @@ from typing import Callable, Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from common import (REPO, add_threads_option, apply_threads, build_runner,  # noqa: E402
                     check_at_least_one, check_presets, command, compose, csv_list, load_average,
-                    machine, now, one_batch_task, resolve_device, write_results)
+                    machine, now, one_batch_task, resolve_device, setup_lines, write_results)
 
 TARGET_RATIO = 1.03  # O0 and O1: runner / hand-written at most this
 CPU_LEVELS = ["o0", "o1_bf16", "o2_bf16"]
@@ -382,7 +382,6 @@ def verdict(report: dict) -> str:
 
 def render(report: dict) -> str:
     t = report["task"]
-    m = report["machine"]
     rows = report["results"]
     lines = [
         f"# Runner overhead ({report['device']})",
@@ -424,13 +423,7 @@ def render(report: dict) -> str:
         "",
         "## Setup",
         "",
-        f"- Machine: {m['cpu']}, {m['cores']} cores (torch uses {m['torch_threads']} threads)"
-        + (f"; GPU {m['gpu']}, CUDA {m['cuda']}" if "gpu" in m else "")
-        + f"; torch {m['torch']}, Python {m['python']}, {m['platform']}",
-        f"- Load average (1, 5, 15 min): {report['load_start']} at start, {report['load_end']} "
-        "at end",
-        f"- Date: {report['date']}; wall time {report['wall_s']:.0f} s",
-        f"- Command: `{report['command']}`",
+        *setup_lines(report),
         "- Runner config (Hydra overrides, per level `precision=<level>`): "
         + " ".join(f"`{o}`" for o in report["overrides"]),
         "",

@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from accuracy import read_run  # noqa: E402
 from common import (REPO, add_threads_option, apply_threads, check_presets,  # noqa: E402
                     command, compose, csv_list, describe_level, machine, now, parse_seeds,
-                    prepare_store, resolve_device, write_results)
+                    prepare_store, resolve_device, save_figure, write_results)
 
 EXPERIMENT = "rounding-stall"
 REFERENCE, STALLS, ROUNDS = "o2_bf16", "o3_bf16", "o3_bf16_sr"
@@ -438,11 +438,7 @@ def figure(report: dict, rows: list[LevelSummary], path: Path) -> Path | None:
                  f"stochastic rounding ({head})\ntiny CNN, synthetic 16-px data, SGD momentum "
                  f"0.9; mean of {seeds} seed{'s' if seeds > 1 else ''}, band: lowest to highest "
                  f"seed; {where}", fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 CSV_FIELDS = ["level", "seed", "epoch", "status", "val_acc", "train_loss", "best_val_acc",
