@@ -1,18 +1,35 @@
 """Small shared pieces of the precision tests: resolved properties, an op recorder, a tiny net,
-a gradient norm."""
+a gradient norm, the amp reset around a test, the cross-entropy loss."""
 from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from runner.precision import Properties, resolve
+from runner.precision import Properties, amp, resolve
+from runner.precision import autocast as ac
 
 
 def props(level: str, **overrides) -> Properties:
     return resolve(level, overrides).properties
+
+
+@pytest.fixture(autouse=True)
+def fresh_amp():
+    """No amp engine and no autocast registrations before or after a test: a test module that
+    imports this fixture gets it around each of its tests."""
+    amp.deinitialize()
+    ac.clear_registrations()
+    yield
+    amp.deinitialize()
+    ac.clear_registrations()
+
+
+def ce(model, x, y):
+    return nn.functional.cross_entropy(model(x), y)
 
 
 class OpRecorder(TorchDispatchMode):

@@ -18,22 +18,10 @@ from torch import nn
 from runner.precision import AmpEngine, amp
 from runner.precision import autocast as ac
 from runner.precision.engine import Stage
-from tests.precision_helpers import OpRecorder, batch, net, props
+from tests.precision_helpers import (OpRecorder, batch, ce, fresh_amp,  # noqa: F401 (autouse)
+                                     net, props)
 
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(autouse=True)
-def _clean():
-    amp.deinitialize()
-    ac.clear_registrations()
-    yield
-    amp.deinitialize()
-    ac.clear_registrations()
-
-
-def ce(model, x, y):
-    return nn.functional.cross_entropy(model(x), y)
 
 
 def prepared(level="O2", kernels="auto", num_losses=1):
