@@ -35,7 +35,6 @@ import logging
 import math
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 import uuid
@@ -46,7 +45,8 @@ from typing import Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from common import (REPO, command, compose, csv_list, describe_level,  # noqa: E402
                     fresh_compile_cache, machine, model_label, model_overrides, now, parse_level,
-                    parse_seeds, prepare_store, resolve_device, write_results)
+                    parse_seeds, prepare_store, resolve_device, store_uri,
+                    write_results)
 
 EXPERIMENT = "accuracy-parity"
 TARGET_POINTS = 1.0  # a checked level's mean must be within this many points of O0's mean
@@ -526,12 +526,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    if args.tracking_uri is None:
-        folder = Path(tempfile.mkdtemp(prefix="accuracy-parity-"))
-        args.tracking_uri = f"sqlite:///{folder / 'mlflow.db'}"
-    from runner.tracking import resolve_tracking_uri
-
-    args.tracking_uri = resolve_tracking_uri(args.tracking_uri)
+    args.tracking_uri = store_uri(args.tracking_uri, "accuracy-parity-")
     prepare_store(args.tracking_uri, args.experiment)
 
     compile_cache = fresh_compile_cache() if any(

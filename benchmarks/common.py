@@ -243,6 +243,19 @@ def compose(overrides: Sequence[str]):
         return hydra_compose("config", overrides=list(overrides))
 
 
+def store_uri(given: Optional[str], prefix: str) -> str:
+    """A benchmark's MLflow store: `given` (its --tracking-uri), or else a SQLite database in a
+    new temporary folder named `prefix`..., resolved as the runner resolves a tracking URI."""
+    import tempfile
+
+    from runner.tracking import resolve_tracking_uri
+
+    if given is None:
+        folder = Path(tempfile.mkdtemp(prefix=prefix))
+        given = f"sqlite:///{folder / 'mlflow.db'}"
+    return resolve_tracking_uri(given)
+
+
 def prepare_store(tracking_uri: str, experiment: str) -> None:
     """Create the store and the experiment (artifacts beside a SQLite database) before the runs,
     as the runner's own Tracker does."""

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -38,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from common import (REPO, add_threads_option, apply_threads, build_runner,  # noqa: E402
                     check_at_least_one, command, compose, csv_list, int_list, load_average,
                     machine, now, one_batch_task, prepare_store, resolve_device, setup_lines,
-                    write_results)
+                    store_uri, write_results)
 
 EXPERIMENT = "logging-cost"
 TARGET_FRACTION = 0.01
@@ -279,12 +278,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     import mlflow
     from omegaconf import OmegaConf
 
-    from runner.tracking import Tracker, flatten, resolve_tracking_uri
+    from runner.tracking import Tracker, flatten
 
-    if args.tracking_uri is None:
-        folder = Path(tempfile.mkdtemp(prefix="logging-cost-"))
-        args.tracking_uri = f"sqlite:///{folder / 'mlflow.db'}"
-    args.tracking_uri = resolve_tracking_uri(args.tracking_uri)
+    args.tracking_uri = store_uri(args.tracking_uri, "logging-cost-")
     load_start = load_average()
     started = time.perf_counter()
     print(f"MLflow logging cost on {args.device}: {args.model}, intervals "

@@ -32,7 +32,6 @@ import logging
 import math
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 import uuid
@@ -44,7 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from accuracy import read_run  # noqa: E402
 from common import (REPO, add_threads_option, apply_threads, check_presets,  # noqa: E402
                     command, compose, csv_list, describe_level, machine, now, parse_seeds,
-                    prepare_store, resolve_device, save_figure, write_results)
+                    prepare_store, resolve_device, save_figure, store_uri,
+                    write_results)
 
 EXPERIMENT = "rounding-stall"
 REFERENCE, STALLS, ROUNDS = "o2_bf16", "o3_bf16", "o3_bf16_sr"
@@ -480,12 +480,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    if args.tracking_uri is None:
-        folder = Path(tempfile.mkdtemp(prefix="rounding-stall-"))
-        args.tracking_uri = f"sqlite:///{folder / 'mlflow.db'}"
-    from runner.tracking import resolve_tracking_uri
-
-    args.tracking_uri = resolve_tracking_uri(args.tracking_uri)
+    args.tracking_uri = store_uri(args.tracking_uri, "rounding-stall-")
     prepare_store(args.tracking_uri, args.experiment)
     overrides = task_overrides(args)
     composed = compose(overrides)
