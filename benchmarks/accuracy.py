@@ -45,8 +45,8 @@ from typing import Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from common import (REPO, command, compose, csv_list, describe_level,  # noqa: E402
                     fresh_compile_cache, machine, model_label, model_overrides, now, parse_level,
-                    parse_seeds, prepare_store, resolve_device, store_uri,
-                    write_results)
+                    parse_seeds, prepare_store, resolve_device, run_setup_lines,
+                    store_uri, write_results)
 
 EXPERIMENT = "accuracy-parity"
 TARGET_POINTS = 1.0  # a checked level's mean must be within this many points of O0's mean
@@ -485,17 +485,10 @@ def render_markdown(report: dict, rows: list[LevelSummary]) -> str:
             "Best-of-epochs accuracy is biased upwards a little, equally for every level.",
             "",
         ]
-    m = report["machine"]
     lines += [
         "## Setup",
         "",
-        f"- Machine: {m['cpu']}, {m['cores']} cores (torch uses {m['torch_threads']} threads)"
-        + (f", GPU {m['gpu']} (CUDA {m['cuda']})" if "gpu" in m else "")
-        + f"; torch {m['torch']}, Python {m['python']}, {m['platform']}",
-        f"- Date: {report['date']}",
-        f"- Command: `{report['command']}`",
-        f"- Total wall time: {report['total_wall_s'] / 60:.1f} min for {len(report['runs'])} runs",
-        f"- MLflow: experiment `{report['experiment']}` in `{report['tracking_uri']}`",
+        *run_setup_lines(report),
         "- Task (Hydra overrides, then `precision=<preset> trainer.seed=<seed>`, and "
         "`trainer.compile=true` for a `+compile` level): "
         + " ".join(f"`{o}`" for o in report["overrides"]),

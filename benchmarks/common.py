@@ -142,6 +142,21 @@ def setup_lines(report: dict, versions: str = "") -> list[str]:
     ]
 
 
+def run_setup_lines(report: dict) -> list[str]:
+    """A training-run benchmark's Setup lines: the machine, the date, the command, the total wall
+    time over its runs, the MLflow experiment and store."""
+    m = report["machine"]
+    return [
+        f"- Machine: {m['cpu']}, {m['cores']} cores (torch uses {m['torch_threads']} threads)"
+        + (f", GPU {m['gpu']} (CUDA {m['cuda']})" if "gpu" in m else "")
+        + f"; torch {m['torch']}, Python {m['python']}, {m['platform']}",
+        f"- Date: {report['date']}",
+        f"- Command: `{report['command']}`",
+        f"- Total wall time: {report['total_wall_s'] / 60:.1f} min for {len(report['runs'])} runs",
+        f"- MLflow: experiment `{report['experiment']}` in `{report['tracking_uri']}`",
+    ]
+
+
 def save_figure(fig, path: Path) -> Path:
     """A benchmark's figure: laid out, written to `path` (its folder made) at 110 dpi, closed."""
     import matplotlib.pyplot as plt

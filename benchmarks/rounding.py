@@ -43,8 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from accuracy import read_run  # noqa: E402
 from common import (REPO, add_threads_option, apply_threads, check_presets,  # noqa: E402
                     command, compose, csv_list, describe_level, machine, now, parse_seeds,
-                    prepare_store, resolve_device, save_figure, store_uri,
-                    write_results)
+                    prepare_store, resolve_device, run_setup_lines, save_figure,
+                    store_uri, write_results)
 
 EXPERIMENT = "rounding-stall"
 REFERENCE, STALLS, ROUNDS = "o2_bf16", "o3_bf16", "o3_bf16_sr"
@@ -364,17 +364,10 @@ def render_markdown(report: dict, rows: list[LevelSummary], figure_name: str | N
         lines += [f"![Training loss and validation accuracy per epoch]({figure_name})", "",
                   "The figure: per epoch, the mean over the seeds (line) and the lowest and "
                   "highest seed (band); the training loss is each epoch's mean.", ""]
-    m = report["machine"]
     lines += [
         "## Setup",
         "",
-        f"- Machine: {m['cpu']}, {m['cores']} cores (torch uses {m['torch_threads']} threads)"
-        + (f", GPU {m['gpu']} (CUDA {m['cuda']})" if "gpu" in m else "")
-        + f"; torch {m['torch']}, Python {m['python']}, {m['platform']}",
-        f"- Date: {report['date']}",
-        f"- Command: `{report['command']}`",
-        f"- Total wall time: {report['total_wall_s'] / 60:.1f} min for {len(report['runs'])} runs",
-        f"- MLflow: experiment `{report['experiment']}` in `{report['tracking_uri']}`",
+        *run_setup_lines(report),
         f"- Verdict thresholds: `{STALLS}` at least {STALL_POINTS:g} points below `{REFERENCE}`,"
         f" `{ROUNDS}` within {SR_POINTS:g} points of it (means of the best validation accuracy "
         "over the seeds)",
