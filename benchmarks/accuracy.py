@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
-from common import (REPO, command, compose, csv_list, describe_level,  # noqa: E402
+from common import (REPO, command, compose, crash_status, csv_list, describe_level,  # noqa: E402
                     fresh_compile_cache, machine, model_label, model_overrides, now, parse_level,
                     parse_seeds, prepare_store, resolve_device, run_setup_lines,
                     store_uri, write_results)
@@ -573,12 +573,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     print(render_markdown(report, rows))
     print("Wrote " + ", ".join(str(p) for p in paths))
-    crashed = [r for r in results if r.status == "crashed"]
-    if crashed:
-        print(f"{len(crashed)} run(s) crashed: "
-              + "; ".join(f"{r.level} seed {r.seed}: {r.error}" for r in crashed), file=sys.stderr)
-        return 1
-    return 0
+    return crash_status(results)
 
 
 if __name__ == "__main__":

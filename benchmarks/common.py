@@ -142,6 +142,17 @@ def setup_lines(report: dict, versions: str = "") -> list[str]:
     ]
 
 
+def crash_status(results: Sequence[Any]) -> int:
+    """A training-run benchmark's exit status: 1, with the crashed runs (level, seed, error) on
+    stderr, where a run's status is "crashed"; 0 otherwise."""
+    crashed = [r for r in results if r.status == "crashed"]
+    if crashed:
+        print(f"{len(crashed)} run(s) crashed: "
+              + "; ".join(f"{r.level} seed {r.seed}: {r.error}" for r in crashed), file=sys.stderr)
+        return 1
+    return 0
+
+
 def run_setup_lines(report: dict) -> list[str]:
     """A training-run benchmark's Setup lines: the machine, the date, the command, the total wall
     time over its runs, the MLflow experiment and store."""

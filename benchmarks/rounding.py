@@ -42,8 +42,8 @@ from typing import Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from accuracy import read_run  # noqa: E402
 from common import (REPO, add_threads_option, apply_threads, check_presets,  # noqa: E402
-                    command, compose, csv_list, describe_level, machine, now, parse_seeds,
-                    prepare_store, resolve_device, run_setup_lines, save_figure,
+                    command, compose, crash_status, csv_list, describe_level, machine, now,
+                    parse_seeds, prepare_store, resolve_device, run_setup_lines, save_figure,
                     store_uri, write_results)
 
 EXPERIMENT = "rounding-stall"
@@ -520,12 +520,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     print(render_markdown(report, rows, None))
     print("Wrote " + ", ".join(str(p) for p in paths))
-    crashed = [r for r in results if r.status == "crashed"]
-    if crashed:
-        print(f"{len(crashed)} run(s) crashed: "
-              + "; ".join(f"{r.level} seed {r.seed}: {r.error}" for r in crashed), file=sys.stderr)
-        return 1
-    return 0
+    return crash_status(results)
 
 
 if __name__ == "__main__":
