@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from common import (REPO, command, compose, crash_status, csv_list, describe_level,  # noqa: E402
                     fresh_compile_cache, machine, model_label, model_overrides, now, parse_level,
                     parse_seeds, prepare_store, resolve_device, run_setup_lines,
-                    store_uri, write_results)
+                    store_uri, unfinished_lines, write_results)
 
 EXPERIMENT = "accuracy-parity"
 TARGET_POINTS = 1.0  # a checked level's mean must be within this many points of O0's mean
@@ -494,11 +494,7 @@ def render_markdown(report: dict, rows: list[LevelSummary]) -> str:
         + " ".join(f"`{o}`" for o in report["overrides"]),
         "",
     ]
-    crashed = [r for r in report["_results"] if r.status != "finished"]
-    if crashed:
-        lines += ["## Runs that did not finish", ""]
-        lines += [f"- `{r.level}` seed {r.seed}: {r.status}: {r.error}" for r in crashed]
-        lines.append("")
+    lines += unfinished_lines(report["_results"])
     return "\n".join(lines)
 
 

@@ -142,6 +142,16 @@ def setup_lines(report: dict, versions: str = "") -> list[str]:
     ]
 
 
+def unfinished_lines(results: Sequence[Any]) -> list[str]:
+    """A training-run benchmark's Markdown section on the runs whose status is not "finished"
+    (level, seed, status, error); no lines where every run finished."""
+    unfinished = [r for r in results if r.status != "finished"]
+    if not unfinished:
+        return []
+    return ["## Runs that did not finish", "",
+            *(f"- `{r.level}` seed {r.seed}: {r.status}: {r.error}" for r in unfinished), ""]
+
+
 def crash_status(results: Sequence[Any]) -> int:
     """A training-run benchmark's exit status: 1, with the crashed runs (level, seed, error) on
     stderr, where a run's status is "crashed"; 0 otherwise."""

@@ -44,7 +44,7 @@ from accuracy import read_run  # noqa: E402
 from common import (REPO, add_threads_option, apply_threads, check_presets,  # noqa: E402
                     command, compose, crash_status, csv_list, describe_level, machine, now,
                     parse_seeds, prepare_store, resolve_device, run_setup_lines, save_figure,
-                    store_uri, write_results)
+                    store_uri, unfinished_lines, write_results)
 
 EXPERIMENT = "rounding-stall"
 REFERENCE, STALLS, ROUNDS = "o2_bf16", "o3_bf16", "o3_bf16_sr"
@@ -375,11 +375,7 @@ def render_markdown(report: dict, rows: list[LevelSummary], figure_name: str | N
         + " ".join(f"`{o}`" for o in report["overrides"]),
         "",
     ]
-    unfinished = [r for r in report["_results"] if r.status != "finished"]
-    if unfinished:
-        lines += ["## Runs that did not finish", ""]
-        lines += [f"- `{r.level}` seed {r.seed}: {r.status}: {r.error}" for r in unfinished]
-        lines.append("")
+    lines += unfinished_lines(report["_results"])
     return "\n".join(lines)
 
 
