@@ -35,7 +35,6 @@ import logging
 import math
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 import uuid
@@ -44,9 +43,10 @@ from pathlib import Path
 from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
-from common import (REPO, command, compose, csv_list, describe_level,  # noqa: E402
+from common import (REPO, command, compose, crash_status, csv_list, describe_level,  # noqa: E402
                     fresh_compile_cache, machine, model_label, model_overrides, now, parse_level,
-                    prepare_store, write_results)
+                    parse_seeds, prepare_store, resolve_device, run_setup_lines,
+                    store_uri, unfinished_lines, write_results)
 
 EXPERIMENT = "accuracy-parity"
 TARGET_POINTS = 1.0  # a checked level's mean must be within this many points of O0's mean
@@ -164,19 +164,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
     if args.epochs < 1:
         parser.error("--epochs must be at least 1")
-    try:
-        args.seeds = [int(s) for s in (args.seeds or DEFAULT_SEEDS)]
-    except ValueError:
-        parser.error(f"--seeds must be integers, got {args.seeds}")
-    if not args.seeds:
-        parser.error("--seeds is empty")
-
-    import torch
-
-    args.device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" \
-        else args.device
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device is available")
+    args.seeds = parse_seeds(parser, args.seeds, DEFAULT_SEEDS)
+    args.device = resolve_device(parser, args.device)
 
     from runner.plan import preset_options
 
@@ -496,27 +485,16 @@ def render_markdown(report: dict, rows: list[LevelSummary]) -> str:
             "Best-of-epochs accuracy is biased upwards a little, equally for every level.",
             "",
         ]
-    m = report["machine"]
     lines += [
         "## Setup",
         "",
-        f"- Machine: {m['cpu']}, {m['cores']} cores (torch uses {m['torch_threads']} threads)"
-        + (f", GPU {m['gpu']} (CUDA {m['cuda']})" if "gpu" in m else "")
-        + f"; torch {m['torch']}, Python {m['python']}, {m['platform']}",
-        f"- Date: {report['date']}",
-        f"- Command: `{report['command']}`",
-        f"- Total wall time: {report['total_wall_s'] / 60:.1f} min for {len(report['runs'])} runs",
-        f"- MLflow: experiment `{report['experiment']}` in `{report['tracking_uri']}`",
+        *run_setup_lines(report),
         "- Task (Hydra overrides, then `precision=<preset> trainer.seed=<seed>`, and "
         "`trainer.compile=true` for a `+compile` level): "
         + " ".join(f"`{o}`" for o in report["overrides"]),
         "",
     ]
-    crashed = [r for r in report["_results"] if r.status != "finished"]
-    if crashed:
-        lines += ["## Runs that did not finish", ""]
-        lines += [f"- `{r.level}` seed {r.seed}: {r.status}: {r.error}" for r in crashed]
-        lines.append("")
+    lines += unfinished_lines(report["_results"])
     return "\n".join(lines)
 
 
@@ -537,12 +515,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    if args.tracking_uri is None:
-        folder = Path(tempfile.mkdtemp(prefix="accuracy-parity-"))
-        args.tracking_uri = f"sqlite:///{folder / 'mlflow.db'}"
-    from runner.tracking import resolve_tracking_uri
-
-    args.tracking_uri = resolve_tracking_uri(args.tracking_uri)
+    args.tracking_uri = store_uri(args.tracking_uri, "accuracy-parity-")
     prepare_store(args.tracking_uri, args.experiment)
 
     compile_cache = fresh_compile_cache() if any(
@@ -596,12 +569,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     print(render_markdown(report, rows))
     print("Wrote " + ", ".join(str(p) for p in paths))
-    crashed = [r for r in results if r.status == "crashed"]
-    if crashed:
-        print(f"{len(crashed)} run(s) crashed: "
-              + "; ".join(f"{r.level} seed {r.seed}: {r.error}" for r in crashed), file=sys.stderr)
-        return 1
-    return 0
+    return crash_status(results)
 
 
 if __name__ == "__main__":

@@ -75,6 +75,120 @@ def csv_list(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
+def int_list(parser, option: str, values: Sequence[Any]) -> list[int]:
+    """`values` (an option's comma-separated parts, or its default) as integers; otherwise the
+    parser's error `--<option> must be integers, got <values>`."""
+    try:
+        return [int(v) for v in values]
+    except ValueError:
+        parser.error(f"--{option} must be integers, got {values}")
+
+
+def parse_seeds(parser, seeds: Optional[Sequence[str]], default: Sequence[int]) -> list[int]:
+    """`--seeds` (its parts, or None) as integers, `default` where none were given; the parser's
+    error where one is not an integer or none are left."""
+    seeds = int_list(parser, "seeds", seeds or default)
+    if not seeds:
+        parser.error("--seeds is empty")
+    return seeds
+
+
+def resolve_device(parser, device: str) -> str:
+    """`--device`: `auto` is cuda where a CUDA device is available, cpu otherwise; `cuda` where
+    none is available is the parser's error."""
+    import torch
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available")
+    return device
+
+
+def check_at_least_one(parser, args, names: Sequence[str]) -> None:
+    """The parser's error `--<name> must be at least 1` for the first of the integer options
+    `names` (attribute names, `image_size` for `--image-size`) below 1; None (an option left to a
+    per-case default) is not checked."""
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+
+
+def check_presets(parser, levels: Sequence[str]) -> None:
+    """The parser's error, with the known presets, where a level of `levels` is not a precision
+    preset (no `+compile` suffix here: see `parse_level` for that)."""
+    from runner.plan import preset_options
+
+    known = preset_options()
+    unknown = [lvl for lvl in levels if lvl not in known]
+    if unknown:
+        parser.error(f"unknown level(s) {', '.join(unknown)}; choose from {', '.join(known)}")
+
+
+def setup_lines(report: dict, versions: str = "") -> list[str]:
+    """A timing benchmark's Setup lines: the machine (`versions`, e.g. "MLflow 2.x, ", stands
+    between Python's version and the platform), the load average at start and end, the date and
+    wall time, the command."""
+    m = report["machine"]
+    return [
+        f"- Machine: {m['cpu']}, {m['cores']} cores (torch uses {m['torch_threads']} threads)"
+        + (f"; GPU {m['gpu']}, CUDA {m['cuda']}" if "gpu" in m else "")
+        + f"; torch {m['torch']}, Python {m['python']}, {versions}{m['platform']}",
+        f"- Load average (1, 5, 15 min): {report['load_start']} at start, {report['load_end']} "
+        "at end",
+        f"- Date: {report['date']}; wall time {report['wall_s']:.0f} s",
+        f"- Command: `{report['command']}`",
+    ]
+
+
+def unfinished_lines(results: Sequence[Any]) -> list[str]:
+    """A training-run benchmark's Markdown section on the runs whose status is not "finished"
+    (level, seed, status, error); no lines where every run finished."""
+    unfinished = [r for r in results if r.status != "finished"]
+    if not unfinished:
+        return []
+    return ["## Runs that did not finish", "",
+            *(f"- `{r.level}` seed {r.seed}: {r.status}: {r.error}" for r in unfinished), ""]
+
+
+def crash_status(results: Sequence[Any]) -> int:
+    """A training-run benchmark's exit status: 1, with the crashed runs (level, seed, error) on
+    stderr, where a run's status is "crashed"; 0 otherwise."""
+    crashed = [r for r in results if r.status == "crashed"]
+    if crashed:
+        print(f"{len(crashed)} run(s) crashed: "
+              + "; ".join(f"{r.level} seed {r.seed}: {r.error}" for r in crashed), file=sys.stderr)
+        return 1
+    return 0
+
+
+def run_setup_lines(report: dict) -> list[str]:
+    """A training-run benchmark's Setup lines: the machine, the date, the command, the total wall
+    time over its runs, the MLflow experiment and store."""
+    m = report["machine"]
+    return [
+        f"- Machine: {m['cpu']}, {m['cores']} cores (torch uses {m['torch_threads']} threads)"
+        + (f", GPU {m['gpu']} (CUDA {m['cuda']})" if "gpu" in m else "")
+        + f"; torch {m['torch']}, Python {m['python']}, {m['platform']}",
+        f"- Date: {report['date']}",
+        f"- Command: `{report['command']}`",
+        f"- Total wall time: {report['total_wall_s'] / 60:.1f} min for {len(report['runs'])} runs",
+        f"- MLflow: experiment `{report['experiment']}` in `{report['tracking_uri']}`",
+    ]
+
+
+def save_figure(fig, path: Path) -> Path:
+    """A benchmark's figure: laid out, written to `path` (its folder made) at 110 dpi, closed."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def write_results(out: Path, markdown: str, rows: Sequence[dict], fields: Sequence[str],
                   payload: dict) -> list[Path]:
     """The files every benchmark leaves: `out` (the Markdown table), `out`.csv (one row per
@@ -163,6 +277,19 @@ def compose(overrides: Sequence[str]):
 
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
         return hydra_compose("config", overrides=list(overrides))
+
+
+def store_uri(given: Optional[str], prefix: str) -> str:
+    """A benchmark's MLflow store: `given` (its --tracking-uri), or else a SQLite database in a
+    new temporary folder named `prefix`..., resolved as the runner resolves a tracking URI."""
+    import tempfile
+
+    from runner.tracking import resolve_tracking_uri
+
+    if given is None:
+        folder = Path(tempfile.mkdtemp(prefix=prefix))
+        given = f"sqlite:///{folder / 'mlflow.db'}"
+    return resolve_tracking_uri(given)
 
 
 def prepare_store(tracking_uri: str, experiment: str) -> None:

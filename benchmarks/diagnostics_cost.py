@@ -34,8 +34,8 @@ from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from common import (REPO, add_threads_option, apply_threads, build_runner,  # noqa: E402
-                    command, compose, csv_list, load_average, machine, now, one_batch_task,
-                    write_results)
+                    check_at_least_one, command, compose, csv_list, int_list, load_average,
+                    machine, now, one_batch_task, resolve_device, setup_lines, write_results)
 
 VARIANTS = ("off", "diagnosed", "memory meter")
 
@@ -67,22 +67,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     apply_threads(p, args)
 
-    import torch
-
     from runner.config import BUILT_IN_MODELS as MODEL_NAMES  # by name alone
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: no CUDA device is available")
+    args.device = resolve_device(p, args.device)
     unknown = [m for m in args.models if m not in MODEL_NAMES]
     if unknown or not args.models:
         p.error(f"unknown model(s) {unknown}; choose from {', '.join(MODEL_NAMES)}")
-    for name in ("image_size", "batch_size", "steps", "rounds"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1")
-    try:
-        args.intervals = [int(v) for v in args.intervals]
-    except ValueError:
-        p.error(f"--intervals must be integers, got {args.intervals}")
+    check_at_least_one(p, args, ("image_size", "batch_size", "steps", "rounds"))
+    args.intervals = int_list(p, "intervals", args.intervals)
     if not args.intervals or any(v < 1 for v in args.intervals):
         p.error("--intervals must be at least 1")
     args.levels = args.levels or (["o0", "o2_bf16"] if args.device == "cpu" else ["o0", "o2"])
@@ -177,7 +169,6 @@ def _pct(value) -> str:
 
 
 def render(report: dict) -> str:
-    m = report["machine"]
     intervals = report["intervals"]
     lines = [
         f"# Range diagnostics cost ({report['device']})",
@@ -216,13 +207,7 @@ def render(report: dict) -> str:
         "",
         "## Setup",
         "",
-        f"- Machine: {m['cpu']}, {m['cores']} cores (torch uses {m['torch_threads']} threads)"
-        + (f"; GPU {m['gpu']}, CUDA {m['cuda']}" if "gpu" in m else "")
-        + f"; torch {m['torch']}, Python {m['python']}, {m['platform']}",
-        f"- Load average (1, 5, 15 min): {report['load_start']} at start, {report['load_end']} "
-        "at end",
-        f"- Date: {report['date']}; wall time {report['wall_s']:.0f} s",
-        f"- Command: `{report['command']}`",
+        *setup_lines(report),
         "",
     ]
     return "\n".join(lines)

@@ -60,9 +60,9 @@ from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from common import (COMPILE_SUFFIX, REPO, add_threads_option, apply_threads,  # noqa: E402
-                    build_runner, command, compose, csv_list, describe_level,
-                    fresh_compile_cache, load_average, machine, model_label, now,
-                    one_batch_task, parse_level, write_results)
+                    build_runner, check_at_least_one, command, compose, csv_list,
+                    describe_level, fresh_compile_cache, load_average, machine, model_label, now,
+                    one_batch_task, parse_level, resolve_device, save_figure, write_results)
 from overhead import handwritten_step, timed_block  # noqa: E402
 
 MODELS = ["resnet18", "resnet50", "densenet161", "vgg16_bn"]
@@ -171,24 +171,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         args.out = args.out or REPO / "benchmarks" / "results" / f"levels_{args.device}.md"
         return args
 
-    import torch
-
     from runner.plan import preset_options
 
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: no CUDA device is available")
+    args.device = resolve_device(p, args.device)
     d = DEFAULTS[args.device]
     args.image_size = d["image_size"] if args.image_size is None else args.image_size
     args.steps = d["steps"] if args.steps is None else args.steps
     args.warmup = d["warmup"] if args.warmup is None else args.warmup
     args.channels_last = d["channels_last"] if args.channels_last is None \
         else args.channels_last == "on"
-    for name in ("image_size", "steps", "batch_size"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    check_at_least_one(p, args, ("image_size", "steps", "batch_size"))
     if args.warmup < 0:
         p.error("--warmup must be >= 0")
     args.models = list(dict.fromkeys(args.models or MODELS))
@@ -599,11 +591,7 @@ def figure(report: dict, path: Path) -> Path | None:
                  "inputs; bar labels: multiple of the model's O0"
                  + ("; cross-hatched: +compile" if any(c.get("compiled") for c in cells) else ""),
                  fontsize=11)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 CSV_FIELDS = ["model", "level", "preset", "compiled", "opt_level", "dtype", "image_size",

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -36,8 +35,9 @@ from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from common import (REPO, add_threads_option, apply_threads, build_runner,  # noqa: E402
-                    command, compose, csv_list, load_average, machine, now, one_batch_task,
-                    prepare_store, write_results)
+                    check_at_least_one, command, compose, csv_list, int_list, load_average,
+                    machine, now, one_batch_task, prepare_store, resolve_device, setup_lines,
+                    store_uri, write_results)
 
 EXPERIMENT = "logging-cost"
 TARGET_FRACTION = 0.01
@@ -88,22 +88,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     apply_threads(p, args)
 
-    import torch
-
     from runner.config import BUILT_IN_MODELS as MODEL_NAMES  # by name alone
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: no CUDA device is available")
+    args.device = resolve_device(p, args.device)
     if args.model not in MODEL_NAMES:
         p.error(f"unknown model {args.model!r}; choose from {', '.join(MODEL_NAMES)}")
-    for name in ("image_size", "batch_size", "steps", "rounds"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    check_at_least_one(p, args, ("image_size", "batch_size", "steps", "rounds"))
     default = int(compose(["trainer=default"]).trainer.log_every_n_steps)
-    try:
-        intervals = [int(v) for v in (args.intervals or [1, default])]
-    except ValueError:
-        p.error(f"--intervals must be integers, got {args.intervals}")
+    intervals = int_list(p, "intervals", args.intervals or [1, default])
     if any(v < 1 for v in intervals):
         p.error("--intervals must be at least 1")
     args.intervals = list(dict.fromkeys(intervals))
@@ -225,7 +217,6 @@ def verdict(args, rows: list[dict]) -> tuple[str, dict]:
 
 def render(report: dict) -> str:
     t = report["task"]
-    m = report["machine"]
     lines = [
         f"# MLflow logging cost ({report['device']})",
         "",
@@ -263,14 +254,7 @@ def render(report: dict) -> str:
         "",
         "## Setup",
         "",
-        f"- Machine: {m['cpu']}, {m['cores']} cores (torch uses {m['torch_threads']} threads)"
-        + (f"; GPU {m['gpu']}, CUDA {m['cuda']}" if "gpu" in m else "")
-        + f"; torch {m['torch']}, Python {m['python']}, MLflow {report['mlflow']}, "
-        f"{m['platform']}",
-        f"- Load average (1, 5, 15 min): {report['load_start']} at start, {report['load_end']} "
-        "at end",
-        f"- Date: {report['date']}; wall time {report['wall_s']:.0f} s",
-        f"- Command: `{report['command']}`",
+        *setup_lines(report, versions=f"MLflow {report['mlflow']}, "),
         f"- MLflow: experiment `{EXPERIMENT}` in `{report['tracking_uri']}`",
         "- Runner config (Hydra overrides): " + " ".join(f"`{o}`" for o in report["overrides"]),
         "",
@@ -294,12 +278,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     import mlflow
     from omegaconf import OmegaConf
 
-    from runner.tracking import Tracker, flatten, resolve_tracking_uri
+    from runner.tracking import Tracker, flatten
 
-    if args.tracking_uri is None:
-        folder = Path(tempfile.mkdtemp(prefix="logging-cost-"))
-        args.tracking_uri = f"sqlite:///{folder / 'mlflow.db'}"
-    args.tracking_uri = resolve_tracking_uri(args.tracking_uri)
+    args.tracking_uri = store_uri(args.tracking_uri, "logging-cost-")
     load_start = load_average()
     started = time.perf_counter()
     print(f"MLflow logging cost on {args.device}: {args.model}, intervals "

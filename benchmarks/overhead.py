@@ -40,8 +40,8 @@ from typing import Callable, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from common import (REPO, add_threads_option, apply_threads, build_runner,  # noqa: E402
-                    command, compose, csv_list, load_average, machine, now, one_batch_task,
-                    write_results)
+                    check_at_least_one, check_presets, command, compose, csv_list, load_average,
+                    machine, now, one_batch_task, resolve_device, setup_lines, write_results)
 
 TARGET_RATIO = 1.03  # O0 and O1: runner / hand-written at most this
 CPU_LEVELS = ["o0", "o1_bf16", "o2_bf16"]
@@ -229,21 +229,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     apply_threads(p, args)
 
-    import torch
-
-    from runner.plan import preset_options
-
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: no CUDA device is available")
+    args.device = resolve_device(p, args.device)
     rounds, block, warmup = DEFAULTS[args.device]
     args.rounds = rounds if args.rounds is None else args.rounds
     args.block = block if args.block is None else args.block
     args.warmup = warmup if args.warmup is None else args.warmup
-    for name in ("rounds", "block", "batch_size", "image_size"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    check_at_least_one(p, args, ("rounds", "block", "batch_size", "image_size"))
     if args.warmup < 0:
         p.error("--warmup must be >= 0")
     from runner.config import BUILT_IN_MODELS as MODEL_NAMES  # by name alone
@@ -251,10 +242,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.model not in MODEL_NAMES:
         p.error(f"unknown model {args.model!r}; choose from {', '.join(MODEL_NAMES)}")
     levels = args.levels or (CUDA_LEVELS if args.device == "cuda" else CPU_LEVELS)
-    known = preset_options()
-    unknown = [lvl for lvl in levels if lvl not in known]
-    if unknown:
-        p.error(f"unknown level(s) {', '.join(unknown)}; choose from {', '.join(known)}")
+    check_presets(p, levels)
     o3 = [lvl for lvl in levels if lvl.startswith("o3")]
     if o3:
         p.error(f"{', '.join(o3)}: O3 has no hand-written counterpart here; choose O0, O1 or O2 "
@@ -394,7 +382,6 @@ def verdict(report: dict) -> str:
 
 def render(report: dict) -> str:
     t = report["task"]
-    m = report["machine"]
     rows = report["results"]
     lines = [
         f"# Runner overhead ({report['device']})",
@@ -436,13 +423,7 @@ def render(report: dict) -> str:
         "",
         "## Setup",
         "",
-        f"- Machine: {m['cpu']}, {m['cores']} cores (torch uses {m['torch_threads']} threads)"
-        + (f"; GPU {m['gpu']}, CUDA {m['cuda']}" if "gpu" in m else "")
-        + f"; torch {m['torch']}, Python {m['python']}, {m['platform']}",
-        f"- Load average (1, 5, 15 min): {report['load_start']} at start, {report['load_end']} "
-        "at end",
-        f"- Date: {report['date']}; wall time {report['wall_s']:.0f} s",
-        f"- Command: `{report['command']}`",
+        *setup_lines(report),
         "- Runner config (Hydra overrides, per level `precision=<level>`): "
         + " ".join(f"`{o}`" for o in report["overrides"]),
         "",

@@ -32,7 +32,6 @@ import logging
 import math
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 import uuid
@@ -42,8 +41,10 @@ from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from accuracy import read_run  # noqa: E402
-from common import (REPO, add_threads_option, apply_threads, command, compose,  # noqa: E402
-                    csv_list, describe_level, machine, now, prepare_store, write_results)
+from common import (REPO, add_threads_option, apply_threads, check_presets,  # noqa: E402
+                    command, compose, crash_status, csv_list, describe_level, machine, now,
+                    parse_seeds, prepare_store, resolve_device, run_setup_lines, save_figure,
+                    store_uri, unfinished_lines, write_results)
 
 EXPERIMENT = "rounding-stall"
 REFERENCE, STALLS, ROUNDS = "o2_bf16", "o3_bf16", "o3_bf16_sr"
@@ -153,27 +154,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--epochs must be at least 1")
     if not (args.lr > 0 and math.isfinite(args.lr)):
         parser.error(f"--lr must be a positive number, got {args.lr}")
-    try:
-        args.seeds = [int(s) for s in (args.seeds or DEFAULT_SEEDS)]
-    except ValueError:
-        parser.error(f"--seeds must be integers, got {args.seeds}")
-    if not args.seeds:
-        parser.error("--seeds is empty")
-
-    import torch
-
-    args.device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" \
-        else args.device
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device is available")
-
-    from runner.plan import preset_options
-
-    known = preset_options()
+    args.seeds = parse_seeds(parser, args.seeds, DEFAULT_SEEDS)
+    args.device = resolve_device(parser, args.device)
     levels = args.levels or LEVELS
-    unknown = [lvl for lvl in levels if lvl not in known]
-    if unknown:
-        parser.error(f"unknown level(s) {', '.join(unknown)}; choose from {', '.join(known)}")
+    check_presets(parser, levels)
     args.levels = list(dict.fromkeys(levels))
     if args.out is None:
         args.out = REPO / "benchmarks" / "results" / f"rounding_{args.device}.md"
@@ -380,17 +364,10 @@ def render_markdown(report: dict, rows: list[LevelSummary], figure_name: str | N
         lines += [f"![Training loss and validation accuracy per epoch]({figure_name})", "",
                   "The figure: per epoch, the mean over the seeds (line) and the lowest and "
                   "highest seed (band); the training loss is each epoch's mean.", ""]
-    m = report["machine"]
     lines += [
         "## Setup",
         "",
-        f"- Machine: {m['cpu']}, {m['cores']} cores (torch uses {m['torch_threads']} threads)"
-        + (f", GPU {m['gpu']} (CUDA {m['cuda']})" if "gpu" in m else "")
-        + f"; torch {m['torch']}, Python {m['python']}, {m['platform']}",
-        f"- Date: {report['date']}",
-        f"- Command: `{report['command']}`",
-        f"- Total wall time: {report['total_wall_s'] / 60:.1f} min for {len(report['runs'])} runs",
-        f"- MLflow: experiment `{report['experiment']}` in `{report['tracking_uri']}`",
+        *run_setup_lines(report),
         f"- Verdict thresholds: `{STALLS}` at least {STALL_POINTS:g} points below `{REFERENCE}`,"
         f" `{ROUNDS}` within {SR_POINTS:g} points of it (means of the best validation accuracy "
         "over the seeds)",
@@ -398,11 +375,7 @@ def render_markdown(report: dict, rows: list[LevelSummary], figure_name: str | N
         + " ".join(f"`{o}`" for o in report["overrides"]),
         "",
     ]
-    unfinished = [r for r in report["_results"] if r.status != "finished"]
-    if unfinished:
-        lines += ["## Runs that did not finish", ""]
-        lines += [f"- `{r.level}` seed {r.seed}: {r.status}: {r.error}" for r in unfinished]
-        lines.append("")
+    lines += unfinished_lines(report["_results"])
     return "\n".join(lines)
 
 
@@ -454,11 +427,7 @@ def figure(report: dict, rows: list[LevelSummary], path: Path) -> Path | None:
                  f"stochastic rounding ({head})\ntiny CNN, synthetic 16-px data, SGD momentum "
                  f"0.9; mean of {seeds} seed{'s' if seeds > 1 else ''}, band: lowest to highest "
                  f"seed; {where}", fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 CSV_FIELDS = ["level", "seed", "epoch", "status", "val_acc", "train_loss", "best_val_acc",
@@ -500,12 +469,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    if args.tracking_uri is None:
-        folder = Path(tempfile.mkdtemp(prefix="rounding-stall-"))
-        args.tracking_uri = f"sqlite:///{folder / 'mlflow.db'}"
-    from runner.tracking import resolve_tracking_uri
-
-    args.tracking_uri = resolve_tracking_uri(args.tracking_uri)
+    args.tracking_uri = store_uri(args.tracking_uri, "rounding-stall-")
     prepare_store(args.tracking_uri, args.experiment)
     overrides = task_overrides(args)
     composed = compose(overrides)
@@ -552,12 +516,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     print(render_markdown(report, rows, None))
     print("Wrote " + ", ".join(str(p) for p in paths))
-    crashed = [r for r in results if r.status == "crashed"]
-    if crashed:
-        print(f"{len(crashed)} run(s) crashed: "
-              + "; ".join(f"{r.level} seed {r.seed}: {r.error}" for r in crashed), file=sys.stderr)
-        return 1
-    return 0
+    return crash_status(results)
 
 
 if __name__ == "__main__":

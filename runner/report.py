@@ -308,6 +308,23 @@ def bar_labels(rows: Sequence[Row]) -> list[str]:
     return labels
 
 
+def _legend_or_note(ax, shown: bool, note: str) -> None:
+    """The legend where the axes show something; otherwise `note`, in their middle."""
+    if shown:
+        ax.legend(fontsize="small")
+    else:
+        ax.text(0.5, 0.5, note, ha="center", va="center", transform=ax.transAxes)
+
+
+def _save(fig, path: Path) -> None:
+    """A figure laid out, written to `path` at 100 dpi and closed."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def plot_bars(rows: Sequence[Row], path: Path) -> None:
     import matplotlib
 
@@ -334,9 +351,7 @@ def plot_bars(rows: Sequence[Row], path: Path) -> None:
         ax.set_title(title)
         ax.grid(axis="y", alpha=0.3)
     axes[0].legend(title="level", fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_memory(rows: Sequence[Row], path: Path) -> None:
@@ -359,14 +374,8 @@ def plot_memory(rows: Sequence[Row], path: Path) -> None:
     ax.set_ylabel("MB")
     ax.set_title("Memory by kind in one training step (from the tensors)")
     ax.grid(axis="y", alpha=0.3)
-    if shown:
-        ax.legend(fontsize="small")
-    else:
-        ax.text(0.5, 0.5, "no run logged memory by kind (mem_*_mb)", ha="center", va="center",
-                transform=ax.transAxes)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _legend_or_note(ax, bool(shown), "no run logged memory by kind (mem_*_mb)")
+    _save(fig, path)
 
 
 def plot_curves(rows: Sequence[Row], path: Path) -> None:
@@ -387,14 +396,8 @@ def plot_curves(rows: Sequence[Row], path: Path) -> None:
     ax.set_ylabel("validation accuracy (%)")
     ax.set_title("Validation accuracy per run")
     ax.grid(alpha=0.3)
-    if ax.lines:
-        ax.legend(fontsize="small")
-    else:
-        ax.text(0.5, 0.5, "no run logged val_acc", ha="center", va="center",
-                transform=ax.transAxes)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _legend_or_note(ax, bool(ax.lines), "no run logged val_acc")
+    _save(fig, path)
 
 
 # ---- entry point ----------------------------------------------------------------------------------

@@ -1,18 +1,48 @@
 """Small shared pieces of the precision tests: resolved properties, an op recorder, a tiny net,
-a gradient norm."""
+a gradient norm, the amp reset around a test, the cross-entropy loss."""
 from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from runner.precision import Properties, resolve
+from runner.precision import AmpEngine, Properties, amp, resolve
+from runner.precision import autocast as ac
 
 
 def props(level: str, **overrides) -> Properties:
     return resolve(level, overrides).properties
+
+
+@pytest.fixture(autouse=True)
+def fresh_amp():
+    """No amp engine and no autocast registrations before or after a test: a test module that
+    imports this fixture gets it around each of its tests."""
+    amp.deinitialize()
+    ac.clear_registrations()
+    yield
+    amp.deinitialize()
+    ac.clear_registrations()
+
+
+def ce(model, x, y):
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def two_optimizers():
+    """One engine (O0, dynamic loss scale, CPU) over two Linear layers meant to run in a row,
+    4 -> 4 -> 2 (weights from seed 0), each prepared with its own SGD (lr 0.1): a loss over both
+    is one loss over two optimizers. Returns engine, a, b, a's optimizer, b's optimizer."""
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 4), nn.Linear(4, 2)
+    oa, ob = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+    engine = AmpEngine(props("O0", loss_scale="dynamic"), torch.device("cpu"))
+    engine.prepare(a, oa)
+    engine.prepare(b, ob)
+    return engine, a, b, oa, ob
 
 
 class OpRecorder(TorchDispatchMode):

@@ -16,21 +16,7 @@ import torch
 from torch import nn
 
 from runner.precision import amp
-from runner.precision import autocast as ac
-from tests.precision_helpers import Snapshot, batch, net
-
-
-@pytest.fixture(autouse=True)
-def _fresh_amp():
-    amp.deinitialize()
-    ac.clear_registrations()
-    yield
-    amp.deinitialize()
-    ac.clear_registrations()
-
-
-def ce(model, x, y):
-    return nn.functional.cross_entropy(model(x), y)
+from tests.precision_helpers import Snapshot, batch, ce, fresh_amp, net  # noqa: F401 (autouse)
 
 
 def train_step(model, opt, x, y, loss_id=0, poison_param=None) -> torch.Tensor:

@@ -17,7 +17,7 @@ from torch import nn
 
 from runner.precision import AmpEngine
 from runner.precision import autocast as ac
-from tests.precision_helpers import KernelSpy, OpRecorder, batch, net, props
+from tests.precision_helpers import KernelSpy, OpRecorder, batch, net, props, two_optimizers
 
 CPU = torch.device("cpu")
 
@@ -133,12 +133,7 @@ def test_backward_after_unscale_accumulates_in_fp32():
 
 
 def test_one_loss_over_two_optimizers_updates_its_scaler_once_per_round():
-    torch.manual_seed(0)
-    a, b = nn.Linear(4, 4), nn.Linear(4, 2)
-    oa, ob = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
-    engine = AmpEngine(props("O0", loss_scale="dynamic"), CPU)
-    engine.prepare(a, oa)
-    engine.prepare(b, ob)
+    engine, a, b, oa, ob = two_optimizers()
     engine.scalers[0].load_state_dict({"loss_scale": 64.0})
     x = torch.randn(3, 4)
     engine.backward(b(a(x)).square().mean())

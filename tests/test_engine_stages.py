@@ -18,22 +18,10 @@ from torch import nn
 from runner.precision import AmpEngine, amp
 from runner.precision import autocast as ac
 from runner.precision.engine import Stage
-from tests.precision_helpers import OpRecorder, batch, net, props
+from tests.precision_helpers import (OpRecorder, batch, ce, fresh_amp,  # noqa: F401 (autouse)
+                                     net, props, two_optimizers)
 
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(autouse=True)
-def _clean():
-    amp.deinitialize()
-    ac.clear_registrations()
-    yield
-    amp.deinitialize()
-    ac.clear_registrations()
-
-
-def ce(model, x, y):
-    return nn.functional.cross_entropy(model(x), y)
 
 
 def prepared(level="O2", kernels="auto", num_losses=1):
@@ -102,12 +90,7 @@ def test_backward_after_clip_is_refused_until_the_step():
 def test_a_refused_backward_moves_no_optimizer():
     """One loss over two optimizers, one of them clipped: the backward is refused before the
     other optimizer's gradients are touched."""
-    torch.manual_seed(0)
-    a, b = nn.Linear(4, 4), nn.Linear(4, 2)
-    oa, ob = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
-    engine = AmpEngine(props("O0", loss_scale="dynamic"), CPU)
-    engine.prepare(a, oa)
-    engine.prepare(b, ob)
+    engine, a, b, oa, ob = two_optimizers()
     x = torch.randn(3, 4)
     engine.backward(b(a(x)).square().mean())
     engine.unscale_(oa)

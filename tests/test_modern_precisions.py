@@ -21,7 +21,8 @@ from runner.plan import default_run_name, make_plan
 from runner.precision import AmpEngine, amp, resolve
 from runner.precision.checks import DeviceInfo
 from tests.conftest import compose_config
-from tests.test_resume import history, last_checkpoint, runs_by_name, settings
+from tests.test_resume import (history, last_checkpoint, runs_by_name, settings,
+                               straight_and_resumed)
 
 H100 = DeviceInfo("cuda", (9, 0), "NVIDIA H100")
 A100 = DeviceInfo("cuda", (8, 0), "NVIDIA A100")
@@ -211,13 +212,9 @@ def test_sr_learns_what_round_to_nearest_loses():
 
 
 def test_o3_bf16_sr_resumes_bit_for_bit(tmp_path):
-    common = settings(tmp_path, "precision=o3_bf16_sr", "optimizer=adam", "optimizer.eps=1e-4",
-                      "scheduler=step", "scheduler.step_epochs=1", "scheduler.gamma=0.5")
-    app.run(compose_config(*common, "trainer.max_epochs=2", "mlflow.run_name=straight"))
-    app.run(compose_config(*common, "trainer.max_epochs=1", "mlflow.run_name=resumed"))
-    app.run(compose_config(*common, "trainer.max_epochs=2", "mlflow.run_name=resumed",
-                           "resume=auto"))
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = straight_and_resumed(tmp_path, "precision=o3_bf16_sr", "optimizer=adam",
+                               "optimizer.eps=1e-4", "scheduler=step", "scheduler.step_epochs=1",
+                               "scheduler.gamma=0.5")
     runs = runs_by_name(uri)
     got, want = history(uri, runs["resumed"].info.run_id), history(uri, runs["straight"].info.run_id)
     assert got.pop("best_val_acc")[-1] == want.pop("best_val_acc")[-1]
@@ -376,12 +373,8 @@ def test_compiled_training_matches_eager(tmp_path, level, tolerance):
 
 @pytest.mark.slow
 def test_a_compiled_run_resumes_bit_for_bit(tmp_path):
-    common = settings(tmp_path, "precision=o2_bf16", "trainer.compile=true",
-                      "scheduler=step", "scheduler.step_epochs=1")
-    app.run(compose_config(*common, "trainer.max_epochs=2", "mlflow.run_name=straight"))
-    app.run(compose_config(*common, "trainer.max_epochs=1", "mlflow.run_name=resumed"))
-    app.run(compose_config(*common, "trainer.max_epochs=2", "mlflow.run_name=resumed",
-                           "resume=auto"))
+    straight_and_resumed(tmp_path, "precision=o2_bf16", "trainer.compile=true", "scheduler=step",
+                         "scheduler.step_epochs=1")
     a, b = last_checkpoint(tmp_path, "straight"), last_checkpoint(tmp_path, "resumed")
     for key, value in a["model"].items():
         assert torch.equal(value, b["model"][key]), key

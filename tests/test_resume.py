@@ -48,20 +48,26 @@ def settings(tmp_path: Path, *extra: str) -> list[str]:
             f"trainer.checkpoint_dir={tmp_path / 'checkpoints'}", *extra]
 
 
+def straight_and_resumed(tmp_path: Path, *extra: str) -> str:
+    """Two runs of `settings(tmp_path, *extra)`: `straight`, two epochs in one session;
+    `resumed`, one epoch, then resume=auto to two. Returns the store's URI."""
+    common = settings(tmp_path, *extra)
+    app.run(compose_config(*common, "trainer.max_epochs=2", "mlflow.run_name=straight"))
+    app.run(compose_config(*common, "trainer.max_epochs=1", "mlflow.run_name=resumed"))
+    app.run(compose_config(*common, "trainer.max_epochs=2", "mlflow.run_name=resumed",
+                           "resume=auto"))
+    return f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+
 # ---- resume at an epoch boundary: the issue's test ------------------------------------------------
 @pytest.mark.parametrize("level", ["o0", "o2"])
 def test_two_epochs_straight_equal_one_then_resume_one_more(tmp_path, level):
     """o2: fp16 model, fp32 masters, dynamic loss scale: the masters, Adam's moments and the
     scaler's state all have to come back exactly."""
     # a schedule that does not depend on max_epochs (the first session's budget is 1 epoch)
-    common = settings(tmp_path, f"precision={level}", "optimizer=adam", "optimizer.eps=1e-4",
-                      "scheduler=step", "scheduler.step_epochs=1", "scheduler.gamma=0.5")
-    app.run(compose_config(*common, "trainer.max_epochs=2", "mlflow.run_name=straight"))
-    app.run(compose_config(*common, "trainer.max_epochs=1", "mlflow.run_name=resumed"))
-    app.run(compose_config(*common, "trainer.max_epochs=2", "mlflow.run_name=resumed",
-                           "resume=auto"))
-
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = straight_and_resumed(tmp_path, f"precision={level}", "optimizer=adam",
+                               "optimizer.eps=1e-4", "scheduler=step", "scheduler.step_epochs=1",
+                               "scheduler.gamma=0.5")
     runs = runs_by_name(uri)
     assert set(runs) == {"straight", "resumed"}  # the resumed run continued its own MLflow run
     resumed = runs["resumed"]

@@ -36,6 +36,7 @@ import torch
 
 from runner import csrc
 from runner.precision import rounding
+from tests.test_kernels import ADAM_CASES, SGD_CASES  # the kernels' step cases
 
 SIZES = [1, 7, 65535, 65536, 65537, 3 * 65536 + 5]  # odd, chunk edges, several chunks
 MASK32 = 0xFFFFFFFF
@@ -353,12 +354,6 @@ def assert_state(out: torch.Tensor, want64: torch.Tensor, tol: torch.Tensor):
     assert torch.all((o - want64).abs() <= tol)
 
 
-SGD_CASES = [
-    dict(momentum=0.0, dampening=0.0, nesterov=False, weight_decay=0.0, maximize=False),
-    dict(momentum=0.9, dampening=0.0, nesterov=False, weight_decay=5e-4, maximize=False),
-    dict(momentum=0.9, dampening=0.1, nesterov=False, weight_decay=0.0, maximize=True),
-    dict(momentum=0.9, dampening=0.0, nesterov=True, weight_decay=1e-2, maximize=False),
-]
 STEP_SIZES = [1, 7, 65537]
 
 
@@ -392,14 +387,6 @@ def test_sgd_step_sr_matches_float64(backend, case, state_dtype, grad_dtype, fir
             assert_state(b, want_b, 4 * ulp32(want_b) + 4 * ulp32(b0) + 4 * ulp32(g0) + 1e-30)
         else:
             assert torch.equal(b.cpu().double(), b0)  # no momentum: the buffers are not touched
-
-
-ADAM_CASES = [
-    ("adam", dict(weight_decay=0.0, maximize=False)),
-    ("adam", dict(weight_decay=1e-2, maximize=False)),
-    ("adamw", dict(weight_decay=1e-2, maximize=False)),
-    ("adamw", dict(weight_decay=0.0, maximize=True)),
-]
 
 
 @pytest.mark.parametrize("kind,case", ADAM_CASES, ids=lambda c: str(c))

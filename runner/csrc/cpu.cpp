@@ -375,6 +375,33 @@ void fused_step(const char* op, const TensorList& params, const TensorList& grad
 #endif
 }
 
+// The update loops of the fused steps (with fp32 masters and with stochastic rounding alike),
+// over n elements of one block: local copies of the arguments and restrict pointers, so nothing
+// the loop stores can alias them and the loop vectorises. Without momentum `buf` is not read.
+inline void sgd_block(int64_t n, float* __restrict__ p, float* __restrict__ buf,
+                      const float* __restrict__ g, float gs, const SgdArgs& args,
+                      bool with_momentum) {
+  const SgdArgs a = args;
+  if (with_momentum) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) sgd_update(p[i], buf[i], g[i] * gs, a);
+  } else {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) {
+      float unused = 0.f;
+      sgd_update(p[i], unused, g[i] * gs, a);
+    }
+  }
+}
+
+inline void adam_block(int64_t n, float* __restrict__ p, float* __restrict__ m,
+                       float* __restrict__ v, const float* __restrict__ g, float gs,
+                       const AdamArgs& args) {
+  const AdamArgs a = args;
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) adam_update(p[i], m[i], v[i], g[i] * gs, a);
+}
+
 }  // namespace
 
 void sgd_step(const TensorList& params, const TensorList& grads, const TensorList& momentum_bufs,
@@ -387,21 +414,9 @@ void sgd_step(const TensorList& params, const TensorList& grads, const TensorLis
   const SgdArgs args = make_sgd_args(lr, weight_decay, momentum, dampening, nesterov, first_run);
   fused_step("sgd_step", params, grads, model_copies, grad_scale, found_inf, maximize,
              [&](int64_t t, int64_t offset, int64_t n, const float* __restrict__ g, float gs) {
-               // local copies and restrict pointers: nothing the loop stores can alias them,
-               // so the loop vectorises
-               const SgdArgs a = args;
-               float* __restrict__ p = params[t].data_ptr<float>() + offset;
-               if (with_momentum) {
-                 float* __restrict__ buf = momentum_bufs[t].data_ptr<float>() + offset;
-#pragma omp simd
-                 for (int64_t i = 0; i < n; ++i) sgd_update(p[i], buf[i], g[i] * gs, a);
-               } else {
-#pragma omp simd
-                 for (int64_t i = 0; i < n; ++i) {
-                   float unused = 0.f;
-                   sgd_update(p[i], unused, g[i] * gs, a);
-                 }
-               }
+               sgd_block(n, params[t].data_ptr<float>() + offset,
+                         with_momentum ? momentum_bufs[t].data_ptr<float>() + offset : nullptr, g,
+                         gs, args, with_momentum);
              });
 }
 
@@ -415,12 +430,9 @@ void adam_step(const TensorList& params, const TensorList& grads, const TensorLi
                                        bias_correction2, decoupled);
   fused_step("adam_step", params, grads, model_copies, grad_scale, found_inf, maximize,
              [&](int64_t t, int64_t offset, int64_t n, const float* __restrict__ g, float gs) {
-               const AdamArgs a = args;  // (see sgd_step)
-               float* __restrict__ p = params[t].data_ptr<float>() + offset;
-               float* __restrict__ m = exp_avgs[t].data_ptr<float>() + offset;
-               float* __restrict__ v = exp_avg_sqs[t].data_ptr<float>() + offset;
-#pragma omp simd
-               for (int64_t i = 0; i < n; ++i) adam_update(p[i], m[i], v[i], g[i] * gs, a);
+               adam_block(n, params[t].data_ptr<float>() + offset,
+                          exp_avgs[t].data_ptr<float>() + offset,
+                          exp_avg_sqs[t].data_ptr<float>() + offset, g, gs, args);
              });
 }
 
@@ -554,17 +566,7 @@ void sgd_step_sr(const TensorList& params, const TensorList& grads,
                 TensorList{}, grad_scale, found_inf, maximize, keys,
                 [&](int64_t n, float* __restrict__ p, const float* __restrict__ g, float gs,
                     float* __restrict__ buf, float*) {
-                  const SgdArgs a = args;  // (see sgd_step)
-                  if (with_momentum) {
-#pragma omp simd
-                    for (int64_t i = 0; i < n; ++i) sgd_update(p[i], buf[i], g[i] * gs, a);
-                  } else {
-#pragma omp simd
-                    for (int64_t i = 0; i < n; ++i) {
-                      float unused = 0.f;
-                      sgd_update(p[i], unused, g[i] * gs, a);
-                    }
-                  }
+                  sgd_block(n, p, buf, g, gs, args, with_momentum);
                 });
 }
 
@@ -582,9 +584,7 @@ void adam_step_sr(const TensorList& params, const TensorList& grads, const Tenso
                 maximize, keys,
                 [&](int64_t n, float* __restrict__ p, const float* __restrict__ g, float gs,
                     float* __restrict__ m, float* __restrict__ v) {
-                  const AdamArgs a = args;
-#pragma omp simd
-                  for (int64_t i = 0; i < n; ++i) adam_update(p[i], m[i], v[i], g[i] * gs, a);
+                  adam_block(n, p, m, v, g, gs, args);
                 });
 }
 

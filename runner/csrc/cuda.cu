@@ -175,6 +175,31 @@ __global__ void l2norm_total(const double* squares, int n, float* total) {
   if (threadIdx.x == 0) *total = static_cast<float>(sqrt(sums[0]));
 }
 
+// The shared middle of the fused steps (with fp32 masters and with stochastic rounding alike):
+// kILP elements from i0 of the params (P), the gradients (G) and the state the optimizer keeps (A:
+// momentum buffer or exp_avg, when `state1`; B: exp_avg_sq, for Adam) loaded into fp32 registers
+// and updated there, the gradient times `gs`. Each step stores them back its own way.
+template <bool kAdam, typename P, typename G, typename A, typename B>
+__device__ __forceinline__ void load_and_update(float (&pv)[kILP], float (&av)[kILP],
+                                                float (&bv)[kILP], const P* p, const G* g,
+                                                const A* s1, const B* s2, int64_t i0, bool vec,
+                                                int64_t length, float gs, bool state1,
+                                                const AdamArgs& adam, const SgdArgs& sgd) {
+  float gv[kILP];
+  mta::load(pv, p, i0, vec, length);
+  mta::load(gv, g, i0, vec, length);
+  if (state1) mta::load(av, s1, i0, vec, length);
+  if (kAdam) mta::load(bv, s2, i0, vec, length);
+#pragma unroll
+  for (int j = 0; j < kILP; ++j) {
+    if (kAdam) {
+      adam_update(pv[j], av[j], bv[j], gv[j] * gs, adam);
+    } else {
+      sgd_update(pv[j], av[j], gv[j] * gs, sgd);
+    }
+  }
+}
+
 // Fused optimizer steps. Lists: 0 params (fp32), 1 grads (G), 2 and 3 state (fp32; for SGD
 // 2 = momentum buffer, 3 unused), 4 the 16-bit model copy (C; unused when C is float).
 template <typename G, typename C, bool kAdam>
@@ -195,19 +220,8 @@ struct StepOp {
                         (!state1 || mta::aligned<float>(s1)) &&
                         (!kAdam || mta::aligned<float>(s2)) && (!kCopy || mta::aligned<C>(copy));
     mta::for_chunk(c.length, vector, [&](int64_t i0, bool vec) {
-      float pv[kILP], gv[kILP], av[kILP] = {}, bv[kILP] = {};
-      mta::load(pv, p, i0, vec, c.length);
-      mta::load(gv, g, i0, vec, c.length);
-      if (state1) mta::load(av, s1, i0, vec, c.length);
-      if (kAdam) mta::load(bv, s2, i0, vec, c.length);
-#pragma unroll
-      for (int j = 0; j < kILP; ++j) {
-        if (kAdam) {
-          adam_update(pv[j], av[j], bv[j], gv[j] * gs, adam);
-        } else {
-          sgd_update(pv[j], av[j], gv[j] * gs, sgd);
-        }
-      }
+      float pv[kILP], av[kILP] = {}, bv[kILP] = {};
+      load_and_update<kAdam>(pv, av, bv, p, g, s1, s2, i0, vec, c.length, gs, state1, adam, sgd);
       mta::store(p, i0, vec, c.length, pv);
       if (state1) mta::store(s1, i0, vec, c.length, av);
       if (kAdam) mta::store(s2, i0, vec, c.length, bv);
@@ -290,19 +304,8 @@ struct SrStepOp {
                         mta::aligned<G>(g) && (!state1 || mta::aligned<A>(s1)) &&
                         (!kAdam || mta::aligned<B>(s2));
     mta::for_chunk(c.length, vector, [&](int64_t i0, bool vec) {
-      float pv[kILP], gv[kILP], av[kILP] = {}, bv[kILP] = {};
-      mta::load(pv, p, i0, vec, c.length);
-      mta::load(gv, g, i0, vec, c.length);
-      if (state1) mta::load(av, s1, i0, vec, c.length);
-      if (kAdam) mta::load(bv, s2, i0, vec, c.length);
-#pragma unroll
-      for (int j = 0; j < kILP; ++j) {
-        if (kAdam) {
-          adam_update(pv[j], av[j], bv[j], gv[j] * gs, adam);
-        } else {
-          sgd_update(pv[j], av[j], gv[j] * gs, sgd);
-        }
-      }
+      float pv[kILP], av[kILP] = {}, bv[kILP] = {};
+      load_and_update<kAdam>(pv, av, bv, p, g, s1, s2, i0, vec, c.length, gs, state1, adam, sgd);
       if (state1) mta::store(s1, i0, vec, c.length, av);
       if (kAdam) mta::store(s2, i0, vec, c.length, bv);
       store_sr(p, i0, vec, c.length, c.offset, key, pv);
