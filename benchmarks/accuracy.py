@@ -43,10 +43,10 @@ from pathlib import Path
 from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
-from common import (REPO, command, compose, crash_status, csv_list, describe_level,  # noqa: E402
-                    fresh_compile_cache, machine, model_label, model_overrides, now, parse_level,
-                    parse_seeds, prepare_store, resolve_device, run_setup_lines,
-                    store_uri, unfinished_lines, write_results)
+from common import (REPO, compose, crash_status, csv_list, describe_level,  # noqa: E402
+                    fresh_compile_cache, model_label, model_overrides, parse_level, parse_seeds,
+                    prepare_store, resolve_device, run_report_fields, run_setup_lines, store_uri,
+                    unfinished_lines, write_results)
 
 EXPERIMENT = "accuracy-parity"
 TARGET_POINTS = 1.0  # a checked level's mean must be within this many points of O0's mean
@@ -538,14 +538,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "target_points": SR_TARGET_POINTS},
         "compile_cache": compile_cache,
         "overrides": task_overrides(args),
-        "command": command("accuracy.py", argv),
-        "date": now(),
-        "total_wall_s": 0.0,
-        "tracking_uri": args.tracking_uri,
-        "experiment": args.experiment,
-        "machine": machine(args.device),
-        "runs": [],
-        "_results": [],
+        **run_report_fields("accuracy.py", argv, args),
     }
     started = time.perf_counter()
     results: list[RunResult] = report["_results"]

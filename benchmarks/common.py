@@ -163,6 +163,21 @@ def crash_status(results: Sequence[Any]) -> int:
     return 0
 
 
+def run_report_fields(script: str, argv: Sequence[str], args) -> dict:
+    """The fields every run-based benchmark's report (accuracy, rounding) ends with, in the
+    order their JSON results list them; `run_setup_lines` reads them back."""
+    return {
+        "command": command(script, argv),
+        "date": now(),
+        "total_wall_s": 0.0,
+        "tracking_uri": args.tracking_uri,
+        "experiment": args.experiment,
+        "machine": machine(args.device),
+        "runs": [],
+        "_results": [],
+    }
+
+
 def run_setup_lines(report: dict) -> list[str]:
     """A training-run benchmark's Setup lines: the machine, the date, the command, the total wall
     time over its runs, the MLflow experiment and store."""

@@ -42,9 +42,9 @@ from typing import Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from accuracy import read_run  # noqa: E402
 from common import (REPO, add_threads_option, apply_threads, check_presets,  # noqa: E402
-                    command, compose, crash_status, csv_list, describe_level, machine, now,
-                    parse_seeds, prepare_store, resolve_device, run_setup_lines, save_figure,
-                    store_uri, unfinished_lines, write_results)
+                    compose, crash_status, csv_list, describe_level, parse_seeds, prepare_store,
+                    resolve_device, run_report_fields, run_setup_lines, save_figure, store_uri,
+                    unfinished_lines, write_results)
 
 EXPERIMENT = "rounding-stall"
 REFERENCE, STALLS, ROUNDS = "o2_bf16", "o3_bf16", "o3_bf16_sr"
@@ -487,14 +487,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "lr": args.lr,
         "num_classes": int(composed.data.get("num_classes", 0) or 0),
         "overrides": overrides,
-        "command": command("rounding.py", argv),
-        "date": now(),
-        "total_wall_s": 0.0,
-        "tracking_uri": args.tracking_uri,
-        "experiment": args.experiment,
-        "machine": machine(args.device),
-        "runs": [],
-        "_results": [],
+        **run_report_fields("rounding.py", argv, args),
     }
     started = time.perf_counter()
     results: list[RunResult] = report["_results"]
