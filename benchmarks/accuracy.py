@@ -12,7 +12,7 @@ A level is a precision preset, or `<preset>+compile` for the same preset with
 only Linear layer has 10 outputs (not a multiple of 16), `o1_fp8` converts no layer to fp8: the
 table shows each fp8 row's `precision.fp8_layers` so that this is seen.
 
-Every (level, seed) is a real `runner.app.run` on the config tree composed with Hydra's compose
+Every (level, seed) is a real `runner.run.app.run` on the config tree composed with Hydra's compose
 API, logged to an MLflow store (by default a fresh SQLite store in a temporary folder, never the
 user's ./mlflow.db). The seeds vary `trainer.seed` (weight init and shuffling order); the dataset
 (`data.seed`) stays fixed, so every run is validated on the very same images and the levels are
@@ -167,7 +167,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.seeds = parse_seeds(parser, args.seeds, DEFAULT_SEEDS)
     args.device = resolve_device(parser, args.device)
 
-    from runner.plan import preset_options
+    from runner.run.plan import preset_options
 
     known = preset_options()
     levels = args.levels or (CUDA_LEVELS if args.device == "cuda" else CPU_LEVELS)
@@ -231,9 +231,9 @@ def run_name(model: str, level: str, seed: int) -> str:
 
 
 def run_one(args, level: str, seed: int, session: str) -> RunResult:
-    from runner.app import run
+    from runner.run.app import run
     from runner.errors import DivergenceError
-    from runner.plan import preset_options
+    from runner.run.plan import preset_options
 
     spec = parse_level(level, preset_options())
     key = f"{session}/{level}/s{seed}"

@@ -118,7 +118,7 @@ def check_at_least_one(parser, args, names: Sequence[str]) -> None:
 def check_presets(parser, levels: Sequence[str]) -> None:
     """The parser's error, with the known presets, where a level of `levels` is not a precision
     preset (no `+compile` suffix here: see `parse_level` for that)."""
-    from runner.plan import preset_options
+    from runner.run.plan import preset_options
 
     known = preset_options()
     unknown = [lvl for lvl in levels if lvl not in known]
@@ -288,7 +288,7 @@ def compose(overrides: Sequence[str]):
     from hydra import initialize_config_dir
 
     import runner.config  # noqa: F401  (registers the schemas)
-    from runner.paths import config_dir
+    from runner.config.finder import config_dir
 
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
         return hydra_compose("config", overrides=list(overrides))
@@ -299,7 +299,7 @@ def store_uri(given: Optional[str], prefix: str) -> str:
     new temporary folder named `prefix`..., resolved as the runner resolves a tracking URI."""
     import tempfile
 
-    from runner.tracking import resolve_tracking_uri
+    from runner.tracking.lifecycle import resolve_tracking_uri
 
     if given is None:
         folder = Path(tempfile.mkdtemp(prefix=prefix))
@@ -310,14 +310,14 @@ def store_uri(given: Optional[str], prefix: str) -> str:
 def prepare_store(tracking_uri: str, experiment: str) -> None:
     """Create the store and the experiment (artifacts beside a SQLite database) before the runs,
     as the runner's own Tracker does."""
-    from runner.tracking import Tracker
+    from runner.tracking.lifecycle import Tracker
 
     Tracker(tracking_uri, experiment)
 
 
 @dataclass
 class RunnerParts:
-    """What `runner.app.run` builds for one config, plus one training batch on the device."""
+    """What `runner.run.app.run` builds for one config, plus one training batch on the device."""
 
     cfg: Any
     device: Any
@@ -365,7 +365,7 @@ def one_batch_task(model: str, image_size: int, batch_size: int, device: str) ->
 
 def build_runner(cfg, on_metrics: Optional[Callable] = None, keep_fp32_copy: bool = False,
                  cpu_batch: Optional[tuple] = None) -> RunnerParts:
-    """The runner's own objects for `cfg`, built by `runner.app.build` exactly as a run builds
+    """The runner's own objects for `cfg`, built by `runner.run.app.build` exactly as a run builds
     them (without the MLflow run), a Trainer over them, then one batch of the training data moved
     to the device the trainer's way. A benchmark times `parts.trainer.train_step(*parts.batch)`:
     the runner's step.
@@ -378,9 +378,10 @@ def build_runner(cfg, on_metrics: Optional[Callable] = None, keep_fp32_copy: boo
     synthetic 224-px images take seconds."""
     import copy
 
-    from runner import app, csrc
-    from runner.plan import make_plan
-    from runner.trainer import Trainer
+    from runner.run import app
+    from runner import csrc
+    from runner.run.plan import make_plan
+    from runner.run.trainer import Trainer
 
     plan = make_plan(cfg)
     device, resolution = plan.device, plan.resolution

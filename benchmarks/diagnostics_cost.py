@@ -94,8 +94,8 @@ def hook_count(module) -> int:
 
 def run_cell(args, model: str, level: str, batches: dict) -> dict:
     """One (model, level): interleaved blocks of the three variants."""
-    from runner.diagnostics import RunDiagnostics, run_formats
-    from runner.probes import synchronize
+    from runner.measure.diagnostics import RunDiagnostics, run_formats
+    from runner.measure.probes import synchronize
 
     cell = {"model": model, "level": level, "status": "ok", "error": None}
     gc.collect()

@@ -1,6 +1,6 @@
 """Per-level table: throughput, step time and peak memory of each precision level, per model.
 
-Every cell is the runner's real path: the objects `runner.app.run` builds for the config
+Every cell is the runner's real path: the objects `runner.run.app.run` builds for the config
 (`common.build_runner`: model, optimizer, scheduler, AmpEngine from the preset, Trainer), stepped
 with `Trainer.train_step` on one synthetic batch held in memory on the device (no data loading in
 the timing). After warm-up steps, each timed step is device-synchronised; the step time is the
@@ -8,7 +8,7 @@ median, throughput is batch / median step time. Peak memory is the runner's own 
 reset before the cell's objects are built (as at the start of a run):
   CUDA: torch.cuda.max_memory_allocated (weights, masters, optimizer state, activations, batch).
   CPU:  the training state counted from the tensors on the trainer's first step (weights,
-        masters, gradients, optimizer state, activations saved for backward: runner.memory),
+        masters, gradients, optimizer state, activations saved for backward: runner.measure.memory),
         which does not depend on what earlier cells left in the process. The hand-written
         torch_amp row, which the trainer does not step, reports the process's peak resident
         memory above its resident memory at the reset instead (VmHWM, Linux; freed memory of
@@ -171,7 +171,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         args.out = args.out or REPO / "benchmarks" / "results" / f"levels_{args.device}.md"
         return args
 
-    from runner.plan import preset_options
+    from runner.run.plan import preset_options
 
     args.device = resolve_device(p, args.device)
     d = DEFAULTS[args.device]
@@ -441,7 +441,7 @@ def render(report: dict) -> str:
         "CUDA `max_memory_allocated`, reset per cell" if device == "cuda" else
         "the training state counted from the tensors (MemoryProbe, `cpu_tensor_accounted`: "
         "weights, masters, gradients, optimizer state and the activations saved for backward in "
-        "one step, runner.memory); the hand-written `torch_amp` row, which the runner's trainer "
+        "one step, runner.measure.memory); the hand-written `torch_amp` row, which the runner's trainer "
         "does not step, has the process's peak resident memory above its resident memory when "
         "the cell started instead (`cpu_rss_peak_above_start`), not compared with O0's")
     first = report["runs"][0] if report["runs"] else {}
@@ -449,7 +449,7 @@ def render(report: dict) -> str:
         f"# Precision levels: throughput and memory ({device})",
         "",
         "Each cell is the runner's training step (`Trainer.train_step` on the objects "
-        "`runner.app.run` builds) on one synthetic batch in memory: median step time over the "
+        "`runner.run.app.run` builds) on one synthetic batch in memory: median step time over the "
         "timed steps (device-synchronised), throughput = batch / median step time, peak memory "
         f"= {memory_note}. `torch_amp` is a hand-written torch.autocast loop (+ GradScaler for "
         "fp16) on the same model, data and optimizer, for comparison. "

@@ -1,7 +1,7 @@
 """MLflow logging cost: how much of a training step goes into the runner's MLflow logging?
 
 A real run: the runner's objects for a small model (`common.build_runner`), a real MLflow run on
-a SQLite store in a temporary folder (`runner.tracking.Tracker`, `TrackedRun.log_metrics`:
+a SQLite store in a temporary folder (`runner.tracking.lifecycle.Tracker`, `TrackedRun.log_metrics`:
 asynchronous batches), and the trainer's own epoch loop (`Trainer.train_epoch`, which logs
 `train_loss` and `lr` every `trainer.log_every_n_steps` steps) over batches held in memory.
 Blocks of one epoch each alternate, round after round, between four variants: logging every step
@@ -278,7 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import mlflow
     from omegaconf import OmegaConf
 
-    from runner.tracking import Tracker, flatten
+    from runner.tracking.lifecycle import Tracker, flatten
 
     args.tracking_uri = store_uri(args.tracking_uri, "logging-cost-")
     load_start = load_average()

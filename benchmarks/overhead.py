@@ -1,7 +1,7 @@
 """Runner overhead: the runner's training step against a hand-written PyTorch loop doing the same
 work, per precision level, timed interleaved in one process.
 
-The runner's side is the real thing: the objects `runner.app.run` builds (model, optimizer,
+The runner's side is the real thing: the objects `runner.run.app.run` builds (model, optimizer,
 scheduler, AmpEngine from the resolved preset, Trainer; `common.build_runner`), stepped with
 `Trainer.train_step`. The hand-written side is what a user would write with stock PyTorch, from
 the same initial weights, on the same batch in memory, with the same optimizer and scheduler
@@ -80,7 +80,7 @@ def handwritten_step(model, cfg, properties, batch) -> Callable[[], object]:
     import torch
     from torch import nn
 
-    from runner.optim import build_optimizer, build_scheduler
+    from runner.components.optim import build_optimizer, build_scheduler
 
     kind = handwritten_kind(properties)
     x, y = batch
@@ -267,7 +267,7 @@ def timed_block(step: Callable[[], object], steps: int, device) -> tuple[float, 
     """Seconds per step over `steps` steps, device-synchronised at both ends (queued GPU work
     counts; within the block the CPU may run ahead, as in training), and the last step's
     result."""
-    from runner.probes import synchronize
+    from runner.measure.probes import synchronize
 
     synchronize(device)
     started = time.perf_counter()
@@ -386,7 +386,7 @@ def render(report: dict) -> str:
     lines = [
         f"# Runner overhead ({report['device']})",
         "",
-        f"The runner's training step (`Trainer.train_step` on the objects `runner.app.run` "
+        f"The runner's training step (`Trainer.train_step` on the objects `runner.run.app.run` "
         f"builds) against a hand-written PyTorch loop doing the same work, {t['model']} on "
         f"{t['image_size']}x{t['image_size']} synthetic inputs at batch {t['batch_size']}"
         f"{', channels-last' if t['channels_last'] else ''}, the same initial weights, the same "

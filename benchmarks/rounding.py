@@ -10,7 +10,7 @@ while `o2_bf16` (the same bf16 model with fp32 master weights, which keep the sm
 so small updates survive on average) train alike.
 
 The task: the tiny CNN on synthetic 16-px images (10 classes, noise std 2), plain SGD with
-momentum at lr 0.003 and no schedule, batch 128. Every (level, seed) is a real `runner.app.run`
+momentum at lr 0.003 and no schedule, batch 128. Every (level, seed) is a real `runner.run.app.run`
 logged to an MLflow store (by default a fresh SQLite store in a temporary folder); the per-epoch
 `val_acc` and `train_loss` histories are read back from the store. Results: a Markdown table, a
 CSV (one row per run and epoch), a JSON with everything, and a PNG figure (train loss and
@@ -200,7 +200,7 @@ def epoch_means(history: list[tuple[int, float]], steps_per_epoch: int,
 
 
 def run_one(args, level: str, seed: int, session: str, overrides_task: list[str]) -> RunResult:
-    from runner.app import run
+    from runner.run.app import run
     from runner.errors import DivergenceError
 
     key = f"{session}/{level}/s{seed}"

@@ -11,7 +11,7 @@ from omegaconf import DictConfig
 import runner.config  # noqa: F401  (registers the schemas before Hydra composes)
 from runner import sweep
 from runner.errors import RunnerError
-from runner.paths import config_dir
+from runner.config.finder import config_dir
 
 log = logging.getLogger("runner")
 
@@ -27,7 +27,7 @@ def main(cfg: DictConfig) -> float | None:
     if parent is not None:
         return sweep.run_job(cfg, parent, job_num=int(hydra_cfg.job.num), **job)
 
-    from runner.app import run
+    from runner.run.app import run
 
     try:
         return run(cfg, **job)

@@ -6,7 +6,7 @@ override or value exits 2 with the message and no traceback, before anything is 
 trains a few steps (`--steps`, default 3) of the configured model on the configured data in fp32
 (O0, whatever `precision=` says: the point is to see the values before any format rounds them;
 its few batches are loaded in this process, `trainer.num_workers` is set to 0),
-with the range probe of `runner.diagnostics` on every step and the judging formats fp16, bf16,
+with the range probe of `runner.measure.diagnostics` on every step and the judging formats fp16, bf16,
 fp8 e4m3 (activations) and fp8 e5m2 (gradients). It prints:
 
 - per format, the layers whose activations or gradients would underflow (at least 1% of their
@@ -35,7 +35,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Optional, Sequence
 
-from runner import options
+from runner.config import options
 from runner.errors import RunnerError
 
 DEFAULT_STEPS = 3
@@ -58,7 +58,7 @@ class Layer:
 
     @property
     def grads(self):
-        from runner.diagnostics import total
+        from runner.measure.diagnostics import total
 
         return total(s for s in (self.activation_grad, self.weight_grad) if s is not None)
 
@@ -94,7 +94,7 @@ class Preflight:
 
 
 def _aggregate(records) -> list[Layer]:
-    from runner.diagnostics import total
+    from runner.measure.diagnostics import total
 
     layers: dict[str, Layer] = {}
     for r in records:
@@ -145,7 +145,7 @@ def _names(names: Sequence[str], limit: int = 6) -> str:
 def analyse(records, steps: int, device_type: str = "cpu") -> Preflight:
     """Per-layer statistics of an fp32 run (`RangeProbe` records at scale 1, every format probed)
     -> the judgement of each format, the fp16 loss scale and the recommendation."""
-    from runner.diagnostics import ACTIVATION, FP16, GRADIENT_KINDS, total
+    from runner.measure.diagnostics import ACTIVATION, FP16, GRADIENT_KINDS, total
 
     layers = _aggregate(records)
     grads = total(r.stats for r in records if r.kind in GRADIENT_KINDS)
@@ -235,7 +235,7 @@ def _limits(fmt) -> str:
 
 # ---- rendering -----------------------------------------------------------------------------------
 def render(result: Preflight, title: str) -> str:
-    from runner.diagnostics import FORMATS
+    from runner.measure.diagnostics import FORMATS
 
     lines = [title, ""]
     for j in result.judgements:
@@ -289,7 +289,7 @@ def render(result: Preflight, title: str) -> str:
 def measure(trainer, steps: int, folder: Path) -> list:
     """`steps` training steps of `trainer` (fp32: an O0 engine), every one diagnosed in every
     format; returns their layer records (scale 1: the gradients as an fp32 run stores them)."""
-    from runner.diagnostics import FORMATS, RunDiagnostics
+    from runner.measure.diagnostics import FORMATS, RunDiagnostics
 
     trainer.diagnostics = RunDiagnostics(1, list(FORMATS.values()), folder)
     trainer.model.train()
@@ -307,7 +307,7 @@ def preflight(trainer, steps: int, folder: Path, title: str,
               device_type: str = "cpu") -> tuple[Preflight, str, list[Path]]:
     """Measure, analyse, render, and write the artifacts into `folder` (the layers and
     exponents CSV files, the figure with the recommended loss scale outlined, the text)."""
-    from runner.diagnostics import FIGURE_PNG, FORMATS, GRADIENT_KINDS, plot_exponents
+    from runner.measure.diagnostics import FIGURE_PNG, FORMATS, GRADIENT_KINDS, plot_exponents
 
     records = measure(trainer, steps, folder)
     result = analyse(records, steps, device_type)
@@ -351,7 +351,7 @@ def compose(overrides: Sequence[str]):
     from omegaconf.errors import OmegaConfBaseException
 
     import runner.config  # noqa: F401  (registers the schemas)
-    from runner.paths import config_dir
+    from runner.config.finder import config_dir
 
     try:
         with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
@@ -368,11 +368,11 @@ def run(cfg, overrides: Sequence[str], steps: int, out: Path) -> Preflight:
 
     from omegaconf import OmegaConf
 
-    from runner import app
-    from runner.plan import make_plan
+    from runner.run import app
+    from runner.run.plan import make_plan
     from runner.precision import resolve
-    from runner.tracking import Tracker, flatten
-    from runner.trainer import Trainer
+    from runner.tracking.lifecycle import Tracker, flatten
+    from runner.run.trainer import Trainer
 
     # a few batches: loaded in this process. (Persistent DataLoader workers ignore SIGTERM, so
     # a pool still alive when the interpreter exits would block multiprocessing's exit handler.)

@@ -9,7 +9,7 @@ speedup = O0's train time / the run's, memory ratio = the run's peak memory / O0
 the sweep's parent run (under `report/`), so they show in the MLflow UI beside the runs. Runs that
 did not finish are listed under the table with the reason: their `error` tag (a failure, an
 interrupt, or "process vanished: ..." for a run whose process was killed outright and that a later
-run ended KILLED: runner.liveness), or for a run still RUNNING its last heartbeat.
+run ended KILLED: runner.tracking.liveness), or for a run still RUNNING its last heartbeat.
 
     python -m runner.report                                  # the newest sweep in ./mlflow.db
     python -m runner.report --parent <run id> --out report   # one sweep, by its parent run
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from runner import tags as tag
+from runner.tracking import tags as tag
 
 EXPERIMENT = "amp-runner"
 BASELINE_LEVEL = "O0"
@@ -45,7 +45,7 @@ METRICS = {
     "peak_mem_mb": "peak memory",
     "skipped_steps": "skipped steps",
 }
-# memory by kind (runner.memory): reported where a run logged them, never listed as missing (runs
+# memory by kind (runner.measure.memory): reported where a run logged them, never listed as missing (runs
 # made before they existed lack them)
 MEMORY_METRICS = {
     "mem_weights_mb": "weights",
@@ -423,7 +423,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    from runner.tracking import RetryingClient, resolve_tracking_uri, ui_hint
+    from runner.tracking.lifecycle import RetryingClient, resolve_tracking_uri, ui_hint
 
     uri = resolve_tracking_uri(args.tracking_uri)
     try:

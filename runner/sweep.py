@@ -41,7 +41,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from runner import tags as tag
+from runner.tracking import tags as tag
 from runner.errors import ConfigError, RunnerError
 
 log = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ def preflight(config: DictConfig, config_name: str | None, tracking_uri: str) ->
     returns the number of jobs, or None when the sweeper decides them as it goes."""
     from hydra import compose
 
-    from runner.plan import make_plan
+    from runner.run.plan import make_plan
 
     jobs = sweep_jobs(config)
     if jobs is None:
@@ -151,7 +151,7 @@ def preflight(config: DictConfig, config_name: str | None, tracking_uri: str) ->
 
 def same_store(cfg: DictConfig, tracking_uri: str, experiment_name: str) -> None:
     """A child run must live beside its parent: the store and experiment cannot vary in a sweep."""
-    from runner.tracking import resolve_tracking_uri
+    from runner.tracking.lifecycle import resolve_tracking_uri
 
     if resolve_tracking_uri(cfg.mlflow.tracking_uri) != tracking_uri:
         raise ConfigError("mlflow.tracking_uri", f"a sweep's jobs log to their parent run's store "
@@ -168,9 +168,9 @@ def run_job(cfg: DictConfig, parent: SweepParent, *, overrides: Sequence[str], o
     """One sweep job as a child run. A failure is logged, recorded as a FAILED child (also when it
     happened before the run existed) and returned as NaN, so the sweep goes on; an optimising
     sweeper (Optuna) takes NaN as a failed trial."""
-    from runner.app import run
-    from runner.plan import default_run_name
-    from runner.tracking import Tracker
+    from runner.run.app import run
+    from runner.run.plan import default_run_name
+    from runner.tracking.lifecycle import Tracker
 
     tags = {tag.PARENT_RUN: parent.run_id, tag.JOB_NUM: str(job_num)}
     try:
@@ -251,7 +251,7 @@ class MlflowSweepCallback(Callback):
         if config.dry_run:
             return  # a dry run creates no run, in a sweep too
         import runner
-        from runner.tracking import Tracker, resolve_tracking_uri
+        from runner.tracking.lifecycle import Tracker, resolve_tracking_uri
 
         try:
             tracking_uri = resolve_tracking_uri(config.mlflow.tracking_uri)
@@ -289,7 +289,7 @@ class MlflowSweepCallback(Callback):
             return
         from mlflow.entities import RunStatus
 
-        from runner.tracking import Tracker, end_state
+        from runner.tracking.lifecycle import Tracker, end_state
 
         tracker = Tracker(self.parent.tracking_uri, self.parent.experiment_name)
         children = tracker.client.search_runs(

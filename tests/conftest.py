@@ -11,7 +11,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 import runner.config  # noqa: F401  (registers the schemas)
-from runner.paths import config_dir
+from runner.config.finder import config_dir
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from runner import distributed
+from runner.run import distributed
 from runner.precision import AmpEngine, resolve
 
 

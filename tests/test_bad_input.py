@@ -14,7 +14,7 @@ from hydra.errors import ConfigCompositionException
 from mlflow.tracking import MlflowClient
 from omegaconf.errors import OmegaConfBaseException
 
-from runner import app
+from runner.run import app
 from runner.errors import ConfigError
 from tests.conftest import FAST, compose_config, run_cli
 

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from runner import checkpoint
-from runner import tags as tag
+from runner.run import checkpoint
+from runner.tracking import tags as tag
 from tests.conftest import read_until, run_cli, start_cli
 
 EPOCHS = 3

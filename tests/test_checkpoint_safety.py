@@ -6,7 +6,7 @@ Real checkpoint files from a real run (tiny model, o2: fp16 model, fp32 masters,
 loss scale), real MLflow SQLite stores, real `python -m runner` subprocesses for what the CLI
 does. Crafted files are written the way an attacker or a damaged disk would: a FORMAT 2 file is an
 ordinary `torch.save` archive whose zip comment holds the SHA-256 of the bytes before it (the
-format runner.checkpoint documents), so `signed()` below writes one independently of the runner's
+format runner.run.checkpoint documents), so `signed()` below writes one independently of the runner's
 writer. Tolerance: none; a loaded state is compared bit for bit with the original.
 """
 from __future__ import annotations
@@ -32,12 +32,13 @@ import torch
 from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
-from runner import app, checkpoint
+from runner.run import app
+from runner.run import checkpoint
 from runner.errors import ConfigError
-from runner.models import build_model
-from runner.plan import make_plan
+from runner.components.models import build_model
+from runner.run.plan import make_plan
 from runner.precision import AmpEngine, amp, resolve
-from runner.trainer import Trainer
+from runner.run.trainer import Trainer
 from tests.conftest import FAST, compose_config, run_cli
 
 TRAILER_PREFIX = b"amp-runner checkpoint format 2 sha256:"
@@ -427,7 +428,7 @@ def test_the_cli_refuses_a_checkpoint_that_does_not_fit_before_reopening_its_run
 # ---- 4. old checkpoints --------------------------------------------------------------------------
 def test_a_format_1_checkpoint_loads_with_a_warning_and_its_exact_rng(tmp_path, base, caplog):
     path = write_legacy(tmp_path / "old.pt", base["state"])
-    with caplog.at_level(logging.WARNING, logger="runner.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="runner.run.checkpoint"):
         state = checkpoint.load(path)
     assert "has no checksum" in caplog.text and "cannot be verified" in caplog.text
     assert equal({k: v for k, v in state.items() if k != "format"},
@@ -444,7 +445,7 @@ def test_a_format_1_checkpoint_still_resumes_with_the_warning(tmp_path, caplog):
     path = checkpoint.find("auto", checkpoint.run_folder(tmp_path / "checkpoints", "amp-runner",
                                                           "old"))
     write_legacy(path, checkpoint.load(path))
-    with caplog.at_level(logging.WARNING, logger="runner.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="runner.run.checkpoint"):
         app.run(compose_config(*replaced(args, "trainer.max_epochs=2"), f"resume={path}"))
     assert f"Checkpoint {path} has no checksum" in caplog.text
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")

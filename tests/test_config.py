@@ -12,8 +12,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from runner.config import DATASET_NAMES, MODEL_NAMES, OPTIMIZER_NAMES, SCHEDULER_NAMES
 from runner.errors import ConfigError
-from runner.paths import config_dir
-from runner.validation import _rules, validate
+from runner.config.finder import config_dir
+from runner.config.validation import _rules, validate
 from tests.conftest import compose_config
 
 GROUP_NAMES = {
@@ -236,7 +236,7 @@ def test_value_rules_name_the_key(overrides, key):
 
 @pytest.mark.parametrize("data", ["synthetic", "cifar10", "imagefolder"])
 def test_every_value_rule_has_a_failing_case(data):
-    """A rule added to runner.validation without a case above is a rule nobody saw fail."""
+    """A rule added to runner.config.validation without a case above is a rule nobody saw fail."""
     covered = {key for _, key in VALUE_CASES} | {"data.root"}  # cifar's: the test below
     rules = {key for key, _, _ in _rules(compose_config(f"data={data}"))}
     assert rules - covered == set()

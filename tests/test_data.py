@@ -1,4 +1,4 @@
-"""runner.data: CIFAR and ImageFolder datasets in their real on-disk formats, synthetic data,
+"""runner.components.data: CIFAR and ImageFolder datasets in their real on-disk formats, synthetic data,
 loaders. Everything is written into tmp_path; nothing is downloaded (the download-failure test
 points torchvision at a closed port on this machine)."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from PIL import Image
 
 from runner.config import CifarConfig, ImageFolderConfig, SyntheticConfig, TinyModelConfig
-from runner.data import (
+from runner.components.data import (
     CIFAR10_MEAN,
     CIFAR10_STD,
     CIFAR100_MEAN,
@@ -27,7 +27,7 @@ from runner.data import (
     build_loaders,
 )
 from runner.errors import ConfigError, DataError
-from runner.models import build_model
+from runner.components.models import build_model
 
 
 # ---- writing CIFAR in the real format ------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Range diagnostics (runner.diagnostics) and the pre-flight (runner.diagnose): known answers for
+"""Range diagnostics (runner.measure.diagnostics) and the pre-flight (runner.diagnose): known answers for
 the underflow/overflow fractions and the exponent histograms, hooks only on diagnosed steps, the
 in-run metrics against a reference counted by hand, and the pre-flight's recommendation on a model
 built to overflow in fp16."""
@@ -15,7 +15,7 @@ from mlflow.tracking import MlflowClient
 from torch import nn
 
 from runner import diagnose
-from runner.diagnostics import (ACTIVATION, ACTIVATION_GRAD, BF16, FP8_E4M3, FP8_E5M2, FP16,
+from runner.measure.diagnostics import (ACTIVATION, ACTIVATION_GRAD, BF16, FP8_E4M3, FP8_E5M2, FP16,
                                 LOG2_MIN, WEIGHT_GRAD, RangeProbe, RunDiagnostics, TensorStats,
                                 layers_of, model_metrics, run_formats, tensor_stats)
 from runner.precision import AmpEngine, resolve

@@ -1,7 +1,7 @@
 """Data-parallel training with real torchrun processes (Gloo on CPU) against one process.
 
 2 processes with batch 16 each see, step for step, the same 32 images as 1 process with batch 32
-(runner.data.EpochSampler shards every epoch's permutation), and DDP averages their gradients, so
+(runner.components.data.EpochSampler shards every epoch's permutation), and DDP averages their gradients, so
 both must reach the same weights. The model is the GroupNorm variant of `tiny` (BatchNorm's batch
 statistics differ by construction between 2 x 16 and 1 x 32 images).
 
@@ -24,8 +24,9 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from runner import app, checkpoint
-from runner.plan import default_run_name, make_plan
+from runner.run import app
+from runner.run import checkpoint
+from runner.run.plan import default_run_name, make_plan
 from runner.errors import ConfigError
 from tests.conftest import REPO, compose_config
 
@@ -150,7 +151,7 @@ def test_slurm_tasks_become_ranks():
     """What a task of a 2-node, 4-task SLURM job sees: SLURM's variables; submitit's helper
     turns them into the ones torch.distributed reads."""
     pytest.importorskip("submitit")
-    from runner import distributed
+    from runner.run import distributed
 
     saved = dict(os.environ)  # submitit writes os.environ itself: restore all of it after
     try:

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from runner import app
+from runner.run import app
 from runner.errors import DivergenceError, RunnerError
 from tests.conftest import FAST, compose_config
 from tests.test_e2e import only_run

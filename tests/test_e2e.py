@@ -1,6 +1,6 @@
 """End-to-end runs on CPU at every Apex level, read back from a real SQLite MLflow store.
 
-In-process runs go through real Hydra composition and `runner.app.run`; a few subprocess runs check
+In-process runs go through real Hydra composition and `runner.run.app.run`; a few subprocess runs check
 what a user sees from `python -m runner` (exit status, messages, final run state).
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from runner import app
+from runner.run import app
 from runner.errors import ConfigError
 from tests.conftest import FAST, REPO, compose_config, read_until, run_cli, start_cli
 

@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from runner import app
-from runner.plan import check_config
-from runner.paths import config_dir
+from runner.run import app
+from runner.run.plan import check_config
+from runner.config.finder import config_dir
 from tests.conftest import REPO, compose_config, run_in_process
 
 EXPERIMENTS = {"cpu_demo": 8, "cifar10_opt_levels": 16, "vgg16_batch_sizes": 15,

@@ -1,7 +1,7 @@
 """Runs whose process is gone, and crowds at a new store: real SQLite stores, real processes.
 
 A run killed outright (SIGKILL, the OOM killer, a lost node) cannot end its MLflow run; the next run
-or sweep of the experiment ends it KILLED, judging by the run's liveness tags (runner.liveness):
+or sweep of the experiment ends it KILLED, judging by the run's liveness tags (runner.tracking.liveness):
 on this host by its pid and process start time, elsewhere by its heartbeat. A live run, here or
 elsewhere, is never touched. Several processes opening a store that does not exist yet all succeed
 (the store is created under a file lock), and a store that cannot be used is one clear error.
@@ -24,9 +24,9 @@ from mlflow.tracking import MlflowClient
 
 from runner import report
 from runner.errors import RunnerError
-from runner import tags as tag
-from runner.liveness import ProcessIdentity, now_iso, parse_iso, process_state, vanished
-from runner.tracking import Tracker, end_state
+from runner.tracking import tags as tag
+from runner.tracking.liveness import ProcessIdentity, now_iso, parse_iso, process_state, vanished
+from runner.tracking.lifecycle import Tracker, end_state
 from tests.conftest import FAST, read_until, run_cli, start_cli
 
 STALE = time.time() - 3600  # an hour ago: older than the default mlflow.stale_after_s (600 s)
@@ -108,7 +108,7 @@ def test_reap_ends_only_the_runs_whose_process_is_gone(tracking_uri, caplog):
     finished = fake_run(tracker, "finished", **elsewhere(STALE))
     client.set_terminated(finished, "FINISHED")
 
-    with caplog.at_level(logging.WARNING, logger="runner.tracking"):
+    with caplog.at_level(logging.WARNING, logger="runner.tracking.lifecycle"):
         ended = tracker.reap()
     assert sorted(ended) == sorted([stale_elsewhere, dead_here, reused_pid])
     for run_id in ended:
@@ -195,7 +195,7 @@ def test_a_live_run_ended_by_a_reaper_elsewhere_comes_back(tracking_uri, caplog)
     assert reaper.reap(here=far_away, now=time.time() + 3600) == [tracked.run_id]
     assert tracker.client.get_run(tracked.run_id).info.status == "KILLED"
     deadline = time.monotonic() + 10
-    with caplog.at_level(logging.WARNING, logger="runner.tracking"):
+    with caplog.at_level(logging.WARNING, logger="runner.tracking.lifecycle"):
         while tracker.client.get_run(tracked.run_id).info.status != "RUNNING":
             assert time.monotonic() < deadline, "the live run stayed KILLED"
             time.sleep(0.1)

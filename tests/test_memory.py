@@ -1,4 +1,4 @@
-"""Memory by kind (runner.memory): known answers from the tensors' sizes at each level, the
+"""Memory by kind (runner.measure.memory): known answers from the tensors' sizes at each level, the
 activation meter on graphs whose saved tensors are known, and CPU memory figures that do not
 depend on what ran before in the same process (a sweep's jobs)."""
 from __future__ import annotations
@@ -13,11 +13,11 @@ import torch
 from mlflow.tracking import MlflowClient
 from torch import nn
 
-from runner import app
-from runner.memory import MB, ActivationMeter, measure, model_state_tensors
-from runner.plan import make_plan
-from runner.probes import MemoryProbe
-from runner.trainer import Trainer
+from runner.run import app
+from runner.measure.memory import MB, ActivationMeter, measure, model_state_tensors
+from runner.run.plan import make_plan
+from runner.measure.probes import MemoryProbe
+from runner.run.trainer import Trainer
 from tests.conftest import FAST, REPO, compose_config, run_in_process
 
 CPU = torch.device("cpu")

@@ -1,4 +1,4 @@
-"""runner.models: every configured model builds offline, with the right head and stem."""
+"""runner.components.models: every configured model builds offline, with the right head and stem."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +8,7 @@ from torch import nn
 
 from runner.config import BUILT_IN_MODELS, MODEL_NAMES, ModelConfig, TinyModelConfig
 from runner.errors import ConfigError
-from runner.models import MODEL_REGISTRY, TinyCNN, build_model
+from runner.components.models import MODEL_REGISTRY, TinyCNN, build_model
 
 
 def model_cfg(name: str, **kw):

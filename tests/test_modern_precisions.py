@@ -15,9 +15,10 @@ import pytest
 import torch
 from torch import nn
 
-from runner import app, checkpoint
+from runner.run import app
+from runner.run import checkpoint
 from runner.errors import ConfigError
-from runner.plan import default_run_name, make_plan
+from runner.run.plan import default_run_name, make_plan
 from runner.precision import AmpEngine, amp, resolve
 from runner.precision.checks import DeviceInfo
 from tests.conftest import compose_config

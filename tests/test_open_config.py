@@ -13,8 +13,8 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from runner.errors import ConfigError
-from runner.models import build_model, small_stem
-from runner.plan import make_plan
+from runner.components.models import build_model, small_stem
+from runner.run.plan import make_plan
 from tests.conftest import compose_config, run_cli, run_in_process
 from tests.test_e2e import EPOCH_METRICS, FINAL_METRICS, all_runs
 
@@ -236,7 +236,7 @@ def test_the_torchvision_zoo_gives_resnets_the_cifar_stem():
 def test_tensor_core_findings_apply_to_user_models():
     """The Tensor Core shape findings see a `_target_` model as they see a built-in one (here
     the dry run's meta-device build, for a CUDA device: a 4-class head is no multiple of 8)."""
-    from runner.plan import shape_findings
+    from runner.run.plan import shape_findings
     from runner.precision import resolve
     from runner.precision.checks import DeviceInfo
 
@@ -325,9 +325,9 @@ def test_a_model_output_that_only_the_dataset_can_check_is_refused_before_any_ru
 
 
 def test_name_lists_are_derived_from_the_specs():
-    from runner import options
+    from runner.config import options
     from runner.config import SCHEMAS
-    from runner.paths import config_dir
+    from runner.config.finder import config_dir
 
     for group in options.GROUPS:
         files = {p.stem for p in (config_dir() / group).glob("*.yaml")}
@@ -344,7 +344,7 @@ def test_a_checkpoint_from_before_the_loss_group_resumes_with_the_default_loss()
     only a different loss is a difference."""
     from omegaconf import OmegaConf
 
-    from runner.checkpoint import config_differences
+    from runner.run.checkpoint import config_differences
 
     current = OmegaConf.to_container(compose_config(*SYNTHETIC), resolve=True)
     before = {k: v for k, v in current.items() if k != "loss"}

@@ -1,4 +1,4 @@
-"""runner.optim.build_optimizer from composed configs: each option builds its own torch class
+"""runner.components.optim.build_optimizer from composed configs: each option builds its own torch class
 with the configured hyperparameters, and Adam's L2 penalty is not confused with AdamW's decoupled
 weight decay."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runner.optim import build_optimizer
+from runner.components.optim import build_optimizer
 from tests.conftest import compose_config
 
 

@@ -22,7 +22,7 @@ def test_wheel_install_finds_conf_and_experiments(tmp_path: Path):
                    capture_output=True)
     env = dict(os.environ, PYTHONPATH=str(site))
     probe = subprocess.run(
-        [sys.executable, "-c", "import runner.paths as p; print(p.config_dir())"],
+        [sys.executable, "-c", "import runner.config.finder as p; print(p.config_dir())"],
         cwd=tmp_path, env=env, capture_output=True, text=True, check=True,
     )
     conf = Path(probe.stdout.strip())

@@ -13,7 +13,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from runner.plan import check_opt_level, resolve_precision
+from runner.run.plan import check_opt_level, resolve_precision
 from runner.errors import ConfigError
 from runner.precision import Finding, resolve
 from runner.precision.checks import DeviceInfo, tensor_core_findings
@@ -232,7 +232,7 @@ def test_tensor_core_shapes_silent_when_aligned_or_not_applicable():
 def test_dry_run_shape_findings_come_from_a_meta_model(tmp_path):
     """A dry run has no data and builds no weights: the model is built on the meta device, its
     head sized from the data config (CIFAR-100: 100 classes; an ImageFolder: its class folders)."""
-    from runner import plan
+    from runner.run import plan
 
     cfg = compose_config("model=resnet50", "precision=o2", "data=cifar100",
                          "trainer.batch_size=128")
@@ -407,7 +407,7 @@ def test_opt_level_zero_prefix_keeps_the_letter_o_hint():
 def test_opt_level_is_checked_from_the_config_not_the_command_line():
     """A config whose level contradicts its preset is refused however it got there: here an
     app.run call that passes no override strings at all."""
-    from runner.plan import make_plan
+    from runner.run.plan import make_plan
 
     cfg = compose_config("precision=o3", "precision.opt_level=O1")
     with pytest.raises(ConfigError, match="use precision=o1"):
@@ -418,7 +418,7 @@ def test_opt_level_is_checked_from_the_config_not_the_command_line():
 
 
 def test_app_run_refuses_the_opt_level_override(tmp_path):
-    from runner import app
+    from runner.run import app
 
     overrides = ["precision=o0", "precision.opt_level=O2"]
     uri = f"sqlite:///{tmp_path / 'never.db'}"

@@ -1,4 +1,4 @@
-"""The precision presets after the level table moved into code (`runner.precision.levels`): every
+"""The precision presets after the level table moved into code (`runner.config.levels`): every
 preset composes and resolves to exactly what it did when each YAML spelled out every property
 (tests/preset_values.json was captured from those files before the change)."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from runner.plan import preset_options
+from runner.run.plan import preset_options
 from runner.precision import resolve
 from tests.conftest import compose_config
 

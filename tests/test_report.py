@@ -13,9 +13,9 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from runner import report
-from runner.tags import SWEEP_DIR as SWEEP_DIR_TAG
-from runner.tags import PARENT_RUN as PARENT_RUN_TAG
-from runner.tracking import Tracker
+from runner.tracking.tags import SWEEP_DIR as SWEEP_DIR_TAG
+from runner.tracking.tags import PARENT_RUN as PARENT_RUN_TAG
+from runner.tracking.lifecycle import Tracker
 from tests.conftest import MlflowServer
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

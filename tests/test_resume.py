@@ -15,11 +15,12 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from runner import app, checkpoint
-from runner.plan import make_plan
+from runner.run import app
+from runner.run import checkpoint
+from runner.run.plan import make_plan
 from runner.errors import ConfigError, DivergenceError
-from runner.interrupts import RunInterrupted, StopRequest
-from runner.trainer import Trainer
+from runner.run.interrupts import RunInterrupted, StopRequest
+from runner.run.trainer import Trainer
 from tests.conftest import FAST, compose_config, read_until, run_cli, start_cli
 
 NON_TIMING = ("train_loss", "lr", "val_loss", "val_acc", "loss_scale", "skipped_steps",

@@ -8,12 +8,12 @@ import torch
 from omegaconf import OmegaConf
 
 from runner.config import SyntheticConfig, TinyModelConfig, TrainerConfig
-from runner.data import build_datasets, build_loaders
-from runner.models import build_model
-from runner.optim import build_optimizer, build_scheduler
+from runner.components.data import build_datasets, build_loaders
+from runner.components.models import build_model
+from runner.components.optim import build_optimizer, build_scheduler
 from runner.precision import AmpEngine, resolve
-from runner.probes import MemoryProbe
-from runner.trainer import Trainer
+from runner.measure.probes import MemoryProbe
+from runner.run.trainer import Trainer
 from tests.conftest import compose_config
 
 CPU = torch.device("cpu")

@@ -23,15 +23,16 @@ from typing import Optional
 
 import torch
 
+from runner.config import KERNEL_CHOICES
+
 log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parent
 HEADERS = ("ops.h", "step_math.h", "multi_tensor_apply.cuh")
 SOURCES = {"cpp": ("cpu.cpp",), "cuda": ("cuda.cu", "cuda_bindings.cpp")}
 BACKENDS = tuple(SOURCES)
-# What `precision.kernels` accepts: auto (the device's kernels, torch if they cannot be built),
-# fused (the device's kernels or an error), torch (never build; torch's own ops).
-CHOICES = ("auto", "fused", "torch")
+# What `precision.kernels` accepts (declared with the schema, which imports no torch)
+CHOICES = KERNEL_CHOICES
 
 
 class KernelBuildError(RuntimeError):

@@ -1,6 +1,6 @@
 """Apex amp's O0-O3 on modern PyTorch: resolve the five properties, then run them with AmpEngine.
 
-The names below load on first use (PEP 562), so that `runner.precision.levels` (the level table,
+The names below load on first use (PEP 562), so that `runner.config.levels` (the level table,
 torch-free) can be imported while a config is composed without importing torch.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ _EXPORTS = {
     "Finding": "runner.precision.properties",
     "Properties": "runner.precision.properties",
     "Resolution": "runner.precision.properties",
-    "resolve": "runner.precision.rules",
+    "resolve": "runner.precision.resolver",
     "amp": "runner.precision.amp",
 }
 

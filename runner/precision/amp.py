@@ -59,9 +59,9 @@ from runner.precision.autocast import (
     register_promote_function,
 )
 from runner.precision.engine import AmpEngine
-from runner.precision.levels import SCALER_DEFAULTS
+from runner.config.levels import SCALER_DEFAULTS
 from runner.precision.properties import LEVEL_DESCRIPTIONS, Properties
-from runner.precision.rules import resolve
+from runner.precision.resolver import resolve
 from runner.precision.scaler import LossScaler, state_dict_problems
 
 __all__ = [

@@ -59,7 +59,7 @@ class DeviceInfo:
         return f"{self.name or 'this GPU'} (compute capability {major}.{minor})"
 
 
-# Rules about the machine and the optimizer, run after the level rules (runner.precision.rules).
+# Rules about the machine and the optimizer, run after the level rules (runner.precision.resolver).
 DEVICE_RULES = RuleSet()
 
 

@@ -7,7 +7,7 @@ differently); invalid values raise `ConfigError` naming the `precision.<key>`. T
 `LEVEL_RULES` judge the combination of properties and return `Finding`s (info / warning / error).
 
 Rules about the hardware, the optimizer's epsilon and the model's shapes live in
-`runner.precision.checks` (which builds on this module); `runner.precision.rules.resolve` runs
+`runner.precision.checks` (which builds on this module); `runner.precision.resolver.resolve` runs
 both sets (with `strict=True` every warning becomes an error).
 """
 from __future__ import annotations
@@ -19,12 +19,12 @@ from typing import Any, Callable, Iterable, Literal, Mapping, Optional, Union
 import torch
 
 from runner.errors import ConfigError
-from runner.precision.levels import LEVEL_VALUES, SCALER_DEFAULTS
+from runner.config.levels import LEVEL_VALUES, SCALER_DEFAULTS
 
 LossScale = Union[float, Literal["dynamic"]]
 
 # The five properties each Apex level fixes (apex/amp/frontend.py), from the one table of
-# `runner.precision.levels` with its dtype names parsed (set below, after the parsers).
+# `runner.config.levels` with its dtype names parsed (set below, after the parsers).
 LEVELS: dict[str, dict[str, Any]] = {}
 
 LEVEL_DESCRIPTIONS = {
@@ -375,7 +375,7 @@ class RuleSet(list):
         return fn
 
 
-# The rules about the combination of properties; `runner.precision.rules.resolve` runs these,
+# The rules about the combination of properties; `runner.precision.resolver.resolve` runs these,
 # then the hardware and optimizer rules of `runner.precision.checks`.
 LEVEL_RULES = RuleSet()
 

@@ -23,7 +23,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from runner.precision.levels import SCALER_DEFAULTS
+from runner.config.levels import SCALER_DEFAULTS
 
 LossScaleSpec = Union[float, str]
 

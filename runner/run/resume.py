@@ -1,6 +1,6 @@
 """Resuming a run: which checkpoint it continues, whether that fits the config, what it changes.
 
-`Resume.decide` is part of planning a run (runner.plan): `resume=auto` takes the most recent
+`Resume.decide` is part of planning a run (runner.run.plan): `resume=auto` takes the most recent
 checkpoint of the same experiment and run name (none yet: a fresh run), `resume=PATH` a given
 one; the checkpoint must have been written with the same config, except a different
 `trainer.max_epochs` (not below the epochs it already trained). Everything a resumed run changes
@@ -17,8 +17,8 @@ from typing import Any, Mapping, Optional
 
 from omegaconf import DictConfig
 
-from runner import checkpoint
-from runner import tags as tag
+from runner.run import checkpoint
+from runner.tracking import tags as tag
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class Resume:
         return out
 
     def check_fits(self, parts: Any, world_size: int) -> None:
-        """The checkpoint's contents must fit what this run built (`runner.app.Parts`): model
+        """The checkpoint's contents must fit what this run built (`runner.run.app.Parts`): model
         keys, shapes and dtypes, the optimizer's kind and params, the loss scalers, the
         scheduler's kind, the world size; a ConfigError names each difference. Called before the
         MLflow run is reopened."""
@@ -93,7 +93,7 @@ class Resume:
     def restore(self, trainer: Any, cfg: DictConfig, run_name: str) -> None:
         """Put the checkpoint's state into `trainer` (built for `cfg`); with a new epoch budget,
         rebuild the schedule of the new length at the step reached instead of loading it."""
-        from runner.optim import rebuild_scheduler_at
+        from runner.components.optim import rebuild_scheduler_at
 
         changed = self.budget_changed(cfg.trainer.max_epochs)
         trainer.restore(self.state, scheduler=not changed)

@@ -1,4 +1,4 @@
-"""`python -m runner.replay FOLDER`: deliver what a run could not log while its tracking server was
+"""`python -m runner.tracking.replay FOLDER`: deliver what a run could not log while its tracking server was
 away.
 
 When the server does not answer at the end of a run, the run writes the metrics it still holds,
@@ -20,7 +20,7 @@ from typing import Any, Sequence
 from mlflow.entities import Metric, RunStatus
 from mlflow.tracking import MlflowClient
 
-from runner import tags as tag
+from runner.tracking import tags as tag
 
 DB = "mlflow.db"
 
@@ -33,7 +33,7 @@ def local_uri(folder: Path) -> str:
 
 def write_offline(folder: Path, tracked: Any, status: str, error: str | None,
                   metrics: list[Metric], artifacts: list[tuple[str, str | None]]) -> Path:
-    """The undelivered part of `tracked` (a runner.tracking.TrackedRun) as a run of a local
+    """The undelivered part of `tracked` (a runner.tracking.lifecycle.TrackedRun) as a run of a local
     store in `folder`; returns the folder."""
     folder.mkdir(parents=True, exist_ok=True)
     client = MlflowClient(local_uri(folder))
@@ -89,7 +89,7 @@ def replay(folder: Path, to: str | None = None) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m runner.replay", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m runner.tracking.replay", description=__doc__)
     parser.add_argument("folder", type=Path, help="the offline store's folder (mlflow-offline/ "
                         "in the run's output folder; the run's log names it)")
     parser.add_argument("--to", default=None, help="the tracking server (default: the one the "

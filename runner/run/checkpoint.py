@@ -20,7 +20,7 @@ File format (FORMAT 2): the `torch.save` archive (a zip file) of that dict, whos
 holds `amp-runner checkpoint format 2 sha256:<hex>`, the SHA-256 of every byte before the
 comment. The comment is part of the zip format, so the file is still an ordinary PyTorch file;
 the digest sits inside the one file it covers (no sidecar to lose or to get out of step). Open one
-in Python with `runner.checkpoint.load(path)`: it checks the digest before anything is
+in Python with `runner.run.checkpoint.load(path)`: it checks the digest before anything is
 unpickled, unpickles with torch's safe unpickler and checks the contents' types.
 `torch.load(path, weights_only=True)` reads it as well, without those checks.
 
@@ -596,7 +596,7 @@ def _tensor_differences(prefix: str, saved: Mapping[str, torch.Tensor],
 
 
 # Optimizers told apart by the hyperparameters only their kind has, and the per-parameter state
-# their kind keeps (the optimizers runner.optim builds; others are checked for counts and shapes).
+# their kind keeps (the optimizers runner.components.optim builds; others are checked for counts and shapes).
 _OPTIMIZER_KINDS: dict[str, tuple[tuple[type, ...], frozenset, frozenset]] = {
     "SGD": ((torch.optim.SGD,), frozenset({"momentum", "dampening", "nesterov"}),
             frozenset({"momentum_buffer"})),

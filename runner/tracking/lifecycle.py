@@ -6,7 +6,7 @@ FAILED (the error as the `error` tag) or KILLED (Ctrl-C, SIGTERM).
 
 A process that is killed outright (SIGKILL, the OOM killer, a lost node) cannot end its run, so
 every run carries liveness tags (its host and process, and a heartbeat refreshed by another
-background thread: runner.liveness), and every run or sweep that starts ends the RUNNING runs of
+background thread: runner.tracking.liveness), and every run or sweep that starts ends the RUNNING runs of
 its experiment whose process is gone as KILLED (`Tracker.reap`).
 
 A SQLite store has one writer at a time. MLflow waits for the lock a while, but parallel sweep jobs
@@ -36,10 +36,10 @@ from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, ErrorCode
 from mlflow.tracking import MlflowClient
 
-from runner import liveness
-from runner import tags as tag
+from runner.tracking import liveness
+from runner.tracking import tags as tag
 from runner.errors import ConfigError, RunnerError
-from runner.liveness import LIVENESS_TAGS, ProcessIdentity, now_iso, parse_iso, was_reaped
+from runner.tracking.liveness import LIVENESS_TAGS, ProcessIdentity, now_iso, parse_iso, was_reaped
 
 log = logging.getLogger(__name__)
 
@@ -244,7 +244,7 @@ class TrackedRun:
     tracking server that went away) keeps them buffered and retried with a growing pause, and
     they arrive once it is back. At the end, whatever still cannot be delivered (metrics, the
     final status, the log file) is written to a local MLflow store in `offline_dir`, and one
-    command (`python -m runner.replay <folder>`) replays it into the server later.
+    command (`python -m runner.tracking.replay <folder>`) replays it into the server later.
 
     With `heartbeat_s`, a third thread sets the `runner.heartbeat` tag every `heartbeat_s` seconds
     until `end` (a long compile, validation or checkpoint never looks like a dead process; a store
@@ -422,7 +422,7 @@ class TrackedRun:
 
     def end(self, status: str, error: str | None = None) -> None:
         """Deliver the rest and the final status; what the store does not take within
-        END_TIMEOUT_S goes to the offline store (see `runner.replay`)."""
+        END_TIMEOUT_S goes to the offline store (see `runner.tracking.replay`)."""
         self._stop_heart()
         self._closing = True
         self._wake.set()
@@ -452,13 +452,13 @@ class TrackedRun:
         if self.offline_dir is None:
             raise RunnerError(f"the tracking store {self.tracking_uri} did not take the run's "
                               f"last {self._pending()} metrics and final status ({self._outage})")
-        from runner.replay import write_offline
+        from runner.tracking.replay import write_offline
 
         where = write_offline(self.offline_dir, self, status, error, self._buffer,
                               self._artifacts)
         log.error("The tracking store %s is unreachable (%s): run %s's last %d metrics and its "
                   "final status %s are saved in %s. When the store is back, replay them with:\n"
-                  "  python -m runner.replay %s", self.tracking_uri, self._outage, self.run_id,
+                  "  python -m runner.tracking.replay %s", self.tracking_uri, self._outage, self.run_id,
                   len(self._buffer), status, where, where)
 
 
@@ -550,7 +550,7 @@ class Tracker:
     def vanished(self, run: Run, here: ProcessIdentity | None = None,
                  now: float | None = None) -> str | None:
         """Why a RUNNING run's process is known to be gone (the reason `reap` writes), or None:
-        alive, finished, or not judged (see runner.liveness)."""
+        alive, finished, or not judged (see runner.tracking.liveness)."""
         if run.info.status != RunStatus.to_string(RunStatus.RUNNING):
             return None
         return liveness.vanished(run.data.tags, self.stale_after_s, here, now)

@@ -1,5 +1,5 @@
 """Optimizers and LR schedulers from config: each option's builder (named by its spec in
-`runner.options`).
+`runner.config.options`).
 
 Schedulers are built per optimizer-step attempt (not per epoch), so the trainer steps them once per
 attempt, skipped steps included: the schedule stays aligned with the data at every precision level.
@@ -12,11 +12,11 @@ from typing import Iterable
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
-from runner import options
+from runner.config import options
 
 
 def build_optimizer(cfg, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    """The optimizer of `cfg`'s option (its builder in `runner.options.SPECS`)."""
+    """The optimizer of `cfg`'s option (its builder in `runner.config.options.SPECS`)."""
     return _spec("optimizer", cfg).build()(cfg, list(params))
 
 

@@ -3,7 +3,7 @@
 Hydra and the schemas in `runner.config` already reject unknown keys, wrong types and unknown
 group choices; this catches the rest (a negative lr, an unknown model name, a data.root that does
 not exist) with a message naming the key, what was wrong and what is allowed. The rules of an
-option live with its spec (`runner.options`); those of the other groups are here.
+option live with its spec (`runner.config.options`); those of the other groups are here.
 """
 from __future__ import annotations
 
@@ -11,11 +11,10 @@ import dataclasses
 
 from omegaconf import DictConfig, OmegaConf
 
-from runner import options
-from runner.config import COMPILE_MODES, DEVICES
-from runner.csrc import CHOICES as KERNEL_CHOICES
+from runner.config import options
+from runner.config import COMPILE_MODES, DEVICES, KERNEL_CHOICES
 from runner.errors import ConfigError
-from runner.values import (  # noqa: F401  (the predicates, where they were before)
+from runner.config.values import (  # noqa: F401  (the predicates, where they were before)
     SEED_RANGE,
     Rule,
     finite,

@@ -1,6 +1,6 @@
 """One run, start to finish: plan, build, record, train, clean up.
 
-A run is three steps. `runner.plan.make_plan(cfg)` checks everything that can be wrong with the
+A run is three steps. `runner.run.plan.make_plan(cfg)` checks everything that can be wrong with the
 input and decides the run (device, precision properties and findings, name, checkpoint folder,
 resume) before anything exists, so a bad config never leaves a RUNNING run behind.
 `build(plan)` builds the data, model, optimizer, precision engine and scheduler, returning them
@@ -23,13 +23,16 @@ import torch
 from omegaconf import OmegaConf
 
 import runner
-from runner import csrc, distributed, options, targets
-from runner import checkpoint
-from runner import tags as tag
-from runner.distributed import Comm
+from runner import csrc
+from runner.run import distributed
+from runner.config import options
+from runner.config import targets
+from runner.run import checkpoint
+from runner.tracking import tags as tag
+from runner.run.distributed import Comm
 from runner.errors import ConfigError
-from runner.interrupts import StopRequest
-from runner.plan import RunPlan, check_model_output, declared_input, make_plan, shape_findings
+from runner.run.interrupts import StopRequest
+from runner.run.plan import RunPlan, check_model_output, declared_input, make_plan, shape_findings
 from runner.precision import AmpEngine, Finding, Resolution
 from runner.precision.checks import DeviceInfo
 
@@ -58,7 +61,7 @@ class Parts:
     optimizer: torch.optim.Optimizer
     engine: AmpEngine
     scheduler: Any
-    memory: Any  # runner.probes.MemoryProbe, reset before the model was built
+    memory: Any  # runner.measure.probes.MemoryProbe, reset before the model was built
     findings: list[Finding] = field(default_factory=list)  # about the built model (info only)
     criterion: torch.nn.Module = field(default_factory=torch.nn.CrossEntropyLoss)  # the loss
 
@@ -69,11 +72,11 @@ def build(plan: RunPlan, device: Optional[torch.device] = None, comm: Optional[C
     plan's; a torchrun rank passes its own GPU). Seeds first, so every rank of a distributed run
     builds the same initial weights. `on_model` sees the freshly built model before the engine
     casts it (a benchmark keeps an fp32 copy of the same weights this way)."""
-    from runner.data import build_datasets, build_loaders
-    from runner.models import build_model
-    from runner.optim import build_optimizer, build_scheduler
-    from runner.probes import MemoryProbe
-    from runner.trainer import limit_batches
+    from runner.components.data import build_datasets, build_loaders
+    from runner.components.models import build_model
+    from runner.components.optim import build_optimizer, build_scheduler
+    from runner.measure.probes import MemoryProbe
+    from runner.run.trainer import limit_batches
 
     cfg = plan.cfg
     device = device or plan.device
@@ -144,7 +147,7 @@ class Launch:
 
 def environment_tags(device: torch.device) -> dict[str, str]:
     """Versions, the device and the code's commit: what the run ran on."""
-    from runner.tracking import git_commit
+    from runner.tracking.lifecycle import git_commit
 
     tags = {
         "runner_version": runner.__version__,
@@ -168,7 +171,7 @@ def run_record(plan: RunPlan, parts: Parts, resolution: Resolution, *, world_siz
     property, what was built; the environment, the findings (`resolution`: the plan's and the
     build's), how it was launched, the user's own tags, and what a resume changes. Pure: the
     same inputs give the same record."""
-    from runner.tracking import flatten
+    from runner.tracking.lifecycle import flatten
 
     cfg = plan.cfg
     params = flatten(plan.config_tree)
@@ -223,7 +226,7 @@ def run(
 ) -> float | None:
     """Train once as `cfg` says; returns the best validation accuracy (None for a dry run).
     `extra_tags` are added to the run's own (a sweep job passes its parent run's id this way).
-    Under torchrun this is one rank of a DistributedDataParallel run (see runner.distributed)."""
+    Under torchrun this is one rank of a DistributedDataParallel run (see runner.run.distributed)."""
     plan = make_plan(cfg)
     if cfg.dry_run:
         print_dry_run(plan)
@@ -252,8 +255,8 @@ def run(
 
 def train(plan: RunPlan, comm: Comm, device: torch.device, launch: Launch) -> float:
     """`run`'s second half on this rank's `device`: build, record and track (rank 0), train."""
-    from runner.tracking import Tracker, null_run
-    from runner.trainer import Trainer
+    from runner.tracking.lifecycle import Tracker, null_run
+    from runner.run.trainer import Trainer
 
     cfg = plan.cfg
     # only rank 0 talks to the store; its failure (an unreachable server) stops every rank
@@ -278,7 +281,7 @@ def train(plan: RunPlan, comm: Comm, device: torch.device, launch: Launch) -> fl
                               command=sys.argv)
 
     with StopRequest() as stop:
-        # metrics the store cannot take by the end go to a local store here (runner.replay)
+        # metrics the store cannot take by the end go to a local store here (runner.tracking.replay)
         offline_dir = launch.output_dir if launch.output_dir is not None \
             else plan.checkpoint_folder
         resume = plan.resume

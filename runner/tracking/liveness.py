@@ -2,11 +2,11 @@
 
 MLflow has no liveness of its own: a run whose process was killed without a chance to end it
 (SIGKILL, the kernel's OOM killer, a node losing power, a scheduler's kill after its grace period)
-stays RUNNING forever. So every run records who runs it, as tags (named in runner.tags): the host,
+stays RUNNING forever. So every run records who runs it, as tags (named in runner.tracking.tags): the host,
 the pid and, on Linux, the process's start time (clock ticks since boot) and where that pid means
 that process (the boot id and PID namespace: a pid reused after the process died, after a reboot or
 in another container is not mistaken for it), plus a heartbeat, the time refreshed every
-`mlflow.heartbeat_s` seconds by a background thread (runner.tracking).
+`mlflow.heartbeat_s` seconds by a background thread (runner.tracking.lifecycle).
 
 `vanished` judges a run from those tags, conservatively (a live run is never judged gone):
 
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from runner import tags as tag
+from runner.tracking import tags as tag
 
 LIVENESS_TAGS = (tag.HOST, tag.PID, tag.PID_START, tag.PID_SPACE, tag.HEARTBEAT)
 VANISHED = "process vanished"  # how the `error` tag of a run ended by a reaper begins

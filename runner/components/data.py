@@ -25,8 +25,9 @@ from torchvision import datasets
 from torchvision import transforms as T
 from torchvision.datasets import CIFAR10, CIFAR100
 
-from runner import options, targets
-from runner.options import DATASET_NAMES
+from runner.config import options
+from runner.config import targets
+from runner.config.options import DATASET_NAMES
 from runner.errors import ConfigError, DataError
 
 # Per-channel statistics of the training sets (the values the literature normalises with).
@@ -369,7 +370,7 @@ def declared_num_classes(cfg: Any) -> Optional[int]:
 
 def build_datasets(cfg: Any) -> DataBundle:
     """Build the train and val datasets described by the `data` config section (its option's
-    builder, `runner.options.SPECS`)."""
+    builder, `runner.config.options.SPECS`)."""
     spec = options.spec_for("data", cfg)
     if spec is None:
         name = getattr(cfg, "name", None)

@@ -1,6 +1,6 @@
 """The predicates value rules are made of: `(key, predicate, what is allowed)`.
 
-Torch-free: the option specs (`runner.options`) and `runner.validation` both use them.
+Torch-free: the option specs (`runner.config.options`) and `runner.config.validation` both use them.
 """
 from __future__ import annotations
 

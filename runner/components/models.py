@@ -9,9 +9,9 @@ which leaves almost nothing of a 32-pixel CIFAR image; `small_input` swaps that 
 conv, the usual CIFAR adaptation, wherever the architecture has one (`small_stem`: ResNet/ResNeXt,
 DenseNet, VGG), for the built-in names and torchvision's zoo alike.
 
-The builders are named by the option specs (`runner.options.SPECS`); `model=torchvision` and
+The builders are named by the option specs (`runner.config.options.SPECS`); `model=torchvision` and
 `model=timm` build any model of those libraries by name, and a `_target_` builds the user's own
-(`runner.targets`). torchvision and timm are imported inside the builders so that importing this
+(`runner.config.targets`). torchvision and timm are imported inside the builders so that importing this
 module stays cheap.
 """
 from __future__ import annotations
@@ -24,9 +24,10 @@ from typing import Any, Callable, Dict
 from omegaconf import OmegaConf
 from torch import nn
 
-from runner import options, targets
+from runner.config import options
+from runner.config import targets
 from runner.errors import ConfigError
-from runner.options import MODEL_NAMES, NORMS  # noqa: F401  (NORMS: where it was before)
+from runner.config.options import MODEL_NAMES, NORMS  # noqa: F401  (NORMS: where it was before)
 
 # Largest image side for which `small_input: null` picks the small stem.
 SMALL_INPUT_MAX_SIZE = 64
@@ -244,7 +245,7 @@ def build_target(cfg: Any, num_classes: int, small_input: bool) -> nn.Module:
 
 
 def build_model(cfg: Any, num_classes: int, image_size: int) -> nn.Module:
-    """Build the model `cfg` describes (its option's builder, `runner.options.SPECS`) with random
+    """Build the model `cfg` describes (its option's builder, `runner.config.options.SPECS`) with random
     weights for `num_classes` outputs and `image_size` inputs.
 
     `image_size` only decides `small_input: null`; the models themselves accept any size their

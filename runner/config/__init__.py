@@ -3,7 +3,7 @@
 Hydra merges each YAML option into these dataclasses, so a typo'd key, a wrong type or an unknown
 group choice stops the run at compose time, before torch, data or models are imported. Value rules
 that types cannot express (positive lr, known model names, ...) live with each option's spec in
-`runner.options` and are applied by `runner.validation`.
+`runner.config.options` and are applied by `runner.config.validation`.
 This module must stay free of heavy imports: it runs on every invocation, dry runs included.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from runner.options import (  # noqa: F401  (the option schemas and names, re-exported)
+from runner.config.options import (  # noqa: F401  (the option schemas and names, re-exported)
     BUILT_IN_MODELS,
     DATASET_NAMES,
     MODEL_NAMES,
@@ -36,10 +36,13 @@ from runner.options import (  # noqa: F401  (the option schemas and names, re-ex
     VitTinyConfig,
     schemas,
 )
-from runner.precision.levels import LEVEL_VALUES, SCALER_DEFAULTS
+from runner.config.levels import LEVEL_VALUES, SCALER_DEFAULTS
 
 DEVICES = ("auto", "cpu", "cuda")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")  # torch.compile's modes
+# What `precision.kernels` accepts (runner.csrc): auto (the device's kernels, torch's ops if they
+# cannot be built), fused (the device's kernels or an error), torch (never build; torch's own ops).
+KERNEL_CHOICES = ("auto", "fused", "torch")
 
 
 # ---- precision (Apex amp's five properties; resolved by runner.precision) ------------------
@@ -56,7 +59,7 @@ class PrecisionConfig:
     fp8_linear: Optional[str] = None  # torchao float8 Linear layers: null | tensorwise | rowwise
     stochastic_rounding: bool = False  # a bf16 model without masters, its updates rounded at random
     # dynamic loss scaling (used when loss_scale is "dynamic")
-    # (defaults: runner.precision.levels.SCALER_DEFAULTS, the one table of them)
+    # (defaults: runner.config.levels.SCALER_DEFAULTS, the one table of them)
     init_scale: float = SCALER_DEFAULTS["init_scale"]  # 2^16
     growth_factor: float = SCALER_DEFAULTS["growth_factor"]
     backoff_factor: float = SCALER_DEFAULTS["backoff_factor"]
@@ -96,7 +99,7 @@ class TrainerConfig:
     sync_batchnorm: bool = False  # SyncBatchNorm under torchrun (GPUs with NCCL only)
     compile: bool = False  # the model's forward (and backward) through torch.compile
     compile_mode: str = "default"  # default | reduce-overhead | max-autotune
-    # range diagnostics (runner.diagnostics) on steps 1, 1+n, 1+2n, ...; 0 = off (no hooks at all)
+    # range diagnostics (runner.measure.diagnostics) on steps 1, 1+n, 1+2n, ...; 0 = off (no hooks at all)
     diagnose_every_n_steps: int = 0
 
 
@@ -107,7 +110,7 @@ class MlflowConfig:
     run_name: Optional[str] = None  # null = "<model>-<opt_level>", e.g. densenet161-O2
     sweep_name: Optional[str] = None  # a sweep's parent run; null = "sweep <swept overrides>"
     tags: Dict[str, str] = field(default_factory=dict)
-    # liveness (runner.liveness): a run's heartbeat period, and how old the heartbeat of a
+    # liveness (runner.tracking.lifecycle.liveness): a run's heartbeat period, and how old the heartbeat of a
     # RUNNING run on another host must be for a starting run to end it as KILLED
     heartbeat_s: float = 60.0
     stale_after_s: float = 600.0
@@ -115,7 +118,7 @@ class MlflowConfig:
 
 @dataclass
 class RunConfig:
-    # model and data are typed by their option's own schema (runner.options); an option with a
+    # model and data are typed by their option's own schema (runner.config.options); an option with a
     # `_target_` (the user's callable) is untyped: its keys are the callable's arguments
     model: Any = MISSING
     data: Any = MISSING
@@ -153,7 +156,7 @@ def register_configs() -> None:
         for kind, node in kinds.items():
             cs.store(group=f"schema/{group}", name=kind, node=node)
     # a precision preset pulls its level's properties with `- /schema/precision/level/O2@_here_`
-    # and states only what differs (the level table is defined once, in runner.precision.levels)
+    # and states only what differs (the level table is defined once, in runner.config.levels)
     for level, values in LEVEL_VALUES.items():
         cs.store(group="schema/precision/level", name=level, node={"opt_level": level, **values})
 

@@ -5,7 +5,7 @@ precision properties and their findings), names the run, finds its checkpoint fo
 whether it resumes (and from which checkpoint, checked against the config). It builds nothing,
 logs nothing and creates no MLflow run, so a bad config stops here with a `ConfigError` naming the
 key. The resulting `RunPlan` is frozen and is what a run, a dry run, a sweep's up-front check of
-every job and the benchmarks all work from (`runner.app.build(plan)` builds the parts).
+every job and the benchmarks all work from (`runner.run.app.build(plan)` builds the parts).
 """
 from __future__ import annotations
 
@@ -17,14 +17,16 @@ from typing import Any, Mapping, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from runner import checkpoint, options, targets
+from runner.run import checkpoint
+from runner.config import options
+from runner.config import targets
 from runner.errors import ConfigError
-from runner.paths import config_dir
+from runner.config.finder import config_dir
 from runner.precision import Finding, Properties, Resolution, resolve
 from runner.precision.checks import DeviceInfo, tensor_core_findings
 from runner.precision.properties import level_preset, parse_opt_level
-from runner.resume import Resume
-from runner.validation import validate
+from runner.run.resume import Resume
+from runner.config.validation import validate
 
 
 @dataclass(frozen=True)
@@ -172,8 +174,8 @@ def shape_findings(cfg: DictConfig, properties: Properties, device_info: DeviceI
     if device_info.type != "cuda" or not properties.compute_dtypes:
         return []
     if model is None:
-        from runner.data import declared_num_classes
-        from runner.models import build_model
+        from runner.components.data import declared_num_classes
+        from runner.components.models import build_model
 
         num_classes = declared_num_classes(cfg.data)
         if num_classes is None:
@@ -203,7 +205,7 @@ def check_parts(cfg: DictConfig) -> None:
 def declared_input(cfg: DictConfig) -> Optional[tuple[int, tuple[int, ...]]]:
     """(classes, input shape) the `data` config implies without loading anything: a built-in
     option's (3-channel images of data.image_size); None where only the dataset can tell."""
-    from runner.data import declared_num_classes
+    from runner.components.data import declared_num_classes
 
     spec = options.spec_for("data", cfg.data)
     num_classes = declared_num_classes(cfg.data)
@@ -230,7 +232,7 @@ def check_model_output(node: Any, num_classes: int, shape: tuple[int, ...]) -> N
     """Build the model on the meta device (shapes only: no memory, no data) and run one forward
     of a 2-sample batch of `shape`: its output must be logits of shape (2, num_classes). An op
     without a meta implementation skips the check (the real run finds any problem)."""
-    from runner.models import build_model
+    from runner.components.models import build_model
 
     memo = (OmegaConf.to_yaml(node, resolve=True), int(num_classes), tuple(shape))
     if memo in _CHECKED_OUTPUTS:

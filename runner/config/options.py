@@ -4,11 +4,11 @@ A spec holds everything about an option in one place: its schema (the dataclass 
 option's YAML, stored as `schema/<group>/<kind>`; None for an option whose extra keys pass through
 to its builder as arguments), its value rules, and its builder (a "module:function" path, imported
 when a run builds it). The name lists (`MODEL_NAMES`, ...), the schemas Hydra types the options
-with and the value rules `runner.validation` applies are all derived from `SPECS`: adding a
+with and the value rules `runner.config.validation` applies are all derived from `SPECS`: adding a
 built-in option is one spec here plus its YAML file in conf/<group>/.
 
 Beyond the built-in names, a `model`, `data` or `loss` node with a `_target_` is the user's own
-callable (`runner.targets`), built by the group's `TARGET_SPECS` entry. Torch-free: this module is
+callable (`runner.config.targets`), built by the group's `TARGET_SPECS` entry. Torch-free: this module is
 imported while Hydra composes.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any, Callable, List, Mapping, Optional
 
 from omegaconf import MISSING
 
-from runner.values import (
+from runner.config.values import (
     Rule,
     integer_at_least,
     non_negative,
@@ -192,7 +192,7 @@ _ADAM_RULES = _OPT_RULES + (
 )
 
 
-def _torchvision(name: str, builder: str = "runner.models:build_torchvision_named") -> Spec:
+def _torchvision(name: str, builder: str = "runner.components.models:build_torchvision_named") -> Spec:
     return Spec("model", name, builder, "torchvision", ModelConfig)
 
 
@@ -217,53 +217,53 @@ def _declared_classes(node: Any) -> Optional[int]:
 
 SPECS: tuple[Spec, ...] = (
     # models: tiny CNNs, torchvision architectures by name, a small ViT, and the zoos
-    Spec("model", "tiny", "runner.models:build_tiny", "tiny", TinyModelConfig, _TINY_RULES),
+    Spec("model", "tiny", "runner.components.models:build_tiny", "tiny", TinyModelConfig, _TINY_RULES),
     *(_torchvision(n) for n in ("resnet18", "resnet50", "densenet161", "vgg16", "vgg16_bn",
                                 "resnext50_32x4d")),
-    Spec("model", "vit_tiny", "runner.models:build_vit_tiny", "vit_tiny", VitTinyConfig,
+    Spec("model", "vit_tiny", "runner.components.models:build_vit_tiny", "vit_tiny", VitTinyConfig,
          _VIT_RULES),
-    Spec("model", "torchvision", "runner.models:build_torchvision_zoo", rules=_ZOO_RULES,
-         by_name=False, check="runner.models:check_torchvision_zoo"),
-    Spec("model", "timm", "runner.models:build_timm", rules=_ZOO_RULES, by_name=False,
-         check="runner.models:check_timm"),
-    Spec("model", "custom", "runner.models:build_target", by_name=False,
-         check="runner.models:check_target"),
+    Spec("model", "torchvision", "runner.components.models:build_torchvision_zoo", rules=_ZOO_RULES,
+         by_name=False, check="runner.components.models:check_torchvision_zoo"),
+    Spec("model", "timm", "runner.components.models:build_timm", rules=_ZOO_RULES, by_name=False,
+         check="runner.components.models:check_timm"),
+    Spec("model", "custom", "runner.components.models:build_target", by_name=False,
+         check="runner.components.models:check_target"),
     # data
-    Spec("data", "synthetic", "runner.data:build_synthetic", "synthetic", SyntheticConfig,
+    Spec("data", "synthetic", "runner.components.data:build_synthetic", "synthetic", SyntheticConfig,
          _DATA_RULES + (
              ("num_train", *_INT_1),
              ("num_val", *_INT_1),
              ("num_classes", integer_at_least(2), "an integer >= 2"),
              ("noise", non_negative, "a finite number >= 0"),
          ), classes=_synthetic_classes),
-    Spec("data", "cifar10", "runner.data:build_cifar", "cifar", CifarConfig,
+    Spec("data", "cifar10", "runner.components.data:build_cifar", "cifar", CifarConfig,
          _DATA_RULES + _CIFAR_RULES, classes=lambda node: 10),
-    Spec("data", "cifar100", "runner.data:build_cifar", "cifar", CifarConfig,
+    Spec("data", "cifar100", "runner.components.data:build_cifar", "cifar", CifarConfig,
          _DATA_RULES + _CIFAR_RULES, classes=lambda node: 100),
-    Spec("data", "imagefolder", "runner.data:build_imagefolder", "imagefolder",
+    Spec("data", "imagefolder", "runner.components.data:build_imagefolder", "imagefolder",
          ImageFolderConfig, _DATA_RULES + (
              ("root", os.path.isdir, "an existing folder with train/ and val/ class folders"),
              ("num_classes", optional(integer_at_least(2)), "null or an integer >= 2"),
          ), classes=_imagefolder_classes),
-    Spec("data", "custom", "runner.data:build_target", classes=_declared_classes,
+    Spec("data", "custom", "runner.components.data:build_target", classes=_declared_classes,
          rules=(("num_classes", optional(integer_at_least(1)), "null or an integer >= 1"),),
-         by_name=False, check="runner.data:check_target"),
+         by_name=False, check="runner.components.data:check_target"),
     # optimizers
-    Spec("optimizer", "sgd", "runner.optim:build_sgd", "sgd", SGDConfig, _OPT_RULES + (
+    Spec("optimizer", "sgd", "runner.components.optim:build_sgd", "sgd", SGDConfig, _OPT_RULES + (
         ("momentum", unit_interval, "a number in [0, 1)"),
         ("dampening", unit_interval, "a number in [0, 1)"),
     )),
-    Spec("optimizer", "adam", "runner.optim:build_adam", "adam", AdamConfig, _ADAM_RULES),
-    Spec("optimizer", "adamw", "runner.optim:build_adamw", "adam", AdamConfig, _ADAM_RULES),
+    Spec("optimizer", "adam", "runner.components.optim:build_adam", "adam", AdamConfig, _ADAM_RULES),
+    Spec("optimizer", "adamw", "runner.components.optim:build_adamw", "adam", AdamConfig, _ADAM_RULES),
     # schedulers (stepped once per optimizer-step attempt)
-    Spec("scheduler", "none", "runner.optim:build_no_scheduler", "none", SchedulerConfig),
-    Spec("scheduler", "cosine", "runner.optim:build_cosine", "cosine", CosineConfig,
+    Spec("scheduler", "none", "runner.components.optim:build_no_scheduler", "none", SchedulerConfig),
+    Spec("scheduler", "cosine", "runner.components.optim:build_cosine", "cosine", CosineConfig,
          (("eta_min", non_negative, "a finite number >= 0"),)),
-    Spec("scheduler", "step", "runner.optim:build_step", "step", StepLRConfig, (
+    Spec("scheduler", "step", "runner.components.optim:build_step", "step", StepLRConfig, (
         ("step_epochs", *_INT_1),
         ("gamma", lambda v: finite(v) and 0 < v <= 1, "a number in (0, 1]"),
     )),
-    Spec("scheduler", "onecycle", "runner.optim:build_onecycle", "onecycle", OneCycleConfig, (
+    Spec("scheduler", "onecycle", "runner.components.optim:build_onecycle", "onecycle", OneCycleConfig, (
         ("max_lr", optional(positive), "null or a finite number > 0"),
         ("pct_start", lambda v: finite(v) and 0 < v < 1, "a number in (0, 1)"),
         ("div_factor", positive, "a finite number > 0"),

@@ -13,23 +13,23 @@ falls below `trainer.collapsed_loss_scale` while steps keep overflowing also sto
 
 Checkpoints and interrupts: after every `trainer.checkpoint_every_n_epochs` epochs, and when a
 SIGINT/SIGTERM asks the run to stop (after the step in progress), the checkpointer gets the whole
-state (runner.checkpoint). A resumed run continues at the epoch and batch it stopped at: the
-training order of an epoch depends only on the seed and the epoch (runner.data's EpochSampler),
+state (runner.run.checkpoint). A resumed run continues at the epoch and batch it stopped at: the
+training order of an epoch depends only on the seed and the epoch (runner.components.data's EpochSampler),
 so the batches an interrupted epoch already trained on are skipped, not repeated.
 
-Under torchrun (runner.distributed) every rank runs this loop on its shard; the metrics are
+Under torchrun (runner.run.distributed) every rank runs this loop on its shard; the metrics are
 reduced across ranks at the periodic reads (loss mean, non-finite streak and stop requests),
 after validation (loss and accuracy sums) and per epoch (samples, peak memory), and only rank 0's
 sink logs them.
 
-Memory by kind (runner.memory): the first training step of a session runs under an activation
+Memory by kind (runner.measure.memory): the first training step of a session runs under an activation
 meter (the bytes autograd saves for backward) and, after its optimizer step, the weights, masters,
 gradients and optimizer state are counted from the tensors; a step that was skipped (no optimizer
 state yet) is counted again at the next step, until one steps. The `mem_*_mb` metrics go out with
-the epoch's metrics; on a CPU the total is also `peak_mem_mb` (runner.probes), and the process's
+the epoch's metrics; on a CPU the total is also `peak_mem_mb` (runner.measure.probes), and the process's
 resident-memory growth is `rss_growth_mb`. Neither reads the device: no sync.
 
-Range diagnostics (runner.diagnostics), with `trainer.diagnose_every_n_steps` = n > 0: steps 1,
+Range diagnostics (runner.measure.diagnostics), with `trainer.diagnose_every_n_steps` = n > 0: steps 1,
 1 + n, 1 + 2n, ... run with a probe's hooks on the model's layers, installed before the forward
 and removed after the backward (other steps carry no hook; with n = 0 none is ever made). The
 probe is read once per diagnosed step (one host sync) and its `diag_*` metrics logged at that
@@ -52,13 +52,13 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from runner import checkpoint as ckpt
-from runner import diagnostics as diag
-from runner import memory as mem
-from runner.distributed import Comm, unwrap
+from runner.run import checkpoint as ckpt
+from runner.measure import diagnostics as diag
+from runner.measure import memory as mem
+from runner.run.distributed import Comm, unwrap
 from runner.errors import DivergenceError
-from runner.interrupts import RunInterrupted, StopRequest
-from runner.probes import MemoryProbe, Stopwatch
+from runner.run.interrupts import RunInterrupted, StopRequest
+from runner.measure.probes import MemoryProbe, Stopwatch
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ class Trainer:
         self.cfg = cfg
         self.on_metrics = on_metrics
         self.memory = memory
-        # the loss (runner.app.build_loss: the `loss` group); cross-entropy by default
+        # the loss (runner.run.app.build_loss: the `loss` group); cross-entropy by default
         self.criterion = criterion if criterion is not None else nn.CrossEntropyLoss()
         self.train_batches = limit_batches(len(train_loader), cfg.limit_train_batches)
         self.val_batches = limit_batches(len(val_loader), cfg.limit_val_batches)
@@ -287,7 +287,7 @@ class Trainer:
 
     # ---- checkpoints ----------------------------------------------------------------------------
     def state(self, epochs_done: int, batches_done: int) -> dict:
-        """Everything a resumed run needs (see runner.checkpoint)."""
+        """Everything a resumed run needs (see runner.run.checkpoint)."""
         return {
             "model": self.module.state_dict(),
             "optimizer": self.optimizer.state_dict(),

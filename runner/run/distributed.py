@@ -100,7 +100,7 @@ class Comm:
 
 def setup(device: torch.device | str) -> tuple[Comm, torch.device]:
     """Join torchrun's process group when launched by it: (comm, this rank's device). `device` is
-    the run's planned device (runner.plan: cpu or cuda, already checked): a torchrun rank on
+    the run's planned device (runner.run.plan: cpu or cuda, already checked): a torchrun rank on
     CUDA takes GPU LOCAL_RANK with NCCL, on a CPU Gloo. Without torchrun: (Comm(), `device`)."""
     device = torch.device(device)
     if not launched_by_torchrun() and not from_slurm_tasks():
