@@ -17,7 +17,7 @@ from runner.run.plan import check_opt_level, resolve_precision
 from runner.errors import ConfigError
 from runner.precision import Finding, resolve
 from runner.precision.checks import DeviceInfo, tensor_core_findings
-from runner.precision.properties import SCALER_DEFAULTS
+from runner.config.levels import SCALER_DEFAULTS
 from runner.precision.scaler import LossScaler
 from tests.conftest import compose_config
 

@@ -8,6 +8,7 @@ This module must stay free of heavy imports: it runs on every invocation, dry ru
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -36,7 +37,8 @@ from runner.config.options import (  # noqa: F401  (the option schemas and names
     VitTinyConfig,
     schemas,
 )
-from runner.config.levels import LEVEL_VALUES, SCALER_DEFAULTS
+from runner.config.levels import LEVEL_VALUES
+from runner.config.precision import precision_schema
 
 DEVICES = ("auto", "cpu", "cuda")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")  # torch.compile's modes
@@ -45,33 +47,8 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")  # torch.compile'
 KERNEL_CHOICES = ("auto", "fused", "torch")
 
 
-# ---- precision (Apex amp's five properties; resolved by runner.precision) ------------------
-@dataclass
-class PrecisionConfig:
-    preset: str = MISSING  # the option file it came from (o2, o2_bf16, ...): see opt_level
-    opt_level: str = MISSING
-    cast_model_type: Optional[str] = None  # float32 | float16 | bfloat16 | null
-    patch_torch_functions: bool = False
-    keep_batchnorm_fp32: Any = None  # true | false | null
-    master_weights: Optional[bool] = None
-    loss_scale: Any = 1.0  # "dynamic" or a positive number
-    autocast_dtype: str = "float16"  # O1's autocast type: float16 | bfloat16 (bf16 on CPU)
-    fp8_linear: Optional[str] = None  # torchao float8 Linear layers: null | tensorwise | rowwise
-    stochastic_rounding: bool = False  # a bf16 model without masters, its updates rounded at random
-    # dynamic loss scaling (used when loss_scale is "dynamic")
-    # (defaults: runner.config.levels.SCALER_DEFAULTS, the one table of them)
-    init_scale: float = SCALER_DEFAULTS["init_scale"]  # 2^16
-    growth_factor: float = SCALER_DEFAULTS["growth_factor"]
-    backoff_factor: float = SCALER_DEFAULTS["backoff_factor"]
-    growth_interval: int = SCALER_DEFAULTS["growth_interval"]  # clean steps before it grows
-    # overflows tolerated before a back-off (1 = Apex, 2 = DeepSpeed)
-    hysteresis: int = SCALER_DEFAULTS["hysteresis"]
-    min_loss_scale: Optional[float] = SCALER_DEFAULTS["min_loss_scale"]
-    max_loss_scale: float = SCALER_DEFAULTS["max_loss_scale"]  # 2^24
-    strict: bool = False  # every precision warning becomes an error
-    # fused C++/CUDA kernels (runner.csrc): auto (build on first use; torch's ops if that
-    # fails, with a warning), fused (the kernels or an error), torch (never build)
-    kernels: str = "auto"
+# ---- precision: the schema of the precision group, derived from the property table -----------
+PrecisionConfig = precision_schema()
 
 
 # ---- trainer and tracking ------------------------------------------------------------------
@@ -149,10 +126,15 @@ def register_configs() -> None:
 
     Option files pull their schema with `- /schema/<group>/<kind>@_here_` in their defaults list,
     which keeps the schemas out of the group's list of choices.
+    The precision node is derived from the property table (runner.config.precision) each time,
+    so a property added to the table is typed everywhere once the schemas are stored again.
     """
+    precision = precision_schema()
+    root = dataclasses.make_dataclass(  # RunConfig, its precision typed by today's table
+        "RunConfig", [("precision", precision, field(default=MISSING))], bases=(RunConfig,))
     cs = ConfigStore.instance()
-    cs.store(name="base_run", node=RunConfig)
-    for group, kinds in SCHEMAS.items():
+    cs.store(name="base_run", node=root)
+    for group, kinds in {**SCHEMAS, "precision": {"apex": precision}}.items():
         for kind, node in kinds.items():
             cs.store(group=f"schema/{group}", name=kind, node=node)
     # a precision preset pulls its level's properties with `- /schema/precision/level/O2@_here_`

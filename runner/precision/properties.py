@@ -12,14 +12,14 @@ both sets (with `strict=True` every warning becomes an error).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Literal, Mapping, Optional, Union
 
 import torch
 
+from runner.config import precision as ptable
+from runner.config.levels import LEVEL_VALUES
 from runner.errors import ConfigError
-from runner.config.levels import LEVEL_VALUES, SCALER_DEFAULTS
 
 LossScale = Union[float, Literal["dynamic"]]
 
@@ -36,24 +36,15 @@ LEVEL_DESCRIPTIONS = {
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
-# Keys an override may name: the five Apex properties, the dtype O1's autocast uses, and the
-# dynamic loss scaling knobs; `strict` is accepted too (it changes findings, not properties).
-PROPERTY_KEYS = ("cast_model_type", "patch_torch_functions", "keep_batchnorm_fp32",
-                 "master_weights", "loss_scale", "autocast_dtype", "fp8_linear",
-                 "stochastic_rounding", *SCALER_DEFAULTS)
+# Keys an override may name: every property of the table (runner.config.precision.PROPERTIES);
+# `strict` is accepted too (it changes findings, not properties).
+PROPERTY_KEYS = ptable.property_names()
 
-# torchao's float8 training recipes for Linear layers (e4m3 forward, e5m2 gradients, dynamic
-# scaling): one scale per tensor, or per row (more accurate, slower).
-FP8_RECIPES = ("tensorwise", "rowwise")
+# torchao's float8 training recipes for Linear layers
+FP8_RECIPES = ptable.FP8_RECIPES
 
-_DTYPE_ALIASES: dict[str, torch.dtype] = {
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-}
-_NONE_STRINGS = ("none", "null", "~", "")
-_TRUE_STRINGS = ("true", "yes", "on")
-_FALSE_STRINGS = ("false", "no", "off")
+_DTYPES: dict[str, torch.dtype] = {
+    "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def dtype_name(dtype: Optional[torch.dtype]) -> str:
@@ -61,29 +52,61 @@ def dtype_name(dtype: Optional[torch.dtype]) -> str:
     return "None" if dtype is None else str(dtype).removeprefix("torch.")
 
 
-@dataclass(frozen=True)
 class Properties:
-    """The resolved precision recipe the engine executes; immutable so it can be logged once."""
+    """The resolved precision recipe the engine executes: the level and one value per property
+    of `runner.config.precision.PROPERTIES` (a dtype as a torch.dtype); immutable, so it can be
+    logged once. Read a property as an attribute: `props.cast_model_type`."""
 
-    opt_level: str
+    # the table's properties, for readers and type checkers (the values live in `_values`)
     cast_model_type: Optional[torch.dtype]
     patch_torch_functions: bool
     keep_batchnorm_fp32: Optional[bool]
     master_weights: Optional[bool]
     loss_scale: LossScale
-    autocast_dtype: torch.dtype = torch.float16
-    # dynamic loss scaling (see runner.precision.scaler.LossScaler)
-    init_scale: float = SCALER_DEFAULTS["init_scale"]
-    growth_factor: float = SCALER_DEFAULTS["growth_factor"]
-    backoff_factor: float = SCALER_DEFAULTS["backoff_factor"]
-    growth_interval: int = SCALER_DEFAULTS["growth_interval"]
-    hysteresis: int = SCALER_DEFAULTS["hysteresis"]
-    min_loss_scale: Optional[float] = SCALER_DEFAULTS["min_loss_scale"]
-    max_loss_scale: float = SCALER_DEFAULTS["max_loss_scale"]
-    # beyond Apex: torchao's float8 recipe for the Linear layers' GEMMs (None: none), and
-    # stochastic rounding of a bf16 model's weights at each update (no fp32 masters)
-    fp8_linear: Optional[str] = None
-    stochastic_rounding: bool = False
+    autocast_dtype: torch.dtype
+    fp8_linear: Optional[str]  # torchao's float8 recipe for the Linear layers' GEMMs
+    stochastic_rounding: bool  # a bf16 model's weights rounded at random at each update
+    init_scale: float  # dynamic loss scaling (runner.precision.scaler.LossScaler)
+    growth_factor: float
+    backoff_factor: float
+    growth_interval: int
+    hysteresis: int
+    min_loss_scale: Optional[float]
+    max_loss_scale: float
+
+    __slots__ = ("opt_level", "_values")
+
+    def __init__(self, opt_level: str, **values: Any) -> None:
+        names = ptable.property_names()
+        unknown = sorted(set(values) - set(names))
+        missing = [n for n in names if n not in values]
+        if unknown or missing:
+            raise TypeError(f"Properties: unknown {unknown}, missing {missing}")
+        object.__setattr__(self, "opt_level", opt_level)
+        object.__setattr__(self, "_values", {n: values[n] for n in names})
+
+    def __getattr__(self, name: str) -> Any:
+        values = object.__getattribute__(self, "_values")
+        if name in values:
+            return values[name]
+        raise AttributeError(f"'Properties' has no property {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("Properties are immutable")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Properties) and (self.opt_level, self._values) == \
+            (other.opt_level, other._values)
+
+    def __hash__(self) -> int:
+        return hash((self.opt_level, tuple(self._values.items())))
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{k}={v!r}" for k, v in self._values.items())
+        return f"Properties(opt_level={self.opt_level!r}, {inner})"
+
+    def __reduce__(self):
+        return (_rebuild_properties, (self.opt_level, dict(self._values)))
 
     @property
     def dynamic_loss_scale(self) -> bool:
@@ -123,24 +146,11 @@ class Properties:
         return bool(self.master_weights) and self.casts_to_half
 
     def as_params(self) -> dict[str, str]:
-        """Flat string values for tracking (MLflow params); the caller adds `precision.`."""
-        def fmt(v: Any) -> str:
-            if v is None or isinstance(v, torch.dtype):
-                return dtype_name(v)
-            return str(v)
-
-        return {
-            "opt_level": self.opt_level,
-            "cast_model_type": fmt(self.cast_model_type),
-            "patch_torch_functions": fmt(self.patch_torch_functions),
-            "keep_batchnorm_fp32": fmt(self.keep_batchnorm_fp32),
-            "master_weights": fmt(self.master_weights),
-            "loss_scale": fmt(self.loss_scale),
-            "autocast_dtype": fmt(self.autocast_dtype),
-            "fp8_linear": fmt(self.fp8_linear),
-            "stochastic_rounding": fmt(self.stochastic_rounding),
-            **{k: fmt(getattr(self, k)) for k in SCALER_DEFAULTS},
-        }
+        """Flat string values for tracking (MLflow params), one per property of the table as
+        its row logs it; the caller adds `precision.`."""
+        return {"opt_level": self.opt_level,
+                **{p.name: ptable.param_string(p, self._values[p.name])
+                   for p in ptable.PROPERTIES}}
 
     def table(self) -> str:
         """A small aligned property | value table, printed at the start of a run."""
@@ -216,7 +226,11 @@ class Resolution:
         return "\n".join(lines)
 
 
-# ---- parsing -------------------------------------------------------------------------------
+def _rebuild_properties(opt_level: str, values: dict[str, Any]) -> "Properties":
+    return Properties(opt_level, **values)
+
+
+# ---- parsing (the table's parsers, dtype names made torch dtypes) ------------------------------
 def _key(name: str) -> str:
     return f"precision.{name}"
 
@@ -237,119 +251,24 @@ def parse_opt_level(value: Any) -> str:
     raise ConfigError(_key("opt_level"), f"unknown level {value!r}", allowed)
 
 
-def _parse_dtype(name: str, value: Any, allowed: tuple[torch.dtype, ...],
-                 allow_none: bool) -> Optional[torch.dtype]:
-    names = [dtype_name(d) for d in allowed] + (["None"] if allow_none else [])
-    if value is None:
-        if allow_none:
-            return None
-        raise ConfigError(_key(name), "must not be None", names)
-    dtype: Optional[torch.dtype] = None
-    if isinstance(value, torch.dtype):
-        dtype = value
-    elif isinstance(value, str):
-        s = value.strip().lower()
-        if allow_none and s in _NONE_STRINGS:
-            return None
-        dtype = _DTYPE_ALIASES.get(s.removeprefix("torch."))
-    if dtype is None or dtype not in allowed:
-        raise ConfigError(_key(name), f"unsupported dtype {value!r}", names)
-    return dtype
+def _runtime(name: str, value: Any) -> Any:
+    """A parsed value as the engine uses it: a dtype's name becomes the torch.dtype."""
+    prop = ptable.property_for(name)
+    return _DTYPES[value] if prop.kind == "dtype" and value is not None else value
 
 
-def _parse_bool(name: str, value: Any, allow_none: bool) -> Optional[bool]:
-    allowed = ["True", "False"] + (["None"] if allow_none else [])
-    if isinstance(value, bool):
-        return value
-    if value is None and allow_none:
-        return None
-    if isinstance(value, str):
-        s = value.strip().lower()
-        if s in _TRUE_STRINGS:
-            return True
-        if s in _FALSE_STRINGS:
-            return False
-        if allow_none and s in _NONE_STRINGS:
-            return None
-    raise ConfigError(_key(name), f"expected a boolean, got {value!r}", allowed)
+def parse_property(name: str, value: Any) -> Any:
+    """`value` of the property `name` parsed (runner.config.precision.parse), as the engine
+    uses it; ConfigError naming `precision.<name>` for a bad one."""
+    return _runtime(name, ptable.parse(name, value))
 
 
-def _parse_choice(name: str, value: Any, choices: tuple[str, ...]) -> Optional[str]:
-    """One of `choices` (case-insensitive), or None (null, "none")."""
-    if value is None or (isinstance(value, str) and value.strip().lower() in _NONE_STRINGS):
-        return None
-    if isinstance(value, str) and value.strip().lower() in choices:
-        return value.strip().lower()
-    raise ConfigError(_key(name), f"got {value!r}", ["null", *choices])
+def _level_properties(level: str) -> dict[str, Any]:
+    """Every property's value at `level`: the table's defaults, the level's own on top."""
+    return {k: _runtime(k, v) for k, v in ptable.level_values(LEVEL_VALUES[level]).items()}
 
 
-def parse_loss_scale(value: Any) -> LossScale:
-    allowed = '"dynamic" or a positive finite number'
-    if isinstance(value, str) and value.strip().lower() == "dynamic":
-        return "dynamic"
-    number = _to_number(value)
-    if number is None or not math.isfinite(number) or number <= 0:
-        raise ConfigError(_key("loss_scale"), f"invalid loss scale {value!r}", allowed)
-    return number
-
-
-def _to_number(value: Any) -> Optional[float]:
-    """A float from a number or a numeric string ("128.0"); None for anything else."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, str):
-        try:
-            return float(value.strip())
-        except ValueError:
-            return None
-    return None
-
-
-def _parse_number(name: str, value: Any, ok: Callable[[float], bool], allowed: str,
-                  allow_none: bool = False, integer: bool = False) -> Any:
-    if value is None or (isinstance(value, str) and value.strip().lower() in _NONE_STRINGS):
-        if allow_none:
-            return None
-        raise ConfigError(_key(name), "must not be None", allowed)
-    number = _to_number(value)
-    if number is None or not math.isfinite(number) or not ok(number):
-        raise ConfigError(_key(name), f"got {value!r}", allowed)
-    if integer:
-        if number != int(number):
-            raise ConfigError(_key(name), f"got {value!r}", allowed)
-        return int(number)
-    return number
-
-
-_PARSERS: dict[str, Callable[[Any], Any]] = {
-    "cast_model_type": lambda v: _parse_dtype(
-        "cast_model_type", v, (torch.float16, torch.bfloat16, torch.float32), allow_none=True),
-    "patch_torch_functions": lambda v: _parse_bool("patch_torch_functions", v, allow_none=False),
-    "keep_batchnorm_fp32": lambda v: _parse_bool("keep_batchnorm_fp32", v, allow_none=True),
-    "master_weights": lambda v: _parse_bool("master_weights", v, allow_none=True),
-    "loss_scale": parse_loss_scale,
-    "autocast_dtype": lambda v: _parse_dtype(
-        "autocast_dtype", v, (torch.float16, torch.bfloat16), allow_none=False),
-    "init_scale": lambda v: _parse_number(
-        "init_scale", v, lambda x: x > 0, "a finite number > 0, e.g. 65536"),
-    "growth_factor": lambda v: _parse_number(
-        "growth_factor", v, lambda x: x > 1, "a finite number > 1, e.g. 2"),
-    "backoff_factor": lambda v: _parse_number(
-        "backoff_factor", v, lambda x: 0 < x < 1, "a number in (0, 1), e.g. 0.5"),
-    "growth_interval": lambda v: _parse_number(
-        "growth_interval", v, lambda x: x >= 1, "an integer >= 1, e.g. 2000", integer=True),
-    "hysteresis": lambda v: _parse_number(
-        "hysteresis", v, lambda x: x >= 1, "an integer >= 1 (1 = Apex, 2 = DeepSpeed)",
-        integer=True),
-    "min_loss_scale": lambda v: _parse_number(
-        "min_loss_scale", v, lambda x: x > 0, "null or a finite number > 0", allow_none=True),
-    "max_loss_scale": lambda v: _parse_number(
-        "max_loss_scale", v, lambda x: x > 0, "a finite number > 0, e.g. 16777216 (2^24)"),
-    "fp8_linear": lambda v: _parse_choice("fp8_linear", v, FP8_RECIPES),
-    "stochastic_rounding": lambda v: _parse_bool("stochastic_rounding", v, allow_none=False),
-}
-
-LEVELS.update({level: {key: _PARSERS[key](value) for key, value in values.items()}
+LEVELS.update({level: {k: parse_property(k, v) for k, v in values.items()}
                for level, values in LEVEL_VALUES.items()})
 
 
@@ -534,14 +453,6 @@ def _o3_batchnorm_fp32(p: Properties, ctx: Context) -> Iterable[Finding]:
             "\"speed of light\" setting; allowed", "")
 
 
-def _check_scaler_bounds(values: Mapping[str, Any]) -> None:
-    low, high = values["min_loss_scale"], values["max_loss_scale"]
-    if low is not None and low > high:
-        raise ConfigError(_key("min_loss_scale"),
-                          f"{low:g} is above max_loss_scale {high:g}",
-                          "null or a number <= max_loss_scale")
-
-
 def resolve_properties(opt_level: str, overrides: Mapping[str, Any] | None = None
                        ) -> tuple[Properties, bool]:
     """Level defaults, then `overrides` by key, parsed and normalised: (properties, strict).
@@ -552,8 +463,7 @@ def resolve_properties(opt_level: str, overrides: Mapping[str, Any] | None = Non
     name) are ignored here). Invalid values raise ConfigError naming the `precision.<key>`.
     """
     level = parse_opt_level(opt_level)
-    values: dict[str, Any] = dict(LEVELS[level])
-    values.update(SCALER_DEFAULTS)
+    values = _level_properties(level)
     strict_value: Any = False
     for key, raw in (overrides or {}).items():
         if key == "opt_level":
@@ -566,13 +476,10 @@ def resolve_properties(opt_level: str, overrides: Mapping[str, Any] | None = Non
             continue
         if key in ("kernels", "preset"):
             continue  # how the engine runs (AmpEngine(kernels=...)); the preset's file name
-        if key not in _PARSERS:
-            raise ConfigError(_key(str(key)), "unknown precision property",
-                              (*PROPERTY_KEYS, "strict"))
-        values[key] = _PARSERS[key](raw)
-    strict = bool(_parse_bool("strict", strict_value, allow_none=False))
-    _check_scaler_bounds(values)
-    return Properties(opt_level=level, **values), strict
+        values[key] = parse_property(str(key), raw)  # an unknown key: ConfigError, named
+    strict = bool(ptable.parse_bool(_key("strict"), strict_value, allow_none=False))
+    ptable.check_scaler_bounds(values)
+    return Properties(level, **values), strict
 
 
 def strict_finding(finding: Finding) -> Finding:

@@ -22,6 +22,7 @@ from runner.config import options
 from runner.config import targets
 from runner.errors import ConfigError
 from runner.config.finder import config_dir
+from runner.config.precision import run_name_suffixes
 from runner.precision import Finding, Properties, Resolution, resolve
 from runner.precision.checks import DeviceInfo, tensor_core_findings
 from runner.precision.properties import level_preset, parse_opt_level
@@ -143,8 +144,9 @@ def resolve_precision(cfg: DictConfig, device: torch.device | DeviceInfo) -> Res
 def default_run_name(cfg: DictConfig, properties: Optional[Properties] = None) -> str:
     """`mlflow.run_name`, or `<model>-<level>` (e.g. densenet161-O2; a zoo model's arch,
     vit_b_16-O2; a `_target_` model's class, MyNet-O2) with what sets the run apart
-    from the other runs of a sweep: `-bf16` where it computes in bfloat16 (`-fp8` with fp8 Linear
-    layers instead), `-sr` with stochastic rounding, `-compiled` through torch.compile.
+    from the other runs of a sweep: each property's suffix (runner.config.precision: `-bf16`
+    where it computes in bfloat16, `-fp8` with fp8 Linear layers instead, `-sr` with stochastic
+    rounding), then `-compiled` through torch.compile.
     `properties`: the resolved ones, when the caller has them (else resolved here)."""
     if cfg.mlflow.run_name:
         return cfg.mlflow.run_name
@@ -155,12 +157,7 @@ def default_run_name(cfg: DictConfig, properties: Optional[Properties] = None) -
             properties = resolve(values.pop("opt_level"), values).properties
         except ConfigError:  # a failed job is still named; its error says what was wrong
             return name
-    if properties.fp8_linear is not None:
-        name += "-fp8"
-    elif torch.bfloat16 in properties.compute_dtypes:
-        name += "-bf16"
-    if properties.stochastic_rounding:
-        name += "-sr"
+    name += "".join(f"-{suffix}" for suffix in run_name_suffixes(properties.as_params()))
     if OmegaConf.select(cfg, "trainer.compile", default=False):
         name += "-compiled"
     return name

@@ -1,0 +1,300 @@
+"""The precision properties, each declared once: the table the rest derives from.
+
+One `Property` row says everything about a property: its name, how a value is parsed (its kind
+and the values allowed), its default, how it is logged (the MLflow param `precision.<name>`) and
+how it shows in a run's name. From `PROPERTIES` derive:
+- the schema's precision node (`precision_schema()`, registered in Hydra's ConfigStore),
+- the parsers (`parse(name, value)`, which raise `ConfigError` naming `precision.<name>`),
+- the resolved `runner.precision.properties.Properties` and its params (`as_params`),
+- the run name's suffixes (`run_name_suffixes`).
+Adding a property = one row here + its rule(s) in `runner.precision`.
+
+Torch-free on purpose (Hydra composes and checks without torch): a dtype is parsed to its name
+("bfloat16"); `runner.precision.properties` turns names into torch dtypes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Mapping, Optional
+
+from omegaconf import MISSING
+
+from runner.config.levels import SCALER_DEFAULTS
+from runner.errors import ConfigError
+
+Kind = Literal["dtype", "bool", "choice", "loss_scale", "number"]
+
+# torchao's float8 training recipes for Linear layers (e4m3 forward, e5m2 gradients, dynamic
+# scaling): one scale per tensor, or per row (more accurate, slower).
+FP8_RECIPES = ("tensorwise", "rowwise")
+
+DTYPE_ALIASES: dict[str, str] = {
+    "float16": "float16", "fp16": "float16", "half": "float16",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float32": "float32", "fp32": "float32", "float": "float32",
+}
+NONE_STRINGS = ("none", "null", "~", "")
+TRUE_STRINGS = ("true", "yes", "on")
+FALSE_STRINGS = ("false", "no", "off")
+
+
+@dataclass(frozen=True)
+class Property:
+    """One precision property: how it is parsed, its default, how it is logged and named."""
+
+    name: str
+    kind: Kind
+    default: Any  # the schema's default (a level's own values take precedence: levels.py)
+    schema_type: Any  # the type of its key in the schema's precision node
+    doc: str = ""
+    allow_none: bool = False
+    choices: tuple[str, ...] = ()  # kind "dtype": dtype names; kind "choice": the choices
+    check: Optional[Callable[[float], bool]] = None  # kind "number": what is allowed ...
+    allowed: str = ""  # ... said in words
+    integer: bool = False  # kind "number": an integer
+    # how it is logged: the param's string from the parsed value (None: the default format)
+    param: Optional[Callable[[Any], str]] = None
+    # its run-name suffix ("bf16", "sr", ...) from the run's params (every property's string), or
+    # None: the run name does not show it
+    suffix: Optional[Callable[[Mapping[str, str]], Optional[str]]] = None
+
+    @property
+    def key(self) -> str:
+        return f"precision.{self.name}"
+
+
+def _number(name: str, check: Callable[[float], bool], allowed: str, *, integer: bool = False,
+            allow_none: bool = False, doc: str = "") -> Property:
+    """A dynamic-loss-scaling knob: a number, default from `levels.SCALER_DEFAULTS`."""
+    default = SCALER_DEFAULTS[name]
+    kind_type = int if integer else float
+    return Property(name, "number", default, Optional[kind_type] if allow_none else kind_type,
+                    doc, allow_none=allow_none, check=check, allowed=allowed, integer=integer)
+
+
+def _computes_in_bf16(params: Mapping[str, str]) -> Optional[str]:
+    """"bf16" where the model computes in bfloat16 (a bf16 model, or O1's bf16 autocast), unless
+    its Linear layers run in fp8 (then "fp8" says more)."""
+    if params.get("fp8_linear", "None") != "None":
+        return None
+    cast = params.get("cast_model_type") == "bfloat16"
+    autocast = params.get("patch_torch_functions") == "True" \
+        and params.get("autocast_dtype") == "bfloat16"
+    return "bf16" if cast or autocast else None
+
+
+# The order is the order of the params, of the property table printed at the start of a run and
+# of the run name's suffixes.
+PROPERTIES: list[Property] = [
+    # Apex's five (each level sets them: runner.config.levels.LEVEL_VALUES)
+    Property("cast_model_type", "dtype", None, Optional[str],
+             "float32 | float16 | bfloat16 | null: the model's own type",
+             allow_none=True, choices=("float16", "bfloat16", "float32"),
+             suffix=_computes_in_bf16),
+    Property("patch_torch_functions", "bool", False, bool, "autocast around ops (O1)"),
+    Property("keep_batchnorm_fp32", "bool", None, Any, "true | false | null", allow_none=True),
+    Property("master_weights", "bool", None, Optional[bool], "fp32 master copies of the weights",
+             allow_none=True),
+    Property("loss_scale", "loss_scale", 1.0, Any, '"dynamic" or a positive number'),
+    # beyond Apex
+    Property("autocast_dtype", "dtype", "float16", str,
+             "O1's autocast type: float16 | bfloat16 (bf16 on CPU)",
+             choices=("float16", "bfloat16")),
+    Property("fp8_linear", "choice", None, Optional[str],
+             "torchao float8 Linear layers: null | tensorwise | rowwise", allow_none=True,
+             choices=FP8_RECIPES,
+             suffix=lambda p: "fp8" if p.get("fp8_linear", "None") != "None" else None),
+    Property("stochastic_rounding", "bool", False, bool,
+             "a bf16 model without masters, its updates rounded at random",
+             suffix=lambda p: "sr" if p.get("stochastic_rounding") == "True" else None),
+    # dynamic loss scaling (used when loss_scale is "dynamic")
+    _number("init_scale", lambda x: x > 0, "a finite number > 0, e.g. 65536", doc="2^16"),
+    _number("growth_factor", lambda x: x > 1, "a finite number > 1, e.g. 2"),
+    _number("backoff_factor", lambda x: 0 < x < 1, "a number in (0, 1), e.g. 0.5"),
+    _number("growth_interval", lambda x: x >= 1, "an integer >= 1, e.g. 2000", integer=True,
+            doc="clean steps before it grows"),
+    _number("hysteresis", lambda x: x >= 1, "an integer >= 1 (1 = Apex, 2 = DeepSpeed)",
+            integer=True, doc="overflows tolerated before a back-off (1 = Apex, 2 = DeepSpeed)"),
+    _number("min_loss_scale", lambda x: x > 0, "null or a finite number > 0", allow_none=True),
+    _number("max_loss_scale", lambda x: x > 0, "a finite number > 0, e.g. 16777216 (2^24)",
+            doc="2^24"),
+]
+
+
+def property_names() -> tuple[str, ...]:
+    return tuple(p.name for p in PROPERTIES)
+
+
+def property_for(name: str) -> Optional[Property]:
+    return next((p for p in PROPERTIES if p.name == name), None)
+
+
+# ---- the schema's precision node -------------------------------------------------------------
+# Keys of the node that are not properties: the preset's file name and level, the findings'
+# strictness and the kernels' choice (how the engine runs, not what it computes).
+_OTHER_KEYS: list[tuple[str, Any, Any]] = [
+    ("preset", str, MISSING),  # the option file it came from (o2, o2_bf16, ...): see opt_level
+    ("opt_level", str, MISSING),
+]
+_TRAILING_KEYS: list[tuple[str, Any, Any]] = [
+    ("strict", bool, False),  # every precision warning becomes an error
+    # fused C++/CUDA kernels (runner.csrc): auto (build on first use; torch's ops if that
+    # fails, with a warning), fused (the kernels or an error), torch (never build)
+    ("kernels", str, "auto"),
+]
+
+
+def precision_schema() -> type:
+    """The typed schema of the precision group (`PrecisionConfig`), from `PROPERTIES`."""
+    fields = [(name, typ, dataclasses.field(default=default))
+              for name, typ, default in _OTHER_KEYS]
+    fields += [(p.name, p.schema_type, dataclasses.field(default=p.default)) for p in PROPERTIES]
+    fields += [(name, typ, dataclasses.field(default=default))
+               for name, typ, default in _TRAILING_KEYS]
+    return dataclasses.make_dataclass(
+        "PrecisionConfig", fields,
+        namespace={"__doc__": "Apex amp's five properties and ours (runner.config.precision); "
+                              "resolved by runner.precision."})
+
+
+# ---- parsing ----------------------------------------------------------------------------------
+def parse(name: str, value: Any) -> Any:
+    """`value` of the property `name`, parsed and normalised (a dtype by its name, "bfloat16");
+    a bad value raises ConfigError naming `precision.<name>` and what is allowed."""
+    prop = property_for(name)
+    if prop is None:
+        raise ConfigError(f"precision.{name}", "unknown precision property",
+                          (*property_names(), "strict"))
+    return _PARSERS[prop.kind](prop, value)
+
+
+def parse_bool(key: str, value: Any, allow_none: bool) -> Optional[bool]:
+    """True/False (also "yes", "off", ...), or None where `allow_none`; else ConfigError(key)."""
+    allowed = ["True", "False"] + (["None"] if allow_none else [])
+    if isinstance(value, bool):
+        return value
+    if value is None and allow_none:
+        return None
+    if isinstance(value, str):
+        s = value.strip().lower()
+        if s in TRUE_STRINGS:
+            return True
+        if s in FALSE_STRINGS:
+            return False
+        if allow_none and s in NONE_STRINGS:
+            return None
+    raise ConfigError(key, f"expected a boolean, got {value!r}", allowed)
+
+
+def dtype_name_of(value: Any) -> Optional[str]:
+    """The canonical name of a dtype given by name ("bf16", "torch.half") or as a torch.dtype
+    (read by its name: this module imports no torch); None when it names none."""
+    if type(value).__name__ == "dtype" and type(value).__module__ == "torch":
+        value = str(value)
+    if not isinstance(value, str):
+        return None
+    return DTYPE_ALIASES.get(value.strip().lower().removeprefix("torch."))
+
+
+def _parse_dtype(prop: Property, value: Any) -> Optional[str]:
+    names = list(prop.choices) + (["None"] if prop.allow_none else [])
+    if value is None:
+        if prop.allow_none:
+            return None
+        raise ConfigError(prop.key, "must not be None", names)
+    if prop.allow_none and isinstance(value, str) and value.strip().lower() in NONE_STRINGS:
+        return None
+    name = dtype_name_of(value)
+    if name is None or name not in prop.choices:
+        raise ConfigError(prop.key, f"unsupported dtype {value!r}", names)
+    return name
+
+
+def _parse_choice(prop: Property, value: Any) -> Optional[str]:
+    """One of the choices (case-insensitive), or None (null, "none")."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in NONE_STRINGS):
+        return None
+    if isinstance(value, str) and value.strip().lower() in prop.choices:
+        return value.strip().lower()
+    raise ConfigError(prop.key, f"got {value!r}", ["null", *prop.choices])
+
+
+def to_number(value: Any) -> Optional[float]:
+    """A float from a number or a numeric string ("128.0"); None for anything else."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value.strip())
+        except ValueError:
+            return None
+    return None
+
+
+def _parse_loss_scale(prop: Property, value: Any) -> Any:
+    allowed = '"dynamic" or a positive finite number'
+    if isinstance(value, str) and value.strip().lower() == "dynamic":
+        return "dynamic"
+    number = to_number(value)
+    if number is None or not math.isfinite(number) or number <= 0:
+        raise ConfigError(prop.key, f"invalid loss scale {value!r}", allowed)
+    return number
+
+
+def _parse_number(prop: Property, value: Any) -> Any:
+    if value is None or (isinstance(value, str) and value.strip().lower() in NONE_STRINGS):
+        if prop.allow_none:
+            return None
+        raise ConfigError(prop.key, "must not be None", prop.allowed)
+    number = to_number(value)
+    if number is None or not math.isfinite(number) or not prop.check(number):
+        raise ConfigError(prop.key, f"got {value!r}", prop.allowed)
+    if prop.integer:
+        if number != int(number):
+            raise ConfigError(prop.key, f"got {value!r}", prop.allowed)
+        return int(number)
+    return number
+
+
+_PARSERS: dict[str, Callable[[Property, Any], Any]] = {
+    "dtype": _parse_dtype,
+    "bool": lambda prop, value: parse_bool(prop.key, value, prop.allow_none),
+    "choice": _parse_choice,
+    "loss_scale": _parse_loss_scale,
+    "number": _parse_number,
+}
+
+
+# ---- params and the run name --------------------------------------------------------------------
+def param_string(prop: Property, value: Any) -> str:
+    """How a parsed value is logged: the row's own format, else None -> "None", a dtype by its
+    name ("float16"), anything else as str()."""
+    if prop.param is not None:
+        return prop.param(value)
+    if value is None:
+        return "None"
+    name = dtype_name_of(value) if prop.kind == "dtype" else None
+    return name if name is not None else str(value)
+
+
+def run_name_suffixes(params: Mapping[str, str]) -> list[str]:
+    """The suffixes the properties add to a run's name, in table order (["bf16", "sr"])."""
+    return [s for p in PROPERTIES if p.suffix is not None for s in [p.suffix(params)] if s]
+
+
+def check_scaler_bounds(values: Mapping[str, Any]) -> None:
+    low, high = values["min_loss_scale"], values["max_loss_scale"]
+    if low is not None and low > high:
+        raise ConfigError("precision.min_loss_scale",
+                          f"{low:g} is above max_loss_scale {high:g}",
+                          "null or a number <= max_loss_scale")
+
+
+def level_values(level_table: Mapping[str, Any]) -> dict[str, Any]:
+    """Every property's default (the table's), with a level's own values (`level_table`, from
+    `levels.LEVEL_VALUES`) on top, all parsed."""
+    values = {p.name: parse(p.name, p.default) for p in PROPERTIES}
+    values.update({k: parse(k, v) for k, v in level_table.items()})
+    return values
