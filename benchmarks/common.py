@@ -381,7 +381,7 @@ def build_runner(cfg, on_metrics: Optional[Callable] = None, keep_fp32_copy: boo
     from runner.run import app
     from runner import csrc
     from runner.run.plan import make_plan
-    from runner.run.trainer import Trainer
+    from runner.run.trainer import RunContext, Trainer
 
     plan = make_plan(cfg)
     device, resolution = plan.device, plan.resolution
@@ -392,8 +392,8 @@ def build_runner(cfg, on_metrics: Optional[Callable] = None, keep_fp32_copy: boo
         model=parts.model, optimizer=parts.optimizer, scheduler=parts.scheduler,
         engine=parts.engine, train_loader=parts.train_loader, val_loader=parts.val_loader,
         device=device, cfg=cfg.trainer,
-        on_metrics=on_metrics or (lambda metrics, step: None), memory=parts.memory,
-        criterion=parts.criterion)
+        memory=parts.memory, criterion=parts.criterion,
+        context=RunContext(on_metrics=on_metrics or (lambda metrics, step: None)))
     x, y = cpu_batch if cpu_batch is not None else next(iter(parts.train_loader))
     batch = trainer._to_device(x, y)
     return RunnerParts(cfg=cfg, device=device, properties=resolution.properties,

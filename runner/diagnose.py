@@ -372,7 +372,7 @@ def run(cfg, overrides: Sequence[str], steps: int, out: Path) -> Preflight:
     from runner.run.plan import make_plan
     from runner.precision import resolve
     from runner.tracking.lifecycle import Tracker, flatten
-    from runner.run.trainer import Trainer
+    from runner.run.trainer import RunContext, Trainer
 
     # a few batches: loaded in this process. (Persistent DataLoader workers ignore SIGTERM, so
     # a pool still alive when the interpreter exits would block multiprocessing's exit handler.)
@@ -397,8 +397,8 @@ def run(cfg, overrides: Sequence[str], steps: int, out: Path) -> Preflight:
         trainer = Trainer(
             model=parts.model, optimizer=parts.optimizer, scheduler=parts.scheduler,
             engine=parts.engine, train_loader=parts.train_loader, val_loader=parts.val_loader,
-            device=device, cfg=cfg.trainer, on_metrics=tracked.log_metrics, memory=parts.memory,
-            criterion=parts.criterion)
+            device=device, cfg=cfg.trainer, memory=parts.memory, criterion=parts.criterion,
+            context=RunContext(on_metrics=tracked.log_metrics))
         title = (f"Range pre-flight: {options.label(cfg.model)} on {options.label(cfg.data)}, batch "
                  f"{cfg.trainer.batch_size}, {steps} fp32 training steps on {device.type} "
                  f"(asked for precision={target})")

@@ -33,12 +33,12 @@ from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
 from runner.run import app
-from runner.run import checkpoint
+from runner.run import checkpoint, rng
 from runner.errors import ConfigError
 from runner.components.models import build_model
 from runner.run.plan import make_plan
 from runner.precision import AmpEngine, amp, resolve
-from runner.run.trainer import Trainer
+from runner.run.trainer import RunContext, Trainer
 from tests.conftest import FAST, compose_config, run_cli
 
 TRAILER_PREFIX = b"amp-runner checkpoint format 2 sha256:"
@@ -248,7 +248,7 @@ def test_flips_behind_a_valid_checksum_never_escape_as_another_error(tmp_path, b
     trainer = Trainer(model=built.model, optimizer=built.optimizer, scheduler=built.scheduler,
                       engine=built.engine, train_loader=built.train_loader,
                       val_loader=built.val_loader, device=torch.device("cpu"), cfg=cfg.trainer,
-                      on_metrics=lambda m, s: None, memory=built.memory)
+                      memory=built.memory, context=RunContext(on_metrics=lambda m, s: None))
     rnd = random.Random(1800)
     path = tmp_path / "crafted.pt"
     outcomes = {"refused": 0, "restored": 0}
@@ -433,7 +433,7 @@ def test_a_format_1_checkpoint_loads_with_a_warning_and_its_exact_rng(tmp_path, 
     assert "has no checksum" in caplog.text and "cannot be verified" in caplog.text
     assert equal({k: v for k, v in state.items() if k != "format"},
                  {k: v for k, v in base["state"].items() if k != "format"})
-    checkpoint.restore_rng(state["rng"])
+    rng.restore_rng(state["rng"])
     want = numpy_tuple(base["state"]["rng"]["numpy"])
     got = numpy.random.get_state()
     assert got[0] == want[0] and numpy.array_equal(got[1], want[1]) and got[2:] == want[2:]

@@ -17,7 +17,7 @@ from runner.run import app
 from runner.measure.memory import MB, ActivationMeter, measure, model_state_tensors
 from runner.run.plan import make_plan
 from runner.measure.probes import MemoryProbe
-from runner.run.trainer import Trainer
+from runner.run.trainer import RunContext, Trainer
 from tests.conftest import FAST, REPO, compose_config, run_in_process
 
 CPU = torch.device("cpu")
@@ -32,7 +32,7 @@ def first_step(*overrides: str) -> Trainer:
     trainer = Trainer(model=parts.model, optimizer=parts.optimizer, scheduler=parts.scheduler,
                       engine=parts.engine, train_loader=parts.train_loader,
                       val_loader=parts.val_loader, device=plan.device, cfg=cfg.trainer,
-                      on_metrics=lambda m, s: None, memory=parts.memory)
+                      memory=parts.memory, context=RunContext(on_metrics=lambda m, s: None))
     x, y = trainer._to_device(*next(iter(parts.train_loader)))
     trainer.train_step(x, y)
     assert trainer.memory_parts is not None and trainer.engine.skipped_steps == 0

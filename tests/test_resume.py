@@ -20,7 +20,7 @@ from runner.run import checkpoint
 from runner.run.plan import make_plan
 from runner.errors import ConfigError, DivergenceError
 from runner.run.interrupts import RunInterrupted, StopRequest
-from runner.run.trainer import Trainer
+from runner.run.trainer import RunContext, Trainer
 from tests.conftest import FAST, compose_config, read_until, run_cli, start_cli
 
 NON_TIMING = ("train_loss", "lr", "val_loss", "val_acc", "loss_scale", "skipped_steps",
@@ -169,7 +169,7 @@ def _trainer(cfg, **kw) -> Trainer:
     return Trainer(model=parts.model, optimizer=parts.optimizer, scheduler=parts.scheduler,
                    engine=parts.engine, train_loader=parts.train_loader,
                    val_loader=parts.val_loader, device=plan.device, cfg=cfg.trainer,
-                   memory=parts.memory, **kw)
+                   memory=parts.memory, context=RunContext(**kw))
 
 
 def test_a_stop_mid_epoch_resumes_at_its_step_exactly(tmp_path):

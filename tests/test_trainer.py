@@ -13,7 +13,7 @@ from runner.components.models import build_model
 from runner.components.optim import build_optimizer, build_scheduler
 from runner.precision import AmpEngine, resolve
 from runner.measure.probes import MemoryProbe
-from runner.run.trainer import Trainer
+from runner.run.trainer import RunContext, Trainer
 from tests.conftest import compose_config
 
 CPU = torch.device("cpu")
@@ -34,8 +34,8 @@ def make_trainer(level: str, precision_overrides: dict, scheduler: str = "cosine
     logged: list[tuple[dict, int]] = []
     trainer = Trainer(model=model, optimizer=optimizer, scheduler=scheduler, engine=engine,
                       train_loader=train_loader, val_loader=val_loader, device=CPU,
-                      cfg=trainer_cfg, on_metrics=lambda m, s: logged.append((dict(m), s)),
-                      memory=MemoryProbe(CPU))
+                      cfg=trainer_cfg, memory=MemoryProbe(CPU),
+                      context=RunContext(on_metrics=lambda m, s: logged.append((dict(m), s))))
     return trainer, logged
 
 

@@ -256,7 +256,7 @@ def run(
 def train(plan: RunPlan, comm: Comm, device: torch.device, launch: Launch) -> float:
     """`run`'s second half on this rank's `device`: build, record and track (rank 0), train."""
     from runner.tracking.lifecycle import Tracker, null_run
-    from runner.run.trainer import Trainer
+    from runner.run.trainer import RunContext, Trainer
 
     cfg = plan.cfg
     # only rank 0 talks to the store; its failure (an unreachable server) stops every rank
@@ -322,15 +322,17 @@ def train(plan: RunPlan, comm: Comm, device: torch.device, launch: Launch) -> fl
                 val_loader=parts.val_loader,
                 device=device,
                 cfg=cfg.trainer,
-                on_metrics=tracked.log_metrics,
                 memory=parts.memory,
                 criterion=parts.criterion,
-                comm=comm,
-                checkpointer=save if comm.is_main else None,
-                stop=stop,
-                on_artifact=tracked.log_file if comm.is_main else None,
-                artifact_dir=(launch.output_dir / "diagnostics"
-                              if launch.output_dir is not None else None),
+                context=RunContext(
+                    on_metrics=tracked.log_metrics,
+                    comm=comm,
+                    checkpointer=save if comm.is_main else None,
+                    stop=stop,
+                    on_artifact=tracked.log_file if comm.is_main else None,
+                    artifact_dir=(launch.output_dir / "diagnostics"
+                                  if launch.output_dir is not None else None),
+                ),
             )
             if resume is not None:
                 resume.restore(trainer, cfg, plan.run_name)

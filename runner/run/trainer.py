@@ -50,15 +50,18 @@ from typing import Callable, Mapping, Optional
 
 import torch
 from torch import nn
+from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
-from runner.run import checkpoint as ckpt
+from runner.config import TrainerConfig
+from runner.errors import DivergenceError
 from runner.measure import diagnostics as diag
 from runner.measure import memory as mem
-from runner.run.distributed import Comm, unwrap
-from runner.errors import DivergenceError
-from runner.run.interrupts import RunInterrupted, StopRequest
 from runner.measure.probes import MemoryProbe, Stopwatch
+from runner.run import rng
+from runner.run.distributed import Comm, unwrap
+from runner.run.interrupts import RunInterrupted, StopRequest
+from runner.tracking import metrics as m
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +87,30 @@ def limit_batches(n_batches: int, limit: int | None) -> int:
 Checkpointer = Callable[[dict], str]  # writes a checkpoint state, returns where
 
 
+@dataclass
+class RunContext:
+    """Where the trainer's results go and what it answers to, in one object: the metrics sink
+    (e.g. TrackedRun.log_metrics), the process group, the checkpoint writer (None: this rank
+    writes none), the stop request (SIGINT/SIGTERM), and the sink for the files it writes (the
+    diagnostics; e.g. TrackedRun.log_file), written under `artifact_dir` (None: a temporary
+    folder)."""
+
+    on_metrics: MetricsSink
+    comm: Comm = field(default_factory=Comm)
+    checkpointer: Optional[Checkpointer] = None
+    stop: Optional[StopRequest] = None
+    on_artifact: Optional[diag.ArtifactSink] = None
+    artifact_dir: Optional[Path] = None
+
+
+def trainer_config(node) -> TrainerConfig:
+    """The typed trainer settings from the composed `trainer` node (or a TrainerConfig): the
+    schema's defaults are the only ones."""
+    if isinstance(node, TrainerConfig):
+        return node
+    return TrainerConfig(**OmegaConf.to_container(node, resolve=True))
+
+
 class Trainer:
     def __init__(
         self,
@@ -95,31 +122,27 @@ class Trainer:
         train_loader,
         val_loader,
         device: torch.device,
-        cfg,
-        on_metrics: MetricsSink,
+        cfg: TrainerConfig,
         memory: MemoryProbe,
-        comm: Comm | None = None,
-        checkpointer: Checkpointer | None = None,
-        stop: StopRequest | None = None,
-        on_artifact: diag.ArtifactSink | None = None,
-        artifact_dir: Path | None = None,
+        context: RunContext,
         criterion: nn.Module | None = None,
     ):
-        """`on_artifact(path, folder)` takes the files the trainer writes (the diagnostics; e.g.
-        TrackedRun.log_file), written under `artifact_dir` (None: a new temporary folder)."""
+        """`cfg`: the trainer settings (a TrainerConfig, or the composed `trainer` node);
+        `context`: where results go (RunContext)."""
         self.model = model  # possibly DistributedDataParallel: the forward of training
         self.module = unwrap(model)  # the model itself: evaluation, checkpoints
-        self.comm = comm or Comm()
-        self.checkpointer = checkpointer  # None: this rank writes none
-        self.stop = stop
+        self.context = context
+        self.comm = context.comm
+        self.checkpointer = context.checkpointer  # None: this rank writes none
+        self.stop = context.stop
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.engine = engine
         self.train_loader = train_loader
         self.val_loader = val_loader
         self.device = device
-        self.cfg = cfg
-        self.on_metrics = on_metrics
+        self.cfg = cfg = trainer_config(cfg)
+        self.on_metrics = context.on_metrics
         self.memory = memory
         # the loss (runner.run.app.build_loss: the `loss` group); cross-entropy by default
         self.criterion = criterion if criterion is not None else nn.CrossEntropyLoss()
@@ -127,7 +150,7 @@ class Trainer:
         self.val_batches = limit_batches(len(val_loader), cfg.limit_val_batches)
         self.global_step = 0
         self.clock = Stopwatch(device)
-        self.max_bad_steps = int(getattr(cfg, "max_bad_steps", 50))
+        self.max_bad_steps = cfg.max_bad_steps
         self.skip_streak = 0  # consecutive skipped steps (host-side: engine.step says so)
         # consecutive non-finite losses up to the last step, kept on the device (no sync)
         self.bad_loss_streak = torch.zeros((), dtype=torch.int64, device=device)
@@ -143,12 +166,12 @@ class Trainer:
         self.memory_parts: Optional[mem.MemoryByKind] = None
         self._memory_final = False
         self._memory_logged = False
-        every = int(getattr(cfg, "diagnose_every_n_steps", 0) or 0)
+        every = cfg.diagnose_every_n_steps
         self.diagnostics: Optional[diag.RunDiagnostics] = None
         if every > 0:
-            properties = getattr(engine, "properties", None)
-            formats = diag.run_formats(properties.compute_dtypes if properties else ())
-            self.diagnostics = diag.RunDiagnostics(every, formats, artifact_dir, on_artifact)
+            formats = diag.run_formats(engine.properties.compute_dtypes)
+            self.diagnostics = diag.RunDiagnostics(every, formats, context.artifact_dir,
+                                                   context.on_artifact)
 
     # ---- one step ---------------------------------------------------------------------------
     def _to_device(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,7 +238,7 @@ class Trainer:
             self._memory_logged = self._memory_final
         rss = self.memory.rss_growth_mb()
         if rss is not None:
-            out["rss_growth_mb"] = rss
+            out[m.RSS_GROWTH_MB] = rss
         return out
 
     # ---- divergence guard ----------------------------------------------------------------------
@@ -226,7 +249,7 @@ class Trainer:
         if self.skip_streak == 0:
             return
         scaler = self.engine.scalers[0]
-        floor = float(getattr(self.cfg, "collapsed_loss_scale", 0.0) or 0.0)
+        floor = self.cfg.collapsed_loss_scale
         if scaler.dynamic and scaler.scale < floor:
             raise DivergenceError(
                 f"training diverged: the dynamic loss scale collapsed to {scaler.scale:g}, below "
@@ -276,7 +299,7 @@ class Trainer:
         if bad_losses >= self.max_bad_steps:
             self._raise_bad_loss(int(bad_losses))
         lr = self.optimizer.param_groups[0]["lr"]
-        self.on_metrics({"train_loss": value, "lr": lr}, self.global_step)
+        self.on_metrics({m.TRAIN_LOSS: value, m.LR: lr}, self.global_step)
         bar.set_postfix(loss=f"{value:.4f}", scale=f"{self.engine.loss_scale:g}", refresh=False)
         return stop > 0
 
@@ -301,7 +324,7 @@ class Trainer:
             "elapsed_s": self.elapsed_before + (time.perf_counter() - self._started),
             "skip_streak": self.skip_streak,
             "bad_loss_streak": int(self.bad_loss_streak.item()),
-            "rng": ckpt.rng_state(),
+            "rng": rng.rng_state(),
         }
 
     def restore(self, state: dict, scheduler: bool = True) -> None:
@@ -439,14 +462,14 @@ class Trainer:
 
     @torch.no_grad()
     def _snapshot(self) -> tuple[list[torch.Tensor], dict]:
-        return [b.detach().clone() for b in self.module.buffers()], ckpt.rng_state()
+        return [b.detach().clone() for b in self.module.buffers()], rng.rng_state()
 
     @torch.no_grad()
     def _restore_snapshot(self, snapshot: tuple[list[torch.Tensor], dict]) -> None:
-        buffers, rng = snapshot
+        buffers, state = snapshot
         for b, saved in zip(self.module.buffers(), buffers):
             b.copy_(saved)
-        ckpt.restore_rng(rng)
+        rng.restore_rng(state)
 
     def compile_warmup(self) -> float:
         """With `trainer.compile`, compile the training forward and backward before the clock
@@ -474,26 +497,26 @@ class Trainer:
     def fit(self) -> FitResult:
         self._started = time.perf_counter()
         if self._rng_at_start is not None:  # a resumed run draws what the uninterrupted one would
-            ckpt.restore_rng(self._rng_at_start)
-        if getattr(self.cfg, "compile", False):
+            rng.restore_rng(self._rng_at_start)
+        if self.cfg.compile:
             seconds = self.compile_warmup()
             log.info("torch.compile: the training step compiled in %.1f s (compile_time_s, not "
                      "counted in epoch_time_s)", seconds)
-            self.on_metrics({"compile_time_s": seconds}, self.global_step)
-        every = int(getattr(self.cfg, "checkpoint_every_n_epochs", 0) or 0)
+            self.on_metrics({m.COMPILE_TIME_S: seconds}, self.global_step)
+        every = self.cfg.checkpoint_every_n_epochs
         for epoch in range(self.epochs_done + 1, self.cfg.max_epochs + 1):
             skip, self.batches_done = self.batches_done, 0
             seconds, samples = self.train_epoch(epoch, skip)
             val_loss, val_acc = self.evaluate()
             peak = self.comm.max_(torch.tensor(self.memory.peak_mb(), device=self.device)).item()
             metrics = {
-                "val_loss": val_loss,
-                "val_acc": val_acc,
-                "epoch_time_s": seconds,
-                "samples_per_s": samples / seconds if seconds > 0 else math.nan,
-                "peak_mem_mb": peak,
-                "loss_scale": self.engine.loss_scale,
-                "skipped_steps": float(self.engine.skipped_steps),
+                m.VAL_LOSS: val_loss,
+                m.VAL_ACC: val_acc,
+                m.EPOCH_TIME_S: seconds,
+                m.SAMPLES_PER_S: samples / seconds if seconds > 0 else math.nan,
+                m.PEAK_MEM_MB: peak,
+                m.LOSS_SCALE: self.engine.loss_scale,
+                m.SKIPPED_STEPS: float(self.engine.skipped_steps),
                 **self._memory_metrics(),
             }
             self.on_metrics(metrics, epoch)
@@ -510,9 +533,9 @@ class Trainer:
                 val_acc,
                 val_loss,
                 seconds,
-                metrics["samples_per_s"],
-                metrics["peak_mem_mb"],
-                metrics["loss_scale"],
+                metrics[m.SAMPLES_PER_S],
+                metrics[m.PEAK_MEM_MB],
+                metrics[m.LOSS_SCALE],
                 self.engine.skipped_steps,
             )
             last = epoch == self.cfg.max_epochs
@@ -523,6 +546,6 @@ class Trainer:
                 self._save(epoch, 0)
         train_time = self.elapsed_before + time.perf_counter() - self._started
         best_val_acc = self.best if self.best != -math.inf else math.nan
-        self.on_metrics({"best_val_acc": best_val_acc, "train_time_s": train_time},
+        self.on_metrics({m.BEST_VAL_ACC: best_val_acc, m.TRAIN_TIME_S: train_time},
                         self.cfg.max_epochs)
         return FitResult(best_val_acc=best_val_acc, train_time_s=train_time, epochs=self.history)

@@ -1,335 +1,25 @@
-"""Checkpoints: everything a run needs to continue exactly where it stopped, written atomically,
-read back only when they are intact, hold nothing but data, and fit the run that resumes them.
-
-A run writes `<trainer.checkpoint_dir>/<experiment>/<run name>/<MLflow run id>/last.pt` (relative
-to the launch directory, not Hydra's timestamped output folder) after every
-`trainer.checkpoint_every_n_epochs` epochs and when it is interrupted. Each run has its own folder,
-so a new run never overwrites another's checkpoint, and `resume=auto` takes the most recent one
-under the experiment and run name. A file is written to a temporary name (`.last.pt.<pid>.tmp`),
-flushed to disk, renamed into place and the folder flushed too, so a crash or a power loss while
-writing leaves the previous checkpoint intact; a temporary file left by a process that is gone is
-removed at the next save into the same folder.
-
-Contents: the model's state (fp32: the O2 masters' exact values), the optimizer's (its state for
-the masters), the precision engine's (every loss scaler), the scheduler's, the position (epoch,
-batch within it, global step), the divergence counters, the metric history, the RNG states of
-torch, CUDA, Python and NumPy (tensors and plain types), the MLflow run id, the world size and the
-resolved config.
-
-File format (FORMAT 2): the `torch.save` archive (a zip file) of that dict, whose zip comment
-holds `amp-runner checkpoint format 2 sha256:<hex>`, the SHA-256 of every byte before the
-comment. The comment is part of the zip format, so the file is still an ordinary PyTorch file;
-the digest sits inside the one file it covers (no sidecar to lose or to get out of step). Open one
-in Python with `runner.run.checkpoint.load(path)`: it checks the digest before anything is
-unpickled, unpickles with torch's safe unpickler and checks the contents' types.
-`torch.load(path, weights_only=True)` reads it as well, without those checks.
-
-What loading checks, in this order (each refusal a ConfigError naming the file, so the CLI exits
-2 with the message and no traceback, before any MLflow run is reopened):
-
-1. integrity: the digest matches (a flipped byte, a truncated or foreign file: "checkpoint
-   <path> is corrupted"). FORMAT 1 files (amp-runner before the digest) carry none: they load
-   with a warning that they cannot be verified.
-2. safety: `torch.load(weights_only=True)`, so nothing in the file can run code; a file that
-   needs any other class or function is refused, naming it. The digest guards against damage, not
-   against a crafted file (anyone can compute a SHA-256): the safe unpickler does that. A FORMAT 1
-   file also gets NumPy's array reconstruction allowed by name (its NumPy RNG state was an array),
-   and that array is converted to a tensor on loading.
-3. contents (`load`): every key known, the trainer's keys present, each value of its type
-   (tensors where tensors belong, plain numbers and strings elsewhere), the RNG states accepted by
-   fresh generators of their kind, every loss scaler's entry valid.
-4. the run (`check_resumable`, `check_structure`): the config is the checkpoint's (but a grown
-   `trainer.max_epochs`); the model state has this run's keys, shapes and dtypes; the optimizer
-   has this run's number of parameter groups and parameters and is of its kind; the engine has one
-   loss scaler per loss of this run (a static scale equal to this run's); the scheduler is of this
-   run's kind (or both none); the world size is this run's. Each difference names the key, the
-   checkpoint's side and this run's.
-"""
+"""What a checkpoint holds (the schema of its contents, checked on writing and on loading) and
+whether it fits the run that resumes it (its config, model, optimizer, engine and scheduler)."""
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import logging
-import os
-import pickle
 import random
 import re
-import struct
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
 from runner.errors import ConfigError
 from runner.precision.scaler import state_dict_problems
+from runner.run.rng import numpy_legacy
 
-log = logging.getLogger(__name__)
+# what a refused checkpoint should be (every refusal's `allowed`)
+ALLOWED = "an intact checkpoint written by amp-runner"
 
-FILENAME = "last.pt"
-FORMAT = 2  # the digest in the zip comment; RNG states as tensors and plain types
-LEGACY_FORMAT = 1  # no digest; NumPy's RNG state as an ndarray
-# config keys a resumed run may change: the epoch budget may grow, and these say how to resume
 RESUMABLE_CHANGES = ("trainer.max_epochs", "resume")
 # keys added to the config after checkpoints were written without them: the value those runs had
 # (before the `loss` group, every run trained with a plain cross-entropy)
 IMPLIED_BEFORE = {"loss._target_": "torch.nn.CrossEntropyLoss", "loss.label_smoothing": 0.0}
-
-_ALLOWED = "an intact checkpoint written by amp-runner"
-_TRAILER_PREFIX = b"amp-runner checkpoint format 2 sha256:"
-_TRAILER_SIZE = len(_TRAILER_PREFIX) + 64  # the zip comment: prefix + hex digest
-_EOCD_SIGNATURE = b"PK\x05\x06"  # zip's end of central directory record: 22 bytes + comment
-_EOCD_SIZE = 22
-_CHUNK = 1 << 20
-_TMP_PATTERN = re.compile(rf"^\.{re.escape(FILENAME)}\.(\d+)\.tmp$")
-
-
-def _safe(name: str) -> str:
-    """A folder name from an experiment or run name (no separators, nothing hidden)."""
-    return re.sub(r"[^A-Za-z0-9._=+-]+", "_", name).strip("._") or "_"
-
-
-def run_folder(root: str | os.PathLike, experiment: str, run_name: str) -> Path:
-    """`<root>/<experiment>/<run name>`: the stable folder of every run of that name."""
-    return Path(root).expanduser().resolve() / _safe(experiment) / _safe(run_name)
-
-
-def path_for(folder: Path, run_id: str) -> Path:
-    return folder / _safe(run_id) / FILENAME
-
-
-def find(resume: Optional[str], folder: Path) -> Optional[Path]:
-    """The checkpoint `resume` names: None for a fresh run; "auto": the most recent `last.pt`
-    under the run's folder (None when there is none yet, so the run starts fresh); anything else
-    a checkpoint file, or a folder holding one. A missing path is a ConfigError."""
-    if resume is None or str(resume).strip() == "":
-        return None
-    if str(resume).strip().lower() == "auto":
-        found = sorted(folder.glob(f"*/{FILENAME}"), key=lambda p: p.stat().st_mtime)
-        return found[-1] if found else None
-    path = Path(resume).expanduser()
-    if path.is_dir():
-        path = path / FILENAME
-    if not path.is_file():
-        raise ConfigError("resume", f"no checkpoint at {str(resume)!r}",
-                          f"auto, or a checkpoint file ({FILENAME}) or its folder")
-    return path.resolve()
-
-
-# ---- writing -----------------------------------------------------------------------------------
-def save(path: Path, state: Mapping[str, Any]) -> None:
-    """Write `state` (Trainer.state plus the run's keys) to `path` atomically: a temporary file
-    in the same folder, with its digest, flushed to disk, renamed over the old one, the folder
-    flushed. A state `load` would refuse is never written (TypeError: a bug, not the user's)."""
-    full = {"format": FORMAT, **state}
-    problems = _content_problems(full)
-    if problems:
-        raise TypeError("refusing to write a checkpoint that could not be loaded: "
-                        + "; ".join(problems))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temporaries(path.parent)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w+b") as handle:
-            torch.save(full, handle)
-            _append_digest(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-        _fsync_folder(path.parent)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def _append_digest(handle) -> None:
-    """Turn the archive `torch.save` just wrote (its zip comment empty) into FORMAT 2: the comment
-    length set to the trailer's, the SHA-256 of everything up to there appended as the comment."""
-    end = handle.seek(0, os.SEEK_END)
-    handle.seek(end - _EOCD_SIZE)
-    eocd = handle.read(_EOCD_SIZE)
-    if eocd[:4] != _EOCD_SIGNATURE or eocd[-2:] != b"\x00\x00":
-        raise RuntimeError("torch.save did not end its file with a zip directory record without "
-                           "a comment; cannot add the checkpoint's digest")
-    handle.seek(end - 2)
-    handle.write(struct.pack("<H", _TRAILER_SIZE))
-    digest = _sha256(handle, end)
-    handle.seek(end)
-    handle.write(_TRAILER_PREFIX + digest.encode("ascii"))
-
-
-def _sha256(handle, size: int) -> str:
-    """SHA-256 (hex) of the first `size` bytes of `handle`, read in chunks."""
-    handle.seek(0)
-    digest = hashlib.sha256()
-    left = size
-    while left > 0:
-        chunk = handle.read(min(_CHUNK, left))
-        if not chunk:
-            break
-        digest.update(chunk)
-        left -= len(chunk)
-    return digest.hexdigest()
-
-
-def _fsync_folder(folder: Path) -> None:
-    """Flush the folder's entry list, so the renamed file survives a power loss (where the OS
-    and filesystem allow it; some refuse to fsync a folder, or to open one)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _remove_stale_temporaries(folder: Path) -> None:
-    """Remove `.last.pt.<pid>.tmp` files of processes that no longer exist (a process killed
-    while writing); another live process's (or this one's) stays. Only POSIX can tell: elsewhere
-    nothing is removed."""
-    if os.name != "posix":
-        return
-    for entry in folder.iterdir():
-        match = _TMP_PATTERN.match(entry.name)
-        if match is None:
-            continue
-        pid = int(match.group(1))
-        if pid == os.getpid() or _process_exists(pid):
-            continue
-        entry.unlink(missing_ok=True)
-
-
-def _process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)  # signal 0: existence and permission check only, nothing is sent
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError):  # another user's process, or not a real pid
-        return True
-    return True
-
-
-# ---- reading -----------------------------------------------------------------------------------
-def load(path: Path) -> dict[str, Any]:
-    """The state `save` wrote (tensors on the CPU; they move where they are loaded), after the
-    integrity, safety and content checks of the module docstring (ConfigError naming the file).
-    A FORMAT 1 file loads with a warning that it cannot be verified."""
-    path = Path(path)
-    try:
-        with open(path, "rb") as handle:
-            size = os.fstat(handle.fileno()).st_size
-            verified = _verify(handle, size, path)
-            if not verified:
-                log.warning("Checkpoint %s has no checksum (written by amp-runner before format "
-                            "%d): it cannot be verified; it is loaded as it is (the resumed "
-                            "run's next checkpoint carries one)", path, FORMAT)
-            handle.seek(0)
-            state = _unpickle(handle, path, legacy=not verified)
-    except OSError as error:
-        raise ConfigError("resume", f"cannot read the checkpoint {str(path)!r}: {error}",
-                          _ALLOWED) from error
-    if not isinstance(state, dict):
-        raise ConfigError("resume", f"{str(path)!r} is not an amp-runner checkpoint (it holds "
-                          f"a {type(state).__name__}, not a dict)", _ALLOWED)
-    found = state.get("format")
-    wanted = FORMAT if verified else LEGACY_FORMAT
-    if found != wanted:
-        what = (f"format {found!r} without the checksum that format carries" if found == FORMAT
-                else f"format {found!r}")
-        raise ConfigError("resume", f"{str(path)!r} is not an amp-runner checkpoint of a "
-                          f"format this version reads: {what}", _ALLOWED)
-    if not verified:
-        _upgrade_legacy_rng(state)
-    problems = _content_problems(state)
-    if problems:
-        raise ConfigError("resume", f"the checkpoint {path} is malformed: " + "; ".join(problems),
-                          _ALLOWED)
-    return state
-
-
-def _verify(handle, size: int, path: Path) -> bool:
-    """True: a FORMAT 2 file whose digest matches; False: a complete archive without a comment
-    (FORMAT 1, nothing to verify). Anything else is corrupted: ConfigError."""
-    def corrupted(why: str) -> ConfigError:
-        return ConfigError("resume", f"checkpoint {path} is corrupted: {why}", _ALLOWED)
-
-    tail_size = min(size, _EOCD_SIZE + _TRAILER_SIZE)
-    handle.seek(size - tail_size)
-    tail = handle.read(tail_size)
-    trailer = tail[-_TRAILER_SIZE:]
-    if len(tail) == _EOCD_SIZE + _TRAILER_SIZE and trailer.startswith(_TRAILER_PREFIX):
-        eocd = tail[:_EOCD_SIZE]
-        if eocd[:4] != _EOCD_SIGNATURE or eocd[-2:] != struct.pack("<H", _TRAILER_SIZE):
-            raise corrupted("its zip directory record is damaged")
-        saved = trailer[len(_TRAILER_PREFIX):].decode("ascii", errors="replace")
-        if _sha256(handle, size - _TRAILER_SIZE) != saved:
-            raise corrupted("checksum mismatch")
-        return True
-    eocd = tail[-_EOCD_SIZE:]
-    if len(eocd) == _EOCD_SIZE and eocd[:4] == _EOCD_SIGNATURE and eocd[-2:] == b"\x00\x00":
-        return False
-    raise corrupted("it ends neither in amp-runner's checksum nor in a complete PyTorch archive "
-                    "(truncated, or not a checkpoint)")
-
-
-def _unpickle(handle, path: Path, legacy: bool) -> Any:
-    """`torch.load` with the safe unpickler: a refused class or function is named, nothing of it
-    runs; any other failure (a damaged archive) is a ConfigError too."""
-    allow = _legacy_numpy_globals() if legacy else contextlib.nullcontext()
-    try:
-        with allow:
-            return torch.load(handle, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as error:
-        raise ConfigError(
-            "resume", f"the checkpoint {path} was refused by the safe unpickler: "
-            f"{_refused(error)} (a checkpoint holds tensors and plain data only; nothing in the "
-            "file was run)", _ALLOWED) from None
-    except Exception as error:  # noqa: BLE001  (torch raises many kinds for a damaged archive)
-        raise ConfigError("resume", f"cannot read the checkpoint {str(path)!r}: "
-                          f"{type(error).__name__}: {error}", _ALLOWED) from None
-
-
-def _refused(error: Exception) -> str:
-    """What the safe unpickler refused, from torch's message (which also suggests
-    weights_only=False: advice not to give for a file from elsewhere)."""
-    text = str(error)
-    found = re.search(r"GLOBAL (\S+)", text)
-    if found:
-        return f"it tries to load {found.group(1)}"
-    found = re.search(r"WeightsUnpickler error:\s*([^\n]+)", text)
-    return (found.group(1).strip() if found else text.splitlines()[0] if text
-            else type(error).__name__)
-
-
-def _legacy_numpy_globals() -> contextlib.AbstractContextManager:
-    """Exactly what a FORMAT 1 file's NumPy RNG state (a uint32 ndarray) needs, by name."""
-    try:
-        import numpy
-    except ImportError:
-        return contextlib.nullcontext()
-    reconstruct = numpy.ndarray.__reduce__(numpy.zeros(0))[0]  # numpy(._)core.multiarray's
-    allowed: list[Any] = [reconstruct, numpy.ndarray, numpy.dtype,
-                          (reconstruct, "numpy.core.multiarray._reconstruct"),
-                          (reconstruct, "numpy._core.multiarray._reconstruct")]
-    dtype_class = getattr(getattr(numpy, "dtypes", None), "UInt32DType", None)
-    if dtype_class is not None:
-        allowed.append(dtype_class)
-    scoped = getattr(torch.serialization, "safe_globals", None)
-    return scoped(allowed) if scoped is not None else _added_safe_globals(allowed)
-
-
-@contextlib.contextmanager
-def _added_safe_globals(allowed: list) -> Iterator[None]:
-    """torch 2.4 has no `safe_globals` context manager: add, then restore the previous list."""
-    before = torch.serialization.get_safe_globals()
-    torch.serialization.add_safe_globals(allowed)
-    try:
-        yield
-    finally:
-        torch.serialization.clear_safe_globals()
-        torch.serialization.add_safe_globals(before)
 
 
 # ---- contents ----------------------------------------------------------------------------------
@@ -440,7 +130,7 @@ def _as_list(value: Any) -> list:
     return value
 
 
-def _content_problems(state: Mapping[str, Any]) -> list[str]:
+def content_problems(state: Mapping[str, Any]) -> list[str]:
     """What is wrong with a checkpoint's contents without looking at the run: unknown keys,
     missing trainer keys, values of the wrong type. Each problem names its key."""
     problems = [f"{key}: unknown key" for key in state if key not in _SCHEMA]
@@ -529,7 +219,7 @@ def _require_run_keys(state: Mapping[str, Any], path: Path) -> None:
     missing = [key for key in RUN_KEYS if key not in state]
     if missing:
         raise ConfigError("resume", f"the checkpoint {path} lacks the key(s) "
-                          f"{', '.join(missing)}, which every run's checkpoint holds", _ALLOWED)
+                          f"{', '.join(missing)}, which every run's checkpoint holds", ALLOWED)
 
 
 def check_resumable(state: Mapping[str, Any], config: Mapping[str, Any], path: Path) -> None:
@@ -706,50 +396,6 @@ def _kind(value: Any) -> Any:
     return type(value).__name__
 
 
-# ---- RNG ---------------------------------------------------------------------------------------
-def rng_state() -> dict[str, Any]:
-    """Every random generator a training step draws from, as tensors and plain types (what the
-    safe unpickler reads back)."""
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    try:
-        import numpy
-
-        state["numpy"] = _numpy_portable(numpy.random.get_state())
-    except ImportError:
-        pass
-    return state
-
-
-def restore_rng(state: Mapping[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    if "numpy" in state:
-        import numpy
-
-        numpy.random.set_state(_numpy_legacy(state["numpy"]))
-
-
-def _numpy_portable(legacy: tuple) -> dict[str, Any]:
-    """NumPy's `get_state()` tuple (its key an ndarray) as a tensor and plain types."""
-    kind, key, pos, has_gauss, cached_gaussian = legacy
-    return {"kind": str(kind), "key": torch.from_numpy(key.astype("int64")), "pos": int(pos),
-            "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)}
-
-
-def _numpy_legacy(portable: Mapping[str, Any]) -> tuple:
-    import numpy
-
-    key = portable["key"]
-    if not isinstance(key, torch.Tensor) or key.dim() != 1 or key.is_floating_point():
-        raise TypeError("key: a 1-D integer tensor belongs here")
-    return (portable["kind"], key.numpy().astype(numpy.uint32), int(portable["pos"]),
-            int(portable["has_gauss"]), float(portable["cached_gaussian"]))
-
-
 def _check_numpy_state(value: Any) -> None:
     if not isinstance(value, Mapping) or set(value) != {"kind", "key", "pos", "has_gauss",
                                                         "cached_gaussian"}:
@@ -765,21 +411,4 @@ def _check_numpy_state(value: Any) -> None:
         import numpy
     except ImportError:
         return
-    numpy.random.RandomState().set_state(_numpy_legacy(value))
-
-
-def _upgrade_legacy_rng(state: dict[str, Any]) -> None:
-    """A FORMAT 1 file's NumPy RNG state (the `get_state()` tuple, its key an ndarray) in
-    FORMAT 2's form; anything else there is left for the content check to refuse."""
-    rng = state.get("rng")
-    if not isinstance(rng, dict) or "numpy" not in rng:
-        return
-    legacy = rng["numpy"]
-    try:
-        import numpy
-
-        if isinstance(legacy, tuple) and len(legacy) == 5 and isinstance(legacy[1],
-                                                                         numpy.ndarray):
-            rng["numpy"] = _numpy_portable(legacy)
-    except (ImportError, TypeError, ValueError):
-        pass
+    numpy.random.RandomState().set_state(numpy_legacy(value))

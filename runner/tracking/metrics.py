@@ -1,0 +1,24 @@
+"""Every metric name a run logs, once (as `tags.py` does for tags): the trainer logs them, the
+report, the sweep and the benchmarks read them. The memory-by-kind figures (`mem_<kind>_mb`) are
+named by `runner.measure.memory`, the range diagnostics (`diag_*`) by `runner.measure.diagnostics`.
+"""
+from __future__ import annotations
+
+# per logging step (trainer.log_every_n_steps)
+TRAIN_LOSS = "train_loss"  # mean training loss over the steps since the last read
+LR = "lr"  # the first parameter group's learning rate
+
+# per epoch (step = the epoch)
+VAL_LOSS = "val_loss"
+VAL_ACC = "val_acc"
+EPOCH_TIME_S = "epoch_time_s"  # training time of the epoch (validation excluded)
+SAMPLES_PER_S = "samples_per_s"  # training throughput, every rank's samples
+PEAK_MEM_MB = "peak_mem_mb"  # peak memory of the training state (the tag peak_mem_kind says how)
+LOSS_SCALE = "loss_scale"
+SKIPPED_STEPS = "skipped_steps"  # overflowing steps skipped so far
+RSS_GROWTH_MB = "rss_growth_mb"  # on a CPU: the process's resident-memory growth
+
+# once per run
+COMPILE_TIME_S = "compile_time_s"  # torch.compile's first step (not in epoch_time_s)
+BEST_VAL_ACC = "best_val_acc"  # the sweep's objective (step = max_epochs)
+TRAIN_TIME_S = "train_time_s"  # training time over every session of the run
