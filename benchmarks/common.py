@@ -299,7 +299,7 @@ def store_uri(given: Optional[str], prefix: str) -> str:
     new temporary folder named `prefix`..., resolved as the runner resolves a tracking URI."""
     import tempfile
 
-    from runner.tracking.lifecycle import resolve_tracking_uri
+    from runner.tracking.store import resolve_tracking_uri
 
     if given is None:
         folder = Path(tempfile.mkdtemp(prefix=prefix))
@@ -381,19 +381,15 @@ def build_runner(cfg, on_metrics: Optional[Callable] = None, keep_fp32_copy: boo
     from runner.run import app
     from runner import csrc
     from runner.run.plan import make_plan
-    from runner.run.trainer import RunContext, Trainer
+    from runner.run.trainer import RunContext
 
     plan = make_plan(cfg)
     device, resolution = plan.device, plan.resolution
     copies: list = []
     parts = app.build(plan, on_model=(
         lambda model: copies.append(copy.deepcopy(model))) if keep_fp32_copy else None)
-    trainer = Trainer(
-        model=parts.model, optimizer=parts.optimizer, scheduler=parts.scheduler,
-        engine=parts.engine, train_loader=parts.train_loader, val_loader=parts.val_loader,
-        device=device, cfg=cfg.trainer,
-        memory=parts.memory, criterion=parts.criterion,
-        context=RunContext(on_metrics=on_metrics or (lambda metrics, step: None)))
+    trainer = parts.trainer(cfg.trainer, device, RunContext(
+        on_metrics=on_metrics or (lambda metrics, step: None)))
     x, y = cpu_batch if cpu_batch is not None else next(iter(parts.train_loader))
     batch = trainer._to_device(x, y)
     return RunnerParts(cfg=cfg, device=device, properties=resolution.properties,

@@ -278,7 +278,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     import mlflow
     from omegaconf import OmegaConf
 
-    from runner.tracking.lifecycle import Tracker, flatten
+    from runner.tracking.lifecycle import Tracker
+    from runner.tracking.record import flatten
 
     args.tracking_uri = store_uri(args.tracking_uri, "logging-cost-")
     load_start = load_average()

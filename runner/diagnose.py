@@ -366,13 +366,12 @@ def run(cfg, overrides: Sequence[str], steps: int, out: Path) -> Preflight:
     measured in fp32 in an MLflow run tagged `diagnose`."""
     import dataclasses
 
-    from omegaconf import OmegaConf
-
+    from runner.precision import resolve
     from runner.run import app
     from runner.run.plan import make_plan
-    from runner.precision import resolve
-    from runner.tracking.lifecycle import Tracker, flatten
-    from runner.run.trainer import RunContext, Trainer
+    from runner.run.trainer import RunContext
+    from runner.tracking import tags as tag
+    from runner.tracking.lifecycle import Tracker
 
     # a few batches: loaded in this process. (Persistent DataLoader workers ignore SIGTERM, so
     # a pool still alive when the interpreter exits would block multiprocessing's exit handler.)
@@ -381,24 +380,20 @@ def run(cfg, overrides: Sequence[str], steps: int, out: Path) -> Preflight:
     device = plan.device
     fp32 = resolve("O0", device=device)
     tracker = Tracker.from_config(cfg.mlflow)
-    parts = app.build(dataclasses.replace(plan, resolution=fp32, resume=None))
+    measured = dataclasses.replace(plan, resolution=fp32, resume=None)  # the same run, in fp32
+    parts = app.build(measured)
     target = str(cfg.precision.preset)
-    params = flatten(OmegaConf.to_container(cfg, resolve=True))
-    params.update({f"precision.{k}": v for k, v in fp32.properties.as_params().items()})
+    params = app.config_params(measured)
     params["diagnose.steps"] = str(steps)
     tags = app.environment_tags(device)
-    tags.update({"diagnose": "true", "diagnose.target_preset": target,
-                 "overrides": " ".join(overrides),
-                 "command": " ".join(["python -m runner.diagnose", *sys.argv[1:]])})
+    tags.update({tag.DIAGNOSE: "true", tag.DIAGNOSE_TARGET: target,
+                 tag.OVERRIDES: " ".join(overrides),
+                 tag.COMMAND: " ".join(["python -m runner.diagnose", *sys.argv[1:]])})
     tags.update({str(k): str(v) for k, v in cfg.mlflow.tags.items()})
     name = cfg.mlflow.run_name or f"{options.label(cfg.model)}-diagnose"
     out.mkdir(parents=True, exist_ok=True)
     with tracker.start_run(name, params, tags) as tracked:
-        trainer = Trainer(
-            model=parts.model, optimizer=parts.optimizer, scheduler=parts.scheduler,
-            engine=parts.engine, train_loader=parts.train_loader, val_loader=parts.val_loader,
-            device=device, cfg=cfg.trainer, memory=parts.memory, criterion=parts.criterion,
-            context=RunContext(on_metrics=tracked.log_metrics))
+        trainer = parts.trainer(cfg.trainer, device, RunContext(on_metrics=tracked.log_metrics))
         title = (f"Range pre-flight: {options.label(cfg.model)} on {options.label(cfg.data)}, batch "
                  f"{cfg.trainer.batch_size}, {steps} fp32 training steps on {device.type} "
                  f"(asked for precision={target})")
@@ -411,8 +406,8 @@ def run(cfg, overrides: Sequence[str], steps: int, out: Path) -> Preflight:
         if trainer.memory_parts is not None:
             summary.update(trainer.memory_parts.metrics())
         tracked.log_metrics(summary, steps)
-        tracked.set_tag("diagnose.recommended_preset", result.preset)
-        tracked.set_tag("diagnose.keep_fp32", ", ".join(result.keep_fp32) or "none")
+        tracked.set_tag(tag.DIAGNOSE_RECOMMENDED, result.preset)
+        tracked.set_tag(tag.DIAGNOSE_KEEP_FP32, ", ".join(result.keep_fp32) or "none")
         for path in paths:
             tracked.log_file(path, "diagnostics")
     print(f"\nWrote {', '.join(str(p) for p in paths)}; logged them on MLflow run {name!r} "

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from runner.measure.memory import TOTAL_METRIC, metric_name as memory_metric
+from runner.tracking import metrics as m
 from runner.tracking import tags as tag
 
 EXPERIMENT = "amp-runner"
@@ -39,22 +41,22 @@ BARS_PNG, CURVES_PNG = "time_memory_accuracy.png", "val_acc_curves.png"
 MEMORY_PNG = "memory_by_kind.png"
 # metric -> what the table calls it; a run lacking one is reported with "-" and a note.
 METRICS = {
-    "best_val_acc": "best val acc",
-    "train_time_s": "train time",
-    "samples_per_s": "throughput",
-    "peak_mem_mb": "peak memory",
-    "skipped_steps": "skipped steps",
+    m.BEST_VAL_ACC: "best val acc",
+    m.TRAIN_TIME_S: "train time",
+    m.SAMPLES_PER_S: "throughput",
+    m.PEAK_MEM_MB: "peak memory",
+    m.SKIPPED_STEPS: "skipped steps",
 }
 # memory by kind (runner.measure.memory): reported where a run logged them, never listed as missing (runs
 # made before they existed lack them)
 MEMORY_METRICS = {
-    "mem_weights_mb": "weights",
-    "mem_master_weights_mb": "fp32 masters",
-    "mem_grads_mb": "gradients",
-    "mem_optimizer_state_mb": "optimizer state",
-    "mem_activations_mb": "activations",
+    memory_metric("weights"): "weights",
+    memory_metric("master_weights"): "fp32 masters",
+    memory_metric("grads"): "gradients",
+    memory_metric("optimizer_state"): "optimizer state",
+    memory_metric("activations"): "activations",
 }
-MEMORY_TOTAL = "mem_total_mb"
+MEMORY_TOTAL = TOTAL_METRIC
 
 
 class NothingToReport(Exception):
@@ -181,14 +183,14 @@ def to_row(client, run) -> Row:
         batch_size=int(batch) if batch and batch.isdigit() else None,
         metrics={k: v for k, v in run.data.metrics.items()
                  if k in METRICS or k in MEMORY_METRICS or k == MEMORY_TOTAL},
-        val_acc=_history(client, run.info.run_id, "val_acc"),
+        val_acc=_history(client, run.info.run_id, m.VAL_ACC),
         peak_mem_kind=run.data.tags.get(tag.PEAK_MEM_KIND, "?"),
         reason=end_reason(run.info.status, run.data.tags),
     )
     # Throughput: the mean over the epochs after the first (which includes warm-up) when there are.
-    throughput = [v for _, v in _history(client, run.info.run_id, "samples_per_s")]
+    throughput = [v for _, v in _history(client, run.info.run_id, m.SAMPLES_PER_S)]
     if len(throughput) > 1:
-        row.metrics["samples_per_s"] = sum(throughput[1:]) / len(throughput[1:])
+        row.metrics[m.SAMPLES_PER_S] = sum(throughput[1:]) / len(throughput[1:])
     return row
 
 
@@ -211,16 +213,16 @@ def add_baseline_ratios(rows: Sequence[Row]) -> None:
     batch size when there is one, else the first)."""
     for row in rows:
         candidates = [b for b in rows if b.model == row.model and b.level == BASELINE_LEVEL
-                      and b.get("train_time_s") is not None]
+                      and b.get(m.TRAIN_TIME_S) is not None]
         if not candidates:
             continue
         base = min(candidates, key=lambda b: (b.optimizer != row.optimizer,
                                               b.batch_size != row.batch_size))
         row.baseline = base.run_name
-        time, base_time = row.get("train_time_s"), base.get("train_time_s")
+        time, base_time = row.get(m.TRAIN_TIME_S), base.get(m.TRAIN_TIME_S)
         if time and base_time:
             row.speedup = base_time / time
-        memory, base_memory = row.get("peak_mem_mb"), base.get("peak_mem_mb")
+        memory, base_memory = row.get(m.PEAK_MEM_MB), base.get(m.PEAK_MEM_MB)
         if memory is not None and base_memory:
             row.memory_ratio = memory / base_memory
 
@@ -240,9 +242,9 @@ def _fmt(value: float | None, spec: str, scale: float = 1.0) -> str:
 def table_cells(row: Row) -> list[str]:
     return [row.run_name, row.model, row.level, row.dtype, row.optimizer,
             "-" if row.batch_size is None else str(row.batch_size), row.status,
-            _fmt(row.get("best_val_acc"), ".2f", 100), _fmt(row.get("train_time_s"), ".1f"),
-            _fmt(row.get("samples_per_s"), ".0f"), _fmt(row.get("peak_mem_mb"), ".0f"),
-            _fmt(row.get("skipped_steps"), ".0f"),
+            _fmt(row.get(m.BEST_VAL_ACC), ".2f", 100), _fmt(row.get(m.TRAIN_TIME_S), ".1f"),
+            _fmt(row.get(m.SAMPLES_PER_S), ".0f"), _fmt(row.get(m.PEAK_MEM_MB), ".0f"),
+            _fmt(row.get(m.SKIPPED_STEPS), ".0f"),
             *(_fmt(row.get(m), ".2f") for m in (*MEMORY_METRICS, MEMORY_TOTAL)),
             _fmt(row.speedup, ".2f"), _fmt(row.memory_ratio, ".2f")]
 
@@ -334,8 +336,8 @@ def plot_bars(rows: Sequence[Row], path: Path) -> None:
     models = list(dict.fromkeys(r.model for r in rows))
     labels = bar_labels(rows)
     series = list(dict.fromkeys(labels))
-    panels = [("train_time_s", "train time (s)", 1.0), ("peak_mem_mb", "peak memory (MB)", 1.0),
-              ("best_val_acc", "best val accuracy (%)", 100.0)]
+    panels = [(m.TRAIN_TIME_S, "train time (s)", 1.0), (m.PEAK_MEM_MB, "peak memory (MB)", 1.0),
+              (m.BEST_VAL_ACC, "best val accuracy (%)", 100.0)]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     width = 0.8 / max(1, len(series))
     for ax, (metric, title, scale) in zip(axes, panels):
@@ -423,7 +425,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    from runner.tracking.lifecycle import RetryingClient, resolve_tracking_uri, ui_hint
+    from runner.tracking.store import RetryingClient, resolve_tracking_uri, ui_hint
 
     uri = resolve_tracking_uri(args.tracking_uri)
     try:

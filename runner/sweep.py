@@ -151,7 +151,7 @@ def preflight(config: DictConfig, config_name: str | None, tracking_uri: str) ->
 
 def same_store(cfg: DictConfig, tracking_uri: str, experiment_name: str) -> None:
     """A child run must live beside its parent: the store and experiment cannot vary in a sweep."""
-    from runner.tracking.lifecycle import resolve_tracking_uri
+    from runner.tracking.store import resolve_tracking_uri
 
     if resolve_tracking_uri(cfg.mlflow.tracking_uri) != tracking_uri:
         raise ConfigError("mlflow.tracking_uri", f"a sweep's jobs log to their parent run's store "
@@ -251,7 +251,8 @@ class MlflowSweepCallback(Callback):
         if config.dry_run:
             return  # a dry run creates no run, in a sweep too
         import runner
-        from runner.tracking.lifecycle import Tracker, resolve_tracking_uri
+        from runner.tracking.lifecycle import Tracker
+        from runner.tracking.store import resolve_tracking_uri
 
         try:
             tracking_uri = resolve_tracking_uri(config.mlflow.tracking_uri)

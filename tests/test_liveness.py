@@ -108,7 +108,7 @@ def test_reap_ends_only_the_runs_whose_process_is_gone(tracking_uri, caplog):
     finished = fake_run(tracker, "finished", **elsewhere(STALE))
     client.set_terminated(finished, "FINISHED")
 
-    with caplog.at_level(logging.WARNING, logger="runner.tracking.lifecycle"):
+    with caplog.at_level(logging.WARNING, logger="runner.tracking"):
         ended = tracker.reap()
     assert sorted(ended) == sorted([stale_elsewhere, dead_here, reused_pid])
     for run_id in ended:
@@ -195,7 +195,7 @@ def test_a_live_run_ended_by_a_reaper_elsewhere_comes_back(tracking_uri, caplog)
     assert reaper.reap(here=far_away, now=time.time() + 3600) == [tracked.run_id]
     assert tracker.client.get_run(tracked.run_id).info.status == "KILLED"
     deadline = time.monotonic() + 10
-    with caplog.at_level(logging.WARNING, logger="runner.tracking.lifecycle"):
+    with caplog.at_level(logging.WARNING, logger="runner.tracking"):
         while tracker.client.get_run(tracked.run_id).info.status != "RUNNING":
             assert time.monotonic() < deadline, "the live run stayed KILLED"
             time.sleep(0.1)

@@ -236,7 +236,7 @@ def test_the_torchvision_zoo_gives_resnets_the_cifar_stem():
 def test_tensor_core_findings_apply_to_user_models():
     """The Tensor Core shape findings see a `_target_` model as they see a built-in one (here
     the dry run's meta-device build, for a CUDA device: a 4-class head is no multiple of 8)."""
-    from runner.run.plan import shape_findings
+    from runner.run.build import shape_findings
     from runner.precision import resolve
     from runner.precision.checks import DeviceInfo
 

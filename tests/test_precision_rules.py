@@ -232,19 +232,19 @@ def test_tensor_core_shapes_silent_when_aligned_or_not_applicable():
 def test_dry_run_shape_findings_come_from_a_meta_model(tmp_path):
     """A dry run has no data and builds no weights: the model is built on the meta device, its
     head sized from the data config (CIFAR-100: 100 classes; an ImageFolder: its class folders)."""
-    from runner.run import plan
+    from runner.run import build, plan
 
     cfg = compose_config("model=resnet50", "precision=o2", "data=cifar100",
                          "trainer.batch_size=128")
     p = plan.check_config(cfg)[1].properties
-    (finding,) = plan.shape_findings(cfg, p, AMPERE)
+    (finding,) = build.shape_findings(cfg, p, AMPERE)
     assert "fc (out_features 100)" in finding.message and "batch size" not in finding.message
-    assert plan.shape_findings(cfg, p, CPU) == []  # not a CUDA device: nothing built at all
+    assert build.shape_findings(cfg, p, CPU) == []  # not a CUDA device: nothing built at all
     for name in ("a", "b", "c"):
         (tmp_path / "train" / name).mkdir(parents=True)
     folder = compose_config("model=tiny", "precision=o2_bf16", "data=imagefolder",
                             f"data.root={tmp_path}", "trainer.batch_size=64")
-    (finding,) = plan.shape_findings(folder, plan.check_config(folder)[1].properties, AMPERE)
+    (finding,) = build.shape_findings(folder, plan.check_config(folder)[1].properties, AMPERE)
     assert "out_features 3" in finding.message
 
 

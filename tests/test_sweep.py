@@ -16,7 +16,7 @@ from mlflow.tracking import MlflowClient
 
 from runner.sweep import claim_gpu
 from runner.tracking.tags import PARENT_RUN as PARENT_RUN_TAG
-from runner.tracking.lifecycle import retry_when_locked
+from runner.tracking.store import retry_when_locked
 from tests.conftest import FAST, compose_config, run_cli, run_in_process
 from tests.test_e2e import EPOCH_METRICS, FINAL_METRICS
 

@@ -361,17 +361,30 @@ def build_target(cfg: Any) -> DataBundle:
 
 
 # ---- entry points --------------------------------------------------------------------------
-def declared_num_classes(cfg: Any) -> Optional[int]:
+def declared_num_classes(cfg: Any, spec: Optional[options.Spec] = None) -> Optional[int]:
     """The number of classes the `data` config implies without loading anything (a dry run
-    sizes the model's head with it): None where only the dataset itself can tell."""
-    spec = options.spec_for("data", cfg)
+    sizes the model's head with it): None where only the dataset itself can tell. `spec`: the
+    option's, where the caller has it (else looked up)."""
+    spec = spec or options.spec_for("data", cfg)
     return spec.classes(cfg) if spec is not None and spec.classes is not None else None
 
 
-def build_datasets(cfg: Any) -> DataBundle:
+def declared_input(cfg: Any, spec: Optional[options.Spec] = None
+                   ) -> Optional[tuple[int, tuple[int, ...]]]:
+    """(classes, input shape) the `data` config implies without loading anything: a built-in
+    option's (3-channel images of data.image_size); None where only the dataset can tell."""
+    spec = spec or options.spec_for("data", cfg)
+    num_classes = declared_num_classes(cfg, spec)
+    if spec is None or not spec.by_name or num_classes is None:
+        return None
+    size = int(cfg.image_size)
+    return num_classes, (3, size, size)
+
+
+def build_datasets(cfg: Any, spec: Optional[options.Spec] = None) -> DataBundle:
     """Build the train and val datasets described by the `data` config section (its option's
-    builder, `runner.config.options.SPECS`)."""
-    spec = options.spec_for("data", cfg)
+    builder, `runner.config.options.SPECS`; `spec`: the option's, where the caller has it)."""
+    spec = spec or options.spec_for("data", cfg)
     if spec is None:
         name = getattr(cfg, "name", None)
         raise ConfigError("data.name", f"unknown dataset {name!r}", allowed=DATASET_NAMES)

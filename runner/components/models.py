@@ -19,8 +19,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, Optional
 
+import torch
 from omegaconf import OmegaConf
 from torch import nn
 
@@ -244,14 +245,16 @@ def build_target(cfg: Any, num_classes: int, small_input: bool) -> nn.Module:
     return model
 
 
-def build_model(cfg: Any, num_classes: int, image_size: int) -> nn.Module:
-    """Build the model `cfg` describes (its option's builder, `runner.config.options.SPECS`) with random
-    weights for `num_classes` outputs and `image_size` inputs.
+def build_model(cfg: Any, num_classes: int, image_size: int,
+                spec: Optional[options.Spec] = None) -> nn.Module:
+    """Build the model `cfg` describes (its option's builder, `runner.config.options.SPECS`;
+    `spec`: the option's, where the caller has it) with random weights for `num_classes` outputs
+    and `image_size` inputs.
 
     `image_size` only decides `small_input: null`; the models themselves accept any size their
     pooling allows. Raises ConfigError for a name that no option has.
     """
-    spec = options.spec_for("model", cfg)
+    spec = spec or options.spec_for("model", cfg)
     if spec is None:
         name = getattr(cfg, "name", None)
         raise ConfigError("model.name", f"unknown model {name!r}", allowed=MODEL_NAMES)
@@ -263,3 +266,53 @@ def build_model(cfg: Any, num_classes: int, image_size: int) -> nn.Module:
 # name -> builder(cfg, num_classes, small_input) of every model option (from the specs)
 MODEL_REGISTRY: Dict[str, Callable[[Any, int, bool], nn.Module]] = {
     spec.name: spec.build() for spec in options.SPECS if spec.group == "model"}
+
+
+# ---- the output check (planning, and a run whose dataset alone knows its shape) -------------
+_CHECKED_OUTPUTS: set[tuple[str, int, tuple[int, ...]]] = set()  # (model yaml, classes, shape)
+
+
+def _output_key(node: Any) -> str:
+    """The key to name when a model's output does not fit the data."""
+    for key in (node.get(targets.NUM_CLASSES_ARG), "num_classes"):
+        if key is not None and key in node:
+            return f"model.{key}"
+    if options.has_target(node):
+        return "model._target_"
+    return "model.arch" if "arch" in node else "model.name"
+
+
+def check_output(node: Any, num_classes: int, shape: tuple[int, ...]) -> None:
+    """Build the model on the meta device (shapes only: no memory, no data) and run one forward
+    of a 2-sample batch of `shape`: its output must be logits of shape (2, num_classes). An op
+    without a meta implementation skips the check (the real run finds any problem)."""
+    memo = (OmegaConf.to_yaml(node, resolve=True), int(num_classes), tuple(shape))
+    if memo in _CHECKED_OUTPUTS:
+        return
+    label = options.label(node)
+    batch = (2, *shape)
+    try:
+        with torch.device("meta"):
+            model = build_model(node, num_classes, shape[-1])
+    except ConfigError:
+        raise
+    except NotImplementedError:
+        return
+    except Exception as exc:
+        rejected = targets.rejected_argument(exc)
+        raise ConfigError(f"model.{rejected}" if rejected else _output_key(node),
+                          f"building {label} failed: {type(exc).__name__}: {exc}") from None
+    try:
+        with torch.no_grad():
+            out = model(torch.empty(batch, device="meta"))
+    except NotImplementedError:
+        return
+    except Exception as exc:
+        raise ConfigError(_output_key(node), f"{label} fails on a batch of shape {batch} (the "
+                          f"data's): {type(exc).__name__}: {exc}") from None
+    got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+    if got != (2, num_classes):
+        raise ConfigError(_output_key(node), f"{label} outputs {got} for a batch of shape "
+                          f"{batch}, but the data has {num_classes} classes",
+                          f"a model whose output is (batch, {num_classes}): logits, one per class")
+    _CHECKED_OUTPUTS.add(memo)

@@ -7,7 +7,7 @@ attempt, skipped steps included: the schedule stays aligned with the data at eve
 from __future__ import annotations
 
 import warnings
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 from torch.optim.lr_scheduler import LRScheduler
@@ -15,20 +15,23 @@ from torch.optim.lr_scheduler import LRScheduler
 from runner.config import options
 
 
-def build_optimizer(cfg, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    """The optimizer of `cfg`'s option (its builder in `runner.config.options.SPECS`)."""
-    return _spec("optimizer", cfg).build()(cfg, list(params))
+def build_optimizer(cfg, params: Iterable[torch.nn.Parameter],
+                    spec: Optional[options.Spec] = None) -> torch.optim.Optimizer:
+    """The optimizer of `cfg`'s option (its builder in `runner.config.options.SPECS`; `spec`: the
+    option's, where the caller has it)."""
+    return _spec("optimizer", cfg, spec).build()(cfg, list(params))
 
 
 def build_scheduler(
-    cfg, optimizer: torch.optim.Optimizer, steps_per_epoch: int, max_epochs: int
+    cfg, optimizer: torch.optim.Optimizer, steps_per_epoch: int, max_epochs: int,
+    spec: Optional[options.Spec] = None,
 ) -> LRScheduler | None:
     """The scheduler of `cfg`'s option, over `max_epochs` epochs of `steps_per_epoch` steps."""
-    return _spec("scheduler", cfg).build()(cfg, optimizer, steps_per_epoch, max_epochs)
+    return _spec("scheduler", cfg, spec).build()(cfg, optimizer, steps_per_epoch, max_epochs)
 
 
-def _spec(group: str, cfg) -> options.Spec:
-    spec = options.spec_for(group, cfg)
+def _spec(group: str, cfg, spec: Optional[options.Spec] = None) -> options.Spec:
+    spec = spec or options.spec_for(group, cfg)
     if spec is None:  # validation rejects it earlier
         raise ValueError(f"unknown {group} {getattr(cfg, 'name', None)!r}")
     return spec

@@ -87,7 +87,7 @@ class MlflowConfig:
     run_name: Optional[str] = None  # null = "<model>-<opt_level>", e.g. densenet161-O2
     sweep_name: Optional[str] = None  # a sweep's parent run; null = "sweep <swept overrides>"
     tags: Dict[str, str] = field(default_factory=dict)
-    # liveness (runner.tracking.lifecycle.liveness): a run's heartbeat period, and how old the heartbeat of a
+    # liveness (runner.tracking.liveness): a run's heartbeat period, and how old the heartbeat of a
     # RUNNING run on another host must be for a starting run to end it as KILLED
     heartbeat_s: float = 60.0
     stale_after_s: float = 600.0

@@ -306,6 +306,12 @@ def spec_for(group: str, node: Any) -> Optional[Spec]:
     return next((s for s in SPECS if s.group == group and s.name == name), None)
 
 
+def specs_of(cfg: Mapping[str, Any]) -> dict[str, Optional[Spec]]:
+    """The spec of each option group `cfg` has (None for an unknown name), looked up once: the
+    plan keeps them, validation and the builders take them from there."""
+    return {group: spec_for(group, cfg[group]) for group in GROUPS if cfg.get(group) is not None}
+
+
 def label(node: Mapping[str, Any]) -> str:
     """What a model (or dataset) is called in run names and reports: a zoo model's arch
     (vit_b_16), a `_target_`'s class or function (its path's last part, MyNet), else the

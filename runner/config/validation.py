@@ -8,6 +8,7 @@ option live with its spec (`runner.config.options`); those of the other groups a
 from __future__ import annotations
 
 import dataclasses
+from typing import Mapping, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -27,7 +28,7 @@ from runner.config.values import (  # noqa: F401  (the predicates, where they we
 )
 
 
-def _rules(cfg: DictConfig) -> list[Rule]:
+def _rules(cfg: DictConfig, specs: Mapping[str, Optional[options.Spec]]) -> list[Rule]:
     """(key, predicate, what is allowed) for every key present in this config."""
     rules: list[Rule] = []
     for group in options.GROUPS:  # the name (unless a `_target_` names the callable), its rules
@@ -37,7 +38,7 @@ def _rules(cfg: DictConfig) -> list[Rule]:
         if not options.has_target(node):
             names = options.names(group)
             rules.append((f"{group}.name", one_of(names), ", ".join(names)))
-        spec = options.spec_for(group, node)
+        spec = specs.get(group)
         if spec is not None:
             rules += [(f"{group}.{key}", ok, allowed) for key, ok, allowed in spec.rules]
     rules += [
@@ -83,10 +84,11 @@ def _check_known_keys(cfg: DictConfig) -> None:
                 raise ConfigError(f"{section}.{key}", "unknown key", declared)
 
 
-def validate(cfg: DictConfig) -> None:
-    """Raise ConfigError for the first key whose value breaks its rule."""
+def validate(cfg: DictConfig, specs: Mapping[str, Optional[options.Spec]] | None = None) -> None:
+    """Raise ConfigError for the first key whose value breaks its rule (`specs`: each group's
+    option spec, `options.specs_of(cfg)`, where the caller has them)."""
     _check_known_keys(cfg)
-    for key, ok, allowed in _rules(cfg):
+    for key, ok, allowed in _rules(cfg, options.specs_of(cfg) if specs is None else specs):
         section, _, leaf = key.rpartition(".")
         parent = OmegaConf.select(cfg, section)
         if parent is None or leaf not in parent.keys():  # (`in` is False for ??? values)

@@ -38,6 +38,12 @@ from torch import nn
 
 MB = 2**20
 KINDS = ("weights", "master_weights", "grads", "optimizer_state", "activations")
+TOTAL_METRIC = "mem_total_mb"
+
+
+def metric_name(kind: str) -> str:
+    """The metric of one kind: `mem_<kind>_mb` (the names the report reads)."""
+    return f"mem_{kind}_mb"
 
 
 def storage_key(t: torch.Tensor) -> tuple[Any, int]:
@@ -91,8 +97,8 @@ class MemoryByKind:
 
     def metrics(self) -> dict[str, float]:
         """`mem_<kind>_mb` for the five kinds and `mem_total_mb`, in MiB (2^20 bytes)."""
-        out = {f"mem_{kind}_mb": getattr(self, kind) / MB for kind in KINDS}
-        out["mem_total_mb"] = self.total / MB
+        out = {metric_name(kind): getattr(self, kind) / MB for kind in KINDS}
+        out[TOTAL_METRIC] = self.total / MB
         return out
 
 

@@ -13,11 +13,10 @@ from __future__ import annotations
 import logging
 import os
 import platform
-import random
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import torch
 from omegaconf import OmegaConf
@@ -26,112 +25,16 @@ import runner
 from runner import csrc
 from runner.run import distributed
 from runner.config import options
-from runner.config import targets
 from runner.run import checkpoint
 from runner.tracking import tags as tag
 from runner.run.distributed import Comm
-from runner.errors import ConfigError
 from runner.run.interrupts import StopRequest
-from runner.run.plan import RunPlan, check_model_output, declared_input, make_plan, shape_findings
-from runner.precision import AmpEngine, Finding, Resolution
+from runner.run.build import Parts, build, shape_findings  # noqa: F401  (Parts: the run's parts)
+from runner.run.plan import RunPlan, make_plan
+from runner.precision import Resolution
 from runner.precision.checks import DeviceInfo
 
 log = logging.getLogger(__name__)
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    torch.manual_seed(seed)  # seeds CUDA too
-    try:
-        import numpy
-
-        numpy.random.seed(seed % 2**32)
-    except ImportError:
-        pass
-
-
-@dataclass
-class Parts:
-    """What a run trains with, built from its plan (benchmarks reuse it)."""
-
-    bundle: Any
-    train_loader: Any
-    val_loader: Any
-    model: torch.nn.Module  # the model itself (prepared by the engine; not DDP-wrapped)
-    optimizer: torch.optim.Optimizer
-    engine: AmpEngine
-    scheduler: Any
-    memory: Any  # runner.measure.probes.MemoryProbe, reset before the model was built
-    findings: list[Finding] = field(default_factory=list)  # about the built model (info only)
-    criterion: torch.nn.Module = field(default_factory=torch.nn.CrossEntropyLoss)  # the loss
-
-
-def build(plan: RunPlan, device: Optional[torch.device] = None, comm: Optional[Comm] = None,
-          on_model: Optional[Callable[[torch.nn.Module], None]] = None) -> Parts:
-    """Data, model, optimizer, engine and scheduler as `plan` says, on `device` (default: the
-    plan's; a torchrun rank passes its own GPU). Seeds first, so every rank of a distributed run
-    builds the same initial weights. `on_model` sees the freshly built model before the engine
-    casts it (a benchmark keeps an fp32 copy of the same weights this way)."""
-    from runner.components.data import build_datasets, build_loaders
-    from runner.components.models import build_model
-    from runner.components.optim import build_optimizer, build_scheduler
-    from runner.measure.probes import MemoryProbe
-    from runner.run.trainer import limit_batches
-
-    cfg = plan.cfg
-    device = device or plan.device
-    comm = comm or Comm()
-    seed_everything(cfg.trainer.seed)
-    if device.type == "cuda":
-        torch.backends.cudnn.benchmark = cfg.trainer.cudnn_benchmark
-    bundle = build_datasets(cfg.data)  # a missing dataset stops here, before any run exists
-    train_loader, val_loader = build_loaders(
-        bundle, cfg.trainer.batch_size, cfg.trainer.num_workers, device.type, cfg.trainer.seed,
-        rank=comm.rank, world_size=comm.world_size)
-    csrc.load(device, cfg.precision.kernels)  # built or loaded now, so not counted below
-    # peak_mem_mb counts the training state (model, optimizer, activations), as on a GPU, where
-    # the data and the tracking store live in host memory: on a CPU the baseline is taken after
-    # the datasets, the store and the kernels are in memory
-    if declared_input(cfg) is None:  # only the dataset could tell: check the output now
-        check_model_output(cfg.model, bundle.num_classes, tuple(bundle.train[0][0].shape))
-    memory = MemoryProbe(device)
-    memory.reset()
-    model = build_model(cfg.model, bundle.num_classes, bundle.image_size).to(device)
-    if cfg.trainer.sync_batchnorm:  # before the cast: keep_batchnorm_fp32 still applies
-        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    if cfg.trainer.channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    if on_model is not None:
-        on_model(model)
-    findings = shape_findings(cfg, plan.properties, DeviceInfo.from_torch(device), model)
-    optimizer = build_optimizer(cfg.optimizer, model.parameters())
-    engine = AmpEngine(plan.properties, device, kernels=cfg.precision.kernels,
-                       flag_reducer=distributed.flag_reducer(comm), seed=cfg.trainer.seed)
-    model, optimizer = engine.prepare(model, optimizer)  # cast and masters before any DDP wrap
-    if engine.fp8 is not None:
-        findings += engine.fp8.findings()
-    if cfg.trainer.compile:  # in place: the module and its state-dict keys stay as they are
-        # a run starts with torch.compile's caches empty: the jobs of a sweep in one process
-        # would otherwise fill its per-function recompile limit and run the later ones eager
-        torch._dynamo.reset()
-        model.compile(mode=cfg.trainer.compile_mode)
-    steps_per_epoch = limit_batches(len(train_loader), cfg.trainer.limit_train_batches)
-    scheduler = build_scheduler(cfg.scheduler, optimizer, steps_per_epoch, cfg.trainer.max_epochs)
-    criterion = build_loss(cfg).to(device)
-    return Parts(bundle, train_loader, val_loader, model, optimizer, engine, scheduler, memory,
-                 findings, criterion)
-
-
-def build_loss(cfg) -> torch.nn.Module:
-    """The criterion `loss._target_` names (torch.nn.CrossEntropyLoss by default, and for a
-    config without a loss group), called as criterion(logits, targets)."""
-    if "loss" not in cfg:
-        return torch.nn.CrossEntropyLoss()
-    criterion = targets.call("loss", cfg.loss)
-    if not isinstance(criterion, torch.nn.Module):
-        raise ConfigError("loss._target_", f"{cfg.loss._target_} returned a "
-                          f"{type(criterion).__name__}, not an nn.Module (a criterion)")
-    return criterion
 
 
 # ---- what the MLflow run records -----------------------------------------------------------------
@@ -147,7 +50,7 @@ class Launch:
 
 def environment_tags(device: torch.device) -> dict[str, str]:
     """Versions, the device and the code's commit: what the run ran on."""
-    from runner.tracking.lifecycle import git_commit
+    from runner.tracking.record import git_commit
 
     tags = {
         "runner_version": runner.__version__,
@@ -164,6 +67,16 @@ def environment_tags(device: torch.device) -> dict[str, str]:
     return tags
 
 
+def config_params(plan: RunPlan) -> dict[str, str]:
+    """The params every run of `plan` logs first: the resolved config flattened, and every
+    resolved precision property (`precision.<name>`)."""
+    from runner.tracking.record import flatten
+
+    params = flatten(plan.config_tree)
+    params.update({f"precision.{k}": v for k, v in plan.properties.as_params().items()})
+    return params
+
+
 def run_record(plan: RunPlan, parts: Parts, resolution: Resolution, *, world_size: int,
                launch: Launch, environment: Mapping[str, str], kernels: str,
                command: Sequence[str]) -> tuple[dict[str, str], dict[str, str]]:
@@ -171,11 +84,8 @@ def run_record(plan: RunPlan, parts: Parts, resolution: Resolution, *, world_siz
     property, what was built; the environment, the findings (`resolution`: the plan's and the
     build's), how it was launched, the user's own tags, and what a resume changes. Pure: the
     same inputs give the same record."""
-    from runner.tracking.lifecycle import flatten
-
     cfg = plan.cfg
-    params = flatten(plan.config_tree)
-    params.update({f"precision.{k}": v for k, v in plan.properties.as_params().items()})
+    params = config_params(plan)
     params["precision.kernels"] = kernels  # the backend in use: cuda | cpp | torch
     if parts.engine.fp8 is not None:  # how many Linear layers run in fp8 (listed in fp8_layers.txt)
         params["precision.fp8_layers"] = str(len(parts.engine.fp8.converted))
@@ -256,7 +166,7 @@ def run(
 def train(plan: RunPlan, comm: Comm, device: torch.device, launch: Launch) -> float:
     """`run`'s second half on this rank's `device`: build, record and track (rank 0), train."""
     from runner.tracking.lifecycle import Tracker, null_run
-    from runner.run.trainer import RunContext, Trainer
+    from runner.run.trainer import RunContext
 
     cfg = plan.cfg
     # only rank 0 talks to the store; its failure (an unreachable server) stops every rank
@@ -313,27 +223,15 @@ def train(plan: RunPlan, comm: Comm, device: torch.device, launch: Launch) -> fl
                 checkpoint.save(path, {**static, **trainer_state})
                 return str(path)
 
-            trainer = Trainer(
-                model=model,
-                optimizer=parts.optimizer,
-                scheduler=parts.scheduler,
-                engine=parts.engine,
-                train_loader=parts.train_loader,
-                val_loader=parts.val_loader,
-                device=device,
-                cfg=cfg.trainer,
-                memory=parts.memory,
-                criterion=parts.criterion,
-                context=RunContext(
-                    on_metrics=tracked.log_metrics,
-                    comm=comm,
-                    checkpointer=save if comm.is_main else None,
-                    stop=stop,
-                    on_artifact=tracked.log_file if comm.is_main else None,
-                    artifact_dir=(launch.output_dir / "diagnostics"
-                                  if launch.output_dir is not None else None),
-                ),
-            )
+            trainer = parts.trainer(cfg.trainer, device, model=model, context=RunContext(
+                on_metrics=tracked.log_metrics,
+                comm=comm,
+                checkpointer=save if comm.is_main else None,
+                stop=stop,
+                on_artifact=tracked.log_file if comm.is_main else None,
+                artifact_dir=(launch.output_dir / "diagnostics"
+                              if launch.output_dir is not None else None),
+            ))
             if resume is not None:
                 resume.restore(trainer, cfg, plan.run_name)
             try:

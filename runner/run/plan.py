@@ -23,8 +23,8 @@ from runner.config import targets
 from runner.errors import ConfigError
 from runner.config.finder import config_dir
 from runner.config.precision import run_name_suffixes
-from runner.precision import Finding, Properties, Resolution, resolve
-from runner.precision.checks import DeviceInfo, tensor_core_findings
+from runner.precision import Properties, Resolution, resolve
+from runner.precision.checks import DeviceInfo
 from runner.precision.properties import level_preset, parse_opt_level
 from runner.run.resume import Resume
 from runner.config.validation import validate
@@ -41,6 +41,7 @@ class RunPlan:
     run_name: str
     checkpoint_folder: Path  # <checkpoint_dir>/<experiment>/<run name>: this name's runs
     resume: Optional[Resume]  # the checkpoint this run continues from, checked; None: fresh
+    specs: Mapping[str, Optional[options.Spec]]  # each option group's spec, looked up once
 
     @property
     def properties(self) -> Properties:
@@ -50,27 +51,30 @@ class RunPlan:
 def make_plan(cfg: DictConfig) -> RunPlan:
     """Check everything about `cfg` and decide the run (see the module docstring); raises
     ConfigError naming the key for any bad input, before anything is built."""
-    device, resolution = check_config(cfg)
+    device, resolution, specs = check_config(cfg)
     run_name = default_run_name(cfg, resolution.properties)
     folder = checkpoint.run_folder(cfg.trainer.checkpoint_dir, cfg.mlflow.experiment_name,
                                    run_name)
     config_tree = OmegaConf.to_container(cfg, resolve=True)
     resume = Resume.decide(cfg.resume, folder, config_tree)
-    return RunPlan(cfg, config_tree, device, resolution, run_name, folder, resume)
+    return RunPlan(cfg, config_tree, device, resolution, run_name, folder, resume, specs)
 
 
-def check_config(cfg: DictConfig) -> tuple[torch.device, Resolution]:
+def check_config(cfg: DictConfig
+                 ) -> tuple[torch.device, Resolution, dict[str, Optional[options.Spec]]]:
     """The checks of `make_plan` that need no file: the preset's level, the value rules, the
-    device and the precision properties; raises ConfigError naming the key."""
+    device, the precision properties and the parts the config names; raises ConfigError naming
+    the key. Returns the device, the resolution and each option group's spec."""
     check_opt_level(cfg)
-    validate(cfg)
+    specs = options.specs_of(cfg)
+    validate(cfg, specs)
     device = select_device(cfg.trainer.device)
     if cfg.trainer.sync_batchnorm and device.type != "cuda":
         raise ConfigError("trainer.sync_batchnorm", "SyncBatchNorm needs CUDA GPUs (NCCL); it has "
                           f"no implementation on {device.type} (Gloo)", "false on a CPU")
     resolution = resolve_precision(cfg, device)
-    check_parts(cfg)
-    return device, resolution
+    check_parts(cfg, specs)
+    return device, resolution, specs
 
 
 def select_device(name: str) -> torch.device:
@@ -163,101 +167,22 @@ def default_run_name(cfg: DictConfig, properties: Optional[Properties] = None) -
     return name
 
 
-def shape_findings(cfg: DictConfig, properties: Properties, device_info: DeviceInfo,
-                   model: torch.nn.Module | None = None) -> list[Finding]:
-    """The Tensor Core findings about the model's layer sizes and the batch size (16-bit on a
-    CUDA GPU only). Without `model` (a dry run) the model is built on PyTorch's meta device:
-    its shapes, no memory, no data."""
-    if device_info.type != "cuda" or not properties.compute_dtypes:
-        return []
-    if model is None:
-        from runner.components.data import declared_num_classes
-        from runner.components.models import build_model
-
-        num_classes = declared_num_classes(cfg.data)
-        if num_classes is None:
-            return []
-        with torch.device("meta"):
-            model = build_model(cfg.model, num_classes, cfg.data.image_size)
-    return tensor_core_findings(model, cfg.trainer.batch_size, properties, device_info)
-
-
 # ---- the model, the data and the loss ----------------------------------------------------------
-def check_parts(cfg: DictConfig) -> None:
+def check_parts(cfg: DictConfig, specs: Mapping[str, Optional[options.Spec]]) -> None:
     """What the model, data and loss configs name, before anything is built: a zoo's model name,
     the user's `_target_`s (imported, arguments bound to their signatures), and the model's
     output against the data's classes (built on the meta device, one forward), so that a dry
     run and a sweep's up-front check find them too. Raises ConfigError naming the key."""
+    from runner.components.data import declared_input
+    from runner.components.models import check_output
+
     for group in ("model", "data"):
-        spec = options.spec_for(group, cfg[group])
-        if spec is not None:
-            spec.run_check(cfg[group])
+        if specs.get(group) is not None:
+            specs[group].run_check(cfg[group])
     if "loss" in cfg:
         targets.check("loss", cfg.loss)
-    declared = declared_input(cfg)
+    declared = declared_input(cfg.data, specs.get("data"))
     if declared is not None:
-        check_model_output(cfg.model, *declared)
+        check_output(cfg.model, *declared)
 
 
-def declared_input(cfg: DictConfig) -> Optional[tuple[int, tuple[int, ...]]]:
-    """(classes, input shape) the `data` config implies without loading anything: a built-in
-    option's (3-channel images of data.image_size); None where only the dataset can tell."""
-    from runner.components.data import declared_num_classes
-
-    spec = options.spec_for("data", cfg.data)
-    num_classes = declared_num_classes(cfg.data)
-    if spec is None or not spec.by_name or num_classes is None:
-        return None
-    size = int(cfg.data.image_size)
-    return num_classes, (3, size, size)
-
-
-_CHECKED_OUTPUTS: set[tuple[str, int, tuple[int, ...]]] = set()  # (model yaml, classes, shape)
-
-
-def _output_key(node: Any) -> str:
-    """The key to name when a model's output does not fit the data."""
-    for key in (node.get(targets.NUM_CLASSES_ARG), "num_classes"):
-        if key is not None and key in node:
-            return f"model.{key}"
-    if options.has_target(node):
-        return "model._target_"
-    return "model.arch" if "arch" in node else "model.name"
-
-
-def check_model_output(node: Any, num_classes: int, shape: tuple[int, ...]) -> None:
-    """Build the model on the meta device (shapes only: no memory, no data) and run one forward
-    of a 2-sample batch of `shape`: its output must be logits of shape (2, num_classes). An op
-    without a meta implementation skips the check (the real run finds any problem)."""
-    from runner.components.models import build_model
-
-    memo = (OmegaConf.to_yaml(node, resolve=True), int(num_classes), tuple(shape))
-    if memo in _CHECKED_OUTPUTS:
-        return
-    label = options.label(node)
-    batch = (2, *shape)
-    try:
-        with torch.device("meta"):
-            model = build_model(node, num_classes, shape[-1])
-    except ConfigError:
-        raise
-    except NotImplementedError:
-        return
-    except Exception as exc:
-        rejected = targets.rejected_argument(exc)
-        raise ConfigError(f"model.{rejected}" if rejected else _output_key(node),
-                          f"building {label} failed: {type(exc).__name__}: {exc}") from None
-    try:
-        with torch.no_grad():
-            out = model(torch.empty(batch, device="meta"))
-    except NotImplementedError:
-        return
-    except Exception as exc:
-        raise ConfigError(_output_key(node), f"{label} fails on a batch of shape {batch} (the "
-                          f"data's): {type(exc).__name__}: {exc}") from None
-    got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-    if got != (2, num_classes):
-        raise ConfigError(_output_key(node), f"{label} outputs {got} for a batch of shape "
-                          f"{batch}, but the data has {num_classes} classes",
-                          f"a model whose output is (batch, {num_classes}): logits, one per class")
-    _CHECKED_OUTPUTS.add(memo)

@@ -144,7 +144,7 @@ class Trainer:
         self.cfg = cfg = trainer_config(cfg)
         self.on_metrics = context.on_metrics
         self.memory = memory
-        # the loss (runner.run.app.build_loss: the `loss` group); cross-entropy by default
+        # the loss (runner.components.losses.build_loss: the `loss` group); cross-entropy by default
         self.criterion = criterion if criterion is not None else nn.CrossEntropyLoss()
         self.train_batches = limit_batches(len(train_loader), cfg.limit_train_batches)
         self.val_batches = limit_batches(len(val_loader), cfg.limit_val_batches)

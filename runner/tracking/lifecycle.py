@@ -6,229 +6,50 @@ FAILED (the error as the `error` tag) or KILLED (Ctrl-C, SIGTERM).
 
 A process that is killed outright (SIGKILL, the OOM killer, a lost node) cannot end its run, so
 every run carries liveness tags (its host and process, and a heartbeat refreshed by another
-background thread: runner.tracking.liveness), and every run or sweep that starts ends the RUNNING runs of
-its experiment whose process is gone as KILLED (`Tracker.reap`).
+background thread: runner.tracking.liveness), and every run or sweep that starts ends the RUNNING
+runs of its experiment whose process is gone as KILLED (`Tracker.reap`).
 
-A SQLite store has one writer at a time. MLflow waits for the lock a while, but parallel sweep jobs
-can still meet "database is locked"; every store call made here is retried on that error (an
-asynchronous metric batch that failed on it is sent again), so concurrent writers lose nothing.
-MLflow creates a new SQLite store's tables without any guard against a second process doing the
-same, so the store is opened (created, if new) under a file lock beside the database
-(`<database>.lock`): any number of runs may start at once against a store that does not exist yet.
+The store itself (its lock, the retries on "database is locked", the offline fallback's folder) is
+`runner.tracking.store`.
 """
 from __future__ import annotations
 
-import fcntl
-import functools
 import logging
 import os
-import random
-import subprocess
 import tempfile
 import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, TypeVar
+from typing import Any, Iterator, Mapping
 
 from mlflow.entities import Metric, Param, Run, RunStatus, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, ErrorCode
-from mlflow.tracking import MlflowClient
 
 from runner.tracking import liveness
 from runner.tracking import tags as tag
 from runner.errors import ConfigError, RunnerError
 from runner.tracking.liveness import LIVENESS_TAGS, ProcessIdentity, now_iso, parse_iso, was_reaped
 
+from runner.tracking.store import (
+    HEARTBEAT_S,
+    MAX_PARAM_LENGTH,
+    MAX_PARAMS_PER_BATCH,
+    MAX_TAG_LENGTH,
+    STALE_AFTER_S,
+    STORE_LOCK_TIMEOUT_S,
+    RetryingClient,
+    artifact_location,
+    prepare_sqlite_file,
+    resolve_tracking_uri,
+    sqlite_path,
+    startup_error,
+    store_lock,
+    ui_hint,
+)
+
 log = logging.getLogger(__name__)
-
-MAX_PARAMS_PER_BATCH = 100
-MAX_PARAM_LENGTH = 6000
-MAX_TAG_LENGTH = 5000
-LOCKED_RETRIES = 8
-HEARTBEAT_S = 60.0  # mlflow.heartbeat_s's default
-STALE_AFTER_S = 600.0  # mlflow.stale_after_s's default
-STORE_LOCK_TIMEOUT_S = 120.0  # how long a start waits for another process creating the store
-SQLITE = "sqlite:///"
-SQLITE_HEADER = b"SQLite format 3\x00"
-
-T = TypeVar("T")
-
-
-def is_database_locked(error: BaseException) -> bool:
-    """SQLite's "database is locked", as MLflow reports it (directly or from its logging thread)."""
-    return "database is locked" in str(error)
-
-
-def retry_when_locked(call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """Call a store operation, retrying with a jittered backoff while another writer holds the
-    SQLite lock. A failed write was rolled back, so retrying it cannot duplicate anything."""
-    delay = 0.05
-    for attempt in range(1, LOCKED_RETRIES + 1):
-        try:
-            return call(*args, **kwargs)
-        except MlflowException as error:
-            if attempt == LOCKED_RETRIES or not is_database_locked(error):
-                raise
-            log.warning("MLflow store busy (database is locked), retry %d/%d in %.2f s",
-                        attempt, LOCKED_RETRIES - 1, delay)
-            time.sleep(delay * (1 + random.random()))
-            delay = min(2 * delay, 2.0)
-    raise AssertionError("unreachable")
-
-
-class RetryingClient:
-    """An MlflowClient whose every call goes through `retry_when_locked`."""
-
-    def __init__(self, tracking_uri: str):
-        self._client = MlflowClient(tracking_uri)
-
-    def __getattr__(self, name: str) -> Any:
-        attribute = getattr(self._client, name)
-        if not callable(attribute):
-            return attribute
-        return functools.partial(retry_when_locked, attribute)
-
-
-def resolve_tracking_uri(uri: str, base_dir: str | os.PathLike | None = None) -> str:
-    """Make a relative SQLite URI absolute against the launch directory (Hydra does not chdir,
-    but the printed `mlflow ui` command must work from anywhere)."""
-    prefix = SQLITE
-    if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
-        path = Path(base_dir or os.getcwd()) / uri[len(prefix):]
-        return prefix + str(path.resolve())
-    return uri
-
-
-def sqlite_path(tracking_uri: str) -> Path | None:
-    """The database file of a `sqlite:///` URI (resolved); None for any other store."""
-    if not tracking_uri.startswith(SQLITE):
-        return None
-    return Path(tracking_uri[len(SQLITE):].split("?", 1)[0])
-
-
-@contextmanager
-def store_lock(tracking_uri: str, timeout_s: float = STORE_LOCK_TIMEOUT_S) -> Iterator[None]:
-    """Exclusive, across processes, for a SQLite store: an advisory lock on `<database>.lock`
-    beside the database (in an existing folder: see `prepare_sqlite_file`); nothing for other
-    stores, whose server serialises its own schema work. Waits up to `timeout_s`, then raises
-    RunnerError."""
-    path = sqlite_path(tracking_uri)
-    if path is None:
-        yield
-        return
-    lock = path.with_name(path.name + ".lock")
-    # read-only and created world-readable: flock needs no write access, so people sharing a
-    # store can all take it
-    descriptor = os.open(lock, os.O_RDONLY | os.O_CREAT, 0o666)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise RunnerError(
-                        f"mlflow.tracking_uri: the tracking store {tracking_uri!r} stayed locked "
-                        f"by another process for {timeout_s:.0f} s ({lock} is held: a process "
-                        "creating the store, or one that hangs). Find it with `fuser "
-                        f"{lock}`, or use another store.") from None
-                time.sleep(0.05)
-        try:
-            yield
-        finally:
-            fcntl.flock(descriptor, fcntl.LOCK_UN)
-    finally:
-        os.close(descriptor)
-
-
-def prepare_sqlite_file(path: Path) -> None:
-    """Create the database's folder (as MLflow would); raise OSError for a database path MLflow
-    cannot use, at once (MLflow itself retries for about 100 s before it gives up on a file that
-    is not a database or cannot be opened)."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise OSError(f"cannot create the folder {path.parent} ({error.strerror}: "
-                      f"{error.filename})") from error
-    if path.exists() and not path.is_file():
-        raise IsADirectoryError(f"{path} is not a file")
-    if path.is_file() and path.stat().st_size:
-        with path.open("rb") as f:
-            if f.read(len(SQLITE_HEADER)) != SQLITE_HEADER:
-                raise OSError(f"{path} is not an SQLite database")
-    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise PermissionError(f"{path if path.exists() else path.parent} is not writable")
-
-
-def startup_error(tracking_uri: str, error: BaseException) -> RunnerError:
-    """What a store that cannot be used at the start is: the URI, the cause and a fix."""
-    cause = f"{type(error).__name__}: {error}" if not isinstance(error, MlflowException) \
-        else str(error.message)
-    path = sqlite_path(tracking_uri)
-    if path is None:
-        fix = "Start the server, fix the URI, or use the default sqlite:///mlflow.db."
-    elif is_database_locked(error):
-        fix = ("Another process keeps the database locked: try again, or for many runs at once "
-               "log to an MLflow server (mlflow server --backend-store-uri "
-               f"{tracking_uri}, then mlflow.tracking_uri=http://host:5000).")
-    elif "out-of-date database schema" in cause:
-        fix = "Upgrade the store as said above (a backup first), or use another store."
-    else:
-        fix = (f"Make sure the folder {path.parent} exists (or can be created) and is writable, "
-               "and that the file is an MLflow database, or set mlflow.tracking_uri to "
-               "another store.")
-    return RunnerError(f"mlflow.tracking_uri: cannot use the tracking store {tracking_uri!r}: "
-                       f"{cause.strip()}. {fix}")
-
-
-def artifact_location(tracking_uri: str) -> str | None:
-    """Where a new experiment keeps its artifacts: `mlartifacts/` beside a SQLite database (not
-    MLflow's default, `./mlruns` in whatever folder a run was launched from); for a server or any
-    other store, the store's own default (None)."""
-    prefix = "sqlite:///"
-    if tracking_uri.startswith(prefix):
-        return (Path(tracking_uri[len(prefix):]).parent / "mlartifacts").resolve().as_uri()
-    return None
-
-
-def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
-    """Nested config -> {"a.b.c": "value"} for MLflow params."""
-    flat: dict[str, str] = {}
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            flat.update(flatten(value, name + "."))
-        else:
-            flat[name] = str(value)
-    return flat
-
-
-def git_commit(directory: str | os.PathLike) -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=directory,
-            capture_output=True,
-            text=True,
-            timeout=5,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() if out.returncode == 0 else None
-
-
-def ui_hint(tracking_uri: str, experiment_id: str) -> str:
-    """The exact command and link that show this experiment's runs in the MLflow UI."""
-    page = f"#/experiments/{experiment_id}/runs"
-    if tracking_uri.startswith(("http://", "https://")):
-        return f"Open {tracking_uri.rstrip('/')}/{page}"
-    return (
-        f"See the runs with:  mlflow ui --backend-store-uri {tracking_uri}\n"
-        f"then open http://127.0.0.1:5000/{page}"
-    )
 
 
 def end_state(run: Run) -> str:

@@ -35,6 +35,11 @@ RESUMED_FROM = "resumed_from"
 MAX_EPOCHS = "trainer.max_epochs"  # a changed epoch budget (params cannot change)
 
 # ---- sweeps ---------------------------------------------------------------------------------
+DIAGNOSE = "diagnose"  # "true" on a range pre-flight's run (python -m runner.diagnose)
+DIAGNOSE_TARGET = "diagnose.target_preset"  # the preset the pre-flight was asked about
+DIAGNOSE_RECOMMENDED = "diagnose.recommended_preset"
+DIAGNOSE_KEEP_FP32 = "diagnose.keep_fp32"  # the layers to keep in fp32 ("none")
+
 SWEEP_DIR = "sweep.dir"
 SWEEP_OVERRIDES = "sweep.overrides"
 SWEEP_LAUNCHER = "sweep.launcher"

@@ -1,0 +1,133 @@
+"""Build a run's parts from its plan: data, model, optimizer, precision engine, scheduler, loss.
+
+Nothing here decides or checks the config again (the plan did: `runner.run.plan`); the option
+specs come from the plan, looked up once. The one check left for building is the model's output
+against a dataset whose shape only the loaded data tells (`components.models.check_output`).
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from omegaconf import DictConfig
+
+from runner import csrc
+from runner.components.data import build_datasets, build_loaders, declared_input, declared_num_classes
+from runner.components.losses import build_loss
+from runner.components.models import build_model, check_output
+from runner.components.optim import build_optimizer, build_scheduler
+from runner.measure.probes import MemoryProbe
+from runner.precision import AmpEngine, Finding, Properties
+from runner.precision.checks import DeviceInfo, tensor_core_findings
+from runner.run import distributed
+from runner.run.distributed import Comm
+from runner.run.plan import RunPlan
+from runner.run.trainer import RunContext, Trainer, limit_batches
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)  # seeds CUDA too
+    try:
+        import numpy
+
+        numpy.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+
+
+@dataclass
+class Parts:
+    """What a run trains with, built from its plan (benchmarks reuse it)."""
+
+    bundle: Any
+    train_loader: Any
+    val_loader: Any
+    model: torch.nn.Module  # the model itself (prepared by the engine; not DDP-wrapped)
+    optimizer: torch.optim.Optimizer
+    engine: AmpEngine
+    scheduler: Any
+    memory: Any  # runner.measure.probes.MemoryProbe, reset before the model was built
+    findings: list[Finding] = field(default_factory=list)  # about the built model (info only)
+    criterion: torch.nn.Module = field(default_factory=torch.nn.CrossEntropyLoss)  # the loss
+
+    def trainer(self, cfg: Any, device: torch.device, context: RunContext,
+                model: Optional[torch.nn.Module] = None) -> Trainer:
+        """The training loop over these parts (`cfg`: the trainer settings; `model`: the model
+        to train through, e.g. DDP-wrapped; default: the parts' own)."""
+        return Trainer(model=model if model is not None else self.model,
+                       optimizer=self.optimizer, scheduler=self.scheduler, engine=self.engine,
+                       train_loader=self.train_loader, val_loader=self.val_loader,
+                       device=device, cfg=cfg, memory=self.memory, criterion=self.criterion,
+                       context=context)
+
+
+def build(plan: RunPlan, device: Optional[torch.device] = None, comm: Optional[Comm] = None,
+          on_model: Optional[Callable[[torch.nn.Module], None]] = None) -> Parts:
+    """Data, model, optimizer, engine and scheduler as `plan` says, on `device` (default: the
+    plan's; a torchrun rank passes its own GPU). Seeds first, so every rank of a distributed run
+    builds the same initial weights. `on_model` sees the freshly built model before the engine
+    casts it (a benchmark keeps an fp32 copy of the same weights this way)."""
+    cfg = plan.cfg
+    device = device or plan.device
+    comm = comm or Comm()
+    seed_everything(cfg.trainer.seed)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = cfg.trainer.cudnn_benchmark
+    bundle = build_datasets(cfg.data, plan.specs.get("data"))  # a missing dataset stops here, before any run exists
+    train_loader, val_loader = build_loaders(
+        bundle, cfg.trainer.batch_size, cfg.trainer.num_workers, device.type, cfg.trainer.seed,
+        rank=comm.rank, world_size=comm.world_size)
+    csrc.load(device, cfg.precision.kernels)  # built or loaded now, so not counted below
+    # peak_mem_mb counts the training state (model, optimizer, activations), as on a GPU, where
+    # the data and the tracking store live in host memory: on a CPU the baseline is taken after
+    # the datasets, the store and the kernels are in memory
+    if declared_input(cfg.data, plan.specs.get("data")) is None:
+        # only the dataset could tell its shape: check the model's output now
+        check_output(cfg.model, bundle.num_classes, tuple(bundle.train[0][0].shape))
+    memory = MemoryProbe(device)
+    memory.reset()
+    model = build_model(cfg.model, bundle.num_classes, bundle.image_size,
+                        plan.specs.get("model")).to(device)
+    if cfg.trainer.sync_batchnorm:  # before the cast: keep_batchnorm_fp32 still applies
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if cfg.trainer.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    if on_model is not None:
+        on_model(model)
+    findings = shape_findings(cfg, plan.properties, DeviceInfo.from_torch(device), model)
+    optimizer = build_optimizer(cfg.optimizer, model.parameters(), plan.specs.get("optimizer"))
+    engine = AmpEngine(plan.properties, device, kernels=cfg.precision.kernels,
+                       flag_reducer=distributed.flag_reducer(comm), seed=cfg.trainer.seed)
+    model, optimizer = engine.prepare(model, optimizer)  # cast and masters before any DDP wrap
+    if engine.fp8 is not None:
+        findings += engine.fp8.findings()
+    if cfg.trainer.compile:  # in place: the module and its state-dict keys stay as they are
+        # a run starts with torch.compile's caches empty: the jobs of a sweep in one process
+        # would otherwise fill its per-function recompile limit and run the later ones eager
+        torch._dynamo.reset()
+        model.compile(mode=cfg.trainer.compile_mode)
+    steps_per_epoch = limit_batches(len(train_loader), cfg.trainer.limit_train_batches)
+    scheduler = build_scheduler(cfg.scheduler, optimizer, steps_per_epoch, cfg.trainer.max_epochs,
+                                plan.specs.get("scheduler"))
+    criterion = build_loss(cfg).to(device)
+    return Parts(bundle, train_loader, val_loader, model, optimizer, engine, scheduler, memory,
+                 findings, criterion)
+
+
+def shape_findings(cfg: DictConfig, properties: Properties, device_info: DeviceInfo,
+                   model: torch.nn.Module | None = None) -> list[Finding]:
+    """The Tensor Core findings about the model's layer sizes and the batch size (16-bit on a
+    CUDA GPU only). Without `model` (a dry run) the model is built on PyTorch's meta device:
+    its shapes, no memory, no data."""
+    if device_info.type != "cuda" or not properties.compute_dtypes:
+        return []
+    if model is None:
+        num_classes = declared_num_classes(cfg.data)
+        if num_classes is None:
+            return []
+        with torch.device("meta"):
+            model = build_model(cfg.model, num_classes, cfg.data.image_size)
+    return tensor_core_findings(model, cfg.trainer.batch_size, properties, device_info)
