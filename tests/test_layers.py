@@ -18,8 +18,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "runner"
 
 # Top to bottom; a module may import its own room and rooms below its layer, never above, and
 # never a sibling room of its own layer. `runner` is the package root (its version).
-LAYERS: list[tuple[str, ...]] = [
-    ("runner.__main__", "runner.sweep", "runner.report", "runner.diagnose"),  # entry points
+LAYERS: list[tuple[str, ...]] = [  # the first: the entry points users type
+    ("runner.__main__", "runner.sweep", "runner.report", "runner.diagnose", "runner.replay"),
     ("run",),
     ("components", "tracking", "measure", "precision"),  # independent of one another
     ("csrc",),  # the precision engine's kernels

@@ -73,7 +73,7 @@ def test_a_run_whose_server_goes_away_and_comes_back_finishes_with_every_metric(
     rest, _ = proc.communicate(timeout=600)
     output = "".join(seen) + rest
     assert proc.returncode == 0, output
-    assert "runner.tracking.replay" not in output, output  # everything was delivered
+    assert "runner.replay" not in output, output  # everything was delivered
     client = MlflowClient(server.url)
     (run,) = client.search_runs([client.get_experiment_by_name("amp-runner").experiment_id])
     assert run.info.status == "FINISHED"
@@ -106,7 +106,7 @@ def test_a_run_that_ends_while_the_server_is_away_is_saved_offline_and_replayed(
 
     # still away: the replay says so and marks nothing as done
     def replay_cli() -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "runner.tracking.replay", str(folder)],
+        return subprocess.run([sys.executable, "-m", "runner.replay", str(folder)],
                               env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True,
                               text=True, timeout=120)
 

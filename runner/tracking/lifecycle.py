@@ -65,7 +65,7 @@ class TrackedRun:
     tracking server that went away) keeps them buffered and retried with a growing pause, and
     they arrive once it is back. At the end, whatever still cannot be delivered (metrics, the
     final status, the log file) is written to a local MLflow store in `offline_dir`, and one
-    command (`python -m runner.tracking.replay <folder>`) replays it into the server later.
+    command (`python -m runner.replay <folder>`) replays it into the server later.
 
     With `heartbeat_s`, a third thread sets the `runner.heartbeat` tag every `heartbeat_s` seconds
     until `end` (a long compile, validation or checkpoint never looks like a dead process; a store
@@ -279,7 +279,7 @@ class TrackedRun:
                               self._artifacts)
         log.error("The tracking store %s is unreachable (%s): run %s's last %d metrics and its "
                   "final status %s are saved in %s. When the store is back, replay them with:\n"
-                  "  python -m runner.tracking.replay %s", self.tracking_uri, self._outage, self.run_id,
+                  "  python -m runner.replay %s", self.tracking_uri, self._outage, self.run_id,
                   len(self._buffer), status, where, where)
 
 

@@ -1,4 +1,4 @@
-"""`python -m runner.tracking.replay FOLDER`: deliver what a run could not log while its tracking server was
+"""`python -m runner.replay FOLDER` (the entry point, runner/replay.py): deliver what a run could not log while its tracking server was
 away.
 
 When the server does not answer at the end of a run, the run writes the metrics it still holds,
@@ -89,7 +89,7 @@ def replay(folder: Path, to: str | None = None) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m runner.tracking.replay", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m runner.replay", description=__doc__)
     parser.add_argument("folder", type=Path, help="the offline store's folder (mlflow-offline/ "
                         "in the run's output folder; the run's log names it)")
     parser.add_argument("--to", default=None, help="the tracking server (default: the one the "
