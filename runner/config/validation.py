@@ -28,8 +28,11 @@ from runner.config.values import (  # noqa: F401  (the predicates, where they we
 )
 
 
-def _rules(cfg: DictConfig, specs: Mapping[str, Optional[options.Spec]]) -> list[Rule]:
-    """(key, predicate, what is allowed) for every key present in this config."""
+def _rules(cfg: DictConfig, specs: Mapping[str, Optional[options.Spec]] | None = None
+           ) -> list[Rule]:
+    """(key, predicate, what is allowed) for every key present in this config (`specs`: each
+    group's option spec, where the caller has them)."""
+    specs = options.specs_of(cfg) if specs is None else specs
     rules: list[Rule] = []
     for group in options.GROUPS:  # the name (unless a `_target_` names the callable), its rules
         node = cfg.get(group)
@@ -88,7 +91,7 @@ def validate(cfg: DictConfig, specs: Mapping[str, Optional[options.Spec]] | None
     """Raise ConfigError for the first key whose value breaks its rule (`specs`: each group's
     option spec, `options.specs_of(cfg)`, where the caller has them)."""
     _check_known_keys(cfg)
-    for key, ok, allowed in _rules(cfg, options.specs_of(cfg) if specs is None else specs):
+    for key, ok, allowed in _rules(cfg, specs):
         section, _, leaf = key.rpartition(".")
         parent = OmegaConf.select(cfg, section)
         if parent is None or leaf not in parent.keys():  # (`in` is False for ??? values)
