@@ -35,6 +35,11 @@ def test_wheel_install_finds_conf_and_experiments(tmp_path: Path):
     experiments = {p.name for p in (REPO / "experiments").glob("*.yaml")}
     assert experiments and experiments <= {p.name for p in (conf / "experiment").glob("*.yaml")}
     assert (conf / "experiment" / "README.md").is_file()
+    # every module of the package, in every room, ships (a sub-package missing from
+    # pyproject's list would install without it)
+    package = REPO / "runner"
+    modules = {p.relative_to(package) for p in package.rglob("*.py")}
+    assert modules <= {p.relative_to(site / "runner") for p in (site / "runner").rglob("*.py")}
     result = subprocess.run(
         [sys.executable, "-m", "runner", "model=tiny", "data=synthetic", "precision=o1",
          "dry_run=true"],
