@@ -4,8 +4,7 @@ precision level.
 It composes the config exactly as `python -m runner` does (same config tree, same overrides; a bad
 override or value exits 2 with the message and no traceback, before anything is built), then
 trains a few steps (`--steps`, default 3) of the configured model on the configured data in fp32
-(O0, whatever `precision=` says: the point is to see the values before any format rounds them;
-its few batches are loaded in this process, `trainer.num_workers` is set to 0),
+(O0, whatever `precision=` says: the point is to see the values before any format rounds them),
 with the range probe of `runner.measure.diagnostics` on every step and the judging formats fp16, bf16,
 fp8 e4m3 (activations) and fp8 e5m2 (gradients). It prints:
 
@@ -364,6 +363,7 @@ def compose(overrides: Sequence[str]):
 def run(cfg, overrides: Sequence[str], steps: int, out: Path) -> Preflight:
     """The pre-flight of `cfg`: checked like a run (ConfigError before anything is built), then
     measured in fp32 in an MLflow run tagged `diagnose`."""
+    import contextlib
     import dataclasses
 
     from runner.precision import resolve
@@ -373,45 +373,44 @@ def run(cfg, overrides: Sequence[str], steps: int, out: Path) -> Preflight:
     from runner.tracking import tags as tag
     from runner.tracking.lifecycle import Tracker
 
-    # a few batches: loaded in this process. (Persistent DataLoader workers ignore SIGTERM, so
-    # a pool still alive when the interpreter exits would block multiprocessing's exit handler.)
-    cfg.trainer.num_workers = 0
     plan = make_plan(cfg)  # the run as asked for must be valid
     device = plan.device
     fp32 = resolve("O0", device=device)
     tracker = Tracker.from_config(cfg.mlflow)
     measured = dataclasses.replace(plan, resolution=fp32, resume=None)  # the same run, in fp32
-    parts = app.build(measured)
-    target = str(cfg.precision.preset)
-    params = app.config_params(measured)
-    params["diagnose.steps"] = str(steps)
-    tags = app.environment_tags(device)
-    tags.update({tag.DIAGNOSE: "true", tag.DIAGNOSE_TARGET: target,
-                 tag.OVERRIDES: " ".join(overrides),
-                 tag.COMMAND: " ".join(["python -m runner.diagnose", *sys.argv[1:]])})
-    tags.update({str(k): str(v) for k, v in cfg.mlflow.tags.items()})
-    name = cfg.mlflow.run_name or f"{options.label(cfg.model)}-diagnose"
-    out.mkdir(parents=True, exist_ok=True)
-    with tracker.start_run(name, params, tags) as tracked:
-        trainer = parts.trainer(cfg.trainer, device, RunContext(on_metrics=tracked.log_metrics))
-        title = (f"Range pre-flight: {options.label(cfg.model)} on {options.label(cfg.data)}, batch "
-                 f"{cfg.trainer.batch_size}, {steps} fp32 training steps on {device.type} "
-                 f"(asked for precision={target})")
-        result, text, paths = preflight(trainer, steps, out, title, device.type)
-        print()
-        print(text, end="")
-        summary = {"diagnose_fp16_loss_scale": result.loss_scale or math.nan,
-                   "diagnose_fp16_grad_underflow_frac_at_scale":
-                       math.nan if result.underflow_at_scale is None else result.underflow_at_scale}
-        if trainer.memory_parts is not None:
-            summary.update(trainer.memory_parts.metrics())
-        tracked.log_metrics(summary, steps)
-        tracked.set_tag(tag.DIAGNOSE_RECOMMENDED, result.preset)
-        tracked.set_tag(tag.DIAGNOSE_KEEP_FP32, ", ".join(result.keep_fp32) or "none")
-        for path in paths:
-            tracked.log_file(path, "diagnostics")
-    print(f"\nWrote {', '.join(str(p) for p in paths)}; logged them on MLflow run {name!r} "
-          f"({tracked.run_id}).\n{tracker.hint()}")
+    with contextlib.closing(app.build(measured)) as parts:  # its workers end with it
+        target = str(cfg.precision.preset)
+        params = app.config_params(measured)
+        params["diagnose.steps"] = str(steps)
+        tags = app.environment_tags(device)
+        tags.update({tag.DIAGNOSE: "true", tag.DIAGNOSE_TARGET: target,
+                     tag.OVERRIDES: " ".join(overrides),
+                     tag.COMMAND: " ".join(["python -m runner.diagnose", *sys.argv[1:]])})
+        tags.update({str(k): str(v) for k, v in cfg.mlflow.tags.items()})
+        name = cfg.mlflow.run_name or f"{options.label(cfg.model)}-diagnose"
+        out.mkdir(parents=True, exist_ok=True)
+        with tracker.start_run(name, params, tags) as tracked:
+            trainer = parts.trainer(cfg.trainer, device,
+                                    RunContext(on_metrics=tracked.log_metrics))
+            title = (f"Range pre-flight: {options.label(cfg.model)} on "
+                     f"{options.label(cfg.data)}, batch {cfg.trainer.batch_size}, {steps} fp32 "
+                     f"training steps on {device.type} (asked for precision={target})")
+            result, text, paths = preflight(trainer, steps, out, title, device.type)
+            print()
+            print(text, end="")
+            underflow = result.underflow_at_scale
+            summary = {"diagnose_fp16_loss_scale": result.loss_scale or math.nan,
+                       "diagnose_fp16_grad_underflow_frac_at_scale":
+                           math.nan if underflow is None else underflow}
+            if trainer.memory_parts is not None:
+                summary.update(trainer.memory_parts.metrics())
+            tracked.log_metrics(summary, steps)
+            tracked.set_tag(tag.DIAGNOSE_RECOMMENDED, result.preset)
+            tracked.set_tag(tag.DIAGNOSE_KEEP_FP32, ", ".join(result.keep_fp32) or "none")
+            for path in paths:
+                tracked.log_file(path, "diagnostics")
+        print(f"\nWrote {', '.join(str(p) for p in paths)}; logged them on MLflow run {name!r} "
+              f"({tracked.run_id}).\n{tracker.hint()}")
     return result
 
 

@@ -8,10 +8,13 @@ traceback. This module is imported only for a real run (the dry run never loads 
 """
 from __future__ import annotations
 
+import atexit
 import itertools
+import logging
 import os
 import pickle
 import signal
+import weakref
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
@@ -29,6 +32,8 @@ from runner.config import options
 from runner.config import targets
 from runner.config.options import DATASET_NAMES
 from runner.errors import ConfigError, DataError
+
+log = logging.getLogger(__name__)
 
 # Per-channel statistics of the training sets (the values the literature normalises with).
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
@@ -429,6 +434,55 @@ def _ignore_stop_signals(worker_id: int) -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
+# Every loader with worker processes this process built: at exit, whatever is still alive of them
+# is ended before multiprocessing's own exit handler would wait on it (see shutdown_workers).
+_WORKER_LOADERS: "weakref.WeakSet[DataLoader]" = weakref.WeakSet()
+_EXIT_HOOK = False
+WORKER_EXIT_TIMEOUT_S = 10.0  # how long a worker may take to end before it is killed
+
+
+def shutdown_workers(*loaders: DataLoader) -> None:
+    """End the worker processes of `loaders` now. Persistent workers live as long as their loader,
+    and a loader can outlive its run (a reference cycle keeps it until Python's cyclic collector
+    runs, which an exiting interpreter never does before its exit handlers). Since the workers
+    ignore SIGTERM (`_ignore_stop_signals`), multiprocessing's exit handler, which terminates
+    and then joins them, would wait on them forever. Each worker is asked to end, joined within
+    `WORKER_EXIT_TIMEOUT_S`, and killed (SIGKILL, with a warning) if it did not."""
+    for loader in loaders:
+        iterator = getattr(loader, "_iterator", None)  # the persistent workers' iterator
+        if iterator is None:
+            continue
+        loader._iterator = None
+        workers = list(getattr(iterator, "_workers", ()))
+        shutdown = getattr(iterator, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()  # torch's own: sends each worker its end, joins them
+        for worker in workers:
+            worker.join(timeout=WORKER_EXIT_TIMEOUT_S)
+            if worker.is_alive():
+                log.warning("DataLoader worker %s did not end within %.0f s; killing it",
+                            worker.pid, WORKER_EXIT_TIMEOUT_S)
+                worker.kill()
+                worker.join(timeout=WORKER_EXIT_TIMEOUT_S)
+
+
+def _end_workers_at_exit() -> None:
+    shutdown_workers(*list(_WORKER_LOADERS))
+
+
+def _track_workers(*loaders: DataLoader) -> None:
+    """Remember `loaders` for the exit hook, registered once, after multiprocessing's own (exit
+    handlers run last-registered first, so this one runs before multiprocessing's)."""
+    global _EXIT_HOOK
+    for loader in loaders:
+        _WORKER_LOADERS.add(loader)
+    if not _EXIT_HOOK:
+        import multiprocessing.util  # noqa: F401  (its exit handler registered before ours)
+
+        atexit.register(_end_workers_at_exit)
+        _EXIT_HOOK = True
+
+
 def build_loaders(
     bundle: DataBundle, batch_size: int, num_workers: int, device_type: str, seed: int,
     rank: int = 0, world_size: int = 1,
@@ -450,4 +504,6 @@ def build_loaders(
     train = DataLoader(bundle.train, sampler=train_sampler, **common)
     val = DataLoader(bundle.val, sampler=ShardSampler(len(bundle.val), rank, world_size),
                      **common)
+    if int(num_workers) > 0:
+        _track_workers(train, val)
     return train, val

@@ -165,8 +165,7 @@ def run(
 
 def train(plan: RunPlan, comm: Comm, device: torch.device, launch: Launch) -> float:
     """`run`'s second half on this rank's `device`: build, record and track (rank 0), train."""
-    from runner.tracking.lifecycle import Tracker, null_run
-    from runner.run.trainer import RunContext
+    from runner.tracking.lifecycle import Tracker
 
     cfg = plan.cfg
     # only rank 0 talks to the store; its failure (an unreachable server) stops every rank
@@ -174,6 +173,21 @@ def train(plan: RunPlan, comm: Comm, device: torch.device, launch: Launch) -> fl
     if comm.is_main:
         tracker.reap()  # the experiment's RUNNING runs whose process is gone end KILLED
     parts = build(plan, device, comm)
+    try:
+        return train_parts(plan, comm, device, launch, tracker, parts)
+    finally:
+        # the loaders' worker processes end with the run, whatever may still hold the loaders
+        # (a reference cycle, an exception's traceback): see components.data.shutdown_workers
+        parts.close()
+
+
+def train_parts(plan: RunPlan, comm: Comm, device: torch.device, launch: Launch, tracker,
+                parts: Parts) -> float:
+    """`train` once the parts are built: record, track (rank 0) and fit."""
+    from runner.run.trainer import RunContext
+    from runner.tracking.lifecycle import null_run
+
+    cfg = plan.cfg
     if plan.resume is not None:  # the checkpoint must fit what was built, before its run reopens
         plan.resume.check_fits(parts, comm.world_size)
     resolution = Resolution(plan.properties, [*plan.resolution.findings, *parts.findings])

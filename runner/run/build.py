@@ -14,7 +14,13 @@ import torch
 from omegaconf import DictConfig
 
 from runner import csrc
-from runner.components.data import build_datasets, build_loaders, declared_input, declared_num_classes
+from runner.components.data import (
+    build_datasets,
+    build_loaders,
+    declared_input,
+    declared_num_classes,
+    shutdown_workers,
+)
 from runner.components.losses import build_loss
 from runner.components.models import build_model, check_output
 from runner.components.optim import build_optimizer, build_scheduler
@@ -52,6 +58,10 @@ class Parts:
     memory: Any  # runner.measure.probes.MemoryProbe, reset before the model was built
     findings: list[Finding] = field(default_factory=list)  # about the built model (info only)
     criterion: torch.nn.Module = field(default_factory=torch.nn.CrossEntropyLoss)  # the loss
+
+    def close(self) -> None:
+        """End the loaders' worker processes (a run's last step; safe to repeat)."""
+        shutdown_workers(self.train_loader, self.val_loader)
 
     def trainer(self, cfg: Any, device: torch.device, context: RunContext,
                 model: Optional[torch.nn.Module] = None) -> Trainer:
