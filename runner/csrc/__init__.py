@@ -11,15 +11,19 @@ torch's own ops instead: which backend runs is printed at start and logged as
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -110,45 +114,102 @@ _LOADED: dict[str, Kernels] = {}
 _FAILED: dict[str, str] = {}
 
 
+BUILT_MARK = "built.sha256"  # in a build folder: the SHA-256 of the module that was built there
+
+
 def build(backend: str, verbose: bool = False) -> Kernels:
-    """Compile (or load from the cache) one backend; raises KernelBuildError with the reason."""
+    """Compile (or load from the cache) one backend; raises KernelBuildError with the reason.
+
+    The cache is content-addressed: a build folder is named by the sources' and flags' digest
+    (`_module_name`) under the torch build and Python version (`cache_dir`), and the build
+    compiles a copy of the sources kept in that folder. A module built there, by any checkout or
+    virtualenv, is loaded as it is (no compiler, no ninja); `BUILT_MARK` holds its digest, written
+    once it is complete, so a half-written module is never loaded (it is built again). Concurrent
+    first builds (a sweep's parallel jobs, two terminals) take a lock on the folder: one builds,
+    the others wait and load what it built. The lock is the kernel's (fcntl), released when its
+    holder exits, however it exits."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown kernel backend {backend!r}; expected one of {BACKENDS}")
     if backend in _LOADED:
         return _LOADED[backend]
-    from torch.utils import cpp_extension
-
     name = _module_name(backend)
-    # one build folder per source version: checkouts of different sources (branches, worktrees)
-    # sharing the cache never rebuild over each other's objects
     directory = cache_dir(backend) / name
     directory.mkdir(parents=True, exist_ok=True)
-    fresh = not any(directory.glob(f"{name}*.so"))
-    if fresh:
-        log.info("Building amp-runner's %s kernels into %s (once; about a minute)",
-                 backend, directory)
-    started = time.perf_counter()
     try:
-        if backend == "cuda":
-            _check_cuda_home()
-        module = cpp_extension.load(
-            name=name,
-            sources=[str(SOURCE_DIR / s) for s in SOURCES[backend]],
-            build_directory=str(directory),
-            with_cuda=backend == "cuda",
-            verbose=verbose,
-            **build_flags(backend),
-        )
+        with _folder_lock(directory):
+            module = _load_built(name, directory) or _compile(backend, name, directory, verbose)
     except KernelBuildError:
         raise
     except Exception as error:  # compiler missing, compile error, ninja missing, ...
         raise KernelBuildError(f"{type(error).__name__}: {_last_lines(str(error))}") from error
-    if fresh:
-        log.info("Built the %s kernels in %.0f s", backend, time.perf_counter() - started)
     kernels = Kernels(name=backend, ops=module,
                       device_type="cuda" if backend == "cuda" else "cpu")
     _LOADED[backend] = kernels
     return kernels
+
+
+@contextlib.contextmanager
+def _folder_lock(directory: Path) -> Iterator[None]:
+    with open(directory / ".lock", "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("Waiting for another process building the kernels in %s", directory)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _library(name: str, directory: Path) -> Path:
+    from torch.utils import cpp_extension
+
+    return directory / f"{name}{cpp_extension.LIB_EXT}"
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _load_built(name: str, directory: Path) -> Optional[ModuleType]:
+    """The module a complete earlier build left in `directory`, imported; None when there is
+    none (or an incomplete one: its digest does not match the mark)."""
+    library, mark = _library(name, directory), directory / BUILT_MARK
+    if not (library.is_file() and mark.is_file()) or mark.read_text().strip() != _digest(library):
+        return None
+    spec = importlib.util.spec_from_file_location(name, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _compile(backend: str, name: str, directory: Path, verbose: bool) -> ModuleType:
+    """Build `name` from a copy of the sources in `directory` (the same paths whichever
+    checkout built it), then mark it complete."""
+    from torch.utils import cpp_extension
+
+    if backend == "cuda":
+        _check_cuda_home()
+    log.info("Building amp-runner's %s kernels into %s (once; about a minute)", backend,
+             directory)
+    started = time.perf_counter()
+    (directory / BUILT_MARK).unlink(missing_ok=True)
+    copies = directory / "src"
+    copies.mkdir(exist_ok=True)
+    for source in (*HEADERS, *SOURCES[backend]):
+        shutil.copyfile(SOURCE_DIR / source, copies / source)
+    module = cpp_extension.load(
+        name=name,
+        sources=[str(copies / s) for s in SOURCES[backend]],
+        build_directory=str(directory),
+        with_cuda=backend == "cuda",
+        verbose=verbose,
+        **build_flags(backend),
+    )
+    (directory / BUILT_MARK).write_text(_digest(_library(name, directory)) + "\n")
+    log.info("Built the %s kernels in %.0f s", backend, time.perf_counter() - started)
+    return module
 
 
 def cuda_toolkit() -> Optional[str]:
