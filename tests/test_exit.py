@@ -48,6 +48,18 @@ def test_the_issue_command_exits_with_diagnostics_and_workers(tmp_path):
     assert proc.returncode == 0, output
 
 
+@pytest.mark.parametrize("feature, name", [
+    (["trainer.compile=true", "precision=o1_bf16"], "tiny-O1-bf16-compiled"),  # inductor
+    (["model=vit_tiny", "precision=o1_fp8"], "vit_tiny-O1-fp8"),  # torchao fp8, emulated
+], ids=["compile", "fp8"])
+def test_compiled_and_fp8_runs_exit_with_workers(tmp_path, feature, name):
+    proc = start_cli(*WITH_WORKERS, *feature, "trainer.max_epochs=1",
+                     "trainer.limit_train_batches=2", "trainer.limit_val_batches=1",
+                     f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}", cwd=tmp_path)
+    output = _ends_after(proc, "Finished", " ".join(feature))
+    assert proc.returncode == 0 and f"Finished {name}:" in output, output
+
+
 def test_a_resumed_run_exits_with_workers(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     first = start_cli(*WITH_WORKERS, "trainer.max_epochs=1", f"mlflow.tracking_uri={uri}",

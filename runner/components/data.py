@@ -9,6 +9,7 @@ traceback. This module is imported only for a real run (the dry run never loads 
 from __future__ import annotations
 
 import atexit
+import functools
 import itertools
 import logging
 import os
@@ -24,9 +25,6 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
-from torchvision import datasets
-from torchvision import transforms as T
-from torchvision.datasets import CIFAR10, CIFAR100
 
 from runner.config import options
 from runner.config import targets
@@ -193,12 +191,20 @@ class _PresenceCheck:
         self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
 
 
-class CheckedCIFAR10(_PresenceCheck, CIFAR10):
-    pass
+@functools.cache
+def _checked(name: str) -> type:
+    """torchvision's CIFAR class with the presence check; torchvision (over a second to import:
+    it loads its models, which load torch._dynamo) is imported only by runs that read CIFAR."""
+    from torchvision.datasets import CIFAR10, CIFAR100
+
+    base = {"CheckedCIFAR10": CIFAR10, "CheckedCIFAR100": CIFAR100}[name]
+    return type(name, (_PresenceCheck, base), {"__module__": __name__})
 
 
-class CheckedCIFAR100(_PresenceCheck, CIFAR100):
-    pass
+def __getattr__(name: str) -> Any:
+    if name in ("CheckedCIFAR10", "CheckedCIFAR100"):
+        return _checked(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def missing_cifar_files(cls: type, root: str) -> List[str]:
@@ -224,7 +230,9 @@ def _check_root(cfg: Any) -> str:
 def build_cifar(cfg: Any) -> DataBundle:
     name = str(getattr(cfg, "name"))
     root = _check_root(cfg)
-    cls = CheckedCIFAR10 if name == "cifar10" else CheckedCIFAR100
+    from torchvision import transforms as T
+
+    cls = _checked("CheckedCIFAR10" if name == "cifar10" else "CheckedCIFAR100")
     mean, std = (CIFAR10_MEAN, CIFAR10_STD) if name == "cifar10" else (CIFAR100_MEAN, CIFAR100_STD)
     image_size = int(getattr(cfg, "image_size", 32))
     download = bool(getattr(cfg, "download", False))
@@ -274,6 +282,9 @@ def build_imagefolder(cfg: Any) -> DataBundle:
         raise DataError(
             f"data.root={root} does not exist (expected {root}/<split>/<class>/<image>)"
         )
+    from torchvision import datasets
+    from torchvision import transforms as T
+
     image_size = int(getattr(cfg, "image_size", 224))
     norm = [T.ToTensor(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
     resize = [T.Resize(int(image_size * 256 / 224)), T.CenterCrop(image_size)]
