@@ -15,9 +15,15 @@ import pytest
 from runner import csrc
 from tests.conftest import REPO
 
-PROBE = ("import logging, sys\n"
+PROBE = ("import logging, os, sys\n"
          "logging.basicConfig(level=logging.INFO, stream=sys.stdout, format='%(message)s')\n"
          "from runner import csrc\n"
+         # as if this process had built the same module name from another cache folder before:
+         # torch's builder then names the library <name>_v1.so
+         "if os.environ.get('SAME_NAME_BUILT_BEFORE'):\n"
+         "    from torch.utils import cpp_extension, _cpp_extension_versioner as versioner\n"
+         "    cpp_extension.JIT_EXTENSION_VERSIONER.entries[csrc._module_name('cpp')] = "
+         "versioner.Entry(0, 1)\n"
          "kernels = csrc.build('cpp')\n"
          "print('loaded', kernels.ops.__file__, csrc.__file__)\n")
 
@@ -60,11 +66,21 @@ def test_two_checkouts_build_once_and_share_the_module(tmp_path):
     later = _finish(_start(a, cache, CXX=str(tmp_path / "no-such-compiler")))
     assert "Building" not in later and f"loaded {loaded[0]}" in later, later
 
-    # a module not marked complete (a builder killed while linking) is built again
-    (Path(loaded[0]).parent / csrc.BUILT_MARK).unlink()
-    again = _finish(_start(b, cache))
+    # a module not marked complete (a builder killed while linking) is built again; here by a
+    # process that had built the same module name before (from another folder), so torch names
+    # the library <name>_v1.so: the mark records the file that was built (CI saw a lookup of
+    # <name>.so fail when one pytest process built the CUDA kernels in two cache folders)
+    folder = Path(loaded[0]).parent
+    (folder / csrc.BUILT_MARK).unlink()
+    again = _finish(_start(b, cache, SAME_NAME_BUILT_BEFORE="1"))
     assert "Building amp-runner's cpp kernels" in again, again
-    assert (Path(loaded[0]).parent / csrc.BUILT_MARK).is_file()
+    rebuilt = [line.split()[1] for line in again.splitlines() if line.startswith("loaded")]
+    assert rebuilt == [str(folder / f"{folder.name}_v1.so")], again
+    assert (folder / csrc.BUILT_MARK).read_text().split() == [csrc._digest(Path(rebuilt[0])),
+                                                              Path(rebuilt[0]).name]
+    # and a later process loads that file as it is, without a compiler
+    last = _finish(_start(a, cache, CXX=str(tmp_path / "no-such-compiler")))
+    assert "Building" not in last and f"loaded {rebuilt[0]}" in last, last
 
 
 def test_the_cache_folder_is_named_by_content_not_by_checkout(tmp_path, monkeypatch):

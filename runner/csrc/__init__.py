@@ -174,11 +174,22 @@ def _digest(path: Path) -> str:
 
 def _load_built(name: str, directory: Path) -> Optional[ModuleType]:
     """The module a complete earlier build left in `directory`, imported; None when there is
-    none (or an incomplete one: its digest does not match the mark)."""
-    library, mark = _library(name, directory), directory / BUILT_MARK
-    if not (library.is_file() and mark.is_file()) or mark.read_text().strip() != _digest(library):
+    none (or an incomplete one: its digest does not match the mark).
+
+    The mark holds "<sha256> <file name>": torch's builder names the library `<name>_v1.so` (and
+    so on) when one process builds the same module name twice (from two cache folders), so the
+    file that was built is recorded, not guessed."""
+    mark = directory / BUILT_MARK
+    if not mark.is_file():
         return None
-    spec = importlib.util.spec_from_file_location(name, library)
+    fields = mark.read_text().split()
+    if not fields:
+        return None
+    library = directory / fields[1] if len(fields) > 1 else _library(name, directory)
+    if library.parent != directory or not library.is_file() or fields[0] != _digest(library):
+        return None
+    module_name = library.name.split(".")[0]  # its PyInit_ symbol is named after the file
+    spec = importlib.util.spec_from_file_location(module_name, library)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -207,7 +218,8 @@ def _compile(backend: str, name: str, directory: Path, verbose: bool) -> ModuleT
         verbose=verbose,
         **build_flags(backend),
     )
-    (directory / BUILT_MARK).write_text(_digest(_library(name, directory)) + "\n")
+    library = Path(module.__file__)
+    (directory / BUILT_MARK).write_text(f"{_digest(library)} {library.name}\n")
     log.info("Built the %s kernels in %.0f s", backend, time.perf_counter() - started)
     return module
 
