@@ -22,6 +22,7 @@ side and their ratio, runner / hand-written.
     python benchmarks/overhead.py                       # CPU: o0, o1_bf16, o2_bf16
     python benchmarks/overhead.py --device cuda         # GPU: o0, o1, o2 (fp16)
     python benchmarks/overhead.py --levels o0 --rounds 5 --model tiny
+    python benchmarks/overhead.py --startup             # start-up: whole processes (startup.py)
 
 Targets (issue 7): ratio <= 1.03 for O0 and O1 (bf16 on CPU), ResNet-18 on 32x32 inputs at batch
 64, CPU and GPU; O2: the runner faster than the stock loop (ratio < 1). Exit 0 whatever the
@@ -225,6 +226,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--extra", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
                    help="more Hydra overrides for the runner's config, applied last "
                    "(e.g. optimizer=adamw); the hand-written loop takes the same settings")
+    p.add_argument("--startup", action="store_true",
+                   help="measure start-up instead: whole-process wall time of a tiny run against "
+                   "a hand-written loop (benchmarks/startup.py; its own options follow)")
     add_threads_option(p)
     args = p.parse_args(argv)
     apply_threads(p, args)
@@ -446,6 +450,10 @@ def write_outputs(out: Path, report: dict) -> list[Path]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--startup" in argv:  # whole processes instead of steps: benchmarks/startup.py
+        import startup
+
+        return startup.main([a for a in argv if a != "--startup"])
     args = parse_args(argv)
     load_start = load_average()
     started = time.perf_counter()

@@ -56,6 +56,9 @@ def all_runs(uri: str):
 
 @pytest.mark.parametrize("level", ["o0", "o1", "o2", "o3"])
 def test_each_level_trains_and_logs_the_contract(level, tracking_uri):
+    from runner import csrc
+
+    csrc.build("cpp")  # built before: a single run on an empty cache would step with torch's ops
     cfg = compose_config(*FAST, f"precision={level}", f"mlflow.tracking_uri={tracking_uri}")
     best = app.run(cfg, overrides=[f"precision={level}"])
 

@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -92,3 +93,111 @@ def test_the_cache_folder_is_named_by_content_not_by_checkout(tmp_path, monkeypa
     assert csrc._module_name("cpp") == name
     (copy / "cpu.cpp").write_text((copy / "cpu.cpp").read_text() + "\n// changed\n")
     assert csrc._module_name("cpp") != name
+
+
+# ---- a first run does not wait for the compiler ----------------------------------------------
+def _kernels_param(uri: str, run_name: str) -> str:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name("amp-runner")
+    (run,) = client.search_runs([experiment.experiment_id],
+                                filter_string=f"attributes.run_name = '{run_name}'")
+    assert run.info.status == "FINISHED"
+    return run.data.params["precision.kernels"]
+
+
+@pytest.mark.slow
+def test_a_first_run_builds_the_kernels_in_the_background(tmp_path, monkeypatch):
+    """On an empty kernel cache a single run starts the build in a background process and trains
+    on torch's ops meanwhile (logged as precision.kernels=torch, and said); it exits while the
+    compiler still works; once that build is complete, the next run loads the kernels."""
+    from tests.conftest import FAST, run_cli
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("AMP_RUNNER_KERNEL_CACHE", str(cache))
+    folder = csrc.cache_dir("cpp") / csrc._module_name("cpp")
+    args = [*FAST, "trainer.max_epochs=1", "precision=o2_bf16",
+            f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"]
+    first = run_cli(*args, "mlflow.run_name=first", cwd=tmp_path)
+    out = first.stdout + first.stderr
+    assert first.returncode == 0, out
+    assert "kernels are not built yet: a background process" in out, out
+    assert not (folder / csrc.BUILT_MARK).exists(), "the run waited for the build"
+    assert _kernels_param(f"sqlite:///{tmp_path / 'mlflow.db'}", "first") == "torch"
+
+    deadline = time.monotonic() + 900
+    while not (folder / csrc.BUILT_MARK).exists() and time.monotonic() < deadline:
+        time.sleep(2)
+    log = (folder / csrc.BACKGROUND_LOG).read_text()
+    assert (folder / csrc.BUILT_MARK).exists(), log
+    assert "cpp: ready" in log or "Built the cpp kernels" in log, log
+    time.sleep(1)  # the builder prints its last line after the mark
+
+    second = run_cli(*args, "mlflow.run_name=second", cwd=tmp_path)
+    out = second.stdout + second.stderr
+    assert second.returncode == 0 and "background" not in out, out
+    assert _kernels_param(f"sqlite:///{tmp_path / 'mlflow.db'}", "second") == "cpp"
+
+
+def test_a_failed_background_build_is_remembered(tmp_path, monkeypatch, caplog):
+    """A background build that fails (no compiler) leaves its reason in the cache folder: later
+    runs warn with it and start no build of their own; a build asked for by hand tries again."""
+    monkeypatch.setattr(csrc, "_LOADED", {})
+    monkeypatch.setattr(csrc, "_FAILED", {})
+    monkeypatch.setenv("AMP_RUNNER_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    folder = csrc.cache_dir("cpp") / csrc._module_name("cpp")
+    with caplog.at_level("INFO", logger="runner.csrc"):
+        assert csrc.load("cpu", "auto", wait=False) is None
+    assert "a background process" in caplog.text
+    deadline = time.monotonic() + 300
+    while not (folder / csrc.FAILED_MARK).exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert "no-such-compiler" in (folder / csrc.FAILED_MARK).read_text(), \
+        (folder / csrc.BACKGROUND_LOG).read_text()
+
+    caplog.clear()
+    monkeypatch.setattr(csrc, "_FAILED", {})  # a new process
+    with caplog.at_level("INFO", logger="runner.csrc"):
+        assert csrc.load("cpu", "auto", wait=False) is None
+        assert csrc.load("cpu", "auto", wait=False) is None
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "could not be built" in warnings[0], caplog.text
+    assert "no-such-compiler" in warnings[0] and "background process" not in caplog.text
+
+    by_hand = subprocess.run([sys.executable, "-m", "runner.csrc", "build", "--backend", "cpp"],
+                             capture_output=True, text=True, timeout=300)
+    assert by_hand.returncode == 1 and "no-such-compiler" in by_hand.stderr
+    assert not (folder / csrc.FAILED_MARK).exists()  # only a background build records a failure
+
+
+def test_a_build_in_progress_is_not_waited_for(tmp_path, monkeypatch, caplog):
+    """While another process holds the build folder's lock (it is compiling), a single run uses
+    torch's ops at once and starts no second build."""
+    import fcntl
+
+    monkeypatch.setattr(csrc, "_LOADED", {})
+    monkeypatch.setattr(csrc, "_FAILED", {})
+    monkeypatch.setenv("AMP_RUNNER_KERNEL_CACHE", str(tmp_path / "cache"))
+    folder = csrc.cache_dir("cpp") / csrc._module_name("cpp")
+    folder.mkdir(parents=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, sys, time\n"
+         f"f = open({str(folder / '.lock')!r}, 'a+'); fcntl.flock(f, fcntl.LOCK_EX)\n"
+         "print('held', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        started = time.monotonic()
+        with caplog.at_level("INFO", logger="runner.csrc"):
+            assert csrc.load("cpu", "auto", wait=False) is None
+        assert time.monotonic() - started < 5
+        assert "being built by another process" in caplog.text
+        assert not (folder / csrc.BACKGROUND_LOG).exists()
+        with open(folder / ".lock", "a+") as probe:  # the holder still has it: nothing waited
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        holder.kill()
+        holder.wait()

@@ -2,10 +2,11 @@
 
 Both backends expose the same functions (see `ops.h`): `unscale_check`, `check_finite`,
 `l2norm`, `copy_scale`, `sgd_step`, `adam_step`, and for bf16 weights without fp32 masters
-`stochastic_round`, `sgd_step_sr`, `adam_step_sr` (see runner/precision/rounding.py). They are compiled on first use with
-`torch.utils.cpp_extension.load` (ninja) into a per-user cache, reused by later runs and rebuilt
-when a source file or a compiler flag changes; `python -m runner.csrc build` builds them ahead of
-time. When a build fails (no compiler, no CUDA toolkit), `load` says why and the engine uses
+`stochastic_round`, `sgd_step_sr`, `adam_step_sr` (see runner/precision/rounding.py). They are
+compiled with `torch.utils.cpp_extension.load` (ninja) into a per-user cache keyed by content,
+reused by later runs and rebuilt when a source file or a compiler flag changes: on first use, by a
+background process that a single run starts without waiting for it (`load(..., wait=False)`),
+or ahead of time by `python -m runner.csrc build`. When a build fails (no compiler, no CUDA toolkit), `load` says why and the engine uses
 torch's own ops instead: which backend runs is printed at start and logged as
 `precision.kernels` (cuda | cpp | torch).
 """
@@ -257,11 +258,19 @@ def _last_lines(text: str, n: int = 12) -> str:
     return "\n".join(lines[-n:])
 
 
-def load(device: torch.device | str, choice: str = "auto") -> Optional[Kernels]:
+FAILED_MARK = "failed.txt"  # in a build folder: why its last background build failed
+BACKGROUND_LOG = "build.log"  # in a build folder: the background builder's output
+
+
+def load(device: torch.device | str, choice: str = "auto", *,
+         wait: bool = True) -> Optional[Kernels]:
     """The kernels for `device`'s tensors per `choice` (see CHOICES): None means torch's ops.
 
     With "auto" a failed build logs one warning (why, and how to fix it) and returns None; with
-    "fused" it raises KernelBuildError.
+    "fused" it raises KernelBuildError. With "auto" and `wait=False` (a single run: its first
+    run ever should not wait a minute for a compiler), kernels not built yet are built by a
+    background process (`start_background_build`) while this run steps with torch's ops, and
+    the next run loads them; "fused" always waits for the build.
     """
     if choice not in CHOICES:
         raise ValueError(f"precision.kernels={choice!r}; expected one of {CHOICES}")
@@ -270,20 +279,95 @@ def load(device: torch.device | str, choice: str = "auto") -> Optional[Kernels]:
     backend = backend_for(device)
     if backend in _FAILED and choice == "auto":
         return None
+    if choice == "auto" and not wait and backend not in _LOADED:
+        ready = _load_if_built(backend)
+        if ready is None:
+            return None
     try:
         return build(backend)
     except KernelBuildError as error:
         if choice == "fused":
             raise
-        _FAILED[backend] = str(error)
-        log.warning(
-            "amp-runner's fused %s kernels could not be built, so the engine uses torch's own "
-            "ops (slower: more passes over the parameters). Why:\n%s\nTo fix: install a C++ "
-            "compiler and ninja%s, then run `python -m runner.csrc build` to see the full log; "
-            "precision.kernels=torch silences this.", backend, error,
-            " and point CUDA_HOME at the CUDA toolkit (the folder holding bin/nvcc)"
-            if backend == "cuda" else "")
+        _warn_failed(backend, str(error))
         return None
+
+
+def _warn_failed(backend: str, reason: str) -> None:
+    _FAILED[backend] = reason
+    log.warning(
+        "amp-runner's fused %s kernels could not be built, so the engine uses torch's own "
+        "ops (slower: more passes over the parameters). Why:\n%s\nTo fix: install a C++ "
+        "compiler and ninja%s, then run `python -m runner.csrc build` to see the full log; "
+        "precision.kernels=torch silences this.", backend, reason,
+        " and point CUDA_HOME at the CUDA toolkit (the folder holding bin/nvcc)"
+        if backend == "cuda" else "")
+
+
+def _load_if_built(backend: str) -> Optional[Kernels]:
+    """The kernels when a complete build is in the cache (loaded now: `build` finds them);
+    otherwise None, having started a background build, or found one running, or found why the
+    last one failed (warned once)."""
+    name = _module_name(backend)
+    directory = cache_dir(backend) / name
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / ".lock", "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("amp-runner's %s kernels are being built by another process (%s); this run "
+                     "uses torch's ops, later runs the kernels.", backend, directory)
+            return None
+        try:
+            module = _load_built(name, directory)
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+    if module is not None:
+        _LOADED[backend] = Kernels(name=backend, ops=module,
+                                   device_type="cuda" if backend == "cuda" else "cpu")
+        return _LOADED[backend]
+    failed = directory / FAILED_MARK
+    if failed.is_file():
+        _warn_failed(backend, f"{failed.read_text().strip()}\n(the last build's log: "
+                              f"{directory / BACKGROUND_LOG})")
+        return None
+    pid = start_background_build(backend, directory)
+    log.warning("amp-runner's fused %s kernels are not built yet: a background process (pid %d, "
+                "log %s) builds them now, once for every later run (about a minute); this run "
+                "steps with torch's own ops (precision.kernels is logged as torch). "
+                "precision.kernels=fused waits for the build instead; `python -m runner.csrc "
+                "build` builds ahead of time.", backend, pid, directory / BACKGROUND_LOG)
+    return None
+
+
+def start_background_build(backend: str, directory: Path) -> int:
+    """Start `python -m runner.csrc build --backend <backend> --background`: its own session (a
+    Ctrl-C or the end of the run does not stop it), the lowest CPU priority, output to
+    `<directory>/build.log`; returns its pid. It takes the folder's lock, so a run that starts
+    meanwhile sees the build in progress and never loads a half-written module."""
+    import subprocess
+    import sys
+
+    package_root = str(SOURCE_DIR.parent.parent)  # the folder that holds `runner`
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    with open(directory / BACKGROUND_LOG, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "runner.csrc", "build", "--backend", backend, "--background"],
+            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
+            cwd=directory, start_new_session=True, close_fds=True)
+    return proc.pid
+
+
+def record_background_failure(backend: str, reason: str) -> None:
+    """What a background build that failed leaves for the next runs (they warn, and no longer
+    start builds that fail the same way); `python -m runner.csrc build` clears it."""
+    directory = cache_dir(backend) / _module_name(backend)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / FAILED_MARK).write_text(reason + "\n")
+
+
+def clear_background_failure(backend: str) -> None:
+    (cache_dir(backend) / _module_name(backend) / FAILED_MARK).unlink(missing_ok=True)
 
 
 def name_of(kernels: Optional[Kernels]) -> str:

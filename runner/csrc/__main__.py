@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 
@@ -22,8 +23,13 @@ def main(argv: list[str] | None = None) -> int:
     build.add_argument("--backend", choices=[*csrc.BACKENDS, "all"], default=None,
                        help="cpp, cuda or all (default: cpp, plus cuda when a toolkit is found)")
     build.add_argument("-v", "--verbose", action="store_true", help="show the compiler output")
+    build.add_argument("--background", action="store_true",
+                       help="as a run starts it when the kernels are not built yet: at the lowest "
+                       "CPU priority, and a failure is recorded for later runs")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.background:
+        os.nice(19)
 
     if args.backend in (None, "all"):
         wanted = ["cpp"]
@@ -34,10 +40,14 @@ def main(argv: list[str] | None = None) -> int:
     failed = False
     for backend in wanted:
         started = time.perf_counter()
+        if not args.background:  # asked for by hand: try again whatever failed before
+            csrc.clear_background_failure(backend)
         try:
             kernels = csrc.build(backend, verbose=args.verbose)
         except csrc.KernelBuildError as error:
             print(f"{backend}: FAILED\n{error}", file=sys.stderr)
+            if args.background:
+                csrc.record_background_failure(backend, str(error))
             failed = True
             continue
         extra = f", arch list {csrc.cuda_arch_list()}" if backend == "cuda" else ""

@@ -172,7 +172,10 @@ def train(plan: RunPlan, comm: Comm, device: torch.device, launch: Launch) -> fl
     tracker = comm.on_main(lambda: Tracker.from_config(cfg.mlflow))
     if comm.is_main:
         tracker.reap()  # the experiment's RUNNING runs whose process is gone end KILLED
-    parts = build(plan, device, comm)
+    # a single run does not wait for a first build of the kernels (torch's ops this once); a
+    # sweep's jobs and a distributed run's ranks wait, so that they all step the same way
+    parts = build(plan, device, comm,
+                  wait_for_kernels=comm.active or tag.PARENT_RUN in launch.extra_tags)
     try:
         return train_parts(plan, comm, device, launch, tracker, parts)
     finally:

@@ -75,11 +75,15 @@ class Parts:
 
 
 def build(plan: RunPlan, device: Optional[torch.device] = None, comm: Optional[Comm] = None,
-          on_model: Optional[Callable[[torch.nn.Module], None]] = None) -> Parts:
+          on_model: Optional[Callable[[torch.nn.Module], None]] = None, *,
+          wait_for_kernels: bool = True) -> Parts:
     """Data, model, optimizer, engine and scheduler as `plan` says, on `device` (default: the
     plan's; a torchrun rank passes its own GPU). Seeds first, so every rank of a distributed run
     builds the same initial weights. `on_model` sees the freshly built model before the engine
-    casts it (a benchmark keeps an fp32 copy of the same weights this way)."""
+    casts it (a benchmark keeps an fp32 copy of the same weights this way). Without
+    `wait_for_kernels`, kernels not built yet are built in the background while this run uses
+    torch's ops (`csrc.load`): for a single run, not for the jobs of a sweep or the ranks of a
+    distributed run, which must all step the same way."""
     cfg = plan.cfg
     device = device or plan.device
     comm = comm or Comm()
@@ -90,7 +94,8 @@ def build(plan: RunPlan, device: Optional[torch.device] = None, comm: Optional[C
     train_loader, val_loader = build_loaders(
         bundle, cfg.trainer.batch_size, cfg.trainer.num_workers, device.type, cfg.trainer.seed,
         rank=comm.rank, world_size=comm.world_size)
-    csrc.load(device, cfg.precision.kernels)  # built or loaded now, so not counted below
+    # built or loaded now, so not counted below
+    kernels = csrc.load(device, cfg.precision.kernels, wait=wait_for_kernels)
     # peak_mem_mb counts the training state (model, optimizer, activations), as on a GPU, where
     # the data and the tracking store live in host memory: on a CPU the baseline is taken after
     # the datasets, the store and the kernels are in memory
@@ -109,7 +114,8 @@ def build(plan: RunPlan, device: Optional[torch.device] = None, comm: Optional[C
         on_model(model)
     findings = shape_findings(cfg, plan.properties, DeviceInfo.from_torch(device), model)
     optimizer = build_optimizer(cfg.optimizer, model.parameters(), plan.specs.get("optimizer"))
-    engine = AmpEngine(plan.properties, device, kernels=cfg.precision.kernels,
+    engine = AmpEngine(plan.properties, device,
+                       kernels=cfg.precision.kernels if kernels is not None else "torch",
                        flag_reducer=distributed.flag_reducer(comm), seed=cfg.trainer.seed)
     model, optimizer = engine.prepare(model, optimizer)  # cast and masters before any DDP wrap
     if engine.fp8 is not None:
