@@ -136,3 +136,38 @@ def test_the_exit_hook_ends_workers_a_reference_cycle_kept(tmp_path):
     out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=EXIT_BOUND_S + 60)
     assert out.returncode == 0 and "workers started" in out.stdout, out.stderr
+
+
+@pytest.mark.parametrize("code, status, printed", [
+    ("raise SystemExit(3)", 3, ""), ("raise SystemExit('no such store')", 1, "no such store"),
+    ("return None", 0, ""), ("raise SystemExit(None)", 0, "")])
+def test_the_process_ends_as_python_would_without_the_teardown(tmp_path, code, status, printed):
+    """`python -m runner` ends with `process_main`: after `cli`, it joins the threads that are
+    not daemons, runs the exit handlers, flushes what is buffered and exits with cli's status (a
+    message: printed, status 1), as Python's own exit does, without tearing every module down."""
+    script = tmp_path / "probe.py"
+    script.write_text(textwrap.dedent(f"""
+        import atexit, sys, threading, time
+        import runner.__main__ as entry
+
+        def fake_cli():
+            atexit.register(lambda: print("exit handler ran", flush=True))
+            def late():
+                time.sleep(0.5)
+                print("thread finished", flush=True)
+            threading.Thread(target=late).start()
+            sys.stdout.write("buffered, no newline")
+            {code}
+
+        entry.cli = fake_cli
+        entry.process_main()
+        print("not reached")
+    """))
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("AMP_RUNNER_FULL_EXIT", None)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert done.returncode == status, done
+    assert "thread finished" in done.stdout and "exit handler ran" in done.stdout, done
+    assert "buffered, no newline" in done.stdout and "not reached" not in done.stdout, done
+    assert printed in done.stderr
