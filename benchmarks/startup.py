@@ -104,7 +104,7 @@ def phases(out: str, start: float, wall: float) -> dict[str, float]:
     return result
 
 
-def import_costs(repeats: int = 3) -> dict[str, float]:
+def import_costs(repeats: int) -> dict[str, float]:
     """Median seconds of `python -c "<import>"` less a bare `python -c pass`, per library."""
     def median_of(code: str) -> float:
         return statistics.median(
@@ -120,10 +120,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--pairs", type=int, default=5, help="timed runner/hand pairs (default 5)")
     p.add_argument("--cold", type=int, default=1,
                    help="first runs ever, each on an empty kernel cache (default 1; 0: none)")
+    p.add_argument("--import-repeats", type=int, default=3,
+                   help="times each library's import is timed alone (default 3; 0: not timed)")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "startup_cpu.md")
     args = p.parse_args(argv)
-    if args.pairs < 1 or args.cold < 0:
-        p.error("--pairs must be >= 1 and --cold >= 0")
+    if args.pairs < 1 or args.cold < 0 or args.import_repeats < 0:
+        p.error("--pairs must be >= 1, --cold and --import-repeats >= 0")
     return args
 
 
@@ -174,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             cold.append({"wall_s": wall, "background_build": "a background process" in out,
                          "kernels_torch": "Kernels: torch" in out})
             print(f"first run {index + 1}: {wall:.2f} s", flush=True)
-        imports = import_costs()
+        imports = import_costs(args.import_repeats) if args.import_repeats else {}
     except RuntimeError as error:
         print(error, file=sys.stderr)
         return 1
@@ -250,11 +252,12 @@ def render(report: dict) -> str:
               "Median seconds per phase of the timed runner runs (from its log timestamps):", "",
               "| phase | s |", "|---|---:|"]
     lines += [f"| {name} | {s:.2f} |" for name, s in report["phases_median_s"].items()]
-    lines += ["", "Each import alone (`python -c \"import ...\"`, median of 3, less a bare "
-              "interpreter's start); the hand-written loop pays torch's and the optimizer's "
-              "(`torch.optim`'s first optimizer imports torch._dynamo), the runner pays all:",
-              "", "| import | s |", "|---|---:|"]
-    lines += [f"| {name} | {s:.2f} |" for name, s in report["imports_s"].items()]
+    if report["imports_s"]:
+        lines += ["", "Each import alone (`python -c \"import ...\"`, the median, less a bare "
+                  "interpreter's start); the hand-written loop pays torch's and the optimizer's "
+                  "(`torch.optim`'s first optimizer imports torch._dynamo), the runner pays all:",
+                  "", "| import | s |", "|---|---:|"]
+        lines += [f"| {name} | {s:.2f} |" for name, s in report["imports_s"].items()]
     lines += ["", "## Setup", "", *setup_lines(report), ""]
     return "\n".join(lines)
 
