@@ -44,15 +44,25 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 _SUGGESTION = "set data.download=true (needs network) or use data=synthetic"
 
 
+CLASSIFICATION, LANGUAGE_MODEL = "classification", "language_model"  # the tasks a dataset serves
+
+
 @dataclass
 class DataBundle:
-    """Both splits plus what the model builder needs to know about them."""
+    """Both splits plus what the model builder needs to know about them.
+
+    For images (`task` "classification"): `num_classes` classes, inputs of `image_size` pixels.
+    For text (`task` "language_model"): `num_classes` is the vocabulary size (token ids 0 ..
+    num_classes - 1), each item is (x, y), two int64 tensors of `block_size` tokens with y = x
+    shifted by one token, and `image_size` is `block_size` (the input's length)."""
 
     train: Dataset
     val: Dataset
     num_classes: int
     image_size: int
     name: str
+    task: str = CLASSIFICATION
+    block_size: Optional[int] = None
 
 
 # ---- synthetic -----------------------------------------------------------------------------
