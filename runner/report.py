@@ -47,6 +47,15 @@ METRICS = {
     m.PEAK_MEM_MB: "peak memory",
     m.SKIPPED_STEPS: "skipped steps",
 }
+# a language model's (task language_model): its loss and its throughput in tokens
+LM_METRICS = {
+    m.BEST_VAL_LOSS: "best val loss",
+    m.TRAIN_TIME_S: "train time",
+    m.TOKENS_PER_S: "throughput",
+    m.PEAK_MEM_MB: "peak memory",
+    m.SKIPPED_STEPS: "skipped steps",
+}
+LANGUAGE_MODEL = "language_model"  # the `task.name` param of a language model's run
 # memory by kind (runner.measure.memory): reported where a run logged them, never listed as missing (runs
 # made before they existed lack them)
 MEMORY_METRICS = {
@@ -105,6 +114,8 @@ class Row:
     memory_ratio: float | None = None
     baseline: str | None = None
     peak_mem_kind: str = "?"
+    task: str = "classification"  # the run's `task.name` param (runs before the task group: a classifier)
+    val_loss: list[tuple[int, float]] = field(default_factory=list)  # (epoch, loss): language models
     # why it did not finish: the `error` tag (a failure, an interrupt, or "process vanished: ..."
     # for a run whose process was killed outright, ended KILLED by a later run); for a run still
     # RUNNING, its last heartbeat
@@ -115,8 +126,12 @@ class Row:
         return None if value is None or math.isnan(value) else value
 
     @property
+    def is_lm(self) -> bool:
+        return self.task == LANGUAGE_MODEL
+
+    @property
     def missing(self) -> list[str]:
-        return [m for m in METRICS if self.get(m) is None]
+        return [m for m in (LM_METRICS if self.is_lm else METRICS) if self.get(m) is None]
 
 
 # ---- reading runs ---------------------------------------------------------------------------------
@@ -182,15 +197,19 @@ def to_row(client, run) -> Row:
         dtype=describe_dtype(precision) if precision else "?",
         batch_size=int(batch) if batch and batch.isdigit() else None,
         metrics={k: v for k, v in run.data.metrics.items()
-                 if k in METRICS or k in MEMORY_METRICS or k == MEMORY_TOTAL},
+                 if k in METRICS or k in LM_METRICS or k in MEMORY_METRICS or k == MEMORY_TOTAL},
         val_acc=_history(client, run.info.run_id, m.VAL_ACC),
         peak_mem_kind=run.data.tags.get(tag.PEAK_MEM_KIND, "?"),
+        task=params.get("task.name", "classification"),
         reason=end_reason(run.info.status, run.data.tags),
     )
+    if row.is_lm:
+        row.val_loss = _history(client, run.info.run_id, m.VAL_LOSS)
     # Throughput: the mean over the epochs after the first (which includes warm-up) when there are.
-    throughput = [v for _, v in _history(client, run.info.run_id, m.SAMPLES_PER_S)]
-    if len(throughput) > 1:
-        row.metrics[m.SAMPLES_PER_S] = sum(throughput[1:]) / len(throughput[1:])
+    for metric in (m.SAMPLES_PER_S, m.TOKENS_PER_S):
+        throughput = [v for _, v in _history(client, run.info.run_id, metric)]
+        if len(throughput) > 1:
+            row.metrics[metric] = sum(throughput[1:]) / len(throughput[1:])
     return row
 
 
@@ -239,21 +258,51 @@ def _fmt(value: float | None, spec: str, scale: float = 1.0) -> str:
     return "-" if value is None else format(value * scale, spec)
 
 
-def table_cells(row: Row) -> list[str]:
-    return [row.run_name, row.model, row.level, row.dtype, row.optimizer,
-            "-" if row.batch_size is None else str(row.batch_size), row.status,
-            _fmt(row.get(m.BEST_VAL_ACC), ".2f", 100), _fmt(row.get(m.TRAIN_TIME_S), ".1f"),
-            _fmt(row.get(m.SAMPLES_PER_S), ".0f"), _fmt(row.get(m.PEAK_MEM_MB), ".0f"),
-            _fmt(row.get(m.SKIPPED_STEPS), ".0f"),
-            *(_fmt(row.get(m), ".2f") for m in (*MEMORY_METRICS, MEMORY_TOTAL)),
-            _fmt(row.speedup, ".2f"), _fmt(row.memory_ratio, ".2f")]
+def _perplexity(loss: float | None) -> float | None:
+    return None if loss is None else math.exp(min(loss, 700.0))
+
+
+# the task columns, in their place among COLUMNS: (title, cell of a row)
+_ACCURACY = ("best val acc (%)", lambda r: _fmt(r.get(m.BEST_VAL_ACC), ".2f", 100))
+_LM_QUALITY = [("best val loss (nats/token)", lambda r: _fmt(r.get(m.BEST_VAL_LOSS), ".4f")),
+               ("perplexity", lambda r: _fmt(_perplexity(r.get(m.BEST_VAL_LOSS)), ".2f"))]
+_SAMPLES = ("throughput (samples/s)", lambda r: _fmt(r.get(m.SAMPLES_PER_S), ".0f"))
+_TOKENS = ("throughput (tokens/s)", lambda r: _fmt(r.get(m.TOKENS_PER_S), ".0f"))
+
+
+def columns(rows: Sequence[Row]) -> list[tuple[str, Any]]:
+    """The table's columns: COLUMNS for classifiers; a language model's loss, perplexity and
+    tokens per second in place of accuracy and samples per second (both where both kinds of run
+    are compared)."""
+    lm, cls = any(r.is_lm for r in rows), any(not r.is_lm for r in rows)
+    quality = ([_ACCURACY] if cls or not rows else []) + (_LM_QUALITY if lm else [])
+    speed = ([_SAMPLES] if cls or not rows else []) + ([_TOKENS] if lm else [])
+    return [
+        ("run", lambda r: r.run_name), ("model", lambda r: r.model),
+        ("level", lambda r: r.level), ("dtype", lambda r: r.dtype),
+        ("optimizer", lambda r: r.optimizer),
+        ("batch size", lambda r: "-" if r.batch_size is None else str(r.batch_size)),
+        ("status", lambda r: r.status), *quality,
+        ("train time (s)", lambda r: _fmt(r.get(m.TRAIN_TIME_S), ".1f")), *speed,
+        ("peak memory (MB)", lambda r: _fmt(r.get(m.PEAK_MEM_MB), ".0f")),
+        ("skipped steps", lambda r: _fmt(r.get(m.SKIPPED_STEPS), ".0f")),
+        *((title, (lambda key: lambda r: _fmt(r.get(key), ".2f"))(key)) for key, title in zip(
+            (*MEMORY_METRICS, MEMORY_TOTAL), COLUMNS[12:18])),
+        ("speedup vs O0", lambda r: _fmt(r.speedup, ".2f")),
+        ("memory vs O0", lambda r: _fmt(r.memory_ratio, ".2f")),
+    ]
+
+
+def table_cells(row: Row, rows: Sequence[Row] | None = None) -> list[str]:
+    return [cell(row) for _, cell in columns(rows if rows is not None else [row])]
 
 
 def render_markdown(rows: Sequence[Row], title: str, source: str) -> str:
+    titles = [title for title, _ in columns(rows)]
     lines = [f"# {title}", "", source, "",
-             "| " + " | ".join(COLUMNS) + " |",
-             "|" + "---|" * 7 + "---:|" * (len(COLUMNS) - 7)]
-    lines += ["| " + " | ".join(table_cells(r)) + " |" for r in rows]
+             "| " + " | ".join(titles) + " |",
+             "|" + "---|" * 7 + "---:|" * (len(titles) - 7)]
+    lines += ["| " + " | ".join(table_cells(r, rows)) + " |" for r in rows]
     lines += ["", "Speedup: the model's O0 train time / the run's (above 1 is faster); memory: the "
               "run's peak memory / O0's (below 1 is less). Throughput is the mean over the epochs "
               "after the first. Train time covers all epochs, validation included. Peak memory: "
@@ -276,23 +325,29 @@ def render_markdown(rows: Sequence[Row], title: str, source: str) -> str:
         lines.append("")
     if not any(r.baseline for r in rows):
         lines += ["No finished O0 run to compare with: speedup and memory ratio are empty.", ""]
-    lines += [f"![time, memory and accuracy per level]({BARS_PNG})", "",
+    quality = "loss" if rows and all(r.is_lm for r in rows) else "accuracy"
+    if any(r.is_lm for r in rows):
+        lines += ["Language models: best val loss is the mean token cross-entropy on the "
+                  "validation tokens (nats per token), perplexity its exponential; throughput in "
+                  "training tokens per second.", ""]
+    lines += [f"![time, memory and {quality} per level]({BARS_PNG})", "",
               f"![memory by kind per level]({MEMORY_PNG})", "",
-              f"![validation accuracy per epoch]({CURVES_PNG})", ""]
+              f"![validation {quality} per epoch]({CURVES_PNG})", ""]
     return "\n".join(lines)
 
 
 def write_csv(rows: Sequence[Row], path: Path) -> None:
     with path.open("w", newline="") as f:
         writer = csv.writer(f)
+        lm = [k for k in LM_METRICS if k not in METRICS] if any(r.is_lm for r in rows) else []
         writer.writerow(["run_id", "run_name", "model", "level", "dtype", "optimizer",
                          "batch_size", "status", *METRICS, *MEMORY_METRICS, MEMORY_TOTAL,
-                         "speedup_vs_o0", "memory_vs_o0", "baseline_run", "reason"])
+                         "speedup_vs_o0", "memory_vs_o0", "baseline_run", "reason", *lm])
         for r in rows:
             writer.writerow([r.run_id, r.run_name, r.model, r.level, r.dtype, r.optimizer,
                              r.batch_size, r.status, *(r.get(m) for m in METRICS),
                              *(r.get(m) for m in (*MEMORY_METRICS, MEMORY_TOTAL)), r.speedup,
-                             r.memory_ratio, r.baseline, r.reason])
+                             r.memory_ratio, r.baseline, r.reason, *(r.get(k) for k in lm)])
 
 
 def bar_labels(rows: Sequence[Row]) -> list[str]:
@@ -336,8 +391,10 @@ def plot_bars(rows: Sequence[Row], path: Path) -> None:
     models = list(dict.fromkeys(r.model for r in rows))
     labels = bar_labels(rows)
     series = list(dict.fromkeys(labels))
+    quality = (m.BEST_VAL_LOSS, "best val loss (nats/token)", 1.0) \
+        if rows and all(r.is_lm for r in rows) else (m.BEST_VAL_ACC, "best val accuracy (%)", 100.0)
     panels = [(m.TRAIN_TIME_S, "train time (s)", 1.0), (m.PEAK_MEM_MB, "peak memory (MB)", 1.0),
-              (m.BEST_VAL_ACC, "best val accuracy (%)", 100.0)]
+              quality]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     width = 0.8 / max(1, len(series))
     for ax, (metric, title, scale) in zip(axes, panels):
@@ -387,18 +444,20 @@ def plot_curves(rows: Sequence[Row], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    lm = bool(rows) and all(r.is_lm for r in rows)  # language models: the loss per epoch
     fig, ax = plt.subplots(figsize=(8, 5))
     for r in rows:
-        if r.val_acc:
-            epochs, accs = zip(*r.val_acc)
-            ax.plot(epochs, [100 * a for a in accs], marker="o", label=f"{r.run_name} ({r.status})"
-                    if r.status != "FINISHED" else r.run_name)
+        curve, scale = (r.val_loss, 1.0) if lm else (r.val_acc, 100.0)
+        if curve:
+            epochs, values = zip(*curve)
+            ax.plot(epochs, [scale * v for v in values], marker="o",
+                    label=f"{r.run_name} ({r.status})" if r.status != "FINISHED" else r.run_name)
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.set_xlabel("epoch")
-    ax.set_ylabel("validation accuracy (%)")
-    ax.set_title("Validation accuracy per run")
+    ax.set_ylabel("validation loss (nats/token)" if lm else "validation accuracy (%)")
+    ax.set_title("Validation loss per run" if lm else "Validation accuracy per run")
     ax.grid(alpha=0.3)
-    _legend_or_note(ax, bool(ax.lines), "no run logged val_acc")
+    _legend_or_note(ax, bool(ax.lines), "no run logged val_loss" if lm else "no run logged val_acc")
     _save(fig, path)
 
 

@@ -221,6 +221,27 @@ VALUE_CASES = [
         (["loss.label_smoothing=1.0"], "loss.label_smoothing"),
         (["model=vit_tiny", "model.patch_size=0"], "model.patch_size"),
         (["model=torchvision", "model.arch= "], "model.arch"),
+        (["model=vit_tiny", "model.image_size=0"], "model.image_size"),
+        (["model=vit_tiny", "model.num_layers=0"], "model.num_layers"),
+        (["model=vit_tiny", "model.num_heads=0"], "model.num_heads"),
+        (["model=vit_tiny", "model.hidden_dim=0"], "model.hidden_dim"),
+        (["model=vit_tiny", "model.mlp_dim=0"], "model.mlp_dim"),
+        (["task.name=regression"], "task.name"),
+        (["data=synthetic_text", "data.block_size=0"], "data.block_size"),
+        (["data=synthetic_text", "data.vocab_size=1"], "data.vocab_size"),
+        (["data=synthetic_text", "data.num_train=1"], "data.num_train"),
+        (["data=synthetic_text", "data.num_val=1"], "data.num_val"),
+        (["data=synthetic_text", "data.branching=0"], "data.branching"),
+        (["data=text", "data.path=x", "data.block_size=0"], "data.block_size"),
+        (["data=text", "data.path=x", "data.val_fraction=1.0"], "data.val_fraction"),
+        (["data=tokens", "data.train=a", "data.val=b", "data.dtype=int8"], "data.dtype"),
+        (["data=tokens", "data.train=a", "data.val=b", "data.vocab_size=1"], "data.vocab_size"),
+        (["model=gpt_tiny", "model.n_layer=0"], "model.n_layer"),
+        (["model=gpt_tiny", "model.n_head=0"], "model.n_head"),
+        (["model=gpt_tiny", "model.n_embd=0"], "model.n_embd"),
+        (["model=gpt_tiny", "model.block_size=0"], "model.block_size"),
+        (["model=gpt_tiny", "model.vocab_size=1"], "model.vocab_size"),
+        (["model=gpt_tiny", "model.dropout=1.0"], "model.dropout"),
 ]
 
 
@@ -234,11 +255,13 @@ def test_value_rules_name_the_key(overrides, key):
     assert info.value.allowed  # the message says what is allowed
 
 
-@pytest.mark.parametrize("data", ["synthetic", "cifar10", "imagefolder"])
-def test_every_value_rule_has_a_failing_case(data):
+@pytest.mark.parametrize("overrides", [["data=synthetic"], ["data=cifar10"], ["data=imagefolder"],
+                                       ["data=text"], ["data=tokens"], ["data=synthetic_text"],
+                                       ["model=gpt_tiny"], ["model=vit_tiny"], ["model=tiny"]])
+def test_every_value_rule_has_a_failing_case(overrides):
     """A rule added to runner.config.validation without a case above is a rule nobody saw fail."""
     covered = {key for _, key in VALUE_CASES} | {"data.root"}  # cifar's: the test below
-    rules = {key for key, _, _ in _rules(compose_config(f"data={data}"))}
+    rules = {key for key, _, _ in _rules(compose_config(*overrides))}
     assert rules - covered == set()
 
 

@@ -21,13 +21,14 @@ PACKAGE = Path(__file__).resolve().parent.parent / "runner"
 LAYERS: list[tuple[str, ...]] = [  # the first: the entry points users type
     ("runner.__main__", "runner.sweep", "runner.report", "runner.diagnose", "runner.replay"),
     ("run",),
+    ("tasks",),  # what a batch, the loss and the metrics are (metric names from tracking)
     ("components", "tracking", "measure", "precision"),  # independent of one another
     ("csrc",),  # the precision engine's kernels
     ("config",),  # never imports torch
     ("runner.errors", "runner"),
 ]
 ENTRY_POINTS = LAYERS[0]
-ROOMS = ("config", "components", "run", "tracking", "measure", "precision", "csrc")
+ROOMS = ("config", "components", "tasks", "run", "tracking", "measure", "precision", "csrc")
 
 
 def modules() -> dict[str, Path]:

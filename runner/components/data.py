@@ -398,11 +398,14 @@ def declared_num_classes(cfg: Any, spec: Optional[options.Spec] = None) -> Optio
 def declared_input(cfg: Any, spec: Optional[options.Spec] = None
                    ) -> Optional[tuple[int, tuple[int, ...]]]:
     """(classes, input shape) the `data` config implies without loading anything: a built-in
-    option's (3-channel images of data.image_size); None where only the dataset can tell."""
+    option's (3-channel images of data.image_size; for text, the vocabulary size and sequences
+    of data.block_size tokens); None where only the dataset can tell."""
     spec = spec or options.spec_for("data", cfg)
     num_classes = declared_num_classes(cfg, spec)
     if spec is None or not spec.by_name or num_classes is None:
         return None
+    if spec.task == LANGUAGE_MODEL:  # token ids: (block_size,)
+        return num_classes, (int(cfg.block_size),)
     size = int(cfg.image_size)
     return num_classes, (3, size, size)
 

@@ -282,11 +282,14 @@ def _output_key(node: Any) -> str:
     return "model.arch" if "arch" in node else "model.name"
 
 
-def check_output(node: Any, num_classes: int, shape: tuple[int, ...]) -> None:
+def check_output(node: Any, num_classes: int, shape: tuple[int, ...], task: Any = None) -> None:
     """Build the model on the meta device (shapes only: no memory, no data) and run one forward
-    of a 2-sample batch of `shape`: its output must be logits of shape (2, num_classes). An op
-    without a meta implementation skips the check (the real run finds any problem)."""
-    memo = (OmegaConf.to_yaml(node, resolve=True), int(num_classes), tuple(shape))
+    of a 2-sample batch of `shape`: its output must be what `task` expects (runner.tasks: a
+    classifier's logits (2, num_classes) from float inputs, a language model's logits (2, T,
+    vocabulary) from integer token ids; default: classification). An op without a meta
+    implementation skips the check (the real run finds any problem)."""
+    dtype = task.input_dtype if task is not None else torch.float32
+    memo = (OmegaConf.to_yaml(node, resolve=True), int(num_classes), tuple(shape), str(dtype))
     if memo in _CHECKED_OUTPUTS:
         return
     label = options.label(node)
@@ -304,15 +307,22 @@ def check_output(node: Any, num_classes: int, shape: tuple[int, ...]) -> None:
                           f"building {label} failed: {type(exc).__name__}: {exc}") from None
     try:
         with torch.no_grad():
-            out = model(torch.empty(batch, device="meta"))
+            out = model(torch.zeros(batch, dtype=dtype, device="meta"))
     except NotImplementedError:
         return
     except Exception as exc:
-        raise ConfigError(_output_key(node), f"{label} fails on a batch of shape {batch} (the "
-                          f"data's): {type(exc).__name__}: {exc}") from None
+        if isinstance(exc, RuntimeError) and "meta" in str(exc):
+            return  # a value read on the host (.item()): shapes alone cannot tell
+        what = "integer token ids" if not dtype.is_floating_point else "the data's"
+        raise ConfigError(_output_key(node), f"{label} fails on a batch of shape {batch} ({what}"
+                          f"): {type(exc).__name__}: {exc}") from None
     got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-    if got != (2, num_classes):
+    expected = task.expected_output(batch, num_classes) if task is not None \
+        else (2, num_classes)
+    if got != expected:
+        what = "tokens" if task is not None and not dtype.is_floating_point else "classes"
         raise ConfigError(_output_key(node), f"{label} outputs {got} for a batch of shape "
-                          f"{batch}, but the data has {num_classes} classes",
+                          f"{batch}, but the data has {num_classes} {what}",
+                          task.output_description(num_classes) if task is not None else
                           f"a model whose output is (batch, {num_classes}): logits, one per class")
     _CHECKED_OUTPUTS.add(memo)

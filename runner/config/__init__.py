@@ -33,7 +33,12 @@ from runner.config.options import (  # noqa: F401  (the option schemas and names
     SGDConfig,
     StepLRConfig,
     SyntheticConfig,
+    SyntheticTextConfig,
+    TASK_CHOICES,
+    TextConfig,
     TinyModelConfig,
+    TokensConfig,
+    GPTConfig,
     VitTinyConfig,
     schemas,
 )
@@ -81,6 +86,12 @@ class TrainerConfig:
 
 
 @dataclass
+class TaskConfig:
+    # auto: the dataset's task; classification | language_model (runner.tasks)
+    name: str = "auto"
+
+
+@dataclass
 class MlflowConfig:
     tracking_uri: str = "sqlite:///mlflow.db"  # relative paths: the directory the user launched from
     experiment_name: str = "amp-runner"
@@ -100,6 +111,7 @@ class RunConfig:
     model: Any = MISSING
     data: Any = MISSING
     loss: Any = MISSING  # a criterion by `_target_` (conf/loss/cross_entropy.yaml by default)
+    task: TaskConfig = field(default_factory=TaskConfig)  # what a batch is, the loss, metrics
     optimizer: OptimizerConfig = MISSING
     scheduler: SchedulerConfig = MISSING
     precision: PrecisionConfig = MISSING
@@ -116,6 +128,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
     **schemas(),  # model, data, optimizer and scheduler: from the option specs
     "precision": {"apex": PrecisionConfig},
     "trainer": {"default": TrainerConfig},
+    "task": {"default": TaskConfig},
     "mlflow": {"default": MlflowConfig},
 }
 

@@ -95,6 +95,55 @@ class SyntheticConfig(DataConfig):
 
 
 @dataclass
+class GPTConfig:
+    """The runner's decoder-only transformer (runner.components.lm_models.GPT)."""
+    name: str = MISSING
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 64  # a multiple of n_head (and of 16: Tensor Core and fp8 friendly)
+    block_size: int = 256  # the context length; the YAML files take the data's
+    vocab_size: Optional[int] = None  # null = the data's vocabulary
+    dropout: float = 0.0
+    tie_weights: bool = False  # the head shares the token embedding's weights
+    bias: bool = True  # biases in the Linear layers and LayerNorms
+
+
+@dataclass
+class TextConfig:
+    """Text files tokenised once into a cached flat token file (runner.components.text)."""
+    name: str = MISSING
+    path: str = MISSING  # a text file, or a folder of them
+    glob: str = "**/*.txt"  # in a folder: the files to read (recursive, sorted)
+    tokenizer: Optional[str] = None  # null = UTF-8 bytes (vocabulary 256); else a tokenizer.json
+    block_size: int = 256  # tokens per training sequence
+    val_fraction: float = 0.1  # the held-out tail of the token stream
+    cache_dir: Optional[str] = None  # null = $AMP_RUNNER_TOKEN_CACHE or ~/.cache/amp-runner/tokens
+
+
+@dataclass
+class TokensConfig:
+    """Already tokenised corpora: flat .bin files in nanoGPT's layout (no header)."""
+    name: str = MISSING
+    train: str = MISSING
+    val: str = MISSING
+    dtype: str = "uint16"  # uint16 | uint32
+    vocab_size: Optional[int] = None  # null = the largest token id in the files + 1
+    block_size: int = 256
+
+
+@dataclass
+class SyntheticTextConfig:
+    """A seeded, learnable synthetic language (no disk): tests and benchmarks."""
+    name: str = MISSING
+    vocab_size: int = 64
+    num_train: int = 200000  # training tokens
+    num_val: int = 20000  # validation tokens
+    block_size: int = 64
+    seed: int = 0
+    branching: int = 4  # the possible next tokens of each context
+
+
+@dataclass
 class OptimizerConfig:
     name: str = MISSING
     lr: float = 0.1
@@ -141,6 +190,8 @@ class OneCycleConfig(SchedulerConfig):
 
 
 # ---- specs ---------------------------------------------------------------------------------
+CLASSIFICATION, LANGUAGE_MODEL = "classification", "language_model"
+TASKS = (CLASSIFICATION, LANGUAGE_MODEL)
 @dataclass(frozen=True)
 class Spec:
     """One option: `group`/`name`, its builder ("module:function"), its schema (`kind`: the name
@@ -157,6 +208,9 @@ class Spec:
     classes: Optional[Callable[[Any], Optional[int]]] = None
     by_name: bool = True  # builds from its name alone (False: needs arch or _target_)
     check: Optional[str] = None  # "module:function(node)": checks before any work (imports)
+    # the task a model or dataset serves (runner.tasks): classification or language_model;
+    # None: it depends on what the user's callable or zoo model is (not known before building)
+    task: Optional[str] = CLASSIFICATION
 
     def build(self) -> Callable[..., Any]:
         return _load(self.builder)
@@ -175,6 +229,11 @@ _INT_1 = (integer_at_least(1), "an integer >= 1")
 _TINY_RULES = (("width", *_INT_1), ("norm", one_of(NORMS), ", ".join(NORMS)))
 _VIT_RULES = tuple((k, *_INT_1) for k in ("image_size", "patch_size", "num_layers",
                                            "num_heads", "hidden_dim", "mlp_dim"))
+_GPT_RULES = (
+    *((k, *_INT_1) for k in ("n_layer", "n_head", "n_embd", "block_size")),
+    ("vocab_size", optional(integer_at_least(2)), "null (the data's) or an integer >= 2"),
+    ("dropout", lambda v: finite(v) and 0 <= v < 1, "a number in [0, 1)"),
+)
 _ZOO_RULES = (("arch", lambda v: isinstance(v, str) and bool(v.strip()), "a model name"),)
 _DATA_RULES = (("image_size", lambda v: isinstance(v, int) and v >= 8, "an integer >= 8"),)
 _CIFAR_RULES = (
@@ -210,6 +269,12 @@ def _imagefolder_classes(node: Any) -> Optional[int]:
     return None
 
 
+def _vocab(function: str) -> Callable[[Any], Optional[int]]:
+    """A text dataset's vocabulary size (its "classes": one per token id), from the text module
+    (imported when asked: it reads a tokenizer file at most)."""
+    return lambda node: _load(f"runner.components.text:{function}")(node)
+
+
 def _declared_classes(node: Any) -> Optional[int]:
     wanted = node.get("num_classes")
     return None if wanted is None else int(wanted)
@@ -227,7 +292,13 @@ SPECS: tuple[Spec, ...] = (
     Spec("model", "timm", "runner.components.models:build_timm", rules=_ZOO_RULES, by_name=False,
          check="runner.components.models:check_timm"),
     Spec("model", "custom", "runner.components.models:build_target", by_name=False,
-         check="runner.components.models:check_target"),
+         check="runner.components.models:check_target", task=None),
+    # language models: the runner's GPT (gpt, gpt_tiny, gpt2_small) and Hugging Face's by type
+    *(Spec("model", name, "runner.components.lm_models:build_gpt", "gpt", GPTConfig, _GPT_RULES,
+           check="runner.components.lm_models:check_gpt", task=LANGUAGE_MODEL)
+      for name in ("gpt", "gpt_tiny", "gpt2_small")),
+    Spec("model", "hf", "runner.components.lm_models:build_hf", rules=_ZOO_RULES, by_name=False,
+         check="runner.components.lm_models:check_hf", task=LANGUAGE_MODEL),
     # data
     Spec("data", "synthetic", "runner.components.data:build_synthetic", "synthetic", SyntheticConfig,
          _DATA_RULES + (
@@ -247,7 +318,27 @@ SPECS: tuple[Spec, ...] = (
          ), classes=_imagefolder_classes),
     Spec("data", "custom", "runner.components.data:build_target", classes=_declared_classes,
          rules=(("num_classes", optional(integer_at_least(1)), "null or an integer >= 1"),),
-         by_name=False, check="runner.components.data:check_target"),
+         by_name=False, check="runner.components.data:check_target", task=None),
+    # text, for language models: a corpus tokenised once, tokenised files, a synthetic language
+    Spec("data", "text", "runner.components.text:build_text", "text", TextConfig, (
+        ("block_size", *_INT_1),
+        ("val_fraction", lambda v: finite(v) and 0 < v < 1, "a number in (0, 1)"),
+    ), classes=_vocab("text_vocab_size"), check="runner.components.text:check_text",
+         task=LANGUAGE_MODEL),
+    Spec("data", "tokens", "runner.components.text:build_tokens", "tokens", TokensConfig, (
+        ("block_size", *_INT_1),
+        ("dtype", one_of(("uint16", "uint32")), "uint16, uint32"),
+        ("vocab_size", optional(integer_at_least(2)), "null (from the files) or an integer >= 2"),
+    ), classes=_vocab("tokens_vocab_size"), check="runner.components.text:check_tokens",
+         task=LANGUAGE_MODEL),
+    Spec("data", "synthetic_text", "runner.components.text:build_synthetic_text",
+         "synthetic_text", SyntheticTextConfig, (
+             ("block_size", *_INT_1),
+             ("vocab_size", integer_at_least(2), "an integer >= 2"),
+             ("num_train", integer_at_least(2), "an integer >= 2 (tokens)"),
+             ("num_val", integer_at_least(2), "an integer >= 2 (tokens)"),
+             ("branching", integer_at_least(1), "an integer >= 1"),
+         ), classes=lambda node: int(node.get("vocab_size", 64)), task=LANGUAGE_MODEL),
     # optimizers
     Spec("optimizer", "sgd", "runner.components.optim:build_sgd", "sgd", SGDConfig, _OPT_RULES + (
         ("momentum", unit_interval, "a number in [0, 1)"),
@@ -272,6 +363,8 @@ SPECS: tuple[Spec, ...] = (
 )
 
 GROUPS = ("model", "data", "optimizer", "scheduler")
+# the options of the task group (conf/task/): auto = the dataset's task
+TASK_CHOICES = ("auto", *TASKS)
 # the spec that builds a node with a `_target_` (the user's own callable), per group
 TARGET_SPECS = {"model": "custom", "data": "custom"}
 

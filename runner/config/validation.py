@@ -13,7 +13,7 @@ from typing import Mapping, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from runner.config import options
-from runner.config import COMPILE_MODES, DEVICES, KERNEL_CHOICES
+from runner.config import COMPILE_MODES, DEVICES, KERNEL_CHOICES, TASK_CHOICES
 from runner.errors import ConfigError
 from runner.config.values import (  # noqa: F401  (the predicates, where they were before)
     SEED_RANGE,
@@ -45,6 +45,7 @@ def _rules(cfg: DictConfig, specs: Mapping[str, Optional[options.Spec]] | None =
         if spec is not None:
             rules += [(f"{group}.{key}", ok, allowed) for key, ok, allowed in spec.rules]
     rules += [
+        ("task.name", one_of(TASK_CHOICES), ", ".join(TASK_CHOICES)),
         ("loss.label_smoothing", lambda v: finite(v) and 0 <= v < 1, "a number in [0, 1)"),
         ("precision.kernels", one_of(KERNEL_CHOICES), ", ".join(KERNEL_CHOICES)),
         ("data.seed", seed, SEED_RANGE),

@@ -73,6 +73,7 @@ def config_params(plan: RunPlan) -> dict[str, str]:
     from runner.tracking.record import flatten
 
     params = flatten(plan.config_tree)
+    params["task.name"] = plan.task  # task=auto resolved: classification or language_model
     params.update({f"precision.{k}": v for k, v in plan.properties.as_params().items()})
     return params
 
@@ -119,6 +120,8 @@ def print_dry_run(plan: RunPlan) -> None:
     Core shapes from a model built on the meta device) and the resume decision."""
     findings = shape_findings(plan.cfg, plan.properties, DeviceInfo.from_torch(plan.device))
     print(OmegaConf.to_yaml(plan.cfg, resolve=True))
+    print(f"Task: {plan.task}" + (" (task=auto: the dataset's)"
+                                  if OmegaConf.select(plan.cfg, "task.name") == "auto" else ""))
     print(plan.properties.table())
     print(Resolution(plan.properties, [*plan.resolution.findings, *findings]).findings_table())
     if plan.resume is not None and plan.resume.finished(plan.cfg.trainer.max_epochs):
@@ -134,7 +137,8 @@ def run(
     output_dir: str | os.PathLike | None = None,
     extra_tags: Mapping[str, str] | None = None,
 ) -> float | None:
-    """Train once as `cfg` says; returns the best validation accuracy (None for a dry run).
+    """Train once as `cfg` says; returns the task's objective (runner.tasks): a classifier's
+    best validation accuracy, a language model's best validation loss (None for a dry run).
     `extra_tags` are added to the run's own (a sweep job passes its parent run's id this way).
     Under torchrun this is one rank of a DistributedDataParallel run (see runner.run.distributed)."""
     plan = make_plan(cfg)
@@ -144,7 +148,9 @@ def run(
     if plan.resume is not None and plan.resume.finished(cfg.trainer.max_epochs):
         # resume=auto of a run that met its epoch budget: its MLflow run stays as it ended
         log.info("%s %s", plan.run_name, plan.resume.finished_message())
-        return plan.resume.best_val_acc
+        from runner.tasks import task_for
+
+        return plan.resume.best(task_for(plan.task).maximize)
     properties = plan.properties
     log.info("Precision (Apex %s, resolved):\n%s", properties.opt_level, properties.table())
     if plan.resolution.findings:
@@ -257,6 +263,7 @@ def train_parts(plan: RunPlan, comm: Comm, device: torch.device, launch: Launch,
                 if launch.output_dir is not None:
                     tracked.log_file(launch.output_dir / "runner.log", "logs")
     if comm.is_main:
-        log.info("Finished %s: best val_acc %.4f in %.1f s.\n%s", plan.run_name,
-                 result.best_val_acc, result.train_time_s, tracker.hint())
-    return result.best_val_acc
+        log.info("Finished %s: %s %.4f in %.1f s.\n%s", plan.run_name,
+                 result.objective.replace("_", " ", 1), result.best, result.train_time_s,
+                 tracker.hint())
+    return result.best

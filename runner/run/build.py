@@ -31,6 +31,7 @@ from runner.run import distributed
 from runner.run.distributed import Comm
 from runner.run.plan import RunPlan
 from runner.run.trainer import RunContext, Trainer, limit_batches
+from runner.tasks import Classification, Task, task_for
 
 
 def seed_everything(seed: int) -> None:
@@ -58,6 +59,7 @@ class Parts:
     memory: Any  # runner.measure.probes.MemoryProbe, reset before the model was built
     findings: list[Finding] = field(default_factory=list)  # about the built model (info only)
     criterion: torch.nn.Module = field(default_factory=torch.nn.CrossEntropyLoss)  # the loss
+    task: Task = field(default_factory=Classification)  # what a batch is, the loss and metrics
 
     def close(self) -> None:
         """End the loaders' worker processes (a run's last step; safe to repeat)."""
@@ -71,7 +73,7 @@ class Parts:
                        optimizer=self.optimizer, scheduler=self.scheduler, engine=self.engine,
                        train_loader=self.train_loader, val_loader=self.val_loader,
                        device=device, cfg=cfg, memory=self.memory, criterion=self.criterion,
-                       context=context)
+                       context=context, task=self.task)
 
 
 def build(plan: RunPlan, device: Optional[torch.device] = None, comm: Optional[Comm] = None,
@@ -90,6 +92,7 @@ def build(plan: RunPlan, device: Optional[torch.device] = None, comm: Optional[C
     seed_everything(cfg.trainer.seed)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = cfg.trainer.cudnn_benchmark
+    task = task_for(plan.task)
     bundle = build_datasets(cfg.data, plan.specs.get("data"))  # a missing dataset stops here, before any run exists
     train_loader, val_loader = build_loaders(
         bundle, cfg.trainer.batch_size, cfg.trainer.num_workers, device.type, cfg.trainer.seed,
@@ -101,7 +104,7 @@ def build(plan: RunPlan, device: Optional[torch.device] = None, comm: Optional[C
     # the datasets, the store and the kernels are in memory
     if declared_input(cfg.data, plan.specs.get("data")) is None:
         # only the dataset could tell its shape: check the model's output now
-        check_output(cfg.model, bundle.num_classes, tuple(bundle.train[0][0].shape))
+        check_output(cfg.model, bundle.num_classes, tuple(bundle.train[0][0].shape), task=task)
     memory = MemoryProbe(device)
     memory.reset()
     model = build_model(cfg.model, bundle.num_classes, bundle.image_size,
@@ -130,7 +133,7 @@ def build(plan: RunPlan, device: Optional[torch.device] = None, comm: Optional[C
                                 plan.specs.get("scheduler"))
     criterion = build_loss(cfg).to(device)
     return Parts(bundle, train_loader, val_loader, model, optimizer, engine, scheduler, memory,
-                 findings, criterion)
+                 findings, criterion, task)
 
 
 def shape_findings(cfg: DictConfig, properties: Properties, device_info: DeviceInfo,

@@ -42,6 +42,7 @@ class RunPlan:
     checkpoint_folder: Path  # <checkpoint_dir>/<experiment>/<run name>: this name's runs
     resume: Optional[Resume]  # the checkpoint this run continues from, checked; None: fresh
     specs: Mapping[str, Optional[options.Spec]]  # each option group's spec, looked up once
+    task: str = options.CLASSIFICATION  # task=auto resolved (runner.tasks): what a batch is
 
     @property
     def properties(self) -> Properties:
@@ -57,7 +58,8 @@ def make_plan(cfg: DictConfig) -> RunPlan:
                                    run_name)
     config_tree = OmegaConf.to_container(cfg, resolve=True)
     resume = Resume.decide(cfg.resume, folder, config_tree)
-    return RunPlan(cfg, config_tree, device, resolution, run_name, folder, resume, specs)
+    return RunPlan(cfg, config_tree, device, resolution, run_name, folder, resume, specs,
+                   resolve_task(cfg, specs))
 
 
 def check_config(cfg: DictConfig
@@ -68,13 +70,53 @@ def check_config(cfg: DictConfig
     check_opt_level(cfg)
     specs = options.specs_of(cfg)
     validate(cfg, specs)
+    task = resolve_task(cfg, specs)
     device = select_device(cfg.trainer.device)
     if cfg.trainer.sync_batchnorm and device.type != "cuda":
         raise ConfigError("trainer.sync_batchnorm", "SyncBatchNorm needs CUDA GPUs (NCCL); it has "
                           f"no implementation on {device.type} (Gloo)", "false on a CPU")
     resolution = resolve_precision(cfg, device)
-    check_parts(cfg, specs)
+    check_parts(cfg, specs, task)
     return device, resolution, specs
+
+
+# ---- the task ---------------------------------------------------------------------------------
+def _option(cfg: DictConfig, group: str) -> str:
+    node = cfg[group]
+    return f"{group}._target_={node['_target_']}" if options.has_target(node) \
+        else f"{group}={node.get('name')}"
+
+
+def resolve_task(cfg: DictConfig, specs: Mapping[str, Optional[options.Spec]]) -> str:
+    """The run's task: `task.name`, where `auto` is the dataset's (a text dataset is a language
+    model's, an image dataset a classifier's; a user's dataset by `_target_` takes the model's,
+    else classification). A task the dataset or the model does not serve is refused, naming
+    both."""
+    chosen = str(OmegaConf.select(cfg, "task.name", default="auto") or "auto")
+    data = specs.get("data")
+    model = specs.get("model")
+    data_task = data.task if data is not None else None
+    model_task = model.task if model is not None else None
+    if chosen == "auto":
+        task = data_task or model_task or options.CLASSIFICATION
+    else:
+        task = chosen
+        if data_task is not None and data_task != task:
+            raise ConfigError("task.name", f"task={task}, but {_option(cfg, 'data')} is "
+                              f"{_DATA_KINDS[data_task]}",
+                              f"task=auto or task={data_task} (or another dataset)")
+    if model_task is not None and model_task != task:
+        raise ConfigError("model.name", f"{_option(cfg, 'model')} is {_MODEL_KINDS[model_task]}"
+                          f", but the run's task is {task} ({_option(cfg, 'data')})",
+                          "a model of the data's task (language models: gpt, gpt_tiny, "
+                          "gpt2_small, hf; image classifiers: tiny, resnet18, vit_tiny, ...)")
+    return task
+
+
+_DATA_KINDS = {options.CLASSIFICATION: "a classification dataset",
+               options.LANGUAGE_MODEL: "a text (language-model) dataset"}
+_MODEL_KINDS = {options.CLASSIFICATION: "an image classifier",
+                options.LANGUAGE_MODEL: "a language model"}
 
 
 def select_device(name: str) -> torch.device:
@@ -168,13 +210,16 @@ def default_run_name(cfg: DictConfig, properties: Optional[Properties] = None) -
 
 
 # ---- the model, the data and the loss ----------------------------------------------------------
-def check_parts(cfg: DictConfig, specs: Mapping[str, Optional[options.Spec]]) -> None:
+def check_parts(cfg: DictConfig, specs: Mapping[str, Optional[options.Spec]],
+                task: str = options.CLASSIFICATION) -> None:
     """What the model, data and loss configs name, before anything is built: a zoo's model name,
-    the user's `_target_`s (imported, arguments bound to their signatures), and the model's
-    output against the data's classes (built on the meta device, one forward), so that a dry
-    run and a sweep's up-front check find them too. Raises ConfigError naming the key."""
+    the user's `_target_`s (imported, arguments bound to their signatures), a text corpus and
+    its tokenizer, and the model's output against the data's classes or vocabulary (built on the
+    meta device, one forward of the task's input: float images or integer token ids), so that a
+    dry run and a sweep's up-front check find them too. Raises ConfigError naming the key."""
     from runner.components.data import declared_input
     from runner.components.models import check_output
+    from runner.tasks import task_for
 
     for group in ("model", "data"):
         if specs.get(group) is not None:
@@ -182,7 +227,36 @@ def check_parts(cfg: DictConfig, specs: Mapping[str, Optional[options.Spec]]) ->
     if "loss" in cfg:
         targets.check("loss", cfg.loss)
     declared = declared_input(cfg.data, specs.get("data"))
+    if task == options.LANGUAGE_MODEL:
+        check_context(cfg)
+        if declared is not None:
+            check_vocabulary(cfg, declared[0])
     if declared is not None:
-        check_output(cfg.model, *declared)
+        check_output(cfg.model, *declared, task=task_for(task))
+
+
+def check_vocabulary(cfg: DictConfig, vocab_size: int) -> None:
+    """Every token id of the data (0 .. vocab_size - 1) must have a row in the model's embedding:
+    a declared `model.vocab_size` below the data's vocabulary is refused."""
+    declared = cfg.model.get("vocab_size") if hasattr(cfg.model, "get") else None
+    if declared is not None and int(declared) < int(vocab_size):
+        raise ConfigError("model.vocab_size", f"{declared}, but the data's token ids go up to "
+                          f"{int(vocab_size) - 1} (a vocabulary of {vocab_size})",
+                          f"null (the data's) or an integer >= {vocab_size}")
+
+
+def check_context(cfg: DictConfig) -> None:
+    """A language model's context must hold the data's sequences: `data.block_size` against the
+    model's `block_size` (the runner's GPT) or its position table (a Hugging Face model's
+    `max_position_embeddings` / `n_positions`, where the config sets it)."""
+    block = cfg.data.get("block_size") if hasattr(cfg.data, "get") else None
+    if block is None:
+        return
+    for key in ("block_size", "max_position_embeddings", "n_positions"):
+        context = cfg.model.get(key) if hasattr(cfg.model, "get") else None
+        if context is not None and int(block) > int(context):
+            raise ConfigError("data.block_size", f"{block} tokens per sequence, but the model's "
+                              f"context holds {context} (model.{key})",
+                              f"at most {context}, or a model with a longer context")
 
 

@@ -66,6 +66,14 @@ class Resume:
         value = float(self.state["best_val_acc"])
         return None if value == float("-inf") else value
 
+    def best(self, maximize: bool = True) -> Optional[float]:
+        """The checkpointed run's objective: its best accuracy (a classifier), or its best loss
+        (`maximize` false: a language model)."""
+        if maximize:
+            return self.best_val_acc
+        value = float(self.state.get("best_val_loss", float("inf")))
+        return None if value == float("inf") else value
+
     def budget_changed(self, max_epochs: int) -> bool:
         return self.saved_max_epochs != int(max_epochs)
 

@@ -61,6 +61,7 @@ from runner.measure.probes import MemoryProbe, Stopwatch
 from runner.run import rng
 from runner.run.distributed import Comm, unwrap
 from runner.run.interrupts import RunInterrupted, StopRequest
+from runner.tasks import Classification, Task
 from runner.tracking import metrics as m
 
 log = logging.getLogger(__name__)
@@ -74,9 +75,16 @@ _SCHEDULER_ORDER_WARNING = r"Detected call of `lr_scheduler.step\(\)` before `op
 
 @dataclass
 class FitResult:
-    best_val_acc: float
+    best_val_acc: float  # a classifier's (nan for a language model)
     train_time_s: float
     epochs: list[dict[str, float]] = field(default_factory=list)
+    best_val_loss: float = math.nan  # a language model's (nan for a classifier)
+    objective: str = m.BEST_VAL_ACC  # the task's: what `best` is, and a sweep optimises
+
+    @property
+    def best(self) -> float:
+        """The task's objective: best_val_acc (maximised) or best_val_loss (minimised)."""
+        return self.best_val_loss if self.objective == m.BEST_VAL_LOSS else self.best_val_acc
 
 
 def limit_batches(n_batches: int, limit: int | None) -> int:
@@ -126,9 +134,11 @@ class Trainer:
         memory: MemoryProbe,
         context: RunContext,
         criterion: nn.Module | None = None,
+        task: Task | None = None,
     ):
         """`cfg`: the trainer settings (a TrainerConfig, or the composed `trainer` node);
-        `context`: where results go (RunContext)."""
+        `context`: where results go (RunContext); `task`: what a batch is, the loss and the
+        metrics (runner.tasks; default: classification)."""
         self.model = model  # possibly DistributedDataParallel: the forward of training
         self.module = unwrap(model)  # the model itself: evaluation, checkpoints
         self.context = context
@@ -146,6 +156,7 @@ class Trainer:
         self.memory = memory
         # the loss (runner.components.losses.build_loss: the `loss` group); cross-entropy by default
         self.criterion = criterion if criterion is not None else nn.CrossEntropyLoss()
+        self.task = task if task is not None else Classification()
         self.train_batches = limit_batches(len(train_loader), cfg.limit_train_batches)
         self.val_batches = limit_batches(len(val_loader), cfg.limit_val_batches)
         self.global_step = 0
@@ -158,7 +169,7 @@ class Trainer:
         # batches of the next one), what it has seen so far, and the RNG to restore at the start
         self.epochs_done = 0
         self.batches_done = 0
-        self.best = -math.inf
+        self.best = self.task.worst  # the task's objective so far (accuracy, or loss)
         self.history: list[dict[str, float]] = []
         self.elapsed_before = 0.0  # training seconds of earlier sessions of this run
         self._rng_at_start: dict | None = None
@@ -202,7 +213,7 @@ class Trainer:
             if probe is not None:
                 around.enter_context(probe)
             with self.engine.autocast():
-                loss = self.criterion(self.model(x), y)
+                loss = self.task.loss(self.criterion, self.model(x), y)
             self.engine.backward(loss)
             if probe is not None:
                 probe.observe_weight_grads()  # as stored: scaled by the loss scale
@@ -319,7 +330,9 @@ class Trainer:
             "epoch": epochs_done,
             "batch": batches_done,
             "global_step": self.global_step,
-            "best_val_acc": self.best,
+            # the task's best: a classifier's accuracy, or a language model's loss
+            "best_val_acc": self.best if self.task.maximize else -math.inf,
+            "best_val_loss": self.best if not self.task.maximize else math.inf,
             "history": self.history,
             "elapsed_s": self.elapsed_before + (time.perf_counter() - self._started),
             "skip_streak": self.skip_streak,
@@ -338,7 +351,8 @@ class Trainer:
         self.epochs_done = int(state["epoch"])
         self.batches_done = int(state["batch"])
         self.global_step = int(state["global_step"])
-        self.best = float(state["best_val_acc"])
+        self.best = float(state["best_val_acc"] if self.task.maximize
+                          else state.get("best_val_loss", math.inf))
         self.history = list(state["history"])
         self.elapsed_before = float(state["elapsed_s"])
         self.skip_streak = int(state["skip_streak"])
@@ -375,16 +389,17 @@ class Trainer:
         signum = self.stop.signum if self.stop is not None and self.stop.signum else signal.SIGTERM
         return RunInterrupted(int(signum), where)
 
-    def train_epoch(self, epoch: int, skip: int = 0) -> tuple[float, int]:
-        """Returns (seconds, samples over all ranks) for one pass over the training batches,
-        starting after the first `skip` (an interrupted epoch, resumed)."""
+    def train_epoch(self, epoch: int, skip: int = 0) -> tuple[float, int, int]:
+        """Returns (seconds, samples, items over all ranks) for one pass over the training
+        batches, starting after the first `skip` (an interrupted epoch, resumed); items are the
+        task's predictions (samples, or a language model's tokens)."""
         self.model.train()
         sampler = getattr(self.train_loader, "sampler", None)
         if hasattr(sampler, "set_epoch"):  # the epoch's order, minus what was already trained
             sampler.set_epoch(epoch)
             sampler.skip = skip * (self.train_loader.batch_size or 1)
         window = torch.zeros((), device=self.device)
-        count = samples = 0
+        count = samples = items = 0
         bar = tqdm(
             total=self.train_batches,
             initial=skip,
@@ -402,6 +417,7 @@ class Trainer:
                 window += self.train_step(x, y)
                 count += 1
                 samples += y.shape[0]
+                items += self.task.items(y)
                 self.global_step += 1
                 self._check_skips()
                 stop = False
@@ -415,13 +431,15 @@ class Trainer:
             if count:  # short epochs still report their loss
                 self._log_train_loss(window, count, bar)
         seconds = self.clock.stop()
-        total = self.comm.sum_(torch.tensor(float(samples), device=self.device)).item()
-        return seconds, int(total)
+        totals = self.comm.sum_(torch.tensor([float(samples), float(items)], device=self.device))
+        samples_total, items_total = totals.tolist()
+        return seconds, int(samples_total), int(items_total)
 
     @torch.no_grad()
     def evaluate(self) -> tuple[float, float]:
         """Returns (mean loss, accuracy) over the validation batches of all ranks (each rank
-        evaluates its own share with the model itself: no collective inside the loop)."""
+        evaluates its own share with the model itself: no collective inside the loop): per
+        sample for a classifier, per token for a language model (runner.tasks)."""
         self.module.eval()
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
         correct = torch.zeros((), device=self.device, dtype=torch.float64)
@@ -432,10 +450,11 @@ class Trainer:
             x, y = self._to_device(x, y)
             with self.engine.autocast():
                 logits = self.module(x)
-            # the training criterion, as a sum over the batch (it returns the batch mean)
-            loss_sum += self.criterion(logits.float(), y).double() * y.shape[0]
-            correct += (logits.argmax(dim=1) == y).sum()
-            seen += y.shape[0]
+            # the training criterion, as a sum over the items (it returns their mean)
+            sums = self.task.eval_sums(self.criterion, logits, y)
+            loss_sum += sums.loss_sum
+            correct += sums.correct
+            seen += sums.count
         totals = self.comm.sum_(torch.stack(
             [loss_sum, correct, torch.tensor(float(seen), device=self.device, dtype=torch.float64)]))
         loss_total, correct_total, seen_total = totals.tolist()
@@ -486,7 +505,7 @@ class Trainer:
             self.clock.start()  # (the batch is fetched: only compiling is timed)
             for size in self._first_batch_shapes():
                 with self.engine.autocast():
-                    loss = self.criterion(self.model(x[:size]), y[:size])
+                    loss = self.task.loss(self.criterion, self.model(x[:size]), y[:size])
                 self.engine.backward(loss)
                 self.engine.zero_grad(self.optimizer)
             seconds = self.clock.stop()
@@ -506,14 +525,11 @@ class Trainer:
         every = self.cfg.checkpoint_every_n_epochs
         for epoch in range(self.epochs_done + 1, self.cfg.max_epochs + 1):
             skip, self.batches_done = self.batches_done, 0
-            seconds, samples = self.train_epoch(epoch, skip)
+            seconds, samples, items = self.train_epoch(epoch, skip)
             val_loss, val_acc = self.evaluate()
             peak = self.comm.max_(torch.tensor(self.memory.peak_mb(), device=self.device)).item()
             metrics = {
-                m.VAL_LOSS: val_loss,
-                m.VAL_ACC: val_acc,
-                m.EPOCH_TIME_S: seconds,
-                m.SAMPLES_PER_S: samples / seconds if seconds > 0 else math.nan,
+                **self.task.epoch_metrics(val_loss, val_acc, seconds, samples, items),
                 m.PEAK_MEM_MB: peak,
                 m.LOSS_SCALE: self.engine.loss_scale,
                 m.SKIPPED_STEPS: float(self.engine.skipped_steps),
@@ -523,17 +539,14 @@ class Trainer:
             if self.diagnostics is not None:
                 self.diagnostics.write()
             self.history.append(metrics)
-            if not math.isnan(val_acc):
-                self.best = max(self.best, val_acc)
+            value = val_acc if self.task.maximize else val_loss
+            if self.task.better(value, self.best):
+                self.best = value
             log.info(
-                "epoch %d/%d: val_acc %.4f  val_loss %.4f  %.1f s  %.0f samples/s  "
-                "peak mem %.0f MB  loss scale %g  skipped %d",
+                "epoch %d/%d: %s  peak mem %.0f MB  loss scale %g  skipped %d",
                 epoch,
                 self.cfg.max_epochs,
-                val_acc,
-                val_loss,
-                seconds,
-                metrics[m.SAMPLES_PER_S],
+                self.task.epoch_summary(metrics),
                 metrics[m.PEAK_MEM_MB],
                 metrics[m.LOSS_SCALE],
                 self.engine.skipped_steps,
@@ -545,7 +558,10 @@ class Trainer:
             if every and (epoch % every == 0 or last):
                 self._save(epoch, 0)
         train_time = self.elapsed_before + time.perf_counter() - self._started
-        best_val_acc = self.best if self.best != -math.inf else math.nan
-        self.on_metrics({m.BEST_VAL_ACC: best_val_acc, m.TRAIN_TIME_S: train_time},
+        best = self.best if not math.isinf(self.best) else math.nan
+        self.on_metrics({self.task.objective: best, m.TRAIN_TIME_S: train_time},
                         self.cfg.max_epochs)
-        return FitResult(best_val_acc=best_val_acc, train_time_s=train_time, epochs=self.history)
+        if self.task.maximize:
+            return FitResult(best_val_acc=best, train_time_s=train_time, epochs=self.history)
+        return FitResult(best_val_acc=math.nan, train_time_s=train_time, epochs=self.history,
+                         best_val_loss=best, objective=self.task.objective)

@@ -9,8 +9,11 @@ TRAIN_LOSS = "train_loss"  # mean training loss over the steps since the last re
 LR = "lr"  # the first parameter group's learning rate
 
 # per epoch (step = the epoch)
-VAL_LOSS = "val_loss"
-VAL_ACC = "val_acc"
+VAL_LOSS = "val_loss"  # a language model's: nats per token
+VAL_ACC = "val_acc"  # classification
+VAL_PERPLEXITY = "val_perplexity"  # language model: exp(val_loss)
+VAL_TOKEN_ACC = "val_token_acc"  # language model: next tokens predicted right (argmax)
+TOKENS_PER_S = "tokens_per_s"  # language model: training throughput in tokens
 EPOCH_TIME_S = "epoch_time_s"  # training time of the epoch (validation excluded)
 SAMPLES_PER_S = "samples_per_s"  # training throughput, every rank's samples
 PEAK_MEM_MB = "peak_mem_mb"  # peak memory of the training state (the tag peak_mem_kind says how)
@@ -20,5 +23,6 @@ RSS_GROWTH_MB = "rss_growth_mb"  # on a CPU: the process's resident-memory growt
 
 # once per run
 COMPILE_TIME_S = "compile_time_s"  # torch.compile's first step (not in epoch_time_s)
-BEST_VAL_ACC = "best_val_acc"  # the sweep's objective (step = max_epochs)
+BEST_VAL_ACC = "best_val_acc"  # a classifier's objective, maximised (step = max_epochs)
+BEST_VAL_LOSS = "best_val_loss"  # a language model's objective, minimised (step = max_epochs)
 TRAIN_TIME_S = "train_time_s"  # training time over every session of the run

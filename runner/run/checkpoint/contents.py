@@ -18,8 +18,10 @@ ALLOWED = "an intact checkpoint written by amp-runner"
 
 RESUMABLE_CHANGES = ("trainer.max_epochs", "resume")
 # keys added to the config after checkpoints were written without them: the value those runs had
-# (before the `loss` group, every run trained with a plain cross-entropy)
-IMPLIED_BEFORE = {"loss._target_": "torch.nn.CrossEntropyLoss", "loss.label_smoothing": 0.0}
+# (before the `loss` group, every run trained with a plain cross-entropy; before the `task`
+# group, every run was a classifier's, which task=auto still is for the datasets it had)
+IMPLIED_BEFORE = {"loss._target_": "torch.nn.CrossEntropyLoss", "loss.label_smoothing": 0.0,
+                  "task.name": "auto"}
 
 
 # ---- contents ----------------------------------------------------------------------------------
@@ -176,6 +178,7 @@ _SCHEMA: dict[str, tuple[Callable[[Any], bool], str, bool]] = {
     "batch": (_is_int, "an integer >= 0", True),
     "global_step": (_is_int, "an integer >= 0", True),
     "best_val_acc": (_is_real, "a number", True),
+    "best_val_loss": (_is_real, "a number", False),  # a language model's (not in older ones)
     "history": (_is_history, "a list of {metric name: number}", True),
     "elapsed_s": (_is_real, "a number", True),
     "skip_streak": (_is_int, "an integer >= 0", True),

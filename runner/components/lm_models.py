@@ -1,0 +1,413 @@
+"""Language models: a config section in, a randomly initialised causal language model out.
+
+A language model maps token ids (B, T) to next-token logits (B, T, V). The builders keep the
+project's signature `build_x(cfg, num_classes, small_input)`: for a language model `num_classes`
+is the data's vocabulary size (the largest token id + 1) and `small_input` is ignored.
+
+Two families:
+
+* `GPT`, a decoder-only transformer written for this runner (nanoGPT-like). Every projection is
+  an `nn.Linear` with a fixed, documented name (`blocks.N.attn.q/k/v/proj`, `blocks.N.mlp.up/down`,
+  `head`) so that fp8 conversion (`runner.precision.fp8`) and per-layer precision plans can address
+  each one by name. `model=gpt`, `gpt_tiny`, `gpt2_small` (`build_gpt`).
+* Hugging Face transformers' causal language models by model type, with random weights and nothing
+  downloaded: `model=hf model.arch=llama +model.hidden_size=64 ...` (`check_hf`, `build_hf`).
+  transformers is optional (`amp-runner[hf]`) and slow to import: it is imported only on use, with
+  the hub forced offline.
+"""
+from __future__ import annotations
+
+import difflib
+import functools
+import inspect
+import math
+import os
+import re
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from runner.config import targets
+from runner.errors import ConfigError
+
+
+# ---- the runner's GPT ------------------------------------------------------------------------
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention: separate `q`, `k`, `v` projections (so a precision plan
+    can treat each one on its own), PyTorch's fused scaled-dot-product attention, and the output
+    projection `proj` back into the residual stream."""
+
+    def __init__(self, n_embd: int, n_head: int, dropout: float = 0.0, bias: bool = True):
+        super().__init__()
+        if n_embd % n_head:
+            raise ValueError(f"n_embd ({n_embd}) must be divisible by n_head ({n_head})")
+        self.n_head = n_head
+        self.dropout = dropout
+        self.q = nn.Linear(n_embd, n_embd, bias=bias)
+        self.k = nn.Linear(n_embd, n_embd, bias=bias)
+        self.v = nn.Linear(n_embd, n_embd, bias=bias)
+        self.proj = nn.Linear(n_embd, n_embd, bias=bias)
+        self.drop = nn.Dropout(dropout)
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, C) -> (B, n_head, T, head_dim), the layout SDPA takes."""
+        b, t, c = x.shape
+        return x.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        y = F.scaled_dot_product_attention(
+            self._heads(self.q(x)), self._heads(self.k(x)), self._heads(self.v(x)),
+            is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        y = y.transpose(1, 2).contiguous().view(b, t, c)
+        return self.drop(self.proj(y))
+
+
+class MLP(nn.Module):
+    """The position-wise feed-forward network: `up` to 4x the width, GELU, `down` back."""
+
+    def __init__(self, n_embd: int, dropout: float = 0.0, bias: bool = True):
+        super().__init__()
+        self.up = nn.Linear(n_embd, 4 * n_embd, bias=bias)
+        self.act = nn.GELU()
+        self.down = nn.Linear(4 * n_embd, n_embd, bias=bias)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.down(self.act(self.up(x))))
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block: x + attn(ln1(x)), then x + mlp(ln2(x))."""
+
+    def __init__(self, n_embd: int, n_head: int, dropout: float = 0.0, bias: bool = True):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(n_embd, bias=bias)
+        self.attn = CausalSelfAttention(n_embd, n_head, dropout, bias)
+        self.ln2 = nn.LayerNorm(n_embd, bias=bias)
+        self.mlp = MLP(n_embd, dropout, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """A decoder-only transformer (GPT-2's layout, as in nanoGPT): token + learned position
+    embeddings, `n_layer` pre-norm blocks, a final LayerNorm and a bias-free `head` to the
+    vocabulary. forward(idx (B, T) int64) -> logits (B, T, vocab_size), T <= block_size.
+
+    Module names are a contract that precision plans and fp8 conversion glob on: `tok_emb`,
+    `pos_emb`, `drop`, `blocks.N.{ln1, attn.{q, k, v, proj}, ln2, mlp.{up, act, down}}`, `ln_f`,
+    `head`. Initialised as GPT-2: N(0, 0.02) for Linear and Embedding weights, zero biases, and
+    N(0, 0.02 / sqrt(2 * n_layer)) for the residual projections (`attn.proj`, `mlp.down`), so
+    the residual stream's variance does not grow with depth. `tie_weights`: the head shares the
+    token embedding's Parameter (GPT-2 does; saves vocab_size * n_embd parameters).
+    """
+
+    def __init__(self, vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int,
+                 dropout: float = 0.0, tie_weights: bool = False, bias: bool = True):
+        super().__init__()
+        for name, value in (("vocab_size", vocab_size), ("block_size", block_size),
+                            ("n_layer", n_layer), ("n_head", n_head), ("n_embd", n_embd)):
+            if int(value) < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+        if n_embd % n_head:
+            raise ValueError(f"n_embd ({n_embd}) must be divisible by n_head ({n_head})")
+        self.vocab_size = int(vocab_size)
+        self.block_size = int(block_size)
+        self.n_layer = int(n_layer)
+        self.tok_emb = nn.Embedding(vocab_size, n_embd)
+        self.pos_emb = nn.Embedding(block_size, n_embd)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout, bias) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd, bias=bias)
+        self.head = nn.Linear(n_embd, vocab_size, bias=False)
+        self._init_weights()
+        if tie_weights:
+            self.head.weight = self.tok_emb.weight
+
+    def _init_weights(self) -> None:
+        residual_std = 0.02 / math.sqrt(2 * self.n_layer)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                std = residual_std if name.endswith(("attn.proj", "mlp.down")) else 0.02
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[-1]
+        if t > self.block_size:
+            raise ValueError(f"sequence length {t} is longer than the model's block_size "
+                             f"{self.block_size}")
+        pos = torch.arange(t, device=idx.device)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+# ---- builders for the GPT --------------------------------------------------------------------
+# the keys build_gpt reads, with their defaults (schema: runner.config.options.GPTConfig)
+GPT_DEFAULTS: dict[str, Any] = {"n_layer": 2, "n_head": 4, "n_embd": 64, "block_size": 256,
+                                "vocab_size": None, "dropout": 0.0, "tie_weights": False,
+                                "bias": True}
+
+
+def _value(cfg: Any, key: str, default: Any) -> Any:
+    """`cfg.key` (a DictConfig, a dict or an object), `default` when absent or null."""
+    value = cfg.get(key, default) if hasattr(cfg, "get") else getattr(cfg, key, default)
+    return default if value is None else value
+
+
+def gpt_sizes(cfg: Any) -> dict[str, Any]:
+    """The GPT's constructor arguments from the config (vocab_size: None = the data's)."""
+    sizes = {key: _value(cfg, key, default) for key, default in GPT_DEFAULTS.items()}
+    for key in ("n_layer", "n_head", "n_embd", "block_size"):
+        sizes[key] = int(sizes[key])
+    sizes["vocab_size"] = None if sizes["vocab_size"] is None else int(sizes["vocab_size"])
+    sizes["dropout"] = float(sizes["dropout"])
+    sizes["tie_weights"] = bool(sizes["tie_weights"])
+    sizes["bias"] = bool(sizes["bias"])
+    return sizes
+
+
+def check_gpt(cfg: Any) -> None:
+    """ConfigError for sizes the GPT cannot be built with (before any data or run exists)."""
+    sizes = gpt_sizes(cfg)
+    for key in ("n_layer", "n_head", "n_embd", "block_size"):
+        if sizes[key] < 1:
+            raise ConfigError(f"model.{key}", f"must be at least 1, got {sizes[key]}")
+    if sizes["n_embd"] % sizes["n_head"]:
+        divisors = [d for d in range(1, sizes["n_embd"] + 1) if sizes["n_embd"] % d == 0]
+        raise ConfigError("model.n_head", f"the width n_embd={sizes['n_embd']} is split into "
+                          f"n_head={sizes['n_head']} heads, which does not divide it",
+                          [str(d) for d in divisors if d <= 64])
+    if not 0.0 <= sizes["dropout"] < 1.0:
+        raise ConfigError("model.dropout", f"got {sizes['dropout']}", "a number in [0, 1)")
+
+
+def _vocab(declared: Optional[int], num_classes: int) -> int:
+    """The model's vocabulary: the declared one (at least the data's), else the data's."""
+    if declared is None:
+        return int(num_classes)
+    if int(declared) < int(num_classes):
+        raise ConfigError("model.vocab_size", f"is {declared}, but the data has token ids up to "
+                          f"{int(num_classes) - 1}",
+                          f"null (the data's: {num_classes}) or an integer >= {num_classes}")
+    return int(declared)
+
+
+def build_gpt(cfg: Any, num_classes: int, small_input: bool = False) -> GPT:
+    """model=gpt (gpt_tiny, gpt2_small): the runner's GPT, random init, sized by the keys
+    n_layer, n_head, n_embd, block_size, vocab_size (null: `num_classes`, the data's
+    vocabulary), dropout, tie_weights and bias. `small_input` has no meaning for text."""
+    check_gpt(cfg)
+    sizes = gpt_sizes(cfg)
+    sizes["vocab_size"] = _vocab(sizes["vocab_size"], num_classes)
+    return GPT(**sizes)
+
+
+# ---- Hugging Face transformers by model type ------------------------------------------------
+HF_KEYS = ("name", "arch")  # the runner's keys of model=hf; every other one is a config setting
+# settings that would fetch or load weights, or run code from the hub
+HF_DOWNLOADS = ("pretrained_model_name_or_path", "name_or_path", "_name_or_path", "weights",
+                "pretrained", "checkpoint_path", "auto_map", "trust_remote_code")
+# settings that would give the model its own parameter type, behind the precision option's back
+HF_DTYPES = ("dtype", "torch_dtype")
+HF_LISTING = "transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"
+
+
+def _transformers() -> Any:
+    """transformers, imported with the Hugging Face hub forced offline (unless the environment
+    says otherwise): a model here is built from its config only and nothing may be downloaded."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError("model", "model=hf needs transformers, which is not installed",
+                          'pip install "amp-runner[hf]"') from None
+    return transformers
+
+
+def _causal_types() -> dict[str, str]:
+    """model type -> the name of its causal-LM class."""
+    _transformers()
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return dict(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def _config_class(arch: Any) -> Any:
+    """The config class of model type `arch`; ConfigError when it is no causal LM type."""
+    _transformers()
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    causal = _causal_types()
+    known = list(CONFIG_MAPPING.keys())
+    if not isinstance(arch, str) or arch not in known:
+        close = difflib.get_close_matches(str(arch), list(causal), n=5, cutoff=0.5) \
+            or difflib.get_close_matches(str(arch), known, n=5, cutoff=0.5)
+        hint = f"; closest: {', '.join(close)}" if close else ""
+        raise ConfigError("model.arch", f"unknown Hugging Face model type {arch!r}{hint}",
+                          f"a key of {HF_LISTING}")
+    if arch not in causal:
+        close = difflib.get_close_matches(arch, list(causal), n=5, cutoff=0.5)
+        hint = f"; causal LM types close to it: {', '.join(close)}" if close else ""
+        raise ConfigError("model.arch", f"Hugging Face model type {arch!r} "
+                          f"({CONFIG_MAPPING[arch].__name__}) has no causal language model "
+                          f"class{hint}", f"a key of {HF_LISTING}")
+    return CONFIG_MAPPING[arch]
+
+
+@functools.lru_cache(maxsize=None)
+def _default(config_class: Any) -> Any:
+    """A default instance of `config_class`; None for one that needs arguments."""
+    try:
+        return config_class()
+    except Exception:  # a composite config that cannot be built without arguments
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def _settings(config_class: Any) -> frozenset[str]:
+    """The keys a config class knows: its `__init__` arguments (of every class in its MRO, as
+    the base class's are passed on through **kwargs), its aliases (`attribute_map`), the
+    attributes of a default instance and its settable properties. transformers accepts any
+    keyword silently, so this is the only way to catch a misspelt one."""
+    names: set[str] = set()
+    for cls in config_class.__mro__:
+        init = cls.__dict__.get("__init__")
+        if init is None:
+            continue
+        try:
+            parameters = inspect.signature(init).parameters.values()
+        except (TypeError, ValueError):
+            continue
+        names.update(p.name for p in parameters if p.name != "self"
+                     and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
+    names.update(getattr(config_class, "attribute_map", {}) or {})
+    if _default(config_class) is not None:
+        names.update(vars(_default(config_class)))
+    for cls in config_class.__mro__:
+        names.update(n for n, v in vars(cls).items()
+                     if isinstance(v, property) and v.fset is not None)
+    return frozenset(n for n in names if not n.startswith("_"))
+
+
+def _hf_kwargs(cfg: Any) -> dict[str, Any]:
+    return targets.arguments(cfg, HF_KEYS)
+
+
+def _refuse_hf_downloads(kwargs: dict[str, Any]) -> None:
+    for key in HF_DOWNLOADS:
+        value = kwargs.get(key)
+        if value not in (None, False, ""):
+            raise ConfigError(f"model.{key}", f"got {value!r}: models are trained from random "
+                              "init here and nothing may be downloaded or loaded",
+                              "null (or leave it out)")
+    for key in HF_DTYPES:
+        if kwargs.get(key) is not None:
+            raise ConfigError(f"model.{key}", f"got {kwargs[key]!r}: the precision option "
+                              "decides the model's types", "null (or leave it out)")
+
+
+_FIELD = re.compile(r"field '(\w+)'")
+
+
+def _hf_config(arch: str, kwargs: dict[str, Any]) -> Any:
+    """`AutoConfig.for_model(arch, **kwargs)`, its validation errors as ConfigErrors."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.for_model(arch, **kwargs)
+    except Exception as exc:
+        match = _FIELD.search(str(exc))
+        rejected = match.group(1) if match else targets.rejected_argument(exc)
+        message = " ".join(str(exc).split())
+        raise ConfigError(f"model.{rejected}" if rejected else "model",
+                          f"the {arch!r} config rejects the settings: {message}") from None
+
+
+def check_hf(cfg: Any) -> None:
+    """ConfigError, before any data or run exists, for model=hf settings that cannot work:
+    transformers missing, a model type that is unknown or has no causal LM, a setting that would
+    download or load weights (or set the dtype), one the config class does not have, or values
+    the config class rejects. Builds the config only (cheap), not the model."""
+    _transformers()
+    arch = cfg.get("arch")
+    config_class = _config_class(arch)
+    kwargs = _hf_kwargs(cfg)
+    _refuse_hf_downloads(kwargs)
+    known = _settings(config_class)
+    for key in kwargs:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=5, cutoff=0.6)
+            hint = f"; closest: {', '.join(close)}" if close else ""
+            raise ConfigError(f"model.{key}", f"Hugging Face {config_class.__name__} ({arch}) "
+                              f"has no setting {key!r}{hint}",
+                              f"a keyword of {config_class.__name__}")
+    vocab = kwargs.get("vocab_size")
+    if vocab is not None and (not isinstance(vocab, int) or vocab < 2):
+        raise ConfigError("model.vocab_size", f"got {vocab!r}",
+                          "null (the data's) or an integer >= 2")
+    _hf_config(arch, kwargs)
+
+
+SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+
+
+def _ids(value: Any) -> list[int]:
+    """The token ids a special-token setting holds (an int, a list of them, or None)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    return []
+
+
+class HFCausalLM(nn.Module):
+    """A Hugging Face causal LM as the runner's language model: forward(idx (B, T)) returns the
+    logits tensor (B, T, V) alone, not transformers' output object. The wrapped model is
+    `model`, so its layers are named `model.<transformers' names>` (e.g.
+    `model.model.layers.0.self_attn.q_proj` for llama)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        output = self.model(input_ids=idx)
+        logits = getattr(output, "logits", None)
+        return output[0] if logits is None else logits
+
+
+def build_hf(cfg: Any, num_classes: int, small_input: bool = False) -> HFCausalLM:
+    """model=hf model.arch=TYPE: transformers' causal LM of that model type, random init, built
+    from `AutoConfig.for_model(TYPE, **settings)` where the settings are every key but name and
+    arch; vocab_size defaults to `num_classes` (the data's vocabulary); use_cache defaults to
+    false (training needs no KV cache). Nothing is downloaded."""
+    check_hf(cfg)
+    from transformers import AutoModelForCausalLM
+
+    arch = str(cfg.get("arch"))
+    kwargs = _hf_kwargs(cfg)
+    kwargs["vocab_size"] = _vocab(kwargs.get("vocab_size"), num_classes)
+    config_class = _config_class(arch)
+    if "use_cache" in _settings(config_class):
+        kwargs.setdefault("use_cache", False)
+    # the special tokens of the pretrained tokenizer (GPT-2's 50256, ...) mean nothing to the
+    # data's vocabulary: leave out those outside it (transformers warns about them otherwise)
+    default = _default(config_class)
+    for key in SPECIAL_TOKENS:
+        ids = getattr(default, key, None)
+        if key not in kwargs and any(i >= kwargs["vocab_size"] for i in _ids(ids)):
+            kwargs[key] = None
+    config = _hf_config(arch, kwargs)
+    return HFCausalLM(AutoModelForCausalLM.from_config(config))
