@@ -343,6 +343,25 @@ def test_the_command_prints_its_table_and_logs_a_diagnose_run(tmp_path):
 
 
 @pytest.mark.slow
+def test_the_pre_flight_of_a_gpt_names_every_transformer_layer(tmp_path):
+    """The pre-flight on a language model: one row per layer of gpt_tiny (the attention's q, k,
+    v and proj, the MLP's up and down, the norms, the head), measured on token-id batches."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    result = _run_diagnose("model=gpt_tiny", "data=synthetic_text", "data.num_train=4096",
+                           "data.block_size=32", "trainer.batch_size=8", "trainer.num_workers=0",
+                           "trainer.progress_bar=false", "trainer.device=cpu", "precision=o2_bf16",
+                           f"mlflow.tracking_uri={uri}", "--steps", "2", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for layer in ("blocks.0.attn.q", "blocks.0.attn.proj", "blocks.1.mlp.down", "blocks.1.ln2",
+                  "ln_f", "head"):
+        assert f"  {layer} " in result.stdout, layer
+    assert "Recommendation: precision=" in result.stdout
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("amp-runner").experiment_id])
+    assert run.info.run_name == "gpt_tiny-diagnose" and run.info.status == "FINISHED"
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("args,needle", [
     (["trainer.batch_size=0"], "trainer.batch_size"),
     (["trainer.max_epoch=2"], "max_epoch"),

@@ -4,6 +4,7 @@ and the real datasets)."""
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 
@@ -13,7 +14,10 @@ from runner.config.finder import config_dir
 from tests.conftest import REPO, compose_config, run_in_process
 
 EXPERIMENTS = {"cpu_demo": 8, "cifar10_opt_levels": 16, "vgg16_batch_sizes": 15,
-               "modern_precisions": 14}  # jobs each
+               "modern_precisions": 14, "gpt_precisions": 6}  # jobs each
+# what an experiment needs on the command line: gpt_precisions' corpus (a folder of the
+# standard library's sources, as its command takes the whole library)
+NEEDS = {"gpt_precisions": [f"data.path={os.path.join(os.path.dirname(os.__file__), 'json')}"]}
 # modern_precisions trains torchvision's ViT-B/16 (model=torchvision model.arch=vit_b_16): its
 # composing tests wait for that model option (the open-model work) and run once it exists
 NEEDS_ZOO = pytest.mark.skipif(not (config_dir() / "model" / "torchvision.yaml").exists(),
@@ -42,7 +46,8 @@ def test_every_experiment_states_its_command_and_needs():
 @pytest.mark.parametrize("name,jobs", [_experiment(name, jobs)
                                       for name, jobs in EXPERIMENTS.items()])
 def test_dry_run_resolves_every_job_of_the_sweep(name, jobs, capsys, tmp_path):
-    assert run_in_process("-m", f"+experiment={name}", "dry_run=true", "trainer.device=cpu") == 0
+    assert run_in_process("-m", f"+experiment={name}", "dry_run=true", "trainer.device=cpu",
+                          *NEEDS.get(name, [])) == 0
     out = capsys.readouterr().out
     assert out.count("  opt_level: O") == jobs  # one resolved config per job
     assert f"name: {name}" in out  # the experiment's own settings
@@ -82,3 +87,21 @@ def test_experiment_trains_on_synthetic_data_of_its_shape(name, overrides, track
     assert cfg.data.image_size == expected and cfg.data.num_classes == 10
     best = app.run(cfg, overrides=overrides)
     assert math.isfinite(best)
+
+
+@pytest.mark.parametrize("precision", ["o3_bf16_sr", "o1_fp8"])
+def test_gpt_experiment_trains_on_a_part_of_its_corpus(precision, tracking_uri, tmp_path):
+    """gpt_precisions at its own shape (gpt_tiny, 128-token sequences, AdamW with eps 1e-6) on
+    one package of the standard library's sources (its command takes the whole library): a few
+    steps, a finite best loss."""
+    if precision.endswith("fp8"):
+        pytest.importorskip("torchao")
+    cfg = compose_config("+experiment=gpt_precisions", f"precision={precision}",
+                         *NEEDS["gpt_precisions"], f"data.cache_dir={tmp_path / 'tokens'}",
+                         "trainer.batch_size=4", "trainer.max_epochs=1",
+                         "trainer.limit_train_batches=2", "trainer.limit_val_batches=2",
+                         "trainer.num_workers=0", "trainer.progress_bar=false",
+                         "trainer.device=cpu", f"mlflow.tracking_uri={tracking_uri}")
+    assert cfg.model.name == "gpt_tiny" and cfg.model.block_size == 128
+    assert cfg.optimizer.name == "adamw" and cfg.optimizer.eps == 1e-6
+    assert math.isfinite(app.run(cfg))

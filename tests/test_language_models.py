@@ -320,3 +320,45 @@ def test_the_dry_run_checks_the_gpt_on_the_meta_device(capsys):
     out = capsys.readouterr().out
     assert "name: gpt2_small" in out and "n_embd: 768" in out
     assert "Task: language_model (task=auto: the dataset's)" in out
+
+
+@pytest.mark.parametrize("preset", ["o1", "o2", "o3"])
+def test_the_fp16_levels_step_the_gpt(preset, tracking_uri):
+    """Apex's fp16 levels on the GPT (emulated on a CPU: a few steps): O1 autocasts, O2 keeps
+    fp32 masters with a dynamic loss scale, O3 runs pure fp16 (AdamW's eps 1e-6 survives fp16
+    state); each ends FINISHED with finite language-model metrics."""
+    best, run = _one(tracking_uri, f"precision={preset}", "trainer.max_epochs=1",
+                     "trainer.limit_train_batches=3", "trainer.limit_val_batches=2")
+    _lm_contract(run, preset)
+    assert math.isfinite(best)
+    assert run.data.metrics["loss_scale"] == (1.0 if preset == "o3" else 65536.0)
+
+
+def test_shape_findings_name_n_embd_and_vocab_size():
+    """A GPT whose width and vocabulary are not multiples of 8 (Tensor Cores) or 16 (fp8): the
+    findings name the layers and the settings they come from, model.n_embd and
+    model.vocab_size, with the padding advice for a vocabulary."""
+    from runner.components.lm_models import GPT
+    from runner.precision import resolve
+    from runner.precision.checks import DeviceInfo, tensor_core_findings
+
+    gpu = DeviceInfo("cuda", (9, 0), "NVIDIA H100")
+    model = GPT(vocab_size=50257, block_size=32, n_layer=1, n_head=4, n_embd=100)
+    (finding,) = tensor_core_findings(model, 16, resolve("O2", device=gpu).properties, gpu)
+    assert "blocks.0.attn.q (in_features 100 = model.n_embd, out_features 100 = model.n_embd)" \
+        in finding.message
+    assert "blocks.0.mlp.up (in_features 100 = model.n_embd)" in finding.message  # 400: fine
+    assert "head (in_features 100 = model.n_embd, out_features 50257 = model.vocab_size)" \
+        in finding.message
+    assert "set model.n_embd, model.vocab_size to multiples of 8" in finding.hint
+    assert "50304" in finding.hint
+
+    pytest.importorskip("torchao")
+    from runner.precision.fp8 import convert
+
+    small = GPT(vocab_size=250, block_size=32, n_layer=1, n_head=2, n_embd=64)
+    conversion = convert(small, "tensorwise", emulate=True)
+    assert conversion.skipped == [("head", "out_features 250 = model.vocab_size not a multiple "
+                                           "of 16")]
+    (finding,) = conversion.findings()
+    assert "set model.vocab_size to multiples of 16" in finding.hint

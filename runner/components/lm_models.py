@@ -140,6 +140,13 @@ class GPT(nn.Module):
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
+    def size_keys(self) -> dict[int, str]:
+        """{layer size: the config key it comes from}: what a Tensor Core or fp8 shape finding
+        names (runner.precision.checks.size_origins)."""
+        n_embd = self.tok_emb.embedding_dim
+        return {4 * n_embd: "4 x model.n_embd", n_embd: "model.n_embd",
+                self.vocab_size: "model.vocab_size"}
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[-1]
         if t > self.block_size:

@@ -213,6 +213,37 @@ def _off_eight(n: int) -> bool:
     return n % 8 != 0
 
 
+def size_origins(model: nn.Module) -> dict[int, str]:
+    """{layer size: the config key it comes from} where the model says so (`size_keys()`: the
+    runner's GPT names `model.n_embd`, `4 x model.n_embd` and `model.vocab_size`), so that a shape
+    finding tells which setting to change, not only which layer."""
+    keys = getattr(model, "size_keys", None)
+    try:
+        return dict(keys()) if callable(keys) else {}
+    except Exception:  # noqa: BLE001  (a user's model: no names, the finding still stands)
+        return {}
+
+
+def sized(label: str, n: int, origins: dict[int, str]) -> str:
+    """`in_features 100`, or `in_features 100 = model.n_embd` where the size has a known origin."""
+    return f"{label} {n}" + (f" = {origins[n]}" if n in origins else "")
+
+
+def origins_hint(texts: Iterable[str], origins: dict[int, str], multiple: int) -> str:
+    """What to set, where a listed size comes from a config key: `set model.n_embd,
+    model.vocab_size to multiples of 8 (a vocabulary can be padded: 50257 -> 50304)`."""
+    used = [key for key in dict.fromkeys(origins.values())
+            if any(f"= {key}" in text for text in texts)]
+    if not used:
+        return ""
+    keys = dict.fromkeys(k.split(" x ")[-1] for k in used)  # `4 x model.n_embd`: model.n_embd
+    hint = f"; set {', '.join(keys)} to multiples of {multiple}"
+    if any("vocab_size" in key for key in used):
+        hint += (" (a vocabulary can be padded with unused ids: GPT-2's 50257 -> 50304, as "
+                 "nanoGPT does, with model.vocab_size)")
+    return hint
+
+
 def tensor_core_findings(model: nn.Module, batch_size: Optional[int], properties: Properties,
                          device_info: Optional[DeviceInfo]) -> list[Finding]:
     """One info finding listing every Linear and convolution layer (1d/2d/3d, transposed too) and
@@ -224,14 +255,15 @@ def tensor_core_findings(model: nn.Module, batch_size: Optional[int], properties
         return []
     offenders: list[str] = []
     layers = 0
+    origins = size_origins(model)
     for name, module in model.named_modules():
         sizes: list[str] = []
         if isinstance(module, nn.Linear):
             layers += 1
             if _off_eight(module.in_features):
-                sizes.append(f"in_features {module.in_features}")
+                sizes.append(sized("in_features", module.in_features, origins))
             if _off_eight(module.out_features):
-                sizes.append(f"out_features {module.out_features}")
+                sizes.append(sized("out_features", module.out_features, origins))
         elif isinstance(module, nn.modules.conv._ConvNd):
             layers += 1
             if module.in_channels not in (1, 3) and _off_eight(module.in_channels):
@@ -253,4 +285,5 @@ def tensor_core_findings(model: nn.Module, batch_size: Optional[int], properties
         "info", "model" if offenders else "trainer.batch_size",
         "; ".join(parts)
         + f", so {dtypes} Tensor Core kernels pad them or fall back to slower ones",
-        "sizes that are multiples of 8 (trainer.batch_size, layer widths) use Tensor Cores fully")]
+        "sizes that are multiples of 8 (trainer.batch_size, layer widths) use Tensor Cores fully"
+        + origins_hint(offenders, origins, 8))]

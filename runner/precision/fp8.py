@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from runner.precision.checks import origins_hint, size_origins, sized
 from runner.precision.properties import Finding
 
 # torchao's scaled fp8 GEMM takes matrices whose sizes are multiples of 16
@@ -31,9 +32,11 @@ class Conversion:
     emulated: bool
     converted: list[str] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (name, why)
+    origins: dict[int, str] = field(default_factory=dict)  # size -> the config key it comes from
 
     def findings(self) -> list[Finding]:
-        """An info finding naming every Linear layer left out of fp8 (none: no finding)."""
+        """An info finding naming every Linear layer left out of fp8 (none: no finding), and the
+        config key a size comes from where the model names it (`checks.size_origins`)."""
         if not self.skipped:
             return []
         listed = ", ".join(f"{name} ({why})" for name, why in self.skipped)
@@ -41,7 +44,8 @@ class Conversion:
             "info", "fp8_linear",
             f"{len(self.skipped)} of {len(self.skipped) + len(self.converted)} Linear layers stay "
             f"in the level's type, not fp8: {listed}",
-            f"sizes that are multiples of {FP8_DIVISOR} let torchao run a layer in fp8")]
+            f"sizes that are multiples of {FP8_DIVISOR} let torchao run a layer in fp8"
+            + origins_hint([why for _, why in self.skipped], self.origins, FP8_DIVISOR))]
 
     def listing(self) -> str:
         """The `fp8_layers.txt` artifact: one line per Linear layer."""
@@ -52,12 +56,13 @@ class Conversion:
         return "\n".join(lines) + "\n"
 
 
-def _why_not(module: nn.Linear) -> str | None:
+def _why_not(module: nn.Linear, origins: dict[int, str] | None = None) -> str | None:
+    origins = origins or {}
     sizes = []
     if module.in_features % FP8_DIVISOR:
-        sizes.append(f"in_features {module.in_features}")
+        sizes.append(sized("in_features", module.in_features, origins))
     if module.out_features % FP8_DIVISOR:
-        sizes.append(f"out_features {module.out_features}")
+        sizes.append(sized("out_features", module.out_features, origins))
     if sizes:
         return f"{', '.join(sizes)} not a multiple of {FP8_DIVISOR}"
     return None
@@ -70,14 +75,14 @@ def convert(model: nn.Module, recipe: str, emulate: bool) -> Conversion:
 
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    conversion = Conversion(recipe, emulate)
+    conversion = Conversion(recipe, emulate, origins=size_origins(model))
     if type(model) is nn.Linear:  # torchao replaces a root Linear by a new module, not in place
         conversion.skipped.append((type(model).__name__, "the model itself is one Linear layer"))
         return conversion
     eligible: set[str] = set()
     for name, module in model.named_modules():
         if type(module) is nn.Linear:  # (not a subclass torchao would not know how to copy)
-            why = _why_not(module)
+            why = _why_not(module, conversion.origins)
             if why is None:
                 eligible.add(name)
                 conversion.converted.append(name or type(module).__name__)
