@@ -346,16 +346,32 @@ def model_label(model: str) -> str:
     return model.partition(":")[2] or model
 
 
+def is_language_model(model: str) -> bool:
+    """Whether a benchmark's model (as `model_overrides` takes it) is a language model: the
+    runner's GPTs (gpt, gpt_tiny, gpt2_small) and Hugging Face's (`hf:<type>`)."""
+    from runner.config import options
+
+    zoo, colon, _ = model.partition(":")
+    spec = next((s for s in options.SPECS if s.group == "model" and s.name == zoo), None)
+    return spec is not None and spec.task == options.LANGUAGE_MODEL
+
+
 def one_batch_task(model: str, image_size: int, batch_size: int, device: str) -> list[str]:
     """Overrides for a timing benchmark's task: synthetic data of exactly one batch (drawn once,
     kept in memory), no worker processes, no progress bar. `model` as `model_overrides` takes
-    it."""
+    it. For a language model the size is the sequence length: a batch of `batch_size` sequences
+    of `image_size` tokens of the synthetic language (samples per second are sequences per
+    second; tokens per second are that times the length)."""
+    if is_language_model(model):
+        tokens = batch_size * image_size + 1  # exactly one batch of windows
+        data = ["data=synthetic_text", f"data.block_size={image_size}",
+                f"data.num_train={tokens}", f"data.num_val={tokens}"]
+    else:
+        data = ["data=synthetic", f"data.image_size={image_size}",
+                f"data.num_train={batch_size}", f"data.num_val={batch_size}"]
     return [
         *model_overrides(model),
-        "data=synthetic",
-        f"data.image_size={image_size}",
-        f"data.num_train={batch_size}",
-        f"data.num_val={batch_size}",
+        *data,
         f"trainer.batch_size={batch_size}",
         "trainer.num_workers=0",
         "trainer.progress_bar=false",

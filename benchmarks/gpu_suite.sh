@@ -14,6 +14,10 @@
 #   bash benchmarks/gpu_suite.sh 3   # kernels build, levels.py compiled rows (o0, o1_bf16,
 #                                    # o2_bf16, o1_fp8, o2_fp8 +compile) for the ViT and resnet50,
 #                                    # merged; accuracy.py (3 seeds, 8 levels) in what is left
+#   bash benchmarks/gpu_suite.sh 4   # kernels build, levels.py rows for GPT-2 small (the runner's
+#                                    # gpt2_small: 12 layers, width 768, 1024-token sequences,
+#                                    # GPT-2's vocabulary padded to 50304): O0, bf16 presets,
+#                                    # o3_bf16_sr, fp8 and compiled rows, merged
 #
 # Part 3 is new with the fp8/compile rows (issue 14): compiling a 224-px model takes tens of
 # seconds per cell, so the compiled rows got a part of their own, and accuracy.py moved there
@@ -40,8 +44,8 @@
 set -uo pipefail
 
 PART=${1:-}
-if [[ "$PART" != 1 && "$PART" != 2 && "$PART" != 3 ]]; then
-  echo "usage: bash benchmarks/gpu_suite.sh 1|2|3   (three commands under 10 minutes each)" >&2
+if [[ "$PART" != 1 && "$PART" != 2 && "$PART" != 3 && "$PART" != 4 ]]; then
+  echo "usage: bash benchmarks/gpu_suite.sh 1|2|3|4   (four commands under 10 minutes each)" >&2
   exit 2
 fi
 if [[ -z "${OUT:-}" ]]; then
@@ -157,6 +161,14 @@ elif [[ "$PART" == 2 ]]; then
     --levels "$BASE" --merge
   piece bench_levels_2b 200 "$PY" benchmarks/levels.py --device cuda --models vgg16_bn \
     --levels "$EAGER" --merge
+elif [[ "$PART" == 4 ]]; then
+  # a language model: sizes are tokens per sequence (1024); GPT-2's vocabulary padded to 50304
+  # (a multiple of 64, as nanoGPT does) over the synthetic language's ids
+  GPT=(--models gpt2_small --image-size 1024 --batch-size 8 --extra model.vocab_size=50304)
+  piece bench_levels_gpt 240 "$PY" benchmarks/levels.py --device cuda "${GPT[@]}" \
+    --levels o0,o1_bf16,o2_bf16,o3_bf16_sr,o1_fp8,o2_fp8 --merge
+  piece bench_levels_gpt_compiled 300 "$PY" benchmarks/levels.py --device cuda "${GPT[@]}" \
+    --levels o1_bf16+compile,o2_bf16+compile,o1_fp8+compile --merge
 else
   piece bench_levels_compiled 330 "$PY" benchmarks/levels.py --device cuda \
     --models "$VIT",resnet50 --levels "$COMPILED" --merge

@@ -640,7 +640,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "channels_last": args.channels_last, "tf32": args.tf32,
                      "primed": args.prime,
                      "compile_cache": fresh_compile_cache() if compiling else None},
-        "overrides": cell_overrides(args, "<model>", "<level>"),
+        # the first model's data stands for the others of its kind (images, or token sequences)
+        "overrides": [o if not o.startswith("model=") else "model=<model>" for o in
+                      cell_overrides(args, next(iter(args.levels)), "<level>")
+                      if not o.startswith("model.arch=")],
     }
     total = sum(len(lvls) for lvls in args.levels.values())
     print(f"Levels on {args.device}: "

@@ -86,7 +86,13 @@ def handwritten_step(model, cfg, properties, batch) -> Callable[[], object]:
     kind = handwritten_kind(properties)
     x, y = batch
     device_type = x.device.type
-    criterion = nn.CrossEntropyLoss()
+    cross_entropy = nn.CrossEntropyLoss()
+
+    def criterion(logits, target):
+        # a language model's (B, T, V) logits: every position against the next token, as
+        # nanoGPT's loop computes it (logits.view(-1, V) against targets.view(-1))
+        return cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1)) \
+            if logits.dim() == 3 else cross_entropy(logits, target)
     dynamic = _static_or_dynamic(properties)
 
     def scheduler_for(optimizer):
@@ -170,8 +176,9 @@ def handwritten_step(model, cfg, properties, batch) -> Callable[[], object]:
         inv.fill_(1.0 / scale["value"])
 
     def step():
-        # inputs cast in every step and outputs back to fp32, as the runner's model hooks do
-        loss = criterion(model(x.to(half)).float(), y)
+        # floating inputs cast in every step (token ids stay integers) and outputs back to fp32,
+        # as the runner's model hooks do
+        loss = criterion(model(x.to(half) if x.is_floating_point() else x).float(), y)
         (loss * scale["value"] if dynamic else loss).backward()
         with torch.no_grad():
             for m, g in zip(master_list, master_grads):
