@@ -519,3 +519,19 @@ def test_the_yaml_options_build(tmp_path):
     assert err.key == "data.path" and "not set" in str(err)
     bundle = build_synthetic_text(compose_data("data=synthetic_text", "data.num_train=5000"))
     assert bundle.num_classes == 64 and bundle.block_size == 64 and len(bundle.val) == 312
+
+
+def test_exclude_leaves_files_out_of_the_corpus(tmp_path):
+    """data.exclude: shell patterns on the relative path ("*" crosses folders) leave files out
+    of the corpus (the standard library's folder holds site-packages); nothing left is an error
+    that says so."""
+    (tmp_path / "lib" / "site-packages" / "pkg").mkdir(parents=True)
+    (tmp_path / "lib" / "os.py").write_text("import sys\n")
+    (tmp_path / "lib" / "site-packages" / "pkg" / "mod.py").write_text("x = 1\n")
+    base = dict(path=str(tmp_path / "lib"), glob="**/*.py")
+    _, every = text.corpus_files(node(**base))
+    assert [rel for rel, _ in every] == ["os.py", "site-packages/pkg/mod.py"]
+    _, kept = text.corpus_files(node(**base, exclude=["site-packages/*"]))
+    assert [rel for rel, _ in kept] == ["os.py"]
+    with pytest.raises(ConfigError, match="less data.exclude"):
+        text.corpus_files(node(**base, exclude=["*.py"]))

@@ -17,6 +17,7 @@ vocabulary (the model's output size) without building anything.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import fcntl
 import functools
 import hashlib
@@ -230,9 +231,14 @@ def corpus_files(node: Any) -> Tuple[str, List[Tuple[str, str]]]:
     except (ValueError, NotImplementedError, OSError) as exc:
         raise ConfigError("data.glob", f"{pattern!r} cannot be used under {root} ({exc})",
                           'a glob relative to data.path, e.g. "**/*.txt"') from exc
-    files = sorted((p.relative_to(root).as_posix(), str(p)) for p in found)
+    # data.exclude: shell patterns on the relative path ("*" crosses folders): "site-packages/*"
+    excluded = [str(e) for e in (_get(node, "exclude", None) or [])]
+    files = sorted((rel, str(p)) for p in found
+                   for rel in [p.relative_to(root).as_posix()]
+                   if not any(fnmatch.fnmatch(rel, e) for e in excluded))
     if not files:
-        raise ConfigError("data.glob", f"{pattern!r} matches no file under data.path={root}",
+        but = f" (less data.exclude={excluded})" if excluded else ""
+        raise ConfigError("data.glob", f"{pattern!r} matches no file under data.path={root}{but}",
                           'a glob that matches the corpus files, e.g. "**/*.txt" or "*.md"')
     return root, files
 

@@ -114,6 +114,8 @@ class TextConfig:
     name: str = MISSING
     path: str = MISSING  # a text file, or a folder of them
     glob: str = "**/*.txt"  # in a folder: the files to read (recursive, sorted)
+    # in a folder: relative paths to leave out, shell patterns ("*" crosses folders)
+    exclude: List[str] = field(default_factory=list)
     tokenizer: Optional[str] = None  # null = UTF-8 bytes (vocabulary 256); else a tokenizer.json
     block_size: int = 256  # tokens per training sequence
     val_fraction: float = 0.1  # the held-out tail of the token stream
