@@ -3,7 +3,8 @@ and what does the runner's step cost against a nanoGPT-style hand-written loop?
 
 Task. The runner's GPT at its smallest (`model=gpt_tiny`: 2 layers, 4 heads, width 64, all 13 of
 its Linear layers fp8-able) trained on real text that every machine has without a download: the
-Python files of the standard library's folder (`os.path.dirname(os.__file__)`, `**/*.py`),
+Python files of the standard library's folder (`os.path.dirname(os.__file__)`, `**/*.py`, less
+`site-packages/*`: the standard library's own sources, not what is installed beside them),
 byte-level (vocabulary 256), tokenised once into a token cache in this benchmark's temporary
 folder (or `--token-cache`), windows of 64 tokens, the last 1% of the token stream held out for
 validation. AdamW (lr 0.003, weight decay 0.1, eps 1e-6: Adam's 1e-8 underflows in 16-bit state)

@@ -63,8 +63,9 @@ def process_main() -> None:
     """`python -m runner` and the `amp-runner` script: `cli`, then the process ends as soon as its
     work is done. Python's own exit, after the exit handlers, tears down every module and object
     one by one (torch's, MLflow's, SQLAlchemy's, pandas'): 2.1-2.5 s measured after a tiny run's
-    last line, for nothing a run needs. So once `cli` has returned or exited, the threads that
-    are not daemons are joined, the exit handlers run (logging's flush, multiprocessing's clean-up
+    last line, for nothing a run needs. So once `cli` has returned or exited, the threading
+    module shuts down as at exit (its exit callbacks, then the join of the threads that are not
+    daemons), the exit handlers run (logging's flush, multiprocessing's clean-up
     of child processes, MLflow's), stdout and stderr are flushed, and the process exits with the
     same status at once (`os._exit`). An exception other than SystemExit takes Python's normal
     path (its traceback). AMP_RUNNER_FULL_EXIT=1 keeps Python's full exit (leak checkers)."""
@@ -76,9 +77,16 @@ def process_main() -> None:
         status: object = 0
     except SystemExit as stop:
         status = stop.code
-    for thread in threading.enumerate():  # as Python's exit joins them, first
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+    # as Python's own exit does first: the threading module's exit callbacks (they tell a
+    # process pool's manager thread, joblib's or concurrent.futures', to stop), then the join
+    # of every thread that is not a daemon
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is not None:
+        shutdown()
+    else:  # (not CPython)
+        for thread in threading.enumerate():
+            if thread is not threading.main_thread() and not thread.daemon:
+                thread.join()
     if status is None:
         status = 0
     elif not isinstance(status, int):  # sys.exit("message"): printed, status 1, as Python does

@@ -6,7 +6,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from runner.config import BUILT_IN_MODELS, MODEL_NAMES, ModelConfig, TinyModelConfig
+from runner.config import BUILT_IN_MODELS, MODEL_NAMES, ModelConfig, TinyModelConfig, options
 from runner.errors import ConfigError
 from runner.components.models import MODEL_REGISTRY, TinyCNN, build_model
 
@@ -20,7 +20,16 @@ def test_registry_matches_config_names():
     assert set(MODEL_REGISTRY) == set(MODEL_NAMES)
 
 
-@pytest.mark.parametrize("name", BUILT_IN_MODELS)  # (the zoos and custom: test_open_config)
+IMAGE_MODELS = [name for name in BUILT_IN_MODELS
+                if options.spec_for("model", {"name": name}).task != options.LANGUAGE_MODEL]
+
+
+def test_the_image_models_are_the_built_in_ones_less_the_language_models():
+    assert set(BUILT_IN_MODELS) - set(IMAGE_MODELS) == {"gpt", "gpt_tiny", "gpt2_small"}
+
+
+# (the zoos and custom: test_open_config; the language models: test_lm_models)
+@pytest.mark.parametrize("name", IMAGE_MODELS)
 def test_every_model_builds_for_small_images(name):
     torch.manual_seed(0)
     model = build_model(model_cfg(name), num_classes=7, image_size=32).eval()
