@@ -17,7 +17,8 @@
 #   bash benchmarks/gpu_suite.sh 4   # kernels build, levels.py rows for GPT-2 small (the runner's
 #                                    # gpt2_small: 12 layers, width 768, 1024-token sequences,
 #                                    # GPT-2's vocabulary padded to 50304): O0, bf16 presets,
-#                                    # o3_bf16_sr, fp8 and compiled rows, merged
+#                                    # o3_bf16_sr, fp8 and compiled rows, merged; lm_parity.py
+#                                    # at 2000 steps a run
 #
 # Part 3 is new with the fp8/compile rows (issue 14): compiling a 224-px model takes tens of
 # seconds per cell, so the compiled rows got a part of their own, and accuracy.py moved there
@@ -165,10 +166,14 @@ elif [[ "$PART" == 4 ]]; then
   # a language model: sizes are tokens per sequence (1024); GPT-2's vocabulary padded to 50304
   # (a multiple of 64, as nanoGPT does) over the synthetic language's ids
   GPT=(--models gpt2_small --image-size 1024 --batch-size 8 --extra model.vocab_size=50304)
-  piece bench_levels_gpt 240 "$PY" benchmarks/levels.py --device cuda "${GPT[@]}" \
+  piece bench_levels_gpt 180 "$PY" benchmarks/levels.py --device cuda "${GPT[@]}" \
     --levels o0,o1_bf16,o2_bf16,o3_bf16_sr,o1_fp8,o2_fp8 --merge
-  piece bench_levels_gpt_compiled 300 "$PY" benchmarks/levels.py --device cuda "${GPT[@]}" \
+  piece bench_levels_gpt_compiled 180 "$PY" benchmarks/levels.py --device cuda "${GPT[@]}" \
     --levels o1_bf16+compile,o2_bf16+compile,o1_fp8+compile --merge
+  # language-model parity where a step costs milliseconds: 2000 steps a run (the CPU table's
+  # 400 leave the seeds' spread wider than the targets)
+  piece bench_lm_parity 180 "$PY" benchmarks/lm_parity.py --device cuda --steps 2000 \
+    --levels o0,o1_bf16,o2_bf16,o3_bf16_sr,o1_fp8 --overhead-rounds 10
 else
   piece bench_levels_compiled 330 "$PY" benchmarks/levels.py --device cuda \
     --models "$VIT",resnet50 --levels "$COMPILED" --merge

@@ -129,12 +129,14 @@ def test_a_users_gpt_package_and_the_builtin_gpt_train_on_text(tmp_path):
     common = ["trainer.max_epochs=1", "trainer.batch_size=16", "trainer.device=cpu",
               "trainer.log_every_n_steps=2", f"mlflow.tracking_uri={uri}", "optimizer=adamw",
               "optimizer.lr=0.003", "optimizer.eps=1e-6"]
+    # the command: no task named, the dataset's integer token sequences tell it
     own = run_cli("model=custom", "model._target_=mylm.TinyGPT", "data=custom",
                   "data._target_=mylm.text", f"+data.path={text_dir / 'part0.txt'}",
-                  "data.num_classes=256", "task=language_model", "loss=custom",
+                  "data.num_classes=256", "loss=custom",
                   "loss._target_=mylm.SeqCE", "precision=o2_bf16", "trainer.num_workers=0",
                   "trainer.progress_bar=false", *common, cwd=tmp_path)
     assert own.returncode == 0, own.stdout + own.stderr
+    assert "the run is a language model's (task=language_model)" in own.stdout + own.stderr
     for level in ("o0", "o2_bf16"):
         done = run_cli("model=gpt_tiny", "data=text", f"data.path={text_dir}",
                        "data.block_size=32", f"precision={level}", "trainer.num_workers=0",

@@ -87,6 +87,7 @@ def run_record(plan: RunPlan, parts: Parts, resolution: Resolution, *, world_siz
     same inputs give the same record."""
     cfg = plan.cfg
     params = config_params(plan)
+    params["task.name"] = parts.task.name  # a user's dataset can tell it only once loaded
     params["precision.kernels"] = kernels  # the backend in use: cuda | cpp | torch
     if parts.engine.fp8 is not None:  # how many Linear layers run in fp8 (listed in fp8_layers.txt)
         params["precision.fp8_layers"] = str(len(parts.engine.fp8.converted))
@@ -148,9 +149,7 @@ def run(
     if plan.resume is not None and plan.resume.finished(cfg.trainer.max_epochs):
         # resume=auto of a run that met its epoch budget: its MLflow run stays as it ended
         log.info("%s %s", plan.run_name, plan.resume.finished_message())
-        from runner.tasks import task_for
-
-        return plan.resume.best(task_for(plan.task).maximize)
+        return plan.resume.best()
     properties = plan.properties
     log.info("Precision (Apex %s, resolved):\n%s", properties.opt_level, properties.table())
     if plan.resolution.findings:

@@ -6,12 +6,13 @@ against a dataset whose shape only the loaded data tells (`components.models.che
 """
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from runner import csrc
 from runner.components.data import (
@@ -32,6 +33,8 @@ from runner.run.distributed import Comm
 from runner.run.plan import RunPlan
 from runner.run.trainer import RunContext, Trainer, limit_batches
 from runner.tasks import Classification, Task, task_for
+
+log = logging.getLogger(__name__)
 
 
 def seed_everything(seed: int) -> None:
@@ -103,8 +106,10 @@ def build(plan: RunPlan, device: Optional[torch.device] = None, comm: Optional[C
     # the data and the tracking store live in host memory: on a CPU the baseline is taken after
     # the datasets, the store and the kernels are in memory
     if declared_input(cfg.data, plan.specs.get("data")) is None:
-        # only the dataset could tell its shape: check the model's output now
-        check_output(cfg.model, bundle.num_classes, tuple(bundle.train[0][0].shape), task=task)
+        # only the dataset could tell its shape (and, with task=auto, its task): check now
+        sample = bundle.train[0][0]
+        task = task_for(infer_task(plan, sample))
+        check_output(cfg.model, bundle.num_classes, tuple(sample.shape), task=task)
     memory = MemoryProbe(device)
     memory.reset()
     model = build_model(cfg.model, bundle.num_classes, bundle.image_size,
@@ -134,6 +139,23 @@ def build(plan: RunPlan, device: Optional[torch.device] = None, comm: Optional[C
     criterion = build_loss(cfg).to(device)
     return Parts(bundle, train_loader, val_loader, model, optimizer, engine, scheduler, memory,
                  findings, criterion, task)
+
+
+def infer_task(plan: RunPlan, sample: torch.Tensor) -> str:
+    """The task of a run whose dataset is the user's own: the plan's, except that with
+    `task=auto` a dataset whose inputs are sequences of integer token ids is a language model's
+    (the plan could not tell before the data existed)."""
+    from runner.config.options import LANGUAGE_MODEL
+
+    auto = OmegaConf.select(plan.cfg, "task.name", default="auto") == "auto"
+    data = plan.specs.get("data")
+    if auto and (data is None or data.task is None) and isinstance(sample, torch.Tensor) \
+            and sample.dim() == 1 and not sample.is_floating_point() \
+            and plan.task != LANGUAGE_MODEL:
+        log.info("task=auto: the dataset yields sequences of integer token ids, so the run is a "
+                 "language model's (task=language_model)")
+        return LANGUAGE_MODEL
+    return plan.task
 
 
 def shape_findings(cfg: DictConfig, properties: Properties, device_info: DeviceInfo,

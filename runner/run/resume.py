@@ -66,10 +66,10 @@ class Resume:
         value = float(self.state["best_val_acc"])
         return None if value == float("-inf") else value
 
-    def best(self, maximize: bool = True) -> Optional[float]:
+    def best(self) -> Optional[float]:
         """The checkpointed run's objective: its best accuracy (a classifier), or its best loss
-        (`maximize` false: a language model)."""
-        if maximize:
+        (a language model: its checkpoint holds a finite best_val_loss and no accuracy)."""
+        if self.best_val_acc is not None:
             return self.best_val_acc
         value = float(self.state.get("best_val_loss", float("inf")))
         return None if value == float("inf") else value
