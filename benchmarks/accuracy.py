@@ -43,10 +43,11 @@ from pathlib import Path
 from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
-from common import (REPO, compose, crash_status, csv_list, describe_level,  # noqa: E402
-                    fresh_compile_cache, model_label, model_overrides, parse_level, parse_seeds,
-                    prepare_store, resolve_device, run_report_fields, run_setup_lines, store_uri,
-                    unfinished_lines, write_results)
+from common import (REPO, add_run_options, compose, crash_status, csv_list,  # noqa: E402
+                    describe_level, fresh_compile_cache, model_label, model_overrides,
+                    parse_level, parse_seeds, prepare_store, resolve_device, run_overrides,
+                    run_report_fields, run_setup_lines, store_uri, unfinished_lines,
+                    write_results)
 
 EXPERIMENT = "accuracy-parity"
 TARGET_POINTS = 1.0  # a checked level's mean must be within this many points of O0's mean
@@ -149,17 +150,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", default="tiny",
                         help="model config option, or <zoo>:<arch> for model=<zoo> "
                         "model.arch=<arch> (default tiny)")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="the Markdown table; the .csv and .json go beside it (default "
-                        "benchmarks/results/accuracy_<cpu|cuda>.md)")
-    parser.add_argument("--tracking-uri", default=None,
-                        help="MLflow store (default: sqlite:///<a new temporary folder>/mlflow.db)")
-    parser.add_argument("--experiment", default=EXPERIMENT,
-                        help=f"MLflow experiment name (default {EXPERIMENT})")
-    parser.add_argument("--extra", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
-                        help="more Hydra overrides, applied after the benchmark's own, e.g. "
-                        "--extra data.num_train=64 data.num_val=64")
-    parser.add_argument("--verbose", "-v", action="store_true", help="show the runner's log")
+    add_run_options(parser, EXPERIMENT, "accuracy", extra_help="more Hydra overrides, applied "
+                    "after the benchmark's own, e.g. --extra data.num_train=64 data.num_val=64")
     args = parser.parse_args(argv)
 
     if args.epochs < 1:
@@ -237,17 +229,8 @@ def run_one(args, level: str, seed: int, session: str) -> RunResult:
 
     spec = parse_level(level, preset_options())
     key = f"{session}/{level}/s{seed}"
-    overrides = [
-        *task_overrides(args),
-        *spec.overrides(),
-        f"trainer.seed={seed}",
-        f"mlflow.tracking_uri={args.tracking_uri}",
-        f"mlflow.experiment_name={args.experiment}",
-        f"mlflow.run_name={run_name(model_label(args.model), level, seed)}",
-        f"+mlflow.tags.benchmark={EXPERIMENT}",
-        f"+mlflow.tags.benchmark_key={key}",
-        f"+mlflow.tags.benchmark_seed={seed}",
-    ]
+    overrides = run_overrides(task_overrides(args), spec.overrides(), seed, args,
+                              run_name(model_label(args.model), level, seed), EXPERIMENT, key)
     result = RunResult(level=level, seed=seed, compiled=spec.compile)
     if spec.compile:  # compiled from scratch: no code of an earlier run reused in memory
         import torch

@@ -220,6 +220,41 @@ def write_results(out: Path, markdown: str, rows: Sequence[dict], fields: Sequen
     return [out, csv_path, json_path]
 
 
+def add_run_options(parser, experiment: str, name: str, beside: str = ".csv and .json",
+                    extra_help: str = "more Hydra overrides, applied after the benchmark's own"
+                    ) -> None:
+    """The options every training-run benchmark (accuracy, rounding, lm_parity) takes: where the
+    results go (`--out`), the MLflow store and experiment, more overrides, and the runner's
+    log."""
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"the Markdown table; the {beside} go beside it (default "
+                        f"benchmarks/results/{name}_<cpu|cuda>.md)")
+    parser.add_argument("--tracking-uri", default=None,
+                        help="MLflow store (default: sqlite:///<a new temporary folder>/mlflow.db)")
+    parser.add_argument("--experiment", default=experiment,
+                        help=f"MLflow experiment name (default {experiment})")
+    parser.add_argument("--extra", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                        help=extra_help)
+    parser.add_argument("--verbose", "-v", action="store_true", help="show the runner's log")
+
+
+def run_overrides(task: Sequence[str], level_overrides: Sequence[str], seed: int, args,
+                  run_name: str, benchmark: str, key: str) -> list[str]:
+    """One benchmark run's Hydra overrides: its task, its level, its seed, the benchmark's store
+    and experiment, its run name, and the tags a later read finds it by (`benchmark_key`)."""
+    return [
+        *task,
+        *level_overrides,
+        f"trainer.seed={seed}",
+        f"mlflow.tracking_uri={args.tracking_uri}",
+        f"mlflow.experiment_name={args.experiment}",
+        f"mlflow.run_name={run_name}",
+        f"+mlflow.tags.benchmark={benchmark}",
+        f"+mlflow.tags.benchmark_key={key}",
+        f"+mlflow.tags.benchmark_seed={seed}",
+    ]
+
+
 def load_average() -> list[float]:
     """1-, 5- and 15-minute load averages: timings on a shared machine are only as good as its
     quiet, so every timing benchmark records them at its start and end."""

@@ -65,10 +65,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
-from common import (REPO, check_presets, compose, crash_status, csv_list,  # noqa: E402
-                    describe_level, load_average, parse_seeds, prepare_store, resolve_device,
-                    run_report_fields, run_setup_lines, store_uri, unfinished_lines,
-                    write_results)
+from common import (REPO, add_run_options, check_presets, compose, crash_status,  # noqa: E402
+                    csv_list, describe_level, load_average, parse_seeds, prepare_store,
+                    resolve_device, run_overrides, run_report_fields, run_setup_lines, store_uri,
+                    unfinished_lines, write_results)
 
 EXPERIMENT = "lm-parity"
 MODEL = "gpt_tiny"
@@ -213,17 +213,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--overhead-levels", type=csv_list, default=None,
                         help=f"presets for the overhead (default: CPU "
                         f"{','.join(CPU_OVERHEAD_LEVELS)}; CUDA {','.join(CUDA_OVERHEAD_LEVELS)})")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="the Markdown report; the .csv and .json go beside it (default "
-                        "benchmarks/results/lm_parity_<cpu|cuda>.md)")
-    parser.add_argument("--tracking-uri", default=None,
-                        help="MLflow store (default: sqlite:///<a new temporary folder>/mlflow.db)")
-    parser.add_argument("--experiment", default=EXPERIMENT,
-                        help=f"MLflow experiment name (default {EXPERIMENT})")
-    parser.add_argument("--extra", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
-                        help="more Hydra overrides for the parity runs, applied last (e.g. "
-                        "data.val_fraction=0.05)")
-    parser.add_argument("--verbose", "-v", action="store_true", help="show the runner's log")
+    add_run_options(parser, EXPERIMENT, "lm_parity", extra_help="more Hydra overrides for the "
+                    "parity runs, applied last (e.g. data.val_fraction=0.05)")
     args = parser.parse_args(argv)
 
     for name in ("steps", "val_batches"):
@@ -343,17 +334,8 @@ def run_one(args: argparse.Namespace, level: str, seed: int, session: str) -> Ru
     from runner.run.app import run
 
     key = f"{session}/{level}/s{seed}"
-    overrides = [
-        *task_overrides(args),
-        f"precision={level}",
-        f"trainer.seed={seed}",
-        f"mlflow.tracking_uri={args.tracking_uri}",
-        f"mlflow.experiment_name={args.experiment}",
-        f"mlflow.run_name={run_name(level, seed)}",
-        f"+mlflow.tags.benchmark={EXPERIMENT}",
-        f"+mlflow.tags.benchmark_key={key}",
-        f"+mlflow.tags.benchmark_seed={seed}",
-    ]
+    overrides = run_overrides(task_overrides(args), [f"precision={level}"], seed, args,
+                              run_name(level, seed), EXPERIMENT, key)
     result = RunResult(level=level, seed=seed)
     started = time.perf_counter()
     try:
@@ -580,19 +562,8 @@ def overhead_lines(report: dict | None, rounds: int) -> list[str]:
         "ratio = runner / hand-written. Load average "
         f"{report['load_start']} at start, {report['load_end']} at end.",
         "",
-        "| level | preset | hand-written loop | runner ms | hand-written ms | ratio | paired "
-        "ratio [IQR] | ratio of minima | target | meets | first loss (runner / hand-written) |",
-        "|---|---|---|---:|---:|---:|---|---:|---|---|---|",
+        *overhead.table_lines(report, ms=".2f"),
     ]
-    for r in report["results"]:
-        dynamic = r["level"] in report["dynamic_levels"]
-        lines.append(
-            f"| {r['opt_level']} | `{r['level']}` | {overhead.handwritten_label(r, dynamic)} | "
-            f"{r['runner_ms']['median_ms']:.2f} | {r['handwritten_ms']['median_ms']:.2f} | "
-            f"{r['ratio']:.3f} | {r['paired_ratio_median']:.3f} [{r['paired_ratio_p25']:.3f}, "
-            f"{r['paired_ratio_p75']:.3f}] | {r['ratio_of_minima']:.3f} | {r['target']} | "
-            f"{'yes' if r['meets_target'] else '**no**'} | "
-            f"{r['first_loss_runner']:.4f} / {r['first_loss_handwritten']:.4f} |")
     lines += ["", f"Overhead verdict: {report['verdict']}", ""]
     return lines
 

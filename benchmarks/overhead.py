@@ -391,6 +391,26 @@ def verdict(report: dict) -> str:
     return text
 
 
+def table_lines(report: dict, ms: str = ".1f") -> list[str]:
+    """The per-level table of a report (`results`, `dynamic_levels`): each side's median step
+    time (`ms` its format), the ratios, the target, the first losses; lm_parity.py shows it too."""
+    lines = [
+        "| level | preset | hand-written loop | runner ms | hand-written ms | ratio | paired "
+        "ratio [IQR] | ratio of minima | target | meets | first loss (runner / hand-written) |",
+        "|---|---|---|---:|---:|---:|---|---:|---|---|---|",
+    ]
+    for r in report["results"]:
+        dynamic = r["level"] in report["dynamic_levels"]
+        lines.append(
+            f"| {r['opt_level']} | `{r['level']}` | {handwritten_label(r, dynamic)} | "
+            f"{r['runner_ms']['median_ms']:{ms}} | {r['handwritten_ms']['median_ms']:{ms}} | "
+            f"{r['ratio']:.3f} | {r['paired_ratio_median']:.3f} [{r['paired_ratio_p25']:.3f}, "
+            f"{r['paired_ratio_p75']:.3f}] | {r['ratio_of_minima']:.3f} | {r['target']} | "
+            f"{'yes' if r['meets_target'] else '**no**'} | "
+            f"{r['first_loss_runner']:.4f} / {r['first_loss_handwritten']:.4f} |")
+    return lines
+
+
 def render(report: dict) -> str:
     t = report["task"]
     rows = report["results"]
@@ -410,19 +430,8 @@ def render(report: dict) -> str:
         "the fastest blocks (minima) is the least disturbed by other processes; the verdict "
         "uses the medians.",
         "",
-        "| level | preset | hand-written loop | runner ms | hand-written ms | ratio | paired "
-        "ratio [IQR] | ratio of minima | target | meets | first loss (runner / hand-written) |",
-        "|---|---|---|---:|---:|---:|---|---:|---|---|---|",
+        *table_lines(report),
     ]
-    for r in report["results"]:
-        dynamic = r["level"] in report["dynamic_levels"]
-        lines.append(
-            f"| {r['opt_level']} | `{r['level']}` | {handwritten_label(r, dynamic)} | "
-            f"{r['runner_ms']['median_ms']:.1f} | {r['handwritten_ms']['median_ms']:.1f} | "
-            f"{r['ratio']:.3f} | {r['paired_ratio_median']:.3f} [{r['paired_ratio_p25']:.3f}, "
-            f"{r['paired_ratio_p75']:.3f}] | {r['ratio_of_minima']:.3f} | {r['target']} | "
-            f"{'yes' if r['meets_target'] else '**no**'} | "
-            f"{r['first_loss_runner']:.4f} / {r['first_loss_handwritten']:.4f} |")
     lines += [
         "",
         f"Verdict: {report['verdict']}",

@@ -41,10 +41,10 @@ from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from accuracy import read_run  # noqa: E402
-from common import (REPO, add_threads_option, apply_threads, check_presets,  # noqa: E402
-                    compose, crash_status, csv_list, describe_level, parse_seeds, prepare_store,
-                    resolve_device, run_report_fields, run_setup_lines, save_figure, store_uri,
-                    unfinished_lines, write_results)
+from common import (REPO, add_run_options, add_threads_option, apply_threads,  # noqa: E402
+                    check_presets, compose, crash_status, csv_list, describe_level, parse_seeds,
+                    prepare_store, resolve_device, run_overrides, run_report_fields,
+                    run_setup_lines, save_figure, store_uri, unfinished_lines, write_results)
 
 EXPERIMENT = "rounding-stall"
 REFERENCE, STALLS, ROUNDS = "o2_bf16", "o3_bf16", "o3_bf16_sr"
@@ -136,16 +136,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help=f"optimizer.lr (default {DEFAULT_LR})")
     parser.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu",
                         help="default cpu (the committed results are a CPU run)")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="the Markdown table; .csv, .json and .png go beside it (default "
-                        "benchmarks/results/rounding_<cpu|cuda>.md)")
-    parser.add_argument("--tracking-uri", default=None,
-                        help="MLflow store (default: sqlite:///<a new temporary folder>/mlflow.db)")
-    parser.add_argument("--experiment", default=EXPERIMENT,
-                        help=f"MLflow experiment name (default {EXPERIMENT})")
-    parser.add_argument("--extra", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
-                        help="more Hydra overrides, applied after the benchmark's own")
-    parser.add_argument("--verbose", "-v", action="store_true", help="show the runner's log")
+    add_run_options(parser, EXPERIMENT, "rounding", beside=".csv, .json and .png")
     add_threads_option(parser)
     args = parser.parse_args(argv)
     apply_threads(parser, args)
@@ -204,17 +195,8 @@ def run_one(args, level: str, seed: int, session: str, overrides_task: list[str]
     from runner.errors import DivergenceError
 
     key = f"{session}/{level}/s{seed}"
-    overrides = [
-        *overrides_task,
-        f"precision={level}",
-        f"trainer.seed={seed}",
-        f"mlflow.tracking_uri={args.tracking_uri}",
-        f"mlflow.experiment_name={args.experiment}",
-        f"mlflow.run_name=tiny-{level}-lr{args.lr:g}-seed{seed}",
-        f"+mlflow.tags.benchmark={EXPERIMENT}",
-        f"+mlflow.tags.benchmark_key={key}",
-        f"+mlflow.tags.benchmark_seed={seed}",
-    ]
+    overrides = run_overrides(overrides_task, [f"precision={level}"], seed, args,
+                              f"tiny-{level}-lr{args.lr:g}-seed{seed}", EXPERIMENT, key)
     result = RunResult(level=level, seed=seed)
     started = time.perf_counter()
     cfg = None
