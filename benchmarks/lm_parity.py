@@ -504,18 +504,7 @@ def measure_overhead(args: argparse.Namespace, cfg: Any) -> dict:
     oargs = overhead.parse_args(overhead_argv(args, cfg))
     load_start = load_average()
     started = time.perf_counter()
-    levels = []
-    for level in oargs.levels:
-        print(f"overhead: building {level} ...", flush=True)
-        levels.append(overhead.Level(oargs, level))
-    for lv in levels:
-        lv.warm_up(oargs.warmup)
-    for index in range(oargs.rounds):
-        for lv in levels:
-            lv.run_round(index, oargs.block)
-        print(f"overhead round {index + 1}/{oargs.rounds}: " + ", ".join(
-            f"{lv.level} {1e3 * lv.times['runner'][-1]:.1f}/"
-            f"{1e3 * lv.times['handwritten'][-1]:.1f} ms" for lv in levels), flush=True)
+    levels = overhead.measure(oargs, prefix="overhead: ")
     results = [lv.result() for lv in levels]
     report = {
         "argv": overhead_argv(args, cfg),

@@ -391,6 +391,24 @@ def verdict(report: dict) -> str:
     return text
 
 
+def measure(args: argparse.Namespace, prefix: str = "") -> list[Level]:
+    """Every level's two sides built, warmed up and stepped in `args.rounds` interleaved rounds
+    (progress printed, each line starting with `prefix`); the levels hold their times."""
+    levels = []
+    for level in args.levels:
+        print(f"{prefix}building {level} ...", flush=True)
+        levels.append(Level(args, level))
+    for lv in levels:
+        lv.warm_up(args.warmup)
+    for index in range(args.rounds):
+        for lv in levels:
+            lv.run_round(index, args.block)
+        print(f"{prefix}round {index + 1}/{args.rounds}: " + ", ".join(
+            f"{lv.level} {1e3 * lv.times['runner'][-1]:.1f}/"
+            f"{1e3 * lv.times['handwritten'][-1]:.1f} ms" for lv in levels), flush=True)
+    return levels
+
+
 def table_lines(report: dict, ms: str = ".1f") -> list[str]:
     """The per-level table of a report (`results`, `dynamic_levels`): each side's median step
     time (`ms` its format), the ratios, the target, the first losses; lm_parity.py shows it too."""
@@ -477,18 +495,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{args.batch_size}, levels {', '.join(args.levels)}; {args.rounds} rounds of "
           f"{args.block}-step blocks; load average {load_start}", flush=True)
     try:
-        levels = []
-        for level in args.levels:
-            print(f"building {level} ...", flush=True)
-            levels.append(Level(args, level))
-        for lv in levels:
-            lv.warm_up(args.warmup)
-        for index in range(args.rounds):
-            for lv in levels:
-                lv.run_round(index, args.block)
-            print(f"round {index + 1}/{args.rounds}: " + ", ".join(
-                f"{lv.level} {1e3 * lv.times['runner'][-1]:.1f}/"
-                f"{1e3 * lv.times['handwritten'][-1]:.1f} ms" for lv in levels), flush=True)
+        levels = measure(args)
     except Exception:  # noqa: BLE001  (a crash is reported and the exit status says so)
         traceback.print_exc()
         return 1
