@@ -19,13 +19,20 @@ def props(level: str, **overrides) -> Properties:
 
 @pytest.fixture(autouse=True)
 def fresh_amp():
-    """No amp engine and no autocast registrations before or after a test: a test module that
-    imports this fixture gets it around each of its tests."""
-    amp.deinitialize()
-    ac.clear_registrations()
+    """No amp engine, no `amp.init()` handle and no autocast registrations before or after a
+    test: a test module that imports this fixture gets it around each of its tests."""
+    _reset_amp()
     yield
+    _reset_amp()
+
+
+def _reset_amp() -> None:
     amp.deinitialize()
+    if amp._amp_state.handle is not None:  # an amp.init() handle: its casts end
+        amp._amp_state.handle._deactivate()
+        amp._amp_state.handle = None
     ac.clear_registrations()
+    assert not ac.in_patched_region()
 
 
 def ce(model, x, y):

@@ -579,7 +579,10 @@ def test_loading_one_of_two_o2_models_reseeds_only_its_own_masters():
 
 
 # ---- re-initialize ---------------------------------------------------------------------------
-def test_reinitialize_removes_previous_wrappers_and_hooks():
+def test_initialize_calls_on_other_models_coexist_and_a_repeat_replaces_its_own():
+    """As in Apex: a second initialize of other models leaves the first working (Apex's
+    test_checkpointing initializes a restored model while the first trains on); the same model
+    or optimizer again replaces only the call that had it."""
     m1 = net()
     o1 = torch.optim.SGD(m1.parameters(), lr=0.1)
     amp.initialize(m1, o1, opt_level="O1", verbosity=0)
@@ -590,21 +593,26 @@ def test_reinitialize_removes_previous_wrappers_and_hooks():
     m2 = net(1)
     o2 = torch.optim.SGD(m2.parameters(), lr=0.1)
     amp.initialize(m2, o2, opt_level="O2", verbosity=0)
-    assert "forward" not in m1.__dict__ and "step" not in o1.__dict__
-    assert "zero_grad" not in o1.__dict__ and not m1._forward_hooks
-    assert m1(x).dtype == torch.float32 and m1[0].weight.dtype == torch.float32
+    assert "forward" in m1.__dict__ and "step" in o1.__dict__  # the first call still stands
+    first = [train_step(m1, o1, x, y).item() for _ in range(5)]
+    assert first[-1] < first[0]
     losses = [train_step(m2, o2, x, y).item() for _ in range(5)]
     assert losses[-1] < losses[0]
+    assert amp.engine().properties.opt_level == "O2"  # the latest call's, as Apex's globals
 
-    # the same (already O2) model and optimizer again: masters rebuilt, hooks not doubled
+    # the same (already O2) model and optimizer again: masters rebuilt, hooks not doubled,
+    # and the first call (other objects) untouched
     amp.initialize(m2, o2, opt_level="O2", verbosity=0)
     assert len(m2._forward_hooks) == 1 and len(m2._forward_pre_hooks) == 1
     assert all(p.dtype == torch.float32 for p in amp.master_params(o2))
     assert len(amp.engine().masters(o2)) == 4
     more = [train_step(m2, o2, x, y).item() for _ in range(5)]
     assert more[-1] < losses[-1]
+    assert "forward" in m1.__dict__
     amp.deinitialize()
     assert not m2._forward_hooks and "step" not in o2.__dict__
+    assert "forward" not in m1.__dict__ and "step" not in o1.__dict__
+    assert m1(x).dtype == torch.float32 and m1[0].weight.dtype == torch.float32
 
 
 # ---- O1 forward, registration, BCE -----------------------------------------------------------

@@ -143,10 +143,31 @@ def test_one_loss_over_two_optimizers_updates_its_scaler_once_per_round():
     engine.backward(b(a(x)).square().mean())
     b.weight.grad.view(-1)[0] = float("inf")
     a_before = a.weight.detach().clone()
-    assert engine.step(oa)          # a's gradients are finite: it steps ...
-    assert not engine.step(ob)      # ... b's are not: skipped, and the scale backs off once
-    assert not torch.equal(a.weight, a_before)
-    assert engine.loss_scale == 32.0 and engine.skipped_steps == 1
+    # one decision for the loss (as Apex's scale_loss over [oa, ob]): a's gradients are finite,
+    # but the loss overflowed in b's, so a skips as well; the scale backs off once
+    assert not engine.step(oa)
+    assert not engine.step(ob)
+    assert torch.equal(a.weight, a_before)
+    assert engine.loss_scale == 32.0 and engine.skipped_steps == 2
+    # the next round is a fresh decision: both step
+    engine.zero_grad(oa), engine.zero_grad(ob)
+    engine.backward(b(a(x)).square().mean())
+    assert engine.step(ob) and engine.step(oa)
+
+
+def test_two_losses_each_over_its_own_optimizer_skip_on_their_own():
+    """Apex's rule is per scale_loss call, not per loss id: two backward calls with the same
+    loss id but different optimizers decide apart (test_2models2losses2optimizers)."""
+    engine, a, b, oa, ob = two_optimizers()
+    x = torch.randn(3, 4)
+    engine.scale_loss(a(x).square().mean(), 0, [oa]).backward()
+    a.weight.grad.view(-1)[0] = float("inf")
+    engine.settle_all([oa])
+    engine.scale_loss(b(x).square().mean(), 0, [ob]).backward()
+    b_before = b.weight.detach().clone()
+    assert engine.settle_all([ob]) is False
+    assert not engine.step(oa) and engine.step(ob)
+    assert not torch.equal(b.weight, b_before)
 
 
 # ---- gradient accumulation -----------------------------------------------------------------

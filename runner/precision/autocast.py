@@ -1,31 +1,31 @@
-"""The O1 context: Apex's "patch torch functions" is today's `torch.autocast`.
+"""The O1 context: the runner's O1 is `torch.autocast`; the Apex facade's O1 is Apex's own.
 
 Autocast casts per op (matmul/conv in 16 bit, reductions and losses in fp32) and leaves the model's
 weights in fp32, which is what Apex O1 achieved by monkey-patching torch functions. The runner's
 O1 is exactly that: `autocast_context(properties, device)` is plain `torch.autocast`.
 
-The Apex facade (`amp.initialize`) adds Apex's function patches on top
-(`autocast_context(..., patch_functions=True)`, its O1 region). Apex's registration API:
+The Apex facade (`amp.initialize`, `amp.init`) runs Apex's O1 instead
+(`autocast_context(..., patch_functions=True)`, its O1 region): the functions of Apex's lists
+(`apex_o1`: GEMMs and convolutions in 16 bits, reductions, losses and `pow` in fp32, mixed-type
+binary functions promoted, in-place fp32 functions refused on 16-bit tensors, RNNs in 16 bits,
+`binary_cross_entropy` banned) are replaced by casting wrappers, on every device, so that a script
+computes in the dtypes Apex gave it (torch.autocast's CPU lists differ). Apex's registration API:
 `register_half_function(module, name)`, `register_float_function(module, name)` and
 `register_promote_function(module, name)` name a function whose floating tensor arguments are
 cast to the 16-bit type / fp32 / the widest floating type of the arguments before it runs (with
-autocast off inside it, so the cast sticks). The attribute `module.name` is replaced only while
-such a region is open (patched on entering the outermost region, restored on leaving it; nested
-and re-entered regions are counted), so code outside the region sees the original function. As
-in Apex the patch is on the module attribute: a reference taken before (`from torch import
-matmul`) is not affected, and the patch is visible to every thread while a region is open.
+O1's casts off inside it, so the cast sticks: in Apex the lists still cast inside). Every attribute is replaced only while such a
+region is open (patched on entering the outermost region, restored on leaving it; nested and
+re-entered regions are counted), so code outside the region sees the original function. As in
+Apex the patch is on the module attribute: a reference taken before (`from torch import matmul`)
+is not affected, and the patch is visible to every thread while a region is open.
 
 Apex's decorator forms, `half_function(fn)`, `float_function(fn)` and `promote_function(fn)`, wrap a
 user function with the same casts; the wrapper casts only while a patched O1 region is open and
 otherwise calls `fn` unchanged. `casts_disabled()` (Apex's `amp.disable_casts()`) turns O1's
-casting off for the current thread: autocast off, registered and decorated functions run on their
-inputs as they are, and a patched O1 region opened inside (a model's forward) does not autocast.
-The BCE ban stays.
-
-Apex also banned `binary_cross_entropy` under O1: on 16-bit inputs it saturates (log of a
-rounded-to-1 probability) and is unsafe to autocast. Inside the patched region
-`torch.nn.functional.binary_cross_entropy` (which `nn.BCELoss` calls) raises on 16-bit inputs with a
-pointer to `BCEWithLogitsLoss`, on CPU as well as CUDA.
+casting off for the current thread: autocast off, the list, registered and decorated functions run
+on their inputs as they are. The BCE ban stays: `torch.nn.functional.binary_cross_entropy` (which
+`nn.BCELoss` calls) raises NotImplementedError on 16-bit inputs inside the region with a pointer
+to `BCEWithLogitsLoss` (on 16-bit inputs it saturates: log of a rounded-to-1 probability).
 """
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ from typing import Any, Callable, ContextManager, Iterator, Optional
 
 import torch
 
+from runner.precision import apex_o1
 from runner.precision.casting import cast_tensor, map_tensors
 from runner.precision.properties import HALF_DTYPES, Properties
 
@@ -49,14 +50,6 @@ _saved: list[tuple[Any, str, Any]] = []   # (module, name, original attribute) w
 _region_device_type = "cpu"
 _region_half_dtype = torch.float16
 _thread = threading.local()  # .disabled: depth of casts_disabled() in this thread
-
-BANNED_MESSAGE = (
-    "{name} on 16-bit inputs is banned inside the O1 mixed-precision region (as in Apex amp): "
-    "the probability input has already been rounded to 16 bits, so log(p) and log(1-p) saturate "
-    "and the loss is unsafe to autocast. Return logits instead of sigmoid outputs and use "
-    "torch.nn.BCEWithLogitsLoss / torch.nn.functional.binary_cross_entropy_with_logits, which are "
-    "safe (fused sigmoid + log in fp32). If you must, cast the inputs with .float() first.")
-
 
 def _register(module: Any, name: str, kind: str) -> None:
     if not hasattr(module, name):
@@ -157,27 +150,11 @@ def _casting_wrapper(fn: Callable, kind: str) -> Callable:
             dtype = _widest(args, kwargs)
         if dtype is not None:
             args, kwargs = _cast_all(args, dtype), _cast_all(kwargs, dtype)
-        with torch.autocast(_region_device_type, enabled=False):
+        with casts_disabled(_region_device_type):  # the cast sticks inside fn
             return fn(*args, **kwargs)
 
     wrapper.__amp_original__ = fn  # type: ignore[attr-defined]
     return wrapper
-
-
-def _banned_wrapper(fn: Callable, name: str) -> Callable:
-    @functools.wraps(fn)
-    def wrapper(input, *args, **kwargs):
-        if isinstance(input, torch.Tensor) and input.dtype in HALF_DTYPES:
-            raise RuntimeError(BANNED_MESSAGE.format(name=name))
-        return fn(input, *args, **kwargs)
-
-    wrapper.__amp_original__ = fn  # type: ignore[attr-defined]
-    return wrapper
-
-
-def _banned() -> list[tuple[Any, str, str]]:
-    return [(torch.nn.functional, "binary_cross_entropy",
-             "torch.nn.functional.binary_cross_entropy (and nn.BCELoss)")]
 
 
 _ABSENT = object()
@@ -194,11 +171,33 @@ def _set_patch(module: Any, name: str, make: Callable[[Callable], Callable]) -> 
         setattr(module, name, make(getattr(module, name)))
 
 
+# (owner id, name) -> (original, wrapper): the list wrappers are made once per original
+_WRAPPERS: dict[tuple[int, str], tuple[Any, Callable]] = {}
+
+
+def _list_patch(owner: Any, name: str, make: Callable[[Callable], Callable]) -> None:
+    def made(original: Callable) -> Callable:
+        key = (id(owner), name)
+        hit = _WRAPPERS.get(key)
+        if hit is not None and hit[0] is original:
+            return hit[1]
+        wrapper = make(original)
+        _WRAPPERS[key] = (original, wrapper)
+        return wrapper
+    _set_patch(owner, name, made)
+
+
 def _patch() -> None:
+    # Apex's order: the user's registrations, then its lists, then the RNN functions
     for module, name, kind in _REGISTRY.values():
         _set_patch(module, name, lambda fn, kind=kind: _casting_wrapper(fn, kind))
-    for module, name, label in _banned():
-        _set_patch(module, name, lambda fn, label=label: _banned_wrapper(fn, label))
+    for owner, name, make in apex_o1.patches():
+        _list_patch(owner, name, make)
+    rnn_module = torch.nn.modules.rnn
+    shim = apex_o1.VariableFunctionsShim(rnn_module._VF)
+    _set_patch(rnn_module, "_VF", lambda real: shim)
+    for owner, name, make in apex_o1.rnn_patches(shim):
+        _set_patch(owner, name, make)
 
 
 def _unpatch() -> None:
@@ -212,11 +211,14 @@ def _unpatch() -> None:
 
 @contextlib.contextmanager
 def function_patches(device_type: str, half_dtype: torch.dtype) -> Iterator[None]:
-    """Apply the registered casts and the BCE ban for the duration (counted, re-entrant)."""
+    """Apex's O1 for the duration (counted, re-entrant): the registered casts, Apex's function
+    lists (`apex_o1`) with the BCE ban, the RNN casts. The 16-bit type is the outermost region's;
+    the cached casts are dropped when the outermost region closes."""
     global _depth, _region_device_type, _region_half_dtype
     with _LOCK:
         if _depth == 0:
             _region_device_type, _region_half_dtype = device_type, half_dtype
+            apex_o1.STATE.half = half_dtype
             try:
                 _patch()
             except BaseException:
@@ -230,6 +232,15 @@ def function_patches(device_type: str, half_dtype: torch.dtype) -> Iterator[None
             _depth -= 1
             if _depth == 0:
                 _unpatch()
+                apex_o1.clear_cache()
+
+
+def _casting_now() -> bool:
+    return _depth > 0 and not _casts_disabled_here()
+
+
+apex_o1.STATE.active = _casting_now
+apex_o1.STATE.in_region = lambda: _depth > 0
 
 
 def in_patched_region() -> bool:
@@ -253,16 +264,18 @@ def casts_disabled(device_type: Optional[str]) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _o1_region(device_type: str, dtype: torch.dtype) -> Iterator[None]:
-    with (torch.autocast(device_type, dtype=dtype, enabled=not _casts_disabled_here()),
-          function_patches(device_type, dtype)):
+    """The facade's O1: Apex's casts by its function lists, not torch.autocast (whose per-device
+    lists differ from Apex's: on a CPU autocast leaves softmax or sum of fp16 inputs in fp16)."""
+    with function_patches(device_type, dtype):
         yield
 
 
 def autocast_context(properties: Properties, device: torch.device | str,
                      patch_functions: bool = False) -> ContextManager:
     """Under patch_torch_functions, `torch.autocast(<device type>, dtype=autocast_dtype)`; with
-    `patch_functions` (the Apex facade) also the registered function casts and the BCE ban.
-    Without patch_torch_functions, a no-op context."""
+    `patch_functions` (the Apex facade) Apex's own O1 instead: its function lists, the
+    registered functions, the BCE ban (`function_patches`). Without patch_torch_functions, a no-op
+    context."""
     if not properties.patch_torch_functions:
         return contextlib.nullcontext()
     device_type = torch.device(device).type

@@ -28,8 +28,11 @@ and in full (rows: the stage; columns: the call; entries: the next stage):
     4 a new round; .grad is kept as it is, as plain torch keeps it without zero_grad
 
 Several losses and gradient accumulation stay in ACCUMULATING; the Apex facade's `scale_loss`
-ends in `settle` (UNSCALED) and its `optimizer.step()` steps from there; one loss over several
-optimizers moves each optimizer on its own. The errors are RuntimeErrors that name the call,
+ends in `settle` (UNSCALED) and its `optimizer.step()` steps from there. One backward over
+several optimizers (`scale_loss(loss, loss_id, [a, b])`) gets one overflow decision: the first of
+them to step or settle checks the others too, and when the loss overflowed in any of them, all of
+them skip (as Apex skipped every optimizer of that `scale_loss`; `settle_all` settles several at
+once). The errors are RuntimeErrors that name the call,
 the stage and what to do: `step`, `unscale_`, `clip_grad_norm_` or `settle` after `step` and
 before the next backward (the gradients were already stepped or skipped), and `backward` after
 `clip_grad_norm_` and before the step. A round's data (which losses' scaled gradients sit in
@@ -56,9 +59,9 @@ different loss's backward, the gradients already accumulated are unscaled by the
 back after the last loss is unscaled; the step is skipped if any loss overflowed, and each scaler
 updates once per round with its own loss's verdict, however many optimizers step that loss.
 
-O1 here is plain `torch.autocast`; Apex's function patches (registered casts, the
-binary_cross_entropy ban, `autocast.py`) are installed only with `patch_functions=True`, which
-the Apex facade (`amp.initialize`) passes.
+O1 here is plain `torch.autocast`; Apex's own O1 (its function lists, registered casts, the
+binary_cross_entropy ban: `autocast.py`, `apex_o1.py`) runs instead only with
+`patch_functions=True`, which the Apex facade (`amp.initialize`) passes.
 """
 from __future__ import annotations
 
@@ -127,19 +130,29 @@ class _Round:
     found: dict[int, bool] = field(default_factory=dict)               # resolved flags per loss
     # a fused step planned from the scaled gradients by a lazy clip (its multiplier set)
     planned: Optional[paths.ScaledStep] = None
+    # backward calls shared with other optimizers (one scale_loss over several): call -> loss id
+    shared: dict[int, int] = field(default_factory=dict)
+    scaled_calls: set[int] = field(default_factory=set)  # shared calls whose grads sit scaled
+    call_flags: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    call_found: dict[int, bool] = field(default_factory=dict)  # resolved flags per shared call
 
     def record(self, flag: Optional[torch.Tensor]) -> None:
-        """A device-side non-finite flag counts against every loss whose gradients it covers."""
+        """A device-side non-finite flag counts against every loss (and shared backward call)
+        whose gradients it covers."""
         if flag is not None:
             for i in self.scaled_ids:
                 self.flags.setdefault(i, []).append(flag)
+            for call in self.scaled_calls:
+                self.call_flags.setdefault(call, []).append(flag)
 
     def verdicts(self, flag_reducer: Optional[Callable[[torch.Tensor], Any]]) -> dict[int, bool]:
-        """The per-loss overflow verdicts of this round: at most one host sync per call."""
-        pending = [(i, flags) for i, flags in self.flags.items() if flags]
+        """The per-loss overflow verdicts of this round (and those of the shared backward calls,
+        in `call_found`): at most one host sync per call."""
+        pending = [(self.found, i, flags) for i, flags in self.flags.items() if flags]
+        pending += [(self.call_found, c, flags) for c, flags in self.call_flags.items() if flags]
         if pending:
             sums = []
-            for _, flags in pending:
+            for _, _, flags in pending:
                 f = flags[0]
                 for o in flags[1:]:
                     f = f + o.to(f.device)
@@ -152,8 +165,8 @@ class _Round:
                 if flag_reducer is not None:
                     flag_reducer(combined)
                 values = combined.tolist()
-            for (i, flags), v in zip(pending, values):
-                self.found[i] = self.found.get(i, False) or v != 0
+            for (table, key, flags), v in zip(pending, values):
+                table[key] = table.get(key, False) or v != 0
                 flags.clear()
         return self.found
 
@@ -203,6 +216,7 @@ class AmpEngine:
         flag_reducer: Optional[Callable[[torch.Tensor], Any]] = None,
         patch_functions: bool = False,
         seed: int = 0,
+        masters_for_half_params: bool = False,
     ):
         if num_losses < 1:
             raise ValueError(f"num_losses must be >= 1, got {num_losses}")
@@ -211,6 +225,9 @@ class AmpEngine:
         self.cast_model_outputs = cast_model_outputs
         # Apex's function patches in the O1 region (the facade's); the runner's O1 is autocast
         self.patch_functions = patch_functions
+        # fp32 masters for the 16-bit parameters a model brought itself, without a model cast
+        # (the facade's `cast_model_type=False` with master weights, as Apex's O2 made them)
+        self.masters_for_half_params = masters_for_half_params
         bounds = {k: v for k, v in (("min_loss_scale", min_loss_scale),
                                     ("max_loss_scale", max_loss_scale)) if v is not None}
         self.scalers = [LossScaler.from_properties(properties, **bounds)
@@ -234,6 +251,7 @@ class AmpEngine:
         # backward (absent: not updated yet). Several optimizers stepping one loss's gradients
         # update its scaler once (backing off if any of them overflowed).
         self._verdicts: dict[int, bool] = {}
+        self._backward_calls = 0  # numbers the backward calls shared by several optimizers
 
     @property
     def kernels(self) -> Optional[csrc.Kernels]:
@@ -301,7 +319,7 @@ class AmpEngine:
             st = self._optimizers[id(optimizer)] = _Prepared(
                 optimizer, paths.choose(self._kernels, self.device, self._scales, self._clock))
         st.models.extend(m for m in models if all(m is not o for o in st.models))
-        if self.properties.uses_master_weights:
+        if self.properties.uses_master_weights or self.masters_for_half_params:
             if st.masters is None:
                 st.masters = MasterWeights(optimizer)
                 self._master_set.add(st.masters)
@@ -397,6 +415,11 @@ class AmpEngine:
             st.refuse_backward()
         for st in states:
             self._before_backward(st, loss_id)
+        if len(states) > 1:  # one backward over several optimizers: one overflow decision
+            self._backward_calls += 1
+            for st in states:
+                st.round.shared[self._backward_calls] = loss_id
+                st.round.scaled_calls.add(self._backward_calls)
         self._verdicts.pop(loss_id, None)
         scale = self.scalers[loss_id].scale
         loss = loss.float()
@@ -463,6 +486,7 @@ class AmpEngine:
         multiplier = rnd.planned.multiplier if rnd.planned is not None else None
         rnd.record(st.path.unscale(st.optimizer, st.masters, scaler, multiplier))
         rnd.scaled_ids.clear()
+        rnd.scaled_calls.clear()
         rnd.planned = None
         if rnd.stash:
             with torch.no_grad():
@@ -500,15 +524,50 @@ class AmpEngine:
                 self.scalers[i].update(True)
                 self._verdicts[i] = True
 
+    def _sharing(self, st: _Prepared) -> list[_Prepared]:
+        """The other optimizers still in a round with a backward call `st`'s round shares."""
+        calls = st.round.shared.keys()
+        if not calls:
+            return []
+        return [o for o in self._optimizers.values()
+                if o is not st and o.stage in (Stage.ACCUMULATING, Stage.UNSCALED, Stage.CLIPPED)
+                and o.round.shared.keys() & calls]
+
+    def _decide(self, states: list[_Prepared]) -> None:
+        """The overflow verdicts of `states` (unscaled already), with one decision per shared
+        backward call: when the loss of a call made for several optimizers overflowed in any of
+        them, it counts as overflowed in all of them, so they all skip (as Apex skipped every
+        optimizer passed to that scale_loss)."""
+        bad: set[int] = set()
+        for st in states:
+            st.round.verdicts(self.flag_reducer)
+            bad.update(call for call, found in st.round.call_found.items() if found)
+        if bad:
+            for st in states:
+                for call, i in st.round.shared.items():
+                    if call in bad:
+                        st.round.found[i] = True
+
     def settle(self, optimizer: Optional[torch.optim.Optimizer] = None) -> bool:
         """Unscale, check and update the scalers now (Apex's end of `scale_loss`); the next
         `step` of this optimizer then only steps or skips. Returns True when it will skip."""
-        st = self._state(optimizer)
-        st.refuse_after_step("settle")
-        self._unscale(st)
-        found = st.round.verdicts(self.flag_reducer)
-        self._update_scalers(st.round)
-        return any(found.values())
+        return self.settle_all([optimizer] if optimizer is not None else None)
+
+    def settle_all(self, optimizers: Optional[list[torch.optim.Optimizer]] = None) -> bool:
+        """`settle` for several optimizers with one decision (Apex's `scale_loss(loss, [a, b])`):
+        all of them are unscaled and checked before any scaler is updated, and when a loss they
+        share overflowed in any of them, every one of them skips its next step. Returns True
+        when they will skip. None: every prepared optimizer."""
+        states = (list(self._optimizers.values()) if optimizers is None
+                  else [self._state(o) for o in optimizers])
+        for st in states:
+            st.refuse_after_step("settle")
+        for st in states:
+            self._unscale(st)
+        self._decide(states)
+        for st in states:
+            self._update_scalers(st.round)
+        return any(any(st.round.found.values()) for st in states)
 
     def clip_grad_norm_(self, max_norm: float, optimizer: Optional[torch.optim.Optimizer] = None,
                         norm_type: float = 2.0) -> torch.Tensor:
@@ -549,8 +608,14 @@ class AmpEngine:
                 rnd.record(st.path.check(planned))
         else:
             self._unscale(st)
+        # A loss whose gradients other optimizers hold as well: they are checked now too, so
+        # that all of them skip when it overflowed in any (one decision per loss).
+        sharing = self._sharing(st)
+        for other in sharing:
+            self._unscale(other)
         # The only host sync of the step, and none when no check ran.
-        found_inf = any(rnd.verdicts(self.flag_reducer).values())
+        self._decide([st, *sharing])
+        found_inf = any(rnd.found.values())
         if found_inf:
             self.skipped_steps += 1
         else:
