@@ -9,7 +9,7 @@ import threading
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 import runner.config  # noqa: F401  (registers the schemas before Hydra composes)
 from runner import sweep
@@ -23,12 +23,15 @@ log = logging.getLogger("runner")
 def main(cfg: DictConfig) -> float | None:
     """One run, or one job of a sweep; returns the best validation accuracy (what an optimising
     sweeper such as Optuna maximises). A failing single run exits non-zero; a failing sweep job is
-    recorded and returns NaN so that the sweep goes on (runner.sweep)."""
+    recorded and, under Hydra's basic sweeper, returns NaN so that the sweep goes on; under any
+    other sweeper it raises, so the sweeper sees a failed job (runner.sweep)."""
     hydra_cfg = HydraConfig.get()
     job = {"overrides": list(hydra_cfg.overrides.task), "output_dir": hydra_cfg.runtime.output_dir}
     parent = sweep.job_parent()
     if parent is not None:
-        return sweep.run_job(cfg, parent, job_num=int(hydra_cfg.job.num), **job)
+        return sweep.run_job(cfg, parent, job_num=int(hydra_cfg.job.num),
+                             sweeper=str(OmegaConf.select(hydra_cfg, "sweeper._target_") or ""),
+                             **job)
 
     from runner.run.app import run
 

@@ -10,8 +10,10 @@ joblib launcher pickles the callback, parent run id included, into its worker pr
 - Each job: a child run (tagged `mlflow.parentRunId`, which the MLflow UI nests by). The job finds
   its parent in the sweep's folder (`SweepParent`, written there while the parent is open), so
   it works the same for in-process jobs, joblib worker processes and SLURM jobs on other nodes.
-  A failing job is recorded FAILED and returns NaN instead of raising, because Hydra 1.3's basic
-  sweeper re-raises the first failure, stops the sweep and skips the end-of-sweep callback.
+  A failing job is recorded FAILED and, under Hydra's basic sweeper, returns NaN instead of
+  raising, because Hydra 1.3's basic sweeper re-raises the first failure, stops the sweep and skips
+  the end-of-sweep callback; under any other sweeper (Optuna) it raises, so the sweeper counts a
+  failed trial (a NaN objective crashes Optuna's study).
 - Sweep end: the parent ends FINISHED with the number of failed children; the process exits 1 if
   any job failed. Ctrl-C or a crash of the sweep machinery ends the parent KILLED or FAILED
   (`LaunchScope`, held by the CLI).
@@ -48,6 +50,7 @@ log = logging.getLogger(__name__)
 
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
 JOBLIB_LAUNCHER = "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher"
+SUBMITIT_LOCAL_LAUNCHER = "hydra_plugins.hydra_submitit_launcher.submitit_launcher.LocalLauncher"
 MAX_RUN_NAME = 200
 
 
@@ -163,20 +166,29 @@ def same_store(cfg: DictConfig, tracking_uri: str, experiment_name: str) -> None
                           "cannot be swept", "one value for the whole sweep")
 
 
+class SweepJobFailed(RuntimeError):
+    """A sweep job failed (already recorded as a FAILED child run): what a sweeper other than
+    Hydra's basic one receives as the job's error."""
+
+
 def run_job(cfg: DictConfig, parent: SweepParent, *, overrides: Sequence[str], output_dir: str,
-            job_num: int) -> float:
-    """One sweep job as a child run. A failure is logged, recorded as a FAILED child (also when it
-    happened before the run existed) and returned as NaN, so the sweep goes on; an optimising
-    sweeper (Optuna) takes NaN as a failed trial."""
+            job_num: int, sweeper: str = BASIC_SWEEPER) -> float:
+    """One sweep job as a child run. A failure is logged and recorded as a FAILED child (also when
+    it happened before the run existed). Under Hydra's basic sweeper it is then returned as NaN, so
+    the sweep goes on (that sweeper stops at the first job that raises and skips the end-of-sweep
+    callback). Under any other `sweeper` (Optuna's) it raises `SweepJobFailed`: the sweeper sees a
+    failed job (Optuna tells the trial FAIL and counts it against
+    `hydra.sweeper.max_failure_rate`), where a NaN objective would crash Optuna's study; a job
+    that finishes without a finite objective raises there too."""
     from runner.run.app import run
     from runner.run.plan import default_run_name
     from runner.tracking.lifecycle import Tracker
 
     tags = {tag.PARENT_RUN: parent.run_id, tag.JOB_NUM: str(job_num)}
+    raises = bool(sweeper) and sweeper != BASIC_SWEEPER
     try:
         same_store(cfg, parent.tracking_uri, parent.experiment_name)
         best = run(cfg, overrides=overrides, output_dir=output_dir, extra_tags=tags)
-        return math.nan if best is None else best
     except Exception as error:  # noqa: BLE001  (recorded and counted; the sweep goes on)
         if isinstance(error, RunnerError):
             log.error("Sweep job #%d failed: %s", job_num, error)
@@ -192,7 +204,16 @@ def run_job(cfg: DictConfig, parent: SweepParent, *, overrides: Sequence[str], o
                 tracker.record_failure(default_run_name(cfg), tags, error)
         except Exception:  # noqa: BLE001  (the store itself is failing: the log says so)
             log.exception("Could not record sweep job #%d's failure in MLflow", job_num)
+        if raises:
+            raise SweepJobFailed(f"sweep job #{job_num} failed: {type(error).__name__}: "
+                                 f"{error}") from error
         return math.nan
+    if best is None or not math.isfinite(best):
+        if raises:
+            raise SweepJobFailed(f"sweep job #{job_num} finished without a finite objective "
+                                 f"({best}): an optimising sweeper cannot use it")
+        return math.nan
+    return best
 
 
 # ---- one GPU per job with the joblib launcher ------------------------------------------------------
@@ -314,16 +335,37 @@ class MlflowSweepCallback(Callback):
             raise SystemExit(1)  # Hydra swallows a callback's exceptions, not SystemExit
 
     def end_early(self, status: str, reason: str) -> None:
-        """End the parent run if the sweep stopped before `on_multirun_end` (see LaunchScope)."""
+        """End the parent run if the sweep stopped before `on_multirun_end` (see LaunchScope):
+        its `error` tag is `reason` and, when jobs failed, which ones and why (a sweeper such as
+        Optuna stops at a failed trial by its `max_failure_rate`)."""
         parent, self._parent_run = self._parent_run, None
         if parent is None:
             return
         if self._sweep_dir is not None:
             SweepParent.forget(self._sweep_dir)
         try:
+            failed = self._failed_children()
+            if failed:
+                reason += "; failed: " + "; ".join(failed)
+                parent.set_tag(tag.FAILED_JOBS, "; ".join(failed))
             parent.end(status, reason)
         except Exception:  # noqa: BLE001  (exiting anyway; say so)
             log.exception("Could not end the sweep's parent run %s", parent.run_id)
+
+    def _failed_children(self) -> list[str]:
+        """"<run name> (#<job>): <its error>" for each child that did not finish."""
+        from runner.tracking.lifecycle import Tracker
+
+        if self.parent is None:
+            return []
+        tracker = Tracker(self.parent.tracking_uri, self.parent.experiment_name)
+        children = tracker.client.search_runs(
+            [self.parent.experiment_id],
+            filter_string=f"tags.`{tag.PARENT_RUN}` = '{self.parent.run_id}'")
+        return [f"{c.info.run_name} (#{c.data.tags.get(tag.JOB_NUM, '?')}): "
+                f"{c.data.tags.get(tag.ERROR, c.info.status)}"
+                for c in sorted(children, key=lambda c: int(c.data.tags.get(tag.JOB_NUM, 0)))
+                if c.info.status not in ("FINISHED", "RUNNING")]
 
     # each job's process
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
@@ -359,6 +401,14 @@ class MlflowSweepCallback(Callback):
     @staticmethod
     def _warn_shared_device(config: DictConfig, launcher: str) -> None:
         """Parallel jobs on one device spoil each other's timings and memory figures."""
+        if launcher == SUBMITIT_LOCAL_LAUNCHER:
+            devices = max(1, gpu_count())
+            log.warning(
+                "submitit's local launcher starts the sweep's jobs at once, on this machine's %d "
+                "device(s): jobs that share a device spoil each other's timings and peak memory. "
+                "hydra/launcher=parallel runs one job per GPU (one at a time on a CPU); "
+                "hydra/launcher=slurm spreads them over a cluster.", devices)
+            return
         if launcher != JOBLIB_LAUNCHER:
             return
         n_jobs = OmegaConf.select(config, "hydra.launcher.n_jobs")
