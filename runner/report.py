@@ -4,8 +4,11 @@ Reads the runs back from any MLflow store (a SQLite file or a tracking server) a
 comparison table (Markdown and CSV, a row per run) and figures (PNG): grouped bars of training
 time, peak memory and best validation accuracy per level and model, stacked bars of each run's
 memory by kind (weights, fp32 masters, gradients, optimizer state, activations: `mem_*_mb`), and
-the validation accuracy curve of every run. Each run is compared with its model's O0 (fp32) run:
-speedup = O0's train time / the run's, memory ratio = the run's peak memory / O0's. The files are also logged as artifacts of
+the validation accuracy curve of every run. The params that differ between the runs (an lr, a
+seed, a schedule swept beside the levels) get a column each, and each run is compared with the
+O0 (fp32) run of its group (the same model and the same values of those params, seeds apart):
+speedup = O0's train time / the run's, memory ratio = the run's peak memory / O0's; the table
+names that baseline. The files are also logged as artifacts of
 the sweep's parent run (under `report/`), so they show in the MLflow UI beside the runs. Runs that
 did not finish are listed under the table with the reason: their `error` tag (a failure, an
 interrupt, or "process vanished: ..." for a run whose process was killed outright and that a later
@@ -14,6 +17,7 @@ run ended KILLED: runner.tracking.liveness), or for a run still RUNNING its last
     python -m runner.report                                  # the newest sweep in ./mlflow.db
     python -m runner.report --parent <run id> --out report   # one sweep, by its parent run
     python -m runner.report --tracking-uri http://127.0.0.1:5000 --sweep multirun/2026-01-01/10-00-00
+    python -m runner.report --diff <run id> <run id>         # the params that differ, printed
 
 Exit status: 0 when the report was written, 1 when there is nothing to report (no such
 store, experiment, sweep or runs: the message says which), 2 for bad arguments.
@@ -120,6 +124,7 @@ class Row:
     # for a run whose process was killed outright, ended KILLED by a later run); for a run still
     # RUNNING, its last heartbeat
     reason: str | None = None
+    params: dict[str, str] = field(default_factory=dict)  # every param the run logged
 
     def get(self, metric: str) -> float | None:
         value = self.metrics.get(metric)
@@ -202,6 +207,7 @@ def to_row(client, run) -> Row:
         peak_mem_kind=run.data.tags.get(tag.PEAK_MEM_KIND, "?"),
         task=params.get("task.name", "classification"),
         reason=end_reason(run.info.status, run.data.tags),
+        params=dict(params),
     )
     if row.is_lm:
         row.val_loss = _history(client, run.info.run_id, m.VAL_LOSS)
@@ -227,17 +233,58 @@ def end_reason(status: str, tags: Mapping[str, str]) -> str | None:
     return tags.get(tag.ERROR)
 
 
+# Params the table shows in columns of their own (model, level and dtype, optimizer, batch size)
+# or that follow from others (a model's parameter count, the global batch, the dataset's sizes):
+# never listed as what varies between runs.
+SHOWN_PARAMS = ("model.name", "model.arch", "optimizer.name", "trainer.batch_size", "task.name")
+SHOWN_PREFIXES = ("precision.",)
+DERIVED_PARAMS = ("model.num_parameters", "trainer.global_batch_size", "data.train_size",
+                  "data.val_size", "mlflow.run_name")
+SEED_PARAMS = ("trainer.seed", "data.seed")
+
+
+def varying_params(rows: Sequence[Row]) -> list[str]:
+    """The params whose values differ between the runs (only those: "what differs"), apart from
+    those the table shows anyway; runs that logged no params (a job that failed before its run
+    began) do not count."""
+    logged = [r for r in rows if r.params]
+    keys = sorted({k for r in logged for k in r.params})
+    return [k for k in keys
+            if k not in SHOWN_PARAMS and k not in DERIVED_PARAMS
+            and not k.startswith(SHOWN_PREFIXES)
+            and len({r.params.get(k) for r in logged}) > 1]
+
+
+def display_names(rows: Sequence[Row]) -> dict[str, str]:
+    """run id -> the run's name, with the start of its id where several runs share the name."""
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r.run_name] = counts.get(r.run_name, 0) + 1
+    return {r.run_id: r.run_name if counts[r.run_name] == 1 else f"{r.run_name} ({r.run_id[:8]})"
+            for r in rows}
+
+
 def add_baseline_ratios(rows: Sequence[Row]) -> None:
-    """Speedup and memory ratio against the same model's O0 run (one with the same optimizer and
-    batch size when there is one, else the first)."""
+    """Speedup and memory ratio against the O0 run of the same group: the same model and the same
+    values of every param that varies between the runs (lr, schedule, data, ...), seeds apart;
+    of those, one with the same seed, optimizer and batch size when there is one. A run whose
+    group has no O0 run gets no ratio (a different lr's O0 is not its baseline)."""
+    varying = varying_params(rows)
+    group_keys = [k for k in varying if k not in SEED_PARAMS]
+    names = display_names(rows)
+
+    def group(r: Row) -> tuple:
+        return (r.model, *(r.params.get(k) for k in group_keys))
+
     for row in rows:
-        candidates = [b for b in rows if b.model == row.model and b.level == BASELINE_LEVEL
+        candidates = [b for b in rows if group(b) == group(row) and b.level == BASELINE_LEVEL
                       and b.get(m.TRAIN_TIME_S) is not None]
         if not candidates:
             continue
-        base = min(candidates, key=lambda b: (b.optimizer != row.optimizer,
-                                              b.batch_size != row.batch_size))
-        row.baseline = base.run_name
+        base = min(candidates, key=lambda b: (
+            any(b.params.get(k) != row.params.get(k) for k in SEED_PARAMS),
+            b.optimizer != row.optimizer, b.batch_size != row.batch_size))
+        row.baseline = names[base.run_id]
         time, base_time = row.get(m.TRAIN_TIME_S), base.get(m.TRAIN_TIME_S)
         if time and base_time:
             row.speedup = base_time / time
@@ -277,8 +324,11 @@ def columns(rows: Sequence[Row]) -> list[tuple[str, Any]]:
     lm, cls = any(r.is_lm for r in rows), any(not r.is_lm for r in rows)
     quality = ([_ACCURACY] if cls or not rows else []) + (_LM_QUALITY if lm else [])
     speed = ([_SAMPLES] if cls or not rows else []) + ([_TOKENS] if lm else [])
+    names = display_names(rows)
+    varying = [(key, (lambda key: lambda r: r.params.get(key, "-"))(key))
+               for key in varying_params(rows)]
     return [
-        ("run", lambda r: r.run_name), ("model", lambda r: r.model),
+        ("run", lambda r: names.get(r.run_id, r.run_name)), *varying, ("model", lambda r: r.model),
         ("level", lambda r: r.level), ("dtype", lambda r: r.dtype),
         ("optimizer", lambda r: r.optimizer),
         ("batch size", lambda r: "-" if r.batch_size is None else str(r.batch_size)),
@@ -290,6 +340,7 @@ def columns(rows: Sequence[Row]) -> list[tuple[str, Any]]:
             (*MEMORY_METRICS, MEMORY_TOTAL), COLUMNS[12:18])),
         ("speedup vs O0", lambda r: _fmt(r.speedup, ".2f")),
         ("memory vs O0", lambda r: _fmt(r.memory_ratio, ".2f")),
+        ("baseline (O0)", lambda r: r.baseline or "-"),
     ]
 
 
@@ -299,12 +350,19 @@ def table_cells(row: Row, rows: Sequence[Row] | None = None) -> list[str]:
 
 def render_markdown(rows: Sequence[Row], title: str, source: str) -> str:
     titles = [title for title, _ in columns(rows)]
+    text = 7 + len(varying_params(rows))  # left-aligned columns: run, what varies, model ... status
     lines = [f"# {title}", "", source, "",
              "| " + " | ".join(titles) + " |",
-             "|" + "---|" * 7 + "---:|" * (len(titles) - 7)]
+             "|" + "---|" * text + "---:|" * (len(titles) - text - 1) + "---|"]
     lines += ["| " + " | ".join(table_cells(r, rows)) + " |" for r in rows]
-    lines += ["", "Speedup: the model's O0 train time / the run's (above 1 is faster); memory: the "
-              "run's peak memory / O0's (below 1 is less). Throughput is the mean over the epochs "
+    varying = varying_params(rows)
+    lines += ["", "Speedup: the baseline's train time / the run's (above 1 is faster); memory: the "
+              "run's peak memory / the baseline's (below 1 is less). The baseline is the O0 run "
+              "of the same model"
+              + (" with the same " + ", ".join(f"`{k}`" for k in varying if k not in SEED_PARAMS)
+                 if any(k not in SEED_PARAMS for k in varying) else "")
+              + " (the same seed where there is one), named in the last column. The columns "
+              "between run and model are the params that differ between these runs. Throughput is the mean over the epochs "
               "after the first. Train time covers all epochs, validation included. Peak memory: "
               + ", ".join(sorted({r.peak_mem_kind for r in rows})) + " (the runs' `peak_mem_kind`:"
               " CUDA's max allocated memory, or on a CPU the training state counted from the "
@@ -340,11 +398,13 @@ def write_csv(rows: Sequence[Row], path: Path) -> None:
     with path.open("w", newline="") as f:
         writer = csv.writer(f)
         lm = [k for k in LM_METRICS if k not in METRICS] if any(r.is_lm for r in rows) else []
-        writer.writerow(["run_id", "run_name", "model", "level", "dtype", "optimizer",
+        varying = varying_params(rows)
+        writer.writerow(["run_id", "run_name", *varying, "model", "level", "dtype", "optimizer",
                          "batch_size", "status", *METRICS, *MEMORY_METRICS, MEMORY_TOTAL,
                          "speedup_vs_o0", "memory_vs_o0", "baseline_run", "reason", *lm])
         for r in rows:
-            writer.writerow([r.run_id, r.run_name, r.model, r.level, r.dtype, r.optimizer,
+            writer.writerow([r.run_id, r.run_name, *(r.params.get(k) for k in varying), r.model,
+                             r.level, r.dtype, r.optimizer,
                              r.batch_size, r.status, *(r.get(m) for m in METRICS),
                              *(r.get(m) for m in (*MEMORY_METRICS, MEMORY_TOTAL)), r.speedup,
                              r.memory_ratio, r.baseline, r.reason, *(r.get(k) for k in lm)])
@@ -352,8 +412,10 @@ def write_csv(rows: Sequence[Row], path: Path) -> None:
 
 def bar_labels(rows: Sequence[Row]) -> list[str]:
     """Each run's label within its model: the level, plus whatever else varies (dtype, batch size,
-    optimizer), so that two bars never share a label."""
+    optimizer, the params that differ, as `lr=0.05`), so that two runs never share a bar; where
+    two runs still look alike, the start of their run ids."""
     varies = {key: len({getattr(r, key) for r in rows}) > 1 for key in ("optimizer", "batch_size")}
+    varying = varying_params(rows)
     labels = []
     for r in rows:
         label = r.level + (" bf16" if "bfloat16" in r.dtype else "")
@@ -361,8 +423,14 @@ def bar_labels(rows: Sequence[Row]) -> list[str]:
             label += f" {r.optimizer}"
         if varies["batch_size"]:
             label += f" b{r.batch_size}"
+        for key in varying:
+            label += f" {key.rsplit('.', 1)[-1]}={r.params.get(key, '-')}"
         labels.append(label)
-    return labels
+    seen: dict[tuple[str, str], int] = {}
+    for r, label in zip(rows, labels):
+        seen[(r.model, label)] = seen.get((r.model, label), 0) + 1
+    return [f"{label} ({r.run_id[:8]})" if seen[(r.model, label)] > 1 else label
+            for r, label in zip(rows, labels)]
 
 
 def _legend_or_note(ax, shown: bool, note: str) -> None:
@@ -477,9 +545,39 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                        help="the sweep's parent run id (printed at the end of the sweep)")
     which.add_argument("--sweep", metavar="NAME_OR_DIR",
                        help="the sweep's parent run name, or its folder (multirun/<date>/<time>)")
+    which.add_argument("--diff", nargs=2, metavar=("RUN_A", "RUN_B"),
+                       help="print the params that differ between two runs (by run id) and "
+                       "their status and objective; writes nothing")
     parser.add_argument("--out", type=Path, default=Path("report"),
                         help="folder for the table and figures (default: ./report)")
     return parser.parse_args(argv)
+
+
+def diff_runs(client, run_a: str, run_b: str) -> str:
+    """The params whose values differ between two runs (a param one of them lacks shows `-`),
+    then each run's status and objective, as a Markdown table."""
+    from mlflow.exceptions import MlflowException
+
+    runs = []
+    for run_id in (run_a, run_b):
+        try:
+            runs.append(client.get_run(run_id))
+        except MlflowException as error:
+            raise NothingToReport(f"no run {run_id!r} in {client.tracking_uri}: {error.message}")
+    a, b = (r.data.params for r in runs)
+    keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+    head = [f"| param | {runs[0].info.run_name} ({run_a[:8]}) | "
+            f"{runs[1].info.run_name} ({run_b[:8]}) |", "|---|---|---|"]
+    body = [f"| {k} | {a.get(k, '-')} | {b.get(k, '-')} |" for k in keys]
+    tail = [f"| status | {runs[0].info.status} | {runs[1].info.status} |"]
+    for metric in (m.BEST_VAL_ACC, m.BEST_VAL_LOSS):
+        values = [r.data.metrics.get(metric) for r in runs]
+        if any(v is not None for v in values):
+            tail.append(f"| {metric} | " + " | ".join("-" if v is None else f"{v:.4g}"
+                                                      for v in values) + " |")
+    summary = (f"{len(keys)} params differ" if keys else
+               "No param differs: the two runs were configured alike")
+    return "\n".join([summary + ":", "", *head, *body, *tail])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -492,6 +590,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise NothingToReport(f"no MLflow store at {uri} (opening it would create an empty "
                                   "one); set --tracking-uri to the runs' mlflow.tracking_uri")
         client = RetryingClient(uri)
+        if args.diff:
+            print(diff_runs(client, *args.diff))
+            return 0
         parent, runs = select_runs(client, args.experiment, args.parent, args.sweep)
     except NothingToReport as reason:
         print(f"Nothing to report: {reason}", file=sys.stderr)

@@ -212,7 +212,93 @@ def test_memory_by_kind_columns_and_stacked_bars(tracking_uri, tmp_path):
     markdown = (out / "comparison.md").read_text()
     line = next(x for x in markdown.splitlines() if x.startswith("| tiny-O2 "))
     cells = line.strip("| ").split(" | ")
-    assert cells[-8:-2] == ["2.00", "4.00", "2.00", "4.00", "10.00", "22.00"]
+    assert cells[-9:-3] == ["2.00", "4.00", "2.00", "4.00", "10.00", "22.00"]
+    assert cells[-1] == "tiny-O0"  # the baseline each ratio uses
     assert "Runs lacking metrics" not in markdown and "memory_by_kind.png" in markdown
     assert_png(out / "memory_by_kind.png", 600, 500)
 
+
+
+# ---- a report for every axis ------------------------------------------------------------------
+def _axes_sweep(tracking_uri, tmp_path):
+    """A sweep of 2 lrs x 2 levels x 2 seeds, as Optuna or a grid leaves it: all runs share their
+    names (tiny-O0, tiny-O2); O0's time depends on the lr, O2 is always 2x faster than its O0."""
+    tracker = Tracker(tracking_uri, "amp-runner")
+    parent = tracker.create_run("sweep lr x level x seed", {SWEEP_DIR_TAG: str(tmp_path)})
+    ids = {}
+    for lr, o0_time in (("0.1", 8.0), ("0.01", 4.0)):
+        for level in ("O0", "O2"):
+            for seed in ("1", "2"):
+                params = {"model.name": "tiny", "optimizer.name": "sgd",
+                          "trainer.batch_size": "32", "precision.opt_level": level,
+                          "optimizer.lr": lr, "trainer.seed": seed,
+                          "model.num_parameters": "1000", "mlflow.tracking_uri": tracking_uri}
+                time = o0_time if level == "O0" else o0_time / 2
+                with tracker.start_run(f"tiny-{level}", params,
+                                       {PARENT_RUN_TAG: parent.run_id}) as run:
+                    run.log_metrics({"val_acc": 0.5, "samples_per_s": 10.0, "skipped_steps": 0.0,
+                                     "peak_mem_mb": 10.0, "best_val_acc": 0.5,
+                                     "train_time_s": time}, 1)
+                    ids[(lr, level, seed)] = run.run_id
+    parent.end("FINISHED")
+    return ids
+
+
+def test_the_report_has_a_column_per_varying_param_and_baselines_per_group(tracking_uri,
+                                                                          tmp_path):
+    ids = _axes_sweep(tracking_uri, tmp_path)
+    out = tmp_path / "report"
+    assert report.main(["--tracking-uri", tracking_uri, "--out", str(out)]) == 0
+    rows = read_csv(out / "comparison.csv")
+    assert len(rows) == 8
+    header = list(rows[0])
+    # what differs, and only that: lr and seed (not the params every run shares, not the level's
+    # own precision.* params, not a derived one)
+    assert header[2:4] == ["optimizer.lr", "trainer.seed"]
+    assert "model.num_parameters" not in header and "mlflow.tracking_uri" not in header
+    by_id = {r["run_id"]: r for r in rows}
+    for (lr, level, seed), run_id in ids.items():
+        row = by_id[run_id]
+        assert (row["optimizer.lr"], row["trainer.seed"]) == (lr, seed)
+        # the baseline is the O0 of the same lr and seed: O2 is 2x faster than it, O0 1x
+        assert float(row["speedup_vs_o0"]) == (2.0 if level == "O2" else 1.0), (lr, level, seed)
+        assert row["baseline_run"] == f"tiny-O0 ({ids[(lr, 'O0', seed)][:8]})"
+    markdown = (out / "comparison.md").read_text()
+    assert "| run | optimizer.lr | trainer.seed | model |" in markdown
+    assert "O0 run of the same model with the same `optimizer.lr`" in markdown
+    # every run has a bar of its own, labelled by what differs
+    labels = report.bar_labels([report.to_row(MlflowClient(tracking_uri),
+                                              MlflowClient(tracking_uri).get_run(i))
+                                for i in ids.values()])
+    assert len(set(labels)) == 8 and "O2 lr=0.1 seed=2" in labels
+
+
+def test_a_group_without_an_o0_run_gets_no_ratio(tracking_uri, tmp_path):
+    """A different lr's O0 is not a baseline (the old report took "the first O0 run")."""
+    tracker = Tracker(tracking_uri, "amp-runner")
+    parent = tracker.create_run("sweep", {SWEEP_DIR_TAG: str(tmp_path)})
+    for level, lr in (("O0", "0.1"), ("O2", "0.01")):
+        params = {"model.name": "tiny", "precision.opt_level": level, "optimizer.lr": lr}
+        with tracker.start_run(f"tiny-{level}", params, {PARENT_RUN_TAG: parent.run_id}) as run:
+            run.log_metrics({"train_time_s": 1.0, "best_val_acc": 0.5, "peak_mem_mb": 1.0}, 1)
+    parent.end("FINISHED")
+    out = tmp_path / "report"
+    assert report.main(["--tracking-uri", tracking_uri, "--out", str(out)]) == 0
+    rows = {r["level"]: r for r in read_csv(out / "comparison.csv")}
+    assert rows["O0"]["speedup_vs_o0"] == "1.0" and rows["O2"]["speedup_vs_o0"] == ""
+    assert rows["O2"]["baseline_run"] == ""
+
+
+def test_diff_prints_the_params_that_differ(tracking_uri, tmp_path, capsys):
+    ids = _axes_sweep(tracking_uri, tmp_path)
+    a, b = ids[("0.1", "O0", "1")], ids[("0.01", "O2", "1")]
+    assert report.main(["--tracking-uri", tracking_uri, "--diff", a, b,
+                        "--out", str(tmp_path / "report")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("2 params differ:")
+    assert "| optimizer.lr | 0.1 | 0.01 |" in out and "| precision.opt_level | O0 | O2 |" in out
+    assert "trainer.seed" not in out and "| status | FINISHED | FINISHED |" in out
+    assert "| best_val_acc | 0.5 | 0.5 |" in out
+    assert not (tmp_path / "report").exists()  # writes nothing
+    assert report.main(["--tracking-uri", tracking_uri, "--diff", a, "no-such-run"]) == 1
+    assert "no run 'no-such-run'" in capsys.readouterr().err
