@@ -293,6 +293,73 @@ def add_baseline_ratios(rows: Sequence[Row]) -> None:
             row.memory_ratio = memory / base_memory
 
 
+@dataclass
+class SeedGroup:
+    """The runs of one configuration that differ only in their seeds."""
+
+    label: str               # the level and what differs, seeds apart ("O2 lr=0.1")
+    model: str
+    rows: list[Row]
+
+    def stats(self, value) -> tuple[float, float, int] | None:
+        """(mean, sample std, count) of `value(row)` over the runs that have it."""
+        values = [v for v in (value(r) for r in self.rows) if v is not None]
+        if not values:
+            return None
+        mean = sum(values) / len(values)
+        std = (math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+               if len(values) > 1 else 0.0)
+        return mean, std, len(values)
+
+
+def seeds_vary(rows: Sequence[Row]) -> bool:
+    return any(k in SEED_PARAMS for k in varying_params(rows))
+
+
+def seed_groups(rows: Sequence[Row]) -> list[SeedGroup]:
+    """The runs grouped by model, level, dtype and every varying param but the seeds."""
+    keys = [k for k in varying_params(rows) if k not in SEED_PARAMS]
+    groups: dict[tuple, SeedGroup] = {}
+    for r in rows:
+        label = r.level + (" bf16" if "bfloat16" in r.dtype else "") + "".join(
+            f" {k.rsplit('.', 1)[-1]}={r.params.get(k, '-')}" for k in keys)
+        key = (r.model, r.level, r.dtype, r.optimizer, r.batch_size,
+               *(r.params.get(k) for k in keys))
+        groups.setdefault(key, SeedGroup(label, r.model, [])).rows.append(r)
+    return list(groups.values())
+
+
+def _mean_std(stats: tuple[float, float, int] | None, spec: str, scale: float = 1.0) -> str:
+    if stats is None:
+        return "-"
+    mean, std, _ = stats
+    return f"{format(mean * scale, spec)} ± {format(std * scale, spec)}"
+
+
+def render_seed_table(rows: Sequence[Row]) -> list[str]:
+    """Markdown lines: one row per configuration, its seeds aggregated as mean ± std (sample
+    standard deviation) with the number of seeds; empty when no seed varies."""
+    if not seeds_vary(rows):
+        return []
+    lm = bool(rows) and all(r.is_lm for r in rows)
+    quality, title, scale = ((m.BEST_VAL_LOSS, "best val loss", 1.0) if lm
+                             else (m.BEST_VAL_ACC, "best val acc (%)", 100.0))
+    lines = ["Across seeds (mean ± sample std over the runs of each configuration that differ only "
+             "in " + ", ".join(f"`{k}`" for k in SEED_PARAMS if k in varying_params(rows)) + "):",
+             "", f"| model | configuration | seeds | {title} | train time (s) | "
+             "peak memory (MB) | speedup vs O0 | memory vs O0 |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for g in seed_groups(rows):
+        lines.append("| " + " | ".join([
+            g.model, g.label, str(len(g.rows)),
+            _mean_std(g.stats(lambda r: r.get(quality)), ".4f" if lm else ".2f", scale),
+            _mean_std(g.stats(lambda r: r.get(m.TRAIN_TIME_S)), ".1f"),
+            _mean_std(g.stats(lambda r: r.get(m.PEAK_MEM_MB)), ".0f"),
+            _mean_std(g.stats(lambda r: r.speedup), ".2f"),
+            _mean_std(g.stats(lambda r: r.memory_ratio), ".2f")]) + " |")
+    return lines + [""]
+
+
 # ---- writing --------------------------------------------------------------------------------------
 COLUMNS = ["run", "model", "level", "dtype", "optimizer", "batch size", "status",
            "best val acc (%)", "train time (s)", "throughput (samples/s)", "peak memory (MB)",
@@ -370,6 +437,7 @@ def render_markdown(rows: Sequence[Row], title: str, source: str) -> str:
               "each kind of tensor in one training step, counted from the tensors themselves "
               "(activations: the bytes saved for backward); state total is their sum.",
               ""]
+    lines += render_seed_table(rows)
     missing = [r for r in rows if r.missing]
     if missing:
         lines += ["Runs lacking metrics (shown as -):", ""]
@@ -457,8 +525,12 @@ def plot_bars(rows: Sequence[Row], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     models = list(dict.fromkeys(r.model for r in rows))
-    labels = bar_labels(rows)
-    series = list(dict.fromkeys(labels))
+    if seeds_vary(rows):  # one bar per configuration: the seeds' mean, their std as error bar
+        groups = [(g.model, g.label + f" (n={len(g.rows)})", g) for g in seed_groups(rows)]
+    else:
+        groups = [(r.model, label, SeedGroup(label, r.model, [r]))
+                  for r, label in zip(rows, bar_labels(rows))]
+    series = list(dict.fromkeys(label for _, label, _ in groups))
     quality = (m.BEST_VAL_LOSS, "best val loss (nats/token)", 1.0) \
         if rows and all(r.is_lm for r in rows) else (m.BEST_VAL_ACC, "best val accuracy (%)", 100.0)
     panels = [(m.TRAIN_TIME_S, "train time (s)", 1.0), (m.PEAK_MEM_MB, "peak memory (MB)", 1.0),
@@ -467,13 +539,15 @@ def plot_bars(rows: Sequence[Row], path: Path) -> None:
     width = 0.8 / max(1, len(series))
     for ax, (metric, title, scale) in zip(axes, panels):
         for i, name in enumerate(series):
-            values = []
+            values, errors = [], []
             for model in models:
-                match = [r for r, lbl in zip(rows, labels) if r.model == model and lbl == name]
-                value = match[0].get(metric) if match else None
-                values.append(math.nan if value is None else value * scale)
+                match = [g for mdl, lbl, g in groups if mdl == model and lbl == name]
+                stats = match[0].stats(lambda r: r.get(metric)) if match else None
+                values.append(math.nan if stats is None else stats[0] * scale)
+                errors.append(0.0 if stats is None else stats[1] * scale)
             positions = [m + (i - (len(series) - 1) / 2) * width for m in range(len(models))]
-            ax.bar(positions, values, width, label=name)
+            ax.bar(positions, values, width, label=name,
+                   yerr=errors if any(errors) else None, capsize=3)
         ax.set_xticks(range(len(models)), models)
         ax.set_title(title)
         ax.grid(axis="y", alpha=0.3)

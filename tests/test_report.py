@@ -266,6 +266,10 @@ def test_the_report_has_a_column_per_varying_param_and_baselines_per_group(track
     markdown = (out / "comparison.md").read_text()
     assert "| run | optimizer.lr | trainer.seed | model |" in markdown
     assert "O0 run of the same model with the same `optimizer.lr`" in markdown
+    # the seeds aggregated: one line per configuration, mean ± sample std and the seed count
+    assert "Across seeds (mean ± sample std" in markdown and "`trainer.seed`" in markdown
+    assert "| tiny | O2 lr=0.1 | 2 | 50.00 ± 0.00 | 4.0 ± 0.0 | 10 ± 0 | 2.00 ± 0.00 |" in markdown
+    assert "| tiny | O0 lr=0.01 | 2 | 50.00 ± 0.00 | 4.0 ± 0.0 | 10 ± 0 | 1.00 ± 0.00 |" in markdown
     # every run has a bar of its own, labelled by what differs
     labels = report.bar_labels([report.to_row(MlflowClient(tracking_uri),
                                               MlflowClient(tracking_uri).get_run(i))
@@ -302,3 +306,13 @@ def test_diff_prints_the_params_that_differ(tracking_uri, tmp_path, capsys):
     assert not (tmp_path / "report").exists()  # writes nothing
     assert report.main(["--tracking-uri", tracking_uri, "--diff", a, "no-such-run"]) == 1
     assert "no run 'no-such-run'" in capsys.readouterr().err
+
+
+def test_seed_statistics_are_the_sample_mean_and_std():
+    rows = [report.Row(run_id=f"r{i}", run_name="tiny-O0", status="FINISHED", model="tiny",
+                       optimizer="sgd", level="O0", dtype="float32", batch_size=32,
+                       metrics={"best_val_acc": acc}, params={"trainer.seed": str(i)})
+            for i, acc in enumerate((0.5, 0.7, 0.9))]
+    (group,) = report.seed_groups(rows)
+    mean, std, n = group.stats(lambda r: r.get("best_val_acc"))
+    assert n == 3 and mean == pytest.approx(0.7) and std == pytest.approx(0.2)  # (n - 1)
