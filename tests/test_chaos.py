@@ -34,7 +34,7 @@ CONFIG = [
     "trainer.device=cpu", "precision=o2_bf16", "precision.kernels=torch",
 ]
 # metrics that depend on the clock or the machine's memory, not on the training
-VARIABLE = re.compile(r"time|samples_per_s|mem|rss")
+VARIABLE = re.compile(r"time|samples_per_s|mem|rss|^system/")  # system/: the machine's load
 
 
 def metric_history(client: MlflowClient, run) -> dict[str, dict[int, float]]:

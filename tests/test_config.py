@@ -215,6 +215,7 @@ VALUE_CASES = [
         (["trainer.diagnose_every_n_steps=-1"], "trainer.diagnose_every_n_steps"),
         (["mlflow.tracking_uri= "], "mlflow.tracking_uri"),
         (["mlflow.heartbeat_s=0.5"], "mlflow.heartbeat_s"),
+        (["mlflow.system_metrics_s=0.05"], "mlflow.system_metrics_s"),
         (["mlflow.stale_after_s=0"], "mlflow.stale_after_s"),
         (["mlflow.heartbeat_s=60", "mlflow.stale_after_s=100"], "mlflow.stale_after_s"),
         (["trainer.compile_mode=fastest"], "trainer.compile_mode"),

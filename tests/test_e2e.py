@@ -318,6 +318,10 @@ def test_cli_run_finishes_and_attaches_config_and_log(tmp_path):
     assert "precision=o2" in run.data.tags["overrides"]
     logs = {a.path for a in client.list_artifacts(run.info.run_id, "logs")}
     assert "logs/runner.log" in logs
+    # system metrics are on by default (MLflow's monitors; a last sample at the end)
+    assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes",
+            "system/disk_usage_percentage"} <= set(run.data.metrics)
+    assert run.data.metrics["system/system_memory_usage_megabytes"] > 0
     output = result.stdout + result.stderr
     assert "mlflow ui --backend-store-uri" in output and "#/experiments/" in output
     assert not (tmp_path / "outputs").exists() or any((tmp_path / "outputs").rglob("runner.log"))

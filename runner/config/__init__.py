@@ -102,6 +102,8 @@ class MlflowConfig:
     # RUNNING run on another host must be for a starting run to end it as KILLED
     heartbeat_s: float = 60.0
     stale_after_s: float = 600.0
+    # seconds between samples of the system metrics (system/..., MLflow's monitors); 0: off
+    system_metrics_s: float = 10.0
 
 
 @dataclass

@@ -71,6 +71,8 @@ def _rules(cfg: DictConfig, specs: Mapping[str, Optional[options.Spec]] | None =
         ("mlflow.heartbeat_s", lambda v: finite(v) and v >= 1, "a number of seconds >= 1"),
         ("mlflow.stale_after_s", positive, "a finite number of seconds > 0, at least twice "
          "mlflow.heartbeat_s"),
+        ("mlflow.system_metrics_s", lambda v: finite(v) and (v == 0 or v >= 0.1),
+         "0 (off) or a number of seconds >= 0.1"),
     ]
     return rules
 

@@ -225,6 +225,9 @@ def train_parts(plan: RunPlan, comm: Comm, device: torch.device, launch: Launch,
             if comm.is_main:
                 log.info("MLflow run %r (%s) in %s", plan.run_name, tracked.run_id,
                          tracker.tracking_uri)
+                if cfg.mlflow.system_metrics_s > 0:
+                    tracked.sample_system(cfg.mlflow.system_metrics_s,
+                                          resumed=resume is not None)
                 if resume is None:
                     tracked.log_text(OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
                     tracked.log_text(OmegaConf.to_yaml(OmegaConf.create(list(launch.overrides))),

@@ -96,6 +96,7 @@ class TrackedRun:
         self._sender = threading.Thread(target=self._send_loop, daemon=True,
                                         name=f"mlflow-sender-{run_id[:8]}")
         self._sender.start()
+        self._system: Any = None  # a SystemSampler, once sample_system is called
         self.heartbeat_s = heartbeat_s
         self._stop_beating = threading.Event()
         self._heart: threading.Thread | None = None
@@ -103,6 +104,22 @@ class TrackedRun:
             self._heart = threading.Thread(target=self._beat_loop, daemon=True,
                                            name=f"mlflow-heartbeat-{run_id[:8]}")
             self._heart.start()
+
+    def sample_system(self, interval_s: float, resumed: bool = False) -> bool:
+        """Log system metrics (`system/...`, MLflow's monitors) every `interval_s` seconds until
+        `end`, through this run's buffer (runner.tracking.system); a resumed run goes on after
+        the steps its earlier processes logged. False when they cannot run."""
+        from runner.tracking.system import PREFIX, SystemSampler
+
+        self._system = SystemSampler(self.log_metrics, interval_s)
+        if resumed:
+            try:
+                steps = [m.step for m in self.client.get_run(self.run_id).data._metric_objs
+                         if m.key.startswith(PREFIX)]
+                self._system.samples = max(steps) + 1 if steps else 0
+            except Exception:  # noqa: BLE001  (a store away: the steps start at 0)
+                pass
+        return self._system.start()
 
     def log_params(self, params: Mapping[str, str]) -> None:
         items = [Param(k, str(v)[:MAX_PARAM_LENGTH]) for k, v in sorted(params.items())]
@@ -244,6 +261,9 @@ class TrackedRun:
     def end(self, status: str, error: str | None = None) -> None:
         """Deliver the rest and the final status; what the store does not take within
         END_TIMEOUT_S goes to the offline store (see `runner.tracking.replay`)."""
+        if self._system is not None:
+            self._system.stop()
+            self._system = None
         self._stop_heart()
         self._closing = True
         self._wake.set()
