@@ -5,6 +5,8 @@ what a user sees from `python -m runner` (exit status, messages, final run state
 """
 from __future__ import annotations
 
+import json
+
 import math
 import os
 import signal
@@ -322,6 +324,13 @@ def test_cli_run_finishes_and_attaches_config_and_log(tmp_path):
     assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes",
             "system/disk_usage_percentage"} <= set(run.data.metrics)
     assert run.data.metrics["system/system_memory_usage_megabytes"] > 0
+    # the datasets, as MLflow's dataset inputs (the run page's "Datasets used")
+    inputs = {d.dataset.name: d for d in run.inputs.dataset_inputs}
+    assert sorted(inputs) == ["synthetic/train", "synthetic/val"]
+    train = inputs["synthetic/train"]
+    assert json.loads(train.dataset.profile)["num_rows"] == 96
+    assert [(t.key, t.value) for t in train.tags] == [("mlflow.data.context", "training")]
+    assert json.loads(train.dataset.source)["num_train"] == 96 and len(train.dataset.digest) == 16
     output = result.stdout + result.stderr
     assert "mlflow ui --backend-store-uri" in output and "#/experiments/" in output
     assert not (tmp_path / "outputs").exists() or any((tmp_path / "outputs").rglob("runner.log"))

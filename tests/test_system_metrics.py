@@ -60,3 +60,19 @@ def test_a_resumed_run_goes_on_after_its_system_metric_steps(tmp_path):
     steps = [m.step for m in client.get_metric_history(r.info.run_id,
                                                        "system/system_memory_usage_megabytes")]
     assert steps == [0, 1]  # one last sample per process, numbered on
+
+
+def test_the_datasets_digest_follows_the_data_settings(tracking_uri):
+    """MLflow's dataset inputs: the same data settings give the same digest in any run (an lr
+    does not change it), other data settings another."""
+    for name, extra in (("a", "optimizer.lr=0.01"), ("b", "optimizer.lr=0.02"),
+                        ("c", "data.num_train=64")):
+        run(compose_config(*FAST, "trainer.max_epochs=1", extra, f"mlflow.run_name={name}",
+                           "mlflow.system_metrics_s=0", f"mlflow.tracking_uri={tracking_uri}"))
+    client = MlflowClient(tracking_uri)
+    runs = {r.info.run_name: r for r in client.search_runs(
+        [client.get_experiment_by_name("amp-runner").experiment_id])}
+    digests = {name: {d.dataset.name: d.dataset.digest for d in r.inputs.dataset_inputs}
+               for name, r in runs.items()}
+    assert digests["a"] == digests["b"]
+    assert digests["a"]["synthetic/train"] != digests["c"]["synthetic/train"]

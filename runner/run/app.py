@@ -10,6 +10,8 @@ or KILLED, with its config, precision table and log attached.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import platform
@@ -76,6 +78,26 @@ def config_params(plan: RunPlan) -> dict[str, str]:
     params["task.name"] = plan.task  # task=auto resolved: classification or language_model
     params.update({f"precision.{k}": v for k, v in plan.properties.as_params().items()})
     return params
+
+
+def dataset_record(plan: RunPlan, parts: Parts) -> list[dict[str, str]]:
+    """What `TrackedRun.log_datasets` logs: the training and validation splits, named by the
+    data option (`cfg.data.name`, or its `_target_`), with a digest of the resolved data config
+    and the split's size (the same data settings give the same digest in every run), and the
+    config itself as the source."""
+    data = OmegaConf.to_container(plan.cfg.data, resolve=True)
+    name = str(data.get("name") or data.get("_target_") or "data")
+    source = json.dumps(data, sort_keys=True, default=str)
+    out = []
+    for split, dataset, context in (("train", parts.bundle.train, "training"),
+                                    ("val", parts.bundle.val, "evaluation")):
+        size = len(dataset)
+        digest = hashlib.sha256(f"{source}|{split}|{size}".encode()).hexdigest()[:16]
+        out.append({"name": f"{name}/{split}", "digest": digest, "source_type": "runner_config",
+                    "source": source, "context": context,
+                    "profile": json.dumps({"num_rows": size,
+                                           "num_classes": parts.bundle.num_classes})})
+    return out
 
 
 def run_record(plan: RunPlan, parts: Parts, resolution: Resolution, *, world_size: int,
@@ -229,6 +251,7 @@ def train_parts(plan: RunPlan, comm: Comm, device: torch.device, launch: Launch,
                     tracked.sample_system(cfg.mlflow.system_metrics_s,
                                           resumed=resume is not None)
                 if resume is None:
+                    tracked.log_datasets(dataset_record(plan, parts))
                     tracked.log_text(OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
                     tracked.log_text(OmegaConf.to_yaml(OmegaConf.create(list(launch.overrides))),
                                      "overrides.yaml")

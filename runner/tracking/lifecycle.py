@@ -21,7 +21,7 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 from mlflow.entities import Metric, Param, Run, RunStatus, RunTag
 from mlflow.exceptions import MlflowException
@@ -120,6 +120,24 @@ class TrackedRun:
             except Exception:  # noqa: BLE001  (a store away: the steps start at 0)
                 pass
         return self._system.start()
+
+    def log_datasets(self, datasets: Sequence[Mapping[str, Any]]) -> None:
+        """MLflow's dataset inputs (`mlflow.log_input`: the run page's "Datasets used"): each a
+        mapping of `name`, `digest`, `source_type`, `source`, `profile` (JSON text) and
+        `context` ("training", "evaluation"). Metadata: a store that does not take them is
+        warned about, the run goes on."""
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+
+        inputs = [DatasetInput(Dataset(name=d["name"], digest=d["digest"],
+                                       source_type=d["source_type"], source=d["source"],
+                                       profile=d.get("profile")),
+                               tags=[InputTag("mlflow.data.context", d["context"])])
+                  for d in datasets]
+        try:
+            self.client.log_inputs(self.run_id, datasets=inputs)
+        except Exception as error:  # noqa: BLE001  (metadata; the run's metrics matter more)
+            log.warning("The datasets were not logged to run %s: %s: %s", self.run_id,
+                        type(error).__name__, error)
 
     def log_params(self, params: Mapping[str, str]) -> None:
         items = [Param(k, str(v)[:MAX_PARAM_LENGTH]) for k, v in sorted(params.items())]
