@@ -14,6 +14,9 @@ joblib launcher pickles the callback, parent run id included, into its worker pr
   raising, because Hydra 1.3's basic sweeper re-raises the first failure, stops the sweep and skips
   the end-of-sweep callback; under any other sweeper (Optuna) it raises, so the sweeper counts a
   failed trial (a NaN objective crashes Optuna's study).
+- `resume=auto` on a sweep continues the sweep run before in the same folder (refused when its
+  overrides differ): the same parent run, each job's earlier child kept (FINISHED), resumed from
+  its checkpoint (KILLED, FAILED) or replaced (no checkpoint).
 - Sweep end: the parent ends FINISHED with the number of failed children; the process exits 1 if
   any job failed. Ctrl-C or a crash of the sweep machinery ends the parent KILLED or FAILED
   (`LaunchScope`, held by the CLI).
@@ -142,6 +145,9 @@ def preflight(config: DictConfig, config_name: str | None, tracking_uri: str) ->
             cause = f"\n{error.__cause__}" if error.__cause__ else ""
             raise RunnerError(f"sweep job #{number} ({' '.join(overrides)}): {error}{cause}") \
                 from error
+        if _resuming(cfg):  # in a sweep, resume=auto is decided per job, at its start
+            OmegaConf.set_struct(cfg, False)
+            cfg.resume = None
         try:
             make_plan(cfg)
             same_store(cfg, tracking_uri, config.mlflow.experiment_name)
@@ -166,6 +172,48 @@ def same_store(cfg: DictConfig, tracking_uri: str, experiment_name: str) -> None
                           "cannot be swept", "one value for the whole sweep")
 
 
+def _resuming(config: DictConfig) -> bool:
+    return str(OmegaConf.select(config, "resume") or "").strip().lower() == "auto"
+
+
+def _sweep_tokens(overrides: Sequence[str]) -> set[str]:
+    """The overrides that define a sweep (what `resume` is set to does not)."""
+    return {o for o in overrides if not o.split("=", 1)[0].lstrip("+~").startswith("resume")}
+
+
+def earlier_sweep(tracker: Any, sweep_dir: Path, overrides: Sequence[str]) -> Any:
+    """The parent run of the sweep run before in `sweep_dir` (the newest, if several), or None;
+    a ConfigError when its overrides differ from `overrides` (naming what differs), since its
+    finished jobs would not be this sweep's."""
+    folder = str(Path(sweep_dir).resolve())
+    runs = tracker.client.search_runs(
+        [tracker.experiment_id], filter_string=f"tags.`{tag.SWEEP_DIR}` = '{folder}'",
+        order_by=["attributes.start_time DESC"])
+    if not runs:
+        return None
+    parent = runs[0]
+    before = _sweep_tokens(parent.data.tags.get(tag.SWEEP_OVERRIDES, "").split())
+    now = _sweep_tokens(overrides)
+    if before != now:
+        differs = [f"-{o}" for o in sorted(before - now)] + [f"+{o}" for o in sorted(now - before)]
+        raise ConfigError("resume", f"the sweep in {folder} (parent run {parent.info.run_id}) "
+                          f"was run with other overrides: {' '.join(differs)} (- then, + now); "
+                          "its finished jobs would not be this sweep's",
+                          f"the same overrides as then ({' '.join(sorted(before))}) with "
+                          "resume=auto, or another hydra.sweep.dir for a new sweep")
+    return parent
+
+
+def _earlier_job(tracker: Any, parent: SweepParent, job_num: int) -> Any:
+    """This job's child run from an earlier session of the same sweep, or None."""
+    runs = tracker.client.search_runs(
+        [parent.experiment_id],
+        filter_string=f"tags.`{tag.PARENT_RUN}` = '{parent.run_id}' "
+                      f"and tags.`{tag.JOB_NUM}` = '{job_num}'",
+        order_by=["attributes.start_time DESC"])
+    return runs[0] if runs else None
+
+
 class SweepJobFailed(RuntimeError):
     """A sweep job failed (already recorded as a FAILED child run): what a sweeper other than
     Hydra's basic one receives as the job's error."""
@@ -188,6 +236,10 @@ def run_job(cfg: DictConfig, parent: SweepParent, *, overrides: Sequence[str], o
     raises = bool(sweeper) and sweeper != BASIC_SWEEPER
     try:
         same_store(cfg, parent.tracking_uri, parent.experiment_name)
+        if _resuming(cfg):
+            done, cfg = _resume_job(cfg, parent, job_num)
+            if done is not None:
+                return done
         best = run(cfg, overrides=overrides, output_dir=output_dir, extra_tags=tags)
     except Exception as error:  # noqa: BLE001  (recorded and counted; the sweep goes on)
         if isinstance(error, RunnerError):
@@ -214,6 +266,42 @@ def run_job(cfg: DictConfig, parent: SweepParent, *, overrides: Sequence[str], o
                                  f"({best}): an optimising sweeper cannot use it")
         return math.nan
     return best
+
+
+def _resume_job(cfg: DictConfig, parent: SweepParent, job_num: int
+                ) -> tuple[float | None, DictConfig]:
+    """A job of a resumed sweep (`resume=auto`): (its objective, when its earlier run finished
+    and is kept; else None, and the config to run it with). An earlier run that did not finish
+    resumes from its checkpoint in the same MLflow run; one without a checkpoint is deleted and
+    the job starts afresh (so the tree holds one child per job); a job that never ran starts
+    afresh (not from another sweep's run of the same name)."""
+    from runner.run import checkpoint
+    from runner.tracking.lifecycle import Tracker
+
+    tracker = Tracker(parent.tracking_uri, parent.experiment_name)
+    earlier = _earlier_job(tracker, parent, job_num)
+    cfg = cfg.copy()
+    OmegaConf.set_struct(cfg, False)
+    cfg.resume = None
+    if earlier is None:
+        return None, cfg
+    if earlier.info.status == "FINISHED":
+        metrics = earlier.data.metrics
+        best = metrics.get("best_val_acc", metrics.get("best_val_loss"))
+        log.info("Sweep job #%d finished in an earlier session (run %s): kept, not run again",
+                 job_num, earlier.info.run_id)
+        return (math.nan if best is None else float(best)), cfg
+    path = checkpoint.run_folder(cfg.trainer.checkpoint_dir, cfg.mlflow.experiment_name,
+                                 earlier.info.run_name) / earlier.info.run_id / checkpoint.FILENAME
+    if path.is_file():
+        log.info("Sweep job #%d resumes its run %s (%s) from %s", job_num, earlier.info.run_id,
+                 earlier.info.status, path)
+        cfg.resume = str(path)
+    else:
+        log.info("Sweep job #%d: its run %s (%s) left no checkpoint: it starts again", job_num,
+                 earlier.info.run_id, earlier.info.status)
+        tracker.client.delete_run(earlier.info.run_id)
+    return None, cfg
 
 
 # ---- one GPU per job with the joblib launcher ------------------------------------------------------
@@ -285,6 +373,13 @@ class MlflowSweepCallback(Callback):
         tracker.reap()  # the experiment's RUNNING runs whose process is gone end KILLED
         launcher = str(OmegaConf.select(config, "hydra.launcher._target_") or "")
         self._warn_shared_device(config, launcher)
+        earlier = None
+        if _resuming(config):
+            try:
+                earlier = earlier_sweep(tracker, sweep_dir, list(config.hydra.overrides.task))
+            except RunnerError as error:
+                log.error("%s", error)
+                raise SystemExit(2) from error
         name = config.mlflow.sweep_name or " ".join(["sweep", *sweep_overrides(config)])
         tags = {
             tag.SWEEP_DIR: str(sweep_dir.resolve()),
@@ -294,7 +389,13 @@ class MlflowSweepCallback(Callback):
             tag.COMMAND: " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
             **{str(k): str(v) for k, v in config.mlflow.tags.items()},
         }
-        self._parent_run = tracker.create_run(name[:MAX_RUN_NAME], tags)
+        if earlier is not None:  # resume=auto: the same parent goes on, with its children
+            self._parent_run = tracker.reopen_run(earlier.info.run_id,
+                                                  {tag.COMMAND: tags[tag.COMMAND]})
+            log.info("Resuming the sweep of %s: its parent run %s (%s), finished jobs are kept",
+                     sweep_dir, earlier.info.run_name, earlier.info.run_id)
+        else:
+            self._parent_run = tracker.create_run(name[:MAX_RUN_NAME], tags)
         self.parent = SweepParent(tracker.tracking_uri, config.mlflow.experiment_name,
                                   tracker.experiment_id, self._parent_run.run_id)
         self.parent.save(sweep_dir)

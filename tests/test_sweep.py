@@ -223,3 +223,56 @@ def test_a_locked_store_is_retried_and_other_errors_are_not():
     with pytest.raises(MlflowException, match="no such run"):
         retry_when_locked(broken)
     assert len(calls) == 1
+
+
+# ---- a sweep that is killed, then continued -----------------------------------------------------
+@pytest.mark.slow
+def test_a_killed_sweep_continues_with_resume_auto(tmp_path):
+    """A 3-job sweep SIGKILLed during job #1 (after its epoch-1 checkpoint) and run again with
+    resume=auto in the same folder: one parent (the same run), 3 FINISHED children: job #0 kept
+    (not run again), job #1 resumed in its own run from its checkpoint, job #2 run; a changed
+    sweep in that folder is refused before anything runs."""
+    import signal
+
+    from tests.conftest import read_until, start_cli
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    sweep = [*FAST, "data.num_train=1536", "trainer.max_epochs=3", "trainer.log_every_n_steps=8",
+             f"hydra.sweep.dir={tmp_path / 'sweep'}", "trainer.device=cpu"]
+    proc = start_cli("-m", *sweep, "trainer.seed=1,2,3", cwd=tmp_path)
+    seen = read_until(proc, "(after epoch 1)")          # job #0's first checkpoint
+    seen += read_until(proc, "(after epoch 1)")         # job #1's
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name("amp-runner").experiment_id
+    before = {r.data.tags.get("sweep.job_num"): r for r in client.search_runs([experiment])}
+    assert sorted(k for k in before if k is not None) == ["0", "1"], "".join(seen)[-3000:]
+    assert before["0"].info.status == "FINISHED" and before["1"].info.status == "RUNNING"
+    parent_id = before[None].info.run_id
+
+    result = run_cli("-m", *sweep, "trainer.seed=1,2,3", "resume=auto", cwd=tmp_path)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    assert "Sweep job #0 finished in an earlier session" in output
+    assert f"Sweep job #1 resumes its run {before['1'].info.run_id}" in output
+    runs = client.search_runs([experiment])
+    assert len(runs) == 4  # no duplicate: one parent, a child per job
+    _, parent, _ = sweep_tree(uri)
+    assert parent.info.run_id == parent_id and parent.info.status == "FINISHED"
+    assert parent.data.metrics["jobs"] == 3 and parent.data.metrics["failed_jobs"] == 0
+    children = {r.data.tags["sweep.job_num"]: r for r in runs if r.info.run_id != parent_id}
+    assert all(c.info.status == "FINISHED" for c in children.values())
+    assert children["0"].info.end_time == before["0"].info.end_time  # kept as it was
+    assert children["1"].info.run_id == before["1"].info.run_id
+    assert children["1"].data.tags["resume.count"] == "1"
+    assert [m.step for m in client.get_metric_history(children["1"].info.run_id, "val_acc")] == \
+        [1, 2, 3]
+    assert "resume.count" not in children["2"].data.tags
+
+    changed = run_cli("-m", *sweep, "trainer.seed=1,2,4", "resume=auto", cwd=tmp_path)
+    text = changed.stdout + changed.stderr
+    assert changed.returncode == 2, text[-3000:]
+    assert "resume: the sweep in" in text and "+trainer.seed=1,2,4" in text
+    assert "Traceback" not in text
+    assert len(client.search_runs([experiment])) == 4
