@@ -316,3 +316,30 @@ def test_seed_statistics_are_the_sample_mean_and_std():
     (group,) = report.seed_groups(rows)
     mean, std, n = group.stats(lambda r: r.get("best_val_acc"))
     assert n == 3 and mean == pytest.approx(0.7) and std == pytest.approx(0.2)  # (n - 1)
+
+
+@pytest.mark.slow
+def test_the_report_of_a_real_lr_level_seed_sweep(tmp_path):
+    """A real 2-lr x 2-level x 2-seed sweep through the CLI (in this process): the report's
+    columns are exactly what the sweep varied, each O2 run's baseline is the O0 of its lr and
+    seed, and the seeds are aggregated per configuration."""
+    from tests.conftest import FAST, run_in_process
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert run_in_process("-m", *FAST, "data.num_train=64", "trainer.max_epochs=1",
+                          "optimizer.lr=0.05,0.1", "precision=o0,o2_bf16", "trainer.seed=1,2",
+                          "trainer.progress_bar=false", f"mlflow.tracking_uri={uri}",
+                          f"hydra.sweep.dir={tmp_path / 'sweep'}") == 0
+    out = tmp_path / "report"
+    assert report.main(["--tracking-uri", uri, "--out", str(out)]) == 0
+    rows = read_csv(out / "comparison.csv")
+    assert len(rows) == 8
+    assert list(rows[0])[2:4] == ["optimizer.lr", "trainer.seed"]  # and nothing else varies
+    by_config = {(r["optimizer.lr"], r["level"], r["trainer.seed"]): r for r in rows}
+    for (lr, level, seed), row in by_config.items():
+        base = by_config[(lr, "O0", seed)]
+        assert row["baseline_run"] == f"{base['run_name']} ({base['run_id'][:8]})"
+        assert float(row["speedup_vs_o0"]) == pytest.approx(
+            float(base["train_time_s"]) / float(row["train_time_s"]))
+    markdown = (out / "comparison.md").read_text()
+    assert markdown.count("| tiny | O2 bf16 lr=") == 2 and "| 2 |" in markdown  # 2 seeds each
