@@ -106,18 +106,21 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path, kernels)
     step 2; both ranks skip that step, halve the scale, and end with identical masters."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    for attempt in (1, 2):
+    for attempt in (1, 2, 3):
+        for stale in tmp_path.glob("rank*.json"):
+            stale.unlink()
         result = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
              str(REPO / "tests" / "ddp_flag_probe.py"), str(tmp_path), kernels],
             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-        # Seen twice in full-suite runs, never alone (20 runs): one rank aborting at start-up,
-        # before its first step, with "terminate called without an active exception" (a C++
-        # thread of the process group's transport); the cause is not found yet (see the issue
-        # notes). Only that start-up abort is retried, once, and the retry is reported.
-        if attempt == 1 and result.returncode != 0 and not (tmp_path / "rank0.json").exists() \
+        # Seen in full-suite runs, never alone (20 runs): one rank aborting with "terminate
+        # called without an active exception" (a C++ thread of the process group's transport),
+        # at start-up before its first step, and once (2026-11-25) after its results were
+        # written; the cause is not found yet (see the issue notes). Only that abort is retried,
+        # twice at most, each from scratch, and the retry is reported: a run must still pass whole.
+        if attempt < 3 and result.returncode != 0 \
                 and "terminate called without an active exception" in result.stderr:
-            print("torchrun start-up abort, retried:\n" + result.stderr[-2000:])
+            print(f"torchrun abort (attempt {attempt}), retried:\n" + result.stderr[-2000:])
             continue
         break
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
