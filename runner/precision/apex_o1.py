@@ -204,22 +204,21 @@ def _wraps(orig: Callable, wrapper: Callable) -> Callable:
     return wrapper
 
 
-def half_cast(orig: Callable, name: str) -> Callable:
-    def wrapper(*args, **kwargs):
-        if not STATE.active():
+def _casting(cast: Callable[[torch.Tensor, str], torch.Tensor]
+             ) -> Callable[[Callable, str], Callable]:
+    """The wrapper factory of a list whose functions run on `cast` copies of their floating
+    arguments while the region is active."""
+    def make(orig: Callable, name: str) -> Callable:
+        def wrapper(*args, **kwargs):
+            if STATE.active():
+                args, kwargs = _cast_args(lambda t: cast(t, name), args, kwargs)
             return orig(*args, **kwargs)
-        args, kwargs = _cast_args(lambda t: _cached_half(t, name), args, kwargs)
-        return orig(*args, **kwargs)
-    return _wraps(orig, wrapper)
+        return _wraps(orig, wrapper)
+    return make
 
 
-def float_cast(orig: Callable, name: str) -> Callable:
-    def wrapper(*args, **kwargs):
-        if not STATE.active():
-            return orig(*args, **kwargs)
-        args, kwargs = _cast_args(lambda t: _to_float(t, name), args, kwargs)
-        return orig(*args, **kwargs)
-    return _wraps(orig, wrapper)
+half_cast = _casting(_cached_half)   # Apex's FP16 lists: 16-bit copies, fp32 Parameters cached
+float_cast = _casting(_to_float)     # Apex's FP32 lists
 
 
 def promote(orig: Callable, name: str) -> Callable:
