@@ -90,6 +90,15 @@ class SweepParent:
     def forget(cls, sweep_dir: str | os.PathLike) -> None:
         (Path(sweep_dir) / cls.FILE).unlink(missing_ok=True)
 
+    def children(self, tracker: Any, job_num: int | None = None) -> list[Any]:
+        """The child runs of this parent in `tracker`'s store (those of job `job_num` only,
+        when given), newest first."""
+        where = f"tags.`{tag.PARENT_RUN}` = '{self.run_id}'"
+        if job_num is not None:
+            where += f" and tags.`{tag.JOB_NUM}` = '{job_num}'"
+        return tracker.client.search_runs([self.experiment_id], filter_string=where,
+                                          order_by=["attributes.start_time DESC"])
+
 
 def job_parent() -> SweepParent | None:
     """The parent run of the Hydra job running in this process: the open parent of its sweep's
@@ -206,11 +215,7 @@ def earlier_sweep(tracker: Any, sweep_dir: Path, overrides: Sequence[str]) -> An
 
 def _earlier_job(tracker: Any, parent: SweepParent, job_num: int) -> Any:
     """This job's child run from an earlier session of the same sweep, or None."""
-    runs = tracker.client.search_runs(
-        [parent.experiment_id],
-        filter_string=f"tags.`{tag.PARENT_RUN}` = '{parent.run_id}' "
-                      f"and tags.`{tag.JOB_NUM}` = '{job_num}'",
-        order_by=["attributes.start_time DESC"])
+    runs = parent.children(tracker, job_num)
     return runs[0] if runs else None
 
 
@@ -248,11 +253,7 @@ def run_job(cfg: DictConfig, parent: SweepParent, *, overrides: Sequence[str], o
             log.exception("Sweep job #%d failed", job_num)
         try:
             tracker = Tracker(parent.tracking_uri, parent.experiment_name)
-            if not tracker.client.search_runs(
-                [parent.experiment_id],
-                filter_string=f"tags.`{tag.PARENT_RUN}` = '{parent.run_id}' "
-                              f"and tags.`{tag.JOB_NUM}` = '{job_num}'",
-            ):
+            if not parent.children(tracker, job_num):
                 tracker.record_failure(default_run_name(cfg), tags, error)
         except Exception:  # noqa: BLE001  (the store itself is failing: the log says so)
             log.exception("Could not record sweep job #%d's failure in MLflow", job_num)
@@ -415,10 +416,7 @@ class MlflowSweepCallback(Callback):
         from runner.tracking.lifecycle import Tracker, end_state
 
         tracker = Tracker(self.parent.tracking_uri, self.parent.experiment_name)
-        children = tracker.client.search_runs(
-            [self.parent.experiment_id],
-            filter_string=f"tags.`{tag.PARENT_RUN}` = '{self.parent.run_id}'",
-        )
+        children = self.parent.children(tracker)
         failed = [c for c in children if c.info.status != "FINISHED"]
         parent, self._parent_run = self._parent_run, None
         SweepParent.forget(self._sweep_dir)
@@ -460,9 +458,7 @@ class MlflowSweepCallback(Callback):
         if self.parent is None:
             return []
         tracker = Tracker(self.parent.tracking_uri, self.parent.experiment_name)
-        children = tracker.client.search_runs(
-            [self.parent.experiment_id],
-            filter_string=f"tags.`{tag.PARENT_RUN}` = '{self.parent.run_id}'")
+        children = self.parent.children(tracker)
         return [f"{c.info.run_name} (#{c.data.tags.get(tag.JOB_NUM, '?')}): "
                 f"{c.data.tags.get(tag.ERROR, c.info.status)}"
                 for c in sorted(children, key=lambda c: int(c.data.tags.get(tag.JOB_NUM, 0)))
