@@ -299,12 +299,14 @@ def test_a_starting_run_ends_a_sigkilled_run_and_leaves_a_live_one_alone(tmp_pat
     live = start_cli(*long, "mlflow.run_name=live", cwd=tmp_path)
     killed = start_cli(*long, "mlflow.run_name=killed", cwd=tmp_path)
     try:
+        # `live` has looked for runs to end (it says "MLflow run" after) before `killed` dies:
+        # otherwise a slow start of `live` would end `killed` itself, not `next`
+        seen_live = read_until(live, "MLflow run")
+        assert "MLflow run" in seen_live[-1], "".join(seen_live)[-3000:]
         seen_killed = read_until(killed, "epoch 1/")
         assert "epoch 1/" in seen_killed[-1], "".join(seen_killed)[-3000:]
         os.kill(killed.pid, signal.SIGKILL)
         killed.wait(timeout=60)
-        seen_live = read_until(live, "MLflow run")
-        assert "MLflow run" in seen_live[-1], "".join(seen_live)[-3000:]
 
         nxt = run_cli(*FAST, "precision.kernels=torch", f"mlflow.tracking_uri={uri}",
                       "mlflow.run_name=next", cwd=tmp_path, timeout=600)
