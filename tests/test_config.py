@@ -83,6 +83,9 @@ APEX_TABLE = {
     "o1_fp8": (None, True, None, None, 1.0),
     "o2_fp8": ("bfloat16", False, True, True, 1.0),
     "o3_bf16_sr": ("bfloat16", False, False, False, 1.0),
+    # issue 26: the same levels with Adam's moments in int8 (precision.optimizer_state)
+    "o2_bf16_int8state": ("bfloat16", False, True, True, 1.0),
+    "o3_bf16_sr_int8state": ("bfloat16", False, False, False, 1.0),
 }
 AUTOCAST_DTYPE = {"o1": "float16", "o1_bf16": "bfloat16", "o1_fp8": "bfloat16"}
 SCALER_KNOBS = dict(init_scale=65536.0, growth_factor=2.0, backoff_factor=0.5,

@@ -16,9 +16,16 @@ from runner.config import options
 
 
 def build_optimizer(cfg, params: Iterable[torch.nn.Parameter],
-                    spec: Optional[options.Spec] = None) -> torch.optim.Optimizer:
+                    spec: Optional[options.Spec] = None, properties=None) -> torch.optim.Optimizer:
     """The optimizer of `cfg`'s option (its builder in `runner.config.options.SPECS`; `spec`: the
-    option's, where the caller has it)."""
+    option's, where the caller has it). With `properties` (the run's precision) whose
+    `optimizer_state` is a low-bit format, torchao's low-bit Adam/AdamW of the same
+    hyperparameters (`runner.precision.state`; the plan has refused any other optimizer)."""
+    if properties is not None and properties.low_bit_state:
+        from runner.precision.state import build_low_bit
+
+        return build_low_bit(cfg, list(params), properties.state_format,
+                             stochastic_rounding=properties.stochastic_rounding)
     return _spec("optimizer", cfg, spec).build()(cfg, list(params))
 
 
@@ -90,7 +97,10 @@ def rebuild_scheduler_at(cfg, optimizer: torch.optim.Optimizer, steps_per_epoch:
     for group in optimizer.param_groups:
         for key in ("initial_lr", "max_lr", "min_lr"):
             group.pop(key, None)
-        group["lr"] = base_lr
+        if torch.is_tensor(group["lr"]):  # torchao's low-bit optimizers keep lr a tensor
+            group["lr"].fill_(base_lr)
+        else:
+            group["lr"] = base_lr
     scheduler = build_scheduler(cfg, optimizer, steps_per_epoch, max_epochs)
     if scheduler is not None:
         with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": intended

@@ -30,6 +30,14 @@ Kind = Literal["dtype", "bool", "choice", "loss_scale", "number"]
 # scaling): one scale per tensor, or per row (more accurate, slower).
 FP8_RECIPES = ("tensorwise", "rowwise")
 
+# How the optimizer stores its state (momentum, Adam's moments): a float type (the engine's own
+# steps, arithmetic in fp32), or blockwise-quantised codes and scales (torchao's low-bit Adam).
+FLOAT_STATES = ("float32", "bfloat16", "float16")
+LOW_BIT_STATES = ("int8", "int4", "fp8")
+STATE_FORMATS = FLOAT_STATES + LOW_BIT_STATES
+STATE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
+                 "half": "float16", "e4m3": "fp8", "float8": "fp8", "float8_e4m3fn": "fp8"}
+
 DTYPE_ALIASES: dict[str, str] = {
     "float16": "float16", "fp16": "float16", "half": "float16",
     "bfloat16": "bfloat16", "bf16": "bfloat16",
@@ -54,6 +62,7 @@ class Property:
     check: Optional[Callable[[float], bool]] = None  # kind "number": what is allowed ...
     allowed: str = ""  # ... said in words
     integer: bool = False  # kind "number": an integer
+    aliases: Optional[Mapping[str, str]] = None  # kind "choice": other spellings -> a choice
     # how it is logged: the param's string from the parsed value (None: the default format)
     param: Optional[Callable[[Any], str]] = None
     # its run-name suffix ("bf16", "sr", ...) from the run's params (every property's string), or
@@ -72,6 +81,24 @@ def _number(name: str, check: Callable[[float], bool], allowed: str, *, integer:
     kind_type = int if integer else float
     return Property(name, "number", default, Optional[kind_type] if allow_none else kind_type,
                     doc, allow_none=allow_none, check=check, allowed=allowed, integer=integer)
+
+
+def stepped_dtype_name(params: Mapping[str, str]) -> str:
+    """The type of the weights the optimizer steps, from the params' strings: the model's 16-bit
+    type without master weights, else float32 (masters, or an fp32 model)."""
+    cast = params.get("cast_model_type", "None")
+    if cast in ("float16", "bfloat16") and params.get("master_weights") != "True":
+        return cast
+    return "float32"
+
+
+def _state_suffix(params: Mapping[str, str]) -> Optional[str]:
+    """"int8state", "bf16state", ...: where the state is not kept in the stepped weights' type."""
+    fmt = params.get("optimizer_state", "None")
+    if fmt in ("None", stepped_dtype_name(params)):
+        return None
+    short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(fmt, fmt)
+    return f"{short}state"
 
 
 def _computes_in_bf16(params: Mapping[str, str]) -> Optional[str]:
@@ -109,6 +136,11 @@ PROPERTIES: list[Property] = [
     Property("stochastic_rounding", "bool", False, bool,
              "a bf16 model without masters, its updates rounded at random",
              suffix=lambda p: "sr" if p.get("stochastic_rounding") == "True" else None),
+    Property("optimizer_state", "choice", None, Optional[str],
+             "null (the stepped weights' own type) | float32 | bfloat16 | float16 | int8 | int4 "
+             "| fp8: how the optimizer stores momentum and Adam's moments",
+             allow_none=True, choices=STATE_FORMATS, aliases=STATE_ALIASES,
+             suffix=_state_suffix),
     # dynamic loss scaling (used when loss_scale is "dynamic")
     _number("init_scale", lambda x: x > 0, "a finite number > 0, e.g. 65536", doc="2^16"),
     _number("growth_factor", lambda x: x > 1, "a finite number > 1, e.g. 2"),
@@ -216,8 +248,13 @@ def _parse_choice(prop: Property, value: Any) -> Optional[str]:
     """One of the choices (case-insensitive), or None (null, "none")."""
     if value is None or (isinstance(value, str) and value.strip().lower() in NONE_STRINGS):
         return None
-    if isinstance(value, str) and value.strip().lower() in prop.choices:
-        return value.strip().lower()
+    text = value.strip().lower() if isinstance(value, str) else None
+    if text in prop.choices:
+        return text
+    if text is not None and prop.aliases and text in prop.aliases:
+        return prop.aliases[text]
+    if prop.aliases and type(value).__name__ == "dtype":  # a torch.dtype (this module has no torch)
+        return _parse_choice(prop, str(value).removeprefix("torch."))
     raise ConfigError(prop.key, f"got {value!r}", ["null", *prop.choices])
 
 

@@ -12,7 +12,8 @@ process freed:
   grads            every `.grad` at the moment of measurement (after the optimizer step, before
                    zero_grad): the model's and the masters' (the fused O2 step reads the model's
                    16-bit gradients directly and never materialises fp32 master gradients);
-  optimizer_state  every tensor in `optimizer.state` (momentum, Adam's moments and steps);
+  optimizer_state  every tensor in `optimizer.state` (momentum, Adam's moments and steps;
+                   quantised state by its codes, block scales and shared map: `plain_tensors`);
   activations      the bytes autograd saved for backward during one training step
                    (`ActivationMeter`, through `torch.autograd.graph.saved_tensors_hooks`):
                    layer inputs and outputs, BatchNorm's batch statistics, the 16-bit copies
@@ -113,13 +114,26 @@ def _masters(engine: Any, optimizer: Optional[torch.optim.Optimizer]) -> list[to
     return list(masters.masters) if masters is not None else []
 
 
+def plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors that hold `t`: itself, or a tensor subclass's inner tensors (torchao's
+    quantised optimizer state: codes, block scales and a quantisation map shared by every
+    tensor), recursively, so that memory is counted from the storages really allocated."""
+    if type(t) is torch.Tensor or isinstance(t, nn.Parameter):
+        return [t]
+    flatten = getattr(t, "__tensor_flatten__", None)
+    if flatten is None:
+        return [t]
+    names, _ = flatten()
+    return [inner for name in names for inner in plain_tensors(getattr(t, name))]
+
+
 def _state_tensors(optimizer: Optional[torch.optim.Optimizer]) -> Iterator[torch.Tensor]:
     if optimizer is None:
         return
     for state in optimizer.state.values():
         for value in state.values():
             if isinstance(value, torch.Tensor):
-                yield value
+                yield from plain_tensors(value)
 
 
 def model_state_tensors(model: nn.Module, engine: Any = None,

@@ -10,6 +10,9 @@ laptop without a GPU. `DeviceInfo.from_torch(device)` describes the device a run
 - bfloat16 on a CUDA GPU below compute capability 8.0: not supported in hardware (error).
 - Adam/AdamW `eps` that underflows in the type holding the optimizer state (error), or is a
   subnormal there (warning).
+- The optimizer's state format: low-bit state needs torchao's Adam/AdamW (and, for fp8 on CUDA,
+  compute capability 8.9); fp16 state of fp32 weights loses small second moments (warning);
+  `state_findings` (needs the built model) lists the parameters that keep plain state.
 - Tensor Core shapes (`tensor_core_findings`, needs the built model): Linear/convolution sizes and a
   batch size that are not multiples of 8 (one info finding).
 """
@@ -206,6 +209,86 @@ def _adam_eps_underflow(p: Properties, ctx: Context) -> Iterable[Finding]:
             "warning", "optimizer.eps",
             f"{opt.get('name')} eps={eps:g} is a subnormal {name} number (stored as {stored:.3g}): "
             f"{why}, and subnormals lose precision (and flush to zero on some hardware)", fix)
+
+
+# ---- the optimizer's state format -----------------------------------------------------------
+@DEVICE_RULES
+def _optimizer_state(p: Properties, ctx: Context) -> Iterable[Finding]:
+    """Low-bit state is torchao's Adam/AdamW (installed, on a device whose compiled step can
+    convert to fp8 for fp8 state); fp16 state of fp32 weights loses small second moments."""
+    from runner.precision import state
+
+    if p.state_format == "float16" and p.stepped_dtype != torch.float16:
+        yield Finding(
+            "warning", "optimizer_state",
+            "float16 optimizer state: Adam's second moment v = g^2 underflows to 0 in fp16 for "
+            "|g| < 2^-12 (~2.4e-4), and where it does the update m / (sqrt(v) + eps) is m / eps "
+            f"(eps={_eps_text(ctx)}): a huge step; momentum loses small values the same way",
+            "set precision.optimizer_state=bfloat16 (fp32's range in half the bytes), or int8")
+    if not p.low_bit_state:
+        return
+    fmt = p.state_format
+    opt = ctx.optimizer
+    name = str(opt.get("name", "")).lower() if opt else None
+    if name is not None and name not in state.LOW_BIT_OPTIMIZERS:
+        yield Finding(
+            "error", "optimizer_state",
+            f"{fmt} optimizer state comes from torchao's low-bit Adam and AdamW; "
+            f"optimizer.name={opt.get('name')} has no {fmt} implementation",
+            "use optimizer=adamw or optimizer=adam, or precision.optimizer_state=bfloat16 "
+            "(any torch optimizer's state in bf16)")
+    import importlib.util
+
+    if importlib.util.find_spec("torchao") is None:
+        yield Finding("error", "optimizer_state",
+                      f"{fmt} optimizer state needs torchao, which is not installed",
+                      'pip install "amp-runner[fp8]" (torchao)')
+    device = ctx.device
+    if fmt == "fp8" and device is not None and device.type == "cuda" \
+            and device.capability is not None and device.capability < FP8_MIN_CAPABILITY:
+        yield Finding(
+            "error", "optimizer_state",
+            f"fp8 optimizer state on {device.describe()}: torchao compiles its step with Triton, "
+            "which converts to float8_e4m3fn only on compute capability 8.9 (Ada) or newer",
+            "use precision.optimizer_state=int8 (same bytes) on this GPU")
+    if p.stochastic_rounding:
+        yield Finding(
+            "info", "optimizer_state",
+            f"stochastic rounding with {fmt} state: torchao's optimizer rounds the bf16 weights "
+            "itself (its bf16_stochastic_round), drawing from torch's generator (checkpointed "
+            "with the run) rather than the runner's counter-based bits", "")
+
+
+def _eps_text(ctx: Context) -> str:
+    opt = ctx.optimizer
+    return f"{float(opt['eps']):g}" if opt and opt.get("eps") is not None else "optimizer.eps"
+
+
+def state_findings(model: nn.Module, properties: Properties) -> list[Finding]:
+    """Which parameters keep plain state under a low-bit `optimizer_state` (torchao quantises a
+    tensor of at least 4096 elements that is a multiple of its block size, as bitsandbytes
+    does: a block's scale costs 4 bytes, and small tensors gain nothing): one info finding with
+    their count and share of the elements; [] otherwise."""
+    if not properties.low_bit_state:
+        return []
+    from runner.precision import state
+
+    fmt = properties.state_format
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    plain = state.plain_state_params(named, fmt)
+    if not plain:
+        return []
+    total = sum(p.numel() for _, p in named) or 1
+    share = sum(n for _, n in plain) / total
+    shown = ", ".join(f"{name} ({n})" for name, n in plain[:6])
+    more = f" and {len(plain) - 6} more" if len(plain) > 6 else ""
+    return [Finding(
+        "info", "optimizer_state",
+        f"{len(plain)} of {len(named)} parameter tensors ({share:.1%} of the elements) keep "
+        f"{dtype_name(properties.stepped_dtype)} state, not {fmt}: fewer than "
+        f"{state.MIN_QUANTISED_NUMEL} elements or not a multiple of the block size "
+        f"{state.BLOCK_SIZES[fmt]} (torchao's rule, after bitsandbytes): {shown}{more}",
+        "")]
 
 
 # ---- model shapes (called by the app once the model is built) ---------------------------------

@@ -78,7 +78,7 @@ from runner.precision import fp8, paths
 from runner.precision.autocast import autocast_context
 from runner.precision.casting import IOCastHooks, cast_model, install_output_cast
 from runner.precision.master import MasterSet, MasterWeights
-from runner.precision.properties import Properties
+from runner.precision.properties import Properties, dtype_name
 from runner.precision.scaler import LossScaler
 
 
@@ -235,6 +235,10 @@ class AmpEngine:
         self._scales = paths.ScaleTensors(self.device)
         # stochastic rounding's random key: the run's seed and the count of rounded steps
         self._clock = paths.RoundingClock(seed) if properties.stochastic_rounding else None
+        # the float type the optimizer keeps its state in where that is not the stepped params'
+        # own (optimizer_state); None: torch's layout (the params' types), or a low-bit format
+        follows = properties.state_format == dtype_name(properties.stepped_dtype)
+        self._state_dtype = None if follows else properties.state_dtype
         # which Linear layers run in fp8 (fp8_linear), once a model is cast
         self.fp8: Optional[fp8.Conversion] = None
         self._optimizers: dict[int, _Prepared] = {}
@@ -263,7 +267,8 @@ class AmpEngine:
         """Replacing the kernels (None: torch's ops) re-chooses every optimizer's path."""
         self._kernels = kernels
         for st in self._optimizers.values():
-            st.path = paths.choose(kernels, self.device, self._scales, self._clock)
+            st.path = paths.choose(kernels, self.device, self._scales, self._clock,
+                                   self._state_dtype)
 
     # ---- setup -----------------------------------------------------------------------------
     def prepare(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]):
@@ -317,7 +322,8 @@ class AmpEngine:
         st = self._optimizers.get(id(optimizer))
         if st is None:
             st = self._optimizers[id(optimizer)] = _Prepared(
-                optimizer, paths.choose(self._kernels, self.device, self._scales, self._clock))
+                optimizer, paths.choose(self._kernels, self.device, self._scales, self._clock,
+                                        self._state_dtype))
         st.models.extend(m for m in models if all(m is not o for o in st.models))
         if self.properties.uses_master_weights or self.masters_for_half_params:
             if st.masters is None:

@@ -93,16 +93,21 @@ def kernel_compatible(src: list[torch.Tensor], dst: list[torch.Tensor],
 def plan(optimizer: torch.optim.Optimizer, device: torch.device,
          grad_of: Callable[[torch.Tensor], Optional[torch.Tensor]],
          copy_of: Callable[[torch.Tensor], Optional[torch.Tensor]],
-         param_dtype: torch.dtype = torch.float32) -> Optional[list[GroupPlan]]:
+         param_dtype: torch.dtype = torch.float32,
+         state_dtype: Optional[torch.dtype] = None) -> Optional[list[GroupPlan]]:
     """The step's work per group, or None when some part of it needs torch's path.
 
     `grad_of(param)` is the gradient to step with (None: the param has none this step);
     `copy_of(param)` the 16-bit model parameter that mirrors it, or None. Every stepped param
     must be of `param_dtype`: fp32 (masters, or an fp32 model), or bf16 for a stochastically
-    rounded step (whose params are their own copies).
+    rounded step (whose params are their own copies). `state_dtype` is the type the state is
+    kept in (None: the params'): fp32 for a step on fp32 params, bf16 or fp32 for a rounded one.
     """
     if not supports(optimizer):
         return None
+    if state_dtype not in (None, torch.float32) and (
+            param_dtype == torch.float32 or state_dtype != torch.bfloat16):
+        return None  # (16-bit state of fp32 params: torch's ops, runner.precision.state)
     plans = []
     for group in optimizer.param_groups:
         params, grads, copies = [], [], []
@@ -147,9 +152,11 @@ def _scalar_dtype() -> torch.dtype:
 
 @torch.no_grad()
 def apply(kernels: Kernels, optimizer: torch.optim.Optimizer, plans: list[GroupPlan],
-          grad_scale: torch.Tensor, rounding: Optional[Rounding] = None) -> None:
+          grad_scale: torch.Tensor, rounding: Optional[Rounding] = None,
+          state_dtype: Optional[torch.dtype] = None) -> None:
     """One step of every group: params -= update(grads * grad_scale), model copies written (or,
-    with `rounding`, bf16 params stored stochastically rounded).
+    with `rounding`, bf16 params stored stochastically rounded). State created here (a first
+    step) is of `state_dtype` (None: the param's, as torch creates it).
 
     The engine has decided on the host that this step runs (no overflow), so the kernels get
     no found_inf flag; Adam's step counters advance here, as torch's do."""
@@ -158,9 +165,9 @@ def apply(kernels: Kernels, optimizer: torch.optim.Optimizer, plans: list[GroupP
         if not gp.params:
             continue
         if adam:
-            _adam(kernels, optimizer, gp, grad_scale, rounding)
+            _adam(kernels, optimizer, gp, grad_scale, rounding, state_dtype)
         else:
-            _sgd(kernels, optimizer, gp, grad_scale, rounding)
+            _sgd(kernels, optimizer, gp, grad_scale, rounding, state_dtype)
     # What torch's LR-scheduler wrapper of `optimizer.step` records: the optimizer has stepped.
     optimizer._opt_called = True  # type: ignore[attr-defined]
 
@@ -169,7 +176,8 @@ def _pick(items: list, idx: list[int]) -> list:
     return [items[i] for i in idx]
 
 
-def _sgd(kernels, optimizer, gp: GroupPlan, grad_scale, rounding: Optional[Rounding]) -> None:
+def _sgd(kernels, optimizer, gp: GroupPlan, grad_scale, rounding: Optional[Rounding],
+         state_dtype: Optional[torch.dtype] = None) -> None:
     g = gp.group
     momentum = g["momentum"]
     first = [False] * len(gp.params)
@@ -180,7 +188,7 @@ def _sgd(kernels, optimizer, gp: GroupPlan, grad_scale, rounding: Optional[Round
             buf = state.get("momentum_buffer")
             if buf is None:  # the kernel writes it whole on the first step
                 buf = state["momentum_buffer"] = torch.empty_like(
-                    p, memory_format=torch.preserve_format)
+                    p, dtype=state_dtype or p.dtype, memory_format=torch.preserve_format)
                 first[i] = True
             bufs.append(buf)
     hyper = (float(g["lr"]), float(g["weight_decay"]), float(momentum), float(g["dampening"]),
@@ -197,7 +205,8 @@ def _sgd(kernels, optimizer, gp: GroupPlan, grad_scale, rounding: Optional[Round
                                     [rounding.ids[id(p)] for p in params])
 
 
-def _adam(kernels, optimizer, gp: GroupPlan, grad_scale, rounding: Optional[Rounding]) -> None:
+def _adam(kernels, optimizer, gp: GroupPlan, grad_scale, rounding: Optional[Rounding],
+          state_dtype: Optional[torch.dtype] = None) -> None:
     g = gp.group
     beta1, beta2 = (float(b) for b in g["betas"])
     decoupled = bool(g.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)))
@@ -206,8 +215,11 @@ def _adam(kernels, optimizer, gp: GroupPlan, grad_scale, rounding: Optional[Roun
         state = optimizer.state[p]
         if len(state) == 0:  # torch's lazy initialisation, same keys and layout
             state["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            dtype = state_dtype or p.dtype
+            state["exp_avg"] = torch.zeros_like(p, dtype=dtype,
+                                                memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype,
+                                                   memory_format=torch.preserve_format)
         exp_avgs.append(state["exp_avg"])
         exp_avg_sqs.append(state["exp_avg_sq"])
         steps.append(state["step"])

@@ -20,7 +20,12 @@ torch's ops for the parts of one step the kernels cannot take (an optimizer or p
 do not implement, sparse gradients, a device-side step counter: `fused.plan` says None), so that
 choice never leaves the path. `RoundingPath` (the `stochastic_rounding` property) updates bf16
 weights without masters and stores them rounded stochastically: the kernels' `*_step_sr` for
-SGD/Adam/AdamW, `rounding.sr_step` around the optimizer's own step for anything else.
+SGD/Adam/AdamW, `rounding.sr_step` around the optimizer's own step for anything else (a torchao
+low-bit optimizer built to round bf16 weights itself steps on its own).
+
+The optimizer's state format (`runner.precision.state`): every path keeps float state in the
+`state_dtype` it is given; the kernels take fp32 state of fp32 params and bf16 or fp32 state of
+stochastically rounded bf16 params, torch's ops (`state.float_state_step`) any other mix.
 """
 from __future__ import annotations
 
@@ -30,7 +35,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from runner.csrc import Kernels
-from runner.precision import fused, rounding
+from runner.precision import fused, rounding, state
 from runner.precision.master import MasterWeights
 from runner.precision.scaler import LossScaler
 
@@ -111,6 +116,9 @@ class TorchPath(ExecutionPath):
     the optimizer's own `step`, a `_foreach_copy_` back into the model."""
 
     name = "torch"
+    # the type the optimizer's state is kept in (None: the stepped params' own, as torch keeps
+    # it); where it is not the params', the step runs through `state.float_state_step`
+    state_dtype: Optional[torch.dtype] = None
 
     def unscale(self, optimizer, masters, scaler, multiplier=None):
         # (a multiplier comes only with a planned step, which only a planning path makes)
@@ -121,7 +129,14 @@ class TorchPath(ExecutionPath):
         return scaler.unscale_([p.grad for p in stepped_params(optimizer) if p.grad is not None])
 
     def apply(self, optimizer, masters, step, step_fn, args, kwargs):
-        (step_fn or optimizer.step)(*args, **kwargs)
+        if state.needs_fp32_step(optimizer, self.state_dtype):
+            if args or kwargs:
+                raise RuntimeError(
+                    f"an optimizer whose state is kept in {self.state_dtype} runs its step on "
+                    "fp32 copies and takes no closure or arguments")
+            state.float_state_step(optimizer, self.state_dtype, step_fn)
+        else:
+            (step_fn or optimizer.step)(*args, **kwargs)
         if masters is not None:
             self.copy_back(masters)
 
@@ -173,7 +188,7 @@ class FusedPath(TorchPath):
             return None
         model_of = masters.model_of() if masters is not None else {}
         plans = fused.plan(optimizer, self.device, lambda p: model_of.get(id(p), p).grad,
-                           lambda p: model_of.get(id(p)))
+                           lambda p: model_of.get(id(p)), state_dtype=self.state_dtype)
         return None if plans is None else ScaledStep(plans, scaler)
 
     def check(self, step):
@@ -207,7 +222,7 @@ class FusedPath(TorchPath):
         if masters is not None and not args and not kwargs:
             model_of = masters.model_of()
             plans = fused.plan(optimizer, self.device, lambda p: p.grad,
-                               lambda p: model_of.get(id(p)))
+                               lambda p: model_of.get(id(p)), state_dtype=self.state_dtype)
             if plans is not None:
                 fused.apply(self.kernels, optimizer, plans, self.scales(1.0))
                 return
@@ -260,26 +275,34 @@ class RoundingPath(ExecutionPath):
             raise RuntimeError("stochastic rounding runs the optimizer's step itself and takes "
                                "no closure or arguments (as Apex's optimizer.step)")
         key = fused.Rounding(self.clock.seed, self.clock.next(), rounding.tensor_ids(optimizer))
+        if state.rounds_itself(optimizer):  # torchao's low-bit optimizer, its own rounding
+            (step_fn or optimizer.step)()
+            return
         kernels = getattr(self.base, "kernels", None)
+        state_dtype = self.base.state_dtype
         if kernels is not None:
             plans = fused.plan(optimizer, self.device, lambda p: p.grad, lambda p: None,
-                               param_dtype=torch.bfloat16)
+                               param_dtype=torch.bfloat16, state_dtype=state_dtype)
             if plans is not None:
-                fused.apply(kernels, optimizer, plans, self.scales(1.0), key)
+                fused.apply(kernels, optimizer, plans, self.scales(1.0), key, state_dtype)
                 return
-        rounding.sr_step(optimizer, key.seed, key.step, step_fn=step_fn)
+        rounding.sr_step(optimizer, key.seed, key.step, step_fn=step_fn, state_dtype=state_dtype)
 
     def copy_back(self, masters):
         raise RuntimeError("stochastic rounding keeps no master weights to copy back")
 
 
 def choose(kernels: Optional[Kernels], device: torch.device, scales: ScaleTensors,
-           clock: Optional[RoundingClock] = None) -> ExecutionPath:
+           clock: Optional[RoundingClock] = None,
+           state_dtype: Optional[torch.dtype] = None) -> ExecutionPath:
     """An optimizer's path: the kernels' wherever they are loaded (their copy, unscale and
     copy-back serve every optimizer; the fused update itself is planned per step, and falls back
     to the optimizer's own step for one the kernels do not implement), else torch's ops; with a
-    rounding `clock` (stochastic rounding), the rounding path over either."""
+    rounding `clock` (stochastic rounding), the rounding path over either. `state_dtype`: the
+    float type the optimizer's state is kept in (None: the params' own, or a low-bit
+    optimizer's own format)."""
     base = TorchPath() if kernels is None else FusedPath(kernels, device, scales)
+    base.state_dtype = state_dtype
     if clock is not None:
         return RoundingPath(base, clock, device, scales)
     return base

@@ -66,6 +66,7 @@ class Properties:
     autocast_dtype: torch.dtype
     fp8_linear: Optional[str]  # torchao's float8 recipe for the Linear layers' GEMMs
     stochastic_rounding: bool  # a bf16 model's weights rounded at random at each update
+    optimizer_state: Optional[str]  # the state's format (None: the stepped weights' own type)
     init_scale: float  # dynamic loss scaling (runner.precision.scaler.LossScaler)
     growth_factor: float
     backoff_factor: float
@@ -128,11 +129,36 @@ class Properties:
         return used
 
     @property
-    def optimizer_state_dtype(self) -> torch.dtype:
-        """The type of the weights the optimizer steps, hence of its state (Adam's moments):
-        the model's 16-bit type without master weights, else fp32."""
+    def stepped_dtype(self) -> torch.dtype:
+        """The type of the weights the optimizer steps: the model's 16-bit type without master
+        weights, else fp32 (the masters, or an fp32 model)."""
         if self.casts_to_half and not self.uses_master_weights:
             return self.cast_model_type
+        return torch.float32
+
+    @property
+    def state_format(self) -> str:
+        """How the optimizer stores its state: `optimizer_state`, or (unset) the stepped
+        weights' own type, as torch's optimizers keep it ("float32", "float16", ...)."""
+        return self.optimizer_state or dtype_name(self.stepped_dtype)
+
+    @property
+    def low_bit_state(self) -> bool:
+        """Whether the state is quantised in blocks (int8, int4, fp8: torchao's optimizers)."""
+        return self.state_format in ptable.LOW_BIT_STATES
+
+    @property
+    def state_dtype(self) -> Optional[torch.dtype]:
+        """The float type the state is stored in; None for a low-bit format."""
+        return None if self.low_bit_state else _DTYPES[self.state_format]
+
+    @property
+    def optimizer_state_dtype(self) -> torch.dtype:
+        """The type the optimizer's arithmetic on its state runs in (Adam's sqrt(v) + eps): the
+        stepped weights' type where the optimizer keeps its state in that type (torch's own
+        step), else fp32 (every other format is loaded to fp32, updated and stored back)."""
+        if self.state_format == dtype_name(self.stepped_dtype):
+            return self.stepped_dtype
         return torch.float32
 
     @property
@@ -479,7 +505,11 @@ def resolve_properties(opt_level: str, overrides: Mapping[str, Any] | None = Non
         values[key] = parse_property(str(key), raw)  # an unknown key: ConfigError, named
     strict = bool(ptable.parse_bool(_key("strict"), strict_value, allow_none=False))
     ptable.check_scaler_bounds(values)
-    return Properties(level, **values), strict
+    properties = Properties(level, **values)
+    if values["optimizer_state"] is None:  # named, so that the params say the state's format
+        values["optimizer_state"] = properties.state_format
+        properties = Properties(level, **values)
+    return properties, strict
 
 
 def strict_finding(finding: Finding) -> Finding:

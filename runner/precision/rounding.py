@@ -29,6 +29,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from runner.precision.state import step_in_fp32
+
 _MASK32 = 0xFFFFFFFF
 _MIX_C1 = 0x7FEB352D
 _MIX_C2 = 0x846CA68B
@@ -160,16 +162,10 @@ def tensor_ids(optimizer: torch.optim.Optimizer) -> dict[int, int]:
     return ids
 
 
-def _param_shaped(key, value, param: torch.Tensor) -> bool:
-    """Optimizer state that is elementwise with the param (moments, momentum buffers); torch's
-    `step` counter is not, even for a 0-d param."""
-    return (key != "step" and torch.is_tensor(value) and value.is_floating_point()
-            and value.shape == param.shape)
-
-
 @torch.no_grad()
 def sr_step(optimizer: torch.optim.Optimizer, seed: int, step: int,
-            step_fn: Optional[Callable[[], Any]] = None) -> None:
+            step_fn: Optional[Callable[[], Any]] = None,
+            state_dtype: Optional[torch.dtype] = None) -> None:
     """One `optimizer.step()` in which bf16 params are updated in fp32 and stored rounded
     stochastically: the fallback for optimizers the kernels do not implement.
 
@@ -179,9 +175,10 @@ def sr_step(optimizer: torch.optim.Optimizer, seed: int, step: int,
          (fp32 state is used as is) -- the param object, its id and its state keys stay;
       2. the optimizer's own `step()` runs once, on fp32 values;
       3. the state is written back in its original dtype, rounded to nearest (into the same
-         tensor objects); state created by this step (a first step) is stored in the param's
-         dtype, the layout torch creates for a bf16 param (`zeros_like(param)`); `step` and
-         other non-param-shaped entries stay as the optimizer left them;
+         tensor objects); state created by this step (a first step) is stored in
+         `state_dtype` (None: the param's dtype, the layout torch creates for a bf16 param,
+         `zeros_like(param)`); `step` and other non-param-shaped entries stay as the optimizer
+         left them;
       4. the param is written back into its own storage as `stochastic_round(fp32 result, seed,
          step, tensor_ids(optimizer)[id(param)])`, and its bf16 gradient is restored.
     So an SGD or Adam step through here is the kernels' `sgd_step_sr` / `adam_step_sr` up to the
@@ -190,45 +187,18 @@ def sr_step(optimizer: torch.optim.Optimizer, seed: int, step: int,
     optimizer raises, the params, gradients and state are restored as they were.
 
     No closure: it would run the model on the temporary fp32 params. `step_fn` replaces
-    `optimizer.step` (the Apex facade passes the optimizer's own, unwrapped step).
+    `optimizer.step` (the Apex facade passes the optimizer's own, unwrapped step). The swap
+    and restore are `runner.precision.state.step_in_fp32`'s.
     """
     ids = tensor_ids(optimizer)
-    swapped = []  # (param, its bf16 data, its bf16 grad, {state key: original tensor})
-    done = False
-    try:
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.dtype != torch.bfloat16 or p.grad is None:
-                    continue
-                _memory_order(p)  # a clear error for a param the rounding cannot index
-                data16, grad16 = p.data, p.grad
-                originals = {}
-                swapped.append((p, data16, grad16, originals))
-                p.grad = None
-                p.data = data16.to(torch.float32)
-                p.grad = grad16.to(torch.float32)
-                state = optimizer.state.get(p)
-                for key, value in (state or {}).items():
-                    if _param_shaped(key, value, p):
-                        originals[key] = value
-                        state[key] = value.to(torch.float32)
-        (step_fn or optimizer.step)()
-        done = True
-    finally:
-        for p, data16, grad16, originals in swapped:
-            if done:
-                data16.copy_(stochastic_round(p.data, seed, step, ids[id(p)]))
-            p.grad = None
-            p.data = data16
-            p.grad = grad16
-            state: Optional[dict] = optimizer.state.get(p)
-            if state is None:
-                continue
-            for key, value in list(state.items()):
-                if key in originals:
-                    original = originals[key]
-                    if done and value is not original:
-                        original.copy_(value)
-                    state[key] = original
-                elif done and _param_shaped(key, value, p):
-                    state[key] = value.to(p.dtype)
+
+    def select(p: torch.Tensor) -> bool:
+        if p.dtype != torch.bfloat16:
+            return False
+        _memory_order(p)  # a clear error for a param the rounding cannot index
+        return True
+
+    def store(param: torch.Tensor, data16: torch.Tensor, fp32: torch.Tensor) -> None:
+        data16.copy_(stochastic_round(fp32, seed, step, ids[id(param)]))
+
+    step_in_fp32(optimizer, select, store, state_dtype, step_fn)

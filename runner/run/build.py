@@ -27,7 +27,7 @@ from runner.components.models import build_model, check_output
 from runner.components.optim import build_optimizer, build_scheduler
 from runner.measure.probes import MemoryProbe
 from runner.precision import AmpEngine, Finding, Properties
-from runner.precision.checks import DeviceInfo, tensor_core_findings
+from runner.precision.checks import DeviceInfo, state_findings, tensor_core_findings
 from runner.run import distributed
 from runner.run.distributed import Comm
 from runner.run.plan import RunPlan
@@ -121,7 +121,9 @@ def build(plan: RunPlan, device: Optional[torch.device] = None, comm: Optional[C
     if on_model is not None:
         on_model(model)
     findings = shape_findings(cfg, plan.properties, DeviceInfo.from_torch(device), model)
-    optimizer = build_optimizer(cfg.optimizer, model.parameters(), plan.specs.get("optimizer"))
+    findings += state_findings(model, plan.properties)
+    optimizer = build_optimizer(cfg.optimizer, model.parameters(), plan.specs.get("optimizer"),
+                                plan.properties)
     engine = AmpEngine(plan.properties, device,
                        kernels=cfg.precision.kernels if kernels is not None else "torch",
                        flag_reducer=distributed.flag_reducer(comm), seed=cfg.trainer.seed)

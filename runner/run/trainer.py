@@ -58,6 +58,7 @@ from runner.errors import DivergenceError
 from runner.measure import diagnostics as diag
 from runner.measure import memory as mem
 from runner.measure.probes import MemoryProbe, Stopwatch
+from runner.precision.state import load_optimizer_state
 from runner.run import rng
 from runner.run.distributed import Comm, unwrap
 from runner.run.interrupts import RunInterrupted, StopRequest
@@ -309,7 +310,7 @@ class Trainer:
         value, bad_losses, stop = torch.cat([mean.reshape(1), flags]).tolist()
         if bad_losses >= self.max_bad_steps:
             self._raise_bad_loss(int(bad_losses))
-        lr = self.optimizer.param_groups[0]["lr"]
+        lr = float(self.optimizer.param_groups[0]["lr"])  # (a tensor in torchao's optimizers)
         self.on_metrics({m.TRAIN_LOSS: value, m.LR: lr}, self.global_step)
         bar.set_postfix(loss=f"{value:.4f}", scale=f"{self.engine.loss_scale:g}", refresh=False)
         return stop > 0
@@ -344,7 +345,7 @@ class Trainer:
         """Continue from a checkpoint's state (the same model, optimizer and engine setup);
         `scheduler=False` leaves the scheduler to the caller (a schedule of another length)."""
         self.module.load_state_dict(state["model"])  # O2: re-seeds the fp32 masters exactly
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_optimizer_state(self.optimizer, state["optimizer"])  # in the format it was saved in
         self.engine.load_state_dict(state["engine"])
         if scheduler and self.scheduler is not None and state["scheduler"] is not None:
             self.scheduler.load_state_dict(state["scheduler"])

@@ -11,6 +11,7 @@ import torch
 
 from runner.errors import ConfigError
 from runner.precision.scaler import state_dict_problems
+from runner.precision.state import state_format_differences
 from runner.run.rng import numpy_legacy
 
 # what a refused checkpoint should be (every refusal's `allowed`)
@@ -41,14 +42,18 @@ def _is_tensor_map(value: Any) -> bool:
         for k, v in value.items())
 
 
-def _is_plain(value: Any) -> bool:
-    """Config-like data: dicts with str keys, lists, str, numbers, bools, None."""
+def _is_plain(value: Any, scalars: bool = False) -> bool:
+    """Config-like data: dicts with str keys, lists, str, numbers, bools, None; with `scalars`,
+    0-d tensors too (a learning rate kept as a tensor, as torchao's optimizers keep it, and the
+    scheduler's copies of it)."""
     if value is None or type(value) in (str, int, float, bool):
         return True
+    if scalars and type(value) is torch.Tensor:
+        return value.dim() == 0 and value.layout == torch.strided
     if type(value) in (list, tuple):
-        return all(_is_plain(v) for v in value)
+        return all(_is_plain(v, scalars) for v in value)
     if isinstance(value, dict):
-        return all(type(k) is str and _is_plain(v) for k, v in value.items())
+        return all(type(k) is str and _is_plain(v, scalars) for k, v in value.items())
     return False
 
 
@@ -59,7 +64,8 @@ def _optimizer_problems(value: Any) -> list[str]:
     if not isinstance(groups, list) or not all(
             isinstance(g, Mapping) and all(isinstance(k, str) for k in g)
             and isinstance(g.get("params"), list) and all(_is_int(i) for i in g["params"])
-            and all(_is_plain(v) for k, v in g.items() if k != "params") for g in groups):
+            and all(_is_plain(v, scalars=True) for k, v in g.items() if k != "params")
+            for g in groups):
         return ["optimizer.param_groups: a list of groups of plain hyperparameters and integer "
                 "parameter ids belongs here"]
     if not isinstance(state, Mapping):
@@ -172,7 +178,7 @@ _SCHEMA: dict[str, tuple[Callable[[Any], bool], str, bool]] = {
     "model": (_is_tensor_map, "a mapping of names to tensors", True),
     "optimizer": (lambda v: True, "an optimizer state dict", True),
     "engine": (lambda v: True, "the loss scalers' state", True),
-    "scheduler": (lambda v: v is None or isinstance(v, dict) and _is_plain(v),
+    "scheduler": (lambda v: v is None or isinstance(v, dict) and _is_plain(v, scalars=True),
                   "a scheduler state dict of plain values, or None", True),
     "epoch": (_is_int, "an integer >= 0", True),
     "batch": (_is_int, "an integer >= 0", True),
@@ -331,6 +337,9 @@ def _optimizer_differences(saved: Mapping[str, Any],
                        f"{saved_kind or 'another optimizer'} ({names}) -> "
                        f"{type(optimizer).__name__}'s "
                        f"({', '.join(sorted(_OPTIMIZER_KINDS[kind][1]))})")
+    if out:
+        return out
+    out = state_format_differences(saved, optimizer)
     if out:
         return out
     allowed = _OPTIMIZER_KINDS[kind][2] if kind is not None else None

@@ -198,9 +198,17 @@ def _unpickle(handle, path: Path, legacy: bool) -> Any:
     """`torch.load` with the safe unpickler: a refused class or function is named, nothing of it
     runs; any other failure (a damaged archive) is a ConfigError too."""
     allow = _legacy_numpy_globals() if legacy else contextlib.nullcontext()
+    start = handle.tell()
     try:
-        with allow:
-            return torch.load(handle, map_location="cpu", weights_only=True)
+        try:
+            with allow:
+                return torch.load(handle, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as error:
+            if not _registers_low_bit_state(error):
+                raise
+            handle.seek(start)  # torchao's optimizer-state classes are registered now: again
+            with allow:
+                return torch.load(handle, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
         raise ConfigError(
             "resume", f"the checkpoint {path} was refused by the safe unpickler: "
@@ -209,6 +217,23 @@ def _unpickle(handle, path: Path, legacy: bool) -> Any:
     except Exception as error:  # noqa: BLE001  (torch raises many kinds for a damaged archive)
         raise ConfigError("resume", f"cannot read the checkpoint {str(path)!r}: "
                           f"{type(error).__name__}: {error}", ALLOWED) from None
+
+
+# torchao's quantised optimizer state (precision.optimizer_state=int8/int4/fp8): tensor subclasses
+# that torchao registers with torch's safe unpickler itself (add_safe_globals), when imported
+_LOW_BIT_STATE_MODULE = re.compile(r"GLOBAL torchao\.optim\.subclass_(8bit|4bit|fp8)\.OptimState")
+
+
+def _registers_low_bit_state(error: Exception) -> bool:
+    """Whether the unpickler refused one of torchao's optimizer-state classes only because
+    torchao was not imported yet, and importing it registered them (so a retry reads them)."""
+    if not _LOW_BIT_STATE_MODULE.search(str(error)):
+        return False
+    try:
+        import torchao.optim  # noqa: F401  (registers OptimState8bit/4bit/Fp8 as safe)
+    except ImportError:
+        return False
+    return True
 
 
 def _refused(error: Exception) -> str:
