@@ -17,8 +17,8 @@ Tolerances, stated per test:
   neighbouring elements, agree in a fraction within 5 sigmas of 1/2;
 - SR optimizer steps: the stored bf16 param lies between the bf16 values bracketing the float64
   result widened by the fp32 error of the update (4 fp32 ulps of the param, plus 4e-6 of the
-  update for Adam); fp32 state matches float64 to the same fp32 tolerance, bf16 state is within
-  half a bf16 spacing of it (round to nearest) plus that tolerance;
+  update for Adam); fp32 state matches float64 to the same fp32 tolerance, bf16 state (rounded
+  stochastically too, with its own bits) lies between the bf16 values bracketing it, unbiased;
 - the torch fallback `sr_step` agrees with the kernel steps up to the fp32 rounding differences
   between torch's and the kernels' arithmetic: each bf16 value equal or one spacing apart (1e-6
   where cancellation made a value much smaller than its operands of order 1), at most 1 element
@@ -346,12 +346,13 @@ def assert_rounded_from(out: torch.Tensor, want64: torch.Tensor, tol: torch.Tens
 
 
 def assert_state(out: torch.Tensor, want64: torch.Tensor, tol: torch.Tensor):
-    """fp32 state: within the fp32 tolerance of float64; bf16 state: rounded to nearest, so
-    within half a bf16 spacing of float64 plus that tolerance."""
-    o = out.cpu().double()
+    """fp32 state: within the fp32 tolerance of float64; bf16 state: rounded stochastically (its
+    own stream of bits), so one of the two bf16 neighbours of float64 (within that tolerance),
+    without bias (`assert_rounded_from`)."""
     if out.dtype == torch.bfloat16:
-        tol = tol + neighbours(want64)[2] / 2
-    assert torch.all((o - want64).abs() <= tol)
+        assert_rounded_from(out, want64, tol)
+        return
+    assert torch.all((out.cpu().double() - want64).abs() <= tol)
 
 
 STEP_SIZES = [1, 7, 65537]
@@ -413,6 +414,57 @@ def test_adam_step_sr_matches_float64(backend, kind, case, state_dtype, grad_dty
         assert a.dtype == b.dtype == state_dtype
         assert_state(a, want_m, 4 * (ulp32(a0) + ulp32(g0) + ulp32(want_m)) + 1e-30)
         assert_state(b, want_v, 4 * (ulp32(b0) + ulp32(g0 * g0) + ulp32(want_v)) + 1e-30)
+
+
+# ---- the fused steps of fp32 params with bf16 state (precision.optimizer_state=bfloat16) --------
+@pytest.mark.parametrize("kind", ["sgd", "adam", "adamw"])
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
+def test_fused_steps_with_bf16_state_match_float64(backend, kind, grad_dtype):
+    """fp32 params (masters) with bf16 state on the kernels' `sgd_step`/`adam_step`: the state
+    is loaded to fp32, updated with the params and stored back rounded to nearest even. Against
+    float64 from the same values: the params within the fp32 tolerance of the SR steps (4 ulps
+    of the param, plus 4e-6 of the update for Adam, plus lr times the momentum's fp32 error for
+    SGD), the state within half a bf16 spacing plus the fp32 tolerance, the 16-bit model copies
+    the params rounded to nearest."""
+    d = dev(backend)
+    params = [_bf16(n, 500 + i, d).float() + 0.25 for i, n in enumerate(STEP_SIZES)]
+    grads = [(_bf16(n, 510 + i, d).float() * 64).to(grad_dtype) for i, n in enumerate(STEP_SIZES)]
+    copies = [torch.empty(p.shape, dtype=torch.bfloat16, device=d) for p in params]
+    scale = 1 / 64
+    if kind == "sgd":
+        bufs = [_bf16(n, 520 + i, d) for i, n in enumerate(STEP_SIZES)]
+        before = [(p.cpu().double(), g.cpu().double() * scale, b.cpu().double())
+                  for p, g, b in zip(params, grads, bufs)]
+        backend.ops.sgd_step(params, grads, bufs, copies, scalar(backend, scale), None, 0.05,
+                             1e-4, 0.9, 0.0, False, False, False)
+        for p, b, c, (p0, g0, b0) in zip(params, bufs, copies, before):
+            want_p, want_b = sgd64(p0, g0, b0, lr=0.05, weight_decay=1e-4, momentum=0.9,
+                                   dampening=0.0, nesterov=False, first_run=False)
+            assert b.dtype == torch.bfloat16 and torch.equal(c, p.bfloat16())
+            tol = 4 * ulp32(want_b) + 4 * ulp32(b0) + 4 * ulp32(g0) + 1e-30
+            assert torch.all((p.cpu().double() - want_p).abs() <= 4 * ulp32(want_p)
+                             + 4 * ulp32(p0) + 0.05 * tol)  # (lr times the momentum's error)
+            assert torch.all((b.cpu().double() - want_b).abs() <= neighbours(want_b)[2] / 2 + tol)
+        return
+    m = [_bf16(n, 520 + i, d, 0.1) for i, n in enumerate(STEP_SIZES)]
+    v = [(_bf16(n, 530 + i, d, 0.1).float() ** 2).bfloat16() for i, n in enumerate(STEP_SIZES)]
+    lr, beta1, beta2, eps, step = 1e-2, 0.9, 0.999, 1e-8, 3
+    before = [(p.cpu().double(), g.cpu().double() * scale, a.cpu().double(), b.cpu().double())
+              for p, g, a, b in zip(params, grads, m, v)]
+    backend.ops.adam_step(params, grads, m, v, copies, scalar(backend, scale), None, lr, beta1,
+                          beta2, eps, 1e-2, 1 - beta1 ** step, 1 - beta2 ** step,
+                          kind == "adamw", False)
+    for p, a, b, c, (p0, g0, a0, b0) in zip(params, m, v, copies, before):
+        want_p, want_m, want_v, update = adam64(
+            p0, g0, a0, b0, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=1e-2,
+            step=step, decoupled=kind == "adamw")
+        assert a.dtype == b.dtype == torch.bfloat16 and torch.equal(c, p.bfloat16())
+        assert torch.all((p.cpu().double() - want_p).abs()
+                         <= 4 * ulp32(p0) + 4e-6 * update.abs() + 1e-30)
+        for got, want, tol in ((a, want_m, 4 * (ulp32(a0) + ulp32(g0) + ulp32(want_m))),
+                               (b, want_v, 4 * (ulp32(b0) + ulp32(g0 * g0) + ulp32(want_v)))):
+            assert torch.all((got.cpu().double() - want).abs()
+                             <= neighbours(want)[2] / 2 + tol + 1e-30)
 
 
 def test_sgd_step_sr_rounds_the_exact_update_bit_for_bit(backend):
@@ -654,7 +706,8 @@ def test_the_fallback_agrees_with_the_kernel_steps(backend, kind):
 def test_the_fallback_rounds_any_optimizers_fp32_step(backend, make):
     """An optimizer the kernels do not implement: `sr_step` stores exactly the stochastic
     rounding of that optimizer's own step on fp32 copies of the bf16 params and state (bit for
-    bit: the same torch ops on the same fp32 values), the state rounded to nearest."""
+    bit: the same torch ops on the same fp32 values), the bf16 state rounded stochastically with
+    its own stream of bits (3, 4, ... for keys the kernels do not know, in sorted order)."""
     d = dev(backend)
     params, _, _ = _model_params(d)
     opt = make(params)
@@ -673,12 +726,19 @@ def test_the_fallback_rounds_any_optimizers_fp32_step(backend, make):
         for i, (p, t) in enumerate(zip(params, twins)):
             want = rounding.stochastic_round(t.detach(), 5, step, i)
             assert torch.equal(bits16(p.detach()), bits16(want)), (i, step)
+            others = sorted(k for k in twin_opt.state[t] if k not in rounding.STATE_STREAMS
+                            and k != "step")
             for key, value in twin_opt.state[t].items():
                 got = opt.state[p][key]
                 if key == "step":
                     assert torch.equal(got, value)
                 else:
-                    assert got.dtype == torch.bfloat16 and torch.equal(got, value.bfloat16()), key
+                    stream = rounding.STATE_STREAMS.get(key) or 3 + others.index(key)
+                    want = rounding.stochastic_round(value, 5, step, i, stream)
+                    assert got.dtype == torch.bfloat16 and torch.equal(
+                        bits16(got), bits16(want)), key
+                    assert not torch.equal(bits16(got), bits16(value.bfloat16())) \
+                        or value.numel() < 64, key  # not rounded to nearest
 
 
 def test_the_fallback_restores_everything_when_the_optimizer_raises():

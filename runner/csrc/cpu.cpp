@@ -336,6 +336,53 @@ void copy_scale(const TensorList& src, const TensorList& dst, const at::Tensor& 
 
 namespace {
 
+// Calls fn(static_cast<S*>(nullptr)) with S = void (no list), float or c10::BFloat16.
+template <typename F>
+inline void dispatch_state(bool present, at::ScalarType dtype, const F& fn) {
+  if (!present) {
+    fn(static_cast<void*>(nullptr));
+  } else if (dtype == at::kFloat) {
+    fn(static_cast<float*>(nullptr));
+  } else {
+    TORCH_CHECK(dtype == at::kBFloat16, "unsupported optimizer state dtype ", dtype);
+    fn(static_cast<c10::BFloat16*>(nullptr));
+  }
+}
+
+// A block of optimizer state as fp32: fp32 state in place, bf16 converted into `buf` (and
+// rounded back to nearest by state_store), no state: `buf` (scratch, never read).
+template <typename S>
+inline float* state_load(const at::Tensor* t, int64_t offset, float* buf, int64_t n) {
+  if constexpr (std::is_same_v<S, float>) {
+    return t->data_ptr<float>() + offset;
+  } else if constexpr (std::is_same_v<S, c10::BFloat16>) {
+    to_float(static_cast<const c10::BFloat16*>(t->data_ptr()) + offset, buf, n);
+    return buf;
+  } else {
+    return buf;
+  }
+}
+
+template <typename S>
+inline void state_store(const at::Tensor* t, int64_t offset, const float* buf, int64_t n) {
+  if constexpr (std::is_same_v<S, c10::BFloat16>) {
+    from_float(buf, static_cast<c10::BFloat16*>(t->data_ptr()) + offset, n);
+  }
+}
+
+inline void store_sr(const float* __restrict__ src, c10::BFloat16* dst, int64_t n,
+                     const SrKey& key, int64_t index);
+
+// A rounded step's state back in its dtype: bf16 rounded stochastically with its stream's key
+// (fp32 state was updated in place).
+template <typename S>
+inline void state_store_sr(const at::Tensor* t, int64_t offset, const float* buf, int64_t n,
+                           const SrKey& key) {
+  if constexpr (std::is_same_v<S, c10::BFloat16>) {
+    store_sr(buf, static_cast<c10::BFloat16*>(t->data_ptr()) + offset, n, key, offset);
+  }
+}
+
 // The shared skeleton of the fused steps: per span, the gradient block in fp32, `update(t,
 // offset, n, g, gs)` over it (the gradient multiplier `gs` applied inside the update loop), then
 // the 16-bit copy of the updated params.
@@ -414,9 +461,16 @@ void sgd_step(const TensorList& params, const TensorList& grads, const TensorLis
   const SgdArgs args = make_sgd_args(lr, weight_decay, momentum, dampening, nesterov, first_run);
   fused_step("sgd_step", params, grads, model_copies, grad_scale, found_inf, maximize,
              [&](int64_t t, int64_t offset, int64_t n, const float* __restrict__ g, float gs) {
-               sgd_block(n, params[t].data_ptr<float>() + offset,
-                         with_momentum ? momentum_bufs[t].data_ptr<float>() + offset : nullptr, g,
-                         gs, args, with_momentum);
+               const at::Tensor* buf_t = with_momentum ? &momentum_bufs[t] : nullptr;
+               dispatch_state(with_momentum, with_momentum ? buf_t->scalar_type() : at::kFloat,
+                              [&](auto* st) {
+                 using S = std::remove_pointer_t<decltype(st)>;
+                 float sbuf[kBlock];
+                 float* buf = state_load<S>(buf_t, offset, sbuf, n);
+                 sgd_block(n, params[t].data_ptr<float>() + offset, buf, g, gs, args,
+                           with_momentum);
+                 state_store<S>(buf_t, offset, buf, n);
+               });
              });
 }
 
@@ -430,9 +484,15 @@ void adam_step(const TensorList& params, const TensorList& grads, const TensorLi
                                        bias_correction2, decoupled);
   fused_step("adam_step", params, grads, model_copies, grad_scale, found_inf, maximize,
              [&](int64_t t, int64_t offset, int64_t n, const float* __restrict__ g, float gs) {
-               adam_block(n, params[t].data_ptr<float>() + offset,
-                          exp_avgs[t].data_ptr<float>() + offset,
-                          exp_avg_sqs[t].data_ptr<float>() + offset, g, gs, args);
+               dispatch_state(true, exp_avgs[t].scalar_type(), [&](auto* st) {
+                 using S = std::remove_pointer_t<decltype(st)>;
+                 float mbuf[kBlock], vbuf[kBlock];
+                 float* m = state_load<S>(&exp_avgs[t], offset, mbuf, n);
+                 float* v = state_load<S>(&exp_avg_sqs[t], offset, vbuf, n);
+                 adam_block(n, params[t].data_ptr<float>() + offset, m, v, g, gs, args);
+                 state_store<S>(&exp_avgs[t], offset, m, n);
+                 state_store<S>(&exp_avg_sqs[t], offset, v, n);
+               });
              });
 }
 
@@ -456,43 +516,10 @@ inline void store_sr(const float* __restrict__ src, c10::BFloat16* dst, int64_t 
   }
 }
 
-// Calls fn(static_cast<S*>(nullptr)) with S = void (no list), float or c10::BFloat16.
-template <typename F>
-inline void dispatch_state(bool present, at::ScalarType dtype, const F& fn) {
-  if (!present) {
-    fn(static_cast<void*>(nullptr));
-  } else if (dtype == at::kFloat) {
-    fn(static_cast<float*>(nullptr));
-  } else {
-    TORCH_CHECK(dtype == at::kBFloat16, "unsupported optimizer state dtype ", dtype);
-    fn(static_cast<c10::BFloat16*>(nullptr));
-  }
-}
-
-// A block of optimizer state as fp32: fp32 state in place, bf16 converted into `buf` (and
-// rounded back to nearest by state_store), no state: `buf` (scratch, never read).
-template <typename S>
-inline float* state_load(const at::Tensor* t, int64_t offset, float* buf, int64_t n) {
-  if constexpr (std::is_same_v<S, float>) {
-    return t->data_ptr<float>() + offset;
-  } else if constexpr (std::is_same_v<S, c10::BFloat16>) {
-    to_float(static_cast<const c10::BFloat16*>(t->data_ptr()) + offset, buf, n);
-    return buf;
-  } else {
-    return buf;
-  }
-}
-
-template <typename S>
-inline void state_store(const at::Tensor* t, int64_t offset, const float* buf, int64_t n) {
-  if constexpr (std::is_same_v<S, c10::BFloat16>) {
-    from_float(buf, static_cast<c10::BFloat16*>(t->data_ptr()) + offset, n);
-  }
-}
-
 // The skeleton of the stochastic-rounding steps: per block, the bf16 params, the gradients and
-// the state in fp32, `update(n, p, g, gs, a, b)` over them, the state back in its dtype and the
-// params rounded stochastically.
+// the state in fp32, `update(n, p, g, gs, a, b)` over them, the state back in its dtype (bf16
+// rounded stochastically too, streams 1 and 2 of the tensor's key) and the params rounded
+// stochastically.
 template <typename Update>
 void sr_fused_step(const char* op, const TensorList& params, const TensorList& grads,
                    const TensorList& state_a, const TensorList& state_b,
@@ -525,8 +552,8 @@ void sr_fused_step(const char* op, const TensorList& params, const TensorList& g
             float* a = state_load<A>(a_t, s.begin + b, abuf, n);
             float* bv = state_load<B>(b_t, s.begin + b, bbuf, n);
             update(n, pbuf, g, gs, a, bv);
-            state_store<A>(a_t, s.begin + b, a, n);
-            state_store<B>(b_t, s.begin + b, bv, n);
+            state_store_sr<A>(a_t, s.begin + b, a, n, sr_stream(keys[t], 1));
+            state_store_sr<B>(b_t, s.begin + b, bv, n, sr_stream(keys[t], 2));
             store_sr(pbuf, pp + b, n, keys[t], s.begin + b);
           }
         });

@@ -200,9 +200,10 @@ __device__ __forceinline__ void load_and_update(float (&pv)[kILP], float (&av)[k
   }
 }
 
-// Fused optimizer steps. Lists: 0 params (fp32), 1 grads (G), 2 and 3 state (fp32; for SGD
-// 2 = momentum buffer, 3 unused), 4 the 16-bit model copy (C; unused when C is float).
-template <typename G, typename C, bool kAdam>
+// Fused optimizer steps. Lists: 0 params (fp32), 1 grads (G), 2 and 3 state (S: fp32, or bf16
+// stored back rounded to nearest even; for SGD 2 = momentum buffer, 3 unused), 4 the 16-bit
+// model copy (C; unused when C is float).
+template <typename G, typename C, typename S, bool kAdam>
 struct StepOp {
   __device__ void operator()(TensorListMeta<5>& meta, const float* grad_scale, const float* found,
                              float sign, AdamArgs adam, SgdArgs sgd, bool with_momentum) const {
@@ -211,14 +212,14 @@ struct StepOp {
     const mta::ChunkRef c = mta::chunk_of(meta);
     float* p = mta::list_ptr<float>(meta, 0, c);
     const G* g = mta::list_ptr<G>(meta, 1, c);
-    float* s1 = mta::list_ptr<float>(meta, 2, c);
-    float* s2 = mta::list_ptr<float>(meta, 3, c);
+    S* s1 = mta::list_ptr<S>(meta, 2, c);
+    S* s2 = mta::list_ptr<S>(meta, 3, c);
     C* copy = mta::list_ptr<C>(meta, 4, c);
     const float gs = *grad_scale * sign;
     const bool state1 = kAdam || with_momentum;
     const bool vector = c.length % kILP == 0 && mta::aligned<float>(p) && mta::aligned<G>(g) &&
-                        (!state1 || mta::aligned<float>(s1)) &&
-                        (!kAdam || mta::aligned<float>(s2)) && (!kCopy || mta::aligned<C>(copy));
+                        (!state1 || mta::aligned<S>(s1)) &&
+                        (!kAdam || mta::aligned<S>(s2)) && (!kCopy || mta::aligned<C>(copy));
     mta::for_chunk(c.length, vector, [&](int64_t i0, bool vec) {
       float pv[kILP], av[kILP] = {}, bv[kILP] = {};
       load_and_update<kAdam>(pv, av, bv, p, g, s1, s2, i0, vec, c.length, gs, state1, adam, sgd);
@@ -283,9 +284,22 @@ struct SrRoundOp {
   }
 };
 
+// A rounded step's state back in its own dtype: fp32 as it is, bf16 rounded stochastically with
+// its stream's key.
+template <typename S>
+__device__ __forceinline__ void store_state_sr(S* dst, int64_t i0, bool vec, int64_t length,
+                                               int64_t offset, const SrKey& key,
+                                               const float (&in)[kILP]) {
+  if constexpr (std::is_same<S, c10::BFloat16>::value) {
+    store_sr(dst, i0, vec, length, offset, key, in);
+  } else {
+    mta::store(dst, i0, vec, length, in);
+  }
+}
+
 // Stochastic-rounding steps. Lists: 0 params (bf16, in place), 1 grads (G), 2 and 3 state (A, B:
 // bf16 or fp32; for SGD 2 = momentum buffer, 3 unused). State is stored back in its own dtype
-// (bf16 rounded to nearest even), the params stochastically.
+// (bf16 rounded stochastically, streams 1 and 2 of the tensor's key), the params stochastically.
 template <typename G, typename A, typename B, bool kAdam>
 struct SrStepOp {
   __device__ void operator()(mta::TaggedListMeta<4>& meta, const float* grad_scale,
@@ -306,8 +320,8 @@ struct SrStepOp {
     mta::for_chunk(c.length, vector, [&](int64_t i0, bool vec) {
       float pv[kILP], av[kILP] = {}, bv[kILP] = {};
       load_and_update<kAdam>(pv, av, bv, p, g, s1, s2, i0, vec, c.length, gs, state1, adam, sgd);
-      if (state1) mta::store(s1, i0, vec, c.length, av);
-      if (kAdam) mta::store(s2, i0, vec, c.length, bv);
+      if (state1) store_state_sr(s1, i0, vec, c.length, c.offset, sr_stream(key, 1), av);
+      if (kAdam) store_state_sr(s2, i0, vec, c.length, c.offset, sr_stream(key, 2), bv);
       store_sr(p, i0, vec, c.length, c.offset, key, pv);
     });
   }
@@ -439,15 +453,19 @@ void launch_step(const char* op, const TensorList& params, const TensorList& gra
   const TensorList& s2 = state2.empty() ? params : state2;
   const TensorList& copies = model_copies.empty() ? params : model_copies;
   const float sign = maximize ? -1.f : 1.f;
-  for (const auto& [dtypes, positions] : group_by_dtypes({&grads, &model_copies})) {
+  // (s2's type is s1's: check_step_lists; an absent s1 is the fp32 params')
+  for (const auto& [dtypes, positions] : group_by_dtypes({&grads, &model_copies, &s1})) {
     dispatch(dtypes[0], [&](auto g_tag) {
       dispatch(dtypes[1], [&](auto c_tag) {
-        using G = decltype(g_tag);
-        using C = decltype(c_tag);  // float: no copy (the param is its own)
-        mta::multi_tensor_apply<5>({&params, &grads, &s1, &s2, &copies}, positions,
-                                   StepOp<G, C, kAdam>{},
-                                   static_cast<const float*>(scalar_ptr(grad_scale)),
-                                   ptr_or_null(found_inf), sign, adam, sgd, with_momentum);
+        dispatch_state(dtypes[2], [&](auto s_tag) {
+          using G = decltype(g_tag);
+          using C = decltype(c_tag);  // float: no copy (the param is its own)
+          using S = decltype(s_tag);
+          mta::multi_tensor_apply<5>({&params, &grads, &s1, &s2, &copies}, positions,
+                                     StepOp<G, C, S, kAdam>{},
+                                     static_cast<const float*>(scalar_ptr(grad_scale)),
+                                     ptr_or_null(found_inf), sign, adam, sgd, with_momentum);
+        });
       });
     });
   }

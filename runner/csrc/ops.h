@@ -154,7 +154,16 @@ inline void check_step_lists(const char* op, const TensorList& params, const Ten
   check_lists(op, {&params, &grads, &state_a, &state_b, &model_copies},
               {"params", "grads", "state", "state2", "model_copies"},
               {false, false, !state_b_used, !state_b_used, true},
-              {true, false, true, true, false});
+              {true, false, false, false, false});
+  // the state in float32 or bfloat16 (precision.optimizer_state), both lists of one type
+  for (size_t i = 0; i < state_a.size(); ++i) {
+    const at::ScalarType t = state_a[i].scalar_type();
+    TORCH_CHECK(t == at::kFloat || t == at::kBFloat16, op, ": optimizer state [", i,
+                "] must be float32 or bfloat16, got ", t);
+    TORCH_CHECK(state_b.size() <= i || state_b[i].scalar_type() == t, op,
+                ": the two optimizer states of param ", i, " differ in type (",
+                t, " and ", state_b[i].scalar_type(), ")");
+  }
   for (size_t i = 0; i < model_copies.size(); ++i) {
     // an fp32 param that is the model's own parameter is passed as its own copy (not written)
     TORCH_CHECK(model_copies[i].scalar_type() != at::kFloat ||

@@ -82,6 +82,11 @@ AMP_HD void sgd_update(float& p, float& buf, float g, const SgdArgs& s) {
 //   bits(i)       = mix(mix(lo(i) ^ k1) ^ k2 ^ hi(i))       i: the element's index in memory order
 //   r(i)          = bits(i) >> 16                           (16 random bits)
 //
+// The optimizer state of a rounded step (bf16 momentum, Adam's moments) is rounded the same way
+// with its own stream of bits: stream s (1: momentum buffer or exp_avg, 2: exp_avg_sq) of a
+// tensor's key (k1, k2) is
+//   k1_s          = mix(k1 ^ mix(s ^ 0x5BD1E995)),   k2_s = mix(k1_s ^ 0x85EBCA6B).
+//
 // For fixed other inputs, k1 is a bijection of tensor_id and of lo(step), so two tensors, or two
 // steps with the same high word (any two below 2^32), never share a key; bits(i) is a bijection
 // of lo(i). The same
@@ -107,6 +112,12 @@ AMP_HD SrKey sr_key(uint64_t seed, uint64_t step, uint32_t tensor_id) {
   h = sr_mix(h ^ static_cast<uint32_t>(step >> 32));
   h = sr_mix(h ^ tensor_id);
   return SrKey{h, sr_mix(h ^ 0x85EBCA6Bu)};
+}
+
+// The key of stream s (>= 1) of a tensor's optimizer state (see above).
+AMP_HD SrKey sr_stream(const SrKey& key, uint32_t s) {
+  const uint32_t k1 = sr_mix(key.k1 ^ sr_mix(s ^ 0x5BD1E995u));
+  return SrKey{k1, sr_mix(k1 ^ 0x85EBCA6Bu)};
 }
 
 AMP_HD uint32_t sr_bits(const SrKey& key, uint32_t index_lo, uint32_t index_hi) {

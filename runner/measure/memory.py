@@ -13,7 +13,7 @@ process freed:
                    zero_grad): the model's and the masters' (the fused O2 step reads the model's
                    16-bit gradients directly and never materialises fp32 master gradients);
   optimizer_state  every tensor in `optimizer.state` (momentum, Adam's moments and steps;
-                   quantised state by its codes, block scales and shared map: `plain_tensors`);
+                   quantised state by its codes, block scales and map: `plain_tensors`);
   activations      the bytes autograd saved for backward during one training step
                    (`ActivationMeter`, through `torch.autograd.graph.saved_tensors_hooks`):
                    layer inputs and outputs, BatchNorm's batch statistics, the 16-bit copies
@@ -116,8 +116,8 @@ def _masters(engine: Any, optimizer: Optional[torch.optim.Optimizer]) -> list[to
 
 def plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
     """The plain tensors that hold `t`: itself, or a tensor subclass's inner tensors (torchao's
-    quantised optimizer state: codes, block scales and a quantisation map shared by every
-    tensor), recursively, so that memory is counted from the storages really allocated."""
+    quantised optimizer state: codes, block scales and a quantisation map), recursively, so
+    that memory is counted from the storages really allocated."""
     if type(t) is torch.Tensor or isinstance(t, nn.Parameter):
         return [t]
     flatten = getattr(t, "__tensor_flatten__", None)

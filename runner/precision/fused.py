@@ -101,13 +101,13 @@ def plan(optimizer: torch.optim.Optimizer, device: torch.device,
     `copy_of(param)` the 16-bit model parameter that mirrors it, or None. Every stepped param
     must be of `param_dtype`: fp32 (masters, or an fp32 model), or bf16 for a stochastically
     rounded step (whose params are their own copies). `state_dtype` is the type the state is
-    kept in (None: the params'): fp32 for a step on fp32 params, bf16 or fp32 for a rounded one.
+    kept in (None: the params'): fp32 or bf16 (loaded to fp32 for the update, stored back rounded
+    to nearest; stochastically on a rounded step), else torch's ops take the step.
     """
     if not supports(optimizer):
         return None
-    if state_dtype not in (None, torch.float32) and (
-            param_dtype == torch.float32 or state_dtype != torch.bfloat16):
-        return None  # (16-bit state of fp32 params: torch's ops, runner.precision.state)
+    if state_dtype not in (None, torch.float32, torch.bfloat16):
+        return None  # (fp16 state: torch's ops, runner.precision.state)
     plans = []
     for group in optimizer.param_groups:
         params, grads, copies = [], [], []

@@ -24,8 +24,8 @@ SGD/Adam/AdamW, `rounding.sr_step` around the optimizer's own step for anything 
 low-bit optimizer built to round bf16 weights itself steps on its own).
 
 The optimizer's state format (`runner.precision.state`): every path keeps float state in the
-`state_dtype` it is given; the kernels take fp32 state of fp32 params and bf16 or fp32 state of
-stochastically rounded bf16 params, torch's ops (`state.float_state_step`) any other mix.
+`state_dtype` it is given; the kernels take fp32 or bf16 state (of fp32 params, or of
+stochastically rounded bf16 params), torch's ops (`state.float_state_step`) any other mix.
 """
 from __future__ import annotations
 
@@ -217,14 +217,16 @@ class FusedPath(TorchPath):
             multiplier = step.multiplier
             if multiplier is None:
                 multiplier = self.scales(1.0 / step.scaler.scale)
-            fused.apply(self.kernels, optimizer, step.plans, multiplier)
+            fused.apply(self.kernels, optimizer, step.plans, multiplier,
+                        state_dtype=self.state_dtype)
             return
         if masters is not None and not args and not kwargs:
             model_of = masters.model_of()
             plans = fused.plan(optimizer, self.device, lambda p: p.grad,
                                lambda p: model_of.get(id(p)), state_dtype=self.state_dtype)
             if plans is not None:
-                fused.apply(self.kernels, optimizer, plans, self.scales(1.0))
+                fused.apply(self.kernels, optimizer, plans, self.scales(1.0),
+                            state_dtype=self.state_dtype)
                 return
         super().apply(optimizer, masters, None, step_fn, args, kwargs)
 

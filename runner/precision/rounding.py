@@ -56,16 +56,25 @@ def _check_range(name: str, value, limit_bits: int) -> int:
     return value
 
 
-def sr_key(seed: int, step: int, tensor_id: int) -> tuple[int, int]:
-    """The (k1, k2) key of one tensor at one step, as `sr_key` in step_math.h computes it."""
+_STREAM_SALT = 0x5BD1E995
+# the streams of a param's optimizer state, as the kernels number them (others: 3, 4, ...)
+STATE_STREAMS = {"momentum_buffer": 1, "exp_avg": 1, "exp_avg_sq": 2}
+
+
+def sr_key(seed: int, step: int, tensor_id: int, stream: int = 0) -> tuple[int, int]:
+    """The (k1, k2) key of one tensor at one step, as `sr_key` in step_math.h computes it;
+    `stream` s >= 1: the key of its optimizer state's stream s (`sr_stream`)."""
     seed = _check_range("seed", seed, 64)
     step = _check_range("step", step, 64)
     tensor_id = _check_range("tensor_id", tensor_id, 32)
+    stream = _check_range("stream", stream, 32)
     h = _mix_int((seed & _MASK32) ^ _SEED_SALT)
     h = _mix_int(h ^ (seed >> 32))
     h = _mix_int(h ^ (step & _MASK32))
     h = _mix_int(h ^ (step >> 32))
     h = _mix_int(h ^ tensor_id)
+    if stream:
+        h = _mix_int(h ^ _mix_int(stream ^ _STREAM_SALT))
     return h, _mix_int(h ^ _K2_SALT)
 
 
@@ -85,11 +94,12 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def random_bits(seed: int, step: int, tensor_id: int, index: torch.Tensor) -> torch.Tensor:
+def random_bits(seed: int, step: int, tensor_id: int, index: torch.Tensor,
+                stream: int = 0) -> torch.Tensor:
     """The 32 random bits of the elements at `index` (int64, memory-order element indices) of
     tensor `tensor_id` at `step` under `seed`, as int64 values in [0, 2^32); the rounding uses
     the top 16 (`bits >> 16`)."""
-    k1, k2 = sr_key(seed, step, tensor_id)
+    k1, k2 = sr_key(seed, step, tensor_id, stream)
     if index.dtype != torch.int64:
         raise ValueError(f"random_bits: index must be int64, got {index.dtype}")
     lo = index & _MASK32
@@ -127,10 +137,12 @@ def round_with_bits(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     return torch.where((u & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, rounded)
 
 
-def stochastic_round(x: torch.Tensor, seed: int, step: int, tensor_id: int) -> torch.Tensor:
+def stochastic_round(x: torch.Tensor, seed: int, step: int, tensor_id: int,
+                     stream: int = 0) -> torch.Tensor:
     """`x` (fp32, dense) rounded stochastically to a new bf16 tensor of the same shape and
     strides, bit for bit what the kernels' `stochastic_round` writes for the same (seed, step,
-    tensor_id).
+    tensor_id); `stream` >= 1 draws the bits of the tensor's optimizer state instead (what the
+    kernels' rounded steps store bf16 state with).
 
     Each value becomes one of its two neighbouring bf16 values, the upper one (away from zero)
     with probability (|x| - lo) / (hi - lo): unbiased over the random bits. Values bf16
@@ -142,7 +154,7 @@ def stochastic_round(x: torch.Tensor, seed: int, step: int, tensor_id: int) -> t
         raise ValueError(f"stochastic_round: x must be float32, got {x.dtype}")
     flat = _memory_order(x)
     index = torch.arange(flat.numel(), dtype=torch.int64, device=x.device)
-    pattern = round_with_bits(flat, random_bits(seed, step, tensor_id, index))
+    pattern = round_with_bits(flat, random_bits(seed, step, tensor_id, index, stream))
     signed = torch.where(pattern >= 1 << 15, pattern - (1 << 16), pattern).to(torch.int16)
     out = torch.empty_strided(x.shape, x.stride(), dtype=torch.bfloat16, device=x.device)
     _memory_order(out).copy_(signed.view(torch.bfloat16))
@@ -174,11 +186,13 @@ def sr_step(optimizer: torch.optim.Optimizer, seed: int, step: int,
          buffers, moments: same shape as the param; not `step`) are replaced by fp32 copies
          (fp32 state is used as is) -- the param object, its id and its state keys stay;
       2. the optimizer's own `step()` runs once, on fp32 values;
-      3. the state is written back in its original dtype, rounded to nearest (into the same
-         tensor objects); state created by this step (a first step) is stored in
-         `state_dtype` (None: the param's dtype, the layout torch creates for a bf16 param,
-         `zeros_like(param)`); `step` and other non-param-shaped entries stay as the optimizer
-         left them;
+      3. the state is written back in its original dtype (into the same tensor objects), bf16
+         rounded stochastically with the state's own stream of bits (`STATE_STREAMS`: stream
+         1 for the momentum buffer and exp_avg, 2 for exp_avg_sq, 3... for any other key in
+         sorted order), as the kernels store it; state created by this step (a first step) is
+         stored so in `state_dtype` (None: the param's dtype, the layout torch creates for a
+         bf16 param, `zeros_like(param)`); `step` and other non-param-shaped entries stay as
+         the optimizer left them;
       4. the param is written back into its own storage as `stochastic_round(fp32 result, seed,
          step, tensor_ids(optimizer)[id(param)])`, and its bf16 gradient is restored.
     So an SGD or Adam step through here is the kernels' `sgd_step_sr` / `adam_step_sr` up to the
@@ -201,4 +215,11 @@ def sr_step(optimizer: torch.optim.Optimizer, seed: int, step: int,
     def store(param: torch.Tensor, data16: torch.Tensor, fp32: torch.Tensor) -> None:
         data16.copy_(stochastic_round(fp32, seed, step, ids[id(param)]))
 
-    step_in_fp32(optimizer, select, store, state_dtype, step_fn)
+    def round_state(param: torch.Tensor, key: str, fp32: torch.Tensor) -> torch.Tensor:
+        state = optimizer.state[param]
+        others = sorted(k for k in state if k not in STATE_STREAMS and k != "step")
+        stream = STATE_STREAMS.get(key) or 3 + others.index(key)
+        return stochastic_round(fp32, seed, step, ids[id(param)], stream)
+
+    step_in_fp32(optimizer, select, store, state_dtype, step_fn, round_state)
+

@@ -97,16 +97,19 @@ def needs_fp32_step(optimizer: torch.optim.Optimizer, state_dtype: Optional[torc
 def step_in_fp32(optimizer: torch.optim.Optimizer, select: Callable[[torch.Tensor], bool],
                  store: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
                  state_dtype: Optional[torch.dtype],
-                 step_fn: Optional[Callable[[], Any]] = None) -> None:
+                 step_fn: Optional[Callable[[], Any]] = None,
+                 round_state: Optional[Callable[[torch.Tensor, str, torch.Tensor],
+                                                torch.Tensor]] = None) -> None:
     """One `optimizer.step()` on fp32 values for the params `select` picks (with a gradient):
 
       1. a 16-bit param's data and gradient are replaced by fp32 copies, and its param-shaped
          plain state tensors (moments, momentum buffers; not `step`) by fp32 copies (fp32
          state is used as is) -- the param object, its id and its state keys stay;
       2. the optimizer's own `step()` runs once;
-      3. the state is written back in its own dtype, rounded to nearest, into the same tensor
-         objects; state created by this step (a first step) is stored in `state_dtype` (None:
-         the param's dtype, torch's `zeros_like(param)`);
+      3. the state is written back in its own dtype, into the same tensor objects, rounded to
+         nearest, or for bf16 state by `round_state(param, key, fp32)` where given (stochastic
+         rounding); state created by this step (a first step) is stored in `state_dtype` (None:
+         the param's dtype, torch's `zeros_like(param)`) the same way;
       4. a swapped param's fp32 result is written into its own storage by `store(param, data,
          fp32)` (round to nearest, or stochastically), and its gradient restored.
 
@@ -150,12 +153,21 @@ def step_in_fp32(optimizer: torch.optim.Optimizer, select: Callable[[torch.Tenso
                 if key in originals:
                     original = originals[key]
                     if done and value is not original:
-                        original.copy_(value)
+                        original.copy_(_stored(p, key, value, original.dtype, round_state))
                     state[key] = original
                 elif done and param_shaped(key, value, p):
                     dtype = state_dtype or p.dtype
                     if value.dtype != dtype:
-                        state[key] = value.to(dtype)
+                        state[key] = _stored(p, key, value, dtype, round_state)
+
+
+def _stored(param: torch.Tensor, key: str, value: torch.Tensor, dtype: torch.dtype,
+            round_state: Optional[Callable]) -> torch.Tensor:
+    """`value` (fp32) in `dtype`: rounded by `round_state` for bf16 where given, else to
+    nearest."""
+    if round_state is not None and dtype == torch.bfloat16 and value.dtype == torch.float32:
+        return round_state(param, key, value)
+    return value.to(dtype)
 
 
 def float_state_step(optimizer: torch.optim.Optimizer, state_dtype: torch.dtype,
