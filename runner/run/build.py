@@ -124,6 +124,10 @@ def build(plan: RunPlan, device: Optional[torch.device] = None, comm: Optional[C
     findings += state_findings(model, plan.properties)
     optimizer = build_optimizer(cfg.optimizer, model.parameters(), plan.specs.get("optimizer"),
                                 plan.properties)
+    if plan.properties.low_bit_state:
+        log.info("Optimizer: torchao's %s with %s state; its update is compiled per parameter "
+                 "shape on the first step (cached on disk for later runs)",
+                 type(optimizer).__name__, plan.properties.state_format)
     engine = AmpEngine(plan.properties, device,
                        kernels=cfg.precision.kernels if kernels is not None else "torch",
                        flag_reducer=distributed.flag_reducer(comm), seed=cfg.trainer.seed)
