@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from runner.config.precision import stepped_dtype_name
 from runner.measure.memory import TOTAL_METRIC, metric_name as memory_metric
 from runner.tracking import metrics as m
 from runner.tracking import tags as tag
@@ -89,15 +90,20 @@ def describe_dtype(precision: Mapping[str, Any]) -> str:
     get = lambda key: _plain(precision.get(key))  # noqa: E731
     cast = get("cast_model_type")
     fp8 = get("fp8_linear")
-    fp8_part = f", fp8 Linear ({fp8})" if fp8 else ""
+    extra = f", fp8 Linear ({fp8})" if fp8 else ""
+    state = get("optimizer_state")
+    stepped = stepped_dtype_name({"cast_model_type": str(cast),
+                                  "master_weights": str(get("master_weights"))})
+    if state and state != stepped:  # a state format other than the stepped weights' type
+        extra += f", {state} optimizer state"
     if get("opt_level") == BASELINE_LEVEL:
-        return "float32" + fp8_part
+        return "float32" + extra
     if cast is None:
-        return f"float32 weights, autocast {get('autocast_dtype')}" + fp8_part
+        return f"float32 weights, autocast {get('autocast_dtype')}" + extra
     extras = [label for key, label in (("keep_batchnorm_fp32", "fp32 BatchNorm"),
                                        ("master_weights", "fp32 master weights"),
                                        ("stochastic_rounding", "stochastic rounding")) if get(key)]
-    return str(cast) + (f" ({', '.join(extras)})" if extras else "") + fp8_part
+    return str(cast) + (f" ({', '.join(extras)})" if extras else "") + extra
 
 
 @dataclass

@@ -75,6 +75,19 @@ def test_the_run_name_says_a_state_other_than_the_weights():
     assert run_name_suffixes(props.as_params()) == ["fp32state"]
 
 
+def test_the_report_says_a_state_format_other_than_the_weights():
+    from runner.report import describe_dtype
+
+    assert describe_dtype(compose_config("precision=o2_bf16_int8state").precision) == \
+        "bfloat16 (fp32 BatchNorm, fp32 master weights), int8 optimizer state"
+    assert describe_dtype(compose_config("precision=o3_bf16_sr_int8state").precision) == \
+        "bfloat16 (stochastic rounding), int8 optimizer state"
+    params = {"opt_level": "O3", "cast_model_type": "float16", "master_weights": "False"}
+    assert describe_dtype({**params, "optimizer_state": "float16"}) == "float16"
+    assert describe_dtype({**params, "optimizer_state": "float32"}) == \
+        "float16, float32 optimizer state"
+
+
 # ---- findings -------------------------------------------------------------------------------
 def _findings(level, overrides, device=None, optimizer=ADAMW):
     return resolve(level, overrides, device, optimizer=optimizer).findings
