@@ -21,6 +21,15 @@ compared on equal terms.
     python benchmarks/accuracy.py                   # CPU: o0, bf16 presets, o1_fp8, 2 compiled
     python benchmarks/accuracy.py --device cuda     # GPU: o0-o3, bf16, fp8, 3 compiled
     python benchmarks/accuracy.py --levels o0,o2_bf16,o2_bf16+compile --seeds 0 --epochs 2
+    python benchmarks/accuracy.py --suite state     # optimizer state: vit_tiny, AdamW
+
+Optimizer-state rows (`--suite state`, or any level written `<preset>+<format>state`, e.g.
+`o2_bf16+int4state`, and the presets with int8 state): each is checked against the same level with
+its own state (`o2_bf16_int8state` against `o2_bf16`): bf16 and int8 state within 0.2 point, the
+measured optimizer-state memory (`mem_optimizer_state_mb`) at most 0.3x (int8) and 0.2x (int4) of
+the reference's; int4 and fp8 accuracy is reported. The suite runs on `vit_tiny` (most of a
+transformer's elements are in tensors torchao quantises; the tiny CNN's are mostly under 4096
+elements and keep fp32 state) with AdamW (torchao's low-bit optimizers are Adam and AdamW).
 
 Writes a Markdown table (also printed), a CSV with one row per run and a JSON with everything,
 after every run (a run stopped at a time limit keeps what it finished).
@@ -31,6 +40,7 @@ bad arguments.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import math
 import statistics
@@ -59,6 +69,26 @@ CPU_LEVELS = ["o0", "o1_bf16", "o2_bf16", "o3_bf16", "o3_bf16_sr", "o1_fp8",
               "o0+compile", "o2_bf16+compile"]
 CUDA_LEVELS = ["o0", "o1", "o2", "o3", "o1_bf16", "o2_bf16", "o3_bf16", "o3_bf16_sr", "o1_fp8",
                "o2_fp8", "o0+compile", "o2_bf16+compile", "o1_fp8+compile"]
+# Optimizer-state rows (`<preset>+<format>state`, and the presets with int8 state): each is checked
+# against the same level with its own state (`o2_bf16+int8state` and `o2_bf16_int8state` against
+# `o2_bf16`): bf16 and int8 state within 0.2 point, and the state's memory (the runs'
+# mem_optimizer_state_mb) at most these fractions of the reference's; int4 and fp8 are reported.
+STATE_TARGET_POINTS = 0.2
+STATE_CHECKED = ("bf16", "int8")
+STATE_MEMORY_TARGETS = {"int8": 0.3, "int4": 0.2}
+STATE_PRESETS = {"o2_bf16_int8state": ("o2_bf16", "int8"),
+                 "o3_bf16_sr_int8state": ("o3_bf16_sr", "int8")}
+STATE_SHORT = {"int8": "int8", "int4": "int4", "fp8": "fp8", "bfloat16": "bf16",
+               "float32": "fp32", "float16": "fp16"}
+# `--suite state`: the optimizer-state rows on a transformer (most of its elements in tensors that
+# torchao quantises: the tiny CNN's are mostly under 4096 elements) with AdamW (torchao's low-bit
+# optimizers are Adam and AdamW)
+STATE_LEVELS = ["o2_bf16", "o2_bf16+bf16state", "o2_bf16_int8state", "o2_bf16+int4state",
+                "o2_bf16+fp8state", "o3_bf16_sr", "o3_bf16_sr_int8state"]
+STATE_MODEL = "vit_tiny"
+STATE_TASK = ["model.patch_size=4", "optimizer=adamw", "optimizer.lr=1e-3",
+              "optimizer.weight_decay=0.05", "trainer.batch_size=256"]
+STATE_EPOCHS = 4
 DEFAULT_SEEDS = [0, 1, 2]
 DEFAULT_EPOCHS = 10
 # The fixed task. Synthetic 16-px images whose white noise (std 4, against a class pattern of unit
@@ -100,6 +130,8 @@ class RunResult:
     compile_time_s: float | None = None  # compiled runs: compiling the training step
     fp8_layers: int | None = None  # fp8 runs: the precision.fp8_layers param
     skipped_steps: float | None = None
+    optimizer_state: str | None = None  # the precision.optimizer_state param (the state's format)
+    state_mb: float | None = None  # mem_optimizer_state_mb: the state's stored bytes, in MiB
     wall_s: float | None = None
     run_id: str | None = None
     error: str | None = None
@@ -127,6 +159,15 @@ class LevelSummary:
     compile_times_s: list[float] = field(default_factory=list)  # per seed, in seed order
     fp8_layers: list[int] = field(default_factory=list)  # per seed (the same model: one value)
     statuses: list[str] = field(default_factory=list)
+    # optimizer-state rows: the level they are checked against, their format, the difference in
+    # points, the state's memory against the reference's (means over seeds), and the verdicts
+    state_reference: str | None = None
+    state_format: str | None = None
+    state_mb: float | None = None
+    vs_state_points: float | None = None
+    within_state_target: bool | None = None
+    state_memory_ratio: float | None = None
+    within_memory_target: bool | None = None
 
 
 # ---- arguments ----------------------------------------------------------------------------------
@@ -145,15 +186,27 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="comma-separated trainer.seed values (default 0,1,2); the dataset "
                         "(data.seed) stays fixed")
     parser.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
-    parser.add_argument("--epochs", type=int, default=DEFAULT_EPOCHS,
-                        help=f"trainer.max_epochs (default {DEFAULT_EPOCHS})")
-    parser.add_argument("--model", default="tiny",
+    parser.add_argument("--epochs", type=int, default=None,
+                        help=f"trainer.max_epochs (default {DEFAULT_EPOCHS}; "
+                        f"{STATE_EPOCHS} with --suite state)")
+    parser.add_argument("--model", default=None,
                         help="model config option, or <zoo>:<arch> for model=<zoo> "
-                        "model.arch=<arch> (default tiny)")
+                        "model.arch=<arch> (default tiny; vit_tiny with --suite state)")
+    parser.add_argument("--suite", choices=["levels", "state"], default="levels",
+                        help="levels (default): the precision levels against O0 on the tiny "
+                        "CNN with SGD; state: the optimizer-state rows ("
+                        f"{','.join(STATE_LEVELS)}) on {STATE_MODEL} with AdamW, "
+                        f"{STATE_EPOCHS} epochs unless --epochs says otherwise")
     add_run_options(parser, EXPERIMENT, "accuracy", extra_help="more Hydra overrides, applied "
                     "after the benchmark's own, e.g. --extra data.num_train=64 data.num_val=64")
     args = parser.parse_args(argv)
 
+    state_suite = args.suite == "state"
+    if args.epochs is None:
+        args.epochs = STATE_EPOCHS if state_suite else DEFAULT_EPOCHS
+    if args.model is None:
+        args.model = STATE_MODEL if state_suite else "tiny"
+    args.suite_task = STATE_TASK if state_suite else []
     if args.epochs < 1:
         parser.error("--epochs must be at least 1")
     args.seeds = parse_seeds(parser, args.seeds, DEFAULT_SEEDS)
@@ -162,7 +215,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     from runner.run.plan import preset_options
 
     known = preset_options()
-    levels = args.levels or (CUDA_LEVELS if args.device == "cuda" else CPU_LEVELS)
+    levels = args.levels or (STATE_LEVELS if state_suite else
+                             CUDA_LEVELS if args.device == "cuda" else CPU_LEVELS)
     try:
         levels = [parse_level(lvl, known).name for lvl in levels]
     except ValueError as error:
@@ -171,7 +225,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         levels = [BASELINE, *levels]
     args.levels = list(dict.fromkeys(levels))  # unique, in order
     if args.out is None:
-        args.out = REPO / "benchmarks" / "results" / f"accuracy_{args.device}.md"
+        suite = "_state" if state_suite else ""
+        args.out = REPO / "benchmarks" / "results" / f"accuracy{suite}_{args.device}.md"
     return args
 
 
@@ -180,6 +235,7 @@ def task_overrides(args: argparse.Namespace) -> list[str]:
     return [
         *model_overrides(args.model),
         *TASK_OVERRIDES,
+        *getattr(args, "suite_task", []),
         f"trainer.max_epochs={args.epochs}",
         f"trainer.device={args.device}",
         *args.extra,
@@ -218,8 +274,24 @@ def read_run(tracking_uri: str, experiment: str, key: str,
 
 
 def run_name(model: str, level: str, seed: int) -> str:
-    """`<model>-<preset>[-compiled]-seed<seed>` (the runner's own suffix for a compiled run)."""
-    return f"{model}-{level.replace('+compile', '-compiled')}-seed{seed}"
+    """`<model>-<preset>[-<format>state][-compiled]-seed<seed>` (the runner's own suffix for a
+    compiled run)."""
+    return f"{model}-{level.replace('+compile', '-compiled').replace('+', '-')}-seed{seed}"
+
+
+def state_of(level: str) -> tuple[str | None, str | None]:
+    """An optimizer-state row's (reference level, state format), or (None, None): the same
+    level without the state suffix (`o2_bf16+int8state` -> `o2_bf16`), or the base preset of a
+    preset with int8 state; a compiled row's reference is compiled too."""
+    from runner.run.plan import preset_options
+
+    spec = parse_level(level, preset_options())
+    if spec.state is not None:
+        return dataclasses.replace(spec, state=None).name, spec.state
+    if spec.preset in STATE_PRESETS:
+        base, fmt = STATE_PRESETS[spec.preset]
+        return dataclasses.replace(spec, preset=base).name, fmt
+    return None, None
 
 
 def run_one(args, level: str, seed: int, session: str) -> RunResult:
@@ -263,6 +335,8 @@ def run_one(args, level: str, seed: int, session: str) -> RunResult:
     result.epochs_time_s = sum(v for _, v in epochs) if epochs else None
     if "precision.fp8_layers" in stored.params:
         result.fp8_layers = int(stored.params["precision.fp8_layers"])
+    result.optimizer_state = stored.params.get("precision.optimizer_state")
+    result.state_mb = stored.metrics.get("mem_optimizer_state_mb")
     if result.best_val_acc is None and result.status == "finished":
         result.status, result.error = "crashed", "the run returned no accuracy"
     return result
@@ -278,11 +352,15 @@ def summarise(results: list[RunResult], levels: list[str], seeds: list[int]) -> 
     for level in levels:
         mine = [r for r in results if r.level == level]
         first = mine[0] if mine else RunResult(level, 0)
+        reference, fmt = state_of(level)
         summary = LevelSummary(
             level=level,
             opt_level=first.opt_level,
             dtype=first.dtype,
-            checked=level != BASELINE and first.opt_level != "O3",
+            # (a state row is checked against its own level's fp32-state row instead)
+            checked=level != BASELINE and first.opt_level != "O3" and reference is None,
+            state_reference=reference,
+            state_format=fmt,
             compiled=first.compiled,
             fp8=first.fp8,
             sr_checked=level == SR_LEVEL,
@@ -302,12 +380,28 @@ def summarise(results: list[RunResult], levels: list[str], seeds: list[int]) -> 
         summary.mean_train_time_s = statistics.fmean(times) if times else None
         times = _finite(r.epochs_time_s for r in mine)
         summary.mean_epochs_time_s = statistics.fmean(times) if times else None
+        state = _finite(r.state_mb for r in mine)
+        summary.state_mb = statistics.fmean(state) if state else None
         rows.append(summary)
     base = next((r for r in rows if r.level == BASELINE), None)
     reference = next((r for r in rows if r.level == SR_REFERENCE), None)
+    by_level = {r.level: r for r in rows}
     for row in rows:
         if base is not None and base.mean is not None and row.mean is not None:
             row.diff_points = 100.0 * (row.mean - base.mean)
+        ref = by_level.get(row.state_reference) if row.state_reference else None
+        if ref is not None:
+            if ref.mean is not None and row.mean is not None:
+                row.vs_state_points = 100.0 * (row.mean - ref.mean)
+            if ref.state_mb and row.state_mb is not None:
+                row.state_memory_ratio = row.state_mb / ref.state_mb
+            if row.state_format in STATE_CHECKED:
+                row.within_state_target = (row.vs_state_points is not None
+                                           and abs(row.vs_state_points) <= STATE_TARGET_POINTS)
+            if row.state_format in STATE_MEMORY_TARGETS:
+                row.within_memory_target = (
+                    row.state_memory_ratio is not None
+                    and row.state_memory_ratio <= STATE_MEMORY_TARGETS[row.state_format])
         if row.checked:
             row.within_target = row.diff_points is not None and abs(row.diff_points) <= TARGET_POINTS
         if row.sr_checked and reference is not None:
@@ -353,10 +447,43 @@ def verdict(rows: list[LevelSummary]) -> str:
                          f"{'PASS' if sr.within_sr_target else 'MISS'}, "
                          f"{sr.vs_reference_points:+.2f} point(s) "
                          f"(target: within {SR_TARGET_POINTS:g})")
+    states = [r for r in rows if r.state_reference]
+    if states:
+        parts.append("optimizer state against its level's own: "
+                     + ", ".join(_state_verdict(r, rows) for r in states))
     if o3:
         parts.append(f"O3 against O0 (reported, not checked): {', '.join(fmt(r) for r in o3)} "
                      "points")
     return "Verdict: " + "; ".join(parts) + "."
+
+
+def _state_verdict(r: LevelSummary, rows: list[LevelSummary]) -> str:
+    """`o2_bf16_int8state vs o2_bf16: PASS (+0.05 point, state 0.26x)`."""
+    if not any(x.level == r.state_reference for x in rows):
+        return f"{r.level} vs {r.state_reference}: NOT JUDGED ({r.state_reference} was not run)"
+    if r.vs_state_points is None:
+        return f"{r.level} vs {r.state_reference}: NOT JUDGED (a run did not finish)"
+    checks = [c for c in (r.within_state_target, r.within_memory_target) if c is not None]
+    word = "reported" if not checks else "PASS" if all(checks) else "MISS"
+    ratio = "" if r.state_memory_ratio is None else f", state {r.state_memory_ratio:.2f}x"
+    return f"{r.level} vs {r.state_reference}: {word} ({r.vs_state_points:+.2f} point{ratio})"
+
+
+def _state_check(r: LevelSummary) -> str:
+    """The check column of an optimizer-state row."""
+    if r.vs_state_points is None:
+        text = f"vs `{r.state_reference}`: not judged"
+    elif r.within_state_target is None:
+        text = f"vs `{r.state_reference}`: reported ({r.vs_state_points:+.2f})"
+    else:
+        text = (f"vs `{r.state_reference}` within {STATE_TARGET_POINTS:g}: "
+                f"{'yes' if r.within_state_target else '**no**'} ({r.vs_state_points:+.2f})")
+    if r.state_memory_ratio is not None:
+        text += f"; state {r.state_memory_ratio:.2f}x"
+        if r.within_memory_target is not None:
+            target = STATE_MEMORY_TARGETS[r.state_format]
+            text += f" (<= {target:g}: {'yes' if r.within_memory_target else '**no**'})"
+    return text
 
 
 def _pct(value: float | None) -> str:
@@ -413,7 +540,14 @@ def render_markdown(report: dict, rows: list[LevelSummary]) -> str:
         f"checked against O0, except that `{SR_LEVEL}` (bf16 weights without fp32 masters, "
         f"stochastic rounding) passes when its mean is within {SR_TARGET_POINTS:g} point of "
         f"`{SR_REFERENCE}`'s (the same bf16 model with fp32 master weights). `<preset>+compile` "
-        "is the preset with `trainer.compile=true`.",
+        "is the preset with `trainer.compile=true`."
+        + (f" An optimizer-state row (`<preset>+<format>state`: `precision.optimizer_state`, "
+           "or a preset with int8 state) is checked against the same level with its own state: "
+           f"bf16 and int8 state within {STATE_TARGET_POINTS:g} point, the state's memory "
+           "(`mem_optimizer_state_mb`) at most "
+           + ", ".join(f"{v:g}x for {k}" for k, v in STATE_MEMORY_TARGETS.items())
+           + " of the reference's; int4 and fp8 accuracy is reported."
+           if any(r.state_reference for r in rows) else ""),
         "",
         "| level | preset | dtype | " + " | ".join(f"seed {s}" for s in seeds)
         + " | mean ± std | Δ vs O0 (points) | check | skipped steps | fp8 layers | compile (s) "
@@ -434,6 +568,8 @@ def render_markdown(report: dict, rows: list[LevelSummary]) -> str:
         diff = "-" if r.diff_points is None else f"{r.diff_points:+.2f}"
         if r.level == BASELINE:
             within = "baseline"
+        elif r.state_reference:
+            within = _state_check(r)
         elif r.sr_checked:
             within = (f"vs `{SR_REFERENCE}` within {SR_TARGET_POINTS:g}: " + (
                 "not judged" if r.vs_reference_points is None else
@@ -483,8 +619,8 @@ def render_markdown(report: dict, rows: list[LevelSummary]) -> str:
 
 def write_outputs(out: Path, report: dict, rows: list[LevelSummary]) -> list[Path]:
     fields = ["level", "opt_level", "dtype", "seed", "status", "best_val_acc", "train_time_s",
-              "epochs_time_s", "compile_time_s", "fp8_layers", "skipped_steps", "wall_s",
-              "run_id", "error"]
+              "epochs_time_s", "compile_time_s", "fp8_layers", "skipped_steps",
+              "optimizer_state", "state_mb", "wall_s", "run_id", "error"]
     payload = {k: v for k, v in report.items() if not k.startswith("_")}
     payload["summary"] = [asdict(r) for r in rows]
     payload["verdict"] = verdict(rows)

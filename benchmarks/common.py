@@ -270,29 +270,49 @@ COMPILE_SUFFIX = "+compile"
 @dataclass(frozen=True)
 class LevelSpec:
     """A benchmark's level: a precision preset, run eagerly or with `trainer.compile=true`
-    (written `<preset>+compile`, e.g. `o2_bf16+compile`)."""
+    (written `<preset>+compile`, e.g. `o2_bf16+compile`), with the preset's optimizer state or
+    another format (`<preset>+<format>state`, e.g. `o2_bf16+int4state`:
+    `precision.optimizer_state=int4`)."""
 
     preset: str
     compile: bool = False
+    state: str | None = None  # precision.optimizer_state (int8, int4, fp8, bf16, fp32, fp16)
 
     @property
     def name(self) -> str:
-        return self.preset + (COMPILE_SUFFIX if self.compile else "")
+        return (self.preset + (f"+{self.state}state" if self.state else "")
+                + (COMPILE_SUFFIX if self.compile else ""))
 
     def overrides(self) -> list[str]:
-        return [f"precision={self.preset}", *(["trainer.compile=true"] if self.compile else [])]
+        return [f"precision={self.preset}",
+                *([f"precision.optimizer_state={self.state}"] if self.state else []),
+                *(["trainer.compile=true"] if self.compile else [])]
+
+
+# the optimizer-state formats a level may name (`+int8state`), as precision.optimizer_state spells
+# them or their short names
+STATE_SUFFIXES = ("int8", "int4", "fp8", "bf16", "fp32", "fp16")
+_SUFFIXES_SAID = f"{COMPILE_SUFFIX} (trainer.compile=true) and +<format>state " \
+    f"(precision.optimizer_state; format: {', '.join(STATE_SUFFIXES)})"
 
 
 def parse_level(text: str, known: Sequence[str]) -> LevelSpec:
-    """`<preset>` or `<preset>+compile` into a LevelSpec; a ValueError saying what is wrong (an
-    unknown preset, with the known ones, or an unknown suffix) otherwise."""
-    preset, plus, suffix = text.partition("+")
-    if plus and suffix != COMPILE_SUFFIX[1:]:
-        raise ValueError(f"{text!r}: the only suffix is {COMPILE_SUFFIX} (trainer.compile=true)")
+    """`<preset>`, `<preset>+<format>state`, each optionally with `+compile`, into a LevelSpec;
+    a ValueError saying what is wrong (an unknown preset, with the known ones, or an unknown
+    suffix) otherwise."""
+    preset, *suffixes = text.split("+")
+    compile_, state = False, None
+    for suffix in suffixes:
+        if suffix == COMPILE_SUFFIX[1:] and not compile_:
+            compile_ = True
+        elif suffix.endswith("state") and suffix[:-5] in STATE_SUFFIXES and state is None:
+            state = suffix[:-5]
+        else:
+            raise ValueError(f"{text!r}: the suffixes are {_SUFFIXES_SAID}")
     if preset not in known:
         raise ValueError(f"unknown level {preset!r}; choose from {', '.join(known)} (each "
-                         f"optionally with {COMPILE_SUFFIX})")
-    return LevelSpec(preset, bool(plus))
+                         f"optionally with {_SUFFIXES_SAID})")
+    return LevelSpec(preset, compile_, state)
 
 
 def describe_level(precision: Any, compiled: bool = False) -> str:

@@ -116,7 +116,8 @@ def test_accuracy_level_specs_and_the_sr_check():
     args = bench.parse_args(["--levels", "o2_bf16+compile,o3_bf16_sr", "--device", "cpu"])
     assert args.levels == ["o0", "o2_bf16+compile", "o3_bf16_sr"]
     assert bench.parse_args(["--device", "cpu"]).levels == bench.CPU_LEVELS
-    for bad, message in [("o2_bf16+fast", "the only suffix is +compile"),
+    for bad, message in [("o2_bf16+fast", "the suffixes are +compile"),
+                         ("o2_bf16+int3state", "the suffixes are +compile"),
                          ("o9+compile", "unknown level 'o9'")]:
         with pytest.raises(SystemExit) as exit_:
             bench.parse_args(["--levels", bad, "--device", "cpu"])
@@ -163,3 +164,71 @@ def test_accuracy_compiled_rows_are_checked_and_show_their_compile_times():
             "| within 1: **no** | - | - | 30.0 / 4.0 | 7.0 | 24.0 |") in table
     assert "MISS: o0+compile -1.50 point(s) from O0" in table
     assert "torch.compile's on-disk cache was a new empty folder" in table
+
+
+def test_accuracy_state_rows_parse_and_are_checked_against_their_own_level():
+    bench = _load_benchmark()
+    args = bench.parse_args(["--suite", "state", "--device", "cpu"])
+    assert args.levels == ["o0", *bench.STATE_LEVELS] and args.model == "vit_tiny"
+    assert args.epochs == bench.STATE_EPOCHS and "optimizer=adamw" in bench.task_overrides(args)
+    assert args.out.name == "accuracy_state_cpu.md"
+    assert bench.state_of("o2_bf16+int4state") == ("o2_bf16", "int4")
+    assert bench.state_of("o2_bf16+int8state+compile") == ("o2_bf16+compile", "int8")
+    assert bench.state_of("o3_bf16_sr_int8state") == ("o3_bf16_sr", "int8")
+    assert bench.state_of("o2_bf16") == (None, None)
+    assert bench.run_name("vit_tiny", "o2_bf16+bf16state", 0) == "vit_tiny-o2_bf16-bf16state-seed0"
+
+    def results(level, accs, opt_level, state_mb):
+        return [bench.RunResult(level, seed, opt_level=opt_level, best_val_acc=acc,
+                                state_mb=state_mb) for seed, acc in enumerate(accs)]
+
+    runs = [*results("o0", [0.60, 0.62], "O0", 4.0), *results("o2_bf16", [0.60, 0.62], "O2", 4.0),
+            *results("o2_bf16_int8state", [0.601, 0.621], "O2", 1.0),
+            *results("o2_bf16+int4state", [0.58, 0.60], "O2", 0.6),
+            *results("o2_bf16+bf16state", [0.596, 0.612], "O2", 2.0)]
+    levels = ["o0", "o2_bf16", "o2_bf16_int8state", "o2_bf16+int4state", "o2_bf16+bf16state"]
+    rows = {r.level: r for r in bench.summarise(runs, levels, [0, 1])}
+    int8, int4, bf16 = rows["o2_bf16_int8state"], rows["o2_bf16+int4state"], rows["o2_bf16+bf16state"]
+    assert not int8.checked and int8.state_reference == "o2_bf16"  # not against O0
+    assert int8.vs_state_points == pytest.approx(0.1) and int8.within_state_target
+    assert int8.state_memory_ratio == pytest.approx(0.25) and int8.within_memory_target
+    assert int4.within_state_target is None  # int4 accuracy is reported
+    assert int4.state_memory_ratio == pytest.approx(0.15) and int4.within_memory_target
+    assert bf16.vs_state_points == pytest.approx(-0.6) and not bf16.within_state_target
+    assert bf16.within_memory_target is None
+    text = bench.verdict(list(rows.values()))
+    assert "o2_bf16_int8state vs o2_bf16: PASS (+0.10 point, state 0.25x)" in text
+    assert "o2_bf16+int4state vs o2_bf16: PASS (-2.00 point, state 0.15x)" in text
+    assert "o2_bf16+bf16state vs o2_bf16: MISS (-0.60 point, state 0.50x)" in text
+    assert bench._state_check(int8) == \
+        "vs `o2_bf16` within 0.2: yes (+0.10); state 0.25x (<= 0.3: yes)"
+
+
+@pytest.mark.slow  # four real runs of vit_tiny, torchao's update uncompiled (a cold compile of
+# every parameter shape would take minutes on 2 cores)
+def test_accuracy_benchmark_state_suite_smoke(tmp_path: Path, monkeypatch):
+    import torchao.optim.adam as adam
+
+    monkeypatch.setattr(adam.torch, "compile", lambda fn, **kwargs: fn)
+    bench = _load_benchmark()
+    out = tmp_path / "accuracy_state.md"
+    code = bench.main([
+        "--suite", "state", "--levels", "o2_bf16,o2_bf16_int8state,o2_bf16+bf16state",
+        "--seeds", "0", "--device", "cpu", "--epochs", "1", "--out", str(out),
+        "--tracking-uri", f"sqlite:///{tmp_path / 'm.db'}",
+        "--extra", "data.num_train=64", "data.num_val=64", "trainer.batch_size=32",
+    ])
+    assert code == 0
+    table = out.read_text()
+    assert ("| O2 | `o2_bf16_int8state` | bfloat16 (fp32 BatchNorm, fp32 master weights), int8 "
+            "optimizer state |") in table
+    assert "vs `o2_bf16` within 0.2:" in table and "(<= 0.3: " in table
+    assert "optimizer state against its level's own: o2_bf16_int8state vs o2_bf16:" in table
+    with out.with_suffix(".csv").open() as f:
+        rows = {r["level"]: r for r in csv.DictReader(f)}
+    assert rows["o2_bf16_int8state"]["optimizer_state"] == "int8"
+    assert rows["o2_bf16+bf16state"]["optimizer_state"] == "bfloat16"
+    ratio = float(rows["o2_bf16_int8state"]["state_mb"]) / float(rows["o2_bf16"]["state_mb"])
+    assert ratio <= 0.3, ratio
+    assert float(rows["o2_bf16+bf16state"]["state_mb"]) / float(rows["o2_bf16"]["state_mb"]) \
+        == pytest.approx(0.5, abs=0.01)
