@@ -40,7 +40,6 @@ bad arguments.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import math
 import statistics
@@ -56,8 +55,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from common import (REPO, add_run_options, compose, crash_status, csv_list,  # noqa: E402
                     describe_level, fresh_compile_cache, model_label, model_overrides,
                     parse_level, parse_seeds, prepare_store, resolve_device, run_overrides,
-                    run_report_fields, run_setup_lines, store_uri, unfinished_lines,
-                    write_results)
+                    run_report_fields, run_setup_lines, state_reference, store_uri,
+                    unfinished_lines, write_results)
 
 EXPERIMENT = "accuracy-parity"
 TARGET_POINTS = 1.0  # a checked level's mean must be within this many points of O0's mean
@@ -76,10 +75,6 @@ CUDA_LEVELS = ["o0", "o1", "o2", "o3", "o1_bf16", "o2_bf16", "o3_bf16", "o3_bf16
 STATE_TARGET_POINTS = 0.2
 STATE_CHECKED = ("bf16", "int8")
 STATE_MEMORY_TARGETS = {"int8": 0.3, "int4": 0.2}
-STATE_PRESETS = {"o2_bf16_int8state": ("o2_bf16", "int8"),
-                 "o3_bf16_sr_int8state": ("o3_bf16_sr", "int8")}
-STATE_SHORT = {"int8": "int8", "int4": "int4", "fp8": "fp8", "bfloat16": "bf16",
-               "float32": "fp32", "float16": "fp16"}
 # `--suite state`: the optimizer-state rows on a transformer (most of its elements in tensors that
 # torchao quantises: the tiny CNN's are mostly under 4096 elements) with AdamW (torchao's low-bit
 # optimizers are Adam and AdamW)
@@ -280,18 +275,11 @@ def run_name(model: str, level: str, seed: int) -> str:
 
 
 def state_of(level: str) -> tuple[str | None, str | None]:
-    """An optimizer-state row's (reference level, state format), or (None, None): the same
-    level without the state suffix (`o2_bf16+int8state` -> `o2_bf16`), or the base preset of a
-    preset with int8 state; a compiled row's reference is compiled too."""
+    """An optimizer-state row's (reference level, state format), or (None, None)
+    (`common.state_reference`)."""
     from runner.run.plan import preset_options
 
-    spec = parse_level(level, preset_options())
-    if spec.state is not None:
-        return dataclasses.replace(spec, state=None).name, spec.state
-    if spec.preset in STATE_PRESETS:
-        base, fmt = STATE_PRESETS[spec.preset]
-        return dataclasses.replace(spec, preset=base).name, fmt
-    return None, None
+    return state_reference(level, preset_options())
 
 
 def run_one(args, level: str, seed: int, session: str) -> RunResult:

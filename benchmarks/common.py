@@ -296,6 +296,27 @@ _SUFFIXES_SAID = f"{COMPILE_SUFFIX} (trainer.compile=true) and +<format>state " 
     f"(precision.optimizer_state; format: {', '.join(STATE_SUFFIXES)})"
 
 
+# the presets whose optimizer state is not their level's own: preset -> (its level's preset, format)
+STATE_PRESETS = {"o2_bf16_int8state": ("o2_bf16", "int8"),
+                 "o3_bf16_sr_int8state": ("o3_bf16_sr", "int8")}
+
+
+def state_reference(level: str, known: Sequence[str]) -> tuple[str | None, str | None]:
+    """An optimizer-state level's (reference level, state format), or (None, None): the same
+    level without the state suffix (`o2_bf16+int8state` -> `o2_bf16`), or the level's preset for
+    a preset with int8 state (`o2_bf16_int8state` -> `o2_bf16`); a compiled row's reference is
+    compiled too."""
+    import dataclasses
+
+    spec = parse_level(level, known)
+    if spec.state is not None:
+        return dataclasses.replace(spec, state=None).name, spec.state
+    if spec.preset in STATE_PRESETS:
+        base, fmt = STATE_PRESETS[spec.preset]
+        return dataclasses.replace(spec, preset=base).name, fmt
+    return None, None
+
+
 def parse_level(text: str, known: Sequence[str]) -> LevelSpec:
     """`<preset>`, `<preset>+<format>state`, each optionally with `+compile`, into a LevelSpec;
     a ValueError saying what is wrong (an unknown preset, with the known ones, or an unknown

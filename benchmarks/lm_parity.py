@@ -28,6 +28,13 @@ Targets (issue 24), on the mean best validation loss over the seeds (|difference
   o1_fp8, o2_fp8        within 0.05 nats of o1_bf16, o2_bf16 (their level without fp8); every
                         fp8 run must convert all 13 Linear layers (`precision.fp8_layers`)
   o3_bf16 (and o3)      reported against o0, not checked
+  optimizer state       `<preset>+<format>state` (precision.optimizer_state) and the presets with
+                        int8 state (o2_bf16_int8state, o3_bf16_sr_int8state): bf16 and int8
+                        state within 0.02 nats of the same level with its own state (issue 26),
+                        int4 and fp8 reported; the state's memory (mem_optimizer_state_mb) at
+                        most 0.3x (int8) and 0.2x (int4) of that level's. Not in the default
+                        levels (torchao's update is slow on a CPU); e.g.
+                        --levels o0,o2_bf16,o2_bf16_int8state,o2_bf16+bf16state,o2_bf16+int4state
 
 Overhead (`--overhead-rounds`, default 15; 0 skips it): overhead.py's machinery on the same
 model, batch and optimizer settings (one batch of the synthetic language at vocabulary 256 held
@@ -66,9 +73,10 @@ from typing import Any, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from common import (REPO, add_run_options, check_presets, compose, crash_status,  # noqa: E402
-                    csv_list, describe_level, load_average, parse_seeds, prepare_store,
-                    resolve_device, run_overrides, run_report_fields, run_setup_lines, store_uri,
-                    unfinished_lines, write_results)
+                    csv_list, describe_level, load_average, parse_level, parse_seeds,
+                    prepare_store, resolve_device, run_overrides, run_report_fields,
+                    run_setup_lines, state_reference, store_uri, unfinished_lines,
+                    write_results)
 
 EXPERIMENT = "lm-parity"
 MODEL = "gpt_tiny"
@@ -85,6 +93,12 @@ TARGETS: dict[str, tuple[str, float]] = {
     "o1_fp8": ("o1_bf16", 0.05),
     "o2_fp8": ("o2_bf16", 0.05),
 }
+# optimizer-state levels (`<preset>+<format>state`, the presets with int8 state): bf16 and int8
+# state within this of the same level with its own state; int4 and fp8 state reported. The
+# state's memory (mem_optimizer_state_mb) against the reference's is shown beside, with targets.
+STATE_TOLERANCE = 0.02
+STATE_CHECKED = ("bf16", "int8")
+STATE_MEMORY_TARGETS = {"int8": 0.3, "int4": 0.2}
 CPU_LEVELS = ["o0", "o1_bf16", "o2_bf16", "o3_bf16_sr", "o1_fp8"]
 CUDA_LEVELS = ["o0", "o1", "o2", "o1_bf16", "o2_bf16", "o3_bf16", "o3_bf16_sr", "o1_fp8",
                "o2_fp8"]
@@ -125,6 +139,7 @@ class RunResult:
     train_time_s: float | None = None
     skipped_steps: float | None = None
     fp8_layers: int | None = None  # fp8 runs: the precision.fp8_layers param
+    state_mb: float | None = None  # mem_optimizer_state_mb: the optimizer state's stored MiB
     train_windows: int | None = None  # the data.train_size / data.val_size params
     val_windows: int | None = None
     wall_s: float | None = None
@@ -152,6 +167,13 @@ class LevelSummary:
     skipped_steps: float | None = None
     fp8_layers: list[int] = field(default_factory=list)  # per finished fp8 run
     statuses: list[str] = field(default_factory=list)
+    # optimizer-state levels: the format, the mean state MiB, and the ratio to the level with its
+    # own state (with its target, where the format has one)
+    state_format: str | None = None
+    state_reference: str | None = None
+    state_mb: float | None = None
+    state_memory_ratio: float | None = None
+    within_memory_target: bool | None = None
 
     @property
     def checked(self) -> bool:
@@ -229,7 +251,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error(f"--corpus {args.corpus} does not exist")
 
     levels = args.levels or (CUDA_LEVELS if args.device == "cuda" else CPU_LEVELS)
-    check_presets(parser, levels)
+    check_levels(parser, levels)
     if BASELINE not in levels:
         levels = [BASELINE, *levels]
     levels = list(dict.fromkeys(levels))
@@ -322,8 +344,42 @@ def describe_corpus(cfg: Any) -> dict:
 
 
 # ---- running ------------------------------------------------------------------------------------
+def check_levels(parser, levels: Sequence[str]) -> None:
+    """The parser's error where a level is neither a preset nor `<preset>+<format>state` (no
+    compiled rows here)."""
+    from runner.run.plan import preset_options
+
+    for level in levels:
+        try:
+            spec = parse_level(level, preset_options())
+        except ValueError as error:
+            parser.error(str(error))
+        if spec.compile:
+            parser.error(f"{level}: this benchmark has no compiled rows (+compile)")
+
+
+def level_overrides(level: str) -> list[str]:
+    """`precision=<preset>`, and `precision.optimizer_state=<format>` for `+<format>state`."""
+    from runner.run.plan import preset_options
+
+    return parse_level(level, preset_options()).overrides()
+
+
+def target_of(level: str) -> tuple[str | None, float | None, str | None, str | None]:
+    """(reference, tolerance, state format, state reference) of a level: TARGETS' entry; an
+    optimizer-state level is checked against its level with its own state where its format is
+    bf16 or int8 (within STATE_TOLERANCE), else reported against o0."""
+    from runner.run.plan import preset_options
+
+    state_ref, fmt = state_reference(level, preset_options())
+    reference, tolerance = TARGETS.get(level, (None, None))
+    if fmt in STATE_CHECKED and reference is None:
+        reference, tolerance = state_ref, STATE_TOLERANCE
+    return reference, tolerance, fmt, state_ref
+
+
 def run_name(level: str, seed: int) -> str:
-    return f"{MODEL}-{level}-seed{seed}"
+    return f"{MODEL}-{level.replace('+', '-')}-seed{seed}"
 
 
 def run_one(args: argparse.Namespace, level: str, seed: int, session: str) -> RunResult:
@@ -334,7 +390,7 @@ def run_one(args: argparse.Namespace, level: str, seed: int, session: str) -> Ru
     from runner.run.app import run
 
     key = f"{session}/{level}/s{seed}"
-    overrides = run_overrides(task_overrides(args), [f"precision={level}"], seed, args,
+    overrides = run_overrides(task_overrides(args), level_overrides(level), seed, args,
                               run_name(level, seed), EXPERIMENT, key)
     result = RunResult(level=level, seed=seed)
     started = time.perf_counter()
@@ -363,6 +419,7 @@ def run_one(args: argparse.Namespace, level: str, seed: int, session: str) -> Ru
     params = stored.params
     if "precision.fp8_layers" in params:
         result.fp8_layers = int(params["precision.fp8_layers"])
+    result.state_mb = stored.metrics.get("mem_optimizer_state_mb")
     if "data.train_size" in params:
         result.train_windows = int(params["data.train_size"])
         result.val_windows = int(params["data.val_size"])
@@ -389,10 +446,11 @@ def summarise(results: Sequence[RunResult], levels: Sequence[str],
     for level in levels:
         mine = [r for r in results if r.level == level]
         first = mine[0] if mine else RunResult(level, 0)
-        reference, tolerance = TARGETS.get(level, (None, None))
+        reference, tolerance, fmt, state_ref = target_of(level)
         row = LevelSummary(
             level=level, opt_level=first.opt_level, dtype=first.dtype, fp8=first.fp8,
-            reference=reference, tolerance=tolerance,
+            reference=reference, tolerance=tolerance, state_format=fmt,
+            state_reference=state_ref, state_mb=_mean(r.state_mb for r in mine),
             losses={r.seed: r.best_val_loss if r.status == "finished" else None for r in mine},
             mean_token_acc=_mean(r.val_token_acc for r in mine if r.status == "finished"),
             mean_tokens_per_s=_mean(r.tokens_per_s for r in mine if r.status == "finished"),
@@ -408,7 +466,13 @@ def summarise(results: Sequence[RunResult], levels: Sequence[str],
         row.skipped_steps = sum(skipped) if skipped else None
         rows.append(row)
     means = {r.level: r.mean for r in rows}
+    state = {r.level: r.state_mb for r in rows}
     for row in rows:
+        if row.state_reference and state.get(row.state_reference) and row.state_mb is not None:
+            row.state_memory_ratio = row.state_mb / state[row.state_reference]
+            if row.state_format in STATE_MEMORY_TARGETS:
+                row.within_memory_target = \
+                    row.state_memory_ratio <= STATE_MEMORY_TARGETS[row.state_format]
         if row.mean is not None and means.get(BASELINE) is not None:
             row.diff_vs_o0 = row.mean - means[BASELINE]
         if row.checked and row.mean is not None and means.get(row.reference) is not None:
@@ -447,7 +511,8 @@ def verdict(rows: Sequence[LevelSummary], skipped: dict[str, str] | None = None)
     missed = [r for r in judged if not r.within_target]
     unjudged = [r for r in checked if r.within_target is None]
     fp8_problems = fp8_layer_problems(rows)
-    if missed or fp8_problems:
+    memory_misses = [r for r in rows if r.within_memory_target is False]
+    if missed or fp8_problems or memory_misses:
         head = "MISS"
     elif unjudged or not checked:
         head = "INCOMPLETE"
@@ -470,6 +535,9 @@ def verdict(rows: Sequence[LevelSummary], skipped: dict[str, str] | None = None)
         parts.append(f"fp8 layers: UNEXPECTED {', '.join(fp8_problems)} (expected "
                      f"{EXPECTED_FP8_LAYERS})" if fp8_problems else
                      f"fp8 layers: {EXPECTED_FP8_LAYERS} in every fp8 run, as expected")
+    states = [r for r in rows if r.state_memory_ratio is not None]
+    if states:
+        parts.append("optimizer state memory: " + ", ".join(_state_memory(r) for r in states))
     reported = [r for r in rows if not r.checked and r.level != BASELINE]
     if reported:
         parts.append("reported, not checked: " + ", ".join(
@@ -479,6 +547,15 @@ def verdict(rows: Sequence[LevelSummary], skipped: dict[str, str] | None = None)
         parts.append(f"{level} skipped ({why})")
     return (f"Verdict: {head}: " + "; ".join(parts) + f" (o0: {base.mean:.4f} nats per token, "
             f"perplexity {base.perplexity:.3f}).")
+
+
+def _state_memory(r: LevelSummary) -> str:
+    """`o2_bf16_int8state 0.27x of o2_bf16 (target <= 0.3: yes)`."""
+    text = f"{r.level} {r.state_memory_ratio:.2f}x of {r.state_reference}"
+    if r.within_memory_target is not None:
+        text += (f" (target <= {STATE_MEMORY_TARGETS[r.state_format]:g}: "
+                 f"{'yes' if r.within_memory_target else 'NO'})")
+    return text
 
 
 # ---- the overhead -------------------------------------------------------------------------------
@@ -627,6 +704,11 @@ def render_markdown(report: dict, rows: Sequence[LevelSummary]) -> str:
             reference, target = f"`{r.reference}`", f"±{r.tolerance:g}"
             meets = ("not judged" if r.within_target is None
                      else "yes" if r.within_target else "**no**")
+        if r.state_memory_ratio is not None:
+            meets += f"; state {r.state_memory_ratio:.2f}x" + (
+                "" if r.within_memory_target is None else
+                f" (<= {STATE_MEMORY_TARGETS[r.state_format]:g}: "
+                f"{'yes' if r.within_memory_target else '**no**'})")
         diff = r.diff if r.checked else r.diff_vs_o0 if r.level != BASELINE else None
         fp8 = "-" if not r.fp8 else (" / ".join(str(n) for n in dict.fromkeys(r.fp8_layers))
                                      or "?")
@@ -669,7 +751,7 @@ def render_markdown(report: dict, rows: Sequence[LevelSummary]) -> str:
 
 
 CSV_FIELDS = ["level", "opt_level", "dtype", "seed", "status", "best_val_loss", "val_perplexity",
-              "val_token_acc", "tokens_per_s", "train_time_s", "skipped_steps", "fp8_layers",
+              "val_token_acc", "tokens_per_s", "train_time_s", "skipped_steps", "fp8_layers", "state_mb",
               "train_windows", "val_windows", "wall_s", "run_id", "error"]
 
 

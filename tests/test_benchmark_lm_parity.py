@@ -213,3 +213,38 @@ def test_lm_parity_arguments(monkeypatch, capsys):
             bench.parse_args(argv)
         assert exit_.value.code == 2
         assert message in capsys.readouterr().err
+
+
+def test_lm_parity_optimizer_state_levels_against_their_own_level():
+    """bf16 and int8 state are checked within 0.02 nats of the same level with its own state,
+    int4 is reported; each state row's memory ratio to that level is judged where it has a
+    target (int8 0.3x, int4 0.2x)."""
+    bench = load_benchmark("lm_parity")
+    assert bench.target_of("o2_bf16_int8state") == ("o2_bf16", 0.02, "int8", "o2_bf16")
+    assert bench.target_of("o2_bf16+bf16state") == ("o2_bf16", 0.02, "bf16", "o2_bf16")
+    assert bench.target_of("o2_bf16+int4state") == (None, None, "int4", "o2_bf16")
+    assert bench.target_of("o3_bf16_sr") == ("o2_bf16", 0.03, None, None)
+    assert bench.level_overrides("o2_bf16+int4state") == [
+        "precision=o2_bf16", "precision.optimizer_state=int4"]
+    assert bench.run_name("o2_bf16+int4state", 1) == "gpt_tiny-o2_bf16-int4state-seed1"
+
+    def runs(level, loss, state_mb):
+        return [bench.RunResult(level, seed, opt_level="O2", best_val_loss=loss + 0.001 * seed,
+                                state_mb=state_mb) for seed in (0, 1)]
+
+    results = [*runs("o0", 2.00, 1.0), *runs("o2_bf16", 2.00, 1.0),
+               *runs("o2_bf16_int8state", 2.015, 0.27), *runs("o2_bf16+bf16state", 2.03, 0.5),
+               *runs("o2_bf16+int4state", 2.10, 0.25)]
+    levels = ["o0", "o2_bf16", "o2_bf16_int8state", "o2_bf16+bf16state", "o2_bf16+int4state"]
+    rows = {r.level: r for r in bench.summarise(results, levels, [0, 1])}
+    assert rows["o2_bf16_int8state"].within_target and rows["o2_bf16_int8state"].within_memory_target
+    assert not rows["o2_bf16+bf16state"].within_target  # 0.03 nats worse
+    assert rows["o2_bf16+int4state"].within_target is None  # reported
+    assert rows["o2_bf16+int4state"].state_memory_ratio == pytest.approx(0.25)
+    assert rows["o2_bf16+int4state"].within_memory_target is False  # above 0.2x
+    text = bench.verdict(list(rows.values()))
+    assert text.startswith("Verdict: MISS")
+    assert "o2_bf16_int8state 0.27x of o2_bf16 (target <= 0.3: yes)" in text
+    assert "o2_bf16+int4state 0.25x of o2_bf16 (target <= 0.2: NO)" in text
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--levels", "o2_bf16+int8state+compile", "--device", "cpu"])
