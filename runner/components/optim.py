@@ -16,16 +16,10 @@ from runner.config import options
 
 
 def build_optimizer(cfg, params: Iterable[torch.nn.Parameter],
-                    spec: Optional[options.Spec] = None, properties=None) -> torch.optim.Optimizer:
+                    spec: Optional[options.Spec] = None) -> torch.optim.Optimizer:
     """The optimizer of `cfg`'s option (its builder in `runner.config.options.SPECS`; `spec`: the
-    option's, where the caller has it). With `properties` (the run's precision) whose
-    `optimizer_state` is a low-bit format, torchao's low-bit Adam/AdamW of the same
-    hyperparameters (`runner.precision.state`; the plan has refused any other optimizer)."""
-    if properties is not None and properties.low_bit_state:
-        from runner.precision.state import build_low_bit
-
-        return build_low_bit(cfg, list(params), properties.state_format,
-                             stochastic_rounding=properties.stochastic_rounding)
+    option's, where the caller has it). A low-bit `precision.optimizer_state` replaces it with
+    torchao's optimizer of the same hyperparameters: `runner.run.build`."""
     return _spec("optimizer", cfg, spec).build()(cfg, list(params))
 
 

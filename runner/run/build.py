@@ -28,6 +28,7 @@ from runner.components.optim import build_optimizer, build_scheduler
 from runner.measure.probes import MemoryProbe
 from runner.precision import AmpEngine, Finding, Properties
 from runner.precision.checks import DeviceInfo, state_findings, tensor_core_findings
+from runner.precision.state import build_low_bit
 from runner.run import distributed
 from runner.run.distributed import Comm
 from runner.run.plan import RunPlan
@@ -122,12 +123,16 @@ def build(plan: RunPlan, device: Optional[torch.device] = None, comm: Optional[C
         on_model(model)
     findings = shape_findings(cfg, plan.properties, DeviceInfo.from_torch(device), model)
     findings += state_findings(model, plan.properties)
-    optimizer = build_optimizer(cfg.optimizer, model.parameters(), plan.specs.get("optimizer"),
-                                plan.properties)
-    if plan.properties.low_bit_state:
+    if plan.properties.low_bit_state:  # torchao's low-bit Adam/AdamW (the plan checked which)
+        optimizer = build_low_bit(cfg.optimizer, list(model.parameters()),
+                                  plan.properties.state_format,
+                                  stochastic_rounding=plan.properties.stochastic_rounding)
         log.info("Optimizer: torchao's %s with %s state; its update is compiled per parameter "
                  "shape on the first step (cached on disk for later runs)",
                  type(optimizer).__name__, plan.properties.state_format)
+    else:
+        optimizer = build_optimizer(cfg.optimizer, model.parameters(),
+                                    plan.specs.get("optimizer"))
     engine = AmpEngine(plan.properties, device,
                        kernels=cfg.precision.kernels if kernels is not None else "torch",
                        flag_reducer=distributed.flag_reducer(comm), seed=cfg.trainer.seed)
