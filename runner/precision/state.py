@@ -8,8 +8,10 @@ Two families:
   optimizer's step runs as it is. Otherwise each step loads the state (and 16-bit weights) to
   fp32, runs the optimizer's own `step` there and stores the state back in its type, rounded to
   nearest (`step_in_fp32`): Adam's arithmetic, `sqrt(v) + eps` included, is fp32 whatever the
-  storage. Stochastically rounded runs (`rounding.sr_step`, the `*_step_sr` kernels) store their
-  bf16 weights the same way and their state in this type.
+  storage. Stochastically rounded runs (`rounding.sr_step`, the `*_step_sr` kernels) step the
+  same way, and store their bf16 weights and bf16 state rounded stochastically (each with its own
+  random bits), so that Adam's second moment can decay (rounded to nearest it cannot: a
+  0.1% decrease a step is under half of bf16's spacing).
 * **low-bit** (`int8`, `int4`, `fp8`): torchao's blockwise-quantised Adam/AdamW
   (`torchao.optim.AdamW8bit`, `AdamW4bit`, `AdamWFp8` and their Adam siblings): each moment is
   codes (uint8; two 4-bit codes per byte; float8_e4m3fn) plus one fp32 scale per block of
