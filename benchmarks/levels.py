@@ -195,9 +195,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         if level == HANDWRITTEN:
             continue
         try:
-            parse_level(level, known)
+            spec = parse_level(level, known)
         except ValueError as error:
             p.error(f"{error}, or {HANDWRITTEN}")
+        if spec.state is not None:  # (accuracy.py and lm_parity.py have optimizer-state rows)
+            p.error(f"{level!r}: this benchmark times the levels with their own optimizer "
+                    "state; the only suffix here is +compile")
     args.levels = levels  # per model
     args.out = args.out or REPO / "benchmarks" / "results" / f"levels_{args.device}.md"
     if args.merge and args.out.with_suffix(".json").is_file():

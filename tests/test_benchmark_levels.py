@@ -112,7 +112,8 @@ def test_levels_default_compiled_rows_are_for_one_model_per_device():
 def test_levels_benchmark_rejects_bad_arguments(tmp_path: Path, capsys):
     bench = load_benchmark("levels")
     for argv, message in [(["--levels", "o9"], "unknown level"),
-                          (["--levels", "o2_bf16+fast"], "the only suffix is +compile"),
+                          (["--levels", "o2_bf16+fast"], "the suffixes are +compile"),
+                          (["--levels", "o2_bf16+int8state"], "the only suffix here is +compile"),
                           (["--levels", "torch_amp+compile"], "unknown level 'torch_amp'"),
                           (["--models", "resnet99"], "unknown model"),
                           (["--steps", "0"], "--steps must be at least 1"),
