@@ -56,6 +56,7 @@ from common import (REPO, add_run_options, compose, crash_status, csv_list,  # n
                     describe_level, fresh_compile_cache, model_label, model_overrides,
                     parse_level, parse_seeds, prepare_store, resolve_device, run_overrides,
                     run_report_fields, run_setup_lines, state_reference, store_uri,
+                    STATE_CHECKED, STATE_MEMORY_TARGETS,
                     unfinished_lines, write_results)
 
 EXPERIMENT = "accuracy-parity"
@@ -71,10 +72,9 @@ CUDA_LEVELS = ["o0", "o1", "o2", "o3", "o1_bf16", "o2_bf16", "o3_bf16", "o3_bf16
 # Optimizer-state rows (`<preset>+<format>state`, and the presets with int8 state): each is checked
 # against the same level with its own state (`o2_bf16+int8state` and `o2_bf16_int8state` against
 # `o2_bf16`): bf16 and int8 state within 0.2 point, and the state's memory (the runs'
-# mem_optimizer_state_mb) at most these fractions of the reference's; int4 and fp8 are reported.
+# mem_optimizer_state_mb) within common.STATE_MEMORY_TARGETS of the reference's; int4 and fp8 are
+# reported.
 STATE_TARGET_POINTS = 0.2
-STATE_CHECKED = ("bf16", "int8")
-STATE_MEMORY_TARGETS = {"int8": 0.3, "int4": 0.2}
 # `--suite state`: the optimizer-state rows on a transformer (most of its elements in tensors that
 # torchao quantises: the tiny CNN's are mostly under 4096 elements) with AdamW (torchao's low-bit
 # optimizers are Adam and AdamW)

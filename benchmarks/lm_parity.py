@@ -76,6 +76,7 @@ from common import (REPO, add_run_options, check_presets, compose, crash_status,
                     csv_list, describe_level, load_average, parse_level, parse_seeds,
                     prepare_store, resolve_device, run_overrides, run_report_fields,
                     run_setup_lines, state_reference, store_uri, unfinished_lines,
+                    STATE_CHECKED, STATE_MEMORY_TARGETS,
                     write_results)
 
 EXPERIMENT = "lm-parity"
@@ -97,8 +98,6 @@ TARGETS: dict[str, tuple[str, float]] = {
 # state within this of the same level with its own state; int4 and fp8 state reported. The
 # state's memory (mem_optimizer_state_mb) against the reference's is shown beside, with targets.
 STATE_TOLERANCE = 0.02
-STATE_CHECKED = ("bf16", "int8")
-STATE_MEMORY_TARGETS = {"int8": 0.3, "int4": 0.2}
 CPU_LEVELS = ["o0", "o1_bf16", "o2_bf16", "o3_bf16_sr", "o1_fp8"]
 CUDA_LEVELS = ["o0", "o1", "o2", "o1_bf16", "o2_bf16", "o3_bf16", "o3_bf16_sr", "o1_fp8",
                "o2_fp8"]

@@ -78,7 +78,7 @@ from runner.precision import fp8, paths
 from runner.precision.autocast import autocast_context
 from runner.precision.casting import IOCastHooks, cast_model, install_output_cast
 from runner.precision.master import MasterSet, MasterWeights
-from runner.precision.properties import Properties, dtype_name
+from runner.precision.properties import Properties
 from runner.precision.scaler import LossScaler
 
 
@@ -237,8 +237,7 @@ class AmpEngine:
         self._clock = paths.RoundingClock(seed) if properties.stochastic_rounding else None
         # the float type the optimizer keeps its state in where that is not the stepped params'
         # own (optimizer_state); None: torch's layout (the params' types), or a low-bit format
-        follows = properties.state_format == dtype_name(properties.stepped_dtype)
-        self._state_dtype = None if follows else properties.state_dtype
+        self._state_dtype = None if properties.state_follows_weights else properties.state_dtype
         # which Linear layers run in fp8 (fp8_linear), once a model is cast
         self.fp8: Optional[fp8.Conversion] = None
         self._optimizers: dict[int, _Prepared] = {}

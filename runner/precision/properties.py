@@ -153,11 +153,16 @@ class Properties:
         return None if self.low_bit_state else _DTYPES[self.state_format]
 
     @property
+    def state_follows_weights(self) -> bool:
+        """Whether the state is kept in the stepped weights' own type (torch's layout)."""
+        return self.state_format == dtype_name(self.stepped_dtype)
+
+    @property
     def optimizer_state_dtype(self) -> torch.dtype:
         """The type the optimizer's arithmetic on its state runs in (Adam's sqrt(v) + eps): the
         stepped weights' type where the optimizer keeps its state in that type (torch's own
         step), else fp32 (every other format is loaded to fp32, updated and stored back)."""
-        if self.state_format == dtype_name(self.stepped_dtype):
+        if self.state_follows_weights:
             return self.stepped_dtype
         return torch.float32
 

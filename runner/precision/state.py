@@ -74,9 +74,13 @@ def plain_state_params(named: Iterable[tuple[str, torch.Tensor]], fmt: str
                        ) -> list[tuple[str, int]]:
     """(name, numel) of the parameters that keep plain (unquantised) state under `fmt`: fewer
     than 4096 elements, or not a multiple of the block size."""
-    block = BLOCK_SIZES[fmt]
-    return [(name, p.numel()) for name, p in named
-            if p.numel() < MIN_QUANTISED_NUMEL or p.numel() % block != 0]
+    return [(name, p.numel()) for name, p in named if not quantised(p.numel(), BLOCK_SIZES[fmt])]
+
+
+def quantised(numel: int, block_size: int) -> bool:
+    """torchao's rule: a tensor's state is quantised when it has at least 4096 elements and is
+    a multiple of the block size."""
+    return numel >= MIN_QUANTISED_NUMEL and block_size > 0 and numel % block_size == 0
 
 
 def param_shaped(key: Any, value: Any, param: torch.Tensor) -> bool:
@@ -189,8 +193,7 @@ def quantised_class(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> Op
     where its state is a plain tensor (any other optimizer; a small or odd-sized param)."""
     if not is_low_bit(optimizer):
         return None
-    block = getattr(optimizer, "block_size", 0)
-    if param.numel() < MIN_QUANTISED_NUMEL or not block or param.numel() % block:
+    if not quantised(param.numel(), getattr(optimizer, "block_size", 0)):
         return None
     name = type(optimizer).__name__
     return next((cls for key, cls in _STATE_CLASSES.items() if name.endswith(key)), None)
