@@ -30,7 +30,6 @@ import argparse
 import math
 import sys
 from dataclasses import dataclass, field
-from itertools import islice
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -90,6 +89,7 @@ class Preflight:
     preset: str
     keep_fp32: list[str]
     advice: list[str]
+    records: list = field(default_factory=list)  # the probe's (what a layer plan is decided from)
 
 
 def _aggregate(records) -> list[Layer]:
@@ -285,31 +285,27 @@ def render(result: Preflight, title: str) -> str:
 
 
 # ---- measuring -----------------------------------------------------------------------------------
-def measure(trainer, steps: int, folder: Path) -> list:
+def measure(trainer, steps: int, folder: Path, inputs: bool = False, layers=None) -> list:
     """`steps` training steps of `trainer` (fp32: an O0 engine), every one diagnosed in every
-    format; returns their layer records (scale 1: the gradients as an fp32 run stores them)."""
-    from runner.measure.diagnostics import FORMATS, RunDiagnostics
+    format; returns their layer records (runner.run.autoplan.measure)."""
+    from runner.run.autoplan import measure as measure_steps
 
-    trainer.diagnostics = RunDiagnostics(1, list(FORMATS.values()), folder)
-    trainer.model.train()
-    records = []
-    for x, y in islice(iter(trainer.train_loader), steps):
-        x, y = trainer._to_device(x, y)
-        loss = trainer.train_step(x, y)
-        trainer.global_step += 1
-        records += trainer.diagnostics.last
-        print(f"step {trainer.global_step}/{steps}: loss {float(loss):.4f}", flush=True)
-    return records
+    return measure_steps(trainer, steps, folder, inputs=inputs, layers=layers)
 
 
-def preflight(trainer, steps: int, folder: Path, title: str,
-              device_type: str = "cpu") -> tuple[Preflight, str, list[Path]]:
+def preflight(trainer, steps: int, folder: Path, title: str, device_type: str = "cpu",
+              for_plan: bool = False) -> tuple[Preflight, str, list[Path]]:
     """Measure, analyse, render, and write the artifacts into `folder` (the layers and
-    exponents CSV files, the figure with the recommended loss scale outlined, the text)."""
+    exponents CSV files, the figure with the recommended loss scale outlined, the text).
+    `for_plan`: probe every layer of a layer plan (every module that owns parameters) and their
+    inputs (the records are kept in the result)."""
     from runner.measure.diagnostics import FIGURE_PNG, FORMATS, GRADIENT_KINDS, plot_exponents
+    from runner.run.autoplan import plan_layers
 
-    records = measure(trainer, steps, folder)
-    result = analyse(records, steps, device_type)
+    records = measure(trainer, steps, folder, inputs=for_plan,
+                      layers=plan_layers if for_plan else None)
+    result = analyse([r for r in records if r.kind != "input"], steps, device_type)
+    result.records = records
     text = render(result, title)
     figure = plot_exponents(
         [r for r in records if r.kind in GRADIENT_KINDS], list(FORMATS.values()),
@@ -333,11 +329,25 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("diagnostics"),
                         help="folder for the CSV files, the figure and the text (default "
                         "./diagnostics)")
+    parser.add_argument("--plan", type=Path, default=None, metavar="PLAN.yaml",
+                        help="also write a layer plan for the asked level (precision=...): each "
+                        "layer's narrowest format whose range holds its values, and why; run it "
+                        "with precision.layer_plan=PLAN.yaml")
+    parser.add_argument("--max-underflow", type=float, default=None, metavar="SHARE",
+                        help="--plan: the share of a layer's gradients a format may lose to "
+                        "underflow (default precision.layer_plan_max_underflow, 0.01)")
+    parser.add_argument("--max-overflow", type=float, default=None, metavar="SHARE",
+                        help="--plan: the share of a layer's values a format may lose to overflow "
+                        "(default precision.layer_plan_max_overflow, 0)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for python -m runner "
                         "(e.g. model=resnet18 data=synthetic)")
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error("--steps must be at least 1")
+    for flag in ("max_underflow", "max_overflow"):
+        value = getattr(args, flag)
+        if value is not None and not 0 <= value < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be a share in [0, 1)")
     return args
 
 
@@ -360,9 +370,12 @@ def compose(overrides: Sequence[str]):
         raise RunnerError(f"{error}{cause}") from error
 
 
-def run(cfg, overrides: Sequence[str], steps: int, out: Path) -> Preflight:
+def run(cfg, overrides: Sequence[str], steps: int, out: Path, plan_path: Optional[Path] = None,
+        max_underflow: Optional[float] = None,
+        max_overflow: Optional[float] = None) -> Preflight:
     """The pre-flight of `cfg`: checked like a run (ConfigError before anything is built), then
-    measured in fp32 in an MLflow run tagged `diagnose`."""
+    measured in fp32 in an MLflow run tagged `diagnose`; with `plan_path`, a layer plan for the
+    asked level is written there too (runner.run.autoplan)."""
     import contextlib
     import dataclasses
 
@@ -377,7 +390,8 @@ def run(cfg, overrides: Sequence[str], steps: int, out: Path) -> Preflight:
     device = plan.device
     fp32 = resolve("O0", device=device)
     tracker = Tracker.from_config(cfg.mlflow)
-    measured = dataclasses.replace(plan, resolution=fp32, resume=None)  # the same run, in fp32
+    # the same run, in fp32 (no layer plan)
+    measured = dataclasses.replace(plan, resolution=fp32, resume=None, layer_rules=())
     with contextlib.closing(app.build(measured)) as parts:  # its workers end with it
         target = str(cfg.precision.preset)
         params = app.config_params(measured)
@@ -395,9 +409,13 @@ def run(cfg, overrides: Sequence[str], steps: int, out: Path) -> Preflight:
             title = (f"Range pre-flight: {options.label(cfg.model)} on "
                      f"{options.label(cfg.data)}, batch {cfg.trainer.batch_size}, {steps} fp32 "
                      f"training steps on {device.type} (asked for precision={target})")
-            result, text, paths = preflight(trainer, steps, out, title, device.type)
+            result, text, paths = preflight(trainer, steps, out, title, device.type,
+                                            for_plan=plan_path is not None)
             print()
             print(text, end="")
+            if plan_path is not None:
+                paths.append(write_plan(plan, parts.model, result.records, steps, plan_path,
+                                        max_underflow, max_overflow))
             underflow = result.underflow_at_scale
             summary = {"diagnose_fp16_loss_scale": result.loss_scale or math.nan,
                        "diagnose_fp16_grad_underflow_frac_at_scale":
@@ -414,11 +432,35 @@ def run(cfg, overrides: Sequence[str], steps: int, out: Path) -> Preflight:
     return result
 
 
+def write_plan(plan, model, records, steps: int, path: Path, max_underflow: Optional[float],
+               max_overflow: Optional[float]) -> Path:
+    """Decide the layer plan of the asked level from the pre-flight's records, print it and write
+    it (a plan file) to `path`."""
+    from runner.run import autoplan
+
+    node = plan.cfg.precision
+    thresholds = autoplan.Thresholds(
+        node.layer_plan_max_underflow if max_underflow is None else max_underflow,
+        node.layer_plan_max_overflow if max_overflow is None else max_overflow)
+    preset = str(node.preset)
+    auto = autoplan.decide(model, records, autoplan.weight_stats(model), plan.properties,
+                           thresholds, preset, steps)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(auto.yaml())
+    counts = ", ".join(f"{n} {fmt}" for fmt, n in auto.counts().items())
+    print(f"\nLayer plan for precision={preset} ({counts}; {len(auto.rules)} entries differ "
+          f"from the level); {auto.scale_note}:\n{auto.table()}\n")
+    print(f"Wrote the plan to {path}; train with it: python -m runner precision={preset} "
+          f"precision.layer_plan={path} ...")
+    return path
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         cfg = compose(args.overrides)
-        run(cfg, args.overrides, args.steps, args.out)
+        run(cfg, args.overrides, args.steps, args.out, args.plan, args.max_underflow,
+            args.max_overflow)
     except RunnerError as error:
         print(f"Error: {error}", file=sys.stderr)
         return 2

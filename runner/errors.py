@@ -30,3 +30,8 @@ class DataError(RunnerError):
 class DivergenceError(RunnerError):
     """Training diverged: the loss stayed inf/NaN, or every step was skipped, for
     `trainer.max_bad_steps` consecutive steps; the message says which and at which step."""
+
+
+class LayerPlanError(RunnerError):
+    """A layer ran in another format than its layer plan (or the level) says, with
+    precision.strict=true: the message names each layer, what it ran in and what was planned."""

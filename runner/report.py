@@ -208,7 +208,8 @@ def to_row(client, run) -> Row:
         dtype=describe_dtype(precision) if precision else "?",
         batch_size=int(batch) if batch and batch.isdigit() else None,
         metrics={k: v for k, v in run.data.metrics.items()
-                 if k in METRICS or k in LM_METRICS or k in MEMORY_METRICS or k == MEMORY_TOTAL},
+                 if k in METRICS or k in LM_METRICS or k in MEMORY_METRICS or k == MEMORY_TOTAL
+                 or k.startswith(m.LAYERS_IN)},
         val_acc=_history(client, run.info.run_id, m.VAL_ACC),
         peak_mem_kind=run.data.tags.get(tag.PEAK_MEM_KIND, "?"),
         task=params.get("task.name", "classification"),
@@ -367,11 +368,23 @@ def render_seed_table(rows: Sequence[Row]) -> list[str]:
 
 
 # ---- writing --------------------------------------------------------------------------------------
-COLUMNS = ["run", "model", "level", "dtype", "optimizer", "batch size", "status",
+# the layer audit's count of layers per observed format (runner.measure.audit)
+LAYER_FORMATS = ("fp32", "bf16", "fp16", "fp8")
+LAYERS_TITLE = "layers fp32/bf16/fp16/fp8"
+COLUMNS = ["run", "model", "level", "dtype", LAYERS_TITLE, "optimizer", "batch size", "status",
            "best val acc (%)", "train time (s)", "throughput (samples/s)", "peak memory (MB)",
            "skipped steps", "weights (MB)", "masters (MB)", "grads (MB)",
            "optimizer state (MB)", "activations (MB)", "state total (MB)", "speedup vs O0",
            "memory vs O0"]
+
+
+def layer_counts(row: Row) -> str:
+    """How many layers computed in fp32 / bf16 / fp16 / fp8 at the run's first step (the layer
+    audit's `layers_<format>` metrics), "-" for a run without them."""
+    values = [row.get(f"{m.LAYERS_IN}{fmt}") for fmt in LAYER_FORMATS]
+    if all(v is None for v in values):
+        return "-"
+    return "/".join(str(int(v or 0)) for v in values)
 
 
 def _fmt(value: float | None, spec: str, scale: float = 1.0) -> str:
@@ -403,6 +416,7 @@ def columns(rows: Sequence[Row]) -> list[tuple[str, Any]]:
     return [
         ("run", lambda r: names.get(r.run_id, r.run_name)), *varying, ("model", lambda r: r.model),
         ("level", lambda r: r.level), ("dtype", lambda r: r.dtype),
+        (LAYERS_TITLE, layer_counts),
         ("optimizer", lambda r: r.optimizer),
         ("batch size", lambda r: "-" if r.batch_size is None else str(r.batch_size)),
         ("status", lambda r: r.status), *quality,
@@ -410,7 +424,7 @@ def columns(rows: Sequence[Row]) -> list[tuple[str, Any]]:
         ("peak memory (MB)", lambda r: _fmt(r.get(m.PEAK_MEM_MB), ".0f")),
         ("skipped steps", lambda r: _fmt(r.get(m.SKIPPED_STEPS), ".0f")),
         *((title, (lambda key: lambda r: _fmt(r.get(key), ".2f"))(key)) for key, title in zip(
-            (*MEMORY_METRICS, MEMORY_TOTAL), COLUMNS[12:18])),
+            (*MEMORY_METRICS, MEMORY_TOTAL), COLUMNS[13:19])),
         ("speedup vs O0", lambda r: _fmt(r.speedup, ".2f")),
         ("memory vs O0", lambda r: _fmt(r.memory_ratio, ".2f")),
         ("baseline (O0)", lambda r: r.baseline or "-"),
@@ -423,7 +437,7 @@ def table_cells(row: Row, rows: Sequence[Row] | None = None) -> list[str]:
 
 def render_markdown(rows: Sequence[Row], title: str, source: str) -> str:
     titles = [title for title, _ in columns(rows)]
-    text = 7 + len(varying_params(rows))  # left-aligned columns: run, what varies, model ... status
+    text = 8 + len(varying_params(rows))  # left-aligned columns: run, what varies, model ... status
     lines = [f"# {title}", "", source, "",
              "| " + " | ".join(titles) + " |",
              "|" + "---|" * text + "---:|" * (len(titles) - text - 1) + "---|"]
@@ -441,7 +455,10 @@ def render_markdown(rows: Sequence[Row], title: str, source: str) -> str:
               " CUDA's max allocated memory, or on a CPU the training state counted from the "
               "tensors). Weights, masters, grads, optimizer state and activations: the memory of "
               "each kind of tensor in one training step, counted from the tensors themselves "
-              "(activations: the bytes saved for backward); state total is their sum.",
+              "(activations: the bytes saved for backward); state total is their sum. Layers "
+              "fp32/bf16/fp16/fp8: how many layers (modules with weights of their own) computed "
+              "in each format at the first step, as the layer audit saw them "
+              "(`layers/layers_ran.csv` of each run).",
               ""]
     lines += render_seed_table(rows)
     missing = [r for r in rows if r.missing]
@@ -473,12 +490,13 @@ def write_csv(rows: Sequence[Row], path: Path) -> None:
         writer = csv.writer(f)
         lm = [k for k in LM_METRICS if k not in METRICS] if any(r.is_lm for r in rows) else []
         varying = varying_params(rows)
-        writer.writerow(["run_id", "run_name", *varying, "model", "level", "dtype", "optimizer",
+        writer.writerow(["run_id", "run_name", *varying, "model", "level", "dtype", "layers",
+                         "optimizer",
                          "batch_size", "status", *METRICS, *MEMORY_METRICS, MEMORY_TOTAL,
                          "speedup_vs_o0", "memory_vs_o0", "baseline_run", "reason", *lm])
         for r in rows:
             writer.writerow([r.run_id, r.run_name, *(r.params.get(k) for k in varying), r.model,
-                             r.level, r.dtype, r.optimizer,
+                             r.level, r.dtype, layer_counts(r), r.optimizer,
                              r.batch_size, r.status, *(r.get(m) for m in METRICS),
                              *(r.get(m) for m in (*MEMORY_METRICS, MEMORY_TOTAL)), r.speedup,
                              r.memory_ratio, r.baseline, r.reason, *(r.get(k) for k in lm)])

@@ -145,20 +145,27 @@ def _watch_hooks(trainer) -> list[dict[str, int]]:
     return seen
 
 
-def test_off_means_no_hooks_at_any_time():
+def test_off_means_no_hooks_but_the_first_steps_audit():
+    """Diagnostics off: no probe ever; the only hooks are the layer audit's on the first step
+    (one forward hook per layer: runner.measure.audit), gone after it."""
     trainer, logged = make_trainer("O2", {}, diagnose_every_n_steps=0)
     seen = _watch_hooks(trainer)
     trainer.train_epoch(1)
     assert trainer.diagnostics is None
-    assert len(seen) == 4 and all(not any(counts.values()) for counts in seen)
+    layers = {layer.name for layer in trainer.layer_plan}
+    assert len(seen) == 4
+    assert {name: n for name, n in seen[0].items() if n} == {name: 1 for name in layers}
+    assert all(not any(counts.values()) for counts in seen[1:])
+    assert not any(_hook_counts(trainer.module).values())
     assert not torch.nn.modules.module._global_forward_hooks
     assert not any(k.startswith("diag_") for m, _ in logged for k in m)
+    assert [s for m, s in logged if "layers_off_plan" in m] == [1]
 
 
 def test_hooks_exist_only_during_the_diagnosed_steps():
     trainer, logged = make_trainer("O0", {}, diagnose_every_n_steps=3)
     seen = _watch_hooks(trainer)
-    trainer.train_epoch(1)  # steps 1-4: 1 and 4 are diagnosed
+    trainer.train_epoch(1)  # steps 1-4: 1 and 4 are diagnosed (and audited)
     layers = {name for name, _ in layers_of(trainer.module)}
     for step, counts in enumerate(seen, start=1):
         hooked = {name for name, n in counts.items() if n}

@@ -1,7 +1,8 @@
 """The precision presets after the level table moved into code (`runner.config.levels`): every
 preset composes and resolves to exactly what it did when each YAML spelled out every property
 (tests/preset_values.json was captured from those files before the change; the optimizer_state
-property and its two presets were added to it with that property)."""
+property and its two presets were added to it with that property, the layer plan's keys with
+theirs: no entry, no plan file, the auto plan's default settings)."""
 from __future__ import annotations
 
 import json

@@ -17,14 +17,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Mapping, Optional
+from typing import Any, Callable, Dict, Literal, Mapping, Optional
 
 from omegaconf import MISSING
 
 from runner.config.levels import SCALER_DEFAULTS
 from runner.errors import ConfigError
 
-Kind = Literal["dtype", "bool", "choice", "loss_scale", "number"]
+Kind = Literal["dtype", "bool", "choice", "loss_scale", "number", "layers", "layer_plan"]
 
 # torchao's float8 training recipes for Linear layers (e4m3 forward, e5m2 gradients, dynamic
 # scaling): one scale per tensor, or per row (more accurate, slower).
@@ -37,6 +37,14 @@ LOW_BIT_STATES = ("int8", "int4", "fp8")
 STATE_FORMATS = FLOAT_STATES + LOW_BIT_STATES
 STATE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
                  "half": "float16", "e4m3": "fp8", "float8": "fp8", "float8_e4m3fn": "fp8"}
+
+# The formats a layer may compute in (precision.layers, precision.layer_plan): a float type, or
+# fp8 (torchao's float8 Linear: e4m3 forward, e5m2 gradients, dynamic scaling).
+LAYER_FORMATS = ("float32", "bfloat16", "float16", "fp8")
+LAYER_FORMAT_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16",
+                        "fp16": "float16", "half": "float16", "e4m3": "fp8", "float8": "fp8"}
+# `precision.layer_plan`: a plan measured before training (runner.run.autoplan)
+AUTO_PLAN = "auto"
 
 DTYPE_ALIASES: dict[str, str] = {
     "float16": "float16", "fp16": "float16", "half": "float16",
@@ -101,6 +109,17 @@ def _state_suffix(params: Mapping[str, str]) -> Optional[str]:
     return f"{short}state"
 
 
+def _plan_suffix(params: Mapping[str, str]) -> Optional[str]:
+    """"autoplan" where a pre-flight plans the layers' formats, "plan" where a plan file or
+    `precision.layers` does."""
+    plan = params.get("layer_plan", "None")
+    if plan == AUTO_PLAN:
+        return "autoplan"
+    if plan != "None" or params.get("layers", "{}") != "{}":
+        return "plan"
+    return None
+
+
 def _computes_in_bf16(params: Mapping[str, str]) -> Optional[str]:
     """"bf16" where the model computes in bfloat16 (a bf16 model, or O1's bf16 autocast), unless
     its Linear layers run in fp8 (then "fp8" says more)."""
@@ -141,6 +160,13 @@ PROPERTIES: list[Property] = [
              "| fp8: how the optimizer stores momentum and Adam's moments",
              allow_none=True, choices=STATE_FORMATS, aliases=STATE_ALIASES,
              suffix=_state_suffix),
+    # per layer, on top of the level (runner.precision.layers): glob -> format, and a plan file
+    Property("layers", "layers", {}, Dict[str, str],
+             "module-name glob -> float32 | bfloat16 | float16 | fp8, in order (a later entry "
+             "wins); e.g. +precision.layers.head=float32", param=lambda v: layers_string(v)),
+    Property("layer_plan", "layer_plan", None, Optional[str],
+             "null | a YAML file of the same mapping | auto (a pre-flight plans each layer)",
+             allow_none=True, suffix=_plan_suffix),
     # dynamic loss scaling (used when loss_scale is "dynamic")
     _number("init_scale", lambda x: x > 0, "a finite number > 0, e.g. 65536", doc="2^16"),
     _number("growth_factor", lambda x: x > 1, "a finite number > 1, e.g. 2"),
@@ -175,14 +201,28 @@ _TRAILING_KEYS: list[tuple[str, Any, Any]] = [
     # fused C++/CUDA kernels (runner.csrc): auto (build on first use; torch's ops if that
     # fails, with a warning), fused (the kernels or an error), torch (never build)
     ("kernels", str, "auto"),
+    # precision.layer_plan=auto: the fp32 steps its pre-flight measures, and the shares of a
+    # layer's non-zero values that may underflow / overflow a format the plan gives it
+    ("layer_plan_steps", int, 3),
+    ("layer_plan_max_underflow", float, 0.01),
+    ("layer_plan_max_overflow", float, 0.0),
 ]
+# the keys of the precision node that are not properties, nor the level: read elsewhere
+NON_PROPERTY_KEYS = ("preset", "strict", *(name for name, _, _ in _TRAILING_KEYS))
+
+
+def _field(default: Any) -> Any:
+    """A dataclass field with `default` (a mutable one, the layers' mapping, by a factory)."""
+    if isinstance(default, (dict, list)):
+        return dataclasses.field(default_factory=lambda: type(default)(default))
+    return dataclasses.field(default=default)
 
 
 def precision_schema() -> type:
     """The typed schema of the precision group (`PrecisionConfig`), from `PROPERTIES`."""
     fields = [(name, typ, dataclasses.field(default=default))
               for name, typ, default in _OTHER_KEYS]
-    fields += [(p.name, p.schema_type, dataclasses.field(default=p.default)) for p in PROPERTIES]
+    fields += [(p.name, p.schema_type, _field(p.default)) for p in PROPERTIES]
     fields += [(name, typ, dataclasses.field(default=default))
                for name, typ, default in _TRAILING_KEYS]
     return dataclasses.make_dataclass(
@@ -295,7 +335,63 @@ def _parse_number(prop: Property, value: Any) -> Any:
     return number
 
 
+def parse_layer_format(key: str, value: Any) -> str:
+    """A layer's format by any of its spellings ("bf16", "torch.float32", "e4m3") -> its name;
+    else ConfigError(key)."""
+    text = str(value).strip().lower().removeprefix("torch.") if isinstance(value, str) \
+        or type(value).__name__ == "dtype" else None
+    if text in LAYER_FORMATS:
+        return text
+    if text is not None and text in LAYER_FORMAT_ALIASES:
+        return LAYER_FORMAT_ALIASES[text]
+    raise ConfigError(key, f"unknown layer format {value!r}", LAYER_FORMATS)
+
+
+def parse_layers(value: Any, key: str = "precision.layers") -> tuple[tuple[str, str], ...]:
+    """An ordered mapping of module-name globs to formats (a dict, or (glob, format) pairs) ->
+    a tuple of (glob, format name) pairs, in order; ConfigError naming `<key>.<glob>`."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in NONE_STRINGS):
+        return ()
+    if isinstance(value, Mapping):
+        items = list(value.items())
+    elif isinstance(value, (list, tuple)) and all(
+            isinstance(i, (list, tuple)) and len(i) == 2 for i in value):
+        items = [tuple(i) for i in value]
+    else:
+        raise ConfigError(key, f"expected a mapping of module-name globs to formats, got "
+                          f"{value!r}", ["{head: float32}", "+precision.layers.head=float32"])
+    out = []
+    for pattern, fmt in items:
+        if not isinstance(pattern, str) or not pattern.strip():
+            raise ConfigError(key, f"a module-name glob must be a non-empty string, got "
+                              f"{pattern!r}", ["head", "blocks.*.attn.*", "*norm*"])
+        out.append((pattern.strip(), parse_layer_format(f"{key}.{pattern.strip()}", fmt)))
+    return tuple(out)
+
+
+def layers_string(layers: tuple[tuple[str, str], ...], limit: int = 400) -> str:
+    """How `precision.layers` is logged: "{}" or "{head: float32, *norm*: float32}", cut at
+    `limit` characters with the count of entries (MLflow params are short)."""
+    text = "{" + ", ".join(f"{p}: {f}" for p, f in layers) + "}"
+    if len(text) > limit:
+        text = text[: limit - 40].rsplit(", ", 1)[0] + f", ... ({len(layers)} entries)}}"
+    return text
+
+
+def _parse_layer_plan(prop: Property, value: Any) -> Optional[str]:
+    """null, "auto", or the path of a plan file (read when the run is planned)."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in NONE_STRINGS):
+        return None
+    if not isinstance(value, str):
+        raise ConfigError(prop.key, f"expected a path or auto, got {value!r}",
+                          ["null", AUTO_PLAN, "path/to/plan.yaml"])
+    text = value.strip()
+    return AUTO_PLAN if text.lower() == AUTO_PLAN else text
+
+
 _PARSERS: dict[str, Callable[[Property, Any], Any]] = {
+    "layers": lambda prop, value: parse_layers(value, prop.key),
+    "layer_plan": _parse_layer_plan,
     "dtype": _parse_dtype,
     "bool": lambda prop, value: parse_bool(prop.key, value, prop.allow_none),
     "choice": _parse_choice,

@@ -7,7 +7,9 @@ would lose.
 
 **What is observed.** A *layer* is a module that owns parameters and has no child modules (a
 convolution, a BatchNorm, a linear layer; parameterless modules such as ReLU or pooling only pass
-values on and are not observed). Per layer and step, three kinds of values:
+values on and are not observed); a probe given its layers observes those instead (a layer plan's:
+every module that owns parameters itself). Per layer and step, three kinds of values (four with
+`inputs=True`: `input`, the layer's floating positional inputs, which a layer plan casts):
   `activation`       the layer's output in the forward pass (a forward hook);
   `activation_grad`  the gradient flowing back into that output (a tensor hook on it);
   `weight_grad`      the gradients of the layer's own parameters (their `.grad` after backward).
@@ -57,7 +59,8 @@ import torch
 from torch import nn
 
 ACTIVATION, ACTIVATION_GRAD, WEIGHT_GRAD = "activation", "activation_grad", "weight_grad"
-KINDS = (ACTIVATION, ACTIVATION_GRAD, WEIGHT_GRAD)
+INPUT = "input"  # a layer's floating inputs (only a probe made with inputs=True: a layer plan's)
+KINDS = (INPUT, ACTIVATION, ACTIVATION_GRAD, WEIGHT_GRAD)
 GRADIENT_KINDS = (ACTIVATION_GRAD, WEIGHT_GRAD)
 
 LOG2_MIN, LOG2_MAX = -126, 127  # the normal fp32 exponents: one bin each
@@ -320,12 +323,15 @@ class RangeProbe:
 
     Outside `with` the model holds no hook of the probe's."""
 
-    def __init__(self, model: nn.Module, formats: Sequence[Format], scale: float = 1.0):
+    def __init__(self, model: nn.Module, formats: Sequence[Format], scale: float = 1.0,
+                 inputs: bool = False,
+                 layers: Optional[Sequence[tuple[str, nn.Module]]] = None):
         self.model = model
         self.formats = list(formats)
         self.scale = float(scale)
+        self.inputs = inputs
         self.thresholds = _Thresholds(self.formats, self.scale)
-        self.layers = layers_of(model)
+        self.layers = list(layers) if layers is not None else layers_of(model)
         self._acc: dict[tuple[str, str], torch.Tensor] = {}
         self._handles: list = []
 
@@ -347,6 +353,9 @@ class RangeProbe:
         observe(acc, x, self.thresholds)
 
     def _forward_hook(self, layer: str, module: nn.Module, inputs, output) -> None:
+        if self.inputs:
+            for t in _tensors_in(inputs):
+                self._observe(layer, INPUT, t)
         for t in _tensors_in(output):
             self._observe(layer, ACTIVATION, t)
             if t.requires_grad:
@@ -513,11 +522,14 @@ class RunDiagnostics:
     and hands the files to `on_artifact` (under `diagnostics/`)."""
 
     def __init__(self, every: int, formats: Sequence[Format], folder: Optional[Path] = None,
-                 on_artifact: Optional[ArtifactSink] = None):
+                 on_artifact: Optional[ArtifactSink] = None, inputs: bool = False,
+                 layers: Optional[Callable[[nn.Module], Sequence[tuple[str, nn.Module]]]] = None):
         if every < 1:
             raise ValueError(f"every must be >= 1, got {every}")
         self.every = every
         self.formats = list(formats)
+        self.inputs = inputs  # probe the layers' inputs too (a layer plan's pre-flight)
+        self.layers = layers  # which layers (default: layers_of)
         self._folder = Path(folder) if folder is not None else None
         self.on_artifact = on_artifact
         self.last: list[LayerRecord] = []
@@ -539,7 +551,8 @@ class RunDiagnostics:
         return (step - 1) % self.every == 0
 
     def probe(self, model: nn.Module) -> RangeProbe:
-        return RangeProbe(model, self.formats)
+        return RangeProbe(model, self.formats, inputs=self.inputs,
+                          layers=self.layers(model) if self.layers is not None else None)
 
     def collect(self, probe: RangeProbe, step: int, loss_scale: float) -> list[LayerRecord]:
         """Read the probe (one host sync) and append its records to the CSV files."""

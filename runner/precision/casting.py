@@ -12,7 +12,7 @@ deep-copied (the copy casts too) and pickled whole (`torch.save(model)`).
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 from torch import nn
@@ -27,14 +27,20 @@ def cast_tensor(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def cast_module_(model: nn.Module, dtype: torch.dtype,
-                 keep_batchnorm_fp32: Optional[bool]) -> nn.Module:
+                 keep_batchnorm_fp32: Optional[bool],
+                 layer_dtypes: Optional[Mapping[int, torch.dtype]] = None) -> nn.Module:
     """Cast floating parameters (and their grads) and buffers to `dtype`, in place.
 
     With `keep_batchnorm_fp32`, every `_BatchNorm` (SyncBatchNorm included) is set to fp32 instead.
+    `layer_dtypes` ({id(module): dtype}, a layer plan's) sets a module's own type, before either.
     Integer buffers (`num_batches_tracked`) are left alone.
     """
+    layer_dtypes = layer_dtypes or {}
     for module in model.modules():
-        target = torch.float32 if keep_batchnorm_fp32 and isinstance(module, _BatchNorm) else dtype
+        target = layer_dtypes.get(id(module))
+        if target is None:
+            target = torch.float32 if keep_batchnorm_fp32 and isinstance(module, _BatchNorm) \
+                else dtype
         for param in module._parameters.values():
             if param is None or not param.is_floating_point() or param.dtype == target:
                 continue
@@ -108,11 +114,17 @@ def install_io_casts(model: nn.Module, dtype: torch.dtype,
 
 def cast_model(model: nn.Module, dtype: torch.dtype,
                keep_batchnorm_fp32: Optional[bool],
-               output_dtype: Optional[torch.dtype] = None) -> Optional[IOCastHooks]:
-    """Apex-style model cast: weights to `dtype` (fp32 BatchNorm if asked); for a 16-bit `dtype`
-    also install the input/output casts (outputs to `output_dtype`, fp32 when None).
-    Returns the hooks (None when `dtype` is fp32 and no output cast is asked for)."""
-    cast_module_(model, dtype, keep_batchnorm_fp32)
+               output_dtype: Optional[torch.dtype] = None,
+               layer_dtypes: Optional[Mapping[int, torch.dtype]] = None,
+               cast_inputs: bool = True) -> Optional[IOCastHooks]:
+    """Apex-style model cast: weights to `dtype` (fp32 BatchNorm if asked; `layer_dtypes` per
+    module, a layer plan's); for a 16-bit `dtype` also install the input/output casts (outputs to
+    `output_dtype`, fp32 when None; inputs unless `cast_inputs` is False: a layer plan's layers
+    then cast their own). Returns the hooks (None when `dtype` is fp32 and no output cast is asked
+    for)."""
+    cast_module_(model, dtype, keep_batchnorm_fp32, layer_dtypes)
+    if dtype in HALF_DTYPES and not cast_inputs:
+        return install_output_cast(model, output_dtype or torch.float32)
     if dtype in HALF_DTYPES:
         return install_io_casts(model, dtype, output_dtype or torch.float32)
     if output_dtype is not None:

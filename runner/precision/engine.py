@@ -74,7 +74,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from runner import csrc
-from runner.precision import fp8, paths
+from runner.precision import fp8, layers, paths
 from runner.precision.autocast import autocast_context
 from runner.precision.casting import IOCastHooks, cast_model, install_output_cast
 from runner.precision.master import MasterSet, MasterWeights
@@ -217,6 +217,7 @@ class AmpEngine:
         patch_functions: bool = False,
         seed: int = 0,
         masters_for_half_params: bool = False,
+        layer_rules: tuple = (),
     ):
         if num_losses < 1:
             raise ValueError(f"num_losses must be >= 1, got {num_losses}")
@@ -240,6 +241,11 @@ class AmpEngine:
         self._state_dtype = None if properties.state_follows_weights else properties.state_dtype
         # which Linear layers run in fp8 (fp8_linear), once a model is cast
         self.fp8: Optional[fp8.Conversion] = None
+        # precision per layer (runner.precision.layers): the entries of precision.layer_plan and
+        # precision.layers, and the plan they make for the (first) model cast
+        self.layer_rules: tuple[layers.LayerRule, ...] = tuple(layer_rules)
+        self.layer_plan: Optional[layers.LayerPlan] = None
+        self._enforcements: list[layers.Enforcement] = []
         self._optimizers: dict[int, _Prepared] = {}
         # the compiled kernels for this device (None: torch's ops); see runner.csrc
         self._kernels: Optional[csrc.Kernels] = csrc.load(self.device, kernels)
@@ -284,24 +290,44 @@ class AmpEngine:
         return model, optimizer
 
     def cast(self, model: nn.Module) -> nn.Module:
-        """The model half of `prepare`: fp8 Linear layers (fp8_linear), cast, IO hooks, fp32
-        state-dict hooks."""
+        """The model half of `prepare`: the layer plan (precision per layer), fp8 Linear layers
+        (fp8_linear, or the plan's fp8 layers), the cast (each planned layer's weights in its
+        type), IO hooks, the plan's input casts or local autocasts, fp32 state-dict hooks."""
         p = self.properties
-        if p.fp8_linear is not None:
-            conversion = fp8.convert(model, p.fp8_linear, emulate=not self._fp8_hardware())
+        plan = layers.assign(model, self.layer_rules, p)  # a glob matching nothing: ConfigError
+        if self.layer_plan is None:
+            self.layer_plan = plan
+        fp8_names = plan.fp8_layers()
+        if p.fp8_linear is not None or fp8_names:
+            only, reasons = None, {}
+            if self.layer_rules:
+                only = set(fp8_names)
+                for layer in plan.layers:
+                    if layer.rule is not None and layer.name not in only:
+                        reasons[layer.name] = f"{layer.planned}: {layer.why}"
+                    elif p.fp8_linear is None and layer.name not in only:
+                        reasons[layer.name] = "the level's type (fp8 only for the plan's layers)"
+            conversion = fp8.convert(model, p.fp8_linear or "tensorwise",
+                                     emulate=not self._fp8_hardware(), only=only, reasons=reasons)
             if self.fp8 is None:
                 self.fp8 = conversion
             else:  # several models: one listing
                 self.fp8.converted += conversion.converted
                 self.fp8.skipped += conversion.skipped
+                self.fp8.planned_out += conversion.planned_out
         hooks = None
         if p.cast_model_type is not None:
+            deviating = p.casts_to_half and plan.deviates
             hooks = cast_model(model, p.cast_model_type, p.keep_batchnorm_fp32,
-                               self.cast_model_outputs)
+                               self.cast_model_outputs,
+                               layer_dtypes=plan.weight_dtypes(model) if self.layer_rules else None,
+                               cast_inputs=not deviating)
         elif self.cast_model_outputs is not None:
             hooks = install_output_cast(model, self.cast_model_outputs)
         if hooks is not None:
             self._io_hooks.append(hooks)
+        if self.layer_rules:
+            self._enforcements.append(layers.enforce(model, plan, p, self.device.type))
         if p.casts_to_half:
             self._model_hooks += self._master_set.install_state_dict_hooks(model)
         return model
@@ -334,10 +360,14 @@ class AmpEngine:
         return optimizer
 
     def remove_hooks(self) -> None:
-        """Remove the input/output cast and state-dict hooks from every prepared model."""
+        """Remove the input/output cast and state-dict hooks (and a layer plan's input casts and
+        local autocasts) from every prepared model."""
         for h in self._io_hooks:
             h.remove()
         self._io_hooks = []
+        for enforcement in self._enforcements:
+            enforcement.remove()
+        self._enforcements = []
         for h in self._model_hooks:
             h.remove()
         self._model_hooks = []

@@ -14,6 +14,7 @@ torchao is an optional dependency (`amp-runner[fp8]`); it is imported only here,
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Mapping, Optional
 
 from torch import nn
 
@@ -32,6 +33,8 @@ class Conversion:
     emulated: bool
     converted: list[str] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (name, why)
+    # Linear layers a layer plan keeps out of fp8 (name, the plan's format and why)
+    planned_out: list[tuple[str, str]] = field(default_factory=list)
     origins: dict[int, str] = field(default_factory=dict)  # size -> the config key it comes from
 
     def findings(self) -> list[Finding]:
@@ -49,10 +52,14 @@ class Conversion:
 
     def listing(self) -> str:
         """The `fp8_layers.txt` artifact: one line per Linear layer."""
-        lines = [f"# fp8_linear={self.recipe}{' (emulated)' if self.emulated else ''}: "
-                 f"{len(self.converted)} Linear layers in fp8, {len(self.skipped)} not"]
+        kept = len(self.skipped) + len(self.planned_out)
+        source = f"fp8_linear={self.recipe}" if not self.planned_out else \
+            f"the layer plan's fp8 layers ({self.recipe} recipe)"
+        lines = [f"# {source}{' (emulated)' if self.emulated else ''}: "
+                 f"{len(self.converted)} Linear layers in fp8, {kept} not"]
         lines += [f"fp8   {name}" for name in self.converted]
         lines += [f"kept  {name}  ({why})" for name, why in self.skipped]
+        lines += [f"plan  {name}  ({why})" for name, why in self.planned_out]
         return "\n".join(lines) + "\n"
 
 
@@ -68,9 +75,12 @@ def _why_not(module: nn.Linear, origins: dict[int, str] | None = None) -> str | 
     return None
 
 
-def convert(model: nn.Module, recipe: str, emulate: bool) -> Conversion:
+def convert(model: nn.Module, recipe: str, emulate: bool, only: Optional[set[str]] = None,
+            reasons: Optional[Mapping[str, str]] = None) -> Conversion:
     """Swap `model`'s eligible Linear layers for torchao's Float8Linear (in place) with the
-    `recipe` ("tensorwise" or "rowwise"); `emulate` on a device without fp8 Tensor Cores."""
+    `recipe` ("tensorwise" or "rowwise"); `emulate` on a device without fp8 Tensor Cores.
+    `only`: a layer plan's fp8 layers (checked eligible), converted and no other; the others are
+    listed with their `reasons` (name -> the plan's format and why)."""
     import dataclasses
 
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -80,8 +90,12 @@ def convert(model: nn.Module, recipe: str, emulate: bool) -> Conversion:
         conversion.skipped.append((type(model).__name__, "the model itself is one Linear layer"))
         return conversion
     eligible: set[str] = set()
+    reasons = reasons or {}
     for name, module in model.named_modules():
-        if type(module) is nn.Linear:  # (not a subclass torchao would not know how to copy)
+        if type(module) is nn.Linear and only is not None and name not in only:
+            conversion.planned_out.append(
+                (name or type(module).__name__, reasons.get(name, "not an fp8 layer of the plan")))
+        elif type(module) is nn.Linear:  # (not a subclass torchao would not know how to copy)
             why = _why_not(module, conversion.origins)
             if why is None:
                 eligible.add(name)

@@ -67,6 +67,8 @@ class Properties:
     fp8_linear: Optional[str]  # torchao's float8 recipe for the Linear layers' GEMMs
     stochastic_rounding: bool  # a bf16 model's weights rounded at random at each update
     optimizer_state: Optional[str]  # the state's format (None: the stepped weights' own type)
+    layers: tuple[tuple[str, str], ...]  # (module-name glob, format) per layer, in order
+    layer_plan: Optional[str]  # a plan file's path, "auto", or None
     init_scale: float  # dynamic loss scaling (runner.precision.scaler.LossScaler)
     growth_factor: float
     backoff_factor: float
@@ -505,8 +507,8 @@ def resolve_properties(opt_level: str, overrides: Mapping[str, Any] | None = Non
         if key == "strict":
             strict_value = raw
             continue
-        if key in ("kernels", "preset"):
-            continue  # how the engine runs (AmpEngine(kernels=...)); the preset's file name
+        if key in ptable.NON_PROPERTY_KEYS:
+            continue  # how the engine runs (kernels), the preset's file name, how a plan is made
         values[key] = parse_property(str(key), raw)  # an unknown key: ConfigError, named
     strict = bool(ptable.parse_bool(_key("strict"), strict_value, allow_none=False))
     ptable.check_scaler_bounds(values)

@@ -28,11 +28,13 @@ from runner import csrc
 from runner.run import distributed
 from runner.config import options
 from runner.run import checkpoint
+from runner.measure import audit as layer_audit
 from runner.tracking import tags as tag
 from runner.run.distributed import Comm
 from runner.run.interrupts import StopRequest
 from runner.run.build import Parts, build, shape_findings  # noqa: F401  (Parts: the run's parts)
-from runner.run.plan import RunPlan, make_plan
+from runner.run.plan import RunPlan, check_layers, make_plan
+from runner.precision import layers
 from runner.precision import Resolution
 from runner.precision.checks import DeviceInfo
 
@@ -74,7 +76,8 @@ def config_params(plan: RunPlan) -> dict[str, str]:
     resolved precision property (`precision.<name>`)."""
     from runner.tracking.record import flatten
 
-    params = flatten(plan.config_tree)
+    params = {k: v for k, v in flatten(plan.config_tree).items()
+              if not k.startswith("precision.layers.")}  # (globs are no param names: one param)
     params["task.name"] = plan.task  # task=auto resolved: classification or language_model
     params.update({f"precision.{k}": v for k, v in plan.properties.as_params().items()})
     return params
@@ -130,11 +133,28 @@ def run_record(plan: RunPlan, parts: Parts, resolution: Resolution, *, world_siz
         tag.FINDINGS_LIST: resolution.compact() or "none",
         tag.COMMAND: " ".join([Path(command[0]).name, *command[1:]]) if command else "",
     })
+    if parts.engine.layer_plan is not None:  # runs planned alike share it (runner.precision.layers)
+        tags[tag.LAYER_PLAN_HASH] = parts.engine.layer_plan.digest()
     tags.update({str(k): str(v) for k, v in cfg.mlflow.tags.items()})
     tags.update(launch.extra_tags)
     if plan.resume is not None:
         tags.update(plan.resume.tags(cfg.trainer.max_epochs))
     return params, tags
+
+
+def log_layer_plan(tracked, plan: RunPlan, parts: Parts) -> None:
+    """The layer plan as artifacts under `layers/`: the table of every layer (planned format and
+    why) and, where entries decide layers, the plan file that reproduces them."""
+    layer_plan = parts.engine.layer_plan
+    if layer_plan is None:
+        return
+    tracked.log_text(layer_plan.table() + "\n", f"layers/{layer_audit.PLAN_TXT}")
+    if plan.layer_rules:
+        header = [f"amp-runner layer plan of {plan.run_name} (precision={plan.cfg.precision.preset}"
+                  f", {plan.properties.opt_level}), digest {layer_plan.digest()}"]
+        tracked.log_text(layer_plan.yaml(header), f"layers/{layer_audit.PLAN_YAML}")
+    if plan.auto_plan:  # the pre-flight's choice for every layer, and why
+        tracked.log_text(plan.auto_plan, f"layers/{layer_audit.AUTO_PLAN_YAML}")
 
 
 # ---- a run -----------------------------------------------------------------------------------------
@@ -147,6 +167,14 @@ def print_dry_run(plan: RunPlan) -> None:
                                   if OmegaConf.select(plan.cfg, "task.name") == "auto" else ""))
     print(plan.properties.table())
     print(Resolution(plan.properties, [*plan.resolution.findings, *findings]).findings_table())
+    if plan.properties.layer_plan == layers.AUTO:
+        print(f"Layer plan: auto, measured before training by a pre-flight of "
+              f"{plan.cfg.precision.layer_plan_steps} fp32 steps (runner.run.autoplan)"
+              + (f"; then precision.layers on top" if plan.properties.layers else ""))
+    elif plan.layer_rules:
+        layer_plan = check_layers(plan.cfg, plan.specs, plan.properties, plan.task)
+        print("Layer plan:\n" + (layer_plan.table() if layer_plan is not None else
+                                 "(checked against the model once its data is loaded)"))
     if plan.resume is not None and plan.resume.finished(plan.cfg.trainer.max_epochs):
         print(f"Would do nothing: {plan.run_name} {plan.resume.finished_message()}")
     elif plan.resume is not None:
@@ -199,6 +227,10 @@ def train(plan: RunPlan, comm: Comm, device: torch.device, launch: Launch) -> fl
     tracker = comm.on_main(lambda: Tracker.from_config(cfg.mlflow))
     if comm.is_main:
         tracker.reap()  # the experiment's RUNNING runs whose process is gone end KILLED
+    if plan.properties.layer_plan == layers.AUTO:  # the pre-flight plans each layer's format
+        from runner.run import autoplan
+
+        plan = autoplan.planned(plan, comm, device, launch.output_dir)
     # a single run does not wait for a first build of the kernels (torch's ops this once); a
     # sweep's jobs and a distributed run's ranks wait, so that they all step the same way
     parts = build(plan, device, comm,
@@ -259,6 +291,7 @@ def train_parts(plan: RunPlan, comm: Comm, device: torch.device, launch: Launch,
                                      + resolution.findings_table(), "precision.txt")
                     if parts.engine.fp8 is not None:
                         tracked.log_text(parts.engine.fp8.listing(), "fp8_layers.txt")
+                    log_layer_plan(tracked, plan, parts)
             path = checkpoint.path_for(plan.checkpoint_folder, tracked.run_id) \
                 if comm.is_main else None
             static = {"mlflow_run_id": tracked.run_id, "config": dict(plan.config_tree),
@@ -279,6 +312,8 @@ def train_parts(plan: RunPlan, comm: Comm, device: torch.device, launch: Launch,
                 on_artifact=tracked.log_file if comm.is_main else None,
                 artifact_dir=(launch.output_dir / "diagnostics"
                               if launch.output_dir is not None else None),
+                layers_dir=(launch.output_dir / "layers"
+                            if launch.output_dir is not None else None),
             ))
             if resume is not None:
                 resume.restore(trainer, cfg, plan.run_name)

@@ -135,8 +135,12 @@ def build(plan: RunPlan, device: Optional[torch.device] = None, comm: Optional[C
                                     plan.specs.get("optimizer"))
     engine = AmpEngine(plan.properties, device,
                        kernels=cfg.precision.kernels if kernels is not None else "torch",
-                       flag_reducer=distributed.flag_reducer(comm), seed=cfg.trainer.seed)
-    model, optimizer = engine.prepare(model, optimizer)  # cast and masters before any DDP wrap
+                       flag_reducer=distributed.flag_reducer(comm), seed=cfg.trainer.seed,
+                       layer_rules=plan.layer_rules)
+    # the layer plan (a glob matching no module: ConfigError, before any run exists), cast and
+    # masters, before any DDP wrap
+    model, optimizer = engine.prepare(model, optimizer)
+    engine.layer_plan.strict = bool(cfg.precision.strict)
     if engine.fp8 is not None:
         findings += engine.fp8.findings()
     if cfg.trainer.compile:  # in place: the module and its state-dict keys stay as they are

@@ -25,7 +25,9 @@ from runner.config.finder import config_dir
 from runner.config.precision import run_name_suffixes
 from runner.precision import Properties, Resolution, resolve
 from runner.precision.checks import DeviceInfo
-from runner.precision.properties import level_preset, parse_opt_level
+from runner.precision import layers
+from runner.precision.layers import LayerRule
+from runner.precision.properties import Context, level_preset, parse_opt_level, strict_finding
 from runner.run.resume import Resume
 from runner.config.validation import validate
 
@@ -43,6 +45,10 @@ class RunPlan:
     resume: Optional[Resume]  # the checkpoint this run continues from, checked; None: fresh
     specs: Mapping[str, Optional[options.Spec]]  # each option group's spec, looked up once
     task: str = options.CLASSIFICATION  # task=auto resolved (runner.tasks): what a batch is
+    # precision per layer (runner.precision.layers): the plan file's entries, then
+    # precision.layers' (with layer_plan=auto, the pre-flight's replace the file's at run time)
+    layer_rules: tuple[LayerRule, ...] = ()
+    auto_plan: str = ""  # layer_plan=auto: the pre-flight's plan file (every layer's choice)
 
     @property
     def properties(self) -> Properties:
@@ -59,7 +65,7 @@ def make_plan(cfg: DictConfig) -> RunPlan:
     config_tree = OmegaConf.to_container(cfg, resolve=True)
     resume = Resume.decide(cfg.resume, folder, config_tree)
     return RunPlan(cfg, config_tree, device, resolution, run_name, folder, resume, specs,
-                   resolve_task(cfg, specs))
+                   resolve_task(cfg, specs), layer_rules(resolution.properties))
 
 
 def check_config(cfg: DictConfig
@@ -77,6 +83,7 @@ def check_config(cfg: DictConfig
                           f"no implementation on {device.type} (Gloo)", "false on a CPU")
     resolution = resolve_precision(cfg, device)
     check_parts(cfg, specs, task)
+    check_layers(cfg, specs, resolution.properties, task)
     return device, resolution, specs
 
 
@@ -181,6 +188,13 @@ def resolve_precision(cfg: DictConfig, device: torch.device | DeviceInfo) -> Res
     compiled = bool(OmegaConf.select(cfg, "trainer.compile", default=False))
     resolution = resolve(opt_level, values, device=device_info, optimizer=optimizer,
                          compiled=compiled)
+    check_plan_settings(cfg)
+    findings = layers.rule_findings(resolution.properties, layer_rules(resolution.properties),
+                                    Context(device=device_info, optimizer=optimizer,
+                                            compiled=compiled))
+    if bool(OmegaConf.select(cfg, "precision.strict", default=False)):
+        findings = [strict_finding(f) for f in findings]
+    resolution = Resolution(resolution.properties, [*resolution.findings, *findings])
     for finding in resolution.errors:
         hint = f" Hint: {finding.hint}" if finding.hint else ""
         raise ConfigError(finding.key, finding.message + hint)
@@ -260,3 +274,64 @@ def check_context(cfg: DictConfig) -> None:
                               f"at most {context}, or a model with a longer context")
 
 
+
+
+# ---- precision per layer ---------------------------------------------------------------------
+def layer_rules(properties: Properties) -> tuple[LayerRule, ...]:
+    """The entries of the run's layer plan: a plan file's (`precision.layer_plan`: a path, read
+    and checked here; ConfigError naming the key for a missing or malformed file), then
+    `precision.layers`' (a later entry wins). With `layer_plan=auto` only `precision.layers`' are
+    known before the pre-flight (runner.run.autoplan) has measured."""
+    path = properties.layer_plan
+    from_file = layers.load_plan_file(path) if path not in (None, layers.AUTO) else []
+    return (*from_file, *layers.config_rules(properties))
+
+
+_PLAN_SETTINGS = (("layer_plan_steps", lambda v: isinstance(v, int) and v >= 1,
+                   "an integer >= 1"),
+                  ("layer_plan_max_underflow", lambda v: 0 <= v < 1, "a share in [0, 1)"),
+                  ("layer_plan_max_overflow", lambda v: 0 <= v < 1, "a share in [0, 1)"))
+
+
+def check_plan_settings(cfg: DictConfig) -> None:
+    """The auto plan's settings: its pre-flight's steps and the shares a format may lose."""
+    for key, ok, allowed in _PLAN_SETTINGS:
+        value = OmegaConf.select(cfg, f"precision.{key}")
+        if value is None or isinstance(value, bool) or not ok(value):
+            raise ConfigError(f"precision.{key}", f"got {value!r}", allowed)
+
+
+def check_layers(cfg: DictConfig, specs: Mapping[str, Optional[options.Spec]],
+                 properties: Properties, task: str) -> Optional[layers.LayerPlan]:
+    """The layer plan against the model's module names, before anything is built: the model is
+    made on the meta device (shapes, no memory) and each entry matched (ConfigError naming the
+    entry's key for a glob that matches no module, fp8 on a layer that cannot run it, ...).
+    Returns the plan, or None when there is no entry or the model cannot be made without its
+    data (a user's dataset: the build checks it then, still before training)."""
+    rules = layer_rules(properties)
+    if not rules:
+        return None
+    model = meta_model(cfg, specs, task)
+    if model is None:
+        return None
+    return layers.assign(model, rules, properties)
+
+
+def meta_model(cfg: DictConfig, specs: Mapping[str, Optional[options.Spec]],
+               task: str) -> Optional[torch.nn.Module]:
+    """The run's model on the meta device, where its input is declared (None otherwise, or
+    where the model cannot be made there)."""
+    from runner.components.data import declared_input
+    from runner.components.models import build_model
+
+    declared = declared_input(cfg.data, specs.get("data"))
+    if declared is None:
+        return None
+    num_classes, shape = declared
+    try:
+        with torch.device("meta"):
+            return build_model(cfg.model, num_classes, shape[-1], specs.get("model"))
+    except ConfigError:
+        raise
+    except Exception:  # noqa: BLE001  (check_parts has already said what fails; the build will)
+        return None

@@ -54,7 +54,8 @@ from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
 from runner.config import TrainerConfig
-from runner.errors import DivergenceError
+from runner.errors import DivergenceError, LayerPlanError
+from runner.measure import audit as layer_audit
 from runner.measure import diagnostics as diag
 from runner.measure import memory as mem
 from runner.measure.probes import MemoryProbe, Stopwatch
@@ -110,6 +111,7 @@ class RunContext:
     stop: Optional[StopRequest] = None
     on_artifact: Optional[diag.ArtifactSink] = None
     artifact_dir: Optional[Path] = None
+    layers_dir: Optional[Path] = None  # the audit's files (layers_ran.csv); None: a temporary one
 
 
 def trainer_config(node) -> TrainerConfig:
@@ -118,6 +120,13 @@ def trainer_config(node) -> TrainerConfig:
     if isinstance(node, TrainerConfig):
         return node
     return TrainerConfig(**OmegaConf.to_container(node, resolve=True))
+
+
+def layer_plan_state(plan) -> dict:
+    """What a checkpoint keeps of the layer plan: every layer's planned format (a resume must
+    plan the same) and the entries that made it (a resumed `layer_plan=auto` run takes them
+    instead of measuring again)."""
+    return {"layers": plan.formats(), "rules": [rule.as_list() for rule in plan.rules]}
 
 
 class Trainer:
@@ -178,6 +187,12 @@ class Trainer:
         self.memory_parts: Optional[mem.MemoryByKind] = None
         self._memory_final = False
         self._memory_logged = False
+        # what ran where (runner.measure.audit): each layer's dtypes on the session's first step
+        # and on diagnosed steps, against the engine's layer plan
+        self.layer_plan = getattr(engine, "layer_plan", None)
+        self._audited = False  # this session's first audit is done
+        self._audit_files = False  # layers_ran.csv was started by this trainer
+        self._off_plan_told: set[str] = set()
         every = cfg.diagnose_every_n_steps
         self.diagnostics: Optional[diag.RunDiagnostics] = None
         if every > 0:
@@ -208,16 +223,24 @@ class Trainer:
                  if self.diagnostics is not None and self.diagnostics.due(step) else None)
         meter = None if self._memory_final else mem.ActivationMeter(
             mem.model_state_tensors(self.module, self.engine, self.optimizer))
-        with contextlib.ExitStack() as around:  # the meter and the probe's hooks: this step only
+        audit = self._audit() if probe is not None or not (self._audited or self.cfg.compile) \
+            else None
+        with contextlib.ExitStack() as around:  # the meter's, probe's, audit's hooks: this step
             if meter is not None:
                 around.enter_context(meter)
             if probe is not None:
                 around.enter_context(probe)
+            if audit is not None:
+                around.enter_context(audit)
             with self.engine.autocast():
                 loss = self.task.loss(self.criterion, self.model(x), y)
             self.engine.backward(loss)
             if probe is not None:
                 probe.observe_weight_grads()  # as stored: scaled by the loss scale
+            if audit is not None:
+                audit.observe_grads()
+        if audit is not None:
+            self._record_audit(audit, step)
         if probe is not None:
             records = self.diagnostics.collect(probe, step, self.engine.loss_scale)
             self.on_metrics(self.diagnostics.metrics(records), step)
@@ -233,6 +256,82 @@ class Trainer:
         self.bad_loss_streak.add_(1).mul_(~torch.isfinite(loss))
         self.skip_streak = 0 if stepped else self.skip_streak + 1
         return loss
+
+    # ---- what ran where -----------------------------------------------------------------------
+    def _audit(self) -> Optional[layer_audit.DtypeAudit]:
+        """A dtype audit of the plan's layers (None without a plan: an engine made elsewhere)."""
+        if self.layer_plan is None:
+            return None
+        return layer_audit.DtypeAudit(
+            [(layer.name, self.module.get_submodule(layer.name)) for layer in self.layer_plan])
+
+    def audit_eager(self) -> None:
+        """With `trainer.compile`: the audit of one eager forward and backward of the first batch
+        (hooks inside the compiled graph would recompile it), after which the gradients, the
+        buffers and every random generator are put back, as after the compile warm-up. The
+        dtypes are the compiled step's: torch.compile keeps each op's dtype."""
+        audit = self._audit()
+        if audit is None:
+            return
+        snapshot = self._snapshot()
+        try:
+            self.model.train()
+            x, y = next(iter(self.train_loader))
+            x, y = self._to_device(x, y)
+            call = getattr(self.module, "_call_impl", self.module)  # eager, compiled or not
+            with audit:
+                with self.engine.autocast():
+                    loss = self.task.loss(self.criterion, call(x), y)
+                self.engine.backward(loss)
+                audit.observe_grads()
+            self.engine.zero_grad(self.optimizer)
+        finally:
+            self._restore_snapshot(snapshot)
+        self._record_audit(audit, self.global_step + 1)
+
+    def _layers_folder(self) -> Path:
+        folder = self.context.layers_dir
+        if folder is None:
+            import tempfile
+
+            folder = self.context.layers_dir = Path(tempfile.mkdtemp(prefix="amp-runner-layers-"))
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
+
+    def _record_audit(self, audit: layer_audit.DtypeAudit, step: int) -> None:
+        """Compare the audited step with the plan: `layers_off_plan` and the count of layers per
+        observed format as metrics, `layers/layers_ran.csv` and its figure, a warning naming each
+        layer that ran off plan (the first time it does), an error in strict mode."""
+        self._audited = True
+        rows = self.layer_plan.compare(audit.read())
+        off = [r for r in rows if r["off_plan"]]
+        metrics = {m.LAYERS_OFF_PLAN: float(len(off))}
+        metrics.update({f"{m.LAYERS_IN}{k}": float(v)
+                        for k, v in layer_audit.counts(rows).items()})
+        self.on_metrics(metrics, step)
+        if self.comm.is_main:
+            folder = self._layers_folder()
+            csv_path = layer_audit.write_csv(folder / layer_audit.LAYERS_RAN_CSV, rows, step,
+                                             append=self._audit_files)
+            self._audit_files = True
+            figure = layer_audit.plot(folder / layer_audit.LAYERS_RAN_PNG, rows,
+                                      f"What ran where at step {step}")
+            if self.context.on_artifact is not None:
+                for path in (csv_path, figure):
+                    self.context.on_artifact(path, layer_audit.ARTIFACT_DIR)
+        new = [r for r in off if r["layer"] not in self._off_plan_told]
+        self._off_plan_told.update(r["layer"] for r in new)
+        if new:
+            text = layer_audit.summary(new)
+            if self.layer_plan.strict:
+                raise LayerPlanError(
+                    f"{len(new)} layer(s) ran off plan at step {step} (precision.strict=true):\n"
+                    f"{text}")
+            log.warning("What ran where, step %d: %d layer(s) ran off plan:\n%s", step,
+                        len(new), text)
+        elif step <= 1 or not self._off_plan_told:
+            log.info("What ran where, step %d: every layer ran as planned (%s)", step,
+                     ", ".join(f"{v} {k}" for k, v in layer_audit.counts(rows).items() if v))
 
     def _measure_memory(self, activations: int, stepped: bool) -> None:
         """Memory by kind after the optimizer step, before zero_grad (the gradients still held);
@@ -339,6 +438,8 @@ class Trainer:
             "skip_streak": self.skip_streak,
             "bad_loss_streak": int(self.bad_loss_streak.item()),
             "rng": rng.rng_state(),
+            **({"layer_plan": layer_plan_state(self.layer_plan)}
+               if self.layer_plan is not None else {}),
         }
 
     def restore(self, state: dict, scheduler: bool = True) -> None:
@@ -523,6 +624,7 @@ class Trainer:
             log.info("torch.compile: the training step compiled in %.1f s (compile_time_s, not "
                      "counted in epoch_time_s)", seconds)
             self.on_metrics({m.COMPILE_TIME_S: seconds}, self.global_step)
+            self.audit_eager()
         every = self.cfg.checkpoint_every_n_epochs
         for epoch in range(self.epochs_done + 1, self.cfg.max_epochs + 1):
             skip, self.batches_done = self.batches_done, 0

@@ -26,3 +26,7 @@ COMPILE_TIME_S = "compile_time_s"  # torch.compile's first step (not in epoch_ti
 BEST_VAL_ACC = "best_val_acc"  # a classifier's objective, maximised (step = max_epochs)
 BEST_VAL_LOSS = "best_val_loss"  # a language model's objective, minimised (step = max_epochs)
 TRAIN_TIME_S = "train_time_s"  # training time over every session of the run
+
+# what ran where (runner.measure.audit), at the audited steps (the first, and the diagnosed ones)
+LAYERS_OFF_PLAN = "layers_off_plan"  # layers whose observed format differs from the plan's
+LAYERS_IN = "layers_"  # + fp32 | bf16 | fp16 | fp8: how many layers computed in each format

@@ -21,6 +21,7 @@ PEAK_MEM_KIND = "peak_mem_kind"  # what peak_mem_mb measures on this device
 FINDINGS = "precision.findings"  # "0 error, 2 warning, 1 info"
 FINDINGS_LIST = "precision.findings_list"  # "warning precision.master_weights; info model"
 GIT_COMMIT = "git_commit"
+LAYER_PLAN_HASH = "precision.layer_plan_hash"  # every layer's planned format, hashed
 
 # ---- liveness (runner.tracking.liveness): who runs a RUNNING run, and its last sign of life ------------
 HOST = "runner.host"

@@ -164,6 +164,16 @@ def _show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def _is_layer_plan(value: Any) -> bool:
+    if not isinstance(value, dict) or set(value) != {"layers", "rules"}:
+        return False
+    layers, rules = value["layers"], value["rules"]
+    return isinstance(layers, dict) and all(type(k) is str and type(v) is str
+                                            for k, v in layers.items()) \
+        and isinstance(rules, list) and all(
+            type(r) is list and len(r) == 4 and all(type(x) is str for x in r) for r in rules)
+
+
 def _is_history(value: Any) -> bool:
     return isinstance(value, list) and all(
         isinstance(m, Mapping) and all(isinstance(k, str) and _is_real(v) for k, v in m.items())
@@ -194,6 +204,9 @@ _SCHEMA: dict[str, tuple[Callable[[Any], bool], str, bool]] = {
     "config": (lambda v: isinstance(v, dict) and _is_plain(v),
                "the resolved config (a mapping of plain values)", False),
     "world_size": (lambda v: _is_int(v, 1), "an integer >= 1", False),
+    # the layer plan (runner.precision.layers): not in checkpoints written before it
+    "layer_plan": (lambda v: _is_layer_plan(v),
+                   "{layers: {layer: format}, rules: [[glob, format, source, why], ...]}", False),
 }
 RUN_KEYS = ("mlflow_run_id", "config", "world_size")
 
@@ -262,6 +275,7 @@ def check_structure(state: Mapping[str, Any], *, model: torch.nn.Module,
     problems += _tensor_differences("model", state["model"], model.state_dict())
     problems += _optimizer_differences(state["optimizer"], optimizer)
     problems += _engine_differences(state["engine"], engine)
+    problems += _layer_plan_differences(state.get("layer_plan"), engine)
     problems += _scheduler_differences(state["scheduler"], scheduler)
     if problems:
         shown = problems[:_SHOWN] + ([f"... and {len(problems) - _SHOWN} more"]
@@ -375,6 +389,21 @@ def _engine_differences(saved: Mapping[str, Any], engine: Any) -> list[str]:
         if not scaler.dynamic and scale != scaler.scale:
             out.append(f"engine.{key}.loss_scale: {scale!r} -> {scaler.scale!r} (this run's "
                        "static scale)")
+    return out
+
+
+def _layer_plan_differences(saved: Optional[Mapping[str, Any]], engine: Any) -> list[str]:
+    """Each layer must be planned in the checkpoint's format (a plan file edited since, or an
+    auto plan measured otherwise, would train the resumed run in other formats)."""
+    plan = getattr(engine, "layer_plan", None)
+    if saved is None or plan is None:
+        return []
+    current = plan.formats()
+    out = []
+    for layer in list(saved["layers"]) + [k for k in current if k not in saved["layers"]]:
+        a, b = saved["layers"].get(layer, "(absent)"), current.get(layer, "(absent)")
+        if a != b:
+            out.append(f"layer_plan.{layer}: {a} -> {b}")
     return out
 
 

@@ -1,0 +1,212 @@
+"""What ran where: the dtypes each layer of a model actually computed in during one training step.
+
+A *layer* is a module that owns parameters itself (the unit of a layer plan:
+`runner.precision.layers`). `DtypeAudit` puts a forward hook on each for one step and records, from
+the layer's first call, the dtypes of its floating inputs (positional and keyword), of its own
+parameters and of its floating outputs, and whether it is one of torchao's float8 modules (its
+GEMMs in fp8 whatever its output's type); after the backward, `observe_grads()` records the dtypes
+of its parameters' gradients. Nothing is read from the device: dtypes are metadata, so the audit
+costs no host sync and no copy. A layer whose forward never ran in the step (a parent that uses
+its weights directly, such as `nn.MultiheadAttention` with its `out_proj`) is recorded as not
+called.
+
+`write_csv` and `plot` render the comparison rows of a plan (`LayerPlan.compare`): the
+`layers_ran.csv` artifact and its figure.
+"""
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+import torch
+from torch import nn
+
+ARTIFACT_DIR = "layers"
+LAYERS_RAN_CSV, LAYERS_RAN_PNG = "layers_ran.csv", "layers_ran.png"
+PLAN_YAML, PLAN_TXT = "layer_plan.yaml", "layer_plan.txt"
+AUTO_PLAN_YAML = "auto_plan.yaml"  # layer_plan=auto: the pre-flight's choice for every layer
+FIELDS = ["step", "layer", "module", "planned", "observed", "off_plan", "inputs", "weights",
+          "outputs", "grads", "note", "why"]
+
+
+def dtype_label(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def is_fp8_module(module: nn.Module) -> bool:
+    """torchao's float8 training modules (Float8Linear and its kind), by their module."""
+    return type(module).__module__.startswith("torchao.float8")
+
+
+def _floating(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj] if obj.is_floating_point() else []
+    if isinstance(obj, (tuple, list)):
+        return [t for o in obj for t in _floating(o)]
+    if isinstance(obj, Mapping):
+        return [t for o in obj.values() for t in _floating(o)]
+    return []
+
+
+@dataclass
+class Observation:
+    """One layer as the audited step ran it."""
+
+    layer: str  # qualified name ("" for the model itself)
+    module: str  # class name
+    fp8: bool  # one of torchao's float8 modules
+    called: bool = False
+    inputs: list[str] = field(default_factory=list)
+    weights: list[str] = field(default_factory=list)
+    outputs: list[str] = field(default_factory=list)
+    grads: list[str] = field(default_factory=list)
+
+    @property
+    def computed(self) -> str:
+        """What the layer computed in: fp8 for torchao's float8 modules, else its (first)
+        floating output's type; "not called", or "none" for a layer without a floating output."""
+        if not self.called:
+            return "not called"
+        if self.fp8:
+            return "fp8"
+        return self.outputs[0] if self.outputs else "none"
+
+
+class DtypeAudit:
+    """Forward hooks on `layers` ((name, module) pairs) for one step:
+
+        audit = DtypeAudit(param_layers(model))
+        with audit:                # hooks installed
+            loss = criterion(model(x), y)
+            loss.backward()
+            audit.observe_grads()  # the layers' parameters' .grad, before the step
+        observations = audit.read()
+
+    Outside `with` the model holds no hook of the audit's."""
+
+    def __init__(self, layers: Sequence[tuple[str, nn.Module]]):
+        self.layers = list(layers)
+        self._obs = {name: Observation(name, type(m).__name__, is_fp8_module(m))
+                     for name, m in self.layers}
+        self._handles: list = []
+
+    def __enter__(self) -> "DtypeAudit":
+        for name, module in self.layers:
+            self._handles.append(module.register_forward_hook(
+                partial(self._hook, name), with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _hook(self, name: str, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        obs = self._obs[name]
+        if obs.called:  # the first call tells (a module called twice computes alike)
+            return
+        obs.called = True
+        obs.inputs = [dtype_label(t.dtype) for t in _floating((args, kwargs))]
+        obs.weights = [dtype_label(p.dtype) for p in module.parameters(recurse=False)
+                       if p.is_floating_point()]
+        obs.outputs = [dtype_label(t.dtype) for t in _floating(output)]
+
+    def observe_grads(self) -> None:
+        for name, module in self.layers:
+            self._obs[name].grads = [
+                dtype_label(p.grad.dtype) if p.grad is not None else "none"
+                for p in module.parameters(recurse=False) if p.is_floating_point()]
+
+    def read(self) -> list[Observation]:
+        return [self._obs[name] for name, _ in self.layers]
+
+
+# ---- rendering ------------------------------------------------------------------------------------
+def write_csv(path: Path, rows: Iterable[Mapping[str, Any]], step: int,
+              append: bool = False) -> Path:
+    """The comparison rows (`LayerPlan.compare`) of the audited step `step` as `layers_ran.csv`
+    (appended to an existing file with `append`)."""
+    new = not (append and path.exists())
+    with path.open("a" if not new else "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        if new:
+            writer.writeheader()
+        for row in rows:
+            writer.writerow({"step": step, **{k: row.get(k, "") for k in FIELDS if k != "step"}})
+    return path
+
+
+COLORS = {"float32": "#4C72B0", "bfloat16": "#55A868", "float16": "#DD8452", "fp8": "#C44E52"}
+_OTHER = "#BBBBBB"
+
+
+def _color(label: str) -> str:
+    return COLORS.get(label.split(" ", 1)[0], _OTHER)
+
+
+def plot(path: Path, rows: Sequence[Mapping[str, Any]], title: str,
+         max_rows: int = 400) -> Path:
+    """One row per layer: the planned format beside the observed one, coloured by format, a
+    layer that ran off plan marked; at most `max_rows` layers (the off-plan ones first)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    shown = list(rows)
+    if len(shown) > max_rows:
+        off = [r for r in shown if r["off_plan"]]
+        shown = (off + [r for r in shown if not r["off_plan"]])[:max_rows]
+    n = max(len(shown), 1)
+    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.22 * n))
+    for i, row in enumerate(shown):
+        y = n - 1 - i
+        ax.barh(y, 1, left=0, color=_color(str(row["planned"])), edgecolor="white")
+        ax.barh(y, 1, left=1, color=_color(str(row["observed"])), edgecolor="white")
+        ax.text(0.5, y, str(row["planned"]), ha="center", va="center", fontsize=7)
+        ax.text(1.5, y, str(row["observed"]), ha="center", va="center", fontsize=7)
+        if row["off_plan"]:
+            ax.text(2.05, y, "off plan: " + str(row.get("note", "")), va="center", fontsize=7,
+                    color="#C44E52")
+    ax.set_yticks(range(n))
+    ax.set_yticklabels([f"{r['layer']} ({r['module']})" for r in reversed(shown)] or [""],
+                       fontsize=7)
+    ax.set_xticks([0.5, 1.5])
+    ax.set_xticklabels(["planned", "observed"])
+    ax.set_xlim(0, 4.5)
+    ax.set_ylim(-0.6, n - 0.4)
+    for spine in ("top", "right", "bottom"):
+        ax.spines[spine].set_visible(False)
+    off = sum(1 for r in rows if r["off_plan"])
+    ax.set_title(f"{title}: {len(rows)} layers, {off} off plan", fontsize=9)
+    handles = [Patch(color=c, label=k) for k, c in COLORS.items()] + \
+        [Patch(color=_OTHER, label="other / not called")]
+    ax.legend(handles=handles, fontsize=7, loc="upper right", frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def counts(rows: Iterable[Mapping[str, Any]]) -> dict[str, int]:
+    """How many layers computed in each format (observed): fp32, bf16, fp16, fp8."""
+    short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "fp8": "fp8"}
+    out = {s: 0 for s in short.values()}
+    for row in rows:
+        key = short.get(str(row["observed"]))
+        if key is not None:
+            out[key] += 1
+    return out
+
+
+def summary(rows: Sequence[Mapping[str, Any]]) -> Optional[str]:
+    """The off-plan layers as findings' text, one line each (None: every layer on plan)."""
+    off = [r for r in rows if r["off_plan"]]
+    if not off:
+        return None
+    return "\n".join(f"[warning] precision.layers: {r['layer']} ({r['module']}) ran off plan: "
+                     f"{r['note']} (planned {r['planned']} by {r['why']})" for r in off)
