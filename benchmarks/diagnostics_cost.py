@@ -105,6 +105,9 @@ def run_cell(args, model: str, level: str, batches: dict) -> dict:
         parts = build_runner(cfg, cpu_batch=batches.get(key))
         batches[key] = parts.cpu_batch
         trainer, batch, device = parts.trainer, parts.batch, parts.device
+        # the layer audit that a run's diagnosed steps carry too is measured on its own
+        # (benchmarks/layer_plan_cost.py): this is the range probe's cost
+        trainer.layer_plan = None
         formats = run_formats(parts.properties.compute_dtypes)
         folder = Path(tempfile.mkdtemp(prefix="diagnostics-cost-"))
         diagnosed = RunDiagnostics(1, formats, folder)

@@ -96,6 +96,11 @@ def describe_dtype(precision: Mapping[str, Any]) -> str:
                                   "master_weights": str(get("master_weights"))})
     if state and state != stepped:  # a state format other than the stepped weights' type
         extra += f", {state} optimizer state"
+    plan = get("layer_plan")
+    if plan == "auto":
+        extra += ", layers planned by a pre-flight"
+    elif plan or get("layers") not in (None, "{}", {}):
+        extra += ", a layer plan"
     if get("opt_level") == BASELINE_LEVEL:
         return "float32" + extra
     if cast is None:

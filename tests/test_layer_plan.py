@@ -99,6 +99,9 @@ def test_a_plan_file_in_either_form_reads_back_in_order(tmp_path):
     assert [(r.pattern, r.format, r.why) for r in back] == [
         ("fc", "float32", "its outputs overflow"), ("a.b", "fp8", "")]
     assert all(r.source == str(long) and r.key == "precision.layer_plan" for r in back)
+    none = tmp_path / "none.yaml"  # an auto plan that found nothing to change
+    none.write_text("# every layer as the level makes it\nlayers: {}\n")
+    assert L.load_plan_file(none) == []
 
 
 @pytest.mark.parametrize("text, says", [
@@ -107,7 +110,7 @@ def test_a_plan_file_in_either_form_reads_back_in_order(tmp_path):
     ("- head\n- float32\n", "not a mapping"),
     ("", "holds nothing"),
     ("layers: {head: float32}\nextra: 1\n", "unknown key(s) extra"),
-    ("layers: {}\n", "names no layer"),
+    ("{}\n", "names no layer"),
     ("head: double\n", "'head': unknown layer format"),
     ("!!python/object/apply:os.system ['touch pwned']\n", "not valid YAML"),
 ])
@@ -443,13 +446,16 @@ def test_vit_tiny_keeps_its_head_and_norms_in_fp32(tmp_path):
     assert [(k, r["note"]) for k, r in rows.items() if r["off_plan"] == "True"] == []
 
 
-def test_gpt_tiny_with_fp8_on_the_mlp_converts_exactly_those(tmp_path):
+def test_gpt_tiny_with_fp8_on_the_mlp_and_an_fp32_head_runs_exactly_so(tmp_path):
+    """o2_bf16 with the MLP projections in fp8 and the head in fp32: torchao converts exactly the
+    four MLP layers, the head's weights stay fp32, and layers_ran.csv shows both."""
     pytest.importorskip("torchao")
     cfg = compose_config("model=gpt_tiny", "data=synthetic_text", "trainer.batch_size=8",
                          "trainer.max_epochs=1", "trainer.limit_train_batches=3",
                          "trainer.limit_val_batches=1", "trainer.num_workers=0",
-                         "trainer.progress_bar=false", "precision=o1_bf16",
+                         "trainer.progress_bar=false", "precision=o2_bf16",
                          "+precision.layers={blocks.*.mlp.*: fp8}",
+                         "+precision.layers.head=float32",
                          f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
                          f"trainer.checkpoint_dir={tmp_path / 'ck'}")
     app.run(cfg)
@@ -464,6 +470,8 @@ def test_gpt_tiny_with_fp8_on_the_mlp_converts_exactly_those(tmp_path):
         _artifact(client, run, "layers/layers_ran.csv", tmp_path).splitlines())}
     assert sorted(k for k, r in rows.items() if r["observed"] == "fp8") == fp8
     assert rows["blocks.0.attn.q"]["observed"] == "bfloat16"
+    assert (rows["head"]["planned"], rows["head"]["observed"], rows["head"]["weights"]) == (
+        "float32", "float32", "float32")
     assert run.data.metrics["layers_off_plan"] == 0 and run.data.metrics["layers_fp8"] == 4
 
 
@@ -547,7 +555,9 @@ def test_a_layer_that_overflows_fp16_is_kept_wider_and_the_run_trains(tmp_path):
             "trainer.progress_bar=false", "precision=o2", "optimizer=adamw",
             f"mlflow.tracking_uri={uri}", f"trainer.checkpoint_dir={tmp_path / 'ck'}"]
     app.run(compose_config(*base, "mlflow.run_name=uniform"))
-    app.run(compose_config(*base, "precision.layer_plan=auto", "mlflow.run_name=auto"))
+    # as users run it: DataLoader workers and the progress bar on
+    app.run(compose_config(*base, "precision.layer_plan=auto", "mlflow.run_name=auto",
+                           "trainer.num_workers=2", "trainer.progress_bar=true"))
     plan_file = tmp_path / "plan.yaml"
     result = run_cli_diagnose(tmp_path, *base, "--plan", str(plan_file), "--steps", "3")
     assert result.returncode == 0, result.stderr[-3000:]

@@ -135,6 +135,16 @@ SCHEMAS: dict[str, dict[str, type]] = {
 }
 
 
+def _by_reference(cls: type, name: str) -> type:
+    """A schema made at run time, reachable as `runner.config.<name>`: pickled by reference (a
+    sweep launcher that sends the config store to its workers, joblib's or submitit's, pickles
+    the class by name), not by value, which would copy dataclasses' MISSING sentinel of a
+    field with a default factory (precision.layers) and lose its default there."""
+    cls.__module__, cls.__qualname__, cls.__name__ = __name__, name, name
+    globals()[name] = cls
+    return cls
+
+
 def register_configs() -> None:
     """Store the schemas: `base_run` types the root, `schema/<group>/<kind>` types each option,
     `schema/precision/level/<level>` holds each Apex level's properties.
@@ -144,9 +154,10 @@ def register_configs() -> None:
     The precision node is derived from the property table (runner.config.precision) each time,
     so a property added to the table is typed everywhere once the schemas are stored again.
     """
-    precision = precision_schema()
-    root = dataclasses.make_dataclass(  # RunConfig, its precision typed by today's table
-        "RunConfig", [("precision", precision, field(default=MISSING))], bases=(RunConfig,))
+    precision = _by_reference(precision_schema(), "PrecisionConfig")
+    root = _by_reference(dataclasses.make_dataclass(  # RunConfig, its precision typed by today's table
+        "RunConfig", [("precision", precision, field(default=MISSING))], bases=(RunConfig,)),
+        "TypedRunConfig")
     cs = ConfigStore.instance()
     cs.store(name="base_run", node=root)
     for group, kinds in {**SCHEMAS, "precision": {"apex": precision}}.items():

@@ -24,6 +24,8 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import torch
 from torch import nn
 
+from runner.measure.diagnostics import _tensors_in
+
 ARTIFACT_DIR = "layers"
 LAYERS_RAN_CSV, LAYERS_RAN_PNG = "layers_ran.csv", "layers_ran.png"
 PLAN_YAML, PLAN_TXT = "layer_plan.yaml", "layer_plan.txt"
@@ -39,16 +41,6 @@ def dtype_label(dtype: torch.dtype) -> str:
 def is_fp8_module(module: nn.Module) -> bool:
     """torchao's float8 training modules (Float8Linear and its kind), by their module."""
     return type(module).__module__.startswith("torchao.float8")
-
-
-def _floating(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj] if obj.is_floating_point() else []
-    if isinstance(obj, (tuple, list)):
-        return [t for o in obj for t in _floating(o)]
-    if isinstance(obj, Mapping):
-        return [t for o in obj.values() for t in _floating(o)]
-    return []
 
 
 @dataclass
@@ -109,10 +101,10 @@ class DtypeAudit:
         if obs.called:  # the first call tells (a module called twice computes alike)
             return
         obs.called = True
-        obs.inputs = [dtype_label(t.dtype) for t in _floating((args, kwargs))]
+        obs.inputs = [dtype_label(t.dtype) for t in _tensors_in((args, kwargs))]
         obs.weights = [dtype_label(p.dtype) for p in module.parameters(recurse=False)
                        if p.is_floating_point()]
-        obs.outputs = [dtype_label(t.dtype) for t in _floating(output)]
+        obs.outputs = [dtype_label(t.dtype) for t in _tensors_in(output)]
 
     def observe_grads(self) -> None:
         for name, module in self.layers:

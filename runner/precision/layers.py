@@ -139,7 +139,8 @@ def load_plan_file(path: str | Path) -> list[LayerRule]:
 
 def parse_plan(data: Any, source: str) -> list[LayerRule]:
     """A plan's rules from its YAML data: either the mapping itself (`head: float32`), or the
-    long form `{layers: {...}, why: {glob: reason}, about: ...}` that `plan_yaml` writes."""
+    long form `{layers: {...}, why: {glob: reason}, about: ...}` that `plan_yaml` writes (where
+    `layers: {}` is a plan that keeps every layer as the level makes it)."""
     where = f"the plan file {source}"
     if isinstance(data, Mapping) and isinstance(data.get("layers"), Mapping):
         unknown = [str(k) for k in data if k not in PLAN_FILE_KEYS]
@@ -156,7 +157,7 @@ def parse_plan(data: Any, source: str) -> list[LayerRule]:
         raise ConfigError(PLAN_KEY, f"{where} holds {type(data).__name__ if data is not None else 'nothing'}"
                           ", not a mapping of module-name globs to formats",
                           "e.g. 'head: float32' on a line of its own")
-    if not layers:
+    if not layers and "layers" not in data:  # (`layers: {}` says it: the level everywhere)
         raise ConfigError(PLAN_KEY, f"{where} names no layer", "at least one 'glob: format' entry")
     rules = []
     for pattern, fmt in layers.items():
@@ -459,19 +460,15 @@ class LayerPlan:
 
     def table(self) -> str:
         """Layer | module | planned | why: printed by a dry run and logged with the run."""
-        rows = [(layer.label, layer.module, layer.planned, layer.why) for layer in self.layers]
-        heads = ("layer", "module", "planned", "why")
-        widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(heads[:3])]
-        fmt = "  ".join(f"{{:<{w}}}" for w in widths) + "  {}"
-        lines = [fmt.format(*heads), fmt.format(*("-" * w for w in widths), "-" * 3)]
-        lines += [fmt.format(*row) for row in rows]
-        return "\n".join(lines)
+        return text_table(("layer", "module", "planned", "why"),
+                          [(layer.label, layer.module, layer.planned, layer.why)
+                           for layer in self.layers])
 
     def yaml(self, header: Sequence[str] = ()) -> str:
         """The layers an entry decides, by their exact names, as a plan file a later run can take
         as `precision.layer_plan` (the others follow the level): the artifact
         `layers/layer_plan.yaml`."""
-        rules = [LayerRule(_escape(layer.name), layer.rule.format, why=layer.why)
+        rules = [LayerRule(exact_glob(layer.name), layer.rule.format, why=layer.why)
                  for layer in self.layers if layer.rule is not None and layer.name]
         return plan_yaml(rules, [*header, "layers not listed here compute as the level makes "
                                           "them"])
@@ -503,9 +500,17 @@ class LayerPlan:
         return rows
 
 
-def _escape(name: str) -> str:
+def exact_glob(name: str) -> str:
     """A module name as a glob that matches exactly it ([*], [?], [[] for fnmatch's specials)."""
     return "".join(f"[{c}]" if c in "*?[" else c for c in name)
+
+
+def text_table(heads: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Aligned columns under `heads`; the last column is not padded."""
+    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(heads[:-1])]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths) + "  {}"
+    lines = [fmt.format(*heads), fmt.format(*("-" * w for w in widths), "-" * 3)]
+    return "\n".join(lines + [fmt.format(*row) for row in rows])
 
 
 def _dtypes(names: Sequence[str]) -> str:
@@ -561,6 +566,12 @@ def _within(name: str, region: str) -> bool:
     return region == "" or name == region or name.startswith(region + ".")
 
 
+def _enclosing(name: str) -> set[str]:
+    """The qualified names of a module and of every module around it ("" the model)."""
+    parts = name.split(".") if name else []
+    return {"", *(".".join(parts[:i]) for i in range(1, len(parts) + 1))}
+
+
 def assign(model: nn.Module, rules: Sequence[LayerRule], p: Properties) -> LayerPlan:
     """The plan for `model` (as built, before fp8 conversion and the cast): each layer's format
     from the last entry that matches it or a module around it, else the level's. Raises
@@ -570,34 +581,36 @@ def assign(model: nn.Module, rules: Sequence[LayerRule], p: Properties) -> Layer
     names = [n for n, _ in model.named_modules()]
     layers = [PlannedLayer(name, type(m).__name__, *level_expect(p, m, root=(m is model)))
               for name, m in param_layers(model)]
-    regions: dict[str, str] = {}
+    # each module's enclosing modules, itself included: a rule that matches any of them decides it
+    around = {n: _enclosing(n) for n in names}
+    matches: list[set[str]] = []
     for rule in rules:
-        matched = [n for n in names if fnmatch.fnmatchcase(n, rule.pattern)]
+        matched = {n for n in names if fnmatch.fnmatchcase(n, rule.pattern)}
         if not matched:
             raise ConfigError(rule.key, f"'{rule.pattern}' ({rule.where()}) matches no module of "
                               f"{type(model).__name__}; {_closest(rule.pattern, names, model)}",
                               "a glob over the qualified module names (model.named_modules()), "
                               "e.g. head, blocks.*.attn.*, *norm*")
-        covered = [layer for layer in layers if any(_within(layer.name, n) for n in matched)]
+        covered = [layer for layer in layers if not matched.isdisjoint(around[layer.name])]
         if not covered:
-            shown = ", ".join(matched[:5]) + (f" and {len(matched) - 5} more"
-                                              if len(matched) > 5 else "")
+            listed = [n for n in names if n in matched]
+            shown = ", ".join(listed[:5]) + (f" and {len(listed) - 5} more"
+                                             if len(listed) > 5 else "")
             raise ConfigError(rule.key, f"'{rule.pattern}' ({rule.where()}) matches only modules "
                               f"without parameters ({shown}): they compute in the type of their "
                               "inputs, so the entry would change nothing",
                               "a glob naming layers with weights, or a module around them")
-        for n in matched:
-            regions[n] = rule.format
-        for layer in covered:
+        for layer in covered:  # (a later entry wins)
             layer.rule = rule
-    # a region's format is that of the last entry matching it or a module around it
-    for n in list(regions):
-        owner = None
-        for rule in rules:
-            if any(_within(n, m) for m in names
-                   if fnmatch.fnmatchcase(m, rule.pattern)):
-                owner = rule
-        regions[n] = owner.format
+        matches.append(matched)
+    # the modules the entries name run in the format of the last entry that matches them or a
+    # module around them
+    regions: dict[str, str] = {}
+    for n in names:
+        if any(n in matched for matched in matches):
+            owner = next(rule for rule, matched in zip(reversed(rules), reversed(matches))
+                         if not matched.isdisjoint(around[n]))
+            regions[n] = owner.format
     for layer in layers:
         layer.expect = layer.level if layer.rule is None else rule_expect(p, layer.rule.format)
         if layer.rule is not None and layer.rule.format == FP8:

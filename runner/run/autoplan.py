@@ -59,12 +59,14 @@ from runner.precision.layers import (
     FP8,
     LayerRule,
     config_rules,
+    exact_glob,
     fp8_ineligible,
     fp8_refusal,
     level_expect,
     level_half,
     param_layers,
     plan_yaml,
+    text_table,
 )
 from runner.precision.properties import dtype_name
 
@@ -132,7 +134,7 @@ def _pct(x: float) -> str:
 
 def _scale_text(scale: float) -> str:
     k = math.log2(scale)
-    return f"2^{int(k)}" if k == int(k) else f"{scale:g}"
+    return f"2^{int(k)}" if k == int(k) and k != 0 else f"{scale:g}"
 
 
 # ---- torchao's shape rule -------------------------------------------------------------------------
@@ -228,20 +230,16 @@ class AutoPlan:
 
     def yaml(self, title: str = "") -> str:
         """The plan file: the entries and their reasons, every layer's choice as comments. With
-        no entry (every layer keeps the level's format) the file says so and holds none."""
-        if not self.rules:
+        no entry (every layer keeps the level's format) the file says so: `layers: {}`."""
+        if not self.rules:  # (a plan all the same: every layer as the level makes it)
             return "\n".join(f"# {line}" for line in self.header(title)) + \
-                "\n# no layer needs another format than the level's: no entry\n"
+                "\n# no layer needs another format than the level's: no entry\nlayers: {}\n"
         return plan_yaml(self.rules, self.header(title))
 
     def table(self) -> str:
-        rows = [(d.name, d.module, d.format + ("" if d.entry else " (level)"), d.why)
-                for d in self.decisions]
-        heads = ("layer", "module", "format", "why")
-        widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(heads[:3])]
-        fmt = "  ".join(f"{{:<{w}}}" for w in widths) + "  {}"
-        lines = [fmt.format(*heads), fmt.format(*("-" * w for w in widths), "---")]
-        return "\n".join(lines + [fmt.format(*r) for r in rows])
+        return text_table(("layer", "module", "format", "why"),
+                          [(d.name, d.module, d.format + ("" if d.entry else " (level)"), d.why)
+                           for d in self.decisions])
 
     def counts(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -377,12 +375,8 @@ def _entries(decisions: Sequence[Decision]) -> list[LayerRule]:
         if d.format != inherited:
             d.entry = True
             entered[d.name] = d.format
-            rules.append(LayerRule(_exact(d.name), d.format, AUTO, d.why))
+            rules.append(LayerRule(exact_glob(d.name), d.format, AUTO, d.why))
     return rules
-
-
-def _exact(name: str) -> str:
-    return "".join(f"[{c}]" if c in "*?[" else c for c in name)
 
 
 # ---- the pre-flight ---------------------------------------------------------------------------------

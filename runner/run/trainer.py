@@ -35,6 +35,14 @@ and removed after the backward (other steps carry no hook; with n = 0 none is ev
 probe is read once per diagnosed step (one host sync) and its `diag_*` metrics logged at that
 step; `diagnostics/layers.csv`, `exponents.csv` and `grad_exponents.png` go to the artifact sink
 after each epoch that diagnosed a step.
+
+What ran where (runner.measure.audit): the run's first step (with `trainer.compile`, an eager
+forward and backward of the first batch before the first epoch, undone; not again in a resumed
+session, whose plan its checkpoint's was checked against) and every diagnosed step
+carry the layer audit's forward hooks, which record each layer's dtypes (no device read); they are
+compared with the engine's layer plan (runner.precision.layers): `layers_off_plan` and the layers
+per format as metrics, `layers/layers_ran.csv` and its figure, a warning per layer that ran off
+plan, an error with precision.strict.
 """
 from __future__ import annotations
 
@@ -187,11 +195,12 @@ class Trainer:
         self.memory_parts: Optional[mem.MemoryByKind] = None
         self._memory_final = False
         self._memory_logged = False
-        # what ran where (runner.measure.audit): each layer's dtypes on the session's first step
-        # and on diagnosed steps, against the engine's layer plan
+        # what ran where (runner.measure.audit): each layer's dtypes on the run's first step and
+        # on diagnosed steps, against the engine's layer plan
         self.layer_plan = getattr(engine, "layer_plan", None)
-        self._audited = False  # this session's first audit is done
+        self._audited = False  # the first step's audit is done
         self._audit_files = False  # layers_ran.csv was started by this trainer
+        self._audit_last = None  # (rows, step) of an audit not drawn and logged yet
         self._off_plan_told: set[str] = set()
         every = cfg.diagnose_every_n_steps
         self.diagnostics: Optional[diag.RunDiagnostics] = None
@@ -223,8 +232,9 @@ class Trainer:
                  if self.diagnostics is not None and self.diagnostics.due(step) else None)
         meter = None if self._memory_final else mem.ActivationMeter(
             mem.model_state_tensors(self.module, self.engine, self.optimizer))
-        audit = self._audit() if probe is not None or not (self._audited or self.cfg.compile) \
-            else None
+        # the run's first step (a resumed session's plan was checked against its checkpoint)
+        first = step == 1 and not (self._audited or self.cfg.compile)
+        audit = self._audit() if probe is not None or first else None
         with contextlib.ExitStack() as around:  # the meter's, probe's, audit's hooks: this step
             if meter is not None:
                 around.enter_context(meter)
@@ -300,8 +310,11 @@ class Trainer:
 
     def _record_audit(self, audit: layer_audit.DtypeAudit, step: int) -> None:
         """Compare the audited step with the plan: `layers_off_plan` and the count of layers per
-        observed format as metrics, `layers/layers_ran.csv` and its figure, a warning naming each
-        layer that ran off plan (the first time it does), an error in strict mode."""
+        observed format as metrics, a row per layer appended to `layers/layers_ran.csv` (and,
+        for the session's first audit, its figure and both files logged now; later audits' at
+        the end of their epoch), a warning naming each layer that ran off plan (the first time it
+        does), an error in strict mode."""
+        first = not self._audit_files
         self._audited = True
         rows = self.layer_plan.compare(audit.read())
         off = [r for r in rows if r["off_plan"]]
@@ -310,15 +323,12 @@ class Trainer:
                         for k, v in layer_audit.counts(rows).items()})
         self.on_metrics(metrics, step)
         if self.comm.is_main:
-            folder = self._layers_folder()
-            csv_path = layer_audit.write_csv(folder / layer_audit.LAYERS_RAN_CSV, rows, step,
-                                             append=self._audit_files)
+            layer_audit.write_csv(self._layers_folder() / layer_audit.LAYERS_RAN_CSV, rows, step,
+                                  append=self._audit_files)
             self._audit_files = True
-            figure = layer_audit.plot(folder / layer_audit.LAYERS_RAN_PNG, rows,
-                                      f"What ran where at step {step}")
-            if self.context.on_artifact is not None:
-                for path in (csv_path, figure):
-                    self.context.on_artifact(path, layer_audit.ARTIFACT_DIR)
+            self._audit_last = (rows, step)
+            if first:  # the figure now; later audits' at the end of their epoch
+                self.write_audit()
         new = [r for r in off if r["layer"] not in self._off_plan_told]
         self._off_plan_told.update(r["layer"] for r in new)
         if new:
@@ -329,9 +339,23 @@ class Trainer:
                     f"{text}")
             log.warning("What ran where, step %d: %d layer(s) ran off plan:\n%s", step,
                         len(new), text)
-        elif step <= 1 or not self._off_plan_told:
+        elif first:
             log.info("What ran where, step %d: every layer ran as planned (%s)", step,
                      ", ".join(f"{v} {k}" for k, v in layer_audit.counts(rows).items() if v))
+
+    def write_audit(self) -> None:
+        """The figure of the latest audited step, then `layers_ran.csv` and the figure to the
+        artifact sink (under `layers/`); nothing when no step was audited since the last call."""
+        if self._audit_last is None:
+            return
+        rows, step = self._audit_last
+        self._audit_last = None
+        folder = self._layers_folder()
+        figure = layer_audit.plot(folder / layer_audit.LAYERS_RAN_PNG, rows,
+                                  f"What ran where at step {step}")
+        if self.context.on_artifact is not None:
+            for path in (folder / layer_audit.LAYERS_RAN_CSV, figure):
+                self.context.on_artifact(path, layer_audit.ARTIFACT_DIR)
 
     def _measure_memory(self, activations: int, stepped: bool) -> None:
         """Memory by kind after the optimizer step, before zero_grad (the gradients still held);
@@ -624,7 +648,8 @@ class Trainer:
             log.info("torch.compile: the training step compiled in %.1f s (compile_time_s, not "
                      "counted in epoch_time_s)", seconds)
             self.on_metrics({m.COMPILE_TIME_S: seconds}, self.global_step)
-            self.audit_eager()
+            if self.global_step == 0:
+                self.audit_eager()
         every = self.cfg.checkpoint_every_n_epochs
         for epoch in range(self.epochs_done + 1, self.cfg.max_epochs + 1):
             skip, self.batches_done = self.batches_done, 0
@@ -641,6 +666,7 @@ class Trainer:
             self.on_metrics(metrics, epoch)
             if self.diagnostics is not None:
                 self.diagnostics.write()
+            self.write_audit()
             self.history.append(metrics)
             value = val_acc if self.task.maximize else val_loss
             if self.task.better(value, self.best):
