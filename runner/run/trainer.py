@@ -390,8 +390,9 @@ class Trainer:
                 f"training diverged: the dynamic loss scale collapsed to {scaler.scale:g}, below "
                 f"trainer.collapsed_loss_scale={floor:g}, after {self.skip_streak} consecutive "
                 f"overflowing steps up to step {self.global_step}: the gradients are inf/NaN "
-                "even when scaled down to nothing; try precision=o2 or a bf16 preset "
-                "(precision=o2_bf16), or a lower optimizer.lr")
+                "even when scaled down to nothing (a forward that overflows fp16: no loss scale "
+                "helps); try a bf16 preset (precision=o2_bf16), keep the layers that overflow in "
+                "fp32 (precision.layer_plan=auto plans them), or a lower optimizer.lr")
         if self.skip_streak < self.max_bad_steps:
             return
         # Failing anyway: one read tells whether the loss itself was non-finite.
