@@ -174,6 +174,9 @@ elif [[ "$PART" == 4 ]]; then
   # 400 leave the seeds' spread wider than the targets)
   piece bench_lm_parity 180 "$PY" benchmarks/lm_parity.py --device cuda --steps 2000 \
     --levels o0,o1_bf16,o2_bf16,o3_bf16_sr,o1_fp8 --overhead-rounds 10
+  # precision per layer: a head kept in fp32 (input casts on every layer at O2), the audit's step
+  piece bench_layer_plan 60 "$PY" benchmarks/layer_plan_cost.py --device cuda \
+    --models resnet50,gpt_tiny --levels o1,o2 --image-size 224 --batch-size 64
 else
   piece bench_levels_compiled 330 "$PY" benchmarks/levels.py --device cuda \
     --models "$VIT",resnet50 --levels "$COMPILED" --merge

@@ -173,6 +173,19 @@ def test_small_tensors_keeping_plain_state_are_listed():
     assert state_findings(model, none) == []
 
 
+def test_a_dry_run_lists_the_tensors_that_keep_plain_state_and_what_fused_kernels_do(capsys):
+    """The model built on the meta device tells a dry run what build would tell; with
+    precision.kernels=fused an info finding says the update is torchao's, not a kernel."""
+    app.run(compose_config(*FAST, "precision=o2_bf16_int8state", "optimizer=adamw",
+                           "precision.kernels=fused", "dry_run=true"))
+    out = capsys.readouterr().out
+    assert "precision.optimizer_state" in out and "keep float32 state, not int8" in out
+    assert "0.0.weight (432)" in out  # the first conv: 16 x 3 x 3 x 3 elements
+    assert "precision.kernels" in out and "torchao's low-bit optimizer's own compiled step" in out
+    app.run(compose_config(*FAST, "precision=o2_bf16", "dry_run=true"))
+    assert "keep float32 state" not in capsys.readouterr().out
+
+
 # ---- memory: the real bytes -------------------------------------------------------------------
 # torchao's quantisation map, one per quantised moment: 2^bits fp32 values (fp8 needs none)
 QMAP_BYTES = {"int8": 256 * 4, "int4": 16 * 4, "fp8": 0}

@@ -696,8 +696,10 @@ def enforce(model: nn.Module, plan: LayerPlan, p: Properties, device_type: str) 
     if p.casts_to_half:
         if not plan.deviates:
             return out
+        # (the model itself casts its inputs only where an entry names it: its layers cast
+        # their own, so an fp32 first layer sees the inputs unrounded)
         targets: dict[str, torch.dtype] = {
-            layer.name: layer.expect.input_dtype for layer in plan.layers}
+            layer.name: layer.expect.input_dtype for layer in plan.layers if layer.name}
         for name, fmt in plan.regions.items():
             targets.setdefault(name, DTYPES[fmt] if fmt != FP8 else p.cast_model_type)
         for name, dtype in targets.items():

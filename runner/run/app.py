@@ -33,10 +33,10 @@ from runner.tracking import tags as tag
 from runner.run.distributed import Comm
 from runner.run.interrupts import StopRequest
 from runner.run.build import Parts, build, shape_findings  # noqa: F401  (Parts: the run's parts)
-from runner.run.plan import RunPlan, check_layers, make_plan
+from runner.run.plan import RunPlan, check_layers, make_plan, meta_model
 from runner.precision import layers
 from runner.precision import Resolution
-from runner.precision.checks import DeviceInfo
+from runner.precision.checks import DeviceInfo, state_findings
 
 log = logging.getLogger(__name__)
 
@@ -160,8 +160,13 @@ def log_layer_plan(tracked, plan: RunPlan, parts: Parts) -> None:
 # ---- a run -----------------------------------------------------------------------------------------
 def print_dry_run(plan: RunPlan) -> None:
     """What `dry_run=true` shows: the config, the properties, every finding (the model's Tensor
-    Core shapes from a model built on the meta device) and the resume decision."""
+    Core shapes and, with low-bit optimizer state, the parameters that keep plain state, from a
+    model built on the meta device), the layer plan and the resume decision."""
     findings = shape_findings(plan.cfg, plan.properties, DeviceInfo.from_torch(plan.device))
+    if plan.properties.low_bit_state:
+        model = meta_model(plan.cfg, plan.specs, plan.task)
+        if model is not None:
+            findings += state_findings(model, plan.properties)
     print(OmegaConf.to_yaml(plan.cfg, resolve=True))
     print(f"Task: {plan.task}" + (" (task=auto: the dataset's)"
                                   if OmegaConf.select(plan.cfg, "task.name") == "auto" else ""))

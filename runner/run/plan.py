@@ -23,7 +23,7 @@ from runner.config import targets
 from runner.errors import ConfigError
 from runner.config.finder import config_dir
 from runner.config.precision import run_name_suffixes
-from runner.precision import Properties, Resolution, resolve
+from runner.precision import Finding, Properties, Resolution, resolve
 from runner.precision.checks import DeviceInfo
 from runner.precision import layers
 from runner.precision.layers import LayerRule
@@ -189,7 +189,8 @@ def resolve_precision(cfg: DictConfig, device: torch.device | DeviceInfo) -> Res
     resolution = resolve(opt_level, values, device=device_info, optimizer=optimizer,
                          compiled=compiled)
     check_plan_settings(cfg)
-    findings = layers.rule_findings(resolution.properties, layer_rules(resolution.properties),
+    findings = kernel_findings(cfg, resolution.properties)
+    findings += layers.rule_findings(resolution.properties, layer_rules(resolution.properties),
                                     Context(device=device_info, optimizer=optimizer,
                                             compiled=compiled))
     if bool(OmegaConf.select(cfg, "precision.strict", default=False)):
@@ -274,6 +275,20 @@ def check_context(cfg: DictConfig) -> None:
                               f"at most {context}, or a model with a longer context")
 
 
+
+
+def kernel_findings(cfg: DictConfig, properties: Properties) -> list[Finding]:
+    """What `precision.kernels` does with the other properties: with low-bit optimizer state the
+    fused kernels unscale, check and copy the gradients, but the update is torchao's own."""
+    kernels = OmegaConf.select(cfg, "precision.kernels", default="auto")
+    if kernels == "fused" and properties.low_bit_state:
+        return [Finding(
+            "info", "kernels",
+            f"precision.kernels=fused with {properties.state_format} optimizer state: the "
+            "kernels unscale, check and copy the gradients (and the masters back), but the "
+            f"update is torchao's low-bit optimizer's own compiled step, not a fused kernel",
+            "")]
+    return []
 
 
 # ---- precision per layer ---------------------------------------------------------------------
