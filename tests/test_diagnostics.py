@@ -147,14 +147,14 @@ def _watch_hooks(trainer) -> list[dict[str, int]]:
 
 def test_off_means_no_hooks_but_the_first_steps_audit():
     """Diagnostics off: no probe ever; the only hooks are the layer audit's on the first step
-    (one forward hook per layer: runner.measure.audit), gone after it."""
+    (a forward pre-hook and a forward hook per layer: runner.measure.audit), gone after it."""
     trainer, logged = make_trainer("O2", {}, diagnose_every_n_steps=0)
     seen = _watch_hooks(trainer)
     trainer.train_epoch(1)
     assert trainer.diagnostics is None
     layers = {layer.name for layer in trainer.layer_plan}
     assert len(seen) == 4
-    assert {name: n for name, n in seen[0].items() if n} == {name: 1 for name in layers}
+    assert {name: n for name, n in seen[0].items() if n} == {name: 2 for name in layers}
     assert all(not any(counts.values()) for counts in seen[1:])
     assert not any(_hook_counts(trainer.module).values())
     assert not torch.nn.modules.module._global_forward_hooks

@@ -50,6 +50,7 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")  # torch.compile'
 # What `precision.kernels` accepts (runner.csrc): auto (the device's kernels, torch's ops if they
 # cannot be built), fused (the device's kernels or an error), torch (never build; torch's own ops).
 KERNEL_CHOICES = ("auto", "fused", "torch")
+STRATEGIES = ("ddp", "fsdp")  # trainer.strategy under torchrun
 
 
 # ---- precision: the schema of the precision group, derived from the property table -----------
@@ -83,6 +84,12 @@ class TrainerConfig:
     compile_mode: str = "default"  # default | reduce-overhead | max-autotune
     # range diagnostics (runner.measure.diagnostics) on steps 1, 1+n, 1+2n, ...; 0 = off (no hooks at all)
     diagnose_every_n_steps: int = 0
+    # under torchrun: ddp (every rank holds the whole model) or fsdp (FSDP2: parameters, gradients
+    # and optimizer state sharded over the ranks; runner.run.fsdp)
+    strategy: str = "ddp"
+    # fsdp: the modules sharded as units (class names, or module-name globs whose * stays within
+    # one name: blocks.*); null: the model's repeated blocks (runner.run.fsdp.default_units)
+    fsdp_wrap: Optional[List[str]] = None
 
 
 @dataclass

@@ -1,9 +1,10 @@
 """What ran where: the dtypes each layer of a model actually computed in during one training step.
 
 A *layer* is a module that owns parameters itself (the unit of a layer plan:
-`runner.precision.layers`). `DtypeAudit` puts a forward hook on each for one step and records, from
-the layer's first call, the dtypes of its floating inputs (positional and keyword), of its own
-parameters and of its floating outputs, and whether it is one of torchao's float8 modules (its
+`runner.precision.layers`). `DtypeAudit` puts a forward pre-hook and a forward hook on each for one
+step and records, from the layer's first call, the dtypes of its own parameters as the forward
+uses them (read before it: a sharded unit's gathered ones), of its floating inputs (positional and
+keyword) and of its floating outputs, and whether it is one of torchao's float8 modules (its
 GEMMs in fp8 whatever its output's type); after the backward, `observe_grads()` records the dtypes
 of its parameters' gradients. Nothing is read from the device: dtypes are metadata, so the audit
 costs no host sync and no copy. A layer whose forward never ran in the step (a parent that uses
@@ -87,9 +88,18 @@ class DtypeAudit:
 
     def __enter__(self) -> "DtypeAudit":
         for name, module in self.layers:
+            self._handles.append(module.register_forward_pre_hook(partial(self._weights, name)))
             self._handles.append(module.register_forward_hook(
                 partial(self._hook, name), with_kwargs=True))
         return self
+
+    def _weights(self, name: str, module: nn.Module, args: tuple) -> None:
+        """The weights as the forward uses them, read before it (a sharded unit gathers its
+        parameters in its own earlier pre-hook and frees them in its forward hook)."""
+        obs = self._obs[name]
+        if not obs.weights:
+            obs.weights = [dtype_label(p.dtype) for p in module.parameters(recurse=False)
+                           if p.is_floating_point()]
 
     def __exit__(self, *exc) -> None:
         for handle in self._handles:
@@ -102,8 +112,6 @@ class DtypeAudit:
             return
         obs.called = True
         obs.inputs = [dtype_label(t.dtype) for t in _tensors_in((args, kwargs))]
-        obs.weights = [dtype_label(p.dtype) for p in module.parameters(recurse=False)
-                       if p.is_floating_point()]
         obs.outputs = [dtype_label(t.dtype) for t in _tensors_in(output)]
 
     def observe_grads(self) -> None:

@@ -116,15 +116,22 @@ def _masters(engine: Any, optimizer: Optional[torch.optim.Optimizer]) -> list[to
 
 def plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
     """The plain tensors that hold `t`: itself, or a tensor subclass's inner tensors (torchao's
-    quantised optimizer state: codes, block scales and a quantisation map), recursively, so
-    that memory is counted from the storages really allocated."""
-    if type(t) is torch.Tensor or isinstance(t, nn.Parameter):
+    quantised optimizer state: codes, block scales and a quantisation map; a sharded run's
+    DTensor: this rank's shard), recursively, so that memory is counted from the storages really
+    allocated."""
+    if type(t) in (torch.Tensor, nn.Parameter):  # (a sharded DTensor parameter is neither)
         return [t]
     flatten = getattr(t, "__tensor_flatten__", None)
     if flatten is None:
         return [t]
     names, _ = flatten()
     return [inner for name in names for inner in plain_tensors(getattr(t, name))]
+
+
+def _plain(tensors: Iterable[Optional[torch.Tensor]]) -> Iterator[torch.Tensor]:
+    for t in tensors:
+        if t is not None:
+            yield from plain_tensors(t)
 
 
 def _state_tensors(optimizer: Optional[torch.optim.Optimizer]) -> Iterator[torch.Tensor]:
@@ -150,9 +157,9 @@ def measure(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
     counter = StorageCounter()
     masters = _masters(engine, optimizer)
     params = list(model.parameters())
-    weights = counter.add([*params, *model.buffers()])
+    weights = counter.add(_plain([*params, *model.buffers()]))  # (a sharded one: its shard)
     master_weights = counter.add(masters)
-    grads = counter.add([p.grad for p in (*params, *masters)])
+    grads = counter.add(_plain(p.grad for p in (*params, *masters)))
     state = counter.add(_state_tensors(optimizer))
     return MemoryByKind(weights, master_weights, grads, state, activations)
 

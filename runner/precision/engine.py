@@ -218,6 +218,7 @@ class AmpEngine:
         seed: int = 0,
         masters_for_half_params: bool = False,
         layer_rules: tuple = (),
+        sharded: bool = False,
     ):
         if num_losses < 1:
             raise ValueError(f"num_losses must be >= 1, got {num_losses}")
@@ -244,6 +245,10 @@ class AmpEngine:
         # precision per layer (runner.precision.layers): the entries of precision.layer_plan and
         # precision.layers, and the plan they make for the (first) model cast
         self.layer_rules: tuple[layers.LayerRule, ...] = tuple(layer_rules)
+        # the model is sharded with FSDP2 after its cast (runner.run.fsdp): with master weights
+        # its fp32 shards are the masters and FSDP's param_dtype casts for the compute, so the
+        # engine casts nothing but the output and keeps no copies
+        self.sharded = sharded
         self.layer_plan: Optional[layers.LayerPlan] = None
         self._enforcements: list[layers.Enforcement] = []
         self._optimizers: dict[int, _Prepared] = {}
@@ -316,7 +321,9 @@ class AmpEngine:
                 self.fp8.skipped += conversion.skipped
                 self.fp8.planned_out += conversion.planned_out
         hooks = None
-        if p.cast_model_type is not None:
+        if self.sharded and p.uses_master_weights:  # FSDP's param_dtype casts the compute
+            hooks = install_output_cast(model, self.cast_model_outputs or torch.float32)
+        elif p.cast_model_type is not None:
             deviating = p.casts_to_half and plan.deviates
             hooks = cast_model(model, p.cast_model_type, p.keep_batchnorm_fp32,
                                self.cast_model_outputs,
@@ -328,7 +335,7 @@ class AmpEngine:
             self._io_hooks.append(hooks)
         if self.layer_rules:
             self._enforcements.append(layers.enforce(model, plan, p, self.device.type))
-        if p.casts_to_half:
+        if p.casts_to_half and not self.sharded:
             self._model_hooks += self._master_set.install_state_dict_hooks(model)
         return model
 
@@ -350,7 +357,8 @@ class AmpEngine:
                 optimizer, paths.choose(self._kernels, self.device, self._scales, self._clock,
                                         self._state_dtype))
         st.models.extend(m for m in models if all(m is not o for o in st.models))
-        if self.properties.uses_master_weights or self.masters_for_half_params:
+        if (self.properties.uses_master_weights or self.masters_for_half_params) \
+                and not self.sharded:
             if st.masters is None:
                 st.masters = MasterWeights(optimizer)
                 self._master_set.add(st.masters)

@@ -487,10 +487,16 @@ class LayerPlan:
             # a module whose own layers ran (an encoder that owns a position table): its output
             # is theirs, so its own weights are what it is judged by
             outer = any(_within(n, layer.name) and n != layer.name for n in called)
-            off, note = _off_plan(layer, obs, weights_only=outer)
+            off, note = _off_plan(layer, obs, weights_only=outer or not layer.name)
+            observed = obs.computed if obs is not None else "not observed"
+            if (outer or not layer.name) and obs is not None and obs.called:
+                # its own weights' type: what its output says is its inner layers' (or, for the
+                # model itself, the output cast's)
+                observed = obs.weights[0] if obs.weights else "none"
+                note = note or "judged by its own weights (its output is its inner layers')"
             rows.append({
                 "layer": layer.label, "module": layer.module, "planned": layer.planned,
-                "observed": obs.computed if obs is not None else "not observed",
+                "observed": observed,
                 "inputs": _dtypes(obs.inputs) if obs is not None else "",
                 "weights": _dtypes(obs.weights) if obs is not None else "",
                 "outputs": _dtypes(obs.outputs) if obs is not None else "",
@@ -529,7 +535,7 @@ def _off_plan(layer: PlannedLayer, obs: Any, weights_only: bool = False) -> tupl
                           f"entry's {expect.compute} did not apply to its computation")
         return False, "its forward did not run in this step (its parent may use its weights)"
     problems = []
-    if weights_only or layer.name == "":  # (the model's outputs come back as fp32: IO cast)
+    if weights_only:  # (the model's own outputs come back as fp32: the IO cast)
         pass
     elif expect.compute == FP8:
         if not obs.fp8:

@@ -101,6 +101,8 @@ class LossScaler:
         for g in grads:
             if g.is_sparse:
                 g = g._values()  # scaling is linear: the stored values can be unscaled as they are
+            elif hasattr(g, "to_local"):  # a DTensor (a sharded run): this rank's shard
+                g = g.to_local()
             groups[(g.device, g.dtype)].append(g)
         found: dict[torch.device, torch.Tensor] = {}
         inv: dict[torch.device, torch.Tensor] = {}

@@ -32,7 +32,7 @@ from runner.measure import audit as layer_audit
 from runner.tracking import tags as tag
 from runner.run.distributed import Comm
 from runner.run.interrupts import StopRequest
-from runner.run.build import Parts, build, shape_findings  # noqa: F401  (Parts: the run's parts)
+from runner.run.build import Parts, build, shape_findings, sharded  # noqa: F401  (Parts: the run's parts)
 from runner.run.plan import RunPlan, check_layers, make_plan, meta_model
 from runner.precision import layers
 from runner.precision import Resolution
@@ -262,7 +262,7 @@ def train_parts(plan: RunPlan, comm: Comm, device: torch.device, launch: Launch,
         log.info("Precision findings about the model:\n%s",
                  Resolution(plan.properties, parts.findings).findings_table())
     model = parts.model
-    if comm.active:
+    if comm.active and not sharded(plan, comm):  # (a sharded model is FSDP2's already)
         model = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None)
     kernels = csrc.name_of(parts.engine.kernels)

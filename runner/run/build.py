@@ -29,7 +29,7 @@ from runner.measure.probes import MemoryProbe
 from runner.precision import AmpEngine, Finding, Properties
 from runner.precision.checks import DeviceInfo, state_findings, tensor_core_findings
 from runner.precision.state import build_low_bit
-from runner.run import distributed
+from runner.run import distributed, fsdp
 from runner.run.distributed import Comm
 from runner.run.plan import RunPlan
 from runner.run.trainer import RunContext, Trainer, limit_batches
@@ -101,8 +101,9 @@ def build(plan: RunPlan, device: Optional[torch.device] = None, comm: Optional[C
     train_loader, val_loader = build_loaders(
         bundle, cfg.trainer.batch_size, cfg.trainer.num_workers, device.type, cfg.trainer.seed,
         rank=comm.rank, world_size=comm.world_size)
-    # built or loaded now, so not counted below
-    kernels = csrc.load(device, cfg.precision.kernels, wait=wait_for_kernels)
+    # built or loaded now, so not counted below (a sharded run steps with torch's ops)
+    kernels = csrc.load(device, "torch" if sharded(plan, comm) else cfg.precision.kernels,
+                        wait=wait_for_kernels)
     # peak_mem_mb counts the training state (model, optimizer, activations), as on a GPU, where
     # the data and the tracking store live in host memory: on a CPU the baseline is taken after
     # the datasets, the store and the kernels are in memory
@@ -123,7 +124,18 @@ def build(plan: RunPlan, device: Optional[torch.device] = None, comm: Optional[C
         on_model(model)
     findings = shape_findings(cfg, plan.properties, DeviceInfo.from_torch(device), model)
     findings += state_findings(model, plan.properties)
-    if plan.properties.low_bit_state:  # torchao's low-bit Adam/AdamW (the plan checked which)
+    if sharded(plan, comm):  # FSDP2: cast, shard, then the optimizer over the shards
+        engine = AmpEngine(plan.properties, device, kernels="torch",
+                           flag_reducer=distributed.flag_reducer(comm), seed=cfg.trainer.seed,
+                           layer_rules=plan.layer_rules, sharded=True)
+        engine.cast(model)
+        units = fsdp.shard(model, plan.properties, cfg.trainer.fsdp_wrap)
+        log.info("FSDP2: %d units sharded over %d ranks (%s), then the model", len(units),
+                 comm.world_size, ", ".join(units[:8]) + (" ..." if len(units) > 8 else ""))
+        optimizer = build_optimizer(cfg.optimizer, model.parameters(),
+                                    plan.specs.get("optimizer"))
+        engine.add_optimizer(optimizer, [model])
+    elif plan.properties.low_bit_state:  # torchao's low-bit Adam/AdamW (the plan checked which)
         optimizer = build_low_bit(cfg.optimizer, list(model.parameters()),
                                   plan.properties.state_format,
                                   stochastic_rounding=plan.properties.stochastic_rounding)
@@ -133,13 +145,14 @@ def build(plan: RunPlan, device: Optional[torch.device] = None, comm: Optional[C
     else:
         optimizer = build_optimizer(cfg.optimizer, model.parameters(),
                                     plan.specs.get("optimizer"))
-    engine = AmpEngine(plan.properties, device,
-                       kernels=cfg.precision.kernels if kernels is not None else "torch",
-                       flag_reducer=distributed.flag_reducer(comm), seed=cfg.trainer.seed,
-                       layer_rules=plan.layer_rules)
-    # the layer plan (a glob matching no module: ConfigError, before any run exists), cast and
-    # masters, before any DDP wrap
-    model, optimizer = engine.prepare(model, optimizer)
+    if not sharded(plan, comm):
+        engine = AmpEngine(plan.properties, device,
+                           kernels=cfg.precision.kernels if kernels is not None else "torch",
+                           flag_reducer=distributed.flag_reducer(comm), seed=cfg.trainer.seed,
+                           layer_rules=plan.layer_rules)
+        # the layer plan (a glob matching no module: ConfigError, before any run exists), cast
+        # and masters, before any DDP wrap
+        model, optimizer = engine.prepare(model, optimizer)
     engine.layer_plan.strict = bool(cfg.precision.strict)
     if engine.fp8 is not None:
         findings += engine.fp8.findings()
@@ -154,6 +167,11 @@ def build(plan: RunPlan, device: Optional[torch.device] = None, comm: Optional[C
     criterion = build_loss(cfg).to(device)
     return Parts(bundle, train_loader, val_loader, model, optimizer, engine, scheduler, memory,
                  findings, criterion, task)
+
+
+def sharded(plan: RunPlan, comm: Comm) -> bool:
+    """Whether this run shards its model with FSDP2 (trainer.strategy=fsdp under torchrun)."""
+    return comm.active and plan.cfg.trainer.strategy == "fsdp"
 
 
 def infer_task(plan: RunPlan, sample: torch.Tensor) -> str:

@@ -26,6 +26,13 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
 
 
+def will_join_a_group() -> bool:
+    """Whether this process will join a process group (torchrun, or a SLURM job of several tasks
+    under submitit), told from the environment alone, with nothing exported."""
+    return launched_by_torchrun() or (os.environ.get("SUBMITIT_EXECUTOR") == "slurm"
+                                      and int(os.environ.get("SLURM_NTASKS", "1")) > 1)
+
+
 def from_slurm_tasks() -> bool:
     """A SLURM job of several tasks submitted by Hydra's submitit launcher (hydra/launcher=slurm):
     torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT) are made from SLURM's

@@ -84,6 +84,7 @@ def check_config(cfg: DictConfig
     resolution = resolve_precision(cfg, device)
     check_parts(cfg, specs, task)
     check_layers(cfg, specs, resolution.properties, task)
+    check_strategy(cfg, specs, resolution.properties, task)
     return device, resolution, specs
 
 
@@ -350,3 +351,25 @@ def meta_model(cfg: DictConfig, specs: Mapping[str, Optional[options.Spec]],
         raise
     except Exception:  # noqa: BLE001  (check_parts has already said what fails; the build will)
         return None
+
+
+# ---- the strategy under torchrun -------------------------------------------------------------
+def check_strategy(cfg: DictConfig, specs: Mapping[str, Optional[options.Spec]],
+                   properties: Properties, task: str) -> None:
+    """`trainer.strategy=fsdp` (runner.run.fsdp): a process group to shard over (torchrun), the
+    settings a sharded run takes, and `trainer.fsdp_wrap` against the model's modules (on the
+    meta device, where the data declares its shape)."""
+    if OmegaConf.select(cfg, "trainer.strategy", default="ddp") != "fsdp":
+        return
+    from runner.run import distributed, fsdp
+
+    if not distributed.will_join_a_group():
+        raise ConfigError(fsdp.STRATEGY_KEY, "fsdp shards the model over the processes of "
+                          "torchrun's group, and this run is a single process without one",
+                          "trainer.strategy=ddp for one process, or start it with torchrun "
+                          "--nproc_per_node=N -m runner ... (N=1 too)")
+    for key, why, fix in fsdp.refusals(cfg, properties, layer_rules(properties)):
+        raise ConfigError(key, f"{why} (trainer.strategy=fsdp)", fix)
+    model = meta_model(cfg, specs, task)
+    if model is not None:
+        fsdp.units_for(model, OmegaConf.select(cfg, "trainer.fsdp_wrap"))

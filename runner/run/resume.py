@@ -94,9 +94,12 @@ class Resume:
         keys, shapes and dtypes, the optimizer's kind and params, the loss scalers, the
         scheduler's kind, the world size; a ConfigError names each difference. Called before the
         MLflow run is reopened."""
+        from runner.run.fsdp import is_sharded
+
         checkpoint.check_structure(self.state, model=parts.model, optimizer=parts.optimizer,
                                    engine=parts.engine, scheduler=parts.scheduler,
-                                   world_size=world_size, path=self.path)
+                                   world_size=world_size, path=self.path,
+                                   reshardable=is_sharded(parts.model))
 
     def restore(self, trainer: Any, cfg: DictConfig, run_name: str) -> None:
         """Put the checkpoint's state into `trainer` (built for `cfg`); with a new epoch budget,

@@ -68,7 +68,7 @@ from runner.measure import diagnostics as diag
 from runner.measure import memory as mem
 from runner.measure.probes import MemoryProbe, Stopwatch
 from runner.precision.state import load_optimizer_state
-from runner.run import rng
+from runner.run import fsdp, rng
 from runner.run.distributed import Comm, unwrap
 from runner.run.interrupts import RunInterrupted, StopRequest
 from runner.tasks import Classification, Task
@@ -159,6 +159,7 @@ class Trainer:
         metrics (runner.tasks; default: classification)."""
         self.model = model  # possibly DistributedDataParallel: the forward of training
         self.module = unwrap(model)  # the model itself: evaluation, checkpoints
+        self.sharded = fsdp.is_sharded(self.module)  # FSDP2 (runner.run.fsdp)
         self.context = context
         self.comm = context.comm
         self.checkpointer = context.checkpointer  # None: this rank writes none
@@ -447,9 +448,14 @@ class Trainer:
     # ---- checkpoints ----------------------------------------------------------------------------
     def state(self, epochs_done: int, batches_done: int) -> dict:
         """Everything a resumed run needs (see runner.run.checkpoint)."""
+        if self.sharded:  # the whole state, gathered to rank 0 (a collective: every rank)
+            model_state = fsdp.full_model_state(self.module)
+            optimizer_state = fsdp.full_optimizer_state(self.module, self.optimizer)
+        else:
+            model_state, optimizer_state = self.module.state_dict(), self.optimizer.state_dict()
         return {
-            "model": self.module.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": model_state,
+            "optimizer": optimizer_state,
             "engine": self.engine.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "epoch": epochs_done,
@@ -470,8 +476,11 @@ class Trainer:
     def restore(self, state: dict, scheduler: bool = True) -> None:
         """Continue from a checkpoint's state (the same model, optimizer and engine setup);
         `scheduler=False` leaves the scheduler to the caller (a schedule of another length)."""
-        self.module.load_state_dict(state["model"])  # O2: re-seeds the fp32 masters exactly
-        load_optimizer_state(self.optimizer, state["optimizer"])  # in the format it was saved in
+        if self.sharded:  # the full state into this rank's shards
+            fsdp.load_full_state(self.module, self.optimizer, state["model"], state["optimizer"])
+        else:
+            self.module.load_state_dict(state["model"])  # O2: re-seeds the fp32 masters exactly
+            load_optimizer_state(self.optimizer, state["optimizer"])  # in its saved format
         self.engine.load_state_dict(state["engine"])
         if scheduler and self.scheduler is not None and state["scheduler"] is not None:
             self.scheduler.load_state_dict(state["scheduler"])
@@ -491,22 +500,29 @@ class Trainer:
         A non-finite loss reaches the weights before the divergence guard's next read (O0 and
         the bf16 presets skip no step), and such weights must never replace the last good
         checkpoint."""
-        tensors = [t.detach() for t in (*self.module.parameters(), *self.module.buffers())
+        tensors = [fsdp.local(t.detach()) for t in (*self.module.parameters(),
+                                                     *self.module.buffers())
                    if t.is_floating_point() and t.numel()]
-        if not tensors:
-            return True
-        return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all().item())
+        finite = torch.stack([torch.isfinite(t).all() for t in tensors if t.numel()]).all() \
+            if tensors else torch.tensor(True)
+        if self.sharded:  # every rank's shards: one verdict for all (all take part in the save)
+            finite = self.comm.max_((~finite).to(torch.float32, copy=True)
+                                    .to(self.device).reshape(1)) == 0
+        return bool(finite.all().item())
 
     def _save(self, epochs_done: int, batches_done: int) -> str | None:
-        if self.checkpointer is None:
-            return None
+        if self.checkpointer is None and not self.sharded:
+            return None  # (a sharded run's ranks all gather the state rank 0 writes)
         after = f"epoch {epochs_done}" + (f" and {batches_done} batches" if batches_done else "")
         if not self._healthy():
             log.warning("No checkpoint written after %s: the model's weights are inf/NaN (the run "
                         "is diverging); the last checkpoint, if any, is the last good state",
                         after)
             return None
-        where = self.checkpointer(self.state(epochs_done, batches_done))
+        state = self.state(epochs_done, batches_done)
+        if self.checkpointer is None:
+            return None
+        where = self.checkpointer(state)
         log.info("Checkpoint: %s (after %s)", where, after)
         return where
 
@@ -571,10 +587,17 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
         correct = torch.zeros((), device=self.device, dtype=torch.float64)
         seen = 0
+        last = None
+        batches = min(len(self.val_loader), self.val_batches)
+        # a sharded model's forward is a collective: every rank runs as many as the one with
+        # the most batches (decided before the first forward)
+        most = int(self.comm.max_(torch.tensor(float(batches), device=self.device)).item()) \
+            if self.sharded else batches
         for index, (x, y) in enumerate(self.val_loader):
             if index >= self.val_batches:
                 break
             x, y = self._to_device(x, y)
+            last = x
             with self.engine.autocast():
                 logits = self.module(x)
             # the training criterion, as a sum over the items (it returns their mean)
@@ -582,12 +605,23 @@ class Trainer:
             loss_sum += sums.loss_sum
             correct += sums.correct
             seen += sums.count
+        for _ in range(most - batches):  # (sharded: this rank's share is a batch short)
+            self._forward_in_step(last)
         totals = self.comm.sum_(torch.stack(
             [loss_sum, correct, torch.tensor(float(seen), device=self.device, dtype=torch.float64)]))
         loss_total, correct_total, seen_total = totals.tolist()
         if seen_total == 0:
             return math.nan, math.nan
         return loss_total / seen_total, correct_total / seen_total
+
+    def _forward_in_step(self, last: Optional[torch.Tensor]) -> None:
+        """A forward counted nowhere, on this rank's last validation batch (or a training batch
+        where it had none): a sharded model's forward is a collective (each unit gathers its
+        parameters from all ranks), and the ranks' validation shares differ by a sample."""
+        if last is None:
+            last, _ = self._to_device(*next(iter(self.train_loader)))
+        with self.engine.autocast():
+            self.module(last)
 
     # ---- torch.compile -----------------------------------------------------------------------
     def _first_batch_shapes(self) -> list[int]:

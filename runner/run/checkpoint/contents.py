@@ -22,7 +22,10 @@ RESUMABLE_CHANGES = ("trainer.max_epochs", "resume")
 # (before the `loss` group, every run trained with a plain cross-entropy; before the `task`
 # group, every run was a classifier's, which task=auto still is for the datasets it had)
 IMPLIED_BEFORE = {"loss._target_": "torch.nn.CrossEntropyLoss", "loss.label_smoothing": 0.0,
-                  "task.name": "auto"}
+                  "task.name": "auto", "trainer.strategy": "ddp", "trainer.fsdp_wrap": None,
+                  "precision.layers": {}, "precision.layer_plan": None,
+                  "precision.layer_plan_steps": 3, "precision.layer_plan_max_underflow": 0.01,
+                  "precision.layer_plan_max_overflow": 0.0}
 
 
 # ---- contents ----------------------------------------------------------------------------------
@@ -262,16 +265,20 @@ def check_resumable(state: Mapping[str, Any], config: Mapping[str, Any], path: P
 
 def check_structure(state: Mapping[str, Any], *, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer, engine: Any, scheduler: Any,
-                    world_size: int, path: Path) -> None:
+                    world_size: int, path: Path, reshardable: bool = False) -> None:
     """The loaded state (see `load`) must fit the parts this run built: the model's state keys,
     shapes and dtypes, the optimizer's groups, parameters and kind, one loss scaler per loss (a
     static one at this run's scale), the scheduler's kind, the world size. Call it before the
     MLflow run is reopened; ConfigError("resume") lists every difference as
-    `key: checkpoint's -> this run's`."""
+    `key: checkpoint's -> this run's`. `reshardable` (a sharded run, whose checkpoints hold the
+    full state): another world size is taken at an epoch boundary."""
     _require_run_keys(state, path)
     problems: list[str] = []
-    if state["world_size"] != world_size:
-        problems.append(f"world_size: {state['world_size']} -> {world_size}")
+    if state["world_size"] != world_size and not (reshardable and state["batch"] == 0):
+        problems.append(f"world_size: {state['world_size']} -> {world_size}" + (
+            " (a sharded run resumes at another world size from an epoch's end; this "
+            f"checkpoint is {state['batch']} batches into an epoch of the old world's shards)"
+            if reshardable else ""))
     problems += _tensor_differences("model", state["model"], model.state_dict())
     problems += _optimizer_differences(state["optimizer"], optimizer)
     problems += _engine_differences(state["engine"], engine)
