@@ -13,6 +13,7 @@ The weights moved by 0.088 in those 10 steps: each comparison is 4x finer than t
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -256,3 +257,70 @@ def test_transformers_shard_their_blocks_and_train_like_one_process(tmp_path, mo
     for x, y in zip(a, b):
         assert y == pytest.approx(x, rel=0.02), (a, b)
     assert a[-1] < a[0]
+
+
+@pytest.mark.slow  # three torchrun jobs of 2 ranks
+def test_a_rank_killed_mid_epoch_resumes_to_the_uninterrupted_history(tmp_path):
+    """kill -9 of rank 1 in the middle of epoch 2 (torchrun then ends the other rank); resume=auto
+    continues from epoch 1's checkpoint, and the run's metric history is the uninterrupted run's,
+    point for point (a step logged twice holds the same value both times)."""
+    import signal
+    import time
+
+    import psutil
+
+    from tests.test_chaos import metric_history
+
+    store = f"mlflow.tracking_uri=sqlite:///{tmp_path}/mlflow.db"
+    base = ["model=tiny_gn", "data=synthetic", "data.num_train=1024", "data.num_val=64",
+            "data.image_size=16", "trainer.batch_size=16", "trainer.max_epochs=3",
+            "trainer.num_workers=0", "trainer.progress_bar=false", "trainer.log_every_n_steps=4",
+            "precision=o2_bf16", "trainer.strategy=fsdp", store,
+            f"trainer.checkpoint_dir={tmp_path}/checkpoints"]
+    reference = torchrun(2, [*base, "mlflow.run_name=reference"], tmp_path)
+    assert reference.returncode == 0, reference.stdout[-3000:] + reference.stderr[-3000:]
+    epoch_s = min(float(t) for t in re.findall(r"epoch \d+/\d+: .*?  ([\d.]+) s  ",
+                                               reference.stdout + reference.stderr))
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    chaos = [*base, "mlflow.run_name=chaos", "resume=auto"]
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         "-m", "runner", *chaos], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        seen = []
+        for line in agent.stdout:
+            seen.append(line)
+            if "(after epoch 1)" in line:
+                break
+        assert "(after epoch 1)" in "".join(seen), "".join(seen)[-3000:]
+        time.sleep(epoch_s / 3)
+        ranks = [p for p in psutil.Process(agent.pid).children(recursive=True)
+                 if p.environ().get("LOCAL_RANK") == "1"]
+        assert ranks, "".join(seen)[-3000:]
+        ranks[0].send_signal(signal.SIGKILL)
+        seen += agent.stdout.readlines()
+        agent.wait(timeout=120)
+    finally:
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+            agent.wait()
+    assert agent.returncode != 0, "".join(seen)[-3000:]
+    folder = tmp_path / "checkpoints" / "amp-runner" / "chaos"
+    from runner.run import checkpoint
+
+    (path,) = folder.glob("*/last.pt")
+    assert checkpoint.load(path)["epoch"] == 1, "the kill missed epoch 2"
+
+    resumed = torchrun(2, chaos, tmp_path)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    runs = {r.info.run_name: r for r in client.search_runs(
+        [client.get_experiment_by_name("amp-runner").experiment_id])}
+    finished = runs["chaos"]
+    assert finished.info.status == "FINISHED" and finished.data.tags["resume.count"] == "1"
+    want = metric_history(client, runs["reference"])
+    assert {"train_loss", "val_acc", "val_loss"} <= set(want)
+    assert metric_history(client, finished) == want
