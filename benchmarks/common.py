@@ -495,3 +495,22 @@ def build_runner(cfg, on_metrics: Optional[Callable] = None, keep_fp32_copy: boo
                        engine=parts.engine, trainer=trainer, memory=parts.memory, batch=batch,
                        cpu_batch=(x, y), kernels=csrc.name_of(parts.engine.kernels),
                        fp32_model=copies[0] if copies else None)
+
+
+def interleaved_medians(variants: Sequence[str], block: Callable[[str], float], rounds: int,
+                        label: str) -> dict[str, float]:
+    """Time `block(variant)` (seconds a step) for each variant: once each to warm up, then
+    `rounds` rounds of one block per variant, the order reversed every other round so that drift
+    hits them alike; returns each variant's median and prints each round under `label`."""
+    import statistics
+
+    for variant in variants:  # warm-up: caches, first steps, files
+        block(variant)
+    samples: dict[str, list[float]] = {v: [] for v in variants}
+    for index in range(rounds):
+        order = variants if index % 2 == 0 else tuple(reversed(variants))
+        for variant in order:
+            samples[variant].append(block(variant))
+        print(f"{label} round {index + 1}/{rounds}: " + ", ".join(
+            f"{v} {1e3 * samples[v][-1]:.1f} ms" for v in variants), flush=True)
+    return {v: statistics.median(samples[v]) for v in variants}

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import statistics
 import sys
 import tempfile
 import time
@@ -34,6 +33,7 @@ from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from common import (REPO, add_threads_option, apply_threads, build_runner,  # noqa: E402
+                    interleaved_medians,
                     check_at_least_one, command, compose, csv_list, int_list, load_average,
                     machine, now, one_batch_task, resolve_device, setup_lines, write_results)
 
@@ -134,16 +134,8 @@ def run_cell(args, model: str, level: str, batches: dict) -> dict:
             synchronize(device)
             return (time.perf_counter() - started) / args.steps
 
-        for variant in VARIANTS:  # warm-up: caches, the first (metered) step, the CSV files
-            block(variant)
-        samples = {v: [] for v in VARIANTS}
-        for index in range(args.rounds):
-            order = VARIANTS if index % 2 == 0 else tuple(reversed(VARIANTS))
-            for variant in order:
-                samples[variant].append(block(variant))
-            print(f"{model} {level} round {index + 1}/{args.rounds}: " + ", ".join(
-                f"{v} {1e3 * samples[v][-1]:.1f} ms" for v in VARIANTS), flush=True)
-        off, on, meter = (statistics.median(samples[v]) for v in VARIANTS)
+        medians = interleaved_medians(VARIANTS, block, args.rounds, f"{model} {level}")
+        off, on, meter = (medians[v] for v in VARIANTS)
         observed = sum(r.stats.count for r in diagnosed.last)
         cell.update({
             "step_ms_off": 1e3 * off,

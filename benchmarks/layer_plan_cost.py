@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import statistics
 import sys
 import time
 import traceback
@@ -30,6 +29,7 @@ from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from common import (REPO, add_threads_option, apply_threads, build_runner,  # noqa: E402
+                    interleaved_medians,
                     check_at_least_one, command, compose, csv_list, load_average, machine, now,
                     one_batch_task, resolve_device, setup_lines, write_results)
 
@@ -110,16 +110,8 @@ def run_cell(args, model: str, level: str) -> dict:
             synchronize(device)
             return (time.perf_counter() - started) / args.steps
 
-        for variant in VARIANTS:  # warm-up: caches, the first (metered, audited) steps
-            block(variant)
-        samples = {v: [] for v in VARIANTS}
-        for index in range(args.rounds):
-            order = VARIANTS if index % 2 == 0 else tuple(reversed(VARIANTS))
-            for variant in order:
-                samples[variant].append(block(variant))
-            print(f"{model} {level} round {index + 1}/{args.rounds}: " + ", ".join(
-                f"{v} {1e3 * samples[v][-1]:.1f} ms" for v in VARIANTS), flush=True)
-        base, planned, audited = (statistics.median(samples[v]) for v in VARIANTS)
+        medians = interleaved_medians(VARIANTS, block, args.rounds, f"{model} {level}")
+        base, planned, audited = (medians[v] for v in VARIANTS)
         cell.update({
             "step_ms_level": 1e3 * base, "step_ms_plan": 1e3 * planned,
             "step_ms_audited": 1e3 * audited,

@@ -22,7 +22,6 @@ from pathlib import Path
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
-from torch import nn
 
 from runner.components.lm_models import GPT
 from runner.components.models import TinyCNN

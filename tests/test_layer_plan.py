@@ -8,7 +8,6 @@ fp32 by hand on the same inputs: equal bit for bit (the same ops in the same typ
 from __future__ import annotations
 
 import csv
-import json
 import math
 from pathlib import Path
 
@@ -25,8 +24,7 @@ from runner.precision import AmpEngine, resolve
 from runner.precision import layers as L
 from runner.run import app, autoplan
 from runner.run.plan import default_run_name, make_plan
-from tests.conftest import FAST, compose_config, run_cli, run_in_process
-from tests.layer_models import HotMLP
+from tests.conftest import FAST, compose_config, run_cli
 
 
 def props(level: str = "O2", **overrides):

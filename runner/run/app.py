@@ -175,7 +175,7 @@ def print_dry_run(plan: RunPlan) -> None:
     if plan.properties.layer_plan == layers.AUTO:
         print(f"Layer plan: auto, measured before training by a pre-flight of "
               f"{plan.cfg.precision.layer_plan_steps} fp32 steps (runner.run.autoplan)"
-              + (f"; then precision.layers on top" if plan.properties.layers else ""))
+              + ("; then precision.layers on top" if plan.properties.layers else ""))
     elif plan.layer_rules:
         layer_plan = check_layers(plan.cfg, plan.specs, plan.properties, plan.task)
         print("Layer plan:\n" + (layer_plan.table() if layer_plan is not None else

@@ -43,7 +43,7 @@ import contextlib
 import dataclasses
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
@@ -55,7 +55,6 @@ from runner.measure import diagnostics as diag
 from runner.precision import Properties, resolve
 from runner.precision.layers import (
     AUTO,
-    DTYPES,
     FP8,
     LayerRule,
     config_rules,
