@@ -149,6 +149,9 @@ def test_two_sharded_ranks_train_like_one_process(tmp_path, preset, rtol, atol):
     for kind in ("mem_weights_mb", "mem_grads_mb"):
         assert 1.0 <= run.data.metrics[kind] / (width * half) <= 1.15, kind
     assert run.data.metrics["mem_master_weights_mb"] == 0
+    # the all-gather working set: the largest unit gathered whole (a conv block of the tiny CNN)
+    gathered = run.data.metrics["mem_allgather_mb"]
+    assert 0 < gathered < width * 2 * half
     assert run.data.metrics["layers_off_plan"] == 0  # each layer computed as the level says
 
 

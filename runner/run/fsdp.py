@@ -142,6 +142,25 @@ def shard(model: nn.Module, p: Properties, wrap: Optional[Sequence[str]]) -> lis
     return units
 
 
+def allgather_bytes(model: nn.Module) -> int:
+    """The all-gather working set: the largest unit's parameters gathered whole, in the type it
+    gathers them in (O2: `param_dtype`), counting each parameter in the innermost unit that
+    manages it. One unit's at a time (FSDP2 prefetches the next unit's too: up to twice this)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    largest = 0
+    for unit in units:
+        nested = {id(p) for m in unit.modules() if m is not unit and isinstance(m, FSDPModule)
+                  for p in m.parameters()}
+        policy = getattr(getattr(unit, "_get_fsdp_state", lambda: None)(), "_mp_policy", None)
+        dtype = getattr(policy, "param_dtype", None)
+        total = sum(p.numel() * (dtype or p.dtype).itemsize for p in unit.parameters()
+                    if id(p) not in nested)
+        largest = max(largest, total)
+    return largest
+
+
 def is_sharded(model: nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 

@@ -371,6 +371,8 @@ class Trainer:
         out: dict[str, float] = {}
         if self.memory_parts is not None and not self._memory_logged:
             out.update(self.memory_parts.metrics())
+            if self.sharded:  # what one unit's all-gather holds besides the shards
+                out[m.MEM_ALLGATHER_MB] = fsdp.allgather_bytes(self.module) / mem.MB
             self._memory_logged = self._memory_final
         rss = self.memory.rss_growth_mb()
         if rss is not None:

@@ -30,3 +30,5 @@ TRAIN_TIME_S = "train_time_s"  # training time over every session of the run
 # what ran where (runner.measure.audit), at the audited steps (the first, and the diagnosed ones)
 LAYERS_OFF_PLAN = "layers_off_plan"  # layers whose observed format differs from the plan's
 LAYERS_IN = "layers_"  # + fp32 | bf16 | fp16 | fp8: how many layers computed in each format
+# a sharded run (runner.run.fsdp), with the memory by kind: the largest unit's gathered parameters
+MEM_ALLGATHER_MB = "mem_allgather_mb"
