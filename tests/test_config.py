@@ -223,6 +223,7 @@ VALUE_CASES = [
         (["mlflow.heartbeat_s=60", "mlflow.stale_after_s=100"], "mlflow.stale_after_s"),
         (["trainer.compile_mode=fastest"], "trainer.compile_mode"),
         (["trainer.strategy=zero3"], "trainer.strategy"),
+        (["trainer.fsdp_checkpoint=zip"], "trainer.fsdp_checkpoint"),
         (["trainer.fsdp_wrap=[]"], "trainer.fsdp_wrap"),
         (["trainer.fsdp_wrap=[' ']"], "trainer.fsdp_wrap"),
         (["loss.label_smoothing=1.0"], "loss.label_smoothing"),

@@ -29,9 +29,32 @@ from runner.errors import ConfigError
 from runner.run import app, fsdp
 from runner.run.plan import default_run_name, make_plan
 from tests.conftest import REPO, compose_config
-from tests.test_distributed import COMMON, _weights
+from tests.test_distributed import COMMON
 
 TORCHRUN_ENV = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
+
+
+def _checkpoint(folder: Path, run_name: str) -> Path:
+    from runner.run import checkpoint
+
+    return checkpoint.find("auto", checkpoint.run_folder(folder / "checkpoints", "amp-runner",
+                                                         run_name))
+
+
+def _weights(folder: Path, run_name: str) -> dict[str, torch.Tensor]:
+    """The whole model of a run's last checkpoint: an unsharded one's, or a sharded one's shards
+    put together (torch's dcp_to_torch_save: the test's own files)."""
+    from runner.run import checkpoint
+
+    path = _checkpoint(folder, run_name)
+    state = checkpoint.load(path)
+    if "sharded" not in state:
+        return state["model"]
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = path.parent.parent / "whole.pt"
+    dcp_to_torch_save(path.parent, out)
+    return torch.load(out, weights_only=False)["model"]
 
 
 def torchrun(nproc: int, args: list[str], cwd: Path, script: str | None = None,
@@ -174,13 +197,15 @@ def test_an_overflow_on_one_rank_skips_the_sharded_step_on_every_rank(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_sharded_checkpoint_resumes_into_another_world_size(tmp_path):
-    """2 ranks train an epoch; 1 rank resumes it to epoch 2 (and the other way round): the full
-    state loads into the new shards and training goes on from where it was (the resumed run's
-    first loss is near the checkpoint's last, far below the loss it started from)."""
+@pytest.mark.parametrize("kind", ["sharded", "full"])
+def test_a_sharded_checkpoint_resumes_into_another_world_size(tmp_path, kind):
+    """2 ranks train an epoch; 1 rank resumes it to epoch 2 (and the other way round): the
+    shards (sharded: torch.distributed.checkpoint reshards them) or the full state (full) load into
+    the new world's shards and training goes on from where it was."""
     store = f"mlflow.tracking_uri=sqlite:///{tmp_path}/mlflow.db"
     base = [*COMMON, "precision=o2_bf16", "trainer.batch_size=16", "trainer.strategy=fsdp",
-            "optimizer.lr=0.2", store, f"trainer.checkpoint_dir={tmp_path}/checkpoints"]
+            f"trainer.fsdp_checkpoint={kind}", "optimizer.lr=0.2", store,
+            f"trainer.checkpoint_dir={tmp_path}/checkpoints"]
     for first, second, name in ((2, 1, "two-one"), (1, 2, "one-two")):
         result = torchrun(first, [*base, "trainer.max_epochs=1", f"mlflow.run_name={name}"],
                           tmp_path)
@@ -213,8 +238,7 @@ def test_a_mid_epoch_sharded_checkpoint_does_not_resume_at_another_world_size(tm
             f"trainer.checkpoint_dir={tmp_path}/checkpoints", "mlflow.run_name=mid"]
     result = torchrun(2, [*base, "trainer.max_epochs=1"], tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    folder = checkpoint.run_folder(tmp_path / "checkpoints", "amp-runner", "mid")
-    path = checkpoint.find("auto", folder)
+    path = _checkpoint(tmp_path, "mid")
     state = dict(checkpoint.load(path))
     state["batch"] = 2  # as if stopped two batches into an epoch
     checkpoint.save(path, state)
@@ -310,10 +334,10 @@ def test_a_rank_killed_mid_epoch_resumes_to_the_uninterrupted_history(tmp_path):
             os.killpg(agent.pid, signal.SIGKILL)
             agent.wait()
     assert agent.returncode != 0, "".join(seen)[-3000:]
-    folder = tmp_path / "checkpoints" / "amp-runner" / "chaos"
     from runner.run import checkpoint
 
-    (path,) = folder.glob("*/last.pt")
+    path = _checkpoint(tmp_path, "chaos")  # the sharded checkpoint of epoch 1
+    assert path.parent.name == "last.dcp"
     assert checkpoint.load(path)["epoch"] == 1, "the kill missed epoch 2"
 
     resumed = torchrun(2, chaos, tmp_path)
@@ -326,3 +350,97 @@ def test_a_rank_killed_mid_epoch_resumes_to_the_uninterrupted_history(tmp_path):
     want = metric_history(client, runs["reference"])
     assert {"train_loss", "val_acc", "val_loss"} <= set(want)
     assert metric_history(client, finished) == want
+
+
+
+# ---- sharded checkpoints (torch.distributed.checkpoint) --------------------------------------------
+def _two_ranks(tmp_path: Path, name: str, epochs: int, *extra: str):
+    store = f"mlflow.tracking_uri=sqlite:///{tmp_path}/mlflow.db"
+    args = [*COMMON, "precision=o2_bf16", "trainer.batch_size=16", "trainer.strategy=fsdp",
+            "optimizer=adamw", store, f"trainer.checkpoint_dir={tmp_path}/checkpoints",
+            f"trainer.max_epochs={epochs}", f"mlflow.run_name={name}", *extra]
+    return torchrun(2, args, tmp_path)
+
+
+@pytest.mark.slow
+def test_a_sharded_checkpoint_resumes_bit_identical_and_refuses_a_damaged_shard(tmp_path):
+    """Each rank writes its shards (last.dcp: __0_0.distcp, __1_0.distcp, .metadata, trainer.pt
+    listing their SHA-256); 1 epoch then resume=auto to 2 equals 2 epochs straight, bit for bit;
+    a flipped byte in one shard is refused before anything is read."""
+    straight = _two_ranks(tmp_path, "straight", 2)
+    assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
+    first = _two_ranks(tmp_path, "resumed", 1)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    path = _checkpoint(tmp_path, "resumed")
+    assert path.name == "trainer.pt" and path.parent.name == "last.dcp"
+    assert sorted(p.name for p in path.parent.iterdir()) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp", "trainer.pt"]
+    from runner.run import checkpoint
+
+    listed = checkpoint.load(path)["sharded"]
+    assert listed["world_size"] == 2 and sorted(listed["files"]) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp"]
+    again = _two_ranks(tmp_path, "resumed", 2, "resume=auto")
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    a, b = _weights(tmp_path, "straight"), _weights(tmp_path, "resumed")
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    assert not list(path.parent.parent.glob(".last.dcp.*"))  # nothing left of the swap
+
+    shard = path.parent / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    refused = _two_ranks(tmp_path, "resumed", 3, "resume=auto")
+    assert refused.returncode != 0
+    text = refused.stdout + refused.stderr
+    assert "is corrupted: __1_0.distcp: checksum mismatch" in text
+
+
+def test_a_crafted_index_is_refused_without_running_anything(tmp_path):
+    """A sharded checkpoint's .metadata is a pickle: one that would run code is refused by name,
+    even with its SHA-256 recomputed into trainer.pt (a digest is no defence against a crafted
+    file); the planner's non-tensor items go through the safe unpickler too."""
+    import pickle
+
+    from runner.run import checkpoint
+    from runner.run.checkpoint import sharded
+
+    folder = tmp_path / "last.dcp"
+    folder.mkdir()
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    (folder / ".metadata").write_bytes(pickle.dumps(Evil()))
+    (folder / "__0_0.distcp").write_bytes(b"")
+    files = {p.name: sharded._digest(p) for p in folder.iterdir()}
+    state = {"model": {}, "optimizer": sharded.EMPTY_OPTIMIZER, "engine": {
+        "loss_scaler0": {"loss_scale": 1.0, "unskipped": 0}},
+        "scheduler": None, "epoch": 1, "batch": 0, "global_step": 5, "best_val_acc": 0.1,
+        "history": [], "elapsed_s": 1.0, "skip_streak": 0, "bad_loss_streak": 0,
+        "rng": {"torch": torch.get_rng_state(), "python": __import__("random").getstate()},
+        "sharded": {"files": files, "world_size": 2}}
+    checkpoint.save(folder / "trainer.pt", state)
+    loaded = checkpoint.load(folder / "trainer.pt")  # intact: the digests are right
+    assert loaded["sharded"]["files"] == files
+    with pytest.raises(ConfigError, match=r"posix\.system is not part of a checkpoint's index"):
+        sharded.read_metadata(folder)
+    assert not marker.exists()
+
+
+def test_find_takes_the_previous_sharded_checkpoint_where_a_swap_was_cut_short(tmp_path):
+    from runner.run import checkpoint
+
+    run = tmp_path / "run-id"
+    for name in (".last.dcp.old", ".last.dcp.tmp"):
+        (run / name).mkdir(parents=True)
+        (run / name / "trainer.pt").write_bytes(b"x")
+    assert checkpoint.find("auto", tmp_path) == run / ".last.dcp.old" / "trainer.pt"
+    (run / "last.dcp").mkdir()
+    (run / "last.dcp" / "trainer.pt").write_bytes(b"x")
+    assert checkpoint.find("auto", tmp_path) == run / "last.dcp" / "trainer.pt"
+    assert checkpoint.find(str(run), tmp_path) == (run / "last.dcp" / "trainer.pt").resolve()

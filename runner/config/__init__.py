@@ -51,6 +51,7 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")  # torch.compile'
 # cannot be built), fused (the device's kernels or an error), torch (never build; torch's own ops).
 KERNEL_CHOICES = ("auto", "fused", "torch")
 STRATEGIES = ("ddp", "fsdp")  # trainer.strategy under torchrun
+FSDP_CHECKPOINTS = ("sharded", "full")  # trainer.fsdp_checkpoint
 
 
 # ---- precision: the schema of the precision group, derived from the property table -----------
@@ -90,6 +91,9 @@ class TrainerConfig:
     # fsdp: the modules sharded as units (class names, or module-name globs whose * stays within
     # one name: blocks.*); null: the model's repeated blocks (runner.run.fsdp.default_units)
     fsdp_wrap: Optional[List[str]] = None
+    # fsdp: sharded (each rank writes its shards: torch.distributed.checkpoint) or full (the
+    # whole state gathered to rank 0, one file)
+    fsdp_checkpoint: str = "sharded"
 
 
 @dataclass

@@ -13,7 +13,8 @@ from typing import Mapping, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from runner.config import options
-from runner.config import COMPILE_MODES, DEVICES, KERNEL_CHOICES, STRATEGIES, TASK_CHOICES
+from runner.config import (COMPILE_MODES, DEVICES, FSDP_CHECKPOINTS, KERNEL_CHOICES, STRATEGIES,
+                           TASK_CHOICES)
 from runner.errors import ConfigError
 from runner.config.values import (  # noqa: F401  (the predicates, where they were before)
     SEED_RANGE,
@@ -54,6 +55,7 @@ def _rules(cfg: DictConfig, specs: Mapping[str, Optional[options.Spec]] | None =
         ("trainer.batch_size", lambda v: v >= 1, "an integer >= 1"),
         ("trainer.device", one_of(DEVICES), ", ".join(DEVICES)),
         ("trainer.strategy", one_of(STRATEGIES), ", ".join(STRATEGIES)),
+        ("trainer.fsdp_checkpoint", one_of(FSDP_CHECKPOINTS), ", ".join(FSDP_CHECKPOINTS)),
         ("trainer.fsdp_wrap", optional(lambda v: len(v) > 0 and all(
             isinstance(x, str) and x.strip() for x in v)),
          "null (the model's blocks) or a non-empty list of class names or module-name globs"),

@@ -297,8 +297,11 @@ def train_parts(plan: RunPlan, comm: Comm, device: torch.device, launch: Launch,
                     if parts.engine.fp8 is not None:
                         tracked.log_text(parts.engine.fp8.listing(), "fp8_layers.txt")
                     log_layer_plan(tracked, plan, parts)
-            path = checkpoint.path_for(plan.checkpoint_folder, tracked.run_id) \
-                if comm.is_main else None
+            # a sharded run's ranks all write (their shards) into rank 0's run's folder
+            shards = sharded(plan, comm) and cfg.trainer.fsdp_checkpoint == "sharded"
+            run_id = comm.from_main(tracked.run_id) if shards else tracked.run_id
+            path = checkpoint.path_for(plan.checkpoint_folder, run_id) \
+                if comm.is_main or shards else None
             static = {"mlflow_run_id": tracked.run_id, "config": dict(plan.config_tree),
                       "world_size": comm.world_size}
 
@@ -306,13 +309,16 @@ def train_parts(plan: RunPlan, comm: Comm, device: torch.device, launch: Launch,
                 # the metrics the checkpoint covers reach the store first: a process killed
                 # after the write has lost none of them, and its resume logs none of them again
                 tracked.deliver()
+                if shards:  # a collective: every rank writes its shards, rank 0 the rest
+                    return str(checkpoint.sharded.save(path.parent, {**static, **trainer_state},
+                                                       parts.model, parts.optimizer, comm))
                 checkpoint.save(path, {**static, **trainer_state})
                 return str(path)
 
             trainer = parts.trainer(cfg.trainer, device, model=model, context=RunContext(
                 on_metrics=tracked.log_metrics,
                 comm=comm,
-                checkpointer=save if comm.is_main else None,
+                checkpointer=save if comm.is_main or shards else None,
                 stop=stop,
                 on_artifact=tracked.log_file if comm.is_main else None,
                 artifact_dir=(launch.output_dir / "diagnostics"

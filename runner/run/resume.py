@@ -94,12 +94,24 @@ class Resume:
         keys, shapes and dtypes, the optimizer's kind and params, the loss scalers, the
         scheduler's kind, the world size; a ConfigError names each difference. Called before the
         MLflow run is reopened."""
+        from runner.errors import ConfigError
         from runner.run.fsdp import is_sharded
 
+        if "sharded" in self.state:  # its tensors are in the shards: checked through the index
+            if not is_sharded(parts.model):
+                raise ConfigError("resume", f"{self.path} is a sharded checkpoint "
+                                  "(trainer.strategy=fsdp); this run is not sharded",
+                                  "trainer.strategy=fsdp under torchrun")
+            differences = checkpoint.sharded.shape_differences(self.path.parent, parts.model)
+            if differences:
+                raise ConfigError("resume", f"the checkpoint {self.path.parent} does not fit "
+                                  f"this run's model in {len(differences)} key(s): "
+                                  + "; ".join(differences[:8]), checkpoint.contents.ALLOWED)
         checkpoint.check_structure(self.state, model=parts.model, optimizer=parts.optimizer,
                                    engine=parts.engine, scheduler=parts.scheduler,
                                    world_size=world_size, path=self.path,
-                                   reshardable=is_sharded(parts.model))
+                                   reshardable=is_sharded(parts.model),
+                                   tensors="sharded" not in self.state)
 
     def restore(self, trainer: Any, cfg: DictConfig, run_name: str) -> None:
         """Put the checkpoint's state into `trainer` (built for `cfg`); with a new epoch budget,
@@ -107,7 +119,7 @@ class Resume:
         from runner.components.optim import rebuild_scheduler_at
 
         changed = self.budget_changed(cfg.trainer.max_epochs)
-        trainer.restore(self.state, scheduler=not changed)
+        trainer.restore(self.state, scheduler=not changed, source=self.path)
         if changed:
             trainer.scheduler = rebuild_scheduler_at(
                 cfg.scheduler, trainer.optimizer, trainer.train_batches, cfg.trainer.max_epochs,

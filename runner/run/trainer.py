@@ -68,7 +68,7 @@ from runner.measure import diagnostics as diag
 from runner.measure import memory as mem
 from runner.measure.probes import MemoryProbe, Stopwatch
 from runner.precision.state import load_optimizer_state
-from runner.run import fsdp, rng
+from runner.run import checkpoint, fsdp, rng
 from runner.run.distributed import Comm, unwrap
 from runner.run.interrupts import RunInterrupted, StopRequest
 from runner.tasks import Classification, Task
@@ -450,7 +450,10 @@ class Trainer:
     # ---- checkpoints ----------------------------------------------------------------------------
     def state(self, epochs_done: int, batches_done: int) -> dict:
         """Everything a resumed run needs (see runner.run.checkpoint)."""
-        if self.sharded:  # the whole state, gathered to rank 0 (a collective: every rank)
+        if self.sharded and self.cfg.fsdp_checkpoint == "sharded":
+            # the shards go through torch.distributed.checkpoint (the checkpointer, every rank)
+            model_state, optimizer_state = {}, dict(checkpoint.sharded.EMPTY_OPTIMIZER)
+        elif self.sharded:  # the whole state, gathered to rank 0 (a collective: every rank)
             model_state = fsdp.full_model_state(self.module)
             optimizer_state = fsdp.full_optimizer_state(self.module, self.optimizer)
         else:
@@ -475,10 +478,13 @@ class Trainer:
                if self.layer_plan is not None else {}),
         }
 
-    def restore(self, state: dict, scheduler: bool = True) -> None:
+    def restore(self, state: dict, scheduler: bool = True, source: Optional[Path] = None) -> None:
         """Continue from a checkpoint's state (the same model, optimizer and engine setup);
-        `scheduler=False` leaves the scheduler to the caller (a schedule of another length)."""
-        if self.sharded:  # the full state into this rank's shards
+        `scheduler=False` leaves the scheduler to the caller (a schedule of another length).
+        `source`: the checkpoint file (a sharded checkpoint's shards are read from beside it)."""
+        if "sharded" in state:  # the shards into this run's own sharding (a collective)
+            checkpoint.sharded.load(source, self.module, self.optimizer)
+        elif self.sharded:  # the full state into this rank's shards
             fsdp.load_full_state(self.module, self.optimizer, state["model"], state["optimizer"])
         else:
             self.module.load_state_dict(state["model"])  # O2: re-seeds the fp32 masters exactly

@@ -38,6 +38,10 @@ What loading checks, in this order (each refusal a ConfigError naming the file, 
 3. contents (`load`): every key known, the trainer's keys present, each value of its type
    (tensors where tensors belong, plain numbers and strings elsewhere), the RNG states accepted by
    fresh generators of their kind, every loss scaler's entry valid.
+A sharded run (trainer.strategy=fsdp) writes `<run id>/last.dcp/` instead: its shards through
+torch.distributed.checkpoint and `trainer.pt` in the format above, listing every shard file's
+SHA-256 (`runner.run.checkpoint.sharded`).
+
 4. the run (`check_resumable`, `check_structure`): the config is the checkpoint's (but a grown
    `trainer.max_epochs`); the model state has this run's keys, shapes and dtypes; the optimizer
    has this run's number of parameter groups and parameters and is of its kind; the engine has one
@@ -54,4 +58,17 @@ from runner.run.checkpoint.contents import (  # noqa: F401  (the checkpoint's AP
     config_differences,
 )
 from runner.run.checkpoint.folders import FILENAME, find, path_for, run_folder  # noqa: F401
-from runner.run.checkpoint.format import FORMAT, LEGACY_FORMAT, load, save  # noqa: F401
+from runner.run.checkpoint.format import FORMAT, LEGACY_FORMAT, save  # noqa: F401
+from runner.run.checkpoint import format as _format
+from runner.run.checkpoint import sharded  # noqa: F401
+
+
+def load(path):
+    """The checkpoint at `path` (`format.load`: integrity, safety, contents); a sharded
+    checkpoint's `trainer.pt` also has every shard file it lists verified (`sharded.verify`)."""
+    state = _format.load(path)
+    if "sharded" in state:
+        from pathlib import Path
+
+        sharded.verify(Path(path), state["sharded"]["files"])
+    return state

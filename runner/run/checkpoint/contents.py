@@ -23,6 +23,7 @@ RESUMABLE_CHANGES = ("trainer.max_epochs", "resume")
 # group, every run was a classifier's, which task=auto still is for the datasets it had)
 IMPLIED_BEFORE = {"loss._target_": "torch.nn.CrossEntropyLoss", "loss.label_smoothing": 0.0,
                   "task.name": "auto", "trainer.strategy": "ddp", "trainer.fsdp_wrap": None,
+                  "trainer.fsdp_checkpoint": "sharded",
                   "precision.layers": {}, "precision.layer_plan": None,
                   "precision.layer_plan_steps": 3, "precision.layer_plan_max_underflow": 0.01,
                   "precision.layer_plan_max_overflow": 0.0}
@@ -167,6 +168,15 @@ def _show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def _is_sharded(value: Any) -> bool:
+    if not isinstance(value, dict) or set(value) != {"files", "world_size"}:
+        return False
+    files = value["files"]
+    return _is_int(value["world_size"], 1) and isinstance(files, dict) and bool(files) and all(
+        type(k) is str and "/" not in k and k not in ("", ".", "..") and type(v) is str
+        and re.fullmatch(r"[0-9a-f]{64}", v) for k, v in files.items())
+
+
 def _is_layer_plan(value: Any) -> bool:
     if not isinstance(value, dict) or set(value) != {"layers", "rules"}:
         return False
@@ -207,6 +217,8 @@ _SCHEMA: dict[str, tuple[Callable[[Any], bool], str, bool]] = {
     "config": (lambda v: isinstance(v, dict) and _is_plain(v),
                "the resolved config (a mapping of plain values)", False),
     "world_size": (lambda v: _is_int(v, 1), "an integer >= 1", False),
+    # a sharded run's checkpoint (runner.run.checkpoint.sharded): its files' SHA-256, the world
+    "sharded": (lambda v: _is_sharded(v), "{files: {name: sha256 hex}, world_size: int}", False),
     # the layer plan (runner.precision.layers): not in checkpoints written before it
     "layer_plan": (lambda v: _is_layer_plan(v),
                    "{layers: {layer: format}, rules: [[glob, format, source, why], ...]}", False),
@@ -265,13 +277,15 @@ def check_resumable(state: Mapping[str, Any], config: Mapping[str, Any], path: P
 
 def check_structure(state: Mapping[str, Any], *, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer, engine: Any, scheduler: Any,
-                    world_size: int, path: Path, reshardable: bool = False) -> None:
+                    world_size: int, path: Path, reshardable: bool = False,
+                    tensors: bool = True) -> None:
     """The loaded state (see `load`) must fit the parts this run built: the model's state keys,
     shapes and dtypes, the optimizer's groups, parameters and kind, one loss scaler per loss (a
     static one at this run's scale), the scheduler's kind, the world size. Call it before the
     MLflow run is reopened; ConfigError("resume") lists every difference as
-    `key: checkpoint's -> this run's`. `reshardable` (a sharded run, whose checkpoints hold the
-    full state): another world size is taken at an epoch boundary."""
+    `key: checkpoint's -> this run's`. `reshardable` (a sharded run): another world size is
+    taken at an epoch boundary. `tensors=False`: the model and optimizer are not compared here
+    (a sharded checkpoint's shards are compared through their index)."""
     _require_run_keys(state, path)
     problems: list[str] = []
     if state["world_size"] != world_size and not (reshardable and state["batch"] == 0):
@@ -279,8 +293,9 @@ def check_structure(state: Mapping[str, Any], *, model: torch.nn.Module,
             " (a sharded run resumes at another world size from an epoch's end; this "
             f"checkpoint is {state['batch']} batches into an epoch of the old world's shards)"
             if reshardable else ""))
-    problems += _tensor_differences("model", state["model"], model.state_dict())
-    problems += _optimizer_differences(state["optimizer"], optimizer)
+    if tensors:  # (a sharded checkpoint's are in its shards: checked against their index)
+        problems += _tensor_differences("model", state["model"], model.state_dict())
+        problems += _optimizer_differences(state["optimizer"], optimizer)
     problems += _engine_differences(state["engine"], engine)
     problems += _layer_plan_differences(state.get("layer_plan"), engine)
     problems += _scheduler_differences(state["scheduler"], scheduler)

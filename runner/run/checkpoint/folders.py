@@ -10,6 +10,8 @@ from typing import Optional
 from runner.errors import ConfigError
 
 FILENAME = "last.pt"
+# a sharded run's checkpoint (runner.run.checkpoint.sharded): a folder of shards and trainer.pt
+SHARDED_FOLDER, SHARDED_TRAINER, SHARDED_OLD = "last.dcp", "trainer.pt", ".last.dcp.old"
 
 
 def _safe(name: str) -> str:
@@ -33,12 +35,28 @@ def find(resume: Optional[str], folder: Path) -> Optional[Path]:
     if resume is None or str(resume).strip() == "":
         return None
     if str(resume).strip().lower() == "auto":
-        found = sorted(folder.glob(f"*/{FILENAME}"), key=lambda p: p.stat().st_mtime)
+        found = [*folder.glob(f"*/{FILENAME}"), *_sharded(folder)]
+        found.sort(key=lambda p: p.stat().st_mtime)
         return found[-1] if found else None
     path = Path(resume).expanduser()
     if path.is_dir():
-        path = path / FILENAME
+        inside = [path / FILENAME, path / SHARDED_FOLDER / SHARDED_TRAINER,
+                  path / SHARDED_TRAINER]
+        path = next((p for p in inside if p.is_file()), inside[0])
     if not path.is_file():
         raise ConfigError("resume", f"no checkpoint at {str(resume)!r}",
-                          f"auto, or a checkpoint file ({FILENAME}) or its folder")
+                          f"auto, or a checkpoint file ({FILENAME}), a sharded checkpoint's "
+                          f"folder ({SHARDED_FOLDER}), or the folder holding either")
     return path.resolve()
+
+
+def _sharded(folder: Path) -> list[Path]:
+    """The `trainer.pt` of each run id's sharded checkpoint: `last.dcp`, or the previous one
+    moved aside where a save was cut short between its two renames."""
+    out = []
+    for entry in folder.glob("*/"):
+        for name in (SHARDED_FOLDER, SHARDED_OLD):
+            if (entry / name / SHARDED_TRAINER).is_file():
+                out.append(entry / name / SHARDED_TRAINER)
+                break
+    return out
