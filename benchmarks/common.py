@@ -11,6 +11,7 @@ import os
 import platform
 import shlex
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -514,3 +515,32 @@ def interleaved_medians(variants: Sequence[str], block: Callable[[str], float], 
         print(f"{label} round {index + 1}/{rounds}: " + ", ".join(
             f"{v} {1e3 * samples[v][-1]:.1f} ms" for v in variants), flush=True)
     return {v: statistics.median(samples[v]) for v in variants}
+
+
+def run_cells(name: str, title: str, args: Any, argv: Sequence[str],
+              cell: Callable[[str, str], dict], overrides: Callable[[str, str], list],
+              render: Callable[[dict], str], fields: Sequence[str], **extra: Any) -> int:
+    """A timing benchmark over the (model, level) cells of `args`: announce it, time each cell
+    (`cell(model, level)` -> its result dict, `status` "ok" or not), then write the Markdown,
+    CSV and JSON (`render`, `fields`) with the machine, the load averages, the date, the command
+    and each cell's `overrides`, and print the table. Exit status 1 if a cell crashed."""
+    load_start = load_average()
+    started = time.perf_counter()
+    print(f"{title} on {args.device}: {', '.join(args.models)} x {', '.join(args.levels)}, "
+          f"{args.rounds} rounds of {args.steps}-step blocks; load average {load_start}",
+          flush=True)
+    results = [cell(model, level) for model in args.models for level in args.levels]
+    report = {
+        "benchmark": name, "device": args.device, "image_size": args.image_size,
+        "batch_size": args.batch_size, "steps": args.steps, "rounds": args.rounds, **extra,
+        "results": results, "machine": machine(args.device),
+        "command": command(f"{name}.py", argv), "date": now(),
+        "load_start": load_start, "load_end": load_average(),
+        "wall_s": time.perf_counter() - started,
+        "overrides": {f"{m}/{lv}": overrides(m, lv) for m in args.models for lv in args.levels},
+    }
+    paths = write_results(args.out, render(report), results, fields, report)
+    print()
+    print(render(report))
+    print("Wrote " + ", ".join(str(p) for p in paths))
+    return 1 if any(c["status"] != "ok" for c in results) else 0

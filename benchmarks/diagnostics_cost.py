@@ -33,9 +33,8 @@ from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from common import (REPO, add_threads_option, apply_threads, build_runner,  # noqa: E402
-                    interleaved_medians,
-                    check_at_least_one, command, compose, csv_list, int_list, load_average,
-                    machine, now, one_batch_task, resolve_device, setup_lines, write_results)
+                    check_at_least_one, compose, csv_list, int_list, interleaved_medians,
+                    one_batch_task, resolve_device, run_cells, setup_lines)
 
 VARIANTS = ("off", "diagnosed", "memory meter")
 
@@ -219,29 +218,11 @@ def csv_fields(intervals: Sequence[int]) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    load_start = load_average()
-    started = time.perf_counter()
-    print(f"Range diagnostics cost on {args.device}: {', '.join(args.models)} x "
-          f"{', '.join(args.levels)}, {args.rounds} rounds of {args.steps}-step blocks; load "
-          f"average {load_start}", flush=True)
     batches: dict = {}
-    results = [run_cell(args, model, level, batches) for model in args.models
-               for level in args.levels]
-    report = {
-        "benchmark": "diagnostics_cost", "device": args.device, "image_size": args.image_size,
-        "batch_size": args.batch_size, "steps": args.steps, "rounds": args.rounds,
-        "intervals": args.intervals, "results": results, "machine": machine(args.device),
-        "command": command("diagnostics_cost.py", argv), "date": now(),
-        "load_start": load_start, "load_end": load_average(),
-        "wall_s": time.perf_counter() - started,
-        "overrides": {f"{m}/{lv}": cell_overrides(args, m, lv) for m in args.models
-                      for lv in args.levels},
-    }
-    paths = write_results(args.out, render(report), results, csv_fields(args.intervals), report)
-    print()
-    print(render(report))
-    print("Wrote " + ", ".join(str(p) for p in paths))
-    return 1 if any(c["status"] != "ok" for c in results) else 0
+    return run_cells("diagnostics_cost", "Range diagnostics cost", args, argv,
+                     lambda model, level: run_cell(args, model, level, batches),
+                     lambda model, level: cell_overrides(args, model, level), render,
+                     csv_fields(args.intervals), intervals=args.intervals)
 
 
 if __name__ == "__main__":

@@ -29,9 +29,8 @@ from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from common import (REPO, add_threads_option, apply_threads, build_runner,  # noqa: E402
-                    interleaved_medians,
-                    check_at_least_one, command, compose, csv_list, load_average, machine, now,
-                    one_batch_task, resolve_device, setup_lines, write_results)
+                    check_at_least_one, compose, csv_list, interleaved_medians, one_batch_task,
+                    resolve_device, run_cells, setup_lines)
 
 VARIANTS = ("level", "plan", "audited")
 HEADS = {"tiny": "5", "tiny_gn": "5", "resnet18": "fc", "resnet50": "fc", "vit_tiny": "heads",
@@ -182,27 +181,10 @@ CSV_FIELDS = ["model", "level", "status", "layers", "deviates", "hooks", "wrappe
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    load_start = load_average()
-    started = time.perf_counter()
-    print(f"Layer plan cost on {args.device}: {', '.join(args.models)} x "
-          f"{', '.join(args.levels)}, {args.rounds} rounds of {args.steps}-step blocks; load "
-          f"average {load_start}", flush=True)
-    results = [run_cell(args, model, level) for model in args.models for level in args.levels]
-    report = {
-        "benchmark": "layer_plan_cost", "device": args.device, "image_size": args.image_size,
-        "batch_size": args.batch_size, "steps": args.steps, "rounds": args.rounds,
-        "results": results, "machine": machine(args.device),
-        "command": command("layer_plan_cost.py", argv), "date": now(),
-        "load_start": load_start, "load_end": load_average(),
-        "wall_s": time.perf_counter() - started,
-        "overrides": {f"{m}/{lv}": cell_overrides(args, m, lv, True) for m in args.models
-                      for lv in args.levels},
-    }
-    paths = write_results(args.out, render(report), results, CSV_FIELDS, report)
-    print()
-    print(render(report))
-    print("Wrote " + ", ".join(str(p) for p in paths))
-    return 1 if any(c["status"] != "ok" for c in results) else 0
+    return run_cells("layer_plan_cost", "Layer plan cost", args, argv,
+                     lambda model, level: run_cell(args, model, level),
+                     lambda model, level: cell_overrides(args, model, level, True), render,
+                     CSV_FIELDS)
 
 
 if __name__ == "__main__":
