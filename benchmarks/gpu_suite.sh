@@ -174,6 +174,19 @@ elif [[ "$PART" == 4 ]]; then
   # 400 leave the seeds' spread wider than the targets)
   piece bench_lm_parity 180 "$PY" benchmarks/lm_parity.py --device cuda --steps 2000 \
     --levels o0,o1_bf16,o2_bf16,o3_bf16_sr,o1_fp8 --overhead-rounds 10
+  # sharded runs (FSDP2) where the machine has several GPUs: GPT-2 small over all of them at
+  # o2_bf16 and o1_fp8, tokens/s and memory by kind per rank in an MLflow store under results/
+  NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
+  if [[ "$NGPU" -ge 2 ]]; then
+    for LEVEL in o2_bf16 o1_fp8; do
+      piece "bench_fsdp_$LEVEL" 90 "$PY" -m torch.distributed.run --standalone \
+        --nproc_per_node="$NGPU" -m runner trainer.strategy=fsdp precision=$LEVEL \
+        model=gpt2_small model.vocab_size=50304 data=synthetic_text data.block_size=1024 \
+        trainer.batch_size=8 trainer.max_epochs=1 trainer.limit_train_batches=50 \
+        trainer.limit_val_batches=5 trainer.progress_bar=false trainer.checkpoint_every_n_epochs=0 \
+        "mlflow.tracking_uri=sqlite:///$WORK/results/fsdp_cuda.db"
+    done
+  fi
   # precision per layer: a head kept in fp32 (input casts on every layer at O2), the audit's step
   piece bench_layer_plan 60 "$PY" benchmarks/layer_plan_cost.py --device cuda \
     --models resnet50,gpt_tiny --levels o1,o2 --image-size 224 --batch-size 64

@@ -152,6 +152,8 @@ def stochastic_round(x: torch.Tensor, seed: int, step: int, tensor_id: int,
     """
     if x.dtype != torch.float32:
         raise ValueError(f"stochastic_round: x must be float32, got {x.dtype}")
+    if hasattr(x, "to_local"):  # a DTensor (a sharded run): its shard, with its global indices
+        return _round_shard(x, seed, step, tensor_id, stream)
     flat = _memory_order(x)
     index = torch.arange(flat.numel(), dtype=torch.int64, device=x.device)
     pattern = round_with_bits(flat, random_bits(seed, step, tensor_id, index, stream))
@@ -159,6 +161,41 @@ def stochastic_round(x: torch.Tensor, seed: int, step: int, tensor_id: int,
     out = torch.empty_strided(x.shape, x.stride(), dtype=torch.bfloat16, device=x.device)
     _memory_order(out).copy_(signed.view(torch.bfloat16))
     return out
+
+
+def _shard_offset(x: torch.Tensor) -> int:
+    """Where a DTensor's local shard starts among the whole tensor's elements (row-major), for a
+    tensor sharded on its first dimension only (FSDP2's `Shard(0)`); else a ValueError."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if any(not (isinstance(pl, Replicate) or (isinstance(pl, Shard) and pl.dim == 0))
+           for pl in x.placements):
+        raise ValueError("stochastic rounding of a DTensor sharded on another dimension than "
+                         f"the first: {x.placements}")
+    _, offset = compute_local_shape_and_global_offset(x.shape, x.device_mesh, x.placements)
+    row = 1
+    for size in x.shape[1:]:
+        row *= size
+    return int(offset[0]) * row if x.dim() else 0
+
+
+def _round_shard(x: torch.Tensor, seed: int, step: int, tensor_id: int,
+                 stream: int) -> torch.Tensor:
+    """`stochastic_round` of a DTensor: each element's bits keyed by its index in the whole
+    tensor, so a sharded run rounds every element as the unsharded run would."""
+    from torch.distributed.tensor import DTensor
+
+    local = x.to_local()
+    flat = _memory_order(local)
+    start = _shard_offset(x)
+    index = torch.arange(start, start + flat.numel(), dtype=torch.int64, device=local.device)
+    pattern = round_with_bits(flat, random_bits(seed, step, tensor_id, index, stream))
+    signed = torch.where(pattern >= 1 << 15, pattern - (1 << 16), pattern).to(torch.int16)
+    out = torch.empty_strided(local.shape, local.stride(), dtype=torch.bfloat16,
+                              device=local.device)
+    _memory_order(out).copy_(signed.view(torch.bfloat16))
+    return DTensor.from_local(out, x.device_mesh, x.placements, shape=x.shape, stride=x.stride())
 
 
 # ---- any torch.optim optimizer ---------------------------------------------------------------
@@ -209,7 +246,8 @@ def sr_step(optimizer: torch.optim.Optimizer, seed: int, step: int,
     def select(p: torch.Tensor) -> bool:
         if p.dtype != torch.bfloat16:
             return False
-        _memory_order(p)  # a clear error for a param the rounding cannot index
+        _memory_order(p.to_local() if hasattr(p, "to_local") else p)  # a clear error for
+        # a param the rounding cannot index (a sharded one: its shard)
         return True
 
     def store(param: torch.Tensor, data16: torch.Tensor, fp32: torch.Tensor) -> None:

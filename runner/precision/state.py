@@ -85,9 +85,15 @@ def quantised(numel: int, block_size: int) -> bool:
 
 def param_shaped(key: Any, value: Any, param: torch.Tensor) -> bool:
     """Optimizer state that is elementwise with the param (moments, momentum buffers) and plain
-    (not a quantised subclass); torch's `step` counter is not, even for a 0-d param."""
-    return (key != "step" and type(value) is torch.Tensor and value.is_floating_point()
-            and value.shape == param.shape)
+    (not a quantised subclass; a sharded run's DTensor is plain per shard); torch's `step`
+    counter is not, even for a 0-d param."""
+    return (key != "step" and (type(value) is torch.Tensor or _is_dtensor(value))
+            and value.is_floating_point() and value.shape == param.shape)
+
+
+def _is_dtensor(t: Any) -> bool:
+    return type(t).__name__ == "DTensor" or (isinstance(t, torch.Tensor)
+                                             and hasattr(t, "to_local") and hasattr(t, "placements"))
 
 
 def needs_fp32_step(optimizer: torch.optim.Optimizer, state_dtype: Optional[torch.dtype]) -> bool:
@@ -121,11 +127,29 @@ def step_in_fp32(optimizer: torch.optim.Optimizer, select: Callable[[torch.Tenso
 
     If the optimizer raises, params, gradients and state are restored as they were."""
     swapped = []  # (param, its own data, its own grad or None, {state key: original tensor})
+    replaced = []  # (group, index, param, its fp32 stand-in): DTensor params (a sharded run)
     done = False
     try:
         for group in optimizer.param_groups:
-            for p in group["params"]:
+            for index, p in enumerate(group["params"]):
                 if p.grad is None or not select(p):
+                    continue
+                if _is_dtensor(p) and p.dtype != torch.float32:
+                    # a DTensor's type cannot change under it (`.data =` keeps bf16): an fp32
+                    # stand-in takes its place, its gradient and its state for the step
+                    stand_in = torch.nn.Parameter(p.detach().to(torch.float32),
+                                                  requires_grad=p.requires_grad)
+                    stand_in.grad = p.grad.to(torch.float32)
+                    originals = {}
+                    state = optimizer.state.pop(p, None)
+                    if state is not None:
+                        for key, value in state.items():
+                            if param_shaped(key, value, p) and value.dtype != torch.float32:
+                                originals[key] = value
+                                state[key] = value.to(torch.float32)
+                        optimizer.state[stand_in] = state
+                    group["params"][index] = stand_in
+                    replaced.append((group, index, p, stand_in, originals))
                     continue
                 data, grad = p.data, p.grad
                 originals: dict = {}
@@ -144,6 +168,15 @@ def step_in_fp32(optimizer: torch.optim.Optimizer, select: Callable[[torch.Tenso
         (step_fn or optimizer.step)()
         done = True
     finally:
+        for group, index, p, stand_in, originals in replaced:
+            group["params"][index] = p
+            state = optimizer.state.pop(stand_in, None)
+            if state is not None:
+                optimizer.state[p] = state
+            if done:
+                with torch.no_grad():
+                    store(p, p.detach(), stand_in.detach())
+            swapped.append((p, None, originals))
         for p, own, originals in swapped:
             if own is not None:
                 data, grad = own

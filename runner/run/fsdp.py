@@ -16,6 +16,11 @@ How each level maps onto FSDP2 (the engine's stages and loss scaling unchanged):
 | O2 | fp32 | `param_dtype` = the 16-bit type | `reduce_dtype` fp32 | the fp32 shards |
 | O3 | the 16-bit type (the model cast before sharding) | the 16-bit type | the 16-bit type | none |
 
+`stochastic_rounding` (o3_bf16_sr): bf16 shards, each update computed in fp32 and rounded with the
+bits the unsharded run draws for each element (`rounding.stochastic_round` keys a shard's
+elements by their index in the whole tensor). fp8 (`fp8_linear`): torchao's Float8Linear layers,
+converted before sharding, gathered in the level's type.
+
 `keep_batchnorm_fp32` (O2): each BatchNorm is a unit of its own whose policy keeps fp32
 (`param_dtype=None`), so its weights and statistics compute in fp32 on the 16-bit activations, as
 the unsharded O2 does. The model's output comes back as fp32 (the engine's output cast), so the
@@ -233,12 +238,6 @@ def refusals(cfg: Any, p: Properties, layer_rules: Iterable[Any]) -> list[tuple[
     if trainer.sync_batchnorm:
         out.append(("trainer.sync_batchnorm", "SyncBatchNorm is DDP's; FSDP2 does not convert "
                     "it", "trainer.sync_batchnorm=false"))
-    if p.fp8_linear is not None:
-        out.append(("precision.fp8_linear", "fp8 Linear layers are not sharded yet (torchao's "
-                    "fp8 all-gather)", "a bf16 level (precision=o1_bf16, o2_bf16) with fsdp"))
-    if p.stochastic_rounding:
-        out.append(("precision.stochastic_rounding", "stochastic rounding of bf16 shards is "
-                    "not wired in yet", "precision=o3_bf16, or trainer.strategy=ddp"))
     if not p.state_follows_weights:
         out.append(("precision.optimizer_state", f"{p.state_format} optimizer state is not "
                     "sharded yet", "precision.optimizer_state=null"))
