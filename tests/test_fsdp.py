@@ -258,27 +258,28 @@ def _losses(folder: Path) -> list[float]:
                                     key=lambda m: m.step)]
 
 
+TRANSFORMERS = {
+    "vit_tiny": ["model=vit_tiny", "data=synthetic", "data.num_train=64", "data.num_val=16",
+                 "data.image_size=32", "optimizer=adamw"],
+    "gpt_tiny": ["model=gpt_tiny", "data=synthetic_text", "data.num_train=4200",
+                 "data.num_val=1100", "data.block_size=64", "trainer.limit_train_batches=6",
+                 "trainer.limit_val_batches=2", "optimizer=adamw"],
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("model", [
-    ["model=vit_tiny", "data=synthetic", "data.num_train=64", "data.num_val=16",
-     "data.image_size=32", "optimizer=adamw"],
-    ["model=gpt_tiny", "data=synthetic_text", "data.num_train=4200", "data.num_val=1100",
-     "data.block_size=64", "trainer.limit_train_batches=6", "trainer.limit_val_batches=2",
-     "optimizer=adamw"],
-    ["model=gpt_tiny", "data=synthetic_text", "data.num_train=4200", "data.num_val=1100",
-     "data.block_size=64", "trainer.limit_train_batches=6", "trainer.limit_val_batches=2",
-     "optimizer=adamw", "precision=o1_fp8"],
-], ids=["vit_tiny", "gpt_tiny", "gpt_tiny-o1_fp8"])
-def test_transformers_shard_their_blocks_and_train_like_one_process(tmp_path, model):
-    """o2_bf16 (o1_fp8: torchao's fp8 Linear layers, emulated, sharded), AdamW, 1 epoch: the
-    per-step training losses of 2 sharded ranks (global batch 16) within 2% of one process's
-    (measured under 0.5% in the steps of equal batches; the last batch of an epoch differs: 2
-    ranks pad their shares to equal sizes, 1.6% with fp8)."""
+@pytest.mark.parametrize("level", ["o0", "o2_bf16", "o3_bf16_sr", "o1_fp8"])
+@pytest.mark.parametrize("name", sorted(TRANSFORMERS))
+def test_transformers_shard_their_blocks_and_train_like_one_process(tmp_path, name, level):
+    """vit_tiny and gpt_tiny at o0, o2_bf16, o3_bf16_sr and o1_fp8 (torchao's fp8 Linear layers,
+    emulated, sharded), AdamW, 1 epoch: the per-step training losses of 2 sharded ranks (global
+    batch 16) within 2% of one process's (measured under 0.5% in the steps of equal batches; the
+    last batch of an epoch differs where 2 ranks pad their shares to equal sizes: 1.6%)."""
+    model = [*TRANSFORMERS[name], f"precision={level}"]
     one, two = tmp_path / "one", tmp_path / "two"
     one.mkdir()
     two.mkdir()
-    level = [] if any(a.startswith("precision=") for a in model) else ["precision=o2_bf16"]
-    common = [*model, *level, "trainer.max_epochs=1", "trainer.num_workers=0",
+    common = [*model, "trainer.max_epochs=1", "trainer.num_workers=0",
               "trainer.progress_bar=false", "trainer.log_every_n_steps=1", "scheduler=none"]
     store = "mlflow.tracking_uri=sqlite:///{}/mlflow.db"
     app.run(compose_config(*common, "trainer.batch_size=16", store.format(one),
@@ -454,3 +455,44 @@ def test_find_takes_the_previous_sharded_checkpoint_where_a_swap_was_cut_short(t
     (run / "last.dcp" / "trainer.pt").write_bytes(b"x")
     assert checkpoint.find("auto", tmp_path) == run / "last.dcp" / "trainer.pt"
     assert checkpoint.find(str(run), tmp_path) == (run / "last.dcp" / "trainer.pt").resolve()
+
+
+@pytest.mark.slow
+def test_a_sharded_tensor_rounds_as_the_whole_tensor_does(tmp_path):
+    """tests/fsdp_rounding_probe.py: each rank's stochastically rounded shard is, bit for bit, its
+    slice of the whole tensor rounded in one process (uneven shards of 7 and 6 rows); keying the
+    bits by the shard's own indices instead would differ on rank 1."""
+    result = torchrun(2, [str(tmp_path)], tmp_path,
+                      script=str(REPO / "tests" / "fsdp_rounding_probe.py"))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["rows"] for r in ranks] == [7, 6]
+    assert all(r["equal"] and r["dtype"] == "torch.bfloat16" for r in ranks)
+    assert ranks[1]["differs_from_unkeyed"] and not ranks[0]["differs_from_unkeyed"]
+
+
+
+def test_a_sharded_checkpoint_lists_exactly_its_files(tmp_path):
+    """`sharded.verify` before any file is read: a missing shard, a file it does not list, a
+    changed byte: each refused naming the file."""
+    from runner.run.checkpoint import sharded
+
+    folder = tmp_path / "last.dcp"
+    folder.mkdir()
+    for name in (".metadata", "__0_0.distcp", "__1_0.distcp"):
+        (folder / name).write_bytes(name.encode() * 10)
+    files = {p.name: sharded._digest(p) for p in folder.iterdir()}
+    trainer = folder / "trainer.pt"
+    trainer.write_bytes(b"")
+    sharded.verify(trainer, files)  # intact
+    (folder / "__1_0.distcp").rename(folder / "__2_0.distcp")
+    with pytest.raises(ConfigError, match=r"missing __1_0\.distcp"):
+        sharded.verify(trainer, files)
+    (folder / "__2_0.distcp").rename(folder / "__1_0.distcp")
+    (folder / "extra.bin").write_bytes(b"x")
+    with pytest.raises(ConfigError, match=r"files it does not list: extra\.bin"):
+        sharded.verify(trainer, files)
+    (folder / "extra.bin").unlink()
+    (folder / ".metadata").write_bytes(b"changed")
+    with pytest.raises(ConfigError, match=r"\.metadata: checksum mismatch"):
+        sharded.verify(trainer, files)

@@ -313,7 +313,8 @@ class AmpEngine:
                     elif p.fp8_linear is None and layer.name not in only:
                         reasons[layer.name] = "the level's type (fp8 only for the plan's layers)"
             conversion = fp8.convert(model, p.fp8_linear or "tensorwise",
-                                     emulate=not self._fp8_hardware(), only=only, reasons=reasons)
+                                     emulate=not self._fp8_hardware(), only=only, reasons=reasons,
+                                     fsdp_all_gather=self.sharded)
             if self.fp8 is None:
                 self.fp8 = conversion
             else:  # several models: one listing

@@ -76,11 +76,14 @@ def _why_not(module: nn.Linear, origins: dict[int, str] | None = None) -> str | 
 
 
 def convert(model: nn.Module, recipe: str, emulate: bool, only: Optional[set[str]] = None,
-            reasons: Optional[Mapping[str, str]] = None) -> Conversion:
+            reasons: Optional[Mapping[str, str]] = None,
+            fsdp_all_gather: bool = False) -> Conversion:
     """Swap `model`'s eligible Linear layers for torchao's Float8Linear (in place) with the
     `recipe` ("tensorwise" or "rowwise"); `emulate` on a device without fp8 Tensor Cores.
     `only`: a layer plan's fp8 layers (checked eligible), converted and no other; the others are
-    listed with their `reasons` (name -> the plan's format and why)."""
+    listed with their `reasons` (name -> the plan's format and why). `fsdp_all_gather`: the
+    model is about to be sharded with FSDP2 on fp8 hardware: its weights are all-gathered in fp8
+    (torchao's `enable_fsdp_float8_all_gather`, tensorwise recipe only)."""
     import dataclasses
 
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -105,6 +108,8 @@ def convert(model: nn.Module, recipe: str, emulate: bool, only: Optional[set[str
     if eligible:
         config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe),
                                      emulate=emulate)
+        if fsdp_all_gather and recipe == "tensorwise" and not emulate:
+            config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
         convert_to_float8_training(model, config=config,
                                    module_filter_fn=lambda _module, name: name in eligible)
     return conversion

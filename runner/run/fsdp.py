@@ -19,7 +19,8 @@ How each level maps onto FSDP2 (the engine's stages and loss scaling unchanged):
 `stochastic_rounding` (o3_bf16_sr): bf16 shards, each update computed in fp32 and rounded with the
 bits the unsharded run draws for each element (`rounding.stochastic_round` keys a shard's
 elements by their index in the whole tensor). fp8 (`fp8_linear`): torchao's Float8Linear layers,
-converted before sharding, gathered in the level's type.
+converted before sharding; on fp8 hardware with the tensorwise recipe their weights are gathered
+in fp8 (`enable_fsdp_float8_all_gather`), emulated elsewhere in the level's type.
 
 `keep_batchnorm_fp32` (O2): each BatchNorm is a unit of its own whose policy keeps fp32
 (`param_dtype=None`), so its weights and statistics compute in fp32 on the 16-bit activations, as
