@@ -388,6 +388,71 @@ def test_bad_arguments_are_refused_with_the_reason(backend):
         backend.ops.copy_scale([a.double()], [a], one)
 
 
+# The checks' messages where libstdc++ is linked statically into the module, as the GPU image's
+# toolchain (/opt/gcc) links it: formatting a number through an iostream compiled into the module
+# segfaulted there (CUDA) and cut the message short at the first number here (found on an H200,
+# issue 28). The calls run in a child process, so a crash fails this test instead of the suite.
+STATIC_PROBE = """
+import sys, torch
+from runner import csrc
+flags = csrc.build_flags
+def static_flags(backend):
+    f = flags(backend)
+    f["extra_ldflags"] = [*f["extra_ldflags"], "-static-libstdc++"]
+    return f
+csrc.build_flags = static_flags
+k = csrc.build("cpp")
+a, one = torch.ones(4), torch.ones(1)
+x = torch.ones(2, 3, 4, 5)
+calls = [
+    lambda: k.ops.copy_scale([a, a], [a], one),
+    lambda: k.ops.copy_scale([a], [torch.ones(5)], one),
+    lambda: k.ops.copy_scale([x], [x.contiguous(memory_format=torch.channels_last)], one),
+    lambda: k.ops.copy_scale([a], [a], torch.ones(2)),
+    lambda: k.ops.copy_scale([a.double()], [a], one),
+    lambda: k.ops.stochastic_round([a], [a.bfloat16()], 0, 0, [1 << 33]),
+]
+for call in calls:
+    try:
+        call()
+        print("no error")
+    except RuntimeError as error:
+        print(str(error).splitlines()[0])
+"""
+
+
+def _static_libstdcxx() -> bool:
+    import subprocess
+
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        return False
+    found = subprocess.run([compiler, "-print-file-name=libstdc++.a"], capture_output=True,
+                           text=True).stdout.strip()
+    return os.path.isabs(found) and os.path.isfile(found)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _static_libstdcxx(), reason="no static libstdc++ (libstdc++.a) to link")
+def test_messages_are_whole_with_a_statically_linked_libstdcxx(tmp_path):
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-c", STATIC_PROBE], capture_output=True, text=True, timeout=900,
+        env={**os.environ, "AMP_RUNNER_KERNEL_CACHE": str(tmp_path / "cache")})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines() == [
+        "copy_scale: dst has 1 tensors, src has 2",
+        "copy_scale: dst[0] has 5 elements, src[0] has 4",
+        "copy_scale: dst[0] and src[0] have different layouts (strides [60, 1, 15, 3] vs "
+        "[60, 20, 5, 1])",
+        "scale must be a one-element float32 tensor, got Float with 2 elements",
+        "copy_scale: src[0] is Double; float16, bfloat16 or float32 expected",
+        "stochastic_round: tensor_ids[0] = 8589934592 is outside [0, 2^32)",
+    ], result.stdout
+
+
 # ---- building ------------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.skipif(csrc.cuda_toolkit() is None,

@@ -173,7 +173,7 @@ inline void dispatch(at::ScalarType dtype, const F& fn) {
     case at::kFloat: fn(float{}); break;
     case at::kHalf: fn(c10::Half{}); break;
     case at::kBFloat16: fn(c10::BFloat16{}); break;
-    default: TORCH_CHECK(false, "unsupported dtype ", dtype);
+    default: AMP_CHECK(false, "unsupported dtype ", dtype);
   }
 }
 
@@ -201,7 +201,7 @@ at::Device device_of(const TensorList& tensors) {
 
 void check_cpu(const TensorList& tensors, const char* op) {
   for (const auto& t : tensors) {
-    TORCH_CHECK(t.device().is_cpu(), op, ": the C++ backend takes CPU tensors, got ", t.device());
+    AMP_CHECK(t.device().is_cpu(), op, ": the C++ backend takes CPU tensors, got ", t.device());
   }
 }
 
@@ -344,7 +344,7 @@ inline void dispatch_state(bool present, at::ScalarType dtype, const F& fn) {
   } else if (dtype == at::kFloat) {
     fn(static_cast<float*>(nullptr));
   } else {
-    TORCH_CHECK(dtype == at::kBFloat16, "unsupported optimizer state dtype ", dtype);
+    AMP_CHECK(dtype == at::kBFloat16, "unsupported optimizer state dtype ", dtype);
     fn(static_cast<c10::BFloat16*>(nullptr));
   }
 }

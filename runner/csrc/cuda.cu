@@ -42,18 +42,20 @@ void dispatch(at::ScalarType dtype, const F& fn) {
     case at::kFloat: fn(float{}); break;
     case at::kHalf: fn(c10::Half{}); break;
     case at::kBFloat16: fn(c10::BFloat16{}); break;
-    default: TORCH_CHECK(false, "unsupported dtype ", dtype);
+    default: AMP_CHECK(false, "unsupported dtype ", dtype);
   }
 }
 
 void check_cuda(const TensorList& tensors, const char* op) {
   for (const auto& t : tensors) {
-    TORCH_CHECK(t.is_cuda(), op, ": the CUDA backend takes CUDA tensors, got ", t.device());
+    AMP_CHECK(t.is_cuda(), op, ": the CUDA backend takes CUDA tensors, got ", t.device());
   }
 }
 
-at::Device device_of(const TensorList& tensors) {
-  return tensors.empty() ? at::Device(at::kCUDA) : tensors[0].device();
+// The device of a list's tensors; for an empty list, `scalar`'s (an empty list does nothing, so
+// a scalar on any GPU goes with it: never the index-less Device(kCUDA), which equals no tensor's)
+at::Device device_of(const TensorList& tensors, const at::Tensor& scalar) {
+  return tensors.empty() ? scalar.device() : tensors[0].device();
 }
 
 const float* ptr_or_null(const std::optional<at::Tensor>& t) {
@@ -333,7 +335,7 @@ void dispatch_state(at::ScalarType dtype, const F& fn) {
   switch (dtype) {
     case at::kFloat: fn(float{}); break;
     case at::kBFloat16: fn(c10::BFloat16{}); break;
-    default: TORCH_CHECK(false, "unsupported optimizer state dtype ", dtype);
+    default: AMP_CHECK(false, "unsupported optimizer state dtype ", dtype);
   }
 }
 
@@ -353,7 +355,10 @@ namespace {
 // dst = src * (*scale) per dtype group; `found` (may be null) flags non-finite source values.
 void scale_lists(const TensorList& src, const TensorList& dst, const at::Tensor& scale,
                  float* found) {
-  for (const auto& [dtypes, positions] : group_by_dtypes({&src, &dst})) {
+  for (const auto& group : group_by_dtypes({&src, &dst})) {
+    // (named, not a structured binding: lambdas may capture those only from C++20)
+    const std::vector<at::ScalarType>& dtypes = group.first;
+    const std::vector<int64_t>& positions = group.second;
     dispatch(dtypes[0], [&](auto in_tag) {
       dispatch(dtypes[1], [&](auto out_tag) {
         using In = decltype(in_tag);
@@ -371,16 +376,19 @@ void unscale_check(const TensorList& grads, const TensorList& out, const at::Ten
                    const at::Tensor& found_inf) {
   check_lists("unscale_check", {&grads, &out}, {"grads", "out"}, {false, false}, {false, false});
   check_cuda(grads, "unscale_check");
-  check_scalar(inv_scale, "inv_scale", device_of(grads));
-  check_scalar(found_inf, "found_inf", device_of(grads));
+  check_scalar(inv_scale, "inv_scale", device_of(grads, inv_scale));
+  check_scalar(found_inf, "found_inf", device_of(grads, inv_scale));
   scale_lists(grads, out, inv_scale, scalar_ptr(found_inf));
 }
 
 void check_finite(const TensorList& tensors, const at::Tensor& found_inf) {
   check_lists("check_finite", {&tensors}, {"tensors"}, {false}, {false});
   check_cuda(tensors, "check_finite");
-  check_scalar(found_inf, "found_inf", device_of(tensors));
-  for (const auto& [dtypes, positions] : group_by_dtypes({&tensors})) {
+  check_scalar(found_inf, "found_inf", device_of(tensors, found_inf));
+  for (const auto& group : group_by_dtypes({&tensors})) {
+    // (named, not a structured binding: lambdas may capture those only from C++20)
+    const std::vector<at::ScalarType>& dtypes = group.first;
+    const std::vector<int64_t>& positions = group.second;
     dispatch(dtypes[0], [&](auto tag) {
       using T = decltype(tag);
       mta::multi_tensor_apply<1>({&tensors}, positions, CheckOp<T>{}, scalar_ptr(found_inf));
@@ -392,7 +400,7 @@ std::tuple<at::Tensor, at::Tensor> l2norm(const TensorList& tensors, const at::T
                                           const std::optional<at::Tensor>& found_inf) {
   check_lists("l2norm", {&tensors}, {"tensors"}, {false}, {false});
   check_cuda(tensors, "l2norm");
-  const at::Device device = tensors.empty() ? scale.device() : device_of(tensors);
+  const at::Device device = device_of(tensors, scale);
   check_scalar(scale, "scale", device);
   if (found_inf.has_value()) check_scalar(*found_inf, "found_inf", device);
   const c10::cuda::CUDAGuard guard(device);
@@ -409,7 +417,10 @@ std::tuple<at::Tensor, at::Tensor> l2norm(const TensorList& tensors, const at::T
   }
   auto partials = at::zeros({n * max_chunks}, scale.options());
   auto squares = at::empty({n}, scale.options().dtype(at::kDouble));
-  for (const auto& [dtypes, positions] : group_by_dtypes({&tensors})) {
+  for (const auto& group : group_by_dtypes({&tensors})) {
+    // (named, not a structured binding: lambdas may capture those only from C++20)
+    const std::vector<at::ScalarType>& dtypes = group.first;
+    const std::vector<int64_t>& positions = group.second;
     dispatch(dtypes[0], [&](auto tag) {
       using T = decltype(tag);
       mta::multi_tensor_apply<1>({&tensors}, positions, SumSquaresOp<T>{},
@@ -432,7 +443,7 @@ std::tuple<at::Tensor, at::Tensor> l2norm(const TensorList& tensors, const at::T
 void copy_scale(const TensorList& src, const TensorList& dst, const at::Tensor& scale) {
   check_lists("copy_scale", {&src, &dst}, {"src", "dst"}, {false, false}, {false, false});
   check_cuda(src, "copy_scale");
-  check_scalar(scale, "scale", device_of(src));
+  check_scalar(scale, "scale", device_of(src, scale));
   scale_lists(src, dst, scale, nullptr);
 }
 
@@ -446,7 +457,7 @@ void launch_step(const char* op, const TensorList& params, const TensorList& gra
                  const std::optional<at::Tensor>& found_inf, bool maximize, const AdamArgs& adam,
                  const SgdArgs& sgd, bool with_momentum) {
   check_cuda(params, op);
-  const at::Device device = device_of(params);
+  const at::Device device = device_of(params, grad_scale);
   check_scalar(grad_scale, "grad_scale", device);
   if (found_inf.has_value()) check_scalar(*found_inf, "found_inf", device);
   const TensorList& s1 = state1.empty() ? params : state1;
@@ -454,7 +465,10 @@ void launch_step(const char* op, const TensorList& params, const TensorList& gra
   const TensorList& copies = model_copies.empty() ? params : model_copies;
   const float sign = maximize ? -1.f : 1.f;
   // (s2's type is s1's: check_step_lists; an absent s1 is the fp32 params')
-  for (const auto& [dtypes, positions] : group_by_dtypes({&grads, &model_copies, &s1})) {
+  for (const auto& group : group_by_dtypes({&grads, &model_copies, &s1})) {
+    // (named, not a structured binding: lambdas may capture those only from C++20)
+    const std::vector<at::ScalarType>& dtypes = group.first;
+    const std::vector<int64_t>& positions = group.second;
     dispatch(dtypes[0], [&](auto g_tag) {
       dispatch(dtypes[1], [&](auto c_tag) {
         dispatch_state(dtypes[2], [&](auto s_tag) {
@@ -520,14 +534,17 @@ void launch_step_sr(const char* op, const TensorList& params, const TensorList& 
                     bool maximize, const AdamArgs& adam, const SgdArgs& sgd, bool with_momentum,
                     const std::vector<SrKey>& keys) {
   check_cuda(params, op);
-  const at::Device device = device_of(params);
+  const at::Device device = device_of(params, grad_scale);
   check_scalar(grad_scale, "grad_scale", device);
   if (found_inf.has_value()) check_scalar(*found_inf, "found_inf", device);
   const TensorList& s1 = state1.empty() ? params : state1;
   const TensorList& s2 = state2.empty() ? params : state2;
   const auto tags = key_tags(keys);
   const float sign = maximize ? -1.f : 1.f;
-  for (const auto& [dtypes, positions] : group_by_dtypes({&grads, &s1, &s2})) {
+  for (const auto& group : group_by_dtypes({&grads, &s1, &s2})) {
+    // (named, not a structured binding: lambdas may capture those only from C++20)
+    const std::vector<at::ScalarType>& dtypes = group.first;
+    const std::vector<int64_t>& positions = group.second;
     dispatch(dtypes[0], [&](auto g_tag) {
       dispatch_state(dtypes[1], [&](auto a_tag) {
         dispatch_state(dtypes[2], [&](auto b_tag) {

@@ -15,12 +15,45 @@
 #include <ATen/ATen.h>
 
 #include <optional>
+#include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "step_math.h"
 
 namespace amp_runner {
+
+// Error messages built without iostreams. TORCH_CHECK formats its arguments with an
+// std::ostringstream compiled into this module; where the toolchain links libstdc++ statically
+// into a shared object (the GPU image's /opt/gcc does), that copy's locale facets do not match
+// the process's, and inserting a number crashed the process (CUDA, a segfault) or cut the message
+// short at the first number (CPU). Numbers go through std::to_string (no locale), devices through
+// c10's own Device::str (in libc10), and TORCH_CHECK receives one finished std::string, which it
+// passes through without a stream.
+namespace fmt {
+inline std::string part(const char* s) { return s; }
+inline std::string part(const std::string& s) { return s; }
+inline std::string part(bool b) { return b ? "true" : "false"; }
+template <typename T, std::enable_if_t<std::is_integral_v<T>, int> = 0>
+inline std::string part(T v) { return std::to_string(v); }
+inline std::string part(const c10::Device& d) { return d.str(); }
+inline std::string part(at::ScalarType t) { return c10::toString(t); }
+inline std::string part(at::IntArrayRef values) {
+  std::string out = "[";
+  for (size_t i = 0; i < values.size(); ++i) out += (i ? ", " : "") + std::to_string(values[i]);
+  return out + "]";
+}
+template <typename... Parts>
+std::string cat(const Parts&... parts) {
+  std::string out;
+  ((out += part(parts)), ...);
+  return out;
+}
+}  // namespace fmt
+
+// TORCH_CHECK with the message made by fmt::cat (only when the check fails).
+#define AMP_CHECK(cond, ...) TORCH_CHECK(cond, ::amp_runner::fmt::cat(__VA_ARGS__))
 
 using TensorList = std::vector<at::Tensor>;
 
@@ -30,10 +63,10 @@ inline bool is_half_or_float(at::ScalarType t) {
 
 // One-element fp32 tensor on `device`.
 inline void check_scalar(const at::Tensor& t, const char* name, const at::Device& device) {
-  TORCH_CHECK(t.numel() == 1 && t.scalar_type() == at::kFloat,
+  AMP_CHECK(t.numel() == 1 && t.scalar_type() == at::kFloat,
               name, " must be a one-element float32 tensor, got ", t.scalar_type(), " with ",
               t.numel(), " elements");
-  TORCH_CHECK(t.device() == device, name, " is on ", t.device(), ", the tensors on ", device);
+  AMP_CHECK(t.device() == device, name, " is on ", t.device(), ", the tensors on ", device);
 }
 
 // `lists[0]` is the reference list; every other list has its length (or is empty where
@@ -45,25 +78,25 @@ inline void check_lists(const char* op, const std::vector<const TensorList*>& li
   for (size_t l = 0; l < lists.size(); ++l) {
     const TensorList& list = *lists[l];
     if (list.empty() && optional[l]) continue;
-    TORCH_CHECK(list.size() == ref.size(), op, ": ", names[l], " has ", list.size(),
+    AMP_CHECK(list.size() == ref.size(), op, ": ", names[l], " has ", list.size(),
                 " tensors, ", names[0], " has ", ref.size());
     for (size_t i = 0; i < list.size(); ++i) {
       const at::Tensor& t = list[i];
       const at::Tensor& r = ref[i];
-      TORCH_CHECK(t.defined(), op, ": ", names[l], "[", i, "] is undefined");
-      TORCH_CHECK(!t.is_sparse(), op, ": ", names[l], "[", i, "] is sparse");
-      TORCH_CHECK(is_half_or_float(t.scalar_type()), op, ": ", names[l], "[", i, "] is ",
+      AMP_CHECK(t.defined(), op, ": ", names[l], "[", i, "] is undefined");
+      AMP_CHECK(!t.is_sparse(), op, ": ", names[l], "[", i, "] is sparse");
+      AMP_CHECK(is_half_or_float(t.scalar_type()), op, ": ", names[l], "[", i, "] is ",
                   t.scalar_type(), "; float16, bfloat16 or float32 expected");
-      TORCH_CHECK(!fp32[l] || t.scalar_type() == at::kFloat, op, ": ", names[l], "[", i,
+      AMP_CHECK(!fp32[l] || t.scalar_type() == at::kFloat, op, ": ", names[l], "[", i,
                   "] must be float32, got ", t.scalar_type());
-      TORCH_CHECK(t.is_non_overlapping_and_dense(), op, ": ", names[l], "[", i,
+      AMP_CHECK(t.is_non_overlapping_and_dense(), op, ": ", names[l], "[", i,
                   "] is not dense (a strided view); pass the whole tensor");
-      TORCH_CHECK(t.numel() == r.numel(), op, ": ", names[l], "[", i, "] has ", t.numel(),
+      AMP_CHECK(t.numel() == r.numel(), op, ": ", names[l], "[", i, "] has ", t.numel(),
                   " elements, ", names[0], "[", i, "] has ", r.numel());
-      TORCH_CHECK(t.numel() <= 1 || t.strides() == r.strides(), op, ": ", names[l], "[", i,
+      AMP_CHECK(t.numel() <= 1 || t.strides() == r.strides(), op, ": ", names[l], "[", i,
                   "] and ", names[0], "[", i, "] have different layouts (strides ", t.strides(),
                   " vs ", r.strides(), ")");
-      TORCH_CHECK(t.device() == ref[0].device(), op, ": ", names[l], "[", i, "] is on ",
+      AMP_CHECK(t.device() == ref[0].device(), op, ": ", names[l], "[", i, "] is on ",
                   t.device(), ", ", names[0], "[0] on ", ref[0].device());
     }
   }
@@ -158,15 +191,15 @@ inline void check_step_lists(const char* op, const TensorList& params, const Ten
   // the state in float32 or bfloat16 (precision.optimizer_state), both lists of one type
   for (size_t i = 0; i < state_a.size(); ++i) {
     const at::ScalarType t = state_a[i].scalar_type();
-    TORCH_CHECK(t == at::kFloat || t == at::kBFloat16, op, ": optimizer state [", i,
+    AMP_CHECK(t == at::kFloat || t == at::kBFloat16, op, ": optimizer state [", i,
                 "] must be float32 or bfloat16, got ", t);
-    TORCH_CHECK(state_b.size() <= i || state_b[i].scalar_type() == t, op,
+    AMP_CHECK(state_b.size() <= i || state_b[i].scalar_type() == t, op,
                 ": the two optimizer states of param ", i, " differ in type (",
                 t, " and ", state_b[i].scalar_type(), ")");
   }
   for (size_t i = 0; i < model_copies.size(); ++i) {
     // an fp32 param that is the model's own parameter is passed as its own copy (not written)
-    TORCH_CHECK(model_copies[i].scalar_type() != at::kFloat ||
+    AMP_CHECK(model_copies[i].scalar_type() != at::kFloat ||
                     model_copies[i].data_ptr() == params[i].data_ptr(),
                 op, ": model_copies[", i, "] is a float32 tensor other than params[", i,
                 "]; a copy is the 16-bit model parameter, or the param itself for none");
@@ -176,13 +209,13 @@ inline void check_step_lists(const char* op, const TensorList& params, const Ten
 // The per-position keys of a stochastic-rounding op (after checking the ids).
 inline std::vector<SrKey> sr_keys(const char* op, uint64_t seed, uint64_t step,
                                   const std::vector<int64_t>& tensor_ids, size_t n) {
-  TORCH_CHECK(tensor_ids.size() == n, op, ": tensor_ids has ", tensor_ids.size(),
+  AMP_CHECK(tensor_ids.size() == n, op, ": tensor_ids has ", tensor_ids.size(),
               " ids for ", n, " tensors");
   std::vector<SrKey> keys;
   keys.reserve(n);
   for (size_t i = 0; i < n; ++i) {
     const int64_t id = tensor_ids[i];
-    TORCH_CHECK(id >= 0 && id <= 0xFFFFFFFFll, op, ": tensor_ids[", i, "] = ", id,
+    AMP_CHECK(id >= 0 && id <= 0xFFFFFFFFll, op, ": tensor_ids[", i, "] = ", id,
                 " is outside [0, 2^32)");
     keys.push_back(sr_key(seed, step, static_cast<uint32_t>(id)));
   }
@@ -192,7 +225,7 @@ inline std::vector<SrKey> sr_keys(const char* op, uint64_t seed, uint64_t step,
 inline void check_sr_round_lists(const TensorList& src, const TensorList& dst) {
   check_lists("stochastic_round", {&src, &dst}, {"src", "dst"}, {false, false}, {true, false});
   for (size_t i = 0; i < dst.size(); ++i) {
-    TORCH_CHECK(dst[i].scalar_type() == at::kBFloat16, "stochastic_round: dst[", i,
+    AMP_CHECK(dst[i].scalar_type() == at::kBFloat16, "stochastic_round: dst[", i,
                 "] must be bfloat16, got ", dst[i].scalar_type());
   }
 }
@@ -204,14 +237,14 @@ inline void check_sr_step_lists(const char* op, const TensorList& params, const 
   check_lists(op, {&params, &grads, &state_a, &state_b}, {"params", "grads", "state", "state2"},
               {false, false, !state_a_used, !state_b_used}, {false, false, false, false});
   for (size_t i = 0; i < params.size(); ++i) {
-    TORCH_CHECK(params[i].scalar_type() == at::kBFloat16, op, ": params[", i,
+    AMP_CHECK(params[i].scalar_type() == at::kBFloat16, op, ": params[", i,
                 "] must be bfloat16 (stochastic rounding writes bf16 weights), got ",
                 params[i].scalar_type());
   }
   for (const TensorList* list : {&state_a, &state_b}) {
     for (size_t i = 0; i < list->size(); ++i) {
       const at::ScalarType t = (*list)[i].scalar_type();
-      TORCH_CHECK(t == at::kBFloat16 || t == at::kFloat, op, ": optimizer state [", i,
+      AMP_CHECK(t == at::kBFloat16 || t == at::kFloat, op, ": optimizer state [", i,
                   "] must be bfloat16 or float32, got ", t);
     }
   }
