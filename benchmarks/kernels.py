@@ -24,6 +24,7 @@ gate: exit 0 whatever the verdict, 1 if a variant crashed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -134,6 +135,22 @@ def variant_fused(shapes, grads, device):
         engine.scale_loss(loss)  # this round's gradients are loss 0's, as backward would say
         assert engine.step(opt)
 
+    # the step must be the kernels' own: an engine that fell back to torch's ops (as every
+    # single-GPU engine did before the device fix, issue 28) would be timed under this label
+    calls = []
+    real = engine.kernels.ops
+
+    class Counting:
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(real, name)
+
+    engine.kernels = dataclasses.replace(engine.kernels, ops=Counting())
+    step()
+    engine.kernels = dataclasses.replace(engine.kernels, ops=real)
+    if "adam_step" not in calls:
+        raise RuntimeError(f"the engine stepped without the fused kernels (kernel calls: {calls}); "
+                           "variant (a) would time torch's ops")
     return step, engine
 
 

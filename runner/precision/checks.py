@@ -36,6 +36,18 @@ from runner.precision.properties import (
 )
 
 
+def concrete_device(device: torch.device | str) -> torch.device:
+    """`device` as its tensors report it: an index-less CUDA device ("cuda") becomes the current
+    GPU ("cuda:0"). torch.device("cuda") != torch.device("cuda:0"), and a tensor made on "cuda"
+    reports "cuda:0", so code that compares a tensor's device with an index-less one finds them
+    different (the engine did, and stepped every single-GPU run on torch's ops instead of the
+    fused kernels). Without CUDA the device is returned as given (nothing can be made on it)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 @dataclass(frozen=True)
 class DeviceInfo:
     """What the rules need to know about a device: its type, CUDA compute capability, name."""

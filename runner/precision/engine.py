@@ -76,6 +76,7 @@ from torch.utils.hooks import RemovableHandle
 from runner import csrc
 from runner.precision import fp8, layers, paths
 from runner.precision.autocast import autocast_context
+from runner.precision.checks import concrete_device
 from runner.precision.casting import IOCastHooks, cast_model, install_output_cast
 from runner.precision.master import MasterSet, MasterWeights
 from runner.precision.properties import Properties
@@ -223,7 +224,7 @@ class AmpEngine:
         if num_losses < 1:
             raise ValueError(f"num_losses must be >= 1, got {num_losses}")
         self.properties = properties
-        self.device = torch.device(device)
+        self.device = concrete_device(device)  # "cuda" -> "cuda:0", as its tensors say
         self.cast_model_outputs = cast_model_outputs
         # Apex's function patches in the O1 region (the facade's); the runner's O1 is autocast
         self.patch_functions = patch_functions

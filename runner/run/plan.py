@@ -24,7 +24,7 @@ from runner.errors import ConfigError
 from runner.config.finder import config_dir
 from runner.config.precision import run_name_suffixes
 from runner.precision import Finding, Properties, Resolution, resolve
-from runner.precision.checks import DeviceInfo
+from runner.precision.checks import DeviceInfo, concrete_device
 from runner.precision import layers
 from runner.precision.layers import LayerRule
 from runner.precision.properties import Context, level_preset, parse_opt_level, strict_finding
@@ -129,12 +129,12 @@ _MODEL_KINDS = {options.CLASSIFICATION: "an image classifier",
 
 def select_device(name: str) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
         raise ConfigError(
             "trainer.device", "cuda was requested but no CUDA device is available", "auto, cpu"
         )
-    return torch.device(name)
+    return concrete_device(name)  # "cuda" -> "cuda:0": the device its tensors report
 
 
 # ---- the precision level -------------------------------------------------------------------------
