@@ -19,6 +19,17 @@
 #                                    # GPT-2's vocabulary padded to 50304): O0, bf16 presets,
 #                                    # o3_bf16_sr, fp8 and compiled rows, merged; lm_parity.py
 #                                    # at 2000 steps a run
+#   bash benchmarks/gpu_suite.sh 5   # a 15-minute lease's first call: kernels build, CUDA tests,
+#                                    # Apex's own amp tests on the GPU (APEX_GIT, or .apex/ when
+#                                    # carried), kernels.py, levels.py eager rows for resnet50,
+#                                    # peers.py (Lightning, hand loop) on resnet50
+#   bash benchmarks/gpu_suite.sh 6   # its second call, on the same warm machine: the ViT's eager
+#                                    # and compiled rows (fp8 among them) into levels_vit_cuda.*
+#
+# Parts 5 and 6 are the suite cut to a lease of 15 minutes of device time (a machine's start, two
+# calls): the correctness pieces and issue 28's judged figures first (ResNet-50's targets, the
+# peers), the ViT's rows in what is left. Carry [".whl", ".apex"] where .apex holds a git repo of
+# Apex's tests/L0/run_amp (then APEX_COMMIT=HEAD is used).
 #
 # Part 3 is new with the fp8/compile rows (issue 14): compiling a 224-px model takes tens of
 # seconds per cell, so the compiled rows got a part of their own, and accuracy.py moved there
@@ -45,8 +56,8 @@
 set -uo pipefail
 
 PART=${1:-}
-if [[ "$PART" != 1 && "$PART" != 2 && "$PART" != 3 && "$PART" != 4 ]]; then
-  echo "usage: bash benchmarks/gpu_suite.sh 1|2|3|4   (four commands under 10 minutes each)" >&2
+if [[ ! "$PART" =~ ^[1-6]$ ]]; then
+  echo "usage: bash benchmarks/gpu_suite.sh 1|2|3|4|5|6   (commands under 10 minutes each)" >&2
   exit 2
 fi
 if [[ -z "${OUT:-}" ]]; then
@@ -162,6 +173,24 @@ elif [[ "$PART" == 2 ]]; then
     --levels "$BASE" --merge
   piece bench_levels_2b 200 "$PY" benchmarks/levels.py --device cuda --models vgg16_bn \
     --levels "$EAGER" --merge
+elif [[ "$PART" == 5 ]]; then
+  piece tests_gpu 150 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests
+  if [[ -z "${APEX_GIT:-}" && -d .apex/.git ]]; then
+    export APEX_GIT=$ROOT/.apex APEX_COMMIT=${APEX_COMMIT:-HEAD}
+  fi
+  if [[ -n "${APEX_GIT:-}" ]]; then
+    APEX_DEVICE=cuda PYTHON="$PY" piece tests_apex_l0_cuda 90 bash tests/apex_l0.sh
+  fi
+  piece bench_kernels 90 "$PY" benchmarks/kernels.py --device cuda
+  piece bench_levels_rn50 150 "$PY" benchmarks/levels.py --device cuda --models resnet50 \
+    --levels "$BASE"
+  piece bench_peers 120 "$PY" benchmarks/peers.py --device cuda
+elif [[ "$PART" == 6 ]]; then
+  VOUT=benchmarks/results/levels_vit_cuda.md
+  piece bench_levels_vit 100 "$PY" benchmarks/levels.py --device cuda --models "$VIT" \
+    --levels o0,o1,o2,o1_bf16,o2_bf16,o1_fp8 --out "$VOUT"
+  piece bench_levels_vit_compiled 200 "$PY" benchmarks/levels.py --device cuda --models "$VIT" \
+    --levels o1_bf16+compile,o1_fp8+compile --merge --out "$VOUT"
 elif [[ "$PART" == 4 ]]; then
   # a language model: sizes are tokens per sequence (1024); GPT-2's vocabulary padded to 50304
   # (a multiple of 64, as nanoGPT does) over the synthetic language's ids

@@ -12,6 +12,8 @@
 #
 #   APEX_GIT=/path/to/apex bash tests/apex_l0.sh            # prints "passed P of N"
 #   APEX_GIT=... APEX_COMMIT=<rev> bash tests/apex_l0.sh -v  # unittest's own flags pass through
+#   APEX_GIT=... APEX_DEVICE=cuda bash tests/apex_l0.sh      # on a GPU: the tests as Apex wrote
+#                                                             # them (no device rewrite), fp16 real
 #
 # Exit status: 0 when every test passed, 1 when some failed, 2 for a missing mirror or commit.
 set -uo pipefail
@@ -36,10 +38,17 @@ cd "$WORK/tests/L0/run_amp" || exit 2
 sed -i \
   -e 's/from apex import amp/from runner.precision import amp/' \
   -e 's/apex\.amp/runner.precision.amp/g' \
-  -e "s/device='cuda'/device='cpu'/g; s/device=\"cuda\"/device=\"cpu\"/g" \
-  -e "s/\.to('cuda')/.to('cpu')/g; s/\.cuda()//g" \
-  -e 's/torch\.cuda\.\([A-Za-z]*Tensor\)/torch.\1/g' \
   ./*.py
+if [[ "${APEX_DEVICE:-cpu}" == cpu ]]; then
+  sed -i \
+    -e "s/device='cuda'/device='cpu'/g; s/device=\"cuda\"/device=\"cpu\"/g" \
+    -e "s/\.to('cuda')/.to('cpu')/g; s/\.cuda()//g" \
+    -e 's/torch\.cuda\.\([A-Za-z]*Tensor\)/torch.\1/g' \
+    ./*.py
+elif [[ "${APEX_DEVICE}" != cuda ]]; then
+  echo "APEX_DEVICE must be cpu or cuda, not ${APEX_DEVICE}" >&2
+  exit 2
+fi
 
 OUTPUT=$(PYTHONPATH="$REPO:${PYTHONPATH:-}" "$PY" -m unittest "$@" "${FILES[@]}" 2>&1)
 STATUS=$?

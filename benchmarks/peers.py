@@ -1,0 +1,357 @@
+"""The runner beside its peers: the same model, data, optimizer and initial weights trained by
+PyTorch Lightning's precision plugins and by a hand-written autocast + GradScaler loop, each
+against the runner level that does the same work, timed interleaved in one process.
+
+    peer                       runner level   what both do
+    lightning:16-mixed         o1             fp32 weights, fp16 autocast, dynamic loss scaling
+    lightning:bf16-mixed       o1_bf16        fp32 weights, bf16 autocast, no scaler
+    lightning:bf16-true        o3_bf16        the whole model in bf16 (BatchNorm too), no masters
+    hand:o1 / hand:o1_bf16     o1 / o1_bf16   overhead.py's stock torch.autocast (+ GradScaler)
+
+The runner's side is its real step (`Trainer.train_step` over the objects a run builds:
+common.build_runner). Lightning's side is a `lightning.Trainer` fitting a LightningModule that
+wraps a copy of the runner's freshly initialised fp32 model (same device, memory format and
+weights) with the optimizer and scheduler the runner's `build_optimizer`/`build_scheduler` make
+from the same config, over a DataLoader that hands it the runner's batch, already on the device.
+A Lightning step is timed from its `on_train_batch_start` to its `on_train_batch_end` hook, the
+device synchronised at both (its training_step, backward, scaler and optimizer step, zero_grad:
+what the runner's train_step does); the runner's and the hand loop's steps are synchronised the
+same way. Blocks of `--steps` steps (after `--warmup` untimed ones; each Lightning block is one
+`fit`) alternate between the runner and the peer, the order flipping every round, so drift hits
+both alike; a side's figure is the median of its blocks' median step times.
+
+    python benchmarks/peers.py --device cuda            # ResNet-50, 224 px, batch 128
+    python benchmarks/peers.py                          # CPU: ResNet-18, 32 px, bf16 peers only
+    python benchmarks/peers.py --device cuda --model torchvision:vit_b_16 --peers lightning:bf16-mixed
+
+Target (issue 28): the runner at least as fast as each peer (throughput runner / peer >= 1.0) on
+the GPU. On a CPU the table is printed with no verdict (fp16 is emulated there; bf16 peers only).
+Exit 0 whatever the verdict; 1 if a side crashed; 2 for bad arguments or Lightning missing.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+from typing import Callable, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
+from common import (REPO, add_threads_option, apply_threads, build_runner,  # noqa: E402
+                    check_at_least_one, command, compose, csv_list, interleaved_medians,
+                    load_average, machine, model_label, now, one_batch_task, resolve_device,
+                    write_results)
+from overhead import handwritten_step  # noqa: E402
+
+# peer -> the runner level doing the same work
+PAIRS = {
+    "lightning:16-mixed": "o1",
+    "lightning:bf16-mixed": "o1_bf16",
+    "lightning:bf16-true": "o3_bf16",
+    "hand:o1": "o1",
+    "hand:o1_bf16": "o1_bf16",
+}
+CUDA_PEERS = ["lightning:16-mixed", "lightning:bf16-mixed", "lightning:bf16-true", "hand:o1"]
+CPU_PEERS = ["lightning:bf16-mixed", "lightning:bf16-true", "hand:o1_bf16"]
+DEFAULTS = {
+    "cuda": {"model": "resnet50", "image_size": 224, "batch_size": 128, "steps": 20,
+             "warmup": 5, "rounds": 2},
+    "cpu": {"model": "resnet18", "image_size": 32, "batch_size": 32, "steps": 2, "warmup": 1,
+            "rounds": 2},
+}
+TARGET = 1.0  # runner throughput / peer throughput, at least
+FIELDS = ["peer", "level", "status", "runner_ms", "peer_ms", "ratio", "meets", "runner_loss",
+          "peer_loss", "error"]
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python benchmarks/peers.py",
+        description="The runner's training step against Lightning's precision plugins and a "
+        "hand-written autocast loop on the same model, data and weights; Markdown, CSV, JSON.")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--model", default=None,
+                   help="a model option or <zoo>:<arch> (default resnet50 on CUDA, resnet18 on CPU)")
+    p.add_argument("--peers", type=csv_list, default=None,
+                   help=f"from {', '.join(PAIRS)} (default: {', '.join(CUDA_PEERS)} on CUDA; "
+                   f"{', '.join(CPU_PEERS)} on CPU)")
+    p.add_argument("--image-size", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--steps", type=int, default=None, help="timed steps a block")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps before each block")
+    p.add_argument("--rounds", type=int, default=None, help="timed blocks a side")
+    p.add_argument("--extra", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                   help="more Hydra overrides for both sides' config (e.g. optimizer=adamw)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="Markdown path (default benchmarks/results/peers_<device>.md; "
+                   ".csv and .json beside it)")
+    add_threads_option(p)
+    args = p.parse_args(argv)
+    apply_threads(p, args)
+    args.device = resolve_device(p, args.device)
+    for key, value in DEFAULTS[args.device].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    check_at_least_one(p, args, ("image_size", "batch_size", "steps", "rounds"))
+    if args.warmup < 0:
+        p.error("--warmup must be >= 0")
+    args.peers = list(dict.fromkeys(args.peers or (CUDA_PEERS if args.device == "cuda"
+                                                   else CPU_PEERS)))
+    unknown = [peer for peer in args.peers if peer not in PAIRS]
+    if unknown:
+        p.error(f"unknown peer {unknown[0]!r}: choose from {', '.join(PAIRS)}")
+    if any(peer.startswith("lightning:") for peer in args.peers):
+        try:
+            import lightning  # noqa: F401
+        except ImportError:
+            print("peers.py: the Lightning peers need the `lightning` package "
+                  "(pip install lightning), or name only hand:* peers", file=sys.stderr)
+            sys.exit(2)
+    args.out = args.out or REPO / "benchmarks" / "results" / f"peers_{args.device}.md"
+    return args
+
+
+def task_overrides(args, level: str) -> list[str]:
+    return [*one_batch_task(args.model, args.image_size, args.batch_size, args.device),
+            "trainer.channels_last=" + ("true" if args.device == "cuda" else "false"),
+            "trainer.cudnn_benchmark=true", f"precision={level}", *args.extra]
+
+
+# ---- the sides ----------------------------------------------------------------------------------
+def synced_step_times(step: Callable[[], object], steps: int, warmup: int, device) -> tuple:
+    """Run `warmup` untimed steps, then time `steps` steps one by one (device-synchronised at
+    both ends of each); the median seconds a step and the last step's result."""
+    from runner.measure.probes import synchronize
+
+    for _ in range(warmup):
+        step()
+    times, result = [], None
+    for _ in range(steps):
+        synchronize(device)
+        started = time.perf_counter()
+        result = step()
+        synchronize(device)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times), result
+
+
+class LightningSide:
+    """A LightningModule over `model` with the runner's optimizer and scheduler for `cfg`,
+    fitted by a fresh `lightning.Trainer` for each block, its steps timed by a callback."""
+
+    def __init__(self, model, cfg, batch, precision: str, device):
+        import lightning as L
+        import torch
+
+        from runner.components.optim import build_optimizer, build_scheduler
+
+        # Lightning's start-up chatter (GPU available, the model summary's absence, few workers)
+        # is not this benchmark's output
+        for name in ("lightning", "lightning.pytorch", "lightning.fabric", "pytorch_lightning"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+        self.device, self.precision, self.times = device, precision, []
+        self.last_loss = float("nan")
+        side = self
+        criterion = torch.nn.CrossEntropyLoss()
+
+        class Module(L.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.model = model
+                self.optimizer = build_optimizer(cfg.optimizer, self.model.parameters())
+                self.scheduler = build_scheduler(cfg.scheduler, self.optimizer, 1,
+                                                 cfg.trainer.max_epochs)
+
+            def training_step(self, batch, index):
+                x, y = batch
+                logits = self.model(x)
+                loss = criterion(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)) \
+                    if logits.dim() == 3 else criterion(logits, y)
+                side.last_loss = loss.detach()
+                return loss
+
+            def configure_optimizers(self):
+                if self.scheduler is None:
+                    return self.optimizer
+                return {"optimizer": self.optimizer,
+                        "lr_scheduler": {"scheduler": self.scheduler, "interval": "step"}}
+
+        class StepTimer(L.Callback):
+            def __init__(self):
+                self.started = 0.0
+
+            def on_train_batch_start(self, trainer, module, batch, index):
+                torch.cuda.synchronize(side.device) if side.device.type == "cuda" else None
+                self.started = time.perf_counter()
+
+            def on_train_batch_end(self, trainer, module, outputs, batch, index):
+                torch.cuda.synchronize(side.device) if side.device.type == "cuda" else None
+                side.times.append(time.perf_counter() - self.started)
+
+        class OneBatch(torch.utils.data.Dataset):  # the runner's batch, already on the device
+            def __init__(self, steps: int):
+                self.steps = steps
+
+            def __len__(self):
+                return self.steps
+
+            def __getitem__(self, index):
+                return batch
+
+        self._L, self._module, self._timer, self._data = L, Module(), StepTimer(), OneBatch
+
+    def block(self, steps: int, warmup: int) -> float:
+        """One `fit` of warmup + steps steps; the median of the timed steps' seconds."""
+        import torch
+
+        self.times = []
+        total = warmup + steps
+        trainer = self._L.Trainer(
+            accelerator="gpu" if self.device.type == "cuda" else "cpu", devices=1,
+            precision=self.precision, max_steps=total, max_epochs=1, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            num_sanity_val_steps=0, limit_val_batches=0, benchmark=True,
+            callbacks=[self._timer])
+        loader = torch.utils.data.DataLoader(self._data(total), batch_size=None, shuffle=False)
+        with warnings.catch_warnings():  # few workers, a scheduler step before the first, ...
+            warnings.simplefilter("ignore")
+            trainer.fit(self._module, train_dataloaders=loader)
+        timed = self.times[warmup:]
+        if len(timed) != steps:
+            raise RuntimeError(f"Lightning ran {len(self.times)} steps, not {total}")
+        return statistics.median(timed)
+
+
+def measure(args, peer: str) -> dict:
+    """One peer against its runner level: both built from the same config and initial weights,
+    their blocks interleaved."""
+    import torch
+
+    level = PAIRS[peer]
+    row = {"peer": peer, "level": level, "status": "ok", "error": None}
+    try:
+        torch.manual_seed(0)
+        cfg = compose(task_overrides(args, level))
+        parts = build_runner(cfg, keep_fp32_copy=True)
+        device, trainer, batch = parts.device, parts.trainer, parts.batch
+        kind, _, name = peer.partition(":")
+        if kind == "hand":
+            hand = handwritten_step(parts.fp32_model, cfg, parts.properties, batch)
+            state = {"peer_loss": float("nan")}
+
+            def peer_block() -> float:
+                seconds, loss = synced_step_times(hand, args.steps, args.warmup, device)
+                state["peer_loss"] = float(loss)
+                return seconds
+        else:
+            lightning = LightningSide(parts.fp32_model, cfg, batch, name, device)
+
+            def peer_block() -> float:
+                return lightning.block(args.steps, args.warmup)
+        parts.fp32_model = None  # the peer holds it now
+        runner_state = {"loss": float("nan")}
+
+        def runner_block() -> float:
+            seconds, loss = synced_step_times(lambda: trainer.train_step(*batch), args.steps,
+                                              args.warmup, device)
+            runner_state["loss"] = float(loss)
+            return seconds
+
+        blocks = {"runner": runner_block, "peer": peer_block}
+        medians = interleaved_medians(list(blocks), lambda side: blocks[side](), args.rounds,
+                                      f"{peer} vs {level}")
+        ratio = medians["peer"] / medians["runner"]  # = runner throughput / peer throughput
+        row.update({
+            "runner_ms": 1e3 * medians["runner"], "peer_ms": 1e3 * medians["peer"],
+            "ratio": ratio, "meets": ratio >= TARGET if args.device == "cuda" else None,
+            "runner_loss": runner_state["loss"],
+            "peer_loss": (state["peer_loss"] if kind == "hand" else float(lightning.last_loss)),
+        })
+    except Exception as error:  # noqa: BLE001  (reported; the exit status says so)
+        row["status"], row["error"] = "crashed", f"{type(error).__name__}: {error}"
+        traceback.print_exc()
+    return row
+
+
+# ---- reporting ----------------------------------------------------------------------------------
+def _f(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def verdict(report: dict) -> str:
+    rows = [r for r in report["rows"] if r["status"] == "ok"]
+    if report["device"] != "cuda":
+        return ("NO TARGET on CPU (issue 28's target, runner / peer >= 1.0, is for the GPU): "
+                + ", ".join(f"{r['peer']} {r['ratio']:.2f}x" for r in rows) + ".")
+    missed = [r for r in rows if not r["meets"]]
+    crashed = [r["peer"] for r in report["rows"] if r["status"] != "ok"]
+    text = (f"{'MET' if rows and not missed else 'MISSED'}: runner / peer throughput "
+            + ", ".join(f"{r['peer']} {r['ratio']:.2f}x" for r in rows)
+            + f" (target >= {TARGET:g}x each).")
+    return text + (f" Crashed: {', '.join(crashed)}." if crashed else "")
+
+
+def render(report: dict) -> str:
+    m = report["machine"]
+    lines = [
+        f"# The runner beside its peers ({report['device']})", "",
+        f"{model_label(report['model'])}, {report['image_size']} px, batch {report['batch_size']}; "
+        f"{report['rounds']} interleaved rounds of {report['steps']}-step blocks a side after "
+        f"{report['warmup']} untimed steps each; a step device-synchronised at both ends; "
+        "medians. Ratio = peer step time / runner step time = runner throughput / peer "
+        "throughput (>= 1: the runner is at least as fast).", "",
+        f"Machine: {m.get('cpu', '?')}; {m.get('gpu', 'no GPU')}; torch {m.get('torch', '?')}; "
+        f"Lightning {report.get('lightning', '-')}. Date {report['date']}. "
+        f"Command: `{report['command']}`.", "",
+        "| peer | runner level | runner ms/step | peer ms/step | ratio | target | "
+        "loss runner / peer |",
+        "|---|---|---:|---:|---:|---|---|",
+    ]
+    for r in report["rows"]:
+        if r["status"] != "ok":
+            lines.append(f"| {r['peer']} | {r['level']} | {r['status']}: {r['error']} | | | | |")
+            continue
+        target = "-" if r["meets"] is None else ("met" if r["meets"] else "missed")
+        lines.append(f"| {r['peer']} | {r['level']} | {_f(r['runner_ms'], '.2f')} | "
+                     f"{_f(r['peer_ms'], '.2f')} | {_f(r['ratio'], '.3f')} | {target} | "
+                     f"{_f(r['runner_loss'], '.3f')} / {_f(r['peer_loss'], '.3f')} |")
+    lines += ["", "Verdict: " + verdict(report), ""]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    started, load_start = time.perf_counter(), load_average()
+    print(f"peers on {args.device}: {model_label(args.model)} against "
+          f"{', '.join(args.peers)}; {args.rounds} rounds of {args.steps}-step blocks",
+          flush=True)
+    rows = [measure(args, peer) for peer in args.peers]
+    try:
+        import lightning
+        lightning_version = lightning.__version__
+    except ImportError:
+        lightning_version = None
+    report = {
+        "benchmark": "peers", "device": args.device, "model": args.model,
+        "image_size": args.image_size, "batch_size": args.batch_size, "steps": args.steps,
+        "warmup": args.warmup, "rounds": args.rounds, "lightning": lightning_version,
+        "rows": rows, "machine": machine(args.device), "command": command("peers.py", argv),
+        "date": now(), "load_start": load_start, "load_end": load_average(),
+        "wall_s": time.perf_counter() - started,
+        "overrides": {peer: task_overrides(args, PAIRS[peer]) for peer in args.peers},
+    }
+    markdown = render(report)
+    paths = write_results(args.out, markdown, rows, FIELDS, report)
+    print()
+    print(markdown)
+    print("Wrote " + ", ".join(str(p) for p in paths))
+    return 1 if any(r["status"] != "ok" for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
