@@ -87,6 +87,8 @@ DEFAULTS = {
 # Issue 7's GPU targets, judged on ResNet-50 at 224x224, batch 128, on an H100/H200.
 TARGET_MODEL, TARGET_SIZE, TARGET_BATCH = "resnet50", 224, 128
 TARGET_SPEEDUP, TARGET_MEMORY = 2.0, 0.6
+# Issue 28's fp8 target: compiled o1_fp8 at least this multiple of compiled o1_bf16, on the ViT
+FP8_MODEL, FP8_TARGET = VIT, 1.2
 
 
 def default_batch(device: str, model: str) -> int:
@@ -412,7 +414,8 @@ def verdict(report: dict) -> str:
     o0, o1, o2, amp = (cells.get((TARGET_MODEL, lvl)) for lvl in ("o0", "o1", "o2", HANDWRITTEN))
     if not (_ok(o0) and _ok(o1) and _ok(o2) and _ok(amp)):
         return (f"NOT JUDGED: the targets need {TARGET_MODEL}'s o0, o1, o2 and {HANDWRITTEN} "
-                "cells, and some are missing or failed." + compile_summary(report["cells"]))
+                "cells, and some are missing or failed." + fp8_verdict(cells)
+                + compile_summary(report["cells"]))
     checks = [
         (f"O1 {o1['speedup_vs_o0']:.2f}x O0 throughput (>= {TARGET_SPEEDUP:g}x)",
          o1["speedup_vs_o0"] >= TARGET_SPEEDUP),
@@ -431,7 +434,18 @@ def verdict(report: dict) -> str:
             not any(name in gpu for name in ("H100", "H200")):
         text += (f" (The targets are set for an H100/H200 at {TARGET_SIZE}x{TARGET_SIZE}, batch "
                  f"{TARGET_BATCH}; this setting differs, so the verdict is informational.)")
-    return text + compile_summary(report["cells"])
+    return text + fp8_verdict(cells) + compile_summary(report["cells"])
+
+
+def fp8_verdict(cells: dict) -> str:
+    """' fp8 (ViT-B/16): compiled o1_fp8 N.NNx compiled o1_bf16 (>= 1.2x): meets/misses.' where
+    both compiled cells of the ViT were measured, else ''."""
+    fp8, bf16 = (cells.get((FP8_MODEL, f"{lvl}{COMPILE_SUFFIX}")) for lvl in ("o1_fp8", "o1_bf16"))
+    if not (_ok(fp8) and _ok(bf16)):
+        return ""
+    ratio = fp8["samples_per_s"] / bf16["samples_per_s"]
+    return (f" fp8 ({model_label(FP8_MODEL)}): compiled o1_fp8 {ratio:.2f}x compiled o1_bf16's "
+            f"throughput (>= {FP8_TARGET:g}x): {'meets' if ratio >= FP8_TARGET else 'misses'}.")
 
 
 def _fmt(value, spec: str, suffix: str = "") -> str:

@@ -122,3 +122,25 @@ def test_levels_benchmark_rejects_bad_arguments(tmp_path: Path, capsys):
             bench.parse_args(["--device", "cpu", *argv])
         assert exit_.value.code == 2
         assert message in capsys.readouterr().err
+
+
+def test_the_fp8_target_is_judged_from_the_vits_compiled_cells():
+    """Issue 28's fp8 target: compiled o1_fp8 at least 1.2x compiled o1_bf16 on ViT-B/16, judged
+    wherever both cells were measured (with or without ResNet-50's cells), silent otherwise."""
+    bench = load_benchmark("levels")
+
+    def cell(level, samples_per_s, status="ok"):
+        return {"model": bench.VIT, "level": level, "status": status,
+                "samples_per_s": samples_per_s}
+
+    cells = {(c["model"], c["level"]): c for c in (cell("o1_bf16+compile", 3131.0),
+                                                   cell("o1_fp8+compile", 2829.0))}
+    assert bench.fp8_verdict(cells) == (
+        " fp8 (vit_b_16): compiled o1_fp8 0.90x compiled o1_bf16's throughput (>= 1.2x): misses.")
+    cells[(bench.VIT, "o1_fp8+compile")]["samples_per_s"] = 3800.0
+    assert bench.fp8_verdict(cells).endswith("1.21x compiled o1_bf16's throughput (>= 1.2x): meets.")
+    cells[(bench.VIT, "o1_fp8+compile")]["status"] = "crashed"
+    assert bench.fp8_verdict(cells) == ""
+    report = {"device": "cuda", "cells": list(cells.values())}
+    cells[(bench.VIT, "o1_fp8+compile")]["status"] = "ok"
+    assert "NOT JUDGED" in bench.verdict(report) and "fp8 (vit_b_16)" in bench.verdict(report)
