@@ -27,7 +27,8 @@ Optimizer-state rows (`--suite state`, or any level written `<preset>+<format>st
 `o2_bf16+int4state`, and the presets with int8 state): each is checked against the same level with
 its own state (`o2_bf16_int8state` against `o2_bf16`): bf16 and int8 state within 0.2 point, the
 measured optimizer-state memory (`mem_optimizer_state_mb`) at most 0.3x (int8) and 0.2x (int4) of
-the reference's; int4 and fp8 accuracy is reported. The suite runs on `vit_tiny` (most of a
+fp32 state (the reference's measured state scaled to 4 bytes an element: `o3_bf16_sr` keeps its
+state in bf16, half of that); int4 and fp8 accuracy is reported. The suite runs on `vit_tiny` (most of a
 transformer's elements are in tensors torchao quantises; the tiny CNN's are mostly under 4096
 elements and keep fp32 state) with AdamW (torchao's low-bit optimizers are Adam and AdamW).
 
@@ -56,7 +57,7 @@ from common import (REPO, add_run_options, compose, crash_status, csv_list,  # n
                     describe_level, fresh_compile_cache, model_label, model_overrides,
                     parse_level, parse_seeds, prepare_store, resolve_device, run_overrides,
                     run_report_fields, run_setup_lines, state_reference, store_uri,
-                    STATE_CHECKED, STATE_MEMORY_TARGETS,
+                    STATE_CHECKED, STATE_MEMORY_TARGETS, fp32_state_ratio,
                     unfinished_lines, write_results)
 
 EXPERIMENT = "accuracy-parity"
@@ -72,8 +73,8 @@ CUDA_LEVELS = ["o0", "o1", "o2", "o3", "o1_bf16", "o2_bf16", "o3_bf16", "o3_bf16
 # Optimizer-state rows (`<preset>+<format>state`, and the presets with int8 state): each is checked
 # against the same level with its own state (`o2_bf16+int8state` and `o2_bf16_int8state` against
 # `o2_bf16`): bf16 and int8 state within 0.2 point, and the state's memory (the runs'
-# mem_optimizer_state_mb) within common.STATE_MEMORY_TARGETS of the reference's; int4 and fp8 are
-# reported.
+# mem_optimizer_state_mb) within common.STATE_MEMORY_TARGETS of fp32 state (common.fp32_state_ratio);
+# int4 and fp8 are reported.
 STATE_TARGET_POINTS = 0.2
 # `--suite state`: the optimizer-state rows on a transformer (most of its elements in tensors that
 # torchao quantises: the tiny CNN's are mostly under 4096 elements) with AdamW (torchao's low-bit
@@ -161,7 +162,10 @@ class LevelSummary:
     state_mb: float | None = None
     vs_state_points: float | None = None
     within_state_target: bool | None = None
-    state_memory_ratio: float | None = None
+    state_memory_ratio: float | None = None  # the state's MiB over fp32 state's (the targets')
+    state_type: str | None = None  # its runs' precision.optimizer_state
+    state_vs_reference: float | None = None  # the state's MiB over its reference level's
+    reference_state_type: str | None = None
     within_memory_target: bool | None = None
 
 
@@ -370,6 +374,7 @@ def summarise(results: list[RunResult], levels: list[str], seeds: list[int]) -> 
         summary.mean_epochs_time_s = statistics.fmean(times) if times else None
         state = _finite(r.state_mb for r in mine)
         summary.state_mb = statistics.fmean(state) if state else None
+        summary.state_type = next((r.optimizer_state for r in mine if r.optimizer_state), None)
         rows.append(summary)
     base = next((r for r in rows if r.level == BASELINE), None)
     reference = next((r for r in rows if r.level == SR_REFERENCE), None)
@@ -382,7 +387,10 @@ def summarise(results: list[RunResult], levels: list[str], seeds: list[int]) -> 
             if ref.mean is not None and row.mean is not None:
                 row.vs_state_points = 100.0 * (row.mean - ref.mean)
             if ref.state_mb and row.state_mb is not None:
-                row.state_memory_ratio = row.state_mb / ref.state_mb
+                row.state_vs_reference = row.state_mb / ref.state_mb
+                row.reference_state_type = ref.state_type
+                row.state_memory_ratio = fp32_state_ratio(row.state_mb, ref.state_mb,
+                                                          ref.state_type)
             if row.state_format in STATE_CHECKED:
                 row.within_state_target = (row.vs_state_points is not None
                                            and abs(row.vs_state_points) <= STATE_TARGET_POINTS)
@@ -453,7 +461,7 @@ def _state_verdict(r: LevelSummary, rows: list[LevelSummary]) -> str:
         return f"{r.level} vs {r.state_reference}: NOT JUDGED (a run did not finish)"
     checks = [c for c in (r.within_state_target, r.within_memory_target) if c is not None]
     word = "reported" if not checks else "PASS" if all(checks) else "MISS"
-    ratio = "" if r.state_memory_ratio is None else f", state {r.state_memory_ratio:.2f}x"
+    ratio = "" if r.state_memory_ratio is None else f", state {r.state_memory_ratio:.2f}x of fp32"
     return f"{r.level} vs {r.state_reference}: {word} ({r.vs_state_points:+.2f} point{ratio})"
 
 
@@ -467,10 +475,13 @@ def _state_check(r: LevelSummary) -> str:
         text = (f"vs `{r.state_reference}` within {STATE_TARGET_POINTS:g}: "
                 f"{'yes' if r.within_state_target else '**no**'} ({r.vs_state_points:+.2f})")
     if r.state_memory_ratio is not None:
-        text += f"; state {r.state_memory_ratio:.2f}x"
+        text += f"; state {r.state_memory_ratio:.2f}x of fp32"
         if r.within_memory_target is not None:
             target = STATE_MEMORY_TARGETS[r.state_format]
             text += f" (<= {target:g}: {'yes' if r.within_memory_target else '**no**'})"
+        if r.reference_state_type not in (None, "float32"):
+            text += (f", {r.state_vs_reference:.2f}x of `{r.state_reference}`'s "
+                     f"{r.reference_state_type}")
     return text
 
 
@@ -534,7 +545,8 @@ def render_markdown(report: dict, rows: list[LevelSummary]) -> str:
            f"bf16 and int8 state within {STATE_TARGET_POINTS:g} point, the state's memory "
            "(`mem_optimizer_state_mb`) at most "
            + ", ".join(f"{v:g}x for {k}" for k, v in STATE_MEMORY_TARGETS.items())
-           + " of the reference's; int4 and fp8 accuracy is reported."
+           + " of fp32 state (the reference's state scaled to 4 bytes an element); int4 and fp8 "
+           "accuracy is reported."
            if any(r.state_reference for r in rows) else ""),
         "",
         "| level | preset | dtype | " + " | ".join(f"seed {s}" for s in seeds)

@@ -302,6 +302,21 @@ _SUFFIXES_SAID = f"{COMPILE_SUFFIX} (trainer.compile=true) and +<format>state " 
 # largest optimizer-state memory, as a fraction of that level's, per format
 STATE_CHECKED = ("bf16", "int8")
 STATE_MEMORY_TARGETS = {"int8": 0.3, "int4": 0.2}
+# bytes an element of plain optimizer state, by its `precision.optimizer_state` param
+PLAIN_STATE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def fp32_state_ratio(state_mb: float | None, reference_mb: float | None,
+                     reference_type: str | None) -> float | None:
+    """A state's memory as a fraction of fp32 state for the same parameters, the basis of
+    STATE_MEMORY_TARGETS (issue 26: "of fp32 state"): the reference level's measured plain state
+    scaled to 4 bytes an element. The basis differs from the reference itself where that keeps its
+    state in the weights' 16-bit type (O3: `o3_bf16_sr`'s state is bf16, half of fp32's). None
+    where a figure or the reference's type is unknown."""
+    size = PLAIN_STATE_BYTES.get(reference_type or "")
+    if state_mb is None or not reference_mb or size is None:
+        return None
+    return state_mb / (reference_mb * 4 / size)
 
 # the presets whose optimizer state is not their level's own: preset -> (its level's preset, format)
 STATE_PRESETS = {"o2_bf16_int8state": ("o2_bf16", "int8"),

@@ -32,7 +32,7 @@ Targets (issue 24), on the mean best validation loss over the seeds (|difference
                         int8 state (o2_bf16_int8state, o3_bf16_sr_int8state): bf16 and int8
                         state within 0.02 nats of the same level with its own state (issue 26),
                         int4 and fp8 reported; the state's memory (mem_optimizer_state_mb) at
-                        most 0.3x (int8) and 0.2x (int4) of that level's. Not in the default
+                        most 0.3x (int8) and 0.2x (int4) of fp32 state. Not in the default
                         levels (torchao's update is slow on a CPU); e.g.
                         --levels o0,o2_bf16,o2_bf16_int8state,o2_bf16+bf16state,o2_bf16+int4state
 
@@ -76,7 +76,7 @@ from common import (REPO, add_run_options, check_presets, compose, crash_status,
                     csv_list, describe_level, load_average, parse_level, parse_seeds,
                     prepare_store, resolve_device, run_overrides, run_report_fields,
                     run_setup_lines, state_reference, store_uri, unfinished_lines,
-                    STATE_CHECKED, STATE_MEMORY_TARGETS,
+                    STATE_CHECKED, STATE_MEMORY_TARGETS, fp32_state_ratio,
                     write_results)
 
 EXPERIMENT = "lm-parity"
@@ -96,7 +96,7 @@ TARGETS: dict[str, tuple[str, float]] = {
 }
 # optimizer-state levels (`<preset>+<format>state`, the presets with int8 state): bf16 and int8
 # state within this of the same level with its own state; int4 and fp8 state reported. The
-# state's memory (mem_optimizer_state_mb) against the reference's is shown beside, with targets.
+# state's memory (mem_optimizer_state_mb) against fp32 state's is shown beside, with targets.
 STATE_TOLERANCE = 0.02
 CPU_LEVELS = ["o0", "o1_bf16", "o2_bf16", "o3_bf16_sr", "o1_fp8"]
 CUDA_LEVELS = ["o0", "o1", "o2", "o1_bf16", "o2_bf16", "o3_bf16", "o3_bf16_sr", "o1_fp8",
@@ -139,6 +139,7 @@ class RunResult:
     skipped_steps: float | None = None
     fp8_layers: int | None = None  # fp8 runs: the precision.fp8_layers param
     state_mb: float | None = None  # mem_optimizer_state_mb: the optimizer state's stored MiB
+    optimizer_state: str | None = None  # the precision.optimizer_state param (the state's format)
     train_windows: int | None = None  # the data.train_size / data.val_size params
     val_windows: int | None = None
     wall_s: float | None = None
@@ -166,12 +167,15 @@ class LevelSummary:
     skipped_steps: float | None = None
     fp8_layers: list[int] = field(default_factory=list)  # per finished fp8 run
     statuses: list[str] = field(default_factory=list)
-    # optimizer-state levels: the format, the mean state MiB, and the ratio to the level with its
-    # own state (with its target, where the format has one)
+    # optimizer-state levels: the format, the mean state MiB, its ratio to fp32 state (with its
+    # target, where the format has one) and to the level with its own state
     state_format: str | None = None
     state_reference: str | None = None
     state_mb: float | None = None
-    state_memory_ratio: float | None = None
+    state_type: str | None = None  # its runs' precision.optimizer_state
+    state_memory_ratio: float | None = None  # of fp32 state (common.fp32_state_ratio)
+    state_vs_reference: float | None = None
+    reference_state_type: str | None = None
     within_memory_target: bool | None = None
 
     @property
@@ -419,6 +423,7 @@ def run_one(args: argparse.Namespace, level: str, seed: int, session: str) -> Ru
     if "precision.fp8_layers" in params:
         result.fp8_layers = int(params["precision.fp8_layers"])
     result.state_mb = stored.metrics.get("mem_optimizer_state_mb")
+    result.optimizer_state = params.get("precision.optimizer_state")
     if "data.train_size" in params:
         result.train_windows = int(params["data.train_size"])
         result.val_windows = int(params["data.val_size"])
@@ -450,6 +455,7 @@ def summarise(results: Sequence[RunResult], levels: Sequence[str],
             level=level, opt_level=first.opt_level, dtype=first.dtype, fp8=first.fp8,
             reference=reference, tolerance=tolerance, state_format=fmt,
             state_reference=state_ref, state_mb=_mean(r.state_mb for r in mine),
+            state_type=next((r.optimizer_state for r in mine if r.optimizer_state), None),
             losses={r.seed: r.best_val_loss if r.status == "finished" else None for r in mine},
             mean_token_acc=_mean(r.val_token_acc for r in mine if r.status == "finished"),
             mean_tokens_per_s=_mean(r.tokens_per_s for r in mine if r.status == "finished"),
@@ -465,10 +471,14 @@ def summarise(results: Sequence[RunResult], levels: Sequence[str],
         row.skipped_steps = sum(skipped) if skipped else None
         rows.append(row)
     means = {r.level: r.mean for r in rows}
-    state = {r.level: r.state_mb for r in rows}
+    by_level = {r.level: r for r in rows}
     for row in rows:
-        if row.state_reference and state.get(row.state_reference) and row.state_mb is not None:
-            row.state_memory_ratio = row.state_mb / state[row.state_reference]
+        ref = by_level.get(row.state_reference) if row.state_reference else None
+        if ref is not None and ref.state_mb and row.state_mb is not None:
+            row.state_vs_reference = row.state_mb / ref.state_mb
+            row.reference_state_type = ref.state_type
+            row.state_memory_ratio = fp32_state_ratio(row.state_mb, ref.state_mb, ref.state_type)
+        if row.state_memory_ratio is not None:
             if row.state_format in STATE_MEMORY_TARGETS:
                 row.within_memory_target = \
                     row.state_memory_ratio <= STATE_MEMORY_TARGETS[row.state_format]
@@ -549,11 +559,14 @@ def verdict(rows: Sequence[LevelSummary], skipped: dict[str, str] | None = None)
 
 
 def _state_memory(r: LevelSummary) -> str:
-    """`o2_bf16_int8state 0.27x of o2_bf16 (target <= 0.3: yes)`."""
-    text = f"{r.level} {r.state_memory_ratio:.2f}x of {r.state_reference}"
+    """`o2_bf16_int8state 0.27x of fp32 state (target <= 0.3: yes)`, and the ratio to its
+    level's own state where that is not fp32."""
+    text = f"{r.level} {r.state_memory_ratio:.2f}x of fp32 state"
     if r.within_memory_target is not None:
         text += (f" (target <= {STATE_MEMORY_TARGETS[r.state_format]:g}: "
                  f"{'yes' if r.within_memory_target else 'NO'})")
+    if r.reference_state_type not in (None, "float32"):
+        text += f", {r.state_vs_reference:.2f}x of {r.state_reference}'s {r.reference_state_type}"
     return text
 
 
@@ -704,7 +717,7 @@ def render_markdown(report: dict, rows: Sequence[LevelSummary]) -> str:
             meets = ("not judged" if r.within_target is None
                      else "yes" if r.within_target else "**no**")
         if r.state_memory_ratio is not None:
-            meets += f"; state {r.state_memory_ratio:.2f}x" + (
+            meets += f"; state {r.state_memory_ratio:.2f}x of fp32" + (
                 "" if r.within_memory_target is None else
                 f" (<= {STATE_MEMORY_TARGETS[r.state_format]:g}: "
                 f"{'yes' if r.within_memory_target else '**no**'})")

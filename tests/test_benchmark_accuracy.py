@@ -178,16 +178,27 @@ def test_accuracy_state_rows_parse_and_are_checked_against_their_own_level():
     assert bench.state_of("o2_bf16") == (None, None)
     assert bench.run_name("vit_tiny", "o2_bf16+bf16state", 0) == "vit_tiny-o2_bf16-bf16state-seed0"
 
-    def results(level, accs, opt_level, state_mb):
+    def results(level, accs, opt_level, state_mb, state):
         return [bench.RunResult(level, seed, opt_level=opt_level, best_val_acc=acc,
-                                state_mb=state_mb) for seed, acc in enumerate(accs)]
+                                state_mb=state_mb, optimizer_state=state)
+                for seed, acc in enumerate(accs)]
 
-    runs = [*results("o0", [0.60, 0.62], "O0", 4.0), *results("o2_bf16", [0.60, 0.62], "O2", 4.0),
-            *results("o2_bf16_int8state", [0.601, 0.621], "O2", 1.0),
-            *results("o2_bf16+int4state", [0.58, 0.60], "O2", 0.6),
-            *results("o2_bf16+bf16state", [0.596, 0.612], "O2", 2.0)]
-    levels = ["o0", "o2_bf16", "o2_bf16_int8state", "o2_bf16+int4state", "o2_bf16+bf16state"]
+    runs = [*results("o0", [0.60, 0.62], "O0", 4.0, "float32"),
+            *results("o2_bf16", [0.60, 0.62], "O2", 4.0, "float32"),
+            *results("o2_bf16_int8state", [0.601, 0.621], "O2", 1.0, "int8"),
+            *results("o2_bf16+int4state", [0.58, 0.60], "O2", 0.6, "int4"),
+            *results("o2_bf16+bf16state", [0.596, 0.612], "O2", 2.0, "bfloat16"),
+            # O3 keeps its state in the weights' bf16: the targets are of fp32 state all the same
+            *results("o3_bf16_sr", [0.60, 0.62], "O3", 2.0, "bfloat16"),
+            *results("o3_bf16_sr_int8state", [0.60, 0.62], "O3", 1.1, "int8")]
+    levels = ["o0", "o2_bf16", "o2_bf16_int8state", "o2_bf16+int4state", "o2_bf16+bf16state",
+              "o3_bf16_sr", "o3_bf16_sr_int8state"]
     rows = {r.level: r for r in bench.summarise(runs, levels, [0, 1])}
+    sr8 = rows["o3_bf16_sr_int8state"]
+    assert sr8.state_memory_ratio == pytest.approx(1.1 / 4.0) and sr8.within_memory_target
+    assert sr8.state_vs_reference == pytest.approx(0.55)
+    assert bench._state_check(sr8) == ("vs `o3_bf16_sr` within 0.2: yes (+0.00); state 0.28x of "
+                                       "fp32 (<= 0.3: yes), 0.55x of `o3_bf16_sr`'s bfloat16")
     int8, int4, bf16 = rows["o2_bf16_int8state"], rows["o2_bf16+int4state"], rows["o2_bf16+bf16state"]
     assert not int8.checked and int8.state_reference == "o2_bf16"  # not against O0
     assert int8.vs_state_points == pytest.approx(0.1) and int8.within_state_target
@@ -197,11 +208,11 @@ def test_accuracy_state_rows_parse_and_are_checked_against_their_own_level():
     assert bf16.vs_state_points == pytest.approx(-0.6) and not bf16.within_state_target
     assert bf16.within_memory_target is None
     text = bench.verdict(list(rows.values()))
-    assert "o2_bf16_int8state vs o2_bf16: PASS (+0.10 point, state 0.25x)" in text
-    assert "o2_bf16+int4state vs o2_bf16: PASS (-2.00 point, state 0.15x)" in text
-    assert "o2_bf16+bf16state vs o2_bf16: MISS (-0.60 point, state 0.50x)" in text
+    assert "o2_bf16_int8state vs o2_bf16: PASS (+0.10 point, state 0.25x of fp32)" in text
+    assert "o2_bf16+int4state vs o2_bf16: PASS (-2.00 point, state 0.15x of fp32)" in text
+    assert "o2_bf16+bf16state vs o2_bf16: MISS (-0.60 point, state 0.50x of fp32)" in text
     assert bench._state_check(int8) == \
-        "vs `o2_bf16` within 0.2: yes (+0.10); state 0.25x (<= 0.3: yes)"
+        "vs `o2_bf16` within 0.2: yes (+0.10); state 0.25x of fp32 (<= 0.3: yes)"
 
 
 @pytest.mark.slow  # four real runs of vit_tiny, torchao's update uncompiled (a cold compile of

@@ -228,15 +228,22 @@ def test_lm_parity_optimizer_state_levels_against_their_own_level():
         "precision=o2_bf16", "precision.optimizer_state=int4"]
     assert bench.run_name("o2_bf16+int4state", 1) == "gpt_tiny-o2_bf16-int4state-seed1"
 
-    def runs(level, loss, state_mb):
+    def runs(level, loss, state_mb, state):
         return [bench.RunResult(level, seed, opt_level="O2", best_val_loss=loss + 0.001 * seed,
-                                state_mb=state_mb) for seed in (0, 1)]
+                                state_mb=state_mb, optimizer_state=state) for seed in (0, 1)]
 
-    results = [*runs("o0", 2.00, 1.0), *runs("o2_bf16", 2.00, 1.0),
-               *runs("o2_bf16_int8state", 2.015, 0.27), *runs("o2_bf16+bf16state", 2.03, 0.5),
-               *runs("o2_bf16+int4state", 2.10, 0.25)]
-    levels = ["o0", "o2_bf16", "o2_bf16_int8state", "o2_bf16+bf16state", "o2_bf16+int4state"]
+    results = [*runs("o0", 2.00, 1.0, "float32"), *runs("o2_bf16", 2.00, 1.0, "float32"),
+               *runs("o2_bf16_int8state", 2.015, 0.27, "int8"),
+               *runs("o2_bf16+bf16state", 2.03, 0.5, "bfloat16"),
+               *runs("o2_bf16+int4state", 2.10, 0.25, "int4"),
+               *runs("o3_bf16_sr", 2.01, 0.5, "bfloat16"),  # O3: the weights' bf16 state
+               *runs("o3_bf16_sr_int8state", 2.01, 0.27, "int8")]
+    levels = ["o0", "o2_bf16", "o2_bf16_int8state", "o2_bf16+bf16state", "o2_bf16+int4state",
+              "o3_bf16_sr", "o3_bf16_sr_int8state"]
     rows = {r.level: r for r in bench.summarise(results, levels, [0, 1])}
+    sr8 = rows["o3_bf16_sr_int8state"]  # of fp32 state, not of its level's bf16 state
+    assert sr8.state_memory_ratio == pytest.approx(0.27) and sr8.within_memory_target
+    assert sr8.state_vs_reference == pytest.approx(0.54)
     assert rows["o2_bf16_int8state"].within_target and rows["o2_bf16_int8state"].within_memory_target
     assert not rows["o2_bf16+bf16state"].within_target  # 0.03 nats worse
     assert rows["o2_bf16+int4state"].within_target is None  # reported
@@ -244,7 +251,9 @@ def test_lm_parity_optimizer_state_levels_against_their_own_level():
     assert rows["o2_bf16+int4state"].within_memory_target is False  # above 0.2x
     text = bench.verdict(list(rows.values()))
     assert text.startswith("Verdict: MISS")
-    assert "o2_bf16_int8state 0.27x of o2_bf16 (target <= 0.3: yes)" in text
-    assert "o2_bf16+int4state 0.25x of o2_bf16 (target <= 0.2: NO)" in text
+    assert "o2_bf16_int8state 0.27x of fp32 state (target <= 0.3: yes)" in text
+    assert "o2_bf16+int4state 0.25x of fp32 state (target <= 0.2: NO)" in text
+    assert ("o3_bf16_sr_int8state 0.27x of fp32 state (target <= 0.3: yes), 0.54x of "
+            "o3_bf16_sr's bfloat16") in text
     with pytest.raises(SystemExit):
         bench.parse_args(["--levels", "o2_bf16+int8state+compile", "--device", "cpu"])
