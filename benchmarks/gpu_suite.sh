@@ -185,6 +185,9 @@ elif [[ "$PART" == 5 ]]; then
   piece bench_levels_rn50 150 "$PY" benchmarks/levels.py --device cuda --models resnet50 \
     --levels "$BASE"
   piece bench_peers 120 "$PY" benchmarks/peers.py --device cuda
+  # the C++ kernels as that machine's compiler builds them (its libstdc++ is linked statically)
+  piece tests_kernels_cpp 90 "$PY" -m pytest -q -p no:cacheprovider -m "not gpu" \
+    tests/test_kernels.py
 elif [[ "$PART" == 6 ]]; then
   VOUT=benchmarks/results/levels_vit_cuda.md
   piece bench_levels_vit 100 "$PY" benchmarks/levels.py --device cuda --models "$VIT" \
