@@ -57,7 +57,7 @@ from common import (REPO, add_run_options, compose, crash_status, csv_list,  # n
                     describe_level, fresh_compile_cache, model_label, model_overrides,
                     parse_level, parse_seeds, prepare_store, resolve_device, run_overrides,
                     run_report_fields, run_setup_lines, state_reference, store_uri,
-                    STATE_CHECKED, STATE_MEMORY_TARGETS, fp32_state_ratio,
+                    STATE_CHECKED, STATE_MEMORY_TARGETS, compare_state,
                     unfinished_lines, write_results)
 
 EXPERIMENT = "accuracy-parity"
@@ -73,8 +73,8 @@ CUDA_LEVELS = ["o0", "o1", "o2", "o3", "o1_bf16", "o2_bf16", "o3_bf16", "o3_bf16
 # Optimizer-state rows (`<preset>+<format>state`, and the presets with int8 state): each is checked
 # against the same level with its own state (`o2_bf16+int8state` and `o2_bf16_int8state` against
 # `o2_bf16`): bf16 and int8 state within 0.2 point, and the state's memory (the runs'
-# mem_optimizer_state_mb) within common.STATE_MEMORY_TARGETS of fp32 state (common.fp32_state_ratio);
-# int4 and fp8 are reported.
+# mem_optimizer_state_mb) within common.STATE_MEMORY_TARGETS of fp32 state
+# (common.fp32_state_ratio); int4 and fp8 are reported.
 STATE_TARGET_POINTS = 0.2
 # `--suite state`: the optimizer-state rows on a transformer (most of its elements in tensors that
 # torchao quantises: the tiny CNN's are mostly under 4096 elements) with AdamW (torchao's low-bit
@@ -386,11 +386,7 @@ def summarise(results: list[RunResult], levels: list[str], seeds: list[int]) -> 
         if ref is not None:
             if ref.mean is not None and row.mean is not None:
                 row.vs_state_points = 100.0 * (row.mean - ref.mean)
-            if ref.state_mb and row.state_mb is not None:
-                row.state_vs_reference = row.state_mb / ref.state_mb
-                row.reference_state_type = ref.state_type
-                row.state_memory_ratio = fp32_state_ratio(row.state_mb, ref.state_mb,
-                                                          ref.state_type)
+            compare_state(row, ref)
             if row.state_format in STATE_CHECKED:
                 row.within_state_target = (row.vs_state_points is not None
                                            and abs(row.vs_state_points) <= STATE_TARGET_POINTS)

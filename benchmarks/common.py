@@ -318,6 +318,18 @@ def fp32_state_ratio(state_mb: float | None, reference_mb: float | None,
         return None
     return state_mb / (reference_mb * 4 / size)
 
+
+def compare_state(row: Any, ref: Any) -> None:
+    """An optimizer-state row's memory against its reference level's (both a benchmark's level
+    summary, with `state_mb` and `state_type`), where both were measured: `state_vs_reference`,
+    the reference's `reference_state_type`, and `state_memory_ratio`, the fraction of fp32 state
+    that the targets judge."""
+    if ref is None or not ref.state_mb or row.state_mb is None:
+        return
+    row.state_vs_reference = row.state_mb / ref.state_mb
+    row.reference_state_type = ref.state_type
+    row.state_memory_ratio = fp32_state_ratio(row.state_mb, ref.state_mb, ref.state_type)
+
 # the presets whose optimizer state is not their level's own: preset -> (its level's preset, format)
 STATE_PRESETS = {"o2_bf16_int8state": ("o2_bf16", "int8"),
                  "o3_bf16_sr_int8state": ("o3_bf16_sr", "int8")}

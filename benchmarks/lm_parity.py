@@ -76,7 +76,7 @@ from common import (REPO, add_run_options, check_presets, compose, crash_status,
                     csv_list, describe_level, load_average, parse_level, parse_seeds,
                     prepare_store, resolve_device, run_overrides, run_report_fields,
                     run_setup_lines, state_reference, store_uri, unfinished_lines,
-                    STATE_CHECKED, STATE_MEMORY_TARGETS, fp32_state_ratio,
+                    STATE_CHECKED, STATE_MEMORY_TARGETS, compare_state,
                     write_results)
 
 EXPERIMENT = "lm-parity"
@@ -473,15 +473,10 @@ def summarise(results: Sequence[RunResult], levels: Sequence[str],
     means = {r.level: r.mean for r in rows}
     by_level = {r.level: r for r in rows}
     for row in rows:
-        ref = by_level.get(row.state_reference) if row.state_reference else None
-        if ref is not None and ref.state_mb and row.state_mb is not None:
-            row.state_vs_reference = row.state_mb / ref.state_mb
-            row.reference_state_type = ref.state_type
-            row.state_memory_ratio = fp32_state_ratio(row.state_mb, ref.state_mb, ref.state_type)
-        if row.state_memory_ratio is not None:
-            if row.state_format in STATE_MEMORY_TARGETS:
-                row.within_memory_target = \
-                    row.state_memory_ratio <= STATE_MEMORY_TARGETS[row.state_format]
+        compare_state(row, by_level.get(row.state_reference or ""))
+        if row.state_memory_ratio is not None and row.state_format in STATE_MEMORY_TARGETS:
+            row.within_memory_target = \
+                row.state_memory_ratio <= STATE_MEMORY_TARGETS[row.state_format]
         if row.mean is not None and means.get(BASELINE) is not None:
             row.diff_vs_o0 = row.mean - means[BASELINE]
         if row.checked and row.mean is not None and means.get(row.reference) is not None:

@@ -45,7 +45,7 @@ from common import (REPO, add_threads_option, apply_threads, build_runner,  # no
                     check_at_least_one, command, compose, csv_list, interleaved_medians,
                     load_average, machine, model_label, now, one_batch_task, resolve_device,
                     write_results)
-from overhead import handwritten_step  # noqa: E402
+from overhead import handwritten_step, timed_block  # noqa: E402
 
 # peer -> the runner level doing the same work
 PAIRS = {
@@ -125,18 +125,10 @@ def task_overrides(args, level: str) -> list[str]:
 def synced_step_times(step: Callable[[], object], steps: int, warmup: int, device) -> tuple:
     """Run `warmup` untimed steps, then time `steps` steps one by one (device-synchronised at
     both ends of each); the median seconds a step and the last step's result."""
-    from runner.measure.probes import synchronize
-
     for _ in range(warmup):
         step()
-    times, result = [], None
-    for _ in range(steps):
-        synchronize(device)
-        started = time.perf_counter()
-        result = step()
-        synchronize(device)
-        times.append(time.perf_counter() - started)
-    return statistics.median(times), result
+    timed = [timed_block(step, 1, device) for _ in range(steps)]
+    return statistics.median(seconds for seconds, _ in timed), timed[-1][1]
 
 
 class LightningSide:
@@ -148,6 +140,7 @@ class LightningSide:
         import torch
 
         from runner.components.optim import build_optimizer, build_scheduler
+        from runner.measure.probes import synchronize
 
         # Lightning's start-up chatter (GPU available, the model summary's absence, few workers)
         # is not this benchmark's output
@@ -185,11 +178,11 @@ class LightningSide:
                 self.started = 0.0
 
             def on_train_batch_start(self, trainer, module, batch, index):
-                torch.cuda.synchronize(side.device) if side.device.type == "cuda" else None
+                synchronize(side.device)
                 self.started = time.perf_counter()
 
             def on_train_batch_end(self, trainer, module, outputs, batch, index):
-                torch.cuda.synchronize(side.device) if side.device.type == "cuda" else None
+                synchronize(side.device)
                 side.times.append(time.perf_counter() - self.started)
 
         class OneBatch(torch.utils.data.Dataset):  # the runner's batch, already on the device

@@ -23,9 +23,16 @@ using mta::TensorListMeta;
 
 __device__ __forceinline__ bool nonfinite(float x) { return !isfinite(x); }
 
+// The positions of some lists where those lists have one combination of dtypes. (A struct with
+// named members, not a map's pairs: lambdas capture structured bindings only from C++20, and the
+// torch builds of 2.11 and before compile C++17.)
+struct DtypeGroup {
+  std::vector<at::ScalarType> dtypes;  // one per list
+  std::vector<int64_t> positions;
+};
+
 // Positions of `lists` grouped by the dtypes the lists have there (absent lists: kFloat).
-std::map<std::vector<at::ScalarType>, std::vector<int64_t>> group_by_dtypes(
-    const std::vector<const TensorList*>& lists) {
+std::vector<DtypeGroup> group_by_dtypes(const std::vector<const TensorList*>& lists) {
   std::map<std::vector<at::ScalarType>, std::vector<int64_t>> groups;
   const size_t n = lists[0]->size();
   for (size_t i = 0; i < n; ++i) {
@@ -33,7 +40,9 @@ std::map<std::vector<at::ScalarType>, std::vector<int64_t>> group_by_dtypes(
     for (const TensorList* l : lists) key.push_back(l->empty() ? at::kFloat : (*l)[i].scalar_type());
     groups[key].push_back(static_cast<int64_t>(i));
   }
-  return groups;
+  std::vector<DtypeGroup> out;
+  for (auto& entry : groups) out.push_back({entry.first, std::move(entry.second)});
+  return out;
 }
 
 template <typename F>
@@ -355,10 +364,9 @@ namespace {
 // dst = src * (*scale) per dtype group; `found` (may be null) flags non-finite source values.
 void scale_lists(const TensorList& src, const TensorList& dst, const at::Tensor& scale,
                  float* found) {
-  for (const auto& group : group_by_dtypes({&src, &dst})) {
-    // (named, not a structured binding: lambdas may capture those only from C++20)
-    const std::vector<at::ScalarType>& dtypes = group.first;
-    const std::vector<int64_t>& positions = group.second;
+  for (const DtypeGroup& group : group_by_dtypes({&src, &dst})) {
+    const auto& dtypes = group.dtypes;
+    const auto& positions = group.positions;
     dispatch(dtypes[0], [&](auto in_tag) {
       dispatch(dtypes[1], [&](auto out_tag) {
         using In = decltype(in_tag);
@@ -385,10 +393,9 @@ void check_finite(const TensorList& tensors, const at::Tensor& found_inf) {
   check_lists("check_finite", {&tensors}, {"tensors"}, {false}, {false});
   check_cuda(tensors, "check_finite");
   check_scalar(found_inf, "found_inf", device_of(tensors, found_inf));
-  for (const auto& group : group_by_dtypes({&tensors})) {
-    // (named, not a structured binding: lambdas may capture those only from C++20)
-    const std::vector<at::ScalarType>& dtypes = group.first;
-    const std::vector<int64_t>& positions = group.second;
+  for (const DtypeGroup& group : group_by_dtypes({&tensors})) {
+    const auto& dtypes = group.dtypes;
+    const auto& positions = group.positions;
     dispatch(dtypes[0], [&](auto tag) {
       using T = decltype(tag);
       mta::multi_tensor_apply<1>({&tensors}, positions, CheckOp<T>{}, scalar_ptr(found_inf));
@@ -417,10 +424,9 @@ std::tuple<at::Tensor, at::Tensor> l2norm(const TensorList& tensors, const at::T
   }
   auto partials = at::zeros({n * max_chunks}, scale.options());
   auto squares = at::empty({n}, scale.options().dtype(at::kDouble));
-  for (const auto& group : group_by_dtypes({&tensors})) {
-    // (named, not a structured binding: lambdas may capture those only from C++20)
-    const std::vector<at::ScalarType>& dtypes = group.first;
-    const std::vector<int64_t>& positions = group.second;
+  for (const DtypeGroup& group : group_by_dtypes({&tensors})) {
+    const auto& dtypes = group.dtypes;
+    const auto& positions = group.positions;
     dispatch(dtypes[0], [&](auto tag) {
       using T = decltype(tag);
       mta::multi_tensor_apply<1>({&tensors}, positions, SumSquaresOp<T>{},
@@ -465,10 +471,9 @@ void launch_step(const char* op, const TensorList& params, const TensorList& gra
   const TensorList& copies = model_copies.empty() ? params : model_copies;
   const float sign = maximize ? -1.f : 1.f;
   // (s2's type is s1's: check_step_lists; an absent s1 is the fp32 params')
-  for (const auto& group : group_by_dtypes({&grads, &model_copies, &s1})) {
-    // (named, not a structured binding: lambdas may capture those only from C++20)
-    const std::vector<at::ScalarType>& dtypes = group.first;
-    const std::vector<int64_t>& positions = group.second;
+  for (const DtypeGroup& group : group_by_dtypes({&grads, &model_copies, &s1})) {
+    const auto& dtypes = group.dtypes;
+    const auto& positions = group.positions;
     dispatch(dtypes[0], [&](auto g_tag) {
       dispatch(dtypes[1], [&](auto c_tag) {
         dispatch_state(dtypes[2], [&](auto s_tag) {
@@ -541,10 +546,9 @@ void launch_step_sr(const char* op, const TensorList& params, const TensorList& 
   const TensorList& s2 = state2.empty() ? params : state2;
   const auto tags = key_tags(keys);
   const float sign = maximize ? -1.f : 1.f;
-  for (const auto& group : group_by_dtypes({&grads, &s1, &s2})) {
-    // (named, not a structured binding: lambdas may capture those only from C++20)
-    const std::vector<at::ScalarType>& dtypes = group.first;
-    const std::vector<int64_t>& positions = group.second;
+  for (const DtypeGroup& group : group_by_dtypes({&grads, &s1, &s2})) {
+    const auto& dtypes = group.dtypes;
+    const auto& positions = group.positions;
     dispatch(dtypes[0], [&](auto g_tag) {
       dispatch_state(dtypes[1], [&](auto a_tag) {
         dispatch_state(dtypes[2], [&](auto b_tag) {

@@ -62,7 +62,7 @@ class DeviceInfo:
         if device.type == "cuda":
             if not torch.cuda.is_available():
                 return cls("cuda", None, "cuda (not available)")
-            index = device.index if device.index is not None else torch.cuda.current_device()
+            index = concrete_device(device).index
             major, minor = torch.cuda.get_device_capability(index)
             return cls("cuda", (major, minor), torch.cuda.get_device_name(index))
         return cls(device.type, None, _cpu_name() if device.type == "cpu" else device.type)

@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from runner.precision.state import step_in_fp32
+from runner.precision.state import is_dtensor, local_shard, step_in_fp32
 
 _MASK32 = 0xFFFFFFFF
 _MIX_C1 = 0x7FEB352D
@@ -152,7 +152,7 @@ def stochastic_round(x: torch.Tensor, seed: int, step: int, tensor_id: int,
     """
     if x.dtype != torch.float32:
         raise ValueError(f"stochastic_round: x must be float32, got {x.dtype}")
-    if hasattr(x, "to_local"):  # a DTensor (a sharded run): its shard, with its global indices
+    if is_dtensor(x):  # a sharded run: its shard, with its global indices
         return _round_shard(x, seed, step, tensor_id, stream)
     flat = _memory_order(x)
     index = torch.arange(flat.numel(), dtype=torch.int64, device=x.device)
@@ -246,8 +246,8 @@ def sr_step(optimizer: torch.optim.Optimizer, seed: int, step: int,
     def select(p: torch.Tensor) -> bool:
         if p.dtype != torch.bfloat16:
             return False
-        _memory_order(p.to_local() if hasattr(p, "to_local") else p)  # a clear error for
-        # a param the rounding cannot index (a sharded one: its shard)
+        _memory_order(local_shard(p))  # a clear error for a param the rounding cannot
+        # index (a sharded one: its shard)
         return True
 
     def store(param: torch.Tensor, data16: torch.Tensor, fp32: torch.Tensor) -> None:

@@ -24,6 +24,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from runner.config.levels import SCALER_DEFAULTS
+from runner.precision.state import local_shard
 
 LossScaleSpec = Union[float, str]
 
@@ -101,8 +102,8 @@ class LossScaler:
         for g in grads:
             if g.is_sparse:
                 g = g._values()  # scaling is linear: the stored values can be unscaled as they are
-            elif hasattr(g, "to_local"):  # a DTensor (a sharded run): this rank's shard
-                g = g.to_local()
+            else:  # a DTensor (a sharded run): this rank's shard; a plain tensor as it is
+                g = local_shard(g)
             groups[(g.device, g.dtype)].append(g)
         found: dict[torch.device, torch.Tensor] = {}
         inv: dict[torch.device, torch.Tensor] = {}

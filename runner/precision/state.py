@@ -87,13 +87,20 @@ def param_shaped(key: Any, value: Any, param: torch.Tensor) -> bool:
     """Optimizer state that is elementwise with the param (moments, momentum buffers) and plain
     (not a quantised subclass; a sharded run's DTensor is plain per shard); torch's `step`
     counter is not, even for a 0-d param."""
-    return (key != "step" and (type(value) is torch.Tensor or _is_dtensor(value))
+    return (key != "step" and (type(value) is torch.Tensor or is_dtensor(value))
             and value.is_floating_point() and value.shape == param.shape)
 
 
-def _is_dtensor(t: Any) -> bool:
+def is_dtensor(t: Any) -> bool:
+    """Whether `t` is a DTensor (a sharded run's parameter, gradient or state), without importing
+    torch.distributed."""
     return type(t).__name__ == "DTensor" or (isinstance(t, torch.Tensor)
                                              and hasattr(t, "to_local") and hasattr(t, "placements"))
+
+
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a plain tensor as it is)."""
+    return t.to_local() if is_dtensor(t) else t
 
 
 def needs_fp32_step(optimizer: torch.optim.Optimizer, state_dtype: Optional[torch.dtype]) -> bool:
@@ -134,7 +141,7 @@ def step_in_fp32(optimizer: torch.optim.Optimizer, select: Callable[[torch.Tenso
             for index, p in enumerate(group["params"]):
                 if p.grad is None or not select(p):
                     continue
-                if _is_dtensor(p) and p.dtype != torch.float32:
+                if is_dtensor(p) and p.dtype != torch.float32:
                     # a DTensor's type cannot change under it (`.data =` keeps bf16): an fp32
                     # stand-in takes its place, its gradient and its state for the step
                     stand_in = torch.nn.Parameter(p.detach().to(torch.float32),

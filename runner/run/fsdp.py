@@ -52,6 +52,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from runner.errors import ConfigError
 from runner.precision import Properties
+from runner.precision.state import local_shard as local  # noqa: F401  (a DTensor's shard)
 
 WRAP_KEY = "trainer.fsdp_wrap"
 STRATEGY_KEY = "trainer.strategy"
@@ -173,9 +174,6 @@ def is_sharded(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (a plain tensor as it is)."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 # ---- full state dicts (checkpoints) ---------------------------------------------------------------
