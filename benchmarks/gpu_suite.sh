@@ -25,6 +25,24 @@
 #                                    # peers.py (Lightning, hand loop) on resnet50
 #   bash benchmarks/gpu_suite.sh 6   # its second call, on the same warm machine: the ViT's eager
 #                                    # and compiled rows (fp8 among them) into levels_vit_cuda.*
+#   bash benchmarks/gpu_suite.sh 7   # the next 15-minute lease's first call, after the fixes of
+#                                    # the first GPU run: kernels build, CUDA tests (4 workers),
+#                                    # the C++ kernels' tests, kernels.py, ResNet-50's eager rows
+#                                    # (levels_rn50_cuda.*), peers.py on ResNet-50
+#   bash benchmarks/gpu_suite.sh 8   # its second call: GPT-2 small's rows (eager, compiled, fp8)
+#                                    # into levels_gpt_cuda.*, peers.py on GPT-2 small against
+#                                    # torchtitan's float8 recipe (peers_gpt_cuda.*), the ViT's
+#                                    # compiled o1_bf16/o1_fp8 again (levels_vit_cuda.*)
+#
+# Parts 7 and 8 write their own levels files, so the committed levels_cuda.* (measured before the
+# device fix) are not overwritten; merge afterwards, each later file winning per cell:
+#   python benchmarks/levels.py --from-json benchmarks/results/levels_cuda.json \
+#     part7/results/levels_rn50_cuda.json part8/results/levels_vit_cuda.json \
+#     part8/results/levels_gpt_cuda.json --out benchmarks/results/levels_cuda.md
+# Each is sized from the first run's piece times on an H200 (kernels build 68 s, CUDA tests with
+# 4 workers 108 s, kernels.py 9 s, ResNet-50's eager rows 84 s, peers 49 s, the ViT's two
+# compiled rows 84 s): give them GPU_SUITE_BUDGET_S=400 so that both calls and the machine's
+# start fit 15 minutes.
 #
 # Parts 5 and 6 are the suite cut to a lease of 15 minutes of device time (a machine's start, two
 # calls): the correctness pieces and issue 28's judged figures first (ResNet-50's targets, the
@@ -56,8 +74,8 @@
 set -uo pipefail
 
 PART=${1:-}
-if [[ ! "$PART" =~ ^[1-6]$ ]]; then
-  echo "usage: bash benchmarks/gpu_suite.sh 1|2|3|4|5|6   (commands under 10 minutes each)" >&2
+if [[ ! "$PART" =~ ^[1-8]$ ]]; then
+  echo "usage: bash benchmarks/gpu_suite.sh 1|2|3|4|5|6|7|8   (commands under 10 minutes each)" >&2
   exit 2
 fi
 if [[ -z "${OUT:-}" ]]; then
@@ -194,6 +212,28 @@ elif [[ "$PART" == 6 ]]; then
     --levels o0,o1,o2,o1_bf16,o2_bf16,o1_fp8 --out "$VOUT"
   piece bench_levels_vit_compiled 200 "$PY" benchmarks/levels.py --device cuda --models "$VIT" \
     --levels o1_bf16+compile,o1_fp8+compile --merge --out "$VOUT"
+elif [[ "$PART" == 7 ]]; then
+  XDIST=()
+  "$PY" -c "import xdist" 2> /dev/null && XDIST=(-n 4)  # a crashed worker is restarted
+  piece tests_gpu 150 "$PY" -m pytest -q -p no:cacheprovider -rfE -m gpu tests "${XDIST[@]}"
+  piece tests_kernels_cpp 60 "$PY" -m pytest -q -p no:cacheprovider -rfE -m "not gpu" \
+    tests/test_kernels.py "${XDIST[@]}"
+  piece bench_kernels 40 "$PY" benchmarks/kernels.py --device cuda
+  piece bench_levels_rn50 110 "$PY" benchmarks/levels.py --device cuda --models resnet50 \
+    --levels "$BASE" --out benchmarks/results/levels_rn50_cuda.md
+  piece bench_peers 70 "$PY" benchmarks/peers.py --device cuda
+elif [[ "$PART" == 8 ]]; then
+  GPT=(--image-size 1024 --batch-size 8 --extra model.vocab_size=50304)
+  GOUT=benchmarks/results/levels_gpt_cuda.md
+  piece bench_levels_gpt 90 "$PY" benchmarks/levels.py --device cuda --models gpt2_small \
+    "${GPT[@]}" --levels o0,o1_bf16,o2_bf16,o3_bf16_sr,o1_fp8 --out "$GOUT"
+  piece bench_peers_gpt 120 "$PY" benchmarks/peers.py --device cuda --model gpt2_small \
+    "${GPT[@]}" --peers titan:float8,hand:o1_bf16,lightning:bf16-mixed \
+    --out benchmarks/results/peers_gpt_cuda.md
+  piece bench_levels_gpt_compiled 110 "$PY" benchmarks/levels.py --device cuda \
+    --models gpt2_small "${GPT[@]}" --levels o1_bf16+compile,o1_fp8+compile --merge --out "$GOUT"
+  piece bench_levels_vit_compiled 100 "$PY" benchmarks/levels.py --device cuda \
+    --models "$VIT" --levels o1_bf16+compile,o1_fp8+compile --out benchmarks/results/levels_vit_cuda.md
 elif [[ "$PART" == 4 ]]; then
   # a language model: sizes are tokens per sequence (1024); GPT-2's vocabulary padded to 50304
   # (a multiple of 64, as nanoGPT does) over the synthetic language's ids

@@ -7,6 +7,9 @@ against the runner level that does the same work, timed interleaved in one proce
     lightning:bf16-mixed       o1_bf16        fp32 weights, bf16 autocast, no scaler
     lightning:bf16-true        o3_bf16        the whole model in bf16 (BatchNorm too), no masters
     hand:o1 / hand:o1_bf16     o1 / o1_bf16   overhead.py's stock torch.autocast (+ GradScaler)
+    titan:float8               o1_fp8 with    torchtitan's float8 recipe: fp32 weights, bf16
+                               fp8_linear=    autocast, torchao's rowwise fp8 Linear layers,
+                               rowwise        each transformer block compiled (runner: the model)
 
 The runner's side is its real step (`Trainer.train_step` over the objects a run builds:
 common.build_runner). Lightning's side is a `lightning.Trainer` fitting a LightningModule that
@@ -23,6 +26,23 @@ both alike; a side's figure is the median of its blocks' median step times.
     python benchmarks/peers.py --device cuda            # ResNet-50, 224 px, batch 128
     python benchmarks/peers.py                          # CPU: ResNet-18, 32 px, bf16 peers only
     python benchmarks/peers.py --device cuda --model torchvision:vit_b_16 --peers lightning:bf16-mixed
+    python benchmarks/peers.py --device cuda --model gpt2_small --image-size 1024 --batch-size 8 \
+        --extra model.vocab_size=50304 --peers titan:float8,hand:o1_bf16
+
+torchtitan's float8 recipe is applied here as torchtitan 0.3 applies it on one GPU, with torchao
+directly: torchtitan's own converter rewrites its model *configs* (its `Linear.Config`), not an
+`nn.Module`, so it cannot take the runner's GPT. What it does, done the same way: torchao's
+`Float8LinearConfig.from_recipe_name("rowwise")` (its `Float8LinearConverter`'s default recipe),
+every Linear layer whose sizes are multiples of 16 converted (its default `filter_fqns` is empty;
+its 405B config adds `lm_head`, our `head`: `--titan-filter head`, by module name here, by a
+part of the name there), inductor's
+`emulate_precision_casts` on (it sets that for rowwise; process-wide, so the runner's compiled
+graph gets it too), each transformer block compiled `fullgraph=True` (its `apply_compile`), and
+on a single GPU without FSDP its training step under `torch.autocast(bfloat16)` with fp32
+weights; the step itself is overhead.py's hand-written autocast loop. Its runner level is o1_fp8
+with `precision.fp8_linear=rowwise` and `trainer.compile=true`. On a CPU (fp8 emulated, which
+torchtitan does not compile) neither side is compiled unless `--titan-compile` says so: a check
+that both train the same thing (and, compiled, that the GPU's code path runs).
 
 Target (issue 28): the runner at least as fast as each peer (throughput runner / peer >= 1.0) on
 the GPU. On a CPU the table is printed with no verdict (fp16 is emulated there; bf16 peers only).
@@ -31,6 +51,7 @@ Exit 0 whatever the verdict; 1 if a side crashed; 2 for bad arguments or Lightni
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import statistics
 import sys
@@ -43,8 +64,8 @@ from typing import Callable, Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from common import (REPO, add_threads_option, apply_threads, build_runner,  # noqa: E402
                     check_at_least_one, command, compose, csv_list, interleaved_medians,
-                    load_average, machine, model_label, now, one_batch_task, resolve_device,
-                    write_results)
+                    is_language_model, load_average, machine, model_label, now, one_batch_task,
+                    resolve_device, write_results)
 from overhead import handwritten_step, timed_block  # noqa: E402
 
 # peer -> the runner level doing the same work
@@ -54,7 +75,9 @@ PAIRS = {
     "lightning:bf16-true": "o3_bf16",
     "hand:o1": "o1",
     "hand:o1_bf16": "o1_bf16",
+    "titan:float8": "o1_fp8",
 }
+TITAN_RECIPE = "rowwise"  # torchtitan's Float8LinearConverter.Config.recipe_name default
 CUDA_PEERS = ["lightning:16-mixed", "lightning:bf16-mixed", "lightning:bf16-true", "hand:o1"]
 CPU_PEERS = ["lightning:bf16-mixed", "lightning:bf16-true", "hand:o1_bf16"]
 DEFAULTS = {
@@ -86,6 +109,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=None, help="timed blocks a side")
     p.add_argument("--extra", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
                    help="more Hydra overrides for both sides' config (e.g. optimizer=adamw)")
+    p.add_argument("--titan-filter", type=csv_list, default=[], metavar="NAMES",
+                   help="titan:float8: Linear layers kept out of fp8 on both sides, by their "
+                   "module names (e.g. head, as torchtitan's 405B config keeps its lm_head); "
+                   "default none, torchtitan's default")
+    p.add_argument("--titan-compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="titan:float8: compile both sides (each transformer block; the runner's "
+                   "model); default on CUDA only (on a CPU fp8 is emulated, which torchtitan "
+                   "does not compile, but it runs: a check of the GPU's code path)")
     p.add_argument("--out", type=Path, default=None,
                    help="Markdown path (default benchmarks/results/peers_<device>.md; "
                    ".csv and .json beside it)")
@@ -111,14 +142,42 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             print("peers.py: the Lightning peers need the `lightning` package "
                   "(pip install lightning), or name only hand:* peers", file=sys.stderr)
             sys.exit(2)
+    if "titan:float8" in args.peers:
+        if not is_language_model(args.model):
+            p.error(f"titan:float8 trains a language model (torchtitan compiles its transformer "
+                    f"blocks), not {args.model!r}: --model gpt2_small (or gpt_tiny, gpt)")
+        if importlib.util.find_spec("torchao") is None:
+            print("peers.py: titan:float8 needs torchao (pip install \"amp-runner[fp8]\")",
+                  file=sys.stderr)
+            sys.exit(2)
+    elif args.titan_filter or args.titan_compile is not None:
+        p.error("--titan-filter and --titan-compile are for the titan:float8 peer, which --peers "
+                "does not name")
+    if args.titan_compile is None:
+        args.titan_compile = args.device == "cuda"
     args.out = args.out or REPO / "benchmarks" / "results" / f"peers_{args.device}.md"
     return args
 
 
-def task_overrides(args, level: str) -> list[str]:
+def level_label(args, peer: str) -> str:
+    """The runner level a peer is compared with, as the table names it."""
+    if peer != "titan:float8":
+        return PAIRS[peer]
+    return (f"{PAIRS[peer]} {TITAN_RECIPE}" + ("+compile" if args.titan_compile else "")
+            + "".join(f", {name} bf16" for name in args.titan_filter))
+
+
+def task_overrides(args, peer: str) -> list[str]:
+    """The runner side's overrides for `peer` (the peer is built from the same config)."""
+    pair = []
+    if peer == "titan:float8":
+        pair = [f"precision.fp8_linear={TITAN_RECIPE}",
+                *(["trainer.compile=true"] if args.titan_compile else [])]
+        # the same layers out of fp8 on the runner's side: a layer plan keeps them in bf16
+        pair += [f"+precision.layers.{name}=bfloat16" for name in args.titan_filter]
     return [*one_batch_task(args.model, args.image_size, args.batch_size, args.device),
             "trainer.channels_last=" + ("true" if args.device == "cuda" else "false"),
-            "trainer.cudnn_benchmark=true", f"precision={level}", *args.extra]
+            "trainer.cudnn_benchmark=true", f"precision={PAIRS[peer]}", *pair, *args.extra]
 
 
 # ---- the sides ----------------------------------------------------------------------------------
@@ -219,20 +278,65 @@ class LightningSide:
         return statistics.median(timed)
 
 
+def titan_float8_model(model, device, skip: Sequence[str] = (), compile: bool = True):
+    """`model` (fp32, on the device) made ready for torchtitan's float8 training step, in place:
+    its Linear layers of sizes that are multiples of 16 (and not named in `skip`) swapped for
+    torchao's Float8Linear with the rowwise recipe (emulated on a device without fp8 Tensor Cores),
+    then, with `compile`, each transformer block compiled with `fullgraph=True`. Returns the names
+    of the converted layers."""
+    import dataclasses
+
+    import torch
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    blocks = getattr(model, "blocks", None) or getattr(model, "layers", None)
+    if not isinstance(blocks, torch.nn.ModuleList):
+        raise TypeError(f"titan:float8 compiles each transformer block (`blocks` or `layers`, a "
+                        f"ModuleList); {type(model).__name__} has none")
+    emulate = not (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9))
+    config = Float8LinearConfig.from_recipe_name(TITAN_RECIPE)
+    if emulate:
+        config = dataclasses.replace(config, emulate=True)
+    skip = set(skip)
+    converted: list[str] = []
+
+    def module_filter(module, name: str) -> bool:  # torchtitan's module_filter_fn
+        take = (isinstance(module, torch.nn.Linear) and module.in_features % 16 == 0
+                and module.out_features % 16 == 0 and name not in skip)
+        if take:
+            converted.append(name)
+        return take
+
+    convert_to_float8_training(model, config=config, module_filter_fn=module_filter)
+    if compile:  # torchtitan's apply_compile
+        torch._inductor.config.emulate_precision_casts = True  # as torchtitan sets for rowwise
+        for block in blocks:
+            block.compile(fullgraph=True)
+    return converted
+
+
 def measure(args, peer: str) -> dict:
     """One peer against its runner level: both built from the same config and initial weights,
     their blocks interleaved."""
     import torch
 
-    level = PAIRS[peer]
+    level = level_label(args, peer)
     row = {"peer": peer, "level": level, "status": "ok", "error": None}
     try:
         torch.manual_seed(0)
-        cfg = compose(task_overrides(args, level))
+        cfg = compose(task_overrides(args, peer))
         parts = build_runner(cfg, keep_fp32_copy=True)
         device, trainer, batch = parts.device, parts.trainer, parts.batch
         kind, _, name = peer.partition(":")
-        if kind == "hand":
+        if kind in ("hand", "titan"):
+            if kind == "titan":
+                fp8 = titan_float8_model(parts.fp32_model, device, args.titan_filter,
+                                         args.titan_compile)
+                ours = {name for name, module in parts.model.named_modules()
+                        if type(module).__name__ == "Float8Linear"}
+                if ours != set(fp8):  # the same GEMMs in fp8 on both sides, or no comparison
+                    raise RuntimeError(f"the runner converted {sorted(ours)} to fp8, torchtitan's "
+                                       f"recipe {sorted(fp8)}")
             hand = handwritten_step(parts.fp32_model, cfg, parts.properties, batch)
             state = {"peer_loss": float("nan")}
 
@@ -262,7 +366,8 @@ def measure(args, peer: str) -> dict:
             "runner_ms": 1e3 * medians["runner"], "peer_ms": 1e3 * medians["peer"],
             "ratio": ratio, "meets": ratio >= TARGET if args.device == "cuda" else None,
             "runner_loss": runner_state["loss"],
-            "peer_loss": (state["peer_loss"] if kind == "hand" else float(lightning.last_loss)),
+            "peer_loss": (float(lightning.last_loss) if kind == "lightning"
+                          else state["peer_loss"]),
         })
     except Exception as error:  # noqa: BLE001  (reported; the exit status says so)
         row["status"], row["error"] = "crashed", f"{type(error).__name__}: {error}"
@@ -292,7 +397,9 @@ def render(report: dict) -> str:
     m = report["machine"]
     lines = [
         f"# The runner beside its peers ({report['device']})", "",
-        f"{model_label(report['model'])}, {report['image_size']} px, batch {report['batch_size']}; "
+        f"{model_label(report['model'])}, {report['image_size']} "
+        f"{'tokens a sequence' if is_language_model(report['model']) else 'px'}, "
+        f"batch {report['batch_size']}; "
         f"{report['rounds']} interleaved rounds of {report['steps']}-step blocks a side after "
         f"{report['warmup']} untimed steps each; a step device-synchronised at both ends; "
         "medians. Ratio = peer step time / runner step time = runner throughput / peer "
@@ -336,7 +443,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "rows": rows, "machine": machine(args.device), "command": command("peers.py", argv),
         "date": now(), "load_start": load_start, "load_end": load_average(),
         "wall_s": time.perf_counter() - started,
-        "overrides": {peer: task_overrides(args, PAIRS[peer]) for peer in args.peers},
+        "overrides": {peer: task_overrides(args, peer) for peer in args.peers},
     }
     markdown = render(report)
     paths = write_results(args.out, markdown, rows, FIELDS, report)

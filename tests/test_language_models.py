@@ -196,6 +196,29 @@ def test_gpt_tiny_learns_at_every_bf16_level(preset, tracking_uri):
         assert run.data.params["precision.stochastic_rounding"] == "True"
 
 
+def test_a_vocabulary_padded_past_the_datas_trains(tracking_uri):
+    """model.vocab_size above the data's (nanoGPT pads GPT-2's 50257 tokens to 50304, a multiple
+    of 64 for the GEMMs): the plan accepts the wider logits (the model-output check on the meta
+    device included), the run learns, and the padded logits are never a target."""
+    best, run = _one(tracking_uri, "precision=o1_bf16", "model.vocab_size=80")
+    _lm_contract(run, "o1")
+    assert run.data.params["model.vocab_size"] == "80"
+    # it starts at ln(80) = 4.38 (16 logits no target ever takes); the unpadded model reaches
+    # 3.82 in these two short epochs, the padded one 3.93 (the padding's mass is learnt away)
+    assert best < math.log(64) - 0.15, best
+
+
+def test_a_language_model_narrower_than_the_vocabulary_is_refused():
+    """The output check still refuses logits over fewer tokens than the data has (a user's
+    model by _target_, which check_vocabulary cannot read), before any work."""
+    with pytest.raises(ConfigError) as info:
+        make_plan(compose_config("model=custom", "model._target_=torch.nn.Embedding",
+                                 "+model.num_embeddings=64", "+model.embedding_dim=48",
+                                 "data=synthetic_text", "task=language_model",
+                                 "trainer.device=cpu"))
+    assert "outputs (2, 64, 48)" in str(info.value) and "V >= 64" in str(info.value)
+
+
 def test_fp8_converts_every_gpt_projection(tracking_uri, tmp_path):
     """o1_fp8 on gpt_tiny: every Linear layer (q, k, v, proj and the MLP's up and down in both
     blocks, and the head: 13) runs in fp8 (emulated on a CPU), listed in fp8_layers.txt; it

@@ -317,9 +317,9 @@ def check_output(node: Any, num_classes: int, shape: tuple[int, ...], task: Any 
         raise ConfigError(_output_key(node), f"{label} fails on a batch of shape {batch} ({what}"
                           f"): {type(exc).__name__}: {exc}") from None
     got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-    expected = task.expected_output(batch, num_classes) if task is not None \
-        else (2, num_classes)
-    if got != expected:
+    fits = task.output_fits(got, batch, num_classes) if task is not None \
+        else got == (2, num_classes)
+    if not fits:
         what = "tokens" if task is not None and not dtype.is_floating_point else "classes"
         raise ConfigError(_output_key(node), f"{label} outputs {got} for a batch of shape "
                           f"{batch}, but the data has {num_classes} {what}",

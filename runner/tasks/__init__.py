@@ -52,6 +52,11 @@ class Task:
     def output_description(self, num_outputs: int) -> str:
         raise NotImplementedError
 
+    def output_fits(self, got: tuple[int, ...], batch: tuple[int, ...], num_outputs: int) -> bool:
+        """Whether a model's output of shape `got` for a batch of shape `batch` is what this task
+        trains on: by default exactly `expected_output`."""
+        return got == self.expected_output(batch, num_outputs)
+
     def loss(self, criterion: torch.nn.Module, output: torch.Tensor,
              target: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -123,8 +128,15 @@ class LanguageModel(Task):
         return (*batch, num_outputs)
 
     def output_description(self, num_outputs: int) -> str:
-        return (f"a model whose output is (batch, tokens, {num_outputs}): logits over the "
-                "vocabulary at every position")
+        return (f"a model whose output is (batch, tokens, V) with V >= {num_outputs}: logits "
+                "over the vocabulary at every position (a vocabulary padded past the data's, "
+                "as nanoGPT pads GPT-2's 50257 to 50304, is fine)")
+
+    def output_fits(self, got, batch, num_outputs):
+        # a padded vocabulary: the extra logits are never a target, and softmax learns to
+        # push them down (nanoGPT's 50304 for GPT-2's 50257 tokens, a multiple of 64)
+        return (isinstance(got, tuple) and len(got) == len(batch) + 1
+                and got[:-1] == tuple(batch) and got[-1] >= num_outputs)
 
     def loss(self, criterion, output, target):
         # every position is a prediction: (B, T, V) -> (B*T, V) against (B*T,) next tokens
