@@ -55,6 +55,22 @@ def test_levels_benchmark_smoke_and_merge(tmp_path: Path, capsys):
     assert again.with_suffix(".png").is_file()
 
 
+def test_a_language_models_table_is_primed_with_the_tiny_gpt(tmp_path: Path, capsys):
+    """GPT-2 small's GPU rows pass `--extra model.vocab_size=50304`: the throwaway pass must
+    run a language model (the tiny CNN has no vocab_size, and its failures would leave one-time
+    start-up in the first cell), and the padded vocabulary must be accepted."""
+    bench = load_benchmark("levels")
+    out = tmp_path / "levels.md"
+    assert bench.main(["--device", "cpu", "--models", "gpt_tiny", "--image-size", "16",
+                       "--batch-size", "2", "--steps", "1", "--warmup", "0", "--levels",
+                       "o0,o1_bf16", "--extra", "model.vocab_size=80", "--out", str(out)]) == 0
+    printed = capsys.readouterr()
+    assert "primed in" in printed.out and "throwaway pass's" not in printed.out
+    assert "ConfigError" not in printed.err and "Could not override" not in printed.err
+    cells = json.loads(out.with_suffix(".json").read_text())["cells"]
+    assert [(c["level"], c["status"]) for c in cells] == [("o0", "ok"), ("o1_bf16", "ok")]
+
+
 @pytest.mark.slow  # one compiled cell: a cold CPU compile of the tiny model, 15-30 s on 2 cores
 def test_levels_benchmark_compiled_and_fp8_rows(tmp_path: Path, monkeypatch):
     # torch.compile's cache in this test's folder (the benchmark keeps a cache that is set)
