@@ -332,8 +332,7 @@ def measure(args, peer: str) -> dict:
             if kind == "titan":
                 fp8 = titan_float8_model(parts.fp32_model, device, args.titan_filter,
                                          args.titan_compile)
-                ours = {name for name, module in parts.model.named_modules()
-                        if type(module).__name__ == "Float8Linear"}
+                ours = set(parts.engine.fp8.converted if parts.engine.fp8 else ())
                 if ours != set(fp8):  # the same GEMMs in fp8 on both sides, or no comparison
                     raise RuntimeError(f"the runner converted {sorted(ours)} to fp8, torchtitan's "
                                        f"recipe {sorted(fp8)}")

@@ -288,7 +288,10 @@ def check_output(node: Any, num_classes: int, shape: tuple[int, ...], task: Any 
     classifier's logits (2, num_classes) from float inputs, a language model's logits (2, T,
     vocabulary) from integer token ids; default: classification). An op without a meta
     implementation skips the check (the real run finds any problem)."""
-    dtype = task.input_dtype if task is not None else torch.float32
+    from runner.tasks import task_for
+
+    task = task if task is not None else task_for(options.CLASSIFICATION)
+    dtype = task.input_dtype
     memo = (OmegaConf.to_yaml(node, resolve=True), int(num_classes), tuple(shape), str(dtype))
     if memo in _CHECKED_OUTPUTS:
         return
@@ -317,12 +320,9 @@ def check_output(node: Any, num_classes: int, shape: tuple[int, ...], task: Any 
         raise ConfigError(_output_key(node), f"{label} fails on a batch of shape {batch} ({what}"
                           f"): {type(exc).__name__}: {exc}") from None
     got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-    fits = task.output_fits(got, batch, num_classes) if task is not None \
-        else got == (2, num_classes)
-    if not fits:
-        what = "tokens" if task is not None and not dtype.is_floating_point else "classes"
+    if not task.output_fits(got, batch, num_classes):
+        what = "classes" if dtype.is_floating_point else "tokens"
         raise ConfigError(_output_key(node), f"{label} outputs {got} for a batch of shape "
                           f"{batch}, but the data has {num_classes} {what}",
-                          task.output_description(num_classes) if task is not None else
-                          f"a model whose output is (batch, {num_classes}): logits, one per class")
+                          task.output_description(num_classes))
     _CHECKED_OUTPUTS.add(memo)

@@ -46,16 +46,13 @@ class Task:
     def input_shape(self, sample_shape: tuple[int, ...]) -> tuple[int, ...]:
         return sample_shape
 
-    def expected_output(self, batch: tuple[int, ...], num_outputs: int) -> tuple[int, ...]:
+    def output_fits(self, got: Any, batch: tuple[int, ...], num_outputs: int) -> bool:
+        """Whether a model's output of shape `got` (a tuple; a type name where the output is no
+        tensor) for a batch of shape `batch` is what this task trains on."""
         raise NotImplementedError
 
     def output_description(self, num_outputs: int) -> str:
         raise NotImplementedError
-
-    def output_fits(self, got: tuple[int, ...], batch: tuple[int, ...], num_outputs: int) -> bool:
-        """Whether a model's output of shape `got` for a batch of shape `batch` is what this task
-        trains on: by default exactly `expected_output`."""
-        return got == self.expected_output(batch, num_outputs)
 
     def loss(self, criterion: torch.nn.Module, output: torch.Tensor,
              target: torch.Tensor) -> torch.Tensor:
@@ -97,8 +94,8 @@ class Classification(Task):
     maximize = True
     input_dtype = torch.float32
 
-    def expected_output(self, batch: tuple[int, ...], num_outputs: int) -> tuple[int, ...]:
-        return (batch[0], num_outputs)
+    def output_fits(self, got, batch, num_outputs):
+        return got == (batch[0], num_outputs)
 
     def output_description(self, num_outputs: int) -> str:
         return f"a model whose output is (batch, {num_outputs}): logits, one per class"
@@ -123,9 +120,6 @@ class LanguageModel(Task):
     objective = m.BEST_VAL_LOSS
     maximize = False
     input_dtype = torch.int64
-
-    def expected_output(self, batch: tuple[int, ...], num_outputs: int) -> tuple[int, ...]:
-        return (*batch, num_outputs)
 
     def output_description(self, num_outputs: int) -> str:
         return (f"a model whose output is (batch, tokens, V) with V >= {num_outputs}: logits "
