@@ -282,15 +282,13 @@ def _output_key(node: Any) -> str:
     return "model.arch" if "arch" in node else "model.name"
 
 
-def check_output(node: Any, num_classes: int, shape: tuple[int, ...], task: Any = None) -> None:
+def check_output(node: Any, num_classes: int, shape: tuple[int, ...], task: Any) -> None:
     """Build the model on the meta device (shapes only: no memory, no data) and run one forward
     of a 2-sample batch of `shape`: its output must be what `task` expects (runner.tasks: a
     classifier's logits (2, num_classes) from float inputs, a language model's logits (2, T,
-    vocabulary) from integer token ids; default: classification). An op without a meta
-    implementation skips the check (the real run finds any problem)."""
-    from runner.tasks import task_for
-
-    task = task if task is not None else task_for(options.CLASSIFICATION)
+    vocabulary) from integer token ids). `task` is passed in (components sit below tasks, so
+    they never import it): anything with `input_dtype`, `output_fits` and `output_description`.
+    An op without a meta implementation skips the check (the real run finds any problem)."""
     dtype = task.input_dtype
     memo = (OmegaConf.to_yaml(node, resolve=True), int(num_classes), tuple(shape), str(dtype))
     if memo in _CHECKED_OUTPUTS:
