@@ -376,6 +376,47 @@ def test_compiled_training_matches_eager(tmp_path, level, tolerance):
     assert set(state) == set(last_checkpoint(tmp_path, "eager")["model"])
 
 
+def first_step_loss(*overrides: str) -> float:
+    """The loss of the runner's first training step (`Trainer.train_step` on the objects a run
+    builds) for a GPT wide enough that inductor's fused casts show (width 256), on one batch."""
+    from runner.run.trainer import RunContext
+
+    cfg = compose_config("model=gpt_tiny", "model.n_embd=256", "data=synthetic_text",
+                         "data.block_size=32", "data.num_train=65", "data.num_val=65",
+                         "trainer.batch_size=2", "trainer.num_workers=0",
+                         "trainer.progress_bar=false", "trainer.device=cpu", *overrides)
+    plan = make_plan(cfg)
+    parts = app.build(plan)
+    trainer = parts.trainer(cfg.trainer, plan.device, RunContext(on_metrics=lambda *_: None))
+    x, y = next(iter(parts.train_loader))
+    return float(trainer.train_step(*trainer._to_device(x, y)))
+
+
+def test_a_compiled_rowwise_fp8_model_computes_what_the_eager_one_does():
+    """With the rowwise recipe a compiled model keeps eager's bf16 round trips between fused ops
+    (inductor's `emulate_precision_casts`, as torchtitan sets for it; pytorch#150859): the first
+    step's loss, before any update, is eager's to 1e-6 (without the setting it is off by ~3e-4
+    at this width), and the setting is the model's own, not the process's."""
+    import torch._inductor.config as inductor
+
+    from runner.run.build import compile_arguments
+
+    rowwise = ("precision=o1_fp8", "precision.fp8_linear=rowwise")
+    eager = first_step_loss(*rowwise)
+    compiled = first_step_loss(*rowwise, "trainer.compile=true")
+    assert compiled == pytest.approx(eager, rel=1e-6, abs=0)
+    assert inductor.emulate_precision_casts is False  # the next job of a sweep is unchanged
+
+    from runner.precision.fp8 import Conversion
+
+    rowwise_layers = Conversion("rowwise", emulated=True, converted=["blocks.0.mlp.fc"])
+    assert compile_arguments("max-autotune", rowwise_layers)["options"] | {
+        "max_autotune": True, "emulate_precision_casts": True} \
+        == compile_arguments("max-autotune", rowwise_layers)["options"]  # the mode is kept
+    tensorwise = Conversion("tensorwise", emulated=True, converted=["blocks.0.mlp.fc"])
+    assert compile_arguments("default", tensorwise) == {"mode": "default"}  # as torchtitan
+
+
 @pytest.mark.slow
 def test_a_compiled_run_resumes_bit_for_bit(tmp_path):
     straight_and_resumed(tmp_path, "precision=o2_bf16", "trainer.compile=true", "scheduler=step",

@@ -37,6 +37,15 @@ class Conversion:
     planned_out: list[tuple[str, str]] = field(default_factory=list)
     origins: dict[int, str] = field(default_factory=dict)  # size -> the config key it comes from
 
+    def inductor_options(self) -> dict[str, bool]:
+        """The inductor settings a compiled model with these fp8 layers needs: with the rowwise
+        recipe, `emulate_precision_casts` (inductor keeps eager's bf16 round trips between fused
+        ops), as torchtitan sets for it: without it the compiled scaling and casting drift from
+        eager (~1e-3 of the loss at the first step of GPT-2 small), and pytorch#150859 (NaNs from
+        an RMS norm recomputed in the backward with other numerics than its forward)."""
+        return {"emulate_precision_casts": True} \
+            if self.recipe == "rowwise" and self.converted else {}
+
     def findings(self) -> list[Finding]:
         """An info finding naming every Linear layer left out of fp8 (none: no finding), and the
         config key a size comes from where the model names it (`checks.size_origins`)."""

@@ -160,13 +160,26 @@ def build(plan: RunPlan, device: Optional[torch.device] = None, comm: Optional[C
         # a run starts with torch.compile's caches empty: the jobs of a sweep in one process
         # would otherwise fill its per-function recompile limit and run the later ones eager
         torch._dynamo.reset()
-        model.compile(mode=cfg.trainer.compile_mode)
+        model.compile(**compile_arguments(cfg.trainer.compile_mode, engine.fp8))
     steps_per_epoch = limit_batches(len(train_loader), cfg.trainer.limit_train_batches)
     scheduler = build_scheduler(cfg.scheduler, optimizer, steps_per_epoch, cfg.trainer.max_epochs,
                                 plan.specs.get("scheduler"))
     criterion = build_loss(cfg).to(device)
     return Parts(bundle, train_loader, val_loader, model, optimizer, engine, scheduler, memory,
                  findings, criterion, task)
+
+
+def compile_arguments(mode: str, fp8: Any = None) -> dict[str, Any]:
+    """torch.compile's arguments for the model: its `mode`, or, where the fp8 layers need
+    inductor settings of their own (`fp8.inductor_options()`), the mode's settings with those
+    (torch.compile takes a mode or options, not both; options apply to this model's forward and
+    backward graphs only, not to the process, so the next job of a sweep is not changed)."""
+    extra = fp8.inductor_options() if fp8 is not None else {}
+    if not extra:
+        return {"mode": mode}
+    from torch._inductor import list_mode_options
+
+    return {"options": {**list_mode_options(mode), **extra}}
 
 
 def sharded(plan: RunPlan, comm: Comm) -> bool:
