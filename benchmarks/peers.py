@@ -35,8 +35,8 @@ directly: torchtitan's own converter rewrites its model *configs* (its `Linear.C
 `Float8LinearConfig.from_recipe_name("rowwise")` (its `Float8LinearConverter`'s default recipe),
 every Linear layer whose sizes are multiples of 16 converted (its default `filter_fqns` is empty;
 its 405B config adds `lm_head`, our `head`: `--titan-filter head`, by module name here, by a
-part of the name there), inductor's `emulate_precision_casts` on (it sets that for rowwise;
-process-wide, so the runner's compiled graph gets it too), each transformer block compiled
+part of the name there), inductor's `emulate_precision_casts` on (it sets that for rowwise,
+process-wide; here the compiled blocks' option, as the runner gives it its compiled model), each transformer block compiled
 `fullgraph=True` (its `apply_compile`), and on a single GPU without FSDP its training step under
 `torch.autocast(bfloat16)` with fp32 weights; the step itself is overhead.py's hand-written
 autocast loop. Its runner level is o1_fp8
@@ -309,9 +309,10 @@ def titan_float8_model(model, device, skip: Sequence[str] = (), compile: bool = 
 
     convert_to_float8_training(model, config=config, module_filter_fn=module_filter)
     if compile:  # torchtitan's apply_compile
-        torch._inductor.config.emulate_precision_casts = True  # as torchtitan sets for rowwise
+        # inductor's emulate_precision_casts, which torchtitan sets process-wide for rowwise:
+        # given to the compiled blocks here, so that nothing else in the process changes
         for block in blocks:
-            block.compile(fullgraph=True)
+            block.compile(fullgraph=True, options={"emulate_precision_casts": True})
     return converted
 
 

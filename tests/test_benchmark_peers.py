@@ -86,6 +86,9 @@ def test_the_torchtitan_float8_peer_trains_the_same_fp8_layers(tmp_path: Path):
         # emulated fp8 is compiled on neither side unless asked (the GPU's path: both compiled)
         assert ("trainer.compile=true" in overrides) == (name == "compiled")
         assert "32 tokens a sequence" in out.read_text()
+    import torch._inductor.config as inductor
+
+    assert inductor.emulate_precision_casts is False  # the blocks' option, not the process's
 
 
 def test_the_torchtitan_peer_needs_a_language_model(capsys):

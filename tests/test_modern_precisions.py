@@ -402,10 +402,11 @@ def test_a_compiled_rowwise_fp8_model_computes_what_the_eager_one_does():
     from runner.run.build import compile_arguments
 
     rowwise = ("precision=o1_fp8", "precision.fp8_linear=rowwise")
-    eager = first_step_loss(*rowwise)
-    compiled = first_step_loss(*rowwise, "trainer.compile=true")
+    with inductor.patch(emulate_precision_casts=False):  # the process's setting, whatever it was
+        eager = first_step_loss(*rowwise)
+        compiled = first_step_loss(*rowwise, "trainer.compile=true")
+        assert inductor.emulate_precision_casts is False  # the next job of a sweep is unchanged
     assert compiled == pytest.approx(eager, rel=1e-6, abs=0)
-    assert inductor.emulate_precision_casts is False  # the next job of a sweep is unchanged
 
     from runner.precision.fp8 import Conversion
 
