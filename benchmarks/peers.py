@@ -36,11 +36,11 @@ directly: torchtitan's own converter rewrites its model *configs* (its `Linear.C
 every Linear layer whose sizes are multiples of 16 converted (its default `filter_fqns` is empty;
 its 405B config adds `lm_head`, our `head`: `--titan-filter head`, by module name here, by a
 part of the name there), inductor's `emulate_precision_casts` on (it sets that for rowwise,
-process-wide; here the compiled blocks' option, as the runner gives it its compiled model), each transformer block compiled
-`fullgraph=True` (its `apply_compile`), and on a single GPU without FSDP its training step under
-`torch.autocast(bfloat16)` with fp32 weights; the step itself is overhead.py's hand-written
-autocast loop. Its runner level is o1_fp8
-with `precision.fp8_linear=rowwise` and `trainer.compile=true`. On a CPU (fp8 emulated, which
+process-wide; here the compiled blocks' option, as the runner gives it to its compiled model),
+each transformer block compiled `fullgraph=True` (its `apply_compile`), and on a single GPU
+without FSDP its training step under `torch.autocast(bfloat16)` with fp32 weights; the step
+itself is overhead.py's hand-written autocast loop. Its runner level is o1_fp8 with
+`precision.fp8_linear=rowwise` and `trainer.compile=true`. On a CPU (fp8 emulated, which
 torchtitan does not compile) neither side is compiled unless `--titan-compile` says so: a check
 that both train the same thing (and, compiled, that the GPU's code path runs).
 
