@@ -9,7 +9,6 @@ carry the inf to every rank by itself): this checks the engine's own flag reduct
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from torch import nn
 
 from runner.run import distributed
 from runner.precision import AmpEngine, resolve
+from torchrun_probe import finish  # beside this script (sys.path[0])
 
 
 def main(out: Path, kernels: str) -> None:
@@ -51,9 +51,4 @@ def main(out: Path, kernels: str) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), sys.argv[2])
-    # The record is written and the process group left: end here, past C++'s static destructors,
-    # where torch 2.14's Gloo aborted ~5% of these exits after FSDP2 ("terminate called without
-    # an active exception", no Python frame left), failing a probe whose work was done
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    finish()

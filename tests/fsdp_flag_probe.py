@@ -7,7 +7,6 @@ every rank must skip that step and back off alike, so the fp32 shards stay consi
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from torch import nn
 
 from runner.precision import AmpEngine, resolve
 from runner.run import distributed, fsdp
+from torchrun_probe import finish  # beside this script (sys.path[0])
 
 
 def main(out: Path) -> None:
@@ -51,9 +51,4 @@ def main(out: Path) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
-    # The record is written and the process group left: end here, past C++'s static destructors,
-    # where torch 2.14's Gloo aborted ~5% of these exits after FSDP2 ("terminate called without
-    # an active exception", no Python frame left), failing a probe whose work was done
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    finish()

@@ -8,7 +8,6 @@ whole tensor. Rows 13 over 2 ranks: uneven shards (7 and 6 rows).
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from runner.precision.rounding import stochastic_round
 from runner.run import distributed
+from torchrun_probe import finish  # beside this script (sys.path[0])
 
 
 def main(out: Path) -> None:
@@ -44,9 +44,4 @@ def main(out: Path) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
-    # The record is written and the process group left: end here, past C++'s static destructors,
-    # where torch 2.14's Gloo aborted ~5% of these exits after FSDP2 ("terminate called without
-    # an active exception", no Python frame left), failing a probe whose work was done
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    finish()
