@@ -28,7 +28,8 @@ Optimizer-state rows (`--suite state`, or any level written `<preset>+<format>st
 its own state (`o2_bf16_int8state` against `o2_bf16`): bf16 and int8 state within 0.2 point, the
 measured optimizer-state memory (`mem_optimizer_state_mb`) at most 0.3x (int8) and 0.2x (int4) of
 fp32 state (the reference's measured state scaled to 4 bytes an element: `o3_bf16_sr` keeps its
-state in bf16, half of that); int4 and fp8 accuracy is reported. The suite runs on `vit_tiny` (most of a
+state in bf16, half of that); int4 and fp8 accuracy is reported. The suite runs on `vit_tiny` (most
+of a
 transformer's elements are in tensors torchao quantises; the tiny CNN's are mostly under 4096
 elements and keep fp32 state) with AdamW (torchao's low-bit optimizers are Adam and AdamW).
 
@@ -38,6 +39,7 @@ Exit status: 0 when every run finished, whatever the verdict (a benchmark, not a
 run crashed (an exception other than the runner's divergence stop, which is an outcome); 2 for
 bad arguments.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,17 +50,36 @@ import sys
 import time
 import traceback
 import uuid
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
-from common import (REPO, add_run_options, compose, crash_status, csv_list,  # noqa: E402
-                    describe_level, fresh_compile_cache, model_label, model_overrides,
-                    parse_level, parse_seeds, prepare_store, resolve_device, run_overrides,
-                    run_report_fields, run_setup_lines, state_reference, store_uri,
-                    STATE_CHECKED, STATE_MEMORY_TARGETS, compare_state,
-                    unfinished_lines, write_results)
+from common import (  # noqa: E402
+    REPO,
+    STATE_CHECKED,
+    STATE_MEMORY_TARGETS,
+    add_run_options,
+    compare_state,
+    compose,
+    crash_status,
+    csv_list,
+    describe_level,
+    fresh_compile_cache,
+    model_label,
+    model_overrides,
+    parse_level,
+    parse_seeds,
+    prepare_store,
+    resolve_device,
+    run_overrides,
+    run_report_fields,
+    run_setup_lines,
+    state_reference,
+    store_uri,
+    unfinished_lines,
+    write_results,
+)
 
 EXPERIMENT = "accuracy-parity"
 TARGET_POINTS = 1.0  # a checked level's mean must be within this many points of O0's mean
@@ -66,10 +87,31 @@ BASELINE = "o0"
 # stochastic rounding's own check: o3_bf16_sr (bf16 weights, no masters) against o2_bf16 (the same
 # bf16 model with fp32 master weights)
 SR_LEVEL, SR_REFERENCE, SR_TARGET_POINTS = "o3_bf16_sr", "o2_bf16", 0.3
-CPU_LEVELS = ["o0", "o1_bf16", "o2_bf16", "o3_bf16", "o3_bf16_sr", "o1_fp8",
-              "o0+compile", "o2_bf16+compile"]
-CUDA_LEVELS = ["o0", "o1", "o2", "o3", "o1_bf16", "o2_bf16", "o3_bf16", "o3_bf16_sr", "o1_fp8",
-               "o2_fp8", "o0+compile", "o2_bf16+compile", "o1_fp8+compile"]
+CPU_LEVELS = [
+    "o0",
+    "o1_bf16",
+    "o2_bf16",
+    "o3_bf16",
+    "o3_bf16_sr",
+    "o1_fp8",
+    "o0+compile",
+    "o2_bf16+compile",
+]
+CUDA_LEVELS = [
+    "o0",
+    "o1",
+    "o2",
+    "o3",
+    "o1_bf16",
+    "o2_bf16",
+    "o3_bf16",
+    "o3_bf16_sr",
+    "o1_fp8",
+    "o2_fp8",
+    "o0+compile",
+    "o2_bf16+compile",
+    "o1_fp8+compile",
+]
 # Optimizer-state rows (`<preset>+<format>state`, and the presets with int8 state): each is checked
 # against the same level with its own state (`o2_bf16+int8state` and `o2_bf16_int8state` against
 # `o2_bf16`): bf16 and int8 state within 0.2 point, and the state's memory (the runs'
@@ -79,11 +121,23 @@ STATE_TARGET_POINTS = 0.2
 # `--suite state`: the optimizer-state rows on a transformer (most of its elements in tensors that
 # torchao quantises: the tiny CNN's are mostly under 4096 elements) with AdamW (torchao's low-bit
 # optimizers are Adam and AdamW)
-STATE_LEVELS = ["o2_bf16", "o2_bf16+bf16state", "o2_bf16_int8state", "o2_bf16+int4state",
-                "o2_bf16+fp8state", "o3_bf16_sr", "o3_bf16_sr_int8state"]
+STATE_LEVELS = [
+    "o2_bf16",
+    "o2_bf16+bf16state",
+    "o2_bf16_int8state",
+    "o2_bf16+int4state",
+    "o2_bf16+fp8state",
+    "o3_bf16_sr",
+    "o3_bf16_sr_int8state",
+]
 STATE_MODEL = "vit_tiny"
-STATE_TASK = ["model.patch_size=4", "optimizer=adamw", "optimizer.lr=1e-3",
-              "optimizer.weight_decay=0.05", "trainer.batch_size=256"]
+STATE_TASK = [
+    "model.patch_size=4",
+    "optimizer=adamw",
+    "optimizer.lr=1e-3",
+    "optimizer.weight_decay=0.05",
+    "trainer.batch_size=256",
+]
 STATE_EPOCHS = 4
 DEFAULT_SEEDS = [0, 1, 2]
 DEFAULT_EPOCHS = 10
@@ -176,28 +230,51 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         description="Accuracy parity of the precision levels against O0 (fp32): real training "
         "runs over several seeds; writes a Markdown table, a CSV and a JSON.",
     )
-    parser.add_argument("--levels", type=csv_list, default=None,
-                        help="comma-separated precision presets, each optionally with +compile "
-                        "(trainer.compile=true) (default: on CPU "
-                        f"{','.join(CPU_LEVELS)}; on CUDA {','.join(CUDA_LEVELS)}); o0, the "
-                        "baseline, is added when missing")
-    parser.add_argument("--seeds", type=csv_list, default=None,
-                        help="comma-separated trainer.seed values (default 0,1,2); the dataset "
-                        "(data.seed) stays fixed")
+    parser.add_argument(
+        "--levels",
+        type=csv_list,
+        default=None,
+        help="comma-separated precision presets, each optionally with +compile "
+        "(trainer.compile=true) (default: on CPU "
+        f"{','.join(CPU_LEVELS)}; on CUDA {','.join(CUDA_LEVELS)}); o0, the "
+        "baseline, is added when missing",
+    )
+    parser.add_argument(
+        "--seeds",
+        type=csv_list,
+        default=None,
+        help="comma-separated trainer.seed values (default 0,1,2); the dataset "
+        "(data.seed) stays fixed",
+    )
     parser.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
-    parser.add_argument("--epochs", type=int, default=None,
-                        help=f"trainer.max_epochs (default {DEFAULT_EPOCHS}; "
-                        f"{STATE_EPOCHS} with --suite state)")
-    parser.add_argument("--model", default=None,
-                        help="model config option, or <zoo>:<arch> for model=<zoo> "
-                        "model.arch=<arch> (default tiny; vit_tiny with --suite state)")
-    parser.add_argument("--suite", choices=["levels", "state"], default="levels",
-                        help="levels (default): the precision levels against O0 on the tiny "
-                        "CNN with SGD; state: the optimizer-state rows ("
-                        f"{','.join(STATE_LEVELS)}) on {STATE_MODEL} with AdamW, "
-                        f"{STATE_EPOCHS} epochs unless --epochs says otherwise")
-    add_run_options(parser, EXPERIMENT, "accuracy", extra_help="more Hydra overrides, applied "
-                    "after the benchmark's own, e.g. --extra data.num_train=64 data.num_val=64")
+    parser.add_argument(
+        "--epochs",
+        type=int,
+        default=None,
+        help=f"trainer.max_epochs (default {DEFAULT_EPOCHS}; {STATE_EPOCHS} with --suite state)",
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="model config option, or <zoo>:<arch> for model=<zoo> "
+        "model.arch=<arch> (default tiny; vit_tiny with --suite state)",
+    )
+    parser.add_argument(
+        "--suite",
+        choices=["levels", "state"],
+        default="levels",
+        help="levels (default): the precision levels against O0 on the tiny "
+        "CNN with SGD; state: the optimizer-state rows ("
+        f"{','.join(STATE_LEVELS)}) on {STATE_MODEL} with AdamW, "
+        f"{STATE_EPOCHS} epochs unless --epochs says otherwise",
+    )
+    add_run_options(
+        parser,
+        EXPERIMENT,
+        "accuracy",
+        extra_help="more Hydra overrides, applied "
+        "after the benchmark's own, e.g. --extra data.num_train=64 data.num_val=64",
+    )
     args = parser.parse_args(argv)
 
     state_suite = args.suite == "state"
@@ -214,8 +291,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     from runner.run.plan import preset_options
 
     known = preset_options()
-    levels = args.levels or (STATE_LEVELS if state_suite else
-                             CUDA_LEVELS if args.device == "cuda" else CPU_LEVELS)
+    levels = args.levels or (
+        STATE_LEVELS if state_suite else CUDA_LEVELS if args.device == "cuda" else CPU_LEVELS
+    )
     try:
         levels = [parse_level(lvl, known).name for lvl in levels]
     except ValueError as error:
@@ -251,8 +329,9 @@ class StoredRun:
     histories: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # (step, value)
 
 
-def read_run(tracking_uri: str, experiment: str, key: str,
-             histories: Sequence[str] = ()) -> StoredRun:
+def read_run(
+    tracking_uri: str, experiment: str, key: str, histories: Sequence[str] = ()
+) -> StoredRun:
     """The run tagged `benchmark_key=<key>`: its latest metric values, its params, and the whole
     history of each metric named in `histories`, by step. An empty StoredRun when there is none."""
     from mlflow.tracking import MlflowClient
@@ -287,14 +366,21 @@ def state_of(level: str) -> tuple[str | None, str | None]:
 
 
 def run_one(args, level: str, seed: int, session: str) -> RunResult:
-    from runner.run.app import run
     from runner.errors import DivergenceError
+    from runner.run.app import run
     from runner.run.plan import preset_options
 
     spec = parse_level(level, preset_options())
     key = f"{session}/{level}/s{seed}"
-    overrides = run_overrides(task_overrides(args), spec.overrides(), seed, args,
-                              run_name(model_label(args.model), level, seed), EXPERIMENT, key)
+    overrides = run_overrides(
+        task_overrides(args),
+        spec.overrides(),
+        seed,
+        args,
+        run_name(model_label(args.model), level, seed),
+        EXPERIMENT,
+        key,
+    )
     result = RunResult(level=level, seed=seed, compiled=spec.compile)
     if spec.compile:  # compiled from scratch: no code of an earlier run reused in memory
         import torch
@@ -357,8 +443,11 @@ def summarise(results: list[RunResult], levels: list[str], seeds: list[int]) -> 
             fp8=first.fp8,
             sr_checked=level == SR_LEVEL,
             accs={r.seed: r.best_val_acc if r.status == "finished" else None for r in mine},
-            compile_times_s=[r.compile_time_s for r in sorted(mine, key=lambda r: r.seed)
-                             if r.compile_time_s is not None],
+            compile_times_s=[
+                r.compile_time_s
+                for r in sorted(mine, key=lambda r: r.seed)
+                if r.compile_time_s is not None
+            ],
             fp8_layers=[r.fp8_layers for r in mine if r.fp8_layers is not None],
             statuses=[r.status for r in mine],
         )
@@ -388,19 +477,26 @@ def summarise(results: list[RunResult], levels: list[str], seeds: list[int]) -> 
                 row.vs_state_points = 100.0 * (row.mean - ref.mean)
             compare_state(row, ref)
             if row.state_format in STATE_CHECKED:
-                row.within_state_target = (row.vs_state_points is not None
-                                           and abs(row.vs_state_points) <= STATE_TARGET_POINTS)
+                row.within_state_target = (
+                    row.vs_state_points is not None
+                    and abs(row.vs_state_points) <= STATE_TARGET_POINTS
+                )
             if row.state_format in STATE_MEMORY_TARGETS:
                 row.within_memory_target = (
                     row.state_memory_ratio is not None
-                    and row.state_memory_ratio <= STATE_MEMORY_TARGETS[row.state_format])
+                    and row.state_memory_ratio <= STATE_MEMORY_TARGETS[row.state_format]
+                )
         if row.checked:
-            row.within_target = row.diff_points is not None and abs(row.diff_points) <= TARGET_POINTS
+            row.within_target = (
+                row.diff_points is not None and abs(row.diff_points) <= TARGET_POINTS
+            )
         if row.sr_checked and reference is not None:
             if reference.mean is not None and row.mean is not None:
                 row.vs_reference_points = 100.0 * (row.mean - reference.mean)
-            row.within_sr_target = (row.vs_reference_points is not None
-                                    and abs(row.vs_reference_points) <= SR_TARGET_POINTS)
+            row.within_sr_target = (
+                row.vs_reference_points is not None
+                and abs(row.vs_reference_points) <= SR_TARGET_POINTS
+            )
     return rows
 
 
@@ -422,30 +518,40 @@ def verdict(rows: list[LevelSummary]) -> str:
     if not checked:
         parts.append("no checked level was run")
     elif missed:
-        parts.append(f"MISS: {', '.join(fmt(r) for r in missed)} point(s) from O0 "
-                     f"(target: within {TARGET_POINTS:g}); within: "
-                     f"{', '.join(fmt(r) for r in checked if r.within_target) or 'none'}")
+        parts.append(
+            f"MISS: {', '.join(fmt(r) for r in missed)} point(s) from O0 "
+            f"(target: within {TARGET_POINTS:g}); within: "
+            f"{', '.join(fmt(r) for r in checked if r.within_target) or 'none'}"
+        )
     else:
-        parts.append(f"PASS: every checked level is within {TARGET_POINTS:g} point of O0's "
-                     f"{100 * base.mean:.2f}% ({', '.join(fmt(r) for r in checked)} points)")
+        parts.append(
+            f"PASS: every checked level is within {TARGET_POINTS:g} point of O0's "
+            f"{100 * base.mean:.2f}% ({', '.join(fmt(r) for r in checked)} points)"
+        )
     if sr is not None:
         if not any(r.level == SR_REFERENCE for r in rows):
-            parts.append(f"{SR_LEVEL} against {SR_REFERENCE}: NOT JUDGED ({SR_REFERENCE} was "
-                         "not run)")
+            parts.append(
+                f"{SR_LEVEL} against {SR_REFERENCE}: NOT JUDGED ({SR_REFERENCE} was not run)"
+            )
         elif sr.vs_reference_points is None:
             parts.append(f"{SR_LEVEL} against {SR_REFERENCE}: NOT JUDGED (a run did not finish)")
         else:
-            parts.append(f"{SR_LEVEL} against {SR_REFERENCE}: "
-                         f"{'PASS' if sr.within_sr_target else 'MISS'}, "
-                         f"{sr.vs_reference_points:+.2f} point(s) "
-                         f"(target: within {SR_TARGET_POINTS:g})")
+            parts.append(
+                f"{SR_LEVEL} against {SR_REFERENCE}: "
+                f"{'PASS' if sr.within_sr_target else 'MISS'}, "
+                f"{sr.vs_reference_points:+.2f} point(s) "
+                f"(target: within {SR_TARGET_POINTS:g})"
+            )
     states = [r for r in rows if r.state_reference]
     if states:
-        parts.append("optimizer state against its level's own: "
-                     + ", ".join(_state_verdict(r, rows) for r in states))
+        parts.append(
+            "optimizer state against its level's own: "
+            + ", ".join(_state_verdict(r, rows) for r in states)
+        )
     if o3:
-        parts.append(f"O3 against O0 (reported, not checked): {', '.join(fmt(r) for r in o3)} "
-                     "points")
+        parts.append(
+            f"O3 against O0 (reported, not checked): {', '.join(fmt(r) for r in o3)} points"
+        )
     return "Verdict: " + "; ".join(parts) + "."
 
 
@@ -468,16 +574,19 @@ def _state_check(r: LevelSummary) -> str:
     elif r.within_state_target is None:
         text = f"vs `{r.state_reference}`: reported ({r.vs_state_points:+.2f})"
     else:
-        text = (f"vs `{r.state_reference}` within {STATE_TARGET_POINTS:g}: "
-                f"{'yes' if r.within_state_target else '**no**'} ({r.vs_state_points:+.2f})")
+        text = (
+            f"vs `{r.state_reference}` within {STATE_TARGET_POINTS:g}: "
+            f"{'yes' if r.within_state_target else '**no**'} ({r.vs_state_points:+.2f})"
+        )
     if r.state_memory_ratio is not None:
         text += f"; state {r.state_memory_ratio:.2f}x of fp32"
         if r.within_memory_target is not None:
             target = STATE_MEMORY_TARGETS[r.state_format]
             text += f" (<= {target:g}: {'yes' if r.within_memory_target else '**no**'})"
         if r.reference_state_type not in (None, "float32"):
-            text += (f", {r.state_vs_reference:.2f}x of `{r.state_reference}`'s "
-                     f"{r.reference_state_type}")
+            text += (
+                f", {r.state_vs_reference:.2f}x of `{r.state_reference}`'s {r.reference_state_type}"
+            )
     return text
 
 
@@ -490,20 +599,27 @@ def notes(report: dict, rows: list[LevelSummary]) -> list[str]:
     row whose model has no layer fp8 can convert."""
     lines = []
     if any(r.fp8 for r in rows):
-        text = ("fp8 layers: the runs' `precision.fp8_layers` param, the number of Linear "
-                "layers that ran their GEMMs in fp8 (torchao converts only Linear layers whose "
-                "sizes are multiples of 16; each run's `fp8_layers.txt` artifact lists every "
-                "layer and why it stayed). On a CPU fp8 is emulated: its numerics, not its "
-                "speed.")
+        text = (
+            "fp8 layers: the runs' `precision.fp8_layers` param, the number of Linear "
+            "layers that ran their GEMMs in fp8 (torchao converts only Linear layers whose "
+            "sizes are multiples of 16; each run's `fp8_layers.txt` artifact lists every "
+            "layer and why it stayed). On a CPU fp8 is emulated: its numerics, not its "
+            "speed."
+        )
         empty = [r.level for r in rows if r.fp8 and r.fp8_layers and not any(r.fp8_layers)]
         if empty:
             names = ", ".join(f"`{lvl}`" for lvl in empty)
-            why = (" The tiny CNN's only Linear layer has 10 outputs, not a multiple of 16."
-                   if report.get("model") == "tiny" else "")
-            text += (f" **{names} converted no layer to fp8 on `{report.get('model')}`**:{why} "
-                     "Such a row is its bf16 level (O1's bf16 autocast, or O2's bf16 model with "
-                     "fp32 masters) with fp8 switched on and nothing to apply it to; it says "
-                     "nothing about fp8's accuracy.")
+            why = (
+                " The tiny CNN's only Linear layer has 10 outputs, not a multiple of 16."
+                if report.get("model") == "tiny"
+                else ""
+            )
+            text += (
+                f" **{names} converted no layer to fp8 on `{report.get('model')}`**:{why} "
+                "Such a row is its bf16 level (O1's bf16 autocast, or O2's bf16 model with "
+                "fp32 masters) with fp8 switched on and nothing to apply it to; it says "
+                "nothing about fp8's accuracy."
+            )
         lines += [text, ""]
     if any(r.compiled for r in rows):
         lines += [
@@ -536,16 +652,20 @@ def render_markdown(report: dict, rows: list[LevelSummary]) -> str:
         f"stochastic rounding) passes when its mean is within {SR_TARGET_POINTS:g} point of "
         f"`{SR_REFERENCE}`'s (the same bf16 model with fp32 master weights). `<preset>+compile` "
         "is the preset with `trainer.compile=true`."
-        + (f" An optimizer-state row (`<preset>+<format>state`: `precision.optimizer_state`, "
-           "or a preset with int8 state) is checked against the same level with its own state: "
-           f"bf16 and int8 state within {STATE_TARGET_POINTS:g} point, the state's memory "
-           "(`mem_optimizer_state_mb`) at most "
-           + ", ".join(f"{v:g}x for {k}" for k, v in STATE_MEMORY_TARGETS.items())
-           + " of fp32 state (the reference's state scaled to 4 bytes an element); int4 and fp8 "
-           "accuracy is reported."
-           if any(r.state_reference for r in rows) else ""),
+        + (
+            f" An optimizer-state row (`<preset>+<format>state`: `precision.optimizer_state`, "
+            "or a preset with int8 state) is checked against the same level with its own state: "
+            f"bf16 and int8 state within {STATE_TARGET_POINTS:g} point, the state's memory "
+            "(`mem_optimizer_state_mb`) at most "
+            + ", ".join(f"{v:g}x for {k}" for k, v in STATE_MEMORY_TARGETS.items())
+            + " of fp32 state (the reference's state scaled to 4 bytes an element); int4 and fp8 "
+            "accuracy is reported."
+            if any(r.state_reference for r in rows)
+            else ""
+        ),
         "",
-        "| level | preset | dtype | " + " | ".join(f"seed {s}" for s in seeds)
+        "| level | preset | dtype | "
+        + " | ".join(f"seed {s}" for s in seeds)
         + " | mean ± std | Δ vs O0 (points) | check | skipped steps | fp8 layers | compile (s) "
         "| epochs (s) | train_time_s (s) |",
         "|---|---|---|" + "---:|" * len(seeds) + "---:|---:|---|---:|---:|---:|---:|---:|",
@@ -555,8 +675,10 @@ def render_markdown(report: dict, rows: list[LevelSummary]) -> str:
         for s in seeds:
             value = r.accs.get(s)
             if value is None:
-                status = next((x.status for x in report["_results"] if x.level == r.level
-                               and x.seed == s), "missing")
+                status = next(
+                    (x.status for x in report["_results"] if x.level == r.level and x.seed == s),
+                    "missing",
+                )
                 accs.append(status)
             else:
                 accs.append(_pct(value))
@@ -567,24 +689,38 @@ def render_markdown(report: dict, rows: list[LevelSummary]) -> str:
         elif r.state_reference:
             within = _state_check(r)
         elif r.sr_checked:
-            within = (f"vs `{SR_REFERENCE}` within {SR_TARGET_POINTS:g}: " + (
-                "not judged" if r.vs_reference_points is None else
-                f"{'yes' if r.within_sr_target else '**no**'} ({r.vs_reference_points:+.2f})"))
+            within = f"vs `{SR_REFERENCE}` within {SR_TARGET_POINTS:g}: " + (
+                "not judged"
+                if r.vs_reference_points is None
+                else f"{'yes' if r.within_sr_target else '**no**'} ({r.vs_reference_points:+.2f})"
+            )
         elif not r.checked:  # O3: reported whatever it is
-            within = "not checked" + ("" if r.diff_points is None else
-                                      f" ({'yes' if abs(r.diff_points) <= TARGET_POINTS else 'no'})")
+            within = "not checked" + (
+                ""
+                if r.diff_points is None
+                else f" ({'yes' if abs(r.diff_points) <= TARGET_POINTS else 'no'})"
+            )
         else:
             within = f"within {TARGET_POINTS:g}: " + ("yes" if r.within_target else "**no**")
         skipped = "-" if r.skipped_steps is None else f"{r.skipped_steps:g}"
-        fp8 = "-" if not r.fp8 else ("?" if not r.fp8_layers else
-                                     " / ".join(str(n) for n in dict.fromkeys(r.fp8_layers)))
-        compiled = "-" if not r.compiled else (" / ".join(f"{t:.1f}" for t in r.compile_times_s)
-                                               or "?")
+        fp8 = (
+            "-"
+            if not r.fp8
+            else (
+                "?" if not r.fp8_layers else " / ".join(str(n) for n in dict.fromkeys(r.fp8_layers))
+            )
+        )
+        compiled = (
+            "-" if not r.compiled else (" / ".join(f"{t:.1f}" for t in r.compile_times_s) or "?")
+        )
         epochs = "-" if r.mean_epochs_time_s is None else f"{r.mean_epochs_time_s:.1f}"
         ttime = "-" if r.mean_train_time_s is None else f"{r.mean_train_time_s:.1f}"
-        lines.append(f"| {r.opt_level or '?'} | `{r.level}` | {r.dtype or '?'} | "
-                     + " | ".join(accs) + f" | {mean} | {diff} | {within} | {skipped} | {fp8} | "
-                     f"{compiled} | {epochs} | {ttime} |")
+        lines.append(
+            f"| {r.opt_level or '?'} | `{r.level}` | {r.dtype or '?'} | "
+            + " | ".join(accs)
+            + f" | {mean} | {diff} | {within} | {skipped} | {fp8} | "
+            f"{compiled} | {epochs} | {ttime} |"
+        )
     lines += ["", verdict(rows), ""]
     lines += notes(report, rows)
     if base is not None and base.mean is not None and n_val:
@@ -614,31 +750,53 @@ def render_markdown(report: dict, rows: list[LevelSummary]) -> str:
 
 
 def write_outputs(out: Path, report: dict, rows: list[LevelSummary]) -> list[Path]:
-    fields = ["level", "opt_level", "dtype", "seed", "status", "best_val_acc", "train_time_s",
-              "epochs_time_s", "compile_time_s", "fp8_layers", "skipped_steps",
-              "optimizer_state", "state_mb", "wall_s", "run_id", "error"]
+    fields = [
+        "level",
+        "opt_level",
+        "dtype",
+        "seed",
+        "status",
+        "best_val_acc",
+        "train_time_s",
+        "epochs_time_s",
+        "compile_time_s",
+        "fp8_layers",
+        "skipped_steps",
+        "optimizer_state",
+        "state_mb",
+        "wall_s",
+        "run_id",
+        "error",
+    ]
     payload = {k: v for k, v in report.items() if not k.startswith("_")}
     payload["summary"] = [asdict(r) for r in rows]
     payload["verdict"] = verdict(rows)
-    return write_results(out, render_markdown(report, rows),
-                         [asdict(r) for r in report["_results"]], fields, payload)
+    return write_results(
+        out, render_markdown(report, rows), [asdict(r) for r in report["_results"]], fields, payload
+    )
 
 
 # ---- entry point --------------------------------------------------------------------------------
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
     args.tracking_uri = store_uri(args.tracking_uri, "accuracy-parity-")
     prepare_store(args.tracking_uri, args.experiment)
 
-    compile_cache = fresh_compile_cache() if any(
-        lvl.endswith("+compile") for lvl in args.levels) else None
+    compile_cache = (
+        fresh_compile_cache() if any(lvl.endswith("+compile") for lvl in args.levels) else None
+    )
     session = uuid.uuid4().hex[:12]
     total = len(args.levels) * len(args.seeds)
-    print(f"Accuracy parity: {len(args.levels)} levels x {len(args.seeds)} seeds on "
-          f"{args.device}, {args.epochs} epochs; MLflow store {args.tracking_uri}", flush=True)
+    print(
+        f"Accuracy parity: {len(args.levels)} levels x {len(args.seeds)} seeds on "
+        f"{args.device}, {args.epochs} epochs; MLflow store {args.tracking_uri}",
+        flush=True,
+    )
     composed = compose(task_overrides(args))
     report = {
         "benchmark": EXPERIMENT,
@@ -649,8 +807,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "epochs": args.epochs,
         "num_val": int(composed.data.get("num_val", 0) or 0),
         "target_points": TARGET_POINTS,
-        "sr_check": {"level": SR_LEVEL, "reference": SR_REFERENCE,
-                     "target_points": SR_TARGET_POINTS},
+        "sr_check": {
+            "level": SR_LEVEL,
+            "reference": SR_REFERENCE,
+            "target_points": SR_TARGET_POINTS,
+        },
         "compile_cache": compile_cache,
         "overrides": task_overrides(args),
         **run_report_fields("accuracy.py", argv, args),
@@ -663,15 +824,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             result = run_one(args, level, seed, session)
             results.append(result)
             acc = "-" if result.best_val_acc is None else f"{100 * result.best_val_acc:.2f}%"
-            extra = "" if result.compile_time_s is None else \
-                f", compiled in {result.compile_time_s:.1f} s"
-            print(f"{result.status}: best val acc {acc}, skipped {result.skipped_steps}"
-                  f"{extra}, {result.wall_s:.0f} s", flush=True)
+            extra = (
+                ""
+                if result.compile_time_s is None
+                else f", compiled in {result.compile_time_s:.1f} s"
+            )
+            print(
+                f"{result.status}: best val acc {acc}, skipped {result.skipped_steps}"
+                f"{extra}, {result.wall_s:.0f} s",
+                flush=True,
+            )
             # the results so far after every run: a command stopped at a time limit keeps them
             report["runs"] = [asdict(r) for r in results]
             report["total_wall_s"] = time.perf_counter() - started
-            paths = write_outputs(args.out, report,
-                                  summarise(results, args.levels, args.seeds))
+            paths = write_outputs(args.out, report, summarise(results, args.levels, args.seeds))
     rows = summarise(results, args.levels, args.seeds)
     paths = write_outputs(args.out, report, rows)
     print()

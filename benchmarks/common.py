@@ -2,6 +2,7 @@
 versions, the exact command, the date, the load average), so that a committed result can be
 reproduced and compared like with like; and the runner's own objects built from a composed config
 (`build_runner`), so that the timing benchmarks step exactly what a run steps."""
+
 from __future__ import annotations
 
 import csv
@@ -12,9 +13,10 @@ import platform
 import shlex
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # `python benchmarks/<name>.py` from a checkout
@@ -44,8 +46,9 @@ def machine(device: str) -> dict[str, str]:
 
 def command(script: str, argv: Sequence[str]) -> str:
     """The command line that reproduces this run."""
-    return f"python benchmarks/{script} " + shlex.join(argv) if argv else \
-        f"python benchmarks/{script}"
+    return (
+        f"python benchmarks/{script} " + shlex.join(argv) if argv else f"python benchmarks/{script}"
+    )
 
 
 def now() -> str:
@@ -54,10 +57,13 @@ def now() -> str:
 
 def add_threads_option(parser) -> None:
     parser.add_argument(
-        "--threads", type=int, default=None,
+        "--threads",
+        type=int,
+        default=None,
         help="torch's CPU threads (default: torch's choice, one per core). On a small shared "
         "machine 1 makes CPU timings far less sensitive to other processes (a parallel op "
-        "waits for its slowest thread), at the cost of speed")
+        "waits for its slowest thread), at the cost of speed",
+    )
 
 
 def apply_threads(parser, args) -> None:
@@ -149,8 +155,12 @@ def unfinished_lines(results: Sequence[Any]) -> list[str]:
     unfinished = [r for r in results if r.status != "finished"]
     if not unfinished:
         return []
-    return ["## Runs that did not finish", "",
-            *(f"- `{r.level}` seed {r.seed}: {r.status}: {r.error}" for r in unfinished), ""]
+    return [
+        "## Runs that did not finish",
+        "",
+        *(f"- `{r.level}` seed {r.seed}: {r.status}: {r.error}" for r in unfinished),
+        "",
+    ]
 
 
 def crash_status(results: Sequence[Any]) -> int:
@@ -158,8 +168,11 @@ def crash_status(results: Sequence[Any]) -> int:
     stderr, where a run's status is "crashed"; 0 otherwise."""
     crashed = [r for r in results if r.status == "crashed"]
     if crashed:
-        print(f"{len(crashed)} run(s) crashed: "
-              + "; ".join(f"{r.level} seed {r.seed}: {r.error}" for r in crashed), file=sys.stderr)
+        print(
+            f"{len(crashed)} run(s) crashed: "
+            + "; ".join(f"{r.level} seed {r.seed}: {r.error}" for r in crashed),
+            file=sys.stderr,
+        )
         return 1
     return 0
 
@@ -205,8 +218,9 @@ def save_figure(fig, path: Path) -> Path:
     return path
 
 
-def write_results(out: Path, markdown: str, rows: Sequence[dict], fields: Sequence[str],
-                  payload: dict) -> list[Path]:
+def write_results(
+    out: Path, markdown: str, rows: Sequence[dict], fields: Sequence[str], payload: dict
+) -> list[Path]:
     """The files every benchmark leaves: `out` (the Markdown table), `out`.csv (one row per
     result, the columns `fields`; other keys of a row are left out) and `out`.json (`payload`,
     everything). Returns their paths."""
@@ -221,26 +235,46 @@ def write_results(out: Path, markdown: str, rows: Sequence[dict], fields: Sequen
     return [out, csv_path, json_path]
 
 
-def add_run_options(parser, experiment: str, name: str, beside: str = ".csv and .json",
-                    extra_help: str = "more Hydra overrides, applied after the benchmark's own"
-                    ) -> None:
+def add_run_options(
+    parser,
+    experiment: str,
+    name: str,
+    beside: str = ".csv and .json",
+    extra_help: str = "more Hydra overrides, applied after the benchmark's own",
+) -> None:
     """The options every training-run benchmark (accuracy, rounding, lm_parity) takes: where the
     results go (`--out`), the MLflow store and experiment, more overrides, and the runner's
     log."""
-    parser.add_argument("--out", type=Path, default=None,
-                        help=f"the Markdown table; the {beside} go beside it (default "
-                        f"benchmarks/results/{name}_<cpu|cuda>.md)")
-    parser.add_argument("--tracking-uri", default=None,
-                        help="MLflow store (default: sqlite:///<a new temporary folder>/mlflow.db)")
-    parser.add_argument("--experiment", default=experiment,
-                        help=f"MLflow experiment name (default {experiment})")
-    parser.add_argument("--extra", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
-                        help=extra_help)
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help=f"the Markdown table; the {beside} go beside it (default "
+        f"benchmarks/results/{name}_<cpu|cuda>.md)",
+    )
+    parser.add_argument(
+        "--tracking-uri",
+        default=None,
+        help="MLflow store (default: sqlite:///<a new temporary folder>/mlflow.db)",
+    )
+    parser.add_argument(
+        "--experiment", default=experiment, help=f"MLflow experiment name (default {experiment})"
+    )
+    parser.add_argument(
+        "--extra", nargs="+", action="extend", default=[], metavar="KEY=VALUE", help=extra_help
+    )
     parser.add_argument("--verbose", "-v", action="store_true", help="show the runner's log")
 
 
-def run_overrides(task: Sequence[str], level_overrides: Sequence[str], seed: int, args,
-                  run_name: str, benchmark: str, key: str) -> list[str]:
+def run_overrides(
+    task: Sequence[str],
+    level_overrides: Sequence[str],
+    seed: int,
+    args,
+    run_name: str,
+    benchmark: str,
+    key: str,
+) -> list[str]:
     """One benchmark run's Hydra overrides: its task, its level, its seed, the benchmark's store
     and experiment, its run name, and the tags a later read finds it by (`benchmark_key`)."""
     return [
@@ -281,20 +315,27 @@ class LevelSpec:
 
     @property
     def name(self) -> str:
-        return (self.preset + (f"+{self.state}state" if self.state else "")
-                + (COMPILE_SUFFIX if self.compile else ""))
+        return (
+            self.preset
+            + (f"+{self.state}state" if self.state else "")
+            + (COMPILE_SUFFIX if self.compile else "")
+        )
 
     def overrides(self) -> list[str]:
-        return [f"precision={self.preset}",
-                *([f"precision.optimizer_state={self.state}"] if self.state else []),
-                *(["trainer.compile=true"] if self.compile else [])]
+        return [
+            f"precision={self.preset}",
+            *([f"precision.optimizer_state={self.state}"] if self.state else []),
+            *(["trainer.compile=true"] if self.compile else []),
+        ]
 
 
 # the optimizer-state formats a level may name (`+int8state`), as precision.optimizer_state spells
 # them or their short names
 STATE_SUFFIXES = ("int8", "int4", "fp8", "bf16", "fp32", "fp16")
-_SUFFIXES_SAID = f"{COMPILE_SUFFIX} (trainer.compile=true) and +<format>state " \
+_SUFFIXES_SAID = (
+    f"{COMPILE_SUFFIX} (trainer.compile=true) and +<format>state "
     f"(precision.optimizer_state; format: {', '.join(STATE_SUFFIXES)})"
+)
 
 
 # the optimizer-state rows' targets (issue 26), shared by accuracy.py and lm_parity.py: the formats
@@ -306,8 +347,9 @@ STATE_MEMORY_TARGETS = {"int8": 0.3, "int4": 0.2}
 PLAIN_STATE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def fp32_state_ratio(state_mb: float | None, reference_mb: float | None,
-                     reference_type: str | None) -> float | None:
+def fp32_state_ratio(
+    state_mb: float | None, reference_mb: float | None, reference_type: str | None
+) -> float | None:
     """A state's memory as a fraction of fp32 state for the same parameters, the basis of
     STATE_MEMORY_TARGETS (issue 26: "of fp32 state"): the reference level's measured plain state
     scaled to 4 bytes an element. The basis differs from the reference itself where that keeps its
@@ -330,9 +372,12 @@ def compare_state(row: Any, ref: Any) -> None:
     row.reference_state_type = ref.state_type
     row.state_memory_ratio = fp32_state_ratio(row.state_mb, ref.state_mb, ref.state_type)
 
+
 # the presets whose optimizer state is not their level's own: preset -> (its level's preset, format)
-STATE_PRESETS = {"o2_bf16_int8state": ("o2_bf16", "int8"),
-                 "o3_bf16_sr_int8state": ("o3_bf16_sr", "int8")}
+STATE_PRESETS = {
+    "o2_bf16_int8state": ("o2_bf16", "int8"),
+    "o3_bf16_sr_int8state": ("o3_bf16_sr", "int8"),
+}
 
 
 def state_reference(level: str, known: Sequence[str]) -> tuple[str | None, str | None]:
@@ -365,8 +410,10 @@ def parse_level(text: str, known: Sequence[str]) -> LevelSpec:
         else:
             raise ValueError(f"{text!r}: the suffixes are {_SUFFIXES_SAID}")
     if preset not in known:
-        raise ValueError(f"unknown level {preset!r}; choose from {', '.join(known)} (each "
-                         f"optionally with {_SUFFIXES_SAID})")
+        raise ValueError(
+            f"unknown level {preset!r}; choose from {', '.join(known)} (each "
+            f"optionally with {_SUFFIXES_SAID})"
+        )
     return LevelSpec(preset, compile_, state)
 
 
@@ -386,8 +433,10 @@ def fresh_compile_cache() -> str:
     import tempfile
 
     if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
-        return (f"TORCHINDUCTOR_CACHE_DIR={os.environ['TORCHINDUCTOR_CACHE_DIR']} (set by the "
-                "user: compiles may reuse what earlier runs cached)")
+        return (
+            f"TORCHINDUCTOR_CACHE_DIR={os.environ['TORCHINDUCTOR_CACHE_DIR']} (set by the "
+            "user: compiles may reuse what earlier runs cached)"
+        )
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench-inductor-")
     return "a new empty folder for this run (the first compile of each graph is cold)"
 
@@ -474,11 +523,19 @@ def one_batch_task(model: str, image_size: int, batch_size: int, device: str) ->
     second; tokens per second are that times the length)."""
     if is_language_model(model):
         tokens = batch_size * image_size + 1  # exactly one batch of windows
-        data = ["data=synthetic_text", f"data.block_size={image_size}",
-                f"data.num_train={tokens}", f"data.num_val={tokens}"]
+        data = [
+            "data=synthetic_text",
+            f"data.block_size={image_size}",
+            f"data.num_train={tokens}",
+            f"data.num_val={tokens}",
+        ]
     else:
-        data = ["data=synthetic", f"data.image_size={image_size}",
-                f"data.num_train={batch_size}", f"data.num_val={batch_size}"]
+        data = [
+            "data=synthetic",
+            f"data.image_size={image_size}",
+            f"data.num_train={batch_size}",
+            f"data.num_val={batch_size}",
+        ]
     return [
         *model_overrides(model),
         *data,
@@ -489,8 +546,12 @@ def one_batch_task(model: str, image_size: int, batch_size: int, device: str) ->
     ]
 
 
-def build_runner(cfg, on_metrics: Optional[Callable] = None, keep_fp32_copy: bool = False,
-                 cpu_batch: Optional[tuple] = None) -> RunnerParts:
+def build_runner(
+    cfg,
+    on_metrics: Optional[Callable] = None,
+    keep_fp32_copy: bool = False,
+    cpu_batch: Optional[tuple] = None,
+) -> RunnerParts:
     """The runner's own objects for `cfg`, built by `runner.run.app.build` exactly as a run builds
     them (without the MLflow run), a Trainer over them, then one batch of the training data moved
     to the device the trainer's way. A benchmark times `parts.trainer.train_step(*parts.batch)`:
@@ -504,29 +565,43 @@ def build_runner(cfg, on_metrics: Optional[Callable] = None, keep_fp32_copy: boo
     synthetic 224-px images take seconds."""
     import copy
 
-    from runner.run import app
     from runner import csrc
+    from runner.run import app
     from runner.run.plan import make_plan
     from runner.run.trainer import RunContext
 
     plan = make_plan(cfg)
     device, resolution = plan.device, plan.resolution
     copies: list = []
-    parts = app.build(plan, on_model=(
-        lambda model: copies.append(copy.deepcopy(model))) if keep_fp32_copy else None)
-    trainer = parts.trainer(cfg.trainer, device, RunContext(
-        on_metrics=on_metrics or (lambda metrics, step: None)))
+    parts = app.build(
+        plan,
+        on_model=(lambda model: copies.append(copy.deepcopy(model))) if keep_fp32_copy else None,
+    )
+    trainer = parts.trainer(
+        cfg.trainer, device, RunContext(on_metrics=on_metrics or (lambda metrics, step: None))
+    )
     x, y = cpu_batch if cpu_batch is not None else next(iter(parts.train_loader))
     batch = trainer._to_device(x, y)
-    return RunnerParts(cfg=cfg, device=device, properties=resolution.properties,
-                       model=parts.model, optimizer=parts.optimizer, scheduler=parts.scheduler,
-                       engine=parts.engine, trainer=trainer, memory=parts.memory, batch=batch,
-                       cpu_batch=(x, y), kernels=csrc.name_of(parts.engine.kernels),
-                       fp32_model=copies[0] if copies else None)
+    return RunnerParts(
+        cfg=cfg,
+        device=device,
+        properties=resolution.properties,
+        model=parts.model,
+        optimizer=parts.optimizer,
+        scheduler=parts.scheduler,
+        engine=parts.engine,
+        trainer=trainer,
+        memory=parts.memory,
+        batch=batch,
+        cpu_batch=(x, y),
+        kernels=csrc.name_of(parts.engine.kernels),
+        fp32_model=copies[0] if copies else None,
+    )
 
 
-def interleaved_medians(variants: Sequence[str], block: Callable[[str], float], rounds: int,
-                        label: str) -> dict[str, float]:
+def interleaved_medians(
+    variants: Sequence[str], block: Callable[[str], float], rounds: int, label: str
+) -> dict[str, float]:
     """Time `block(variant)` (seconds a step) for each variant: once each to warm up, then
     `rounds` rounds of one block per variant, the order reversed every other round so that drift
     hits them alike; returns each variant's median and prints each round under `label`."""
@@ -539,30 +614,51 @@ def interleaved_medians(variants: Sequence[str], block: Callable[[str], float], 
         order = variants if index % 2 == 0 else tuple(reversed(variants))
         for variant in order:
             samples[variant].append(block(variant))
-        print(f"{label} round {index + 1}/{rounds}: " + ", ".join(
-            f"{v} {1e3 * samples[v][-1]:.1f} ms" for v in variants), flush=True)
+        print(
+            f"{label} round {index + 1}/{rounds}: "
+            + ", ".join(f"{v} {1e3 * samples[v][-1]:.1f} ms" for v in variants),
+            flush=True,
+        )
     return {v: statistics.median(samples[v]) for v in variants}
 
 
-def run_cells(name: str, title: str, args: Any, argv: Sequence[str],
-              cell: Callable[[str, str], dict], overrides: Callable[[str, str], list],
-              render: Callable[[dict], str], fields: Sequence[str], **extra: Any) -> int:
+def run_cells(
+    name: str,
+    title: str,
+    args: Any,
+    argv: Sequence[str],
+    cell: Callable[[str, str], dict],
+    overrides: Callable[[str, str], list],
+    render: Callable[[dict], str],
+    fields: Sequence[str],
+    **extra: Any,
+) -> int:
     """A timing benchmark over the (model, level) cells of `args`: announce it, time each cell
     (`cell(model, level)` -> its result dict, `status` "ok" or not), then write the Markdown,
     CSV and JSON (`render`, `fields`) with the machine, the load averages, the date, the command
     and each cell's `overrides`, and print the table. Exit status 1 if a cell crashed."""
     load_start = load_average()
     started = time.perf_counter()
-    print(f"{title} on {args.device}: {', '.join(args.models)} x {', '.join(args.levels)}, "
-          f"{args.rounds} rounds of {args.steps}-step blocks; load average {load_start}",
-          flush=True)
+    print(
+        f"{title} on {args.device}: {', '.join(args.models)} x {', '.join(args.levels)}, "
+        f"{args.rounds} rounds of {args.steps}-step blocks; load average {load_start}",
+        flush=True,
+    )
     results = [cell(model, level) for model in args.models for level in args.levels]
     report = {
-        "benchmark": name, "device": args.device, "image_size": args.image_size,
-        "batch_size": args.batch_size, "steps": args.steps, "rounds": args.rounds, **extra,
-        "results": results, "machine": machine(args.device),
-        "command": command(f"{name}.py", argv), "date": now(),
-        "load_start": load_start, "load_end": load_average(),
+        "benchmark": name,
+        "device": args.device,
+        "image_size": args.image_size,
+        "batch_size": args.batch_size,
+        "steps": args.steps,
+        "rounds": args.rounds,
+        **extra,
+        "results": results,
+        "machine": machine(args.device),
+        "command": command(f"{name}.py", argv),
+        "date": now(),
+        "load_start": load_start,
+        "load_end": load_average(),
         "wall_s": time.perf_counter() - started,
         "overrides": {f"{m}/{lv}": overrides(m, lv) for m in args.models for lv in args.levels},
     }

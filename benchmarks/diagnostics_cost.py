@@ -20,6 +20,7 @@ diagnosed step.
 
 Measures; does not gate. Exit 0 whatever the numbers, 1 if a cell crashed, 2 for bad arguments.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,13 +29,25 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
-from common import (REPO, add_threads_option, apply_threads, build_runner,  # noqa: E402
-                    check_at_least_one, compose, csv_list, int_list, interleaved_medians,
-                    one_batch_task, resolve_device, run_cells, setup_lines)
+from common import (  # noqa: E402
+    REPO,
+    add_threads_option,
+    apply_threads,
+    build_runner,
+    check_at_least_one,
+    compose,
+    csv_list,
+    int_list,
+    interleaved_medians,
+    one_batch_task,
+    resolve_device,
+    run_cells,
+    setup_lines,
+)
 
 VARIANTS = ("off", "diagnosed", "memory meter")
 
@@ -43,25 +56,48 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python benchmarks/diagnostics_cost.py",
         description="The cost of range diagnostics (and of the memory meter) per training step, "
-        "against the same step without them; writes Markdown, CSV and JSON.")
+        "against the same step without them; writes Markdown, CSV and JSON.",
+    )
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--models", type=csv_list, default=["tiny", "resnet18"],
-                   help="comma-separated model options (default tiny,resnet18)")
-    p.add_argument("--levels", type=csv_list, default=None,
-                   help="comma-separated precision presets (default: o0,o2_bf16 on a CPU, "
-                   "o0,o2 on CUDA)")
+    p.add_argument(
+        "--models",
+        type=csv_list,
+        default=["tiny", "resnet18"],
+        help="comma-separated model options (default tiny,resnet18)",
+    )
+    p.add_argument(
+        "--levels",
+        type=csv_list,
+        default=None,
+        help="comma-separated precision presets (default: o0,o2_bf16 on a CPU, o0,o2 on CUDA)",
+    )
     p.add_argument("--image-size", type=int, default=32, help="synthetic image side (default 32)")
     p.add_argument("--batch-size", type=int, default=32, help="batch size (default 32)")
     p.add_argument("--steps", type=int, default=4, help="steps per block (default 4)")
-    p.add_argument("--rounds", type=int, default=3,
-                   help="rounds, each one block per variant (default 3)")
-    p.add_argument("--intervals", type=csv_list, default=["1", "50", "100"],
-                   help="diagnose_every_n_steps values to amortise over (default 1,50,100)")
-    p.add_argument("--out", type=Path, default=None,
-                   help="Markdown results; .csv and .json beside (default "
-                   "benchmarks/results/diagnostics_cost_<device>.md)")
-    p.add_argument("--extra", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
-                   help="more Hydra overrides, applied last")
+    p.add_argument(
+        "--rounds", type=int, default=3, help="rounds, each one block per variant (default 3)"
+    )
+    p.add_argument(
+        "--intervals",
+        type=csv_list,
+        default=["1", "50", "100"],
+        help="diagnose_every_n_steps values to amortise over (default 1,50,100)",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="Markdown results; .csv and .json beside (default "
+        "benchmarks/results/diagnostics_cost_<device>.md)",
+    )
+    p.add_argument(
+        "--extra",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="KEY=VALUE",
+        help="more Hydra overrides, applied last",
+    )
     add_threads_option(p)
     args = p.parse_args(argv)
     apply_threads(p, args)
@@ -82,13 +118,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def cell_overrides(args, model: str, level: str) -> list[str]:
-    return [*one_batch_task(model, args.image_size, args.batch_size, args.device),
-            f"precision={level}", *args.extra]
+    return [
+        *one_batch_task(model, args.image_size, args.batch_size, args.device),
+        f"precision={level}",
+        *args.extra,
+    ]
 
 
 def hook_count(module) -> int:
-    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
-               + len(m._backward_pre_hooks) for m in module.modules() if m is not module)
+    return sum(
+        len(m._forward_hooks)
+        + len(m._forward_pre_hooks)
+        + len(m._backward_hooks)
+        + len(m._backward_pre_hooks)
+        for m in module.modules()
+        if m is not module
+    )
 
 
 def run_cell(args, model: str, level: str, batches: dict) -> dict:
@@ -118,6 +163,7 @@ def run_cell(args, model: str, level: str, batches: dict) -> dict:
             def loss(logits, y):
                 hooks[variant].append(hook_count(trainer.module))
                 return criterion(logits, y)
+
             return loss
 
         def block(variant: str) -> float:
@@ -136,22 +182,24 @@ def run_cell(args, model: str, level: str, batches: dict) -> dict:
         medians = interleaved_medians(VARIANTS, block, args.rounds, f"{model} {level}")
         off, on, meter = (medians[v] for v in VARIANTS)
         observed = sum(r.stats.count for r in diagnosed.last)
-        cell.update({
-            "step_ms_off": 1e3 * off,
-            "step_ms_diagnosed": 1e3 * on,
-            "step_ms_memory_meter": 1e3 * meter,
-            "diag_ms_per_diagnosed_step": 1e3 * (on - off),
-            "diag_fraction": (on - off) / off,
-            "meter_ms_per_step": 1e3 * (meter - off),
-            "meter_fraction": (meter - off) / off,
-            "values_observed_per_step": observed,
-            "ns_per_value": 1e9 * (on - off) / observed if observed else None,
-            "hooks_when_off": max(hooks["off"]),
-            "hooks_when_diagnosed": max(hooks["diagnosed"]),
-            "layers": len(diagnosed.last) // 3,
-            **{f"amortised_fraction_every_{n}": (on - off) / n / off for n in args.intervals},
-        })
-        del parts, trainer
+        cell.update(
+            {
+                "step_ms_off": 1e3 * off,
+                "step_ms_diagnosed": 1e3 * on,
+                "step_ms_memory_meter": 1e3 * meter,
+                "diag_ms_per_diagnosed_step": 1e3 * (on - off),
+                "diag_fraction": (on - off) / off,
+                "meter_ms_per_step": 1e3 * (meter - off),
+                "meter_fraction": (meter - off) / off,
+                "values_observed_per_step": observed,
+                "ns_per_value": 1e9 * (on - off) / observed if observed else None,
+                "hooks_when_off": max(hooks["off"]),
+                "hooks_when_diagnosed": max(hooks["diagnosed"]),
+                "layers": len(diagnosed.last) // 3,
+                **{f"amortised_fraction_every_{n}": (on - off) / n / off for n in args.intervals},
+            }
+        )
+        parts = trainer = None  # (frees them; the closures above are done)
     except Exception as error:  # noqa: BLE001  (reported; the exit status says so)
         cell["status"], cell["error"] = "crashed", f"{type(error).__name__}: {error}"
         traceback.print_exc()
@@ -177,7 +225,8 @@ def render(report: dict) -> str:
         "`trainer.diagnose_every_n_steps=n`.",
         "",
         "| model | level | layers | values per step | step ms (off) | step ms (diagnosed) | "
-        "per diagnosed step | ns per value | " + " | ".join(f"every {n}" for n in intervals)
+        "per diagnosed step | ns per value | "
+        + " | ".join(f"every {n}" for n in intervals)
         + " | memory meter (first step) | hooks when off |",
         "|---|---|---:|---:|---:|---:|---:|---:|" + "---:|" * len(intervals) + "---:|---:|",
     ]
@@ -192,7 +241,8 @@ def render(report: dict) -> str:
             f"({_pct(c['diag_fraction'])}) | {c['ns_per_value']:.1f} | "
             + " | ".join(_pct(c[f"amortised_fraction_every_{n}"]) for n in intervals)
             + f" | {c['meter_ms_per_step']:.1f} ms ({_pct(c['meter_fraction'])}) | "
-            f"{c['hooks_when_off']} |")
+            f"{c['hooks_when_off']} |"
+        )
     lines += [
         "",
         "Off, no hook is installed (`hooks when off`: the most hooks any submodule of the model "
@@ -208,21 +258,43 @@ def render(report: dict) -> str:
 
 
 def csv_fields(intervals: Sequence[int]) -> list[str]:
-    return ["model", "level", "formats", "status", "layers", "values_observed_per_step",
-            "step_ms_off", "step_ms_diagnosed", "step_ms_memory_meter",
-            "diag_ms_per_diagnosed_step", "diag_fraction", "ns_per_value",
-            *(f"amortised_fraction_every_{n}" for n in intervals), "meter_ms_per_step",
-            "meter_fraction", "hooks_when_off", "hooks_when_diagnosed", "error"]
+    return [
+        "model",
+        "level",
+        "formats",
+        "status",
+        "layers",
+        "values_observed_per_step",
+        "step_ms_off",
+        "step_ms_diagnosed",
+        "step_ms_memory_meter",
+        "diag_ms_per_diagnosed_step",
+        "diag_fraction",
+        "ns_per_value",
+        *(f"amortised_fraction_every_{n}" for n in intervals),
+        "meter_ms_per_step",
+        "meter_fraction",
+        "hooks_when_off",
+        "hooks_when_diagnosed",
+        "error",
+    ]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     batches: dict = {}
-    return run_cells("diagnostics_cost", "Range diagnostics cost", args, argv,
-                     lambda model, level: run_cell(args, model, level, batches),
-                     lambda model, level: cell_overrides(args, model, level), render,
-                     csv_fields(args.intervals), intervals=args.intervals)
+    return run_cells(
+        "diagnostics_cost",
+        "Range diagnostics cost",
+        args,
+        argv,
+        lambda model, level: run_cell(args, model, level, batches),
+        lambda model, level: cell_overrides(args, model, level),
+        render,
+        csv_fields(args.intervals),
+        intervals=args.intervals,
+    )
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ It imports nothing of the runner, so its wall time is torch's own start-up plus 
 
     python benchmarks/hand_loop.py --train-batches 3 --val-batches 1 --out /tmp/hand.pt
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,14 +24,22 @@ from torch.utils.data import DataLoader, TensorDataset
 
 
 def conv_bn_relu(cin: int, cout: int, stride: int) -> nn.Sequential:
-    return nn.Sequential(nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False),
-                         nn.BatchNorm2d(cout), nn.ReLU(inplace=True))
+    return nn.Sequential(
+        nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False),
+        nn.BatchNorm2d(cout),
+        nn.ReLU(inplace=True),
+    )
 
 
 def tiny_cnn(num_classes: int, width: int = 16) -> nn.Sequential:
-    return nn.Sequential(conv_bn_relu(3, width, 1), conv_bn_relu(width, 2 * width, 2),
-                         conv_bn_relu(2 * width, 4 * width, 2), nn.AdaptiveAvgPool2d(1),
-                         nn.Flatten(), nn.Linear(4 * width, num_classes))
+    return nn.Sequential(
+        conv_bn_relu(3, width, 1),
+        conv_bn_relu(width, 2 * width, 2),
+        conv_bn_relu(2 * width, 4 * width, 2),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(4 * width, num_classes),
+    )
 
 
 def main() -> None:
@@ -48,10 +57,17 @@ def main() -> None:
 
     def loader(batches: int, shuffle: bool) -> DataLoader:
         n = batches * args.batch_size
-        data = TensorDataset(torch.randn(n, 3, args.image_size, args.image_size),
-                             torch.randint(0, args.num_classes, (n,)))
-        return DataLoader(data, batch_size=args.batch_size, shuffle=shuffle,
-                          num_workers=args.num_workers, persistent_workers=args.num_workers > 0)
+        data = TensorDataset(
+            torch.randn(n, 3, args.image_size, args.image_size),
+            torch.randint(0, args.num_classes, (n,)),
+        )
+        return DataLoader(
+            data,
+            batch_size=args.batch_size,
+            shuffle=shuffle,
+            num_workers=args.num_workers,
+            persistent_workers=args.num_workers > 0,
+        )
 
     train, val = loader(args.train_batches, True), loader(args.val_batches, False)
     model = tiny_cnn(args.num_classes)
@@ -73,8 +89,11 @@ def main() -> None:
             correct += (model(x).argmax(dim=1) == y).sum().item()
             total += y.numel()
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, args.out)
-    print(f"hand-written loop: train loss {loss.item():.4f}, val_acc {correct / total:.4f}, "
-          f"{time.perf_counter() - started:.2f} s after the imports", flush=True)
+    print(
+        f"hand-written loop: train loss {loss.item():.4f}, val_acc {correct / total:.4f}, "
+        f"{time.perf_counter() - started:.2f} s after the imports",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

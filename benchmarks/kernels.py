@@ -21,6 +21,7 @@ Targets (issue 4): CPU: (a) >= 1.4x faster than (b) and >= 70% of the copy bandw
 (a) >= 1.3x faster than (b) and >= 80% of the copy bandwidth. The script reports, it does not
 gate: exit 0 whatever the verdict, 1 if a variant crashed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,13 +30,12 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
-from common import REPO, command, load_average, machine, now  # noqa: E402
-
 import torch  # noqa: E402
+from common import REPO, command, load_average, machine, now  # noqa: E402
 from torch import nn  # noqa: E402
 
 MODELS = ("resnet50", "vgg16")
@@ -47,13 +47,24 @@ LOSS_SCALE = 1024.0
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--models", default=",".join(MODELS),
-                   help=f"comma-separated torchvision models (default {','.join(MODELS)})")
-    p.add_argument("--iters", type=int, default=None,
-                   help="timed steps per variant (default 31 on CPU, 50 on CUDA)")
+    p.add_argument(
+        "--models",
+        default=",".join(MODELS),
+        help=f"comma-separated torchvision models (default {','.join(MODELS)})",
+    )
+    p.add_argument(
+        "--iters",
+        type=int,
+        default=None,
+        help="timed steps per variant (default 31 on CPU, 50 on CUDA)",
+    )
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--out", type=Path, default=None,
-                   help="Markdown results (default benchmarks/results/kernels_<device>.md)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="Markdown results (default benchmarks/results/kernels_<device>.md)",
+    )
     args = p.parse_args(argv)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -83,7 +94,7 @@ def timed(fn: Callable[[], None], device: torch.device) -> float:
 
 def copy_bandwidth(device: torch.device, iters: int) -> float:
     """GB/s of a 1 GiB fp32 copy (bytes read + bytes written), median."""
-    x = torch.ones(2 ** 28, device=device)
+    x = torch.ones(2**28, device=device)
     y = torch.empty_like(x)
     for _ in range(2):
         y.copy_(x)
@@ -107,14 +118,18 @@ class Params(nn.Module):
         super().__init__()
         g = torch.Generator(device=device).manual_seed(0)
         self.params = nn.ParameterList(
-            nn.Parameter(torch.randn(s, generator=g, device=device, dtype=torch.float32)
-                         .mul_(0.02).to(dtype)) for s in shapes)
+            nn.Parameter(
+                torch.randn(s, generator=g, device=device, dtype=torch.float32).mul_(0.02).to(dtype)
+            )
+            for s in shapes
+        )
 
 
 def scaled_grads(shapes, device) -> list[torch.Tensor]:
     g = torch.Generator(device=device).manual_seed(1)
-    return [torch.randn(s, generator=g, device=device).mul_(0.01 * LOSS_SCALE).half()
-            for s in shapes]
+    return [
+        torch.randn(s, generator=g, device=device).mul_(0.01 * LOSS_SCALE).half() for s in shapes
+    ]
 
 
 def variant_fused(shapes, grads, device):
@@ -123,8 +138,9 @@ def variant_fused(shapes, grads, device):
 
     model = Params(shapes, torch.float32, device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    engine = AmpEngine(resolve("O2", {"keep_batchnorm_fp32": False}).properties, device,
-                       kernels="fused")
+    engine = AmpEngine(
+        resolve("O2", {"keep_batchnorm_fp32": False}).properties, device, kernels="fused"
+    )
     engine.scalers[0].load_state_dict({"loss_scale": LOSS_SCALE})
     engine.prepare(model, opt)
     for p, g in zip(model.parameters(), grads):
@@ -149,8 +165,10 @@ def variant_fused(shapes, grads, device):
     step()
     engine.kernels = dataclasses.replace(engine.kernels, ops=real)
     if "adam_step" not in calls:
-        raise RuntimeError(f"the engine stepped without the fused kernels (kernel calls: {calls}); "
-                           "variant (a) would time torch's ops")
+        raise RuntimeError(
+            f"the engine stepped without the fused kernels (kernel calls: {calls}); "
+            "variant (a) would time torch's ops"
+        )
     return step, engine
 
 
@@ -188,8 +206,9 @@ def variant_adamw_fp32(shapes, grads, device):
 VARIANTS = {"a_fused": variant_fused, "b_stock": variant_stock, "c_adamw_fp32": variant_adamw_fp32}
 
 
-def bench_model(model: str, device: torch.device, iters: int, warmup: int,
-                bandwidth: float) -> dict:
+def bench_model(
+    model: str, device: torch.device, iters: int, warmup: int, bandwidth: float
+) -> dict:
     shapes = param_shapes(model)
     n = sum(s.numel() for s in shapes)
     steps = {}
@@ -221,8 +240,14 @@ def bench_model(model: str, device: torch.device, iters: int, warmup: int,
             "fraction_of_copy": moved / median / 1e9 / bandwidth,
         }
     speedup = rows["b_stock"]["median_ms"] / rows["a_fused"]["median_ms"]
-    return {"model": model, "params": n, "tensors": len(shapes), "kernels": kernels,
-            "variants": rows, "speedup_a_vs_b": speedup}
+    return {
+        "model": model,
+        "params": n,
+        "tensors": len(shapes),
+        "kernels": kernels,
+        "variants": rows,
+        "speedup_a_vs_b": speedup,
+    }
 
 
 def verdict(device: str, results: list[dict]) -> str:
@@ -233,13 +258,18 @@ def verdict(device: str, results: list[dict]) -> str:
         a = r["variants"]["a_fused"]
         good = r["speedup_a_vs_b"] >= t["speedup"] and a["fraction_of_copy"] >= t["bandwidth"]
         ok &= good
-        parts.append(f"{r['model']}: {r['speedup_a_vs_b']:.2f}x vs stock, "
-                     f"{100 * a['fraction_of_copy']:.0f}% of copy bandwidth"
-                     f" ({'meets' if good else 'misses'} target)")
+        parts.append(
+            f"{r['model']}: {r['speedup_a_vs_b']:.2f}x vs stock, "
+            f"{100 * a['fraction_of_copy']:.0f}% of copy bandwidth"
+            f" ({'meets' if good else 'misses'} target)"
+        )
     head = "PASS" if ok else "MISS"
-    return (f"{head}: targets on {device} are >= {t['speedup']}x faster than the stock "
-            f"composition and >= {100 * t['bandwidth']:.0f}% of the copy bandwidth. "
-            + "; ".join(parts) + ".")
+    return (
+        f"{head}: targets on {device} are >= {t['speedup']}x faster than the stock "
+        f"composition and >= {100 * t['bandwidth']:.0f}% of the copy bandwidth. "
+        + "; ".join(parts)
+        + "."
+    )
 
 
 def render(report: dict) -> str:
@@ -259,17 +289,28 @@ def render(report: dict) -> str:
         "| model | params | variant | B/param | GB moved | median ms | GB/s | % of copy bw |",
         "|---|---:|---|---:|---:|---:|---:|---:|",
     ]
-    labels = {"a_fused": "(a) fused kernels (engine, `precision.kernels`={k})",
-              "b_stock": "(b) stock torch composition", "c_adamw_fp32": "(c) AdamW fused, fp32"}
+    labels = {
+        "a_fused": "(a) fused kernels (engine, `precision.kernels`={k})",
+        "b_stock": "(b) stock torch composition",
+        "c_adamw_fp32": "(c) AdamW fused, fp32",
+    }
     for r in report["results"]:
         for name, v in r["variants"].items():
             lines.append(
                 f"| {r['model']} | {r['params'] / 1e6:.1f}M | {labels[name].format(k=r['kernels'])}"
                 f" | {v['bytes_per_param']} | {v['gbytes']:.2f} | {v['median_ms']:.1f} | "
-                f"{v['gb_per_s']:.1f} | {100 * v['fraction_of_copy']:.0f}% |")
-    lines += ["", "Speed-up of (a) over (b): " + ", ".join(
-        f"{r['model']} {r['speedup_a_vs_b']:.2f}x" for r in report["results"]) + ".", "",
-        f"Verdict: {report['verdict']}", "", "## Setup", "",
+                f"{v['gb_per_s']:.1f} | {100 * v['fraction_of_copy']:.0f}% |"
+            )
+    lines += [
+        "",
+        "Speed-up of (a) over (b): "
+        + ", ".join(f"{r['model']} {r['speedup_a_vs_b']:.2f}x" for r in report["results"])
+        + ".",
+        "",
+        f"Verdict: {report['verdict']}",
+        "",
+        "## Setup",
+        "",
         f"- Machine: {m['cpu']}, {m['cores']} cores (torch uses {m['torch_threads']} threads)"
         + (f"; GPU {m['gpu']}, CUDA {m['cuda']}" if "gpu" in m else "")
         + f"; torch {m['torch']}, Python {m['python']}, {m['platform']}",
@@ -277,7 +318,8 @@ def render(report: dict) -> str:
         f"{report['load_average']['end']} at end",
         f"- Date: {report['date']}",
         f"- Command: `{report['command']}`",
-        ""]
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -286,8 +328,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device)
     load_at_start = load_average()
-    print(f"Kernel benchmark on {args.device}: {', '.join(args.models)}; {args.iters} steps per "
-          "variant", flush=True)
+    print(
+        f"Kernel benchmark on {args.device}: {', '.join(args.models)}; {args.iters} steps per "
+        "variant",
+        flush=True,
+    )
     bandwidth = copy_bandwidth(device, args.iters)
     print(f"copy bandwidth: {bandwidth:.1f} GB/s", flush=True)
     results = []
@@ -295,15 +340,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{model} ...", end=" ", flush=True)
         r = bench_model(model, device, args.iters, args.warmup, bandwidth)
         results.append(r)
-        print(", ".join(f"{k} {v['median_ms']:.1f} ms" for k, v in r["variants"].items()),
-              flush=True)
+        print(
+            ", ".join(f"{k} {v['median_ms']:.1f} ms" for k, v in r["variants"].items()), flush=True
+        )
         if device.type == "cuda":
             torch.cuda.empty_cache()
     report = {
-        "benchmark": "kernels", "device": args.device, "iters": args.iters,
-        "warmup": args.warmup, "copy_gb_per_s": bandwidth, "results": results,
-        "verdict": verdict(args.device, results), "machine": machine(args.device),
-        "command": command("kernels.py", argv), "date": now(),
+        "benchmark": "kernels",
+        "device": args.device,
+        "iters": args.iters,
+        "warmup": args.warmup,
+        "copy_gb_per_s": bandwidth,
+        "results": results,
+        "verdict": verdict(args.device, results),
+        "machine": machine(args.device),
+        "command": command("kernels.py", argv),
+        "date": now(),
         "load_average": {"start": load_at_start, "end": load_average()},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -17,6 +17,7 @@ Figures: median step times, the plan's extra time per step and the audit's per a
 
 Measures; does not gate. Exit 0 whatever the numbers, 1 if a cell crashed, 2 for bad arguments.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,40 +25,76 @@ import gc
 import sys
 import time
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
-from common import (REPO, add_threads_option, apply_threads, build_runner,  # noqa: E402
-                    check_at_least_one, compose, csv_list, interleaved_medians, one_batch_task,
-                    resolve_device, run_cells, setup_lines)
+from common import (  # noqa: E402
+    REPO,
+    add_threads_option,
+    apply_threads,
+    build_runner,
+    check_at_least_one,
+    compose,
+    csv_list,
+    interleaved_medians,
+    one_batch_task,
+    resolve_device,
+    run_cells,
+    setup_lines,
+)
 
 VARIANTS = ("level", "plan", "audited")
-HEADS = {"tiny": "5", "tiny_gn": "5", "resnet18": "fc", "resnet50": "fc", "vit_tiny": "heads",
-         "gpt_tiny": "head", "gpt": "head", "gpt2_small": "head"}
+HEADS = {
+    "tiny": "5",
+    "tiny_gn": "5",
+    "resnet18": "fc",
+    "resnet50": "fc",
+    "vit_tiny": "heads",
+    "gpt_tiny": "head",
+    "gpt": "head",
+    "gpt2_small": "head",
+}
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python benchmarks/layer_plan_cost.py",
         description="The cost of a layer plan (a head kept in fp32) and of the layer audit per "
-        "training step, against the level's own step; writes Markdown, CSV and JSON.")
+        "training step, against the level's own step; writes Markdown, CSV and JSON.",
+    )
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--models", type=csv_list, default=["tiny", "resnet18", "gpt_tiny"],
-                   help=f"comma-separated model options with a known head ({', '.join(HEADS)}; "
-                   "default tiny,resnet18,gpt_tiny)")
-    p.add_argument("--levels", type=csv_list, default=None,
-                   help="comma-separated presets (default o1_bf16,o2_bf16 on a CPU, o1,o2 on "
-                   "CUDA)")
-    p.add_argument("--image-size", type=int, default=32,
-                   help="synthetic image side, or a language model's sequence length (default 32)")
+    p.add_argument(
+        "--models",
+        type=csv_list,
+        default=["tiny", "resnet18", "gpt_tiny"],
+        help=f"comma-separated model options with a known head ({', '.join(HEADS)}; "
+        "default tiny,resnet18,gpt_tiny)",
+    )
+    p.add_argument(
+        "--levels",
+        type=csv_list,
+        default=None,
+        help="comma-separated presets (default o1_bf16,o2_bf16 on a CPU, o1,o2 on CUDA)",
+    )
+    p.add_argument(
+        "--image-size",
+        type=int,
+        default=32,
+        help="synthetic image side, or a language model's sequence length (default 32)",
+    )
     p.add_argument("--batch-size", type=int, default=32, help="batch size (default 32)")
     p.add_argument("--steps", type=int, default=4, help="steps per block (default 4)")
-    p.add_argument("--rounds", type=int, default=3,
-                   help="rounds, each one block per variant (default 3)")
-    p.add_argument("--out", type=Path, default=None,
-                   help="Markdown results; .csv and .json beside (default "
-                   "benchmarks/results/layer_plan_cost_<device>.md)")
+    p.add_argument(
+        "--rounds", type=int, default=3, help="rounds, each one block per variant (default 3)"
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="Markdown results; .csv and .json beside (default "
+        "benchmarks/results/layer_plan_cost_<device>.md)",
+    )
     add_threads_option(p)
     args = p.parse_args(argv)
     apply_threads(p, args)
@@ -66,16 +103,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if unknown or not args.models:
         p.error(f"unknown model(s) {unknown}; choose from {', '.join(HEADS)}")
     check_at_least_one(p, args, ("image_size", "batch_size", "steps", "rounds"))
-    args.levels = args.levels or (["o1_bf16", "o2_bf16"] if args.device == "cpu"
-                                  else ["o1", "o2"])
+    args.levels = args.levels or (["o1_bf16", "o2_bf16"] if args.device == "cpu" else ["o1", "o2"])
     args.out = args.out or REPO / "benchmarks" / "results" / f"layer_plan_cost_{args.device}.md"
     return args
 
 
 def cell_overrides(args, model: str, level: str, planned: bool) -> list[str]:
     plan = [f"+precision.layers.{HEADS[model]}=float32"] if planned else []
-    return [*one_batch_task(model, args.image_size, args.batch_size, args.device),
-            f"precision={level}", *plan]
+    return [
+        *one_batch_task(model, args.image_size, args.batch_size, args.device),
+        f"precision={level}",
+        *plan,
+    ]
 
 
 def run_cell(args, model: str, level: str) -> dict:
@@ -86,8 +125,9 @@ def run_cell(args, model: str, level: str) -> dict:
     gc.collect()
     try:
         level_parts = build_runner(compose(cell_overrides(args, model, level, False)))
-        plan_parts = build_runner(compose(cell_overrides(args, model, level, True)),
-                                  cpu_batch=level_parts.cpu_batch)
+        plan_parts = build_runner(
+            compose(cell_overrides(args, model, level, True)), cpu_batch=level_parts.cpu_batch
+        )
         device = level_parts.device
         plan = plan_parts.engine.layer_plan
         cell["layers"] = len(plan.layers)
@@ -111,14 +151,18 @@ def run_cell(args, model: str, level: str) -> dict:
 
         medians = interleaved_medians(VARIANTS, block, args.rounds, f"{model} {level}")
         base, planned, audited = (medians[v] for v in VARIANTS)
-        cell.update({
-            "step_ms_level": 1e3 * base, "step_ms_plan": 1e3 * planned,
-            "step_ms_audited": 1e3 * audited,
-            "plan_ms_per_step": 1e3 * (planned - base), "plan_fraction": (planned - base) / base,
-            "audit_ms_per_step": 1e3 * (audited - base),
-            "audit_fraction": (audited - base) / base,
-        })
-        del level_parts, plan_parts
+        cell.update(
+            {
+                "step_ms_level": 1e3 * base,
+                "step_ms_plan": 1e3 * planned,
+                "step_ms_audited": 1e3 * audited,
+                "plan_ms_per_step": 1e3 * (planned - base),
+                "plan_fraction": (planned - base) / base,
+                "audit_ms_per_step": 1e3 * (audited - base),
+                "audit_fraction": (audited - base) / base,
+            }
+        )
+        level_parts = plan_parts = None  # (frees them; the closures above are done)
     except Exception as error:  # noqa: BLE001  (reported; the exit status says so)
         cell["status"], cell["error"] = "crashed", f"{type(error).__name__}: {error}"
         traceback.print_exc()
@@ -155,7 +199,8 @@ def render(report: dict) -> str:
             f"{c['step_ms_level']:.1f} | {c['step_ms_plan']:.1f} | "
             f"{c['plan_ms_per_step']:+.2f} ms ({_pct(c['plan_fraction'])}) | "
             f"{c['step_ms_audited']:.1f} | {c['audit_ms_per_step']:+.2f} ms "
-            f"({_pct(c['audit_fraction'])}) |")
+            f"({_pct(c['audit_fraction'])}) |"
+        )
     lines += [
         "",
         "A plan that changes a cast model (O2/O3) puts an input cast on every layer (the "
@@ -173,18 +218,38 @@ def render(report: dict) -> str:
     return "\n".join(lines)
 
 
-CSV_FIELDS = ["model", "level", "status", "layers", "deviates", "hooks", "wrapped",
-              "step_ms_level", "step_ms_plan", "step_ms_audited", "plan_ms_per_step",
-              "plan_fraction", "audit_ms_per_step", "audit_fraction", "error"]
+CSV_FIELDS = [
+    "model",
+    "level",
+    "status",
+    "layers",
+    "deviates",
+    "hooks",
+    "wrapped",
+    "step_ms_level",
+    "step_ms_plan",
+    "step_ms_audited",
+    "plan_ms_per_step",
+    "plan_fraction",
+    "audit_ms_per_step",
+    "audit_fraction",
+    "error",
+]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    return run_cells("layer_plan_cost", "Layer plan cost", args, argv,
-                     lambda model, level: run_cell(args, model, level),
-                     lambda model, level: cell_overrides(args, model, level, True), render,
-                     CSV_FIELDS)
+    return run_cells(
+        "layer_plan_cost",
+        "Layer plan cost",
+        args,
+        argv,
+        lambda model, level: run_cell(args, model, level),
+        lambda model, level: cell_overrides(args, model, level, True),
+        render,
+        CSV_FIELDS,
+    )
 
 
 if __name__ == "__main__":

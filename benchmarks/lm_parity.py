@@ -52,6 +52,7 @@ limit keeps what it finished). Exit status: 0 when every run finished, whatever 
 benchmark, not a test); 1 when a run or the overhead measurement crashed (the runner's divergence
 stop is an outcome, not a crash); 2 for bad arguments.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,17 +68,36 @@ import tempfile
 import time
 import traceback
 import uuid
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
-from common import (REPO, add_run_options, check_presets, compose, crash_status,  # noqa: E402
-                    csv_list, describe_level, load_average, parse_level, parse_seeds,
-                    prepare_store, resolve_device, run_overrides, run_report_fields,
-                    run_setup_lines, state_reference, store_uri, unfinished_lines,
-                    STATE_CHECKED, STATE_MEMORY_TARGETS, compare_state,
-                    write_results)
+from common import (  # noqa: E402
+    REPO,
+    STATE_CHECKED,
+    STATE_MEMORY_TARGETS,
+    add_run_options,
+    check_presets,
+    compare_state,
+    compose,
+    crash_status,
+    csv_list,
+    describe_level,
+    load_average,
+    parse_level,
+    parse_seeds,
+    prepare_store,
+    resolve_device,
+    run_overrides,
+    run_report_fields,
+    run_setup_lines,
+    state_reference,
+    store_uri,
+    unfinished_lines,
+    write_results,
+)
 
 EXPERIMENT = "lm-parity"
 MODEL = "gpt_tiny"
@@ -99,8 +119,7 @@ TARGETS: dict[str, tuple[str, float]] = {
 # state's memory (mem_optimizer_state_mb) against fp32 state's is shown beside, with targets.
 STATE_TOLERANCE = 0.02
 CPU_LEVELS = ["o0", "o1_bf16", "o2_bf16", "o3_bf16_sr", "o1_fp8"]
-CUDA_LEVELS = ["o0", "o1", "o2", "o1_bf16", "o2_bf16", "o3_bf16", "o3_bf16_sr", "o1_fp8",
-               "o2_fp8"]
+CUDA_LEVELS = ["o0", "o1", "o2", "o1_bf16", "o2_bf16", "o3_bf16", "o3_bf16_sr", "o1_fp8", "o2_fp8"]
 CPU_OVERHEAD_LEVELS = ["o0", "o1_bf16", "o2_bf16"]
 CUDA_OVERHEAD_LEVELS = ["o0", "o1", "o2"]
 DEFAULT_SEEDS = [0, 1, 2]
@@ -112,8 +131,13 @@ DEFAULT_EXCLUDE = ("site-packages/*",)  # the stdlib folder holds the base insta
 BLOCK_SIZE = 64
 BATCH_SIZE = 16
 VAL_FRACTION = 0.01  # of ~160 MB: over a million validation tokens, far more than 50 batches use
-OPTIMIZER = ["optimizer=adamw", "optimizer.lr=0.003", "optimizer.weight_decay=0.1",
-             "optimizer.eps=1e-6", "scheduler=cosine"]
+OPTIMIZER = [
+    "optimizer=adamw",
+    "optimizer.lr=0.003",
+    "optimizer.weight_decay=0.1",
+    "optimizer.eps=1e-6",
+    "scheduler=cosine",
+]
 
 log = logging.getLogger("benchmarks.lm_parity")
 
@@ -194,8 +218,10 @@ def fp8_unavailable(device: str) -> str | None:
 
         major, minor = torch.cuda.get_device_capability()
         if (major, minor) < (8, 9):
-            return (f"the GPU (compute capability {major}.{minor}) has no fp8 Tensor Cores "
-                    "(8.9 or newer)")
+            return (
+                f"the GPU (compute capability {major}.{minor}) has no fp8 Tensor Cores "
+                "(8.9 or newer)"
+            )
     return None
 
 
@@ -204,42 +230,89 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         prog="python benchmarks/lm_parity.py",
         description="Language-model parity: each precision level's best validation loss on "
         "gpt_tiny trained on real text against fp32's, over several seeds, and the runner's "
-        "training step against a hand-written loop; writes Markdown, CSV and JSON.")
-    parser.add_argument("--levels", type=csv_list, default=None,
-                        help=f"comma-separated precision presets (default: CPU "
-                        f"{','.join(CPU_LEVELS)}; CUDA {','.join(CUDA_LEVELS)}); o0, the "
-                        "baseline, is added when missing; fp8 levels are skipped without torchao")
-    parser.add_argument("--seeds", type=csv_list, default=None,
-                        help="comma-separated trainer.seed values (default 0,1,2); the corpus "
-                        "and its validation tail stay fixed")
-    parser.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu",
-                        help="trainer.device (default cpu; auto: CUDA when available)")
-    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS,
-                        help=f"training steps, trainer.limit_train_batches (default "
-                        f"{DEFAULT_STEPS}; one epoch)")
-    parser.add_argument("--val-batches", type=int, default=DEFAULT_VAL_BATCHES,
-                        help="validation batches, trainer.limit_val_batches (default "
-                        f"{DEFAULT_VAL_BATCHES})")
-    parser.add_argument("--corpus", type=Path, default=None,
-                        help="a folder (or file) of text: data.path (default: the Python "
-                        f"standard library's folder, {stdlib_folder()})")
-    parser.add_argument("--glob", default=DEFAULT_GLOB,
-                        help=f"the corpus folder's files: data.glob (default {DEFAULT_GLOB})")
-    parser.add_argument("--exclude", type=csv_list, default=list(DEFAULT_EXCLUDE),
-                        help="comma-separated patterns of the corpus folder's files to leave out: "
-                        f"data.exclude (default {','.join(DEFAULT_EXCLUDE)}: the standard "
-                        "library's own sources, not the packages installed beside them)")
-    parser.add_argument("--token-cache", type=Path, default=None,
-                        help="data.cache_dir: where the tokenised corpus is cached (default: a "
-                        "folder in the benchmark's temporary folder, deleted at the end)")
-    parser.add_argument("--overhead-rounds", type=int, default=DEFAULT_OVERHEAD_ROUNDS,
-                        help="interleaved rounds of the step-overhead measurement (default "
-                        f"{DEFAULT_OVERHEAD_ROUNDS}; 0 skips it)")
-    parser.add_argument("--overhead-levels", type=csv_list, default=None,
-                        help=f"presets for the overhead (default: CPU "
-                        f"{','.join(CPU_OVERHEAD_LEVELS)}; CUDA {','.join(CUDA_OVERHEAD_LEVELS)})")
-    add_run_options(parser, EXPERIMENT, "lm_parity", extra_help="more Hydra overrides for the "
-                    "parity runs, applied last (e.g. data.val_fraction=0.05)")
+        "training step against a hand-written loop; writes Markdown, CSV and JSON.",
+    )
+    parser.add_argument(
+        "--levels",
+        type=csv_list,
+        default=None,
+        help=f"comma-separated precision presets (default: CPU "
+        f"{','.join(CPU_LEVELS)}; CUDA {','.join(CUDA_LEVELS)}); o0, the "
+        "baseline, is added when missing; fp8 levels are skipped without torchao",
+    )
+    parser.add_argument(
+        "--seeds",
+        type=csv_list,
+        default=None,
+        help="comma-separated trainer.seed values (default 0,1,2); the corpus "
+        "and its validation tail stay fixed",
+    )
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda", "auto"],
+        default="cpu",
+        help="trainer.device (default cpu; auto: CUDA when available)",
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=DEFAULT_STEPS,
+        help=f"training steps, trainer.limit_train_batches (default {DEFAULT_STEPS}; one epoch)",
+    )
+    parser.add_argument(
+        "--val-batches",
+        type=int,
+        default=DEFAULT_VAL_BATCHES,
+        help=f"validation batches, trainer.limit_val_batches (default {DEFAULT_VAL_BATCHES})",
+    )
+    parser.add_argument(
+        "--corpus",
+        type=Path,
+        default=None,
+        help="a folder (or file) of text: data.path (default: the Python "
+        f"standard library's folder, {stdlib_folder()})",
+    )
+    parser.add_argument(
+        "--glob",
+        default=DEFAULT_GLOB,
+        help=f"the corpus folder's files: data.glob (default {DEFAULT_GLOB})",
+    )
+    parser.add_argument(
+        "--exclude",
+        type=csv_list,
+        default=list(DEFAULT_EXCLUDE),
+        help="comma-separated patterns of the corpus folder's files to leave out: "
+        f"data.exclude (default {','.join(DEFAULT_EXCLUDE)}: the standard "
+        "library's own sources, not the packages installed beside them)",
+    )
+    parser.add_argument(
+        "--token-cache",
+        type=Path,
+        default=None,
+        help="data.cache_dir: where the tokenised corpus is cached (default: a "
+        "folder in the benchmark's temporary folder, deleted at the end)",
+    )
+    parser.add_argument(
+        "--overhead-rounds",
+        type=int,
+        default=DEFAULT_OVERHEAD_ROUNDS,
+        help="interleaved rounds of the step-overhead measurement (default "
+        f"{DEFAULT_OVERHEAD_ROUNDS}; 0 skips it)",
+    )
+    parser.add_argument(
+        "--overhead-levels",
+        type=csv_list,
+        default=None,
+        help=f"presets for the overhead (default: CPU "
+        f"{','.join(CPU_OVERHEAD_LEVELS)}; CUDA {','.join(CUDA_OVERHEAD_LEVELS)})",
+    )
+    add_run_options(
+        parser,
+        EXPERIMENT,
+        "lm_parity",
+        extra_help="more Hydra overrides for the "
+        "parity runs, applied last (e.g. data.val_fraction=0.05)",
+    )
     args = parser.parse_args(argv)
 
     for name in ("steps", "val_batches"):
@@ -265,12 +338,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.levels = [lvl for lvl in levels if lvl not in args.skipped]
 
     overhead_levels = args.overhead_levels or (
-        CUDA_OVERHEAD_LEVELS if args.device == "cuda" else CPU_OVERHEAD_LEVELS)
+        CUDA_OVERHEAD_LEVELS if args.device == "cuda" else CPU_OVERHEAD_LEVELS
+    )
     check_presets(parser, overhead_levels)
     bad = [lvl for lvl in overhead_levels if lvl.startswith("o3") or "fp8" in lvl]
     if bad:
-        parser.error(f"--overhead-levels {', '.join(bad)}: no hand-written counterpart (O3 and "
-                     "fp8 have none); choose O0, O1 or O2 presets")
+        parser.error(
+            f"--overhead-levels {', '.join(bad)}: no hand-written counterpart (O3 and "
+            "fp8 have none); choose O0, O1 or O2 presets"
+        )
     args.overhead_levels = list(dict.fromkeys(overhead_levels))
     if args.out is None:
         args.out = REPO / "benchmarks" / "results" / f"lm_parity_{args.device}.md"
@@ -393,8 +469,15 @@ def run_one(args: argparse.Namespace, level: str, seed: int, session: str) -> Ru
     from runner.run.app import run
 
     key = f"{session}/{level}/s{seed}"
-    overrides = run_overrides(task_overrides(args), level_overrides(level), seed, args,
-                              run_name(level, seed), EXPERIMENT, key)
+    overrides = run_overrides(
+        task_overrides(args),
+        level_overrides(level),
+        seed,
+        args,
+        run_name(level, seed),
+        EXPERIMENT,
+        key,
+    )
     result = RunResult(level=level, seed=seed)
     started = time.perf_counter()
     try:
@@ -416,8 +499,13 @@ def run_one(args: argparse.Namespace, level: str, seed: int, session: str) -> Ru
         stored = StoredRun()
         log.warning("could not read the run's metrics back: %s", error)
     result.run_id = stored.run_id
-    for name in ("val_perplexity", "val_token_acc", "tokens_per_s", "train_time_s",
-                 "skipped_steps"):
+    for name in (
+        "val_perplexity",
+        "val_token_acc",
+        "tokens_per_s",
+        "train_time_s",
+        "skipped_steps",
+    ):
         setattr(result, name, stored.metrics.get(name))
     params = stored.params
     if "precision.fp8_layers" in params:
@@ -442,8 +530,9 @@ def _mean(values) -> float | None:
     return statistics.fmean(values) if values else None
 
 
-def summarise(results: Sequence[RunResult], levels: Sequence[str],
-              seeds: Sequence[int]) -> list[LevelSummary]:
+def summarise(
+    results: Sequence[RunResult], levels: Sequence[str], seeds: Sequence[int]
+) -> list[LevelSummary]:
     """Per level: the losses per seed, mean ± std (only where every seed finished), the
     perplexity of the mean, and the difference to its reference level against its target."""
     rows: list[LevelSummary] = []
@@ -452,9 +541,15 @@ def summarise(results: Sequence[RunResult], levels: Sequence[str],
         first = mine[0] if mine else RunResult(level, 0)
         reference, tolerance, fmt, state_ref = target_of(level)
         row = LevelSummary(
-            level=level, opt_level=first.opt_level, dtype=first.dtype, fp8=first.fp8,
-            reference=reference, tolerance=tolerance, state_format=fmt,
-            state_reference=state_ref, state_mb=_mean(r.state_mb for r in mine),
+            level=level,
+            opt_level=first.opt_level,
+            dtype=first.dtype,
+            fp8=first.fp8,
+            reference=reference,
+            tolerance=tolerance,
+            state_format=fmt,
+            state_reference=state_ref,
+            state_mb=_mean(r.state_mb for r in mine),
             state_type=next((r.optimizer_state for r in mine if r.optimizer_state), None),
             losses={r.seed: r.best_val_loss if r.status == "finished" else None for r in mine},
             mean_token_acc=_mean(r.val_token_acc for r in mine if r.status == "finished"),
@@ -475,8 +570,9 @@ def summarise(results: Sequence[RunResult], levels: Sequence[str],
     for row in rows:
         compare_state(row, by_level.get(row.state_reference or ""))
         if row.state_memory_ratio is not None and row.state_format in STATE_MEMORY_TARGETS:
-            row.within_memory_target = \
+            row.within_memory_target = (
                 row.state_memory_ratio <= STATE_MEMORY_TARGETS[row.state_format]
+            )
         if row.mean is not None and means.get(BASELINE) is not None:
             row.diff_vs_o0 = row.mean - means[BASELINE]
         if row.checked and row.mean is not None and means.get(row.reference) is not None:
@@ -529,28 +625,39 @@ def verdict(rows: Sequence[LevelSummary], skipped: dict[str, str] | None = None)
         parts.append("outside the target: " + ", ".join(fmt(r) for r in missed) + " nats")
     met = [r for r in judged if r.within_target]
     if met:
-        parts.append(("every checked level within its target: " if head == "PASS" else
-                      "within the target: ") + ", ".join(fmt(r) for r in met) + " nats")
+        parts.append(
+            ("every checked level within its target: " if head == "PASS" else "within the target: ")
+            + ", ".join(fmt(r) for r in met)
+            + " nats"
+        )
     for r in unjudged:
-        why = (f"{r.reference} was not run" if r.reference not in present
-               else "a run did not finish")
+        why = f"{r.reference} was not run" if r.reference not in present else "a run did not finish"
         parts.append(f"{r.level} NOT JUDGED ({why})")
     if any(r.fp8 for r in rows):
-        parts.append(f"fp8 layers: UNEXPECTED {', '.join(fp8_problems)} (expected "
-                     f"{EXPECTED_FP8_LAYERS})" if fp8_problems else
-                     f"fp8 layers: {EXPECTED_FP8_LAYERS} in every fp8 run, as expected")
+        parts.append(
+            f"fp8 layers: UNEXPECTED {', '.join(fp8_problems)} (expected {EXPECTED_FP8_LAYERS})"
+            if fp8_problems
+            else f"fp8 layers: {EXPECTED_FP8_LAYERS} in every fp8 run, as expected"
+        )
     states = [r for r in rows if r.state_memory_ratio is not None]
     if states:
         parts.append("optimizer state memory: " + ", ".join(_state_memory(r) for r in states))
     reported = [r for r in rows if not r.checked and r.level != BASELINE]
     if reported:
-        parts.append("reported, not checked: " + ", ".join(
-            f"{r.level} " + ("(no result)" if r.diff_vs_o0 is None else
-                             f"{r.diff_vs_o0:+.4f} vs o0") for r in reported))
+        parts.append(
+            "reported, not checked: "
+            + ", ".join(
+                f"{r.level} "
+                + ("(no result)" if r.diff_vs_o0 is None else f"{r.diff_vs_o0:+.4f} vs o0")
+                for r in reported
+            )
+        )
     for level, why in (skipped or {}).items():
         parts.append(f"{level} skipped ({why})")
-    return (f"Verdict: {head}: " + "; ".join(parts) + f" (o0: {base.mean:.4f} nats per token, "
-            f"perplexity {base.perplexity:.3f}).")
+    return (
+        f"Verdict: {head}: " + "; ".join(parts) + f" (o0: {base.mean:.4f} nats per token, "
+        f"perplexity {base.perplexity:.3f})."
+    )
 
 
 def _state_memory(r: LevelSummary) -> str:
@@ -558,8 +665,10 @@ def _state_memory(r: LevelSummary) -> str:
     level's own state where that is not fp32."""
     text = f"{r.level} {r.state_memory_ratio:.2f}x of fp32 state"
     if r.within_memory_target is not None:
-        text += (f" (target <= {STATE_MEMORY_TARGETS[r.state_format]:g}: "
-                 f"{'yes' if r.within_memory_target else 'NO'})")
+        text += (
+            f" (target <= {STATE_MEMORY_TARGETS[r.state_format]:g}: "
+            f"{'yes' if r.within_memory_target else 'NO'})"
+        )
     if r.reference_state_type not in (None, "float32"):
         text += f", {r.state_vs_reference:.2f}x of {r.state_reference}'s {r.reference_state_type}"
     return text
@@ -571,12 +680,21 @@ def overhead_argv(args: argparse.Namespace, cfg: Any) -> list[str]:
     `block_size` tokens of the synthetic language at the corpus's vocabulary (256: the same
     head), with the same optimizer and schedule on both sides."""
     return [
-        "--device", args.device, "--model", MODEL,
-        "--image-size", str(int(cfg.data.block_size)),  # a language model's: the sequence length
-        "--batch-size", str(int(cfg.trainer.batch_size)),
-        "--rounds", str(args.overhead_rounds),
-        "--levels", ",".join(args.overhead_levels),
-        "--extra", *OPTIMIZER, "data.vocab_size=256",
+        "--device",
+        args.device,
+        "--model",
+        MODEL,
+        "--image-size",
+        str(int(cfg.data.block_size)),  # a language model's: the sequence length
+        "--batch-size",
+        str(int(cfg.trainer.batch_size)),
+        "--rounds",
+        str(args.overhead_rounds),
+        "--levels",
+        ",".join(args.overhead_levels),
+        "--extra",
+        *OPTIMIZER,
+        "data.vocab_size=256",
     ]
 
 
@@ -592,13 +710,20 @@ def measure_overhead(args: argparse.Namespace, cfg: Any) -> dict:
     results = [lv.result() for lv in levels]
     report = {
         "argv": overhead_argv(args, cfg),
-        "task": {"model": MODEL, "sequence_length": oargs.image_size,
-                 "batch_size": oargs.batch_size, "vocab_size": 256},
-        "rounds": oargs.rounds, "block": oargs.block, "warmup": oargs.warmup,
+        "task": {
+            "model": MODEL,
+            "sequence_length": oargs.image_size,
+            "batch_size": oargs.batch_size,
+            "vocab_size": 256,
+        },
+        "rounds": oargs.rounds,
+        "block": oargs.block,
+        "warmup": oargs.warmup,
         "dynamic_levels": [lv.level for lv in levels if lv.engine.scalers[0].dynamic],
         "overrides": overhead.task_overrides(oargs, "<level>"),
         "results": results,
-        "load_start": load_start, "load_end": load_average(),
+        "load_start": load_start,
+        "load_end": load_average(),
         "wall_s": time.perf_counter() - started,
     }
     report["verdict"] = overhead_verdict(results)
@@ -606,8 +731,11 @@ def measure_overhead(args: argparse.Namespace, cfg: Any) -> dict:
 
 
 def overhead_verdict(results: Sequence[dict]) -> str:
-    parts = [f"{r['opt_level']} (`{r['level']}`) {r['ratio']:.3f} (target {r['target']}: "
-             f"{'meets' if r['meets_target'] else 'misses'})" for r in results]
+    parts = [
+        f"{r['opt_level']} (`{r['level']}`) {r['ratio']:.3f} (target {r['target']}: "
+        f"{'meets' if r['meets_target'] else 'misses'})"
+        for r in results
+    ]
     head = "PASS" if all(r["meets_target"] for r in results) else "MISS"
     return f"{head}: runner / hand-written median step time: " + "; ".join(parts) + "."
 
@@ -657,9 +785,13 @@ def corpus_lines(corpus: dict | None) -> list[str]:
         + (f" less `{', '.join(c['exclude'])}`" if c.get("exclude") else "")
         + f": {c['files']:,} files ({c['first_file']} ... "
         f"{c['last_file']}, in this order in the token stream), {c['bytes'] / 1e6:.1f} MB"
-        + (f"; {c['site_packages_files']:,} of the files are installed packages (under "
-           "site-packages), so the corpus differs between machines: compare results only "
-           "where the token stream's SHA-256 is the same" if c.get("site_packages_files") else ""),
+        + (
+            f"; {c['site_packages_files']:,} of the files are installed packages (under "
+            "site-packages), so the corpus differs between machines: compare results only "
+            "where the token stream's SHA-256 is the same"
+            if c.get("site_packages_files")
+            else ""
+        ),
         f"- Tokens ({c['tokenizer']}, vocabulary {c['vocab_size']}): {c['tokens']:,} in all; "
         f"train {c['train_tokens']:,} ({c['train_windows']:,} windows of {c['block_size']}), "
         f"validation (the last {c['val_fraction']:g}) {c['val_tokens']:,} "
@@ -687,10 +819,12 @@ def render_markdown(report: dict, rows: Sequence[LevelSummary]) -> str:
         "`o3_bf16_sr` within 0.03 of `o2_bf16`, fp8 within 0.05 of the same level without fp8. "
         "Δ is the level's mean minus its reference's (positive: worse).",
         "",
-        "| level | preset | dtype | " + " | ".join(f"seed {s}" for s in seeds)
+        "| level | preset | dtype | "
+        + " | ".join(f"seed {s}" for s in seeds)
         + " | mean ± std | perplexity of the mean | reference | Δ (nats) | target | meets "
         "| Δ vs o0 | token acc | tokens/s | skipped steps | fp8 layers |",
-        "|---|---|---|" + "---:|" * len(seeds)
+        "|---|---|---|"
+        + "---:|" * len(seeds)
         + "---:|---:|---|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
@@ -698,8 +832,16 @@ def render_markdown(report: dict, rows: Sequence[LevelSummary]) -> str:
         for s in seeds:
             value = r.losses.get(s)
             if value is None:
-                cells.append(next((x.status for x in report["_results"]
-                                   if x.level == r.level and x.seed == s), "missing"))
+                cells.append(
+                    next(
+                        (
+                            x.status
+                            for x in report["_results"]
+                            if x.level == r.level and x.seed == s
+                        ),
+                        "missing",
+                    )
+                )
             else:
                 cells.append(f"{value:.4f}")
         mean = "-" if r.mean is None else f"{r.mean:.4f} ± {r.std or 0:.4f}"
@@ -709,35 +851,46 @@ def render_markdown(report: dict, rows: Sequence[LevelSummary]) -> str:
             reference, target, meets = "o0", "-", "not checked"
         else:
             reference, target = f"`{r.reference}`", f"±{r.tolerance:g}"
-            meets = ("not judged" if r.within_target is None
-                     else "yes" if r.within_target else "**no**")
+            meets = (
+                "not judged" if r.within_target is None else "yes" if r.within_target else "**no**"
+            )
         if r.state_memory_ratio is not None:
             meets += f"; state {r.state_memory_ratio:.2f}x of fp32" + (
-                "" if r.within_memory_target is None else
-                f" (<= {STATE_MEMORY_TARGETS[r.state_format]:g}: "
-                f"{'yes' if r.within_memory_target else '**no**'})")
+                ""
+                if r.within_memory_target is None
+                else f" (<= {STATE_MEMORY_TARGETS[r.state_format]:g}: "
+                f"{'yes' if r.within_memory_target else '**no**'})"
+            )
         diff = r.diff if r.checked else r.diff_vs_o0 if r.level != BASELINE else None
-        fp8 = "-" if not r.fp8 else (" / ".join(str(n) for n in dict.fromkeys(r.fp8_layers))
-                                     or "?")
+        fp8 = "-" if not r.fp8 else (" / ".join(str(n) for n in dict.fromkeys(r.fp8_layers)) or "?")
         lines.append(
-            f"| {r.opt_level or '?'} | `{r.level}` | {r.dtype or '?'} | " + " | ".join(cells)
+            f"| {r.opt_level or '?'} | `{r.level}` | {r.dtype or '?'} | "
+            + " | ".join(cells)
             + f" | {mean} | {_num(r.perplexity, '.3f')} | {reference} | {_num(diff, '+.4f')} | "
             f"{target} | {meets} | {'-' if r.level == BASELINE else _num(r.diff_vs_o0, '+.4f')} | "
             f"{_num(None if r.mean_token_acc is None else 100 * r.mean_token_acc, '.2f')}% | "
-            f"{_num(r.mean_tokens_per_s, ',.0f')} | {_num(r.skipped_steps, 'g')} | {fp8} |")
+            f"{_num(r.mean_tokens_per_s, ',.0f')} | {_num(r.skipped_steps, 'g')} | {fp8} |"
+        )
     lines += ["", verdict(rows, report["skipped"]), ""]
     notes = []
     if any(r.fp8 for r in rows):
-        notes.append(f"fp8 layers: the runs' `precision.fp8_layers` param, the Linear layers "
-                     f"whose GEMMs ran in fp8; `{MODEL}` has {EXPECTED_FP8_LAYERS} (q, k, v, "
-                     "proj, up, down in each of 2 blocks, and the head), all fp8-able."
-                     + (" On a CPU fp8 is emulated (torchao): its numerics, not its speed."
-                        if report["device"] == "cpu" else ""))
+        notes.append(
+            f"fp8 layers: the runs' `precision.fp8_layers` param, the Linear layers "
+            f"whose GEMMs ran in fp8; `{MODEL}` has {EXPECTED_FP8_LAYERS} (q, k, v, "
+            "proj, up, down in each of 2 blocks, and the head), all fp8-able."
+            + (
+                " On a CPU fp8 is emulated (torchao): its numerics, not its speed."
+                if report["device"] == "cpu"
+                else ""
+            )
+        )
     for level, why in report["skipped"].items():
         notes.append(f"`{level}` was not run: {why}.")
-    notes.append("Perplexity of the mean: exp(mean best validation loss). token acc: the mean "
-                 "`val_token_acc` (next byte predicted right). tokens/s: the mean training "
-                 "throughput (`tokens_per_s`), which depends on the machine and its load.")
+    notes.append(
+        "Perplexity of the mean: exp(mean best validation loss). token acc: the mean "
+        "`val_token_acc` (next byte predicted right). tokens/s: the mean training "
+        "throughput (`tokens_per_s`), which depends on the machine and its load."
+    )
     for note in notes:
         lines += [note, ""]
     lines += corpus_lines(report.get("corpus"))
@@ -757,17 +910,39 @@ def render_markdown(report: dict, rows: Sequence[LevelSummary]) -> str:
     return "\n".join(lines)
 
 
-CSV_FIELDS = ["level", "opt_level", "dtype", "seed", "status", "best_val_loss", "val_perplexity",
-              "val_token_acc", "tokens_per_s", "train_time_s", "skipped_steps", "fp8_layers", "state_mb",
-              "train_windows", "val_windows", "wall_s", "run_id", "error"]
+CSV_FIELDS = [
+    "level",
+    "opt_level",
+    "dtype",
+    "seed",
+    "status",
+    "best_val_loss",
+    "val_perplexity",
+    "val_token_acc",
+    "tokens_per_s",
+    "train_time_s",
+    "skipped_steps",
+    "fp8_layers",
+    "state_mb",
+    "train_windows",
+    "val_windows",
+    "wall_s",
+    "run_id",
+    "error",
+]
 
 
 def write_outputs(out: Path, report: dict, rows: Sequence[LevelSummary]) -> list[Path]:
     payload = {k: v for k, v in report.items() if not k.startswith("_")}
     payload["summary"] = [{**asdict(r), "checked": r.checked} for r in rows]
     payload["verdict"] = verdict(rows, report["skipped"])
-    return write_results(out, render_markdown(report, rows),
-                         [asdict(r) for r in report["_results"]], CSV_FIELDS, payload)
+    return write_results(
+        out,
+        render_markdown(report, rows),
+        [asdict(r) for r in report["_results"]],
+        CSV_FIELDS,
+        payload,
+    )
 
 
 def versions() -> str:
@@ -777,21 +952,33 @@ def versions() -> str:
         except importlib.metadata.PackageNotFoundError:
             return "not installed"
 
-    return ", ".join(f"{name} {version(dist)}" for name, dist in (
-        ("amp-runner", "amp-runner"), ("MLflow", "mlflow"), ("Hydra", "hydra-core"),
-        ("torchao", "torchao"), ("numpy", "numpy")))
+    return ", ".join(
+        f"{name} {version(dist)}"
+        for name, dist in (
+            ("amp-runner", "amp-runner"),
+            ("MLflow", "mlflow"),
+            ("Hydra", "hydra-core"),
+            ("torchao", "torchao"),
+            ("numpy", "numpy"),
+        )
+    )
 
 
 # ---- entry point --------------------------------------------------------------------------------
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
     # the benchmark's temporary folder: the MLflow store and the token cache, unless given
     own_cache = args.token_cache is None
-    folder = Path(tempfile.mkdtemp(prefix="lm-parity-")) \
-        if own_cache or args.tracking_uri is None else None
+    folder = (
+        Path(tempfile.mkdtemp(prefix="lm-parity-"))
+        if own_cache or args.tracking_uri is None
+        else None
+    )
     if own_cache:
         args.token_cache = folder / "tokens"
     args.token_cache = args.token_cache.expanduser().resolve()
@@ -813,9 +1000,12 @@ def _main(argv: list[str], args: argparse.Namespace) -> int:
     load_start = load_average()
     started = time.perf_counter()
     cfg = compose(task_overrides(args))
-    print(f"Language-model parity: {len(args.levels)} levels x {len(args.seeds)} seeds on "
-          f"{args.device}, {args.steps} steps each; corpus {args.corpus} ({args.glob}); MLflow "
-          f"store {args.tracking_uri}", flush=True)
+    print(
+        f"Language-model parity: {len(args.levels)} levels x {len(args.seeds)} seeds on "
+        f"{args.device}, {args.steps} steps each; corpus {args.corpus} ({args.glob}); MLflow "
+        f"store {args.tracking_uri}",
+        flush=True,
+    )
     for level, why in args.skipped.items():
         print(f"skipping {level}: {why}", flush=True)
     try:
@@ -823,9 +1013,12 @@ def _main(argv: list[str], args: argparse.Namespace) -> int:
     except ConfigError as error:  # an unusable corpus, glob or cache folder: bad arguments
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(f"corpus: {corpus['files']} files, {corpus['tokens']:,} tokens (train "
-          f"{corpus['train_tokens']:,}, validation {corpus['val_tokens']:,}); tokenised in "
-          f"{corpus['tokenise_s']:.1f} s", flush=True)
+    print(
+        f"corpus: {corpus['files']} files, {corpus['tokens']:,} tokens (train "
+        f"{corpus['train_tokens']:,}, validation {corpus['val_tokens']:,}); tokenised in "
+        f"{corpus['tokenise_s']:.1f} s",
+        flush=True,
+    )
     prepare_store(args.tracking_uri, args.experiment)
     report = {
         "benchmark": EXPERIMENT,
@@ -838,8 +1031,9 @@ def _main(argv: list[str], args: argparse.Namespace) -> int:
         "val_batches": args.val_batches,
         "batch_size": int(cfg.trainer.batch_size),  # the task's (after --extra)
         "block_size": int(cfg.data.block_size),
-        "targets": {lvl: {"reference": ref, "tolerance_nats": tol}
-                    for lvl, (ref, tol) in TARGETS.items()},
+        "targets": {
+            lvl: {"reference": ref, "tolerance_nats": tol} for lvl, (ref, tol) in TARGETS.items()
+        },
         "expected_fp8_layers": EXPECTED_FP8_LAYERS,
         "corpus": corpus,
         "overrides": task_overrides(args),
@@ -864,9 +1058,11 @@ def _main(argv: list[str], args: argparse.Namespace) -> int:
             print(f"[{len(results) + 1}/{total}] {level} seed {seed} ...", end=" ", flush=True)
             result = run_one(args, level, seed, session)
             results.append(result)
-            print(f"{result.status}: best val loss {_num(result.best_val_loss, '.4f')}, "
-                  f"{_num(result.tokens_per_s, ',.0f')} tokens/s, {result.wall_s:.0f} s",
-                  flush=True)
+            print(
+                f"{result.status}: best val loss {_num(result.best_val_loss, '.4f')}, "
+                f"{_num(result.tokens_per_s, ',.0f')} tokens/s, {result.wall_s:.0f} s",
+                flush=True,
+            )
             save()  # after every run: a command stopped at a time limit keeps what it finished
     status = crash_status(results)
     if args.overhead_rounds:

@@ -23,6 +23,7 @@ the block that queued it. Two figures per interval:
 Target (issue 7): under 1% of the step time at the default interval. Exit 0 whatever the verdict,
 1 if the run crashed, 2 for bad arguments.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,14 +31,30 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
-from common import (REPO, add_threads_option, apply_threads, build_runner,  # noqa: E402
-                    check_at_least_one, command, compose, csv_list, int_list, load_average,
-                    machine, now, one_batch_task, prepare_store, resolve_device, setup_lines,
-                    store_uri, write_results)
+from common import (  # noqa: E402
+    REPO,
+    add_threads_option,
+    apply_threads,
+    build_runner,
+    check_at_least_one,
+    command,
+    compose,
+    csv_list,
+    int_list,
+    load_average,
+    machine,
+    now,
+    one_batch_task,
+    prepare_store,
+    resolve_device,
+    setup_lines,
+    store_uri,
+    write_results,
+)
 
 EXPERIMENT = "logging-cost"
 TARGET_FRACTION = 0.01
@@ -65,25 +82,48 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python benchmarks/logging_cost.py",
         description="MLflow logging cost per training step, at log_every_n_steps=1 and the "
-        "default, on a real run with a SQLite store; writes Markdown, CSV and JSON.")
+        "default, on a real run with a SQLite store; writes Markdown, CSV and JSON.",
+    )
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--model", default="tiny", help="model config option (default tiny)")
     p.add_argument("--image-size", type=int, default=32, help="synthetic image side (default 32)")
     p.add_argument("--batch-size", type=int, default=128, help="batch size (default 128)")
-    p.add_argument("--steps", type=int, default=100,
-                   help="training steps per block (one epoch over batches in memory; default 100)")
-    p.add_argument("--rounds", type=int, default=8,
-                   help="rounds, each one block per variant (default 8)")
-    p.add_argument("--intervals", type=csv_list, default=None,
-                   help="comma-separated log_every_n_steps values (default: 1 and the runner's "
-                   "default, trainer.log_every_n_steps)")
-    p.add_argument("--tracking-uri", default=None,
-                   help="MLflow store (default: sqlite:///<a new temporary folder>/mlflow.db)")
-    p.add_argument("--out", type=Path, default=None,
-                   help="Markdown results; .csv and .json beside (default "
-                   "benchmarks/results/logging_cost_<device>.md)")
-    p.add_argument("--extra", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
-                   help="more Hydra overrides, applied last")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=100,
+        help="training steps per block (one epoch over batches in memory; default 100)",
+    )
+    p.add_argument(
+        "--rounds", type=int, default=8, help="rounds, each one block per variant (default 8)"
+    )
+    p.add_argument(
+        "--intervals",
+        type=csv_list,
+        default=None,
+        help="comma-separated log_every_n_steps values (default: 1 and the runner's "
+        "default, trainer.log_every_n_steps)",
+    )
+    p.add_argument(
+        "--tracking-uri",
+        default=None,
+        help="MLflow store (default: sqlite:///<a new temporary folder>/mlflow.db)",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="Markdown results; .csv and .json beside (default "
+        "benchmarks/results/logging_cost_<device>.md)",
+    )
+    p.add_argument(
+        "--extra",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="KEY=VALUE",
+        help="more Hydra overrides, applied last",
+    )
     add_threads_option(p)
     args = p.parse_args(argv)
     apply_threads(p, args)
@@ -144,9 +184,16 @@ def run_blocks(args, parts, tracked, sink: Sink) -> dict:
             samples[v]["step_s"].append(step_s)
             samples[v]["in_call_s"].append(in_call_s)
             samples[v]["calls"].append(calls)
-        print(f"round {index + 1}/{args.rounds}: " + ", ".join(
-            f"every {e} {'mlflow' if live else 'off'} {1e3 * samples[(e, live)]['step_s'][-1]:.2f}"
-            " ms/step" for e, live in variants), flush=True)
+        print(
+            f"round {index + 1}/{args.rounds}: "
+            + ", ".join(
+                f"every {e} {'mlflow' if live else 'off'} "
+                f"{1e3 * samples[(e, live)]['step_s'][-1]:.2f}"
+                " ms/step"
+                for e, live in variants
+            ),
+            flush=True,
+        )
     return samples
 
 
@@ -167,22 +214,24 @@ def summarise(args, samples: dict) -> list[dict]:
         in_call_per_step = sum(on["in_call_s"]) / (args.steps * len(on["in_call_s"]))
         paired = [a - b for a, b in zip(on["step_s"], off["step_s"])]
         p25, p75 = _quartiles(paired)
-        rows.append({
-            "log_every_n_steps": every,
-            "default": every == args.default_interval,
-            "step_ms_sink_off": 1e3 * step_off,
-            "step_ms_mlflow": 1e3 * step_on,
-            "calls": calls,
-            "calls_per_block": calls / len(on["calls"]),
-            "in_call_ms_per_call": 1e3 * sum(on["in_call_s"]) / calls if calls else 0.0,
-            "in_call_ms_per_step": 1e3 * in_call_per_step,
-            "in_call_fraction": in_call_per_step / step_off,
-            "end_to_end_ms_per_step": 1e3 * (step_on - step_off),
-            "end_to_end_fraction": (step_on - step_off) / step_off,
-            "paired_diff_ms_median": 1e3 * statistics.median(paired),
-            "paired_diff_ms_p25": 1e3 * p25,
-            "paired_diff_ms_p75": 1e3 * p75,
-        })
+        rows.append(
+            {
+                "log_every_n_steps": every,
+                "default": every == args.default_interval,
+                "step_ms_sink_off": 1e3 * step_off,
+                "step_ms_mlflow": 1e3 * step_on,
+                "calls": calls,
+                "calls_per_block": calls / len(on["calls"]),
+                "in_call_ms_per_call": 1e3 * sum(on["in_call_s"]) / calls if calls else 0.0,
+                "in_call_ms_per_step": 1e3 * in_call_per_step,
+                "in_call_fraction": in_call_per_step / step_off,
+                "end_to_end_ms_per_step": 1e3 * (step_on - step_off),
+                "end_to_end_fraction": (step_on - step_off) / step_off,
+                "paired_diff_ms_median": 1e3 * statistics.median(paired),
+                "paired_diff_ms_p25": 1e3 * p25,
+                "paired_diff_ms_p75": 1e3 * p75,
+            }
+        )
     return rows
 
 
@@ -193,27 +242,37 @@ def verdict(args, rows: list[dict]) -> tuple[str, dict]:
     default = next((r for r in rows if r["default"]), None)
     every_step = next((r for r in rows if r["log_every_n_steps"] == 1), None)
     if default is None or every_step is None:
-        return ("NOT JUDGED: the verdict needs intervals 1 and the default "
-                f"({args.default_interval})."), {}
+        return (
+            f"NOT JUDGED: the verdict needs intervals 1 and the default ({args.default_interval})."
+        ), {}
     per_call_ms = every_step["end_to_end_ms_per_step"] * args.steps / every_step["calls_per_block"]
     amortised = per_call_ms / args.default_interval / default["step_ms_sink_off"]
     resolved = per_call_ms > 0
     worst = max(default["in_call_fraction"], amortised if resolved else 0.0)
     head = "PASS" if worst < TARGET_FRACTION else "MISS"
     if resolved:
-        end_to_end = (f"{100 * amortised:.3f}% end to end (the {per_call_ms:.2f} ms per call "
-                      f"measured at every step, amortised over {args.default_interval} steps)")
+        end_to_end = (
+            f"{100 * amortised:.3f}% end to end (the {per_call_ms:.2f} ms per call "
+            f"measured at every step, amortised over {args.default_interval} steps)"
+        )
     else:
-        end_to_end = ("no end-to-end cost resolved above the noise (at every step the live "
-                      f"blocks were {-every_step['end_to_end_ms_per_step']:.2f} ms per step "
-                      "faster than the sink-off ones; only the in-call share is judged)")
-    text = (f"{head}: at the default log_every_n_steps={args.default_interval}, MLflow logging "
-            f"costs {100 * default['in_call_fraction']:.3f}% of a step in the training thread "
-            f"and {end_to_end}; target < {100 * TARGET_FRACTION:g}%. At every step: "
-            f"{100 * every_step['in_call_fraction']:.2f}% in-call, "
-            f"{100 * every_step['end_to_end_fraction']:.2f}% end to end.")
-    return text, {"per_call_end_to_end_ms": per_call_ms, "default_amortised_fraction": amortised,
-                  "end_to_end_resolved": resolved}
+        end_to_end = (
+            "no end-to-end cost resolved above the noise (at every step the live "
+            f"blocks were {-every_step['end_to_end_ms_per_step']:.2f} ms per step "
+            "faster than the sink-off ones; only the in-call share is judged)"
+        )
+    text = (
+        f"{head}: at the default log_every_n_steps={args.default_interval}, MLflow logging "
+        f"costs {100 * default['in_call_fraction']:.3f}% of a step in the training thread "
+        f"and {end_to_end}; target < {100 * TARGET_FRACTION:g}%. At every step: "
+        f"{100 * every_step['in_call_fraction']:.2f}% in-call, "
+        f"{100 * every_step['end_to_end_fraction']:.2f}% end to end."
+    )
+    return text, {
+        "per_call_end_to_end_ms": per_call_ms,
+        "default_amortised_fraction": amortised,
+        "end_to_end_resolved": resolved,
+    }
 
 
 def render(report: dict) -> str:
@@ -244,7 +303,8 @@ def render(report: dict) -> str:
             f"| {r['in_call_ms_per_call']:.3f} | {100 * r['in_call_fraction']:.3f}% | "
             f"{1e3 * r['end_to_end_ms_per_step']:.0f} us | {100 * r['end_to_end_fraction']:.2f}% "
             f"| {r['paired_diff_ms_median']:.3f} [{r['paired_diff_ms_p25']:.3f}, "
-            f"{r['paired_diff_ms_p75']:.3f}] |")
+            f"{r['paired_diff_ms_p75']:.3f}] |"
+        )
     lines += [
         "",
         f"Verdict: {report['verdict']}",
@@ -263,10 +323,22 @@ def render(report: dict) -> str:
     return "\n".join(lines)
 
 
-CSV_FIELDS = ["log_every_n_steps", "default", "calls", "calls_per_block", "step_ms_sink_off",
-              "step_ms_mlflow", "in_call_ms_per_call", "in_call_ms_per_step", "in_call_fraction",
-              "end_to_end_ms_per_step", "end_to_end_fraction", "paired_diff_ms_median",
-              "paired_diff_ms_p25", "paired_diff_ms_p75"]
+CSV_FIELDS = [
+    "log_every_n_steps",
+    "default",
+    "calls",
+    "calls_per_block",
+    "step_ms_sink_off",
+    "step_ms_mlflow",
+    "in_call_ms_per_call",
+    "in_call_ms_per_step",
+    "in_call_fraction",
+    "end_to_end_ms_per_step",
+    "end_to_end_fraction",
+    "paired_diff_ms_median",
+    "paired_diff_ms_p25",
+    "paired_diff_ms_p75",
+]
 
 
 def write_outputs(out: Path, report: dict) -> list[Path]:
@@ -285,9 +357,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.tracking_uri = store_uri(args.tracking_uri, "logging-cost-")
     load_start = load_average()
     started = time.perf_counter()
-    print(f"MLflow logging cost on {args.device}: {args.model}, intervals "
-          f"{', '.join(map(str, args.intervals))}, {args.rounds} rounds of {args.steps}-step "
-          f"blocks; store {args.tracking_uri}; load average {load_start}", flush=True)
+    print(
+        f"MLflow logging cost on {args.device}: {args.model}, intervals "
+        f"{', '.join(map(str, args.intervals))}, {args.rounds} rounds of {args.steps}-step "
+        f"blocks; store {args.tracking_uri}; load average {load_start}",
+        flush=True,
+    )
     try:
         prepare_store(args.tracking_uri, EXPERIMENT)
         cfg = compose(task_overrides(args))
@@ -295,8 +370,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parts = build_runner(cfg, on_metrics=sink)
         tracker = Tracker(cfg.mlflow.tracking_uri, cfg.mlflow.experiment_name)
         params = flatten(OmegaConf.to_container(cfg, resolve=True))
-        with tracker.start_run(f"{args.model}-logging-cost", params,
-                               {"benchmark": EXPERIMENT}) as tracked:
+        with tracker.start_run(
+            f"{args.model}-logging-cost", params, {"benchmark": EXPERIMENT}
+        ) as tracked:
             samples = run_blocks(args, parts, tracked, sink)
         run_id = tracked.run_id
         stored = len(tracker.client.get_metric_history(run_id, "train_loss"))
@@ -306,16 +382,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = summarise(args, samples)
     text, derived = verdict(args, results)
     report = {
-        "benchmark": "logging_cost", "device": args.device,
-        "task": {"model": args.model, "image_size": args.image_size,
-                 "batch_size": args.batch_size},
-        "steps": args.steps, "rounds": args.rounds, "intervals": args.intervals,
-        "default_interval": args.default_interval, "results": results, "verdict": text,
-        **derived, "logged_calls": sink.total, "stored_train_loss_values": stored,
-        "run_id": run_id, "tracking_uri": args.tracking_uri, "mlflow": mlflow.__version__,
-        "overrides": task_overrides(args), "machine": machine(args.device),
-        "command": command("logging_cost.py", argv), "date": now(),
-        "load_start": load_start, "load_end": load_average(),
+        "benchmark": "logging_cost",
+        "device": args.device,
+        "task": {"model": args.model, "image_size": args.image_size, "batch_size": args.batch_size},
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "intervals": args.intervals,
+        "default_interval": args.default_interval,
+        "results": results,
+        "verdict": text,
+        **derived,
+        "logged_calls": sink.total,
+        "stored_train_loss_values": stored,
+        "run_id": run_id,
+        "tracking_uri": args.tracking_uri,
+        "mlflow": mlflow.__version__,
+        "overrides": task_overrides(args),
+        "machine": machine(args.device),
+        "command": command("logging_cost.py", argv),
+        "date": now(),
+        "load_start": load_start,
+        "load_end": load_average(),
         "wall_s": time.perf_counter() - started,
     }
     paths = write_outputs(args.out, report)

@@ -28,6 +28,7 @@ Targets (issue 7): ratio <= 1.03 for O0 and O1 (bf16 on CPU), ResNet-18 on 32x32
 64, CPU and GPU; O2: the runner faster than the stock loop (ratio < 1). Exit 0 whatever the
 verdict; 1 if a step crashed; 2 for bad arguments.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,13 +37,28 @@ import sys
 import time
 import traceback
 import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
-from common import (REPO, add_threads_option, apply_threads, build_runner,  # noqa: E402
-                    check_at_least_one, check_presets, command, compose, csv_list, load_average,
-                    machine, now, one_batch_task, resolve_device, setup_lines, write_results)
+from common import (  # noqa: E402
+    REPO,
+    add_threads_option,
+    apply_threads,
+    build_runner,
+    check_at_least_one,
+    check_presets,
+    command,
+    compose,
+    csv_list,
+    load_average,
+    machine,
+    now,
+    one_batch_task,
+    resolve_device,
+    setup_lines,
+    write_results,
+)
 
 TARGET_RATIO = 1.03  # O0 and O1: runner / hand-written at most this
 CPU_LEVELS = ["o0", "o1_bf16", "o2_bf16"]
@@ -60,8 +76,10 @@ def handwritten_kind(properties) -> str:
         return "autocast"
     if properties.casts_to_half and properties.uses_master_weights:
         return "o2"
-    raise ValueError(f"no hand-written loop for {properties.opt_level} with these properties "
-                     "(only O0, O1 and O2 with master weights have one)")
+    raise ValueError(
+        f"no hand-written loop for {properties.opt_level} with these properties "
+        "(only O0, O1 and O2 with master weights have one)"
+    )
 
 
 def _static_or_dynamic(properties) -> bool:
@@ -69,8 +87,10 @@ def _static_or_dynamic(properties) -> bool:
     if properties.dynamic_loss_scale:
         return True
     if float(properties.loss_scale) != 1.0:
-        raise ValueError(f"the hand-written loops take a dynamic loss scale or none, not a static "
-                         f"scale of {properties.loss_scale}")
+        raise ValueError(
+            f"the hand-written loops take a dynamic loss scale or none, not a static "
+            f"scale of {properties.loss_scale}"
+        )
     return False
 
 
@@ -91,8 +111,12 @@ def handwritten_step(model, cfg, properties, batch) -> Callable[[], object]:
     def criterion(logits, target):
         # a language model's (B, T, V) logits: every position against the next token, as
         # nanoGPT's loop computes it (logits.view(-1, V) against targets.view(-1))
-        return cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1)) \
-            if logits.dim() == 3 else cross_entropy(logits, target)
+        return (
+            cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+            if logits.dim() == 3
+            else cross_entropy(logits, target)
+        )
+
     dynamic = _static_or_dynamic(properties)
 
     def scheduler_for(optimizer):
@@ -117,10 +141,17 @@ def handwritten_step(model, cfg, properties, batch) -> Callable[[], object]:
         optimizer = build_optimizer(cfg.optimizer, model.parameters())
         scheduler = scheduler_for(optimizer)
         dtype = properties.autocast_dtype
-        scaler = torch.amp.GradScaler(
-            device_type, init_scale=properties.init_scale, growth_factor=properties.growth_factor,
-            backoff_factor=properties.backoff_factor,
-            growth_interval=properties.growth_interval) if dynamic else None
+        scaler = (
+            torch.amp.GradScaler(
+                device_type,
+                init_scale=properties.init_scale,
+                growth_factor=properties.growth_factor,
+                backoff_factor=properties.backoff_factor,
+                growth_interval=properties.growth_interval,
+            )
+            if dynamic
+            else None
+        )
 
         def step():
             with torch.autocast(device_type, dtype=dtype):
@@ -170,8 +201,9 @@ def handwritten_step(model, cfg, properties, batch) -> Callable[[], object]:
         else:
             scale["clean"] += 1
             if scale["clean"] >= properties.growth_interval:
-                scale["value"] = min(scale["value"] * properties.growth_factor,
-                                     properties.max_loss_scale)
+                scale["value"] = min(
+                    scale["value"] * properties.growth_factor, properties.max_loss_scale
+                )
                 scale["clean"] = 0
         inv.fill_(1.0 / scale["value"])
 
@@ -188,7 +220,8 @@ def handwritten_step(model, cfg, properties, batch) -> Callable[[], object]:
             if dynamic:
                 found.zero_()
                 torch._amp_foreach_non_finite_check_and_unscale_(
-                    master_grads + [p.grad for p in fp32_params], found, inv)
+                    master_grads + [p.grad for p in fp32_params], found, inv
+                )
                 overflow = found.item() != 0
             if not overflow:
                 optimizer.step()
@@ -210,32 +243,65 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python benchmarks/overhead.py",
         description="Runner overhead: Trainer.train_step against a hand-written PyTorch loop "
-        "doing the same work, interleaved, per precision level; writes Markdown, CSV and JSON.")
+        "doing the same work, interleaved, per precision level; writes Markdown, CSV and JSON.",
+    )
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--levels", type=csv_list, default=None,
-                   help=f"comma-separated presets (default: CPU {','.join(CPU_LEVELS)}; CUDA "
-                   f"{','.join(CUDA_LEVELS)}); O3 has no hand-written counterpart")
+    p.add_argument(
+        "--levels",
+        type=csv_list,
+        default=None,
+        help=f"comma-separated presets (default: CPU {','.join(CPU_LEVELS)}; CUDA "
+        f"{','.join(CUDA_LEVELS)}); O3 has no hand-written counterpart",
+    )
     p.add_argument("--model", default="resnet18", help="model config option (default resnet18)")
     p.add_argument("--image-size", type=int, default=32, help="synthetic image side (default 32)")
     p.add_argument("--batch-size", type=int, default=64, help="batch size (default 64)")
-    p.add_argument("--rounds", type=int, default=None,
-                   help="interleaved rounds, each one block per side and level (default 15 on "
-                   "CPU, 20 on CUDA)")
-    p.add_argument("--block", type=int, default=None,
-                   help="steps per timed block (default 1 on CPU, 25 on CUDA)")
-    p.add_argument("--warmup", type=int, default=None,
-                   help="untimed steps per side and level first (default 2 on CPU, 20 on CUDA)")
-    p.add_argument("--channels-last", action="store_true",
-                   help="trainer.channels_last=true (model and inputs channels-last, both sides)")
-    p.add_argument("--out", type=Path, default=None,
-                   help="Markdown results; .csv and .json beside (default "
-                   "benchmarks/results/overhead_<device>.md)")
-    p.add_argument("--extra", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
-                   help="more Hydra overrides for the runner's config, applied last "
-                   "(e.g. optimizer=adamw); the hand-written loop takes the same settings")
-    p.add_argument("--startup", action="store_true",
-                   help="measure start-up instead: whole-process wall time of a tiny run against "
-                   "a hand-written loop (benchmarks/startup.py; its own options follow)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="interleaved rounds, each one block per side and level (default 15 on "
+        "CPU, 20 on CUDA)",
+    )
+    p.add_argument(
+        "--block",
+        type=int,
+        default=None,
+        help="steps per timed block (default 1 on CPU, 25 on CUDA)",
+    )
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="untimed steps per side and level first (default 2 on CPU, 20 on CUDA)",
+    )
+    p.add_argument(
+        "--channels-last",
+        action="store_true",
+        help="trainer.channels_last=true (model and inputs channels-last, both sides)",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="Markdown results; .csv and .json beside (default "
+        "benchmarks/results/overhead_<device>.md)",
+    )
+    p.add_argument(
+        "--extra",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="KEY=VALUE",
+        help="more Hydra overrides for the runner's config, applied last "
+        "(e.g. optimizer=adamw); the hand-written loop takes the same settings",
+    )
+    p.add_argument(
+        "--startup",
+        action="store_true",
+        help="measure start-up instead: whole-process wall time of a tiny run against "
+        "a hand-written loop (benchmarks/startup.py; its own options follow)",
+    )
     add_threads_option(p)
     args = p.parse_args(argv)
     apply_threads(p, args)
@@ -256,8 +322,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     check_presets(p, levels)
     o3 = [lvl for lvl in levels if lvl.startswith("o3")]
     if o3:
-        p.error(f"{', '.join(o3)}: O3 has no hand-written counterpart here; choose O0, O1 or O2 "
-                "presets")
+        p.error(
+            f"{', '.join(o3)}: O3 has no hand-written counterpart here; choose O0, O1 or O2 presets"
+        )
     args.levels = list(dict.fromkeys(levels))
     args.out = args.out or REPO / "benchmarks" / "results" / f"overhead_{args.device}.md"
     return args
@@ -297,8 +364,13 @@ def _quartiles(values: list[float]) -> tuple[float, float]:
 
 def describe(times: list[float]) -> dict:
     p25, p75 = _quartiles(times)
-    return {"median_ms": 1e3 * statistics.median(times), "p25_ms": 1e3 * p25,
-            "p75_ms": 1e3 * p75, "min_ms": 1e3 * min(times), "samples": len(times)}
+    return {
+        "median_ms": 1e3 * statistics.median(times),
+        "p25_ms": 1e3 * p25,
+        "p75_ms": 1e3 * p75,
+        "min_ms": 1e3 * min(times),
+        "samples": len(times),
+    }
 
 
 def target_for(opt_level: str) -> tuple[str, float]:
@@ -349,12 +421,18 @@ class Level:
         p25, p75 = _quartiles(paired)
         target = target_for(self.opt_level)
         return {
-            "level": self.level, "opt_level": self.opt_level, "handwritten": self.kind,
-            "kernels": self.kernels, "runner_ms": describe(runner),
-            "handwritten_ms": describe(hand), "ratio": ratio,
+            "level": self.level,
+            "opt_level": self.opt_level,
+            "handwritten": self.kind,
+            "kernels": self.kernels,
+            "runner_ms": describe(runner),
+            "handwritten_ms": describe(hand),
+            "ratio": ratio,
             "ratio_of_minima": min(runner) / min(hand),
-            "paired_ratio_median": statistics.median(paired), "paired_ratio_p25": p25,
-            "paired_ratio_p75": p75, "target": f"{target[0]} {target[1]:g}",
+            "paired_ratio_median": statistics.median(paired),
+            "paired_ratio_p25": p25,
+            "paired_ratio_p75": p75,
+            "target": f"{target[0]} {target[1]:g}",
             "meets_target": meets(ratio, target),
             "first_loss_runner": self.first_loss["runner"],
             "first_loss_handwritten": self.first_loss["handwritten"],
@@ -374,20 +452,27 @@ HANDWRITTEN_LABELS = {
 
 def handwritten_label(row: dict, dynamic: bool) -> str:
     label = HANDWRITTEN_LABELS[row["handwritten"]]
-    return label.format(scaler=" + GradScaler" if dynamic else " (no scaler: bf16)",
-                        check="unscale+check, " if dynamic else "")
+    return label.format(
+        scaler=" + GradScaler" if dynamic else " (no scaler: bf16)",
+        check="unscale+check, " if dynamic else "",
+    )
 
 
 def verdict(report: dict) -> str:
     rows = report["results"]
     task = report["task"]
-    parts = [f"{r['opt_level']} (`{r['level']}`) {r['ratio']:.3f} (target {r['target']}: "
-             f"{'meets' if r['meets_target'] else 'misses'})" for r in rows]
+    parts = [
+        f"{r['opt_level']} (`{r['level']}`) {r['ratio']:.3f} (target {r['target']}: "
+        f"{'meets' if r['meets_target'] else 'misses'})"
+        for r in rows
+    ]
     head = "PASS" if all(r["meets_target"] for r in rows) else "MISS"
     text = f"{head}: runner / hand-written median step time: " + "; ".join(parts) + "."
     if any(task[k] != v for k, v in TARGET_TASK.items()):
-        text += (" (The targets are set for resnet18 on 32x32 inputs at batch 64; this task "
-                 "differs, so the verdict is informational.)")
+        text += (
+            " (The targets are set for resnet18 on 32x32 inputs at batch 64; this task "
+            "differs, so the verdict is informational.)"
+        )
     return text
 
 
@@ -403,9 +488,15 @@ def measure(args: argparse.Namespace, prefix: str = "") -> list[Level]:
     for index in range(args.rounds):
         for lv in levels:
             lv.run_round(index, args.block)
-        print(f"{prefix}round {index + 1}/{args.rounds}: " + ", ".join(
-            f"{lv.level} {1e3 * lv.times['runner'][-1]:.1f}/"
-            f"{1e3 * lv.times['handwritten'][-1]:.1f} ms" for lv in levels), flush=True)
+        print(
+            f"{prefix}round {index + 1}/{args.rounds}: "
+            + ", ".join(
+                f"{lv.level} {1e3 * lv.times['runner'][-1]:.1f}/"
+                f"{1e3 * lv.times['handwritten'][-1]:.1f} ms"
+                for lv in levels
+            ),
+            flush=True,
+        )
     return levels
 
 
@@ -425,7 +516,8 @@ def table_lines(report: dict, ms: str = ".1f") -> list[str]:
             f"{r['ratio']:.3f} | {r['paired_ratio_median']:.3f} [{r['paired_ratio_p25']:.3f}, "
             f"{r['paired_ratio_p75']:.3f}] | {r['ratio_of_minima']:.3f} | {r['target']} | "
             f"{'yes' if r['meets_target'] else '**no**'} | "
-            f"{r['first_loss_runner']:.4f} / {r['first_loss_handwritten']:.4f} |")
+            f"{r['first_loss_runner']:.4f} / {r['first_loss_handwritten']:.4f} |"
+        )
     return lines
 
 
@@ -469,16 +561,35 @@ def render(report: dict) -> str:
     return "\n".join(lines)
 
 
-CSV_FIELDS = ["level", "opt_level", "handwritten", "runner_median_ms", "handwritten_median_ms",
-              "ratio", "paired_ratio_median", "paired_ratio_p25", "paired_ratio_p75",
-              "ratio_of_minima", "target",
-              "meets_target", "samples", "first_loss_runner", "first_loss_handwritten"]
+CSV_FIELDS = [
+    "level",
+    "opt_level",
+    "handwritten",
+    "runner_median_ms",
+    "handwritten_median_ms",
+    "ratio",
+    "paired_ratio_median",
+    "paired_ratio_p25",
+    "paired_ratio_p75",
+    "ratio_of_minima",
+    "target",
+    "meets_target",
+    "samples",
+    "first_loss_runner",
+    "first_loss_handwritten",
+]
 
 
 def write_outputs(out: Path, report: dict) -> list[Path]:
-    rows = [{**r, "runner_median_ms": r["runner_ms"]["median_ms"],
-             "handwritten_median_ms": r["handwritten_ms"]["median_ms"],
-             "samples": r["runner_ms"]["samples"]} for r in report["results"]]
+    rows = [
+        {
+            **r,
+            "runner_median_ms": r["runner_ms"]["median_ms"],
+            "handwritten_median_ms": r["handwritten_ms"]["median_ms"],
+            "samples": r["runner_ms"]["samples"],
+        }
+        for r in report["results"]
+    ]
     return write_results(out, render(report), rows, CSV_FIELDS, report)
 
 
@@ -491,9 +602,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     load_start = load_average()
     started = time.perf_counter()
-    print(f"Runner overhead on {args.device}: {args.model} {args.image_size}px batch "
-          f"{args.batch_size}, levels {', '.join(args.levels)}; {args.rounds} rounds of "
-          f"{args.block}-step blocks; load average {load_start}", flush=True)
+    print(
+        f"Runner overhead on {args.device}: {args.model} {args.image_size}px batch "
+        f"{args.batch_size}, levels {', '.join(args.levels)}; {args.rounds} rounds of "
+        f"{args.block}-step blocks; load average {load_start}",
+        flush=True,
+    )
     try:
         levels = measure(args)
     except Exception:  # noqa: BLE001  (a crash is reported and the exit status says so)
@@ -505,14 +619,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         if lv.engine.scalers[0].dynamic:
             dynamic.append(lv.level)
     report = {
-        "benchmark": "overhead", "device": args.device, "levels": args.levels,
-        "task": {"model": args.model, "image_size": args.image_size,
-                 "batch_size": args.batch_size, "channels_last": args.channels_last},
-        "rounds": args.rounds, "block": args.block, "warmup": args.warmup,
-        "dynamic_levels": dynamic, "results": results,
+        "benchmark": "overhead",
+        "device": args.device,
+        "levels": args.levels,
+        "task": {
+            "model": args.model,
+            "image_size": args.image_size,
+            "batch_size": args.batch_size,
+            "channels_last": args.channels_last,
+        },
+        "rounds": args.rounds,
+        "block": args.block,
+        "warmup": args.warmup,
+        "dynamic_levels": dynamic,
+        "results": results,
         "overrides": task_overrides(args, "<level>"),
-        "machine": machine(args.device), "command": command("overhead.py", argv),
-        "date": now(), "load_start": load_start, "load_end": load_average(),
+        "machine": machine(args.device),
+        "command": command("overhead.py", argv),
+        "date": now(),
+        "load_start": load_start,
+        "load_end": load_average(),
         "wall_s": time.perf_counter() - started,
     }
     report["verdict"] = verdict(report)

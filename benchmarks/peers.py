@@ -25,7 +25,8 @@ both alike; a side's figure is the median of its blocks' median step times.
 
     python benchmarks/peers.py --device cuda            # ResNet-50, 224 px, batch 128
     python benchmarks/peers.py                          # CPU: ResNet-18, 32 px, bf16 peers only
-    python benchmarks/peers.py --device cuda --model torchvision:vit_b_16 --peers lightning:bf16-mixed
+    python benchmarks/peers.py --device cuda --model torchvision:vit_b_16 --peers
+    lightning:bf16-mixed
     python benchmarks/peers.py --device cuda --model gpt2_small --image-size 1024 --batch-size 8 \
         --extra model.vocab_size=50304 --peers titan:float8,hand:o1_bf16
 
@@ -48,6 +49,7 @@ Target (issue 28): the runner at least as fast as each peer (throughput runner /
 the GPU. On a CPU the table is printed with no verdict (fp16 is emulated there; bf16 peers only).
 Exit 0 whatever the verdict; 1 if a side crashed; 2 for bad arguments or Lightning missing.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,14 +60,29 @@ import sys
 import time
 import traceback
 import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
-from common import (REPO, add_threads_option, apply_threads, build_runner,  # noqa: E402
-                    check_at_least_one, command, compose, csv_list, interleaved_medians,
-                    is_language_model, load_average, machine, model_label, now, one_batch_task,
-                    resolve_device, write_results)
+from common import (  # noqa: E402
+    REPO,
+    add_threads_option,
+    apply_threads,
+    build_runner,
+    check_at_least_one,
+    command,
+    compose,
+    csv_list,
+    interleaved_medians,
+    is_language_model,
+    load_average,
+    machine,
+    model_label,
+    now,
+    one_batch_task,
+    resolve_device,
+    write_results,
+)
 from overhead import handwritten_step, timed_block  # noqa: E402
 
 # peer -> the runner level doing the same work
@@ -81,45 +98,94 @@ TITAN_RECIPE = "rowwise"  # torchtitan's Float8LinearConverter.Config.recipe_nam
 CUDA_PEERS = ["lightning:16-mixed", "lightning:bf16-mixed", "lightning:bf16-true", "hand:o1"]
 CPU_PEERS = ["lightning:bf16-mixed", "lightning:bf16-true", "hand:o1_bf16"]
 DEFAULTS = {
-    "cuda": {"model": "resnet50", "image_size": 224, "batch_size": 128, "steps": 20,
-             "warmup": 5, "rounds": 2},
-    "cpu": {"model": "resnet18", "image_size": 32, "batch_size": 32, "steps": 2, "warmup": 1,
-            "rounds": 2},
+    "cuda": {
+        "model": "resnet50",
+        "image_size": 224,
+        "batch_size": 128,
+        "steps": 20,
+        "warmup": 5,
+        "rounds": 2,
+    },
+    "cpu": {
+        "model": "resnet18",
+        "image_size": 32,
+        "batch_size": 32,
+        "steps": 2,
+        "warmup": 1,
+        "rounds": 2,
+    },
 }
 TARGET = 1.0  # runner throughput / peer throughput, at least
-FIELDS = ["peer", "level", "status", "runner_ms", "peer_ms", "ratio", "meets", "runner_loss",
-          "peer_loss", "error"]
+FIELDS = [
+    "peer",
+    "level",
+    "status",
+    "runner_ms",
+    "peer_ms",
+    "ratio",
+    "meets",
+    "runner_loss",
+    "peer_loss",
+    "error",
+]
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python benchmarks/peers.py",
         description="The runner's training step against Lightning's precision plugins and a "
-        "hand-written autocast loop on the same model, data and weights; Markdown, CSV, JSON.")
+        "hand-written autocast loop on the same model, data and weights; Markdown, CSV, JSON.",
+    )
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--model", default=None,
-                   help="a model option or <zoo>:<arch> (default resnet50 on CUDA, resnet18 on CPU)")
-    p.add_argument("--peers", type=csv_list, default=None,
-                   help=f"from {', '.join(PAIRS)} (default: {', '.join(CUDA_PEERS)} on CUDA; "
-                   f"{', '.join(CPU_PEERS)} on CPU)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="a model option or <zoo>:<arch> (default resnet50 on CUDA, resnet18 on CPU)",
+    )
+    p.add_argument(
+        "--peers",
+        type=csv_list,
+        default=None,
+        help=f"from {', '.join(PAIRS)} (default: {', '.join(CUDA_PEERS)} on CUDA; "
+        f"{', '.join(CPU_PEERS)} on CPU)",
+    )
     p.add_argument("--image-size", type=int, default=None)
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--steps", type=int, default=None, help="timed steps a block")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps before each block")
     p.add_argument("--rounds", type=int, default=None, help="timed blocks a side")
-    p.add_argument("--extra", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
-                   help="more Hydra overrides for both sides' config (e.g. optimizer=adamw)")
-    p.add_argument("--titan-filter", type=csv_list, default=[], metavar="NAMES",
-                   help="titan:float8: Linear layers kept out of fp8 on both sides, by their "
-                   "module names (e.g. head, as torchtitan's 405B config keeps its lm_head); "
-                   "default none, torchtitan's default")
-    p.add_argument("--titan-compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="titan:float8: compile both sides (each transformer block; the runner's "
-                   "model); default on CUDA only (on a CPU fp8 is emulated, which torchtitan "
-                   "does not compile, but it runs: a check of the GPU's code path)")
-    p.add_argument("--out", type=Path, default=None,
-                   help="Markdown path (default benchmarks/results/peers_<device>.md; "
-                   ".csv and .json beside it)")
+    p.add_argument(
+        "--extra",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="KEY=VALUE",
+        help="more Hydra overrides for both sides' config (e.g. optimizer=adamw)",
+    )
+    p.add_argument(
+        "--titan-filter",
+        type=csv_list,
+        default=[],
+        metavar="NAMES",
+        help="titan:float8: Linear layers kept out of fp8 on both sides, by their "
+        "module names (e.g. head, as torchtitan's 405B config keeps its lm_head); "
+        "default none, torchtitan's default",
+    )
+    p.add_argument(
+        "--titan-compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="titan:float8: compile both sides (each transformer block; the runner's "
+        "model); default on CUDA only (on a CPU fp8 is emulated, which torchtitan "
+        "does not compile, but it runs: a check of the GPU's code path)",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="Markdown path (default benchmarks/results/peers_<device>.md; "
+        ".csv and .json beside it)",
+    )
     add_threads_option(p)
     args = p.parse_args(argv)
     apply_threads(p, args)
@@ -130,8 +196,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     check_at_least_one(p, args, ("image_size", "batch_size", "steps", "rounds"))
     if args.warmup < 0:
         p.error("--warmup must be >= 0")
-    args.peers = list(dict.fromkeys(args.peers or (CUDA_PEERS if args.device == "cuda"
-                                                   else CPU_PEERS)))
+    args.peers = list(
+        dict.fromkeys(args.peers or (CUDA_PEERS if args.device == "cuda" else CPU_PEERS))
+    )
     unknown = [peer for peer in args.peers if peer not in PAIRS]
     if unknown:
         p.error(f"unknown peer {unknown[0]!r}: choose from {', '.join(PAIRS)}")
@@ -139,20 +206,29 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         try:
             import lightning  # noqa: F401
         except ImportError:
-            print("peers.py: the Lightning peers need the `lightning` package "
-                  "(pip install lightning), or name only hand:* peers", file=sys.stderr)
+            print(
+                "peers.py: the Lightning peers need the `lightning` package "
+                "(pip install lightning), or name only hand:* peers",
+                file=sys.stderr,
+            )
             sys.exit(2)
     if "titan:float8" in args.peers:
         if not is_language_model(args.model):
-            p.error(f"titan:float8 trains a language model (torchtitan compiles its transformer "
-                    f"blocks), not {args.model!r}: --model gpt2_small (or gpt_tiny, gpt)")
+            p.error(
+                f"titan:float8 trains a language model (torchtitan compiles its transformer "
+                f"blocks), not {args.model!r}: --model gpt2_small (or gpt_tiny, gpt)"
+            )
         if importlib.util.find_spec("torchao") is None:
-            print("peers.py: titan:float8 needs torchao (pip install \"amp-runner[fp8]\")",
-                  file=sys.stderr)
+            print(
+                'peers.py: titan:float8 needs torchao (pip install "amp-runner[fp8]")',
+                file=sys.stderr,
+            )
             sys.exit(2)
     elif args.titan_filter or args.titan_compile is not None:
-        p.error("--titan-filter and --titan-compile are for the titan:float8 peer, which --peers "
-                "does not name")
+        p.error(
+            "--titan-filter and --titan-compile are for the titan:float8 peer, which --peers "
+            "does not name"
+        )
     if args.titan_compile is None:
         args.titan_compile = args.device == "cuda"
     args.out = args.out or REPO / "benchmarks" / "results" / f"peers_{args.device}.md"
@@ -163,21 +239,31 @@ def level_label(args, peer: str) -> str:
     """The runner level a peer is compared with, as the table names it."""
     if peer != "titan:float8":
         return PAIRS[peer]
-    return (f"{PAIRS[peer]} {TITAN_RECIPE}" + ("+compile" if args.titan_compile else "")
-            + "".join(f", {name} bf16" for name in args.titan_filter))
+    return (
+        f"{PAIRS[peer]} {TITAN_RECIPE}"
+        + ("+compile" if args.titan_compile else "")
+        + "".join(f", {name} bf16" for name in args.titan_filter)
+    )
 
 
 def task_overrides(args, peer: str) -> list[str]:
     """The runner side's overrides for `peer` (the peer is built from the same config)."""
     pair = []
     if peer == "titan:float8":
-        pair = [f"precision.fp8_linear={TITAN_RECIPE}",
-                *(["trainer.compile=true"] if args.titan_compile else [])]
+        pair = [
+            f"precision.fp8_linear={TITAN_RECIPE}",
+            *(["trainer.compile=true"] if args.titan_compile else []),
+        ]
         # the same layers out of fp8 on the runner's side: a layer plan keeps them in bf16
         pair += [f"+precision.layers.{name}=bfloat16" for name in args.titan_filter]
-    return [*one_batch_task(args.model, args.image_size, args.batch_size, args.device),
-            "trainer.channels_last=" + ("true" if args.device == "cuda" else "false"),
-            "trainer.cudnn_benchmark=true", f"precision={PAIRS[peer]}", *pair, *args.extra]
+    return [
+        *one_batch_task(args.model, args.image_size, args.batch_size, args.device),
+        "trainer.channels_last=" + ("true" if args.device == "cuda" else "false"),
+        "trainer.cudnn_benchmark=true",
+        f"precision={PAIRS[peer]}",
+        *pair,
+        *args.extra,
+    ]
 
 
 # ---- the sides ----------------------------------------------------------------------------------
@@ -215,22 +301,28 @@ class LightningSide:
                 super().__init__()
                 self.model = model
                 self.optimizer = build_optimizer(cfg.optimizer, self.model.parameters())
-                self.scheduler = build_scheduler(cfg.scheduler, self.optimizer, 1,
-                                                 cfg.trainer.max_epochs)
+                self.scheduler = build_scheduler(
+                    cfg.scheduler, self.optimizer, 1, cfg.trainer.max_epochs
+                )
 
             def training_step(self, batch, index):
                 x, y = batch
                 logits = self.model(x)
-                loss = criterion(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)) \
-                    if logits.dim() == 3 else criterion(logits, y)
+                loss = (
+                    criterion(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+                    if logits.dim() == 3
+                    else criterion(logits, y)
+                )
                 side.last_loss = loss.detach()
                 return loss
 
             def configure_optimizers(self):
                 if self.scheduler is None:
                     return self.optimizer
-                return {"optimizer": self.optimizer,
-                        "lr_scheduler": {"scheduler": self.scheduler, "interval": "step"}}
+                return {
+                    "optimizer": self.optimizer,
+                    "lr_scheduler": {"scheduler": self.scheduler, "interval": "step"},
+                }
 
         class StepTimer(L.Callback):
             def __init__(self):
@@ -263,11 +355,20 @@ class LightningSide:
         self.times = []
         total = warmup + steps
         trainer = self._L.Trainer(
-            accelerator="gpu" if self.device.type == "cuda" else "cpu", devices=1,
-            precision=self.precision, max_steps=total, max_epochs=1, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            num_sanity_val_steps=0, limit_val_batches=0, benchmark=True,
-            callbacks=[self._timer])
+            accelerator="gpu" if self.device.type == "cuda" else "cpu",
+            devices=1,
+            precision=self.precision,
+            max_steps=total,
+            max_epochs=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            limit_val_batches=0,
+            benchmark=True,
+            callbacks=[self._timer],
+        )
         loader = torch.utils.data.DataLoader(self._data(total), batch_size=None, shuffle=False)
         with warnings.catch_warnings():  # few workers, a scheduler step before the first, ...
             warnings.simplefilter("ignore")
@@ -291,8 +392,10 @@ def titan_float8_model(model, device, skip: Sequence[str] = (), compile: bool = 
 
     blocks = getattr(model, "blocks", None) or getattr(model, "layers", None)
     if not isinstance(blocks, torch.nn.ModuleList):
-        raise TypeError(f"titan:float8 compiles each transformer block (`blocks` or `layers`, a "
-                        f"ModuleList); {type(model).__name__} has none")
+        raise TypeError(
+            f"titan:float8 compiles each transformer block (`blocks` or `layers`, a "
+            f"ModuleList); {type(model).__name__} has none"
+        )
     emulate = not (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9))
     config = Float8LinearConfig.from_recipe_name(TITAN_RECIPE)
     if emulate:
@@ -301,8 +404,12 @@ def titan_float8_model(model, device, skip: Sequence[str] = (), compile: bool = 
     converted: list[str] = []
 
     def module_filter(module, name: str) -> bool:  # torchtitan's module_filter_fn
-        take = (isinstance(module, torch.nn.Linear) and module.in_features % 16 == 0
-                and module.out_features % 16 == 0 and name not in skip)
+        take = (
+            isinstance(module, torch.nn.Linear)
+            and module.in_features % 16 == 0
+            and module.out_features % 16 == 0
+            and name not in skip
+        )
         if take:
             converted.append(name)
         return take
@@ -331,12 +438,15 @@ def measure(args, peer: str) -> dict:
         kind, _, name = peer.partition(":")
         if kind in ("hand", "titan"):
             if kind == "titan":
-                fp8 = titan_float8_model(parts.fp32_model, device, args.titan_filter,
-                                         args.titan_compile)
+                fp8 = titan_float8_model(
+                    parts.fp32_model, device, args.titan_filter, args.titan_compile
+                )
                 ours = set(parts.engine.fp8.converted if parts.engine.fp8 else ())
                 if ours != set(fp8):  # the same GEMMs in fp8 on both sides, or no comparison
-                    raise RuntimeError(f"the runner converted {sorted(ours)} to fp8, torchtitan's "
-                                       f"recipe {sorted(fp8)}")
+                    raise RuntimeError(
+                        f"the runner converted {sorted(ours)} to fp8, torchtitan's "
+                        f"recipe {sorted(fp8)}"
+                    )
             hand = handwritten_step(parts.fp32_model, cfg, parts.properties, batch)
             state = {"peer_loss": float("nan")}
 
@@ -349,26 +459,34 @@ def measure(args, peer: str) -> dict:
 
             def peer_block() -> float:
                 return lightning.block(args.steps, args.warmup)
+
         parts.fp32_model = None  # the peer holds it now
         runner_state = {"loss": float("nan")}
 
         def runner_block() -> float:
-            seconds, loss = synced_step_times(lambda: trainer.train_step(*batch), args.steps,
-                                              args.warmup, device)
+            seconds, loss = synced_step_times(
+                lambda: trainer.train_step(*batch), args.steps, args.warmup, device
+            )
             runner_state["loss"] = float(loss)
             return seconds
 
         blocks = {"runner": runner_block, "peer": peer_block}
-        medians = interleaved_medians(list(blocks), lambda side: blocks[side](), args.rounds,
-                                      f"{peer} vs {level}")
+        medians = interleaved_medians(
+            list(blocks), lambda side: blocks[side](), args.rounds, f"{peer} vs {level}"
+        )
         ratio = medians["peer"] / medians["runner"]  # = runner throughput / peer throughput
-        row.update({
-            "runner_ms": 1e3 * medians["runner"], "peer_ms": 1e3 * medians["peer"],
-            "ratio": ratio, "meets": ratio >= TARGET if args.device == "cuda" else None,
-            "runner_loss": runner_state["loss"],
-            "peer_loss": (float(lightning.last_loss) if kind == "lightning"
-                          else state["peer_loss"]),
-        })
+        row.update(
+            {
+                "runner_ms": 1e3 * medians["runner"],
+                "peer_ms": 1e3 * medians["peer"],
+                "ratio": ratio,
+                "meets": ratio >= TARGET if args.device == "cuda" else None,
+                "runner_loss": runner_state["loss"],
+                "peer_loss": (
+                    float(lightning.last_loss) if kind == "lightning" else state["peer_loss"]
+                ),
+            }
+        )
     except Exception as error:  # noqa: BLE001  (reported; the exit status says so)
         row["status"], row["error"] = "crashed", f"{type(error).__name__}: {error}"
         traceback.print_exc()
@@ -383,30 +501,38 @@ def _f(value, spec: str) -> str:
 def verdict(report: dict) -> str:
     rows = [r for r in report["rows"] if r["status"] == "ok"]
     if report["device"] != "cuda":
-        return ("NO TARGET on CPU (issue 28's target, runner / peer >= 1.0, is for the GPU): "
-                + ", ".join(f"{r['peer']} {r['ratio']:.2f}x" for r in rows) + ".")
+        return (
+            "NO TARGET on CPU (issue 28's target, runner / peer >= 1.0, is for the GPU): "
+            + ", ".join(f"{r['peer']} {r['ratio']:.2f}x" for r in rows)
+            + "."
+        )
     missed = [r for r in rows if not r["meets"]]
     crashed = [r["peer"] for r in report["rows"] if r["status"] != "ok"]
-    text = (f"{'MET' if rows and not missed else 'MISSED'}: runner / peer throughput "
-            + ", ".join(f"{r['peer']} {r['ratio']:.2f}x" for r in rows)
-            + f" (target >= {TARGET:g}x each).")
+    text = (
+        f"{'MET' if rows and not missed else 'MISSED'}: runner / peer throughput "
+        + ", ".join(f"{r['peer']} {r['ratio']:.2f}x" for r in rows)
+        + f" (target >= {TARGET:g}x each)."
+    )
     return text + (f" Crashed: {', '.join(crashed)}." if crashed else "")
 
 
 def render(report: dict) -> str:
     m = report["machine"]
     lines = [
-        f"# The runner beside its peers ({report['device']})", "",
+        f"# The runner beside its peers ({report['device']})",
+        "",
         f"{model_label(report['model'])}, {report['image_size']} "
         f"{'tokens a sequence' if is_language_model(report['model']) else 'px'}, "
         f"batch {report['batch_size']}; "
         f"{report['rounds']} interleaved rounds of {report['steps']}-step blocks a side after "
         f"{report['warmup']} untimed steps each; a step device-synchronised at both ends; "
         "medians. Ratio = peer step time / runner step time = runner throughput / peer "
-        "throughput (>= 1: the runner is at least as fast).", "",
+        "throughput (>= 1: the runner is at least as fast).",
+        "",
         f"Machine: {m.get('cpu', '?')}; {m.get('gpu', 'no GPU')}; torch {m.get('torch', '?')}; "
         f"Lightning {report.get('lightning', '-')}. Date {report['date']}. "
-        f"Command: `{report['command']}`.", "",
+        f"Command: `{report['command']}`.",
+        "",
         "| peer | runner level | runner ms/step | peer ms/step | ratio | target | "
         "loss runner / peer |",
         "|---|---|---:|---:|---:|---|---|",
@@ -416,9 +542,11 @@ def render(report: dict) -> str:
             lines.append(f"| {r['peer']} | {r['level']} | {r['status']}: {r['error']} | | | | |")
             continue
         target = "-" if r["meets"] is None else ("met" if r["meets"] else "missed")
-        lines.append(f"| {r['peer']} | {r['level']} | {_f(r['runner_ms'], '.2f')} | "
-                     f"{_f(r['peer_ms'], '.2f')} | {_f(r['ratio'], '.3f')} | {target} | "
-                     f"{_f(r['runner_loss'], '.3f')} / {_f(r['peer_loss'], '.3f')} |")
+        lines.append(
+            f"| {r['peer']} | {r['level']} | {_f(r['runner_ms'], '.2f')} | "
+            f"{_f(r['peer_ms'], '.2f')} | {_f(r['ratio'], '.3f')} | {target} | "
+            f"{_f(r['runner_loss'], '.3f')} / {_f(r['peer_loss'], '.3f')} |"
+        )
     lines += ["", "Verdict: " + verdict(report), ""]
     return "\n".join(lines)
 
@@ -427,21 +555,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     argv = list(sys.argv[1:] if argv is None else argv)
     started, load_start = time.perf_counter(), load_average()
-    print(f"peers on {args.device}: {model_label(args.model)} against "
-          f"{', '.join(args.peers)}; {args.rounds} rounds of {args.steps}-step blocks",
-          flush=True)
+    print(
+        f"peers on {args.device}: {model_label(args.model)} against "
+        f"{', '.join(args.peers)}; {args.rounds} rounds of {args.steps}-step blocks",
+        flush=True,
+    )
     rows = [measure(args, peer) for peer in args.peers]
     try:
         import lightning
+
         lightning_version = lightning.__version__
     except ImportError:
         lightning_version = None
     report = {
-        "benchmark": "peers", "device": args.device, "model": args.model,
-        "image_size": args.image_size, "batch_size": args.batch_size, "steps": args.steps,
-        "warmup": args.warmup, "rounds": args.rounds, "lightning": lightning_version,
-        "rows": rows, "machine": machine(args.device), "command": command("peers.py", argv),
-        "date": now(), "load_start": load_start, "load_end": load_average(),
+        "benchmark": "peers",
+        "device": args.device,
+        "model": args.model,
+        "image_size": args.image_size,
+        "batch_size": args.batch_size,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "rounds": args.rounds,
+        "lightning": lightning_version,
+        "rows": rows,
+        "machine": machine(args.device),
+        "command": command("peers.py", argv),
+        "date": now(),
+        "load_start": load_start,
+        "load_end": load_average(),
         "wall_s": time.perf_counter() - started,
         "overrides": {peer: task_overrides(args, peer) for peer in args.peers},
     }

@@ -25,6 +25,7 @@ STALL_POINTS below `o2_bf16`'s while `o3_bf16_sr`'s is within SR_POINTS of it. E
 when every run finished, whatever the verdict; 1 when a run crashed (a `DivergenceError` is an
 outcome); 2 for bad arguments.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,16 +36,33 @@ import sys
 import time
 import traceback
 import uuid
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from accuracy import read_run  # noqa: E402
-from common import (REPO, add_run_options, add_threads_option, apply_threads,  # noqa: E402
-                    check_presets, compose, crash_status, csv_list, describe_level, parse_seeds,
-                    prepare_store, resolve_device, run_overrides, run_report_fields,
-                    run_setup_lines, save_figure, store_uri, unfinished_lines, write_results)
+from common import (  # noqa: E402
+    REPO,
+    add_run_options,
+    add_threads_option,
+    apply_threads,
+    check_presets,
+    compose,
+    crash_status,
+    csv_list,
+    describe_level,
+    parse_seeds,
+    prepare_store,
+    resolve_device,
+    run_overrides,
+    run_report_fields,
+    run_setup_lines,
+    save_figure,
+    store_uri,
+    unfinished_lines,
+    write_results,
+)
 
 EXPERIMENT = "rounding-stall"
 REFERENCE, STALLS, ROUNDS = "o2_bf16", "o3_bf16", "o3_bf16_sr"
@@ -78,9 +96,11 @@ TASK_OVERRIDES = [
     "trainer.checkpoint_every_n_epochs=0",  # no checkpoint files (only an interrupt writes one)
 ]
 # the reference drawn wide and pale under the others: o3_bf16_sr follows it closely
-STYLES = {REFERENCE: {"color": "tab:blue", "linewidth": 4.0, "alpha": 0.45, "marker": None},
-          STALLS: {"color": "tab:red", "linewidth": 1.6, "marker": "o", "markersize": 3},
-          ROUNDS: {"color": "tab:green", "linewidth": 1.6, "marker": "s", "markersize": 3}}
+STYLES = {
+    REFERENCE: {"color": "tab:blue", "linewidth": 4.0, "alpha": 0.45, "marker": None},
+    STALLS: {"color": "tab:red", "linewidth": 1.6, "marker": "o", "markersize": 3},
+    ROUNDS: {"color": "tab:green", "linewidth": 1.6, "marker": "s", "markersize": 3},
+}
 
 log = logging.getLogger("benchmarks.rounding")
 
@@ -123,19 +143,36 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         prog="python benchmarks/rounding.py",
         description="The stall case: o2_bf16 (fp32 masters), o3_bf16 (round to nearest) and "
         "o3_bf16_sr (stochastic rounding) at a learning rate small enough that bf16 loses most "
-        "updates; real runs over several seeds; Markdown, CSV, JSON and a PNG figure.")
-    parser.add_argument("--levels", type=csv_list, default=None,
-                        help=f"comma-separated presets (default {','.join(LEVELS)}; the verdict "
-                        "needs those three)")
-    parser.add_argument("--seeds", type=csv_list, default=None,
-                        help="comma-separated trainer.seed values (default 0,1,2); the dataset "
-                        "(data.seed) stays fixed")
-    parser.add_argument("--epochs", type=int, default=DEFAULT_EPOCHS,
-                        help=f"trainer.max_epochs (default {DEFAULT_EPOCHS})")
-    parser.add_argument("--lr", type=float, default=DEFAULT_LR,
-                        help=f"optimizer.lr (default {DEFAULT_LR})")
-    parser.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu",
-                        help="default cpu (the committed results are a CPU run)")
+        "updates; real runs over several seeds; Markdown, CSV, JSON and a PNG figure.",
+    )
+    parser.add_argument(
+        "--levels",
+        type=csv_list,
+        default=None,
+        help=f"comma-separated presets (default {','.join(LEVELS)}; the verdict needs those three)",
+    )
+    parser.add_argument(
+        "--seeds",
+        type=csv_list,
+        default=None,
+        help="comma-separated trainer.seed values (default 0,1,2); the dataset "
+        "(data.seed) stays fixed",
+    )
+    parser.add_argument(
+        "--epochs",
+        type=int,
+        default=DEFAULT_EPOCHS,
+        help=f"trainer.max_epochs (default {DEFAULT_EPOCHS})",
+    )
+    parser.add_argument(
+        "--lr", type=float, default=DEFAULT_LR, help=f"optimizer.lr (default {DEFAULT_LR})"
+    )
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda", "auto"],
+        default="cpu",
+        help="default cpu (the committed results are a CPU run)",
+    )
     add_run_options(parser, EXPERIMENT, "rounding", beside=".csv, .json and .png")
     add_threads_option(parser)
     args = parser.parse_args(argv)
@@ -159,8 +196,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def task_overrides(args: argparse.Namespace) -> list[str]:
     """The task's overrides: the fixed ones, the options', the training loss logged once per
     epoch, then --extra (so that a user's override wins)."""
-    base = [*TASK_OVERRIDES, f"optimizer.lr={args.lr}", f"trainer.max_epochs={args.epochs}",
-            f"trainer.device={args.device}"]
+    base = [
+        *TASK_OVERRIDES,
+        f"optimizer.lr={args.lr}",
+        f"trainer.max_epochs={args.epochs}",
+        f"trainer.device={args.device}",
+    ]
     cfg = compose([*base, *args.extra])
     steps = math.ceil(int(cfg.data.num_train) / int(cfg.trainer.batch_size))
     return [*base, f"trainer.log_every_n_steps={steps}", *args.extra]
@@ -172,8 +213,9 @@ def per_epoch(history: list[tuple[int, float]], epochs: int) -> list[float | Non
     return [values.get(epoch) for epoch in range(1, epochs + 1)]
 
 
-def epoch_means(history: list[tuple[int, float]], steps_per_epoch: int,
-                epochs: int) -> list[float | None]:
+def epoch_means(
+    history: list[tuple[int, float]], steps_per_epoch: int, epochs: int
+) -> list[float | None]:
     """The training loss per epoch from its logged history (step = optimizer step; each value
     the mean loss since the previous one): the values logged within an epoch, weighted by the
     steps each covers. With one value per epoch (the default task) that value itself."""
@@ -191,12 +233,19 @@ def epoch_means(history: list[tuple[int, float]], steps_per_epoch: int,
 
 
 def run_one(args, level: str, seed: int, session: str, overrides_task: list[str]) -> RunResult:
-    from runner.run.app import run
     from runner.errors import DivergenceError
+    from runner.run.app import run
 
     key = f"{session}/{level}/s{seed}"
-    overrides = run_overrides(overrides_task, [f"precision={level}"], seed, args,
-                              f"tiny-{level}-lr{args.lr:g}-seed{seed}", EXPERIMENT, key)
+    overrides = run_overrides(
+        overrides_task,
+        [f"precision={level}"],
+        seed,
+        args,
+        f"tiny-{level}-lr{args.lr:g}-seed{seed}",
+        EXPERIMENT,
+        key,
+    )
     result = RunResult(level=level, seed=seed)
     started = time.perf_counter()
     cfg = None
@@ -211,8 +260,9 @@ def run_one(args, level: str, seed: int, session: str, overrides_task: list[str]
         print(traceback.format_exc(), file=sys.stderr)
     result.wall_s = time.perf_counter() - started
     try:
-        stored = read_run(args.tracking_uri, args.experiment, key,
-                          histories=["val_acc", "train_loss"])
+        stored = read_run(
+            args.tracking_uri, args.experiment, key, histories=["val_acc", "train_loss"]
+        )
     except Exception as error:  # noqa: BLE001
         log.warning("could not read the run's metrics back: %s", error)
         return result
@@ -220,8 +270,7 @@ def run_one(args, level: str, seed: int, session: str, overrides_task: list[str]
     if cfg is not None and stored.run_id is not None:
         steps = math.ceil(int(cfg.data.num_train) / int(cfg.trainer.batch_size))
         result.val_acc = per_epoch(stored.histories.get("val_acc", []), args.epochs)
-        result.train_loss = epoch_means(stored.histories.get("train_loss", []), steps,
-                                        args.epochs)
+        result.train_loss = epoch_means(stored.histories.get("train_loss", []), steps, args.epochs)
         done = [v for v in result.val_acc if v is not None]
         result.final_val_acc = done[-1] if done else None
         losses = [v for v in result.train_loss if v is not None]
@@ -247,15 +296,18 @@ def _band(series: list[list[float | None]], epochs: int) -> dict[str, list[float
     return band
 
 
-def summarise(results: list[RunResult], levels: list[str], seeds: list[int],
-              epochs: int) -> list[LevelSummary]:
+def summarise(
+    results: list[RunResult], levels: list[str], seeds: list[int], epochs: int
+) -> list[LevelSummary]:
     rows = []
     for level in levels:
         mine = [r for r in results if r.level == level]
-        row = LevelSummary(level=level, dtype=mine[0].dtype if mine else "",
-                           best={r.seed: r.best_val_acc if r.status == "finished" else None
-                                 for r in mine},
-                           statuses=[r.status for r in mine])
+        row = LevelSummary(
+            level=level,
+            dtype=mine[0].dtype if mine else "",
+            best={r.seed: r.best_val_acc if r.status == "finished" else None for r in mine},
+            statuses=[r.status for r in mine],
+        )
         best = _finite(row.best.get(s) for s in seeds)
         if best and len(best) == len(seeds):
             row.mean = statistics.fmean(best)
@@ -278,16 +330,20 @@ def verdict(rows: list[LevelSummary]) -> str:
     by = {r.level: r for r in rows}
     missing = [lvl for lvl in LEVELS if lvl not in by or by[lvl].mean is None]
     if missing:
-        return (f"Verdict: NOT JUDGED: {', '.join(missing)} did not finish every seed (the "
-                f"verdict compares {STALLS} and {ROUNDS} with {REFERENCE}).")
+        return (
+            f"Verdict: NOT JUDGED: {', '.join(missing)} did not finish every seed (the "
+            f"verdict compares {STALLS} and {ROUNDS} with {REFERENCE})."
+        )
     stall, sr = by[STALLS].vs_reference_points, by[ROUNDS].vs_reference_points
     stalls, keeps = stall <= -STALL_POINTS, abs(sr) <= SR_POINTS
     head = "STALL SHOWN" if stalls and keeps else "STALL NOT SHOWN"
-    return (f"Verdict: {head}: {STALLS} {stall:+.2f} points from {REFERENCE}'s "
-            f"{100 * by[REFERENCE].mean:.2f}% ({'stalls' if stalls else 'does not stall'}: "
-            f"the threshold is at least {STALL_POINTS:g} points below); {ROUNDS} {sr:+.2f} points "
-            f"({'keeps up' if keeps else 'does not keep up'}: the threshold is within "
-            f"{SR_POINTS:g} points).")
+    return (
+        f"Verdict: {head}: {STALLS} {stall:+.2f} points from {REFERENCE}'s "
+        f"{100 * by[REFERENCE].mean:.2f}% ({'stalls' if stalls else 'does not stall'}: "
+        f"the threshold is at least {STALL_POINTS:g} points below); {ROUNDS} {sr:+.2f} points "
+        f"({'keeps up' if keeps else 'does not keep up'}: the threshold is within "
+        f"{SR_POINTS:g} points)."
+    )
 
 
 # ---- reporting ----------------------------------------------------------------------------------
@@ -313,7 +369,8 @@ def render_markdown(report: dict, rows: list[LevelSummary], figure_name: str | N
         "accuracy and mean training loss, means over the seeds"
         + (f"; chance is {chance:.0f}%." if chance else "."),
         "",
-        "| level | dtype | " + " | ".join(f"seed {s}" for s in seeds)
+        "| level | dtype | "
+        + " | ".join(f"seed {s}" for s in seeds)
         + f" | mean ± std | Δ vs `{REFERENCE}` (points) | last val acc | last train loss |",
         "|---|---|" + "---:|" * len(seeds) + "---:|---:|---:|---:|",
     ]
@@ -322,30 +379,63 @@ def render_markdown(report: dict, rows: list[LevelSummary], figure_name: str | N
         for s in seeds:
             value = r.best.get(s)
             if value is None:
-                accs.append(next((x.status for x in report["_results"]
-                                  if x.level == r.level and x.seed == s), "missing"))
+                accs.append(
+                    next(
+                        (
+                            x.status
+                            for x in report["_results"]
+                            if x.level == r.level and x.seed == s
+                        ),
+                        "missing",
+                    )
+                )
             else:
                 accs.append(_pct(value))
         mean = "-" if r.mean is None else f"{100 * r.mean:.2f} ± {100 * (r.std or 0):.2f}"
-        diff = ("reference" if r.level == REFERENCE else
-                "-" if r.vs_reference_points is None else f"{r.vs_reference_points:+.2f}")
+        diff = (
+            "reference"
+            if r.level == REFERENCE
+            else "-"
+            if r.vs_reference_points is None
+            else f"{r.vs_reference_points:+.2f}"
+        )
         loss = "-" if r.final_train_loss is None else f"{r.final_train_loss:.3f}"
-        lines.append(f"| `{r.level}` | {r.dtype or '?'} | " + " | ".join(accs)
-                     + f" | {mean} | {diff} | {_pct(r.final_val_acc)} | {loss} |")
+        lines.append(
+            f"| `{r.level}` | {r.dtype or '?'} | "
+            + " | ".join(accs)
+            + f" | {mean} | {diff} | {_pct(r.final_val_acc)} | {loss} |"
+        )
     lines += ["", verdict(rows), ""]
-    lines += ["## Per epoch (mean over the seeds)", "",
-              "| epoch | " + " | ".join(f"`{r.level}` val acc" for r in rows) + " | "
-              + " | ".join(f"`{r.level}` train loss" for r in rows) + " |",
-              "|---:|" + "---:|" * (2 * len(rows))]
+    lines += [
+        "## Per epoch (mean over the seeds)",
+        "",
+        "| epoch | "
+        + " | ".join(f"`{r.level}` val acc" for r in rows)
+        + " | "
+        + " | ".join(f"`{r.level}` train loss" for r in rows)
+        + " |",
+        "|---:|" + "---:|" * (2 * len(rows)),
+    ]
     for i in range(epochs):
-        lines.append(f"| {i + 1} | " + " | ".join(_pct(r.val_acc["mean"][i]) for r in rows)
-                     + " | " + " | ".join("-" if r.train_loss["mean"][i] is None else
-                                          f"{r.train_loss['mean'][i]:.3f}" for r in rows) + " |")
+        lines.append(
+            f"| {i + 1} | "
+            + " | ".join(_pct(r.val_acc["mean"][i]) for r in rows)
+            + " | "
+            + " | ".join(
+                "-" if r.train_loss["mean"][i] is None else f"{r.train_loss['mean'][i]:.3f}"
+                for r in rows
+            )
+            + " |"
+        )
     lines.append("")
     if figure_name:
-        lines += [f"![Training loss and validation accuracy per epoch]({figure_name})", "",
-                  "The figure: per epoch, the mean over the seeds (line) and the lowest and "
-                  "highest seed (band); the training loss is each epoch's mean.", ""]
+        lines += [
+            f"![Training loss and validation accuracy per epoch]({figure_name})",
+            "",
+            "The figure: per epoch, the mean over the seeds (line) and the lowest and "
+            "highest seed (band); the training loss is each epoch's mean.",
+            "",
+        ]
     lines += [
         "## Setup",
         "",
@@ -377,21 +467,33 @@ def figure(report: dict, rows: list[LevelSummary], path: Path) -> Path | None:
     fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(11, 4.4))
     for row in rows:
         style = STYLES.get(row.level, {"linewidth": 1.6, "marker": "^", "markersize": 3})
-        label = {REFERENCE: f"{REFERENCE} (fp32 master weights)",
-                 STALLS: f"{STALLS} (round to nearest, no masters)",
-                 ROUNDS: f"{ROUNDS} (stochastic rounding, no masters)"}.get(row.level, row.level)
+        label = {
+            REFERENCE: f"{REFERENCE} (fp32 master weights)",
+            STALLS: f"{STALLS} (round to nearest, no masters)",
+            ROUNDS: f"{ROUNDS} (stochastic rounding, no masters)",
+        }.get(row.level, row.level)
         for ax, band, scale in ((loss_ax, row.train_loss, 1.0), (acc_ax, row.val_acc, 100.0)):
-            points = [(e, m, lo, hi) for e, m, lo, hi in
-                      zip(epochs, band["mean"], band["min"], band["max"]) if m is not None]
+            points = [
+                (e, m, lo, hi)
+                for e, m, lo, hi in zip(epochs, band["mean"], band["min"], band["max"])
+                if m is not None
+            ]
             if not points:
                 continue
             xs = [p[0] for p in points]
-            line, = ax.plot(xs, [scale * p[1] for p in points], label=label, **style)
-            ax.fill_between(xs, [scale * p[2] for p in points], [scale * p[3] for p in points],
-                            color=line.get_color(), alpha=0.15, linewidth=0)
+            (line,) = ax.plot(xs, [scale * p[1] for p in points], label=label, **style)
+            ax.fill_between(
+                xs,
+                [scale * p[2] for p in points],
+                [scale * p[3] for p in points],
+                color=line.get_color(),
+                alpha=0.15,
+                linewidth=0,
+            )
     if report.get("num_classes"):
-        acc_ax.axhline(100.0 / report["num_classes"], color="grey", linestyle=":", linewidth=1,
-                       label="chance")
+        acc_ax.axhline(
+            100.0 / report["num_classes"], color="grey", linestyle=":", linewidth=1, label="chance"
+        )
     loss_ax.set_title("training loss (epoch mean)")
     loss_ax.set_xlabel("epoch")
     loss_ax.set_ylabel("cross-entropy")
@@ -405,15 +507,17 @@ def figure(report: dict, rows: list[LevelSummary], path: Path) -> Path | None:
     where = report["machine"].get("gpu") or report["machine"]["cpu"]
     seeds = len(report["seeds"])
     head = verdict(rows).removeprefix("Verdict: ").split(":")[0].lower()
-    fig.suptitle(f"bf16 weights at lr {report['lr']:g}: fp32 masters, round to nearest, "
-                 f"stochastic rounding ({head})\ntiny CNN, synthetic 16-px data, SGD momentum "
-                 f"0.9; mean of {seeds} seed{'s' if seeds > 1 else ''}, band: lowest to highest "
-                 f"seed; {where}", fontsize=10)
+    fig.suptitle(
+        f"bf16 weights at lr {report['lr']:g}: fp32 masters, round to nearest, "
+        f"stochastic rounding ({head})\ntiny CNN, synthetic 16-px data, SGD momentum "
+        f"0.9; mean of {seeds} seed{'s' if seeds > 1 else ''}, band: lowest to highest "
+        f"seed; {where}",
+        fontsize=10,
+    )
     return save_figure(fig, path)
 
 
-CSV_FIELDS = ["level", "seed", "epoch", "status", "val_acc", "train_loss", "best_val_acc",
-              "run_id"]
+CSV_FIELDS = ["level", "seed", "epoch", "status", "val_acc", "train_loss", "best_val_acc", "run_id"]
 
 
 def csv_rows(results: list[RunResult]) -> list[dict]:
@@ -422,26 +526,48 @@ def csv_rows(results: list[RunResult]) -> list[dict]:
     for r in results:
         epochs = max(len(r.val_acc), len(r.train_loss))
         for i in range(epochs):
-            rows.append({"level": r.level, "seed": r.seed, "epoch": i + 1, "status": r.status,
-                         "val_acc": r.val_acc[i] if i < len(r.val_acc) else None,
-                         "train_loss": r.train_loss[i] if i < len(r.train_loss) else None,
-                         "best_val_acc": r.best_val_acc, "run_id": r.run_id})
+            rows.append(
+                {
+                    "level": r.level,
+                    "seed": r.seed,
+                    "epoch": i + 1,
+                    "status": r.status,
+                    "val_acc": r.val_acc[i] if i < len(r.val_acc) else None,
+                    "train_loss": r.train_loss[i] if i < len(r.train_loss) else None,
+                    "best_val_acc": r.best_val_acc,
+                    "run_id": r.run_id,
+                }
+            )
         if not epochs:
-            rows.append({"level": r.level, "seed": r.seed, "epoch": None, "status": r.status,
-                         "best_val_acc": r.best_val_acc, "run_id": r.run_id})
+            rows.append(
+                {
+                    "level": r.level,
+                    "seed": r.seed,
+                    "epoch": None,
+                    "status": r.status,
+                    "best_val_acc": r.best_val_acc,
+                    "run_id": r.run_id,
+                }
+            )
     return rows
 
 
-def write_outputs(out: Path, report: dict, rows: list[LevelSummary],
-                  with_figure: bool = True) -> list[Path]:
+def write_outputs(
+    out: Path, report: dict, rows: list[LevelSummary], with_figure: bool = True
+) -> list[Path]:
     png = out.with_suffix(".png")
     drawn = figure(report, rows, png) if with_figure else None
     payload = {k: v for k, v in report.items() if not k.startswith("_")}
     payload["summary"] = [asdict(r) for r in rows]
     payload["verdict"] = verdict(rows)
     payload["thresholds"] = {"stall_points": STALL_POINTS, "sr_points": SR_POINTS}
-    paths = write_results(out, render_markdown(report, rows, png.name if drawn else None),
-                          csv_rows(report["_results"]), CSV_FIELDS, payload)
+    paths = write_results(
+        out,
+        render_markdown(report, rows, png.name if drawn else None),
+        csv_rows(report["_results"]),
+        CSV_FIELDS,
+        payload,
+    )
     return paths + ([drawn] if drawn else [])
 
 
@@ -449,8 +575,10 @@ def write_outputs(out: Path, report: dict, rows: list[LevelSummary],
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
     args.tracking_uri = store_uri(args.tracking_uri, "rounding-stall-")
     prepare_store(args.tracking_uri, args.experiment)
     overrides = task_overrides(args)
@@ -458,8 +586,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     session = uuid.uuid4().hex[:12]
     total = len(args.levels) * len(args.seeds)
-    print(f"Rounding stall: {len(args.levels)} levels x {len(args.seeds)} seeds on {args.device}, "
-          f"{args.epochs} epochs at lr {args.lr:g}; MLflow store {args.tracking_uri}", flush=True)
+    print(
+        f"Rounding stall: {len(args.levels)} levels x {len(args.seeds)} seeds on {args.device}, "
+        f"{args.epochs} epochs at lr {args.lr:g}; MLflow store {args.tracking_uri}",
+        flush=True,
+    )
     report = {
         "benchmark": EXPERIMENT,
         "device": args.device,
@@ -478,14 +609,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"[{len(results) + 1}/{total}] {level} seed {seed} ...", end=" ", flush=True)
             result = run_one(args, level, seed, session, overrides)
             results.append(result)
-            print(f"{result.status}: best val acc {_pct(result.best_val_acc)}%, last train loss "
-                  f"{'-' if result.final_train_loss is None else f'{result.final_train_loss:.3f}'}"
-                  f", {result.wall_s:.0f} s", flush=True)
+            print(
+                f"{result.status}: best val acc {_pct(result.best_val_acc)}%, last train loss "
+                f"{'-' if result.final_train_loss is None else f'{result.final_train_loss:.3f}'}"
+                f", {result.wall_s:.0f} s",
+                flush=True,
+            )
             report["runs"] = [asdict(r) for r in results]
             report["total_wall_s"] = time.perf_counter() - started
-            write_outputs(args.out, report,
-                          summarise(results, args.levels, args.seeds, args.epochs),
-                          with_figure=False)
+            write_outputs(
+                args.out,
+                report,
+                summarise(results, args.levels, args.seeds, args.epochs),
+                with_figure=False,
+            )
     rows = summarise(results, args.levels, args.seeds, args.epochs)
     paths = write_outputs(args.out, report, rows)
     print()

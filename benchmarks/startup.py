@@ -27,6 +27,7 @@ builder is stopped after each cold run (its cache is thrown away).
 Targets (issue 23): runner - hand <= 1.5 s on a warm kernel cache; the first run <= 10 s over a
 warm one. Exit 0 whatever the verdict; 1 if a run failed; 2 for bad arguments.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from common import REPO, command, load_average, machine, now, setup_lines, write_results  # noqa: E402
@@ -48,21 +49,30 @@ from common import REPO, command, load_average, machine, now, setup_lines, write
 TARGET_GAP_S = 1.5
 TARGET_COLD_S = 10.0
 TRAIN_BATCHES, VAL_BATCHES = 3, 1
-RUNNER_ARGS = ["model=tiny", "data=synthetic", "trainer.max_epochs=1",
-               f"trainer.limit_train_batches={TRAIN_BATCHES}",
-               f"trainer.limit_val_batches={VAL_BATCHES}", "trainer.device=cpu"]
+RUNNER_ARGS = [
+    "model=tiny",
+    "data=synthetic",
+    "trainer.max_epochs=1",
+    f"trainer.limit_train_batches={TRAIN_BATCHES}",
+    f"trainer.limit_val_batches={VAL_BATCHES}",
+    "trainer.device=cpu",
+]
 # what the runner imports that a hand-written loop does not, and torch (both), alone
 IMPORTS = {
     "torch": "import torch",
     "torch.optim's first optimizer (torch._dynamo)": "import torch, torch._dynamo",
     "hydra + omegaconf": "import hydra, omegaconf",
-    "mlflow (client, SQLite store)": "import mlflow.tracking, mlflow.store.tracking.sqlalchemy_store",
+    "mlflow (client, SQLite store)": (
+        "import mlflow.tracking, mlflow.store.tracking.sqlalchemy_store"
+    ),
 }
-PHASES = [("start to the first log line (imports, config, plan)", "Precision ("),
-          ("tracking store, data, model, engine", "Kernels:"),
-          ("the MLflow run record", "MLflow run"),
-          ("training (3 steps), validation, checkpoint", "Finished "),
-          ("exit (workers, store, threads)", None)]
+PHASES = [
+    ("start to the first log line (imports, config, plan)", "Precision ("),
+    ("tracking store, data, model, engine", "Kernels:"),
+    ("the MLflow run record", "MLflow run"),
+    ("training (3 steps), validation, checkpoint", "Finished "),
+    ("exit (workers, store, threads)", None),
+]
 _STAMP = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]")
 
 
@@ -76,8 +86,7 @@ def timed(argv: Sequence[str], cwd: Path, env: dict[str, str]) -> tuple[float, f
     """(wall seconds, start as a Unix time, output) of one process; raises on failure."""
     start = time.time()
     began = time.perf_counter()
-    proc = subprocess.run(list(argv), cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(list(argv), cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     wall = time.perf_counter() - began
     out = proc.stdout + proc.stderr
     if proc.returncode != 0:
@@ -106,22 +115,33 @@ def phases(out: str, start: float, wall: float) -> dict[str, float]:
 
 def import_costs(repeats: int) -> dict[str, float]:
     """Median seconds of `python -c "<import>"` less a bare `python -c pass`, per library."""
+
     def median_of(code: str) -> float:
         return statistics.median(
-            timed([sys.executable, "-c", code], REPO, _env())[0] for _ in range(repeats))
+            timed([sys.executable, "-c", code], REPO, _env())[0] for _ in range(repeats)
+        )
 
     bare = median_of("pass")
     return {label: median_of(code) - bare for label, code in IMPORTS.items()}
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python benchmarks/startup.py", description=__doc__.split(
-        "\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python benchmarks/startup.py", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--pairs", type=int, default=5, help="timed runner/hand pairs (default 5)")
-    p.add_argument("--cold", type=int, default=1,
-                   help="first runs ever, each on an empty kernel cache (default 1; 0: none)")
-    p.add_argument("--import-repeats", type=int, default=3,
-                   help="times each library's import is timed alone (default 3; 0: not timed)")
+    p.add_argument(
+        "--cold",
+        type=int,
+        default=1,
+        help="first runs ever, each on an empty kernel cache (default 1; 0: none)",
+    )
+    p.add_argument(
+        "--import-repeats",
+        type=int,
+        default=3,
+        help="times each library's import is timed alone (default 3; 0: not timed)",
+    )
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "startup_cpu.md")
     args = p.parse_args(argv)
     if args.pairs < 1 or args.cold < 0 or args.import_repeats < 0:
@@ -143,16 +163,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     argv = list(sys.argv[1:] if argv is None else argv)
     started, load_start = time.perf_counter(), load_average()
-    build = subprocess.run([sys.executable, "-m", "runner.csrc", "build", "--backend", "cpp"],
-                           cwd=REPO, env=_env(), capture_output=True, text=True)
+    build = subprocess.run(
+        [sys.executable, "-m", "runner.csrc", "build", "--backend", "cpp"],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+    )
     if build.returncode != 0:
         print(build.stdout + build.stderr, file=sys.stderr)
         return 1
     work = Path(tempfile.mkdtemp(prefix="amp-runner-startup-"))
     runner_cmd = [sys.executable, "-m", "runner", *RUNNER_ARGS]
-    hand_cmd = [sys.executable, str(REPO / "benchmarks" / "hand_loop.py"),
-                "--train-batches", str(TRAIN_BATCHES), "--val-batches", str(VAL_BATCHES),
-                "--out", str(work / "hand.pt")]
+    hand_cmd = [
+        sys.executable,
+        str(REPO / "benchmarks" / "hand_loop.py"),
+        "--train-batches",
+        str(TRAIN_BATCHES),
+        "--val-batches",
+        str(VAL_BATCHES),
+        "--out",
+        str(work / "hand.pt"),
+    ]
     sides = {"runner": runner_cmd, "hand": hand_cmd}
     try:
         for cmd in sides.values():  # warm-up: file cache, the MLflow store
@@ -166,15 +198,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                 times[side].append(wall)
                 if side == "runner":
                     runner_phases.append(phases(out, start, wall))
-            print(f"pair {index + 1}: runner {times['runner'][-1]:.2f} s, hand-written "
-                  f"{times['hand'][-1]:.2f} s", flush=True)
+            print(
+                f"pair {index + 1}: runner {times['runner'][-1]:.2f} s, hand-written "
+                f"{times['hand'][-1]:.2f} s",
+                flush=True,
+            )
         cold: list[dict] = []
         for index in range(args.cold):
             cache = work / f"empty-kernel-cache-{index}"
             wall, _, out = timed(runner_cmd, work, _env(AMP_RUNNER_KERNEL_CACHE=str(cache)))
             stop_builder(out)
-            cold.append({"wall_s": wall, "background_build": "a background process" in out,
-                         "kernels_torch": "Kernels: torch" in out})
+            cold.append(
+                {
+                    "wall_s": wall,
+                    "background_build": "a background process" in out,
+                    "kernels_torch": "Kernels: torch" in out,
+                }
+            )
             print(f"first run {index + 1}: {wall:.2f} s", flush=True)
         imports = import_costs(args.import_repeats) if args.import_repeats else {}
     except RuntimeError as error:
@@ -184,24 +224,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     hand_median = statistics.median(times["hand"])
     gaps = [r - h for r, h in zip(times["runner"], times["hand"])]
     report = {
-        "task": {"runner": " ".join(["python -m runner", *RUNNER_ARGS]),
-                 "hand": "python benchmarks/hand_loop.py --train-batches 3 --val-batches 1"},
-        "pairs": args.pairs, "runner_s": times["runner"], "hand_s": times["hand"],
-        "runner_median_s": runner_median, "hand_median_s": hand_median,
-        "gap_median_s": statistics.median(gaps), "gaps_s": gaps,
-        "gap_target_s": TARGET_GAP_S, "meets_gap": statistics.median(gaps) <= TARGET_GAP_S,
-        "phases_median_s": {name: statistics.median(p[name] for p in runner_phases)
-                            for name, _ in PHASES},
-        "imports_s": imports, "cold": cold,
+        "task": {
+            "runner": " ".join(["python -m runner", *RUNNER_ARGS]),
+            "hand": "python benchmarks/hand_loop.py --train-batches 3 --val-batches 1",
+        },
+        "pairs": args.pairs,
+        "runner_s": times["runner"],
+        "hand_s": times["hand"],
+        "runner_median_s": runner_median,
+        "hand_median_s": hand_median,
+        "gap_median_s": statistics.median(gaps),
+        "gaps_s": gaps,
+        "gap_target_s": TARGET_GAP_S,
+        "meets_gap": statistics.median(gaps) <= TARGET_GAP_S,
+        "phases_median_s": {
+            name: statistics.median(p[name] for p in runner_phases) for name, _ in PHASES
+        },
+        "imports_s": imports,
+        "cold": cold,
         "cold_over_warm_s": [c["wall_s"] - runner_median for c in cold],
         "cold_target_s": TARGET_COLD_S,
         "meets_cold": all(c["wall_s"] - runner_median <= TARGET_COLD_S for c in cold),
-        "machine": machine("cpu"), "load_start": load_start, "load_end": load_average(),
-        "date": now(), "wall_s": time.perf_counter() - started,
+        "machine": machine("cpu"),
+        "load_start": load_start,
+        "load_end": load_average(),
+        "date": now(),
+        "wall_s": time.perf_counter() - started,
         "command": command("startup.py", argv),
     }
-    rows = [{"side": side, "pair": i + 1, "wall_s": round(t, 3)}
-            for side in ("runner", "hand") for i, t in enumerate(times[side])]
+    rows = [
+        {"side": side, "pair": i + 1, "wall_s": round(t, 3)}
+        for side in ("runner", "hand")
+        for i, t in enumerate(times[side])
+    ]
     paths = write_results(args.out, render(report), rows, ["side", "pair", "wall_s"], report)
     print(render(report))
     print("Wrote " + ", ".join(str(p) for p in paths))
@@ -223,14 +278,21 @@ def render(report: dict) -> str:
         "| side | median s | runs (s) |",
         "|---|---:|---|",
         f"| runner | {report['runner_median_s']:.2f} | "
-        + ", ".join(f"{t:.2f}" for t in report["runner_s"]) + " |",
+        + ", ".join(f"{t:.2f}" for t in report["runner_s"])
+        + " |",
         f"| hand-written loop | {report['hand_median_s']:.2f} | "
-        + ", ".join(f"{t:.2f}" for t in report["hand_s"]) + " |",
+        + ", ".join(f"{t:.2f}" for t in report["hand_s"])
+        + " |",
         f"| **runner - hand** (median of the pairs' differences) | **{gap:.2f}** | "
-        + ", ".join(f"{t:.2f}" for t in report["gaps_s"]) + " |",
+        + ", ".join(f"{t:.2f}" for t in report["gaps_s"])
+        + " |",
         "",
         f"Target: runner - hand <= {report['gap_target_s']:g} s: "
-        + ("**met**." if report["meets_gap"] else f"**missed** by {gap - report['gap_target_s']:.2f} s."),
+        + (
+            "**met**."
+            if report["meets_gap"]
+            else f"**missed** by {gap - report['gap_target_s']:.2f} s."
+        ),
         "",
     ]
     if report["cold"]:
@@ -241,22 +303,37 @@ def render(report: dict) -> str:
             "",
             f"The runner on an empty kernel cache: {walls} ({over} against the warm median; "
             f"target <= {report['cold_target_s']:g} s: "
-            + ("**met**" if report["meets_cold"] else "**missed**") + "). It starts the "
+            + ("**met**" if report["meets_cold"] else "**missed**")
+            + "). It starts the "
             "kernels' build in a background process at the lowest priority and steps with "
             "torch's ops this once"
-            + ("" if all(c["background_build"] and c["kernels_torch"] for c in report["cold"])
-               else " (NOT seen in every cold run: check the JSON)") + ".",
+            + (
+                ""
+                if all(c["background_build"] and c["kernels_torch"] for c in report["cold"])
+                else " (NOT seen in every cold run: check the JSON)"
+            )
+            + ".",
             "",
         ]
-    lines += ["## Where the runner's time goes", "",
-              "Median seconds per phase of the timed runner runs (from its log timestamps):", "",
-              "| phase | s |", "|---|---:|"]
+    lines += [
+        "## Where the runner's time goes",
+        "",
+        "Median seconds per phase of the timed runner runs (from its log timestamps):",
+        "",
+        "| phase | s |",
+        "|---|---:|",
+    ]
     lines += [f"| {name} | {s:.2f} |" for name, s in report["phases_median_s"].items()]
     if report["imports_s"]:
-        lines += ["", "Each import alone (`python -c \"import ...\"`, the median, less a bare "
-                  "interpreter's start); the hand-written loop pays torch's and the optimizer's "
-                  "(`torch.optim`'s first optimizer imports torch._dynamo), the runner pays all:",
-                  "", "| import | s |", "|---|---:|"]
+        lines += [
+            "",
+            'Each import alone (`python -c "import ..."`, the median, less a bare '
+            "interpreter's start); the hand-written loop pays torch's and the optimizer's "
+            "(`torch.optim`'s first optimizer imports torch._dynamo), the runner pays all:",
+            "",
+            "| import | s |",
+            "|---|---:|",
+        ]
         lines += [f"| {name} | {s:.2f} |" for name, s in report["imports_s"].items()]
     lines += ["", "## Setup", "", *setup_lines(report), ""]
     return "\n".join(lines)

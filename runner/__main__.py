@@ -1,4 +1,5 @@
 """`python -m runner ...`: the Hydra entry point. Heavy imports wait until the config is valid."""
+
 from __future__ import annotations
 
 import atexit
@@ -13,8 +14,8 @@ from omegaconf import DictConfig, OmegaConf
 
 import runner.config  # noqa: F401  (registers the schemas before Hydra composes)
 from runner import sweep
-from runner.errors import RunnerError
 from runner.config.finder import config_dir
+from runner.errors import RunnerError
 
 log = logging.getLogger("runner")
 
@@ -29,9 +30,13 @@ def main(cfg: DictConfig) -> float | None:
     job = {"overrides": list(hydra_cfg.overrides.task), "output_dir": hydra_cfg.runtime.output_dir}
     parent = sweep.job_parent()
     if parent is not None:
-        return sweep.run_job(cfg, parent, job_num=int(hydra_cfg.job.num),
-                             sweeper=str(OmegaConf.select(hydra_cfg, "sweeper._target_") or ""),
-                             **job)
+        return sweep.run_job(
+            cfg,
+            parent,
+            job_num=int(hydra_cfg.job.num),
+            sweeper=str(OmegaConf.select(hydra_cfg, "sweeper._target_") or ""),
+            **job,
+        )
 
     from runner.run.app import run
 
@@ -52,13 +57,13 @@ def cli() -> None:
             main()
         except KeyboardInterrupt as interrupt:  # Ctrl-C, or SIGTERM after its checkpoint
             launched.close_open("KILLED", str(interrupt) or "interrupted by the user (Ctrl-C)")
-            print(f"Interrupted: {interrupt}" if str(interrupt) else "Interrupted.",
-                  file=sys.stderr)
+            print(
+                f"Interrupted: {interrupt}" if str(interrupt) else "Interrupted.", file=sys.stderr
+            )
             sys.exit(getattr(interrupt, "exit_code", 130))
         except SystemExit as stop:
             if stop.code not in (0, None):
-                launched.close_open("FAILED",
-                                    f"the sweep stopped early (exit status {stop.code})")
+                launched.close_open("FAILED", f"the sweep stopped early (exit status {stop.code})")
             raise
 
 

@@ -1,7 +1,8 @@
 """Errors a user can fix by changing the config; the CLI prints them without a traceback."""
+
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 
 class RunnerError(Exception):

@@ -16,25 +16,30 @@ run ended KILLED: runner.tracking.liveness), or for a run still RUNNING its last
 
     python -m runner.report                                  # the newest sweep in ./mlflow.db
     python -m runner.report --parent <run id> --out report   # one sweep, by its parent run
-    python -m runner.report --tracking-uri http://127.0.0.1:5000 --sweep multirun/2026-01-01/10-00-00
+    python -m runner.report --tracking-uri http://127.0.0.1:5000 --sweep
+    multirun/2026-01-01/10-00-00
     python -m runner.report --diff <run id> <run id>         # the params that differ, printed
 
 Exit status: 0 when the report was written, 1 when there is nothing to report (no such
 store, experiment, sweep or runs: the message says which), 2 for bad arguments.
 """
+
 from __future__ import annotations
 
 import argparse
 import csv
 import datetime as _dt
 import math
+import operator
 import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from runner.config.precision import stepped_dtype_name
-from runner.measure.memory import TOTAL_METRIC, metric_name as memory_metric
+from runner.measure.memory import TOTAL_METRIC
+from runner.measure.memory import metric_name as memory_metric
 from runner.tracking import metrics as m
 from runner.tracking import tags as tag
 
@@ -61,7 +66,8 @@ LM_METRICS = {
     m.SKIPPED_STEPS: "skipped steps",
 }
 LANGUAGE_MODEL = "language_model"  # the `task.name` param of a language model's run
-# memory by kind (runner.measure.memory): reported where a run logged them, never listed as missing (runs
+# memory by kind (runner.measure.memory): reported where a run logged them, never listed as missing
+# (runs
 # made before they existed lack them)
 MEMORY_METRICS = {
     memory_metric("weights"): "weights",
@@ -92,8 +98,9 @@ def describe_dtype(precision: Mapping[str, Any]) -> str:
     fp8 = get("fp8_linear")
     extra = f", fp8 Linear ({fp8})" if fp8 else ""
     state = get("optimizer_state")
-    stepped = stepped_dtype_name({"cast_model_type": str(cast),
-                                  "master_weights": str(get("master_weights"))})
+    stepped = stepped_dtype_name(
+        {"cast_model_type": str(cast), "master_weights": str(get("master_weights"))}
+    )
     if state and state != stepped:  # a state format other than the stepped weights' type
         extra += f", {state} optimizer state"
     plan = get("layer_plan")
@@ -105,9 +112,15 @@ def describe_dtype(precision: Mapping[str, Any]) -> str:
         return "float32" + extra
     if cast is None:
         return f"float32 weights, autocast {get('autocast_dtype')}" + extra
-    extras = [label for key, label in (("keep_batchnorm_fp32", "fp32 BatchNorm"),
-                                       ("master_weights", "fp32 master weights"),
-                                       ("stochastic_rounding", "stochastic rounding")) if get(key)]
+    extras = [
+        label
+        for key, label in (
+            ("keep_batchnorm_fp32", "fp32 BatchNorm"),
+            ("master_weights", "fp32 master weights"),
+            ("stochastic_rounding", "stochastic rounding"),
+        )
+        if get(key)
+    ]
     return str(cast) + (f" ({', '.join(extras)})" if extras else "") + extra
 
 
@@ -129,8 +142,12 @@ class Row:
     memory_ratio: float | None = None
     baseline: str | None = None
     peak_mem_kind: str = "?"
-    task: str = "classification"  # the run's `task.name` param (runs before the task group: a classifier)
-    val_loss: list[tuple[int, float]] = field(default_factory=list)  # (epoch, loss): language models
+    task: str = (
+        "classification"  # the run's `task.name` param (runs before the task group: a classifier)
+    )
+    val_loss: list[tuple[int, float]] = field(
+        default_factory=list
+    )  # (epoch, loss): language models
     # why it did not finish: the `error` tag (a failure, an interrupt, or "process vanished: ..."
     # for a run whose process was killed outright, ended KILLED by a later run); for a run still
     # RUNNING, its last heartbeat
@@ -150,46 +167,64 @@ class Row:
         return [m for m in (LM_METRICS if self.is_lm else METRICS) if self.get(m) is None]
 
 
-# ---- reading runs ---------------------------------------------------------------------------------
+# ---- reading runs --------------------------------------------------------------------------------
 def select_runs(client, experiment_name: str, parent_id: str | None, sweep: str | None):
     """(parent run or None, its runs): the children of `parent_id`, of the newest sweep whose
     parent is named `sweep` or whose folder ends with it, or of the newest sweep; in an experiment
     without sweeps, every run of the experiment."""
     from mlflow.exceptions import MlflowException
 
-
     experiment = client.get_experiment_by_name(experiment_name)
     if experiment is None:
-        raise NothingToReport(f"no experiment {experiment_name!r} in {client.tracking_uri}; "
-                              "set --experiment (the runs' mlflow.experiment_name)")
+        raise NothingToReport(
+            f"no experiment {experiment_name!r} in {client.tracking_uri}; "
+            "set --experiment (the runs' mlflow.experiment_name)"
+        )
     ids = [experiment.experiment_id]
     parent = None
     if parent_id:
         try:
             parent = client.get_run(parent_id)
         except MlflowException as error:
-            raise NothingToReport(f"no run {parent_id!r} in {client.tracking_uri}: {error.message}")
+            raise NothingToReport(
+                f"no run {parent_id!r} in {client.tracking_uri}: {error.message}"
+            ) from None
     else:
-        sweeps = client.search_runs(ids, filter_string=f"tags.`{tag.SWEEP_DIR}` != ''",
-                                    order_by=["attributes.start_time DESC"])
+        sweeps = client.search_runs(
+            ids,
+            filter_string=f"tags.`{tag.SWEEP_DIR}` != ''",
+            order_by=["attributes.start_time DESC"],
+        )
         if sweep:
-            sweeps = [r for r in sweeps if r.info.run_name == sweep
-                      or r.data.tags[tag.SWEEP_DIR].rstrip("/").endswith(sweep.rstrip("/"))]
+            sweeps = [
+                r
+                for r in sweeps
+                if r.info.run_name == sweep
+                or r.data.tags[tag.SWEEP_DIR].rstrip("/").endswith(sweep.rstrip("/"))
+            ]
             if not sweeps:
-                raise NothingToReport(f"no sweep named {sweep!r} or in a folder ending with it in "
-                                      f"experiment {experiment_name!r} of {client.tracking_uri}")
+                raise NothingToReport(
+                    f"no sweep named {sweep!r} or in a folder ending with it in "
+                    f"experiment {experiment_name!r} of {client.tracking_uri}"
+                )
         parent = sweeps[0] if sweeps else None
     if parent is None:
         runs = [r for r in client.search_runs(ids) if tag.PARENT_RUN not in r.data.tags]
     else:
         runs = client.search_runs(
             [parent.info.experiment_id],
-            filter_string=f"tags.`{tag.PARENT_RUN}` = '{parent.info.run_id}'")
+            filter_string=f"tags.`{tag.PARENT_RUN}` = '{parent.info.run_id}'",
+        )
     if not runs:
-        where = f"sweep {parent.info.run_name!r} ({parent.info.run_id})" if parent else \
-            f"experiment {experiment_name!r}"
-        raise NothingToReport(f"no runs in {where} of {client.tracking_uri}: run a sweep first, "
-                              "e.g. python -m runner -m precision=o0,o1,o2,o3")
+        where = (
+            f"sweep {parent.info.run_name!r} ({parent.info.run_id})"
+            if parent
+            else f"experiment {experiment_name!r}"
+        )
+        raise NothingToReport(
+            f"no runs in {where} of {client.tracking_uri}: run a sweep first, "
+            "e.g. python -m runner -m precision=o0,o1,o2,o3"
+        )
     return parent, sorted(runs, key=lambda r: r.info.start_time)
 
 
@@ -199,8 +234,9 @@ def _history(client, run_id: str, metric: str) -> list[tuple[int, float]]:
 
 def to_row(client, run) -> Row:
     params = run.data.params
-    precision = {k.removeprefix("precision."): v for k, v in params.items()
-                 if k.startswith("precision.")}
+    precision = {
+        k.removeprefix("precision."): v for k, v in params.items() if k.startswith("precision.")
+    }
     batch = params.get("trainer.batch_size")
     row = Row(
         run_id=run.info.run_id,
@@ -212,9 +248,15 @@ def to_row(client, run) -> Row:
         level=params.get("precision.opt_level", "?"),
         dtype=describe_dtype(precision) if precision else "?",
         batch_size=int(batch) if batch and batch.isdigit() else None,
-        metrics={k: v for k, v in run.data.metrics.items()
-                 if k in METRICS or k in LM_METRICS or k in MEMORY_METRICS or k == MEMORY_TOTAL
-                 or k.startswith(m.LAYERS_IN)},
+        metrics={
+            k: v
+            for k, v in run.data.metrics.items()
+            if k in METRICS
+            or k in LM_METRICS
+            or k in MEMORY_METRICS
+            or k == MEMORY_TOTAL
+            or k.startswith(m.LAYERS_IN)
+        },
         val_acc=_history(client, run.info.run_id, m.VAL_ACC),
         peak_mem_kind=run.data.tags.get(tag.PEAK_MEM_KIND, "?"),
         task=params.get("task.name", "classification"),
@@ -240,8 +282,10 @@ def end_reason(status: str, tags: Mapping[str, str]) -> str | None:
     if status == "RUNNING":
         if tag.HEARTBEAT not in tags:
             return "running (no heartbeat recorded)"
-        return (f"running: last heartbeat {tags[tag.HEARTBEAT]} (host {tags.get(tag.HOST, '?')},"
-                f" pid {tags.get(tag.PID, '?')})")
+        return (
+            f"running: last heartbeat {tags[tag.HEARTBEAT]} (host {tags.get(tag.HOST, '?')},"
+            f" pid {tags.get(tag.PID, '?')})"
+        )
     return tags.get(tag.ERROR)
 
 
@@ -250,8 +294,13 @@ def end_reason(status: str, tags: Mapping[str, str]) -> str | None:
 # never listed as what varies between runs.
 SHOWN_PARAMS = ("model.name", "model.arch", "optimizer.name", "trainer.batch_size", "task.name")
 SHOWN_PREFIXES = ("precision.",)
-DERIVED_PARAMS = ("model.num_parameters", "trainer.global_batch_size", "data.train_size",
-                  "data.val_size", "mlflow.run_name")
+DERIVED_PARAMS = (
+    "model.num_parameters",
+    "trainer.global_batch_size",
+    "data.train_size",
+    "data.val_size",
+    "mlflow.run_name",
+)
 SEED_PARAMS = ("trainer.seed", "data.seed")
 
 
@@ -261,10 +310,14 @@ def varying_params(rows: Sequence[Row]) -> list[str]:
     began) do not count."""
     logged = [r for r in rows if r.params]
     keys = sorted({k for r in logged for k in r.params})
-    return [k for k in keys
-            if k not in SHOWN_PARAMS and k not in DERIVED_PARAMS
-            and not k.startswith(SHOWN_PREFIXES)
-            and len({r.params.get(k) for r in logged}) > 1]
+    return [
+        k
+        for k in keys
+        if k not in SHOWN_PARAMS
+        and k not in DERIVED_PARAMS
+        and not k.startswith(SHOWN_PREFIXES)
+        and len({r.params.get(k) for r in logged}) > 1
+    ]
 
 
 def display_names(rows: Sequence[Row]) -> dict[str, str]:
@@ -272,8 +325,10 @@ def display_names(rows: Sequence[Row]) -> dict[str, str]:
     counts: dict[str, int] = {}
     for r in rows:
         counts[r.run_name] = counts.get(r.run_name, 0) + 1
-    return {r.run_id: r.run_name if counts[r.run_name] == 1 else f"{r.run_name} ({r.run_id[:8]})"
-            for r in rows}
+    return {
+        r.run_id: r.run_name if counts[r.run_name] == 1 else f"{r.run_name} ({r.run_id[:8]})"
+        for r in rows
+    }
 
 
 def add_baseline_ratios(rows: Sequence[Row]) -> None:
@@ -289,13 +344,23 @@ def add_baseline_ratios(rows: Sequence[Row]) -> None:
         return (r.model, *(r.params.get(k) for k in group_keys))
 
     for row in rows:
-        candidates = [b for b in rows if group(b) == group(row) and b.level == BASELINE_LEVEL
-                      and b.get(m.TRAIN_TIME_S) is not None]
+        candidates = [
+            b
+            for b in rows
+            if group(b) == group(row)
+            and b.level == BASELINE_LEVEL
+            and b.get(m.TRAIN_TIME_S) is not None
+        ]
         if not candidates:
             continue
-        base = min(candidates, key=lambda b: (
-            any(b.params.get(k) != row.params.get(k) for k in SEED_PARAMS),
-            b.optimizer != row.optimizer, b.batch_size != row.batch_size))
+        base = min(
+            candidates,
+            key=lambda b: (
+                any(b.params.get(k) != row.params.get(k) for k in SEED_PARAMS),
+                b.optimizer != row.optimizer,
+                b.batch_size != row.batch_size,
+            ),
+        )
         row.baseline = names[base.run_id]
         time, base_time = row.get(m.TRAIN_TIME_S), base.get(m.TRAIN_TIME_S)
         if time and base_time:
@@ -309,7 +374,7 @@ def add_baseline_ratios(rows: Sequence[Row]) -> None:
 class SeedGroup:
     """The runs of one configuration that differ only in their seeds."""
 
-    label: str               # the level and what differs, seeds apart ("O2 lr=0.1")
+    label: str  # the level and what differs, seeds apart ("O2 lr=0.1")
     model: str
     rows: list[Row]
 
@@ -319,8 +384,11 @@ class SeedGroup:
         if not values:
             return None
         mean = sum(values) / len(values)
-        std = (math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
-               if len(values) > 1 else 0.0)
+        std = (
+            math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+            if len(values) > 1
+            else 0.0
+        )
         return mean, std, len(values)
 
 
@@ -333,10 +401,19 @@ def seed_groups(rows: Sequence[Row]) -> list[SeedGroup]:
     keys = [k for k in varying_params(rows) if k not in SEED_PARAMS]
     groups: dict[tuple, SeedGroup] = {}
     for r in rows:
-        label = r.level + (" bf16" if "bfloat16" in r.dtype else "") + "".join(
-            f" {k.rsplit('.', 1)[-1]}={r.params.get(k, '-')}" for k in keys)
-        key = (r.model, r.level, r.dtype, r.optimizer, r.batch_size,
-               *(r.params.get(k) for k in keys))
+        label = (
+            r.level
+            + (" bf16" if "bfloat16" in r.dtype else "")
+            + "".join(f" {k.rsplit('.', 1)[-1]}={r.params.get(k, '-')}" for k in keys)
+        )
+        key = (
+            r.model,
+            r.level,
+            r.dtype,
+            r.optimizer,
+            r.batch_size,
+            *(r.params.get(k) for k in keys),
+        )
         groups.setdefault(key, SeedGroup(label, r.model, [])).rows.append(r)
     return list(groups.values())
 
@@ -354,33 +431,66 @@ def render_seed_table(rows: Sequence[Row]) -> list[str]:
     if not seeds_vary(rows):
         return []
     lm = bool(rows) and all(r.is_lm for r in rows)
-    quality, title, scale = ((m.BEST_VAL_LOSS, "best val loss", 1.0) if lm
-                             else (m.BEST_VAL_ACC, "best val acc (%)", 100.0))
-    lines = ["Across seeds (mean ± sample std over the runs of each configuration that differ only "
-             "in " + ", ".join(f"`{k}`" for k in SEED_PARAMS if k in varying_params(rows)) + "):",
-             "", f"| model | configuration | seeds | {title} | train time (s) | "
-             "peak memory (MB) | speedup vs O0 | memory vs O0 |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    quality, title, scale = (
+        (m.BEST_VAL_LOSS, "best val loss", 1.0)
+        if lm
+        else (m.BEST_VAL_ACC, "best val acc (%)", 100.0)
+    )
+    lines = [
+        "Across seeds (mean ± sample std over the runs of each configuration that differ only "
+        "in " + ", ".join(f"`{k}`" for k in SEED_PARAMS if k in varying_params(rows)) + "):",
+        "",
+        f"| model | configuration | seeds | {title} | train time (s) | "
+        "peak memory (MB) | speedup vs O0 | memory vs O0 |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for g in seed_groups(rows):
-        lines.append("| " + " | ".join([
-            g.model, g.label, str(len(g.rows)),
-            _mean_std(g.stats(lambda r: r.get(quality)), ".4f" if lm else ".2f", scale),
-            _mean_std(g.stats(lambda r: r.get(m.TRAIN_TIME_S)), ".1f"),
-            _mean_std(g.stats(lambda r: r.get(m.PEAK_MEM_MB)), ".0f"),
-            _mean_std(g.stats(lambda r: r.speedup), ".2f"),
-            _mean_std(g.stats(lambda r: r.memory_ratio), ".2f")]) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    g.model,
+                    g.label,
+                    str(len(g.rows)),
+                    _mean_std(g.stats(lambda r: r.get(quality)), ".4f" if lm else ".2f", scale),
+                    _mean_std(g.stats(lambda r: r.get(m.TRAIN_TIME_S)), ".1f"),
+                    _mean_std(g.stats(lambda r: r.get(m.PEAK_MEM_MB)), ".0f"),
+                    _mean_std(g.stats(lambda r: r.speedup), ".2f"),
+                    _mean_std(g.stats(lambda r: r.memory_ratio), ".2f"),
+                ]
+            )
+            + " |"
+        )
     return lines + [""]
 
 
-# ---- writing --------------------------------------------------------------------------------------
+# ---- writing -------------------------------------------------------------------------------------
 # the layer audit's count of layers per observed format (runner.measure.audit)
 LAYER_FORMATS = ("fp32", "bf16", "fp16", "fp8")
 LAYERS_TITLE = "layers fp32/bf16/fp16/fp8"
-COLUMNS = ["run", "model", "level", "dtype", LAYERS_TITLE, "optimizer", "batch size", "status",
-           "best val acc (%)", "train time (s)", "throughput (samples/s)", "peak memory (MB)",
-           "skipped steps", "weights (MB)", "masters (MB)", "grads (MB)",
-           "optimizer state (MB)", "activations (MB)", "state total (MB)", "speedup vs O0",
-           "memory vs O0"]
+COLUMNS = [
+    "run",
+    "model",
+    "level",
+    "dtype",
+    LAYERS_TITLE,
+    "optimizer",
+    "batch size",
+    "status",
+    "best val acc (%)",
+    "train time (s)",
+    "throughput (samples/s)",
+    "peak memory (MB)",
+    "skipped steps",
+    "weights (MB)",
+    "masters (MB)",
+    "grads (MB)",
+    "optimizer state (MB)",
+    "activations (MB)",
+    "state total (MB)",
+    "speedup vs O0",
+    "memory vs O0",
+]
 
 
 def layer_counts(row: Row) -> str:
@@ -402,10 +512,22 @@ def _perplexity(loss: float | None) -> float | None:
 
 # the task columns, in their place among COLUMNS: (title, cell of a row)
 _ACCURACY = ("best val acc (%)", lambda r: _fmt(r.get(m.BEST_VAL_ACC), ".2f", 100))
-_LM_QUALITY = [("best val loss (nats/token)", lambda r: _fmt(r.get(m.BEST_VAL_LOSS), ".4f")),
-               ("perplexity", lambda r: _fmt(_perplexity(r.get(m.BEST_VAL_LOSS)), ".2f"))]
+_LM_QUALITY = [
+    ("best val loss (nats/token)", lambda r: _fmt(r.get(m.BEST_VAL_LOSS), ".4f")),
+    ("perplexity", lambda r: _fmt(_perplexity(r.get(m.BEST_VAL_LOSS)), ".2f")),
+]
 _SAMPLES = ("throughput (samples/s)", lambda r: _fmt(r.get(m.SAMPLES_PER_S), ".0f"))
 _TOKENS = ("throughput (tokens/s)", lambda r: _fmt(r.get(m.TOKENS_PER_S), ".0f"))
+
+
+def _param_cell(key: str):
+    """A column of a param's value (`-` where the run has none)."""
+    return lambda r: r.params.get(key, "-")
+
+
+def _metric_cell(key: str, spec: str):
+    """A column of a metric's value, formatted."""
+    return lambda r: _fmt(r.get(key), spec)
 
 
 def columns(rows: Sequence[Row]) -> list[tuple[str, Any]]:
@@ -416,20 +538,26 @@ def columns(rows: Sequence[Row]) -> list[tuple[str, Any]]:
     quality = ([_ACCURACY] if cls or not rows else []) + (_LM_QUALITY if lm else [])
     speed = ([_SAMPLES] if cls or not rows else []) + ([_TOKENS] if lm else [])
     names = display_names(rows)
-    varying = [(key, (lambda key: lambda r: r.params.get(key, "-"))(key))
-               for key in varying_params(rows)]
+    varying = [(key, _param_cell(key)) for key in varying_params(rows)]
     return [
-        ("run", lambda r: names.get(r.run_id, r.run_name)), *varying, ("model", lambda r: r.model),
-        ("level", lambda r: r.level), ("dtype", lambda r: r.dtype),
+        ("run", lambda r: names.get(r.run_id, r.run_name)),
+        *varying,
+        ("model", lambda r: r.model),
+        ("level", lambda r: r.level),
+        ("dtype", lambda r: r.dtype),
         (LAYERS_TITLE, layer_counts),
         ("optimizer", lambda r: r.optimizer),
         ("batch size", lambda r: "-" if r.batch_size is None else str(r.batch_size)),
-        ("status", lambda r: r.status), *quality,
-        ("train time (s)", lambda r: _fmt(r.get(m.TRAIN_TIME_S), ".1f")), *speed,
+        ("status", lambda r: r.status),
+        *quality,
+        ("train time (s)", lambda r: _fmt(r.get(m.TRAIN_TIME_S), ".1f")),
+        *speed,
         ("peak memory (MB)", lambda r: _fmt(r.get(m.PEAK_MEM_MB), ".0f")),
         ("skipped steps", lambda r: _fmt(r.get(m.SKIPPED_STEPS), ".0f")),
-        *((title, (lambda key: lambda r: _fmt(r.get(key), ".2f"))(key)) for key, title in zip(
-            (*MEMORY_METRICS, MEMORY_TOTAL), COLUMNS[13:19])),
+        *(
+            (title, _metric_cell(key, ".2f"))
+            for key, title in zip((*MEMORY_METRICS, MEMORY_TOTAL), COLUMNS[13:19])
+        ),
         ("speedup vs O0", lambda r: _fmt(r.speedup, ".2f")),
         ("memory vs O0", lambda r: _fmt(r.memory_ratio, ".2f")),
         ("baseline (O0)", lambda r: r.baseline or "-"),
@@ -443,28 +571,41 @@ def table_cells(row: Row, rows: Sequence[Row] | None = None) -> list[str]:
 def render_markdown(rows: Sequence[Row], title: str, source: str) -> str:
     titles = [title for title, _ in columns(rows)]
     text = 8 + len(varying_params(rows))  # left-aligned columns: run, what varies, model ... status
-    lines = [f"# {title}", "", source, "",
-             "| " + " | ".join(titles) + " |",
-             "|" + "---|" * text + "---:|" * (len(titles) - text - 1) + "---|"]
+    lines = [
+        f"# {title}",
+        "",
+        source,
+        "",
+        "| " + " | ".join(titles) + " |",
+        "|" + "---|" * text + "---:|" * (len(titles) - text - 1) + "---|",
+    ]
     lines += ["| " + " | ".join(table_cells(r, rows)) + " |" for r in rows]
     varying = varying_params(rows)
-    lines += ["", "Speedup: the baseline's train time / the run's (above 1 is faster); memory: the "
-              "run's peak memory / the baseline's (below 1 is less). The baseline is the O0 run "
-              "of the same model"
-              + (" with the same " + ", ".join(f"`{k}`" for k in varying if k not in SEED_PARAMS)
-                 if any(k not in SEED_PARAMS for k in varying) else "")
-              + " (the same seed where there is one), named in the last column. The columns "
-              "between run and model are the params that differ between these runs. Throughput is the mean over the epochs "
-              "after the first. Train time covers all epochs, validation included. Peak memory: "
-              + ", ".join(sorted({r.peak_mem_kind for r in rows})) + " (the runs' `peak_mem_kind`:"
-              " CUDA's max allocated memory, or on a CPU the training state counted from the "
-              "tensors). Weights, masters, grads, optimizer state and activations: the memory of "
-              "each kind of tensor in one training step, counted from the tensors themselves "
-              "(activations: the bytes saved for backward); state total is their sum. Layers "
-              "fp32/bf16/fp16/fp8: how many layers (modules with weights of their own) computed "
-              "in each format at the first step, as the layer audit saw them "
-              "(`layers/layers_ran.csv` of each run).",
-              ""]
+    lines += [
+        "",
+        "Speedup: the baseline's train time / the run's (above 1 is faster); memory: the "
+        "run's peak memory / the baseline's (below 1 is less). The baseline is the O0 run "
+        "of the same model"
+        + (
+            " with the same " + ", ".join(f"`{k}`" for k in varying if k not in SEED_PARAMS)
+            if any(k not in SEED_PARAMS for k in varying)
+            else ""
+        )
+        + " (the same seed where there is one), named in the last column. The columns "
+        "between run and model are the params that differ between these runs. Throughput is "
+        "the mean over the epochs "
+        "after the first. Train time covers all epochs, validation included. Peak memory: "
+        + ", ".join(sorted({r.peak_mem_kind for r in rows}))
+        + " (the runs' `peak_mem_kind`:"
+        " CUDA's max allocated memory, or on a CPU the training state counted from the "
+        "tensors). Weights, masters, grads, optimizer state and activations: the memory of "
+        "each kind of tensor in one training step, counted from the tensors themselves "
+        "(activations: the bytes saved for backward); state total is their sum. Layers "
+        "fp32/bf16/fp16/fp8: how many layers (modules with weights of their own) computed "
+        "in each format at the first step, as the layer audit saw them "
+        "(`layers/layers_ran.csv` of each run).",
+        "",
+    ]
     lines += render_seed_table(rows)
     missing = [r for r in rows if r.missing]
     if missing:
@@ -474,19 +615,28 @@ def render_markdown(rows: Sequence[Row], title: str, source: str) -> str:
     unfinished = [r for r in rows if r.status != "FINISHED"]
     if unfinished:
         lines += ["Runs that did not finish:", ""]
-        lines += [f"- {r.run_name} ({r.status}): {r.reason or 'no reason recorded'}"
-                  for r in unfinished]
+        lines += [
+            f"- {r.run_name} ({r.status}): {r.reason or 'no reason recorded'}" for r in unfinished
+        ]
         lines.append("")
     if not any(r.baseline for r in rows):
         lines += ["No finished O0 run to compare with: speedup and memory ratio are empty.", ""]
     quality = "loss" if rows and all(r.is_lm for r in rows) else "accuracy"
     if any(r.is_lm for r in rows):
-        lines += ["Language models: best val loss is the mean token cross-entropy on the "
-                  "validation tokens (nats per token), perplexity its exponential; throughput in "
-                  "training tokens per second.", ""]
-    lines += [f"![time, memory and {quality} per level]({BARS_PNG})", "",
-              f"![memory by kind per level]({MEMORY_PNG})", "",
-              f"![validation {quality} per epoch]({CURVES_PNG})", ""]
+        lines += [
+            "Language models: best val loss is the mean token cross-entropy on the "
+            "validation tokens (nats per token), perplexity its exponential; throughput in "
+            "training tokens per second.",
+            "",
+        ]
+    lines += [
+        f"![time, memory and {quality} per level]({BARS_PNG})",
+        "",
+        f"![memory by kind per level]({MEMORY_PNG})",
+        "",
+        f"![validation {quality} per epoch]({CURVES_PNG})",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -495,16 +645,50 @@ def write_csv(rows: Sequence[Row], path: Path) -> None:
         writer = csv.writer(f)
         lm = [k for k in LM_METRICS if k not in METRICS] if any(r.is_lm for r in rows) else []
         varying = varying_params(rows)
-        writer.writerow(["run_id", "run_name", *varying, "model", "level", "dtype", "layers",
-                         "optimizer",
-                         "batch_size", "status", *METRICS, *MEMORY_METRICS, MEMORY_TOTAL,
-                         "speedup_vs_o0", "memory_vs_o0", "baseline_run", "reason", *lm])
+        writer.writerow(
+            [
+                "run_id",
+                "run_name",
+                *varying,
+                "model",
+                "level",
+                "dtype",
+                "layers",
+                "optimizer",
+                "batch_size",
+                "status",
+                *METRICS,
+                *MEMORY_METRICS,
+                MEMORY_TOTAL,
+                "speedup_vs_o0",
+                "memory_vs_o0",
+                "baseline_run",
+                "reason",
+                *lm,
+            ]
+        )
         for r in rows:
-            writer.writerow([r.run_id, r.run_name, *(r.params.get(k) for k in varying), r.model,
-                             r.level, r.dtype, layer_counts(r), r.optimizer,
-                             r.batch_size, r.status, *(r.get(m) for m in METRICS),
-                             *(r.get(m) for m in (*MEMORY_METRICS, MEMORY_TOTAL)), r.speedup,
-                             r.memory_ratio, r.baseline, r.reason, *(r.get(k) for k in lm)])
+            writer.writerow(
+                [
+                    r.run_id,
+                    r.run_name,
+                    *(r.params.get(k) for k in varying),
+                    r.model,
+                    r.level,
+                    r.dtype,
+                    layer_counts(r),
+                    r.optimizer,
+                    r.batch_size,
+                    r.status,
+                    *(r.get(m) for m in METRICS),
+                    *(r.get(m) for m in (*MEMORY_METRICS, MEMORY_TOTAL)),
+                    r.speedup,
+                    r.memory_ratio,
+                    r.baseline,
+                    r.reason,
+                    *(r.get(k) for k in lm),
+                ]
+            )
 
 
 def bar_labels(rows: Sequence[Row]) -> list[str]:
@@ -526,8 +710,10 @@ def bar_labels(rows: Sequence[Row]) -> list[str]:
     seen: dict[tuple[str, str], int] = {}
     for r, label in zip(rows, labels):
         seen[(r.model, label)] = seen.get((r.model, label), 0) + 1
-    return [f"{label} ({r.run_id[:8]})" if seen[(r.model, label)] > 1 else label
-            for r, label in zip(rows, labels)]
+    return [
+        f"{label} ({r.run_id[:8]})" if seen[(r.model, label)] > 1 else label
+        for r, label in zip(rows, labels)
+    ]
 
 
 def _legend_or_note(ax, shown: bool, note: str) -> None:
@@ -557,13 +743,21 @@ def plot_bars(rows: Sequence[Row], path: Path) -> None:
     if seeds_vary(rows):  # one bar per configuration: the seeds' mean, their std as error bar
         groups = [(g.model, g.label + f" (n={len(g.rows)})", g) for g in seed_groups(rows)]
     else:
-        groups = [(r.model, label, SeedGroup(label, r.model, [r]))
-                  for r, label in zip(rows, bar_labels(rows))]
+        groups = [
+            (r.model, label, SeedGroup(label, r.model, [r]))
+            for r, label in zip(rows, bar_labels(rows))
+        ]
     series = list(dict.fromkeys(label for _, label, _ in groups))
-    quality = (m.BEST_VAL_LOSS, "best val loss (nats/token)", 1.0) \
-        if rows and all(r.is_lm for r in rows) else (m.BEST_VAL_ACC, "best val accuracy (%)", 100.0)
-    panels = [(m.TRAIN_TIME_S, "train time (s)", 1.0), (m.PEAK_MEM_MB, "peak memory (MB)", 1.0),
-              quality]
+    quality = (
+        (m.BEST_VAL_LOSS, "best val loss (nats/token)", 1.0)
+        if rows and all(r.is_lm for r in rows)
+        else (m.BEST_VAL_ACC, "best val accuracy (%)", 100.0)
+    )
+    panels = [
+        (m.TRAIN_TIME_S, "train time (s)", 1.0),
+        (m.PEAK_MEM_MB, "peak memory (MB)", 1.0),
+        quality,
+    ]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     width = 0.8 / max(1, len(series))
     for ax, (metric, title, scale) in zip(axes, panels):
@@ -571,12 +765,18 @@ def plot_bars(rows: Sequence[Row], path: Path) -> None:
             values, errors = [], []
             for model in models:
                 match = [g for mdl, lbl, g in groups if mdl == model and lbl == name]
-                stats = match[0].stats(lambda r: r.get(metric)) if match else None
+                stats = match[0].stats(operator.methodcaller("get", metric)) if match else None
                 values.append(math.nan if stats is None else stats[0] * scale)
                 errors.append(0.0 if stats is None else stats[1] * scale)
             positions = [m + (i - (len(series) - 1) / 2) * width for m in range(len(models))]
-            ax.bar(positions, values, width, label=name,
-                   yerr=errors if any(errors) else None, capsize=3)
+            ax.bar(
+                positions,
+                values,
+                width,
+                label=name,
+                yerr=errors if any(errors) else None,
+                capsize=3,
+            )
         ax.set_xticks(range(len(models)), models)
         ax.set_title(title)
         ax.grid(axis="y", alpha=0.3)
@@ -591,8 +791,11 @@ def plot_memory(rows: Sequence[Row], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    shown = [(r, label) for r, label in zip(rows, bar_labels(rows))
-             if any(r.get(m) is not None for m in MEMORY_METRICS)]
+    shown = [
+        (r, label)
+        for r, label in zip(rows, bar_labels(rows))
+        if any(r.get(m) is not None for m in MEMORY_METRICS)
+    ]
     fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(shown) + 3), 5))
     bottoms = [0.0] * len(shown)
     positions = range(len(shown))
@@ -621,8 +824,12 @@ def plot_curves(rows: Sequence[Row], path: Path) -> None:
         curve, scale = (r.val_loss, 1.0) if lm else (r.val_acc, 100.0)
         if curve:
             epochs, values = zip(*curve)
-            ax.plot(epochs, [scale * v for v in values], marker="o",
-                    label=f"{r.run_name} ({r.status})" if r.status != "FINISHED" else r.run_name)
+            ax.plot(
+                epochs,
+                [scale * v for v in values],
+                marker="o",
+                label=f"{r.run_name} ({r.status})" if r.status != "FINISHED" else r.run_name,
+            )
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.set_xlabel("epoch")
     ax.set_ylabel("validation loss (nats/token)" if lm else "validation accuracy (%)")
@@ -632,27 +839,46 @@ def plot_curves(rows: Sequence[Row], path: Path) -> None:
     _save(fig, path)
 
 
-# ---- entry point ----------------------------------------------------------------------------------
+# ---- entry point ---------------------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m runner.report",
         description="Compare the runs of a sweep (precision levels, models, batch sizes) from "
-        "MLflow: a Markdown and CSV table and PNG figures, also logged on the sweep's parent run.")
-    parser.add_argument("--tracking-uri", default="sqlite:///mlflow.db",
-                        help="MLflow store or server (default: sqlite:///mlflow.db, the runner's "
-                        "default, relative to this directory)")
-    parser.add_argument("--experiment", default=EXPERIMENT,
-                        help=f"MLflow experiment name (default: {EXPERIMENT})")
+        "MLflow: a Markdown and CSV table and PNG figures, also logged on the sweep's parent run.",
+    )
+    parser.add_argument(
+        "--tracking-uri",
+        default="sqlite:///mlflow.db",
+        help="MLflow store or server (default: sqlite:///mlflow.db, the runner's "
+        "default, relative to this directory)",
+    )
+    parser.add_argument(
+        "--experiment", default=EXPERIMENT, help=f"MLflow experiment name (default: {EXPERIMENT})"
+    )
     which = parser.add_mutually_exclusive_group()
-    which.add_argument("--parent", metavar="RUN_ID",
-                       help="the sweep's parent run id (printed at the end of the sweep)")
-    which.add_argument("--sweep", metavar="NAME_OR_DIR",
-                       help="the sweep's parent run name, or its folder (multirun/<date>/<time>)")
-    which.add_argument("--diff", nargs=2, metavar=("RUN_A", "RUN_B"),
-                       help="print the params that differ between two runs (by run id) and "
-                       "their status and objective; writes nothing")
-    parser.add_argument("--out", type=Path, default=Path("report"),
-                        help="folder for the table and figures (default: ./report)")
+    which.add_argument(
+        "--parent",
+        metavar="RUN_ID",
+        help="the sweep's parent run id (printed at the end of the sweep)",
+    )
+    which.add_argument(
+        "--sweep",
+        metavar="NAME_OR_DIR",
+        help="the sweep's parent run name, or its folder (multirun/<date>/<time>)",
+    )
+    which.add_argument(
+        "--diff",
+        nargs=2,
+        metavar=("RUN_A", "RUN_B"),
+        help="print the params that differ between two runs (by run id) and "
+        "their status and objective; writes nothing",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("report"),
+        help="folder for the table and figures (default: ./report)",
+    )
     return parser.parse_args(argv)
 
 
@@ -666,20 +892,31 @@ def diff_runs(client, run_a: str, run_b: str) -> str:
         try:
             runs.append(client.get_run(run_id))
         except MlflowException as error:
-            raise NothingToReport(f"no run {run_id!r} in {client.tracking_uri}: {error.message}")
+            raise NothingToReport(
+                f"no run {run_id!r} in {client.tracking_uri}: {error.message}"
+            ) from None
     a, b = (r.data.params for r in runs)
     keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
-    head = [f"| param | {runs[0].info.run_name} ({run_a[:8]}) | "
-            f"{runs[1].info.run_name} ({run_b[:8]}) |", "|---|---|---|"]
+    head = [
+        f"| param | {runs[0].info.run_name} ({run_a[:8]}) | "
+        f"{runs[1].info.run_name} ({run_b[:8]}) |",
+        "|---|---|---|",
+    ]
     body = [f"| {k} | {a.get(k, '-')} | {b.get(k, '-')} |" for k in keys]
     tail = [f"| status | {runs[0].info.status} | {runs[1].info.status} |"]
     for metric in (m.BEST_VAL_ACC, m.BEST_VAL_LOSS):
         values = [r.data.metrics.get(metric) for r in runs]
         if any(v is not None for v in values):
-            tail.append(f"| {metric} | " + " | ".join("-" if v is None else f"{v:.4g}"
-                                                      for v in values) + " |")
-    summary = (f"{len(keys)} params differ" if keys else
-               "No param differs: the two runs were configured alike")
+            tail.append(
+                f"| {metric} | "
+                + " | ".join("-" if v is None else f"{v:.4g}" for v in values)
+                + " |"
+            )
+    summary = (
+        f"{len(keys)} params differ"
+        if keys
+        else "No param differs: the two runs were configured alike"
+    )
     return "\n".join([summary + ":", "", *head, *body, *tail])
 
 
@@ -689,9 +926,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     uri = resolve_tracking_uri(args.tracking_uri)
     try:
-        if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).is_file():
-            raise NothingToReport(f"no MLflow store at {uri} (opening it would create an empty "
-                                  "one); set --tracking-uri to the runs' mlflow.tracking_uri")
+        if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///") :]).is_file():
+            raise NothingToReport(
+                f"no MLflow store at {uri} (opening it would create an empty "
+                "one); set --tracking-uri to the runs' mlflow.tracking_uri"
+            )
         client = RetryingClient(uri)
         if args.diff:
             print(diff_runs(client, *args.diff))
@@ -703,11 +942,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = [to_row(client, run) for run in runs]
     add_baseline_ratios(rows)
 
-    title = f"Precision comparison: {parent.info.run_name}" if parent else \
-        f"Precision comparison: experiment {args.experiment}"
-    source = (f"{len(rows)} runs from `{uri}`, experiment `{args.experiment}`"
-              + (f", parent run `{parent.info.run_id}`" if parent else "")
-              + f"; written {_dt.datetime.now().isoformat(timespec='seconds')}.")
+    title = (
+        f"Precision comparison: {parent.info.run_name}"
+        if parent
+        else f"Precision comparison: experiment {args.experiment}"
+    )
+    source = (
+        f"{len(rows)} runs from `{uri}`, experiment `{args.experiment}`"
+        + (f", parent run `{parent.info.run_id}`" if parent else "")
+        + f"; written {_dt.datetime.now().isoformat(timespec='seconds')}."
+    )
     markdown = render_markdown(rows, title, source)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / TABLE_MD).write_text(markdown)
@@ -721,8 +965,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"Wrote {', '.join(str(args.out / n) for n in written)}")
     if parent is not None:
         client.log_artifacts(parent.info.run_id, str(args.out), ARTIFACT_DIR)
-        print(f"Logged them on the sweep's parent run {parent.info.run_id} (artifacts/{ARTIFACT_DIR}). "
-              + ui_hint(uri, parent.info.experiment_id))
+        print(
+            f"Logged them on the sweep's parent run {parent.info.run_id} "
+            f"(artifacts/{ARTIFACT_DIR}). " + ui_hint(uri, parent.info.experiment_id)
+        )
     else:
         print("No sweep parent run: the files were not logged to MLflow.")
     return 0

@@ -24,6 +24,7 @@ joblib launcher pickles the callback, parent run id included, into its worker pr
 Only light imports at module level, and nothing happens on import: Hydra instantiates this
 callback for single runs too; the CLI registers the config resolver (`register_resolvers`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -36,9 +37,10 @@ import logging
 import math
 import os
 import sys
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Iterator, Sequence
+from typing import IO, Any
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
@@ -46,8 +48,8 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from runner.tracking import tags as tag
 from runner.errors import ConfigError, RunnerError
+from runner.tracking import tags as tag
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +72,7 @@ class SweepParent:
     FILE = ".amp-runner-sweep.json"
 
     @classmethod
-    def load(cls, sweep_dir: str | os.PathLike) -> "SweepParent | None":
+    def load(cls, sweep_dir: str | os.PathLike) -> SweepParent | None:
         """The open parent of the sweep in `sweep_dir`; None when there is none (a single run, a
         dry-run sweep, or a sweep that has ended)."""
         try:
@@ -96,8 +98,9 @@ class SweepParent:
         where = f"tags.`{tag.PARENT_RUN}` = '{self.run_id}'"
         if job_num is not None:
             where += f" and tags.`{tag.JOB_NUM}` = '{job_num}'"
-        return tracker.client.search_runs([self.experiment_id], filter_string=where,
-                                          order_by=["attributes.start_time DESC"])
+        return tracker.client.search_runs(
+            [self.experiment_id], filter_string=where, order_by=["attributes.start_time DESC"]
+        )
 
 
 def job_parent() -> SweepParent | None:
@@ -133,8 +136,11 @@ def sweep_overrides(config: DictConfig) -> list[str]:
     """The overrides that make this a sweep (`precision=o0,o1`, `+experiment=...`), for naming."""
     arguments = list(config.hydra.overrides.task)
     parsed = OverridesParser.create().parse_overrides(arguments)
-    return [text for text, o in zip(arguments, parsed)
-            if o.is_sweep_override() or o.get_key_element().lstrip("+~") == "experiment"]
+    return [
+        text
+        for text, o in zip(arguments, parsed)
+        if o.is_sweep_override() or o.get_key_element().lstrip("+~") == "experiment"
+    ]
 
 
 def preflight(config: DictConfig, config_name: str | None, tracking_uri: str) -> int | None:
@@ -152,8 +158,9 @@ def preflight(config: DictConfig, config_name: str | None, tracking_uri: str) ->
             cfg = compose(config_name=config_name, overrides=overrides)
         except (HydraException, OmegaConfBaseException) as error:  # a typo'd key or option
             cause = f"\n{error.__cause__}" if error.__cause__ else ""
-            raise RunnerError(f"sweep job #{number} ({' '.join(overrides)}): {error}{cause}") \
-                from error
+            raise RunnerError(
+                f"sweep job #{number} ({' '.join(overrides)}): {error}{cause}"
+            ) from error
         if _resuming(cfg):  # in a sweep, resume=auto is decided per job, at its start
             OmegaConf.set_struct(cfg, False)
             cfg.resume = None
@@ -162,8 +169,10 @@ def preflight(config: DictConfig, config_name: str | None, tracking_uri: str) ->
             same_store(cfg, tracking_uri, config.mlflow.experiment_name)
         except ConfigError as error:
             raise ConfigError(
-                error.key, f"{error.problem} (in sweep job #{number}: {' '.join(overrides)})",
-                error.allowed) from error
+                error.key,
+                f"{error.problem} (in sweep job #{number}: {' '.join(overrides)})",
+                error.allowed,
+            ) from error
     return len(jobs)
 
 
@@ -172,13 +181,20 @@ def same_store(cfg: DictConfig, tracking_uri: str, experiment_name: str) -> None
     from runner.tracking.store import resolve_tracking_uri
 
     if resolve_tracking_uri(cfg.mlflow.tracking_uri) != tracking_uri:
-        raise ConfigError("mlflow.tracking_uri", f"a sweep's jobs log to their parent run's store "
-                          f"{tracking_uri!r}, got {cfg.mlflow.tracking_uri!r}; it cannot be swept",
-                          "one value for the whole sweep")
+        raise ConfigError(
+            "mlflow.tracking_uri",
+            f"a sweep's jobs log to their parent run's store "
+            f"{tracking_uri!r}, got {cfg.mlflow.tracking_uri!r}; it cannot be swept",
+            "one value for the whole sweep",
+        )
     if cfg.mlflow.experiment_name != experiment_name:
-        raise ConfigError("mlflow.experiment_name", f"a sweep's jobs log to their parent run's "
-                          f"experiment {experiment_name!r}, got {cfg.mlflow.experiment_name!r}; it "
-                          "cannot be swept", "one value for the whole sweep")
+        raise ConfigError(
+            "mlflow.experiment_name",
+            f"a sweep's jobs log to their parent run's "
+            f"experiment {experiment_name!r}, got {cfg.mlflow.experiment_name!r}; it "
+            "cannot be swept",
+            "one value for the whole sweep",
+        )
 
 
 def _resuming(config: DictConfig) -> bool:
@@ -196,8 +212,10 @@ def earlier_sweep(tracker: Any, sweep_dir: Path, overrides: Sequence[str]) -> An
     finished jobs would not be this sweep's."""
     folder = str(Path(sweep_dir).resolve())
     runs = tracker.client.search_runs(
-        [tracker.experiment_id], filter_string=f"tags.`{tag.SWEEP_DIR}` = '{folder}'",
-        order_by=["attributes.start_time DESC"])
+        [tracker.experiment_id],
+        filter_string=f"tags.`{tag.SWEEP_DIR}` = '{folder}'",
+        order_by=["attributes.start_time DESC"],
+    )
     if not runs:
         return None
     parent = runs[0]
@@ -205,11 +223,14 @@ def earlier_sweep(tracker: Any, sweep_dir: Path, overrides: Sequence[str]) -> An
     now = _sweep_tokens(overrides)
     if before != now:
         differs = [f"-{o}" for o in sorted(before - now)] + [f"+{o}" for o in sorted(now - before)]
-        raise ConfigError("resume", f"the sweep in {folder} (parent run {parent.info.run_id}) "
-                          f"was run with other overrides: {' '.join(differs)} (- then, + now); "
-                          "its finished jobs would not be this sweep's",
-                          f"the same overrides as then ({' '.join(sorted(before))}) with "
-                          "resume=auto, or another hydra.sweep.dir for a new sweep")
+        raise ConfigError(
+            "resume",
+            f"the sweep in {folder} (parent run {parent.info.run_id}) "
+            f"was run with other overrides: {' '.join(differs)} (- then, + now); "
+            "its finished jobs would not be this sweep's",
+            f"the same overrides as then ({' '.join(sorted(before))}) with "
+            "resume=auto, or another hydra.sweep.dir for a new sweep",
+        )
     return parent
 
 
@@ -224,8 +245,15 @@ class SweepJobFailed(RuntimeError):
     Hydra's basic one receives as the job's error."""
 
 
-def run_job(cfg: DictConfig, parent: SweepParent, *, overrides: Sequence[str], output_dir: str,
-            job_num: int, sweeper: str = BASIC_SWEEPER) -> float:
+def run_job(
+    cfg: DictConfig,
+    parent: SweepParent,
+    *,
+    overrides: Sequence[str],
+    output_dir: str,
+    job_num: int,
+    sweeper: str = BASIC_SWEEPER,
+) -> float:
     """One sweep job as a child run. A failure is logged and recorded as a FAILED child (also when
     it happened before the run existed). Under Hydra's basic sweeper it is then returned as NaN, so
     the sweep goes on (that sweeper stops at the first job that raises and skips the end-of-sweep
@@ -258,19 +286,23 @@ def run_job(cfg: DictConfig, parent: SweepParent, *, overrides: Sequence[str], o
         except Exception:  # noqa: BLE001  (the store itself is failing: the log says so)
             log.exception("Could not record sweep job #%d's failure in MLflow", job_num)
         if raises:
-            raise SweepJobFailed(f"sweep job #{job_num} failed: {type(error).__name__}: "
-                                 f"{error}") from error
+            raise SweepJobFailed(
+                f"sweep job #{job_num} failed: {type(error).__name__}: {error}"
+            ) from error
         return math.nan
     if best is None or not math.isfinite(best):
         if raises:
-            raise SweepJobFailed(f"sweep job #{job_num} finished without a finite objective "
-                                 f"({best}): an optimising sweeper cannot use it")
+            raise SweepJobFailed(
+                f"sweep job #{job_num} finished without a finite objective "
+                f"({best}): an optimising sweeper cannot use it"
+            )
         return math.nan
     return best
 
 
-def _resume_job(cfg: DictConfig, parent: SweepParent, job_num: int
-                ) -> tuple[float | None, DictConfig]:
+def _resume_job(
+    cfg: DictConfig, parent: SweepParent, job_num: int
+) -> tuple[float | None, DictConfig]:
     """A job of a resumed sweep (`resume=auto`): (its objective, when its earlier run finished
     and is kept; else None, and the config to run it with). An earlier run that did not finish
     resumes from its checkpoint in the same MLflow run; one without a checkpoint is deleted and
@@ -289,23 +321,40 @@ def _resume_job(cfg: DictConfig, parent: SweepParent, job_num: int
     if earlier.info.status == "FINISHED":
         metrics = earlier.data.metrics
         best = metrics.get("best_val_acc", metrics.get("best_val_loss"))
-        log.info("Sweep job #%d finished in an earlier session (run %s): kept, not run again",
-                 job_num, earlier.info.run_id)
+        log.info(
+            "Sweep job #%d finished in an earlier session (run %s): kept, not run again",
+            job_num,
+            earlier.info.run_id,
+        )
         return (math.nan if best is None else float(best)), cfg
-    path = checkpoint.run_folder(cfg.trainer.checkpoint_dir, cfg.mlflow.experiment_name,
-                                 earlier.info.run_name) / earlier.info.run_id / checkpoint.FILENAME
+    path = (
+        checkpoint.run_folder(
+            cfg.trainer.checkpoint_dir, cfg.mlflow.experiment_name, earlier.info.run_name
+        )
+        / earlier.info.run_id
+        / checkpoint.FILENAME
+    )
     if path.is_file():
-        log.info("Sweep job #%d resumes its run %s (%s) from %s", job_num, earlier.info.run_id,
-                 earlier.info.status, path)
+        log.info(
+            "Sweep job #%d resumes its run %s (%s) from %s",
+            job_num,
+            earlier.info.run_id,
+            earlier.info.status,
+            path,
+        )
         cfg.resume = str(path)
     else:
-        log.info("Sweep job #%d: its run %s (%s) left no checkpoint: it starts again", job_num,
-                 earlier.info.run_id, earlier.info.status)
+        log.info(
+            "Sweep job #%d: its run %s (%s) left no checkpoint: it starts again",
+            job_num,
+            earlier.info.run_id,
+            earlier.info.status,
+        )
         tracker.client.delete_run(earlier.info.run_id)
     return None, cfg
 
 
-# ---- one GPU per job with the joblib launcher ------------------------------------------------------
+# ---- one GPU per job with the joblib launcher ----------------------------------------------------
 def claim_gpu(lock_dir: Path, count: int) -> tuple[int, IO[str]] | None:
     """The first GPU index no other job of this sweep holds (an exclusive lock file per GPU in the
     sweep folder, released when the handle is closed); None when all are taken."""
@@ -339,7 +388,7 @@ def register_resolvers() -> None:
     OmegaConf.register_new_resolver("runner.parallel_jobs", parallel_jobs, replace=True)
 
 
-# ---- the callback ---------------------------------------------------------------------------------
+# ---- the callback --------------------------------------------------------------------------------
 class MlflowSweepCallback(Callback):
     """Makes a Hydra multirun one MLflow parent run with a child run per job."""
 
@@ -391,22 +440,36 @@ class MlflowSweepCallback(Callback):
             **{str(k): str(v) for k, v in config.mlflow.tags.items()},
         }
         if earlier is not None:  # resume=auto: the same parent goes on, with its children
-            self._parent_run = tracker.reopen_run(earlier.info.run_id,
-                                                  {tag.COMMAND: tags[tag.COMMAND]})
-            log.info("Resuming the sweep of %s: its parent run %s (%s), finished jobs are kept",
-                     sweep_dir, earlier.info.run_name, earlier.info.run_id)
+            self._parent_run = tracker.reopen_run(
+                earlier.info.run_id, {tag.COMMAND: tags[tag.COMMAND]}
+            )
+            log.info(
+                "Resuming the sweep of %s: its parent run %s (%s), finished jobs are kept",
+                sweep_dir,
+                earlier.info.run_name,
+                earlier.info.run_id,
+            )
         else:
             self._parent_run = tracker.create_run(name[:MAX_RUN_NAME], tags)
-        self.parent = SweepParent(tracker.tracking_uri, config.mlflow.experiment_name,
-                                  tracker.experiment_id, self._parent_run.run_id)
+        self.parent = SweepParent(
+            tracker.tracking_uri,
+            config.mlflow.experiment_name,
+            tracker.experiment_id,
+            self._parent_run.run_id,
+        )
         self.parent.save(sweep_dir)
         self._sweep_dir = sweep_dir
         scope = _SCOPE.get()
         if scope is not None:
             scope.adopt(self)
         count = "" if jobs is None else f" of {jobs} jobs"
-        log.info("Sweep%s: MLflow parent run %r (%s) in %s", count, name, self.parent.run_id,
-                 tracker.tracking_uri)
+        log.info(
+            "Sweep%s: MLflow parent run %r (%s) in %s",
+            count,
+            name,
+            self.parent.run_id,
+            tracker.tracking_uri,
+        )
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if self.parent is None or self._parent_run is None:
@@ -421,15 +484,27 @@ class MlflowSweepCallback(Callback):
         parent, self._parent_run = self._parent_run, None
         SweepParent.forget(self._sweep_dir)
         parent.log_metrics({"jobs": len(children), "failed_jobs": len(failed)}, 0)
-        parent.set_tag(tag.FAILED_JOBS, "; ".join(
-            f"{c.info.run_name} ({end_state(c)})" for c in failed) or "none")
+        parent.set_tag(
+            tag.FAILED_JOBS,
+            "; ".join(f"{c.info.run_name} ({end_state(c)})" for c in failed) or "none",
+        )
         parent.end(RunStatus.to_string(RunStatus.FINISHED))
-        failures = f", {len(failed)} failed: " + ", ".join(
-            f"{c.info.run_name} ({end_state(c)})" for c in failed) if failed else ", none failed"
+        failures = (
+            f", {len(failed)} failed: "
+            + ", ".join(f"{c.info.run_name} ({end_state(c)})" for c in failed)
+            if failed
+            else ", none failed"
+        )
         log.info(
             "Sweep finished: %d jobs%s.\nCompare them:  python -m runner.report --tracking-uri %s "
-            "--experiment %s --parent %s\n%s", len(children), failures, tracker.tracking_uri,
-            self.parent.experiment_name, self.parent.run_id, tracker.hint())
+            "--experiment %s --parent %s\n%s",
+            len(children),
+            failures,
+            tracker.tracking_uri,
+            self.parent.experiment_name,
+            self.parent.run_id,
+            tracker.hint(),
+        )
         if failed:
             raise SystemExit(1)  # Hydra swallows a callback's exceptions, not SystemExit
 
@@ -452,17 +527,19 @@ class MlflowSweepCallback(Callback):
             log.exception("Could not end the sweep's parent run %s", parent.run_id)
 
     def _failed_children(self) -> list[str]:
-        """"<run name> (#<job>): <its error>" for each child that did not finish."""
+        """ "<run name> (#<job>): <its error>" for each child that did not finish."""
         from runner.tracking.lifecycle import Tracker
 
         if self.parent is None:
             return []
         tracker = Tracker(self.parent.tracking_uri, self.parent.experiment_name)
         children = self.parent.children(tracker)
-        return [f"{c.info.run_name} (#{c.data.tags.get(tag.JOB_NUM, '?')}): "
-                f"{c.data.tags.get(tag.ERROR, c.info.status)}"
-                for c in sorted(children, key=lambda c: int(c.data.tags.get(tag.JOB_NUM, 0)))
-                if c.info.status not in ("FINISHED", "RUNNING")]
+        return [
+            f"{c.info.run_name} (#{c.data.tags.get(tag.JOB_NUM, '?')}): "
+            f"{c.data.tags.get(tag.ERROR, c.info.status)}"
+            for c in sorted(children, key=lambda c: int(c.data.tags.get(tag.JOB_NUM, 0)))
+            if c.info.status not in ("FINISHED", "RUNNING")
+        ]
 
     # each job's process
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
@@ -474,9 +551,11 @@ class MlflowSweepCallback(Callback):
         if count > 1:  # one job per GPU: take a free one for this job
             self._gpu = claim_gpu(Path(config.hydra.sweep.dir), count)
             if self._gpu is None:
-                log.warning("More parallel jobs than GPUs: this job shares GPU 0, so its timings "
-                            "and memory figures are not comparable; set hydra.launcher.n_jobs=%d",
-                            count)
+                log.warning(
+                    "More parallel jobs than GPUs: this job shares GPU 0, so its timings "
+                    "and memory figures are not comparable; set hydra.launcher.n_jobs=%d",
+                    count,
+                )
             else:
                 import torch
 
@@ -504,7 +583,9 @@ class MlflowSweepCallback(Callback):
                 "submitit's local launcher starts the sweep's jobs at once, on this machine's %d "
                 "device(s): jobs that share a device spoil each other's timings and peak memory. "
                 "hydra/launcher=parallel runs one job per GPU (one at a time on a CPU); "
-                "hydra/launcher=slurm spreads them over a cluster.", devices)
+                "hydra/launcher=slurm spreads them over a cluster.",
+                devices,
+            )
             return
         if launcher != JOBLIB_LAUNCHER:
             return
@@ -514,7 +595,10 @@ class MlflowSweepCallback(Callback):
             log.warning(
                 "hydra.launcher.n_jobs=%s runs more jobs at once than there are devices (%d): "
                 "their timings and peak memory are not comparable. hydra/launcher=parallel runs "
-                "one job per GPU (one at a time on a CPU).", n_jobs, devices)
+                "one job per GPU (one at a time on a CPU).",
+                n_jobs,
+                devices,
+            )
 
 
 def _end_fluent_runs() -> None:
@@ -536,7 +620,7 @@ class LaunchScope:
     def __init__(self) -> None:
         self._callbacks: list[MlflowSweepCallback] = []
 
-    def adopt(self, callback: "MlflowSweepCallback") -> None:
+    def adopt(self, callback: MlflowSweepCallback) -> None:
         self._callbacks.append(callback)
 
     def close_open(self, status: str, reason: str) -> None:
@@ -546,7 +630,8 @@ class LaunchScope:
 
 
 _SCOPE: contextvars.ContextVar[LaunchScope | None] = contextvars.ContextVar(
-    "amp_runner_launch_scope", default=None)
+    "amp_runner_launch_scope", default=None
+)
 
 
 @contextlib.contextmanager

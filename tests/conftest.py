@@ -1,4 +1,6 @@
-"""Shared fixtures: real Hydra composition of the project's config tree, real SQLite MLflow stores."""
+"""Shared fixtures: real Hydra composition of the project's config tree, real SQLite MLflow
+stores."""
+
 from __future__ import annotations
 
 import os
@@ -40,8 +42,9 @@ def tracking_uri(tmp_path: Path) -> str:
     return f"sqlite:///{tmp_path / 'mlflow.db'}"
 
 
-def run_cli(*args: str, cwd: Path, timeout: float = 600,
-            python_flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, cwd: Path, timeout: float = 600, python_flags: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
     """`python -m runner ARGS` in a real subprocess, as a user would type it (`python_flags`:
     interpreter options such as `-X importtime`)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0")
@@ -93,16 +96,23 @@ def levels_sweep(tmp_path_factory):
     return result, f"sqlite:///{folder / 'mlflow.db'}"
 
 
-def start_cli(*args: str, cwd: Path, env: dict | None = None,
-              new_session: bool = False) -> subprocess.Popen:
+def start_cli(
+    *args: str, cwd: Path, env: dict | None = None, new_session: bool = False
+) -> subprocess.Popen:
     """`python -m runner ARGS` started in the background (stdout and stderr merged, line by line),
     for tests that act on a run while it trains (signals, a server going away). `new_session`:
     its own process group, which `os.killpg` signals as a terminal's Ctrl-C would."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    return subprocess.Popen([sys.executable, "-m", "runner", *args], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=new_session)
+    return subprocess.Popen(
+        [sys.executable, "-m", "runner", *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=new_session,
+    )
 
 
 def read_until(proc: subprocess.Popen, text: str, timeout: float = 240) -> list[str]:
@@ -156,17 +166,34 @@ class MlflowServer:
         self.process: subprocess.Popen | None = None
         self._log = None
 
-    def start(self, timeout: float = 120) -> "MlflowServer":
+    def start(self, timeout: float = 120) -> MlflowServer:
         import time
         import urllib.error
         import urllib.request
 
         self._log = (self.folder / f"server-{self.port}.log").open("a")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", self.backend_uri,
-             "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
-             "--artifacts-destination", str(self.folder / "server-artifacts")],
-            cwd=self.folder, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "mlflow",
+                "server",
+                "--backend-store-uri",
+                self.backend_uri,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--workers",
+                "1",
+                "--artifacts-destination",
+                str(self.folder / "server-artifacts"),
+            ],
+            cwd=self.folder,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + timeout
         while True:
             assert self.process.poll() is None, self.log_text()

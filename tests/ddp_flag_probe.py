@@ -6,6 +6,7 @@ carry the inf to every rank by itself): this checks the engine's own flag reduct
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/ddp_flag_probe.py \
         OUT_FOLDER KERNELS
 """
+
 from __future__ import annotations
 
 import json
@@ -14,10 +15,10 @@ from pathlib import Path
 
 import torch
 from torch import nn
-
-from runner.run import distributed
-from runner.precision import AmpEngine, resolve
 from torchrun_probe import finish  # beside this script (sys.path[0])
+
+from runner.precision import AmpEngine, resolve
+from runner.run import distributed
 
 
 def main(out: Path, kernels: str) -> None:
@@ -25,13 +26,19 @@ def main(out: Path, kernels: str) -> None:
     torch.manual_seed(0)  # the same model and data on every rank
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    properties = resolve("O2", {"cast_model_type": "bfloat16", "loss_scale": "dynamic"},
-                         device=device).properties
-    engine = AmpEngine(properties, device, kernels=kernels,
-                       flag_reducer=distributed.flag_reducer(comm))
+    properties = resolve(
+        "O2", {"cast_model_type": "bfloat16", "loss_scale": "dynamic"}, device=device
+    ).properties
+    engine = AmpEngine(
+        properties, device, kernels=kernels, flag_reducer=distributed.flag_reducer(comm)
+    )
     model, optimizer = engine.prepare(model, optimizer)
-    record = {"backend": engine.kernels.name if engine.kernels else "torch", "stepped": [],
-              "loss_scale": [], "skipped_steps": []}
+    record = {
+        "backend": engine.kernels.name if engine.kernels else "torch",
+        "stepped": [],
+        "loss_scale": [],
+        "skipped_steps": [],
+    }
     for step in range(4):
         x, y = torch.randn(32, 8), torch.randint(0, 3, (32,))
         with engine.autocast():

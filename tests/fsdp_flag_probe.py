@@ -4,6 +4,7 @@ every rank must skip that step and back off alike, so the fp32 shards stay consi
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/fsdp_flag_probe.py OUT
 """
+
 from __future__ import annotations
 
 import json
@@ -12,10 +13,10 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torchrun_probe import finish  # beside this script (sys.path[0])
 
 from runner.precision import AmpEngine, resolve
 from runner.run import distributed, fsdp
-from torchrun_probe import finish  # beside this script (sys.path[0])
 
 
 def main(out: Path) -> None:
@@ -23,8 +24,13 @@ def main(out: Path) -> None:
     torch.manual_seed(0)  # the same model and data on every rank
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
     properties = resolve("O2", {"loss_scale": "dynamic"}, device=device).properties  # fp16
-    engine = AmpEngine(properties, device, kernels="torch", sharded=True,
-                       flag_reducer=distributed.flag_reducer(comm))
+    engine = AmpEngine(
+        properties,
+        device,
+        kernels="torch",
+        sharded=True,
+        flag_reducer=distributed.flag_reducer(comm),
+    )
     engine.cast(model)
     fsdp.shard(model, properties, None)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

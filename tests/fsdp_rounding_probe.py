@@ -5,6 +5,7 @@ whole tensor. Rows 13 over 2 ranks: uneven shards (7 and 6 rows).
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/fsdp_rounding_probe.py OUT
 """
+
 from __future__ import annotations
 
 import json
@@ -14,10 +15,10 @@ from pathlib import Path
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
+from torchrun_probe import finish  # beside this script (sys.path[0])
 
 from runner.precision.rounding import stochastic_round
 from runner.run import distributed
-from torchrun_probe import finish  # beside this script (sys.path[0])
 
 
 def main(out: Path) -> None:
@@ -31,13 +32,18 @@ def main(out: Path) -> None:
     local = rounded.to_local()
     rows = (13 + comm.world_size - 1) // comm.world_size
     start = comm.rank * rows
-    want = reference[start:start + local.shape[0]]
-    record = {"equal": bool(torch.equal(local.view(torch.int16), want.view(torch.int16))),
-              "rows": local.shape[0], "dtype": str(rounded.dtype),
-              "differs_from_unkeyed": not torch.equal(
-                  local.view(torch.int16),
-                  stochastic_round(sharded.to_local().clone(), seed=7, step=3,
-                                   tensor_id=2).view(torch.int16))}
+    want = reference[start : start + local.shape[0]]
+    record = {
+        "equal": bool(torch.equal(local.view(torch.int16), want.view(torch.int16))),
+        "rows": local.shape[0],
+        "dtype": str(rounded.dtype),
+        "differs_from_unkeyed": not torch.equal(
+            local.view(torch.int16),
+            stochastic_round(sharded.to_local().clone(), seed=7, step=3, tensor_id=2).view(
+                torch.int16
+            ),
+        ),
+    }
     (out / f"rank{comm.rank}.json").write_text(json.dumps(record))
     comm.close()
 

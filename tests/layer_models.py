@@ -1,4 +1,5 @@
 """Models for the layer-plan tests (by `_target_`): one layer that overflows fp16."""
+
 from __future__ import annotations
 
 import torch
@@ -7,12 +8,14 @@ from torch import nn
 
 class HotMLP(nn.Module):
     """An MLP over flattened images whose `hot` layer's outputs exceed fp16's max (65504): its
-    weights are scaled up 300000x after init (the largest, 37500, still an fp16 number), and a LayerNorm brings the values back. Uniform fp16
+    weights are scaled up 300000x after init (the largest, 37500, still an fp16 number), and a
+    LayerNorm brings the values back. Uniform fp16
     (O2) turns `hot`'s output into inf and every step overflows; keeping `hot` and `norm` (whose
     inputs are `hot`'s outputs) in fp32 trains."""
 
-    def __init__(self, num_classes: int = 10, image_size: int = 8, width: int = 64,
-                 gain: float = 300000.0):
+    def __init__(
+        self, num_classes: int = 10, image_size: int = 8, width: int = 64, gain: float = 300000.0
+    ):
         super().__init__()
         self.stem = nn.Linear(3 * image_size * image_size, width)
         self.hot = nn.Linear(width, width)

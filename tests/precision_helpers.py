@@ -1,5 +1,6 @@
 """Small shared pieces of the precision tests: resolved properties, an op recorder, a tiny net,
 a gradient norm, the amp reset around a test, the cross-entropy loss."""
+
 from __future__ import annotations
 
 import copy
@@ -109,8 +110,17 @@ class KernelSpy:
     """Counts an engine's calls into its compiled kernels; every call still runs the real kernel
     (the spy only sits between the engine and the module, so the engine's choices are visible)."""
 
-    OPS = ("unscale_check", "check_finite", "l2norm", "copy_scale", "sgd_step", "adam_step",
-           "stochastic_round", "sgd_step_sr", "adam_step_sr")
+    OPS = (
+        "unscale_check",
+        "check_finite",
+        "l2norm",
+        "copy_scale",
+        "sgd_step",
+        "adam_step",
+        "stochastic_round",
+        "sgd_step_sr",
+        "adam_step_sr",
+    )
 
     def __init__(self, engine):
         import dataclasses
@@ -125,14 +135,15 @@ class KernelSpy:
             def call(*args, **kwargs):
                 self.calls[name] += 1
                 return getattr(real, name)(*args, **kwargs)
+
             return call
 
         engine.kernels = dataclasses.replace(
-            engine.kernels, ops=SimpleNamespace(**{n: wrap(n) for n in self.OPS}))
+            engine.kernels, ops=SimpleNamespace(**{n: wrap(n) for n in self.OPS})
+        )
 
     def count(self, name: str) -> int:
         return self.calls[name]
 
     def reset(self) -> None:
         self.calls.clear()
-

@@ -5,6 +5,7 @@ or at rtol 1e-6, since power-of-two scaling is exact; half copies are compared a
 fp32 reference to the same half type (exact), and half forward/backward results at fp16's
 resolution (rtol 2e-2). fp16 is emulated on CPU, so every model here is tiny.
 """
+
 from __future__ import annotations
 
 import copy
@@ -31,7 +32,7 @@ def train_step(model, opt, x, y, loss_id=0, poison_param=None) -> torch.Tensor:
 
 
 # ---- the legacy script ---------------------------------------------------------------------
-LEGACY_SCRIPT = textwrap.dedent('''
+LEGACY_SCRIPT = textwrap.dedent("""
     import torch
     from torch import nn
     from runner.precision import amp          # was: from apex import amp
@@ -57,7 +58,7 @@ LEGACY_SCRIPT = textwrap.dedent('''
         optimizer.step()
         losses.append(loss.item())
     print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}")
-''')
+""")
 
 
 def test_legacy_apex_script_runs_unchanged_but_for_the_import(capsys):
@@ -72,6 +73,7 @@ def test_legacy_apex_script_runs_unchanged_but_for_the_import(capsys):
 
 def test_the_documented_port_example_is_the_tested_script():
     from pathlib import Path
+
     doc = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     for line in LEGACY_SCRIPT.strip().splitlines():
         assert line in doc, line
@@ -111,27 +113,28 @@ def _scale() -> float:
 def test_initialize_max_loss_scale_caps_the_start_and_growth():
     model = net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = amp.initialize(model, opt, opt_level="O2", max_loss_scale=2.0 ** 10,
-                                verbosity=0)
-    assert _scale() == 2.0 ** 10  # the dynamic start, 2**16, capped
+    model, opt = amp.initialize(model, opt, opt_level="O2", max_loss_scale=2.0**10, verbosity=0)
+    assert _scale() == 2.0**10  # the dynamic start, 2**16, capped
     # one clean step short of a growth (growth_interval 2000): it would double without the cap
-    amp.load_state_dict({"loss_scaler0": {"loss_scale": 2.0 ** 10, "unskipped": 1999}})
+    amp.load_state_dict({"loss_scaler0": {"loss_scale": 2.0**10, "unskipped": 1999}})
     x, y = batch()
     train_step(model, opt, x, y)
-    assert amp.state_dict()["loss_scaler0"] == {**amp.state_dict()["loss_scaler0"],
-                                                "loss_scale": 2.0 ** 10, "unskipped": 0}
+    assert amp.state_dict()["loss_scaler0"] == {
+        **amp.state_dict()["loss_scaler0"],
+        "loss_scale": 2.0**10,
+        "unskipped": 0,
+    }
 
 
 def test_initialize_min_loss_scale_floors_the_back_off():
     model = net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = amp.initialize(model, opt, opt_level="O2", min_loss_scale=2.0 ** 15,
-                                verbosity=0)
+    model, opt = amp.initialize(model, opt, opt_level="O2", min_loss_scale=2.0**15, verbosity=0)
     x, y = batch()
     before = Snapshot(model, amp.master_params(opt), opt)
     for _ in range(3):
         train_step(model, opt, x, y, poison_param=0)
-        assert _scale() == 2.0 ** 15  # 2**16 halves once, then stays at the floor
+        assert _scale() == 2.0**15  # 2**16 halves once, then stays at the floor
     assert amp.engine().skipped_steps == 3  # at the floor, overflowing steps are still skipped
     before.assert_unchanged(model, amp.master_params(opt), opt)
 
@@ -139,8 +142,9 @@ def test_initialize_min_loss_scale_floors_the_back_off():
 def test_initialize_cast_model_type_override():
     model = net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = amp.initialize(model, opt, opt_level="O2", cast_model_type=torch.bfloat16,
-                                verbosity=0)
+    model, opt = amp.initialize(
+        model, opt, opt_level="O2", cast_model_type=torch.bfloat16, verbosity=0
+    )
     assert amp.engine().properties.cast_model_type == torch.bfloat16
     assert model[0].weight.dtype == model[3].weight.dtype == torch.bfloat16
     assert model[1].weight.dtype == model[1].running_mean.dtype == torch.float32  # BN kept fp32
@@ -170,8 +174,11 @@ def test_an_adam_eps_that_underflows_in_half_state_is_refused(make):
     """O3 keeps Adam's state in fp16, where the default eps 1e-8 is 0: refused before any step,
     as in the runner; with eps=1e-4, or fp32 masters (O2), the same optimizer is accepted."""
     model = net()
-    opt = make([{"params": model[0].parameters()},
-                {"params": model[1:].parameters(), "eps": 1e-8}], lr=1e-3, eps=1e-4)
+    opt = make(
+        [{"params": model[0].parameters()}, {"params": model[1:].parameters(), "eps": 1e-8}],
+        lr=1e-3,
+        eps=1e-4,
+    )
     with pytest.raises(ValueError, match=r"optimizer\.eps.*1e-4|eps=1e-08 underflows"):
         amp.initialize(model, opt, opt_level="O3", verbosity=0)
     opt = make(net().parameters(), lr=1e-3, eps=1e-4)
@@ -212,8 +219,11 @@ def _fp32_twin(model: nn.Module, masters_by_id: dict) -> nn.Module:
 
 @pytest.mark.parametrize("optim", ["sgd", "adam"])
 def test_o2_step_equals_fp32_step_on_the_same_gradients(optim):
-    make = (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)) if optim == "sgd" else (
-        lambda ps: torch.optim.Adam(ps, lr=1e-2))
+    make = (
+        (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
+        if optim == "sgd"
+        else (lambda ps: torch.optim.Adam(ps, lr=1e-2))
+    )
     model = net()
     opt = make(model.parameters())
     model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
@@ -304,17 +314,28 @@ def test_two_models_two_optimizers_three_losses_with_different_scales():
     o_enc = torch.optim.SGD(enc.parameters(), lr=0.1)
     o_head = torch.optim.SGD(head.parameters(), lr=0.1)
     [enc, head], [o_enc, o_head] = amp.initialize(
-        [enc, head], [o_enc, o_head], opt_level="O0", loss_scale="dynamic", num_losses=3,
-        verbosity=0)
-    amp.load_state_dict({f"loss_scaler{i}": {"loss_scale": s, "unskipped": 0}
-                         for i, s in enumerate((2.0 ** 12, 2.0 ** 6, 2.0 ** 2))})
+        [enc, head],
+        [o_enc, o_head],
+        opt_level="O0",
+        loss_scale="dynamic",
+        num_losses=3,
+        verbosity=0,
+    )
+    amp.load_state_dict(
+        {
+            f"loss_scaler{i}": {"loss_scale": s, "unskipped": 0}
+            for i, s in enumerate((2.0**12, 2.0**6, 2.0**2))
+        }
+    )
     x, y = batch()
 
     def losses(e, h):
         f = e(x)
-        return (nn.functional.cross_entropy(h(f), y),   # both models
-                e(x).square().mean(),                     # encoder only
-                h(f.detach()).abs().mean())               # head only
+        return (
+            nn.functional.cross_entropy(h(f), y),  # both models
+            e(x).square().mean(),  # encoder only
+            h(f.detach()).abs().mean(),
+        )  # head only
 
     for loss in losses(ref_enc, ref_head):
         loss.backward()
@@ -325,8 +346,9 @@ def test_two_models_two_optimizers_three_losses_with_different_scales():
         s.backward()
     with amp.scale_loss(l2, o_head, loss_id=2) as s:
         s.backward()
-    for p, r in zip((*enc.parameters(), *head.parameters()),
-                    (*ref_enc.parameters(), *ref_head.parameters())):
+    for p, r in zip(
+        (*enc.parameters(), *head.parameters()), (*ref_enc.parameters(), *ref_head.parameters())
+    ):
         torch.testing.assert_close(p.grad, r.grad, rtol=1e-6, atol=1e-8)
     o_enc.step()
     o_head.step()
@@ -346,8 +368,7 @@ def test_two_models_two_optimizers_three_losses_with_different_scales():
     o_enc.step()
     o_head.step()
     sd = amp.state_dict()
-    assert [sd[f"loss_scaler{i}"]["loss_scale"] for i in range(3)] == [2.0 ** 12, 2.0 ** 5,
-                                                                         2.0 ** 2]
+    assert [sd[f"loss_scaler{i}"]["loss_scale"] for i in range(3)] == [2.0**12, 2.0**5, 2.0**2]
     assert all(torch.equal(p, b) for p, b in zip(enc.parameters(), before[:2]))
     assert all(not torch.equal(p, b) for p, b in zip(head.parameters(), before[2:]))
 
@@ -356,8 +377,12 @@ def test_two_losses_o2_fp16():
     model = net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = amp.initialize(model, opt, opt_level="O2", num_losses=2, verbosity=0)
-    amp.load_state_dict({"loss_scaler0": {"loss_scale": 2.0 ** 14, "unskipped": 0},
-                         "loss_scaler1": {"loss_scale": 2.0 ** 3, "unskipped": 0}})
+    amp.load_state_dict(
+        {
+            "loss_scaler0": {"loss_scale": 2.0**14, "unskipped": 0},
+            "loss_scaler1": {"loss_scale": 2.0**3, "unskipped": 0},
+        }
+    )
     twin = _fp32_twin(model, amp.engine().masters(opt).master_of())
     x, y = batch()
     ce(twin, x, y).backward()
@@ -381,7 +406,7 @@ def test_gradient_accumulation_with_delay_unscale():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     model, opt = amp.initialize(model, opt, opt_level="O0", loss_scale="dynamic", verbosity=0)
-    amp.load_state_dict({"loss_scaler0": {"loss_scale": 2.0 ** 8, "unskipped": 0}})
+    amp.load_state_dict({"loss_scaler0": {"loss_scale": 2.0**8, "unskipped": 0}})
     micro = [batch(seed) for seed in (1, 2, 3, 4)]
     for i, (x, y) in enumerate(micro):
         ce(ref, x, y).backward()
@@ -432,15 +457,19 @@ def test_checkpoint_restore_continues_bit_identically(level):
         return amp.initialize(m, o, **kw)
 
     model, opt = fresh(0)
-    amp.load_state_dict({"loss_scaler0": {"loss_scale": 2.0 ** 10, "unskipped": 0}})
+    amp.load_state_dict({"loss_scaler0": {"loss_scale": 2.0**10, "unskipped": 0}})
     train_step(model, opt, x, y)
     train_step(model, opt, x, y, poison_param=2)  # a skipped step: the scale is now 2**9
     train_step(model, opt, x, y)
-    ckpt = copy.deepcopy({"model": model.state_dict(), "optimizer": opt.state_dict(),
-                          "amp": amp.state_dict()})
+    ckpt = copy.deepcopy(
+        {"model": model.state_dict(), "optimizer": opt.state_dict(), "amp": amp.state_dict()}
+    )
     assert all(v.dtype != torch.float16 for v in ckpt["model"].values())
-    assert ckpt["amp"]["loss_scaler0"] == {**ckpt["amp"]["loss_scaler0"],
-                                           "loss_scale": 2.0 ** 9, "unskipped": 1}
+    assert ckpt["amp"]["loss_scaler0"] == {
+        **ckpt["amp"]["loss_scaler0"],
+        "loss_scale": 2.0**9,
+        "unskipped": 1,
+    }
     go_on = [train_step(model, opt, x, y).item() for _ in range(4)]
     final = {k: v.clone() for k, v in model.state_dict().items()}
 
@@ -461,7 +490,7 @@ def test_amp_state_dict_layout():
     amp.initialize(m, o, opt_level="O1", num_losses=2, verbosity=0)
     sd = amp.state_dict()
     assert list(sd) == ["loss_scaler0", "loss_scaler1"]
-    assert sd["loss_scaler0"]["loss_scale"] == 2.0 ** 16 and sd["loss_scaler0"]["unskipped"] == 0
+    assert sd["loss_scaler0"]["loss_scale"] == 2.0**16 and sd["loss_scaler0"]["unskipped"] == 0
     with pytest.warns(UserWarning, match="1 loss scalers"):
         amp.load_state_dict({"loss_scaler0": {"loss_scale": 8.0, "unskipped": 3}})
     assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 8.0
@@ -541,8 +570,7 @@ def test_loading_weights_into_an_o2_copy_leaves_the_masters_alone():
     train_step(model, opt, x, y)
     masters = amp.engine().masters(opt)
     # masters hold fp32 values that fp16 cannot: re-seeding would change them
-    assert any(not torch.equal(m, p.float()) for p, m in zip(masters.model_params,
-                                                              masters.masters))
+    assert any(not torch.equal(m, p.float()) for p, m in zip(masters.model_params, masters.masters))
     before = [m.detach().clone() for m in masters.masters]
     ema = copy.deepcopy(model)
     sd = model.state_dict()
@@ -566,8 +594,7 @@ def test_loading_one_of_two_o2_models_reseeds_only_its_own_masters():
         opt.step()
     masters = amp.engine().masters(opt)
     head_ids = {id(p) for p in head.parameters()}
-    head_masters = [m for p, m in zip(masters.model_params, masters.masters)
-                    if id(p) in head_ids]
+    head_masters = [m for p, m in zip(masters.model_params, masters.masters) if id(p) in head_ids]
     assert any(not torch.equal(m, m.half().float()) for m in head_masters)  # real fp32 values
     before = [m.detach().clone() for m in head_masters]
     enc.load_state_dict(net(3).state_dict())  # new fp32 weights for the encoder only
@@ -625,11 +652,10 @@ def test_o1_autocasts_forward_without_a_context_manager():
     x, y = batch()
     out = model(x)
     assert seen["inner"] == torch.float16  # linear ran in fp16 inside forward
-    assert out.dtype == torch.float32      # outputs come back fp32 ...
+    assert out.dtype == torch.float32  # outputs come back fp32 ...
     assert (x @ x.T).dtype == torch.float32  # ... and outside forward nothing is autocast
     assert model[0].weight.dtype == torch.float32
-    model2 = amp.initialize(net(), opt_level="O1", cast_model_outputs=torch.float16,
-                            verbosity=0)
+    model2 = amp.initialize(net(), opt_level="O1", cast_model_outputs=torch.float16, verbosity=0)
     assert model2(x).dtype == torch.float16
 
 
@@ -697,13 +723,16 @@ def test_function_decorators_cast_inside_the_o1_forward_only():
     x = torch.randn(2, 4)
     model(x)
     h16, f32 = torch.float16, torch.float32
-    assert seen == [("half", h16, h16, h16), ("float", f32, f32, f32),
-                    ("promote", f32, f32, f32), ("promote", h16, h16, h16)]
+    assert seen == [
+        ("half", h16, h16, h16),
+        ("float", f32, f32, f32),
+        ("promote", f32, f32, f32),
+        ("promote", h16, h16, h16),
+    ]
     assert as_half.__name__ == "as_half"
     seen.clear()
     as_half(x, x), as_float(x.half(), x.half()), promoted(x.half(), x)  # outside: unchanged
-    assert seen == [("half", f32, f32, f32), ("float", h16, h16, h16),
-                    ("promote", h16, f32, h16)]
+    assert seen == [("half", f32, f32, f32), ("float", h16, h16, h16), ("promote", h16, f32, h16)]
 
 
 def test_disable_casts_runs_a_matmul_inside_forward_in_fp32():
@@ -732,8 +761,7 @@ def test_disable_casts_runs_a_matmul_inside_forward_in_fp32():
     model = amp.initialize(M(), opt_level="O1", verbosity=0)
     x = torch.randn(2, 4)
     out = model(x)
-    assert seen == {"before": torch.float16, "decorated": torch.float32,
-                    "after": torch.float16}
+    assert seen == {"before": torch.float16, "decorated": torch.float32, "after": torch.float16}
     assert out.dtype == torch.float32 and torch.equal(out, x @ model.w)  # fp32, bit for bit
     with amp.disable_casts():  # around the call: the whole forward runs uncast
         model(x)
@@ -748,12 +776,12 @@ def test_amp_state_loss_scalers_report_the_current_scale():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = amp.initialize(model, opt, opt_level="O2", num_losses=2, verbosity=0)
     scalers = amp._amp_state.loss_scalers
-    assert [s.loss_scale() for s in scalers] == [2.0 ** 16, 2.0 ** 16]
+    assert [s.loss_scale() for s in scalers] == [2.0**16, 2.0**16]
     x, y = batch()
     train_step(model, opt, x, y, poison_param=1)  # an injected inf in loss 0's gradients
-    assert amp._amp_state.loss_scalers[0].loss_scale() == 2.0 ** 15
-    assert scalers[0].loss_scale() == 2.0 ** 15  # a view taken before follows the back-off
-    assert scalers[1].loss_scale() == 2.0 ** 16  # only the overflowing loss's scaler
+    assert amp._amp_state.loss_scalers[0].loss_scale() == 2.0**15
+    assert scalers[0].loss_scale() == 2.0**15  # a view taken before follows the back-off
+    assert scalers[1].loss_scale() == 2.0**16  # only the overflowing loss's scaler
 
 
 def test_bce_banned_inside_o1_forward():
@@ -790,5 +818,5 @@ def test_lr_scheduler_with_skipped_steps_emits_no_warning(made):
             train_step(model, opt, x, y)
             sched.step()
     assert amp.engine().skipped_steps == 1
-    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** 3)  # skipped steps count
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**3)  # skipped steps count
     assert all(p.dtype == torch.float32 for p in opt.param_groups[0]["params"])

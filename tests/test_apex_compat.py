@@ -5,6 +5,7 @@ a mirror), each reproduced here on a CPU.
 Numerics: 16-bit results are compared with the same computation done by hand in that type, or
 with fp32/fp64 references at tolerances stated where used.
 """
+
 from __future__ import annotations
 
 import os
@@ -16,8 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 from runner.precision import amp, apex_o1
 from runner.precision import autocast as ac
@@ -42,11 +43,11 @@ def test_init_casts_by_apex_lists_until_deactivate():
     m = nn.Linear(H, H)
     x = torch.randn(B, H, requires_grad=True)
     y = m(x)
-    assert y.dtype == torch.float16                      # GEMM: half
+    assert y.dtype == torch.float16  # GEMM: half
     y.float().sum().backward()
     assert x.grad.dtype == torch.float32 and m.weight.grad.dtype == torch.float32
     assert torch.equal(y, F.linear(x.half(), m.weight.half(), m.bias.half()))
-    assert F.softmax(y, dim=1).dtype == torch.float32    # float list
+    assert F.softmax(y, dim=1).dtype == torch.float32  # float list
     h._deactivate()
     assert not h.is_active() and not ac.in_patched_region()
     assert F.linear is original and m(x).dtype == torch.float32
@@ -60,18 +61,21 @@ def test_init_enabled_false_is_a_no_op_handle():
     h._deactivate()
 
 
-@pytest.mark.parametrize("fn, expected", [
-    (lambda x: x.sum(), torch.float32),
-    (lambda x: x.pow(2.0), torch.float32),
-    (lambda x: x ** 2.0, torch.float32),
-    (lambda x: F.softmax(x, dim=1), torch.float32),
-    (lambda x: F.mse_loss(x, torch.zeros(B, H)), torch.float32),
-    (lambda x: x.cpu(), torch.float32),
-    (lambda x: F.relu(x), None),                          # None: the input's own type
-    (lambda x: x @ torch.randn(H, H), torch.float16),
-    (lambda x: torch.randn(H, B) @ x, torch.float16),
-    (lambda x: x.matmul(torch.randn(H, H)), torch.float16),
-])
+@pytest.mark.parametrize(
+    "fn, expected",
+    [
+        (lambda x: x.sum(), torch.float32),
+        (lambda x: x.pow(2.0), torch.float32),
+        (lambda x: x**2.0, torch.float32),
+        (lambda x: F.softmax(x, dim=1), torch.float32),
+        (lambda x: F.mse_loss(x, torch.zeros(B, H)), torch.float32),
+        (lambda x: x.cpu(), torch.float32),
+        (lambda x: F.relu(x), None),  # None: the input's own type
+        (lambda x: x @ torch.randn(H, H), torch.float16),
+        (lambda x: torch.randn(H, B) @ x, torch.float16),
+        (lambda x: x.matmul(torch.randn(H, H)), torch.float16),
+    ],
+)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_cpu_computes_in_the_dtypes_apex_gave_on_cuda(handle, fn, expected, dtype):
     """torch.autocast's CPU lists leave softmax, sum and pow of fp16 inputs in fp16 and `.cpu()`
@@ -144,9 +148,14 @@ def test_disable_casts_inside_init(handle):
 
 
 # ---- RNNs ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("make, tuple_state", [
-    (lambda: nn.RNNCell(H, H), False), (lambda: nn.GRUCell(H, H), False),
-    (lambda: nn.LSTMCell(H, H), True)])
+@pytest.mark.parametrize(
+    "make, tuple_state",
+    [
+        (lambda: nn.RNNCell(H, H), False),
+        (lambda: nn.GRUCell(H, H), False),
+        (lambda: nn.LSTMCell(H, H), True),
+    ],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_rnn_cells_run_in_half(handle, make, tuple_state, dtype):
     cell = make()
@@ -160,10 +169,14 @@ def test_rnn_cells_run_in_half(handle, make, tuple_state, dtype):
     assert x.grad.dtype == dtype and cell.weight_ih.grad.dtype == torch.float32
 
 
-@pytest.mark.parametrize("make", [
-    lambda: nn.RNN(H, H, num_layers=2, nonlinearity="relu", bidirectional=True),
-    lambda: nn.GRU(H, H, num_layers=2),
-    lambda: nn.LSTM(H, H, num_layers=2, bidirectional=True)])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: nn.RNN(H, H, num_layers=2, nonlinearity="relu", bidirectional=True),
+        lambda: nn.GRU(H, H, num_layers=2),
+        lambda: nn.LSTM(H, H, num_layers=2, bidirectional=True),
+    ],
+)
 def test_rnns_run_in_half_with_fp32_weights(handle, make):
     rnn = make()
     x = torch.randn(5, B, H, requires_grad=True)
@@ -199,8 +212,9 @@ class _HalfLSTMFails:
 
     def lstm(self, *args):
         if args[0].dtype == torch.float16:
-            raise RuntimeError("could not create a primitive descriptor for the LSTM forward "
-                               "propagation primitive")
+            raise RuntimeError(
+                "could not create a primitive descriptor for the LSTM forward propagation primitive"
+            )
         return self.real.lstm(*args)
 
     def __getattr__(self, name):
@@ -222,7 +236,8 @@ def test_an_rnn_the_cpu_cannot_run_in_half_runs_in_fp32_with_a_warning(monkeypat
     assert torch.equal(out, ref.half())
     assert apex_o1.fallback_findings() == [
         "lstm on cpu: ran in float32 (could not create a primitive descriptor for the LSTM "
-        "forward propagation primitive)"]
+        "forward propagation primitive)"
+    ]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per function and device
         lstm(x)
@@ -244,9 +259,9 @@ def test_a_parameters_half_cast_is_cached_until_it_changes(handle):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(torch.Tensor, "to", spy)
         m(x), m(x)
-        assert len(casts) == 1          # cached for the second forward
+        assert len(casts) == 1  # cached for the second forward
         with torch.no_grad():
-            m.weight.add_(1.0)          # changed in place: the cache sees its version
+            m.weight.add_(1.0)  # changed in place: the cache sees its version
         y = m(x)
         assert len(casts) == 2
     assert torch.equal(y, F.linear(x.half(), m.weight.half(), m.bias.half()))
@@ -381,6 +396,7 @@ def test_cast_model_type_false_keeps_the_models_own_types(level):
     """Apex's test_add_param_group and test_multiple_models: a model with an fp32 and an fp16
     parameter, not cast; under O2 the fp16 one gets an fp32 master. SGD on values that are exact
     in fp16 (small integers, lr a power of two): equal to plain torch bit for bit."""
+
     def make():
         m = nn.Module()
         m.w0 = nn.Parameter(torch.arange(2, dtype=torch.float32) + 1)
@@ -399,8 +415,7 @@ def test_cast_model_type_false_keeps_the_models_own_types(level):
     opt = torch.optim.SGD(model.parameters(), lr=0.25)
     amp._amp_state.allow_incoming_model_not_fp32 = True
     try:
-        model, opt = amp.initialize(model, opt, opt_level=level, cast_model_type=False,
-                                    verbosity=0)
+        model, opt = amp.initialize(model, opt, opt_level=level, cast_model_type=False, verbosity=0)
     finally:
         amp._amp_state.allow_incoming_model_not_fp32 = False
     assert model.w0.dtype == torch.float32 and model.w1.dtype == torch.float16
@@ -438,14 +453,15 @@ def test_a_first_initialize_keeps_working_after_a_second_one():
     restored_opt = torch.optim.SGD(restored.parameters(), lr=0.1)
     restored.load_state_dict(checkpoint["model"])  # fp32 masters' values, before initialize
     restored_opt.load_state_dict(checkpoint["optimizer"])
-    restored, restored_opt = amp.initialize(restored, restored_opt, opt_level="O2",
-                                            num_losses=2, verbosity=0)
+    restored, restored_opt = amp.initialize(
+        restored, restored_opt, opt_level="O2", num_losses=2, verbosity=0
+    )
     # the masters come from the loaded fp32 values, not from their 16-bit casts
     for p, q in zip(amp.master_params(restored_opt), checkpoint["model"].values()):
         assert torch.equal(p, q)
     for _ in range(3):
-        step(model, opt, 0)               # the first call's optimizer still works ...
-        step(restored, restored_opt, 1)   # ... beside the second
+        step(model, opt, 0)  # the first call's optimizer still works ...
+        step(restored, restored_opt, 1)  # ... beside the second
     for (k, v), w in zip(model.state_dict().items(), restored.state_dict().values()):
         assert torch.equal(v, w), k
 
@@ -455,7 +471,12 @@ def test_a_first_initialize_keeps_working_after_a_second_one():
 @pytest.mark.skipif(not os.environ.get("APEX_GIT"), reason="APEX_GIT names no NVIDIA/apex mirror")
 def test_apex_l0_amp_tests_pass():
     bash = shutil.which("bash")
-    result = subprocess.run([bash, str(REPO / "tests" / "apex_l0.sh")], capture_output=True,
-                            text=True, timeout=900, env={**os.environ, "PYTHON": sys.executable})
+    result = subprocess.run(
+        [bash, str(REPO / "tests" / "apex_l0.sh")],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "PYTHON": sys.executable},
+    )
     summary = result.stdout.strip().splitlines()[-1]
     assert result.returncode == 0 and summary.endswith("passed 41 of 41"), result.stdout[-3000:]

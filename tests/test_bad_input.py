@@ -5,6 +5,7 @@ and what is allowed, and neither leaves a RUNNING MLflow run or touches an exist
 The type table is generated from the composed config itself: every int, float and bool key of
 every group option gets a value of the wrong type, so a key added later is covered too.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,14 +15,25 @@ from hydra.errors import ConfigCompositionException
 from mlflow.tracking import MlflowClient
 from omegaconf.errors import OmegaConfBaseException
 
-from runner.run import app
 from runner.errors import ConfigError
+from runner.run import app
 from tests.conftest import FAST, compose_config, run_cli
 
-OPTIONS = [("model", "tiny"), ("model", "resnet18"), ("data", "synthetic"), ("data", "cifar10"),
-           ("data", "imagefolder"), ("optimizer", "sgd"), ("optimizer", "adam"),
-           ("scheduler", "cosine"), ("scheduler", "step"), ("scheduler", "onecycle"),
-           ("precision", "o2"), ("trainer", "default"), ("mlflow", "default")]
+OPTIONS = [
+    ("model", "tiny"),
+    ("model", "resnet18"),
+    ("data", "synthetic"),
+    ("data", "cifar10"),
+    ("data", "imagefolder"),
+    ("optimizer", "sgd"),
+    ("optimizer", "adam"),
+    ("scheduler", "cosine"),
+    ("scheduler", "step"),
+    ("scheduler", "onecycle"),
+    ("precision", "o2"),
+    ("trainer", "default"),
+    ("mlflow", "default"),
+]
 WRONG = {int: "not-an-integer", float: "not-a-number", bool: "maybe"}
 
 
@@ -49,12 +61,18 @@ def test_a_wrong_type_fails_at_compose_time_naming_the_key(choice, key, value):
 
 def test_the_type_table_covers_every_group():
     keys = {k for _, k, _ in typed_keys()}
-    assert {k.split(".")[0] for k in keys} >= {"model", "data", "optimizer", "scheduler",
-                                               "precision", "trainer"}
+    assert {k.split(".")[0] for k in keys} >= {
+        "model",
+        "data",
+        "optimizer",
+        "scheduler",
+        "precision",
+        "trainer",
+    }
     assert len(keys) > 40  # every numeric and boolean key, not a sample
 
 
-# ---- out of range: (overrides, key the message names) ----------------------------------------------
+# ---- out of range: (overrides, key the message names) --------------------------------------------
 RANGE = [
     (["optimizer.lr=0"], "optimizer.lr"),
     (["optimizer.lr=-0.1"], "optimizer.lr"),
@@ -91,8 +109,12 @@ def existing(tmp_path_factory):
     folder: Path = tmp_path_factory.mktemp("existing")
     uri = f"sqlite:///{folder / 'mlflow.db'}"
     ckpt_dir = folder / "checkpoints"
-    base = [*FAST, "trainer.max_epochs=1", f"mlflow.tracking_uri={uri}",
-            f"trainer.checkpoint_dir={ckpt_dir}"]
+    base = [
+        *FAST,
+        "trainer.max_epochs=1",
+        f"mlflow.tracking_uri={uri}",
+        f"trainer.checkpoint_dir={ckpt_dir}",
+    ]
     with pytest.MonkeyPatch.context() as mp:  # the run's own files (mlruns/) go there too
         mp.chdir(folder)
         app.run(compose_config(*base))
@@ -124,9 +146,15 @@ def test_a_data_root_that_is_a_file_is_refused(existing, tmp_path):
     a_file = tmp_path / "cifar.tar"
     a_file.write_text("not a folder")
     with pytest.raises(ConfigError) as e:
-        app.run(compose_config("model=tiny", "data=cifar10", f"data.root={a_file}",
-                               f"mlflow.tracking_uri={uri}",
-                               f"trainer.checkpoint_dir={path.parents[3]}"))
+        app.run(
+            compose_config(
+                "model=tiny",
+                "data=cifar10",
+                f"data.root={a_file}",
+                f"mlflow.tracking_uri={uri}",
+                f"trainer.checkpoint_dir={path.parents[3]}",
+            )
+        )
     assert e.value.key == "data.root" and "a folder" in str(e.value)
     assert len(_runs(uri)) == 1 and path.read_bytes() == before
 
@@ -139,16 +167,19 @@ def test_unknown_model_and_dataset_options_list_what_exists():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("args,needle", [
-    (["precision=o2", "precision.loss_scale=big"], "precision.loss_scale"),
-    (["trainer.batch_size=0"], "trainer.batch_size"),
-    (["trainer.max_epochs=abc"], "trainer.max_epochs"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["precision=o2", "precision.loss_scale=big"], "precision.loss_scale"),
+        (["trainer.batch_size=0"], "trainer.batch_size"),
+        (["trainer.max_epochs=abc"], "trainer.max_epochs"),
+    ],
+)
 def test_the_command_line_exits_2_with_the_key_and_no_traceback(tmp_path, args, needle):
-    result = run_cli(*args, f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
-                     cwd=tmp_path, timeout=300)
+    result = run_cli(
+        *args, f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}", cwd=tmp_path, timeout=300
+    )
     output = result.stdout + result.stderr
     assert result.returncode != 0 and needle in output and "Traceback" not in output
-    assert not (tmp_path / "mlflow.db").exists() or not _runs(
-        f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert not (tmp_path / "mlflow.db").exists() or not _runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
     assert not list(tmp_path.rglob("last.pt"))  # nothing was trained

@@ -1,5 +1,6 @@
 """Smoke test of benchmarks/kernels.py: a small model's parameter list, one step per variant, the
 result files with the expected structure (no timing assertions)."""
+
 from __future__ import annotations
 
 import json
@@ -14,11 +15,29 @@ from tests.benchmark_helpers import load_benchmark
 def test_kernels_benchmark_smoke(tmp_path: Path, capsys):
     bench = load_benchmark("kernels")
     out = tmp_path / "results" / "kernels.md"
-    assert bench.main(["--device", "cpu", "--models", "resnet18", "--iters", "1", "--warmup",
-                       "1", "--out", str(out)]) == 0
+    assert (
+        bench.main(
+            [
+                "--device",
+                "cpu",
+                "--models",
+                "resnet18",
+                "--iters",
+                "1",
+                "--warmup",
+                "1",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     table = out.read_text()
-    for label in ("(a) fused kernels (engine, `precision.kernels`=cpp)",
-                  "(b) stock torch composition", "(c) AdamW fused, fp32"):
+    for label in (
+        "(a) fused kernels (engine, `precision.kernels`=cpp)",
+        "(b) stock torch composition",
+        "(c) AdamW fused, fp32",
+    ):
         assert f"| resnet18 | 11.7M | {label} |" in table
     assert "Verdict:" in table and "Load average" in table and "Command:" in table
     assert "Verdict:" in capsys.readouterr().out

@@ -1,6 +1,7 @@
 """Smoke test of benchmarks/levels.py: a tiny model and budget on CPU, real runner cells, the
 result files (Markdown, CSV, JSON, PNG) with the expected structure; two partial runs merged into
 one table, and a table re-rendered from JSON files (no timing assertions)."""
+
 from __future__ import annotations
 
 import csv
@@ -11,8 +12,20 @@ import pytest
 
 from tests.benchmark_helpers import load_benchmark
 
-TINY = ["--device", "cpu", "--models", "tiny", "--image-size", "16", "--batch-size", "8",
-        "--steps", "1", "--warmup", "0"]
+TINY = [
+    "--device",
+    "cpu",
+    "--models",
+    "tiny",
+    "--image-size",
+    "16",
+    "--batch-size",
+    "8",
+    "--steps",
+    "1",
+    "--warmup",
+    "0",
+]
 
 
 def test_levels_benchmark_smoke_and_merge(tmp_path: Path, capsys):
@@ -20,8 +33,7 @@ def test_levels_benchmark_smoke_and_merge(tmp_path: Path, capsys):
     out = tmp_path / "results" / "levels.md"
     assert bench.main([*TINY, "--levels", "o0,o2_bf16", "--out", str(out)]) == 0
     # a second command adds cells to the same table
-    assert bench.main([*TINY, "--levels", "o3_bf16,torch_amp", "--out", str(out),
-                       "--merge"]) == 0
+    assert bench.main([*TINY, "--levels", "o3_bf16,torch_amp", "--out", str(out), "--merge"]) == 0
 
     table = out.read_text()
     assert "| tiny | O0 | `o0` | float32 | 16 | 8 |" in table
@@ -61,9 +73,31 @@ def test_a_language_models_table_is_primed_with_the_tiny_gpt(tmp_path: Path, cap
     start-up in the first cell), and the padded vocabulary must be accepted."""
     bench = load_benchmark("levels")
     out = tmp_path / "levels.md"
-    assert bench.main(["--device", "cpu", "--models", "gpt_tiny", "--image-size", "16",
-                       "--batch-size", "2", "--steps", "1", "--warmup", "0", "--levels",
-                       "o0,o1_bf16", "--extra", "model.vocab_size=80", "--out", str(out)]) == 0
+    assert (
+        bench.main(
+            [
+                "--device",
+                "cpu",
+                "--models",
+                "gpt_tiny",
+                "--image-size",
+                "16",
+                "--batch-size",
+                "2",
+                "--steps",
+                "1",
+                "--warmup",
+                "0",
+                "--levels",
+                "o0,o1_bf16",
+                "--extra",
+                "model.vocab_size=80",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr()
     assert "primed in" in printed.out and "throwaway pass's" not in printed.out
     assert "ConfigError" not in printed.err and "Could not override" not in printed.err
@@ -77,14 +111,38 @@ def test_levels_benchmark_compiled_and_fp8_rows(tmp_path: Path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     bench = load_benchmark("levels")
     out = tmp_path / "levels.md"
-    assert bench.main(["--device", "cpu", "--models", "tiny", "--image-size", "16",
-                       "--batch-size", "8", "--steps", "1", "--warmup", "0", "--no-prime",
-                       "--levels", "o0,o0+compile,o1_fp8", "--out", str(out)]) == 0
+    assert (
+        bench.main(
+            [
+                "--device",
+                "cpu",
+                "--models",
+                "tiny",
+                "--image-size",
+                "16",
+                "--batch-size",
+                "8",
+                "--steps",
+                "1",
+                "--warmup",
+                "0",
+                "--no-prime",
+                "--levels",
+                "o0,o0+compile,o1_fp8",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
 
     table = out.read_text()
     assert "| tiny | O0 | `o0+compile` | float32; torch.compile | 16 | 8 |" in table
-    assert "| tiny | O1 | `o1_fp8` | float32 weights, autocast bfloat16, fp8 Linear (tensorwise) |" \
-        in table and "| 0 Linear layers in fp8 |" in table
+    assert (
+        "| tiny | O1 | `o1_fp8` | float32 weights, autocast bfloat16, fp8 Linear (tensorwise) |"
+        in table
+        and "| 0 Linear layers in fp8 |" in table
+    )
     assert "torch.compile, throughput against the same preset eager: tiny: o0 " in table
     assert "no throwaway pass (--no-prime)" in table
 
@@ -97,11 +155,13 @@ def test_levels_benchmark_compiled_and_fp8_rows(tmp_path: Path, monkeypatch):
     assert compiled["compiled"] and compiled["warmup"] == 1 and compiled["steps"] == 1
     assert compiled["first_step_ms"] > 0 and compiled["compile_s"] >= 0
     assert compiled["speedup_vs_eager"] == pytest.approx(
-        compiled["samples_per_s"] / cells["o0"]["samples_per_s"])
+        compiled["samples_per_s"] / cells["o0"]["samples_per_s"]
+    )
     assert "first_step_ms" not in cells["o0"] and cells["o0"].get("compile_s") is None
     assert cells["o1_fp8"]["fp8_layers"] == 0
     assert report["runs"][0]["settings"]["compile_cache"].startswith(
-        f"TORCHINDUCTOR_CACHE_DIR={tmp_path / 'inductor'}")
+        f"TORCHINDUCTOR_CACHE_DIR={tmp_path / 'inductor'}"
+    )
     with out.with_suffix(".csv").open() as f:
         assert [r["compiled"] for r in csv.DictReader(f)] == ["False", "False", "True"]
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -117,8 +177,9 @@ def test_levels_default_compiled_rows_are_for_one_model_per_device():
     assert bench.default_levels("cuda", bench.VIT) == bench.default_levels("cuda", "resnet50")
     assert {"o1_fp8", "o2_fp8"} <= set(bench.default_levels("cuda", "vgg16_bn"))
     assert not any(lvl.endswith("+compile") for lvl in bench.default_levels("cuda", "vgg16_bn"))
-    args = bench.parse_args(["--device", "cpu", "--models", "tiny", "--levels",
-                             "o2_bf16+compile,torch_amp"])
+    args = bench.parse_args(
+        ["--device", "cpu", "--models", "tiny", "--levels", "o2_bf16+compile,torch_amp"]
+    )
     assert args.levels == {"tiny": ["o2_bf16+compile", "torch_amp"]}
     common = load_benchmark("common")
     assert common.model_overrides(bench.VIT) == ["model=torchvision", "model.arch=vit_b_16"]
@@ -127,13 +188,15 @@ def test_levels_default_compiled_rows_are_for_one_model_per_device():
 
 def test_levels_benchmark_rejects_bad_arguments(tmp_path: Path, capsys):
     bench = load_benchmark("levels")
-    for argv, message in [(["--levels", "o9"], "unknown level"),
-                          (["--levels", "o2_bf16+fast"], "the suffixes are +compile"),
-                          (["--levels", "o2_bf16+int8state"], "the only suffix here is +compile"),
-                          (["--levels", "torch_amp+compile"], "unknown level 'torch_amp'"),
-                          (["--models", "resnet99"], "unknown model"),
-                          (["--steps", "0"], "--steps must be at least 1"),
-                          (["--from-json", str(tmp_path / "none.json")], "no such file")]:
+    for argv, message in [
+        (["--levels", "o9"], "unknown level"),
+        (["--levels", "o2_bf16+fast"], "the suffixes are +compile"),
+        (["--levels", "o2_bf16+int8state"], "the only suffix here is +compile"),
+        (["--levels", "torch_amp+compile"], "unknown level 'torch_amp'"),
+        (["--models", "resnet99"], "unknown model"),
+        (["--steps", "0"], "--steps must be at least 1"),
+        (["--from-json", str(tmp_path / "none.json")], "no such file"),
+    ]:
         with pytest.raises(SystemExit) as exit_:
             bench.parse_args(["--device", "cpu", *argv])
         assert exit_.value.code == 2
@@ -146,15 +209,24 @@ def test_the_fp8_target_is_judged_from_the_vits_compiled_cells():
     bench = load_benchmark("levels")
 
     def cell(level, samples_per_s, status="ok"):
-        return {"model": bench.VIT, "level": level, "status": status,
-                "samples_per_s": samples_per_s}
+        return {
+            "model": bench.VIT,
+            "level": level,
+            "status": status,
+            "samples_per_s": samples_per_s,
+        }
 
-    cells = {(c["model"], c["level"]): c for c in (cell("o1_bf16+compile", 3131.0),
-                                                   cell("o1_fp8+compile", 2829.0))}
+    cells = {
+        (c["model"], c["level"]): c
+        for c in (cell("o1_bf16+compile", 3131.0), cell("o1_fp8+compile", 2829.0))
+    }
     assert bench.fp8_verdict(cells) == (
-        " fp8 (vit_b_16): compiled o1_fp8 0.90x compiled o1_bf16's throughput (>= 1.2x): misses.")
+        " fp8 (vit_b_16): compiled o1_fp8 0.90x compiled o1_bf16's throughput (>= 1.2x): misses."
+    )
     cells[(bench.VIT, "o1_fp8+compile")]["samples_per_s"] = 3800.0
-    assert bench.fp8_verdict(cells).endswith("1.21x compiled o1_bf16's throughput (>= 1.2x): meets.")
+    assert bench.fp8_verdict(cells).endswith(
+        "1.21x compiled o1_bf16's throughput (>= 1.2x): meets."
+    )
     cells[(bench.VIT, "o1_fp8+compile")]["status"] = "crashed"
     assert bench.fp8_verdict(cells) == ""
     report = {"device": "cuda", "cells": list(cells.values())}

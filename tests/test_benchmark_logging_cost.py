@@ -1,6 +1,7 @@
 """Smoke test of benchmarks/logging_cost.py: a tiny budget, a real MLflow SQLite store, the
 trainer's own epoch loop; the result files with the expected structure and every logging call in
 the store (no timing assertions)."""
+
 from __future__ import annotations
 
 import csv
@@ -15,10 +16,26 @@ from tests.benchmark_helpers import load_benchmark
 def test_logging_cost_benchmark_smoke(tmp_path: Path, capsys):
     bench = load_benchmark("logging_cost")
     out = tmp_path / "results" / "logging_cost.md"
-    code = bench.main(["--image-size", "8", "--batch-size", "4", "--steps", "4",
-                       "--rounds", "2", "--intervals", "1,2", "--extra", "model.width=4",
-                       "--out", str(out),
-                       "--tracking-uri", f"sqlite:///{tmp_path / 'mlflow.db'}"])
+    code = bench.main(
+        [
+            "--image-size",
+            "8",
+            "--batch-size",
+            "4",
+            "--steps",
+            "4",
+            "--rounds",
+            "2",
+            "--intervals",
+            "1,2",
+            "--extra",
+            "model.width=4",
+            "--out",
+            str(out),
+            "--tracking-uri",
+            f"sqlite:///{tmp_path / 'mlflow.db'}",
+        ]
+    )
     assert code == 0
 
     table = out.read_text()
@@ -42,10 +59,12 @@ def test_logging_cost_benchmark_smoke(tmp_path: Path, capsys):
 def test_logging_cost_defaults_and_bad_arguments(capsys):
     bench = load_benchmark("logging_cost")
     assert bench.parse_args([]).intervals == [1, 50]  # 50: the runner's default interval
-    for argv, message in [(["--intervals", "0"], "--intervals must be at least 1"),
-                          (["--intervals", "x"], "must be integers"),
-                          (["--model", "resnet99"], "unknown model"),
-                          (["--steps", "0"], "--steps must be at least 1")]:
+    for argv, message in [
+        (["--intervals", "0"], "--intervals must be at least 1"),
+        (["--intervals", "x"], "must be integers"),
+        (["--model", "resnet99"], "unknown model"),
+        (["--steps", "0"], "--steps must be at least 1"),
+    ]:
         with pytest.raises(SystemExit) as exit_:
             bench.parse_args(argv)
         assert exit_.value.code == 2

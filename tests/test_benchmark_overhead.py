@@ -1,5 +1,6 @@
 """Smoke test of benchmarks/overhead.py: a tiny model and budget, real runner objects on both
 sides, the three result files with the expected structure (no timing assertions)."""
+
 from __future__ import annotations
 
 import csv
@@ -14,9 +15,26 @@ from tests.benchmark_helpers import load_benchmark
 def test_overhead_benchmark_smoke(tmp_path: Path, capsys):
     bench = load_benchmark("overhead")
     out = tmp_path / "results" / "overhead.md"
-    code = bench.main(["--device", "cpu", "--model", "tiny", "--image-size", "16",
-                       "--batch-size", "8", "--rounds", "2", "--block", "1", "--warmup", "1",
-                       "--out", str(out)])
+    code = bench.main(
+        [
+            "--device",
+            "cpu",
+            "--model",
+            "tiny",
+            "--image-size",
+            "16",
+            "--batch-size",
+            "8",
+            "--rounds",
+            "2",
+            "--block",
+            "1",
+            "--warmup",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
 
     table = out.read_text()
@@ -33,23 +51,28 @@ def test_overhead_benchmark_smoke(tmp_path: Path, capsys):
     assert [r["target"] for r in rows] == ["<= 1.03", "<= 1.03", "< 1"]
 
     report = json.loads(out.with_suffix(".json").read_text())
-    assert report["task"] == {"model": "tiny", "image_size": 16, "batch_size": 8,
-                              "channels_last": False}
+    assert report["task"] == {
+        "model": "tiny",
+        "image_size": 16,
+        "batch_size": 8,
+        "channels_last": False,
+    }
     assert len(report["load_start"]) == 3 and len(report["load_end"]) == 3
     for row in report["results"]:
         assert row["runner_ms"]["samples"] == row["handwritten_ms"]["samples"] == 2
         assert row["ratio"] > 0
         # both sides start from the same weights and batch: the same first loss
-        assert row["first_loss_runner"] == pytest.approx(row["first_loss_handwritten"],
-                                                         rel=1e-2)
+        assert row["first_loss_runner"] == pytest.approx(row["first_loss_handwritten"], rel=1e-2)
 
 
 def test_overhead_benchmark_rejects_bad_arguments(capsys):
     bench = load_benchmark("overhead")
-    for argv, message in [(["--levels", "o3_bf16"], "no hand-written counterpart"),
-                          (["--levels", "o9"], "unknown level"),
-                          (["--model", "resnet99"], "unknown model"),
-                          (["--rounds", "0"], "--rounds must be at least 1")]:
+    for argv, message in [
+        (["--levels", "o3_bf16"], "no hand-written counterpart"),
+        (["--levels", "o9"], "unknown level"),
+        (["--model", "resnet99"], "unknown model"),
+        (["--rounds", "0"], "--rounds must be at least 1"),
+    ]:
         with pytest.raises(SystemExit) as exit_:
             bench.parse_args(["--device", "cpu", *argv])
         assert exit_.value.code == 2
@@ -63,13 +86,16 @@ def test_startup_benchmark_smoke(tmp_path: Path, capsys):
     assertion)."""
     bench = load_benchmark("overhead")
     out = tmp_path / "results" / "startup.md"
-    code = bench.main(["--startup", "--pairs", "1", "--cold", "0", "--import-repeats", "1",
-                       "--out", str(out)])
+    code = bench.main(
+        ["--startup", "--pairs", "1", "--cold", "0", "--import-repeats", "1", "--out", str(out)]
+    )
     assert code == 0, capsys.readouterr()
     table = out.read_text()
     assert "| runner |" in table and "| hand-written loop |" in table
     assert "runner - hand" in table and "Target: runner - hand <= 1.5 s" in table
-    assert "## Where the runner's time goes" in table and "| mlflow (client, SQLite store) |" in table
+    assert (
+        "## Where the runner's time goes" in table and "| mlflow (client, SQLite store) |" in table
+    )
     assert "Command: `python benchmarks/startup.py --pairs 1" in table
     with out.with_suffix(".csv").open() as f:
         rows = list(csv.DictReader(f))
@@ -88,10 +114,13 @@ def test_startup_phases_from_the_log_timestamps():
 
     startup = load_benchmark("startup")
     start = dt.datetime(2026, 1, 1, 12, 0, 0).timestamp()
-    log = "\n".join([
-        "[2026-01-01 12:00:04,000][runner.run.app][INFO] - Precision (Apex O0, resolved):",
-        "[2026-01-01 12:00:06,500][runner.run.app][INFO] - Kernels: cpp (precision.kernels=auto)",
-        "[2026-01-01 12:00:07,500][runner.run.app][INFO] - Finished tiny-O0: best val_acc 0.1",
-    ])
+    log = "\n".join(
+        [
+            "[2026-01-01 12:00:04,000][runner.run.app][INFO] - Precision (Apex O0, resolved):",
+            "[2026-01-01 12:00:06,500][runner.run.app][INFO] - Kernels: cpp "
+            "(precision.kernels=auto)",
+            "[2026-01-01 12:00:07,500][runner.run.app][INFO] - Finished tiny-O0: best val_acc 0.1",
+        ]
+    )
     phases = list(startup.phases(log, start, 8.0).values())
     assert phases == pytest.approx([4.0, 2.5, 0.0, 1.0, 0.5])

@@ -2,6 +2,7 @@
 hand-written autocast loop, on a tiny model (no timing assertions: the numbers are machine
 noise here). What it does assert: each peer trained the same model from the same weights on the
 same batch with the same optimizer, so after the same number of steps the losses agree."""
+
 from __future__ import annotations
 
 import csv
@@ -19,13 +20,33 @@ pytest.importorskip("lightning")
 def test_peers_benchmark_trains_the_same_thing_on_each_side(tmp_path: Path, capsys):
     bench = load_benchmark("peers")
     out = tmp_path / "results" / "peers.md"
-    code = bench.main(["--device", "cpu", "--model", "tiny", "--image-size", "16",
-                       "--batch-size", "8", "--steps", "2", "--warmup", "1", "--rounds", "2",
-                       "--out", str(out)])
+    code = bench.main(
+        [
+            "--device",
+            "cpu",
+            "--model",
+            "tiny",
+            "--image-size",
+            "16",
+            "--batch-size",
+            "8",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--rounds",
+            "2",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     table = out.read_text()
-    for row in ("| lightning:bf16-mixed | o1_bf16 |", "| lightning:bf16-true | o3_bf16 |",
-                "| hand:o1_bf16 | o1_bf16 |"):
+    for row in (
+        "| lightning:bf16-mixed | o1_bf16 |",
+        "| lightning:bf16-true | o3_bf16 |",
+        "| hand:o1_bf16 | o1_bf16 |",
+    ):
         assert row in table
     assert "NO TARGET on CPU" in table and "Command:" in table and "Lightning 2." in table
     assert "Verdict:" in capsys.readouterr().out
@@ -66,18 +87,47 @@ def test_the_torchtitan_float8_peer_trains_the_same_fp8_layers(tmp_path: Path):
     (the peer's blocks compiled fullgraph, the runner's model compiled) to the same loss."""
     pytest.importorskip("torchao")
     bench = load_benchmark("peers")
-    for name, extra in (("all", []), ("filtered", ["--titan-filter", "head"]),
-                        ("compiled", ["--titan-compile"])):
+    for name, extra in (
+        ("all", []),
+        ("filtered", ["--titan-filter", "head"]),
+        ("compiled", ["--titan-compile"]),
+    ):
         out = tmp_path / name / "peers.md"
-        code = bench.main(["--device", "cpu", "--model", "gpt_tiny", "--image-size", "32",
-                           "--batch-size", "4", "--steps", "2", "--warmup", "1", "--rounds", "1",
-                           "--peers", "titan:float8", *extra, "--out", str(out)])
+        code = bench.main(
+            [
+                "--device",
+                "cpu",
+                "--model",
+                "gpt_tiny",
+                "--image-size",
+                "32",
+                "--batch-size",
+                "4",
+                "--steps",
+                "2",
+                "--warmup",
+                "1",
+                "--rounds",
+                "1",
+                "--peers",
+                "titan:float8",
+                *extra,
+                "--out",
+                str(out),
+            ]
+        )
         assert code == 0, name
         report = json.loads(out.with_suffix(".json").read_text())
         row = report["rows"][0]
         assert row["status"] == "ok", row["error"]
-        assert row["level"] == {"all": "o1_fp8 rowwise", "filtered": "o1_fp8 rowwise, head bf16",
-                                "compiled": "o1_fp8 rowwise+compile"}[name]
+        assert (
+            row["level"]
+            == {
+                "all": "o1_fp8 rowwise",
+                "filtered": "o1_fp8 rowwise, head bf16",
+                "compiled": "o1_fp8 rowwise+compile",
+            }[name]
+        )
         assert math.isfinite(row["runner_loss"])
         assert row["peer_loss"] == pytest.approx(row["runner_loss"], rel=1e-3), name
         overrides = report["overrides"]["titan:float8"]
@@ -100,5 +150,7 @@ def test_the_torchtitan_peer_needs_a_language_model(capsys):
     with pytest.raises(SystemExit) as stop:
         bench.main(["--device", "cpu", "--model", "tiny", "--titan-filter", "head"])
     assert stop.value.code == 2
-    assert "--titan-filter and --titan-compile are for the titan:float8 peer" \
+    assert (
+        "--titan-filter and --titan-compile are for the titan:float8 peer"
         in capsys.readouterr().err
+    )

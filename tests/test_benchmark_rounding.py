@@ -1,6 +1,7 @@
 """Smoke test of benchmarks/rounding.py (the stall case): a tiny budget, real runs into a real
 MLflow store, the four result files with the expected structure (no accuracy or timing
 assertions: the budget is far too small to show the stall)."""
+
 from __future__ import annotations
 
 import csv
@@ -19,14 +20,25 @@ LEVELS = ["o2_bf16", "o3_bf16", "o3_bf16_sr"]
 def test_rounding_benchmark_smoke(tmp_path: Path, capsys):
     bench = load_benchmark("rounding")
     out = tmp_path / "results" / "rounding.md"
-    code = bench.main([
-        "--seeds", "0", "--epochs", "2", "--out", str(out),
-        "--tracking-uri", f"sqlite:///{tmp_path / 'mlflow.db'}",
-        # 3 steps per epoch (the last batch partial), the loss logged every 2: two values in the
-        # first epoch's window, the epoch mean weighted by the steps each covers
-        "--extra", "data.num_train=80", "data.num_val=32", "trainer.batch_size=32",
-        "trainer.log_every_n_steps=2",
-    ])
+    code = bench.main(
+        [
+            "--seeds",
+            "0",
+            "--epochs",
+            "2",
+            "--out",
+            str(out),
+            "--tracking-uri",
+            f"sqlite:///{tmp_path / 'mlflow.db'}",
+            # 3 steps per epoch (the last batch partial), the loss logged every 2: two values in the
+            # first epoch's window, the epoch mean weighted by the steps each covers
+            "--extra",
+            "data.num_train=80",
+            "data.num_val=32",
+            "trainer.batch_size=32",
+            "trainer.log_every_n_steps=2",
+        ]
+    )
     assert code == 0
 
     table = out.read_text()
@@ -42,7 +54,8 @@ def test_rounding_benchmark_smoke(tmp_path: Path, capsys):
     with out.with_suffix(".csv").open() as f:
         rows = list(csv.DictReader(f))
     assert [(r["level"], r["epoch"]) for r in rows] == [
-        (level, epoch) for level in LEVELS for epoch in ("1", "2")]
+        (level, epoch) for level in LEVELS for epoch in ("1", "2")
+    ]
     for row in rows:
         assert row["status"] == "finished" and row["run_id"]
         assert 0.0 <= float(row["val_acc"]) <= 1.0
@@ -50,8 +63,10 @@ def test_rounding_benchmark_smoke(tmp_path: Path, capsys):
 
     report = json.loads(out.with_suffix(".json").read_text())
     assert [s["level"] for s in report["summary"]] == LEVELS
-    assert report["thresholds"] == {"stall_points": bench.STALL_POINTS,
-                                    "sr_points": bench.SR_POINTS}
+    assert report["thresholds"] == {
+        "stall_points": bench.STALL_POINTS,
+        "sr_points": bench.SR_POINTS,
+    }
     assert "trainer.log_every_n_steps=2" in report["overrides"]
     for summary, run in zip(report["summary"], report["runs"]):
         assert len(summary["val_acc"]["mean"]) == len(summary["train_loss"]["mean"]) == 2
@@ -73,10 +88,12 @@ def test_epoch_means_weights_each_logged_value_by_the_steps_it_covers():
 
 def test_rounding_benchmark_rejects_bad_arguments(capsys):
     bench = load_benchmark("rounding")
-    for argv, message in [(["--levels", "o9"], "unknown level"),
-                          (["--epochs", "0"], "--epochs must be at least 1"),
-                          (["--lr", "-1"], "--lr must be a positive number"),
-                          (["--seeds", "a"], "--seeds must be integers")]:
+    for argv, message in [
+        (["--levels", "o9"], "unknown level"),
+        (["--epochs", "0"], "--epochs must be at least 1"),
+        (["--lr", "-1"], "--lr must be a positive number"),
+        (["--seeds", "a"], "--seeds must be integers"),
+    ]:
         with pytest.raises(SystemExit) as exit_:
             bench.parse_args(argv)
         assert exit_.value.code == 2

@@ -10,6 +10,7 @@ that name; the run killed before its first checkpoint was ended KILLED by the ne
 nothing to resume from, so training started again in a new run, as the README says); no run left
 RUNNING; no temporary checkpoint file left behind.
 """
+
 from __future__ import annotations
 
 import os
@@ -17,7 +18,6 @@ import re
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -28,10 +28,19 @@ from tests.conftest import read_until, run_cli, start_cli
 
 EPOCHS = 3
 CONFIG = [
-    "model=tiny", "data=synthetic", "data.num_train=1536", "data.num_val=64",
-    "data.image_size=16", "trainer.batch_size=32", f"trainer.max_epochs={EPOCHS}",
-    "trainer.num_workers=0", "trainer.progress_bar=false", "trainer.log_every_n_steps=4",
-    "trainer.device=cpu", "precision=o2_bf16", "precision.kernels=torch",
+    "model=tiny",
+    "data=synthetic",
+    "data.num_train=1536",
+    "data.num_val=64",
+    "data.image_size=16",
+    "trainer.batch_size=32",
+    f"trainer.max_epochs={EPOCHS}",
+    "trainer.num_workers=0",
+    "trainer.progress_bar=false",
+    "trainer.log_every_n_steps=4",
+    "trainer.device=cpu",
+    "precision=o2_bf16",
+    "precision.kernels=torch",
 ]
 # metrics that depend on the clock or the machine's memory, not on the training
 VARIABLE = re.compile(r"time|samples_per_s|mem|rss|^system/")  # system/: the machine's load
@@ -70,8 +79,12 @@ def test_a_run_killed_three_times_resumes_to_the_uninterrupted_history(tmp_path)
     # the shortest epoch of the uninterrupted run (the first one includes warm-up): a third of it
     # after epoch 1's checkpoint is well inside epoch 2 even when the machine is busier or idler
     # than it was for the reference (half of epoch 1's time overshot epoch 2 on a loaded CPU)
-    epoch_s = min(float(t) for t in re.findall(r"epoch \d+/\d+: .*?  ([\d.]+) s  ",
-                                               reference.stdout + reference.stderr))
+    epoch_s = min(
+        float(t)
+        for t in re.findall(
+            r"epoch \d+/\d+: .*?  ([\d.]+) s  ", reference.stdout + reference.stderr
+        )
+    )
 
     chaos = [*args, "mlflow.run_name=chaos", "resume=auto"]
     folder = tmp_path / "checkpoints" / "amp-runner" / "chaos"

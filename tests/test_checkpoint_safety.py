@@ -6,9 +6,11 @@ Real checkpoint files from a real run (tiny model, o2: fp16 model, fp32 masters,
 loss scale), real MLflow SQLite stores, real `python -m runner` subprocesses for what the CLI
 does. Crafted files are written the way an attacker or a damaged disk would: a FORMAT 2 file is an
 ordinary `torch.save` archive whose zip comment holds the SHA-256 of the bytes before it (the
-format runner.run.checkpoint documents), so `signed()` below writes one independently of the runner's
+format runner.run.checkpoint documents), so `signed()` below writes one independently of the
+runner's
 writer. Tolerance: none; a loaded state is compared bit for bit with the original.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -32,12 +34,11 @@ import torch
 from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
-from runner.run import app
-from runner.run import checkpoint, rng
-from runner.errors import ConfigError
 from runner.components.models import build_model
-from runner.run.plan import make_plan
+from runner.errors import ConfigError
 from runner.precision import AmpEngine, amp, resolve
+from runner.run import app, checkpoint, rng
+from runner.run.plan import make_plan
 from runner.run.trainer import RunContext, Trainer
 from tests.conftest import FAST, compose_config, run_cli
 
@@ -48,9 +49,13 @@ BASE = ["precision=o2", "optimizer=adam", "trainer.max_epochs=1"]
 def settings(folder: Path, *extra: str) -> list[str]:
     """FAST, a store and a checkpoint folder in `folder`; torch's ops rather than the fused
     kernels (a checkpoint holds the same state either way, and no kernel build is waited for)."""
-    return [*FAST, "precision.kernels=torch",
-            f"mlflow.tracking_uri=sqlite:///{folder / 'mlflow.db'}",
-            f"trainer.checkpoint_dir={folder / 'checkpoints'}", *extra]
+    return [
+        *FAST,
+        "precision.kernels=torch",
+        f"mlflow.tracking_uri=sqlite:///{folder / 'mlflow.db'}",
+        f"trainer.checkpoint_dir={folder / 'checkpoints'}",
+        *extra,
+    ]
 
 
 def replaced(args: list[str], *new: str) -> list[str]:
@@ -80,8 +85,13 @@ def write_signed(path: Path, state: dict) -> Path:
 
 def numpy_tuple(portable: dict) -> tuple:
     """FORMAT 2's NumPy RNG state as `numpy.random.get_state()`'s tuple (its key an ndarray)."""
-    return (portable["kind"], portable["key"].numpy().astype(numpy.uint32), portable["pos"],
-            portable["has_gauss"], portable["cached_gaussian"])
+    return (
+        portable["kind"],
+        portable["key"].numpy().astype(numpy.uint32),
+        portable["pos"],
+        portable["has_gauss"],
+        portable["cached_gaussian"],
+    )
 
 
 def write_legacy(path: Path, state: dict) -> Path:
@@ -96,8 +106,13 @@ def write_legacy(path: Path, state: dict) -> Path:
 def equal(a, b) -> bool:
     """Bit-for-bit equality of two checkpoint states (tensors, NaN-aware numbers, containers)."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-                and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b))
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a, b)
+        )
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
@@ -113,11 +128,19 @@ def store_snapshot(uri: str) -> list[tuple]:
     out = []
     for experiment in client.search_experiments():
         for run in client.search_runs([experiment.experiment_id]):
-            metrics = {k: len(client.get_metric_history(run.info.run_id, k))
-                       for k in run.data.metrics}
-            out.append((run.info.run_id, run.info.status, run.info.end_time,
-                        sorted(run.data.tags.items()), sorted(run.data.params.items()),
-                        sorted(metrics.items())))
+            metrics = {
+                k: len(client.get_metric_history(run.info.run_id, k)) for k in run.data.metrics
+            }
+            out.append(
+                (
+                    run.info.run_id,
+                    run.info.status,
+                    run.info.end_time,
+                    sorted(run.data.tags.items()),
+                    sorted(run.data.params.items()),
+                    sorted(metrics.items()),
+                )
+            )
     return sorted(out)
 
 
@@ -128,10 +151,16 @@ def base(tmp_path_factory):
     args = replaced(settings(folder), *BASE)
     with contextlib.chdir(folder):
         app.run(compose_config(*args))
-    path = checkpoint.find("auto", checkpoint.run_folder(folder / "checkpoints", "amp-runner",
-                                                          "tiny-O2"))
-    return {"folder": folder, "path": path, "state": checkpoint.load(path), "args": args,
-            "uri": f"sqlite:///{folder / 'mlflow.db'}"}
+    path = checkpoint.find(
+        "auto", checkpoint.run_folder(folder / "checkpoints", "amp-runner", "tiny-O2")
+    )
+    return {
+        "folder": folder,
+        "path": path,
+        "state": checkpoint.load(path),
+        "args": args,
+        "uri": f"sqlite:///{folder / 'mlflow.db'}",
+    }
 
 
 @pytest.fixture(scope="module")
@@ -143,8 +172,14 @@ def parts(base):
 
 def check(state, parts, **overrides):
     cfg, built = parts
-    kwargs = dict(model=built.model, optimizer=built.optimizer, engine=built.engine,
-                  scheduler=built.scheduler, world_size=1, path=Path("ckpt.pt"))
+    kwargs = dict(
+        model=built.model,
+        optimizer=built.optimizer,
+        engine=built.engine,
+        scheduler=built.scheduler,
+        world_size=1,
+        path=Path("ckpt.pt"),
+    )
     kwargs.update(overrides)
     checkpoint.check_structure(state, **kwargs)
 
@@ -241,14 +276,23 @@ def test_flips_behind_a_valid_checksum_never_escape_as_another_error(tmp_path, b
     archive = zipfile.ZipFile(io.BytesIO(data))
     pickle_entry = next(i for i in archive.infolist() if i.filename.endswith("/data.pkl"))
     # the pickle (local header and data), and the central directory up to the end record
-    regions = [(pickle_entry.header_offset, pickle_entry.header_offset + 100
-                + pickle_entry.compress_size),
-               (archive.start_dir, len(body))]
+    regions = [
+        (pickle_entry.header_offset, pickle_entry.header_offset + 100 + pickle_entry.compress_size),
+        (archive.start_dir, len(body)),
+    ]
     cfg, built = parts
-    trainer = Trainer(model=built.model, optimizer=built.optimizer, scheduler=built.scheduler,
-                      engine=built.engine, train_loader=built.train_loader,
-                      val_loader=built.val_loader, device=torch.device("cpu"), cfg=cfg.trainer,
-                      memory=built.memory, context=RunContext(on_metrics=lambda m, s: None))
+    trainer = Trainer(
+        model=built.model,
+        optimizer=built.optimizer,
+        scheduler=built.scheduler,
+        engine=built.engine,
+        train_loader=built.train_loader,
+        val_loader=built.val_loader,
+        device=torch.device("cpu"),
+        cfg=cfg.trainer,
+        memory=built.memory,
+        context=RunContext(on_metrics=lambda m, s: None),
+    )
     rnd = random.Random(1800)
     path = tmp_path / "crafted.pt"
     outcomes = {"refused": 0, "restored": 0}
@@ -303,51 +347,68 @@ def test_a_model_of_another_architecture_or_shape_is_refused_naming_the_tensor(b
 
 def test_an_optimizer_of_another_kind_is_refused_naming_both(base, parts):
     cfg, built = parts
-    params = [torch.nn.Parameter(p.detach().clone()) for p in built.engine.master_params(
-        built.optimizer)]
+    params = [
+        torch.nn.Parameter(p.detach().clone()) for p in built.engine.master_params(built.optimizer)
+    ]
     sgd = torch.optim.SGD(params, lr=0.1, momentum=0.9)
     for p in params:
         p.grad = torch.ones_like(p)
     sgd.step()
     message = _refusal({**base["state"], "optimizer": sgd.state_dict()}, parts)
-    assert "optimizer.param_groups.0: the hyperparameters of SGD (dampening, momentum, " \
-           "nesterov) -> Adam's (amsgrad, betas, eps)" in message
+    assert (
+        "optimizer.param_groups.0: the hyperparameters of SGD (dampening, momentum, "
+        "nesterov) -> Adam's (amsgrad, betas, eps)" in message
+    )
     # the hyperparameters of Adam, the state of SGD (a file edited by hand)
     state = base["state"]["optimizer"]
     mixed = {"param_groups": state["param_groups"], "state": sgd.state_dict()["state"]}
-    assert "optimizer.state.0: momentum_buffer -> Adam's exp_avg, exp_avg_sq, max_exp_avg_sq, " \
-           "step" in _refusal({**base["state"], "optimizer": mixed}, parts)
-    fewer = {"param_groups": [{**state["param_groups"][0],
-                               "params": state["param_groups"][0]["params"][:-1]}],
-             "state": {k: v for k, v in state["state"].items()
-                       if k in state["param_groups"][0]["params"][:-1]}}
+    assert (
+        "optimizer.state.0: momentum_buffer -> Adam's exp_avg, exp_avg_sq, max_exp_avg_sq, "
+        "step" in _refusal({**base["state"], "optimizer": mixed}, parts)
+    )
+    fewer = {
+        "param_groups": [
+            {**state["param_groups"][0], "params": state["param_groups"][0]["params"][:-1]}
+        ],
+        "state": {
+            k: v for k, v in state["state"].items() if k in state["param_groups"][0]["params"][:-1]
+        },
+    }
     n = len(state["param_groups"][0]["params"])
     assert f"optimizer.param_groups.0.params: {n - 1} parameter(s) -> {n}" in _refusal(
-        {**base["state"], "optimizer": fewer}, parts)
+        {**base["state"], "optimizer": fewer}, parts
+    )
 
 
 def test_an_engine_scheduler_or_world_size_of_another_kind_is_refused(base, parts):
     state = base["state"]
     scale = state["engine"]["loss_scaler0"]["loss_scale"]
     static = AmpEngine(resolve("O0", {}).properties, "cpu", kernels="torch")
-    assert f"engine.loss_scaler0.loss_scale: {scale!r} -> 1.0 (this run's static scale)" in \
-        _refusal(state, parts, engine=static)
+    assert (
+        f"engine.loss_scaler0.loss_scale: {scale!r} -> 1.0 (this run's static scale)"
+        in _refusal(state, parts, engine=static)
+    )
     two = AmpEngine(resolve("O2", {}).properties, "cpu", num_losses=2, kernels="torch")
-    assert "engine: 1 loss scaler(s) (loss_scaler0) -> 2 (loss_scaler0, loss_scaler1)" in \
-        _refusal(state, parts, engine=two)
+    assert "engine: 1 loss scaler(s) (loss_scaler0) -> 2 (loss_scaler0, loss_scaler1)" in _refusal(
+        state, parts, engine=two
+    )
     other = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
     step = torch.optim.lr_scheduler.StepLR(other, 3)
     message = _refusal(state, parts, scheduler=step)
-    assert "scheduler: the state of another scheduler (T_max, base_lrs, eta_min, last_epoch) " \
-           "-> StepLR (base_lrs, gamma, last_epoch, step_size)" in message
+    assert (
+        "scheduler: the state of another scheduler (T_max, base_lrs, eta_min, last_epoch) "
+        "-> StepLR (base_lrs, gamma, last_epoch, step_size)" in message
+    )
     assert "scheduler: a scheduler -> (none)" in _refusal(state, parts, scheduler=None)
     assert "world_size: 1 -> 2" in _refusal(state, parts, world_size=2)
 
 
 # ---- contents: every malformed value is a ConfigError naming its key ----------------------------
 def _bad_states(state):
-    nan_scale = {**state["engine"], "loss_scaler0": {**state["engine"]["loss_scaler0"],
-                                                      "loss_scale": float("nan")}}
+    nan_scale = {
+        **state["engine"],
+        "loss_scaler0": {**state["engine"]["loss_scaler0"], "loss_scale": float("nan")},
+    }
     no_unskipped = {**state["engine"], "loss_scaler0": {"loss_scale": 2.0}}
     rng_python = {**state["rng"], "python": (3, (1, 2, 3), None)}
     rng_torch = {**state["rng"], "torch": torch.zeros(7, dtype=torch.uint8)}
@@ -370,9 +431,22 @@ def _bad_states(state):
     }
 
 
-BAD = ["epoch", "batch", "model", "optimizer", "engine.loss_scaler0.loss_scale",
-       "engine.loss_scaler0.unskipped", "rng.python", "rng.torch", "rng.numpy", "history",
-       "config", "world_size", "surprise", "global_step"]
+BAD = [
+    "epoch",
+    "batch",
+    "model",
+    "optimizer",
+    "engine.loss_scaler0.loss_scale",
+    "engine.loss_scaler0.unskipped",
+    "rng.python",
+    "rng.torch",
+    "rng.numpy",
+    "history",
+    "config",
+    "world_size",
+    "surprise",
+    "global_step",
+]
 
 
 @pytest.mark.parametrize("key", BAD)
@@ -393,10 +467,12 @@ def test_save_never_writes_what_load_would_refuse(tmp_path, base):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["missing config", "resnet18 config, tiny weights",
-                                  "sgd config, adam state"])
-def test_the_cli_refuses_a_checkpoint_that_does_not_fit_before_reopening_its_run(tmp_path, base,
-                                                                                  case):
+@pytest.mark.parametrize(
+    "case", ["missing config", "resnet18 config, tiny weights", "sgd config, adam state"]
+)
+def test_the_cli_refuses_a_checkpoint_that_does_not_fit_before_reopening_its_run(
+    tmp_path, base, case
+):
     """Exit 2, the key named, no traceback, the MLflow store untouched. The crafted configs are
     the ones the CLI resolves for the same overrides, so only the structure check stands in the
     way (a plain `model=resnet18` is refused earlier, by the config comparison). The resumed run
@@ -411,10 +487,12 @@ def test_the_cli_refuses_a_checkpoint_that_does_not_fit_before_reopening_its_run
         extra += ["model=resnet18"] if case.startswith("resnet18") else ["optimizer=sgd"]
         cfg = compose_config(*replaced(base["args"], *extra))
         state["config"] = OmegaConf.to_container(cfg, resolve=True)
-        wanted = ("model.0.0.weight: [16, 3, 3, 3] float32 -> (absent)"
-                  if "model=resnet18" in extra else
-                  "optimizer.param_groups.0: the hyperparameters of Adam/AdamW (amsgrad, betas, "
-                  "eps) -> SGD's (dampening, momentum, nesterov)")
+        wanted = (
+            "model.0.0.weight: [16, 3, 3, 3] float32 -> (absent)"
+            if "model=resnet18" in extra
+            else "optimizer.param_groups.0: the hyperparameters of Adam/AdamW (amsgrad, betas, "
+            "eps) -> SGD's (dampening, momentum, nesterov)"
+        )
     path = tmp_path / "last.pt"
     checkpoint.save(path, {k: v for k, v in state.items() if k != "format"})
     before = store_snapshot(base["uri"])
@@ -431,8 +509,10 @@ def test_a_format_1_checkpoint_loads_with_a_warning_and_its_exact_rng(tmp_path, 
     with caplog.at_level(logging.WARNING, logger="runner.run.checkpoint"):
         state = checkpoint.load(path)
     assert "has no checksum" in caplog.text and "cannot be verified" in caplog.text
-    assert equal({k: v for k, v in state.items() if k != "format"},
-                 {k: v for k, v in base["state"].items() if k != "format"})
+    assert equal(
+        {k: v for k, v in state.items() if k != "format"},
+        {k: v for k, v in base["state"].items() if k != "format"},
+    )
     rng.restore_rng(state["rng"])
     want = numpy_tuple(base["state"]["rng"]["numpy"])
     got = numpy.random.get_state()
@@ -442,8 +522,9 @@ def test_a_format_1_checkpoint_loads_with_a_warning_and_its_exact_rng(tmp_path, 
 def test_a_format_1_checkpoint_still_resumes_with_the_warning(tmp_path, caplog):
     args = replaced(settings(tmp_path), "trainer.max_epochs=1", "mlflow.run_name=old")
     app.run(compose_config(*args))
-    path = checkpoint.find("auto", checkpoint.run_folder(tmp_path / "checkpoints", "amp-runner",
-                                                          "old"))
+    path = checkpoint.find(
+        "auto", checkpoint.run_folder(tmp_path / "checkpoints", "amp-runner", "old")
+    )
     write_legacy(path, checkpoint.load(path))
     with caplog.at_level(logging.WARNING, logger="runner.run.checkpoint"):
         app.run(compose_config(*replaced(args, "trainer.max_epochs=2"), f"resume={path}"))
@@ -465,8 +546,9 @@ def test_save_flushes_the_folder_after_the_rename(tmp_path, base, monkeypatch):
         return real_fsync(fd)
 
     monkeypatch.setattr(os, "fsync", spy)
-    checkpoint.save(tmp_path / "run" / "last.pt",
-                    {k: v for k, v in base["state"].items() if k != "format"})
+    checkpoint.save(
+        tmp_path / "run" / "last.pt", {k: v for k, v in base["state"].items() if k != "format"}
+    )
     assert synced == [False, True]  # the file, then its folder
 
 
@@ -482,12 +564,14 @@ def test_a_dead_process_temporary_file_is_removed_at_the_next_save(tmp_path, bas
         other = folder / "notes.tmp"
         for leftover in (stale, live, other):
             leftover.write_bytes(b"partial")
-        checkpoint.save(folder / "last.pt",
-                        {k: v for k, v in base["state"].items() if k != "format"})
+        checkpoint.save(
+            folder / "last.pt", {k: v for k, v in base["state"].items() if k != "format"}
+        )
         assert not stale.exists()
         assert live.exists() and other.exists()  # a live writer's file, and not ours to judge
         assert sorted(p.name for p in folder.iterdir()) == sorted(
-            ["last.pt", live.name, other.name])
+            ["last.pt", live.name, other.name]
+        )
     finally:
         alive.kill()
         alive.wait()
@@ -506,26 +590,46 @@ def two_losses():
 GOOD = {"loss_scale": 8.0, "unskipped": 3}
 
 
-@pytest.mark.parametrize("sd,error,names", [
-    ({"loss_scaler0": GOOD, "loss_scaler2": GOOD}, ValueError, "loss_scaler1 is missing"),
-    ({"loss_scaler0": {"unskipped": 0}}, ValueError, "loss_scaler0.loss_scale: missing"),
-    ({"loss_scaler0": {"loss_scale": -2.0, "unskipped": 0}}, ValueError,
-     "loss_scaler0.loss_scale: -2.0 is not a finite number > 0"),
-    ({"loss_scaler0": {"loss_scale": float("nan"), "unskipped": 0}}, ValueError,
-     "loss_scaler0.loss_scale: nan"),
-    ({"loss_scaler0": {"loss_scale": "8", "unskipped": 0}}, ValueError,
-     "loss_scaler0.loss_scale: '8'"),
-    ({"loss_scaler0": {"loss_scale": 8.0, "unskipped": 1.5}}, ValueError,
-     "loss_scaler0.unskipped: 1.5 is not an integer >= 0"),
-    ({"loss_scaler0": {**GOOD, "scale_window": 5}}, ValueError,
-     "loss_scaler0.scale_window: unknown key"),
-    ({"loss_scaler0": 8.0}, ValueError, "loss_scaler0: a dict of loss_scale and unskipped"),
-    ({"loss_scaler0": GOOD, "optimizer": {}}, RuntimeError, 'Unexpected key(s) in state_dict: '
-     '"optimizer"'),
-    ([("loss_scaler0", GOOD)], TypeError, "expects the dict amp.state_dict() returns"),
-])
-def test_amp_load_state_dict_refuses_a_malformed_dict_naming_the_key(two_losses, sd, error,
-                                                                     names):
+@pytest.mark.parametrize(
+    "sd,error,names",
+    [
+        ({"loss_scaler0": GOOD, "loss_scaler2": GOOD}, ValueError, "loss_scaler1 is missing"),
+        ({"loss_scaler0": {"unskipped": 0}}, ValueError, "loss_scaler0.loss_scale: missing"),
+        (
+            {"loss_scaler0": {"loss_scale": -2.0, "unskipped": 0}},
+            ValueError,
+            "loss_scaler0.loss_scale: -2.0 is not a finite number > 0",
+        ),
+        (
+            {"loss_scaler0": {"loss_scale": float("nan"), "unskipped": 0}},
+            ValueError,
+            "loss_scaler0.loss_scale: nan",
+        ),
+        (
+            {"loss_scaler0": {"loss_scale": "8", "unskipped": 0}},
+            ValueError,
+            "loss_scaler0.loss_scale: '8'",
+        ),
+        (
+            {"loss_scaler0": {"loss_scale": 8.0, "unskipped": 1.5}},
+            ValueError,
+            "loss_scaler0.unskipped: 1.5 is not an integer >= 0",
+        ),
+        (
+            {"loss_scaler0": {**GOOD, "scale_window": 5}},
+            ValueError,
+            "loss_scaler0.scale_window: unknown key",
+        ),
+        ({"loss_scaler0": 8.0}, ValueError, "loss_scaler0: a dict of loss_scale and unskipped"),
+        (
+            {"loss_scaler0": GOOD, "optimizer": {}},
+            RuntimeError,
+            'Unexpected key(s) in state_dict: "optimizer"',
+        ),
+        ([("loss_scaler0", GOOD)], TypeError, "expects the dict amp.state_dict() returns"),
+    ],
+)
+def test_amp_load_state_dict_refuses_a_malformed_dict_naming_the_key(two_losses, sd, error, names):
     before = amp.state_dict()
     with pytest.raises(error) as e:
         amp.load_state_dict(sd)
@@ -534,7 +638,11 @@ def test_amp_load_state_dict_refuses_a_malformed_dict_naming_the_key(two_losses,
 
 
 def test_amp_load_state_dict_still_loads_the_engine_layout(two_losses):
-    amp.load_state_dict({"loss_scaler0": GOOD, "loss_scaler1": {**GOOD, "loss_scale": 4.0},
-                         "skipped_steps": 7})
-    assert amp.state_dict()["loss_scaler1"] == {"loss_scale": 4.0, "unskipped": 3,
-                                                "hysteresis_tracker": 1}
+    amp.load_state_dict(
+        {"loss_scaler0": GOOD, "loss_scaler1": {**GOOD, "loss_scale": 4.0}, "skipped_steps": 7}
+    )
+    assert amp.state_dict()["loss_scaler1"] == {
+        "loss_scale": 4.0,
+        "unskipped": 3,
+        "hysteresis_tracker": 1,
+    }

@@ -1,6 +1,8 @@
-"""runner.components.data: CIFAR and ImageFolder datasets in their real on-disk formats, synthetic data,
+"""runner.components.data: CIFAR and ImageFolder datasets in their real on-disk formats, synthetic
+data,
 loaders. Everything is written into tmp_path; nothing is downloaded (the download-failure test
 points torchvision at a closed port on this machine)."""
+
 from __future__ import annotations
 
 import os
@@ -15,7 +17,6 @@ import torch
 from omegaconf import OmegaConf
 from PIL import Image
 
-from runner.config import CifarConfig, ImageFolderConfig, SyntheticConfig, TinyModelConfig
 from runner.components.data import (
     CIFAR10_MEAN,
     CIFAR10_STD,
@@ -26,8 +27,9 @@ from runner.components.data import (
     build_datasets,
     build_loaders,
 )
-from runner.errors import ConfigError, DataError
 from runner.components.models import build_model
+from runner.config import CifarConfig, ImageFolderConfig, SyntheticConfig, TinyModelConfig
+from runner.errors import ConfigError, DataError
 
 
 # ---- writing CIFAR in the real format ------------------------------------------------------
@@ -80,10 +82,29 @@ def write_cifar10(root, n_per_batch=4, n_test=6, dump=dump_py2):
         dump(batch, folder / f"data_batch_{i}")
     test = make_batch(rng, n_test, 10, b"labels", b"testing batch 1 of 1")
     dump(test, folder / "test_batch")
-    names = [Py2Str(n) for n in (b"airplane", b"automobile", b"bird", b"cat", b"deer",
-                                 b"dog", b"frog", b"horse", b"ship", b"truck")]
-    dump({Py2Str(b"label_names"): names, Py2Str(b"num_cases_per_batch"): n_per_batch,
-          Py2Str(b"num_vis"): 3072}, folder / "batches.meta")
+    names = [
+        Py2Str(n)
+        for n in (
+            b"airplane",
+            b"automobile",
+            b"bird",
+            b"cat",
+            b"deer",
+            b"dog",
+            b"frog",
+            b"horse",
+            b"ship",
+            b"truck",
+        )
+    ]
+    dump(
+        {
+            Py2Str(b"label_names"): names,
+            Py2Str(b"num_cases_per_batch"): n_per_batch,
+            Py2Str(b"num_vis"): 3072,
+        },
+        folder / "batches.meta",
+    )
     return train, test
 
 
@@ -97,9 +118,13 @@ def write_cifar100(root, n_train=12, n_test=5):
         batch[Py2Str(b"coarse_labels")] = [label // 5 for label in batch[Py2Str(b"fine_labels")]]
     dump_py2(train, folder / "train")
     dump_py2(test, folder / "test")
-    dump_py2({Py2Str(b"fine_label_names"): [Py2Str(b"class_%02d" % i) for i in range(100)],
-              Py2Str(b"coarse_label_names"): [Py2Str(b"super_%02d" % i) for i in range(20)]},
-             folder / "meta")
+    dump_py2(
+        {
+            Py2Str(b"fine_label_names"): [Py2Str(b"class_%02d" % i) for i in range(100)],
+            Py2Str(b"coarse_label_names"): [Py2Str(b"super_%02d" % i) for i in range(20)],
+        },
+        folder / "meta",
+    )
     return train, test
 
 
@@ -193,8 +218,7 @@ def test_readme_quotes_the_real_missing_cifar_message(tmp_path):
 def test_failed_download_says_so_and_does_not_suggest_downloading(tmp_path, monkeypatch):
     """A real download attempt that fails: torchvision fetches from a closed port on this host
     (port 9, discard, refuses the connection), as it would fail without network."""
-    for var in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy",
-                "ALL_PROXY"):
+    for var in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
         monkeypatch.delenv(var, raising=False)
     url = "http://127.0.0.1:9/cifar-10-python.tar.gz"
     monkeypatch.setattr(CheckedCIFAR10, "url", url)

@@ -1,7 +1,9 @@
-"""Range diagnostics (runner.measure.diagnostics) and the pre-flight (runner.diagnose): known answers for
+"""Range diagnostics (runner.measure.diagnostics) and the pre-flight (runner.diagnose): known
+answers for
 the underflow/overflow fractions and the exponent histograms, hooks only on diagnosed steps, the
 in-run metrics against a reference counted by hand, and the pre-flight's recommendation on a model
 built to overflow in fp16."""
+
 from __future__ import annotations
 
 import collections
@@ -15,9 +17,23 @@ from mlflow.tracking import MlflowClient
 from torch import nn
 
 from runner import diagnose
-from runner.measure.diagnostics import (ACTIVATION, ACTIVATION_GRAD, BF16, FP8_E4M3, FP8_E5M2, FP16,
-                                LOG2_MIN, WEIGHT_GRAD, RangeProbe, RunDiagnostics, TensorStats,
-                                layers_of, model_metrics, run_formats, tensor_stats)
+from runner.measure.diagnostics import (
+    ACTIVATION,
+    ACTIVATION_GRAD,
+    BF16,
+    FP8_E4M3,
+    FP8_E5M2,
+    FP16,
+    LOG2_MIN,
+    WEIGHT_GRAD,
+    RangeProbe,
+    RunDiagnostics,
+    TensorStats,
+    layers_of,
+    model_metrics,
+    run_formats,
+    tensor_stats,
+)
 from runner.precision import AmpEngine, resolve
 from tests.conftest import FAST, REPO
 from tests.test_trainer import make_trainer
@@ -38,15 +54,31 @@ class Scale(nn.Module):
 
 
 # chosen magnitudes: 12 values, one zero and one NaN, so 10 count towards the fractions
-GRADIENT = [0.0, 2.0**-30, 2.0**-20, 2.0**-15, 2.0**-14, 1.0, 2.0**14, 65536.0, 70000.0, 1e-40,
-            INF, NAN]
+GRADIENT = [
+    0.0,
+    2.0**-30,
+    2.0**-20,
+    2.0**-15,
+    2.0**-14,
+    1.0,
+    2.0**14,
+    65536.0,
+    70000.0,
+    1e-40,
+    INF,
+    NAN,
+]
 # (format, scale) -> (values that underflow, values that overflow), counted by hand:
 #   fp16 at 1:    2^-30, 2^-20, 2^-15, 1e-40 below 2^-14;   65536, 70000, inf above 65504
 #   bf16 at 1:    1e-40 below 2^-126;                        inf
 #   fp16 at 2^10: 2^-30, 1e-40 below 2^-24;                  2^14, 65536, 70000, inf above 63.97
 #   bf16 at 2^10: none (1e-40 * 1024 > 2^-126);              inf
-EXPECTED = {("fp16", 1.0): (4, 3), ("bf16", 1.0): (1, 1),
-            ("fp16", 1024.0): (2, 4), ("bf16", 1024.0): (0, 1)}
+EXPECTED = {
+    ("fp16", 1.0): (4, 3),
+    ("bf16", 1.0): (1, 1),
+    ("fp16", 1024.0): (2, 4),
+    ("bf16", 1024.0): (0, 1),
+}
 
 
 @pytest.mark.parametrize("scale", [1.0, 1024.0])
@@ -74,10 +106,16 @@ def test_a_layer_fed_chosen_gradients_reports_the_exact_fractions(scale):
 
 
 def test_fp8_limits_are_e4m3_for_forward_and_e5m2_for_gradients():
-    stats = tensor_stats([torch.tensor([2.0**-7, 2.0**-6, 448.0, 449.0, 2.0**-15, 57344.0, 6e4])],
-                         [FP8_E4M3, FP8_E5M2])
+    stats = tensor_stats(
+        [torch.tensor([2.0**-7, 2.0**-6, 448.0, 449.0, 2.0**-15, 57344.0, 6e4])],
+        [FP8_E4M3, FP8_E5M2],
+    )
     assert (FP8_E4M3.max, FP8_E4M3.tiny, FP8_E5M2.max, FP8_E5M2.tiny) == (
-        448.0, 2.0**-6, 57344.0, 2.0**-14)
+        448.0,
+        2.0**-6,
+        57344.0,
+        2.0**-14,
+    )
     assert stats.underflow == {"fp8_e4m3": 2, "fp8_e5m2": 1}  # 2^-7, 2^-15 | 2^-15
     assert stats.overflow == {"fp8_e4m3": 3, "fp8_e5m2": 1}  # 449, 57344, 6e4 | 6e4
 
@@ -91,7 +129,11 @@ def test_the_exponent_histogram_sums_to_the_element_count_and_matches_frexp():
     assert stats.count == 10_100 == sum(n for _, n in stats.histogram())
     both = torch.cat([values, half.float()])
     assert (stats.zeros, stats.infs, stats.nans, stats.below) == (
-        int((both == 0).sum()), int(both.isinf().sum()), 2, 2)
+        int((both == 0).sum()),
+        int(both.isinf().sum()),
+        2,
+        2,
+    )
     assert stats.zeros > 2 and stats.infs > 2  # the fp16 copy's
     # the reference: floor(log2|x|) = frexp's exponent - 1, for the normal fp32 values
     reference = collections.Counter()
@@ -121,15 +163,26 @@ def test_run_formats_follow_the_compute_dtypes():
 
 
 def test_layers_are_the_parameter_owning_leaf_modules():
-    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
-                          nn.Sequential(nn.Linear(4, 2)))
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Sequential(nn.Linear(4, 2)),
+    )
     assert [name for name, _ in layers_of(model)] == ["0", "1", "4.0"]
 
 
 # ---- inside a run --------------------------------------------------------------------------------
 def _hook_counts(model: nn.Module) -> dict[str, int]:
-    return {name: len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
-            + len(m._backward_pre_hooks) for name, m in model.named_modules() if name}
+    return {
+        name: len(m._forward_hooks)
+        + len(m._forward_pre_hooks)
+        + len(m._backward_hooks)
+        + len(m._backward_pre_hooks)
+        for name, m in model.named_modules()
+        if name
+    }
 
 
 def _watch_hooks(trainer) -> list[dict[str, int]]:
@@ -212,14 +265,19 @@ def test_an_fp16_run_judges_its_stored_scaled_gradients(tmp_path):
     artifacts are written and handed over under diagnostics/."""
     handed = []
     trainer, logged = make_trainer("O2", {"loss_scale": 2.0**40}, diagnose_every_n_steps=2)
-    trainer.diagnostics = RunDiagnostics(2, trainer.diagnostics.formats, tmp_path,
-                                         lambda path, folder: handed.append((path.name, folder)))
+    trainer.diagnostics = RunDiagnostics(
+        2,
+        trainer.diagnostics.formats,
+        tmp_path,
+        lambda path, folder: handed.append((path.name, folder)),
+    )
     trainer.fit()
     metrics = [m for m, s in logged if "diag_grad_overflow_frac" in m]
     assert len(metrics) == 4  # steps 1, 3, 5, 7
     assert all(m["diag_grad_overflow_frac"] > 0.5 for m in metrics)
     assert sorted(handed) == sorted(
-        [(n, "diagnostics") for n in ("layers.csv", "exponents.csv", "grad_exponents.png")] * 2)
+        [(n, "diagnostics") for n in ("layers.csv", "exponents.csv", "grad_exponents.png")] * 2
+    )
     with (tmp_path / "layers.csv").open() as f:
         rows = list(csv.DictReader(f))
     layers = len(layers_of(trainer.module))
@@ -239,8 +297,10 @@ def test_model_metrics_pool_the_gradient_kinds():
     a.bins[0] = 4
     b = TensorStats(1.0, [0] * 254, 0, 2, 1, 0, {"fp16": 0}, {"fp16": 1})
     b.bins[0] = 5
-    records = [type("R", (), {"kind": k, "stats": s})() for k, s in
-               ((ACTIVATION_GRAD, a), (WEIGHT_GRAD, b), (ACTIVATION, a))]
+    records = [
+        type("R", (), {"kind": k, "stats": s})()
+        for k, s in ((ACTIVATION_GRAD, a), (WEIGHT_GRAD, b), (ACTIVATION, a))
+    ]
     metrics = model_metrics(records, FP16)
     assert metrics["diag_grad_underflow_frac"] == 1 / 10  # (4 + 5 + 1 inf) non-zero values
     assert metrics["diag_grad_overflow_frac"] == 1 / 10
@@ -284,21 +344,34 @@ def test_the_preflight_names_the_layer_that_overflows_fp16(tmp_path):
     assert result.judgements[1].act_overflow == []  # bf16 holds them
     assert "fp16 OVERFLOWS in the forward pass: the activations of amplifier" in text
     assert "Recommendation: precision=o2_bf16; keep in fp32: amplifier" in text
-    assert {p.name for p in paths} == {"layers.csv", "exponents.csv", "grad_exponents.png",
-                                       "report.txt"}
+    assert {p.name for p in paths} == {
+        "layers.csv",
+        "exponents.csv",
+        "grad_exponents.png",
+        "report.txt",
+    }
     assert all(p.is_file() for p in paths)
 
 
 def test_the_preflight_recommends_loss_scaling_for_small_gradients(tmp_path):
     torch.manual_seed(0)
-    result, text, _ = diagnose.preflight(_fp32_trainer(nn.Sequential(
-        nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 10))),
-        2, tmp_path, "t", device_type="cuda")
+    result, text, _ = diagnose.preflight(
+        _fp32_trainer(
+            nn.Sequential(
+                nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 10)
+            )
+        ),
+        2,
+        tmp_path,
+        "t",
+        device_type="cuda",
+    )
     assert result.preset == "o2" and result.keep_fp32 == []
     top = result.grads.max_log2
     assert result.loss_scale == min(2.0 ** (14 - top), 2.0**24)  # max|g| * S < 2^15
     assert result.underflow_at_scale == (
-        result.grads.underflow_at(FP16, result.loss_scale) / result.grads.nonzero)
+        result.grads.underflow_at(FP16, result.loss_scale) / result.grads.nonzero
+    )
     assert f"precision.loss_scale={result.loss_scale:g}" in text
 
 
@@ -322,15 +395,22 @@ def _run_diagnose(*args: str, cwd: Path):
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    return subprocess.run([sys.executable, "-m", "runner.diagnose", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "runner.diagnose", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 @pytest.mark.slow
 def test_the_command_prints_its_table_and_logs_a_diagnose_run(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    result = _run_diagnose(*FAST, "precision=o2", f"mlflow.tracking_uri={uri}", "--steps", "2",
-                           cwd=tmp_path)
+    result = _run_diagnose(
+        *FAST, "precision=o2", f"mlflow.tracking_uri={uri}", "--steps", "2", cwd=tmp_path
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert "asked for precision=o2" in out and "Recommendation: precision=" in out
@@ -344,8 +424,10 @@ def test_the_command_prints_its_table_and_logs_a_diagnose_run(tmp_path):
     assert "diag_grad_underflow_frac" in run.data.metrics
     assert run.data.metrics["mem_total_mb"] > 0
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "diagnostics")}
-    assert artifacts == {f"diagnostics/{n}" for n in (
-        "layers.csv", "exponents.csv", "grad_exponents.png", "report.txt")}
+    assert artifacts == {
+        f"diagnostics/{n}"
+        for n in ("layers.csv", "exponents.csv", "grad_exponents.png", "report.txt")
+    }
     assert (tmp_path / "diagnostics" / "report.txt").read_text() in out
 
 
@@ -354,13 +436,30 @@ def test_the_pre_flight_of_a_gpt_names_every_transformer_layer(tmp_path):
     """The pre-flight on a language model: one row per layer of gpt_tiny (the attention's q, k,
     v and proj, the MLP's up and down, the norms, the head), measured on token-id batches."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    result = _run_diagnose("model=gpt_tiny", "data=synthetic_text", "data.num_train=4096",
-                           "data.block_size=32", "trainer.batch_size=8", "trainer.num_workers=0",
-                           "trainer.progress_bar=false", "trainer.device=cpu", "precision=o2_bf16",
-                           f"mlflow.tracking_uri={uri}", "--steps", "2", cwd=tmp_path)
+    result = _run_diagnose(
+        "model=gpt_tiny",
+        "data=synthetic_text",
+        "data.num_train=4096",
+        "data.block_size=32",
+        "trainer.batch_size=8",
+        "trainer.num_workers=0",
+        "trainer.progress_bar=false",
+        "trainer.device=cpu",
+        "precision=o2_bf16",
+        f"mlflow.tracking_uri={uri}",
+        "--steps",
+        "2",
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
-    for layer in ("blocks.0.attn.q", "blocks.0.attn.proj", "blocks.1.mlp.down", "blocks.1.ln2",
-                  "ln_f", "head"):
+    for layer in (
+        "blocks.0.attn.q",
+        "blocks.0.attn.proj",
+        "blocks.1.mlp.down",
+        "blocks.1.ln2",
+        "ln_f",
+        "head",
+    ):
         assert f"  {layer} " in result.stdout, layer
     assert "Recommendation: precision=" in result.stdout
     client = MlflowClient(uri)
@@ -369,14 +468,18 @@ def test_the_pre_flight_of_a_gpt_names_every_transformer_layer(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("args,needle", [
-    (["trainer.batch_size=0"], "trainer.batch_size"),
-    (["trainer.max_epoch=2"], "max_epoch"),
-    (["trainer.diagnose_every_n_steps=-1"], "trainer.diagnose_every_n_steps"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["trainer.batch_size=0"], "trainer.batch_size"),
+        (["trainer.max_epoch=2"], "max_epoch"),
+        (["trainer.diagnose_every_n_steps=-1"], "trainer.diagnose_every_n_steps"),
+    ],
+)
 def test_bad_overrides_exit_2_without_a_traceback_or_a_run(tmp_path, args, needle):
-    result = _run_diagnose(*FAST, *args, f"mlflow.tracking_uri=sqlite:///{tmp_path / 'm.db'}",
-                           cwd=tmp_path)
+    result = _run_diagnose(
+        *FAST, *args, f"mlflow.tracking_uri=sqlite:///{tmp_path / 'm.db'}", cwd=tmp_path
+    )
     output = result.stdout + result.stderr
     assert result.returncode == 2 and needle in output and "Traceback" not in output
     assert not (tmp_path / "m.db").exists()

@@ -1,13 +1,14 @@
 """The divergence guard: `trainer.max_bad_steps` consecutive skipped steps or non-finite losses stop
 the run with a DivergenceError; real runs, real MLflow stores, no mocks."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from runner.run import app
 from runner.errors import DivergenceError, RunnerError
+from runner.run import app
 from tests.conftest import FAST, compose_config
 from tests.test_e2e import only_run
 from tests.test_trainer import make_trainer
@@ -17,7 +18,7 @@ from tests.test_trainer import make_trainer
 def test_consecutive_skips_stop_at_the_step_they_reach_the_limit():
     """O2 at a static scale of 2^40 overflows the fp16 gradients: every step is skipped (the loss
     itself is finite)."""
-    trainer, _ = make_trainer("O2", {"loss_scale": 2.0 ** 40}, max_bad_steps=6)
+    trainer, _ = make_trainer("O2", {"loss_scale": 2.0**40}, max_bad_steps=6)
     with pytest.raises(DivergenceError) as e:
         trainer.fit()
     # 4 steps per epoch: the streak carries over the epoch boundary and trips at step 6
@@ -45,8 +46,7 @@ def test_non_finite_losses_stop_at_the_next_periodic_read():
 
 
 def test_bad_steps_below_the_limit_or_interrupted_do_not_trip_the_guard():
-    trainer, _ = make_trainer("O2", {"loss_scale": 2.0 ** 40}, max_bad_steps=3,
-                              limit_train_batches=1)
+    trainer, _ = make_trainer("O2", {"loss_scale": 2.0**40}, max_bad_steps=3, limit_train_batches=1)
     trainer.fit()  # two skipped steps in a row (one per epoch): below the limit
     assert trainer.skip_streak == 2 and trainer.engine.skipped_steps == 2
     trainer, _ = make_trainer("O0", {}, max_bad_steps=2)
@@ -92,14 +92,18 @@ def _failed_run(tracking_uri, overrides, needle):
 def test_pure_fp16_overflowing_every_step_fails_the_run(tracking_uri):
     """O3 with a static scale of 1e10: fp16 gradients overflow at every step."""
     msg, run = _failed_run(
-        tracking_uri, ["precision=o3", "precision.loss_scale=1e10", "trainer.max_bad_steps=2"],
-        "2 consecutive steps were skipped (inf/NaN gradients) up to step 2")
+        tracking_uri,
+        ["precision=o3", "precision.loss_scale=1e10", "trainer.max_bad_steps=2"],
+        "2 consecutive steps were skipped (inf/NaN gradients) up to step 2",
+    )
     assert run.data.params["trainer.max_bad_steps"] == "2"
 
 
 def test_non_finite_loss_fails_the_run(tracking_uri):
     """O0 with an absurd lr: the loss is inf/NaN from step 2 on; read at the epoch's end (step 3:
     3 batches per epoch, log_every_n_steps 2)."""
-    _failed_run(tracking_uri, ["precision=o0", "optimizer.lr=1e30", "scheduler=none",
-                               "trainer.max_bad_steps=2"],
-                "the loss was inf/NaN for 2 consecutive steps up to step 3")
+    _failed_run(
+        tracking_uri,
+        ["precision=o0", "optimizer.lr=1e30", "scheduler=none", "trainer.max_bad_steps=2"],
+        "the loss was inf/NaN for 2 consecutive steps up to step 3",
+    )

@@ -1,12 +1,13 @@
 """End-to-end runs on CPU at every Apex level, read back from a real SQLite MLflow store.
 
-In-process runs go through real Hydra composition and `runner.run.app.run`; a few subprocess runs check
+In-process runs go through real Hydra composition and `runner.run.app.run`; a few subprocess runs
+check
 what a user sees from `python -m runner` (exit status, messages, final run state).
 """
+
 from __future__ import annotations
 
 import json
-
 import math
 import os
 import signal
@@ -18,8 +19,8 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from runner.run import app
 from runner.errors import ConfigError
+from runner.run import app
 from tests.conftest import FAST, REPO, compose_config, read_until, run_cli, start_cli
 
 EPOCH_METRICS = [
@@ -92,13 +93,14 @@ def test_each_level_trains_and_logs_the_contract(level, tracking_uri):
     assert "torch_version" in tags and "device_name" in tags
     assert tags["cuda_version"] == str(torch.version.cuda)
     if (REPO / ".git").exists():  # a git checkout: the commit the run's code came from
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
-                              text=True).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True
+        ).stdout.strip()
         assert tags.get("git_commit") == head or not head  # (no git: no tag)
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"config.yaml", "overrides.yaml", "precision.txt"} <= artifacts
     # beside the database, whatever folder the run was launched from
-    db = Path(tracking_uri[len("sqlite:///"):])
+    db = Path(tracking_uri[len("sqlite:///") :])
     experiment = client.get_experiment(run.info.experiment_id)
     assert experiment.artifact_location == (db.parent / "mlartifacts").resolve().as_uri()
 
@@ -106,13 +108,31 @@ def test_each_level_trains_and_logs_the_contract(level, tracking_uri):
 @pytest.mark.parametrize(
     "overrides",
     [
-        ["precision=o2", "optimizer=adamw", "scheduler=onecycle", "trainer.grad_clip_norm=1.0",
-         "trainer.channels_last=true", "precision.loss_scale=128"],
-        ["precision=o1", "precision.autocast_dtype=bfloat16", "optimizer=adam", "scheduler=step",
-         "scheduler.step_epochs=1", "mlflow.run_name=bf16-autocast", "+mlflow.tags.team=vision"],
-        ["precision=o3", "precision.cast_model_type=bfloat16", "scheduler=none",
-         "trainer.limit_train_batches=2", "trainer.limit_val_batches=1",
-         "precision.kernels=torch"],
+        [
+            "precision=o2",
+            "optimizer=adamw",
+            "scheduler=onecycle",
+            "trainer.grad_clip_norm=1.0",
+            "trainer.channels_last=true",
+            "precision.loss_scale=128",
+        ],
+        [
+            "precision=o1",
+            "precision.autocast_dtype=bfloat16",
+            "optimizer=adam",
+            "scheduler=step",
+            "scheduler.step_epochs=1",
+            "mlflow.run_name=bf16-autocast",
+            "+mlflow.tags.team=vision",
+        ],
+        [
+            "precision=o3",
+            "precision.cast_model_type=bfloat16",
+            "scheduler=none",
+            "trainer.limit_train_batches=2",
+            "trainer.limit_val_batches=1",
+            "precision.kernels=torch",
+        ],
     ],
     ids=["o2-adamw-onecycle-clip-channels_last-static128", "o1-bf16-adam-step", "o3-bf16-limits"],
 )
@@ -132,8 +152,9 @@ def test_option_combinations_finish(overrides, tracking_uri):
 
 @pytest.mark.parametrize("preset", ["o1_bf16", "o2_bf16", "o3_bf16"])
 def test_bf16_presets_train_without_loss_scaling(preset, tracking_uri):
-    cfg = compose_config(*FAST, f"precision={preset}", "trainer.max_epochs=1",
-                         f"mlflow.tracking_uri={tracking_uri}")
+    cfg = compose_config(
+        *FAST, f"precision={preset}", "trainer.max_epochs=1", f"mlflow.tracking_uri={tracking_uri}"
+    )
     app.run(cfg, overrides=[f"precision={preset}"])
     client, run = only_run(tracking_uri)
     assert run.info.status == "FINISHED"
@@ -142,8 +163,10 @@ def test_bf16_presets_train_without_loss_scaling(preset, tracking_uri):
     assert run.data.params["precision.opt_level"] == level
     assert run.data.params["precision.preset"] == preset
     assert run.data.params["precision.loss_scale"] == "1.0"
-    assert "bfloat16" in (run.data.params["precision.cast_model_type"],
-                          run.data.params["precision.autocast_dtype"])
+    assert "bfloat16" in (
+        run.data.params["precision.cast_model_type"],
+        run.data.params["precision.autocast_dtype"],
+    )
     assert run.data.metrics["loss_scale"] == 1.0 and run.data.metrics["skipped_steps"] == 0
     assert run.data.tags["precision.findings"] == "0 error, 0 warning, 0 info"
     assert run.data.tags["precision.findings_list"] == "none"
@@ -157,7 +180,8 @@ def test_findings_are_tagged_and_attached(tracking_uri):
     tags = run.data.tags
     assert tags["precision.findings"] == "0 error, 2 warning, 0 info"
     assert tags["precision.findings_list"] == (
-        "warning precision.master_weights; warning precision.cast_model_type")
+        "warning precision.master_weights; warning precision.cast_model_type"
+    )
     text = client.download_artifacts(run.info.run_id, "precision.txt")
     content = open(text).read()
     assert "2^-11" in content and "emulated on CPU" in content
@@ -167,8 +191,9 @@ def test_findings_are_tagged_and_attached(tracking_uri):
 
 def test_strict_refuses_before_a_run_exists(tmp_path):
     uri = f"sqlite:///{tmp_path / 'never.db'}"
-    cfg = compose_config(*FAST, "precision=o2", "precision.strict=true",
-                         f"mlflow.tracking_uri={uri}")
+    cfg = compose_config(
+        *FAST, "precision=o2", "precision.strict=true", f"mlflow.tracking_uri={uri}"
+    )
     with pytest.raises(ConfigError) as e:
         app.run(cfg)
     assert e.value.key == "precision.cast_model_type" and "emulated on CPU" in str(e.value)
@@ -176,8 +201,9 @@ def test_strict_refuses_before_a_run_exists(tmp_path):
 
 
 def test_dry_run_shows_findings_and_scaling_knobs(capsys):
-    cfg = compose_config("precision=o2", "precision.cast_model_type=bfloat16", "dry_run=true",
-                         "trainer.device=cpu")
+    cfg = compose_config(
+        "precision=o2", "precision.cast_model_type=bfloat16", "dry_run=true", "trainer.device=cpu"
+    )
     assert app.run(cfg) is None
     out = capsys.readouterr().out
     assert "hysteresis" in out and "max_loss_scale" in out
@@ -206,8 +232,13 @@ def test_cifar10_in_the_real_format_trains(tmp_path, tracking_uri):
 @pytest.mark.gpu
 @pytest.mark.parametrize("level", ["o0", "o1", "o2", "o3"])
 def test_each_level_on_cuda(level, tracking_uri):
-    cfg = compose_config(*FAST, f"precision={level}", "trainer.device=cuda",
-                         "trainer.channels_last=true", f"mlflow.tracking_uri={tracking_uri}")
+    cfg = compose_config(
+        *FAST,
+        f"precision={level}",
+        "trainer.device=cuda",
+        "trainer.channels_last=true",
+        f"mlflow.tracking_uri={tracking_uri}",
+    )
     app.run(cfg)
     _, run = only_run(tracking_uri)
     assert run.info.status == "FINISHED"
@@ -220,8 +251,13 @@ def test_each_level_on_cuda(level, tracking_uri):
 def test_tensor_core_shapes_are_an_info_on_cuda(tracking_uri):
     """The tiny model's last Linear has 10 outputs and the batch is 30: one info finding, tagged
     and attached, and the run still finishes."""
-    cfg = compose_config(*FAST, "precision=o2", "trainer.device=cuda", "trainer.batch_size=30",
-                         f"mlflow.tracking_uri={tracking_uri}")
+    cfg = compose_config(
+        *FAST,
+        "precision=o2",
+        "trainer.device=cuda",
+        "trainer.batch_size=30",
+        f"mlflow.tracking_uri={tracking_uri}",
+    )
     app.run(cfg)
     client, run = only_run(tracking_uri)
     assert run.info.status == "FINISHED"
@@ -290,14 +326,23 @@ def test_cpu_peak_memory_counts_the_training_state_not_the_data(tmp_path):
     """Two real runs in fresh processes: 60000 synthetic 16-px images (176 MiB of data) with the
     narrow tiny net, and 96 images with a 16x wider net. peak_mem_mb must follow the model and
     its activations, as the GPU figure does, not the datasets held in host memory."""
+
     def peak(*overrides: str) -> float:
         uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-        result = run_cli(*FAST, "trainer.max_epochs=1", "trainer.limit_train_batches=3",
-                         f"mlflow.tracking_uri={uri}", *overrides, cwd=tmp_path)
+        result = run_cli(
+            *FAST,
+            "trainer.max_epochs=1",
+            "trainer.limit_train_batches=3",
+            f"mlflow.tracking_uri={uri}",
+            *overrides,
+            cwd=tmp_path,
+        )
         assert result.returncode == 0, result.stderr[-2000:]
         runs = MlflowClient(uri).search_runs(
             [MlflowClient(uri).get_experiment_by_name("amp-runner").experiment_id],
-            order_by=["attributes.start_time DESC"], max_results=1)
+            order_by=["attributes.start_time DESC"],
+            max_results=1,
+        )
         assert runs[0].data.tags["peak_mem_kind"] == "cpu_tensor_accounted"
         return runs[0].data.metrics["peak_mem_mb"]
 
@@ -321,8 +366,11 @@ def test_cli_run_finishes_and_attaches_config_and_log(tmp_path):
     logs = {a.path for a in client.list_artifacts(run.info.run_id, "logs")}
     assert "logs/runner.log" in logs
     # system metrics are on by default (MLflow's monitors; a last sample at the end)
-    assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes",
-            "system/disk_usage_percentage"} <= set(run.data.metrics)
+    assert {
+        "system/cpu_utilization_percentage",
+        "system/system_memory_usage_megabytes",
+        "system/disk_usage_percentage",
+    } <= set(run.data.metrics)
     assert run.data.metrics["system/system_memory_usage_megabytes"] > 0
     # the datasets, as MLflow's dataset inputs (the run page's "Datasets used")
     inputs = {d.dataset.name: d for d in run.inputs.dataset_inputs}
@@ -353,19 +401,25 @@ def test_cli_bad_input_exits_nonzero_naming_the_key(tmp_path, args, needle):
     assert needle in output
     assert "Traceback" not in output
     if (tmp_path / "mlflow.db").exists():
-        assert all(r.info.status != "RUNNING" for r in all_runs(f"sqlite:///{tmp_path / 'mlflow.db'}"))
+        assert all(
+            r.info.status != "RUNNING" for r in all_runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
+        )
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("args", [["trainer.max_epoch=2"], ["model=resnet1000"],
-                                  ["trainer.batch_size=many"]])
+@pytest.mark.parametrize(
+    "args", [["trainer.max_epoch=2"], ["model=resnet1000"], ["trainer.batch_size=many"]]
+)
 def test_a_config_error_stops_before_torch_is_imported(tmp_path, args):
     """A typo'd key, an unknown choice or a wrong type is Hydra's compose-time error: no data,
     no model, not even torch is loaded (seconds, not the import of a deep-learning stack)."""
     result = run_cli(*args, cwd=tmp_path, timeout=300, python_flags=("-X", "importtime"))
     assert result.returncode != 0
-    imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines()
-                if line.startswith("import time:")}
+    imported = {
+        line.rsplit("|", 1)[-1].strip()
+        for line in result.stderr.splitlines()
+        if line.startswith("import time:")
+    }
     assert "hydra" in imported  # the probe works
     assert not {m for m in imported if m.split(".")[0] in ("torch", "torchvision", "mlflow")}
 
@@ -383,8 +437,13 @@ def test_cli_missing_cifar_says_how_to_fix_it(tmp_path):
 def test_ctrl_c_marks_the_run_killed(tmp_path, workers):
     """Ctrl-C as a terminal sends it: to the whole process group, DataLoader workers included;
     the main process alone acts on it (one message), and the run stops cleanly."""
-    args = [*FAST, "data.num_train=100000", "trainer.max_epochs=1", "trainer.log_every_n_steps=1",
-            f"trainer.num_workers={workers}"]
+    args = [
+        *FAST,
+        "data.num_train=100000",
+        "trainer.max_epochs=1",
+        "trainer.log_every_n_steps=1",
+        f"trainer.num_workers={workers}",
+    ]
     proc = start_cli(*args, cwd=tmp_path, new_session=True)
     seen = read_until(proc, "MLflow run")  # training has started
     time.sleep(3)
@@ -401,8 +460,14 @@ def test_ctrl_c_marks_the_run_killed(tmp_path, workers):
 
 @pytest.mark.slow
 def test_cli_sweep_composes_bf16_presets(tmp_path):
-    result = run_cli("-m", "precision=o0,o1_bf16,o2_bf16", "dry_run=true", "trainer.device=cpu",
-                     cwd=tmp_path, timeout=300)
+    result = run_cli(
+        "-m",
+        "precision=o0,o1_bf16,o2_bf16",
+        "dry_run=true",
+        "trainer.device=cpu",
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert out.count("opt_level: O0") == 1 and out.count("opt_level: O1") == 1
@@ -412,12 +477,19 @@ def test_cli_sweep_composes_bf16_presets(tmp_path):
 
 @pytest.mark.slow
 def test_cli_opt_level_override_and_divergence_exit_2_without_traceback(tmp_path):
-    result = run_cli("precision=o1", "precision.opt_level=O2", "trainer.device=cpu", cwd=tmp_path,
-                     timeout=300)
+    result = run_cli(
+        "precision=o1", "precision.opt_level=O2", "trainer.device=cpu", cwd=tmp_path, timeout=300
+    )
     output = result.stdout + result.stderr
     assert result.returncode == 2 and "use precision=o2" in output and "Traceback" not in output
-    result = run_cli(*FAST, "precision=o3", "precision.loss_scale=1e10", "trainer.max_bad_steps=2",
-                     cwd=tmp_path, timeout=300)
+    result = run_cli(
+        *FAST,
+        "precision=o3",
+        "precision.loss_scale=1e10",
+        "trainer.max_bad_steps=2",
+        cwd=tmp_path,
+        timeout=300,
+    )
     output = result.stdout + result.stderr
     assert result.returncode == 2 and "consecutive steps were skipped" in output
     assert "Traceback" not in output

@@ -7,6 +7,7 @@ Tolerances: scaling by a power of two and unscaling is exact in fp32 (no overflo
 these magnitudes), so fp32-model paths are compared bit for bit; fp16 paths are compared with
 fp16's resolution (rtol 1e-2 on values of order 1).
 """
+
 from __future__ import annotations
 
 import copy
@@ -24,8 +25,7 @@ CPU = torch.device("cpu")
 
 def two_losses(model, x, y):
     """Two losses over two forwards (separate graphs, so each can run its own backward)."""
-    return (nn.functional.cross_entropy(model(x).float(), y),
-            model(x).float().square().mean())
+    return (nn.functional.cross_entropy(model(x).float(), y), model(x).float().square().mean())
 
 
 @pytest.fixture(autouse=True)
@@ -50,8 +50,8 @@ def test_two_losses_with_different_scales_sum_exactly_like_fp32():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     engine = AmpEngine(props("O0", loss_scale="dynamic"), CPU, num_losses=2)
     engine.prepare(model, opt)
-    engine.scalers[0].load_state_dict({"loss_scale": 2.0 ** 10})
-    engine.scalers[1].load_state_dict({"loss_scale": 2.0 ** 3})
+    engine.scalers[0].load_state_dict({"loss_scale": 2.0**10})
+    engine.scalers[1].load_state_dict({"loss_scale": 2.0**3})
     la, lb = two_losses(model, x, y)
     engine.backward(la, loss_id=0)
     engine.backward(lb, loss_id=1)
@@ -59,7 +59,7 @@ def test_two_losses_with_different_scales_sum_exactly_like_fp32():
     for p, g in zip(model.parameters(), want):
         assert torch.equal(p.grad, g)  # power-of-two scales: exact
     assert engine.step(opt)
-    assert engine.scalers[0].scale == 2.0 ** 10 and engine.scalers[1].scale == 2.0 ** 3
+    assert engine.scalers[0].scale == 2.0**10 and engine.scalers[1].scale == 2.0**3
     assert [s.state_dict()["unskipped"] for s in engine.scalers] == [1, 1]
 
 
@@ -70,8 +70,8 @@ def test_only_the_overflowing_loss_backs_off(poisoned):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     engine = AmpEngine(props("O0", loss_scale="dynamic"), CPU, num_losses=2)
     engine.prepare(model, opt)
-    engine.scalers[0].load_state_dict({"loss_scale": 2.0 ** 10})
-    engine.scalers[1].load_state_dict({"loss_scale": 2.0 ** 3})
+    engine.scalers[0].load_state_dict({"loss_scale": 2.0**10})
+    engine.scalers[1].load_state_dict({"loss_scale": 2.0**3})
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
     la, lb = two_losses(model, x, y)
     for loss_id, loss in enumerate((la, lb)):
@@ -80,7 +80,7 @@ def test_only_the_overflowing_loss_backs_off(poisoned):
             model[0].weight.grad.view(-1)[3] = float("inf")
     assert not engine.step(opt)
     scales = [s.scale for s in engine.scalers]
-    expected = [2.0 ** 10, 2.0 ** 3]
+    expected = [2.0**10, 2.0**3]
     expected[poisoned] /= 2
     assert scales == expected
     for k, v in model.named_parameters():
@@ -99,7 +99,7 @@ def test_two_losses_o2_fp16_masters_match_fp32_reference():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     engine = AmpEngine(props("O2"), CPU, num_losses=2)
     engine.prepare(model, opt)
-    engine.scalers[1].load_state_dict({"loss_scale": 2.0 ** 5})
+    engine.scalers[1].load_state_dict({"loss_scale": 2.0**5})
     ref = net()
     with torch.no_grad():
         for r, p in zip(ref.parameters(), model.parameters()):
@@ -342,7 +342,9 @@ def test_register_half_and_promote_functions():
     ac.register_half_function(Funcs, "dtype_of")
     a = torch.randn(2)
     with _o1_engine("bfloat16").autocast():
-        assert Funcs.dtype_of(a, a.double(), torch.arange(2)) == [torch.bfloat16] * 2 + [torch.int64]
+        assert Funcs.dtype_of(a, a.double(), torch.arange(2)) == [torch.bfloat16] * 2 + [
+            torch.int64
+        ]
     assert Funcs.dtype_of(a) == [torch.float32]  # outside: untouched
     ac.clear_registrations()
     ac.register_promote_function(Funcs, "dtype_of")
@@ -366,7 +368,7 @@ def test_register_torch_function_and_reentrancy():
     assert torch.matmul is original and not ac.in_patched_region()
     with pytest.raises(ZeroDivisionError):
         with engine.autocast():
-            1 / 0
+            _ = 1 / 0
     assert torch.matmul is original  # restored after an exception too
     # not an O1 engine: no region, nothing patched
     with AmpEngine(props("O2"), CPU).autocast():
@@ -408,8 +410,11 @@ def test_the_kernels_step_a_device_named_without_an_index(device, optimizer):
     run_device = select_device(device)
     assert run_device == torch.empty(0, device=device).device  # what tensors made there say
     model = net().to(device)
-    opt = (torch.optim.Adam(model.parameters(), lr=1e-2) if optimizer == "adam"
-           else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    opt = (
+        torch.optim.Adam(model.parameters(), lr=1e-2)
+        if optimizer == "adam"
+        else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    )
     engine = AmpEngine(props("O2"), device, kernels="fused")  # as given: "cuda", no index
     assert engine.device == run_device
     engine.prepare(model, opt)

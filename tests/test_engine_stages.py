@@ -7,6 +7,7 @@ Tolerances: O0 with a static scale of 1 steps with the optimizer's own `step` on
 gradients plain torch computes, so it is compared bit for bit; so is the fused path's one-step
 fallback against the torch path (the same copy, unscale, step and rounding).
 """
+
 from __future__ import annotations
 
 import copy
@@ -18,8 +19,7 @@ from torch import nn
 from runner.precision import AmpEngine, amp
 from runner.precision import autocast as ac
 from runner.precision.engine import Stage
-from tests.precision_helpers import (OpRecorder, batch, ce, fresh_amp,  # noqa: F401 (autouse)
-                                     net, props, two_optimizers)
+from tests.precision_helpers import OpRecorder, batch, ce, fresh_amp, net, props, two_optimizers  # noqa: F401 (autouse)
 
 CPU = torch.device("cpu")
 
@@ -43,8 +43,9 @@ def test_step_twice_without_a_backward_is_refused_and_changes_nothing(kernels):
     masters = [m.detach().clone() for m in engine.master_params(opt)]
     with pytest.raises(RuntimeError) as e:
         engine.step(opt)
-    assert str(e.value).startswith("step() called twice without a backward in between "
-                                   "(this optimizer's stage: 'stepped')")
+    assert str(e.value).startswith(
+        "step() called twice without a backward in between (this optimizer's stage: 'stepped')"
+    )
     assert "zero_grad" in str(e.value)
     for k, v in model.named_parameters():  # the refused step touched nothing
         assert torch.equal(v, after[k]), k
@@ -55,11 +56,17 @@ def test_step_twice_without_a_backward_is_refused_and_changes_nothing(kernels):
     assert engine.step(opt)  # the next round goes through
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda engine, opt: engine.clip_grad_norm_(1.0, opt), "clip_grad_norm_() called after step()"),
-    (lambda engine, opt: engine.unscale_(opt), "unscale_() called after step()"),
-    (lambda engine, opt: engine.settle(opt), "settle() called after step()"),
-])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (
+            lambda engine, opt: engine.clip_grad_norm_(1.0, opt),
+            "clip_grad_norm_() called after step()",
+        ),
+        (lambda engine, opt: engine.unscale_(opt), "unscale_() called after step()"),
+        (lambda engine, opt: engine.settle(opt), "settle() called after step()"),
+    ],
+)
 def test_gradient_work_after_the_step_is_refused(call, message):
     model, opt, engine = prepared()
     x, y = batch()
@@ -81,7 +88,8 @@ def test_backward_after_clip_is_refused_until_the_step():
         engine.backward(ce(model, x, y))
     assert str(e.value) == (
         "backward after clip_grad_norm_ and before step: the clipped gradients would be mixed "
-        "with new ones (this optimizer's stage: 'clipped'). Call step() (or zero_grad()) first.")
+        "with new ones (this optimizer's stage: 'clipped'). Call step() (or zero_grad()) first."
+    )
     assert engine.step(opt)
     engine.backward(ce(model, x, y))  # after the step a new round may start
     assert engine.stage(opt) is Stage.ACCUMULATING
@@ -129,7 +137,7 @@ def test_unscale_twice_is_a_no_op():
 @pytest.mark.parametrize("kernels", ["torch", "auto"])
 def test_stages_through_a_round_with_two_losses_accumulation_and_clipping(kernels):
     model, opt, engine = prepared(kernels=kernels, num_losses=2)
-    engine.scalers[1].load_state_dict({"loss_scale": 2.0 ** 4})
+    engine.scalers[1].load_state_dict({"loss_scale": 2.0**4})
     assert engine.stage(opt) is Stage.READY
     for seed in (1, 2):  # gradient accumulation of loss 0
         engine.backward(ce(model, *batch(seed)), loss_id=0)
@@ -195,13 +203,14 @@ def test_zero_grad_abandons_a_clipped_round():
     assert engine.stage(opt) is Stage.READY
     engine.backward(ce(model, x, y))
     masters = engine.masters(opt)
-    unscaled = {id(m): p.grad.float() / engine.loss_scale
-                for p, m in zip(masters.model_params, masters.masters)}
+    unscaled = {
+        id(m): p.grad.float() / engine.loss_scale
+        for p, m in zip(masters.model_params, masters.masters)
+    }
     before = {id(p): p.detach().clone() for p in engine.master_params(opt)}
     assert engine.step(opt)
     for m in masters.masters:  # the abandoned clip's coefficient is gone: a plain SGD step
-        torch.testing.assert_close(m, before[id(m)] - 0.1 * unscaled[id(m)], rtol=1e-6,
-                                   atol=1e-7)
+        torch.testing.assert_close(m, before[id(m)] - 0.1 * unscaled[id(m)], rtol=1e-6, atol=1e-7)
 
 
 # ---- execution paths -------------------------------------------------------------------------
@@ -218,8 +227,12 @@ def test_fused_path_falls_back_to_torch_for_an_optimizer_the_kernels_lack():
             engine.backward(ce(model, *batch(seed)))
             assert engine.step(opt)
             engine.zero_grad(opt)
-        results.append(([m.detach().clone() for m in engine.master_params(opt)],
-                        copy.deepcopy(opt.state_dict()["state"])))
+        results.append(
+            (
+                [m.detach().clone() for m in engine.master_params(opt)],
+                copy.deepcopy(opt.state_dict()["state"]),
+            )
+        )
     (torch_masters, torch_state), (fused_masters, fused_state) = results
     assert all(torch.equal(a, b) for a, b in zip(torch_masters, fused_masters))
     for i, state in torch_state.items():

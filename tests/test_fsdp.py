@@ -13,11 +13,12 @@ element's index in the whole tensor), its differences come from the bf16 gradien
 (atol 1.6e-2; measured 3.9e-3).
 The weights moved by 0.088 in those 10 steps: each comparison is 4x finer than that at least.
 """
+
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -40,8 +41,9 @@ TORCHRUN_ENV = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
 def _checkpoint(folder: Path, run_name: str) -> Path:
     from runner.run import checkpoint
 
-    return checkpoint.find("auto", checkpoint.run_folder(folder / "checkpoints", "amp-runner",
-                                                         run_name))
+    return checkpoint.find(
+        "auto", checkpoint.run_folder(folder / "checkpoints", "amp-runner", run_name)
+    )
 
 
 def _weights(folder: Path, run_name: str) -> dict[str, torch.Tensor]:
@@ -60,8 +62,9 @@ def _weights(folder: Path, run_name: str) -> dict[str, torch.Tensor]:
     return torch.load(out, weights_only=False)["model"]
 
 
-def torchrun(nproc: int, args: list[str], cwd: Path, script: str | None = None,
-             timeout: float = 300) -> subprocess.CompletedProcess:
+def torchrun(
+    nproc: int, args: list[str], cwd: Path, script: str | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess:
     """`torchrun --nproc_per_node=nproc -m runner ARGS` (or a script) in a session of its own:
     a rank left waiting on a collective is killed with the whole group when time is up, not
     left behind."""
@@ -71,9 +74,22 @@ def torchrun(nproc: int, args: list[str], cwd: Path, script: str | None = None,
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     target = [script] if script else ["-m", "runner"]
     process = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone",
-         f"--nproc_per_node={nproc}", *target, *args], cwd=cwd, env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            *target,
+            *args,
+        ],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -92,20 +108,24 @@ def test_fsdp_without_torchrun_is_refused():
         make_plan(compose_config(*COMMON, "trainer.strategy=zero3"))
 
 
-@pytest.mark.parametrize("overrides, key", [
-    (["trainer.compile=true"], "trainer.compile"),
-    (["trainer.sync_batchnorm=true"], "trainer.sync_batchnorm"),
-    (["precision=o2_bf16_int8state", "optimizer=adamw"], "precision.optimizer_state"),
-    (["+precision.layers.5=float32"], "precision.layers"),
-    (["precision.layer_plan=auto"], "precision.layer_plan"),
-    (["precision.kernels=fused"], "precision.kernels"),
-    (["trainer.fsdp_wrap=[blocks.*]"], "trainer.fsdp_wrap"),
-])
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["trainer.compile=true"], "trainer.compile"),
+        (["trainer.sync_batchnorm=true"], "trainer.sync_batchnorm"),
+        (["precision=o2_bf16_int8state", "optimizer=adamw"], "precision.optimizer_state"),
+        (["+precision.layers.5=float32"], "precision.layers"),
+        (["precision.layer_plan=auto"], "precision.layer_plan"),
+        (["precision.kernels=fused"], "precision.kernels"),
+        (["trainer.fsdp_wrap=[blocks.*]"], "trainer.fsdp_wrap"),
+    ],
+)
 def test_what_a_sharded_run_cannot_take_is_refused_naming_the_key(monkeypatch, overrides, key):
     for name, value in TORCHRUN_ENV.items():
         monkeypatch.setenv(name, value)
-    cfg = compose_config(*COMMON, "model=tiny", "precision=o2_bf16", "trainer.strategy=fsdp",
-                         *overrides)
+    cfg = compose_config(
+        *COMMON, "model=tiny", "precision=o2_bf16", "trainer.strategy=fsdp", *overrides
+    )
     with pytest.raises(ConfigError) as bad:
         make_plan(cfg)
     assert bad.value.key == key
@@ -118,13 +138,22 @@ def test_the_default_units_are_the_repeated_blocks():
     assert fsdp.default_units(GPT(64, 32, 2, 2, 32)) == ["blocks.0", "blocks.1"]
     assert fsdp.default_units(torchvision.models.resnet18())[:2] == ["layer1.0", "layer1.1"]
     vit = torchvision.models.VisionTransformer(32, 4, 2, 2, 32, 64)
-    assert fsdp.default_units(vit) == ["encoder.layers.encoder_layer_0",
-                                       "encoder.layers.encoder_layer_1"]
+    assert fsdp.default_units(vit) == [
+        "encoder.layers.encoder_layer_0",
+        "encoder.layers.encoder_layer_1",
+    ]
     # a class name, or a glob whose * stays within one name; children before parents
     assert fsdp.units_for(GPT(64, 32, 2, 2, 32), ["Block", "head"]) == [
-        "blocks.0", "blocks.1", "head"]
+        "blocks.0",
+        "blocks.1",
+        "head",
+    ]
     assert fsdp.units_for(GPT(64, 32, 2, 2, 32), ["blocks.*", "blocks.*.mlp"]) == [
-        "blocks.0.mlp", "blocks.1.mlp", "blocks.0", "blocks.1"]
+        "blocks.0.mlp",
+        "blocks.1.mlp",
+        "blocks.0",
+        "blocks.1",
+    ]
     with pytest.raises(ConfigError, match="trainer.fsdp_wrap.*'blocks.x' matches no module"):
         fsdp.units_for(GPT(64, 32, 2, 2, 32), ["blocks.x"])
 
@@ -135,11 +164,26 @@ def _one_and_two(tmp_path: Path, *extra: str) -> tuple[Path, Path, str]:
     one.mkdir()
     two.mkdir()
     store = "mlflow.tracking_uri=sqlite:///{}/mlflow.db"
-    reference = compose_config(*COMMON, *extra, "trainer.batch_size=32", store.format(one),
-                               f"trainer.checkpoint_dir={one}/checkpoints")
+    reference = compose_config(
+        *COMMON,
+        *extra,
+        "trainer.batch_size=32",
+        store.format(one),
+        f"trainer.checkpoint_dir={one}/checkpoints",
+    )
     app.run(reference)
-    result = torchrun(2, [*COMMON, *extra, "trainer.batch_size=16", "trainer.strategy=fsdp",
-                          store.format(two), f"trainer.checkpoint_dir={two}/checkpoints"], two)
+    result = torchrun(
+        2,
+        [
+            *COMMON,
+            *extra,
+            "trainer.batch_size=16",
+            "trainer.strategy=fsdp",
+            store.format(two),
+            f"trainer.checkpoint_dir={two}/checkpoints",
+        ],
+        two,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return one, two, default_run_name(reference)
 
@@ -151,16 +195,28 @@ def _run(folder: Path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset, rtol, atol", [("o0", 1e-5, 1e-6), ("o1_bf16", 0.0, 5e-3),
-                                                ("o2_bf16", 0.0, 5e-3), ("o3_bf16", 0.0, 1.6e-2),
-                                                ("o3_bf16_sr", 0.0, 1.6e-2)])
+@pytest.mark.parametrize(
+    "preset, rtol, atol",
+    [
+        ("o0", 1e-5, 1e-6),
+        ("o1_bf16", 0.0, 5e-3),
+        ("o2_bf16", 0.0, 5e-3),
+        ("o3_bf16", 0.0, 1.6e-2),
+        ("o3_bf16_sr", 0.0, 1.6e-2),
+    ],
+)
 def test_two_sharded_ranks_train_like_one_process(tmp_path, preset, rtol, atol):
     one, two, run_name = _one_and_two(tmp_path, f"precision={preset}")
     a, b = _weights(one, run_name), _weights(two, run_name)  # the full state, from rank 0
     assert a.keys() == b.keys()
     for key in a:
-        torch.testing.assert_close(b[key].float(), a[key].float(), rtol=rtol, atol=atol,
-                                   msg=lambda m, key=key: f"{key}: {m}")
+        torch.testing.assert_close(
+            b[key].float(),
+            a[key].float(),
+            rtol=rtol,
+            atol=atol,
+            msg=lambda m, key=key: f"{key}: {m}",
+        )
     start = app.build(make_plan(compose_config(*COMMON, f"precision={preset}"))).model
     moved = max((a[k].float() - start.state_dict()[k].float()).abs().max().item() for k in a)
     assert moved > 4 * max(atol, 1e-5), moved
@@ -186,8 +242,9 @@ def test_two_sharded_ranks_train_like_one_process(tmp_path, preset, rtol, atol):
 def test_an_overflow_on_one_rank_skips_the_sharded_step_on_every_rank(tmp_path):
     """tests/fsdp_flag_probe.py: fp16 compute, fp32 reduction; rank 1 alone puts an inf into its
     gradient shard at step 2: both ranks skip it, halve the scale and keep stepping alike."""
-    result = torchrun(2, [str(tmp_path)], tmp_path, script=str(REPO / "tests" /
-                                                              "fsdp_flag_probe.py"))
+    result = torchrun(
+        2, [str(tmp_path)], tmp_path, script=str(REPO / "tests" / "fsdp_flag_probe.py")
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for record in ranks:
@@ -197,7 +254,8 @@ def test_an_overflow_on_one_rank_skips_the_sharded_step_on_every_rank(tmp_path):
         assert record["grad_dtype"] == "torch.float32"  # reduce_dtype: the masters' gradients
     assert ranks[0]["loss_scale"] == ranks[1]["loss_scale"]
     assert ranks[0]["weights"] and all(
-        all(v == v and abs(v) < 1e3 for v in values) for values in ranks[0]["weights"].values())
+        all(v == v and abs(v) < 1e3 for v in values) for values in ranks[0]["weights"].values()
+    )
 
 
 @pytest.mark.slow
@@ -207,26 +265,42 @@ def test_a_sharded_checkpoint_resumes_into_another_world_size(tmp_path, kind):
     shards (sharded: torch.distributed.checkpoint reshards them) or the full state (full) load into
     the new world's shards and training goes on from where it was."""
     store = f"mlflow.tracking_uri=sqlite:///{tmp_path}/mlflow.db"
-    base = [*COMMON, "precision=o2_bf16", "trainer.batch_size=16", "trainer.strategy=fsdp",
-            f"trainer.fsdp_checkpoint={kind}", "optimizer.lr=0.2", store,
-            f"trainer.checkpoint_dir={tmp_path}/checkpoints"]
+    base = [
+        *COMMON,
+        "precision=o2_bf16",
+        "trainer.batch_size=16",
+        "trainer.strategy=fsdp",
+        f"trainer.fsdp_checkpoint={kind}",
+        "optimizer.lr=0.2",
+        store,
+        f"trainer.checkpoint_dir={tmp_path}/checkpoints",
+    ]
     for first, second, name in ((2, 1, "two-one"), (1, 2, "one-two")):
-        result = torchrun(first, [*base, "trainer.max_epochs=1", f"mlflow.run_name={name}"],
-                          tmp_path)
+        result = torchrun(
+            first, [*base, "trainer.max_epochs=1", f"mlflow.run_name={name}"], tmp_path
+        )
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         saved = _weights(tmp_path, name)
-        result = torchrun(second, [*base, "trainer.max_epochs=2", f"mlflow.run_name={name}",
-                                   "resume=auto"], tmp_path)
+        result = torchrun(
+            second,
+            [*base, "trainer.max_epochs=2", f"mlflow.run_name={name}", "resume=auto"],
+            tmp_path,
+        )
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         assert "Resuming" in result.stdout + result.stderr
         client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
-        runs = {r.info.run_name: r for r in client.search_runs(
-            [client.get_experiment_by_name("amp-runner").experiment_id])}
+        runs = {
+            r.info.run_name: r
+            for r in client.search_runs([client.get_experiment_by_name("amp-runner").experiment_id])
+        }
         run = runs[name]
         assert run.info.status == "FINISHED" and run.data.tags["resume.count"] == "1"
-        losses = [m.value for m in sorted(client.get_metric_history(run.info.run_id,
-                                                                    "train_loss"),
-                                          key=lambda m: m.step)]
+        losses = [
+            m.value
+            for m in sorted(
+                client.get_metric_history(run.info.run_id, "train_loss"), key=lambda m: m.step
+            )
+        ]
         assert losses[-1] < losses[0]
         after = _weights(tmp_path, name)
         assert after.keys() == saved.keys()
@@ -238,8 +312,15 @@ def test_a_mid_epoch_sharded_checkpoint_does_not_resume_at_another_world_size(tm
     from runner.run import checkpoint
 
     store = f"mlflow.tracking_uri=sqlite:///{tmp_path}/mlflow.db"
-    base = [*COMMON, "precision=o0", "trainer.batch_size=16", "trainer.strategy=fsdp", store,
-            f"trainer.checkpoint_dir={tmp_path}/checkpoints", "mlflow.run_name=mid"]
+    base = [
+        *COMMON,
+        "precision=o0",
+        "trainer.batch_size=16",
+        "trainer.strategy=fsdp",
+        store,
+        f"trainer.checkpoint_dir={tmp_path}/checkpoints",
+        "mlflow.run_name=mid",
+    ]
     result = torchrun(2, [*base, "trainer.max_epochs=1"], tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     path = _checkpoint(tmp_path, "mid")
@@ -248,22 +329,41 @@ def test_a_mid_epoch_sharded_checkpoint_does_not_resume_at_another_world_size(tm
     checkpoint.save(path, state)
     result = torchrun(1, [*base, "trainer.max_epochs=2", "resume=auto"], tmp_path)
     assert result.returncode != 0  # (the rank exits 2; torchrun reports its child's failure)
-    assert "world_size: 2 -> 1 (a sharded run resumes at another world size from an epoch's end" \
+    assert (
+        "world_size: 2 -> 1 (a sharded run resumes at another world size from an epoch's end"
         in result.stdout + result.stderr
+    )
 
 
 def _losses(folder: Path) -> list[float]:
     client, run = _run(folder)
-    return [m.value for m in sorted(client.get_metric_history(run.info.run_id, "train_loss"),
-                                    key=lambda m: m.step)]
+    return [
+        m.value
+        for m in sorted(
+            client.get_metric_history(run.info.run_id, "train_loss"), key=lambda m: m.step
+        )
+    ]
 
 
 TRANSFORMERS = {
-    "vit_tiny": ["model=vit_tiny", "data=synthetic", "data.num_train=64", "data.num_val=16",
-                 "data.image_size=32", "optimizer=adamw"],
-    "gpt_tiny": ["model=gpt_tiny", "data=synthetic_text", "data.num_train=4200",
-                 "data.num_val=1100", "data.block_size=64", "trainer.limit_train_batches=6",
-                 "trainer.limit_val_batches=2", "optimizer=adamw"],
+    "vit_tiny": [
+        "model=vit_tiny",
+        "data=synthetic",
+        "data.num_train=64",
+        "data.num_val=16",
+        "data.image_size=32",
+        "optimizer=adamw",
+    ],
+    "gpt_tiny": [
+        "model=gpt_tiny",
+        "data=synthetic_text",
+        "data.num_train=4200",
+        "data.num_val=1100",
+        "data.block_size=64",
+        "trainer.limit_train_batches=6",
+        "trainer.limit_val_batches=2",
+        "optimizer=adamw",
+    ],
 }
 
 
@@ -279,16 +379,39 @@ def test_transformers_shard_their_blocks_and_train_like_one_process(tmp_path, na
     one, two = tmp_path / "one", tmp_path / "two"
     one.mkdir()
     two.mkdir()
-    common = [*model, "trainer.max_epochs=1", "trainer.num_workers=0",
-              "trainer.progress_bar=false", "trainer.log_every_n_steps=1", "scheduler=none"]
+    common = [
+        *model,
+        "trainer.max_epochs=1",
+        "trainer.num_workers=0",
+        "trainer.progress_bar=false",
+        "trainer.log_every_n_steps=1",
+        "scheduler=none",
+    ]
     store = "mlflow.tracking_uri=sqlite:///{}/mlflow.db"
-    app.run(compose_config(*common, "trainer.batch_size=16", store.format(one),
-                           f"trainer.checkpoint_dir={one}/checkpoints"))
-    result = torchrun(2, [*common, "trainer.batch_size=8", "trainer.strategy=fsdp",
-                          store.format(two), f"trainer.checkpoint_dir={two}/checkpoints"], two)
+    app.run(
+        compose_config(
+            *common,
+            "trainer.batch_size=16",
+            store.format(one),
+            f"trainer.checkpoint_dir={one}/checkpoints",
+        )
+    )
+    result = torchrun(
+        2,
+        [
+            *common,
+            "trainer.batch_size=8",
+            "trainer.strategy=fsdp",
+            store.format(two),
+            f"trainer.checkpoint_dir={two}/checkpoints",
+        ],
+        two,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "FSDP2: 2 units" in result.stdout + result.stderr or \
-        "FSDP2: 4 units" in result.stdout + result.stderr
+    assert (
+        "FSDP2: 2 units" in result.stdout + result.stderr
+        or "FSDP2: 4 units" in result.stdout + result.stderr
+    )
     a, b = _losses(one), _losses(two)
     assert len(a) == len(b) >= 4
     for x, y in zip(a, b):
@@ -309,23 +432,52 @@ def test_a_rank_killed_mid_epoch_resumes_to_the_uninterrupted_history(tmp_path):
     from tests.test_chaos import metric_history
 
     store = f"mlflow.tracking_uri=sqlite:///{tmp_path}/mlflow.db"
-    base = ["model=tiny_gn", "data=synthetic", "data.num_train=1024", "data.num_val=64",
-            "data.image_size=16", "trainer.batch_size=16", "trainer.max_epochs=3",
-            "trainer.num_workers=0", "trainer.progress_bar=false", "trainer.log_every_n_steps=4",
-            "precision=o2_bf16", "trainer.strategy=fsdp", store,
-            f"trainer.checkpoint_dir={tmp_path}/checkpoints"]
+    base = [
+        "model=tiny_gn",
+        "data=synthetic",
+        "data.num_train=1024",
+        "data.num_val=64",
+        "data.image_size=16",
+        "trainer.batch_size=16",
+        "trainer.max_epochs=3",
+        "trainer.num_workers=0",
+        "trainer.progress_bar=false",
+        "trainer.log_every_n_steps=4",
+        "precision=o2_bf16",
+        "trainer.strategy=fsdp",
+        store,
+        f"trainer.checkpoint_dir={tmp_path}/checkpoints",
+    ]
     reference = torchrun(2, [*base, "mlflow.run_name=reference"], tmp_path)
     assert reference.returncode == 0, reference.stdout[-3000:] + reference.stderr[-3000:]
-    epoch_s = min(float(t) for t in re.findall(r"epoch \d+/\d+: .*?  ([\d.]+) s  ",
-                                               reference.stdout + reference.stderr))
+    epoch_s = min(
+        float(t)
+        for t in re.findall(
+            r"epoch \d+/\d+: .*?  ([\d.]+) s  ", reference.stdout + reference.stderr
+        )
+    )
 
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     chaos = [*base, "mlflow.run_name=chaos", "resume=auto"]
     agent = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         "-m", "runner", *chaos], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "runner",
+            *chaos,
+        ],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         seen = []
         for line in agent.stdout:
@@ -334,8 +486,11 @@ def test_a_rank_killed_mid_epoch_resumes_to_the_uninterrupted_history(tmp_path):
                 break
         assert "(after epoch 1)" in "".join(seen), "".join(seen)[-3000:]
         time.sleep(epoch_s / 3)
-        ranks = [p for p in psutil.Process(agent.pid).children(recursive=True)
-                 if p.environ().get("LOCAL_RANK") == "1"]
+        ranks = [
+            p
+            for p in psutil.Process(agent.pid).children(recursive=True)
+            if p.environ().get("LOCAL_RANK") == "1"
+        ]
         assert ranks, "".join(seen)[-3000:]
         ranks[0].send_signal(signal.SIGKILL)
         seen += agent.stdout.readlines()
@@ -354,8 +509,10 @@ def test_a_rank_killed_mid_epoch_resumes_to_the_uninterrupted_history(tmp_path):
     resumed = torchrun(2, chaos, tmp_path)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
-    runs = {r.info.run_name: r for r in client.search_runs(
-        [client.get_experiment_by_name("amp-runner").experiment_id])}
+    runs = {
+        r.info.run_name: r
+        for r in client.search_runs([client.get_experiment_by_name("amp-runner").experiment_id])
+    }
     finished = runs["chaos"]
     assert finished.info.status == "FINISHED" and finished.data.tags["resume.count"] == "1"
     want = metric_history(client, runs["reference"])
@@ -363,13 +520,21 @@ def test_a_rank_killed_mid_epoch_resumes_to_the_uninterrupted_history(tmp_path):
     assert metric_history(client, finished) == want
 
 
-
-# ---- sharded checkpoints (torch.distributed.checkpoint) --------------------------------------------
+# ---- sharded checkpoints (torch.distributed.checkpoint) ------------------------------------------
 def _two_ranks(tmp_path: Path, name: str, epochs: int, *extra: str):
     store = f"mlflow.tracking_uri=sqlite:///{tmp_path}/mlflow.db"
-    args = [*COMMON, "precision=o2_bf16", "trainer.batch_size=16", "trainer.strategy=fsdp",
-            "optimizer=adamw", store, f"trainer.checkpoint_dir={tmp_path}/checkpoints",
-            f"trainer.max_epochs={epochs}", f"mlflow.run_name={name}", *extra]
+    args = [
+        *COMMON,
+        "precision=o2_bf16",
+        "trainer.batch_size=16",
+        "trainer.strategy=fsdp",
+        "optimizer=adamw",
+        store,
+        f"trainer.checkpoint_dir={tmp_path}/checkpoints",
+        f"trainer.max_epochs={epochs}",
+        f"mlflow.run_name={name}",
+        *extra,
+    ]
     return torchrun(2, args, tmp_path)
 
 
@@ -385,12 +550,19 @@ def test_a_sharded_checkpoint_resumes_bit_identical_and_refuses_a_damaged_shard(
     path = _checkpoint(tmp_path, "resumed")
     assert path.name == "trainer.pt" and path.parent.name == "last.dcp"
     assert sorted(p.name for p in path.parent.iterdir()) == [
-        ".metadata", "__0_0.distcp", "__1_0.distcp", "trainer.pt"]
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "trainer.pt",
+    ]
     from runner.run import checkpoint
 
     listed = checkpoint.load(path)["sharded"]
     assert listed["world_size"] == 2 and sorted(listed["files"]) == [
-        ".metadata", "__0_0.distcp", "__1_0.distcp"]
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]
     again = _two_ranks(tmp_path, "resumed", 2, "resume=auto")
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     a, b = _weights(tmp_path, "straight"), _weights(tmp_path, "resumed")
@@ -429,12 +601,22 @@ def test_a_crafted_index_is_refused_without_running_anything(tmp_path):
     (folder / ".metadata").write_bytes(pickle.dumps(Evil()))
     (folder / "__0_0.distcp").write_bytes(b"")
     files = {p.name: sharded._digest(p) for p in folder.iterdir()}
-    state = {"model": {}, "optimizer": sharded.EMPTY_OPTIMIZER, "engine": {
-        "loss_scaler0": {"loss_scale": 1.0, "unskipped": 0}},
-        "scheduler": None, "epoch": 1, "batch": 0, "global_step": 5, "best_val_acc": 0.1,
-        "history": [], "elapsed_s": 1.0, "skip_streak": 0, "bad_loss_streak": 0,
+    state = {
+        "model": {},
+        "optimizer": sharded.EMPTY_OPTIMIZER,
+        "engine": {"loss_scaler0": {"loss_scale": 1.0, "unskipped": 0}},
+        "scheduler": None,
+        "epoch": 1,
+        "batch": 0,
+        "global_step": 5,
+        "best_val_acc": 0.1,
+        "history": [],
+        "elapsed_s": 1.0,
+        "skip_streak": 0,
+        "bad_loss_streak": 0,
         "rng": {"torch": torch.get_rng_state(), "python": __import__("random").getstate()},
-        "sharded": {"files": files, "world_size": 2}}
+        "sharded": {"files": files, "world_size": 2},
+    }
     checkpoint.save(folder / "trainer.pt", state)
     loaded = checkpoint.load(folder / "trainer.pt")  # intact: the digests are right
     assert loaded["sharded"]["files"] == files
@@ -462,14 +644,14 @@ def test_a_sharded_tensor_rounds_as_the_whole_tensor_does(tmp_path):
     """tests/fsdp_rounding_probe.py: each rank's stochastically rounded shard is, bit for bit, its
     slice of the whole tensor rounded in one process (uneven shards of 7 and 6 rows); keying the
     bits by the shard's own indices instead would differ on rank 1."""
-    result = torchrun(2, [str(tmp_path)], tmp_path,
-                      script=str(REPO / "tests" / "fsdp_rounding_probe.py"))
+    result = torchrun(
+        2, [str(tmp_path)], tmp_path, script=str(REPO / "tests" / "fsdp_rounding_probe.py")
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["rows"] for r in ranks] == [7, 6]
     assert all(r["equal"] and r["dtype"] == "torch.bfloat16" for r in ranks)
     assert ranks[1]["differs_from_unkeyed"] and not ranks[0]["differs_from_unkeyed"]
-
 
 
 def test_a_sharded_checkpoint_lists_exactly_its_files(tmp_path):

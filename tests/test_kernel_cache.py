@@ -2,6 +2,7 @@
 empty cache, build the C++ kernels once (one builds, the other waits for it and loads its
 module); a later process loads that module without a compiler; a build folder whose module is
 not marked complete is built again, never loaded."""
+
 from __future__ import annotations
 
 import os
@@ -16,31 +17,36 @@ import pytest
 from runner import csrc
 from tests.conftest import REPO
 
-PROBE = ("import logging, os, sys\n"
-         "logging.basicConfig(level=logging.INFO, stream=sys.stdout, format='%(message)s')\n"
-         "from runner import csrc\n"
-         # as if this process had built the same module name from another cache folder before:
-         # torch's builder then names the library <name>_v1.so
-         "if os.environ.get('SAME_NAME_BUILT_BEFORE'):\n"
-         "    from torch.utils import cpp_extension, _cpp_extension_versioner as versioner\n"
-         "    cpp_extension.JIT_EXTENSION_VERSIONER.entries[csrc._module_name('cpp')] = "
-         "versioner.Entry(0, 1)\n"
-         "kernels = csrc.build('cpp')\n"
-         "print('loaded', kernels.ops.__file__, csrc.__file__)\n")
+PROBE = (
+    "import logging, os, sys\n"
+    "logging.basicConfig(level=logging.INFO, stream=sys.stdout, format='%(message)s')\n"
+    "from runner import csrc\n"
+    # as if this process had built the same module name from another cache folder before:
+    # torch's builder then names the library <name>_v1.so
+    "if os.environ.get('SAME_NAME_BUILT_BEFORE'):\n"
+    "    from torch.utils import cpp_extension, _cpp_extension_versioner as versioner\n"
+    "    cpp_extension.JIT_EXTENSION_VERSIONER.entries[csrc._module_name('cpp')] = "
+    "versioner.Entry(0, 1)\n"
+    "kernels = csrc.build('cpp')\n"
+    "print('loaded', kernels.ops.__file__, csrc.__file__)\n"
+)
 
 
 # A C++ source that builds in seconds where the real kernels take a minute or more: the cache's
 # logic (content-addressed folders, the lock, the completion mark, torch's `_v1` names) is the
 # same whatever the source holds, and `csrc.build` does not look inside the module it loads.
-STAND_IN = ("#include <pybind11/pybind11.h>\n"
-            "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def(\"stand_in\", []() { return 1; }); }\n")
+STAND_IN = (
+    "#include <pybind11/pybind11.h>\n"
+    'PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("stand_in", []() { return 1; }); }\n'
+)
 
 
 def _checkout(root: Path, stand_in: bool = False) -> Path:
     """A copy of the package, as another clone or worktree of the same commit would hold it
     (`stand_in`: with the C++ kernels' source replaced by `STAND_IN`, in every copy alike)."""
-    shutil.copytree(REPO / "runner", root / "runner",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    shutil.copytree(
+        REPO / "runner", root / "runner", ignore=shutil.ignore_patterns("__pycache__", "*.so")
+    )
     if stand_in:
         (root / "runner" / "csrc" / "cpu.cpp").write_text(STAND_IN)
     return root
@@ -48,8 +54,14 @@ def _checkout(root: Path, stand_in: bool = False) -> Path:
 
 def _start(checkout: Path, cache: Path, **env: str) -> subprocess.Popen:
     full = dict(os.environ, PYTHONPATH=str(checkout), AMP_RUNNER_KERNEL_CACHE=str(cache), **env)
-    return subprocess.Popen([sys.executable, "-c", PROBE], cwd=checkout, env=full,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", PROBE],
+        cwd=checkout,
+        env=full,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _finish(proc: subprocess.Popen) -> str:
@@ -66,12 +78,13 @@ def test_two_checkouts_build_once_and_share_the_module(tmp_path):
     outputs = [_finish(first), _finish(second)]
     builds = sum(out.count("Building amp-runner's cpp kernels") for out in outputs)
     assert builds == 1, outputs
-    loaded = [line.split()[1] for out in outputs for line in out.splitlines()
-              if line.startswith("loaded")]
+    loaded = [
+        line.split()[1] for out in outputs for line in out.splitlines() if line.startswith("loaded")
+    ]
     assert len(loaded) == 2 and loaded[0] == loaded[1] and loaded[0].startswith(str(cache)), outputs
-    assert [line.split()[2] for out in outputs for line in out.splitlines()
-            if line.startswith("loaded")] == [str(a / "runner" / "csrc" / "__init__.py"),
-                                              str(b / "runner" / "csrc" / "__init__.py")]
+    assert [
+        line.split()[2] for out in outputs for line in out.splitlines() if line.startswith("loaded")
+    ] == [str(a / "runner" / "csrc" / "__init__.py"), str(b / "runner" / "csrc" / "__init__.py")]
 
     # a later process of either checkout loads it as it is: no compiler is even looked for
     later = _finish(_start(a, cache, CXX=str(tmp_path / "no-such-compiler")))
@@ -87,8 +100,10 @@ def test_two_checkouts_build_once_and_share_the_module(tmp_path):
     assert "Building amp-runner's cpp kernels" in again, again
     rebuilt = [line.split()[1] for line in again.splitlines() if line.startswith("loaded")]
     assert rebuilt == [str(folder / f"{folder.name}_v1.so")], again
-    assert (folder / csrc.BUILT_MARK).read_text().split() == [csrc._digest(Path(rebuilt[0])),
-                                                              Path(rebuilt[0]).name]
+    assert (folder / csrc.BUILT_MARK).read_text().split() == [
+        csrc._digest(Path(rebuilt[0])),
+        Path(rebuilt[0]).name,
+    ]
     # and a later process loads that file as it is, without a compiler
     last = _finish(_start(a, cache, CXX=str(tmp_path / "no-such-compiler")))
     assert "Building" not in last and f"loaded {rebuilt[0]}" in last, last
@@ -111,8 +126,9 @@ def _kernels_param(uri: str, run_name: str) -> str:
 
     client = MlflowClient(uri)
     experiment = client.get_experiment_by_name("amp-runner")
-    (run,) = client.search_runs([experiment.experiment_id],
-                                filter_string=f"attributes.run_name = '{run_name}'")
+    (run,) = client.search_runs(
+        [experiment.experiment_id], filter_string=f"attributes.run_name = '{run_name}'"
+    )
     assert run.info.status == "FINISHED"
     return run.data.params["precision.kernels"]
 
@@ -127,8 +143,12 @@ def test_a_first_run_builds_the_kernels_in_the_background(tmp_path, monkeypatch)
     cache = tmp_path / "cache"
     monkeypatch.setenv("AMP_RUNNER_KERNEL_CACHE", str(cache))
     folder = csrc.cache_dir("cpp") / csrc._module_name("cpp")
-    args = [*FAST, "trainer.max_epochs=1", "precision=o2_bf16",
-            f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"]
+    args = [
+        *FAST,
+        "trainer.max_epochs=1",
+        "precision=o2_bf16",
+        f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+    ]
     first = run_cli(*args, "mlflow.run_name=first", cwd=tmp_path)
     out = first.stdout + first.stderr
     assert first.returncode == 0, out
@@ -165,8 +185,9 @@ def test_a_failed_background_build_is_remembered(tmp_path, monkeypatch, caplog):
     deadline = time.monotonic() + 300
     while not (folder / csrc.FAILED_MARK).exists() and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert "no-such-compiler" in (folder / csrc.FAILED_MARK).read_text(), \
-        (folder / csrc.BACKGROUND_LOG).read_text()
+    assert "no-such-compiler" in (folder / csrc.FAILED_MARK).read_text(), (
+        folder / csrc.BACKGROUND_LOG
+    ).read_text()
 
     caplog.clear()
     monkeypatch.setattr(csrc, "_FAILED", {})  # a new process
@@ -177,8 +198,12 @@ def test_a_failed_background_build_is_remembered(tmp_path, monkeypatch, caplog):
     assert len(warnings) == 1 and "could not be built" in warnings[0], caplog.text
     assert "no-such-compiler" in warnings[0] and "background process" not in caplog.text
 
-    by_hand = subprocess.run([sys.executable, "-m", "runner.csrc", "build", "--backend", "cpp"],
-                             capture_output=True, text=True, timeout=300)
+    by_hand = subprocess.run(
+        [sys.executable, "-m", "runner.csrc", "build", "--backend", "cpp"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert by_hand.returncode == 1 and "no-such-compiler" in by_hand.stderr
     assert not (folder / csrc.FAILED_MARK).exists()  # only a background build records a failure
 
@@ -194,9 +219,16 @@ def test_a_build_in_progress_is_not_waited_for(tmp_path, monkeypatch, caplog):
     folder = csrc.cache_dir("cpp") / csrc._module_name("cpp")
     folder.mkdir(parents=True)
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import fcntl, sys, time\n"
-         f"f = open({str(folder / '.lock')!r}, 'a+'); fcntl.flock(f, fcntl.LOCK_EX)\n"
-         "print('held', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, sys, time\n"
+            f"f = open({str(folder / '.lock')!r}, 'a+'); fcntl.flock(f, fcntl.LOCK_EX)\n"
+            "print('held', flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         started = time.monotonic()

@@ -9,6 +9,7 @@ rounding, the same one torch makes); L2 norms accumulate in fp32 per 64Ki-elemen
 across chunks (rtol 1e-5 against fp64); optimizer steps agree with torch.optim on fp32 params to
 rtol 1e-6 / atol 1e-7 per step (fused multiply-adds round once where torch may round twice).
 """
+
 from __future__ import annotations
 
 import os
@@ -51,9 +52,14 @@ def poison_positions(tensors):
 
 
 # ---- unscale_check -------------------------------------------------------------------------
-@pytest.mark.parametrize("in_dtype,out_dtype", [(torch.float16, torch.float32),
-                                                (torch.bfloat16, torch.float32),
-                                                (torch.float32, torch.float32)])
+@pytest.mark.parametrize(
+    "in_dtype,out_dtype",
+    [
+        (torch.float16, torch.float32),
+        (torch.bfloat16, torch.float32),
+        (torch.float32, torch.float32),
+    ],
+)
 def test_unscale_check_into_fp32_is_exact(backend, in_dtype, out_dtype):
     d = dev(backend)
     sizes = [*SIZES, LARGE]
@@ -158,8 +164,9 @@ def test_l2norm_non_finite_and_empty(backend):
     total, per = backend.ops.l2norm([], scalar(backend, 1.0), None)
     assert total.item() == 0.0 and per.numel() == 0
     empty = torch.empty(0, device=d)
-    total, per = backend.ops.l2norm([empty, torch.ones(4, device=d), empty],
-                                    scalar(backend, 1.0), None)
+    total, per = backend.ops.l2norm(
+        [empty, torch.ones(4, device=d), empty], scalar(backend, 1.0), None
+    )
     assert per.tolist() == [0.0, 2.0, 0.0] and total.item() == 2.0
 
 
@@ -168,12 +175,33 @@ def test_l2norm_non_finite_and_empty(backend):
 def test_copy_to_half_rounds_exactly_like_torch(backend, dtype):
     d = dev(backend)
     info = torch.finfo(dtype)
-    special = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), info.max,
-                            info.max * 1.0001, 65520.0, 65519.99, info.tiny, info.tiny / 3,
-                            1.0 + 2 ** -11, 1.0 + 3 * 2 ** -11, 1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8],
-                           dtype=torch.float32)
-    values = torch.cat([special, randn(70001, torch.float32, "cpu", seed=60, scale=100.0),
-                        randn(1001, torch.float32, "cpu", seed=61, scale=1e-6)]).to(d)
+    special = torch.tensor(
+        [
+            0.0,
+            -0.0,
+            float("inf"),
+            float("-inf"),
+            float("nan"),
+            info.max,
+            info.max * 1.0001,
+            65520.0,
+            65519.99,
+            info.tiny,
+            info.tiny / 3,
+            1.0 + 2**-11,
+            1.0 + 3 * 2**-11,
+            1.0 + 2**-8,
+            1.0 + 3 * 2**-8,
+        ],
+        dtype=torch.float32,
+    )
+    values = torch.cat(
+        [
+            special,
+            randn(70001, torch.float32, "cpu", seed=60, scale=100.0),
+            randn(1001, torch.float32, "cpu", seed=61, scale=1e-6),
+        ]
+    ).to(d)
     out = torch.empty_like(values, dtype=dtype)
     backend.ops.copy_scale([values], [out], scalar(backend, 1.0))
     want = values.to(dtype)
@@ -215,8 +243,10 @@ def test_sgd_step_matches_torch_optim(backend, case, grad_dtype):
     sizes = [1, 7, 65537]
     params = [randn(n, torch.float32, d, seed=80 + i) for i, n in enumerate(sizes)]
     # scaled gradients in their storage type, and the true fp32 gradients they stand for
-    grads = [(randn(n, torch.float32, d, seed=90 + i) * 1024.0).to(grad_dtype)
-             for i, n in enumerate(sizes)]
+    grads = [
+        (randn(n, torch.float32, d, seed=90 + i) * 1024.0).to(grad_dtype)
+        for i, n in enumerate(sizes)
+    ]
     true = [g.float() / 1024.0 for g in grads]
     lr = 0.05
     steps = 3
@@ -225,10 +255,21 @@ def test_sgd_step_matches_torch_optim(backend, case, grad_dtype):
     bufs = [torch.empty_like(p) for p in params]
     copies = [torch.empty(p.shape, dtype=torch.float16, device=d) for p in params]
     for step in range(steps):
-        backend.ops.sgd_step(mine, grads, bufs if case["momentum"] else [], copies,
-                             scalar(backend, 1.0 / 1024.0), None, lr, case["weight_decay"],
-                             case["momentum"], case["dampening"], case["nesterov"],
-                             case["maximize"], step == 0)
+        backend.ops.sgd_step(
+            mine,
+            grads,
+            bufs if case["momentum"] else [],
+            copies,
+            scalar(backend, 1.0 / 1024.0),
+            None,
+            lr,
+            case["weight_decay"],
+            case["momentum"],
+            case["dampening"],
+            case["nesterov"],
+            case["maximize"],
+            step == 0,
+        )
     for m, r, c in zip(mine, ref, copies):
         torch.testing.assert_close(m, r.detach(), rtol=1e-6, atol=1e-7)
         assert torch.equal(c, m.half())  # the model copy: the fp32 result, rounded
@@ -248,22 +289,39 @@ def test_adam_step_matches_torch_optim(backend, kind, case, grad_dtype):
     d = dev(backend)
     sizes = [1, 7, 65537]
     params = [randn(n, torch.float32, d, seed=100 + i) for i, n in enumerate(sizes)]
-    grads = [(randn(n, torch.float32, d, seed=110 + i) * 256.0).to(grad_dtype)
-             for i, n in enumerate(sizes)]
+    grads = [
+        (randn(n, torch.float32, d, seed=110 + i) * 256.0).to(grad_dtype)
+        for i, n in enumerate(sizes)
+    ]
     true = [g.float() / 256.0 for g in grads]
     lr, betas, eps, steps = 1e-2, (0.9, 0.999), 1e-8, 4
     cls = torch.optim.Adam if kind == "adam" else torch.optim.AdamW
-    ref, _ = _torch_reference(lambda ps: cls(ps, lr=lr, betas=betas, eps=eps, **case),
-                              params, true, steps)
+    ref, _ = _torch_reference(
+        lambda ps: cls(ps, lr=lr, betas=betas, eps=eps, **case), params, true, steps
+    )
     mine = [p.clone() for p in params]
     m = [torch.zeros_like(p) for p in params]
     v = [torch.zeros_like(p) for p in params]
     copies = [torch.empty(p.shape, dtype=torch.bfloat16, device=d) for p in params]
     for step in range(1, steps + 1):
-        backend.ops.adam_step(mine, grads, m, v, copies, scalar(backend, 1.0 / 256.0), None, lr,
-                              betas[0], betas[1], eps, case["weight_decay"],
-                              1 - betas[0] ** step, 1 - betas[1] ** step, kind == "adamw",
-                              case["maximize"])
+        backend.ops.adam_step(
+            mine,
+            grads,
+            m,
+            v,
+            copies,
+            scalar(backend, 1.0 / 256.0),
+            None,
+            lr,
+            betas[0],
+            betas[1],
+            eps,
+            case["weight_decay"],
+            1 - betas[0] ** step,
+            1 - betas[1] ** step,
+            kind == "adamw",
+            case["maximize"],
+        )
     for p, r, c in zip(mine, ref, copies):
         torch.testing.assert_close(p, r.detach(), rtol=1e-6, atol=1e-7)
         assert torch.equal(c, p.bfloat16())
@@ -285,11 +343,40 @@ def test_steps_do_nothing_when_found_inf_is_set(backend, op):
 
     def run(grads, flag):
         if op == "sgd":
-            backend.ops.sgd_step(params, grads, state1, copies, scalar(backend, 1.0), flag, 0.1,
-                                 1e-4, 0.9, 0.0, False, False, False)
+            backend.ops.sgd_step(
+                params,
+                grads,
+                state1,
+                copies,
+                scalar(backend, 1.0),
+                flag,
+                0.1,
+                1e-4,
+                0.9,
+                0.0,
+                False,
+                False,
+                False,
+            )
         else:
-            backend.ops.adam_step(params, grads, state1, state2, copies, scalar(backend, 1.0),
-                                  flag, 1e-3, 0.9, 0.999, 1e-8, 0.0, 0.1, 0.001, False, False)
+            backend.ops.adam_step(
+                params,
+                grads,
+                state1,
+                state2,
+                copies,
+                scalar(backend, 1.0),
+                flag,
+                1e-3,
+                0.9,
+                0.999,
+                1e-8,
+                0.0,
+                0.1,
+                0.001,
+                False,
+                False,
+            )
 
     for t, e in poison_positions(clean):
         grads = [g.clone() for g in clean]
@@ -302,7 +389,7 @@ def test_steps_do_nothing_when_found_inf_is_set(backend, op):
     run(clean, scalar(backend, 0.0))  # a clear flag: the step runs and changes params and state
     changed = [not torch.equal(a, b) for a, b in zip(everything, before)]
     n = len(SIZES)
-    assert all(changed[:n]) and all(changed[n:2 * n])
+    assert all(changed[:n]) and all(changed[n : 2 * n])
 
 
 # ---- lists: many tensors, mixed dtypes, channels_last, empty ---------------------------------
@@ -322,8 +409,21 @@ def test_more_than_110_tensors_mixed_dtypes_in_one_call(backend):
     # the last tensor of a long list is stepped too
     params = [torch.zeros(n, device=d) for n in sizes]
     copies = [torch.empty(n, dtype=torch.float16, device=d) for n in sizes]
-    backend.ops.sgd_step(params, grads, [], copies, scalar(backend, 1.0), None, 1.0, 0.0, 0.0,
-                         0.0, False, False, True)
+    backend.ops.sgd_step(
+        params,
+        grads,
+        [],
+        copies,
+        scalar(backend, 1.0),
+        None,
+        1.0,
+        0.0,
+        0.0,
+        0.0,
+        False,
+        False,
+        True,
+    )
     assert all(torch.equal(p, -g.float()) for p, g in zip(params, grads))
     assert all(torch.equal(c, p.half()) for c, p in zip(copies, params))
 
@@ -333,8 +433,11 @@ def test_channels_last_tensors(backend):
     shape = (8, 16, 5, 3)  # 4-D, as conv weights; channels_last strides differ from contiguous
     params = randn(8 * 16 * 5 * 3, torch.float32, d, seed=140).view(shape)
     params = params.contiguous(memory_format=torch.channels_last)
-    grads = randn(params.numel(), torch.float16, d, seed=141).view(shape).contiguous(
-        memory_format=torch.channels_last)
+    grads = (
+        randn(params.numel(), torch.float16, d, seed=141)
+        .view(shape)
+        .contiguous(memory_format=torch.channels_last)
+    )
     m = torch.zeros_like(params)
     v = torch.zeros_like(params)
     copy = torch.empty_like(params, dtype=torch.float16)
@@ -342,11 +445,28 @@ def test_channels_last_tensors(backend):
     ref = params.detach().clone().requires_grad_(True)
     ref.grad = grads.float()
     torch.optim.Adam([ref], lr=1e-2).step()
-    backend.ops.adam_step([params], [grads], [m], [v], [copy], scalar(backend, 1.0), None, 1e-2,
-                          0.9, 0.999, 1e-8, 0.0, 0.1, 0.001, False, False)
+    backend.ops.adam_step(
+        [params],
+        [grads],
+        [m],
+        [v],
+        [copy],
+        scalar(backend, 1.0),
+        None,
+        1e-2,
+        0.9,
+        0.999,
+        1e-8,
+        0.0,
+        0.1,
+        0.001,
+        False,
+        False,
+    )
     torch.testing.assert_close(params, ref.detach(), rtol=1e-6, atol=1e-7)
     assert torch.equal(copy, params.half()) and copy.is_contiguous(
-        memory_format=torch.channels_last)
+        memory_format=torch.channels_last
+    )
 
 
 def test_empty_lists_and_empty_tensors_are_no_ops(backend):
@@ -357,12 +477,12 @@ def test_empty_lists_and_empty_tensors_are_no_ops(backend):
     backend.ops.check_finite([], found)
     backend.ops.copy_scale([], [], one)
     backend.ops.sgd_step([], [], [], [], one, None, 0.1, 0.0, 0.9, 0.0, False, False, True)
-    backend.ops.adam_step([], [], [], [], [], one, None, 0.1, 0.9, 0.999, 1e-8, 0.0, 0.1, 0.001,
-                          False, False)
+    backend.ops.adam_step(
+        [], [], [], [], [], one, None, 0.1, 0.9, 0.999, 1e-8, 0.0, 0.1, 0.001, False, False
+    )
     e = torch.empty(0, device=d)
     backend.ops.unscale_check([e], [e.clone()], one, found)
-    backend.ops.sgd_step([e], [e.half()], [], [], one, None, 0.1, 0.0, 0.0, 0.0, False, False,
-                         True)
+    backend.ops.sgd_step([e], [e.half()], [], [], one, None, 0.1, 0.0, 0.0, 0.0, False, False, True)
     assert found.item() == 0.0
 
 
@@ -375,8 +495,9 @@ def test_bad_arguments_are_refused_with_the_reason(backend):
     with pytest.raises(RuntimeError, match="elements"):
         backend.ops.copy_scale([a], [torch.ones(5, device=d)], one)
     with pytest.raises(RuntimeError, match="float32"):
-        backend.ops.sgd_step([a.half()], [a], [], [], one, None, 0.1, 0.0, 0.0, 0.0, False,
-                             False, True)
+        backend.ops.sgd_step(
+            [a.half()], [a], [], [], one, None, 0.1, 0.0, 0.0, 0.0, False, False, True
+        )
     with pytest.raises(RuntimeError, match="one-element float32"):
         backend.ops.copy_scale([a], [a], torch.ones(2, device=d))
     with pytest.raises(RuntimeError, match="layouts"):
@@ -427,8 +548,9 @@ def _static_libstdcxx() -> bool:
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         return False
-    found = subprocess.run([compiler, "-print-file-name=libstdc++.a"], capture_output=True,
-                           text=True).stdout.strip()
+    found = subprocess.run(
+        [compiler, "-print-file-name=libstdc++.a"], capture_output=True, text=True
+    ).stdout.strip()
     return os.path.isabs(found) and os.path.isfile(found)
 
 
@@ -439,8 +561,12 @@ def test_messages_are_whole_with_a_statically_linked_libstdcxx(tmp_path):
     import sys
 
     result = subprocess.run(
-        [sys.executable, "-c", STATIC_PROBE], capture_output=True, text=True, timeout=900,
-        env={**os.environ, "AMP_RUNNER_KERNEL_CACHE": str(tmp_path / "cache")})
+        [sys.executable, "-c", STATIC_PROBE],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "AMP_RUNNER_KERNEL_CACHE": str(tmp_path / "cache")},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.splitlines() == [
         "copy_scale: dst has 1 tensors, src has 2",
@@ -455,8 +581,10 @@ def test_messages_are_whole_with_a_statically_linked_libstdcxx(tmp_path):
 
 # ---- building ------------------------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.skipif(csrc.cuda_toolkit() is None,
-                    reason="no CUDA toolkit (set CUDA_HOME to the folder holding bin/nvcc)")
+@pytest.mark.skipif(
+    csrc.cuda_toolkit() is None,
+    reason="no CUDA toolkit (set CUDA_HOME to the folder holding bin/nvcc)",
+)
 def test_cuda_sources_compile(tmp_path, monkeypatch):
     """Compiles the CUDA kernels (for TORCH_CUDA_ARCH_LIST, e.g. 9.0, without a GPU), so a CUDA
     compile error fails the suite on any machine with nvcc; the module loads and checks its

@@ -5,6 +5,7 @@ cycle exists, at most 8 modules stand at the top of `runner/`, and `import runne
 
 The graph is read from the source (every `import`, function-level ones included), so a lazy
 import cannot hide an upward edge."""
+
 from __future__ import annotations
 
 import ast
@@ -86,21 +87,35 @@ def test_at_most_eight_modules_at_the_top():
 
 
 def test_imports_point_down_only():
-    upward = [f"{a} -> {b}" for a, targets in GRAPH.items() for b in targets
-              if room(a) != room(b) and layer_of(b) < layer_of(a)]
+    upward = [
+        f"{a} -> {b}"
+        for a, targets in GRAPH.items()
+        for b in targets
+        if room(a) != room(b) and layer_of(b) < layer_of(a)
+    ]
     assert upward == [], "imports pointing up:\n" + "\n".join(upward)
 
 
 def test_sibling_rooms_are_independent():
-    across = [f"{a} -> {b}" for a, targets in GRAPH.items() for b in targets
-              if room(a) != room(b) and layer_of(a) == layer_of(b)
-              and not (a in ENTRY_POINTS and b in ENTRY_POINTS)]
+    across = [
+        f"{a} -> {b}"
+        for a, targets in GRAPH.items()
+        for b in targets
+        if room(a) != room(b)
+        and layer_of(a) == layer_of(b)
+        and not (a in ENTRY_POINTS and b in ENTRY_POINTS)
+    ]
     assert across == [], "imports between rooms of one layer:\n" + "\n".join(across)
 
 
 def test_measure_imports_nothing_else_of_the_runner():
-    outside = [f"{a} -> {b}" for a, targets in GRAPH.items() if room(a) == "measure"
-               for b in targets if room(b) != "measure"]
+    outside = [
+        f"{a} -> {b}"
+        for a, targets in GRAPH.items()
+        if room(a) == "measure"
+        for b in targets
+        if room(b) != "measure"
+    ]
     assert outside == [], outside
 
 
@@ -147,12 +162,21 @@ def test_the_checks_would_catch_an_upward_import():
     assert room("runner.measure.memory") == "measure" and layer_of("runner.report") == 0
 
 
-@pytest.mark.parametrize("module", ["runner.config", "runner.config.validation",
-                                    "runner.config.targets", "runner.config.finder"])
+@pytest.mark.parametrize(
+    "module",
+    ["runner.config", "runner.config.validation", "runner.config.targets", "runner.config.finder"],
+)
 def test_config_imports_no_torch(module):
-    code = (f"import sys, {module}; "
-            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         cwd=PACKAGE.parent, timeout=120)
+    code = (
+        f"import sys, {module}; "
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=PACKAGE.parent,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", f"{module} imported {out.stdout.strip()}"

@@ -1,11 +1,13 @@
 """Runs whose process is gone, and crowds at a new store: real SQLite stores, real processes.
 
 A run killed outright (SIGKILL, the OOM killer, a lost node) cannot end its MLflow run; the next run
-or sweep of the experiment ends it KILLED, judging by the run's liveness tags (runner.tracking.liveness):
+or sweep of the experiment ends it KILLED, judging by the run's liveness tags
+(runner.tracking.liveness):
 on this host by its pid and process start time, elsewhere by its heartbeat. A live run, here or
 elsewhere, is never touched. Several processes opening a store that does not exist yet all succeed
 (the store is created under a file lock), and a store that cannot be used is one clear error.
 """
+
 from __future__ import annotations
 
 import csv
@@ -25,8 +27,8 @@ from mlflow.tracking import MlflowClient
 from runner import report
 from runner.errors import RunnerError
 from runner.tracking import tags as tag
-from runner.tracking.liveness import ProcessIdentity, now_iso, parse_iso, process_state, vanished
 from runner.tracking.lifecycle import Tracker, end_state
+from runner.tracking.liveness import ProcessIdentity, now_iso, parse_iso, process_state, vanished
 from tests.conftest import FAST, read_until, run_cli, start_cli
 
 STALE = time.time() - 3600  # an hour ago: older than the default mlflow.stale_after_s (600 s)
@@ -46,8 +48,13 @@ def fake_run(tracker: Tracker, name: str, **tags: str) -> str:
 
 def elsewhere(beat: float) -> dict[str, str]:
     """Liveness tags of a runner on another host, last heartbeat at `beat`."""
-    return {tag.HOST: "gpu-node-17", tag.PID: "4242", tag.PID_START: "123456",
-            tag.PID_SPACE: "another-boot:pid:[1]", tag.HEARTBEAT: now_iso(beat)}
+    return {
+        tag.HOST: "gpu-node-17",
+        tag.PID: "4242",
+        tag.PID_START: "123456",
+        tag.PID_SPACE: "another-boot:pid:[1]",
+        tag.HEARTBEAT: now_iso(beat),
+    }
 
 
 # ---- who a process is ----------------------------------------------------------------------------
@@ -79,7 +86,8 @@ def test_the_rules_judge_by_pid_here_and_by_heartbeat_elsewhere():
     gone = {**fresh_here, tag.PID: str(dead_pid())}
     assert vanished(gone, 600, here, now) == (
         f"process vanished: no heartbeat since {now_iso(now)} (host {here.host}, "
-        f"pid {gone[tag.PID]})")
+        f"pid {gone[tag.PID]})"
+    )
     assert vanished(elsewhere(now - 60), 600, here, now) is None
     assert vanished(elsewhere(now - 601), 600, here, now).startswith("process vanished")
     # the same host name in another container (another PID namespace): the heartbeat decides
@@ -98,10 +106,14 @@ def test_reap_ends_only_the_runs_whose_process_is_gone(tracking_uri, caplog):
     here = ProcessIdentity.current()
     stale_elsewhere = fake_run(tracker, "stale-elsewhere", **elsewhere(STALE))
     fresh_elsewhere = fake_run(tracker, "fresh-elsewhere", **elsewhere(time.time()))
-    dead_here = fake_run(tracker, "dead-here", **{**here.tags(), tag.PID: str(dead_pid()),
-                                                  tag.HEARTBEAT: now_iso()})
-    reused_pid = fake_run(tracker, "reused-pid", **{**here.tags(), tag.HEARTBEAT: now_iso(),
-                                                    tag.PID_START: str(int(here.start) - 1)})
+    dead_here = fake_run(
+        tracker, "dead-here", **{**here.tags(), tag.PID: str(dead_pid()), tag.HEARTBEAT: now_iso()}
+    )
+    reused_pid = fake_run(
+        tracker,
+        "reused-pid",
+        **{**here.tags(), tag.HEARTBEAT: now_iso(), tag.PID_START: str(int(here.start) - 1)},
+    )
     untagged = fake_run(tracker, "older-runner")
     live = tracker.create_run("live-here", {})  # this process: alive whatever its heartbeat
     client.set_tag(live.run_id, tag.HEARTBEAT, now_iso(STALE))
@@ -115,11 +127,14 @@ def test_reap_ends_only_the_runs_whose_process_is_gone(tracking_uri, caplog):
         run = client.get_run(run_id)
         tags = run.data.tags
         assert run.info.status == "KILLED"
-        assert tags[tag.ERROR] == (f"process vanished: no heartbeat since {tags[tag.HEARTBEAT]} "
-                                   f"(host {tags[tag.HOST]}, pid {tags[tag.PID]})")
+        assert tags[tag.ERROR] == (
+            f"process vanished: no heartbeat since {tags[tag.HEARTBEAT]} "
+            f"(host {tags[tag.HOST]}, pid {tags[tag.PID]})"
+        )
         # ended at its last sign of life (never before it started: heartbeats are to the second)
-        assert run.info.end_time == max(run.info.start_time,
-                                        int(parse_iso(tags[tag.HEARTBEAT]) * 1000))
+        assert run.info.end_time == max(
+            run.info.start_time, int(parse_iso(tags[tag.HEARTBEAT]) * 1000)
+        )
         assert end_state(run) == f"KILLED: {tags[tag.ERROR]}"
     lines = [r.getMessage() for r in caplog.records if "as KILLED" in r.getMessage()]
     assert len(lines) == 3 and all("process vanished" in line for line in lines)
@@ -150,7 +165,7 @@ def test_a_run_reopened_after_it_was_judged_is_not_ended(tracking_uri):
     reopened.end("FINISHED")
 
 
-@pytest.mark.parametrize("name", ["tiny-O2", "it's \"quoted\""])
+@pytest.mark.parametrize("name", ["tiny-O2", 'it\'s "quoted"'])
 def test_latest_run_finds_the_newest_run_of_a_name(tracking_uri, name):
     """What `resume=auto` asks before it continues a run: what became of the last one."""
     tracker = Tracker(tracking_uri, "amp-runner")
@@ -208,8 +223,12 @@ def test_a_live_run_ended_by_a_reaper_elsewhere_comes_back(tracking_uri, caplog)
 def test_the_report_shows_reaped_runs_as_killed_with_the_reason(tracking_uri, tmp_path):
     tracker = Tracker(tracking_uri, "amp-runner")
     parent = tracker.create_run("sweep precision=o0,o1", {tag.SWEEP_DIR: str(tmp_path)})
-    params = {"model.name": "tiny", "optimizer.name": "sgd", "trainer.batch_size": "32",
-              "precision.opt_level": "O0"}
+    params = {
+        "model.name": "tiny",
+        "optimizer.name": "sgd",
+        "trainer.batch_size": "32",
+        "precision.opt_level": "O0",
+    }
     with tracker.start_run("tiny-O0", params, {tag.PARENT_RUN: parent.run_id}) as run:
         run.log_metrics({"best_val_acc": 0.5, "train_time_s": 1.0}, 1)
     lost = fake_run(tracker, "tiny-O1", **{tag.PARENT_RUN: parent.run_id, **elsewhere(STALE)})
@@ -271,9 +290,17 @@ def test_six_runs_started_at_once_against_a_new_store_all_finish(tmp_path):
     against a store that does not exist yet; MLflow's table creation must not race."""
     uri = f"sqlite:///{tmp_path / 'new' / 'mlflow.db'}"
     names = [f"crowd-{i}" for i in range(6)]
-    procs = [start_cli(*FAST, "trainer.log_every_n_steps=1", "precision.kernels=torch",
-                       f"mlflow.tracking_uri={uri}", f"mlflow.run_name={name}", cwd=tmp_path)
-             for name in names]
+    procs = [
+        start_cli(
+            *FAST,
+            "trainer.log_every_n_steps=1",
+            "precision.kernels=torch",
+            f"mlflow.tracking_uri={uri}",
+            f"mlflow.run_name={name}",
+            cwd=tmp_path,
+        )
+        for name in names
+    ]
     outputs = [proc.communicate(timeout=600)[0] for proc in procs]
     for proc, output in zip(procs, outputs):
         assert proc.returncode == 0, output[-3000:]
@@ -294,8 +321,13 @@ def test_a_starting_run_ends_a_sigkilled_run_and_leaves_a_live_one_alone(tmp_pat
     its first epoch); `next` starts and finishes meanwhile. `next` ends `killed` KILLED (its pid
     is gone) and never touches `live`; `live`, which started first, saw nothing to end."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    long = [*FAST, "data.num_train=640", "trainer.max_epochs=100", "precision.kernels=torch",
-            f"mlflow.tracking_uri={uri}"]
+    long = [
+        *FAST,
+        "data.num_train=640",
+        "trainer.max_epochs=100",
+        "precision.kernels=torch",
+        f"mlflow.tracking_uri={uri}",
+    ]
     live = start_cli(*long, "mlflow.run_name=live", cwd=tmp_path)
     killed = start_cli(*long, "mlflow.run_name=killed", cwd=tmp_path)
     try:
@@ -308,20 +340,30 @@ def test_a_starting_run_ends_a_sigkilled_run_and_leaves_a_live_one_alone(tmp_pat
         os.kill(killed.pid, signal.SIGKILL)
         killed.wait(timeout=60)
 
-        nxt = run_cli(*FAST, "precision.kernels=torch", f"mlflow.tracking_uri={uri}",
-                      "mlflow.run_name=next", cwd=tmp_path, timeout=600)
+        nxt = run_cli(
+            *FAST,
+            "precision.kernels=torch",
+            f"mlflow.tracking_uri={uri}",
+            "mlflow.run_name=next",
+            cwd=tmp_path,
+            timeout=600,
+        )
         output = nxt.stdout + nxt.stderr
         assert nxt.returncode == 0, output[-3000:]
         assert live.poll() is None, "the live run ended before the next one started"
 
         client = MlflowClient(uri)
-        runs = {r.info.run_name: r for r in client.search_runs(
-            [client.get_experiment_by_name("amp-runner").experiment_id])}
+        runs = {
+            r.info.run_name: r
+            for r in client.search_runs([client.get_experiment_by_name("amp-runner").experiment_id])
+        }
         dead = runs["killed"]
         assert dead.info.status == "KILLED"
         assert re.fullmatch(
             rf"process vanished: no heartbeat since \S+ \(host {re.escape(socket.gethostname())}"
-            rf", pid {killed.pid}\)", dead.data.tags[tag.ERROR])
+            rf", pid {killed.pid}\)",
+            dead.data.tags[tag.ERROR],
+        )
         ended = [line for line in output.splitlines() if "as KILLED" in line]
         assert len(ended) == 1 and dead.info.run_id in ended[0], output[-3000:]
         assert runs["next"].info.status == "FINISHED"

@@ -1,6 +1,7 @@
 """The language models of runner.components.lm_models: the runner's GPT (shapes, causality, the
 module-name contract, weight tying, initialisation, bf16, that it learns) and its builders, and
 Hugging Face causal LMs built by model type offline with random weights. Tiny sizes, CPU."""
+
 from __future__ import annotations
 
 import math
@@ -55,13 +56,13 @@ def test_gpt_is_causal():
     idx = _tokens(2, 24)
     t = 10
     changed_future = idx.clone()
-    changed_future[:, t + 1:] = (idx[:, t + 1:] + 7) % 256
+    changed_future[:, t + 1 :] = (idx[:, t + 1 :] + 7) % 256
     changed_now = idx.clone()
     changed_now[:, t] = (idx[:, t] + 7) % 256
     with torch.no_grad():
         base, future, now = model(idx), model(changed_future), model(changed_now)
-    assert torch.equal(base[:, :t + 1], future[:, :t + 1])
-    assert not torch.allclose(base[:, t + 1:], future[:, t + 1:])
+    assert torch.equal(base[:, : t + 1], future[:, : t + 1])
+    assert not torch.allclose(base[:, t + 1 :], future[:, t + 1 :])
     assert torch.equal(base[:, :t], now[:, :t])
     assert not torch.allclose(base[:, t], now[:, t])
 
@@ -109,8 +110,8 @@ def test_gpt_learns_a_repeating_sequence():
     model = GPT(vocab_size=64, block_size=32, n_layer=2, n_head=4, n_embd=64)
     pattern = torch.tensor([3, 17, 42, 8, 29, 55, 11, 60])
     stream = pattern.repeat(5)  # 40 tokens
-    x = torch.stack([stream[i:i + 32] for i in range(4)])
-    y = torch.stack([stream[i + 1:i + 33] for i in range(4)])
+    x = torch.stack([stream[i : i + 32] for i in range(4)])
+    y = torch.stack([stream[i + 1 : i + 33] for i in range(4)])
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     losses = []
     for _ in range(200):
@@ -160,8 +161,11 @@ def _node(**keys):
 
 
 def test_build_gpt_takes_the_datas_vocabulary_by_default():
-    model = build_gpt(_node(n_layer=1, n_embd=32, n_head=2, block_size=16, vocab_size=None),
-                      num_classes=50, small_input=False)
+    model = build_gpt(
+        _node(n_layer=1, n_embd=32, n_head=2, block_size=16, vocab_size=None),
+        num_classes=50,
+        small_input=False,
+    )
     assert isinstance(model, GPT)
     assert model.tok_emb.num_embeddings == 50 and model.head.out_features == 50
     assert model.pos_emb.num_embeddings == 16 and len(model.blocks) == 1
@@ -172,8 +176,9 @@ def test_build_gpt_defaults_and_a_larger_declared_vocabulary():
     model = build_gpt(OmegaConf.create({"name": "gpt", "vocab_size": 300}), 256, False)
     assert model.head.out_features == 300
     assert (len(model.blocks), model.block_size, model.tok_emb.embedding_dim) == (2, 256, 64)
-    tied = build_gpt({"name": "gpt", "tie_weights": True, "bias": False, "block_size": 8}, 20,
-                     False)
+    tied = build_gpt(
+        {"name": "gpt", "tie_weights": True, "bias": False, "block_size": 8}, 20, False
+    )
     assert tied.head.weight is tied.tok_emb.weight and tied.blocks[0].mlp.up.bias is None
 
 
@@ -198,8 +203,14 @@ def test_check_gpt_names_the_key():
 
 
 # ---- Hugging Face ------------------------------------------------------------------------
-LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=128)
+LLAMA = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
 
 
 def test_hf_without_transformers_says_how_to_install_it(monkeypatch):
@@ -239,8 +250,9 @@ def test_hf_gpt2_builds_with_its_own_key_names(transformers):
     model = lm_models.build_hf(node, num_classes=40, small_input=False)
     assert isinstance(model.model, transformers.GPT2LMHeadModel)
     assert model(_tokens(3, 10, vocab=40)).shape == (3, 10, 40)
-    declared = lm_models.build_hf(_hf("gpt2", n_embd=32, n_layer=1, n_head=2, vocab_size=64), 40,
-                                  False)
+    declared = lm_models.build_hf(
+        _hf("gpt2", n_embd=32, n_layer=1, n_head=2, vocab_size=64), 40, False
+    )
     assert declared(_tokens(1, 5, vocab=40)).shape == (1, 5, 64)
 
 
@@ -251,8 +263,9 @@ def test_hf_refuses_a_vocabulary_smaller_than_the_datas(transformers):
 
 
 def test_check_hf_suggests_the_model_type(transformers):
-    with pytest.raises(ConfigError, match="unknown Hugging Face model type 'lama'; closest: llama"
-                       ) as err:
+    with pytest.raises(
+        ConfigError, match="unknown Hugging Face model type 'lama'; closest: llama"
+    ) as err:
         lm_models.check_hf(_hf("lama", **LLAMA))
     assert err.value.key == "model.arch"
 
@@ -264,15 +277,22 @@ def test_check_hf_refuses_a_type_without_a_causal_lm(transformers):
 
 
 def test_check_hf_refuses_an_unknown_setting(transformers):
-    with pytest.raises(ConfigError, match="has no setting 'hiden_size'; closest: hidden_size"
-                       ) as err:
+    with pytest.raises(
+        ConfigError, match="has no setting 'hiden_size'; closest: hidden_size"
+    ) as err:
         lm_models.check_hf(_hf("llama", hiden_size=64))
     assert err.value.key == "model.hiden_size"
 
 
-@pytest.mark.parametrize("key, value", [("pretrained_model_name_or_path", "meta-llama/Llama-2-7b"),
-                                        ("name_or_path", "gpt2"), ("pretrained", True),
-                                        ("weights", "DEFAULT")])
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("pretrained_model_name_or_path", "meta-llama/Llama-2-7b"),
+        ("name_or_path", "gpt2"),
+        ("pretrained", True),
+        ("weights", "DEFAULT"),
+    ],
+)
 def test_check_hf_refuses_downloads(transformers, key, value):
     with pytest.raises(ConfigError, match="nothing may be downloaded") as err:
         lm_models.check_hf(_hf("llama", **{key: value}))

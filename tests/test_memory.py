@@ -1,6 +1,7 @@
 """Memory by kind (runner.measure.memory): known answers from the tensors' sizes at each level, the
 activation meter on graphs whose saved tensors are known, and CPU memory figures that do not
 depend on what ran before in the same process (a sweep's jobs)."""
+
 from __future__ import annotations
 
 import math
@@ -13,10 +14,10 @@ import torch
 from mlflow.tracking import MlflowClient
 from torch import nn
 
-from runner.run import app
 from runner.measure.memory import MB, ActivationMeter, measure, model_state_tensors
-from runner.run.plan import make_plan
 from runner.measure.probes import MemoryProbe
+from runner.run import app
+from runner.run.plan import make_plan
 from runner.run.trainer import RunContext, Trainer
 from tests.conftest import FAST, REPO, compose_config, run_in_process
 
@@ -29,10 +30,18 @@ def first_step(*overrides: str) -> Trainer:
     cfg = compose_config(*FAST, "trainer.device=cpu", *overrides)
     plan = make_plan(cfg)
     parts = app.build(plan)
-    trainer = Trainer(model=parts.model, optimizer=parts.optimizer, scheduler=parts.scheduler,
-                      engine=parts.engine, train_loader=parts.train_loader,
-                      val_loader=parts.val_loader, device=plan.device, cfg=cfg.trainer,
-                      memory=parts.memory, context=RunContext(on_metrics=lambda m, s: None))
+    trainer = Trainer(
+        model=parts.model,
+        optimizer=parts.optimizer,
+        scheduler=parts.scheduler,
+        engine=parts.engine,
+        train_loader=parts.train_loader,
+        val_loader=parts.val_loader,
+        device=plan.device,
+        cfg=cfg.trainer,
+        memory=parts.memory,
+        context=RunContext(on_metrics=lambda m, s: None),
+    )
     x, y = trainer._to_device(*next(iter(parts.train_loader)))
     trainer.train_step(x, y)
     assert trainer.memory_parts is not None and trainer.engine.skipped_steps == 0
@@ -62,8 +71,13 @@ def test_weights_masters_grads_and_state_per_level_match_the_tensor_sizes(kernel
     assert p2.grads == 2 * n + (0 if fused else 4 * n) and p2.optimizer_state == 4 * n
     assert (p3.weights, p3.master_weights, p3.grads, p3.optimizer_state) == (2 * n, 0, 2 * n, 2 * n)
     for parts in (p0, p2, p3):
-        assert parts.total == (parts.weights + parts.master_weights + parts.grads
-                               + parts.optimizer_state + parts.activations)
+        assert parts.total == (
+            parts.weights
+            + parts.master_weights
+            + parts.grads
+            + parts.optimizer_state
+            + parts.activations
+        )
         metrics = parts.metrics()
         assert metrics["mem_total_mb"] == parts.total / MB
         assert metrics["mem_weights_mb"] == parts.weights / MB
@@ -99,9 +113,9 @@ def test_the_meter_counts_each_saved_storage_once_and_never_a_weight():
     x = torch.randn(8, 64)
     meter = ActivationMeter(exclude=model_state_tensors(layer))
     with meter:
-        h = layer(x)            # saves x (input) and the weight (excluded)
-        r = torch.relu(h)       # saves its result r
-        loss = (r * r).sum()    # saves r twice: one storage
+        h = layer(x)  # saves x (input) and the weight (excluded)
+        r = torch.relu(h)  # saves its result r
+        loss = (r * r).sum()  # saves r twice: one storage
         loss.backward()
     assert meter.bytes == x.numel() * 4 + r.numel() * 4
     meter = ActivationMeter()
@@ -115,8 +129,13 @@ def test_the_meter_counts_each_saved_storage_once_and_never_a_weight():
 
 def test_the_meter_leaves_the_gradients_unchanged():
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(inplace=True),
-                          nn.Flatten(), nn.Linear(4 * 6 * 6, 3))
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3),
+        nn.BatchNorm2d(4),
+        nn.ReLU(inplace=True),
+        nn.Flatten(),
+        nn.Linear(4 * 6 * 6, 3),
+    )
     x = torch.randn(5, 3, 8, 8)
     model(x).square().sum().backward()
     expected = [p.grad.clone() for p in model.parameters()]
@@ -132,7 +151,11 @@ def test_measure_without_an_optimizer_or_engine():
     layer(torch.randn(2, 10)).sum().backward()
     parts = measure(layer)
     assert (parts.weights, parts.grads, parts.master_weights, parts.optimizer_state) == (
-        440, 440, 0, 0)
+        440,
+        440,
+        0,
+        0,
+    )
 
 
 def test_the_cpu_probe_reports_the_largest_tensor_total():
@@ -153,8 +176,13 @@ def test_a_cpu_run_logs_memory_by_kind_and_its_peak_is_the_tensor_total(tracking
     client = MlflowClient(tracking_uri)
     (run,) = client.search_runs([client.get_experiment_by_name("amp-runner").experiment_id])
     metrics = run.data.metrics
-    parts = ["mem_weights_mb", "mem_master_weights_mb", "mem_grads_mb", "mem_optimizer_state_mb",
-             "mem_activations_mb"]
+    parts = [
+        "mem_weights_mb",
+        "mem_master_weights_mb",
+        "mem_grads_mb",
+        "mem_optimizer_state_mb",
+        "mem_activations_mb",
+    ]
     assert metrics["mem_total_mb"] == pytest.approx(sum(metrics[p] for p in parts))
     assert metrics["mem_master_weights_mb"] > 0 and metrics["mem_activations_mb"] > 0
     assert metrics["peak_mem_mb"] == metrics["mem_total_mb"]
@@ -171,9 +199,14 @@ SWEEP = [*FAST, "trainer.max_epochs=1", "trainer.limit_train_batches=2"]
 def _memory(uri: str, experiment: str = "amp-runner") -> dict[str, tuple[float, float]]:
     client = MlflowClient(uri)
     runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
-    return {r.data.params["precision.preset"]: (r.data.metrics["peak_mem_mb"],
-                                                r.data.metrics["mem_total_mb"])
-            for r in runs if "precision.preset" in r.data.params}
+    return {
+        r.data.params["precision.preset"]: (
+            r.data.metrics["peak_mem_mb"],
+            r.data.metrics["mem_total_mb"],
+        )
+        for r in runs
+        if "precision.preset" in r.data.params
+    }
 
 
 @pytest.mark.slow
@@ -184,19 +217,38 @@ def test_a_cpu_sweep_in_one_process_reports_the_memory_ratios_of_fresh_processes
     freed and showed 0.01-0.04x O0.) The fresh processes log into the same store (another
     experiment), created once by the sweep: four interpreter starts, one after another."""
     shared = f"sqlite:///{tmp_path / 'shared.db'}"
-    code = run_in_process("-m", *SWEEP, f"precision={','.join(SWEEP_LEVELS)}",
-                          f"mlflow.tracking_uri={shared}", f"hydra.sweep.dir={tmp_path / 'm'}")
+    code = run_in_process(
+        "-m",
+        *SWEEP,
+        f"precision={','.join(SWEEP_LEVELS)}",
+        f"mlflow.tracking_uri={shared}",
+        f"hydra.sweep.dir={tmp_path / 'm'}",
+    )
     assert code == 0
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    )
     for level in SWEEP_LEVELS:  # (one at a time: on 2 cores concurrency only adds contention)
         folder = tmp_path / level
         folder.mkdir()
         proc = subprocess.run(
-            [sys.executable, "-m", "runner", *SWEEP, f"precision={level}",
-             f"mlflow.tracking_uri={shared}", "mlflow.experiment_name=fresh"],
-            cwd=folder, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-            timeout=600)
+            [
+                sys.executable,
+                "-m",
+                "runner",
+                *SWEEP,
+                f"precision={level}",
+                f"mlflow.tracking_uri={shared}",
+                "mlflow.experiment_name=fresh",
+            ],
+            cwd=folder,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=600,
+        )
         assert proc.returncode == 0, proc.stderr[-2000:]
     in_one = _memory(shared)
     fresh = _memory(shared, "fresh")

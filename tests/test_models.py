@@ -1,4 +1,5 @@
 """runner.components.models: every configured model builds offline, with the right head and stem."""
+
 from __future__ import annotations
 
 import pytest
@@ -6,9 +7,9 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
+from runner.components.models import MODEL_REGISTRY, TinyCNN, build_model
 from runner.config import BUILT_IN_MODELS, MODEL_NAMES, ModelConfig, TinyModelConfig, options
 from runner.errors import ConfigError
-from runner.components.models import MODEL_REGISTRY, TinyCNN, build_model
 
 
 def model_cfg(name: str, **kw):
@@ -20,8 +21,11 @@ def test_registry_matches_config_names():
     assert set(MODEL_REGISTRY) == set(MODEL_NAMES)
 
 
-IMAGE_MODELS = [name for name in BUILT_IN_MODELS
-                if options.spec_for("model", {"name": name}).task != options.LANGUAGE_MODEL]
+IMAGE_MODELS = [
+    name
+    for name in BUILT_IN_MODELS
+    if options.spec_for("model", {"name": name}).task != options.LANGUAGE_MODEL
+]
 
 
 def test_the_image_models_are_the_built_in_ones_less_the_language_models():

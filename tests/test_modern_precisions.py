@@ -7,6 +7,7 @@ bit (the same fp32 arithmetic, the same random bits); a resumed run bit for bit;
 eager training within 2e-3 (fp32) and 5e-2 (bf16) of the loss: inductor fuses and reorders fp32
 arithmetic (a few ulps per op), and bf16 rounds every layer's output to 8 bits.
 """
+
 from __future__ import annotations
 
 import sys
@@ -15,15 +16,13 @@ import pytest
 import torch
 from torch import nn
 
-from runner.run import app
-from runner.run import checkpoint
 from runner.errors import ConfigError
-from runner.run.plan import default_run_name, make_plan
 from runner.precision import AmpEngine, amp, resolve
 from runner.precision.checks import DeviceInfo
+from runner.run import app
+from runner.run.plan import default_run_name, make_plan
 from tests.conftest import compose_config
-from tests.test_resume import (history, last_checkpoint, runs_by_name, settings,
-                               straight_and_resumed)
+from tests.test_resume import history, last_checkpoint, runs_by_name, settings, straight_and_resumed
 
 H100 = DeviceInfo("cuda", (9, 0), "NVIDIA H100")
 A100 = DeviceInfo("cuda", (8, 0), "NVIDIA A100")
@@ -31,17 +30,21 @@ CPU = DeviceInfo("cpu", None, "cpu")
 
 
 def findings(level: str, device=None, compiled=None, **overrides):
-    return {(f.level, f.key): f for f in resolve(level, overrides, device,
-                                                  compiled=compiled).findings}
+    return {
+        (f.level, f.key): f for f in resolve(level, overrides, device, compiled=compiled).findings
+    }
 
 
 # ---- the rules ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("level,overrides,why", [
-    ("O3", {}, "float16"),                                             # an fp16 model
-    ("O0", {}, "float32"),                                             # an fp32 model
-    ("O1", {"autocast_dtype": "bfloat16"}, "O1 does not cast the model"),
-    ("O2", {"cast_model_type": "bfloat16"}, "replaces fp32 master weights"),
-])
+@pytest.mark.parametrize(
+    "level,overrides,why",
+    [
+        ("O3", {}, "float16"),  # an fp16 model
+        ("O0", {}, "float32"),  # an fp32 model
+        ("O1", {"autocast_dtype": "bfloat16"}, "O1 does not cast the model"),
+        ("O2", {"cast_model_type": "bfloat16"}, "replaces fp32 master weights"),
+    ],
+)
 def test_stochastic_rounding_needs_a_bf16_model_without_masters(level, overrides, why):
     found = findings(level, **overrides, stochastic_rounding=True)
     error = found[("error", "precision.stochastic_rounding")]
@@ -50,23 +53,36 @@ def test_stochastic_rounding_needs_a_bf16_model_without_masters(level, overrides
 
 def test_o3_bf16_sr_and_o2_bf16_without_masters_with_rounding_are_consistent():
     assert findings("O3", cast_model_type="bfloat16", stochastic_rounding=True) == {}
-    assert findings("O2", cast_model_type="bfloat16", master_weights=False,
-                    stochastic_rounding=True, loss_scale=1.0) == {}
+    assert (
+        findings(
+            "O2",
+            cast_model_type="bfloat16",
+            master_weights=False,
+            stochastic_rounding=True,
+            loss_scale=1.0,
+        )
+        == {}
+    )
 
 
 def test_o2_without_masters_points_to_stochastic_rounding_in_bf16_only():
     bf16 = findings("O2", cast_model_type="bfloat16", master_weights=False, loss_scale=1.0)
-    assert "precision.stochastic_rounding=true" in bf16[("warning", "precision.master_weights")].hint
+    assert (
+        "precision.stochastic_rounding=true" in bf16[("warning", "precision.master_weights")].hint
+    )
     fp16 = findings("O2", master_weights=False)
     assert "stochastic" not in fp16[("warning", "precision.master_weights")].hint
 
 
-@pytest.mark.parametrize("level,overrides,why", [
-    ("O1", {}, "not fp16"),                                     # fp16 autocast
-    ("O2", {}, "not fp16"),                                     # an fp16 model
-    ("O3", {"cast_model_type": "bfloat16"}, "O3 keeps no masters"),
-    ("O0", {}, "fp32 baseline"),
-])
+@pytest.mark.parametrize(
+    "level,overrides,why",
+    [
+        ("O1", {}, "not fp16"),  # fp16 autocast
+        ("O2", {}, "not fp16"),  # an fp16 model
+        ("O3", {"cast_model_type": "bfloat16"}, "O3 keeps no masters"),
+        ("O0", {}, "fp32 baseline"),
+    ],
+)
 def test_fp8_refuses_what_torchao_does_not_train(level, overrides, why):
     found = findings(level, fp8_linear="tensorwise", **overrides)
     assert why in found[("error", "precision.fp8_linear")].message
@@ -74,8 +90,10 @@ def test_fp8_refuses_what_torchao_does_not_train(level, overrides, why):
 
 def test_fp8_device_rules():
     o2_fp8 = dict(cast_model_type="bfloat16", loss_scale=1.0, fp8_linear="rowwise")
-    assert "compute capability 8.9" in findings(
-        "O2", A100, **o2_fp8)[("error", "precision.fp8_linear")].message
+    assert (
+        "compute capability 8.9"
+        in findings("O2", A100, **o2_fp8)[("error", "precision.fp8_linear")].message
+    )
     assert "emulated" in findings("O2", CPU, **o2_fp8)[("info", "precision.fp8_linear")].message
     slow = findings("O2", H100, compiled=False, **o2_fp8)
     assert "trainer.compile=true" in slow[("warning", "precision.fp8_linear")].hint
@@ -94,28 +112,61 @@ def test_a_bad_fp8_recipe_names_the_key():
 
 
 # ---- presets, names ---------------------------------------------------------------------------
-@pytest.mark.parametrize("preset,level,expected", [
-    ("o1_fp8", "O1", dict(autocast_dtype="bfloat16", fp8_linear="tensorwise", loss_scale="1.0")),
-    ("o2_fp8", "O2", dict(cast_model_type="bfloat16", master_weights="True",
-                          fp8_linear="tensorwise", loss_scale="1.0")),
-    ("o3_bf16_sr", "O3", dict(cast_model_type="bfloat16", master_weights="False",
-                              stochastic_rounding="True", loss_scale="1.0")),
-])
+@pytest.mark.parametrize(
+    "preset,level,expected",
+    [
+        (
+            "o1_fp8",
+            "O1",
+            dict(autocast_dtype="bfloat16", fp8_linear="tensorwise", loss_scale="1.0"),
+        ),
+        (
+            "o2_fp8",
+            "O2",
+            dict(
+                cast_model_type="bfloat16",
+                master_weights="True",
+                fp8_linear="tensorwise",
+                loss_scale="1.0",
+            ),
+        ),
+        (
+            "o3_bf16_sr",
+            "O3",
+            dict(
+                cast_model_type="bfloat16",
+                master_weights="False",
+                stochastic_rounding="True",
+                loss_scale="1.0",
+            ),
+        ),
+    ],
+)
 def test_the_presets_compose_and_resolve(preset, level, expected, tracking_uri):
-    plan = make_plan(compose_config(f"precision={preset}", "model=tiny", "data=synthetic",
-                                    "trainer.device=cpu", f"mlflow.tracking_uri={tracking_uri}"))
+    plan = make_plan(
+        compose_config(
+            f"precision={preset}",
+            "model=tiny",
+            "data=synthetic",
+            "trainer.device=cpu",
+            f"mlflow.tracking_uri={tracking_uri}",
+        )
+    )
     params = plan.properties.as_params()
     assert params["opt_level"] == level
     assert {k: params[k] for k in expected} == expected
     assert not plan.resolution.errors
 
 
-@pytest.mark.parametrize("overrides,name", [
-    (["precision=o1_fp8"], "tiny-O1-fp8"),
-    (["precision=o1_bf16"], "tiny-O1-bf16"),
-    (["precision=o3_bf16_sr"], "tiny-O3-bf16-sr"),
-    (["precision=o2_bf16", "trainer.compile=true"], "tiny-O2-bf16-compiled"),
-])
+@pytest.mark.parametrize(
+    "overrides,name",
+    [
+        (["precision=o1_fp8"], "tiny-O1-fp8"),
+        (["precision=o1_bf16"], "tiny-O1-bf16"),
+        (["precision=o3_bf16_sr"], "tiny-O3-bf16-sr"),
+        (["precision=o2_bf16", "trainer.compile=true"], "tiny-O2-bf16-compiled"),
+    ],
+)
 def test_run_names_tell_the_new_choices_apart(overrides, name):
     assert default_run_name(compose_config("model=tiny", *overrides)) == name
 
@@ -132,9 +183,11 @@ def _sr_training(kernels: str, optimizer: str, steps: int = 4):
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
-    make = {"sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
-            "adam": lambda p: torch.optim.Adam(p, lr=1e-3, eps=1e-4),
-            "rmsprop": lambda p: torch.optim.RMSprop(p, lr=1e-3)}[optimizer]
+    make = {
+        "sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+        "adam": lambda p: torch.optim.Adam(p, lr=1e-3, eps=1e-4),
+        "rmsprop": lambda p: torch.optim.RMSprop(p, lr=1e-3),
+    }[optimizer]
     opt = make(model.parameters())
     props = resolve("O3", {"cast_model_type": "bfloat16", "stochastic_rounding": True}).properties
     engine = AmpEngine(props, "cpu", kernels=kernels, seed=3)
@@ -189,12 +242,11 @@ def test_rounding_keys_differ_by_seed_and_step():
 def test_sr_learns_what_round_to_nearest_loses():
     """The weight barely moves per step (lr * grad ~ 1/10 of bf16's spacing): O3 bf16 keeps it
     where it was, stochastic rounding moves it by the expected amount on average."""
-    step = 0.1 * 2 ** -8  # lr * |grad|: 1/20 of bf16's spacing 2^-7 between 1 and 2
+    step = 0.1 * 2**-8  # lr * |grad|: 1/20 of bf16's spacing 2^-7 between 1 and 2
     expected_move = 200 * step
     moved = {}
     for sr in (False, True):
-        props = resolve("O3", {"cast_model_type": "bfloat16",
-                               "stochastic_rounding": sr}).properties
+        props = resolve("O3", {"cast_model_type": "bfloat16", "stochastic_rounding": sr}).properties
         weight = nn.Parameter(torch.ones(4096))
         opt = torch.optim.SGD([weight], lr=step)
         holder = nn.Module()
@@ -213,11 +265,20 @@ def test_sr_learns_what_round_to_nearest_loses():
 
 
 def test_o3_bf16_sr_resumes_bit_for_bit(tmp_path):
-    uri = straight_and_resumed(tmp_path, "precision=o3_bf16_sr", "optimizer=adam",
-                               "optimizer.eps=1e-4", "scheduler=step", "scheduler.step_epochs=1",
-                               "scheduler.gamma=0.5")
+    uri = straight_and_resumed(
+        tmp_path,
+        "precision=o3_bf16_sr",
+        "optimizer=adam",
+        "optimizer.eps=1e-4",
+        "scheduler=step",
+        "scheduler.step_epochs=1",
+        "scheduler.gamma=0.5",
+    )
     runs = runs_by_name(uri)
-    got, want = history(uri, runs["resumed"].info.run_id), history(uri, runs["straight"].info.run_id)
+    got, want = (
+        history(uri, runs["resumed"].info.run_id),
+        history(uri, runs["straight"].info.run_id),
+    )
     assert got.pop("best_val_acc")[-1] == want.pop("best_val_acc")[-1]
     assert got == want
     a, b = last_checkpoint(tmp_path, "straight"), last_checkpoint(tmp_path, "resumed")
@@ -232,18 +293,22 @@ class Mlp(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.body = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 64), nn.GELU(),
-                                  nn.Linear(64, 32), nn.GELU())
+        self.body = nn.Sequential(
+            nn.Flatten(), nn.Linear(3 * 8 * 8, 64), nn.GELU(), nn.Linear(64, 32), nn.GELU()
+        )
         self.head = nn.Linear(32, 10)
 
     def forward(self, x):
         return self.head(self.body(x))
 
 
-@pytest.mark.parametrize("level,overrides", [
-    ("O1", dict(autocast_dtype="bfloat16", loss_scale=1.0, fp8_linear="tensorwise")),
-    ("O2", dict(cast_model_type="bfloat16", loss_scale=1.0, fp8_linear="rowwise")),
-])
+@pytest.mark.parametrize(
+    "level,overrides",
+    [
+        ("O1", dict(autocast_dtype="bfloat16", loss_scale=1.0, fp8_linear="tensorwise")),
+        ("O2", dict(cast_model_type="bfloat16", loss_scale=1.0, fp8_linear="rowwise")),
+    ],
+)
 def test_fp8_layers_train_emulated_and_list_what_stays(level, overrides):
     from torchao.float8.float8_linear import Float8Linear
 
@@ -257,8 +322,14 @@ def test_fp8_layers_train_emulated_and_list_what_stays(level, overrides):
     assert isinstance(model.body[1], Float8Linear) and type(model.head) is nn.Linear
     (finding,) = engine.fp8.findings()
     assert "head (out_features 10 not a multiple of 16)" in finding.message
-    assert list(model.state_dict()) == ["body.1.weight", "body.1.bias", "body.3.weight",
-                                        "body.3.bias", "head.weight", "head.bias"]
+    assert list(model.state_dict()) == [
+        "body.1.weight",
+        "body.1.bias",
+        "body.3.weight",
+        "body.3.bias",
+        "head.weight",
+        "head.bias",
+    ]
     g = torch.Generator().manual_seed(2)
     x, y = torch.randn(32, 3, 8, 8, generator=g), torch.randint(0, 10, (32,), generator=g)
     losses = []
@@ -279,8 +350,15 @@ def test_fp8_run_logs_its_layers(tmp_path, tracking_uri):
 
     from tests.conftest import FAST
 
-    app.run(compose_config(*FAST, "precision=o2_fp8", "data.num_classes=16",
-                           "trainer.max_epochs=1", f"mlflow.tracking_uri={tracking_uri}"))
+    app.run(
+        compose_config(
+            *FAST,
+            "precision=o2_fp8",
+            "data.num_classes=16",
+            "trainer.max_epochs=1",
+            f"mlflow.tracking_uri={tracking_uri}",
+        )
+    )
     (run,) = runs_by_name(tracking_uri).values()
     assert run.info.status == "FINISHED" and run.info.run_name == "tiny-O2-fp8"
     assert run.data.params["precision.fp8_layers"] == "1"
@@ -290,11 +368,22 @@ def test_fp8_run_logs_its_layers(tmp_path, tracking_uri):
     assert "fp8   5" in open(listing).read()  # the Linear layer of the Sequential, index 5
 
 
-VIT = ["model=vit_tiny", "data=synthetic", "data.num_train=256", "data.num_val=32",
-       "data.image_size=32", "trainer.batch_size=32", "trainer.max_epochs=1",
-       "trainer.num_workers=0", "trainer.progress_bar=false", "trainer.log_every_n_steps=1",
-       "trainer.device=cpu", "optimizer=adamw", "optimizer.lr=3e-3",
-       "trainer.checkpoint_every_n_epochs=0"]
+VIT = [
+    "model=vit_tiny",
+    "data=synthetic",
+    "data.num_train=256",
+    "data.num_val=32",
+    "data.image_size=32",
+    "trainer.batch_size=32",
+    "trainer.max_epochs=1",
+    "trainer.num_workers=0",
+    "trainer.progress_bar=false",
+    "trainer.log_every_n_steps=1",
+    "trainer.device=cpu",
+    "optimizer=adamw",
+    "optimizer.lr=3e-3",
+    "trainer.checkpoint_every_n_epochs=0",
+]
 
 
 @pytest.mark.slow  # three short ViT runs of 8 steps, fp8 emulated (torchao's import: seconds)
@@ -315,13 +404,18 @@ def test_the_tiny_vit_trains_in_fp8_emulated_as_in_bf16(tracking_uri):
     losses = {}
     for preset in ("o1_bf16", "o1_fp8", "o2_bf16", "o2_fp8"):
         app.run(compose_config(*VIT, f"precision={preset}", f"mlflow.tracking_uri={tracking_uri}"))
-        run = runs_by_name(tracking_uri)[default_run_name(compose_config(*VIT,
-                                                                         f"precision={preset}"))]
+        run = runs_by_name(tracking_uri)[
+            default_run_name(compose_config(*VIT, f"precision={preset}"))
+        ]
         assert run.info.status == "FINISHED", preset
         if preset.endswith("fp8"):
             assert run.data.params["precision.fp8_layers"] == "8", preset
-        losses[preset] = [m.value for m in sorted(
-            client.get_metric_history(run.info.run_id, "train_loss"), key=lambda m: m.step)]
+        losses[preset] = [
+            m.value
+            for m in sorted(
+                client.get_metric_history(run.info.run_id, "train_loss"), key=lambda m: m.step
+            )
+        ]
     for preset, bf16 in (("o1_fp8", "o1_bf16"), ("o2_fp8", "o2_bf16")):
         reference = losses[bf16]
         assert len(reference) == 8
@@ -336,8 +430,15 @@ def test_the_facade_takes_the_new_properties():
     model = Mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     try:
-        model, opt = amp.initialize(model, opt, opt_level="O2", cast_model_type=torch.bfloat16,
-                                    loss_scale=1.0, fp8_linear="tensorwise", verbosity=0)
+        model, opt = amp.initialize(
+            model,
+            opt,
+            opt_level="O2",
+            cast_model_type=torch.bfloat16,
+            loss_scale=1.0,
+            fp8_linear="tensorwise",
+            verbosity=0,
+        )
         assert amp.engine().fp8.converted == ["body.1", "body.3"]
         x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,))
         with amp.scale_loss(nn.functional.cross_entropy(model(x), y), opt) as scaled:
@@ -345,8 +446,14 @@ def test_the_facade_takes_the_new_properties():
         opt.step()
         layer = nn.Linear(8, 8)
         sgd = torch.optim.SGD(layer.parameters(), lr=0.1)
-        layer, sgd = amp.initialize(layer, sgd, opt_level="O3", cast_model_type=torch.bfloat16,
-                                    stochastic_rounding=True, verbosity=0)
+        layer, sgd = amp.initialize(
+            layer,
+            sgd,
+            opt_level="O3",
+            cast_model_type=torch.bfloat16,
+            stochastic_rounding=True,
+            verbosity=0,
+        )
         with amp.scale_loss(layer(torch.randn(2, 8)).float().sum(), sgd) as scaled:
             scaled.backward()
         sgd.step()
@@ -366,8 +473,9 @@ def test_compiled_training_matches_eager(tmp_path, level, tolerance):
     runs = runs_by_name(uri)
     eager, compiled = (history(uri, runs[n].info.run_id) for n in ("eager", "compiled"))
     assert [s for s, _ in eager["train_loss"]] == [s for s, _ in compiled["train_loss"]]
-    for (_, a), (_, b) in zip(eager["train_loss"] + eager["val_loss"],
-                              compiled["train_loss"] + compiled["val_loss"]):
+    for (_, a), (_, b) in zip(
+        eager["train_loss"] + eager["val_loss"], compiled["train_loss"] + compiled["val_loss"]
+    ):
         assert abs(a - b) <= tolerance * max(1.0, abs(a)), (a, b)
     metrics = runs["compiled"].data.metrics
     assert metrics["compile_time_s"] > 0 and "compile_time_s" not in runs["eager"].data.metrics
@@ -381,10 +489,19 @@ def first_step_loss(*overrides: str) -> float:
     builds) for a GPT wide enough that inductor's fused casts show (width 256), on one batch."""
     from runner.run.trainer import RunContext
 
-    cfg = compose_config("model=gpt_tiny", "model.n_embd=256", "data=synthetic_text",
-                         "data.block_size=32", "data.num_train=65", "data.num_val=65",
-                         "trainer.batch_size=2", "trainer.num_workers=0",
-                         "trainer.progress_bar=false", "trainer.device=cpu", *overrides)
+    cfg = compose_config(
+        "model=gpt_tiny",
+        "model.n_embd=256",
+        "data=synthetic_text",
+        "data.block_size=32",
+        "data.num_train=65",
+        "data.num_val=65",
+        "trainer.batch_size=2",
+        "trainer.num_workers=0",
+        "trainer.progress_bar=false",
+        "trainer.device=cpu",
+        *overrides,
+    )
     plan = make_plan(cfg)
     parts = app.build(plan)
     trainer = parts.trainer(cfg.trainer, plan.device, RunContext(on_metrics=lambda *_: None))
@@ -411,17 +528,24 @@ def test_a_compiled_rowwise_fp8_model_computes_what_the_eager_one_does():
     from runner.precision.fp8 import Conversion
 
     rowwise_layers = Conversion("rowwise", emulated=True, converted=["blocks.0.mlp.fc"])
-    assert compile_arguments("max-autotune", rowwise_layers)["options"] | {
-        "max_autotune": True, "emulate_precision_casts": True} \
-        == compile_arguments("max-autotune", rowwise_layers)["options"]  # the mode is kept
+    assert (
+        compile_arguments("max-autotune", rowwise_layers)["options"]
+        | {"max_autotune": True, "emulate_precision_casts": True}
+        == compile_arguments("max-autotune", rowwise_layers)["options"]
+    )  # the mode is kept
     tensorwise = Conversion("tensorwise", emulated=True, converted=["blocks.0.mlp.fc"])
     assert compile_arguments("default", tensorwise) == {"mode": "default"}  # as torchtitan
 
 
 @pytest.mark.slow
 def test_a_compiled_run_resumes_bit_for_bit(tmp_path):
-    straight_and_resumed(tmp_path, "precision=o2_bf16", "trainer.compile=true", "scheduler=step",
-                         "scheduler.step_epochs=1")
+    straight_and_resumed(
+        tmp_path,
+        "precision=o2_bf16",
+        "trainer.compile=true",
+        "scheduler=step",
+        "scheduler.step_epochs=1",
+    )
     a, b = last_checkpoint(tmp_path, "straight"), last_checkpoint(tmp_path, "resumed")
     for key, value in a["model"].items():
         assert torch.equal(value, b["model"][key]), key
@@ -433,8 +557,12 @@ def test_the_report_tells_the_new_presets_apart():
     def described(level, **overrides):
         return describe_dtype(resolve(level, overrides).properties.as_params())
 
-    assert described("O1", autocast_dtype="bfloat16", loss_scale=1.0, fp8_linear="tensorwise") \
+    assert (
+        described("O1", autocast_dtype="bfloat16", loss_scale=1.0, fp8_linear="tensorwise")
         == "float32 weights, autocast bfloat16, fp8 Linear (tensorwise)"
-    assert described("O3", cast_model_type="bfloat16", stochastic_rounding=True) \
+    )
+    assert (
+        described("O3", cast_model_type="bfloat16", stochastic_rounding=True)
         == "bfloat16 (stochastic rounding)"
+    )
     assert described("O3", cast_model_type="bfloat16") == "bfloat16"

@@ -4,6 +4,7 @@ SQLite MLflow store, at two levels and as a two-job sweep; timm and torchvision 
 ViTs (torchvision's vit_b_16, timm's vit_small_patch16_224, the built-in vit_tiny); and every bad
 input a `_target_` or a zoo name can be: exit 2, no traceback, no MLflow run.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,8 +13,8 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from runner.errors import ConfigError
 from runner.components.models import build_model, small_stem
+from runner.errors import ConfigError
 from runner.run.plan import make_plan
 from tests.conftest import compose_config, run_cli, run_in_process
 from tests.test_e2e import EPOCH_METRICS, FINAL_METRICS, all_runs
@@ -84,11 +85,23 @@ def not_a_pair(size=16):
     return Blobs(8, size, 0)
 '''
 
-QUICK = ["trainer.batch_size=16", "trainer.max_epochs=1", "trainer.num_workers=0",
-         "trainer.progress_bar=false", "trainer.log_every_n_steps=1", "trainer.device=cpu",
-         "trainer.checkpoint_every_n_epochs=0", "precision.kernels=torch"]
-SYNTHETIC = ["data=synthetic", "data.num_train=16", "data.num_val=8", "data.image_size=32",
-             "data.num_classes=4"]
+QUICK = [
+    "trainer.batch_size=16",
+    "trainer.max_epochs=1",
+    "trainer.num_workers=0",
+    "trainer.progress_bar=false",
+    "trainer.log_every_n_steps=1",
+    "trainer.device=cpu",
+    "trainer.checkpoint_every_n_epochs=0",
+    "precision.kernels=torch",
+]
+SYNTHETIC = [
+    "data=synthetic",
+    "data.num_train=16",
+    "data.num_val=8",
+    "data.image_size=32",
+    "data.num_classes=4",
+]
 
 
 @pytest.fixture
@@ -142,12 +155,31 @@ def test_own_model_data_and_loss_from_a_config_dir_and_the_cli(project: Path):
     """The two ways: a config dir of the user's (a two-level sweep) and model=custom from the
     command line (a single run at a third level), into one real SQLite store."""
     uri = f"sqlite:///{project / 'mlflow.db'}"
-    sweep = run_cli("-m", "--config-dir", "my_conf", "model=my_net", "data=blobs", "loss=smooth",
-                    "precision=o0,o2_bf16", f"mlflow.tracking_uri={uri}", *QUICK, cwd=project)
+    sweep = run_cli(
+        "-m",
+        "--config-dir",
+        "my_conf",
+        "model=my_net",
+        "data=blobs",
+        "loss=smooth",
+        "precision=o0,o2_bf16",
+        f"mlflow.tracking_uri={uri}",
+        *QUICK,
+        cwd=project,
+    )
     check_output(sweep)
-    single = run_cli("model=custom", "model._target_=my_pkg.nets.MyNet", "+model.depth=1",
-                     "data=custom", "data._target_=my_pkg.data.make_datasets", "+data.size=8",
-                     "precision=o1_bf16", f"mlflow.tracking_uri={uri}", *QUICK, cwd=project)
+    single = run_cli(
+        "model=custom",
+        "model._target_=my_pkg.nets.MyNet",
+        "+model.depth=1",
+        "data=custom",
+        "data._target_=my_pkg.data.make_datasets",
+        "+data.size=8",
+        "precision=o1_bf16",
+        f"mlflow.tracking_uri={uri}",
+        *QUICK,
+        cwd=project,
+    )
     check_output(single)
     runs = finished_runs(uri)
     assert set(runs) == {"MyNet-O0", "MyNet-O2-bf16", "MyNet-O1-bf16"}
@@ -174,16 +206,26 @@ def test_zoo_models_by_name_train_to_finished_runs(tmp_path: Path):
     arguments the zoo option does not know passed through, and vit_tiny."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     common = [*SYNTHETIC, *QUICK, "trainer.limit_train_batches=1", f"mlflow.tracking_uri={uri}"]
-    timm_run = run_cli("model=timm", "model.arch=vit_small_patch16_224", "+model.img_size=32",
-                       "+model.depth=2", "precision=o1_bf16", "optimizer=adamw", *common,
-                       cwd=tmp_path)
+    timm_run = run_cli(
+        "model=timm",
+        "model.arch=vit_small_patch16_224",
+        "+model.img_size=32",
+        "+model.depth=2",
+        "precision=o1_bf16",
+        "optimizer=adamw",
+        *common,
+        cwd=tmp_path,
+    )
     check_output(timm_run)
     assert run_in_process("model=torchvision", "model.arch=mobilenet_v3_small", *common) == 0
     # the built-in small ViT trains on a CPU in seconds
     assert run_in_process("model=vit_tiny", "precision=o2_bf16", "optimizer=adamw", *common) == 0
     runs = finished_runs(uri)
-    assert set(runs) == {"vit_small_patch16_224-O1-bf16", "mobilenet_v3_small-O0",
-                         "vit_tiny-O2-bf16"}
+    assert set(runs) == {
+        "vit_small_patch16_224-O1-bf16",
+        "mobilenet_v3_small-O0",
+        "vit_tiny-O2-bf16",
+    }
     timm = runs["vit_small_patch16_224-O1-bf16"]
     assert timm.data.params["model.arch"] == "vit_small_patch16_224"
     assert timm.data.params["model.img_size"] == "32" and timm.data.params["model.depth"] == "2"
@@ -197,16 +239,18 @@ def test_vision_transformers_build_and_run_at_32_px():
     """torchvision's vit_b_16 and timm's vit_small_patch16_224 by name at 32 px (on the meta
     device: shapes only), and the built-in vit_tiny for real."""
     x = torch.randn(2, 3, 32, 32)
-    vit_b = compose_config("model=torchvision", "model.arch=vit_b_16", "+model.image_size=32",
-                           *SYNTHETIC)
+    vit_b = compose_config(
+        "model=torchvision", "model.arch=vit_b_16", "+model.image_size=32", *SYNTHETIC
+    )
     make_plan(vit_b)  # checked, output fitted to the data's 4 classes
     with torch.device("meta"):
         model = build_model(vit_b.model, 4, 32)
     assert type(model).__name__ == "VisionTransformer" and model.image_size == 32
     assert sum(p.numel() for p in model.parameters()) > 85 * 10**6  # ViT-B/16
     assert model(x.to("meta")).shape == (2, 4)
-    vit_s = compose_config("model=timm", "model.arch=vit_small_patch16_224",
-                           "+model.img_size=32", *SYNTHETIC)
+    vit_s = compose_config(
+        "model=timm", "model.arch=vit_small_patch16_224", "+model.img_size=32", *SYNTHETIC
+    )
     make_plan(vit_s)
     with torch.device("meta"):
         assert build_model(vit_s.model, 4, 32)(x.to("meta")).shape == (2, 4)
@@ -218,15 +262,17 @@ def test_vision_transformers_build_and_run_at_32_px():
 
 
 def test_the_number_of_classes_goes_to_the_argument_the_option_names(project: Path):
-    cfg = compose_config("model=custom", "model._target_=my_pkg.nets.Head",
-                         "+model._num_classes_=n_out", *SYNTHETIC)
+    cfg = compose_config(
+        "model=custom", "model._target_=my_pkg.nets.Head", "+model._num_classes_=n_out", *SYNTHETIC
+    )
     make_plan(cfg)  # the output fits: 4 classes went to n_out
     assert build_model(cfg.model, 4, 32).net[-1].out_features == 4
 
 
 def test_the_torchvision_zoo_gives_resnets_the_cifar_stem():
-    small = build_model(compose_config("model=torchvision", "model.arch=wide_resnet50_2").model,
-                        10, 32)
+    small = build_model(
+        compose_config("model=torchvision", "model.arch=wide_resnet50_2").model, 10, 32
+    )
     assert small.conv1.kernel_size == (3, 3) and isinstance(small.maxpool, torch.nn.Identity)
     large = build_model(compose_config("model=torchvision", "model.arch=resnet18").model, 10, 224)
     assert large.conv1.kernel_size == (7, 7)
@@ -236,14 +282,16 @@ def test_the_torchvision_zoo_gives_resnets_the_cifar_stem():
 def test_tensor_core_findings_apply_to_user_models():
     """The Tensor Core shape findings see a `_target_` model as they see a built-in one (here
     the dry run's meta-device build, for a CUDA device: a 4-class head is no multiple of 8)."""
-    from runner.run.build import shape_findings
     from runner.precision import resolve
     from runner.precision.checks import DeviceInfo
+    from runner.run.build import shape_findings
 
     gpu = DeviceInfo("cuda", (8, 0), "a GPU")
     properties = resolve("O2", device=gpu).properties
-    for model in (["model=custom", "model._target_=torchvision.models.resnet18"],
-                  ["model=resnet18"]):
+    for model in (
+        ["model=custom", "model._target_=torchvision.models.resnet18"],
+        ["model=resnet18"],
+    ):
         findings = shape_findings(compose_config(*model, *SYNTHETIC), properties, gpu)
         assert [f.key for f in findings] == ["model"], findings
         assert "fc" in findings[0].message
@@ -251,45 +299,88 @@ def test_tensor_core_findings_apply_to_user_models():
 
 # ---- bad input: exit 2, the key named, no traceback, no MLflow run ---------------------------
 BAD = [
-    (["model=custom", "model._target_=no_such_pkg.nets.Net"], "model._target_",
-     "no module named 'no_such_pkg'"),
-    (["model=custom", "model._target_=my_pkg.nets.NoSuchNet"], "model._target_",
-     "module 'my_pkg.nets' has no attribute 'NoSuchNet'"),
-    (["model=custom", "model._target_=my_pkg.nets.MyNet", "+model.colour=1"], "model.colour",
-     "takes no argument 'colour'"),
-    (["model=custom", "model._target_=my_pkg.nets.Head"], "model.n_out",
-     "needs the argument 'n_out'"),
-    (["model=custom", "model._target_=my_pkg.nets.Head", "+model._num_classes_=width"],
-     "model._num_classes_", "takes no argument 'width'"),
-    (["--config-dir", "my_conf", "model=seven"], "model._target_",
-     "outputs (2, 7) for a batch of shape (2, 3, 32, 32), but the data has 4 classes"),
-    (["model=custom", "model._target_=my_pkg.nets.MyNet", "+model.num_classes=5"],
-     "model.num_classes", "MyNet outputs (2, 5) for a batch of shape (2, 3, 32, 32), but the "
-     "data has 4 classes"),
+    (
+        ["model=custom", "model._target_=no_such_pkg.nets.Net"],
+        "model._target_",
+        "no module named 'no_such_pkg'",
+    ),
+    (
+        ["model=custom", "model._target_=my_pkg.nets.NoSuchNet"],
+        "model._target_",
+        "module 'my_pkg.nets' has no attribute 'NoSuchNet'",
+    ),
+    (
+        ["model=custom", "model._target_=my_pkg.nets.MyNet", "+model.colour=1"],
+        "model.colour",
+        "takes no argument 'colour'",
+    ),
+    (
+        ["model=custom", "model._target_=my_pkg.nets.Head"],
+        "model.n_out",
+        "needs the argument 'n_out'",
+    ),
+    (
+        ["model=custom", "model._target_=my_pkg.nets.Head", "+model._num_classes_=width"],
+        "model._num_classes_",
+        "takes no argument 'width'",
+    ),
+    (
+        ["--config-dir", "my_conf", "model=seven"],
+        "model._target_",
+        "outputs (2, 7) for a batch of shape (2, 3, 32, 32), but the data has 4 classes",
+    ),
+    (
+        ["model=custom", "model._target_=my_pkg.nets.MyNet", "+model.num_classes=5"],
+        "model.num_classes",
+        "MyNet outputs (2, 5) for a batch of shape (2, 3, 32, 32), but the data has 4 classes",
+    ),
     (["model=tiny", "+model.num_classes=3"], "model.num_classes", "unknown key"),
-    (["model=torchvision", "model.arch=vit_b16"], "model.arch",
-     "unknown torchvision model 'vit_b16'; closest: vit_b_16"),
-    (["model=torchvision", "model.arch=vit_b_16"], "model.arch",
-     "Wrong image height! Expected 224 but got 32"),
-    (["model=torchvision", "model.arch=resnet18", "+model.weights=IMAGENET1K_V1"],
-     "model.weights", "nothing may be downloaded"),
-    (["model=timm", "model.arch=vit_small_patch16_244"], "model.arch",
-     "unknown timm model 'vit_small_patch16_244'; closest: vit_small_patch16_224"),
-    (["model=timm", "model.arch=resnet18", "model.pretrained=true"], "model.pretrained",
-     "nothing may be downloaded"),
-    (["model=timm", "model.arch=resnet18", "+model.colour=1"], "model.colour",
-     "unexpected keyword argument 'colour'"),
-    (["data=custom", "data._target_=my_pkg.data.make_datasets", "+data.colour=1"],
-     "data.colour", "takes no argument 'colour'"),
-    (["loss=custom", "loss._target_=torch.nn.CrossEntropyLos"], "loss._target_",
-     "module 'torch.nn' has no attribute 'CrossEntropyLos'"),
+    (
+        ["model=torchvision", "model.arch=vit_b16"],
+        "model.arch",
+        "unknown torchvision model 'vit_b16'; closest: vit_b_16",
+    ),
+    (
+        ["model=torchvision", "model.arch=vit_b_16"],
+        "model.arch",
+        "Wrong image height! Expected 224 but got 32",
+    ),
+    (
+        ["model=torchvision", "model.arch=resnet18", "+model.weights=IMAGENET1K_V1"],
+        "model.weights",
+        "nothing may be downloaded",
+    ),
+    (
+        ["model=timm", "model.arch=vit_small_patch16_244"],
+        "model.arch",
+        "unknown timm model 'vit_small_patch16_244'; closest: vit_small_patch16_224",
+    ),
+    (
+        ["model=timm", "model.arch=resnet18", "model.pretrained=true"],
+        "model.pretrained",
+        "nothing may be downloaded",
+    ),
+    (
+        ["model=timm", "model.arch=resnet18", "+model.colour=1"],
+        "model.colour",
+        "unexpected keyword argument 'colour'",
+    ),
+    (
+        ["data=custom", "data._target_=my_pkg.data.make_datasets", "+data.colour=1"],
+        "data.colour",
+        "takes no argument 'colour'",
+    ),
+    (
+        ["loss=custom", "loss._target_=torch.nn.CrossEntropyLos"],
+        "loss._target_",
+        "module 'torch.nn' has no attribute 'CrossEntropyLos'",
+    ),
     (["loss.label_smoothing=1.5"], "loss.label_smoothing", "got 1.5"),
 ]
 
 
 @pytest.mark.parametrize("args,key,needle", BAD, ids=lambda v: v if isinstance(v, str) else None)
-def test_bad_input_exits_2_naming_the_key_before_any_run(project: Path, capfd, args, key,
-                                                         needle):
+def test_bad_input_exits_2_naming_the_key_before_any_run(project: Path, capfd, args, key, needle):
     uri = f"sqlite:///{project / 'mlflow.db'}"
     data = [] if any(a.startswith("data=") for a in args) else SYNTHETIC
     code = run_in_process(*args, *data, *QUICK, f"mlflow.tracking_uri={uri}")
@@ -304,29 +395,38 @@ def test_bad_input_exits_2_naming_the_key_before_any_run(project: Path, capfd, a
 
 def test_a_dataset_without_classes_or_a_pair_is_refused_before_any_run(project: Path, capfd):
     uri = f"sqlite:///{project / 'mlflow.db'}"
-    code = run_in_process("model=tiny", "data=custom", "data._target_=my_pkg.data.not_a_pair",
-                          *QUICK, f"mlflow.tracking_uri={uri}")
+    code = run_in_process(
+        "model=tiny",
+        "data=custom",
+        "data._target_=my_pkg.data.not_a_pair",
+        *QUICK,
+        f"mlflow.tracking_uri={uri}",
+    )
     err = printed(capfd)
-    assert code == 2 and "data._target_: my_pkg.data.not_a_pair returned a Blobs, not a " \
-        "(train, val) pair" in err and "Traceback" not in err
+    assert (
+        code == 2
+        and "data._target_: my_pkg.data.not_a_pair returned a Blobs, not a (train, val) pair" in err
+        and "Traceback" not in err
+    )
     assert not all_runs(uri)
 
 
 def test_a_model_output_that_only_the_dataset_can_check_is_refused_before_any_run(
-        project: Path, capfd):
+    project: Path, capfd
+):
     """Data of the user's without data.num_classes: the model's output is checked once the
     datasets exist (their .classes), still before the MLflow run."""
     uri = f"sqlite:///{project / 'mlflow.db'}"
-    code = run_in_process("--config-dir", "my_conf", "model=seven", "data=blobs", *QUICK,
-                          f"mlflow.tracking_uri={uri}")
+    code = run_in_process(
+        "--config-dir", "my_conf", "model=seven", "data=blobs", *QUICK, f"mlflow.tracking_uri={uri}"
+    )
     err = printed(capfd)
     assert code == 2 and "but the data has 3 classes" in err and "Traceback" not in err
     assert not all_runs(uri)
 
 
 def test_name_lists_are_derived_from_the_specs():
-    from runner.config import options
-    from runner.config import SCHEMAS
+    from runner.config import SCHEMAS, options
     from runner.config.finder import config_dir
 
     for group in options.GROUPS:
@@ -349,6 +449,7 @@ def test_a_checkpoint_from_before_the_loss_group_resumes_with_the_default_loss()
     current = OmegaConf.to_container(compose_config(*SYNTHETIC), resolve=True)
     before = {k: v for k, v in current.items() if k != "loss"}
     assert config_differences(before, current) == []
-    smoothed = OmegaConf.to_container(compose_config(*SYNTHETIC, "loss.label_smoothing=0.1"),
-                                      resolve=True)
+    smoothed = OmegaConf.to_container(
+        compose_config(*SYNTHETIC, "loss.label_smoothing=0.1"), resolve=True
+    )
     assert config_differences(before, smoothed) == ["loss.label_smoothing: 0.0 -> 0.1"]

@@ -1,6 +1,8 @@
-"""runner.components.optim.build_optimizer from composed configs: each option builds its own torch class
+"""runner.components.optim.build_optimizer from composed configs: each option builds its own torch
+class
 with the configured hyperparameters, and Adam's L2 penalty is not confused with AdamW's decoupled
 weight decay."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,8 +17,10 @@ def _build(*overrides: str, value: float = 1.0) -> tuple[torch.optim.Optimizer, 
     return build_optimizer(compose_config(*overrides).optimizer, [param]), param
 
 
-@pytest.mark.parametrize("option, cls", [("sgd", torch.optim.SGD), ("adam", torch.optim.Adam),
-                                         ("adamw", torch.optim.AdamW)])
+@pytest.mark.parametrize(
+    "option, cls",
+    [("sgd", torch.optim.SGD), ("adam", torch.optim.Adam), ("adamw", torch.optim.AdamW)],
+)
 def test_each_option_builds_exactly_its_class(option, cls):
     opt, _ = _build(f"optimizer={option}")
     assert type(opt) is cls  # exact: AdamW subclasses Adam in recent torch
@@ -24,12 +28,22 @@ def test_each_option_builds_exactly_its_class(option, cls):
 
 def test_adam_and_adamw_receive_the_configured_hyperparameters():
     for option in ("adam", "adamw"):
-        opt, _ = _build(f"optimizer={option}", "optimizer.lr=0.003", "optimizer.betas=[0.8,0.9]",
-                        "optimizer.eps=1e-6", "optimizer.weight_decay=0.05",
-                        "optimizer.amsgrad=true")
+        opt, _ = _build(
+            f"optimizer={option}",
+            "optimizer.lr=0.003",
+            "optimizer.betas=[0.8,0.9]",
+            "optimizer.eps=1e-6",
+            "optimizer.weight_decay=0.05",
+            "optimizer.amsgrad=true",
+        )
         group = opt.param_groups[0]
-        assert (group["lr"], group["betas"], group["eps"], group["weight_decay"],
-                group["amsgrad"]) == (0.003, (0.8, 0.9), 1e-6, 0.05, True), option
+        assert (
+            group["lr"],
+            group["betas"],
+            group["eps"],
+            group["weight_decay"],
+            group["amsgrad"],
+        ) == (0.003, (0.8, 0.9), 1e-6, 0.05, True), option
 
 
 def test_adamw_decays_decoupled_while_adam_adds_an_l2_gradient():

@@ -2,6 +2,7 @@
 
 fp16 arithmetic on CPU is emulated and slow, so every model and batch here is tiny.
 """
+
 from __future__ import annotations
 
 import copy
@@ -105,12 +106,22 @@ TABLE = {
 @pytest.mark.parametrize("level", sorted(TABLE))
 def test_level_properties_match_apex_table(level):
     p = resolve(level).properties
-    got = (p.cast_model_type, p.patch_torch_functions, p.keep_batchnorm_fp32, p.master_weights,
-           p.loss_scale)
+    got = (
+        p.cast_model_type,
+        p.patch_torch_functions,
+        p.keep_batchnorm_fp32,
+        p.master_weights,
+        p.loss_scale,
+    )
     assert got == TABLE[level]
     assert p.opt_level == level
-    assert set(LEVELS[level]) == {"cast_model_type", "patch_torch_functions",
-                                  "keep_batchnorm_fp32", "master_weights", "loss_scale"}
+    assert set(LEVELS[level]) == {
+        "cast_model_type",
+        "patch_torch_functions",
+        "keep_batchnorm_fp32",
+        "master_weights",
+        "loss_scale",
+    }
 
 
 def test_as_params_and_table():
@@ -141,11 +152,20 @@ def test_opt_level_zero_prefix_refused_with_hint():
         resolve("O4")
 
 
-@pytest.mark.parametrize("value, expected", [
-    ("float16", torch.float16), ("torch.float16", torch.float16), ("fp16", torch.float16),
-    ("half", torch.float16), ("bfloat16", torch.bfloat16), ("bf16", torch.bfloat16),
-    ("float32", torch.float32), (None, None), (torch.bfloat16, torch.bfloat16),
-])
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        ("float16", torch.float16),
+        ("torch.float16", torch.float16),
+        ("fp16", torch.float16),
+        ("half", torch.float16),
+        ("bfloat16", torch.bfloat16),
+        ("bf16", torch.bfloat16),
+        ("float32", torch.float32),
+        (None, None),
+        (torch.bfloat16, torch.bfloat16),
+    ],
+)
 def test_cast_model_type_parsing(value, expected):
     assert resolve("O2", {"cast_model_type": value}).properties.cast_model_type == expected
 
@@ -158,9 +178,16 @@ def test_cast_model_type_refused(value):
     assert "float16" in str(e.value)
 
 
-@pytest.mark.parametrize("value, expected", [
-    (True, True), (False, False), ("True", True), ("False", False), (None, None),
-])
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        (True, True),
+        (False, False),
+        ("True", True),
+        ("False", False),
+        (None, None),
+    ],
+)
 def test_keep_batchnorm_fp32_parsing(value, expected):
     assert resolve("O2", {"keep_batchnorm_fp32": value}).properties.keep_batchnorm_fp32 is expected
 
@@ -171,9 +198,17 @@ def test_keep_batchnorm_fp32_refused(value):
         resolve("O2", {"keep_batchnorm_fp32": value})
 
 
-@pytest.mark.parametrize("value, expected", [
-    ("dynamic", "dynamic"), (128, 128.0), (128.0, 128.0), ("128.0", 128.0), ("1", 1.0), (0.5, 0.5),
-])
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        ("dynamic", "dynamic"),
+        (128, 128.0),
+        (128.0, 128.0),
+        ("128.0", 128.0),
+        ("1", 1.0),
+        (0.5, 0.5),
+    ],
+)
 def test_loss_scale_parsing(value, expected):
     assert resolve("O3", {"loss_scale": value}).properties.loss_scale == expected
 
@@ -187,8 +222,14 @@ def test_loss_scale_refused(value):
 
 
 def test_overrides_equal_to_defaults_and_unknown_keys():
-    whole_config = dict(opt_level="O2", cast_model_type="float16", patch_torch_functions=False,
-                        keep_batchnorm_fp32=True, master_weights=True, loss_scale="dynamic")
+    whole_config = dict(
+        opt_level="O2",
+        cast_model_type="float16",
+        patch_torch_functions=False,
+        keep_batchnorm_fp32=True,
+        master_weights=True,
+        loss_scale="dynamic",
+    )
     assert resolve("O2", whole_config).properties == resolve("O2").properties
     with pytest.raises(ConfigError, match="precision.opt_level"):
         resolve("O2", {"opt_level": "O3"})
@@ -229,6 +270,7 @@ def test_o2_casting_keeps_batchnorm_fp32_and_casts_io():
     def record(name):
         def hook(module, args):
             seen[name] = args[0].dtype
+
         return hook
 
     model.conv.register_forward_pre_hook(record("conv_in"))
@@ -317,7 +359,9 @@ def test_cast_model_hooks_travel_with_deepcopy_and_torch_save(tmp_path):
     torch.save(model, tmp_path / "model.pt")
     for twin in (copy.deepcopy(model), torch.load(tmp_path / "model.pt", weights_only=False)):
         seen = {}
-        twin.conv.register_forward_pre_hook(lambda module, args: seen.update(dtype=args[0].dtype))
+        twin.conv.register_forward_pre_hook(
+            lambda module, args, seen=seen: seen.update(dtype=args[0].dtype)
+        )
         out = twin(x)
         assert seen["dtype"] == torch.bfloat16 and out.dtype == torch.float32
         assert torch.equal(out, expected)
@@ -369,14 +413,17 @@ def test_o0_matches_plain_fp32_loop_exactly():
     assert engine.skipped_steps == 0
 
 
-@pytest.mark.parametrize("level, overrides, tol", [
-    ("O1", {}, 0.01),
-    ("O1", {"autocast_dtype": "bfloat16"}, 0.03),
-    ("O2", {}, 0.01),
-    ("O2", {"cast_model_type": "bfloat16"}, 0.03),
-    ("O3", {}, 0.02),
-    ("O3", {"cast_model_type": "bfloat16"}, 0.05),
-])
+@pytest.mark.parametrize(
+    "level, overrides, tol",
+    [
+        ("O1", {}, 0.01),
+        ("O1", {"autocast_dtype": "bfloat16"}, 0.03),
+        ("O2", {}, 0.01),
+        ("O2", {"cast_model_type": "bfloat16"}, 0.03),
+        ("O3", {}, 0.02),
+        ("O3", {"cast_model_type": "bfloat16"}, 0.05),
+    ],
+)
 def test_levels_reduce_loss_like_fp32(level, overrides, tol):
     """Every level learns the fixed batch like the fp32 loop: the loss falls from ~1.4 to ~0.57
     in 20 steps, and each level's last loss is within `tol` (absolute) of fp32's (observed gaps:
@@ -418,8 +465,9 @@ def test_dynamic_scaler_skips_inf_step_and_backs_off(level):
 
 
 def test_dynamic_scale_growth_and_bounds():
-    s = LossScaler("dynamic", init_scale=8.0, growth_interval=3, max_loss_scale=32.0,
-                   min_loss_scale=2.0)
+    s = LossScaler(
+        "dynamic", init_scale=8.0, growth_interval=3, max_loss_scale=32.0, min_loss_scale=2.0
+    )
     for _ in range(2):
         s.update(False)
     assert s.scale == 8.0
@@ -434,8 +482,13 @@ def test_dynamic_scale_growth_and_bounds():
         s.update(True)
     assert s.scale == 2.0  # floored by min_loss_scale
     defaults = LossScaler("dynamic")
-    assert (defaults.scale, defaults.growth_factor, defaults.backoff_factor,
-            defaults.growth_interval, defaults.max_loss_scale) == (2.0**16, 2.0, 0.5, 2000, 2.0**24)
+    assert (
+        defaults.scale,
+        defaults.growth_factor,
+        defaults.backoff_factor,
+        defaults.growth_interval,
+        defaults.max_loss_scale,
+    ) == (2.0**16, 2.0, 0.5, 2000, 2.0**24)
 
 
 def test_engine_scale_grows_after_growth_interval_clean_steps():
@@ -506,10 +559,12 @@ def test_fused_step_checks_and_syncs_once_without_fp32_master_grads():
     masters = engine.masters(opt)
     engine.scalers[0].load_state_dict({"loss_scale": 1024.0})
     engine.backward(nn.functional.cross_entropy(model(x), y))
-    unscaled = {id(m): p.grad.float() / 1024.0
-                for p, m in zip(masters.model_params, masters.masters)}
-    unscaled.update({id(p): p.grad / 1024.0 for p in engine.master_params(opt)
-                     if id(p) not in unscaled})
+    unscaled = {
+        id(m): p.grad.float() / 1024.0 for p, m in zip(masters.model_params, masters.masters)
+    }
+    unscaled.update(
+        {id(p): p.grad / 1024.0 for p in engine.master_params(opt) if id(p) not in unscaled}
+    )
     before = {id(p): p.detach().clone() for p in engine.master_params(opt)}
     with OpRecorder() as rec:
         assert engine.step(opt)
@@ -518,8 +573,7 @@ def test_fused_step_checks_and_syncs_once_without_fp32_master_grads():
     assert spy.count("unscale_check") == 0 and spy.count("copy_scale") == 0
     assert all(m.grad is None for m in masters.masters)  # no fp32 gradient copies
     for p in engine.master_params(opt):  # SGD without momentum on the unscaled gradient, fp32
-        torch.testing.assert_close(p, before[id(p)] - 0.1 * unscaled[id(p)], rtol=1e-6,
-                                   atol=1e-7)
+        torch.testing.assert_close(p, before[id(p)] - 0.1 * unscaled[id(p)], rtol=1e-6, atol=1e-7)
     for p, m in zip(masters.model_params, masters.masters):
         assert torch.equal(p, m.half())  # the model copy written by the same pass
 
@@ -595,10 +649,12 @@ def test_clip_grad_norm_o2_clips_fp32_masters(kernels):
     engine.backward(nn.functional.cross_entropy(model(x), y))
     # the unscaled gradients in fp32, before clipping
     masters = engine.masters(opt)
-    unscaled = {id(m): p.grad.float() / 1024.0 for p, m in zip(masters.model_params,
-                                                               masters.masters)}
-    unscaled.update({id(p): p.grad / 1024.0 for p in engine.master_params(opt)
-                     if id(p) not in unscaled})
+    unscaled = {
+        id(m): p.grad.float() / 1024.0 for p, m in zip(masters.model_params, masters.masters)
+    }
+    unscaled.update(
+        {id(p): p.grad / 1024.0 for p in engine.master_params(opt) if id(p) not in unscaled}
+    )
     before = {id(p): p.detach().clone() for p in engine.master_params(opt)}
     norm = engine.clip_grad_norm_(0.05)
     assert norm.dtype == torch.float32
@@ -612,8 +668,9 @@ def test_clip_grad_norm_o2_clips_fp32_masters(kernels):
     assert engine.step(opt)
     coef = 0.05 / (norm.item() + 1e-6)
     for p in stepped:  # plain SGD: the update is lr times the clipped gradient
-        torch.testing.assert_close(p, before[id(p)] - 0.1 * coef * unscaled[id(p)], rtol=1e-5,
-                                   atol=1e-7)
+        torch.testing.assert_close(
+            p, before[id(p)] - 0.1 * coef * unscaled[id(p)], rtol=1e-5, atol=1e-7
+        )
     for p, m in zip(masters.model_params, masters.masters):
         assert torch.equal(p, m.half())
 
@@ -632,7 +689,7 @@ def test_lr_scheduler_created_before_prepare_drives_master_groups():
         for _ in range(3):
             assert _one_step(engine, model, opt, x, y)
             sched.step()
-    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** 3)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**3)
     assert all(any(m is p for p in opt.param_groups[0]["params"]) for m in masters)
     after = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 0.1 * (e + 1))
     after.step()
@@ -645,12 +702,12 @@ def test_state_dict_round_trip():
     _one_step(engine, model, opt, x, y, poison=True)
     _one_step(engine, model, opt, x, y)
     sd = engine.state_dict()
-    assert sd["skipped_steps"] == 1 and sd["loss_scaler0"]["loss_scale"] == 2.0 ** 15
+    assert sd["skipped_steps"] == 1 and sd["loss_scaler0"]["loss_scale"] == 2.0**15
     assert sd["loss_scaler0"]["unskipped"] == 1 and "loss_scaler1" in sd
     fresh = AmpEngine(props("O2", cast_model_type="bfloat16"), CPU, num_losses=2)
     fresh.load_state_dict(copy.deepcopy(sd))
     assert fresh.state_dict() == sd
-    assert fresh.loss_scale == 2.0 ** 15 and fresh.skipped_steps == 1
+    assert fresh.loss_scale == 2.0**15 and fresh.skipped_steps == 1
 
 
 def test_num_losses_gives_one_scaler_per_loss():

@@ -4,6 +4,7 @@ scaling knobs; strict mode; the refusal of `precision.opt_level` overrides.
 Every rule takes a device *description* (`DeviceInfo`), so GPU rules are tested on any machine.
 Each finding below has a test that fails when its rule is removed.
 """
+
 from __future__ import annotations
 
 import math
@@ -13,12 +14,12 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from runner.run.plan import check_opt_level, resolve_precision
+from runner.config.levels import SCALER_DEFAULTS
 from runner.errors import ConfigError
 from runner.precision import Finding, resolve
 from runner.precision.checks import DeviceInfo, tensor_core_findings
-from runner.config.levels import SCALER_DEFAULTS
 from runner.precision.scaler import LossScaler
+from runner.run.plan import check_opt_level, resolve_precision
 from tests.conftest import compose_config
 
 CPU = DeviceInfo("cpu", None, "test cpu")
@@ -78,15 +79,21 @@ def test_o2_without_master_weights_warns_about_vanishing_updates():
     r = resolve("O2", {"master_weights": False})
     assert [(f.level, f.property) for f in r.findings] == [("warning", "master_weights")]
     assert "2^-11" in r.findings[0].message
-    assert "2^-8" in resolve("O2", {"master_weights": False, "cast_model_type": "bfloat16",
-                                    "loss_scale": 1.0}).findings[0].message
+    assert (
+        "2^-8"
+        in resolve(
+            "O2", {"master_weights": False, "cast_model_type": "bfloat16", "loss_scale": 1.0}
+        )
+        .findings[0]
+        .message
+    )
     assert found("O3") == []  # pure 16 bit without masters is what O3 means
 
 
 def test_the_2_to_minus_11_claim_holds_in_fp16():
     w = torch.tensor(1.0, dtype=torch.float16)
-    assert (w + 2.0 ** -12) == w  # below half a spacing: the update vanishes
-    assert (w + 2.0 ** -10) != w
+    assert (w + 2.0**-12) == w  # below half a spacing: the update vanishes
+    assert (w + 2.0**-10) != w
 
 
 def test_bf16_with_dynamic_scaling_is_an_info():
@@ -126,7 +133,8 @@ def test_bf16_below_ampere_is_an_error():
     assert [(f.level, f.property) for f in r.findings] == [("error", "cast_model_type")]
     assert "8.0" in r.findings[0].message
     assert found("O1", {"autocast_dtype": "bf16", "loss_scale": 1.0}, device=VOLTA) == [
-        ("error", "autocast_dtype")]
+        ("error", "autocast_dtype")
+    ]
     assert found("O2", bf16, device=AMPERE) == []
     assert found("O2", bf16, device=DeviceInfo("cuda", None, "unknown")) == []
 
@@ -184,8 +192,10 @@ def test_app_passes_the_optimizer_config_and_stops_on_the_eps_error():
     with pytest.raises(ConfigError) as e:
         resolve_precision(cfg, DeviceInfo("cuda", (9, 0), "H100"))
     assert e.value.key == "optimizer.eps" and "optimizer.eps=1e-4" in str(e.value)
-    resolve_precision(compose_config("precision=o3", "optimizer=adam", "optimizer.eps=1e-4"),
-                      DeviceInfo("cuda", (9, 0), "H100"))
+    resolve_precision(
+        compose_config("precision=o3", "optimizer=adam", "optimizer.eps=1e-4"),
+        DeviceInfo("cuda", (9, 0), "H100"),
+    )
 
 
 # ---- Tensor Core shapes ----------------------------------------------------------------------
@@ -208,14 +218,20 @@ def test_tensor_core_shapes_one_info_naming_the_layers():
 def test_tensor_core_shapes_list_every_layer_of_every_convolution_kind():
     p = resolve("O1").properties
     model = Net(widths=(3, 12, 20, 28, 36, 44), classes=5)
-    model.extra = nn.ModuleList([nn.Conv1d(1, 6, 3), nn.ConvTranspose2d(16, 16, 2),
-                                 nn.Conv3d(8, 12, 1)])
+    model.extra = nn.ModuleList(
+        [nn.Conv1d(1, 6, 3), nn.ConvTranspose2d(16, 16, 2), nn.Conv3d(8, 12, 1)]
+    )
     out = tensor_core_findings(model, 64, p, AMPERE)
     assert len(out) == 1 and "batch size" not in out[0].message
     msg = out[0].message
     assert "8 of 9" in msg  # all but the aligned transposed conv
-    for name in ("convs.0", "convs.4", "fc", "extra.0 (out_channels 6)",
-                 "extra.2 (out_channels 12)"):
+    for name in (
+        "convs.0",
+        "convs.4",
+        "fc",
+        "extra.0 (out_channels 6)",
+        "extra.2 (out_channels 12)",
+    ):
         assert name in msg
     assert "extra.1" not in msg and "extra.0 (in_channels" not in msg
 
@@ -234,16 +250,22 @@ def test_dry_run_shape_findings_come_from_a_meta_model(tmp_path):
     head sized from the data config (CIFAR-100: 100 classes; an ImageFolder: its class folders)."""
     from runner.run import build, plan
 
-    cfg = compose_config("model=resnet50", "precision=o2", "data=cifar100",
-                         "trainer.batch_size=128")
+    cfg = compose_config(
+        "model=resnet50", "precision=o2", "data=cifar100", "trainer.batch_size=128"
+    )
     p = plan.check_config(cfg)[1].properties
     (finding,) = build.shape_findings(cfg, p, AMPERE)
     assert "fc (out_features 100)" in finding.message and "batch size" not in finding.message
     assert build.shape_findings(cfg, p, CPU) == []  # not a CUDA device: nothing built at all
     for name in ("a", "b", "c"):
         (tmp_path / "train" / name).mkdir(parents=True)
-    folder = compose_config("model=tiny", "precision=o2_bf16", "data=imagefolder",
-                            f"data.root={tmp_path}", "trainer.batch_size=64")
+    folder = compose_config(
+        "model=tiny",
+        "precision=o2_bf16",
+        "data=imagefolder",
+        f"data.root={tmp_path}",
+        "trainer.batch_size=64",
+    )
     (finding,) = build.shape_findings(folder, plan.check_config(folder)[1].properties, AMPERE)
     assert "out_features 3" in finding.message
 
@@ -263,8 +285,9 @@ def test_strict_stops_the_app_before_anything_is_built():
     with pytest.raises(ConfigError) as e:
         resolve_precision(cfg, torch.device("cpu"))
     assert e.value.key == "precision.cast_model_type" and "strict" in str(e.value)
-    resolve_precision(compose_config("precision=o2_bf16", "precision.strict=true"),
-                      torch.device("cpu"))
+    resolve_precision(
+        compose_config("precision=o2_bf16", "precision.strict=true"), torch.device("cpu")
+    )
 
 
 def test_finding_keys_and_summaries():
@@ -273,8 +296,11 @@ def test_finding_keys_and_summaries():
     assert str(Finding("info", "model", "m", "h")) == "[info] model: m (h)"
     r = resolve("O2", {"master_weights": False}, device=CPU, optimizer=ADAM)
     assert r.summary() == "1 error, 2 warning, 0 info"
-    assert r.compact().split("; ") == ["warning precision.master_weights",
-                                       "warning precision.cast_model_type", "error optimizer.eps"]
+    assert r.compact().split("; ") == [
+        "warning precision.master_weights",
+        "warning precision.cast_model_type",
+        "error optimizer.eps",
+    ]
     assert "optimizer.eps" in r.findings_table()
 
 
@@ -282,20 +308,39 @@ def test_finding_keys_and_summaries():
 def test_scaler_knobs_resolve_with_defaults_and_overrides():
     p = resolve("O2").properties
     assert {k: getattr(p, k) for k in SCALER_DEFAULTS} == dict(
-        init_scale=65536.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,
-        hysteresis=1, min_loss_scale=None, max_loss_scale=16777216.0)
-    p = resolve("O2", {"hysteresis": "2", "init_scale": 1024, "min_loss_scale": "null",
-                       "growth_interval": 10.0}).properties
+        init_scale=65536.0,
+        growth_factor=2.0,
+        backoff_factor=0.5,
+        growth_interval=2000,
+        hysteresis=1,
+        min_loss_scale=None,
+        max_loss_scale=16777216.0,
+    )
+    p = resolve(
+        "O2",
+        {"hysteresis": "2", "init_scale": 1024, "min_loss_scale": "null", "growth_interval": 10.0},
+    ).properties
     got = (p.hysteresis, p.init_scale, p.min_loss_scale, p.growth_interval)
     assert got == (2, 1024.0, None, 10)
     assert p.as_params()["hysteresis"] == "2" and "max_loss_scale" in p.table()
 
 
-@pytest.mark.parametrize("key,value", [
-    ("init_scale", 0), ("init_scale", "inf"), ("growth_factor", 1.0), ("backoff_factor", 1.0),
-    ("backoff_factor", 0), ("growth_interval", 0), ("growth_interval", 2.5), ("hysteresis", 0),
-    ("hysteresis", "two"), ("min_loss_scale", -1), ("max_loss_scale", None),
-])
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("init_scale", 0),
+        ("init_scale", "inf"),
+        ("growth_factor", 1.0),
+        ("backoff_factor", 1.0),
+        ("backoff_factor", 0),
+        ("growth_interval", 0),
+        ("growth_interval", 2.5),
+        ("hysteresis", 0),
+        ("hysteresis", "two"),
+        ("min_loss_scale", -1),
+        ("max_loss_scale", None),
+    ],
+)
 def test_bad_scaler_knobs_name_the_key(key, value):
     with pytest.raises(ConfigError) as e:
         resolve("O2", {key: value})
@@ -304,22 +349,38 @@ def test_bad_scaler_knobs_name_the_key(key, value):
 
 def test_min_above_max_loss_scale_is_refused():
     with pytest.raises(ConfigError, match="precision.min_loss_scale"):
-        resolve("O2", {"min_loss_scale": 2.0 ** 10, "max_loss_scale": 2.0 ** 5})
+        resolve("O2", {"min_loss_scale": 2.0**10, "max_loss_scale": 2.0**5})
 
 
 def test_scaler_from_properties_uses_every_knob():
-    p = resolve("O2", {"init_scale": 8, "growth_factor": 4, "backoff_factor": 0.25,
-                       "growth_interval": 3, "hysteresis": 2, "min_loss_scale": 1,
-                       "max_loss_scale": 64}).properties
+    p = resolve(
+        "O2",
+        {
+            "init_scale": 8,
+            "growth_factor": 4,
+            "backoff_factor": 0.25,
+            "growth_interval": 3,
+            "hysteresis": 2,
+            "min_loss_scale": 1,
+            "max_loss_scale": 64,
+        },
+    ).properties
     s = LossScaler.from_properties(p)
-    assert (s.dynamic, s.scale, s.growth_factor, s.backoff_factor, s.growth_interval,
-            s.hysteresis, s.min_loss_scale, s.max_loss_scale) == (True, 8.0, 4.0, 0.25, 3, 2,
-                                                                  1.0, 64.0)
+    assert (
+        s.dynamic,
+        s.scale,
+        s.growth_factor,
+        s.backoff_factor,
+        s.growth_interval,
+        s.hysteresis,
+        s.min_loss_scale,
+        s.max_loss_scale,
+    ) == (True, 8.0, 4.0, 0.25, 3, 2, 1.0, 64.0)
     assert LossScaler.from_properties(p, max_loss_scale=16.0).max_loss_scale == 16.0
     static = LossScaler.from_properties(resolve("O3", {"loss_scale": 128}).properties)
     assert not static.dynamic and static.scale == 128.0
     # the old constructor call still works
-    assert LossScaler("dynamic", min_loss_scale=None, max_loss_scale=2.0 ** 24).hysteresis == 1
+    assert LossScaler("dynamic", min_loss_scale=None, max_loss_scale=2.0**24).hysteresis == 1
 
 
 def test_hysteresis_backs_off_only_when_the_counter_is_spent():
@@ -349,14 +410,21 @@ def test_hysteresis_one_is_apex():
 
 
 def test_scaler_state_dict_round_trips_bit_for_bit():
-    s = LossScaler("dynamic", init_scale=3.0 * 2.0 ** -7, growth_factor=1.1, backoff_factor=0.3,
-                   growth_interval=5, hysteresis=3)
+    s = LossScaler(
+        "dynamic",
+        init_scale=3.0 * 2.0**-7,
+        growth_factor=1.1,
+        backoff_factor=0.3,
+        growth_interval=5,
+        hysteresis=3,
+    )
     for flag in (True, False, False, True, True, False, False, False, False, False, True):
         s.update(flag)
     sd = s.state_dict()
     assert set(sd) == {"loss_scale", "unskipped", "hysteresis_tracker"}
-    t = LossScaler("dynamic", growth_factor=1.1, backoff_factor=0.3, growth_interval=5,
-                   hysteresis=3)
+    t = LossScaler(
+        "dynamic", growth_factor=1.1, backoff_factor=0.3, growth_interval=5, hysteresis=3
+    )
     t.load_state_dict(sd)
     assert t.state_dict() == sd
     assert math.copysign(1, t.scale) == 1 and t.scale.hex() == s.scale.hex()
@@ -377,12 +445,15 @@ def test_static_scale_other_than_one_still_detects_and_flags():
 
 
 # ---- precision.opt_level: the level is a preset -----------------------------------------------
-@pytest.mark.parametrize("overrides,instead", [
-    (["precision.opt_level=O2"], "use precision=o2"),
-    (["precision=o1", "precision.opt_level=o3"], "use precision=o3"),
-    (["precision=o1_bf16", "precision.opt_level=O2"], "use precision=o2_bf16"),
-    (["precision=o2", "++precision.opt_level=O0"], "use precision=o0"),
-])
+@pytest.mark.parametrize(
+    "overrides,instead",
+    [
+        (["precision.opt_level=O2"], "use precision=o2"),
+        (["precision=o1", "precision.opt_level=o3"], "use precision=o3"),
+        (["precision=o1_bf16", "precision.opt_level=O2"], "use precision=o2_bf16"),
+        (["precision=o2", "++precision.opt_level=O0"], "use precision=o0"),
+    ],
+)
 def test_opt_level_override_is_refused_naming_the_preset(overrides, instead):
     with pytest.raises(ConfigError) as e:
         check_opt_level(compose_config(*overrides))

@@ -3,6 +3,7 @@ preset composes and resolves to exactly what it did when each YAML spelled out e
 (tests/preset_values.json was captured from those files before the change; the optimizer_state
 property and its two presets were added to it with that property, the layer plan's keys with
 theirs: no entry, no plan file, the auto plan's default settings)."""
+
 from __future__ import annotations
 
 import json
@@ -11,8 +12,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from runner.run.plan import preset_options
 from runner.precision import resolve
+from runner.run.plan import preset_options
 from tests.conftest import compose_config
 
 BEFORE = json.loads((Path(__file__).parent / "preset_values.json").read_text())

@@ -1,6 +1,7 @@
 """Each precision property is declared once (runner.config.precision.PROPERTIES): a row added in a
 fixture, and nowhere else, is typed by the schema Hydra composes with, parsed (bad values refused
 with the key named), resolved into Properties, logged as a param and shown in the run name."""
+
 from __future__ import annotations
 
 import pytest
@@ -18,9 +19,15 @@ from tests.conftest import compose_config
 def dummy_property(monkeypatch):
     """A seventh kind of knob, as a contributor would add it: one row of the table."""
     row = table.Property(
-        "dummy_knob", "number", 0.5, float, "a number in [0, 1]",
-        check=lambda x: 0 <= x <= 1, allowed="a number in [0, 1]",
-        suffix=lambda params: "knob" if params.get("dummy_knob") != "0.5" else None)
+        "dummy_knob",
+        "number",
+        0.5,
+        float,
+        "a number in [0, 1]",
+        check=lambda x: 0 <= x <= 1,
+        allowed="a number in [0, 1]",
+        suffix=lambda params: "knob" if params.get("dummy_knob") != "0.5" else None,
+    )
     monkeypatch.setattr(table, "PROPERTIES", [*table.PROPERTIES, row])
     runner.config.register_configs()  # the schemas, stored again from the table
     yield row
@@ -31,8 +38,13 @@ def dummy_property(monkeypatch):
 def test_the_table_names_every_property_once():
     names = table.property_names()
     assert len(names) == len(set(names))
-    assert names[:5] == ("cast_model_type", "patch_torch_functions", "keep_batchnorm_fp32",
-                         "master_weights", "loss_scale")
+    assert names[:5] == (
+        "cast_model_type",
+        "patch_torch_functions",
+        "keep_batchnorm_fp32",
+        "master_weights",
+        "loss_scale",
+    )
 
 
 def test_a_new_row_is_in_the_schema(dummy_property):

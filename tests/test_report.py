@@ -1,6 +1,7 @@
 """`python -m runner.report` on real MLflow stores: the O0-O3 sweep's SQLite store (made once per
 session by a real multirun), the same runs served by a real `mlflow server` on localhost through
 its REST API, and small stores written with the runner's Tracker for the edge cases."""
+
 from __future__ import annotations
 
 import csv
@@ -13,14 +14,19 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from runner import report
-from runner.tracking.tags import SWEEP_DIR as SWEEP_DIR_TAG
-from runner.tracking.tags import PARENT_RUN as PARENT_RUN_TAG
 from runner.tracking.lifecycle import Tracker
+from runner.tracking.tags import PARENT_RUN as PARENT_RUN_TAG
+from runner.tracking.tags import SWEEP_DIR as SWEEP_DIR_TAG
 from tests.conftest import MlflowServer
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-REPORT_FILES = {"comparison.md", "comparison.csv", "time_memory_accuracy.png",
-                "memory_by_kind.png", "val_acc_curves.png"}
+REPORT_FILES = {
+    "comparison.md",
+    "comparison.csv",
+    "time_memory_accuracy.png",
+    "memory_by_kind.png",
+    "val_acc_curves.png",
+}
 
 
 def read_csv(path: Path) -> list[dict[str, str]]:
@@ -45,7 +51,7 @@ def assert_png(path: Path, width: int, height: int) -> None:
     assert pixels.std() > 0.05  # something was drawn, not a blank canvas
 
 
-# ---- the level sweep ------------------------------------------------------------------------------
+# ---- the level sweep -----------------------------------------------------------------------------
 @pytest.mark.slow
 def test_report_compares_the_levels_and_logs_itself_on_the_parent(levels_sweep, tmp_path, capsys):
     _, uri = levels_sweep
@@ -56,10 +62,14 @@ def test_report_compares_the_levels_and_logs_itself_on_the_parent(levels_sweep, 
     client, parent = sweep_parent(uri)
     rows = read_csv(out / "comparison.csv")
     assert [(r["model"], r["level"], r["status"]) for r in rows] == [
-        ("tiny", level, "FINISHED") for level in ("O0", "O1", "O2", "O3")]
+        ("tiny", level, "FINISHED") for level in ("O0", "O1", "O2", "O3")
+    ]
     assert [r["dtype"] for r in rows] == [
-        "float32", "float32 weights, autocast float16",
-        "float16 (fp32 BatchNorm, fp32 master weights)", "float16"]
+        "float32",
+        "float32 weights, autocast float16",
+        "float16 (fp32 BatchNorm, fp32 master weights)",
+        "float16",
+    ]
     runs = {r["level"]: client.get_run(r["run_id"]) for r in rows}
     assert all(run.data.tags[PARENT_RUN_TAG] == parent.info.run_id for run in runs.values())
     o0_time = runs["O0"].data.metrics["train_time_s"]
@@ -77,7 +87,8 @@ def test_report_compares_the_levels_and_logs_itself_on_the_parent(levels_sweep, 
     # throughput: the mean over the epochs after the first (epoch 2 of 2 here)
     history = client.get_metric_history(runs["O1"].info.run_id, "samples_per_s")
     assert float(rows[1]["samples_per_s"]) == pytest.approx(
-        next(m.value for m in history if m.step == 2))
+        next(m.value for m in history if m.step == 2)
+    )
 
     markdown = (out / "comparison.md").read_text()
     assert markdown.startswith("# Precision comparison: sweep precision=o0,o1,o2,o3")
@@ -95,8 +106,9 @@ def test_report_compares_the_levels_and_logs_itself_on_the_parent(levels_sweep, 
 
 def rest(base: str, endpoint: str, payload: dict | None = None) -> dict:
     data = None if payload is None else json.dumps(payload).encode()
-    request = urllib.request.Request(f"{base}/api/2.0/mlflow/{endpoint}", data=data,
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"{base}/api/2.0/mlflow/{endpoint}", data=data, headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=30) as response:
         return json.loads(response.read())
 
@@ -112,14 +124,22 @@ def test_a_tracking_server_serves_the_sweep_tree(levels_sweep, tmp_path):
         ids = [experiment["experiment_id"]]
         tags = {t["key"]: t["value"] for t in experiment["tags"]}
         assert tags["mlflow.experimentKind"] == "custom_model_development"  # the runs page
-        parents = rest(base, "runs/search", {
-            "experiment_ids": ids, "filter": f"tags.`{SWEEP_DIR_TAG}` != ''"})["runs"]
+        parents = rest(
+            base, "runs/search", {"experiment_ids": ids, "filter": f"tags.`{SWEEP_DIR_TAG}` != ''"}
+        )["runs"]
         assert len(parents) == 1
         parent_id = parents[0]["info"]["run_id"]
-        children = rest(base, "runs/search", {
-            "experiment_ids": ids, "filter": f"tags.`{PARENT_RUN_TAG}` = '{parent_id}'"})["runs"]
+        children = rest(
+            base,
+            "runs/search",
+            {"experiment_ids": ids, "filter": f"tags.`{PARENT_RUN_TAG}` = '{parent_id}'"},
+        )["runs"]
         assert sorted(c["info"]["run_name"] for c in children) == [
-            "tiny-O0", "tiny-O1", "tiny-O2", "tiny-O3"]
+            "tiny-O0",
+            "tiny-O1",
+            "tiny-O2",
+            "tiny-O3",
+        ]
         for child in children:
             assert child["info"]["status"] == "FINISHED"
             metrics = {m["key"]: m["value"] for m in child["data"]["metrics"]}
@@ -141,12 +161,24 @@ def test_runs_lacking_metrics_are_reported_not_fatal(tracking_uri, tmp_path, cap
     tracker = Tracker(tracking_uri, "amp-runner")
     parent = tracker.create_run("sweep precision=o0,o3", {SWEEP_DIR_TAG: str(tmp_path)})
     child_tags = {PARENT_RUN_TAG: parent.run_id}
-    params = {"model.name": "tiny", "optimizer.name": "sgd", "trainer.batch_size": "32",
-              "precision.opt_level": "O0", "precision.cast_model_type": "float32"}
+    params = {
+        "model.name": "tiny",
+        "optimizer.name": "sgd",
+        "trainer.batch_size": "32",
+        "precision.opt_level": "O0",
+        "precision.cast_model_type": "float32",
+    }
     with tracker.start_run("tiny-O0", params, child_tags) as run:
         for epoch, acc in [(1, 0.5), (2, 0.7)]:
-            run.log_metrics({"val_acc": acc, "samples_per_s": 100.0 * epoch,
-                             "peak_mem_mb": 50.0, "skipped_steps": 0.0}, epoch)
+            run.log_metrics(
+                {
+                    "val_acc": acc,
+                    "samples_per_s": 100.0 * epoch,
+                    "peak_mem_mb": 50.0,
+                    "skipped_steps": 0.0,
+                },
+                epoch,
+            )
         run.log_metrics({"best_val_acc": 0.7, "train_time_s": 10.0}, 2)
     tracker.record_failure("tiny-O3", child_tags, RuntimeError("diverged"))
     parent.end("FINISHED")
@@ -158,8 +190,10 @@ def test_runs_lacking_metrics_are_reported_not_fatal(tracking_uri, tmp_path, cap
     assert rows["tiny-O3"]["status"] == "FAILED" and rows["tiny-O3"]["best_val_acc"] == ""
     assert rows["tiny-O3"]["level"] == "?"  # it failed before any param was logged
     markdown = (out / "comparison.md").read_text()
-    assert ("- tiny-O3 (FAILED): no best_val_acc, train_time_s, samples_per_s, peak_mem_mb, "
-            "skipped_steps") in markdown
+    assert (
+        "- tiny-O3 (FAILED): no best_val_acc, train_time_s, samples_per_s, peak_mem_mb, "
+        "skipped_steps"
+    ) in markdown
     assert {p.name for p in out.iterdir()} == REPORT_FILES
 
 
@@ -169,12 +203,15 @@ def test_a_missing_store_is_not_created(tmp_path, capsys):
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "r").exists()
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--experiment", "nope"], "no experiment 'nope'"),
-    ([], "no runs in experiment 'amp-runner'"),
-    (["--parent", "0123456789abcdef"], "no run '0123456789abcdef'"),
-    (["--sweep", "multirun/never"], "no sweep named 'multirun/never'"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--experiment", "nope"], "no experiment 'nope'"),
+        ([], "no runs in experiment 'amp-runner'"),
+        (["--parent", "0123456789abcdef"], "no run '0123456789abcdef'"),
+        (["--sweep", "multirun/never"], "no sweep named 'multirun/never'"),
+    ],
+)
 def test_nothing_to_report_says_why(args, needle, tracking_uri, tmp_path, capsys):
     Tracker(tracking_uri, "amp-runner")  # an empty experiment
     assert report.main(["--tracking-uri", tracking_uri, "--out", str(tmp_path / "r"), *args]) == 1
@@ -190,14 +227,26 @@ def test_memory_by_kind_columns_and_stacked_bars(tracking_uri, tmp_path):
     parent = tracker.create_run("sweep precision=o0,o2", {SWEEP_DIR_TAG: str(tmp_path)})
     parts = {"O0": (4.0, 0.0, 4.0, 4.0, 20.0), "O2": (2.0, 4.0, 2.0, 4.0, 10.0)}
     for level in ("O0", "O2", "O3"):
-        params = {"model.name": "tiny", "optimizer.name": "sgd", "trainer.batch_size": "32",
-                  "precision.opt_level": level}
+        params = {
+            "model.name": "tiny",
+            "optimizer.name": "sgd",
+            "trainer.batch_size": "32",
+            "precision.opt_level": level,
+        }
         with tracker.start_run(f"tiny-{level}", params, {PARENT_RUN_TAG: parent.run_id}) as run:
             memory = dict(zip(report.MEMORY_METRICS, parts.get(level, ())))
             if memory:
                 memory["mem_total_mb"] = sum(memory.values())
-            run.log_metrics({"val_acc": 0.5, "samples_per_s": 10.0, "skipped_steps": 0.0,
-                             "peak_mem_mb": memory.get("mem_total_mb", 30.0), **memory}, 1)
+            run.log_metrics(
+                {
+                    "val_acc": 0.5,
+                    "samples_per_s": 10.0,
+                    "skipped_steps": 0.0,
+                    "peak_mem_mb": memory.get("mem_total_mb", 30.0),
+                    **memory,
+                },
+                1,
+            )
             run.log_metrics({"best_val_acc": 0.5, "train_time_s": 1.0}, 1)
     parent.end("FINISHED")
 
@@ -218,7 +267,6 @@ def test_memory_by_kind_columns_and_stacked_bars(tracking_uri, tmp_path):
     assert_png(out / "memory_by_kind.png", 600, 500)
 
 
-
 # ---- a report for every axis ------------------------------------------------------------------
 def _axes_sweep(tracking_uri, tmp_path):
     """A sweep of 2 lrs x 2 levels x 2 seeds, as Optuna or a grid leaves it: all runs share their
@@ -229,23 +277,37 @@ def _axes_sweep(tracking_uri, tmp_path):
     for lr, o0_time in (("0.1", 8.0), ("0.01", 4.0)):
         for level in ("O0", "O2"):
             for seed in ("1", "2"):
-                params = {"model.name": "tiny", "optimizer.name": "sgd",
-                          "trainer.batch_size": "32", "precision.opt_level": level,
-                          "optimizer.lr": lr, "trainer.seed": seed,
-                          "model.num_parameters": "1000", "mlflow.tracking_uri": tracking_uri}
+                params = {
+                    "model.name": "tiny",
+                    "optimizer.name": "sgd",
+                    "trainer.batch_size": "32",
+                    "precision.opt_level": level,
+                    "optimizer.lr": lr,
+                    "trainer.seed": seed,
+                    "model.num_parameters": "1000",
+                    "mlflow.tracking_uri": tracking_uri,
+                }
                 time = o0_time if level == "O0" else o0_time / 2
-                with tracker.start_run(f"tiny-{level}", params,
-                                       {PARENT_RUN_TAG: parent.run_id}) as run:
-                    run.log_metrics({"val_acc": 0.5, "samples_per_s": 10.0, "skipped_steps": 0.0,
-                                     "peak_mem_mb": 10.0, "best_val_acc": 0.5,
-                                     "train_time_s": time}, 1)
+                with tracker.start_run(
+                    f"tiny-{level}", params, {PARENT_RUN_TAG: parent.run_id}
+                ) as run:
+                    run.log_metrics(
+                        {
+                            "val_acc": 0.5,
+                            "samples_per_s": 10.0,
+                            "skipped_steps": 0.0,
+                            "peak_mem_mb": 10.0,
+                            "best_val_acc": 0.5,
+                            "train_time_s": time,
+                        },
+                        1,
+                    )
                     ids[(lr, level, seed)] = run.run_id
     parent.end("FINISHED")
     return ids
 
 
-def test_the_report_has_a_column_per_varying_param_and_baselines_per_group(tracking_uri,
-                                                                          tmp_path):
+def test_the_report_has_a_column_per_varying_param_and_baselines_per_group(tracking_uri, tmp_path):
     ids = _axes_sweep(tracking_uri, tmp_path)
     out = tmp_path / "report"
     assert report.main(["--tracking-uri", tracking_uri, "--out", str(out)]) == 0
@@ -271,9 +333,12 @@ def test_the_report_has_a_column_per_varying_param_and_baselines_per_group(track
     assert "| tiny | O2 lr=0.1 | 2 | 50.00 ± 0.00 | 4.0 ± 0.0 | 10 ± 0 | 2.00 ± 0.00 |" in markdown
     assert "| tiny | O0 lr=0.01 | 2 | 50.00 ± 0.00 | 4.0 ± 0.0 | 10 ± 0 | 1.00 ± 0.00 |" in markdown
     # every run has a bar of its own, labelled by what differs
-    labels = report.bar_labels([report.to_row(MlflowClient(tracking_uri),
-                                              MlflowClient(tracking_uri).get_run(i))
-                                for i in ids.values()])
+    labels = report.bar_labels(
+        [
+            report.to_row(MlflowClient(tracking_uri), MlflowClient(tracking_uri).get_run(i))
+            for i in ids.values()
+        ]
+    )
     assert len(set(labels)) == 8 and "O2 lr=0.1 seed=2" in labels
 
 
@@ -296,8 +361,12 @@ def test_a_group_without_an_o0_run_gets_no_ratio(tracking_uri, tmp_path):
 def test_diff_prints_the_params_that_differ(tracking_uri, tmp_path, capsys):
     ids = _axes_sweep(tracking_uri, tmp_path)
     a, b = ids[("0.1", "O0", "1")], ids[("0.01", "O2", "1")]
-    assert report.main(["--tracking-uri", tracking_uri, "--diff", a, b,
-                        "--out", str(tmp_path / "report")]) == 0
+    assert (
+        report.main(
+            ["--tracking-uri", tracking_uri, "--diff", a, b, "--out", str(tmp_path / "report")]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert out.startswith("2 params differ:")
     assert "| optimizer.lr | 0.1 | 0.01 |" in out and "| precision.opt_level | O0 | O2 |" in out
@@ -309,10 +378,21 @@ def test_diff_prints_the_params_that_differ(tracking_uri, tmp_path, capsys):
 
 
 def test_seed_statistics_are_the_sample_mean_and_std():
-    rows = [report.Row(run_id=f"r{i}", run_name="tiny-O0", status="FINISHED", model="tiny",
-                       optimizer="sgd", level="O0", dtype="float32", batch_size=32,
-                       metrics={"best_val_acc": acc}, params={"trainer.seed": str(i)})
-            for i, acc in enumerate((0.5, 0.7, 0.9))]
+    rows = [
+        report.Row(
+            run_id=f"r{i}",
+            run_name="tiny-O0",
+            status="FINISHED",
+            model="tiny",
+            optimizer="sgd",
+            level="O0",
+            dtype="float32",
+            batch_size=32,
+            metrics={"best_val_acc": acc},
+            params={"trainer.seed": str(i)},
+        )
+        for i, acc in enumerate((0.5, 0.7, 0.9))
+    ]
     (group,) = report.seed_groups(rows)
     mean, std, n = group.stats(lambda r: r.get("best_val_acc"))
     assert n == 3 and mean == pytest.approx(0.7) and std == pytest.approx(0.2)  # (n - 1)
@@ -326,20 +406,32 @@ def test_the_report_of_a_real_lr_level_seed_sweep(tmp_path):
     from tests.conftest import FAST, run_in_process
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    assert run_in_process("-m", *FAST, "data.num_train=64", "trainer.max_epochs=1",
-                          "optimizer.lr=0.05,0.1", "precision=o0,o2_bf16", "trainer.seed=1,2",
-                          "trainer.progress_bar=false", f"mlflow.tracking_uri={uri}",
-                          f"hydra.sweep.dir={tmp_path / 'sweep'}") == 0
+    assert (
+        run_in_process(
+            "-m",
+            *FAST,
+            "data.num_train=64",
+            "trainer.max_epochs=1",
+            "optimizer.lr=0.05,0.1",
+            "precision=o0,o2_bf16",
+            "trainer.seed=1,2",
+            "trainer.progress_bar=false",
+            f"mlflow.tracking_uri={uri}",
+            f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        )
+        == 0
+    )
     out = tmp_path / "report"
     assert report.main(["--tracking-uri", uri, "--out", str(out)]) == 0
     rows = read_csv(out / "comparison.csv")
     assert len(rows) == 8
     assert list(rows[0])[2:4] == ["optimizer.lr", "trainer.seed"]  # and nothing else varies
     by_config = {(r["optimizer.lr"], r["level"], r["trainer.seed"]): r for r in rows}
-    for (lr, level, seed), row in by_config.items():
+    for (lr, _level, seed), row in by_config.items():
         base = by_config[(lr, "O0", seed)]
         assert row["baseline_run"] == f"{base['run_name']} ({base['run_id'][:8]})"
         assert float(row["speedup_vs_o0"]) == pytest.approx(
-            float(base["train_time_s"]) / float(row["train_time_s"]))
+            float(base["train_time_s"]) / float(row["train_time_s"])
+        )
     markdown = (out / "comparison.md").read_text()
     assert markdown.count("| tiny | O2 bf16 lr=") == 2 and "| 2 |" in markdown  # 2 seeds each

@@ -5,6 +5,7 @@ Tolerance: none. A resumed run computes exactly what the uninterrupted one compu
 order, restored RNG, optimizer, scaler and scheduler state), so parameters and every non-timing
 metric are compared bit for bit.
 """
+
 from __future__ import annotations
 
 import signal
@@ -15,16 +16,22 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from runner.run import app
-from runner.run import checkpoint
-from runner.run.plan import make_plan
 from runner.errors import ConfigError, DivergenceError
+from runner.run import app, checkpoint
 from runner.run.interrupts import RunInterrupted, StopRequest
+from runner.run.plan import make_plan
 from runner.run.trainer import RunContext, Trainer
 from tests.conftest import FAST, compose_config, read_until, run_cli, start_cli
 
-NON_TIMING = ("train_loss", "lr", "val_loss", "val_acc", "loss_scale", "skipped_steps",
-              "best_val_acc")
+NON_TIMING = (
+    "train_loss",
+    "lr",
+    "val_loss",
+    "val_acc",
+    "loss_scale",
+    "skipped_steps",
+    "best_val_acc",
+)
 
 
 def runs_by_name(uri: str) -> dict:
@@ -35,8 +42,10 @@ def runs_by_name(uri: str) -> dict:
 
 def history(uri: str, run_id: str) -> dict[str, list[tuple[int, float]]]:
     client = MlflowClient(uri)
-    return {name: sorted((m.step, m.value) for m in client.get_metric_history(run_id, name))
-            for name in NON_TIMING}
+    return {
+        name: sorted((m.step, m.value) for m in client.get_metric_history(run_id, name))
+        for name in NON_TIMING
+    }
 
 
 def last_checkpoint(tmp_path: Path, run_name: str) -> dict:
@@ -45,8 +54,13 @@ def last_checkpoint(tmp_path: Path, run_name: str) -> dict:
 
 
 def settings(tmp_path: Path, *extra: str) -> list[str]:
-    return [*FAST, "data.num_train=160", f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
-            f"trainer.checkpoint_dir={tmp_path / 'checkpoints'}", *extra]
+    return [
+        *FAST,
+        "data.num_train=160",
+        f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+        f"trainer.checkpoint_dir={tmp_path / 'checkpoints'}",
+        *extra,
+    ]
 
 
 def straight_and_resumed(tmp_path: Path, *extra: str) -> str:
@@ -55,20 +69,27 @@ def straight_and_resumed(tmp_path: Path, *extra: str) -> str:
     common = settings(tmp_path, *extra)
     app.run(compose_config(*common, "trainer.max_epochs=2", "mlflow.run_name=straight"))
     app.run(compose_config(*common, "trainer.max_epochs=1", "mlflow.run_name=resumed"))
-    app.run(compose_config(*common, "trainer.max_epochs=2", "mlflow.run_name=resumed",
-                           "resume=auto"))
+    app.run(
+        compose_config(*common, "trainer.max_epochs=2", "mlflow.run_name=resumed", "resume=auto")
+    )
     return f"sqlite:///{tmp_path / 'mlflow.db'}"
 
 
-# ---- resume at an epoch boundary: the issue's test ------------------------------------------------
+# ---- resume at an epoch boundary: the issue's test -----------------------------------------------
 @pytest.mark.parametrize("level", ["o0", "o2"])
 def test_two_epochs_straight_equal_one_then_resume_one_more(tmp_path, level):
     """o2: fp16 model, fp32 masters, dynamic loss scale: the masters, Adam's moments and the
     scaler's state all have to come back exactly."""
     # a schedule that does not depend on max_epochs (the first session's budget is 1 epoch)
-    uri = straight_and_resumed(tmp_path, f"precision={level}", "optimizer=adam",
-                               "optimizer.eps=1e-4", "scheduler=step", "scheduler.step_epochs=1",
-                               "scheduler.gamma=0.5")
+    uri = straight_and_resumed(
+        tmp_path,
+        f"precision={level}",
+        "optimizer=adam",
+        "optimizer.eps=1e-4",
+        "scheduler=step",
+        "scheduler.step_epochs=1",
+        "scheduler.gamma=0.5",
+    )
     runs = runs_by_name(uri)
     assert set(runs) == {"straight", "resumed"}  # the resumed run continued its own MLflow run
     resumed = runs["resumed"]
@@ -100,9 +121,14 @@ def test_a_grown_budget_stretches_a_step_count_schedule(tmp_path):
     lrs = dict(history(uri, run.info.run_id)["lr"])
     steps_per_epoch = 5  # 160 images, batch 32
     ref = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
-    sched = torch.optim.lr_scheduler.OneCycleLR(ref, max_lr=0.1, total_steps=2 * steps_per_epoch,
-                                                pct_start=0.3, div_factor=25.0,
-                                                final_div_factor=1e4)
+    sched = torch.optim.lr_scheduler.OneCycleLR(
+        ref,
+        max_lr=0.1,
+        total_steps=2 * steps_per_epoch,
+        pct_start=0.3,
+        div_factor=25.0,
+        final_div_factor=1e4,
+    )
     want = {}
     for step in range(1, 2 * steps_per_epoch + 1):
         ref.step()
@@ -115,8 +141,20 @@ def test_a_grown_budget_stretches_a_step_count_schedule(tmp_path):
 def test_checkpoint_holds_the_contract(tmp_path):
     app.run(compose_config(*settings(tmp_path, "precision=o2", "trainer.max_epochs=1")))
     state = last_checkpoint(tmp_path, "tiny-O2")
-    assert {"model", "optimizer", "engine", "scheduler", "epoch", "batch", "global_step", "rng",
-            "mlflow_run_id", "config", "history", "best_val_acc"} <= set(state)
+    assert {
+        "model",
+        "optimizer",
+        "engine",
+        "scheduler",
+        "epoch",
+        "batch",
+        "global_step",
+        "rng",
+        "mlflow_run_id",
+        "config",
+        "history",
+        "best_val_acc",
+    } <= set(state)
     assert all(v.dtype != torch.float16 for v in state["model"].values())  # fp32 (masters)
     assert state["engine"]["loss_scaler0"]["loss_scale"] > 0
     assert state["config"]["precision"]["opt_level"] == "O2"
@@ -137,12 +175,15 @@ def test_a_new_run_never_overwrites_another_runs_checkpoint(tmp_path):
     assert len(both) == 2 and first[0].read_bytes() == before
 
 
-# ---- what resume refuses -----------------------------------------------------------------------------
+# ---- what resume refuses -------------------------------------------------------------------------
 def test_resume_refuses_a_changed_config_naming_every_key(tmp_path):
     app.run(compose_config(*settings(tmp_path, "trainer.max_epochs=1")))
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    cfg = compose_config(*settings(tmp_path, "trainer.max_epochs=2", "resume=auto",
-                                   "optimizer.lr=0.05", "trainer.seed=7"))
+    cfg = compose_config(
+        *settings(
+            tmp_path, "trainer.max_epochs=2", "resume=auto", "optimizer.lr=0.05", "trainer.seed=7"
+        )
+    )
     with pytest.raises(ConfigError) as e:
         app.run(cfg)
     assert e.value.key == "resume"
@@ -162,22 +203,31 @@ def test_resume_auto_without_a_checkpoint_starts_fresh(tmp_path):
     assert run.info.status == "FINISHED" and "resume.count" not in run.data.tags
 
 
-# ---- a run stopped mid-epoch continues at its step ------------------------------------------------
+# ---- a run stopped mid-epoch continues at its step -----------------------------------------------
 def _trainer(cfg, **kw) -> Trainer:
     plan = make_plan(cfg)
     parts = app.build(plan)
-    return Trainer(model=parts.model, optimizer=parts.optimizer, scheduler=parts.scheduler,
-                   engine=parts.engine, train_loader=parts.train_loader,
-                   val_loader=parts.val_loader, device=plan.device, cfg=cfg.trainer,
-                   memory=parts.memory, context=RunContext(**kw))
+    return Trainer(
+        model=parts.model,
+        optimizer=parts.optimizer,
+        scheduler=parts.scheduler,
+        engine=parts.engine,
+        train_loader=parts.train_loader,
+        val_loader=parts.val_loader,
+        device=plan.device,
+        cfg=cfg.trainer,
+        memory=parts.memory,
+        context=RunContext(**kw),
+    )
 
 
 def test_a_stop_mid_epoch_resumes_at_its_step_exactly(tmp_path):
     """A stop request (what SIGINT/SIGTERM set) after step 7 of 10 (epoch 2 of 2, batch 2):
     the checkpoint says so, and a fresh trainer restored from it ends bit for bit where the
     uninterrupted one does: the skipped batches are the ones already trained on."""
-    cfg = compose_config(*settings(tmp_path, "precision=o2", "trainer.max_epochs=2",
-                                   "trainer.log_every_n_steps=1"))
+    cfg = compose_config(
+        *settings(tmp_path, "precision=o2", "trainer.max_epochs=2", "trainer.log_every_n_steps=1")
+    )
     straight = _trainer(cfg, on_metrics=lambda m, s: None)
     straight.fit()
 
@@ -205,16 +255,19 @@ def test_a_stop_mid_epoch_resumes_at_its_step_exactly(tmp_path):
     assert resumed.global_step == straight.global_step == 10
     for (name, p), q in zip(straight.module.named_parameters(), resumed.module.parameters()):
         assert torch.equal(p, q), name
-    for p, q in zip(straight.engine.master_params(straight.optimizer),
-                    resumed.engine.master_params(resumed.optimizer)):
+    for p, q in zip(
+        straight.engine.master_params(straight.optimizer),
+        resumed.engine.master_params(resumed.optimizer),
+    ):
         assert torch.equal(p, q)
     assert straight.engine.state_dict() == resumed.engine.state_dict()
 
 
-# ---- divergence keeps the last good checkpoint ------------------------------------------------------
+# ---- divergence keeps the last good checkpoint ---------------------------------------------------
 def test_divergence_keeps_the_last_good_checkpoint(tmp_path):
-    cfg = compose_config(*settings(tmp_path, "trainer.max_epochs=3", "trainer.max_bad_steps=2",
-                                   "scheduler=none"))
+    cfg = compose_config(
+        *settings(tmp_path, "trainer.max_epochs=3", "trainer.max_bad_steps=2", "scheduler=none")
+    )
     saved = []
 
     def save(state):
@@ -232,9 +285,17 @@ def test_weights_blown_up_before_the_guard_stops_the_run_are_never_checkpointed(
     """O0 skips no step: with lr=1e30 the weights are inf/NaN from step 2 on, yet the guard
     (trainer.max_bad_steps=8, longer than an epoch of 5 steps) stops the run only in epoch 2. The
     end of epoch 1 must not write those weights; a real run, a real checkpoint folder."""
-    cfg = compose_config(*settings(tmp_path, "precision=o0", "optimizer.lr=1e30",
-                                   "scheduler=none", "trainer.max_bad_steps=8",
-                                   "trainer.max_epochs=4", "mlflow.run_name=blown"))
+    cfg = compose_config(
+        *settings(
+            tmp_path,
+            "precision=o0",
+            "optimizer.lr=1e30",
+            "scheduler=none",
+            "trainer.max_bad_steps=8",
+            "trainer.max_epochs=4",
+            "mlflow.run_name=blown",
+        )
+    )
     with pytest.raises(DivergenceError, match="inf/NaN"):
         app.run(cfg)
     folder = checkpoint.run_folder(tmp_path / "checkpoints", "amp-runner", "blown")
@@ -246,21 +307,29 @@ def test_a_collapsed_dynamic_loss_scale_stops_the_run(tmp_path):
     """Weights blown up to inf: every step overflows at every scale; the dynamic scale halves
     each time and the run stops once it is below trainer.collapsed_loss_scale (2^-14), before the
     max_bad_steps limit (1000 here) would."""
-    cfg = compose_config(*settings(tmp_path, "precision=o2", "trainer.max_bad_steps=1000",
-                                   "scheduler=none", "trainer.max_epochs=20"))
+    cfg = compose_config(
+        *settings(
+            tmp_path,
+            "precision=o2",
+            "trainer.max_bad_steps=1000",
+            "scheduler=none",
+            "trainer.max_epochs=20",
+        )
+    )
     trainer = _trainer(cfg, on_metrics=lambda m, s: None)
     trainer.optimizer.param_groups[0]["lr"] = 1e30
     with pytest.raises(DivergenceError) as e:
         trainer.fit()
     assert "loss scale collapsed" in str(e.value) and "trainer.collapsed_loss_scale" in str(e.value)
-    assert trainer.engine.loss_scale < 2 ** -14 <= 2 * trainer.engine.loss_scale
+    assert trainer.engine.loss_scale < 2**-14 <= 2 * trainer.engine.loss_scale
 
 
-# ---- SIGTERM to a real process, then resume=auto ------------------------------------------------------
+# ---- SIGTERM to a real process, then resume=auto -------------------------------------------------
 @pytest.mark.slow
 def test_sigterm_checkpoints_marks_killed_and_resumes(tmp_path):
-    args = settings(tmp_path, "data.num_train=20000", "trainer.max_epochs=2",
-                    "trainer.log_every_n_steps=1")
+    args = settings(
+        tmp_path, "data.num_train=20000", "trainer.max_epochs=2", "trainer.log_every_n_steps=1"
+    )
     proc = start_cli(*args, cwd=tmp_path)
     seen = read_until(proc, "MLflow run")  # training has started
     time.sleep(2)
@@ -282,8 +351,9 @@ def test_sigterm_checkpoints_marks_killed_and_resumes(tmp_path):
         assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
         (run,) = runs_by_name(uri).values()
         assert run.info.status == "FINISHED" and run.data.tags["resume.count"] == "1"
-        steps = [m.step for m in MlflowClient(uri).get_metric_history(run.info.run_id,
-                                                                       "train_loss")]
+        steps = [
+            m.step for m in MlflowClient(uri).get_metric_history(run.info.run_id, "train_loss")
+        ]
         assert steps == sorted(set(steps)) and steps[-1] == 625  # one epoch, no step twice
 
 
@@ -294,8 +364,9 @@ def test_resume_auto_of_a_finished_run_says_so_and_changes_nothing(tmp_path, cap
     best = app.run(compose_config(*common))
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     (before,) = runs_by_name(uri).values()
-    path = checkpoint.find("auto", checkpoint.run_folder(tmp_path / "checkpoints", "amp-runner",
-                                                         before.info.run_name))
+    path = checkpoint.find(
+        "auto", checkpoint.run_folder(tmp_path / "checkpoints", "amp-runner", before.info.run_name)
+    )
     stamp = path.stat().st_mtime_ns
     with caplog.at_level("INFO", logger="runner"):
         again = app.run(compose_config(*common, "resume=auto"))

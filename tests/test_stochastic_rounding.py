@@ -25,6 +25,7 @@ Tolerances, stated per test:
   in 1000 apart; for optimizers without kernels it is bit for bit the stochastic
   rounding of the optimizer's own fp32 step.
 """
+
 from __future__ import annotations
 
 import io
@@ -88,7 +89,7 @@ def neighbours(v: torch.Tensor):
     spacing = torch.ldexp(torch.ones_like(a), torch.clamp(e - 1, min=-126) - 7)
     lo = torch.floor(a / spacing) * spacing
     hi = torch.where(lo == a, a, lo + spacing)
-    hi = torch.where(hi >= 2.0 ** 128, torch.inf, hi)
+    hi = torch.where(hi >= 2.0**128, torch.inf, hi)
     sign = torch.where(torch.signbit(v), -1.0, 1.0).double()
     return sign * lo, sign * hi, spacing
 
@@ -132,16 +133,15 @@ def _bits(seed: int, step: int, tid: int, i: int) -> int:
 def test_random_bits_follow_the_documented_definition():
     """The torch integer emulation equals the definition in step_math.h written with Python
     ints, for 64-bit seeds and steps, 32-bit ids and element indices past 2^32."""
-    cases = [(0, 0, 0), (1, 1, 1), (2 ** 64 - 1, 2 ** 63 + 5, 2 ** 32 - 1), (12345, 10 ** 12, 77)]
-    index = torch.tensor([0, 1, 2, 65535, 65536, 2 ** 31, 2 ** 32 - 1, 2 ** 32, 2 ** 40 + 3,
-                          2 ** 62 + 11])
+    cases = [(0, 0, 0), (1, 1, 1), (2**64 - 1, 2**63 + 5, 2**32 - 1), (12345, 10**12, 77)]
+    index = torch.tensor([0, 1, 2, 65535, 65536, 2**31, 2**32 - 1, 2**32, 2**40 + 3, 2**62 + 11])
     for seed, step, tid in cases:
         got = rounding.random_bits(seed, step, tid, index).tolist()
         assert got == [_bits(seed, step, tid, i) for i in index.tolist()], (seed, step, tid)
     with pytest.raises(ValueError, match="seed"):
         rounding.sr_key(-1, 0, 0)
     with pytest.raises(ValueError, match="tensor_id"):
-        rounding.sr_key(0, 0, 2 ** 32)
+        rounding.sr_key(0, 0, 2**32)
 
 
 def test_random_bits_are_uniform():
@@ -162,15 +162,32 @@ def test_kernels_equal_the_torch_reference_bit_for_bit(backend):
     a channels_last tensor (elements indexed in memory order), several seeds, steps and ids;
     the bits do not depend on which other tensors share the call nor on their order."""
     d = dev(backend)
-    special = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 3.4e38,
-                            -3.4e38, 2 ** -149, -(2 ** -149), 1.0, 1.0 + 2 ** -20])
-    xs = [torch.cat([special, wide_fp32(n, seed=n)])[:n + 11].to(d) for n in SIZES]
-    xs.append(wide_fp32(8 * 16 * 5 * 3, seed=1).view(8, 16, 5, 3).to(d).contiguous(
-        memory_format=torch.channels_last))
+    special = torch.tensor(
+        [
+            0.0,
+            -0.0,
+            float("inf"),
+            float("-inf"),
+            float("nan"),
+            3.4e38,
+            -3.4e38,
+            2**-149,
+            -(2**-149),
+            1.0,
+            1.0 + 2**-20,
+        ]
+    )
+    xs = [torch.cat([special, wide_fp32(n, seed=n)])[: n + 11].to(d) for n in SIZES]
+    xs.append(
+        wide_fp32(8 * 16 * 5 * 3, seed=1)
+        .view(8, 16, 5, 3)
+        .to(d)
+        .contiguous(memory_format=torch.channels_last)
+    )
     if backend.name == "cuda":  # past 320 chunks: one tensor spread over two launches
         xs.append(wide_fp32(321 * 65536 + 3, seed=2).to(d))
     ids = [3 * i + 1 for i in range(len(xs))]
-    for seed, step in [(0, 0), (2 ** 64 - 1, 1), (42, 10 ** 9)]:
+    for seed, step in [(0, 0), (2**64 - 1, 1), (42, 10**9)]:
         out = sr_kernel(backend, xs, seed, step, ids)
         for x, o, tid in zip(xs, out, ids):
             want = rounding.stochastic_round(x, seed, step, tid)
@@ -190,8 +207,9 @@ def test_the_bits_do_not_depend_on_the_thread_count(backend):
         one = sr_kernel(backend, xs, 5, 6, [0, 1])
     finally:
         torch.set_num_threads(threads)
-    assert all(torch.equal(bits16(a), bits16(b))
-               for a, b in zip(one, sr_kernel(backend, xs, 5, 6, [0, 1])))
+    assert all(
+        torch.equal(bits16(a), bits16(b)) for a, b in zip(one, sr_kernel(backend, xs, 5, 6, [0, 1]))
+    )
 
 
 def test_a_value_becomes_one_of_its_two_neighbours_and_representable_values_stay(backend):
@@ -204,13 +222,14 @@ def test_a_value_becomes_one_of_its_two_neighbours_and_representable_values_stay
         assert not torch.equal(out, lo) and not torch.equal(out, hi)  # both directions occur
     exact = wide_fp32(100_001, seed=21).bfloat16().float().to(d)  # representable in bf16
     for step in range(3):
-        assert torch.equal(bits16(sr_kernel(backend, [exact], 1, step, [0])[0]),
-                           bits16(exact.bfloat16()))
+        assert torch.equal(
+            bits16(sr_kernel(backend, [exact], 1, step, [0])[0]), bits16(exact.bfloat16())
+        )
 
 
 # (base value, fractions of the spacing above it): normal values of both signs, a tiny normal, a
 # subnormal, the top binade; p = 1/65536 and 65535/65536 are the extreme probabilities.
-BASES = [1.0, -3.5, 2.0 ** -120, -(2.0 ** -130), 1.5 * 2.0 ** 127]  # all bf16 values
+BASES = [1.0, -3.5, 2.0**-120, -(2.0**-130), 1.5 * 2.0**127]  # all bf16 values
 FRACTIONS = [1, 6554, 16384, 32768, 58982, 65535]  # in 65536ths of the spacing
 
 
@@ -225,8 +244,9 @@ def test_rounding_is_unbiased(backend):
         lo, hi, spacing = (t.item() for t in neighbours(torch.tensor([base])))
         assert lo == hi == base
         for f in FRACTIONS:
-            value = torch.tensor(base + math.copysign(f / 65536 * spacing, base),
-                                 dtype=torch.float64)
+            value = torch.tensor(
+                base + math.copysign(f / 65536 * spacing, base), dtype=torch.float64
+            )
             x32 = value.float()
             assert x32.double() == value  # the test value is exact in fp32
             xs.append(torch.full((n,), x32.item(), device=d))
@@ -245,14 +265,15 @@ def test_rounding_is_unbiased(backend):
         assert within_sigmas(up[i], draws, p), (x[0].item(), p, up[i] / draws)
         _, _, spacing = neighbours(x[:1].cpu())
         mean, value = sums[i] / draws, x[0].double().item()
-        assert abs(mean - value) <= spacing.item() * (5 * math.sqrt(p * (1 - p) / draws)
-                                                      + 1 / draws), (value, mean)
+        assert abs(mean - value) <= spacing.item() * (
+            5 * math.sqrt(p * (1 - p) / draws) + 1 / draws
+        ), (value, mean)
 
 
 def test_decisions_are_independent_across_steps_tensors_seeds_and_elements(backend):
     d = dev(backend)
     n = 1 << 17
-    x = torch.full((n,), 1.0 + 2 ** -8, device=d)  # halfway between 1 and 1 + 2^-7: p = 1/2
+    x = torch.full((n,), 1.0 + 2**-8, device=d)  # halfway between 1 and 1 + 2^-7: p = 1/2
 
     def ups(seed, step, tid):
         return (sr_kernel(backend, [x], seed, step, [tid])[0] != 1.0).cpu()
@@ -268,34 +289,43 @@ def test_decisions_are_independent_across_steps_tensors_seeds_and_elements(backe
 def test_nan_inf_zeros_subnormals_and_the_largest_values(backend):
     d = dev(backend)
     bf16_max = torch.finfo(torch.bfloat16).max  # 0x7F7F: (2 - 2^-7) * 2^127
-    top_spacing = 2.0 ** 120
+    top_spacing = 2.0**120
     n = 1 << 16
     values = {
-        "+0": 0.0, "-0": -0.0, "+inf": math.inf, "-inf": -math.inf, "bf16 max": bf16_max,
-        "-bf16 max": -bf16_max, "quarter past max": bf16_max + top_spacing / 4,
-        "fp32 max": torch.finfo(torch.float32).max, "smallest subnormal": 2.0 ** -149,
-        "between bf16 subnormals": -1.5 * 2.0 ** -133,
+        "+0": 0.0,
+        "-0": -0.0,
+        "+inf": math.inf,
+        "-inf": -math.inf,
+        "bf16 max": bf16_max,
+        "-bf16 max": -bf16_max,
+        "quarter past max": bf16_max + top_spacing / 4,
+        "fp32 max": torch.finfo(torch.float32).max,
+        "smallest subnormal": 2.0**-149,
+        "between bf16 subnormals": -1.5 * 2.0**-133,
     }
     xs = [torch.full((n,), v, dtype=torch.float32, device=d) for v in values.values()]
     nans = torch.tensor([0x7FC00000, 0x7F800001, 0xFFC00000, 0x7FFFFFFF], dtype=torch.int64)
     xs.append(nans.to(torch.int32).view(torch.float32).to(d))  # quiet, signalling, negative
-    out = {k: o.cpu() for k, o in zip([*values, "nan"],
-                                      sr_kernel(backend, xs, 3, 4, list(range(len(xs)))))}
+    out = {
+        k: o.cpu()
+        for k, o in zip([*values, "nan"], sr_kernel(backend, xs, 3, 4, list(range(len(xs)))))
+    }
     for key in ("+0", "-0", "+inf", "-inf", "bf16 max", "-bf16 max"):
-        assert torch.equal(bits16(out[key]), bits16(torch.full((n,), values[key],
-                                                               dtype=torch.bfloat16))), key
+        assert torch.equal(
+            bits16(out[key]), bits16(torch.full((n,), values[key], dtype=torch.bfloat16))
+        ), key
     assert torch.all(bits16(out["nan"]) == 0x7FC0)  # bf16's quiet NaN, as torch converts NaN
     # beyond the largest finite value inf is the next value: up with the float64 probability
-    for key, p in (("quarter past max", 0.25), ("fp32 max", 1 - 2 ** -16)):
+    for key, p in (("quarter past max", 0.25), ("fp32 max", 1 - 2**-16)):
         assert torch.all((out[key] == bf16_max) | torch.isposinf(out[key])), key
         assert within_sigmas(torch.isposinf(out[key]).sum().item(), n, p), key
     # subnormals are rounded, never flushed: 2^-149 becomes 2^-133 with probability 2^-16
     small = out["smallest subnormal"].double()
-    assert torch.all((small == 0) | (small == 2.0 ** -133))
-    assert within_sigmas((small != 0).sum().item(), n, 2 ** -16)
+    assert torch.all((small == 0) | (small == 2.0**-133))
+    assert within_sigmas((small != 0).sum().item(), n, 2**-16)
     between = out["between bf16 subnormals"].double()
-    assert torch.all((between == -(2.0 ** -133)) | (between == -(2.0 ** -132)))
-    assert within_sigmas((between == -(2.0 ** -132)).sum().item(), n, 0.5)
+    assert torch.all((between == -(2.0**-133)) | (between == -(2.0**-132)))
+    assert within_sigmas((between == -(2.0**-132)).sum().item(), n, 0.5)
 
 
 def test_negative_values_mirror_positive_ones(backend):
@@ -330,7 +360,7 @@ def adam64(p, g, m, v, *, lr, beta1, beta2, eps, weight_decay, step, decoupled):
         g = g + weight_decay * p
     m = m + (1 - beta1) * (g - m)
     v = v * beta2 + (1 - beta2) * g * g
-    update = (lr / (1 - beta1 ** step)) * m / (v.sqrt() / math.sqrt(1 - beta2 ** step) + eps)
+    update = (lr / (1 - beta1**step)) * m / (v.sqrt() / math.sqrt(1 - beta2**step) + eps)
     return p - update, m, v, update
 
 
@@ -372,11 +402,27 @@ def test_sgd_step_sr_matches_float64(backend, case, state_dtype, grad_dtype, fir
     grads = [(_bf16(n, 210 + i, d).float() * 256).to(grad_dtype) for i, n in enumerate(STEP_SIZES)]
     bufs = [_bf16(n, 220 + i, d).to(state_dtype) for i, n in enumerate(STEP_SIZES)]
     lr, scale, sign = 0.05, 1 / 256, -1.0 if case["maximize"] else 1.0
-    before = [(p.cpu().double(), g.cpu().double() * scale * sign, b.cpu().double())
-              for p, g, b in zip(params, grads, bufs)]
-    backend.ops.sgd_step_sr(params, grads, bufs if case["momentum"] else [], scalar(backend, scale),
-                            None, lr, case["weight_decay"], case["momentum"], case["dampening"],
-                            case["nesterov"], case["maximize"], first_run, 5, 17, [2, 0, 1])
+    before = [
+        (p.cpu().double(), g.cpu().double() * scale * sign, b.cpu().double())
+        for p, g, b in zip(params, grads, bufs)
+    ]
+    backend.ops.sgd_step_sr(
+        params,
+        grads,
+        bufs if case["momentum"] else [],
+        scalar(backend, scale),
+        None,
+        lr,
+        case["weight_decay"],
+        case["momentum"],
+        case["dampening"],
+        case["nesterov"],
+        case["maximize"],
+        first_run,
+        5,
+        17,
+        [2, 0, 1],
+    )
     for p, b, (p0, g0, b0) in zip(params, bufs, before):
         math_args = {k: v for k, v in case.items() if k != "maximize"}
         want_p, want_b = sgd64(p0, g0, b0, lr=lr, first_run=first_run, **math_args)
@@ -401,15 +447,44 @@ def test_adam_step_sr_matches_float64(backend, kind, case, state_dtype, grad_dty
     v = [(_bf16(n, 330 + i, d, 0.1).float() ** 2).to(state_dtype) for i, n in enumerate(STEP_SIZES)]
     lr, beta1, beta2, eps, step, scale = 1e-2, 0.9, 0.999, 1e-8, 3, 1 / 64
     sign = -1.0 if case["maximize"] else 1.0
-    before = [(p.cpu().double(), g.cpu().double() * scale * sign, a.cpu().double(),
-               b.cpu().double()) for p, g, a, b in zip(params, grads, m, v)]
-    backend.ops.adam_step_sr(params, grads, m, v, scalar(backend, scale), None, lr, beta1, beta2,
-                             eps, case["weight_decay"], 1 - beta1 ** step, 1 - beta2 ** step,
-                             kind == "adamw", case["maximize"], 11, 3, [0, 1, 2])
+    before = [
+        (p.cpu().double(), g.cpu().double() * scale * sign, a.cpu().double(), b.cpu().double())
+        for p, g, a, b in zip(params, grads, m, v)
+    ]
+    backend.ops.adam_step_sr(
+        params,
+        grads,
+        m,
+        v,
+        scalar(backend, scale),
+        None,
+        lr,
+        beta1,
+        beta2,
+        eps,
+        case["weight_decay"],
+        1 - beta1**step,
+        1 - beta2**step,
+        kind == "adamw",
+        case["maximize"],
+        11,
+        3,
+        [0, 1, 2],
+    )
     for p, a, b, (p0, g0, a0, b0) in zip(params, m, v, before):
         want_p, want_m, want_v, update = adam64(
-            p0, g0, a0, b0, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-            weight_decay=case["weight_decay"], step=step, decoupled=kind == "adamw")
+            p0,
+            g0,
+            a0,
+            b0,
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            eps=eps,
+            weight_decay=case["weight_decay"],
+            step=step,
+            decoupled=kind == "adamw",
+        )
         assert_rounded_from(p, want_p, 4 * ulp32(p0) + 4e-6 * update.abs() + 1e-30)
         assert a.dtype == b.dtype == state_dtype
         assert_state(a, want_m, 4 * (ulp32(a0) + ulp32(g0) + ulp32(want_m)) + 1e-30)
@@ -433,38 +508,94 @@ def test_fused_steps_with_bf16_state_match_float64(backend, kind, grad_dtype):
     scale = 1 / 64
     if kind == "sgd":
         bufs = [_bf16(n, 520 + i, d) for i, n in enumerate(STEP_SIZES)]
-        before = [(p.cpu().double(), g.cpu().double() * scale, b.cpu().double())
-                  for p, g, b in zip(params, grads, bufs)]
-        backend.ops.sgd_step(params, grads, bufs, copies, scalar(backend, scale), None, 0.05,
-                             1e-4, 0.9, 0.0, False, False, False)
+        before = [
+            (p.cpu().double(), g.cpu().double() * scale, b.cpu().double())
+            for p, g, b in zip(params, grads, bufs)
+        ]
+        backend.ops.sgd_step(
+            params,
+            grads,
+            bufs,
+            copies,
+            scalar(backend, scale),
+            None,
+            0.05,
+            1e-4,
+            0.9,
+            0.0,
+            False,
+            False,
+            False,
+        )
         for p, b, c, (p0, g0, b0) in zip(params, bufs, copies, before):
-            want_p, want_b = sgd64(p0, g0, b0, lr=0.05, weight_decay=1e-4, momentum=0.9,
-                                   dampening=0.0, nesterov=False, first_run=False)
+            want_p, want_b = sgd64(
+                p0,
+                g0,
+                b0,
+                lr=0.05,
+                weight_decay=1e-4,
+                momentum=0.9,
+                dampening=0.0,
+                nesterov=False,
+                first_run=False,
+            )
             assert b.dtype == torch.bfloat16 and torch.equal(c, p.bfloat16())
             tol = 4 * ulp32(want_b) + 4 * ulp32(b0) + 4 * ulp32(g0) + 1e-30
-            assert torch.all((p.cpu().double() - want_p).abs() <= 4 * ulp32(want_p)
-                             + 4 * ulp32(p0) + 0.05 * tol)  # (lr times the momentum's error)
+            assert torch.all(
+                (p.cpu().double() - want_p).abs() <= 4 * ulp32(want_p) + 4 * ulp32(p0) + 0.05 * tol
+            )  # (lr times the momentum's error)
             assert torch.all((b.cpu().double() - want_b).abs() <= neighbours(want_b)[2] / 2 + tol)
         return
     m = [_bf16(n, 520 + i, d, 0.1) for i, n in enumerate(STEP_SIZES)]
     v = [(_bf16(n, 530 + i, d, 0.1).float() ** 2).bfloat16() for i, n in enumerate(STEP_SIZES)]
     lr, beta1, beta2, eps, step = 1e-2, 0.9, 0.999, 1e-8, 3
-    before = [(p.cpu().double(), g.cpu().double() * scale, a.cpu().double(), b.cpu().double())
-              for p, g, a, b in zip(params, grads, m, v)]
-    backend.ops.adam_step(params, grads, m, v, copies, scalar(backend, scale), None, lr, beta1,
-                          beta2, eps, 1e-2, 1 - beta1 ** step, 1 - beta2 ** step,
-                          kind == "adamw", False)
+    before = [
+        (p.cpu().double(), g.cpu().double() * scale, a.cpu().double(), b.cpu().double())
+        for p, g, a, b in zip(params, grads, m, v)
+    ]
+    backend.ops.adam_step(
+        params,
+        grads,
+        m,
+        v,
+        copies,
+        scalar(backend, scale),
+        None,
+        lr,
+        beta1,
+        beta2,
+        eps,
+        1e-2,
+        1 - beta1**step,
+        1 - beta2**step,
+        kind == "adamw",
+        False,
+    )
     for p, a, b, c, (p0, g0, a0, b0) in zip(params, m, v, copies, before):
         want_p, want_m, want_v, update = adam64(
-            p0, g0, a0, b0, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=1e-2,
-            step=step, decoupled=kind == "adamw")
+            p0,
+            g0,
+            a0,
+            b0,
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            eps=eps,
+            weight_decay=1e-2,
+            step=step,
+            decoupled=kind == "adamw",
+        )
         assert a.dtype == b.dtype == torch.bfloat16 and torch.equal(c, p.bfloat16())
-        assert torch.all((p.cpu().double() - want_p).abs()
-                         <= 4 * ulp32(p0) + 4e-6 * update.abs() + 1e-30)
-        for got, want, tol in ((a, want_m, 4 * (ulp32(a0) + ulp32(g0) + ulp32(want_m))),
-                               (b, want_v, 4 * (ulp32(b0) + ulp32(g0 * g0) + ulp32(want_v)))):
-            assert torch.all((got.cpu().double() - want).abs()
-                             <= neighbours(want)[2] / 2 + tol + 1e-30)
+        assert torch.all(
+            (p.cpu().double() - want_p).abs() <= 4 * ulp32(p0) + 4e-6 * update.abs() + 1e-30
+        )
+        for got, want, tol in (
+            (a, want_m, 4 * (ulp32(a0) + ulp32(g0) + ulp32(want_m))),
+            (b, want_v, 4 * (ulp32(b0) + ulp32(g0 * g0) + ulp32(want_v))),
+        ):
+            assert torch.all(
+                (got.cpu().double() - want).abs() <= neighbours(want)[2] / 2 + tol + 1e-30
+            )
 
 
 def test_sgd_step_sr_rounds_the_exact_update_bit_for_bit(backend):
@@ -488,16 +619,40 @@ def test_sgd_step_sr_rounds_the_exact_update_bit_for_bit(backend):
     grads = [in_range(410 + i, s, 0.25, 0.99, True) for i, s in enumerate(shapes)]
     bufs = [in_range(420 + i, s, 0.25, 0.99, True).float() for i, s in enumerate(shapes)]
     ids = [9, 4, 0, 13, 2, 7, 5]
-    lr = 2.0 ** -10
+    lr = 2.0**-10
     before = [(p.double(), g.double(), b.double()) for p, g, b in zip(params, grads, bufs)]
-    backend.ops.sgd_step_sr(params, grads, bufs, scalar(backend, 1.0), None, lr, 0.0, 0.5, 0.0,
-                            False, False, False, 2 ** 40 + 1, 123, ids)
+    backend.ops.sgd_step_sr(
+        params,
+        grads,
+        bufs,
+        scalar(backend, 1.0),
+        None,
+        lr,
+        0.0,
+        0.5,
+        0.0,
+        False,
+        False,
+        False,
+        2**40 + 1,
+        123,
+        ids,
+    )
     for p, b, tid, (p0, g0, b0) in zip(params, bufs, ids, before):
-        want_p, want_b = sgd64(p0, g0, b0, lr=lr, weight_decay=0.0, momentum=0.5, dampening=0.0,
-                               nesterov=False, first_run=False)
+        want_p, want_b = sgd64(
+            p0,
+            g0,
+            b0,
+            lr=lr,
+            weight_decay=0.0,
+            momentum=0.5,
+            dampening=0.0,
+            nesterov=False,
+            first_run=False,
+        )
         assert torch.equal(want_p.float().double(), want_p)  # exact in fp32 indeed
         assert torch.equal(b.double(), want_b)
-        want = rounding.stochastic_round(want_p.float(), 2 ** 40 + 1, 123, tid)
+        want = rounding.stochastic_round(want_p.float(), 2**40 + 1, 123, tid)
         assert p.stride() == want.stride()
         assert torch.equal(bits16(p), bits16(want)), p.shape
 
@@ -514,18 +669,51 @@ def test_sr_steps_do_nothing_when_found_inf_is_set(backend, op):
 
     def run(flag):
         if op == "sgd":
-            backend.ops.sgd_step_sr(params, grads, s1, scalar(backend, 1.0), flag, 0.1, 1e-4, 0.9,
-                                    0.0, False, False, False, 0, 1, [0, 1, 2])
+            backend.ops.sgd_step_sr(
+                params,
+                grads,
+                s1,
+                scalar(backend, 1.0),
+                flag,
+                0.1,
+                1e-4,
+                0.9,
+                0.0,
+                False,
+                False,
+                False,
+                0,
+                1,
+                [0, 1, 2],
+            )
         else:
-            backend.ops.adam_step_sr(params, grads, s1, s2, scalar(backend, 1.0), flag, 1.0, 0.9,
-                                     0.999, 1e-8, 0.0, 0.1, 0.001, False, False, 0, 1, [0, 1, 2])
+            backend.ops.adam_step_sr(
+                params,
+                grads,
+                s1,
+                s2,
+                scalar(backend, 1.0),
+                flag,
+                1.0,
+                0.9,
+                0.999,
+                1e-8,
+                0.0,
+                0.1,
+                0.001,
+                False,
+                False,
+                0,
+                1,
+                [0, 1, 2],
+            )
 
     run(scalar(backend, 1.0))
     assert all(torch.equal(a, b) for a, b in zip(everything, before))
     run(scalar(backend, 0.0))
     n = len(params)
     changed = [not torch.equal(a, b) for a, b in zip(everything, before)]
-    assert all(changed[:n]) and all(changed[n:2 * n])
+    assert all(changed[:n]) and all(changed[n : 2 * n])
 
 
 def test_sr_ops_refuse_bad_arguments_with_the_reason(backend):
@@ -534,15 +722,34 @@ def test_sr_ops_refuse_bad_arguments_with_the_reason(backend):
     p = torch.ones(4, dtype=torch.bfloat16, device=d)
     x = torch.ones(4, device=d)
     with pytest.raises(RuntimeError, match="must be bfloat16"):
-        backend.ops.sgd_step_sr([x], [x], [], one, None, 0.1, 0.0, 0.0, 0.0, False, False, True,
-                                0, 0, [0])
+        backend.ops.sgd_step_sr(
+            [x], [x], [], one, None, 0.1, 0.0, 0.0, 0.0, False, False, True, 0, 0, [0]
+        )
     with pytest.raises(RuntimeError, match="bfloat16 or float32"):
-        backend.ops.adam_step_sr([p], [p], [p.half()], [p], one, None, 0.1, 0.9, 0.999, 1e-8, 0.0,
-                                 0.1, 0.001, False, False, 0, 0, [0])
+        backend.ops.adam_step_sr(
+            [p],
+            [p],
+            [p.half()],
+            [p],
+            one,
+            None,
+            0.1,
+            0.9,
+            0.999,
+            1e-8,
+            0.0,
+            0.1,
+            0.001,
+            False,
+            False,
+            0,
+            0,
+            [0],
+        )
     with pytest.raises(RuntimeError, match="tensor_ids has 2 ids for 1 tensors"):
         backend.ops.stochastic_round([x], [p], 0, 0, [0, 1])
     with pytest.raises(RuntimeError, match=r"outside \[0, 2\^32\)"):
-        backend.ops.stochastic_round([x], [p], 0, 0, [2 ** 32])
+        backend.ops.stochastic_round([x], [p], 0, 0, [2**32])
     with pytest.raises(RuntimeError, match="dst\\[0\\] must be bfloat16"):
         backend.ops.stochastic_round([x], [x.half()], 0, 0, [0])
     with pytest.raises(RuntimeError, match="src\\[0\\] must be float32"):
@@ -558,23 +765,56 @@ def _run_steps(backend, state, first, last, seed):
     d = dev(backend)
     for step in range(first, last):
         grads = [_bf16(p.numel(), 1000 * step + i, d) for i, p in enumerate(state["sgd_p"])]
-        backend.ops.sgd_step_sr(state["sgd_p"], grads, state["sgd_buf"], scalar(backend, 1.0),
-                                None, 1e-3, 1e-4, 0.9, 0.0, True, False, step == 0, seed, step,
-                                [0, 1])
-        backend.ops.adam_step_sr(state["adam_p"], grads, state["m"], state["v"],
-                                 scalar(backend, 1.0), None, 1e-3, 0.9, 0.999, 1e-8, 1e-2,
-                                 1 - 0.9 ** (step + 1), 1 - 0.999 ** (step + 1), True, False,
-                                 seed, step, [0, 1])
+        backend.ops.sgd_step_sr(
+            state["sgd_p"],
+            grads,
+            state["sgd_buf"],
+            scalar(backend, 1.0),
+            None,
+            1e-3,
+            1e-4,
+            0.9,
+            0.0,
+            True,
+            False,
+            step == 0,
+            seed,
+            step,
+            [0, 1],
+        )
+        backend.ops.adam_step_sr(
+            state["adam_p"],
+            grads,
+            state["m"],
+            state["v"],
+            scalar(backend, 1.0),
+            None,
+            1e-3,
+            0.9,
+            0.999,
+            1e-8,
+            1e-2,
+            1 - 0.9 ** (step + 1),
+            1 - 0.999 ** (step + 1),
+            True,
+            False,
+            seed,
+            step,
+            [0, 1],
+        )
 
 
 def _fresh(backend):
     d = dev(backend)
     sizes = [65537, 33]
     p = [_bf16(n, 600 + i, d) for i, n in enumerate(sizes)]
-    return {"sgd_p": [t.clone() for t in p], "sgd_buf": [torch.empty_like(t) for t in p],
-            "adam_p": [t.clone() for t in p], "m": [torch.zeros_like(t, dtype=torch.float32)
-                                                    for t in p],
-            "v": [torch.zeros_like(t, dtype=torch.float32) for t in p]}
+    return {
+        "sgd_p": [t.clone() for t in p],
+        "sgd_buf": [torch.empty_like(t) for t in p],
+        "adam_p": [t.clone() for t in p],
+        "m": [torch.zeros_like(t, dtype=torch.float32) for t in p],
+        "v": [torch.zeros_like(t, dtype=torch.float32) for t in p],
+    }
 
 
 def test_a_resumed_run_is_bit_identical_to_an_uninterrupted_one(backend):
@@ -592,6 +832,7 @@ def test_a_resumed_run_is_bit_identical_to_an_uninterrupted_one(backend):
     resumed = torch.load(buffer, weights_only=True)
     assert all(a.data_ptr() != b.data_ptr() for a, b in zip(resumed["sgd_p"], part["sgd_p"]))
     _run_steps(backend, resumed, 8, 20, seed=77)
+
     def raw(t):  # the bit patterns (NaN-safe, -0 != +0)
         return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
 
@@ -607,8 +848,9 @@ def test_a_resumed_run_is_bit_identical_to_an_uninterrupted_one(backend):
 def _model_params(d):
     """Three bf16 params with gradients, one fp32 param with a gradient, one bf16 param without."""
     shapes = [(65537,), (8, 16, 5, 3), (7,)]
-    params = [torch.nn.Parameter(_bf16(math.prod(s), 700 + i, d).view(s)) for i, s in
-              enumerate(shapes)]
+    params = [
+        torch.nn.Parameter(_bf16(math.prod(s), 700 + i, d).view(s)) for i, s in enumerate(shapes)
+    ]
     params[1] = torch.nn.Parameter(params[1].detach().contiguous(memory_format=torch.channels_last))
     fp32 = torch.nn.Parameter(torch.randn(33, generator=gen(710)).to(d))
     idle = torch.nn.Parameter(_bf16(5, 711, d))
@@ -617,8 +859,13 @@ def _model_params(d):
 
 def _set_grads(params, fp32, step, d):
     for i, p in enumerate(params):
-        p.grad = _bf16(p.numel(), 720 + 10 * step + i, d).view(p.shape).contiguous(
-            memory_format=torch.channels_last if p.dim() == 4 else torch.contiguous_format)
+        p.grad = (
+            _bf16(p.numel(), 720 + 10 * step + i, d)
+            .view(p.shape)
+            .contiguous(
+                memory_format=torch.channels_last if p.dim() == 4 else torch.contiguous_format
+            )
+        )
     fp32.grad = torch.randn(33, generator=gen(730 + step)).to(d)
 
 
@@ -666,19 +913,54 @@ def test_the_fallback_agrees_with_the_kernel_steps(backend, kind):
         reference_fp32.grad = fp32.grad.clone()
         mine = [p.detach().clone() for p in params]
         if kind == "sgd":
-            bufs = ([torch.empty_like(p) for p in params] if step == 0 else
-                    [opt.state[p]["momentum_buffer"].clone() for p in params])
-            backend.ops.sgd_step_sr(mine, grads, bufs, scalar(backend, 1.0), None, 1e-2, 1e-2,
-                                    0.9, 0.0, True, False, step == 0, seed, step, ids)
+            bufs = (
+                [torch.empty_like(p) for p in params]
+                if step == 0
+                else [opt.state[p]["momentum_buffer"].clone() for p in params]
+            )
+            backend.ops.sgd_step_sr(
+                mine,
+                grads,
+                bufs,
+                scalar(backend, 1.0),
+                None,
+                1e-2,
+                1e-2,
+                0.9,
+                0.0,
+                True,
+                False,
+                step == 0,
+                seed,
+                step,
+                ids,
+            )
             states = [{"momentum_buffer": b} for b in bufs]
         else:
             m = [opt.state[p]["exp_avg"].clone() if step else torch.zeros_like(p) for p in params]
-            v = [opt.state[p]["exp_avg_sq"].clone() if step else torch.zeros_like(p)
-                 for p in params]
-            backend.ops.adam_step_sr(mine, grads, m, v, scalar(backend, 1.0), None, 1e-2, 0.9,
-                                     0.999, 1e-8, 1e-2, 1 - 0.9 ** (step + 1),
-                                     1 - 0.999 ** (step + 1), kind == "adamw", False, seed,
-                                     step, ids)
+            v = [
+                opt.state[p]["exp_avg_sq"].clone() if step else torch.zeros_like(p) for p in params
+            ]
+            backend.ops.adam_step_sr(
+                mine,
+                grads,
+                m,
+                v,
+                scalar(backend, 1.0),
+                None,
+                1e-2,
+                0.9,
+                0.999,
+                1e-8,
+                1e-2,
+                1 - 0.9 ** (step + 1),
+                1 - 0.999 ** (step + 1),
+                kind == "adamw",
+                False,
+                seed,
+                step,
+                ids,
+            )
             states = [{"exp_avg": a, "exp_avg_sq": b} for a, b in zip(m, v)]
         rounding.sr_step(opt, seed, step)
         ref_opt.step()
@@ -700,9 +982,14 @@ def test_the_fallback_agrees_with_the_kernel_steps(backend, kind):
         assert torch.equal(idle, idle_before) and idle not in opt.state
 
 
-@pytest.mark.parametrize("make", [lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.5),
-                                  lambda ps: torch.optim.Adagrad(ps, lr=1e-1)],
-                         ids=["rmsprop", "adagrad"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.5),
+        lambda ps: torch.optim.Adagrad(ps, lr=1e-1),
+    ],
+    ids=["rmsprop", "adagrad"],
+)
 def test_the_fallback_rounds_any_optimizers_fp32_step(backend, make):
     """An optimizer the kernels do not implement: `sr_step` stores exactly the stochastic
     rounding of that optimizer's own step on fp32 copies of the bf16 params and state (bit for
@@ -713,21 +1000,29 @@ def test_the_fallback_rounds_any_optimizers_fp32_step(backend, make):
     opt = make(params)
     for step in range(2):
         for i, p in enumerate(params):
-            p.grad = _bf16(p.numel(), 800 + 10 * step + i, d).view(p.shape).contiguous(
-                memory_format=torch.channels_last if p.dim() == 4 else torch.contiguous_format)
+            p.grad = (
+                _bf16(p.numel(), 800 + 10 * step + i, d)
+                .view(p.shape)
+                .contiguous(
+                    memory_format=torch.channels_last if p.dim() == 4 else torch.contiguous_format
+                )
+            )
         twins = [torch.nn.Parameter(p.detach().float()) for p in params]
         twin_opt = make(twins)
         for p, t in zip(params, twins):
             t.grad = p.grad.float()
-            twin_opt.state[t] = {k: (v.float() if k != "step" and v.shape == p.shape else v.clone())
-                                 for k, v in opt.state[p].items()}
+            twin_opt.state[t] = {
+                k: (v.float() if k != "step" and v.shape == p.shape else v.clone())
+                for k, v in opt.state[p].items()
+            }
         twin_opt.step()
         rounding.sr_step(opt, 5, step)
         for i, (p, t) in enumerate(zip(params, twins)):
             want = rounding.stochastic_round(t.detach(), 5, step, i)
             assert torch.equal(bits16(p.detach()), bits16(want)), (i, step)
-            others = sorted(k for k in twin_opt.state[t] if k not in rounding.STATE_STREAMS
-                            and k != "step")
+            others = sorted(
+                k for k in twin_opt.state[t] if k not in rounding.STATE_STREAMS and k != "step"
+            )
             for key, value in twin_opt.state[t].items():
                 got = opt.state[p][key]
                 if key == "step":
@@ -735,10 +1030,12 @@ def test_the_fallback_rounds_any_optimizers_fp32_step(backend, make):
                 else:
                     stream = rounding.STATE_STREAMS.get(key) or 3 + others.index(key)
                     want = rounding.stochastic_round(value, 5, step, i, stream)
-                    assert got.dtype == torch.bfloat16 and torch.equal(
-                        bits16(got), bits16(want)), key
-                    assert not torch.equal(bits16(got), bits16(value.bfloat16())) \
-                        or value.numel() < 64, key  # not rounded to nearest
+                    assert got.dtype == torch.bfloat16 and torch.equal(bits16(got), bits16(want)), (
+                        key
+                    )
+                    assert (
+                        not torch.equal(bits16(got), bits16(value.bfloat16())) or value.numel() < 64
+                    ), key  # not rounded to nearest
 
 
 def test_the_fallback_restores_everything_when_the_optimizer_raises():
@@ -769,9 +1066,9 @@ def test_sr_keeps_updates_smaller_than_the_bf16_spacing(backend):
     within 5 sigmas (sigma <= sqrt(1000) * 2^-7 / 2 / sqrt(4096)), through the kernels and through
     the fallback."""
     d = dev(backend)
-    n, steps, lr = 4096, 1000, 3 * 2.0 ** -12
+    n, steps, lr = 4096, 1000, 3 * 2.0**-12
     expected = 1.5 - steps * lr
-    tol = 5 * math.sqrt(steps) * 2.0 ** -7 / 2 / math.sqrt(n)
+    tol = 5 * math.sqrt(steps) * 2.0**-7 / 2 / math.sqrt(n)
 
     plain = torch.nn.Parameter(torch.full((n,), 1.5, dtype=torch.bfloat16, device=d))
     plain_opt = torch.optim.SGD([plain], lr=lr)
@@ -784,8 +1081,9 @@ def test_sr_keeps_updates_smaller_than_the_bf16_spacing(backend):
     grad = [torch.ones(n, dtype=torch.bfloat16, device=d)]
     one = scalar(backend, 1.0)
     for step in range(steps):
-        backend.ops.sgd_step_sr(w, grad, [], one, None, lr, 0.0, 0.0, 0.0, False, False, True,
-                                2024, step, [0])
+        backend.ops.sgd_step_sr(
+            w, grad, [], one, None, lr, 0.0, 0.0, 0.0, False, False, True, 2024, step, [0]
+        )
     assert abs(w[0].double().mean().item() - expected) <= tol, w[0].double().mean().item()
 
     fallback = torch.nn.Parameter(torch.full((n,), 1.5, dtype=torch.bfloat16, device=d))
@@ -798,8 +1096,10 @@ def test_sr_keeps_updates_smaller_than_the_bf16_spacing(backend):
 
 # ---- building ----------------------------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.skipif(csrc.cuda_toolkit() is None,
-                    reason="no CUDA toolkit (set CUDA_HOME to the folder holding bin/nvcc)")
+@pytest.mark.skipif(
+    csrc.cuda_toolkit() is None,
+    reason="no CUDA toolkit (set CUDA_HOME to the folder holding bin/nvcc)",
+)
 def test_cuda_backend_binds_the_sr_ops(monkeypatch):
     """The CUDA kernels compile (for TORCH_CUDA_ARCH_LIST, e.g. 9.0, without a GPU) with the SR
     ops bound, and those check their arguments (CPU tensors refused) before any launch."""
@@ -811,8 +1111,27 @@ def test_cuda_backend_binds_the_sr_ops(monkeypatch):
     with pytest.raises(RuntimeError, match="CUDA tensors"):
         kernels.ops.stochastic_round([x], [p], 0, 0, [0])
     with pytest.raises(RuntimeError, match="CUDA tensors"):
-        kernels.ops.sgd_step_sr([p], [p], [], torch.ones(1), None, 0.1, 0.0, 0.0, 0.0, False,
-                                False, True, 0, 0, [0])
+        kernels.ops.sgd_step_sr(
+            [p], [p], [], torch.ones(1), None, 0.1, 0.0, 0.0, 0.0, False, False, True, 0, 0, [0]
+        )
     with pytest.raises(RuntimeError, match="CUDA tensors"):
-        kernels.ops.adam_step_sr([p], [p], [p], [p], torch.ones(1), None, 0.1, 0.9, 0.999, 1e-8,
-                                 0.0, 0.1, 0.001, False, False, 0, 0, [0])
+        kernels.ops.adam_step_sr(
+            [p],
+            [p],
+            [p],
+            [p],
+            torch.ones(1),
+            None,
+            0.1,
+            0.9,
+            0.999,
+            1e-8,
+            0.0,
+            0.1,
+            0.001,
+            False,
+            False,
+            0,
+            0,
+            [0],
+        )

@@ -2,6 +2,7 @@
 real SQLite store. Two sweeps run as real subprocesses (the default launcher over O0-O3, and the
 joblib launcher with a failing job); the rest go through the real CLI and Hydra in this process.
 """
+
 from __future__ import annotations
 
 import _thread
@@ -15,8 +16,8 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from runner.sweep import claim_gpu
-from runner.tracking.tags import PARENT_RUN as PARENT_RUN_TAG
 from runner.tracking.store import retry_when_locked
+from runner.tracking.tags import PARENT_RUN as PARENT_RUN_TAG
 from tests.conftest import FAST, compose_config, run_cli, run_in_process
 from tests.test_e2e import EPOCH_METRICS, FINAL_METRICS
 
@@ -52,8 +53,13 @@ def test_level_sweep_is_one_parent_with_a_child_per_level(levels_sweep):
     assert parent.info.status == "FINISHED"
     assert parent.info.run_name == "sweep precision=o0,o1,o2,o3"
     tags = parent.data.tags
-    assert "precision=o0,o1,o2,o3" in tags["sweep.overrides"] and "model=tiny" in tags["sweep.overrides"]
-    assert Path(tags["sweep.dir"]).is_dir() and (Path(tags["sweep.dir"]) / "multirun.yaml").is_file()
+    assert (
+        "precision=o0,o1,o2,o3" in tags["sweep.overrides"]
+        and "model=tiny" in tags["sweep.overrides"]
+    )
+    assert (
+        Path(tags["sweep.dir"]).is_dir() and (Path(tags["sweep.dir"]) / "multirun.yaml").is_file()
+    )
     assert tags["sweep.launcher"] == "BasicLauncher"
     assert parent.data.metrics["jobs"] == 4 and parent.data.metrics["failed_jobs"] == 0
     assert tags["sweep.failed_jobs"] == "none"
@@ -65,14 +71,22 @@ def test_level_sweep_is_one_parent_with_a_child_per_level(levels_sweep):
     assert f"#/experiments/{parent.info.experiment_id}/runs" in output
 
 
-# ---- the joblib launcher: parallel processes, one job fails ---------------------------------------
+# ---- the joblib launcher: parallel processes, one job fails --------------------------------------
 @pytest.mark.slow
 def test_parallel_sweep_records_a_failing_job_and_goes_on(tmp_path):
     pytest.importorskip("hydra_plugins.hydra_joblib_launcher", reason="pip install '.[joblib]'")
     # A static loss scale of 1e10 overflows fp16 gradients (O3 diverges), not fp32 ones (O0 trains).
-    result = run_cli("-m", "hydra/launcher=parallel", "hydra.launcher.n_jobs=2", *FAST,
-                     "data.num_train=64", "precision=o0,o3", "precision.loss_scale=1e10",
-                     "trainer.max_bad_steps=2", cwd=tmp_path)
+    result = run_cli(
+        "-m",
+        "hydra/launcher=parallel",
+        "hydra.launcher.n_jobs=2",
+        *FAST,
+        "data.num_train=64",
+        "precision=o0,o3",
+        "precision.loss_scale=1e10",
+        "trainer.max_bad_steps=2",
+        cwd=tmp_path,
+    )
     output = result.stdout + result.stderr
     assert result.returncode == 1, output[-3000:]  # a job failed: the sweep's status says so
     assert "Sweep finished: 2 jobs, 1 failed: tiny-O3" in output
@@ -88,17 +102,19 @@ def test_parallel_sweep_records_a_failing_job_and_goes_on(tmp_path):
     assert all(math.isfinite(ok.data.metrics[m]) for m in [*EPOCH_METRICS, *FINAL_METRICS])
 
 
-# ---- in this process, through the CLI --------------------------------------------------------------
+# ---- in this process, through the CLI ------------------------------------------------------------
 def test_jobs_in_one_process_do_not_leak_into_each_other(tmp_path):
     """Two identical jobs run one after the other in this process give identical results: seeds,
     memory statistics and the tracking state are reset for each."""
     uri = f"sqlite:///{tmp_path / 'same.db'}"
-    status = run_in_process("-m", *FAST, "trainer.seed=3", "mlflow.run_name=first,second",
-                            f"mlflow.tracking_uri={uri}")
+    status = run_in_process(
+        "-m", *FAST, "trainer.seed=3", "mlflow.run_name=first,second", f"mlflow.tracking_uri={uri}"
+    )
     assert status == 0
     client, parent, children = sweep_tree(uri)
     assert sorted(children) == ["first", "second"] and parent.info.run_name == (
-        "sweep mlflow.run_name=first,second")
+        "sweep mlflow.run_name=first,second"
+    )
 
     def history(name, metric):
         return [m.value for m in client.get_metric_history(children[name].info.run_id, metric)]
@@ -110,10 +126,17 @@ def test_jobs_in_one_process_do_not_leak_into_each_other(tmp_path):
     assert mlflow.active_run() is None
 
 
-@pytest.mark.parametrize("sweep,needles", [
-    ("optimizer.lr=0.1,-1", ["optimizer.lr: got -1.0 (in sweep job #1:", "a finite number > 0"]),
-    ("trainer.max_epoch=1,2", ["sweep job #0 (", "Key 'max_epoch' not in 'TrainerConfig'"]),
-], ids=["bad-value", "typo-key"])
+@pytest.mark.parametrize(
+    "sweep,needles",
+    [
+        (
+            "optimizer.lr=0.1,-1",
+            ["optimizer.lr: got -1.0 (in sweep job #1:", "a finite number > 0"],
+        ),
+        ("trainer.max_epoch=1,2", ["sweep job #0 (", "Key 'max_epoch' not in 'TrainerConfig'"]),
+    ],
+    ids=["bad-value", "typo-key"],
+)
 def test_bad_input_in_any_job_stops_the_sweep_before_it_starts(sweep, needles, tmp_path, capsys):
     uri = f"sqlite:///{tmp_path / 'never.db'}"
     status = run_in_process("-m", *FAST, sweep, f"mlflow.tracking_uri={uri}")
@@ -127,8 +150,9 @@ def test_bad_input_in_any_job_stops_the_sweep_before_it_starts(sweep, needles, t
 def test_the_tracking_store_cannot_be_swept(tmp_path, capsys):
     a, b = (f"sqlite:///{tmp_path / name}" for name in ("a.db", "b.db"))
     assert run_in_process("-m", *FAST, f"mlflow.tracking_uri={a},{b}") == 2
-    assert "mlflow.tracking_uri: a sweep's jobs log to their parent run's store" in \
-        "".join(capsys.readouterr())
+    assert "mlflow.tracking_uri: a sweep's jobs log to their parent run's store" in "".join(
+        capsys.readouterr()
+    )
 
 
 def test_a_job_failing_before_its_run_exists_is_still_recorded(tmp_path):
@@ -136,16 +160,24 @@ def test_a_job_failing_before_its_run_exists_is_still_recorded(tmp_path):
     child with the error, ends the parent with the failure counted, and exits 1."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     other = [o for o in FAST if not o.startswith("data")]
-    status = run_in_process("-m", *other, "data=cifar10", "data.download=false",
-                            f"data.root={tmp_path / 'nowhere'}", "precision=o0,o2",
-                            f"mlflow.tracking_uri={uri}")
+    status = run_in_process(
+        "-m",
+        *other,
+        "data=cifar10",
+        "data.download=false",
+        f"data.root={tmp_path / 'nowhere'}",
+        "precision=o0,o2",
+        f"mlflow.tracking_uri={uri}",
+    )
     assert status == 1
     _, parent, children = sweep_tree(uri)
     assert sorted(children) == ["tiny-O0", "tiny-O2"]
     for child in children.values():
         assert child.info.status == "FAILED"
-        assert child.data.tags["error"].startswith("DataError:") and "data.root" in \
-            child.data.tags["error"]
+        assert (
+            child.data.tags["error"].startswith("DataError:")
+            and "data.root" in child.data.tags["error"]
+        )
     assert parent.info.status == "FINISHED" and parent.data.metrics["failed_jobs"] == 2
 
 
@@ -160,7 +192,10 @@ def test_ctrl_c_during_a_sweep_marks_the_job_and_the_parent_killed(tmp_path):
                 exp = client.get_experiment_by_name("amp-runner")
                 running = exp and client.search_runs(
                     [exp.experiment_id],
-                    filter_string=f"attributes.status = 'RUNNING' and tags.`{PARENT_RUN_TAG}` != ''")
+                    filter_string=(
+                        f"attributes.status = 'RUNNING' and tags.`{PARENT_RUN_TAG}` != ''"
+                    ),
+                )
             except MlflowException:
                 running = None  # the store is being created
             if running:
@@ -171,8 +206,14 @@ def test_ctrl_c_during_a_sweep_marks_the_job_and_the_parent_killed(tmp_path):
 
     watcher = threading.Thread(target=interrupt_once_a_job_trains, daemon=True)
     watcher.start()
-    status = run_in_process("-m", *FAST, "data.num_train=100000", "trainer.max_epochs=1",
-                            "precision=o0,o1", f"mlflow.tracking_uri={uri}")
+    status = run_in_process(
+        "-m",
+        *FAST,
+        "data.num_train=100000",
+        "trainer.max_epochs=1",
+        "precision=o0,o1",
+        f"mlflow.tracking_uri={uri}",
+    )
     watcher.join(timeout=5)
     assert status == 130
     _, parent, children = sweep_tree(uri)
@@ -181,7 +222,7 @@ def test_ctrl_c_during_a_sweep_marks_the_job_and_the_parent_killed(tmp_path):
     assert parent.info.status == "KILLED" and "interrupted" in parent.data.tags["error"]
 
 
-# ---- building blocks ------------------------------------------------------------------------------
+# ---- building blocks -----------------------------------------------------------------------------
 def test_parallel_launcher_runs_one_job_per_gpu_or_one_on_cpu():
     pytest.importorskip("hydra_plugins.hydra_joblib_launcher", reason="pip install '.[joblib]'")
     import torch
@@ -189,8 +230,12 @@ def test_parallel_launcher_runs_one_job_per_gpu_or_one_on_cpu():
     cfg = compose_config("hydra/launcher=parallel", return_hydra_config=True)
     assert cfg.hydra.launcher._target_.endswith("JoblibLauncher")
     assert cfg.hydra.launcher.n_jobs == max(1, torch.cuda.device_count())
-    assert compose_config("hydra/launcher=parallel", "hydra.launcher.n_jobs=3",
-                          return_hydra_config=True).hydra.launcher.n_jobs == 3
+    assert (
+        compose_config(
+            "hydra/launcher=parallel", "hydra.launcher.n_jobs=3", return_hydra_config=True
+        ).hydra.launcher.n_jobs
+        == 3
+    )
 
 
 def test_each_parallel_job_gets_a_gpu_of_its_own(tmp_path):
@@ -237,11 +282,17 @@ def test_a_killed_sweep_continues_with_resume_auto(tmp_path):
     from tests.conftest import read_until, start_cli
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    sweep = [*FAST, "data.num_train=1536", "trainer.max_epochs=3", "trainer.log_every_n_steps=8",
-             f"hydra.sweep.dir={tmp_path / 'sweep'}", "trainer.device=cpu"]
+    sweep = [
+        *FAST,
+        "data.num_train=1536",
+        "trainer.max_epochs=3",
+        "trainer.log_every_n_steps=8",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        "trainer.device=cpu",
+    ]
     proc = start_cli("-m", *sweep, "trainer.seed=1,2,3", cwd=tmp_path)
-    seen = read_until(proc, "(after epoch 1)")          # job #0's first checkpoint
-    seen += read_until(proc, "(after epoch 1)")         # job #1's
+    seen = read_until(proc, "(after epoch 1)")  # job #0's first checkpoint
+    seen += read_until(proc, "(after epoch 1)")  # job #1's
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
     client = MlflowClient(uri)
@@ -266,8 +317,11 @@ def test_a_killed_sweep_continues_with_resume_auto(tmp_path):
     assert children["0"].info.end_time == before["0"].info.end_time  # kept as it was
     assert children["1"].info.run_id == before["1"].info.run_id
     assert children["1"].data.tags["resume.count"] == "1"
-    assert [m.step for m in client.get_metric_history(children["1"].info.run_id, "val_acc")] == \
-        [1, 2, 3]
+    assert [m.step for m in client.get_metric_history(children["1"].info.run_id, "val_acc")] == [
+        1,
+        2,
+        3,
+    ]
     assert "resume.count" not in children["2"].data.tags
 
     changed = run_cli("-m", *sweep, "trainer.seed=1,2,4", "resume=auto", cwd=tmp_path)

@@ -1,5 +1,6 @@
 """Text datasets (runner/components/text.py): windows, the token cache, the three builders and
 their plan-time checks, on small corpora each test writes in its own folder."""
+
 from __future__ import annotations
 
 import logging
@@ -65,8 +66,15 @@ def node(**keys):
 
 
 def text_node(tmp_path: Path, corpus: Path, **keys):
-    base = dict(name="text", path=str(corpus), glob="**/*.txt", tokenizer=None, block_size=16,
-                val_fraction=0.1, cache_dir=str(tmp_path / "cache"))
+    base = dict(
+        name="text",
+        path=str(corpus),
+        glob="**/*.txt",
+        tokenizer=None,
+        block_size=16,
+        val_fraction=0.1,
+        cache_dir=str(tmp_path / "cache"),
+    )
     return node(**{**base, **keys})
 
 
@@ -140,7 +148,7 @@ def test_windows_in_a_dataloader_with_two_spawned_workers(tmp_path):
     xs, ys = zip(*loader)
     x, y = torch.cat(xs), torch.cat(ys)
     assert x.shape == (len(ds), 64) and x.dtype == torch.int64
-    assert torch.equal(x.flatten(), torch.from_numpy(tokens[:len(ds) * 64].astype(np.int64)))
+    assert torch.equal(x.flatten(), torch.from_numpy(tokens[: len(ds) * 64].astype(np.int64)))
     assert torch.equal(y[:, :-1], x[:, 1:]) and torch.equal(y[:-1, -1], x[1:, 0])
 
 
@@ -159,7 +167,7 @@ def test_text_bytes_tokens_are_the_utf8_of_the_joined_files(tmp_path):
     train_tokens, val_tokens = bundle.train.tokens(), bundle.val.tokens()
     assert len(train_tokens) + len(val_tokens) == n and len(val_tokens) == num_val
     assert np.array_equal(np.concatenate([train_tokens, val_tokens]), ids)
-    assert bundle.val[0][0].tolist() == ids[n - num_val:n - num_val + 16].tolist()  # the tail
+    assert bundle.val[0][0].tolist() == ids[n - num_val : n - num_val + 16].tolist()  # the tail
     assert len(bundle.train) == (n - num_val - 1) // 16 and len(bundle.val) == (num_val - 1) // 16
     # the cache: nanoGPT's flat layout and a sidecar that describes it
     (bin_path,) = (tmp_path / "cache").glob("*.bin")
@@ -306,8 +314,9 @@ def test_text_with_a_tokenizer_gives_its_ids_of_the_joined_text(tmp_path, bpe_to
     assert meta["dtype"] == "uint16"
 
 
-def test_a_large_corpus_is_encoded_in_pieces_with_the_same_ids(tmp_path, bpe_tokenizer,
-                                                                monkeypatch):
+def test_a_large_corpus_is_encoded_in_pieces_with_the_same_ids(
+    tmp_path, bpe_tokenizer, monkeypatch
+):
     """Long documents are cut after newlines and encoded a batch of pieces at a time (bounded
     memory); for a tokenizer that splits at whitespace the ids are still those of the whole."""
     corpus, path, tok = bpe_tokenizer
@@ -358,8 +367,10 @@ def test_check_text_errors(tmp_path):
     err = check_error(check_text, text_node(tmp_path, blanks))
     assert err.key == "data.path" and "all 2 files" in str(err) and "empty" in str(err)
 
-    for bad, why in (({"val_fraction": 1.5}, "data.val_fraction"),
-                     ({"block_size": 0}, "data.block_size")):
+    for bad, why in (
+        ({"val_fraction": 1.5}, "data.val_fraction"),
+        ({"block_size": 0}, "data.block_size"),
+    ):
         assert check_error(check_text, text_node(tmp_path, corpus, **bad)).key == why
 
 
@@ -393,8 +404,14 @@ def test_tokens_round_trip(tmp_path, dtype, high):
     val[5] = high - 1  # the largest id is in val
     train.tofile(tmp_path / "train.bin")
     val.tofile(tmp_path / "val.bin")
-    cfg = node(name="tokens", train=str(tmp_path / "train.bin"), val=str(tmp_path / "val.bin"),
-               dtype=dtype, vocab_size=None, block_size=32)
+    cfg = node(
+        name="tokens",
+        train=str(tmp_path / "train.bin"),
+        val=str(tmp_path / "val.bin"),
+        dtype=dtype,
+        vocab_size=None,
+        block_size=32,
+    )
     check_tokens(cfg)
     assert tokens_vocab_size(cfg) is None
     bundle = build_tokens(cfg)
@@ -405,8 +422,10 @@ def test_tokens_round_trip(tmp_path, dtype, high):
     assert x.tolist() == train[96:128].tolist() and y.tolist() == train[97:129].tolist()
     assert bundle.val[0][0].tolist() == val[:32].tolist()
     declared = build_tokens(node(**{**cfg, "vocab_size": high + 10}))
-    assert declared.num_classes == high + 10 and tokens_vocab_size(
-        node(**{**cfg, "vocab_size": high + 10})) == high + 10
+    assert (
+        declared.num_classes == high + 10
+        and tokens_vocab_size(node(**{**cfg, "vocab_size": high + 10})) == high + 10
+    )
     assert_same_items(all_items(pickle.loads(pickle.dumps(bundle.val))), all_items(bundle.val))
 
 
@@ -414,8 +433,13 @@ def test_tokens_errors(tmp_path):
     train = np.arange(1000, dtype=np.uint16)
     train.tofile(tmp_path / "train.bin")
     train[:200].tofile(tmp_path / "val.bin")
-    good = dict(train=str(tmp_path / "train.bin"), val=str(tmp_path / "val.bin"),
-                dtype="uint16", vocab_size=None, block_size=16)
+    good = dict(
+        train=str(tmp_path / "train.bin"),
+        val=str(tmp_path / "val.bin"),
+        dtype="uint16",
+        vocab_size=None,
+        block_size=16,
+    )
 
     err = check_error(build_tokens, node(**{**good, "vocab_size": 500}))
     assert err.key == "data.vocab_size" and "999" in str(err) and "train.bin" in str(err)
@@ -426,8 +450,9 @@ def test_tokens_errors(tmp_path):
         assert err.key == "data.val" and "odd.bin" in str(err)
         assert "not a multiple of 2" in str(err)
     (tmp_path / "six.bin").write_bytes(b"\x00" * 6)
-    err = check_error(check_tokens, node(**{**good, "dtype": "uint32",
-                                            "train": str(tmp_path / "six.bin")}))
+    err = check_error(
+        check_tokens, node(**{**good, "dtype": "uint32", "train": str(tmp_path / "six.bin")})
+    )
     assert err.key == "data.train" and "not a multiple of 4" in str(err)
 
     err = check_error(check_tokens, node(**{**good, "dtype": "int64"}))
@@ -453,8 +478,15 @@ def conditional_entropy(tokens: np.ndarray, vocab: int) -> float:
 
 
 def synthetic(**keys):
-    base = dict(name="synthetic_text", vocab_size=64, num_train=50_000, num_val=5000,
-                block_size=32, seed=0, branching=4)
+    base = dict(
+        name="synthetic_text",
+        vocab_size=64,
+        num_train=50_000,
+        num_val=5000,
+        block_size=32,
+        seed=0,
+        branching=4,
+    )
     return build_synthetic_text(node(**{**base, **keys}))
 
 
@@ -493,7 +525,7 @@ def test_synthetic_text_is_learnable_and_not_periodic():
     p = np.divide(pairs, pairs.sum(1, keepdims=True), out=np.ones_like(pairs), where=pairs > 0)
     assert -(pairs * np.log(p)).sum() / pairs.sum() > h + 0.8
     # not periodic: many distinct 16-grams
-    grams = {tokens[i:i + 16].tobytes() for i in range(0, 100_000, 16)}
+    grams = {tokens[i : i + 16].tobytes() for i in range(0, 100_000, 16)}
     assert len(grams) > 6000
 
 
@@ -510,11 +542,16 @@ def test_synthetic_text_errors():
 def test_the_yaml_options_build(tmp_path):
     """conf/data/{text,synthetic_text}.yaml, composed by Hydra with their schemas, build."""
     corpus = write_corpus(tmp_path / "corpus")
-    cfg = compose_data("data=text", f"data.path={corpus}", "data.block_size=16",
-                       f"data.cache_dir={tmp_path / 'cache'}")
+    cfg = compose_data(
+        "data=text",
+        f"data.path={corpus}",
+        "data.block_size=16",
+        f"data.cache_dir={tmp_path / 'cache'}",
+    )
     check_text(cfg)
-    assert text_vocab_size(cfg) == 256 and build_text(cfg).train[0][0].tolist() == \
-        list(b"The quick brown ")
+    assert text_vocab_size(cfg) == 256 and build_text(cfg).train[0][0].tolist() == list(
+        b"The quick brown "
+    )
     err = check_error(check_text, compose_data("data=text"))  # path: ??? in the YAML
     assert err.key == "data.path" and "not set" in str(err)
     bundle = build_synthetic_text(compose_data("data=synthetic_text", "data.num_train=5000"))

@@ -1,5 +1,6 @@
 """A tracking server that is not there, goes away, comes back or stays away: a real `mlflow server`
 on localhost (tests/conftest.py's MlflowServer), stopped and started for real."""
+
 from __future__ import annotations
 
 import os
@@ -12,17 +13,18 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from runner.errors import RunnerError
 from runner.run import app
 from runner.tracking import replay
-from runner.errors import RunnerError
-from runner.tracking.lifecycle import Tracker, TrackedRun
+from runner.tracking.lifecycle import TrackedRun, Tracker
 from tests.conftest import FAST, REPO, compose_config, free_port, read_until, start_cli
 
 
 def test_an_unreachable_server_at_start_stops_the_run_before_any_training(tmp_path):
     uri = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    cfg = compose_config(*FAST, f"mlflow.tracking_uri={uri}",
-                         f"trainer.checkpoint_dir={tmp_path / 'checkpoints'}")
+    cfg = compose_config(
+        *FAST, f"mlflow.tracking_uri={uri}", f"trainer.checkpoint_dir={tmp_path / 'checkpoints'}"
+    )
     started = time.monotonic()
     with pytest.raises(RunnerError) as e:
         app.run(cfg)
@@ -56,15 +58,20 @@ def test_metrics_logged_while_the_server_is_away_arrive_when_it_is_back(mlflow_s
 
 @pytest.mark.slow
 def test_a_run_whose_server_goes_away_and_comes_back_finishes_with_every_metric(
-        mlflow_server, tmp_path):
+    mlflow_server, tmp_path
+):
     """`python -m runner` against a real server that is stopped while the run trains and started
     again: training never waits, and the server ends up with the whole run, FINISHED, with no
     offline store (END_TIMEOUT 120 s: the run may end before the server is back)."""
     server = mlflow_server.start()
     work = tmp_path / "work"
     work.mkdir()
-    args = [*FAST, "data.num_train=3000", "trainer.log_every_n_steps=1",
-            f"mlflow.tracking_uri={server.url}"]
+    args = [
+        *FAST,
+        "data.num_train=3000",
+        "trainer.log_every_n_steps=1",
+        f"mlflow.tracking_uri={server.url}",
+    ]
     proc = start_cli(*args, cwd=work, env={"AMP_RUNNER_MLFLOW_END_TIMEOUT": "120"})
     seen = read_until(proc, "MLflow run")
     server.stop()
@@ -86,13 +93,18 @@ def test_a_run_whose_server_goes_away_and_comes_back_finishes_with_every_metric(
 
 @pytest.mark.slow
 def test_a_run_that_ends_while_the_server_is_away_is_saved_offline_and_replayed(
-        mlflow_server, tmp_path):
+    mlflow_server, tmp_path
+):
     server = mlflow_server.start()
     env = {"AMP_RUNNER_MLFLOW_END_TIMEOUT": "3"}
     work = tmp_path / "work"
     work.mkdir()
-    args = [*FAST, "data.num_train=3000", "trainer.log_every_n_steps=1",
-            f"mlflow.tracking_uri={server.url}"]
+    args = [
+        *FAST,
+        "data.num_train=3000",
+        "trainer.log_every_n_steps=1",
+        f"mlflow.tracking_uri={server.url}",
+    ]
     proc = start_cli(*args, cwd=work, env=env)
     seen = read_until(proc, "MLflow run")  # the run exists on the server: now take it away
     server.stop()  # (even the run's start-up artifacts may not have reached it)
@@ -106,9 +118,13 @@ def test_a_run_that_ends_while_the_server_is_away_is_saved_offline_and_replayed(
 
     # still away: the replay says so and marks nothing as done
     def replay_cli() -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "runner.replay", str(folder)],
-                              env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True,
-                              text=True, timeout=120)
+        return subprocess.run(
+            [sys.executable, "-m", "runner.replay", str(folder)],
+            env=dict(os.environ, PYTHONPATH=str(REPO)),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
 
     still_away = replay_cli()
     assert still_away.returncode == 1 and "nothing marked as replayed" in still_away.stderr
@@ -145,8 +161,14 @@ def test_offline_replay_into_a_store(tmp_path):
     pending.experiment_name = "amp-runner"
     from mlflow.entities import Metric
 
-    folder = replay.write_offline(tmp_path / "offline", pending, "FAILED", "DivergenceError: x",
-                                  [Metric("val_acc", 0.25, 0, 2)], [])
+    folder = replay.write_offline(
+        tmp_path / "offline",
+        pending,
+        "FAILED",
+        "DivergenceError: x",
+        [Metric("val_acc", 0.25, 0, 2)],
+        [],
+    )
     assert replay.replay(folder) == [tracked.run_id]
     run = target.client.get_run(tracked.run_id)
     assert run.info.status == "FAILED" and run.data.tags["error"] == "DivergenceError: x"

@@ -1,4 +1,5 @@
 """The ending the torchrun probes share (tests/*_probe.py, run as scripts, not tests)."""
+
 from __future__ import annotations
 
 import os

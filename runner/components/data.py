@@ -6,6 +6,7 @@ Anything a user can fix (a wrong root, a missing split, no network for the downl
 `DataError` whose message names the config key to change, so the CLI can print it without a
 traceback. This module is imported only for a real run (the dry run never loads it).
 """
+
 from __future__ import annotations
 
 import atexit
@@ -17,7 +18,7 @@ import pickle
 import signal
 import weakref
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -26,8 +27,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
-from runner.config import options
-from runner.config import targets
+from runner.config import options, targets
 from runner.config.options import DATASET_NAMES
 from runner.errors import ConfigError, DataError
 
@@ -118,7 +118,7 @@ class SyntheticDataset(Dataset):
         # Labels: balanced and deterministic; the permutation spreads the classes over indices.
         label_rng = np.random.default_rng([self.seed, self._SPLIT_IDS[split], 0])
         labels = np.arange(self.num_samples) % self.num_classes
-        self.targets: List[int] = label_rng.permutation(labels).tolist()
+        self.targets: list[int] = label_rng.permutation(labels).tolist()
         self._patterns: Optional[torch.Tensor] = None
 
     def __len__(self) -> int:
@@ -140,7 +140,7 @@ class SyntheticDataset(Dataset):
             self._patterns = self._upsample(self._patterns_low, self._canvas)
         return self._patterns[label]
 
-    def __getitem__(self, index: int) -> Tuple[torch.Tensor, int]:
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         if index < 0:
             index += self.num_samples
         if not 0 <= index < self.num_samples:
@@ -217,7 +217,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def missing_cifar_files(cls: type, root: str) -> List[str]:
+def missing_cifar_files(cls: type, root: str) -> list[str]:
     names = [name for name, _ in cls.train_list + cls.test_list] + [cls.meta["filename"]]
     return [n for n in names if not os.path.isfile(os.path.join(root, cls.base_folder, n))]
 
@@ -238,7 +238,7 @@ def _check_root(cfg: Any) -> str:
 
 
 def build_cifar(cfg: Any) -> DataBundle:
-    name = str(getattr(cfg, "name"))
+    name = str(cfg.name)
     root = _check_root(cfg)
     from torchvision import transforms as T
 
@@ -264,12 +264,16 @@ def build_cifar(cfg: Any) -> DataBundle:
         folder = os.path.join(root, cls.base_folder)
         if download_error:  # asking for data.download=true again would not help
             why = f"downloading {cls.url} failed ({download_error})"
-            fixes = (f"point data.root at a folder that already contains {cls.base_folder} "
-                     f"(copied from a machine with network), or use data=synthetic")
+            fixes = (
+                f"point data.root at a folder that already contains {cls.base_folder} "
+                f"(copied from a machine with network), or use data=synthetic"
+            )
         else:
             why = "data.download is false"
-            fixes = (f"point data.root at the folder that contains {cls.base_folder}, "
-                     f"set data.download=true (needs network), or use data=synthetic")
+            fixes = (
+                f"point data.root at the folder that contains {cls.base_folder}, "
+                f"set data.download=true (needs network), or use data=synthetic"
+            )
         raise DataError(
             f"{name} not found under data.root={root}: expected {folder} "
             f"(missing: {', '.join(missing)}); {why}. To fix: {fixes}."
@@ -345,13 +349,19 @@ TARGET_KEYS = ("name", "num_classes")  # the runner's keys of a `_target_` datas
 def _target_extra(cfg: Any, target: Any) -> dict[str, Any]:
     """The number of classes goes to the callable too when it takes `num_classes` and it is set."""
     wanted = cfg.get("num_classes")
-    return {"num_classes": int(wanted)} if wanted is not None and \
-        targets.accepts(target, "num_classes") else {}
+    return (
+        {"num_classes": int(wanted)}
+        if wanted is not None and targets.accepts(target, "num_classes")
+        else {}
+    )
 
 
 def check_target(cfg: Any) -> None:
-    target = targets.resolve("data._target_", cfg["_target_"]) \
-        if not OmegaConf.is_missing(cfg, "_target_") else None
+    target = (
+        targets.resolve("data._target_", cfg["_target_"])
+        if not OmegaConf.is_missing(cfg, "_target_")
+        else None
+    )
     targets.check("data", cfg, TARGET_KEYS, _target_extra(cfg, target) if target else {})
 
 
@@ -361,27 +371,44 @@ def build_target(cfg: Any) -> DataBundle:
     path = cfg["_target_"]
     target = targets.resolve("data._target_", path)
     pair = targets.call("data", cfg, TARGET_KEYS, _target_extra(cfg, target))
-    if not (isinstance(pair, (tuple, list)) and len(pair) == 2
-            and all(hasattr(d, "__getitem__") and hasattr(d, "__len__") for d in pair)):
-        raise ConfigError("data._target_", f"{path} returned a {type(pair).__name__}, not a "
-                          "(train, val) pair of map-style datasets")
+    if not (
+        isinstance(pair, (tuple, list))
+        and len(pair) == 2
+        and all(hasattr(d, "__getitem__") and hasattr(d, "__len__") for d in pair)
+    ):
+        raise ConfigError(
+            "data._target_",
+            f"{path} returned a {type(pair).__name__}, not a "
+            "(train, val) pair of map-style datasets",
+        )
     train, val = pair
     if len(train) == 0 or len(val) == 0:
-        raise ConfigError("data._target_", f"{path} returned an empty "
-                          f"{'training' if len(train) == 0 else 'validation'} set")
+        raise ConfigError(
+            "data._target_",
+            f"{path} returned an empty {'training' if len(train) == 0 else 'validation'} set",
+        )
     num_classes = cfg.get("num_classes")
     if num_classes is None:
         classes = getattr(train, "classes", None)
         if classes is None:
-            raise ConfigError("data.num_classes", f"is null and the training set {path} returned "
-                              "has no .classes to count", "the number of classes, e.g. "
-                              "+data.num_classes=10 (or data.num_classes=10 with data=custom)")
+            raise ConfigError(
+                "data.num_classes",
+                f"is null and the training set {path} returned has no .classes to count",
+                "the number of classes, e.g. "
+                "+data.num_classes=10 (or data.num_classes=10 with data=custom)",
+            )
         num_classes = len(classes)
     sample = train[0]
-    if not (isinstance(sample, (tuple, list)) and len(sample) == 2
-            and isinstance(sample[0], torch.Tensor)):
-        raise ConfigError("data._target_", f"the training set of {path} yields a "
-                          f"{type(sample).__name__}, not an (input tensor, target) pair")
+    if not (
+        isinstance(sample, (tuple, list))
+        and len(sample) == 2
+        and isinstance(sample[0], torch.Tensor)
+    ):
+        raise ConfigError(
+            "data._target_",
+            f"the training set of {path} yields a "
+            f"{type(sample).__name__}, not an (input tensor, target) pair",
+        )
     name = str(cfg.get("name") or path.rsplit(".", 1)[-1])
     return DataBundle(train, val, int(num_classes), int(sample[0].shape[-1]), name)
 
@@ -395,8 +422,9 @@ def declared_num_classes(cfg: Any, spec: Optional[options.Spec] = None) -> Optio
     return spec.classes(cfg) if spec is not None and spec.classes is not None else None
 
 
-def declared_input(cfg: Any, spec: Optional[options.Spec] = None
-                   ) -> Optional[tuple[int, tuple[int, ...]]]:
+def declared_input(
+    cfg: Any, spec: Optional[options.Spec] = None
+) -> Optional[tuple[int, tuple[int, ...]]]:
     """(classes, input shape) the `data` config implies without loading anything: a built-in
     option's (3-channel images of data.image_size; for text, the vocabulary size and sequences
     of data.block_size tokens); None where only the dataset can tell."""
@@ -460,7 +488,7 @@ def _ignore_stop_signals(worker_id: int) -> None:
 
 # Every loader with worker processes this process built: at exit, whatever is still alive of them
 # is ended before multiprocessing's own exit handler would wait on it (see shutdown_workers).
-_WORKER_LOADERS: "weakref.WeakSet[DataLoader]" = weakref.WeakSet()
+_WORKER_LOADERS: weakref.WeakSet[DataLoader] = weakref.WeakSet()
 _EXIT_HOOK = False
 WORKER_EXIT_TIMEOUT_S = 10.0  # how long a worker may take to end before it is killed
 
@@ -484,8 +512,11 @@ def shutdown_workers(*loaders: DataLoader) -> None:
         for worker in workers:
             worker.join(timeout=WORKER_EXIT_TIMEOUT_S)
             if worker.is_alive():
-                log.warning("DataLoader worker %s did not end within %.0f s; killing it",
-                            worker.pid, WORKER_EXIT_TIMEOUT_S)
+                log.warning(
+                    "DataLoader worker %s did not end within %.0f s; killing it",
+                    worker.pid,
+                    WORKER_EXIT_TIMEOUT_S,
+                )
                 worker.kill()
                 worker.join(timeout=WORKER_EXIT_TIMEOUT_S)
 
@@ -508,9 +539,14 @@ def _track_workers(*loaders: DataLoader) -> None:
 
 
 def build_loaders(
-    bundle: DataBundle, batch_size: int, num_workers: int, device_type: str, seed: int,
-    rank: int = 0, world_size: int = 1,
-) -> Tuple[DataLoader, DataLoader]:
+    bundle: DataBundle,
+    batch_size: int,
+    num_workers: int,
+    device_type: str,
+    seed: int,
+    rank: int = 0,
+    world_size: int = 1,
+) -> tuple[DataLoader, DataLoader]:
     """Train loader (shuffled per epoch from `seed`: see EpochSampler; this rank's share of
     every epoch) and val loader (fixed order, this rank's share). `batch_size` is per process.
     Pinned memory only helps host-to-GPU copies, so only on cuda; persistent workers avoid
@@ -523,11 +559,16 @@ def build_loaders(
         drop_last=False,
         worker_init_fn=_ignore_stop_signals if int(num_workers) > 0 else None,
     )
-    train_sampler = EpochSampler(bundle.train, num_replicas=world_size, rank=rank, shuffle=True,
-                                 seed=int(seed), drop_last=False)
+    train_sampler = EpochSampler(
+        bundle.train,
+        num_replicas=world_size,
+        rank=rank,
+        shuffle=True,
+        seed=int(seed),
+        drop_last=False,
+    )
     train = DataLoader(bundle.train, sampler=train_sampler, **common)
-    val = DataLoader(bundle.val, sampler=ShardSampler(len(bundle.val), rank, world_size),
-                     **common)
+    val = DataLoader(bundle.val, sampler=ShardSampler(len(bundle.val), rank, world_size), **common)
     if int(num_workers) > 0:
         _track_workers(train, val)
     return train, val

@@ -15,6 +15,7 @@ Two families:
   transformers is optional (`amp-runner[hf]`) and slow to import: it is imported only on use, with
   the hub forced offline.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -59,8 +60,12 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
         y = F.scaled_dot_product_attention(
-            self._heads(self.q(x)), self._heads(self.k(x)), self._heads(self.v(x)),
-            is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+            self._heads(self.q(x)),
+            self._heads(self.k(x)),
+            self._heads(self.v(x)),
+            is_causal=True,
+            dropout_p=self.dropout if self.training else 0.0,
+        )
         y = y.transpose(1, 2).contiguous().view(b, t, c)
         return self.drop(self.proj(y))
 
@@ -107,11 +112,25 @@ class GPT(nn.Module):
     token embedding's Parameter (GPT-2 does; saves vocab_size * n_embd parameters).
     """
 
-    def __init__(self, vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int,
-                 dropout: float = 0.0, tie_weights: bool = False, bias: bool = True):
+    def __init__(
+        self,
+        vocab_size: int,
+        block_size: int,
+        n_layer: int,
+        n_head: int,
+        n_embd: int,
+        dropout: float = 0.0,
+        tie_weights: bool = False,
+        bias: bool = True,
+    ):
         super().__init__()
-        for name, value in (("vocab_size", vocab_size), ("block_size", block_size),
-                            ("n_layer", n_layer), ("n_head", n_head), ("n_embd", n_embd)):
+        for name, value in (
+            ("vocab_size", vocab_size),
+            ("block_size", block_size),
+            ("n_layer", n_layer),
+            ("n_head", n_head),
+            ("n_embd", n_embd),
+        ):
             if int(value) < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")
         if n_embd % n_head:
@@ -144,14 +163,18 @@ class GPT(nn.Module):
         """{layer size: the config key it comes from}: what a Tensor Core or fp8 shape finding
         names (runner.precision.checks.size_origins)."""
         n_embd = self.tok_emb.embedding_dim
-        return {4 * n_embd: "4 x model.n_embd", n_embd: "model.n_embd",
-                self.vocab_size: "model.vocab_size"}
+        return {
+            4 * n_embd: "4 x model.n_embd",
+            n_embd: "model.n_embd",
+            self.vocab_size: "model.vocab_size",
+        }
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[-1]
         if t > self.block_size:
-            raise ValueError(f"sequence length {t} is longer than the model's block_size "
-                             f"{self.block_size}")
+            raise ValueError(
+                f"sequence length {t} is longer than the model's block_size {self.block_size}"
+            )
         pos = torch.arange(t, device=idx.device)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
         for block in self.blocks:
@@ -161,9 +184,16 @@ class GPT(nn.Module):
 
 # ---- builders for the GPT --------------------------------------------------------------------
 # the keys build_gpt reads, with their defaults (schema: runner.config.options.GPTConfig)
-GPT_DEFAULTS: dict[str, Any] = {"n_layer": 2, "n_head": 4, "n_embd": 64, "block_size": 256,
-                                "vocab_size": None, "dropout": 0.0, "tie_weights": False,
-                                "bias": True}
+GPT_DEFAULTS: dict[str, Any] = {
+    "n_layer": 2,
+    "n_head": 4,
+    "n_embd": 64,
+    "block_size": 256,
+    "vocab_size": None,
+    "dropout": 0.0,
+    "tie_weights": False,
+    "bias": True,
+}
 
 
 def _value(cfg: Any, key: str, default: Any) -> Any:
@@ -192,9 +222,12 @@ def check_gpt(cfg: Any) -> None:
             raise ConfigError(f"model.{key}", f"must be at least 1, got {sizes[key]}")
     if sizes["n_embd"] % sizes["n_head"]:
         divisors = [d for d in range(1, sizes["n_embd"] + 1) if sizes["n_embd"] % d == 0]
-        raise ConfigError("model.n_head", f"the width n_embd={sizes['n_embd']} is split into "
-                          f"n_head={sizes['n_head']} heads, which does not divide it",
-                          [str(d) for d in divisors if d <= 64])
+        raise ConfigError(
+            "model.n_head",
+            f"the width n_embd={sizes['n_embd']} is split into "
+            f"n_head={sizes['n_head']} heads, which does not divide it",
+            [str(d) for d in divisors if d <= 64],
+        )
     if not 0.0 <= sizes["dropout"] < 1.0:
         raise ConfigError("model.dropout", f"got {sizes['dropout']}", "a number in [0, 1)")
 
@@ -204,9 +237,11 @@ def _vocab(declared: Optional[int], num_classes: int) -> int:
     if declared is None:
         return int(num_classes)
     if int(declared) < int(num_classes):
-        raise ConfigError("model.vocab_size", f"is {declared}, but the data has token ids up to "
-                          f"{int(num_classes) - 1}",
-                          f"null (the data's: {num_classes}) or an integer >= {num_classes}")
+        raise ConfigError(
+            "model.vocab_size",
+            f"is {declared}, but the data has token ids up to {int(num_classes) - 1}",
+            f"null (the data's: {num_classes}) or an integer >= {num_classes}",
+        )
     return int(declared)
 
 
@@ -223,8 +258,16 @@ def build_gpt(cfg: Any, num_classes: int, small_input: bool = False) -> GPT:
 # ---- Hugging Face transformers by model type ------------------------------------------------
 HF_KEYS = ("name", "arch")  # the runner's keys of model=hf; every other one is a config setting
 # settings that would fetch or load weights, or run code from the hub
-HF_DOWNLOADS = ("pretrained_model_name_or_path", "name_or_path", "_name_or_path", "weights",
-                "pretrained", "checkpoint_path", "auto_map", "trust_remote_code")
+HF_DOWNLOADS = (
+    "pretrained_model_name_or_path",
+    "name_or_path",
+    "_name_or_path",
+    "weights",
+    "pretrained",
+    "checkpoint_path",
+    "auto_map",
+    "trust_remote_code",
+)
 # settings that would give the model its own parameter type, behind the precision option's back
 HF_DTYPES = ("dtype", "torch_dtype")
 HF_LISTING = "transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"
@@ -238,8 +281,11 @@ def _transformers() -> Any:
     try:
         import transformers
     except ImportError:
-        raise ConfigError("model", "model=hf needs transformers, which is not installed",
-                          'pip install "amp-runner[hf]"') from None
+        raise ConfigError(
+            "model",
+            "model=hf needs transformers, which is not installed",
+            'pip install "amp-runner[hf]"',
+        ) from None
     return transformers
 
 
@@ -259,21 +305,29 @@ def _config_class(arch: Any) -> Any:
     causal = _causal_types()
     known = list(CONFIG_MAPPING.keys())
     if not isinstance(arch, str) or arch not in known:
-        close = difflib.get_close_matches(str(arch), list(causal), n=5, cutoff=0.5) \
-            or difflib.get_close_matches(str(arch), known, n=5, cutoff=0.5)
+        close = difflib.get_close_matches(
+            str(arch), list(causal), n=5, cutoff=0.5
+        ) or difflib.get_close_matches(str(arch), known, n=5, cutoff=0.5)
         hint = f"; closest: {', '.join(close)}" if close else ""
-        raise ConfigError("model.arch", f"unknown Hugging Face model type {arch!r}{hint}",
-                          f"a key of {HF_LISTING}")
+        raise ConfigError(
+            "model.arch",
+            f"unknown Hugging Face model type {arch!r}{hint}",
+            f"a key of {HF_LISTING}",
+        )
     if arch not in causal:
         close = difflib.get_close_matches(arch, list(causal), n=5, cutoff=0.5)
         hint = f"; causal LM types close to it: {', '.join(close)}" if close else ""
-        raise ConfigError("model.arch", f"Hugging Face model type {arch!r} "
-                          f"({CONFIG_MAPPING[arch].__name__}) has no causal language model "
-                          f"class{hint}", f"a key of {HF_LISTING}")
+        raise ConfigError(
+            "model.arch",
+            f"Hugging Face model type {arch!r} "
+            f"({CONFIG_MAPPING[arch].__name__}) has no causal language model "
+            f"class{hint}",
+            f"a key of {HF_LISTING}",
+        )
     return CONFIG_MAPPING[arch]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _default(config_class: Any) -> Any:
     """A default instance of `config_class`; None for one that needs arguments."""
     try:
@@ -282,7 +336,7 @@ def _default(config_class: Any) -> Any:
         return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _settings(config_class: Any) -> frozenset[str]:
     """The keys a config class knows: its `__init__` arguments (of every class in its MRO, as
     the base class's are passed on through **kwargs), its aliases (`attribute_map`), the
@@ -297,14 +351,18 @@ def _settings(config_class: Any) -> frozenset[str]:
             parameters = inspect.signature(init).parameters.values()
         except (TypeError, ValueError):
             continue
-        names.update(p.name for p in parameters if p.name != "self"
-                     and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
+        names.update(
+            p.name
+            for p in parameters
+            if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        )
     names.update(getattr(config_class, "attribute_map", {}) or {})
     if _default(config_class) is not None:
         names.update(vars(_default(config_class)))
     for cls in config_class.__mro__:
-        names.update(n for n, v in vars(cls).items()
-                     if isinstance(v, property) and v.fset is not None)
+        names.update(
+            n for n, v in vars(cls).items() if isinstance(v, property) and v.fset is not None
+        )
     return frozenset(n for n in names if not n.startswith("_"))
 
 
@@ -316,13 +374,19 @@ def _refuse_hf_downloads(kwargs: dict[str, Any]) -> None:
     for key in HF_DOWNLOADS:
         value = kwargs.get(key)
         if value not in (None, False, ""):
-            raise ConfigError(f"model.{key}", f"got {value!r}: models are trained from random "
-                              "init here and nothing may be downloaded or loaded",
-                              "null (or leave it out)")
+            raise ConfigError(
+                f"model.{key}",
+                f"got {value!r}: models are trained from random "
+                "init here and nothing may be downloaded or loaded",
+                "null (or leave it out)",
+            )
     for key in HF_DTYPES:
         if kwargs.get(key) is not None:
-            raise ConfigError(f"model.{key}", f"got {kwargs[key]!r}: the precision option "
-                              "decides the model's types", "null (or leave it out)")
+            raise ConfigError(
+                f"model.{key}",
+                f"got {kwargs[key]!r}: the precision option decides the model's types",
+                "null (or leave it out)",
+            )
 
 
 _FIELD = re.compile(r"field '(\w+)'")
@@ -338,8 +402,10 @@ def _hf_config(arch: str, kwargs: dict[str, Any]) -> Any:
         match = _FIELD.search(str(exc))
         rejected = match.group(1) if match else targets.rejected_argument(exc)
         message = " ".join(str(exc).split())
-        raise ConfigError(f"model.{rejected}" if rejected else "model",
-                          f"the {arch!r} config rejects the settings: {message}") from None
+        raise ConfigError(
+            f"model.{rejected}" if rejected else "model",
+            f"the {arch!r} config rejects the settings: {message}",
+        ) from None
 
 
 def check_hf(cfg: Any) -> None:
@@ -357,13 +423,16 @@ def check_hf(cfg: Any) -> None:
         if key not in known:
             close = difflib.get_close_matches(key, sorted(known), n=5, cutoff=0.6)
             hint = f"; closest: {', '.join(close)}" if close else ""
-            raise ConfigError(f"model.{key}", f"Hugging Face {config_class.__name__} ({arch}) "
-                              f"has no setting {key!r}{hint}",
-                              f"a keyword of {config_class.__name__}")
+            raise ConfigError(
+                f"model.{key}",
+                f"Hugging Face {config_class.__name__} ({arch}) has no setting {key!r}{hint}",
+                f"a keyword of {config_class.__name__}",
+            )
     vocab = kwargs.get("vocab_size")
     if vocab is not None and (not isinstance(vocab, int) or vocab < 2):
-        raise ConfigError("model.vocab_size", f"got {vocab!r}",
-                          "null (the data's) or an integer >= 2")
+        raise ConfigError(
+            "model.vocab_size", f"got {vocab!r}", "null (the data's) or an integer >= 2"
+        )
     _hf_config(arch, kwargs)
 
 

@@ -1,4 +1,5 @@
 """The loss: the criterion `loss._target_` names (cross-entropy by default)."""
+
 from __future__ import annotations
 
 import torch
@@ -14,6 +15,9 @@ def build_loss(cfg) -> torch.nn.Module:
         return torch.nn.CrossEntropyLoss()
     criterion = targets.call("loss", cfg.loss)
     if not isinstance(criterion, torch.nn.Module):
-        raise ConfigError("loss._target_", f"{cfg.loss._target_} returned a "
-                          f"{type(criterion).__name__}, not an nn.Module (a criterion)")
+        raise ConfigError(
+            "loss._target_",
+            f"{cfg.loss._target_} returned a "
+            f"{type(criterion).__name__}, not an nn.Module (a criterion)",
+        )
     return criterion

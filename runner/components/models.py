@@ -11,24 +11,25 @@ DenseNet, VGG), for the built-in names and torchvision's zoo alike.
 
 The builders are named by the option specs (`runner.config.options.SPECS`); `model=torchvision` and
 `model=timm` build any model of those libraries by name, and a `_target_` builds the user's own
-(`runner.config.targets`). torchvision and timm are imported inside the builders so that importing this
+(`runner.config.targets`). torchvision and timm are imported inside the builders so that importing
+this
 module stays cheap.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
-
-from typing import Any, Callable, Dict, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from runner.config import options
-from runner.config import targets
-from runner.errors import ConfigError
+from runner.config import options, targets
 from runner.config.options import MODEL_NAMES, NORMS  # noqa: F401  (NORMS: where it was before)
+from runner.errors import ConfigError
 
 # Largest image side for which `small_input: null` picks the small stem.
 SMALL_INPUT_MAX_SIZE = 64
@@ -61,8 +62,9 @@ class TinyCNN(nn.Sequential):
     false) the first block also strides so that a 224-pixel batch stays cheap.
     """
 
-    def __init__(self, num_classes: int, width: int = 16, small_input: bool = True,
-                 norm: str = "batch"):
+    def __init__(
+        self, num_classes: int, width: int = 16, small_input: bool = True, norm: str = "batch"
+    ):
         super().__init__(
             _conv_bn_relu(3, width, stride=1 if small_input else 2, norm=norm),
             _conv_bn_relu(width, 2 * width, stride=2, norm=norm),
@@ -77,8 +79,12 @@ class TinyCNN(nn.Sequential):
 
 
 def build_tiny(cfg: Any, num_classes: int, small_input: bool) -> nn.Module:
-    return TinyCNN(num_classes, width=int(getattr(cfg, "width", 16)), small_input=small_input,
-                   norm=str(getattr(cfg, "norm", "batch")))
+    return TinyCNN(
+        num_classes,
+        width=int(getattr(cfg, "width", 16)),
+        small_input=small_input,
+        norm=str(getattr(cfg, "norm", "batch")),
+    )
 
 
 # ---- torchvision ---------------------------------------------------------------------------
@@ -129,22 +135,30 @@ def _torchvision(arch: str, num_classes: int, small_input: bool, **kwargs: Any) 
 
 def build_torchvision_named(cfg: Any, num_classes: int, small_input: bool) -> nn.Module:
     """A built-in name (resnet18, densenet161, vgg16, ...): torchvision's model of that name."""
-    return _torchvision(str(getattr(cfg, "name")), num_classes, small_input)
+    return _torchvision(str(cfg.name), num_classes, small_input)
 
 
 def build_vit_tiny(cfg: Any, num_classes: int, small_input: bool) -> nn.Module:
     """torchvision's VisionTransformer at the sizes of `VitTinyConfig` (vit_tiny.yaml)."""
     from torchvision.models import VisionTransformer
 
-    sizes = {f.name: int(getattr(cfg, f.name, f.default))
-             for f in dataclasses.fields(options.VitTinyConfig) if f.name != "name"}
+    sizes = {
+        f.name: int(getattr(cfg, f.name, f.default))
+        for f in dataclasses.fields(options.VitTinyConfig)
+        if f.name != "name"
+    }
     return VisionTransformer(**sizes, num_classes=num_classes)
 
 
 # ---- the zoos: torchvision and timm by name -----------------------------------------------
 ZOO_KEYS = {"torchvision": ("name", "arch", "small_input"), "timm": ("name", "arch", "pretrained")}
-DOWNLOADS = ("weights", "pretrained", "pretrained_cfg", "pretrained_cfg_overlay",
-             "checkpoint_path")  # builder arguments that would fetch or load weights
+DOWNLOADS = (
+    "weights",
+    "pretrained",
+    "pretrained_cfg",
+    "pretrained_cfg_overlay",
+    "checkpoint_path",
+)  # builder arguments that would fetch or load weights
 
 
 def _zoo_kwargs(zoo: str, cfg: Any) -> dict[str, Any]:
@@ -157,8 +171,12 @@ def _refuse_downloads(zoo: str, cfg: Any) -> None:
             continue
         value = _zoo_kwargs(zoo, cfg).get(key)
         if value not in (None, False, ""):
-            raise ConfigError(f"model.{key}", f"got {value!r}: models are trained from random "
-                              "init here and nothing may be downloaded", "null (or leave it out)")
+            raise ConfigError(
+                f"model.{key}",
+                f"got {value!r}: models are trained from random "
+                "init here and nothing may be downloaded",
+                "null (or leave it out)",
+            )
 
 
 def _unknown_arch(zoo: str, arch: Any, known: list[str], listing: str) -> ConfigError:
@@ -178,8 +196,12 @@ def torchvision_names() -> list[str]:
 def check_torchvision_zoo(cfg: Any) -> None:
     arch = cfg.get("arch")
     if arch not in torchvision_names():
-        raise _unknown_arch("torchvision", arch, torchvision_names(),
-                            "torchvision.models.list_models(module=torchvision.models)")
+        raise _unknown_arch(
+            "torchvision",
+            arch,
+            torchvision_names(),
+            "torchvision.models.list_models(module=torchvision.models)",
+        )
     _refuse_downloads("torchvision", cfg)
 
 
@@ -187,24 +209,32 @@ def build_torchvision_zoo(cfg: Any, num_classes: int, small_input: bool) -> nn.M
     """model=torchvision model.arch=NAME: any torchvision classification model, random init;
     every key but name, arch and small_input is the builder's keyword argument."""
     kwargs = _zoo_kwargs("torchvision", cfg)
-    return _torchvision(str(cfg.arch), kwargs.pop("num_classes", num_classes), small_input,
-                        **kwargs)
+    return _torchvision(
+        str(cfg.arch), kwargs.pop("num_classes", num_classes), small_input, **kwargs
+    )
 
 
 def _timm():
     try:
         import timm
     except ImportError:
-        raise ConfigError("model", "model=timm needs timm, which is not installed",
-                          'pip install "amp-runner[timm]"') from None
+        raise ConfigError(
+            "model",
+            "model=timm needs timm, which is not installed",
+            'pip install "amp-runner[timm]"',
+        ) from None
     return timm
 
 
 def check_timm(cfg: Any) -> None:
     timm = _timm()
     if cfg.get("pretrained"):
-        raise ConfigError("model.pretrained", "pretrained weights would be a download: models are "
-                          "trained from random init here and nothing may be downloaded", "false")
+        raise ConfigError(
+            "model.pretrained",
+            "pretrained weights would be a download: models are "
+            "trained from random init here and nothing may be downloaded",
+            "false",
+        )
     arch = cfg.get("arch")
     if not isinstance(arch, str) or not timm.is_model(arch):
         raise _unknown_arch("timm", arch, timm.list_models(), "timm.list_models()")
@@ -215,8 +245,12 @@ def build_timm(cfg: Any, num_classes: int, small_input: bool) -> nn.Module:
     """model=timm model.arch=NAME: timm.create_model(NAME, pretrained=False, ...), random init;
     every key but name, arch and pretrained is create_model's keyword argument."""
     kwargs = _zoo_kwargs("timm", cfg)
-    return _timm().create_model(str(cfg.arch), pretrained=False,
-                                num_classes=kwargs.pop("num_classes", num_classes), **kwargs)
+    return _timm().create_model(
+        str(cfg.arch),
+        pretrained=False,
+        num_classes=kwargs.pop("num_classes", num_classes),
+        **kwargs,
+    )
 
 
 # ---- the user's own: model._target_ ------------------------------------------------------------
@@ -240,13 +274,16 @@ def build_target(cfg: Any, num_classes: int, small_input: bool) -> nn.Module:
     the number of classes as `num_classes` (or the argument `model._num_classes_` names)."""
     model = targets.call("model", cfg, TARGET_KEYS, _num_classes_extra(cfg, num_classes))
     if not isinstance(model, nn.Module):
-        raise ConfigError("model._target_", f"{cfg['_target_']} returned a "
-                          f"{type(model).__name__}, not an nn.Module")
+        raise ConfigError(
+            "model._target_",
+            f"{cfg['_target_']} returned a {type(model).__name__}, not an nn.Module",
+        )
     return model
 
 
-def build_model(cfg: Any, num_classes: int, image_size: int,
-                spec: Optional[options.Spec] = None) -> nn.Module:
+def build_model(
+    cfg: Any, num_classes: int, image_size: int, spec: Optional[options.Spec] = None
+) -> nn.Module:
     """Build the model `cfg` describes (its option's builder, `runner.config.options.SPECS`;
     `spec`: the option's, where the caller has it) with random weights for `num_classes` outputs
     and `image_size` inputs.
@@ -264,8 +301,9 @@ def build_model(cfg: Any, num_classes: int, image_size: int,
 
 
 # name -> builder(cfg, num_classes, small_input) of every model option (from the specs)
-MODEL_REGISTRY: Dict[str, Callable[[Any, int, bool], nn.Module]] = {
-    spec.name: spec.build() for spec in options.SPECS if spec.group == "model"}
+MODEL_REGISTRY: dict[str, Callable[[Any, int, bool], nn.Module]] = {
+    spec.name: spec.build() for spec in options.SPECS if spec.group == "model"
+}
 
 
 # ---- the output check (planning, and a run whose dataset alone knows its shape) -------------
@@ -304,8 +342,10 @@ def check_output(node: Any, num_classes: int, shape: tuple[int, ...], task: Any)
         return
     except Exception as exc:
         rejected = targets.rejected_argument(exc)
-        raise ConfigError(f"model.{rejected}" if rejected else _output_key(node),
-                          f"building {label} failed: {type(exc).__name__}: {exc}") from None
+        raise ConfigError(
+            f"model.{rejected}" if rejected else _output_key(node),
+            f"building {label} failed: {type(exc).__name__}: {exc}",
+        ) from None
     try:
         with torch.no_grad():
             out = model(torch.zeros(batch, dtype=dtype, device="meta"))
@@ -315,12 +355,17 @@ def check_output(node: Any, num_classes: int, shape: tuple[int, ...], task: Any)
         if isinstance(exc, RuntimeError) and "meta" in str(exc):
             return  # a value read on the host (.item()): shapes alone cannot tell
         what = "integer token ids" if not dtype.is_floating_point else "the data's"
-        raise ConfigError(_output_key(node), f"{label} fails on a batch of shape {batch} ({what}"
-                          f"): {type(exc).__name__}: {exc}") from None
+        raise ConfigError(
+            _output_key(node),
+            f"{label} fails on a batch of shape {batch} ({what}): {type(exc).__name__}: {exc}",
+        ) from None
     got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
     if not task.output_fits(got, batch, num_classes):
         what = "classes" if dtype.is_floating_point else "tokens"
-        raise ConfigError(_output_key(node), f"{label} outputs {got} for a batch of shape "
-                          f"{batch}, but the data has {num_classes} {what}",
-                          task.output_description(num_classes))
+        raise ConfigError(
+            _output_key(node),
+            f"{label} outputs {got} for a batch of shape "
+            f"{batch}, but the data has {num_classes} {what}",
+            task.output_description(num_classes),
+        )
     _CHECKED_OUTPUTS.add(memo)

@@ -4,10 +4,12 @@
 Schedulers are built per optimizer-step attempt (not per epoch), so the trainer steps them once per
 attempt, skipped steps included: the schedule stays aligned with the data at every precision level.
 """
+
 from __future__ import annotations
 
 import warnings
-from typing import Iterable, Optional
+from collections.abc import Iterable
+from typing import Optional
 
 import torch
 from torch.optim.lr_scheduler import LRScheduler
@@ -15,8 +17,9 @@ from torch.optim.lr_scheduler import LRScheduler
 from runner.config import options
 
 
-def build_optimizer(cfg, params: Iterable[torch.nn.Parameter],
-                    spec: Optional[options.Spec] = None) -> torch.optim.Optimizer:
+def build_optimizer(
+    cfg, params: Iterable[torch.nn.Parameter], spec: Optional[options.Spec] = None
+) -> torch.optim.Optimizer:
     """The optimizer of `cfg`'s option (its builder in `runner.config.options.SPECS`; `spec`: the
     option's, where the caller has it). A low-bit `precision.optimizer_state` replaces it with
     torchao's optimizer of the same hyperparameters: `runner.run.build`."""
@@ -24,7 +27,10 @@ def build_optimizer(cfg, params: Iterable[torch.nn.Parameter],
 
 
 def build_scheduler(
-    cfg, optimizer: torch.optim.Optimizer, steps_per_epoch: int, max_epochs: int,
+    cfg,
+    optimizer: torch.optim.Optimizer,
+    steps_per_epoch: int,
+    max_epochs: int,
     spec: Optional[options.Spec] = None,
 ) -> LRScheduler | None:
     """The scheduler of `cfg`'s option, over `max_epochs` epochs of `steps_per_epoch` steps."""
@@ -39,13 +45,25 @@ def _spec(group: str, cfg, spec: Optional[options.Spec] = None) -> options.Spec:
 
 
 def build_sgd(cfg, params: list) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, dampening=cfg.dampening,
-                           weight_decay=cfg.weight_decay, nesterov=cfg.nesterov)
+    return torch.optim.SGD(
+        params,
+        lr=cfg.lr,
+        momentum=cfg.momentum,
+        dampening=cfg.dampening,
+        weight_decay=cfg.weight_decay,
+        nesterov=cfg.nesterov,
+    )
 
 
 def _adam(cls: type, cfg, params: list) -> torch.optim.Optimizer:
-    return cls(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
-               weight_decay=cfg.weight_decay, amsgrad=cfg.amsgrad)
+    return cls(
+        params,
+        lr=cfg.lr,
+        betas=tuple(cfg.betas),
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        amsgrad=cfg.amsgrad,
+    )
 
 
 def build_adam(cfg, params: list) -> torch.optim.Optimizer:
@@ -66,23 +84,36 @@ def build_no_scheduler(cfg, optimizer, steps_per_epoch: int, max_epochs: int) ->
 
 def build_cosine(cfg, optimizer, steps_per_epoch: int, max_epochs: int) -> LRScheduler:
     return torch.optim.lr_scheduler.CosineAnnealingLR(
-        optimizer, T_max=_total_steps(steps_per_epoch, max_epochs), eta_min=cfg.eta_min)
+        optimizer, T_max=_total_steps(steps_per_epoch, max_epochs), eta_min=cfg.eta_min
+    )
 
 
 def build_step(cfg, optimizer, steps_per_epoch: int, max_epochs: int) -> LRScheduler:
     return torch.optim.lr_scheduler.StepLR(
-        optimizer, step_size=max(1, cfg.step_epochs * steps_per_epoch), gamma=cfg.gamma)
+        optimizer, step_size=max(1, cfg.step_epochs * steps_per_epoch), gamma=cfg.gamma
+    )
 
 
 def build_onecycle(cfg, optimizer, steps_per_epoch: int, max_epochs: int) -> LRScheduler:
     max_lr = cfg.max_lr if cfg.max_lr is not None else optimizer.param_groups[0]["lr"]
     return torch.optim.lr_scheduler.OneCycleLR(
-        optimizer, max_lr=max_lr, total_steps=_total_steps(steps_per_epoch, max_epochs),
-        pct_start=cfg.pct_start, div_factor=cfg.div_factor, final_div_factor=cfg.final_div_factor)
+        optimizer,
+        max_lr=max_lr,
+        total_steps=_total_steps(steps_per_epoch, max_epochs),
+        pct_start=cfg.pct_start,
+        div_factor=cfg.div_factor,
+        final_div_factor=cfg.final_div_factor,
+    )
 
 
-def rebuild_scheduler_at(cfg, optimizer: torch.optim.Optimizer, steps_per_epoch: int,
-                         max_epochs: int, step: int, base_lr: float) -> LRScheduler | None:
+def rebuild_scheduler_at(
+    cfg,
+    optimizer: torch.optim.Optimizer,
+    steps_per_epoch: int,
+    max_epochs: int,
+    step: int,
+    base_lr: float,
+) -> LRScheduler | None:
     """The schedule for a new length, positioned at `step`: for a resumed run whose
     `trainer.max_epochs` changed (a cosine or one-cycle schedule of the old length would turn
     back up, or refuse to step, past its end). Every group's lr goes back to `base_lr` (the

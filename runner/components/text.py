@@ -14,11 +14,12 @@ The `check_*` functions run at plan time (cheap: no tokenising, nothing read bey
 tokenizer's JSON) and raise `ConfigError` naming the key; the `*_vocab_size` functions give the
 vocabulary (the model's output size) without building anything.
 """
+
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import fcntl
+import fnmatch
 import functools
 import hashlib
 import json
@@ -27,8 +28,9 @@ import math
 import mmap
 import os
 import tempfile
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -72,13 +74,15 @@ class TokenWindows(Dataset):
     never copied; an in-memory one pickles its (small) array.
     """
 
-    def __init__(self, tokens: np.ndarray, block_size: int, start: int = 0,
-                 stop: Optional[int] = None):
+    def __init__(
+        self, tokens: np.ndarray, block_size: int, start: int = 0, stop: Optional[int] = None
+    ):
         if not isinstance(tokens, np.memmap):
             tokens = np.asarray(tokens)
         if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-            raise ValueError(f"tokens must be a 1-D integer array, got {tokens.dtype} "
-                             f"of shape {tokens.shape}")
+            raise ValueError(
+                f"tokens must be a 1-D integer array, got {tokens.dtype} of shape {tokens.shape}"
+            )
         start, stop = _token_range(start, stop, len(tokens))
         self.block_size = _positive_block(block_size)
         self.dtype = tokens.dtype.name
@@ -89,8 +93,9 @@ class TokenWindows(Dataset):
         self._tokens: Optional[np.ndarray] = tokens[start:stop]
 
     @classmethod
-    def from_file(cls, path: str, dtype: str, block_size: int, start: int = 0,
-                  stop: Optional[int] = None) -> "TokenWindows":
+    def from_file(
+        cls, path: str, dtype: str, block_size: int, start: int = 0, stop: Optional[int] = None
+    ) -> TokenWindows:
         """Windows over tokens [start, stop) of the flat token file `path` (no header), mapped
         on first access."""
         itemsize = np.dtype(dtype).itemsize
@@ -113,14 +118,15 @@ class TokenWindows(Dataset):
             if self.length == 0:
                 self._tokens = np.empty(0, dtype=self.dtype)
             else:
-                self._tokens = np.memmap(self.path, dtype=self.dtype, mode="r",
-                                         offset=self.offset, shape=(self.length,))
+                self._tokens = np.memmap(
+                    self.path, dtype=self.dtype, mode="r", offset=self.offset, shape=(self.length,)
+                )
         return self._tokens
 
     def __len__(self) -> int:
         return max(0, (self.length - 1) // self.block_size)
 
-    def __getitem__(self, index: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         n = len(self)
         if index < 0:
             index += n
@@ -128,8 +134,8 @@ class TokenWindows(Dataset):
             raise IndexError(f"window {index} out of range for {n} windows")
         tokens, t = self.tokens(), self.block_size
         begin = index * t
-        x = torch.from_numpy(tokens[begin:begin + t].astype(np.int64))
-        y = torch.from_numpy(tokens[begin + 1:begin + t + 1].astype(np.int64))
+        x = torch.from_numpy(tokens[begin : begin + t].astype(np.int64))
+        y = torch.from_numpy(tokens[begin + 1 : begin + t + 1].astype(np.int64))
         return x, y
 
     def __getstate__(self) -> dict:
@@ -140,8 +146,10 @@ class TokenWindows(Dataset):
 
     def __repr__(self) -> str:
         where = f"{self.path}@{self.offset}" if self.path else "memory"
-        return (f"TokenWindows({where}, tokens={self.length}, dtype={self.dtype}, "
-                f"block_size={self.block_size}, windows={len(self)})")
+        return (
+            f"TokenWindows({where}, tokens={self.length}, dtype={self.dtype}, "
+            f"block_size={self.block_size}, windows={len(self)})"
+        )
 
 
 def _positive_block(block_size: Any) -> int:
@@ -150,7 +158,7 @@ def _positive_block(block_size: Any) -> int:
     return int(block_size)
 
 
-def _token_range(start: int, stop: Optional[int], n: int) -> Tuple[int, int]:
+def _token_range(start: int, stop: Optional[int], n: int) -> tuple[int, int]:
     stop = n if stop is None else int(stop)
     start = int(start)
     if not 0 <= start <= stop <= n:
@@ -214,7 +222,7 @@ def _path(node: Any, key: str, what: str) -> str:
 
 
 # ---- data=text: the corpus ---------------------------------------------------------------------
-def corpus_files(node: Any) -> Tuple[str, List[Tuple[str, str]]]:
+def corpus_files(node: Any) -> tuple[str, list[tuple[str, str]]]:
     """(root, [(relative path, absolute path), ...]) of the corpus `data.path` names: the file
     itself, or the files of the folder that match `data.glob`, sorted by relative path (their
     order in the token stream). Raises ConfigError when the path does not exist or nothing
@@ -223,27 +231,37 @@ def corpus_files(node: Any) -> Tuple[str, List[Tuple[str, str]]]:
     if os.path.isfile(root):
         return os.path.dirname(root), [(os.path.basename(root), root)]
     if not os.path.isdir(root):
-        raise ConfigError("data.path", f"{root} does not exist",
-                          "a text file, or a folder of text files")
+        raise ConfigError(
+            "data.path", f"{root} does not exist", "a text file, or a folder of text files"
+        )
     pattern = str(_get(node, "glob", DEFAULT_GLOB))
     try:
         found = [p for p in Path(root).glob(pattern) if p.is_file()]
     except (ValueError, NotImplementedError, OSError) as exc:
-        raise ConfigError("data.glob", f"{pattern!r} cannot be used under {root} ({exc})",
-                          'a glob relative to data.path, e.g. "**/*.txt"') from exc
+        raise ConfigError(
+            "data.glob",
+            f"{pattern!r} cannot be used under {root} ({exc})",
+            'a glob relative to data.path, e.g. "**/*.txt"',
+        ) from exc
     # data.exclude: shell patterns on the relative path ("*" crosses folders): "site-packages/*"
     excluded = [str(e) for e in (_get(node, "exclude", None) or [])]
-    files = sorted((rel, str(p)) for p in found
-                   for rel in [p.relative_to(root).as_posix()]
-                   if not any(fnmatch.fnmatch(rel, e) for e in excluded))
+    files = sorted(
+        (rel, str(p))
+        for p in found
+        for rel in [p.relative_to(root).as_posix()]
+        if not any(fnmatch.fnmatch(rel, e) for e in excluded)
+    )
     if not files:
         but = f" (less data.exclude={excluded})" if excluded else ""
-        raise ConfigError("data.glob", f"{pattern!r} matches no file under data.path={root}{but}",
-                          'a glob that matches the corpus files, e.g. "**/*.txt" or "*.md"')
+        raise ConfigError(
+            "data.glob",
+            f"{pattern!r} matches no file under data.path={root}{but}",
+            'a glob that matches the corpus files, e.g. "**/*.txt" or "*.md"',
+        )
     return root, files
 
 
-def _stat_files(files: Sequence[Tuple[str, str]]) -> List[Tuple[str, int, int]]:
+def _stat_files(files: Sequence[tuple[str, str]]) -> list[tuple[str, int, int]]:
     """[(relative path, size, mtime_ns)]: what the cache key digests."""
     out = []
     for rel, path in files:
@@ -264,32 +282,38 @@ def _sha256_file(path: str) -> str:
 
 
 @functools.lru_cache(maxsize=8)
-def _tokenizer_at(path: str, size: int, mtime_ns: int) -> Tuple[Any, str]:
+def _tokenizer_at(path: str, size: int, mtime_ns: int) -> tuple[Any, str]:
     """(tokenizers.Tokenizer, SHA-256 of its file), parsed once per file version."""
     try:
         from tokenizers import Tokenizer
     except ImportError as exc:
-        raise ConfigError("data.tokenizer", f"{path} needs the `tokenizers` package, which is "
-                          "not installed", HF_INSTALL + ", or data.tokenizer=null for bytes"
-                          ) from exc
+        raise ConfigError(
+            "data.tokenizer",
+            f"{path} needs the `tokenizers` package, which is not installed",
+            HF_INSTALL + ", or data.tokenizer=null for bytes",
+        ) from exc
     try:
         tokenizer = Tokenizer.from_file(path)
     except Exception as exc:  # tokenizers raises a bare Exception on a malformed file
-        raise ConfigError("data.tokenizer", f"{path} cannot be read as a Hugging Face "
-                          f"tokenizer.json ({type(exc).__name__}: {exc})",
-                          "the path of a tokenizer.json saved by `tokenizers`, or null for bytes"
-                          ) from exc
+        raise ConfigError(
+            "data.tokenizer",
+            f"{path} cannot be read as a Hugging Face tokenizer.json ({type(exc).__name__}: {exc})",
+            "the path of a tokenizer.json saved by `tokenizers`, or null for bytes",
+        ) from exc
     return tokenizer, _sha256_file(path)
 
 
-def load_tokenizer(node: Any) -> Optional[Tuple[Any, str, str]]:
+def load_tokenizer(node: Any) -> Optional[tuple[Any, str, str]]:
     """None for bytes (`data.tokenizer` null), else (Tokenizer, its path, its SHA-256)."""
     if _get(node, "tokenizer") is None:
         return None
     path = _path(node, "tokenizer", "the path of a tokenizer.json, or null for bytes")
     if not os.path.isfile(path):
-        raise ConfigError("data.tokenizer", f"{path} does not exist",
-                          "the path of a tokenizer.json, or null for bytes")
+        raise ConfigError(
+            "data.tokenizer",
+            f"{path} does not exist",
+            "the path of a tokenizer.json, or null for bytes",
+        )
     try:
         st = os.stat(path)
         with open(path, "rb"):
@@ -318,10 +342,18 @@ def check_text(node: Any) -> None:
         if not os.access(path, os.R_OK):
             raise ConfigError("data.path", f"corpus file {path} is not readable")
     if not any(size for _, size, _ in sizes):
-        what = files[0][1] if len(files) == 1 else (
-            f"all {len(files)} files matching {_get(node, 'glob', DEFAULT_GLOB)!r} under {root}")
-        raise ConfigError("data.path", f"{what} {'is' if len(files) == 1 else 'are'} empty",
-                          "a corpus with some text in it")
+        what = (
+            files[0][1]
+            if len(files) == 1
+            else (
+                f"all {len(files)} files matching {_get(node, 'glob', DEFAULT_GLOB)!r} under {root}"
+            )
+        )
+        raise ConfigError(
+            "data.path",
+            f"{what} {'is' if len(files) == 1 else 'are'} empty",
+            "a corpus with some text in it",
+        )
     if load_tokenizer(node) is None:
         total = sum(size for _, size, _ in sizes) + len(SEPARATOR) * (len(files) - 1)
         _split_sizes(total, block_size, fraction)
@@ -330,23 +362,35 @@ def check_text(node: Any) -> None:
     while not os.path.exists(existing):  # the folder is created when the corpus is tokenised
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError("data.cache_dir", f"{folder} cannot be written ({existing} is not a "
-                          "writable folder)", f"a writable folder (or set ${CACHE_ENV})")
+        raise ConfigError(
+            "data.cache_dir",
+            f"{folder} cannot be written ({existing} is not a writable folder)",
+            f"a writable folder (or set ${CACHE_ENV})",
+        )
 
 
 # ---- data=text: tokenising into the cache ------------------------------------------------------
 def cache_dir(node: Any) -> str:
     """`data.cache_dir`, else $AMP_RUNNER_TOKEN_CACHE, else ~/.cache/amp-runner/tokens."""
-    folder = _get(node, "cache_dir") or os.environ.get(CACHE_ENV) or \
-        os.path.join("~", ".cache", "amp-runner", "tokens")
+    folder = (
+        _get(node, "cache_dir")
+        or os.environ.get(CACHE_ENV)
+        or os.path.join("~", ".cache", "amp-runner", "tokens")
+    )
     return os.path.abspath(os.path.expanduser(str(folder)))
 
 
-def cache_key(files: Sequence[Tuple[str, int, int]], tokenizer_digest: str) -> str:
+def cache_key(files: Sequence[tuple[str, int, int]], tokenizer_digest: str) -> str:
     """The digest naming a corpus's cache file: its files (relative path, size, mtime_ns), the
     tokenizer's content digest ("bytes" for bytes) and the format version."""
-    blob = json.dumps({"format": FORMAT_VERSION, "tokenizer": tokenizer_digest,
-                       "files": [list(f) for f in files]}, sort_keys=True)
+    blob = json.dumps(
+        {
+            "format": FORMAT_VERSION,
+            "tokenizer": tokenizer_digest,
+            "files": [list(f) for f in files],
+        },
+        sort_keys=True,
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
@@ -363,7 +407,7 @@ def _read_meta(meta_path: str) -> Optional[dict]:
         return None
 
 
-def _verify(bin_path: str, meta_path: str, key: str) -> Tuple[Optional[dict], Optional[str]]:
+def _verify(bin_path: str, meta_path: str, key: str) -> tuple[Optional[dict], Optional[str]]:
     """(sidecar, None) when the cached file is whole: its size is num_tokens * itemsize and its
     SHA-256 is the sidecar's; else (None, why not) -- why is None when there is no cache yet."""
     if not os.path.exists(bin_path) and not os.path.exists(meta_path):
@@ -426,11 +470,11 @@ def _tokenizer_chunks(paths: Sequence[str], tokenizer: Any, dtype: str) -> Itera
     special tokens, a batch of pieces at a time (tokenizers encodes a batch in parallel)."""
     encode_batch = getattr(tokenizer, "encode_batch_fast", None) or tokenizer.encode_batch
 
-    def encode(pieces: List[str]) -> Iterator[np.ndarray]:
+    def encode(pieces: list[str]) -> Iterator[np.ndarray]:
         for encoding in encode_batch(pieces, add_special_tokens=False):
             yield np.asarray(encoding.ids, dtype=dtype)
 
-    batch: List[str] = []
+    batch: list[str] = []
     chars = 0
     for i, path in enumerate(paths):
         with open(path, encoding="utf-8", errors="replace", newline="") as f:
@@ -447,14 +491,16 @@ def _tokenizer_chunks(paths: Sequence[str], tokenizer: Any, dtype: str) -> Itera
         yield from encode(batch)
 
 
-def _tokenise(paths: Sequence[str], tokenizer: Optional[Any], dtype: str, out: str
-              ) -> Tuple[int, str]:
+def _tokenise(
+    paths: Sequence[str], tokenizer: Optional[Any], dtype: str, out: str
+) -> tuple[int, str]:
     """Write the corpus's token stream to `out`; (number of tokens, SHA-256 of the file)."""
     digest, count = hashlib.sha256(), 0
     with open(out, "wb") as f:
         if tokenizer is None:
-            chunks: Iterator[np.ndarray] = (np.frombuffer(b, dtype=np.uint8).astype(dtype)
-                                            for b in _bytes_chunks(paths))
+            chunks: Iterator[np.ndarray] = (
+                np.frombuffer(b, dtype=np.uint8).astype(dtype) for b in _bytes_chunks(paths)
+            )
         else:
             chunks = _tokenizer_chunks(paths, tokenizer, dtype)
         for ids in chunks:
@@ -481,7 +527,7 @@ def _write_json_atomic(path: str, payload: dict) -> None:
         raise
 
 
-def tokenised_corpus(node: Any) -> Tuple[str, dict]:
+def tokenised_corpus(node: Any) -> tuple[str, dict]:
     """(path of the flat token file, its sidecar) for the `data=text` corpus: read from the cache
     when a whole one is there, else tokenised once (under a lock) and written atomically."""
     root, files = corpus_files(node)
@@ -495,11 +541,17 @@ def tokenised_corpus(node: Any) -> Tuple[str, dict]:
     try:
         os.makedirs(folder, exist_ok=True)
     except OSError as exc:
-        raise ConfigError("data.cache_dir", f"{folder} cannot be created ({exc})",
-                          f"a writable folder (or set ${CACHE_ENV})") from exc
+        raise ConfigError(
+            "data.cache_dir",
+            f"{folder} cannot be created ({exc})",
+            f"a writable folder (or set ${CACHE_ENV})",
+        ) from exc
     if not os.access(folder, os.W_OK | os.X_OK):
-        raise ConfigError("data.cache_dir", f"{folder} is not writable",
-                          f"a writable folder (or set ${CACHE_ENV})")
+        raise ConfigError(
+            "data.cache_dir",
+            f"{folder} is not writable",
+            f"a writable folder (or set ${CACHE_ENV})",
+        )
     bin_path = os.path.join(folder, f"text-{key}.bin")
     meta_path = os.path.join(folder, f"text-{key}.json")
 
@@ -509,22 +561,54 @@ def tokenised_corpus(node: Any) -> Tuple[str, dict]:
             meta, problem = _verify(bin_path, meta_path, key)  # another run may have written it
             if meta is None:
                 if problem is not None:
-                    log.warning("Cached tokens %s are corrupted (%s): tokenising again",
-                                bin_path, problem)
-                meta = _write_cache(files, stats, tokenizer, tok_path, tok_digest, vocab, dtype,
-                                    key, root, bin_path, meta_path)
+                    log.warning(
+                        "Cached tokens %s are corrupted (%s): tokenising again", bin_path, problem
+                    )
+                meta = _write_cache(
+                    files,
+                    stats,
+                    tokenizer,
+                    tok_path,
+                    tok_digest,
+                    vocab,
+                    dtype,
+                    key,
+                    root,
+                    bin_path,
+                    meta_path,
+                )
                 return bin_path, meta
-    log.info("Loading %d tokens (%s) of %d files from the token cache %s", meta["num_tokens"],
-             "bytes" if tokenizer is None else "tokenizer", len(files), bin_path)
+    log.info(
+        "Loading %d tokens (%s) of %d files from the token cache %s",
+        meta["num_tokens"],
+        "bytes" if tokenizer is None else "tokenizer",
+        len(files),
+        bin_path,
+    )
     return bin_path, meta
 
 
-def _write_cache(files: Sequence[Tuple[str, str]], stats: Sequence[Tuple[str, int, int]],
-                 tokenizer: Optional[Any], tok_path: Optional[str], tok_digest: str, vocab: int,
-                 dtype: str, key: str, root: str, bin_path: str, meta_path: str) -> dict:
+def _write_cache(
+    files: Sequence[tuple[str, str]],
+    stats: Sequence[tuple[str, int, int]],
+    tokenizer: Optional[Any],
+    tok_path: Optional[str],
+    tok_digest: str,
+    vocab: int,
+    dtype: str,
+    key: str,
+    root: str,
+    bin_path: str,
+    meta_path: str,
+) -> dict:
     total = sum(size for _, size, _ in stats)
-    log.info("Tokenising %d files (%.1f MB) with %s into %s (once)", len(files), total / 1e6,
-             "bytes" if tokenizer is None else f"tokenizer {tok_path}", bin_path)
+    log.info(
+        "Tokenising %d files (%.1f MB) with %s into %s (once)",
+        len(files),
+        total / 1e6,
+        "bytes" if tokenizer is None else f"tokenizer {tok_path}",
+        bin_path,
+    )
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(bin_path), prefix=".tmp-", suffix=".bin")
     os.close(fd)
     try:
@@ -535,16 +619,21 @@ def _write_cache(files: Sequence[Tuple[str, str]], stats: Sequence[Tuple[str, in
             os.unlink(tmp)
         raise
     meta = {
-        "format": FORMAT_VERSION, "key": key, "dtype": dtype, "num_tokens": count,
-        "vocab_size": vocab, "tokenizer": "bytes" if tokenizer is None else
-        {"path": tok_path, "sha256": tok_digest}, "root": root,
-        "files": [list(s) for s in stats], "sha256": sha,
+        "format": FORMAT_VERSION,
+        "key": key,
+        "dtype": dtype,
+        "num_tokens": count,
+        "vocab_size": vocab,
+        "tokenizer": "bytes" if tokenizer is None else {"path": tok_path, "sha256": tok_digest},
+        "root": root,
+        "files": [list(s) for s in stats],
+        "sha256": sha,
     }
     _write_json_atomic(meta_path, meta)  # after the .bin: a sidecar always describes its file
     return meta
 
 
-def _split_sizes(num_tokens: int, block_size: int, val_fraction: float) -> Tuple[int, int]:
+def _split_sizes(num_tokens: int, block_size: int, val_fraction: float) -> tuple[int, int]:
     """(train tokens, val tokens): the last max(val_fraction * N, block_size + 1) tokens are
     validation; both splits must hold one window (block_size + 1 tokens)."""
     num_val = max(int(val_fraction * num_tokens), block_size + 1)
@@ -556,7 +645,8 @@ def _split_sizes(num_tokens: int, block_size: int, val_fraction: float) -> Tuple
             f"is {block_size} but the corpus has only {num_tokens} tokens: a training and a "
             f"validation window of block_size + 1 tokens each need at least "
             f"{2 * (block_size + 1)}, and data.val_fraction={val_fraction} holds out {num_val}",
-            f"an integer <= {largest}" if largest >= 1 else "a larger corpus")
+            f"an integer <= {largest}" if largest >= 1 else "a larger corpus",
+        )
     return num_train, num_val
 
 
@@ -579,8 +669,15 @@ def build_text(cfg: Any) -> DataBundle:
     num_train, _ = _split_sizes(num_tokens, block_size, fraction)
     train = TokenWindows.from_file(bin_path, meta["dtype"], block_size, 0, num_train)
     val = TokenWindows.from_file(bin_path, meta["dtype"], block_size, num_train, num_tokens)
-    return DataBundle(train, val, int(meta["vocab_size"]), block_size,
-                      str(_get(cfg, "name", "text")), task=LANGUAGE_MODEL, block_size=block_size)
+    return DataBundle(
+        train,
+        val,
+        int(meta["vocab_size"]),
+        block_size,
+        str(_get(cfg, "name", "text")),
+        task=LANGUAGE_MODEL,
+        block_size=block_size,
+    )
 
 
 # ---- data=tokens ---------------------------------------------------------------------------------
@@ -605,20 +702,28 @@ def check_tokens(node: Any) -> None:
         try:
             size = os.path.getsize(path)
         except OSError:
-            raise ConfigError(f"data.{key}", f"{path} does not exist",
-                              f"the path of a flat {dtype} token file") from None
+            raise ConfigError(
+                f"data.{key}", f"{path} does not exist", f"the path of a flat {dtype} token file"
+            ) from None
         if not os.path.isfile(path) or not os.access(path, os.R_OK):
             raise ConfigError(f"data.{key}", f"{path} is not a readable file")
         if size == 0:
             raise ConfigError(f"data.{key}", f"{path} is empty", "a file with tokens in it")
         if size % itemsize:
-            raise ConfigError(f"data.{key}", f"{path} has {size} bytes, not a multiple of "
-                              f"{itemsize} (data.dtype={dtype}): it is truncated or corrupted, "
-                              "or data.dtype is wrong", f"a flat {dtype} token file")
+            raise ConfigError(
+                f"data.{key}",
+                f"{path} has {size} bytes, not a multiple of "
+                f"{itemsize} (data.dtype={dtype}): it is truncated or corrupted, "
+                "or data.dtype is wrong",
+                f"a flat {dtype} token file",
+            )
         if size // itemsize < block_size + 1:
-            raise ConfigError("data.block_size", f"is {block_size} but data.{key}={path} holds "
-                              f"only {size // itemsize} tokens (a window needs block_size + 1)",
-                              f"an integer <= {size // itemsize - 1}")
+            raise ConfigError(
+                "data.block_size",
+                f"is {block_size} but data.{key}={path} holds "
+                f"only {size // itemsize} tokens (a window needs block_size + 1)",
+                f"an integer <= {size // itemsize - 1}",
+            )
 
 
 def tokens_vocab_size(node: Any) -> Optional[int]:
@@ -629,7 +734,7 @@ def tokens_vocab_size(node: Any) -> Optional[int]:
 
 def _max_id(tokens: np.ndarray) -> int:
     step = _READ_CHUNK // tokens.itemsize
-    return max(int(tokens[i:i + step].max()) for i in range(0, len(tokens), step))
+    return max(int(tokens[i : i + step].max()) for i in range(0, len(tokens), step))
 
 
 def build_tokens(cfg: Any) -> DataBundle:
@@ -638,20 +743,31 @@ def build_tokens(cfg: Any) -> DataBundle:
     check_tokens(cfg)
     dtype = _tokens_dtype(cfg)
     block_size = _block_size(cfg)
-    splits = {key: TokenWindows.from_file(_path(cfg, key, ""), dtype, block_size)
-              for key in ("train", "val")}
+    splits = {
+        key: TokenWindows.from_file(_path(cfg, key, ""), dtype, block_size)
+        for key in ("train", "val")
+    }
     largest = {key: _max_id(ds.tokens()) for key, ds in splits.items()}
     top_key = max(largest, key=largest.get)
     top = largest[top_key]
     declared = tokens_vocab_size(cfg)
     if declared is not None and declared <= top:
-        raise ConfigError("data.vocab_size", f"is {declared} but data.{top_key}="
-                          f"{splits[top_key].path} holds token id {top} (the largest id found)",
-                          f"an integer >= {top + 1}, or null (= {top + 1})")
+        raise ConfigError(
+            "data.vocab_size",
+            f"is {declared} but data.{top_key}="
+            f"{splits[top_key].path} holds token id {top} (the largest id found)",
+            f"an integer >= {top + 1}, or null (= {top + 1})",
+        )
     vocab = declared if declared is not None else top + 1
-    return DataBundle(splits["train"], splits["val"], vocab, block_size,
-                      str(_get(cfg, "name", "tokens")), task=LANGUAGE_MODEL,
-                      block_size=block_size)
+    return DataBundle(
+        splits["train"],
+        splits["val"],
+        vocab,
+        block_size,
+        str(_get(cfg, "name", "tokens")),
+        task=LANGUAGE_MODEL,
+        block_size=block_size,
+    )
 
 
 # ---- data=synthetic_text -----------------------------------------------------------------------
@@ -681,15 +797,22 @@ class SyntheticLanguage:
         if vocab_size < 2:
             raise ConfigError("data.vocab_size", f"is {vocab_size}", "an integer >= 2")
         if not 1 <= branching <= vocab_size:
-            raise ConfigError("data.branching", f"is {branching} with data.vocab_size="
-                              f"{vocab_size}", f"an integer in [1, {vocab_size}]")
+            raise ConfigError(
+                "data.branching",
+                f"is {branching} with data.vocab_size={vocab_size}",
+                f"an integer in [1, {vocab_size}]",
+            )
         self.vocab_size, self.branching, self.seed = int(vocab_size), int(branching), int(seed)
         self.pool_size = min(self.vocab_size, self.POOL_FACTOR * self.branching)
         rng = np.random.default_rng([self.seed, 0x7E47])
         self.probs = rng.dirichlet(np.ones(self.branching))
         # pool[b]: P distinct tokens, a draw per token (no V x V table: large vocabularies too)
-        self.pool = np.stack([rng.choice(self.vocab_size, self.pool_size, replace=False)
-                              for _ in range(self.vocab_size)])
+        self.pool = np.stack(
+            [
+                rng.choice(self.vocab_size, self.pool_size, replace=False)
+                for _ in range(self.vocab_size)
+            ]
+        )
         self.offsets = rng.integers(0, self.pool_size, size=self.vocab_size)
         self.entropy_rate = float(-(self.probs * np.log(self.probs)).sum())
 
@@ -718,10 +841,18 @@ def build_synthetic_text(cfg: Any) -> DataBundle:
     block_size = _block_size(cfg, 64)
     num_train = _int_key(cfg, "num_train", 200_000, block_size + 1)
     num_val = _int_key(cfg, "num_val", 20_000, block_size + 1)
-    language = SyntheticLanguage(vocab, _int_key(cfg, "branching", 4, 1),
-                                 _int_key(cfg, "seed", 0, 0))
+    language = SyntheticLanguage(
+        vocab, _int_key(cfg, "branching", 4, 1), _int_key(cfg, "seed", 0, 0)
+    )
     tokens = language.sample(num_train + num_val)
     train = TokenWindows(tokens, block_size, 0, num_train)
     val = TokenWindows(tokens, block_size, num_train, num_train + num_val)
-    return DataBundle(train, val, vocab, block_size, str(_get(cfg, "name", "synthetic_text")),
-                      task=LANGUAGE_MODEL, block_size=block_size)
+    return DataBundle(
+        train,
+        val,
+        vocab,
+        block_size,
+        str(_get(cfg, "name", "synthetic_text")),
+        task=LANGUAGE_MODEL,
+        block_size=block_size,
+    )

@@ -6,25 +6,29 @@ that types cannot express (positive lr, known model names, ...) live with each o
 `runner.config.options` and are applied by `runner.config.validation`.
 This module must stay free of heavy imports: it runs on every invocation, dry runs included.
 """
+
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from runner.config.levels import LEVEL_VALUES
 from runner.config.options import (  # noqa: F401  (the option schemas and names, re-exported)
     BUILT_IN_MODELS,
     DATASET_NAMES,
     MODEL_NAMES,
     OPTIMIZER_NAMES,
     SCHEDULER_NAMES,
+    TASK_CHOICES,
     AdamConfig,
     CifarConfig,
     CosineConfig,
     DataConfig,
+    GPTConfig,
     ImageFolderConfig,
     ModelConfig,
     OneCycleConfig,
@@ -34,15 +38,12 @@ from runner.config.options import (  # noqa: F401  (the option schemas and names
     StepLRConfig,
     SyntheticConfig,
     SyntheticTextConfig,
-    TASK_CHOICES,
     TextConfig,
     TinyModelConfig,
     TokensConfig,
-    GPTConfig,
     VitTinyConfig,
     schemas,
 )
-from runner.config.levels import LEVEL_VALUES
 from runner.config.precision import precision_schema
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -83,14 +84,15 @@ class TrainerConfig:
     sync_batchnorm: bool = False  # SyncBatchNorm under torchrun (GPUs with NCCL only)
     compile: bool = False  # the model's forward (and backward) through torch.compile
     compile_mode: str = "default"  # default | reduce-overhead | max-autotune
-    # range diagnostics (runner.measure.diagnostics) on steps 1, 1+n, 1+2n, ...; 0 = off (no hooks at all)
+    # range diagnostics (runner.measure.diagnostics) on steps 1, 1+n, 1+2n, ...; 0 = off (no hooks
+    # at all)
     diagnose_every_n_steps: int = 0
     # under torchrun: ddp (every rank holds the whole model) or fsdp (FSDP2: parameters, gradients
     # and optimizer state sharded over the ranks; runner.run.fsdp)
     strategy: str = "ddp"
     # fsdp: the modules sharded as units (class names, or module-name globs whose * stays within
     # one name: blocks.*); null: the model's repeated blocks (runner.run.fsdp.default_units)
-    fsdp_wrap: Optional[List[str]] = None
+    fsdp_wrap: Optional[list[str]] = None
     # fsdp: sharded (each rank writes its shards: torch.distributed.checkpoint) or full (the
     # whole state gathered to rank 0, one file)
     fsdp_checkpoint: str = "sharded"
@@ -104,11 +106,13 @@ class TaskConfig:
 
 @dataclass
 class MlflowConfig:
-    tracking_uri: str = "sqlite:///mlflow.db"  # relative paths: the directory the user launched from
+    tracking_uri: str = (
+        "sqlite:///mlflow.db"  # relative paths: the directory the user launched from
+    )
     experiment_name: str = "amp-runner"
     run_name: Optional[str] = None  # null = "<model>-<opt_level>", e.g. densenet161-O2
     sweep_name: Optional[str] = None  # a sweep's parent run; null = "sweep <swept overrides>"
-    tags: Dict[str, str] = field(default_factory=dict)
+    tags: dict[str, str] = field(default_factory=dict)
     # liveness (runner.tracking.liveness): a run's heartbeat period, and how old the heartbeat of a
     # RUNNING run on another host must be for a starting run to end it as KILLED
     heartbeat_s: float = 60.0
@@ -119,7 +123,8 @@ class MlflowConfig:
 
 @dataclass
 class RunConfig:
-    # model and data are typed by their option's own schema (runner.config.options); an option with a
+    # model and data are typed by their option's own schema (runner.config.options); an option with
+    # a
     # `_target_` (the user's callable) is untyped: its keys are the callable's arguments
     model: Any = MISSING
     data: Any = MISSING
@@ -134,7 +139,7 @@ class RunConfig:
     resume: Optional[str] = None  # auto (the latest checkpoint of this run name) or a path
     # Free-form settings of an experiment config (experiments/), e.g. a batch size per level that
     # `trainer.batch_size: ${experiment.batch_size.${precision.opt_level}}` picks; logged as params.
-    experiment: Dict[str, Any] = field(default_factory=dict)
+    experiment: dict[str, Any] = field(default_factory=dict)
 
 
 SCHEMAS: dict[str, dict[str, type]] = {
@@ -166,9 +171,12 @@ def register_configs() -> None:
     so a property added to the table is typed everywhere once the schemas are stored again.
     """
     precision = _by_reference(precision_schema(), "PrecisionConfig")
-    root = _by_reference(dataclasses.make_dataclass(  # RunConfig, its precision typed by today's table
-        "RunConfig", [("precision", precision, field(default=MISSING))], bases=(RunConfig,)),
-        "TypedRunConfig")
+    root = _by_reference(
+        dataclasses.make_dataclass(  # RunConfig, its precision typed by today's table
+            "RunConfig", [("precision", precision, field(default=MISSING))], bases=(RunConfig,)
+        ),
+        "TypedRunConfig",
+    )
     cs = ConfigStore.instance()
     cs.store(name="base_run", node=root)
     for group, kinds in {**SCHEMAS, "precision": {"apex": precision}}.items():

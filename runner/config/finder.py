@@ -3,6 +3,7 @@
 A wheel installs `conf/` (with `experiments/` as its `experiment` group) as `runner/conf`; a
 source checkout or editable install keeps them beside the package.
 """
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -8,27 +8,30 @@ with and the value rules `runner.config.validation` applies are all derived from
 built-in option is one spec here plus its YAML file in conf/<group>/.
 
 Beyond the built-in names, a `model`, `data` or `loss` node with a `_target_` is the user's own
-callable (`runner.config.targets`), built by the group's `TARGET_SPECS` entry. Torch-free: this module is
+callable (`runner.config.targets`), built by the group's `TARGET_SPECS` entry. Torch-free: this
+module is
 imported while Hydra composes.
 """
+
 from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Mapping, Optional
+from typing import Any, Optional
 
 from omegaconf import MISSING
 
 from runner.config.values import (
     Rule,
+    finite,
     integer_at_least,
     non_negative,
     one_of,
     optional,
     positive,
     unit_interval,
-    finite,
 )
 
 
@@ -53,6 +56,7 @@ class TinyModelConfig(ModelConfig):
 @dataclass
 class VitTinyConfig:
     """torchvision's VisionTransformer, small: 32-px images in 8x8 patches of 4 px."""
+
     name: str = MISSING
     image_size: int = 32  # must equal the data's image size (vit_tiny.yaml interpolates it)
     patch_size: int = 4
@@ -97,6 +101,7 @@ class SyntheticConfig(DataConfig):
 @dataclass
 class GPTConfig:
     """The runner's decoder-only transformer (runner.components.lm_models.GPT)."""
+
     name: str = MISSING
     n_layer: int = 2
     n_head: int = 4
@@ -111,11 +116,12 @@ class GPTConfig:
 @dataclass
 class TextConfig:
     """Text files tokenised once into a cached flat token file (runner.components.text)."""
+
     name: str = MISSING
     path: str = MISSING  # a text file, or a folder of them
     glob: str = "**/*.txt"  # in a folder: the files to read (recursive, sorted)
     # in a folder: relative paths to leave out, shell patterns ("*" crosses folders)
-    exclude: List[str] = field(default_factory=list)
+    exclude: list[str] = field(default_factory=list)
     tokenizer: Optional[str] = None  # null = UTF-8 bytes (vocabulary 256); else a tokenizer.json
     block_size: int = 256  # tokens per training sequence
     val_fraction: float = 0.1  # the held-out tail of the token stream
@@ -125,6 +131,7 @@ class TextConfig:
 @dataclass
 class TokensConfig:
     """Already tokenised corpora: flat .bin files in nanoGPT's layout (no header)."""
+
     name: str = MISSING
     train: str = MISSING
     val: str = MISSING
@@ -136,6 +143,7 @@ class TokensConfig:
 @dataclass
 class SyntheticTextConfig:
     """A seeded, learnable synthetic language (no disk): tests and benchmarks."""
+
     name: str = MISSING
     vocab_size: int = 64
     num_train: int = 200000  # training tokens
@@ -162,7 +170,7 @@ class SGDConfig(OptimizerConfig):
 @dataclass
 class AdamConfig(OptimizerConfig):
     lr: float = 1e-3
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
     amsgrad: bool = False
 
@@ -194,6 +202,8 @@ class OneCycleConfig(SchedulerConfig):
 # ---- specs ---------------------------------------------------------------------------------
 CLASSIFICATION, LANGUAGE_MODEL = "classification", "language_model"
 TASKS = (CLASSIFICATION, LANGUAGE_MODEL)
+
+
 @dataclass(frozen=True)
 class Spec:
     """One option: `group`/`name`, its builder ("module:function"), its schema (`kind`: the name
@@ -229,8 +239,10 @@ def _load(path: str) -> Callable[..., Any]:
 
 _INT_1 = (integer_at_least(1), "an integer >= 1")
 _TINY_RULES = (("width", *_INT_1), ("norm", one_of(NORMS), ", ".join(NORMS)))
-_VIT_RULES = tuple((k, *_INT_1) for k in ("image_size", "patch_size", "num_layers",
-                                           "num_heads", "hidden_dim", "mlp_dim"))
+_VIT_RULES = tuple(
+    (k, *_INT_1)
+    for k in ("image_size", "patch_size", "num_layers", "num_heads", "hidden_dim", "mlp_dim")
+)
 _GPT_RULES = (
     *((k, *_INT_1) for k in ("n_layer", "n_head", "n_embd", "block_size")),
     ("vocab_size", optional(integer_at_least(2)), "null (the data's) or an integer >= 2"),
@@ -248,12 +260,17 @@ _OPT_RULES = (
 )
 _ADAM_RULES = _OPT_RULES + (
     ("eps", positive, "a finite number > 0"),
-    ("betas", lambda v: v is not None and len(v) == 2 and all(unit_interval(b) for b in v),
-     "two numbers in [0, 1), e.g. [0.9, 0.999]"),
+    (
+        "betas",
+        lambda v: v is not None and len(v) == 2 and all(unit_interval(b) for b in v),
+        "two numbers in [0, 1), e.g. [0.9, 0.999]",
+    ),
 )
 
 
-def _torchvision(name: str, builder: str = "runner.components.models:build_torchvision_named") -> Spec:
+def _torchvision(
+    name: str, builder: str = "runner.components.models:build_torchvision_named"
+) -> Spec:
     return Spec("model", name, builder, "torchvision", ModelConfig)
 
 
@@ -284,84 +301,230 @@ def _declared_classes(node: Any) -> Optional[int]:
 
 SPECS: tuple[Spec, ...] = (
     # models: tiny CNNs, torchvision architectures by name, a small ViT, and the zoos
-    Spec("model", "tiny", "runner.components.models:build_tiny", "tiny", TinyModelConfig, _TINY_RULES),
-    *(_torchvision(n) for n in ("resnet18", "resnet50", "densenet161", "vgg16", "vgg16_bn",
-                                "resnext50_32x4d")),
-    Spec("model", "vit_tiny", "runner.components.models:build_vit_tiny", "vit_tiny", VitTinyConfig,
-         _VIT_RULES),
-    Spec("model", "torchvision", "runner.components.models:build_torchvision_zoo", rules=_ZOO_RULES,
-         by_name=False, check="runner.components.models:check_torchvision_zoo"),
-    Spec("model", "timm", "runner.components.models:build_timm", rules=_ZOO_RULES, by_name=False,
-         check="runner.components.models:check_timm"),
-    Spec("model", "custom", "runner.components.models:build_target", by_name=False,
-         check="runner.components.models:check_target", task=None),
+    Spec(
+        "model", "tiny", "runner.components.models:build_tiny", "tiny", TinyModelConfig, _TINY_RULES
+    ),
+    *(
+        _torchvision(n)
+        for n in ("resnet18", "resnet50", "densenet161", "vgg16", "vgg16_bn", "resnext50_32x4d")
+    ),
+    Spec(
+        "model",
+        "vit_tiny",
+        "runner.components.models:build_vit_tiny",
+        "vit_tiny",
+        VitTinyConfig,
+        _VIT_RULES,
+    ),
+    Spec(
+        "model",
+        "torchvision",
+        "runner.components.models:build_torchvision_zoo",
+        rules=_ZOO_RULES,
+        by_name=False,
+        check="runner.components.models:check_torchvision_zoo",
+    ),
+    Spec(
+        "model",
+        "timm",
+        "runner.components.models:build_timm",
+        rules=_ZOO_RULES,
+        by_name=False,
+        check="runner.components.models:check_timm",
+    ),
+    Spec(
+        "model",
+        "custom",
+        "runner.components.models:build_target",
+        by_name=False,
+        check="runner.components.models:check_target",
+        task=None,
+    ),
     # language models: the runner's GPT (gpt, gpt_tiny, gpt2_small) and Hugging Face's by type
-    *(Spec("model", name, "runner.components.lm_models:build_gpt", "gpt", GPTConfig, _GPT_RULES,
-           check="runner.components.lm_models:check_gpt", task=LANGUAGE_MODEL)
-      for name in ("gpt", "gpt_tiny", "gpt2_small")),
-    Spec("model", "hf", "runner.components.lm_models:build_hf", rules=_ZOO_RULES, by_name=False,
-         check="runner.components.lm_models:check_hf", task=LANGUAGE_MODEL),
+    *(
+        Spec(
+            "model",
+            name,
+            "runner.components.lm_models:build_gpt",
+            "gpt",
+            GPTConfig,
+            _GPT_RULES,
+            check="runner.components.lm_models:check_gpt",
+            task=LANGUAGE_MODEL,
+        )
+        for name in ("gpt", "gpt_tiny", "gpt2_small")
+    ),
+    Spec(
+        "model",
+        "hf",
+        "runner.components.lm_models:build_hf",
+        rules=_ZOO_RULES,
+        by_name=False,
+        check="runner.components.lm_models:check_hf",
+        task=LANGUAGE_MODEL,
+    ),
     # data
-    Spec("data", "synthetic", "runner.components.data:build_synthetic", "synthetic", SyntheticConfig,
-         _DATA_RULES + (
-             ("num_train", *_INT_1),
-             ("num_val", *_INT_1),
-             ("num_classes", integer_at_least(2), "an integer >= 2"),
-             ("noise", non_negative, "a finite number >= 0"),
-         ), classes=_synthetic_classes),
-    Spec("data", "cifar10", "runner.components.data:build_cifar", "cifar", CifarConfig,
-         _DATA_RULES + _CIFAR_RULES, classes=lambda node: 10),
-    Spec("data", "cifar100", "runner.components.data:build_cifar", "cifar", CifarConfig,
-         _DATA_RULES + _CIFAR_RULES, classes=lambda node: 100),
-    Spec("data", "imagefolder", "runner.components.data:build_imagefolder", "imagefolder",
-         ImageFolderConfig, _DATA_RULES + (
-             ("root", os.path.isdir, "an existing folder with train/ and val/ class folders"),
-             ("num_classes", optional(integer_at_least(2)), "null or an integer >= 2"),
-         ), classes=_imagefolder_classes),
-    Spec("data", "custom", "runner.components.data:build_target", classes=_declared_classes,
-         rules=(("num_classes", optional(integer_at_least(1)), "null or an integer >= 1"),),
-         by_name=False, check="runner.components.data:check_target", task=None),
+    Spec(
+        "data",
+        "synthetic",
+        "runner.components.data:build_synthetic",
+        "synthetic",
+        SyntheticConfig,
+        _DATA_RULES
+        + (
+            ("num_train", *_INT_1),
+            ("num_val", *_INT_1),
+            ("num_classes", integer_at_least(2), "an integer >= 2"),
+            ("noise", non_negative, "a finite number >= 0"),
+        ),
+        classes=_synthetic_classes,
+    ),
+    Spec(
+        "data",
+        "cifar10",
+        "runner.components.data:build_cifar",
+        "cifar",
+        CifarConfig,
+        _DATA_RULES + _CIFAR_RULES,
+        classes=lambda node: 10,
+    ),
+    Spec(
+        "data",
+        "cifar100",
+        "runner.components.data:build_cifar",
+        "cifar",
+        CifarConfig,
+        _DATA_RULES + _CIFAR_RULES,
+        classes=lambda node: 100,
+    ),
+    Spec(
+        "data",
+        "imagefolder",
+        "runner.components.data:build_imagefolder",
+        "imagefolder",
+        ImageFolderConfig,
+        _DATA_RULES
+        + (
+            ("root", os.path.isdir, "an existing folder with train/ and val/ class folders"),
+            ("num_classes", optional(integer_at_least(2)), "null or an integer >= 2"),
+        ),
+        classes=_imagefolder_classes,
+    ),
+    Spec(
+        "data",
+        "custom",
+        "runner.components.data:build_target",
+        classes=_declared_classes,
+        rules=(("num_classes", optional(integer_at_least(1)), "null or an integer >= 1"),),
+        by_name=False,
+        check="runner.components.data:check_target",
+        task=None,
+    ),
     # text, for language models: a corpus tokenised once, tokenised files, a synthetic language
-    Spec("data", "text", "runner.components.text:build_text", "text", TextConfig, (
-        ("block_size", *_INT_1),
-        ("val_fraction", lambda v: finite(v) and 0 < v < 1, "a number in (0, 1)"),
-    ), classes=_vocab("text_vocab_size"), check="runner.components.text:check_text",
-         task=LANGUAGE_MODEL),
-    Spec("data", "tokens", "runner.components.text:build_tokens", "tokens", TokensConfig, (
-        ("block_size", *_INT_1),
-        ("dtype", one_of(("uint16", "uint32")), "uint16, uint32"),
-        ("vocab_size", optional(integer_at_least(2)), "null (from the files) or an integer >= 2"),
-    ), classes=_vocab("tokens_vocab_size"), check="runner.components.text:check_tokens",
-         task=LANGUAGE_MODEL),
-    Spec("data", "synthetic_text", "runner.components.text:build_synthetic_text",
-         "synthetic_text", SyntheticTextConfig, (
-             ("block_size", *_INT_1),
-             ("vocab_size", integer_at_least(2), "an integer >= 2"),
-             ("num_train", integer_at_least(2), "an integer >= 2 (tokens)"),
-             ("num_val", integer_at_least(2), "an integer >= 2 (tokens)"),
-             ("branching", integer_at_least(1), "an integer >= 1"),
-         ), classes=lambda node: int(node.get("vocab_size", 64)), task=LANGUAGE_MODEL),
+    Spec(
+        "data",
+        "text",
+        "runner.components.text:build_text",
+        "text",
+        TextConfig,
+        (
+            ("block_size", *_INT_1),
+            ("val_fraction", lambda v: finite(v) and 0 < v < 1, "a number in (0, 1)"),
+        ),
+        classes=_vocab("text_vocab_size"),
+        check="runner.components.text:check_text",
+        task=LANGUAGE_MODEL,
+    ),
+    Spec(
+        "data",
+        "tokens",
+        "runner.components.text:build_tokens",
+        "tokens",
+        TokensConfig,
+        (
+            ("block_size", *_INT_1),
+            ("dtype", one_of(("uint16", "uint32")), "uint16, uint32"),
+            (
+                "vocab_size",
+                optional(integer_at_least(2)),
+                "null (from the files) or an integer >= 2",
+            ),
+        ),
+        classes=_vocab("tokens_vocab_size"),
+        check="runner.components.text:check_tokens",
+        task=LANGUAGE_MODEL,
+    ),
+    Spec(
+        "data",
+        "synthetic_text",
+        "runner.components.text:build_synthetic_text",
+        "synthetic_text",
+        SyntheticTextConfig,
+        (
+            ("block_size", *_INT_1),
+            ("vocab_size", integer_at_least(2), "an integer >= 2"),
+            ("num_train", integer_at_least(2), "an integer >= 2 (tokens)"),
+            ("num_val", integer_at_least(2), "an integer >= 2 (tokens)"),
+            ("branching", integer_at_least(1), "an integer >= 1"),
+        ),
+        classes=lambda node: int(node.get("vocab_size", 64)),
+        task=LANGUAGE_MODEL,
+    ),
     # optimizers
-    Spec("optimizer", "sgd", "runner.components.optim:build_sgd", "sgd", SGDConfig, _OPT_RULES + (
-        ("momentum", unit_interval, "a number in [0, 1)"),
-        ("dampening", unit_interval, "a number in [0, 1)"),
-    )),
-    Spec("optimizer", "adam", "runner.components.optim:build_adam", "adam", AdamConfig, _ADAM_RULES),
-    Spec("optimizer", "adamw", "runner.components.optim:build_adamw", "adam", AdamConfig, _ADAM_RULES),
+    Spec(
+        "optimizer",
+        "sgd",
+        "runner.components.optim:build_sgd",
+        "sgd",
+        SGDConfig,
+        _OPT_RULES
+        + (
+            ("momentum", unit_interval, "a number in [0, 1)"),
+            ("dampening", unit_interval, "a number in [0, 1)"),
+        ),
+    ),
+    Spec(
+        "optimizer", "adam", "runner.components.optim:build_adam", "adam", AdamConfig, _ADAM_RULES
+    ),
+    Spec(
+        "optimizer", "adamw", "runner.components.optim:build_adamw", "adam", AdamConfig, _ADAM_RULES
+    ),
     # schedulers (stepped once per optimizer-step attempt)
-    Spec("scheduler", "none", "runner.components.optim:build_no_scheduler", "none", SchedulerConfig),
-    Spec("scheduler", "cosine", "runner.components.optim:build_cosine", "cosine", CosineConfig,
-         (("eta_min", non_negative, "a finite number >= 0"),)),
-    Spec("scheduler", "step", "runner.components.optim:build_step", "step", StepLRConfig, (
-        ("step_epochs", *_INT_1),
-        ("gamma", lambda v: finite(v) and 0 < v <= 1, "a number in (0, 1]"),
-    )),
-    Spec("scheduler", "onecycle", "runner.components.optim:build_onecycle", "onecycle", OneCycleConfig, (
-        ("max_lr", optional(positive), "null or a finite number > 0"),
-        ("pct_start", lambda v: finite(v) and 0 < v < 1, "a number in (0, 1)"),
-        ("div_factor", positive, "a finite number > 0"),
-        ("final_div_factor", positive, "a finite number > 0"),
-    )),
+    Spec(
+        "scheduler", "none", "runner.components.optim:build_no_scheduler", "none", SchedulerConfig
+    ),
+    Spec(
+        "scheduler",
+        "cosine",
+        "runner.components.optim:build_cosine",
+        "cosine",
+        CosineConfig,
+        (("eta_min", non_negative, "a finite number >= 0"),),
+    ),
+    Spec(
+        "scheduler",
+        "step",
+        "runner.components.optim:build_step",
+        "step",
+        StepLRConfig,
+        (
+            ("step_epochs", *_INT_1),
+            ("gamma", lambda v: finite(v) and 0 < v <= 1, "a number in (0, 1]"),
+        ),
+    ),
+    Spec(
+        "scheduler",
+        "onecycle",
+        "runner.components.optim:build_onecycle",
+        "onecycle",
+        OneCycleConfig,
+        (
+            ("max_lr", optional(positive), "null or a finite number > 0"),
+            ("pct_start", lambda v: finite(v) and 0 < v < 1, "a number in (0, 1)"),
+            ("div_factor", positive, "a finite number > 0"),
+            ("final_div_factor", positive, "a finite number > 0"),
+        ),
+    ),
 )
 
 GROUPS = ("model", "data", "optimizer", "scheduler")
@@ -396,8 +559,11 @@ def has_target(node: Any) -> bool:
 def spec_for(group: str, node: Any) -> Optional[Spec]:
     """The spec that builds `node`: the group's target spec for a `_target_` node, else the one
     its `name` names (None: an unknown name)."""
-    name = TARGET_SPECS.get(group) if has_target(node) else (
-        node.get("name") if hasattr(node, "get") else getattr(node, "name", None))
+    name = (
+        TARGET_SPECS.get(group)
+        if has_target(node)
+        else (node.get("name") if hasattr(node, "get") else getattr(node, "name", None))
+    )
     return next((s for s in SPECS if s.group == group and s.name == name), None)
 
 

@@ -12,12 +12,14 @@ Adding a property = one row here + its rule(s) in `runner.precision`.
 Torch-free on purpose (Hydra composes and checks without torch): a dtype is parsed to its name
 ("bfloat16"); `runner.precision.properties` turns names into torch dtypes.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Literal, Mapping, Optional
+from typing import Any, Literal, Optional
 
 from omegaconf import MISSING
 
@@ -35,21 +37,41 @@ FP8_RECIPES = ("tensorwise", "rowwise")
 FLOAT_STATES = ("float32", "bfloat16", "float16")
 LOW_BIT_STATES = ("int8", "int4", "fp8")
 STATE_FORMATS = FLOAT_STATES + LOW_BIT_STATES
-STATE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
-                 "half": "float16", "e4m3": "fp8", "float8": "fp8", "float8_e4m3fn": "fp8"}
+STATE_ALIASES = {
+    "fp32": "float32",
+    "float": "float32",
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+    "e4m3": "fp8",
+    "float8": "fp8",
+    "float8_e4m3fn": "fp8",
+}
 
 # The formats a layer may compute in (precision.layers, precision.layer_plan): a float type, or
 # fp8 (torchao's float8 Linear: e4m3 forward, e5m2 gradients, dynamic scaling).
 LAYER_FORMATS = ("float32", "bfloat16", "float16", "fp8")
-LAYER_FORMAT_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16",
-                        "fp16": "float16", "half": "float16", "e4m3": "fp8", "float8": "fp8"}
+LAYER_FORMAT_ALIASES = {
+    "fp32": "float32",
+    "float": "float32",
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+    "e4m3": "fp8",
+    "float8": "fp8",
+}
 # `precision.layer_plan`: a plan measured before training (runner.run.autoplan)
 AUTO_PLAN = "auto"
 
 DTYPE_ALIASES: dict[str, str] = {
-    "float16": "float16", "fp16": "float16", "half": "float16",
-    "bfloat16": "bfloat16", "bf16": "bfloat16",
-    "float32": "float32", "fp32": "float32", "float": "float32",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
 }
 NONE_STRINGS = ("none", "null", "~", "")
 TRUE_STRINGS = ("true", "yes", "on")
@@ -82,13 +104,29 @@ class Property:
         return f"precision.{self.name}"
 
 
-def _number(name: str, check: Callable[[float], bool], allowed: str, *, integer: bool = False,
-            allow_none: bool = False, doc: str = "") -> Property:
+def _number(
+    name: str,
+    check: Callable[[float], bool],
+    allowed: str,
+    *,
+    integer: bool = False,
+    allow_none: bool = False,
+    doc: str = "",
+) -> Property:
     """A dynamic-loss-scaling knob: a number, default from `levels.SCALER_DEFAULTS`."""
     default = SCALER_DEFAULTS[name]
     kind_type = int if integer else float
-    return Property(name, "number", default, Optional[kind_type] if allow_none else kind_type,
-                    doc, allow_none=allow_none, check=check, allowed=allowed, integer=integer)
+    return Property(
+        name,
+        "number",
+        default,
+        Optional[kind_type] if allow_none else kind_type,
+        doc,
+        allow_none=allow_none,
+        check=check,
+        allowed=allowed,
+        integer=integer,
+    )
 
 
 def stepped_dtype_name(params: Mapping[str, str]) -> str:
@@ -101,7 +139,7 @@ def stepped_dtype_name(params: Mapping[str, str]) -> str:
 
 
 def _state_suffix(params: Mapping[str, str]) -> Optional[str]:
-    """"int8state", "bf16state", ...: where the state is not kept in the stepped weights' type."""
+    """ "int8state", "bf16state", ...: where the state is not kept in the stepped weights' type."""
     fmt = params.get("optimizer_state", "None")
     if fmt in ("None", stepped_dtype_name(params)):
         return None
@@ -110,7 +148,7 @@ def _state_suffix(params: Mapping[str, str]) -> Optional[str]:
 
 
 def _plan_suffix(params: Mapping[str, str]) -> Optional[str]:
-    """"autoplan" where a pre-flight plans the layers' formats, "plan" where a plan file or
+    """ "autoplan" where a pre-flight plans the layers' formats, "plan" where a plan file or
     `precision.layers` does."""
     plan = params.get("layer_plan", "None")
     if plan == AUTO_PLAN:
@@ -121,13 +159,14 @@ def _plan_suffix(params: Mapping[str, str]) -> Optional[str]:
 
 
 def _computes_in_bf16(params: Mapping[str, str]) -> Optional[str]:
-    """"bf16" where the model computes in bfloat16 (a bf16 model, or O1's bf16 autocast), unless
+    """ "bf16" where the model computes in bfloat16 (a bf16 model, or O1's bf16 autocast), unless
     its Linear layers run in fp8 (then "fp8" says more)."""
     if params.get("fp8_linear", "None") != "None":
         return None
     cast = params.get("cast_model_type") == "bfloat16"
-    autocast = params.get("patch_torch_functions") == "True" \
-        and params.get("autocast_dtype") == "bfloat16"
+    autocast = (
+        params.get("patch_torch_functions") == "True" and params.get("autocast_dtype") == "bfloat16"
+    )
     return "bf16" if cast or autocast else None
 
 
@@ -135,49 +174,107 @@ def _computes_in_bf16(params: Mapping[str, str]) -> Optional[str]:
 # of the run name's suffixes.
 PROPERTIES: list[Property] = [
     # Apex's five (each level sets them: runner.config.levels.LEVEL_VALUES)
-    Property("cast_model_type", "dtype", None, Optional[str],
-             "float32 | float16 | bfloat16 | null: the model's own type",
-             allow_none=True, choices=("float16", "bfloat16", "float32"),
-             suffix=_computes_in_bf16),
+    Property(
+        "cast_model_type",
+        "dtype",
+        None,
+        Optional[str],
+        "float32 | float16 | bfloat16 | null: the model's own type",
+        allow_none=True,
+        choices=("float16", "bfloat16", "float32"),
+        suffix=_computes_in_bf16,
+    ),
     Property("patch_torch_functions", "bool", False, bool, "autocast around ops (O1)"),
     Property("keep_batchnorm_fp32", "bool", None, Any, "true | false | null", allow_none=True),
-    Property("master_weights", "bool", None, Optional[bool], "fp32 master copies of the weights",
-             allow_none=True),
+    Property(
+        "master_weights",
+        "bool",
+        None,
+        Optional[bool],
+        "fp32 master copies of the weights",
+        allow_none=True,
+    ),
     Property("loss_scale", "loss_scale", 1.0, Any, '"dynamic" or a positive number'),
     # beyond Apex
-    Property("autocast_dtype", "dtype", "float16", str,
-             "O1's autocast type: float16 | bfloat16 (bf16 on CPU)",
-             choices=("float16", "bfloat16")),
-    Property("fp8_linear", "choice", None, Optional[str],
-             "torchao float8 Linear layers: null | tensorwise | rowwise", allow_none=True,
-             choices=FP8_RECIPES,
-             suffix=lambda p: "fp8" if p.get("fp8_linear", "None") != "None" else None),
-    Property("stochastic_rounding", "bool", False, bool,
-             "a bf16 model without masters, its updates rounded at random",
-             suffix=lambda p: "sr" if p.get("stochastic_rounding") == "True" else None),
-    Property("optimizer_state", "choice", None, Optional[str],
-             "null (the stepped weights' own type) | float32 | bfloat16 | float16 | int8 | int4 "
-             "| fp8: how the optimizer stores momentum and Adam's moments",
-             allow_none=True, choices=STATE_FORMATS, aliases=STATE_ALIASES,
-             suffix=_state_suffix),
+    Property(
+        "autocast_dtype",
+        "dtype",
+        "float16",
+        str,
+        "O1's autocast type: float16 | bfloat16 (bf16 on CPU)",
+        choices=("float16", "bfloat16"),
+    ),
+    Property(
+        "fp8_linear",
+        "choice",
+        None,
+        Optional[str],
+        "torchao float8 Linear layers: null | tensorwise | rowwise",
+        allow_none=True,
+        choices=FP8_RECIPES,
+        suffix=lambda p: "fp8" if p.get("fp8_linear", "None") != "None" else None,
+    ),
+    Property(
+        "stochastic_rounding",
+        "bool",
+        False,
+        bool,
+        "a bf16 model without masters, its updates rounded at random",
+        suffix=lambda p: "sr" if p.get("stochastic_rounding") == "True" else None,
+    ),
+    Property(
+        "optimizer_state",
+        "choice",
+        None,
+        Optional[str],
+        "null (the stepped weights' own type) | float32 | bfloat16 | float16 | int8 | int4 "
+        "| fp8: how the optimizer stores momentum and Adam's moments",
+        allow_none=True,
+        choices=STATE_FORMATS,
+        aliases=STATE_ALIASES,
+        suffix=_state_suffix,
+    ),
     # per layer, on top of the level (runner.precision.layers): glob -> format, and a plan file
-    Property("layers", "layers", {}, Dict[str, str],
-             "module-name glob -> float32 | bfloat16 | float16 | fp8, in order (a later entry "
-             "wins); e.g. +precision.layers.head=float32", param=lambda v: layers_string(v)),
-    Property("layer_plan", "layer_plan", None, Optional[str],
-             "null | a YAML file of the same mapping | auto (a pre-flight plans each layer)",
-             allow_none=True, suffix=_plan_suffix),
+    Property(
+        "layers",
+        "layers",
+        {},
+        dict[str, str],
+        "module-name glob -> float32 | bfloat16 | float16 | fp8, in order (a later entry "
+        "wins); e.g. +precision.layers.head=float32",
+        param=lambda v: layers_string(v),
+    ),
+    Property(
+        "layer_plan",
+        "layer_plan",
+        None,
+        Optional[str],
+        "null | a YAML file of the same mapping | auto (a pre-flight plans each layer)",
+        allow_none=True,
+        suffix=_plan_suffix,
+    ),
     # dynamic loss scaling (used when loss_scale is "dynamic")
     _number("init_scale", lambda x: x > 0, "a finite number > 0, e.g. 65536", doc="2^16"),
     _number("growth_factor", lambda x: x > 1, "a finite number > 1, e.g. 2"),
     _number("backoff_factor", lambda x: 0 < x < 1, "a number in (0, 1), e.g. 0.5"),
-    _number("growth_interval", lambda x: x >= 1, "an integer >= 1, e.g. 2000", integer=True,
-            doc="clean steps before it grows"),
-    _number("hysteresis", lambda x: x >= 1, "an integer >= 1 (1 = Apex, 2 = DeepSpeed)",
-            integer=True, doc="overflows tolerated before a back-off (1 = Apex, 2 = DeepSpeed)"),
+    _number(
+        "growth_interval",
+        lambda x: x >= 1,
+        "an integer >= 1, e.g. 2000",
+        integer=True,
+        doc="clean steps before it grows",
+    ),
+    _number(
+        "hysteresis",
+        lambda x: x >= 1,
+        "an integer >= 1 (1 = Apex, 2 = DeepSpeed)",
+        integer=True,
+        doc="overflows tolerated before a back-off (1 = Apex, 2 = DeepSpeed)",
+    ),
     _number("min_loss_scale", lambda x: x > 0, "null or a finite number > 0", allow_none=True),
-    _number("max_loss_scale", lambda x: x > 0, "a finite number > 0, e.g. 16777216 (2^24)",
-            doc="2^24"),
+    _number(
+        "max_loss_scale", lambda x: x > 0, "a finite number > 0, e.g. 16777216 (2^24)", doc="2^24"
+    ),
 ]
 
 
@@ -220,15 +317,19 @@ def _field(default: Any) -> Any:
 
 def precision_schema() -> type:
     """The typed schema of the precision group (`PrecisionConfig`), from `PROPERTIES`."""
-    fields = [(name, typ, dataclasses.field(default=default))
-              for name, typ, default in _OTHER_KEYS]
+    fields = [(name, typ, dataclasses.field(default=default)) for name, typ, default in _OTHER_KEYS]
     fields += [(p.name, p.schema_type, _field(p.default)) for p in PROPERTIES]
-    fields += [(name, typ, dataclasses.field(default=default))
-               for name, typ, default in _TRAILING_KEYS]
+    fields += [
+        (name, typ, dataclasses.field(default=default)) for name, typ, default in _TRAILING_KEYS
+    ]
     return dataclasses.make_dataclass(
-        "PrecisionConfig", fields,
-        namespace={"__doc__": "Apex amp's five properties and ours (runner.config.precision); "
-                              "resolved by runner.precision."})
+        "PrecisionConfig",
+        fields,
+        namespace={
+            "__doc__": "Apex amp's five properties and ours (runner.config.precision); "
+            "resolved by runner.precision."
+        },
+    )
 
 
 # ---- parsing ----------------------------------------------------------------------------------
@@ -237,8 +338,9 @@ def parse(name: str, value: Any) -> Any:
     a bad value raises ConfigError naming `precision.<name>` and what is allowed."""
     prop = property_for(name)
     if prop is None:
-        raise ConfigError(f"precision.{name}", "unknown precision property",
-                          (*property_names(), "strict"))
+        raise ConfigError(
+            f"precision.{name}", "unknown precision property", (*property_names(), "strict")
+        )
     return _PARSERS[prop.kind](prop, value)
 
 
@@ -338,8 +440,11 @@ def _parse_number(prop: Property, value: Any) -> Any:
 def parse_layer_format(key: str, value: Any) -> str:
     """A layer's format by any of its spellings ("bf16", "torch.float32", "e4m3") -> its name;
     else ConfigError(key)."""
-    text = str(value).strip().lower().removeprefix("torch.") if isinstance(value, str) \
-        or type(value).__name__ == "dtype" else None
+    text = (
+        str(value).strip().lower().removeprefix("torch.")
+        if isinstance(value, str) or type(value).__name__ == "dtype"
+        else None
+    )
     if text in LAYER_FORMATS:
         return text
     if text is not None and text in LAYER_FORMAT_ALIASES:
@@ -355,16 +460,23 @@ def parse_layers(value: Any, key: str = "precision.layers") -> tuple[tuple[str, 
     if isinstance(value, Mapping):
         items = list(value.items())
     elif isinstance(value, (list, tuple)) and all(
-            isinstance(i, (list, tuple)) and len(i) == 2 for i in value):
+        isinstance(i, (list, tuple)) and len(i) == 2 for i in value
+    ):
         items = [tuple(i) for i in value]
     else:
-        raise ConfigError(key, f"expected a mapping of module-name globs to formats, got "
-                          f"{value!r}", ["{head: float32}", "+precision.layers.head=float32"])
+        raise ConfigError(
+            key,
+            f"expected a mapping of module-name globs to formats, got {value!r}",
+            ["{head: float32}", "+precision.layers.head=float32"],
+        )
     out = []
     for pattern, fmt in items:
         if not isinstance(pattern, str) or not pattern.strip():
-            raise ConfigError(key, f"a module-name glob must be a non-empty string, got "
-                              f"{pattern!r}", ["head", "blocks.*.attn.*", "*norm*"])
+            raise ConfigError(
+                key,
+                f"a module-name glob must be a non-empty string, got {pattern!r}",
+                ["head", "blocks.*.attn.*", "*norm*"],
+            )
         out.append((pattern.strip(), parse_layer_format(f"{key}.{pattern.strip()}", fmt)))
     return tuple(out)
 
@@ -383,8 +495,11 @@ def _parse_layer_plan(prop: Property, value: Any) -> Optional[str]:
     if value is None or (isinstance(value, str) and value.strip().lower() in NONE_STRINGS):
         return None
     if not isinstance(value, str):
-        raise ConfigError(prop.key, f"expected a path or auto, got {value!r}",
-                          ["null", AUTO_PLAN, "path/to/plan.yaml"])
+        raise ConfigError(
+            prop.key,
+            f"expected a path or auto, got {value!r}",
+            ["null", AUTO_PLAN, "path/to/plan.yaml"],
+        )
     text = value.strip()
     return AUTO_PLAN if text.lower() == AUTO_PLAN else text
 
@@ -420,9 +535,11 @@ def run_name_suffixes(params: Mapping[str, str]) -> list[str]:
 def check_scaler_bounds(values: Mapping[str, Any]) -> None:
     low, high = values["min_loss_scale"], values["max_loss_scale"]
     if low is not None and low > high:
-        raise ConfigError("precision.min_loss_scale",
-                          f"{low:g} is above max_loss_scale {high:g}",
-                          "null or a number <= max_loss_scale")
+        raise ConfigError(
+            "precision.min_loss_scale",
+            f"{low:g} is above max_loss_scale {high:g}",
+            "null or a number <= max_loss_scale",
+        )
 
 
 def level_values(level_table: Mapping[str, Any]) -> dict[str, Any]:

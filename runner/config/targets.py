@@ -7,6 +7,7 @@ attribute, an argument it does not take or one it needs but lacks is a `ConfigEr
 before any data, model or MLflow run exists. `call` then calls it through Hydra's `instantiate`
 (nested `_target_` arguments work as in any Hydra app).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -15,7 +16,8 @@ import logging
 import os
 import re
 import sys
-from typing import Any, Iterable, Mapping, Optional
+from collections.abc import Iterable, Mapping
+from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -24,8 +26,10 @@ from runner.errors import ConfigError
 TARGET = "_target_"
 # the option key that names the argument the number of classes goes to (default: num_classes)
 NUM_CLASSES_ARG = "_num_classes_"
-HOW = "a dotted path to a callable, importable from the launch directory or installed " \
-      "(e.g. my_pkg.nets.MyNet)"
+HOW = (
+    "a dotted path to a callable, importable from the launch directory or installed "
+    "(e.g. my_pkg.nets.MyNet)"
+)
 
 
 def _launch_dir_importable() -> None:
@@ -50,9 +54,12 @@ def _why_not(path: str) -> str:
             return f"importing module {module!r} raised {type(exc).__name__}: {exc}"
         for depth, attr in enumerate(parts[end:]):
             if not hasattr(found, attr):
-                owner = ".".join(parts[:end + depth])
-                return f"module {owner!r} has no attribute {attr!r}" if depth == 0 \
+                owner = ".".join(parts[: end + depth])
+                return (
+                    f"module {owner!r} has no attribute {attr!r}"
+                    if depth == 0
                     else f"{owner!r} has no attribute {attr!r}"
+                )
             found = getattr(found, attr)
         return f"{path!r} cannot be imported"
     return f"no module named {parts[0]!r} (is its package installed, or in the launch directory?)"
@@ -81,8 +88,9 @@ def resolve(key: str, path: Any) -> Any:
 
 def arguments(node: Any, runner_keys: Iterable[str] = ()) -> dict[str, Any]:
     """The keys of `node` that are the callable's arguments (not `_target_`, not the runner's)."""
-    values = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) \
-        else dict(node)
+    values = (
+        OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+    )
     skip = {TARGET, NUM_CLASSES_ARG, *runner_keys}
     return {k: v for k, v in values.items() if k not in skip}
 
@@ -94,7 +102,8 @@ def accepts(target: Any, name: str) -> bool:
     except (TypeError, ValueError):  # no signature to read (some builtins): assume it does
         return True
     return name in parameters or any(
-        p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()
+    )
 
 
 def check_arguments(group: str, path: str, target: Any, kwargs: Mapping[str, Any]) -> None:
@@ -106,21 +115,32 @@ def check_arguments(group: str, path: str, target: Any, kwargs: Mapping[str, Any
     try:
         signature.bind(**kwargs)
     except TypeError as exc:
-        names = [n for n, p in signature.parameters.items()
-                 if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        names = [
+            n
+            for n, p in signature.parameters.items()
+            if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        ]
         unknown = [k for k in kwargs if k not in signature.parameters]
         if unknown and not any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values()):
-            raise ConfigError(f"{group}.{unknown[0]}",
-                              f"{path} takes no argument {unknown[0]!r}", names) from None
-        missing = [n for n, p in signature.parameters.items()
-                   if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-                   and n not in kwargs]
+            raise ConfigError(
+                f"{group}.{unknown[0]}", f"{path} takes no argument {unknown[0]!r}", names
+            ) from None
+        missing = [
+            n
+            for n, p in signature.parameters.items()
+            if p.default is p.empty
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+            and n not in kwargs
+        ]
         if missing:
-            raise ConfigError(f"{group}.{missing[0]}",
-                              f"{path} needs the argument {missing[0]!r}, which is not set",
-                              f"add it with +{group}.{missing[0]}=... or in the option file")
-        raise ConfigError(f"{group}.{TARGET}", f"{path} rejects its arguments: {exc}",
-                          names) from None
+            raise ConfigError(
+                f"{group}.{missing[0]}",
+                f"{path} needs the argument {missing[0]!r}, which is not set",
+                f"add it with +{group}.{missing[0]}=... or in the option file",
+            ) from None
+        raise ConfigError(
+            f"{group}.{TARGET}", f"{path} rejects its arguments: {exc}", names
+        ) from None
 
 
 def num_classes_arg(group: str, node: Any, target: Any) -> Optional[str]:
@@ -130,16 +150,21 @@ def num_classes_arg(group: str, node: Any, target: Any) -> Optional[str]:
     named = node.get(NUM_CLASSES_ARG) if hasattr(node, "get") else None
     if named is not None:
         if not accepts(target, str(named)):
-            raise ConfigError(f"{group}.{NUM_CLASSES_ARG}",
-                              f"{node[TARGET]} takes no argument {named!r}")
+            raise ConfigError(
+                f"{group}.{NUM_CLASSES_ARG}", f"{node[TARGET]} takes no argument {named!r}"
+            )
         return str(named)
     if "num_classes" not in node and accepts(target, "num_classes"):
         return "num_classes"
     return None
 
 
-def check(group: str, node: Any, runner_keys: Iterable[str] = (),
-          extra: Optional[Mapping[str, Any]] = None) -> Any:
+def check(
+    group: str,
+    node: Any,
+    runner_keys: Iterable[str] = (),
+    extra: Optional[Mapping[str, Any]] = None,
+) -> Any:
     """Import `node._target_` and bind its arguments (plus `extra`, e.g. the number of
     classes); returns the callable. Raises ConfigError naming the key."""
     if OmegaConf.is_missing(node, TARGET):
@@ -150,8 +175,12 @@ def check(group: str, node: Any, runner_keys: Iterable[str] = (),
     return target
 
 
-def call(group: str, node: Any, runner_keys: Iterable[str] = (),
-         extra: Optional[Mapping[str, Any]] = None) -> Any:
+def call(
+    group: str,
+    node: Any,
+    runner_keys: Iterable[str] = (),
+    extra: Optional[Mapping[str, Any]] = None,
+) -> Any:
     """`check`, then call the target through Hydra's instantiate with `extra` added."""
     from hydra.utils import instantiate
 

@@ -5,17 +5,24 @@ group choices; this catches the rest (a negative lr, an unknown model name, a da
 not exist) with a message naming the key, what was wrong and what is allowed. The rules of an
 option live with its spec (`runner.config.options`); those of the other groups are here.
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, Optional
+from collections.abc import Mapping
+from typing import Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from runner.config import options
-from runner.config import (COMPILE_MODES, DEVICES, FSDP_CHECKPOINTS, KERNEL_CHOICES, STRATEGIES,
-                           TASK_CHOICES)
-from runner.errors import ConfigError
+from runner.config import (
+    COMPILE_MODES,
+    DEVICES,
+    FSDP_CHECKPOINTS,
+    KERNEL_CHOICES,
+    STRATEGIES,
+    TASK_CHOICES,
+    options,
+)
 from runner.config.values import (  # noqa: F401  (the predicates, where they were before)
     SEED_RANGE,
     Rule,
@@ -27,10 +34,12 @@ from runner.config.values import (  # noqa: F401  (the predicates, where they we
     seed,
     unit_interval,
 )
+from runner.errors import ConfigError
 
 
-def _rules(cfg: DictConfig, specs: Mapping[str, Optional[options.Spec]] | None = None
-           ) -> list[Rule]:
+def _rules(
+    cfg: DictConfig, specs: Mapping[str, Optional[options.Spec]] | None = None
+) -> list[Rule]:
     """(key, predicate, what is allowed) for every key present in this config (`specs`: each
     group's option spec, where the caller has them)."""
     specs = options.specs_of(cfg) if specs is None else specs
@@ -56,9 +65,11 @@ def _rules(cfg: DictConfig, specs: Mapping[str, Optional[options.Spec]] | None =
         ("trainer.device", one_of(DEVICES), ", ".join(DEVICES)),
         ("trainer.strategy", one_of(STRATEGIES), ", ".join(STRATEGIES)),
         ("trainer.fsdp_checkpoint", one_of(FSDP_CHECKPOINTS), ", ".join(FSDP_CHECKPOINTS)),
-        ("trainer.fsdp_wrap", optional(lambda v: len(v) > 0 and all(
-            isinstance(x, str) and x.strip() for x in v)),
-         "null (the model's blocks) or a non-empty list of class names or module-name globs"),
+        (
+            "trainer.fsdp_wrap",
+            optional(lambda v: len(v) > 0 and all(isinstance(x, str) and x.strip() for x in v)),
+            "null (the model's blocks) or a non-empty list of class names or module-name globs",
+        ),
         ("trainer.num_workers", lambda v: v >= 0, "an integer >= 0"),
         ("trainer.grad_clip_norm", optional(positive), "null or a finite number > 0"),
         ("trainer.limit_train_batches", optional(lambda v: v >= 1), "null or an integer >= 1"),
@@ -66,19 +77,31 @@ def _rules(cfg: DictConfig, specs: Mapping[str, Optional[options.Spec]] | None =
         ("trainer.log_every_n_steps", lambda v: v >= 1, "an integer >= 1"),
         ("trainer.max_bad_steps", lambda v: v >= 1, "an integer >= 1"),
         ("trainer.collapsed_loss_scale", non_negative, "a finite number >= 0 (0: never)"),
-        ("trainer.checkpoint_every_n_epochs", lambda v: v >= 0, "an integer >= 0 (0: only "
-         "when interrupted)"),
+        (
+            "trainer.checkpoint_every_n_epochs",
+            lambda v: v >= 0,
+            "an integer >= 0 (0: only when interrupted)",
+        ),
         ("trainer.checkpoint_dir", lambda v: bool(v and v.strip()), "a folder path"),
         ("trainer.compile_mode", one_of(COMPILE_MODES), ", ".join(COMPILE_MODES)),
-        ("trainer.diagnose_every_n_steps", lambda v: v >= 0,
-         "an integer >= 0 (0: off; n: diagnose steps 1, 1+n, 1+2n, ...)"),
+        (
+            "trainer.diagnose_every_n_steps",
+            lambda v: v >= 0,
+            "an integer >= 0 (0: off; n: diagnose steps 1, 1+n, 1+2n, ...)",
+        ),
         ("mlflow.tracking_uri", lambda v: bool(v and v.strip()), "a non-empty MLflow URI"),
         ("mlflow.experiment_name", lambda v: bool(v and v.strip()), "a non-empty name"),
         ("mlflow.heartbeat_s", lambda v: finite(v) and v >= 1, "a number of seconds >= 1"),
-        ("mlflow.stale_after_s", positive, "a finite number of seconds > 0, at least twice "
-         "mlflow.heartbeat_s"),
-        ("mlflow.system_metrics_s", lambda v: finite(v) and (v == 0 or v >= 0.1),
-         "0 (off) or a number of seconds >= 0.1"),
+        (
+            "mlflow.stale_after_s",
+            positive,
+            "a finite number of seconds > 0, at least twice mlflow.heartbeat_s",
+        ),
+        (
+            "mlflow.system_metrics_s",
+            lambda v: finite(v) and (v == 0 or v >= 0.1),
+            "0 (off) or a number of seconds >= 0.1",
+        ),
     ]
     return rules
 
@@ -126,7 +149,8 @@ def _check_combinations(cfg: DictConfig) -> None:
             f"{tracking.stale_after_s} s is less than two heartbeats (mlflow.heartbeat_s="
             f"{tracking.heartbeat_s}): a live run on another host would be ended as vanished "
             "after one late heartbeat",
-            f"a number >= {2 * tracking.heartbeat_s:g} (2 x mlflow.heartbeat_s)")
+            f"a number >= {2 * tracking.heartbeat_s:g} (2 x mlflow.heartbeat_s)",
+        )
     opt = cfg.optimizer
     if opt.get("nesterov") and (opt.momentum <= 0 or opt.dampening != 0):
         raise ConfigError(

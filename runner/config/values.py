@@ -2,10 +2,12 @@
 
 Torch-free: the option specs (`runner.config.options`) and `runner.config.validation` both use them.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 Rule = tuple[str, Callable[[Any], bool], str]
 

@@ -14,13 +14,15 @@ called.
 `write_csv` and `plot` render the comparison rows of a plan (`LayerPlan.compare`): the
 `layers_ran.csv` artifact and its figure.
 """
+
 from __future__ import annotations
 
 import csv
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -31,8 +33,20 @@ ARTIFACT_DIR = "layers"
 LAYERS_RAN_CSV, LAYERS_RAN_PNG = "layers_ran.csv", "layers_ran.png"
 PLAN_YAML, PLAN_TXT = "layer_plan.yaml", "layer_plan.txt"
 AUTO_PLAN_YAML = "auto_plan.yaml"  # layer_plan=auto: the pre-flight's choice for every layer
-FIELDS = ["step", "layer", "module", "planned", "observed", "off_plan", "inputs", "weights",
-          "outputs", "grads", "note", "why"]
+FIELDS = [
+    "step",
+    "layer",
+    "module",
+    "planned",
+    "observed",
+    "off_plan",
+    "inputs",
+    "weights",
+    "outputs",
+    "grads",
+    "note",
+    "why",
+]
 
 
 def dtype_label(dtype: torch.dtype) -> str:
@@ -82,15 +96,17 @@ class DtypeAudit:
 
     def __init__(self, layers: Sequence[tuple[str, nn.Module]]):
         self.layers = list(layers)
-        self._obs = {name: Observation(name, type(m).__name__, is_fp8_module(m))
-                     for name, m in self.layers}
+        self._obs = {
+            name: Observation(name, type(m).__name__, is_fp8_module(m)) for name, m in self.layers
+        }
         self._handles: list = []
 
-    def __enter__(self) -> "DtypeAudit":
+    def __enter__(self) -> DtypeAudit:
         for name, module in self.layers:
             self._handles.append(module.register_forward_pre_hook(partial(self._weights, name)))
-            self._handles.append(module.register_forward_hook(
-                partial(self._hook, name), with_kwargs=True))
+            self._handles.append(
+                module.register_forward_hook(partial(self._hook, name), with_kwargs=True)
+            )
         return self
 
     def _weights(self, name: str, module: nn.Module, args: tuple) -> None:
@@ -98,8 +114,11 @@ class DtypeAudit:
         parameters in its own earlier pre-hook and frees them in its forward hook)."""
         obs = self._obs[name]
         if not obs.weights:
-            obs.weights = [dtype_label(p.dtype) for p in module.parameters(recurse=False)
-                           if p.is_floating_point()]
+            obs.weights = [
+                dtype_label(p.dtype)
+                for p in module.parameters(recurse=False)
+                if p.is_floating_point()
+            ]
 
     def __exit__(self, *exc) -> None:
         for handle in self._handles:
@@ -118,15 +137,18 @@ class DtypeAudit:
         for name, module in self.layers:
             self._obs[name].grads = [
                 dtype_label(p.grad.dtype) if p.grad is not None else "none"
-                for p in module.parameters(recurse=False) if p.is_floating_point()]
+                for p in module.parameters(recurse=False)
+                if p.is_floating_point()
+            ]
 
     def read(self) -> list[Observation]:
         return [self._obs[name] for name, _ in self.layers]
 
 
-# ---- rendering ------------------------------------------------------------------------------------
-def write_csv(path: Path, rows: Iterable[Mapping[str, Any]], step: int,
-              append: bool = False) -> Path:
+# ---- rendering -----------------------------------------------------------------------------------
+def write_csv(
+    path: Path, rows: Iterable[Mapping[str, Any]], step: int, append: bool = False
+) -> Path:
     """The comparison rows (`LayerPlan.compare`) of the audited step `step` as `layers_ran.csv`
     (appended to an existing file with `append`)."""
     new = not (append and path.exists())
@@ -147,8 +169,7 @@ def _color(label: str) -> str:
     return COLORS.get(label.split(" ", 1)[0], _OTHER)
 
 
-def plot(path: Path, rows: Sequence[Mapping[str, Any]], title: str,
-         max_rows: int = 400) -> Path:
+def plot(path: Path, rows: Sequence[Mapping[str, Any]], title: str, max_rows: int = 400) -> Path:
     """One row per layer: the planned format beside the observed one, coloured by format, a
     layer that ran off plan marked; at most `max_rows` layers (the off-plan ones first)."""
     import matplotlib
@@ -170,11 +191,18 @@ def plot(path: Path, rows: Sequence[Mapping[str, Any]], title: str,
         ax.text(0.5, y, str(row["planned"]), ha="center", va="center", fontsize=7)
         ax.text(1.5, y, str(row["observed"]), ha="center", va="center", fontsize=7)
         if row["off_plan"]:
-            ax.text(2.05, y, "off plan: " + str(row.get("note", "")), va="center", fontsize=7,
-                    color="#C44E52")
+            ax.text(
+                2.05,
+                y,
+                "off plan: " + str(row.get("note", "")),
+                va="center",
+                fontsize=7,
+                color="#C44E52",
+            )
     ax.set_yticks(range(n))
-    ax.set_yticklabels([f"{r['layer']} ({r['module']})" for r in reversed(shown)] or [""],
-                       fontsize=7)
+    ax.set_yticklabels(
+        [f"{r['layer']} ({r['module']})" for r in reversed(shown)] or [""], fontsize=7
+    )
     ax.set_xticks([0.5, 1.5])
     ax.set_xticklabels(["planned", "observed"])
     ax.set_xlim(0, 4.5)
@@ -183,8 +211,9 @@ def plot(path: Path, rows: Sequence[Mapping[str, Any]], title: str,
         ax.spines[spine].set_visible(False)
     off = sum(1 for r in rows if r["off_plan"])
     ax.set_title(f"{title}: {len(rows)} layers, {off} off plan", fontsize=9)
-    handles = [Patch(color=c, label=k) for k, c in COLORS.items()] + \
-        [Patch(color=_OTHER, label="other / not called")]
+    handles = [Patch(color=c, label=k) for k, c in COLORS.items()] + [
+        Patch(color=_OTHER, label="other / not called")
+    ]
     ax.legend(handles=handles, fontsize=7, loc="upper right", frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -208,5 +237,8 @@ def summary(rows: Sequence[Mapping[str, Any]]) -> Optional[str]:
     off = [r for r in rows if r["off_plan"]]
     if not off:
         return None
-    return "\n".join(f"[warning] precision.layers: {r['layer']} ({r['module']}) ran off plan: "
-                     f"{r['note']} (planned {r['planned']} by {r['why']})" for r in off)
+    return "\n".join(
+        f"[warning] precision.layers: {r['layer']} ({r['module']}) ran off plan: "
+        f"{r['note']} (planned {r['planned']} by {r['why']})"
+        for r in off
+    )

@@ -45,15 +45,17 @@ host sync per layer; `RangeProbe.read()` moves all of them to the host in one tr
 fp8: activations are judged in e4m3 (max 448, tiny 2^-6) and gradients in e5m2 (max 57344, tiny
 2^-14), the usual split (`torch.float8_e4m3fn`, `torch.float8_e5m2`).
 """
+
 from __future__ import annotations
 
 import csv
 import math
 import struct
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Optional
 
 import torch
 from torch import nn
@@ -172,19 +174,25 @@ class TensorStats:
             raise ValueError(f"scale {scale:g} is not a power of two")
         cut = int(math.log2(fmt.tiny)) - int(log2_scale)  # |x| < 2^cut underflows
         if cut <= LOG2_MIN:
-            raise ValueError(f"{fmt.name} at scale {scale:g}: the threshold 2^{cut} falls among "
-                             "the fp32 subnormals, which the histogram does not resolve")
+            raise ValueError(
+                f"{fmt.name} at scale {scale:g}: the threshold 2^{cut} falls among "
+                "the fp32 subnormals, which the histogram does not resolve"
+            )
         return self.below + sum(self.bins[: cut - LOG2_MIN])
 
-    def __add__(self, other: "TensorStats") -> "TensorStats":
+    def __add__(self, other: TensorStats) -> TensorStats:
         if other.scale != self.scale:
             raise ValueError("statistics at different scales do not add up")
         return TensorStats(
-            self.scale, [a + b for a, b in zip(self.bins, other.bins)],
-            self.below + other.below, self.zeros + other.zeros, self.infs + other.infs,
+            self.scale,
+            [a + b for a, b in zip(self.bins, other.bins)],
+            self.below + other.below,
+            self.zeros + other.zeros,
+            self.infs + other.infs,
             self.nans + other.nans,
             {k: v + other.underflow.get(k, 0) for k, v in self.underflow.items()},
-            {k: v + other.overflow.get(k, 0) for k, v in self.overflow.items()})
+            {k: v + other.overflow.get(k, 0) for k, v in self.overflow.items()},
+        )
 
     def histogram(self) -> list[tuple[str, int]]:
         """(bin label, count) for every bin, the special ones included: sums to `count`."""
@@ -221,8 +229,9 @@ class _Thresholds:
     def on(self, device: torch.device) -> torch.Tensor:
         t = self._tensors.get(device)
         if t is None:
-            t = self._tensors[device] = torch.tensor(self.boundaries, dtype=torch.int32,
-                                                     device=device)
+            t = self._tensors[device] = torch.tensor(
+                self.boundaries, dtype=torch.int32, device=device
+            )
         return t
 
     def stats(self, counts: Sequence[int], scale: float) -> TensorStats:
@@ -240,10 +249,15 @@ class _Thresholds:
         infs = ge(_INF_BITS) - nans
         zeros = sum(buckets) - ge(1)
         return TensorStats(
-            scale=scale, bins=list(exponents[1:255]), below=exponents[0] - zeros, zeros=zeros,
-            infs=infs, nans=nans,
+            scale=scale,
+            bins=list(exponents[1:255]),
+            below=exponents[0] - zeros,
+            zeros=zeros,
+            infs=infs,
+            nans=nans,
             underflow={n: ge(1) - ge(bits) for n, bits in self.tiny.items()},
-            overflow={n: ge(bits) - nans for n, bits in self.over.items()})
+            overflow={n: ge(bits) - nans for n, bits in self.over.items()},
+        )
 
 
 def _count_into(dst: torch.Tensor, index: torch.Tensor) -> None:
@@ -269,8 +283,9 @@ def observe(acc: torch.Tensor, x: torch.Tensor, thresholds: _Thresholds) -> None
     _count_into(acc[_EXPONENT_BINS:], buckets)
 
 
-def tensor_stats(tensors: Iterable[torch.Tensor], formats: Sequence[Format],
-                 scale: float = 1.0) -> TensorStats:
+def tensor_stats(
+    tensors: Iterable[torch.Tensor], formats: Sequence[Format], scale: float = 1.0
+) -> TensorStats:
     """The statistics of some tensors' values, judged at loss scale `scale` (one host read)."""
     thresholds = _Thresholds(formats, scale)
     acc = None
@@ -285,9 +300,11 @@ def tensor_stats(tensors: Iterable[torch.Tensor], formats: Sequence[Format],
 # ---- the probe -----------------------------------------------------------------------------------
 def layers_of(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The observed layers: modules without children that own parameters, by qualified name."""
-    return [(name or type(model).__name__, m) for name, m in model.named_modules()
-            if not any(True for _ in m.children())
-            and any(True for _ in m.parameters(recurse=False))]
+    return [
+        (name or type(model).__name__, m)
+        for name, m in model.named_modules()
+        if not any(True for _ in m.children()) and any(True for _ in m.parameters(recurse=False))
+    ]
 
 
 def _tensors_in(output) -> list[torch.Tensor]:
@@ -323,9 +340,14 @@ class RangeProbe:
 
     Outside `with` the model holds no hook of the probe's."""
 
-    def __init__(self, model: nn.Module, formats: Sequence[Format], scale: float = 1.0,
-                 inputs: bool = False,
-                 layers: Optional[Sequence[tuple[str, nn.Module]]] = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        formats: Sequence[Format],
+        scale: float = 1.0,
+        inputs: bool = False,
+        layers: Optional[Sequence[tuple[str, nn.Module]]] = None,
+    ):
         self.model = model
         self.formats = list(formats)
         self.scale = float(scale)
@@ -335,7 +357,7 @@ class RangeProbe:
         self._acc: dict[tuple[str, str], torch.Tensor] = {}
         self._handles: list = []
 
-    def __enter__(self) -> "RangeProbe":
+    def __enter__(self) -> RangeProbe:
         for name, module in self.layers:
             self._handles.append(module.register_forward_hook(partial(self._forward_hook, name)))
         return self
@@ -349,7 +371,8 @@ class RangeProbe:
         acc = self._acc.get((layer, kind))
         if acc is None:
             acc = self._acc[(layer, kind)] = torch.zeros(
-                self.thresholds.size, dtype=torch.int64, device=x.device)
+                self.thresholds.size, dtype=torch.int64, device=x.device
+            )
         observe(acc, x, self.thresholds)
 
     def _forward_hook(self, layer: str, module: nn.Module, inputs, output) -> None:
@@ -375,15 +398,22 @@ class RangeProbe:
 
     def read(self, step: int) -> list[LayerRecord]:
         """Every layer's statistics, in layer order then kind order: one device-to-host copy."""
-        keys = [(name, module, kind) for name, module in self.layers for kind in KINDS
-                if (name, kind) in self._acc]
+        keys = [
+            (name, module, kind)
+            for name, module in self.layers
+            for kind in KINDS
+            if (name, kind) in self._acc
+        ]
         if not keys:
             return []
         accs = [self._acc[(name, kind)] for name, _, kind in keys]
         rows = torch.stack([a.to(accs[0].device) for a in accs]).tolist()
-        return [LayerRecord(step, name, type(module).__name__, kind,
-                            self.thresholds.stats(row, self.scale))
-                for (name, module, kind), row in zip(keys, rows)]
+        return [
+            LayerRecord(
+                step, name, type(module).__name__, kind, self.thresholds.stats(row, self.scale)
+            )
+            for (name, module, kind), row in zip(keys, rows)
+        ]
 
 
 # ---- whole-model figures -------------------------------------------------------------------------
@@ -402,8 +432,21 @@ def model_metrics(records: Sequence[LayerRecord], fmt: Format) -> dict[str, floa
 
 # ---- writers -------------------------------------------------------------------------------------
 def layer_fields(formats: Sequence[Format]) -> list[str]:
-    fields = ["step", "loss_scale", "layer", "module", "kind", "judged_at_scale", "elements",
-              "zeros", "nonzero", "infs", "nans", "min_log2", "max_log2"]
+    fields = [
+        "step",
+        "loss_scale",
+        "layer",
+        "module",
+        "kind",
+        "judged_at_scale",
+        "elements",
+        "zeros",
+        "nonzero",
+        "infs",
+        "nans",
+        "min_log2",
+        "max_log2",
+    ]
     for f in formats:
         fields += [f"{f.name}_underflow_frac", f"{f.name}_overflow_frac"]
     return fields
@@ -411,10 +454,21 @@ def layer_fields(formats: Sequence[Format]) -> list[str]:
 
 def layer_row(record: LayerRecord, formats: Sequence[Format], loss_scale: float) -> dict:
     s = record.stats
-    row = {"step": record.step, "loss_scale": loss_scale, "layer": record.layer,
-           "module": record.module, "kind": record.kind, "judged_at_scale": s.scale,
-           "elements": s.count, "zeros": s.zeros, "nonzero": s.nonzero, "infs": s.infs,
-           "nans": s.nans, "min_log2": s.min_log2, "max_log2": s.max_log2}
+    row = {
+        "step": record.step,
+        "loss_scale": loss_scale,
+        "layer": record.layer,
+        "module": record.module,
+        "kind": record.kind,
+        "judged_at_scale": s.scale,
+        "elements": s.count,
+        "zeros": s.zeros,
+        "nonzero": s.nonzero,
+        "infs": s.infs,
+        "nans": s.nans,
+        "min_log2": s.min_log2,
+        "max_log2": s.max_log2,
+    }
     for f in formats:
         row[f"{f.name}_underflow_frac"] = s.underflow_frac(f.name)
         row[f"{f.name}_overflow_frac"] = s.overflow_frac(f.name)
@@ -427,8 +481,12 @@ EXPONENT_FIELDS = ["step", "layer", "kind", "log2_bin", "count"]
 def exponent_rows(records: Sequence[LayerRecord]) -> list[dict]:
     """The histograms, long form, non-empty bins only (`log2_bin` k: 2^k <= |x| < 2^(k+1); the
     special bins are `zero`, `<-126`, `inf` and `nan`)."""
-    return [{"step": r.step, "layer": r.layer, "kind": r.kind, "log2_bin": label, "count": n}
-            for r in records for label, n in r.stats.histogram() if n]
+    return [
+        {"step": r.step, "layer": r.layer, "kind": r.kind, "log2_bin": label, "count": n}
+        for r in records
+        for label, n in r.stats.histogram()
+        if n
+    ]
 
 
 def _append_csv(path: Path, fields: Sequence[str], rows: Iterable[dict]) -> None:
@@ -440,8 +498,13 @@ def _append_csv(path: Path, fields: Sequence[str], rows: Iterable[dict]) -> None
         writer.writerows(rows)
 
 
-def plot_exponents(records: Sequence[LayerRecord], formats: Sequence[Format], path: Path,
-                   title: str, loss_scale: Optional[float] = None) -> Path:
+def plot_exponents(
+    records: Sequence[LayerRecord],
+    formats: Sequence[Format],
+    path: Path,
+    title: str,
+    loss_scale: Optional[float] = None,
+) -> Path:
     """Micikevicius et al. (2018), Fig. 3: the histogram of log2|gradient| over all layers
     (activation and weight gradients), with the first format's range shaded (normal range
     green, subnormals yellow, values that become zero red) and the other formats' limits as
@@ -455,8 +518,10 @@ def plot_exponents(records: Sequence[LayerRecord], formats: Sequence[Format], pa
     fig, ax = plt.subplots(figsize=(14, 5))
     lows, highs = [-30], [20]
     drawn = False
-    for kind, label, color in ((ACTIVATION_GRAD, "activation gradients", "tab:blue"),
-                               (WEIGHT_GRAD, "weight gradients", "tab:orange")):
+    for kind, label, color in (
+        (ACTIVATION_GRAD, "activation gradients", "tab:blue"),
+        (WEIGHT_GRAD, "weight gradients", "tab:orange"),
+    ):
         stats = total(r.stats for r in records if r.kind == kind)
         if stats is None or not stats.count:
             continue
@@ -467,26 +532,47 @@ def plot_exponents(records: Sequence[LayerRecord], formats: Sequence[Format], pa
         if xs:
             lows.append(min(xs) - 2)
             highs.append(max(xs) + 2)
-        special = "".join(f"; {name} {100 * n / stats.count:.1f}%" for name, n in
-                          (("zeros", stats.zeros), ("inf", stats.infs), ("NaN", stats.nans)) if n)
-        ax.bar([x + 0.5 for x in xs], ys, width=0.9, alpha=0.6, color=color,
-               label=f"{label} ({stats.count:,} values{special})")
+        special = "".join(
+            f"; {name} {100 * n / stats.count:.1f}%"
+            for name, n in (("zeros", stats.zeros), ("inf", stats.infs), ("NaN", stats.nans))
+            if n
+        )
+        ax.bar(
+            [x + 0.5 for x in xs],
+            ys,
+            width=0.9,
+            alpha=0.6,
+            color=color,
+            label=f"{label} ({stats.count:,} values{special})",
+        )
         drawn = drawn or bool(xs)
     lo, hi = max(min(lows), LOG2_MIN - 2), min(max(highs), LOG2_MAX + 2)
     if formats:
         f = formats[0]
         sub, tiny, top = math.log2(f.min_subnormal), math.log2(f.tiny), math.log2(f.max)
-        ax.axvspan(lo, sub, color="tab:red", alpha=0.10,
-                   label=f"below {f.name}'s smallest subnormal: lost (0 or 2^{sub:.0f})")
+        ax.axvspan(
+            lo,
+            sub,
+            color="tab:red",
+            alpha=0.10,
+            label=f"below {f.name}'s smallest subnormal: lost (0 or 2^{sub:.0f})",
+        )
         ax.axvspan(sub, tiny, color="gold", alpha=0.20, label=f"{f.name} subnormal")
-        ax.axvspan(tiny, min(top, hi), color="tab:green", alpha=0.10,
-                   label=f"{f.name} normal range")
+        ax.axvspan(
+            tiny, min(top, hi), color="tab:green", alpha=0.10, label=f"{f.name} normal range"
+        )
         if top < hi:
             ax.axvspan(top, hi, color="tab:red", alpha=0.20, label=f"overflow in {f.name}")
         if loss_scale:
             shift = math.log2(loss_scale)
-            ax.axvspan(sub - shift, top - shift, fill=False, hatch="//", edgecolor="tab:green",
-                       label=f"{f.name} range at loss scale {loss_scale:g} (unscaled values)")
+            ax.axvspan(
+                sub - shift,
+                top - shift,
+                fill=False,
+                hatch="//",
+                edgecolor="tab:green",
+                label=f"{f.name} range at loss scale {loss_scale:g} (unscaled values)",
+            )
         styles = ["--", ":", "-."]
         for g, style in zip(formats[1:], styles):
             for value in (math.log2(g.tiny), math.log2(g.max)):
@@ -497,8 +583,14 @@ def plot_exponents(records: Sequence[LayerRecord], formats: Sequence[Format], pa
     if drawn:
         ax.set_yscale("log")
     else:
-        ax.text(0.5, 0.5, "no finite non-zero gradient (see the legend)", ha="center",
-                va="center", transform=ax.transAxes)
+        ax.text(
+            0.5,
+            0.5,
+            "no finite non-zero gradient (see the legend)",
+            ha="center",
+            va="center",
+            transform=ax.transAxes,
+        )
     ax.set_xlabel("log2 |value|")
     ax.set_ylabel("% of values")
     ax.set_title(title)
@@ -521,9 +613,15 @@ class RunDiagnostics:
     `folder` as they come, and the figure of the latest diagnosed step; `write()` draws the figure
     and hands the files to `on_artifact` (under `diagnostics/`)."""
 
-    def __init__(self, every: int, formats: Sequence[Format], folder: Optional[Path] = None,
-                 on_artifact: Optional[ArtifactSink] = None, inputs: bool = False,
-                 layers: Optional[Callable[[nn.Module], Sequence[tuple[str, nn.Module]]]] = None):
+    def __init__(
+        self,
+        every: int,
+        formats: Sequence[Format],
+        folder: Optional[Path] = None,
+        on_artifact: Optional[ArtifactSink] = None,
+        inputs: bool = False,
+        layers: Optional[Callable[[nn.Module], Sequence[tuple[str, nn.Module]]]] = None,
+    ):
         if every < 1:
             raise ValueError(f"every must be >= 1, got {every}")
         self.every = every
@@ -551,8 +649,12 @@ class RunDiagnostics:
         return (step - 1) % self.every == 0
 
     def probe(self, model: nn.Module) -> RangeProbe:
-        return RangeProbe(model, self.formats, inputs=self.inputs,
-                          layers=self.layers(model) if self.layers is not None else None)
+        return RangeProbe(
+            model,
+            self.formats,
+            inputs=self.inputs,
+            layers=self.layers(model) if self.layers is not None else None,
+        )
 
     def collect(self, probe: RangeProbe, step: int, loss_scale: float) -> list[LayerRecord]:
         """Read the probe (one host sync) and append its records to the CSV files."""
@@ -562,8 +664,11 @@ class RunDiagnostics:
             for name in (LAYERS_CSV, EXPONENTS_CSV):
                 (folder / name).unlink(missing_ok=True)
             self._fresh = False
-        _append_csv(folder / LAYERS_CSV, layer_fields(self.formats),
-                    (layer_row(r, self.formats, loss_scale) for r in records))
+        _append_csv(
+            folder / LAYERS_CSV,
+            layer_fields(self.formats),
+            (layer_row(r, self.formats, loss_scale) for r in records),
+        )
         _append_csv(folder / EXPONENTS_CSV, EXPONENT_FIELDS, exponent_rows(records))
         self.last, self._last_loss_scale, self._dirty = records, loss_scale, True
         return records
@@ -581,9 +686,12 @@ class RunDiagnostics:
         folder = self.folder
         step = self.last[0].step if self.last else 0
         figure = plot_exponents(
-            self.last, self.formats, folder / FIGURE_PNG,
+            self.last,
+            self.formats,
+            folder / FIGURE_PNG,
             f"Gradient exponents at step {step}, as stored (loss scale "
-            f"{self._last_loss_scale:g} included)")
+            f"{self._last_loss_scale:g} included)",
+        )
         paths = [folder / LAYERS_CSV, folder / EXPONENTS_CSV, figure]
         if self.on_artifact is not None:
             for path in paths:

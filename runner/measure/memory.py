@@ -29,10 +29,12 @@ that leaves out temporaries (workspaces, the loss, intermediate values not saved
 Checkpointing code that installs its own `saved_tensors_hooks` inside the step hides its saved
 tensors from the meter (only the innermost pair of hooks applies).
 """
+
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -93,8 +95,13 @@ class MemoryByKind:
 
     @property
     def total(self) -> int:
-        return (self.weights + self.master_weights + self.grads + self.optimizer_state
-                + self.activations)
+        return (
+            self.weights
+            + self.master_weights
+            + self.grads
+            + self.optimizer_state
+            + self.activations
+        )
 
     def metrics(self) -> dict[str, float]:
         """`mem_<kind>_mb` for the five kinds and `mem_total_mb`, in MiB (2^20 bytes)."""
@@ -143,14 +150,19 @@ def _state_tensors(optimizer: Optional[torch.optim.Optimizer]) -> Iterator[torch
                 yield from plain_tensors(value)
 
 
-def model_state_tensors(model: nn.Module, engine: Any = None,
-                        optimizer: Optional[torch.optim.Optimizer] = None) -> list[torch.Tensor]:
+def model_state_tensors(
+    model: nn.Module, engine: Any = None, optimizer: Optional[torch.optim.Optimizer] = None
+) -> list[torch.Tensor]:
     """Weights and masters: the tensors that are not activations when a layer saves them."""
     return [*model.parameters(), *model.buffers(), *_masters(engine, optimizer)]
 
 
-def measure(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
-            engine: Any = None, activations: int = 0) -> MemoryByKind:
+def measure(
+    model: nn.Module,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    engine: Any = None,
+    activations: int = 0,
+) -> MemoryByKind:
     """The four kinds held by the model, the engine and the optimizer as they are now, plus
     `activations` (bytes, from an `ActivationMeter` of the same step). Reads only tensor
     metadata: no device sync."""
@@ -186,7 +198,7 @@ class ActivationMeter:
     def _unpack(t: torch.Tensor) -> torch.Tensor:
         return t
 
-    def __enter__(self) -> "ActivationMeter":
+    def __enter__(self) -> ActivationMeter:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         return self

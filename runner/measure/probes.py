@@ -1,7 +1,8 @@
 """Timing and memory probes: what `epoch_time_s` and `peak_mem_mb` mean on each device.
 
 CUDA: `peak_mem_mb` is the caching allocator's max allocated bytes, reset when the run starts.
-CPU: `peak_mem_mb` is the training state counted from the tensors themselves (`runner.measure.memory`:
+CPU: `peak_mem_mb` is the training state counted from the tensors themselves
+(`runner.measure.memory`:
 weights, masters, gradients, optimizer state and the activations saved for backward in one step),
 which the trainer records once it has measured a step; a process's resident memory cannot tell one
 run from another that ran before it in the same process (a sweep's jobs reuse what earlier ones
@@ -12,6 +13,7 @@ getrusage's ru_maxrss, which may include peaks from before the run (`rss_kind` s
 The kind of `peak_mem_mb` is reported (`kind`) and logged as the `peak_mem_kind` tag. DataLoader
 worker processes are not counted on CPU.
 """
+
 from __future__ import annotations
 
 import math
@@ -58,7 +60,8 @@ class MemoryProbe:
         self._baseline_kb = _status_kb("VmRSS") or 0
 
     def record_tensors(self, total_mb: float) -> None:
-        """A tensor-accounted total of the training state (`runner.measure.memory.MemoryByKind`): the
+        """A tensor-accounted total of the training state (`runner.measure.memory.MemoryByKind`):
+        the
         largest recorded is the CPU's `peak_mb()`."""
         self._tensor_mb = total_mb if self._tensor_mb is None else max(self._tensor_mb, total_mb)
 

@@ -3,6 +3,7 @@
 The names below load on first use (PEP 562), so that `runner.config.levels` (the level table,
 torch-free) can be imported while a config is composed without importing torch.
 """
+
 from __future__ import annotations
 
 import importlib

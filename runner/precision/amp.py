@@ -39,6 +39,7 @@ How Apex's behaviour is reproduced on modern PyTorch (CPU and CUDA):
   for accumulation; the next `scale_loss` without it unscales them all.
   `_amp_state.loss_scalers[i].loss_scale()` reads loss i's current scale, as Apex scripts did.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -49,17 +50,20 @@ import types
 import warnings
 import weakref
 from collections import OrderedDict
-from typing import Any, ContextManager, Iterator, Optional
+from collections.abc import Iterator
+from contextlib import AbstractContextManager as ContextManager
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
+from runner.config.levels import SCALER_DEFAULTS
 from runner.precision import apex_o1
 from runner.precision.autocast import (
     autocast_context,
     casts_disabled,
-    function_patches,
     float_function,
+    function_patches,
     half_function,
     promote_function,
     register_float_function,
@@ -67,16 +71,28 @@ from runner.precision.autocast import (
     register_promote_function,
 )
 from runner.precision.engine import AmpEngine
-from runner.config.levels import SCALER_DEFAULTS
 from runner.precision.properties import LEVEL_DESCRIPTIONS, Properties
 from runner.precision.resolver import resolve
 from runner.precision.scaler import LossScaler, state_dict_problems
 
 __all__ = [
-    "initialize", "scale_loss", "master_params", "state_dict", "load_state_dict",
-    "register_half_function", "register_float_function", "register_promote_function",
-    "half_function", "float_function", "promote_function", "disable_casts",
-    "engine", "deinitialize", "init", "AmpHandle", "NoOpHandle",
+    "initialize",
+    "scale_loss",
+    "master_params",
+    "state_dict",
+    "load_state_dict",
+    "register_half_function",
+    "register_float_function",
+    "register_promote_function",
+    "half_function",
+    "float_function",
+    "promote_function",
+    "disable_casts",
+    "engine",
+    "deinitialize",
+    "init",
+    "AmpHandle",
+    "NoOpHandle",
 ]
 
 
@@ -124,19 +140,27 @@ class _OptProperties:
     spelling (`loss_scale` is "dynamic" or a float; `cast_model_type` a dtype, None, or False
     when the call said False)."""
 
-    def __init__(self, enabled: bool, props: Optional[Properties] = None,
-                 cast_model_type: Any = None) -> None:
+    def __init__(
+        self, enabled: bool, props: Optional[Properties] = None, cast_model_type: Any = None
+    ) -> None:
         self.enabled = enabled
         self.opt_level = props.opt_level if props is not None else None
-        self.cast_model_type = (False if cast_model_type is False
-                                else props.cast_model_type if props is not None else None)
+        self.cast_model_type = (
+            False
+            if cast_model_type is False
+            else props.cast_model_type
+            if props is not None
+            else None
+        )
         self.patch_torch_functions = bool(props and props.patch_torch_functions)
         self.keep_batchnorm_fp32 = props.keep_batchnorm_fp32 if props is not None else None
         self.master_weights = props.master_weights if props is not None else None
         self.loss_scale = props.loss_scale if props is not None else 1.0
 
     def __repr__(self) -> str:
-        return "<amp opt_properties: " + ", ".join(f"{k}={v!r}" for k, v in vars(self).items()) + ">"
+        return (
+            "<amp opt_properties: " + ", ".join(f"{k}={v!r}" for k, v in vars(self).items()) + ">"
+        )
 
 
 class _Init:
@@ -144,8 +168,9 @@ class _Init:
     handle. Calls on different models and optimizers coexist (as in Apex); a call given a model
     or optimizer of an earlier call replaces that earlier call."""
 
-    def __init__(self, engine: AmpEngine, models: list[nn.Module],
-                 optimizers: list[torch.optim.Optimizer]) -> None:
+    def __init__(
+        self, engine: AmpEngine, models: list[nn.Module], optimizers: list[torch.optim.Optimizer]
+    ) -> None:
         self.engine = engine
         self.models = models
         self.optimizers = optimizers
@@ -182,9 +207,14 @@ class AmpHandle:
     16-bit casts of fp32 parameters; `_disable_casts()` is `amp.disable_casts()`. Apex's old
     per-handle API (`handle.scale_loss`, `wrap_optimizer`) raises, as it did in Apex."""
 
-    def __init__(self, loss_scale: Any = "dynamic", enable_caching: bool = True,
-                 verbose: bool = False, allow_banned: bool = False,
-                 on_deactivate: Optional[Any] = None) -> None:
+    def __init__(
+        self,
+        loss_scale: Any = "dynamic",
+        enable_caching: bool = True,
+        verbose: bool = False,
+        allow_banned: bool = False,
+        on_deactivate: Optional[Any] = None,
+    ) -> None:
         self.loss_scale = loss_scale
         self._enable_caching = enable_caching
         self._verbose = verbose
@@ -245,12 +275,16 @@ class AmpHandle:
         return self._verbose
 
     def scale_loss(self, loss, optimizer):
-        raise RuntimeError("The old Amp API is no longer supported (nor was it in Apex's last "
-                           "releases): use amp.initialize and amp.scale_loss")
+        raise RuntimeError(
+            "The old Amp API is no longer supported (nor was it in Apex's last "
+            "releases): use amp.initialize and amp.scale_loss"
+        )
 
     def wrap_optimizer(self, optimizer, num_loss: int = 1):
-        raise RuntimeError("The old Amp API is no longer supported (nor was it in Apex's last "
-                           "releases): use amp.initialize and amp.scale_loss")
+        raise RuntimeError(
+            "The old Amp API is no longer supported (nor was it in Apex's last "
+            "releases): use amp.initialize and amp.scale_loss"
+        )
 
 
 class NoOpHandle(AmpHandle):
@@ -348,8 +382,10 @@ def _amp_step(opt, *args, **kwargs):
         return original(*args, **kwargs)
     closure = kwargs.get("closure", args[0] if args else None)
     if closure is not None:
-        raise NotImplementedError("amp does not support optimizer.step(closure) (neither did "
-                                  "Apex): compute the loss, scale_loss/backward, then step()")
+        raise NotImplementedError(
+            "amp does not support optimizer.step(closure) (neither did "
+            "Apex): compute the loss, scale_loss/backward, then step()"
+        )
     opt.__dict__["_amp_in_step"] = True
     try:
         with disable_casts():  # O1's casts never apply to the optimizer's own step (Apex's rule)
@@ -374,8 +410,11 @@ def _amp_add_param_group(opt, param_group):
     return out
 
 
-_WRAPPERS = {"step": _amp_step, "zero_grad": _amp_zero_grad,
-             "add_param_group": _amp_add_param_group}
+_WRAPPERS = {
+    "step": _amp_step,
+    "zero_grad": _amp_zero_grad,
+    "add_param_group": _amp_add_param_group,
+}
 
 
 def _install_optimizer(opt: torch.optim.Optimizer) -> None:
@@ -388,8 +427,12 @@ def _install_optimizer(opt: torch.optim.Optimizer) -> None:
         def method(self, *args, __impl=impl, **kwargs):
             return __impl(self, *args, **kwargs)
 
-        functools.update_wrapper(method, getattr(type(opt), name),
-                                 assigned=("__name__", "__qualname__", "__doc__"), updated=())
+        functools.update_wrapper(
+            method,
+            getattr(type(opt), name),
+            assigned=("__name__", "__qualname__", "__doc__"),
+            updated=(),
+        )
         method.__amp_wrapper__ = True  # type: ignore[attr-defined]
         if getattr(current, "_wrapped_by_lr_sched", False):
             # an LR scheduler made before initialize wrapped step: keep its marker visible
@@ -418,8 +461,9 @@ class _AutocastForward:
     can pickle it. It keeps the engine's properties and device, not the engine, so a copy does not
     drag the engine (optimizers, masters) along."""
 
-    def __init__(self, module: nn.Module, properties: Properties, device: torch.device,
-                 previous: Any = None):
+    def __init__(
+        self, module: nn.Module, properties: Properties, device: torch.device, previous: Any = None
+    ):
         self.module = module
         self.properties = properties
         self.device = device
@@ -442,8 +486,9 @@ class _AutocastForward:
 def _wrap_forward(model: nn.Module, init: _Init) -> None:
     previous = model.__dict__.get("forward", _MISSING)
     eng = init.engine
-    model.forward = _AutocastForward(model, eng.properties, eng.device,
-                                     None if previous is _MISSING else previous)
+    model.forward = _AutocastForward(
+        model, eng.properties, eng.device, None if previous is _MISSING else previous
+    )
     init.forward_wraps.append((model, previous))
 
 
@@ -475,10 +520,12 @@ def _check_params_fp32(models: list[nn.Module]) -> None:
     for model in models:
         for name, param in model.named_parameters():
             if param.is_floating_point() and param.dtype in (torch.float16, torch.bfloat16):
-                msg = (f"Found param {name} with type {param.dtype}, expected torch.float32.\n"
-                       "When using amp.initialize, you do not need to call .half() on your model\n"
-                       "before passing it, no matter what optimization level you choose (set "
-                       "amp._amp_state.allow_incoming_model_not_fp32 = True if you mean it).")
+                msg = (
+                    f"Found param {name} with type {param.dtype}, expected torch.float32.\n"
+                    "When using amp.initialize, you do not need to call .half() on your model\n"
+                    "before passing it, no matter what optimization level you choose (set "
+                    "amp._amp_state.allow_incoming_model_not_fp32 = True if you mean it)."
+                )
                 if _amp_state.hard_override:
                     print("Warning:  " + msg)
                 else:
@@ -502,11 +549,24 @@ def _adam_description(optimizers: list) -> Optional[dict]:
     return found
 
 
-def initialize(models, optimizers=None, enabled: bool = True, opt_level: str = "O1",
-               cast_model_type=None, patch_torch_functions=None, keep_batchnorm_fp32=None,
-               master_weights=None, loss_scale=None, cast_model_outputs=None,
-               num_losses: int = 1, verbosity: int = 1, min_loss_scale=None,
-               max_loss_scale: float = SCALER_DEFAULTS["max_loss_scale"], fp8_linear=None, stochastic_rounding=None):
+def initialize(
+    models,
+    optimizers=None,
+    enabled: bool = True,
+    opt_level: str = "O1",
+    cast_model_type=None,
+    patch_torch_functions=None,
+    keep_batchnorm_fp32=None,
+    master_weights=None,
+    loss_scale=None,
+    cast_model_outputs=None,
+    num_losses: int = 1,
+    verbosity: int = 1,
+    min_loss_scale=None,
+    max_loss_scale: float = SCALER_DEFAULTS["max_loss_scale"],
+    fp8_linear=None,
+    stochastic_rounding=None,
+):
     """Apex's `amp.initialize`: returns `models` (and `optimizers`, when given) in the shape they
     came in. Property arguments left None take the level's default; `cast_model_type=False`
     leaves the models' types alone. A call on other models and optimizers coexists with the
@@ -529,17 +589,25 @@ def initialize(models, optimizers=None, enabled: bool = True, opt_level: str = "
             raise TypeError(f"amp.initialize expects torch.optim.Optimizer, got {type(o)!r}")
 
     no_cast = cast_model_type is False  # Apex: "leave the model's types as they are"
-    overrides = {k: v for k, v in dict(
-        cast_model_type="none" if no_cast else cast_model_type,
-        patch_torch_functions=patch_torch_functions,
-        keep_batchnorm_fp32=keep_batchnorm_fp32, master_weights=master_weights,
-        loss_scale=loss_scale, fp8_linear=fp8_linear,
-        stochastic_rounding=stochastic_rounding).items() if v is not None}
+    overrides = {
+        k: v
+        for k, v in dict(
+            cast_model_type="none" if no_cast else cast_model_type,
+            patch_torch_functions=patch_torch_functions,
+            keep_batchnorm_fp32=keep_batchnorm_fp32,
+            master_weights=master_weights,
+            loss_scale=loss_scale,
+            fp8_linear=fp8_linear,
+            stochastic_rounding=stochastic_rounding,
+        ).items()
+        if v is not None
+    }
     device = _device_of(model_list)
     resolution = resolve(opt_level, overrides, device, optimizer=_adam_description(opt_list))
     if resolution.errors:
-        raise ValueError("amp.initialize: inconsistent precision properties\n"
-                         + resolution.findings_table())
+        raise ValueError(
+            "amp.initialize: inconsistent precision properties\n" + resolution.findings_table()
+        )
     props = resolution.properties
     new_models = _replace_earlier(model_list, opt_list)
     _check_params_fp32(new_models)
@@ -547,15 +615,24 @@ def initialize(models, optimizers=None, enabled: bool = True, opt_level: str = "
     if output_dtype is None and props.patch_torch_functions:
         output_dtype = torch.float32  # O1: the loss outside forward runs in fp32 (see module doc)
 
-    eng = AmpEngine(props, device, num_losses=num_losses, min_loss_scale=min_loss_scale,
-                    max_loss_scale=max_loss_scale, cast_model_outputs=output_dtype,
-                    patch_functions=True,
-                    masters_for_half_params=bool(no_cast and props.master_weights))
+    eng = AmpEngine(
+        props,
+        device,
+        num_losses=num_losses,
+        min_loss_scale=min_loss_scale,
+        max_loss_scale=max_loss_scale,
+        cast_model_outputs=output_dtype,
+        patch_functions=True,
+        masters_for_half_params=bool(no_cast and props.master_weights),
+    )
     init = _Init(eng, model_list, opt_list)
     # the fp32 values the model comes with (e.g. a checkpoint's masters loaded before this call)
     # seed the masters, not their 16-bit casts: held by reference, the cast makes new tensors
-    fp32_values = ({id(p): p.data for m in model_list for p in m.parameters()
-                    if p.dtype == torch.float32} if props.uses_master_weights else {})
+    fp32_values = (
+        {id(p): p.data for m in model_list for p in m.parameters() if p.dtype == torch.float32}
+        if props.uses_master_weights
+        else {}
+    )
     for m in model_list:
         eng.cast(m)
         if props.patch_torch_functions:
@@ -578,12 +655,15 @@ def initialize(models, optimizers=None, enabled: bool = True, opt_level: str = "
     _amp_state.latest = init
     _amp_state.opt_properties = _OptProperties(True, props, cast_model_type)
     if props.patch_torch_functions:
-        _amp_state.handle = AmpHandle(props.loss_scale, verbose=verbosity == 2,
-                                      on_deactivate=init.unwrap_forwards)
+        _amp_state.handle = AmpHandle(
+            props.loss_scale, verbose=verbosity == 2, on_deactivate=init.unwrap_forwards
+        )
 
     if verbosity >= 1:
-        print(f"Selected optimization level {props.opt_level}: "
-              f"{LEVEL_DESCRIPTIONS.get(props.opt_level, '')}")
+        print(
+            f"Selected optimization level {props.opt_level}: "
+            f"{LEVEL_DESCRIPTIONS.get(props.opt_level, '')}"
+        )
         print(props.table())
         for f in resolution.findings:
             if no_cast and f.property == "master_weights":
@@ -597,9 +677,14 @@ def initialize(models, optimizers=None, enabled: bool = True, opt_level: str = "
 
 
 @contextlib.contextmanager
-def scale_loss(loss: torch.Tensor, optimizers, loss_id: int = 0, model=None,
-               delay_unscale: bool = False, delay_overflow_check: bool = False
-               ) -> Iterator[torch.Tensor]:
+def scale_loss(
+    loss: torch.Tensor,
+    optimizers,
+    loss_id: int = 0,
+    model=None,
+    delay_unscale: bool = False,
+    delay_overflow_check: bool = False,
+) -> Iterator[torch.Tensor]:
     """Yield `loss.float() * scale` for `.backward()`; on exit (unless `delay_unscale`) unscale
     the optimizers' gradients, check them, update loss `loss_id`'s scaler and make the next
     `optimizer.step()` a no-op if they overflowed. `model` and `delay_overflow_check` are
@@ -610,11 +695,15 @@ def scale_loss(loss: torch.Tensor, optimizers, loss_id: int = 0, model=None,
         if _amp_state.engine is None:
             yield loss  # before initialize, or initialize(enabled=False): nothing to scale
             return
-        raise RuntimeError("amp.scale_loss: the optimizer(s) given were not returned by "
-                           "amp.initialize (pass the optimizer objects initialize returned)")
+        raise RuntimeError(
+            "amp.scale_loss: the optimizer(s) given were not returned by "
+            "amp.initialize (pass the optimizer objects initialize returned)"
+        )
     if not all(inits) or any(i is not inits[0] for i in inits):
-        raise RuntimeError("amp.scale_loss: every optimizer passed to one scale_loss must come "
-                           "from the same amp.initialize call")
+        raise RuntimeError(
+            "amp.scale_loss: every optimizer passed to one scale_loss must come "
+            "from the same amp.initialize call"
+        )
     eng = inits[0].engine
     scaled = eng.scale_loss(loss, loss_id, opts)
     yield scaled
@@ -624,12 +713,19 @@ def scale_loss(loss: torch.Tensor, optimizers, loss_id: int = 0, model=None,
     with disable_casts():
         skip = eng.settle_all(opts)  # one decision for every optimizer of this scale_loss
     if skip and _amp_state.verbosity >= 1:
-        print(f"Gradient overflow.  Skipping step, loss scaler {loss_id} reducing loss scale to "
-              f"{eng.scalers[loss_id].scale:g}")
+        print(
+            f"Gradient overflow.  Skipping step, loss scaler {loss_id} reducing loss scale to "
+            f"{eng.scalers[loss_id].scale:g}"
+        )
 
 
-def init(enabled: bool = True, loss_scale: Any = "dynamic", enable_caching: bool = True,
-         verbose: bool = False, allow_banned: bool = False) -> AmpHandle:
+def init(
+    enabled: bool = True,
+    loss_scale: Any = "dynamic",
+    enable_caching: bool = True,
+    verbose: bool = False,
+    allow_banned: bool = False,
+) -> AmpHandle:
     """Apex's `amp.init()`: Apex's O1 casts (its function lists) on for the whole process,
     until the returned handle's `_deactivate()`. `enable_caching` reuses the 16-bit cast of an
     fp32 parameter until the cache is cleared (`handle._clear_cache()`, the end of
@@ -681,30 +777,40 @@ def load_state_dict(sd: dict) -> None:
     if eng is None:
         raise RuntimeError("amp.load_state_dict before amp.initialize (or with enabled=False)")
     if not isinstance(sd, dict):
-        raise TypeError(f"amp.load_state_dict expects the dict amp.state_dict() returns, got "
-                        f"{type(sd).__name__}")
+        raise TypeError(
+            f"amp.load_state_dict expects the dict amp.state_dict() returns, got "
+            f"{type(sd).__name__}"
+        )
     indices = {key: _scaler_number(key) for key in sd}
-    unexpected = [key for key, index in indices.items()
-                  if index is None and key != "skipped_steps"]
+    unexpected = [key for key, index in indices.items() if index is None and key != "skipped_steps"]
     if unexpected:
-        raise RuntimeError("Error(s) in loading state_dict. Unexpected key(s) in state_dict: "
-                           + ", ".join(f'"{key}"' for key in unexpected)
-                           + " (amp's state dict holds loss_scaler0, loss_scaler1, ...)")
+        raise RuntimeError(
+            "Error(s) in loading state_dict. Unexpected key(s) in state_dict: "
+            + ", ".join(f'"{key}"' for key in unexpected)
+            + " (amp's state dict holds loss_scaler0, loss_scaler1, ...)"
+        )
     count = sum(index is not None for index in indices.values())
     gap = next((i for i in range(count) if f"loss_scaler{i}" not in sd), None)
     if gap is not None:
-        raise ValueError(f"amp.load_state_dict: loss_scaler{gap} is missing (the entries are "
-                         f"loss_scaler0 .. loss_scaler{count - 1}, one per loss, in order)")
-    problems = [p for i in range(count)
-                for p in state_dict_problems(sd[f"loss_scaler{i}"], f"loss_scaler{i}")]
+        raise ValueError(
+            f"amp.load_state_dict: loss_scaler{gap} is missing (the entries are "
+            f"loss_scaler0 .. loss_scaler{count - 1}, one per loss, in order)"
+        )
+    problems = [
+        p
+        for i in range(count)
+        for p in state_dict_problems(sd[f"loss_scaler{i}"], f"loss_scaler{i}")
+    ]
     skipped = sd.get("skipped_steps", 0)
     if not isinstance(skipped, int) or isinstance(skipped, bool) or skipped < 0:
         problems.append(f"skipped_steps: {skipped!r} is not an integer >= 0")
     if problems:
         raise ValueError("amp.load_state_dict: malformed state dict: " + "; ".join(problems))
     if count != len(eng.scalers):
-        warnings.warn(f"amp state_dict has {count} loss scalers, while {len(eng.scalers)} "
-                      "are used", stacklevel=2)
+        warnings.warn(
+            f"amp state_dict has {count} loss scalers, while {len(eng.scalers)} are used",
+            stacklevel=2,
+        )
     for i, s in enumerate(eng.scalers[:count]):
         s.load_state_dict(sd[f"loss_scaler{i}"])
 
@@ -713,7 +819,7 @@ def _scaler_number(key: Any) -> Optional[int]:
     """`i` for the key `loss_scaler<i>` (decimal digits, no leading zero), else None."""
     if not isinstance(key, str) or not key.startswith("loss_scaler"):
         return None
-    digits = key[len("loss_scaler"):]
+    digits = key[len("loss_scaler") :]
     if not (digits.isascii() and digits.isdecimal()) or digits != str(int(digits)):
         return None
     return int(digits)

@@ -30,49 +30,149 @@ warning naming it (see `FALLBACKS`).
 The wrappers are installed by `runner.precision.autocast` while an O1 region of the facade is
 open and consult `STATE` at each call (active, the 16-bit type, caching, `allow_banned`).
 """
+
 from __future__ import annotations
 
 import functools
 import threading
 import warnings
 import weakref
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 # ---- Apex's lists (apex/amp/lists/{functional,torch,tensor}_overrides.py at e13873de) ---------
-FUNCTIONAL_HALF = ("conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
-                   "conv_transpose3d", "conv_tbc", "linear")
+FUNCTIONAL_HALF = (
+    "conv1d",
+    "conv2d",
+    "conv3d",
+    "conv_transpose1d",
+    "conv_transpose2d",
+    "conv_transpose3d",
+    "conv_tbc",
+    "linear",
+)
 FUNCTIONAL_FLOAT = (
-    "interpolate", "grid_sample",
-    "softplus", "softmin", "log_softmax", "softmax", "gelu",
-    "layer_norm", "group_norm", "local_response_norm", "normalize", "cosine_similarity",
-    "poisson_nll_loss", "cosine_embedding_loss", "cross_entropy", "hinge_embedding_loss",
-    "kl_div", "l1_loss", "mse_loss", "margin_ranking_loss", "multilabel_margin_loss",
-    "multilabel_soft_margin_loss", "multi_margin_loss", "nll_loss",
-    "binary_cross_entropy_with_logits", "smooth_l1_loss", "soft_margin_loss",
-    "triplet_margin_loss", "ctc_loss")
+    "interpolate",
+    "grid_sample",
+    "softplus",
+    "softmin",
+    "log_softmax",
+    "softmax",
+    "gelu",
+    "layer_norm",
+    "group_norm",
+    "local_response_norm",
+    "normalize",
+    "cosine_similarity",
+    "poisson_nll_loss",
+    "cosine_embedding_loss",
+    "cross_entropy",
+    "hinge_embedding_loss",
+    "kl_div",
+    "l1_loss",
+    "mse_loss",
+    "margin_ranking_loss",
+    "multilabel_margin_loss",
+    "multilabel_soft_margin_loss",
+    "multi_margin_loss",
+    "nll_loss",
+    "binary_cross_entropy_with_logits",
+    "smooth_l1_loss",
+    "soft_margin_loss",
+    "triplet_margin_loss",
+    "ctc_loss",
+)
 FUNCTIONAL_BANNED = ("binary_cross_entropy",)
 
-TORCH_HALF = ("conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
-              "conv_transpose3d", "conv_tbc", "prelu", "addmm", "addmv", "addr", "matmul", "mm",
-              "mv",
-              # Apex put the batched GEMMs here when CUDA >= 9.1 (every CUDA of today)
-              "addbmm", "baddbmm", "bmm")
-TORCH_FLOAT = ("acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2",
-               "reciprocal", "rsqrt", "sinh", "tan", "pow", "cumprod", "cumsum", "dist", "norm",
-               "prod", "std", "sum", "var", "renorm")
-TORCH_PROMOTE = ("addcdiv", "addcmul", "atan2", "cross", "bilinear", "dot", "add", "div", "mul",
-                 "eq", "equal", "ge", "gt", "le", "lt", "ne")
+TORCH_HALF = (
+    "conv1d",
+    "conv2d",
+    "conv3d",
+    "conv_transpose1d",
+    "conv_transpose2d",
+    "conv_transpose3d",
+    "conv_tbc",
+    "prelu",
+    "addmm",
+    "addmv",
+    "addr",
+    "matmul",
+    "mm",
+    "mv",
+    # Apex put the batched GEMMs here when CUDA >= 9.1 (every CUDA of today)
+    "addbmm",
+    "baddbmm",
+    "bmm",
+)
+TORCH_FLOAT = (
+    "acos",
+    "asin",
+    "cosh",
+    "erfinv",
+    "exp",
+    "expm1",
+    "log",
+    "log10",
+    "log2",
+    "reciprocal",
+    "rsqrt",
+    "sinh",
+    "tan",
+    "pow",
+    "cumprod",
+    "cumsum",
+    "dist",
+    "norm",
+    "prod",
+    "std",
+    "sum",
+    "var",
+    "renorm",
+)
+TORCH_PROMOTE = (
+    "addcdiv",
+    "addcmul",
+    "atan2",
+    "cross",
+    "bilinear",
+    "dot",
+    "add",
+    "div",
+    "mul",
+    "eq",
+    "equal",
+    "ge",
+    "gt",
+    "le",
+    "lt",
+    "ne",
+)
 TORCH_SEQUENCE = ("cat", "stack")
 
 TENSOR_HALF_OWN = ("__matmul__",)
 TENSOR_FLOAT_OWN = ("__ipow__", "__pow__", "__rpow__", "cpu")
-TENSOR_PROMOTE_OWN = ("__add__", "__div__", "__eq__", "__ge__", "__gt__", "__le__", "__lt__",
-                      "__mul__", "__ne__", "__radd__", "__rdiv__", "__rmul__", "__rsub__",
-                      "__rtruediv__", "__sub__", "__truediv__")
+TENSOR_PROMOTE_OWN = (
+    "__add__",
+    "__div__",
+    "__eq__",
+    "__ge__",
+    "__gt__",
+    "__le__",
+    "__lt__",
+    "__mul__",
+    "__ne__",
+    "__radd__",
+    "__rdiv__",
+    "__rmul__",
+    "__rsub__",
+    "__rtruediv__",
+    "__sub__",
+    "__truediv__",
+)
 # Apex promoted these too (out of place); here they stay in place, in the tensor's own type.
 TENSOR_INPLACE_OPERATORS = ("__iadd__", "__idiv__", "__imul__", "__isub__", "__itruediv__")
 
@@ -94,9 +194,9 @@ TENSOR_PROMOTE = _on_tensor((*TENSOR_PROMOTE_OWN, *TORCH_PROMOTE))
 class _State:
     """Set by the region (`runner.precision.autocast`) and `amp.init`."""
 
-    active: Callable[[], bool] = lambda: False     # a region is open and casts are not disabled
+    active: Callable[[], bool] = lambda: False  # a region is open and casts are not disabled
     in_region: Callable[[], bool] = lambda: False  # a region is open
-    half: torch.dtype = torch.float16            # the 16-bit type of the region
+    half: torch.dtype = torch.float16  # the 16-bit type of the region
     allow_banned: bool = False
     caching: bool = True
     verbose: bool = False
@@ -152,8 +252,12 @@ def _cached_half(x: torch.Tensor, name: str) -> torch.Tensor:
         entry = STATE.cache.get(key)
     if entry is not None:
         ref, version, cast = entry
-        if ref() is x and version == x._version and cast.dtype == STATE.half and not (
-                torch.is_grad_enabled() and x.requires_grad != cast.requires_grad):
+        if (
+            ref() is x
+            and version == x._version
+            and cast.dtype == STATE.half
+            and not (torch.is_grad_enabled() and x.requires_grad != cast.requires_grad)
+        ):
             return cast
     cast = _to_half(x, name)
     with STATE.lock:
@@ -169,8 +273,9 @@ def _map(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     return obj
 
 
-def _cast_args(fn: Callable[[torch.Tensor], torch.Tensor], args: tuple, kwargs: dict
-               ) -> tuple[tuple, dict]:
+def _cast_args(
+    fn: Callable[[torch.Tensor], torch.Tensor], args: tuple, kwargs: dict
+) -> tuple[tuple, dict]:
     return (tuple(_map(a, fn) for a in args), {k: _map(v, fn) for k, v in kwargs.items()})
 
 
@@ -204,21 +309,25 @@ def _wraps(orig: Callable, wrapper: Callable) -> Callable:
     return wrapper
 
 
-def _casting(cast: Callable[[torch.Tensor, str], torch.Tensor]
-             ) -> Callable[[Callable, str], Callable]:
+def _casting(
+    cast: Callable[[torch.Tensor, str], torch.Tensor],
+) -> Callable[[Callable, str], Callable]:
     """The wrapper factory of a list whose functions run on `cast` copies of their floating
     arguments while the region is active."""
+
     def make(orig: Callable, name: str) -> Callable:
         def wrapper(*args, **kwargs):
             if STATE.active():
                 args, kwargs = _cast_args(lambda t: cast(t, name), args, kwargs)
             return orig(*args, **kwargs)
+
         return _wraps(orig, wrapper)
+
     return make
 
 
-half_cast = _casting(_cached_half)   # Apex's FP16 lists: 16-bit copies, fp32 Parameters cached
-float_cast = _casting(_to_float)     # Apex's FP32 lists
+half_cast = _casting(_cached_half)  # Apex's FP16 lists: 16-bit copies, fp32 Parameters cached
+float_cast = _casting(_to_float)  # Apex's FP32 lists
 
 
 def promote(orig: Callable, name: str) -> Callable:
@@ -226,6 +335,7 @@ def promote(orig: Callable, name: str) -> Callable:
         if STATE.active() and _mixed(_fp_types(args, kwargs)):
             args, kwargs = _cast_args(lambda t: _to_float(t, name), args, kwargs)
         return orig(*args, **kwargs)
+
     return _wraps(orig, wrapper)
 
 
@@ -236,11 +346,13 @@ def sequence_promote(orig: Callable, name: str) -> Callable:
             if _mixed(types):
                 seq = [_to_float(t, name) if _is_fp(t) else t for t in seq]
         return orig(seq, *args, **kwargs)
+
     return _wraps(orig, wrapper)
 
 
 def match_self(orig: Callable, name: str) -> Callable:
     """In-place methods: the other arguments take `self`'s type (fp32 or the 16-bit type)."""
+
     def wrapper(self, *args, **kwargs):
         if STATE.active() and _is_fp(self):
             if self.dtype == STATE.half:
@@ -248,27 +360,31 @@ def match_self(orig: Callable, name: str) -> Callable:
             elif self.dtype == torch.float32:
                 args, kwargs = _cast_args(lambda t: _to_float(t, name), args, kwargs)
         return orig(self, *args, **kwargs)
+
     return _wraps(orig, wrapper)
 
 
 def refuse_half_self(orig: Callable, name: str) -> Callable:
     """In-place methods of the float list: refused on a 16-bit tensor, fp32 arguments else."""
+
     def wrapper(self, *args, **kwargs):
         if STATE.active():
             if _is_fp(self) and self.dtype == STATE.half:
                 raise NotImplementedError(f"Cannot call in-place method {name} on fp16 Tensors.")
             args, kwargs = _cast_args(lambda t: _to_float(t, name), args, kwargs)
         return orig(self, *args, **kwargs)
+
     return _wraps(orig, wrapper)
 
 
 def refuse_any_half(orig: Callable, name: str) -> Callable:
     """In-place functions of the float list: refused when any argument is 16-bit."""
+
     def wrapper(*args, **kwargs):
         if STATE.active() and STATE.half in _fp_types(args, kwargs):
-            raise NotImplementedError(f"Cannot call in-place function {name} with fp16 "
-                                      "arguments.")
+            raise NotImplementedError(f"Cannot call in-place function {name} with fp16 arguments.")
         return orig(*args, **kwargs)
+
     return _wraps(orig, wrapper)
 
 
@@ -278,12 +394,14 @@ BANNED_MESSAGE = (
     "and the loss is unsafe to autocast. Return logits instead of sigmoid outputs and use "
     "torch.nn.BCEWithLogitsLoss / torch.nn.functional.binary_cross_entropy_with_logits, which are "
     "safe (fused sigmoid + log in fp32). If you must, cast the inputs with .float() first, or pass "
-    "allow_banned=True to amp.init() to run it in fp32.")
+    "allow_banned=True to amp.init() to run it in fp32."
+)
 
 
 def banned(orig: Callable, name: str) -> Callable:
     """The banned functions raise on 16-bit inputs inside the region, even with casts disabled
     (Apex's error ignored its handle's state too); with `allow_banned` they run in fp32."""
+
     def wrapper(*args, **kwargs):
         if not STATE.in_region():
             return orig(*args, **kwargs)
@@ -292,9 +410,11 @@ def banned(orig: Callable, name: str) -> Callable:
                 args, kwargs = _cast_args(lambda t: _to_float(t, name), args, kwargs)
             return orig(*args, **kwargs)
         if _fp_types(args, kwargs) & {torch.float16, torch.bfloat16}:
-            raise NotImplementedError(BANNED_MESSAGE.format(
-                name=f"torch.nn.functional.{name} (and nn.BCELoss)"))
+            raise NotImplementedError(
+                BANNED_MESSAGE.format(name=f"torch.nn.functional.{name} (and nn.BCELoss)")
+            )
         return orig(*args, **kwargs)
+
     return _wraps(orig, wrapper)
 
 
@@ -339,6 +459,7 @@ def rnn_cast(orig: Callable, name: str) -> Callable:
     Where the device's kernel cannot run it in 16 bits (a RuntimeError from the 16-bit call),
     it runs in fp32 and its outputs are cast to the 16-bit type, with a warning naming it once
     per function and device (`FALLBACKS`)."""
+
     def wrapper(*args, **kwargs):
         if not STATE.active():
             return orig(*args, **kwargs)
@@ -353,9 +474,12 @@ def rnn_cast(orig: Callable, name: str) -> Callable:
                     f"amp O1: torch's {name} cannot run in {STATE.half} on {key[1]} "
                     f"({FALLBACKS[key]}); it runs in float32 there and its outputs are cast to "
                     f"{STATE.half}, so the rest of the model sees the types Apex gave it",
-                    RuntimeWarning, stacklevel=2)
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
         out = orig(*_float_tree(args), **kwargs)
         return _half_tree(out, name) if not isinstance(out, torch.Tensor) else _to_half(out, name)
+
     return _wraps(orig, wrapper)
 
 
@@ -363,12 +487,19 @@ def _rnn_check_input(orig: Callable) -> Callable:
     """`RNNBase.check_input` refuses an input whose dtype differs from the weights' unless
     autocast is on; under O1 the RNN function casts both, so the check runs on a stand-in of the
     weights' dtype (on the meta device: no copy)."""
+
     def check_input(self, input, batch_sizes):
         weights = getattr(self, "_flat_weights", None)
-        if (STATE.active() and _is_fp(input) and weights and weights[0] is not None
-                and input.dtype != weights[0].dtype):
+        if (
+            STATE.active()
+            and _is_fp(input)
+            and weights
+            and weights[0] is not None
+            and input.dtype != weights[0].dtype
+        ):
             input = torch.empty(input.shape, dtype=weights[0].dtype, device="meta")
         return orig(self, input, batch_sizes)
+
     return _wraps(orig, check_input)
 
 
@@ -376,8 +507,9 @@ def _rnn_check_input(orig: Callable) -> Callable:
 Patch = tuple[Any, str, Callable[[Callable], Callable]]
 
 
-def _each(owner: Any, names: Iterable[str], make: Callable[[Callable, str], Callable]
-          ) -> Iterator[Patch]:
+def _each(
+    owner: Any, names: Iterable[str], make: Callable[[Callable, str], Callable]
+) -> Iterator[Patch]:
     for name in names:
         if hasattr(owner, name) and callable(getattr(owner, name)):
             yield owner, name, functools.partial(_bind, make, name)
@@ -391,9 +523,11 @@ def patches() -> list[Patch]:
     """Every function Apex's O1 wrapped, in Apex's order (a later wrapper wraps an earlier one).
     The RNN shim is installed by the caller first (`rnn_module_patch`)."""
     out: list[Patch] = []
-    for owner, half, flt in ((F, FUNCTIONAL_HALF, FUNCTIONAL_FLOAT),
-                             (torch, TORCH_HALF, TORCH_FLOAT),
-                             (torch.Tensor, TENSOR_HALF, TENSOR_FLOAT)):
+    for owner, half, flt in (
+        (F, FUNCTIONAL_HALF, FUNCTIONAL_FLOAT),
+        (torch, TORCH_HALF, TORCH_FLOAT),
+        (torch.Tensor, TENSOR_HALF, TENSOR_FLOAT),
+    ):
         out += _each(owner, half, half_cast)
         out += _each(owner, flt, float_cast)
     out += _each(torch, TORCH_PROMOTE, promote)
@@ -401,25 +535,41 @@ def patches() -> list[Patch]:
     out += _each(torch.Tensor, TENSOR_PROMOTE, promote)
     out += _each(torch, [f"{n}_" for n in TORCH_FLOAT], refuse_any_half)
     out += _each(torch.Tensor, [f"{n}_" for n in TENSOR_FLOAT], refuse_half_self)
-    out += _each(torch.Tensor, [*TENSOR_INPLACE_OPERATORS,
-                                *(f"{n}_" for n in (*TENSOR_HALF, *TENSOR_PROMOTE))], match_self)
+    out += _each(
+        torch.Tensor,
+        [*TENSOR_INPLACE_OPERATORS, *(f"{n}_" for n in (*TENSOR_HALF, *TENSOR_PROMOTE))],
+        match_self,
+    )
     out += _each(F, FUNCTIONAL_BANNED, banned)
     return out
 
 
 def rnn_patches(shim: VariableFunctionsShim) -> list[Patch]:
     """The RNN functions on the shim and the input check of `nn.RNNBase`."""
-    out: list[Patch] = [(shim, name, functools.partial(_bind, rnn_cast, name))
-                        for name in (*RNN_NAMES, *RNN_CELLS) if hasattr(shim._real, name)]
+    out: list[Patch] = [
+        (shim, name, functools.partial(_bind, rnn_cast, name))
+        for name in (*RNN_NAMES, *RNN_CELLS)
+        if hasattr(shim._real, name)
+    ]
     out.append((torch.nn.modules.rnn.RNNBase, "check_input", _rnn_check_input))
     return out
 
 
 def fallback_findings() -> list[str]:
     """One line per RNN function that ran in fp32 instead of 16 bits, and why."""
-    return [f"{name} on {device}: ran in float32 ({why})"
-            for (name, device), why in sorted(FALLBACKS.items())]
+    return [
+        f"{name} on {device}: ran in float32 ({why})"
+        for (name, device), why in sorted(FALLBACKS.items())
+    ]
 
 
-__all__ = ["STATE", "FALLBACKS", "patches", "rnn_patches", "VariableFunctionsShim",
-           "clear_cache", "fallback_findings", "BANNED_MESSAGE"]
+__all__ = [
+    "STATE",
+    "FALLBACKS",
+    "patches",
+    "rnn_patches",
+    "VariableFunctionsShim",
+    "clear_cache",
+    "fallback_findings",
+    "BANNED_MESSAGE",
+]

@@ -13,7 +13,8 @@ computes in the dtypes Apex gave it (torch.autocast's CPU lists differ). Apex's 
 `register_half_function(module, name)`, `register_float_function(module, name)` and
 `register_promote_function(module, name)` name a function whose floating tensor arguments are
 cast to the 16-bit type / fp32 / the widest floating type of the arguments before it runs (with
-O1's casts off inside it, so the cast sticks: in Apex the lists still cast inside). Every attribute is replaced only while such a
+O1's casts off inside it, so the cast sticks: in Apex the lists still cast inside). Every attribute
+is replaced only while such a
 region is open (patched on entering the outermost region, restored on leaving it; nested and
 re-entered regions are counted), so code outside the region sees the original function. As in
 Apex the patch is on the module attribute: a reference taken before (`from torch import matmul`)
@@ -27,12 +28,15 @@ on their inputs as they are. The BCE ban stays: `torch.nn.functional.binary_cros
 `nn.BCELoss` calls) raises NotImplementedError on 16-bit inputs inside the region with a pointer
 to `BCEWithLogitsLoss` (on 16-bit inputs it saturates: log of a rounded-to-1 probability).
 """
+
 from __future__ import annotations
 
 import contextlib
 import functools
 import threading
-from typing import Any, Callable, ContextManager, Iterator, Optional
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager as ContextManager
+from typing import Any, Optional
 
 import torch
 
@@ -46,10 +50,11 @@ _KINDS = ("half", "float", "promote")
 _REGISTRY: dict[tuple[int, str], tuple[Any, str, str]] = {}
 _LOCK = threading.RLock()
 _depth = 0
-_saved: list[tuple[Any, str, Any]] = []   # (module, name, original attribute) while patched
+_saved: list[tuple[Any, str, Any]] = []  # (module, name, original attribute) while patched
 _region_device_type = "cpu"
 _region_half_dtype = torch.float16
 _thread = threading.local()  # .disabled: depth of casts_disabled() in this thread
+
 
 def _register(module: Any, name: str, kind: str) -> None:
     if not hasattr(module, name):
@@ -138,6 +143,7 @@ def _casting_wrapper(fn: Callable, kind: str) -> Callable:
     """`fn` with its floating args cast per `kind` while an O1 region is open and casts are not
     disabled (a registered function is patched in only inside a region; a decorated one is
     wrapped for good and checks)."""
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         if not _depth or _casts_disabled_here():
@@ -184,6 +190,7 @@ def _list_patch(owner: Any, name: str, make: Callable[[Callable], Callable]) -> 
         wrapper = make(original)
         _WRAPPERS[key] = (original, wrapper)
         return wrapper
+
     _set_patch(owner, name, made)
 
 
@@ -252,8 +259,11 @@ def casts_disabled(device_type: Optional[str]) -> Iterator[None]:
     """Apex's `amp.disable_casts()` for this thread: autocast off for `device_type` (None: no
     autocast to turn off), registered/decorated functions uncast, O1 regions opened inside it
     without autocast."""
-    ctx = (torch.autocast(device_type, enabled=False) if device_type is not None
-           else contextlib.nullcontext())
+    ctx = (
+        torch.autocast(device_type, enabled=False)
+        if device_type is not None
+        else contextlib.nullcontext()
+    )
     with ctx:
         _thread.disabled = getattr(_thread, "disabled", 0) + 1
         try:
@@ -270,8 +280,9 @@ def _o1_region(device_type: str, dtype: torch.dtype) -> Iterator[None]:
         yield
 
 
-def autocast_context(properties: Properties, device: torch.device | str,
-                     patch_functions: bool = False) -> ContextManager:
+def autocast_context(
+    properties: Properties, device: torch.device | str, patch_functions: bool = False
+) -> ContextManager:
     """Under patch_torch_functions, `torch.autocast(<device type>, dtype=autocast_dtype)`; with
     `patch_functions` (the Apex facade) Apex's own O1 instead: its function lists, the
     registered functions, the BCE ban (`function_patches`). Without patch_torch_functions, a no-op

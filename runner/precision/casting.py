@@ -9,10 +9,12 @@ on the top module (removable), so the loss is computed in fp32 as in Apex. The h
 module-level functions bound with `functools.partial`, not closures: a cast model can be
 deep-copied (the copy casts too) and pickled whole (`torch.save(model)`).
 """
+
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Mapping, Optional
+from collections.abc import Callable, Mapping
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -26,9 +28,12 @@ def cast_tensor(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
 
 
-def cast_module_(model: nn.Module, dtype: torch.dtype,
-                 keep_batchnorm_fp32: Optional[bool],
-                 layer_dtypes: Optional[Mapping[int, torch.dtype]] = None) -> nn.Module:
+def cast_module_(
+    model: nn.Module,
+    dtype: torch.dtype,
+    keep_batchnorm_fp32: Optional[bool],
+    layer_dtypes: Optional[Mapping[int, torch.dtype]] = None,
+) -> nn.Module:
     """Cast floating parameters (and their grads) and buffers to `dtype`, in place.
 
     With `keep_batchnorm_fp32`, every `_BatchNorm` (SyncBatchNorm included) is set to fp32 instead.
@@ -39,8 +44,9 @@ def cast_module_(model: nn.Module, dtype: torch.dtype,
     for module in model.modules():
         target = layer_dtypes.get(id(module))
         if target is None:
-            target = torch.float32 if keep_batchnorm_fp32 and isinstance(module, _BatchNorm) \
-                else dtype
+            target = (
+                torch.float32 if keep_batchnorm_fp32 and isinstance(module, _BatchNorm) else dtype
+            )
         for param in module._parameters.values():
             if param is None or not param.is_floating_point() or param.dtype == target:
                 continue
@@ -96,27 +102,37 @@ def _cast_outputs_hook(dtype: torch.dtype, module: nn.Module, args: tuple, outpu
 
 
 def install_output_cast(model: nn.Module, output_dtype: torch.dtype) -> IOCastHooks:
-    """Cast floating outputs to `output_dtype` (Apex's `cast_model_outputs` without a model cast)."""
-    return IOCastHooks([
-        model.register_forward_hook(functools.partial(_cast_outputs_hook, output_dtype)),
-    ])
+    """Cast floating outputs to `output_dtype` (Apex's `cast_model_outputs` without a model
+    cast)."""
+    return IOCastHooks(
+        [
+            model.register_forward_hook(functools.partial(_cast_outputs_hook, output_dtype)),
+        ]
+    )
 
 
-def install_io_casts(model: nn.Module, dtype: torch.dtype,
-                     output_dtype: torch.dtype = torch.float32) -> IOCastHooks:
+def install_io_casts(
+    model: nn.Module, dtype: torch.dtype, output_dtype: torch.dtype = torch.float32
+) -> IOCastHooks:
     """Cast floating inputs (args and kwargs) to `dtype` and floating outputs to `output_dtype`."""
-    return IOCastHooks([
-        model.register_forward_pre_hook(functools.partial(_cast_inputs_hook, dtype),
-                                        with_kwargs=True),
-        *install_output_cast(model, output_dtype).handles,
-    ])
+    return IOCastHooks(
+        [
+            model.register_forward_pre_hook(
+                functools.partial(_cast_inputs_hook, dtype), with_kwargs=True
+            ),
+            *install_output_cast(model, output_dtype).handles,
+        ]
+    )
 
 
-def cast_model(model: nn.Module, dtype: torch.dtype,
-               keep_batchnorm_fp32: Optional[bool],
-               output_dtype: Optional[torch.dtype] = None,
-               layer_dtypes: Optional[Mapping[int, torch.dtype]] = None,
-               cast_inputs: bool = True) -> Optional[IOCastHooks]:
+def cast_model(
+    model: nn.Module,
+    dtype: torch.dtype,
+    keep_batchnorm_fp32: Optional[bool],
+    output_dtype: Optional[torch.dtype] = None,
+    layer_dtypes: Optional[Mapping[int, torch.dtype]] = None,
+    cast_inputs: bool = True,
+) -> Optional[IOCastHooks]:
     """Apex-style model cast: weights to `dtype` (fp32 BatchNorm if asked; `layer_dtypes` per
     module, a layer plan's); for a 16-bit `dtype` also install the input/output casts (outputs to
     `output_dtype`, fp32 when None; inputs unless `cast_inputs` is False: a layer plan's layers

@@ -16,12 +16,14 @@ laptop without a GPU. `DeviceInfo.from_torch(device)` describes the device a run
 - Tensor Core shapes (`tensor_core_findings`, needs the built model): Linear/convolution sizes and a
   batch size that are not multiples of 8 (one info finding).
 """
+
 from __future__ import annotations
 
 import platform
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Literal, Optional
+from typing import Literal, Optional
 
 import torch
 from torch import nn
@@ -57,7 +59,7 @@ class DeviceInfo:
     name: str = ""
 
     @classmethod
-    def from_torch(cls, device: torch.device | str) -> "DeviceInfo":
+    def from_torch(cls, device: torch.device | str) -> DeviceInfo:
         device = torch.device(device)
         if device.type == "cuda":
             if not torch.cuda.is_available():
@@ -105,15 +107,20 @@ def _fp16_on_cpu(p: Properties, ctx: Context) -> Iterable[Finding]:
     if device is None or device.type != "cpu":
         return
     if p.cast_model_type == torch.float16:
-        yield Finding("warning", "cast_model_type",
-                      "fp16 is emulated on CPU and far slower than bfloat16 "
-                      "(about 100x slower than fp32 for ResNet-18)",
-                      "set precision.cast_model_type=bfloat16 on CPU (precision=o2_bf16/o3_bf16)")
+        yield Finding(
+            "warning",
+            "cast_model_type",
+            "fp16 is emulated on CPU and far slower than bfloat16 "
+            "(about 100x slower than fp32 for ResNet-18)",
+            "set precision.cast_model_type=bfloat16 on CPU (precision=o2_bf16/o3_bf16)",
+        )
     if p.patch_torch_functions and p.autocast_dtype == torch.float16:
-        yield Finding("warning", "patch_torch_functions",
-                      "fp16 is emulated on CPU and far slower than bfloat16 "
-                      "(autocast with float16)",
-                      "autocast with autocast_dtype=bfloat16 on CPU (precision=o1_bf16)")
+        yield Finding(
+            "warning",
+            "patch_torch_functions",
+            "fp16 is emulated on CPU and far slower than bfloat16 (autocast with float16)",
+            "autocast with autocast_dtype=bfloat16 on CPU (precision=o1_bf16)",
+        )
 
 
 @DEVICE_RULES
@@ -128,16 +135,20 @@ def _cuda_capability(p: Properties, ctx: Context) -> Iterable[Finding]:
         seen.add(dtype)
         if dtype == torch.float16 and device.capability < (7, 0):
             yield Finding(
-                "warning", prop,
+                "warning",
+                prop,
                 f"fp16 on {device.describe()}: no Tensor Cores below capability 7.0 (Volta), so "
                 "fp16 saves memory but does not speed training up (it may slow it down)",
-                "expect memory savings only; precision=o0 is as fast here")
+                "expect memory savings only; precision=o0 is as fast here",
+            )
         if dtype == torch.bfloat16 and device.capability < (8, 0):
             yield Finding(
-                "error", prop,
+                "error",
+                prop,
                 f"bfloat16 on {device.describe()}: bfloat16 needs compute capability 8.0 "
                 "(Ampere) or newer",
-                "use an fp16 preset (precision=o1 or o2) on this GPU")
+                "use an fp16 preset (precision=o1 or o2) on this GPU",
+            )
 
 
 # fp8 GEMMs need Ada (8.9) or Hopper (9.0) Tensor Cores.
@@ -154,30 +165,40 @@ def _fp8_device(p: Properties, ctx: Context) -> Iterable[Finding]:
     import importlib.util
 
     if importlib.util.find_spec("torchao") is None:
-        yield Finding("error", "fp8_linear",
-                      "fp8 Linear layers need torchao, which is not installed",
-                      'pip install "amp-runner[fp8]" (torchao)')
+        yield Finding(
+            "error",
+            "fp8_linear",
+            "fp8 Linear layers need torchao, which is not installed",
+            'pip install "amp-runner[fp8]" (torchao)',
+        )
     device = ctx.device
     if device is None:
         return
     if device.type == "cpu":
-        yield Finding("info", "fp8_linear",
-                      "fp8 on a CPU is emulated (torchao's emulate mode): the numerics of fp8 "
-                      "training, no speed-up",
-                      "measure fp8's speed on a CUDA GPU of compute capability 8.9 or newer")
+        yield Finding(
+            "info",
+            "fp8_linear",
+            "fp8 on a CPU is emulated (torchao's emulate mode): the numerics of fp8 "
+            "training, no speed-up",
+            "measure fp8's speed on a CUDA GPU of compute capability 8.9 or newer",
+        )
     elif device.type == "cuda" and device.capability is not None:
         if device.capability < FP8_MIN_CAPABILITY:
             yield Finding(
-                "error", "fp8_linear",
+                "error",
+                "fp8_linear",
                 f"fp8 on {device.describe()}: fp8 Tensor Cores need compute capability 8.9 "
                 "(Ada) or 9.0 (Hopper) or newer",
-                "use precision=o1_bf16 or o2_bf16 on this GPU")
+                "use precision=o1_bf16 or o2_bf16 on this GPU",
+            )
         elif ctx.compiled is False:
             yield Finding(
-                "warning", "fp8_linear",
+                "warning",
+                "fp8_linear",
                 "fp8 without torch.compile: torchao's scaling and casting run as separate "
                 "kernels around each GEMM, so fp8 will be slower than bf16",
-                "set trainer.compile=true")
+                "set trainer.compile=true",
+            )
 
 
 # ---- optimizer rules -------------------------------------------------------------------------
@@ -208,19 +229,27 @@ def _adam_eps_underflow(p: Properties, ctx: Context) -> Iterable[Finding]:
     name = dtype_name(dtype)
     stored = torch.tensor(eps, dtype=dtype).item()
     why = f"the optimizer state is {name} ({p.opt_level} without fp32 master weights)"
-    fix = (f"set optimizer.eps={_normal_eps(dtype)}, or keep fp32 master weights "
-           "(precision=o2, precision.master_weights=true)")
+    fix = (
+        f"set optimizer.eps={_normal_eps(dtype)}, or keep fp32 master weights "
+        "(precision=o2, precision.master_weights=true)"
+    )
     if stored == 0.0:
         yield Finding(
-            "error", "optimizer.eps",
+            "error",
+            "optimizer.eps",
             f"{opt.get('name')} eps={eps:g} underflows to 0 in {name}: {why}, so sqrt(v) + eps "
             "is 0 "
-            "wherever the squared gradient underflowed, and the update becomes inf/NaN", fix)
+            "wherever the squared gradient underflowed, and the update becomes inf/NaN",
+            fix,
+        )
     elif abs(stored) < torch.finfo(dtype).tiny:
         yield Finding(
-            "warning", "optimizer.eps",
+            "warning",
+            "optimizer.eps",
             f"{opt.get('name')} eps={eps:g} is a subnormal {name} number (stored as {stored:.3g}): "
-            f"{why}, and subnormals lose precision (and flush to zero on some hardware)", fix)
+            f"{why}, and subnormals lose precision (and flush to zero on some hardware)",
+            fix,
+        )
 
 
 # ---- the optimizer's state format -----------------------------------------------------------
@@ -232,11 +261,13 @@ def _optimizer_state(p: Properties, ctx: Context) -> Iterable[Finding]:
 
     if p.state_format == "float16" and p.stepped_dtype != torch.float16:
         yield Finding(
-            "warning", "optimizer_state",
+            "warning",
+            "optimizer_state",
             "float16 optimizer state: Adam's second moment v = g^2 underflows to 0 in fp16 for "
             "|g| < 2^-12 (~2.4e-4), and where it does the update m / (sqrt(v) + eps) is m / eps "
             f"(eps={_eps_text(ctx)}): a huge step; momentum loses small values the same way",
-            "set precision.optimizer_state=bfloat16 (fp32's range in half the bytes), or int8")
+            "set precision.optimizer_state=bfloat16 (fp32's range in half the bytes), or int8",
+        )
     yield from _bf16_second_moment(p, ctx)
     if not p.low_bit_state:
         return
@@ -245,35 +276,50 @@ def _optimizer_state(p: Properties, ctx: Context) -> Iterable[Finding]:
     name = str(opt.get("name", "")).lower() if opt else None
     if name is not None and name not in state.LOW_BIT_OPTIMIZERS:
         yield Finding(
-            "error", "optimizer_state",
+            "error",
+            "optimizer_state",
             f"{fmt} optimizer state comes from torchao's low-bit Adam and AdamW; "
             f"optimizer.name={opt.get('name')} has no {fmt} implementation",
             "use optimizer=adamw or optimizer=adam, or precision.optimizer_state=bfloat16 "
-            "(any torch optimizer's state in bf16)")
+            "(any torch optimizer's state in bf16)",
+        )
     import importlib.util
 
     if importlib.util.find_spec("torchao") is None:
-        yield Finding("error", "optimizer_state",
-                      f"{fmt} optimizer state needs torchao, which is not installed",
-                      'pip install "amp-runner[fp8]" (torchao)')
-    device = ctx.device
-    if fmt == "fp8" and device is not None and device.type == "cuda" \
-            and device.capability is not None and device.capability < FP8_MIN_CAPABILITY:
         yield Finding(
-            "error", "optimizer_state",
+            "error",
+            "optimizer_state",
+            f"{fmt} optimizer state needs torchao, which is not installed",
+            'pip install "amp-runner[fp8]" (torchao)',
+        )
+    device = ctx.device
+    if (
+        fmt == "fp8"
+        and device is not None
+        and device.type == "cuda"
+        and device.capability is not None
+        and device.capability < FP8_MIN_CAPABILITY
+    ):
+        yield Finding(
+            "error",
+            "optimizer_state",
             f"fp8 optimizer state on {device.describe()}: torchao compiles its step with Triton, "
             "which converts to float8_e4m3fn only on compute capability 8.9 (Ada) or newer",
-            "use precision.optimizer_state=int8 (same bytes) on this GPU")
+            "use precision.optimizer_state=int8 (same bytes) on this GPU",
+        )
     if p.stochastic_rounding:
         yield Finding(
-            "info", "optimizer_state",
+            "info",
+            "optimizer_state",
             f"stochastic rounding with {fmt} state: torchao's optimizer rounds the bf16 weights "
             "itself (its bf16_stochastic_round), drawing from torch's generator (checkpointed "
-            "with the run) rather than the runner's counter-based bits", "")
+            "with the run) rather than the runner's counter-based bits",
+            "",
+        )
 
 
 # Half of bf16's spacing, relative to the value: 2^-9 just below a power of two, up to 2^-8.
-_BF16_HALF_SPACING = 2.0 ** -9
+_BF16_HALF_SPACING = 2.0**-9
 
 
 def _bf16_second_moment(p: Properties, ctx: Context) -> Iterable[Finding]:
@@ -282,8 +328,12 @@ def _bf16_second_moment(p: Properties, ctx: Context) -> Iterable[Finding]:
     back: with beta2 > 1 - 2^-9 (0.998; the default 0.999) v can grow but never decay. Rounded
     stochastically (stochastic_rounding), it decays as in fp32 on average."""
     opt = ctx.optimizer
-    if p.state_format != "bfloat16" or p.stochastic_rounding or not opt \
-            or str(opt.get("name", "")).lower() not in _ADAM_NAMES:
+    if (
+        p.state_format != "bfloat16"
+        or p.stochastic_rounding
+        or not opt
+        or str(opt.get("name", "")).lower() not in _ADAM_NAMES
+    ):
         return
     betas = opt.get("betas")
     try:
@@ -293,7 +343,8 @@ def _bf16_second_moment(p: Properties, ctx: Context) -> Iterable[Finding]:
     if 1.0 - beta2 >= _BF16_HALF_SPACING:
         return
     yield Finding(
-        "warning", "optimizer_state",
+        "warning",
+        "optimizer_state",
         f"bfloat16 optimizer state rounded to nearest: Adam's second moment moves down by at most "
         f"1 - beta2 = {1 - beta2:.2g} of itself a step, less than half of bf16's spacing "
         "(0.2-0.4% of the value), so it rounds back: v can grow but never decay, and the steps "
@@ -301,7 +352,8 @@ def _bf16_second_moment(p: Properties, ctx: Context) -> Iterable[Finding]:
         "gradients falling 10x over 3000 steps leave bf16 v at its peak; fp32 v follows them)",
         "set precision.optimizer_state=float32 (or int8), round the state stochastically (a bf16 "
         "model: precision=o3_bf16_sr keeps its bf16 state rounded at random), or lower "
-        "optimizer.betas[1] to 0.99")
+        "optimizer.betas[1] to 0.99",
+    )
 
 
 def _eps_text(ctx: Context) -> str:
@@ -327,13 +379,17 @@ def state_findings(model: nn.Module, properties: Properties) -> list[Finding]:
     share = sum(n for _, n in plain) / total
     shown = ", ".join(f"{name} ({n})" for name, n in plain[:6])
     more = f" and {len(plain) - 6} more" if len(plain) > 6 else ""
-    return [Finding(
-        "info", "optimizer_state",
-        f"{len(plain)} of {len(named)} parameter tensors ({share:.1%} of the elements) keep "
-        f"{dtype_name(properties.stepped_dtype)} state, not {fmt}: fewer than "
-        f"{state.MIN_QUANTISED_NUMEL} elements or not a multiple of the block size "
-        f"{state.BLOCK_SIZES[fmt]} (torchao's rule, after bitsandbytes): {shown}{more}",
-        "")]
+    return [
+        Finding(
+            "info",
+            "optimizer_state",
+            f"{len(plain)} of {len(named)} parameter tensors ({share:.1%} of the elements) keep "
+            f"{dtype_name(properties.stepped_dtype)} state, not {fmt}: fewer than "
+            f"{state.MIN_QUANTISED_NUMEL} elements or not a multiple of the block size "
+            f"{state.BLOCK_SIZES[fmt]} (torchao's rule, after bitsandbytes): {shown}{more}",
+            "",
+        )
+    ]
 
 
 # ---- model shapes (called by the app once the model is built) ---------------------------------
@@ -360,20 +416,27 @@ def sized(label: str, n: int, origins: dict[int, str]) -> str:
 def origins_hint(texts: Iterable[str], origins: dict[int, str], multiple: int) -> str:
     """What to set, where a listed size comes from a config key: `set model.n_embd,
     model.vocab_size to multiples of 8 (a vocabulary can be padded: 50257 -> 50304)`."""
-    used = [key for key in dict.fromkeys(origins.values())
-            if any(f"= {key}" in text for text in texts)]
+    used = [
+        key for key in dict.fromkeys(origins.values()) if any(f"= {key}" in text for text in texts)
+    ]
     if not used:
         return ""
     keys = dict.fromkeys(k.split(" x ")[-1] for k in used)  # `4 x model.n_embd`: model.n_embd
     hint = f"; set {', '.join(keys)} to multiples of {multiple}"
     if any("vocab_size" in key for key in used):
-        hint += (" (a vocabulary can be padded with unused ids: GPT-2's 50257 -> 50304, as "
-                 "nanoGPT does, with model.vocab_size)")
+        hint += (
+            " (a vocabulary can be padded with unused ids: GPT-2's 50257 -> 50304, as "
+            "nanoGPT does, with model.vocab_size)"
+        )
     return hint
 
 
-def tensor_core_findings(model: nn.Module, batch_size: Optional[int], properties: Properties,
-                         device_info: Optional[DeviceInfo]) -> list[Finding]:
+def tensor_core_findings(
+    model: nn.Module,
+    batch_size: Optional[int],
+    properties: Properties,
+    device_info: Optional[DeviceInfo],
+) -> list[Finding]:
     """One info finding listing every Linear and convolution layer (1d/2d/3d, transposed too) and
     the batch size whose sizes are not multiples of 8, which Tensor Cores need for fp16/bf16 GEMMs
     and convolutions; [] when the run is not 16-bit on a CUDA device or every size fits. A
@@ -402,16 +465,22 @@ def tensor_core_findings(model: nn.Module, batch_size: Optional[int], properties
             offenders.append(f"{name or type(module).__name__} ({', '.join(sizes)})")
     parts: list[str] = []
     if offenders:
-        parts.append(f"{len(offenders)} of {layers} Linear/convolution layers have sizes that are "
-                     f"not multiples of 8: {', '.join(offenders)}")
+        parts.append(
+            f"{len(offenders)} of {layers} Linear/convolution layers have sizes that are "
+            f"not multiples of 8: {', '.join(offenders)}"
+        )
     if batch_size is not None and _off_eight(batch_size):
         parts.append(f"the batch size {batch_size} is not a multiple of 8")
     if not parts:
         return []
     dtypes = "/".join(sorted(dtype_name(d) for d in properties.compute_dtypes))
-    return [Finding(
-        "info", "model" if offenders else "trainer.batch_size",
-        "; ".join(parts)
-        + f", so {dtypes} Tensor Core kernels pad them or fall back to slower ones",
-        "sizes that are multiples of 8 (trainer.batch_size, layer widths) use Tensor Cores fully"
-        + origins_hint(offenders, origins, 8))]
+    return [
+        Finding(
+            "info",
+            "model" if offenders else "trainer.batch_size",
+            "; ".join(parts)
+            + f", so {dtypes} Tensor Core kernels pad them or fall back to slower ones",
+            "sizes that are multiples of 8 (trainer.batch_size, layer widths) use Tensor Cores "
+            "fully" + origins_hint(offenders, origins, 8),
+        )
+    ]

@@ -63,11 +63,14 @@ O1 here is plain `torch.autocast`; Apex's own O1 (its function lists, registered
 binary_cross_entropy ban: `autocast.py`, `apex_o1.py`) runs instead only with
 `patch_functions=True`, which the Apex facade (`amp.initialize`) passes.
 """
+
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -76,8 +79,8 @@ from torch.utils.hooks import RemovableHandle
 from runner import csrc
 from runner.precision import fp8, layers, paths
 from runner.precision.autocast import autocast_context
-from runner.precision.checks import concrete_device
 from runner.precision.casting import IOCastHooks, cast_model, install_output_cast
+from runner.precision.checks import concrete_device
 from runner.precision.master import MasterSet, MasterWeights
 from runner.precision.properties import Properties
 from runner.precision.scaler import LossScaler
@@ -86,35 +89,43 @@ from runner.precision.scaler import LossScaler
 class Stage(enum.Enum):
     """Where one optimizer is in its round (see the module docstring for the transitions)."""
 
-    READY = "ready"                # no gradients of this round yet (prepared, or zero_grad)
+    READY = "ready"  # no gradients of this round yet (prepared, or zero_grad)
     ACCUMULATING = "accumulating"  # scaled gradients of one or more backward calls
-    UNSCALED = "unscaled"          # the stepped .grad hold true values (unscale_, settle)
-    CLIPPED = "clipped"            # clipped: true values in .grad, or a planned fused step
-                                   # holds the clipping coefficient in its multiplier
-    STEPPED = "stepped"            # stepped or skipped; the next backward starts a new round
+    UNSCALED = "unscaled"  # the stepped .grad hold true values (unscale_, settle)
+    CLIPPED = "clipped"  # clipped: true values in .grad, or a planned fused step
+    # holds the clipping coefficient in its multiplier
+    STEPPED = "stepped"  # stepped or skipped; the next backward starts a new round
 
 
 # The calls refused after the step (stage STEPPED): what happened, why it is wrong, what to do.
 _AFTER_STEP = {
-    "step": ("step() called twice without a backward in between",
-             "this round's gradients were already stepped (or the step skipped), and stepping "
-             "them again would apply them twice",
-             "Run the next round's backward (after zero_grad) before stepping again."),
-    "clip_grad_norm_": ("clip_grad_norm_() called after step()",
-                        "the step has already used the gradients, so clipping them now changes "
-                        "nothing",
-                        "Clip between backward and step: backward, clip_grad_norm_, step, "
-                        "zero_grad."),
-    "unscale_": ("unscale_() called after step()", "the step has already used the gradients",
-                 "Call unscale_ between backward and step (step unscales by itself when nobody "
-                 "did)."),
-    "settle": ("settle() called after step()", "the step has already used the gradients",
-               "Settle between backward and step (the Apex facade does so at the end of "
-               "scale_loss)."),
+    "step": (
+        "step() called twice without a backward in between",
+        "this round's gradients were already stepped (or the step skipped), and stepping "
+        "them again would apply them twice",
+        "Run the next round's backward (after zero_grad) before stepping again.",
+    ),
+    "clip_grad_norm_": (
+        "clip_grad_norm_() called after step()",
+        "the step has already used the gradients, so clipping them now changes nothing",
+        "Clip between backward and step: backward, clip_grad_norm_, step, zero_grad.",
+    ),
+    "unscale_": (
+        "unscale_() called after step()",
+        "the step has already used the gradients",
+        "Call unscale_ between backward and step (step unscales by itself when nobody did).",
+    ),
+    "settle": (
+        "settle() called after step()",
+        "the step has already used the gradients",
+        "Settle between backward and step (the Apex facade does so at the end of scale_loss).",
+    ),
 }
 
-_BACKWARD_AFTER_CLIP = ("backward after clip_grad_norm_ and before step: the clipped gradients "
-                        "would be mixed with new ones")
+_BACKWARD_AFTER_CLIP = (
+    "backward after clip_grad_norm_ and before step: the clipped gradients "
+    "would be mixed with new ones"
+)
 
 
 @dataclass
@@ -128,7 +139,7 @@ class _Round:
     # fp32 sums of already unscaled gradients of earlier losses: id(stepped param) -> tensor
     stash: dict[int, torch.Tensor] = field(default_factory=dict)
     flags: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # device flags per loss
-    found: dict[int, bool] = field(default_factory=dict)               # resolved flags per loss
+    found: dict[int, bool] = field(default_factory=dict)  # resolved flags per loss
     # a fused step planned from the scaled gradients by a lazy clip (its multiplier set)
     planned: Optional[paths.ScaledStep] = None
     # backward calls shared with other optimizers (one scale_loss over several): call -> loss id
@@ -188,14 +199,17 @@ class _Prepared:
         """`call` (a key of `_AFTER_STEP`) is refused in stage STEPPED."""
         if self.stage is Stage.STEPPED:
             what, why, fix = _AFTER_STEP[call]
-            raise RuntimeError(f"{what} (this optimizer's stage: '{self.stage.value}'): {why}. "
-                               f"{fix}")
+            raise RuntimeError(
+                f"{what} (this optimizer's stage: '{self.stage.value}'): {why}. {fix}"
+            )
 
     def refuse_backward(self) -> None:
         """A backward is refused in stage CLIPPED."""
         if self.stage is Stage.CLIPPED:
-            raise RuntimeError(f"{_BACKWARD_AFTER_CLIP} (this optimizer's stage: "
-                               f"'{self.stage.value}'). Call step() (or zero_grad()) first.")
+            raise RuntimeError(
+                f"{_BACKWARD_AFTER_CLIP} (this optimizer's stage: "
+                f"'{self.stage.value}'). Call step() (or zero_grad()) first."
+            )
 
     def new_round(self, stage: Stage) -> None:
         self.stage = stage
@@ -231,10 +245,12 @@ class AmpEngine:
         # fp32 masters for the 16-bit parameters a model brought itself, without a model cast
         # (the facade's `cast_model_type=False` with master weights, as Apex's O2 made them)
         self.masters_for_half_params = masters_for_half_params
-        bounds = {k: v for k, v in (("min_loss_scale", min_loss_scale),
-                                    ("max_loss_scale", max_loss_scale)) if v is not None}
-        self.scalers = [LossScaler.from_properties(properties, **bounds)
-                        for _ in range(num_losses)]
+        bounds = {
+            k: v
+            for k, v in (("min_loss_scale", min_loss_scale), ("max_loss_scale", max_loss_scale))
+            if v is not None
+        }
+        self.scalers = [LossScaler.from_properties(properties, **bounds) for _ in range(num_losses)]
         self._scales = paths.ScaleTensors(self.device)
         # stochastic rounding's random key: the run's seed and the count of rounded steps
         self._clock = paths.RoundingClock(seed) if properties.stochastic_rounding else None
@@ -278,8 +294,9 @@ class AmpEngine:
         """Replacing the kernels (None: torch's ops) re-chooses every optimizer's path."""
         self._kernels = kernels
         for st in self._optimizers.values():
-            st.path = paths.choose(kernels, self.device, self._scales, self._clock,
-                                   self._state_dtype)
+            st.path = paths.choose(
+                kernels, self.device, self._scales, self._clock, self._state_dtype
+            )
 
     # ---- setup -----------------------------------------------------------------------------
     def prepare(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]):
@@ -313,9 +330,14 @@ class AmpEngine:
                         reasons[layer.name] = f"{layer.planned}: {layer.why}"
                     elif p.fp8_linear is None and layer.name not in only:
                         reasons[layer.name] = "the level's type (fp8 only for the plan's layers)"
-            conversion = fp8.convert(model, p.fp8_linear or "tensorwise",
-                                     emulate=not self._fp8_hardware(), only=only, reasons=reasons,
-                                     fsdp_all_gather=self.sharded)
+            conversion = fp8.convert(
+                model,
+                p.fp8_linear or "tensorwise",
+                emulate=not self._fp8_hardware(),
+                only=only,
+                reasons=reasons,
+                fsdp_all_gather=self.sharded,
+            )
             if self.fp8 is None:
                 self.fp8 = conversion
             else:  # several models: one listing
@@ -327,10 +349,14 @@ class AmpEngine:
             hooks = install_output_cast(model, self.cast_model_outputs or torch.float32)
         elif p.cast_model_type is not None:
             deviating = p.casts_to_half and plan.deviates
-            hooks = cast_model(model, p.cast_model_type, p.keep_batchnorm_fp32,
-                               self.cast_model_outputs,
-                               layer_dtypes=plan.weight_dtypes(model) if self.layer_rules else None,
-                               cast_inputs=not deviating)
+            hooks = cast_model(
+                model,
+                p.cast_model_type,
+                p.keep_batchnorm_fp32,
+                self.cast_model_outputs,
+                layer_dtypes=plan.weight_dtypes(model) if self.layer_rules else None,
+                cast_inputs=not deviating,
+            )
         elif self.cast_model_outputs is not None:
             hooks = install_output_cast(model, self.cast_model_outputs)
         if hooks is not None:
@@ -345,22 +371,30 @@ class AmpEngine:
         """Whether this device has fp8 Tensor Cores (else torchao emulates fp8)."""
         from runner.precision.checks import FP8_MIN_CAPABILITY
 
-        return (self.device.type == "cuda" and torch.cuda.is_available()
-                and torch.cuda.get_device_capability(self.device) >= FP8_MIN_CAPABILITY)
+        return (
+            self.device.type == "cuda"
+            and torch.cuda.is_available()
+            and torch.cuda.get_device_capability(self.device) >= FP8_MIN_CAPABILITY
+        )
 
-    def add_optimizer(self, optimizer: torch.optim.Optimizer,
-                      models: list[nn.Module] = ()) -> torch.optim.Optimizer:
+    def add_optimizer(
+        self, optimizer: torch.optim.Optimizer, models: list[nn.Module] = ()
+    ) -> torch.optim.Optimizer:
         """The optimizer half of `prepare`, after its models were cast: fp32 masters for its
         16-bit parameters where asked; `models` get their grads cleared by `zero_grad`. The
         optimizer's execution path (kernels or torch's ops) is chosen here, once."""
         st = self._optimizers.get(id(optimizer))
         if st is None:
             st = self._optimizers[id(optimizer)] = _Prepared(
-                optimizer, paths.choose(self._kernels, self.device, self._scales, self._clock,
-                                        self._state_dtype))
+                optimizer,
+                paths.choose(
+                    self._kernels, self.device, self._scales, self._clock, self._state_dtype
+                ),
+            )
         st.models.extend(m for m in models if all(m is not o for o in st.models))
-        if (self.properties.uses_master_weights or self.masters_for_half_params) \
-                and not self.sharded:
+        if (
+            self.properties.uses_master_weights or self.masters_for_half_params
+        ) and not self.sharded:
             if st.masters is None:
                 st.masters = MasterWeights(optimizer)
                 self._master_set.add(st.masters)
@@ -398,7 +432,8 @@ class AmpEngine:
             if len(self._optimizers) != 1:
                 raise RuntimeError(
                     "optimizer=None needs exactly one prepared optimizer; "
-                    f"{len(self._optimizers)} are prepared")
+                    f"{len(self._optimizers)} are prepared"
+                )
             return next(iter(self._optimizers.values()))
         try:
             return self._optimizers[id(optimizer)]
@@ -419,8 +454,9 @@ class AmpEngine:
         return st.masters.add_new_half_params()
 
     # ---- model state dicts under a 16-bit cast (the hooks live with the masters) -----------
-    def refresh_masters(self, skip: Optional[set[int]] = None,
-                        only: Optional[set[int]] = None) -> None:
+    def refresh_masters(
+        self, skip: Optional[set[int]] = None, only: Optional[set[int]] = None
+    ) -> None:
         """Re-seed the masters from their model parameters (after loading weights into the
         model other than through `model.load_state_dict`, e.g. `param.copy_`); `skip` holds ids
         of masters to leave alone, `only` (if given) ids of the model parameters to take."""
@@ -435,15 +471,18 @@ class AmpEngine:
     def autocast(self) -> ContextManager:
         """Context for forward and loss: `torch.autocast` under O1-style properties (with Apex's
         function patches only when the engine was made with `patch_functions`), else no-op."""
-        return autocast_context(self.properties, self.device,
-                                patch_functions=self.patch_functions)
+        return autocast_context(self.properties, self.device, patch_functions=self.patch_functions)
 
     def _check_loss_id(self, loss_id: int) -> None:
         if not 0 <= loss_id < len(self.scalers):
             raise ValueError(f"loss_id {loss_id} out of range for num_losses={len(self.scalers)}")
 
-    def scale_loss(self, loss: torch.Tensor, loss_id: int = 0,
-                   optimizers: Optional[list[torch.optim.Optimizer]] = None) -> torch.Tensor:
+    def scale_loss(
+        self,
+        loss: torch.Tensor,
+        loss_id: int = 0,
+        optimizers: Optional[list[torch.optim.Optimizer]] = None,
+    ) -> torch.Tensor:
         """`loss.float() * scale`, ready for `.backward()`; prepares the optimizers' gradients
         for it first (every prepared optimizer when `optimizers` is None). `backward(loss,
         loss_id)` is `scale_loss(loss, loss_id).backward()`.
@@ -454,8 +493,11 @@ class AmpEngine:
         so each loss keeps its own scale and each scaler backs off only for its own overflow.
         """
         self._check_loss_id(loss_id)
-        states = (list(self._optimizers.values()) if optimizers is None
-                  else [self._state(o) for o in optimizers])
+        states = (
+            list(self._optimizers.values())
+            if optimizers is None
+            else [self._state(o) for o in optimizers]
+        )
         for st in states:  # (all checked before any of them moves on)
             st.refuse_backward()
         for st in states:
@@ -574,9 +616,13 @@ class AmpEngine:
         calls = st.round.shared.keys()
         if not calls:
             return []
-        return [o for o in self._optimizers.values()
-                if o is not st and o.stage in (Stage.ACCUMULATING, Stage.UNSCALED, Stage.CLIPPED)
-                and o.round.shared.keys() & calls]
+        return [
+            o
+            for o in self._optimizers.values()
+            if o is not st
+            and o.stage in (Stage.ACCUMULATING, Stage.UNSCALED, Stage.CLIPPED)
+            and o.round.shared.keys() & calls
+        ]
 
     def _decide(self, states: list[_Prepared]) -> None:
         """The overflow verdicts of `states` (unscaled already), with one decision per shared
@@ -603,8 +649,11 @@ class AmpEngine:
         all of them are unscaled and checked before any scaler is updated, and when a loss they
         share overflowed in any of them, every one of them skips its next step. Returns True
         when they will skip. None: every prepared optimizer."""
-        states = (list(self._optimizers.values()) if optimizers is None
-                  else [self._state(o) for o in optimizers])
+        states = (
+            list(self._optimizers.values())
+            if optimizers is None
+            else [self._state(o) for o in optimizers]
+        )
         for st in states:
             st.refuse_after_step("settle")
         for st in states:
@@ -614,8 +663,12 @@ class AmpEngine:
             self._update_scalers(st.round)
         return any(any(st.round.found.values()) for st in states)
 
-    def clip_grad_norm_(self, max_norm: float, optimizer: Optional[torch.optim.Optimizer] = None,
-                        norm_type: float = 2.0) -> torch.Tensor:
+    def clip_grad_norm_(
+        self,
+        max_norm: float,
+        optimizer: Optional[torch.optim.Optimizer] = None,
+        norm_type: float = 2.0,
+    ) -> torch.Tensor:
         """Clip the unscaled gradients the optimizer will step (masters under O2); returns the
         total norm before clipping. Non-finite grads give a non-finite norm; the step is skipped.
 
@@ -636,8 +689,13 @@ class AmpEngine:
         st.stage = Stage.CLIPPED
         return total
 
-    def step(self, optimizer: Optional[torch.optim.Optimizer] = None, *args: Any,
-             step_fn: Optional[Callable[..., Any]] = None, **kwargs: Any) -> bool:
+    def step(
+        self,
+        optimizer: Optional[torch.optim.Optimizer] = None,
+        *args: Any,
+        step_fn: Optional[Callable[..., Any]] = None,
+        **kwargs: Any,
+    ) -> bool:
         """Unscale if not done, then skip (non-finite grads) or step; masters -> model.
 
         Each scaler whose loss contributed to this step updates once per round (backing off only
@@ -669,8 +727,9 @@ class AmpEngine:
         st.new_round(Stage.STEPPED)
         return not found_inf
 
-    def zero_grad(self, optimizer: Optional[torch.optim.Optimizer] = None,
-                  set_to_none: bool = True) -> None:
+    def zero_grad(
+        self, optimizer: Optional[torch.optim.Optimizer] = None, set_to_none: bool = True
+    ) -> None:
         """Model and master grads cleared (to None by default; the masters' grad buffers are kept
         for reuse). Also forgets a pending unscale or stash, so a step abandoned by the caller
         does not leak into the next one: the optimizer is READY again."""
@@ -690,8 +749,9 @@ class AmpEngine:
         st.new_round(Stage.READY)
 
     # ---- introspection and checkpoints -------------------------------------------------------
-    def master_params(self, optimizer: Optional[torch.optim.Optimizer] = None
-                      ) -> Iterator[torch.Tensor]:
+    def master_params(
+        self, optimizer: Optional[torch.optim.Optimizer] = None
+    ) -> Iterator[torch.Tensor]:
         """What the optimizer steps: the fp32 masters under master weights, else the model's."""
         return paths.stepped_params(self._state(optimizer).optimizer)
 

@@ -11,10 +11,12 @@ emulation computes the same numerics in higher precision (no speed-up): `emulate
 
 torchao is an optional dependency (`amp-runner[fp8]`); it is imported only here, on use.
 """
+
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping, Optional
+from typing import Optional
 
 from torch import nn
 
@@ -43,8 +45,9 @@ class Conversion:
         ops), as torchtitan sets for it: without it the compiled scaling and casting drift from
         eager (~1e-3 of the loss at the first step of GPT-2 small), and pytorch#150859 (NaNs from
         an RMS norm recomputed in the backward with other numerics than its forward)."""
-        return {"emulate_precision_casts": True} \
-            if self.recipe == "rowwise" and self.converted else {}
+        return (
+            {"emulate_precision_casts": True} if self.recipe == "rowwise" and self.converted else {}
+        )
 
     def findings(self) -> list[Finding]:
         """An info finding naming every Linear layer left out of fp8 (none: no finding), and the
@@ -52,20 +55,30 @@ class Conversion:
         if not self.skipped:
             return []
         listed = ", ".join(f"{name} ({why})" for name, why in self.skipped)
-        return [Finding(
-            "info", "fp8_linear",
-            f"{len(self.skipped)} of {len(self.skipped) + len(self.converted)} Linear layers stay "
-            f"in the level's type, not fp8: {listed}",
-            f"sizes that are multiples of {FP8_DIVISOR} let torchao run a layer in fp8"
-            + origins_hint([why for _, why in self.skipped], self.origins, FP8_DIVISOR))]
+        return [
+            Finding(
+                "info",
+                "fp8_linear",
+                f"{len(self.skipped)} of {len(self.skipped) + len(self.converted)} Linear layers "
+                "stay "
+                f"in the level's type, not fp8: {listed}",
+                f"sizes that are multiples of {FP8_DIVISOR} let torchao run a layer in fp8"
+                + origins_hint([why for _, why in self.skipped], self.origins, FP8_DIVISOR),
+            )
+        ]
 
     def listing(self) -> str:
         """The `fp8_layers.txt` artifact: one line per Linear layer."""
         kept = len(self.skipped) + len(self.planned_out)
-        source = f"fp8_linear={self.recipe}" if not self.planned_out else \
-            f"the layer plan's fp8 layers ({self.recipe} recipe)"
-        lines = [f"# {source}{' (emulated)' if self.emulated else ''}: "
-                 f"{len(self.converted)} Linear layers in fp8, {kept} not"]
+        source = (
+            f"fp8_linear={self.recipe}"
+            if not self.planned_out
+            else f"the layer plan's fp8 layers ({self.recipe} recipe)"
+        )
+        lines = [
+            f"# {source}{' (emulated)' if self.emulated else ''}: "
+            f"{len(self.converted)} Linear layers in fp8, {kept} not"
+        ]
         lines += [f"fp8   {name}" for name in self.converted]
         lines += [f"kept  {name}  ({why})" for name, why in self.skipped]
         lines += [f"plan  {name}  ({why})" for name, why in self.planned_out]
@@ -84,9 +97,14 @@ def _why_not(module: nn.Linear, origins: dict[int, str] | None = None) -> str | 
     return None
 
 
-def convert(model: nn.Module, recipe: str, emulate: bool, only: Optional[set[str]] = None,
-            reasons: Optional[Mapping[str, str]] = None,
-            fsdp_all_gather: bool = False) -> Conversion:
+def convert(
+    model: nn.Module,
+    recipe: str,
+    emulate: bool,
+    only: Optional[set[str]] = None,
+    reasons: Optional[Mapping[str, str]] = None,
+    fsdp_all_gather: bool = False,
+) -> Conversion:
     """Swap `model`'s eligible Linear layers for torchao's Float8Linear (in place) with the
     `recipe` ("tensorwise" or "rowwise"); `emulate` on a device without fp8 Tensor Cores.
     `only`: a layer plan's fp8 layers (checked eligible), converted and no other; the others are
@@ -106,7 +124,8 @@ def convert(model: nn.Module, recipe: str, emulate: bool, only: Optional[set[str
     for name, module in model.named_modules():
         if type(module) is nn.Linear and only is not None and name not in only:
             conversion.planned_out.append(
-                (name or type(module).__name__, reasons.get(name, "not an fp8 layer of the plan")))
+                (name or type(module).__name__, reasons.get(name, "not an fp8 layer of the plan"))
+            )
         elif type(module) is nn.Linear:  # (not a subclass torchao would not know how to copy)
             why = _why_not(module, conversion.origins)
             if why is None:
@@ -115,10 +134,10 @@ def convert(model: nn.Module, recipe: str, emulate: bool, only: Optional[set[str
             else:
                 conversion.skipped.append((name or type(module).__name__, why))
     if eligible:
-        config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe),
-                                     emulate=emulate)
+        config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
         if fsdp_all_gather and recipe == "tensorwise" and not emulate:
             config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
-        convert_to_float8_training(model, config=config,
-                                   module_filter_fn=lambda _module, name: name in eligible)
+        convert_to_float8_training(
+            model, config=config, module_filter_fn=lambda _module, name: name in eligible
+        )
     return conversion

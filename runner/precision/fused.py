@@ -17,10 +17,12 @@ Stochastic rounding (`Rounding`): bf16 parameters without fp32 masters are updat
 (`runner.precision.rounding`); `plan(..., param_dtype=torch.bfloat16)` plans them, and `apply`
 with a `Rounding` runs them (no model copies: the parameter is the model's own).
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Mapping, Optional
+from typing import Optional
 
 import torch
 
@@ -72,29 +74,42 @@ def _dense(t: torch.Tensor) -> bool:
         return True
     dim = t.dim()
     return (dim == 4 and t.is_contiguous(memory_format=torch.channels_last)) or (
-        dim == 5 and t.is_contiguous(memory_format=torch.channels_last_3d))
+        dim == 5 and t.is_contiguous(memory_format=torch.channels_last_3d)
+    )
 
 
 def _partners(a: torch.Tensor, b: torch.Tensor, device: torch.device) -> bool:
     """Whether the kernels can run elementwise over `a` and `b` together: both on `device`,
     16/32-bit floating, dense, same shape and the same memory layout (checked per step, so in
     the order that rejects nothing of a normal step soonest: cheap attributes first)."""
-    return (a.device == device and b.device == device and a.dtype in _KERNEL_DTYPES
-            and b.dtype in _KERNEL_DTYPES and a.shape == b.shape and not a.is_sparse
-            and not b.is_sparse and _dense(a) and (a.numel() <= 1 or a.stride() == b.stride()))
+    return (
+        a.device == device
+        and b.device == device
+        and a.dtype in _KERNEL_DTYPES
+        and b.dtype in _KERNEL_DTYPES
+        and a.shape == b.shape
+        and not a.is_sparse
+        and not b.is_sparse
+        and _dense(a)
+        and (a.numel() <= 1 or a.stride() == b.stride())
+    )
 
 
-def kernel_compatible(src: list[torch.Tensor], dst: list[torch.Tensor],
-                      device: torch.device) -> bool:
+def kernel_compatible(
+    src: list[torch.Tensor], dst: list[torch.Tensor], device: torch.device
+) -> bool:
     """Whether one kernel call can take these partner lists (see `_partners`)."""
     return len(src) == len(dst) and all(_partners(a, b, device) for a, b in zip(src, dst))
 
 
-def plan(optimizer: torch.optim.Optimizer, device: torch.device,
-         grad_of: Callable[[torch.Tensor], Optional[torch.Tensor]],
-         copy_of: Callable[[torch.Tensor], Optional[torch.Tensor]],
-         param_dtype: torch.dtype = torch.float32,
-         state_dtype: Optional[torch.dtype] = None) -> Optional[list[GroupPlan]]:
+def plan(
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+    grad_of: Callable[[torch.Tensor], Optional[torch.Tensor]],
+    copy_of: Callable[[torch.Tensor], Optional[torch.Tensor]],
+    param_dtype: torch.dtype = torch.float32,
+    state_dtype: Optional[torch.dtype] = None,
+) -> Optional[list[GroupPlan]]:
     """The step's work per group, or None when some part of it needs torch's path.
 
     `grad_of(param)` is the gradient to step with (None: the param has none this step);
@@ -151,9 +166,14 @@ def _scalar_dtype() -> torch.dtype:
 
 
 @torch.no_grad()
-def apply(kernels: Kernels, optimizer: torch.optim.Optimizer, plans: list[GroupPlan],
-          grad_scale: torch.Tensor, rounding: Optional[Rounding] = None,
-          state_dtype: Optional[torch.dtype] = None) -> None:
+def apply(
+    kernels: Kernels,
+    optimizer: torch.optim.Optimizer,
+    plans: list[GroupPlan],
+    grad_scale: torch.Tensor,
+    rounding: Optional[Rounding] = None,
+    state_dtype: Optional[torch.dtype] = None,
+) -> None:
     """One step of every group: params -= update(grads * grad_scale), model copies written (or,
     with `rounding`, bf16 params stored stochastically rounded). State created here (a first
     step) is of `state_dtype` (None: the param's, as torch creates it).
@@ -176,8 +196,14 @@ def _pick(items: list, idx: list[int]) -> list:
     return [items[i] for i in idx]
 
 
-def _sgd(kernels, optimizer, gp: GroupPlan, grad_scale, rounding: Optional[Rounding],
-         state_dtype: Optional[torch.dtype] = None) -> None:
+def _sgd(
+    kernels,
+    optimizer,
+    gp: GroupPlan,
+    grad_scale,
+    rounding: Optional[Rounding],
+    state_dtype: Optional[torch.dtype] = None,
+) -> None:
     g = gp.group
     momentum = g["momentum"]
     first = [False] * len(gp.params)
@@ -188,25 +214,55 @@ def _sgd(kernels, optimizer, gp: GroupPlan, grad_scale, rounding: Optional[Round
             buf = state.get("momentum_buffer")
             if buf is None:  # the kernel writes it whole on the first step
                 buf = state["momentum_buffer"] = torch.empty_like(
-                    p, dtype=state_dtype or p.dtype, memory_format=torch.preserve_format)
+                    p, dtype=state_dtype or p.dtype, memory_format=torch.preserve_format
+                )
                 first[i] = True
             bufs.append(buf)
-    hyper = (float(g["lr"]), float(g["weight_decay"]), float(momentum), float(g["dampening"]),
-             bool(g["nesterov"]), bool(g.get("maximize", False)))
+    hyper = (
+        float(g["lr"]),
+        float(g["weight_decay"]),
+        float(momentum),
+        float(g["dampening"]),
+        bool(g["nesterov"]),
+        bool(g.get("maximize", False)),
+    )
     for idx in _buckets(len(gp.params), lambda i: first[i]):
         params, grads = _pick(gp.params, idx), _pick(gp.grads, idx)
         momenta = _pick(bufs, idx) if bufs else []
         if rounding is None:
-            kernels.ops.sgd_step(params, grads, momenta, _pick(gp.copies, idx), grad_scale, None,
-                                 *hyper, first[idx[0]])
+            kernels.ops.sgd_step(
+                params,
+                grads,
+                momenta,
+                _pick(gp.copies, idx),
+                grad_scale,
+                None,
+                *hyper,
+                first[idx[0]],
+            )
         else:
-            kernels.ops.sgd_step_sr(params, grads, momenta, grad_scale, None, *hyper,
-                                    first[idx[0]], rounding.seed, rounding.step,
-                                    [rounding.ids[id(p)] for p in params])
+            kernels.ops.sgd_step_sr(
+                params,
+                grads,
+                momenta,
+                grad_scale,
+                None,
+                *hyper,
+                first[idx[0]],
+                rounding.seed,
+                rounding.step,
+                [rounding.ids[id(p)] for p in params],
+            )
 
 
-def _adam(kernels, optimizer, gp: GroupPlan, grad_scale, rounding: Optional[Rounding],
-          state_dtype: Optional[torch.dtype] = None) -> None:
+def _adam(
+    kernels,
+    optimizer,
+    gp: GroupPlan,
+    grad_scale,
+    rounding: Optional[Rounding],
+    state_dtype: Optional[torch.dtype] = None,
+) -> None:
     g = gp.group
     beta1, beta2 = (float(b) for b in g["betas"])
     decoupled = bool(g.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)))
@@ -216,10 +272,10 @@ def _adam(kernels, optimizer, gp: GroupPlan, grad_scale, rounding: Optional[Roun
         if len(state) == 0:  # torch's lazy initialisation, same keys and layout
             state["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
             dtype = state_dtype or p.dtype
-            state["exp_avg"] = torch.zeros_like(p, dtype=dtype,
-                                                memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype,
-                                                   memory_format=torch.preserve_format)
+            state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(
+                p, dtype=dtype, memory_format=torch.preserve_format
+            )
         exp_avgs.append(state["exp_avg"])
         exp_avg_sqs.append(state["exp_avg_sq"])
         steps.append(state["step"])
@@ -229,13 +285,36 @@ def _adam(kernels, optimizer, gp: GroupPlan, grad_scale, rounding: Optional[Roun
         step = numbers[idx[0]]
         params = _pick(gp.params, idx)
         moments = (_pick(exp_avgs, idx), _pick(exp_avg_sqs, idx))
-        hyper = (float(g["lr"]), beta1, beta2, float(g["eps"]), float(g["weight_decay"]),
-                 1.0 - beta1 ** step, 1.0 - beta2 ** step, decoupled,
-                 bool(g.get("maximize", False)))
+        hyper = (
+            float(g["lr"]),
+            beta1,
+            beta2,
+            float(g["eps"]),
+            float(g["weight_decay"]),
+            1.0 - beta1**step,
+            1.0 - beta2**step,
+            decoupled,
+            bool(g.get("maximize", False)),
+        )
         if rounding is None:
-            kernels.ops.adam_step(params, _pick(gp.grads, idx), *moments,
-                                  _pick(gp.copies, idx), grad_scale, None, *hyper)
+            kernels.ops.adam_step(
+                params,
+                _pick(gp.grads, idx),
+                *moments,
+                _pick(gp.copies, idx),
+                grad_scale,
+                None,
+                *hyper,
+            )
         else:
-            kernels.ops.adam_step_sr(params, _pick(gp.grads, idx), *moments, grad_scale, None,
-                                     *hyper, rounding.seed, rounding.step,
-                                     [rounding.ids[id(p)] for p in params])
+            kernels.ops.adam_step_sr(
+                params,
+                _pick(gp.grads, idx),
+                *moments,
+                grad_scale,
+                None,
+                *hyper,
+                rounding.seed,
+                rounding.step,
+                [rounding.ids[id(p)] for p in params],
+            )

@@ -38,15 +38,17 @@ its weights differ from what the plan or the level expects. Under autocast a lay
 16-bit type is on plan in that type or in fp32 (autocast decides per op: norms and reductions stay
 fp32); one planned in fp32 must compute in fp32.
 """
+
 from __future__ import annotations
 
 import difflib
 import fnmatch
 import functools
 import hashlib
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -102,7 +104,7 @@ class LayerRule:
         return [self.pattern, self.format, self.source, self.why]
 
     @classmethod
-    def from_list(cls, item: Sequence[Any]) -> "LayerRule":
+    def from_list(cls, item: Sequence[Any]) -> LayerRule:
         pattern, fmt, source, why = (str(x) for x in item)
         return cls(pattern, ptable.parse_layer_format(LAYERS_KEY, fmt), source, why)
 
@@ -121,19 +123,26 @@ def load_plan_file(path: str | Path) -> list[LayerRule]:
     p = Path(path).expanduser()
     where = f"the plan file {path}"
     if not p.is_file():
-        raise ConfigError(PLAN_KEY, f"{where} does not exist (or is not a file)",
-                          "null, auto, or the path of a YAML file (python -m runner.diagnose "
-                          "... --plan plan.yaml writes one)")
+        raise ConfigError(
+            PLAN_KEY,
+            f"{where} does not exist (or is not a file)",
+            "null, auto, or the path of a YAML file (python -m runner.diagnose "
+            "... --plan plan.yaml writes one)",
+        )
     if p.stat().st_size > MAX_PLAN_BYTES:
-        raise ConfigError(PLAN_KEY, f"{where} is {p.stat().st_size} bytes: not a plan "
-                          f"(at most {MAX_PLAN_BYTES} bytes)", "a YAML mapping of globs to formats")
+        raise ConfigError(
+            PLAN_KEY,
+            f"{where} is {p.stat().st_size} bytes: not a plan (at most {MAX_PLAN_BYTES} bytes)",
+            "a YAML mapping of globs to formats",
+        )
     try:
         data = yaml.safe_load(p.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError) as error:
         raise ConfigError(PLAN_KEY, f"{where} cannot be read: {error}") from None
     except yaml.YAMLError as error:
-        raise ConfigError(PLAN_KEY, f"{where} is not valid YAML: "
-                          f"{' '.join(str(error).split())}") from None
+        raise ConfigError(
+            PLAN_KEY, f"{where} is not valid YAML: {' '.join(str(error).split())}"
+        ) from None
     return parse_plan(data, str(path))
 
 
@@ -145,31 +154,40 @@ def parse_plan(data: Any, source: str) -> list[LayerRule]:
     if isinstance(data, Mapping) and isinstance(data.get("layers"), Mapping):
         unknown = [str(k) for k in data if k not in PLAN_FILE_KEYS]
         if unknown:
-            raise ConfigError(PLAN_KEY, f"{where} has unknown key(s) {', '.join(unknown)}",
-                              ", ".join(PLAN_FILE_KEYS))
+            raise ConfigError(
+                PLAN_KEY,
+                f"{where} has unknown key(s) {', '.join(unknown)}",
+                ", ".join(PLAN_FILE_KEYS),
+            )
         layers, why = data["layers"], data.get("why") or {}
         if not isinstance(why, Mapping):
-            raise ConfigError(PLAN_KEY, f"{where}: 'why' must map globs to reasons, got "
-                              f"{type(why).__name__}")
+            raise ConfigError(
+                PLAN_KEY, f"{where}: 'why' must map globs to reasons, got {type(why).__name__}"
+            )
     elif isinstance(data, Mapping):
         layers, why = data, {}
     else:
-        raise ConfigError(PLAN_KEY, f"{where} holds {type(data).__name__ if data is not None else 'nothing'}"
-                          ", not a mapping of module-name globs to formats",
-                          "e.g. 'head: float32' on a line of its own")
+        raise ConfigError(
+            PLAN_KEY,
+            f"{where} holds {type(data).__name__ if data is not None else 'nothing'}"
+            ", not a mapping of module-name globs to formats",
+            "e.g. 'head: float32' on a line of its own",
+        )
     if not layers and "layers" not in data:  # (`layers: {}` says it: the level everywhere)
         raise ConfigError(PLAN_KEY, f"{where} names no layer", "at least one 'glob: format' entry")
     rules = []
     for pattern, fmt in layers.items():
         if not isinstance(pattern, str) or not pattern.strip():
-            raise ConfigError(PLAN_KEY, f"{where}: a module-name glob must be a non-empty string, "
-                              f"got {pattern!r}")
+            raise ConfigError(
+                PLAN_KEY, f"{where}: a module-name glob must be a non-empty string, got {pattern!r}"
+            )
         pattern = pattern.strip()
         try:
             fmt = ptable.parse_layer_format(PLAN_KEY, fmt)
         except ConfigError as error:
-            raise ConfigError(PLAN_KEY, f"{where}: '{pattern}': {error.problem}",
-                              error.allowed) from None
+            raise ConfigError(
+                PLAN_KEY, f"{where}: '{pattern}': {error.problem}", error.allowed
+            ) from None
         reason = why.get(pattern, "")
         rules.append(LayerRule(pattern, fmt, source, str(reason) if reason else ""))
     return rules
@@ -207,16 +225,22 @@ def fp8_refusal(p: Properties) -> Optional[tuple[str, str]]:
     compute (O1 bf16 autocast, or a bf16 model) with the weights updated in high precision (an
     fp32 model, or fp32 master weights): torchao's float8 training."""
     if torch.float16 in p.compute_dtypes:
-        return ("torchao's float8 training runs the rest of the model in bfloat16 or fp32 (its "
-                "scaled fp8 GEMMs output bf16), not fp16",
-                "use precision=o1_bf16 or o2_bf16 (or the fp8 presets o1_fp8 / o2_fp8)")
+        return (
+            "torchao's float8 training runs the rest of the model in bfloat16 or fp32 (its "
+            "scaled fp8 GEMMs output bf16), not fp16",
+            "use precision=o1_bf16 or o2_bf16 (or the fp8 presets o1_fp8 / o2_fp8)",
+        )
     if p.opt_level == "O0" or not p.compute_dtypes:
-        return ("O0 computes in fp32: it is the baseline the other levels are compared with",
-                "use precision=o1_bf16 or o2_bf16 with fp8 layers")
+        return (
+            "O0 computes in fp32: it is the baseline the other levels are compared with",
+            "use precision=o1_bf16 or o2_bf16 with fp8 layers",
+        )
     if p.casts_to_half and not p.uses_master_weights:
-        return ("fp8 training needs the weights updated in high precision (fp32 masters, or an "
-                "fp32 model), and this level keeps no masters",
-                "use precision=o2_bf16 (fp32 master weights) or o1_bf16")
+        return (
+            "fp8 training needs the weights updated in high precision (fp32 masters, or an "
+            "fp32 model), and this level keeps no masters",
+            "use precision=o2_bf16 (fp32 master weights) or o1_bf16",
+        )
     return None
 
 
@@ -233,23 +257,33 @@ def _formats_for_level(p: Properties, ctx: Any, rules: Sequence[LayerRule]) -> I
         if fmt == FP8:
             refusal = fp8_refusal(p)
             if refusal is not None:
-                yield Finding("error", rule.key, f"'{rule.pattern}': fp8 under {p.opt_level}"
-                              f"{_of_source(rule)}: {refusal[0]}", refusal[1])
+                yield Finding(
+                    "error",
+                    rule.key,
+                    f"'{rule.pattern}': fp8 under {p.opt_level}{_of_source(rule)}: {refusal[0]}",
+                    refusal[1],
+                )
             continue
         if half is None:
-            yield Finding("error", rule.key,
-                          f"'{rule.pattern}': {fmt} under {p.opt_level}{_of_source(rule)}: this "
-                          "level computes in fp32 everywhere (the baseline), so no layer can be "
-                          "16-bit",
-                          f"use a {fmt} level (precision=o1_bf16, o2_bf16, ...) with fp32 layers "
-                          "where needed" if fmt == "bfloat16" else
-                          "use an fp16 level (precision=o1, o2) with fp32 layers where needed")
+            yield Finding(
+                "error",
+                rule.key,
+                f"'{rule.pattern}': {fmt} under {p.opt_level}{_of_source(rule)}: this "
+                "level computes in fp32 everywhere (the baseline), so no layer can be "
+                "16-bit",
+                f"use a {fmt} level (precision=o1_bf16, o2_bf16, ...) with fp32 layers where needed"
+                if fmt == "bfloat16"
+                else "use an fp16 level (precision=o1, o2) with fp32 layers where needed",
+            )
         elif DTYPES[fmt] != half:
-            yield Finding("error", rule.key,
-                          f"'{rule.pattern}': {fmt} in a {dtype_name(half)} run"
-                          f"{_of_source(rule)}: one 16-bit type per run (its loss scaling and "
-                          "master weights are set for it)",
-                          f"float32 or {dtype_name(half)} for this layer, or a {fmt} level")
+            yield Finding(
+                "error",
+                rule.key,
+                f"'{rule.pattern}': {fmt} in a {dtype_name(half)} run"
+                f"{_of_source(rule)}: one 16-bit type per run (its loss scaling and "
+                "master weights are set for it)",
+                f"float32 or {dtype_name(half)} for this layer, or a {fmt} level",
+            )
 
 
 @LAYER_RULES
@@ -264,27 +298,47 @@ def _fp8_layers_device(p: Properties, ctx: Any, rules: Sequence[LayerRule]) -> I
 
     key = fp8_rules[0].key
     if importlib.util.find_spec("torchao") is None:
-        yield Finding("error", key, "fp8 layers need torchao, which is not installed",
-                      'pip install "amp-runner[fp8]" (torchao)')
+        yield Finding(
+            "error",
+            key,
+            "fp8 layers need torchao, which is not installed",
+            'pip install "amp-runner[fp8]" (torchao)',
+        )
     device = getattr(ctx, "device", None)
     if device is None:
         return
     if device.type == "cpu":
-        yield Finding("info", key, "fp8 on a CPU is emulated (torchao's emulate mode): the "
-                      "numerics of fp8 training, no speed-up", "")
-    elif device.type == "cuda" and device.capability is not None \
-            and device.capability < FP8_MIN_CAPABILITY:
-        yield Finding("error", key, f"fp8 layers on {device.describe()}: fp8 Tensor Cores need "
-                      "compute capability 8.9 (Ada) or 9.0 (Hopper) or newer",
-                      "give these layers bfloat16 (or float32) on this GPU")
+        yield Finding(
+            "info",
+            key,
+            "fp8 on a CPU is emulated (torchao's emulate mode): the "
+            "numerics of fp8 training, no speed-up",
+            "",
+        )
+    elif (
+        device.type == "cuda"
+        and device.capability is not None
+        and device.capability < FP8_MIN_CAPABILITY
+    ):
+        yield Finding(
+            "error",
+            key,
+            f"fp8 layers on {device.describe()}: fp8 Tensor Cores need "
+            "compute capability 8.9 (Ada) or 9.0 (Hopper) or newer",
+            "give these layers bfloat16 (or float32) on this GPU",
+        )
 
 
 @LAYER_RULES
 def _auto_at_o0(p: Properties, ctx: Any, rules: Sequence[LayerRule]) -> Iterable[Finding]:
     if p.layer_plan == AUTO and level_half(p) is None:
-        yield Finding("info", PLAN_KEY, f"layer_plan=auto under {p.opt_level}: the level computes "
-                      "in fp32 everywhere, so the plan can only keep every layer in fp32",
-                      "plan for a 16-bit level (precision=o2_bf16 precision.layer_plan=auto)")
+        yield Finding(
+            "info",
+            PLAN_KEY,
+            f"layer_plan=auto under {p.opt_level}: the level computes "
+            "in fp32 everywhere, so the plan can only keep every layer in fp32",
+            "plan for a 16-bit level (precision=o2_bf16 precision.layer_plan=auto)",
+        )
 
 
 def _of_source(rule: LayerRule) -> str:
@@ -329,8 +383,11 @@ class Expect:
 def param_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The plan's layers: modules that own parameters themselves, by qualified name ("" for the
     model itself), in module order."""
-    return [(name, m) for name, m in model.named_modules()
-            if any(True for _ in m.parameters(recurse=False))]
+    return [
+        (name, m)
+        for name, m in model.named_modules()
+        if any(True for _ in m.parameters(recurse=False))
+    ]
 
 
 def _label(name: str) -> str:
@@ -343,9 +400,11 @@ def fp8_ineligible(module: nn.Module) -> Optional[str]:
 
     if type(module) is not nn.Linear:
         return f"{type(module).__name__}, not an nn.Linear"
-    sizes = [f"{label} {n}" for label, n in (("in_features", module.in_features),
-                                              ("out_features", module.out_features))
-             if n % FP8_DIVISOR]
+    sizes = [
+        f"{label} {n}"
+        for label, n in (("in_features", module.in_features), ("out_features", module.out_features))
+        if n % FP8_DIVISOR
+    ]
     if sizes:
         return f"{', '.join(sizes)} not a multiple of {FP8_DIVISOR}"
     return None
@@ -363,8 +422,9 @@ def level_expect(p: Properties, module: nn.Module, root: bool = False) -> tuple[
             return Expect(cast, "float32"), "the level: keep_batchnorm_fp32"
         return Expect(cast, cast), f"the level: {p.opt_level} casts the model to {cast}"
     if p.autocasts and half is not None:
-        return Expect(dtype_name(half), "float32", autocast=True), \
-            f"the level: {p.opt_level} autocast ({dtype_name(half)})"
+        return Expect(
+            dtype_name(half), "float32", autocast=True
+        ), f"the level: {p.opt_level} autocast ({dtype_name(half)})"
     return Expect("float32", "float32"), f"the level: {p.opt_level} (fp32)"
 
 
@@ -428,8 +488,7 @@ class LayerPlan:
     @property
     def deviates(self) -> bool:
         """Whether an entry makes any layer compute other than the level would."""
-        return any(layer.rule is not None and layer.expect != layer.level
-                   for layer in self.layers)
+        return any(layer.rule is not None and layer.expect != layer.level for layer in self.layers)
 
     def formats(self) -> dict[str, str]:
         """{layer: planned format} (what a checkpoint keeps, and what the digest covers)."""
@@ -460,18 +519,21 @@ class LayerPlan:
 
     def table(self) -> str:
         """Layer | module | planned | why: printed by a dry run and logged with the run."""
-        return text_table(("layer", "module", "planned", "why"),
-                          [(layer.label, layer.module, layer.planned, layer.why)
-                           for layer in self.layers])
+        return text_table(
+            ("layer", "module", "planned", "why"),
+            [(layer.label, layer.module, layer.planned, layer.why) for layer in self.layers],
+        )
 
     def yaml(self, header: Sequence[str] = ()) -> str:
         """The layers an entry decides, by their exact names, as a plan file a later run can take
         as `precision.layer_plan` (the others follow the level): the artifact
         `layers/layer_plan.yaml`."""
-        rules = [LayerRule(exact_glob(layer.name), layer.rule.format, why=layer.why)
-                 for layer in self.layers if layer.rule is not None and layer.name]
-        return plan_yaml(rules, [*header, "layers not listed here compute as the level makes "
-                                          "them"])
+        rules = [
+            LayerRule(exact_glob(layer.name), layer.rule.format, why=layer.why)
+            for layer in self.layers
+            if layer.rule is not None and layer.name
+        ]
+        return plan_yaml(rules, [*header, "layers not listed here compute as the level makes them"])
 
     # ---- what ran where ---------------------------------------------------------------------
     def compare(self, observations: Iterable[Any]) -> list[dict[str, Any]]:
@@ -494,15 +556,21 @@ class LayerPlan:
                 # model itself, the output cast's)
                 observed = obs.weights[0] if obs.weights else "none"
                 note = note or "judged by its own weights (its output is its inner layers')"
-            rows.append({
-                "layer": layer.label, "module": layer.module, "planned": layer.planned,
-                "observed": observed,
-                "inputs": _dtypes(obs.inputs) if obs is not None else "",
-                "weights": _dtypes(obs.weights) if obs is not None else "",
-                "outputs": _dtypes(obs.outputs) if obs is not None else "",
-                "grads": _dtypes(obs.grads) if obs is not None else "",
-                "off_plan": off, "note": note, "why": layer.why,
-            })
+            rows.append(
+                {
+                    "layer": layer.label,
+                    "module": layer.module,
+                    "planned": layer.planned,
+                    "observed": observed,
+                    "inputs": _dtypes(obs.inputs) if obs is not None else "",
+                    "weights": _dtypes(obs.weights) if obs is not None else "",
+                    "outputs": _dtypes(obs.outputs) if obs is not None else "",
+                    "grads": _dtypes(obs.grads) if obs is not None else "",
+                    "off_plan": off,
+                    "note": note,
+                    "why": layer.why,
+                }
+            )
         return rows
 
 
@@ -531,8 +599,10 @@ def _off_plan(layer: PlannedLayer, obs: Any, weights_only: bool = False) -> tupl
         return False, "not observed"
     if not obs.called:
         if layer.rule is not None and expect != layer.level:
-            return True, (f"its forward never ran (its parent uses its weights directly), so the "
-                          f"entry's {expect.compute} did not apply to its computation")
+            return True, (
+                f"its forward never ran (its parent uses its weights directly), so the "
+                f"entry's {expect.compute} did not apply to its computation"
+            )
         return False, "its forward did not run in this step (its parent may use its weights)"
     problems = []
     if weights_only:  # (the model's own outputs come back as fp32: the IO cast)
@@ -558,10 +628,13 @@ def _closest(pattern: str, names: Sequence[str], model: nn.Module) -> str:
     wildcards too), else the model's top-level modules."""
     named = [n for n in names if n]
     plain = pattern.replace("*", "").replace("?", "").strip(".")
-    close = list(dict.fromkeys(
-        difflib.get_close_matches(pattern, named, n=5, cutoff=0.5)
-        + difflib.get_close_matches(plain, named, n=5, cutoff=0.5)
-        + [n for n in named if plain and n.rsplit(".", 1)[-1] in plain.split(".")][:5]))[:5]
+    close = list(
+        dict.fromkeys(
+            difflib.get_close_matches(pattern, named, n=5, cutoff=0.5)
+            + difflib.get_close_matches(plain, named, n=5, cutoff=0.5)
+            + [n for n in named if plain and n.rsplit(".", 1)[-1] in plain.split(".")][:5]
+        )
+    )[:5]
     if close:
         return "closest module names: " + ", ".join(close)
     top = [n for n, _ in model.named_children()]
@@ -585,27 +658,36 @@ def assign(model: nn.Module, rules: Sequence[LayerRule], p: Properties) -> Layer
     without parameters, for fp8 on a layer that cannot run it, and for tied weights planned in
     two types. Rules about formats and levels are `rule_findings`' (checked before)."""
     names = [n for n, _ in model.named_modules()]
-    layers = [PlannedLayer(name, type(m).__name__, *level_expect(p, m, root=(m is model)))
-              for name, m in param_layers(model)]
+    layers = [
+        PlannedLayer(name, type(m).__name__, *level_expect(p, m, root=(m is model)))
+        for name, m in param_layers(model)
+    ]
     # each module's enclosing modules, itself included: a rule that matches any of them decides it
     around = {n: _enclosing(n) for n in names}
     matches: list[set[str]] = []
     for rule in rules:
         matched = {n for n in names if fnmatch.fnmatchcase(n, rule.pattern)}
         if not matched:
-            raise ConfigError(rule.key, f"'{rule.pattern}' ({rule.where()}) matches no module of "
-                              f"{type(model).__name__}; {_closest(rule.pattern, names, model)}",
-                              "a glob over the qualified module names (model.named_modules()), "
-                              "e.g. head, blocks.*.attn.*, *norm*")
+            raise ConfigError(
+                rule.key,
+                f"'{rule.pattern}' ({rule.where()}) matches no module of "
+                f"{type(model).__name__}; {_closest(rule.pattern, names, model)}",
+                "a glob over the qualified module names (model.named_modules()), "
+                "e.g. head, blocks.*.attn.*, *norm*",
+            )
         covered = [layer for layer in layers if not matched.isdisjoint(around[layer.name])]
         if not covered:
             listed = [n for n in names if n in matched]
-            shown = ", ".join(listed[:5]) + (f" and {len(listed) - 5} more"
-                                             if len(listed) > 5 else "")
-            raise ConfigError(rule.key, f"'{rule.pattern}' ({rule.where()}) matches only modules "
-                              f"without parameters ({shown}): they compute in the type of their "
-                              "inputs, so the entry would change nothing",
-                              "a glob naming layers with weights, or a module around them")
+            shown = ", ".join(listed[:5]) + (
+                f" and {len(listed) - 5} more" if len(listed) > 5 else ""
+            )
+            raise ConfigError(
+                rule.key,
+                f"'{rule.pattern}' ({rule.where()}) matches only modules "
+                f"without parameters ({shown}): they compute in the type of their "
+                "inputs, so the entry would change nothing",
+                "a glob naming layers with weights, or a module around them",
+            )
         for layer in covered:  # (a later entry wins)
             layer.rule = rule
         matches.append(matched)
@@ -614,20 +696,29 @@ def assign(model: nn.Module, rules: Sequence[LayerRule], p: Properties) -> Layer
     regions: dict[str, str] = {}
     for n in names:
         if any(n in matched for matched in matches):
-            owner = next(rule for rule, matched in zip(reversed(rules), reversed(matches))
-                         if not matched.isdisjoint(around[n]))
+            owner = next(
+                rule
+                for rule, matched in zip(reversed(rules), reversed(matches))
+                if not matched.isdisjoint(around[n])
+            )
             regions[n] = owner.format
     for layer in layers:
         layer.expect = layer.level if layer.rule is None else rule_expect(p, layer.rule.format)
         if layer.rule is not None and layer.rule.format == FP8:
-            why = fp8_ineligible(model.get_submodule(layer.name)) if layer.name else \
-                "the model itself"
+            why = (
+                fp8_ineligible(model.get_submodule(layer.name))
+                if layer.name
+                else "the model itself"
+            )
             if why is not None:
-                raise ConfigError(layer.rule.key, f"'{layer.rule.pattern}' ({layer.rule.where()}) "
-                                  f"gives fp8 to {layer.label}, which cannot run in fp8: {why}",
-                                  "fp8 for nn.Linear layers whose sizes are multiples of 16; "
-                                  "give this layer another format with a later, more specific "
-                                  "entry")
+                raise ConfigError(
+                    layer.rule.key,
+                    f"'{layer.rule.pattern}' ({layer.rule.where()}) "
+                    f"gives fp8 to {layer.label}, which cannot run in fp8: {why}",
+                    "fp8 for nn.Linear layers whose sizes are multiples of 16; "
+                    "give this layer another format with a later, more specific "
+                    "entry",
+                )
     _check_tied(model, layers)
     return LayerPlan(layers, tuple(rules), regions)
 
@@ -650,7 +741,8 @@ def _check_tied(model: nn.Module, layers: Sequence[PlannedLayer]) -> None:
                     f"{other.label}.{seen[1]} and {layer.label}.{pname} are one parameter (tied "
                     f"weights), but the plan gives {other.label} {other.expect.weights} weights "
                     f"and {layer.label} {layer.expect.weights} ones",
-                    "the same format for both layers")
+                    "the same format for both layers",
+                )
 
 
 # ---- enforcement -------------------------------------------------------------------------------
@@ -705,13 +797,17 @@ def enforce(model: nn.Module, plan: LayerPlan, p: Properties, device_type: str) 
         # (the model itself casts its inputs only where an entry names it: its layers cast
         # their own, so an fp32 first layer sees the inputs unrounded)
         targets: dict[str, torch.dtype] = {
-            layer.name: layer.expect.input_dtype for layer in plan.layers if layer.name}
+            layer.name: layer.expect.input_dtype for layer in plan.layers if layer.name
+        }
         for name, fmt in plan.regions.items():
             targets.setdefault(name, DTYPES[fmt] if fmt != FP8 else p.cast_model_type)
         for name, dtype in targets.items():
             module = model.get_submodule(name)
-            out.handles.append(module.register_forward_pre_hook(
-                functools.partial(_cast_inputs, dtype), with_kwargs=True))
+            out.handles.append(
+                module.register_forward_pre_hook(
+                    functools.partial(_cast_inputs, dtype), with_kwargs=True
+                )
+            )
         return out
     if p.autocasts:
         half = level_half(p)

@@ -10,6 +10,7 @@ the model already has (BatchNorm under keep_batchnorm_fp32) are their own master
 hooks of the 16-bit models they mirror: `model.state_dict()` returns fp32 tensors (the masters'
 exact values where a parameter has one) and `model.load_state_dict(sd)` re-seeds the masters.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -46,8 +47,9 @@ class MasterWeights:
                 if id(p) in seen:  # the same parameter in two groups: share one master
                     params[i] = seen[id(p)]
                     continue
-                master = nn.Parameter(p.detach().to(torch.float32, copy=True),
-                                      requires_grad=p.requires_grad)
+                master = nn.Parameter(
+                    p.detach().to(torch.float32, copy=True), requires_grad=p.requires_grad
+                )
                 seen[id(p)] = master
                 params[i] = master
                 self.model_params.append(p)
@@ -62,6 +64,7 @@ class MasterWeights:
         if param not in state:
             return
         old = state.pop(param)
+
         def to_fp32(k, v):
             floating = torch.is_tensor(v) and v.is_floating_point() and k != "step"
             return v.to(torch.float32) if floating else v
@@ -146,7 +149,7 @@ class _StateDictHook:
     own (16-bit) tensors and loading into it leaves the masters alone. (torch tags hooks with
     attributes, which bound methods refuse, so this is an object, not a bound method.)"""
 
-    def __init__(self, target: "MasterSet", method: str):
+    def __init__(self, target: MasterSet, method: str):
         self._target: Optional[weakref.ref] = weakref.ref(target)
         self._method = method
 
@@ -200,24 +203,26 @@ class MasterSet:
         every other 16-bit tensor as `.float()`), and `model.load_state_dict(sd)` re-seeding the
         masters (from fp32 values in `sd` when present, else from the loaded model)."""
         # torch < 2.5 has the state-dict post hook under its private name only
-        register_state_hook = getattr(model, "register_state_dict_post_hook", None) or \
-            model._register_state_dict_hook
+        register_state_hook = (
+            getattr(model, "register_state_dict_post_hook", None) or model._register_state_dict_hook
+        )
         return [
             register_state_hook(_StateDictHook(self, "_fp32_state_hook")),
             model.register_load_state_dict_pre_hook(_StateDictHook(self, "_load_pre_hook")),
             model.register_load_state_dict_post_hook(_StateDictHook(self, "_load_post_hook")),
         ]
 
-    def _fp32_state_hook(self, module: nn.Module, state_dict: dict, prefix: str,
-                         local_metadata: Any) -> None:
+    def _fp32_state_hook(
+        self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any
+    ) -> None:
         masters = self.master_of()
-        for name, param in module.named_parameters(prefix=prefix.rstrip(".") if prefix else "",
-                                                   remove_duplicate=False):
+        for name, param in module.named_parameters(
+            prefix=prefix.rstrip(".") if prefix else "", remove_duplicate=False
+        ):
             if name in state_dict and id(param) in masters:
                 state_dict[name] = masters[id(param)].detach()
         for key, value in list(state_dict.items()):
-            if (key.startswith(prefix) and torch.is_tensor(value)
-                    and value.dtype in HALF_DTYPES):
+            if key.startswith(prefix) and torch.is_tensor(value) and value.dtype in HALF_DTYPES:
                 state_dict[key] = value.float()
 
     def _load_pre_hook(self, module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:

@@ -27,10 +27,12 @@ The optimizer's state format (`runner.precision.state`): every path keeps float 
 `state_dtype` it is given; the kernels take fp32 or bf16 state (of fp32 params, or of
 stochastically rounded bf16 params), torch's ops (`state.float_state_step`) any other mix.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -53,8 +55,9 @@ class ScaleTensors:
         if t is None:
             if len(self._cache) > 16:
                 self._cache.clear()
-            t = self._cache[value] = torch.full((1,), value, dtype=torch.float32,
-                                                device=self.device)
+            t = self._cache[value] = torch.full(
+                (1,), value, dtype=torch.float32, device=self.device
+            )
         return t
 
 
@@ -86,25 +89,37 @@ class ExecutionPath:
 
     name = "abstract"
 
-    def unscale(self, optimizer: torch.optim.Optimizer, masters: Optional[MasterWeights],
-                scaler: Optional[LossScaler],
-                multiplier: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    def unscale(
+        self,
+        optimizer: torch.optim.Optimizer,
+        masters: Optional[MasterWeights],
+        scaler: Optional[LossScaler],
+        multiplier: Optional[torch.Tensor] = None,
+    ) -> Optional[torch.Tensor]:
         raise NotImplementedError
 
-    def plan(self, optimizer: torch.optim.Optimizer, masters: Optional[MasterWeights],
-             scaler: LossScaler) -> Optional[ScaledStep]:
+    def plan(
+        self, optimizer: torch.optim.Optimizer, masters: Optional[MasterWeights], scaler: LossScaler
+    ) -> Optional[ScaledStep]:
         return None
 
     def check(self, step: ScaledStep) -> Optional[torch.Tensor]:
         raise NotImplementedError(f"the {self.name} path plans no scaled step to check")
 
-    def clip(self, step: ScaledStep, max_norm: float
-             ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def clip(
+        self, step: ScaledStep, max_norm: float
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         raise NotImplementedError(f"the {self.name} path plans no scaled step to clip")
 
-    def apply(self, optimizer: torch.optim.Optimizer, masters: Optional[MasterWeights],
-              step: Optional[ScaledStep], step_fn: Optional[Callable[..., Any]],
-              args: tuple, kwargs: dict) -> None:
+    def apply(
+        self,
+        optimizer: torch.optim.Optimizer,
+        masters: Optional[MasterWeights],
+        step: Optional[ScaledStep],
+        step_fn: Optional[Callable[..., Any]],
+        args: tuple,
+        kwargs: dict,
+    ) -> None:
         raise NotImplementedError
 
     def copy_back(self, masters: MasterWeights) -> None:
@@ -133,7 +148,8 @@ class TorchPath(ExecutionPath):
             if args or kwargs:
                 raise RuntimeError(
                     f"an optimizer whose state is kept in {self.state_dtype} runs its step on "
-                    "fp32 copies and takes no closure or arguments")
+                    "fp32 copies and takes no closure or arguments"
+                )
             state.float_state_step(optimizer, self.state_dtype, step_fn)
         else:
             (step_fn or optimizer.step)(*args, **kwargs)
@@ -166,8 +182,11 @@ class FusedPath(TorchPath):
         src, dst = masters.attach_grad_buffers() if masters is not None else ([], [])
         if check or multiplier is not None:
             mirrored = masters.model_of() if masters is not None else {}
-            own = [p.grad for p in stepped_params(optimizer)
-                   if p.grad is not None and id(p) not in mirrored]
+            own = [
+                p.grad
+                for p in stepped_params(optimizer)
+                if p.grad is not None and id(p) not in mirrored
+            ]
             src, dst = src + own, dst + own
         if not fused.kernel_compatible(src, dst, self.device):
             return super().unscale(optimizer, masters, scaler)
@@ -187,8 +206,13 @@ class FusedPath(TorchPath):
         if masters is None and not scaler.needs_check:
             return None
         model_of = masters.model_of() if masters is not None else {}
-        plans = fused.plan(optimizer, self.device, lambda p: model_of.get(id(p), p).grad,
-                           lambda p: model_of.get(id(p)), state_dtype=self.state_dtype)
+        plans = fused.plan(
+            optimizer,
+            self.device,
+            lambda p: model_of.get(id(p), p).grad,
+            lambda p: model_of.get(id(p)),
+            state_dtype=self.state_dtype,
+        )
         return None if plans is None else ScaledStep(plans, scaler)
 
     def check(self, step):
@@ -217,16 +241,23 @@ class FusedPath(TorchPath):
             multiplier = step.multiplier
             if multiplier is None:
                 multiplier = self.scales(1.0 / step.scaler.scale)
-            fused.apply(self.kernels, optimizer, step.plans, multiplier,
-                        state_dtype=self.state_dtype)
+            fused.apply(
+                self.kernels, optimizer, step.plans, multiplier, state_dtype=self.state_dtype
+            )
             return
         if masters is not None and not args and not kwargs:
             model_of = masters.model_of()
-            plans = fused.plan(optimizer, self.device, lambda p: p.grad,
-                               lambda p: model_of.get(id(p)), state_dtype=self.state_dtype)
+            plans = fused.plan(
+                optimizer,
+                self.device,
+                lambda p: p.grad,
+                lambda p: model_of.get(id(p)),
+                state_dtype=self.state_dtype,
+            )
             if plans is not None:
-                fused.apply(self.kernels, optimizer, plans, self.scales(1.0),
-                            state_dtype=self.state_dtype)
+                fused.apply(
+                    self.kernels, optimizer, plans, self.scales(1.0), state_dtype=self.state_dtype
+                )
                 return
         super().apply(optimizer, masters, None, step_fn, args, kwargs)
 
@@ -262,8 +293,9 @@ class RoundingPath(ExecutionPath):
 
     name = "stochastic_rounding"
 
-    def __init__(self, base: TorchPath, clock: RoundingClock, device: torch.device,
-                 scales: ScaleTensors):
+    def __init__(
+        self, base: TorchPath, clock: RoundingClock, device: torch.device, scales: ScaleTensors
+    ):
         self.base = base
         self.clock = clock
         self.device = device
@@ -274,8 +306,10 @@ class RoundingPath(ExecutionPath):
 
     def apply(self, optimizer, masters, step, step_fn, args, kwargs):
         if args or kwargs:
-            raise RuntimeError("stochastic rounding runs the optimizer's step itself and takes "
-                               "no closure or arguments (as Apex's optimizer.step)")
+            raise RuntimeError(
+                "stochastic rounding runs the optimizer's step itself and takes "
+                "no closure or arguments (as Apex's optimizer.step)"
+            )
         key = fused.Rounding(self.clock.seed, self.clock.next(), rounding.tensor_ids(optimizer))
         if state.rounds_itself(optimizer):  # torchao's low-bit optimizer, its own rounding
             (step_fn or optimizer.step)()
@@ -283,8 +317,14 @@ class RoundingPath(ExecutionPath):
         kernels = getattr(self.base, "kernels", None)
         state_dtype = self.base.state_dtype
         if kernels is not None:
-            plans = fused.plan(optimizer, self.device, lambda p: p.grad, lambda p: None,
-                               param_dtype=torch.bfloat16, state_dtype=state_dtype)
+            plans = fused.plan(
+                optimizer,
+                self.device,
+                lambda p: p.grad,
+                lambda p: None,
+                param_dtype=torch.bfloat16,
+                state_dtype=state_dtype,
+            )
             if plans is not None:
                 fused.apply(kernels, optimizer, plans, self.scales(1.0), key, state_dtype)
                 return
@@ -294,9 +334,13 @@ class RoundingPath(ExecutionPath):
         raise RuntimeError("stochastic rounding keeps no master weights to copy back")
 
 
-def choose(kernels: Optional[Kernels], device: torch.device, scales: ScaleTensors,
-           clock: Optional[RoundingClock] = None,
-           state_dtype: Optional[torch.dtype] = None) -> ExecutionPath:
+def choose(
+    kernels: Optional[Kernels],
+    device: torch.device,
+    scales: ScaleTensors,
+    clock: Optional[RoundingClock] = None,
+    state_dtype: Optional[torch.dtype] = None,
+) -> ExecutionPath:
     """An optimizer's path: the kernels' wherever they are loaded (their copy, unscale and
     copy-back serve every optimizer; the fused update itself is planned per step, and falls back
     to the optimizer's own step for one the kernels do not implement), else torch's ops; with a

@@ -10,10 +10,12 @@ Rules about the hardware, the optimizer's epsilon and the model's shapes live in
 `runner.precision.checks` (which builds on this module); `runner.precision.resolver.resolve` runs
 both sets (with `strict=True` every warning becomes an error).
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Literal, Mapping, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import torch
 
@@ -44,7 +46,10 @@ PROPERTY_KEYS = ptable.property_names()
 FP8_RECIPES = ptable.FP8_RECIPES
 
 _DTYPES: dict[str, torch.dtype] = {
-    "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+}
 
 
 def dtype_name(dtype: Optional[torch.dtype]) -> str:
@@ -98,8 +103,10 @@ class Properties:
         raise AttributeError("Properties are immutable")
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Properties) and (self.opt_level, self._values) == \
-            (other.opt_level, other._values)
+        return isinstance(other, Properties) and (self.opt_level, self._values) == (
+            other.opt_level,
+            other._values,
+        )
 
     def __hash__(self) -> int:
         return hash((self.opt_level, tuple(self._values.items())))
@@ -181,9 +188,10 @@ class Properties:
     def as_params(self) -> dict[str, str]:
         """Flat string values for tracking (MLflow params), one per property of the table as
         its row logs it; the caller adds `precision.`."""
-        return {"opt_level": self.opt_level,
-                **{p.name: ptable.param_string(p, self._values[p.name])
-                   for p in ptable.PROPERTIES}}
+        return {
+            "opt_level": self.opt_level,
+            **{p.name: ptable.param_string(p, self._values[p.name]) for p in ptable.PROPERTIES},
+        }
 
     def table(self) -> str:
         """A small aligned property | value table, printed at the start of a run."""
@@ -259,7 +267,7 @@ class Resolution:
         return "\n".join(lines)
 
 
-def _rebuild_properties(opt_level: str, values: dict[str, Any]) -> "Properties":
+def _rebuild_properties(opt_level: str, values: dict[str, Any]) -> Properties:
     return Properties(opt_level, **values)
 
 
@@ -301,8 +309,12 @@ def _level_properties(level: str) -> dict[str, Any]:
     return {k: _runtime(k, v) for k, v in ptable.level_values(LEVEL_VALUES[level]).items()}
 
 
-LEVELS.update({level: {k: parse_property(k, v) for k, v in values.items()}
-               for level, values in LEVEL_VALUES.items()})
+LEVELS.update(
+    {
+        level: {k: parse_property(k, v) for k, v in values.items()}
+        for level, values in LEVEL_VALUES.items()
+    }
+)
 
 
 # ---- rules ---------------------------------------------------------------------------------
@@ -342,47 +354,60 @@ def level_preset(level: str, dtype: Optional[torch.dtype] = None) -> str:
 def _master_weights_without_half_model(p: Properties, ctx: Context) -> Iterable[Finding]:
     if p.master_weights and not p.casts_to_half:
         if p.opt_level == "O1" and p.cast_model_type is None:
-            what = ("O1 keeps the model's weights in fp32, so they are their own masters "
-                    "(Apex refused master_weights with O1)")
+            what = (
+                "O1 keeps the model's weights in fp32, so they are their own masters "
+                "(Apex refused master_weights with O1)"
+            )
         else:
-            what = ("the model is not cast to a 16-bit type "
-                    f"(cast_model_type={dtype_name(p.cast_model_type)})")
-        yield Finding("warning", "master_weights",
-                      f"master_weights=True is meaningless here and ignored: {what}",
-                      "leave precision.master_weights unset (null) for this level")
+            what = (
+                "the model is not cast to a 16-bit type "
+                f"(cast_model_type={dtype_name(p.cast_model_type)})"
+            )
+        yield Finding(
+            "warning",
+            "master_weights",
+            f"master_weights=True is meaningless here and ignored: {what}",
+            "leave precision.master_weights unset (null) for this level",
+        )
 
 
 @LEVEL_RULES
 def _o1_cast_model(p: Properties, ctx: Context) -> Iterable[Finding]:
     if p.opt_level == "O1" and p.casts_to_half:
         yield Finding(
-            "warning", "cast_model_type",
+            "warning",
+            "cast_model_type",
             f"O1 casts around ops (autocast) and keeps the weights fp32; cast_model_type="
             f"{dtype_name(p.cast_model_type)} makes every weight 16-bit as well, which is O2/O3 "
             "with autocast on top (Apex refused this: with O1 the weights should remain fp32)",
             f"leave precision.cast_model_type null under O1, or use "
-            f"{level_preset('O2', p.cast_model_type)} for a 16-bit model")
+            f"{level_preset('O2', p.cast_model_type)} for a 16-bit model",
+        )
 
 
 @LEVEL_RULES
 def _o1_keep_batchnorm(p: Properties, ctx: Context) -> Iterable[Finding]:
     if p.opt_level == "O1" and p.keep_batchnorm_fp32 is not None:
         yield Finding(
-            "warning", "keep_batchnorm_fp32",
+            "warning",
+            "keep_batchnorm_fp32",
             f"keep_batchnorm_fp32={p.keep_batchnorm_fp32} under O1: autocast already runs "
             "batch norm in fp32 and the model is not cast, so the setting has no effect "
             "(Apex refused it: with O1 it should be None)",
-            "leave precision.keep_batchnorm_fp32 null under O1")
+            "leave precision.keep_batchnorm_fp32 null under O1",
+        )
 
 
 @LEVEL_RULES
 def _patch_outside_o1(p: Properties, ctx: Context) -> Iterable[Finding]:
     if p.patch_torch_functions and p.opt_level != "O1":
         yield Finding(
-            "warning", "patch_torch_functions",
+            "warning",
+            "patch_torch_functions",
             f"patch_torch_functions=True under {p.opt_level}: autocast now runs on top of the "
             "level's casts, a mix Apex refused outright (only opt_level O1 may patch functions)",
-            f"set precision.patch_torch_functions=false, or use {level_preset('O1')}")
+            f"set precision.patch_torch_functions=false, or use {level_preset('O1')}",
+        )
 
 
 @LEVEL_RULES
@@ -390,10 +415,12 @@ def _o0_loss_scaling(p: Properties, ctx: Context) -> Iterable[Finding]:
     if p.opt_level == "O0" and p.loss_scale != 1.0 and not p.compute_dtypes:
         what = "dynamic loss scaling" if p.dynamic_loss_scale else f"loss_scale={p.loss_scale:g}"
         yield Finding(
-            "warning", "loss_scale",
+            "warning",
+            "loss_scale",
             f"{what} under O0: fp32 gradients do not underflow, so scaling only adds a pass over "
             "the gradients each step (and skips steps that overflow)",
-            "set precision.loss_scale=1.0 for the fp32 baseline")
+            "set precision.loss_scale=1.0 for the fp32 baseline",
+        )
 
 
 # Relative size below which an update to a weight is lost to rounding (half its spacing).
@@ -402,19 +429,27 @@ _VANISHING_UPDATE = {torch.float16: "2^-11", torch.bfloat16: "2^-8"}
 
 @LEVEL_RULES
 def _o2_without_masters(p: Properties, ctx: Context) -> Iterable[Finding]:
-    if p.opt_level == "O2" and p.casts_to_half and not p.master_weights \
-            and not p.stochastic_rounding:
+    if (
+        p.opt_level == "O2"
+        and p.casts_to_half
+        and not p.master_weights
+        and not p.stochastic_rounding
+    ):
         name = dtype_name(p.cast_model_type)
         hint = "keep precision.master_weights=true (fp32 master copies) under O2"
         if p.cast_model_type == torch.bfloat16:
-            hint += (", or round the bf16 weights stochastically "
-                     "(precision.stochastic_rounding=true, as precision=o3_bf16_sr does)")
+            hint += (
+                ", or round the bf16 weights stochastically "
+                "(precision.stochastic_rounding=true, as precision=o3_bf16_sr does)"
+            )
         yield Finding(
-            "warning", "master_weights",
+            "warning",
+            "master_weights",
             f"O2 without master weights: the optimizer updates the {name} weights directly, and "
             f"an update smaller than {_VANISHING_UPDATE[p.cast_model_type]} of a weight rounds "
             f"away in {name}, so small learning rates (and late, decayed ones) stop training",
-            hint)
+            hint,
+        )
 
 
 @LEVEL_RULES
@@ -425,20 +460,24 @@ def _stochastic_rounding(p: Properties, ctx: Context) -> Iterable[Finding]:
         return
     if p.cast_model_type != torch.bfloat16:
         yield Finding(
-            "error", "stochastic_rounding",
+            "error",
+            "stochastic_rounding",
             "stochastic rounding stores bfloat16 weights rounded up or down at random, but this "
             f"level keeps the weights in {dtype_name(p.cast_model_type or torch.float32)}"
             + (" (O1 does not cast the model)" if p.cast_model_type is None else ""),
             "use precision=o3_bf16_sr (a bf16 model without master weights), or set "
-            "precision.stochastic_rounding=false")
+            "precision.stochastic_rounding=false",
+        )
     elif p.uses_master_weights:
         yield Finding(
-            "error", "stochastic_rounding",
+            "error",
+            "stochastic_rounding",
             "stochastic rounding replaces fp32 master weights (the update is computed in fp32 "
             "and stored in bf16 unbiased); with master_weights=true the weights are updated "
             "in fp32 already",
             "set precision.master_weights=false (or use precision=o3_bf16_sr), or "
-            "precision.stochastic_rounding=false")
+            "precision.stochastic_rounding=false",
+        )
 
 
 @LEVEL_RULES
@@ -449,45 +488,57 @@ def _fp8_linear_level(p: Properties, ctx: Context) -> Iterable[Finding]:
         return
     if torch.float16 in p.compute_dtypes:
         yield Finding(
-            "error", "fp8_linear",
+            "error",
+            "fp8_linear",
             "fp8 Linear layers with float16: torchao's float8 training runs the rest of the "
             "model in bfloat16 or fp32 (its scaled fp8 GEMMs output bf16), not fp16",
-            "use precision=o1_fp8 (bf16 autocast) or precision=o2_fp8 (bf16 model)")
+            "use precision=o1_fp8 (bf16 autocast) or precision=o2_fp8 (bf16 model)",
+        )
     elif p.opt_level == "O3":
         yield Finding(
-            "error", "fp8_linear",
+            "error",
+            "fp8_linear",
             "fp8 Linear layers under O3: torchao's float8 training needs the weights updated in "
             "high precision (fp32 masters, or an fp32 model), and O3 keeps no masters",
-            "use precision=o2_fp8 (bf16 model, fp32 master weights)")
+            "use precision=o2_fp8 (bf16 model, fp32 master weights)",
+        )
     elif p.opt_level == "O0":
         yield Finding(
-            "error", "fp8_linear",
+            "error",
+            "fp8_linear",
             "fp8 Linear layers under O0: O0 is the fp32 baseline the other levels are compared "
             "with",
-            "use precision=o1_fp8 or precision=o2_fp8")
+            "use precision=o1_fp8 or precision=o2_fp8",
+        )
 
 
 @LEVEL_RULES
 def _bf16_dynamic_scaling(p: Properties, ctx: Context) -> Iterable[Finding]:
     if p.dynamic_loss_scale and p.compute_dtypes == {torch.bfloat16}:
         yield Finding(
-            "info", "loss_scale",
+            "info",
+            "loss_scale",
             "dynamic loss scaling is unneeded with bfloat16: it has fp32's exponent range, so "
             "gradients do not underflow; scaling only adds a pass over the gradients per step",
-            "set precision.loss_scale=1.0 (the *_bf16 presets do)")
+            "set precision.loss_scale=1.0 (the *_bf16 presets do)",
+        )
 
 
 @LEVEL_RULES
 def _o3_batchnorm_fp32(p: Properties, ctx: Context) -> Iterable[Finding]:
     if p.opt_level == "O3" and p.keep_batchnorm_fp32:
         yield Finding(
-            "info", "keep_batchnorm_fp32",
+            "info",
+            "keep_batchnorm_fp32",
             "O3 with keep_batchnorm_fp32=True: everything 16-bit except BatchNorm, Apex's "
-            "\"speed of light\" setting; allowed", "")
+            '"speed of light" setting; allowed',
+            "",
+        )
 
 
-def resolve_properties(opt_level: str, overrides: Mapping[str, Any] | None = None
-                       ) -> tuple[Properties, bool]:
+def resolve_properties(
+    opt_level: str, overrides: Mapping[str, Any] | None = None
+) -> tuple[Properties, bool]:
     """Level defaults, then `overrides` by key, parsed and normalised: (properties, strict).
 
     `overrides` may be the whole precision config (its values equal to the level's defaults are
@@ -501,8 +552,11 @@ def resolve_properties(opt_level: str, overrides: Mapping[str, Any] | None = Non
     for key, raw in (overrides or {}).items():
         if key == "opt_level":
             if parse_opt_level(raw) != level:
-                raise ConfigError(_key("opt_level"),
-                                  f"override {raw!r} contradicts the level {level}", tuple(LEVELS))
+                raise ConfigError(
+                    _key("opt_level"),
+                    f"override {raw!r} contradicts the level {level}",
+                    tuple(LEVELS),
+                )
             continue
         if key == "strict":
             strict_value = raw

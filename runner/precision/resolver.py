@@ -4,9 +4,11 @@ The rules run in a fixed order: those about the combination of properties
 (`properties.LEVEL_RULES`), then those about the machine and the optimizer
 (`checks.DEVICE_RULES`). This module sits above both, so neither imports the other's rules.
 """
+
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any, Optional
 
 from runner.precision.checks import DEVICE_RULES, DeviceInfo
 from runner.precision.properties import (
@@ -20,9 +22,15 @@ from runner.precision.properties import (
 RULES = (*LEVEL_RULES, *DEVICE_RULES)
 
 
-def resolve(opt_level: str, overrides: Mapping[str, Any] | None = None,
-            device: Any = None, *, optimizer: Optional[Mapping[str, Any]] = None,
-            compiled: Optional[bool] = None, strict: Optional[bool] = None) -> Resolution:
+def resolve(
+    opt_level: str,
+    overrides: Mapping[str, Any] | None = None,
+    device: Any = None,
+    *,
+    optimizer: Optional[Mapping[str, Any]] = None,
+    compiled: Optional[bool] = None,
+    strict: Optional[bool] = None,
+) -> Resolution:
     """Level defaults, then `overrides` by key, parsed and normalised; then every rule's findings.
 
     `overrides` may be the whole precision config (see `properties.resolve_properties`; its

@@ -23,9 +23,11 @@ in its optimizer's flattened param list (`tensor_ids`), in [0, 2^32). Under data
 every rank passes the same three numbers (no rank in the seed), so the replicas round alike and
 stay identical.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch
 
@@ -51,8 +53,9 @@ def _mix_int(x: int) -> int:
 
 def _check_range(name: str, value, limit_bits: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << limit_bits:
-        raise ValueError(f"stochastic rounding: {name}={value!r}; an integer in "
-                         f"[0, 2^{limit_bits}) is expected")
+        raise ValueError(
+            f"stochastic rounding: {name}={value!r}; an integer in [0, 2^{limit_bits}) is expected"
+        )
     return value
 
 
@@ -94,8 +97,9 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def random_bits(seed: int, step: int, tensor_id: int, index: torch.Tensor,
-                stream: int = 0) -> torch.Tensor:
+def random_bits(
+    seed: int, step: int, tensor_id: int, index: torch.Tensor, stream: int = 0
+) -> torch.Tensor:
     """The 32 random bits of the elements at `index` (int64, memory-order element indices) of
     tensor `tensor_id` at `step` under `seed`, as int64 values in [0, 2^32); the rounding uses
     the top 16 (`bits >> 16`)."""
@@ -122,9 +126,11 @@ def _is_dense(t: torch.Tensor) -> bool:
 def _memory_order(t: torch.Tensor) -> torch.Tensor:
     """A 1-D view of `t`'s elements in memory order (the order the kernels index them in)."""
     if t.layout != torch.strided or not _is_dense(t):
-        raise ValueError("stochastic rounding needs a dense tensor (contiguous or another dense "
-                         f"layout), got a {t.layout} tensor with shape {tuple(t.shape)} and "
-                         f"strides {tuple(t.stride()) if t.layout == torch.strided else None}")
+        raise ValueError(
+            "stochastic rounding needs a dense tensor (contiguous or another dense "
+            f"layout), got a {t.layout} tensor with shape {tuple(t.shape)} and "
+            f"strides {tuple(t.stride()) if t.layout == torch.strided else None}"
+        )
     return t.as_strided((t.numel(),), (1,), t.storage_offset())
 
 
@@ -137,8 +143,9 @@ def round_with_bits(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     return torch.where((u & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, rounded)
 
 
-def stochastic_round(x: torch.Tensor, seed: int, step: int, tensor_id: int,
-                     stream: int = 0) -> torch.Tensor:
+def stochastic_round(
+    x: torch.Tensor, seed: int, step: int, tensor_id: int, stream: int = 0
+) -> torch.Tensor:
     """`x` (fp32, dense) rounded stochastically to a new bf16 tensor of the same shape and
     strides, bit for bit what the kernels' `stochastic_round` writes for the same (seed, step,
     tensor_id); `stream` >= 1 draws the bits of the tensor's optimizer state instead (what the
@@ -169,10 +176,14 @@ def _shard_offset(x: torch.Tensor) -> int:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    if any(not (isinstance(pl, Replicate) or (isinstance(pl, Shard) and pl.dim == 0))
-           for pl in x.placements):
-        raise ValueError("stochastic rounding of a DTensor sharded on another dimension than "
-                         f"the first: {x.placements}")
+    if any(
+        not (isinstance(pl, Replicate) or (isinstance(pl, Shard) and pl.dim == 0))
+        for pl in x.placements
+    ):
+        raise ValueError(
+            "stochastic rounding of a DTensor sharded on another dimension than "
+            f"the first: {x.placements}"
+        )
     _, offset = compute_local_shape_and_global_offset(x.shape, x.device_mesh, x.placements)
     row = 1
     for size in x.shape[1:]:
@@ -180,8 +191,9 @@ def _shard_offset(x: torch.Tensor) -> int:
     return int(offset[0]) * row if x.dim() else 0
 
 
-def _round_shard(x: torch.Tensor, seed: int, step: int, tensor_id: int,
-                 stream: int) -> torch.Tensor:
+def _round_shard(
+    x: torch.Tensor, seed: int, step: int, tensor_id: int, stream: int
+) -> torch.Tensor:
     """`stochastic_round` of a DTensor: each element's bits keyed by its index in the whole
     tensor, so a sharded run rounds every element as the unsharded run would."""
     from torch.distributed.tensor import DTensor
@@ -192,8 +204,9 @@ def _round_shard(x: torch.Tensor, seed: int, step: int, tensor_id: int,
     index = torch.arange(start, start + flat.numel(), dtype=torch.int64, device=local.device)
     pattern = round_with_bits(flat, random_bits(seed, step, tensor_id, index, stream))
     signed = torch.where(pattern >= 1 << 15, pattern - (1 << 16), pattern).to(torch.int16)
-    out = torch.empty_strided(local.shape, local.stride(), dtype=torch.bfloat16,
-                              device=local.device)
+    out = torch.empty_strided(
+        local.shape, local.stride(), dtype=torch.bfloat16, device=local.device
+    )
     _memory_order(out).copy_(signed.view(torch.bfloat16))
     return DTensor.from_local(out, x.device_mesh, x.placements, shape=x.shape, stride=x.stride())
 
@@ -212,9 +225,13 @@ def tensor_ids(optimizer: torch.optim.Optimizer) -> dict[int, int]:
 
 
 @torch.no_grad()
-def sr_step(optimizer: torch.optim.Optimizer, seed: int, step: int,
-            step_fn: Optional[Callable[[], Any]] = None,
-            state_dtype: Optional[torch.dtype] = None) -> None:
+def sr_step(
+    optimizer: torch.optim.Optimizer,
+    seed: int,
+    step: int,
+    step_fn: Optional[Callable[[], Any]] = None,
+    state_dtype: Optional[torch.dtype] = None,
+) -> None:
     """One `optimizer.step()` in which bf16 params are updated in fp32 and stored rounded
     stochastically: the fallback for optimizers the kernels do not implement.
 
@@ -260,4 +277,3 @@ def sr_step(optimizer: torch.optim.Optimizer, seed: int, step: int,
         return stochastic_round(fp32, seed, step, ids[id(param)], stream)
 
     step_in_fp32(optimizer, select, store, state_dtype, step_fn, round_state)
-

@@ -13,13 +13,14 @@ the scale next grows (after `growth_interval` clean steps), which refills the co
 step is always skipped, whatever the counter says. `hysteresis=1` (the default) is Apex's scaler:
 every overflow backs off.
 """
+
 from __future__ import annotations
 
 import math
 import numbers
 from collections import defaultdict
-from collections.abc import Mapping
-from typing import Any, Optional, Sequence, Union
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional, Union
 
 import torch
 
@@ -48,7 +49,8 @@ class LossScaler:
             loss_scale = float(loss_scale)
             if not math.isfinite(loss_scale) or loss_scale <= 0:
                 raise ValueError(
-                    f"loss_scale must be 'dynamic' or a positive number, got {loss_scale!r}")
+                    f"loss_scale must be 'dynamic' or a positive number, got {loss_scale!r}"
+                )
         if growth_factor <= 1.0 or not 0.0 < backoff_factor < 1.0 or growth_interval < 1:
             raise ValueError("need growth_factor > 1, 0 < backoff_factor < 1, growth_interval >= 1")
         if int(hysteresis) != hysteresis or hysteresis < 1:
@@ -67,15 +69,13 @@ class LossScaler:
         self._hysteresis_left = self.hysteresis  # overflows still tolerated before a back-off
 
     @classmethod
-    def from_properties(cls, properties: Any, **overrides: Any) -> "LossScaler":
+    def from_properties(cls, properties: Any, **overrides: Any) -> LossScaler:
         """The scaler resolved `Properties` describe: `loss_scale` and every dynamic-scaling knob
         (init_scale, growth_factor, backoff_factor, growth_interval, hysteresis, min_loss_scale,
         max_loss_scale). Keyword `overrides` replace single knobs (e.g. Apex's
         `amp.initialize(min_loss_scale=...)`)."""
         kwargs: dict[str, Any] = {
-            name: getattr(properties, name)
-            for name in SCALER_DEFAULTS
-            if hasattr(properties, name)
+            name: getattr(properties, name) for name in SCALER_DEFAULTS if hasattr(properties, name)
         }
         kwargs.update(overrides)
         return cls(properties.loss_scale, **kwargs)
@@ -110,8 +110,9 @@ class LossScaler:
         for (device, _), tensors in groups.items():
             if device not in found:
                 found[device] = torch.zeros(1, dtype=torch.float32, device=device)
-                inv[device] = torch.full((1,), 1.0 / self._scale, dtype=torch.float32,
-                                         device=device)
+                inv[device] = torch.full(
+                    (1,), 1.0 / self._scale, dtype=torch.float32, device=device
+                )
             torch._amp_foreach_non_finite_check_and_unscale_(tensors, found[device], inv[device])
         flags = list(found.values())
         first = flags[0]
@@ -145,8 +146,11 @@ class LossScaler:
 
     def state_dict(self) -> dict[str, Any]:
         # Apex's keys, so checkpoints read the same either way, plus the hysteresis counter.
-        return {"loss_scale": self._scale, "unskipped": self._unskipped,
-                "hysteresis_tracker": self._hysteresis_left}
+        return {
+            "loss_scale": self._scale,
+            "unskipped": self._unskipped,
+            "hysteresis_tracker": self._hysteresis_left,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._scale = float(state["loss_scale"])
@@ -165,10 +169,14 @@ def state_dict_problems(state: Any, name: str = "loss_scaler") -> list[str]:
     Apex), `hysteresis_tracker` an integer >= 0 (optional), nothing else. Each problem names its
     key; none: `LossScaler.load_state_dict` takes the dict as it is."""
     if not isinstance(state, Mapping):
-        return [f"{name}: a dict of loss_scale and unskipped belongs here, not a "
-                f"{type(state).__name__}"]
-    problems = [f"{name}.{key}: unknown key (allowed: {', '.join(_STATE_KEYS)})"
-                for key in state if key not in _STATE_KEYS]
+        return [
+            f"{name}: a dict of loss_scale and unskipped belongs here, not a {type(state).__name__}"
+        ]
+    problems = [
+        f"{name}.{key}: unknown key (allowed: {', '.join(_STATE_KEYS)})"
+        for key in state
+        if key not in _STATE_KEYS
+    ]
     scale = state.get("loss_scale")
     if "loss_scale" not in state:
         problems.append(f"{name}.loss_scale: missing")

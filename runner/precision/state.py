@@ -19,9 +19,11 @@ Two families:
   bitsandbytes do, a tensor smaller than 4096 elements or not a multiple of the block size keeps
   plain state in the stepped weights' type (`plain_state_params`).
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional
+from collections.abc import Callable, Iterable
+from typing import Any, Optional
 
 import torch
 
@@ -33,8 +35,12 @@ MIN_QUANTISED_NUMEL = 4096
 BLOCK_SIZES = {"int8": 256, "int4": 128, "fp8": 256}
 
 _LOW_BIT_CLASSES = {  # (optimizer name, format) -> torchao.optim class name
-    ("adam", "int8"): "Adam8bit", ("adam", "int4"): "Adam4bit", ("adam", "fp8"): "AdamFp8",
-    ("adamw", "int8"): "AdamW8bit", ("adamw", "int4"): "AdamW4bit", ("adamw", "fp8"): "AdamWFp8",
+    ("adam", "int8"): "Adam8bit",
+    ("adam", "int4"): "Adam4bit",
+    ("adam", "fp8"): "AdamFp8",
+    ("adamw", "int8"): "AdamW8bit",
+    ("adamw", "int4"): "AdamW4bit",
+    ("adamw", "fp8"): "AdamWFp8",
 }
 LOW_BIT_OPTIMIZERS = ("adam", "adamw")
 
@@ -46,8 +52,9 @@ def low_bit_class(optimizer_name: str, fmt: str) -> type:
     return getattr(torchao.optim, _LOW_BIT_CLASSES[(optimizer_name, fmt)])
 
 
-def build_low_bit(cfg: Any, params: list, fmt: str,
-                  stochastic_rounding: bool = False) -> torch.optim.Optimizer:
+def build_low_bit(
+    cfg: Any, params: list, fmt: str, stochastic_rounding: bool = False
+) -> torch.optim.Optimizer:
     """torchao's low-bit Adam/AdamW with the hyperparameters of the optimizer config `cfg`; with
     `stochastic_rounding` it stores bf16 weights rounded stochastically itself (its
     `bf16_stochastic_round`, drawing from torch's generator, which checkpoints restore)."""
@@ -55,9 +62,16 @@ def build_low_bit(cfg: Any, params: list, fmt: str,
     if fmt not in LOW_BIT_STATES or name not in LOW_BIT_OPTIMIZERS:
         raise ValueError(f"no low-bit {name} with {fmt} state")  # the plan refuses it earlier
     cls = low_bit_class(name, fmt)
-    return cls(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
-               weight_decay=cfg.weight_decay, amsgrad=cfg.amsgrad,
-               block_size=BLOCK_SIZES[fmt], bf16_stochastic_round=stochastic_rounding)
+    return cls(
+        params,
+        lr=cfg.lr,
+        betas=tuple(cfg.betas),
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        amsgrad=cfg.amsgrad,
+        block_size=BLOCK_SIZES[fmt],
+        bf16_stochastic_round=stochastic_rounding,
+    )
 
 
 def is_low_bit(optimizer: torch.optim.Optimizer) -> bool:
@@ -70,8 +84,9 @@ def rounds_itself(optimizer: torch.optim.Optimizer) -> bool:
     return is_low_bit(optimizer) and bool(getattr(optimizer, "bf16_stochastic_round", False))
 
 
-def plain_state_params(named: Iterable[tuple[str, torch.Tensor]], fmt: str
-                       ) -> list[tuple[str, int]]:
+def plain_state_params(
+    named: Iterable[tuple[str, torch.Tensor]], fmt: str
+) -> list[tuple[str, int]]:
     """(name, numel) of the parameters that keep plain (unquantised) state under `fmt`: fewer
     than 4096 elements, or not a multiple of the block size."""
     return [(name, p.numel()) for name, p in named if not quantised(p.numel(), BLOCK_SIZES[fmt])]
@@ -87,15 +102,20 @@ def param_shaped(key: Any, value: Any, param: torch.Tensor) -> bool:
     """Optimizer state that is elementwise with the param (moments, momentum buffers) and plain
     (not a quantised subclass; a sharded run's DTensor is plain per shard); torch's `step`
     counter is not, even for a 0-d param."""
-    return (key != "step" and (type(value) is torch.Tensor or is_dtensor(value))
-            and value.is_floating_point() and value.shape == param.shape)
+    return (
+        key != "step"
+        and (type(value) is torch.Tensor or is_dtensor(value))
+        and value.is_floating_point()
+        and value.shape == param.shape
+    )
 
 
 def is_dtensor(t: Any) -> bool:
     """Whether `t` is a DTensor (a sharded run's parameter, gradient or state), without importing
     torch.distributed."""
-    return type(t).__name__ == "DTensor" or (isinstance(t, torch.Tensor)
-                                             and hasattr(t, "to_local") and hasattr(t, "placements"))
+    return type(t).__name__ == "DTensor" or (
+        isinstance(t, torch.Tensor) and hasattr(t, "to_local") and hasattr(t, "placements")
+    )
 
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:
@@ -108,17 +128,22 @@ def needs_fp32_step(optimizer: torch.optim.Optimizer, state_dtype: Optional[torc
     not of `state_dtype` (None: the state follows the params, as torch keeps it)."""
     if state_dtype is None or is_low_bit(optimizer):
         return False
-    return any(p.grad is not None and p.dtype != state_dtype
-               for group in optimizer.param_groups for p in group["params"])
+    return any(
+        p.grad is not None and p.dtype != state_dtype
+        for group in optimizer.param_groups
+        for p in group["params"]
+    )
 
 
 @torch.no_grad()
-def step_in_fp32(optimizer: torch.optim.Optimizer, select: Callable[[torch.Tensor], bool],
-                 store: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
-                 state_dtype: Optional[torch.dtype],
-                 step_fn: Optional[Callable[[], Any]] = None,
-                 round_state: Optional[Callable[[torch.Tensor, str, torch.Tensor],
-                                                torch.Tensor]] = None) -> None:
+def step_in_fp32(
+    optimizer: torch.optim.Optimizer,
+    select: Callable[[torch.Tensor], bool],
+    store: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
+    state_dtype: Optional[torch.dtype],
+    step_fn: Optional[Callable[[], Any]] = None,
+    round_state: Optional[Callable[[torch.Tensor, str, torch.Tensor], torch.Tensor]] = None,
+) -> None:
     """One `optimizer.step()` on fp32 values for the params `select` picks (with a gradient):
 
       1. a 16-bit param's data and gradient are replaced by fp32 copies, and its param-shaped
@@ -144,8 +169,9 @@ def step_in_fp32(optimizer: torch.optim.Optimizer, select: Callable[[torch.Tenso
                 if is_dtensor(p) and p.dtype != torch.float32:
                     # a DTensor's type cannot change under it (`.data =` keeps bf16): an fp32
                     # stand-in takes its place, its gradient and its state for the step
-                    stand_in = torch.nn.Parameter(p.detach().to(torch.float32),
-                                                  requires_grad=p.requires_grad)
+                    stand_in = torch.nn.Parameter(
+                        p.detach().to(torch.float32), requires_grad=p.requires_grad
+                    )
                     stand_in.grad = p.grad.to(torch.float32)
                     originals = {}
                     state = optimizer.state.pop(p, None)
@@ -207,8 +233,13 @@ def step_in_fp32(optimizer: torch.optim.Optimizer, select: Callable[[torch.Tenso
                         state[key] = _stored(p, key, value, dtype, round_state)
 
 
-def _stored(param: torch.Tensor, key: str, value: torch.Tensor, dtype: torch.dtype,
-            round_state: Optional[Callable]) -> torch.Tensor:
+def _stored(
+    param: torch.Tensor,
+    key: str,
+    value: torch.Tensor,
+    dtype: torch.dtype,
+    round_state: Optional[Callable],
+) -> torch.Tensor:
     """`value` (fp32) in `dtype`: rounded by `round_state` for bf16 where given, else to
     nearest."""
     if round_state is not None and dtype == torch.bfloat16 and value.dtype == torch.float32:
@@ -216,13 +247,20 @@ def _stored(param: torch.Tensor, key: str, value: torch.Tensor, dtype: torch.dty
     return value.to(dtype)
 
 
-def float_state_step(optimizer: torch.optim.Optimizer, state_dtype: torch.dtype,
-                     step_fn: Optional[Callable[[], Any]] = None) -> None:
+def float_state_step(
+    optimizer: torch.optim.Optimizer,
+    state_dtype: torch.dtype,
+    step_fn: Optional[Callable[[], Any]] = None,
+) -> None:
     """The optimizer's step with its state stored in `state_dtype` (see the module docstring):
     the params not of that type are stepped in fp32 and stored back rounded to nearest."""
-    step_in_fp32(optimizer, lambda p: p.dtype != state_dtype,
-                 lambda p, data, fp32: data.copy_(fp32), state_dtype, step_fn)
-
+    step_in_fp32(
+        optimizer,
+        lambda p: p.dtype != state_dtype,
+        lambda p, data, fp32: data.copy_(fp32),
+        state_dtype,
+        step_fn,
+    )
 
 
 _STATE_CLASSES = {"8bit": "OptimState8bit", "4bit": "OptimState4bit", "Fp8": "OptimStateFp8"}
@@ -254,8 +292,10 @@ def state_format_differences(saved: dict, optimizer: torch.optim.Optimizer) -> l
                 continue
             have = None if type(value) is torch.Tensor else type(value).__name__
             if have != wanted:
-                out.append(f"optimizer.state.{index}.{key}: {have or 'a plain tensor'} -> "
-                           f"{wanted or 'a plain tensor'} (another precision.optimizer_state)")
+                out.append(
+                    f"optimizer.state.{index}.{key}: {have or 'a plain tensor'} -> "
+                    f"{wanted or 'a plain tensor'} (another precision.optimizer_state)"
+                )
                 break
     return out
 
@@ -275,6 +315,10 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict) -> None:
             continue
         for key, value in entry.items():
             now = state.get(key)
-            if type(value) is torch.Tensor and type(now) is torch.Tensor \
-                    and value.is_floating_point() and now.dtype != value.dtype:
+            if (
+                type(value) is torch.Tensor
+                and type(now) is torch.Tensor
+                and value.is_floating_point()
+                and now.dtype != value.dtype
+            ):
                 state[key] = now.to(value.dtype)

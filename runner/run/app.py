@@ -8,6 +8,7 @@ with its own findings (the model's Tensor Core shapes). `run_record(...)`, a pur
 the MLflow params and tags of the run. Once the MLflow run exists it always ends FINISHED, FAILED
 or KILLED, with its config, precision table and log attached.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -16,27 +17,26 @@ import logging
 import os
 import platform
 import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Optional, Sequence
+from typing import Optional
 
 import torch
 from omegaconf import OmegaConf
 
 import runner
 from runner import csrc
-from runner.run import distributed
 from runner.config import options
-from runner.run import checkpoint
 from runner.measure import audit as layer_audit
-from runner.tracking import tags as tag
+from runner.precision import Resolution, layers
+from runner.precision.checks import DeviceInfo, state_findings
+from runner.run import checkpoint, distributed
+from runner.run.build import Parts, build, shape_findings, sharded  # noqa: F401  (Parts: the run's parts)
 from runner.run.distributed import Comm
 from runner.run.interrupts import StopRequest
-from runner.run.build import Parts, build, shape_findings, sharded  # noqa: F401  (Parts: the run's parts)
 from runner.run.plan import RunPlan, check_layers, make_plan, meta_model
-from runner.precision import layers
-from runner.precision import Resolution
-from runner.precision.checks import DeviceInfo, state_findings
+from runner.tracking import tags as tag
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +76,9 @@ def config_params(plan: RunPlan) -> dict[str, str]:
     resolved precision property (`precision.<name>`)."""
     from runner.tracking.record import flatten
 
-    params = {k: v for k, v in flatten(plan.config_tree).items()
-              if not k.startswith("precision.layers.")}  # (globs are no param names: one param)
+    params = {
+        k: v for k, v in flatten(plan.config_tree).items() if not k.startswith("precision.layers.")
+    }  # (globs are no param names: one param)
     params["task.name"] = plan.task  # task=auto resolved: classification or language_model
     params.update({f"precision.{k}": v for k, v in plan.properties.as_params().items()})
     return params
@@ -92,20 +93,36 @@ def dataset_record(plan: RunPlan, parts: Parts) -> list[dict[str, str]]:
     name = str(data.get("name") or data.get("_target_") or "data")
     source = json.dumps(data, sort_keys=True, default=str)
     out = []
-    for split, dataset, context in (("train", parts.bundle.train, "training"),
-                                    ("val", parts.bundle.val, "evaluation")):
+    for split, dataset, context in (
+        ("train", parts.bundle.train, "training"),
+        ("val", parts.bundle.val, "evaluation"),
+    ):
         size = len(dataset)
         digest = hashlib.sha256(f"{source}|{split}|{size}".encode()).hexdigest()[:16]
-        out.append({"name": f"{name}/{split}", "digest": digest, "source_type": "runner_config",
-                    "source": source, "context": context,
-                    "profile": json.dumps({"num_rows": size,
-                                           "num_classes": parts.bundle.num_classes})})
+        out.append(
+            {
+                "name": f"{name}/{split}",
+                "digest": digest,
+                "source_type": "runner_config",
+                "source": source,
+                "context": context,
+                "profile": json.dumps({"num_rows": size, "num_classes": parts.bundle.num_classes}),
+            }
+        )
     return out
 
 
-def run_record(plan: RunPlan, parts: Parts, resolution: Resolution, *, world_size: int,
-               launch: Launch, environment: Mapping[str, str], kernels: str,
-               command: Sequence[str]) -> tuple[dict[str, str], dict[str, str]]:
+def run_record(
+    plan: RunPlan,
+    parts: Parts,
+    resolution: Resolution,
+    *,
+    world_size: int,
+    launch: Launch,
+    environment: Mapping[str, str],
+    kernels: str,
+    command: Sequence[str],
+) -> tuple[dict[str, str], dict[str, str]]:
     """(params, tags) of the MLflow run: the resolved config flattened, every resolved precision
     property, what was built; the environment, the findings (`resolution`: the plan's and the
     build's), how it was launched, the user's own tags, and what a resume changes. Pure: the
@@ -123,16 +140,18 @@ def run_record(plan: RunPlan, parts: Parts, resolution: Resolution, *, world_siz
     params["distributed.world_size"] = str(world_size)
     params["trainer.global_batch_size"] = str(cfg.trainer.batch_size * world_size)
     tags = dict(environment)
-    tags.update({
-        tag.OPT_LEVEL: plan.properties.opt_level,
-        tag.MODEL: options.label(cfg.model),
-        tag.MODEL_CLASS: f"{type(parts.model).__module__}.{type(parts.model).__qualname__}",
-        tag.OVERRIDES: " ".join(launch.overrides),
-        tag.PEAK_MEM_KIND: parts.memory.kind,
-        tag.FINDINGS: resolution.summary(),
-        tag.FINDINGS_LIST: resolution.compact() or "none",
-        tag.COMMAND: " ".join([Path(command[0]).name, *command[1:]]) if command else "",
-    })
+    tags.update(
+        {
+            tag.OPT_LEVEL: plan.properties.opt_level,
+            tag.MODEL: options.label(cfg.model),
+            tag.MODEL_CLASS: f"{type(parts.model).__module__}.{type(parts.model).__qualname__}",
+            tag.OVERRIDES: " ".join(launch.overrides),
+            tag.PEAK_MEM_KIND: parts.memory.kind,
+            tag.FINDINGS: resolution.summary(),
+            tag.FINDINGS_LIST: resolution.compact() or "none",
+            tag.COMMAND: " ".join([Path(command[0]).name, *command[1:]]) if command else "",
+        }
+    )
     if parts.engine.layer_plan is not None:  # runs planned alike share it (runner.precision.layers)
         tags[tag.LAYER_PLAN_HASH] = parts.engine.layer_plan.digest()
     tags.update({str(k): str(v) for k, v in cfg.mlflow.tags.items()})
@@ -150,14 +169,16 @@ def log_layer_plan(tracked, plan: RunPlan, parts: Parts) -> None:
         return
     tracked.log_text(layer_plan.table() + "\n", f"layers/{layer_audit.PLAN_TXT}")
     if plan.layer_rules:
-        header = [f"amp-runner layer plan of {plan.run_name} (precision={plan.cfg.precision.preset}"
-                  f", {plan.properties.opt_level}), digest {layer_plan.digest()}"]
+        header = [
+            f"amp-runner layer plan of {plan.run_name} (precision={plan.cfg.precision.preset}"
+            f", {plan.properties.opt_level}), digest {layer_plan.digest()}"
+        ]
         tracked.log_text(layer_plan.yaml(header), f"layers/{layer_audit.PLAN_YAML}")
     if plan.auto_plan:  # the pre-flight's choice for every layer, and why
         tracked.log_text(plan.auto_plan, f"layers/{layer_audit.AUTO_PLAN_YAML}")
 
 
-# ---- a run -----------------------------------------------------------------------------------------
+# ---- a run ---------------------------------------------------------------------------------------
 def print_dry_run(plan: RunPlan) -> None:
     """What `dry_run=true` shows: the config, the properties, every finding (the model's Tensor
     Core shapes and, with low-bit optimizer state, the parameters that keep plain state, from a
@@ -168,18 +189,32 @@ def print_dry_run(plan: RunPlan) -> None:
         if model is not None:
             findings += state_findings(model, plan.properties)
     print(OmegaConf.to_yaml(plan.cfg, resolve=True))
-    print(f"Task: {plan.task}" + (" (task=auto: the dataset's)"
-                                  if OmegaConf.select(plan.cfg, "task.name") == "auto" else ""))
+    print(
+        f"Task: {plan.task}"
+        + (
+            " (task=auto: the dataset's)"
+            if OmegaConf.select(plan.cfg, "task.name") == "auto"
+            else ""
+        )
+    )
     print(plan.properties.table())
     print(Resolution(plan.properties, [*plan.resolution.findings, *findings]).findings_table())
     if plan.properties.layer_plan == layers.AUTO:
-        print(f"Layer plan: auto, measured before training by a pre-flight of "
-              f"{plan.cfg.precision.layer_plan_steps} fp32 steps (runner.run.autoplan)"
-              + ("; then precision.layers on top" if plan.properties.layers else ""))
+        print(
+            f"Layer plan: auto, measured before training by a pre-flight of "
+            f"{plan.cfg.precision.layer_plan_steps} fp32 steps (runner.run.autoplan)"
+            + ("; then precision.layers on top" if plan.properties.layers else "")
+        )
     elif plan.layer_rules:
         layer_plan = check_layers(plan.cfg, plan.specs, plan.properties, plan.task)
-        print("Layer plan:\n" + (layer_plan.table() if layer_plan is not None else
-                                 "(checked against the model once its data is loaded)"))
+        print(
+            "Layer plan:\n"
+            + (
+                layer_plan.table()
+                if layer_plan is not None
+                else "(checked against the model once its data is loaded)"
+            )
+        )
     if plan.resume is not None and plan.resume.finished(plan.cfg.trainer.max_epochs):
         print(f"Would do nothing: {plan.run_name} {plan.resume.finished_message()}")
     elif plan.resume is not None:
@@ -196,7 +231,8 @@ def run(
     """Train once as `cfg` says; returns the task's objective (runner.tasks): a classifier's
     best validation accuracy, a language model's best validation loss (None for a dry run).
     `extra_tags` are added to the run's own (a sweep job passes its parent run's id this way).
-    Under torchrun this is one rank of a DistributedDataParallel run (see runner.run.distributed)."""
+    Under torchrun this is one rank of a DistributedDataParallel run (see
+    runner.run.distributed)."""
     plan = make_plan(cfg)
     if cfg.dry_run:
         print_dry_run(plan)
@@ -212,8 +248,11 @@ def run(
     else:
         log.info("%s", plan.resolution.findings_table())
 
-    launch = Launch(tuple(overrides), Path(output_dir) if output_dir is not None else None,
-                    dict(extra_tags or {}))
+    launch = Launch(
+        tuple(overrides),
+        Path(output_dir) if output_dir is not None else None,
+        dict(extra_tags or {}),
+    )
     comm, device = distributed.setup(plan.device)
     if not comm.is_main:  # one console story: rank 0's (the others still say what goes wrong)
         logging.getLogger("runner").setLevel(logging.WARNING)
@@ -238,8 +277,9 @@ def train(plan: RunPlan, comm: Comm, device: torch.device, launch: Launch) -> fl
         plan = autoplan.planned(plan, comm, device, launch.output_dir)
     # a single run does not wait for a first build of the kernels (torch's ops this once); a
     # sweep's jobs and a distributed run's ranks wait, so that they all step the same way
-    parts = build(plan, device, comm,
-                  wait_for_kernels=comm.active or tag.PARENT_RUN in launch.extra_tags)
+    parts = build(
+        plan, device, comm, wait_for_kernels=comm.active or tag.PARENT_RUN in launch.extra_tags
+    )
     try:
         return train_parts(plan, comm, device, launch, tracker, parts)
     finally:
@@ -248,8 +288,9 @@ def train(plan: RunPlan, comm: Comm, device: torch.device, launch: Launch) -> fl
         parts.close()
 
 
-def train_parts(plan: RunPlan, comm: Comm, device: torch.device, launch: Launch, tracker,
-                parts: Parts) -> float:
+def train_parts(
+    plan: RunPlan, comm: Comm, device: torch.device, launch: Launch, tracker, parts: Parts
+) -> float:
     """`train` once the parts are built: record, track (rank 0) and fit."""
     from runner.run.trainer import RunContext
     from runner.tracking.lifecycle import null_run
@@ -259,73 +300,113 @@ def train_parts(plan: RunPlan, comm: Comm, device: torch.device, launch: Launch,
         plan.resume.check_fits(parts, comm.world_size)
     resolution = Resolution(plan.properties, [*plan.resolution.findings, *parts.findings])
     if parts.findings:  # info only: never stops the run
-        log.info("Precision findings about the model:\n%s",
-                 Resolution(plan.properties, parts.findings).findings_table())
+        log.info(
+            "Precision findings about the model:\n%s",
+            Resolution(plan.properties, parts.findings).findings_table(),
+        )
     model = parts.model
     if comm.active and not sharded(plan, comm):  # (a sharded model is FSDP2's already)
         model = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None)
+            model, device_ids=[device.index] if device.type == "cuda" else None
+        )
     kernels = csrc.name_of(parts.engine.kernels)
     log.info("Kernels: %s (precision.kernels=%s)", kernels, cfg.precision.kernels)
-    params, tags = run_record(plan, parts, resolution, world_size=comm.world_size, launch=launch,
-                              environment=environment_tags(device), kernels=kernels,
-                              command=sys.argv)
+    params, tags = run_record(
+        plan,
+        parts,
+        resolution,
+        world_size=comm.world_size,
+        launch=launch,
+        environment=environment_tags(device),
+        kernels=kernels,
+        command=sys.argv,
+    )
 
     with StopRequest() as stop:
         # metrics the store cannot take by the end go to a local store here (runner.tracking.replay)
-        offline_dir = launch.output_dir if launch.output_dir is not None \
-            else plan.checkpoint_folder
+        offline_dir = launch.output_dir if launch.output_dir is not None else plan.checkpoint_folder
         resume = plan.resume
-        tracked_run = (tracker.start_run(plan.run_name, params, tags,
-                                         resume_run_id=resume.run_id if resume else None,
-                                         offline_dir=offline_dir / "mlflow-offline")
-                       if comm.is_main else null_run())
+        tracked_run = (
+            tracker.start_run(
+                plan.run_name,
+                params,
+                tags,
+                resume_run_id=resume.run_id if resume else None,
+                offline_dir=offline_dir / "mlflow-offline",
+            )
+            if comm.is_main
+            else null_run()
+        )
         with tracked_run as tracked:
             if comm.is_main:
-                log.info("MLflow run %r (%s) in %s", plan.run_name, tracked.run_id,
-                         tracker.tracking_uri)
+                log.info(
+                    "MLflow run %r (%s) in %s", plan.run_name, tracked.run_id, tracker.tracking_uri
+                )
                 if cfg.mlflow.system_metrics_s > 0:
-                    tracked.sample_system(cfg.mlflow.system_metrics_s,
-                                          resumed=resume is not None)
+                    tracked.sample_system(cfg.mlflow.system_metrics_s, resumed=resume is not None)
                 if resume is None:
                     tracked.log_datasets(dataset_record(plan, parts))
                     tracked.log_text(OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
-                    tracked.log_text(OmegaConf.to_yaml(OmegaConf.create(list(launch.overrides))),
-                                     "overrides.yaml")
-                    tracked.log_text(plan.properties.table() + "\n\n"
-                                     + resolution.findings_table(), "precision.txt")
+                    tracked.log_text(
+                        OmegaConf.to_yaml(OmegaConf.create(list(launch.overrides))),
+                        "overrides.yaml",
+                    )
+                    tracked.log_text(
+                        plan.properties.table() + "\n\n" + resolution.findings_table(),
+                        "precision.txt",
+                    )
                     if parts.engine.fp8 is not None:
                         tracked.log_text(parts.engine.fp8.listing(), "fp8_layers.txt")
                     log_layer_plan(tracked, plan, parts)
             # a sharded run's ranks all write (their shards) into rank 0's run's folder
             shards = sharded(plan, comm) and cfg.trainer.fsdp_checkpoint == "sharded"
             run_id = comm.from_main(tracked.run_id) if shards else tracked.run_id
-            path = checkpoint.path_for(plan.checkpoint_folder, run_id) \
-                if comm.is_main or shards else None
-            static = {"mlflow_run_id": tracked.run_id, "config": dict(plan.config_tree),
-                      "world_size": comm.world_size}
+            path = (
+                checkpoint.path_for(plan.checkpoint_folder, run_id)
+                if comm.is_main or shards
+                else None
+            )
+            static = {
+                "mlflow_run_id": tracked.run_id,
+                "config": dict(plan.config_tree),
+                "world_size": comm.world_size,
+            }
 
             def save(trainer_state: dict) -> str:
                 # the metrics the checkpoint covers reach the store first: a process killed
                 # after the write has lost none of them, and its resume logs none of them again
                 tracked.deliver()
                 if shards:  # a collective: every rank writes its shards, rank 0 the rest
-                    return str(checkpoint.sharded.save(path.parent, {**static, **trainer_state},
-                                                       parts.model, parts.optimizer, comm))
+                    return str(
+                        checkpoint.sharded.save(
+                            path.parent,
+                            {**static, **trainer_state},
+                            parts.model,
+                            parts.optimizer,
+                            comm,
+                        )
+                    )
                 checkpoint.save(path, {**static, **trainer_state})
                 return str(path)
 
-            trainer = parts.trainer(cfg.trainer, device, model=model, context=RunContext(
-                on_metrics=tracked.log_metrics,
-                comm=comm,
-                checkpointer=save if comm.is_main or shards else None,
-                stop=stop,
-                on_artifact=tracked.log_file if comm.is_main else None,
-                artifact_dir=(launch.output_dir / "diagnostics"
-                              if launch.output_dir is not None else None),
-                layers_dir=(launch.output_dir / "layers"
-                            if launch.output_dir is not None else None),
-            ))
+            trainer = parts.trainer(
+                cfg.trainer,
+                device,
+                model=model,
+                context=RunContext(
+                    on_metrics=tracked.log_metrics,
+                    comm=comm,
+                    checkpointer=save if comm.is_main or shards else None,
+                    stop=stop,
+                    on_artifact=tracked.log_file if comm.is_main else None,
+                    artifact_dir=(
+                        launch.output_dir / "diagnostics" if launch.output_dir is not None else None
+                    ),
+                    layers_dir=(
+                        launch.output_dir / "layers" if launch.output_dir is not None else None
+                    ),
+                ),
+            )
             if resume is not None:
                 resume.restore(trainer, cfg, plan.run_name)
             try:
@@ -334,7 +415,12 @@ def train_parts(plan: RunPlan, comm: Comm, device: torch.device, launch: Launch,
                 if launch.output_dir is not None:
                     tracked.log_file(launch.output_dir / "runner.log", "logs")
     if comm.is_main:
-        log.info("Finished %s: %s %.4f in %.1f s.\n%s", plan.run_name,
-                 result.objective.replace("_", " ", 1), result.best, result.train_time_s,
-                 tracker.hint())
+        log.info(
+            "Finished %s: %s %.4f in %.1f s.\n%s",
+            plan.run_name,
+            result.objective.replace("_", " ", 1),
+            result.best,
+            result.train_time_s,
+            tracker.hint(),
+        )
     return result.best

@@ -4,12 +4,14 @@ Nothing here decides or checks the config again (the plan did: `runner.run.plan`
 specs come from the plan, looked up once. The one check left for building is the model's output
 against a dataset whose shape only the loaded data tells (`components.models.check_output`).
 """
+
 from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -69,20 +71,39 @@ class Parts:
         """End the loaders' worker processes (a run's last step; safe to repeat)."""
         shutdown_workers(self.train_loader, self.val_loader)
 
-    def trainer(self, cfg: Any, device: torch.device, context: RunContext,
-                model: Optional[torch.nn.Module] = None) -> Trainer:
+    def trainer(
+        self,
+        cfg: Any,
+        device: torch.device,
+        context: RunContext,
+        model: Optional[torch.nn.Module] = None,
+    ) -> Trainer:
         """The training loop over these parts (`cfg`: the trainer settings; `model`: the model
         to train through, e.g. DDP-wrapped; default: the parts' own)."""
-        return Trainer(model=model if model is not None else self.model,
-                       optimizer=self.optimizer, scheduler=self.scheduler, engine=self.engine,
-                       train_loader=self.train_loader, val_loader=self.val_loader,
-                       device=device, cfg=cfg, memory=self.memory, criterion=self.criterion,
-                       context=context, task=self.task)
+        return Trainer(
+            model=model if model is not None else self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            engine=self.engine,
+            train_loader=self.train_loader,
+            val_loader=self.val_loader,
+            device=device,
+            cfg=cfg,
+            memory=self.memory,
+            criterion=self.criterion,
+            context=context,
+            task=self.task,
+        )
 
 
-def build(plan: RunPlan, device: Optional[torch.device] = None, comm: Optional[Comm] = None,
-          on_model: Optional[Callable[[torch.nn.Module], None]] = None, *,
-          wait_for_kernels: bool = True) -> Parts:
+def build(
+    plan: RunPlan,
+    device: Optional[torch.device] = None,
+    comm: Optional[Comm] = None,
+    on_model: Optional[Callable[[torch.nn.Module], None]] = None,
+    *,
+    wait_for_kernels: bool = True,
+) -> Parts:
     """Data, model, optimizer, engine and scheduler as `plan` says, on `device` (default: the
     plan's; a torchrun rank passes its own GPU). Seeds first, so every rank of a distributed run
     builds the same initial weights. `on_model` sees the freshly built model before the engine
@@ -97,13 +118,22 @@ def build(plan: RunPlan, device: Optional[torch.device] = None, comm: Optional[C
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = cfg.trainer.cudnn_benchmark
     task = task_for(plan.task)
-    bundle = build_datasets(cfg.data, plan.specs.get("data"))  # a missing dataset stops here, before any run exists
+    bundle = build_datasets(
+        cfg.data, plan.specs.get("data")
+    )  # a missing dataset stops here, before any run exists
     train_loader, val_loader = build_loaders(
-        bundle, cfg.trainer.batch_size, cfg.trainer.num_workers, device.type, cfg.trainer.seed,
-        rank=comm.rank, world_size=comm.world_size)
+        bundle,
+        cfg.trainer.batch_size,
+        cfg.trainer.num_workers,
+        device.type,
+        cfg.trainer.seed,
+        rank=comm.rank,
+        world_size=comm.world_size,
+    )
     # built or loaded now, so not counted below (a sharded run steps with torch's ops)
-    kernels = csrc.load(device, "torch" if sharded(plan, comm) else cfg.precision.kernels,
-                        wait=wait_for_kernels)
+    kernels = csrc.load(
+        device, "torch" if sharded(plan, comm) else cfg.precision.kernels, wait=wait_for_kernels
+    )
     # peak_mem_mb counts the training state (model, optimizer, activations), as on a GPU, where
     # the data and the tracking store live in host memory: on a CPU the baseline is taken after
     # the datasets, the store and the kernels are in memory
@@ -114,8 +144,9 @@ def build(plan: RunPlan, device: Optional[torch.device] = None, comm: Optional[C
         check_output(cfg.model, bundle.num_classes, tuple(sample.shape), task=task)
     memory = MemoryProbe(device)
     memory.reset()
-    model = build_model(cfg.model, bundle.num_classes, bundle.image_size,
-                        plan.specs.get("model")).to(device)
+    model = build_model(
+        cfg.model, bundle.num_classes, bundle.image_size, plan.specs.get("model")
+    ).to(device)
     if cfg.trainer.sync_batchnorm:  # before the cast: keep_batchnorm_fp32 still applies
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if cfg.trainer.channels_last:
@@ -125,31 +156,49 @@ def build(plan: RunPlan, device: Optional[torch.device] = None, comm: Optional[C
     findings = shape_findings(cfg, plan.properties, DeviceInfo.from_torch(device), model)
     findings += state_findings(model, plan.properties)
     if sharded(plan, comm):  # FSDP2: cast, shard, then the optimizer over the shards
-        engine = AmpEngine(plan.properties, device, kernels="torch",
-                           flag_reducer=distributed.flag_reducer(comm), seed=cfg.trainer.seed,
-                           layer_rules=plan.layer_rules, sharded=True)
+        engine = AmpEngine(
+            plan.properties,
+            device,
+            kernels="torch",
+            flag_reducer=distributed.flag_reducer(comm),
+            seed=cfg.trainer.seed,
+            layer_rules=plan.layer_rules,
+            sharded=True,
+        )
         engine.cast(model)
         units = fsdp.shard(model, plan.properties, cfg.trainer.fsdp_wrap)
-        log.info("FSDP2: %d units sharded over %d ranks (%s), then the model", len(units),
-                 comm.world_size, ", ".join(units[:8]) + (" ..." if len(units) > 8 else ""))
-        optimizer = build_optimizer(cfg.optimizer, model.parameters(),
-                                    plan.specs.get("optimizer"))
+        log.info(
+            "FSDP2: %d units sharded over %d ranks (%s), then the model",
+            len(units),
+            comm.world_size,
+            ", ".join(units[:8]) + (" ..." if len(units) > 8 else ""),
+        )
+        optimizer = build_optimizer(cfg.optimizer, model.parameters(), plan.specs.get("optimizer"))
         engine.add_optimizer(optimizer, [model])
     elif plan.properties.low_bit_state:  # torchao's low-bit Adam/AdamW (the plan checked which)
-        optimizer = build_low_bit(cfg.optimizer, list(model.parameters()),
-                                  plan.properties.state_format,
-                                  stochastic_rounding=plan.properties.stochastic_rounding)
-        log.info("Optimizer: torchao's %s with %s state; its update is compiled per parameter "
-                 "shape on the first step (cached on disk for later runs)",
-                 type(optimizer).__name__, plan.properties.state_format)
+        optimizer = build_low_bit(
+            cfg.optimizer,
+            list(model.parameters()),
+            plan.properties.state_format,
+            stochastic_rounding=plan.properties.stochastic_rounding,
+        )
+        log.info(
+            "Optimizer: torchao's %s with %s state; its update is compiled per parameter "
+            "shape on the first step (cached on disk for later runs)",
+            type(optimizer).__name__,
+            plan.properties.state_format,
+        )
     else:
-        optimizer = build_optimizer(cfg.optimizer, model.parameters(),
-                                    plan.specs.get("optimizer"))
+        optimizer = build_optimizer(cfg.optimizer, model.parameters(), plan.specs.get("optimizer"))
     if not sharded(plan, comm):
-        engine = AmpEngine(plan.properties, device,
-                           kernels=cfg.precision.kernels if kernels is not None else "torch",
-                           flag_reducer=distributed.flag_reducer(comm), seed=cfg.trainer.seed,
-                           layer_rules=plan.layer_rules)
+        engine = AmpEngine(
+            plan.properties,
+            device,
+            kernels=cfg.precision.kernels if kernels is not None else "torch",
+            flag_reducer=distributed.flag_reducer(comm),
+            seed=cfg.trainer.seed,
+            layer_rules=plan.layer_rules,
+        )
         # the layer plan (a glob matching no module: ConfigError, before any run exists), cast
         # and masters, before any DDP wrap
         model, optimizer = engine.prepare(model, optimizer)
@@ -162,11 +211,27 @@ def build(plan: RunPlan, device: Optional[torch.device] = None, comm: Optional[C
         torch._dynamo.reset()
         model.compile(**compile_arguments(cfg.trainer.compile_mode, engine.fp8))
     steps_per_epoch = limit_batches(len(train_loader), cfg.trainer.limit_train_batches)
-    scheduler = build_scheduler(cfg.scheduler, optimizer, steps_per_epoch, cfg.trainer.max_epochs,
-                                plan.specs.get("scheduler"))
+    scheduler = build_scheduler(
+        cfg.scheduler,
+        optimizer,
+        steps_per_epoch,
+        cfg.trainer.max_epochs,
+        plan.specs.get("scheduler"),
+    )
     criterion = build_loss(cfg).to(device)
-    return Parts(bundle, train_loader, val_loader, model, optimizer, engine, scheduler, memory,
-                 findings, criterion, task)
+    return Parts(
+        bundle,
+        train_loader,
+        val_loader,
+        model,
+        optimizer,
+        engine,
+        scheduler,
+        memory,
+        findings,
+        criterion,
+        task,
+    )
 
 
 def compile_arguments(mode: str, fp8: Any = None) -> dict[str, Any]:
@@ -195,17 +260,28 @@ def infer_task(plan: RunPlan, sample: torch.Tensor) -> str:
 
     auto = OmegaConf.select(plan.cfg, "task.name", default="auto") == "auto"
     data = plan.specs.get("data")
-    if auto and (data is None or data.task is None) and isinstance(sample, torch.Tensor) \
-            and sample.dim() == 1 and not sample.is_floating_point() \
-            and plan.task != LANGUAGE_MODEL:
-        log.info("task=auto: the dataset yields sequences of integer token ids, so the run is a "
-                 "language model's (task=language_model)")
+    if (
+        auto
+        and (data is None or data.task is None)
+        and isinstance(sample, torch.Tensor)
+        and sample.dim() == 1
+        and not sample.is_floating_point()
+        and plan.task != LANGUAGE_MODEL
+    ):
+        log.info(
+            "task=auto: the dataset yields sequences of integer token ids, so the run is a "
+            "language model's (task=language_model)"
+        )
         return LANGUAGE_MODEL
     return plan.task
 
 
-def shape_findings(cfg: DictConfig, properties: Properties, device_info: DeviceInfo,
-                   model: torch.nn.Module | None = None) -> list[Finding]:
+def shape_findings(
+    cfg: DictConfig,
+    properties: Properties,
+    device_info: DeviceInfo,
+    model: torch.nn.Module | None = None,
+) -> list[Finding]:
     """The Tensor Core findings about the model's layer sizes and the batch size (16-bit on a
     CUDA GPU only). Without `model` (a dry run) the model is built on PyTorch's meta device:
     its shapes, no memory, no data."""

@@ -7,12 +7,14 @@ trains its shard of every batch with DistributedDataParallel, and only rank 0 ta
 writes checkpoints. Multi-node runs work the same through torchrun's rendezvous. Without torchrun
 `Comm()` is one process and every collective is a no-op.
 """
+
 from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional, TypeVar
+from typing import Optional, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -29,8 +31,10 @@ def launched_by_torchrun() -> bool:
 def will_join_a_group() -> bool:
     """Whether this process will join a process group (torchrun, or a SLURM job of several tasks
     under submitit), told from the environment alone, with nothing exported."""
-    return launched_by_torchrun() or (os.environ.get("SUBMITIT_EXECUTOR") == "slurm"
-                                      and int(os.environ.get("SLURM_NTASKS", "1")) > 1)
+    return launched_by_torchrun() or (
+        os.environ.get("SUBMITIT_EXECUTOR") == "slurm"
+        and int(os.environ.get("SLURM_NTASKS", "1")) > 1
+    )
 
 
 def from_slurm_tasks() -> bool:
@@ -116,9 +120,13 @@ def setup(device: torch.device | str) -> tuple[Comm, torch.device]:
     local_rank = int(os.environ["LOCAL_RANK"])
     if device.type == "cuda":
         if local_rank >= torch.cuda.device_count():
-            raise ConfigError("trainer.device", f"local rank {local_rank} has no GPU (this node "
-                              f"has {torch.cuda.device_count()}); start at most that many "
-                              "processes per node", "--nproc_per_node <= the GPUs per node")
+            raise ConfigError(
+                "trainer.device",
+                f"local rank {local_rank} has no GPU (this node "
+                f"has {torch.cuda.device_count()}); start at most that many "
+                "processes per node",
+                "--nproc_per_node <= the GPUs per node",
+            )
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         backend = "nccl"
@@ -137,5 +145,3 @@ def flag_reducer(comm: Comm) -> Optional[Callable[[torch.Tensor], None]]:
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The model inside a DistributedDataParallel wrapper (or the model itself)."""
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-
-

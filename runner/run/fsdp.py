@@ -41,10 +41,12 @@ rank reads the checkpoint and loads it into its shards (`set_*_state_dict`), so 
 another world size (at an epoch boundary: the batches already trained mid-epoch belong to the old
 world's shards).
 """
+
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable, Optional, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -58,7 +60,7 @@ WRAP_KEY = "trainer.fsdp_wrap"
 STRATEGY_KEY = "trainer.strategy"
 
 
-# ---- which modules are units ----------------------------------------------------------------------
+# ---- which modules are units ---------------------------------------------------------------------
 def _owns_parameters(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
 
@@ -74,8 +76,11 @@ def default_units(model: nn.Module) -> list[str]:
         if any(t == "" or name == t or name.startswith(t + ".") for t in taken):
             continue
         if isinstance(module, (nn.ModuleList, nn.Sequential)):
-            children = [(f"{name}.{child}" if name else child, m)
-                        for child, m in module.named_children() if _owns_parameters(m)]
+            children = [
+                (f"{name}.{child}" if name else child, m)
+                for child, m in module.named_children()
+                if _owns_parameters(m)
+            ]
             if len(children) >= 2:
                 units += [child for child, _ in children]
                 taken.append(name)
@@ -107,17 +112,21 @@ def units_for(model: nn.Module, wrap: Optional[Sequence[str]]) -> list[str]:
             matched = by_class or by_name
             if not matched:
                 top = ", ".join(n for n, _ in model.named_children())
-                raise ConfigError(WRAP_KEY, f"'{entry}' matches no module of "
-                                  f"{type(model).__name__} (by class name, or by a module-name "
-                                  f"glob whose * stays within one name); its top-level modules: "
-                                  f"{top}", "class names (Block) or globs (blocks.*, layer?)")
+                raise ConfigError(
+                    WRAP_KEY,
+                    f"'{entry}' matches no module of "
+                    f"{type(model).__name__} (by class name, or by a module-name "
+                    f"glob whose * stays within one name); its top-level modules: "
+                    f"{top}",
+                    "class names (Block) or globs (blocks.*, layer?)",
+                )
             chosen += [n for n in matched if n not in chosen]
         chosen = [n for n in chosen if _owns_parameters(model.get_submodule(n))]
     # children before parents (FSDP2 shards a parent's remaining parameters after its units)
     return sorted(chosen, key=lambda n: -n.count("."))
 
 
-# ---- sharding -------------------------------------------------------------------------------------
+# ---- sharding ------------------------------------------------------------------------------------
 def policies(p: Properties) -> tuple[Any, Any]:
     """(the units' MixedPrecisionPolicy, the BatchNorm units' one or None): O2's `param_dtype`
     (the 16-bit type) with fp32 reduction; fp32 BatchNorm units with `keep_batchnorm_fp32`."""
@@ -125,8 +134,11 @@ def policies(p: Properties) -> tuple[Any, Any]:
 
     if p.casts_to_half and p.uses_master_weights:
         main = MixedPrecisionPolicy(param_dtype=p.cast_model_type, reduce_dtype=torch.float32)
-        norm = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32) \
-            if p.keep_batchnorm_fp32 else None
+        norm = (
+            MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
+            if p.keep_batchnorm_fp32
+            else None
+        )
         return main, norm
     return MixedPrecisionPolicy(), None
 
@@ -140,7 +152,7 @@ def shard(model: nn.Module, p: Properties, wrap: Optional[Sequence[str]]) -> lis
     main, norm = policies(p)
     units = units_for(model, wrap)
     if norm is not None:
-        for name, module in model.named_modules():
+        for module in model.modules():
             if isinstance(module, _BatchNorm) and _owns_parameters(module):
                 fully_shard(module, mp_policy=norm)
     for name in units:
@@ -158,12 +170,19 @@ def allgather_bytes(model: nn.Module) -> int:
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     largest = 0
     for unit in units:
-        nested = {id(p) for m in unit.modules() if m is not unit and isinstance(m, FSDPModule)
-                  for p in m.parameters()}
+        nested = {
+            id(p)
+            for m in unit.modules()
+            if m is not unit and isinstance(m, FSDPModule)
+            for p in m.parameters()
+        }
         policy = getattr(getattr(unit, "_get_fsdp_state", lambda: None)(), "_mp_policy", None)
         dtype = getattr(policy, "param_dtype", None)
-        total = sum(p.numel() * (dtype or p.dtype).itemsize for p in unit.parameters()
-                    if id(p) not in nested)
+        total = sum(
+            p.numel() * (dtype or p.dtype).itemsize
+            for p in unit.parameters()
+            if id(p) not in nested
+        )
         largest = max(largest, total)
     return largest
 
@@ -174,9 +193,7 @@ def is_sharded(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
-
-
-# ---- full state dicts (checkpoints) ---------------------------------------------------------------
+# ---- full state dicts (checkpoints) --------------------------------------------------------------
 def _options(**kw):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
@@ -199,15 +216,20 @@ def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
     named = get_optimizer_state_dict(model, optimizer, options=_options(cpu_offload=True))
     if not named:
         return {}
-    index = {fqn: i for i, fqn in enumerate(fqn for g in named["param_groups"]
-                                             for fqn in g["params"])}
-    return {"state": {index[fqn]: value for fqn, value in named["state"].items()},
-            "param_groups": [{**g, "params": [index[fqn] for fqn in g["params"]]}
-                             for g in named["param_groups"]]}
+    index = {
+        fqn: i for i, fqn in enumerate(fqn for g in named["param_groups"] for fqn in g["params"])
+    }
+    return {
+        "state": {index[fqn]: value for fqn, value in named["state"].items()},
+        "param_groups": [
+            {**g, "params": [index[fqn] for fqn in g["params"]]} for g in named["param_groups"]
+        ],
+    }
 
 
-def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict,
-                    optimizer_state: dict) -> None:
+def load_full_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optimizer_state: dict
+) -> None:
     """A checkpoint's full state into this rank's shards (every rank has read the checkpoint):
     the optimizer's indices mapped back to the parameters' names."""
     from torch.distributed.checkpoint.state_dict import (
@@ -217,33 +239,65 @@ def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_st
     )
 
     set_model_state_dict(model, model_state, options=_options())
-    names = [fqn for g in get_optimizer_state_dict(model, optimizer, options=_options())[
-        "param_groups"] for fqn in g["params"]]
-    named = {"state": {names[i]: value for i, value in optimizer_state["state"].items()},
-             "param_groups": [{**g, "params": [names[i] for i in g["params"]]}
-                              for g in optimizer_state["param_groups"]]}
+    names = [
+        fqn
+        for g in get_optimizer_state_dict(model, optimizer, options=_options())["param_groups"]
+        for fqn in g["params"]
+    ]
+    named = {
+        "state": {names[i]: value for i, value in optimizer_state["state"].items()},
+        "param_groups": [
+            {**g, "params": [names[i] for i in g["params"]]}
+            for g in optimizer_state["param_groups"]
+        ],
+    }
     set_optimizer_state_dict(model, optimizer, named, options=_options())
 
 
-# ---- what a sharded run cannot do (yet) -------------------------------------------------------------
+# ---- what a sharded run cannot do (yet) ----------------------------------------------------------
 def refusals(cfg: Any, p: Properties, layer_rules: Iterable[Any]) -> list[tuple[str, str, str]]:
     """(key, why, what to do) for each setting a sharded run does not take, checked before any
     work; [] for a run that does not shard."""
     out: list[tuple[str, str, str]] = []
     trainer = cfg.trainer
     if trainer.compile:
-        out.append(("trainer.compile", "torch.compile is not wired into sharded runs yet",
-                    "trainer.compile=false with trainer.strategy=fsdp"))
+        out.append(
+            (
+                "trainer.compile",
+                "torch.compile is not wired into sharded runs yet",
+                "trainer.compile=false with trainer.strategy=fsdp",
+            )
+        )
     if trainer.sync_batchnorm:
-        out.append(("trainer.sync_batchnorm", "SyncBatchNorm is DDP's; FSDP2 does not convert "
-                    "it", "trainer.sync_batchnorm=false"))
+        out.append(
+            (
+                "trainer.sync_batchnorm",
+                "SyncBatchNorm is DDP's; FSDP2 does not convert it",
+                "trainer.sync_batchnorm=false",
+            )
+        )
     if not p.state_follows_weights:
-        out.append(("precision.optimizer_state", f"{p.state_format} optimizer state is not "
-                    "sharded yet", "precision.optimizer_state=null"))
+        out.append(
+            (
+                "precision.optimizer_state",
+                f"{p.state_format} optimizer state is not sharded yet",
+                "precision.optimizer_state=null",
+            )
+        )
     if list(layer_rules) or p.layer_plan is not None:
-        out.append(("precision.layers" if p.layers else "precision.layer_plan", "a layer plan is not enforced on sharded units yet",
-                    "no precision.layers / precision.layer_plan with trainer.strategy=fsdp"))
+        out.append(
+            (
+                "precision.layers" if p.layers else "precision.layer_plan",
+                "a layer plan is not enforced on sharded units yet",
+                "no precision.layers / precision.layer_plan with trainer.strategy=fsdp",
+            )
+        )
     if cfg.precision.kernels == "fused":
-        out.append(("precision.kernels", "the fused kernels take plain tensors, and a sharded "
-                    "run's parameters are DTensors", "precision.kernels=auto or torch"))
+        out.append(
+            (
+                "precision.kernels",
+                "the fused kernels take plain tensors, and a sharded run's parameters are DTensors",
+                "precision.kernels=auto or torch",
+            )
+        )
     return out

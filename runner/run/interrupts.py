@@ -2,6 +2,7 @@
 MLflow run is marked KILLED and the process exits 128 + the signal's number (130 for Ctrl-C, 143
 for SIGTERM, what schedulers such as SLURM send before they kill a job). A second Ctrl-C stops
 at once (the run is still marked KILLED, but no checkpoint is written)."""
+
 from __future__ import annotations
 
 import logging
@@ -43,10 +44,13 @@ class StopRequest:
         if self.signum is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt  # the second Ctrl-C: now
         self.signum = signum
-        log.warning("%s received: stopping after this step with a checkpoint (Ctrl-C again to "
-                    "stop at once)", signal.Signals(signum).name)
+        log.warning(
+            "%s received: stopping after this step with a checkpoint (Ctrl-C again to "
+            "stop at once)",
+            signal.Signals(signum).name,
+        )
 
-    def __enter__(self) -> "StopRequest":
+    def __enter__(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():
             for sig in SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)

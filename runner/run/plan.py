@@ -7,29 +7,29 @@ logs nothing and creates no MLflow run, so a bad config stops here with a `Confi
 key. The resulting `RunPlan` is frozen and is what a run, a dry run, a sweep's up-front check of
 every job and the benchmarks all work from (`runner.run.app.build(plan)` builds the parts).
 """
+
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from runner.run import checkpoint
-from runner.config import options
-from runner.config import targets
-from runner.errors import ConfigError
+from runner.config import options, targets
 from runner.config.finder import config_dir
 from runner.config.precision import run_name_suffixes
-from runner.precision import Finding, Properties, Resolution, resolve
+from runner.config.validation import validate
+from runner.errors import ConfigError
+from runner.precision import Finding, Properties, Resolution, layers, resolve
 from runner.precision.checks import DeviceInfo, concrete_device
-from runner.precision import layers
 from runner.precision.layers import LayerRule
 from runner.precision.properties import Context, level_preset, parse_opt_level, strict_finding
+from runner.run import checkpoint
 from runner.run.resume import Resume
-from runner.config.validation import validate
 
 
 @dataclass(frozen=True)
@@ -60,16 +60,26 @@ def make_plan(cfg: DictConfig) -> RunPlan:
     ConfigError naming the key for any bad input, before anything is built."""
     device, resolution, specs = check_config(cfg)
     run_name = default_run_name(cfg, resolution.properties)
-    folder = checkpoint.run_folder(cfg.trainer.checkpoint_dir, cfg.mlflow.experiment_name,
-                                   run_name)
+    folder = checkpoint.run_folder(cfg.trainer.checkpoint_dir, cfg.mlflow.experiment_name, run_name)
     config_tree = OmegaConf.to_container(cfg, resolve=True)
     resume = Resume.decide(cfg.resume, folder, config_tree)
-    return RunPlan(cfg, config_tree, device, resolution, run_name, folder, resume, specs,
-                   resolve_task(cfg, specs), layer_rules(resolution.properties))
+    return RunPlan(
+        cfg,
+        config_tree,
+        device,
+        resolution,
+        run_name,
+        folder,
+        resume,
+        specs,
+        resolve_task(cfg, specs),
+        layer_rules(resolution.properties),
+    )
 
 
-def check_config(cfg: DictConfig
-                 ) -> tuple[torch.device, Resolution, dict[str, Optional[options.Spec]]]:
+def check_config(
+    cfg: DictConfig,
+) -> tuple[torch.device, Resolution, dict[str, Optional[options.Spec]]]:
     """The checks of `make_plan` that need no file: the preset's level, the value rules, the
     device, the precision properties and the parts the config names; raises ConfigError naming
     the key. Returns the device, the resolution and each option group's spec."""
@@ -79,8 +89,12 @@ def check_config(cfg: DictConfig
     task = resolve_task(cfg, specs)
     device = select_device(cfg.trainer.device)
     if cfg.trainer.sync_batchnorm and device.type != "cuda":
-        raise ConfigError("trainer.sync_batchnorm", "SyncBatchNorm needs CUDA GPUs (NCCL); it has "
-                          f"no implementation on {device.type} (Gloo)", "false on a CPU")
+        raise ConfigError(
+            "trainer.sync_batchnorm",
+            "SyncBatchNorm needs CUDA GPUs (NCCL); it has "
+            f"no implementation on {device.type} (Gloo)",
+            "false on a CPU",
+        )
     resolution = resolve_precision(cfg, device)
     check_parts(cfg, specs, task)
     check_layers(cfg, specs, resolution.properties, task)
@@ -91,8 +105,11 @@ def check_config(cfg: DictConfig
 # ---- the task ---------------------------------------------------------------------------------
 def _option(cfg: DictConfig, group: str) -> str:
     node = cfg[group]
-    return f"{group}._target_={node['_target_']}" if options.has_target(node) \
+    return (
+        f"{group}._target_={node['_target_']}"
+        if options.has_target(node)
         else f"{group}={node.get('name')}"
+    )
 
 
 def resolve_task(cfg: DictConfig, specs: Mapping[str, Optional[options.Spec]]) -> str:
@@ -110,21 +127,30 @@ def resolve_task(cfg: DictConfig, specs: Mapping[str, Optional[options.Spec]]) -
     else:
         task = chosen
         if data_task is not None and data_task != task:
-            raise ConfigError("task.name", f"task={task}, but {_option(cfg, 'data')} is "
-                              f"{_DATA_KINDS[data_task]}",
-                              f"task=auto or task={data_task} (or another dataset)")
+            raise ConfigError(
+                "task.name",
+                f"task={task}, but {_option(cfg, 'data')} is {_DATA_KINDS[data_task]}",
+                f"task=auto or task={data_task} (or another dataset)",
+            )
     if model_task is not None and model_task != task:
-        raise ConfigError("model.name", f"{_option(cfg, 'model')} is {_MODEL_KINDS[model_task]}"
-                          f", but the run's task is {task} ({_option(cfg, 'data')})",
-                          "a model of the data's task (language models: gpt, gpt_tiny, "
-                          "gpt2_small, hf; image classifiers: tiny, resnet18, vit_tiny, ...)")
+        raise ConfigError(
+            "model.name",
+            f"{_option(cfg, 'model')} is {_MODEL_KINDS[model_task]}"
+            f", but the run's task is {task} ({_option(cfg, 'data')})",
+            "a model of the data's task (language models: gpt, gpt_tiny, "
+            "gpt2_small, hf; image classifiers: tiny, resnet18, vit_tiny, ...)",
+        )
     return task
 
 
-_DATA_KINDS = {options.CLASSIFICATION: "a classification dataset",
-               options.LANGUAGE_MODEL: "a text (language-model) dataset"}
-_MODEL_KINDS = {options.CLASSIFICATION: "an image classifier",
-                options.LANGUAGE_MODEL: "a language model"}
+_DATA_KINDS = {
+    options.CLASSIFICATION: "a classification dataset",
+    options.LANGUAGE_MODEL: "a text (language-model) dataset",
+}
+_MODEL_KINDS = {
+    options.CLASSIFICATION: "an image classifier",
+    options.LANGUAGE_MODEL: "a language model",
+}
 
 
 def select_device(name: str) -> torch.device:
@@ -187,13 +213,16 @@ def resolve_precision(cfg: DictConfig, device: torch.device | DeviceInfo) -> Res
     device_info = device if isinstance(device, DeviceInfo) else DeviceInfo.from_torch(device)
     optimizer = OmegaConf.to_container(cfg.optimizer, resolve=True) if "optimizer" in cfg else None
     compiled = bool(OmegaConf.select(cfg, "trainer.compile", default=False))
-    resolution = resolve(opt_level, values, device=device_info, optimizer=optimizer,
-                         compiled=compiled)
+    resolution = resolve(
+        opt_level, values, device=device_info, optimizer=optimizer, compiled=compiled
+    )
     check_plan_settings(cfg)
     findings = kernel_findings(cfg, resolution.properties)
-    findings += layers.rule_findings(resolution.properties, layer_rules(resolution.properties),
-                                    Context(device=device_info, optimizer=optimizer,
-                                            compiled=compiled))
+    findings += layers.rule_findings(
+        resolution.properties,
+        layer_rules(resolution.properties),
+        Context(device=device_info, optimizer=optimizer, compiled=compiled),
+    )
     if bool(OmegaConf.select(cfg, "precision.strict", default=False)):
         findings = [strict_finding(f) for f in findings]
     resolution = Resolution(resolution.properties, [*resolution.findings, *findings])
@@ -226,8 +255,9 @@ def default_run_name(cfg: DictConfig, properties: Optional[Properties] = None) -
 
 
 # ---- the model, the data and the loss ----------------------------------------------------------
-def check_parts(cfg: DictConfig, specs: Mapping[str, Optional[options.Spec]],
-                task: str = options.CLASSIFICATION) -> None:
+def check_parts(
+    cfg: DictConfig, specs: Mapping[str, Optional[options.Spec]], task: str = options.CLASSIFICATION
+) -> None:
     """What the model, data and loss configs name, before anything is built: a zoo's model name,
     the user's `_target_`s (imported, arguments bound to their signatures), a text corpus and
     its tokenizer, and the model's output against the data's classes or vocabulary (built on the
@@ -256,9 +286,12 @@ def check_vocabulary(cfg: DictConfig, vocab_size: int) -> None:
     a declared `model.vocab_size` below the data's vocabulary is refused."""
     declared = cfg.model.get("vocab_size") if hasattr(cfg.model, "get") else None
     if declared is not None and int(declared) < int(vocab_size):
-        raise ConfigError("model.vocab_size", f"{declared}, but the data's token ids go up to "
-                          f"{int(vocab_size) - 1} (a vocabulary of {vocab_size})",
-                          f"null (the data's) or an integer >= {vocab_size}")
+        raise ConfigError(
+            "model.vocab_size",
+            f"{declared}, but the data's token ids go up to "
+            f"{int(vocab_size) - 1} (a vocabulary of {vocab_size})",
+            f"null (the data's) or an integer >= {vocab_size}",
+        )
 
 
 def check_context(cfg: DictConfig) -> None:
@@ -271,11 +304,12 @@ def check_context(cfg: DictConfig) -> None:
     for key in ("block_size", "max_position_embeddings", "n_positions"):
         context = cfg.model.get(key) if hasattr(cfg.model, "get") else None
         if context is not None and int(block) > int(context):
-            raise ConfigError("data.block_size", f"{block} tokens per sequence, but the model's "
-                              f"context holds {context} (model.{key})",
-                              f"at most {context}, or a model with a longer context")
-
-
+            raise ConfigError(
+                "data.block_size",
+                f"{block} tokens per sequence, but the model's "
+                f"context holds {context} (model.{key})",
+                f"at most {context}, or a model with a longer context",
+            )
 
 
 def kernel_findings(cfg: DictConfig, properties: Properties) -> list[Finding]:
@@ -283,12 +317,16 @@ def kernel_findings(cfg: DictConfig, properties: Properties) -> list[Finding]:
     fused kernels unscale, check and copy the gradients, but the update is torchao's own."""
     kernels = OmegaConf.select(cfg, "precision.kernels", default="auto")
     if kernels == "fused" and properties.low_bit_state:
-        return [Finding(
-            "info", "kernels",
-            f"precision.kernels=fused with {properties.state_format} optimizer state: the "
-            "kernels unscale, check and copy the gradients (and the masters back), but the "
-            f"update is torchao's low-bit optimizer's own compiled step, not a fused kernel",
-            "")]
+        return [
+            Finding(
+                "info",
+                "kernels",
+                f"precision.kernels=fused with {properties.state_format} optimizer state: the "
+                "kernels unscale, check and copy the gradients (and the masters back), but the "
+                f"update is torchao's low-bit optimizer's own compiled step, not a fused kernel",
+                "",
+            )
+        ]
     return []
 
 
@@ -303,10 +341,11 @@ def layer_rules(properties: Properties) -> tuple[LayerRule, ...]:
     return (*from_file, *layers.config_rules(properties))
 
 
-_PLAN_SETTINGS = (("layer_plan_steps", lambda v: isinstance(v, int) and v >= 1,
-                   "an integer >= 1"),
-                  ("layer_plan_max_underflow", lambda v: 0 <= v < 1, "a share in [0, 1)"),
-                  ("layer_plan_max_overflow", lambda v: 0 <= v < 1, "a share in [0, 1)"))
+_PLAN_SETTINGS = (
+    ("layer_plan_steps", lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
+    ("layer_plan_max_underflow", lambda v: 0 <= v < 1, "a share in [0, 1)"),
+    ("layer_plan_max_overflow", lambda v: 0 <= v < 1, "a share in [0, 1)"),
+)
 
 
 def check_plan_settings(cfg: DictConfig) -> None:
@@ -317,8 +356,9 @@ def check_plan_settings(cfg: DictConfig) -> None:
             raise ConfigError(f"precision.{key}", f"got {value!r}", allowed)
 
 
-def check_layers(cfg: DictConfig, specs: Mapping[str, Optional[options.Spec]],
-                 properties: Properties, task: str) -> Optional[layers.LayerPlan]:
+def check_layers(
+    cfg: DictConfig, specs: Mapping[str, Optional[options.Spec]], properties: Properties, task: str
+) -> Optional[layers.LayerPlan]:
     """The layer plan against the model's module names, before anything is built: the model is
     made on the meta device (shapes, no memory) and each entry matched (ConfigError naming the
     entry's key for a glob that matches no module, fp8 on a layer that cannot run it, ...).
@@ -333,8 +373,9 @@ def check_layers(cfg: DictConfig, specs: Mapping[str, Optional[options.Spec]],
     return layers.assign(model, rules, properties)
 
 
-def meta_model(cfg: DictConfig, specs: Mapping[str, Optional[options.Spec]],
-               task: str) -> Optional[torch.nn.Module]:
+def meta_model(
+    cfg: DictConfig, specs: Mapping[str, Optional[options.Spec]], task: str
+) -> Optional[torch.nn.Module]:
     """The run's model on the meta device, where its input is declared (None otherwise, or
     where the model cannot be made there)."""
     from runner.components.data import declared_input
@@ -354,8 +395,9 @@ def meta_model(cfg: DictConfig, specs: Mapping[str, Optional[options.Spec]],
 
 
 # ---- the strategy under torchrun -------------------------------------------------------------
-def check_strategy(cfg: DictConfig, specs: Mapping[str, Optional[options.Spec]],
-                   properties: Properties, task: str) -> None:
+def check_strategy(
+    cfg: DictConfig, specs: Mapping[str, Optional[options.Spec]], properties: Properties, task: str
+) -> None:
     """`trainer.strategy=fsdp` (runner.run.fsdp): a process group to shard over (torchrun), the
     settings a sharded run takes, and `trainer.fsdp_wrap` against the model's modules (on the
     meta device, where the data declares its shape)."""
@@ -364,10 +406,13 @@ def check_strategy(cfg: DictConfig, specs: Mapping[str, Optional[options.Spec]],
     from runner.run import distributed, fsdp
 
     if not distributed.will_join_a_group():
-        raise ConfigError(fsdp.STRATEGY_KEY, "fsdp shards the model over the processes of "
-                          "torchrun's group, and this run is a single process without one",
-                          "trainer.strategy=ddp for one process, or start it with torchrun "
-                          "--nproc_per_node=N -m runner ... (N=1 too)")
+        raise ConfigError(
+            fsdp.STRATEGY_KEY,
+            "fsdp shards the model over the processes of "
+            "torchrun's group, and this run is a single process without one",
+            "trainer.strategy=ddp for one process, or start it with torchrun "
+            "--nproc_per_node=N -m runner ... (N=1 too)",
+        )
     for key, why, fix in fsdp.refusals(cfg, properties, layer_rules(properties)):
         raise ConfigError(key, f"{why} (trainer.strategy=fsdp)", fix)
     model = meta_model(cfg, specs, task)

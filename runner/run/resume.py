@@ -8,12 +8,14 @@ is done here: the tags it adds to its MLflow run, and the restore of the trainer
 learning-rate schedule rebuilt for a new epoch budget (a cosine or one-cycle schedule of the old
 length would turn back up, or refuse to step, past its end).
 """
+
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
 from omegaconf import DictConfig
 
@@ -31,8 +33,9 @@ class Resume:
     state: Mapping[str, Any]
 
     @classmethod
-    def decide(cls, resume: Optional[str], folder: Path,
-               config: Mapping[str, Any]) -> Optional["Resume"]:
+    def decide(
+        cls, resume: Optional[str], folder: Path, config: Mapping[str, Any]
+    ) -> Optional[Resume]:
         """The checkpoint `resume` (the config's value) names under the run's `folder`, loaded
         and checked against `config` (the resolved config tree); None for a fresh run. Raises
         ConfigError for a missing path, an unreadable file or a config that differs."""
@@ -58,8 +61,10 @@ class Resume:
         return int(self.state["epoch"]) >= int(max_epochs) and int(self.state["batch"]) == 0
 
     def finished_message(self) -> str:
-        return (f"already trained {int(self.state['epoch'])} epochs (checkpoint {self.path}); "
-                "raise trainer.max_epochs to train more. Nothing was changed.")
+        return (
+            f"already trained {int(self.state['epoch'])} epochs (checkpoint {self.path}); "
+            "raise trainer.max_epochs to train more. Nothing was changed."
+        )
 
     @property
     def best_val_acc(self) -> Optional[float]:
@@ -99,19 +104,31 @@ class Resume:
 
         if "sharded" in self.state:  # its tensors are in the shards: checked through the index
             if not is_sharded(parts.model):
-                raise ConfigError("resume", f"{self.path} is a sharded checkpoint "
-                                  "(trainer.strategy=fsdp); this run is not sharded",
-                                  "trainer.strategy=fsdp under torchrun")
+                raise ConfigError(
+                    "resume",
+                    f"{self.path} is a sharded checkpoint "
+                    "(trainer.strategy=fsdp); this run is not sharded",
+                    "trainer.strategy=fsdp under torchrun",
+                )
             differences = checkpoint.sharded.shape_differences(self.path.parent, parts.model)
             if differences:
-                raise ConfigError("resume", f"the checkpoint {self.path.parent} does not fit "
-                                  f"this run's model in {len(differences)} key(s): "
-                                  + "; ".join(differences[:8]), checkpoint.contents.ALLOWED)
-        checkpoint.check_structure(self.state, model=parts.model, optimizer=parts.optimizer,
-                                   engine=parts.engine, scheduler=parts.scheduler,
-                                   world_size=world_size, path=self.path,
-                                   reshardable=is_sharded(parts.model),
-                                   tensors="sharded" not in self.state)
+                raise ConfigError(
+                    "resume",
+                    f"the checkpoint {self.path.parent} does not fit "
+                    f"this run's model in {len(differences)} key(s): " + "; ".join(differences[:8]),
+                    checkpoint.contents.ALLOWED,
+                )
+        checkpoint.check_structure(
+            self.state,
+            model=parts.model,
+            optimizer=parts.optimizer,
+            engine=parts.engine,
+            scheduler=parts.scheduler,
+            world_size=world_size,
+            path=self.path,
+            reshardable=is_sharded(parts.model),
+            tensors="sharded" not in self.state,
+        )
 
     def restore(self, trainer: Any, cfg: DictConfig, run_name: str) -> None:
         """Put the checkpoint's state into `trainer` (built for `cfg`); with a new epoch budget,
@@ -122,8 +139,18 @@ class Resume:
         trainer.restore(self.state, scheduler=not changed, source=self.path)
         if changed:
             trainer.scheduler = rebuild_scheduler_at(
-                cfg.scheduler, trainer.optimizer, trainer.train_batches, cfg.trainer.max_epochs,
-                trainer.global_step, cfg.optimizer.lr)
-        log.info("Resuming %s from %s: after epoch %d and %d batches of the next (step %d)",
-                 run_name, self.path, self.state["epoch"], self.state["batch"],
-                 self.state["global_step"])
+                cfg.scheduler,
+                trainer.optimizer,
+                trainer.train_batches,
+                cfg.trainer.max_epochs,
+                trainer.global_step,
+                cfg.optimizer.lr,
+            )
+        log.info(
+            "Resuming %s from %s: after epoch %d and %d batches of the next (step %d)",
+            run_name,
+            self.path,
+            self.state["epoch"],
+            self.state["batch"],
+            self.state["global_step"],
+        )

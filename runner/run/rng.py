@@ -1,11 +1,14 @@
 """The random generators a training step draws from (torch, CUDA, Python, NumPy): their state
 as tensors and plain types, which a checkpoint holds and the safe unpickler reads back."""
+
 from __future__ import annotations
 
 import random
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
+
 
 def rng_state() -> dict[str, Any]:
     """Every random generator a training step draws from, as tensors and plain types (what the
@@ -36,8 +39,13 @@ def restore_rng(state: Mapping[str, Any]) -> None:
 def _numpy_portable(legacy: tuple) -> dict[str, Any]:
     """NumPy's `get_state()` tuple (its key an ndarray) as a tensor and plain types."""
     kind, key, pos, has_gauss, cached_gaussian = legacy
-    return {"kind": str(kind), "key": torch.from_numpy(key.astype("int64")), "pos": int(pos),
-            "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)}
+    return {
+        "kind": str(kind),
+        "key": torch.from_numpy(key.astype("int64")),
+        "pos": int(pos),
+        "has_gauss": int(has_gauss),
+        "cached_gaussian": float(cached_gaussian),
+    }
 
 
 def numpy_legacy(portable: Mapping[str, Any]) -> tuple:
@@ -46,8 +54,13 @@ def numpy_legacy(portable: Mapping[str, Any]) -> tuple:
     key = portable["key"]
     if not isinstance(key, torch.Tensor) or key.dim() != 1 or key.is_floating_point():
         raise TypeError("key: a 1-D integer tensor belongs here")
-    return (portable["kind"], key.numpy().astype(numpy.uint32), int(portable["pos"]),
-            int(portable["has_gauss"]), float(portable["cached_gaussian"]))
+    return (
+        portable["kind"],
+        key.numpy().astype(numpy.uint32),
+        int(portable["pos"]),
+        int(portable["has_gauss"]),
+        float(portable["cached_gaussian"]),
+    )
 
 
 def upgrade_legacy_rng(state: dict[str, Any]) -> None:
@@ -60,8 +73,7 @@ def upgrade_legacy_rng(state: dict[str, Any]) -> None:
     try:
         import numpy
 
-        if isinstance(legacy, tuple) and len(legacy) == 5 and isinstance(legacy[1],
-                                                                         numpy.ndarray):
+        if isinstance(legacy, tuple) and len(legacy) == 5 and isinstance(legacy[1], numpy.ndarray):
             rng["numpy"] = _numpy_portable(legacy)
     except (ImportError, TypeError, ValueError):
         pass

@@ -14,7 +14,8 @@ falls below `trainer.collapsed_loss_scale` while steps keep overflowing also sto
 Checkpoints and interrupts: after every `trainer.checkpoint_every_n_epochs` epochs, and when a
 SIGINT/SIGTERM asks the run to stop (after the step in progress), the checkpointer gets the whole
 state (runner.run.checkpoint). A resumed run continues at the epoch and batch it stopped at: the
-training order of an epoch depends only on the seed and the epoch (runner.components.data's EpochSampler),
+training order of an epoch depends only on the seed and the epoch (runner.components.data's
+EpochSampler),
 so the batches an interrupted epoch already trained on are skipped, not repeated.
 
 Under torchrun (runner.run.distributed) every rank runs this loop on its shard; the metrics are
@@ -22,14 +23,17 @@ reduced across ranks at the periodic reads (loss mean, non-finite streak and sto
 after validation (loss and accuracy sums) and per epoch (samples, peak memory), and only rank 0's
 sink logs them.
 
-Memory by kind (runner.measure.memory): the first training step of a session runs under an activation
+Memory by kind (runner.measure.memory): the first training step of a session runs under an
+activation
 meter (the bytes autograd saves for backward) and, after its optimizer step, the weights, masters,
 gradients and optimizer state are counted from the tensors; a step that was skipped (no optimizer
 state yet) is counted again at the next step, until one steps. The `mem_*_mb` metrics go out with
-the epoch's metrics; on a CPU the total is also `peak_mem_mb` (runner.measure.probes), and the process's
+the epoch's metrics; on a CPU the total is also `peak_mem_mb` (runner.measure.probes), and the
+process's
 resident-memory growth is `rss_growth_mb`. Neither reads the device: no sync.
 
-Range diagnostics (runner.measure.diagnostics), with `trainer.diagnose_every_n_steps` = n > 0: steps 1,
+Range diagnostics (runner.measure.diagnostics), with `trainer.diagnose_every_n_steps` = n > 0:
+steps 1,
 1 + n, 1 + 2n, ... run with a probe's hooks on the model's layers, installed before the forward
 and removed after the backward (other steps carry no hook; with n = 0 none is ever made). The
 probe is read once per diagnosed step (one host sync) and its `diag_*` metrics logged at that
@@ -44,6 +48,7 @@ compared with the engine's layer plan (runner.precision.layers): `layers_off_pla
 per format as metrics, `layers/layers_ran.csv` and its figure, a warning per layer that ran off
 plan, an error with precision.strict.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -52,13 +57,14 @@ import math
 import signal
 import time
 import warnings
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping, Optional
+from typing import Optional
 
 import torch
-from torch import nn
 from omegaconf import OmegaConf
+from torch import nn
 from tqdm.auto import tqdm
 
 from runner.config import TrainerConfig
@@ -207,8 +213,9 @@ class Trainer:
         self.diagnostics: Optional[diag.RunDiagnostics] = None
         if every > 0:
             formats = diag.run_formats(engine.properties.compute_dtypes)
-            self.diagnostics = diag.RunDiagnostics(every, formats, context.artifact_dir,
-                                                   context.on_artifact)
+            self.diagnostics = diag.RunDiagnostics(
+                every, formats, context.artifact_dir, context.on_artifact
+            )
 
     # ---- one step ---------------------------------------------------------------------------
     def _to_device(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,10 +236,18 @@ class Trainer:
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         step = self.global_step + 1
-        probe = (self.diagnostics.probe(self.module)
-                 if self.diagnostics is not None and self.diagnostics.due(step) else None)
-        meter = None if self._memory_final else mem.ActivationMeter(
-            mem.model_state_tensors(self.module, self.engine, self.optimizer))
+        probe = (
+            self.diagnostics.probe(self.module)
+            if self.diagnostics is not None and self.diagnostics.due(step)
+            else None
+        )
+        meter = (
+            None
+            if self._memory_final
+            else mem.ActivationMeter(
+                mem.model_state_tensors(self.module, self.engine, self.optimizer)
+            )
+        )
         # the run's first step (a resumed session's plan was checked against its checkpoint)
         first = step == 1 and not (self._audited or self.cfg.compile)
         audit = self._audit() if probe is not None or first else None
@@ -274,7 +289,8 @@ class Trainer:
         if self.layer_plan is None:
             return None
         return layer_audit.DtypeAudit(
-            [(layer.name, self.module.get_submodule(layer.name)) for layer in self.layer_plan])
+            [(layer.name, self.module.get_submodule(layer.name)) for layer in self.layer_plan]
+        )
 
     def audit_eager(self) -> None:
         """With `trainer.compile`: the audit of one eager forward and backward of the first batch
@@ -320,12 +336,15 @@ class Trainer:
         rows = self.layer_plan.compare(audit.read())
         off = [r for r in rows if r["off_plan"]]
         metrics = {m.LAYERS_OFF_PLAN: float(len(off))}
-        metrics.update({f"{m.LAYERS_IN}{k}": float(v)
-                        for k, v in layer_audit.counts(rows).items()})
+        metrics.update({f"{m.LAYERS_IN}{k}": float(v) for k, v in layer_audit.counts(rows).items()})
         self.on_metrics(metrics, step)
         if self.comm.is_main:
-            layer_audit.write_csv(self._layers_folder() / layer_audit.LAYERS_RAN_CSV, rows, step,
-                                  append=self._audit_files)
+            layer_audit.write_csv(
+                self._layers_folder() / layer_audit.LAYERS_RAN_CSV,
+                rows,
+                step,
+                append=self._audit_files,
+            )
             self._audit_files = True
             self._audit_last = (rows, step)
             if first:  # the figure now; later audits' at the end of their epoch
@@ -337,12 +356,17 @@ class Trainer:
             if self.layer_plan.strict:
                 raise LayerPlanError(
                     f"{len(new)} layer(s) ran off plan at step {step} (precision.strict=true):\n"
-                    f"{text}")
-            log.warning("What ran where, step %d: %d layer(s) ran off plan:\n%s", step,
-                        len(new), text)
+                    f"{text}"
+                )
+            log.warning(
+                "What ran where, step %d: %d layer(s) ran off plan:\n%s", step, len(new), text
+            )
         elif first:
-            log.info("What ran where, step %d: every layer ran as planned (%s)", step,
-                     ", ".join(f"{v} {k}" for k, v in layer_audit.counts(rows).items() if v))
+            log.info(
+                "What ran where, step %d: every layer ran as planned (%s)",
+                step,
+                ", ".join(f"{v} {k}" for k, v in layer_audit.counts(rows).items() if v),
+            )
 
     def write_audit(self) -> None:
         """The figure of the latest audited step, then `layers_ran.csv` and the figure to the
@@ -352,8 +376,9 @@ class Trainer:
         rows, step = self._audit_last
         self._audit_last = None
         folder = self._layers_folder()
-        figure = layer_audit.plot(folder / layer_audit.LAYERS_RAN_PNG, rows,
-                                  f"What ran where at step {step}")
+        figure = layer_audit.plot(
+            folder / layer_audit.LAYERS_RAN_PNG, rows, f"What ran where at step {step}"
+        )
         if self.context.on_artifact is not None:
             for path in (folder / layer_audit.LAYERS_RAN_CSV, figure):
                 self.context.on_artifact(path, layer_audit.ARTIFACT_DIR)
@@ -395,7 +420,8 @@ class Trainer:
                 f"overflowing steps up to step {self.global_step}: the gradients are inf/NaN "
                 "even when scaled down to nothing (a forward that overflows fp16: no loss scale "
                 "helps); try a bf16 preset (precision=o2_bf16), keep the layers that overflow in "
-                "fp32 (precision.layer_plan=auto plans them), or a lower optimizer.lr")
+                "fp32 (precision.layer_plan=auto plans them), or a lower optimizer.lr"
+            )
         if self.skip_streak < self.max_bad_steps:
             return
         # Failing anyway: one read tells whether the loss itself was non-finite.
@@ -404,16 +430,19 @@ class Trainer:
             self._raise_bad_loss(bad_losses)
         scale = self.engine.loss_scale
         dynamic = self.engine.scalers[0].dynamic
-        cause = (f"the gradients overflow even at loss scale {scale:g}; lower "
-                 "precision.min_loss_scale, or the model produces inf/NaN gradients in 16 bit"
-                 if dynamic else
-                 f"the static loss scale {scale:g} overflows the gradients; lower "
-                 "precision.loss_scale or use precision.loss_scale=dynamic")
+        cause = (
+            f"the gradients overflow even at loss scale {scale:g}; lower "
+            "precision.min_loss_scale, or the model produces inf/NaN gradients in 16 bit"
+            if dynamic
+            else f"the static loss scale {scale:g} overflows the gradients; lower "
+            "precision.loss_scale or use precision.loss_scale=dynamic"
+        )
         raise DivergenceError(
             f"training diverged: {self.skip_streak} consecutive steps were skipped (inf/NaN "
             f"gradients) up to step {self.global_step}: {cause}; try precision=o2 or a bf16 preset "
             f"(precision=o2_bf16), or raise trainer.max_bad_steps={self.max_bad_steps} to wait "
-            "longer")
+            "longer"
+        )
 
     def _raise_bad_loss(self, bad_losses: int) -> None:
         raise DivergenceError(
@@ -421,19 +450,23 @@ class Trainer:
             f"step {self.global_step} (trainer.max_bad_steps={self.max_bad_steps}): the model "
             "produces non-finite values even at the smallest loss scale, or pure fp16 "
             "overflowed; try precision=o2 or a bf16 preset (precision=o2_bf16), or a lower "
-            "optimizer.lr")
+            "optimizer.lr"
+        )
 
     # ---- epochs -----------------------------------------------------------------------------
     def _stop_flag(self) -> torch.Tensor:
-        return torch.tensor(float(self.stop is not None and self.stop.requested), device=self.device)
+        return torch.tensor(
+            float(self.stop is not None and self.stop.requested), device=self.device
+        )
 
     def _log_train_loss(self, window: torch.Tensor, count: int, bar) -> bool:
         """The periodic host read: the mean loss (over the ranks), the non-finite-loss streak and
         the stop request (their maxima over the ranks, so that all ranks act alike), in one
         transfer. Returns whether the run is asked to stop."""
         mean = self.comm.sum_(window / count) / self.comm.world_size
-        flags = self.comm.max_(torch.stack([self.bad_loss_streak.to(window.dtype),
-                                            self._stop_flag().to(window.dtype)]))
+        flags = self.comm.max_(
+            torch.stack([self.bad_loss_streak.to(window.dtype), self._stop_flag().to(window.dtype)])
+        )
         value, bad_losses, stop = torch.cat([mean.reshape(1), flags]).tolist()
         if bad_losses >= self.max_bad_steps:
             self._raise_bad_loss(int(bad_losses))
@@ -474,8 +507,11 @@ class Trainer:
             "skip_streak": self.skip_streak,
             "bad_loss_streak": int(self.bad_loss_streak.item()),
             "rng": rng.rng_state(),
-            **({"layer_plan": layer_plan_state(self.layer_plan)}
-               if self.layer_plan is not None else {}),
+            **(
+                {"layer_plan": layer_plan_state(self.layer_plan)}
+                if self.layer_plan is not None
+                else {}
+            ),
         }
 
     def restore(self, state: dict, scheduler: bool = True, source: Optional[Path] = None) -> None:
@@ -495,8 +531,9 @@ class Trainer:
         self.epochs_done = int(state["epoch"])
         self.batches_done = int(state["batch"])
         self.global_step = int(state["global_step"])
-        self.best = float(state["best_val_acc"] if self.task.maximize
-                          else state.get("best_val_loss", math.inf))
+        self.best = float(
+            state["best_val_acc"] if self.task.maximize else state.get("best_val_loss", math.inf)
+        )
         self.history = list(state["history"])
         self.elapsed_before = float(state["elapsed_s"])
         self.skip_streak = int(state["skip_streak"])
@@ -508,14 +545,21 @@ class Trainer:
         A non-finite loss reaches the weights before the divergence guard's next read (O0 and
         the bf16 presets skip no step), and such weights must never replace the last good
         checkpoint."""
-        tensors = [fsdp.local(t.detach()) for t in (*self.module.parameters(),
-                                                     *self.module.buffers())
-                   if t.is_floating_point() and t.numel()]
-        finite = torch.stack([torch.isfinite(t).all() for t in tensors if t.numel()]).all() \
-            if tensors else torch.tensor(True)
+        tensors = [
+            fsdp.local(t.detach())
+            for t in (*self.module.parameters(), *self.module.buffers())
+            if t.is_floating_point() and t.numel()
+        ]
+        finite = (
+            torch.stack([torch.isfinite(t).all() for t in tensors if t.numel()]).all()
+            if tensors
+            else torch.tensor(True)
+        )
         if self.sharded:  # every rank's shards: one verdict for all (all take part in the save)
-            finite = self.comm.max_((~finite).to(torch.float32, copy=True)
-                                    .to(self.device).reshape(1)) == 0
+            finite = (
+                self.comm.max_((~finite).to(torch.float32, copy=True).to(self.device).reshape(1))
+                == 0
+            )
         return bool(finite.all().item())
 
     def _save(self, epochs_done: int, batches_done: int) -> str | None:
@@ -523,9 +567,11 @@ class Trainer:
             return None  # (a sharded run's ranks all gather the state rank 0 writes)
         after = f"epoch {epochs_done}" + (f" and {batches_done} batches" if batches_done else "")
         if not self._healthy():
-            log.warning("No checkpoint written after %s: the model's weights are inf/NaN (the run "
-                        "is diverging); the last checkpoint, if any, is the last good state",
-                        after)
+            log.warning(
+                "No checkpoint written after %s: the model's weights are inf/NaN (the run "
+                "is diverging); the last checkpoint, if any, is the last good state",
+                after,
+            )
             return None
         state = self.state(epochs_done, batches_done)
         if self.checkpointer is None:
@@ -599,8 +645,11 @@ class Trainer:
         batches = min(len(self.val_loader), self.val_batches)
         # a sharded model's forward is a collective: every rank runs as many as the one with
         # the most batches (decided before the first forward)
-        most = int(self.comm.max_(torch.tensor(float(batches), device=self.device)).item()) \
-            if self.sharded else batches
+        most = (
+            int(self.comm.max_(torch.tensor(float(batches), device=self.device)).item())
+            if self.sharded
+            else batches
+        )
         for index, (x, y) in enumerate(self.val_loader):
             if index >= self.val_batches:
                 break
@@ -615,8 +664,15 @@ class Trainer:
             seen += sums.count
         for _ in range(most - batches):  # (sharded: this rank's share is a batch short)
             self._forward_in_step(last)
-        totals = self.comm.sum_(torch.stack(
-            [loss_sum, correct, torch.tensor(float(seen), device=self.device, dtype=torch.float64)]))
+        totals = self.comm.sum_(
+            torch.stack(
+                [
+                    loss_sum,
+                    correct,
+                    torch.tensor(float(seen), device=self.device, dtype=torch.float64),
+                ]
+            )
+        )
         loss_total, correct_total, seen_total = totals.tolist()
         if seen_total == 0:
             return math.nan, math.nan
@@ -688,8 +744,11 @@ class Trainer:
             rng.restore_rng(self._rng_at_start)
         if self.cfg.compile:
             seconds = self.compile_warmup()
-            log.info("torch.compile: the training step compiled in %.1f s (compile_time_s, not "
-                     "counted in epoch_time_s)", seconds)
+            log.info(
+                "torch.compile: the training step compiled in %.1f s (compile_time_s, not "
+                "counted in epoch_time_s)",
+                seconds,
+            )
             self.on_metrics({m.COMPILE_TIME_S: seconds}, self.global_step)
             if self.global_step == 0:
                 self.audit_eager()
@@ -731,9 +790,15 @@ class Trainer:
                 self._save(epoch, 0)
         train_time = self.elapsed_before + time.perf_counter() - self._started
         best = self.best if not math.isinf(self.best) else math.nan
-        self.on_metrics({self.task.objective: best, m.TRAIN_TIME_S: train_time},
-                        self.cfg.max_epochs)
+        self.on_metrics(
+            {self.task.objective: best, m.TRAIN_TIME_S: train_time}, self.cfg.max_epochs
+        )
         if self.task.maximize:
             return FitResult(best_val_acc=best, train_time_s=train_time, epochs=self.history)
-        return FitResult(best_val_acc=math.nan, train_time_s=train_time, epochs=self.history,
-                         best_val_loss=best, objective=self.task.objective)
+        return FitResult(
+            best_val_acc=math.nan,
+            train_time_s=train_time,
+            epochs=self.history,
+            best_val_loss=best,
+            objective=self.task.objective,
+        )

@@ -14,6 +14,7 @@ The trainer calls only this interface, so a new task is one class here and its n
 group (conf/task/). Nothing here casts an input: integer token ids stay integers at every level
 (the engine casts floating inputs only, as Apex did).
 """
+
 from __future__ import annotations
 
 import math
@@ -54,23 +55,26 @@ class Task:
     def output_description(self, num_outputs: int) -> str:
         raise NotImplementedError
 
-    def loss(self, criterion: torch.nn.Module, output: torch.Tensor,
-             target: torch.Tensor) -> torch.Tensor:
+    def loss(
+        self, criterion: torch.nn.Module, output: torch.Tensor, target: torch.Tensor
+    ) -> torch.Tensor:
         raise NotImplementedError
 
     def items(self, target: torch.Tensor) -> int:
         """How many predictions a batch holds (samples, or tokens)."""
         raise NotImplementedError
 
-    def eval_sums(self, criterion: torch.nn.Module, output: torch.Tensor,
-                  target: torch.Tensor) -> EvalSums:
+    def eval_sums(
+        self, criterion: torch.nn.Module, output: torch.Tensor, target: torch.Tensor
+    ) -> EvalSums:
         loss = self.loss(criterion, output.float(), target).double()
         predicted = output.argmax(dim=-1)
         n = self.items(target)
         return EvalSums(loss * n, (predicted == target).sum().double(), n)
 
-    def epoch_metrics(self, val_loss: float, val_accuracy: float, seconds: float, samples: int,
-                      items: int) -> dict[str, float]:
+    def epoch_metrics(
+        self, val_loss: float, val_accuracy: float, seconds: float, samples: int, items: int
+    ) -> dict[str, float]:
         raise NotImplementedError
 
     def better(self, value: float, best: float) -> bool:
@@ -107,12 +111,18 @@ class Classification(Task):
         return int(target.shape[0])
 
     def epoch_metrics(self, val_loss, val_accuracy, seconds, samples, items):
-        return {m.VAL_LOSS: val_loss, m.VAL_ACC: val_accuracy, m.EPOCH_TIME_S: seconds,
-                m.SAMPLES_PER_S: samples / seconds if seconds > 0 else math.nan}
+        return {
+            m.VAL_LOSS: val_loss,
+            m.VAL_ACC: val_accuracy,
+            m.EPOCH_TIME_S: seconds,
+            m.SAMPLES_PER_S: samples / seconds if seconds > 0 else math.nan,
+        }
 
     def epoch_summary(self, metrics):
-        return (f"val_acc {metrics[m.VAL_ACC]:.4f}  val_loss {metrics[m.VAL_LOSS]:.4f}  "
-                f"{metrics[m.EPOCH_TIME_S]:.1f} s  {metrics[m.SAMPLES_PER_S]:.0f} samples/s")
+        return (
+            f"val_acc {metrics[m.VAL_ACC]:.4f}  val_loss {metrics[m.VAL_LOSS]:.4f}  "
+            f"{metrics[m.EPOCH_TIME_S]:.1f} s  {metrics[m.SAMPLES_PER_S]:.0f} samples/s"
+        )
 
 
 class LanguageModel(Task):
@@ -122,15 +132,21 @@ class LanguageModel(Task):
     input_dtype = torch.int64
 
     def output_description(self, num_outputs: int) -> str:
-        return (f"a model whose output is (batch, tokens, V) with V >= {num_outputs}: logits "
-                "over the vocabulary at every position (a vocabulary padded past the data's, "
-                "as nanoGPT pads GPT-2's 50257 to 50304, is fine)")
+        return (
+            f"a model whose output is (batch, tokens, V) with V >= {num_outputs}: logits "
+            "over the vocabulary at every position (a vocabulary padded past the data's, "
+            "as nanoGPT pads GPT-2's 50257 to 50304, is fine)"
+        )
 
     def output_fits(self, got, batch, num_outputs):
         # a padded vocabulary: the extra logits are never a target, and softmax learns to
         # push them down (nanoGPT's 50304 for GPT-2's 50257 tokens, a multiple of 64)
-        return (isinstance(got, tuple) and len(got) == len(batch) + 1
-                and got[:-1] == tuple(batch) and got[-1] >= num_outputs)
+        return (
+            isinstance(got, tuple)
+            and len(got) == len(batch) + 1
+            and got[:-1] == tuple(batch)
+            and got[-1] >= num_outputs
+        )
 
     def loss(self, criterion, output, target):
         # every position is a prediction: (B, T, V) -> (B*T, V) against (B*T,) next tokens
@@ -140,20 +156,27 @@ class LanguageModel(Task):
         return int(target.numel())
 
     def epoch_metrics(self, val_loss, val_accuracy, seconds, samples, items):
-        return {m.VAL_LOSS: val_loss,
-                m.VAL_PERPLEXITY: math.exp(val_loss) if val_loss < 700 else math.inf,
-                m.VAL_TOKEN_ACC: val_accuracy, m.EPOCH_TIME_S: seconds,
-                m.SAMPLES_PER_S: samples / seconds if seconds > 0 else math.nan,
-                m.TOKENS_PER_S: items / seconds if seconds > 0 else math.nan}
+        return {
+            m.VAL_LOSS: val_loss,
+            m.VAL_PERPLEXITY: math.exp(val_loss) if val_loss < 700 else math.inf,
+            m.VAL_TOKEN_ACC: val_accuracy,
+            m.EPOCH_TIME_S: seconds,
+            m.SAMPLES_PER_S: samples / seconds if seconds > 0 else math.nan,
+            m.TOKENS_PER_S: items / seconds if seconds > 0 else math.nan,
+        }
 
     def epoch_summary(self, metrics):
-        return (f"val_loss {metrics[m.VAL_LOSS]:.4f}  perplexity {metrics[m.VAL_PERPLEXITY]:.2f}"
-                f"  token_acc {metrics[m.VAL_TOKEN_ACC]:.4f}  {metrics[m.EPOCH_TIME_S]:.1f} s  "
-                f"{metrics[m.TOKENS_PER_S]:.0f} tokens/s")
+        return (
+            f"val_loss {metrics[m.VAL_LOSS]:.4f}  perplexity {metrics[m.VAL_PERPLEXITY]:.2f}"
+            f"  token_acc {metrics[m.VAL_TOKEN_ACC]:.4f}  {metrics[m.EPOCH_TIME_S]:.1f} s  "
+            f"{metrics[m.TOKENS_PER_S]:.0f} tokens/s"
+        )
 
 
-TASK_CLASSES: dict[str, type[Task]] = {CLASSIFICATION: Classification,
-                                       LANGUAGE_MODEL: LanguageModel}
+TASK_CLASSES: dict[str, type[Task]] = {
+    CLASSIFICATION: Classification,
+    LANGUAGE_MODEL: LanguageModel,
+}
 assert set(TASK_CLASSES) == set(TASKS)
 
 

@@ -12,6 +12,7 @@ runs of its experiment whose process is gone as KILLED (`Tracker.reap`).
 The store itself (its lock, the retries on "database is locked", the offline fallback's folder) is
 `runner.tracking.store`.
 """
+
 from __future__ import annotations
 
 import logging
@@ -19,19 +20,19 @@ import os
 import tempfile
 import threading
 import time
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
 
 from mlflow.entities import Metric, Param, Run, RunStatus, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, ErrorCode
 
+from runner.errors import ConfigError, RunnerError
 from runner.tracking import liveness
 from runner.tracking import tags as tag
-from runner.errors import ConfigError, RunnerError
 from runner.tracking.liveness import LIVENESS_TAGS, ProcessIdentity, now_iso, parse_iso, was_reaped
-
 from runner.tracking.store import (
     HEARTBEAT_S,
     MAX_PARAM_LENGTH,
@@ -77,9 +78,16 @@ class TrackedRun:
     MAX_PAUSE_S = 30.0
     END_TIMEOUT_S = float(os.environ.get("AMP_RUNNER_MLFLOW_END_TIMEOUT", "30"))
 
-    def __init__(self, client: RetryingClient, run_id: str, experiment_id: str,
-                 tracking_uri: str = "", experiment_name: str = "",
-                 offline_dir: str | os.PathLike | None = None, heartbeat_s: float | None = None):
+    def __init__(
+        self,
+        client: RetryingClient,
+        run_id: str,
+        experiment_id: str,
+        tracking_uri: str = "",
+        experiment_name: str = "",
+        offline_dir: str | os.PathLike | None = None,
+        heartbeat_s: float | None = None,
+    ):
         self.client = client
         self.run_id = run_id
         self.experiment_id = experiment_id
@@ -93,16 +101,18 @@ class TrackedRun:
         self._wake = threading.Event()
         self._closing = False
         self._outage: str | None = None  # the error while the store does not answer
-        self._sender = threading.Thread(target=self._send_loop, daemon=True,
-                                        name=f"mlflow-sender-{run_id[:8]}")
+        self._sender = threading.Thread(
+            target=self._send_loop, daemon=True, name=f"mlflow-sender-{run_id[:8]}"
+        )
         self._sender.start()
         self._system: Any = None  # a SystemSampler, once sample_system is called
         self.heartbeat_s = heartbeat_s
         self._stop_beating = threading.Event()
         self._heart: threading.Thread | None = None
         if heartbeat_s is not None:
-            self._heart = threading.Thread(target=self._beat_loop, daemon=True,
-                                           name=f"mlflow-heartbeat-{run_id[:8]}")
+            self._heart = threading.Thread(
+                target=self._beat_loop, daemon=True, name=f"mlflow-heartbeat-{run_id[:8]}"
+            )
             self._heart.start()
 
     def sample_system(self, interval_s: float, resumed: bool = False) -> bool:
@@ -114,8 +124,11 @@ class TrackedRun:
         self._system = SystemSampler(self.log_metrics, interval_s)
         if resumed:
             try:
-                steps = [m.step for m in self.client.get_run(self.run_id).data._metric_objs
-                         if m.key.startswith(PREFIX)]
+                steps = [
+                    m.step
+                    for m in self.client.get_run(self.run_id).data._metric_objs
+                    if m.key.startswith(PREFIX)
+                ]
                 self._system.samples = max(steps) + 1 if steps else 0
             except Exception:  # noqa: BLE001  (a store away: the steps start at 0)
                 pass
@@ -128,16 +141,28 @@ class TrackedRun:
         warned about, the run goes on."""
         from mlflow.entities import Dataset, DatasetInput, InputTag
 
-        inputs = [DatasetInput(Dataset(name=d["name"], digest=d["digest"],
-                                       source_type=d["source_type"], source=d["source"],
-                                       profile=d.get("profile")),
-                               tags=[InputTag("mlflow.data.context", d["context"])])
-                  for d in datasets]
+        inputs = [
+            DatasetInput(
+                Dataset(
+                    name=d["name"],
+                    digest=d["digest"],
+                    source_type=d["source_type"],
+                    source=d["source"],
+                    profile=d.get("profile"),
+                ),
+                tags=[InputTag("mlflow.data.context", d["context"])],
+            )
+            for d in datasets
+        ]
         try:
             self.client.log_inputs(self.run_id, datasets=inputs)
         except Exception as error:  # noqa: BLE001  (metadata; the run's metrics matter more)
-            log.warning("The datasets were not logged to run %s: %s: %s", self.run_id,
-                        type(error).__name__, error)
+            log.warning(
+                "The datasets were not logged to run %s: %s: %s",
+                self.run_id,
+                type(error).__name__,
+                error,
+            )
 
     def log_params(self, params: Mapping[str, str]) -> None:
         items = [Param(k, str(v)[:MAX_PARAM_LENGTH]) for k, v in sorted(params.items())]
@@ -161,8 +186,9 @@ class TrackedRun:
         except Exception as error:  # noqa: BLE001  (kept, like log_file)
             kept = Path(tempfile.mkdtemp(prefix="amp-runner-artifact-")) / Path(artifact_file).name
             kept.write_text(text)
-            self._keep(kept, str(Path(artifact_file).parent) if "/" in artifact_file else None,
-                       error)
+            self._keep(
+                kept, str(Path(artifact_file).parent) if "/" in artifact_file else None, error
+            )
 
     def log_file(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
         if not Path(path).is_file():
@@ -173,8 +199,12 @@ class TrackedRun:
             self._keep(Path(path), artifact_path, error)
 
     def _keep(self, path: Path, artifact_path: str | None, error: BaseException) -> None:
-        log.warning("Could not upload %s to the tracking store (%s); it goes to the offline "
-                    "store if the store is still unreachable at the end", path.name, error)
+        log.warning(
+            "Could not upload %s to the tracking store (%s); it goes to the offline "
+            "store if the store is still unreachable at the end",
+            path.name,
+            error,
+        )
         self._artifacts.append((str(path), artifact_path))
 
     # ---- the sender ---------------------------------------------------------------------------
@@ -190,15 +220,21 @@ class TrackedRun:
                 self.client.log_batch(self.run_id, metrics=batch)
             except Exception as error:  # noqa: BLE001  (buffered and retried; see _send_loop)
                 if self._outage is None:
-                    log.warning("The tracking store %s does not take metrics (%s): buffering "
-                                "them and retrying; training goes on", self.tracking_uri, error)
+                    log.warning(
+                        "The tracking store %s does not take metrics (%s): buffering "
+                        "them and retrying; training goes on",
+                        self.tracking_uri,
+                        error,
+                    )
                 self._outage = f"{type(error).__name__}: {error}"
                 return False
             with self._lock:
                 del self._buffer[: len(batch)]
         if self._outage is not None:
-            log.warning("The tracking store %s answers again: sending the buffered metrics",
-                        self.tracking_uri)
+            log.warning(
+                "The tracking store %s answers again: sending the buffered metrics",
+                self.tracking_uri,
+            )
             self._outage = None
         return True
 
@@ -234,14 +270,18 @@ class TrackedRun:
     def _undo_reap(self) -> None:
         run = self.client.get_run(self.run_id)
         if run.info.status != RunStatus.to_string(RunStatus.KILLED) or not was_reaped(
-                run.data.tags):
+            run.data.tags
+        ):
             return
         self.client.update_run(self.run_id, status=RunStatus.to_string(RunStatus.RUNNING))
         self.client.delete_tag(self.run_id, tag.ERROR)
-        log.warning("Run %s had been ended by another process (%s), which could not see its "
-                    "heartbeat for a while (the store out of reach, this process suspended, or "
-                    "that host's clock ahead): it is RUNNING again", self.run_id,
-                    run.data.tags[tag.ERROR])
+        log.warning(
+            "Run %s had been ended by another process (%s), which could not see its "
+            "heartbeat for a while (the store out of reach, this process suspended, or "
+            "that host's clock ahead): it is RUNNING again",
+            self.run_id,
+            run.data.tags[tag.ERROR],
+        )
 
     def _stop_heart(self) -> None:
         """Stop the heartbeat thread, with a last beat (which undoes a reaper's verdict) unless
@@ -309,16 +349,25 @@ class TrackedRun:
 
     def _write_offline(self, status: str, error: str | None) -> None:
         if self.offline_dir is None:
-            raise RunnerError(f"the tracking store {self.tracking_uri} did not take the run's "
-                              f"last {self._pending()} metrics and final status ({self._outage})")
+            raise RunnerError(
+                f"the tracking store {self.tracking_uri} did not take the run's "
+                f"last {self._pending()} metrics and final status ({self._outage})"
+            )
         from runner.tracking.replay import write_offline
 
-        where = write_offline(self.offline_dir, self, status, error, self._buffer,
-                              self._artifacts)
-        log.error("The tracking store %s is unreachable (%s): run %s's last %d metrics and its "
-                  "final status %s are saved in %s. When the store is back, replay them with:\n"
-                  "  python -m runner.replay %s", self.tracking_uri, self._outage, self.run_id,
-                  len(self._buffer), status, where, where)
+        where = write_offline(self.offline_dir, self, status, error, self._buffer, self._artifacts)
+        log.error(
+            "The tracking store %s is unreachable (%s): run %s's last %d metrics and its "
+            "final status %s are saved in %s. When the store is back, replay them with:\n"
+            "  python -m runner.replay %s",
+            self.tracking_uri,
+            self._outage,
+            self.run_id,
+            len(self._buffer),
+            status,
+            where,
+            where,
+        )
 
 
 class Tracker:
@@ -328,9 +377,15 @@ class Tracker:
     heartbeat of a run on another host must be for `reap` to end it; `lock_timeout_s`: how long
     opening a SQLite store waits for another process that holds its lock (see `store_lock`)."""
 
-    def __init__(self, tracking_uri: str, experiment_name: str, *,
-                 heartbeat_s: float = HEARTBEAT_S, stale_after_s: float = STALE_AFTER_S,
-                 lock_timeout_s: float = STORE_LOCK_TIMEOUT_S):
+    def __init__(
+        self,
+        tracking_uri: str,
+        experiment_name: str,
+        *,
+        heartbeat_s: float = HEARTBEAT_S,
+        stale_after_s: float = STALE_AFTER_S,
+        lock_timeout_s: float = STORE_LOCK_TIMEOUT_S,
+    ):
         self.tracking_uri = resolve_tracking_uri(tracking_uri)
         self.experiment_name = experiment_name
         self.heartbeat_s = heartbeat_s
@@ -356,19 +411,24 @@ class Tracker:
             raise startup_error(self.tracking_uri, error) from error
 
     @classmethod
-    def from_config(cls, mlflow_cfg: Any) -> "Tracker":
+    def from_config(cls, mlflow_cfg: Any) -> Tracker:
         """The tracker an `mlflow` config node describes (`cfg.mlflow`)."""
-        return cls(mlflow_cfg.tracking_uri, mlflow_cfg.experiment_name,
-                   heartbeat_s=float(mlflow_cfg.heartbeat_s),
-                   stale_after_s=float(mlflow_cfg.stale_after_s))
+        return cls(
+            mlflow_cfg.tracking_uri,
+            mlflow_cfg.experiment_name,
+            heartbeat_s=float(mlflow_cfg.heartbeat_s),
+            stale_after_s=float(mlflow_cfg.stale_after_s),
+        )
 
     def _experiment(self, name: str) -> str:
         experiment = self.client.get_experiment_by_name(name)
         if experiment is None:
             try:
                 return self.client.create_experiment(
-                    name, artifact_location=artifact_location(self.tracking_uri),
-                    tags=dict([tag.EXPERIMENT_KIND]))
+                    name,
+                    artifact_location=artifact_location(self.tracking_uri),
+                    tags=dict([tag.EXPERIMENT_KIND]),
+                )
             except MlflowException as error:  # created meanwhile by a run on another machine
                 if error.error_code != ErrorCode.Name(RESOURCE_ALREADY_EXISTS):
                     raise
@@ -383,14 +443,22 @@ class Tracker:
     def _liveness_tags(self) -> dict[str, str]:
         return {**ProcessIdentity.current().tags(), tag.HEARTBEAT: now_iso()}
 
-    def create_run(self, run_name: str, tags: Mapping[str, str],
-                   offline_dir: str | os.PathLike | None = None) -> TrackedRun:
+    def create_run(
+        self, run_name: str, tags: Mapping[str, str], offline_dir: str | os.PathLike | None = None
+    ) -> TrackedRun:
         """A new RUNNING run, with this process's liveness tags and a heartbeat; the caller must
         `end` it (`start_run` does)."""
         tags = {**{k: str(v) for k, v in tags.items()}, **self._liveness_tags()}
         run = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags)
-        return TrackedRun(self.client, run.info.run_id, self.experiment_id, self.tracking_uri,
-                          self.experiment_name, offline_dir, self.heartbeat_s)
+        return TrackedRun(
+            self.client,
+            run.info.run_id,
+            self.experiment_id,
+            self.tracking_uri,
+            self.experiment_name,
+            offline_dir,
+            self.heartbeat_s,
+        )
 
     # ---- runs whose process is gone -------------------------------------------------------------
     def running_runs(self) -> list[Run]:
@@ -399,15 +467,19 @@ class Tracker:
         token = None
         while True:
             page = self.client.search_runs(
-                [self.experiment_id], max_results=1000, page_token=token,
-                filter_string=f"attributes.status = 'RUNNING' and tags.`{tag.HEARTBEAT}` != ''")
+                [self.experiment_id],
+                max_results=1000,
+                page_token=token,
+                filter_string=f"attributes.status = 'RUNNING' and tags.`{tag.HEARTBEAT}` != ''",
+            )
             runs.extend(page)
             token = page.token
             if not token:
                 return runs
 
-    def vanished(self, run: Run, here: ProcessIdentity | None = None,
-                 now: float | None = None) -> str | None:
+    def vanished(
+        self, run: Run, here: ProcessIdentity | None = None, now: float | None = None
+    ) -> str | None:
         """Why a RUNNING run's process is known to be gone (the reason `reap` writes), or None:
         alive, finished, or not judged (see runner.tracking.liveness)."""
         if run.info.status != RunStatus.to_string(RunStatus.RUNNING):
@@ -424,14 +496,17 @@ class Tracker:
         with store_lock(self.tracking_uri):
             now = self.client.get_run(run_id)
             seen = {k: run.data.tags.get(k) for k in LIVENESS_TAGS}
-            if now.info.status != RunStatus.to_string(RunStatus.RUNNING) or \
-                    {k: now.data.tags.get(k) for k in LIVENESS_TAGS} != seen:
+            if (
+                now.info.status != RunStatus.to_string(RunStatus.RUNNING)
+                or {k: now.data.tags.get(k) for k in LIVENESS_TAGS} != seen
+            ):
                 return False
             beat = parse_iso(now.data.tags.get(tag.HEARTBEAT, ""))
             end_ms = max(run.info.start_time or 0, int(beat * 1000)) if beat else None
             self.client.log_batch(run_id, tags=[RunTag(tag.ERROR, reason[:MAX_TAG_LENGTH])])
-            self.client.set_terminated(run_id, status=RunStatus.to_string(RunStatus.KILLED),
-                                       end_time=end_ms)
+            self.client.set_terminated(
+                run_id, status=RunStatus.to_string(RunStatus.KILLED), end_time=end_ms
+            )
         return True
 
     def reap(self, here: ProcessIdentity | None = None, now: float | None = None) -> list[str]:
@@ -447,12 +522,17 @@ class Tracker:
             for run in self.running_runs():
                 reason = self.vanished(run, here, now)
                 if reason is not None and self.end_vanished(run, reason):
-                    log.warning("Ended run %r (%s) as KILLED: %s", run.info.run_name,
-                                run.info.run_id, reason)
+                    log.warning(
+                        "Ended run %r (%s) as KILLED: %s",
+                        run.info.run_name,
+                        run.info.run_id,
+                        reason,
+                    )
                     ended.append(run.info.run_id)
         except Exception as error:  # noqa: BLE001  (see the docstring)
-            log.warning("Could not look for runs whose process vanished in %s: %s",
-                        self.tracking_uri, error)
+            log.warning(
+                "Could not look for runs whose process vanished in %s: %s", self.tracking_uri, error
+            )
         return ended
 
     def latest_run(self, run_name: str) -> Run | None:
@@ -460,13 +540,20 @@ class Tracker:
         None: for `resume=auto` to see what became of the run it would continue."""
         quote = "'" if "'" not in run_name else '"'
         if quote in run_name:  # MLflow's filter strings cannot escape quotes: filter here
-            runs = [r for r in self.client.search_runs(
-                [self.experiment_id], order_by=["attributes.start_time DESC"], max_results=1000)
-                if r.info.run_name == run_name]
+            runs = [
+                r
+                for r in self.client.search_runs(
+                    [self.experiment_id], order_by=["attributes.start_time DESC"], max_results=1000
+                )
+                if r.info.run_name == run_name
+            ]
         else:
             runs = self.client.search_runs(
-                [self.experiment_id], max_results=1, order_by=["attributes.start_time DESC"],
-                filter_string=f"attributes.run_name = {quote}{run_name}{quote}")
+                [self.experiment_id],
+                max_results=1,
+                order_by=["attributes.start_time DESC"],
+                filter_string=f"attributes.run_name = {quote}{run_name}{quote}",
+            )
         return runs[0] if runs else None
 
     def record_failure(self, run_name: str, tags: Mapping[str, str], error: BaseException) -> str:
@@ -476,29 +563,44 @@ class Tracker:
         tracked.end(RunStatus.to_string(RunStatus.FAILED), f"{type(error).__name__}: {error}")
         return tracked.run_id
 
-    def reopen_run(self, run_id: str, tags: Mapping[str, str],
-                   offline_dir: str | os.PathLike | None = None) -> TrackedRun:
+    def reopen_run(
+        self, run_id: str, tags: Mapping[str, str], offline_dir: str | os.PathLike | None = None
+    ) -> TrackedRun:
         """A run of this experiment set RUNNING again (a resumed run goes on logging into it),
         with this process's liveness tags."""
         try:
             run = self.client.get_run(run_id)
         except MlflowException as error:
-            raise ConfigError("resume", f"the checkpoint's MLflow run {run_id} is not in the "
-                              f"store {self.tracking_uri}: {error}",
-                              "the tracking_uri the checkpointed run used") from error
+            raise ConfigError(
+                "resume",
+                f"the checkpoint's MLflow run {run_id} is not in the "
+                f"store {self.tracking_uri}: {error}",
+                "the tracking_uri the checkpointed run used",
+            ) from error
         if run.info.experiment_id != self.experiment_id:
-            raise ConfigError("resume", f"the checkpoint's MLflow run {run_id} belongs to "
-                              f"experiment {run.info.experiment_id}, not {self.experiment_id}",
-                              "the experiment_name the checkpointed run used")
+            raise ConfigError(
+                "resume",
+                f"the checkpoint's MLflow run {run_id} belongs to "
+                f"experiment {run.info.experiment_id}, not {self.experiment_id}",
+                "the experiment_name the checkpointed run used",
+            )
         # the new owner first, then the status, as one step against `end_vanished`
         with store_lock(self.tracking_uri):
-            self.client.log_batch(run_id, tags=[RunTag(k, v)
-                                                for k, v in self._liveness_tags().items()])
+            self.client.log_batch(
+                run_id, tags=[RunTag(k, v) for k, v in self._liveness_tags().items()]
+            )
             self.client.update_run(run_id, status=RunStatus.to_string(RunStatus.RUNNING))
         if tag.ERROR in run.data.tags:  # why the last session ended: not true of a running run
             self.client.delete_tag(run_id, tag.ERROR)
-        tracked = TrackedRun(self.client, run_id, self.experiment_id, self.tracking_uri,
-                             self.experiment_name, offline_dir, self.heartbeat_s)
+        tracked = TrackedRun(
+            self.client,
+            run_id,
+            self.experiment_id,
+            self.tracking_uri,
+            self.experiment_name,
+            offline_dir,
+            self.heartbeat_s,
+        )
         count = int(run.data.tags.get(tag.RESUME_COUNT, "0")) + 1
         for key, value in {**tags, tag.RESUME_COUNT: str(count)}.items():
             tracked.set_tag(key, value)
@@ -506,8 +608,12 @@ class Tracker:
 
     @contextmanager
     def start_run(
-        self, run_name: str, params: Mapping[str, str], tags: Mapping[str, str],
-        resume_run_id: str | None = None, offline_dir: str | os.PathLike | None = None,
+        self,
+        run_name: str,
+        params: Mapping[str, str],
+        tags: Mapping[str, str],
+        resume_run_id: str | None = None,
+        offline_dir: str | os.PathLike | None = None,
     ) -> Iterator[TrackedRun]:
         """Create the run (or reopen `resume_run_id`); end it FINISHED, FAILED (error tag) or
         KILLED whatever happens. A run that did not finish says where to see what it logged (a
@@ -521,8 +627,10 @@ class Tracker:
                 tracked.log_params(params)
             yield tracked
         except KeyboardInterrupt as interrupt:
-            tracked.end(RunStatus.to_string(RunStatus.KILLED),
-                        str(interrupt) or "interrupted by the user (Ctrl-C)")
+            tracked.end(
+                RunStatus.to_string(RunStatus.KILLED),
+                str(interrupt) or "interrupted by the user (Ctrl-C)",
+            )
             log.warning("Run %r (%s) marked KILLED.\n%s", run_name, tracked.run_id, self.hint())
             raise
         except BaseException as error:

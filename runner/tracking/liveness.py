@@ -2,7 +2,8 @@
 
 MLflow has no liveness of its own: a run whose process was killed without a chance to end it
 (SIGKILL, the kernel's OOM killer, a node losing power, a scheduler's kill after its grace period)
-stays RUNNING forever. So every run records who runs it, as tags (named in runner.tracking.tags): the host,
+stays RUNNING forever. So every run records who runs it, as tags (named in runner.tracking.tags):
+the host,
 the pid and, on Linux, the process's start time (clock ticks since boot) and where that pid means
 that process (the boot id and PID namespace: a pid reused after the process died, after a reboot or
 in another container is not mistaken for it), plus a heartbeat, the time refreshed every
@@ -20,14 +21,15 @@ in another container is not mistaken for it), plus a heartbeat, the time refresh
 
 Pure functions of tags and the local process table: nothing here talks to MLflow.
 """
+
 from __future__ import annotations
 
 import datetime as _dt
 import os
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
 
 from runner.tracking import tags as tag
 
@@ -39,8 +41,11 @@ _PROC = Path("/proc")
 
 def now_iso(seconds: float | None = None) -> str:
     """A heartbeat: the UTC time, to the second, e.g. 2026-01-31T10:00:00+00:00."""
-    moment = _dt.datetime.now(_dt.timezone.utc) if seconds is None else \
-        _dt.datetime.fromtimestamp(seconds, _dt.timezone.utc)
+    moment = (
+        _dt.datetime.now(_dt.timezone.utc)
+        if seconds is None
+        else _dt.datetime.fromtimestamp(seconds, _dt.timezone.utc)
+    )
     return moment.isoformat(timespec="seconds")
 
 
@@ -92,15 +97,19 @@ class ProcessIdentity:
     space: str | None = None
 
     @classmethod
-    def current(cls) -> "ProcessIdentity":
+    def current(cls) -> ProcessIdentity:
         pid = os.getpid()
         return cls(socket.gethostname(), pid, _start_ticks(pid)[1], _pid_space())
 
     @classmethod
-    def from_tags(cls, tags: Mapping[str, str]) -> "ProcessIdentity | None":
+    def from_tags(cls, tags: Mapping[str, str]) -> ProcessIdentity | None:
         try:
-            return cls(tags[tag.HOST], int(tags[tag.PID]), tags.get(tag.PID_START) or None,
-                       tags.get(tag.PID_SPACE) or None)
+            return cls(
+                tags[tag.HOST],
+                int(tags[tag.PID]),
+                tags.get(tag.PID_START) or None,
+                tags.get(tag.PID_SPACE) or None,
+            )
         except (KeyError, ValueError):
             return None
 
@@ -112,7 +121,7 @@ class ProcessIdentity:
             tags[tag.PID_SPACE] = self.space
         return tags
 
-    def shares_pids_with(self, other: "ProcessIdentity") -> bool:
+    def shares_pids_with(self, other: ProcessIdentity) -> bool:
         """Whether this identity's pid can be looked up in `other`'s process table."""
         return self.host == other.host and self.space == other.space
 
@@ -139,12 +148,18 @@ def process_state(pid: int, start: str | None) -> str:
 
 def vanished_reason(tags: Mapping[str, str]) -> str:
     """The `error` tag of a run whose process vanished (what a reaper writes)."""
-    return (f"{VANISHED}: no heartbeat since {tags.get(tag.HEARTBEAT, '?')} "
-            f"(host {tags.get(tag.HOST, '?')}, pid {tags.get(tag.PID, '?')})")
+    return (
+        f"{VANISHED}: no heartbeat since {tags.get(tag.HEARTBEAT, '?')} "
+        f"(host {tags.get(tag.HOST, '?')}, pid {tags.get(tag.PID, '?')})"
+    )
 
 
-def vanished(tags: Mapping[str, str], stale_after_s: float, here: ProcessIdentity | None = None,
-             now: float | None = None) -> str | None:
+def vanished(
+    tags: Mapping[str, str],
+    stale_after_s: float,
+    here: ProcessIdentity | None = None,
+    now: float | None = None,
+) -> str | None:
     """The reason a RUNNING run's process is known to be gone (`vanished_reason`), or None when
     it is alive or cannot be judged (see the module's rules). `here`: the judging process
     (default: this one); `now`: seconds since the epoch (default: the clock)."""

@@ -2,6 +2,7 @@
 report, the sweep and the benchmarks read them. The memory-by-kind figures (`mem_<kind>_mb`) are
 named by `runner.measure.memory`, the range diagnostics (`diag_*`) by `runner.measure.diagnostics`.
 """
+
 from __future__ import annotations
 
 # per logging step (trainer.log_every_n_steps)

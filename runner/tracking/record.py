@@ -1,10 +1,12 @@
 """What a run records about itself besides its metrics: its config as flat params, the code's
 commit."""
+
 from __future__ import annotations
 
 import os
 import subprocess
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, str]:

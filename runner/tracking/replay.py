@@ -1,4 +1,5 @@
-"""`python -m runner.replay FOLDER` (the entry point, runner/replay.py): deliver what a run could not log while its tracking server was
+"""`python -m runner.replay FOLDER` (the entry point, runner/replay.py): deliver what a run could
+not log while its tracking server was
 away.
 
 When the server does not answer at the end of a run, the run writes the metrics it still holds,
@@ -8,14 +9,16 @@ run's id. Once the server is back, this command sends them there (into the same 
 which then ends with its real status) and marks the local run as replayed, so a second replay
 sends nothing twice. `--to URI` sends them to another server than the recorded one.
 """
+
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from mlflow.entities import Metric, RunStatus
 from mlflow.tracking import MlflowClient
@@ -31,23 +34,38 @@ def local_uri(folder: Path) -> str:
     return f"sqlite:///{folder.resolve() / DB}"
 
 
-def write_offline(folder: Path, tracked: Any, status: str, error: str | None,
-                  metrics: list[Metric], artifacts: list[tuple[str, str | None]]) -> Path:
-    """The undelivered part of `tracked` (a runner.tracking.lifecycle.TrackedRun) as a run of a local
+def write_offline(
+    folder: Path,
+    tracked: Any,
+    status: str,
+    error: str | None,
+    metrics: list[Metric],
+    artifacts: list[tuple[str, str | None]],
+) -> Path:
+    """The undelivered part of `tracked` (a runner.tracking.lifecycle.TrackedRun) as a run of a
+    local
     store in `folder`; returns the folder."""
     folder.mkdir(parents=True, exist_ok=True)
     client = MlflowClient(local_uri(folder))
     name = tracked.experiment_name or "amp-runner"
     experiment = client.get_experiment_by_name(name)
-    experiment_id = experiment.experiment_id if experiment else client.create_experiment(
-        name, artifact_location=(folder / "artifacts").resolve().as_uri())
-    tags = {tag.REPLAY_TARGET_RUN: tracked.run_id, tag.REPLAY_TARGET_URI: tracked.tracking_uri,
-            tag.REPLAY_STATUS: status}
+    experiment_id = (
+        experiment.experiment_id
+        if experiment
+        else client.create_experiment(
+            name, artifact_location=(folder / "artifacts").resolve().as_uri()
+        )
+    )
+    tags = {
+        tag.REPLAY_TARGET_RUN: tracked.run_id,
+        tag.REPLAY_TARGET_URI: tracked.tracking_uri,
+        tag.REPLAY_STATUS: status,
+    }
     if error:
         tags[tag.ERROR] = error
     run = client.create_run(experiment_id, run_name=f"replay of {tracked.run_id}", tags=tags)
     for i in range(0, len(metrics), 1000):
-        client.log_batch(run.info.run_id, metrics=metrics[i:i + 1000])
+        client.log_batch(run.info.run_id, metrics=metrics[i : i + 1000])
     for path, artifact_path in artifacts:
         client.log_artifact(run.info.run_id, path, artifact_path)
     client.set_terminated(run.info.run_id, status=RunStatus.to_string(RunStatus.FINISHED))
@@ -60,8 +78,9 @@ def replay(folder: Path, to: str | None = None) -> list[str]:
     local = MlflowClient(local_uri(folder))
     done = []
     experiments = [e.experiment_id for e in local.search_experiments()]
-    for run in local.search_runs(experiments,
-                                 filter_string=f"tags.`{tag.REPLAY_TARGET_RUN}` != ''"):
+    for run in local.search_runs(
+        experiments, filter_string=f"tags.`{tag.REPLAY_TARGET_RUN}` != ''"
+    ):
         tags = run.data.tags
         if tag.REPLAY_DONE in tags:
             continue
@@ -69,11 +88,12 @@ def replay(folder: Path, to: str | None = None) -> list[str]:
         target_id = tags[tag.REPLAY_TARGET_RUN]
         server = MlflowClient(target_uri)
         server.get_run(target_id)  # the run must exist there: raises with MLflow's message
-        metrics = [m for key in run.data.metrics
-                   for m in local.get_metric_history(run.info.run_id, key)]
+        metrics = [
+            m for key in run.data.metrics for m in local.get_metric_history(run.info.run_id, key)
+        ]
         metrics = [Metric(m.key, m.value, m.timestamp, m.step) for m in metrics]
         for i in range(0, len(metrics), 1000):
-            server.log_batch(target_id, metrics=metrics[i:i + 1000])
+            server.log_batch(target_id, metrics=metrics[i : i + 1000])
         with tempfile.TemporaryDirectory() as scratch:
             if local.list_artifacts(run.info.run_id):
                 path = local.download_artifacts(run.info.run_id, "", scratch)
@@ -82,18 +102,28 @@ def replay(folder: Path, to: str | None = None) -> list[str]:
             server.set_tag(target_id, tag.ERROR, tags[tag.ERROR])
         server.set_terminated(target_id, status=tags[tag.REPLAY_STATUS])
         local.set_tag(run.info.run_id, tag.REPLAY_DONE, target_uri)
-        log.info("Replayed %d metrics into run %s at %s (status %s)", len(metrics), target_id,
-                 target_uri, tags[tag.REPLAY_STATUS])
+        log.info(
+            "Replayed %d metrics into run %s at %s (status %s)",
+            len(metrics),
+            target_id,
+            target_uri,
+            tags[tag.REPLAY_STATUS],
+        )
         done.append(target_id)
     return done
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m runner.replay", description=__doc__)
-    parser.add_argument("folder", type=Path, help="the offline store's folder (mlflow-offline/ "
-                        "in the run's output folder; the run's log names it)")
-    parser.add_argument("--to", default=None, help="the tracking server (default: the one the "
-                        "run was logging to)")
+    parser.add_argument(
+        "folder",
+        type=Path,
+        help="the offline store's folder (mlflow-offline/ "
+        "in the run's output folder; the run's log names it)",
+    )
+    parser.add_argument(
+        "--to", default=None, help="the tracking server (default: the one the run was logging to)"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     folder = args.folder if args.folder.is_dir() else args.folder.parent
@@ -103,11 +133,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         done = replay(folder, args.to)
     except Exception as error:  # noqa: BLE001  (the server is still away, or refuses)
-        print(f"Replay failed, nothing marked as replayed: {type(error).__name__}: {error}",
-              file=sys.stderr)
+        print(
+            f"Replay failed, nothing marked as replayed: {type(error).__name__}: {error}",
+            file=sys.stderr,
+        )
         return 1
-    print(f"Replayed {len(done)} run(s)" + (f": {', '.join(done)}" if done else
-                                             " (nothing left to replay)"))
+    print(
+        f"Replayed {len(done)} run(s)"
+        + (f": {', '.join(done)}" if done else " (nothing left to replay)")
+    )
     return 0
 
 

@@ -7,6 +7,7 @@ MLflow creates a new SQLite store's tables without any guard against a second pr
 same, so the store is opened (created, if new) under a file lock beside the database
 (`<database>.lock`): any number of runs may start at once against a store that does not exist yet.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -15,9 +16,10 @@ import logging
 import os
 import random
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, TypeVar
 
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
@@ -54,8 +56,12 @@ def retry_when_locked(call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         except MlflowException as error:
             if attempt == LOCKED_RETRIES or not is_database_locked(error):
                 raise
-            log.warning("MLflow store busy (database is locked), retry %d/%d in %.2f s",
-                        attempt, LOCKED_RETRIES - 1, delay)
+            log.warning(
+                "MLflow store busy (database is locked), retry %d/%d in %.2f s",
+                attempt,
+                LOCKED_RETRIES - 1,
+                delay,
+            )
             time.sleep(delay * (1 + random.random()))
             delay = min(2 * delay, 2.0)
     raise AssertionError("unreachable")
@@ -79,7 +85,7 @@ def resolve_tracking_uri(uri: str, base_dir: str | os.PathLike | None = None) ->
     but the printed `mlflow ui` command must work from anywhere)."""
     prefix = SQLITE
     if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
-        path = Path(base_dir or os.getcwd()) / uri[len(prefix):]
+        path = Path(base_dir or os.getcwd()) / uri[len(prefix) :]
         return prefix + str(path.resolve())
     return uri
 
@@ -88,7 +94,7 @@ def sqlite_path(tracking_uri: str) -> Path | None:
     """The database file of a `sqlite:///` URI (resolved); None for any other store."""
     if not tracking_uri.startswith(SQLITE):
         return None
-    return Path(tracking_uri[len(SQLITE):].split("?", 1)[0])
+    return Path(tracking_uri[len(SQLITE) :].split("?", 1)[0])
 
 
 @contextmanager
@@ -117,7 +123,8 @@ def store_lock(tracking_uri: str, timeout_s: float = STORE_LOCK_TIMEOUT_S) -> It
                         f"mlflow.tracking_uri: the tracking store {tracking_uri!r} stayed locked "
                         f"by another process for {timeout_s:.0f} s ({lock} is held: a process "
                         "creating the store, or one that hangs). Find it with `fuser "
-                        f"{lock}`, or use another store.") from None
+                        f"{lock}`, or use another store."
+                    ) from None
                 time.sleep(0.05)
         try:
             yield
@@ -134,8 +141,9 @@ def prepare_sqlite_file(path: Path) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as error:
-        raise OSError(f"cannot create the folder {path.parent} ({error.strerror}: "
-                      f"{error.filename})") from error
+        raise OSError(
+            f"cannot create the folder {path.parent} ({error.strerror}: {error.filename})"
+        ) from error
     if path.exists() and not path.is_file():
         raise IsADirectoryError(f"{path} is not a file")
     if path.is_file() and path.stat().st_size:
@@ -148,23 +156,32 @@ def prepare_sqlite_file(path: Path) -> None:
 
 def startup_error(tracking_uri: str, error: BaseException) -> RunnerError:
     """What a store that cannot be used at the start is: the URI, the cause and a fix."""
-    cause = f"{type(error).__name__}: {error}" if not isinstance(error, MlflowException) \
+    cause = (
+        f"{type(error).__name__}: {error}"
+        if not isinstance(error, MlflowException)
         else str(error.message)
+    )
     path = sqlite_path(tracking_uri)
     if path is None:
         fix = "Start the server, fix the URI, or use the default sqlite:///mlflow.db."
     elif is_database_locked(error):
-        fix = ("Another process keeps the database locked: try again, or for many runs at once "
-               "log to an MLflow server (mlflow server --backend-store-uri "
-               f"{tracking_uri}, then mlflow.tracking_uri=http://host:5000).")
+        fix = (
+            "Another process keeps the database locked: try again, or for many runs at once "
+            "log to an MLflow server (mlflow server --backend-store-uri "
+            f"{tracking_uri}, then mlflow.tracking_uri=http://host:5000)."
+        )
     elif "out-of-date database schema" in cause:
         fix = "Upgrade the store as said above (a backup first), or use another store."
     else:
-        fix = (f"Make sure the folder {path.parent} exists (or can be created) and is writable, "
-               "and that the file is an MLflow database, or set mlflow.tracking_uri to "
-               "another store.")
-    return RunnerError(f"mlflow.tracking_uri: cannot use the tracking store {tracking_uri!r}: "
-                       f"{cause.strip()}. {fix}")
+        fix = (
+            f"Make sure the folder {path.parent} exists (or can be created) and is writable, "
+            "and that the file is an MLflow database, or set mlflow.tracking_uri to "
+            "another store."
+        )
+    return RunnerError(
+        f"mlflow.tracking_uri: cannot use the tracking store {tracking_uri!r}: "
+        f"{cause.strip()}. {fix}"
+    )
 
 
 def artifact_location(tracking_uri: str) -> str | None:
@@ -173,7 +190,7 @@ def artifact_location(tracking_uri: str) -> str | None:
     other store, the store's own default (None)."""
     prefix = "sqlite:///"
     if tracking_uri.startswith(prefix):
-        return (Path(tracking_uri[len(prefix):]).parent / "mlartifacts").resolve().as_uri()
+        return (Path(tracking_uri[len(prefix) :]).parent / "mlartifacts").resolve().as_uri()
     return None
 
 

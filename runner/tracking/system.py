@@ -10,11 +10,13 @@ while a tracking server is away. Here a sample is one more buffered metric: it w
 and falls back to the offline store like the training metrics. `mlflow.system_metrics_s` sets the
 period (0: off). MLflow's monitors need psutil (a dependency of the runner).
 """
+
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 log = logging.getLogger(__name__)
 PREFIX = "system/"
@@ -44,8 +46,9 @@ class SystemSampler:
     """Samples the monitors every `interval_s` seconds in a daemon thread and hands each sample's
     aggregate to `log_metrics(metrics, step)` (steps 0, 1, 2, ...) until `stop`."""
 
-    def __init__(self, log_metrics: Callable[[Mapping[str, float], int], None],
-                 interval_s: float) -> None:
+    def __init__(
+        self, log_metrics: Callable[[Mapping[str, float], int], None], interval_s: float
+    ) -> None:
         self._log = log_metrics
         self.interval_s = float(interval_s)
         self._stop = threading.Event()
@@ -58,8 +61,11 @@ class SystemSampler:
         try:
             self._monitors = _monitors()
         except ImportError as error:
-            log.warning("System metrics are off: MLflow's monitors need %s (pip install psutil); "
-                        "set mlflow.system_metrics_s=0 to silence this", error.name or error)
+            log.warning(
+                "System metrics are off: MLflow's monitors need %s (pip install psutil); "
+                "set mlflow.system_metrics_s=0 to silence this",
+                error.name or error,
+            )
             return False
         self._thread = threading.Thread(target=self._loop, daemon=True, name="system-metrics")
         self._thread.start()
@@ -95,5 +101,6 @@ class SystemSampler:
             try:
                 self.sample()
             except Exception as error:  # noqa: BLE001  (the run ends anyway)
-                log.warning("Last system metrics sample failed: %s: %s", type(error).__name__,
-                            error)
+                log.warning(
+                    "Last system metrics sample failed: %s: %s", type(error).__name__, error
+                )

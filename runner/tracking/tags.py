@@ -3,6 +3,7 @@
 Tags are the runner's contract with the MLflow UI, `runner.report`, `runner.tracking.replay` and any
 script a user writes against the store; a name used in two modules is defined here once.
 """
+
 from __future__ import annotations
 
 # ---- MLflow's own ---------------------------------------------------------------------------
@@ -23,7 +24,7 @@ FINDINGS_LIST = "precision.findings_list"  # "warning precision.master_weights; 
 GIT_COMMIT = "git_commit"
 LAYER_PLAN_HASH = "precision.layer_plan_hash"  # every layer's planned format, hashed
 
-# ---- liveness (runner.tracking.liveness): who runs a RUNNING run, and its last sign of life ------------
+# ---- liveness (runner.tracking.liveness): who runs a RUNNING run, and its last sign of life ------
 HOST = "runner.host"
 PID = "runner.pid"
 PID_START = "runner.pid_start"  # the process's start time, clock ticks since boot (Linux)
@@ -47,7 +48,7 @@ SWEEP_LAUNCHER = "sweep.launcher"
 FAILED_JOBS = "sweep.failed_jobs"
 JOB_NUM = "sweep.job_num"
 
-# ---- the offline store of a run whose tracking server went away (runner.tracking.replay) ---------------
+# ---- the offline store of a run whose tracking server went away (runner.tracking.replay) ---------
 REPLAY_TARGET_RUN = "replay.target_run_id"  # the server run the offline run belongs to
 REPLAY_TARGET_URI = "replay.target_uri"
 REPLAY_STATUS = "replay.status"  # the status the server run ends with

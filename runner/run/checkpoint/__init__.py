@@ -49,6 +49,9 @@ SHA-256 (`runner.run.checkpoint.sharded`).
    run's kind (or both none); the world size is this run's. Each difference names the key, the
    checkpoint's side and this run's.
 """
+
+from runner.run.checkpoint import format as _format
+from runner.run.checkpoint import sharded  # noqa: F401
 from runner.run.checkpoint.contents import (  # noqa: F401  (the checkpoint's API, in one place)
     IMPLIED_BEFORE,
     RESUMABLE_CHANGES,
@@ -59,8 +62,6 @@ from runner.run.checkpoint.contents import (  # noqa: F401  (the checkpoint's AP
 )
 from runner.run.checkpoint.folders import FILENAME, find, path_for, run_folder  # noqa: F401
 from runner.run.checkpoint.format import FORMAT, LEGACY_FORMAT, save  # noqa: F401
-from runner.run.checkpoint import format as _format
-from runner.run.checkpoint import sharded  # noqa: F401
 
 
 def load(path):

@@ -1,11 +1,13 @@
 """What a checkpoint holds (the schema of its contents, checked on writing and on loading) and
 whether it fits the run that resumes it (its config, model, optimizer, engine and scheduler)."""
+
 from __future__ import annotations
 
 import random
 import re
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -21,12 +23,19 @@ RESUMABLE_CHANGES = ("trainer.max_epochs", "resume")
 # keys added to the config after checkpoints were written without them: the value those runs had
 # (before the `loss` group, every run trained with a plain cross-entropy; before the `task`
 # group, every run was a classifier's, which task=auto still is for the datasets it had)
-IMPLIED_BEFORE = {"loss._target_": "torch.nn.CrossEntropyLoss", "loss.label_smoothing": 0.0,
-                  "task.name": "auto", "trainer.strategy": "ddp", "trainer.fsdp_wrap": None,
-                  "trainer.fsdp_checkpoint": "sharded",
-                  "precision.layers": {}, "precision.layer_plan": None,
-                  "precision.layer_plan_steps": 3, "precision.layer_plan_max_underflow": 0.01,
-                  "precision.layer_plan_max_overflow": 0.0}
+IMPLIED_BEFORE = {
+    "loss._target_": "torch.nn.CrossEntropyLoss",
+    "loss.label_smoothing": 0.0,
+    "task.name": "auto",
+    "trainer.strategy": "ddp",
+    "trainer.fsdp_wrap": None,
+    "trainer.fsdp_checkpoint": "sharded",
+    "precision.layers": {},
+    "precision.layer_plan": None,
+    "precision.layer_plan_steps": 3,
+    "precision.layer_plan_max_underflow": 0.01,
+    "precision.layer_plan_max_overflow": 0.0,
+}
 
 
 # ---- contents ----------------------------------------------------------------------------------
@@ -43,7 +52,8 @@ def _is_real(value: Any) -> bool:
 def _is_tensor_map(value: Any) -> bool:
     return isinstance(value, Mapping) and all(
         isinstance(k, str) and isinstance(v, torch.Tensor) and v.layout == torch.strided
-        for k, v in value.items())
+        for k, v in value.items()
+    )
 
 
 def _is_plain(value: Any, scalars: bool = False) -> bool:
@@ -66,12 +76,17 @@ def _optimizer_problems(value: Any) -> list[str]:
         return ["optimizer: a torch optimizer state dict (state, param_groups) belongs here"]
     groups, state = value["param_groups"], value["state"]
     if not isinstance(groups, list) or not all(
-            isinstance(g, Mapping) and all(isinstance(k, str) for k in g)
-            and isinstance(g.get("params"), list) and all(_is_int(i) for i in g["params"])
-            and all(_is_plain(v, scalars=True) for k, v in g.items() if k != "params")
-            for g in groups):
-        return ["optimizer.param_groups: a list of groups of plain hyperparameters and integer "
-                "parameter ids belongs here"]
+        isinstance(g, Mapping)
+        and all(isinstance(k, str) for k in g)
+        and isinstance(g.get("params"), list)
+        and all(_is_int(i) for i in g["params"])
+        and all(_is_plain(v, scalars=True) for k, v in g.items() if k != "params")
+        for g in groups
+    ):
+        return [
+            "optimizer.param_groups: a list of groups of plain hyperparameters and integer "
+            "parameter ids belongs here"
+        ]
     if not isinstance(state, Mapping):
         return ["optimizer.state: a mapping of parameter ids to their state belongs here"]
     ids = {i for g in groups for i in g["params"]}
@@ -79,11 +94,13 @@ def _optimizer_problems(value: Any) -> list[str]:
         if index not in ids:
             return [f"optimizer.state.{index}: a state for no parameter of param_groups"]
         if not isinstance(entry, Mapping) or not all(
-                isinstance(k, str) and (_is_real(v) or isinstance(v, torch.Tensor)
-                                        and v.layout == torch.strided)
-                for k, v in entry.items()):
-            return [f"optimizer.state.{index}: a mapping of names to tensors or numbers belongs "
-                    "here"]
+            isinstance(k, str)
+            and (_is_real(v) or isinstance(v, torch.Tensor) and v.layout == torch.strided)
+            for k, v in entry.items()
+        ):
+            return [
+                f"optimizer.state.{index}: a mapping of names to tensors or numbers belongs here"
+            ]
     return []
 
 
@@ -98,8 +115,10 @@ def _engine_problems(value: Any) -> list[str]:
         elif isinstance(key, str) and re.fullmatch(r"loss_scaler(0|[1-9][0-9]*)", key):
             problems += state_dict_problems(entry, f"engine.{key}")
         else:
-            problems.append(f"engine.{key}: unknown key (allowed: loss_scaler<i>, skipped_steps, "
-                            "rounding_steps)")
+            problems.append(
+                f"engine.{key}: unknown key (allowed: loss_scaler<i>, skipped_steps, "
+                "rounding_steps)"
+            )
     if "loss_scaler0" not in value:
         problems.append("engine.loss_scaler0: missing")
     return problems
@@ -110,8 +129,11 @@ def _rng_problems(value: Any) -> list[str]:
     here)."""
     if not isinstance(value, Mapping):
         return ["rng: a mapping of RNG states (torch, python, cuda, numpy) belongs here"]
-    problems = [f"rng.{k}: unknown key (allowed: torch, python, cuda, numpy)"
-                for k in value if k not in ("torch", "python", "cuda", "numpy")]
+    problems = [
+        f"rng.{k}: unknown key (allowed: torch, python, cuda, numpy)"
+        for k in value
+        if k not in ("torch", "python", "cuda", "numpy")
+    ]
     for key in ("torch", "python"):
         if key not in value:
             problems.append(f"rng.{key}: missing")
@@ -172,25 +194,38 @@ def _is_sharded(value: Any) -> bool:
     if not isinstance(value, dict) or set(value) != {"files", "world_size"}:
         return False
     files = value["files"]
-    return _is_int(value["world_size"], 1) and isinstance(files, dict) and bool(files) and all(
-        type(k) is str and "/" not in k and k not in ("", ".", "..") and type(v) is str
-        and re.fullmatch(r"[0-9a-f]{64}", v) for k, v in files.items())
+    return (
+        _is_int(value["world_size"], 1)
+        and isinstance(files, dict)
+        and bool(files)
+        and all(
+            type(k) is str
+            and "/" not in k
+            and k not in ("", ".", "..")
+            and type(v) is str
+            and re.fullmatch(r"[0-9a-f]{64}", v)
+            for k, v in files.items()
+        )
+    )
 
 
 def _is_layer_plan(value: Any) -> bool:
     if not isinstance(value, dict) or set(value) != {"layers", "rules"}:
         return False
     layers, rules = value["layers"], value["rules"]
-    return isinstance(layers, dict) and all(type(k) is str and type(v) is str
-                                            for k, v in layers.items()) \
-        and isinstance(rules, list) and all(
-            type(r) is list and len(r) == 4 and all(type(x) is str for x in r) for r in rules)
+    return (
+        isinstance(layers, dict)
+        and all(type(k) is str and type(v) is str for k, v in layers.items())
+        and isinstance(rules, list)
+        and all(type(r) is list and len(r) == 4 and all(type(x) is str for x in r) for r in rules)
+    )
 
 
 def _is_history(value: Any) -> bool:
     return isinstance(value, list) and all(
         isinstance(m, Mapping) and all(isinstance(k, str) and _is_real(v) for k, v in m.items())
-        for m in value)
+        for m in value
+    )
 
 
 # key: (check, what belongs there, required by `load`); optimizer, engine and rng have their own
@@ -201,8 +236,11 @@ _SCHEMA: dict[str, tuple[Callable[[Any], bool], str, bool]] = {
     "model": (_is_tensor_map, "a mapping of names to tensors", True),
     "optimizer": (lambda v: True, "an optimizer state dict", True),
     "engine": (lambda v: True, "the loss scalers' state", True),
-    "scheduler": (lambda v: v is None or isinstance(v, dict) and _is_plain(v, scalars=True),
-                  "a scheduler state dict of plain values, or None", True),
+    "scheduler": (
+        lambda v: v is None or isinstance(v, dict) and _is_plain(v, scalars=True),
+        "a scheduler state dict of plain values, or None",
+        True,
+    ),
     "epoch": (_is_int, "an integer >= 0", True),
     "batch": (_is_int, "an integer >= 0", True),
     "global_step": (_is_int, "an integer >= 0", True),
@@ -214,14 +252,20 @@ _SCHEMA: dict[str, tuple[Callable[[Any], bool], str, bool]] = {
     "bad_loss_streak": (_is_int, "an integer >= 0", True),
     "rng": (lambda v: True, "the RNG states", True),
     "mlflow_run_id": (lambda v: isinstance(v, str) and bool(v), "an MLflow run id", False),
-    "config": (lambda v: isinstance(v, dict) and _is_plain(v),
-               "the resolved config (a mapping of plain values)", False),
+    "config": (
+        lambda v: isinstance(v, dict) and _is_plain(v),
+        "the resolved config (a mapping of plain values)",
+        False,
+    ),
     "world_size": (lambda v: _is_int(v, 1), "an integer >= 1", False),
     # a sharded run's checkpoint (runner.run.checkpoint.sharded): its files' SHA-256, the world
     "sharded": (lambda v: _is_sharded(v), "{files: {name: sha256 hex}, world_size: int}", False),
     # the layer plan (runner.precision.layers): not in checkpoints written before it
-    "layer_plan": (lambda v: _is_layer_plan(v),
-                   "{layers: {layer: format}, rules: [[glob, format, source, why], ...]}", False),
+    "layer_plan": (
+        lambda v: _is_layer_plan(v),
+        "{layers: {layer: format}, rules: [[glob, format, source, why], ...]}",
+        False,
+    ),
 }
 RUN_KEYS = ("mlflow_run_id", "config", "world_size")
 
@@ -255,8 +299,12 @@ def config_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> 
 def _require_run_keys(state: Mapping[str, Any], path: Path) -> None:
     missing = [key for key in RUN_KEYS if key not in state]
     if missing:
-        raise ConfigError("resume", f"the checkpoint {path} lacks the key(s) "
-                          f"{', '.join(missing)}, which every run's checkpoint holds", ALLOWED)
+        raise ConfigError(
+            "resume",
+            f"the checkpoint {path} lacks the key(s) "
+            f"{', '.join(missing)}, which every run's checkpoint holds",
+            ALLOWED,
+        )
 
 
 def check_resumable(state: Mapping[str, Any], config: Mapping[str, Any], path: Path) -> None:
@@ -265,20 +313,33 @@ def check_resumable(state: Mapping[str, Any], config: Mapping[str, Any], path: P
     differences = config_differences(state["config"], config)
     if differences:
         raise ConfigError(
-            "resume", f"the config differs from the checkpoint's ({path}) in "
+            "resume",
+            f"the config differs from the checkpoint's ({path}) in "
             f"{len(differences)} key(s): " + "; ".join(differences),
-            "the checkpoint's config; only trainer.max_epochs may change (grow)")
+            "the checkpoint's config; only trainer.max_epochs may change (grow)",
+        )
     done = int(state["epoch"])
     wanted = int(config["trainer"]["max_epochs"])
     if wanted < done:
-        raise ConfigError("trainer.max_epochs", f"{wanted} is below the {done} epochs the "
-                          f"checkpoint {path} has already trained", f"an integer >= {done}")
+        raise ConfigError(
+            "trainer.max_epochs",
+            f"{wanted} is below the {done} epochs the checkpoint {path} has already trained",
+            f"an integer >= {done}",
+        )
 
 
-def check_structure(state: Mapping[str, Any], *, model: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer, engine: Any, scheduler: Any,
-                    world_size: int, path: Path, reshardable: bool = False,
-                    tensors: bool = True) -> None:
+def check_structure(
+    state: Mapping[str, Any],
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    engine: Any,
+    scheduler: Any,
+    world_size: int,
+    path: Path,
+    reshardable: bool = False,
+    tensors: bool = True,
+) -> None:
     """The loaded state (see `load`) must fit the parts this run built: the model's state keys,
     shapes and dtypes, the optimizer's groups, parameters and kind, one loss scaler per loss (a
     static one at this run's scale), the scheduler's kind, the world size. Call it before the
@@ -289,10 +350,15 @@ def check_structure(state: Mapping[str, Any], *, model: torch.nn.Module,
     _require_run_keys(state, path)
     problems: list[str] = []
     if state["world_size"] != world_size and not (reshardable and state["batch"] == 0):
-        problems.append(f"world_size: {state['world_size']} -> {world_size}" + (
-            " (a sharded run resumes at another world size from an epoch's end; this "
-            f"checkpoint is {state['batch']} batches into an epoch of the old world's shards)"
-            if reshardable else ""))
+        problems.append(
+            f"world_size: {state['world_size']} -> {world_size}"
+            + (
+                " (a sharded run resumes at another world size from an epoch's end; this "
+                f"checkpoint is {state['batch']} batches into an epoch of the old world's shards)"
+                if reshardable
+                else ""
+            )
+        )
     if tensors:  # (a sharded checkpoint's are in its shards: checked against their index)
         problems += _tensor_differences("model", state["model"], model.state_dict())
         problems += _optimizer_differences(state["optimizer"], optimizer)
@@ -300,13 +366,16 @@ def check_structure(state: Mapping[str, Any], *, model: torch.nn.Module,
     problems += _layer_plan_differences(state.get("layer_plan"), engine)
     problems += _scheduler_differences(state["scheduler"], scheduler)
     if problems:
-        shown = problems[:_SHOWN] + ([f"... and {len(problems) - _SHOWN} more"]
-                                     if len(problems) > _SHOWN else [])
+        shown = problems[:_SHOWN] + (
+            [f"... and {len(problems) - _SHOWN} more"] if len(problems) > _SHOWN else []
+        )
         raise ConfigError(
-            "resume", f"the checkpoint {path} does not fit this run in {len(problems)} key(s) "
+            "resume",
+            f"the checkpoint {path} does not fit this run in {len(problems)} key(s) "
             "(the checkpoint's -> this run's): " + "; ".join(shown),
             "a checkpoint of this run's model, optimizer, precision level, scheduler and world "
-            "size")
+            "size",
+        )
 
 
 _SHOWN = 8  # differences listed in the message (another architecture has one per tensor)
@@ -316,8 +385,9 @@ def _describe(tensor: torch.Tensor) -> str:
     return f"{list(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')}"
 
 
-def _tensor_differences(prefix: str, saved: Mapping[str, torch.Tensor],
-                        current: Mapping[str, torch.Tensor]) -> list[str]:
+def _tensor_differences(
+    prefix: str, saved: Mapping[str, torch.Tensor], current: Mapping[str, torch.Tensor]
+) -> list[str]:
     out = []
     for key in list(saved) + [k for k in current if k not in saved]:
         a, b = saved.get(key), current.get(key)
@@ -331,12 +401,19 @@ def _tensor_differences(prefix: str, saved: Mapping[str, torch.Tensor],
 
 
 # Optimizers told apart by the hyperparameters only their kind has, and the per-parameter state
-# their kind keeps (the optimizers runner.components.optim builds; others are checked for counts and shapes).
+# their kind keeps (the optimizers runner.components.optim builds; others are checked for counts
+# and shapes).
 _OPTIMIZER_KINDS: dict[str, tuple[tuple[type, ...], frozenset, frozenset]] = {
-    "SGD": ((torch.optim.SGD,), frozenset({"momentum", "dampening", "nesterov"}),
-            frozenset({"momentum_buffer"})),
-    "Adam/AdamW": ((torch.optim.Adam, torch.optim.AdamW), frozenset({"betas", "eps", "amsgrad"}),
-                   frozenset({"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"})),
+    "SGD": (
+        (torch.optim.SGD,),
+        frozenset({"momentum", "dampening", "nesterov"}),
+        frozenset({"momentum_buffer"}),
+    ),
+    "Adam/AdamW": (
+        (torch.optim.Adam, torch.optim.AdamW),
+        frozenset({"betas", "eps", "amsgrad"}),
+        frozenset({"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}),
+    ),
 }
 
 
@@ -350,29 +427,38 @@ def _group_kind(group: Mapping[str, Any]) -> Optional[str]:
     return None
 
 
-def _optimizer_differences(saved: Mapping[str, Any],
-                           optimizer: torch.optim.Optimizer) -> list[str]:
+def _optimizer_differences(saved: Mapping[str, Any], optimizer: torch.optim.Optimizer) -> list[str]:
     current = optimizer.param_groups
     groups = saved["param_groups"]
     if len(groups) != len(current):
         return [f"optimizer.param_groups: {len(groups)} group(s) -> {len(current)}"]
-    kind = next((name for name, (classes, _, _) in _OPTIMIZER_KINDS.items()
-                 if isinstance(optimizer, classes)), None)
+    kind = next(
+        (
+            name
+            for name, (classes, _, _) in _OPTIMIZER_KINDS.items()
+            if isinstance(optimizer, classes)
+        ),
+        None,
+    )
     out = []
     shapes: dict[int, torch.Size] = {}
     for g, (a, b) in enumerate(zip(groups, current)):
         if len(a["params"]) != len(b["params"]):
-            out.append(f"optimizer.param_groups.{g}.params: {len(a['params'])} parameter(s) "
-                       f"-> {len(b['params'])}")
+            out.append(
+                f"optimizer.param_groups.{g}.params: {len(a['params'])} parameter(s) "
+                f"-> {len(b['params'])}"
+            )
             continue
         shapes.update((index, p.shape) for index, p in zip(a["params"], b["params"]))
         saved_kind = _group_kind(a)
         if kind is not None and saved_kind != kind:
             names = ", ".join(sorted(set(a) & _KIND_KEYS) or ["none of theirs"])
-            out.append(f"optimizer.param_groups.{g}: the hyperparameters of "
-                       f"{saved_kind or 'another optimizer'} ({names}) -> "
-                       f"{type(optimizer).__name__}'s "
-                       f"({', '.join(sorted(_OPTIMIZER_KINDS[kind][1]))})")
+            out.append(
+                f"optimizer.param_groups.{g}: the hyperparameters of "
+                f"{saved_kind or 'another optimizer'} ({names}) -> "
+                f"{type(optimizer).__name__}'s "
+                f"({', '.join(sorted(_OPTIMIZER_KINDS[kind][1]))})"
+            )
     if out:
         return out
     out = state_format_differences(saved, optimizer)
@@ -381,36 +467,46 @@ def _optimizer_differences(saved: Mapping[str, Any],
     allowed = _OPTIMIZER_KINDS[kind][2] if kind is not None else None
     for index, entry in saved["state"].items():
         if allowed is not None and not set(entry) <= allowed:
-            out.append(f"optimizer.state.{index}: {', '.join(sorted(entry))} -> "
-                       f"{type(optimizer).__name__}'s {', '.join(sorted(allowed))}")
+            out.append(
+                f"optimizer.state.{index}: {', '.join(sorted(entry))} -> "
+                f"{type(optimizer).__name__}'s {', '.join(sorted(allowed))}"
+            )
             continue
         for name, value in entry.items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0 \
-                    and value.shape != shapes[index]:
-                out.append(f"optimizer.state.{index}.{name}: {list(value.shape)} -> "
-                           f"{list(shapes[index])} (the parameter's shape)")
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != shapes[index]:
+                out.append(
+                    f"optimizer.state.{index}.{name}: {list(value.shape)} -> "
+                    f"{list(shapes[index])} (the parameter's shape)"
+                )
     return out
 
 
 def _engine_differences(saved: Mapping[str, Any], engine: Any) -> list[str]:
     scalers = engine.scalers
     wanted = [f"loss_scaler{i}" for i in range(len(scalers))]
-    have = sorted((k for k in saved if k.startswith("loss_scaler")),
-                  key=lambda k: int(k[len("loss_scaler"):]))
+    have = sorted(
+        (k for k in saved if k.startswith("loss_scaler")),
+        key=lambda k: int(k[len("loss_scaler") :]),
+    )
     if have != wanted:
-        return [f"engine: {len(have)} loss scaler(s) ({', '.join(have)}) -> {len(wanted)} "
-                f"({', '.join(wanted)})"]
+        return [
+            f"engine: {len(have)} loss scaler(s) ({', '.join(have)}) -> {len(wanted)} "
+            f"({', '.join(wanted)})"
+        ]
     out = []
     rounding = "rounding_steps" in engine.state_dict()
     if ("rounding_steps" in saved) != rounding:
-        out.append(f"engine.rounding_steps: {'present' if 'rounding_steps' in saved else 'absent'}"
-                   f" -> {'present' if rounding else 'absent'} (stochastic rounding "
-                   f"{'on' if rounding else 'off'} in this run)")
+        out.append(
+            f"engine.rounding_steps: {'present' if 'rounding_steps' in saved else 'absent'}"
+            f" -> {'present' if rounding else 'absent'} (stochastic rounding "
+            f"{'on' if rounding else 'off'} in this run)"
+        )
     for key, scaler in zip(wanted, scalers):
         scale = saved[key]["loss_scale"]
         if not scaler.dynamic and scale != scaler.scale:
-            out.append(f"engine.{key}.loss_scale: {scale!r} -> {scaler.scale!r} (this run's "
-                       "static scale)")
+            out.append(
+                f"engine.{key}.loss_scale: {scale!r} -> {scaler.scale!r} (this run's static scale)"
+            )
     return out
 
 
@@ -434,17 +530,24 @@ def _scheduler_differences(saved: Optional[Mapping[str, Any]], scheduler: Any) -
     last_epoch); private bookkeeping keys vary with the torch version and are not compared."""
     if saved is None or scheduler is None:
         if (saved is None) != (scheduler is None):
-            return [f"scheduler: {'(none)' if saved is None else 'a scheduler'} -> "
-                    f"{'(none)' if scheduler is None else type(scheduler).__name__}"]
+            return [
+                f"scheduler: {'(none)' if saved is None else 'a scheduler'} -> "
+                f"{'(none)' if scheduler is None else type(scheduler).__name__}"
+            ]
         return []
     current = scheduler.state_dict()
     public = lambda keys: {k for k in keys if not k.startswith("_") and k != "verbose"}  # noqa
     a, b = public(saved), public(current)
     if a != b:
-        return [f"scheduler: the state of another scheduler ({', '.join(sorted(a))}) -> "
-                f"{type(scheduler).__name__} ({', '.join(sorted(b))})"]
-    return [f"scheduler.{k}: {_show(saved[k])} -> {_show(current[k])}" for k in sorted(a)
-            if _kind(saved[k]) != _kind(current[k])]
+        return [
+            f"scheduler: the state of another scheduler ({', '.join(sorted(a))}) -> "
+            f"{type(scheduler).__name__} ({', '.join(sorted(b))})"
+        ]
+    return [
+        f"scheduler.{k}: {_show(saved[k])} -> {_show(current[k])}"
+        for k in sorted(a)
+        if _kind(saved[k]) != _kind(current[k])
+    ]
 
 
 def _kind(value: Any) -> Any:
@@ -460,15 +563,28 @@ def _kind(value: Any) -> Any:
 
 
 def _check_numpy_state(value: Any) -> None:
-    if not isinstance(value, Mapping) or set(value) != {"kind", "key", "pos", "has_gauss",
-                                                        "cached_gaussian"}:
+    if not isinstance(value, Mapping) or set(value) != {
+        "kind",
+        "key",
+        "pos",
+        "has_gauss",
+        "cached_gaussian",
+    }:
         raise TypeError("a mapping of kind, key, pos, has_gauss, cached_gaussian belongs here")
-    if not (isinstance(value["kind"], str) and _is_int(value["pos"])
-            and _is_int(value["has_gauss"]) and _is_real(value["cached_gaussian"])):
+    if not (
+        isinstance(value["kind"], str)
+        and _is_int(value["pos"])
+        and _is_int(value["has_gauss"])
+        and _is_real(value["cached_gaussian"])
+    ):
         raise TypeError("kind a str, pos and has_gauss integers, cached_gaussian a number")
     key = value["key"]
-    if isinstance(key, torch.Tensor) and not key.is_floating_point() and key.numel() and (
-            int(key.min()) < 0 or int(key.max()) >= 2 ** 32):
+    if (
+        isinstance(key, torch.Tensor)
+        and not key.is_floating_point()
+        and key.numel()
+        and (int(key.min()) < 0 or int(key.max()) >= 2**32)
+    ):
         raise ValueError("key: values outside 0 .. 2**32 - 1")
     try:
         import numpy

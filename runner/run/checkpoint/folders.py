@@ -1,5 +1,6 @@
 """Where checkpoints live: `<trainer.checkpoint_dir>/<experiment>/<run name>/<run id>/last.pt`,
 and which one `resume` names."""
+
 from __future__ import annotations
 
 import os
@@ -40,13 +41,15 @@ def find(resume: Optional[str], folder: Path) -> Optional[Path]:
         return found[-1] if found else None
     path = Path(resume).expanduser()
     if path.is_dir():
-        inside = [path / FILENAME, path / SHARDED_FOLDER / SHARDED_TRAINER,
-                  path / SHARDED_TRAINER]
+        inside = [path / FILENAME, path / SHARDED_FOLDER / SHARDED_TRAINER, path / SHARDED_TRAINER]
         path = next((p for p in inside if p.is_file()), inside[0])
     if not path.is_file():
-        raise ConfigError("resume", f"no checkpoint at {str(resume)!r}",
-                          f"auto, or a checkpoint file ({FILENAME}), a sharded checkpoint's "
-                          f"folder ({SHARDED_FOLDER}), or the folder holding either")
+        raise ConfigError(
+            "resume",
+            f"no checkpoint at {str(resume)!r}",
+            f"auto, or a checkpoint file ({FILENAME}), a sharded checkpoint's "
+            f"folder ({SHARDED_FOLDER}), or the folder holding either",
+        )
     return path.resolve()
 
 

@@ -3,6 +3,7 @@
 See `runner.run.checkpoint` for the format (FORMAT 2: the `torch.save` zip archive whose zip
 comment holds the SHA-256 of every byte before it) and the order of the checks on loading.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -12,8 +13,9 @@ import os
 import pickle
 import re
 import struct
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import torch
 
@@ -43,8 +45,9 @@ def save(path: Path, state: Mapping[str, Any]) -> None:
     full = {"format": FORMAT, **state}
     problems = content_problems(full)
     if problems:
-        raise TypeError("refusing to write a checkpoint that could not be loaded: "
-                        + "; ".join(problems))
+        raise TypeError(
+            "refusing to write a checkpoint that could not be loaded: " + "; ".join(problems)
+        )
     path.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temporaries(path.parent)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -67,8 +70,10 @@ def _append_digest(handle) -> None:
     handle.seek(end - _EOCD_SIZE)
     eocd = handle.read(_EOCD_SIZE)
     if eocd[:4] != _EOCD_SIGNATURE or eocd[-2:] != b"\x00\x00":
-        raise RuntimeError("torch.save did not end its file with a zip directory record without "
-                           "a comment; cannot add the checkpoint's digest")
+        raise RuntimeError(
+            "torch.save did not end its file with a zip directory record without "
+            "a comment; cannot add the checkpoint's digest"
+        )
     handle.seek(end - 2)
     handle.write(struct.pack("<H", _TRAILER_SIZE))
     digest = _sha256(handle, end)
@@ -142,36 +147,53 @@ def load(path: Path) -> dict[str, Any]:
             size = os.fstat(handle.fileno()).st_size
             verified = _verify(handle, size, path)
             if not verified:
-                log.warning("Checkpoint %s has no checksum (written by amp-runner before format "
-                            "%d): it cannot be verified; it is loaded as it is (the resumed "
-                            "run's next checkpoint carries one)", path, FORMAT)
+                log.warning(
+                    "Checkpoint %s has no checksum (written by amp-runner before format "
+                    "%d): it cannot be verified; it is loaded as it is (the resumed "
+                    "run's next checkpoint carries one)",
+                    path,
+                    FORMAT,
+                )
             handle.seek(0)
             state = _unpickle(handle, path, legacy=not verified)
     except OSError as error:
-        raise ConfigError("resume", f"cannot read the checkpoint {str(path)!r}: {error}",
-                          ALLOWED) from error
+        raise ConfigError(
+            "resume", f"cannot read the checkpoint {str(path)!r}: {error}", ALLOWED
+        ) from error
     if not isinstance(state, dict):
-        raise ConfigError("resume", f"{str(path)!r} is not an amp-runner checkpoint (it holds "
-                          f"a {type(state).__name__}, not a dict)", ALLOWED)
+        raise ConfigError(
+            "resume",
+            f"{str(path)!r} is not an amp-runner checkpoint (it holds "
+            f"a {type(state).__name__}, not a dict)",
+            ALLOWED,
+        )
     found = state.get("format")
     wanted = FORMAT if verified else LEGACY_FORMAT
     if found != wanted:
-        what = (f"format {found!r} without the checksum that format carries" if found == FORMAT
-                else f"format {found!r}")
-        raise ConfigError("resume", f"{str(path)!r} is not an amp-runner checkpoint of a "
-                          f"format this version reads: {what}", ALLOWED)
+        what = (
+            f"format {found!r} without the checksum that format carries"
+            if found == FORMAT
+            else f"format {found!r}"
+        )
+        raise ConfigError(
+            "resume",
+            f"{str(path)!r} is not an amp-runner checkpoint of a format this version reads: {what}",
+            ALLOWED,
+        )
     if not verified:
         upgrade_legacy_rng(state)
     problems = content_problems(state)
     if problems:
-        raise ConfigError("resume", f"the checkpoint {path} is malformed: " + "; ".join(problems),
-                          ALLOWED)
+        raise ConfigError(
+            "resume", f"the checkpoint {path} is malformed: " + "; ".join(problems), ALLOWED
+        )
     return state
 
 
 def _verify(handle, size: int, path: Path) -> bool:
     """True: a FORMAT 2 file whose digest matches; False: a complete archive without a comment
     (FORMAT 1, nothing to verify). Anything else is corrupted: ConfigError."""
+
     def corrupted(why: str) -> ConfigError:
         return ConfigError("resume", f"checkpoint {path} is corrupted: {why}", ALLOWED)
 
@@ -183,15 +205,17 @@ def _verify(handle, size: int, path: Path) -> bool:
         eocd = tail[:_EOCD_SIZE]
         if eocd[:4] != _EOCD_SIGNATURE or eocd[-2:] != struct.pack("<H", _TRAILER_SIZE):
             raise corrupted("its zip directory record is damaged")
-        saved = trailer[len(_TRAILER_PREFIX):].decode("ascii", errors="replace")
+        saved = trailer[len(_TRAILER_PREFIX) :].decode("ascii", errors="replace")
         if _sha256(handle, size - _TRAILER_SIZE) != saved:
             raise corrupted("checksum mismatch")
         return True
     eocd = tail[-_EOCD_SIZE:]
     if len(eocd) == _EOCD_SIZE and eocd[:4] == _EOCD_SIGNATURE and eocd[-2:] == b"\x00\x00":
         return False
-    raise corrupted("it ends neither in amp-runner's checksum nor in a complete PyTorch archive "
-                    "(truncated, or not a checkpoint)")
+    raise corrupted(
+        "it ends neither in amp-runner's checksum nor in a complete PyTorch archive "
+        "(truncated, or not a checkpoint)"
+    )
 
 
 def _unpickle(handle, path: Path, legacy: bool) -> Any:
@@ -211,12 +235,18 @@ def _unpickle(handle, path: Path, legacy: bool) -> Any:
                 return torch.load(handle, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
         raise ConfigError(
-            "resume", f"the checkpoint {path} was refused by the safe unpickler: "
+            "resume",
+            f"the checkpoint {path} was refused by the safe unpickler: "
             f"{_refused(error)} (a checkpoint holds tensors and plain data only; nothing in the "
-            "file was run)", ALLOWED) from None
+            "file was run)",
+            ALLOWED,
+        ) from None
     except Exception as error:  # noqa: BLE001  (torch raises many kinds for a damaged archive)
-        raise ConfigError("resume", f"cannot read the checkpoint {str(path)!r}: "
-                          f"{type(error).__name__}: {error}", ALLOWED) from None
+        raise ConfigError(
+            "resume",
+            f"cannot read the checkpoint {str(path)!r}: {type(error).__name__}: {error}",
+            ALLOWED,
+        ) from None
 
 
 # torchao's quantised optimizer state (precision.optimizer_state=int8/int4/fp8): tensor subclasses
@@ -244,8 +274,9 @@ def _refused(error: Exception) -> str:
     if found:
         return f"it tries to load {found.group(1)}"
     found = re.search(r"WeightsUnpickler error:\s*([^\n]+)", text)
-    return (found.group(1).strip() if found else text.splitlines()[0] if text
-            else type(error).__name__)
+    return (
+        found.group(1).strip() if found else text.splitlines()[0] if text else type(error).__name__
+    )
 
 
 def _legacy_numpy_globals() -> contextlib.AbstractContextManager:
@@ -255,9 +286,13 @@ def _legacy_numpy_globals() -> contextlib.AbstractContextManager:
     except ImportError:
         return contextlib.nullcontext()
     reconstruct = numpy.ndarray.__reduce__(numpy.zeros(0))[0]  # numpy(._)core.multiarray's
-    allowed: list[Any] = [reconstruct, numpy.ndarray, numpy.dtype,
-                          (reconstruct, "numpy.core.multiarray._reconstruct"),
-                          (reconstruct, "numpy._core.multiarray._reconstruct")]
+    allowed: list[Any] = [
+        reconstruct,
+        numpy.ndarray,
+        numpy.dtype,
+        (reconstruct, "numpy.core.multiarray._reconstruct"),
+        (reconstruct, "numpy._core.multiarray._reconstruct"),
+    ]
     dtype_class = getattr(getattr(numpy, "dtypes", None), "UInt32DType", None)
     if dtype_class is not None:
         allowed.append(dtype_class)

@@ -25,22 +25,22 @@ non-tensor items (the optimizer's hyperparameters) with `weights_only=False`; he
 size that wrote them (DCP reshards); a checkpoint of another model is refused by comparing the
 index's parameter shapes with this run's.
 """
+
 from __future__ import annotations
 
-import hashlib
 import io
 import os
 import pickle
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
 from runner.errors import ConfigError
 from runner.run.checkpoint import format as fmt
 from runner.run.checkpoint.contents import ALLOWED
-
 from runner.run.checkpoint.folders import SHARDED_FOLDER as FOLDER
 from runner.run.checkpoint.folders import SHARDED_OLD as _OLD
 from runner.run.checkpoint.folders import SHARDED_TRAINER as TRAINER
@@ -55,8 +55,13 @@ def _digest(path: Path) -> str:
         return fmt._sha256(handle, os.fstat(handle.fileno()).st_size)
 
 
-def save(folder: Path, state: Mapping[str, Any], model: torch.nn.Module,
-         optimizer: torch.optim.Optimizer, comm: Any) -> Path:
+def save(
+    folder: Path,
+    state: Mapping[str, Any],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    comm: Any,
+) -> Path:
     """Write the sharded checkpoint of `model` and `optimizer` (their shards, from every rank)
     and `state` (the trainer's and the run's keys; rank 0's) as `<folder>/last.dcp`, atomically.
     A collective: every rank calls it with the same `folder`. Returns `trainer.pt`'s path."""
@@ -69,13 +74,22 @@ def save(folder: Path, state: Mapping[str, Any], model: torch.nn.Module,
         tmp.mkdir(parents=True)
     comm.barrier()
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optimizer_state},
-             storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
+    dcp.save(
+        {"model": model_state, "optimizer": optimizer_state},
+        storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
+    )
     comm.barrier()
     if comm.is_main:
         files = {p.name: _digest(p) for p in sorted(tmp.iterdir()) if p.is_file()}
-        fmt.save(tmp / TRAINER, {**state, "model": {}, "optimizer": EMPTY_OPTIMIZER,
-                                 "sharded": {"files": files, "world_size": comm.world_size}})
+        fmt.save(
+            tmp / TRAINER,
+            {
+                **state,
+                "model": {},
+                "optimizer": EMPTY_OPTIMIZER,
+                "sharded": {"files": files, "world_size": comm.world_size},
+            },
+        )
         fmt._fsync_folder(tmp)
         if final.exists():
             shutil.rmtree(old, ignore_errors=True)
@@ -94,8 +108,9 @@ def verify(path: Path, files: Mapping[str, str]) -> None:
     folder = path.parent
 
     def corrupted(why: str) -> ConfigError:
-        return ConfigError("resume", f"the sharded checkpoint {folder} is corrupted: {why}",
-                           ALLOWED)
+        return ConfigError(
+            "resume", f"the sharded checkpoint {folder} is corrupted: {why}", ALLOWED
+        )
 
     present = {p.name for p in folder.iterdir() if p.is_file() and p.name != TRAINER}
     listed = set(files)
@@ -111,8 +126,15 @@ def verify(path: Path, files: Mapping[str, str]) -> None:
 # the classes DCP's metadata pickle is made of (torch 2.4 - 2.14), and nothing else
 _METADATA_CLASSES = {
     "torch.distributed.checkpoint.metadata": {
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"},
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.distributed.checkpoint.planner": {"LoadItemType", "WriteItemType"},
     "torch.serialization": {"_get_layout"},
@@ -125,8 +147,9 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if name in _METADATA_CLASSES.get(module, ()):
             return super().find_class(module, name)
-        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None),
-                                                               torch.dtype)):
+        if module == "torch" and (
+            name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)
+        ):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's index")
 
@@ -138,8 +161,12 @@ def read_metadata(folder: Path) -> Any:
         with open(path, "rb") as handle:
             return _MetadataUnpickler(handle).load()
     except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as error:
-        raise ConfigError("resume", f"the sharded checkpoint {folder} was refused: its index "
-                          f"(.metadata) {error} (nothing in it was run)", ALLOWED) from None
+        raise ConfigError(
+            "resume",
+            f"the sharded checkpoint {folder} was refused: its index "
+            f"(.metadata) {error} (nothing in it was run)",
+            ALLOWED,
+        ) from None
 
 
 def _reader(folder: Path) -> Any:
@@ -169,13 +196,18 @@ def _planner() -> Any:
             try:
                 loaded = torch.load(value, map_location="cpu", weights_only=True)
             except pickle.UnpicklingError as error:
-                raise ConfigError("resume", f"an item of the sharded checkpoint "
-                                  f"({read_item.dest_index.fqn}) was refused by the safe "
-                                  f"unpickler: {str(error).splitlines()[0]} (nothing in it was "
-                                  "run)", ALLOWED) from None
+                raise ConfigError(
+                    "resume",
+                    f"an item of the sharded checkpoint "
+                    f"({read_item.dest_index.fqn}) was refused by the safe "
+                    f"unpickler: {str(error).splitlines()[0]} (nothing in it was "
+                    "run)",
+                    ALLOWED,
+                ) from None
             if self.flatten_state_dict:
-                set_element(self.original_state_dict,
-                            self.mappings[read_item.dest_index.fqn], loaded)
+                set_element(
+                    self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded
+                )
             else:
                 self.state_dict[read_item.dest_index.fqn] = loaded
 
@@ -188,16 +220,24 @@ def shape_differences(folder: Path, model: torch.nn.Module) -> list[str]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     index = read_metadata(folder).state_dict_metadata
-    saved = {key[len("model."):]: list(meta.size) for key, meta in index.items()
-             if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
-    current = {key: list(value.shape) for key, value in model.state_dict().items()
-               if isinstance(value, torch.Tensor)}
+    saved = {
+        key[len("model.") :]: list(meta.size)
+        for key, meta in index.items()
+        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
+    }
+    current = {
+        key: list(value.shape)
+        for key, value in model.state_dict().items()
+        if isinstance(value, torch.Tensor)
+    }
     out = []
     for key in list(saved) + [k for k in current if k not in saved]:
         a, b = saved.get(key), current.get(key)
         if a != b:
-            out.append(f"model.{key}: {a if a is not None else '(absent)'} -> "
-                       f"{b if b is not None else '(absent)'}")
+            out.append(
+                f"model.{key}: {a if a is not None else '(absent)'} -> "
+                f"{b if b is not None else '(absent)'}"
+            )
     return out
 
 
@@ -211,5 +251,6 @@ def load(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(state, storage_reader=_reader(folder), planner=_planner())
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optimizer"])
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+    )
