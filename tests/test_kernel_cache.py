@@ -15,17 +15,19 @@ from pathlib import Path
 import pytest
 
 from runner import csrc
+from runner.csrc import loader
 from tests.conftest import REPO
 
 PROBE = (
     "import logging, os, sys\n"
     "logging.basicConfig(level=logging.INFO, stream=sys.stdout, format='%(message)s')\n"
     "from runner import csrc\n"
+    "from runner.csrc import loader\n"
     # as if this process had built the same module name from another cache folder before:
     # torch's builder then names the library <name>_v1.so
     "if os.environ.get('SAME_NAME_BUILT_BEFORE'):\n"
     "    from torch.utils import cpp_extension, _cpp_extension_versioner as versioner\n"
-    "    cpp_extension.JIT_EXTENSION_VERSIONER.entries[csrc._module_name('cpp')] = "
+    "    cpp_extension.JIT_EXTENSION_VERSIONER.entries[loader._module_name('cpp')] = "
     "versioner.Entry(0, 1)\n"
     "kernels = csrc.build('cpp')\n"
     "print('loaded', kernels.ops.__file__, csrc.__file__)\n"
@@ -101,7 +103,7 @@ def test_two_checkouts_build_once_and_share_the_module(tmp_path):
     rebuilt = [line.split()[1] for line in again.splitlines() if line.startswith("loaded")]
     assert rebuilt == [str(folder / f"{folder.name}_v1.so")], again
     assert (folder / csrc.BUILT_MARK).read_text().split() == [
-        csrc._digest(Path(rebuilt[0])),
+        loader._digest(Path(rebuilt[0])),
         Path(rebuilt[0]).name,
     ]
     # and a later process loads that file as it is, without a compiler
@@ -112,12 +114,12 @@ def test_two_checkouts_build_once_and_share_the_module(tmp_path):
 def test_the_cache_folder_is_named_by_content_not_by_checkout(tmp_path, monkeypatch):
     """The module (and folder) name is the digest of the sources and flags: the same for any
     checkout of them, another for changed sources."""
-    name = csrc._module_name("cpp")
+    name = loader._module_name("cpp")
     copy = _checkout(tmp_path / "other") / "runner" / "csrc"
-    monkeypatch.setattr(csrc, "SOURCE_DIR", copy)
-    assert csrc._module_name("cpp") == name
+    monkeypatch.setattr(loader, "SOURCE_DIR", copy)
+    assert loader._module_name("cpp") == name
     (copy / "cpu.cpp").write_text((copy / "cpu.cpp").read_text() + "\n// changed\n")
-    assert csrc._module_name("cpp") != name
+    assert loader._module_name("cpp") != name
 
 
 # ---- a first run does not wait for the compiler ----------------------------------------------
@@ -142,7 +144,7 @@ def test_a_first_run_builds_the_kernels_in_the_background(tmp_path, monkeypatch)
 
     cache = tmp_path / "cache"
     monkeypatch.setenv("AMP_RUNNER_KERNEL_CACHE", str(cache))
-    folder = csrc.cache_dir("cpp") / csrc._module_name("cpp")
+    folder = csrc.cache_dir("cpp") / loader._module_name("cpp")
     args = [
         *FAST,
         "trainer.max_epochs=1",
@@ -173,12 +175,12 @@ def test_a_first_run_builds_the_kernels_in_the_background(tmp_path, monkeypatch)
 def test_a_failed_background_build_is_remembered(tmp_path, monkeypatch, caplog):
     """A background build that fails (no compiler) leaves its reason in the cache folder: later
     runs warn with it and start no build of their own; a build asked for by hand tries again."""
-    monkeypatch.setattr(csrc, "_LOADED", {})
-    monkeypatch.setattr(csrc, "_FAILED", {})
+    monkeypatch.setattr(loader, "_LOADED", {})
+    monkeypatch.setattr(loader, "_FAILED", {})
     monkeypatch.setenv("AMP_RUNNER_KERNEL_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("PYTHONPATH", str(REPO))
-    folder = csrc.cache_dir("cpp") / csrc._module_name("cpp")
+    folder = csrc.cache_dir("cpp") / loader._module_name("cpp")
     with caplog.at_level("INFO", logger="runner.csrc"):
         assert csrc.load("cpu", "auto", wait=False) is None
     assert "a background process" in caplog.text
@@ -190,7 +192,7 @@ def test_a_failed_background_build_is_remembered(tmp_path, monkeypatch, caplog):
     ).read_text()
 
     caplog.clear()
-    monkeypatch.setattr(csrc, "_FAILED", {})  # a new process
+    monkeypatch.setattr(loader, "_FAILED", {})  # a new process
     with caplog.at_level("INFO", logger="runner.csrc"):
         assert csrc.load("cpu", "auto", wait=False) is None
         assert csrc.load("cpu", "auto", wait=False) is None
@@ -213,10 +215,10 @@ def test_a_build_in_progress_is_not_waited_for(tmp_path, monkeypatch, caplog):
     torch's ops at once and starts no second build."""
     import fcntl
 
-    monkeypatch.setattr(csrc, "_LOADED", {})
-    monkeypatch.setattr(csrc, "_FAILED", {})
+    monkeypatch.setattr(loader, "_LOADED", {})
+    monkeypatch.setattr(loader, "_FAILED", {})
     monkeypatch.setenv("AMP_RUNNER_KERNEL_CACHE", str(tmp_path / "cache"))
-    folder = csrc.cache_dir("cpp") / csrc._module_name("cpp")
+    folder = csrc.cache_dir("cpp") / loader._module_name("cpp")
     folder.mkdir(parents=True)
     holder = subprocess.Popen(
         [

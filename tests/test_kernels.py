@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from runner import csrc
+from runner.csrc import loader
 
 SIZES = [1, 7, 65535, 65536, 65537, 3 * 65536 + 5]  # odd, chunk edges, several chunks
 LARGE = (1 << 22) + 3  # 4M elements: many chunks, an odd tail
@@ -516,12 +517,13 @@ def test_bad_arguments_are_refused_with_the_reason(backend):
 STATIC_PROBE = """
 import sys, torch
 from runner import csrc
-flags = csrc.build_flags
+from runner.csrc import loader
+flags = loader.build_flags
 def static_flags(backend):
     f = flags(backend)
     f["extra_ldflags"] = [*f["extra_ldflags"], "-static-libstdc++"]
     return f
-csrc.build_flags = static_flags
+loader.build_flags = static_flags
 k = csrc.build("cpp")
 a, one = torch.ones(4), torch.ones(1)
 x = torch.ones(2, 3, 4, 5)
@@ -591,7 +593,7 @@ def test_cuda_sources_compile(tmp_path, monkeypatch):
     arguments (it refuses CPU tensors)."""
     if not torch.cuda.is_available():
         monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", os.environ.get("TORCH_CUDA_ARCH_LIST", "9.0"))
-    monkeypatch.setattr(csrc, "_LOADED", {})
+    monkeypatch.setattr(loader, "_LOADED", {})
     cache = Path(os.environ.get("AMP_RUNNER_KERNEL_CACHE", tmp_path / "cache"))
     monkeypatch.setenv("AMP_RUNNER_KERNEL_CACHE", str(cache))
     kernels = csrc.build("cuda")
@@ -603,8 +605,8 @@ def test_cuda_sources_compile(tmp_path, monkeypatch):
 def test_a_failed_build_falls_back_to_torch_with_the_reason(tmp_path, monkeypatch, caplog):
     """A real failed build (the C++ compiler does not exist): `auto` warns once and returns None
     (the engine runs on torch's ops), `fused` raises with the reason."""
-    monkeypatch.setattr(csrc, "_LOADED", {})
-    monkeypatch.setattr(csrc, "_FAILED", {})
+    monkeypatch.setattr(loader, "_LOADED", {})
+    monkeypatch.setattr(loader, "_FAILED", {})
     monkeypatch.setenv("AMP_RUNNER_KERNEL_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     with pytest.raises(csrc.KernelBuildError, match="no-such-compiler|Error building"):
@@ -612,7 +614,9 @@ def test_a_failed_build_falls_back_to_torch_with_the_reason(tmp_path, monkeypatc
     with caplog.at_level("WARNING", logger="runner.csrc"):
         assert csrc.load("cpu", "auto") is None
         assert csrc.load("cpu", "auto") is None  # remembered: one warning, no second build
-    warnings = [r for r in caplog.records if r.name == "runner.csrc" and r.levelname == "WARNING"]
+    warnings = [
+        r for r in caplog.records if r.name == "runner.csrc.loader" and r.levelname == "WARNING"
+    ]
     assert len(warnings) == 1
     assert "could not be built" in warnings[0].getMessage()
     assert "python -m runner.csrc build" in warnings[0].getMessage()

@@ -36,6 +36,7 @@ import pytest
 import torch
 
 from runner import csrc
+from runner.csrc import loader
 from runner.precision import rounding
 from tests.test_kernels import ADAM_CASES, SGD_CASES  # the kernels' step cases
 
@@ -1105,7 +1106,7 @@ def test_cuda_backend_binds_the_sr_ops(monkeypatch):
     ops bound, and those check their arguments (CPU tensors refused) before any launch."""
     if not torch.cuda.is_available():
         monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", os.environ.get("TORCH_CUDA_ARCH_LIST", "9.0"))
-    monkeypatch.setattr(csrc, "_LOADED", {})
+    monkeypatch.setattr(loader, "_LOADED", {})
     kernels = csrc.build("cuda")
     x, p = torch.ones(3), torch.ones(3, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="CUDA tensors"):
