@@ -1,4 +1,4 @@
-"""Text datasets (runner/components/text.py): windows, the token cache, the three builders and
+"""Text datasets (runner/components/text/): windows, the token cache, the three builders and
 their plan-time checks, on small corpora each test writes in its own folder."""
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ from runner.components.text import (
     text_vocab_size,
     tokens_vocab_size,
 )
+from runner.components.text import cache as token_cache
+from runner.components.text import stream as token_stream
 from runner.errors import ConfigError
 from tests.conftest import compose_config
 
@@ -172,10 +174,10 @@ def test_text_bytes_tokens_are_the_utf8_of_the_joined_files(tmp_path):
     # the cache: nanoGPT's flat layout and a sidecar that describes it
     (bin_path,) = (tmp_path / "cache").glob("*.bin")
     assert np.array_equal(np.fromfile(bin_path, dtype="<u2"), ids)
-    meta = text._read_meta(str(bin_path.with_suffix(".json")))
+    meta = token_cache.read_meta(str(bin_path.with_suffix(".json")))
     assert meta["dtype"] == "uint16" and meta["num_tokens"] == n and meta["vocab_size"] == 256
     assert meta["tokenizer"] == "bytes" and [f[0] for f in meta["files"]] == TXT
-    assert meta["sha256"] == text._sha256_file(str(bin_path))
+    assert meta["sha256"] == token_stream.sha256_file(str(bin_path))
 
 
 def test_text_reads_the_cache_and_a_new_corpus_gets_a_new_file(tmp_path, caplog):
@@ -232,14 +234,14 @@ def test_two_runs_starting_at_once_tokenise_once(tmp_path, monkeypatch):
     corpus = write_corpus(tmp_path / "corpus")
     cfg = text_node(tmp_path, corpus)
     calls = []
-    original = text._tokenise
+    original = token_cache.tokenise
 
     def slow_tokenise(*args, **kwargs):  # long enough that the second run arrives meanwhile
         calls.append(threading.get_ident())
         threading.Event().wait(0.5)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(text, "_tokenise", slow_tokenise)
+    monkeypatch.setattr(token_cache, "tokenise", slow_tokenise)
     barrier, results = threading.Barrier(2), []
 
     def run():
@@ -310,7 +312,7 @@ def test_text_with_a_tokenizer_gives_its_ids_of_the_joined_text(tmp_path, bpe_to
     # the same corpus with bytes is another cache file
     build_text(text_node(tmp_path, corpus))
     assert len(list((tmp_path / "cache").glob("*.bin"))) == 2
-    meta = text._read_meta(str(next((tmp_path / "cache").glob("*.json"))))
+    meta = token_cache.read_meta(str(next((tmp_path / "cache").glob("*.json"))))
     assert meta["dtype"] == "uint16"
 
 
@@ -320,8 +322,8 @@ def test_a_large_corpus_is_encoded_in_pieces_with_the_same_ids(
     """Long documents are cut after newlines and encoded a batch of pieces at a time (bounded
     memory); for a tokenizer that splits at whitespace the ids are still those of the whole."""
     corpus, path, tok = bpe_tokenizer
-    monkeypatch.setattr(text, "_PIECE_CHARS", 100)
-    monkeypatch.setattr(text, "_BATCH_CHARS", 250)
+    monkeypatch.setattr(token_stream, "PIECE_CHARS", 100)
+    monkeypatch.setattr(token_stream, "BATCH_CHARS", 250)
     bundle = build_text(text_node(tmp_path, corpus, tokenizer=str(path), block_size=8))
     stream = np.concatenate([bundle.train.tokens(), bundle.val.tokens()])
     assert stream.tolist() == tok.encode(joined(corpus)).ids
@@ -329,11 +331,11 @@ def test_a_large_corpus_is_encoded_in_pieces_with_the_same_ids(
 
 def test_pieces_cut_after_newlines_and_join_back():
     doc = "".join(f"line {i} " + "word " * (i % 7) + "\n" for i in range(200))
-    pieces = list(text._pieces(doc, 60))
+    pieces = list(token_stream.pieces(doc, 60))
     assert "".join(pieces) == doc and len(pieces) > 10
     assert all(len(p) <= 60 and p.endswith("\n") for p in pieces)
     long_line = "x" * 250  # no newline to cut after: cut at the limit
-    assert [len(p) for p in text._pieces(long_line, 100)] == [100, 100, 50]
+    assert [len(p) for p in token_stream.pieces(long_line, 100)] == [100, 100, 50]
 
 
 # ---- plan-time checks of data=text -------------------------------------------------------------

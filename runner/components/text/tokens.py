@@ -1,0 +1,104 @@
+"""`data=tokens`: flat token files tokenised elsewhere (nanoGPT's train.bin / val.bin),
+memory-mapped as they are."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import numpy as np
+
+from runner.components.data import LANGUAGE_MODEL, DataBundle
+from runner.components.text import keys
+from runner.components.text.stream import READ_CHUNK
+from runner.components.text.windows import DTYPES, TokenWindows
+from runner.errors import ConfigError
+
+
+def _tokens_dtype(node: Any) -> str:
+    dtype = keys.get(node, "dtype", "uint16")
+    if dtype not in DTYPES:
+        raise ConfigError("data.dtype", f"is {dtype!r}", DTYPES)
+    return str(dtype)
+
+
+def check_tokens(node: Any) -> None:
+    """Plan-time checks of `data=tokens`: the dtype is known, both files exist, are not empty,
+    hold whole tokens (size a multiple of the item size) and at least one window each."""
+    dtype = _tokens_dtype(node)
+    block_size = keys.block_size(node)
+    vocab = keys.get(node, "vocab_size")
+    if vocab is not None:
+        keys.int_key(node, "vocab_size", None, 1)
+    itemsize = np.dtype(dtype).itemsize
+    for key in ("train", "val"):
+        path = keys.path(node, key, f"the path of a flat {dtype} token file")
+        try:
+            size = os.path.getsize(path)
+        except OSError:
+            raise ConfigError(
+                f"data.{key}", f"{path} does not exist", f"the path of a flat {dtype} token file"
+            ) from None
+        if not os.path.isfile(path) or not os.access(path, os.R_OK):
+            raise ConfigError(f"data.{key}", f"{path} is not a readable file")
+        if size == 0:
+            raise ConfigError(f"data.{key}", f"{path} is empty", "a file with tokens in it")
+        if size % itemsize:
+            raise ConfigError(
+                f"data.{key}",
+                f"{path} has {size} bytes, not a multiple of "
+                f"{itemsize} (data.dtype={dtype}): it is truncated or corrupted, "
+                "or data.dtype is wrong",
+                f"a flat {dtype} token file",
+            )
+        if size // itemsize < block_size + 1:
+            raise ConfigError(
+                "data.block_size",
+                f"is {block_size} but data.{key}={path} holds "
+                f"only {size // itemsize} tokens (a window needs block_size + 1)",
+                f"an integer <= {size // itemsize - 1}",
+            )
+
+
+def tokens_vocab_size(node: Any) -> Optional[int]:
+    """The declared vocabulary of `data=tokens` (None: found from the files when built)."""
+    vocab = keys.get(node, "vocab_size")
+    return None if vocab is None else int(vocab)
+
+
+def _max_id(tokens: np.ndarray) -> int:
+    step = READ_CHUNK // tokens.itemsize
+    return max(int(tokens[i : i + step].max()) for i in range(0, len(tokens), step))
+
+
+def build_tokens(cfg: Any) -> DataBundle:
+    """`data=tokens`: already tokenised flat files (`data.train`, `data.val`, nanoGPT's layout),
+    memory-mapped; the vocabulary is `data.vocab_size`, or the largest id in the files + 1."""
+    check_tokens(cfg)
+    dtype = _tokens_dtype(cfg)
+    block_size = keys.block_size(cfg)
+    splits = {
+        key: TokenWindows.from_file(keys.path(cfg, key, ""), dtype, block_size)
+        for key in ("train", "val")
+    }
+    largest = {key: _max_id(ds.tokens()) for key, ds in splits.items()}
+    top_key = max(largest, key=largest.get)
+    top = largest[top_key]
+    declared = tokens_vocab_size(cfg)
+    if declared is not None and declared <= top:
+        raise ConfigError(
+            "data.vocab_size",
+            f"is {declared} but data.{top_key}="
+            f"{splits[top_key].path} holds token id {top} (the largest id found)",
+            f"an integer >= {top + 1}, or null (= {top + 1})",
+        )
+    vocab = declared if declared is not None else top + 1
+    return DataBundle(
+        splits["train"],
+        splits["val"],
+        vocab,
+        block_size,
+        str(keys.get(cfg, "name", "tokens")),
+        task=LANGUAGE_MODEL,
+        block_size=block_size,
+    )
