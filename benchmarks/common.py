@@ -338,7 +338,7 @@ _SUFFIXES_SAID = (
 )
 
 
-# the optimizer-state rows' targets (issue 26), shared by accuracy.py and lm_parity.py: the formats
+# the optimizer-state rows' targets, shared by accuracy.py and lm_parity.py: the formats
 # whose accuracy is checked against their level's own state (int4 and fp8 are reported), and the
 # largest optimizer-state memory, as a fraction of that level's, per format
 STATE_CHECKED = ("bf16", "int8")
@@ -351,7 +351,7 @@ def fp32_state_ratio(
     state_mb: float | None, reference_mb: float | None, reference_type: str | None
 ) -> float | None:
     """A state's memory as a fraction of fp32 state for the same parameters, the basis of
-    STATE_MEMORY_TARGETS (issue 26: "of fp32 state"): the reference level's measured plain state
+    STATE_MEMORY_TARGETS ("of fp32 state"): the reference level's measured plain state
     scaled to 4 bytes an element. The basis differs from the reference itself where that keeps its
     state in the weights' 16-bit type (O3: `o3_bf16_sr`'s state is bf16, half of fp32's). None
     where a figure or the reference's type is unknown."""

@@ -45,11 +45,11 @@
 # start fit 15 minutes.
 #
 # Parts 5 and 6 are the suite cut to a lease of 15 minutes of device time (a machine's start, two
-# calls): the correctness pieces and issue 28's judged figures first (ResNet-50's targets, the
+# calls): the correctness pieces and the judged GPU figures first (ResNet-50's targets, the
 # peers), the ViT's rows in what is left. Carry [".whl", ".apex"] where .apex holds a git repo of
 # Apex's tests/L0/run_amp (then APEX_COMMIT=HEAD is used).
 #
-# Part 3 is new with the fp8/compile rows (issue 14): compiling a 224-px model takes tens of
+# Part 3 is new with the fp8/compile rows: compiling a 224-px model takes tens of
 # seconds per cell, so the compiled rows got a part of their own, and accuracy.py moved there
 # from part 2 to make room for the ViT's eager rows. No part has run on a GPU yet: the pieces'
 # limits are estimates, every part stops at GPU_SUITE_BUDGET_S, and the pieces run in order of
@@ -177,7 +177,7 @@ VIT=torchvision:vit_b_16
 
 if [[ "$PART" == 1 ]]; then
   piece tests_gpu 180 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests
-  piece tests_kernels 120 "$PY" -m pytest -q -p no:cacheprovider -m "not gpu" tests/test_kernels.py
+  piece tests_kernels 120 "$PY" -m pytest -q -p no:cacheprovider -m "not gpu" tests/unit/test_kernels.py
   piece bench_kernels 120 "$PY" benchmarks/kernels.py --device cuda
   piece bench_overhead 120 "$PY" benchmarks/overhead.py --device cuda
   piece bench_levels_1 300 "$PY" benchmarks/levels.py --device cuda --models resnet18,resnet50 \
@@ -197,7 +197,7 @@ elif [[ "$PART" == 5 ]]; then
     export APEX_GIT=$ROOT/.apex APEX_COMMIT=${APEX_COMMIT:-HEAD}
   fi
   if [[ -n "${APEX_GIT:-}" ]]; then
-    APEX_DEVICE=cuda PYTHON="$PY" piece tests_apex_l0_cuda 90 bash tests/apex_l0.sh
+    APEX_DEVICE=cuda PYTHON="$PY" piece tests_apex_l0_cuda 90 bash tests/helpers/apex_l0.sh
   fi
   piece bench_kernels 90 "$PY" benchmarks/kernels.py --device cuda
   piece bench_levels_rn50 150 "$PY" benchmarks/levels.py --device cuda --models resnet50 \
@@ -205,7 +205,7 @@ elif [[ "$PART" == 5 ]]; then
   piece bench_peers 120 "$PY" benchmarks/peers.py --device cuda
   # the C++ kernels as that machine's compiler builds them (its libstdc++ is linked statically)
   piece tests_kernels_cpp 90 "$PY" -m pytest -q -p no:cacheprovider -m "not gpu" \
-    tests/test_kernels.py
+    tests/unit/test_kernels.py
 elif [[ "$PART" == 6 ]]; then
   VOUT=benchmarks/results/levels_vit_cuda.md
   piece bench_levels_vit 100 "$PY" benchmarks/levels.py --device cuda --models "$VIT" \
@@ -217,7 +217,7 @@ elif [[ "$PART" == 7 ]]; then
   "$PY" -c "import xdist" 2> /dev/null && XDIST=(-n 4)  # a crashed worker is restarted
   piece tests_gpu 150 "$PY" -m pytest -q -p no:cacheprovider -rfE -m gpu tests "${XDIST[@]}"
   piece tests_kernels_cpp 60 "$PY" -m pytest -q -p no:cacheprovider -rfE -m "not gpu" \
-    tests/test_kernels.py "${XDIST[@]}"
+    tests/unit/test_kernels.py "${XDIST[@]}"
   piece bench_kernels 40 "$PY" benchmarks/kernels.py --device cuda
   piece bench_levels_rn50 110 "$PY" benchmarks/levels.py --device cuda --models resnet50 \
     --levels "$BASE" --out benchmarks/results/levels_rn50_cuda.md

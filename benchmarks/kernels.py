@@ -17,7 +17,7 @@ the same run (a 1 GiB fp32 copy: read + write).
     python benchmarks/kernels.py --device cuda --iters 50
     python benchmarks/kernels.py --models resnet50 --iters 5
 
-Targets (issue 4): CPU: (a) >= 1.4x faster than (b) and >= 70% of the copy bandwidth; H100/H200:
+Targets: CPU: (a) >= 1.4x faster than (b) and >= 70% of the copy bandwidth; H100/H200:
 (a) >= 1.3x faster than (b) and >= 80% of the copy bandwidth. The script reports, it does not
 gate: exit 0 whatever the verdict, 1 if a variant crashed.
 """
@@ -152,7 +152,7 @@ def variant_fused(shapes, grads, device):
         assert engine.step(opt)
 
     # the step must be the kernels' own: an engine that fell back to torch's ops (as every
-    # single-GPU engine did before the device fix, issue 28) would be timed under this label
+    # single-GPU engine did before its device was fixed) would be timed under this label
     calls = []
     real = engine.kernels.ops
 

@@ -39,7 +39,7 @@ takes tens of seconds to minutes. A model is a model config option or `<zoo>:<ar
 GPU defaults: 224x224, batch 128 (256 for resnet18), channels_last and cudnn.benchmark on, TF32
 off (the fp32 baseline is true fp32), 10 warm-up and 30 timed steps per cell: the whole table runs
 as several commands of a few minutes each (model groups, each merged into the previous results;
-see gpu_suite.sh). Targets (issue 7, H100/H200, ResNet-50 at
+see gpu_suite.sh). Targets (H100/H200, ResNet-50 at
 224x224, batch 128): O1 and O2 at least 2x O0's throughput; O2 peak memory at most 0.6x O0's;
 O2 not slower than torch_amp. Outputs: Markdown, CSV, JSON and a PNG figure (grouped bars).
 Exit 0 whatever the verdict; 1 if a cell crashed; 2 for bad arguments.
@@ -118,10 +118,10 @@ DEFAULTS = {
     "cuda": {"image_size": 224, "steps": 30, "warmup": 10, "channels_last": True},
     "cpu": {"image_size": 32, "steps": 3, "warmup": 1, "channels_last": False},
 }
-# Issue 7's GPU targets, judged on ResNet-50 at 224x224, batch 128, on an H100/H200.
+# The GPU targets, judged on ResNet-50 at 224x224, batch 128, on an H100/H200.
 TARGET_MODEL, TARGET_SIZE, TARGET_BATCH = "resnet50", 224, 128
 TARGET_SPEEDUP, TARGET_MEMORY = 2.0, 0.6
-# Issue 28's fp8 target: compiled o1_fp8 at least this multiple of compiled o1_bf16, on the ViT
+# The fp8 target: compiled o1_fp8 at least this multiple of compiled o1_bf16, on the ViT
 FP8_MODEL, FP8_TARGET = VIT, 1.2
 
 

@@ -21,16 +21,16 @@ speed). CUDA adds o1, o2, o3_bf16 and o2_fp8. fp8 levels are skipped, with a not
 results, when torchao is not installed (or the GPU has no fp8 Tensor Cores); o0, the baseline,
 is always run.
 
-Targets (issue 24), on the mean best validation loss over the seeds (|difference|):
+Targets, on the mean best validation loss over the seeds (|difference|):
   o1_bf16, o2_bf16      within 0.02 nats of o0 (o1, o2 in fp16 on CUDA: the same 0.02, by
-                        analogy; issue 24 names the bf16 presets)
+                        analogy; the targets name the bf16 presets)
   o3_bf16_sr            within 0.03 nats of o2_bf16 (the same bf16 model with fp32 masters)
   o1_fp8, o2_fp8        within 0.05 nats of o1_bf16, o2_bf16 (their level without fp8); every
                         fp8 run must convert all 13 Linear layers (`precision.fp8_layers`)
   o3_bf16 (and o3)      reported against o0, not checked
   optimizer state       `<preset>+<format>state` (precision.optimizer_state) and the presets with
                         int8 state (o2_bf16_int8state, o3_bf16_sr_int8state): bf16 and int8
-                        state within 0.02 nats of the same level with its own state (issue 26),
+                        state within 0.02 nats of the same level with its own state,
                         int4 and fp8 reported; the state's memory (mem_optimizer_state_mb) at
                         most 0.3x (int8) and 0.2x (int4) of fp32 state. Not in the default
                         levels (torchao's update is slow on a CPU); e.g.

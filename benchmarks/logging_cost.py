@@ -20,7 +20,7 @@ the block that queued it. Two figures per interval:
     python benchmarks/logging_cost.py                 # CPU, tiny model, ~2 minutes
     python benchmarks/logging_cost.py --rounds 4 --steps 50
 
-Target (issue 7): under 1% of the step time at the default interval. Exit 0 whatever the verdict,
+Target: under 1% of the step time at the default interval. Exit 0 whatever the verdict,
 1 if the run crashed, 2 for bad arguments.
 """
 

@@ -24,7 +24,7 @@ side and their ratio, runner / hand-written.
     python benchmarks/overhead.py --levels o0 --rounds 5 --model tiny
     python benchmarks/overhead.py --startup             # start-up: whole processes (startup.py)
 
-Targets (issue 7): ratio <= 1.03 for O0 and O1 (bf16 on CPU), ResNet-18 on 32x32 inputs at batch
+Targets: ratio <= 1.03 for O0 and O1 (bf16 on CPU), ResNet-18 on 32x32 inputs at batch
 64, CPU and GPU; O2: the runner faster than the stock loop (ratio < 1). Exit 0 whatever the
 verdict; 1 if a step crashed; 2 for bad arguments.
 """

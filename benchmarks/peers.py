@@ -45,7 +45,7 @@ itself is overhead.py's hand-written autocast loop. Its runner level is o1_fp8 w
 torchtitan does not compile) neither side is compiled unless `--titan-compile` says so: a check
 that both train the same thing (and, compiled, that the GPU's code path runs).
 
-Target (issue 28): the runner at least as fast as each peer (throughput runner / peer >= 1.0) on
+Target: the runner at least as fast as each peer (throughput runner / peer >= 1.0) on
 the GPU. On a CPU the table is printed with no verdict (fp16 is emulated there; bf16 peers only).
 Exit 0 whatever the verdict; 1 if a side crashed; 2 for bad arguments or Lightning missing.
 """

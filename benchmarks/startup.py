@@ -24,7 +24,7 @@ AMP_RUNNER_KERNEL_CACHE), which starts the kernels' build in the background and 
 ops; its wall time against the warm runs' median (target: at most 10 s more). The background
 builder is stopped after each cold run (its cache is thrown away).
 
-Targets (issue 23): runner - hand <= 1.5 s on a warm kernel cache; the first run <= 10 s over a
+Targets: runner - hand <= 1.5 s on a warm kernel cache; the first run <= 10 s over a
 warm one. Exit 0 whatever the verdict; 1 if a run failed; 2 for bad arguments.
 """
 

@@ -1,0 +1,1 @@
+"""The test suite, in folders by kind (see tests/README.md)."""

@@ -1,0 +1,59 @@
+"""Smoke test of benchmarks/kernels.py: a small model's parameter list, one step per variant, the
+result files with the expected structure (no timing assertions)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.benchmarks import load_benchmark
+
+
+def test_kernels_benchmark_smoke(tmp_path: Path, capsys):
+    bench = load_benchmark("kernels")
+    out = tmp_path / "results" / "kernels.md"
+    assert (
+        bench.main(
+            [
+                "--device",
+                "cpu",
+                "--models",
+                "resnet18",
+                "--iters",
+                "1",
+                "--warmup",
+                "1",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    table = out.read_text()
+    for label in (
+        "(a) fused kernels (engine, `precision.kernels`=cpp)",
+        "(b) stock torch composition",
+        "(c) AdamW fused, fp32",
+    ):
+        assert f"| resnet18 | 11.7M | {label} |" in table
+    assert "Verdict:" in table and "Load average" in table and "Command:" in table
+    assert "Verdict:" in capsys.readouterr().out
+    report = json.loads(out.with_suffix(".json").read_text())
+    (result,) = report["results"]
+    assert result["params"] == 11689512 and result["tensors"] == 62
+    assert {v["bytes_per_param"] for v in result["variants"].values()} == {30, 48, 28}
+    assert report["copy_gb_per_s"] > 0 and result["speedup_a_vs_b"] > 0
+
+
+def test_kernels_benchmark_refuses_unknown_models_and_a_missing_gpu(capsys):
+    bench = load_benchmark("kernels")
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(["--device", "cpu", "--models", "resnet1000"])
+    assert e.value.code == 2 and "resnet1000" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit) as e:
+            bench.parse_args(["--device", "cuda"])
+        assert e.value.code == 2 and "no CUDA device" in capsys.readouterr().err

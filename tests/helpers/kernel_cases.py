@@ -1,0 +1,17 @@
+"""The optimizer steps the fused kernels are checked on against torch.optim (shared by the kernels'
+and the stochastic rounding tests)."""
+
+SGD_CASES = [
+    dict(momentum=0.0, dampening=0.0, nesterov=False, weight_decay=0.0, maximize=False),
+    dict(momentum=0.9, dampening=0.0, nesterov=False, weight_decay=5e-4, maximize=False),
+    dict(momentum=0.9, dampening=0.1, nesterov=False, weight_decay=0.0, maximize=True),
+    dict(momentum=0.9, dampening=0.0, nesterov=True, weight_decay=1e-2, maximize=False),
+]
+
+
+ADAM_CASES = [
+    ("adam", dict(weight_decay=0.0, maximize=False)),
+    ("adam", dict(weight_decay=1e-2, maximize=False)),
+    ("adamw", dict(weight_decay=1e-2, maximize=False)),
+    ("adamw", dict(weight_decay=0.0, maximize=True)),
+]

@@ -1,0 +1,50 @@
+"""A Trainer built from real parts (synthetic data, the tiny CNN, an engine at a level) without a
+run around it, recording what it logs."""
+
+from __future__ import annotations
+
+import torch
+from omegaconf import OmegaConf
+
+from runner.components.data import build_datasets, build_loaders
+from runner.components.models import build_model
+from runner.components.optim import build_optimizer, build_scheduler
+from runner.config import SyntheticConfig, TinyModelConfig, TrainerConfig
+from runner.measure.probes import MemoryProbe
+from runner.precision import AmpEngine, resolve
+from runner.run.trainer import RunContext, Trainer
+from tests.helpers.runs import compose_config
+
+CPU = torch.device("cpu")
+
+
+def make_trainer(level: str, precision_overrides: dict, scheduler: str = "cosine", **trainer_kw):
+    cfg = compose_config("optimizer=sgd", f"scheduler={scheduler}")
+    data = build_datasets(
+        OmegaConf.structured(
+            SyntheticConfig(name="synthetic", num_train=64, num_val=16, image_size=8)
+        )
+    )
+    train_loader, val_loader = build_loaders(data, 16, 0, "cpu", seed=0)
+    model = build_model(OmegaConf.structured(TinyModelConfig(name="tiny", width=4)), 10, 8)
+    optimizer = build_optimizer(cfg.optimizer, model.parameters())
+    engine = AmpEngine(resolve(level, precision_overrides, device=CPU).properties, CPU)
+    model, optimizer = engine.prepare(model, optimizer)
+    trainer_cfg = OmegaConf.structured(
+        TrainerConfig(max_epochs=2, progress_bar=False, log_every_n_steps=3, **trainer_kw)
+    )
+    scheduler = build_scheduler(cfg.scheduler, optimizer, len(train_loader), trainer_cfg.max_epochs)
+    logged: list[tuple[dict, int]] = []
+    trainer = Trainer(
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        engine=engine,
+        train_loader=train_loader,
+        val_loader=val_loader,
+        device=CPU,
+        cfg=trainer_cfg,
+        memory=MemoryProbe(CPU),
+        context=RunContext(on_metrics=lambda m, s: logged.append((dict(m), s))),
+    )
+    return trainer, logged

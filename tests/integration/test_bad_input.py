@@ -1,0 +1,185 @@
+"""Bad input, table-driven over every config key: a wrong type fails at compose time naming the key
+(Hydra and the structured configs), an out-of-range value fails in the app's checks naming the key
+and what is allowed, and neither leaves a RUNNING MLflow run or touches an existing checkpoint.
+
+The type table is generated from the composed config itself: every int, float and bool key of
+every group option gets a value of the wrong type, so a key added later is covered too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from mlflow.tracking import MlflowClient
+from omegaconf.errors import OmegaConfBaseException
+
+from runner.errors import ConfigError
+from runner.run import app
+from tests.helpers.runs import FAST, compose_config, run_cli
+
+OPTIONS = [
+    ("model", "tiny"),
+    ("model", "resnet18"),
+    ("data", "synthetic"),
+    ("data", "cifar10"),
+    ("data", "imagefolder"),
+    ("optimizer", "sgd"),
+    ("optimizer", "adam"),
+    ("scheduler", "cosine"),
+    ("scheduler", "step"),
+    ("scheduler", "onecycle"),
+    ("precision", "o2"),
+    ("trainer", "default"),
+    ("mlflow", "default"),
+]
+WRONG = {int: "not-an-integer", float: "not-a-number", bool: "maybe"}
+
+
+def typed_keys() -> list[tuple[str, str, str]]:
+    """(group choice, key, wrong value) for every int/float/bool key of every option."""
+    cases = []
+    for group, option in OPTIONS:
+        extra = ["data.root=/tmp"] if option == "imagefolder" else []
+        node = compose_config(f"{group}={option}", *extra)[group]
+        for key in node:
+            ref = node._get_node(key)._metadata.ref_type
+            if ref in WRONG:
+                cases.append((f"{group}={option}", f"{group}.{key}", WRONG[ref]))
+    cases += [("model=tiny", "dry_run", "maybe")]
+    return cases
+
+
+@pytest.mark.parametrize("choice,key,value", typed_keys(), ids=lambda v: str(v))
+def test_a_wrong_type_fails_at_compose_time_naming_the_key(choice, key, value):
+    with pytest.raises((ConfigCompositionException, OmegaConfBaseException)) as e:
+        compose_config(choice, f"{key}={value}")
+    text = f"{e.value} {e.value.__cause__}"
+    assert key.split(".")[-1] in text and value in text
+
+
+def test_the_type_table_covers_every_group():
+    keys = {k for _, k, _ in typed_keys()}
+    assert {k.split(".")[0] for k in keys} >= {
+        "model",
+        "data",
+        "optimizer",
+        "scheduler",
+        "precision",
+        "trainer",
+    }
+    assert len(keys) > 40  # every numeric and boolean key, not a sample
+
+
+# ---- out of range: (overrides, key the message names) --------------------------------------------
+RANGE = [
+    (["optimizer.lr=0"], "optimizer.lr"),
+    (["optimizer.lr=-0.1"], "optimizer.lr"),
+    (["optimizer.lr=nan"], "optimizer.lr"),
+    (["trainer.batch_size=0"], "trainer.batch_size"),
+    (["trainer.max_epochs=-1"], "trainer.max_epochs"),
+    (["precision=o2", "precision.loss_scale=0"], "precision.loss_scale"),
+    (["precision=o2", "precision.loss_scale=-1"], "precision.loss_scale"),
+    (["precision=o2", "precision.loss_scale=nan"], "precision.loss_scale"),
+    (["precision=o2", "precision.loss_scale=big"], "precision.loss_scale"),
+    (["precision=o2", "precision.cast_model_type=float8"], "precision.cast_model_type"),
+    (["precision=o1", "precision.autocast_dtype=float64"], "precision.autocast_dtype"),
+    (["precision=o2", "precision.keep_batchnorm_fp32=sometimes"], "precision.keep_batchnorm_fp32"),
+    (["precision=o2", "precision.growth_factor=1"], "precision.growth_factor"),
+    (["precision=o2", "precision.min_loss_scale=1e9"], "precision.min_loss_scale"),
+    (["precision.kernels=fast"], "precision.kernels"),
+    (["model.name=resnet1000"], "model.name"),
+    (["model=tiny", "model.norm=layer"], "model.norm"),
+    (["data.name=mnist"], "data.name"),
+    (["trainer.device=tpu"], "trainer.device"),
+    (["trainer.collapsed_loss_scale=-1"], "trainer.collapsed_loss_scale"),
+    (["trainer.checkpoint_every_n_epochs=-1"], "trainer.checkpoint_every_n_epochs"),
+    (["trainer.sync_batchnorm=true", "trainer.device=cpu"], "trainer.sync_batchnorm"),
+    (["optimizer=adam", "precision=o3"], "optimizer.eps"),  # 1e-8 underflows in fp16
+    (["precision.opt_level=O2"], "precision.opt_level"),
+    (["resume=/no/such/checkpoint.pt"], "resume"),
+]
+
+
+@pytest.fixture(scope="module")
+def existing(tmp_path_factory):
+    """A store with one finished run and a checkpoint: bad input must touch neither (shared by
+    the module's cases: any of them that created a run or wrote a checkpoint fails right there)."""
+    folder: Path = tmp_path_factory.mktemp("existing")
+    uri = f"sqlite:///{folder / 'mlflow.db'}"
+    ckpt_dir = folder / "checkpoints"
+    base = [
+        *FAST,
+        "trainer.max_epochs=1",
+        f"mlflow.tracking_uri={uri}",
+        f"trainer.checkpoint_dir={ckpt_dir}",
+    ]
+    with pytest.MonkeyPatch.context() as mp:  # the run's own files (mlruns/) go there too
+        mp.chdir(folder)
+        app.run(compose_config(*base))
+    (path,) = ckpt_dir.rglob("last.pt")
+    return base, uri, path, path.read_bytes()
+
+
+def _runs(uri: str):
+    client = MlflowClient(uri)
+    return client.search_runs([e.experiment_id for e in client.search_experiments()])
+
+
+@pytest.mark.parametrize("overrides,key", RANGE, ids=lambda v: str(v))
+def test_out_of_range_values_fail_before_anything_naming_the_key(existing, overrides, key):
+    base, uri, path, before = existing
+    cfg = compose_config(*base, *overrides)
+    with pytest.raises(ConfigError) as e:
+        app.run(cfg)
+    assert e.value.key == key and str(e.value).startswith(f"{key}:")
+    # what is allowed: a list, or (a precision rule's error) the hint saying what to set
+    assert e.value.allowed or "Hint: " in str(e.value)
+    runs = _runs(uri)
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"  # no new run, none RUNNING
+    assert path.read_bytes() == before  # the checkpoint is untouched
+
+
+def test_a_data_root_that_is_a_file_is_refused(existing, tmp_path):
+    _, uri, path, before = existing
+    a_file = tmp_path / "cifar.tar"
+    a_file.write_text("not a folder")
+    with pytest.raises(ConfigError) as e:
+        app.run(
+            compose_config(
+                "model=tiny",
+                "data=cifar10",
+                f"data.root={a_file}",
+                f"mlflow.tracking_uri={uri}",
+                f"trainer.checkpoint_dir={path.parents[3]}",
+            )
+        )
+    assert e.value.key == "data.root" and "a folder" in str(e.value)
+    assert len(_runs(uri)) == 1 and path.read_bytes() == before
+
+
+def test_unknown_model_and_dataset_options_list_what_exists():
+    for override, option in (("model=resnet1000", "resnet18"), ("data=mnist", "cifar10")):
+        with pytest.raises(ConfigCompositionException) as e:
+            compose_config(override)
+        assert option in str(e.value)  # Hydra lists the available options
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["precision=o2", "precision.loss_scale=big"], "precision.loss_scale"),
+        (["trainer.batch_size=0"], "trainer.batch_size"),
+        (["trainer.max_epochs=abc"], "trainer.max_epochs"),
+    ],
+)
+def test_the_command_line_exits_2_with_the_key_and_no_traceback(tmp_path, args, needle):
+    result = run_cli(
+        *args, f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}", cwd=tmp_path, timeout=300
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode != 0 and needle in output and "Traceback" not in output
+    assert not (tmp_path / "mlflow.db").exists() or not _runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert not list(tmp_path.rglob("last.pt"))  # nothing was trained

@@ -1,0 +1,285 @@
+"""Data-parallel training with real torchrun processes (Gloo on CPU) against one process.
+
+2 processes with batch 16 each see, step for step, the same 32 images as 1 process with batch 32
+(runner.components.data.EpochSampler shards every epoch's permutation), and DDP averages their
+gradients, so
+both must reach the same weights. The model is the GroupNorm variant of `tiny` (BatchNorm's batch
+statistics differ by construction between 2 x 16 and 1 x 32 images).
+
+Tolerances: O0 (fp32) differs only by the order of the gradient sums: rtol 1e-5, atol 1e-6 on
+the weights after 10 SGD steps. o2_bf16 computes each half batch's gradients in bfloat16 and
+all-reduces them in bfloat16 (8 bits of mantissa), so the updates differ by the bf16 rounding of
+the gradients: at most 10 steps x lr 0.1 x a momentum sum of up to 1/(1-0.9) x |g| x 2^-8, a few
+1e-3 in absolute terms: atol 5e-3 (measured: 2.5e-3; one process under torchrun matches the
+plain run to 3e-6). The test also checks that training moved the weights by far more than that.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from runner.errors import ConfigError
+from runner.run import app, checkpoint
+from runner.run.plan import default_run_name, make_plan
+from tests.helpers.distributed import COMMON
+from tests.helpers.runs import HELPERS, REPO, compose_config
+
+
+def _weights(folder: Path, run_name: str) -> dict[str, torch.Tensor]:
+    root = checkpoint.run_folder(folder / "checkpoints", "amp-runner", run_name)
+    return checkpoint.load(checkpoint.find("auto", root))["model"]
+
+
+def torchrun(nproc: int, args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            "-m",
+            "runner",
+            *args,
+        ],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset,rtol,atol", [("o0", 1e-5, 1e-6), ("o2_bf16", 0.0, 5e-3)])
+def test_two_gloo_processes_train_like_one_with_the_global_batch(tmp_path, preset, rtol, atol):
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir()
+    two.mkdir()
+    store = "mlflow.tracking_uri=sqlite:///{}/mlflow.db"
+    reference = compose_config(
+        *COMMON,
+        f"precision={preset}",
+        "trainer.batch_size=32",
+        store.format(one),
+        f"trainer.checkpoint_dir={one}/checkpoints",
+    )
+    app.run(reference)
+    result = torchrun(
+        2,
+        [
+            *COMMON,
+            f"precision={preset}",
+            "trainer.batch_size=16",
+            store.format(two),
+            f"trainer.checkpoint_dir={two}/checkpoints",
+        ],
+        two,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+    run_name = default_run_name(reference)
+    a, b = _weights(one, run_name), _weights(two, run_name)
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(
+            b[key], a[key], rtol=rtol, atol=atol, msg=lambda m, key=key: f"{key}: {m}"
+        )
+    start = app.build(make_plan(reference)).model.state_dict()  # the initial weights
+    moved = max((a[k] - start[k]).abs().max().item() for k in a)
+    assert moved > 10 * max(atol, 1e-5), moved  # the comparison is not vacuous
+
+    # only rank 0 logged: one run, with the world size and the global batch size
+    client = MlflowClient(f"sqlite:///{two}/mlflow.db")
+    (run,) = client.search_runs([client.get_experiment_by_name("amp-runner").experiment_id])
+    assert run.info.status == "FINISHED"
+    assert run.data.params["distributed.world_size"] == "2"
+    assert run.data.params["trainer.global_batch_size"] == "32"
+    # metrics reduced over the ranks: the same validation accuracy as one process (all 40 images)
+    client1 = MlflowClient(f"sqlite:///{one}/mlflow.db")
+    (run1,) = client1.search_runs([client1.get_experiment_by_name("amp-runner").experiment_id])
+    assert run.data.metrics["samples_per_s"] > 0
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")] == list(
+        range(1, 11)
+    )  # 5 steps per epoch: each step of the global batch, once
+    if preset == "o0":
+        assert run.data.metrics["val_acc"] == pytest.approx(
+            run1.data.metrics["val_acc"], abs=1 / 40
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kernels", ["torch", "fused"])
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path, kernels):
+    """tests/helpers/ddp_flag_probe.py under torchrun: rank 1 alone puts an inf into its gradients
+    at step 2; both ranks skip that step, halve the scale, and end with identical masters."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    for attempt in (1, 2, 3):
+        for stale in tmp_path.glob("rank*.json"):
+            stale.unlink()
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node=2",
+                str(HELPERS / "ddp_flag_probe.py"),
+                str(tmp_path),
+                kernels,
+            ],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        # Seen in full-suite runs, never alone (20 runs): one rank aborting with "terminate
+        # called without an active exception" (a C++ thread of the process group's transport),
+        # at start-up before its first step, and once (2026-11-25) after its results were
+        # written; the cause is not found yet. Only that abort is retried,
+        # twice at most, each from scratch, and the retry is reported: a run must still pass whole.
+        if (
+            attempt < 3
+            and result.returncode != 0
+            and "terminate called without an active exception" in result.stderr
+        ):
+            print(f"torchrun abort (attempt {attempt}), retried:\n" + result.stderr[-2000:])
+            continue
+        break
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for record in ranks:
+        assert record["backend"] == ("cpp" if kernels == "fused" else "torch")
+        assert record["stepped"] == [True, False, True, True]
+        assert record["skipped_steps"] == [0, 1, 1, 1]
+        assert record["loss_scale"][1] == record["loss_scale"][0] / 2
+    assert ranks[0]["loss_scale"] == ranks[1]["loss_scale"]
+    assert ranks[0]["masters"] == ranks[1]["masters"]  # bit for bit
+
+
+def test_sync_batchnorm_on_a_cpu_is_a_config_error():
+    cfg = compose_config(*COMMON, "trainer.sync_batchnorm=true", "trainer.device=cpu")
+    with pytest.raises(ConfigError) as e:
+        make_plan(cfg)
+    assert e.value.key == "trainer.sync_batchnorm" and "NCCL" in str(e.value)
+
+
+def test_the_slurm_launcher_runs_one_task_per_gpu():
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    cfg = compose_config(
+        "hydra/launcher=slurm",
+        "hydra.launcher.gpus_per_node=4",
+        "hydra.launcher.partition=gpu",
+        return_hydra_config=True,
+    )
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher") and launcher.partition == "gpu"
+    assert launcher.tasks_per_node == 4 and launcher.signal_delay_s > 0
+
+
+def test_slurm_tasks_become_ranks():
+    """What a task of a 2-node, 4-task SLURM job sees: SLURM's variables; submitit's helper
+    turns them into the ones torch.distributed reads."""
+    pytest.importorskip("submitit")
+    from runner.run import distributed
+
+    saved = dict(os.environ)  # submitit writes os.environ itself: restore all of it after
+    try:
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            os.environ.pop(key, None)
+        os.environ.update(
+            {
+                "SUBMITIT_EXECUTOR": "slurm",
+                "SLURM_JOB_ID": "123",
+                "SLURM_NTASKS": "4",
+                "SLURM_PROCID": "3",
+                "SLURM_LOCALID": "1",
+                "SLURM_JOB_NUM_NODES": "2",
+                "SLURM_NODEID": "1",
+                "SLURM_JOB_NODELIST": "node[7-8]",
+                "SLURM_STEP_NODELIST": "node[7-8]",
+            }
+        )
+        assert distributed.from_slurm_tasks()
+        assert distributed.launched_by_torchrun()
+        assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == (
+            "3",
+            "4",
+            "1",
+        )
+        assert os.environ["MASTER_ADDR"] == "node7"
+        os.environ["SLURM_NTASKS"] = "1"  # one task: an ordinary single-process run
+        assert not distributed.from_slurm_tasks()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@pytest.mark.slow
+def test_two_gloo_processes_train_a_gpt_like_one(tmp_path):
+    """A language model under torchrun: 2 processes of 8 sequences train gpt_tiny to the same
+    weights as 1 process of 16 (64 training sequences: 4 full global batches; fp32: only the
+    order of the gradient sums differs), and the per-token validation metrics reduced over the
+    ranks equal the single process's."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir()
+    two.mkdir()
+    lm = [
+        "model=gpt_tiny",
+        "data=synthetic_text",
+        "data.num_train=2049",
+        "data.num_val=700",
+        "data.block_size=32",
+        "trainer.max_epochs=1",
+        "trainer.num_workers=0",
+        "trainer.progress_bar=false",
+        "trainer.log_every_n_steps=1",
+        "scheduler=none",
+        "precision=o0",
+    ]  # SGD: Adam would amplify the sums' rounding where gradients are ~0
+    store = "mlflow.tracking_uri=sqlite:///{}/mlflow.db"
+    reference = compose_config(
+        *lm, "trainer.batch_size=16", store.format(one), f"trainer.checkpoint_dir={one}/checkpoints"
+    )
+    app.run(reference)
+    result = torchrun(
+        2,
+        [
+            *lm,
+            "trainer.batch_size=8",
+            store.format(two),
+            f"trainer.checkpoint_dir={two}/checkpoints",
+        ],
+        two,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run_name = default_run_name(reference)
+    a, b = _weights(one, run_name), _weights(two, run_name)
+    for key in a:
+        torch.testing.assert_close(
+            b[key], a[key], rtol=1e-4, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}"
+        )
+    runs = []
+    for folder in (one, two):
+        client = MlflowClient(f"sqlite:///{folder}/mlflow.db")
+        (run,) = client.search_runs([client.get_experiment_by_name("amp-runner").experiment_id])
+        assert run.info.status == "FINISHED" and run.data.params["task.name"] == "language_model"
+        runs.append(run)
+    assert runs[1].data.params["distributed.world_size"] == "2"
+    for metric in ("val_loss", "val_token_acc", "best_val_loss"):
+        assert runs[1].data.metrics[metric] == pytest.approx(
+            runs[0].data.metrics[metric], rel=1e-4
+        ), metric
+    assert runs[1].data.metrics["tokens_per_s"] > 0

@@ -1,0 +1,437 @@
+"""`python -m runner.report` on real MLflow stores: the O0-O3 sweep's SQLite store (made once per
+session by a real multirun), the same runs served by a real `mlflow server` on localhost through
+its REST API, and small stores written with the runner's Tracker for the edge cases."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import urllib.request
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from runner import report
+from runner.tracking.lifecycle import Tracker
+from runner.tracking.tags import PARENT_RUN as PARENT_RUN_TAG
+from runner.tracking.tags import SWEEP_DIR as SWEEP_DIR_TAG
+from tests.helpers.server import MlflowServer
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+REPORT_FILES = {
+    "comparison.md",
+    "comparison.csv",
+    "time_memory_accuracy.png",
+    "memory_by_kind.png",
+    "val_acc_curves.png",
+}
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def sweep_parent(uri: str):
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("amp-runner")
+    parents = client.search_runs([exp.experiment_id], filter_string=f"tags.`{SWEEP_DIR_TAG}` != ''")
+    assert len(parents) == 1
+    return client, parents[0]
+
+
+def assert_png(path: Path, width: int, height: int) -> None:
+    import matplotlib.image
+
+    assert path.read_bytes()[:8] == PNG_SIGNATURE
+    pixels = matplotlib.image.imread(path)
+    assert pixels.shape[:2] == (height, width)
+    assert pixels.std() > 0.05  # something was drawn, not a blank canvas
+
+
+# ---- the level sweep -----------------------------------------------------------------------------
+@pytest.mark.slow
+def test_report_compares_the_levels_and_logs_itself_on_the_parent(levels_sweep, tmp_path, capsys):
+    _, uri = levels_sweep
+    out = tmp_path / "report"
+    assert report.main(["--tracking-uri", uri, "--out", str(out)]) == 0
+    assert {p.name for p in out.iterdir()} == REPORT_FILES
+
+    client, parent = sweep_parent(uri)
+    rows = read_csv(out / "comparison.csv")
+    assert [(r["model"], r["level"], r["status"]) for r in rows] == [
+        ("tiny", level, "FINISHED") for level in ("O0", "O1", "O2", "O3")
+    ]
+    assert [r["dtype"] for r in rows] == [
+        "float32",
+        "float32 weights, autocast float16",
+        "float16 (fp32 BatchNorm, fp32 master weights)",
+        "float16",
+    ]
+    runs = {r["level"]: client.get_run(r["run_id"]) for r in rows}
+    assert all(run.data.tags[PARENT_RUN_TAG] == parent.info.run_id for run in runs.values())
+    o0_time = runs["O0"].data.metrics["train_time_s"]
+    o0_memory = runs["O0"].data.metrics["peak_mem_mb"]
+    for row in rows:
+        metrics = runs[row["level"]].data.metrics
+        assert float(row["best_val_acc"]) == pytest.approx(metrics["best_val_acc"])
+        assert float(row["train_time_s"]) == pytest.approx(metrics["train_time_s"])
+        assert float(row["peak_mem_mb"]) == pytest.approx(metrics["peak_mem_mb"])
+        assert float(row["skipped_steps"]) == metrics["skipped_steps"]
+        assert row["batch_size"] == "32" and row["baseline_run"] == "tiny-O0"
+        assert float(row["speedup_vs_o0"]) == pytest.approx(o0_time / metrics["train_time_s"])
+        if o0_memory > 0:
+            assert float(row["memory_vs_o0"]) == pytest.approx(metrics["peak_mem_mb"] / o0_memory)
+    # throughput: the mean over the epochs after the first (epoch 2 of 2 here)
+    history = client.get_metric_history(runs["O1"].info.run_id, "samples_per_s")
+    assert float(rows[1]["samples_per_s"]) == pytest.approx(
+        next(m.value for m in history if m.step == 2)
+    )
+
+    markdown = (out / "comparison.md").read_text()
+    assert markdown.startswith("# Precision comparison: sweep precision=o0,o1,o2,o3")
+    table = [line for line in markdown.splitlines() if line.startswith("| tiny-O")]
+    assert len(table) == 4
+    assert table[0].strip("| ").split(" | ")[-2] == "1.00"  # O0's speedup against itself
+    assert "speedup vs O0" in markdown and "Runs lacking metrics" not in markdown
+    assert_png(out / "time_memory_accuracy.png", 1500, 450)
+    assert_png(out / "val_acc_curves.png", 800, 500)
+
+    logged = {a.path for a in client.list_artifacts(parent.info.run_id, "report")}
+    assert logged == {f"report/{name}" for name in REPORT_FILES}
+    assert f"Logged them on the sweep's parent run {parent.info.run_id}" in capsys.readouterr().out
+
+
+def rest(base: str, endpoint: str, payload: dict | None = None) -> dict:
+    data = None if payload is None else json.dumps(payload).encode()
+    request = urllib.request.Request(
+        f"{base}/api/2.0/mlflow/{endpoint}", data=data, headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.loads(response.read())
+
+
+@pytest.mark.slow
+def test_a_tracking_server_serves_the_sweep_tree(levels_sweep, tmp_path):
+    """What the MLflow UI reads: a real `mlflow server` on the sweep's store, over REST."""
+    _, uri = levels_sweep
+    server = MlflowServer(uri, tmp_path).start()
+    base = server.url
+    try:
+        experiment = rest(base, "experiments/get-by-name?experiment_name=amp-runner")["experiment"]
+        ids = [experiment["experiment_id"]]
+        tags = {t["key"]: t["value"] for t in experiment["tags"]}
+        assert tags["mlflow.experimentKind"] == "custom_model_development"  # the runs page
+        parents = rest(
+            base, "runs/search", {"experiment_ids": ids, "filter": f"tags.`{SWEEP_DIR_TAG}` != ''"}
+        )["runs"]
+        assert len(parents) == 1
+        parent_id = parents[0]["info"]["run_id"]
+        children = rest(
+            base,
+            "runs/search",
+            {"experiment_ids": ids, "filter": f"tags.`{PARENT_RUN_TAG}` = '{parent_id}'"},
+        )["runs"]
+        assert sorted(c["info"]["run_name"] for c in children) == [
+            "tiny-O0",
+            "tiny-O1",
+            "tiny-O2",
+            "tiny-O3",
+        ]
+        for child in children:
+            assert child["info"]["status"] == "FINISHED"
+            metrics = {m["key"]: m["value"] for m in child["data"]["metrics"]}
+            assert 0 <= metrics["best_val_acc"] <= 1 and metrics["train_time_s"] > 0
+            assert math.isfinite(metrics["samples_per_s"]) and "peak_mem_mb" in metrics
+        parent_metrics = {m["key"]: m["value"] for m in parents[0]["data"]["metrics"]}
+        assert parent_metrics == {"jobs": 4.0, "failed_jobs": 0.0}
+
+        # the report reads the same runs through the server
+        out = tmp_path / "via-server"
+        assert report.main(["--tracking-uri", base, "--parent", parent_id, "--out", str(out)]) == 0
+        assert [r["level"] for r in read_csv(out / "comparison.csv")] == ["O0", "O1", "O2", "O3"]
+    finally:
+        server.stop()
+
+
+# ---- edge cases, on small stores written with the runner's Tracker ------------------------------
+def test_runs_lacking_metrics_are_reported_not_fatal(tracking_uri, tmp_path, capsys):
+    tracker = Tracker(tracking_uri, "amp-runner")
+    parent = tracker.create_run("sweep precision=o0,o3", {SWEEP_DIR_TAG: str(tmp_path)})
+    child_tags = {PARENT_RUN_TAG: parent.run_id}
+    params = {
+        "model.name": "tiny",
+        "optimizer.name": "sgd",
+        "trainer.batch_size": "32",
+        "precision.opt_level": "O0",
+        "precision.cast_model_type": "float32",
+    }
+    with tracker.start_run("tiny-O0", params, child_tags) as run:
+        for epoch, acc in [(1, 0.5), (2, 0.7)]:
+            run.log_metrics(
+                {
+                    "val_acc": acc,
+                    "samples_per_s": 100.0 * epoch,
+                    "peak_mem_mb": 50.0,
+                    "skipped_steps": 0.0,
+                },
+                epoch,
+            )
+        run.log_metrics({"best_val_acc": 0.7, "train_time_s": 10.0}, 2)
+    tracker.record_failure("tiny-O3", child_tags, RuntimeError("diverged"))
+    parent.end("FINISHED")
+
+    out = tmp_path / "report"
+    assert report.main(["--tracking-uri", tracking_uri, "--out", str(out)]) == 0
+    rows = {r["run_name"]: r for r in read_csv(out / "comparison.csv")}
+    assert rows["tiny-O0"]["samples_per_s"] == "200.0" and rows["tiny-O0"]["speedup_vs_o0"] == "1.0"
+    assert rows["tiny-O3"]["status"] == "FAILED" and rows["tiny-O3"]["best_val_acc"] == ""
+    assert rows["tiny-O3"]["level"] == "?"  # it failed before any param was logged
+    markdown = (out / "comparison.md").read_text()
+    assert (
+        "- tiny-O3 (FAILED): no best_val_acc, train_time_s, samples_per_s, peak_mem_mb, "
+        "skipped_steps"
+    ) in markdown
+    assert {p.name for p in out.iterdir()} == REPORT_FILES
+
+
+def test_a_missing_store_is_not_created(tmp_path, capsys):
+    assert report.main(["--out", str(tmp_path / "r")]) == 1  # ./mlflow.db, the default
+    assert "no MLflow store at sqlite:///" in capsys.readouterr().err
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--experiment", "nope"], "no experiment 'nope'"),
+        ([], "no runs in experiment 'amp-runner'"),
+        (["--parent", "0123456789abcdef"], "no run '0123456789abcdef'"),
+        (["--sweep", "multirun/never"], "no sweep named 'multirun/never'"),
+    ],
+)
+def test_nothing_to_report_says_why(args, needle, tracking_uri, tmp_path, capsys):
+    Tracker(tracking_uri, "amp-runner")  # an empty experiment
+    assert report.main(["--tracking-uri", tracking_uri, "--out", str(tmp_path / "r"), *args]) == 1
+    err = capsys.readouterr().err
+    assert "Nothing to report: " in err and needle in err and "Traceback" not in err
+    assert not (tmp_path / "r").exists()
+
+
+def test_memory_by_kind_columns_and_stacked_bars(tracking_uri, tmp_path):
+    """Runs that logged mem_*_mb get them in the table and CSV and a stacked bar each; a run
+    without them (made before they existed) shows - and is not listed as lacking metrics."""
+    tracker = Tracker(tracking_uri, "amp-runner")
+    parent = tracker.create_run("sweep precision=o0,o2", {SWEEP_DIR_TAG: str(tmp_path)})
+    parts = {"O0": (4.0, 0.0, 4.0, 4.0, 20.0), "O2": (2.0, 4.0, 2.0, 4.0, 10.0)}
+    for level in ("O0", "O2", "O3"):
+        params = {
+            "model.name": "tiny",
+            "optimizer.name": "sgd",
+            "trainer.batch_size": "32",
+            "precision.opt_level": level,
+        }
+        with tracker.start_run(f"tiny-{level}", params, {PARENT_RUN_TAG: parent.run_id}) as run:
+            memory = dict(zip(report.MEMORY_METRICS, parts.get(level, ())))
+            if memory:
+                memory["mem_total_mb"] = sum(memory.values())
+            run.log_metrics(
+                {
+                    "val_acc": 0.5,
+                    "samples_per_s": 10.0,
+                    "skipped_steps": 0.0,
+                    "peak_mem_mb": memory.get("mem_total_mb", 30.0),
+                    **memory,
+                },
+                1,
+            )
+            run.log_metrics({"best_val_acc": 0.5, "train_time_s": 1.0}, 1)
+    parent.end("FINISHED")
+
+    out = tmp_path / "report"
+    assert report.main(["--tracking-uri", tracking_uri, "--out", str(out)]) == 0
+    assert {p.name for p in out.iterdir()} == REPORT_FILES
+    rows = {r["level"]: r for r in read_csv(out / "comparison.csv")}
+    assert float(rows["O2"]["mem_master_weights_mb"]) == 4.0
+    assert float(rows["O2"]["mem_total_mb"]) == 22.0 and float(rows["O0"]["mem_total_mb"]) == 32.0
+    assert rows["O3"]["mem_weights_mb"] == ""
+    assert float(rows["O2"]["memory_vs_o0"]) == pytest.approx(22.0 / 32.0)
+    markdown = (out / "comparison.md").read_text()
+    line = next(x for x in markdown.splitlines() if x.startswith("| tiny-O2 "))
+    cells = line.strip("| ").split(" | ")
+    assert cells[-9:-3] == ["2.00", "4.00", "2.00", "4.00", "10.00", "22.00"]
+    assert cells[-1] == "tiny-O0"  # the baseline each ratio uses
+    assert "Runs lacking metrics" not in markdown and "memory_by_kind.png" in markdown
+    assert_png(out / "memory_by_kind.png", 600, 500)
+
+
+# ---- a report for every axis ------------------------------------------------------------------
+def _axes_sweep(tracking_uri, tmp_path):
+    """A sweep of 2 lrs x 2 levels x 2 seeds, as Optuna or a grid leaves it: all runs share their
+    names (tiny-O0, tiny-O2); O0's time depends on the lr, O2 is always 2x faster than its O0."""
+    tracker = Tracker(tracking_uri, "amp-runner")
+    parent = tracker.create_run("sweep lr x level x seed", {SWEEP_DIR_TAG: str(tmp_path)})
+    ids = {}
+    for lr, o0_time in (("0.1", 8.0), ("0.01", 4.0)):
+        for level in ("O0", "O2"):
+            for seed in ("1", "2"):
+                params = {
+                    "model.name": "tiny",
+                    "optimizer.name": "sgd",
+                    "trainer.batch_size": "32",
+                    "precision.opt_level": level,
+                    "optimizer.lr": lr,
+                    "trainer.seed": seed,
+                    "model.num_parameters": "1000",
+                    "mlflow.tracking_uri": tracking_uri,
+                }
+                time = o0_time if level == "O0" else o0_time / 2
+                with tracker.start_run(
+                    f"tiny-{level}", params, {PARENT_RUN_TAG: parent.run_id}
+                ) as run:
+                    run.log_metrics(
+                        {
+                            "val_acc": 0.5,
+                            "samples_per_s": 10.0,
+                            "skipped_steps": 0.0,
+                            "peak_mem_mb": 10.0,
+                            "best_val_acc": 0.5,
+                            "train_time_s": time,
+                        },
+                        1,
+                    )
+                    ids[(lr, level, seed)] = run.run_id
+    parent.end("FINISHED")
+    return ids
+
+
+def test_the_report_has_a_column_per_varying_param_and_baselines_per_group(tracking_uri, tmp_path):
+    ids = _axes_sweep(tracking_uri, tmp_path)
+    out = tmp_path / "report"
+    assert report.main(["--tracking-uri", tracking_uri, "--out", str(out)]) == 0
+    rows = read_csv(out / "comparison.csv")
+    assert len(rows) == 8
+    header = list(rows[0])
+    # what differs, and only that: lr and seed (not the params every run shares, not the level's
+    # own precision.* params, not a derived one)
+    assert header[2:4] == ["optimizer.lr", "trainer.seed"]
+    assert "model.num_parameters" not in header and "mlflow.tracking_uri" not in header
+    by_id = {r["run_id"]: r for r in rows}
+    for (lr, level, seed), run_id in ids.items():
+        row = by_id[run_id]
+        assert (row["optimizer.lr"], row["trainer.seed"]) == (lr, seed)
+        # the baseline is the O0 of the same lr and seed: O2 is 2x faster than it, O0 1x
+        assert float(row["speedup_vs_o0"]) == (2.0 if level == "O2" else 1.0), (lr, level, seed)
+        assert row["baseline_run"] == f"tiny-O0 ({ids[(lr, 'O0', seed)][:8]})"
+    markdown = (out / "comparison.md").read_text()
+    assert "| run | optimizer.lr | trainer.seed | model |" in markdown
+    assert "O0 run of the same model with the same `optimizer.lr`" in markdown
+    # the seeds aggregated: one line per configuration, mean ± sample std and the seed count
+    assert "Across seeds (mean ± sample std" in markdown and "`trainer.seed`" in markdown
+    assert "| tiny | O2 lr=0.1 | 2 | 50.00 ± 0.00 | 4.0 ± 0.0 | 10 ± 0 | 2.00 ± 0.00 |" in markdown
+    assert "| tiny | O0 lr=0.01 | 2 | 50.00 ± 0.00 | 4.0 ± 0.0 | 10 ± 0 | 1.00 ± 0.00 |" in markdown
+    # every run has a bar of its own, labelled by what differs
+    labels = report.bar_labels(
+        [
+            report.to_row(MlflowClient(tracking_uri), MlflowClient(tracking_uri).get_run(i))
+            for i in ids.values()
+        ]
+    )
+    assert len(set(labels)) == 8 and "O2 lr=0.1 seed=2" in labels
+
+
+def test_a_group_without_an_o0_run_gets_no_ratio(tracking_uri, tmp_path):
+    """A different lr's O0 is not a baseline (the old report took "the first O0 run")."""
+    tracker = Tracker(tracking_uri, "amp-runner")
+    parent = tracker.create_run("sweep", {SWEEP_DIR_TAG: str(tmp_path)})
+    for level, lr in (("O0", "0.1"), ("O2", "0.01")):
+        params = {"model.name": "tiny", "precision.opt_level": level, "optimizer.lr": lr}
+        with tracker.start_run(f"tiny-{level}", params, {PARENT_RUN_TAG: parent.run_id}) as run:
+            run.log_metrics({"train_time_s": 1.0, "best_val_acc": 0.5, "peak_mem_mb": 1.0}, 1)
+    parent.end("FINISHED")
+    out = tmp_path / "report"
+    assert report.main(["--tracking-uri", tracking_uri, "--out", str(out)]) == 0
+    rows = {r["level"]: r for r in read_csv(out / "comparison.csv")}
+    assert rows["O0"]["speedup_vs_o0"] == "1.0" and rows["O2"]["speedup_vs_o0"] == ""
+    assert rows["O2"]["baseline_run"] == ""
+
+
+def test_diff_prints_the_params_that_differ(tracking_uri, tmp_path, capsys):
+    ids = _axes_sweep(tracking_uri, tmp_path)
+    a, b = ids[("0.1", "O0", "1")], ids[("0.01", "O2", "1")]
+    assert (
+        report.main(
+            ["--tracking-uri", tracking_uri, "--diff", a, b, "--out", str(tmp_path / "report")]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert out.startswith("2 params differ:")
+    assert "| optimizer.lr | 0.1 | 0.01 |" in out and "| precision.opt_level | O0 | O2 |" in out
+    assert "trainer.seed" not in out and "| status | FINISHED | FINISHED |" in out
+    assert "| best_val_acc | 0.5 | 0.5 |" in out
+    assert not (tmp_path / "report").exists()  # writes nothing
+    assert report.main(["--tracking-uri", tracking_uri, "--diff", a, "no-such-run"]) == 1
+    assert "no run 'no-such-run'" in capsys.readouterr().err
+
+
+def test_seed_statistics_are_the_sample_mean_and_std():
+    rows = [
+        report.Row(
+            run_id=f"r{i}",
+            run_name="tiny-O0",
+            status="FINISHED",
+            model="tiny",
+            optimizer="sgd",
+            level="O0",
+            dtype="float32",
+            batch_size=32,
+            metrics={"best_val_acc": acc},
+            params={"trainer.seed": str(i)},
+        )
+        for i, acc in enumerate((0.5, 0.7, 0.9))
+    ]
+    (group,) = report.seed_groups(rows)
+    mean, std, n = group.stats(lambda r: r.get("best_val_acc"))
+    assert n == 3 and mean == pytest.approx(0.7) and std == pytest.approx(0.2)  # (n - 1)
+
+
+@pytest.mark.slow
+def test_the_report_of_a_real_lr_level_seed_sweep(tmp_path):
+    """A real 2-lr x 2-level x 2-seed sweep through the CLI (in this process): the report's
+    columns are exactly what the sweep varied, each O2 run's baseline is the O0 of its lr and
+    seed, and the seeds are aggregated per configuration."""
+    from tests.helpers.runs import FAST, run_in_process
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert (
+        run_in_process(
+            "-m",
+            *FAST,
+            "data.num_train=64",
+            "trainer.max_epochs=1",
+            "optimizer.lr=0.05,0.1",
+            "precision=o0,o2_bf16",
+            "trainer.seed=1,2",
+            "trainer.progress_bar=false",
+            f"mlflow.tracking_uri={uri}",
+            f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        )
+        == 0
+    )
+    out = tmp_path / "report"
+    assert report.main(["--tracking-uri", uri, "--out", str(out)]) == 0
+    rows = read_csv(out / "comparison.csv")
+    assert len(rows) == 8
+    assert list(rows[0])[2:4] == ["optimizer.lr", "trainer.seed"]  # and nothing else varies
+    by_config = {(r["optimizer.lr"], r["level"], r["trainer.seed"]): r for r in rows}
+    for (lr, _level, seed), row in by_config.items():
+        base = by_config[(lr, "O0", seed)]
+        assert row["baseline_run"] == f"{base['run_name']} ({base['run_id'][:8]})"
+        assert float(row["speedup_vs_o0"]) == pytest.approx(
+            float(base["train_time_s"]) / float(row["train_time_s"])
+        )
+    markdown = (out / "comparison.md").read_text()
+    assert markdown.count("| tiny | O2 bf16 lr=") == 2 and "| 2 |" in markdown  # 2 seeds each

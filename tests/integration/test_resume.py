@@ -1,0 +1,330 @@
+"""Checkpoints, resume, interrupts and the divergence guard's checkpoint rule, on CPU with real
+runs, real MLflow stores, real checkpoint files and a real SIGTERM to a real subprocess.
+
+Tolerance: none. A resumed run computes exactly what the uninterrupted one computes (same data
+order, restored RNG, optimizer, scaler and scheduler state), so parameters and every non-timing
+metric are compared bit for bit.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from runner.errors import ConfigError, DivergenceError
+from runner.run import app, checkpoint
+from runner.run.interrupts import RunInterrupted, StopRequest
+from runner.run.plan import make_plan
+from runner.run.trainer import RunContext, Trainer
+from tests.helpers.resume import last_checkpoint, settings, straight_and_resumed
+from tests.helpers.runs import compose_config, read_until, run_cli, start_cli
+from tests.helpers.store import history, runs_by_name
+
+
+# ---- resume at an epoch boundary -----------------------------------------------------------------
+@pytest.mark.parametrize("level", ["o0", "o2"])
+def test_two_epochs_straight_equal_one_then_resume_one_more(tmp_path, level):
+    """o2: fp16 model, fp32 masters, dynamic loss scale: the masters, Adam's moments and the
+    scaler's state all have to come back exactly."""
+    # a schedule that does not depend on max_epochs (the first session's budget is 1 epoch)
+    uri = straight_and_resumed(
+        tmp_path,
+        f"precision={level}",
+        "optimizer=adam",
+        "optimizer.eps=1e-4",
+        "scheduler=step",
+        "scheduler.step_epochs=1",
+        "scheduler.gamma=0.5",
+    )
+    runs = runs_by_name(uri)
+    assert set(runs) == {"straight", "resumed"}  # the resumed run continued its own MLflow run
+    resumed = runs["resumed"]
+    assert resumed.info.status == "FINISHED" and resumed.data.tags["resume.count"] == "1"
+    assert resumed.data.tags["trainer.max_epochs"] == "2"  # the param stays 1 (immutable)
+    assert resumed.data.params["trainer.max_epochs"] == "1"
+    got, want = history(uri, resumed.info.run_id), history(uri, runs["straight"].info.run_id)
+    # the 1-epoch session ended too and logged its own best_val_acc at step 1: the final value
+    # is the one to compare; every per-step and per-epoch metric must be identical
+    assert got.pop("best_val_acc")[-1] == want.pop("best_val_acc")[-1]
+    assert got == want
+    a, b = last_checkpoint(tmp_path, "straight"), last_checkpoint(tmp_path, "resumed")
+    assert a["epoch"] == b["epoch"] == 2 and a["global_step"] == b["global_step"]
+    for key, value in a["model"].items():
+        assert torch.equal(value, b["model"][key]), key
+    assert a["engine"] == b["engine"]  # loss scaler: scale, growth and hysteresis counters
+
+
+def test_a_grown_budget_stretches_a_step_count_schedule(tmp_path):
+    """One-cycle over 1 epoch, resumed to 2: the schedule is rebuilt for 2 epochs at the step
+    reached (stepping the old one past its end would raise), so epoch 2's learning rates are a
+    2-epoch one-cycle schedule's."""
+    common = settings(tmp_path, "scheduler=onecycle", "trainer.log_every_n_steps=1")
+    app.run(compose_config(*common, "trainer.max_epochs=1"))
+    app.run(compose_config(*common, "trainer.max_epochs=2", "resume=auto"))
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    (run,) = runs_by_name(uri).values()
+    assert run.info.status == "FINISHED"
+    lrs = dict(history(uri, run.info.run_id)["lr"])
+    steps_per_epoch = 5  # 160 images, batch 32
+    ref = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    sched = torch.optim.lr_scheduler.OneCycleLR(
+        ref,
+        max_lr=0.1,
+        total_steps=2 * steps_per_epoch,
+        pct_start=0.3,
+        div_factor=25.0,
+        final_div_factor=1e4,
+    )
+    want = {}
+    for step in range(1, 2 * steps_per_epoch + 1):
+        ref.step()
+        sched.step()
+        want[step] = ref.param_groups[0]["lr"]
+    for step in range(steps_per_epoch + 1, 2 * steps_per_epoch + 1):
+        assert lrs[step] == pytest.approx(want[step], rel=1e-9), step
+
+
+def test_checkpoint_holds_the_contract(tmp_path):
+    app.run(compose_config(*settings(tmp_path, "precision=o2", "trainer.max_epochs=1")))
+    state = last_checkpoint(tmp_path, "tiny-O2")
+    assert {
+        "model",
+        "optimizer",
+        "engine",
+        "scheduler",
+        "epoch",
+        "batch",
+        "global_step",
+        "rng",
+        "mlflow_run_id",
+        "config",
+        "history",
+        "best_val_acc",
+    } <= set(state)
+    assert all(v.dtype != torch.float16 for v in state["model"].values())  # fp32 (masters)
+    assert state["engine"]["loss_scaler0"]["loss_scale"] > 0
+    assert state["config"]["precision"]["opt_level"] == "O2"
+    run = runs_by_name(f"sqlite:///{tmp_path / 'mlflow.db'}")["tiny-O2"]
+    assert state["mlflow_run_id"] == run.info.run_id
+    folder = checkpoint.run_folder(tmp_path / "checkpoints", "amp-runner", "tiny-O2")
+    assert checkpoint.find("auto", folder) == folder / run.info.run_id / "last.pt"
+    assert not list(folder.rglob("*.tmp"))  # written atomically: no temporary file left
+
+
+def test_a_new_run_never_overwrites_another_runs_checkpoint(tmp_path):
+    cfg = compose_config(*settings(tmp_path, "trainer.max_epochs=1"))
+    app.run(cfg)
+    first = sorted((tmp_path / "checkpoints").rglob("last.pt"))
+    before = first[0].read_bytes()
+    app.run(cfg)
+    both = sorted((tmp_path / "checkpoints").rglob("last.pt"))
+    assert len(both) == 2 and first[0].read_bytes() == before
+
+
+# ---- what resume refuses -------------------------------------------------------------------------
+def test_resume_refuses_a_changed_config_naming_every_key(tmp_path):
+    app.run(compose_config(*settings(tmp_path, "trainer.max_epochs=1")))
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = compose_config(
+        *settings(
+            tmp_path, "trainer.max_epochs=2", "resume=auto", "optimizer.lr=0.05", "trainer.seed=7"
+        )
+    )
+    with pytest.raises(ConfigError) as e:
+        app.run(cfg)
+    assert e.value.key == "resume"
+    assert "optimizer.lr: 0.1 -> 0.05" in str(e.value) and "trainer.seed: 42 -> 7" in str(e.value)
+    assert "2 key(s)" in str(e.value)
+    shrunk = compose_config(*settings(tmp_path, "trainer.max_epochs=1", "resume=auto"))
+    app.run(shrunk)  # the same budget: nothing left to train, it just finishes
+    (run,) = runs_by_name(uri).values()
+    assert run.info.status == "FINISHED"
+    with pytest.raises(ConfigError, match="resume: no checkpoint at"):
+        app.run(compose_config(*settings(tmp_path, f"resume={tmp_path / 'nope.pt'}")))
+
+
+def test_resume_auto_without_a_checkpoint_starts_fresh(tmp_path):
+    app.run(compose_config(*settings(tmp_path, "trainer.max_epochs=1", "resume=auto")))
+    (run,) = runs_by_name(f"sqlite:///{tmp_path / 'mlflow.db'}").values()
+    assert run.info.status == "FINISHED" and "resume.count" not in run.data.tags
+
+
+# ---- a run stopped mid-epoch continues at its step -----------------------------------------------
+def _trainer(cfg, **kw) -> Trainer:
+    plan = make_plan(cfg)
+    parts = app.build(plan)
+    return Trainer(
+        model=parts.model,
+        optimizer=parts.optimizer,
+        scheduler=parts.scheduler,
+        engine=parts.engine,
+        train_loader=parts.train_loader,
+        val_loader=parts.val_loader,
+        device=plan.device,
+        cfg=cfg.trainer,
+        memory=parts.memory,
+        context=RunContext(**kw),
+    )
+
+
+def test_a_stop_mid_epoch_resumes_at_its_step_exactly(tmp_path):
+    """A stop request (what SIGINT/SIGTERM set) after step 7 of 10 (epoch 2 of 2, batch 2):
+    the checkpoint says so, and a fresh trainer restored from it ends bit for bit where the
+    uninterrupted one does: the skipped batches are the ones already trained on."""
+    cfg = compose_config(
+        *settings(tmp_path, "precision=o2", "trainer.max_epochs=2", "trainer.log_every_n_steps=1")
+    )
+    straight = _trainer(cfg, on_metrics=lambda m, s: None)
+    straight.fit()
+
+    stop = StopRequest()
+    path = tmp_path / "ckpt.pt"
+
+    def sink(metrics, step):
+        if step == 7 and "train_loss" in metrics:
+            stop.signum = signal.SIGTERM  # as the signal handler would
+
+    def save(state):
+        checkpoint.save(path, state)
+        return str(path)
+
+    interrupted = _trainer(cfg, on_metrics=sink, stop=stop, checkpointer=save)
+    with pytest.raises(RunInterrupted) as e:
+        interrupted.fit()
+    assert e.value.exit_code == 143 and str(path) in str(e.value)
+    state = checkpoint.load(path)
+    assert (state["epoch"], state["batch"], state["global_step"]) == (1, 2, 7)
+
+    resumed = _trainer(cfg, on_metrics=lambda m, s: None)
+    resumed.restore(state)
+    resumed.fit()
+    assert resumed.global_step == straight.global_step == 10
+    for (name, p), q in zip(straight.module.named_parameters(), resumed.module.parameters()):
+        assert torch.equal(p, q), name
+    for p, q in zip(
+        straight.engine.master_params(straight.optimizer),
+        resumed.engine.master_params(resumed.optimizer),
+    ):
+        assert torch.equal(p, q)
+    assert straight.engine.state_dict() == resumed.engine.state_dict()
+
+
+# ---- divergence keeps the last good checkpoint ---------------------------------------------------
+def test_divergence_keeps_the_last_good_checkpoint(tmp_path):
+    cfg = compose_config(
+        *settings(tmp_path, "trainer.max_epochs=3", "trainer.max_bad_steps=2", "scheduler=none")
+    )
+    saved = []
+
+    def save(state):
+        saved.append(state["epoch"])
+        trainer.optimizer.param_groups[0]["lr"] = 1e30  # epoch 2 blows the weights up
+        return "memory"
+
+    trainer = _trainer(cfg, on_metrics=lambda m, s: None, checkpointer=save)
+    with pytest.raises(DivergenceError, match="inf/NaN"):
+        trainer.fit()
+    assert saved == [1]  # no checkpoint of the diverged state
+
+
+def test_weights_blown_up_before_the_guard_stops_the_run_are_never_checkpointed(tmp_path):
+    """O0 skips no step: with lr=1e30 the weights are inf/NaN from step 2 on, yet the guard
+    (trainer.max_bad_steps=8, longer than an epoch of 5 steps) stops the run only in epoch 2. The
+    end of epoch 1 must not write those weights; a real run, a real checkpoint folder."""
+    cfg = compose_config(
+        *settings(
+            tmp_path,
+            "precision=o0",
+            "optimizer.lr=1e30",
+            "scheduler=none",
+            "trainer.max_bad_steps=8",
+            "trainer.max_epochs=4",
+            "mlflow.run_name=blown",
+        )
+    )
+    with pytest.raises(DivergenceError, match="inf/NaN"):
+        app.run(cfg)
+    folder = checkpoint.run_folder(tmp_path / "checkpoints", "amp-runner", "blown")
+    assert checkpoint.find("auto", folder) is None
+    assert runs_by_name(cfg.mlflow.tracking_uri)["blown"].info.status == "FAILED"
+
+
+def test_a_collapsed_dynamic_loss_scale_stops_the_run(tmp_path):
+    """Weights blown up to inf: every step overflows at every scale; the dynamic scale halves
+    each time and the run stops once it is below trainer.collapsed_loss_scale (2^-14), before the
+    max_bad_steps limit (1000 here) would."""
+    cfg = compose_config(
+        *settings(
+            tmp_path,
+            "precision=o2",
+            "trainer.max_bad_steps=1000",
+            "scheduler=none",
+            "trainer.max_epochs=20",
+        )
+    )
+    trainer = _trainer(cfg, on_metrics=lambda m, s: None)
+    trainer.optimizer.param_groups[0]["lr"] = 1e30
+    with pytest.raises(DivergenceError) as e:
+        trainer.fit()
+    assert "loss scale collapsed" in str(e.value) and "trainer.collapsed_loss_scale" in str(e.value)
+    assert trainer.engine.loss_scale < 2**-14 <= 2 * trainer.engine.loss_scale
+
+
+# ---- SIGTERM to a real process, then resume=auto -------------------------------------------------
+@pytest.mark.slow
+def test_sigterm_checkpoints_marks_killed_and_resumes(tmp_path):
+    args = settings(
+        tmp_path, "data.num_train=20000", "trainer.max_epochs=2", "trainer.log_every_n_steps=1"
+    )
+    proc = start_cli(*args, cwd=tmp_path)
+    seen = read_until(proc, "MLflow run")  # training has started
+    time.sleep(2)
+    proc.send_signal(signal.SIGTERM)
+    rest, _ = proc.communicate(timeout=120)
+    output = "".join(seen) + rest
+    assert proc.returncode == 143, output
+    assert "SIGTERM received: stopping after this step" in output
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    (run,) = runs_by_name(uri).values()
+    assert run.info.status == "KILLED"
+    assert run.data.tags["error"].startswith("interrupted by SIGTERM; checkpoint ")
+    state = last_checkpoint(tmp_path, "tiny-O0")
+    assert state["mlflow_run_id"] == run.info.run_id and state["global_step"] > 0
+    stopped_at = state["global_step"]
+
+    resumed = run_cli(*args, "trainer.max_epochs=1", "resume=auto", cwd=tmp_path)
+    if stopped_at < 625:  # stopped inside epoch 1: a budget of 1 finishes that epoch
+        assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+        (run,) = runs_by_name(uri).values()
+        assert run.info.status == "FINISHED" and run.data.tags["resume.count"] == "1"
+        steps = [
+            m.step for m in MlflowClient(uri).get_metric_history(run.info.run_id, "train_loss")
+        ]
+        assert steps == sorted(set(steps)) and steps[-1] == 625  # one epoch, no step twice
+
+
+def test_resume_auto_of_a_finished_run_says_so_and_changes_nothing(tmp_path, caplog):
+    """resume=auto of a run that met its epoch budget: nothing trains, the MLflow run keeps its
+    status, tags and metrics (no resume.count bump), the checkpoint is untouched."""
+    common = settings(tmp_path, "trainer.max_epochs=1")
+    best = app.run(compose_config(*common))
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    (before,) = runs_by_name(uri).values()
+    path = checkpoint.find(
+        "auto", checkpoint.run_folder(tmp_path / "checkpoints", "amp-runner", before.info.run_name)
+    )
+    stamp = path.stat().st_mtime_ns
+    with caplog.at_level("INFO", logger="runner"):
+        again = app.run(compose_config(*common, "resume=auto"))
+    assert again == best
+    assert "already trained 1 epochs" in caplog.text and "raise trainer.max_epochs" in caplog.text
+    (after,) = runs_by_name(uri).values()
+    assert after.info.status == before.info.status == "FINISHED"
+    assert after.info.end_time == before.info.end_time
+    assert after.data.tags == before.data.tags and after.data.metrics == before.data.metrics
+    assert history(uri, after.info.run_id) == history(uri, before.info.run_id)
+    assert path.stat().st_mtime_ns == stamp

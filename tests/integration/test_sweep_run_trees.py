@@ -1,0 +1,332 @@
+"""Hydra multiruns as MLflow run trees: one parent per sweep, one child per job, read back from a
+real SQLite store. Two sweeps run as real subprocesses (the default launcher over O0-O3, and the
+joblib launcher with a failing job); the rest go through the real CLI and Hydra in this process.
+"""
+
+from __future__ import annotations
+
+import _thread
+import math
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+
+from runner.sweep import claim_gpu
+from runner.tracking.store import retry_when_locked
+from runner.tracking.tags import PARENT_RUN as PARENT_RUN_TAG
+from tests.helpers.runs import FAST, compose_config, run_cli, run_in_process
+from tests.helpers.store import EPOCH_METRICS, FINAL_METRICS
+
+
+def sweep_tree(uri: str, experiment: str = "amp-runner"):
+    """(client, the one parent run, its children by run name); every run must be in the tree."""
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name(experiment)
+    assert exp is not None, f"no experiment {experiment!r} in {uri}"
+    runs = client.search_runs([exp.experiment_id])
+    parents = [r for r in runs if PARENT_RUN_TAG not in r.data.tags]
+    assert len(parents) == 1, [r.info.run_name for r in parents]
+    parent = parents[0]
+    children = {r.info.run_name: r for r in runs if r is not parent}
+    assert all(c.data.tags[PARENT_RUN_TAG] == parent.info.run_id for c in children.values())
+    return client, parent, children
+
+
+# ---- the default launcher: O0-O3 in one process --------------------------------------------------
+@pytest.mark.slow
+def test_level_sweep_is_one_parent_with_a_child_per_level(levels_sweep):
+    result, uri = levels_sweep
+    client, parent, children = sweep_tree(uri)
+    assert sorted(children) == ["tiny-O0", "tiny-O1", "tiny-O2", "tiny-O3"]
+    for name, child in children.items():
+        assert child.info.status == "FINISHED", name
+        for metric in ["train_loss", *EPOCH_METRICS, *FINAL_METRICS]:
+            assert math.isfinite(child.data.metrics[metric]), (name, metric)
+        assert child.data.params["precision.opt_level"] == name[-2:]
+        assert [m.step for m in client.get_metric_history(child.info.run_id, "val_acc")] == [1, 2]
+    assert sorted(c.data.tags["sweep.job_num"] for c in children.values()) == ["0", "1", "2", "3"]
+
+    assert parent.info.status == "FINISHED"
+    assert parent.info.run_name == "sweep precision=o0,o1,o2,o3"
+    tags = parent.data.tags
+    assert (
+        "precision=o0,o1,o2,o3" in tags["sweep.overrides"]
+        and "model=tiny" in tags["sweep.overrides"]
+    )
+    assert (
+        Path(tags["sweep.dir"]).is_dir() and (Path(tags["sweep.dir"]) / "multirun.yaml").is_file()
+    )
+    assert tags["sweep.launcher"] == "BasicLauncher"
+    assert parent.data.metrics["jobs"] == 4 and parent.data.metrics["failed_jobs"] == 0
+    assert tags["sweep.failed_jobs"] == "none"
+    # the parent existed before the first job started, and ended after the last one
+    assert parent.info.start_time <= min(c.info.start_time for c in children.values())
+    assert parent.info.end_time >= max(c.info.end_time for c in children.values())
+    output = result.stdout + result.stderr
+    assert f"--parent {parent.info.run_id}" in output and "python -m runner.report" in output
+    assert f"#/experiments/{parent.info.experiment_id}/runs" in output
+
+
+# ---- the joblib launcher: parallel processes, one job fails --------------------------------------
+@pytest.mark.slow
+def test_parallel_sweep_records_a_failing_job_and_goes_on(tmp_path):
+    pytest.importorskip("hydra_plugins.hydra_joblib_launcher", reason="pip install '.[joblib]'")
+    # A static loss scale of 1e10 overflows fp16 gradients (O3 diverges), not fp32 ones (O0 trains).
+    result = run_cli(
+        "-m",
+        "hydra/launcher=parallel",
+        "hydra.launcher.n_jobs=2",
+        *FAST,
+        "data.num_train=64",
+        "precision=o0,o3",
+        "precision.loss_scale=1e10",
+        "trainer.max_bad_steps=2",
+        cwd=tmp_path,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output[-3000:]  # a job failed: the sweep's status says so
+    assert "Sweep finished: 2 jobs, 1 failed: tiny-O3" in output
+    _, parent, children = sweep_tree(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert parent.info.status == "FINISHED"
+    assert parent.data.tags["sweep.launcher"] == "JoblibLauncher"
+    assert parent.data.metrics["jobs"] == 2 and parent.data.metrics["failed_jobs"] == 1
+    assert parent.data.tags["sweep.failed_jobs"] == "tiny-O3 (FAILED)"
+    assert children["tiny-O3"].info.status == "FAILED"
+    assert children["tiny-O3"].data.tags["error"].startswith("DivergenceError: training diverged")
+    ok = children["tiny-O0"]
+    assert ok.info.status == "FINISHED"
+    assert all(math.isfinite(ok.data.metrics[m]) for m in [*EPOCH_METRICS, *FINAL_METRICS])
+
+
+# ---- in this process, through the CLI ------------------------------------------------------------
+def test_jobs_in_one_process_do_not_leak_into_each_other(tmp_path):
+    """Two identical jobs run one after the other in this process give identical results: seeds,
+    memory statistics and the tracking state are reset for each."""
+    uri = f"sqlite:///{tmp_path / 'same.db'}"
+    status = run_in_process(
+        "-m", *FAST, "trainer.seed=3", "mlflow.run_name=first,second", f"mlflow.tracking_uri={uri}"
+    )
+    assert status == 0
+    client, parent, children = sweep_tree(uri)
+    assert sorted(children) == ["first", "second"] and parent.info.run_name == (
+        "sweep mlflow.run_name=first,second"
+    )
+
+    def history(name, metric):
+        return [m.value for m in client.get_metric_history(children[name].info.run_id, metric)]
+
+    for metric in ["train_loss", "val_loss", "val_acc"]:
+        assert history("first", metric) == history("second", metric), metric
+    import mlflow
+
+    assert mlflow.active_run() is None
+
+
+@pytest.mark.parametrize(
+    "sweep,needles",
+    [
+        (
+            "optimizer.lr=0.1,-1",
+            ["optimizer.lr: got -1.0 (in sweep job #1:", "a finite number > 0"],
+        ),
+        ("trainer.max_epoch=1,2", ["sweep job #0 (", "Key 'max_epoch' not in 'TrainerConfig'"]),
+    ],
+    ids=["bad-value", "typo-key"],
+)
+def test_bad_input_in_any_job_stops_the_sweep_before_it_starts(sweep, needles, tmp_path, capsys):
+    uri = f"sqlite:///{tmp_path / 'never.db'}"
+    status = run_in_process("-m", *FAST, sweep, f"mlflow.tracking_uri={uri}")
+    assert status == 2
+    output = "".join(capsys.readouterr())
+    assert all(needle in output for needle in needles), output[-2000:]
+    assert "Traceback" not in output and "UserWarning" not in output
+    assert not (tmp_path / "never.db").exists()  # no store, no parent, no job ran
+
+
+def test_the_tracking_store_cannot_be_swept(tmp_path, capsys):
+    a, b = (f"sqlite:///{tmp_path / name}" for name in ("a.db", "b.db"))
+    assert run_in_process("-m", *FAST, f"mlflow.tracking_uri={a},{b}") == 2
+    assert "mlflow.tracking_uri: a sweep's jobs log to their parent run's store" in "".join(
+        capsys.readouterr()
+    )
+
+
+def test_a_job_failing_before_its_run_exists_is_still_recorded(tmp_path):
+    """A missing dataset fails the job before its MLflow run is created: the sweep records a FAILED
+    child with the error, ends the parent with the failure counted, and exits 1."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    other = [o for o in FAST if not o.startswith("data")]
+    status = run_in_process(
+        "-m",
+        *other,
+        "data=cifar10",
+        "data.download=false",
+        f"data.root={tmp_path / 'nowhere'}",
+        "precision=o0,o2",
+        f"mlflow.tracking_uri={uri}",
+    )
+    assert status == 1
+    _, parent, children = sweep_tree(uri)
+    assert sorted(children) == ["tiny-O0", "tiny-O2"]
+    for child in children.values():
+        assert child.info.status == "FAILED"
+        assert (
+            child.data.tags["error"].startswith("DataError:")
+            and "data.root" in child.data.tags["error"]
+        )
+    assert parent.info.status == "FINISHED" and parent.data.metrics["failed_jobs"] == 2
+
+
+def test_ctrl_c_during_a_sweep_marks_the_job_and_the_parent_killed(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+
+    def interrupt_once_a_job_trains():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                exp = client.get_experiment_by_name("amp-runner")
+                running = exp and client.search_runs(
+                    [exp.experiment_id],
+                    filter_string=(
+                        f"attributes.status = 'RUNNING' and tags.`{PARENT_RUN_TAG}` != ''"
+                    ),
+                )
+            except MlflowException:
+                running = None  # the store is being created
+            if running:
+                time.sleep(1.0)
+                _thread.interrupt_main()
+                return
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=interrupt_once_a_job_trains, daemon=True)
+    watcher.start()
+    status = run_in_process(
+        "-m",
+        *FAST,
+        "data.num_train=100000",
+        "trainer.max_epochs=1",
+        "precision=o0,o1",
+        f"mlflow.tracking_uri={uri}",
+    )
+    watcher.join(timeout=5)
+    assert status == 130
+    _, parent, children = sweep_tree(uri)
+    assert list(children) == ["tiny-O0"]  # the sweep stopped: the second job never started
+    assert children["tiny-O0"].info.status == "KILLED"
+    assert parent.info.status == "KILLED" and "interrupted" in parent.data.tags["error"]
+
+
+# ---- building blocks -----------------------------------------------------------------------------
+def test_parallel_launcher_runs_one_job_per_gpu_or_one_on_cpu():
+    pytest.importorskip("hydra_plugins.hydra_joblib_launcher", reason="pip install '.[joblib]'")
+    import torch
+
+    cfg = compose_config("hydra/launcher=parallel", return_hydra_config=True)
+    assert cfg.hydra.launcher._target_.endswith("JoblibLauncher")
+    assert cfg.hydra.launcher.n_jobs == max(1, torch.cuda.device_count())
+    assert (
+        compose_config(
+            "hydra/launcher=parallel", "hydra.launcher.n_jobs=3", return_hydra_config=True
+        ).hydra.launcher.n_jobs
+        == 3
+    )
+
+
+def test_each_parallel_job_gets_a_gpu_of_its_own(tmp_path):
+    first, second = claim_gpu(tmp_path, 2), claim_gpu(tmp_path, 2)
+    assert first[0] == 0 and second[0] == 1
+    assert claim_gpu(tmp_path, 2) is None  # both taken: the caller warns and shares
+    first[1].close()  # a job ended
+    third = claim_gpu(tmp_path, 2)
+    assert third[0] == 0
+    second[1].close()
+    third[1].close()
+
+
+def test_a_locked_store_is_retried_and_other_errors_are_not():
+    calls = []
+
+    def locked_twice():
+        calls.append(1)
+        if len(calls) <= 2:
+            raise MlflowException("(sqlite3.OperationalError) database is locked")
+        return "written"
+
+    assert retry_when_locked(locked_twice) == "written" and len(calls) == 3
+
+    def broken():
+        calls.append(1)
+        raise MlflowException("RESOURCE_DOES_NOT_EXIST: no such run")
+
+    calls.clear()
+    with pytest.raises(MlflowException, match="no such run"):
+        retry_when_locked(broken)
+    assert len(calls) == 1
+
+
+# ---- a sweep that is killed, then continued -----------------------------------------------------
+@pytest.mark.slow
+def test_a_killed_sweep_continues_with_resume_auto(tmp_path):
+    """A 3-job sweep SIGKILLed during job #1 (after its epoch-1 checkpoint) and run again with
+    resume=auto in the same folder: one parent (the same run), 3 FINISHED children: job #0 kept
+    (not run again), job #1 resumed in its own run from its checkpoint, job #2 run; a changed
+    sweep in that folder is refused before anything runs."""
+    import signal
+
+    from tests.helpers.runs import read_until, start_cli
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    sweep = [
+        *FAST,
+        "data.num_train=1536",
+        "trainer.max_epochs=3",
+        "trainer.log_every_n_steps=8",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        "trainer.device=cpu",
+    ]
+    proc = start_cli("-m", *sweep, "trainer.seed=1,2,3", cwd=tmp_path)
+    seen = read_until(proc, "(after epoch 1)")  # job #0's first checkpoint
+    seen += read_until(proc, "(after epoch 1)")  # job #1's
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name("amp-runner").experiment_id
+    before = {r.data.tags.get("sweep.job_num"): r for r in client.search_runs([experiment])}
+    assert sorted(k for k in before if k is not None) == ["0", "1"], "".join(seen)[-3000:]
+    assert before["0"].info.status == "FINISHED" and before["1"].info.status == "RUNNING"
+    parent_id = before[None].info.run_id
+
+    result = run_cli("-m", *sweep, "trainer.seed=1,2,3", "resume=auto", cwd=tmp_path)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    assert "Sweep job #0 finished in an earlier session" in output
+    assert f"Sweep job #1 resumes its run {before['1'].info.run_id}" in output
+    runs = client.search_runs([experiment])
+    assert len(runs) == 4  # no duplicate: one parent, a child per job
+    _, parent, _ = sweep_tree(uri)
+    assert parent.info.run_id == parent_id and parent.info.status == "FINISHED"
+    assert parent.data.metrics["jobs"] == 3 and parent.data.metrics["failed_jobs"] == 0
+    children = {r.data.tags["sweep.job_num"]: r for r in runs if r.info.run_id != parent_id}
+    assert all(c.info.status == "FINISHED" for c in children.values())
+    assert children["0"].info.end_time == before["0"].info.end_time  # kept as it was
+    assert children["1"].info.run_id == before["1"].info.run_id
+    assert children["1"].data.tags["resume.count"] == "1"
+    assert [m.step for m in client.get_metric_history(children["1"].info.run_id, "val_acc")] == [
+        1,
+        2,
+        3,
+    ]
+    assert "resume.count" not in children["2"].data.tags
+
+    changed = run_cli("-m", *sweep, "trainer.seed=1,2,4", "resume=auto", cwd=tmp_path)
+    text = changed.stdout + changed.stderr
+    assert changed.returncode == 2, text[-3000:]
+    assert "resume: the sweep in" in text and "+trainer.seed=1,2,4" in text
+    assert "Traceback" not in text
+    assert len(client.search_runs([experiment])) == 4

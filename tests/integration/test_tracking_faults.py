@@ -1,0 +1,179 @@
+"""A tracking server that is not there, goes away, comes back or stays away: a real `mlflow server`
+on localhost (tests/helpers/server.py's MlflowServer), stopped and started for real."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from runner.errors import RunnerError
+from runner.run import app
+from runner.tracking import replay
+from runner.tracking.lifecycle import TrackedRun, Tracker
+from tests.helpers.runs import FAST, REPO, compose_config, read_until, start_cli
+from tests.helpers.server import free_port
+
+
+def test_an_unreachable_server_at_start_stops_the_run_before_any_training(tmp_path):
+    uri = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    cfg = compose_config(
+        *FAST, f"mlflow.tracking_uri={uri}", f"trainer.checkpoint_dir={tmp_path / 'checkpoints'}"
+    )
+    started = time.monotonic()
+    with pytest.raises(RunnerError) as e:
+        app.run(cfg)
+    assert time.monotonic() - started < 60  # no minutes of MLflow's own retries
+    assert str(e.value).startswith("mlflow.tracking_uri: cannot use the tracking store")
+    assert uri in str(e.value) and "Start the server" in str(e.value)
+    assert not (tmp_path / "checkpoints").exists()  # nothing was trained
+
+
+@pytest.mark.slow
+def test_metrics_logged_while_the_server_is_away_arrive_when_it_is_back(mlflow_server):
+    server = mlflow_server.start()
+    tracker = Tracker(server.url, "amp-runner")
+    tracked = tracker.create_run("outage", {})
+    for step in range(1, 4):
+        tracked.log_metrics({"train_loss": float(step)}, step)
+    assert tracked.flush(timeout=30)
+    server.stop()
+    for step in range(4, 7):  # the server is gone: logging must not wait for it
+        started = time.monotonic()
+        tracked.log_metrics({"train_loss": float(step)}, step)
+        assert time.monotonic() - started < 0.05
+    time.sleep(2)  # the sender tries, fails and keeps the metrics
+    server.start()
+    tracked.end("FINISHED")
+    client = MlflowClient(server.url)
+    history = client.get_metric_history(tracked.run_id, "train_loss")
+    assert sorted(m.step for m in history) == [1, 2, 3, 4, 5, 6]
+    assert client.get_run(tracked.run_id).info.status == "FINISHED"
+
+
+@pytest.mark.slow
+def test_a_run_whose_server_goes_away_and_comes_back_finishes_with_every_metric(
+    mlflow_server, tmp_path
+):
+    """`python -m runner` against a real server that is stopped while the run trains and started
+    again: training never waits, and the server ends up with the whole run, FINISHED, with no
+    offline store (END_TIMEOUT 120 s: the run may end before the server is back)."""
+    server = mlflow_server.start()
+    work = tmp_path / "work"
+    work.mkdir()
+    args = [
+        *FAST,
+        "data.num_train=3000",
+        "trainer.log_every_n_steps=1",
+        f"mlflow.tracking_uri={server.url}",
+    ]
+    proc = start_cli(*args, cwd=work, env={"AMP_RUNNER_MLFLOW_END_TIMEOUT": "120"})
+    seen = read_until(proc, "MLflow run")
+    server.stop()
+    time.sleep(3)  # training goes on meanwhile
+    server.start()
+    rest, _ = proc.communicate(timeout=600)
+    output = "".join(seen) + rest
+    assert proc.returncode == 0, output
+    assert "runner.replay" not in output, output  # everything was delivered
+    client = MlflowClient(server.url)
+    (run,) = client.search_runs([client.get_experiment_by_name("amp-runner").experiment_id])
+    assert run.info.status == "FINISHED"
+    steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, "train_loss"))
+    assert steps == list(range(1, 189))  # 94 steps per epoch, none lost, none twice
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "val_acc")] == [1, 2]
+    logs = {a.path for a in client.list_artifacts(run.info.run_id, "logs")}
+    assert "logs/runner.log" in logs
+
+
+@pytest.mark.slow
+def test_a_run_that_ends_while_the_server_is_away_is_saved_offline_and_replayed(
+    mlflow_server, tmp_path
+):
+    server = mlflow_server.start()
+    env = {"AMP_RUNNER_MLFLOW_END_TIMEOUT": "3"}
+    work = tmp_path / "work"
+    work.mkdir()
+    args = [
+        *FAST,
+        "data.num_train=3000",
+        "trainer.log_every_n_steps=1",
+        f"mlflow.tracking_uri={server.url}",
+    ]
+    proc = start_cli(*args, cwd=work, env=env)
+    seen = read_until(proc, "MLflow run")  # the run exists on the server: now take it away
+    server.stop()  # (even the run's start-up artifacts may not have reached it)
+    rest, _ = proc.communicate(timeout=600)
+    output = "".join(seen) + rest
+    assert proc.returncode == 0, output  # the training itself finished
+    match = re.search(r"python -m runner\.replay (\S+)", output)
+    assert match and "is unreachable" in output, output
+    folder = Path(match.group(1))
+    assert (folder / replay.DB).is_file()
+
+    # still away: the replay says so and marks nothing as done
+    def replay_cli() -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "runner.replay", str(folder)],
+            env=dict(os.environ, PYTHONPATH=str(REPO)),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    still_away = replay_cli()
+    assert still_away.returncode == 1 and "nothing marked as replayed" in still_away.stderr
+
+    server.start()
+    client = MlflowClient(server.url)
+    (run,) = client.search_runs([client.get_experiment_by_name("amp-runner").experiment_id])
+    assert run.info.status == "RUNNING"  # what the server knew before it went away
+    done = replay_cli()
+    assert done.returncode == 0, done.stdout + done.stderr
+    run = client.get_run(run.info.run_id)
+    assert run.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "val_acc")] == [1, 2]
+    steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, "train_loss"))
+    assert steps == list(range(1, steps[-1] + 1)) and steps[-1] == 188  # 94 per epoch, none lost
+    assert "best_val_acc" in run.data.metrics
+    logs = {a.path for a in client.list_artifacts(run.info.run_id, "logs")}
+    assert "logs/runner.log" in logs  # the log file went offline too, and came back
+    top = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"config.yaml", "overrides.yaml", "precision.txt"} <= top  # sent or replayed
+    again = replay_cli()
+    assert again.returncode == 0 and "nothing left to replay" in again.stdout
+
+
+def test_offline_replay_into_a_store(tmp_path):
+    """The replay mechanics on two SQLite stores: undelivered metrics, status and error of a run
+    reach the target run; replaying twice sends nothing twice."""
+    target = Tracker(f"sqlite:///{tmp_path / 'target.db'}", "amp-runner")
+    tracked = target.create_run("r", {})
+    tracked.log_metrics({"val_acc": 0.5}, 1)
+    assert tracked.flush(timeout=10)
+    pending = TrackedRun.__new__(TrackedRun)  # what a run that lost its store hands over
+    pending.run_id, pending.tracking_uri = tracked.run_id, target.tracking_uri
+    pending.experiment_name = "amp-runner"
+    from mlflow.entities import Metric
+
+    folder = replay.write_offline(
+        tmp_path / "offline",
+        pending,
+        "FAILED",
+        "DivergenceError: x",
+        [Metric("val_acc", 0.25, 0, 2)],
+        [],
+    )
+    assert replay.replay(folder) == [tracked.run_id]
+    run = target.client.get_run(tracked.run_id)
+    assert run.info.status == "FAILED" and run.data.tags["error"] == "DivergenceError: x"
+    history = target.client.get_metric_history(tracked.run_id, "val_acc")
+    assert sorted((m.step, m.value) for m in history) == [(1, 0.5), (2, 0.25)]
+    assert replay.replay(folder) == []
+    tracked.end("FAILED")  # (stops its sender thread)

@@ -1,0 +1,485 @@
+"""Range diagnostics (runner.measure.diagnostics) and the pre-flight (runner.diagnose): known
+answers for
+the underflow/overflow fractions and the exponent histograms, hooks only on diagnosed steps, the
+in-run metrics against a reference counted by hand, and the pre-flight's recommendation on a model
+built to overflow in fp16."""
+
+from __future__ import annotations
+
+import collections
+import csv
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+from torch import nn
+
+from runner import diagnose
+from runner.measure.diagnostics import (
+    ACTIVATION,
+    ACTIVATION_GRAD,
+    BF16,
+    FP8_E4M3,
+    FP8_E5M2,
+    FP16,
+    LOG2_MIN,
+    WEIGHT_GRAD,
+    RangeProbe,
+    RunDiagnostics,
+    TensorStats,
+    layers_of,
+    model_metrics,
+    run_formats,
+    tensor_stats,
+)
+from runner.precision import AmpEngine, resolve
+from tests.helpers.runs import FAST, REPO
+from tests.helpers.trainer import make_trainer
+
+CPU = torch.device("cpu")
+INF, NAN = math.inf, math.nan
+
+
+class Scale(nn.Module):
+    """y = x * w, w = 1: fed x = 1, the gradient of w is exactly the gradient of y."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+# chosen magnitudes: 12 values, one zero and one NaN, so 10 count towards the fractions
+GRADIENT = [
+    0.0,
+    2.0**-30,
+    2.0**-20,
+    2.0**-15,
+    2.0**-14,
+    1.0,
+    2.0**14,
+    65536.0,
+    70000.0,
+    1e-40,
+    INF,
+    NAN,
+]
+# (format, scale) -> (values that underflow, values that overflow), counted by hand:
+#   fp16 at 1:    2^-30, 2^-20, 2^-15, 1e-40 below 2^-14;   65536, 70000, inf above 65504
+#   bf16 at 1:    1e-40 below 2^-126;                        inf
+#   fp16 at 2^10: 2^-30, 1e-40 below 2^-24;                  2^14, 65536, 70000, inf above 63.97
+#   bf16 at 2^10: none (1e-40 * 1024 > 2^-126);              inf
+EXPECTED = {
+    ("fp16", 1.0): (4, 3),
+    ("bf16", 1.0): (1, 1),
+    ("fp16", 1024.0): (2, 4),
+    ("bf16", 1024.0): (0, 1),
+}
+
+
+@pytest.mark.parametrize("scale", [1.0, 1024.0])
+def test_a_layer_fed_chosen_gradients_reports_the_exact_fractions(scale):
+    layer = nn.Sequential(Scale(len(GRADIENT)))
+    probe = RangeProbe(layer, [FP16, BF16], scale=scale)
+    with probe:
+        out = layer(torch.ones(len(GRADIENT)))
+        out.backward(torch.tensor(GRADIENT))
+        probe.observe_weight_grads()
+    records = {r.kind: r.stats for r in probe.read(step=7)}
+    assert set(records) == {ACTIVATION, ACTIVATION_GRAD, WEIGHT_GRAD}
+    for kind in (ACTIVATION_GRAD, WEIGHT_GRAD):  # both see exactly GRADIENT
+        stats = records[kind]
+        assert (stats.count, stats.zeros, stats.nans, stats.infs) == (12, 1, 1, 1)
+        assert stats.nonzero == 10
+        for fmt in ("fp16", "bf16"):
+            under, over = EXPECTED[(fmt, scale)]
+            assert stats.underflow[fmt] == under and stats.overflow[fmt] == over
+            assert stats.underflow_frac(fmt) == under / 10
+            assert stats.overflow_frac(fmt) == over / 10
+    acts = records[ACTIVATION]  # y = 1 everywhere: in range, whatever the gradient scale
+    assert acts.count == 12 and acts.underflow["fp16"] == acts.overflow["fp16"] == 0
+    assert acts.bins[0 - LOG2_MIN] == 12  # 1.0 is in [2^0, 2^1)
+
+
+def test_fp8_limits_are_e4m3_for_forward_and_e5m2_for_gradients():
+    stats = tensor_stats(
+        [torch.tensor([2.0**-7, 2.0**-6, 448.0, 449.0, 2.0**-15, 57344.0, 6e4])],
+        [FP8_E4M3, FP8_E5M2],
+    )
+    assert (FP8_E4M3.max, FP8_E4M3.tiny, FP8_E5M2.max, FP8_E5M2.tiny) == (
+        448.0,
+        2.0**-6,
+        57344.0,
+        2.0**-14,
+    )
+    assert stats.underflow == {"fp8_e4m3": 2, "fp8_e5m2": 1}  # 2^-7, 2^-15 | 2^-15
+    assert stats.overflow == {"fp8_e4m3": 3, "fp8_e5m2": 1}  # 449, 57344, 6e4 | 6e4
+
+
+def test_the_exponent_histogram_sums_to_the_element_count_and_matches_frexp():
+    torch.manual_seed(0)
+    values = torch.randn(10_000) * torch.exp2(torch.randint(-40, 40, (10_000,)).float())
+    values[:7] = torch.tensor([0.0, -0.0, INF, -INF, NAN, 1e-40, -3e-39])
+    half = values[:100].half()  # (its large values become inf, its small ones zero)
+    stats = tensor_stats([values, half], [FP16])
+    assert stats.count == 10_100 == sum(n for _, n in stats.histogram())
+    both = torch.cat([values, half.float()])
+    assert (stats.zeros, stats.infs, stats.nans, stats.below) == (
+        int((both == 0).sum()),
+        int(both.isinf().sum()),
+        2,
+        2,
+    )
+    assert stats.zeros > 2 and stats.infs > 2  # the fp16 copy's
+    # the reference: floor(log2|x|) = frexp's exponent - 1, for the normal fp32 values
+    reference = collections.Counter()
+    for t in (values, half.float()):
+        normal = t[torch.isfinite(t) & (t.abs() >= 2.0**-126)]
+        reference.update((torch.frexp(normal)[1] - 1).tolist())
+    assert {LOG2_MIN + i: c for i, c in enumerate(stats.bins) if c} == dict(reference)
+
+
+def test_underflow_from_the_histogram_at_a_power_of_two_scale_is_exact():
+    torch.manual_seed(1)
+    g = torch.randn(5000) * 1e-6
+    stats = tensor_stats([g], [FP16])
+    for log2_scale in (0, 4, 10, 16, 24):
+        scale = 2.0**log2_scale
+        direct = tensor_stats([g], [FP16], scale=scale).underflow["fp16"]
+        assert stats.underflow_at(FP16, scale) == direct
+        assert direct == int(((g.abs() * scale < 2.0**-14) & (g != 0)).sum())
+    with pytest.raises(ValueError):
+        stats.underflow_at(FP16, 1000.0)
+
+
+def test_run_formats_follow_the_compute_dtypes():
+    assert run_formats(set()) == [FP16]  # fp32 runs: fp16 as the reference
+    assert run_formats({torch.bfloat16}) == [BF16]
+    assert run_formats({torch.bfloat16, torch.float16}) == [FP16, BF16]
+
+
+def test_layers_are_the_parameter_owning_leaf_modules():
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Sequential(nn.Linear(4, 2)),
+    )
+    assert [name for name, _ in layers_of(model)] == ["0", "1", "4.0"]
+
+
+# ---- inside a run --------------------------------------------------------------------------------
+def _hook_counts(model: nn.Module) -> dict[str, int]:
+    return {
+        name: len(m._forward_hooks)
+        + len(m._forward_pre_hooks)
+        + len(m._backward_hooks)
+        + len(m._backward_pre_hooks)
+        for name, m in model.named_modules()
+        if name
+    }
+
+
+def _watch_hooks(trainer) -> list[dict[str, int]]:
+    """The hook count of every submodule, seen from inside each step's forward (the loss)."""
+    seen = []
+    criterion = trainer.criterion
+
+    def spying(logits, y):
+        seen.append(_hook_counts(trainer.module))
+        return criterion(logits, y)
+
+    trainer.criterion = spying
+    return seen
+
+
+def test_off_means_no_hooks_but_the_first_steps_audit():
+    """Diagnostics off: no probe ever; the only hooks are the layer audit's on the first step
+    (a forward pre-hook and a forward hook per layer: runner.measure.audit), gone after it."""
+    trainer, logged = make_trainer("O2", {}, diagnose_every_n_steps=0)
+    seen = _watch_hooks(trainer)
+    trainer.train_epoch(1)
+    assert trainer.diagnostics is None
+    layers = {layer.name for layer in trainer.layer_plan}
+    assert len(seen) == 4
+    assert {name: n for name, n in seen[0].items() if n} == {name: 2 for name in layers}
+    assert all(not any(counts.values()) for counts in seen[1:])
+    assert not any(_hook_counts(trainer.module).values())
+    assert not torch.nn.modules.module._global_forward_hooks
+    assert not any(k.startswith("diag_") for m, _ in logged for k in m)
+    assert [s for m, s in logged if "layers_off_plan" in m] == [1]
+
+
+def test_hooks_exist_only_during_the_diagnosed_steps():
+    trainer, logged = make_trainer("O0", {}, diagnose_every_n_steps=3)
+    seen = _watch_hooks(trainer)
+    trainer.train_epoch(1)  # steps 1-4: 1 and 4 are diagnosed (and audited)
+    layers = {name for name, _ in layers_of(trainer.module)}
+    for step, counts in enumerate(seen, start=1):
+        hooked = {name for name, n in counts.items() if n}
+        assert hooked == (layers if step in (1, 4) else set()), step
+    assert not any(_hook_counts(trainer.module).values())  # none left after the step
+    steps = [s for m, s in logged if "diag_grad_underflow_frac" in m]
+    assert steps == [1, 4]
+
+
+def test_in_run_metrics_match_a_count_by_hand():
+    """Step 1 of an O0 run, diagnosed in fp16: the whole-model fractions equal a direct count
+    over the same step's layer outputs, their gradients and the weight gradients."""
+    torch.manual_seed(0)
+    trainer, logged = make_trainer("O0", {}, diagnose_every_n_steps=100)
+    torch.manual_seed(0)
+    twin, _ = make_trainer("O0", {})
+    x, y = trainer._to_device(*next(iter(trainer.train_loader)))
+    trainer.train_step(x, y)
+
+    outputs, grads = [], []
+
+    def keep(module, inputs, out):
+        outputs.append(out.detach().clone())
+        out.register_hook(lambda g: grads.append(g.detach().clone()))
+
+    for _, module in layers_of(twin.module):
+        module.register_forward_hook(keep)
+    twin.criterion(twin.model(x), y).backward()
+    grads += [p.grad for _, m in layers_of(twin.module) for p in m.parameters(recurse=False)]
+
+    def fraction(tensors, test) -> float:
+        hit = sum(int((test(t.abs()) & (t != 0)).sum()) for t in tensors)
+        return hit / sum(int((t != 0).sum()) for t in tensors)
+
+    metrics = next(m for m, s in logged if "diag_grad_underflow_frac" in m)
+    assert metrics["diag_grad_underflow_frac"] == fraction(grads, lambda a: a < 2.0**-14) > 0
+    assert metrics["diag_act_underflow_frac"] == fraction(outputs, lambda a: a < 2.0**-14)
+    assert metrics["diag_grad_overflow_frac"] == fraction(grads, lambda a: a > 65504) == 0
+
+
+def test_an_fp16_run_judges_its_stored_scaled_gradients(tmp_path):
+    """O2 with a static loss scale of 2^40 overflows fp16 in every gradient that is not tiny:
+    the in-run figure shows it (the gradients are observed as stored, scaled), and the
+    artifacts are written and handed over under diagnostics/."""
+    handed = []
+    trainer, logged = make_trainer("O2", {"loss_scale": 2.0**40}, diagnose_every_n_steps=2)
+    trainer.diagnostics = RunDiagnostics(
+        2,
+        trainer.diagnostics.formats,
+        tmp_path,
+        lambda path, folder: handed.append((path.name, folder)),
+    )
+    trainer.fit()
+    metrics = [m for m, s in logged if "diag_grad_overflow_frac" in m]
+    assert len(metrics) == 4  # steps 1, 3, 5, 7
+    assert all(m["diag_grad_overflow_frac"] > 0.5 for m in metrics)
+    assert sorted(handed) == sorted(
+        [(n, "diagnostics") for n in ("layers.csv", "exponents.csv", "grad_exponents.png")] * 2
+    )
+    with (tmp_path / "layers.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    layers = len(layers_of(trainer.module))
+    assert len(rows) == 4 * layers * 3  # per diagnosed step: every layer, three kinds
+    assert {r["loss_scale"] for r in rows} == {str(2.0**40)}
+    assert {r["judged_at_scale"] for r in rows} == {"1.0"}
+    with (tmp_path / "exponents.csv").open() as f:
+        counts = collections.Counter()
+        for r in csv.DictReader(f):
+            counts[(r["step"], r["layer"], r["kind"])] += int(r["count"])
+    assert all(counts[(r["step"], r["layer"], r["kind"])] == int(r["elements"]) for r in rows)
+    assert (tmp_path / "grad_exponents.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_model_metrics_pool_the_gradient_kinds():
+    a = TensorStats(1.0, [0] * 254, 0, 0, 0, 0, {"fp16": 1}, {"fp16": 0})
+    a.bins[0] = 4
+    b = TensorStats(1.0, [0] * 254, 0, 2, 1, 0, {"fp16": 0}, {"fp16": 1})
+    b.bins[0] = 5
+    records = [
+        type("R", (), {"kind": k, "stats": s})()
+        for k, s in ((ACTIVATION_GRAD, a), (WEIGHT_GRAD, b), (ACTIVATION, a))
+    ]
+    metrics = model_metrics(records, FP16)
+    assert metrics["diag_grad_underflow_frac"] == 1 / 10  # (4 + 5 + 1 inf) non-zero values
+    assert metrics["diag_grad_overflow_frac"] == 1 / 10
+    assert metrics["diag_act_underflow_frac"] == 1 / 4
+
+
+# ---- the pre-flight ------------------------------------------------------------------------------
+class Overflowing(nn.Module):
+    """A small CNN whose `amplifier` layer produces activations far above fp16's max."""
+
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Conv2d(3, 8, 3, padding=1)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.amplifier = nn.Linear(8, 8)
+        with torch.no_grad():
+            self.amplifier.weight.fill_(3e4)
+            self.amplifier.bias.fill_(1e5)
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, x):
+        h = self.pool(torch.relu(self.features(x))).flatten(1)
+        return self.head(self.amplifier(h) * 1e-5)
+
+
+def _fp32_trainer(model: nn.Module):
+    trainer, _ = make_trainer("O0", {})
+    engine = AmpEngine(resolve("O0", device=CPU).properties, CPU)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    model, optimizer = engine.prepare(model, optimizer)
+    trainer.model = trainer.module = model
+    trainer.optimizer, trainer.engine, trainer.scheduler = optimizer, engine, None
+    return trainer
+
+
+def test_the_preflight_names_the_layer_that_overflows_fp16(tmp_path):
+    result, text, paths = diagnose.preflight(_fp32_trainer(Overflowing()), 2, tmp_path, "t")
+    assert result.preset == "o2_bf16" and result.keep_fp32 == ["amplifier"]
+    fp16 = result.judgements[0]
+    assert fp16.name == "fp16" and fp16.act_overflow == ["amplifier"]
+    assert result.judgements[1].act_overflow == []  # bf16 holds them
+    assert "fp16 OVERFLOWS in the forward pass: the activations of amplifier" in text
+    assert "Recommendation: precision=o2_bf16; keep in fp32: amplifier" in text
+    assert {p.name for p in paths} == {
+        "layers.csv",
+        "exponents.csv",
+        "grad_exponents.png",
+        "report.txt",
+    }
+    assert all(p.is_file() for p in paths)
+
+
+def test_the_preflight_recommends_loss_scaling_for_small_gradients(tmp_path):
+    torch.manual_seed(0)
+    result, text, _ = diagnose.preflight(
+        _fp32_trainer(
+            nn.Sequential(
+                nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 10)
+            )
+        ),
+        2,
+        tmp_path,
+        "t",
+        device_type="cuda",
+    )
+    assert result.preset == "o2" and result.keep_fp32 == []
+    top = result.grads.max_log2
+    assert result.loss_scale == min(2.0 ** (14 - top), 2.0**24)  # max|g| * S < 2^15
+    assert result.underflow_at_scale == (
+        result.grads.underflow_at(FP16, result.loss_scale) / result.grads.nonzero
+    )
+    assert f"precision.loss_scale={result.loss_scale:g}" in text
+
+
+def test_recommended_scale_keeps_gradients_below_half_of_fp16_max():
+    def stats(top: int) -> TensorStats:
+        s = TensorStats(1.0, [0] * 254, 0, 0, 0, 0)
+        s.bins[top - LOG2_MIN] = 1
+        return s
+
+    assert diagnose.recommended_scale(stats(-3)) == 2.0**17  # [2^-3, 2^-2) * 2^17 < 2^15
+    assert diagnose.recommended_scale(stats(-40)) == 2.0**24  # the dynamic scaler's ceiling
+    assert diagnose.recommended_scale(stats(16)) == 2.0**-2  # too large for fp16 unscaled
+    assert diagnose.recommended_scale(None) is None
+
+
+# ---- the command ---------------------------------------------------------------------------------
+def _run_diagnose(*args: str, cwd: Path):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return subprocess.run(
+        [sys.executable, "-m", "runner.diagnose", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+@pytest.mark.slow
+def test_the_command_prints_its_table_and_logs_a_diagnose_run(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    result = _run_diagnose(
+        *FAST, "precision=o2", f"mlflow.tracking_uri={uri}", "--steps", "2", cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert "asked for precision=o2" in out and "Recommendation: precision=" in out
+    for block in ("fp16: fp16 (max 65504", "bf16: bf16", "fp8: activations in fp8_e4m3"):
+        assert block in out
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("amp-runner").experiment_id])
+    assert run.info.status == "FINISHED" and run.info.run_name == "tiny-diagnose"
+    assert run.data.tags["diagnose"] == "true" and run.data.tags["diagnose.target_preset"] == "o2"
+    assert run.data.params["precision.opt_level"] == "O0"  # measured in fp32
+    assert "diag_grad_underflow_frac" in run.data.metrics
+    assert run.data.metrics["mem_total_mb"] > 0
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "diagnostics")}
+    assert artifacts == {
+        f"diagnostics/{n}"
+        for n in ("layers.csv", "exponents.csv", "grad_exponents.png", "report.txt")
+    }
+    assert (tmp_path / "diagnostics" / "report.txt").read_text() in out
+
+
+@pytest.mark.slow
+def test_the_pre_flight_of_a_gpt_names_every_transformer_layer(tmp_path):
+    """The pre-flight on a language model: one row per layer of gpt_tiny (the attention's q, k,
+    v and proj, the MLP's up and down, the norms, the head), measured on token-id batches."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    result = _run_diagnose(
+        "model=gpt_tiny",
+        "data=synthetic_text",
+        "data.num_train=4096",
+        "data.block_size=32",
+        "trainer.batch_size=8",
+        "trainer.num_workers=0",
+        "trainer.progress_bar=false",
+        "trainer.device=cpu",
+        "precision=o2_bf16",
+        f"mlflow.tracking_uri={uri}",
+        "--steps",
+        "2",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    for layer in (
+        "blocks.0.attn.q",
+        "blocks.0.attn.proj",
+        "blocks.1.mlp.down",
+        "blocks.1.ln2",
+        "ln_f",
+        "head",
+    ):
+        assert f"  {layer} " in result.stdout, layer
+    assert "Recommendation: precision=" in result.stdout
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("amp-runner").experiment_id])
+    assert run.info.run_name == "gpt_tiny-diagnose" and run.info.status == "FINISHED"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["trainer.batch_size=0"], "trainer.batch_size"),
+        (["trainer.max_epoch=2"], "max_epoch"),
+        (["trainer.diagnose_every_n_steps=-1"], "trainer.diagnose_every_n_steps"),
+    ],
+)
+def test_bad_overrides_exit_2_without_a_traceback_or_a_run(tmp_path, args, needle):
+    result = _run_diagnose(
+        *FAST, *args, f"mlflow.tracking_uri=sqlite:///{tmp_path / 'm.db'}", cwd=tmp_path
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 2 and needle in output and "Traceback" not in output
+    assert not (tmp_path / "m.db").exists()

@@ -1,0 +1,109 @@
+"""The divergence guard: `trainer.max_bad_steps` consecutive skipped steps or non-finite losses stop
+the run with a DivergenceError; real runs, real MLflow stores, no mocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from runner.errors import DivergenceError, RunnerError
+from runner.run import app
+from tests.helpers.runs import FAST, compose_config
+from tests.helpers.store import only_run
+from tests.helpers.trainer import make_trainer
+
+
+# ---- the guard on a Trainer ------------------------------------------------------------------
+def test_consecutive_skips_stop_at_the_step_they_reach_the_limit():
+    """O2 at a static scale of 2^40 overflows the fp16 gradients: every step is skipped (the loss
+    itself is finite)."""
+    trainer, _ = make_trainer("O2", {"loss_scale": 2.0**40}, max_bad_steps=6)
+    with pytest.raises(DivergenceError) as e:
+        trainer.fit()
+    # 4 steps per epoch: the streak carries over the epoch boundary and trips at step 6
+    assert trainer.global_step == 6 and trainer.engine.skipped_steps == 6
+    msg = str(e.value)
+    assert "6 consecutive steps were skipped" in msg and "up to step 6" in msg
+    assert "static loss scale 1.09951e+12" in msg and "precision.loss_scale" in msg
+    assert isinstance(e.value, RunnerError)
+
+
+def test_non_finite_losses_stop_at_the_next_periodic_read():
+    """A huge lr blows the fp32 weights up after the first step: the loss is inf/NaN from step 2
+    on, nothing is skipped (scale 1 has no check). The device-side counter is read only every
+    log_every_n_steps (3) steps: detection lags up to then."""
+    trainer, logged = make_trainer("O0", {}, max_bad_steps=1, scheduler="none")
+    trainer.optimizer.param_groups[0]["lr"] = 1e30
+    with pytest.raises(DivergenceError) as e:
+        trainer.train_epoch(1)
+    assert trainer.global_step == 3  # bad since step 2, read at step 3
+    assert trainer.engine.skipped_steps == 0
+    msg = str(e.value)
+    assert "the loss was inf/NaN for 2 consecutive steps up to step 3" in msg
+    assert "precision=o2" in msg and "bf16" in msg
+    assert not [m for m, _ in logged if "train_loss" in m]  # failed before logging a NaN
+
+
+def test_bad_steps_below_the_limit_or_interrupted_do_not_trip_the_guard():
+    trainer, _ = make_trainer("O2", {"loss_scale": 2.0**40}, max_bad_steps=3, limit_train_batches=1)
+    trainer.fit()  # two skipped steps in a row (one per epoch): below the limit
+    assert trainer.skip_streak == 2 and trainer.engine.skipped_steps == 2
+    trainer, _ = make_trainer("O0", {}, max_bad_steps=2)
+    trainer.skip_streak = 1  # a clean step resets the streak
+    trainer.train_epoch(1)
+    assert trainer.skip_streak == 0 and trainer.engine.skipped_steps == 0
+    assert int(trainer.bad_loss_streak) == 0
+
+
+def test_guard_adds_no_host_sync_to_a_step():
+    """O0 at scale 1 reads nothing from the device per step; the guard must not either."""
+
+    class CountSyncs(TorchDispatchMode):
+        syncs = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default):
+                CountSyncs.syncs += 1
+            return func(*args, **(kwargs or {}))
+
+    trainer, _ = make_trainer("O0", {})
+    x, y = next(iter(trainer.train_loader))
+    with CountSyncs():
+        for _ in range(3):
+            trainer.train_step(x, y)
+    assert CountSyncs.syncs == 0
+    assert int(trainer.bad_loss_streak) == 0
+
+
+# ---- real runs -------------------------------------------------------------------------------
+def _failed_run(tracking_uri, overrides, needle):
+    cfg = compose_config(*FAST, *overrides, f"mlflow.tracking_uri={tracking_uri}")
+    with pytest.raises(DivergenceError) as e:
+        app.run(cfg, overrides=overrides)
+    assert needle in str(e.value)
+    _, run = only_run(tracking_uri)
+    assert run.info.status == "FAILED"
+    assert run.data.tags["error"].startswith("DivergenceError: training diverged")
+    assert needle in run.data.tags["error"]
+    return str(e.value), run
+
+
+def test_pure_fp16_overflowing_every_step_fails_the_run(tracking_uri):
+    """O3 with a static scale of 1e10: fp16 gradients overflow at every step."""
+    msg, run = _failed_run(
+        tracking_uri,
+        ["precision=o3", "precision.loss_scale=1e10", "trainer.max_bad_steps=2"],
+        "2 consecutive steps were skipped (inf/NaN gradients) up to step 2",
+    )
+    assert run.data.params["trainer.max_bad_steps"] == "2"
+
+
+def test_non_finite_loss_fails_the_run(tracking_uri):
+    """O0 with an absurd lr: the loss is inf/NaN from step 2 on; read at the epoch's end (step 3:
+    3 batches per epoch, log_every_n_steps 2)."""
+    _failed_run(
+        tracking_uri,
+        ["precision=o0", "optimizer.lr=1e30", "scheduler=none", "trainer.max_bad_steps=2"],
+        "the loss was inf/NaN for 2 consecutive steps up to step 3",
+    )
