@@ -35,7 +35,7 @@ class Properties:
     logged once. Read a property as an attribute: `props.cast_model_type`."""
 
     # The table's rows spelled out for readers and type checkers. The values live in `_values`,
-    # keyed by the table itself; tests/test_property_table.py holds these fields to the table
+    # keyed by the table itself; tests/unit/test_property_table.py holds these fields to the table
     # (name, order, type, and every default a value of its type).
     cast_model_type: Optional[torch.dtype]
     patch_torch_functions: bool

@@ -7,6 +7,7 @@ import re
 
 from mlflow.tracking import MlflowClient
 
+# What an image-classification run logs every epoch, and once at its end.
 EPOCH_METRICS = [
     "val_loss",
     "val_acc",
@@ -18,6 +19,7 @@ EPOCH_METRICS = [
 ]
 FINAL_METRICS = ["best_val_acc", "train_time_s"]
 
+# The metrics a resumed run must repeat bit for bit (no timing, no memory figure).
 NON_TIMING = (
     "train_loss",
     "lr",
@@ -28,7 +30,8 @@ NON_TIMING = (
     "best_val_acc",
 )
 
-VARIABLE = re.compile(r"time|samples_per_s|mem|rss|^system/")  # system/: the machine's load
+# Metrics that differ between two runs of the same config (timings, memory, the machine's load).
+VARIABLE = re.compile(r"time|samples_per_s|mem|rss|^system/")
 
 
 def metric_history(client: MlflowClient, run) -> dict[str, dict[int, float]]:
