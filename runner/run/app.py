@@ -284,7 +284,7 @@ def train(plan: RunPlan, comm: Comm, device: torch.device, launch: Launch) -> fl
         return train_parts(plan, comm, device, launch, tracker, parts)
     finally:
         # the loaders' worker processes end with the run, whatever may still hold the loaders
-        # (a reference cycle, an exception's traceback): see components.data.shutdown_workers
+        # (a reference cycle, an exception's traceback): see components.loaders.shutdown_workers
         parts.close()
 
 

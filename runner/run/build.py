@@ -17,13 +17,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from runner import csrc
-from runner.components.data import (
-    build_datasets,
-    build_loaders,
-    declared_input,
-    declared_num_classes,
-    shutdown_workers,
-)
+from runner.components.data import build_datasets, declared_input, declared_num_classes
+from runner.components.loaders import build_loaders, shutdown_workers
 from runner.components.losses import build_loss
 from runner.components.models import build_model, check_output
 from runner.components.optim import build_optimizer, build_scheduler

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from omegaconf import OmegaConf
 
-from runner.components.data import build_datasets, build_loaders
+from runner.components.data import build_datasets
+from runner.components.loaders import build_loaders
 from runner.components.models import build_model
 from runner.components.optim import build_optimizer, build_scheduler
 from runner.config import SyntheticConfig, TinyModelConfig, TrainerConfig

@@ -1,7 +1,7 @@
 """Data-parallel training with real torchrun processes (Gloo on CPU) against one process.
 
 2 processes with batch 16 each see, step for step, the same 32 images as 1 process with batch 32
-(runner.components.data.EpochSampler shards every epoch's permutation), and DDP averages their
+(runner.components.loaders.EpochSampler shards every epoch's permutation), and DDP averages their
 gradients, so
 both must reach the same weights. The model is the GroupNorm variant of `tiny` (BatchNorm's batch
 statistics differ by construction between 2 x 16 and 1 x 32 images).

@@ -183,7 +183,8 @@ def test_the_exit_hook_ends_workers_a_reference_cycle_kept(tmp_path):
     script = textwrap.dedent("""
         import gc
         from omegaconf import OmegaConf
-        from runner.components.data import build_datasets, build_loaders
+        from runner.components.data import build_datasets
+        from runner.components.loaders import build_loaders
         gc.disable()
         bundle = build_datasets(OmegaConf.create(dict(
             name="synthetic", num_classes=10, image_size=8, num_train=64, num_val=16, seed=0,

@@ -23,8 +23,8 @@ from runner.components.data import (
     CheckedCIFAR10,
     DataBundle,
     build_datasets,
-    build_loaders,
 )
+from runner.components.loaders import build_loaders
 from runner.components.models import build_model
 from runner.config import CifarConfig, ImageFolderConfig, SyntheticConfig, TinyModelConfig
 from runner.errors import ConfigError, DataError
