@@ -1,0 +1,75 @@
+"""The task interface: what the trainer and the plan ask of a task (`Task`), and what one
+validation batch adds up (`EvalSums`)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class EvalSums:
+    """What one validation batch adds up (float64 tensors on the device: no host sync)."""
+
+    loss_sum: torch.Tensor  # the criterion times the number of counted items
+    correct: torch.Tensor  # items predicted right (samples or tokens)
+    count: int  # items (samples or tokens)
+
+
+class Task:
+    """The interface the trainer and the plan use; see the package docstring (runner.tasks)."""
+
+    name: str = ""
+    objective: str = ""  # the metric a run returns and a sweep optimises
+    maximize: bool = True
+    input_dtype: torch.dtype = torch.float32  # of the model-output check's batch
+
+    def input_shape(self, sample_shape: tuple[int, ...]) -> tuple[int, ...]:
+        return sample_shape
+
+    def output_fits(self, got: Any, batch: tuple[int, ...], num_outputs: int) -> bool:
+        """Whether a model's output of shape `got` (a tuple; a type name where the output is no
+        tensor) for a batch of shape `batch` is what this task trains on."""
+        raise NotImplementedError
+
+    def output_description(self, num_outputs: int) -> str:
+        raise NotImplementedError
+
+    def loss(
+        self, criterion: torch.nn.Module, output: torch.Tensor, target: torch.Tensor
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def items(self, target: torch.Tensor) -> int:
+        """How many predictions a batch holds (samples, or tokens)."""
+        raise NotImplementedError
+
+    def eval_sums(
+        self, criterion: torch.nn.Module, output: torch.Tensor, target: torch.Tensor
+    ) -> EvalSums:
+        loss = self.loss(criterion, output.float(), target).double()
+        predicted = output.argmax(dim=-1)
+        n = self.items(target)
+        return EvalSums(loss * n, (predicted == target).sum().double(), n)
+
+    def epoch_metrics(
+        self, val_loss: float, val_accuracy: float, seconds: float, samples: int, items: int
+    ) -> dict[str, float]:
+        raise NotImplementedError
+
+    def better(self, value: float, best: float) -> bool:
+        if math.isnan(value):
+            return False
+        if math.isnan(best) or best in (math.inf, -math.inf):
+            return True
+        return value > best if self.maximize else value < best
+
+    @property
+    def worst(self) -> float:
+        return -math.inf if self.maximize else math.inf
+
+    def epoch_summary(self, metrics: dict[str, float]) -> str:
+        raise NotImplementedError
