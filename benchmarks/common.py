@@ -469,9 +469,9 @@ def store_uri(given: Optional[str], prefix: str) -> str:
 def prepare_store(tracking_uri: str, experiment: str) -> None:
     """Create the store and the experiment (artifacts beside a SQLite database) before the runs,
     as the runner's own Tracker does."""
-    from runner.tracking.lifecycle import Tracker
+    from runner.tracking.mlflow_tracker import MlflowTracker
 
-    Tracker(tracking_uri, experiment)
+    MlflowTracker(tracking_uri, experiment)
 
 
 @dataclass

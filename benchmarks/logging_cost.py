@@ -1,13 +1,14 @@
 """MLflow logging cost: how much of a training step goes into the runner's MLflow logging?
 
 A real run: the runner's objects for a small model (`common.build_runner`), a real MLflow run on
-a SQLite store in a temporary folder (`runner.tracking.lifecycle.Tracker`, `TrackedRun.log_metrics`:
-asynchronous batches), and the trainer's own epoch loop (`Trainer.train_epoch`, which logs
-`train_loss` and `lr` every `trainer.log_every_n_steps` steps) over batches held in memory.
+a SQLite store in a temporary folder (`runner.tracking.mlflow_tracker.MlflowTracker`,
+`MlflowRun.log_metrics`: asynchronous batches), and the trainer's own epoch loop
+(`Trainer.train_epoch`, which logs `train_loss` and `lr` every `trainer.log_every_n_steps` steps)
+over batches held in memory.
 Blocks of one epoch each alternate, round after round, between four variants: logging every step
 and at the default interval (50), each with the MLflow sink live and with it switched off (the
 trainer still makes its periodic loss read; only the MLflow call is gone). A live block ends with
-`TrackedRun.flush()`, inside the timed span, so the background thread's queued work is paid for by
+`MlflowRun.flush()`, inside the timed span, so the background thread's queued work is paid for by
 the block that queued it. Two figures per interval:
   in-call:    the time the training thread spends inside `log_metrics` (timed around each
               call), per step, as a share of the step time;
@@ -61,7 +62,7 @@ TARGET_FRACTION = 0.01
 
 
 class Sink:
-    """The trainer's metrics sink: forwards to `TrackedRun.log_metrics` while `target` is set,
+    """The trainer's metrics sink: forwards to `MlflowRun.log_metrics` while `target` is set,
     timing every call; does nothing while it is None (the sink-off variant)."""
 
     def __init__(self):
@@ -282,10 +283,10 @@ def render(report: dict) -> str:
         "",
         f"The trainer's own epoch loop (`Trainer.train_epoch`) on {t['model']}, "
         f"{t['image_size']}x{t['image_size']} synthetic inputs held in memory, batch "
-        f"{t['batch_size']}, logging `train_loss` and `lr` through `TrackedRun.log_metrics` "
+        f"{t['batch_size']}, logging `train_loss` and `lr` through `MlflowRun.log_metrics` "
         "(asynchronous batches) into a real MLflow run on a SQLite store. Blocks of "
         f"{report['steps']} steps alternate over {report['rounds']} rounds between the sink live "
-        "and off, at each interval; a live block ends with `TrackedRun.flush()` inside its timed "
+        "and off, at each interval; a live block ends with `MlflowRun.flush()` inside its timed "
         "span. Step times are medians over the blocks; *in-call* is the training thread's time "
         "inside `log_metrics`; *end to end* is the live median minus the off median (background "
         "work included), with the median and IQR of the per-round differences of adjacent "
@@ -351,7 +352,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import mlflow
     from omegaconf import OmegaConf
 
-    from runner.tracking.lifecycle import Tracker
+    from runner.tracking.mlflow_tracker import MlflowTracker
     from runner.tracking.record import flatten
 
     args.tracking_uri = store_uri(args.tracking_uri, "logging-cost-")
@@ -368,7 +369,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = compose(task_overrides(args))
         sink = Sink()
         parts = build_runner(cfg, on_metrics=sink)
-        tracker = Tracker(cfg.mlflow.tracking_uri, cfg.mlflow.experiment_name)
+        tracker = MlflowTracker(cfg.mlflow.tracking_uri, cfg.mlflow.experiment_name)
         params = flatten(OmegaConf.to_container(cfg, resolve=True))
         with tracker.start_run(
             f"{args.model}-logging-cost", params, {"benchmark": EXPERIMENT}

@@ -13,9 +13,9 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 import runner.config  # noqa: F401  (registers the schemas before Hydra composes)
-from runner import sweep
 from runner.config.finder import config_dir
 from runner.errors import RunnerError
+from runner.sweep import callback, gpus, jobs, parent
 
 log = logging.getLogger("runner")
 
@@ -28,11 +28,11 @@ def main(cfg: DictConfig) -> float | None:
     other sweeper it raises, so the sweeper sees a failed job (runner.sweep)."""
     hydra_cfg = HydraConfig.get()
     job = {"overrides": list(hydra_cfg.overrides.task), "output_dir": hydra_cfg.runtime.output_dir}
-    parent = sweep.job_parent()
-    if parent is not None:
-        return sweep.run_job(
+    sweep_parent = parent.job_parent()
+    if sweep_parent is not None:
+        return jobs.run_job(
             cfg,
-            parent,
+            sweep_parent,
             job_num=int(hydra_cfg.job.num),
             sweeper=str(OmegaConf.select(hydra_cfg, "sweeper._target_") or ""),
             **job,
@@ -51,8 +51,8 @@ def cli() -> None:
     """Console-script entry (`amp-runner ...`); Ctrl-C exits 130 and SIGTERM 143 after the run
     (and a sweep's parent run) is marked KILLED (and, from a first signal, checkpointed); a sweep
     that stops early leaves no RUNNING parent behind."""
-    sweep.register_resolvers()
-    with sweep.launch_scope() as launched:
+    gpus.register_resolvers()
+    with callback.launch_scope() as launched:
         try:
             main()
         except KeyboardInterrupt as interrupt:  # Ctrl-C, or SIGTERM after its checkpoint

@@ -603,7 +603,7 @@ def plot_exponents(
 
 
 # ---- diagnostics inside a run --------------------------------------------------------------------
-# (local file, artifact folder), e.g. TrackedRun.log_file
+# (local file, artifact folder), e.g. runner.tracking.base.Run.log_file
 ArtifactSink = Callable[[Path, str], None]
 
 

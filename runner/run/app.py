@@ -85,7 +85,7 @@ def config_params(plan: RunPlan) -> dict[str, str]:
 
 
 def dataset_record(plan: RunPlan, parts: Parts) -> list[dict[str, str]]:
-    """What `TrackedRun.log_datasets` logs: the training and validation splits, named by the
+    """What `Run.log_datasets` logs: the training and validation splits, named by the
     data option (`cfg.data.name`, or its `_target_`), with a digest of the resolved data config
     and the split's size (the same data settings give the same digest in every run), and the
     config itself as the source."""
@@ -178,6 +178,13 @@ def log_layer_plan(tracked, plan: RunPlan, parts: Parts) -> None:
         tracked.log_text(plan.auto_plan, f"layers/{layer_audit.AUTO_PLAN_YAML}")
 
 
+def run_folder(plan: RunPlan, launch: Launch) -> Path:
+    """The run's own folder, where its tracker keeps files (an MLflow run's offline store of what
+    the store could not take, runner.tracking.replay; the record of a run under tracking=none):
+    Hydra's output folder, else the run's checkpoint folder."""
+    return launch.output_dir if launch.output_dir is not None else plan.checkpoint_folder
+
+
 # ---- a run ---------------------------------------------------------------------------------------
 def print_dry_run(plan: RunPlan) -> None:
     """What `dry_run=true` shows: the config, the properties, every finding (the model's Tensor
@@ -264,11 +271,11 @@ def run(
 
 def train(plan: RunPlan, comm: Comm, device: torch.device, launch: Launch) -> float:
     """`run`'s second half on this rank's `device`: build, record and track (rank 0), train."""
-    from runner.tracking.lifecycle import Tracker
+    from runner.tracking.trackers import open_tracker
 
     cfg = plan.cfg
     # only rank 0 talks to the store; its failure (an unreachable server) stops every rank
-    tracker = comm.on_main(lambda: Tracker.from_config(cfg.mlflow))
+    tracker = comm.on_main(lambda: open_tracker(cfg, run_folder(plan, launch)))
     if comm.is_main:
         tracker.reap()  # the experiment's RUNNING runs whose process is gone end KILLED
     if plan.properties.layer_plan == layers.AUTO:  # the pre-flight plans each layer's format
@@ -293,7 +300,7 @@ def train_parts(
 ) -> float:
     """`train` once the parts are built: record, track (rank 0) and fit."""
     from runner.run.trainer import RunContext
-    from runner.tracking.lifecycle import null_run
+    from runner.tracking.base import null_run
 
     cfg = plan.cfg
     if plan.resume is not None:  # the checkpoint must fit what was built, before its run reopens
@@ -323,8 +330,6 @@ def train_parts(
     )
 
     with StopRequest() as stop:
-        # metrics the store cannot take by the end go to a local store here (runner.tracking.replay)
-        offline_dir = launch.output_dir if launch.output_dir is not None else plan.checkpoint_folder
         resume = plan.resume
         tracked_run = (
             tracker.start_run(
@@ -332,7 +337,7 @@ def train_parts(
                 params,
                 tags,
                 resume_run_id=resume.run_id if resume else None,
-                offline_dir=offline_dir / "mlflow-offline",
+                folder=run_folder(plan, launch),
             )
             if comm.is_main
             else null_run()
@@ -340,7 +345,11 @@ def train_parts(
         with tracked_run as tracked:
             if comm.is_main:
                 log.info(
-                    "MLflow run %r (%s) in %s", plan.run_name, tracked.run_id, tracker.tracking_uri
+                    "%s run %r (%s) in %s",
+                    tracker.label,
+                    plan.run_name,
+                    tracked.run_id,
+                    tracker.location,
                 )
                 if cfg.mlflow.system_metrics_s > 0:
                     tracked.sample_system(cfg.mlflow.system_metrics_s, resumed=resume is not None)

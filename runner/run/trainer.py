@@ -114,10 +114,10 @@ Checkpointer = Callable[[dict], str]  # writes a checkpoint state, returns where
 @dataclass
 class RunContext:
     """Where the trainer's results go and what it answers to, in one object: the metrics sink
-    (e.g. TrackedRun.log_metrics), the process group, the checkpoint writer (None: this rank
-    writes none), the stop request (SIGINT/SIGTERM), and the sink for the files it writes (the
-    diagnostics; e.g. TrackedRun.log_file), written under `artifact_dir` (None: a temporary
-    folder)."""
+    (e.g. Run.log_metrics, runner.tracking.base), the process group, the checkpoint writer
+    (None: this rank writes none), the stop request (SIGINT/SIGTERM), and the sink for the files
+    it writes (the diagnostics; e.g. Run.log_file), written under `artifact_dir` (None: a
+    temporary folder)."""
 
     on_metrics: MetricsSink
     comm: Comm = field(default_factory=Comm)

@@ -7,7 +7,7 @@ the host,
 the pid and, on Linux, the process's start time (clock ticks since boot) and where that pid means
 that process (the boot id and PID namespace: a pid reused after the process died, after a reboot or
 in another container is not mistaken for it), plus a heartbeat, the time refreshed every
-`mlflow.heartbeat_s` seconds by a background thread (runner.tracking.lifecycle).
+`mlflow.heartbeat_s` seconds by a background thread (runner.tracking.mlflow_run).
 
 `vanished` judges a run from those tags, conservatively (a live run is never judged gone):
 

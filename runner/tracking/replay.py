@@ -1,6 +1,5 @@
 """`python -m runner.replay FOLDER` (the entry point, runner/replay.py): deliver what a run could
-not log while its tracking server was
-away.
+not log while its tracking server was away.
 
 When the server does not answer at the end of a run, the run writes the metrics it still holds,
 its final status, its error and its log file into a local MLflow store, `FOLDER/mlflow.db` (the
@@ -42,9 +41,8 @@ def write_offline(
     metrics: list[Metric],
     artifacts: list[tuple[str, str | None]],
 ) -> Path:
-    """The undelivered part of `tracked` (a runner.tracking.lifecycle.TrackedRun) as a run of a
-    local
-    store in `folder`; returns the folder."""
+    """The undelivered part of `tracked` (a runner.tracking.mlflow_run.MlflowRun) as a run of a
+    local store in `folder`; returns the folder."""
     folder.mkdir(parents=True, exist_ok=True)
     client = MlflowClient(local_uri(folder))
     name = tracked.experiment_name or "amp-runner"

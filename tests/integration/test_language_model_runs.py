@@ -223,10 +223,11 @@ def test_a_users_gpt_package_and_the_builtin_gpt_train_on_text(tmp_path):
 
 
 def run_in_process_report(uri: str, out: Path) -> str:
-    from runner import report
+    from runner.report.cli import main as report_main
+    from runner.report.tables import TABLE_MD
 
-    assert report.main(["--tracking-uri", uri, "--out", str(out)]) == 0
-    return (out / report.TABLE_MD).read_text()
+    assert report_main(["--tracking-uri", uri, "--out", str(out)]) == 0
+    return (out / TABLE_MD).read_text()
 
 
 # ---- every precision feature on the GPT ---------------------------------------------------------

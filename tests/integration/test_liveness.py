@@ -24,11 +24,13 @@ import time
 import pytest
 from mlflow.tracking import MlflowClient
 
-from runner import report
 from runner.errors import RunnerError
+from runner.report.cli import main as report_main
 from runner.tracking import tags as tag
-from runner.tracking.lifecycle import Tracker, end_state
+from runner.tracking.base import end_state
 from runner.tracking.liveness import ProcessIdentity, now_iso, parse_iso, process_state, vanished
+from runner.tracking.mlflow_reader import record
+from runner.tracking.mlflow_tracker import MlflowTracker
 from tests.helpers.runs import FAST, read_until, run_cli, start_cli
 
 STALE = time.time() - 3600  # an hour ago: older than the default mlflow.stale_after_s (600 s)
@@ -41,7 +43,7 @@ def dead_pid() -> int:
     return child.pid
 
 
-def fake_run(tracker: Tracker, name: str, **tags: str) -> str:
+def fake_run(tracker: MlflowTracker, name: str, **tags: str) -> str:
     """A RUNNING run written straight into the store, as another process would leave it."""
     return tracker.client.create_run(tracker.experiment_id, run_name=name, tags=tags).info.run_id
 
@@ -101,7 +103,7 @@ def test_the_rules_judge_by_pid_here_and_by_heartbeat_elsewhere():
 
 # ---- reaping, on a real store --------------------------------------------------------------------
 def test_reap_ends_only_the_runs_whose_process_is_gone(tracking_uri, caplog):
-    tracker = Tracker(tracking_uri, "amp-runner")
+    tracker = MlflowTracker(tracking_uri, "amp-runner")
     client = MlflowClient(tracking_uri)
     here = ProcessIdentity.current()
     stale_elsewhere = fake_run(tracker, "stale-elsewhere", **elsewhere(STALE))
@@ -135,7 +137,7 @@ def test_reap_ends_only_the_runs_whose_process_is_gone(tracking_uri, caplog):
         assert run.info.end_time == max(
             run.info.start_time, int(parse_iso(tags[tag.HEARTBEAT]) * 1000)
         )
-        assert end_state(run) == f"KILLED: {tags[tag.ERROR]}"
+        assert end_state(record(run)) == f"KILLED: {tags[tag.ERROR]}"
     lines = [r.getMessage() for r in caplog.records if "as KILLED" in r.getMessage()]
     assert len(lines) == 3 and all("process vanished" in line for line in lines)
     for run_id in (fresh_elsewhere, untagged, live.run_id):
@@ -152,7 +154,7 @@ def test_reap_ends_only_the_runs_whose_process_is_gone(tracking_uri, caplog):
 def test_a_run_reopened_after_it_was_judged_is_not_ended(tracking_uri):
     """Two processes at once: one judges a run dead while the other reopens it (resume): the
     reaper re-reads the run before ending it and leaves it alone."""
-    tracker = Tracker(tracking_uri, "amp-runner")
+    tracker = MlflowTracker(tracking_uri, "amp-runner")
     run_id = fake_run(tracker, "resumed", **elsewhere(STALE))
     (judged,) = tracker.running_runs()
     reason = tracker.vanished(judged)
@@ -168,7 +170,7 @@ def test_a_run_reopened_after_it_was_judged_is_not_ended(tracking_uri):
 @pytest.mark.parametrize("name", ["tiny-O2", 'it\'s "quoted"'])
 def test_latest_run_finds_the_newest_run_of_a_name(tracking_uri, name):
     """What `resume=auto` asks before it continues a run: what became of the last one."""
-    tracker = Tracker(tracking_uri, "amp-runner")
+    tracker = MlflowTracker(tracking_uri, "amp-runner")
     assert tracker.latest_run(name) is None
     first = fake_run(tracker, name, **elsewhere(STALE))
     tracker.reap()
@@ -176,15 +178,15 @@ def test_latest_run_finds_the_newest_run_of_a_name(tracking_uri, name):
     second = tracker.create_run(name, {})
     fake_run(tracker, "another name")
     latest = tracker.latest_run(name)
-    assert latest.info.run_id == second.run_id and latest.info.status == "RUNNING"
+    assert latest.run_id == second.run_id and latest.status == "RUNNING"
     assert tracker.vanished(latest) is None  # this process: alive
     second.end("FINISHED")
-    assert tracker.latest_run(name).info.status == "FINISHED"
+    assert tracker.latest_run(name).status == "FINISHED"
     assert tracker.client.get_run(first).info.status == "KILLED"
 
 
 def test_the_heartbeat_goes_on_until_the_end(tracking_uri):
-    tracker = Tracker(tracking_uri, "amp-runner", heartbeat_s=0.2)
+    tracker = MlflowTracker(tracking_uri, "amp-runner", heartbeat_s=0.2)
     tracked = tracker.create_run("beating", {})
     tags = lambda: tracker.client.get_run(tracked.run_id).data.tags  # noqa: E731
     first = tags()[tag.HEARTBEAT]
@@ -203,9 +205,9 @@ def test_a_live_run_ended_by_a_reaper_elsewhere_comes_back(tracking_uri, caplog)
     """A reaper on another host that could not see the heartbeat for longer than its
     stale_after_s (a store out of reach, this process suspended) ends a live run: its next
     heartbeat makes it RUNNING again, and it ends FINISHED without the reaper's error."""
-    tracker = Tracker(tracking_uri, "amp-runner", heartbeat_s=0.2)
+    tracker = MlflowTracker(tracking_uri, "amp-runner", heartbeat_s=0.2)
     tracked = tracker.create_run("suspended", {})
-    reaper = Tracker(tracking_uri, "amp-runner", stale_after_s=600)
+    reaper = MlflowTracker(tracking_uri, "amp-runner", stale_after_s=600)
     far_away = ProcessIdentity("gpu-node-17", 1)
     assert reaper.reap(here=far_away, now=time.time() + 3600) == [tracked.run_id]
     assert tracker.client.get_run(tracked.run_id).info.status == "KILLED"
@@ -221,7 +223,7 @@ def test_a_live_run_ended_by_a_reaper_elsewhere_comes_back(tracking_uri, caplog)
 
 
 def test_the_report_shows_reaped_runs_as_killed_with_the_reason(tracking_uri, tmp_path):
-    tracker = Tracker(tracking_uri, "amp-runner")
+    tracker = MlflowTracker(tracking_uri, "amp-runner")
     parent = tracker.create_run("sweep precision=o0,o1", {tag.SWEEP_DIR: str(tmp_path)})
     params = {
         "model.name": "tiny",
@@ -236,7 +238,7 @@ def test_the_report_shows_reaped_runs_as_killed_with_the_reason(tracking_uri, tm
     parent.end("FINISHED")
 
     out = tmp_path / "report"
-    assert report.main(["--tracking-uri", tracking_uri, "--out", str(out)]) == 0
+    assert report_main(["--tracking-uri", tracking_uri, "--out", str(out)]) == 0
     reason = tracker.client.get_run(lost).data.tags[tag.ERROR]
     assert f"- tiny-O1 (KILLED): {reason}" in (out / "comparison.md").read_text()
     with (out / "comparison.csv").open(newline="") as f:
@@ -251,11 +253,11 @@ def test_a_store_another_process_keeps_locked_is_a_clear_error(tmp_path):
     with open(tmp_path / "mlflow.db.lock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         with pytest.raises(RunnerError) as e:
-            Tracker(uri, "amp-runner", lock_timeout_s=0.5)
+            MlflowTracker(uri, "amp-runner", lock_timeout_s=0.5)
     message = str(e.value)
     assert message.startswith("mlflow.tracking_uri: the tracking store")
     assert uri in message and "mlflow.db.lock" in message
-    Tracker(uri, "amp-runner", lock_timeout_s=0.5)  # released: it opens
+    MlflowTracker(uri, "amp-runner", lock_timeout_s=0.5)  # released: it opens
 
 
 @pytest.mark.parametrize("case", ["folder is a file", "not a database"])
@@ -267,7 +269,7 @@ def test_an_unusable_store_is_a_clear_error(tmp_path, case):
         (tmp_path / "mlflow.db").write_bytes(b"not an SQLite database" * 100)
         uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     with pytest.raises(RunnerError) as e:
-        Tracker(uri, "amp-runner")
+        MlflowTracker(uri, "amp-runner")
     message = str(e.value)
     assert message.startswith(f"mlflow.tracking_uri: cannot use the tracking store {uri!r}: ")
     assert "set mlflow.tracking_uri to another store" in message

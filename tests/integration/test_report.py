@@ -1,6 +1,6 @@
 """`python -m runner.report` on real MLflow stores: the O0-O3 sweep's SQLite store (made once per
 session by a real multirun), the same runs served by a real `mlflow server` on localhost through
-its REST API, and small stores written with the runner's Tracker for the edge cases."""
+its REST API, and small stores written with the runner's MlflowTracker for the edge cases."""
 
 from __future__ import annotations
 
@@ -13,10 +13,14 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from runner import report
-from runner.tracking.lifecycle import Tracker
+from runner.report.analysis import MEMORY_METRICS, Row, seed_groups
+from runner.report.cli import main as report_main
+from runner.report.plots import bar_labels
+from runner.report.runs import to_row
+from runner.tracking.mlflow_tracker import MlflowTracker
 from runner.tracking.tags import PARENT_RUN as PARENT_RUN_TAG
 from runner.tracking.tags import SWEEP_DIR as SWEEP_DIR_TAG
+from runner.tracking.trackers import open_reader
 from tests.helpers.server import MlflowServer
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -56,7 +60,7 @@ def assert_png(path: Path, width: int, height: int) -> None:
 def test_report_compares_the_levels_and_logs_itself_on_the_parent(levels_sweep, tmp_path, capsys):
     _, uri = levels_sweep
     out = tmp_path / "report"
-    assert report.main(["--tracking-uri", uri, "--out", str(out)]) == 0
+    assert report_main(["--tracking-uri", uri, "--out", str(out)]) == 0
     assert {p.name for p in out.iterdir()} == REPORT_FILES
 
     client, parent = sweep_parent(uri)
@@ -150,15 +154,15 @@ def test_a_tracking_server_serves_the_sweep_tree(levels_sweep, tmp_path):
 
         # the report reads the same runs through the server
         out = tmp_path / "via-server"
-        assert report.main(["--tracking-uri", base, "--parent", parent_id, "--out", str(out)]) == 0
+        assert report_main(["--tracking-uri", base, "--parent", parent_id, "--out", str(out)]) == 0
         assert [r["level"] for r in read_csv(out / "comparison.csv")] == ["O0", "O1", "O2", "O3"]
     finally:
         server.stop()
 
 
-# ---- edge cases, on small stores written with the runner's Tracker ------------------------------
+# ---- edge cases, on small stores written with the runner's MlflowTracker ------------------------
 def test_runs_lacking_metrics_are_reported_not_fatal(tracking_uri, tmp_path, capsys):
-    tracker = Tracker(tracking_uri, "amp-runner")
+    tracker = MlflowTracker(tracking_uri, "amp-runner")
     parent = tracker.create_run("sweep precision=o0,o3", {SWEEP_DIR_TAG: str(tmp_path)})
     child_tags = {PARENT_RUN_TAG: parent.run_id}
     params = {
@@ -184,7 +188,7 @@ def test_runs_lacking_metrics_are_reported_not_fatal(tracking_uri, tmp_path, cap
     parent.end("FINISHED")
 
     out = tmp_path / "report"
-    assert report.main(["--tracking-uri", tracking_uri, "--out", str(out)]) == 0
+    assert report_main(["--tracking-uri", tracking_uri, "--out", str(out)]) == 0
     rows = {r["run_name"]: r for r in read_csv(out / "comparison.csv")}
     assert rows["tiny-O0"]["samples_per_s"] == "200.0" and rows["tiny-O0"]["speedup_vs_o0"] == "1.0"
     assert rows["tiny-O3"]["status"] == "FAILED" and rows["tiny-O3"]["best_val_acc"] == ""
@@ -198,7 +202,7 @@ def test_runs_lacking_metrics_are_reported_not_fatal(tracking_uri, tmp_path, cap
 
 
 def test_a_missing_store_is_not_created(tmp_path, capsys):
-    assert report.main(["--out", str(tmp_path / "r")]) == 1  # ./mlflow.db, the default
+    assert report_main(["--out", str(tmp_path / "r")]) == 1  # ./mlflow.db, the default
     assert "no MLflow store at sqlite:///" in capsys.readouterr().err
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "r").exists()
 
@@ -213,8 +217,8 @@ def test_a_missing_store_is_not_created(tmp_path, capsys):
     ],
 )
 def test_nothing_to_report_says_why(args, needle, tracking_uri, tmp_path, capsys):
-    Tracker(tracking_uri, "amp-runner")  # an empty experiment
-    assert report.main(["--tracking-uri", tracking_uri, "--out", str(tmp_path / "r"), *args]) == 1
+    MlflowTracker(tracking_uri, "amp-runner")  # an empty experiment
+    assert report_main(["--tracking-uri", tracking_uri, "--out", str(tmp_path / "r"), *args]) == 1
     err = capsys.readouterr().err
     assert "Nothing to report: " in err and needle in err and "Traceback" not in err
     assert not (tmp_path / "r").exists()
@@ -223,7 +227,7 @@ def test_nothing_to_report_says_why(args, needle, tracking_uri, tmp_path, capsys
 def test_memory_by_kind_columns_and_stacked_bars(tracking_uri, tmp_path):
     """Runs that logged mem_*_mb get them in the table and CSV and a stacked bar each; a run
     without them (made before they existed) shows - and is not listed as lacking metrics."""
-    tracker = Tracker(tracking_uri, "amp-runner")
+    tracker = MlflowTracker(tracking_uri, "amp-runner")
     parent = tracker.create_run("sweep precision=o0,o2", {SWEEP_DIR_TAG: str(tmp_path)})
     parts = {"O0": (4.0, 0.0, 4.0, 4.0, 20.0), "O2": (2.0, 4.0, 2.0, 4.0, 10.0)}
     for level in ("O0", "O2", "O3"):
@@ -234,7 +238,7 @@ def test_memory_by_kind_columns_and_stacked_bars(tracking_uri, tmp_path):
             "precision.opt_level": level,
         }
         with tracker.start_run(f"tiny-{level}", params, {PARENT_RUN_TAG: parent.run_id}) as run:
-            memory = dict(zip(report.MEMORY_METRICS, parts.get(level, ())))
+            memory = dict(zip(MEMORY_METRICS, parts.get(level, ())))
             if memory:
                 memory["mem_total_mb"] = sum(memory.values())
             run.log_metrics(
@@ -251,7 +255,7 @@ def test_memory_by_kind_columns_and_stacked_bars(tracking_uri, tmp_path):
     parent.end("FINISHED")
 
     out = tmp_path / "report"
-    assert report.main(["--tracking-uri", tracking_uri, "--out", str(out)]) == 0
+    assert report_main(["--tracking-uri", tracking_uri, "--out", str(out)]) == 0
     assert {p.name for p in out.iterdir()} == REPORT_FILES
     rows = {r["level"]: r for r in read_csv(out / "comparison.csv")}
     assert float(rows["O2"]["mem_master_weights_mb"]) == 4.0
@@ -271,7 +275,7 @@ def test_memory_by_kind_columns_and_stacked_bars(tracking_uri, tmp_path):
 def _axes_sweep(tracking_uri, tmp_path):
     """A sweep of 2 lrs x 2 levels x 2 seeds, as Optuna or a grid leaves it: all runs share their
     names (tiny-O0, tiny-O2); O0's time depends on the lr, O2 is always 2x faster than its O0."""
-    tracker = Tracker(tracking_uri, "amp-runner")
+    tracker = MlflowTracker(tracking_uri, "amp-runner")
     parent = tracker.create_run("sweep lr x level x seed", {SWEEP_DIR_TAG: str(tmp_path)})
     ids = {}
     for lr, o0_time in (("0.1", 8.0), ("0.01", 4.0)):
@@ -310,7 +314,7 @@ def _axes_sweep(tracking_uri, tmp_path):
 def test_the_report_has_a_column_per_varying_param_and_baselines_per_group(tracking_uri, tmp_path):
     ids = _axes_sweep(tracking_uri, tmp_path)
     out = tmp_path / "report"
-    assert report.main(["--tracking-uri", tracking_uri, "--out", str(out)]) == 0
+    assert report_main(["--tracking-uri", tracking_uri, "--out", str(out)]) == 0
     rows = read_csv(out / "comparison.csv")
     assert len(rows) == 8
     header = list(rows[0])
@@ -333,18 +337,14 @@ def test_the_report_has_a_column_per_varying_param_and_baselines_per_group(track
     assert "| tiny | O2 lr=0.1 | 2 | 50.00 ± 0.00 | 4.0 ± 0.0 | 10 ± 0 | 2.00 ± 0.00 |" in markdown
     assert "| tiny | O0 lr=0.01 | 2 | 50.00 ± 0.00 | 4.0 ± 0.0 | 10 ± 0 | 1.00 ± 0.00 |" in markdown
     # every run has a bar of its own, labelled by what differs
-    labels = report.bar_labels(
-        [
-            report.to_row(MlflowClient(tracking_uri), MlflowClient(tracking_uri).get_run(i))
-            for i in ids.values()
-        ]
-    )
+    reader = open_reader(tracking_uri)
+    labels = bar_labels([to_row(reader, reader.run(i)) for i in ids.values()])
     assert len(set(labels)) == 8 and "O2 lr=0.1 seed=2" in labels
 
 
 def test_a_group_without_an_o0_run_gets_no_ratio(tracking_uri, tmp_path):
     """A different lr's O0 is not a baseline (the old report took "the first O0 run")."""
-    tracker = Tracker(tracking_uri, "amp-runner")
+    tracker = MlflowTracker(tracking_uri, "amp-runner")
     parent = tracker.create_run("sweep", {SWEEP_DIR_TAG: str(tmp_path)})
     for level, lr in (("O0", "0.1"), ("O2", "0.01")):
         params = {"model.name": "tiny", "precision.opt_level": level, "optimizer.lr": lr}
@@ -352,7 +352,7 @@ def test_a_group_without_an_o0_run_gets_no_ratio(tracking_uri, tmp_path):
             run.log_metrics({"train_time_s": 1.0, "best_val_acc": 0.5, "peak_mem_mb": 1.0}, 1)
     parent.end("FINISHED")
     out = tmp_path / "report"
-    assert report.main(["--tracking-uri", tracking_uri, "--out", str(out)]) == 0
+    assert report_main(["--tracking-uri", tracking_uri, "--out", str(out)]) == 0
     rows = {r["level"]: r for r in read_csv(out / "comparison.csv")}
     assert rows["O0"]["speedup_vs_o0"] == "1.0" and rows["O2"]["speedup_vs_o0"] == ""
     assert rows["O2"]["baseline_run"] == ""
@@ -362,7 +362,7 @@ def test_diff_prints_the_params_that_differ(tracking_uri, tmp_path, capsys):
     ids = _axes_sweep(tracking_uri, tmp_path)
     a, b = ids[("0.1", "O0", "1")], ids[("0.01", "O2", "1")]
     assert (
-        report.main(
+        report_main(
             ["--tracking-uri", tracking_uri, "--diff", a, b, "--out", str(tmp_path / "report")]
         )
         == 0
@@ -373,13 +373,13 @@ def test_diff_prints_the_params_that_differ(tracking_uri, tmp_path, capsys):
     assert "trainer.seed" not in out and "| status | FINISHED | FINISHED |" in out
     assert "| best_val_acc | 0.5 | 0.5 |" in out
     assert not (tmp_path / "report").exists()  # writes nothing
-    assert report.main(["--tracking-uri", tracking_uri, "--diff", a, "no-such-run"]) == 1
+    assert report_main(["--tracking-uri", tracking_uri, "--diff", a, "no-such-run"]) == 1
     assert "no run 'no-such-run'" in capsys.readouterr().err
 
 
 def test_seed_statistics_are_the_sample_mean_and_std():
     rows = [
-        report.Row(
+        Row(
             run_id=f"r{i}",
             run_name="tiny-O0",
             status="FINISHED",
@@ -393,7 +393,7 @@ def test_seed_statistics_are_the_sample_mean_and_std():
         )
         for i, acc in enumerate((0.5, 0.7, 0.9))
     ]
-    (group,) = report.seed_groups(rows)
+    (group,) = seed_groups(rows)
     mean, std, n = group.stats(lambda r: r.get("best_val_acc"))
     assert n == 3 and mean == pytest.approx(0.7) and std == pytest.approx(0.2)  # (n - 1)
 
@@ -422,7 +422,7 @@ def test_the_report_of_a_real_lr_level_seed_sweep(tmp_path):
         == 0
     )
     out = tmp_path / "report"
-    assert report.main(["--tracking-uri", uri, "--out", str(out)]) == 0
+    assert report_main(["--tracking-uri", uri, "--out", str(out)]) == 0
     rows = read_csv(out / "comparison.csv")
     assert len(rows) == 8
     assert list(rows[0])[2:4] == ["optimizer.lr", "trainer.seed"]  # and nothing else varies

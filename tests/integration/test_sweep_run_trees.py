@@ -15,7 +15,7 @@ import pytest
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from runner.sweep import claim_gpu
+from runner.sweep.gpus import claim_gpu
 from runner.tracking.store import retry_when_locked
 from runner.tracking.tags import PARENT_RUN as PARENT_RUN_TAG
 from tests.helpers.runs import FAST, compose_config, run_cli, run_in_process

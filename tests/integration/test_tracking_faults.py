@@ -16,7 +16,8 @@ from mlflow.tracking import MlflowClient
 from runner.errors import RunnerError
 from runner.run import app
 from runner.tracking import replay
-from runner.tracking.lifecycle import TrackedRun, Tracker
+from runner.tracking.mlflow_run import MlflowRun
+from runner.tracking.mlflow_tracker import MlflowTracker
 from tests.helpers.runs import FAST, REPO, compose_config, read_until, start_cli
 from tests.helpers.server import free_port
 
@@ -38,7 +39,7 @@ def test_an_unreachable_server_at_start_stops_the_run_before_any_training(tmp_pa
 @pytest.mark.slow
 def test_metrics_logged_while_the_server_is_away_arrive_when_it_is_back(mlflow_server):
     server = mlflow_server.start()
-    tracker = Tracker(server.url, "amp-runner")
+    tracker = MlflowTracker(server.url, "amp-runner")
     tracked = tracker.create_run("outage", {})
     for step in range(1, 4):
         tracked.log_metrics({"train_loss": float(step)}, step)
@@ -153,11 +154,11 @@ def test_a_run_that_ends_while_the_server_is_away_is_saved_offline_and_replayed(
 def test_offline_replay_into_a_store(tmp_path):
     """The replay mechanics on two SQLite stores: undelivered metrics, status and error of a run
     reach the target run; replaying twice sends nothing twice."""
-    target = Tracker(f"sqlite:///{tmp_path / 'target.db'}", "amp-runner")
+    target = MlflowTracker(f"sqlite:///{tmp_path / 'target.db'}", "amp-runner")
     tracked = target.create_run("r", {})
     tracked.log_metrics({"val_acc": 0.5}, 1)
     assert tracked.flush(timeout=10)
-    pending = TrackedRun.__new__(TrackedRun)  # what a run that lost its store hands over
+    pending = MlflowRun.__new__(MlflowRun)  # what a run that lost its store hands over
     pending.run_id, pending.tracking_uri = tracked.run_id, target.tracking_uri
     pending.experiment_name = "amp-runner"
     from mlflow.entities import Metric

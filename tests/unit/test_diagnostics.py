@@ -16,7 +16,7 @@ import torch
 from mlflow.tracking import MlflowClient
 from torch import nn
 
-from runner import diagnose
+from runner.diagnose import analysis, cli
 from runner.measure.diagnostics import (
     ACTIVATION,
     ACTIVATION_GRAD,
@@ -337,7 +337,7 @@ def _fp32_trainer(model: nn.Module):
 
 
 def test_the_preflight_names_the_layer_that_overflows_fp16(tmp_path):
-    result, text, paths = diagnose.preflight(_fp32_trainer(Overflowing()), 2, tmp_path, "t")
+    result, text, paths = cli.preflight(_fp32_trainer(Overflowing()), 2, tmp_path, "t")
     assert result.preset == "o2_bf16" and result.keep_fp32 == ["amplifier"]
     fp16 = result.judgements[0]
     assert fp16.name == "fp16" and fp16.act_overflow == ["amplifier"]
@@ -355,7 +355,7 @@ def test_the_preflight_names_the_layer_that_overflows_fp16(tmp_path):
 
 def test_the_preflight_recommends_loss_scaling_for_small_gradients(tmp_path):
     torch.manual_seed(0)
-    result, text, _ = diagnose.preflight(
+    result, text, _ = cli.preflight(
         _fp32_trainer(
             nn.Sequential(
                 nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 10)
@@ -381,10 +381,10 @@ def test_recommended_scale_keeps_gradients_below_half_of_fp16_max():
         s.bins[top - LOG2_MIN] = 1
         return s
 
-    assert diagnose.recommended_scale(stats(-3)) == 2.0**17  # [2^-3, 2^-2) * 2^17 < 2^15
-    assert diagnose.recommended_scale(stats(-40)) == 2.0**24  # the dynamic scaler's ceiling
-    assert diagnose.recommended_scale(stats(16)) == 2.0**-2  # too large for fp16 unscaled
-    assert diagnose.recommended_scale(None) is None
+    assert analysis.recommended_scale(stats(-3)) == 2.0**17  # [2^-3, 2^-2) * 2^17 < 2^15
+    assert analysis.recommended_scale(stats(-40)) == 2.0**24  # the dynamic scaler's ceiling
+    assert analysis.recommended_scale(stats(16)) == 2.0**-2  # too large for fp16 unscaled
+    assert analysis.recommended_scale(None) is None
 
 
 # ---- the command ---------------------------------------------------------------------------------

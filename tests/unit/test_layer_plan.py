@@ -853,9 +853,10 @@ def test_an_auto_planned_run_resumes_with_its_checkpoints_plan(tmp_path, monkeyp
 
 # ---- the report ----------------------------------------------------------------------------------
 def test_the_report_counts_the_layers_per_format():
-    from runner import report
+    from runner.report.analysis import Row
+    from runner.report.tables import columns, layer_counts
 
-    row = report.Row(
+    row = Row(
         "id",
         "r",
         "FINISHED",
@@ -866,12 +867,10 @@ def test_the_report_counts_the_layers_per_format():
         32,
         metrics={"layers_fp32": 3.0, "layers_bf16": 4.0, "layers_fp16": 0.0, "layers_fp8": 0.0},
     )
-    assert report.layer_counts(row) == "3/4/0/0"
-    titles = [t for t, _ in report.columns([row])]
+    assert layer_counts(row) == "3/4/0/0"
+    titles = [t for t, _ in columns([row])]
     assert titles[titles.index("dtype") + 1] == "layers fp32/bf16/fp16/fp8"
-    assert (
-        report.layer_counts(report.Row("id", "r", "FINISHED", "tiny", "sgd", "O2", "x", 32)) == "-"
-    )
+    assert layer_counts(Row("id", "r", "FINISHED", "tiny", "sgd", "O2", "x", 32)) == "-"
 
 
 def test_a_dry_run_prints_the_plan(capsys):

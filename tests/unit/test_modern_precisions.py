@@ -553,7 +553,7 @@ def test_a_compiled_run_resumes_bit_for_bit(tmp_path):
 
 
 def test_the_report_tells_the_new_presets_apart():
-    from runner.report import describe_dtype
+    from runner.report.analysis import describe_dtype
 
     def described(level, **overrides):
         return describe_dtype(resolve(level, overrides).properties.as_params())

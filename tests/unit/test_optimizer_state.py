@@ -91,7 +91,7 @@ def test_the_run_name_says_a_state_other_than_the_weights():
 
 
 def test_the_report_says_a_state_format_other_than_the_weights():
-    from runner.report import describe_dtype
+    from runner.report.analysis import describe_dtype
 
     assert (
         describe_dtype(compose_config("precision=o2_bf16_int8state").precision)

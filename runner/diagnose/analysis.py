@@ -1,0 +1,304 @@
+"""The pre-flight's analysis: per-layer statistics of the diagnosed fp32 steps, what fp16, bf16 and
+fp8 would lose (underflow, overflow), the fp16 loss scale that keeps the gradients in range, the
+recommended preset, and all of it as text (`render`)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Optional
+
+HEADROOM_LOG2 = 15  # the recommended scale keeps every gradient below 2^15 = fp16 max / 2
+MAX_SCALE_LOG2 = 24  # the dynamic loss scaler's default ceiling (precision.max_loss_scale)
+NOTABLE_UNDERFLOW = 0.01  # a layer "underflows" when at least this share of its values does
+
+
+@dataclass
+class Layer:
+    """One layer's statistics over the diagnosed steps."""
+
+    name: str
+    module: str
+    activation: object = None  # diagnostics.TensorStats (None: not observed)
+    activation_grad: object = None
+    weight_grad: object = None
+
+    @property
+    def grads(self):
+        from runner.measure.diagnostics import total
+
+        return total(s for s in (self.activation_grad, self.weight_grad) if s is not None)
+
+
+@dataclass
+class Judgement:
+    """What one format does to the model's values (gradients unscaled)."""
+
+    name: str  # fp16 | bf16 | fp8
+    act_format: str
+    grad_format: str
+    act_overflow: list[str] = field(default_factory=list)  # layer names
+    act_underflow: list[str] = field(default_factory=list)
+    grad_overflow: list[str] = field(default_factory=list)
+    grad_underflow: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Preflight:
+    """The pre-flight's findings: per-layer statistics, per-format judgements, the loss scale
+    and the recommendation."""
+
+    layers: list[Layer]
+    steps: int
+    judgements: list[Judgement]
+    grads: object  # all gradients pooled (TensorStats or None)
+    activations: object
+    loss_scale: Optional[float]  # the recommended fp16 loss scale (None: no non-zero gradient)
+    underflow_at_scale: Optional[float]  # fp16 gradient underflow share at that scale
+    preset: str
+    keep_fp32: list[str]
+    advice: list[str]
+    records: list = field(default_factory=list)  # the probe's (what a layer plan is decided from)
+
+
+def _aggregate(records) -> list[Layer]:
+    from runner.measure.diagnostics import total
+
+    layers: dict[str, Layer] = {}
+    for r in records:
+        layer = layers.setdefault(r.layer, Layer(r.layer, r.module))
+        setattr(layer, r.kind, total([s for s in (getattr(layer, r.kind), r.stats) if s]))
+    return list(layers.values())
+
+
+def _judge(layers: Sequence[Layer], name: str, act_format: str, grad_format: str) -> Judgement:
+    j = Judgement(name, act_format, grad_format)
+    for layer in layers:
+        act, grads = layer.activation, layer.grads
+        if act is not None:
+            if act.overflow[act_format]:
+                j.act_overflow.append(layer.name)
+            if act.underflow_frac(act_format) >= NOTABLE_UNDERFLOW:
+                j.act_underflow.append(layer.name)
+        if grads is not None:
+            if grads.overflow[grad_format]:
+                j.grad_overflow.append(layer.name)
+            if grads.underflow_frac(grad_format) >= NOTABLE_UNDERFLOW:
+                j.grad_underflow.append(layer.name)
+    return j
+
+
+def recommended_scale(grads) -> Optional[float]:
+    """The largest power of two S with max|g| * S < 2^15 (all gradients at most half of fp16's
+    max), capped at 2^24; None when no gradient is finite and non-zero."""
+    top = grads.max_log2 if grads is not None else None
+    if top is None:
+        return None
+    return 2.0 ** min(HEADROOM_LOG2 - 1 - top, MAX_SCALE_LOG2)
+
+
+def _percent(x: float) -> str:
+    if x == 0:
+        return "-"
+    if x < 1e-4:
+        return "<0.01%"
+    return f"{100 * x:.2f}%"
+
+
+def _names(names: Sequence[str], limit: int = 6) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def analyse(records, steps: int, device_type: str = "cpu") -> Preflight:
+    """Per-layer statistics of an fp32 run (`RangeProbe` records at scale 1, every format probed)
+    -> the judgement of each format, the fp16 loss scale and the recommendation."""
+    from runner.measure.diagnostics import ACTIVATION, FP16, GRADIENT_KINDS, total
+
+    layers = _aggregate(records)
+    grads = total(r.stats for r in records if r.kind in GRADIENT_KINDS)
+    acts = total(r.stats for r in records if r.kind == ACTIVATION)
+    judgements = [
+        _judge(layers, "fp16", "fp16", "fp16"),
+        _judge(layers, "bf16", "bf16", "bf16"),
+        _judge(layers, "fp8", "fp8_e4m3", "fp8_e5m2"),
+    ]
+    fp16, bf16, fp8 = judgements
+    scale = recommended_scale(grads)
+    under_at = (
+        grads.underflow_at(FP16, scale) / grads.nonzero
+        if scale is not None and grads.nonzero
+        else None
+    )
+    advice: list[str] = []
+    keep: list[str] = []
+    if (
+        grads is not None
+        and (grads.infs or grads.nans)
+        or acts is not None
+        and (acts.infs or acts.nans)
+    ):
+        advice.append(
+            "Even fp32 produced inf/NaN values in these steps: the model or the "
+            "learning rate diverges whatever the precision; fix that first "
+            "(a lower optimizer.lr, gradient clipping)."
+        )
+    if fp16.act_overflow:
+        keep = list(fp16.act_overflow)
+        tops = ", ".join(
+            f"{n} (max |activation| >= 2^{_layer(layers, n).activation.max_log2})"
+            for n in fp16.act_overflow[:6]
+        )
+        advice.append(
+            f"fp16 OVERFLOWS in the forward pass: the activations of {tops} exceed fp16's max "
+            "65504 and would become inf. Loss scaling cannot help (it scales gradients, not "
+            "activations)."
+        )
+        preset = "o2_bf16"
+        advice.append(
+            "Try precision=o2_bf16 first (bfloat16 has fp32's range; precision=o1_bf16 if the "
+            "model needs fp32 weights), on hardware with bf16 (a CPU, or a GPU of compute "
+            f"capability 8.0 or newer). To stay in fp16, keep {_names(keep)} in fp32 (e.g. run "
+            "them outside autocast under O1, or scale their inputs down)."
+        )
+    elif scale is not None and scale < 1:
+        preset = "o2_bf16"
+        keep = list(fp16.grad_overflow)
+        advice.append(
+            f"fp16 OVERFLOWS in the gradients even unscaled (in {_names(fp16.grad_overflow)}): "
+            f"only a loss scale below 1 ({scale:g}) keeps them in range. Try precision=o2_bf16 "
+            f"first, or precision=o2 precision.loss_scale={scale:g}."
+        )
+    elif under_at is not None and under_at >= NOTABLE_UNDERFLOW:
+        preset = "o2_bf16"
+        advice.append(
+            f"The gradients span more than fp16's range: at the largest safe loss scale "
+            f"({scale:g}) {_percent(under_at)} of them still underflow. Try precision=o2_bf16 "
+            "first (bfloat16 keeps fp32's range; no loss scaling needed)."
+        )
+    else:
+        preset = "o2"
+        if fp16.grad_underflow:
+            advice.append(
+                f"fp16 needs loss scaling: unscaled, {_percent(_frac(grads, 'fp16'))} of the "
+                f"gradients underflow (in {len(fp16.grad_underflow)} layers). At loss scale "
+                f"{scale:g}, {_percent(under_at)} underflow and none overflows."
+            )
+        else:
+            advice.append(
+                "fp16 holds these gradients even unscaled (no layer underflows by 1% or more)."
+            )
+        advice.append(
+            f"Try precision=o2 first (fp16 with fp32 masters and dynamic loss scaling: it "
+            f"starts at 65536, and these gradients overflow above about {2 * scale:g}), or a "
+            f"static precision.loss_scale={scale:g}; precision=o2_bf16 needs no scaling at all."
+        )
+        if device_type == "cpu":
+            advice.append(
+                "On a CPU fp16 is emulated and slow: there, precision=o2_bf16 is the "
+                "practical choice."
+            )
+    if bf16.act_overflow or bf16.grad_overflow or bf16.grad_underflow:
+        advice.append(
+            "bf16 loses values too: overflow in "
+            f"{_names(bf16.act_overflow + bf16.grad_overflow) or 'no layer'}, "
+            f"gradient underflow in {_names(bf16.grad_underflow) or 'no layer'}."
+        )
+    else:
+        advice.append("bf16: no layer's activations or gradients under- or overflow.")
+    advice.append(
+        f"fp8 (no runner preset; it needs per-tensor scaling): e4m3 activations overflow in "
+        f"{len(fp8.act_overflow)} and underflow in {len(fp8.act_underflow)} layers, e5m2 "
+        f"gradients overflow in {len(fp8.grad_overflow)} and underflow in "
+        f"{len(fp8.grad_underflow)} layers (of {len(layers)}), unscaled."
+    )
+    return Preflight(layers, steps, judgements, grads, acts, scale, under_at, preset, keep, advice)
+
+
+def _layer(layers: Sequence[Layer], name: str) -> Layer:
+    return next(layer for layer in layers if layer.name == name)
+
+
+def _frac(stats, fmt: str) -> float:
+    return stats.underflow_frac(fmt) if stats is not None else 0.0
+
+
+def _limits(fmt) -> str:
+    return f"{fmt.name} (max {fmt.max:g}, smallest normal 2^{math.log2(fmt.tiny):.0f})"
+
+
+# ---- rendering -----------------------------------------------------------------------------------
+def render(result: Preflight, title: str) -> str:
+    from runner.measure.diagnostics import FORMATS
+
+    lines = [title, ""]
+    for j in result.judgements:
+        act_f, grad_f = FORMATS[j.act_format], FORMATS[j.grad_format]
+        affected = [
+            layer
+            for layer in result.layers
+            if layer.name
+            in {*j.act_overflow, *j.act_underflow, *j.grad_overflow, *j.grad_underflow}
+        ]
+        grads = result.grads
+        acts = result.activations
+        whole = (
+            f"whole model: activations {_percent(acts.underflow_frac(act_f.name))} "
+            f"under / {_percent(acts.overflow_frac(act_f.name))} over, "
+            f"gradients {_percent(_frac(grads, grad_f.name))} under / "
+            f"{_percent(grads.overflow_frac(grad_f.name) if grads else 0.0)} over"
+            if result.activations is not None
+            else "nothing observed"
+        )
+        formats = (
+            _limits(act_f)
+            if act_f is grad_f
+            else f"activations in {_limits(act_f)}, gradients in {_limits(grad_f)}"
+        )
+        lines.append(f"{j.name}: {formats}, gradients unscaled; {whole}")
+        if not affected:
+            lines += ["  no layer underflows (>= 1%) or overflows", ""]
+            continue
+        width = max(len("layer"), *(len(layer.name) for layer in affected))
+        head = (
+            f"  {'layer':<{width}}  {'module':<12}  {'act under':>9}  {'act over':>9}  "
+            f"{'a-grad under':>12}  {'a-grad over':>11}  {'w-grad under':>12}  "
+            f"{'w-grad over':>11}"
+        )
+        lines += [head, "  " + "-" * (len(head) - 2)]
+        for layer in affected:
+            cells = []
+            for stats, fmt in (
+                (layer.activation, act_f),
+                (layer.activation_grad, grad_f),
+                (layer.weight_grad, grad_f),
+            ):
+                if stats is None:
+                    cells += ["", ""]
+                else:
+                    cells += [
+                        _percent(stats.underflow_frac(fmt.name)),
+                        _percent(stats.overflow_frac(fmt.name)),
+                    ]
+            lines.append(
+                f"  {layer.name:<{width}}  {layer.module:<12}  {cells[0]:>9}  "
+                f"{cells[1]:>9}  {cells[2]:>12}  {cells[3]:>11}  {cells[4]:>12}  "
+                f"{cells[5]:>11}"
+            )
+        lines.append("")
+    if result.loss_scale is not None:
+        lines.append(
+            f"fp16 loss scale that keeps every gradient below 2^{HEADROOM_LOG2} "
+            f"(half of fp16's max): {result.loss_scale:g}; at it "
+            f"{_percent(result.underflow_at_scale)} of the gradients still underflow."
+        )
+    else:
+        lines.append("No finite non-zero gradient was observed: no loss scale to recommend.")
+    lines += [
+        "",
+        f"Recommendation: precision={result.preset}"
+        + (f"; keep in fp32: {_names(result.keep_fp32)}" if result.keep_fp32 else ""),
+    ]
+    lines += [f"- {a}" for a in result.advice]
+    return "\n".join(lines) + "\n"

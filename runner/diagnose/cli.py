@@ -1,0 +1,283 @@
+"""`python -m runner.diagnose`'s command line: the config composed as `python -m runner` composes
+it, a few fp32 steps measured (`preflight`), the findings printed, written and logged on a run
+tagged `diagnose`, and with `--plan` a layer plan (see runner.diagnose)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Optional
+
+from runner.config import options
+from runner.diagnose.analysis import Preflight, analyse, render
+from runner.errors import RunnerError
+
+DEFAULT_STEPS = 3
+REPORT_TXT = "report.txt"
+
+
+def measure(trainer, steps: int, folder: Path, inputs: bool = False, layers=None) -> list:
+    """`steps` training steps of `trainer` (fp32: an O0 engine), every one diagnosed in every
+    format; returns their layer records (runner.run.autoplan.measure)."""
+    from runner.run.autoplan import measure as measure_steps
+
+    return measure_steps(trainer, steps, folder, inputs=inputs, layers=layers)
+
+
+def preflight(
+    trainer, steps: int, folder: Path, title: str, device_type: str = "cpu", for_plan: bool = False
+) -> tuple[Preflight, str, list[Path]]:
+    """Measure, analyse, render, and write the artifacts into `folder` (the layers and
+    exponents CSV files, the figure with the recommended loss scale outlined, the text).
+    `for_plan`: probe every layer of a layer plan (every module that owns parameters) and their
+    inputs (the records are kept in the result)."""
+    from runner.measure.diagnostics import FIGURE_PNG, FORMATS, GRADIENT_KINDS, plot_exponents
+    from runner.run.autoplan import plan_layers
+
+    records = measure(
+        trainer, steps, folder, inputs=for_plan, layers=plan_layers if for_plan else None
+    )
+    result = analyse([r for r in records if r.kind != "input"], steps, device_type)
+    result.records = records
+    text = render(result, title)
+    figure = plot_exponents(
+        [r for r in records if r.kind in GRADIENT_KINDS],
+        list(FORMATS.values()),
+        folder / FIGURE_PNG,
+        f"Gradient exponents over {steps} fp32 steps (unscaled)",
+        loss_scale=result.loss_scale,
+    )
+    (folder / REPORT_TXT).write_text(text)
+    paths = [folder / "layers.csv", folder / "exponents.csv", figure, folder / REPORT_TXT]
+    return result, text, paths
+
+
+# ---- the command ---------------------------------------------------------------------------------
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m runner.diagnose",
+        description="Pre-flight of a run's numeric range: a few fp32 training steps of the "
+        "configured model and data, then, per layer, what fp16, bf16 and fp8 would lose "
+        "(underflow, overflow), the fp16 loss scale that keeps the gradients in range, and "
+        "which preset to try first. Takes the same overrides as python -m runner.",
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=DEFAULT_STEPS,
+        help=f"fp32 training steps to observe (default {DEFAULT_STEPS})",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("diagnostics"),
+        help="folder for the CSV files, the figure and the text (default ./diagnostics)",
+    )
+    parser.add_argument(
+        "--plan",
+        type=Path,
+        default=None,
+        metavar="PLAN.yaml",
+        help="also write a layer plan for the asked level (precision=...): each "
+        "layer's narrowest format whose range holds its values, and why; run it "
+        "with precision.layer_plan=PLAN.yaml",
+    )
+    parser.add_argument(
+        "--max-underflow",
+        type=float,
+        default=None,
+        metavar="SHARE",
+        help="--plan: the share of a layer's gradients a format may lose to "
+        "underflow (default precision.layer_plan_max_underflow, 0.01)",
+    )
+    parser.add_argument(
+        "--max-overflow",
+        type=float,
+        default=None,
+        metavar="SHARE",
+        help="--plan: the share of a layer's values a format may lose to overflow "
+        "(default precision.layer_plan_max_overflow, 0)",
+    )
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        help="Hydra overrides, as for python -m runner (e.g. model=resnet18 data=synthetic)",
+    )
+    args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error("--steps must be at least 1")
+    for flag in ("max_underflow", "max_overflow"):
+        value = getattr(args, flag)
+        if value is not None and not 0 <= value < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be a share in [0, 1)")
+    return args
+
+
+def compose(overrides: Sequence[str]):
+    """The run's config, composed as `python -m runner` composes it; a bad override raises
+    RunnerError with Hydra's message."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    import runner.config  # noqa: F401  (registers the schemas)
+    from runner.config.finder import config_dir
+
+    try:
+        with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+            return hydra_compose("config", overrides=list(overrides))
+    except (HydraException, OmegaConfBaseException) as error:
+        cause = f": {error.__cause__}" if error.__cause__ else ""
+        raise RunnerError(f"{error}{cause}") from error
+
+
+def run(
+    cfg,
+    overrides: Sequence[str],
+    steps: int,
+    out: Path,
+    plan_path: Optional[Path] = None,
+    max_underflow: Optional[float] = None,
+    max_overflow: Optional[float] = None,
+) -> Preflight:
+    """The pre-flight of `cfg`: checked like a run (ConfigError before anything is built), then
+    measured in fp32 in an MLflow run tagged `diagnose`; with `plan_path`, a layer plan for the
+    asked level is written there too (runner.run.autoplan)."""
+    import contextlib
+    import dataclasses
+
+    from runner.precision import resolve
+    from runner.run import app
+    from runner.run.plan import make_plan
+    from runner.run.trainer import RunContext
+    from runner.tracking import tags as tag
+    from runner.tracking.trackers import open_tracker
+
+    plan = make_plan(cfg)  # the run as asked for must be valid
+    device = plan.device
+    fp32 = resolve("O0", device=device)
+    tracker = open_tracker(cfg, out)
+    # the same run, in fp32 (no layer plan)
+    measured = dataclasses.replace(plan, resolution=fp32, resume=None, layer_rules=())
+    with contextlib.closing(app.build(measured)) as parts:  # its workers end with it
+        target = str(cfg.precision.preset)
+        params = app.config_params(measured)
+        params["diagnose.steps"] = str(steps)
+        tags = app.environment_tags(device)
+        tags.update(
+            {
+                tag.DIAGNOSE: "true",
+                tag.DIAGNOSE_TARGET: target,
+                tag.OVERRIDES: " ".join(overrides),
+                tag.COMMAND: " ".join(["python -m runner.diagnose", *sys.argv[1:]]),
+            }
+        )
+        tags.update({str(k): str(v) for k, v in cfg.mlflow.tags.items()})
+        name = cfg.mlflow.run_name or f"{options.label(cfg.model)}-diagnose"
+        out.mkdir(parents=True, exist_ok=True)
+        with tracker.start_run(name, params, tags) as tracked:
+            trainer = parts.trainer(cfg.trainer, device, RunContext(on_metrics=tracked.log_metrics))
+            title = (
+                f"Range pre-flight: {options.label(cfg.model)} on "
+                f"{options.label(cfg.data)}, batch {cfg.trainer.batch_size}, {steps} fp32 "
+                f"training steps on {device.type} (asked for precision={target})"
+            )
+            result, text, paths = preflight(
+                trainer, steps, out, title, device.type, for_plan=plan_path is not None
+            )
+            print()
+            print(text, end="")
+            if plan_path is not None:
+                paths.append(
+                    write_plan(
+                        plan,
+                        parts.model,
+                        result.records,
+                        steps,
+                        plan_path,
+                        max_underflow,
+                        max_overflow,
+                    )
+                )
+            underflow = result.underflow_at_scale
+            summary = {
+                "diagnose_fp16_loss_scale": result.loss_scale or math.nan,
+                "diagnose_fp16_grad_underflow_frac_at_scale": math.nan
+                if underflow is None
+                else underflow,
+            }
+            if trainer.memory_parts is not None:
+                summary.update(trainer.memory_parts.metrics())
+            tracked.log_metrics(summary, steps)
+            tracked.set_tag(tag.DIAGNOSE_RECOMMENDED, result.preset)
+            tracked.set_tag(tag.DIAGNOSE_KEEP_FP32, ", ".join(result.keep_fp32) or "none")
+            for path in paths:
+                tracked.log_file(path, "diagnostics")
+        print(
+            f"\nWrote {', '.join(str(p) for p in paths)}; logged them on {tracker.label} run "
+            f"{name!r} ({tracked.run_id}).\n{tracker.hint()}"
+        )
+    return result
+
+
+def write_plan(
+    plan,
+    model,
+    records,
+    steps: int,
+    path: Path,
+    max_underflow: Optional[float],
+    max_overflow: Optional[float],
+) -> Path:
+    """Decide the layer plan of the asked level from the pre-flight's records, print it and write
+    it (a plan file) to `path`."""
+    from runner.run import autoplan
+
+    node = plan.cfg.precision
+    thresholds = autoplan.Thresholds(
+        node.layer_plan_max_underflow if max_underflow is None else max_underflow,
+        node.layer_plan_max_overflow if max_overflow is None else max_overflow,
+    )
+    preset = str(node.preset)
+    auto = autoplan.decide(
+        model, records, autoplan.weight_stats(model), plan.properties, thresholds, preset, steps
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(auto.yaml())
+    counts = ", ".join(f"{n} {fmt}" for fmt, n in auto.counts().items())
+    print(
+        f"\nLayer plan for precision={preset} ({counts}; {len(auto.rules)} entries differ "
+        f"from the level); {auto.scale_note}:\n{auto.table()}\n"
+    )
+    print(
+        f"Wrote the plan to {path}; train with it: python -m runner precision={preset} "
+        f"precision.layer_plan={path} ..."
+    )
+    return path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = compose(args.overrides)
+        run(
+            cfg,
+            args.overrides,
+            args.steps,
+            args.out,
+            args.plan,
+            args.max_underflow,
+            args.max_overflow,
+        )
+    except RunnerError as error:
+        print(f"Error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

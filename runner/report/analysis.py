@@ -1,0 +1,258 @@
+"""The comparison's analysis: one `Row` per run (what it computed in: `describe_dtype`), the params
+that vary between the runs, each run's O0 baseline (speedup, memory ratio) and its seed group."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from runner.config.precision import stepped_dtype_name
+from runner.measure.memory import TOTAL_METRIC
+from runner.measure.memory import metric_name as memory_metric
+from runner.tracking import metrics as m
+
+EXPERIMENT = "amp-runner"
+BASELINE_LEVEL = "O0"
+# metric -> what the table calls it; a run lacking one is reported with "-" and a note.
+METRICS = {
+    m.BEST_VAL_ACC: "best val acc",
+    m.TRAIN_TIME_S: "train time",
+    m.SAMPLES_PER_S: "throughput",
+    m.PEAK_MEM_MB: "peak memory",
+    m.SKIPPED_STEPS: "skipped steps",
+}
+# a language model's (task language_model): its loss and its throughput in tokens
+LM_METRICS = {
+    m.BEST_VAL_LOSS: "best val loss",
+    m.TRAIN_TIME_S: "train time",
+    m.TOKENS_PER_S: "throughput",
+    m.PEAK_MEM_MB: "peak memory",
+    m.SKIPPED_STEPS: "skipped steps",
+}
+LANGUAGE_MODEL = "language_model"  # the `task.name` param of a language model's run
+# memory by kind (runner.measure.memory): reported where a run logged them, never listed as missing
+# (runs
+# made before they existed lack them)
+MEMORY_METRICS = {
+    memory_metric("weights"): "weights",
+    memory_metric("master_weights"): "fp32 masters",
+    memory_metric("grads"): "gradients",
+    memory_metric("optimizer_state"): "optimizer state",
+    memory_metric("activations"): "activations",
+}
+MEMORY_TOTAL = TOTAL_METRIC
+
+
+def _plain(value: Any) -> Any:
+    """A config value, or its spelling as an MLflow param ("None", "True", "False")."""
+    if isinstance(value, str):
+        return {"None": None, "null": None, "True": True, "False": False}.get(value, value)
+    return value
+
+
+def describe_dtype(precision: Mapping[str, Any]) -> str:
+    """What a level computes in, from its precision properties: a config node (`cfg.precision`) or
+    a run's `precision.*` params without the prefix."""
+    get = lambda key: _plain(precision.get(key))  # noqa: E731
+    cast = get("cast_model_type")
+    fp8 = get("fp8_linear")
+    extra = f", fp8 Linear ({fp8})" if fp8 else ""
+    state = get("optimizer_state")
+    stepped = stepped_dtype_name(
+        {"cast_model_type": str(cast), "master_weights": str(get("master_weights"))}
+    )
+    if state and state != stepped:  # a state format other than the stepped weights' type
+        extra += f", {state} optimizer state"
+    plan = get("layer_plan")
+    if plan == "auto":
+        extra += ", layers planned by a pre-flight"
+    elif plan or get("layers") not in (None, "{}", {}):
+        extra += ", a layer plan"
+    if get("opt_level") == BASELINE_LEVEL:
+        return "float32" + extra
+    if cast is None:
+        return f"float32 weights, autocast {get('autocast_dtype')}" + extra
+    extras = [
+        label
+        for key, label in (
+            ("keep_batchnorm_fp32", "fp32 BatchNorm"),
+            ("master_weights", "fp32 master weights"),
+            ("stochastic_rounding", "stochastic rounding"),
+        )
+        if get(key)
+    ]
+    return str(cast) + (f" ({', '.join(extras)})" if extras else "") + extra
+
+
+@dataclass
+class Row:
+    """One run's line of the comparison."""
+
+    run_id: str
+    run_name: str
+    status: str
+    model: str
+    optimizer: str
+    level: str
+    dtype: str
+    batch_size: int | None
+    metrics: dict[str, float] = field(default_factory=dict)
+    val_acc: list[tuple[int, float]] = field(default_factory=list)  # (epoch, accuracy)
+    speedup: float | None = None
+    memory_ratio: float | None = None
+    baseline: str | None = None
+    peak_mem_kind: str = "?"
+    task: str = (
+        "classification"  # the run's `task.name` param (runs before the task group: a classifier)
+    )
+    val_loss: list[tuple[int, float]] = field(
+        default_factory=list
+    )  # (epoch, loss): language models
+    # why it did not finish: the `error` tag (a failure, an interrupt, or "process vanished: ..."
+    # for a run whose process was killed outright, ended KILLED by a later run); for a run still
+    # RUNNING, its last heartbeat
+    reason: str | None = None
+    params: dict[str, str] = field(default_factory=dict)  # every param the run logged
+
+    def get(self, metric: str) -> float | None:
+        value = self.metrics.get(metric)
+        return None if value is None or math.isnan(value) else value
+
+    @property
+    def is_lm(self) -> bool:
+        return self.task == LANGUAGE_MODEL
+
+    @property
+    def missing(self) -> list[str]:
+        return [m for m in (LM_METRICS if self.is_lm else METRICS) if self.get(m) is None]
+
+
+# Params the table shows in columns of their own (model, level and dtype, optimizer, batch size)
+# or that follow from others (a model's parameter count, the global batch, the dataset's sizes):
+# never listed as what varies between runs.
+SHOWN_PARAMS = ("model.name", "model.arch", "optimizer.name", "trainer.batch_size", "task.name")
+SHOWN_PREFIXES = ("precision.",)
+DERIVED_PARAMS = (
+    "model.num_parameters",
+    "trainer.global_batch_size",
+    "data.train_size",
+    "data.val_size",
+    "mlflow.run_name",
+)
+SEED_PARAMS = ("trainer.seed", "data.seed")
+
+
+def varying_params(rows: Sequence[Row]) -> list[str]:
+    """The params whose values differ between the runs (only those: "what differs"), apart from
+    those the table shows anyway; runs that logged no params (a job that failed before its run
+    began) do not count."""
+    logged = [r for r in rows if r.params]
+    keys = sorted({k for r in logged for k in r.params})
+    return [
+        k
+        for k in keys
+        if k not in SHOWN_PARAMS
+        and k not in DERIVED_PARAMS
+        and not k.startswith(SHOWN_PREFIXES)
+        and len({r.params.get(k) for r in logged}) > 1
+    ]
+
+
+def display_names(rows: Sequence[Row]) -> dict[str, str]:
+    """run id -> the run's name, with the start of its id where several runs share the name."""
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r.run_name] = counts.get(r.run_name, 0) + 1
+    return {
+        r.run_id: r.run_name if counts[r.run_name] == 1 else f"{r.run_name} ({r.run_id[:8]})"
+        for r in rows
+    }
+
+
+def add_baseline_ratios(rows: Sequence[Row]) -> None:
+    """Speedup and memory ratio against the O0 run of the same group: the same model and the same
+    values of every param that varies between the runs (lr, schedule, data, ...), seeds apart;
+    of those, one with the same seed, optimizer and batch size when there is one. A run whose
+    group has no O0 run gets no ratio (a different lr's O0 is not its baseline)."""
+    varying = varying_params(rows)
+    group_keys = [k for k in varying if k not in SEED_PARAMS]
+    names = display_names(rows)
+
+    def group(r: Row) -> tuple:
+        return (r.model, *(r.params.get(k) for k in group_keys))
+
+    for row in rows:
+        candidates = [
+            b
+            for b in rows
+            if group(b) == group(row)
+            and b.level == BASELINE_LEVEL
+            and b.get(m.TRAIN_TIME_S) is not None
+        ]
+        if not candidates:
+            continue
+        base = min(
+            candidates,
+            key=lambda b: (
+                any(b.params.get(k) != row.params.get(k) for k in SEED_PARAMS),
+                b.optimizer != row.optimizer,
+                b.batch_size != row.batch_size,
+            ),
+        )
+        row.baseline = names[base.run_id]
+        time, base_time = row.get(m.TRAIN_TIME_S), base.get(m.TRAIN_TIME_S)
+        if time and base_time:
+            row.speedup = base_time / time
+        memory, base_memory = row.get(m.PEAK_MEM_MB), base.get(m.PEAK_MEM_MB)
+        if memory is not None and base_memory:
+            row.memory_ratio = memory / base_memory
+
+
+@dataclass
+class SeedGroup:
+    """The runs of one configuration that differ only in their seeds."""
+
+    label: str  # the level and what differs, seeds apart ("O2 lr=0.1")
+    model: str
+    rows: list[Row]
+
+    def stats(self, value) -> tuple[float, float, int] | None:
+        """(mean, sample std, count) of `value(row)` over the runs that have it."""
+        values = [v for v in (value(r) for r in self.rows) if v is not None]
+        if not values:
+            return None
+        mean = sum(values) / len(values)
+        std = (
+            math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+            if len(values) > 1
+            else 0.0
+        )
+        return mean, std, len(values)
+
+
+def seeds_vary(rows: Sequence[Row]) -> bool:
+    return any(k in SEED_PARAMS for k in varying_params(rows))
+
+
+def seed_groups(rows: Sequence[Row]) -> list[SeedGroup]:
+    """The runs grouped by model, level, dtype and every varying param but the seeds."""
+    keys = [k for k in varying_params(rows) if k not in SEED_PARAMS]
+    groups: dict[tuple, SeedGroup] = {}
+    for r in rows:
+        label = (
+            r.level
+            + (" bf16" if "bfloat16" in r.dtype else "")
+            + "".join(f" {k.rsplit('.', 1)[-1]}={r.params.get(k, '-')}" for k in keys)
+        )
+        key = (
+            r.model,
+            r.level,
+            r.dtype,
+            r.optimizer,
+            r.batch_size,
+            *(r.params.get(k) for k in keys),
+        )
+        groups.setdefault(key, SeedGroup(label, r.model, [])).rows.append(r)
+    return list(groups.values())

@@ -1,0 +1,156 @@
+"""`python -m runner.report`'s command line: the comparison of a sweep's runs written and logged
+on its parent run, or `--diff` of two runs (see runner.report)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from runner.report.analysis import EXPERIMENT, add_baseline_ratios
+from runner.report.plots import plot_bars, plot_curves, plot_memory
+from runner.report.runs import NothingToReport, read_run, select_runs, to_row
+from runner.report.tables import (
+    ARTIFACT_DIR,
+    BARS_PNG,
+    CURVES_PNG,
+    MEMORY_PNG,
+    TABLE_CSV,
+    TABLE_MD,
+    render_markdown,
+    write_csv,
+)
+from runner.tracking import metrics as m
+from runner.tracking.base import Reader
+from runner.tracking.trackers import open_reader
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m runner.report",
+        description="Compare the runs of a sweep (precision levels, models, batch sizes) from "
+        "MLflow: a Markdown and CSV table and PNG figures, also logged on the sweep's parent run.",
+    )
+    parser.add_argument(
+        "--tracking-uri",
+        default="sqlite:///mlflow.db",
+        help="MLflow store or server (default: sqlite:///mlflow.db, the runner's "
+        "default, relative to this directory)",
+    )
+    parser.add_argument(
+        "--experiment", default=EXPERIMENT, help=f"MLflow experiment name (default: {EXPERIMENT})"
+    )
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument(
+        "--parent",
+        metavar="RUN_ID",
+        help="the sweep's parent run id (printed at the end of the sweep)",
+    )
+    which.add_argument(
+        "--sweep",
+        metavar="NAME_OR_DIR",
+        help="the sweep's parent run name, or its folder (multirun/<date>/<time>)",
+    )
+    which.add_argument(
+        "--diff",
+        nargs=2,
+        metavar=("RUN_A", "RUN_B"),
+        help="print the params that differ between two runs (by run id) and "
+        "their status and objective; writes nothing",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("report"),
+        help="folder for the table and figures (default: ./report)",
+    )
+    return parser.parse_args(argv)
+
+
+def diff_runs(reader: Reader, run_a: str, run_b: str) -> str:
+    """The params whose values differ between two runs (a param one of them lacks shows `-`),
+    then each run's status and objective, as a Markdown table."""
+    runs = [read_run(reader, run_id) for run_id in (run_a, run_b)]
+    a, b = (r.params for r in runs)
+    keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+    head = [
+        f"| param | {runs[0].run_name} ({run_a[:8]}) | {runs[1].run_name} ({run_b[:8]}) |",
+        "|---|---|---|",
+    ]
+    body = [f"| {k} | {a.get(k, '-')} | {b.get(k, '-')} |" for k in keys]
+    tail = [f"| status | {runs[0].status} | {runs[1].status} |"]
+    for metric in (m.BEST_VAL_ACC, m.BEST_VAL_LOSS):
+        values = [r.metrics.get(metric) for r in runs]
+        if any(v is not None for v in values):
+            tail.append(
+                f"| {metric} | "
+                + " | ".join("-" if v is None else f"{v:.4g}" for v in values)
+                + " |"
+            )
+    summary = (
+        f"{len(keys)} params differ"
+        if keys
+        else "No param differs: the two runs were configured alike"
+    )
+    return "\n".join([summary + ":", "", *head, *body, *tail])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    from runner.tracking.store import resolve_tracking_uri, sqlite_path
+
+    uri = resolve_tracking_uri(args.tracking_uri)
+    try:
+        database = sqlite_path(uri)
+        if database is not None and not database.is_file():
+            raise NothingToReport(
+                f"no MLflow store at {uri} (opening it would create an empty "
+                "one); set --tracking-uri to the runs' mlflow.tracking_uri"
+            )
+        reader = open_reader(uri)
+        if args.diff:
+            print(diff_runs(reader, *args.diff))
+            return 0
+        parent, runs = select_runs(reader, args.experiment, args.parent, args.sweep)
+    except NothingToReport as reason:
+        print(f"Nothing to report: {reason}", file=sys.stderr)
+        return 1
+    rows = [to_row(reader, run) for run in runs]
+    add_baseline_ratios(rows)
+
+    title = (
+        f"Precision comparison: {parent.run_name}"
+        if parent
+        else f"Precision comparison: experiment {args.experiment}"
+    )
+    source = (
+        f"{len(rows)} runs from `{uri}`, experiment `{args.experiment}`"
+        + (f", parent run `{parent.run_id}`" if parent else "")
+        + f"; written {_dt.datetime.now().isoformat(timespec='seconds')}."
+    )
+    markdown = render_markdown(rows, title, source)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / TABLE_MD).write_text(markdown)
+    write_csv(rows, args.out / TABLE_CSV)
+    plot_bars(rows, args.out / BARS_PNG)
+    plot_curves(rows, args.out / CURVES_PNG)
+    plot_memory(rows, args.out / MEMORY_PNG)
+
+    print(markdown)
+    written = (TABLE_MD, TABLE_CSV, BARS_PNG, MEMORY_PNG, CURVES_PNG)
+    print(f"Wrote {', '.join(str(args.out / n) for n in written)}")
+    if parent is not None:
+        reader.log_artifacts(parent.run_id, args.out, ARTIFACT_DIR)
+        print(
+            f"Logged them on the sweep's parent run {parent.run_id} "
+            f"(artifacts/{ARTIFACT_DIR}). " + reader.hint(parent.experiment_id)
+        )
+    else:
+        print("No sweep parent run: the files were not logged to MLflow.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

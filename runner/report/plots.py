@@ -1,0 +1,167 @@
+"""The comparison's figures (PNG, by matplotlib, imported when drawn): grouped bars of train time,
+peak memory and quality per level and model, stacked bars of memory by kind, validation curves."""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Sequence
+from pathlib import Path
+
+from runner.report.analysis import (
+    MEMORY_METRICS,
+    Row,
+    SeedGroup,
+    seed_groups,
+    seeds_vary,
+    varying_params,
+)
+from runner.tracking import metrics as m
+
+
+def bar_labels(rows: Sequence[Row]) -> list[str]:
+    """Each run's label within its model: the level, plus whatever else varies (dtype, batch size,
+    optimizer, the params that differ, as `lr=0.05`), so that two runs never share a bar; where
+    two runs still look alike, the start of their run ids."""
+    varies = {key: len({getattr(r, key) for r in rows}) > 1 for key in ("optimizer", "batch_size")}
+    varying = varying_params(rows)
+    labels = []
+    for r in rows:
+        label = r.level + (" bf16" if "bfloat16" in r.dtype else "")
+        if varies["optimizer"]:
+            label += f" {r.optimizer}"
+        if varies["batch_size"]:
+            label += f" b{r.batch_size}"
+        for key in varying:
+            label += f" {key.rsplit('.', 1)[-1]}={r.params.get(key, '-')}"
+        labels.append(label)
+    seen: dict[tuple[str, str], int] = {}
+    for r, label in zip(rows, labels):
+        seen[(r.model, label)] = seen.get((r.model, label), 0) + 1
+    return [
+        f"{label} ({r.run_id[:8]})" if seen[(r.model, label)] > 1 else label
+        for r, label in zip(rows, labels)
+    ]
+
+
+def _legend_or_note(ax, shown: bool, note: str) -> None:
+    """The legend where the axes show something; otherwise `note`, in their middle."""
+    if shown:
+        ax.legend(fontsize="small")
+    else:
+        ax.text(0.5, 0.5, note, ha="center", va="center", transform=ax.transAxes)
+
+
+def _save(fig, path: Path) -> None:
+    """A figure laid out, written to `path` at 100 dpi and closed."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_bars(rows: Sequence[Row], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r.model for r in rows))
+    if seeds_vary(rows):  # one bar per configuration: the seeds' mean, their std as error bar
+        groups = [(g.model, g.label + f" (n={len(g.rows)})", g) for g in seed_groups(rows)]
+    else:
+        groups = [
+            (r.model, label, SeedGroup(label, r.model, [r]))
+            for r, label in zip(rows, bar_labels(rows))
+        ]
+    series = list(dict.fromkeys(label for _, label, _ in groups))
+    quality = (
+        (m.BEST_VAL_LOSS, "best val loss (nats/token)", 1.0)
+        if rows and all(r.is_lm for r in rows)
+        else (m.BEST_VAL_ACC, "best val accuracy (%)", 100.0)
+    )
+    panels = [
+        (m.TRAIN_TIME_S, "train time (s)", 1.0),
+        (m.PEAK_MEM_MB, "peak memory (MB)", 1.0),
+        quality,
+    ]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    width = 0.8 / max(1, len(series))
+    for ax, (metric, title, scale) in zip(axes, panels):
+        for i, name in enumerate(series):
+            values, errors = [], []
+            for model in models:
+                match = [g for mdl, lbl, g in groups if mdl == model and lbl == name]
+                stats = match[0].stats(operator.methodcaller("get", metric)) if match else None
+                values.append(math.nan if stats is None else stats[0] * scale)
+                errors.append(0.0 if stats is None else stats[1] * scale)
+            positions = [m + (i - (len(series) - 1) / 2) * width for m in range(len(models))]
+            ax.bar(
+                positions,
+                values,
+                width,
+                label=name,
+                yerr=errors if any(errors) else None,
+                capsize=3,
+            )
+        ax.set_xticks(range(len(models)), models)
+        ax.set_title(title)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(title="level", fontsize="small")
+    _save(fig, path)
+
+
+def plot_memory(rows: Sequence[Row], path: Path) -> None:
+    """One stacked bar per run (labelled by model and level): the MB of each kind of tensor."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [
+        (r, label)
+        for r, label in zip(rows, bar_labels(rows))
+        if any(r.get(m) is not None for m in MEMORY_METRICS)
+    ]
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(shown) + 3), 5))
+    bottoms = [0.0] * len(shown)
+    positions = range(len(shown))
+    for metric, name in MEMORY_METRICS.items():
+        values = [r.get(metric) or 0.0 for r, _ in shown]
+        ax.bar(positions, values, 0.6, bottom=bottoms, label=name)
+        bottoms = [b + v for b, v in zip(bottoms, values)]
+    ax.set_xticks(list(positions), [f"{r.model}\n{label}" for r, label in shown])
+    ax.set_ylabel("MB")
+    ax.set_title("Memory by kind in one training step (from the tensors)")
+    ax.grid(axis="y", alpha=0.3)
+    _legend_or_note(ax, bool(shown), "no run logged memory by kind (mem_*_mb)")
+    _save(fig, path)
+
+
+def plot_curves(rows: Sequence[Row], path: Path) -> None:
+    import matplotlib
+    import matplotlib.ticker
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lm = bool(rows) and all(r.is_lm for r in rows)  # language models: the loss per epoch
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for r in rows:
+        curve, scale = (r.val_loss, 1.0) if lm else (r.val_acc, 100.0)
+        if curve:
+            epochs, values = zip(*curve)
+            ax.plot(
+                epochs,
+                [scale * v for v in values],
+                marker="o",
+                label=f"{r.run_name} ({r.status})" if r.status != "FINISHED" else r.run_name,
+            )
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("validation loss (nats/token)" if lm else "validation accuracy (%)")
+    ax.set_title("Validation loss per run" if lm else "Validation accuracy per run")
+    ax.grid(alpha=0.3)
+    _legend_or_note(ax, bool(ax.lines), "no run logged val_loss" if lm else "no run logged val_acc")
+    _save(fig, path)

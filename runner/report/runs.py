@@ -1,0 +1,136 @@
+"""The runs a report compares, read through the tracking seam (runner.tracking.base.Reader): a
+sweep's children, or an experiment's runs, each as a `Row`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from runner.report.analysis import (
+    LM_METRICS,
+    MEMORY_METRICS,
+    MEMORY_TOTAL,
+    METRICS,
+    Row,
+    describe_dtype,
+)
+from runner.tracking import metrics as m
+from runner.tracking import tags as tag
+from runner.tracking.base import Reader, RunNotFound, RunRecord
+
+
+class NothingToReport(Exception):
+    """No experiment, sweep or run matched: the message says what was looked for, and where."""
+
+
+def select_runs(
+    reader: Reader, experiment_name: str, parent_id: str | None, sweep: str | None
+) -> tuple[RunRecord | None, list[RunRecord]]:
+    """(parent run or None, its runs): the children of `parent_id`, of the newest sweep whose
+    parent is named `sweep` or whose folder ends with it, or of the newest sweep; in an experiment
+    without sweeps, every run of the experiment."""
+    experiment_id = reader.experiment_id(experiment_name)
+    if experiment_id is None:
+        raise NothingToReport(
+            f"no experiment {experiment_name!r} in {reader.location}; "
+            "set --experiment (the runs' mlflow.experiment_name)"
+        )
+    ids = [experiment_id]
+    parent = None
+    if parent_id:
+        parent = read_run(reader, parent_id)
+    else:
+        sweeps = reader.runs(ids, having=[tag.SWEEP_DIR], newest_first=True)
+        if sweep:
+            sweeps = [
+                r
+                for r in sweeps
+                if r.run_name == sweep
+                or r.tags[tag.SWEEP_DIR].rstrip("/").endswith(sweep.rstrip("/"))
+            ]
+            if not sweeps:
+                raise NothingToReport(
+                    f"no sweep named {sweep!r} or in a folder ending with it in "
+                    f"experiment {experiment_name!r} of {reader.location}"
+                )
+        parent = sweeps[0] if sweeps else None
+    if parent is None:
+        runs = [r for r in reader.runs(ids) if tag.PARENT_RUN not in r.tags]
+    else:
+        runs = reader.runs([parent.experiment_id], tags={tag.PARENT_RUN: parent.run_id})
+    if not runs:
+        where = (
+            f"sweep {parent.run_name!r} ({parent.run_id})"
+            if parent
+            else f"experiment {experiment_name!r}"
+        )
+        raise NothingToReport(
+            f"no runs in {where} of {reader.location}: run a sweep first, "
+            "e.g. python -m runner -m precision=o0,o1,o2,o3"
+        )
+    return parent, sorted(runs, key=lambda r: r.start_time)
+
+
+def read_run(reader: Reader, run_id: str) -> RunRecord:
+    """The run `run_id`; NothingToReport (with the store's message) when there is none."""
+    try:
+        return reader.run(run_id)
+    except RunNotFound as error:
+        raise NothingToReport(f"no run {run_id!r} in {reader.location}: {error}") from None
+
+
+def to_row(reader: Reader, run: RunRecord) -> Row:
+    """A run's line of the comparison, its curves read from `reader`."""
+    params = run.params
+    precision = {
+        k.removeprefix("precision."): v for k, v in params.items() if k.startswith("precision.")
+    }
+    batch = params.get("trainer.batch_size")
+    row = Row(
+        run_id=run.run_id,
+        run_name=run.run_name,
+        status=run.status,
+        # a zoo model's arch or a _target_ model's class (the `model` tag), else the option name
+        model=run.tags.get(tag.MODEL) or params.get("model.name", "?"),
+        optimizer=params.get("optimizer.name", "?"),
+        level=params.get("precision.opt_level", "?"),
+        dtype=describe_dtype(precision) if precision else "?",
+        batch_size=int(batch) if batch and batch.isdigit() else None,
+        metrics={
+            k: v
+            for k, v in run.metrics.items()
+            if k in METRICS
+            or k in LM_METRICS
+            or k in MEMORY_METRICS
+            or k == MEMORY_TOTAL
+            or k.startswith(m.LAYERS_IN)
+        },
+        val_acc=reader.history(run.run_id, m.VAL_ACC),
+        peak_mem_kind=run.tags.get(tag.PEAK_MEM_KIND, "?"),
+        task=params.get("task.name", "classification"),
+        reason=end_reason(run.status, run.tags),
+        params=dict(params),
+    )
+    if row.is_lm:
+        row.val_loss = reader.history(run.run_id, m.VAL_LOSS)
+    # Throughput: the mean over the epochs after the first (which includes warm-up) when there are.
+    for metric in (m.SAMPLES_PER_S, m.TOKENS_PER_S):
+        throughput = [v for _, v in reader.history(run.run_id, metric)]
+        if len(throughput) > 1:
+            row.metrics[metric] = sum(throughput[1:]) / len(throughput[1:])
+    return row
+
+
+def end_reason(status: str, tags: Mapping[str, str]) -> str | None:
+    """Why a run is not FINISHED, from its tags: its `error`, or for a RUNNING run when and where
+    it last showed life (a run whose process vanished stays RUNNING until the next run or sweep
+    of its experiment starts and ends it KILLED)."""
+    if status == "FINISHED":
+        return None
+    if status == "RUNNING":
+        if tag.HEARTBEAT not in tags:
+            return "running (no heartbeat recorded)"
+        return (
+            f"running: last heartbeat {tags[tag.HEARTBEAT]} (host {tags.get(tag.HOST, '?')},"
+            f" pid {tags.get(tag.PID, '?')})"
+        )
+    return tags.get(tag.ERROR)

@@ -1,0 +1,301 @@
+"""The comparison as text: the Markdown table (with the notes under it and the seeds' table) and
+the CSV file."""
+
+from __future__ import annotations
+
+import csv
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from runner.report.analysis import (
+    LM_METRICS,
+    MEMORY_METRICS,
+    MEMORY_TOTAL,
+    METRICS,
+    SEED_PARAMS,
+    Row,
+    display_names,
+    seed_groups,
+    seeds_vary,
+    varying_params,
+)
+from runner.tracking import metrics as m
+
+ARTIFACT_DIR = "report"
+TABLE_MD, TABLE_CSV = "comparison.md", "comparison.csv"
+BARS_PNG, CURVES_PNG = "time_memory_accuracy.png", "val_acc_curves.png"
+MEMORY_PNG = "memory_by_kind.png"
+
+
+def _mean_std(stats: tuple[float, float, int] | None, spec: str, scale: float = 1.0) -> str:
+    if stats is None:
+        return "-"
+    mean, std, _ = stats
+    return f"{format(mean * scale, spec)} ± {format(std * scale, spec)}"
+
+
+def render_seed_table(rows: Sequence[Row]) -> list[str]:
+    """Markdown lines: one row per configuration, its seeds aggregated as mean ± std (sample
+    standard deviation) with the number of seeds; empty when no seed varies."""
+    if not seeds_vary(rows):
+        return []
+    lm = bool(rows) and all(r.is_lm for r in rows)
+    quality, title, scale = (
+        (m.BEST_VAL_LOSS, "best val loss", 1.0)
+        if lm
+        else (m.BEST_VAL_ACC, "best val acc (%)", 100.0)
+    )
+    lines = [
+        "Across seeds (mean ± sample std over the runs of each configuration that differ only "
+        "in " + ", ".join(f"`{k}`" for k in SEED_PARAMS if k in varying_params(rows)) + "):",
+        "",
+        f"| model | configuration | seeds | {title} | train time (s) | "
+        "peak memory (MB) | speedup vs O0 | memory vs O0 |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for g in seed_groups(rows):
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    g.model,
+                    g.label,
+                    str(len(g.rows)),
+                    _mean_std(g.stats(lambda r: r.get(quality)), ".4f" if lm else ".2f", scale),
+                    _mean_std(g.stats(lambda r: r.get(m.TRAIN_TIME_S)), ".1f"),
+                    _mean_std(g.stats(lambda r: r.get(m.PEAK_MEM_MB)), ".0f"),
+                    _mean_std(g.stats(lambda r: r.speedup), ".2f"),
+                    _mean_std(g.stats(lambda r: r.memory_ratio), ".2f"),
+                ]
+            )
+            + " |"
+        )
+    return lines + [""]
+
+
+# the layer audit's count of layers per observed format (runner.measure.audit)
+LAYER_FORMATS = ("fp32", "bf16", "fp16", "fp8")
+LAYERS_TITLE = "layers fp32/bf16/fp16/fp8"
+COLUMNS = [
+    "run",
+    "model",
+    "level",
+    "dtype",
+    LAYERS_TITLE,
+    "optimizer",
+    "batch size",
+    "status",
+    "best val acc (%)",
+    "train time (s)",
+    "throughput (samples/s)",
+    "peak memory (MB)",
+    "skipped steps",
+    "weights (MB)",
+    "masters (MB)",
+    "grads (MB)",
+    "optimizer state (MB)",
+    "activations (MB)",
+    "state total (MB)",
+    "speedup vs O0",
+    "memory vs O0",
+]
+
+
+def layer_counts(row: Row) -> str:
+    """How many layers computed in fp32 / bf16 / fp16 / fp8 at the run's first step (the layer
+    audit's `layers_<format>` metrics), "-" for a run without them."""
+    values = [row.get(f"{m.LAYERS_IN}{fmt}") for fmt in LAYER_FORMATS]
+    if all(v is None for v in values):
+        return "-"
+    return "/".join(str(int(v or 0)) for v in values)
+
+
+def _fmt(value: float | None, spec: str, scale: float = 1.0) -> str:
+    return "-" if value is None else format(value * scale, spec)
+
+
+def _perplexity(loss: float | None) -> float | None:
+    return None if loss is None else math.exp(min(loss, 700.0))
+
+
+# the task columns, in their place among COLUMNS: (title, cell of a row)
+_ACCURACY = ("best val acc (%)", lambda r: _fmt(r.get(m.BEST_VAL_ACC), ".2f", 100))
+_LM_QUALITY = [
+    ("best val loss (nats/token)", lambda r: _fmt(r.get(m.BEST_VAL_LOSS), ".4f")),
+    ("perplexity", lambda r: _fmt(_perplexity(r.get(m.BEST_VAL_LOSS)), ".2f")),
+]
+_SAMPLES = ("throughput (samples/s)", lambda r: _fmt(r.get(m.SAMPLES_PER_S), ".0f"))
+_TOKENS = ("throughput (tokens/s)", lambda r: _fmt(r.get(m.TOKENS_PER_S), ".0f"))
+
+
+def _param_cell(key: str):
+    """A column of a param's value (`-` where the run has none)."""
+    return lambda r: r.params.get(key, "-")
+
+
+def _metric_cell(key: str, spec: str):
+    """A column of a metric's value, formatted."""
+    return lambda r: _fmt(r.get(key), spec)
+
+
+def columns(rows: Sequence[Row]) -> list[tuple[str, Any]]:
+    """The table's columns: COLUMNS for classifiers; a language model's loss, perplexity and
+    tokens per second in place of accuracy and samples per second (both where both kinds of run
+    are compared)."""
+    lm, cls = any(r.is_lm for r in rows), any(not r.is_lm for r in rows)
+    quality = ([_ACCURACY] if cls or not rows else []) + (_LM_QUALITY if lm else [])
+    speed = ([_SAMPLES] if cls or not rows else []) + ([_TOKENS] if lm else [])
+    names = display_names(rows)
+    varying = [(key, _param_cell(key)) for key in varying_params(rows)]
+    return [
+        ("run", lambda r: names.get(r.run_id, r.run_name)),
+        *varying,
+        ("model", lambda r: r.model),
+        ("level", lambda r: r.level),
+        ("dtype", lambda r: r.dtype),
+        (LAYERS_TITLE, layer_counts),
+        ("optimizer", lambda r: r.optimizer),
+        ("batch size", lambda r: "-" if r.batch_size is None else str(r.batch_size)),
+        ("status", lambda r: r.status),
+        *quality,
+        ("train time (s)", lambda r: _fmt(r.get(m.TRAIN_TIME_S), ".1f")),
+        *speed,
+        ("peak memory (MB)", lambda r: _fmt(r.get(m.PEAK_MEM_MB), ".0f")),
+        ("skipped steps", lambda r: _fmt(r.get(m.SKIPPED_STEPS), ".0f")),
+        *(
+            (title, _metric_cell(key, ".2f"))
+            for key, title in zip((*MEMORY_METRICS, MEMORY_TOTAL), COLUMNS[13:19])
+        ),
+        ("speedup vs O0", lambda r: _fmt(r.speedup, ".2f")),
+        ("memory vs O0", lambda r: _fmt(r.memory_ratio, ".2f")),
+        ("baseline (O0)", lambda r: r.baseline or "-"),
+    ]
+
+
+def table_cells(row: Row, rows: Sequence[Row] | None = None) -> list[str]:
+    return [cell(row) for _, cell in columns(rows if rows is not None else [row])]
+
+
+def render_markdown(rows: Sequence[Row], title: str, source: str) -> str:
+    titles = [title for title, _ in columns(rows)]
+    text = 8 + len(varying_params(rows))  # left-aligned columns: run, what varies, model ... status
+    lines = [
+        f"# {title}",
+        "",
+        source,
+        "",
+        "| " + " | ".join(titles) + " |",
+        "|" + "---|" * text + "---:|" * (len(titles) - text - 1) + "---|",
+    ]
+    lines += ["| " + " | ".join(table_cells(r, rows)) + " |" for r in rows]
+    varying = varying_params(rows)
+    lines += [
+        "",
+        "Speedup: the baseline's train time / the run's (above 1 is faster); memory: the "
+        "run's peak memory / the baseline's (below 1 is less). The baseline is the O0 run "
+        "of the same model"
+        + (
+            " with the same " + ", ".join(f"`{k}`" for k in varying if k not in SEED_PARAMS)
+            if any(k not in SEED_PARAMS for k in varying)
+            else ""
+        )
+        + " (the same seed where there is one), named in the last column. The columns "
+        "between run and model are the params that differ between these runs. Throughput is "
+        "the mean over the epochs "
+        "after the first. Train time covers all epochs, validation included. Peak memory: "
+        + ", ".join(sorted({r.peak_mem_kind for r in rows}))
+        + " (the runs' `peak_mem_kind`:"
+        " CUDA's max allocated memory, or on a CPU the training state counted from the "
+        "tensors). Weights, masters, grads, optimizer state and activations: the memory of "
+        "each kind of tensor in one training step, counted from the tensors themselves "
+        "(activations: the bytes saved for backward); state total is their sum. Layers "
+        "fp32/bf16/fp16/fp8: how many layers (modules with weights of their own) computed "
+        "in each format at the first step, as the layer audit saw them "
+        "(`layers/layers_ran.csv` of each run).",
+        "",
+    ]
+    lines += render_seed_table(rows)
+    missing = [r for r in rows if r.missing]
+    if missing:
+        lines += ["Runs lacking metrics (shown as -):", ""]
+        lines += [f"- {r.run_name} ({r.status}): no {', '.join(r.missing)}" for r in missing]
+        lines.append("")
+    unfinished = [r for r in rows if r.status != "FINISHED"]
+    if unfinished:
+        lines += ["Runs that did not finish:", ""]
+        lines += [
+            f"- {r.run_name} ({r.status}): {r.reason or 'no reason recorded'}" for r in unfinished
+        ]
+        lines.append("")
+    if not any(r.baseline for r in rows):
+        lines += ["No finished O0 run to compare with: speedup and memory ratio are empty.", ""]
+    quality = "loss" if rows and all(r.is_lm for r in rows) else "accuracy"
+    if any(r.is_lm for r in rows):
+        lines += [
+            "Language models: best val loss is the mean token cross-entropy on the "
+            "validation tokens (nats per token), perplexity its exponential; throughput in "
+            "training tokens per second.",
+            "",
+        ]
+    lines += [
+        f"![time, memory and {quality} per level]({BARS_PNG})",
+        "",
+        f"![memory by kind per level]({MEMORY_PNG})",
+        "",
+        f"![validation {quality} per epoch]({CURVES_PNG})",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def write_csv(rows: Sequence[Row], path: Path) -> None:
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        lm = [k for k in LM_METRICS if k not in METRICS] if any(r.is_lm for r in rows) else []
+        varying = varying_params(rows)
+        writer.writerow(
+            [
+                "run_id",
+                "run_name",
+                *varying,
+                "model",
+                "level",
+                "dtype",
+                "layers",
+                "optimizer",
+                "batch_size",
+                "status",
+                *METRICS,
+                *MEMORY_METRICS,
+                MEMORY_TOTAL,
+                "speedup_vs_o0",
+                "memory_vs_o0",
+                "baseline_run",
+                "reason",
+                *lm,
+            ]
+        )
+        for r in rows:
+            writer.writerow(
+                [
+                    r.run_id,
+                    r.run_name,
+                    *(r.params.get(k) for k in varying),
+                    r.model,
+                    r.level,
+                    r.dtype,
+                    layer_counts(r),
+                    r.optimizer,
+                    r.batch_size,
+                    r.status,
+                    *(r.get(m) for m in METRICS),
+                    *(r.get(m) for m in (*MEMORY_METRICS, MEMORY_TOTAL)),
+                    r.speedup,
+                    r.memory_ratio,
+                    r.baseline,
+                    r.reason,
+                    *(r.get(k) for k in lm),
+                ]
+            )

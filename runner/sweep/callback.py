@@ -1,0 +1,272 @@
+"""The Hydra callback that makes a multirun one parent run with a child run per job
+(`MlflowSweepCallback`), and the CLI's scope that ends a parent left open by a sweep that stopped
+early (`LaunchScope`). See runner.sweep for the whole story."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import gc
+import logging
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+from runner.errors import RunnerError
+from runner.sweep.gpus import claim_gpu, gpu_count
+from runner.sweep.jobs import _resuming, earlier_sweep, preflight, resolved, sweep_overrides
+from runner.sweep.parent import SweepParent
+from runner.tracking import tags as tag
+from runner.tracking.base import end_fluent_runs
+
+log = logging.getLogger(__name__)
+
+JOBLIB_LAUNCHER = "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher"
+SUBMITIT_LOCAL_LAUNCHER = "hydra_plugins.hydra_submitit_launcher.submitit_launcher.LocalLauncher"
+MAX_RUN_NAME = 200
+
+
+class MlflowSweepCallback(Callback):
+    """Makes a Hydra multirun one MLflow parent run with a child run per job."""
+
+    def __init__(self) -> None:
+        self.parent: SweepParent | None = None
+        self._parent_run: Any = None  # the launching process's open parent (a tracking Run)
+        self._sweep_dir: Path | None = None
+        self._gpu: tuple[int, IO[str]] | None = None
+
+    def __getstate__(self) -> dict:
+        """What a launcher ships to its worker processes (joblib pickles the callback): the
+        parent's address; the open run and a claimed GPU stay with the process that holds them."""
+        return {**self.__dict__, "_parent_run": None, "_gpu": None}
+
+    # launching process
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        SweepParent.forget(sweep_dir)  # an earlier sweep's leftover must not adopt these jobs
+        if config.dry_run:
+            return  # a dry run creates no run, in a sweep too
+        import runner
+        from runner.tracking.trackers import kind, open_tracker
+
+        try:
+            tracking_uri = resolved(config.mlflow.tracking_uri)
+            jobs = preflight(config, kwargs.get("config_name"), tracking_uri)
+            tracker = open_tracker(config, sweep_dir)
+        except RunnerError as error:
+            log.error("%s", error)
+            raise SystemExit(2) from error
+        tracker.reap()  # the experiment's RUNNING runs whose process is gone end KILLED
+        launcher = str(OmegaConf.select(config, "hydra.launcher._target_") or "")
+        self._warn_shared_device(config, launcher)
+        earlier = None
+        if _resuming(config):
+            try:
+                earlier = earlier_sweep(tracker, sweep_dir, list(config.hydra.overrides.task))
+            except RunnerError as error:
+                log.error("%s", error)
+                raise SystemExit(2) from error
+        name = config.mlflow.sweep_name or " ".join(["sweep", *sweep_overrides(config)])
+        tags = {
+            tag.SWEEP_DIR: str(sweep_dir.resolve()),
+            tag.SWEEP_OVERRIDES: " ".join(config.hydra.overrides.task),
+            tag.SWEEP_LAUNCHER: launcher.rsplit(".", 1)[-1],
+            "runner_version": runner.__version__,
+            tag.COMMAND: " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+            **{str(k): str(v) for k, v in config.mlflow.tags.items()},
+        }
+        if earlier is not None:  # resume=auto: the same parent goes on, with its children
+            self._parent_run = tracker.reopen_run(earlier.run_id, {tag.COMMAND: tags[tag.COMMAND]})
+            log.info(
+                "Resuming the sweep of %s: its parent run %s (%s), finished jobs are kept",
+                sweep_dir,
+                earlier.run_name,
+                earlier.run_id,
+            )
+        else:
+            self._parent_run = tracker.create_run(name[:MAX_RUN_NAME], tags)
+        self.parent = SweepParent(
+            kind(config),
+            tracker.location,
+            config.mlflow.experiment_name,
+            tracker.experiment_id,
+            self._parent_run.run_id,
+        )
+        self.parent.save(sweep_dir)
+        self._sweep_dir = sweep_dir
+        scope = _SCOPE.get()
+        if scope is not None:
+            scope.adopt(self)
+        count = "" if jobs is None else f" of {jobs} jobs"
+        log.info(
+            "Sweep%s: %s parent run %r (%s) in %s",
+            count,
+            tracker.label,
+            name,
+            self.parent.run_id,
+            tracker.location,
+        )
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if self.parent is None or self._parent_run is None:
+            return
+        from runner.tracking.base import FINISHED, MLFLOW, end_state
+
+        tracker = self.parent.open()
+        children = self.parent.children(tracker)
+        failed = [c for c in children if c.status != FINISHED]
+        parent, self._parent_run = self._parent_run, None
+        SweepParent.forget(self._sweep_dir)
+        parent.log_metrics({"jobs": len(children), "failed_jobs": len(failed)}, 0)
+        parent.set_tag(
+            tag.FAILED_JOBS,
+            "; ".join(f"{c.run_name} ({end_state(c)})" for c in failed) or "none",
+        )
+        parent.end(FINISHED)
+        failures = (
+            f", {len(failed)} failed: "
+            + ", ".join(f"{c.run_name} ({end_state(c)})" for c in failed)
+            if failed
+            else ", none failed"
+        )
+        compare = (
+            f"Compare them:  python -m runner.report --tracking-uri {tracker.location} "
+            f"--experiment {self.parent.experiment_name} --parent {self.parent.run_id}\n"
+            if self.parent.tracker == MLFLOW
+            else ""  # the report reads an MLflow store
+        )
+        log.info(
+            "Sweep finished: %d jobs%s.\n%s%s", len(children), failures, compare, tracker.hint()
+        )
+        if failed:
+            raise SystemExit(1)  # Hydra swallows a callback's exceptions, not SystemExit
+
+    def end_early(self, status: str, reason: str) -> None:
+        """End the parent run if the sweep stopped before `on_multirun_end` (see LaunchScope):
+        its `error` tag is `reason` and, when jobs failed, which ones and why (a sweeper such as
+        Optuna stops at a failed trial by its `max_failure_rate`)."""
+        parent, self._parent_run = self._parent_run, None
+        if parent is None:
+            return
+        if self._sweep_dir is not None:
+            SweepParent.forget(self._sweep_dir)
+        try:
+            failed = self._failed_children()
+            if failed:
+                reason += "; failed: " + "; ".join(failed)
+                parent.set_tag(tag.FAILED_JOBS, "; ".join(failed))
+            parent.end(status, reason)
+        except Exception:  # noqa: BLE001  (exiting anyway; say so)
+            log.exception("Could not end the sweep's parent run %s", parent.run_id)
+
+    def _failed_children(self) -> list[str]:
+        """ "<run name> (#<job>): <its error>" for each child that did not finish."""
+        from runner.tracking.base import FINISHED, RUNNING
+
+        if self.parent is None:
+            return []
+        children = self.parent.children(self.parent.open())
+        return [
+            f"{c.run_name} (#{c.tags.get(tag.JOB_NUM, '?')}): {c.tags.get(tag.ERROR, c.status)}"
+            for c in sorted(children, key=lambda c: int(c.tags.get(tag.JOB_NUM, 0)))
+            if c.status not in (FINISHED, RUNNING)
+        ]
+
+    # each job's process
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if self.parent is None:
+            return  # a single run, or a dry-run sweep
+        end_fluent_runs()
+        gc.collect()  # the previous in-process job's model and optimizer
+        count = gpu_count()
+        if count > 1:  # one job per GPU: take a free one for this job
+            self._gpu = claim_gpu(Path(config.hydra.sweep.dir), count)
+            if self._gpu is None:
+                log.warning(
+                    "More parallel jobs than GPUs: this job shares GPU 0, so its timings "
+                    "and memory figures are not comparable; set hydra.launcher.n_jobs=%d",
+                    count,
+                )
+            else:
+                import torch
+
+                torch.cuda.set_device(self._gpu[0])
+
+    def on_job_end(self, config: DictConfig, job_return: Any = None, **kwargs: Any) -> None:
+        if self.parent is None:
+            return
+        end_fluent_runs()
+        if self._gpu is not None:
+            self._gpu[1].close()
+            self._gpu = None
+        if "torch" in sys.modules:
+            import torch
+
+            if torch.cuda.is_initialized():
+                torch.cuda.empty_cache()
+
+    @staticmethod
+    def _warn_shared_device(config: DictConfig, launcher: str) -> None:
+        """Parallel jobs on one device spoil each other's timings and memory figures."""
+        if launcher == SUBMITIT_LOCAL_LAUNCHER:
+            devices = max(1, gpu_count())
+            log.warning(
+                "submitit's local launcher starts the sweep's jobs at once, on this machine's %d "
+                "device(s): jobs that share a device spoil each other's timings and peak memory. "
+                "hydra/launcher=parallel runs one job per GPU (one at a time on a CPU); "
+                "hydra/launcher=slurm spreads them over a cluster.",
+                devices,
+            )
+            return
+        if launcher != JOBLIB_LAUNCHER:
+            return
+        n_jobs = OmegaConf.select(config, "hydra.launcher.n_jobs")
+        devices = max(1, gpu_count())
+        if n_jobs is not None and (n_jobs < 0 or n_jobs > devices):
+            log.warning(
+                "hydra.launcher.n_jobs=%s runs more jobs at once than there are devices (%d): "
+                "their timings and peak memory are not comparable. hydra/launcher=parallel runs "
+                "one job per GPU (one at a time on a CPU).",
+                n_jobs,
+                devices,
+            )
+
+
+class LaunchScope:
+    """The sweeps one CLI invocation launched: a sweep that stops early (Ctrl-C, a crash of the
+    launcher) never reaches Hydra's end-of-sweep callback, so the CLI ends whatever parent run
+    its sweeps left open (`close_open`). Each callback owns its parent; the scope only lists the
+    callbacks, for the duration of the CLI call (`launch_scope`)."""
+
+    def __init__(self) -> None:
+        self._callbacks: list[MlflowSweepCallback] = []
+
+    def adopt(self, callback: MlflowSweepCallback) -> None:
+        self._callbacks.append(callback)
+
+    def close_open(self, status: str, reason: str) -> None:
+        """End every parent still open: KILLED or FAILED, with the reason as its `error` tag."""
+        for callback in self._callbacks:
+            callback.end_early(status, reason)
+
+
+_SCOPE: contextvars.ContextVar[LaunchScope | None] = contextvars.ContextVar(
+    "amp_runner_launch_scope", default=None
+)
+
+
+@contextlib.contextmanager
+def launch_scope() -> Iterator[LaunchScope]:
+    """The CLI's scope for the sweeps it launches (see `LaunchScope`); outside it (a sweep
+    started through Hydra's API by other code) a sweep that stops early leaves its parent
+    RUNNING, for the next start's reaping to end."""
+    scope = LaunchScope()
+    token = _SCOPE.set(scope)
+    try:
+        yield scope
+    finally:
+        _SCOPE.reset(token)

@@ -1,0 +1,267 @@
+"""The jobs of a sweep: what they are (the basic sweeper's expansion), checked before the first
+runs, and each one run as a child run of the sweep's parent (`run_job`), resumed with the sweep
+(`resume=auto`)."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from runner.errors import ConfigError, RunnerError
+from runner.sweep.parent import SweepParent
+from runner.tracking import tags as tag
+
+log = logging.getLogger(__name__)
+
+BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
+
+
+def sweep_jobs(config: DictConfig) -> list[list[str]] | None:
+    """Every job's overrides, expanded as Hydra's basic sweeper will (`hydra.sweeper.params`, then
+    the command line); None for another sweeper (Optuna, ...), whose jobs are known only later."""
+    if OmegaConf.select(config, "hydra.sweeper._target_") != BASIC_SWEEPER:
+        return None
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+
+    params = OmegaConf.select(config, "hydra.sweeper.params") or {}
+    arguments = [f"{key}={value}" for key, value in params.items()]
+    arguments += list(config.hydra.overrides.task)
+    parsed = OverridesParser.create().parse_overrides(arguments)
+    return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+
+
+def sweep_overrides(config: DictConfig) -> list[str]:
+    """The overrides that make this a sweep (`precision=o0,o1`, `+experiment=...`), for naming."""
+    arguments = list(config.hydra.overrides.task)
+    parsed = OverridesParser.create().parse_overrides(arguments)
+    return [
+        text
+        for text, o in zip(arguments, parsed)
+        if o.is_sweep_override() or o.get_key_element().lstrip("+~") == "experiment"
+    ]
+
+
+def preflight(config: DictConfig, config_name: str | None, tracking_uri: str) -> int | None:
+    """Check every job's config before any job runs (ConfigError names the job and the key);
+    returns the number of jobs, or None when the sweeper decides them as it goes."""
+    from hydra import compose
+
+    from runner.run.plan import make_plan
+    from runner.tracking.trackers import kind
+
+    jobs = sweep_jobs(config)
+    if jobs is None:
+        return None
+    for number, overrides in enumerate(jobs):
+        try:
+            cfg = compose(config_name=config_name, overrides=overrides)
+        except (HydraException, OmegaConfBaseException) as error:  # a typo'd key or option
+            cause = f"\n{error.__cause__}" if error.__cause__ else ""
+            raise RunnerError(
+                f"sweep job #{number} ({' '.join(overrides)}): {error}{cause}"
+            ) from error
+        if _resuming(cfg):  # in a sweep, resume=auto is decided per job, at its start
+            OmegaConf.set_struct(cfg, False)
+            cfg.resume = None
+        try:
+            make_plan(cfg)
+            same_store(cfg, kind(config), tracking_uri, config.mlflow.experiment_name)
+        except ConfigError as error:
+            raise ConfigError(
+                error.key,
+                f"{error.problem} (in sweep job #{number}: {' '.join(overrides)})",
+                error.allowed,
+            ) from error
+    return len(jobs)
+
+
+def same_store(cfg: DictConfig, tracker: str, tracking_uri: str, experiment_name: str) -> None:
+    """A child run must live beside its parent: the tracker (`tracking.name`), the store (an
+    MLflow parent's `tracking_uri`) and the experiment cannot vary in a sweep."""
+    from runner.tracking.base import MLFLOW
+    from runner.tracking.trackers import kind
+
+    if kind(cfg) != tracker:
+        raise ConfigError(
+            "tracking.name",
+            f"a sweep's jobs are recorded by their parent run's tracker {tracker!r}, "
+            f"got {kind(cfg)!r}; it cannot be swept",
+            "one value for the whole sweep",
+        )
+    if tracker == MLFLOW and resolved(cfg.mlflow.tracking_uri) != tracking_uri:
+        raise ConfigError(
+            "mlflow.tracking_uri",
+            f"a sweep's jobs log to their parent run's store "
+            f"{tracking_uri!r}, got {cfg.mlflow.tracking_uri!r}; it cannot be swept",
+            "one value for the whole sweep",
+        )
+    if cfg.mlflow.experiment_name != experiment_name:
+        raise ConfigError(
+            "mlflow.experiment_name",
+            f"a sweep's jobs log to their parent run's "
+            f"experiment {experiment_name!r}, got {cfg.mlflow.experiment_name!r}; it "
+            "cannot be swept",
+            "one value for the whole sweep",
+        )
+
+
+def resolved(tracking_uri: str) -> str:
+    """An MLflow URI as its tracker keeps it (a relative SQLite path made absolute)."""
+    from runner.tracking.store import resolve_tracking_uri
+
+    return resolve_tracking_uri(tracking_uri)
+
+
+def _resuming(config: DictConfig) -> bool:
+    return str(OmegaConf.select(config, "resume") or "").strip().lower() == "auto"
+
+
+def _sweep_tokens(overrides: Sequence[str]) -> set[str]:
+    """The overrides that define a sweep (what `resume` is set to does not)."""
+    return {o for o in overrides if not o.split("=", 1)[0].lstrip("+~").startswith("resume")}
+
+
+def earlier_sweep(tracker: Any, sweep_dir: Path, overrides: Sequence[str]) -> Any:
+    """The parent run of the sweep run before in `sweep_dir` (the newest, if several), or None;
+    a ConfigError when its overrides differ from `overrides` (naming what differs), since its
+    finished jobs would not be this sweep's."""
+    folder = str(Path(sweep_dir).resolve())
+    runs = tracker.runs(tags={tag.SWEEP_DIR: folder}, newest_first=True)
+    if not runs:
+        return None
+    parent = runs[0]
+    before = _sweep_tokens(parent.tags.get(tag.SWEEP_OVERRIDES, "").split())
+    now = _sweep_tokens(overrides)
+    if before != now:
+        differs = [f"-{o}" for o in sorted(before - now)] + [f"+{o}" for o in sorted(now - before)]
+        raise ConfigError(
+            "resume",
+            f"the sweep in {folder} (parent run {parent.run_id}) "
+            f"was run with other overrides: {' '.join(differs)} (- then, + now); "
+            "its finished jobs would not be this sweep's",
+            f"the same overrides as then ({' '.join(sorted(before))}) with "
+            "resume=auto, or another hydra.sweep.dir for a new sweep",
+        )
+    return parent
+
+
+class SweepJobFailed(RuntimeError):
+    """A sweep job failed (already recorded as a FAILED child run): what a sweeper other than
+    Hydra's basic one receives as the job's error."""
+
+
+def run_job(
+    cfg: DictConfig,
+    parent: SweepParent,
+    *,
+    overrides: Sequence[str],
+    output_dir: str,
+    job_num: int,
+    sweeper: str = BASIC_SWEEPER,
+) -> float:
+    """One sweep job as a child run. A failure is logged and recorded as a FAILED child (also when
+    it happened before the run existed). Under Hydra's basic sweeper it is then returned as NaN, so
+    the sweep goes on (that sweeper stops at the first job that raises and skips the end-of-sweep
+    callback). Under any other `sweeper` (Optuna's) it raises `SweepJobFailed`: the sweeper sees a
+    failed job (Optuna tells the trial FAIL and counts it against
+    `hydra.sweeper.max_failure_rate`), where a NaN objective would crash Optuna's study; a job
+    that finishes without a finite objective raises there too."""
+    from runner.run.app import run
+    from runner.run.plan import default_run_name
+
+    tags = {tag.PARENT_RUN: parent.run_id, tag.JOB_NUM: str(job_num)}
+    raises = bool(sweeper) and sweeper != BASIC_SWEEPER
+    try:
+        same_store(cfg, parent.tracker, parent.location, parent.experiment_name)
+        if _resuming(cfg):
+            done, cfg = _resume_job(cfg, parent, job_num)
+            if done is not None:
+                return done
+        best = run(cfg, overrides=overrides, output_dir=output_dir, extra_tags=tags)
+    except Exception as error:  # noqa: BLE001  (recorded and counted; the sweep goes on)
+        if isinstance(error, RunnerError):
+            log.error("Sweep job #%d failed: %s", job_num, error)
+        else:
+            log.exception("Sweep job #%d failed", job_num)
+        try:
+            tracker = parent.open()
+            if not parent.children(tracker, job_num):
+                tracker.record_failure(default_run_name(cfg), tags, error)
+        except Exception:  # noqa: BLE001  (the store itself is failing: the log says so)
+            log.exception("Could not record sweep job #%d's failure in MLflow", job_num)
+        if raises:
+            raise SweepJobFailed(
+                f"sweep job #{job_num} failed: {type(error).__name__}: {error}"
+            ) from error
+        return math.nan
+    if best is None or not math.isfinite(best):
+        if raises:
+            raise SweepJobFailed(
+                f"sweep job #{job_num} finished without a finite objective "
+                f"({best}): an optimising sweeper cannot use it"
+            )
+        return math.nan
+    return best
+
+
+def _resume_job(
+    cfg: DictConfig, parent: SweepParent, job_num: int
+) -> tuple[float | None, DictConfig]:
+    """A job of a resumed sweep (`resume=auto`): (its objective, when its earlier run finished
+    and is kept; else None, and the config to run it with). An earlier run that did not finish
+    resumes from its checkpoint in the same run; one without a checkpoint is deleted and the job
+    starts afresh (so the tree holds one child per job); a job that never ran starts afresh (not
+    from another sweep's run of the same name)."""
+    from runner.run import checkpoint
+    from runner.tracking.base import FINISHED
+
+    tracker = parent.open()
+    runs = parent.children(tracker, job_num)
+    earlier = runs[0] if runs else None  # this job's child run from an earlier session
+    cfg = cfg.copy()
+    OmegaConf.set_struct(cfg, False)
+    cfg.resume = None
+    if earlier is None:
+        return None, cfg
+    if earlier.status == FINISHED:
+        metrics = earlier.metrics
+        best = metrics.get("best_val_acc", metrics.get("best_val_loss"))
+        log.info(
+            "Sweep job #%d finished in an earlier session (run %s): kept, not run again",
+            job_num,
+            earlier.run_id,
+        )
+        return (math.nan if best is None else float(best)), cfg
+    path = (
+        checkpoint.run_folder(
+            cfg.trainer.checkpoint_dir, cfg.mlflow.experiment_name, earlier.run_name
+        )
+        / earlier.run_id
+        / checkpoint.FILENAME
+    )
+    if path.is_file():
+        log.info(
+            "Sweep job #%d resumes its run %s (%s) from %s",
+            job_num,
+            earlier.run_id,
+            earlier.status,
+            path,
+        )
+        cfg.resume = str(path)
+    else:
+        log.info(
+            "Sweep job #%d: its run %s (%s) left no checkpoint: it starts again",
+            job_num,
+            earlier.run_id,
+            earlier.status,
+        )
+        tracker.reader.delete_run(earlier.run_id)
+    return None, cfg

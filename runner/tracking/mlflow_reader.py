@@ -1,0 +1,108 @@
+"""MLflow's side of `Reader` (runner.tracking.base): runs read back from an MLflow store, as
+`RunRecord`s, through the store's retrying client (runner.tracking.store)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from mlflow.exceptions import MlflowException
+
+from runner.tracking.base import Reader, RunNotFound, RunRecord
+from runner.tracking.store import RetryingClient, resolve_tracking_uri, ui_hint
+
+PAGE = 1000  # runs per search request (MLflow's default and most)
+
+
+def record(run: Any) -> RunRecord:
+    """An MLflow `Run` as a RunRecord."""
+    info, data = run.info, run.data
+    return RunRecord(
+        run_id=info.run_id,
+        run_name=info.run_name,
+        experiment_id=info.experiment_id,
+        status=info.status,
+        start_time=info.start_time,
+        end_time=info.end_time,
+        params=dict(data.params),
+        tags=dict(data.tags),
+        metrics=dict(data.metrics),
+    )
+
+
+def _literal(value: str) -> str | None:
+    """`value` as a string literal of MLflow's filter language, which cannot escape quotes: None
+    for a value that holds both kinds (such a condition is checked on the runs instead)."""
+    for quote in ("'", '"'):
+        if quote not in value:
+            return f"{quote}{value}{quote}"
+    return None
+
+
+class MlflowReader(Reader):
+    """Reads the runs of the MLflow store at `location` through `client`."""
+
+    def __init__(self, client: RetryingClient, location: str):
+        self.client = client
+        self.location = location
+
+    @classmethod
+    def open(cls, location: str) -> MlflowReader:
+        uri = resolve_tracking_uri(location)
+        return cls(RetryingClient(uri), uri)
+
+    def experiment_id(self, name: str) -> str | None:
+        experiment = self.client.get_experiment_by_name(name)
+        return None if experiment is None else experiment.experiment_id
+
+    def run(self, run_id: str) -> RunRecord:
+        try:
+            return record(self.client.get_run(run_id))
+        except MlflowException as error:
+            raise RunNotFound(str(error.message)) from None
+
+    def runs(
+        self,
+        experiment_ids: Sequence[str],
+        *,
+        tags: Mapping[str, str] | None = None,
+        having: Sequence[str] = (),
+        newest_first: bool = False,
+    ) -> list[RunRecord]:
+        clauses = [f"tags.`{key}` != ''" for key in having]
+        later = {}  # conditions MLflow's filter cannot say: checked here
+        for key, value in (tags or {}).items():
+            literal = _literal(str(value))
+            if literal is None:
+                later[key] = str(value)
+            else:
+                clauses.append(f"tags.`{key}` = {literal}")
+        order = ["attributes.start_time DESC"] if newest_first else None
+        found: list[RunRecord] = []
+        token = None
+        while True:
+            page = self.client.search_runs(
+                list(experiment_ids),
+                filter_string=" and ".join(clauses),
+                order_by=order,
+                max_results=PAGE,
+                page_token=token,
+            )
+            found.extend(record(r) for r in page)
+            token = page.token
+            if not token:
+                break
+        return [r for r in found if all(r.tags.get(k) == v for k, v in later.items())]
+
+    def history(self, run_id: str, metric: str) -> list[tuple[int, float]]:
+        return sorted((m.step, m.value) for m in self.client.get_metric_history(run_id, metric))
+
+    def log_artifacts(self, run_id: str, folder: str | os.PathLike, artifact_path: str) -> None:
+        self.client.log_artifacts(run_id, str(folder), artifact_path)
+
+    def delete_run(self, run_id: str) -> None:
+        self.client.delete_run(run_id)
+
+    def hint(self, experiment_id: str) -> str:
+        return ui_hint(self.location, experiment_id)
