@@ -568,7 +568,7 @@ def build_runner(
     from runner import csrc
     from runner.run import app
     from runner.run.plan import make_plan
-    from runner.run.trainer import RunContext
+    from runner.run.trainer import RunContext, Trainer, trainer_config
 
     plan = make_plan(cfg)
     device, resolution = plan.device, plan.resolution
@@ -577,8 +577,11 @@ def build_runner(
         plan,
         on_model=(lambda model: copies.append(copy.deepcopy(model))) if keep_fp32_copy else None,
     )
-    trainer = parts.trainer(
-        cfg.trainer, device, RunContext(on_metrics=on_metrics or (lambda metrics, step: None))
+    trainer = Trainer(
+        trainer_config(cfg.trainer),
+        parts,
+        RunContext(on_metrics=on_metrics or (lambda metrics, step: None)),
+        device=device,
     )
     x, y = cpu_batch if cpu_batch is not None else next(iter(parts.train_loader))
     batch = trainer._to_device(x, y)

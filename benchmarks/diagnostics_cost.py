@@ -138,8 +138,10 @@ def hook_count(module) -> int:
 
 def run_cell(args, model: str, level: str, batches: dict) -> dict:
     """One (model, level): interleaved blocks of the three variants."""
-    from runner.measure.diagnostics import RunDiagnostics, run_formats
+    from runner.measure.diagnostics import run_formats
+    from runner.measure.memory import MemoryInstrument
     from runner.measure.probes import synchronize
+    from runner.measure.run_diagnostics import RunDiagnostics
 
     cell = {"model": model, "level": level, "status": "ok", "error": None}
     gc.collect()
@@ -149,12 +151,13 @@ def run_cell(args, model: str, level: str, batches: dict) -> dict:
         parts = build_runner(cfg, cpu_batch=batches.get(key))
         batches[key] = parts.cpu_batch
         trainer, batch, device = parts.trainer, parts.batch, parts.device
-        # the layer audit that a run's diagnosed steps carry too is measured on its own
-        # (benchmarks/layer_plan_cost.py): this is the range probe's cost
-        trainer.layer_plan = None
         formats = run_formats(parts.properties.compute_dtypes)
         folder = Path(tempfile.mkdtemp(prefix="diagnostics-cost-"))
         diagnosed = RunDiagnostics(1, formats, folder)
+        # the layer audit that a run's diagnosed steps carry too is measured on its own
+        # (benchmarks/layer_plan_cost.py): this is the range probe's cost
+        off = trainer.instrument(None, audit=False)
+        watched = {"off": off, "diagnosed": trainer.instrument(diagnosed, audit=False)}
         cell["formats"] = ",".join(f.name for f in formats)
         hooks = {"off": [], "diagnosed": []}
         criterion = trainer.criterion
@@ -167,13 +170,13 @@ def run_cell(args, model: str, level: str, batches: dict) -> dict:
             return loss
 
         def block(variant: str) -> float:
-            trainer.diagnostics = diagnosed if variant == "diagnosed" else None
-            trainer._memory_final = True
+            trainer.instruments = watched.get(variant, off)
+            memory = trainer.instruments.find(MemoryInstrument)
             trainer.criterion = counting(variant) if variant in hooks else criterion
             synchronize(device)
             started = time.perf_counter()
             for _ in range(args.steps):
-                trainer._memory_final = variant != "memory meter"  # metered: every step
+                memory.final = variant != "memory meter"  # metered: every step
                 trainer.train_step(*batch)
                 trainer.global_step += 1
             synchronize(device)

@@ -119,6 +119,8 @@ def cell_overrides(args, model: str, level: str, planned: bool) -> list[str]:
 
 def run_cell(args, model: str, level: str) -> dict:
     """One (model, level): interleaved blocks of the three variants."""
+    from runner.measure.audit import AuditInstrument
+    from runner.measure.memory import MemoryInstrument
     from runner.measure.probes import synchronize
 
     cell = {"model": model, "level": level, "status": "ok", "error": None}
@@ -138,12 +140,13 @@ def run_cell(args, model: str, level: str) -> dict:
         def block(variant: str) -> float:
             parts = plan_parts if variant == "plan" else level_parts
             trainer = parts.trainer
-            trainer._memory_final = True
+            trainer.instruments.find(MemoryInstrument).final = True  # (memory is not metered)
+            audit = trainer.instruments.find(AuditInstrument)
             synchronize(device)
             started = time.perf_counter()
             for _ in range(args.steps):
                 if variant == "audited":  # every step audited as a run's first step is
-                    trainer._audited, trainer.global_step = False, 0
+                    audit.audited, trainer.global_step = False, 0
                 trainer.train_step(*parts.batch)
                 trainer.global_step += 1
             synchronize(device)

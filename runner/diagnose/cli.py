@@ -34,7 +34,8 @@ def preflight(
     exponents CSV files, the figure with the recommended loss scale outlined, the text).
     `for_plan`: probe every layer of a layer plan (every module that owns parameters) and their
     inputs (the records are kept in the result)."""
-    from runner.measure.diagnostics import FIGURE_PNG, FORMATS, GRADIENT_KINDS, plot_exponents
+    from runner.measure.diagnostics import FORMATS, GRADIENT_KINDS
+    from runner.measure.run_diagnostics import FIGURE_PNG, plot_exponents
     from runner.run.autoplan import plan_layers
 
     records = measure(
@@ -150,10 +151,11 @@ def run(
     import contextlib
     import dataclasses
 
+    from runner.measure.memory import MemoryInstrument
     from runner.precision import resolve
     from runner.run import app
     from runner.run.plan import make_plan
-    from runner.run.trainer import RunContext
+    from runner.run.trainer import RunContext, Trainer, trainer_config
     from runner.tracking import tags as tag
     from runner.tracking.trackers import open_tracker
 
@@ -180,7 +182,12 @@ def run(
         name = cfg.mlflow.run_name or f"{options.label(cfg.model)}-diagnose"
         out.mkdir(parents=True, exist_ok=True)
         with tracker.start_run(name, params, tags) as tracked:
-            trainer = parts.trainer(cfg.trainer, device, RunContext(on_metrics=tracked.log_metrics))
+            trainer = Trainer(
+                trainer_config(cfg.trainer),
+                parts,
+                RunContext(on_metrics=tracked.log_metrics),
+                device=device,
+            )
             title = (
                 f"Range pre-flight: {options.label(cfg.model)} on "
                 f"{options.label(cfg.data)}, batch {cfg.trainer.batch_size}, {steps} fp32 "
@@ -210,8 +217,9 @@ def run(
                 if underflow is None
                 else underflow,
             }
-            if trainer.memory_parts is not None:
-                summary.update(trainer.memory_parts.metrics())
+            memory = trainer.instruments.find(MemoryInstrument).parts
+            if memory is not None:
+                summary.update(memory.metrics())
             tracked.log_metrics(summary, steps)
             tracked.set_tag(tag.DIAGNOSE_RECOMMENDED, result.preset)
             tracked.set_tag(tag.DIAGNOSE_KEEP_FP32, ", ".join(result.keep_fp32) or "none")

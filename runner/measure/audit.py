@@ -1,24 +1,18 @@
 """What ran where: the dtypes each layer of a model actually computed in during one training step.
 
-A *layer* is a module that owns parameters itself (the unit of a layer plan:
-`runner.precision.layers`). `DtypeAudit` puts a forward pre-hook and a forward hook on each for one
-step and records, from the layer's first call, the dtypes of its own parameters as the forward
-uses them (read before it: a sharded unit's gathered ones), of its floating inputs (positional and
-keyword) and of its floating outputs, and whether it is one of torchao's float8 modules (its
-GEMMs in fp8 whatever its output's type); after the backward, `observe_grads()` records the dtypes
-of its parameters' gradients. Nothing is read from the device: dtypes are metadata, so the audit
-costs no host sync and no copy. A layer whose forward never ran in the step (a parent that uses
-its weights directly, such as `nn.MultiheadAttention` with its `out_proj`) is recorded as not
-called.
-
-`write_csv` and `plot` render the comparison rows of a plan (`LayerPlan.compare`): the
-`layers_ran.csv` artifact and its figure.
+A *layer* is a module that owns parameters itself (the unit of a layer plan). `DtypeAudit` hooks
+each for one step and records, from its first call, the dtypes of its parameters, floating inputs
+and outputs, whether it is one of torchao's float8 modules, and after the backward its gradients'
+dtypes: metadata only, no device read. `AuditInstrument` compares audited steps of a run with the
+layer plan; `write_csv` and `plot` render the comparison (`layers_ran.csv` and its figure).
+README.md beside this file says more.
 """
 
 from __future__ import annotations
 
 import csv
-from collections.abc import Iterable, Mapping, Sequence
+import logging
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -28,11 +22,17 @@ import torch
 from torch import nn
 
 from runner.measure.diagnostics import _tensors_in
+from runner.measure.instruments import ArtifactSink, Instrument, MetricsSink, output_folder
+
+log = logging.getLogger(__name__)
 
 ARTIFACT_DIR = "layers"
 LAYERS_RAN_CSV, LAYERS_RAN_PNG = "layers_ran.csv", "layers_ran.png"
 PLAN_YAML, PLAN_TXT = "layer_plan.yaml", "layer_plan.txt"
 AUTO_PLAN_YAML = "auto_plan.yaml"  # layer_plan=auto: the pre-flight's choice for every layer
+# the metrics of an audited step
+OFF_PLAN_METRIC = "layers_off_plan"  # layers whose observed format differs from the plan's
+FORMAT_METRIC = "layers_"  # + fp32 | bf16 | fp16 | fp8: how many layers computed in each format
 FIELDS = [
     "step",
     "layer",
@@ -242,3 +242,129 @@ def summary(rows: Sequence[Mapping[str, Any]]) -> Optional[str]:
         f"{r['note']} (planned {r['planned']} by {r['why']})"
         for r in off
     )
+
+
+# ---- inside a run --------------------------------------------------------------------------------
+
+
+def never(step: int) -> bool:
+    return False
+
+
+class AuditInstrument(Instrument):
+    """The layer audit of a run's steps against its layer `plan` (`LayerPlan`: its layers, its
+    `compare` and `strict`): the run's first step (`first`; a compiled run audits an eager step
+    instead) and every step `also` names (the diagnosed ones). Each audited step sends
+    `layers_off_plan` and the layers per observed format to `on_metrics`, appends its rows to
+    `layers_ran.csv` in `folder` (where `writes`: rank 0), draws the figure and hands both to
+    `on_artifact` (the session's first audit at once, later ones at their epoch's end), warns
+    once per layer that ran off plan (to `logger`), and raises `error` for it when the plan is
+    strict."""
+
+    def __init__(
+        self,
+        plan: Any,
+        module: nn.Module,
+        on_metrics: MetricsSink,
+        *,
+        error: type[Exception],
+        first: bool = True,
+        also: Callable[[int], bool] = never,
+        writes: bool = True,
+        folder: Optional[Path] = None,
+        on_artifact: Optional[ArtifactSink] = None,
+        logger: logging.Logger = log,
+    ):
+        self.plan = plan
+        self.module = module
+        self.on_metrics = on_metrics
+        self.error = error
+        self.first = first
+        self.also = also
+        self.writes = writes
+        self._folder = folder
+        self.on_artifact = on_artifact
+        self.log = logger
+        self.audited = False  # some step was audited (the first step's audit is done)
+        self._files = False  # layers_ran.csv was started by this instrument
+        self._last: Optional[tuple[list, int]] = None  # (rows, step) not drawn and logged yet
+        self._told: set[str] = set()
+        self._audit: Optional[DtypeAudit] = None
+
+    def due(self, step: int) -> bool:
+        return self.also(step) or (step == 1 and self.first and not self.audited)
+
+    def audit(self) -> DtypeAudit:
+        """A dtype audit of the plan's layers."""
+        return DtypeAudit(
+            [(layer.name, self.module.get_submodule(layer.name)) for layer in self.plan]
+        )
+
+    def start(self, step: int) -> None:
+        self._audit = self.audit().__enter__()
+
+    def after_backward(self, step: int) -> None:
+        audit = self._audit
+        audit.observe_grads()
+        self.close()
+        self.record(audit, step)
+
+    def close(self) -> None:
+        audit, self._audit = self._audit, None
+        if audit is not None:
+            audit.__exit__(None, None, None)
+
+    def end_epoch(self) -> None:
+        self.write()
+
+    @property
+    def folder(self) -> Path:
+        self._folder = output_folder(self._folder, "amp-runner-layers-")
+        return self._folder
+
+    def record(self, audit: DtypeAudit, step: int) -> None:
+        """Compare the audited step with the plan (see the class)."""
+        first = not self._files
+        self.audited = True
+        rows = self.plan.compare(audit.read())
+        off = [r for r in rows if r["off_plan"]]
+        metrics = {OFF_PLAN_METRIC: float(len(off))}
+        metrics.update({f"{FORMAT_METRIC}{k}": float(v) for k, v in counts(rows).items()})
+        self.on_metrics(metrics, step)
+        if self.writes:
+            write_csv(self.folder / LAYERS_RAN_CSV, rows, step, append=self._files)
+            self._files = True
+            self._last = (rows, step)
+            if first:  # the figure now; later audits' at the end of their epoch
+                self.write()
+        new = [r for r in off if r["layer"] not in self._told]
+        self._told.update(r["layer"] for r in new)
+        if new:
+            text = summary(new)
+            if self.plan.strict:
+                raise self.error(
+                    f"{len(new)} layer(s) ran off plan at step {step} (precision.strict=true):\n"
+                    f"{text}"
+                )
+            self.log.warning(
+                "What ran where, step %d: %d layer(s) ran off plan:\n%s", step, len(new), text
+            )
+        elif first:
+            self.log.info(
+                "What ran where, step %d: every layer ran as planned (%s)",
+                step,
+                ", ".join(f"{v} {k}" for k, v in counts(rows).items() if v),
+            )
+
+    def write(self) -> None:
+        """The figure of the latest audited step, then `layers_ran.csv` and the figure to the
+        artifact sink (under `layers/`); nothing when no step was audited since the last call."""
+        if self._last is None:
+            return
+        rows, step = self._last
+        self._last = None
+        folder = self.folder
+        figure = plot(folder / LAYERS_RAN_PNG, rows, f"What ran where at step {step}")
+        if self.on_artifact is not None:
+            for path in (folder / LAYERS_RAN_CSV, figure):
+                self.on_artifact(path, ARTIFACT_DIR)

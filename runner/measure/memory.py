@@ -1,43 +1,21 @@
 """Memory by kind, counted from the tensors themselves: exact on any device, per run.
 
-A training step holds five kinds of tensors; `measure` counts each from the objects that own
-them, so that the figure does not depend on an allocator or on what another run in the same
-process freed:
-
-  weights          the model's parameters and buffers (BatchNorm's running statistics), in the
-                   type the precision level keeps them in (fp16 under O2/O3, fp32 BatchNorm
-                   under keep_batchnorm_fp32);
-  master_weights   the engine's fp32 master copies of 16-bit parameters (O2: one per fp16
-                   parameter; 0 at O0, O1 and O3);
-  grads            every `.grad` at the moment of measurement (after the optimizer step, before
-                   zero_grad): the model's and the masters' (the fused O2 step reads the model's
-                   16-bit gradients directly and never materialises fp32 master gradients);
-  optimizer_state  every tensor in `optimizer.state` (momentum, Adam's moments and steps;
-                   quantised state by its codes, block scales and map: `plain_tensors`);
-  activations      the bytes autograd saved for backward during one training step
-                   (`ActivationMeter`, through `torch.autograd.graph.saved_tensors_hooks`):
-                   layer inputs and outputs, BatchNorm's batch statistics, the 16-bit copies
-                   of weights that O1's autocast makes and saves, the batch itself as the first
-                   layer saves it. Tensors that are parameters or buffers (a weight saved by its
-                   own layer) are not activations and are not counted again.
-
-Every tensor is counted by its storage, once (storages shared by several tensors, views of one
-tensor, a tensor saved by two layers), in the first kind above that holds it. The sum is
-`total`: the training state of a step as if all five were alive at once, an upper bound of
-what the step holds at its fullest (activations are freed during backward as gradients appear)
-that leaves out temporaries (workspaces, the loss, intermediate values not saved for backward).
-Checkpointing code that installs its own `saved_tensors_hooks` inside the step hides its saved
-tensors from the meter (only the innermost pair of hooks applies).
+Five kinds (weights, master_weights, grads, optimizer_state, activations), each storage counted
+once, in the first kind that holds it; `total` is their sum: an upper bound of what a step holds
+at its fullest (what each kind counts: README.md beside this file). `MemoryInstrument` measures
+the first step of a training session that steps.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 from torch import nn
+
+from runner.measure.instruments import Instrument
 
 MB = 2**20
 KINDS = ("weights", "master_weights", "grads", "optimizer_state", "activations")
@@ -206,3 +184,60 @@ class ActivationMeter:
     def __exit__(self, *exc: Any) -> None:
         hooks, self._hooks = self._hooks, None
         hooks.__exit__(*exc)
+
+
+class MemoryInstrument(Instrument):
+    """Memory by kind of the first step of a session that steps: its forward and backward run
+    under an `ActivationMeter`, and the other kinds are counted after its optimizer step, before
+    `zero_grad` (the gradients still held). A skipped step (no optimizer state yet) is measured
+    again at the next one. The total goes to `probe` (`MemoryProbe.record_tensors`: a CPU's
+    `peak_mem_mb`); the `mem_*_mb` figures go out once per measurement with the epoch's metrics,
+    with `extra()`'s beside them (a sharded run's all-gather). Reads no device value."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: Optional[torch.optim.Optimizer],
+        engine: Any,
+        probe: Any,
+        extra: Optional[Callable[[], dict[str, float]]] = None,
+    ):
+        self.module, self.optimizer, self.engine = module, optimizer, engine
+        self.probe = probe
+        self.extra = extra
+        self.parts: Optional[MemoryByKind] = None  # the latest measurement
+        self.final = False  # a step that stepped was measured: no step is metered again
+        self._logged = False
+        self._meter: Optional[ActivationMeter] = None
+        self._metering = False
+
+    def due(self, step: int) -> bool:
+        return not self.final
+
+    def start(self, step: int) -> None:
+        self._meter = ActivationMeter(model_state_tensors(self.module, self.engine, self.optimizer))
+        self._meter.__enter__()
+        self._metering = True
+
+    def after_backward(self, step: int) -> None:
+        self.close()
+
+    def after_step(self, step: int, stepped: bool) -> None:
+        self.parts = measure(self.module, self.optimizer, self.engine, self._meter.bytes)
+        self.probe.record_tensors(self.parts.total / MB)
+        self.final = stepped
+        self._logged = False
+
+    def close(self) -> None:
+        if self._metering:
+            self._metering = False
+            self._meter.__exit__(None, None, None)
+
+    def epoch_metrics(self) -> dict[str, float]:
+        if self.parts is None or self._logged:
+            return {}
+        out = self.parts.metrics()
+        if self.extra is not None:
+            out.update(self.extra())
+        self._logged = self.final
+        return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from runner.measure.audit import FORMAT_METRIC as LAYERS_IN
 from runner.report.analysis import (
     LM_METRICS,
     MEMORY_METRICS,
@@ -102,7 +103,7 @@ def to_row(reader: Reader, run: RunRecord) -> Row:
             or k in LM_METRICS
             or k in MEMORY_METRICS
             or k == MEMORY_TOTAL
-            or k.startswith(m.LAYERS_IN)
+            or k.startswith(LAYERS_IN)
         },
         val_acc=reader.history(run.run_id, m.VAL_ACC),
         peak_mem_kind=run.tags.get(tag.PEAK_MEM_KIND, "?"),

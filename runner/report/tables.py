@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from runner.measure.audit import FORMAT_METRIC as LAYERS_IN
 from runner.report.analysis import (
     LM_METRICS,
     MEMORY_METRICS,
@@ -106,7 +107,7 @@ COLUMNS = [
 def layer_counts(row: Row) -> str:
     """How many layers computed in fp32 / bf16 / fp16 / fp8 at the run's first step (the layer
     audit's `layers_<format>` metrics), "-" for a run without them."""
-    values = [row.get(f"{m.LAYERS_IN}{fmt}") for fmt in LAYER_FORMATS]
+    values = [row.get(f"{LAYERS_IN}{fmt}") for fmt in LAYER_FORMATS]
     if all(v is None for v in values):
         return "-"
     return "/".join(str(int(v or 0)) for v in values)

@@ -299,7 +299,7 @@ def train_parts(
     plan: RunPlan, comm: Comm, device: torch.device, launch: Launch, tracker, parts: Parts
 ) -> float:
     """`train` once the parts are built: record, track (rank 0) and fit."""
-    from runner.run.trainer import RunContext
+    from runner.run.trainer import RunContext, Trainer, trainer_config
     from runner.tracking.base import null_run
 
     cfg = plan.cfg
@@ -398,9 +398,10 @@ def train_parts(
                 checkpoint.save(path, {**static, **trainer_state})
                 return str(path)
 
-            trainer = parts.trainer(
-                cfg.trainer,
-                device,
+            trainer = Trainer(
+                trainer_config(cfg.trainer),
+                parts,
+                device=device,
                 model=model,
                 context=RunContext(
                     on_metrics=tracked.log_metrics,

@@ -57,6 +57,7 @@ import torch
 from torch import nn
 
 from runner.measure import diagnostics as diag
+from runner.measure.run_diagnostics import RunDiagnostics
 from runner.precision import Properties, resolve
 from runner.precision.layers import (
     AUTO,
@@ -486,17 +487,17 @@ def measure(
     format (`inputs`: the layers' inputs too; `layers`: model -> the layers to probe, default
     the leaves with parameters); returns their layer records (scale 1: the gradients as an fp32
     run stores them)."""
-    trainer.diagnostics = diag.RunDiagnostics(
+    diagnostics = RunDiagnostics(
         1, list(diag.FORMATS.values()), folder, inputs=inputs, layers=layers
     )
-    trainer.layer_plan = None  # (no audit of an fp32 pre-flight)
+    trainer.instruments = trainer.instrument(diagnostics, audit=False)  # (fp32: no audit)
     trainer.model.train()
     records = []
     for x, y in islice(iter(trainer.train_loader), steps):
         x, y = trainer._to_device(x, y)
         loss = trainer.train_step(x, y)
         trainer.global_step += 1
-        records += trainer.diagnostics.last
+        records += diagnostics.last
         if echo:
             print(f"step {trainer.global_step}/{steps}: loss {float(loss):.4f}", flush=True)
         else:
@@ -531,14 +532,17 @@ def preflight(
     steps with every layer probed; returns the records, the model and its layers' weight
     statistics (after the steps). Nothing is tracked."""
     from runner.run.build import build
-    from runner.run.trainer import RunContext
+    from runner.run.trainer import RunContext, Trainer, trainer_config
 
     measured = dataclasses.replace(
         plan, resolution=resolve("O0", device=device), resume=None, layer_rules=()
     )
     with contextlib.closing(build(measured, device, wait_for_kernels=False)) as parts:
-        trainer = parts.trainer(
-            plan.cfg.trainer, device, RunContext(on_metrics=lambda metrics, step: None)
+        trainer = Trainer(
+            trainer_config(plan.cfg.trainer),
+            parts,
+            RunContext(on_metrics=lambda metrics, step: None),
+            device=device,
         )
         records = measure(trainer, steps, folder, inputs=True, layers=plan_layers, echo=echo)
         return records, parts.model, weight_stats(parts.model)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -18,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner import csrc
 from runner.components.data import build_datasets, declared_input, declared_num_classes
-from runner.components.loaders import build_loaders, shutdown_workers
+from runner.components.loaders import build_loaders
 from runner.components.losses import build_loss
 from runner.components.models import build_model, check_output
 from runner.components.optim import build_optimizer, build_scheduler
@@ -28,9 +27,10 @@ from runner.precision.checks import DeviceInfo, state_findings, tensor_core_find
 from runner.precision.state import build_low_bit
 from runner.run import distributed, fsdp
 from runner.run.distributed import Comm
+from runner.run.parts import Parts
 from runner.run.plan import RunPlan
-from runner.run.trainer import RunContext, Trainer, limit_batches
-from runner.tasks import Classification, Task, task_for
+from runner.run.trainer import limit_batches
+from runner.tasks import task_for
 
 log = logging.getLogger(__name__)
 
@@ -44,51 +44,6 @@ def seed_everything(seed: int) -> None:
         numpy.random.seed(seed % 2**32)
     except ImportError:
         pass
-
-
-@dataclass
-class Parts:
-    """What a run trains with, built from its plan (benchmarks reuse it)."""
-
-    bundle: Any
-    train_loader: Any
-    val_loader: Any
-    model: torch.nn.Module  # the model itself (prepared by the engine; not DDP-wrapped)
-    optimizer: torch.optim.Optimizer
-    engine: AmpEngine
-    scheduler: Any
-    memory: Any  # runner.measure.probes.MemoryProbe, reset before the model was built
-    findings: list[Finding] = field(default_factory=list)  # about the built model (info only)
-    criterion: torch.nn.Module = field(default_factory=torch.nn.CrossEntropyLoss)  # the loss
-    task: Task = field(default_factory=Classification)  # what a batch is, the loss and metrics
-
-    def close(self) -> None:
-        """End the loaders' worker processes (a run's last step; safe to repeat)."""
-        shutdown_workers(self.train_loader, self.val_loader)
-
-    def trainer(
-        self,
-        cfg: Any,
-        device: torch.device,
-        context: RunContext,
-        model: Optional[torch.nn.Module] = None,
-    ) -> Trainer:
-        """The training loop over these parts (`cfg`: the trainer settings; `model`: the model
-        to train through, e.g. DDP-wrapped; default: the parts' own)."""
-        return Trainer(
-            model=model if model is not None else self.model,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            engine=self.engine,
-            train_loader=self.train_loader,
-            val_loader=self.val_loader,
-            device=device,
-            cfg=cfg,
-            memory=self.memory,
-            criterion=self.criterion,
-            context=context,
-            task=self.task,
-        )
 
 
 def build(

@@ -1,6 +1,7 @@
 """Every metric name a run logs, once (as `tags.py` does for tags): the trainer logs them, the
 report, the sweep and the benchmarks read them. The memory-by-kind figures (`mem_<kind>_mb`) are
-named by `runner.measure.memory`, the range diagnostics (`diag_*`) by `runner.measure.diagnostics`.
+named by `runner.measure.memory`, the range diagnostics (`diag_*`) by `runner.measure.diagnostics`,
+the layer audit's (`layers_off_plan`, `layers_<format>`) by `runner.measure.audit`.
 """
 
 from __future__ import annotations
@@ -28,8 +29,5 @@ BEST_VAL_ACC = "best_val_acc"  # a classifier's objective, maximised (step = max
 BEST_VAL_LOSS = "best_val_loss"  # a language model's objective, minimised (step = max_epochs)
 TRAIN_TIME_S = "train_time_s"  # training time over every session of the run
 
-# what ran where (runner.measure.audit), at the audited steps (the first, and the diagnosed ones)
-LAYERS_OFF_PLAN = "layers_off_plan"  # layers whose observed format differs from the plan's
-LAYERS_IN = "layers_"  # + fp32 | bf16 | fp16 | fp8: how many layers computed in each format
 # a sharded run (runner.run.fsdp), with the memory by kind: the largest unit's gathered parameters
 MEM_ALLGATHER_MB = "mem_allgather_mb"

@@ -13,6 +13,7 @@ from runner.components.optim import build_optimizer, build_scheduler
 from runner.config import SyntheticConfig, TinyModelConfig, TrainerConfig
 from runner.measure.probes import MemoryProbe
 from runner.precision import AmpEngine, resolve
+from runner.run.parts import Parts
 from runner.run.trainer import RunContext, Trainer
 from tests.helpers.runs import compose_config
 
@@ -31,21 +32,16 @@ def make_trainer(level: str, precision_overrides: dict, scheduler: str = "cosine
     optimizer = build_optimizer(cfg.optimizer, model.parameters())
     engine = AmpEngine(resolve(level, precision_overrides, device=CPU).properties, CPU)
     model, optimizer = engine.prepare(model, optimizer)
-    trainer_cfg = OmegaConf.structured(
-        TrainerConfig(max_epochs=2, progress_bar=False, log_every_n_steps=3, **trainer_kw)
-    )
+    trainer_cfg = TrainerConfig(max_epochs=2, progress_bar=False, log_every_n_steps=3, **trainer_kw)
     scheduler = build_scheduler(cfg.scheduler, optimizer, len(train_loader), trainer_cfg.max_epochs)
     logged: list[tuple[dict, int]] = []
+    parts = Parts(
+        data, train_loader, val_loader, model, optimizer, engine, scheduler, MemoryProbe(CPU)
+    )
     trainer = Trainer(
-        model=model,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        engine=engine,
-        train_loader=train_loader,
-        val_loader=val_loader,
+        trainer_cfg,
+        parts,
+        RunContext(on_metrics=lambda m, s: logged.append((dict(m), s))),
         device=CPU,
-        cfg=trainer_cfg,
-        memory=MemoryProbe(CPU),
-        context=RunContext(on_metrics=lambda m, s: logged.append((dict(m), s))),
     )
     return trainer, logged

@@ -39,7 +39,7 @@ from runner.errors import ConfigError
 from runner.precision import AmpEngine, amp, resolve
 from runner.run import app, checkpoint, rng
 from runner.run.plan import make_plan
-from runner.run.trainer import RunContext, Trainer
+from runner.run.trainer import RunContext, Trainer, trainer_config
 from tests.helpers.runs import FAST, compose_config, run_cli
 
 TRAILER_PREFIX = b"amp-runner checkpoint format 2 sha256:"
@@ -282,16 +282,10 @@ def test_flips_behind_a_valid_checksum_never_escape_as_another_error(tmp_path, b
     ]
     cfg, built = parts
     trainer = Trainer(
-        model=built.model,
-        optimizer=built.optimizer,
-        scheduler=built.scheduler,
-        engine=built.engine,
-        train_loader=built.train_loader,
-        val_loader=built.val_loader,
+        trainer_config(cfg.trainer),
+        built,
+        RunContext(on_metrics=lambda m, s: None),
         device=torch.device("cpu"),
-        cfg=cfg.trainer,
-        memory=built.memory,
-        context=RunContext(on_metrics=lambda m, s: None),
     )
     rnd = random.Random(1800)
     path = tmp_path / "crafted.pt"

@@ -19,7 +19,7 @@ from runner.errors import ConfigError, DivergenceError
 from runner.run import app, checkpoint
 from runner.run.interrupts import RunInterrupted, StopRequest
 from runner.run.plan import make_plan
-from runner.run.trainer import RunContext, Trainer
+from runner.run.trainer import RunContext, Trainer, trainer_config
 from tests.helpers.resume import last_checkpoint, settings, straight_and_resumed
 from tests.helpers.runs import compose_config, read_until, run_cli, start_cli
 from tests.helpers.store import history, runs_by_name
@@ -157,18 +157,7 @@ def test_resume_auto_without_a_checkpoint_starts_fresh(tmp_path):
 def _trainer(cfg, **kw) -> Trainer:
     plan = make_plan(cfg)
     parts = app.build(plan)
-    return Trainer(
-        model=parts.model,
-        optimizer=parts.optimizer,
-        scheduler=parts.scheduler,
-        engine=parts.engine,
-        train_loader=parts.train_loader,
-        val_loader=parts.val_loader,
-        device=plan.device,
-        cfg=cfg.trainer,
-        memory=parts.memory,
-        context=RunContext(**kw),
-    )
+    return Trainer(trainer_config(cfg.trainer), parts, RunContext(**kw), device=plan.device)
 
 
 def test_a_stop_mid_epoch_resumes_at_its_step_exactly(tmp_path):

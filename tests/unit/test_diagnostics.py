@@ -27,13 +27,13 @@ from runner.measure.diagnostics import (
     LOG2_MIN,
     WEIGHT_GRAD,
     RangeProbe,
-    RunDiagnostics,
     TensorStats,
     layers_of,
     model_metrics,
     run_formats,
     tensor_stats,
 )
+from runner.measure.run_diagnostics import RangeInstrument, RunDiagnostics
 from runner.precision import AmpEngine, resolve
 from tests.helpers.runs import FAST, REPO
 from tests.helpers.trainer import make_trainer
@@ -204,7 +204,7 @@ def test_off_means_no_hooks_but_the_first_steps_audit():
     trainer, logged = make_trainer("O2", {}, diagnose_every_n_steps=0)
     seen = _watch_hooks(trainer)
     trainer.train_epoch(1)
-    assert trainer.diagnostics is None
+    assert trainer.instruments.find(RangeInstrument) is None
     layers = {layer.name for layer in trainer.layer_plan}
     assert len(seen) == 4
     assert {name: n for name, n in seen[0].items() if n} == {name: 2 for name in layers}
@@ -265,12 +265,11 @@ def test_an_fp16_run_judges_its_stored_scaled_gradients(tmp_path):
     artifacts are written and handed over under diagnostics/."""
     handed = []
     trainer, logged = make_trainer("O2", {"loss_scale": 2.0**40}, diagnose_every_n_steps=2)
-    trainer.diagnostics = RunDiagnostics(
-        2,
-        trainer.diagnostics.formats,
-        tmp_path,
-        lambda path, folder: handed.append((path.name, folder)),
+    formats = trainer.instruments.find(RangeInstrument).diagnostics.formats
+    diagnostics = RunDiagnostics(
+        2, formats, tmp_path, lambda path, folder: handed.append((path.name, folder))
     )
+    trainer.instruments = trainer.instrument(diagnostics, audit=True)
     trainer.fit()
     metrics = [m for m, s in logged if "diag_grad_overflow_frac" in m]
     assert len(metrics) == 4  # steps 1, 3, 5, 7

@@ -48,12 +48,12 @@ def test_non_finite_losses_stop_at_the_next_periodic_read():
 def test_bad_steps_below_the_limit_or_interrupted_do_not_trip_the_guard():
     trainer, _ = make_trainer("O2", {"loss_scale": 2.0**40}, max_bad_steps=3, limit_train_batches=1)
     trainer.fit()  # two skipped steps in a row (one per epoch): below the limit
-    assert trainer.skip_streak == 2 and trainer.engine.skipped_steps == 2
+    assert trainer.guard.skip_streak == 2 and trainer.engine.skipped_steps == 2
     trainer, _ = make_trainer("O0", {}, max_bad_steps=2)
-    trainer.skip_streak = 1  # a clean step resets the streak
+    trainer.guard.skip_streak = 1  # a clean step resets the streak
     trainer.train_epoch(1)
-    assert trainer.skip_streak == 0 and trainer.engine.skipped_steps == 0
-    assert int(trainer.bad_loss_streak) == 0
+    assert trainer.guard.skip_streak == 0 and trainer.engine.skipped_steps == 0
+    assert int(trainer.guard.bad_loss_streak) == 0
 
 
 def test_guard_adds_no_host_sync_to_a_step():
@@ -73,7 +73,7 @@ def test_guard_adds_no_host_sync_to_a_step():
         for _ in range(3):
             trainer.train_step(x, y)
     assert CountSyncs.syncs == 0
-    assert int(trainer.bad_loss_streak) == 0
+    assert int(trainer.guard.bad_loss_streak) == 0
 
 
 # ---- real runs -------------------------------------------------------------------------------

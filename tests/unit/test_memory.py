@@ -14,11 +14,18 @@ import torch
 from mlflow.tracking import MlflowClient
 from torch import nn
 
-from runner.measure.memory import MB, ActivationMeter, measure, model_state_tensors
+from runner.measure.memory import (
+    MB,
+    ActivationMeter,
+    MemoryByKind,
+    MemoryInstrument,
+    measure,
+    model_state_tensors,
+)
 from runner.measure.probes import MemoryProbe
 from runner.run import app
 from runner.run.plan import make_plan
-from runner.run.trainer import RunContext, Trainer
+from runner.run.trainer import RunContext, Trainer, trainer_config
 from tests.helpers.runs import FAST, REPO, compose_config, run_in_process
 
 CPU = torch.device("cpu")
@@ -31,21 +38,20 @@ def first_step(*overrides: str) -> Trainer:
     plan = make_plan(cfg)
     parts = app.build(plan)
     trainer = Trainer(
-        model=parts.model,
-        optimizer=parts.optimizer,
-        scheduler=parts.scheduler,
-        engine=parts.engine,
-        train_loader=parts.train_loader,
-        val_loader=parts.val_loader,
+        trainer_config(cfg.trainer),
+        parts,
+        RunContext(on_metrics=lambda m, s: None),
         device=plan.device,
-        cfg=cfg.trainer,
-        memory=parts.memory,
-        context=RunContext(on_metrics=lambda m, s: None),
     )
     x, y = trainer._to_device(*next(iter(parts.train_loader)))
     trainer.train_step(x, y)
-    assert trainer.memory_parts is not None and trainer.engine.skipped_steps == 0
+    assert by_kind(trainer) is not None and trainer.engine.skipped_steps == 0
     return trainer
+
+
+def by_kind(trainer: Trainer) -> MemoryByKind:
+    """The memory by kind the trainer's memory instrument measured."""
+    return trainer.instruments.find(MemoryInstrument).parts
 
 
 def n_params(trainer: Trainer) -> int:
@@ -64,7 +70,7 @@ def test_weights_masters_grads_and_state_per_level_match_the_tensor_sizes(kernel
     o0, o2, o3 = (first_step("model=tiny_gn", f"precision={p}", kernel) for p in ("o0", "o2", "o3"))
     n = n_params(o0)
     assert n == n_params(o2) == n_params(o3) and not list(o0.module.buffers())
-    p0, p2, p3 = o0.memory_parts, o2.memory_parts, o3.memory_parts
+    p0, p2, p3 = by_kind(o0), by_kind(o2), by_kind(o3)
     assert (p0.weights, p0.master_weights, p0.grads, p0.optimizer_state) == (4 * n, 0, 4 * n, 4 * n)
     assert p2.weights * 2 == p0.weights and p2.master_weights == p0.weights
     fused = o2.engine.kernels is not None
@@ -92,8 +98,8 @@ def test_batchnorm_kept_in_fp32_counts_at_its_own_size():
     bn_params = sum(p.numel() for m in bn for p in m.parameters())
     other = n_params(o2) - bn_params
     buffers = sum(b.numel() * b.element_size() for b in module.buffers())
-    assert o2.memory_parts.weights == 2 * other + 4 * bn_params + buffers
-    assert o2.memory_parts.master_weights == 4 * other
+    assert by_kind(o2).weights == 2 * other + 4 * bn_params + buffers
+    assert by_kind(o2).master_weights == 4 * other
 
 
 def test_o2_activations_are_about_half_of_o0s():
@@ -101,8 +107,8 @@ def test_o2_activations_are_about_half_of_o0s():
     outputs in fp16; only BatchNorm's per-channel statistics and the fp32 loss's inputs stay
     fp32, a few KB against about 2 MB: within 2% of half."""
     o0, o2 = first_step("precision=o0"), first_step("precision=o2")
-    ratio = o2.memory_parts.activations / o0.memory_parts.activations
-    assert o0.memory_parts.activations > 1 * MB
+    ratio = by_kind(o2).activations / by_kind(o0).activations
+    assert by_kind(o0).activations > 1 * MB
     assert ratio == pytest.approx(0.5, abs=0.01), ratio
 
 

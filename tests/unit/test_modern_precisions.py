@@ -488,7 +488,7 @@ def test_compiled_training_matches_eager(tmp_path, level, tolerance):
 def first_step_loss(*overrides: str) -> float:
     """The loss of the runner's first training step (`Trainer.train_step` on the objects a run
     builds) for a GPT wide enough that inductor's fused casts show (width 256), on one batch."""
-    from runner.run.trainer import RunContext
+    from runner.run.trainer import RunContext, Trainer, trainer_config
 
     cfg = compose_config(
         "model=gpt_tiny",
@@ -505,7 +505,12 @@ def first_step_loss(*overrides: str) -> float:
     )
     plan = make_plan(cfg)
     parts = app.build(plan)
-    trainer = parts.trainer(cfg.trainer, plan.device, RunContext(on_metrics=lambda *_: None))
+    trainer = Trainer(
+        trainer_config(cfg.trainer),
+        parts,
+        RunContext(on_metrics=lambda *_: None),
+        device=plan.device,
+    )
     x, y = next(iter(parts.train_loader))
     return float(trainer.train_step(*trainer._to_device(x, y)))
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
 import warnings
 
 import pytest
 import torch
 
+from runner.measure.instruments import IDLE
+from runner.run.trainer import Trainer
 from tests.helpers.trainer import make_trainer
 
 
@@ -85,3 +88,50 @@ def test_grad_clipping_bounds_the_update():
     # weight decay adds lr * wd * |w| to the step; bound it generously but far below unclipped
     decay = lr * 5e-4 * torch.sqrt(sum((b**2).sum() for b in before))
     assert 0 < moved <= lr * 1e-3 + decay + 1e-6
+
+
+# ---- what watches a step ---------------------------------------------------------------------
+def test_the_step_is_six_calls_on_one_screen():
+    """forward, backward, clip, step, schedule, zero_grad: what watches the step is the
+    instruments' business, not the step's."""
+    source = inspect.getsource(Trainer.train_step)
+    body = source.split('"""')[2].strip().splitlines()  # after the docstring
+    assert len(body) <= 15, source
+    calls = ["self.model(x)", "backward(", "clip_grad_norm_(", "self.engine.step(", "scheduler("]
+    assert all(call in source for call in calls) and "zero_grad(" in source
+
+
+def test_instruments_are_due_only_on_their_steps_and_idle_costs_a_shared_watch():
+    """O0 with diagnostics every 3 steps: the memory meter on step 1 (it steps), the range probe
+    and the layer audit on steps 1 and 4; every other step gets the one idle watch, which
+    installs no hook."""
+    trainer, _ = make_trainer("O0", {}, diagnose_every_n_steps=3)
+    due: dict[int, list[str]] = {}
+    for step in range(1, 7):
+        watch = trainer.instruments.step(step)
+        due[step] = [type(i).__name__ for i in watch.instruments]
+        if not due[step]:
+            assert watch is IDLE
+        x, y = next(iter(trainer.train_loader))
+        trainer.train_step(x, y)
+        trainer.global_step += 1
+    instruments = ["MemoryInstrument", "RangeInstrument", "AuditInstrument"]
+    assert due == {1: instruments, 2: [], 3: [], 4: instruments[1:], 5: [], 6: []}
+    with trainer.instruments.step(5):
+        assert not any(m._forward_hooks or m._forward_pre_hooks for m in trainer.module.modules())
+
+
+def test_a_step_that_fails_leaves_no_hook_behind():
+    """A forward that raises on a diagnosed and audited step: the probe's, the audit's and the
+    meter's hooks are all gone with the error."""
+    trainer, _ = make_trainer("O0", {}, diagnose_every_n_steps=1)
+
+    def broken(logits, y):
+        raise RuntimeError("a loss that fails")
+
+    trainer.criterion = broken
+    x, y = next(iter(trainer.train_loader))
+    with pytest.raises(RuntimeError, match="a loss that fails"):
+        trainer.train_step(x, y)
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in trainer.module.modules())
+    assert not torch._C._autograd._top_saved_tensors_default_hooks(False)  # the meter's gone

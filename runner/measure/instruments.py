@@ -1,0 +1,139 @@
+"""What watches a training step: one `Instruments` object the step enters once, made of small
+instruments behind one protocol (`Instrument`). With no instrument due at a step, entering it
+costs a few calls: no allocation, no hook, no device read (README.md beside this file)."""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Optional, TypeVar
+
+MetricsSink = Callable[[Mapping[str, float], int], None]  # (metrics, step), e.g. log_metrics
+ArtifactSink = Callable[[Path, str], None]  # (local file, artifact folder), e.g. log_file
+
+
+def output_folder(folder: Optional[Path], prefix: str) -> Path:
+    """`folder`, made if missing (None: a new temporary folder, its name starting `prefix`)."""
+    path = Path(tempfile.mkdtemp(prefix=prefix)) if folder is None else folder
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+class Instrument:
+    """One thing that watches steps. A step it is `due` at runs, in this order:
+
+        start(step)                  before the forward: install hooks
+        after_backward(step)         the gradients exist: observe, remove hooks, record
+        after_step(step, stepped)    after the optimizer step (`stepped`: not skipped)
+        close()                      always, last (on an error too): no hook left behind
+
+    and at an epoch's end `epoch_metrics()` (what goes out with the epoch's metrics), then
+    `end_epoch()` (files to the artifact sink). Every method does nothing unless overridden."""
+
+    def due(self, step: int) -> bool:
+        """Whether (1-based) training step `step` is watched (asked once per step, first)."""
+        return False
+
+    def start(self, step: int) -> None:
+        pass
+
+    def after_backward(self, step: int) -> None:
+        pass
+
+    def after_step(self, step: int, stepped: bool) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def epoch_metrics(self) -> dict[str, float]:
+        return {}
+
+    def end_epoch(self) -> None:
+        pass
+
+
+class Watch:
+    """The instruments due at one step, entered as a context around it: `after_backward()`
+    and `after_step(stepped)` are the points a step exposes."""
+
+    def __init__(self, step: int, instruments: Sequence[Instrument]):
+        self.step = step
+        self.instruments = instruments
+
+    def __enter__(self) -> Watch:
+        started: list[Instrument] = []
+        try:
+            for instrument in self.instruments:
+                started.append(instrument)
+                instrument.start(self.step)
+        except BaseException:
+            for instrument in reversed(started):
+                instrument.close()
+            raise
+        return self
+
+    def after_backward(self) -> None:
+        for instrument in reversed(self.instruments):  # the last hooks in, the first out
+            instrument.after_backward(self.step)
+
+    def after_step(self, stepped: bool) -> None:
+        for instrument in self.instruments:
+            instrument.after_step(self.step, stepped)
+
+    def __exit__(self, *exc: Any) -> None:
+        for instrument in reversed(self.instruments):
+            instrument.close()
+
+
+class _Idle(Watch):
+    """A step nothing watches: every point is a no-op (one shared object)."""
+
+    def __init__(self) -> None:
+        super().__init__(0, ())
+
+    def __enter__(self) -> Watch:
+        return self
+
+    def after_backward(self) -> None:
+        pass
+
+    def after_step(self, stepped: bool) -> None:
+        pass
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+
+IDLE = _Idle()
+T = TypeVar("T", bound=Instrument)
+
+
+class Instruments:
+    """The instruments of a trainer, in the order they start (None entries are left out)."""
+
+    def __init__(self, *instruments: Optional[Instrument]):
+        self.all = tuple(i for i in instruments if i is not None)
+
+    def step(self, step: int) -> Watch:
+        """The watch of training step `step`: the instruments due at it, or `IDLE` when none is."""
+        due: Optional[list[Instrument]] = None  # (no list is made for an idle step)
+        for instrument in self.all:
+            if instrument.due(step):
+                due = [instrument] if due is None else [*due, instrument]
+        return IDLE if due is None else Watch(step, due)
+
+    def find(self, kind: type[T]) -> Optional[T]:
+        """The instrument of class `kind` (None: there is none)."""
+        return next((i for i in self.all if isinstance(i, kind)), None)
+
+    def epoch_metrics(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for instrument in self.all:
+            out.update(instrument.epoch_metrics())
+        return out
+
+    def end_epoch(self) -> None:
+        for instrument in self.all:
+            instrument.end_epoch()
