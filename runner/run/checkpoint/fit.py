@@ -15,7 +15,8 @@ from runner.errors import ConfigError
 from runner.precision.state import state_format_differences
 from runner.run.checkpoint.contents import ALLOWED, RUN_KEYS, is_real, show
 
-RESUMABLE_CHANGES = ("trainer.max_epochs", "resume")
+# (where the run is recorded is no training setting: tracking.name may change too)
+RESUMABLE_CHANGES = ("trainer.max_epochs", "resume", "tracking.name")
 # keys added to the config after checkpoints were written without them: the value those runs had
 # (before the `loss` group, every run trained with a plain cross-entropy; before the `task`
 # group, every run was a classifier's, which task=auto still is for the datasets it had)
