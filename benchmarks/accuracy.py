@@ -333,21 +333,21 @@ def read_run(
     tracking_uri: str, experiment: str, key: str, histories: Sequence[str] = ()
 ) -> StoredRun:
     """The run tagged `benchmark_key=<key>`: its latest metric values, its params, and the whole
-    history of each metric named in `histories`, by step. An empty StoredRun when there is none."""
-    from mlflow.tracking import MlflowClient
+    history of each metric named in `histories`, by step. An empty StoredRun when there is none.
+    Read through the runner's tracking seam (runner.tracking.trackers.open_reader)."""
+    from runner.tracking.trackers import open_reader
 
-    client = MlflowClient(tracking_uri)
-    exp = client.get_experiment_by_name(experiment)
-    if exp is None:
+    reader = open_reader(tracking_uri)
+    experiment_id = reader.experiment_id(experiment)
+    if experiment_id is None:
         return StoredRun()
-    runs = client.search_runs([exp.experiment_id], filter_string=f"tags.benchmark_key = '{key}'")
+    runs = reader.runs([experiment_id], tags={"benchmark_key": key})
     if not runs:
         return StoredRun()
     run = runs[0]
-    stored = StoredRun(run.info.run_id, dict(run.data.metrics), dict(run.data.params))
+    stored = StoredRun(run.run_id, dict(run.metrics), dict(run.params))
     for name in histories:
-        points = client.get_metric_history(run.info.run_id, name)
-        stored.histories[name] = sorted((int(m.step), float(m.value)) for m in points)
+        stored.histories[name] = [(int(s), float(v)) for s, v in reader.history(run.run_id, name)]
     return stored
 
 

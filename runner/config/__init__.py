@@ -122,6 +122,16 @@ class MlflowConfig:
 
 
 @dataclass
+class TrackingConfig:
+    # where runs are recorded (runner.tracking): mlflow (the store of the `mlflow` group) or none
+    # (the console and <run folder>/tracking.json, no store)
+    name: str = "mlflow"
+
+
+TRACKERS = ("mlflow", "none")  # tracking.name's values (conf/tracking/)
+
+
+@dataclass
 class RunConfig:
     # model and data are typed by their option's own schema (runner.config.options); an option with
     # a
@@ -135,6 +145,7 @@ class RunConfig:
     precision: PrecisionConfig = MISSING
     trainer: TrainerConfig = MISSING
     mlflow: MlflowConfig = MISSING
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
     dry_run: bool = False
     resume: Optional[str] = None  # auto (the latest checkpoint of this run name) or a path
     # Free-form settings of an experiment config (experiments/), e.g. a batch size per level that
@@ -148,6 +159,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
     "trainer": {"default": TrainerConfig},
     "task": {"default": TaskConfig},
     "mlflow": {"default": MlflowConfig},
+    "tracking": {"default": TrackingConfig},
 }
 
 

@@ -21,6 +21,7 @@ from runner.config import (
     KERNEL_CHOICES,
     STRATEGIES,
     TASK_CHOICES,
+    TRACKERS,
     options,
 )
 from runner.config.values import (  # noqa: F401  (the predicates, where they were before)
@@ -89,6 +90,7 @@ def _rules(
             lambda v: v >= 0,
             "an integer >= 0 (0: off; n: diagnose steps 1, 1+n, 1+2n, ...)",
         ),
+        ("tracking.name", one_of(TRACKERS), ", ".join(TRACKERS)),
         ("mlflow.tracking_uri", lambda v: bool(v and v.strip()), "a non-empty MLflow URI"),
         ("mlflow.experiment_name", lambda v: bool(v and v.strip()), "a non-empty name"),
         ("mlflow.heartbeat_s", lambda v: finite(v) and v >= 1, "a number of seconds >= 1"),

@@ -1,2 +1,5 @@
-"""What watches a training step: the instruments a step enters once (memory by kind, range
-diagnostics, the layer audit), the time and memory probes. Imports nothing else of the runner."""
+"""What a training step is measured by: the instruments a step enters once (instruments.py),
+time and peak memory (probes.py), memory by kind (memory.py), where a 16-bit or 8-bit format
+loses values (diagnostics.py, run_diagnostics.py) and the dtypes each layer computed in
+(audit.py). It imports nothing else of the runner, so the trainer, the benchmarks and the
+diagnose command use it alike."""

@@ -32,6 +32,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         prog="python -m runner.report",
         description="Compare the runs of a sweep (precision levels, models, batch sizes) from "
         "MLflow: a Markdown and CSV table and PNG figures, also logged on the sweep's parent run.",
+        epilog="The report reads an MLflow store: runs recorded with tracking=none (a JSON file "
+        "in each run's folder, no store) cannot be reported; run them with tracking=mlflow, the "
+        "default.",
     )
     parser.add_argument(
         "--tracking-uri",
@@ -99,10 +102,17 @@ def diff_runs(reader: Reader, run_a: str, run_b: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    from runner.tracking.json_file import is_record_folder
     from runner.tracking.store import resolve_tracking_uri, sqlite_path
 
     uri = resolve_tracking_uri(args.tracking_uri)
     try:
+        if args.sweep and is_record_folder(args.sweep):
+            raise NothingToReport(
+                f"the sweep in {args.sweep} was recorded with tracking=none (a JSON file in its "
+                "folder and in each job's, no store): the report reads an MLflow store; run the "
+                "sweep with tracking=mlflow (the default)"
+            )
         database = sqlite_path(uri)
         if database is not None and not database.is_file():
             raise NothingToReport(

@@ -73,11 +73,14 @@ def environment_tags(device: torch.device) -> dict[str, str]:
 
 def config_params(plan: RunPlan) -> dict[str, str]:
     """The params every run of `plan` logs first: the resolved config flattened, and every
-    resolved precision property (`precision.<name>`)."""
+    resolved precision property (`precision.<name>`). Where the run is recorded (`tracking`) is
+    said by the record itself, not by a param."""
     from runner.tracking.record import flatten
 
     params = {
-        k: v for k, v in flatten(plan.config_tree).items() if not k.startswith("precision.layers.")
+        k: v
+        for k, v in flatten(plan.config_tree).items()
+        if not k.startswith(("precision.layers.", "tracking."))
     }  # (globs are no param names: one param)
     params["task.name"] = plan.task  # task=auto resolved: classification or language_model
     params.update({f"precision.{k}": v for k, v in plan.properties.as_params().items()})

@@ -51,10 +51,11 @@ class MlflowSweepCallback(Callback):
         if config.dry_run:
             return  # a dry run creates no run, in a sweep too
         import runner
+        from runner.tracking.base import MLFLOW
         from runner.tracking.trackers import kind, open_tracker
 
-        try:
-            tracking_uri = resolved(config.mlflow.tracking_uri)
+        try:  # (under tracking=none there is no store, and MLflow is not even imported)
+            tracking_uri = resolved(config.mlflow.tracking_uri) if kind(config) == MLFLOW else ""
             jobs = preflight(config, kwargs.get("config_name"), tracking_uri)
             tracker = open_tracker(config, sweep_dir)
         except RunnerError as error:

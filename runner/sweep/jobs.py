@@ -194,7 +194,7 @@ def run_job(
         try:
             tracker = parent.open()
             if not parent.children(tracker, job_num):
-                tracker.record_failure(default_run_name(cfg), tags, error)
+                tracker.record_failure(default_run_name(cfg), tags, error, output_dir)
         except Exception:  # noqa: BLE001  (the store itself is failing: the log says so)
             log.exception("Could not record sweep job #%d's failure in MLflow", job_num)
         if raises:

@@ -195,10 +195,15 @@ class Tracker(ABC):
 
     @abstractmethod
     def reopen_run(
-        self, run_id: str, tags: Mapping[str, str], folder: str | os.PathLike | None = None
+        self,
+        run_id: str,
+        tags: Mapping[str, str],
+        folder: str | os.PathLike | None = None,
+        run_name: str = "",
     ) -> Run:
         """A run of this experiment set RUNNING again (a resumed run goes on logging into it);
-        `tags` are added, and `resume.count` counts the sessions."""
+        `tags` are added, and `resume.count` counts the sessions. `run_name`: the run's name,
+        for a tracker that no longer holds the run's record."""
 
     def reap(self) -> list[str]:
         """End as KILLED the RUNNING runs of this experiment whose process is gone; their ids."""
@@ -220,10 +225,16 @@ class Tracker(ABC):
             [self.experiment_id], tags=tags, having=having, newest_first=newest_first
         )
 
-    def record_failure(self, run_name: str, tags: Mapping[str, str], error: BaseException) -> str:
+    def record_failure(
+        self,
+        run_name: str,
+        tags: Mapping[str, str],
+        error: BaseException,
+        folder: str | os.PathLike | None = None,
+    ) -> str:
         """A FAILED run holding only the error: for a sweep job that failed before its run
-        existed, so that the sweep's tree still shows every job."""
-        run = self.create_run(run_name, tags)
+        existed, so that the sweep's tree still shows every job. `folder`: the job's own."""
+        run = self.create_run(run_name, tags, folder)
         run.end(FAILED, f"{type(error).__name__}: {error}")
         return str(run.run_id)
 
@@ -240,7 +251,7 @@ class Tracker(ABC):
         KILLED whatever happens. A run that did not finish says where to see what it logged (a
         finished one: the caller)."""
         if resume_run_id is not None:
-            run = self.reopen_run(resume_run_id, tags, folder)
+            run = self.reopen_run(resume_run_id, tags, folder, run_name)
         else:
             run = self.create_run(run_name, tags, folder)
         try:

@@ -148,7 +148,11 @@ class MlflowTracker(Tracker):
         return self._run(run.info.run_id, folder)
 
     def reopen_run(
-        self, run_id: str, tags: Mapping[str, str], folder: str | os.PathLike | None = None
+        self,
+        run_id: str,
+        tags: Mapping[str, str],
+        folder: str | os.PathLike | None = None,
+        run_name: str = "",
     ) -> MlflowRun:
         """A run of this experiment set RUNNING again (a resumed run goes on logging into it),
         with this process's liveness tags."""

@@ -1,12 +1,14 @@
-"""Which tracker records a run: `tracking.name` (mlflow where absent) opens MLflow's store
-(runner.tracking.mlflow_tracker), imported only when chosen."""
+"""Which tracker records a run: `tracking.name` (conf/tracking/: mlflow, the default, or none)
+opens MLflow's store (runner.tracking.mlflow_tracker) or the JSON records of `tracking=none`
+(runner.tracking.json_file), each imported only when chosen."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
-from runner.tracking.base import MLFLOW, Reader, Tracker
+from runner.tracking.base import MLFLOW, NONE, Reader, Tracker
 
 
 def kind(cfg: Any) -> str:
@@ -24,6 +26,12 @@ def open_tracker(cfg: Any, folder: str | os.PathLike | None = None) -> Tracker:
 
 def open_store(name: str, mlflow_cfg: Any, folder: str | os.PathLike | None = None) -> Tracker:
     """The tracker `name` (`tracking.name`) over the `mlflow` config node's experiment."""
+    if name == NONE:
+        from runner.tracking.json_file import JsonTracker
+
+        return JsonTracker(
+            Path(folder) if folder is not None else Path.cwd(), mlflow_cfg.experiment_name
+        )
     from runner.tracking.mlflow_tracker import MlflowTracker
 
     return MlflowTracker.from_config(mlflow_cfg)
@@ -32,6 +40,10 @@ def open_store(name: str, mlflow_cfg: Any, folder: str | os.PathLike | None = No
 def reopen_store(name: str, location: str, experiment_name: str) -> Tracker:
     """The tracker of a sweep's parent run again, from where it keeps runs (`Tracker.location`),
     in another process (a sweep's job)."""
+    if name == NONE:
+        from runner.tracking.json_file import JsonTracker
+
+        return JsonTracker(Path(location), experiment_name)
     from runner.tracking.mlflow_tracker import MlflowTracker
 
     return MlflowTracker(location, experiment_name)

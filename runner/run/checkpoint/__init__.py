@@ -48,28 +48,23 @@ SHA-256 (`runner.run.checkpoint.sharded`).
    loss scaler per loss of this run (a static scale equal to this run's); the scheduler is of this
    run's kind (or both none); the world size is this run's. Each difference names the key, the
    checkpoint's side and this run's.
+
+Modules: folders.py (where a run's checkpoint lives), format.py (the file: digest, atomic write,
+safe read), contents.py (the schema of what a checkpoint holds), fit.py (whether it fits the run
+that resumes it), sharded.py (a sharded run's checkpoint) and loading.py (`load`); the names
+below are what callers use.
 """
 
-from runner.run.checkpoint import format as _format
+# the checkpoint's API, in one place
 from runner.run.checkpoint import sharded  # noqa: F401
-from runner.run.checkpoint.contents import (  # noqa: F401  (the checkpoint's API, in one place)
+from runner.run.checkpoint.contents import RUN_KEYS  # noqa: F401
+from runner.run.checkpoint.fit import (  # noqa: F401
     IMPLIED_BEFORE,
     RESUMABLE_CHANGES,
-    RUN_KEYS,
     check_resumable,
     check_structure,
     config_differences,
 )
 from runner.run.checkpoint.folders import FILENAME, find, path_for, run_folder  # noqa: F401
 from runner.run.checkpoint.format import FORMAT, LEGACY_FORMAT, save  # noqa: F401
-
-
-def load(path):
-    """The checkpoint at `path` (`format.load`: integrity, safety, contents); a sharded
-    checkpoint's `trainer.pt` also has every shard file it lists verified (`sharded.verify`)."""
-    state = _format.load(path)
-    if "sharded" in state:
-        from pathlib import Path
-
-        sharded.verify(Path(path), state["sharded"]["files"])
-    return state
+from runner.run.checkpoint.loading import load  # noqa: F401
