@@ -418,9 +418,10 @@ def parse_level(text: str, known: Sequence[str]) -> LevelSpec:
 
 
 def describe_level(precision: Any, compiled: bool = False) -> str:
-    """What a level computes in (`runner.report.describe_dtype`: fp8 Linear layers and stochastic
-    rounding included), plus torch.compile, which is a trainer setting, not a precision property."""
-    from runner.report import describe_dtype
+    """What a level computes in (`runner.report.analysis.describe_dtype`: fp8 Linear layers and
+    stochastic rounding included), plus torch.compile, which is a trainer setting, not a precision
+    property."""
+    from runner.report.analysis import describe_dtype
 
     return describe_dtype(precision) + ("; torch.compile" if compiled else "")
 
