@@ -36,9 +36,9 @@ def train_step(model, opt, x, y, loss_id=0, poison_param=None) -> torch.Tensor:
 LEGACY_SCRIPT = textwrap.dedent("""
     import torch
     from torch import nn
-    from runner.precision import amp          # was: from apex import amp
+    from runner.precision import amp  # was: from apex import amp
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"   # was: .cuda() everywhere
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # was: .cuda() everywhere
 
     torch.manual_seed(0)
     N, D_in, D_out = 64, 32, 4
