@@ -6,52 +6,20 @@
         scaled_loss.backward()
     optimizer.step()
 
-How Apex's behaviour is reproduced on modern PyTorch (CPU and CUDA):
-
-* O1: Apex replaced torch functions process-wide by casting wrappers (its function lists). Here
-  `amp.init()` does exactly that until its handle's `_deactivate()`, and `amp.initialize` wraps
-  each model's `forward` in the same O1 region (Apex's lists, the registered function casts,
-  the binary_cross_entropy ban: `autocast.py`, `apex_o1.py`), so no context manager is needed in
-  user code. The lists apply on every device, so a CPU computes in the dtypes Apex gave on a GPU.
-  Floating model outputs come back as fp32 (unless `cast_model_outputs` says otherwise), so a
-  loss computed outside `forward` runs in fp32. The wrapper is an object that holds its model,
-  not a closure: `copy.deepcopy(model)` (an EMA copy) runs on the copy's own weights, and
-  `torch.save(model)` pickles it. Apex's decorators (`half_function`, `float_function`,
-  `promote_function`) and `disable_casts()` act on that same region.
-* O2/O3: the model is cast (fp32 BatchNorm under O2), inputs are cast to the model type and
-  outputs to fp32 (or `cast_model_outputs`). O2's optimizer steps fp32 masters;
-  `model.state_dict()` returns fp32 tensors (the masters' values) and `model.load_state_dict`
-  re-seeds the masters.
-* Apex patched `optimizer.step` to skip a step whose gradients overflowed. Here `initialize`
-  installs a thin `step` on each optimizer *instance*: `scale_loss`'s exit unscales (into the
-  masters under O2), checks and updates the loss scaler; the next `optimizer.step()` then steps
-  (and copies masters -> model) or, after an overflow, does nothing for that one call. The wrapper
-  is a bound method, so an LR scheduler made before or after `initialize` wraps it as usual and
-  sees the call (no "lr_scheduler.step() before optimizer.step()" warning on a skipped step).
-  `optimizer.zero_grad()` clears the model's grads too, and `optimizer.add_param_group` gives new
-  16-bit parameters masters.
-* One `scale_loss` over several optimizers is one overflow decision: all of them skip when its
-  loss overflowed in any (Apex's rule). Several `initialize` calls on different objects coexist;
-  `_amp_state` (`handle`, `opt_properties`, writable `loss_scalers`) follows Apex's.
-* Several losses (`num_losses`, `loss_id`) each have their own scaler; gradients of different
-  losses are unscaled separately and summed in fp32 (only the overflowing loss's scale backs off;
-  the step is skipped when any of them overflowed). `delay_unscale=True` leaves gradients scaled
-  for accumulation; the next `scale_loss` without it unscales them all.
-  `_amp_state.loss_scalers[i].loss_scale()` reads loss i's current scale, as Apex scripts did.
+This module holds Apex's public calls (`initialize`, `scale_loss`, `init`, `master_params`,
+`state_dict`, `load_state_dict`, `deinitialize`, ...); `_amp_state` and the handles live in
+`amp_state`, what `initialize` installs on models and optimizers in `amp_wrappers`, and the
+registered casts and decorators in `autocast`, all importable from here. How Apex's behaviour is
+reproduced on modern PyTorch: README.md beside this file.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
-import math
-import types
 import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterator
-from contextlib import AbstractContextManager as ContextManager
 from typing import Any, Optional
 
 import torch
@@ -59,11 +27,26 @@ from torch import nn
 
 from runner.config.levels import SCALER_DEFAULTS
 from runner.precision import apex_o1
+from runner.precision.amp_state import (
+    AmpHandle,
+    NoOpHandle,
+    _amp_state,
+    _Init,
+    _OptProperties,
+    disable_casts,
+    engine,
+)
+from runner.precision.amp_wrappers import (
+    _AutocastForward as _AutocastForward,  # O1 models pickled before the move name it here
+)
+from runner.precision.amp_wrappers import (
+    _init_of,
+    _install_optimizer,
+    _teardown,
+    _wrap_forward,
+)
 from runner.precision.autocast import (
-    autocast_context,
-    casts_disabled,
     float_function,
-    function_patches,
     half_function,
     promote_function,
     register_float_function,
@@ -71,9 +54,9 @@ from runner.precision.autocast import (
     register_promote_function,
 )
 from runner.precision.engine import AmpEngine
-from runner.precision.properties import LEVEL_DESCRIPTIONS, Properties
+from runner.precision.properties import LEVEL_DESCRIPTIONS
 from runner.precision.resolver import resolve
-from runner.precision.scaler import LossScaler, state_dict_problems
+from runner.precision.scaler import state_dict_problems
 
 __all__ = [
     "initialize",
@@ -96,255 +79,6 @@ __all__ = [
 ]
 
 
-class _ApexLossScaler:
-    """What Apex scripts read and write in `amp._amp_state.loss_scalers[i]`: `loss_scale()`, the
-    current scale of the engine's scaler for loss i (a live view: it follows back-offs and
-    growth), `_loss_scale` (writable: a script's `loss_scalers[0]._loss_scale = 4.0` sets the
-    engine's scale), `_unskipped`, `dynamic`."""
-
-    def __init__(self, scaler: LossScaler) -> None:
-        self._scaler = scaler
-
-    def loss_scale(self) -> float:
-        return self._scaler.scale
-
-    @property
-    def _loss_scale(self) -> float:
-        return self._scaler.scale
-
-    @_loss_scale.setter
-    def _loss_scale(self, value: float) -> None:
-        value = float(value)
-        if not math.isfinite(value) or value <= 0:
-            raise ValueError(f"a loss scale must be a finite number > 0, got {value!r}")
-        self._scaler._scale = value
-
-    @property
-    def _unskipped(self) -> int:
-        return self._scaler._unskipped
-
-    @_unskipped.setter
-    def _unskipped(self, value: int) -> None:
-        self._scaler._unskipped = int(value)
-
-    @property
-    def dynamic(self) -> bool:
-        return self._scaler.dynamic
-
-    def __repr__(self) -> str:
-        return f"<amp loss scaler: {self._scaler!r}>"
-
-
-class _OptProperties:
-    """Apex's `_amp_state.opt_properties`: the properties of the latest `initialize`, in Apex's
-    spelling (`loss_scale` is "dynamic" or a float; `cast_model_type` a dtype, None, or False
-    when the call said False)."""
-
-    def __init__(
-        self, enabled: bool, props: Optional[Properties] = None, cast_model_type: Any = None
-    ) -> None:
-        self.enabled = enabled
-        self.opt_level = props.opt_level if props is not None else None
-        self.cast_model_type = (
-            False
-            if cast_model_type is False
-            else props.cast_model_type
-            if props is not None
-            else None
-        )
-        self.patch_torch_functions = bool(props and props.patch_torch_functions)
-        self.keep_batchnorm_fp32 = props.keep_batchnorm_fp32 if props is not None else None
-        self.master_weights = props.master_weights if props is not None else None
-        self.loss_scale = props.loss_scale if props is not None else 1.0
-
-    def __repr__(self) -> str:
-        return (
-            "<amp opt_properties: " + ", ".join(f"{k}={v!r}" for k, v in vars(self).items()) + ">"
-        )
-
-
-class _Init:
-    """What one `initialize` call set up: its engine, models, optimizers, O1 forward wraps and
-    handle. Calls on different models and optimizers coexist (as in Apex); a call given a model
-    or optimizer of an earlier call replaces that earlier call."""
-
-    def __init__(
-        self, engine: AmpEngine, models: list[nn.Module], optimizers: list[torch.optim.Optimizer]
-    ) -> None:
-        self.engine = engine
-        self.models = models
-        self.optimizers = optimizers
-        self.forward_wraps: list[tuple[nn.Module, Any]] = []  # (model, previous instance forward)
-        self.scalers = [_ApexLossScaler(s) for s in engine.scalers]
-        self.alive = True
-
-    def owns(self, obj: Any) -> bool:
-        return any(obj is m for m in self.models) or any(obj is o for o in self.optimizers)
-
-    def unwrap_forwards(self) -> None:
-        for model, previous in reversed(self.forward_wraps):
-            if previous is _MISSING:
-                model.__dict__.pop("forward", None)
-            else:
-                model.forward = previous
-        self.forward_wraps = []
-
-    def teardown(self) -> None:
-        if not self.alive:
-            return
-        self.alive = False
-        self.unwrap_forwards()
-        for opt in self.optimizers:
-            _uninstall_optimizer(opt)
-            opt.__dict__.pop("_amp_init", None)
-        self.engine.release()
-
-
-class AmpHandle:
-    """Apex's handle: `amp.init()` returns one (its O1 casts stay on until `_deactivate()`), and
-    `amp.initialize(opt_level="O1")` sets one as `_amp_state.handle` (its `_deactivate()` ends
-    that call's O1 casts: the models' forwards run uncast). `_clear_cache()` drops the cached
-    16-bit casts of fp32 parameters; `_disable_casts()` is `amp.disable_casts()`. Apex's old
-    per-handle API (`handle.scale_loss`, `wrap_optimizer`) raises, as it did in Apex."""
-
-    def __init__(
-        self,
-        loss_scale: Any = "dynamic",
-        enable_caching: bool = True,
-        verbose: bool = False,
-        allow_banned: bool = False,
-        on_deactivate: Optional[Any] = None,
-    ) -> None:
-        self.loss_scale = loss_scale
-        self._enable_caching = enable_caching
-        self._verbose = verbose
-        self._allow_banned = allow_banned
-        self._on_deactivate = on_deactivate
-        self._stack: Optional[contextlib.ExitStack] = None
-        self._is_active = True
-
-    def _open_region(self) -> None:
-        """`amp.init()`: Apex's O1 casts on, process-wide, until `_deactivate()`."""
-        apex_o1.STATE.allow_banned = self._allow_banned
-        apex_o1.STATE.caching = self._enable_caching
-        apex_o1.STATE.verbose = self._verbose
-        stack = contextlib.ExitStack()
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
-        stack.enter_context(function_patches(device_type, torch.float16))
-        self._stack = stack
-
-    def is_active(self) -> bool:
-        return self._is_active
-
-    def _deactivate(self) -> None:
-        if not self._is_active:
-            return
-        self._is_active = False
-        if self._stack is not None:
-            self._stack.close()
-            self._stack = None
-            apex_o1.STATE.allow_banned = False
-            apex_o1.STATE.caching = True
-            apex_o1.STATE.verbose = False
-        if self._on_deactivate is not None:
-            self._on_deactivate()
-        apex_o1.clear_cache()
-
-    @contextlib.contextmanager
-    def _disable_casts(self) -> Iterator[None]:
-        with disable_casts():
-            yield
-
-    def _clear_cache(self) -> None:
-        apex_o1.clear_cache()
-
-    @property
-    def has_cache(self) -> bool:
-        return self._enable_caching
-
-    @property
-    def cache(self) -> dict:
-        """The cached casts: id(fp32 parameter) -> (weak reference, version, 16-bit cast)."""
-        return apex_o1.STATE.cache
-
-    def remove_cache(self, param: torch.Tensor) -> None:
-        apex_o1.STATE.cache.pop(id(param), None)
-
-    @property
-    def verbose(self) -> bool:
-        return self._verbose
-
-    def scale_loss(self, loss, optimizer):
-        raise RuntimeError(
-            "The old Amp API is no longer supported (nor was it in Apex's last "
-            "releases): use amp.initialize and amp.scale_loss"
-        )
-
-    def wrap_optimizer(self, optimizer, num_loss: int = 1):
-        raise RuntimeError(
-            "The old Amp API is no longer supported (nor was it in Apex's last "
-            "releases): use amp.initialize and amp.scale_loss"
-        )
-
-
-class NoOpHandle(AmpHandle):
-    """`amp.init(enabled=False)`: casts nothing."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._is_active = False
-
-    def is_active(self) -> bool:
-        return False
-
-    @property
-    def has_cache(self) -> bool:
-        return False
-
-
-class _AmpState:
-    """Apex's `amp._amp_state`: `handle`, `opt_properties` (after `initialize`), `loss_scalers`
-    (the latest `initialize`'s, one per loss), `verbosity`, `allow_incoming_model_not_fp32`,
-    `hard_override`."""
-
-    def __init__(self) -> None:
-        self.verbosity = 1
-        self.handle: Optional[AmpHandle] = None
-        self.allow_incoming_model_not_fp32 = False
-        self.hard_override = False
-        self.latest: Optional[_Init] = None
-        self.inits: list[weakref.ref] = []  # every live initialize, oldest first
-
-    @property
-    def engine(self) -> Optional[AmpEngine]:
-        return self.latest.engine if self.latest is not None and self.latest.alive else None
-
-    @property
-    def enabled(self) -> bool:
-        return self.engine is not None
-
-    def live(self) -> list[_Init]:
-        out = [i for i in (r() for r in self.inits) if i is not None and i.alive]
-        self.inits = [weakref.ref(i) for i in out]
-        return out
-
-    @property
-    def loss_scalers(self) -> list[_ApexLossScaler]:
-        """Apex's `_amp_state.loss_scalers`, one per loss (empty before `initialize`)."""
-        if self.latest is None or not self.latest.alive:
-            return []
-        return self.latest.scalers
-
-
-_amp_state = _AmpState()
-_MISSING = object()
-
-
-def engine() -> Optional[AmpEngine]:
-    """The engine behind the latest `initialize` (None before it, or when disabled)."""
-    return _amp_state.engine
-
-
 def _as_list(obj: Any) -> tuple[list, bool]:
     if isinstance(obj, (list, tuple)):
         return list(obj), True
@@ -358,146 +92,12 @@ def _device_of(models: list[nn.Module]) -> torch.device:
     return torch.device("cpu")
 
 
-# ---- optimizer wrappers (installed per instance) -------------------------------------------
-def _init_of(opt: torch.optim.Optimizer) -> Optional[_Init]:
-    init = opt.__dict__.get("_amp_init")
-    return init if init is not None and init.alive else None
-
-
-def _managed(opt: torch.optim.Optimizer) -> Optional[AmpEngine]:
-    init = _init_of(opt)
-    return None if init is None else init.engine
-
-
-def _previous(opt: torch.optim.Optimizer, name: str):
-    prev = opt.__dict__.get(f"_amp_prev_{name}", None)
-    return prev if prev is not None else getattr(type(opt), name).__get__(opt, type(opt))
-
-
-def _amp_step(opt, *args, **kwargs):
-    opt._opt_called = True  # LR scheduler bookkeeping, also for a skipped step
-    original = _previous(opt, "step")
-    eng = _managed(opt)
-    if eng is None or opt.__dict__.get("_amp_in_step"):
-        return original(*args, **kwargs)
-    closure = kwargs.get("closure", args[0] if args else None)
-    if closure is not None:
-        raise NotImplementedError(
-            "amp does not support optimizer.step(closure) (neither did "
-            "Apex): compute the loss, scale_loss/backward, then step()"
-        )
-    opt.__dict__["_amp_in_step"] = True
-    try:
-        with disable_casts():  # O1's casts never apply to the optimizer's own step (Apex's rule)
-            eng.step(opt, step_fn=original)
-    finally:
-        opt.__dict__.pop("_amp_in_step", None)
-    return None
-
-
-def _amp_zero_grad(opt, set_to_none: bool = True):
-    eng = _managed(opt)
-    if eng is None:
-        return _previous(opt, "zero_grad")(set_to_none=set_to_none)
-    eng.zero_grad(opt, set_to_none=set_to_none)
-
-
-def _amp_add_param_group(opt, param_group):
-    out = _previous(opt, "add_param_group")(param_group)
-    eng = _managed(opt)
-    if eng is not None:
-        eng.sync_param_groups(opt)
-    return out
-
-
-_WRAPPERS = {
-    "step": _amp_step,
-    "zero_grad": _amp_zero_grad,
-    "add_param_group": _amp_add_param_group,
-}
-
-
-def _install_optimizer(opt: torch.optim.Optimizer) -> None:
-    for name, impl in _WRAPPERS.items():
-        current = opt.__dict__.get(name)
-        if getattr(getattr(current, "__func__", None), "__amp_wrapper__", False):
-            continue  # ours already on top (e.g. re-initialised while still installed)
-        opt.__dict__[f"_amp_prev_{name}"] = current
-
-        def method(self, *args, __impl=impl, **kwargs):
-            return __impl(self, *args, **kwargs)
-
-        functools.update_wrapper(
-            method,
-            getattr(type(opt), name),
-            assigned=("__name__", "__qualname__", "__doc__"),
-            updated=(),
-        )
-        method.__amp_wrapper__ = True  # type: ignore[attr-defined]
-        if getattr(current, "_wrapped_by_lr_sched", False):
-            # an LR scheduler made before initialize wrapped step: keep its marker visible
-            method._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-        opt.__dict__[name] = types.MethodType(method, opt)
-
-
-def _uninstall_optimizer(opt: torch.optim.Optimizer) -> None:
-    for name in _WRAPPERS:
-        current = opt.__dict__.get(name)
-        if not getattr(getattr(current, "__func__", None), "__amp_wrapper__", False):
-            continue  # something (an LR scheduler) wrapped ours: ours passes through from now
-        prev = opt.__dict__.pop(f"_amp_prev_{name}", None)
-        if prev is None:
-            del opt.__dict__[name]
-        else:
-            opt.__dict__[name] = prev
-
-
-# ---- O1 forward --------------------------------------------------------------------------
-class _AutocastForward:
-    """O1's `model.forward`: the model's own forward run in the O1 region.
-
-    An object holding its model, not a closure over it: `copy.deepcopy(model)` copies it along
-    with the model (memo), so the copy's forward runs the copy's weights, and `torch.save(model)`
-    can pickle it. It keeps the engine's properties and device, not the engine, so a copy does not
-    drag the engine (optimizers, masters) along."""
-
-    def __init__(
-        self, module: nn.Module, properties: Properties, device: torch.device, previous: Any = None
-    ):
-        self.module = module
-        self.properties = properties
-        self.device = device
-        self.previous = previous  # the instance `forward` it replaced; None: the class's
-
-    def _inner(self):
-        if self.previous is not None:
-            return self.previous
-        return type(self.module).forward.__get__(self.module)
-
-    def __call__(self, *args, **kwargs):
-        with autocast_context(self.properties, self.device, patch_functions=True):
-            return self._inner()(*args, **kwargs)
-
-    @property
-    def __signature__(self) -> inspect.Signature:
-        return inspect.signature(self._inner())
-
-
-def _wrap_forward(model: nn.Module, init: _Init) -> None:
-    previous = model.__dict__.get("forward", _MISSING)
-    eng = init.engine
-    model.forward = _AutocastForward(
-        model, eng.properties, eng.device, None if previous is _MISSING else previous
-    )
-    init.forward_wraps.append((model, previous))
-
-
 def deinitialize() -> None:
     """Undo every `initialize`: forward wraps, model hooks and optimizer wrappers removed,
     optimizers get the model's parameters back (master values, rounded). Models keep their dtype.
     An `amp.init()` handle stays until its `_deactivate()`."""
     for init in _amp_state.live():
-        init.teardown()
+        _teardown(init)
     _amp_state.inits = []
     _amp_state.latest = None
 
@@ -508,7 +108,7 @@ def _replace_earlier(models: list[nn.Module], optimizers: list) -> list[nn.Modul
     earlier = [i for i in _amp_state.live() if any(i.owns(o) for o in (*models, *optimizers))]
     seen = [m for i in earlier for m in i.models]
     for init in earlier:
-        init.teardown()
+        _teardown(init)
     return [m for m in models if all(m is not s for s in seen)]
 
 
@@ -739,14 +339,6 @@ def init(
         handle._open_region()
     _amp_state.handle = handle
     return handle
-
-
-def disable_casts() -> ContextManager[None]:
-    """Apex's `amp.disable_casts()`: inside it O1 casts nothing, so ops run in their inputs' own
-    types (autocast off for the engine's device; registered and decorated functions uncast; a
-    model called inside runs its forward uncast). For this thread only, like torch.autocast."""
-    eng = _amp_state.engine
-    return casts_disabled(None if eng is None else eng.device.type)
 
 
 def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
