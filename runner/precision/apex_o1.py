@@ -1,34 +1,11 @@
-"""Apex's O1 casts: its function lists and the wrappers it put around torch's functions.
+"""Apex's O1 casts: the wrappers Apex put around torch's functions, by the lists of
+`apex_lists`, and `STATE`, what they read at each call.
 
-Apex's O1 (`amp.init()`, and `amp.initialize(opt_level="O1")`) did not use autocast: it replaced
-functions of `torch`, `torch.nn.functional` and `torch.Tensor` by wrappers that cast their floating
-tensor arguments by four lists (the lists below are Apex's, release 25.04, `apex/amp/lists/`):
-
-* half: GEMMs and convolutions (`F.linear`, `F.conv2d`, `torch.mm`, `Tensor.__matmul__`, ...) run
-  on 16-bit copies of their arguments; a cast of an fp32 `nn.Parameter` is cached until the cache
-  is cleared (the end of `scale_loss`, or of the O1 region).
-* float: reductions, pointwise functions that lose precision, normalisations and losses
-  (`softmax`, `sum`, `pow`, `group_norm`, `mse_loss`, `Tensor.cpu`, ...) run in fp32.
-* promote: functions of several tensors (`add`, `mul`, `atan2`, `cat`, comparisons, the binary
-  operators) run in the widest type when fp32 and 16-bit arguments meet.
-* banned: `binary_cross_entropy` on 16-bit inputs raises NotImplementedError (fp32 with
-  `allow_banned`).
-
-and in-place functions of the float list refuse a 16-bit tensor (`x.exp_()` on fp16 raises
-NotImplementedError); other in-place methods cast their arguments to the tensor's own type. RNNs
-(`nn.RNN`/`GRU`/`LSTM` and their cells) run in 16 bits with their weights cast.
-
-Apex cast only CUDA tensors; here the casts apply on every device, so a CPU run computes in the
-dtypes Apex computed in on a GPU. Departures, each deliberate: only fp32 <-> 16-bit casts are made
-(an fp64 tensor is left alone, where Apex cast it); mixed types other than fp32 with the 16-bit
-type go to torch's own promotion (Apex raised NotImplementedError); the in-place operators
-(`x += y`) keep working in place in `x`'s type (Apex's promotion made them out of place); a cached
-cast is also dropped when its parameter changed in place since (its version counter); an RNN that a
-CPU kernel cannot run in 16 bits runs in fp32 and its outputs are cast to the 16-bit type, with a
-warning naming it (see `FALLBACKS`).
-
-The wrappers are installed by `runner.precision.autocast` while an O1 region of the facade is
-open and consult `STATE` at each call (active, the 16-bit type, caching, `allow_banned`).
+Half-list functions run on 16-bit copies of their floating arguments (an fp32 Parameter's copy
+cached), float-list ones in fp32, promote-list ones in the widest type when fp32 and 16 bits
+meet; `binary_cross_entropy` on 16-bit inputs raises; RNNs run in 16 bits. The wrappers are
+installed by `runner.precision.autocast` while an O1 region of the facade is open. Apex's O1 in
+full, and this runner's deliberate departures from it: README.md beside this file.
 """
 
 from __future__ import annotations
@@ -44,149 +21,21 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-# ---- Apex's lists (apex/amp/lists/{functional,torch,tensor}_overrides.py at e13873de) ---------
-FUNCTIONAL_HALF = (
-    "conv1d",
-    "conv2d",
-    "conv3d",
-    "conv_transpose1d",
-    "conv_transpose2d",
-    "conv_transpose3d",
-    "conv_tbc",
-    "linear",
+from runner.precision.apex_lists import (
+    FUNCTIONAL_BANNED,
+    FUNCTIONAL_FLOAT,
+    FUNCTIONAL_HALF,
+    RNN_CELLS,
+    RNN_NAMES,
+    TENSOR_FLOAT,
+    TENSOR_HALF,
+    TENSOR_INPLACE_OPERATORS,
+    TENSOR_PROMOTE,
+    TORCH_FLOAT,
+    TORCH_HALF,
+    TORCH_PROMOTE,
+    TORCH_SEQUENCE,
 )
-FUNCTIONAL_FLOAT = (
-    "interpolate",
-    "grid_sample",
-    "softplus",
-    "softmin",
-    "log_softmax",
-    "softmax",
-    "gelu",
-    "layer_norm",
-    "group_norm",
-    "local_response_norm",
-    "normalize",
-    "cosine_similarity",
-    "poisson_nll_loss",
-    "cosine_embedding_loss",
-    "cross_entropy",
-    "hinge_embedding_loss",
-    "kl_div",
-    "l1_loss",
-    "mse_loss",
-    "margin_ranking_loss",
-    "multilabel_margin_loss",
-    "multilabel_soft_margin_loss",
-    "multi_margin_loss",
-    "nll_loss",
-    "binary_cross_entropy_with_logits",
-    "smooth_l1_loss",
-    "soft_margin_loss",
-    "triplet_margin_loss",
-    "ctc_loss",
-)
-FUNCTIONAL_BANNED = ("binary_cross_entropy",)
-
-TORCH_HALF = (
-    "conv1d",
-    "conv2d",
-    "conv3d",
-    "conv_transpose1d",
-    "conv_transpose2d",
-    "conv_transpose3d",
-    "conv_tbc",
-    "prelu",
-    "addmm",
-    "addmv",
-    "addr",
-    "matmul",
-    "mm",
-    "mv",
-    # Apex put the batched GEMMs here when CUDA >= 9.1 (every CUDA of today)
-    "addbmm",
-    "baddbmm",
-    "bmm",
-)
-TORCH_FLOAT = (
-    "acos",
-    "asin",
-    "cosh",
-    "erfinv",
-    "exp",
-    "expm1",
-    "log",
-    "log10",
-    "log2",
-    "reciprocal",
-    "rsqrt",
-    "sinh",
-    "tan",
-    "pow",
-    "cumprod",
-    "cumsum",
-    "dist",
-    "norm",
-    "prod",
-    "std",
-    "sum",
-    "var",
-    "renorm",
-)
-TORCH_PROMOTE = (
-    "addcdiv",
-    "addcmul",
-    "atan2",
-    "cross",
-    "bilinear",
-    "dot",
-    "add",
-    "div",
-    "mul",
-    "eq",
-    "equal",
-    "ge",
-    "gt",
-    "le",
-    "lt",
-    "ne",
-)
-TORCH_SEQUENCE = ("cat", "stack")
-
-TENSOR_HALF_OWN = ("__matmul__",)
-TENSOR_FLOAT_OWN = ("__ipow__", "__pow__", "__rpow__", "cpu")
-TENSOR_PROMOTE_OWN = (
-    "__add__",
-    "__div__",
-    "__eq__",
-    "__ge__",
-    "__gt__",
-    "__le__",
-    "__lt__",
-    "__mul__",
-    "__ne__",
-    "__radd__",
-    "__rdiv__",
-    "__rmul__",
-    "__rsub__",
-    "__rtruediv__",
-    "__sub__",
-    "__truediv__",
-)
-# Apex promoted these too (out of place); here they stay in place, in the tensor's own type.
-TENSOR_INPLACE_OPERATORS = ("__iadd__", "__idiv__", "__imul__", "__isub__", "__itruediv__")
-
-RNN_NAMES = ("rnn_tanh", "rnn_relu", "gru", "lstm")
-RNN_CELLS = tuple(f"{name}_cell" for name in RNN_NAMES)
-
-
-def _on_tensor(names: Iterable[str]) -> tuple[str, ...]:
-    return tuple(n for n in names if hasattr(torch.Tensor, n))
-
-
-TENSOR_HALF = _on_tensor((*TENSOR_HALF_OWN, *TORCH_HALF))
-TENSOR_FLOAT = _on_tensor((*TENSOR_FLOAT_OWN, *TORCH_FLOAT))
-TENSOR_PROMOTE = _on_tensor((*TENSOR_PROMOTE_OWN, *TORCH_PROMOTE))
 
 
 # ---- what the wrappers read at each call ----------------------------------------------------
