@@ -1,4 +1,15 @@
-"""Apex amp's O0-O3 on modern PyTorch: resolve the five properties, then run them with AmpEngine.
+"""Precision: Apex amp's O0-O3 (and bf16, fp8, stochastic rounding) on modern PyTorch: resolve
+the properties, then run them around a plain training step with `AmpEngine`.
+
+What it holds, by job:
+- the properties: `recipe` (`Properties`), `properties` (a level and overrides resolved into
+  them), `findings`, `level_rules` and `checks` (the rules), `resolver` (`resolve`: both sets);
+- the engine: `engine` (its set-up), `engine_step` (a step's calls), `engine_rounds` (each
+  optimizer's stage), `paths` and `fused` (torch's ops or the kernels), `master`, `scaler`,
+  `casting`, `autocast`, `rounding`, `state` (the optimizer state's format), `fp8`, `layers`
+  (precision per layer);
+- the Apex facade: `amp` (its calls), `amp_state`, `amp_wrappers`, `apex_o1`, `apex_lists`.
+README.md beside this file explains the engine's step and the facade.
 
 The names below load on first use (PEP 562), so that `runner.config.levels` (the level table,
 torch-free) can be imported while a config is composed without importing torch.
@@ -11,11 +22,11 @@ from typing import Any
 
 _EXPORTS = {
     "AmpEngine": "runner.precision.engine",
-    "Stage": "runner.precision.engine",
+    "Stage": "runner.precision.engine_rounds",
     "LEVELS": "runner.precision.properties",
-    "Finding": "runner.precision.properties",
-    "Properties": "runner.precision.properties",
-    "Resolution": "runner.precision.properties",
+    "Finding": "runner.precision.findings",
+    "Properties": "runner.precision.recipe",
+    "Resolution": "runner.precision.findings",
     "resolve": "runner.precision.resolver",
     "amp": "runner.precision.amp",
 }
