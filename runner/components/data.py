@@ -25,7 +25,8 @@ from omegaconf.errors import MissingMandatoryValue
 from torch.utils.data import Dataset
 
 from runner.config import options, targets
-from runner.config.options import CLASSIFICATION, DATASET_NAMES, LANGUAGE_MODEL
+from runner.config.options import DATASET_NAMES
+from runner.config.schema import CLASSIFICATION, LANGUAGE_MODEL  # the tasks a dataset serves
 from runner.errors import ConfigError, DataError
 
 # Per-channel statistics of the training sets (the values the literature normalises with).

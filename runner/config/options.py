@@ -1,16 +1,16 @@
 """The built-in options of the model, data, optimizer and scheduler groups: one `Spec` each.
 
 A spec holds everything about an option in one place: its schema (the dataclass that types the
-option's YAML, stored as `schema/<group>/<kind>`; None for an option whose extra keys pass through
-to its builder as arguments), its value rules, and its builder (a "module:function" path, imported
-when a run builds it). The name lists (`MODEL_NAMES`, ...), the schemas Hydra types the options
-with and the value rules `runner.config.validation` applies are all derived from `SPECS`: adding a
-built-in option is one spec here plus its YAML file in conf/<group>/.
+option's YAML, declared in `runner.config.schema` and stored as `schema/<group>/<kind>`; None for
+an option whose extra keys pass through to its builder as arguments), its value rules, and its
+builder (a "module:function" path, imported when a run builds it). The name lists
+(`MODEL_NAMES`, ...), the schemas Hydra types the options with and the value rules
+`runner.config.validation` applies are all derived from `SPECS`: adding a built-in option is one
+spec here, its schema if it needs its own, and its YAML file in conf/<group>/.
 
 Beyond the built-in names, a `model`, `data` or `loss` node with a `_target_` is the user's own
 callable (`runner.config.targets`), built by the group's `TARGET_SPECS` entry. Torch-free: this
-module is
-imported while Hydra composes.
+module is imported while Hydra composes.
 """
 
 from __future__ import annotations
@@ -18,11 +18,30 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
-from omegaconf import MISSING
-
+from runner.config.schema import (
+    CLASSIFICATION,
+    LANGUAGE_MODEL,
+    NORMS,
+    AdamConfig,
+    CifarConfig,
+    CosineConfig,
+    GPTConfig,
+    ImageFolderConfig,
+    ModelConfig,
+    OneCycleConfig,
+    SchedulerConfig,
+    SGDConfig,
+    StepLRConfig,
+    SyntheticConfig,
+    SyntheticTextConfig,
+    TextConfig,
+    TinyModelConfig,
+    TokensConfig,
+    VitTinyConfig,
+)
 from runner.config.values import (
     Rule,
     finite,
@@ -34,174 +53,7 @@ from runner.config.values import (
     unit_interval,
 )
 
-
-# ---- schemas -------------------------------------------------------------------------------
-@dataclass
-class ModelConfig:
-    name: str = MISSING
-    # Replace the ImageNet stem (7x7/2 conv + max-pool) with a 3x3/1 conv for 32x32 inputs.
-    # null = automatic: on for images of at most 64 pixels.
-    small_input: Optional[bool] = None
-
-
-NORMS = ("batch", "group")
-
-
-@dataclass
-class TinyModelConfig(ModelConfig):
-    width: int = 16
-    norm: str = "batch"  # batch | group (GroupNorm: no batch statistics, e.g. for DDP tests)
-
-
-@dataclass
-class VitTinyConfig:
-    """torchvision's VisionTransformer, small: 32-px images in 8x8 patches of 4 px."""
-
-    name: str = MISSING
-    image_size: int = 32  # must equal the data's image size (vit_tiny.yaml interpolates it)
-    patch_size: int = 4
-    num_layers: int = 4
-    num_heads: int = 4
-    hidden_dim: int = 128  # a multiple of num_heads (and of 16: Tensor Core friendly)
-    mlp_dim: int = 256
-
-
-@dataclass
-class DataConfig:
-    name: str = MISSING
-    image_size: int = 32
-
-
-@dataclass
-class CifarConfig(DataConfig):
-    root: str = "data"
-    download: bool = True
-    augment: bool = True
-
-
-@dataclass
-class ImageFolderConfig(DataConfig):
-    root: str = MISSING
-    train_dir: str = "train"
-    val_dir: str = "val"
-    num_classes: Optional[int] = None  # null = the number of class folders found
-    augment: bool = True
-    image_size: int = 224
-
-
-@dataclass
-class SyntheticConfig(DataConfig):
-    num_train: int = 10000
-    num_val: int = 2000
-    num_classes: int = 10
-    seed: int = 0
-    noise: float = 1.0  # std of the per-image noise added to the class pattern
-
-
-@dataclass
-class GPTConfig:
-    """The runner's decoder-only transformer (runner.components.lm_models.GPT)."""
-
-    name: str = MISSING
-    n_layer: int = 2
-    n_head: int = 4
-    n_embd: int = 64  # a multiple of n_head (and of 16: Tensor Core and fp8 friendly)
-    block_size: int = 256  # the context length; the YAML files take the data's
-    vocab_size: Optional[int] = None  # null = the data's vocabulary
-    dropout: float = 0.0
-    tie_weights: bool = False  # the head shares the token embedding's weights
-    bias: bool = True  # biases in the Linear layers and LayerNorms
-
-
-@dataclass
-class TextConfig:
-    """Text files tokenised once into a cached flat token file (runner.components.text)."""
-
-    name: str = MISSING
-    path: str = MISSING  # a text file, or a folder of them
-    glob: str = "**/*.txt"  # in a folder: the files to read (recursive, sorted)
-    # in a folder: relative paths to leave out, shell patterns ("*" crosses folders)
-    exclude: list[str] = field(default_factory=list)
-    tokenizer: Optional[str] = None  # null = UTF-8 bytes (vocabulary 256); else a tokenizer.json
-    block_size: int = 256  # tokens per training sequence
-    val_fraction: float = 0.1  # the held-out tail of the token stream
-    cache_dir: Optional[str] = None  # null = $AMP_RUNNER_TOKEN_CACHE or ~/.cache/amp-runner/tokens
-
-
-@dataclass
-class TokensConfig:
-    """Already tokenised corpora: flat .bin files in nanoGPT's layout (no header)."""
-
-    name: str = MISSING
-    train: str = MISSING
-    val: str = MISSING
-    dtype: str = "uint16"  # uint16 | uint32
-    vocab_size: Optional[int] = None  # null = the largest token id in the files + 1
-    block_size: int = 256
-
-
-@dataclass
-class SyntheticTextConfig:
-    """A seeded, learnable synthetic language (no disk): tests and benchmarks."""
-
-    name: str = MISSING
-    vocab_size: int = 64
-    num_train: int = 200000  # training tokens
-    num_val: int = 20000  # validation tokens
-    block_size: int = 64
-    seed: int = 0
-    branching: int = 4  # the possible next tokens of each context
-
-
-@dataclass
-class OptimizerConfig:
-    name: str = MISSING
-    lr: float = 0.1
-    weight_decay: float = 0.0
-
-
-@dataclass
-class SGDConfig(OptimizerConfig):
-    momentum: float = 0.9
-    dampening: float = 0.0
-    nesterov: bool = False
-
-
-@dataclass
-class AdamConfig(OptimizerConfig):
-    lr: float = 1e-3
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
-    amsgrad: bool = False
-
-
-@dataclass
-class SchedulerConfig:
-    name: str = MISSING
-
-
-@dataclass
-class CosineConfig(SchedulerConfig):
-    eta_min: float = 0.0
-
-
-@dataclass
-class StepLRConfig(SchedulerConfig):
-    step_epochs: int = 30
-    gamma: float = 0.1
-
-
-@dataclass
-class OneCycleConfig(SchedulerConfig):
-    max_lr: Optional[float] = None  # null = the optimizer's lr
-    pct_start: float = 0.3
-    div_factor: float = 25.0
-    final_div_factor: float = 1e4
-
-
 # ---- specs ---------------------------------------------------------------------------------
-CLASSIFICATION, LANGUAGE_MODEL = "classification", "language_model"
-TASKS = (CLASSIFICATION, LANGUAGE_MODEL)
 
 
 @dataclass(frozen=True)
@@ -528,8 +380,6 @@ SPECS: tuple[Spec, ...] = (
 )
 
 GROUPS = ("model", "data", "optimizer", "scheduler")
-# the options of the task group (conf/task/): auto = the dataset's task
-TASK_CHOICES = ("auto", *TASKS)
 # the spec that builds a node with a `_target_` (the user's own callable), per group
 TARGET_SPECS = {"model": "custom", "data": "custom"}
 

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from runner.config.options import CLASSIFICATION
+from runner.config.schema import CLASSIFICATION
 from runner.tasks.base import Task
 from runner.tracking import metrics as m
 

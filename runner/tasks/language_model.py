@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from runner.config.options import LANGUAGE_MODEL
+from runner.config.schema import LANGUAGE_MODEL
 from runner.tasks.base import Task
 from runner.tracking import metrics as m
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from runner.config.options import CLASSIFICATION, LANGUAGE_MODEL, TASKS
+from runner.config.schema import CLASSIFICATION, LANGUAGE_MODEL, TASKS
 from runner.tasks.base import Task
 from runner.tasks.classification import Classification
 from runner.tasks.language_model import LanguageModel

@@ -22,6 +22,7 @@ from typing import Any
 from mlflow.entities import Metric, RunStatus
 from mlflow.tracking import MlflowClient
 
+from runner.config.schema import DEFAULT_EXPERIMENT
 from runner.tracking import tags as tag
 
 DB = "mlflow.db"
@@ -45,7 +46,7 @@ def write_offline(
     local store in `folder`; returns the folder."""
     folder.mkdir(parents=True, exist_ok=True)
     client = MlflowClient(local_uri(folder))
-    name = tracked.experiment_name or "amp-runner"
+    name = tracked.experiment_name or DEFAULT_EXPERIMENT
     experiment = client.get_experiment_by_name(name)
     experiment_id = (
         experiment.experiment_id
