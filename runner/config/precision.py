@@ -10,7 +10,8 @@ how it shows in a run's name. From `PROPERTIES` derive:
 Adding a property = one row here + its rule(s) in `runner.precision`.
 
 Torch-free on purpose (Hydra composes and checks without torch): a dtype is parsed to its name
-("bfloat16"); `runner.precision.properties` turns names into torch dtypes.
+("bfloat16", the words of `runner.config.formats`); `runner.precision.dtypes` turns names into
+torch dtypes.
 """
 
 from __future__ import annotations
@@ -23,7 +24,17 @@ from typing import Any, Literal, Optional
 
 from omegaconf import MISSING
 
+from runner.config.formats import (
+    HALF_TYPES,
+    LAYER_FORMATS,
+    STATE_FORMATS,
+    dtype_name_of,
+    short_name,
+    spelling,
+    stepped_dtype_name,
+)
 from runner.config.levels import SCALER_DEFAULTS
+from runner.config.values import is_none, parse_bool, to_number
 from runner.errors import ConfigError
 
 Kind = Literal["dtype", "bool", "choice", "loss_scale", "number", "layers", "layer_plan"]
@@ -32,50 +43,8 @@ Kind = Literal["dtype", "bool", "choice", "loss_scale", "number", "layers", "lay
 # scaling): one scale per tensor, or per row (more accurate, slower).
 FP8_RECIPES = ("tensorwise", "rowwise")
 
-# How the optimizer stores its state (momentum, Adam's moments): a float type (the engine's own
-# steps, arithmetic in fp32), or blockwise-quantised codes and scales (torchao's low-bit Adam).
-FLOAT_STATES = ("float32", "bfloat16", "float16")
-LOW_BIT_STATES = ("int8", "int4", "fp8")
-STATE_FORMATS = FLOAT_STATES + LOW_BIT_STATES
-STATE_ALIASES = {
-    "fp32": "float32",
-    "float": "float32",
-    "bf16": "bfloat16",
-    "fp16": "float16",
-    "half": "float16",
-    "e4m3": "fp8",
-    "float8": "fp8",
-    "float8_e4m3fn": "fp8",
-}
-
-# The formats a layer may compute in (precision.layers, precision.layer_plan): a float type, or
-# fp8 (torchao's float8 Linear: e4m3 forward, e5m2 gradients, dynamic scaling).
-LAYER_FORMATS = ("float32", "bfloat16", "float16", "fp8")
-LAYER_FORMAT_ALIASES = {
-    "fp32": "float32",
-    "float": "float32",
-    "bf16": "bfloat16",
-    "fp16": "float16",
-    "half": "float16",
-    "e4m3": "fp8",
-    "float8": "fp8",
-}
 # `precision.layer_plan`: a plan measured before training (runner.run.autoplan)
 AUTO_PLAN = "auto"
-
-DTYPE_ALIASES: dict[str, str] = {
-    "float16": "float16",
-    "fp16": "float16",
-    "half": "float16",
-    "bfloat16": "bfloat16",
-    "bf16": "bfloat16",
-    "float32": "float32",
-    "fp32": "float32",
-    "float": "float32",
-}
-NONE_STRINGS = ("none", "null", "~", "")
-TRUE_STRINGS = ("true", "yes", "on")
-FALSE_STRINGS = ("false", "no", "off")
 
 
 @dataclass(frozen=True)
@@ -92,7 +61,8 @@ class Property:
     check: Optional[Callable[[float], bool]] = None  # kind "number": what is allowed ...
     allowed: str = ""  # ... said in words
     integer: bool = False  # kind "number": an integer
-    aliases: Optional[Mapping[str, str]] = None  # kind "choice": other spellings -> a choice
+    # kind "choice": the choices are number formats, read by any spelling (runner.config.formats)
+    formats: bool = False
     # how it is logged: the param's string from the parsed value (None: the default format)
     param: Optional[Callable[[Any], str]] = None
     # its run-name suffix ("bf16", "sr", ...) from the run's params (every property's string), or
@@ -129,22 +99,13 @@ def _number(
     )
 
 
-def stepped_dtype_name(params: Mapping[str, str]) -> str:
-    """The type of the weights the optimizer steps, from the params' strings: the model's 16-bit
-    type without master weights, else float32 (masters, or an fp32 model)."""
-    cast = params.get("cast_model_type", "None")
-    if cast in ("float16", "bfloat16") and params.get("master_weights") != "True":
-        return cast
-    return "float32"
-
-
 def _state_suffix(params: Mapping[str, str]) -> Optional[str]:
     """ "int8state", "bf16state", ...: where the state is not kept in the stepped weights' type."""
     fmt = params.get("optimizer_state", "None")
-    if fmt in ("None", stepped_dtype_name(params)):
+    stepped = stepped_dtype_name(params.get("cast_model_type"), params.get("master_weights"))
+    if fmt in ("None", stepped):
         return None
-    short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(fmt, fmt)
-    return f"{short}state"
+    return f"{short_name(fmt)}state"
 
 
 def _plan_suffix(params: Mapping[str, str]) -> Optional[str]:
@@ -181,7 +142,7 @@ PROPERTIES: list[Property] = [
         Optional[str],
         "float32 | float16 | bfloat16 | null: the model's own type",
         allow_none=True,
-        choices=("float16", "bfloat16", "float32"),
+        choices=(*HALF_TYPES, "float32"),
         suffix=_computes_in_bf16,
     ),
     Property("patch_torch_functions", "bool", False, bool, "autocast around ops (O1)"),
@@ -202,7 +163,7 @@ PROPERTIES: list[Property] = [
         "float16",
         str,
         "O1's autocast type: float16 | bfloat16 (bf16 on CPU)",
-        choices=("float16", "bfloat16"),
+        choices=HALF_TYPES,
     ),
     Property(
         "fp8_linear",
@@ -231,7 +192,7 @@ PROPERTIES: list[Property] = [
         "| fp8: how the optimizer stores momentum and Adam's moments",
         allow_none=True,
         choices=STATE_FORMATS,
-        aliases=STATE_ALIASES,
+        formats=True,
         suffix=_state_suffix,
     ),
     # per layer, on top of the level (runner.precision.layers): glob -> format, and a plan file
@@ -344,42 +305,12 @@ def parse(name: str, value: Any) -> Any:
     return _PARSERS[prop.kind](prop, value)
 
 
-def parse_bool(key: str, value: Any, allow_none: bool) -> Optional[bool]:
-    """True/False (also "yes", "off", ...), or None where `allow_none`; else ConfigError(key)."""
-    allowed = ["True", "False"] + (["None"] if allow_none else [])
-    if isinstance(value, bool):
-        return value
-    if value is None and allow_none:
-        return None
-    if isinstance(value, str):
-        s = value.strip().lower()
-        if s in TRUE_STRINGS:
-            return True
-        if s in FALSE_STRINGS:
-            return False
-        if allow_none and s in NONE_STRINGS:
-            return None
-    raise ConfigError(key, f"expected a boolean, got {value!r}", allowed)
-
-
-def dtype_name_of(value: Any) -> Optional[str]:
-    """The canonical name of a dtype given by name ("bf16", "torch.half") or as a torch.dtype
-    (read by its name: this module imports no torch); None when it names none."""
-    if type(value).__name__ == "dtype" and type(value).__module__ == "torch":
-        value = str(value)
-    if not isinstance(value, str):
-        return None
-    return DTYPE_ALIASES.get(value.strip().lower().removeprefix("torch."))
-
-
 def _parse_dtype(prop: Property, value: Any) -> Optional[str]:
     names = list(prop.choices) + (["None"] if prop.allow_none else [])
-    if value is None:
-        if prop.allow_none:
-            return None
-        raise ConfigError(prop.key, "must not be None", names)
-    if prop.allow_none and isinstance(value, str) and value.strip().lower() in NONE_STRINGS:
+    if prop.allow_none and is_none(value):
         return None
+    if value is None:
+        raise ConfigError(prop.key, "must not be None", names)
     name = dtype_name_of(value)
     if name is None or name not in prop.choices:
         raise ConfigError(prop.key, f"unsupported dtype {value!r}", names)
@@ -387,29 +318,17 @@ def _parse_dtype(prop: Property, value: Any) -> Optional[str]:
 
 
 def _parse_choice(prop: Property, value: Any) -> Optional[str]:
-    """One of the choices (case-insensitive), or None (null, "none")."""
-    if value is None or (isinstance(value, str) and value.strip().lower() in NONE_STRINGS):
+    """One of the choices (case-insensitive; a format by any of its spellings), or None (null,
+    "none")."""
+    if is_none(value):
         return None
-    text = value.strip().lower() if isinstance(value, str) else None
+    if prop.formats:
+        text = spelling(value)
+    else:
+        text = value.strip().lower() if isinstance(value, str) else None
     if text in prop.choices:
         return text
-    if text is not None and prop.aliases and text in prop.aliases:
-        return prop.aliases[text]
-    if prop.aliases and type(value).__name__ == "dtype":  # a torch.dtype (this module has no torch)
-        return _parse_choice(prop, str(value).removeprefix("torch."))
     raise ConfigError(prop.key, f"got {value!r}", ["null", *prop.choices])
-
-
-def to_number(value: Any) -> Optional[float]:
-    """A float from a number or a numeric string ("128.0"); None for anything else."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, str):
-        try:
-            return float(value.strip())
-        except ValueError:
-            return None
-    return None
 
 
 def _parse_loss_scale(prop: Property, value: Any) -> Any:
@@ -423,7 +342,7 @@ def _parse_loss_scale(prop: Property, value: Any) -> Any:
 
 
 def _parse_number(prop: Property, value: Any) -> Any:
-    if value is None or (isinstance(value, str) and value.strip().lower() in NONE_STRINGS):
+    if is_none(value):
         if prop.allow_none:
             return None
         raise ConfigError(prop.key, "must not be None", prop.allowed)
@@ -440,22 +359,16 @@ def _parse_number(prop: Property, value: Any) -> Any:
 def parse_layer_format(key: str, value: Any) -> str:
     """A layer's format by any of its spellings ("bf16", "torch.float32", "e4m3") -> its name;
     else ConfigError(key)."""
-    text = (
-        str(value).strip().lower().removeprefix("torch.")
-        if isinstance(value, str) or type(value).__name__ == "dtype"
-        else None
-    )
-    if text in LAYER_FORMATS:
-        return text
-    if text is not None and text in LAYER_FORMAT_ALIASES:
-        return LAYER_FORMAT_ALIASES[text]
+    name = spelling(value)
+    if name in LAYER_FORMATS:
+        return name
     raise ConfigError(key, f"unknown layer format {value!r}", LAYER_FORMATS)
 
 
 def parse_layers(value: Any, key: str = "precision.layers") -> tuple[tuple[str, str], ...]:
     """An ordered mapping of module-name globs to formats (a dict, or (glob, format) pairs) ->
     a tuple of (glob, format name) pairs, in order; ConfigError naming `<key>.<glob>`."""
-    if value is None or (isinstance(value, str) and value.strip().lower() in NONE_STRINGS):
+    if is_none(value):
         return ()
     if isinstance(value, Mapping):
         items = list(value.items())
@@ -492,7 +405,7 @@ def layers_string(layers: tuple[tuple[str, str], ...], limit: int = 400) -> str:
 
 def _parse_layer_plan(prop: Property, value: Any) -> Optional[str]:
     """null, "auto", or the path of a plan file (read when the run is planned)."""
-    if value is None or (isinstance(value, str) and value.strip().lower() in NONE_STRINGS):
+    if is_none(value):
         return None
     if not isinstance(value, str):
         raise ConfigError(

@@ -1,13 +1,17 @@
-"""The predicates value rules are made of: `(key, predicate, what is allowed)`.
+"""Plain values read from a config: the predicates value rules are made of (`(key, predicate,
+what is allowed)`), and how a boolean, a number or a null is read from what a user typed.
 
-Torch-free: the option specs (`runner.config.options`) and `runner.config.validation` both use them.
+Torch-free: the option specs (`runner.config.options`), `runner.config.validation` and the
+property table's parsers (`runner.config.precision`) use them.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Optional
+
+from runner.errors import ConfigError
 
 Rule = tuple[str, Callable[[Any], bool], str]
 
@@ -45,3 +49,44 @@ def one_of(choices: tuple[str, ...]) -> Callable[[Any], bool]:
 
 def integer_at_least(low: int) -> Callable[[Any], bool]:
     return lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= low
+
+
+# ---- reading what a user typed ------------------------------------------------------------------
+NONE_STRINGS = ("none", "null", "~", "")
+TRUE_STRINGS = ("true", "yes", "on")
+FALSE_STRINGS = ("false", "no", "off")
+
+
+def is_none(value: Any) -> bool:
+    """None, or a string that says it ("null", "None", "~", "")."""
+    return value is None or (isinstance(value, str) and value.strip().lower() in NONE_STRINGS)
+
+
+def parse_bool(key: str, value: Any, allow_none: bool) -> Optional[bool]:
+    """True/False (also "yes", "off", ...), or None where `allow_none`; else ConfigError(key)."""
+    allowed = ["True", "False"] + (["None"] if allow_none else [])
+    if isinstance(value, bool):
+        return value
+    if value is None and allow_none:
+        return None
+    if isinstance(value, str):
+        s = value.strip().lower()
+        if s in TRUE_STRINGS:
+            return True
+        if s in FALSE_STRINGS:
+            return False
+        if allow_none and s in NONE_STRINGS:
+            return None
+    raise ConfigError(key, f"expected a boolean, got {value!r}", allowed)
+
+
+def to_number(value: Any) -> Optional[float]:
+    """A float from a number or a numeric string ("128.0"); None for anything else."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value.strip())
+        except ValueError:
+            return None
+    return None

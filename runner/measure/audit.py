@@ -221,12 +221,16 @@ def plot(path: Path, rows: Sequence[Mapping[str, Any]], title: str, max_rows: in
     return path
 
 
+# A format's short name: runner.config.formats.SHORT_NAMES restated, as measure imports nothing
+# else of the runner (a test holds the two equal).
+SHORT_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "fp8": "fp8"}
+
+
 def counts(rows: Iterable[Mapping[str, Any]]) -> dict[str, int]:
     """How many layers computed in each format (observed): fp32, bf16, fp16, fp8."""
-    short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "fp8": "fp8"}
-    out = {s: 0 for s in short.values()}
+    out = {s: 0 for s in SHORT_NAMES.values()}
     for row in rows:
-        key = short.get(str(row["observed"]))
+        key = SHORT_NAMES.get(str(row["observed"]))
         if key is not None:
             out[key] += 1
     return out

@@ -55,17 +55,19 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.hooks import RemovableHandle
 
+from runner.config import formats
 from runner.config import precision as ptable
 from runner.errors import ConfigError
 from runner.precision.casting import cast_tensor, map_tensors
+from runner.precision.dtypes import TORCH_DTYPES
 from runner.precision.properties import Context, Finding, Properties, RuleSet, dtype_name
 
 LAYERS_KEY = "precision.layers"
 PLAN_KEY = "precision.layer_plan"
 AUTO = ptable.AUTO_PLAN
-FP8 = "fp8"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", FP8: "fp8"}
+FP8 = formats.FP8
+DTYPES = TORCH_DTYPES
+SHORT = formats.SHORT_NAMES
 MAX_PLAN_BYTES = 16 * 2**20  # a plan file is a mapping of names: anything larger is not one
 PLAN_FILE_KEYS = ("layers", "why", "about")  # the keys of a plan file's long form
 ROOT_LABEL = "(model)"  # how the model itself (qualified name "") is shown

@@ -10,23 +10,11 @@ from typing import Any, Literal, Optional, Union
 
 import torch
 
+from runner.config import formats
 from runner.config import precision as ptable
+from runner.precision.dtypes import HALF_DTYPES, TORCH_DTYPES, dtype_name
 
 LossScale = Union[float, Literal["dynamic"]]
-
-HALF_DTYPES = (torch.float16, torch.bfloat16)
-
-# a dtype's name (as the config files and the params spell it) -> the torch.dtype
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-}
-
-
-def dtype_name(dtype: Optional[torch.dtype]) -> str:
-    """`torch.float16` -> "float16"; None -> "None" (the spelling the config files use)."""
-    return "None" if dtype is None else str(dtype).removeprefix("torch.")
 
 
 class Properties:
@@ -115,9 +103,8 @@ class Properties:
     def stepped_dtype(self) -> torch.dtype:
         """The type of the weights the optimizer steps: the model's 16-bit type without master
         weights, else fp32 (the masters, or an fp32 model)."""
-        if self.casts_to_half and not self.uses_master_weights:
-            return self.cast_model_type
-        return torch.float32
+        name = formats.stepped_dtype_name(dtype_name(self.cast_model_type), self.master_weights)
+        return TORCH_DTYPES[name]
 
     @property
     def state_format(self) -> str:
@@ -128,7 +115,7 @@ class Properties:
     @property
     def low_bit_state(self) -> bool:
         """Whether the state is quantised in blocks (int8, int4, fp8: torchao's optimizers)."""
-        return self.state_format in ptable.LOW_BIT_STATES
+        return self.state_format in formats.LOW_BIT_STATES
 
     @property
     def state_dtype(self) -> Optional[torch.dtype]:

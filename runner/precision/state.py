@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 import torch
 
-from runner.config.precision import LOW_BIT_STATES
+from runner.config.formats import LOW_BIT_STATES
 
 # torchao's rule for quantised state (torchao.optim.adam._AdamBase._new_buffer, after
 # bitsandbytes' min_8bit_size): at least this many elements, and a multiple of the block size

@@ -8,12 +8,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from runner.config.precision import stepped_dtype_name
+from runner.config.formats import stepped_dtype_name
+from runner.config.schema import CLASSIFICATION, DEFAULT_EXPERIMENT, LANGUAGE_MODEL
 from runner.measure.memory import TOTAL_METRIC
 from runner.measure.memory import metric_name as memory_metric
 from runner.tracking import metrics as m
 
-EXPERIMENT = "amp-runner"
+EXPERIMENT = DEFAULT_EXPERIMENT  # the report reads this experiment unless told another
 BASELINE_LEVEL = "O0"
 # metric -> what the table calls it; a run lacking one is reported with "-" and a note.
 METRICS = {
@@ -31,7 +32,6 @@ LM_METRICS = {
     m.PEAK_MEM_MB: "peak memory",
     m.SKIPPED_STEPS: "skipped steps",
 }
-LANGUAGE_MODEL = "language_model"  # the `task.name` param of a language model's run
 # memory by kind (runner.measure.memory): reported where a run logged them, never listed as missing
 # (runs
 # made before they existed lack them)
@@ -60,9 +60,7 @@ def describe_dtype(precision: Mapping[str, Any]) -> str:
     fp8 = get("fp8_linear")
     extra = f", fp8 Linear ({fp8})" if fp8 else ""
     state = get("optimizer_state")
-    stepped = stepped_dtype_name(
-        {"cast_model_type": str(cast), "master_weights": str(get("master_weights"))}
-    )
+    stepped = stepped_dtype_name(cast, get("master_weights"))
     if state and state != stepped:  # a state format other than the stepped weights' type
         extra += f", {state} optimizer state"
     plan = get("layer_plan")
@@ -104,9 +102,8 @@ class Row:
     memory_ratio: float | None = None
     baseline: str | None = None
     peak_mem_kind: str = "?"
-    task: str = (
-        "classification"  # the run's `task.name` param (runs before the task group: a classifier)
-    )
+    # the run's `task.name` param (runs before the task group: a classifier)
+    task: str = CLASSIFICATION
     val_loss: list[tuple[int, float]] = field(
         default_factory=list
     )  # (epoch, loss): language models

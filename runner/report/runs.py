@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from runner.config.schema import CLASSIFICATION
 from runner.measure.audit import FORMAT_METRIC as LAYERS_IN
 from runner.report.analysis import (
     LM_METRICS,
@@ -107,7 +108,7 @@ def to_row(reader: Reader, run: RunRecord) -> Row:
         },
         val_acc=reader.history(run.run_id, m.VAL_ACC),
         peak_mem_kind=run.tags.get(tag.PEAK_MEM_KIND, "?"),
-        task=params.get("task.name", "classification"),
+        task=params.get("task.name", CLASSIFICATION),
         reason=end_reason(run.status, run.tags),
         params=dict(params),
     )

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from runner.config.formats import SHORT_NAMES
 from runner.measure.audit import FORMAT_METRIC as LAYERS_IN
 from runner.report.analysis import (
     LM_METRICS,
@@ -77,8 +78,8 @@ def render_seed_table(rows: Sequence[Row]) -> list[str]:
 
 
 # the layer audit's count of layers per observed format (runner.measure.audit)
-LAYER_FORMATS = ("fp32", "bf16", "fp16", "fp8")
-LAYERS_TITLE = "layers fp32/bf16/fp16/fp8"
+LAYER_FORMATS = tuple(SHORT_NAMES.values())  # fp32, bf16, fp16, fp8
+LAYERS_TITLE = "layers " + "/".join(LAYER_FORMATS)
 COLUMNS = [
     "run",
     "model",
