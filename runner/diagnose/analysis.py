@@ -9,8 +9,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
+from runner.config.levels import SCALER_DEFAULTS
+
 HEADROOM_LOG2 = 15  # the recommended scale keeps every gradient below 2^15 = fp16 max / 2
-MAX_SCALE_LOG2 = 24  # the dynamic loss scaler's default ceiling (precision.max_loss_scale)
+MAX_SCALE_LOG2 = int(math.log2(SCALER_DEFAULTS["max_loss_scale"]))  # the dynamic scaler's ceiling
 NOTABLE_UNDERFLOW = 0.01  # a layer "underflows" when at least this share of its values does
 
 
@@ -191,7 +193,8 @@ def analyse(records, steps: int, device_type: str = "cpu") -> Preflight:
             )
         advice.append(
             f"Try precision=o2 first (fp16 with fp32 masters and dynamic loss scaling: it "
-            f"starts at 65536, and these gradients overflow above about {2 * scale:g}), or a "
+            f"starts at {SCALER_DEFAULTS['init_scale']:g}, and these gradients overflow above "
+            f"about {2 * scale:g}), or a "
             f"static precision.loss_scale={scale:g}; precision=o2_bf16 needs no scaling at all."
         )
         if device_type == "cpu":

@@ -77,10 +77,6 @@ from runner.precision.properties import dtype_name
 
 log = logging.getLogger(__name__)
 
-# fp16's largest gradient a dynamic scaler keeps: max|g| * S below 2^15, half of fp16's max (one
-# back-off of headroom), as runner.diagnose recommends
-HEADROOM_LOG2 = 15
-
 
 @dataclass(frozen=True)
 class Thresholds:
