@@ -23,6 +23,7 @@ side and their ratio, runner / hand-written.
     python benchmarks/overhead.py --device cuda         # GPU: o0, o1, o2 (fp16)
     python benchmarks/overhead.py --levels o0 --rounds 5 --model tiny
     python benchmarks/overhead.py --startup             # start-up: whole processes (startup.py)
+    python benchmarks/overhead.py --instruments         # the idle instruments' cost per step
 
 Targets: ratio <= 1.03 for O0 and O1 (bf16 on CPU), ResNet-18 on 32x32 inputs at batch
 64, CPU and GPU; O2: the runner faster than the stock loop (ratio < 1). Exit 0 whatever the
@@ -302,6 +303,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="measure start-up instead: whole-process wall time of a tiny run against "
         "a hand-written loop (benchmarks/startup.py; its own options follow)",
     )
+    p.add_argument(
+        "--instruments",
+        action="store_true",
+        help="measure instead what the trainer's instruments cost at a step none is due at "
+        "(after the first step, diagnostics off), against no instruments at all, for the "
+        "first level; writes overhead_instruments_<device>.md",
+    )
+    p.add_argument(
+        "--calls",
+        type=int,
+        default=100_000,
+        help="--instruments: idle steps per timed block (default 100000)",
+    )
     add_threads_option(p)
     args = p.parse_args(argv)
     apply_threads(p, args)
@@ -326,7 +340,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             f"{', '.join(o3)}: O3 has no hand-written counterpart here; choose O0, O1 or O2 presets"
         )
     args.levels = list(dict.fromkeys(levels))
-    args.out = args.out or REPO / "benchmarks" / "results" / f"overhead_{args.device}.md"
+    name = "overhead_instruments" if args.instruments else "overhead"
+    args.out = args.out or REPO / "benchmarks" / "results" / f"{name}_{args.device}.md"
     return args
 
 
@@ -593,6 +608,126 @@ def write_outputs(out: Path, report: dict) -> list[Path]:
     return write_results(out, render(report), rows, CSV_FIELDS, report)
 
 
+# ---- the instruments at an idle step ------------------------------------------------------------
+def idle_instruments(args: argparse.Namespace) -> dict:
+    """What the trainer's instruments cost at a step none is due at: a step's points (enter,
+    `after_backward`, `after_step`, exit) in a tight loop against the same loop without them,
+    interleaved; the bytes, hooks and device reads such a step adds; the runner's step for
+    scale. The first step is taken first (memory by kind measured, layers audited)."""
+    import tracemalloc
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from runner.measure.instruments import IDLE
+
+    parts = build_runner(compose(task_overrides(args, args.levels[0])))
+    trainer, batch = parts.trainer, parts.batch
+    trainer.train_step(*batch)
+    trainer.global_step += 1
+    instruments, step, calls = trainer.instruments, trainer.global_step + 1, args.calls
+    if instruments.step(step) is not IDLE:
+        raise RuntimeError(f"an instrument is due at step {step}: not an idle step")
+
+    def watched(n: int = calls) -> float:
+        started = time.perf_counter()
+        for _ in range(n):
+            with instruments.step(step) as watch:
+                watch.after_backward()
+                watch.after_step(True)
+        return (time.perf_counter() - started) / n
+
+    def bare(n: int = calls) -> float:
+        started = time.perf_counter()
+        for _ in range(n):
+            pass
+        return (time.perf_counter() - started) / n
+
+    times: dict[str, list[float]] = {"instruments": [], "none": []}
+    for index in range(args.rounds):
+        for name in ("instruments", "none") if index % 2 == 0 else ("none", "instruments"):
+            times[name].append((watched if name == "instruments" else bare)())
+
+    class Reads(TorchDispatchMode):  # host reads of device values (.item(), .tolist(), ...)
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default):
+                Reads.count += 1
+            return func(*args, **(kwargs or {}))
+
+    grown = {}
+    for n in (10, 10_000):  # the same peak for 10 and 10,000 steps: a constant, nothing kept
+        tracemalloc.start()
+        base = tracemalloc.get_traced_memory()[0]
+        with Reads():
+            watched(n)
+        current, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        grown[n] = (current - base, peak - base)
+    with instruments.step(step):
+        hooks = sum(
+            len(m._forward_hooks) + len(m._forward_pre_hooks) for m in trainer.module.modules()
+        )
+    step_s = statistics.median(
+        timed_block(lambda: trainer.train_step(*batch), 1, parts.device)[0] for _ in range(5)
+    )
+    cost = statistics.median(times["instruments"]) - statistics.median(times["none"])
+    return {
+        "level": args.levels[0],
+        "calls": calls,
+        "ns_per_step_instruments": 1e9 * statistics.median(times["instruments"]),
+        "ns_per_step_none": 1e9 * statistics.median(times["none"]),
+        "ns_per_step_cost": 1e9 * cost,
+        "runner_step_ms": 1e3 * step_s,
+        "fraction_of_step": cost / step_s,
+        "bytes_kept_after_10": grown[10][0],
+        "bytes_kept_after_10000": grown[10_000][0],
+        "peak_bytes_10": grown[10][1],
+        "peak_bytes_10000": grown[10_000][1],
+        "device_reads": Reads.count,
+        "hooks_during_an_idle_step": hooks,
+    }
+
+
+def render_instruments(report: dict) -> str:
+    r = report["result"]
+    return "\n".join(
+        [
+            f"# The trainer's instruments at an idle step ({report['device']})",
+            "",
+            *setup_lines(report),
+            "",
+            "| per step | ns |",
+            "|---|---:|",
+            f"| a step's points, instruments idle | {r['ns_per_step_instruments']:.0f} |",
+            f"| the same loop without them | {r['ns_per_step_none']:.0f} |",
+            f"| **cost** | **{r['ns_per_step_cost']:.0f}** |",
+            "",
+            f"The runner's whole step ({report['task']['model']}, `{r['level']}`): "
+            f"{r['runner_step_ms']:.2f} ms; the idle instruments are "
+            f"{100 * r['fraction_of_step']:.1e}% of it. Over 10 and 10,000 idle steps the "
+            f"instruments kept {r['bytes_kept_after_10']} and {r['bytes_kept_after_10000']} "
+            f"bytes (traced peak {r['peak_bytes_10']} and {r['peak_bytes_10000']}: a "
+            f"constant), read {r['device_reads']} device values and held "
+            f"{r['hooks_during_an_idle_step']} module hooks.",
+            "",
+        ]
+    )
+
+
+def provenance(args, argv: Sequence[str], load_start: list[float], started: float) -> dict:
+    """Where, how and when a result was measured (called once the measuring is done)."""
+    return {
+        "machine": machine(args.device),
+        "command": command("overhead.py", argv),
+        "date": now(),
+        "load_start": load_start,
+        "load_end": load_average(),
+        "wall_s": time.perf_counter() - started,
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--startup" in argv:  # whole processes instead of steps: benchmarks/startup.py
@@ -602,6 +737,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     load_start = load_average()
     started = time.perf_counter()
+    if args.instruments:
+        report = {
+            "benchmark": "overhead_instruments",
+            "device": args.device,
+            "task": {
+                "model": args.model,
+                "image_size": args.image_size,
+                "batch_size": args.batch_size,
+            },
+            "rounds": args.rounds,
+            "result": idle_instruments(args),
+            **provenance(args, argv, load_start, started),
+        }
+        text = render_instruments(report)
+        paths = write_results(args.out, text, [report["result"]], list(report["result"]), report)
+        print(text)
+        print("Wrote " + ", ".join(str(p) for p in paths))
+        return 0
     print(
         f"Runner overhead on {args.device}: {args.model} {args.image_size}px batch "
         f"{args.batch_size}, levels {', '.join(args.levels)}; {args.rounds} rounds of "
@@ -634,12 +787,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "dynamic_levels": dynamic,
         "results": results,
         "overrides": task_overrides(args, "<level>"),
-        "machine": machine(args.device),
-        "command": command("overhead.py", argv),
-        "date": now(),
-        "load_start": load_start,
-        "load_end": load_average(),
-        "wall_s": time.perf_counter() - started,
+        **provenance(args, argv, load_start, started),
     }
     report["verdict"] = verdict(report)
     paths = write_outputs(args.out, report)
