@@ -22,6 +22,7 @@ from runner.config import (
     STRATEGIES,
     TASK_CHOICES,
     TRACKERS,
+    mistakes,
     options,
 )
 from runner.config.values import (  # noqa: F401  (the predicates, where they were before)
@@ -118,7 +119,7 @@ def _check_known_keys(cfg: DictConfig) -> None:
         declared = [f.name for f in dataclasses.fields(schema)]
         for key in node:
             if key not in declared:
-                raise ConfigError(f"{section}.{key}", "unknown key", declared)
+                raise mistakes.unknown_key(str(section), str(key), declared)
 
 
 def validate(cfg: DictConfig, specs: Mapping[str, Optional[options.Spec]] | None = None) -> None:

@@ -1,0 +1,190 @@
+"""A user's mistakes in composing the config, told in one line with the nearest right spelling.
+
+Hydra (and OmegaConf beneath it) refuse an unknown option of a group, an unknown key and a value of
+the wrong type while composing, before anything runs; their own messages list every option
+without a suggestion, end with the config search path, and advise `+key=value` for a typo'd key
+(which then fails again, as a key no schema declares). `explain` turns such an exception into a
+ConfigError (exit 2 at the CLI) that names the group or key, what was given and the closest valid
+choices, closest first; a case-insensitive match is named as such. The choices come from the
+exception itself (a group's options over the whole search path, a `--config-dir` included; the
+keys of the node that refused the key), so they are the choices of the config actually composed.
+Single runs (`runner.__main__`) and a sweep's pre-flight (`runner.sweep`) use the same text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import typing
+from collections.abc import Mapping, Sequence
+from enum import Enum
+from typing import Any, Optional
+
+from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+from omegaconf import OmegaConf
+from omegaconf.errors import (
+    ConfigAttributeError,
+    ConfigKeyError,
+    OmegaConfBaseException,
+    ValidationError,
+)
+
+from runner.errors import ConfigError, RunnerError
+
+SUGGESTIONS = 4  # at most this many "did you mean" choices
+SIMILAR = 0.5  # difflib's ratio (of lower-cased names) a choice needs to be suggested ...
+SPREAD = 0.3  # ... and no further than this below the closest choice's
+
+_PRIMARY = ("config", "hydra/config")  # the defaults lists a command line's overrides act on
+
+
+def closest(given: str, choices: Sequence[str], limit: int = SUGGESTIONS) -> list[str]:
+    """The choices spelled most like `given`, closest first (ties in the choices' order): those
+    similar enough and nearly as close as the closest (`model=resnet5`: resnet50, resnet18 and
+    resnext50_32x4d, not densenet161)."""
+    typed = given.lower()
+    ratios = [(difflib.SequenceMatcher(None, typed, c.lower()).ratio(), c) for c in choices]
+    ranked = sorted(ratios, key=lambda r: -r[0])
+    if not ranked:
+        return []
+    floor = max(SIMILAR, ranked[0][0] - SPREAD)
+    return [choice for ratio, choice in ranked[:limit] if ratio >= floor]
+
+
+def _did_you_mean(given: str, choices: Sequence[str], prefix: str = "") -> str:
+    """'; did you mean a, b or c?' (each with `prefix`), or '' when nothing is close."""
+    same = [c for c in choices if c.lower() == given.lower() and c != given]
+    if same:
+        match = f"{prefix}{same[0]}"
+        return f"; did you mean {match} (a case-insensitive match: names are case-sensitive)?"
+    near = [f"{prefix}{c}" for c in closest(given, [c for c in choices if c != given])]
+    if not near:
+        return ""
+    listed = near[0] if len(near) == 1 else f"{', '.join(near[:-1])} or {near[-1]}"
+    return f"; did you mean {listed}?"
+
+
+def unknown_option(group: str, given: str, options: Sequence[str], where: str = "") -> ConfigError:
+    """`group=given` names no config of the group (`where`: the config whose defaults list does)."""
+    within = f" (in the defaults of {where})" if where else ""
+    problem = f"unknown option {given!r}{within}{_did_you_mean(given, options)}"
+    return ConfigError(group, problem, list(options) or "no options: the group is empty")
+
+
+def unknown_key(
+    section: str, key: str, keys: Sequence[str], typed: bool = True, value: str | None = None
+) -> ConfigError:
+    """`section.key` is not a key of its node (`keys`: the node's keys). A typed node (a schema's)
+    takes no other key, so a close key is suggested, never `+key`; an untyped one (a `_target_`'s
+    arguments) takes new keys with `+`."""
+    full = f"{section}.{key}" if section else key
+    prefix = f"{section}." if section else ""
+    problem = "unknown key" + _did_you_mean(key, keys, prefix)
+    if typed:
+        return ConfigError(full, problem, list(keys))
+    if problem == "unknown key":
+        problem += f"; to add it: +{full}={'VALUE' if value is None else value}"
+    return ConfigError(full, problem)
+
+
+_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def expected(annotation: Any) -> str:
+    """A field's type in words ('an integer', 'a number or null', ...)."""
+    origin, arguments = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Union:
+        words = [expected(a) for a in arguments if a is not type(None)]
+        return " or ".join(words + (["null"] if type(None) in arguments else []))
+    if origin in (list, tuple, Sequence) or annotation in (list, tuple):
+        return "a list ([a,b])"
+    if origin in (dict, Mapping) or annotation is dict:
+        return "a mapping ({key:value})"
+    if isinstance(annotation, type) and issubclass(annotation, Enum):
+        return "one of " + ", ".join(m.name for m in annotation)
+    return _WORDS.get(annotation, getattr(annotation, "__name__", str(annotation)))
+
+
+def _field_type(schema: Any, key: str) -> Optional[str]:
+    if not (isinstance(schema, type) and dataclasses.is_dataclass(schema)):
+        return None
+    try:
+        hints = typing.get_type_hints(schema)
+    except Exception:  # noqa: BLE001  (an annotation that does not resolve: say less)
+        return None
+    return expected(hints[key]) if key in hints else None
+
+
+def wrong_type(key: str, value: Optional[str], expectation: str) -> ConfigError:
+    """`key=value`, and the key takes another type."""
+    given = "a value" if value is None else repr(value)
+    return ConfigError(key, f"got {given}, expected {expectation}")
+
+
+def _override_value(full_key: str, overrides: Sequence[str]) -> Optional[str]:
+    """The value that `overrides` give `full_key`, as typed (the last one wins, as in Hydra)."""
+    found = None
+    for text in overrides:
+        key, sign, value = text.partition("=")
+        if sign and key.lstrip("+~") == full_key:
+            found = value
+    return found
+
+
+def _first_line(error: BaseException) -> str:
+    message = getattr(error, "msg", None) or str(error)
+    return message.strip().splitlines()[0] if message.strip() else type(error).__name__
+
+
+def is_composition_error(error: BaseException) -> bool:
+    """An error Hydra or OmegaConf raise for a config that does not compose."""
+    return isinstance(error, (HydraException, OmegaConfBaseException))
+
+
+def explain(error: BaseException, overrides: Sequence[str] = ()) -> RunnerError:
+    """One message for a composition error (`overrides`: the command line's, for the value a key
+    was given): a ConfigError naming the group or key, what was given and the closest choices;
+    for any other Hydra error, Hydra's own message without its config search path."""
+    cause = error.__cause__
+    if isinstance(error, MissingConfigException) and error.missing_cfg_file and error.options:
+        group, _, given = error.missing_cfg_file.rpartition("/")
+        where = re.match(r"In '([^']+)':", str(error))
+        parent = where.group(1) if where and where.group(1) not in _PRIMARY else ""
+        return unknown_option(group, given, error.options, parent)
+    node = getattr(cause, "parent_node", None)
+    full_key = getattr(cause, "full_key", None)
+    if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and node is not None and full_key:
+        section, _, key = str(full_key).rpartition(".")
+        keys = [str(k) for k in node.keys() if section or k != "hydra"]
+        typed = dataclasses.is_dataclass(OmegaConf.get_type(node))
+        return unknown_key(section, key, keys, typed, _override_value(str(full_key), overrides))
+    if isinstance(cause, ValidationError) and full_key:
+        words = _field_type(getattr(cause, "object_type", None), str(getattr(cause, "key", "")))
+        value = _override_value(str(full_key), overrides)
+        if value is None:
+            merged = re.search(r"override \S+?=(.*)$", str(error).splitlines()[0])
+            value = merged.group(1) if merged else None
+        return wrong_type(str(full_key), value, words or _first_line(cause))
+    if isinstance(error, OverrideParseException):
+        return RunnerError(f"{error.override}: {_one_line(str(error))}")
+    appended = re.match(r"Could not override '([^']+)'\. No match in the defaults list", str(error))
+    if appended:
+        group = appended.group(1)
+        value = _override_value(group, overrides)
+        return ConfigError(
+            group, f"not in the defaults list; to add it: +{group}={value or 'OPTION'}"
+        )
+    return RunnerError(_hydra_text(error))
+
+
+def _one_line(text: str) -> str:
+    return " ".join(line.strip() for line in text.strip().splitlines() if line.strip())
+
+
+def _hydra_text(error: BaseException) -> str:
+    """Hydra's message on one line (with its OmegaConf cause's first), without the search path."""
+    text = _one_line(str(error).split("\nConfig search path:")[0])
+    if isinstance(error.__cause__, OmegaConfBaseException):
+        text += f": {_first_line(error.__cause__)}"
+    return text or type(error).__name__
