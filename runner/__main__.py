@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import sys
 import threading
+from collections.abc import Callable, Iterator
+from typing import Any, NoReturn
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 import runner.config  # noqa: F401  (registers the schemas before Hydra composes)
+from runner.config import mistakes
 from runner.config.finder import config_dir
 from runner.errors import RunnerError
 from runner.sweep import callback, gpus, jobs, parent
@@ -47,6 +51,71 @@ def main(cfg: DictConfig) -> float | None:
         sys.exit(2)
 
 
+# ---- a config that does not compose: one line, exit 2 -------------------------------------------
+def _verbose() -> bool:
+    """HYDRA_FULL_ERROR=1: Hydra's own report (its stack trace and config search path)."""
+    return os.environ.get("HYDRA_FULL_ERROR") == "1"
+
+
+def _in_task(error: BaseException) -> bool:
+    """Whether `error` came out of the task function (a run's own error, reported as before)."""
+    task = main.__wrapped__.__code__  # (hydra.main wraps it with functools.wraps)
+    frame = error.__traceback__
+    while frame is not None:
+        if frame.tb_frame.f_code is task:
+            return True
+        frame = frame.tb_next
+    return False
+
+
+def _mistake(error: BaseException) -> bool:
+    return not _verbose() and mistakes.is_composition_error(error) and not _in_task(error)
+
+
+def _refuse(error: BaseException) -> NoReturn:
+    """Print the one-line explanation of a composition error and exit 2."""
+    overrides = [a for a in sys.argv[1:] if "=" in a and not a.startswith("-")]
+    print(mistakes.explain(error, overrides), file=sys.stderr)
+    raise SystemExit(2) from None
+
+
+@contextlib.contextmanager
+def mistakes_reported() -> Iterator[None]:
+    """While Hydra runs the command: a config that does not compose (an unknown option of a group,
+    an unknown key, a value of the wrong type) exits 2 with one line from
+    `runner.config.mistakes` instead of Hydra's report (exit 1). Hydra hands each step of a
+    command to `hydra._internal.utils.run_and_report`, which prints any error and exits 1; the
+    step is wrapped here so that a composition error raised outside the task function is
+    explained and exits 2 first. The error is Hydra's own, from its one composition: no second
+    composition, nothing added on the happy path. Errors of a run, and every error under
+    HYDRA_FULL_ERROR=1, take Hydra's path as before. `--help` and `--info` compose outside that
+    reporter: their composition errors are caught as they leave Hydra."""
+    from hydra._internal import utils
+
+    reporter: Callable[[Callable[[], Any]], Any] = utils.run_and_report
+
+    def report(func: Callable[[], Any]) -> Any:
+        def composing() -> Any:
+            try:
+                return func()
+            except Exception as error:
+                if not _mistake(error):
+                    raise
+                _refuse(error)
+
+        return reporter(composing)
+
+    utils.run_and_report = report
+    try:
+        yield
+    except Exception as error:
+        if not _mistake(error):
+            raise
+        _refuse(error)
+    finally:
+        utils.run_and_report = reporter
+
+
 def cli() -> None:
     """Console-script entry (`amp-runner ...`); Ctrl-C exits 130 and SIGTERM 143 after the run
     (and a sweep's parent run) is marked KILLED (and, from a first signal, checkpointed); a sweep
@@ -54,7 +123,8 @@ def cli() -> None:
     gpus.register_resolvers()
     with callback.launch_scope() as launched:
         try:
-            main()
+            with mistakes_reported():
+                main()
         except KeyboardInterrupt as interrupt:  # Ctrl-C, or SIGTERM after its checkpoint
             launched.close_open("KILLED", str(interrupt) or "interrupted by the user (Ctrl-C)")
             print(

@@ -1,0 +1,59 @@
+"""A user's mistakes on the command line (an unknown option of a group, in any case; an unknown
+key, with or without `+`; a value of the wrong type) exit 2 with one line naming the group or key,
+what was given and the nearest right spellings, closest first: no traceback, no Hydra search
+path, nothing created. HYDRA_FULL_ERROR=1 still shows Hydra's own error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra.errors import MissingConfigException
+
+from tests.helpers.runs import run_cli, run_in_process
+
+UNKNOWN_KEY = "trainer.max_epoch: unknown key; did you mean trainer.max_epochs? (allowed: "
+MISTAKES = {
+    "precision=o7": "precision: unknown option 'o7'; did you mean o0, o1, o2 or o3? (allowed: o0,",
+    "precision=O2": "precision: unknown option 'O2'; did you mean o2 (a case-insensitive match",
+    "model=resnet5": (
+        "model: unknown option 'resnet5'; did you mean resnet50, resnet18 or resnext50_32x4d?"
+    ),
+    "data=synthetik": "data: unknown option 'synthetik'; did you mean synthetic or synthetic_text?",
+    "trainer.max_epoch=1": UNKNOWN_KEY,
+    "+trainer.max_epoch=1": UNKNOWN_KEY,
+    "trainer.max_epochs=abc": "trainer.max_epochs: got 'abc', expected an integer",
+}
+
+
+def created(folder: Path) -> list[str]:
+    """What a refused command left in `folder`, Hydra's own outputs/ aside."""
+    return sorted(str(p.relative_to(folder)) for p in folder.iterdir() if p.name != "outputs")
+
+
+@pytest.mark.parametrize("mistake", MISTAKES)
+def test_a_mistake_exits_2_with_the_nearest_right_spelling(mistake, tmp_path):
+    result = run_cli(mistake, cwd=tmp_path, timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output[-3000:]
+    assert MISTAKES[mistake] in output
+    lines = [line for line in output.splitlines() if line.strip()]
+    assert len(lines) == 1, output  # one message
+    for hydra_text in ("Traceback", "Config search path", "HYDRA_FULL_ERROR", "+trainer.max_epoch"):
+        assert hydra_text not in output
+    assert created(tmp_path) == []  # no store, no mlruns, no checkpoints
+    assert not list(tmp_path.rglob("mlflow.db")) and not list(tmp_path.rglob("checkpoints"))
+
+
+def test_the_choices_include_a_config_dir_s_own(tmp_path, capsys):
+    (tmp_path / "my_conf" / "model").mkdir(parents=True)
+    (tmp_path / "my_conf" / "model" / "my_net.yaml").write_text("_target_: torch.nn.Linear\n")
+    status = run_in_process("--config-dir", str(tmp_path / "my_conf"), "model=my_nett")
+    output = "".join(capsys.readouterr())
+    assert status == 2 and "model: unknown option 'my_nett'; did you mean my_net?" in output
+
+
+def test_hydra_full_error_shows_hydra_s_own_error(monkeypatch):
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    with pytest.raises(MissingConfigException, match="Config search path"):
+        run_in_process("precision=o7")
