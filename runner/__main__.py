@@ -116,11 +116,75 @@ def mistakes_reported() -> Iterator[None]:
         utils.run_and_report = reporter
 
 
+# ---- --help: the groups a user picks from, and the launchers and sweepers installed -------------
+INTERNAL_GROUPS = ("hydra", "schema")  # Hydra's own (launchers, sweepers: apart), the schemas
+
+
+def _group_options(group: str) -> list[str]:
+    from hydra.core.global_hydra import GlobalHydra
+
+    return sorted(GlobalHydra.instance().config_loader().get_group_options(group))
+
+
+def help_groups() -> str:
+    """`--help`'s groups (`${runner.help_groups:}` in conf/config.yaml): each top-level group's
+    options over the whole search path (a `--config-dir`'s own groups and options too), without
+    Hydra's groups, the schemas, or an experiment's inner groups."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    loader = GlobalHydra.instance().config_loader()
+    lines = []
+    for group in sorted(loader.list_groups("")):
+        options = _group_options(group) if group not in INTERNAL_GROUPS else []
+        if options:
+            add = "   (add one: +experiment=NAME)" if group == "experiment" else ""
+            lines.append(f"  {group}: {', '.join(options)}{add}")
+    return "\n".join(lines)
+
+
+def _installed(group: str) -> list[str]:
+    """The options of a Hydra plugin group (hydra/launcher, hydra/sweeper) that can be picked: an
+    option of the runner's own that extends a plugin's (parallel: joblib) only where that plugin
+    is installed (its options are there)."""
+    options = _group_options(group)
+    usable = []
+    for option in options:
+        path = config_dir() / group / f"{option}.yaml"
+        defaults = (OmegaConf.load(path).get("defaults") or []) if path.is_file() else []
+        if all(d in options for d in defaults if isinstance(d, str) and d != "_self_"):
+            usable.append(option)
+    return usable
+
+
+def help_launchers() -> str:
+    """`--help`'s launchers and sweepers (`${runner.help_launchers:}`): the installed ones."""
+    launchers, sweepers = _installed("hydra/launcher"), _installed("hydra/sweeper")
+    lines = [
+        f"  hydra/launcher: {', '.join(launchers)}   (basic: one job after another, here)",
+        f"  hydra/sweeper: {', '.join(sweepers)}   (basic: every combination of the values)",
+    ]
+    examples = {
+        "parallel": "-m hydra/launcher=parallel precision=o0,o1,o2,o3   (one job per GPU at once)",
+        "slurm": "-m hydra/launcher=slurm hydra.launcher.partition=gpu precision=o2   (SLURM jobs)",
+        "optuna": "-m hydra/sweeper=optuna hydra.sweeper.n_trials=20 "
+        "hydra.sweeper.direction=maximize 'optimizer.lr=tag(log, interval(1e-4, 1e-1))'",
+    }
+    missing = {"parallel": "joblib", "slurm": "slurm", "optuna": "optuna"}
+    for name, example in examples.items():
+        if name in launchers or name in sweepers:
+            lines.append(f"  python -m runner {example}")
+        else:
+            lines.append(f'  ({name}: pip install "amp-runner[{missing[name]}]")')
+    return "\n".join(lines)
+
+
 def cli() -> None:
     """Console-script entry (`amp-runner ...`); Ctrl-C exits 130 and SIGTERM 143 after the run
     (and a sweep's parent run) is marked KILLED (and, from a first signal, checkpointed); a sweep
     that stops early leaves no RUNNING parent behind."""
     gpus.register_resolvers()
+    OmegaConf.register_new_resolver("runner.help_groups", help_groups, replace=True)
+    OmegaConf.register_new_resolver("runner.help_launchers", help_launchers, replace=True)
     with callback.launch_scope() as launched:
         try:
             with mistakes_reported():

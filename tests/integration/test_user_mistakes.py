@@ -1,10 +1,12 @@
 """A user's mistakes on the command line (an unknown option of a group, in any case; an unknown
 key, with or without `+`; a value of the wrong type) exit 2 with one line naming the group or key,
 what was given and the nearest right spellings, closest first: no traceback, no Hydra search
-path, nothing created. HYDRA_FULL_ERROR=1 still shows Hydra's own error."""
+path, nothing created. HYDRA_FULL_ERROR=1 still shows Hydra's own error. `--help` lists the groups
+a user picks from and the launchers and sweepers installed."""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -57,3 +59,32 @@ def test_hydra_full_error_shows_hydra_s_own_error(monkeypatch):
     monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
     with pytest.raises(MissingConfigException, match="Config search path"):
         run_in_process("precision=o7")
+
+
+def test_help_lists_what_a_user_picks(tmp_path):
+    (tmp_path / "my_conf" / "augment").mkdir(parents=True)
+    (tmp_path / "my_conf" / "augment" / "strong.yaml").write_text("flip: true\n")
+    result = run_cli("--config-dir", str(tmp_path / "my_conf"), "--help", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = result.stdout
+    groups = {
+        line.split(":")[0].strip(): line.split(":", 1)[1]
+        for line in text.split("== Configuration groups ==")[1].split("==")[0].splitlines()
+        if line.startswith("  ") and ":" in line
+    }
+    assert {"model", "data", "precision", "optimizer", "experiment", "augment"} <= set(groups)
+    assert "o1_bf16" in groups["precision"] and "gpt_tiny" in groups["model"]
+    assert "schema/" not in text and "cifar10_optimizer" not in text
+    assert "python -m runner model=gpt_tiny data=synthetic_text precision=o1_bf16" in text
+    assert "HYDRA_FULL_ERROR=1" in text
+    plugins = text.split("== Launchers and sweepers (with -m) ==")[1].split("==")[0]
+    launchers = next(line for line in plugins.splitlines() if "hydra/launcher:" in line)
+    sweepers = next(line for line in plugins.splitlines() if "hydra/sweeper:" in line)
+    installed = {
+        "hydra_joblib_launcher": (launchers, ["joblib", "parallel"]),
+        "hydra_submitit_launcher": (launchers, ["slurm", "submitit_local", "submitit_slurm"]),
+        "hydra_optuna_sweeper": (sweepers, ["optuna"]),
+    }
+    for plugin, (line, options) in installed.items():
+        present = importlib.util.find_spec(f"hydra_plugins.{plugin}") is not None
+        assert all((option in line) == present for option in options), (plugin, line)
