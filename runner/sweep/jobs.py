@@ -15,6 +15,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from runner.config import mistakes
 from runner.errors import ConfigError, RunnerError
 from runner.sweep.parent import SweepParent
 from runner.tracking import tags as tag
@@ -64,10 +65,9 @@ def preflight(config: DictConfig, config_name: str | None, tracking_uri: str) ->
         try:
             cfg = compose(config_name=config_name, overrides=overrides)
         except (HydraException, OmegaConfBaseException) as error:  # a typo'd key or option
-            cause = f"\n{error.__cause__}" if error.__cause__ else ""
-            raise RunnerError(
-                f"sweep job #{number} ({' '.join(overrides)}): {error}{cause}"
-            ) from error
+            explained = mistakes.explain(error, overrides)  # as a single run says it
+            job = f"sweep job #{number} ({' '.join(overrides)})"
+            raise RunnerError(f"{job}: {explained}") from error
         if _resuming(cfg):  # in a sweep, resume=auto is decided per job, at its start
             OmegaConf.set_struct(cfg, False)
             cfg.resume = None

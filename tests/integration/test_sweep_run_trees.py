@@ -133,7 +133,10 @@ def test_jobs_in_one_process_do_not_leak_into_each_other(tmp_path):
             "optimizer.lr=0.1,-1",
             ["optimizer.lr: got -1.0 (in sweep job #1:", "a finite number > 0"],
         ),
-        ("trainer.max_epoch=1,2", ["sweep job #0 (", "Key 'max_epoch' not in 'TrainerConfig'"]),
+        (
+            "trainer.max_epoch=1,2",
+            ["sweep job #0 (", "trainer.max_epoch: unknown key; did you mean trainer.max_epochs?"],
+        ),
     ],
     ids=["bad-value", "typo-key"],
 )

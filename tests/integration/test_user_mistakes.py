@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from hydra.errors import MissingConfigException
 
-from tests.helpers.runs import run_cli, run_in_process
+from tests.helpers.runs import FAST, run_cli, run_in_process
 
 UNKNOWN_KEY = "trainer.max_epoch: unknown key; did you mean trainer.max_epochs? (allowed: "
 MISTAKES = {
@@ -45,6 +45,16 @@ def test_a_mistake_exits_2_with_the_nearest_right_spelling(mistake, tmp_path):
         assert hydra_text not in output
     assert created(tmp_path) == []  # no store, no mlruns, no checkpoints
     assert not list(tmp_path.rglob("mlflow.db")) and not list(tmp_path.rglob("checkpoints"))
+
+
+def test_a_mistake_in_a_sweep_names_the_job(tmp_path, capsys):
+    uri = f"sqlite:///{tmp_path / 'never.db'}"
+    status = run_in_process("-m", *FAST, "precision=o0,o7", f"mlflow.tracking_uri={uri}")
+    output = "".join(capsys.readouterr())
+    assert status == 2, output[-3000:]
+    assert "sweep job #1 (" in output and MISTAKES["precision=o7"] in output
+    assert "Traceback" not in output and "Config search path" not in output
+    assert not (tmp_path / "never.db").exists() and not (tmp_path / "mlruns").exists()
 
 
 def test_the_choices_include_a_config_dir_s_own(tmp_path, capsys):
