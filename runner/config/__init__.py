@@ -9,6 +9,8 @@
 - `options`: one spec per built-in model, data, optimizer and scheduler option (builder, rules);
   `targets`: a user's own callables by `_target_`; `values` and `validation`: the value rules;
 - `store`: the schemas registered in Hydra's ConfigStore (done on import); `finder`: where conf/ is.
+- `mistakes`: a config that does not compose, told in one line with the nearest right spellings
+  (the CLI's and a sweep's pre-flight).
 
 Never imports torch (a test holds it so): a dry run, `--help` and a bad value stop here cheaply.
 The names callers import from `runner.config` are re-exported below.
