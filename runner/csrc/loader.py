@@ -11,8 +11,6 @@ ahead of time, and a failed build says why and leaves the engine on torch's own 
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import importlib.util
 import logging
@@ -20,7 +18,7 @@ import os
 import platform
 import shutil
 import time
-from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -29,6 +27,7 @@ from typing import Optional
 import torch
 
 from runner.config import KERNEL_CHOICES
+from runner.files import file_lock, try_lock, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -130,8 +129,8 @@ def build(backend: str, verbose: bool = False) -> Kernels:
     virtualenv, is loaded as it is (no compiler, no ninja); `BUILT_MARK` holds its digest, written
     once it is complete, so a half-written module is never loaded (it is built again). Concurrent
     first builds (a sweep's parallel jobs, two terminals) take a lock on the folder: one builds,
-    the others wait and load what it built. The lock is the kernel's (fcntl), released when its
-    holder exits, however it exits."""
+    the others wait and load what it built. The lock is the kernel's (flock: runner.files),
+    released when its holder exits, however it exits."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown kernel backend {backend!r}; expected one of {BACKENDS}")
     if backend in _LOADED:
@@ -151,18 +150,13 @@ def build(backend: str, verbose: bool = False) -> Kernels:
     return kernels
 
 
-@contextlib.contextmanager
-def _folder_lock(directory: Path) -> Iterator[None]:
-    with open(directory / ".lock", "a+") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.info("Waiting for another process building the kernels in %s", directory)
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+def _folder_lock(directory: Path) -> AbstractContextManager[None]:
+    return file_lock(
+        directory / ".lock",
+        on_wait=lambda: log.info(
+            "Waiting for another process building the kernels in %s", directory
+        ),
+    )
 
 
 def _library(name: str, directory: Path) -> Path:
@@ -221,7 +215,7 @@ def _compile(backend: str, name: str, directory: Path, verbose: bool) -> ModuleT
         **build_flags(backend),
     )
     library = Path(module.__file__)
-    (directory / BUILT_MARK).write_text(f"{_digest(library)} {library.name}\n")
+    write_atomic(directory / BUILT_MARK, f"{_digest(library)} {library.name}\n")
     log.info("Built the %s kernels in %.0f s", backend, time.perf_counter() - started)
     return module
 
@@ -317,21 +311,17 @@ def _load_if_built(backend: str) -> Optional[Kernels]:
     name = _module_name(backend)
     directory = cache_dir(backend) / name
     directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / ".lock", "a+") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.info(
-                "amp-runner's %s kernels are being built by another process (%s); this run "
-                "uses torch's ops, later runs the kernels.",
-                backend,
-                directory,
-            )
-            return None
-        try:
-            module = _load_built(name, directory)
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    lock = try_lock(directory / ".lock")
+    if lock is None:
+        log.info(
+            "amp-runner's %s kernels are being built by another process (%s); this run "
+            "uses torch's ops, later runs the kernels.",
+            backend,
+            directory,
+        )
+        return None
+    with lock:
+        module = _load_built(name, directory)
     if module is not None:
         _LOADED[backend] = Kernels(
             name=backend, ops=module, device_type="cuda" if backend == "cuda" else "cpu"
@@ -388,7 +378,7 @@ def record_background_failure(backend: str, reason: str) -> None:
     start builds that fail the same way); `python -m runner.csrc build` clears it."""
     directory = cache_dir(backend) / _module_name(backend)
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / FAILED_MARK).write_text(reason + "\n")
+    write_atomic(directory / FAILED_MARK, reason + "\n")
 
 
 def clear_background_failure(backend: str) -> None:

@@ -14,6 +14,7 @@ from typing import Optional
 from runner.config import options
 from runner.diagnose.analysis import Preflight, analyse, render
 from runner.errors import RunnerError
+from runner.files import write_atomic
 
 DEFAULT_STEPS = 3
 REPORT_TXT = "report.txt"
@@ -255,7 +256,7 @@ def write_plan(
         model, records, autoplan.weight_stats(model), plan.properties, thresholds, preset, steps
     )
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(auto.yaml())
+    write_atomic(path, auto.yaml())  # a plan file a run may be reading
     counts = ", ".join(f"{n} {fmt}" for fmt, n in auto.counts().items())
     print(
         f"\nLayer plan for precision={preset} ({counts}; {len(auto.rules)} entries differ "

@@ -11,12 +11,13 @@ import logging
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from runner.errors import RunnerError
+from runner.files import HeldLock
 from runner.sweep.gpus import claim_gpu, gpu_count
 from runner.sweep.jobs import _resuming, earlier_sweep, preflight, resolved, sweep_overrides
 from runner.sweep.parent import SweepParent
@@ -37,7 +38,7 @@ class MlflowSweepCallback(Callback):
         self.parent: SweepParent | None = None
         self._parent_run: Any = None  # the launching process's open parent (a tracking Run)
         self._sweep_dir: Path | None = None
-        self._gpu: tuple[int, IO[str]] | None = None
+        self._gpu: tuple[int, HeldLock] | None = None
 
     def __getstate__(self) -> dict:
         """What a launcher ships to its worker processes (joblib pickles the callback): the

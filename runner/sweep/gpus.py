@@ -3,25 +3,21 @@
 
 from __future__ import annotations
 
-import fcntl
 from pathlib import Path
-from typing import IO
 
 from omegaconf import OmegaConf
 
+from runner.files import HeldLock, try_lock
 
-def claim_gpu(lock_dir: Path, count: int) -> tuple[int, IO[str]] | None:
+
+def claim_gpu(lock_dir: Path, count: int) -> tuple[int, HeldLock] | None:
     """The first GPU index no other job of this sweep holds (an exclusive lock file per GPU in the
-    sweep folder, released when the handle is closed); None when all are taken."""
+    sweep folder, released when the lock is closed); None when all are taken."""
     lock_dir.mkdir(parents=True, exist_ok=True)
     for index in range(count):
-        handle = open(lock_dir / f".gpu{index}.lock", "w")
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.close()
-            continue
-        return index, handle
+        held = try_lock(lock_dir / f".gpu{index}.lock")
+        if held is not None:
+            return index, held
     return None
 
 

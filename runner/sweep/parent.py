@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from runner.files import write_atomic
 from runner.tracking import tags as tag
 
 
@@ -40,9 +41,8 @@ class SweepParent:
     def save(self, sweep_dir: str | os.PathLike) -> None:
         folder = Path(sweep_dir)
         folder.mkdir(parents=True, exist_ok=True)
-        tmp = folder / f"{self.FILE}.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps(dataclasses.asdict(self)))
-        os.replace(tmp, folder / self.FILE)  # a job never reads half a file
+        # a job never reads half a file
+        write_atomic(folder / self.FILE, json.dumps(dataclasses.asdict(self)), durable=False)
 
     @classmethod
     def forget(cls, sweep_dir: str | os.PathLike) -> None:

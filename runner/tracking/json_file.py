@@ -33,6 +33,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from runner.files import write_atomic
 from runner.tracking import tags as tag
 from runner.tracking.base import RUNNING, Reader, Run, RunNotFound, RunRecord, Tracker
 
@@ -55,9 +56,7 @@ def _now_ms() -> int:
 def write_record(path: Path, record: Mapping[str, Any]) -> None:
     """`record` as `path`, replaced whole (written beside it, then moved over it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_text(json.dumps(record, indent=1, default=str))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(record, indent=1, default=str), durable=False)
 
 
 def read_record(path: Path) -> dict[str, Any] | None:

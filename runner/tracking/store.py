@@ -10,7 +10,6 @@ same, so the store is opened (created, if new) under a file lock beside the data
 
 from __future__ import annotations
 
-import fcntl
 import functools
 import logging
 import os
@@ -25,6 +24,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from runner.errors import RunnerError
+from runner.files import LockBusy, file_lock
 
 log = logging.getLogger(__name__)
 
@@ -108,30 +108,17 @@ def store_lock(tracking_uri: str, timeout_s: float = STORE_LOCK_TIMEOUT_S) -> It
         yield
         return
     lock = path.with_name(path.name + ".lock")
-    # read-only and created world-readable: flock needs no write access, so people sharing a
-    # store can all take it
-    descriptor = os.open(lock, os.O_RDONLY | os.O_CREAT, 0o666)
     try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise RunnerError(
-                        f"mlflow.tracking_uri: the tracking store {tracking_uri!r} stayed locked "
-                        f"by another process for {timeout_s:.0f} s ({lock} is held: a process "
-                        "creating the store, or one that hangs). Find it with `fuser "
-                        f"{lock}`, or use another store."
-                    ) from None
-                time.sleep(0.05)
-        try:
-            yield
-        finally:
-            fcntl.flock(descriptor, fcntl.LOCK_UN)
-    finally:
-        os.close(descriptor)
+        held = file_lock(lock, timeout_s=timeout_s)
+    except LockBusy:
+        raise RunnerError(
+            f"mlflow.tracking_uri: the tracking store {tracking_uri!r} stayed locked "
+            f"by another process for {timeout_s:.0f} s ({lock} is held: a process "
+            "creating the store, or one that hangs). Find it with `fuser "
+            f"{lock}`, or use another store."
+        ) from None
+    with held:
+        yield
 
 
 def prepare_sqlite_file(path: Path) -> None:

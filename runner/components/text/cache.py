@@ -10,14 +10,12 @@ concurrent first runs take a lock: one tokenises, the others wait and read what 
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import logging
 import os
-import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import Any, Optional
 
 import numpy as np
@@ -25,6 +23,7 @@ import numpy as np
 from runner.components.text import keys
 from runner.components.text.stream import sha256_file, tokenise
 from runner.components.text.windows import DTYPES
+from runner.files import atomic_path, file_lock, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -87,34 +86,15 @@ def verify(bin_path: str, meta_path: str, key: str) -> tuple[Optional[dict], Opt
     return meta, None
 
 
-@contextlib.contextmanager
-def locked(path: str) -> Iterator[None]:
-    """An exclusive fcntl lock on `path` (a lock file in the cache folder): the first run
-    tokenises, a concurrent one waits here and then finds the cache written."""
-    with open(path, "a+") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.info("Waiting for another process tokenising into the same cache (%s)", path)
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def _write_json_atomic(path: str, payload: dict) -> None:
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-", suffix=".json")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(payload, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+def locked(path: str) -> AbstractContextManager[None]:
+    """An exclusive lock on `path` (a lock file in the cache folder): the first run tokenises, a
+    concurrent one waits here and then finds the cache written."""
+    return file_lock(
+        path,
+        on_wait=lambda: log.info(
+            "Waiting for another process tokenising into the same cache (%s)", path
+        ),
+    )
 
 
 def write_cache(
@@ -140,15 +120,8 @@ def write_cache(
         "bytes" if tokenizer is None else f"tokenizer {tok_path}",
         bin_path,
     )
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(bin_path), prefix=".tmp-", suffix=".bin")
-    os.close(fd)
-    try:
-        count, sha = tokenise([path for _, path in files], tokenizer, dtype, tmp)
-        os.replace(tmp, bin_path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    with atomic_path(bin_path) as tmp:
+        count, sha = tokenise([path for _, path in files], tokenizer, dtype, str(tmp))
     meta = {
         "format": FORMAT_VERSION,
         "key": key,
@@ -160,5 +133,6 @@ def write_cache(
         "files": [list(s) for s in stats],
         "sha256": sha,
     }
-    _write_json_atomic(meta_path, meta)  # after the .bin: a sidecar always describes its file
+    # after the .bin: a sidecar always describes its file
+    write_atomic(meta_path, json.dumps(meta, indent=1))
     return meta

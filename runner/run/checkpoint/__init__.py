@@ -5,10 +5,11 @@ A run writes `<trainer.checkpoint_dir>/<experiment>/<run name>/<MLflow run id>/l
 to the launch directory, not Hydra's timestamped output folder) after every
 `trainer.checkpoint_every_n_epochs` epochs and when it is interrupted. Each run has its own folder,
 so a new run never overwrites another's checkpoint, and `resume=auto` takes the most recent one
-under the experiment and run name. A file is written to a temporary name (`.last.pt.<pid>.tmp`),
-flushed to disk, renamed into place and the folder flushed too, so a crash or a power loss while
-writing leaves the previous checkpoint intact; a temporary file left by a process that is gone is
-removed at the next save into the same folder.
+under the experiment and run name. A file is written to a temporary name
+(`.last.pt.<pid>.<thread>.tmp`), flushed to disk, renamed into place and the folder flushed too
+(`runner.files.atomic_write`), so a crash or a power loss while writing leaves the previous
+checkpoint intact; a temporary file left by a process that is gone is removed at the next save
+into the same folder.
 
 Contents: the model's state (fp32: the O2 masters' exact values), the optimizer's (its state for
 the masters), the precision engine's (every loss scaler), the scheduler's, the position (epoch,

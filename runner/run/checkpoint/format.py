@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from runner.errors import ConfigError
+from runner.files import atomic_write, remove_stale_temporaries
 from runner.run.checkpoint.contents import ALLOWED, content_problems
-from runner.run.checkpoint.folders import FILENAME
 from runner.run.rng import upgrade_legacy_rng
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,6 @@ _TRAILER_SIZE = len(_TRAILER_PREFIX) + 64  # the zip comment: prefix + hex diges
 _EOCD_SIGNATURE = b"PK\x05\x06"  # zip's end of central directory record: 22 bytes + comment
 _EOCD_SIZE = 22
 _CHUNK = 1 << 20
-_TMP_PATTERN = re.compile(rf"^\.{re.escape(FILENAME)}\.(\d+)\.tmp$")
 
 
 # ---- writing -----------------------------------------------------------------------------------
@@ -49,18 +48,10 @@ def save(path: Path, state: Mapping[str, Any]) -> None:
             "refusing to write a checkpoint that could not be loaded: " + "; ".join(problems)
         )
     path.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temporaries(path.parent)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w+b") as handle:
-            torch.save(full, handle)
-            _append_digest(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-        _fsync_folder(path.parent)
-    finally:
-        tmp.unlink(missing_ok=True)
+    remove_stale_temporaries(path.parent)
+    with atomic_write(path, "w+b") as handle:
+        torch.save(full, handle)
+        _append_digest(handle)
 
 
 def _append_digest(handle) -> None:
@@ -93,47 +84,6 @@ def _sha256(handle, size: int) -> str:
         digest.update(chunk)
         left -= len(chunk)
     return digest.hexdigest()
-
-
-def _fsync_folder(folder: Path) -> None:
-    """Flush the folder's entry list, so the renamed file survives a power loss (where the OS
-    and filesystem allow it; some refuse to fsync a folder, or to open one)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _remove_stale_temporaries(folder: Path) -> None:
-    """Remove `.last.pt.<pid>.tmp` files of processes that no longer exist (a process killed
-    while writing); another live process's (or this one's) stays. Only POSIX can tell: elsewhere
-    nothing is removed."""
-    if os.name != "posix":
-        return
-    for entry in folder.iterdir():
-        match = _TMP_PATTERN.match(entry.name)
-        if match is None:
-            continue
-        pid = int(match.group(1))
-        if pid == os.getpid() or _process_exists(pid):
-            continue
-        entry.unlink(missing_ok=True)
-
-
-def _process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)  # signal 0: existence and permission check only, nothing is sent
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError):  # another user's process, or not a real pid
-        return True
-    return True
 
 
 # ---- reading -----------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from runner.errors import ConfigError
+from runner.files import fsync_folder
 from runner.run.checkpoint import format as fmt
 from runner.run.checkpoint.contents import ALLOWED
 from runner.run.checkpoint.folders import SHARDED_FOLDER as FOLDER
@@ -90,12 +91,12 @@ def save(
                 "sharded": {"files": files, "world_size": comm.world_size},
             },
         )
-        fmt._fsync_folder(tmp)
+        fsync_folder(tmp)
         if final.exists():
             shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)
         os.replace(tmp, final)
-        fmt._fsync_folder(folder)
+        fsync_folder(folder)
         shutil.rmtree(old, ignore_errors=True)
     comm.barrier()
     return final / TRAINER
