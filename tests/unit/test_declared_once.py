@@ -30,6 +30,7 @@ RESTATED = {
     "trainer/default.yaml": schema.TrainerConfig,
     "mlflow/default.yaml": schema.MlflowConfig,
     "task/auto.yaml": schema.TaskConfig,
+    "tracking/mlflow.yaml": schema.TrackingConfig,
 }
 
 
@@ -48,11 +49,16 @@ def test_a_group_file_states_its_schema_defaults_as_they_are(path):
 
 def test_the_composed_defaults_are_the_dataclasses():
     cfg = compose_config()
-    for group, cls in (("trainer", schema.TrainerConfig), ("mlflow", schema.MlflowConfig)):
+    nodes = {
+        "trainer": schema.TrainerConfig,
+        "mlflow": schema.MlflowConfig,
+        "task": schema.TaskConfig,
+        "tracking": schema.TrackingConfig,
+    }
+    for group, cls in nodes.items():
         assert OmegaConf.to_container(cfg[group]) == OmegaConf.to_container(
             OmegaConf.structured(cls)
         ), group
-    assert cfg.task.name == schema.AUTO_TASK
     assert cfg.mlflow.experiment_name == schema.DEFAULT_EXPERIMENT
 
 
