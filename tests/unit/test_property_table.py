@@ -166,3 +166,16 @@ def test_the_field_check_would_catch_a_wrong_type():
     assert not _fits({"head": "float32"}, tuple[tuple[str, str], ...])
     row = table.property_for("growth_interval")
     assert _field_type(dataclasses.replace(row, integer=False)) is float
+
+
+def test_properties_keeps_no_default_of_its_own():
+    """The defaults live in the table alone: `Properties` assigns none (a class-level value would
+    also shadow the resolved one), and it refuses to be built without every row's value."""
+    for name in table.property_names():
+        assert name not in vars(Properties), name
+    props, _ = resolve_properties("O2", {"growth_interval": 7, "loss_scale": 128})
+    assert (props.growth_interval, props.loss_scale) == (7, 128.0)
+    values = {n: getattr(props, n) for n in table.property_names()}
+    del values["growth_interval"]
+    with pytest.raises(TypeError, match="missing \\['growth_interval'\\]"):
+        Properties("O2", **values)
