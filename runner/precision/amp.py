@@ -288,12 +288,18 @@ def scale_loss(
     """Yield `loss.float() * scale` for `.backward()`; on exit (unless `delay_unscale`) unscale
     the optimizers' gradients, check them, update loss `loss_id`'s scaler and make the next
     `optimizer.step()` a no-op if they overflowed. `model` and `delay_overflow_check` are
-    accepted for Apex compatibility and ignored."""
+    accepted for Apex compatibility and ignored. While amp is disabled (the latest `initialize`
+    said `enabled=False`) the loss passes through unchanged whatever earlier calls set up, as in
+    Apex: no engine scales, unscales or checks anything."""
+    disabled = getattr(_amp_state, "opt_properties", None)
+    if disabled is not None and not disabled.enabled:
+        yield loss
+        return
     opts, _ = _as_list(optimizers)
     inits = [_init_of(o) if isinstance(o, torch.optim.Optimizer) else None for o in opts]
     if not any(inits):
         if _amp_state.engine is None:
-            yield loss  # before initialize, or initialize(enabled=False): nothing to scale
+            yield loss  # before initialize: nothing to scale
             return
         raise RuntimeError(
             "amp.scale_loss: the optimizer(s) given were not returned by "

@@ -29,6 +29,7 @@ def fresh_amp():
 
 def _reset_amp() -> None:
     amp.deinitialize()
+    vars(amp._amp_state).pop("opt_properties", None)  # as before any initialize
     if amp._amp_state.handle is not None:  # an amp.init() handle: its casts end
         amp._amp_state.handle._deactivate()
         amp._amp_state.handle = None

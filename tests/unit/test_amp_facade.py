@@ -207,6 +207,37 @@ def test_enabled_false_is_a_no_op():
     assert amp.state_dict() == {}
 
 
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_enabled_false_after_an_earlier_initialize_passes_through(level):
+    """As in Apex, amp disabled by the latest `initialize` passes every loss through unchanged,
+    whatever an earlier call in the process set up: no scale, no unscale, no overflow check (an
+    inf gradient is left as it is, and a plain optimizer steps as without amp)."""
+    earlier = net(3)
+    earlier_opt = torch.optim.SGD(earlier.parameters(), lr=0.1)
+    amp.initialize(earlier, earlier_opt, opt_level=level, loss_scale=128.0, verbosity=0)
+    m, ref = net(), net()
+    o, ref_o = (torch.optim.SGD(p.parameters(), lr=0.1) for p in (m, ref))
+    assert amp.initialize(m, o, enabled=False) == (m, o)
+    x, y = batch()
+    for opt, model in ((o, m), (earlier_opt, earlier)):
+        loss = ce(model, x, y)
+        with amp.scale_loss(loss, opt) as scaled:
+            assert scaled is loss
+    loss = ce(m, x, y)
+    with amp.scale_loss(loss, o) as scaled:
+        scaled.backward()
+        m[0].bias.grad[0] = float("inf")
+    assert m[0].bias.grad[0] == float("inf")  # no unscale, no check, nothing zeroed
+    m[0].bias.grad[0] = 0.0
+    o.step()
+    loss = ce(ref, x, y)
+    loss.backward()
+    ref[0].bias.grad[0] = 0.0
+    ref_o.step()
+    for p, r in zip(m.parameters(), ref.parameters()):
+        assert torch.equal(p, r)
+
+
 # ---- O2 numerics -----------------------------------------------------------------------------
 def _fp32_twin(model: nn.Module, masters_by_id: dict) -> nn.Module:
     """An fp32 model holding exactly the O2 masters' values (and fp32 BN params)."""
