@@ -9,7 +9,9 @@ from typing import Any
 import torch
 
 from runner.config import TrainerConfig
+from runner.config.formats import SHORT_NAMES
 from runner.errors import DivergenceError
+from runner.precision.level_rules import level_preset
 
 
 class DivergenceGuard:
@@ -41,13 +43,14 @@ class DivergenceGuard:
         scaler = self.engine.scalers[0]
         floor = self.collapsed_loss_scale
         if scaler.dynamic and scaler.scale < floor:
+            formats = run_formats(self.engine)
+            why = "a forward that overflows fp16: " if "fp16" in formats else ""
             raise DivergenceError(
                 f"training diverged: the dynamic loss scale collapsed to {scaler.scale:g}, below "
                 f"trainer.collapsed_loss_scale={floor:g}, after {self.skip_streak} consecutive "
                 f"overflowing steps up to step {step}: the gradients are inf/NaN "
-                "even when scaled down to nothing (a forward that overflows fp16: no loss scale "
-                "helps); try a bf16 preset (precision=o2_bf16), keep the layers that overflow in "
-                "fp32 (precision.layer_plan=auto plans them), or a lower optimizer.lr"
+                f"even when scaled down to nothing ({why}no loss scale helps); "
+                f"{advice(self.engine, formats)}"
             )
         if self.skip_streak < self.max_bad_steps:
             return
@@ -55,31 +58,58 @@ class DivergenceGuard:
         self.check_losses(int(self.bad_loss_streak.item()), step)
         scale = self.engine.loss_scale
         dynamic = self.engine.scalers[0].dynamic
-        cause = (
-            f"the gradients overflow even at loss scale {scale:g}; lower "
-            "precision.min_loss_scale, or the model produces inf/NaN gradients in 16 bit"
-            if dynamic
-            else f"the static loss scale {scale:g} overflows the gradients; lower "
-            "precision.loss_scale or use precision.loss_scale=dynamic"
-        )
+        formats = run_formats(self.engine)
+        if not formats and (dynamic or scale <= 1):  # fp32: no 16-bit range to overflow
+            cause = f"the gradients are inf/NaN in fp32 (at loss scale {scale:g})"
+        elif not formats:
+            cause = (
+                f"the static loss scale {scale:g} overflows the gradients even in fp32 (an fp32 "
+                "run needs none: precision.loss_scale=1)"
+            )
+        elif dynamic:
+            cause = (
+                f"the gradients overflow even at loss scale {scale:g}; lower "
+                "precision.min_loss_scale, or the model produces inf/NaN gradients in 16 bit"
+            )
+        else:
+            cause = (
+                f"the static loss scale {scale:g} overflows the gradients; lower "
+                "precision.loss_scale or use precision.loss_scale=dynamic"
+            )
         raise DivergenceError(
             f"training diverged: {self.skip_streak} consecutive steps were skipped (inf/NaN "
-            f"gradients) up to step {step}: {cause}; try precision=o2 or a bf16 preset "
-            f"(precision=o2_bf16), or raise trainer.max_bad_steps={self.max_bad_steps} to wait "
+            f"gradients) up to step {step} (trainer.max_bad_steps={self.max_bad_steps}): "
+            f"{cause}; {advice(self.engine, formats)}; or raise trainer.max_bad_steps to wait "
             "longer"
         )
 
     def check_losses(self, bad_losses: float, step: int) -> None:
         """Stop once the loss was non-finite `max_bad_steps` times in a row (`bad_losses`: the
-        streak as the periodic read found it)."""
+        streak as the periodic read found it, which may be longer: the loss is read every
+        `trainer.log_every_n_steps` steps). The message counts `max_bad_steps` steps, from the
+        first non-finite one."""
         if bad_losses < self.max_bad_steps:
             return
+        first = step - int(bad_losses) + 1
+        limit = first + self.max_bad_steps - 1
+        steps = f"step {first}" if limit == first else f"steps {first} to {limit}"
+        read = f"; found at step {step}, when the loss was read" if limit < step else ""
+        formats = run_formats(self.engine)
+        if not formats:
+            cause = "the training itself produces non-finite values"
+        else:
+            cause = (
+                f"in {' and '.join(formats)} the model produces non-finite values (a forward "
+                "that overflows fp16's range, or the model itself)"
+                if "fp16" in formats
+                else f"the model produces non-finite values (in {' and '.join(formats)}, whose "
+                "range is fp32's: rather the model itself or its coarser rounding)"
+            )
         raise DivergenceError(
-            f"training diverged: the loss was inf/NaN for {int(bad_losses)} consecutive steps up "
-            f"to step {step} (trainer.max_bad_steps={self.max_bad_steps}): the model "
-            "produces non-finite values even at the smallest loss scale, or pure fp16 "
-            "overflowed; try precision=o2 or a bf16 preset (precision=o2_bf16), or a lower "
-            "optimizer.lr"
+            f"training diverged: the loss was inf/NaN for {self.max_bad_steps} consecutive "
+            f"{'step' if self.max_bad_steps == 1 else 'steps'}, {steps} "
+            f"(trainer.max_bad_steps={self.max_bad_steps}{read}): {cause}; "
+            f"{advice(self.engine, formats)}"
         )
 
     def state(self) -> dict[str, int]:
@@ -92,3 +122,58 @@ class DivergenceGuard:
     def restore(self, state: dict) -> None:
         self.skip_streak = int(state["skip_streak"])
         self.bad_loss_streak.fill_(int(state["bad_loss_streak"]))
+
+
+# ---- what to try, by what the run computes in ---------------------------------------------------
+def run_formats(engine: Any) -> list[str]:
+    """The formats narrower than fp32 the run computes in (fp16, bf16, fp8: the level's and any
+    layer plan's), fp16 first; empty for an fp32 run (O0, or any level without 16-bit compute)."""
+    properties = engine.properties
+    found = {SHORT_NAMES[str(d).removeprefix("torch.")] for d in properties.compute_dtypes}
+    if properties.fp8_linear not in (None, "None"):
+        found.add("fp8")
+    plan = getattr(engine, "layer_plan", None)
+    if plan is not None:
+        found.update(name for name, count in plan.counts().items() if count and name != "fp32")
+    return [name for name in ("fp16", "bf16", "fp8") if name in found]
+
+
+def _lr(engine: Any) -> str:
+    """' (now 0.1)': the learning rate of the engine's first optimizer, where it has one."""
+    for optimizer in getattr(engine, "optimizers", []):
+        for group in optimizer.param_groups:
+            return f" (now {float(group['lr']):g})"
+    return ""
+
+
+def advice(engine: Any, formats: list[str]) -> str:
+    """What to try, 'try ...': at fp32 the learning rate, the initialisation and the data (no
+    16-bit type is involved); in fp16 the level (a bf16 preset, the overflowing layers in fp32,
+    fp32 master weights at O3; the loss scale's own remedies are the caller's cause); in bf16 or
+    fp8 (fp32's range) the learning rate and the level."""
+    level = engine.properties.opt_level
+    if not formats:
+        return (
+            f"the run computes in fp32 ({level}), so no 16-bit format is the cause: try a "
+            f"lower optimizer.lr{_lr(engine)}, check the model's initialisation (weights of a "
+            "sane scale) and the data (inf/NaN values, unnormalised inputs)"
+        )
+    tries = []
+    if "fp16" in formats:
+        bf16 = level_preset(level, torch.bfloat16)
+        tries.append(f"a bf16 preset ({bf16}: fp32's range, no loss scale)")
+        tries.append("the layers that overflow kept in fp32 (precision.layer_plan=auto)")
+        if not engine.properties.uses_master_weights and engine.properties.casts_to_half:
+            tries.append("fp32 master weights (precision=o2)")
+    else:
+        tries.append(f"a lower optimizer.lr{_lr(engine)}")
+        if "fp8" in formats:
+            tries.append("the Linear layers in bf16 (precision.fp8_linear=null)")
+        if not engine.properties.uses_master_weights and engine.properties.casts_to_half:
+            tries.append(f"fp32 master weights ({level_preset('O2', torch.bfloat16)})")
+    tries.append(
+        "precision=o0 to tell (if fp32 diverges too: a lower optimizer.lr)"
+        if "fp16" in formats
+        else "precision=o0 to see whether fp32 trains"
+    )
+    return f"try {', '.join(tries[:-1])}, or {tries[-1]}"

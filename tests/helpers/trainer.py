@@ -32,7 +32,8 @@ def make_trainer(level: str, precision_overrides: dict, scheduler: str = "cosine
     optimizer = build_optimizer(cfg.optimizer, model.parameters())
     engine = AmpEngine(resolve(level, precision_overrides, device=CPU).properties, CPU)
     model, optimizer = engine.prepare(model, optimizer)
-    trainer_cfg = TrainerConfig(max_epochs=2, progress_bar=False, log_every_n_steps=3, **trainer_kw)
+    settings = {"max_epochs": 2, "progress_bar": False, "log_every_n_steps": 3, **trainer_kw}
+    trainer_cfg = TrainerConfig(**settings)
     scheduler = build_scheduler(cfg.scheduler, optimizer, len(train_loader), trainer_cfg.max_epochs)
     logged: list[tuple[dict, int]] = []
     parts = Parts(

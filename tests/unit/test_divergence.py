@@ -25,7 +25,11 @@ def test_consecutive_skips_stop_at_the_step_they_reach_the_limit():
     assert trainer.global_step == 6 and trainer.engine.skipped_steps == 6
     msg = str(e.value)
     assert "6 consecutive steps were skipped" in msg and "up to step 6" in msg
+    assert "(trainer.max_bad_steps=6)" in msg
     assert "static loss scale 1.09951e+12" in msg and "precision.loss_scale" in msg
+    # fp16: the loss scale and the level, not the fp32 advice
+    assert "try a bf16 preset (precision=o2_bf16" in msg and "precision.layer_plan=auto" in msg
+    assert "initialisation" not in msg
     assert isinstance(e.value, RunnerError)
 
 
@@ -40,9 +44,82 @@ def test_non_finite_losses_stop_at_the_next_periodic_read():
     assert trainer.global_step == 3  # bad since step 2, read at step 3
     assert trainer.engine.skipped_steps == 0
     msg = str(e.value)
-    assert "the loss was inf/NaN for 2 consecutive steps up to step 3" in msg
-    assert "precision=o2" in msg and "bf16" in msg
+    assert msg.startswith(
+        "training diverged: the loss was inf/NaN for 1 consecutive step, step 2 "
+        "(trainer.max_bad_steps=1; found at step 3, when the loss was read)"
+    )
     assert not [m for m, _ in logged if "train_loss" in m]  # failed before logging a NaN
+
+
+FP32_ADVICE = (
+    "the run computes in fp32 (O0), so no 16-bit format is the cause: try a lower optimizer.lr "
+    "(now 1e+30), check the model's initialisation (weights of a sane scale) and the data "
+    "(inf/NaN values, unnormalised inputs)"
+)
+
+
+def test_an_fp32_run_is_told_the_learning_rate_initialisation_and_data():
+    """O0 computes in fp32: no loss scale, 16-bit type or level is the cause. The count is
+    `max_bad_steps` (5), however long the streak is by the read that finds it (step 8: the end of
+    epoch 2; the loss is inf/NaN from step 2 on, 7 steps by then)."""
+    trainer, _ = make_trainer("O0", {}, max_bad_steps=5, scheduler="none", log_every_n_steps=50)
+    trainer.optimizer.param_groups[0]["lr"] = 1e30
+    with pytest.raises(DivergenceError) as e:
+        trainer.fit()
+    msg = str(e.value)
+    assert trainer.global_step == 8
+    assert msg == (
+        "training diverged: the loss was inf/NaN for 5 consecutive steps, steps 2 to 6 "
+        "(trainer.max_bad_steps=5; found at step 8, when the loss was read): the training "
+        f"itself produces non-finite values; {FP32_ADVICE}"
+    )
+    for wrong in ("loss scale", "fp16", "bf16", "precision=o"):
+        assert wrong not in msg
+
+
+@pytest.mark.parametrize(
+    "level, overrides, told",
+    [
+        ("O2", {}, "in fp16 the model produces non-finite values"),
+        (
+            "O2",
+            {"cast_model_type": "bfloat16", "autocast_dtype": "bfloat16", "loss_scale": 1.0},
+            "(in bf16, whose range is fp32's",
+        ),
+    ],
+)
+def test_a_16_bit_run_is_told_the_level(level, overrides, told):
+    """fp16: a bf16 preset or fp32 layers (the loss scale cannot make a loss finite); bf16 has
+    fp32's range: the learning rate, and fp32 to compare."""
+    trainer, _ = make_trainer(level, overrides, max_bad_steps=2, scheduler="none")
+    trainer.optimizer.param_groups[0]["lr"] = 1e30
+    with pytest.raises(DivergenceError) as e:
+        trainer.train_epoch(1)
+    msg = str(e.value)
+    assert "the loss was inf/NaN for 2 consecutive steps, steps 2 to 3" in msg and told in msg
+    if "bf16" in told:
+        assert "try a lower optimizer.lr (now 1e+30)" in msg
+        assert "or precision=o0 to see whether fp32 trains" in msg
+    else:
+        assert "try a bf16 preset (precision=o2_bf16: fp32's range, no loss scale)" in msg
+        assert "or precision=o0 to tell (if fp32 diverges too: a lower optimizer.lr)" in msg
+    assert "initialisation" not in msg
+
+
+def test_skips_of_an_fp32_run_name_its_loss_scale_and_the_fp32_advice():
+    """O0 with a static loss scale of 2^200 (a user's override): the scaled fp32 gradients
+    overflow at every step, the loss stays finite."""
+    trainer, _ = make_trainer("O0", {"loss_scale": 2.0**200}, max_bad_steps=3)
+    with pytest.raises(DivergenceError) as e:
+        trainer.fit()
+    msg = str(e.value)
+    assert msg.startswith(
+        "training diverged: 3 consecutive steps were skipped (inf/NaN gradients) up to step 3 "
+        "(trainer.max_bad_steps=3): the static loss scale 1.60694e+60 overflows the gradients "
+        "even in fp32 (an fp32 run needs none: precision.loss_scale=1); the run computes in fp32 "
+        "(O0), so no 16-bit format is the cause"
+    )
+    assert "precision=o2" not in msg and "bf16" not in msg
 
 
 def test_bad_steps_below_the_limit_or_interrupted_do_not_trip_the_guard():
@@ -102,8 +179,9 @@ def test_pure_fp16_overflowing_every_step_fails_the_run(tracking_uri):
 def test_non_finite_loss_fails_the_run(tracking_uri):
     """O0 with an absurd lr: the loss is inf/NaN from step 2 on; read at the epoch's end (step 3:
     3 batches per epoch, log_every_n_steps 2)."""
-    _failed_run(
+    msg, _ = _failed_run(
         tracking_uri,
         ["precision=o0", "optimizer.lr=1e30", "scheduler=none", "trainer.max_bad_steps=2"],
-        "the loss was inf/NaN for 2 consecutive steps up to step 3",
+        "the loss was inf/NaN for 2 consecutive steps, steps 2 to 3 (trainer.max_bad_steps=2)",
     )
+    assert "the run computes in fp32 (O0)" in msg and "precision=o2" not in msg
