@@ -327,7 +327,7 @@ def test_cli_run_finishes_and_attaches_config_and_log(tmp_path):
 @pytest.mark.parametrize(
     "args,needle",
     [
-        (["model=resnet1000"], "model/resnet1000"),
+        (["model=resnet1000"], "model: unknown option 'resnet1000'"),
         (["trainer.max_epoch=2"], "trainer.max_epoch"),
         (["optimizer.lr=-0.1"], "optimizer.lr"),
         (["data=cifar10", "data.download=false", "data.root=missing-folder"], "data.root"),
