@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import platform
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -124,7 +123,7 @@ def run_record(
     launch: Launch,
     environment: Mapping[str, str],
     kernels: str,
-    command: Sequence[str],
+    command: str,
 ) -> tuple[dict[str, str], dict[str, str]]:
     """(params, tags) of the MLflow run: the resolved config flattened, every resolved precision
     property, what was built; the environment, the findings (`resolution`: the plan's and the
@@ -152,7 +151,7 @@ def run_record(
             tag.PEAK_MEM_KIND: parts.memory.kind,
             tag.FINDINGS: resolution.summary(),
             tag.FINDINGS_LIST: resolution.compact() or "none",
-            tag.COMMAND: " ".join([Path(command[0]).name, *command[1:]]) if command else "",
+            tag.COMMAND: command,  # as typed (runner.tracking.record.typed_command)
         }
     )
     if parts.engine.layer_plan is not None:  # runs planned alike share it (runner.precision.layers)
@@ -304,6 +303,7 @@ def train_parts(
     """`train` once the parts are built: record, track (rank 0) and fit."""
     from runner.run.trainer import RunContext, Trainer, trainer_config
     from runner.tracking.base import null_run
+    from runner.tracking.record import typed_command
 
     cfg = plan.cfg
     if plan.resume is not None:  # the checkpoint must fit what was built, before its run reopens
@@ -329,7 +329,7 @@ def train_parts(
         launch=launch,
         environment=environment_tags(device),
         kernels=kernels,
-        command=sys.argv,
+        command=typed_command(),
     )
 
     with StopRequest() as stop:

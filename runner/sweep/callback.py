@@ -23,6 +23,7 @@ from runner.sweep.jobs import _resuming, earlier_sweep, preflight, resolved, swe
 from runner.sweep.parent import SweepParent
 from runner.tracking import tags as tag
 from runner.tracking.base import end_fluent_runs
+from runner.tracking.record import typed_command
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ class MlflowSweepCallback(Callback):
             tag.SWEEP_OVERRIDES: " ".join(config.hydra.overrides.task),
             tag.SWEEP_LAUNCHER: launcher.rsplit(".", 1)[-1],
             "runner_version": runner.__version__,
-            tag.COMMAND: " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+            tag.COMMAND: typed_command(),
             **{str(k): str(v) for k, v in config.mlflow.tags.items()},
         }
         if earlier is not None:  # resume=auto: the same parent goes on, with its children

@@ -1,11 +1,13 @@
 """What a run records about itself besides its metrics: its config as flat params, the code's
-commit."""
+commit, the command as the user typed it."""
 
 from __future__ import annotations
 
 import os
 import subprocess
-from collections.abc import Mapping
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 
@@ -33,3 +35,20 @@ def git_commit(directory: str | os.PathLike) -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() if out.returncode == 0 else None
+
+
+def typed_command(argv: Sequence[str] | None = None) -> str:
+    """The command line as the user typed it (the `command` tag): `python -m runner ARGS` when
+    Python ran a package as a module (its argv[0] is then the path of the package's
+    `__main__.py`; the interpreter as it was named, the module from `__main__`'s spec), else
+    the script's name and its arguments (`amp-runner ARGS`). `argv`: sys.argv."""
+    argv = list(sys.argv if argv is None else argv)
+    if not argv:
+        return ""
+    first = Path(argv[0])
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if first.name == "__main__.py" and spec is not None:
+        module = spec.name.removesuffix(".__main__")
+        interpreter = (getattr(sys, "orig_argv", None) or [sys.executable])[0]
+        return " ".join([Path(interpreter).name, "-m", module, *argv[1:]])
+    return " ".join([first.name, *argv[1:]])

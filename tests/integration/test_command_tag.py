@@ -1,0 +1,46 @@
+"""The `command` tag holds the command line as the user typed it: `python -m runner ARGS` (the
+interpreter as it was named), or `amp-runner ARGS` through the console script; a sweep's parent
+run and its jobs carry the same. Real subprocesses, recorded under `tracking=none`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runner.tracking import tags as tag
+from runner.tracking.json_file import FILE
+from tests.helpers.runs import FAST, REPO, run_cli
+
+SCRIPT = Path(sys.executable).parent / "amp-runner"
+
+
+def command_of(folder: Path) -> str:
+    return json.loads((folder / FILE).read_text())["tags"][tag.COMMAND]
+
+
+def test_python_m_runner_is_recorded_as_typed(tmp_path):
+    args = [*FAST, "trainer.max_epochs=1", "tracking=none", f"hydra.run.dir={tmp_path / 'run'}"]
+    result = run_cli(*args, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    typed = " ".join([Path(sys.executable).name, "-m", "runner", *args])
+    assert command_of(tmp_path / "run") == typed
+    assert "__main__.py" not in typed
+
+
+@pytest.mark.skipif(not SCRIPT.is_file(), reason="the amp-runner console script is not installed")
+def test_the_console_script_is_recorded_as_typed_in_a_sweep(tmp_path):
+    args = ["-m", *FAST, "trainer.max_epochs=1", "tracking=none", f"hydra.sweep.dir={tmp_path}/s"]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    result = subprocess.run(
+        [str(SCRIPT), *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    typed = " ".join(["amp-runner", *args])
+    assert command_of(tmp_path / "s") == typed  # the sweep's parent run
+    assert command_of(tmp_path / "s" / "0") == typed  # its one job
