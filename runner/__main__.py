@@ -49,6 +49,14 @@ def main(cfg: DictConfig) -> float | None:
     except RunnerError as error:
         log.error("%s", error)
         sys.exit(2)
+    except Exception as error:
+        if _verbose():  # HYDRA_FULL_ERROR=1: Hydra prints the whole traceback
+            raise
+        from runner.run import failure
+
+        failure.keep(error)  # (once: a run that existed has kept it already)
+        log.error("The run failed with an unexpected error.\n%s", failure.told(error))
+        sys.exit(1)
 
 
 # ---- a config that does not compose: one line, exit 2 -------------------------------------------

@@ -30,7 +30,7 @@ from runner.config import options
 from runner.measure import audit as layer_audit
 from runner.precision import Resolution, layers
 from runner.precision.checks import DeviceInfo, state_findings
-from runner.run import checkpoint, distributed
+from runner.run import checkpoint, distributed, failure
 from runner.run.build import Parts, build, shape_findings, sharded  # noqa: F401  (Parts: the run's parts)
 from runner.run.distributed import Comm
 from runner.run.interrupts import StopRequest
@@ -345,7 +345,8 @@ def train_parts(
             if comm.is_main
             else null_run()
         )
-        with tracked_run as tracked:
+        run_log = launch.output_dir / "runner.log" if launch.output_dir is not None else None
+        with tracked_run as tracked, failure.kept_in(tracked, run_log):
             if comm.is_main:
                 log.info(
                     "%s run %r (%s) in %s",
@@ -422,11 +423,7 @@ def train_parts(
             )
             if resume is not None:
                 resume.restore(trainer, cfg, plan.run_name)
-            try:
-                result = trainer.fit()
-            finally:
-                if launch.output_dir is not None:
-                    tracked.log_file(launch.output_dir / "runner.log", "logs")
+            result = trainer.fit()
     if comm.is_main:
         log.info(
             "Finished %s: %s %.4f in %.1f s.\n%s",

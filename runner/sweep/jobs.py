@@ -190,7 +190,12 @@ def run_job(
         if isinstance(error, RunnerError):
             log.error("Sweep job #%d failed: %s", job_num, error)
         else:
-            log.exception("Sweep job #%d failed", job_num)
+            from runner.run import failure
+
+            failure.keep(error)  # (once: a run that existed has kept it already)
+            log.error(
+                "Sweep job #%d failed with an unexpected error.\n%s", job_num, failure.told(error)
+            )
         try:
             tracker = parent.open()
             if not parent.children(tracker, job_num):
