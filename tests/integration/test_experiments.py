@@ -43,7 +43,7 @@ def _experiment(name, *values):
 def test_every_experiment_states_its_command_and_needs():
     folder = config_dir() / "experiment"
     assert sorted(p.stem for p in folder.glob("*.yaml")) == sorted(EXPERIMENTS)
-    readme = (REPO / "README.md").read_text() + (folder / "README.md").read_text()
+    readme = (REPO / "docs" / "results.md").read_text() + (folder / "README.md").read_text()
     for name in EXPERIMENTS:
         text = (folder / f"{name}.yaml").read_text()
         assert text.startswith("# @package _global_")

@@ -73,8 +73,7 @@ def test_legacy_apex_script_runs_unchanged_but_for_the_import(capsys):
 
 
 def test_the_documented_port_example_is_the_tested_script():
-
-    doc = (REPO / "README.md").read_text()
+    doc = (REPO / "docs" / "apex.md").read_text()
     for line in LEGACY_SCRIPT.strip().splitlines():
         assert line in doc, line
 

@@ -131,13 +131,13 @@ def test_missing_cifar_names_root_and_alternatives(tmp_path):
     assert "data.download=true" in message and "data=synthetic" in message
 
 
-def test_readme_quotes_the_real_missing_cifar_message(tmp_path):
+def test_troubleshooting_quotes_the_real_missing_cifar_message(tmp_path):
     with pytest.raises(DataError) as info:
         build_datasets(cifar_cfg("cifar10", tmp_path / "nowhere"))
     message = str(info.value)
     head = message[: message.index("data.root=") + len("data.root=")]
-    readme = (REPO / "README.md").read_text()
-    assert f"**`{head}...`**" in readme, head
+    page = (REPO / "docs" / "troubleshooting.md").read_text()
+    assert f"**`{head}...`**" in page, head
 
 
 def test_failed_download_says_so_and_does_not_suggest_downloading(tmp_path, monkeypatch):
