@@ -23,7 +23,7 @@ from runner.measure import audit as layer_audit
 from runner.measure import diagnostics as diag
 from runner.precision import AmpEngine, resolve
 from runner.precision import layers as L
-from runner.run import app, autoplan
+from runner.run import app, autoplan, layer_ranges
 from runner.run.plan import default_run_name, make_plan
 from tests.helpers.runs import FAST, compose_config, run_cli
 
@@ -634,15 +634,15 @@ def _stats(values, scale=1.0) -> diag.TensorStats:
 
 def test_the_shares_count_the_values_a_format_loses():
     s = _stats([1e-9, 1e-6, 3e-5, 1.0, 7e4, 2e5, float("inf")])
-    assert autoplan.underflow_share(s, diag.FP16) == pytest.approx(3 / 7)  # exact: the probe's
-    assert autoplan.overflow_share(s, diag.FP16) == pytest.approx(3 / 7)
+    assert layer_ranges.underflow_share(s, diag.FP16) == pytest.approx(3 / 7)  # exact: the probe's
+    assert layer_ranges.overflow_share(s, diag.FP16) == pytest.approx(3 / 7)
     # at loss scale 2^10 (from the histogram): 1e-9 * 1024 < 2^-14 still; 1e-6 * 1024 is not
-    assert autoplan.underflow_share(s, diag.FP16, 1024.0) == pytest.approx(1 / 7)
+    assert layer_ranges.underflow_share(s, diag.FP16, 1024.0) == pytest.approx(1 / 7)
     # 1.0 * 2^16 = 65536 > 65504, and the bin [1, 2) straddles nothing: counted
-    assert autoplan.overflow_share(s, diag.FP16, 2.0**16) == pytest.approx(4 / 7)
+    assert layer_ranges.overflow_share(s, diag.FP16, 2.0**16) == pytest.approx(4 / 7)
     # fp8 per-tensor scaling: the largest finite bin is 2^17; e4m3 keeps 2^14.8 below it
     t = _stats([2.0**17, 2.0**5, 2.0**1, 1.0])
-    assert autoplan.scaled_underflow_share(t, diag.FP8_E4M3) == pytest.approx(2 / 4)
+    assert layer_ranges.scaled_underflow_share(t, diag.FP8_E4M3) == pytest.approx(2 / 4)
 
 
 def test_a_layer_with_huge_gradients_goes_to_fp32_so_the_others_keep_a_high_scale():
@@ -656,7 +656,7 @@ def test_a_layer_with_huge_gradients_goes_to_fp32_so_the_others_keep_a_high_scal
         for name, grad in (("0", small), ("1", huge), ("2", small))
         for kind, stats in (("input", act), ("activation", act), ("activation_grad", grad))
     ]
-    auto = autoplan.decide(model, records, {}, p, autoplan.Thresholds(0.01, 0.0), "o2", 3)
+    auto = autoplan.decide(model, records, {}, p, layer_ranges.Thresholds(0.01, 0.0), "o2", 3)
     assert {d.name: d.format for d in auto.decisions} == {
         "0": "float16",
         "1": "float32",
