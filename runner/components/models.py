@@ -18,6 +18,7 @@ module stays cheap.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from typing import Any, Optional
 import torch
 from omegaconf import OmegaConf
 from torch import nn
+from torch.nn.modules.lazy import LazyModuleMixin
 
 from runner.config import options, targets
 from runner.config.options import MODEL_NAMES, NORMS  # noqa: F401  (NORMS: where it was before)
@@ -320,13 +322,21 @@ def _output_key(node: Any) -> str:
     return "model.arch" if "arch" in node else "model.name"
 
 
-def check_output(node: Any, num_classes: int, shape: tuple[int, ...], task: Any) -> None:
+def check_output(
+    node: Any,
+    num_classes: int,
+    shape: tuple[int, ...],
+    task: Any,
+    build: Optional[Callable[[], nn.Module]] = None,
+) -> None:
     """Build the model on the meta device (shapes only: no memory, no data) and run one forward
     of a 2-sample batch of `shape`: its output must be what `task` expects (runner.tasks: a
     classifier's logits (2, num_classes) from float inputs, a language model's logits (2, T,
     vocabulary) from integer token ids). `task` is passed in (components sit below tasks, so
     they never import it): anything with `input_dtype`, `output_fits` and `output_description`.
-    An op without a meta implementation skips the check (the real run finds any problem)."""
+    `build`: how to get that model, where the caller keeps it for its other checks (a run's plan
+    builds it once); default: built here. An op without a meta implementation skips the check
+    (the real run finds any problem)."""
     dtype = task.input_dtype
     memo = (OmegaConf.to_yaml(node, resolve=True), int(num_classes), tuple(shape), str(dtype))
     if memo in _CHECKED_OUTPUTS:
@@ -334,8 +344,11 @@ def check_output(node: Any, num_classes: int, shape: tuple[int, ...], task: Any)
     label = options.label(node)
     batch = (2, *shape)
     try:
-        with torch.device("meta"):
-            model = build_model(node, num_classes, shape[-1])
+        if build is not None:
+            model = build()
+        else:
+            with torch.device("meta"):
+                model = build_model(node, num_classes, shape[-1])
     except ConfigError:
         raise
     except NotImplementedError:
@@ -346,6 +359,8 @@ def check_output(node: Any, num_classes: int, shape: tuple[int, ...], task: Any)
             f"model.{rejected}" if rejected else _output_key(node),
             f"building {label} failed: {type(exc).__name__}: {exc}",
         ) from None
+    if build is not None and any(isinstance(m, LazyModuleMixin) for m in model.modules()):
+        model = copy.deepcopy(model)  # (a forward would turn the kept lazy modules into others)
     try:
         with torch.no_grad():
             out = model(torch.zeros(batch, dtype=dtype, device="meta"))

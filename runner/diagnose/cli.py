@@ -150,10 +150,8 @@ def run(
     measured in fp32 in an MLflow run tagged `diagnose`; with `plan_path`, a layer plan for the
     asked level is written there too (runner.run.autoplan)."""
     import contextlib
-    import dataclasses
 
     from runner.measure.memory import MemoryInstrument
-    from runner.precision import resolve
     from runner.run import app
     from runner.run.plan import make_plan
     from runner.run.trainer import RunContext, Trainer, trainer_config
@@ -162,10 +160,8 @@ def run(
 
     plan = make_plan(cfg)  # the run as asked for must be valid
     device = plan.device
-    fp32 = resolve("O0", device=device)
     tracker = open_tracker(cfg, out)
-    # the same run, in fp32 (no layer plan)
-    measured = dataclasses.replace(plan, resolution=fp32, resume=None, layer_rules=())
+    measured = plan.in_fp32()  # the same run, in fp32 (no layer plan)
     with contextlib.closing(app.build(measured)) as parts:  # its workers end with it
         target = str(cfg.precision.preset)
         params = app.config_params(measured)

@@ -34,7 +34,7 @@ from runner.run import checkpoint, distributed, failure
 from runner.run.build import Parts, build, shape_findings, sharded  # noqa: F401  (Parts: the run's parts)
 from runner.run.distributed import Comm
 from runner.run.interrupts import StopRequest
-from runner.run.plan import RunPlan, check_layers, make_plan, meta_model
+from runner.run.plan import RunPlan, make_plan
 from runner.tracking import tags as tag
 
 log = logging.getLogger(__name__)
@@ -192,9 +192,10 @@ def print_dry_run(plan: RunPlan) -> None:
     """What `dry_run=true` shows: the config, the properties, every finding (the model's Tensor
     Core shapes and, with low-bit optimizer state, the parameters that keep plain state, from a
     model built on the meta device), the layer plan and the resume decision."""
-    findings = shape_findings(plan.cfg, plan.properties, DeviceInfo.from_torch(plan.device))
+    device = DeviceInfo.from_torch(plan.device)
+    findings = shape_findings(plan.cfg, plan.properties, device, plan.meta_model)
     if plan.properties.low_bit_state:
-        model = meta_model(plan.cfg, plan.specs, plan.task)
+        model = plan.meta_model()
         if model is not None:
             findings += state_findings(model, plan.properties)
     print(OmegaConf.to_yaml(plan.cfg, resolve=True))
@@ -215,12 +216,11 @@ def print_dry_run(plan: RunPlan) -> None:
             + ("; then precision.layers on top" if plan.properties.layers else "")
         )
     elif plan.layer_rules:
-        layer_plan = check_layers(plan.cfg, plan.specs, plan.properties, plan.task)
         print(
             "Layer plan:\n"
             + (
-                layer_plan.table()
-                if layer_plan is not None
+                plan.layer_check.table()
+                if plan.layer_check is not None
                 else "(checked against the model once its data is loaded)"
             )
         )

@@ -21,12 +21,11 @@ from torch import nn
 
 from runner.measure import diagnostics as diag
 from runner.measure.run_diagnostics import RunDiagnostics
-from runner.precision import Properties, resolve
+from runner.precision import Properties
 from runner.precision.layers import (
     AUTO,
     FP8,
     LayerRule,
-    config_rules,
     exact_glob,
     fp8_ineligible,
     fp8_refusal,
@@ -303,10 +302,7 @@ def preflight(
     from runner.run.build import build
     from runner.run.trainer import RunContext, Trainer, trainer_config
 
-    measured = dataclasses.replace(
-        plan, resolution=resolve("O0", device=device), resume=None, layer_rules=()
-    )
-    with contextlib.closing(build(measured, device, wait_for_kernels=False)) as parts:
+    with contextlib.closing(build(plan.in_fp32(device), device, wait_for_kernels=False)) as parts:
         trainer = Trainer(
             trainer_config(plan.cfg.trainer),
             parts,
@@ -319,8 +315,9 @@ def preflight(
 
 def planned(plan: Any, comm: Any, device: torch.device, output_dir: Optional[Path]) -> Any:
     """`plan` with `layer_plan=auto` made concrete: the pre-flight's entries (measured on rank 0,
-    the same on every rank), then `precision.layers`' on top. A resumed run takes the entries its
-    checkpoint was trained with instead of measuring again."""
+    the same on every rank), then `precision.layers`' on top (the plan's rules: with
+    `layer_plan=auto`, those alone). A resumed run takes the entries its checkpoint was trained
+    with instead of measuring again."""
     saved = plan.resume.state.get("layer_plan") if plan.resume is not None else None
     if saved is not None:
         rules = [LayerRule.from_list(r) for r in saved["rules"] if r[2] == AUTO]
@@ -357,5 +354,5 @@ def planned(plan: Any, comm: Any, device: torch.device, output_dir: Optional[Pat
         lists, text = comm.from_main(comm.on_main(measure_and_decide))
         rules = [LayerRule.from_list(r) for r in lists]
     return dataclasses.replace(
-        plan, layer_rules=(*rules, *config_rules(plan.properties)), auto_plan=text
+        plan, layer_rules=(*rules, *plan.layer_rules), auto_plan=text, layer_check=None
     )

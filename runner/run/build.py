@@ -1,8 +1,9 @@
 """Build a run's parts from its plan: data, model, optimizer, precision engine, scheduler, loss.
 
-Nothing here decides or checks the config again (the plan did: `runner.run.plan`); the option
-specs come from the plan, looked up once. The one check left for building is the model's output
-against a dataset whose shape only the loaded data tells (`components.models.check_output`).
+Nothing here decides or checks the config again (the plan did: `runner.run.plan`): the option
+specs, the task, the layer rules, the declared input and the sharding decision come from the plan,
+and no model is built on the meta device here. The one check left for building is the model's
+output against a dataset whose shape only the loaded data tells (`components.models.check_output`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from runner import csrc
-from runner.components.data import build_datasets, declared_input, declared_num_classes
+from runner.components.data import build_datasets, declared_num_classes
 from runner.components.loaders import build_loaders
 from runner.components.losses import build_loss
 from runner.components.models import build_model, check_output
@@ -64,6 +65,7 @@ def build(
     cfg = plan.cfg
     device = device or plan.device
     comm = comm or Comm()
+    shards = sharded(plan, comm)
     seed_everything(cfg.trainer.seed)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = cfg.trainer.cudnn_benchmark
@@ -81,13 +83,11 @@ def build(
         world_size=comm.world_size,
     )
     # built or loaded now, so not counted below (a sharded run steps with torch's ops)
-    kernels = csrc.load(
-        device, "torch" if sharded(plan, comm) else cfg.precision.kernels, wait=wait_for_kernels
-    )
+    kernels = csrc.load(device, "torch" if shards else cfg.precision.kernels, wait=wait_for_kernels)
     # peak_mem_mb counts the training state (model, optimizer, activations), as on a GPU, where
     # the data and the tracking store live in host memory: on a CPU the baseline is taken after
     # the datasets, the store and the kernels are in memory
-    if declared_input(cfg.data, plan.specs.get("data")) is None:
+    if plan.declared is None:
         # only the dataset could tell its shape (and, with task=auto, its task): check now
         sample = bundle.train[0][0]
         task = task_for(infer_task(plan, sample))
@@ -105,7 +105,7 @@ def build(
         on_model(model)
     findings = shape_findings(cfg, plan.properties, DeviceInfo.from_torch(device), model)
     findings += state_findings(model, plan.properties)
-    if sharded(plan, comm):  # FSDP2: cast, shard, then the optimizer over the shards
+    if shards:  # FSDP2: cast, shard, then the optimizer over the shards
         engine = AmpEngine(
             plan.properties,
             device,
@@ -140,7 +140,7 @@ def build(
         )
     else:
         optimizer = build_optimizer(cfg.optimizer, model.parameters(), plan.specs.get("optimizer"))
-    if not sharded(plan, comm):
+    if not shards:
         engine = AmpEngine(
             plan.properties,
             device,
@@ -198,8 +198,9 @@ def compile_arguments(mode: str, fp8: Any = None) -> dict[str, Any]:
 
 
 def sharded(plan: RunPlan, comm: Comm) -> bool:
-    """Whether this run shards its model with FSDP2 (trainer.strategy=fsdp under torchrun)."""
-    return comm.active and plan.cfg.trainer.strategy == "fsdp"
+    """Whether this run shards its model with FSDP2 (trainer.strategy=fsdp under torchrun: the
+    plan's decision, in a process group)."""
+    return comm.active and plan.shards
 
 
 def infer_task(plan: RunPlan, sample: torch.Tensor) -> str:
@@ -230,13 +231,16 @@ def shape_findings(
     cfg: DictConfig,
     properties: Properties,
     device_info: DeviceInfo,
-    model: torch.nn.Module | None = None,
+    model: torch.nn.Module | Callable[[], Optional[torch.nn.Module]] | None = None,
 ) -> list[Finding]:
     """The Tensor Core findings about the model's layer sizes and the batch size (16-bit on a
-    CUDA GPU only). Without `model` (a dry run) the model is built on PyTorch's meta device:
-    its shapes, no memory, no data."""
+    CUDA GPU only). `model`: the built one, or a function giving it on the meta device (a dry
+    run's plan: `RunPlan.meta_model`, asked only where these findings need it); where there is
+    none, the model is built here on PyTorch's meta device: its shapes, no memory, no data."""
     if device_info.type != "cuda" or not properties.compute_dtypes:
         return []
+    if model is not None and not isinstance(model, torch.nn.Module):
+        model = model()
     if model is None:
         num_classes = declared_num_classes(cfg.data)
         if num_classes is None:

@@ -5,11 +5,15 @@ precision properties and their findings), names the run, finds its checkpoint fo
 whether it resumes (and from which checkpoint, checked against the config). It builds nothing,
 logs nothing and creates no MLflow run, so a bad config stops here with a `ConfigError` naming the
 key. The resulting `RunPlan` is frozen and is what a run, a dry run, a sweep's up-front check of
-every job and the benchmarks all work from (`runner.run.app.build(plan)` builds the parts).
+every job and the benchmarks all work from (`runner.run.app.build(plan)` builds the parts). What
+planning computes (the layer rules, the declared input, the model on the meta device, the task,
+the sharding decision, the properties) it computes once and carries on the plan: plan.md beside
+this file.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -19,16 +23,23 @@ from typing import Any, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from runner.config import options, targets
+from runner.config import options
 from runner.config.finder import config_dir
 from runner.config.precision import run_name_suffixes
 from runner.config.validation import validate
 from runner.errors import ConfigError
 from runner.precision import Finding, Properties, Resolution, layers, resolve
 from runner.precision.checks import DeviceInfo, concrete_device
-from runner.precision.layers import LayerRule
+from runner.precision.layers import LayerPlan, LayerRule
 from runner.precision.properties import Context, level_preset, parse_opt_level, strict_finding
 from runner.run import checkpoint
+from runner.run.model_checks import (
+    Declared,
+    MetaModel,
+    check_layers,
+    check_parts,
+    check_strategy,
+)
 from runner.run.resume import Resume
 
 
@@ -49,40 +60,81 @@ class RunPlan:
     # precision.layers' (with layer_plan=auto, the pre-flight's replace the file's at run time)
     layer_rules: tuple[LayerRule, ...] = ()
     auto_plan: str = ""  # layer_plan=auto: the pre-flight's plan file (every layer's choice)
+    meta: Optional[MetaModel] = None  # the model on the meta device, built once on first use
+    layer_check: Optional[LayerPlan] = None  # layer_rules on the meta model's layers (a dry run's)
+    shards: bool = False  # trainer.strategy=fsdp, checked: FSDP2 shards the model over the ranks
 
     @property
     def properties(self) -> Properties:
         return self.resolution.properties
 
+    @property
+    def declared(self) -> Optional[Declared]:
+        """(classes, input shape) the data config declares; None: only the dataset can tell."""
+        return self.meta.declared if self.meta is not None else None
+
+    def meta_model(self) -> Optional[torch.nn.Module]:
+        """The run's model on the meta device (built now if no check has built it yet); None
+        where the data does not declare its input or the model cannot be made there."""
+        return self.meta.get() if self.meta is not None else None
+
+    def in_fp32(self, device: Optional[torch.device] = None) -> RunPlan:
+        """The same run in fp32 (O0 on `device`, default the plan's), without a layer plan and
+        resuming nothing: what a range pre-flight measures (runner.run.autoplan and
+        runner.diagnose)."""
+        return dataclasses.replace(
+            self,
+            resolution=resolve("O0", device=device or self.device),
+            resume=None,
+            layer_rules=(),
+            layer_check=None,
+        )
+
 
 def make_plan(cfg: DictConfig) -> RunPlan:
     """Check everything about `cfg` and decide the run (see the module docstring); raises
     ConfigError naming the key for any bad input, before anything is built."""
-    device, resolution, specs = check_config(cfg)
-    run_name = default_run_name(cfg, resolution.properties)
+    checked = check_config(cfg)
+    run_name = default_run_name(cfg, checked.resolution.properties)
     folder = checkpoint.run_folder(cfg.trainer.checkpoint_dir, cfg.mlflow.experiment_name, run_name)
     config_tree = OmegaConf.to_container(cfg, resolve=True)
     resume = Resume.decide(cfg.resume, folder, config_tree)
     return RunPlan(
         cfg,
         config_tree,
-        device,
-        resolution,
+        checked.device,
+        checked.resolution,
         run_name,
         folder,
         resume,
-        specs,
-        resolve_task(cfg, specs),
-        layer_rules(resolution.properties),
+        checked.specs,
+        checked.task,
+        checked.layer_rules,
+        meta=checked.meta,
+        layer_check=checked.layer_check,
+        shards=checked.shards,
     )
 
 
-def check_config(
-    cfg: DictConfig,
-) -> tuple[torch.device, Resolution, dict[str, Optional[options.Spec]]]:
-    """The checks of `make_plan` that need no file: the preset's level, the value rules, the
-    device, the precision properties and the parts the config names; raises ConfigError naming
-    the key. Returns the device, the resolution and each option group's spec."""
+@dataclass(frozen=True)
+class Checked:
+    """What `check_config` found, each computed once (the `RunPlan` fields of the same names)."""
+
+    device: torch.device
+    resolution: Resolution
+    specs: Mapping[str, Optional[options.Spec]]
+    task: str
+    layer_rules: tuple[LayerRule, ...]
+    meta: MetaModel
+    layer_check: Optional[LayerPlan]
+    shards: bool
+
+
+def check_config(cfg: DictConfig) -> Checked:
+    """The checks of `make_plan` before the run is named: the preset's level, the value rules,
+    the device, the precision properties and the layer rules (the plan file read once), the parts
+    the config names, the layer plan and the strategy against the model (built once on the meta
+    device, where the data declares its input); raises ConfigError naming the key."""
     check_opt_level(cfg)
     specs = options.specs_of(cfg)
     validate(cfg, specs)
@@ -95,11 +147,11 @@ def check_config(
             f"no implementation on {device.type} (Gloo)",
             "false on a CPU",
         )
-    resolution = resolve_precision(cfg, device)
-    check_parts(cfg, specs, task)
-    check_layers(cfg, specs, resolution.properties, task)
-    check_strategy(cfg, specs, resolution.properties, task)
-    return device, resolution, specs
+    resolution, rules = resolve_precision(cfg, device)
+    meta = check_parts(cfg, specs, task)
+    layer_check = check_layers(rules, meta, resolution.properties)
+    shards = check_strategy(cfg, resolution.properties, rules, meta)
+    return Checked(device, resolution, specs, task, rules, meta, layer_check, shards)
 
 
 # ---- the task ---------------------------------------------------------------------------------
@@ -205,9 +257,12 @@ def check_opt_level(cfg: DictConfig) -> None:
     )
 
 
-def resolve_precision(cfg: DictConfig, device: torch.device | DeviceInfo) -> Resolution:
-    """The resolved Apex properties and findings (about the device and the optimizer too); an error
-    finding (every warning with precision.strict=true) stops the run before anything is built."""
+def resolve_precision(
+    cfg: DictConfig, device: torch.device | DeviceInfo
+) -> tuple[Resolution, tuple[LayerRule, ...]]:
+    """The resolved Apex properties and findings (about the device and the optimizer too), and
+    the run's layer rules (`layer_rules`: the plan file read here, once); an error finding (every
+    warning with precision.strict=true) stops the run before anything is built."""
     values = OmegaConf.to_container(cfg.precision, resolve=True)
     opt_level = values.pop("opt_level")
     device_info = device if isinstance(device, DeviceInfo) else DeviceInfo.from_torch(device)
@@ -218,9 +273,10 @@ def resolve_precision(cfg: DictConfig, device: torch.device | DeviceInfo) -> Res
     )
     check_plan_settings(cfg)
     findings = kernel_findings(cfg, resolution.properties)
+    rules = layer_rules(resolution.properties)
     findings += layers.rule_findings(
         resolution.properties,
-        layer_rules(resolution.properties),
+        rules,
         Context(device=device_info, optimizer=optimizer, compiled=compiled),
     )
     if bool(OmegaConf.select(cfg, "precision.strict", default=False)):
@@ -229,7 +285,7 @@ def resolve_precision(cfg: DictConfig, device: torch.device | DeviceInfo) -> Res
     for finding in resolution.errors:
         hint = f" Hint: {finding.hint}" if finding.hint else ""
         raise ConfigError(finding.key, finding.message + hint)
-    return resolution
+    return resolution, rules
 
 
 def default_run_name(cfg: DictConfig, properties: Optional[Properties] = None) -> str:
@@ -252,64 +308,6 @@ def default_run_name(cfg: DictConfig, properties: Optional[Properties] = None) -
     if OmegaConf.select(cfg, "trainer.compile", default=False):
         name += "-compiled"
     return name
-
-
-# ---- the model, the data and the loss ----------------------------------------------------------
-def check_parts(
-    cfg: DictConfig, specs: Mapping[str, Optional[options.Spec]], task: str = options.CLASSIFICATION
-) -> None:
-    """What the model, data and loss configs name, before anything is built: a zoo's model name,
-    the user's `_target_`s (imported, arguments bound to their signatures), a text corpus and
-    its tokenizer, and the model's output against the data's classes or vocabulary (built on the
-    meta device, one forward of the task's input: float images or integer token ids), so that a
-    dry run and a sweep's up-front check find them too. Raises ConfigError naming the key."""
-    from runner.components.data import declared_input
-    from runner.components.models import check_output
-    from runner.tasks import task_for
-
-    for group in ("model", "data"):
-        if specs.get(group) is not None:
-            specs[group].run_check(cfg[group])
-    if "loss" in cfg:
-        targets.check("loss", cfg.loss)
-    declared = declared_input(cfg.data, specs.get("data"))
-    if task == options.LANGUAGE_MODEL:
-        check_context(cfg)
-        if declared is not None:
-            check_vocabulary(cfg, declared[0])
-    if declared is not None:
-        check_output(cfg.model, *declared, task=task_for(task))
-
-
-def check_vocabulary(cfg: DictConfig, vocab_size: int) -> None:
-    """Every token id of the data (0 .. vocab_size - 1) must have a row in the model's embedding:
-    a declared `model.vocab_size` below the data's vocabulary is refused."""
-    declared = cfg.model.get("vocab_size") if hasattr(cfg.model, "get") else None
-    if declared is not None and int(declared) < int(vocab_size):
-        raise ConfigError(
-            "model.vocab_size",
-            f"{declared}, but the data's token ids go up to "
-            f"{int(vocab_size) - 1} (a vocabulary of {vocab_size})",
-            f"null (the data's) or an integer >= {vocab_size}",
-        )
-
-
-def check_context(cfg: DictConfig) -> None:
-    """A language model's context must hold the data's sequences: `data.block_size` against the
-    model's `block_size` (the runner's GPT) or its position table (a Hugging Face model's
-    `max_position_embeddings` / `n_positions`, where the config sets it)."""
-    block = cfg.data.get("block_size") if hasattr(cfg.data, "get") else None
-    if block is None:
-        return
-    for key in ("block_size", "max_position_embeddings", "n_positions"):
-        context = cfg.model.get(key) if hasattr(cfg.model, "get") else None
-        if context is not None and int(block) > int(context):
-            raise ConfigError(
-                "data.block_size",
-                f"{block} tokens per sequence, but the model's "
-                f"context holds {context} (model.{key})",
-                f"at most {context}, or a model with a longer context",
-            )
 
 
 def kernel_findings(cfg: DictConfig, properties: Properties) -> list[Finding]:
@@ -354,67 +352,3 @@ def check_plan_settings(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, f"precision.{key}")
         if value is None or isinstance(value, bool) or not ok(value):
             raise ConfigError(f"precision.{key}", f"got {value!r}", allowed)
-
-
-def check_layers(
-    cfg: DictConfig, specs: Mapping[str, Optional[options.Spec]], properties: Properties, task: str
-) -> Optional[layers.LayerPlan]:
-    """The layer plan against the model's module names, before anything is built: the model is
-    made on the meta device (shapes, no memory) and each entry matched (ConfigError naming the
-    entry's key for a glob that matches no module, fp8 on a layer that cannot run it, ...).
-    Returns the plan, or None when there is no entry or the model cannot be made without its
-    data (a user's dataset: the build checks it then, still before training)."""
-    rules = layer_rules(properties)
-    if not rules:
-        return None
-    model = meta_model(cfg, specs, task)
-    if model is None:
-        return None
-    return layers.assign(model, rules, properties)
-
-
-def meta_model(
-    cfg: DictConfig, specs: Mapping[str, Optional[options.Spec]], task: str
-) -> Optional[torch.nn.Module]:
-    """The run's model on the meta device, where its input is declared (None otherwise, or
-    where the model cannot be made there)."""
-    from runner.components.data import declared_input
-    from runner.components.models import build_model
-
-    declared = declared_input(cfg.data, specs.get("data"))
-    if declared is None:
-        return None
-    num_classes, shape = declared
-    try:
-        with torch.device("meta"):
-            return build_model(cfg.model, num_classes, shape[-1], specs.get("model"))
-    except ConfigError:
-        raise
-    except Exception:  # noqa: BLE001  (check_parts has already said what fails; the build will)
-        return None
-
-
-# ---- the strategy under torchrun -------------------------------------------------------------
-def check_strategy(
-    cfg: DictConfig, specs: Mapping[str, Optional[options.Spec]], properties: Properties, task: str
-) -> None:
-    """`trainer.strategy=fsdp` (runner.run.fsdp): a process group to shard over (torchrun), the
-    settings a sharded run takes, and `trainer.fsdp_wrap` against the model's modules (on the
-    meta device, where the data declares its shape)."""
-    if OmegaConf.select(cfg, "trainer.strategy", default="ddp") != "fsdp":
-        return
-    from runner.run import distributed, fsdp
-
-    if not distributed.will_join_a_group():
-        raise ConfigError(
-            fsdp.STRATEGY_KEY,
-            "fsdp shards the model over the processes of "
-            "torchrun's group, and this run is a single process without one",
-            "trainer.strategy=ddp for one process, or start it with torchrun "
-            "--nproc_per_node=N -m runner ... (N=1 too)",
-        )
-    for key, why, fix in fsdp.refusals(cfg, properties, layer_rules(properties)):
-        raise ConfigError(key, f"{why} (trainer.strategy=fsdp)", fix)
-    model = meta_model(cfg, specs, task)
-    if model is not None:
-        fsdp.units_for(model, OmegaConf.select(cfg, "trainer.fsdp_wrap"))

@@ -613,10 +613,7 @@ def test_at_o1_fp8_a_plan_keeps_fp8_to_the_mlp():
         "precision=o1_fp8",
         "+precision.layers={blocks.*.attn.*: bfloat16, head: bfloat16}",
     )
-    from runner.run.plan import check_layers
-
-    plan = make_plan(cfg)
-    layer_plan = check_layers(cfg, plan.specs, plan.properties, plan.task)
+    layer_plan = make_plan(cfg).layer_check
     assert sorted(layer_plan.fp8_layers()) == [
         "blocks.0.mlp.down",
         "blocks.0.mlp.up",

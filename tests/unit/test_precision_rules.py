@@ -253,7 +253,7 @@ def test_dry_run_shape_findings_come_from_a_meta_model(tmp_path):
     cfg = compose_config(
         "model=resnet50", "precision=o2", "data=cifar100", "trainer.batch_size=128"
     )
-    p = plan.check_config(cfg)[1].properties
+    p = plan.check_config(cfg).resolution.properties
     (finding,) = build.shape_findings(cfg, p, AMPERE)
     assert "fc (out_features 100)" in finding.message and "batch size" not in finding.message
     assert build.shape_findings(cfg, p, CPU) == []  # not a CUDA device: nothing built at all
@@ -266,7 +266,9 @@ def test_dry_run_shape_findings_come_from_a_meta_model(tmp_path):
         f"data.root={tmp_path}",
         "trainer.batch_size=64",
     )
-    (finding,) = build.shape_findings(folder, plan.check_config(folder)[1].properties, AMPERE)
+    (finding,) = build.shape_findings(
+        folder, plan.check_config(folder).resolution.properties, AMPERE
+    )
     assert "out_features 3" in finding.message
 
 

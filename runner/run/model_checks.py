@@ -1,0 +1,167 @@
+"""Planning's checks of the run's model, before anything is built: the parts the config names
+(the model, the data, the loss, a language model's context and vocabulary), the model's output
+against the data, the layer plan and the FSDP units, all on one model built on PyTorch's meta
+device (`MetaModel`: shapes, no memory, built at most once per plan). Each raises ConfigError
+naming the key; `runner.run.plan.check_config` runs them in this order."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Optional
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from runner.config import options, targets
+from runner.errors import ConfigError
+from runner.precision import Properties, layers
+from runner.precision.layers import LayerPlan, LayerRule
+
+Declared = tuple[int, tuple[int, ...]]  # (classes, input shape): runner.components.data
+
+
+class MetaModel:
+    """The run's model on PyTorch's meta device (shapes, no memory, no data), made from the data
+    config's declared input: built the first time a check asks for it and kept, so that the
+    output check, the layer plan, the FSDP units and a dry run's findings share one build."""
+
+    def __init__(self, node: Any, spec: Optional[options.Spec], declared: Optional[Declared]):
+        self.node, self.spec, self.declared = node, spec, declared
+        self._outcome: Optional[tuple[Optional[torch.nn.Module], Optional[Exception]]] = None
+
+    def build(self) -> torch.nn.Module:
+        """The model, built on the first call; raises what building it raised (again on every
+        call, without building again). Only where the input is declared."""
+        if self._outcome is None:
+            from runner.components.models import build_model
+
+            num_classes, shape = self.declared
+            try:
+                with torch.device("meta"):
+                    self._outcome = (
+                        build_model(self.node, num_classes, shape[-1], self.spec),
+                        None,
+                    )
+            except Exception as error:  # kept: each caller says what a failed build means
+                self._outcome = (None, error)
+        model, error = self._outcome
+        if error is not None:
+            raise error
+        return model
+
+    def get(self) -> Optional[torch.nn.Module]:
+        """The model, or None where the input is not declared or the model cannot be made on the
+        meta device (a ConfigError about it is raised)."""
+        if self.declared is None:
+            return None
+        try:
+            return self.build()
+        except ConfigError:
+            raise
+        except Exception:  # noqa: BLE001  (the output check has already said what fails)
+            return None
+
+
+# ---- the model, the data and the loss ----------------------------------------------------------
+def check_parts(
+    cfg: DictConfig, specs: Mapping[str, Optional[options.Spec]], task: str = options.CLASSIFICATION
+) -> MetaModel:
+    """What the model, data and loss configs name, before anything is built: a zoo's model name,
+    the user's `_target_`s (imported, arguments bound to their signatures), a text corpus and
+    its tokenizer, and the model's output against the data's classes or vocabulary (built on the
+    meta device, one forward of the task's input: float images or integer token ids), so that a
+    dry run and a sweep's up-front check find them too. Raises ConfigError naming the key.
+    Returns the meta model, with the input the data declares (None: only the dataset can tell);
+    the output check builds it, else the first later check that needs it."""
+    from runner.components.data import declared_input
+    from runner.components.models import check_output
+    from runner.tasks import task_for
+
+    for group in ("model", "data"):
+        if specs.get(group) is not None:
+            specs[group].run_check(cfg[group])
+    if "loss" in cfg:
+        targets.check("loss", cfg.loss)
+    declared = declared_input(cfg.data, specs.get("data"))
+    if task == options.LANGUAGE_MODEL:
+        check_context(cfg)
+        if declared is not None:
+            check_vocabulary(cfg, declared[0])
+    meta = MetaModel(cfg.model, specs.get("model"), declared)
+    if declared is not None:
+        check_output(cfg.model, *declared, task=task_for(task), build=meta.build)
+    return meta
+
+
+def check_vocabulary(cfg: DictConfig, vocab_size: int) -> None:
+    """Every token id of the data (0 .. vocab_size - 1) must have a row in the model's embedding:
+    a declared `model.vocab_size` below the data's vocabulary is refused."""
+    declared = cfg.model.get("vocab_size") if hasattr(cfg.model, "get") else None
+    if declared is not None and int(declared) < int(vocab_size):
+        raise ConfigError(
+            "model.vocab_size",
+            f"{declared}, but the data's token ids go up to "
+            f"{int(vocab_size) - 1} (a vocabulary of {vocab_size})",
+            f"null (the data's) or an integer >= {vocab_size}",
+        )
+
+
+def check_context(cfg: DictConfig) -> None:
+    """A language model's context must hold the data's sequences: `data.block_size` against the
+    model's `block_size` (the runner's GPT) or its position table (a Hugging Face model's
+    `max_position_embeddings` / `n_positions`, where the config sets it)."""
+    block = cfg.data.get("block_size") if hasattr(cfg.data, "get") else None
+    if block is None:
+        return
+    for key in ("block_size", "max_position_embeddings", "n_positions"):
+        context = cfg.model.get(key) if hasattr(cfg.model, "get") else None
+        if context is not None and int(block) > int(context):
+            raise ConfigError(
+                "data.block_size",
+                f"{block} tokens per sequence, but the model's "
+                f"context holds {context} (model.{key})",
+                f"at most {context}, or a model with a longer context",
+            )
+
+
+def check_layers(
+    rules: tuple[LayerRule, ...], meta: MetaModel, properties: Properties
+) -> Optional[LayerPlan]:
+    """The layer plan against the model's module names, before anything is built: the model on
+    the meta device (shapes, no memory), each entry matched (ConfigError naming the entry's key
+    for a glob that matches no module, fp8 on a layer that cannot run it, ...). Returns the plan,
+    or None when there is no entry or the model cannot be made without its data (a user's
+    dataset: the build checks it then, still before training)."""
+    if not rules:
+        return None
+    model = meta.get()
+    if model is None:
+        return None
+    return layers.assign(model, rules, properties)
+
+
+# ---- the strategy under torchrun -------------------------------------------------------------
+def check_strategy(
+    cfg: DictConfig, properties: Properties, rules: tuple[LayerRule, ...], meta: MetaModel
+) -> bool:
+    """`trainer.strategy=fsdp` (runner.run.fsdp): a process group to shard over (torchrun), the
+    settings a sharded run takes, and `trainer.fsdp_wrap` against the model's modules (on the
+    meta device, where the data declares its shape). Returns whether the run shards."""
+    if OmegaConf.select(cfg, "trainer.strategy", default="ddp") != "fsdp":
+        return False
+    from runner.run import distributed, fsdp
+
+    if not distributed.will_join_a_group():
+        raise ConfigError(
+            fsdp.STRATEGY_KEY,
+            "fsdp shards the model over the processes of "
+            "torchrun's group, and this run is a single process without one",
+            "trainer.strategy=ddp for one process, or start it with torchrun "
+            "--nproc_per_node=N -m runner ... (N=1 too)",
+        )
+    for key, why, fix in fsdp.refusals(cfg, properties, rules):
+        raise ConfigError(key, f"{why} (trainer.strategy=fsdp)", fix)
+    model = meta.get()
+    if model is not None:
+        fsdp.units_for(model, OmegaConf.select(cfg, "trainer.fsdp_wrap"))
+    return True
