@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from runner.config import formats
 from runner.config import precision as ptable
 from runner.config.levels import LEVEL_VALUES
 from runner.errors import ConfigError
@@ -156,8 +157,10 @@ def resolve_properties(
         values[key] = parse_property(str(key), raw)  # an unknown key: ConfigError, named
     strict = bool(ptable.parse_bool(_key("strict"), strict_value, allow_none=False))
     ptable.check_scaler_bounds(values)
-    properties = Properties(level, **values)
-    if values["optimizer_state"] is None:  # named, so that the params say the state's format
-        values["optimizer_state"] = properties.state_format
-        properties = Properties(level, **values)
-    return properties, strict
+    if values["optimizer_state"] is None:  # named, so that the params say the state's format:
+        # the stepped weights' own type (`Properties.state_format`'s default), before building
+        stepped = formats.stepped_dtype_name(
+            dtype_name(values["cast_model_type"]), values["master_weights"]
+        )
+        values["optimizer_state"] = stepped
+    return Properties(level, **values), strict
