@@ -219,6 +219,9 @@ class TrainerConfig:
     limit_train_batches: Optional[int] = None
     limit_val_batches: Optional[int] = None
     log_every_n_steps: int = 50
+    # the first steps of each session (a resumed run starts a new one) left out of the steady
+    # samples_per_s, with any step that compiled (runner.measure.timing)
+    warmup_steps: int = 3
     progress_bar: bool = True
     # stop after this many consecutive skipped steps or non-finite losses (divergence guard)
     max_bad_steps: int = 50

@@ -77,6 +77,11 @@ def _rules(
         ("trainer.limit_train_batches", optional(lambda v: v >= 1), "null or an integer >= 1"),
         ("trainer.limit_val_batches", optional(lambda v: v >= 1), "null or an integer >= 1"),
         ("trainer.log_every_n_steps", lambda v: v >= 1, "an integer >= 1"),
+        (
+            "trainer.warmup_steps",
+            lambda v: v >= 0,
+            "an integer >= 0 (the first steps of each session left out of the steady figures)",
+        ),
         ("trainer.max_bad_steps", lambda v: v >= 1, "an integer >= 1"),
         ("trainer.collapsed_loss_scale", non_negative, "a finite number >= 0 (0: never)"),
         (

@@ -1,6 +1,7 @@
 """What watches a training step: one `Instruments` object the step enters once, made of small
-instruments behind one protocol (`Instrument`). With no instrument due at a step, entering it
-costs a few calls: no allocation, no hook, no device read (README.md beside this file)."""
+instruments behind one protocol (`Instrument`). At a step only the every-step instruments (the
+step timer) are due at, entering it costs a few calls and their marks: no allocation, no hook,
+no device read (README.md beside this file)."""
 
 from __future__ import annotations
 
@@ -28,8 +29,14 @@ class Instrument:
         after_step(step, stepped)    after the optimizer step (`stepped`: not skipped)
         close()                      always, last (on an error too): no hook left behind
 
-    and at an epoch's end `epoch_metrics()` (what goes out with the epoch's metrics), then
-    `end_epoch()` (files to the artifact sink). Every method does nothing unless overridden."""
+    then, outside the step, `counted(step, samples, items)` (what it trained on: samples, and
+    the task's items: samples or tokens). Around an epoch's training steps: `start_epoch(epoch)`
+    before its first batch is fetched and `steps_done()` after its last step (before
+    validation); at its end `epoch_metrics()` (what goes out with the epoch's metrics), then
+    `end_epoch()` (files to the artifact sink). Every method does nothing unless overridden. An
+    instrument with `every_step` is due at every step (its `due` is never asked)."""
+
+    every_step = False
 
     def due(self, step: int) -> bool:
         """Whether (1-based) training step `step` is watched (asked once per step, first)."""
@@ -45,6 +52,15 @@ class Instrument:
         pass
 
     def close(self) -> None:
+        pass
+
+    def counted(self, step: int, samples: int, items: int) -> None:
+        pass
+
+    def start_epoch(self, epoch: int) -> None:
+        pass
+
+    def steps_done(self) -> None:
         pass
 
     def epoch_metrics(self) -> dict[str, float]:
@@ -115,18 +131,41 @@ class Instruments:
 
     def __init__(self, *instruments: Optional[Instrument]):
         self.all = tuple(i for i in instruments if i is not None)
+        self._sometimes = tuple(i for i in self.all if not i.every_step)
+        always = tuple(i for i in self.all if i.every_step)
+        # the watch of a step only the every-step instruments are due at: one shared object
+        self._usual: Watch = Watch(0, always) if always else IDLE
+        self._counting = tuple(i for i in self.all if type(i).counted is not Instrument.counted)
 
     def step(self, step: int) -> Watch:
-        """The watch of training step `step`: the instruments due at it, or `IDLE` when none is."""
-        due: Optional[list[Instrument]] = None  # (no list is made for an idle step)
-        for instrument in self.all:
+        """The watch of training step `step`: the instruments due at it (the every-step ones
+        among them), or one shared watch when only the every-step ones are (`IDLE` when there
+        are none)."""
+        due: Optional[list[Instrument]] = None  # (no list is made for a usual step)
+        for instrument in self._sometimes:
             if instrument.due(step):
                 due = [instrument] if due is None else [*due, instrument]
-        return IDLE if due is None else Watch(step, due)
+        if due is None:
+            if self._usual is not IDLE:
+                self._usual.step = step
+            return self._usual
+        return Watch(step, [i for i in self.all if i.every_step or i in due])
+
+    def counted(self, step: int, samples: int, items: int) -> None:
+        for instrument in self._counting:
+            instrument.counted(step, samples, items)
 
     def find(self, kind: type[T]) -> Optional[T]:
         """The instrument of class `kind` (None: there is none)."""
         return next((i for i in self.all if isinstance(i, kind)), None)
+
+    def start_epoch(self, epoch: int) -> None:
+        for instrument in self.all:
+            instrument.start_epoch(epoch)
+
+    def steps_done(self) -> None:
+        for instrument in self.all:
+            instrument.steps_done()
 
     def epoch_metrics(self) -> dict[str, float]:
         out: dict[str, float] = {}

@@ -12,6 +12,7 @@ from runner.config.formats import stepped_dtype_name
 from runner.config.schema import CLASSIFICATION, DEFAULT_EXPERIMENT, LANGUAGE_MODEL
 from runner.measure.memory import TOTAL_METRIC
 from runner.measure.memory import metric_name as memory_metric
+from runner.measure.timing import MFU, SAMPLES_PER_S, TOKENS_PER_S, WARMUP_TIME_S
 from runner.tracking import metrics as m
 
 EXPERIMENT = DEFAULT_EXPERIMENT  # the report reads this experiment unless told another
@@ -20,7 +21,7 @@ BASELINE_LEVEL = "O0"
 METRICS = {
     m.BEST_VAL_ACC: "best val acc",
     m.TRAIN_TIME_S: "train time",
-    m.SAMPLES_PER_S: "throughput",
+    SAMPLES_PER_S: "throughput",
     m.PEAK_MEM_MB: "peak memory",
     m.SKIPPED_STEPS: "skipped steps",
 }
@@ -28,7 +29,7 @@ METRICS = {
 LM_METRICS = {
     m.BEST_VAL_LOSS: "best val loss",
     m.TRAIN_TIME_S: "train time",
-    m.TOKENS_PER_S: "throughput",
+    TOKENS_PER_S: "throughput",
     m.PEAK_MEM_MB: "peak memory",
     m.SKIPPED_STEPS: "skipped steps",
 }
@@ -43,6 +44,9 @@ MEMORY_METRICS = {
     memory_metric("activations"): "activations",
 }
 MEMORY_TOTAL = TOTAL_METRIC
+# the step timer's (runner.measure.timing): reported where a run logged them, never listed as
+# missing (runs made before them, a CPU run's mfu)
+TIMING_METRICS = {MFU: "mfu", WARMUP_TIME_S: "warm-up"}
 
 
 def _plain(value: Any) -> Any:
@@ -112,6 +116,9 @@ class Row:
     # RUNNING, its last heartbeat
     reason: str | None = None
     params: dict[str, str] = field(default_factory=dict)  # every param the run logged
+    # whether its throughput is the steady figure (a run made before it logged the epoch's own
+    # figure under that name: its throughput is then the mean over the epochs after the first)
+    steady: bool = False
 
     def get(self, metric: str) -> float | None:
         value = self.metrics.get(metric)
@@ -120,6 +127,11 @@ class Row:
     @property
     def is_lm(self) -> bool:
         return self.task == LANGUAGE_MODEL
+
+    @property
+    def throughput(self) -> float | None:
+        """The run's throughput: tokens/s for a language model, else samples/s."""
+        return self.get(TOKENS_PER_S if self.is_lm else SAMPLES_PER_S)
 
     @property
     def missing(self) -> list[str]:
@@ -133,6 +145,7 @@ SHOWN_PARAMS = ("model.name", "model.arch", "optimizer.name", "trainer.batch_siz
 SHOWN_PREFIXES = ("precision.",)
 DERIVED_PARAMS = (
     "model.num_parameters",
+    m.FLOPS_PER_SAMPLE,
     "trainer.global_batch_size",
     "data.train_size",
     "data.val_size",
@@ -172,7 +185,9 @@ def add_baseline_ratios(rows: Sequence[Row]) -> None:
     """Speedup and memory ratio against the O0 run of the same group: the same model and the same
     values of every param that varies between the runs (lr, schedule, data, ...), seeds apart;
     of those, one with the same seed, optimizer and batch size when there is one. A run whose
-    group has no O0 run gets no ratio (a different lr's O0 is not its baseline)."""
+    group has no O0 run gets no ratio (a different lr's O0 is not its baseline). The speedup is
+    the ratio of the steady throughputs where both runs logged one, else (runs made before the
+    steady figure) the baseline's train time over the run's."""
     varying = varying_params(rows)
     group_keys = [k for k in varying if k not in SEED_PARAMS]
     names = display_names(rows)
@@ -199,8 +214,11 @@ def add_baseline_ratios(rows: Sequence[Row]) -> None:
             ),
         )
         row.baseline = names[base.run_id]
+        rate, base_rate = row.throughput, base.throughput
         time, base_time = row.get(m.TRAIN_TIME_S), base.get(m.TRAIN_TIME_S)
-        if time and base_time:
+        if row.steady and base.steady and rate and base_rate:
+            row.speedup = rate / base_rate
+        elif time and base_time:
             row.speedup = base_time / time
         memory, base_memory = row.get(m.PEAK_MEM_MB), base.get(m.PEAK_MEM_MB)
         if memory is not None and base_memory:

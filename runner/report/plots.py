@@ -1,5 +1,6 @@
-"""The comparison's figures (PNG, by matplotlib, imported when drawn): grouped bars of train time,
-peak memory and quality per level and model, stacked bars of memory by kind, validation curves."""
+"""The comparison's figures (PNG, by matplotlib, imported when drawn): grouped bars of steady
+throughput, peak memory and quality per level and model, stacked bars of memory by kind,
+validation curves."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import operator
 from collections.abc import Sequence
 from pathlib import Path
 
+from runner.measure.timing import SAMPLES_PER_S, TOKENS_PER_S
 from runner.report.analysis import (
     MEMORY_METRICS,
     Row,
@@ -76,13 +78,16 @@ def plot_bars(rows: Sequence[Row], path: Path) -> None:
             for r, label in zip(rows, bar_labels(rows))
         ]
     series = list(dict.fromkeys(label for _, label, _ in groups))
+    lm = bool(rows) and all(r.is_lm for r in rows)
     quality = (
         (m.BEST_VAL_LOSS, "best val loss (nats/token)", 1.0)
-        if rows and all(r.is_lm for r in rows)
+        if lm
         else (m.BEST_VAL_ACC, "best val accuracy (%)", 100.0)
     )
-    panels = [
-        (m.TRAIN_TIME_S, "train time (s)", 1.0),
+    panels = [  # speed: the steady throughput (runner.measure.timing), higher is faster
+        (TOKENS_PER_S, "steady throughput (tokens/s)", 1.0)
+        if lm
+        else (SAMPLES_PER_S, "steady throughput (samples/s)", 1.0),
         (m.PEAK_MEM_MB, "peak memory (MB)", 1.0),
         quality,
     ]

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 
 from runner.config.schema import CLASSIFICATION
 from runner.measure.audit import FORMAT_METRIC as LAYERS_IN
+from runner.measure.timing import MFU, SAMPLES_PER_S, TOKENS_PER_S, WARMUP_TIME_S
 from runner.report.analysis import (
     LM_METRICS,
     MEMORY_METRICS,
@@ -114,11 +115,20 @@ def to_row(reader: Reader, run: RunRecord) -> Row:
     )
     if row.is_lm:
         row.val_loss = reader.history(run.run_id, m.VAL_LOSS)
-    # Throughput: the mean over the epochs after the first (which includes warm-up) when there are.
-    for metric in (m.SAMPLES_PER_S, m.TOKENS_PER_S):
-        throughput = [v for _, v in reader.history(run.run_id, metric)]
-        if len(throughput) > 1:
-            row.metrics[metric] = sum(throughput[1:]) / len(throughput[1:])
+    row.steady = m.EPOCH_SAMPLES_PER_S in run.metrics
+    for metric in (SAMPLES_PER_S, TOKENS_PER_S):
+        row.metrics.pop(metric, None)
+        values = [v for _, v in reader.history(run.run_id, metric)]
+        if not row.steady:  # logged before the steady figure: the epoch's own, warm-up in it
+            values = values[1:] if len(values) > 1 else values
+        if values:  # the steady figure: the mean over the epochs that logged one
+            row.metrics[metric] = sum(values) / len(values)
+    if MFU in run.metrics:  # the mean over the epochs; the warm-up summed over the sessions
+        mfu = [v for _, v in reader.history(run.run_id, MFU)]
+        row.metrics[MFU] = sum(mfu) / len(mfu)
+    if WARMUP_TIME_S in run.metrics:
+        warmups = reader.history(run.run_id, WARMUP_TIME_S)
+        row.metrics[WARMUP_TIME_S] = sum(v for _, v in warmups)
     return row
 
 

@@ -11,12 +11,14 @@ from typing import Any
 
 from runner.config.formats import SHORT_NAMES
 from runner.measure.audit import FORMAT_METRIC as LAYERS_IN
+from runner.measure.timing import MFU, SAMPLES_PER_S, TOKENS_PER_S, WARMUP_TIME_S
 from runner.report.analysis import (
     LM_METRICS,
     MEMORY_METRICS,
     MEMORY_TOTAL,
     METRICS,
     SEED_PARAMS,
+    TIMING_METRICS,
     Row,
     display_names,
     seed_groups,
@@ -92,6 +94,8 @@ COLUMNS = [
     "best val acc (%)",
     "train time (s)",
     "throughput (samples/s)",
+    "mfu (%)",
+    "warm-up (s)",
     "peak memory (MB)",
     "skipped steps",
     "weights (MB)",
@@ -128,8 +132,13 @@ _LM_QUALITY = [
     ("best val loss (nats/token)", lambda r: _fmt(r.get(m.BEST_VAL_LOSS), ".4f")),
     ("perplexity", lambda r: _fmt(_perplexity(r.get(m.BEST_VAL_LOSS)), ".2f")),
 ]
-_SAMPLES = ("throughput (samples/s)", lambda r: _fmt(r.get(m.SAMPLES_PER_S), ".0f"))
-_TOKENS = ("throughput (tokens/s)", lambda r: _fmt(r.get(m.TOKENS_PER_S), ".0f"))
+_SAMPLES = ("throughput (samples/s)", lambda r: _fmt(r.get(SAMPLES_PER_S), ".0f"))
+_TOKENS = ("throughput (tokens/s)", lambda r: _fmt(r.get(TOKENS_PER_S), ".0f"))
+_TIMING = [
+    ("mfu (%)", lambda r: _fmt(r.get(MFU), ".1f", 100)),
+    ("warm-up (s)", lambda r: _fmt(r.get(WARMUP_TIME_S), ".1f")),
+]
+_MEMORY_TITLES = COLUMNS[COLUMNS.index("weights (MB)") : COLUMNS.index("state total (MB)") + 1]
 
 
 def _param_cell(key: str):
@@ -164,11 +173,12 @@ def columns(rows: Sequence[Row]) -> list[tuple[str, Any]]:
         *quality,
         ("train time (s)", lambda r: _fmt(r.get(m.TRAIN_TIME_S), ".1f")),
         *speed,
+        *_TIMING,
         ("peak memory (MB)", lambda r: _fmt(r.get(m.PEAK_MEM_MB), ".0f")),
         ("skipped steps", lambda r: _fmt(r.get(m.SKIPPED_STEPS), ".0f")),
         *(
             (title, _metric_cell(key, ".2f"))
-            for key, title in zip((*MEMORY_METRICS, MEMORY_TOTAL), COLUMNS[13:19])
+            for key, title in zip((*MEMORY_METRICS, MEMORY_TOTAL), _MEMORY_TITLES)
         ),
         ("speedup vs O0", lambda r: _fmt(r.speedup, ".2f")),
         ("memory vs O0", lambda r: _fmt(r.memory_ratio, ".2f")),
@@ -195,7 +205,8 @@ def render_markdown(rows: Sequence[Row], title: str, source: str) -> str:
     varying = varying_params(rows)
     lines += [
         "",
-        "Speedup: the baseline's train time / the run's (above 1 is faster); memory: the "
+        "Speedup: the run's steady throughput / the baseline's (above 1 is faster; runs made "
+        "before the steady figure: the baseline's train time / the run's); memory: the "
         "run's peak memory / the baseline's (below 1 is less). The baseline is the O0 run "
         "of the same model"
         + (
@@ -205,8 +216,13 @@ def render_markdown(rows: Sequence[Row], title: str, source: str) -> str:
         )
         + " (the same seed where there is one), named in the last column. The columns "
         "between run and model are the params that differ between these runs. Throughput is "
-        "the mean over the epochs "
-        "after the first. Train time covers all epochs, validation included. Peak memory: "
+        "the steady figure (`samples_per_s`, a language model's `tokens_per_s`: the steps "
+        "after each session's `trainer.warmup_steps` that compiled nothing), the mean over the "
+        "epochs that logged one (runs made before it: the epoch's own figure, the mean over the "
+        "epochs after the first). mfu: the achieved FLOP/s over the GPU's dense peak for the "
+        "level's format, the mean over the epochs (a GPU in the peak table only). Warm-up: "
+        "the time of the warm-up steps, summed over the run's sessions. Train time covers all "
+        "epochs, validation and warm-up included. Peak memory: "
         + ", ".join(sorted({r.peak_mem_kind for r in rows}))
         + " (the runs' `peak_mem_kind`:"
         " CUDA's max allocated memory, or on a CPU the training state counted from the "
@@ -242,7 +258,7 @@ def render_markdown(rows: Sequence[Row], title: str, source: str) -> str:
             "",
         ]
     lines += [
-        f"![time, memory and {quality} per level]({BARS_PNG})",
+        f"![steady throughput, memory and {quality} per level]({BARS_PNG})",
         "",
         f"![memory by kind per level]({MEMORY_PNG})",
         "",
@@ -270,6 +286,7 @@ def write_csv(rows: Sequence[Row], path: Path) -> None:
                 "batch_size",
                 "status",
                 *METRICS,
+                *TIMING_METRICS,
                 *MEMORY_METRICS,
                 MEMORY_TOTAL,
                 "speedup_vs_o0",
@@ -293,6 +310,7 @@ def write_csv(rows: Sequence[Row], path: Path) -> None:
                     r.batch_size,
                     r.status,
                     *(r.get(m) for m in METRICS),
+                    *(r.get(m) for m in TIMING_METRICS),
                     *(r.get(m) for m in (*MEMORY_METRICS, MEMORY_TOTAL)),
                     r.speedup,
                     r.memory_ratio,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
 from collections.abc import Mapping, Sequence
@@ -425,12 +426,16 @@ def train_parts(
                 resume.restore(trainer, cfg, plan.run_name)
             result = trainer.fit()
     if comm.is_main:
+        unit = "tokens" if parts.task.items_metric else "samples"
         log.info(
-            "Finished %s: %s %.4f in %.1f s.\n%s",
+            "Finished %s: %s %.4f in %.1f s%s.\n%s",
             plan.run_name,
             result.objective.replace("_", " ", 1),
             result.best,
             result.train_time_s,
+            f", {result.throughput:.0f} {unit}/s steady"
+            if math.isfinite(result.throughput)
+            else " (no steady step: see the warm-up above)",
             tracker.hint(),
         )
     return result.best

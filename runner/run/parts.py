@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -28,6 +28,8 @@ class Parts:
     findings: list[Finding] = field(default_factory=list)  # about the built model (info only)
     criterion: torch.nn.Module = field(default_factory=torch.nn.CrossEntropyLoss)  # the loss
     task: Task = field(default_factory=Classification)  # what a batch is, the loss and metrics
+    # the model's training FLOPs per sample, counted once in planning (None: not countable)
+    flops_per_sample: Optional[float] = None
 
     def close(self) -> None:
         """End the loaders' worker processes (a run's last step; safe to repeat)."""

@@ -39,6 +39,7 @@ from runner.run.distributed import Comm, unwrap
 from runner.run.divergence import DivergenceGuard
 from runner.run.interrupts import RunInterrupted, StopRequest
 from runner.run.parts import Parts
+from runner.run.step_timing import timing_instrument
 from runner.run.trainer_state import CheckpointState
 from runner.tracking import metrics as m
 
@@ -56,6 +57,9 @@ class FitResult:
     epochs: list[dict[str, float]] = field(default_factory=list)
     best_val_loss: float = math.nan  # a language model's (nan for a classifier)
     objective: str = m.BEST_VAL_ACC  # the task's: what `best` is, and a sweep optimises
+    # the steady throughput (samples/s, a language model's tokens/s), the mean over the epochs
+    # that logged one (nan: none did)
+    throughput: float = math.nan
 
     @property
     def best(self) -> float:
@@ -131,8 +135,9 @@ class Trainer(CheckpointState, CompileWarmup):
         self.clock, self.memory = Stopwatch(device), parts.memory
         # the divergence guard: skipped steps, non-finite losses, a collapsed loss scale
         self.guard = DivergenceGuard(cfg, self.engine, device)
-        # what watches a step: memory by kind, the range probe, the layer audit (runner.measure)
+        # what watches a step: its time, memory by kind, the range probe, the layer audit
         self.layer_plan = getattr(self.engine, "layer_plan", None)
+        self.flops_per_sample = parts.flops_per_sample  # counted in planning (None: unknown)
         self.instruments = self.instrument(self._diagnostics(), audit=True)
 
     def _diagnostics(self) -> Optional[RunDiagnostics]:
@@ -144,11 +149,22 @@ class Trainer(CheckpointState, CompileWarmup):
         return RunDiagnostics(every, formats, self.context.artifact_dir, self.context.on_artifact)
 
     def instrument(self, diagnostics: Optional[RunDiagnostics], audit: bool) -> Instruments:
-        """The instruments that watch this trainer's steps, in the order they start: memory by
-        kind (until a step that stepped was measured), the range probe on the steps
-        `diagnostics` diagnoses (None: none), and with `audit` and a layer plan the layer audit
-        (the first step unless compiled, and the diagnosed ones)."""
+        """The instruments that watch this trainer's steps, in the order they start: the step
+        timer (every step), memory by kind (until a step that stepped was measured), the range
+        probe on the steps `diagnostics` diagnoses (None: none), and with `audit` and a layer
+        plan the layer audit (the first step unless compiled, and the diagnosed ones)."""
         on_metrics = self.context.on_metrics
+        timing = timing_instrument(
+            self.cfg,
+            self.device,
+            task=self.task,
+            engine=self.engine,
+            model=self.module,
+            loader=self.train_loader,
+            comm=self.comm,
+            flops_per_sample=self.flops_per_sample,
+            logger=log,
+        )
         extra = self._allgather_mb if self.sharded else None
         memory = MemoryInstrument(self.module, self.optimizer, self.engine, self.memory, extra)
         ranges = None
@@ -168,7 +184,7 @@ class Trainer(CheckpointState, CompileWarmup):
                 on_artifact=self.context.on_artifact,
                 logger=log,
             )
-        return Instruments(memory, ranges, layers)
+        return Instruments(timing, memory, ranges, layers)
 
     # ---- one step ---------------------------------------------------------------------------
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -258,6 +274,7 @@ class Trainer(CheckpointState, CompileWarmup):
             dynamic_ncols=True,
         )
         self.clock.start()
+        self.instruments.start_epoch(epoch)
         with bar:
             for index, (x, y) in enumerate(self.train_loader, start=skip):
                 if index >= self.train_batches:
@@ -265,9 +282,10 @@ class Trainer(CheckpointState, CompileWarmup):
                 x, y = self._to_device(x, y)
                 window += self.train_step(x, y)
                 count += 1
-                samples += y.shape[0]
-                items += self.task.items(y)
+                n, k = y.shape[0], self.task.items(y)
+                samples, items = samples + n, items + k
                 self.global_step += 1
+                self.instruments.counted(self.global_step, n, k)
                 self.guard.check_skips(self.global_step)
                 stop = False
                 if self.global_step % self.cfg.log_every_n_steps == 0:
@@ -279,6 +297,7 @@ class Trainer(CheckpointState, CompileWarmup):
                     raise self._interrupted(epoch - 1, index + 1)
             if count:  # short epochs still report their loss
                 self._log_train_loss(window, count, bar)
+        self.instruments.steps_done()
         seconds = self.clock.stop()
         totals = self.comm.sum_(torch.tensor([float(samples), float(items)], device=self.device))
         samples_total, items_total = totals.tolist()
@@ -402,12 +421,13 @@ class Trainer(CheckpointState, CompileWarmup):
         self.context.on_metrics(
             {self.task.objective: best, m.TRAIN_TIME_S: train_time}, self.cfg.max_epochs
         )
-        if self.task.maximize:
-            return FitResult(best_val_acc=best, train_time_s=train_time, epochs=self.history)
+        metric = self.task.throughput_metric
+        steady = [e[metric] for e in self.history if math.isfinite(e.get(metric, math.nan))]
         return FitResult(
-            best_val_acc=math.nan,
+            best_val_acc=best if self.task.maximize else math.nan,
             train_time_s=train_time,
             epochs=self.history,
-            best_val_loss=best,
+            best_val_loss=math.nan if self.task.maximize else best,
             objective=self.task.objective,
+            throughput=sum(steady) / len(steady) if steady else math.nan,
         )

@@ -19,7 +19,14 @@ from omegaconf import DictConfig, OmegaConf
 from runner.errors import RunnerError
 from runner.files import HeldLock
 from runner.sweep.gpus import claim_gpu, gpu_count
-from runner.sweep.jobs import _resuming, earlier_sweep, preflight, resolved, sweep_overrides
+from runner.sweep.jobs import (
+    _resuming,
+    earlier_sweep,
+    preflight,
+    resolved,
+    speed_summary,
+    sweep_overrides,
+)
 from runner.sweep.parent import SweepParent
 from runner.tracking import tags as tag
 from runner.tracking.base import end_fluent_runs
@@ -143,7 +150,12 @@ class MlflowSweepCallback(Callback):
             else ""  # the report reads an MLflow store
         )
         log.info(
-            "Sweep finished: %d jobs%s.\n%s%s", len(children), failures, compare, tracker.hint()
+            "Sweep finished: %d jobs%s.\n%s%s%s",
+            len(children),
+            failures,
+            speed_summary(children),
+            compare,
+            tracker.hint(),
         )
         if failed:
             raise SystemExit(1)  # Hydra swallows a callback's exceptions, not SystemExit

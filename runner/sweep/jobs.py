@@ -270,3 +270,27 @@ def _resume_job(
         )
         tracker.reader.delete_run(earlier.run_id)
     return None, cfg
+
+
+def speed_summary(children: Sequence[Any]) -> str:
+    """The sweep's jobs side by side at the speed that compares, one line each in job order:
+    the steady throughput of each finished job's last epoch (`tokens_per_s` for a language
+    model, else `samples_per_s`: runner.measure.timing) and its ratio to the first such job's."""
+    from runner.measure.timing import SAMPLES_PER_S, TOKENS_PER_S
+    from runner.tracking.base import FINISHED
+
+    lines, first = [], None
+    for child in sorted(children, key=lambda c: int(c.tags.get(tag.JOB_NUM, 0))):
+        if child.status != FINISHED:
+            continue
+        metric = TOKENS_PER_S if TOKENS_PER_S in child.metrics else SAMPLES_PER_S
+        rate = child.metrics.get(metric)
+        if rate is None or not math.isfinite(rate):
+            lines.append(f"  {child.run_name}: no steady throughput (every step was warm-up)")
+            continue
+        first = first or (child.run_name, rate)
+        unit = metric.removesuffix("_per_s")
+        lines.append(
+            f"  {child.run_name}: {rate:,.0f} {unit}/s steady ({rate / first[1]:.2f}x {first[0]})"
+        )
+    return "".join(line + "\n" for line in lines)

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
+
+from runner.measure.timing import MFU, SAMPLES_PER_S
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,10 @@ class Task:
     objective: str = ""  # the metric a run returns and a sweep optimises
     maximize: bool = True
     input_dtype: torch.dtype = torch.float32  # of the model-output check's batch
+    # the steady rate of the task's items beside samples_per_s (runner.measure.timing), and the
+    # figure that compares speed (the epoch line, the summaries, the report)
+    items_metric: Optional[str] = None
+    throughput_metric: str = SAMPLES_PER_S
 
     def input_shape(self, sample_shape: tuple[int, ...]) -> tuple[int, ...]:
         return sample_shape
@@ -73,3 +79,12 @@ class Task:
 
     def epoch_summary(self, metrics: dict[str, float]) -> str:
         raise NotImplementedError
+
+    def throughput_summary(self, metrics: dict[str, float], epoch_metric: str, unit: str) -> str:
+        """The epoch line's speed: the steady figure (and the MFU where known), or the epoch's
+        own where it has no steady step."""
+        steady = metrics.get(self.throughput_metric)
+        if steady is None:
+            return f"{metrics[epoch_metric]:.0f} {unit}/s over the epoch (no steady step)"
+        mfu = metrics.get(MFU)
+        return f"{steady:.0f} {unit}/s steady" + (f" (mfu {mfu:.1%})" if mfu is not None else "")

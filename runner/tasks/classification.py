@@ -35,11 +35,12 @@ class Classification(Task):
             m.VAL_LOSS: val_loss,
             m.VAL_ACC: val_accuracy,
             m.EPOCH_TIME_S: seconds,
-            m.SAMPLES_PER_S: samples / seconds if seconds > 0 else math.nan,
+            m.EPOCH_SAMPLES_PER_S: samples / seconds if seconds > 0 else math.nan,
         }
 
     def epoch_summary(self, metrics):
         return (
             f"val_acc {metrics[m.VAL_ACC]:.4f}  val_loss {metrics[m.VAL_LOSS]:.4f}  "
-            f"{metrics[m.EPOCH_TIME_S]:.1f} s  {metrics[m.SAMPLES_PER_S]:.0f} samples/s"
+            f"{metrics[m.EPOCH_TIME_S]:.1f} s  "
+            + self.throughput_summary(metrics, m.EPOCH_SAMPLES_PER_S, "samples")
         )

@@ -8,6 +8,7 @@ import math
 import torch
 
 from runner.config.schema import LANGUAGE_MODEL
+from runner.measure.timing import TOKENS_PER_S
 from runner.tasks.base import Task
 from runner.tracking import metrics as m
 
@@ -17,6 +18,8 @@ class LanguageModel(Task):
     objective = m.BEST_VAL_LOSS
     maximize = False
     input_dtype = torch.int64
+    items_metric = TOKENS_PER_S
+    throughput_metric = TOKENS_PER_S
 
     def output_description(self, num_outputs: int) -> str:
         return (
@@ -48,13 +51,13 @@ class LanguageModel(Task):
             m.VAL_PERPLEXITY: math.exp(val_loss) if val_loss < 700 else math.inf,
             m.VAL_TOKEN_ACC: val_accuracy,
             m.EPOCH_TIME_S: seconds,
-            m.SAMPLES_PER_S: samples / seconds if seconds > 0 else math.nan,
-            m.TOKENS_PER_S: items / seconds if seconds > 0 else math.nan,
+            m.EPOCH_SAMPLES_PER_S: samples / seconds if seconds > 0 else math.nan,
+            m.EPOCH_TOKENS_PER_S: items / seconds if seconds > 0 else math.nan,
         }
 
     def epoch_summary(self, metrics):
         return (
             f"val_loss {metrics[m.VAL_LOSS]:.4f}  perplexity {metrics[m.VAL_PERPLEXITY]:.2f}"
             f"  token_acc {metrics[m.VAL_TOKEN_ACC]:.4f}  {metrics[m.EPOCH_TIME_S]:.1f} s  "
-            f"{metrics[m.TOKENS_PER_S]:.0f} tokens/s"
+            + self.throughput_summary(metrics, m.EPOCH_TOKENS_PER_S, "tokens")
         )

@@ -1,7 +1,9 @@
 """Every metric name a run logs, once (as `tags.py` does for tags): the trainer logs them, the
 report, the sweep and the benchmarks read them. The memory-by-kind figures (`mem_<kind>_mb`) are
 named by `runner.measure.memory`, the range diagnostics (`diag_*`) by `runner.measure.diagnostics`,
-the layer audit's (`layers_off_plan`, `layers_<format>`) by `runner.measure.audit`.
+the layer audit's (`layers_off_plan`, `layers_<format>`) by `runner.measure.audit`, the step
+timer's (the steady `samples_per_s` and `tokens_per_s`, `step_time_ms_p50/p90`, `data_wait_frac`,
+`warmup_time_s`, `tflops`, `mfu`) by `runner.measure.timing`.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ VAL_LOSS = "val_loss"  # a language model's: nats per token
 VAL_ACC = "val_acc"  # classification
 VAL_PERPLEXITY = "val_perplexity"  # language model: exp(val_loss)
 VAL_TOKEN_ACC = "val_token_acc"  # language model: next tokens predicted right (argmax)
-TOKENS_PER_S = "tokens_per_s"  # language model: training throughput in tokens
 EPOCH_TIME_S = "epoch_time_s"  # training time of the epoch (validation excluded)
-SAMPLES_PER_S = "samples_per_s"  # training throughput, every rank's samples
+# the epoch's samples (a language model's tokens) over epoch_time_s, every rank's, warm-up and
+# compiled steps included (the steady figures, which compare: runner.measure.timing)
+EPOCH_SAMPLES_PER_S = "epoch_samples_per_s"
+EPOCH_TOKENS_PER_S = "epoch_tokens_per_s"
 PEAK_MEM_MB = "peak_mem_mb"  # peak memory of the training state (the tag peak_mem_kind says how)
 LOSS_SCALE = "loss_scale"
 SKIPPED_STEPS = "skipped_steps"  # overflowing steps skipped so far
@@ -25,6 +29,7 @@ RSS_GROWTH_MB = "rss_growth_mb"  # on a CPU: the process's resident-memory growt
 
 # once per run
 COMPILE_TIME_S = "compile_time_s"  # torch.compile's first step (not in epoch_time_s)
+FLOPS_PER_SAMPLE = "model.flops_per_sample"  # a param: training FLOPs per sample, counted once
 BEST_VAL_ACC = "best_val_acc"  # a classifier's objective, maximised (step = max_epochs)
 BEST_VAL_LOSS = "best_val_loss"  # a language model's objective, minimised (step = max_epochs)
 TRAIN_TIME_S = "train_time_s"  # training time over every session of the run

@@ -12,7 +12,8 @@ EPOCH_METRICS = [
     "val_loss",
     "val_acc",
     "epoch_time_s",
-    "samples_per_s",
+    "epoch_samples_per_s",  # (the steady samples_per_s: every epoch with a steady step)
+    "data_wait_frac",
     "peak_mem_mb",
     "loss_scale",
     "skipped_steps",
@@ -30,8 +31,9 @@ NON_TIMING = (
     "best_val_acc",
 )
 
-# Metrics that differ between two runs of the same config (timings, memory, the machine's load).
-VARIABLE = re.compile(r"time|samples_per_s|mem|rss|^system/")
+# Metrics that differ between two runs of the same config (timings, throughput, memory, the
+# machine's load).
+VARIABLE = re.compile(r"time|per_s|data_wait|flops|mfu|mem|rss|^system/")
 
 
 def metric_history(client: MlflowClient, run) -> dict[str, dict[int, float]]:

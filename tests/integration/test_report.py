@@ -76,7 +76,7 @@ def test_report_compares_the_levels_and_logs_itself_on_the_parent(levels_sweep, 
     ]
     runs = {r["level"]: client.get_run(r["run_id"]) for r in rows}
     assert all(run.data.tags[PARENT_RUN_TAG] == parent.info.run_id for run in runs.values())
-    o0_time = runs["O0"].data.metrics["train_time_s"]
+    o0_rate = float(rows[0]["samples_per_s"])
     o0_memory = runs["O0"].data.metrics["peak_mem_mb"]
     for row in rows:
         metrics = runs[row["level"]].data.metrics
@@ -85,14 +85,17 @@ def test_report_compares_the_levels_and_logs_itself_on_the_parent(levels_sweep, 
         assert float(row["peak_mem_mb"]) == pytest.approx(metrics["peak_mem_mb"])
         assert float(row["skipped_steps"]) == metrics["skipped_steps"]
         assert row["batch_size"] == "32" and row["baseline_run"] == "tiny-O0"
-        assert float(row["speedup_vs_o0"]) == pytest.approx(o0_time / metrics["train_time_s"])
+        # speed: the steady throughputs' ratio
+        assert float(row["speedup_vs_o0"]) == pytest.approx(float(row["samples_per_s"]) / o0_rate)
         if o0_memory > 0:
             assert float(row["memory_vs_o0"]) == pytest.approx(metrics["peak_mem_mb"] / o0_memory)
-    # throughput: the mean over the epochs after the first (epoch 2 of 2 here)
+    # throughput: the steady figure, the mean over the epochs that logged one (epoch 2 of 2:
+    # the first is the warm-up's), and the warm-up's time
     history = client.get_metric_history(runs["O1"].info.run_id, "samples_per_s")
-    assert float(rows[1]["samples_per_s"]) == pytest.approx(
-        next(m.value for m in history if m.step == 2)
-    )
+    assert [m.step for m in history] == [2]
+    assert float(rows[1]["samples_per_s"]) == pytest.approx(history[0].value)
+    assert float(rows[1]["warmup_time_s"]) == runs["O1"].data.metrics["warmup_time_s"] > 0
+    assert rows[1]["mfu"] == ""  # a CPU has no peak
 
     markdown = (out / "comparison.md").read_text()
     assert markdown.startswith("# Precision comparison: sweep precision=o0,o1,o2,o3")
@@ -222,6 +225,48 @@ def test_nothing_to_report_says_why(args, needle, tracking_uri, tmp_path, capsys
     err = capsys.readouterr().err
     assert "Nothing to report: " in err and needle in err and "Traceback" not in err
     assert not (tmp_path / "r").exists()
+
+
+def test_speed_is_compared_at_the_steady_throughput(tracking_uri, tmp_path):
+    """Runs with the steady figure: O2 runs twice O0's steady samples_per_s but spent longer
+    warming up (its train time is the longer): the throughput column is the mean of the steady
+    epochs, the speedup their ratio, and mfu and warm-up get columns of their own."""
+    tracker = MlflowTracker(tracking_uri, "amp-runner")
+    parent = tracker.create_run("sweep precision=o0,o2", {SWEEP_DIR_TAG: str(tmp_path)})
+    for level, steady, warmup, mfu in (("O0", 100.0, 1.0, 0.2), ("O2", 200.0, 30.0, 0.1)):
+        params = {
+            "model.name": "tiny",
+            "optimizer.name": "sgd",
+            "trainer.batch_size": "32",
+            "precision.opt_level": level,
+        }
+        with tracker.start_run(f"tiny-{level}", params, {PARENT_RUN_TAG: parent.run_id}) as run:
+            for epoch in (1, 2):
+                epoch_metrics = {
+                    "val_acc": 0.5,
+                    "epoch_samples_per_s": steady / (10 if epoch == 1 else 1.1),
+                    "samples_per_s": steady * (0.9 if epoch == 1 else 1.1),
+                    "mfu": mfu,
+                    "skipped_steps": 0.0,
+                    "peak_mem_mb": 10.0,
+                }
+                if epoch == 1:
+                    epoch_metrics["warmup_time_s"] = warmup
+                run.log_metrics(epoch_metrics, epoch)
+            run.log_metrics({"best_val_acc": 0.5, "train_time_s": 10.0 + warmup}, 2)
+    parent.end("FINISHED")
+
+    out = tmp_path / "report"
+    assert report_main(["--tracking-uri", tracking_uri, "--out", str(out)]) == 0
+    rows = {r["level"]: r for r in read_csv(out / "comparison.csv")}
+    assert float(rows["O2"]["samples_per_s"]) == pytest.approx(200.0)
+    assert float(rows["O2"]["speedup_vs_o0"]) == pytest.approx(2.0)  # not 11/40 of the time
+    assert float(rows["O2"]["warmup_time_s"]) == 30.0 and float(rows["O2"]["mfu"]) == 0.1
+    markdown = (out / "comparison.md").read_text()
+    assert "| mfu (%) | warm-up (s) |" in markdown
+    line = next(x for x in markdown.splitlines() if x.startswith("| tiny-O2 "))
+    assert "| 200 | 10.0 | 30.0 |" in line
+    assert "Runs lacking metrics" not in markdown
 
 
 def test_memory_by_kind_columns_and_stacked_bars(tracking_uri, tmp_path):

@@ -239,6 +239,7 @@ VALUE_CASES = [
     (["trainer.checkpoint_every_n_epochs=-1"], "trainer.checkpoint_every_n_epochs"),
     (["trainer.checkpoint_dir= "], "trainer.checkpoint_dir"),
     (["trainer.diagnose_every_n_steps=-1"], "trainer.diagnose_every_n_steps"),
+    (["trainer.warmup_steps=-1"], "trainer.warmup_steps"),
     (["tracking.name=wandb"], "tracking.name"),
     (["mlflow.tracking_uri= "], "mlflow.tracking_uri"),
     (["mlflow.heartbeat_s=0.5"], "mlflow.heartbeat_s"),

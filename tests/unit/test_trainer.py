@@ -101,22 +101,32 @@ def test_the_step_is_six_calls_on_one_screen():
     assert all(call in source for call in calls) and "zero_grad(" in source
 
 
-def test_instruments_are_due_only_on_their_steps_and_idle_costs_a_shared_watch():
-    """O0 with diagnostics every 3 steps: the memory meter on step 1 (it steps), the range probe
-    and the layer audit on steps 1 and 4; every other step gets the one idle watch, which
-    installs no hook."""
+def test_instruments_are_due_only_on_their_steps_and_a_usual_step_costs_a_shared_watch():
+    """O0 with diagnostics every 3 steps: the step timer at every step, first; the memory meter
+    on step 1 (it steps), the range probe and the layer audit on steps 1 and 4; every other step
+    gets the one shared watch of the timer alone, which installs no hook."""
     trainer, _ = make_trainer("O0", {}, diagnose_every_n_steps=3)
     due: dict[int, list[str]] = {}
+    usual = []
     for step in range(1, 7):
         watch = trainer.instruments.step(step)
         due[step] = [type(i).__name__ for i in watch.instruments]
-        if not due[step]:
-            assert watch is IDLE
+        if due[step] == ["TimingInstrument"]:
+            usual.append(watch)
         x, y = next(iter(trainer.train_loader))
         trainer.train_step(x, y)
         trainer.global_step += 1
-    instruments = ["MemoryInstrument", "RangeInstrument", "AuditInstrument"]
-    assert due == {1: instruments, 2: [], 3: [], 4: instruments[1:], 5: [], 6: []}
+    instruments = ["TimingInstrument", "MemoryInstrument", "RangeInstrument", "AuditInstrument"]
+    timer = instruments[:1]
+    assert due == {
+        1: instruments,
+        2: timer,
+        3: timer,
+        4: [*timer, *instruments[2:]],
+        5: timer,
+        6: timer,
+    }
+    assert len(usual) == 4 and all(w is usual[0] for w in usual) and usual[0] is not IDLE
     with trainer.instruments.step(5):
         assert not any(m._forward_hooks or m._forward_pre_hooks for m in trainer.module.modules())
 

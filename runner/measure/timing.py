@@ -1,0 +1,351 @@
+"""The step timer: where a training epoch's time goes, and the steady throughput that compares.
+
+Each step is marked where it starts and where it ends (its watch's entry and exit): on a GPU with
+CUDA events recorded on the stream (no host sync; they are read at the epoch's end, or earlier
+once finished), on a CPU with the wall clock. A step's time runs from the end of the step before
+it (or the epoch's start) to its own end: the wait for its batch (the loader, the copy to the
+device, the periodic loss read) and its own work. From these, per epoch:
+
+- `samples_per_s` (and a language model's `tokens_per_s`): the steady steps' samples over their
+  time, summed over the ranks. Steady: not among the first `warmup_steps` steps of the session
+  (a resumed run is a new session) and not a step that compiled or recompiled;
+- `step_time_ms_p50`, `step_time_ms_p90` over the steady steps (a finding, once, when p90 > 1.5x
+  p50: stragglers);
+- `data_wait_frac`: the share of the epoch's training time spent between steps, waiting for the
+  next batch (a finding, once, at the end of the first epoch over 10%);
+- `tflops` (the model's FLOPs per sample times the steady rate) and `mfu` (that over the
+  device's dense peak for the level's format, times the ranks), where they are known;
+- `warmup_time_s`, once per session, at the epoch in which its warm-up ends.
+
+An epoch without a steady step logs no steady figure, and says why once.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
+
+import torch
+
+from runner.measure.instruments import Instrument
+
+log = logging.getLogger(__name__)
+
+SAMPLES_PER_S = "samples_per_s"  # steady training throughput, every rank's samples
+TOKENS_PER_S = "tokens_per_s"  # a language model's, in tokens
+STEP_TIME_MS_P50 = "step_time_ms_p50"  # the steady steps' median time
+STEP_TIME_MS_P90 = "step_time_ms_p90"
+DATA_WAIT_FRAC = "data_wait_frac"  # the epoch's share of time between steps (waiting for data)
+WARMUP_TIME_S = "warmup_time_s"  # once per session: its first warmup_steps steps
+TFLOPS = "tflops"  # achieved: FLOPs per sample x steady samples per second, every rank's
+MFU = "mfu"  # tflops over the devices' dense peak for the level's format
+METRICS = (
+    SAMPLES_PER_S,
+    TOKENS_PER_S,
+    STEP_TIME_MS_P50,
+    STEP_TIME_MS_P90,
+    DATA_WAIT_FRAC,
+    WARMUP_TIME_S,
+    TFLOPS,
+    MFU,
+)
+
+STRAGGLER_RATIO = 1.5  # p90 over p50 above this: some steps straggle
+DATA_WAIT_LIMIT = 0.10  # a data_wait_frac above this after the first epoch: a finding
+FOLD_EVERY = 256  # steps between folds of finished marks into the epoch's sums
+_BIN = math.log(1.005)  # step times kept in 0.5% bins (the percentiles' resolution)
+
+
+class HostClock:
+    """Marks on the host's wall clock (a CPU run: the work is done when the call returns)."""
+
+    def mark(self) -> float:
+        return time.perf_counter()
+
+    def ready(self, mark: float) -> bool:
+        return True
+
+    def seconds(self, start: float, end: float) -> float:
+        return end - start
+
+    def release(self, mark: float) -> None:
+        pass
+
+    def wait(self, mark: float) -> None:
+        pass
+
+
+class CudaClock:
+    """Marks as CUDA events recorded on the current stream: recording never waits for the GPU;
+    a mark is read once the GPU has passed it (`ready`, a query that does not block). Events are
+    reused once read."""
+
+    def __init__(self) -> None:
+        self._free: list[torch.cuda.Event] = []
+
+    def mark(self) -> torch.cuda.Event:
+        event = self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def ready(self, mark: torch.cuda.Event) -> bool:
+        return mark.query()
+
+    def seconds(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float:
+        return start.elapsed_time(end) / 1e3
+
+    def release(self, mark: torch.cuda.Event) -> None:
+        self._free.append(mark)
+
+    def wait(self, mark: torch.cuda.Event) -> None:
+        mark.synchronize()
+
+
+def clock_for(device: torch.device) -> HostClock | CudaClock:
+    return CudaClock() if device.type == "cuda" else HostClock()
+
+
+def percentile(bins: Counter, q: float) -> float:
+    """The `q` quantile (0-1, nearest rank) of the binned step times, in seconds."""
+    total = sum(bins.values())
+    rank, seen = max(1, math.ceil(q * total)), 0
+    for key in sorted(bins):
+        seen += bins[key]
+        if seen >= rank:
+            return math.exp(key * _BIN)
+    return math.nan
+
+
+class TimingInstrument(Instrument):
+    """Due at every step (`every_step`): marks its start and end, folds finished marks into the
+    epoch's sums, and gives the epoch's figures (see the module docstring). `items_metric`:
+    the name of the items' rate (a language model's TOKENS_PER_S; None: samples only).
+    `flops_per_sample`: the model's training FLOPs per sample (None: no tflops). `peak`: one
+    device's dense TFLOP/s in the level's format (None: no mfu; `no_peak` says why, once).
+    `reduce`: sums a list of floats over the ranks (a collective every rank calls at the same
+    epoch; None: one process). `compiles`: a count that grows when torch.compile compiles (None:
+    nothing compiles). `data_advice`: what to change when the loop waits for data."""
+
+    every_step = True
+
+    def __init__(
+        self,
+        device: torch.device,
+        warmup_steps: int,
+        *,
+        items_metric: Optional[str] = None,
+        flops_per_sample: Optional[float] = None,
+        peak: Optional[float] = None,
+        no_peak: str = "",
+        world_size: int = 1,
+        reduce: Optional[Callable[[Sequence[float]], Sequence[float]]] = None,
+        compiles: Optional[Callable[[], int]] = None,
+        data_advice: str = "",
+        logger: logging.Logger = log,
+    ):
+        self.clock = clock_for(device)
+        self.warmup_steps = warmup_steps
+        self.items_metric = items_metric
+        self.flops_per_sample = flops_per_sample
+        self.peak, self.no_peak = peak, no_peak
+        self.world_size = world_size
+        self.reduce = reduce
+        self.compiles = compiles
+        self.data_advice = data_advice
+        self.log = logger
+        self.session_steps = 0  # steps of this session (a resumed run starts a new one)
+        self.warmup_s = 0.0  # the session's warm-up steps' time so far
+        self._warmup_logged = False
+        self._said: set[str] = set()  # the findings said once per session
+        self._epoch: Optional[int] = None  # the epoch being timed (None: none)
+        self._start = self._end = self._prev = self._entry = None
+        self._compiled_at = 0
+        self._last_steady = False
+        self._pending: list[tuple[Any, Any, Any, int, bool]] = []
+        self._reset_sums()
+
+    def _reset_sums(self) -> None:
+        self.steps = self.warm_steps = self.steady_steps = self.compiled_steps = 0
+        self.steady_s = self.wait_s = self.first_wait_s = 0.0
+        self.steady_samples = self.steady_items = 0
+        self.bins: Counter = Counter()
+
+    # ---- the epoch ----------------------------------------------------------------------------
+    def start_epoch(self, epoch: int) -> None:
+        self._reset_sums()
+        self._epoch = epoch
+        self._start = self._prev = self.clock.mark()
+        self._end = None
+
+    def steps_done(self) -> None:
+        if self._epoch is not None:
+            self._end = self.clock.mark()
+
+    # ---- each step (the hot path: a mark, a tuple, a counter read where compiling) ------------
+    def start(self, step: int) -> None:
+        if self._epoch is None:
+            return
+        if self.compiles is not None:
+            self._compiled_at = self.compiles()
+        self._entry = self.clock.mark()
+
+    def close(self) -> None:
+        if self._epoch is None or self._entry is None:
+            return
+        end = self.clock.mark()
+        compiled = self.compiles is not None and self.compiles() != self._compiled_at
+        self.session_steps += 1
+        self._last_steady = self.session_steps > self.warmup_steps and not compiled
+        self._pending.append((self._prev, self._entry, end, self.session_steps, compiled))
+        self._prev, self._entry = end, None
+        if len(self._pending) >= FOLD_EVERY:
+            self._fold()
+
+    def counted(self, step: int, samples: int, items: int) -> None:
+        if self._last_steady:
+            self.steady_samples += samples
+            self.steady_items += items
+            self._last_steady = False
+
+    def _fold(self) -> None:
+        """The pending steps whose end the device has passed, into the epoch's sums."""
+        done = 0
+        for prev, entry, end, index, compiled in self._pending:
+            if not self.clock.ready(end):
+                break
+            wait, work = self.clock.seconds(prev, entry), self.clock.seconds(entry, end)
+            seconds = wait + work
+            if prev is self._start:
+                self.first_wait_s = wait
+            self.steps += 1
+            self.wait_s += wait
+            if index <= self.warmup_steps:
+                self.warm_steps += 1
+                self.warmup_s += seconds
+            elif compiled:
+                self.compiled_steps += 1
+            else:
+                self.steady_steps += 1
+                self.steady_s += seconds
+                self.bins[round(math.log(max(seconds, 1e-9)) / _BIN)] += 1
+            if prev is not self._start:
+                self.clock.release(prev)
+            self.clock.release(entry)
+            done += 1
+        del self._pending[:done]
+
+    # ---- the epoch's figures --------------------------------------------------------------------
+    def epoch_metrics(self) -> dict[str, float]:
+        if self._epoch is None:
+            return {}
+        if self._end is None:
+            self.steps_done()
+        self.clock.wait(self._end)  # (the epoch's end: every mark before it is finished)
+        self._fold()
+        epoch_s = self.clock.seconds(self._start, self._end)
+        epoch, self._epoch = self._epoch, None
+        if self._prev is not self._start:
+            self.clock.release(self._prev)
+        self.clock.release(self._start)
+        self.clock.release(self._end)
+        out: dict[str, float] = {}
+        rates = self._rates()
+        if rates is not None:
+            out[SAMPLES_PER_S] = rates[0]
+            if self.items_metric:
+                out[self.items_metric] = rates[1]
+            out.update(self._flops(rates[0]))
+            out[STEP_TIME_MS_P50] = 1e3 * percentile(self.bins, 0.5)
+            out[STEP_TIME_MS_P90] = 1e3 * percentile(self.bins, 0.9)
+        if epoch_s > 0:
+            out[DATA_WAIT_FRAC] = self.wait_s / epoch_s
+        if not self._warmup_logged and self.session_steps >= self.warmup_steps:
+            out[WARMUP_TIME_S] = self.warmup_s
+            self._warmup_logged = True
+        self._findings(epoch, out)
+        return out
+
+    def _rates(self) -> Optional[tuple[float, float]]:
+        """(samples/s, items/s) of the steady steps, summed over the ranks; None unless every
+        rank had a steady step this epoch."""
+        steady = self.steady_steps > 0 and self.steady_s > 0
+        local = [
+            self.steady_samples / self.steady_s if steady else 0.0,
+            self.steady_items / self.steady_s if steady else 0.0,
+            1.0 if steady else 0.0,
+        ]
+        total = list(self.reduce(local)) if self.reduce is not None else local
+        return (total[0], total[1]) if total[2] >= self.world_size else None
+
+    def _flops(self, samples_per_s: float) -> dict[str, float]:
+        if not self.flops_per_sample:
+            return {}
+        tflops = self.flops_per_sample * samples_per_s / 1e12
+        if self.peak is None:
+            if self.no_peak:
+                self._say_once("peak", "%s", self.no_peak)
+            return {TFLOPS: tflops}
+        return {TFLOPS: tflops, MFU: tflops / (self.peak * self.world_size)}
+
+    # ---- what is said, once per session --------------------------------------------------------
+    def _say_once(self, key: str, message: str, *args: Any) -> None:
+        if key not in self._said:
+            self._said.add(key)
+            self.log.warning(message, *args)
+
+    def _findings(self, epoch: int, out: dict[str, float]) -> None:
+        if SAMPLES_PER_S not in out and self.steps:
+            self._say_once(
+                "no-steady",
+                "Epoch %d: no steady step (%d of its %d steps were warm-up: the first "
+                "trainer.warmup_steps=%d of this session; %d compiled): no samples_per_s for it "
+                "(epoch_samples_per_s, the epoch's own figure, counts the warm-up)",
+                epoch,
+                self.warm_steps,
+                self.steps,
+                self.warmup_steps,
+                self.compiled_steps,
+            )
+        if self.compiled_steps:
+            self._say_once(
+                "compiled",
+                "Epoch %d: %d step(s) compiled or recompiled (torch.compile) and are left out "
+                "of the steady figures",
+                epoch,
+                self.compiled_steps,
+            )
+        p50, p90 = out.get(STEP_TIME_MS_P50), out.get(STEP_TIME_MS_P90)
+        if p50 and p90 and p90 > STRAGGLER_RATIO * p50:
+            self._say_once(
+                "stragglers",
+                "Epoch %d: steps straggle: step_time_ms_p90 %.1f ms is %.1fx the median %.1f ms "
+                "(data_wait_frac %.2f): some steps wait for data, garbage collection or another "
+                "process on this machine",
+                epoch,
+                p90,
+                p90 / p50,
+                p50,
+                out.get(DATA_WAIT_FRAC, math.nan),
+            )
+        wait = out.get(DATA_WAIT_FRAC)
+        if wait is not None and wait > DATA_WAIT_LIMIT:
+            start_up = (
+                " Most of it came before the epoch's first batch (the loader starting: worker "
+                "processes, a dataset opening its files), which longer epochs amortise."
+                if self.first_wait_s > self.wait_s / 2
+                else ""
+            )
+            self._say_once(
+                "data-wait",
+                "Epoch %d: the loop waited for its next batch %.0f%% of the training time "
+                "(data_wait_frac %.2f): the input pipeline, not the model, sets the pace.%s %s",
+                epoch,
+                100 * wait,
+                wait,
+                start_up,
+                self.data_advice,
+            )

@@ -1,0 +1,267 @@
+"""The step timer on a scripted clock: steady throughput without the warm-up and compiled steps,
+step-time percentiles, the data wait, FLOPs and MFU, what it says once; the peak table's
+lookups and the level's compute format."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from runner.measure import peaks
+from runner.measure.instruments import Instruments
+from runner.measure.timing import (
+    DATA_WAIT_FRAC,
+    FOLD_EVERY,
+    MFU,
+    SAMPLES_PER_S,
+    STEP_TIME_MS_P50,
+    STEP_TIME_MS_P90,
+    TFLOPS,
+    TOKENS_PER_S,
+    WARMUP_TIME_S,
+    HostClock,
+    TimingInstrument,
+    percentile,
+)
+
+CPU = torch.device("cpu")
+
+
+class ScriptedClock(HostClock):
+    """The wall clock's marks, but read from `now`, which the test moves."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def mark(self) -> float:
+        return self.now
+
+
+class Loop:
+    """A training loop's calls to the instruments, on a scripted clock: each step waits `wait`
+    seconds for its batch, then works `work` seconds inside its watch."""
+
+    def __init__(self, warmup_steps: int = 3, **kw):
+        self.timer = TimingInstrument(CPU, warmup_steps, **kw)
+        self.clock = self.timer.clock = ScriptedClock()
+        self.instruments = Instruments(self.timer)
+        self.step = 0
+
+    def epoch(self, epoch: int, steps, samples: int = 16, items: int = 16, tail: float = 0.0):
+        """`steps`: (wait, work) per step, or a callable run inside the step's watch."""
+        self.instruments.start_epoch(epoch)
+        for wait, work in steps:
+            self.step += 1
+            self.clock.now += wait
+            with self.instruments.step(self.step):
+                if callable(work):
+                    work()
+                else:
+                    self.clock.now += work
+            self.instruments.counted(self.step, samples, items)
+        self.clock.now += tail
+        self.instruments.steps_done()
+        return self.instruments.epoch_metrics()
+
+
+def test_the_steady_rate_leaves_out_the_warm_up():
+    """A first step of 3 s and then 20 ms steps (5 ms waiting for each batch): the steady rate
+    is the batch over 25 ms; the warm-up's time is its three steps; the data wait is the waits'
+    share of the epoch."""
+    loop = Loop()
+    steps = [(0.005, 3.0)] + [(0.005, 0.020)] * 19
+    out = loop.epoch(1, steps, tail=0.1)
+    assert out[SAMPLES_PER_S] == pytest.approx(16 / 0.025)
+    assert out[WARMUP_TIME_S] == pytest.approx(3.005 + 2 * 0.025)
+    assert out[STEP_TIME_MS_P50] == pytest.approx(25.0, rel=0.005)
+    assert out[STEP_TIME_MS_P90] == pytest.approx(25.0, rel=0.005)
+    epoch_s = 3.005 + 19 * 0.025 + 0.1
+    assert out[DATA_WAIT_FRAC] == pytest.approx(20 * 0.005 / epoch_s)
+    assert TOKENS_PER_S not in out and TFLOPS not in out and MFU not in out
+    later = loop.epoch(2, [(0.005, 0.020)] * 5)  # warm-up is once per session
+    assert WARMUP_TIME_S not in later and later[SAMPLES_PER_S] == pytest.approx(640.0)
+
+
+def test_an_epoch_without_a_steady_step_logs_no_rate_and_says_why_once(caplog):
+    loop = Loop(warmup_steps=3)
+    with caplog.at_level(logging.WARNING):
+        first = loop.epoch(1, [(0.0, 0.01)] * 2)
+        second = loop.epoch(2, [(0.0, 0.01)] * 2)  # step 3 warm, step 4 steady
+        third = Loop(warmup_steps=5)
+        third.epoch(1, [(0.0, 0.01)] * 2)
+    assert SAMPLES_PER_S not in first and WARMUP_TIME_S not in first and DATA_WAIT_FRAC in first
+    assert second[SAMPLES_PER_S] == pytest.approx(1600.0)
+    assert second[WARMUP_TIME_S] == pytest.approx(0.03)
+    said = [r.getMessage() for r in caplog.records if "no steady step" in r.getMessage()]
+    assert len(said) == 2  # once for each session (two instruments), never again
+    assert "Epoch 1: no steady step (2 of its 2 steps were warm-up" in said[0]
+    assert "trainer.warmup_steps=3" in said[0] and "epoch_samples_per_s" in said[0]
+
+
+def test_steps_that_compile_are_not_steady():
+    """A step over which torch.compile's count grows (a recompile) is left out, and said."""
+    compiles = {"n": 0}
+    loop = Loop(warmup_steps=0, compiles=lambda: compiles["n"])
+
+    def recompiling():
+        compiles["n"] += 1
+        loop.clock.now += 5.0
+
+    steps = [(0.0, 0.01)] * 3 + [(0.0, recompiling)] + [(0.0, 0.01)] * 3
+    out = loop.epoch(1, steps)
+    assert out[SAMPLES_PER_S] == pytest.approx(1600.0)
+    assert out[WARMUP_TIME_S] == 0.0  # no warm-up steps asked for
+    assert loop.timer.compiled_steps == 1 and loop.timer.steady_steps == 6
+
+
+def test_stragglers_and_the_data_wait_are_said_once(caplog):
+    loop = Loop(warmup_steps=0, data_advice="Raise trainer.num_workers (now 0).")
+    steps = [(0.0, 0.01)] * 8 + [(0.0, 0.05)] * 2  # p90 5x the median
+    with caplog.at_level(logging.WARNING):
+        out = loop.epoch(1, steps)
+        loop.epoch(2, steps)
+    assert out[STEP_TIME_MS_P50] == pytest.approx(10.0, rel=0.005)
+    assert out[STEP_TIME_MS_P90] == pytest.approx(50.0, rel=0.005)
+    said = [r.getMessage() for r in caplog.records]
+    assert len([s for s in said if "straggle" in s]) == 1
+    assert not [s for s in said if "waited for its next batch" in s]
+
+    slow = Loop(warmup_steps=0, data_advice="Raise trainer.num_workers (now 0).")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        fed = slow.epoch(1, [(0.03, 0.01)] * 10)
+        slow.epoch(2, [(0.03, 0.01)] * 10)
+    assert fed[DATA_WAIT_FRAC] == pytest.approx(0.75)
+    waits = [
+        r.getMessage() for r in caplog.records if "waited for its next batch" in r.getMessage()
+    ]
+    assert len(waits) == 1 and "75%" in waits[0] and "trainer.num_workers" in waits[0]
+
+
+def test_flops_give_tflops_and_mfu_against_the_peak_of_every_rank():
+    """1 GFLOP a sample at 1600 samples/s is 1.6 TFLOP/s; two ranks (the sum a collective
+    would give: twice this rank's) do 3.2 against twice the peak."""
+    one = Loop(warmup_steps=0, flops_per_sample=1e9, peak=10.0)
+    out = one.epoch(1, [(0.0, 0.01)] * 4)
+    assert out[TFLOPS] == pytest.approx(1.6) and out[MFU] == pytest.approx(0.16)
+    two = Loop(
+        warmup_steps=0,
+        flops_per_sample=1e9,
+        peak=10.0,
+        world_size=2,
+        reduce=lambda values: [2 * v for v in values],
+    )
+    out = two.epoch(1, [(0.0, 0.01)] * 4)
+    assert out[SAMPLES_PER_S] == pytest.approx(3200.0)
+    assert out[TFLOPS] == pytest.approx(3.2) and out[MFU] == pytest.approx(0.16)
+    # another rank without a steady step: no rate from any
+    lonely = Loop(warmup_steps=0, world_size=2, reduce=lambda values: values)
+    assert SAMPLES_PER_S not in lonely.epoch(1, [(0.0, 0.01)] * 4)
+
+
+def test_without_a_peak_only_tflops_and_why_once(caplog):
+    loop = Loop(warmup_steps=0, flops_per_sample=1e9, no_peak="no mfu: 'Some GPU' unknown")
+    with caplog.at_level(logging.WARNING):
+        first = loop.epoch(1, [(0.0, 0.01)] * 4)
+        loop.epoch(2, [(0.0, 0.01)] * 4)
+    assert TFLOPS in first and MFU not in first
+    assert [r.getMessage() for r in caplog.records].count("no mfu: 'Some GPU' unknown") == 1
+
+
+def test_a_language_model_counts_tokens():
+    loop = Loop(warmup_steps=1, items_metric=TOKENS_PER_S)
+    out = loop.epoch(1, [(0.0, 0.01)] * 3, samples=4, items=4 * 128)
+    assert out[SAMPLES_PER_S] == pytest.approx(400.0)
+    assert out[TOKENS_PER_S] == pytest.approx(51200.0)
+
+
+def test_a_long_epoch_keeps_a_bounded_state():
+    """Finished marks are folded as the epoch goes: the pending steps stay under FOLD_EVERY and
+    the step times are kept as a histogram, whatever the epoch's length."""
+    loop = Loop(warmup_steps=0)
+    loop.instruments.start_epoch(1)
+    for step in range(1, 5001):
+        loop.clock.now += 0.0001
+        with loop.instruments.step(step):
+            loop.clock.now += 0.01 + (step % 7) * 0.001
+        loop.instruments.counted(step, 16, 16)
+        assert len(loop.timer._pending) < FOLD_EVERY
+    assert len(loop.timer.bins) <= 10
+    loop.instruments.steps_done()
+    out = loop.instruments.epoch_metrics()
+    assert out[STEP_TIME_MS_P50] == pytest.approx(13.1, rel=0.01)
+
+
+def test_steps_outside_an_epoch_are_not_timed():
+    """A step the trainer takes outside train_epoch (a pre-flight, a test) records nothing."""
+    loop = Loop()
+    with loop.instruments.step(1):
+        loop.clock.now += 1.0
+    assert loop.timer.session_steps == 0 and loop.instruments.epoch_metrics() == {}
+
+
+def test_percentile_is_the_nearest_rank():
+    from collections import Counter
+
+    from runner.measure.timing import _BIN
+
+    bins = Counter({round(math.log(t) / _BIN): 1 for t in (0.01, 0.02, 0.03, 0.04)})
+    assert percentile(bins, 0.5) == pytest.approx(0.02, rel=0.005)
+    assert percentile(bins, 0.9) == pytest.approx(0.04, rel=0.005)
+
+
+# ---- the peak table ----------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "torch_name,gpu,bf16",
+    [
+        ("NVIDIA H100 80GB HBM3", "H100 SXM", 989.4),
+        ("NVIDIA H100 PCIe", "H100 PCIe", 756.0),
+        ("NVIDIA H100 NVL", "H100 NVL", 835.5),
+        ("NVIDIA H200", "H200", 989.4),
+        ("NVIDIA H200 NVL", "H200 NVL", 835.5),
+        ("NVIDIA A100-SXM4-80GB", "A100", 312.0),
+        ("NVIDIA A100-PCIE-40GB", "A100", 312.0),
+        ("NVIDIA A100 80GB PCIe", "A100", 312.0),
+        ("NVIDIA L4", "L4", 121.0),
+        ("NVIDIA L40S", "L40S", 362.05),
+        ("NVIDIA GeForce RTX 4090", "RTX 4090", 165.2),
+    ],
+)
+def test_the_peak_table_is_matched_on_torchs_names(torch_name, gpu, bf16):
+    assert peaks.find_peak(torch_name).gpu == gpu
+    assert peaks.peak_tflops(torch_name, "bf16") == bf16
+    assert set(peaks.find_peak(torch_name).tflops) >= {"fp32", "tf32", "bf16", "fp16"}
+
+
+def test_unknown_gpus_and_formats_have_no_peak():
+    assert peaks.find_peak("NVIDIA L40") is None  # not an L40S, not an L4
+    assert peaks.find_peak("NVIDIA GeForce RTX 4090 D") is None
+    assert peaks.find_peak("Tesla T4") is None and peaks.peak_tflops("Tesla T4", "fp16") is None
+    assert peaks.peak_tflops("NVIDIA A100-SXM4-40GB", "fp8") is None  # no fp8 on Ampere
+    assert peaks.peak_tflops("NVIDIA H100 80GB HBM3", "fp8") == 1978.9
+    # every peak doubles from tf32 to 16 bits to fp8 (the datasheets' dense figures)
+    for peak in peaks.PEAKS:
+        t = peak.tflops
+        assert t["bf16"] == t["fp16"] == pytest.approx(2 * t["tf32"], rel=0.02), peak.gpu
+        if "fp8" in t:
+            assert t["fp8"] == pytest.approx(2 * t["bf16"], rel=0.02), peak.gpu
+
+
+def test_the_compute_format_of_a_level():
+    linear, conv = nn.Sequential(nn.Linear(4, 4)), nn.Sequential(nn.Conv2d(3, 4, 3))
+    assert peaks.compute_format({torch.bfloat16}, fp8=True, model=linear) == "fp8"
+    assert peaks.compute_format({torch.float16}, fp8=False, model=linear) == "fp16"
+    assert peaks.compute_format({torch.bfloat16}, fp8=False, model=linear) == "bf16"
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = False, True
+        assert peaks.compute_format(set(), fp8=False, model=linear) == "fp32"
+        assert peaks.compute_format(set(), fp8=False, model=conv) == "tf32"  # cuDNN's default
+        torch.backends.cuda.matmul.allow_tf32 = True
+        assert peaks.compute_format(set(), fp8=False, model=linear) == "tf32"
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
