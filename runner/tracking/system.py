@@ -1,6 +1,7 @@
-"""System metrics of a run (CPU, memory, disk, network; GPU utilisation and memory where NVIDIA's
-or AMD's management library is there), sampled by MLflow's own monitors
-(`mlflow.system_metrics.metrics`, the ones `mlflow.start_run(log_system_metrics=True)` uses).
+"""System metrics of a run (CPU, memory, disk, network; GPU utilisation, memory and power where
+NVIDIA's management library, nvidia-ml-py, a dependency of the runner, or AMD's is there), sampled
+by MLflow's own monitors (`mlflow.system_metrics.metrics`, the ones
+`mlflow.start_run(log_system_metrics=True)` uses). A CUDA run without them says why once.
 
 They are logged through the run's own buffered sender as `system/<name>` (MLflow's names, e.g.
 `system/cpu_utilization_percentage`, which its UI charts in the "System metrics" tab), not by
@@ -14,6 +15,7 @@ period (0: off). MLflow's monitors need psutil (a dependency of the runner).
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -32,14 +34,21 @@ def _monitors() -> list[Any]:
         from mlflow.system_metrics.metrics.gpu_monitor import GPUMonitor
 
         monitors.append(GPUMonitor())
-    except Exception:  # noqa: BLE001  (no GPU, or no management library: no GPU metrics)
+    except Exception as nvidia:  # noqa: BLE001  (no GPU, or no management library)
         try:
             from mlflow.system_metrics.metrics.rocm_monitor import ROCMMonitor
 
             monitors.append(ROCMMonitor())
         except Exception:  # noqa: BLE001
-            pass
+            if _cuda_device():  # a GPU whose utilisation goes unrecorded: say why
+                log.warning("No GPU utilisation in the system metrics (system/gpu_*): %s", nvidia)
     return monitors
+
+
+def _cuda_device() -> bool:
+    """Whether the run has a CUDA GPU (torch, where the run has imported it)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.cuda.is_available()
 
 
 class SystemSampler:
