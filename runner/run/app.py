@@ -36,6 +36,7 @@ from runner.run.build import Parts, build, shape_findings, sharded  # noqa: F401
 from runner.run.distributed import Comm
 from runner.run.interrupts import StopRequest
 from runner.run.plan import RunPlan, make_plan
+from runner.tracking import metrics as m
 from runner.tracking import tags as tag
 
 log = logging.getLogger(__name__)
@@ -140,6 +141,8 @@ def run_record(
     params["data.train_size"] = str(len(parts.bundle.train))
     params["data.val_size"] = str(len(parts.bundle.val))
     params["model.num_parameters"] = str(sum(p.numel() for p in parts.model.parameters()))
+    if parts.flops_per_sample is not None:  # counted in planning (runner.measure.flops)
+        params[m.FLOPS_PER_SAMPLE] = str(round(parts.flops_per_sample))
     params["distributed.world_size"] = str(world_size)
     params["trainer.global_batch_size"] = str(cfg.trainer.batch_size * world_size)
     tags = dict(environment)

@@ -92,6 +92,12 @@ def build(
         sample = bundle.train[0][0]
         task = task_for(infer_task(plan, sample))
         check_output(cfg.model, bundle.num_classes, tuple(sample.shape), task=task)
+    flops = plan.flops_per_sample()  # (on the meta device: before the memory baseline)
+    if flops is None:
+        log.info(
+            "FLOPs per sample not counted (the data does not declare its input's shape, or "
+            "the meta device cannot run the model): no tflops or mfu for this run"
+        )
     memory = MemoryProbe(device)
     memory.reset()
     model = build_model(
@@ -181,6 +187,7 @@ def build(
         findings,
         criterion,
         task,
+        flops,
     )
 
 

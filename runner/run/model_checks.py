@@ -49,6 +49,19 @@ class MetaModel:
             raise error
         return model
 
+    def flops_per_sample(self, dtype: torch.dtype) -> Optional[float]:
+        """The model's training FLOPs per sample (forward and backward, for inputs of the
+        declared shape and `dtype`: runner.measure.flops), counted the first time asked and
+        kept; None where the model cannot be made or run on the meta device."""
+        if not hasattr(self, "_flops"):
+            from runner.measure.flops import training_flops_per_sample
+
+            model = self.get()
+            self._flops = (
+                None if model is None else training_flops_per_sample(model, self.declared[1], dtype)
+            )
+        return self._flops
+
     def get(self) -> Optional[torch.nn.Module]:
         """The model, or None where the input is not declared or the model cannot be made on the
         meta device (a ConfigError about it is raised)."""

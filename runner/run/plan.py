@@ -78,6 +78,16 @@ class RunPlan:
         where the data does not declare its input or the model cannot be made there."""
         return self.meta.get() if self.meta is not None else None
 
+    def flops_per_sample(self) -> Optional[float]:
+        """The model's training FLOPs per sample (forward and backward), counted once on the
+        meta model (the first time asked: a run's build, a dry run); None where the data does
+        not declare its input or the meta device cannot run the model."""
+        from runner.tasks import task_for
+
+        if self.meta is None:
+            return None
+        return self.meta.flops_per_sample(task_for(self.task).input_dtype)
+
     def in_fp32(self, device: Optional[torch.device] = None) -> RunPlan:
         """The same run in fp32 (O0 on `device`, default the plan's), without a layer plan and
         resuming nothing: what a range pre-flight measures (runner.run.autoplan and

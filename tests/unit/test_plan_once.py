@@ -124,3 +124,28 @@ def test_the_build_makes_no_meta_model(counted):
         assert parts.engine.layer_plan.digest() == plan.layer_check.digest()
     finally:
         parts.close()
+
+
+def test_the_flops_are_counted_once_on_the_plans_meta_model(counted, monkeypatch):
+    """The model's training FLOPs per sample: counted on the plan's meta model (no other
+    build), the first time asked, and carried to the run's parts."""
+    from runner.measure import flops as flop_counting
+
+    counts, _ = counted
+    real_count = flop_counting.training_flops_per_sample
+
+    def count(*args, **kwargs):
+        counts["flops"] += 1
+        return real_count(*args, **kwargs)
+
+    monkeypatch.setattr(flop_counting, "training_flops_per_sample", count)
+    plan = make_plan(compose_config(*COMMON))
+    assert counts == {"meta": 1}
+    flops = plan.flops_per_sample()
+    assert flops > 0 and plan.flops_per_sample() == flops
+    assert counts == {"meta": 1, "flops": 1}
+    parts = build.build(plan)
+    try:
+        assert parts.flops_per_sample == flops and counts == {"meta": 1, "flops": 1}
+    finally:
+        parts.close()
