@@ -10,9 +10,10 @@ O0 (fp32) run of its group (the same model and the same values of those params, 
 speedup = O0's train time / the run's, memory ratio = the run's peak memory / O0's; the table
 names that baseline. The files are also logged as artifacts of
 the sweep's parent run (under `report/`), so they show in the MLflow UI beside the runs. Runs that
-did not finish are listed under the table with the reason: their `error` tag (a failure, an
-interrupt, or "process vanished: ..." for a run whose process was killed outright and that a later
-run ended KILLED: runner.tracking.liveness), or for a run still RUNNING its last heartbeat.
+did not finish are listed under the table, by the name their row shows and their run id, with the
+reason: their `error` tag (a failure, an interrupt, or "process vanished: ..." for a run whose
+process was killed outright and that a later run ended KILLED: runner.tracking.liveness), or for a
+run still RUNNING its last heartbeat.
 
     python -m runner.report                                  # the newest sweep in ./mlflow.db
     python -m runner.report --parent <run id> --out report   # one sweep, by its parent run

@@ -235,16 +235,22 @@ def render_markdown(rows: Sequence[Row], title: str, source: str) -> str:
         "",
     ]
     lines += render_seed_table(rows)
+    # each run as its row names it, with its id (to find it in the store)
+    names = display_names(rows)
     missing = [r for r in rows if r.missing]
     if missing:
         lines += ["Runs lacking metrics (shown as -):", ""]
-        lines += [f"- {r.run_name} ({r.status}): no {', '.join(r.missing)}" for r in missing]
+        lines += [
+            f"- {names[r.run_id]} (run {r.run_id}, {r.status}): no {', '.join(r.missing)}"
+            for r in missing
+        ]
         lines.append("")
     unfinished = [r for r in rows if r.status != "FINISHED"]
     if unfinished:
         lines += ["Runs that did not finish:", ""]
         lines += [
-            f"- {r.run_name} ({r.status}): {r.reason or 'no reason recorded'}" for r in unfinished
+            f"- {names[r.run_id]} (run {r.run_id}, {r.status}): {r.reason or 'no reason recorded'}"
+            for r in unfinished
         ]
         lines.append("")
     if not any(r.baseline for r in rows):

@@ -240,13 +240,15 @@ def run(
     overrides: Sequence[str] = (),
     output_dir: str | os.PathLike | None = None,
     extra_tags: Mapping[str, str] | None = None,
+    apart: str = "",
 ) -> float | None:
     """Train once as `cfg` says; returns the task's objective (runner.tasks): a classifier's
     best validation accuracy, a language model's best validation loss (None for a dry run).
-    `extra_tags` are added to the run's own (a sweep job passes its parent run's id this way).
+    `extra_tags` are added to the run's own (a sweep job passes its parent run's id this way),
+    `apart` to its default name (a sweep job's swept values: runner.run.plan.default_run_name).
     Under torchrun this is one rank of a DistributedDataParallel run (see
     runner.run.distributed)."""
-    plan = make_plan(cfg)
+    plan = make_plan(cfg, apart)
     if cfg.dry_run:
         print_dry_run(plan)
         return None

@@ -101,11 +101,12 @@ class RunPlan:
         )
 
 
-def make_plan(cfg: DictConfig) -> RunPlan:
+def make_plan(cfg: DictConfig, apart: str = "") -> RunPlan:
     """Check everything about `cfg` and decide the run (see the module docstring); raises
-    ConfigError naming the key for any bad input, before anything is built."""
+    ConfigError naming the key for any bad input, before anything is built. `apart`: what sets
+    a sweep job apart from the sweep's other jobs, added to its default name."""
     checked = check_config(cfg)
-    run_name = default_run_name(cfg, checked.resolution.properties)
+    run_name = default_run_name(cfg, checked.resolution.properties, apart)
     folder = checkpoint.run_folder(cfg.trainer.checkpoint_dir, cfg.mlflow.experiment_name, run_name)
     config_tree = OmegaConf.to_container(cfg, resolve=True)
     resume = Resume.decide(cfg.resume, folder, config_tree)
@@ -298,15 +299,24 @@ def resolve_precision(
     return resolution, rules
 
 
-def default_run_name(cfg: DictConfig, properties: Optional[Properties] = None) -> str:
+def default_run_name(
+    cfg: DictConfig, properties: Optional[Properties] = None, apart: str = ""
+) -> str:
     """`mlflow.run_name`, or `<model>-<level>` (e.g. densenet161-O2; a zoo model's arch,
     vit_b_16-O2; a `_target_` model's class, MyNet-O2) with what sets the run apart
     from the other runs of a sweep: each property's suffix (runner.config.precision: `-bf16`
     where it computes in bfloat16, `-fp8` with fp8 Linear layers instead, `-sr` with stochastic
-    rounding), then `-compiled` through torch.compile.
+    rounding), then `-compiled` through torch.compile, then a sweep job's `apart` (its swept
+    values, `lr=0.1 seed=2`, or its trial: runner.sweep.jobs.job_label) after a space.
     `properties`: the resolved ones, when the caller has them (else resolved here)."""
     if cfg.mlflow.run_name:
         return cfg.mlflow.run_name
+    name = _level_name(cfg, properties)
+    return f"{name} {apart}" if apart else name
+
+
+def _level_name(cfg: DictConfig, properties: Optional[Properties]) -> str:
+    """`<model>-<level>` and the suffixes of `default_run_name`."""
     name = f"{options.label(cfg.model)}-{cfg.precision.opt_level}"
     if properties is None:
         values = OmegaConf.to_container(cfg.precision, resolve=True)

@@ -26,6 +26,7 @@ from runner.sweep.jobs import (
     resolved,
     speed_summary,
     sweep_overrides,
+    varying_keys,
 )
 from runner.sweep.parent import SweepParent
 from runner.tracking import tags as tag
@@ -105,6 +106,7 @@ class MlflowSweepCallback(Callback):
             config.mlflow.experiment_name,
             tracker.experiment_id,
             self._parent_run.run_id,
+            " ".join(varying_keys(config)),
         )
         self.parent.save(sweep_dir)
         self._sweep_dir = sweep_dir

@@ -50,6 +50,51 @@ def sweep_overrides(config: DictConfig) -> list[str]:
     ]
 
 
+# the keys a run's name tells already (`<model>-<level>`): not repeated after it
+NAMED_KEYS = ("model", "model._target_", "model.arch", "model.name", "precision")
+
+
+def varying_keys(config: DictConfig) -> list[str]:
+    """The keys (as the overrides spell them, without `+` or `~`) whose values differ between the
+    jobs of the basic sweeper's expansion, in the order they are given, but those a run's name
+    tells already (the model and the precision preset); [] for another sweeper (Optuna), whose
+    jobs are known only as they run."""
+    jobs = sweep_jobs(config) or []
+    values: dict[str, list[str | None]] = {}
+    for number, job in enumerate(jobs):
+        for key, value in _assignments(job).items():
+            values.setdefault(key, [None] * len(jobs))[number] = value
+    return [k for k, v in values.items() if len(set(v)) > 1 and k not in NAMED_KEYS]
+
+
+def _assignments(overrides: Sequence[str]) -> dict[str, str]:
+    """{key: value} of `key=value` overrides (`+` and `~` dropped; the last of a key wins)."""
+    out: dict[str, str] = {}
+    for text in overrides:
+        key, sign, value = text.partition("=")
+        if sign:
+            out[key.lstrip("+~")] = value
+    return out
+
+
+def job_label(
+    overrides: Sequence[str], varying: Sequence[str], job_num: int, sweeper: str = BASIC_SWEEPER
+) -> str:
+    """What tells a sweep job's run apart from the other jobs' (added to its `<model>-<level>`
+    name): the job's values of the `varying` keys, `lr=0.1 seed=2` (each key by its last part
+    where no other varying key shares it, else in full); under another sweeper than the basic
+    one (Optuna), whose values are drawn as it goes, the trial's number, `trial 3`."""
+    if sweeper and sweeper != BASIC_SWEEPER:
+        return f"trial {job_num}"
+    last = [key.rsplit(".", 1)[-1] for key in varying]
+    given = _assignments(overrides)
+    return " ".join(
+        f"{short if last.count(short) == 1 else key}={given[key]}"
+        for key, short in zip(varying, last)
+        if key in given
+    )
+
+
 def preflight(config: DictConfig, config_name: str | None, tracking_uri: str) -> int | None:
     """Check every job's config before any job runs (ConfigError names the job and the key);
     returns the number of jobs, or None when the sweeper decides them as it goes."""
@@ -179,13 +224,14 @@ def run_job(
 
     tags = {tag.PARENT_RUN: parent.run_id, tag.JOB_NUM: str(job_num)}
     raises = bool(sweeper) and sweeper != BASIC_SWEEPER
+    apart = job_label(overrides, parent.varying.split(), job_num, sweeper)
     try:
         same_store(cfg, parent.tracker, parent.location, parent.experiment_name)
         if _resuming(cfg):
             done, cfg = _resume_job(cfg, parent, job_num)
             if done is not None:
                 return done
-        best = run(cfg, overrides=overrides, output_dir=output_dir, extra_tags=tags)
+        best = run(cfg, overrides=overrides, output_dir=output_dir, extra_tags=tags, apart=apart)
     except Exception as error:  # noqa: BLE001  (recorded and counted; the sweep goes on)
         if isinstance(error, RunnerError):
             log.error("Sweep job #%d failed: %s", job_num, error)
@@ -199,7 +245,7 @@ def run_job(
         try:
             tracker = parent.open()
             if not parent.children(tracker, job_num):
-                tracker.record_failure(default_run_name(cfg), tags, error, output_dir)
+                tracker.record_failure(default_run_name(cfg, apart=apart), tags, error, output_dir)
         except Exception:  # noqa: BLE001  (the store itself is failing: the log says so)
             log.exception("Could not record sweep job #%d's failure in MLflow", job_num)
         if raises:

@@ -25,6 +25,9 @@ class SweepParent:
     experiment_name: str
     experiment_id: str
     run_id: str
+    # the keys whose values differ between the jobs (space-separated), for the jobs' run names
+    # (runner.sweep.jobs.job_label); empty when the sweeper decides the jobs as it goes
+    varying: str = ""
 
     FILE = ".amp-runner-sweep.json"
 
@@ -34,7 +37,16 @@ class SweepParent:
         dry-run sweep, or a sweep that has ended)."""
         try:
             data = json.loads((Path(sweep_dir) / cls.FILE).read_text())
-            return cls(**{f.name: str(data[f.name]) for f in dataclasses.fields(cls)})
+            return cls(
+                **{
+                    f.name: str(
+                        data[f.name]
+                        if f.default is dataclasses.MISSING
+                        else data.get(f.name, f.default)
+                    )
+                    for f in dataclasses.fields(cls)
+                }
+            )
         except (OSError, ValueError, KeyError, TypeError):
             return None
 

@@ -187,7 +187,7 @@ def test_runs_lacking_metrics_are_reported_not_fatal(tracking_uri, tmp_path, cap
                 epoch,
             )
         run.log_metrics({"best_val_acc": 0.7, "train_time_s": 10.0}, 2)
-    tracker.record_failure("tiny-O3", child_tags, RuntimeError("diverged"))
+    failed = tracker.record_failure("tiny-O3", child_tags, RuntimeError("diverged"))
     parent.end("FINISHED")
 
     out = tmp_path / "report"
@@ -198,9 +198,10 @@ def test_runs_lacking_metrics_are_reported_not_fatal(tracking_uri, tmp_path, cap
     assert rows["tiny-O3"]["level"] == "?"  # it failed before any param was logged
     markdown = (out / "comparison.md").read_text()
     assert (
-        "- tiny-O3 (FAILED): no best_val_acc, train_time_s, samples_per_s, peak_mem_mb, "
-        "skipped_steps"
+        f"- tiny-O3 (run {failed}, FAILED): no best_val_acc, train_time_s, samples_per_s, "
+        "peak_mem_mb, skipped_steps"
     ) in markdown
+    assert f"- tiny-O3 (run {failed}, FAILED): RuntimeError: diverged" in markdown
     assert {p.name for p in out.iterdir()} == REPORT_FILES
 
 

@@ -126,6 +126,52 @@ def test_jobs_in_one_process_do_not_leak_into_each_other(tmp_path):
     assert mlflow.active_run() is None
 
 
+def test_jobs_are_named_by_the_values_that_vary_and_the_report_lists_failed_ones(tmp_path):
+    """An lr x seed sweep: each child is `<model>-<level>` and its own values of the swept keys
+    (short key names), its checkpoints in a folder of that name; the two lrs that diverge fail,
+    and the report's list of runs that did not finish names them with their run ids."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    folder = tmp_path / "ckpt"
+    status = run_in_process(
+        "-m",
+        *FAST,
+        "trainer.max_epochs=1",
+        "scheduler=none",
+        "trainer.max_bad_steps=1",
+        "optimizer.lr=0.05,1e30",
+        "trainer.seed=1,2",
+        f"trainer.checkpoint_dir={folder}",
+        f"mlflow.tracking_uri={uri}",
+    )
+    assert status == 1  # two jobs failed
+    _, parent, children = sweep_tree(uri)
+    # (the values as Hydra gives them to the jobs: 1e30 is 1e+30)
+    names = [f"tiny-O0 lr={lr} seed={seed}" for lr in ("0.05", "1e+30") for seed in (1, 2)]
+    assert sorted(children) == names
+    finished, failed = names[:2], names[2:]
+    assert all(children[n].info.status == "FINISHED" for n in finished)
+    assert all(children[n].info.status == "FAILED" for n in failed)
+    assert set(parent.data.tags["sweep.failed_jobs"].split("; ")) == {
+        f"{n} (FAILED)" for n in failed
+    }
+    saved = sorted(p.name for p in (folder / "amp-runner").iterdir())
+    assert saved == ["tiny-O0_lr=0.05_seed=1", "tiny-O0_lr=0.05_seed=2"]
+    for name in finished:
+        assert (
+            folder / "amp-runner" / name.replace(" ", "_") / children[name].info.run_id
+        ).is_dir()
+
+    from runner.report.cli import main as report_main
+
+    assert report_main(["--tracking-uri", uri, "--out", str(tmp_path / "report")]) == 0
+    markdown = (tmp_path / "report" / "comparison.md").read_text()
+    listed = markdown.split("Runs that did not finish:")[1]
+    for name in failed:
+        run_id = children[name].info.run_id
+        assert f"- {name} (run {run_id}, FAILED): DivergenceError: training diverged" in listed
+    assert all(f"| {name} |" in markdown for name in names)  # the rows the list refers to
+
+
 @pytest.mark.parametrize(
     "sweep,needles",
     [
@@ -317,6 +363,10 @@ def test_a_killed_sweep_continues_with_resume_auto(tmp_path):
     assert parent.data.metrics["jobs"] == 3 and parent.data.metrics["failed_jobs"] == 0
     children = {r.data.tags["sweep.job_num"]: r for r in runs if r.info.run_id != parent_id}
     assert all(c.info.status == "FINISHED" for c in children.values())
+    # each job named by its seed, its checkpoints in a folder of that name: found again
+    assert [children[j].info.run_name for j in "012"] == [f"tiny-O0 seed={s}" for s in (1, 2, 3)]
+    resumed = tmp_path / "checkpoints" / "amp-runner" / "tiny-O0_seed=2" / before["1"].info.run_id
+    assert (resumed / "last.pt").is_file()
     assert children["0"].info.end_time == before["0"].info.end_time  # kept as it was
     assert children["1"].info.run_id == before["1"].info.run_id
     assert children["1"].data.tags["resume.count"] == "1"

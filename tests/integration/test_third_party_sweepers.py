@@ -76,10 +76,10 @@ def test_an_optuna_study_stopped_by_a_failed_trial_names_it_on_the_parent(optuna
     assert parent.info.status == "FAILED"
     error = parent.data.tags["error"]
     assert error.startswith(
-        "the sweep stopped early (exit status 1); failed: tiny-O0 (#0): "
+        "the sweep stopped early (exit status 1); failed: tiny-O0 trial 0 (#0): "
         "ConfigError: optimizer.lr: got -1.0"
     ), error
-    assert parent.data.tags["sweep.failed_jobs"].startswith("tiny-O0 (#0): ConfigError")
+    assert parent.data.tags["sweep.failed_jobs"].startswith("tiny-O0 trial 0 (#0): ConfigError")
     # the plugin launches its trials in batches (hydra.sweeper.n_jobs, 2) and stops after the
     # batch that failed (max_failure_rate 0.0, its default): both of this batch's jobs are there
     assert [(c.info.status, c.data.tags["sweep.job_num"]) for c in children] == [
