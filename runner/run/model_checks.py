@@ -1,8 +1,9 @@
 """Planning's checks of the run's model, before anything is built: the parts the config names
 (the model, the data, the loss, a language model's context and vocabulary), the model's output
-against the data, the layer plan and the FSDP units, all on one model built on PyTorch's meta
-device (`MetaModel`: shapes, no memory, built at most once per plan). Each raises ConfigError
-naming the key; `runner.run.plan.check_config` runs them in this order."""
+against the data, a language model's positional table against the data's sequences, the layer
+plan and the FSDP units, all on one model built on PyTorch's meta device (`MetaModel`: shapes,
+no memory, built at most once per plan). Each raises ConfigError naming the key;
+`runner.run.plan.check_config` runs them in this order."""
 
 from __future__ import annotations
 
@@ -103,6 +104,8 @@ def check_parts(
     meta = MetaModel(cfg.model, specs.get("model"), declared)
     if declared is not None:
         check_output(cfg.model, *declared, task=task_for(task), build=meta.build)
+        if task == options.LANGUAGE_MODEL:
+            check_positions(cfg, meta)
     return meta
 
 
@@ -135,6 +138,59 @@ def check_context(cfg: DictConfig) -> None:
                 f"context holds {context} (model.{key})",
                 f"at most {context}, or a model with a longer context",
             )
+
+
+def check_positions(cfg: DictConfig, meta: MetaModel) -> None:
+    """A language model's positional table must hold the data's sequences, whatever the model
+    calls its size: one forward of a sequence of `data.block_size` tokens on the meta model
+    watches every embedding table; one looked up with other indices than the token ids
+    themselves (or a view of them), such as the positions `arange(T)`, over T positions but
+    with fewer rows than T, is refused, naming both numbers, the table and the keys to change.
+    (On the meta device a lookup past a table's end raises nothing: the sizes tell it.)"""
+    model = meta.get()
+    if model is None:
+        return
+    block = int(meta.declared[1][-1])
+    tokens = torch.zeros((1, block), dtype=torch.long, device="meta")
+    short: list[tuple[str, torch.nn.Embedding]] = []
+
+    def watch(name: str, table: torch.nn.Embedding, args: tuple) -> None:
+        index = args[0] if args else None
+        if not isinstance(index, torch.Tensor) or index is tokens or index._base is tokens:
+            return  # the token ids: the vocabulary's table (check_vocabulary)
+        if index.ndim and index.shape[-1] == block and table.num_embeddings < block:
+            short.append((name, table))
+
+    hooks = [
+        module.register_forward_pre_hook(lambda m, args, name=name: watch(name, m, args))
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Embedding)
+    ]
+    try:
+        with torch.no_grad():
+            model(tokens)
+    except Exception:  # noqa: BLE001  (check_output has run the same forward: the run will tell)
+        return
+    finally:
+        for hook in hooks:
+            hook.remove()
+    if not short:
+        return
+    name, table = short[0]
+    rows = table.num_embeddings
+    keys = [
+        f"model.{k}={block}"
+        for k, v in OmegaConf.to_container(cfg.model, resolve=True).items()
+        if isinstance(v, int) and not isinstance(v, bool) and v == rows
+    ]
+    raise ConfigError(
+        "data.block_size",
+        f"{block} tokens per sequence, but the model's positional table {name} holds {rows} "
+        f"positions (nn.Embedding({rows}, {table.embedding_dim}), looked up with {block} "
+        "positions in a forward on the meta device)",
+        f"at most {rows}, or a model with a longer context"
+        + (f": {' or '.join(keys)}" if keys else ""),
+    )
 
 
 def check_layers(

@@ -2,7 +2,8 @@
 key, with or without `+`; a value of the wrong type) exit 2 with one line naming the group or key,
 what was given and the nearest right spellings, closest first: no traceback, no Hydra search
 path, nothing created. HYDRA_FULL_ERROR=1 still shows Hydra's own error. `--help` lists the groups
-a user picks from and the launchers and sweepers installed."""
+a user picks from and the launchers and sweepers installed. A language model whose positional
+table is shorter than the data's sequences is refused in planning the same way."""
 
 from __future__ import annotations
 
@@ -98,3 +99,54 @@ def test_help_lists_what_a_user_picks(tmp_path):
     for plugin, (line, options) in installed.items():
         present = importlib.util.find_spec(f"hydra_plugins.{plugin}") is not None
         assert all((option in line) == present for option in options), (plugin, line)
+
+
+# a user's language model whose positional table holds `context` positions, whatever the data's
+SHORT_LM = """
+import torch
+from torch import nn
+
+
+class ShortGPT(nn.Module):
+    def __init__(self, vocab_size=64, context=16, width=16):
+        super().__init__()
+        self.tok = nn.Embedding(vocab_size, width)
+        self.pos = nn.Embedding(context, width)
+        self.head = nn.Linear(width, vocab_size)
+
+    def forward(self, idx):
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        return self.head(self.tok(idx) + self.pos(positions))
+"""
+SHORT_TABLE = (
+    "data.block_size: 32 tokens per sequence, but the model's positional table pos holds 16 "
+    "positions (nn.Embedding(16, 16), looked up with 32 positions in a forward on the meta "
+    "device) (allowed: at most 16, or a model with a longer context"
+)
+
+
+@pytest.mark.parametrize("given", [[], ["+model.context=16"]], ids=["default", "given"])
+def test_a_language_model_s_short_context_is_refused_in_planning(given, tmp_path):
+    """The table's size is the model's own default or an argument of any name: planning finds it
+    on the meta model (where an IndexError would come only once training ran), and names the
+    argument to change where the config gives it."""
+    (tmp_path / "short_lm.py").write_text(SHORT_LM)
+    result = run_cli(
+        "model=custom",
+        "model._target_=short_lm.ShortGPT",
+        *given,
+        "data=synthetic_text",
+        "data.block_size=32",
+        "trainer.device=cpu",
+        f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+        cwd=tmp_path,
+        timeout=300,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output[-3000:]
+    fix = ": model.context=32)" if given else ")"
+    assert SHORT_TABLE + fix in output
+    assert len([line for line in output.splitlines() if line.strip()]) == 1, output
+    assert "Traceback" not in output and "IndexError" not in output
+    left = [name for name in created(tmp_path) if name != "__pycache__"]
+    assert left == ["short_lm.py"]  # no store, no run, no checkpoint
