@@ -33,6 +33,14 @@
 #                                    # into levels_gpt_cuda.*, peers.py on GPT-2 small against
 #                                    # torchtitan's float8 recipe (peers_gpt_cuda.*), the ViT's
 #                                    # compiled o1_bf16/o1_fp8 again (levels_vit_cuda.*)
+#   bash benchmarks/gpu_suite.sh 9   # the logged time, one call of ~6 minutes: kernels build,
+#                                    # the step timer's GPU tests (no host sync between logging
+#                                    # steps), then steady.py: the mission's command at O0 and O2
+#                                    # on densenet161 (224 px, batch 64, 60 steps, 8 workers) as a
+#                                    # user types it, its logged steady samples_per_s ratio
+#                                    # against levels.py's for the same model and batch (target:
+#                                    # within 10%; steady_cuda.*), and whether NVML is there for
+#                                    # the GPU utilisation metrics
 #
 # Parts 7 and 8 write their own levels files, so the committed levels_cuda.* (measured before the
 # device fix) are not overwritten; merge afterwards, each later file winning per cell:
@@ -74,8 +82,8 @@
 set -uo pipefail
 
 PART=${1:-}
-if [[ ! "$PART" =~ ^[1-8]$ ]]; then
-  echo "usage: bash benchmarks/gpu_suite.sh 1|2|3|4|5|6|7|8   (commands under 10 minutes each)" >&2
+if [[ ! "$PART" =~ ^[1-9]$ ]]; then
+  echo "usage: bash benchmarks/gpu_suite.sh 1|2|3|4|5|6|7|8|9   (each under 10 minutes)" >&2
   exit 2
 fi
 if [[ -z "${OUT:-}" ]]; then
@@ -234,6 +242,15 @@ elif [[ "$PART" == 8 ]]; then
     --models gpt2_small "${GPT[@]}" --levels o1_bf16+compile,o1_fp8+compile --merge --out "$GOUT"
   piece bench_levels_vit_compiled 100 "$PY" benchmarks/levels.py --device cuda \
     --models "$VIT" --levels o1_bf16+compile,o1_fp8+compile --out benchmarks/results/levels_vit_cuda.md
+elif [[ "$PART" == 9 ]]; then
+  # GPU utilisation in the system metrics needs NVIDIA's management library (nvidia-ml-py)
+  "$PY" -c "import pynvml; pynvml.nvmlInit(); print('NVML', pynvml.nvmlSystemGetDriverVersion())" \
+    || echo "note: no nvidia-ml-py here: runs log no system/gpu_* metrics (carry its wheel)"
+  piece tests_gpu_timing 90 "$PY" -m pytest -q -p no:cacheprovider -rfE -m gpu \
+    tests/gpu/test_timing_cuda.py
+  # the mission's command at O0 and O2 (each one process, as a user runs it), then levels.py's
+  # two cells for the same model and batch: logged steady ratio within 10% of levels.py's
+  piece steady_densenet 420 "$PY" benchmarks/steady.py --device cuda --work "$WORK/steady"
 elif [[ "$PART" == 4 ]]; then
   # a language model: sizes are tokens per sequence (1024); GPT-2's vocabulary padded to 50304
   # (a multiple of 64, as nanoGPT does) over the synthetic language's ids

@@ -1,0 +1,40 @@
+"""benchmarks/steady.py at a CPU's size: the runner's command per level as a user types it, its
+logged steady samples_per_s read back beside levels.py's for the same model and batch, and the
+verdict's ratios (the timings themselves are not asserted)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.benchmarks import load_benchmark
+
+
+def test_steady_smoke(tmp_path: Path):
+    bench = load_benchmark("steady")
+    out = tmp_path / "steady.md"
+    argv = ["--device", "cpu", "--model", "tiny", "--image-size", "8", "--batch-size", "8"]
+    argv += ["--steps", "6", "--levels", "o0,o1_bf16", "--work", str(tmp_path / "work")]
+    assert bench.main([*argv, "--out", str(out)]) == 0
+    report = json.loads(out.with_suffix(".json").read_text())
+    rows = {r["level"]: r for r in report["rows"]}
+    for row in rows.values():
+        assert row["status"] == "ok" and row["samples_per_s"] > 0 and row["warmup_time_s"] > 0
+        assert row["epoch_samples_per_s"] > 0 and row["levels_samples_per_s"] > 0
+        assert row["kernels"] and int(row["flops_per_sample"]) > 0
+    verdict = report["verdict"]
+    assert verdict["logged_ratio"] == pytest.approx(
+        rows["o1_bf16"]["samples_per_s"] / rows["o0"]["samples_per_s"]
+    )
+    assert verdict["levels_ratio"] > 0 and isinstance(verdict["pass"], bool)
+    text = out.read_text()
+    assert "o1_bf16 / o0: logged steady" in text and "levels.py" in text
+
+
+def test_steady_wants_two_levels(tmp_path: Path, capsys):
+    bench = load_benchmark("steady")
+    with pytest.raises(SystemExit) as stop:
+        bench.main(["--device", "cpu", "--levels", "o0"])
+    assert stop.value.code == 2 and "two presets" in capsys.readouterr().err
