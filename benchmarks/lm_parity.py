@@ -888,8 +888,9 @@ def render_markdown(report: dict, rows: Sequence[LevelSummary]) -> str:
         notes.append(f"`{level}` was not run: {why}.")
     notes.append(
         "Perplexity of the mean: exp(mean best validation loss). token acc: the mean "
-        "`val_token_acc` (next byte predicted right). tokens/s: the mean training "
-        "throughput (`tokens_per_s`), which depends on the machine and its load."
+        "`val_token_acc` (next byte predicted right). tokens/s: the mean steady training "
+        "throughput (`tokens_per_s`: the steps after the warm-up), which depends on the "
+        "machine and its load."
     )
     for note in notes:
         lines += [note, ""]

@@ -265,3 +265,18 @@ def test_the_compute_format_of_a_level():
         assert peaks.compute_format(set(), fp8=False, model=linear) == "tf32"
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def test_the_compile_count_grows_when_torch_compile_compiles():
+    """What the trainer gives the timer with trainer.compile: a count that grows over a step
+    that compiles or recompiles (a new shape), not over one that reuses a compiled graph."""
+    from runner.run.step_timing import compile_count
+
+    double = torch.compile(lambda x: x * 2, backend="eager", dynamic=False)
+    before = compile_count()
+    double(torch.ones(2))
+    compiled = compile_count()
+    double(torch.ones(2))
+    reused = compile_count()
+    double(torch.ones(3))
+    assert compiled > before and reused == compiled and compile_count() > reused
