@@ -49,6 +49,12 @@ def test_level_sweep_is_one_parent_with_a_child_per_level(levels_sweep):
         assert child.data.params["precision.opt_level"] == name[-2:]
         assert [m.step for m in client.get_metric_history(child.info.run_id, "val_acc")] == [1, 2]
     assert sorted(c.data.tags["sweep.job_num"] for c in children.values()) == ["0", "1", "2", "3"]
+    # the sweep's summary: each job's steady throughput, against the first job's
+    output = result.stdout + result.stderr
+    for name, child in children.items():
+        rate = child.data.metrics["samples_per_s"]
+        first = children["tiny-O0"].data.metrics["samples_per_s"]
+        assert f"  {name}: {rate:,.0f} samples/s steady ({rate / first:.2f}x tiny-O0)" in output
 
     assert parent.info.status == "FINISHED"
     assert parent.info.run_name == "sweep precision=o0,o1,o2,o3"
