@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from runner.measure.instruments import Instrument, Instruments
 from runner.measure.timing import DATA_WAIT_FRAC, SAMPLES_PER_S, STEP_TIME_MS_P50, CudaClock
 from runner.run.build import build
 from runner.run.plan import make_plan
@@ -14,41 +15,56 @@ from runner.run.trainer import RunContext, Trainer, trainer_config
 from tests.helpers.runs import FAST, compose_config
 
 
+class NoSyncInSteadySteps(Instrument):
+    """Started first and closed last at every step: a steady step (past the warm-up) runs
+    entirely under torch's sync debug mode "error", so any host sync inside it (the timer's
+    marks included) raises; the loop's own reads between steps (the periodic loss read, the
+    epoch's end) run outside it."""
+
+    every_step = True
+
+    def __init__(self, warmup_steps: int):
+        self.warmup_steps, self.strict = warmup_steps, []
+
+    def start(self, step: int) -> None:
+        if step > self.warmup_steps:
+            torch.cuda.set_sync_debug_mode("error")
+            self.strict.append(step)
+
+    def close(self) -> None:
+        torch.cuda.set_sync_debug_mode(0)
+
+
 @pytest.mark.gpu
 def test_steady_steps_between_logging_steps_never_sync():
     cfg = compose_config(
         *FAST,
-        "data.num_train=320",
+        "data.num_train=320",  # 10 steps of 32: 3 warm-up, 7 steady, logging every 4
         "precision=o1_bf16",  # (no loss scale: no found-inf read in the step)
         "trainer.device=cuda",
-        "trainer.log_every_n_steps=1000",
+        "trainer.log_every_n_steps=4",
     )
     plan = make_plan(cfg)
     parts = build(plan)
+    logged: list[dict] = []
     trainer = Trainer(
         trainer_config(cfg.trainer),
         parts,
-        RunContext(on_metrics=lambda metrics, step: None),
+        RunContext(on_metrics=lambda metrics, step: logged.append(dict(metrics))),
         device=plan.device,
     )
-    batches = [trainer._to_device(x, y) for x, y in parts.train_loader]
-    torch.cuda.synchronize()
-    trainer.model.train()
-    trainer.instruments.start_epoch(1)
-    for step, (x, y) in enumerate(batches, start=1):
-        steady = step > cfg.trainer.warmup_steps  # (the first: memory by kind, the audit)
-        torch.cuda.set_sync_debug_mode("error" if steady else 0)
-        try:
-            trainer.train_step(x, y)
-            trainer.instruments.counted(step, y.shape[0], y.shape[0])
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        trainer.global_step = step
-    trainer.instruments.steps_done()
-    metrics = trainer.instruments.epoch_metrics()
+    guard = NoSyncInSteadySteps(cfg.trainer.warmup_steps)
+    trainer.instruments = Instruments(guard, *trainer.instruments.all)
+    try:
+        trainer.train_epoch(1)
+        metrics = trainer.instruments.epoch_metrics()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        parts.close()
+    assert guard.strict == list(range(4, 11))
+    assert [m for m in logged if "train_loss" in m]  # the periodic reads happened, between steps
     assert metrics[SAMPLES_PER_S] > 0 and metrics[STEP_TIME_MS_P50] > 0
     assert 0 <= metrics[DATA_WAIT_FRAC] < 1
-    parts.close()
 
 
 @pytest.mark.gpu
