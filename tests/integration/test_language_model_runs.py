@@ -493,6 +493,7 @@ def test_the_fp16_levels_step_the_gpt(preset, tracking_uri):
         "trainer.max_epochs=1",
         "trainer.limit_train_batches=3",
         "trainer.limit_val_batches=2",
+        "trainer.warmup_steps=1",  # two steady steps: the steady tokens_per_s is logged
     )
     _lm_contract(run, preset)
     assert math.isfinite(best)

@@ -240,7 +240,7 @@ def test_the_report_shows_reaped_runs_as_killed_with_the_reason(tracking_uri, tm
     out = tmp_path / "report"
     assert report_main(["--tracking-uri", tracking_uri, "--out", str(out)]) == 0
     reason = tracker.client.get_run(lost).data.tags[tag.ERROR]
-    assert f"- tiny-O1 (KILLED): {reason}" in (out / "comparison.md").read_text()
+    assert f"- tiny-O1 (run {lost}, KILLED): {reason}" in (out / "comparison.md").read_text()
     with (out / "comparison.csv").open(newline="") as f:
         rows = {r["run_name"]: r for r in csv.DictReader(f)}
     assert rows["tiny-O1"]["status"] == "KILLED" and rows["tiny-O1"]["reason"] == reason
