@@ -4,6 +4,7 @@ temporary folder, and `gpu` tests skipped without CUDA."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -40,8 +41,18 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _launch_in_tmp_dir(tmp_path: Path, monkeypatch):
     """A run writes ./mlruns (artifacts), ./outputs and ./data where it is launched: keep every
-    test's files in its own temporary folder, never in the checkout."""
+    test's files in its own temporary folder, never in the checkout. Modules a run imported from
+    that folder (a user's `my_pkg`, also as a namespace package) are forgotten afterwards, so the
+    next test's `my_pkg` is its own, as in a fresh process."""
     monkeypatch.chdir(tmp_path)
+    before = set(sys.modules)
+    yield
+    folder = str(tmp_path)
+    for name in set(sys.modules) - before:
+        module = sys.modules[name]
+        places = [getattr(module, "__file__", None) or "", *getattr(module, "__path__", [])]
+        if any(str(place).startswith(folder) for place in places):
+            del sys.modules[name]
 
 
 @pytest.fixture
