@@ -233,6 +233,9 @@ class TrainerConfig:
     sync_batchnorm: bool = False  # SyncBatchNorm under torchrun (GPUs with NCCL only)
     compile: bool = False  # the model's forward (and backward) through torch.compile
     compile_mode: str = "default"  # default | reduce-overhead | max-autotune
+    # the optimizer step captured in a CUDA graph and replayed (with compile: forward and backward
+    # too, compile_mode default -> reduce-overhead); one CUDA GPU only (runner.run.cuda_graphs)
+    cuda_graphs: bool = False
     # range diagnostics (runner.measure.diagnostics) on steps 1, 1+n, 1+2n, ...; 0 = off (no hooks
     # at all)
     diagnose_every_n_steps: int = 0

@@ -26,7 +26,7 @@ from runner.measure.probes import MemoryProbe
 from runner.precision import AmpEngine, Finding, Properties
 from runner.precision.checks import DeviceInfo, state_findings, tensor_core_findings
 from runner.precision.state import build_low_bit
-from runner.run import distributed, fsdp
+from runner.run import cuda_graphs, distributed, fsdp
 from runner.run.distributed import Comm
 from runner.run.parts import Parts
 from runner.run.plan import RunPlan
@@ -165,7 +165,7 @@ def build(
         # a run starts with torch.compile's caches empty: the jobs of a sweep in one process
         # would otherwise fill its per-function recompile limit and run the later ones eager
         torch._dynamo.reset()
-        model.compile(**compile_arguments(cfg.trainer.compile_mode, engine.fp8))
+        model.compile(**compile_arguments(cuda_graphs.compile_mode(cfg), engine.fp8))
     steps_per_epoch = limit_batches(len(train_loader), cfg.trainer.limit_train_batches)
     scheduler = build_scheduler(
         cfg.scheduler,

@@ -32,7 +32,7 @@ from runner.precision import Finding, Properties, Resolution, layers, resolve
 from runner.precision.checks import DeviceInfo, concrete_device
 from runner.precision.layers import LayerPlan, LayerRule
 from runner.precision.properties import Context, level_preset, parse_opt_level, strict_finding
-from runner.run import checkpoint
+from runner.run import checkpoint, cuda_graphs
 from runner.run.model_checks import (
     Declared,
     MetaModel,
@@ -159,6 +159,7 @@ def check_config(cfg: DictConfig) -> Checked:
             "false on a CPU",
         )
     resolution, rules = resolve_precision(cfg, device)
+    cuda_graphs.check(cfg, resolution.properties, task, device)
     meta = check_parts(cfg, specs, task)
     layer_check = check_layers(rules, meta, resolution.properties)
     shards = check_strategy(cfg, resolution.properties, rules, meta)

@@ -33,7 +33,7 @@ from runner.measure.instruments import ArtifactSink, Instruments, MetricsSink
 from runner.measure.memory import MB, MemoryInstrument
 from runner.measure.probes import Stopwatch
 from runner.measure.run_diagnostics import RangeInstrument, RunDiagnostics
-from runner.run import fsdp, rng
+from runner.run import cuda_graphs, fsdp, rng
 from runner.run.compile_warmup import CompileWarmup
 from runner.run.distributed import Comm, unwrap
 from runner.run.divergence import DivergenceGuard
@@ -139,6 +139,8 @@ class Trainer(CheckpointState, CompileWarmup):
         self.layer_plan = getattr(self.engine, "layer_plan", None)
         self.flops_per_sample = parts.flops_per_sample  # counted in planning (None: unknown)
         self.instruments = self.instrument(self._diagnostics(), audit=True)
+        # trainer.cuda_graphs: the clip and step captured once, then replayed (None: eager)
+        self.step_graph = cuda_graphs.step_graph(cfg, self.engine, self.optimizer, self.module)
 
     def _diagnostics(self) -> Optional[RunDiagnostics]:
         """The range diagnostics of `trainer.diagnose_every_n_steps` (None when 0: no probe)."""
@@ -189,18 +191,22 @@ class Trainer(CheckpointState, CompileWarmup):
     # ---- one step ---------------------------------------------------------------------------
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """One training step, watched by the instruments due at it; returns the loss (fp32,
-        detached, on the device)."""
+        detached, on the device). With `trainer.cuda_graphs` the clip and step are a replayed
+        graph's, whose inputs the gradients are: zeroed in place, never dropped."""
         with self.instruments.step(self.global_step + 1) as watch:
             with self.engine.autocast():
                 loss = self.task.loss(self.criterion, self.model(x), y)
             self.engine.backward(loss)
             watch.after_backward()
-            if self.cfg.grad_clip_norm:
-                self.engine.clip_grad_norm_(self.cfg.grad_clip_norm, self.optimizer)
-            stepped = self.engine.step(self.optimizer)
+            if self.step_graph is not None:  # clip and step, replayed (runner.run.cuda_graphs)
+                stepped = self.step_graph()
+            else:
+                if self.cfg.grad_clip_norm:
+                    self.engine.clip_grad_norm_(self.cfg.grad_clip_norm, self.optimizer)
+                stepped = self.engine.step(self.optimizer)
             watch.after_step(stepped)
             self._step_scheduler(stepped)
-            self.engine.zero_grad(self.optimizer)
+            self.engine.zero_grad(self.optimizer, set_to_none=self.step_graph is None)
         return self.guard.after_step(loss, stepped)
 
     def _to_device(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -416,6 +422,8 @@ class Trainer(CheckpointState, CompileWarmup):
                 raise self._interrupted(epoch, 0)
             if every and (epoch % every == 0 or last):
                 self._save(epoch, 0)
+        if self.step_graph is not None:
+            log.info(self.step_graph.summary())
         train_time = self.elapsed_before + time.perf_counter() - self._started
         best = self.best if not math.isinf(self.best) else math.nan
         self.context.on_metrics(

@@ -1,0 +1,294 @@
+"""`trainer.cuda_graphs`: the optimizer step captured once in a CUDA graph and replayed at every
+later step, and forward and backward through torch.compile's CUDA graphs where the model is
+compiled.
+
+What is captured is the engine's public step as the trainer calls it: the clip (where
+`trainer.grad_clip_norm` asks for one) and `engine.step` (unscale, overflow check, the update or
+its skip, the loss scale's update, the masters copied into the model). A graph replays the
+kernels it recorded and none of the Python around them, so the step can be captured only where
+it decides nothing on the host: no read of a device value (the overflow flag, a step counter)
+and no state kept on the host that a step changes (a Python step counter, a random key's count).
+Planning refuses what cannot hold before anything is built (`check`); the first steps, run
+eagerly on a side stream as torch's CUDA graphs ask, check the rest at run start (`StepGraph`).
+
+The gradients are the graph's inputs: they are kept in the same tensors from step to step (the
+trainer zeroes them in place instead of dropping them, and the backward adds into them). The
+hyperparameters the step reads as numbers (each param group's learning rate, betas, weight
+decay, ...) are recorded with the graph, which is captured again when one of them changes (a
+`scheduler=step` decay); a schedule that changes the learning rate at every step is refused.
+README.md beside this file (torch.compile, CUDA graphs) and docs/precision.md tell the story.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from runner.config import options
+from runner.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+KEY = "trainer.cuda_graphs"
+WARMUP_STEPS = 3  # eager steps on a side stream before the capture (torch's advice for graphs)
+# schedules that set a new learning rate at every step: the graph would be captured every step
+PER_STEP_SCHEDULES = ("cosine", "onecycle")
+ALLOWED = (
+    "false, or true for one process on a CUDA GPU at a level whose step keeps its state on the "
+    "device (O0-O3 and their bf16 presets), without fp8 layers, per-layer formats, stochastic "
+    "rounding, low-bit optimizer state or a per-step learning-rate schedule"
+)
+
+
+def compile_mode(cfg: DictConfig) -> str:
+    """torch.compile's mode for the model: `trainer.compile_mode`, except that with
+    `trainer.cuda_graphs` the default mode becomes `reduce-overhead` (forward and backward
+    replayed as CUDA graphs; `max-autotune` already uses them)."""
+    mode = str(OmegaConf.select(cfg, "trainer.compile_mode", default="default"))
+    if OmegaConf.select(cfg, KEY, default=False) and mode == "default":
+        return "reduce-overhead"
+    return mode
+
+
+# ---- planning -----------------------------------------------------------------------------
+def refusals(cfg: DictConfig, properties: Any, task: str, device: torch.device) -> list[str]:
+    """What keeps `trainer.cuda_graphs=true` from holding for this run, each said with the key to
+    change (empty: nothing does, or the key is off)."""
+    if not OmegaConf.select(cfg, KEY, default=False):
+        return []
+    from runner.run import distributed
+
+    found = []
+    if device.type != "cuda":
+        found.append(
+            f"the run is on {device.type} (trainer.device={cfg.trainer.device}), and a CUDA "
+            "graph needs a CUDA device"
+        )
+    if distributed.will_join_a_group() or cfg.trainer.strategy == "fsdp":
+        found.append(
+            "the run is one of several processes (torchrun or trainer.strategy=fsdp): a "
+            "captured step cannot hold the ranks' collectives (DDP's gradient all-reduce, the "
+            "overflow vote, FSDP2's gathers)"
+        )
+    if properties.fp8_linear:
+        found.append(
+            f"precision.fp8_linear={properties.fp8_linear}: torchao's fp8 layers keep scales "
+            "the capture is not checked to hold"
+        )
+    if properties.layers or properties.layer_plan:
+        found.append(
+            "precision.layers/precision.layer_plan set a format per layer, whose plan and "
+            "audit act on eager steps"
+        )
+    if properties.stochastic_rounding:
+        found.append(
+            "precision.stochastic_rounding=true: each step's random key counts steps on the "
+            "host, so a replayed step would round with the captured key every time"
+        )
+    if properties.low_bit_state:
+        found.append(
+            f"precision.optimizer_state={properties.optimizer_state}: torchao's low-bit "
+            "optimizers compile their own step, which a CUDA graph does not capture"
+        )
+    schedule = OmegaConf.select(cfg, "scheduler.name")
+    if schedule in PER_STEP_SCHEDULES:
+        found.append(
+            f"scheduler={schedule} sets a new learning rate at every step, and a captured step "
+            "holds the rate it was captured with (it would be captured again every step)"
+        )
+    if cfg.trainer.compile and task == options.LANGUAGE_MODEL and options.has_target(cfg.data):
+        found.append(
+            "trainer.compile=true replays forward and backward as CUDA graphs, one per input "
+            "shape, and a language model's own dataset (data._target_) may yield sequences of "
+            "any length (the runner's text datasets cut block_size tokens)"
+        )
+    return found
+
+
+def check(cfg: DictConfig, properties: Any, task: str, device: torch.device) -> None:
+    """Planning's check: ConfigError naming `trainer.cuda_graphs`, every reason it cannot hold
+    for this run, and what is allowed."""
+    found = refusals(cfg, properties, task, device)
+    if found:
+        raise ConfigError(KEY, "true, but " + "; ".join(found), ALLOWED)
+
+
+# ---- the run ------------------------------------------------------------------------------
+def _numbers(optimizer: torch.optim.Optimizer) -> tuple:
+    """What the step reads as host numbers from each param group (the learning rate, betas,
+    weight decay, ...): a captured step holds them as constants."""
+    return tuple(
+        tuple(
+            (k, v)
+            for k, v in sorted(group.items())
+            if k != "params" and isinstance(v, (bool, int, float, tuple, str, type(None)))
+        )
+        for group in optimizer.param_groups
+    )
+
+
+def _host_state(optimizer: torch.optim.Optimizer) -> Optional[str]:
+    """The first piece of optimizer state that lives on the host (a Python number, a CPU tensor,
+    such as a step counter): a replayed step would never change it. None: all on the device."""
+    for state in optimizer.state.values():
+        for name, value in state.items():
+            host = isinstance(value, (int, float)) and not isinstance(value, bool)
+            host = host or (isinstance(value, torch.Tensor) and value.device.type != "cuda")
+            if host:
+                return f"the optimizer's state '{name}' ({type(value).__name__} on the host)"
+    return None
+
+
+class StepGraph:
+    """The optimizer step of a run with `trainer.cuda_graphs`, called where the trainer would
+    clip and call `engine.step`: the first `WARMUP_STEPS` steps run eagerly on a side stream
+    (under torch's sync debug mode, which refuses a host read), the next is captured
+    and every later one replays the graph. Returns what the engine's step returned (for a
+    device value, the graph's own output tensor, refreshed by every replay).
+
+    `params`: the model's parameters, whose gradients become the graph's inputs (owned here
+    from the first step on, zeroed in place by the trainer). `compiled`: the model goes through
+    torch.compile's CUDA graphs too (each step is marked as a new one for them)."""
+
+    def __init__(
+        self,
+        engine: Any,
+        optimizer: torch.optim.Optimizer,
+        params: list[torch.nn.Parameter],
+        clip_norm: Optional[float] = None,
+        compiled: bool = False,
+    ):
+        self.engine, self.optimizer, self.clip_norm = engine, optimizer, clip_norm
+        self.params = [p for p in params if p.requires_grad]
+        self.compiled = compiled
+        self.graph: Optional[torch.cuda.CUDAGraph] = None
+        self.output: Any = None
+        self.numbers: tuple = ()
+        self.eager_steps = self.captures = self.replays = 0
+        self._owned: set[int] = set()
+        self._side = torch.cuda.Stream()
+        # an engine whose step can keep its overflow verdict on the device (`wait=False`)
+        self._on_device = "wait" in inspect.signature(engine.step).parameters
+
+    def _step(self) -> Any:
+        if self.clip_norm:
+            self.engine.clip_grad_norm_(self.clip_norm, self.optimizer)
+        if self._on_device:  # the verdict left on the device: a bool tensor, True when stepped
+            return self.engine.step(self.optimizer, wait=False)
+        return self.engine.step(self.optimizer)
+
+    def __call__(self) -> Any:
+        try:
+            if self.eager_steps < WARMUP_STEPS:
+                return self._warm_up()
+            numbers = _numbers(self.optimizer)
+            if self.graph is None or numbers != self.numbers:
+                self._capture(numbers)
+            self.graph.replay()
+            self.replays += 1
+            return self.output
+        finally:
+            if self.compiled:
+                torch.compiler.cudagraph_mark_step_begin()
+
+    def _warm_up(self) -> Any:
+        """One eager step on the side stream, under torch's sync debug mode: a host read in the
+        step is refused before a capture would record the step without it."""
+        side, main = self._side, torch.cuda.current_stream()
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            result = self._checked(self._step)
+        main.wait_stream(side)
+        self.eager_steps += 1
+        self._own_grads()
+        return result
+
+    def _checked(self, step: Callable[[], Any]) -> Any:
+        previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return step()
+        except RuntimeError as error:
+            if "synchroniz" not in str(error):
+                raise
+            raise ConfigError(
+                KEY,
+                "true, but the engine's step at this level reads a device value on the host "
+                f"(precision.opt_level={self.engine.properties.opt_level}: the overflow flag, the "
+                "loss scale's update or a step counter), and a CUDA graph cannot hold a host "
+                f"read; torch said: {error}",
+                "false at this level",
+            ) from None
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+
+    def _own_grads(self) -> None:
+        """Each parameter's gradient in a tensor of its own, so that the backward adds into the
+        same memory at every step (a gradient autograd handed over may be another graph's
+        output, which torch.compile's CUDA graphs overwrite)."""
+        for p in self.params:
+            if id(p) not in self._owned and p.grad is not None:
+                p.grad = torch.zeros_like(p.grad)
+                self._owned.add(id(p))
+
+    def _capture(self, numbers: tuple) -> None:
+        """Capture the step (again when the hyperparameters changed). The capture runs the
+        engine's Python once and records its kernels without running them: the replay that
+        follows it takes this step."""
+        host = _host_state(self.optimizer)
+        if host is not None:
+            raise ConfigError(
+                KEY,
+                f"true, but {host} is changed by each step on the host, and a replayed step "
+                "would leave it as captured",
+                "false with this optimizer and level",
+            )
+        missing = sum(p.grad is None for p in self.params)
+        if missing:  # (the eager step leaves them alone too, as long as they get none)
+            log.warning(
+                "cuda_graphs: %d parameters had no gradient in the first %d steps; the captured "
+                "step leaves them as they are",
+                missing,
+                WARMUP_STEPS,
+            )
+        pool = self.graph.pool() if self.graph is not None else None
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                self.output = self._step()
+        except RuntimeError as error:
+            if "captur" not in str(error):
+                raise
+            raise ConfigError(
+                KEY,
+                "true, but the engine's step cannot be captured at this level "
+                f"(precision.opt_level={self.engine.properties.opt_level}); torch said: {error}",
+                "false at this level",
+            ) from None
+        self.graph, self.numbers = graph, numbers
+        self.captures += 1
+        if self.captures > 1:
+            log.info("cuda_graphs: the hyperparameters changed: the step captured again")
+
+    def summary(self) -> str:
+        return (
+            f"cuda_graphs: {self.eager_steps} eager steps, the optimizer step captured "
+            f"{self.captures} time(s) and replayed {self.replays} times"
+        )
+
+
+def step_graph(
+    cfg: Any, engine: Any, optimizer: torch.optim.Optimizer, model: torch.nn.Module
+) -> Optional[StepGraph]:
+    """The trainer's StepGraph for its settings `cfg` (a TrainerConfig); None with
+    `trainer.cuda_graphs=false`: eager steps."""
+    if not cfg.cuda_graphs:
+        return None
+    return StepGraph(
+        engine, optimizer, list(model.parameters()), cfg.grad_clip_norm, compiled=cfg.compile
+    )

@@ -1,0 +1,102 @@
+"""`trainer.cuda_graphs=true` on a GPU: the optimizer step captured once after its eager warm-up
+steps and replayed trains as the eager step does (the same loss at every step, within the level's
+format), replayed once a step after the capture, captured again when the learning rate changes;
+with torch.compile, forward and backward replayed as graphs too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runner.run import cuda_graphs
+from runner.run.build import build
+from runner.run.plan import make_plan
+from runner.run.trainer import RunContext, Trainer, trainer_config
+from tests.helpers.runs import FAST, compose_config
+
+STEPS = 12  # a batch of 32 from 384 samples: 3 eager warm-up steps, a capture, 9 replays
+# how far the losses of two runs may drift apart through the convolutions' nondeterministic
+# reductions: a few units of the format the level computes in (fp16 2^-10, bf16 2^-7)
+RTOL = {"o0": 1e-4, "o2": 4e-3, "o1_bf16": 3e-2, "o2_bf16": 3e-2}
+
+
+def _train(level: str, graphs: bool, *overrides: str, epochs: int = 1):
+    """The per-step losses of `epochs` epochs of STEPS steps, and the trainer."""
+    cfg = compose_config(
+        *FAST,
+        f"data.num_train={32 * STEPS}",
+        f"precision={level}",
+        "scheduler=none",
+        "trainer.device=cuda",
+        f"trainer.max_epochs={epochs}",
+        "trainer.log_every_n_steps=1",  # (the loss read between steps, never inside one)
+        f"trainer.cuda_graphs={str(graphs).lower()}",
+        *overrides,
+    )
+    plan = make_plan(cfg)
+    parts = build(plan)
+    logged: list[dict] = []
+    trainer = Trainer(
+        trainer_config(cfg.trainer),
+        parts,
+        RunContext(on_metrics=lambda metrics, step: logged.append(dict(metrics))),
+        device=plan.device,
+    )
+    try:
+        if cfg.trainer.compile:
+            trainer.compile_warmup()
+        for epoch in range(1, epochs + 1):
+            trainer.train_epoch(epoch)
+    finally:
+        parts.close()
+    return [m["train_loss"] for m in logged if "train_loss" in m], trainer
+
+
+def _same_losses(eager: list[float], graphed: list[float], rtol: float) -> None:
+    assert len(eager) == len(graphed) and all(map(torch.isfinite, torch.tensor(graphed)))
+    torch.testing.assert_close(torch.tensor(graphed), torch.tensor(eager), rtol=rtol, atol=rtol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "level,optimizer",
+    [("o2", "adam"), ("o2", "sgd"), ("o2_bf16", "adamw"), ("o1_bf16", "sgd"), ("o0", "sgd")],
+)
+def test_a_replayed_step_trains_as_the_eager_step(level, optimizer):
+    eager, _ = _train(level, False, f"optimizer={optimizer}")
+    graphed, trainer = _train(level, True, f"optimizer={optimizer}")
+    _same_losses(eager, graphed, RTOL[level])
+    graph = trainer.step_graph
+    assert (graph.eager_steps, graph.captures) == (cuda_graphs.WARMUP_STEPS, 1)
+    assert graph.replays == STEPS - cuda_graphs.WARMUP_STEPS  # the captured step's too
+
+
+@pytest.mark.gpu
+def test_the_clip_is_captured_with_the_step():
+    eager, _ = _train("o2", False, "trainer.grad_clip_norm=0.5")
+    graphed, trainer = _train("o2", True, "trainer.grad_clip_norm=0.5")
+    _same_losses(eager, graphed, RTOL["o2"])
+    assert trainer.step_graph.replays == STEPS - cuda_graphs.WARMUP_STEPS
+
+
+@pytest.mark.gpu
+def test_a_new_learning_rate_captures_the_step_again():
+    """scheduler=step decays the rate after the first epoch: the step is captured again with
+    the new rate, and trains as the eager one."""
+    schedule = ("scheduler=step", "scheduler.step_epochs=1", "scheduler.gamma=0.1")
+    eager, _ = _train("o2_bf16", False, *schedule, epochs=2)
+    graphed, trainer = _train("o2_bf16", True, *schedule, epochs=2)
+    _same_losses(eager, graphed, RTOL["o2_bf16"])
+    graph = trainer.step_graph
+    assert graph.captures == 2
+    assert graph.replays == 2 * STEPS - cuda_graphs.WARMUP_STEPS
+
+
+@pytest.mark.gpu
+def test_compiled_forward_and_backward_replay_as_graphs_too():
+    """With trainer.compile the model compiles in reduce-overhead mode (CUDA graphs of its own)
+    beside the captured step, and trains as the compiled eager-step run."""
+    eager, _ = _train("o2_bf16", False, "trainer.compile=true")
+    graphed, trainer = _train("o2_bf16", True, "trainer.compile=true")
+    _same_losses(eager, graphed, RTOL["o2_bf16"])
+    assert trainer.step_graph.replays == STEPS - cuda_graphs.WARMUP_STEPS

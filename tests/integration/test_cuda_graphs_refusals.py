@@ -1,0 +1,111 @@
+"""`trainer.cuda_graphs=true` where a captured step cannot hold is refused in planning: a
+ConfigError naming the key, every reason for this run, and what is allowed; through the command
+line, exit 2 before any MLflow run or checkpoint. (On this CPU machine the device is one reason
+in every case; each case checks its own reason beside it.)"""
+
+from __future__ import annotations
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from runner.errors import ConfigError
+from runner.run import cuda_graphs
+from runner.run.plan import make_plan
+from tests.helpers.runs import FAST, compose_config, run_in_process
+
+ON = "trainer.cuda_graphs=true"
+BASE = [*FAST, "scheduler=none"]  # (the default cosine schedule is refused: a case below)
+CPU_REASON = "the run is on cpu (trainer.device=auto), and a CUDA graph needs a CUDA device"
+
+
+def _refusal(*overrides: str) -> ConfigError:
+    with pytest.raises(ConfigError) as e:
+        make_plan(compose_config(*BASE, ON, *overrides))
+    return e.value
+
+
+def test_a_cpu_is_refused_with_what_is_allowed():
+    error = _refusal()
+    assert error.key == "trainer.cuda_graphs"
+    assert error.problem == f"true, but {CPU_REASON}"  # the only reason of this run
+    assert error.allowed.startswith("false, or true for one process on a CUDA GPU")
+    assert str(error).startswith("trainer.cuda_graphs: true, but ")
+
+
+@pytest.mark.parametrize(
+    "overrides,reason",
+    [
+        (["trainer.strategy=fsdp"], "the run is one of several processes"),
+        (["precision=o1_fp8"], "precision.fp8_linear=tensorwise: torchao's fp8 layers"),
+        (["precision=o2_bf16", "+precision.layers={0.*: float32}"], "a format per layer"),
+        (["precision=o3_bf16_sr"], "precision.stochastic_rounding=true: each step's random key"),
+        (
+            ["precision=o2_bf16_int8state", "optimizer=adamw"],
+            "precision.optimizer_state=int8: torchao's low-bit",
+        ),
+        (["scheduler=cosine"], "scheduler=cosine sets a new learning rate at every step"),
+        (["scheduler=onecycle"], "scheduler=onecycle sets a new learning rate at every step"),
+    ],
+    ids=lambda v: v[0] if isinstance(v, list) else "",
+)
+def test_what_a_capture_cannot_hold_is_refused_naming_it(overrides, reason):
+    error = _refusal(*overrides)
+    assert error.key == "trainer.cuda_graphs"
+    assert CPU_REASON in error.problem and reason in error.problem
+    assert "false" in error.allowed
+
+
+def test_a_run_under_torchrun_is_refused(monkeypatch):
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(name, value)
+    error = _refusal()
+    assert "the run is one of several processes (torchrun" in error.problem
+
+
+def test_a_compiled_language_model_on_its_own_dataset_is_refused():
+    """Its sequences may be of any length, and a compiled step's graphs hold one shape each."""
+    cfg = compose_config(
+        "model=gpt_tiny",
+        "data=custom",
+        "data._target_=tests.helpers.timing_models.sleepy_datasets",
+        "data.num_classes=64",
+        "task=language_model",
+        "scheduler=none",
+        "trainer.compile=true",
+        ON,
+    )
+    with pytest.raises(ConfigError) as e:
+        make_plan(cfg)
+    error = e.value
+    assert "a language model's own dataset (data._target_) may yield sequences of any" in (
+        error.problem
+    )
+
+
+def test_off_by_default_and_nothing_is_refused():
+    for overrides in ([], ["precision=o3_bf16_sr", "scheduler=cosine"]):
+        plan = make_plan(compose_config(*FAST, *overrides))
+        assert plan.cfg.trainer.cuda_graphs is False
+
+
+def test_a_compiled_run_with_graphs_compiles_in_reduce_overhead_mode():
+    def mode(*overrides):
+        return cuda_graphs.compile_mode(compose_config(*FAST, "trainer.compile=true", *overrides))
+
+    assert mode() == "default"
+    assert mode(ON) == "reduce-overhead"  # forward and backward replayed as CUDA graphs too
+    assert mode(ON, "trainer.compile_mode=max-autotune") == "max-autotune"  # (uses them already)
+
+
+def test_the_command_line_exits_2_before_any_run(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    status = run_in_process(*BASE, ON, "precision=o2", f"mlflow.tracking_uri={uri}")
+    output = "".join(capsys.readouterr())
+    assert status == 2
+    assert f"[ERROR] - trainer.cuda_graphs: true, but {CPU_REASON} (allowed: false" in output
+    assert "Traceback" not in output
+    if (tmp_path / "mlflow.db").exists():
+        client = MlflowClient(uri)
+        assert not client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert not list(tmp_path.rglob("last.pt"))
