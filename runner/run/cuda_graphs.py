@@ -149,7 +149,7 @@ class StepGraph:
     clip and call `engine.step`: the first `WARMUP_STEPS` steps run eagerly on a side stream
     (under torch's sync debug mode, which refuses a host read), the next is captured
     and every later one replays the graph. Returns what the engine's step returned (for a
-    device value, the graph's own output tensor, refreshed by every replay).
+    device value, a copy of the graph's output, which every replay rewrites).
 
     `params`: the model's parameters, whose gradients become the graph's inputs (owned here
     from the first step on, zeroed in place by the trainer). `compiled`: the model goes through
@@ -170,7 +170,7 @@ class StepGraph:
         self.output: Any = None
         self.numbers: tuple = ()
         self.eager_steps = self.captures = self.replays = 0
-        self._owned: set[int] = set()
+        self._owned: dict[int, torch.Tensor] = {}  # id(param) -> its gradient, kept
         self._side = torch.cuda.Stream()
         # an engine whose step can keep its overflow verdict on the device (`wait=False`)
         self._on_device = "wait" in inspect.signature(engine.step).parameters
@@ -191,7 +191,8 @@ class StepGraph:
                 self._capture(numbers)
             self.graph.replay()
             self.replays += 1
-            return self.output
+            # a tensor of this step's own: the graph's output is rewritten by the next replay
+            return self.output.clone() if torch.is_tensor(self.output) else self.output
         finally:
             if self.compiled:
                 torch.compiler.cudagraph_mark_step_begin()
@@ -233,8 +234,7 @@ class StepGraph:
         output, which torch.compile's CUDA graphs overwrite)."""
         for p in self.params:
             if id(p) not in self._owned and p.grad is not None:
-                p.grad = torch.zeros_like(p.grad)
-                self._owned.add(id(p))
+                p.grad = self._owned[id(p)] = torch.zeros_like(p.grad)
 
     def _capture(self, numbers: tuple) -> None:
         """Capture the step (again when the hyperparameters changed). The capture runs the
@@ -247,6 +247,14 @@ class StepGraph:
                 f"true, but {host} is changed by each step on the host, and a replayed step "
                 "would leave it as captured",
                 "false with this optimizer and level",
+            )
+        moved = sum(
+            p.grad is not None and p.grad is not self._owned.get(id(p)) for p in self.params
+        )
+        if moved:
+            raise RuntimeError(
+                f"cuda_graphs: {moved} gradients are new tensors at the step's capture; the "
+                "gradients must stay in place from step to step (zero_grad(set_to_none=False))"
             )
         missing = sum(p.grad is None for p in self.params)
         if missing:  # (the eager step leaves them alone too, as long as they get none)
