@@ -71,6 +71,26 @@ def test_a_replayed_step_trains_as_the_eager_step(level, optimizer):
     assert graph.replays == STEPS - cuda_graphs.WARMUP_STEPS  # the captured step's too
 
 
+def _counters(optimizer: torch.optim.Optimizer) -> list[float]:
+    return [float(state["step"]) for state in optimizer.state.values() if "step" in state]
+
+
+@pytest.mark.gpu
+def test_skips_and_the_loss_scale_replay_as_the_eager_step_takes_them():
+    """A loss scale of 2^24 in fp16 overflows at first, and grows back every 2 good steps: steps
+    skip and scales change after the capture too, and the replayed step ends with the eager
+    run's scale, skip count and Adam step counters (a skipped step leaves them as they were)."""
+    scaled = ("optimizer=adam", "precision.init_scale=16777216", "precision.growth_interval=2")
+    eager, eager_trainer = _train("o2", False, *scaled)
+    graphed, trainer = _train("o2", True, *scaled)
+    _same_losses(eager, graphed, RTOL["o2"])
+    engine, eager_engine = trainer.engine, eager_trainer.engine
+    assert float(engine.loss_scale) == float(eager_engine.loss_scale)
+    assert int(engine.skipped_steps) == int(eager_engine.skipped_steps) >= 1
+    assert _counters(trainer.optimizer) == _counters(eager_trainer.optimizer)
+    assert trainer.step_graph.replays == STEPS - cuda_graphs.WARMUP_STEPS
+
+
 @pytest.mark.gpu
 def test_the_clip_is_captured_with_the_step():
     eager, _ = _train("o2", False, "trainer.grad_clip_norm=0.5")
