@@ -36,12 +36,14 @@ log = logging.getLogger(__name__)
 
 KEY = "trainer.cuda_graphs"
 WARMUP_STEPS = 3  # eager steps on a side stream before the capture (torch's advice for graphs)
+FUSED_OPTIMIZERS = ("sgd", "adam", "adamw")  # what the runner's kernels step (precision.fused)
 # schedules that set a new learning rate at every step: the graph would be captured every step
 PER_STEP_SCHEDULES = ("cosine", "onecycle")
 ALLOWED = (
     "false, or true for one process on a CUDA GPU at a level whose step keeps its state on the "
-    "device (O0-O3 and their bf16 presets), without fp8 layers, per-layer formats, stochastic "
-    "rounding, low-bit optimizer state or a per-step learning-rate schedule"
+    "device (O0-O3 and their bf16 presets; where the loss is scaled, the runner's kernels with "
+    "sgd, adam or adamw), without fp8 layers, per-layer formats, stochastic rounding, low-bit "
+    "optimizer state or a per-step learning-rate schedule"
 )
 
 
@@ -95,6 +97,7 @@ def refusals(cfg: DictConfig, properties: Any, task: str, device: torch.device) 
             f"precision.optimizer_state={properties.optimizer_state}: torchao's low-bit "
             "optimizers compile their own step, which a CUDA graph does not capture"
         )
+    found += _host_verdicts(cfg, properties)
     schedule = OmegaConf.select(cfg, "scheduler.name")
     if schedule in PER_STEP_SCHEDULES:
         found.append(
@@ -108,6 +111,32 @@ def refusals(cfg: DictConfig, properties: Any, task: str, device: torch.device) 
             "any length (the runner's text datasets cut block_size tokens)"
         )
     return found
+
+
+def _host_verdicts(cfg: DictConfig, properties: Any) -> list[str]:
+    """A level that checks for overflow (a dynamic loss scale, or a static one other than 1)
+    decides its skip on the device only in the runner's kernels: torch's ops, and optimizers
+    the kernels do not implement, read the flag on the host before the update."""
+    scale = properties.loss_scale
+    if scale != "dynamic" and float(scale) == 1.0:
+        return []  # no check: the step decides nothing
+    level = f"at {properties.opt_level} (precision.loss_scale={scale})"
+    if OmegaConf.select(cfg, "precision.kernels", default="auto") == "torch":
+        return [
+            f"precision.kernels=torch {level}: torch's ops read the overflow flag on the host "
+            "before the update"
+        ]
+    name = None if options.has_target(cfg.optimizer) else cfg.optimizer.get("name")
+    if name not in FUSED_OPTIMIZERS or cfg.optimizer.get("amsgrad"):
+        what = f"optimizer={name}" if name else "an optimizer by _target_"
+        if name in FUSED_OPTIMIZERS:
+            what += " with optimizer.amsgrad=true"
+        return [
+            f"{what} {level}: the runner's kernels, which "
+            "skip an overflowed step on the device, implement sgd, adam and adamw (no amsgrad); "
+            "another optimizer's update waits for the overflow flag on the host"
+        ]
+    return []
 
 
 def check(cfg: DictConfig, properties: Any, task: str, device: torch.device) -> None:

@@ -43,6 +43,14 @@ def test_a_cpu_is_refused_with_what_is_allowed():
             ["precision=o2_bf16_int8state", "optimizer=adamw"],
             "precision.optimizer_state=int8: torchao's low-bit",
         ),
+        (
+            ["precision=o2", "precision.kernels=torch"],
+            "precision.kernels=torch at O2 (precision.loss_scale=dynamic): torch's ops read",
+        ),
+        (
+            ["precision=o2", "optimizer=adam", "optimizer.amsgrad=true"],
+            "optimizer=adam with optimizer.amsgrad=true at O2 (precision.loss_scale=dynamic)",
+        ),
         (["scheduler=cosine"], "scheduler=cosine sets a new learning rate at every step"),
         (["scheduler=onecycle"], "scheduler=onecycle sets a new learning rate at every step"),
     ],
@@ -80,6 +88,12 @@ def test_a_compiled_language_model_on_its_own_dataset_is_refused():
     assert "a language model's own dataset (data._target_) may yield sequences of any" in (
         error.problem
     )
+
+
+def test_a_level_without_an_overflow_check_steps_any_optimizer_on_the_device():
+    """bf16 with a loss scale of 1 checks nothing: torch's ops decide nothing on the host."""
+    error = _refusal("precision=o2_bf16", "precision.kernels=torch", "optimizer=adam")
+    assert error.problem == f"true, but {CPU_REASON}"
 
 
 def test_off_by_default_and_nothing_is_refused():
