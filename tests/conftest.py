@@ -43,8 +43,10 @@ def _launch_in_tmp_dir(tmp_path: Path, monkeypatch):
     """A run writes ./mlruns (artifacts), ./outputs and ./data where it is launched: keep every
     test's files in its own temporary folder, never in the checkout. Modules a run imported from
     that folder (a user's `my_pkg`, also as a namespace package) are forgotten afterwards, so the
-    next test's `my_pkg` is its own, as in a fresh process."""
+    next test's `my_pkg` is its own, as in a fresh process. trainer.tune's cache of decisions
+    is the test's own too (a decision measured by another test is never reused)."""
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("AMP_RUNNER_TUNE_CACHE", str(tmp_path / "tune-cache"))
     before = set(sys.modules)
     yield
     folder = str(tmp_path)

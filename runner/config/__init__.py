@@ -31,6 +31,8 @@ from runner.config.schema import (
     STRATEGIES,
     TASK_CHOICES,
     TRACKERS,
+    TUNABLE,
+    TUNE_CHOICES,
     AdamConfig,
     CifarConfig,
     CosineConfig,
@@ -54,6 +56,7 @@ from runner.config.schema import (
     TrackingConfig,
     TrainerConfig,
     VitTinyConfig,
+    tunable_defaults,
 )
 from runner.config.store import SCHEMAS, PrecisionConfig, register_configs
 
@@ -71,6 +74,8 @@ __all__ = [
     "STRATEGIES",
     "TASK_CHOICES",
     "TRACKERS",
+    "TUNABLE",
+    "TUNE_CHOICES",
     "AdamConfig",
     "CifarConfig",
     "CosineConfig",
@@ -95,5 +100,6 @@ __all__ = [
     "TrackingConfig",
     "TrainerConfig",
     "VitTinyConfig",
+    "tunable_defaults",
     "register_configs",
 ]

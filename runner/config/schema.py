@@ -29,7 +29,19 @@ TASK_CHOICES = (AUTO_TASK, *TASKS)
 DEFAULT_EXPERIMENT = "amp-runner"
 
 DEVICES = ("auto", "cpu", "cuda")
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")  # torch.compile's modes
+# torch.compile's modes (max-autotune-no-cudagraphs: what trainer.tune tries on a GPU)
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+# trainer.tune (runner.run.tune): auto (where the run is long enough to repay it), on, off, refresh
+# (on, ignoring the cache of earlier decisions)
+TUNE_CHOICES = ("auto", "on", "off", "refresh")
+# the settings trainer.tune may choose, where the user gave none: none of them changes the math
+TUNABLE = (
+    "trainer.channels_last",
+    "trainer.cudnn_benchmark",
+    "trainer.compile",
+    "trainer.compile_mode",
+    "precision.kernels",
+)
 # What `precision.kernels` accepts (runner.csrc): auto (the device's kernels, torch's ops if they
 # cannot be built), fused (the device's kernels or an error), torch (never build; torch's own ops).
 KERNEL_CHOICES = ("auto", "fused", "torch")
@@ -232,7 +244,7 @@ class TrainerConfig:
     checkpoint_every_n_epochs: int = 1  # 0: only when interrupted
     sync_batchnorm: bool = False  # SyncBatchNorm under torchrun (GPUs with NCCL only)
     compile: bool = False  # the model's forward (and backward) through torch.compile
-    compile_mode: str = "default"  # default | reduce-overhead | max-autotune
+    compile_mode: str = "default"  # one of COMPILE_MODES
     # the optimizer step captured in a CUDA graph and replayed (with compile: forward and backward
     # too, compile_mode default -> reduce-overhead); one CUDA GPU only (runner.run.cuda_graphs)
     cuda_graphs: bool = False
@@ -248,6 +260,11 @@ class TrainerConfig:
     # fsdp: sharded (each rank writes its shards: torch.distributed.checkpoint) or full (the
     # whole state gathered to rank 0, one file)
     fsdp_checkpoint: str = "sharded"
+    # measure the settings left at their defaults on this run's model, batch, device and level
+    # before training, and train with the fastest (runner.run.tune): auto | on | off | refresh
+    tune: str = "auto"
+    # the seconds tuning may take; null: 5% of the run's estimated time, at most 120
+    tune_budget_s: Optional[float] = None
 
 
 @dataclass
@@ -302,3 +319,14 @@ class RunConfig:
     # Free-form settings of an experiment config (experiments/), e.g. a batch size per level that
     # `trainer.batch_size: ${experiment.batch_size.${precision.opt_level}}` picks; logged as params.
     experiment: dict[str, Any] = field(default_factory=dict)
+
+
+def tunable_defaults() -> dict[str, Any]:
+    """Each TUNABLE key's default, read from the schemas that declare them."""
+    from dataclasses import fields
+
+    from runner.config.precision import _TRAILING_KEYS
+
+    known = {f"trainer.{f.name}": f.default for f in fields(TrainerConfig)}
+    known.update({f"precision.{name}": default for name, _, default in _TRAILING_KEYS})
+    return {key: known[key] for key in TUNABLE}

@@ -22,6 +22,7 @@ from runner.config import (
     STRATEGIES,
     TASK_CHOICES,
     TRACKERS,
+    TUNE_CHOICES,
     mistakes,
     options,
 )
@@ -91,6 +92,8 @@ def _rules(
         ),
         ("trainer.checkpoint_dir", lambda v: bool(v and v.strip()), "a folder path"),
         ("trainer.compile_mode", one_of(COMPILE_MODES), ", ".join(COMPILE_MODES)),
+        ("trainer.tune", one_of(TUNE_CHOICES), ", ".join(TUNE_CHOICES)),
+        ("trainer.tune_budget_s", optional(positive), "null or a finite number of seconds > 0"),
         (
             "trainer.diagnose_every_n_steps",
             lambda v: v >= 0,

@@ -31,7 +31,7 @@ from runner.config import options
 from runner.measure import audit as layer_audit
 from runner.precision import Resolution, layers
 from runner.precision.checks import DeviceInfo, state_findings
-from runner.run import checkpoint, distributed, failure
+from runner.run import checkpoint, distributed, failure, tune
 from runner.run.build import Parts, build, shape_findings, sharded  # noqa: F401  (Parts: the run's parts)
 from runner.run.distributed import Comm
 from runner.run.interrupts import StopRequest
@@ -290,13 +290,15 @@ def train(plan: RunPlan, comm: Comm, device: torch.device, launch: Launch) -> fl
         from runner.run import autoplan
 
         plan = autoplan.planned(plan, comm, device, launch.output_dir)
+    # trainer.tune: the settings left at their defaults, measured on copies (runner.run.tune)
+    plan, tuning = tune.tuned(plan, comm, device, launch.overrides)
     # a single run does not wait for a first build of the kernels (torch's ops this once); a
     # sweep's jobs and a distributed run's ranks wait, so that they all step the same way
     parts = build(
         plan, device, comm, wait_for_kernels=comm.active or tag.PARENT_RUN in launch.extra_tags
     )
     try:
-        return train_parts(plan, comm, device, launch, tracker, parts)
+        return train_parts(plan, comm, device, launch, tracker, parts, tuning)
     finally:
         # the loaders' worker processes end with the run, whatever may still hold the loaders
         # (a reference cycle, an exception's traceback): see components.loaders.shutdown_workers
@@ -304,9 +306,16 @@ def train(plan: RunPlan, comm: Comm, device: torch.device, launch: Launch) -> fl
 
 
 def train_parts(
-    plan: RunPlan, comm: Comm, device: torch.device, launch: Launch, tracker, parts: Parts
+    plan: RunPlan,
+    comm: Comm,
+    device: torch.device,
+    launch: Launch,
+    tracker,
+    parts: Parts,
+    tuning: Optional[tune.Tuning] = None,
 ) -> float:
-    """`train` once the parts are built: record, track (rank 0) and fit."""
+    """`train` once the parts are built: record, track (rank 0) and fit. `tuning`: what
+    trainer.tune decided (logged with the run's params, tune.md and tune_time_s)."""
     from runner.run.trainer import RunContext, Trainer, trainer_config
     from runner.tracking.base import null_run
     from runner.tracking.record import typed_command
@@ -337,6 +346,8 @@ def train_parts(
         kernels=kernels,
         command=typed_command(),
     )
+    if tuning is not None and plan.resume is None:
+        params.update(tuning.params())
 
     with StopRequest() as stop:
         resume = plan.resume
@@ -377,6 +388,8 @@ def train_parts(
                     if parts.engine.fp8 is not None:
                         tracked.log_text(parts.engine.fp8.listing(), "fp8_layers.txt")
                     log_layer_plan(tracked, plan, parts)
+                    if tuning is not None:
+                        tuning.log_to(tracked)
             # a sharded run's ranks all write (their shards) into rank 0's run's folder
             shards = sharded(plan, comm) and cfg.trainer.fsdp_checkpoint == "sharded"
             run_id = comm.from_main(tracked.run_id) if shards else tracked.run_id

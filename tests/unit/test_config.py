@@ -247,6 +247,8 @@ VALUE_CASES = [
     (["mlflow.stale_after_s=0"], "mlflow.stale_after_s"),
     (["mlflow.heartbeat_s=60", "mlflow.stale_after_s=100"], "mlflow.stale_after_s"),
     (["trainer.compile_mode=fastest"], "trainer.compile_mode"),
+    (["trainer.tune=always"], "trainer.tune"),
+    (["trainer.tune_budget_s=0"], "trainer.tune_budget_s"),
     (["trainer.strategy=zero3"], "trainer.strategy"),
     (["trainer.fsdp_checkpoint=zip"], "trainer.fsdp_checkpoint"),
     (["trainer.fsdp_wrap=[]"], "trainer.fsdp_wrap"),

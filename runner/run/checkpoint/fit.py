@@ -11,12 +11,19 @@ from typing import Any, Optional
 
 import torch
 
+from runner.config import tunable_defaults
 from runner.errors import ConfigError
 from runner.precision.state import state_format_differences
 from runner.run.checkpoint.contents import ALLOWED, RUN_KEYS, is_real, show
 
 # (where the run is recorded is no training setting: tracking.name may change too)
-RESUMABLE_CHANGES = ("trainer.max_epochs", "resume", "tracking.name")
+RESUMABLE_CHANGES = (
+    "trainer.max_epochs",
+    "resume",
+    "tracking.name",
+    "trainer.tune",  # a resumed run tunes nothing: it keeps the checkpoint's settings
+    "trainer.tune_budget_s",
+)
 # keys added to the config after checkpoints were written without them: the value those runs had
 # (before the `loss` group, every run trained with a plain cross-entropy; before the `task`
 # group, every run was a classifier's, which task=auto still is for the datasets it had)
@@ -48,10 +55,14 @@ def config_differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> 
     """`key: saved -> current` for every key whose value differs (or exists on one side only),
     except the ones a resumed run may change."""
     a, b = _flatten(saved), _flatten(current)
+    # a tuned run keeps its checkpoint's settings where the current config leaves them at their
+    # defaults (runner.run.tune); one given now must still be the checkpoint's
+    tuned = a.get("trainer.tune", "off") != "off"
+    kept = [k for k, v in tunable_defaults().items() if tuned and b.get(k) == v]
     missing = object()
     out = []
     for key in sorted(set(a) | set(b)):
-        if key in RESUMABLE_CHANGES:
+        if key in RESUMABLE_CHANGES or key in kept:
             continue
         old, new = a.get(key, IMPLIED_BEFORE.get(key, missing)), b.get(key, missing)
         if old != new:

@@ -1,0 +1,317 @@
+"""`trainer.tune`: the settings the user left at their defaults, chosen by measuring them.
+
+After the plan is checked and before the run builds its parts, `tuned(plan, ...)` times candidates
+on the run's own model, batch, device and level (runner.run.tune_measure): channels_last (models
+with convolutions), cudnn.benchmark (CUDA), the fused kernels or torch's ops (where the kernels are
+built), torch.compile (where the run's steps repay its compile time). Each is tried on top of the
+fastest so far; the fastest whose first-step loss is within the level's tolerance of the untuned
+one wins. The run then goes on with the chosen settings in its config, exactly as a run given them
+by hand: the candidates are built apart from the run, and every random generator is put back.
+
+What the user gave (the command line, a sweep's values, an experiment or config file: a value
+other than the default) is never changed. `auto` skips a run too short to repay tuning; `on`
+always tunes; `refresh` tunes again past the cache (runner.run.tune_cache); a resumed run keeps its
+checkpoint's settings. Rank 0 decides, the other ranks take its decision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional
+
+import torch
+from omegaconf import OmegaConf
+
+from runner.config import TUNABLE, tunable_defaults
+from runner.run import rng, tune_cache
+from runner.run.distributed import Comm
+from runner.run.plan import RunPlan
+from runner.run.tune_measure import (
+    Row,
+    choose,
+    measure,
+    refuse_if_loss_differs,
+    tolerance,
+    with_settings,
+)
+
+log = logging.getLogger(__name__)
+
+AUTO_MIN_STEPS = 300  # trainer.tune=auto: fewer steps than this do not repay tuning
+BUDGET_SHARE, BUDGET_CAP_S = 0.05, 120.0  # tune_budget_s=null: this share of the run, capped
+# the least a compile may be guessed to take before it is measured (s): CPU, CUDA
+COMPILE_GUESS_S = {"cpu": 30.0, "cuda": 60.0}
+COMPILE_GAIN = 0.15  # compile is tried where this share of the run's time repays the guess
+DEFAULTS = tunable_defaults()
+
+
+@dataclasses.dataclass
+class Tuning:
+    """What tuning decided and why: the settings (config keys) it set, the reasons per key, the
+    candidates' rows, how the decision was reached (measured, cache, checkpoint) and the seconds
+    it took."""
+
+    settings: dict[str, Any]
+    reasons: dict[str, str]
+    rows: list[Row] = dataclasses.field(default_factory=list)
+    source: str = "measured"
+    seconds: float = 0.0
+    chosen: int = 0  # the row chosen
+
+    def params(self) -> dict[str, str]:
+        """`tune.<key>`: each tunable setting's value and why it has it; `tune.source`."""
+        out = {
+            f"tune.{key}": f"{_show(self.settings[key])} ({why})" if key in self.settings else why
+            for key, why in self.reasons.items()
+        }
+        out["tune.source"] = self.source
+        return out
+
+    def table(self) -> str:
+        """tune.md: the candidates (settings, steady ms/step, compile s, loss delta, chosen),
+        then every decision."""
+        lines = [f"# trainer.tune ({self.source}, {self.seconds:.1f} s)", ""]
+        if self.rows:
+            base = self.rows[0].loss
+            lines += [
+                "| candidate | steady ms/step | compile s | loss delta | chosen |",
+                "|---|---|---|---|---|",
+            ]
+            for index, row in enumerate(self.rows):
+                name = ", ".join(f"{k}={_show(v)}" for k, v in row.settings.items()) or "defaults"
+                ms = f"{row.steady_ms:.1f}" if row.steady_ms is not None else "-"
+                delta = (
+                    f"{row.loss - base:+.2e}" if row.loss is not None and base is not None else "-"
+                )
+                chosen = "yes" if index == self.chosen else row.note
+                lines.append(f"| {name} | {ms} | {row.compile_s:.1f} | {delta} | {chosen} |")
+            lines.append("")
+        lines += [
+            f"- {key}"
+            + (f"={_show(self.settings[key])}" if key in self.settings else "")
+            + f": {why}"
+            for key, why in self.reasons.items()
+        ]
+        return "\n".join(lines) + "\n"
+
+    def log_to(self, tracked) -> None:
+        """The decisions' artifact and the time tuning took (metric tune_time_s)."""
+        tracked.log_text(self.table(), "tune.md")
+        tracked.log_metrics({"tune_time_s": self.seconds}, 0)
+
+
+def _show(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+# ---- what may be tuned -----------------------------------------------------------------------
+def given_keys(cfg, overrides: Sequence[str]) -> set[str]:
+    """The tunable keys the user gave: named by an override, or valued other than the default."""
+    typed = {o.lstrip("+~").split("=", 1)[0].strip() for o in overrides}
+    return {key for key in TUNABLE if key in typed or OmegaConf.select(cfg, key) != DEFAULTS[key]}
+
+
+def estimated_steps(plan: RunPlan, load: bool = False) -> Optional[int]:
+    """The run's training steps as its config tells them (None: only the dataset knows; with
+    `load`, the dataset is loaded to count them)."""
+    cfg = plan.cfg
+    per_epoch = cfg.trainer.limit_train_batches
+    size = OmegaConf.select(cfg, "data.num_train", default=None)
+    if not isinstance(size, int) and per_epoch is None and load:
+        from runner.components.data import build_datasets
+
+        size = len(build_datasets(cfg.data, plan.specs.get("data")).train)
+    if isinstance(size, int):
+        batches = math.ceil(size / cfg.trainer.batch_size)
+        per_epoch = batches if per_epoch is None else min(per_epoch, batches)
+    return None if per_epoch is None else per_epoch * cfg.trainer.max_epochs
+
+
+def _apply(plan: RunPlan, settings: Mapping[str, Any]) -> RunPlan:
+    if not settings:
+        return plan
+    cfg = with_settings(plan.cfg, settings)
+    return dataclasses.replace(plan, cfg=cfg, config_tree=OmegaConf.to_container(cfg, resolve=True))
+
+
+# ---- the entry point -------------------------------------------------------------------------
+def tuned(
+    plan: RunPlan, comm: Comm, device: torch.device, overrides: Sequence[str] = ()
+) -> tuple[RunPlan, Optional[Tuning]]:
+    """`plan` with the settings tuning chose, and what it decided (None: it did not tune)."""
+    mode = plan.cfg.trainer.tune
+    if mode == "off":
+        return plan, None
+    if plan.resume is not None:  # (the plan checked that what is given now is the checkpoint's)
+        saved = plan.resume.state["config"]
+        settings = {k: tree_value(saved, k) for k in TUNABLE}
+        settings = {k: v for k, v in settings.items() if v is not None}
+        log.info("trainer.tune: a resumed run keeps its checkpoint's settings")
+        kept = {k: "kept from the checkpoint" for k in settings}
+        return _apply(plan, settings), Tuning(settings, kept, source="checkpoint")
+    tuning = comm.on_main(lambda: _kept_apart(plan, device, given_keys(plan.cfg, overrides)))
+    tuning = comm.from_main(tuning)
+    if tuning is None:
+        return plan, None
+    return _apply(plan, tuning.settings), tuning
+
+
+def _kept_apart(plan: RunPlan, device: torch.device, given: set[str]) -> Optional[Tuning]:
+    """`_decide`, with every random generator and cuDNN's flag put back afterwards."""
+    state, benchmark = rng.rng_state(), torch.backends.cudnn.benchmark
+    try:
+        return _decide(plan, device, given)
+    finally:
+        rng.restore_rng(state)
+        torch.backends.cudnn.benchmark = benchmark
+
+
+def _decide(plan: RunPlan, device: torch.device, given: set[str]) -> Optional[Tuning]:
+    mode = plan.cfg.trainer.tune
+    steps = estimated_steps(plan, load=mode == "auto")
+    if mode == "auto" and steps is not None and steps < AUTO_MIN_STEPS:
+        log.info(
+            "trainer.tune=auto: not tuned: %d training steps are too few to repay tuning "
+            "(it needs %d; trainer.tune=on tunes anyway)",
+            steps,
+            AUTO_MIN_STEPS,
+        )
+        return None
+    free = [k for k in TUNABLE if k not in given]
+    if device.type != "cuda" and "trainer.cudnn_benchmark" in free:
+        free.remove("trainer.cudnn_benchmark")  # (no cuDNN: nothing to measure)
+    if not free:
+        log.info("trainer.tune: nothing to tune: every tunable setting was given")
+        return None
+    facts = _facts(plan, device, free)
+    digest = tune_cache.key(facts)
+    started = time.perf_counter()
+    with tune_cache.lock(digest):
+        rows = None if mode == "refresh" else tune_cache.read(digest)
+        source = "cache"
+        if rows is None:
+            rows = [r.as_dict() for r in _measure_all(plan, device, free, steps)]
+            tune_cache.write(digest, rows, facts)
+            source = "measured"
+    tuning = _decision(plan, [Row.from_dict(r) for r in rows], free, given, steps, source)
+    tuning.seconds = time.perf_counter() - started
+    log.info("trainer.tune (%s, %.1f s):\n%s", source, tuning.seconds, tuning.table().rstrip())
+    return tuning
+
+
+def _facts(plan: RunPlan, device: torch.device, free: Sequence[str]) -> dict[str, Any]:
+    """What a configuration's step time depends on (runner.run.tune_cache.key)."""
+    tree = plan.config_tree
+    data = {k: v for k, v in tree["data"].items() if not str(k).startswith(("num_", "seed"))}
+    return {
+        "model": tree["model"],
+        "data": data,
+        "batch_size": tree["trainer"]["batch_size"],
+        "level": plan.properties.as_params(),
+        "optimizer": tree["optimizer"],
+        "device": str(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"),
+        "threads": torch.get_num_threads(),
+        "free": sorted(free),
+        "given": {k: tree_value(tree, k) for k in TUNABLE if k not in free},
+    }
+
+
+def tree_value(tree: Mapping[str, Any], key: str) -> Any:
+    node: Any = tree
+    for part in key.split("."):
+        node = node.get(part) if isinstance(node, Mapping) else None
+    return node
+
+
+def _measure_all(
+    plan: RunPlan, device: torch.device, free: Sequence[str], steps: Optional[int]
+) -> list[Row]:
+    """The untuned settings first, then each alternative on top of the fastest so far, within
+    the budget."""
+    started = time.perf_counter()
+    base = measure(plan, {}, device)
+    rows = [base]
+    cost = time.perf_counter() - started
+    run_s = steps * base.steady_ms / 1e3 if steps else None
+    budget = plan.cfg.trainer.tune_budget_s
+    if budget is None:  # auto: a share of the run; on and refresh: the cap
+        auto = plan.cfg.trainer.tune == "auto" and run_s is not None
+        budget = min(BUDGET_CAP_S, BUDGET_SHARE * run_s) if auto else BUDGET_CAP_S
+    tol = tolerance(plan.properties.compute_dtypes)
+    if plan.properties.fp8_linear:
+        tol = max(tol, tolerance(["fp8"]))
+    for settings, guess in _alternatives(plan, device, free, steps, base):
+        best = choose(rows, steps)
+        trial = {**best.settings, **settings}
+        spent = time.perf_counter() - started
+        if spent + cost + guess > budget:
+            rows.append(Row(trial, note=f"not measured: over the budget of {budget:.0f} s"))
+            continue
+        row = measure(plan, trial, device)
+        refuse_if_loss_differs(row, base.loss, tol)
+        rows.append(row)
+    return rows
+
+
+def _alternatives(
+    plan: RunPlan, device: torch.device, free: Sequence[str], steps: Optional[int], base: Row
+) -> list[tuple[dict[str, Any], float]]:
+    """(settings to try, the compile seconds guessed for them) for each free setting."""
+    from runner import csrc
+
+    out: list[tuple[dict[str, Any], float]] = []
+    model = plan.meta_model()
+    convolutional = model is None or any(
+        isinstance(m, torch.nn.modules.conv._ConvNd) for m in model.modules()
+    )
+    if "trainer.channels_last" in free and convolutional:
+        out.append(({"trainer.channels_last": True}, 0.0))
+    if "trainer.cudnn_benchmark" in free and device.type == "cuda":
+        out.append(({"trainer.cudnn_benchmark": False}, 0.0))
+    if "precision.kernels" in free and csrc.load(device, "auto", wait=False) is not None:
+        out.append(({"precision.kernels": "torch"}, 0.0))
+    if "trainer.compile" in free and steps is not None and base.steady_ms is not None:
+        guess = COMPILE_GUESS_S["cuda" if device.type == "cuda" else "cpu"]
+        if steps * base.steady_ms / 1e3 * COMPILE_GAIN > guess:
+            settings: dict[str, Any] = {"trainer.compile": True}
+            graphs = OmegaConf.select(plan.cfg, "trainer.cuda_graphs", default=False)
+            if "trainer.compile_mode" in free and device.type == "cuda" and not graphs:
+                settings["trainer.compile_mode"] = "max-autotune-no-cudagraphs"
+            out.append((settings, guess))
+    return out
+
+
+def _decision(
+    plan: RunPlan,
+    rows: list[Row],
+    free: Sequence[str],
+    given: set[str],
+    steps: Optional[int],
+    source: str,
+) -> Tuning:
+    """The chosen row's settings for the free keys, and why each tunable key has its value."""
+    best = choose(rows, steps)
+    settings = {k: best.settings.get(k, tree_value(plan.config_tree, k)) for k in free}
+    speedup = rows[0].steady_ms / max(best.steady_ms, 1e-9) if best is not rows[0] else 1.0
+    reasons: dict[str, str] = {}
+    for key in TUNABLE:
+        tried = [r for r in rows[1:] if key in r.settings]
+        if key in given:
+            reasons[key] = "kept: given"
+        elif key not in free:
+            reasons[key] = "not tuned: nothing to measure on this device"
+        elif key in best.settings and best is not rows[0]:
+            reasons[key] = f"tuned: {speedup:.2f}x the untuned steady step"
+        elif not tried:
+            reasons[key] = "kept: not a candidate for this run"
+        elif any(r.note.startswith("refused") for r in tried):
+            reasons[key] = "kept: the other value changed the loss (refused)"
+        elif any(r.note for r in tried):
+            reasons[key] = "kept: the other value was not measured (over the budget)"
+        else:
+            reasons[key] = "kept: the default measured as fast or faster"
+    return Tuning(settings, reasons, rows, source, chosen=rows.index(best))

@@ -1,0 +1,94 @@
+"""trainer.tune: measured on the run's own model, kept apart from the run, cached, never over
+what the user gave."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runner.run import tune
+from runner.run.distributed import Comm
+from runner.run.plan import make_plan
+from tests.helpers.runs import FAST, compose_config, run_in_process
+from tests.helpers.store import history, runs_by_name
+
+CPU = torch.device("cpu")
+ON = [*FAST, "trainer.tune=on"]
+
+
+@pytest.fixture
+def cache(tmp_path):
+    """trainer.tune's cache folder (tests/conftest.py gives each test its own)."""
+    return tmp_path / "tune-cache"
+
+
+def tuned(*overrides: str):
+    return tune.tuned(make_plan(compose_config(*overrides)), Comm(), CPU, overrides)
+
+
+def test_a_given_setting_is_kept_and_a_second_run_reuses_the_decision(cache):
+    given = [*ON, "trainer.channels_last=false"]
+    plan, first = tuned(*given)
+    assert first.source == "measured"
+    assert first.reasons["trainer.channels_last"] == "kept: given"
+    assert plan.cfg.trainer.channels_last is False
+    assert all("trainer.channels_last" not in row.settings for row in first.rows)
+    assert "tune.trainer.channels_last" in first.params()
+    assert len(list(cache.glob("*.json"))) == 1
+    again, second = tuned(*given)  # the same configuration: no candidate is built again
+    assert second.source == "cache"
+    assert [r.steady_ms for r in second.rows] == [r.steady_ms for r in first.rows]
+    assert again.config_tree == plan.config_tree
+    _, third = tuned(*given[:-1], "trainer.tune=refresh", given[-1])
+    assert third.source == "measured"
+
+
+def test_a_corrupted_cache_file_is_ignored_with_a_warning(cache, caplog):
+    tuned(*ON)
+    (path,) = cache.glob("*.json")
+    path.write_text("{not json")
+    _, again = tuned(*ON)
+    assert again.source == "measured"
+    assert "ignoring the unreadable cache file" in caplog.text
+
+
+def test_a_candidate_that_changes_the_loss_is_refused():
+    model = ["model=custom", "model._target_=tests.helpers.tune_models.LayoutBug"]
+    plan, tuning = tuned(*ON, *model, "precision.kernels=torch")
+    (row,) = [r for r in tuning.rows if r.settings.get("trainer.channels_last")]
+    assert row.note.startswith("refused: first-step loss")
+    assert plan.cfg.trainer.channels_last is False
+    assert "refused" in tuning.reasons["trainer.channels_last"]
+    assert "refused" in tuning.table()
+
+
+def test_auto_skips_a_short_run_with_a_message(caplog):
+    caplog.set_level("INFO", logger="runner.run.tune")
+    plan, tuning = tuned(*FAST)
+    assert tuning is None
+    assert plan.cfg.trainer.channels_last is False
+    assert "trainer.tune=auto: not tuned: 6 training steps are too few" in caplog.text
+
+
+def test_a_tuned_run_trains_as_the_run_given_its_settings_by_hand(tmp_path, monkeypatch):
+    """The tuning steps leave no trace: the same losses, metrics and data order as a run given
+    the chosen settings on the command line (real runs, a real SQLite store)."""
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    common = [*FAST, f"mlflow.tracking_uri={uri}", "mlflow.system_metrics_s=0"]
+    assert run_in_process(*common, "trainer.tune=on", "mlflow.run_name=tuned") == 0
+    tuned_run = runs_by_name(uri)["tuned"]
+    params = tuned_run.data.params
+    chosen = [  # tune.<key>: "<value> (why)"
+        f"{key[len('tune.') :]}={value.split(' (')[0]}"
+        for key, value in params.items()
+        if key.startswith("tune.trainer.") or key == "tune.precision.kernels"
+        if " (" in value
+    ]
+    assert params["tune.source"] == "measured"
+    assert run_in_process(*common, "trainer.tune=off", *chosen, "mlflow.run_name=by_hand") == 0
+    by_hand = runs_by_name(uri)["by_hand"]
+    a, b = history(uri, tuned_run.info.run_id), history(uri, by_hand.info.run_id)
+    for name in ("train_loss", "val_loss", "val_acc"):
+        assert a[name] == b[name], name
+    assert "tune_time_s" in tuned_run.data.metrics and "tune_time_s" not in by_hand.data.metrics
