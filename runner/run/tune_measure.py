@@ -3,8 +3,8 @@
 Each candidate (a set of settings on top of the run's config) is built from the plan as the run
 would be (`runner.run.build`: the same seed, so the same initial weights), without loader workers,
 and trained for a few steps on its first batch by a `Trainer` that reports nowhere: the first step
-gives the loss (and, compiled, the compile time), the steps after the warm ones the steady step
-time. Nothing here touches the run's own parts; the caller keeps the random generators.
+gives the loss (and, compiled, the compile time), the fastest of the steps after the warm ones the
+steady step time. Nothing here touches the run's own parts; the caller keeps the random generators.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import copy
 import dataclasses
 import logging
 import math
-import statistics
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
@@ -111,7 +110,9 @@ def measure(plan: RunPlan, settings: Mapping[str, Any], device: torch.device) ->
             times.append(time.perf_counter() - start)
             if index == 0:
                 first = float(loss)
-        steady = statistics.median(times[WARM_STEPS:])
+        # the fastest timed step: what the candidate does on its own (a machine shared with
+        # other work only ever adds time to a step, and noise is no property of the settings)
+        steady = min(times[WARM_STEPS:])
         compile_s = max(times[0] - steady, 0.0) if cfg.trainer.compile else 0.0
         return Row(dict(settings), steady * 1e3, compile_s, first)
     finally:

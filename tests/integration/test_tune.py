@@ -3,14 +3,17 @@ what the user gave."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from runner.run import tune
 from runner.run.distributed import Comm
 from runner.run.plan import make_plan
+from tests.helpers.resume import last_checkpoint, settings
 from tests.helpers.runs import FAST, compose_config, run_in_process
-from tests.helpers.store import history, runs_by_name
+from tests.helpers.store import all_runs, history, runs_by_name
 
 CPU = torch.device("cpu")
 ON = [*FAST, "trainer.tune=on"]
@@ -92,3 +95,34 @@ def test_a_tuned_run_trains_as_the_run_given_its_settings_by_hand(tmp_path, monk
     for name in ("train_loss", "val_loss", "val_acc"):
         assert a[name] == b[name], name
     assert "tune_time_s" in tuned_run.data.metrics and "tune_time_s" not in by_hand.data.metrics
+
+
+def test_a_resumed_run_keeps_its_checkpoints_settings(tmp_path, cache):
+    """The decision (here the cache's, which says channels_last is far faster) is in the
+    checkpoint's config; resume=auto of the same command keeps it without tuning again."""
+    common = [*settings(tmp_path), "trainer.tune=on", "mlflow.run_name=tuned"]
+    tuned(*common)
+    (path,) = cache.glob("*.json")
+    kept = json.loads(path.read_text())
+    for row in kept["rows"]:
+        row["steady_ms"] = 1.0 if row["settings"] == {"trainer.channels_last": True} else 9.0
+        row["note"] = ""
+    path.write_text(json.dumps(kept))
+    assert run_in_process(*common, "trainer.max_epochs=1") == 0
+    first = last_checkpoint(tmp_path, "tuned")
+    assert first["config"]["trainer"]["channels_last"] is True
+    assert run_in_process(*common, "trainer.max_epochs=2", "resume=auto") == 0
+    second = last_checkpoint(tmp_path, "tuned")
+    assert second["epoch"] == 2
+    assert second["config"]["trainer"]["channels_last"] is True
+    params = runs_by_name(f"sqlite:///{tmp_path / 'mlflow.db'}")["tuned"].data.params
+    assert params["tune.trainer.channels_last"].startswith("true (tuned")
+    assert params["tune.source"] == "cache"
+
+
+def test_a_sweep_tunes_each_configuration_once(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    sweep = [*FAST, f"mlflow.tracking_uri={uri}", "mlflow.system_metrics_s=0"]
+    assert run_in_process("-m", *sweep, "trainer.tune=on", "trainer.seed=1,2") == 0
+    jobs = [r for r in all_runs(uri) if "tune.source" in r.data.params]
+    assert sorted(r.data.params["tune.source"] for r in jobs) == ["cache", "measured"]
