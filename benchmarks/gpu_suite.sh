@@ -41,6 +41,11 @@
 #                                    # against levels.py's for the same model and batch (target:
 #                                    # within 10%; steady_cuda.*), and whether NVML is there for
 #                                    # the GPU utilisation metrics
+#   bash benchmarks/gpu_suite.sh 10  # trainer.cuda_graphs, one call of ~5 minutes: kernels build,
+#                                    # the captured step's GPU tests, then ResNet-50's steady
+#                                    # throughput at O2 and o2_bf16 with the optimizer step
+#                                    # captured in a CUDA graph and without
+#                                    # (graphs_{false,true}_rn50_cuda.*)
 #
 # Parts 7 and 8 write their own levels files, so the committed levels_cuda.* (measured before the
 # device fix) are not overwritten; merge afterwards, each later file winning per cell:
@@ -82,8 +87,8 @@
 set -uo pipefail
 
 PART=${1:-}
-if [[ ! "$PART" =~ ^[1-9]$ ]]; then
-  echo "usage: bash benchmarks/gpu_suite.sh 1|2|3|4|5|6|7|8|9   (each under 10 minutes)" >&2
+if [[ ! "$PART" =~ ^([1-9]|10)$ ]]; then
+  echo "usage: bash benchmarks/gpu_suite.sh 1|2|3|4|5|6|7|8|9|10   (each under 10 minutes)" >&2
   exit 2
 fi
 if [[ -z "${OUT:-}" ]]; then
@@ -251,6 +256,16 @@ elif [[ "$PART" == 9 ]]; then
   # the mission's command at O0 and O2 (each one process, as a user runs it), then levels.py's
   # two cells for the same model and batch: logged steady ratio within 10% of levels.py's
   piece steady_densenet 420 "$PY" benchmarks/steady.py --device cuda --work "$WORK/steady"
+elif [[ "$PART" == 10 ]]; then
+  piece tests_gpu_graphs 180 "$PY" -m pytest -q -p no:cacheprovider -rfE -m gpu \
+    tests/gpu/test_cuda_graphs.py
+  # the same cells with the step captured and without; scheduler=none in both, since the graphs
+  # refuse a schedule that sets a new learning rate at every step (the default cosine)
+  for GRAPHS in false true; do
+    piece "bench_graphs_${GRAPHS}_rn50" 100 "$PY" benchmarks/levels.py --device cuda \
+      --models resnet50 --levels o2,o2_bf16 --extra scheduler=none "trainer.cuda_graphs=$GRAPHS" \
+      --out "benchmarks/results/graphs_${GRAPHS}_rn50_cuda.md"
+  done
 elif [[ "$PART" == 4 ]]; then
   # a language model: sizes are tokens per sequence (1024); GPT-2's vocabulary padded to 50304
   # (a multiple of 64, as nanoGPT does) over the synthetic language's ids
