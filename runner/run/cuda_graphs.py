@@ -31,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner.config import options
 from runner.errors import ConfigError
+from runner.run import distributed
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +64,6 @@ def refusals(cfg: DictConfig, properties: Any, task: str, device: torch.device) 
     change (empty: nothing does, or the key is off)."""
     if not OmegaConf.select(cfg, KEY, default=False):
         return []
-    from runner.run import distributed
-
     found = []
     if device.type != "cuda":
         found.append(
