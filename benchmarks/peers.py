@@ -126,6 +126,8 @@ FIELDS = [
     "meets",
     "runner_loss",
     "peer_loss",
+    "picked",
+    "tune_s",
     "error",
 ]
 
@@ -180,11 +182,25 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "does not compile, but it runs: a check of the GPU's code path)",
     )
     p.add_argument(
+        "--tuned",
+        action="store_true",
+        help="the runner at its defaults with trainer.tune=on (it picks channels_last, the "
+        "kernels, compile, ... by measuring them) against the peer at its defaults (a "
+        "contiguous model and batch); the table names what was picked",
+    )
+    p.add_argument(
+        "--run-steps",
+        type=int,
+        default=2000,
+        help="--tuned: the training steps of the run the benchmark stands for (what repays "
+        "tuning and compiling; default 2000)",
+    )
+    p.add_argument(
         "--out",
         type=Path,
         default=None,
-        help="Markdown path (default benchmarks/results/peers_<device>.md; "
-        ".csv and .json beside it)",
+        help="Markdown path (default benchmarks/results/peers_<device>.md, with --tuned "
+        "peers_tuned_<device>.md; .csv and .json beside it)",
     )
     add_threads_option(p)
     args = p.parse_args(argv)
@@ -231,7 +247,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         )
     if args.titan_compile is None:
         args.titan_compile = args.device == "cuda"
-    args.out = args.out or REPO / "benchmarks" / "results" / f"peers_{args.device}.md"
+    if args.tuned and "titan:float8" in args.peers:
+        p.error("--tuned compares the runner's defaults with a peer's: not titan:float8")
+    name = f"peers_tuned_{args.device}.md" if args.tuned else f"peers_{args.device}.md"
+    args.out = args.out or REPO / "benchmarks" / "results" / name
     return args
 
 
@@ -256,10 +275,17 @@ def task_overrides(args, peer: str) -> list[str]:
         ]
         # the same layers out of fp8 on the runner's side: a layer plan keeps them in bf16
         pair += [f"+precision.layers.{name}=bfloat16" for name in args.titan_filter]
+    chosen = (  # --tuned: the runner's defaults, tuned; otherwise the layout set by hand
+        ["trainer.tune=on"]
+        if args.tuned
+        else [
+            "trainer.channels_last=" + ("true" if args.device == "cuda" else "false"),
+            "trainer.cudnn_benchmark=true",
+        ]
+    )
     return [
         *one_batch_task(args.model, args.image_size, args.batch_size, args.device),
-        "trainer.channels_last=" + ("true" if args.device == "cuda" else "false"),
-        "trainer.cudnn_benchmark=true",
+        *chosen,
         f"precision={PAIRS[peer]}",
         *pair,
         *args.extra,
@@ -423,6 +449,26 @@ def titan_float8_model(model, device, skip: Sequence[str] = (), compile: bool = 
     return converted
 
 
+def tuned_config(cfg, overrides: Sequence[str], run_steps: int) -> tuple:
+    """`cfg` with what trainer.tune picks for a run of `run_steps` steps: (the config, the
+    picked settings as the table names them, the seconds tuning took)."""
+    from runner.run import tune
+    from runner.run.distributed import Comm
+    from runner.run.plan import make_plan
+
+    plan = make_plan(cfg)
+    plan, tuning = tune.tuned(plan, Comm(), plan.device, overrides, steps=run_steps)
+    if tuning is None:
+        return plan.cfg, "nothing to tune", 0.0
+    defaults = tune.DEFAULTS
+    picked = [
+        f"{key.split('.')[-1]}={tune._show(value)}"
+        for key, value in tuning.settings.items()
+        if value != defaults[key]
+    ]
+    return plan.cfg, ", ".join(picked) or "the defaults", tuning.seconds
+
+
 def measure(args, peer: str) -> dict:
     """One peer against its runner level: both built from the same config and initial weights,
     their blocks interleaved."""
@@ -432,9 +478,16 @@ def measure(args, peer: str) -> dict:
     row = {"peer": peer, "level": level, "status": "ok", "error": None}
     try:
         torch.manual_seed(0)
-        cfg = compose(task_overrides(args, peer))
+        overrides = task_overrides(args, peer)
+        cfg = compose(overrides)
+        if args.tuned:
+            cfg, row["picked"], row["tune_s"] = tuned_config(cfg, overrides, args.run_steps)
         parts = build_runner(cfg, keep_fp32_copy=True)
         device, trainer, batch = parts.device, parts.trainer, parts.batch
+        peer_batch = batch
+        if args.tuned:  # the peer at its defaults: a contiguous model and batch
+            parts.fp32_model = parts.fp32_model.to(memory_format=torch.contiguous_format)
+            peer_batch = (batch[0].contiguous(), batch[1])
         kind, _, name = peer.partition(":")
         if kind in ("hand", "titan"):
             if kind == "titan":
@@ -447,7 +500,7 @@ def measure(args, peer: str) -> dict:
                         f"the runner converted {sorted(ours)} to fp8, torchtitan's "
                         f"recipe {sorted(fp8)}"
                     )
-            hand = handwritten_step(parts.fp32_model, cfg, parts.properties, batch)
+            hand = handwritten_step(parts.fp32_model, cfg, parts.properties, peer_batch)
             state = {"peer_loss": float("nan")}
 
             def peer_block() -> float:
@@ -455,7 +508,7 @@ def measure(args, peer: str) -> dict:
                 state["peer_loss"] = float(loss)
                 return seconds
         else:
-            lightning = LightningSide(parts.fp32_model, cfg, batch, name, device)
+            lightning = LightningSide(parts.fp32_model, cfg, peer_batch, name, device)
 
             def peer_block() -> float:
                 return lightning.block(args.steps, args.warmup)
@@ -498,7 +551,26 @@ def _f(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+TUNED_TARGET = {"cpu": 1.1, "cuda": 1.2}  # --tuned: runner / peer where a candidate was picked
+
+
+def tuned_verdict(report: dict) -> str:
+    """--tuned: the target holds where trainer.tune picked something other than the defaults
+    (elsewhere the runner's defaults were already the fastest it measured: no target)."""
+    target = TUNED_TARGET[report["device"]]
+    rows = [r for r in report["rows"] if r["status"] == "ok"]
+    paid = [r for r in rows if r.get("picked") not in ("the defaults", "nothing to tune")]
+    missed = [r for r in paid if r["ratio"] < target]
+    text = ", ".join(f"{r['peer']} {r['ratio']:.2f}x ({r.get('picked')})" for r in rows)
+    if not paid:
+        return f"NO TARGET (trainer.tune kept the defaults everywhere): {text}."
+    state = "MET" if not missed else "MISSED"
+    return f"{state}: runner tuned / peer at defaults {text} (target >= {target:g}x where picked)."
+
+
 def verdict(report: dict) -> str:
+    if report.get("tuned"):
+        return tuned_verdict(report)
     rows = [r for r in report["rows"] if r["status"] == "ok"]
     if report["device"] != "cuda":
         return (
@@ -517,7 +589,7 @@ def verdict(report: dict) -> str:
 
 
 def render(report: dict) -> str:
-    m = report["machine"]
+    m, tuned = report["machine"], report.get("tuned")
     lines = [
         f"# The runner beside its peers ({report['device']})",
         "",
@@ -527,15 +599,22 @@ def render(report: dict) -> str:
         f"{report['rounds']} interleaved rounds of {report['steps']}-step blocks a side after "
         f"{report['warmup']} untimed steps each; a step device-synchronised at both ends; "
         "medians. Ratio = peer step time / runner step time = runner throughput / peer "
-        "throughput (>= 1: the runner is at least as fast).",
+        "throughput (>= 1: the runner is at least as fast)."
+        + (
+            f" The runner at its defaults with trainer.tune=on, tuned for a run of "
+            f"{report['run_steps']} steps (what it picked: the last columns); the peer at its "
+            "defaults (a contiguous model and batch)."
+            if report.get("tuned")
+            else ""
+        ),
         "",
         f"Machine: {m.get('cpu', '?')}; {m.get('gpu', 'no GPU')}; torch {m.get('torch', '?')}; "
         f"Lightning {report.get('lightning', '-')}. Date {report['date']}. "
         f"Command: `{report['command']}`.",
         "",
         "| peer | runner level | runner ms/step | peer ms/step | ratio | target | "
-        "loss runner / peer |",
-        "|---|---|---:|---:|---:|---|---|",
+        "loss runner / peer |" + (" trainer.tune picked | tuning s |" if tuned else ""),
+        "|---|---|---:|---:|---:|---|---|" + ("---|---:|" if tuned else ""),
     ]
     for r in report["rows"]:
         if r["status"] != "ok":
@@ -546,6 +625,7 @@ def render(report: dict) -> str:
             f"| {r['peer']} | {r['level']} | {_f(r['runner_ms'], '.2f')} | "
             f"{_f(r['peer_ms'], '.2f')} | {_f(r['ratio'], '.3f')} | {target} | "
             f"{_f(r['runner_loss'], '.3f')} / {_f(r['peer_loss'], '.3f')} |"
+            + (f" {r.get('picked')} | {_f(r.get('tune_s'), '.1f')} |" if tuned else "")
         )
     lines += ["", "Verdict: " + verdict(report), ""]
     return "\n".join(lines)
@@ -576,6 +656,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "steps": args.steps,
         "warmup": args.warmup,
         "rounds": args.rounds,
+        "tuned": args.tuned,
+        "run_steps": args.run_steps if args.tuned else None,
         "lightning": lightning_version,
         "rows": rows,
         "machine": machine(args.device),
