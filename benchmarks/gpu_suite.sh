@@ -46,6 +46,11 @@
 #                                    # throughput at O2 and o2_bf16 with the optimizer step
 #                                    # captured in a CUDA graph and without
 #                                    # (graphs_{false,true}_rn50_cuda.*)
+#   bash benchmarks/gpu_suite.sh 11  # trainer.tune, one call of ~9 minutes: peers.py --tuned on
+#                                    # ResNet-50 (batch 128) and densenet161 (batch 64) at 224
+#                                    # px, the runner at its defaults tuned for a run of 20000
+#                                    # steps against Lightning 16-mixed and bf16-mixed at their
+#                                    # defaults (target >= 1.2x; peers_tuned_*_cuda.*)
 #
 # Parts 7 and 8 write their own levels files, so the committed levels_cuda.* (measured before the
 # device fix) are not overwritten; merge afterwards, each later file winning per cell:
@@ -87,8 +92,8 @@
 set -uo pipefail
 
 PART=${1:-}
-if [[ ! "$PART" =~ ^([1-9]|10)$ ]]; then
-  echo "usage: bash benchmarks/gpu_suite.sh 1|2|3|4|5|6|7|8|9|10   (each under 10 minutes)" >&2
+if [[ ! "$PART" =~ ^([1-9]|10|11)$ ]]; then
+  echo "usage: bash benchmarks/gpu_suite.sh 1|2|...|11   (each under 10 minutes)" >&2
   exit 2
 fi
 if [[ -z "${OUT:-}" ]]; then
@@ -266,6 +271,16 @@ elif [[ "$PART" == 10 ]]; then
       --models resnet50 --levels o2,o2_bf16 --extra scheduler=none "trainer.cuda_graphs=$GRAPHS" \
       --out "benchmarks/results/graphs_${GRAPHS}_rn50_cuda.md"
   done
+elif [[ "$PART" == 11 ]]; then
+  # the runner at its defaults with trainer.tune=on (channels_last, cudnn.benchmark, the fused
+  # kernels or torch's ops, compile max-autotune-no-cudagraphs where 20000 steps repay it: about
+  # two ImageNet epochs at batch 128) against Lightning at its defaults; its own tuning cache
+  export AMP_RUNNER_TUNE_CACHE=$WORK/tune-cache
+  TUNED=(--device cuda --tuned --run-steps 20000 --peers lightning:16-mixed,lightning:bf16-mixed)
+  piece bench_peers_tuned_rn50 260 "$PY" benchmarks/peers.py "${TUNED[@]}" --model resnet50 \
+    --out benchmarks/results/peers_tuned_rn50_cuda.md
+  piece bench_peers_tuned_densenet 260 "$PY" benchmarks/peers.py "${TUNED[@]}" \
+    --model densenet161 --batch-size 64 --out benchmarks/results/peers_tuned_densenet_cuda.md
 elif [[ "$PART" == 4 ]]; then
   # a language model: sizes are tokens per sequence (1024); GPT-2's vocabulary padded to 50304
   # (a multiple of 64, as nanoGPT does) over the synthetic language's ids
