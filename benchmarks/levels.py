@@ -537,7 +537,7 @@ def verdict(report: dict) -> str:
             if speedups:
                 parts.append(f"{model_label(model)}: " + ", ".join(speedups))
         return (
-            "NO TARGETS on CPU (issue 7's targets are for ResNet-50 on an H100/H200). "
+            "NO TARGETS on CPU (the levels' targets are for ResNet-50 on an H100/H200). "
             "Throughput against O0: "
             + ("; ".join(parts) or "no O0 baseline")
             + "."

@@ -574,7 +574,7 @@ def verdict(report: dict) -> str:
     rows = [r for r in report["rows"] if r["status"] == "ok"]
     if report["device"] != "cuda":
         return (
-            "NO TARGET on CPU (issue 28's target, runner / peer >= 1.0, is for the GPU): "
+            "NO TARGET on CPU (the target, runner / peer >= 1.0, is for the GPU): "
             + ", ".join(f"{r['peer']} {r['ratio']:.2f}x" for r in rows)
             + "."
         )
