@@ -1,20 +1,26 @@
 // C++ (CPU) backend of the fused multi-tensor kernels.
 //
 // Every op splits its tensor lists into spans of at most kSpan elements (one tensor each) and runs
-// the spans in parallel with PyTorch's own at::parallel_for (its OpenMP pool, its thread count).
-// Inside a span, 16-bit inputs are converted block by block into small fp32 buffers (F16C for
-// fp16 where the CPU has it, bit shifts for bf16), the fp32 arithmetic of step_math.h runs over
-// the block in plain loops the compiler vectorises, and 16-bit outputs are rounded back (to
-// nearest even, as torch does). fp32 tensors are read and written in place, without a copy.
+// the spans with PyTorch's own at::parallel_for (its OpenMP pool, its thread count) in one
+// parallel region per call, the threads taking spans from a shared counter (few elements in all:
+// no parallel region). The optimizer steps with fp32 masters run in ATen's Vectorized registers
+// in one pass per element (16-bit gradients, state and model copies converted with at::vec's
+// conversions, as torch's own fused Adam does), the arithmetic written term by term as
+// step_math.h's. The other ops convert 16-bit inputs block by block into small fp32 buffers (F16C
+// for fp16 where the build has it, bit shifts for bf16) and run step_math.h's arithmetic in plain
+// loops the compiler vectorises. 16-bit outputs are rounded to nearest even, as torch does.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <tuple>
 #include <type_traits>
 
 #if defined(__SSE2__)
@@ -44,10 +50,36 @@ std::vector<Span> make_spans(const TensorList& tensors) {
   return spans;
 }
 
+// The spans of a pass over gradients that a fused step reads next (the overflow check, the
+// unscale): last to first, so the step, which starts with the first tensors, finds the
+// gradients this pass read last still in the cache.
+std::vector<Span> make_spans_backwards(const TensorList& tensors) {
+  std::vector<Span> spans = make_spans(tensors);
+  std::reverse(spans.begin(), spans.end());
+  return spans;
+}
+
+// Runs fn(span, index) over every span: inline when the spans are few elements in all (a
+// parallel region costs more than it saves, and a busy machine may keep a worker from starting
+// for a whole time slice), else in at::parallel_for's threads, which take the spans one at a
+// time from a shared counter: a thread that starts late (descheduled on a shared machine) finds
+// the work done by the others instead of holding a fixed share of it.
 template <typename F>
 void for_each_span(const std::vector<Span>& spans, const F& fn) {
-  at::parallel_for(0, static_cast<int64_t>(spans.size()), 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t i = lo; i < hi; ++i) fn(spans[i], i);
+  const int64_t count = static_cast<int64_t>(spans.size());
+  int64_t total = 0;
+  for (const Span& s : spans) total += s.end - s.begin;
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), count);
+  if (workers <= 1 || total <= kSpan || at::in_parallel_region()) {
+    for (int64_t i = 0; i < count; ++i) fn(spans[i], i);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < count;
+         i = next.fetch_add(1, std::memory_order_relaxed)) {
+      fn(spans[i], i);
+    }
   });
 }
 
@@ -97,46 +129,6 @@ inline void from_float(const float* src, c10::BFloat16* dst, int64_t n) {
 inline void from_float(const float* src, float* dst, int64_t n) {
   if (src != dst) std::memcpy(dst, src, n * sizeof(float));
 }
-
-// The 16-bit model copy of a fused step: written with non-temporal stores where aligned (it is
-// not read again in the step, and a normal store would first read every line it writes: 2 more
-// bytes of traffic per parameter). The caller fences once after the parallel loop.
-inline void copy_out(const float* src, c10::Half* dst, int64_t n) {
-#if defined(__F16C__)
-  if (reinterpret_cast<uintptr_t>(dst) % 16 == 0) {
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-      const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(src + i),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), h);
-    }
-    from_float(src + i, dst + i, n - i);
-    return;
-  }
-#endif
-  from_float(src, dst, n);
-}
-
-inline void copy_out(const float* src, c10::BFloat16* dst, int64_t n) {
-#if defined(__SSE2__)
-  if (reinterpret_cast<uintptr_t>(dst) % 16 == 0) {
-    alignas(16) c10::BFloat16 tmp[kBlock];
-    int64_t i = 0;
-    for (; i + kBlock <= n; i += kBlock) {
-      from_float(src + i, tmp, kBlock);
-      for (int64_t k = 0; k < kBlock; k += 8) {
-        _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + k),
-                         _mm_load_si128(reinterpret_cast<const __m128i*>(tmp + k)));
-      }
-    }
-    from_float(src + i, dst + i, n - i);
-    return;
-  }
-#endif
-  from_float(src, dst, n);
-}
-
-inline void copy_out(const float* src, float* dst, int64_t n) { from_float(src, dst, n); }
 
 // A pointer to `n` fp32 values: `src` itself for fp32, else `buf` filled by conversion.
 template <typename T>
@@ -214,7 +206,7 @@ namespace {
 // whether any source value is inf/NaN (tested on the raw bits, before scaling).
 bool scale_lists(const TensorList& src, const TensorList& dst, float scale, bool check) {
   std::atomic<bool> bad{false};
-  for_each_span(make_spans(src), [&](const Span& s, int64_t) {
+  for_each_span(make_spans_backwards(src), [&](const Span& s, int64_t) {
     const at::Tensor& a = src[s.tensor];
     const at::Tensor& d = dst[s.tensor];
     dispatch(a.scalar_type(), [&](auto st) {
@@ -257,7 +249,7 @@ void check_finite(const TensorList& tensors, const at::Tensor& found_inf) {
   check_cpu(tensors, "check_finite");
   check_scalar(found_inf, "found_inf", at::kCPU);
   std::atomic<bool> bad{false};
-  for_each_span(make_spans(tensors), [&](const Span& s, int64_t) {
+  for_each_span(make_spans_backwards(tensors), [&](const Span& s, int64_t) {
     if (bad.load(std::memory_order_relaxed)) return;  // the answer is known
     const at::Tensor& t = tensors[s.tensor];
     dispatch(t.scalar_type(), [&](auto tag) {
@@ -383,37 +375,201 @@ inline void state_store_sr(const at::Tensor* t, int64_t offset, const float* buf
   }
 }
 
-// The shared skeleton of the fused steps: per span, the gradient block in fp32, `update(t,
-// offset, n, g, gs)` over it (the gradient multiplier `gs` applied inside the update loop), then
-// the 16-bit copy of the updated params.
-template <typename Update>
+// Calls fn(static_cast<S*>(nullptr)) with S = float or c10::BFloat16, the optimizer state's type.
+template <typename F>
+inline void dispatch_state_type(at::ScalarType dtype, const F& fn) {
+  if (dtype == at::kFloat) {
+    fn(static_cast<float*>(nullptr));
+  } else {
+    AMP_CHECK(dtype == at::kBFloat16, "unsupported optimizer state dtype ", dtype);
+    fn(static_cast<c10::BFloat16*>(nullptr));
+  }
+}
+
+// ---- the fused steps with fp32 masters: one pass in ATen's vector registers -----------------
+// Per iteration, kStep elements (one 16-bit vector, two fp32 vectors): the gradient converted
+// to fp32 in registers (at::vec's conversions, the ones torch's fused Adam uses), the masters and
+// the state loaded (bf16 state converted), the update, everything stored back and the 16-bit
+// model copy rounded to nearest even and written, without fp32 buffers in between. The vector
+// width is the build's (ATen's AVX-512 or AVX2 Vectorized where the loader picked those flags,
+// else its portable form).
+using FVec = at::vec::Vectorized<float>;
+constexpr int64_t kStep = 2 * FVec::size();
+
+template <typename T>
+C10_ALWAYS_INLINE void vload(const T* src, FVec& lo, FVec& hi) {
+  if constexpr (std::is_same_v<T, float>) {
+    lo = FVec::loadu(src);
+    hi = FVec::loadu(src + FVec::size());
+  } else {
+    std::tie(lo, hi) = at::vec::convert_to_float<T>(at::vec::Vectorized<T>::loadu(src));
+  }
+}
+
+template <typename T>
+C10_ALWAYS_INLINE void vstore(T* dst, const FVec& lo, const FVec& hi) {
+  if constexpr (std::is_same_v<T, float>) {
+    lo.store(dst);
+    hi.store(dst + FVec::size());
+  } else {
+    at::vec::convert_from_float<T>(lo, hi).store(dst);
+  }
+}
+
+// The 16-bit model copy: not read again in the step, so written with non-temporal stores where
+// the vector is aligned (a normal store first reads every line it writes: 2 more bytes of
+// traffic per parameter). The caller fences once after the parallel loop.
+template <typename C>
+C10_ALWAYS_INLINE void vstore_copy(C* dst, const FVec& lo, const FVec& hi, bool stream) {
+  const auto packed = at::vec::convert_from_float<C>(lo, hi);
+#if defined(CPU_CAPABILITY_AVX512)
+  if (stream) {
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst), __m512i(packed));
+    return;
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  if (stream) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst), __m256i(packed));
+    return;
+  }
+#endif
+  (void)stream;
+  packed.store(dst);
+}
+
+inline bool stream_aligned(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % (kStep * 2) == 0;
+}
+
+// The vector form of step_math.h's adam_update, term by term in the same order.
+struct AdamVec {
+  FVec beta1, beta2, one_minus_beta1, one_minus_beta2, eps, neg_step_size, bc2_sqrt, l2, decay;
+  bool lerp_from_m;  // one_minus_beta1 < 0.5: m + w * (g - m), else g - (g - m) * beta1
+  explicit AdamVec(const AdamArgs& a)
+      : beta1(a.beta1), beta2(a.beta2), one_minus_beta1(a.one_minus_beta1),
+        one_minus_beta2(a.one_minus_beta2), eps(a.eps), neg_step_size(-a.step_size),
+        bc2_sqrt(a.bias_correction2_sqrt), l2(a.l2_weight_decay), decay(a.decay),
+        lerp_from_m(a.one_minus_beta1 < 0.5f) {}
+
+  C10_ALWAYS_INLINE void update(FVec& p, FVec& m, FVec& v, FVec g) const {
+    p = p * decay;
+    g = g + l2 * p;
+    m = lerp_from_m ? m + one_minus_beta1 * (g - m) : g - (g - m) * beta1;
+    v = v * beta2 + one_minus_beta2 * g * g;
+    const FVec denom = v.sqrt() / bc2_sqrt + eps;
+    p = p + neg_step_size * m / denom;
+  }
+};
+
+// The vector form of step_math.h's sgd_update.
+struct SgdVec {
+  FVec lr_neg, weight_decay, momentum, one_minus_dampening;
+  bool with_momentum, nesterov, first_run;
+  explicit SgdVec(const SgdArgs& s)
+      : lr_neg(-s.lr), weight_decay(s.weight_decay), momentum(s.momentum),
+        one_minus_dampening(s.one_minus_dampening), with_momentum(s.momentum != 0.f),
+        nesterov(s.nesterov), first_run(s.first_run) {}
+
+  C10_ALWAYS_INLINE void update(FVec& p, FVec& buf, FVec g) const {
+    g = g + weight_decay * p;
+    if (with_momentum) {
+      buf = first_run ? g : buf * momentum + one_minus_dampening * g;
+      g = nesterov ? g + momentum * buf : buf;
+    }
+    p = p + lr_neg * g;
+  }
+};
+
+// One span of a fused step: `body(offset, g_lo, g_hi, p_lo, p_hi)` updates kStep elements whose
+// gradient (times gs) and masters it is given and stores its state itself; this loads the
+// gradient, loads and stores the masters and writes the 16-bit copy (C = float: no copy). A
+// tail of fewer than kStep elements runs through zero-padded copies of every list (`Tail`),
+// with the same vector code, so every element sees the same arithmetic.
+template <typename G, typename C, typename Body>
+inline void vector_span(const G* g, float* p, C* copy, int64_t n, const FVec& gs,
+                        const Body& body) {
+  constexpr bool kCopy = !std::is_same_v<C, float>;
+  const bool stream = kCopy && stream_aligned(copy);
+  int64_t i = 0;
+  for (; i + kStep <= n; i += kStep) {
+    FVec g0, g1, p0, p1;
+    vload(g + i, g0, g1);
+    vload(p + i, p0, p1);
+    body(i, g0 * gs, g1 * gs, p0, p1);
+    vstore(p + i, p0, p1);
+    if constexpr (kCopy) vstore_copy(copy + i, p0, p1, stream);
+  }
+  if (i < n) {
+    const int64_t r = n - i;
+    G gt[kStep] = {};
+    float pt[kStep] = {};
+    std::memcpy(gt, g + i, r * sizeof(G));
+    std::memcpy(pt, p + i, r * sizeof(float));
+    FVec g0, g1, p0, p1;
+    vload(gt, g0, g1);
+    vload(pt, p0, p1);
+    body(i, g0 * gs, g1 * gs, p0, p1);
+    vstore(pt, p0, p1);
+    std::memcpy(p + i, pt, r * sizeof(float));
+    if constexpr (kCopy) {
+      C ct[kStep];
+      vstore(ct, p0, p1);
+      std::memcpy(copy + i, ct, r * sizeof(C));
+    }
+  }
+}
+
+// Loads kStep elements of state at `offset` (all of them, or the `r` < kStep of a tail,
+// zero-padded) and stores them back after `fn` changed them.
+template <typename S>
+struct StateVec {
+  S* base;
+  int64_t n;  // elements in the span
+  template <typename F>
+  C10_ALWAYS_INLINE void with(int64_t offset, FVec& lo, FVec& hi, const F& fn) const {
+    if (offset + kStep <= n) {
+      vload(base + offset, lo, hi);
+      fn();
+      vstore(base + offset, lo, hi);
+    } else {
+      const int64_t r = n - offset;
+      S t[kStep] = {};
+      std::memcpy(t, base + offset, r * sizeof(S));
+      vload(t, lo, hi);
+      fn();
+      vstore(t, lo, hi);
+      std::memcpy(base + offset, t, r * sizeof(S));
+    }
+  }
+};
+
+// The shared skeleton of the fused steps with fp32 masters: the overflow flag, the gradient
+// multiplier, then per span (in parallel) the types of its gradient and 16-bit copy dispatched
+// once and `span_fn(span, g, p, copy, gs)` run over it.
+template <typename SpanFn>
 void fused_step(const char* op, const TensorList& params, const TensorList& grads,
                 const TensorList& model_copies, const at::Tensor& grad_scale,
-                const std::optional<at::Tensor>& found_inf, bool maximize, const Update& update) {
+                const std::optional<at::Tensor>& found_inf, bool maximize,
+                const SpanFn& span_fn) {
   check_cpu(params, op);
   check_scalar(grad_scale, "grad_scale", device_of(params));
   if (found_inf.has_value()) check_scalar(*found_inf, "found_inf", device_of(params));
   if (flag_set(found_inf)) return;  // an overflow: the step does nothing at all
-  const float gs = read_scalar(grad_scale) * (maximize ? -1.f : 1.f);
+  const FVec gs(read_scalar(grad_scale) * (maximize ? -1.f : 1.f));
   const bool with_copies = !model_copies.empty();
   for_each_span(make_spans(params), [&](const Span& s, int64_t) {
     const at::Tensor& g = grads[s.tensor];
+    const at::ScalarType copy_type =
+        with_copies ? model_copies[s.tensor].scalar_type() : at::kFloat;
     dispatch(g.scalar_type(), [&](auto gt) {
-      using G = decltype(gt);
-      dispatch_optional(with_copies, with_copies ? model_copies[s.tensor].scalar_type() : at::kFloat,
-                        [&](auto* ct) {
-        using C = std::remove_pointer_t<decltype(ct)>;
-        const G* gp = static_cast<const G*>(g.data_ptr()) + s.begin;
-        float* pp = params[s.tensor].data_ptr<float>() + s.begin;
-        float buf[kBlock];
-        for (int64_t b = 0; b < s.end - s.begin; b += kBlock) {
-          const int64_t n = std::min(kBlock, s.end - s.begin - b);
-          update(s.tensor, s.begin + b, n, load_block(gp + b, buf, n), gs);
-          if constexpr (!std::is_void_v<C>) {  // (an fp32 "copy" is the param itself: no-op)
-            C* cp = static_cast<C*>(model_copies[s.tensor].data_ptr()) + s.begin;
-            copy_out(pp + b, cp + b, n);
-          }
-        }
+      dispatch(copy_type, [&](auto ct) {
+        using G = decltype(gt);
+        using C = decltype(ct);  // float: no copy (none given, or the param itself)
+        C* cp = std::is_same_v<C, float>
+                    ? nullptr
+                    : static_cast<C*>(model_copies[s.tensor].data_ptr()) + s.begin;
+        span_fn(s, static_cast<const G*>(g.data_ptr()) + s.begin,
+                params[s.tensor].data_ptr<float>() + s.begin, cp, gs);
       });
     });
   });
@@ -459,17 +615,32 @@ void sgd_step(const TensorList& params, const TensorList& grads, const TensorLis
   check_step_lists("sgd_step", params, grads, momentum_bufs, momentum_bufs, with_momentum,
                    model_copies);
   const SgdArgs args = make_sgd_args(lr, weight_decay, momentum, dampening, nesterov, first_run);
+  const SgdVec vec(args);
   fused_step("sgd_step", params, grads, model_copies, grad_scale, found_inf, maximize,
-             [&](int64_t t, int64_t offset, int64_t n, const float* __restrict__ g, float gs) {
-               const at::Tensor* buf_t = with_momentum ? &momentum_bufs[t] : nullptr;
-               dispatch_state(with_momentum, with_momentum ? buf_t->scalar_type() : at::kFloat,
-                              [&](auto* st) {
+             [&](const Span& s, const auto* g, float* p, auto* copy, const FVec& gs) {
+               const int64_t n = s.end - s.begin;
+               const SgdVec a = vec;  // a local copy: no store of the loop can alias it
+               if (!with_momentum) {
+                 FVec unused;
+                 vector_span(g, p, copy, n, gs,
+                             [&](int64_t, FVec g0, FVec g1, FVec& p0, FVec& p1) C10_ALWAYS_INLINE_ATTRIBUTE {
+                               a.update(p0, unused, g0);
+                               a.update(p1, unused, g1);
+                             });
+                 return;
+               }
+               const at::Tensor& buf_t = momentum_bufs[s.tensor];
+               dispatch_state_type(buf_t.scalar_type(), [&](auto* st) {
                  using S = std::remove_pointer_t<decltype(st)>;
-                 float sbuf[kBlock];
-                 float* buf = state_load<S>(buf_t, offset, sbuf, n);
-                 sgd_block(n, params[t].data_ptr<float>() + offset, buf, g, gs, args,
-                           with_momentum);
-                 state_store<S>(buf_t, offset, buf, n);
+                 const StateVec<S> buf{static_cast<S*>(buf_t.data_ptr()) + s.begin, n};
+                 vector_span(g, p, copy, n, gs,
+                             [&](int64_t i, FVec g0, FVec g1, FVec& p0, FVec& p1) C10_ALWAYS_INLINE_ATTRIBUTE {
+                               FVec b0, b1;
+                               buf.with(i, b0, b1, [&]() C10_ALWAYS_INLINE_ATTRIBUTE {
+                                 a.update(p0, b0, g0);
+                                 a.update(p1, b1, g1);
+                               });
+                             });
                });
              });
 }
@@ -482,16 +653,26 @@ void adam_step(const TensorList& params, const TensorList& grads, const TensorLi
   check_step_lists("adam_step", params, grads, exp_avgs, exp_avg_sqs, true, model_copies);
   const AdamArgs args = make_adam_args(lr, beta1, beta2, eps, weight_decay, bias_correction1,
                                        bias_correction2, decoupled);
+  const AdamVec vec(args);
   fused_step("adam_step", params, grads, model_copies, grad_scale, found_inf, maximize,
-             [&](int64_t t, int64_t offset, int64_t n, const float* __restrict__ g, float gs) {
-               dispatch_state(true, exp_avgs[t].scalar_type(), [&](auto* st) {
+             [&](const Span& s, const auto* g, float* p, auto* copy, const FVec& gs) {
+               const int64_t n = s.end - s.begin;
+               const AdamVec a = vec;  // a local copy: no store of the loop can alias it
+               dispatch_state_type(exp_avgs[s.tensor].scalar_type(), [&](auto* st) {
                  using S = std::remove_pointer_t<decltype(st)>;
-                 float mbuf[kBlock], vbuf[kBlock];
-                 float* m = state_load<S>(&exp_avgs[t], offset, mbuf, n);
-                 float* v = state_load<S>(&exp_avg_sqs[t], offset, vbuf, n);
-                 adam_block(n, params[t].data_ptr<float>() + offset, m, v, g, gs, args);
-                 state_store<S>(&exp_avgs[t], offset, m, n);
-                 state_store<S>(&exp_avg_sqs[t], offset, v, n);
+                 const StateVec<S> m{static_cast<S*>(exp_avgs[s.tensor].data_ptr()) + s.begin, n};
+                 const StateVec<S> v{
+                     static_cast<S*>(exp_avg_sqs[s.tensor].data_ptr()) + s.begin, n};
+                 vector_span(g, p, copy, n, gs,
+                             [&](int64_t i, FVec g0, FVec g1, FVec& p0, FVec& p1) C10_ALWAYS_INLINE_ATTRIBUTE {
+                               FVec m0, m1, v0, v1;
+                               m.with(i, m0, m1, [&]() C10_ALWAYS_INLINE_ATTRIBUTE {
+                                 v.with(i, v0, v1, [&]() C10_ALWAYS_INLINE_ATTRIBUTE {
+                                   a.update(p0, m0, v0, g0);
+                                   a.update(p1, m1, v1, g1);
+                                 });
+                               });
+                             });
                });
              });
 }

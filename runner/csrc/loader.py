@@ -56,23 +56,32 @@ def backend_for(device: torch.device | str) -> str:
     return "cuda" if torch.device(device).type == "cuda" else "cpp"
 
 
+# The flags torch's own build compiles its AVX2 and AVX-512 kernels with (its CPU_CAPABILITY
+# builds), and the macros that select ATen's matching Vectorized in the vec headers.
+_CAPABILITY_FLAGS = {
+    "AVX512": [
+        "-mavx512f",
+        "-mavx512bw",
+        "-mavx512vl",
+        "-mavx512dq",
+        "-mfma",
+        "-mf16c",
+        "-DCPU_CAPABILITY=AVX512",
+        "-DCPU_CAPABILITY_AVX512",
+    ],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
+}
+
+
 def _cpu_flags() -> list[str]:
-    """Vector-ISA flags for this CPU, spelled out (not -march=native) so that the flags, hence
-    the cache key, differ between CPUs that need different builds (a home shared over NFS)."""
+    """The vector ISA of torch's own kernels on this CPU (`torch.backends.cpu`'s capability,
+    which honours ATEN_CPU_CAPABILITY): the C++ kernels use ATen's Vectorized of the same width.
+    Any other capability (another architecture, an x86 CPU without AVX2) builds the portable
+    Vectorized with the compiler's default ISA. The flags are spelled out, so the cache key
+    differs between CPUs that need different builds (a home shared over NFS)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return []
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    flags = set()
-    for line in info.splitlines():
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            break
-    if {"avx2", "fma", "f16c"} <= flags:  # (AVX-512 measured no faster: memory-bound)
-        return ["-mavx2", "-mfma", "-mf16c"]
-    return []
+    return list(_CAPABILITY_FLAGS.get(torch.backends.cpu.get_cpu_capability(), []))
 
 
 def build_flags(backend: str) -> dict[str, list[str]]:
