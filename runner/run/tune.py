@@ -160,6 +160,9 @@ def tuned(
         log.info("trainer.tune: a resumed run keeps its checkpoint's settings")
         kept = {k: "kept from the checkpoint" for k in settings}
         return _apply(plan, settings), Tuning(settings, kept, source="checkpoint")
+    if plan.shards and comm.active:  # one rank cannot build the whole model to time it
+        log.info("trainer.tune: not tuned: a sharded run (trainer.strategy=fsdp) is not measured")
+        return plan, None
     given = given_keys(plan.cfg, overrides)
     tuning = comm.on_main(lambda: _kept_apart(plan, device, given, steps))
     tuning = comm.from_main(tuning)
