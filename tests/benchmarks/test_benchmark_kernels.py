@@ -26,6 +26,8 @@ def test_kernels_benchmark_smoke(tmp_path: Path, capsys):
                 "1",
                 "--warmup",
                 "1",
+                "--host-iters",
+                "2",
                 "--out",
                 str(out),
             ]
@@ -40,12 +42,18 @@ def test_kernels_benchmark_smoke(tmp_path: Path, capsys):
     ):
         assert f"| resnet18 | 11.7M | {label} |" in table
     assert "Verdict:" in table and "Load average" in table and "Command:" in table
+    assert "## Host cost of one step (161 tensors, resnet50's count, of 16 elements each)" in table
+    assert "| (c) AdamW fused, fp32 |" in table.split("## Host cost")[1]
     assert "Verdict:" in capsys.readouterr().out
     report = json.loads(out.with_suffix(".json").read_text())
     (result,) = report["results"]
     assert result["params"] == 11689512 and result["tensors"] == 62
     assert {v["bytes_per_param"] for v in result["variants"].values()} == {30, 48, 28}
     assert report["copy_gb_per_s"] > 0 and result["speedup_a_vs_b"] > 0
+    assert result["speedup_a_vs_c"] > 0
+    host = report["host"]
+    assert host["tensors"] == 161 and host["kernels"] == "cpp"
+    assert host["variants"]["a_fused"]["median_us"] > 0
 
 
 def test_kernels_benchmark_refuses_unknown_models_and_a_missing_gpu(capsys):
