@@ -314,6 +314,66 @@ def test_adam_step_matches_torch_optim(backend, kind, case, grad_dtype):
 
 
 @pytest.mark.parametrize("op", ["sgd", "adam"])
+def test_bf16_state_is_the_fp32_state_step_rounded_to_nearest(backend, op):
+    """Optimizer state kept in bf16 beside fp32 masters: each step loads it exactly, computes as
+    the fp32-state step does and stores it rounded to nearest even. The reference is the same
+    step with fp32 state (checked against torch.optim above) whose state is rounded to bf16
+    after every step: params, state and 16-bit copies agree bit for bit. The 16-bit copies are
+    views one element into their storage (not vector-aligned), and the sizes end in tails."""
+    d = dev(backend)
+    sizes = [1, 7, 65537, 3 * 65536 + 5]
+    params = [randn(n, torch.float32, d, seed=150 + i) for i, n in enumerate(sizes)]
+    grads = [randn(n, torch.float16, d, seed=160 + i, scale=256.0) for i, n in enumerate(sizes)]
+    n_state = 2 if op == "adam" else 1
+    runs = {}
+    for state_dtype in (torch.bfloat16, torch.float32):
+        mine = [p.clone() for p in params]
+        states = [[torch.zeros_like(p, dtype=state_dtype) for p in params] for _ in range(n_state)]
+        copies = [torch.empty(n + 1, dtype=torch.float16, device=d)[1:] for n in sizes]
+        for step in range(1, 4):
+            if op == "adam":
+                backend.ops.adam_step(
+                    mine,
+                    grads,
+                    *states,
+                    copies,
+                    scalar(backend, 1 / 256),
+                    None,
+                    1e-2,
+                    0.9,
+                    0.999,
+                    1e-8,
+                    0.01,
+                    1 - 0.9**step,
+                    1 - 0.999**step,
+                    True,
+                    False,
+                )
+            else:
+                backend.ops.sgd_step(
+                    mine,
+                    grads,
+                    states[0],
+                    copies,
+                    scalar(backend, 1 / 256),
+                    None,
+                    0.05,
+                    0.01,
+                    0.9,
+                    0.1,
+                    True,
+                    False,
+                    step == 1,
+                )
+            if state_dtype == torch.float32:  # the reference: the state rounded after each step
+                for s in (s for lst in states for s in lst):
+                    s.copy_(s.bfloat16())
+        runs[state_dtype] = (mine, [s.float() for lst in states for s in lst], copies)
+    for got, want in zip(runs[torch.bfloat16], runs[torch.float32]):
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("op", ["sgd", "adam"])
 def test_steps_do_nothing_when_found_inf_is_set(backend, op):
     """An inf/NaN in the first, a middle or the last gradient, at its first or last element:
     the check pass raises the flag, and the fused step given that flag leaves the weights, the
