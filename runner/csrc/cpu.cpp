@@ -543,6 +543,19 @@ struct StateVec {
   }
 };
 
+// Adam's arguments per tensor position: `base` everywhere, or with `steps` (the optimizer's
+// step counters, read here from CPU memory) each tensor's own bias corrections.
+std::vector<AdamArgs> adam_args_per_tensor(const char* op, const TensorList& params,
+                                           const std::optional<at::Tensor>& steps, double lr,
+                                           double beta1, double beta2, const AdamArgs& base) {
+  const AdamSteps s = adam_steps(op, steps, params.size(),
+                                 params.empty() ? at::Device(at::kCPU) : params[0].device(), lr,
+                                 beta1, beta2);
+  std::vector<AdamArgs> out(params.size(), base);
+  for (size_t i = 0; i < out.size(); ++i) out[i] = adam_at_step(base, s, static_cast<int64_t>(i));
+  return out;
+}
+
 // The shared skeleton of the fused steps with fp32 masters: the overflow flag, the gradient
 // multiplier, then per span (in parallel) the types of its gradient and 16-bit copy dispatched
 // once and `span_fn(span, g, p, copy, gs)` run over it.
@@ -649,15 +662,17 @@ void adam_step(const TensorList& params, const TensorList& grads, const TensorLi
                const TensorList& exp_avg_sqs, const TensorList& model_copies,
                const at::Tensor& grad_scale, const std::optional<at::Tensor>& found_inf,
                double lr, double beta1, double beta2, double eps, double weight_decay,
-               double bias_correction1, double bias_correction2, bool decoupled, bool maximize) {
+               double bias_correction1, double bias_correction2, bool decoupled, bool maximize,
+               const std::optional<at::Tensor>& steps) {
   check_step_lists("adam_step", params, grads, exp_avgs, exp_avg_sqs, true, model_copies);
-  const AdamArgs args = make_adam_args(lr, beta1, beta2, eps, weight_decay, bias_correction1,
-                                       bias_correction2, decoupled);
-  const AdamVec vec(args);
+  const auto per_tensor = adam_args_per_tensor(
+      "adam_step", params, steps, lr, beta1, beta2,
+      make_adam_args(lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2,
+                     decoupled));
   fused_step("adam_step", params, grads, model_copies, grad_scale, found_inf, maximize,
              [&](const Span& s, const auto* g, float* p, auto* copy, const FVec& gs) {
                const int64_t n = s.end - s.begin;
-               const AdamVec a = vec;  // a local copy: no store of the loop can alias it
+               const AdamVec a(per_tensor[s.tensor]);  // (local: no store of the loop aliases it)
                dispatch_state_type(exp_avgs[s.tensor].scalar_type(), [&](auto* st) {
                  using S = std::remove_pointer_t<decltype(st)>;
                  const StateVec<S> m{static_cast<S*>(exp_avgs[s.tensor].data_ptr()) + s.begin, n};
@@ -698,9 +713,9 @@ inline void store_sr(const float* __restrict__ src, c10::BFloat16* dst, int64_t 
 }
 
 // The skeleton of the stochastic-rounding steps: per block, the bf16 params, the gradients and
-// the state in fp32, `update(n, p, g, gs, a, b)` over them, the state back in its dtype (bf16
-// rounded stochastically too, streams 1 and 2 of the tensor's key) and the params rounded
-// stochastically.
+// the state in fp32, `update(t, n, p, g, gs, a, b)` over them (t: the tensor's position), the
+// state back in its dtype (bf16 rounded stochastically too, streams 1 and 2 of the tensor's key)
+// and the params rounded stochastically.
 template <typename Update>
 void sr_fused_step(const char* op, const TensorList& params, const TensorList& grads,
                    const TensorList& state_a, const TensorList& state_b,
@@ -732,7 +747,7 @@ void sr_fused_step(const char* op, const TensorList& params, const TensorList& g
             const float* g = load_block(gp + b, gbuf, n);
             float* a = state_load<A>(a_t, s.begin + b, abuf, n);
             float* bv = state_load<B>(b_t, s.begin + b, bbuf, n);
-            update(n, pbuf, g, gs, a, bv);
+            update(t, n, pbuf, g, gs, a, bv);
             state_store_sr<A>(a_t, s.begin + b, a, n, sr_stream(keys[t], 1));
             state_store_sr<B>(b_t, s.begin + b, bv, n, sr_stream(keys[t], 2));
             store_sr(pbuf, pp + b, n, keys[t], s.begin + b);
@@ -772,8 +787,8 @@ void sgd_step_sr(const TensorList& params, const TensorList& grads,
   const SgdArgs args = make_sgd_args(lr, weight_decay, momentum, dampening, nesterov, first_run);
   sr_fused_step("sgd_step_sr", params, grads, with_momentum ? momentum_bufs : TensorList{},
                 TensorList{}, grad_scale, found_inf, maximize, keys,
-                [&](int64_t n, float* __restrict__ p, const float* __restrict__ g, float gs,
-                    float* __restrict__ buf, float*) {
+                [&](int64_t, int64_t n, float* __restrict__ p, const float* __restrict__ g,
+                    float gs, float* __restrict__ buf, float*) {
                   sgd_block(n, p, buf, g, gs, args, with_momentum);
                 });
 }
@@ -783,16 +798,19 @@ void adam_step_sr(const TensorList& params, const TensorList& grads, const Tenso
                   const std::optional<at::Tensor>& found_inf, double lr, double beta1,
                   double beta2, double eps, double weight_decay, double bias_correction1,
                   double bias_correction2, bool decoupled, bool maximize, uint64_t seed,
-                  uint64_t step, const std::vector<int64_t>& tensor_ids) {
+                  uint64_t step, const std::vector<int64_t>& tensor_ids,
+                  const std::optional<at::Tensor>& steps) {
   check_sr_step_lists("adam_step_sr", params, grads, exp_avgs, exp_avg_sqs, true, true);
   const auto keys = sr_keys("adam_step_sr", seed, step, tensor_ids, params.size());
-  const AdamArgs args = make_adam_args(lr, beta1, beta2, eps, weight_decay, bias_correction1,
-                                       bias_correction2, decoupled);
+  const auto per_tensor = adam_args_per_tensor(
+      "adam_step_sr", params, steps, lr, beta1, beta2,
+      make_adam_args(lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2,
+                     decoupled));
   sr_fused_step("adam_step_sr", params, grads, exp_avgs, exp_avg_sqs, grad_scale, found_inf,
                 maximize, keys,
-                [&](int64_t n, float* __restrict__ p, const float* __restrict__ g, float gs,
-                    float* __restrict__ m, float* __restrict__ v) {
-                  adam_block(n, p, m, v, g, gs, args);
+                [&](int64_t t, int64_t n, float* __restrict__ p, const float* __restrict__ g,
+                    float gs, float* __restrict__ m, float* __restrict__ v) {
+                  adam_block(n, p, m, v, g, gs, per_tensor[t]);
                 });
 }
 

@@ -217,10 +217,12 @@ __device__ __forceinline__ void load_and_update(float (&pv)[kILP], float (&av)[k
 template <typename G, typename C, typename S, bool kAdam>
 struct StepOp {
   __device__ void operator()(TensorListMeta<5>& meta, const float* grad_scale, const float* found,
-                             float sign, AdamArgs adam, SgdArgs sgd, bool with_momentum) const {
+                             float sign, AdamArgs base, AdamSteps steps, SgdArgs sgd,
+                             bool with_momentum) const {
     if (found != nullptr && *found != 0.f) return;  // an overflow: the step does nothing at all
     constexpr bool kCopy = !std::is_same<C, float>::value;
     const mta::ChunkRef c = mta::chunk_of(meta);
+    const AdamArgs adam = kAdam ? adam_at_step(base, steps, meta.tensor_index[c.local]) : base;
     float* p = mta::list_ptr<float>(meta, 0, c);
     const G* g = mta::list_ptr<G>(meta, 1, c);
     S* s1 = mta::list_ptr<S>(meta, 2, c);
@@ -314,10 +316,11 @@ __device__ __forceinline__ void store_state_sr(S* dst, int64_t i0, bool vec, int
 template <typename G, typename A, typename B, bool kAdam>
 struct SrStepOp {
   __device__ void operator()(mta::TaggedListMeta<4>& meta, const float* grad_scale,
-                             const float* found, float sign, AdamArgs adam, SgdArgs sgd,
-                             bool with_momentum) const {
+                             const float* found, float sign, AdamArgs base, AdamSteps steps,
+                             SgdArgs sgd, bool with_momentum) const {
     if (found != nullptr && *found != 0.f) return;  // an overflow: the step does nothing at all
     const mta::ChunkRef c = mta::chunk_of(meta);
+    const AdamArgs adam = kAdam ? adam_at_step(base, steps, meta.tensor_index[c.local]) : base;
     c10::BFloat16* p = mta::list_ptr<c10::BFloat16>(meta, 0, c);
     const G* g = mta::list_ptr<G>(meta, 1, c);
     A* s1 = mta::list_ptr<A>(meta, 2, c);
@@ -461,7 +464,7 @@ void launch_step(const char* op, const TensorList& params, const TensorList& gra
                  const TensorList& state1, const TensorList& state2,
                  const TensorList& model_copies, const at::Tensor& grad_scale,
                  const std::optional<at::Tensor>& found_inf, bool maximize, const AdamArgs& adam,
-                 const SgdArgs& sgd, bool with_momentum) {
+                 const AdamSteps& steps, const SgdArgs& sgd, bool with_momentum) {
   check_cuda(params, op);
   const at::Device device = device_of(params, grad_scale);
   check_scalar(grad_scale, "grad_scale", device);
@@ -483,7 +486,8 @@ void launch_step(const char* op, const TensorList& params, const TensorList& gra
           mta::multi_tensor_apply<5>({&params, &grads, &s1, &s2, &copies}, positions,
                                      StepOp<G, C, S, kAdam>{},
                                      static_cast<const float*>(scalar_ptr(grad_scale)),
-                                     ptr_or_null(found_inf), sign, adam, sgd, with_momentum);
+                                     ptr_or_null(found_inf), sign, adam, steps, sgd,
+                                     with_momentum);
         });
       });
     });
@@ -501,7 +505,7 @@ void sgd_step(const TensorList& params, const TensorList& grads, const TensorLis
                    model_copies);
   launch_step<false>("sgd_step", params, grads, with_momentum ? momentum_bufs : TensorList{},
                      TensorList{}, model_copies, grad_scale, found_inf, maximize, AdamArgs{},
-                     make_sgd_args(lr, weight_decay, momentum, dampening, nesterov, first_run),
+                     AdamSteps{}, make_sgd_args(lr, weight_decay, momentum, dampening, nesterov, first_run),
                      with_momentum);
 }
 
@@ -509,12 +513,15 @@ void adam_step(const TensorList& params, const TensorList& grads, const TensorLi
                const TensorList& exp_avg_sqs, const TensorList& model_copies,
                const at::Tensor& grad_scale, const std::optional<at::Tensor>& found_inf,
                double lr, double beta1, double beta2, double eps, double weight_decay,
-               double bias_correction1, double bias_correction2, bool decoupled, bool maximize) {
+               double bias_correction1, double bias_correction2, bool decoupled, bool maximize,
+               const std::optional<at::Tensor>& steps) {
   check_step_lists("adam_step", params, grads, exp_avgs, exp_avg_sqs, true, model_copies);
   launch_step<true>("adam_step", params, grads, exp_avgs, exp_avg_sqs, model_copies, grad_scale,
                     found_inf, maximize,
                     make_adam_args(lr, beta1, beta2, eps, weight_decay, bias_correction1,
                                    bias_correction2, decoupled),
+                    adam_steps("adam_step", steps, params.size(),
+                               device_of(params, grad_scale), lr, beta1, beta2),
                     SgdArgs{}, true);
 }
 
@@ -536,8 +543,8 @@ template <bool kAdam>
 void launch_step_sr(const char* op, const TensorList& params, const TensorList& grads,
                     const TensorList& state1, const TensorList& state2,
                     const at::Tensor& grad_scale, const std::optional<at::Tensor>& found_inf,
-                    bool maximize, const AdamArgs& adam, const SgdArgs& sgd, bool with_momentum,
-                    const std::vector<SrKey>& keys) {
+                    bool maximize, const AdamArgs& adam, const AdamSteps& steps,
+                    const SgdArgs& sgd, bool with_momentum, const std::vector<SrKey>& keys) {
   check_cuda(params, op);
   const at::Device device = device_of(params, grad_scale);
   check_scalar(grad_scale, "grad_scale", device);
@@ -558,7 +565,7 @@ void launch_step_sr(const char* op, const TensorList& params, const TensorList& 
           mta::multi_tensor_apply_tagged<4>({&params, &grads, &s1, &s2}, positions, tags,
                                             SrStepOp<G, A, B, kAdam>{},
                                             static_cast<const float*>(scalar_ptr(grad_scale)),
-                                            ptr_or_null(found_inf), sign, adam, sgd,
+                                            ptr_or_null(found_inf), sign, adam, steps, sgd,
                                             with_momentum);
         });
       });
@@ -578,7 +585,7 @@ void sgd_step_sr(const TensorList& params, const TensorList& grads,
                       false);
   launch_step_sr<false>("sgd_step_sr", params, grads,
                         with_momentum ? momentum_bufs : TensorList{}, TensorList{}, grad_scale,
-                        found_inf, maximize, AdamArgs{},
+                        found_inf, maximize, AdamArgs{}, AdamSteps{},
                         make_sgd_args(lr, weight_decay, momentum, dampening, nesterov, first_run),
                         with_momentum,
                         sr_keys("sgd_step_sr", seed, step, tensor_ids, params.size()));
@@ -589,12 +596,15 @@ void adam_step_sr(const TensorList& params, const TensorList& grads, const Tenso
                   const std::optional<at::Tensor>& found_inf, double lr, double beta1,
                   double beta2, double eps, double weight_decay, double bias_correction1,
                   double bias_correction2, bool decoupled, bool maximize, uint64_t seed,
-                  uint64_t step, const std::vector<int64_t>& tensor_ids) {
+                  uint64_t step, const std::vector<int64_t>& tensor_ids,
+                  const std::optional<at::Tensor>& steps) {
   check_sr_step_lists("adam_step_sr", params, grads, exp_avgs, exp_avg_sqs, true, true);
   launch_step_sr<true>("adam_step_sr", params, grads, exp_avgs, exp_avg_sqs, grad_scale,
                        found_inf, maximize,
                        make_adam_args(lr, beta1, beta2, eps, weight_decay, bias_correction1,
                                       bias_correction2, decoupled),
+                       adam_steps("adam_step_sr", steps, params.size(),
+                                  device_of(params, grad_scale), lr, beta1, beta2),
                        SgdArgs{}, true,
                        sr_keys("adam_step_sr", seed, step, tensor_ids, params.size()));
 }

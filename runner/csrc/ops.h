@@ -121,12 +121,15 @@ void sgd_step(const TensorList& params, const TensorList& grads, const TensorLis
               const TensorList& model_copies, const at::Tensor& grad_scale,
               const std::optional<at::Tensor>& found_inf, double lr, double weight_decay,
               double momentum, double dampening, bool nesterov, bool maximize, bool first_run);
-// One Adam/AdamW step (bias corrections for this step given), same conventions as sgd_step.
+// One Adam/AdamW step, same conventions as sgd_step. The bias corrections: from `steps` when
+// given (one fp32 step number per param, position i for params[i], on the params' device: the
+// optimizer's step counters, already advanced for this step), else the two given here.
 void adam_step(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
                const TensorList& exp_avg_sqs, const TensorList& model_copies,
                const at::Tensor& grad_scale, const std::optional<at::Tensor>& found_inf,
                double lr, double beta1, double beta2, double eps, double weight_decay,
-               double bias_correction1, double bias_correction2, bool decoupled, bool maximize);
+               double bias_correction1, double bias_correction2, bool decoupled, bool maximize,
+               const std::optional<at::Tensor>& steps);
 
 // Stochastic rounding (see step_math.h): random bits per element from (seed, step, tensor id,
 // element index in memory order). `tensor_ids[i]` names list position i, in [0, 2^32): the
@@ -150,7 +153,8 @@ void adam_step_sr(const TensorList& params, const TensorList& grads, const Tenso
                   const std::optional<at::Tensor>& found_inf, double lr, double beta1,
                   double beta2, double eps, double weight_decay, double bias_correction1,
                   double bias_correction2, bool decoupled, bool maximize, uint64_t seed,
-                  uint64_t step, const std::vector<int64_t>& tensor_ids);
+                  uint64_t step, const std::vector<int64_t>& tensor_ids,
+                  const std::optional<at::Tensor>& steps);
 
 inline AdamArgs make_adam_args(double lr, double beta1, double beta2, double eps,
                                double weight_decay, double bias_correction1,
@@ -166,6 +170,26 @@ inline AdamArgs make_adam_args(double lr, double beta1, double beta2, double eps
   a.l2_weight_decay = decoupled ? 0.f : static_cast<float>(weight_decay);
   a.decay = decoupled ? static_cast<float>(1.0 - lr * weight_decay) : 1.f;
   return a;
+}
+
+// The per-param step numbers of an Adam step (see adam_step), checked, with the host's
+// hyperparameters for the terms that follow from them; `steps` absent: none (AdamSteps{}).
+inline AdamSteps adam_steps(const char* op, const std::optional<at::Tensor>& steps, size_t n,
+                            const at::Device& device, double lr, double beta1, double beta2) {
+  AdamSteps s;
+  if (!steps.has_value() || !steps->defined()) return s;
+  const at::Tensor& t = *steps;
+  AMP_CHECK(t.scalar_type() == at::kFloat && t.dim() == 1 && t.is_contiguous(), op,
+            ": steps must be a contiguous 1-D float32 tensor, got ", t.scalar_type(), " with ",
+            t.dim(), " dimensions");
+  AMP_CHECK(static_cast<size_t>(t.numel()) == n, op, ": steps has ", t.numel(),
+            " numbers for ", n, " params");
+  AMP_CHECK(t.device() == device, op, ": steps is on ", t.device(), ", the params on ", device);
+  s.steps = t.data_ptr<float>();
+  s.lr = lr;
+  s.beta1 = beta1;
+  s.beta2 = beta2;
+  return s;
 }
 
 inline SgdArgs make_sgd_args(double lr, double weight_decay, double momentum, double dampening,
@@ -276,7 +300,8 @@ inline void check_sr_step_lists(const char* op, const TensorList& params, const 
         pybind11::arg("found_inf"), pybind11::arg("lr"), pybind11::arg("beta1"),                 \
         pybind11::arg("beta2"), pybind11::arg("eps"), pybind11::arg("weight_decay"),             \
         pybind11::arg("bias_correction1"), pybind11::arg("bias_correction2"),                    \
-        pybind11::arg("decoupled"), pybind11::arg("maximize"));                                  \
+        pybind11::arg("decoupled"), pybind11::arg("maximize"),                                   \
+        pybind11::arg("steps") = pybind11::none());                                              \
   m.def("stochastic_round", &ns::stochastic_round, "dst = bf16(src), rounded stochastically",   \
         pybind11::arg("src"), pybind11::arg("dst"), pybind11::arg("seed"), pybind11::arg("step"),\
         pybind11::arg("tensor_ids"));                                                            \
@@ -294,4 +319,5 @@ inline void check_sr_step_lists(const char* op, const TensorList& params, const 
         pybind11::arg("lr"), pybind11::arg("beta1"), pybind11::arg("beta2"), pybind11::arg("eps"),\
         pybind11::arg("weight_decay"), pybind11::arg("bias_correction1"),                        \
         pybind11::arg("bias_correction2"), pybind11::arg("decoupled"), pybind11::arg("maximize"),\
-        pybind11::arg("seed"), pybind11::arg("step"), pybind11::arg("tensor_ids"))
+        pybind11::arg("seed"), pybind11::arg("step"), pybind11::arg("tensor_ids"),               \
+        pybind11::arg("steps") = pybind11::none())

@@ -32,6 +32,26 @@ struct AdamArgs {
   float decay;            // AdamW: param *= 1 - lr * wd (1 for Adam)
 };
 
+// Adam's step numbers kept on the device (the optimizer's `step` state, one fp32 count per
+// tensor, advanced by the caller before the step and not on a skipped one): the two terms of
+// AdamArgs that depend on the step follow from them per tensor, computed as make_adam_args
+// computes them on the host (in double, then rounded to fp32). `steps` null: the AdamArgs as given.
+struct AdamSteps {
+  const float* steps = nullptr;  // indexed by the tensor's position in the caller's lists
+  double lr = 0.0;
+  double beta1 = 0.0;
+  double beta2 = 0.0;
+};
+
+AMP_HD AdamArgs adam_at_step(const AdamArgs& base, const AdamSteps& s, int64_t position) {
+  if (s.steps == nullptr) return base;
+  AdamArgs a = base;
+  const double step = static_cast<double>(s.steps[position]);
+  a.step_size = static_cast<float>(s.lr / (1.0 - ::pow(s.beta1, step)));
+  a.bias_correction2_sqrt = static_cast<float>(::sqrt(1.0 - ::pow(s.beta2, step)));
+  return a;
+}
+
 // SGD with momentum, dampening, Nesterov and L2 weight decay (torch.optim.SGD).
 struct SgdArgs {
   float lr;

@@ -137,9 +137,6 @@ def plan(
                 copy = p
             elif not _partners(p, copy, device):
                 return None
-            state = optimizer.state.get(p)
-            if state and torch.is_tensor(state.get("step")) and state["step"].device.type != "cpu":
-                return None  # a device-side step counter (torch's fused/capturable state)
             params.append(p)
             grads.append(g)
             copies.append(copy)
@@ -173,21 +170,34 @@ def apply(
     grad_scale: torch.Tensor,
     rounding: Optional[Rounding] = None,
     state_dtype: Optional[torch.dtype] = None,
+    found_inf: Optional[torch.Tensor] = None,
 ) -> None:
     """One step of every group: params -= update(grads * grad_scale), model copies written (or,
     with `rounding`, bf16 params stored stochastically rounded). State created here (a first
     step) is of `state_dtype` (None: the param's, as torch creates it).
 
-    The engine has decided on the host that this step runs (no overflow), so the kernels get
-    no found_inf flag; Adam's step counters advance here, as torch's do."""
+    `found_inf` (a one-element device flag, non-zero: the gradients overflowed) makes the
+    kernels skip the whole update on the device, as torch's fused optimizers skip on theirs: no
+    host read. Adam's step counters (`state["step"]`, fp32 tensors on the params' device, as
+    torch's fused and capturable optimizers keep them) advance on the device, and not on a
+    skipped step; the kernels take the bias corrections from them. State a first step creates is
+    zeros (a momentum buffer too: zero times the momentum plus the gradient is the gradient,
+    torch's first-step value), so a skipped first step leaves it as a step never taken."""
     adam = isinstance(optimizer, torch.optim.Adam)  # AdamW is an Adam in torch >= 2.6
+    advance = None  # 1 (or, with a flag, 1 unless it is set): what a step adds to the counters
     for gp in plans:
         if not gp.params:
             continue
         if adam:
-            _adam(kernels, optimizer, gp, grad_scale, rounding, state_dtype)
+            if advance is None:
+                advance = (
+                    torch.ones((), dtype=torch.float32, device=gp.params[0].device)
+                    if found_inf is None
+                    else found_inf.reshape(()).eq(0).to(torch.float32)
+                )
+            _adam(kernels, optimizer, gp, grad_scale, rounding, state_dtype, found_inf, advance)
         else:
-            _sgd(kernels, optimizer, gp, grad_scale, rounding, state_dtype)
+            _sgd(kernels, optimizer, gp, grad_scale, rounding, state_dtype, found_inf)
     # What torch's LR-scheduler wrapper of `optimizer.step` records: the optimizer has stepped.
     optimizer._opt_called = True  # type: ignore[attr-defined]
 
@@ -203,20 +213,31 @@ def _sgd(
     grad_scale,
     rounding: Optional[Rounding],
     state_dtype: Optional[torch.dtype] = None,
+    found_inf: Optional[torch.Tensor] = None,
 ) -> None:
     g = gp.group
     momentum = g["momentum"]
+    # A new buffer starts as zeros and takes the ordinary update (momentum * 0 + gradient: the
+    # gradient, exactly), so a step the device skips leaves it as if never taken. With
+    # dampening the ordinary update would damp the first gradient, which torch does not: those
+    # buffers start from the kernels' first-run branch, and a flagged step is decided on the host.
+    first_run = momentum != 0 and g["dampening"] != 0
+    if first_run and found_inf is not None and bool(found_inf.item()):
+        return  # (an SGD with dampening, whose first step overflowed: nothing to do)
     first = [False] * len(gp.params)
     bufs: list[torch.Tensor] = []
     if momentum != 0:
         for i, p in enumerate(gp.params):
             state = optimizer.state[p]
             buf = state.get("momentum_buffer")
-            if buf is None:  # the kernel writes it whole on the first step
-                buf = state["momentum_buffer"] = torch.empty_like(
-                    p, dtype=state_dtype or p.dtype, memory_format=torch.preserve_format
-                )
-                first[i] = True
+            if buf is None:
+                dtype = state_dtype or p.dtype
+                if first_run:  # the kernel writes it whole
+                    buf = torch.empty_like(p, dtype=dtype, memory_format=torch.preserve_format)
+                    first[i] = True
+                else:
+                    buf = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+                state["momentum_buffer"] = buf
             bufs.append(buf)
     hyper = (
         float(g["lr"]),
@@ -226,19 +247,21 @@ def _sgd(
         bool(g["nesterov"]),
         bool(g.get("maximize", False)),
     )
-    for idx in _buckets(len(gp.params), lambda i: first[i]):
-        params, grads = _pick(gp.params, idx), _pick(gp.grads, idx)
-        momenta = _pick(bufs, idx) if bufs else []
+    for idx in _buckets(len(gp.params), lambda i: first[i]) if first_run else [None]:
+        params = gp.params if idx is None else _pick(gp.params, idx)
+        grads = gp.grads if idx is None else _pick(gp.grads, idx)
+        momenta = (bufs if idx is None else _pick(bufs, idx)) if bufs else []
+        is_first = first[idx[0]] if idx is not None else False
         if rounding is None:
             kernels.ops.sgd_step(
                 params,
                 grads,
                 momenta,
-                _pick(gp.copies, idx),
+                gp.copies if idx is None else _pick(gp.copies, idx),
                 grad_scale,
-                None,
+                found_inf,
                 *hyper,
-                first[idx[0]],
+                is_first,
             )
         else:
             kernels.ops.sgd_step_sr(
@@ -246,9 +269,9 @@ def _sgd(
                 grads,
                 momenta,
                 grad_scale,
-                None,
+                found_inf,
                 *hyper,
-                first[idx[0]],
+                is_first,
                 rounding.seed,
                 rounding.step,
                 [rounding.ids[id(p)] for p in params],
@@ -261,7 +284,9 @@ def _adam(
     gp: GroupPlan,
     grad_scale,
     rounding: Optional[Rounding],
-    state_dtype: Optional[torch.dtype] = None,
+    state_dtype: Optional[torch.dtype],
+    found_inf: Optional[torch.Tensor],
+    advance: torch.Tensor,
 ) -> None:
     g = gp.group
     beta1, beta2 = (float(b) for b in g["betas"])
@@ -269,52 +294,47 @@ def _adam(
     exp_avgs, exp_avg_sqs, steps = [], [], []
     for p in gp.params:
         state = optimizer.state[p]
-        if len(state) == 0:  # torch's lazy initialisation, same keys and layout
-            state["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
+        if len(state) == 0:  # torch's lazy initialisation, same keys; the counter on the device
+            state["step"] = torch.zeros((), dtype=_scalar_dtype(), device=p.device)
             dtype = state_dtype or p.dtype
             state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(
                 p, dtype=dtype, memory_format=torch.preserve_format
             )
+        elif state["step"].device != p.device:  # torch's CPU counter (its own step, a resume)
+            state["step"] = state["step"].to(p.device)
         exp_avgs.append(state["exp_avg"])
         exp_avg_sqs.append(state["exp_avg_sq"])
         steps.append(state["step"])
-    torch._foreach_add_(steps, 1)
-    numbers = torch.stack(steps).tolist()  # (one read of every counter, not one per parameter)
-    for idx in _buckets(len(gp.params), lambda i: numbers[i]):
-        step = numbers[idx[0]]
-        params = _pick(gp.params, idx)
-        moments = (_pick(exp_avgs, idx), _pick(exp_avg_sqs, idx))
-        hyper = (
-            float(g["lr"]),
-            beta1,
-            beta2,
-            float(g["eps"]),
-            float(g["weight_decay"]),
-            1.0 - beta1**step,
-            1.0 - beta2**step,
-            decoupled,
-            bool(g.get("maximize", False)),
+    # (not on a skipped step: `advance` is 0 then; a list, whose CPU kernel reads no scalar)
+    torch._foreach_add_(steps, [advance] * len(steps))
+    numbers = torch.stack(steps).to(torch.float32)  # read by the kernels, on the device
+    hyper = (
+        float(g["lr"]),
+        beta1,
+        beta2,
+        float(g["eps"]),
+        float(g["weight_decay"]),
+        1.0,  # (the bias corrections come from `numbers`)
+        1.0,
+        decoupled,
+        bool(g.get("maximize", False)),
+    )
+    moments = (exp_avgs, exp_avg_sqs)
+    if rounding is None:
+        kernels.ops.adam_step(
+            gp.params, gp.grads, *moments, gp.copies, grad_scale, found_inf, *hyper, steps=numbers
         )
-        if rounding is None:
-            kernels.ops.adam_step(
-                params,
-                _pick(gp.grads, idx),
-                *moments,
-                _pick(gp.copies, idx),
-                grad_scale,
-                None,
-                *hyper,
-            )
-        else:
-            kernels.ops.adam_step_sr(
-                params,
-                _pick(gp.grads, idx),
-                *moments,
-                grad_scale,
-                None,
-                *hyper,
-                rounding.seed,
-                rounding.step,
-                [rounding.ids[id(p)] for p in params],
-            )
+    else:
+        kernels.ops.adam_step_sr(
+            gp.params,
+            gp.grads,
+            *moments,
+            grad_scale,
+            found_inf,
+            *hyper,
+            rounding.seed,
+            rounding.step,
+            [rounding.ids[id(p)] for p in gp.params],
+            steps=numbers,
+        )
