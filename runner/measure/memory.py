@@ -225,7 +225,7 @@ class MemoryInstrument(Instrument):
     def after_step(self, step: int, stepped: bool) -> None:
         self.parts = measure(self.module, self.optimizer, self.engine, self._meter.bytes)
         self.probe.record_tensors(self.parts.total / MB)
-        self.final = stepped
+        self.final = bool(stepped)  # (a device verdict read at this measured step only)
         self._logged = False
 
     def close(self) -> None:

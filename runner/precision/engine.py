@@ -68,7 +68,10 @@ class AmpEngine(EngineStep):
             for k, v in (("min_loss_scale", min_loss_scale), ("max_loss_scale", max_loss_scale))
             if v is not None
         }
-        self.scalers = [LossScaler.from_properties(properties, **bounds) for _ in range(num_losses)]
+        self.scalers = [
+            LossScaler.from_properties(properties, **bounds).to(self.device)
+            for _ in range(num_losses)
+        ]
         self._scales = paths.ScaleTensors(self.device)
         # stochastic rounding's random key: the run's seed and the count of rounded steps
         self._clock = paths.RoundingClock(seed) if properties.stochastic_rounding else None
@@ -92,7 +95,10 @@ class AmpEngine(EngineStep):
         # data-parallel training: sums the non-finite flags over the ranks in place before the
         # host read, so that every rank skips (and backs off) together
         self.flag_reducer = flag_reducer
-        self.skipped_steps = 0
+        # skipped steps: counted on the host where the verdict was read there, else on the
+        # device (`step(wait=False)`), read only when asked (`skipped_steps`)
+        self._skipped_host = 0
+        self._skipped_device: Optional[torch.Tensor] = None
         self._master_set = MasterSet()
         self._io_hooks: list[IOCastHooks] = []
         self._model_hooks: list[RemovableHandle] = []
@@ -272,7 +278,31 @@ class AmpEngine(EngineStep):
 
     @property
     def loss_scale(self) -> float:
+        """The first loss's current scale (a dynamic scale is read from the device)."""
         return self.scalers[0].scale
+
+    @property
+    def skipped_steps(self) -> int:
+        """How many steps were skipped for overflowing gradients (one device read where steps
+        counted there). The device count only ever grows in place, so that a step replayed
+        from a CUDA graph keeps counting into it."""
+        if self._skipped_device is None:
+            return self._skipped_host
+        return self._skipped_host + int(self._skipped_device.item())
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._skipped_host = int(value)
+        if self._skipped_device is not None:
+            self._skipped_device.zero_()
+
+    def _count_skipped(self, skipped: bool | torch.Tensor) -> None:
+        if not torch.is_tensor(skipped):
+            self._skipped_host += int(skipped)
+        elif self._skipped_device is None:
+            self._skipped_device = skipped.to(torch.int64)
+        else:
+            self._skipped_device.add_(skipped)
 
     def state_dict(self) -> dict[str, Any]:
         """Apex layout (`loss_scaler0`, ...) plus `skipped_steps` (and, with stochastic

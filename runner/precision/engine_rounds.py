@@ -134,6 +134,31 @@ class Round:
                 flags.clear()
         return self.found
 
+    def device_flags(
+        self, flag_reducer: Optional[Callable[[torch.Tensor], Any]]
+    ) -> dict[int, torch.Tensor]:
+        """The per-loss overflow flags of this round as device tensors (non-zero: overflowed),
+        summed over the passes that recorded them (and over the ranks by `flag_reducer`), with
+        no host read. Losses whose flags were resolved on the host already keep those."""
+        pending = [(i, flags) for i, flags in self.flags.items() if flags]
+        sums = []
+        for _, flags in pending:
+            f = flags[0]
+            for o in flags[1:]:
+                f = f + o.to(f.device)
+            sums.append(f.reshape(1))
+            flags.clear()
+        if sums and flag_reducer is not None:
+            dev = sums[0].device
+            combined = torch.cat([s.to(dev) for s in sums])
+            flag_reducer(combined)
+            sums = list(combined.split(1))
+        out = {i: s for (i, _), s in zip(pending, sums)}
+        for i, found in self.found.items():
+            if i not in out:
+                out[i] = torch.tensor([float(found)])
+        return out
+
 
 @dataclass
 class Prepared:

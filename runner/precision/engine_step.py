@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager as ContextManager
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -32,7 +32,7 @@ class EngineStep:
     patch_functions: bool  # Apex's function patches in the O1 region (the facade's)
     scalers: list[LossScaler]  # one per loss
     flag_reducer: Optional[Callable[[torch.Tensor], Any]]  # sums the ranks' non-finite flags
-    skipped_steps: int
+    _count_skipped: Callable[[Union[bool, torch.Tensor]], None]  # one more skipped step, or not
     _optimizers: dict[int, Prepared]  # id(optimizer) -> what the engine keeps for it
     _verdicts: dict[int, bool]  # loss id -> the verdict its scaler was updated with
     _backward_calls: int  # numbers the backward calls shared by several optimizers
@@ -105,11 +105,7 @@ class EngineStep:
                 st.round.shared[self._backward_calls] = loss_id
                 st.round.scaled_calls.add(self._backward_calls)
         self._verdicts.pop(loss_id, None)
-        scale = self.scalers[loss_id].scale
-        loss = loss.float()
-        if scale != 1.0:
-            loss = loss * scale
-        return loss
+        return self.scalers[loss_id].scale_loss(loss)
 
     def backward(self, loss: torch.Tensor, loss_id: int = 0) -> None:
         """`(loss.float() * scale).backward()`; no multiply when the scale is exactly 1."""
@@ -197,16 +193,35 @@ class EngineStep:
             return None
         return st.path.plan(st.optimizer, st.masters, self.scalers[min(rnd.scaled_ids)])
 
-    def _update_scalers(self, rnd: Round) -> None:
+    def _update_scalers(self, rnd: Round, flags: Optional[dict[int, torch.Tensor]] = None) -> None:
+        """Each loss's scaler updated once per round with its verdict (host bools, or with
+        `flags` device flags: then on the device); a later optimizer of the same loss that
+        overflowed where the first did not updates it again as an overflow."""
         for i in sorted(rnd.loss_ids):
-            found = rnd.found.get(i, False)
             done = self._verdicts.get(i)
+            if flags is None:
+                found = rnd.found.get(i, False)
+                if done is None:
+                    self.scalers[i].update(found)
+                    self._verdicts[i] = found
+                elif torch.is_tensor(done):  # (the first updated it on the device)
+                    if found:
+                        self.scalers[i].update(True, when=done == 0)
+                        self._verdicts[i] = True
+                elif found and not done:
+                    self.scalers[i].update(True)
+                    self._verdicts[i] = True
+                continue
+            flag = flags.get(i)
+            if flag is None:
+                flag = torch.zeros(1, device=self.device)
             if done is None:
-                self.scalers[i].update(found)
-                self._verdicts[i] = found
-            elif found and not done:
-                self.scalers[i].update(True)
-                self._verdicts[i] = True
+                self.scalers[i].update(flag)
+                self._verdicts[i] = flag
+            else:
+                before = done if torch.is_tensor(done) else float(done)
+                self.scalers[i].update(True, when=(flag != 0) & (before == 0))
+                self._verdicts[i] = flag + before
 
     def _sharing(self, st: Prepared) -> list[Prepared]:
         """The other optimizers still in a round with a backward call `st`'s round shares."""
@@ -291,14 +306,22 @@ class EngineStep:
         optimizer: Optional[torch.optim.Optimizer] = None,
         *args: Any,
         step_fn: Optional[Callable[..., Any]] = None,
+        wait: bool = True,
         **kwargs: Any,
-    ) -> bool:
+    ) -> Union[bool, torch.Tensor]:
         """Unscale if not done, then skip (non-finite grads) or step; masters -> model.
 
         Each scaler whose loss contributed to this step updates once per round (backing off only
         for its own loss's overflow). `step_fn` replaces `optimizer.step` (the Apex facade passes
         the unwrapped step) where the kernels do not step. Returns True when the optimizer
-        stepped."""
+        stepped.
+
+        `wait=False` (the trainer's): the overflow verdict stays on the device. The kernels
+        skip the update on the device flag, the loss scale and the skipped-step count update
+        there too, and the return value is a bool device tensor (True: stepped), so the host
+        never waits for the gradients. Only an update the kernels do not run (an optimizer they
+        do not implement) reads the flag on the host first; a step shared with other optimizers
+        (one backward over several) decides on the host as with `wait=True`."""
         st = self._state(optimizer)
         st.refuse_after_step("step")
         rnd = st.round
@@ -313,16 +336,42 @@ class EngineStep:
         sharing = self._sharing(st)
         for other in sharing:
             self._unscale(other)
+        if not wait and not sharing:
+            return self._step_on_device(st, planned, step_fn, args, kwargs)
         # The only host sync of the step, and none when no check ran.
         self._decide([st, *sharing])
         found_inf = any(rnd.found.values())
         if found_inf:
-            self.skipped_steps += 1
+            self._count_skipped(True)
         else:
             st.path.apply(st.optimizer, st.masters, planned, step_fn, args, kwargs)
         self._update_scalers(rnd)
         st.new_round(Stage.STEPPED)
         return not found_inf
+
+    def _step_on_device(
+        self,
+        st: Prepared,
+        planned: Optional[paths.ScaledStep],
+        step_fn: Optional[Callable[..., Any]],
+        args: tuple,
+        kwargs: dict,
+    ) -> Union[bool, torch.Tensor]:
+        """`step(wait=False)`: the verdict, the update, the scalers and the count on the device."""
+        rnd = st.round
+        flags = rnd.device_flags(self.flag_reducer)
+        found = None
+        for flag in flags.values():
+            flag = flag.to(self.device)
+            found = flag if found is None else found + flag
+        st.path.apply(st.optimizer, st.masters, planned, step_fn, args, kwargs, found_inf=found)
+        self._update_scalers(rnd, flags)
+        st.new_round(Stage.STEPPED)
+        if found is None:
+            return True
+        skipped = found.reshape(()) != 0
+        self._count_skipped(skipped)
+        return ~skipped
 
     def zero_grad(
         self, optimizer: Optional[torch.optim.Optimizer] = None, set_to_none: bool = True

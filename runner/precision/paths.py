@@ -66,6 +66,12 @@ def new_flag(device: torch.device) -> torch.Tensor:
     return torch.zeros(1, dtype=torch.float32, device=device)
 
 
+def skip_on_host(found_inf: torch.Tensor) -> bool:
+    """Whether a device flag is set, read on the host: for an update only the host can skip
+    (the optimizer's own step), the one read such a step costs."""
+    return bool(found_inf.item())
+
+
 def stepped_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
     """What the optimizer steps: the fp32 masters under master weights, else the model's."""
     for group in optimizer.param_groups:
@@ -119,6 +125,7 @@ class ExecutionPath:
         step_fn: Optional[Callable[..., Any]],
         args: tuple,
         kwargs: dict,
+        found_inf: Optional[torch.Tensor] = None,
     ) -> None:
         raise NotImplementedError
 
@@ -143,8 +150,19 @@ class TorchPath(ExecutionPath):
             return None
         return scaler.unscale_([p.grad for p in stepped_params(optimizer) if p.grad is not None])
 
-    def apply(self, optimizer, masters, step, step_fn, args, kwargs):
-        if state.needs_fp32_step(optimizer, self.state_dtype):
+    def apply(self, optimizer, masters, step, step_fn, args, kwargs, found_inf=None):
+        fp32_step = state.needs_fp32_step(optimizer, self.state_dtype)
+        if found_inf is not None:
+            if not fp32_step and getattr(optimizer, "_step_supports_amp_scaling", False):
+                # torch's fused optimizers skip on the device flag themselves (as GradScaler
+                # hands it to them); copying the unchanged masters back changes nothing
+                self._step_with_flag(optimizer, found_inf, step_fn, args, kwargs)
+                if masters is not None:
+                    self.copy_back(masters)
+                return
+            if skip_on_host(found_inf):
+                return
+        if fp32_step:
             if args or kwargs:
                 raise RuntimeError(
                     f"an optimizer whose state is kept in {self.state_dtype} runs its step on "
@@ -158,6 +176,19 @@ class TorchPath(ExecutionPath):
 
     def copy_back(self, masters):
         masters.copy_master_to_model()
+
+    @staticmethod
+    def _step_with_flag(optimizer, found_inf, step_fn, args, kwargs) -> None:
+        """The optimizer's own step with `found_inf` set where torch's fused step reads it."""
+        had = optimizer.__dict__.get("found_inf")
+        optimizer.found_inf = found_inf.reshape(())  # (0-dim, as its step counters)
+        try:
+            (step_fn or optimizer.step)(*args, **kwargs)
+        finally:
+            if had is None:
+                del optimizer.found_inf
+            else:
+                optimizer.found_inf = had
 
 
 class FusedPath(TorchPath):
@@ -191,7 +222,7 @@ class FusedPath(TorchPath):
         if not fused.kernel_compatible(src, dst, self.device):
             return super().unscale(optimizer, masters, scaler)
         if multiplier is None:
-            multiplier = self.scales(1.0 / scaler.scale if check else 1.0)
+            multiplier = scaler.inv_scale_tensor if check else self.scales(1.0)
         if check:
             flag = new_flag(self.device)
             self.kernels.ops.unscale_check(src, dst, multiplier, flag)
@@ -228,21 +259,27 @@ class FusedPath(TorchPath):
         """The total 2-norm of the unscaled gradients, read from the scaled ones (a pass that
         also flags non-finite values); the clipping coefficient joins the inverse scale in the
         step's multiplier, the gradients are not rewritten."""
-        inv = self.scales(1.0 / step.scaler.scale)
+        inv = step.scaler.inv_scale_tensor
         flag = new_flag(self.device)
         total, _ = self.kernels.ops.l2norm(fused.gradients(step.plans), inv, flag)
         step.multiplier = inv * torch.clamp(max_norm / (total + 1e-6), max=1.0)
         return total, (flag if step.scaler.needs_check else None)
 
-    def apply(self, optimizer, masters, step, step_fn, args, kwargs):
+    def apply(self, optimizer, masters, step, step_fn, args, kwargs, found_inf=None):
         """The planned step; else, on unscaled `.grad` with masters, one fused update that also
-        writes the model copy; else the optimizer's own step and the copy back."""
+        writes the model copy; else the optimizer's own step and the copy back. The kernels
+        skip on `found_inf` on the device; the optimizer's own step reads it on the host."""
         if step is not None:
             multiplier = step.multiplier
             if multiplier is None:
-                multiplier = self.scales(1.0 / step.scaler.scale)
+                multiplier = step.scaler.inv_scale_tensor
             fused.apply(
-                self.kernels, optimizer, step.plans, multiplier, state_dtype=self.state_dtype
+                self.kernels,
+                optimizer,
+                step.plans,
+                multiplier,
+                state_dtype=self.state_dtype,
+                found_inf=found_inf,
             )
             return
         if masters is not None and not args and not kwargs:
@@ -256,10 +293,15 @@ class FusedPath(TorchPath):
             )
             if plans is not None:
                 fused.apply(
-                    self.kernels, optimizer, plans, self.scales(1.0), state_dtype=self.state_dtype
+                    self.kernels,
+                    optimizer,
+                    plans,
+                    self.scales(1.0),
+                    state_dtype=self.state_dtype,
+                    found_inf=found_inf,
                 )
                 return
-        super().apply(optimizer, masters, None, step_fn, args, kwargs)
+        super().apply(optimizer, masters, None, step_fn, args, kwargs, found_inf)
 
     def copy_back(self, masters):
         """Masters (fp32) -> the model's 16-bit parameters, rounded, in one kernel pass."""
@@ -304,17 +346,21 @@ class RoundingPath(ExecutionPath):
     def unscale(self, optimizer, masters, scaler, multiplier=None):
         return self.base.unscale(optimizer, masters, scaler, multiplier)
 
-    def apply(self, optimizer, masters, step, step_fn, args, kwargs):
+    def apply(self, optimizer, masters, step, step_fn, args, kwargs, found_inf=None):
         if args or kwargs:
             raise RuntimeError(
                 "stochastic rounding runs the optimizer's step itself and takes "
                 "no closure or arguments (as Apex's optimizer.step)"
             )
+        kernels = getattr(self.base, "kernels", None)
+        if found_inf is not None and (kernels is None or state.rounds_itself(optimizer)):
+            if skip_on_host(found_inf):  # (the kernels skip on the device flag themselves)
+                return
+            found_inf = None
         key = fused.Rounding(self.clock.seed, self.clock.next(), rounding.tensor_ids(optimizer))
         if state.rounds_itself(optimizer):  # torchao's low-bit optimizer, its own rounding
             (step_fn or optimizer.step)()
             return
-        kernels = getattr(self.base, "kernels", None)
         state_dtype = self.base.state_dtype
         if kernels is not None:
             plans = fused.plan(
@@ -326,7 +372,11 @@ class RoundingPath(ExecutionPath):
                 state_dtype=state_dtype,
             )
             if plans is not None:
-                fused.apply(kernels, optimizer, plans, self.scales(1.0), key, state_dtype)
+                fused.apply(
+                    kernels, optimizer, plans, self.scales(1.0), key, state_dtype, found_inf
+                )
+                return
+            if found_inf is not None and skip_on_host(found_inf):
                 return
         rounding.sr_step(optimizer, key.seed, key.step, step_fn=step_fn, state_dtype=state_dtype)
 

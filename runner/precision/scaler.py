@@ -1,9 +1,12 @@
 """Loss scaling: a fixed scale, or Apex's dynamic scale that backs off on overflow and grows back.
 
-The scale lives on the host as a Python float: the engine reads the non-finite flag once per step
-anyway, so updating the scale in Python costs no extra device sync, and multiplying the loss by a
-Python float launches no host-to-device copy of its own. A static scale of exactly 1.0 needs no
-pass over the gradients at all (`needs_check` is False).
+A dynamic scale lives on the device, beside the gradients: its state (the scale, the clean steps
+since its last change, the hysteresis counter) is one float64 tensor that `update` changes with a
+few tensor ops from a device-side overflow flag, so a training step never waits for the host. The
+fp32 scale the loss is multiplied by and its inverse that unscales the gradients are device
+tensors that follow it. The host reads the state only when asked (`scale`, `state_dict`, the
+trainer's logging steps), once per change. A static scale is a host float (it never changes); one
+of exactly 1.0 needs no pass over the gradients at all (`needs_check` is False).
 
 Hysteresis (DeepSpeed's and Megatron-LM's `hysteresis`, with DeepSpeed's default
 `consecutive_hysteresis=False`): a counter starts at `hysteresis` and every overflow decrements it;
@@ -64,9 +67,46 @@ class LossScaler:
         start = min(float(init_scale), self.max_loss_scale) if self.dynamic else loss_scale
         if self.dynamic and self.min_loss_scale is not None:
             start = max(start, self.min_loss_scale)
-        self._scale: float = float(start)
-        self._unskipped = 0  # clean steps since the last change of scale (Apex's name)
-        self._hysteresis_left = self.hysteresis  # overflows still tolerated before a back-off
+        self._device = torch.device("cpu")
+        # [scale, clean steps since the last change of scale (Apex's `unskipped`), overflows
+        # still tolerated before a back-off], exact in float64, on the device
+        self._state = torch.tensor([float(start), 0.0, float(self.hysteresis)], dtype=torch.float64)
+        # the state as last read (None: changed on the device since)
+        self._host: Optional[list[float]] = [float(start), 0.0, float(self.hysteresis)]
+        self._scale32 = torch.empty((), dtype=torch.float32)  # what the loss is multiplied by
+        self._inv32 = torch.empty(1, dtype=torch.float32)  # 1/scale, what unscales the gradients
+        self._derive()
+
+    def to(self, device: torch.device | str) -> LossScaler:
+        """Keep the state (and the scale tensors) on `device`; returns self."""
+        self._device = torch.device(device)
+        self._state = self._state.to(self._device)
+        self._scale32 = self._scale32.to(self._device)
+        self._inv32 = self._inv32.to(self._device)
+        self._derive()
+        return self
+
+    @torch.no_grad()
+    def _derive(self) -> None:
+        """The fp32 scale and inverse scale tensors from the state, in place (their holders keep
+        them): the scale rounded to fp32, and 1/scale computed in float64 then rounded, as a
+        Python float's `1.0 / scale` would be."""
+        self._scale32.copy_(self._state[0])
+        self._inv32.copy_(torch.reciprocal(self._state[0:1]))
+
+    def _read(self) -> list[float]:
+        """The state on the host: a static scale's as it is, a dynamic one's read from the
+        device each time (a step replayed from a CUDA graph changes it without Python)."""
+        if self._host is None or self.dynamic:
+            self._host = self._state.tolist()
+        return self._host
+
+    @torch.no_grad()
+    def _write(self, scale: float, unskipped: int, hysteresis_left: int) -> None:
+        values = [float(scale), float(unskipped), float(hysteresis_left)]
+        self._state.copy_(torch.tensor(values, dtype=torch.float64))
+        self._host = values
+        self._derive()
 
     @classmethod
     def from_properties(cls, properties: Any, **overrides: Any) -> LossScaler:
@@ -82,12 +122,49 @@ class LossScaler:
 
     @property
     def scale(self) -> float:
-        return self._scale
+        """The current scale (a dynamic one read from the device)."""
+        return self._read()[0]
+
+    @scale.setter
+    def scale(self, value: float) -> None:
+        _, unskipped, left = self._read()
+        self._write(float(value), int(unskipped), int(left))
+
+    # Apex's attribute names (scripts set `loss_scalers[0]._loss_scale`, the facade forwards)
+    _scale = scale
+
+    @property
+    def _unskipped(self) -> int:
+        return int(self._read()[1])
+
+    @_unskipped.setter
+    def _unskipped(self, value: int) -> None:
+        scale, _, left = self._read()
+        self._write(scale, int(value), int(left))
+
+    @property
+    def scale_tensor(self) -> torch.Tensor:
+        """The scale as a 0-dim fp32 device tensor (follows every update in place)."""
+        return self._scale32
+
+    @property
+    def inv_scale_tensor(self) -> torch.Tensor:
+        """1/scale as a one-element fp32 device tensor (follows every update in place)."""
+        return self._inv32
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """`loss.float() * scale`: a dynamic scale's device tensor (no host read), a static
+        scale's float; no multiply at all for a static scale of exactly 1."""
+        loss = loss.float()
+        if self.dynamic:
+            return loss * self._scale32.to(loss.device)
+        scale = self.scale
+        return loss * scale if scale != 1.0 else loss
 
     @property
     def needs_check(self) -> bool:
         """Whether gradients must be unscaled and checked: dynamic, or a static scale != 1."""
-        return self.dynamic or self._scale != 1.0
+        return self.dynamic or self.scale != 1.0
 
     def unscale_(self, grads: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
         """Divide `grads` by the scale in place and flag non-finite values.
@@ -110,9 +187,7 @@ class LossScaler:
         for (device, _), tensors in groups.items():
             if device not in found:
                 found[device] = torch.zeros(1, dtype=torch.float32, device=device)
-                inv[device] = torch.full(
-                    (1,), 1.0 / self._scale, dtype=torch.float32, device=device
-                )
+                inv[device] = self._inv32.to(device)
             torch._amp_foreach_non_finite_check_and_unscale_(tensors, found[device], inv[device])
         flags = list(found.values())
         first = flags[0]
@@ -120,46 +195,66 @@ class LossScaler:
             first = first + other.to(first.device, non_blocking=True)
         return first
 
-    def update(self, found_inf: bool) -> None:
+    @torch.no_grad()
+    def update(
+        self, found_inf: Union[bool, torch.Tensor], when: Optional[torch.Tensor] = None
+    ) -> None:
         """After a step attempt: dynamic scales back off on overflow (once the hysteresis counter
-        is spent) and grow after `growth_interval` clean steps; static scales never change."""
+        is spent) and grow after `growth_interval` clean steps; static scales never change.
+
+        `found_inf` is the verdict: a bool, or a device flag (non-zero: overflow) read by the
+        tensor ops that update the state on the device, with no host read. `when` (a bool
+        tensor): the update happens only where it is true, else the state stays."""
         if not self.dynamic:
             return
-        if found_inf:
-            self._unskipped = 0
-            self._hysteresis_left = max(self._hysteresis_left - 1, 0)
-            if self._hysteresis_left == 0:
-                self._scale *= self.backoff_factor
-                if self.min_loss_scale is not None:
-                    self._scale = max(self._scale, self.min_loss_scale)
-            return
-        self._unskipped += 1
-        if self._unskipped >= self.growth_interval:
-            self._scale = min(self._scale * self.growth_factor, self.max_loss_scale)
-            self._unskipped = 0
-            self._hysteresis_left = self.hysteresis
+        state = self._state
+        if isinstance(found_inf, torch.Tensor):
+            found = found_inf.to(state.device).reshape(()) != 0
+        else:
+            found = torch.full((), bool(found_inf), dtype=torch.bool, device=state.device)
+        scale, unskipped, left = state[0], state[1], state[2]
+        left = torch.where(found, (left - 1).clamp(min=0), left)
+        back = found & (left == 0)
+        unskipped = torch.where(found, torch.zeros_like(unskipped), unskipped + 1)
+        grow = ~found & (unskipped >= self.growth_interval)
+        backed = scale * self.backoff_factor
+        if self.min_loss_scale is not None:
+            backed = backed.clamp(min=self.min_loss_scale)
+        grown = (scale * self.growth_factor).clamp(max=self.max_loss_scale)
+        scale = torch.where(back, backed, torch.where(grow, grown, scale))
+        unskipped = torch.where(grow, torch.zeros_like(unskipped), unskipped)
+        left = torch.where(grow, torch.full_like(left, self.hysteresis), left)
+        new = torch.stack([scale, unskipped, left])
+        if when is not None:
+            new = torch.where(when.to(state.device).reshape(()), new, state)
+        state.copy_(new)
+        self._host = None
+        self._derive()
 
     @property
     def hysteresis_left(self) -> int:
         """Overflows still tolerated before the next back-off (0: every overflow backs off)."""
-        return self._hysteresis_left
+        return int(self._read()[2])
 
     def state_dict(self) -> dict[str, Any]:
         # Apex's keys, so checkpoints read the same either way, plus the hysteresis counter.
+        scale, unskipped, left = self._read()
         return {
-            "loss_scale": self._scale,
-            "unskipped": self._unskipped,
-            "hysteresis_tracker": self._hysteresis_left,
+            "loss_scale": scale,
+            "unskipped": int(unskipped),
+            "hysteresis_tracker": int(left),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._scale = float(state["loss_scale"])
-        self._unskipped = int(state.get("unskipped", 0))
-        self._hysteresis_left = int(state.get("hysteresis_tracker", self.hysteresis))
+        self._write(
+            float(state["loss_scale"]),
+            int(state.get("unskipped", 0)),
+            int(state.get("hysteresis_tracker", self.hysteresis)),
+        )
 
     def __repr__(self) -> str:
         kind = "dynamic" if self.dynamic else "static"
-        return f"LossScaler({kind}, scale={self._scale:g})"
+        return f"LossScaler({kind}, scale={self.scale:g})"
 
 
 def state_dict_problems(state: Any, name: str = "loss_scaler") -> list[str]:

@@ -22,23 +22,43 @@ class DivergenceGuard:
         self.max_bad_steps = cfg.max_bad_steps
         self.collapsed_loss_scale = cfg.collapsed_loss_scale
         self.engine = engine
-        self.skip_streak = 0  # consecutive skipped steps (host-side: engine.step says so)
-        # consecutive non-finite losses up to the last step, kept on the device (no sync)
+        # consecutive skipped steps (the engine's verdicts stay on the device) and consecutive
+        # non-finite losses up to the last step: both counted on the device (no sync), read at
+        # the trainer's periodic reads
+        self.skips = torch.zeros((), dtype=torch.int64, device=device)
         self.bad_loss_streak = torch.zeros((), dtype=torch.int64, device=device)
 
-    def after_step(self, loss: torch.Tensor, stepped: bool) -> torch.Tensor:
-        """Count the step into the streaks; returns its loss, detached, in fp32 (no sync)."""
+    @property
+    def skip_streak(self) -> int:
+        """The consecutive skipped steps up to the last step (one device read)."""
+        return int(self.skips.item())
+
+    @skip_streak.setter
+    def skip_streak(self, value: int) -> None:
+        self.skips.fill_(int(value))
+
+    def after_step(self, loss: torch.Tensor, stepped: bool | torch.Tensor) -> torch.Tensor:
+        """Count the step into the streaks (`stepped`: the engine's verdict, a bool or a device
+        tensor); returns its loss, detached, in fp32 (no sync)."""
         loss = loss.detach().float()
         # +1 on a non-finite loss, back to 0 on a finite one; stays on the device.
         self.bad_loss_streak.add_(1).mul_(~torch.isfinite(loss))
-        self.skip_streak = 0 if stepped else self.skip_streak + 1
+        if torch.is_tensor(stepped):
+            self.skips.add_(1).mul_(~stepped.to(self.skips.device))
+        elif stepped:
+            self.skips.zero_()
+        else:
+            self.skips.add_(1)
         return loss
 
-    def check_skips(self, step: int) -> None:
-        """Host-side, free: stop once `max_bad_steps` consecutive steps were skipped, or once a
-        dynamic loss scale backed off below `trainer.collapsed_loss_scale` (overflows at every
-        scale: the scaled gradients would be below fp16's range anyway)."""
-        if self.skip_streak == 0:
+    def check_skips(self, step: int, skips: int | None = None) -> None:
+        """At a periodic read (`skips`: the streak it read; None: read it now): stop once
+        `max_bad_steps` consecutive steps were skipped (the streak may be longer by the read
+        that finds it), or once a dynamic loss scale backed off below
+        `trainer.collapsed_loss_scale` (overflows at every scale: the scaled gradients would be
+        below fp16's range anyway)."""
+        streak = self.skip_streak if skips is None else int(skips)
+        if streak == 0:
             return
         scaler = self.engine.scalers[0]
         floor = self.collapsed_loss_scale
@@ -47,12 +67,12 @@ class DivergenceGuard:
             why = "a forward that overflows fp16: " if "fp16" in formats else ""
             raise DivergenceError(
                 f"training diverged: the dynamic loss scale collapsed to {scaler.scale:g}, below "
-                f"trainer.collapsed_loss_scale={floor:g}, after {self.skip_streak} consecutive "
+                f"trainer.collapsed_loss_scale={floor:g}, after {streak} consecutive "
                 f"overflowing steps up to step {step}: the gradients are inf/NaN "
                 f"even when scaled down to nothing ({why}no loss scale helps); "
                 f"{advice(self.engine, formats)}"
             )
-        if self.skip_streak < self.max_bad_steps:
+        if streak < self.max_bad_steps:
             return
         # Failing anyway: one read tells whether the loss itself was non-finite.
         self.check_losses(int(self.bad_loss_streak.item()), step)
@@ -77,7 +97,7 @@ class DivergenceGuard:
                 "precision.loss_scale or use precision.loss_scale=dynamic"
             )
         raise DivergenceError(
-            f"training diverged: {self.skip_streak} consecutive steps were skipped (inf/NaN "
+            f"training diverged: {streak} consecutive steps were skipped (inf/NaN "
             f"gradients) up to step {step} (trainer.max_bad_steps={self.max_bad_steps}): "
             f"{cause}; {advice(self.engine, formats)}; or raise trainer.max_bad_steps to wait "
             "longer"
@@ -114,13 +134,11 @@ class DivergenceGuard:
 
     def state(self) -> dict[str, int]:
         """The streaks, as a checkpoint keeps them (one host read)."""
-        return {
-            "skip_streak": self.skip_streak,
-            "bad_loss_streak": int(self.bad_loss_streak.item()),
-        }
+        skips, bad = torch.stack([self.skips, self.bad_loss_streak]).tolist()
+        return {"skip_streak": int(skips), "bad_loss_streak": int(bad)}
 
     def restore(self, state: dict) -> None:
-        self.skip_streak = int(state["skip_streak"])
+        self.skips.fill_(int(state["skip_streak"]))
         self.bad_loss_streak.fill_(int(state["bad_loss_streak"]))
 
 

@@ -203,7 +203,7 @@ class Trainer(CheckpointState, CompileWarmup):
             else:
                 if self.cfg.grad_clip_norm:
                     self.engine.clip_grad_norm_(self.cfg.grad_clip_norm, self.optimizer)
-                stepped = self.engine.step(self.optimizer)
+                stepped = self.engine.step(self.optimizer, wait=False)  # (a device verdict)
             watch.after_step(stepped)
             self._step_scheduler(stepped)
             self.engine.zero_grad(self.optimizer, set_to_none=self.step_graph is None)
@@ -215,10 +215,10 @@ class Trainer(CheckpointState, CompileWarmup):
             x = x.contiguous(memory_format=torch.channels_last)
         return x, y.to(self.device, non_blocking=True)
 
-    def _step_scheduler(self, stepped: bool) -> None:
+    def _step_scheduler(self, stepped: bool | torch.Tensor) -> None:
         if self.scheduler is None:
             return
-        if stepped:
+        if stepped is True:  # (a device verdict is not read: the warning is muted either way)
             self.scheduler.step()
             return
         with warnings.catch_warnings():
@@ -231,17 +231,24 @@ class Trainer(CheckpointState, CompileWarmup):
         return torch.tensor(float(stop is not None and stop.requested), device=self.device)
 
     def _log_train_loss(self, window: torch.Tensor, count: int, bar) -> bool:
-        """The periodic host read: the mean loss (over the ranks), the non-finite-loss streak and
-        the stop request (their maxima over the ranks, so that all ranks act alike), in one
-        transfer. Returns whether the run is asked to stop."""
+        """The periodic host read: the mean loss (over the ranks), the non-finite-loss and
+        skipped-step streaks and the stop request (their maxima over the ranks, so that all ranks
+        act alike), in one transfer; the divergence guard checks them here. Returns whether the
+        run is asked to stop."""
         mean = self.comm.sum_(window / count) / self.comm.world_size
+        guard = self.guard
         flags = self.comm.max_(
             torch.stack(
-                [self.guard.bad_loss_streak.to(window.dtype), self._stop_flag().to(window.dtype)]
+                [
+                    guard.bad_loss_streak.to(window.dtype),
+                    guard.skips.to(window.dtype),
+                    self._stop_flag().to(window.dtype),
+                ]
             )
         )
-        value, bad_losses, stop = torch.cat([mean.reshape(1), flags]).tolist()
-        self.guard.check_losses(bad_losses, self.global_step)
+        value, bad_losses, skips, stop = torch.cat([mean.reshape(1), flags]).tolist()
+        guard.check_skips(self.global_step, int(skips))
+        guard.check_losses(bad_losses, self.global_step)
         lr = float(self.optimizer.param_groups[0]["lr"])  # (a tensor in torchao's optimizers)
         self.context.on_metrics({m.TRAIN_LOSS: value, m.LR: lr}, self.global_step)
         bar.set_postfix(loss=f"{value:.4f}", scale=f"{self.engine.loss_scale:g}", refresh=False)
@@ -292,7 +299,6 @@ class Trainer(CheckpointState, CompileWarmup):
                 samples, items = samples + n, items + k
                 self.global_step += 1
                 self.instruments.counted(self.global_step, n, k)
-                self.guard.check_skips(self.global_step)
                 stop = False
                 if self.global_step % self.cfg.log_every_n_steps == 0:
                     stop = self._log_train_loss(window, count, bar)

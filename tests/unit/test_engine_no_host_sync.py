@@ -1,0 +1,192 @@
+"""A training step reads nothing from the device: the overflow verdict, the loss scale's update,
+Adam's step counters and the skipped-step count stay there (CPU proxy of the GPU's sync check:
+every op that hands a device value to the host is counted, on the real engine and trainer)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from runner.precision import AmpEngine, resolve
+from tests.helpers.precision import fresh_amp  # noqa: F401  (autouse: no amp state leaks)
+from tests.helpers.trainer import make_trainer
+
+CPU = torch.device("cpu")
+READS = {
+    torch.ops.aten._local_scalar_dense.default,
+    torch.ops.aten.item.default,
+    torch.ops.aten.is_nonzero.default,
+    torch.ops.aten.equal.default,
+}
+# the levels a run trains at: fp16 with a dynamic scale (O1, O2), pure fp16 (O3, scale 1), bf16
+# without a scale; the third entry: the optimizer takes its own step (no masters, no check)
+LEVELS = [
+    ("O1", {}, False),
+    ("O2", {}, False),
+    ("O3", {}, True),
+    ("O1", {"autocast_dtype": "bfloat16", "loss_scale": 1.0}, True),
+    ("O2", {"cast_model_type": "bfloat16", "autocast_dtype": "bfloat16", "loss_scale": 1.0}, False),
+    ("O3", {"cast_model_type": "bfloat16", "loss_scale": 1.0}, True),
+]
+
+
+class CountReads(TorchDispatchMode):
+    """Counts the ops that read a tensor's value on the host."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in READS:
+            self.reads.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _engine(level: str, overrides: dict, optimizer: str, **opt_kw):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+    params = model.parameters()
+    opt = (
+        torch.optim.AdamW(params, lr=1e-3, **opt_kw)
+        if optimizer == "adamw"
+        else torch.optim.SGD(params, lr=0.1, momentum=0.9, **opt_kw)
+    )
+    engine = AmpEngine(resolve(level, overrides, device=CPU).properties, CPU)
+    engine.prepare(model, opt)
+    return model, opt, engine
+
+
+def _batch(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(12, 6, generator=g), torch.randint(0, 3, (12,), generator=g)
+
+
+def _step(model, opt, engine, x, y, clip: bool = False):
+    with engine.autocast():
+        loss = nn.functional.cross_entropy(model(x).float(), y)
+    engine.backward(loss)
+    if clip:
+        engine.clip_grad_norm_(1.0, opt)
+    stepped = engine.step(opt, wait=False)
+    engine.zero_grad(opt)
+    return stepped
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("level, overrides, own_step", LEVELS)
+def test_engine_steps_read_nothing_from_the_device(level, overrides, own_step, optimizer):
+    if own_step and optimizer == "adamw":
+        # torch's own (unfused) AdamW steps fp16 weights and reads its step counters, which it
+        # keeps on the host (CPU tensors: no device sync on a GPU, but a read on this proxy)
+        pytest.skip("torch's AdamW reads its host-side step counters")
+    model, opt, engine = _engine(level, overrides, optimizer)
+    _step(model, opt, engine, *_batch(0))  # (state created, kernels loaded)
+    with CountReads() as counted:
+        for i in range(3):
+            _step(model, opt, engine, *_batch(i + 1), clip=i == 1)
+    assert counted.reads == []
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_fp16_weights_stepped_by_torchs_fused_optimizer_skip_on_the_device(optimizer):
+    """O3 with a dynamic scale: the fp16 weights are stepped by the optimizer itself, and a
+    fused torch optimizer takes the device flag (as GradScaler gives it), so no read either;
+    an overflow leaves the weights as they were."""
+    model, opt, engine = _engine("O3", {"loss_scale": "dynamic"}, optimizer, fused=True)
+    _step(model, opt, engine, *_batch(0))
+    with CountReads() as counted:
+        for i in range(2):
+            _step(model, opt, engine, *_batch(i + 1))
+        x, y = _batch(3)
+        engine.backward(nn.functional.cross_entropy(model(x.half()).float(), y))
+        next(model.parameters()).grad.view(-1)[0] = float("inf")
+        before = [p.detach().clone() for p in model.parameters()]
+        stepped = engine.step(opt, wait=False)
+    assert counted.reads == [] and not bool(stepped)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert engine.skipped_steps == 1 and engine.loss_scale == 2.0**15
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_an_overflow_skips_on_the_device_exactly_as_the_host_decided(where, optimizer):
+    """An inf in the first, a middle or the last gradient: the step is skipped (params, state
+    and Adam's counters as they were), the scale backs off; the same as with the host's
+    verdict (`wait=True`), and without a read."""
+    runs = []
+    for wait in (True, False):
+        model, opt, engine = _engine("O2", {}, optimizer)
+        _step(model, opt, engine, *_batch(0))
+        x, y = _batch(1)
+        with engine.autocast():
+            loss = nn.functional.cross_entropy(model(x).float(), y)
+        engine.backward(loss)
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        index = {"first": 0, "middle": len(grads) // 2, "last": len(grads) - 1}[where]
+        grads[index].view(-1)[0] = float("inf")
+        before = [m.detach().clone() for m in engine.master_params(opt)]
+        with CountReads() as counted:
+            stepped = engine.step(opt, wait=wait)
+        engine.zero_grad(opt)
+        if not wait:
+            assert counted.reads == [] and not bool(stepped)
+        assert all(torch.equal(a, b) for a, b in zip(before, engine.master_params(opt)))
+        _step(model, opt, engine, *_batch(2))  # a clean step after it
+        steps = [s["step"].item() for s in opt.state.values() if "step" in s]
+        runs.append(
+            (
+                [m.detach().clone() for m in engine.master_params(opt)],
+                engine.loss_scale,
+                engine.skipped_steps,
+                steps,
+            )
+        )
+    (host, host_scale, host_skips, host_steps), (dev, dev_scale, dev_skips, dev_steps) = runs
+    assert all(torch.equal(a, b) for a, b in zip(host, dev))
+    assert host_scale == dev_scale == 2.0**15 and host_skips == dev_skips == 1
+    assert host_steps == dev_steps and set(dev_steps) <= {2.0}
+
+
+def test_the_scale_updates_on_the_device_as_on_the_host():
+    """Growth, back-off, hysteresis, min and max scale: the device update (a flag tensor) gives
+    the host update's (a bool) scale, counters and state dict, step by step."""
+    from runner.precision.scaler import LossScaler
+
+    knobs = dict(
+        init_scale=8.0,
+        growth_interval=2,
+        hysteresis=2,
+        min_loss_scale=2.0,
+        max_loss_scale=32.0,
+        backoff_factor=0.25,
+    )
+    host, dev = LossScaler(**knobs), LossScaler(**knobs)
+    pattern = [0, 0, 0, 0, 0, 0, 1, 0, 1, 1, 1, 1, 1, 0, 0, 0, 1, 0, 0]
+    scales = []
+    for found in pattern:
+        host.update(bool(found))
+        dev.update(torch.tensor([float(found) * 3.0]))
+        assert dev.state_dict() == host.state_dict()
+        assert dev.inv_scale_tensor.item() == 1.0 / host.scale
+        assert dev.scale_tensor.item() == host.scale
+        scales.append(host.scale)
+    assert min(scales) == 2.0 and max(scales) == 32.0  # (both bounds held)
+
+
+def test_trainer_steps_between_logging_steps_read_nothing():
+    """The real trainer (O2, dynamic scale; an overflowing first step): its steps read nothing;
+    the skipped steps, the scale and the guard's streaks are read at the logging steps."""
+    trainer, logged = make_trainer("O2", {}, log_every_n_steps=50)
+    batches = list(trainer.train_loader)
+    trainer.train_step(*batches[0])  # (the memory probe measures the first step that stepped)
+    trainer.engine.scalers[0].scale = 2.0**40  # the next steps overflow fp16's gradients
+    with CountReads() as counted:
+        for x, y in batches[1:]:
+            trainer.train_step(x, y)
+    assert counted.reads == []
+    assert trainer.engine.skipped_steps == len(batches) - 1
+    assert trainer.engine.loss_scale == 2.0 ** (40 - len(batches) + 1)
+    assert trainer.guard.skip_streak == len(batches) - 1
