@@ -38,6 +38,7 @@ from runner.run.tune_measure import (
     tolerance,
     with_settings,
 )
+from runner.tracking import metrics as m
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ class Tuning:
     def log_to(self, tracked) -> None:
         """The decisions' artifact and the time tuning took (metric tune_time_s)."""
         tracked.log_text(self.table(), "tune.md")
-        tracked.log_metrics({"tune_time_s": self.seconds}, 0)
+        tracked.log_metrics({m.TUNE_TIME_S: self.seconds}, 0)
 
 
 def _show(value: Any) -> str:
