@@ -2,8 +2,9 @@
 unscale_ and settle, clip_grad_norm_, step, zero_grad), each moving its optimizer's `Stage` on.
 
 The engine never wraps `optimizer.step` (LR schedulers wrap it themselves; the Apex facade in
-`amp.py` does, on the instance), and reads the non-finite flags from the device at most once per
-step, only when a check is needed at all (dynamic scale, or a static scale other than 1). Several
+`amp.py` does, on the instance). `step(wait=False)` keeps the overflow verdict on the device;
+`step()` reads the non-finite flags at most once, only when a check is needed at all (dynamic
+scale, or a static scale other than 1). Several
 losses, one backward over several optimizers, gradient accumulation and the execution paths
 (kernels or torch's ops): README.md beside this file.
 """
