@@ -21,7 +21,6 @@ README.md beside this file (torch.compile, CUDA graphs) and docs/precision.md te
 
 from __future__ import annotations
 
-import inspect
 import logging
 from collections.abc import Callable
 from typing import Any, Optional
@@ -113,27 +112,29 @@ def refusals(cfg: DictConfig, properties: Any, task: str, device: torch.device) 
 
 
 def _host_verdicts(cfg: DictConfig, properties: Any) -> list[str]:
-    """A level that checks for overflow (a dynamic loss scale, or a static one other than 1)
-    decides its skip on the device only in the runner's kernels: torch's ops, and optimizers
-    the kernels do not implement, read the flag on the host before the update."""
-    scale = properties.loss_scale
-    if scale != "dynamic" and float(scale) == 1.0:
-        return []  # no check: the step decides nothing
-    level = f"at {properties.opt_level} (precision.loss_scale={scale})"
-    if OmegaConf.select(cfg, "precision.kernels", default="auto") == "torch":
-        return [
-            f"precision.kernels=torch {level}: torch's ops read the overflow flag on the host "
-            "before the update"
-        ]
+    """An update the runner's kernels do not take (`precision.kernels=torch`, an optimizer other
+    than sgd, adam or adamw, amsgrad) is torch's own optimizer step: at a level that checks for
+    overflow (a dynamic loss scale, or a static one other than 1) it waits for the flag on the
+    host, and torch's Adam counts its steps on the host (a CPU tensor) at any level."""
+    kernels = OmegaConf.select(cfg, "precision.kernels", default="auto")
     name = None if options.has_target(cfg.optimizer) else cfg.optimizer.get("name")
-    if name not in FUSED_OPTIMIZERS or cfg.optimizer.get("amsgrad"):
-        what = f"optimizer={name}" if name else "an optimizer by _target_"
-        if name in FUSED_OPTIMIZERS:
-            what += " with optimizer.amsgrad=true"
+    amsgrad = name in FUSED_OPTIMIZERS and bool(cfg.optimizer.get("amsgrad"))
+    if kernels != "torch" and name in FUSED_OPTIMIZERS and not amsgrad:
+        return []
+    what = f"optimizer={name}" if name else "an optimizer by _target_"
+    what += " with optimizer.amsgrad=true" if amsgrad else ""
+    what += " with precision.kernels=torch" if kernels == "torch" else ""
+    scale = properties.loss_scale
+    if scale == "dynamic" or float(scale) != 1.0:
         return [
-            f"{what} {level}: the runner's kernels, which "
-            "skip an overflowed step on the device, implement sgd, adam and adamw (no amsgrad); "
-            "another optimizer's update waits for the overflow flag on the host"
+            f"{what} at {properties.opt_level} (precision.loss_scale={scale}): torch's own "
+            "optimizer step waits for the overflow flag on the host (the runner's kernels, "
+            "for sgd, adam and adamw without amsgrad, skip on the device)"
+        ]
+    if name in ("adam", "adamw"):
+        return [
+            f"{what}: torch's Adam counts its steps on the host (a CPU tensor), which a "
+            "replayed step would leave as captured (the runner's kernels keep them on the device)"
         ]
     return []
 
@@ -200,15 +201,12 @@ class StepGraph:
         self.eager_steps = self.captures = self.replays = 0
         self._owned: dict[int, torch.Tensor] = {}  # id(param) -> its gradient, kept
         self._side = torch.cuda.Stream()
-        # an engine whose step can keep its overflow verdict on the device (`wait=False`)
-        self._on_device = "wait" in inspect.signature(engine.step).parameters
 
     def _step(self) -> Any:
         if self.clip_norm:
             self.engine.clip_grad_norm_(self.clip_norm, self.optimizer)
-        if self._on_device:  # the verdict left on the device: a bool tensor, True when stepped
-            return self.engine.step(self.optimizer, wait=False)
-        return self.engine.step(self.optimizer)
+        # the trainer's call: the verdict left on the device (a bool tensor, True when stepped)
+        return self.engine.step(self.optimizer, wait=False)
 
     def __call__(self) -> Any:
         try:

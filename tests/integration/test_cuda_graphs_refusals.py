@@ -45,11 +45,16 @@ def test_a_cpu_is_refused_with_what_is_allowed():
         ),
         (
             ["precision=o2", "precision.kernels=torch"],
-            "precision.kernels=torch at O2 (precision.loss_scale=dynamic): torch's ops read",
+            "optimizer=sgd with precision.kernels=torch at O2 (precision.loss_scale=dynamic): "
+            "torch's own optimizer step waits for the overflow flag on the host",
         ),
         (
             ["precision=o2", "optimizer=adam", "optimizer.amsgrad=true"],
             "optimizer=adam with optimizer.amsgrad=true at O2 (precision.loss_scale=dynamic)",
+        ),
+        (
+            ["precision=o2_bf16", "precision.kernels=torch", "optimizer=adam"],
+            "optimizer=adam with precision.kernels=torch: torch's Adam counts its steps on the",
         ),
         (["scheduler=cosine"], "scheduler=cosine sets a new learning rate at every step"),
         (["scheduler=onecycle"], "scheduler=onecycle sets a new learning rate at every step"),
@@ -90,9 +95,9 @@ def test_a_compiled_language_model_on_its_own_dataset_is_refused():
     )
 
 
-def test_a_level_without_an_overflow_check_steps_any_optimizer_on_the_device():
-    """bf16 with a loss scale of 1 checks nothing: torch's ops decide nothing on the host."""
-    error = _refusal("precision=o2_bf16", "precision.kernels=torch", "optimizer=adam")
+def test_a_level_without_an_overflow_check_takes_torchs_sgd():
+    """bf16 with a loss scale of 1 checks nothing: torch's SGD decides nothing on the host."""
+    error = _refusal("precision=o2_bf16", "precision.kernels=torch", "optimizer=sgd")
     assert error.problem == f"true, but {CPU_REASON}"
 
 
