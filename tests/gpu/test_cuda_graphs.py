@@ -16,8 +16,9 @@ from tests.helpers.runs import FAST, compose_config
 
 STEPS = 12  # a batch of 32 from 384 samples: 3 eager warm-up steps, a capture, 9 replays
 # how far the losses of two runs may drift apart through the convolutions' nondeterministic
-# reductions: a few units of the format the level computes in (fp16 2^-10, bf16 2^-7)
-RTOL = {"o0": 1e-4, "o2": 4e-3, "o1_bf16": 3e-2, "o2_bf16": 3e-2}
+# reductions: a few units of the format the level computes in (fp16 and O0's TF32 convolutions
+# 2^-10, bf16 2^-7)
+RTOL = {"o0": 4e-3, "o2": 4e-3, "o1_bf16": 3e-2, "o2_bf16": 3e-2}
 
 
 def _train(level: str, graphs: bool, *overrides: str, epochs: int = 1):
@@ -30,6 +31,7 @@ def _train(level: str, graphs: bool, *overrides: str, epochs: int = 1):
         "trainer.device=cuda",
         f"trainer.max_epochs={epochs}",
         "trainer.log_every_n_steps=1",  # (the loss read between steps, never inside one)
+        "trainer.cudnn_benchmark=false",  # (the same convolution algorithms in both runs)
         f"trainer.cuda_graphs={str(graphs).lower()}",
         *overrides,
     )
