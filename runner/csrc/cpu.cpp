@@ -142,20 +142,49 @@ inline const float* load_block(const T* src, float* buf, int64_t n) {
 }
 
 // ---- non-finite test over raw bits (no conversion, integer ops that vectorise) -------------
+// A value is inf/NaN when its exponent field is all ones (step_math.h's nonfinite_bits*): then
+// (bits & exponent mask) + the exponent's lowest bit carries into the sign bit, and only then,
+// so OR-ing that sum over a run and testing the sign bit at the end needs no widening or compare
+// (16-bit lanes stay 16-bit).
+template <typename U, U kExp>
+inline U nonfinite_or(const U* __restrict__ b, int64_t n) {
+  constexpr U kCarry = kExp & static_cast<U>(~kExp + 1);
+  U acc = 0;
+  for (int64_t i = 0; i < n; ++i) acc |= static_cast<U>((b[i] & kExp) + kCarry);
+  return acc;
+}
+
+// A long run is read as four interleaved streams (its quarters): one stream from memory is
+// latency-bound on one core; four keep more reads in flight (ResNet-50's fp16 gradients: 1.85
+// ms against 2.5 ms on one thread here).
+template <typename U, U kExp>
+inline bool nonfinite_in(const U* b, int64_t n) {
+  constexpr U kCarry = kExp & static_cast<U>(~kExp + 1);
+  constexpr U kSign = static_cast<U>(U(1) << (sizeof(U) * 8 - 1));
+  if (n < 4096) return (nonfinite_or<U, kExp>(b, n) & kSign) != 0;
+  const int64_t q = n / 4;
+  const U* __restrict__ b0 = b;
+  const U* __restrict__ b1 = b + q;
+  const U* __restrict__ b2 = b + 2 * q;
+  const U* __restrict__ b3 = b + 3 * q;
+  U acc = 0;
+  for (int64_t i = 0; i < q; ++i) {
+    acc |= static_cast<U>((b0[i] & kExp) + kCarry) | static_cast<U>((b1[i] & kExp) + kCarry) |
+           static_cast<U>((b2[i] & kExp) + kCarry) | static_cast<U>((b3[i] & kExp) + kCarry);
+  }
+  acc |= nonfinite_or<U, kExp>(b + 4 * q, n - 4 * q);
+  return (acc & kSign) != 0;
+}
+
 template <typename T>
 inline bool any_nonfinite(const T* src, int64_t n) {
-  uint32_t bad = 0;
   if constexpr (std::is_same_v<T, float>) {
-    const uint32_t* b = reinterpret_cast<const uint32_t*>(src);
-    for (int64_t i = 0; i < n; ++i) bad |= nonfinite_bits32(b[i]);
+    return nonfinite_in<uint32_t, 0x7F800000u>(reinterpret_cast<const uint32_t*>(src), n);
   } else if constexpr (std::is_same_v<T, c10::Half>) {
-    const uint16_t* b = reinterpret_cast<const uint16_t*>(src);
-    for (int64_t i = 0; i < n; ++i) bad |= nonfinite_bits_fp16(b[i]);
+    return nonfinite_in<uint16_t, 0x7C00>(reinterpret_cast<const uint16_t*>(src), n);
   } else {
-    const uint16_t* b = reinterpret_cast<const uint16_t*>(src);
-    for (int64_t i = 0; i < n; ++i) bad |= nonfinite_bits_bf16(b[i]);
+    return nonfinite_in<uint16_t, 0x7F80>(reinterpret_cast<const uint16_t*>(src), n);
   }
-  return bad != 0;
 }
 
 // Calls fn(T{}) with T the C++ type of `dtype` (float, c10::Half or c10::BFloat16).

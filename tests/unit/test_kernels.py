@@ -137,6 +137,30 @@ def test_check_finite_is_read_only_and_finds_every_position(backend, dtype):
         assert found.item() == 1.0, (t, e)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_check_finite_reads_every_stretch_of_a_long_tensor(backend, dtype):
+    """A long tensor is read in interleaved stretches: a non-finite value anywhere in any of
+    them (both ends of each quarter of a chunk, the tail) is found, and the extreme finite
+    values (+-max, the smallest subnormal, -0) anywhere are not flagged."""
+    d = dev(backend)
+    info = torch.finfo(dtype)
+    n = 65536 + 13
+    finite = randn(n, dtype, d, seed=35)
+    for i, value in enumerate([info.max, -info.max, info.smallest_normal / 4, -0.0] * 8):
+        finite[(i * 8191) % n] = value
+    found = scalar(backend, 0.0)
+    backend.ops.check_finite([finite], found)
+    assert found.item() == 0.0
+    q = 65536 // 4
+    for e in [0, q - 1, q, 2 * q - 1, 2 * q, 3 * q - 1, 3 * q, 65535, 65536, n - 1]:
+        for bad in (float("inf"), float("-inf"), float("nan")):
+            poisoned = finite.clone()
+            poisoned[e] = bad
+            found = scalar(backend, 0.0)
+            backend.ops.check_finite([poisoned], found)
+            assert found.item() == 1.0, (e, bad)
+
+
 # ---- l2norm --------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_l2norm_matches_float64(backend, dtype):
