@@ -112,29 +112,42 @@ def refusals(cfg: DictConfig, properties: Any, task: str, device: torch.device) 
 
 
 def _host_verdicts(cfg: DictConfig, properties: Any) -> list[str]:
-    """An update the runner's kernels do not take (`precision.kernels=torch`, an optimizer other
-    than sgd, adam or adamw, amsgrad) is torch's own optimizer step: at a level that checks for
-    overflow (a dynamic loss scale, or a static one other than 1) it waits for the flag on the
-    host, and torch's Adam counts its steps on the host (a CPU tensor) at any level."""
+    """The runner's kernels take the update where there is precision work to fuse (a loss scale
+    to check, or master weights) for sgd, adam and adamw without amsgrad, with the overflow
+    verdict and Adam's step counters on the device. Elsewhere the update is torch's own
+    optimizer step: at a level that checks for overflow (a dynamic loss scale, or a static one
+    other than 1) it waits for the flag on the host, and torch's Adam counts its steps on the
+    host (a CPU tensor) at any level."""
     kernels = OmegaConf.select(cfg, "precision.kernels", default="auto")
     name = None if options.has_target(cfg.optimizer) else cfg.optimizer.get("name")
     amsgrad = name in FUSED_OPTIMIZERS and bool(cfg.optimizer.get("amsgrad"))
-    if kernels != "torch" and name in FUSED_OPTIMIZERS and not amsgrad:
+    scale = properties.loss_scale
+    checks = scale == "dynamic" or float(scale) != 1.0
+    fusable = kernels != "torch" and name in FUSED_OPTIMIZERS and not amsgrad
+    if fusable and (checks or properties.master_weights):
         return []
     what = f"optimizer={name}" if name else "an optimizer by _target_"
     what += " with optimizer.amsgrad=true" if amsgrad else ""
     what += " with precision.kernels=torch" if kernels == "torch" else ""
-    scale = properties.loss_scale
-    if scale == "dynamic" or float(scale) != 1.0:
+    if checks:
         return [
             f"{what} at {properties.opt_level} (precision.loss_scale={scale}): torch's own "
             "optimizer step waits for the overflow flag on the host (the runner's kernels, "
             "for sgd, adam and adamw without amsgrad, skip on the device)"
         ]
     if name in ("adam", "adamw"):
+        where = (
+            ""
+            if not fusable
+            else (
+                f" at {properties.opt_level} (no master weights, no loss scale: no precision work "
+                "for the runner's kernels)"
+            )
+        )
         return [
-            f"{what}: torch's Adam counts its steps on the host (a CPU tensor), which a "
-            "replayed step would leave as captured (the runner's kernels keep them on the device)"
+            f"{what}{where}: the update is torch's own Adam, which counts its steps on the host "
+            "(a CPU tensor) that a replayed step would leave as captured (optimizer=sgd, or a "
+            "level with master weights such as o2 or o2_bf16, steps on the device)"
         ]
     return []
 

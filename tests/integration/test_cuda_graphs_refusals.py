@@ -54,7 +54,13 @@ def test_a_cpu_is_refused_with_what_is_allowed():
         ),
         (
             ["precision=o2_bf16", "precision.kernels=torch", "optimizer=adam"],
-            "optimizer=adam with precision.kernels=torch: torch's Adam counts its steps on the",
+            "optimizer=adam with precision.kernels=torch: the update is torch's own Adam, which "
+            "counts its steps on the host",
+        ),
+        (
+            ["precision=o1_bf16", "optimizer=adamw"],
+            "optimizer=adamw at O1 (no master weights, no loss scale: no precision work for the "
+            "runner's kernels): the update is torch's own Adam",
         ),
         (["scheduler=cosine"], "scheduler=cosine sets a new learning rate at every step"),
         (["scheduler=onecycle"], "scheduler=onecycle sets a new learning rate at every step"),
