@@ -189,7 +189,7 @@ def _host_state(optimizer: torch.optim.Optimizer) -> Optional[str]:
 class StepGraph:
     """The optimizer step of a run with `trainer.cuda_graphs`, called where the trainer would
     clip and call `engine.step`: the first `WARMUP_STEPS` steps run eagerly on a side stream
-    (under torch's sync debug mode, which refuses a host read), the next is captured
+    (the last under torch's sync debug mode, which refuses a host read), the next is captured
     and every later one replays the graph. Returns what the engine's step returned (for a
     device value, a copy of the graph's output, which every replay rewrites).
 
@@ -237,12 +237,16 @@ class StepGraph:
                 torch.compiler.cudagraph_mark_step_begin()
 
     def _warm_up(self) -> Any:
-        """One eager step on the side stream, under torch's sync debug mode: a host read in the
-        step is refused before a capture would record the step without it."""
+        """One eager step on the side stream; the last one under torch's sync debug mode: a host
+        read in the step is refused before a capture would record the step without it (the
+        first steps may copy what they set up once, such as state, to the device)."""
         side, main = self._side, torch.cuda.current_stream()
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            result = self._checked(self._step)
+            if self.eager_steps == WARMUP_STEPS - 1:
+                result = self._checked(self._step)
+            else:
+                result = self._step()
         main.wait_stream(side)
         self.eager_steps += 1
         self._own_grads()
