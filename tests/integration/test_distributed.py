@@ -283,3 +283,28 @@ def test_two_gloo_processes_train_a_gpt_like_one(tmp_path):
             runs[0].data.metrics[metric], rel=1e-4
         ), metric
     assert runs[1].data.metrics["tokens_per_s"] > 0
+
+
+@pytest.mark.slow
+def test_rank_0_tunes_and_the_other_ranks_take_its_decision(tmp_path):
+    """trainer.tune under torchrun: rank 0 measures while the other rank waits, then both train
+    with rank 0's settings (DDP's collectives would hang or fail on ranks that built differently);
+    one decision is kept, and the run logs it."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    result = torchrun(
+        2,
+        [
+            *COMMON,
+            f"mlflow.tracking_uri={uri}",
+            f"trainer.checkpoint_dir={tmp_path / 'checkpoints'}",
+            "trainer.tune=on",
+            "mlflow.run_name=tuned",
+        ],
+        tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("amp-runner").experiment_id])
+    assert run.data.params["tune.source"] == "measured"
+    assert "tune_time_s" in run.data.metrics
+    assert len(list((tmp_path / "tune-cache").glob("*.json"))) == 1
