@@ -11,8 +11,8 @@ and no state kept on the host that a step changes (a Python step counter, a rand
 Planning refuses what cannot hold before anything is built (`check`); the first steps, run
 eagerly on a side stream as torch's CUDA graphs ask, check the rest at run start (`StepGraph`).
 
-The gradients are the graph's inputs: they are kept in the same tensors from step to step (the
-trainer zeroes them in place instead of dropping them, and the backward adds into them). The
+The gradients are the graph's inputs: it reads them from tensors of its own, into which each
+step's gradients are copied (one foreach copy; the trainer drops its gradients as ever). The
 hyperparameters the step reads as numbers (each param group's learning rate, betas, weight
 decay, ...) are recorded with the graph, which is captured again when one of them changes (a
 `scheduler=step` decay); a schedule that changes the learning rate at every step is refused.
@@ -193,9 +193,9 @@ class StepGraph:
     and every later one replays the graph. Returns what the engine's step returned (for a
     device value, a copy of the graph's output, which every replay rewrites).
 
-    `params`: the model's parameters, whose gradients become the graph's inputs (owned here
-    from the first step on, zeroed in place by the trainer). `compiled`: the model goes through
-    torch.compile's CUDA graphs too (each step is marked as a new one for them)."""
+    `params`: the model's parameters, whose gradients the graph reads from tensors of its own
+    (`static`, filled by one foreach copy a step from what the backward made). `compiled`: the
+    model goes through torch.compile's CUDA graphs too (each step is marked as a new one)."""
 
     def __init__(
         self,
@@ -212,7 +212,9 @@ class StepGraph:
         self.output: Any = None
         self.numbers: tuple = ()
         self.eager_steps = self.captures = self.replays = 0
-        self._owned: dict[int, torch.Tensor] = {}  # id(param) -> its gradient, kept
+        # the parameters with a gradient at the capture, and the graph's gradient tensors
+        self.stepped: list[torch.nn.Parameter] = []
+        self.static: list[torch.Tensor] = []
         self._side = torch.cuda.Stream()
 
     def _step(self) -> Any:
@@ -228,6 +230,8 @@ class StepGraph:
             numbers = _numbers(self.optimizer)
             if self.graph is None or numbers != self.numbers:
                 self._capture(numbers)
+            else:
+                torch._foreach_copy_(self.static, self._grads())
             self.graph.replay()
             self.replays += 1
             # a tensor of this step's own: the graph's output is rewritten by the next replay
@@ -249,7 +253,6 @@ class StepGraph:
                 result = self._step()
         main.wait_stream(side)
         self.eager_steps += 1
-        self._own_grads()
         return result
 
     def _checked(self, step: Callable[[], Any]) -> Any:
@@ -271,13 +274,17 @@ class StepGraph:
         finally:
             torch.cuda.set_sync_debug_mode(previous)
 
-    def _own_grads(self) -> None:
-        """Each parameter's gradient in a tensor of its own, so that the backward adds into the
-        same memory at every step (a gradient autograd handed over may be another graph's
-        output, which torch.compile's CUDA graphs overwrite)."""
-        for p in self.params:
-            if id(p) not in self._owned and p.grad is not None:
-                p.grad = self._owned[id(p)] = torch.zeros_like(p.grad)
+    def _grads(self) -> list[torch.Tensor]:
+        """This step's gradients of the captured step's parameters, which must all have one."""
+        grads = [p.grad for p in self.stepped]
+        if any(g is None for g in grads):
+            missing = sum(g is None for g in grads)
+            raise RuntimeError(
+                f"cuda_graphs: {missing} parameters that had a gradient when the step was "
+                "captured have none at this step; a captured step steps the same parameters "
+                "at every step"
+            )
+        return grads
 
     def _capture(self, numbers: tuple) -> None:
         """Capture the step (again when the hyperparameters changed). The capture runs the
@@ -291,22 +298,20 @@ class StepGraph:
                 "would leave it as captured",
                 "false with this optimizer and level",
             )
-        moved = sum(
-            p.grad is not None and p.grad is not self._owned.get(id(p)) for p in self.params
-        )
-        if moved:
-            raise RuntimeError(
-                f"cuda_graphs: {moved} gradients are new tensors at the step's capture; the "
-                "gradients must stay in place from step to step (zero_grad(set_to_none=False))"
-            )
-        missing = sum(p.grad is None for p in self.params)
-        if missing:  # (the eager step leaves them alone too, as long as they get none)
-            log.warning(
-                "cuda_graphs: %d parameters had no gradient in the first %d steps; the captured "
-                "step leaves them as they are",
-                missing,
-                WARMUP_STEPS,
-            )
+        if self.graph is None:  # the graph's gradient tensors: this step's, copied
+            self.stepped = [p for p in self.params if p.grad is not None]
+            self.static = [g.detach().clone() for g in self._grads()]
+            missing = len(self.params) - len(self.stepped)
+            if missing:  # (the eager step leaves them alone too, as long as they get none)
+                log.warning(
+                    "cuda_graphs: %d parameters have no gradient at the capture; the captured "
+                    "step leaves them as they are",
+                    missing,
+                )
+        else:
+            torch._foreach_copy_(self.static, self._grads())
+        for p, g in zip(self.stepped, self.static):  # (what the engine reads while captured)
+            p.grad = g
         pool = self.graph.pool() if self.graph is not None else None
         graph = torch.cuda.CUDAGraph()
         try:

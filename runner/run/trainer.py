@@ -192,7 +192,7 @@ class Trainer(CheckpointState, CompileWarmup):
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """One training step, watched by the instruments due at it; returns the loss (fp32,
         detached, on the device). With `trainer.cuda_graphs` the clip and step are a replayed
-        graph's, whose inputs the gradients are: zeroed in place, never dropped."""
+        graph's (runner.run.cuda_graphs)."""
         with self.instruments.step(self.global_step + 1) as watch:
             with self.engine.autocast():
                 loss = self.task.loss(self.criterion, self.model(x), y)
@@ -206,7 +206,7 @@ class Trainer(CheckpointState, CompileWarmup):
                 stepped = self.engine.step(self.optimizer, wait=False)  # (a device verdict)
             watch.after_step(stepped)
             self._step_scheduler(stepped)
-            self.engine.zero_grad(self.optimizer, set_to_none=self.step_graph is None)
+            self.engine.zero_grad(self.optimizer)
         return self.guard.after_step(loss, stepped)
 
     def _to_device(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
