@@ -257,7 +257,8 @@ elif [[ "$PART" == lease2 ]]; then
   piece bench_accuracy_fp16 270 "$PY" benchmarks/accuracy.py --device "$DEV" "${ACC[@]}" \
     --out "$RES/accuracy_fp16_$TAG.md"
   VIT_SIZE=()
-  [[ "$DRY" == 1 ]] && VIT_SIZE=(--steps 1 --warmup 1 --batch-size 1 --no-prime)
+  # (torchvision's ViT-B/16 takes 224-px images only)
+  [[ "$DRY" == 1 ]] && VIT_SIZE=(--steps 1 --warmup 1 --image-size 224 --batch-size 1 --no-prime)
   piece bench_levels_vit_compiled 180 "$PY" benchmarks/levels.py --device "$DEV" \
     --models "$VIT" --levels o1_bf16+compile,o1_fp8+compile,o2_fp8+compile "${VIT_SIZE[@]}" \
     --out "$RES/levels_vit_$TAG.md"
