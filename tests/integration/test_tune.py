@@ -126,3 +126,20 @@ def test_a_sweep_tunes_each_configuration_once(tmp_path):
     assert run_in_process("-m", *sweep, "trainer.tune=on", "trainer.seed=1,2") == 0
     jobs = [r for r in all_runs(uri) if "tune.source" in r.data.params]
     assert sorted(r.data.params["tune.source"] for r in jobs) == ["cache", "measured"]
+
+
+def test_a_setting_an_experiment_file_gives_is_kept_even_at_its_default(tmp_path):
+    """channels_last: false in the user's experiment file is the default's value, and still
+    the user's: it is kept, not tuned."""
+    folder = tmp_path / "conf" / "experiment"
+    folder.mkdir(parents=True)
+    (folder / "tuned.yaml").write_text(
+        "# @package _global_\ntrainer:\n  channels_last: false\n  tune: 'on'\n"
+    )
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    common = [*FAST, f"mlflow.tracking_uri={uri}", "mlflow.system_metrics_s=0"]
+    config_dir = ["--config-dir", str(tmp_path / "conf")]
+    assert run_in_process(*config_dir, "+experiment=tuned", *common, "mlflow.run_name=exp") == 0
+    params = runs_by_name(uri)["exp"].data.params
+    assert params["tune.trainer.channels_last"] == "kept: given"
+    assert params["tune.source"] == "measured"
