@@ -2,8 +2,9 @@
 
 The optimizer object stays torch's own: its `param_groups` (hyperparameters, as LR schedulers
 edit them) are read at every step and its `state` is kept in torch's layout (`momentum_buffer`;
-`step` as a CPU scalar tensor, `exp_avg`, `exp_avg_sq`), so `state_dict()`, checkpoints and
-schedulers work unchanged and a run can move between the fused and the torch path. One kernel
+`step` as a 0-dim fp32 tensor on the params' device, as torch's fused optimizers keep it,
+`exp_avg`, `exp_avg_sq`), so `state_dict()`, checkpoints and schedulers work unchanged and a
+run can move between the fused and the torch path. One kernel
 pass reads each gradient (16-bit model gradients directly, times a multiplier that folds in the
 inverse loss scale and the clipping coefficient), updates the fp32 parameter and its state, and
 writes the 16-bit model copy, instead of separate copy, unscale, step and copy-back passes.
@@ -20,9 +21,11 @@ with a `Rounding` runs them (no model copies: the parameter is the model's own).
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -51,6 +54,8 @@ class GroupPlan:
     params: list[torch.Tensor]
     grads: list[torch.Tensor]
     copies: list[torch.Tensor]
+    # a prepared group's kernel arguments kept from step to step (`Layout`); None: made anew
+    kept: Optional[dict] = None
 
 
 def supports(optimizer: torch.optim.Optimizer) -> bool:
@@ -144,6 +149,99 @@ def plan(
     return plans
 
 
+@dataclass
+class _Prepared:
+    key: tuple
+    # per group: (group, params, the tensors whose .grad is read, copies, kept arguments); None:
+    # some param is not the kernels' (a 16-bit param, another device, a strided view)
+    groups: Optional[list[tuple[dict, list, list, list, dict]]]
+    checked: bool = False  # the gradients were checked once against their params
+
+
+class Layout:
+    """The step's tensor lists prepared once per optimizer and kept while its param groups stay
+    (the key: each group's params list and length, the state dict, the caller's `extra`), so that
+    a step costs Python per group, not per param: only the gradients are collected anew (they
+    are new tensors after each `zero_grad`), checked in full at the first step (autograd keeps
+    each gradient's type, shape and layout its param's from then on). A step where some param
+    has no gradient takes `plan`'s full path."""
+
+    def __init__(self) -> None:
+        self._prepared: dict[int, _Prepared] = {}
+
+    def plan(
+        self,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        masters: Any,
+        scaled: bool,
+        state_dtype: Optional[torch.dtype] = None,
+    ) -> Optional[list[GroupPlan]]:
+        """`plan` for fp32 params from the prepared lists: with `scaled`, the gradients are the
+        model's (the 16-bit param's, where `masters` pairs the param with one), else each
+        param's own; the copies are the 16-bit model params `masters` pairs them with."""
+        if not supports(optimizer) or state_dtype not in (None, torch.float32, torch.bfloat16):
+            return None
+        groups = optimizer.param_groups
+        pairs = (id(masters), len(masters)) if masters is not None else ()
+        key = (id(optimizer.state), pairs, *((id(g["params"]), len(g["params"])) for g in groups))
+        prep = self._prepared.get(id(optimizer))
+        if prep is None or prep.key != key:
+            source_of, copy_of = _mapping(masters, scaled)
+            prep = _Prepared(key, _prepare(groups, device, source_of, copy_of))
+            self._prepared[id(optimizer)] = prep
+        if prep.groups is None:
+            return None
+        plans = []
+        for group, params, sources, copies, kept in prep.groups:
+            grads = list(map(_GRAD, sources))
+            if any(map(operator.is_, grads, itertools.repeat(None))):
+                return self._full(optimizer, device, masters, scaled, state_dtype)
+            plans.append(GroupPlan(group, params, grads, copies, kept))
+        if not prep.checked:
+            if not all(
+                _partners(p, g, device) for gp in plans for p, g in zip(gp.params, gp.grads)
+            ):
+                return self._full(optimizer, device, masters, scaled, state_dtype)
+            prep.checked = True
+        return plans
+
+    @staticmethod
+    def _full(optimizer, device, masters, scaled, state_dtype) -> Optional[list[GroupPlan]]:
+        source_of, copy_of = _mapping(masters, scaled)
+        return plan(
+            optimizer, device, lambda p: source_of(p).grad, copy_of, state_dtype=state_dtype
+        )
+
+
+def _mapping(masters: Any, scaled: bool) -> tuple[Callable, Callable]:
+    """(the tensor whose .grad steps a param, its 16-bit copy or None) under `masters`."""
+    model_of = masters.model_of() if masters is not None else {}
+    if scaled:
+        return (lambda p: model_of.get(id(p), p)), (lambda p: model_of.get(id(p)))
+    return (lambda p: p), (lambda p: model_of.get(id(p)))
+
+
+_GRAD = operator.attrgetter("grad")
+
+
+def _prepare(groups: list[dict], device, source_of, copy_of) -> Optional[list[tuple]]:
+    out = []
+    for group in groups:
+        params, sources, copies = [], [], []
+        for p in group["params"]:
+            copy = copy_of(p)
+            if copy is None:
+                copy = p
+            if p.dtype != torch.float32 or not _partners(p, copy, device):
+                return None
+            params.append(p)
+            sources.append(source_of(p))
+            copies.append(copy)
+        out.append((group, params, sources, copies, {}))
+    return out
+
+
 def gradients(plans: list[GroupPlan]) -> list[torch.Tensor]:
     return [g for gp in plans for g in gp.grads]
 
@@ -202,6 +300,18 @@ def apply(
     optimizer._opt_called = True  # type: ignore[attr-defined]
 
 
+def _keep(optimizer, params: list, lists: tuple) -> tuple:
+    """State lists kept for the next steps, with what tells whether they still hold: the state
+    dict and its size (a load replaces the dict; the entries of one dict are kept by torch and
+    by the other paths, which update their tensors in place)."""
+    return (lists, optimizer.state, len(optimizer.state))
+
+
+def _still(kept: tuple, optimizer, params: list) -> bool:
+    _, state, size = kept
+    return state is optimizer.state and size == len(state)
+
+
 def _pick(items: list, idx: list[int]) -> list:
     return [items[i] for i in idx]
 
@@ -226,7 +336,10 @@ def _sgd(
         return  # (an SGD with dampening, whose first step overflowed: nothing to do)
     first = [False] * len(gp.params)
     bufs: list[torch.Tensor] = []
-    if momentum != 0:
+    kept = gp.kept.get("sgd") if gp.kept is not None and momentum != 0 else None
+    if kept is not None and _still(kept, optimizer, gp.params):
+        bufs = kept[0]
+    elif momentum != 0:
         for i, p in enumerate(gp.params):
             state = optimizer.state[p]
             buf = state.get("momentum_buffer")
@@ -239,6 +352,8 @@ def _sgd(
                     buf = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
                 state["momentum_buffer"] = buf
             bufs.append(buf)
+        if gp.kept is not None:
+            gp.kept["sgd"] = _keep(optimizer, gp.params, bufs)
     hyper = (
         float(g["lr"]),
         float(g["weight_decay"]),
@@ -291,21 +406,29 @@ def _adam(
     g = gp.group
     beta1, beta2 = (float(b) for b in g["betas"])
     decoupled = bool(g.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)))
-    exp_avgs, exp_avg_sqs, steps = [], [], []
-    for p in gp.params:
-        state = optimizer.state[p]
-        if len(state) == 0:  # torch's lazy initialisation, same keys; the counter on the device
-            state["step"] = torch.zeros((), dtype=_scalar_dtype(), device=p.device)
-            dtype = state_dtype or p.dtype
-            state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(
-                p, dtype=dtype, memory_format=torch.preserve_format
-            )
-        elif state["step"].device != p.device:  # torch's CPU counter (its own step, a resume)
-            state["step"] = state["step"].to(p.device)
-        exp_avgs.append(state["exp_avg"])
-        exp_avg_sqs.append(state["exp_avg_sq"])
-        steps.append(state["step"])
+    kept = gp.kept.get("adam") if gp.kept is not None else None
+    if kept is not None and _still(kept, optimizer, gp.params):
+        exp_avgs, exp_avg_sqs, steps = kept[0]
+    else:
+        exp_avgs, exp_avg_sqs, steps = [], [], []
+        for p in gp.params:
+            state = optimizer.state[p]
+            if len(state) == 0:  # torch's lazy initialisation, same keys; the counter on the device
+                state["step"] = torch.zeros((), dtype=_scalar_dtype(), device=p.device)
+                dtype = state_dtype or p.dtype
+                state["exp_avg"] = torch.zeros_like(
+                    p, dtype=dtype, memory_format=torch.preserve_format
+                )
+                state["exp_avg_sq"] = torch.zeros_like(
+                    p, dtype=dtype, memory_format=torch.preserve_format
+                )
+            elif state["step"].device != p.device:  # torch's CPU counter (its own step, a resume)
+                state["step"] = state["step"].to(p.device)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        if gp.kept is not None:
+            gp.kept["adam"] = _keep(optimizer, gp.params, (exp_avgs, exp_avg_sqs, steps))
     # (not on a skipped step: `advance` is 0 then; a list, whose CPU kernel reads no scalar)
     torch._foreach_add_(steps, [advance] * len(steps))
     numbers = torch.stack(steps).to(torch.float32)  # read by the kernels, on the device

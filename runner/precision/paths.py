@@ -202,6 +202,10 @@ class FusedPath(TorchPath):
         self.kernels = kernels
         self.device = device
         self.scales = scales
+        # the fused step's lists, prepared once per optimizer: from the model's scaled gradients
+        # (`plan`), and from the unscaled `.grad` of the stepped params (`apply`)
+        self.scaled_layout = fused.Layout()
+        self.unscaled_layout = fused.Layout()
 
     def unscale(self, optimizer, masters, scaler, multiplier=None):
         """One kernel pass: the model's 16-bit grads into the masters' fp32 `.grad`, the model's
@@ -236,13 +240,8 @@ class FusedPath(TorchPath):
         (masters, or a check) and the kernels take every group and tensor this step."""
         if masters is None and not scaler.needs_check:
             return None
-        model_of = masters.model_of() if masters is not None else {}
-        plans = fused.plan(
-            optimizer,
-            self.device,
-            lambda p: model_of.get(id(p), p).grad,
-            lambda p: model_of.get(id(p)),
-            state_dtype=self.state_dtype,
+        plans = self.scaled_layout.plan(
+            optimizer, self.device, masters, scaled=True, state_dtype=self.state_dtype
         )
         return None if plans is None else ScaledStep(plans, scaler)
 
@@ -283,13 +282,8 @@ class FusedPath(TorchPath):
             )
             return
         if masters is not None and not args and not kwargs:
-            model_of = masters.model_of()
-            plans = fused.plan(
-                optimizer,
-                self.device,
-                lambda p: p.grad,
-                lambda p: model_of.get(id(p)),
-                state_dtype=self.state_dtype,
+            plans = self.unscaled_layout.plan(
+                optimizer, self.device, masters, scaled=False, state_dtype=self.state_dtype
             )
             if plans is not None:
                 fused.apply(

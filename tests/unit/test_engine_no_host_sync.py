@@ -4,6 +4,8 @@ every op that hands a device value to the host is counted, on the real engine an
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -190,3 +192,64 @@ def test_trainer_steps_between_logging_steps_read_nothing():
     assert trainer.engine.skipped_steps == len(batches) - 1
     assert trainer.engine.loss_scale == 2.0 ** (40 - len(batches) + 1)
     assert trainer.guard.skip_streak == len(batches) - 1
+
+
+# ---- host work per step: per group, not per param ---------------------------------------------
+def _python_calls_of_a_step(layers: int, optimizer: str) -> int:
+    """The Python function calls one `engine.step` makes, after two steps that prepared it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(layers)])
+    opt = (
+        torch.optim.AdamW(model.parameters(), lr=1e-3)
+        if optimizer == "adamw"
+        else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    )
+    engine = AmpEngine(resolve("O2", {}, device=CPU).properties, CPU)
+    engine.prepare(model, opt)
+    x = torch.randn(2, 4)
+    for _ in range(3):
+        with engine.autocast():
+            loss = model(x).float().sum()
+        engine.backward(loss)
+        if _ < 2:
+            engine.step(opt, wait=False)
+            engine.zero_grad(opt)
+    calls = 0
+
+    def count(frame, event, arg):
+        nonlocal calls
+        calls += event == "call"
+
+    sys.setprofile(count)
+    try:
+        engine.step(opt, wait=False)
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_a_steps_python_work_does_not_grow_with_the_params(optimizer):
+    """The tensor lists, the optimizer state's lists and the kernels' arguments are prepared
+    once: a step over 100 params makes the Python calls a step over 10 makes."""
+    assert _python_calls_of_a_step(5, optimizer) == _python_calls_of_a_step(50, optimizer)
+
+
+def test_prepared_lists_follow_a_new_param_group():
+    """The prepared lists are made again when the groups change: a group added after some steps
+    is stepped (its master and its fp16 copy move), and the old groups go on as before."""
+    model, opt, engine = _engine("O2", {}, "adamw")
+    for i in range(2):
+        _step(model, opt, engine, *_batch(i))
+    extra = nn.Linear(3, 3).half()
+    opt.add_param_group({"params": list(extra.parameters()), "lr": 1e-2})
+    engine.sync_param_groups(opt)
+    before = [p.detach().clone() for p in extra.parameters()]
+    x = torch.randn(4, 3).half()
+    with engine.autocast():
+        loss = nn.functional.cross_entropy(model(_batch(3)[0]).float(), _batch(3)[1])
+        loss = loss + extra(x).float().pow(2).mean()
+    engine.backward(loss)
+    assert bool(engine.step(opt, wait=False))
+    assert all(not torch.equal(a, b) for a, b in zip(before, extra.parameters()))
+    assert [s["step"].item() for s in opt.state.values()] == [3.0] * 6 + [1.0] * 2
