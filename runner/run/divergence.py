@@ -63,7 +63,7 @@ class DivergenceGuard:
         scaler = self.engine.scalers[0]
         floor = self.collapsed_loss_scale
         if scaler.dynamic and scaler.scale < floor:
-            formats = run_formats(self.engine)
+            formats = narrow_formats(self.engine)
             why = "a forward that overflows fp16: " if "fp16" in formats else ""
             raise DivergenceError(
                 f"training diverged: the dynamic loss scale collapsed to {scaler.scale:g}, below "
@@ -78,7 +78,7 @@ class DivergenceGuard:
         self.check_losses(int(self.bad_loss_streak.item()), step)
         scale = self.engine.loss_scale
         dynamic = self.engine.scalers[0].dynamic
-        formats = run_formats(self.engine)
+        formats = narrow_formats(self.engine)
         if not formats and (dynamic or scale <= 1):  # fp32: no 16-bit range to overflow
             cause = f"the gradients are inf/NaN in fp32 (at loss scale {scale:g})"
         elif not formats:
@@ -114,7 +114,7 @@ class DivergenceGuard:
         limit = first + self.max_bad_steps - 1
         steps = f"step {first}" if limit == first else f"steps {first} to {limit}"
         read = f"; found at step {step}, when the loss was read" if limit < step else ""
-        formats = run_formats(self.engine)
+        formats = narrow_formats(self.engine)
         if not formats:
             cause = "the training itself produces non-finite values"
         else:
@@ -143,7 +143,7 @@ class DivergenceGuard:
 
 
 # ---- what to try, by what the run computes in ---------------------------------------------------
-def run_formats(engine: Any) -> list[str]:
+def narrow_formats(engine: Any) -> list[str]:
     """The formats narrower than fp32 the run computes in (fp16, bf16, fp8: the level's and any
     layer plan's), fp16 first; empty for an fp32 run (O0, or any level without 16-bit compute)."""
     properties = engine.properties
