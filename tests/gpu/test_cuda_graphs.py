@@ -9,10 +9,8 @@ import pytest
 import torch
 
 from runner.run import cuda_graphs
-from runner.run.build import build
-from runner.run.plan import make_plan
-from runner.run.trainer import RunContext, Trainer, trainer_config
 from tests.helpers.runs import FAST, compose_config
+from tests.helpers.trainer import planned_trainer
 
 STEPS = 12  # a batch of 32 from 384 samples: 3 eager warm-up steps, a capture, 9 replays
 # how far the losses of two runs may drift apart through the convolutions' nondeterministic
@@ -35,15 +33,7 @@ def _train(level: str, graphs: bool, *overrides: str, epochs: int = 1):
         f"trainer.cuda_graphs={str(graphs).lower()}",
         *overrides,
     )
-    plan = make_plan(cfg)
-    parts = build(plan)
-    logged: list[dict] = []
-    trainer = Trainer(
-        trainer_config(cfg.trainer),
-        parts,
-        RunContext(on_metrics=lambda metrics, step: logged.append(dict(metrics))),
-        device=plan.device,
-    )
+    trainer, logged, parts = planned_trainer(cfg)
     try:
         if cfg.trainer.compile:
             trainer.compile_warmup()

@@ -10,10 +10,8 @@ import torch
 
 from runner.measure.instruments import Instrument, Instruments
 from runner.measure.memory import MemoryInstrument
-from runner.run.build import build
-from runner.run.plan import make_plan
-from runner.run.trainer import RunContext, Trainer, trainer_config
 from tests.helpers.runs import FAST, compose_config
+from tests.helpers.trainer import planned_trainer
 
 STEPS = 20
 LEVELS = ["o1", "o2", "o3", "o1_bf16", "o2_bf16", "o3_bf16"]
@@ -53,15 +51,7 @@ def test_twenty_steps_never_sync_between_logging_steps(level, optimizer):
         "trainer.device=cuda",
         "trainer.log_every_n_steps=5",
     )
-    plan = make_plan(cfg)
-    parts = build(plan)
-    logged: list[dict] = []
-    trainer = Trainer(
-        trainer_config(cfg.trainer),
-        parts,
-        RunContext(on_metrics=lambda metrics, step: logged.append(dict(metrics))),
-        device=plan.device,
-    )
+    trainer, logged, parts = planned_trainer(cfg)
     others = tuple(i for i in trainer.instruments.all if not i.every_step)
     strict = StrictSteps(cfg.trainer.warmup_steps, others)
     trainer.instruments = Instruments(strict, *trainer.instruments.all)
@@ -94,14 +84,7 @@ def test_an_overflow_is_skipped_on_the_device_and_counted_at_the_read():
         "trainer.log_every_n_steps=5",
         "trainer.max_bad_steps=100",
     )
-    plan = make_plan(cfg)
-    parts = build(plan)
-    trainer = Trainer(
-        trainer_config(cfg.trainer),
-        parts,
-        RunContext(on_metrics=lambda metrics, step: None),
-        device=plan.device,
-    )
+    trainer, _, parts = planned_trainer(cfg)
     # (the memory probe waits for a step that stepped, which never comes here: left out)
     strict = StrictSteps(cfg.trainer.warmup_steps, ())
     kept = [i for i in trainer.instruments.all if not isinstance(i, MemoryInstrument)]

@@ -9,10 +9,8 @@ import torch
 
 from runner.measure.instruments import Instrument, Instruments
 from runner.measure.timing import DATA_WAIT_FRAC, SAMPLES_PER_S, STEP_TIME_MS_P50, CudaClock
-from runner.run.build import build
-from runner.run.plan import make_plan
-from runner.run.trainer import RunContext, Trainer, trainer_config
 from tests.helpers.runs import FAST, compose_config
+from tests.helpers.trainer import planned_trainer
 
 
 class NoSyncInSteadySteps(Instrument):
@@ -44,15 +42,7 @@ def test_steady_steps_between_logging_steps_never_sync():
         "trainer.device=cuda",
         "trainer.log_every_n_steps=4",
     )
-    plan = make_plan(cfg)
-    parts = build(plan)
-    logged: list[dict] = []
-    trainer = Trainer(
-        trainer_config(cfg.trainer),
-        parts,
-        RunContext(on_metrics=lambda metrics, step: logged.append(dict(metrics))),
-        device=plan.device,
-    )
+    trainer, logged, parts = planned_trainer(cfg)
     guard = NoSyncInSteadySteps(cfg.trainer.warmup_steps)
     trainer.instruments = Instruments(guard, *trainer.instruments.all)
     try:

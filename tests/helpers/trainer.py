@@ -1,5 +1,6 @@
 """A Trainer built from real parts (synthetic data, the tiny CNN, an engine at a level) without a
-run around it, recording what it logs."""
+run around it, recording what it logs; or from a composed config through the run's own plan and
+build (`planned_trainer`)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ from runner.components.optim import build_optimizer, build_scheduler
 from runner.config import SyntheticConfig, TinyModelConfig, TrainerConfig
 from runner.measure.probes import MemoryProbe
 from runner.precision import AmpEngine, resolve
+from runner.run.build import build
 from runner.run.parts import Parts
-from runner.run.trainer import RunContext, Trainer
+from runner.run.plan import make_plan
+from runner.run.trainer import RunContext, Trainer, trainer_config
 from tests.helpers.runs import compose_config
 
 CPU = torch.device("cpu")
@@ -46,3 +49,18 @@ def make_trainer(level: str, precision_overrides: dict, scheduler: str = "cosine
         device=CPU,
     )
     return trainer, logged
+
+
+def planned_trainer(cfg) -> tuple[Trainer, list[dict], Parts]:
+    """The Trainer a run of `cfg` would train with (its plan checked, its parts built), the list
+    each logging step's metrics are appended to, and the parts (to close)."""
+    plan = make_plan(cfg)
+    parts = build(plan)
+    logged: list[dict] = []
+    trainer = Trainer(
+        trainer_config(cfg.trainer),
+        parts,
+        RunContext(on_metrics=lambda metrics, step: logged.append(dict(metrics))),
+        device=plan.device,
+    )
+    return trainer, logged, parts
