@@ -204,6 +204,12 @@ LV=(--steps "$(small 30 1)" --warmup "$(small 10 1)")
 PEER=(--steps "$(small 20 1)" --warmup "$(small 5 1)" --rounds "$(small 3 1)")
 [[ "$DRY" == 1 ]] && PEER+=(--image-size 16 --batch-size 2)
 GPT=(--image-size "$(small 1024 32)" --batch-size "$(small 8 1)" --extra model.vocab_size=50304)
+# the runner at its defaults with trainer.tune=on (channels_last, cudnn.benchmark, the fused
+# kernels or torch's ops, compile max-autotune-no-cudagraphs where 20000 steps repay it: about
+# two ImageNet epochs at batch 128) against Lightning at its defaults; its own tuning cache
+export AMP_RUNNER_TUNE_CACHE=$WORK/tune-cache
+TUNED=(--device "$DEV" --tuned --run-steps "$(small 20000 50)")
+TUNED+=(--peers lightning:16-mixed,lightning:bf16-mixed "${PEER[@]}")
 
 if [[ "$PART" == lease ]]; then
   # correctness first: the CUDA tests (the fused step's no-sync tests, the step timer's), then
@@ -223,12 +229,6 @@ if [[ "$PART" == lease ]]; then
   piece bench_peers_rn50 90 "$PY" benchmarks/peers.py --device "$DEV" --model resnet50 \
     --peers lightning:16-mixed,lightning:bf16-mixed,hand:o1 "${PEER[@]}" \
     --out "$RES/peers_rn50_$TAG.md"
-  # the runner at its defaults with trainer.tune=on (channels_last, cudnn.benchmark, the fused
-  # kernels or torch's ops, compile max-autotune-no-cudagraphs where 20000 steps repay it: about
-  # two ImageNet epochs at batch 128) against Lightning at its defaults; its own tuning cache
-  export AMP_RUNNER_TUNE_CACHE=$WORK/tune-cache
-  TUNED=(--device "$DEV" --tuned --run-steps "$(small 20000 50)")
-  TUNED+=(--peers lightning:16-mixed,lightning:bf16-mixed "${PEER[@]}")
   piece bench_peers_tuned_rn50 200 "$PY" benchmarks/peers.py "${TUNED[@]}" --model resnet50 \
     --out "$RES/peers_tuned_rn50_$TAG.md"
   # the mission's command as a user types it, O0 and O2, one process each; its logged steady
@@ -267,11 +267,9 @@ elif [[ "$PART" == lease2 ]]; then
   [[ "$DRY" == 0 ]] && LP+=(--image-size 224 --batch-size 64)
   piece bench_layer_plan 80 "$PY" benchmarks/layer_plan_cost.py --device "$DEV" "${LP[@]}" \
     --out "$RES/layer_plan_cost_$TAG.md"
-  export AMP_RUNNER_TUNE_CACHE=$WORK/tune-cache
-  TUNED=(--device "$DEV" --tuned --run-steps "$(small 20000 50)")
-  TUNED+=(--peers lightning:16-mixed,lightning:bf16-mixed "${PEER[@]}")
-  [[ "$DRY" == 0 ]] && TUNED+=(--batch-size 64)
-  piece bench_peers_tuned_densenet 200 "$PY" benchmarks/peers.py "${TUNED[@]}" \
+  DENSE=()
+  [[ "$DRY" == 0 ]] && DENSE=(--batch-size 64)
+  piece bench_peers_tuned_densenet 200 "$PY" benchmarks/peers.py "${TUNED[@]}" "${DENSE[@]}" \
     --model densenet161 --out "$RES/peers_tuned_densenet_$TAG.md"
   # trainer.cuda_graphs: ResNet-50's steady throughput at O2 and o2_bf16 with the optimizer step
   # captured in a CUDA graph and without; scheduler=none in both, since the graphs refuse a
