@@ -599,7 +599,9 @@ def render(report: dict) -> str:
         f"{report['rounds']} interleaved rounds of {report['steps']}-step blocks a side after "
         f"{report['warmup']} untimed steps each; a step device-synchronised at both ends; "
         "medians. Ratio = peer step time / runner step time = runner throughput / peer "
-        "throughput (>= 1: the runner is at least as fast)."
+        "throughput (>= 1: the runner is at least as fast). The losses are each side's last "
+        "timed step's, both training on the one batch (a small model learns it by heart: "
+        "near 0)."
         + (
             f" The runner at its defaults with trainer.tune=on, tuned for a run of "
             f"{report['run_steps']} steps (what it picked: the last columns); the peer at its "
@@ -624,7 +626,7 @@ def render(report: dict) -> str:
         lines.append(
             f"| {r['peer']} | {r['level']} | {_f(r['runner_ms'], '.2f')} | "
             f"{_f(r['peer_ms'], '.2f')} | {_f(r['ratio'], '.3f')} | {target} | "
-            f"{_f(r['runner_loss'], '.3f')} / {_f(r['peer_loss'], '.3f')} |"
+            f"{_f(r['runner_loss'], '.4g')} / {_f(r['peer_loss'], '.4g')} |"
             + (f" {r.get('picked')} | {_f(r.get('tune_s'), '.1f')} |" if tuned else "")
         )
     lines += ["", "Verdict: " + verdict(report), ""]
