@@ -12,7 +12,15 @@ Planning refuses what cannot hold before anything is built (`check`); the first 
 eagerly on a side stream as torch's CUDA graphs ask, check the rest at run start (`StepGraph`).
 
 The gradients are the graph's inputs: it reads them from tensors of its own, into which each
-step's gradients are copied (one foreach copy; the trainer drops its gradients as ever). The
+step's gradients are copied (one foreach copy; the trainer drops its gradients as ever). That
+copy is the least a replay can cost with an eager backward: autograd hands each step's gradient
+to the parameter in a new tensor (steals the backward's buffer), and letting it accumulate into
+the graph's tensors instead would add one in-place add per parameter and a zeroing pass. So a
+replay saves the host the step's launches (Python and one kernel call per group and bucket) and
+costs the device one read and write of every gradient and the gradients' memory once more: it
+pays where the host, not the GPU, bounds the step (small models or batches, and with
+torch.compile's graphs of forward and backward); on a step the GPU bounds the host's launches
+are hidden behind the backward already. The
 hyperparameters the step reads as numbers (each param group's learning rate, betas, weight
 decay, ...) are recorded with the graph, which is captured again when one of them changes (a
 `scheduler=step` decay); a schedule that changes the learning rate at every step is refused.
@@ -215,7 +223,7 @@ class StepGraph:
         # the parameters with a gradient at the capture, and the graph's gradient tensors
         self.stepped: list[torch.nn.Parameter] = []
         self.static: list[torch.Tensor] = []
-        self._side = torch.cuda.Stream()
+        self._side: Optional[torch.cuda.Stream] = None  # the warm-up's stream (made at the first)
 
     def _step(self) -> Any:
         if self.clip_norm:
@@ -231,7 +239,7 @@ class StepGraph:
             if self.graph is None or numbers != self.numbers:
                 self._capture(numbers)
             else:
-                torch._foreach_copy_(self.static, self._grads())
+                self._feed()
             self.graph.replay()
             self.replays += 1
             # a tensor of this step's own: the graph's output is rewritten by the next replay
@@ -244,6 +252,8 @@ class StepGraph:
         """One eager step on the side stream; the last one under torch's sync debug mode: a host
         read in the step is refused before a capture would record the step without it (the
         first steps may copy what they set up once, such as state, to the device)."""
+        if self._side is None:
+            self._side = torch.cuda.Stream()
         side, main = self._side, torch.cuda.current_stream()
         side.wait_stream(main)
         with torch.cuda.stream(side):
@@ -286,6 +296,25 @@ class StepGraph:
             )
         return grads
 
+    def _take_inputs(self) -> None:
+        """The graph's gradient tensors, made once from this step's gradients (of the same
+        dtype, shape and strides: the foreach copy of `_feed` takes its one fast path)."""
+        self.stepped = [p for p in self.params if p.grad is not None]
+        self.static = [g.detach().clone() for g in self._grads()]
+        missing = len(self.params) - len(self.stepped)
+        if missing:  # (the eager step leaves them alone too, as long as they get none)
+            log.warning(
+                "cuda_graphs: %d parameters have no gradient at the capture; the captured "
+                "step leaves them as they are",
+                missing,
+            )
+
+    def _feed(self) -> None:
+        """This step's gradients into the graph's tensors: one foreach copy, the replay's only
+        work on the device besides the step it recorded (the tensors stay the same ones, whose
+        addresses the graph holds)."""
+        torch._foreach_copy_(self.static, self._grads())
+
     def _capture(self, numbers: tuple) -> None:
         """Capture the step (again when the hyperparameters changed). The capture runs the
         engine's Python once and records its kernels without running them: the replay that
@@ -298,18 +327,10 @@ class StepGraph:
                 "would leave it as captured",
                 "false with this optimizer and level",
             )
-        if self.graph is None:  # the graph's gradient tensors: this step's, copied
-            self.stepped = [p for p in self.params if p.grad is not None]
-            self.static = [g.detach().clone() for g in self._grads()]
-            missing = len(self.params) - len(self.stepped)
-            if missing:  # (the eager step leaves them alone too, as long as they get none)
-                log.warning(
-                    "cuda_graphs: %d parameters have no gradient at the capture; the captured "
-                    "step leaves them as they are",
-                    missing,
-                )
+        if self.graph is None:
+            self._take_inputs()
         else:
-            torch._foreach_copy_(self.static, self._grads())
+            self._feed()
         for p, g in zip(self.stepped, self.static):  # (what the engine reads while captured)
             p.grad = g
         pool = self.graph.pool() if self.graph is not None else None
