@@ -3,10 +3,12 @@
 After the plan is checked and before the run builds its parts, `tuned(plan, ...)` times candidates
 on the run's own model, batch, device and level (runner.run.tune_measure): channels_last (models
 with convolutions), cudnn.benchmark (CUDA), the fused kernels or torch's ops (where the kernels are
-built), torch.compile (where the run's steps repay its compile time). Each is tried on top of the
-fastest so far; the fastest whose first-step loss is within the level's tolerance of the untuned
-one wins. The run then goes on with the chosen settings in its config, exactly as a run given them
-by hand: the candidates are built apart from the run, and every random generator is put back.
+built), torch.compile, default then max-autotune (where the run's steps repay its compile time).
+Each is tried on top of the fastest so far, where what it is expected to take fits what is left of
+`trainer.tune_budget_s` (a compile cannot be stopped once started); the fastest whose first-step
+loss is within the level's tolerance of the untuned one wins. The run then goes on with the
+chosen settings in its config, exactly as a run given them by hand: the candidates are built apart
+from the run, and every random generator is put back.
 
 What the user gave (the command line, a sweep's values, an experiment or config file: a value
 other than the default) is never changed. `auto` skips a run too short to repay tuning; `on`
@@ -32,10 +34,15 @@ from runner.run import rng, tune_cache
 from runner.run.distributed import Comm
 from runner.run.plan import RunPlan
 from runner.run.tune_measure import (
+    COMPILE_GUESS_S,
+    MAX_AUTOTUNE,
     Row,
     choose,
+    expected_s,
+    gemm_layers,
     measure,
     refuse_if_loss_differs,
+    skipped_note,
     tolerance,
     with_settings,
 )
@@ -45,9 +52,8 @@ log = logging.getLogger(__name__)
 
 AUTO_MIN_STEPS = 300  # trainer.tune=auto: fewer steps than this do not repay tuning
 BUDGET_SHARE, BUDGET_CAP_S = 0.05, 120.0  # tune_budget_s=null: this share of the run, capped
-# the least a compile may be guessed to take before it is measured (s): CPU, CUDA
-COMPILE_GUESS_S = {"cpu": 30.0, "cuda": 60.0}
 COMPILE_GAIN = 0.15  # compile is tried where this share of the run's time repays the guess
+REPAID = "steps repay"  # (the end of a row's note: the run would not repay its compile)
 DEFAULTS = tunable_defaults()
 
 
@@ -84,7 +90,7 @@ class Tuning:
                 "|---|---|---|---|---|",
             ]
             for index, row in enumerate(self.rows):
-                name = ", ".join(f"{k}={_show(v)}" for k, v in row.settings.items()) or "defaults"
+                name = _named(row.settings)
                 ms = f"{row.steady_ms:.1f}" if row.steady_ms is not None else "-"
                 delta = (
                     f"{row.loss - base:+.2e}" if row.loss is not None and base is not None else "-"
@@ -283,37 +289,62 @@ def tree_value(tree: Mapping[str, Any], key: str) -> Any:
 def _measure_all(
     plan: RunPlan, device: torch.device, free: Sequence[str], steps: Optional[int]
 ) -> list[Row]:
-    """The untuned settings first, then each alternative on top of the fastest so far, within
-    the budget."""
+    """The untuned settings first, then each alternative on top of the fastest so far, while
+    what it is expected to take (runner.run.tune_measure's estimates from the times measured so
+    far) fits what is left of the budget, keeping room to time the untuned settings again; once
+    over the budget, the rest are skipped. The total is the budget and at most one candidate's
+    misestimate."""
     started = time.perf_counter()
     base = measure(plan, {}, device)
     rows = [base]
-    cost = time.perf_counter() - started
-    run_s = steps * base.steady_ms / 1e3 if steps else None
-    budget = plan.cfg.trainer.tune_budget_s
-    if budget is None:  # auto: a share of the run; on and refresh: the cap
-        auto = plan.cfg.trainer.tune == "auto" and run_s is not None
-        budget = min(BUDGET_CAP_S, BUDGET_SHARE * run_s) if auto else BUDGET_CAP_S
+    budget = _budget_s(plan, steps, base)
+    costs = {"eager": time.perf_counter() - started}  # the longest a candidate took, by kind
+    layers = gemm_layers(plan.meta_model())
+    repays = steps * base.steady_ms / 1e3 * COMPILE_GAIN if steps and base.steady_ms else None
     tol = tolerance(plan.properties.compute_dtypes)
     if plan.properties.fp8_linear:
         tol = max(tol, tolerance(["fp8"]))
     timed_again = False
     for settings, guess in _alternatives(plan, device, free, steps, base):
+        trial = {**choose(rows, steps).settings, **settings}
+        kind, expected = expected_s(trial, guess, costs, layers, device)
+        left = budget - (time.perf_counter() - started)
+        left -= 0.0 if timed_again else costs["eager"]  # (room to time the defaults again)
+        note = skipped_note(kind, expected, left) if expected > left else ""
+        if not note and kind == "autotune" and repays is not None and expected > repays:
+            note = f"skipped: compiling with max-autotune would take ~{expected:.0f} s, more "
+            note += f"than {steps} {REPAID}"
+        if note:
+            log.info("trainer.tune: %s %s", _named(trial), note)
+            rows.append(Row(trial, note=note))
+            continue
         if choose(rows, steps) is not base and not timed_again:
             _time_again(plan, device, base)
             timed_again = True
-        best = choose(rows, steps)
-        trial = {**best.settings, **settings}
-        spent = time.perf_counter() - started
-        if spent + cost + guess > budget:
-            rows.append(Row(trial, note=f"not measured: over the budget of {budget:.0f} s"))
-            continue
+            trial = {**choose(rows, steps).settings, **settings}
+        start = time.perf_counter()
         row = measure(plan, trial, device)
+        costs[kind] = max(costs.get(kind, 0.0), time.perf_counter() - start)
         refuse_if_loss_differs(row, base.loss, tol)
         rows.append(row)
     if choose(rows, steps) is not base and not timed_again:
         _time_again(plan, device, base)
     return rows
+
+
+def _budget_s(plan: RunPlan, steps: Optional[int], base: Row) -> float:
+    """trainer.tune_budget_s, or where null: under auto, BUDGET_SHARE of the run's estimated
+    time (its steps at the untuned steady step), capped; under on and refresh, the cap."""
+    budget = plan.cfg.trainer.tune_budget_s
+    if budget is not None:
+        return float(budget)
+    if plan.cfg.trainer.tune == "auto" and steps and base.steady_ms is not None:
+        return min(BUDGET_CAP_S, BUDGET_SHARE * steps * base.steady_ms / 1e3)
+    return BUDGET_CAP_S
+
+
+def _named(settings: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k}={_show(v)}" for k, v in settings.items()) or "defaults"
 
 
 def _time_again(plan: RunPlan, device: torch.device, base: Row) -> None:
@@ -346,11 +377,13 @@ def _alternatives(
     if "trainer.compile" in free and steps is not None and base.steady_ms is not None:
         guess = COMPILE_GUESS_S["cuda" if device.type == "cuda" else "cpu"]
         if steps * base.steady_ms / 1e3 * COMPILE_GAIN > guess:
-            settings: dict[str, Any] = {"trainer.compile": True}
+            # the default compile first: its measured time is what max-autotune's is estimated
+            # from (tried only where that estimate fits the budget and the run repays it)
+            out.append(({"trainer.compile": True}, guess))
             graphs = OmegaConf.select(plan.cfg, "trainer.cuda_graphs", default=False)
             if "trainer.compile_mode" in free and device.type == "cuda" and not graphs:
-                settings["trainer.compile_mode"] = "max-autotune-no-cudagraphs"
-            out.append((settings, guess))
+                autotune = {"trainer.compile": True, "trainer.compile_mode": MAX_AUTOTUNE}
+                out.append((autotune, guess))
     return out
 
 
@@ -379,8 +412,10 @@ def _decision(
             reasons[key] = "kept: not a candidate for this run"
         elif any(r.note.startswith("refused") for r in tried):
             reasons[key] = "kept: the other value changed the loss (refused)"
-        elif any(r.note for r in tried):
-            reasons[key] = "kept: the other value was not measured (over the budget)"
-        else:
+        elif any(not r.note for r in tried):
             reasons[key] = "kept: the default measured as fast or faster"
+        elif all(r.note.endswith(REPAID) for r in tried):
+            reasons[key] = "kept: the other value would not repay its compile time"
+        else:
+            reasons[key] = "kept: the other value was not measured (over the budget)"
     return Tuning(settings, reasons, rows, source, chosen=rows.index(best))

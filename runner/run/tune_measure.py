@@ -32,6 +32,16 @@ TIMED_STEPS = 5
 MARGIN = 0.03
 # the first-step loss a candidate may differ by, relative, per the narrowest compute format
 TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 1e-2, "fp8": 5e-2}
+# the least a compile may be guessed to take before it is measured (s): CPU, CUDA
+COMPILE_GUESS_S = {"cpu": 30.0, "cuda": 60.0}
+MAX_AUTOTUNE = "max-autotune-no-cudagraphs"  # the compile mode tried after the default one
+# max-autotune's compile, estimated from the default compile's measured time: it compiles what
+# the default does, then benchmarks each distinct convolution and matmul against 10-20 generated
+# kernels (3.5-10.6 s each for ResNet-50 at batch 128 on an H100): a cost per conv/linear layer,
+# not a multiple of the default's, so the default's time plus AUTOTUNE_S_PER_LAYER a layer; at
+# least AUTOTUNE_LEAST_FACTOR times the default (it also tunes every fused pointwise kernel's
+# launch configs), and AUTOTUNE_UNKNOWN_FACTOR times it where the layers cannot be counted
+AUTOTUNE_S_PER_LAYER, AUTOTUNE_LEAST_FACTOR, AUTOTUNE_UNKNOWN_FACTOR = 4.0, 2.0, 10.0
 
 
 @dataclasses.dataclass
@@ -117,6 +127,52 @@ def measure(plan: RunPlan, settings: Mapping[str, Any], device: torch.device) ->
         return Row(dict(settings), steady * 1e3, compile_s, first)
     finally:
         parts.close()
+
+
+def gemm_layers(model: Optional[torch.nn.Module]) -> Optional[int]:
+    """The convolution and linear layers of `model` (None: no model to count)."""
+    if model is None:
+        return None
+    kinds = (torch.nn.modules.conv._ConvNd, torch.nn.Linear)
+    return sum(isinstance(module, kinds) for module in model.modules())
+
+
+def autotune_estimate_s(default_s: float, layers: Optional[int]) -> float:
+    """The seconds a max-autotune candidate is expected to take, where the default compile's
+    took `default_s`, on a model of `layers` conv/linear layers (see AUTOTUNE_S_PER_LAYER)."""
+    if layers is None:
+        return default_s * AUTOTUNE_UNKNOWN_FACTOR
+    return max(default_s * AUTOTUNE_LEAST_FACTOR, default_s + layers * AUTOTUNE_S_PER_LAYER)
+
+
+def expected_s(
+    trial: Mapping[str, Any],
+    guess: float,
+    costs: Mapping[str, float],
+    layers: Optional[int],
+    device: torch.device,
+) -> tuple[str, float]:
+    """(eager, compile or autotune; the seconds measuring `trial` is expected to take): an
+    eager candidate, the longest an eager one took (plus its `guess`); a compiled one, the
+    longest a compiled one took, or before one did, an eager one's time and the least a compile
+    is guessed to take; max-autotune, from the compiled one's (autotune_estimate_s)."""
+    least = COMPILE_GUESS_S["cuda" if device.type == "cuda" else "cpu"]
+    compiled = costs.get("compile", costs["eager"] + max(guess, least))
+    if trial.get("trainer.compile") and trial.get("trainer.compile_mode") == MAX_AUTOTUNE:
+        return "autotune", autotune_estimate_s(compiled, layers)
+    if trial.get("trainer.compile"):
+        return "compile", compiled
+    return "eager", costs["eager"] + guess
+
+
+def skipped_note(kind: str, expected: float, left: float) -> str:
+    what = {"eager": "measuring it", "compile": "compiling"}.get(
+        kind, "compiling with max-autotune"
+    )
+    return (
+        f"skipped: {what} would take ~{expected:.0f} s, over the {max(left, 0.0):.0f} s left "
+        "of trainer.tune_budget_s"
+    )
 
 
 def effective_ms(row: Row, steps: Optional[int]) -> float:

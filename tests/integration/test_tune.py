@@ -4,11 +4,12 @@ what the user gave."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
 
-from runner.run import tune
+from runner.run import tune, tune_measure
 from runner.run.distributed import Comm
 from runner.run.plan import make_plan
 from tests.helpers.resume import last_checkpoint, settings
@@ -143,3 +144,58 @@ def test_a_setting_an_experiment_file_gives_is_kept_even_at_its_default(tmp_path
     params = runs_by_name(uri)["exp"].data.params
     assert params["tune.trainer.channels_last"] == "kept: given"
     assert params["tune.source"] == "measured"
+
+
+@pytest.mark.parametrize(
+    "given,steps",
+    [(["trainer.tune=on", "trainer.tune_budget_s=0.01"], 10**7), (["trainer.tune=auto"], 400)],
+    ids=["given", "auto-share"],
+)
+def test_a_candidate_that_cannot_fit_the_budget_is_skipped_saying_why(given, steps, caplog):
+    """A budget given, or auto's (5% of 400 steps of a tiny model: milliseconds): the untuned
+    settings are measured, every other candidate is skipped (compile too, where the run is
+    long enough to repay it) and tune.md and the log say why; tuning takes the budget and
+    one candidate's time at most."""
+    caplog.set_level("INFO", logger="runner.run.tune")
+    overrides = [*FAST, *given]
+    plan = make_plan(compose_config(*overrides))
+    _, tuning = tune.tuned(plan, Comm(), CPU, overrides, steps=steps)
+    base, *rest = tuning.rows
+    assert base.steady_ms is not None and rest
+    assert all(r.steady_ms is None and r.note.startswith("skipped: ") for r in rest)
+    assert all("left of trainer.tune_budget_s" in r.note for r in rest)
+    compiled = [r for r in rest if r.settings.get("trainer.compile")]
+    assert len(compiled) == (1 if steps > 10**6 else 0)  # (a CPU has no max-autotune candidate)
+    for row in compiled:
+        assert row.note.startswith("skipped: compiling would take ~")
+        assert row.note in tuning.table() and row.note in caplog.text
+    assert tuning.chosen == 0 and "over the budget" in tuning.reasons["trainer.channels_last"]
+    started = time.perf_counter()
+    tune_measure.measure(plan, {}, CPU)
+    one = time.perf_counter() - started
+    assert tuning.seconds < 0.01 + 3 * one + 0.5  # (the one measured, and a loaded machine)
+
+
+def test_max_autotune_is_estimated_from_the_default_compile_and_the_layers():
+    """ResNet-50's plan (53 convolutions, one linear layer) whose default compile candidate took
+    50 s: max-autotune, which benchmarks each conv and matmul, is expected to take 50 s and 4 s
+    a layer, more than the default budget's cap; before the default compile is measured, a
+    compile is expected to take an eager candidate's time and the least guess."""
+    plan = make_plan(compose_config("model=resnet50", "data=synthetic", "data.image_size=32"))
+    layers = tune_measure.gemm_layers(plan.meta_model())
+    assert layers == 54
+    cuda = torch.device("cuda")  # (named only: nothing runs on it)
+    autotune = {"trainer.compile": True, "trainer.compile_mode": tune_measure.MAX_AUTOTUNE}
+    measured = {"eager": 3.0, "compile": 50.0}
+    kind, seconds = tune_measure.expected_s(autotune, 60.0, measured, layers, cuda)
+    assert (kind, seconds) == ("autotune", 50.0 + 54 * 4.0) and seconds > tune.BUDGET_CAP_S
+    kind, seconds = tune_measure.expected_s(
+        {"trainer.compile": True}, 60.0, {"eager": 3.0}, 54, cuda
+    )
+    assert (kind, seconds) == ("compile", 63.0)
+    assert tune_measure.skipped_note(kind, 266.4, 100.2) == (
+        "skipped: compiling would take ~266 s, over the 100 s left of trainer.tune_budget_s"
+    )
+    assert tune_measure.skipped_note("autotune", 266.4, -3.0).startswith(
+        "skipped: compiling with max-autotune would take ~266 s, over the 0 s left"
+    )
