@@ -206,10 +206,14 @@ PEER=(--steps "$(small 20 1)" --warmup "$(small 5 1)" --rounds "$(small 3 1)")
 [[ "$DRY" == 1 ]] && PEER+=(--image-size 16 --batch-size 2)
 GPT=(--image-size "$(small 1024 32)" --batch-size "$(small 8 1)" --extra model.vocab_size=50304)
 # the runner at its defaults with trainer.tune=on (channels_last, cudnn.benchmark, the fused
-# kernels or torch's ops, compile max-autotune-no-cudagraphs where 20000 steps repay it: about
-# two ImageNet epochs at batch 128) against Lightning at its defaults; its own tuning cache
+# kernels or torch's ops, compile where 20000 steps repay it: about two ImageNet epochs at batch
+# 128) against Lightning at its defaults; its own tuning cache. Tuning is bounded by 30 s a
+# level (it runs once for each of the two peers' levels, and overruns by one candidate at most),
+# so that tuning and 3 rounds of 20-step blocks a side fit the pieces' 200 s on an H100: a
+# ResNet-50 candidate takes a few seconds (28 ms a step), a DenseNet-161 one up to 35 s (its
+# first step's cuDNN search), a compile 40-60 s, which the 30 s skip, saying so in the table
 export AMP_RUNNER_TUNE_CACHE=$WORK/tune-cache
-TUNED=(--device "$DEV" --tuned --run-steps "$(small 20000 50)")
+TUNED=(--device "$DEV" --tuned --run-steps "$(small 20000 50)" --tune-budget-s 30)
 TUNED+=(--peers lightning:16-mixed,lightning:bf16-mixed "${PEER[@]}")
 
 # trainer.cuda_graphs: ResNet-50's steady throughput at O2 and o2_bf16 with the optimizer step

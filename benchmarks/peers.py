@@ -196,6 +196,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "tuning and compiling; default 2000)",
     )
     p.add_argument(
+        "--tune-budget-s",
+        type=float,
+        default=None,
+        help="--tuned: trainer.tune_budget_s, the seconds tuning may take for each peer's "
+        "level (default the runner's: 120 s under trainer.tune=on); a candidate that would "
+        "not fit is skipped",
+    )
+    p.add_argument(
         "--out",
         type=Path,
         default=None,
@@ -247,6 +255,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         )
     if args.titan_compile is None:
         args.titan_compile = args.device == "cuda"
+    if args.tune_budget_s is not None and (not args.tuned or not args.tune_budget_s > 0):
+        p.error("--tune-budget-s is a number of seconds > 0, with --tuned")
     if args.tuned and "titan:float8" in args.peers:
         p.error("--tuned compares the runner's defaults with a peer's: not titan:float8")
     name = f"peers_tuned_{args.device}.md" if args.tuned else f"peers_{args.device}.md"
@@ -277,6 +287,7 @@ def task_overrides(args, peer: str) -> list[str]:
         pair += [f"+precision.layers.{name}=bfloat16" for name in args.titan_filter]
     chosen = (  # --tuned: the runner's defaults, tuned; otherwise the layout set by hand
         ["trainer.tune=on"]
+        + ([f"trainer.tune_budget_s={args.tune_budget_s:g}"] if args.tune_budget_s else [])
         if args.tuned
         else [
             "trainer.channels_last=" + ("true" if args.device == "cuda" else "false"),
@@ -604,7 +615,13 @@ def render(report: dict) -> str:
         "near 0)."
         + (
             f" The runner at its defaults with trainer.tune=on, tuned for a run of "
-            f"{report['run_steps']} steps (what it picked: the last columns); the peer at its "
+            f"{report['run_steps']} steps"
+            + (
+                f" within trainer.tune_budget_s={report['tune_budget_s']:g}"
+                if report.get("tune_budget_s")
+                else ""
+            )
+            + " (what it picked: the last columns); the peer at its "
             "defaults (a contiguous model and batch)."
             if report.get("tuned")
             else ""
@@ -660,6 +677,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "rounds": args.rounds,
         "tuned": args.tuned,
         "run_steps": args.run_steps if args.tuned else None,
+        "tune_budget_s": args.tune_budget_s,
         "lightning": lightning_version,
         "rows": rows,
         "machine": machine(args.device),

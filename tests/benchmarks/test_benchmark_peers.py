@@ -157,15 +157,21 @@ def test_the_torchtitan_peer_needs_a_language_model(capsys):
 
 
 def test_the_tuned_rows_name_what_the_runner_picked(tmp_path: Path):
-    """--tuned: the runner at its defaults with trainer.tune=on, the peer at its own; both
-    still train the same thing (a layout or kernel choice leaves the loss as it is)."""
+    """--tuned: the runner at its defaults with trainer.tune=on, within the tuning budget
+    given, the peer at its own; both still train the same thing (a layout or kernel choice
+    leaves the loss as it is). A budget without --tuned is refused."""
     bench = load_benchmark("peers")
     out = tmp_path / "peers_tuned.md"
     small = ["--image-size", "16", "--batch-size", "8", "--steps", "1", "--rounds", "1"]
     args = ["--device", "cpu", "--model", "tiny", "--tuned", "--peers", "hand:o1_bf16", *small]
-    assert bench.main([*args, "--warmup", "1", "--out", str(out)]) == 0
+    budget = ["--tune-budget-s", "60"]
+    assert bench.main([*args, *budget, "--warmup", "1", "--out", str(out)]) == 0
     table = out.read_text()
     assert "trainer.tune picked" in table and "with trainer.tune=on" in table
+    assert "within trainer.tune_budget_s=60 " in table
+    with pytest.raises(SystemExit) as stop:
+        bench.parse_args([a for a in args if a != "--tuned"] + budget)
+    assert stop.value.code == 2
     (row,) = json.loads(out.with_suffix(".json").read_text())["rows"]
     assert row["status"] == "ok" and row["picked"] and row["tune_s"] > 0
     assert row["peer_loss"] == pytest.approx(row["runner_loss"], rel=1e-3)
