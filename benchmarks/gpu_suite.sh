@@ -209,9 +209,10 @@ GPT=(--image-size "$(small 1024 32)" --batch-size "$(small 8 1)" --extra model.v
 # kernels or torch's ops, compile where 20000 steps repay it: about two ImageNet epochs at batch
 # 128) against Lightning at its defaults; its own tuning cache. Tuning is bounded by 30 s a
 # level (it runs once for each of the two peers' levels, and overruns by one candidate at most),
-# so that tuning and 3 rounds of 20-step blocks a side fit the pieces' 200 s on an H100: a
-# ResNet-50 candidate takes a few seconds (28 ms a step), a DenseNet-161 one up to 35 s (its
-# first step's cuDNN search), a compile 40-60 s, which the 30 s skip, saying so in the table
+# so that tuning and 3 rounds of 20-step blocks a side fit the pieces' limits on an H100 (about
+# 110 s of ResNet-50's 150, 150 s of DenseNet-161's 200): a ResNet-50 candidate takes a few
+# seconds (28 ms a step), a DenseNet-161 one up to 35 s (its first step's cuDNN search), a
+# compile 40-60 s, which the 30 s skip, saying so in the table
 export AMP_RUNNER_TUNE_CACHE=$WORK/tune-cache
 TUNED=(--device "$DEV" --tuned --run-steps "$(small 20000 50)" --tune-budget-s 30)
 TUNED+=(--peers lightning:16-mixed,lightning:bf16-mixed "${PEER[@]}")
