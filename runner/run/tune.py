@@ -34,6 +34,7 @@ from runner.run import rng, tune_cache
 from runner.run.distributed import Comm
 from runner.run.plan import RunPlan
 from runner.run.tune_measure import (
+    BUDGET_NOTE,
     COMPILE_GUESS_S,
     MAX_AUTOTUNE,
     Row,
@@ -251,15 +252,41 @@ def _decide(
     started = time.perf_counter()
     with tune_cache.lock(digest):
         rows = None if mode == "refresh" else tune_cache.read(digest)
+        if rows is not None and _short_of_budget(plan, rows, steps):
+            rows = None
         source = "cache"
         if rows is None:
-            rows = [r.as_dict() for r in _measure_all(plan, device, free, steps)]
+            measured, budget = _measure_all(plan, device, free, steps)
+            rows = [{**r.as_dict(), "budget_s": budget} for r in measured]
             tune_cache.write(digest, rows, facts)
             source = "measured"
     tuning = _decision(plan, [Row.from_dict(r) for r in rows], free, given, steps, source)
     tuning.seconds = time.perf_counter() - started
     log.info("trainer.tune (%s, %.1f s):\n%s", source, tuning.seconds, tuning.table().rstrip())
     return tuning
+
+
+def _short_of_budget(
+    plan: RunPlan, rows: Sequence[Mapping[str, Any]], steps: Optional[int]
+) -> bool:
+    """Whether the cached `rows` skipped a candidate for want of a budget smaller than this
+    run's (which then measures again, and keeps its own rows)."""
+    skipped = [r for r in rows if str(r.get("note", "")).endswith(BUDGET_NOTE)]
+    skipped += [r for r in rows if str(r.get("note", "")).startswith("not measured: over")]
+    if not skipped:
+        return False
+    budgets = [r.get("budget_s") for r in skipped]
+    had = max((b for b in budgets if isinstance(b, (int, float))), default=0.0)
+    now = _budget_s(plan, steps, Row.from_dict(rows[0]))
+    if now <= had:
+        return False
+    log.info(
+        "trainer.tune: measuring again: the cached decision skipped candidates within %.0f s, "
+        "this run's trainer.tune_budget_s is %.0f s",
+        had,
+        now,
+    )
+    return True
 
 
 def _facts(plan: RunPlan, device: torch.device, free: Sequence[str]) -> dict[str, Any]:
@@ -288,12 +315,12 @@ def tree_value(tree: Mapping[str, Any], key: str) -> Any:
 
 def _measure_all(
     plan: RunPlan, device: torch.device, free: Sequence[str], steps: Optional[int]
-) -> list[Row]:
+) -> tuple[list[Row], float]:
     """The untuned settings first, then each alternative on top of the fastest so far, while
     what it is expected to take (runner.run.tune_measure's estimates from the times measured so
     far) fits what is left of the budget, keeping room to time the untuned settings again; once
     over the budget, the rest are skipped. The total is the budget and at most one candidate's
-    misestimate."""
+    misestimate. Returns the rows and the budget."""
     started = time.perf_counter()
     base = measure(plan, {}, device)
     rows = [base]
@@ -329,7 +356,7 @@ def _measure_all(
         rows.append(row)
     if choose(rows, steps) is not base and not timed_again:
         _time_again(plan, device, base)
-    return rows
+    return rows, budget
 
 
 def _budget_s(plan: RunPlan, steps: Optional[int], base: Row) -> float:

@@ -35,6 +35,7 @@ TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 1e-2, "fp8": 5e-2}
 # the least a compile may be guessed to take before it is measured (s): CPU, CUDA
 COMPILE_GUESS_S = {"cpu": 30.0, "cuda": 60.0}
 MAX_AUTOTUNE = "max-autotune-no-cudagraphs"  # the compile mode tried after the default one
+BUDGET_NOTE = "left of trainer.tune_budget_s"  # the end of a candidate skipped for the budget
 # max-autotune's compile, estimated from the default compile's measured time: it compiles what
 # the default does, then benchmarks each distinct convolution and matmul against 10-20 generated
 # kernels (3.5-10.6 s each for ResNet-50 at batch 128 on an H100): a cost per conv/linear layer,
@@ -166,13 +167,11 @@ def expected_s(
 
 
 def skipped_note(kind: str, expected: float, left: float) -> str:
-    what = {"eager": "measuring it", "compile": "compiling"}.get(
-        kind, "compiling with max-autotune"
-    )
-    return (
-        f"skipped: {what} would take ~{expected:.0f} s, over the {max(left, 0.0):.0f} s left "
-        "of trainer.tune_budget_s"
-    )
+    """A candidate's note where `expected` seconds do not fit the `left` of the budget."""
+    what = {"eager": "measuring it", "compile": "compiling"}.get(kind)
+    what = what or "compiling with max-autotune"
+    left = max(left, 0.0)
+    return f"skipped: {what} would take ~{expected:.0f} s, over the {left:.0f} s {BUDGET_NOTE}"
 
 
 def effective_ms(row: Row, steps: Optional[int]) -> float:

@@ -176,6 +176,20 @@ def test_a_candidate_that_cannot_fit_the_budget_is_skipped_saying_why(given, ste
     assert tuning.seconds < 0.01 + 3 * one + 0.5  # (the one measured, and a loaded machine)
 
 
+def test_a_decision_cut_short_by_its_budget_is_measured_again_with_more(cache, caplog):
+    """The cache keeps the budget its rows were measured within: the same budget reuses them,
+    a larger one measures the skipped candidates."""
+    caplog.set_level("INFO", logger="runner.run.tune")
+    _, tight = tuned(*ON, "trainer.tune_budget_s=0.01")
+    assert tight.source == "measured" and tight.rows[1].note.startswith("skipped: ")
+    _, again = tuned(*ON, "trainer.tune_budget_s=0.01")
+    assert again.source == "cache"
+    _, roomy = tuned(*ON, "trainer.tune_budget_s=600")
+    assert roomy.source == "measured" and "measuring again" in caplog.text
+    assert all(row.steady_ms is not None for row in roomy.rows)
+    assert len(list(cache.glob("*.json"))) == 1
+
+
 def test_max_autotune_is_estimated_from_the_default_compile_and_the_layers():
     """ResNet-50's plan (53 convolutions, one linear layer) whose default compile candidate took
     50 s: max-autotune, which benchmarks each conv and matmul, is expected to take 50 s and 4 s
