@@ -41,6 +41,7 @@ TUNABLE = (
     "trainer.compile",
     "trainer.compile_mode",
     "precision.kernels",
+    "trainer.num_workers",
 )
 # What `precision.kernels` accepts (runner.csrc): auto (the device's kernels, torch's ops if they
 # cannot be built), fused (the device's kernels or an error), torch (never build; torch's own ops).

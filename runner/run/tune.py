@@ -30,7 +30,7 @@ import torch
 from omegaconf import OmegaConf
 
 from runner.config import TUNABLE, tunable_defaults
-from runner.run import rng, tune_cache
+from runner.run import rng, tune_cache, tune_data
 from runner.run.distributed import Comm
 from runner.run.plan import RunPlan
 from runner.run.tune_measure import (
@@ -70,6 +70,7 @@ class Tuning:
     source: str = "measured"
     seconds: float = 0.0
     chosen: int = 0  # the row chosen
+    loader: list[Row] = dataclasses.field(default_factory=list)  # the worker counts' rows
 
     def params(self) -> dict[str, str]:
         """`tune.<key>`: each tunable setting's value and why it has it; `tune.source`."""
@@ -99,6 +100,7 @@ class Tuning:
                 chosen = "yes" if index == self.chosen else row.note
                 lines.append(f"| {name} | {ms} | {row.compile_s:.1f} | {delta} | {chosen} |")
             lines.append("")
+        lines += tune_data.table(self.loader, self.settings)
         lines += [
             f"- {key}"
             + (f"={_show(self.settings[key])}" if key in self.settings else "")
@@ -257,10 +259,14 @@ def _decide(
         source = "cache"
         if rows is None:
             measured, budget = _measure_all(plan, device, free, steps)
+            measured += tune_data.measure(plan, device, free, budget, started)
             rows = [{**r.as_dict(), "budget_s": budget} for r in measured]
             tune_cache.write(digest, rows, facts)
             source = "measured"
-    tuning = _decision(plan, [Row.from_dict(r) for r in rows], free, given, steps, source)
+    model_rows, loader_rows = tune_data.split([Row.from_dict(r) for r in rows])
+    tuning = _decision(plan, model_rows, free, given, steps, source)
+    step_ms = model_rows[tuning.chosen].steady_ms
+    tune_data.decide(tuning, plan, loader_rows, free, step_ms, steps)
     tuning.seconds = time.perf_counter() - started
     log.info("trainer.tune (%s, %.1f s):\n%s", source, tuning.seconds, tuning.table().rstrip())
     return tuning
@@ -303,6 +309,7 @@ def _facts(plan: RunPlan, device: torch.device, free: Sequence[str]) -> dict[str
         "threads": torch.get_num_threads(),
         "free": sorted(free),
         "given": {k: tree_value(tree, k) for k in TUNABLE if k not in free},
+        **tune_data.facts(free),
     }
 
 

@@ -9,15 +9,27 @@ import time
 import pytest
 import torch
 
-from runner.run import tune, tune_measure
+from runner.run import tune, tune_data, tune_measure
 from runner.run.distributed import Comm
 from runner.run.plan import make_plan
+from tests.helpers.images import write_image_folder
 from tests.helpers.resume import last_checkpoint, settings
 from tests.helpers.runs import FAST, compose_config, run_in_process
 from tests.helpers.store import all_runs, history, runs_by_name
 
 CPU = torch.device("cpu")
 ON = [*FAST, "trainer.tune=on"]
+WORKERS = tune_data.WORKERS
+
+
+def images(tmp_path) -> list[str]:
+    """A run reading real files (an ImageFolder of PNGs), its loader's workers left to tune."""
+    root = tmp_path / "images"
+    if not root.exists():
+        write_image_folder(root, per_class={"train": 24, "val": 4})
+    overrides = [o for o in FAST if not o.startswith(("data", "trainer.batch_size", WORKERS))]
+    data = ["data=imagefolder", f"data.root={root}", "data.image_size=16"]
+    return [*overrides, *data, "trainer.batch_size=4"]
 
 
 @pytest.fixture
@@ -38,6 +50,7 @@ def test_a_given_setting_is_kept_and_a_second_run_reuses_the_decision(cache):
     assert plan.cfg.trainer.channels_last is False
     assert all("trainer.channels_last" not in row.settings for row in first.rows)
     assert "tune.trainer.channels_last" in first.params()
+    assert first.reasons[WORKERS] == "kept: given" and first.loader == []  # (FAST gives 0)
     assert len(list(cache.glob("*.json"))) == 1
     again, second = tuned(*given)  # the same configuration: no candidate is built again
     assert second.source == "cache"
@@ -45,6 +58,31 @@ def test_a_given_setting_is_kept_and_a_second_run_reuses_the_decision(cache):
     assert again.config_tree == plan.config_tree
     _, third = tuned(*given[:-1], "trainer.tune=refresh", given[-1])
     assert third.source == "measured"
+
+
+def test_the_loader_workers_are_measured_where_the_run_reads_files(tmp_path, cache):
+    plan, tuning = tuned(*images(tmp_path), "trainer.tune=on")
+    assert [r.settings[WORKERS] for r in tuning.loader] == tune_data.counts(2, tune_data.cpus())
+    assert all(r.steady_ms > 0 and not r.note for r in tuning.loader)
+    step_ms = tuning.rows[tuning.chosen].steady_ms
+    best = tune_data.choose(tuning.loader, step_ms, None)
+    assert plan.cfg.trainer.num_workers == tuning.settings[WORKERS] == best.settings[WORKERS]
+    assert tuning.reasons[WORKERS].startswith(("tuned: ", "kept: "))
+    assert "ms a batch against a" in tuning.params()[f"tune.{WORKERS}"]
+    assert "| trainer.num_workers | ms/batch | start-up s | chosen |" in tuning.table()
+    # cached with the model's rows: the second run measures nothing
+    again, second = tuned(*images(tmp_path), "trainer.tune=on")
+    assert second.source == "cache" and second.loader == tuning.loader
+    assert again.cfg.trainer.num_workers == plan.cfg.trainer.num_workers
+    _, other = tuned(*images(tmp_path / "other"), "trainer.tune=on")
+    assert other.source == "measured"  # other data (data.root): another configuration
+
+
+def test_generated_data_keeps_its_workers_with_the_reason():
+    overrides = [o for o in ON if not o.startswith(WORKERS)]
+    plan, tuning = tuned(*overrides)
+    assert tuning.reasons[WORKERS].startswith("kept: data=synthetic is generated in memory")
+    assert plan.cfg.trainer.num_workers == 2 and tuning.loader == []
 
 
 def test_a_corrupted_cache_file_is_ignored_with_a_warning(cache, caplog):
@@ -74,12 +112,16 @@ def test_auto_skips_a_short_run_with_a_message(caplog):
     assert "trainer.tune=auto: not tuned: 6 training steps are too few" in caplog.text
 
 
-def test_a_tuned_run_trains_as_the_run_given_its_settings_by_hand(tmp_path, monkeypatch):
+@pytest.mark.parametrize("data", ["synthetic", "files"])
+def test_a_tuned_run_trains_as_the_run_given_its_settings_by_hand(tmp_path, monkeypatch, data):
     """The tuning steps leave no trace: the same losses, metrics and data order as a run given
-    the chosen settings on the command line (real runs, a real SQLite store)."""
+    the chosen settings on the command line (real runs, a real SQLite store). Read from files
+    (randomly augmented), the loader's worker count is tuned too: its fetches leave the run's
+    worker seeds as they were."""
     monkeypatch.chdir(tmp_path)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    common = [*FAST, f"mlflow.tracking_uri={uri}", "mlflow.system_metrics_s=0"]
+    run = FAST if data == "synthetic" else images(tmp_path)
+    common = [*run, f"mlflow.tracking_uri={uri}", "mlflow.system_metrics_s=0"]
     assert run_in_process(*common, "trainer.tune=on", "mlflow.run_name=tuned") == 0
     tuned_run = runs_by_name(uri)["tuned"]
     params = tuned_run.data.params
@@ -90,6 +132,7 @@ def test_a_tuned_run_trains_as_the_run_given_its_settings_by_hand(tmp_path, monk
         if " (" in value
     ]
     assert params["tune.source"] == "measured"
+    assert any(c.startswith(f"{WORKERS}=") for c in chosen) == (data == "files")
     assert run_in_process(*common, "trainer.tune=off", *chosen, "mlflow.run_name=by_hand") == 0
     by_hand = runs_by_name(uri)["by_hand"]
     a, b = history(uri, tuned_run.info.run_id), history(uri, by_hand.info.run_id)

@@ -1,0 +1,66 @@
+"""trainer.tune's loader candidate: the worker counts tried, the fewest workers that keep up
+with the step, and the same batches in the same order whatever the count."""
+
+from __future__ import annotations
+
+import torch
+from omegaconf import OmegaConf
+
+from runner.components.data import build_datasets
+from runner.components.loaders import build_loaders, shutdown_workers
+from runner.config import ImageFolderConfig
+from runner.run import tune_data
+from runner.run.tune_measure import Row
+from tests.helpers.images import write_image_folder
+
+W = tune_data.WORKERS
+
+
+def rows(*measured):
+    """A row per (workers, ms a batch, start-up s)."""
+    return [Row({W: n}, ms, start) for n, ms, start in measured]
+
+
+def chosen(candidates, step_ms, steps=None):
+    return tune_data.choose(candidates, step_ms, steps).settings[W]
+
+
+def test_the_counts_tried_are_bounded_by_the_cpus_and_hold_the_configs_own():
+    assert tune_data.counts(2, 2) == [0, 2]
+    assert tune_data.counts(2, 1) == [0, 1, 2]
+    assert tune_data.counts(2, 6) == [0, 2, 4, 6]
+    assert tune_data.counts(2, 64) == [0, 2, 4, 8]
+    assert tune_data.counts(12, 64) == [0, 2, 4, 8, 12]
+
+
+def test_the_fewest_workers_that_keep_up_with_the_step_win():
+    measured = rows((0, 30.0, 0.0), (2, 8.0, 0.5), (4, 5.0, 0.6))
+    assert chosen(measured, step_ms=10.0) == 2  # 2 and 4 keep up: the fewer
+    assert chosen(measured, step_ms=2000.0) == 0  # a 30 ms batch is 1.5% of the step
+    assert chosen(measured, step_ms=1.0) == 4  # none keeps up: the fastest
+    # a short run: the workers' start (training and validation loaders) does not repay
+    assert chosen(measured, step_ms=10.0, steps=10) == 0
+    assert chosen(measured, step_ms=10.0, steps=100_000) == 2
+
+
+def test_a_count_not_measured_is_never_chosen():
+    measured = rows((0, 30.0, 0.0), (2, 8.0, 0.5))
+    measured[1].note = "not measured: over the budget of 1 s"
+    assert chosen(measured, step_ms=10.0) == 0
+    assert tune_data.choose(rows(), 10.0, None) is None
+
+
+def test_the_batches_come_in_the_same_order_whatever_the_worker_count(tmp_path):
+    root = write_image_folder(tmp_path / "images", per_class={"train": 6, "val": 2}, size=8)
+    cfg = ImageFolderConfig(name="imagefolder", root=str(root), image_size=8, augment=False)
+    bundle = build_datasets(OmegaConf.structured(cfg))
+    seen = []
+    for workers in (0, 2):
+        train, val = build_loaders(bundle, 4, workers, "cpu", seed=3)
+        try:
+            seen.append([(x, y) for x, y in train])
+        finally:
+            shutdown_workers(train, val)
+    assert len(seen[0]) == len(seen[1]) == 3
+    for (xa, ya), (xb, yb) in zip(*seen):
+        assert torch.equal(ya, yb) and torch.equal(xa, xb)
