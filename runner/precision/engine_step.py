@@ -320,9 +320,11 @@ class EngineStep:
         `wait=False` (the trainer's): the overflow verdict stays on the device. The kernels
         skip the update on the device flag, the loss scale and the skipped-step count update
         there too, and the return value is a bool device tensor (True: stepped), so the host
-        never waits for the gradients. Only an update the kernels do not run (an optimizer they
-        do not implement) reads the flag on the host first; a step shared with other optimizers
-        (one backward over several) decides on the host as with `wait=True`."""
+        never waits for the gradients. An update the kernels do not run (torch's ops, an
+        optimizer they do not implement) is taken and undone on the device where the flag is set
+        (`device_skip`); only one that creates optimizer state reads the flag on the host first.
+        A step shared with other optimizers (one backward over several) decides on the host as
+        with `wait=True`."""
         st = self._state(optimizer)
         st.refuse_after_step("step")
         rnd = st.round

@@ -30,6 +30,7 @@ stochastically rounded bf16 params), torch's ops (`state.float_state_step`) any 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -37,9 +38,11 @@ from typing import Any, Optional
 import torch
 
 from runner.csrc import Kernels
-from runner.precision import fused, rounding, state
+from runner.precision import device_skip, fused, rounding, state
 from runner.precision.master import MasterWeights
 from runner.precision.scaler import LossScaler
+
+_log = logging.getLogger(__name__)
 
 
 class ScaleTensors:
@@ -152,6 +155,18 @@ class TorchPath(ExecutionPath):
 
     def apply(self, optimizer, masters, step, step_fn, args, kwargs, found_inf=None):
         fp32_step = state.needs_fp32_step(optimizer, self.state_dtype)
+
+        def run() -> None:
+            if fp32_step:
+                if args or kwargs:
+                    raise RuntimeError(
+                        f"an optimizer whose state is kept in {self.state_dtype} runs its step "
+                        "on fp32 copies and takes no closure or arguments"
+                    )
+                state.float_state_step(optimizer, self.state_dtype, step_fn)
+            else:
+                (step_fn or optimizer.step)(*args, **kwargs)
+
         if found_inf is not None:
             if not fp32_step and getattr(optimizer, "_step_supports_amp_scaling", False):
                 # torch's fused optimizers skip on the device flag themselves (as GradScaler
@@ -160,19 +175,33 @@ class TorchPath(ExecutionPath):
                 if masters is not None:
                     self.copy_back(masters)
                 return
+            # any other step is taken and undone on the device where the flag is set
+            # (`device_skip`), unless only the host can tell: then the flag is read here
+            why = device_skip.prepare(optimizer, found_inf.device, (*args, *kwargs))
+            if why is None:
+                device_skip.guarded_step(optimizer, found_inf, run)
+                if masters is not None:  # (a skipped step's masters are as they were)
+                    self.copy_back(masters)
+                return
+            self._say_host_read(optimizer, why)
             if skip_on_host(found_inf):
                 return
-        if fp32_step:
-            if args or kwargs:
-                raise RuntimeError(
-                    f"an optimizer whose state is kept in {self.state_dtype} runs its step on "
-                    "fp32 copies and takes no closure or arguments"
-                )
-            state.float_state_step(optimizer, self.state_dtype, step_fn)
-        else:
-            (step_fn or optimizer.step)(*args, **kwargs)
+        run()
         if masters is not None:
             self.copy_back(masters)
+
+    def _say_host_read(self, optimizer: torch.optim.Optimizer, why: str) -> None:
+        """Once per optimizer: its step reads the overflow flag on the host, and why."""
+        said = self.__dict__.setdefault("_said", set())
+        if id(optimizer) not in said:
+            said.add(id(optimizer))
+            _log.info(
+                "%s steps itself and its update reads the overflow flag on the host at every "
+                "step (%s); the runner's kernels (precision.kernels=auto) or a fused torch "
+                "optimizer skip on the device",
+                type(optimizer).__name__,
+                why,
+            )
 
     def copy_back(self, masters):
         masters.copy_master_to_model()

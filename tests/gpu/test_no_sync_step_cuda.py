@@ -42,12 +42,48 @@ class StrictSteps(Instrument):
     "level, optimizer", [(level, "sgd") for level in LEVELS] + [("o1", "adamw"), ("o2", "adamw")]
 )
 def test_twenty_steps_never_sync_between_logging_steps(level, optimizer):
+    # (the kernels built before the run: no torch-ops fallback meanwhile)
+    _twenty_steps(level, optimizer, "precision.kernels=fused")
+
+
+# The updates the kernels do not take, each the optimizer's own step undone on the device where
+# the flag is set: torch's ops (O1 and O2 with a dynamic scale), an option the kernels lack
+# (amsgrad), O3's fp16 weights with a dynamic scale. A lower first scale, so that the first step
+# (the one that creates the optimizer's state, and reads the flag) steps within the warm-up.
+OWN_STEPS = [
+    ("o1", "sgd", ("precision.kernels=torch",)),
+    ("o2", "sgd", ("precision.kernels=torch",)),
+    ("o1", "adamw", ("precision.kernels=torch",)),
+    ("o2", "adam", ("precision.kernels=torch",)),
+    ("o2", "adamw", ("precision.kernels=fused", "optimizer.amsgrad=true")),
+    ("o3", "sgd", ("precision.kernels=fused", "precision.loss_scale=dynamic")),
+    (
+        "o3",
+        "adamw",
+        ("precision.kernels=fused", "precision.loss_scale=dynamic", "optimizer.eps=1e-4"),
+    ),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("level, optimizer, overrides", OWN_STEPS)
+def test_an_optimizers_own_step_never_syncs_between_logging_steps(level, optimizer, overrides):
+    trainer = _twenty_steps(level, optimizer, "precision.init_scale=256", *overrides)
+    if optimizer.startswith("adam"):  # (torch's counters, moved to the device: capturable)
+        steps = [s["step"] for s in trainer.optimizer.state.values()]
+        assert steps and all(s.device.type == "cuda" for s in steps)
+        assert all(g["capturable"] for g in trainer.optimizer.param_groups)
+
+
+def _twenty_steps(level: str, optimizer: str, *overrides: str):
+    """20 steps of the real trainer at `level`, every step past the warm-up (and not measured
+    by a sometimes-due instrument) under the sync debug mode "error"; returns the trainer."""
     cfg = compose_config(
         *FAST,
         f"data.num_train={32 * STEPS}",  # 20 steps of 32 in the epoch
         f"precision={level}",
         f"optimizer={optimizer}",
-        "precision.kernels=fused",  # (built before the run: no torch-ops fallback meanwhile)
+        *overrides,
         "trainer.device=cuda",
         "trainer.log_every_n_steps=5",
     )
@@ -66,6 +102,7 @@ def test_twenty_steps_never_sync_between_logging_steps(level, optimizer):
     # what stayed on the device reads back at the end: a finite scale, a count of skips
     assert trainer.engine.loss_scale > 0 and 0 <= trainer.engine.skipped_steps < STEPS
     assert trainer.guard.skip_streak <= trainer.engine.skipped_steps
+    return trainer
 
 
 @pytest.mark.gpu

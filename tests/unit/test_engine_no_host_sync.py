@@ -80,13 +80,10 @@ def _step(model, opt, engine, x, y, clip: bool = False):
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 @pytest.mark.parametrize("level, overrides, own_step", LEVELS)
 def test_engine_steps_read_nothing_from_the_device(level, overrides, own_step, optimizer):
-    if own_step and optimizer == "adamw":
-        # torch's own (unfused) AdamW steps fp16 weights and reads its step counters, which it
-        # keeps on the host (CPU tensors: no device sync on a GPU, but a read on this proxy)
-        pytest.skip("torch's AdamW reads its host-side step counters")
     model, opt, engine = _engine(level, overrides, optimizer)
     _step(model, opt, engine, *_batch(0))  # (state created, kernels loaded)
-    with CountReads() as counted:
+    # (torch's own AdamW, stepping the weights itself, reads its step counters: see `_counters`)
+    with CountDeviceReads(_counters(opt)) as counted:
         for i in range(3):
             _step(model, opt, engine, *_batch(i + 1), clip=i == 1)
     assert counted.reads == []
@@ -253,3 +250,158 @@ def test_prepared_lists_follow_a_new_param_group():
     assert bool(engine.step(opt, wait=False))
     assert all(not torch.equal(a, b) for a, b in zip(before, extra.parameters()))
     assert [s["step"].item() for s in opt.state.values()] == [3.0] * 6 + [1.0] * 2
+
+
+# ---- an optimizer's own step (torch's ops, an option the kernels lack, O3's fp16 weights) ------
+# (level, overrides, kernels, optimizer): the steps the kernels do not take, each undone on the
+# device where the flag is set (runner.precision.device_skip)
+OWN_STEPS = [
+    ("O2", {}, "torch", "sgd"),
+    ("O2", {}, "torch", "adamw"),
+    ("O1", {}, "torch", "sgd"),
+    ("O1", {}, "torch", "adam"),
+    ("O2", {}, "auto", "amsgrad"),
+    ("O2", {}, "auto", "rmsprop"),
+    ("O2", {}, "torch", "nesterov"),
+    ("O3", {"loss_scale": "dynamic"}, "auto", "sgd"),
+    ("O3", {"loss_scale": "dynamic"}, "auto", "adamw"),
+]
+
+
+def _own_engine(level: str, overrides: dict, kernels: str, optimizer: str):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+    params = list(model.parameters())
+    eps = 1e-4 if level == "O3" else 1e-8  # (fp16 weights: an eps fp16 holds)
+    opt = {
+        "sgd": lambda: torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-2),
+        "nesterov": lambda: torch.optim.SGD(params, lr=0.1, momentum=0.9, nesterov=True),
+        "adam": lambda: torch.optim.Adam(params, lr=1e-3),
+        "adamw": lambda: torch.optim.AdamW(params, lr=1e-3, eps=eps),
+        "amsgrad": lambda: torch.optim.AdamW(params, lr=1e-3, amsgrad=True),
+        "rmsprop": lambda: torch.optim.RMSprop(params, lr=1e-3, momentum=0.5),
+    }[optimizer]()
+    props = resolve(level, overrides, device=CPU).properties
+    engine = AmpEngine(props, CPU, kernels=kernels)
+    engine.prepare(model, opt)
+    return model, opt, engine
+
+
+def _counters(opt) -> set[int]:
+    """The storage of the optimizer's step counters: torch's own Adam reads its counter on the
+    host (a CPU tensor: no device sync on a GPU, where the step undone on the device keeps it on
+    the device, `capturable`), which this CPU proxy would count."""
+    return {s["step"].data_ptr() for s in opt.state.values() if torch.is_tensor(s.get("step"))}
+
+
+class CountDeviceReads(CountReads):
+    def __init__(self, ignore: set[int]) -> None:
+        super().__init__()
+        self.ignore = ignore
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in READS and args and args[0].data_ptr() in self.ignore:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _overflow_step(model, opt, engine, seed: int, index, wait: bool):
+    """One step whose `index`-th gradient gets an inf (None: a clean step); what `step`
+    returned (a device tensor with `wait=False`)."""
+    x, y = _batch(seed)
+    with engine.autocast():
+        loss = nn.functional.cross_entropy(model(x).float(), y)
+    engine.backward(loss)
+    if index is not None:
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        grads[{"first": 0, "middle": len(grads) // 2, "last": len(grads) - 1}[index]].view(-1)[
+            0
+        ] = float("inf")
+    stepped = engine.step(opt, wait=wait)
+    engine.zero_grad(opt)
+    return stepped
+
+
+def _snapshot(model, opt, engine) -> tuple:
+    state = {
+        (i, k): v.detach().clone() if torch.is_tensor(v) else v
+        for i, s in opt.state_dict()["state"].items()
+        for k, v in s.items()
+    }
+    return (
+        [p.detach().clone() for p in model.parameters()],
+        [m.detach().clone() for m in engine.master_params(opt)],
+        state,
+        engine.loss_scale,
+        engine.skipped_steps,
+    )
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    def eq(x, y):
+        if torch.is_tensor(x):
+            return torch.is_tensor(y) and x.dtype == y.dtype and torch.equal(x, y)
+        if isinstance(x, (list, tuple)):
+            return len(x) == len(y) and all(eq(u, v) for u, v in zip(x, y))
+        if isinstance(x, dict):
+            return x.keys() == y.keys() and all(eq(x[k], y[k]) for k in x)
+        return x == y
+
+    return eq(a, b)
+
+
+@pytest.mark.parametrize("level, overrides, kernels, optimizer", OWN_STEPS)
+def test_an_optimizers_own_step_reads_nothing_from_the_device(level, overrides, kernels, optimizer):
+    model, opt, engine = _own_engine(level, overrides, kernels, optimizer)
+    for i in range(3):  # (until a step made the optimizer's state: that one reads the flag)
+        if _overflow_step(model, opt, engine, i, None, wait=False):
+            break
+    with CountDeviceReads(_counters(opt)) as counted:
+        for i in range(3):
+            _step(model, opt, engine, *_batch(i + 5), clip=i == 1)
+        _overflow_step(model, opt, engine, 9, "middle", wait=False)
+    assert counted.reads == []
+    assert engine.skipped_steps == 1
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+@pytest.mark.parametrize("level, overrides, kernels, optimizer", OWN_STEPS)
+def test_an_own_step_undone_on_the_device_is_the_hosts_skip(
+    level, overrides, kernels, optimizer, where
+):
+    """An inf in the first, a middle or the last gradient: the step taken and undone on the
+    device leaves the params, the masters, the optimizer state (step counters included), the
+    scale and the skipped-step count exactly as the host's verdict (`wait=True`) leaves them."""
+    runs = []
+    for wait in (True, False):
+        model, opt, engine = _own_engine(level, overrides, kernels, optimizer)
+        _overflow_step(model, opt, engine, 0, None, wait)
+        before = _snapshot(model, opt, engine)
+        with CountDeviceReads(_counters(opt)) as counted:
+            stepped = _overflow_step(model, opt, engine, 1, where, wait)
+        assert not bool(stepped)
+        if not wait:
+            assert counted.reads == []
+        after = _snapshot(model, opt, engine)
+        assert _same(before[:3], after[:3])
+        _overflow_step(model, opt, engine, 2, None, wait)
+        runs.append(_snapshot(model, opt, engine))
+    assert _same(runs[0], runs[1])
+    assert runs[1][4] == 1
+
+
+@pytest.mark.parametrize("level, overrides, kernels, optimizer", OWN_STEPS)
+def test_twenty_own_steps_on_the_device_equal_the_hosts_step_by_step(
+    level, overrides, kernels, optimizer
+):
+    """20 steps, the first (before any optimizer state exists), two in the middle and the last
+    overflowing: after every step the device-skipped run equals the host-decided one."""
+    overflow = {0: "first", 7: "middle", 8: "last", 19: "middle"}
+    host = _own_engine(level, overrides, kernels, optimizer)
+    dev = _own_engine(level, overrides, kernels, optimizer)
+    for i in range(20):
+        a = _overflow_step(*host, i, overflow.get(i), wait=True)
+        b = bool(_overflow_step(*dev, i, overflow.get(i), wait=False))
+        assert a == b == (i not in overflow)
+        assert _same(_snapshot(*host), _snapshot(*dev)), f"step {i}"
+    assert dev[2].skipped_steps == 4 and dev[2].loss_scale == 2.0**12
