@@ -13,8 +13,9 @@ step (allocated and freed by it: the forward's activations are gone by then), so
 one more copy of the stepped params and their state for that moment.
 
 Step counters the host keeps (torch's Adam and AdamW keep `state["step"]` as a CPU tensor unless
-`capturable` or `fused`) cannot be undone on the device: on an accelerator such groups are made
-`capturable` (torch's own algorithm for counters on the device), their counters moved there.
+`capturable` or `fused`) cannot be undone on the device: on an accelerator they are moved there
+(as the kernels keep them) and their groups step as `capturable` (torch's own algorithm for
+counters on the device), for the guarded step only.
 
 What cannot be undone on the device is decided on the host, as before (one read): a step that
 creates optimizer state (the first step of Adam, or of SGD with momentum: state created by a
@@ -40,21 +41,30 @@ def prepare(optimizer: torch.optim.Optimizer, device: torch.device, args: tuple)
 
 
 def _counters_to_device(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    """Groups whose step counters the host keeps, made `capturable` with counters on `device`
-    (an accelerator's; a CPU's counters are on the params' device already)."""
+    """Step counters the host keeps, moved to `device` (an accelerator's; a CPU's counters are on
+    the params' device already), where `guarded_step` steps their groups as `capturable`."""
     if device.type == "cpu":
         return
-    for group in optimizer.param_groups:
-        if "capturable" not in group or group["capturable"]:
-            continue
-        if group.get("fused") or group.get("differentiable"):
-            continue
-        group["capturable"] = True
+    for group in _host_counted(optimizer, device):
         for p in group["params"]:
             state = optimizer.state.get(p)
             step = state.get("step") if state else None
             if torch.is_tensor(step) and step.device != p.device:
                 state["step"] = step.to(p.device)
+
+
+def _host_counted(optimizer: torch.optim.Optimizer, device: torch.device) -> list[dict]:
+    """The groups on an accelerator whose optimizer reads its step counters on the host (not
+    `capturable`, not `fused`): for one guarded step they are made `capturable`."""
+    if device.type == "cpu":
+        return []
+    return [
+        group
+        for group in optimizer.param_groups
+        if group.get("capturable") is False
+        and not group.get("fused")
+        and not group.get("differentiable")
+    ]
 
 
 def reason(optimizer: torch.optim.Optimizer, device: torch.device, args: tuple) -> Optional[str]:
@@ -116,7 +126,16 @@ def guarded_step(
     changed a non-tensor entry): the flag was read, and on an overflow everything was put back
     as it was. True: no host read."""
     live, copies, entries, others = _snapshot(optimizer)
-    run()
+    # torch's algorithm for counters on the device, for this step only: the groups stay as the
+    # user made them (their state_dict, the kernels' choice, which takes no capturable group)
+    flipped = _host_counted(optimizer, found_inf.device)
+    for group in flipped:
+        group["capturable"] = True
+    try:
+        run()
+    finally:
+        for group in flipped:
+            group["capturable"] = False
     skip = found_inf.reshape(()) != 0
     if _changed_shape(optimizer, entries, others):
         if bool(skip.item()):  # (one read: this step made new state)

@@ -191,6 +191,28 @@ def test_trainer_steps_between_logging_steps_read_nothing():
     assert trainer.guard.skip_streak == len(batches) - 1
 
 
+def test_trainer_on_torchs_ops_reads_nothing_between_logging_steps():
+    """The same with torch's ops (no kernels): SGD's own step, taken and undone on the device at
+    every overflowing step; the momentum buffers and the weights stay as the last clean step
+    left them."""
+    trainer, logged = make_trainer("O2", {}, log_every_n_steps=50)
+    trainer.engine.kernels = None  # (every optimizer on torch's ops)
+    batches = list(trainer.train_loader)
+    trainer.train_step(*batches[0])  # (the momentum buffers made: a step that reads the flag)
+    opt = trainer.optimizer
+    kept = [t.detach().clone() for t in trainer.engine.master_params(opt)]
+    kept += [s["momentum_buffer"].clone() for s in opt.state.values()]
+    trainer.engine.scalers[0].scale = 2.0**40
+    with CountReads() as counted:
+        for x, y in batches[1:]:
+            trainer.train_step(x, y)
+    assert counted.reads == []
+    assert trainer.engine.skipped_steps == len(batches) - 1
+    after = list(trainer.engine.master_params(opt))
+    after += [s["momentum_buffer"] for s in opt.state.values()]
+    assert all(torch.equal(a, b) for a, b in zip(kept, after))
+
+
 # ---- host work per step: per group, not per param ---------------------------------------------
 def _python_calls_of_a_step(layers: int, optimizer: str) -> int:
     """The Python function calls one `engine.step` makes, after two steps that prepared it."""
