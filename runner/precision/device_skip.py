@@ -9,8 +9,9 @@ gradient and the tensors of its optimizer state) is copied first, and after the 
 put back with `torch.where(flag, copy, new)`, elementwise and exact (an inf or NaN the update
 wrote is discarded, not multiplied by zero). A skipped step so leaves the params and the state
 bit for bit as they were, as the host's verdict would have. The copies exist only during the
-step (allocated and freed by it: the forward's activations are gone by then), so memory holds
-one more copy of the stepped params and their state for that moment.
+step (allocated and freed by it, when the forward's activations are gone), so memory holds one
+more copy of the stepped params and their state for that moment, and the step launches one
+`where` per copied tensor.
 
 Step counters the host keeps (torch's Adam and AdamW keep `state["step"]` as a CPU tensor unless
 `capturable` or `fused`) cannot be undone on the device: on an accelerator they are moved there

@@ -427,3 +427,27 @@ def test_twenty_own_steps_on_the_device_equal_the_hosts_step_by_step(
         assert a == b == (i not in overflow)
         assert _same(_snapshot(*host), _snapshot(*dev)), f"step {i}"
     assert dev[2].skipped_steps == 4 and dev[2].loss_scale == 2.0**12
+
+
+def test_a_step_only_the_host_can_skip_says_so_once(caplog):
+    """A step with a closure cannot be undone from copies: the flag is read on the host (the
+    skip as before), and the log says why, once per optimizer."""
+    model, opt, engine = _own_engine("O2", {}, "torch", "sgd")
+    x, y = _batch(0)
+
+    def closure():
+        return nn.functional.cross_entropy(model(x).float(), y)
+
+    caplog.set_level("INFO", logger="runner.precision.paths")
+    for i in range(2):
+        with engine.autocast():
+            loss = closure()
+        engine.backward(loss)
+        if i == 1:
+            next(model.parameters()).grad.view(-1)[0] = float("inf")
+        stepped = engine.step(opt, closure, wait=False)
+        engine.zero_grad(opt)
+        assert bool(stepped) == (i == 0)
+    said = [r.getMessage() for r in caplog.records if "overflow flag on the host" in r.message]
+    assert len(said) == 1 and "SGD" in said[0] and "closure" in said[0]
+    assert engine.skipped_steps == 1
