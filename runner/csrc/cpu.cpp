@@ -652,10 +652,12 @@ inline void adam_block(int64_t n, float* __restrict__ p, float* __restrict__ m,
 void sgd_step(const TensorList& params, const TensorList& grads, const TensorList& momentum_bufs,
               const TensorList& model_copies, const at::Tensor& grad_scale,
               const std::optional<at::Tensor>& found_inf, double lr, double weight_decay,
-              double momentum, double dampening, bool nesterov, bool maximize, bool first_run) {
+              double momentum, double dampening, bool nesterov, bool maximize, bool first_run,
+              const std::optional<at::Tensor>& lr_tensor) {
   const bool with_momentum = momentum != 0.0;
   check_step_lists("sgd_step", params, grads, momentum_bufs, momentum_bufs, with_momentum,
                    model_copies);
+  if (const double* rate = lr_pointer("sgd_step", lr_tensor, device_of(params))) lr = *rate;
   const SgdArgs args = make_sgd_args(lr, weight_decay, momentum, dampening, nesterov, first_run);
   const SgdVec vec(args);
   fused_step("sgd_step", params, grads, model_copies, grad_scale, found_inf, maximize,
@@ -692,8 +694,13 @@ void adam_step(const TensorList& params, const TensorList& grads, const TensorLi
                const at::Tensor& grad_scale, const std::optional<at::Tensor>& found_inf,
                double lr, double beta1, double beta2, double eps, double weight_decay,
                double bias_correction1, double bias_correction2, bool decoupled, bool maximize,
-               const std::optional<at::Tensor>& steps) {
+               const std::optional<at::Tensor>& steps, const std::optional<at::Tensor>& lr_tensor) {
   check_step_lists("adam_step", params, grads, exp_avgs, exp_avg_sqs, true, model_copies);
+  if (const double* rate = lr_pointer("adam_step", lr_tensor, device_of(params))) {
+    AMP_CHECK(steps.has_value() && steps->defined(),
+              "adam_step: lr_tensor is read with the step counters (steps) only");
+    lr = *rate;
+  }
   const auto per_tensor = adam_args_per_tensor(
       "adam_step", params, steps, lr, beta1, beta2,
       make_adam_args(lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2,

@@ -223,6 +223,7 @@ struct StepOp {
     constexpr bool kCopy = !std::is_same<C, float>::value;
     const mta::ChunkRef c = mta::chunk_of(meta);
     const AdamArgs adam = kAdam ? adam_at_step(base, steps, meta.tensor_index[c.local]) : base;
+    const SgdArgs sgd_args = kAdam ? sgd : sgd_now(sgd);
     float* p = mta::list_ptr<float>(meta, 0, c);
     const G* g = mta::list_ptr<G>(meta, 1, c);
     S* s1 = mta::list_ptr<S>(meta, 2, c);
@@ -235,7 +236,8 @@ struct StepOp {
                         (!kAdam || mta::aligned<S>(s2)) && (!kCopy || mta::aligned<C>(copy));
     mta::for_chunk(c.length, vector, [&](int64_t i0, bool vec) {
       float pv[kILP], av[kILP] = {}, bv[kILP] = {};
-      load_and_update<kAdam>(pv, av, bv, p, g, s1, s2, i0, vec, c.length, gs, state1, adam, sgd);
+      load_and_update<kAdam>(pv, av, bv, p, g, s1, s2, i0, vec, c.length, gs, state1, adam,
+                             sgd_args);
       mta::store(p, i0, vec, c.length, pv);
       if (state1) mta::store(s1, i0, vec, c.length, av);
       if (kAdam) mta::store(s2, i0, vec, c.length, bv);
@@ -499,14 +501,16 @@ void launch_step(const char* op, const TensorList& params, const TensorList& gra
 void sgd_step(const TensorList& params, const TensorList& grads, const TensorList& momentum_bufs,
               const TensorList& model_copies, const at::Tensor& grad_scale,
               const std::optional<at::Tensor>& found_inf, double lr, double weight_decay,
-              double momentum, double dampening, bool nesterov, bool maximize, bool first_run) {
+              double momentum, double dampening, bool nesterov, bool maximize, bool first_run,
+              const std::optional<at::Tensor>& lr_tensor) {
   const bool with_momentum = momentum != 0.0;
   check_step_lists("sgd_step", params, grads, momentum_bufs, momentum_bufs, with_momentum,
                    model_copies);
+  SgdArgs sgd = make_sgd_args(lr, weight_decay, momentum, dampening, nesterov, first_run);
+  sgd.lr_device = lr_pointer("sgd_step", lr_tensor, device_of(params, grad_scale));
   launch_step<false>("sgd_step", params, grads, with_momentum ? momentum_bufs : TensorList{},
                      TensorList{}, model_copies, grad_scale, found_inf, maximize, AdamArgs{},
-                     AdamSteps{}, make_sgd_args(lr, weight_decay, momentum, dampening, nesterov, first_run),
-                     with_momentum);
+                     AdamSteps{}, sgd, with_momentum);
 }
 
 void adam_step(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
@@ -514,15 +518,20 @@ void adam_step(const TensorList& params, const TensorList& grads, const TensorLi
                const at::Tensor& grad_scale, const std::optional<at::Tensor>& found_inf,
                double lr, double beta1, double beta2, double eps, double weight_decay,
                double bias_correction1, double bias_correction2, bool decoupled, bool maximize,
-               const std::optional<at::Tensor>& steps) {
+               const std::optional<at::Tensor>& steps, const std::optional<at::Tensor>& lr_tensor) {
   check_step_lists("adam_step", params, grads, exp_avgs, exp_avg_sqs, true, model_copies);
+  const at::Device device = device_of(params, grad_scale);
+  AdamSteps at_step = adam_steps("adam_step", steps, params.size(), device, lr, beta1, beta2);
+  at_step.lr_device = lr_pointer("adam_step", lr_tensor, device);
+  AMP_CHECK(at_step.lr_device == nullptr || at_step.steps != nullptr,
+            "adam_step: lr_tensor is read with the step counters (steps) only");
+  at_step.weight_decay = weight_decay;
+  at_step.decoupled = decoupled;
   launch_step<true>("adam_step", params, grads, exp_avgs, exp_avg_sqs, model_copies, grad_scale,
                     found_inf, maximize,
                     make_adam_args(lr, beta1, beta2, eps, weight_decay, bias_correction1,
                                    bias_correction2, decoupled),
-                    adam_steps("adam_step", steps, params.size(),
-                               device_of(params, grad_scale), lr, beta1, beta2),
-                    SgdArgs{}, true);
+                    at_step, SgdArgs{}, true);
 }
 
 void stochastic_round(const TensorList& src, const TensorList& dst, uint64_t seed, uint64_t step,

@@ -120,16 +120,34 @@ void copy_scale(const TensorList& src, const TensorList& dst, const at::Tensor& 
 void sgd_step(const TensorList& params, const TensorList& grads, const TensorList& momentum_bufs,
               const TensorList& model_copies, const at::Tensor& grad_scale,
               const std::optional<at::Tensor>& found_inf, double lr, double weight_decay,
-              double momentum, double dampening, bool nesterov, bool maximize, bool first_run);
+              double momentum, double dampening, bool nesterov, bool maximize, bool first_run,
+              const std::optional<at::Tensor>& lr_tensor);
 // One Adam/AdamW step, same conventions as sgd_step. The bias corrections: from `steps` when
 // given (one fp32 step number per param, position i for params[i], on the params' device: the
 // optimizer's step counters, already advanced for this step), else the two given here.
+// `lr_tensor` (both steps; for Adam with `steps` only): a one-element float64 tensor on the
+// params' device that replaces `lr`, read when the step runs (on a GPU, by the kernels: a
+// captured step replays with the rate the tensor holds then); the results are those of `lr`
+// given as the same number.
 void adam_step(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
                const TensorList& exp_avg_sqs, const TensorList& model_copies,
                const at::Tensor& grad_scale, const std::optional<at::Tensor>& found_inf,
                double lr, double beta1, double beta2, double eps, double weight_decay,
                double bias_correction1, double bias_correction2, bool decoupled, bool maximize,
-               const std::optional<at::Tensor>& steps);
+               const std::optional<at::Tensor>& steps, const std::optional<at::Tensor>& lr_tensor);
+
+// `lr_tensor` checked (one float64 number on `device`); null where not given.
+inline const double* lr_pointer(const char* op, const std::optional<at::Tensor>& lr_tensor,
+                                const at::Device& device) {
+  if (!lr_tensor.has_value() || !lr_tensor->defined()) return nullptr;
+  const at::Tensor& t = *lr_tensor;
+  AMP_CHECK(t.numel() == 1 && t.scalar_type() == at::kDouble, op,
+            ": lr_tensor must be a one-element float64 tensor, got ", t.scalar_type(), " with ",
+            t.numel(), " elements");
+  AMP_CHECK(t.device() == device, op, ": lr_tensor is on ", t.device(), ", the params on ",
+            device);
+  return t.data_ptr<double>();
+}
 
 // Stochastic rounding (see step_math.h): random bits per element from (seed, step, tensor id,
 // element index in memory order). `tensor_ids[i]` names list position i, in [0, 2^32): the
@@ -293,7 +311,8 @@ inline void check_sr_step_lists(const char* op, const TensorList& params, const 
         pybind11::arg("grads"), pybind11::arg("momentum_bufs"), pybind11::arg("model_copies"),   \
         pybind11::arg("grad_scale"), pybind11::arg("found_inf"), pybind11::arg("lr"),            \
         pybind11::arg("weight_decay"), pybind11::arg("momentum"), pybind11::arg("dampening"),    \
-        pybind11::arg("nesterov"), pybind11::arg("maximize"), pybind11::arg("first_run"));       \
+        pybind11::arg("nesterov"), pybind11::arg("maximize"), pybind11::arg("first_run"),        \
+        pybind11::arg("lr_tensor") = pybind11::none());                                          \
   m.def("adam_step", &ns::adam_step, "fused Adam/AdamW step on fp32 params",                     \
         pybind11::arg("params"), pybind11::arg("grads"), pybind11::arg("exp_avgs"),              \
         pybind11::arg("exp_avg_sqs"), pybind11::arg("model_copies"), pybind11::arg("grad_scale"),\
@@ -301,7 +320,8 @@ inline void check_sr_step_lists(const char* op, const TensorList& params, const 
         pybind11::arg("beta2"), pybind11::arg("eps"), pybind11::arg("weight_decay"),             \
         pybind11::arg("bias_correction1"), pybind11::arg("bias_correction2"),                    \
         pybind11::arg("decoupled"), pybind11::arg("maximize"),                                   \
-        pybind11::arg("steps") = pybind11::none());                                              \
+        pybind11::arg("steps") = pybind11::none(),                                               \
+        pybind11::arg("lr_tensor") = pybind11::none());                                          \
   m.def("stochastic_round", &ns::stochastic_round, "dst = bf16(src), rounded stochastically",   \
         pybind11::arg("src"), pybind11::arg("dst"), pybind11::arg("seed"), pybind11::arg("step"),\
         pybind11::arg("tensor_ids"));                                                            \

@@ -36,19 +36,37 @@ struct AdamArgs {
 // tensor, advanced by the caller before the step and not on a skipped one): the two terms of
 // AdamArgs that depend on the step follow from them per tensor, computed as make_adam_args
 // computes them on the host (in double, then rounded to fp32). `steps` null: the AdamArgs as given.
+// `lr_device` (with `steps` only): the learning rate read where the step runs instead of `lr`
+// (a CUDA graph replays with the rate the tensor holds), AdamW's decay following from it.
 struct AdamSteps {
   const float* steps = nullptr;  // indexed by the tensor's position in the caller's lists
   double lr = 0.0;
   double beta1 = 0.0;
   double beta2 = 0.0;
+  const double* lr_device = nullptr;
+  double weight_decay = 0.0;  // (read with lr_device only)
+  bool decoupled = false;
 };
+
+// lr * weight_decay rounded once, as the host computes it (no fused multiply-add on a GPU).
+AMP_HD double product(double a, double b) {
+#ifdef __CUDA_ARCH__
+  return __dmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
 
 AMP_HD AdamArgs adam_at_step(const AdamArgs& base, const AdamSteps& s, int64_t position) {
   if (s.steps == nullptr) return base;
   AdamArgs a = base;
+  const double lr = s.lr_device != nullptr ? *s.lr_device : s.lr;
   const double step = static_cast<double>(s.steps[position]);
-  a.step_size = static_cast<float>(s.lr / (1.0 - ::pow(s.beta1, step)));
+  a.step_size = static_cast<float>(lr / (1.0 - ::pow(s.beta1, step)));
   a.bias_correction2_sqrt = static_cast<float>(::sqrt(1.0 - ::pow(s.beta2, step)));
+  if (s.lr_device != nullptr && s.decoupled) {
+    a.decay = static_cast<float>(1.0 - product(lr, s.weight_decay));
+  }
   return a;
 }
 
@@ -60,7 +78,16 @@ struct SgdArgs {
   float one_minus_dampening;
   bool nesterov;
   bool first_run;  // the momentum buffer is new: it starts as the gradient (no dampening)
+  const double* lr_device = nullptr;  // where given, the learning rate read where the step runs
 };
+
+// `s` with its learning rate read from `lr_device` where given (rounded to fp32 as on the host).
+AMP_HD SgdArgs sgd_now(const SgdArgs& s) {
+  if (s.lr_device == nullptr) return s;
+  SgdArgs now = s;
+  now.lr = static_cast<float>(*s.lr_device);
+  return now;
+}
 
 // `g` is the true gradient: the stored one times the gradient multiplier (inverse loss scale
 // times the clipping coefficient, negated for `maximize`).

@@ -5,10 +5,10 @@ What it holds, by job:
 - the properties: `recipe` (`Properties`), `properties` (a level and overrides resolved into
   them), `findings`, `level_rules` and `checks` (the rules), `resolver` (`resolve`: both sets);
 - the engine: `engine` (its set-up), `engine_step` (a step's calls), `engine_rounds` (each
-  optimizer's stage), `paths` and `fused` (torch's ops or the kernels), `device_skip` (an
-  optimizer's own step undone on the device's overflow flag), `master`, `scaler`, `casting`,
-  `autocast`, `rounding`, `state` (the optimizer state's format), `fp8`, `layers` (precision per
-  layer);
+  optimizer's stage), `paths` and `fused` (torch's ops or the kernels), `rates` (learning
+  rates the kernels read on the device), `device_skip` (an optimizer's own step undone on the
+  device's overflow flag), `master`, `scaler`, `casting`, `autocast`, `rounding`, `state` (the
+  optimizer state's format), `fp8`, `layers` (precision per layer);
 - the Apex facade: `amp` (its calls), `amp_state`, `amp_wrappers`, `apex_o1`, `apex_lists`.
 README.md beside this file explains the engine's step and the facade.
 

@@ -30,6 +30,7 @@ from typing import Any, Optional
 import torch
 
 from runner.csrc import Kernels
+from runner.precision import rates
 
 FUSED_TYPES = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 
@@ -377,6 +378,7 @@ def _sgd(
                 found_inf,
                 *hyper,
                 is_first,
+                lr_tensor=rates.rate_of(optimizer, g, params[0].device),
             )
         else:
             kernels.ops.sgd_step_sr(
@@ -446,7 +448,15 @@ def _adam(
     moments = (exp_avgs, exp_avg_sqs)
     if rounding is None:
         kernels.ops.adam_step(
-            gp.params, gp.grads, *moments, gp.copies, grad_scale, found_inf, *hyper, steps=numbers
+            gp.params,
+            gp.grads,
+            *moments,
+            gp.copies,
+            grad_scale,
+            found_inf,
+            *hyper,
+            steps=numbers,
+            lr_tensor=rates.rate_of(optimizer, g, gp.params[0].device),
         )
     else:
         kernels.ops.adam_step_sr(

@@ -21,9 +21,13 @@ costs the device one read and write of every gradient and the gradients' memory 
 pays where the host, not the GPU, bounds the step (small models or batches, and with
 torch.compile's graphs of forward and backward); on a step the GPU bounds the host's launches
 are hidden behind the backward already. The
-hyperparameters the step reads as numbers (each param group's learning rate, betas, weight
-decay, ...) are recorded with the graph, which is captured again when one of them changes (a
-`scheduler=step` decay); a schedule that changes the learning rate at every step is refused.
+learning rate the runner's kernels read from the device (`runner.precision.rates`: a tensor per
+param group, set from the group's number before each replay), so a schedule that sets a new rate
+at every step (cosine) replays the one graph. The other hyperparameters the step reads as numbers
+(betas, momentum, weight decay, and the rate where torch's own optimizer steps) are recorded with
+the graph, which is captured again when one of them changes (a `scheduler=step` decay); a
+schedule that changes them at every step (onecycle's momentum; cosine where torch's optimizer
+steps) is refused.
 README.md beside this file (torch.compile, CUDA graphs) and docs/precision.md tell the story.
 """
 
@@ -38,6 +42,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner.config import options
 from runner.errors import ConfigError
+from runner.precision import rates
 from runner.run import distributed
 
 log = logging.getLogger(__name__)
@@ -47,11 +52,13 @@ WARMUP_STEPS = 3  # eager steps on a side stream before the capture (torch's adv
 FUSED_OPTIMIZERS = ("sgd", "adam", "adamw")  # what the runner's kernels step (precision.fused)
 # schedules that set a new learning rate at every step: the graph would be captured every step
 PER_STEP_SCHEDULES = ("cosine", "onecycle")
+# of those, what sets only the learning rate, which the runner's kernels read from the device
+RATE_ONLY_SCHEDULES = ("cosine",)
 ALLOWED = (
     "false, or true for one process on a CUDA GPU at a level whose step keeps its state on the "
     "device (O0-O3 and their bf16 presets; where the loss is scaled, the runner's kernels with "
     "sgd, adam or adamw), without fp8 layers, per-layer formats, stochastic rounding, low-bit "
-    "optimizer state or a per-step learning-rate schedule"
+    "optimizer state, scheduler=onecycle, or scheduler=cosine where torch's own optimizer steps"
 )
 
 
@@ -105,10 +112,18 @@ def refusals(cfg: DictConfig, properties: Any, task: str, device: torch.device) 
         )
     found += _host_verdicts(cfg, properties)
     schedule = OmegaConf.select(cfg, "scheduler.name")
-    if schedule in PER_STEP_SCHEDULES:
+    if schedule in RATE_ONLY_SCHEDULES and not _kernels_step(cfg, properties):
         found.append(
             f"scheduler={schedule} sets a new learning rate at every step, and a captured step "
-            "holds the rate it was captured with (it would be captured again every step)"
+            "of torch's own optimizer holds the rate it was captured with (it would be captured "
+            "again every step; the runner's kernels, which read it from the device, step sgd, "
+            "adam and adamw at a level with master weights or a loss scale)"
+        )
+    elif schedule in PER_STEP_SCHEDULES and schedule not in RATE_ONLY_SCHEDULES:
+        found.append(
+            f"scheduler={schedule} sets a new learning rate at every step, and its momentum "
+            "(betas) too, which a captured step holds as captured (it would be captured again "
+            "every step)"
         )
     if cfg.trainer.compile and task == options.LANGUAGE_MODEL and options.has_target(cfg.data):
         found.append(
@@ -117,6 +132,17 @@ def refusals(cfg: DictConfig, properties: Any, task: str, device: torch.device) 
             "any length (the runner's text datasets cut block_size tokens)"
         )
     return found
+
+
+def _kernels_step(cfg: DictConfig, properties: Any) -> bool:
+    """Whether the runner's kernels take the update (they read the learning rate from the
+    device): sgd, adam or adamw without amsgrad, with precision work to fuse."""
+    kernels = OmegaConf.select(cfg, "precision.kernels", default="auto")
+    name = None if options.has_target(cfg.optimizer) else cfg.optimizer.get("name")
+    if kernels == "torch" or name not in FUSED_OPTIMIZERS or cfg.optimizer.get("amsgrad"):
+        return False
+    scale = properties.loss_scale
+    return scale == "dynamic" or float(scale) != 1.0 or bool(properties.master_weights)
 
 
 def _host_verdicts(cfg: DictConfig, properties: Any) -> list[str]:
@@ -132,7 +158,7 @@ def _host_verdicts(cfg: DictConfig, properties: Any) -> list[str]:
     scale = properties.loss_scale
     checks = scale == "dynamic" or float(scale) != 1.0
     fusable = kernels != "torch" and name in FUSED_OPTIMIZERS and not amsgrad
-    if fusable and (checks or properties.master_weights):
+    if _kernels_step(cfg, properties):
         return []
     what = f"optimizer={name}" if name else "an optimizer by _target_"
     what += " with optimizer.amsgrad=true" if amsgrad else ""
@@ -169,14 +195,16 @@ def check(cfg: DictConfig, properties: Any, task: str, device: torch.device) -> 
 
 
 # ---- the run ------------------------------------------------------------------------------
-def _numbers(optimizer: torch.optim.Optimizer) -> tuple:
+def _numbers(optimizer: torch.optim.Optimizer, live: bool = False) -> tuple:
     """What the step reads as host numbers from each param group (the learning rate, betas,
-    weight decay, ...): a captured step holds them as constants."""
+    weight decay, ...): a captured step holds them as constants. `live`: the kernels read the
+    learning rate from the device (`runner.precision.rates`), so it is not one of them."""
+    skip = ("params", "lr") if live else ("params",)
     return tuple(
         tuple(
             (k, v)
             for k, v in sorted(group.items())
-            if k != "params" and isinstance(v, (bool, int, float, tuple, str, type(None)))
+            if k not in skip and isinstance(v, (bool, int, float, tuple, str, type(None)))
         )
         for group in optimizer.param_groups
     )
@@ -220,10 +248,13 @@ class StepGraph:
         self.output: Any = None
         self.numbers: tuple = ()
         self.eager_steps = self.captures = self.replays = 0
+        self._replays_at_capture = 0
         # the parameters with a gradient at the capture, and the graph's gradient tensors
         self.stepped: list[torch.nn.Parameter] = []
         self.static: list[torch.Tensor] = []
         self._side: Optional[torch.cuda.Stream] = None  # the warm-up's stream (made at the first)
+        # the learning rates on the device, read by the kernels (the eager steps make them)
+        self.rates = rates.live_rates(optimizer)
 
     def _step(self) -> Any:
         if self.clip_norm:
@@ -235,7 +266,8 @@ class StepGraph:
         try:
             if self.eager_steps < WARMUP_STEPS:
                 return self._warm_up()
-            numbers = _numbers(self.optimizer)
+            self.rates.refresh()  # (eagerly, before the graph reads them)
+            numbers = _numbers(self.optimizer, live=self.rates.covers())
             if self.graph is None or numbers != self.numbers:
                 self._capture(numbers)
             else:
@@ -347,9 +379,17 @@ class StepGraph:
                 f"(precision.opt_level={self.engine.properties.opt_level}); torch said: {error}",
                 "false at this level",
             ) from None
+        again = self.captures > 0 and self.replays == self._replays_at_capture + 1
         self.graph, self.numbers = graph, numbers
         self.captures += 1
-        if self.captures > 1:
+        self._replays_at_capture = self.replays
+        if again:  # (a number that changes at every step: the kernels did not take the step)
+            log.warning(
+                "cuda_graphs: the step's numbers changed at two steps in a row, and each "
+                "capture synchronises; a schedule's learning rate is read from the device only "
+                "where the runner's kernels take the step (built, for sgd, adam or adamw)"
+            )
+        elif self.captures > 1:
             log.info("cuda_graphs: the hyperparameters changed: the step captured again")
 
     def summary(self) -> str:

@@ -1,7 +1,8 @@
 """`trainer.cuda_graphs=true` on a GPU: the optimizer step captured once after its eager warm-up
 steps and replayed trains as the eager step does (the same loss at every step, within the level's
-format), replayed once a step after the capture, captured again when the learning rate changes;
-with torch.compile, forward and backward replayed as graphs too."""
+format), replayed once a step after the capture; a new learning rate (cosine: at every step)
+replays the same graph where the runner's kernels step, and is captured again where torch's
+optimizer does; with torch.compile, forward and backward replayed as graphs too."""
 
 from __future__ import annotations
 
@@ -94,17 +95,50 @@ def test_the_clip_is_captured_with_the_step():
     assert trainer.step_graph.replays == STEPS - cuda_graphs.WARMUP_STEPS
 
 
+DECAY = ("scheduler=step", "scheduler.step_epochs=1", "scheduler.gamma=0.1")
+
+
 @pytest.mark.gpu
-def test_a_new_learning_rate_captures_the_step_again():
-    """scheduler=step decays the rate after the first epoch: the step is captured again with
-    the new rate, and trains as the eager one."""
-    schedule = ("scheduler=step", "scheduler.step_epochs=1", "scheduler.gamma=0.1")
-    eager, _ = _train("o2_bf16", False, *schedule, epochs=2)
-    graphed, trainer = _train("o2_bf16", True, *schedule, epochs=2)
+def test_a_new_learning_rate_replays_the_same_graph_where_the_kernels_step():
+    """scheduler=step decays the rate after the first epoch: the runner's kernels read it from
+    the device (runner.precision.rates), so the one graph replays with the new rate and trains
+    as the eager step."""
+    eager, _ = _train("o2_bf16", False, *DECAY, epochs=2)
+    graphed, trainer = _train("o2_bf16", True, *DECAY, epochs=2)
     _same_losses(eager, graphed, RTOL["o2_bf16"])
     graph = trainer.step_graph
-    assert graph.captures == 2
+    assert graph.captures == 1 and graph.rates.covers()
     assert graph.replays == 2 * STEPS - cuda_graphs.WARMUP_STEPS
+
+
+@pytest.mark.gpu
+def test_torchs_own_step_is_captured_again_with_a_new_learning_rate():
+    """o1_bf16's SGD is torch's own (no precision work for the kernels): the rate is a number
+    the capture holds, and the decay captures the step again."""
+    eager, _ = _train("o1_bf16", False, "optimizer=sgd", *DECAY, epochs=2)
+    graphed, trainer = _train("o1_bf16", True, "optimizer=sgd", *DECAY, epochs=2)
+    _same_losses(eager, graphed, RTOL["o1_bf16"])
+    graph = trainer.step_graph
+    assert graph.captures == 2 and not graph.rates.covers()
+    assert graph.replays == 2 * STEPS - cuda_graphs.WARMUP_STEPS
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("level,optimizer", [("o2", "sgd"), ("o2", "adam"), ("o2_bf16", "adamw")])
+def test_a_cosine_schedule_replays_one_graph_with_each_steps_rate(level, optimizer):
+    """A new rate at every step, set in place on the device before each replay (no host read,
+    no new capture): the losses and the final rate are the eager run's."""
+    cosine = (f"optimizer={optimizer}", "scheduler=cosine")
+    eager, eager_trainer = _train(level, False, *cosine, epochs=2)
+    graphed, trainer = _train(level, True, *cosine, epochs=2)
+    _same_losses(eager, graphed, RTOL[level])
+    graph = trainer.step_graph
+    assert graph.captures == 1
+    assert graph.replays == 2 * STEPS - cuda_graphs.WARMUP_STEPS
+    group = trainer.optimizer.param_groups[0]
+    assert group["lr"] == eager_trainer.optimizer.param_groups[0]["lr"]
+    graph.rates.refresh()
+    assert float(graph.rates.rate(group, torch.device("cuda"))) == group["lr"]
 
 
 @pytest.mark.gpu

@@ -14,7 +14,7 @@ from runner.run.plan import make_plan
 from tests.helpers.runs import FAST, compose_config, run_in_process
 
 ON = "trainer.cuda_graphs=true"
-BASE = [*FAST, "scheduler=none"]  # (the default cosine schedule is refused: a case below)
+BASE = [*FAST, "scheduler=none"]  # (the default cosine schedule is refused at O0: a case below)
 CPU_REASON = "the run is on cpu (trainer.device=auto), and a CUDA graph needs a CUDA device"
 
 
@@ -105,6 +105,27 @@ def test_a_level_without_an_overflow_check_takes_torchs_sgd():
     """bf16 with a loss scale of 1 checks nothing: torch's SGD decides nothing on the host."""
     error = _refusal("precision=o2_bf16", "precision.kernels=torch", "optimizer=sgd")
     assert error.problem == f"true, but {CPU_REASON}"
+
+
+@pytest.mark.parametrize("level,optimizer", [("o2", "sgd"), ("o2_bf16", "adamw")])
+def test_a_cosine_schedule_is_taken_where_the_kernels_read_the_rate_on_the_device(level, optimizer):
+    """The runner's kernels read each step's learning rate from the device; torch's optimizer
+    step holds the captured one, and onecycle changes the momentum (betas) too."""
+    allowed = _refusal(f"precision={level}", f"optimizer={optimizer}", "scheduler=cosine")
+    assert allowed.problem == f"true, but {CPU_REASON}"
+    torch_step = _refusal(
+        f"precision={level}",
+        f"optimizer={optimizer}",
+        "scheduler=cosine",
+        "precision.kernels=torch",
+    )
+    assert "scheduler=cosine sets a new learning rate at every step, and a captured step of " in (
+        torch_step.problem
+    )
+    cycle = _refusal(f"precision={level}", f"optimizer={optimizer}", "scheduler=onecycle")
+    assert "scheduler=onecycle sets a new learning rate at every step, and its momentum" in (
+        cycle.problem
+    )
 
 
 def test_off_by_default_and_nothing_is_refused():
