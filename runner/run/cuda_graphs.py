@@ -20,14 +20,14 @@ replay saves the host the step's launches (Python and one kernel call per group 
 costs the device one read and write of every gradient and the gradients' memory once more: it
 pays where the host, not the GPU, bounds the step (small models or batches, and with
 torch.compile's graphs of forward and backward); on a step the GPU bounds the host's launches
-are hidden behind the backward already. The
-learning rate the runner's kernels read from the device (`runner.precision.rates`: a tensor per
-param group, set from the group's number before each replay), so a schedule that sets a new rate
-at every step (cosine) replays the one graph. The other hyperparameters the step reads as numbers
-(betas, momentum, weight decay, and the rate where torch's own optimizer steps) are recorded with
-the graph, which is captured again when one of them changes (a `scheduler=step` decay); a
-schedule that changes them at every step (onecycle's momentum; cosine where torch's optimizer
-steps) is refused.
+are hidden behind the backward already. The runner's kernels read each param group's learning
+rate from the device (`runner.precision.rates`: a tensor per group, set from the group's number
+before each replay), so a schedule that sets a new rate at every step (cosine) replays the one
+graph. The other hyperparameters the step reads as numbers (betas, momentum, weight decay, and
+the rate where torch's own optimizer steps) are recorded with the graph, which is captured again
+when one of them changes (a `scheduler=step` decay); a schedule that changes them at every step
+(onecycle's momentum; cosine where torch's optimizer steps) is refused.
+
 README.md beside this file (torch.compile, CUDA graphs) and docs/precision.md tell the story.
 """
 
