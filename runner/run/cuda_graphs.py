@@ -249,6 +249,7 @@ class StepGraph:
         self.numbers: tuple = ()
         self.eager_steps = self.captures = self.replays = 0
         self._replays_at_capture = 0
+        self._live = False  # the captured step read the learning rates from the device
         # the parameters with a gradient at the capture, and the graph's gradient tensors
         self.stepped: list[torch.nn.Parameter] = []
         self.static: list[torch.Tensor] = []
@@ -267,9 +268,13 @@ class StepGraph:
             if self.eager_steps < WARMUP_STEPS:
                 return self._warm_up()
             self.rates.refresh()  # (eagerly, before the graph reads them)
-            numbers = _numbers(self.optimizer, live=self.rates.covers())
+            live = self.rates.covers()
+            if self._live and not live:  # new param groups: their rates made by an eager step
+                return self._warm_up()
+            numbers = _numbers(self.optimizer, live=live)
             if self.graph is None or numbers != self.numbers:
                 self._capture(numbers)
+                self._live = live
             else:
                 self._feed()
             self.graph.replay()
