@@ -11,6 +11,7 @@ import itertools
 import logging
 import signal
 import weakref
+from typing import Optional
 
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
@@ -117,15 +118,17 @@ def build_loaders(
     seed: int,
     rank: int = 0,
     world_size: int = 1,
+    pin_memory: Optional[bool] = None,
 ) -> tuple[DataLoader, DataLoader]:
     """Train loader (shuffled per epoch from `seed`: see EpochSampler; this rank's share of
     every epoch) and val loader (fixed order, this rank's share). `batch_size` is per process.
-    Pinned memory only helps host-to-GPU copies, so only on cuda; persistent workers avoid
-    re-forking (and re-rendering synthetic patterns) every epoch."""
+    Pinned memory only helps host-to-GPU copies, so only on cuda (`pin_memory` False: not
+    there either); persistent workers avoid re-forking (and re-rendering synthetic patterns)
+    every epoch."""
     common = dict(
         batch_size=int(batch_size),
         num_workers=int(num_workers),
-        pin_memory=device_type == "cuda",
+        pin_memory=device_type == "cuda" and pin_memory is not False,
         persistent_workers=int(num_workers) > 0,
         drop_last=False,
         worker_init_fn=_ignore_stop_signals if int(num_workers) > 0 else None,

@@ -42,6 +42,7 @@ TUNABLE = (
     "trainer.compile_mode",
     "precision.kernels",
     "trainer.num_workers",
+    "trainer.pin_memory",
 )
 # What `precision.kernels` accepts (runner.csrc): auto (the device's kernels, torch's ops if they
 # cannot be built), fused (the device's kernels or an error), torch (never build; torch's own ops).
@@ -226,6 +227,9 @@ class TrainerConfig:
     device: str = "auto"  # auto | cpu | cuda
     seed: int = 42
     num_workers: int = 2
+    # the loaders' batches in pinned (page-locked) host memory, for faster copies to a GPU; null:
+    # on CUDA (a CPU run never pins)
+    pin_memory: Optional[bool] = None
     channels_last: bool = False
     cudnn_benchmark: bool = True
     grad_clip_norm: Optional[float] = None  # max L2 norm of the unscaled fp32 gradients

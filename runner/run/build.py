@@ -81,6 +81,7 @@ def build(
         cfg.trainer.seed,
         rank=comm.rank,
         world_size=comm.world_size,
+        pin_memory=cfg.trainer.pin_memory,
     )
     # built or loaded now, so not counted below (a sharded run steps with torch's ops)
     kernels = csrc.load(device, "torch" if shards else cfg.precision.kernels, wait=wait_for_kernels)

@@ -244,8 +244,9 @@ def _decide(
         )
         return None
     free = [k for k in TUNABLE if k not in given]
-    if device.type != "cuda" and "trainer.cudnn_benchmark" in free:
-        free.remove("trainer.cudnn_benchmark")  # (no cuDNN: nothing to measure)
+    for key in ("trainer.cudnn_benchmark", tune_data.PIN):
+        if device.type != "cuda" and key in free:
+            free.remove(key)  # (no cuDNN, no copy to a GPU: nothing to measure)
     if not free:
         log.info("trainer.tune: nothing to tune: every tunable setting was given")
         return None
@@ -259,7 +260,8 @@ def _decide(
         source = "cache"
         if rows is None:
             measured, budget = _measure_all(plan, device, free, steps)
-            measured += tune_data.measure(plan, device, free, budget, started)
+            step_ms = choose(measured, steps).steady_ms
+            measured += tune_data.measure(plan, device, free, (budget, started), step_ms, steps)
             rows = [{**r.as_dict(), "budget_s": budget} for r in measured]
             tune_cache.write(digest, rows, facts)
             source = "measured"

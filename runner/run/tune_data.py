@@ -1,4 +1,5 @@
-"""`trainer.tune`'s data candidate: the DataLoader's worker processes (`trainer.num_workers`).
+"""`trainer.tune`'s data candidates: the DataLoader's worker processes (`trainer.num_workers`)
+and, on CUDA, pinned host memory (`trainer.pin_memory`).
 
 Where the run reads its data (files: CIFAR, an ImageFolder, token files, the user's own dataset;
 not the runner's generated `synthetic` data, which workers have nothing to read for), the
@@ -13,6 +14,10 @@ loop fetches each batch itself (the step pays step + batch); with workers it wai
 a batch comes slower than a step (max(step, batch)), plus the start-up of the training and the
 validation loaders spread over the run's steps. The fewest workers within MARGIN of the
 cheapest win (the loop no longer waits; more workers only hold memory and cores).
+
+Pinned memory (on by default on CUDA) is tried off at the chosen count, each batch copied to the
+GPU as the trainer copies it (non-blocking) and waited for: it is turned off only where that is
+MARGIN faster. A CPU run never pins: nothing to measure.
 
 The sampler's order is drawn from (seed, epoch) alone, so the batches come in the same order
 whatever the worker count; random augmentations draw from each worker's own seed (torch's
@@ -32,11 +37,12 @@ from typing import Any, Optional
 import torch
 from omegaconf import OmegaConf
 
+from runner.measure.probes import synchronize
 from runner.run.plan import RunPlan
 from runner.run.tune_measure import BUDGET_NOTE, MARGIN, Row
 
-WORKERS = "trainer.num_workers"
-KEYS = (WORKERS,)  # the tunable keys this module decides
+WORKERS, PIN = "trainer.num_workers", "trainer.pin_memory"
+KEYS = (WORKERS, PIN)  # the tunable keys this module decides
 # the data sources the runner generates in memory: nothing read, nothing for workers to overlap
 GENERATED = ("synthetic", "synthetic_text")
 COUNTS = (0, 2, 4, 8)  # worker counts tried (with the config's and the CPUs' own, at most 8)
@@ -82,55 +88,80 @@ def split(rows: Sequence[Row]) -> tuple[list[Row], list[Row]]:
 
 
 def measure(
-    plan: RunPlan, device: torch.device, free: Sequence[str], budget_s: float, started: float
+    plan: RunPlan,
+    device: torch.device,
+    free: Sequence[str],
+    budget: tuple[float, float],
+    step_ms: Optional[float],
+    steps: Optional[int],
 ) -> list[Row]:
-    """A row per worker count (none where the workers are no candidate), while tuning, which
-    `started` (time.perf_counter), is within `budget_s`."""
-    if WORKERS not in free or not_read(plan):
+    """A row per worker count (where the workers are a candidate), then, on CUDA where pinned
+    memory is free to tune, one without it at the count chosen; while tuning is within its
+    budget (`budget`: its seconds and the time.perf_counter it started at). `step_ms`: the
+    chosen model settings' steady step."""
+    workers = WORKERS in free and not not_read(plan)
+    pin = PIN in free and device.type == "cuda"
+    if not (workers or pin):
         return []
     from runner.components.data import build_datasets
 
     bundle = build_datasets(plan.cfg.data, plan.specs.get("data"))
-    rows = []
-    for count in counts(plan.cfg.trainer.num_workers, cpus()):
-        spent = time.perf_counter() - started
-        if spent > budget_s:
-            note = f"skipped: tuning took {spent:.0f} s, nothing {BUDGET_NOTE}"
-            rows.append(Row({WORKERS: count}, note=note))
-            continue
-        rows.append(_fetch(plan, bundle, count, device))
+
+    def timed(settings: dict[str, Any]) -> Row:
+        spent = time.perf_counter() - budget[1]
+        if spent > budget[0]:
+            return Row(settings, note=f"skipped: tuning took {spent:.0f} s, nothing {BUDGET_NOTE}")
+        return _fetch(plan, bundle, settings, device)
+
+    count = int(plan.cfg.trainer.num_workers)
+    rows = [timed({WORKERS: c}) for c in counts(count, cpus())] if workers else []
+    best = choose(rows, step_ms, steps)
+    count = int(best.settings[WORKERS]) if best is not None else count
+    if pin:
+        rows += [] if workers else [timed({WORKERS: count})]
+        rows.append(timed({WORKERS: count, PIN: False}))
     return rows
 
 
-def _fetch(plan: RunPlan, bundle: Any, count: int, device: torch.device) -> Row:
-    """Fetch batches from a training loader with `count` workers: first the batches it asks its
-    workers for at the start (while they start, the ready ones pile up), then TIMED_ROUNDS more
-    per worker, timed: the pace of workers that are never idle."""
+def _fetch(plan: RunPlan, bundle: Any, settings: Mapping[str, Any], device: torch.device) -> Row:
+    """Fetch batches from a training loader with `settings` and copy them to `device`: first
+    the batches it asks its workers for at the start (while they start, the ready ones pile up),
+    then TIMED_ROUNDS more per worker, timed: the pace of workers that are never idle."""
     from runner.components.loaders import build_loaders, shutdown_workers
 
     cfg = plan.cfg.trainer
-    train, val = build_loaders(bundle, cfg.batch_size, count, device.type, cfg.seed)
+    count, pin = int(settings[WORKERS]), settings.get(PIN, cfg.pin_memory)
+    train, val = build_loaders(bundle, cfg.batch_size, count, device.type, cfg.seed, pin_memory=pin)
     skip = max(count * (train.prefetch_factor or 0), 1)
     try:
         if len(train) < skip + 2:
-            return Row({WORKERS: count}, note="not measured: the epoch has too few batches")
+            return Row(dict(settings), note="not measured: the epoch has too few batches")
         timed = min(max(TIMED_ROUNDS * count, 3), len(train) - skip)
         start = time.perf_counter()
         batches = iter(train)
-        next(batches)
+        _copy(next(batches), device)
         first = time.perf_counter() - start
         for _ in range(skip - 1):
-            next(batches)
+            _copy(next(batches), device)
         ready = time.perf_counter()
         for _ in range(timed):
-            next(batches)
+            _copy(next(batches), device)
         per_batch = (time.perf_counter() - ready) / timed
         # a worker's first batch took `count` batch intervals of the loader's pace: the rest of
         # the wait for it was the workers' start
         startup = max(first - count * per_batch, 0.0) if count else 0.0
-        return Row({WORKERS: count}, per_batch * 1e3, startup)
+        return Row(dict(settings), per_batch * 1e3, startup)
     finally:
         shutdown_workers(train, val)
+
+
+def _copy(batch: Any, device: torch.device) -> None:
+    """A batch to `device` as the trainer copies it (non-blocking), and waited for."""
+    if device.type != "cpu":
+        for part in batch if isinstance(batch, (tuple, list)) else (batch,):
+            if isinstance(part, torch.Tensor):
+                part.to(device, non_blocking=True)
+    synchronize(device)
 
 
 def cost_ms(row: Row, step_ms: float, steps: Optional[int]) -> float:
@@ -166,20 +197,41 @@ def decide(
     """Set the data keys' values and reasons on `tuning` (runner.run.tune.Tuning) from the
     loader's `rows`, against the chosen model settings' steady `step_ms`."""
     tuning.loader = list(rows)
-    if WORKERS not in free:
-        return
-    why = not_read(plan)
-    best = choose(rows, step_ms, steps) if not why else None
-    if why:
-        reason = why
-    elif best is None:
-        reason = "kept: " + (rows[0].note if rows else "not measured")
-    else:
-        count = int(best.settings[WORKERS])
-        changed = count != int(plan.cfg.trainer.num_workers)
-        reason = ("tuned: " if changed else "kept: ") + _why(best, step_ms)
-        tuning.settings[WORKERS] = count
-    tuning.reasons[WORKERS] = reason
+    counted = [r for r in rows if PIN not in r.settings]
+    if WORKERS in free:
+        why = not_read(plan)
+        best = choose(counted, step_ms, steps) if not why else None
+        if why:
+            reason = why
+        elif best is None:
+            reason = "kept: " + (counted[0].note if counted else "not measured")
+        else:
+            count = int(best.settings[WORKERS])
+            changed = count != int(plan.cfg.trainer.num_workers)
+            reason = ("tuned: " if changed else "kept: ") + _why(best, step_ms)
+            tuning.settings[WORKERS] = count
+        tuning.reasons[WORKERS] = reason
+    if PIN in free:
+        tuning.reasons[PIN] = _pin(tuning, rows, counted)
+
+
+def _pin(tuning: Any, rows: Sequence[Row], counted: Sequence[Row]) -> str:
+    """Pinned memory's value (set on `tuning`) and why: off only where a batch, copied to the
+    GPU, comes MARGIN faster without it at the chosen worker count."""
+    unpinned = [r for r in rows if r.settings.get(PIN) is False]
+    if not unpinned:
+        return "kept: not measured"
+    off = unpinned[0]
+    pinned = [r for r in counted if r.settings[WORKERS] == off.settings[WORKERS]]
+    tuning.settings[PIN] = True
+    if off.note or not pinned or pinned[0].steady_ms is None:
+        return "kept: " + (off.note or "pinned was not measured")
+    on = pinned[0].steady_ms
+    pace = f"{off.steady_ms:.1f} ms a batch unpinned, {on:.1f} pinned (copied to the GPU)"
+    if off.steady_ms < on * (1 - MARGIN):
+        tuning.settings[PIN] = False
+        return f"tuned: {pace}"
+    return f"kept: pinned measured as fast or faster: {pace}"
 
 
 def _why(best: Row, step_ms: float) -> str:
@@ -192,17 +244,17 @@ def _why(best: Row, step_ms: float) -> str:
 
 
 def table(rows: Sequence[Row], settings: Mapping[str, Any]) -> list[str]:
-    """tune.md's loader section: each worker count's ms per batch, start-up s and the chosen."""
+    """tune.md's loader section: each loader's ms per batch, start-up s and the chosen."""
     if not rows:
         return []
-    chosen = settings.get(WORKERS)
-    lines = [
-        "| trainer.num_workers | ms/batch | start-up s | chosen |",
-        "|---|---|---|---|",
-    ]
+    count, pinned = settings.get(WORKERS), settings.get(PIN) is not False
+    lines = ["| loader | ms/batch | start-up s | chosen |", "|---|---|---|---|"]
     for row in rows:
-        count = row.settings[WORKERS]
+        name = ", ".join(f"{k}={str(v).lower()}" for k, v in row.settings.items())
         ms = f"{row.steady_ms:.1f}" if row.steady_ms is not None else "-"
-        mark = "yes" if count == chosen and not row.note else row.note
-        lines.append(f"| {count} | {ms} | {row.compile_s:.2f} | {mark} |")
+        chosen = (count is None or row.settings[WORKERS] == count) and (
+            PIN in row.settings
+        ) != pinned
+        mark = "yes" if chosen and not row.note else row.note
+        lines.append(f"| {name} | {ms} | {row.compile_s:.2f} | {mark} |")
     return [*lines, ""]

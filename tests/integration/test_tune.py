@@ -69,7 +69,11 @@ def test_the_loader_workers_are_measured_where_the_run_reads_files(tmp_path, cac
     assert plan.cfg.trainer.num_workers == tuning.settings[WORKERS] == best.settings[WORKERS]
     assert tuning.reasons[WORKERS].startswith(("tuned: ", "kept: "))
     assert "ms a batch against a" in tuning.params()[f"tune.{WORKERS}"]
-    assert "| trainer.num_workers | ms/batch | start-up s | chosen |" in tuning.table()
+    assert "| loader | ms/batch | start-up s | chosen |" in tuning.table()
+    assert f"| {WORKERS}={best.settings[WORKERS]} | " in tuning.table()
+    # a CPU run never pins: nothing to measure
+    assert tuning.reasons[tune_data.PIN] == "not tuned: nothing to measure on this device"
+    assert tune_data.PIN not in tuning.settings and plan.cfg.trainer.pin_memory is None
     # cached with the model's rows: the second run measures nothing
     again, second = tuned(*images(tmp_path), "trainer.tune=on")
     assert second.source == "cache" and second.loader == tuning.loader

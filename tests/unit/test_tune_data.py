@@ -3,6 +3,8 @@ with the step, and the same batches in the same order whatever the count."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 from omegaconf import OmegaConf
 
@@ -13,7 +15,7 @@ from runner.run import tune_data
 from runner.run.tune_measure import Row
 from tests.helpers.images import write_image_folder
 
-W = tune_data.WORKERS
+W, PIN = tune_data.WORKERS, tune_data.PIN
 
 
 def rows(*measured):
@@ -50,6 +52,31 @@ def test_a_count_not_measured_is_never_chosen():
     assert tune_data.choose(rows(), 10.0, None) is None
 
 
+def decided(measured, free=(PIN,)):
+    tuning = SimpleNamespace(settings={}, reasons={}, loader=[])
+    tune_data.decide(tuning, None, measured, list(free), 10.0, None)
+    return tuning
+
+
+def test_pinned_memory_is_turned_off_only_where_a_copied_batch_comes_faster_without():
+    pinned, unpinned = Row({W: 2}, 8.0, 0.5), Row({W: 2, PIN: False}, 5.0, 0.5)
+    tuning = decided([pinned, unpinned])
+    assert tuning.settings == {PIN: False}
+    assert tuning.reasons[PIN] == "tuned: 5.0 ms a batch unpinned, 8.0 pinned (copied to the GPU)"
+    assert "| trainer.num_workers=2, trainer.pin_memory=false | 5.0 | 0.50 | yes |" in (
+        tune_data.table(tuning.loader, tuning.settings)
+    )
+    unpinned.steady_ms = 7.9  # within the margin: the default stays
+    tuning = decided([pinned, unpinned])
+    assert tuning.settings == {PIN: True}
+    assert tuning.reasons[PIN].startswith("kept: pinned measured as fast or faster")
+    assert "| trainer.num_workers=2 | 8.0 | 0.50 | yes |" in (
+        tune_data.table(tuning.loader, tuning.settings)
+    )
+    unpinned.note = "not measured: the epoch has too few batches"
+    assert decided([pinned, unpinned]).reasons[PIN] == f"kept: {unpinned.note}"
+
+
 def test_the_batches_come_in_the_same_order_whatever_the_worker_count(tmp_path):
     root = write_image_folder(tmp_path / "images", per_class={"train": 6, "val": 2}, size=8)
     cfg = ImageFolderConfig(name="imagefolder", root=str(root), image_size=8, augment=False)
@@ -62,5 +89,9 @@ def test_the_batches_come_in_the_same_order_whatever_the_worker_count(tmp_path):
         finally:
             shutdown_workers(train, val)
     assert len(seen[0]) == len(seen[1]) == 3
+    for pin, pinned in ((None, True), (True, True), (False, False)):  # (on CUDA; never on a CPU)
+        loaders = build_loaders(bundle, 4, 0, "cuda", seed=3, pin_memory=pin)
+        assert [loader.pin_memory for loader in loaders] == [pinned, pinned]
+        assert not build_loaders(bundle, 4, 0, "cpu", seed=3, pin_memory=pin)[0].pin_memory
     for (xa, ya), (xb, yb) in zip(*seen):
         assert torch.equal(ya, yb) and torch.equal(xa, xb)

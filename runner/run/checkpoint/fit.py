@@ -32,6 +32,7 @@ IMPLIED_BEFORE = {
     "loss.label_smoothing": 0.0,
     "task.name": "auto",
     "trainer.strategy": "ddp",
+    "trainer.pin_memory": None,
     "trainer.fsdp_wrap": None,
     "trainer.fsdp_checkpoint": "sharded",
     "precision.layers": {},

@@ -1,0 +1,27 @@
+"""trainer.tune's pinned-memory candidate on a GPU: the loader measured pinned and not, each
+batch copied to the device, and the decision in the run's config."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runner.run import tune, tune_data
+from runner.run.distributed import Comm
+from runner.run.plan import make_plan
+from tests.helpers.runs import FAST, compose_config
+
+W, PIN = tune_data.WORKERS, tune_data.PIN
+
+
+@pytest.mark.gpu
+def test_pinned_memory_is_measured_on_a_gpu():
+    overrides = [*FAST, "trainer.tune=on", "trainer.device=cuda"]  # (FAST gives 0 workers)
+    plan = make_plan(compose_config(*overrides))
+    plan, tuning = tune.tuned(plan, Comm(), torch.device("cuda"), overrides)
+    assert [r.settings for r in tuning.loader] == [{W: 0}, {W: 0, PIN: False}]
+    assert all(r.steady_ms > 0 and not r.note for r in tuning.loader)
+    assert tuning.reasons[W] == "kept: given"
+    assert tuning.reasons[PIN].startswith(("tuned: ", "kept: pinned measured as fast"))
+    assert plan.cfg.trainer.pin_memory is tuning.settings[PIN]
+    assert "| loader | ms/batch | start-up s | chosen |" in tuning.table()
