@@ -94,26 +94,27 @@ def _plain(t: torch.Tensor) -> bool:
     return type(t) in (torch.Tensor, torch.nn.Parameter)
 
 
-def _snapshot(optimizer: torch.optim.Optimizer) -> tuple[list, list, dict, list]:
-    """(the live tensors, their copies, each stepped param's state entries as they are, the
-    non-tensor entries with their values)."""
+def _snapshot(optimizer: torch.optim.Optimizer) -> tuple[list, list, list, list]:
+    """(the live tensors, their copies, per stepped param (param, its state dict or None, the
+    entries as they are), the non-tensor entries with their values)."""
     live: list[torch.Tensor] = []
-    entries: dict[torch.Tensor, dict[str, Any]] = {}
+    entries: list[tuple[torch.Tensor, Optional[dict], tuple]] = []
     others: list[tuple[dict, str, Any]] = []
+    states = optimizer.state
     for group in optimizer.param_groups:
         for p in group["params"]:
             if p.grad is None:
                 continue
             live.append(p)
-            state = optimizer.state.get(p)
-            entries[p] = dict(state) if state else {}
-            for key, value in entries[p].items():
-                if torch.is_tensor(value):
+            state = states.get(p)
+            before = tuple(state.items()) if state else ()
+            entries.append((p, state, before))
+            for key, value in before:
+                if isinstance(value, torch.Tensor):
                     live.append(value)
                 else:
                     others.append((state, key, value))
-    with torch.no_grad():
-        copies = [t.detach().clone(memory_format=torch.preserve_format) for t in live]
+    copies = torch._foreach_clone(live) if live else []  # (one multi-tensor pass, bitwise)
     return live, copies, entries, others
 
 
@@ -141,28 +142,33 @@ def guarded_step(
     if _changed_shape(optimizer, entries, others):
         if bool(skip.item()):  # (one read: this step made new state)
             _put_back(live, copies)
-            for p, before in entries.items():
-                state = optimizer.state.get(p)
+            states = optimizer.state
+            for p, _, before in entries:
+                state = states.get(p)
                 if state is not None:
                     state.clear()
                     state.update(before)
                     if not before:
-                        del optimizer.state[p]
+                        del states[p]
         return False
     for new, old in zip(live, copies):
         torch.where(skip, old, new, out=new)
     return True
 
 
-def _changed_shape(optimizer, entries: dict, others: list) -> bool:
+def _changed_shape(optimizer, entries: list, others: list) -> bool:
     """Whether the step made state the copies do not cover: new entries, a state tensor
     replaced by another, a non-tensor entry changed."""
-    for p, before in entries.items():
-        state = optimizer.state.get(p) or {}
-        if state.keys() != before.keys():
-            return True
-        if any(state[k] is not v for k, v in before.items() if torch.is_tensor(v)):
-            return True
+    states = optimizer.state
+    for p, _, before in entries:
+        state = states.get(p)
+        if state is None or len(state) != len(before):
+            if state or before:
+                return True
+            continue
+        for key, value in before:
+            if isinstance(value, torch.Tensor) and state.get(key) is not value:
+                return True
     return any(state.get(key) != value for state, key, value in others)
 
 
