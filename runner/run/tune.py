@@ -116,7 +116,9 @@ class Tuning:
 
 
 def _show(value: Any) -> str:
-    return str(value).lower() if isinstance(value, bool) else str(value)
+    return (
+        str(value).lower() if isinstance(value, bool) else "null" if value is None else str(value)
+    )
 
 
 # ---- what may be tuned -----------------------------------------------------------------------

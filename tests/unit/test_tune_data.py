@@ -66,9 +66,9 @@ def test_pinned_memory_is_turned_off_only_where_a_copied_batch_comes_faster_with
     assert "| trainer.num_workers=2, trainer.pin_memory=false | 5.0 | 0.50 | yes |" in (
         tune_data.table(tuning.loader, tuning.settings)
     )
-    unpinned.steady_ms = 7.9  # within the margin: the default stays
+    unpinned.steady_ms = 7.3  # within the margin (10%): the default stays
     tuning = decided([pinned, unpinned])
-    assert tuning.settings == {PIN: True}
+    assert tuning.settings == {}  # (the config's null: pinned on CUDA)
     assert tuning.reasons[PIN].startswith("kept: pinned measured as fast or faster")
     assert "| trainer.num_workers=2 | 8.0 | 0.50 | yes |" in (
         tune_data.table(tuning.loader, tuning.settings)
