@@ -11,7 +11,8 @@ wrote is discarded, not multiplied by zero). A skipped step so leaves the params
 bit for bit as they were, as the host's verdict would have. The copies exist only during the
 step (allocated and freed by it, when the forward's activations are gone), so memory holds one
 more copy of the stepped params and their state for that moment, and the step launches one
-`where` per copied tensor.
+`where` per copied tensor. The optimizer's `step` is called on a skipped step too, so its step
+hooks run, as they do for torch's fused optimizers handed a set flag.
 
 Step counters the host keeps (torch's Adam and AdamW keep `state["step"]` as a CPU tensor unless
 `capturable` or `fused`) cannot be undone on the device: on an accelerator they are moved there
