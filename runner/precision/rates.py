@@ -27,6 +27,8 @@ class LiveRates:
     def rate(self, group: dict, device: torch.device) -> torch.Tensor:
         """The group's rate on `device`, made (or set) here from its number where it is not
         yet; never inside a capture, which would record the write and replay it."""
+        if device.type == "cuda" and device.index is None:  # ("cuda": the current device's)
+            device = torch.device("cuda", torch.cuda.current_device())
         value = float(group["lr"])
         entry = self._rates.get(id(group))
         if entry is not None and entry[0] is group and entry[1].device == device:

@@ -109,7 +109,7 @@ def test_live_rates_follow_the_schedule_through_the_fused_step(backend, name):
                 kept.refresh()
                 group = optimizer.param_groups[0]
                 assert isinstance(group["lr"], float) and kept.covers()
-                assert float(kept.rate(group, device)) == group["lr"]
+                assert float(kept.rate(group, params[0].device)) == group["lr"]
         return [p.detach() for p in params]
 
     for a, b in zip(train(False), train(True)):
