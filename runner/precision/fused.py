@@ -283,22 +283,26 @@ def apply(
     zeros (a momentum buffer too: zero times the momentum plus the gradient is the gradient,
     torch's first-step value), so a skipped first step leaves it as a step never taken."""
     adam = isinstance(optimizer, torch.optim.Adam)  # AdamW is an Adam in torch >= 2.6
-    advance = None  # 1 (or, with a flag, 1 unless it is set): what a step adds to the counters
     for gp in plans:
         if not gp.params:
             continue
         if adam:
-            if advance is None:
-                advance = (
-                    torch.ones((), dtype=torch.float32, device=gp.params[0].device)
-                    if found_inf is None
-                    else found_inf.reshape(()).eq(0).to(torch.float32)
-                )
-            _adam(kernels, optimizer, gp, grad_scale, rounding, state_dtype, found_inf, advance)
+            _adam(kernels, optimizer, gp, grad_scale, rounding, state_dtype, found_inf)
         else:
             _sgd(kernels, optimizer, gp, grad_scale, rounding, state_dtype, found_inf)
     # What torch's LR-scheduler wrapper of `optimizer.step` records: the optimizer has stepped.
     optimizer._opt_called = True  # type: ignore[attr-defined]
+
+
+def _counters(optimizer, params: list, steps: list[torch.Tensor]) -> torch.Tensor:
+    """A group's Adam step counters as one 1-D tensor whose elements the state's `step` entries
+    become (0-dim views: same values, device, type; torch's steps update them in place): one add
+    advances them all and the kernels read it as it is, no per-tensor add and stack per step."""
+    dtype = steps[0].dtype if all(s.dtype == steps[0].dtype for s in steps) else _scalar_dtype()
+    flat = torch.stack([s.to(dtype) for s in steps])
+    for i, p in enumerate(params):
+        optimizer.state[p]["step"] = flat[i]
+    return flat
 
 
 def _keep(optimizer, params: list, lists: tuple) -> tuple:
@@ -403,14 +407,14 @@ def _adam(
     rounding: Optional[Rounding],
     state_dtype: Optional[torch.dtype],
     found_inf: Optional[torch.Tensor],
-    advance: torch.Tensor,
 ) -> None:
     g = gp.group
     beta1, beta2 = (float(b) for b in g["betas"])
     decoupled = bool(g.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)))
     kept = gp.kept.get("adam") if gp.kept is not None else None
+    counters: Optional[torch.Tensor] = None  # the group's counters in one tensor, where kept
     if kept is not None and _still(kept, optimizer, gp.params):
-        exp_avgs, exp_avg_sqs, steps = kept[0]
+        exp_avgs, exp_avg_sqs, counters = kept[0]
     else:
         exp_avgs, exp_avg_sqs, steps = [], [], []
         for p in gp.params:
@@ -430,10 +434,19 @@ def _adam(
             exp_avg_sqs.append(state["exp_avg_sq"])
             steps.append(state["step"])
         if gp.kept is not None:
-            gp.kept["adam"] = _keep(optimizer, gp.params, (exp_avgs, exp_avg_sqs, steps))
-    # (not on a skipped step: `advance` is 0 then; a list, whose CPU kernel reads no scalar)
-    torch._foreach_add_(steps, [advance] * len(steps))
-    numbers = torch.stack(steps).to(torch.float32)  # read by the kernels, on the device
+            counters = _counters(optimizer, gp.params, steps)
+            gp.kept["adam"] = _keep(optimizer, gp.params, (exp_avgs, exp_avg_sqs, counters))
+    if counters is not None:  # (a skipped step adds 0)
+        counters.add_(1 if found_inf is None else found_inf.eq(0))
+        numbers = counters if counters.dtype == torch.float32 else counters.to(torch.float32)
+    else:  # (a list, whose CPU kernel reads no scalar)
+        advance = (
+            torch.ones((), dtype=torch.float32, device=steps[0].device)
+            if found_inf is None
+            else found_inf.reshape(()).eq(0).to(torch.float32)
+        )
+        torch._foreach_add_(steps, [advance] * len(steps))
+        numbers = torch.stack(steps).to(torch.float32)  # read by the kernels, on the device
     hyper = (
         float(g["lr"]),
         beta1,
