@@ -1,7 +1,8 @@
 """The engine's fused multi-tensor kernels: C++ for CPU tensors, CUDA for GPU tensors.
 
 Both backends expose the same functions (see `ops.h`): `unscale_check`, `check_finite`,
-`l2norm`, `copy_scale`, `sgd_step`, `adam_step`, and for bf16 weights without fp32 masters
+`l2norm`, `copy_scale`, `sgd_step`, `adam_step`, `update_scale` (the dynamic loss scale's
+update, one op), and for bf16 weights without fp32 masters
 `stochastic_round`, `sgd_step_sr`, `adam_step_sr` (see runner/precision/rounding.py). They are
 compiled with `torch.utils.cpp_extension.load` (ninja) into a per-user cache keyed by content,
 reused by later runs and rebuilt when a source file or a compiler flag changes: on first use, by a

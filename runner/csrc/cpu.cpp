@@ -850,6 +850,23 @@ void adam_step_sr(const TensorList& params, const TensorList& grads, const Tenso
                 });
 }
 
+void update_scale(const at::Tensor& state, const at::Tensor& scale32, const at::Tensor& inv32,
+                  const std::optional<at::Tensor>& found_inf, bool found,
+                  const std::optional<at::Tensor>& when, double growth_factor,
+                  double backoff_factor, int64_t growth_interval, bool has_min, double min_scale,
+                  double max_scale, int64_t hysteresis) {
+  const ScaleUpdate u =
+      check_scale_update(state, scale32, inv32, found_inf, when, growth_factor, backoff_factor,
+                         growth_interval, has_min, min_scale, max_scale, hysteresis);
+  AMP_CHECK(state.device().is_cpu(), "update_scale: the C++ backend takes CPU tensors, got ",
+            state.device());
+  const bool verdict = found_inf.has_value() && found_inf->defined() ? read_scalar(*found_inf) != 0.f
+                                                                     : found;
+  const bool apply = !(when.has_value() && when->defined()) || *when->data_ptr<bool>();
+  update_scale_state(state.data_ptr<double>(), scale32.data_ptr<float>(), inv32.data_ptr<float>(),
+                     verdict, apply, u);
+}
+
 }  // namespace amp_runner
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

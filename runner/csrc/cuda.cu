@@ -618,4 +618,37 @@ void adam_step_sr(const TensorList& params, const TensorList& grads, const Tenso
                        sr_keys("adam_step_sr", seed, step, tensor_ids, params.size()));
 }
 
+namespace {
+
+// One thread: the verdict and `when` are read on the device (see update_scale_state).
+__global__ void update_scale_kernel(double* state, float* scale32, float* inv32,
+                                    const float* found_inf, bool found, const bool* when,
+                                    ScaleUpdate u) {
+  const bool verdict = found_inf != nullptr ? *found_inf != 0.f : found;
+  const bool apply = when == nullptr || *when;
+  update_scale_state(state, scale32, inv32, verdict, apply, u);
+}
+
+}  // namespace
+
+void update_scale(const at::Tensor& state, const at::Tensor& scale32, const at::Tensor& inv32,
+                  const std::optional<at::Tensor>& found_inf, bool found,
+                  const std::optional<at::Tensor>& when, double growth_factor,
+                  double backoff_factor, int64_t growth_interval, bool has_min, double min_scale,
+                  double max_scale, int64_t hysteresis) {
+  const ScaleUpdate u =
+      check_scale_update(state, scale32, inv32, found_inf, when, growth_factor, backoff_factor,
+                         growth_interval, has_min, min_scale, max_scale, hysteresis);
+  AMP_CHECK(state.is_cuda(), "update_scale: the CUDA backend takes CUDA tensors, got ",
+            state.device());
+  const c10::cuda::CUDAGuard guard(state.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const bool* when_ptr =
+      when.has_value() && when->defined() ? when->data_ptr<bool>() : nullptr;
+  update_scale_kernel<<<1, 1, 0, stream>>>(state.data_ptr<double>(), scale32.data_ptr<float>(),
+                                           inv32.data_ptr<float>(), ptr_or_null(found_inf), found,
+                                           when_ptr, u);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 }  // namespace amp_runner

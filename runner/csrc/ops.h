@@ -174,6 +174,50 @@ void adam_step_sr(const TensorList& params, const TensorList& grads, const Tenso
                   uint64_t step, const std::vector<int64_t>& tensor_ids,
                   const std::optional<at::Tensor>& steps);
 
+// The dynamic loss scale's update (step_math.h's update_scale_state) on the scaler's device
+// tensors, one op: `state` 3 contiguous float64 numbers, `scale32` and `inv32` one fp32 number
+// each (written from the new state). The verdict is `found_inf` when given (a one-element fp32
+// flag, non-zero: overflow), else `found`; `when` (a one-element bool tensor), where false,
+// leaves the state as it is. All on one device; on CUDA one thread, no host read.
+void update_scale(const at::Tensor& state, const at::Tensor& scale32, const at::Tensor& inv32,
+                  const std::optional<at::Tensor>& found_inf, bool found,
+                  const std::optional<at::Tensor>& when, double growth_factor,
+                  double backoff_factor, int64_t growth_interval, bool has_min, double min_scale,
+                  double max_scale, int64_t hysteresis);
+
+// update_scale's argument checks; returns the knobs as step_math.h's ScaleUpdate.
+inline ScaleUpdate check_scale_update(const at::Tensor& state, const at::Tensor& scale32,
+                                      const at::Tensor& inv32,
+                                      const std::optional<at::Tensor>& found_inf,
+                                      const std::optional<at::Tensor>& when, double growth_factor,
+                                      double backoff_factor, int64_t growth_interval,
+                                      bool has_min, double min_scale, double max_scale,
+                                      int64_t hysteresis) {
+  AMP_CHECK(state.scalar_type() == at::kDouble && state.numel() == 3 && state.is_contiguous(),
+            "update_scale: state must be 3 contiguous float64 numbers, got ",
+            state.scalar_type(), " with ", state.numel(), " elements");
+  const at::Device device = state.device();
+  check_scalar(scale32, "scale32", device);
+  check_scalar(inv32, "inv32", device);
+  if (found_inf.has_value() && found_inf->defined()) check_scalar(*found_inf, "found_inf", device);
+  if (when.has_value() && when->defined()) {
+    AMP_CHECK(when->numel() == 1 && when->scalar_type() == at::kBool,
+              "update_scale: when must be a one-element bool tensor, got ", when->scalar_type(),
+              " with ", when->numel(), " elements");
+    AMP_CHECK(when->device() == device, "update_scale: when is on ", when->device(),
+              ", the state on ", device);
+  }
+  ScaleUpdate u;
+  u.growth_factor = growth_factor;
+  u.backoff_factor = backoff_factor;
+  u.growth_interval = static_cast<double>(growth_interval);
+  u.min_scale = min_scale;
+  u.max_scale = max_scale;
+  u.hysteresis = static_cast<double>(hysteresis);
+  u.has_min = has_min;
+  return u;
+}
+
 inline AdamArgs make_adam_args(double lr, double beta1, double beta2, double eps,
                                double weight_decay, double bias_correction1,
                                double bias_correction2, bool decoupled) {
@@ -340,4 +384,11 @@ inline void check_sr_step_lists(const char* op, const TensorList& params, const 
         pybind11::arg("weight_decay"), pybind11::arg("bias_correction1"),                        \
         pybind11::arg("bias_correction2"), pybind11::arg("decoupled"), pybind11::arg("maximize"),\
         pybind11::arg("seed"), pybind11::arg("step"), pybind11::arg("tensor_ids"),               \
-        pybind11::arg("steps") = pybind11::none())
+        pybind11::arg("steps") = pybind11::none());                                      \
+  m.def("update_scale", &ns::update_scale,                                                       \
+        "the dynamic loss scale's update on its device state, one op",                          \
+        pybind11::arg("state"), pybind11::arg("scale32"), pybind11::arg("inv32"),                \
+        pybind11::arg("found_inf"), pybind11::arg("found"), pybind11::arg("when"),               \
+        pybind11::arg("growth_factor"), pybind11::arg("backoff_factor"),                         \
+        pybind11::arg("growth_interval"), pybind11::arg("has_min"), pybind11::arg("min_scale"),  \
+        pybind11::arg("max_scale"), pybind11::arg("hysteresis"))

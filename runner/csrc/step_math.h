@@ -110,6 +110,47 @@ AMP_HD void sgd_update(float& p, float& buf, float g, const SgdArgs& s) {
   p = p + (-s.lr) * g;
 }
 
+// ---- the dynamic loss scale's update ---------------------------------------------------------
+// runner.precision.scaler.LossScaler.update in one step: `state` is the scaler's three float64
+// numbers [scale, clean steps since the scale last changed, overflows still tolerated before a
+// back-off (hysteresis)], updated exactly as the scaler's tensor ops update them (the same
+// float64 operations in the same order), then the fp32 scale and inverse scale the loss and the
+// gradients use. An overflow decrements the hysteresis counter (not below 0) and backs off
+// (times backoff_factor, not below min_scale where has_min) once it is 0; growth_interval clean
+// steps in a row grow the scale (times growth_factor, not above max_scale) and refill the
+// counter. `found`: the verdict; `apply` false: the state stays (only the fp32 values follow it).
+struct ScaleUpdate {
+  double growth_factor;
+  double backoff_factor;
+  double growth_interval;
+  double min_scale;  // (only where has_min)
+  double max_scale;
+  double hysteresis;
+  bool has_min;
+};
+
+AMP_HD void update_scale_state(double* state, float* scale32, float* inv32, bool found,
+                               bool apply, const ScaleUpdate& u) {
+  if (apply) {
+    const double scale = state[0];
+    double unskipped = state[1];
+    double left = state[2];
+    if (found) left = left - 1.0 < 0.0 ? 0.0 : left - 1.0;  // (a NaN stays NaN, as clamp's)
+    const bool back = found && left == 0.0;
+    unskipped = found ? 0.0 : unskipped + 1.0;
+    const bool grow = !found && unskipped >= u.growth_interval;
+    double backed = scale * u.backoff_factor;
+    if (u.has_min && backed < u.min_scale) backed = u.min_scale;
+    double grown = scale * u.growth_factor;
+    if (grown > u.max_scale) grown = u.max_scale;
+    state[0] = back ? backed : (grow ? grown : scale);
+    state[1] = grow ? 0.0 : unskipped;
+    state[2] = grow ? u.hysteresis : left;
+  }
+  scale32[0] = static_cast<float>(state[0]);
+  inv32[0] = static_cast<float>(1.0 / state[0]);
+}
+
 // ---- stochastic rounding fp32 -> bf16 ----------------------------------------------------
 // For bf16 weights stepped without fp32 masters: an update smaller than half of bf16's spacing
 // (the spacing is 2^-8 to 2^-7 of the value) is lost by round-to-nearest every time; rounded

@@ -92,6 +92,8 @@ class AmpEngine(EngineStep):
         self._optimizers: dict[int, Prepared] = {}
         # the compiled kernels for this device (None: torch's ops); see runner.csrc
         self._kernels: Optional[csrc.Kernels] = csrc.load(self.device, kernels)
+        for scaler in self.scalers:  # (the scale's update: one kernel op where they serve)
+            scaler.kernels = self._kernels
         # data-parallel training: sums the non-finite flags over the ranks in place before the
         # host read, so that every rank skips (and backs off) together
         self.flag_reducer = flag_reducer
@@ -117,6 +119,8 @@ class AmpEngine(EngineStep):
     def kernels(self, kernels: Optional[csrc.Kernels]) -> None:
         """Replacing the kernels (None: torch's ops) re-chooses every optimizer's path."""
         self._kernels = kernels
+        for scaler in self.scalers:
+            scaler.kernels = kernels
         for st in self._optimizers.values():
             st.path = paths.choose(
                 kernels, self.device, self._scales, self._clock, self._state_dtype

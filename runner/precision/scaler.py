@@ -1,8 +1,9 @@
 """Loss scaling: a fixed scale, or Apex's dynamic scale that backs off on overflow and grows back.
 
 A dynamic scale lives on the device, beside the gradients: its state (the scale, the clean steps
-since its last change, the hysteresis counter) is one float64 tensor that `update` changes with a
-few tensor ops from a device-side overflow flag, so a training step never waits for the host. The
+since its last change, the hysteresis counter) is one float64 tensor that `update` changes from a
+device-side overflow flag (one call of the kernels' `update_scale` where the engine has them, else
+a dozen small tensor ops), so a training step never waits for the host. The
 fp32 scale the loss is multiplied by and its inverse that unscales the gradients are device
 tensors that follow it. The host reads the state only when asked (`scale`, `state_dict`, the
 trainer's logging steps), once per change. A static scale is a host float (it never changes); one
@@ -75,6 +76,9 @@ class LossScaler:
         self._host: Optional[list[float]] = [float(start), 0.0, float(self.hysteresis)]
         self._scale32 = torch.empty((), dtype=torch.float32)  # what the loss is multiplied by
         self._inv32 = torch.empty(1, dtype=torch.float32)  # 1/scale, what unscales the gradients
+        # compiled kernels (runner.csrc, set by the engine) whose `update_scale` runs `update` as
+        # one op on the state's device; None: torch's ops (a dozen small ones)
+        self.kernels: Any = None
         self._derive()
 
     def to(self, device: torch.device | str) -> LossScaler:
@@ -207,6 +211,8 @@ class LossScaler:
         tensor): the update happens only where it is true, else the state stays."""
         if not self.dynamic:
             return
+        if self._update_in_one_op(found_inf, when):
+            return
         state = self._state
         if isinstance(found_inf, torch.Tensor):
             found = found_inf.to(state.device).reshape(()) != 0
@@ -230,6 +236,42 @@ class LossScaler:
         state.copy_(new)
         self._host = None
         self._derive()
+
+    def _update_in_one_op(
+        self, found_inf: Union[bool, torch.Tensor], when: Optional[torch.Tensor]
+    ) -> bool:
+        """`update` by the kernels' `update_scale` (the same float64 arithmetic, one launch on
+        CUDA instead of a dozen), where they serve the state's device; False: not done."""
+        kernels = self.kernels
+        if kernels is None or kernels.device_type != self._device.type:
+            return False
+        device = self._state.device
+        flag = None
+        if isinstance(found_inf, torch.Tensor):
+            flag = found_inf
+            if flag.dtype != torch.float32 or flag.device != device:
+                flag = flag.to(device=device, dtype=torch.float32)
+            if flag.numel() != 1:
+                return False
+        if when is not None and (when.dtype != torch.bool or when.device != device):
+            when = when.to(device=device, dtype=torch.bool)
+        kernels.ops.update_scale(
+            self._state,
+            self._scale32,
+            self._inv32,
+            flag,
+            bool(found_inf) if flag is None else False,
+            when,
+            self.growth_factor,
+            self.backoff_factor,
+            self.growth_interval,
+            self.min_loss_scale is not None,
+            self.min_loss_scale or 0.0,
+            self.max_loss_scale,
+            self.hysteresis,
+        )
+        self._host = None
+        return True
 
     @property
     def hysteresis_left(self) -> int:

@@ -121,6 +121,7 @@ class KernelSpy:
         "stochastic_round",
         "sgd_step_sr",
         "adam_step_sr",
+        "update_scale",
     )
 
     def __init__(self, engine):

@@ -462,6 +462,61 @@ def test_steps_do_nothing_when_found_inf_is_set(backend, op):
     assert all(changed[:n]) and all(changed[n : 2 * n])
 
 
+# ---- update_scale: the dynamic loss scale's update in one op ---------------------------------
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        dict(
+            init_scale=8.0,
+            growth_interval=2,
+            hysteresis=2,
+            min_loss_scale=2.0,
+            max_loss_scale=32.0,
+            backoff_factor=0.25,
+        ),
+        dict(init_scale=2.0**16, growth_interval=3, min_loss_scale=None, max_loss_scale=2.0**17),
+    ],
+)
+def test_update_scale_is_the_scalers_tensor_ops_bit_for_bit(backend, knobs):
+    """Growth, back-off, hysteresis, min and max scale, and `when`: the kernel leaves the float64
+    state, the fp32 scale and its inverse exactly where the scaler's tensor ops leave them, from
+    a device flag (any non-zero value, NaN included, is an overflow) or a host verdict."""
+    from runner.precision.scaler import LossScaler
+
+    device = dev(backend)
+    fused, ops = LossScaler(**knobs).to(device), LossScaler(**knobs).to(device)
+    fused.kernels = backend
+    nan, seen = float("nan"), set()
+    verdicts = [0, 0, 0, 0, 0, 0, 3.0, 0, 1, 1, nan, 1, 1, 1, 1, 0, 0, 0, 1, 0, 0, 0, 0]
+    for i, found in enumerate(verdicts):
+        on_host = i % 3 == 2
+        verdict = bool(found) if on_host else torch.tensor([float(found)], device=device)
+        when = None if i % 4 else torch.tensor(i % 8 == 0, device=device)
+        fused.update(verdict, when=when)
+        ops.update(verdict, when=when)
+        assert torch.equal(fused._state, ops._state), (i, fused._state, ops._state)
+        assert torch.equal(fused.scale_tensor, ops.scale_tensor)
+        assert torch.equal(fused.inv_scale_tensor, ops.inv_scale_tensor)
+        seen.add(fused.scale)
+    assert fused.state_dict() == ops.state_dict()
+    assert len(seen) >= 3  # (the pattern grew and backed off the scale)
+
+
+def test_update_scale_refuses_what_it_cannot_read(backend):
+    device = dev(backend)
+    state = torch.tensor([4.0, 0.0, 1.0], dtype=torch.float64, device=device)
+    s32, inv = torch.empty((), device=device), torch.empty(1, device=device)
+    args = (2.0, 0.5, 2, False, 0.0, 2.0**24, 1)
+    with pytest.raises(RuntimeError, match="state must be 3 contiguous float64"):
+        backend.ops.update_scale(state.float(), s32, inv, None, False, None, *args)
+    with pytest.raises(RuntimeError, match="found_inf must be a one-element float32"):
+        backend.ops.update_scale(state, s32, inv, state, False, None, *args)
+    with pytest.raises(RuntimeError, match="when must be a one-element bool"):
+        backend.ops.update_scale(state, s32, inv, None, False, state[:1], *args)
+    backend.ops.update_scale(state, s32, inv, None, True, None, *args)
+    assert state.tolist() == [2.0, 0.0, 0.0] and s32.item() == 2.0 and inv.item() == 0.5
+
+
 # ---- lists: many tensors, mixed dtypes, channels_last, empty ---------------------------------
 def test_more_than_110_tensors_mixed_dtypes_in_one_call(backend):
     d = dev(backend)
