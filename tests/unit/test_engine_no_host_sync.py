@@ -4,6 +4,7 @@ every op that hands a device value to the host is counted, on the real engine an
 
 from __future__ import annotations
 
+import collections
 import sys
 
 import pytest
@@ -12,7 +13,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from runner.precision import AmpEngine, resolve
-from tests.helpers.precision import fresh_amp  # noqa: F401  (autouse: no amp state leaks)
+from tests.helpers.precision import KernelSpy, fresh_amp  # noqa: F401  (fresh_amp: autouse)
 from tests.helpers.trainer import make_trainer
 
 CPU = torch.device("cpu")
@@ -214,8 +215,9 @@ def test_trainer_on_torchs_ops_reads_nothing_between_logging_steps():
 
 
 # ---- host work per step: per group, not per param ---------------------------------------------
-def _python_calls_of_a_step(layers: int, optimizer: str) -> int:
-    """The Python function calls one `engine.step` makes, after two steps that prepared it."""
+def _ready_to_step(layers: int, optimizer: str, wait: bool = False):
+    """An O2 engine (dynamic scale, the C++ kernels behind a `KernelSpy`) with `layers` Linear
+    layers, after two steps that prepared it and the backward of a third: (engine, opt, spy)."""
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(layers)])
     opt = (
@@ -223,16 +225,24 @@ def _python_calls_of_a_step(layers: int, optimizer: str) -> int:
         if optimizer == "adamw"
         else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     )
-    engine = AmpEngine(resolve("O2", {}, device=CPU).properties, CPU)
+    engine = AmpEngine(resolve("O2", {}, device=CPU).properties, CPU, kernels="fused")
+    spy = KernelSpy(engine)  # (before prepare: every path and scaler calls through it)
     engine.prepare(model, opt)
     x = torch.randn(2, 4)
-    for _ in range(3):
+    for i in range(3):
         with engine.autocast():
-            loss = model(x).float().sum()
+            loss = model(x).float().mean()
         engine.backward(loss)
-        if _ < 2:
-            engine.step(opt, wait=False)
+        if i < 2:
+            assert bool(engine.step(opt, wait=wait))
             engine.zero_grad(opt)
+    spy.reset()
+    return engine, opt, spy
+
+
+def _python_calls_of_a_step(layers: int, optimizer: str) -> int:
+    """The Python function calls one `engine.step` makes, after two steps that prepared it."""
+    engine, opt, _ = _ready_to_step(layers, optimizer)
     calls = 0
 
     def count(frame, event, arg):
@@ -252,6 +262,50 @@ def test_a_steps_python_work_does_not_grow_with_the_params(optimizer):
     """The tensor lists, the optimizer state's lists and the kernels' arguments are prepared
     once: a step over 100 params makes the Python calls a step over 10 makes."""
     assert _python_calls_of_a_step(5, optimizer) == _python_calls_of_a_step(50, optimizer)
+
+
+class CountOps(TorchDispatchMode):
+    """Counts the torch ops dispatched, by name (views included)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+# (optimizer, wait) -> the most torch ops one step may dispatch; with the kernel calls (the check,
+# the update, the loss scale's update) a CPU proxy of the CUDA step's launches
+MOST_OPS = {
+    ("adamw", True): 3,  # the flag, the verdict's read, the counters' add
+    ("adamw", False): 8,  # the flag, the counters' add of (flag == 0), the skip count, ~skipped
+    ("sgd", True): 2,
+    ("sgd", False): 6,
+}
+
+
+def _ops_of_a_step(layers: int, optimizer: str, wait: bool) -> tuple[collections.Counter, dict]:
+    engine, opt, spy = _ready_to_step(layers, optimizer, wait)
+    with CountOps() as counted:
+        stepped = engine.step(opt, wait=wait)
+    assert bool(stepped)
+    counters = [s["step"].item() for s in opt.state.values() if "step" in s]
+    assert counters in ([], [3.0] * len(opt.state))
+    return counted.ops, dict(spy.calls)
+
+
+@pytest.mark.parametrize("wait", [False, True], ids=["on-device", "host-verdict"])
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_a_fused_steps_ops_are_few_and_do_not_grow_with_the_params(optimizer, wait):
+    """The torch ops and kernel calls of one step: the same for 10 and 100 params (the step
+    counters advance in one op, the loss scale updates in one kernel call), and a handful."""
+    ops, calls = _ops_of_a_step(5, optimizer, wait)
+    assert (ops, calls) == _ops_of_a_step(50, optimizer, wait)
+    assert sum(ops.values()) <= MOST_OPS[(optimizer, wait)], ops
+    update = "adam_step" if optimizer == "adamw" else "sgd_step"
+    assert calls == {"check_finite": 1, update: 1, "update_scale": 1}
 
 
 def test_prepared_lists_follow_a_new_param_group():
