@@ -122,12 +122,12 @@ def _snapshot(optimizer: torch.optim.Optimizer) -> tuple[list, list, list, list]
 @torch.no_grad()
 def guarded_step(
     optimizer: torch.optim.Optimizer, found_inf: torch.Tensor, run: Callable[[], Any]
-) -> bool:
+) -> Optional[str]:
     """`run()` (the optimizer's step), undone on the device where `found_inf` is non-zero.
 
-    Returns False when the step needed the host's verdict (it created or replaced state, or
-    changed a non-tensor entry): the flag was read, and on an overflow everything was put back
-    as it was. True: no host read."""
+    Returns None (no host read), or what made the step need the host's verdict (`NEW_STATE`, a
+    replaced state tensor, a changed non-tensor entry): then the flag was read, and on an
+    overflow everything was put back as it was."""
     live, copies, entries, others = _snapshot(optimizer)
     # torch's algorithm for counters on the device, for this step only: the groups stay as the
     # user made them (their state_dict, the kernels' choice, which takes no capturable group)
@@ -140,7 +140,8 @@ def guarded_step(
         for group in flipped:
             group["capturable"] = False
     skip = found_inf.reshape(()) != 0
-    if _changed_shape(optimizer, entries, others):
+    changed = _changed_shape(optimizer, entries, others)
+    if changed is not None:
         if bool(skip.item()):  # (one read: this step made new state)
             _put_back(live, copies)
             states = optimizer.state
@@ -151,26 +152,32 @@ def guarded_step(
                     state.update(before)
                     if not before:
                         del states[p]
-        return False
+        return changed
     for new, old in zip(live, copies):
         torch.where(skip, old, new, out=new)
-    return True
+    return None
 
 
-def _changed_shape(optimizer, entries: list, others: list) -> bool:
-    """Whether the step made state the copies do not cover: new entries, a state tensor
-    replaced by another, a non-tensor entry changed."""
+NEW_STATE = "a step that creates optimizer state"
+
+
+def _changed_shape(optimizer, entries: list, others: list) -> Optional[str]:
+    """What the step made of the state that the copies do not cover (None: nothing): new
+    entries, a state tensor replaced by another, a non-tensor entry changed."""
     states = optimizer.state
     for p, _, before in entries:
         state = states.get(p)
         if state is None or len(state) != len(before):
             if state or before:
-                return True
+                return NEW_STATE
             continue
         for key, value in before:
             if isinstance(value, torch.Tensor) and state.get(key) is not value:
-                return True
-    return any(state.get(key) != value for state, key, value in others)
+                return f"a step that replaces its state tensor '{key}'"
+    for state, key, value in others:
+        if state.get(key) != value:
+            return f"a step that changes its state entry '{key}', not a tensor"
+    return None
 
 
 def _put_back(live: list, copies: list) -> None:

@@ -179,7 +179,9 @@ class TorchPath(ExecutionPath):
             # (`device_skip`), unless only the host can tell: then the flag is read here
             why = device_skip.prepare(optimizer, found_inf.device, (*args, *kwargs))
             if why is None:
-                device_skip.guarded_step(optimizer, found_inf, run)
+                why = device_skip.guarded_step(optimizer, found_inf, run)
+                if why not in (None, device_skip.NEW_STATE):  # (new state: once, at the start)
+                    self._say_host_read(optimizer, why)
                 if masters is not None:  # (a skipped step's masters are as they were)
                     self.copy_back(masters)
                 return

@@ -505,3 +505,39 @@ def test_a_step_only_the_host_can_skip_says_so_once(caplog):
     said = [r.getMessage() for r in caplog.records if "overflow flag on the host" in r.message]
     assert len(said) == 1 and "SGD" in said[0] and "closure" in said[0]
     assert engine.skipped_steps == 1
+
+
+class _Replacing(torch.optim.Optimizer):
+    """An optimizer whose step puts a new tensor into its state each time (not in place)."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    state = self.state[p]
+                    state["avg"] = state.get("avg", torch.zeros_like(p)) * 0.5 + p.grad
+                    p.sub_(state["avg"], alpha=group["lr"])
+
+
+def test_a_step_that_replaces_its_state_is_skipped_on_the_host_and_says_so(caplog):
+    """Copies cannot undo a state tensor the step replaced: such a step reads the flag, puts
+    params and state back on an overflow (the old tensors, as they were), and says so once."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    opt = _Replacing(model.parameters())
+    engine = AmpEngine(resolve("O2", {}, device=CPU).properties, CPU, kernels="torch")
+    engine.prepare(model, opt)
+    caplog.set_level("INFO", logger="runner.precision.paths")
+    assert bool(_overflow_step(model, opt, engine, 0, None, wait=False))
+    before = _snapshot(model, opt, engine)
+    kept = [s["avg"] for s in opt.state.values()]
+    assert not bool(_overflow_step(model, opt, engine, 1, "last", wait=False))
+    assert _same(before[:3], _snapshot(model, opt, engine)[:3])
+    assert all(s["avg"] is t for s, t in zip(opt.state.values(), kept))
+    assert bool(_overflow_step(model, opt, engine, 2, None, wait=False))
+    said = [r.getMessage() for r in caplog.records if "overflow flag on the host" in r.message]
+    assert len(said) == 1 and "replaces its state tensor 'avg'" in said[0]
