@@ -233,7 +233,7 @@ if [[ "$PART" == lease ]]; then
   # correctness first: the CUDA tests (the fused step's no-sync tests, the step timer's, the
   # captured step's), then what changed since the last lease or never ran there, in order of
   # priority (ResNet-50's levels and peers met their targets on an H100 on 2026-11-27: parts 1-4)
-  piece tests_gpu 150 "$PY" "${GPU_TESTS[@]}" "${XDIST[@]}"
+  piece tests_gpu 200 "$PY" "${GPU_TESTS[@]}" "${XDIST[@]}"
   # Apex's own amp tests on CUDA, where .apex/ (a git repo of Apex's tests/L0/run_amp) is carried
   if [[ -z "${APEX_GIT:-}" && -d .apex/.git ]]; then
     export APEX_GIT=$ROOT/.apex APEX_COMMIT=${APEX_COMMIT:-HEAD}
