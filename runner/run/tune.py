@@ -23,14 +23,13 @@ import logging
 import math
 import time
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any, Optional
 
 import torch
 from omegaconf import OmegaConf
 
 from runner.config import TUNABLE, tunable_defaults
-from runner.run import rng, tune_cache, tune_data
+from runner.run import rng, tune_cache, tune_data, tune_given
 from runner.run.distributed import Comm
 from runner.run.plan import RunPlan
 from runner.run.tune_measure import (
@@ -123,44 +122,12 @@ def _show(value: Any) -> str:
 
 # ---- what may be tuned -----------------------------------------------------------------------
 def given_keys(cfg, overrides: Sequence[str]) -> set[str]:
-    """The tunable keys the user gave: named by an override or by an experiment file the
-    overrides pick, or valued other than the default."""
+    """The tunable keys the user gave: named by an override, set in a config file the user
+    chose (an experiment file, a group option, their own primary config: tune_given), or valued
+    other than the default."""
     typed = {o.lstrip("+~").split("=", 1)[0].strip() for o in overrides}
-    typed |= experiment_keys(overrides)
+    typed |= tune_given.file_keys(TUNABLE, overrides)
     return {key for key in TUNABLE if key in typed or OmegaConf.select(cfg, key) != DEFAULTS[key]}
-
-
-def experiment_keys(overrides: Sequence[str]) -> set[str]:
-    """The tunable keys that the experiment files `overrides` pick (`+experiment=NAME`) set,
-    whatever their values: found in the runner's config tree and in the config folders Hydra
-    searched (--config-dir)."""
-    from runner.config.finder import config_dir
-
-    names = [
-        o.split("=", 1)[1].strip()
-        for o in overrides
-        if "=" in o and o.lstrip("+~").split("=", 1)[0].strip() == "experiment"
-    ]
-    if not names:
-        return set()
-    folders = [config_dir()]
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        if HydraConfig.initialized():
-            for source in HydraConfig.get().runtime.config_sources:
-                if source.schema == "file":
-                    folders.append(Path(source.path))
-    except (ImportError, ValueError, AttributeError):
-        pass
-    found: set[str] = set()
-    for name in names:
-        for folder in folders:
-            path = folder / "experiment" / f"{name}.yaml"
-            if path.is_file():
-                tree = OmegaConf.load(path)
-                found |= {k for k in TUNABLE if OmegaConf.select(tree, k) is not None}
-    return found
 
 
 def estimated_steps(plan: RunPlan, load: bool = False) -> Optional[int]:

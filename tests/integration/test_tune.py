@@ -193,6 +193,57 @@ def test_a_setting_an_experiment_file_gives_is_kept_even_at_its_default(tmp_path
     assert params["tune.source"] == "measured"
 
 
+USER_FILES = {
+    # their own primary config (--config-name), over the runner's
+    "primary": (
+        "mine.yaml",
+        "defaults:\n  - config\n  - _self_\ntrainer:\n  channels_last: false\n  tune: 'on'\n",
+        ["--config-name", "mine"],
+    ),
+    # their own option of the trainer group, over the runner's default option
+    "group option": (
+        "trainer/mine.yaml",
+        "defaults:\n  - default\n  - _self_\nchannels_last: false\ntune: 'on'\n",
+        ["trainer=mine"],
+    ),
+}
+
+
+@pytest.mark.parametrize("layout", USER_FILES, ids=list(USER_FILES))
+def test_a_setting_the_users_own_config_file_gives_is_kept_at_its_default(tmp_path, layout):
+    """channels_last: false written in a config file of the user's (their primary config, an
+    option of theirs in a group) is kept as given, as in an experiment file."""
+    name, text, args = USER_FILES[layout]
+    path = tmp_path / "conf" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    common = [*FAST, f"mlflow.tracking_uri={uri}", "mlflow.system_metrics_s=0"]
+    config_dir = ["--config-dir", str(tmp_path / "conf")]
+    assert run_in_process(*config_dir, *args, *common, "mlflow.run_name=mine") == 0
+    params = runs_by_name(uri)["mine"].data.params
+    assert params["tune.trainer.channels_last"] == "kept: given"
+    assert params["trainer.channels_last"] == "False"
+
+
+def test_a_file_is_read_at_its_package(tmp_path):
+    """A group option's keys sit under the group unless its header says otherwise."""
+    from runner.run import tune_given
+
+    keys = ["trainer.channels_last", "precision.kernels"]
+    plain = tmp_path / "plain.yaml"
+    plain.write_text("channels_last: false\n")
+    assert tune_given._keys_in(plain, "trainer", keys) == {"trainer.channels_last"}
+    glob = tmp_path / "global.yaml"
+    glob.write_text("# @package _global_\nprecision:\n  kernels: null\n")
+    assert tune_given._keys_in(glob, "trainer", keys) == {"precision.kernels"}
+    assert tune_given._keys_in(plain, None, keys) == set()  # (a primary config's keys: global)
+    assert tune_given._group_choices(["trainer=mine", "+experiment=x", "a.b=1", "m=a,b"]) == [
+        ("trainer", "mine"),
+        ("experiment", "x"),
+    ]
+
+
 @pytest.mark.parametrize(
     "given,steps",
     [(["trainer.tune=on", "trainer.tune_budget_s=0.01"], 10**7), (["trainer.tune=auto"], 400)],
