@@ -15,3 +15,15 @@ ADAM_CASES = [
     ("adamw", dict(weight_decay=1e-2, maximize=False)),
     ("adamw", dict(weight_decay=0.0, maximize=True)),
 ]
+
+
+# a dynamic loss scale that reaches both its bounds within a few steps, with hysteresis: the
+# scaler's knobs (runner.precision.scaler.LossScaler's keywords)
+SCALE_BOUNDED = dict(
+    init_scale=8.0,
+    growth_interval=2,
+    hysteresis=2,
+    min_loss_scale=2.0,
+    max_loss_scale=32.0,
+    backoff_factor=0.25,
+)

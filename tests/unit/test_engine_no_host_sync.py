@@ -154,16 +154,9 @@ def test_the_scale_updates_on_the_device_as_on_the_host():
     """Growth, back-off, hysteresis, min and max scale: the device update (a flag tensor) gives
     the host update's (a bool) scale, counters and state dict, step by step."""
     from runner.precision.scaler import LossScaler
+    from tests.helpers.kernel_cases import SCALE_BOUNDED
 
-    knobs = dict(
-        init_scale=8.0,
-        growth_interval=2,
-        hysteresis=2,
-        min_loss_scale=2.0,
-        max_loss_scale=32.0,
-        backoff_factor=0.25,
-    )
-    host, dev = LossScaler(**knobs), LossScaler(**knobs)
+    host, dev = LossScaler(**SCALE_BOUNDED), LossScaler(**SCALE_BOUNDED)
     pattern = [0, 0, 0, 0, 0, 0, 1, 0, 1, 1, 1, 1, 1, 0, 0, 0, 1, 0, 0]
     scales = []
     for found in pattern:

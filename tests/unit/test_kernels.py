@@ -21,7 +21,7 @@ import torch
 
 from runner import csrc
 from runner.csrc import loader
-from tests.helpers.kernel_cases import ADAM_CASES, SGD_CASES
+from tests.helpers.kernel_cases import ADAM_CASES, SCALE_BOUNDED, SGD_CASES
 
 SIZES = [1, 7, 65535, 65536, 65537, 3 * 65536 + 5]  # odd, chunk edges, several chunks
 LARGE = (1 << 22) + 3  # 4M elements: many chunks, an odd tail
@@ -466,14 +466,7 @@ def test_steps_do_nothing_when_found_inf_is_set(backend, op):
 @pytest.mark.parametrize(
     "knobs",
     [
-        dict(
-            init_scale=8.0,
-            growth_interval=2,
-            hysteresis=2,
-            min_loss_scale=2.0,
-            max_loss_scale=32.0,
-            backoff_factor=0.25,
-        ),
+        SCALE_BOUNDED,
         dict(init_scale=2.0**16, growth_interval=3, min_loss_scale=None, max_loss_scale=2.0**17),
     ],
 )
