@@ -4,10 +4,14 @@ what the user gave."""
 from __future__ import annotations
 
 import json
+import math
+import re
 import time
+from pathlib import Path
 
 import pytest
 import torch
+from mlflow.tracking import MlflowClient
 
 from runner.run import tune, tune_data, tune_measure
 from runner.run.distributed import Comm
@@ -312,3 +316,38 @@ def test_max_autotune_is_estimated_from_the_default_compile_and_the_layers():
     assert tune_measure.skipped_note("autotune", 266.4, -3.0).startswith(
         "skipped: compiling with max-autotune would take ~266 s, over the 0 s left"
     )
+
+
+LM = ["model=gpt_tiny", "data=synthetic_text", "data.num_train=4097", "data.num_val=300"]
+LM += ["data.block_size=32", "trainer.batch_size=16"]
+EVERY = {  # each level a CPU runs (fp8 needs a GPU: tests/gpu), a classifier and a language model
+    **{level: [f"precision={level}"] for level in ["o0", "o1_bf16", "o2_bf16", "o3_bf16"]},
+    "o3_bf16_sr": ["precision=o3_bf16_sr"],
+    "o2_bf16_int8state": ["precision=o2_bf16_int8state", "optimizer=adamw"],
+    "gpt_tiny-o2_bf16": ["precision=o2_bf16", *LM],
+}
+
+
+@pytest.mark.parametrize("case", EVERY, ids=list(EVERY))
+def test_each_level_and_task_is_tuned_then_trains(tmp_path, case):
+    """trainer.tune=on at every level a CPU runs and for a language model: the candidates are
+    measured on the run's own plan, the loss they start from agrees, and the run trains with
+    what was picked."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    fast = [o for o in FAST if not (o.startswith("data") and "model=gpt_tiny" in EVERY[case])]
+    common = [*fast, "trainer.tune=on", "trainer.max_epochs=1", "trainer.limit_train_batches=3"]
+    common += [f"mlflow.tracking_uri={uri}", "mlflow.system_metrics_s=0", "mlflow.run_name=t"]
+    assert run_in_process(*common, *EVERY[case]) == 0
+    run = runs_by_name(uri)["t"]
+    assert run.info.status == "FINISHED"
+    params = run.data.params
+    assert params["tune.source"] == "measured"
+    assert "tune.precision.kernels" in params and "tune.trainer.compile" in params
+    path = MlflowClient(uri).download_artifacts(run.info.run_id, "tune.md", str(tmp_path))
+    table = Path(path).read_text()
+    cells = [[c.strip() for c in line.split("|")[1:-1]] for line in table.splitlines()]
+    candidates = [c for c in cells if len(c) == 5 and re.fullmatch(r"\d+\.\d", c[1])]
+    assert len(candidates) >= 2, table  # the defaults and at least one candidate, timed
+    for name, _, _, delta, note in candidates:  # each started from the defaults' loss
+        assert abs(float(delta)) < 0.1 and not note.startswith("refused"), (name, table)
+    assert math.isfinite(run.data.metrics["train_loss"])
