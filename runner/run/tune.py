@@ -224,7 +224,9 @@ def _decide(
     started = time.perf_counter()
     with tune_cache.lock(digest):
         rows = None if mode == "refresh" else tune_cache.read(digest)
-        if rows is not None and _short_of_budget(plan, rows, steps):
+        if rows is not None and (
+            _short_of_budget(plan, rows, steps) or _untried(plan, device, free, rows, steps)
+        ):
             rows = None
         source = "cache"
         if rows is None:
@@ -264,6 +266,27 @@ def _short_of_budget(
         now,
     )
     return True
+
+
+def _untried(
+    plan: RunPlan,
+    device: torch.device,
+    free: Sequence[str],
+    rows: Sequence[Mapping[str, Any]],
+    steps: Optional[int],
+) -> bool:
+    """Whether this run would try a candidate the cached `rows` did not (a compile, which only
+    a run long enough to repay it tries: a shorter run's decision is not a longer one's)."""
+    tried = [r.get("settings", {}) for r in rows if not str(r.get("note", "")).endswith(REPAID)]
+    for settings, _ in _alternatives(plan, device, free, steps, Row.from_dict(rows[0])):
+        if not any(all(s.get(k) == v for k, v in settings.items()) for s in tried):
+            log.info(
+                "trainer.tune: measuring again: the cached decision, made for a shorter run, "
+                "did not try %s",
+                _named(settings),
+            )
+            return True
+    return False
 
 
 def _facts(plan: RunPlan, device: torch.device, free: Sequence[str]) -> dict[str, Any]:

@@ -276,7 +276,7 @@ def test_a_candidate_that_cannot_fit_the_budget_is_skipped_saying_why(given, ste
     started = time.perf_counter()
     tune_measure.measure(plan, {}, CPU)
     one = time.perf_counter() - started
-    assert tuning.seconds < 0.01 + 5 * one + 2.0  # (the one measured; a colder process, a load)
+    assert tuning.seconds < 0.01 + 5 * one + 5.0  # (the one measured; a colder process, a load)
 
 
 def test_a_decision_cut_short_by_its_budget_is_measured_again_with_more(cache, caplog):
@@ -351,3 +351,24 @@ def test_each_level_and_task_is_tuned_then_trains(tmp_path, case):
     for name, _, _, delta, note in candidates:  # each started from the defaults' loss
         assert abs(float(delta)) < 0.1 and not note.startswith("refused"), (name, table)
     assert math.isfinite(run.data.metrics["train_loss"])
+
+
+def test_a_longer_run_measures_again_what_a_shorter_one_did_not_try(cache, caplog):
+    """A compile is tried only by a run long enough to repay it: a short run's cached decision
+    (no compile row) is measured again for a long run, which then keeps its own rows."""
+    overrides = [*ON, "trainer.tune_budget_s=0.01"]  # (the compile is then skipped, not built)
+    plan = make_plan(compose_config(*overrides))
+
+    def decide(steps):
+        return tune.tuned(plan, Comm(), CPU, overrides, steps=steps)[1]
+
+    short = decide(400)
+    assert short.source == "measured"
+    assert not any("trainer.compile" in row.settings for row in short.rows)
+    with caplog.at_level("INFO", logger="runner.run.tune"):
+        long = decide(10**7)
+    assert long.source == "measured", caplog.text
+    assert "made for a shorter run" in caplog.text
+    assert any("trainer.compile" in row.settings for row in long.rows)
+    assert decide(10**7).source == "cache"
+    assert decide(400).source == "cache"  # (the long run's rows hold every short-run candidate)
