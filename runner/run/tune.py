@@ -233,7 +233,7 @@ def _decide(
             measured, budget = _measure_all(plan, device, free, steps)
             step_ms = choose(measured, steps).steady_ms
             measured += tune_data.measure(plan, device, free, (budget, started), step_ms, steps)
-            rows = [{**r.as_dict(), "budget_s": budget} for r in measured]
+            rows = [{**r.as_dict(), "budget_s": budget, "steps": steps} for r in measured]
             tune_cache.write(digest, rows, facts)
             source = "measured"
     model_rows, loader_rows = tune_data.split([Row.from_dict(r) for r in rows])
@@ -276,8 +276,17 @@ def _untried(
     steps: Optional[int],
 ) -> bool:
     """Whether this run would try a candidate the cached `rows` did not (a compile, which only
-    a run long enough to repay it tries: a shorter run's decision is not a longer one's)."""
-    tried = [r.get("settings", {}) for r in rows if not str(r.get("note", "")).endswith(REPAID)]
+    a run long enough to repay it tries: a shorter run's decision is not a longer one's). A row
+    skipped as not repaid by its run's steps counts as tried, unless this run is longer."""
+
+    def longer(row: Mapping[str, Any]) -> bool:
+        return steps is not None and steps > (row.get("steps") or steps)
+
+    tried = [
+        r.get("settings", {})
+        for r in rows
+        if not (str(r.get("note", "")).endswith(REPAID) and longer(r))
+    ]
     for settings, _ in _alternatives(plan, device, free, steps, Row.from_dict(rows[0])):
         if not any(all(s.get(k) == v for k, v in settings.items()) for s in tried):
             log.info(

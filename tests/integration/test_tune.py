@@ -372,3 +372,19 @@ def test_a_longer_run_measures_again_what_a_shorter_one_did_not_try(cache, caplo
     assert any("trainer.compile" in row.settings for row in long.rows)
     assert decide(10**7).source == "cache"
     assert decide(400).source == "cache"  # (the long run's rows hold every short-run candidate)
+
+
+def test_a_compile_skipped_as_not_repaid_is_tried_only_by_a_longer_run():
+    """A cached max-autotune row skipped because its run's steps would not repay it counts as
+    tried for a run as long (the cache serves it), not for a longer one (measured again)."""
+    plan = make_plan(compose_config(*ON))
+    cuda = torch.device("cuda")  # (the candidate list only: nothing runs on it)
+    free = ["trainer.compile", "trainer.compile_mode"]
+    autotune = {"trainer.compile": True, "trainer.compile_mode": tune.MAX_AUTOTUNE}
+    rows = [
+        {"settings": {}, "steady_ms": 100.0, "steps": 10**6},
+        {"settings": {"trainer.compile": True}, "steady_ms": 90.0, "steps": 10**6},
+        {"settings": autotune, "note": f"skipped: ... {tune.REPAID}", "steps": 10**6},
+    ]
+    assert not tune._untried(plan, cuda, free, rows, 10**6)
+    assert tune._untried(plan, cuda, free, rows, 10**8)
