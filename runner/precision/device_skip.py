@@ -115,7 +115,10 @@ def _snapshot(optimizer: torch.optim.Optimizer) -> tuple[list, list, list, list]
                     live.append(value)
                 else:
                     others.append((state, key, value))
-    copies = torch._foreach_clone(live) if live else []  # (one multi-tensor pass, bitwise)
+    # one multi-tensor pass, bitwise (torch._foreach_clone is newer than torch 2.11)
+    copies = [torch.empty_like(t) for t in live]
+    if live:
+        torch._foreach_copy_(copies, live)
     return live, copies, entries, others
 
 
