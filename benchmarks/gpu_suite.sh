@@ -40,6 +40,7 @@
 # Environment: OUT (required: where the three files go), GPU_SUITE_WORK (default
 # /tmp/gpu_suite_<part>), PYTHON (default python3), GPU_SUITE_BUDGET_S (default 540 for lease,
 # 280 for lease2, 560 for parts 1-4: no piece runs past this many seconds after the start),
+# GPU_SUITE_SKIP (pieces by name, comma-separated, not to run: e.g. rows an earlier lease measured),
 # CUDA_HOME (found from nvcc when unset), AMP_RUNNER_KERNEL_CACHE (default /tmp/amp-runner-kernels).
 #
 # Parts 1-4 (sizes from the first runs on an H200: kernels build 68 s, CUDA tests with 4 workers
@@ -114,6 +115,11 @@ piece() {
   shift 2
   if [[ "$LIST" == 1 ]]; then
     printf '%s\t%s\t%s\n' "$name" "$cap" "$*"
+    return
+  fi
+  if [[ ",${GPU_SUITE_SKIP:-}," == *",$name,"* ]]; then
+    echo "== $name: skipped (GPU_SUITE_SKIP)"
+    SUMMARY+=("$name: skipped (GPU_SUITE_SKIP)")
     return
   fi
   (( DRY )) && cap=$(( cap * 10 ))  # a CPU is slower: the dry run checks, it does not time
