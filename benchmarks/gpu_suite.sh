@@ -8,8 +8,8 @@
 #                                         # after the machine's start, the kernels' build
 #                                         # included: the CUDA tests (the no-sync and
 #                                         # captured-step ones among them), Apex's tests on
-#                                         # CUDA, kernels.py, ResNet-50 with trainer.cuda_graphs
-#                                         # and without, peers.py on ResNet-50 tuned by
+#                                         # CUDA, kernels.py, graphs.py (trainer.cuda_graphs
+#                                         # against the eager step), peers.py on ResNet-50 tuned by
 #                                         # trainer.tune against Lightning 16-mixed /
 #                                         # bf16-mixed, the mission's command at O0 and O2 on
 #                                         # densenet161 (steady.py: 224 px, 60 steps)
@@ -224,17 +224,12 @@ export AMP_RUNNER_TUNE_CACHE=$WORK/tune-cache
 TUNED=(--device "$DEV" --tuned --run-steps "$(small 20000 50)" --tune-budget-s 60)
 TUNED+=(--peers lightning:16-mixed,lightning:bf16-mixed "${PEER[@]}")
 
-# trainer.cuda_graphs: ResNet-50's steady throughput at O2 and o2_bf16 with the optimizer step
-# captured in a CUDA graph and without; scheduler=none in both, since the graphs refuse a schedule
-# that sets a new learning rate at every step (the default cosine). Dry: without only (a CPU
-# refuses the capture in planning)
-graphs_rows() {
-  for GRAPHS in false $(small true ""); do
-    piece "bench_graphs_${GRAPHS}_rn50" 60 "$PY" benchmarks/levels.py --device "$DEV" \
-      --models resnet50 --levels o2,o2_bf16 "${LV[@]}" --extra scheduler=none \
-      "trainer.cuda_graphs=$GRAPHS" --out "$RES/graphs_${GRAPHS}_rn50_$TAG.md"
-  done
-}
+# trainer.cuda_graphs: the replayed step against the eager one, interleaved in one process
+# (graphs.py: ResNet-18 where the host bounds the step, ResNet-50 at O2 and o2_bf16 where the GPU
+# does, with the device-time split). Dry: the eager step only (a CPU refuses the capture in
+# planning, and the table says so)
+GRAPHS=(--steps "$(small 20 1)" --rounds "$(small 10 1)" --reps "$(small 20 1)")
+[[ "$DRY" == 1 ]] && GRAPHS+=(--image-size 16 --batch-size 2)
 
 if [[ "$PART" == lease ]]; then
   # correctness first: the CUDA tests (the fused step's no-sync tests, the step timer's, the
@@ -250,7 +245,8 @@ if [[ "$PART" == lease ]]; then
   fi
   piece bench_kernels 45 "$PY" benchmarks/kernels.py --device "$DEV" \
     --iters "$(small 50 2)" --warmup "$(small 2 1)" --out "$RES/kernels_$TAG.md"
-  graphs_rows
+  piece bench_graphs 90 "$PY" benchmarks/graphs.py --device "$DEV" "${GRAPHS[@]}" \
+    --out "$RES/graphs_$TAG.md"
   piece bench_peers_tuned_rn50 200 "$PY" benchmarks/peers.py "${TUNED[@]}" --model resnet50 \
     --out "$RES/peers_tuned_rn50_$TAG.md"
   # the mission's command as a user types it, O0 and O2, one process each; its logged steady
