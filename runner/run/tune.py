@@ -328,25 +328,34 @@ def _measure_all(
 ) -> tuple[list[Row], float]:
     """The untuned settings first, then each alternative on top of the fastest so far, while
     what it is expected to take (runner.run.tune_measure's estimates from the times measured so
-    far) fits what is left of the budget, keeping room to time the untuned settings again; once
-    over the budget, the rest are skipped. The total is the budget and at most one candidate's
-    misestimate. Returns the rows and the budget."""
+    far) fits what is left of the budget; once over the budget, the rest are skipped. The total
+    is the budget and at most one candidate's misestimate. Returns the rows and the budget.
+
+    Before them, the untuned settings run once untimed: the process's one-time work (its first
+    CUDA work, cuDNN's search for the model's shapes: timing ResNet-50's untuned settings first
+    took 17-21 s on an H200) would otherwise fall on the first candidate timed, making the later
+    ones look faster and each expected to take as long. A candidate that changes the memory
+    layout (channels_last) is expected to pay cuDNN's search again."""
     started = time.perf_counter()
+    prime = measure(plan, {}, device)
+    start = time.perf_counter()
     base = measure(plan, {}, device)
     rows = [base]
     budget = _budget_s(plan, steps, base)
-    costs = {"eager": time.perf_counter() - started}  # the longest a candidate took, by kind
+    # the longest a candidate took, by kind; the search a new layout costs (over-estimated by
+    # the process's first work, which the first step of the untimed run also held)
+    costs = {"eager": time.perf_counter() - start}
+    search_s = max(prime.warmup_s - base.warmup_s, 0.0)
     layers = gemm_layers(plan.meta_model())
     repays = steps * base.steady_ms / 1e3 * COMPILE_GAIN if steps and base.steady_ms else None
     tol = tolerance(plan.properties.compute_dtypes)
     if plan.properties.fp8_linear:
         tol = max(tol, tolerance(["fp8"]))
-    timed_again = False
     for settings, guess in _alternatives(plan, device, free, steps, base):
         trial = {**choose(rows, steps).settings, **settings}
-        kind, expected = expected_s(trial, guess, costs, layers, device)
+        search = search_s if "trainer.channels_last" in settings else 0.0
+        kind, expected = expected_s(trial, guess + search, costs, layers, device)
         left = budget - (time.perf_counter() - started)
-        left -= 0.0 if timed_again else costs["eager"]  # (room to time the defaults again)
         note = skipped_note(kind, expected, left) if expected > left else ""
         if not note and kind == "autotune" and repays is not None and expected > repays:
             note = f"skipped: compiling with max-autotune would take ~{expected:.0f} s, more "
@@ -355,17 +364,13 @@ def _measure_all(
             log.info("trainer.tune: %s %s", _named(trial), note)
             rows.append(Row(trial, note=note))
             continue
-        if choose(rows, steps) is not base and not timed_again:
-            _time_again(plan, device, base)
-            timed_again = True
-            trial = {**choose(rows, steps).settings, **settings}
         start = time.perf_counter()
         row = measure(plan, trial, device)
-        costs[kind] = max(costs.get(kind, 0.0), time.perf_counter() - start)
+        took = time.perf_counter() - start
+        took -= row.warmup_s if kind == "eager" and search else 0.0  # (its layout's search)
+        costs[kind] = max(costs.get(kind, 0.0), took)
         refuse_if_loss_differs(row, base.loss, tol)
         rows.append(row)
-    if choose(rows, steps) is not base and not timed_again:
-        _time_again(plan, device, base)
     return rows, budget
 
 
@@ -382,16 +387,6 @@ def _budget_s(plan: RunPlan, steps: Optional[int], base: Row) -> float:
 
 def _named(settings: Mapping[str, Any]) -> str:
     return ", ".join(f"{k}={_show(v)}" for k, v in settings.items()) or "defaults"
-
-
-def _time_again(plan: RunPlan, device: torch.device, base: Row) -> None:
-    """The untuned settings timed again before another candidate is taken over them: measured
-    first, they met a colder process (its first kernels, its allocator), which makes the later
-    candidates look faster; the faster of the two times counts."""
-    again = measure(plan, {}, device)
-    if base.steady_ms is None or again.steady_ms is None:
-        return
-    base.steady_ms = min(base.steady_ms, again.steady_ms)
 
 
 def _alternatives(

@@ -48,13 +48,16 @@ AUTOTUNE_S_PER_LAYER, AUTOTUNE_LEAST_FACTOR, AUTOTUNE_UNKNOWN_FACTOR = 4.0, 2.0,
 @dataclasses.dataclass
 class Row:
     """One candidate as measured: its settings (config keys), steady ms per step (None: not
-    measured), compile seconds, first-step loss, and why it was refused or skipped ("" if not)."""
+    measured), compile seconds, first-step loss, why it was refused or skipped ("" if not), and
+    the seconds its first step took over a steady one (one-time work: cuDNN's search for its
+    shapes, a compile, and for the first candidate the process's first CUDA work)."""
 
     settings: dict[str, Any]
     steady_ms: Optional[float] = None
     compile_s: float = 0.0
     loss: Optional[float] = None
     note: str = ""
+    warmup_s: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -67,6 +70,7 @@ class Row:
             float(data.get("compile_s", 0.0)),
             data.get("loss"),
             str(data.get("note", "")),
+            float(data.get("warmup_s", 0.0)),
         )
 
 
@@ -124,8 +128,9 @@ def measure(plan: RunPlan, settings: Mapping[str, Any], device: torch.device) ->
         # the fastest timed step: what the candidate does on its own (a machine shared with
         # other work only ever adds time to a step, and noise is no property of the settings)
         steady = min(times[WARM_STEPS:])
-        compile_s = max(times[0] - steady, 0.0) if cfg.trainer.compile else 0.0
-        return Row(dict(settings), steady * 1e3, compile_s, first)
+        warmup_s = max(times[0] - steady, 0.0)
+        compile_s = warmup_s if cfg.trainer.compile else 0.0
+        return Row(dict(settings), steady * 1e3, compile_s, first, warmup_s=warmup_s)
     finally:
         parts.close()
 
@@ -154,7 +159,8 @@ def expected_s(
     device: torch.device,
 ) -> tuple[str, float]:
     """(eager, compile or autotune; the seconds measuring `trial` is expected to take): an
-    eager candidate, the longest an eager one took (plus its `guess`); a compiled one, the
+    eager candidate, the longest an eager one took, past the search a new memory layout costs
+    (plus its `guess`, which holds that search where it changes the layout); a compiled one, the
     longest a compiled one took, or before one did, an eager one's time and the least a compile
     is guessed to take; max-autotune, from the compiled one's (autotune_estimate_s)."""
     least = COMPILE_GUESS_S["cuda" if device.type == "cuda" else "cpu"]
