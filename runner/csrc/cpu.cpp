@@ -425,6 +425,19 @@ inline void dispatch_state_type(at::ScalarType dtype, const F& fn) {
 using FVec = at::vec::Vectorized<float>;
 constexpr int64_t kStep = 2 * FVec::size();
 
+// Software prefetch of every stream a step reads, this many elements ahead (2 KiB of fp32): the
+// hardware prefetchers stop at each 4 KiB page and restart on the next, and a core has few misses
+// in flight, so with seven streams a pass waits on memory at every page; prefetching across the
+// boundary keeps the reads going (the O2 Adam kernel over VGG-16's parameters here: 3% faster,
+// over ResNet-50's 1-3%). Prefetches past the end of a tensor are hints and never fault.
+constexpr int64_t kPrefetch = 512;
+
+template <typename T>
+C10_ALWAYS_INLINE void prefetch_step(const T* src) {
+  __builtin_prefetch(src + kPrefetch);
+  if constexpr (sizeof(T) * kStep > 64) __builtin_prefetch(src + kPrefetch + 64 / sizeof(T));
+}
+
 template <typename T>
 C10_ALWAYS_INLINE void vload(const T* src, FVec& lo, FVec& hi) {
   if constexpr (std::is_same_v<T, float>) {
@@ -522,6 +535,8 @@ inline void vector_span(const G* g, float* p, C* copy, int64_t n, const FVec& gs
   int64_t i = 0;
   for (; i + kStep <= n; i += kStep) {
     FVec g0, g1, p0, p1;
+    prefetch_step(g + i);
+    prefetch_step(p + i);
     vload(g + i, g0, g1);
     vload(p + i, p0, p1);
     body(i, g0 * gs, g1 * gs, p0, p1);
@@ -557,6 +572,7 @@ struct StateVec {
   template <typename F>
   C10_ALWAYS_INLINE void with(int64_t offset, FVec& lo, FVec& hi, const F& fn) const {
     if (offset + kStep <= n) {
+      prefetch_step(base + offset);
       vload(base + offset, lo, hi);
       fn();
       vstore(base + offset, lo, hi);
