@@ -191,7 +191,9 @@ torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU')"
     || echo "note: no NVML here: runs log no system/gpu_* metrics (carry nvidia-ml-py's wheel)"
 fi
 
-# 3. The kernels (C++ and CUDA), into the cache the runner loads them from.
+# 3. The kernels (C++ and CUDA), into the cache the runner loads them from (dry: for an H100's
+# and H200's 9.0, as this machine has no GPU to build for).
+[[ "$DRY" == 1 ]] && export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 piece kernels_build 300 "$PY" -m runner.csrc build -v
 
 # The levels of the table (levels.py's CUDA defaults, named here so that each piece measures only

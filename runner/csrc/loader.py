@@ -208,6 +208,7 @@ def _compile(backend: str, name: str, directory: Path, verbose: bool) -> ModuleT
 
     if backend == "cuda":
         _check_cuda_home()
+        _check_arch_list()
     log.info("Building amp-runner's %s kernels into %s (once; about a minute)", backend, directory)
     started = time.perf_counter()
     (directory / BUILT_MARK).unlink(missing_ok=True)
@@ -255,6 +256,17 @@ def _check_cuda_home() -> None:
         raise KernelBuildError(
             f"no usable CUDA toolkit (CUDA_HOME={cpp_extension.CUDA_HOME}): set CUDA_HOME to the "
             "folder that holds bin/nvcc and include/cuda_runtime.h, e.g. /usr/local/cuda"
+        )
+
+
+def _check_arch_list() -> None:
+    """A CUDA build needs GPUs to target: those present, or TORCH_CUDA_ARCH_LIST (without either,
+    torch's builder fails with an IndexError that says nothing)."""
+    if not os.environ.get("TORCH_CUDA_ARCH_LIST") and torch.cuda.device_count() == 0:
+        raise KernelBuildError(
+            "no GPU here to build the CUDA kernels for: set TORCH_CUDA_ARCH_LIST to the compute "
+            "capabilities of the GPUs they will run on, e.g. 9.0 for an H100 or H200 ('8.0;9.0' "
+            "for several)"
         )
 
 

@@ -719,6 +719,20 @@ def test_cuda_sources_compile(tmp_path, monkeypatch):
         kernels.ops.check_finite([torch.ones(3)], torch.zeros(1))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU gives the build its targets")
+def test_a_cuda_build_without_a_gpu_or_an_arch_list_says_what_to_set(tmp_path, monkeypatch):
+    """No GPU and no TORCH_CUDA_ARCH_LIST: torch's builder would fail with a bare IndexError;
+    the build says which variable to set, before compiling anything."""
+    if loader.cuda_toolkit() is None:
+        pytest.skip("no CUDA toolkit here (CUDA_HOME)")
+    monkeypatch.setattr(loader, "_LOADED", {})
+    monkeypatch.setenv("AMP_RUNNER_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    with pytest.raises(csrc.KernelBuildError, match="set TORCH_CUDA_ARCH_LIST .* e.g. 9.0"):
+        csrc.build("cuda")
+    assert not list((tmp_path / "cache").rglob("*.o"))
+
+
 def test_a_failed_build_falls_back_to_torch_with_the_reason(tmp_path, monkeypatch, caplog):
     """A real failed build (the C++ compiler does not exist): `auto` warns once and returns None
     (the engine runs on torch's ops), `fused` raises with the reason."""
