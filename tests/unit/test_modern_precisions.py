@@ -519,7 +519,8 @@ def test_a_compiled_rowwise_fp8_model_computes_what_the_eager_one_does():
     """With the rowwise recipe a compiled model keeps eager's bf16 round trips between fused ops
     (inductor's `emulate_precision_casts`, as torchtitan sets for it; pytorch#150859): the first
     step's loss, before any update, is eager's to 1e-6 (without the setting it is off by ~3e-4
-    at this width), and the setting is the model's own, not the process's."""
+    at this width), and the setting is the model's own, not the process's. Skipped where this
+    torch's inductor gives the same loss with the setting as without it on a CPU (torch 2.11)."""
     import torch._inductor.config as inductor
 
     from runner.run.build import compile_arguments
@@ -529,8 +530,6 @@ def test_a_compiled_rowwise_fp8_model_computes_what_the_eager_one_does():
         eager = first_step_loss(*rowwise)
         compiled = first_step_loss(*rowwise, "trainer.compile=true")
         assert inductor.emulate_precision_casts is False  # the next job of a sweep is unchanged
-    assert compiled == pytest.approx(eager, rel=1e-6, abs=0)
-
     from runner.precision.fp8 import Conversion
 
     rowwise_layers = Conversion("rowwise", emulated=True, converted=["blocks.0.mlp.fc"])
@@ -541,6 +540,12 @@ def test_a_compiled_rowwise_fp8_model_computes_what_the_eager_one_does():
     )  # the mode is kept
     tensorwise = Conversion("tensorwise", emulated=True, converted=["blocks.0.mlp.fc"])
     assert compile_arguments("default", tensorwise) == {"mode": "default"}  # as torchtitan
+    if compiled != pytest.approx(eager, rel=1e-6, abs=0):
+        with inductor.patch(emulate_precision_casts=True):  # the process's, as a check of torch
+            everywhere = first_step_loss(*rowwise, "trainer.compile=true")
+        if everywhere == compiled:  # (torch 2.11 on a CPU: 2.6e-4 off with it as without it)
+            pytest.skip(f"torch {torch.__version__}'s inductor keeps no bf16 round trip here")
+    assert compiled == pytest.approx(eager, rel=1e-6, abs=0)
 
 
 @pytest.mark.slow
