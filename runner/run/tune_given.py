@@ -37,8 +37,9 @@ def file_keys(keys: Iterable[str], overrides: Sequence[str]) -> set[str]:
     if primary is not None:
         chosen.append((None, primary))
     for group, path in chosen:
-        found |= _keys_in(path, group, keys)
-        for inner, option in _defaults_choices(_load(path)):  # (one level of defaults lists)
+        tree = _load(path)
+        found |= _keys_in_tree(path, tree, group, keys)
+        for inner, option in _defaults_choices(tree):  # (one level of defaults lists)
             found |= _keys_in(_option_file(folders, inner, option), inner, keys)
     return found
 
@@ -126,7 +127,13 @@ def _load(path: Optional[Path]) -> Optional[DictConfig]:
 
 def _keys_in(path: Optional[Path], group: Optional[str], keys: Sequence[str]) -> set[str]:
     """Of `keys`, those the file at `path` sets, read at its package."""
-    tree = _load(path)
+    return _keys_in_tree(path, _load(path), group, keys)
+
+
+def _keys_in_tree(
+    path: Optional[Path], tree: Optional[DictConfig], group: Optional[str], keys: Sequence[str]
+) -> set[str]:
+    """_keys_in, the file at `path` already loaded as `tree`."""
     if tree is None:
         return set()
     package = group.replace("/", ".") if group else ""
