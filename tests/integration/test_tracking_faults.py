@@ -48,7 +48,9 @@ def test_metrics_logged_while_the_server_is_away_arrive_when_it_is_back(mlflow_s
     for step in range(4, 7):  # the server is gone: logging must not wait for it
         started = time.monotonic()
         tracked.log_metrics({"train_loss": float(step)}, step)
-        assert time.monotonic() - started < 0.05
+        # MLflow's own retries to a closed port take seconds; 0.5 s leaves room for a loaded
+        # machine (the suite runs a test process a core) and still fails on any retry
+        assert time.monotonic() - started < 0.5
     time.sleep(2)  # the sender tries, fails and keeps the metrics
     server.start()
     tracked.end("FINISHED")
