@@ -160,6 +160,27 @@ class Round:
         return out
 
 
+# Bumped whenever any module in the process registers a parameter or a submodule (torch's global
+# registration hooks, installed with the first `Prepared`): a list of a model's parameters made
+# while it stays the same is still whole. (Writes straight into a module's `_parameters` dict go
+# around the hooks; torch's own dtype and device conversions keep the Parameter objects.)
+_structure = [0]
+
+
+def _bump(*args: Any) -> None:
+    _structure[0] += 1
+
+
+def _watch_structure() -> None:
+    if not _watching:
+        nn.modules.module.register_module_parameter_registration_hook(_bump)
+        nn.modules.module.register_module_module_registration_hook(_bump)
+        _watching.append(True)
+
+
+_watching: list[bool] = []
+
+
 @dataclass
 class Prepared:
     """What the engine keeps per prepared optimizer."""
@@ -171,6 +192,31 @@ class Prepared:
     n_groups: int = 0
     stage: Stage = Stage.READY
     round: Round = field(default_factory=Round)
+    # (key, tensors): what zero_grad clears, listed once (`grad_holders`)
+    holders: tuple[Any, list[torch.Tensor]] = ((), [])
+
+    def __post_init__(self) -> None:
+        _watch_structure()
+
+    def grad_holders(self) -> list[torch.Tensor]:
+        """Every tensor whose `.grad` zero_grad clears, each once: what the optimizer steps, the
+        16-bit params paired with masters and the models' params. Listed once and again only
+        when the optimizer's groups or the masters change, or any module registered a parameter
+        or a submodule since (so a step's zero_grad walks no module tree: 0.13 ms of Python for
+        ResNet-50's 161 params, more than the fused step's own host cost on a CPU)."""
+        masters = self.masters.model_params if self.masters is not None else None
+        key = (
+            _structure[0],
+            self.models and tuple(map(id, self.models)),
+            masters is not None and (id(masters), len(masters)),
+            *((id(g["params"]), len(g["params"])) for g in self.optimizer.param_groups),
+        )
+        if self.holders[0] != key:
+            tensors = list(paths.stepped_params(self.optimizer)) + list(masters or ())
+            for model in self.models:
+                tensors += model.parameters()
+            self.holders = (key, list({id(t): t for t in tensors}.values()))
+        return self.holders[1]
 
     def refuse_after_step(self, call: str) -> None:
         """`call` (a key of `_AFTER_STEP`) is refused in stage STEPPED."""

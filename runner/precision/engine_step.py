@@ -383,13 +383,10 @@ class EngineStep:
         for reuse). Also forgets a pending unscale or stash, so a step abandoned by the caller
         does not leak into the next one: the optimizer is READY again."""
         st = self._state(optimizer)
-        params = list(paths.stepped_params(st.optimizer))
         if st.masters is not None:
-            params += st.masters.model_params
             st.masters.zero_grad()
-        for model in st.models:
-            params += list(model.parameters())
-        for p in params:
+        holders = st.grad_holders()
+        for p in holders:
             if set_to_none:
                 p.grad = None
             elif p.grad is not None:
