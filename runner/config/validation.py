@@ -26,6 +26,7 @@ from runner.config import (
     mistakes,
     options,
 )
+from runner.config.schema import RunConfig
 from runner.config.values import (  # noqa: F401  (the predicates, where they were before)
     SEED_RANGE,
     Rule,
@@ -118,7 +119,21 @@ def _rules(
 
 
 def _check_known_keys(cfg: DictConfig) -> None:
-    """Hydra's `+key=value` appends even to typed nodes; a key no schema declares is a typo."""
+    """Hydra's `+key=value` appends even to typed nodes, and to the root; a key no schema declares
+    is a typo (`+lr=0.1` for `optimizer.lr=0.1`) that would otherwise change nothing, silently."""
+    root = [f.name for f in dataclasses.fields(RunConfig)]
+    for key in cfg:
+        if key in root or key == "hydra":  # (hydra: Hydra's own, where a caller kept it)
+            continue
+        homes = [
+            f"{section}.{key}"
+            for section in root
+            if isinstance(cfg.get(section), DictConfig) and key in cfg[section]
+        ]
+        if homes:  # a group's key given at the top
+            listed = " or ".join(homes)
+            raise ConfigError(str(key), f"unknown key at the top level; did you mean {listed}?")
+        raise mistakes.unknown_key("", str(key), root)
     for section in cfg:
         node = cfg[section]
         schema = OmegaConf.get_type(node) if isinstance(node, DictConfig) else None

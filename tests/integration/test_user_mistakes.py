@@ -1,5 +1,5 @@
 """A user's mistakes on the command line (an unknown option of a group, in any case; an unknown
-key, with or without `+`; a value of the wrong type) exit 2 with one line naming the group or key,
+key, with or without `+`, at the top level too; a value of the wrong type) exit 2 with one line naming the group or key,
 what was given and the nearest right spellings, closest first: no traceback, no Hydra search
 path, nothing created. HYDRA_FULL_ERROR=1 still shows Hydra's own error. `--help` lists the groups
 a user picks from and the launchers and sweepers installed. A language model whose positional
@@ -25,6 +25,10 @@ MISTAKES = {
     "data=synthetik": "data: unknown option 'synthetik'; did you mean synthetic or synthetic_text?",
     "trainer.max_epoch=1": UNKNOWN_KEY,
     "+trainer.max_epoch=1": UNKNOWN_KEY,
+    # at the top level a new key goes in with `+` and would change nothing: a group's key there
+    # is named where it lives, any other is refused with the root's keys
+    "+lr=0.5": "lr: unknown key at the top level; did you mean optimizer.lr?",
+    "+epochs=3": "epochs: unknown key (allowed: model, data, loss, task, optimizer, scheduler,",
     "trainer.max_epochs=abc": "trainer.max_epochs: got 'abc', expected an integer",
 }
 
