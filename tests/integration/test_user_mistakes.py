@@ -1,9 +1,9 @@
-"""A user's mistakes on the command line (an unknown option of a group, in any case; an unknown
-key, with or without `+`, at the top level too; a value of the wrong type) exit 2 with one line naming the group or key,
-what was given and the nearest right spellings, closest first: no traceback, no Hydra search
-path, nothing created. HYDRA_FULL_ERROR=1 still shows Hydra's own error. `--help` lists the groups
-a user picks from and the launchers and sweepers installed. A language model whose positional
-table is shorter than the data's sequences is refused in planning the same way."""
+"""A user's mistakes on the command line (an unknown option of a group, in any case; an unknown key,
+with or without `+`, at the top level too; a value of the wrong type) exit 2 with one line naming
+the group or key, what was given and the nearest right spellings, closest first: no traceback, no
+Hydra search path, nothing created. HYDRA_FULL_ERROR=1 still shows Hydra's own error. `--help`
+lists the groups a user picks from and the launchers and sweepers installed. A language model
+whose positional table is shorter than the data's sequences is refused in planning the same way."""
 
 from __future__ import annotations
 
