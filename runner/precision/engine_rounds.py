@@ -27,6 +27,7 @@ several losses and several optimizers: README.md beside this file.
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -171,14 +172,10 @@ def _bump(*args: Any) -> None:
     _structure[0] += 1
 
 
+@functools.cache
 def _watch_structure() -> None:
-    if not _watching:
-        nn.modules.module.register_module_parameter_registration_hook(_bump)
-        nn.modules.module.register_module_module_registration_hook(_bump)
-        _watching.append(True)
-
-
-_watching: list[bool] = []
+    nn.modules.module.register_module_parameter_registration_hook(_bump)
+    nn.modules.module.register_module_module_registration_hook(_bump)
 
 
 @dataclass
@@ -200,22 +197,25 @@ class Prepared:
 
     def grad_holders(self) -> list[torch.Tensor]:
         """Every tensor whose `.grad` zero_grad clears, each once: what the optimizer steps, the
-        16-bit params paired with masters and the models' params. Listed once and again only
-        when the optimizer's groups or the masters change, or any module registered a parameter
-        or a submodule since (so a step's zero_grad walks no module tree: 0.13 ms of Python for
-        ResNet-50's 161 params, more than the fused step's own host cost on a CPU)."""
-        masters = self.masters.model_params if self.masters is not None else None
+        16-bit params paired with masters and the models' params, less the fp32 masters (their
+        grads are `MasterWeights.zero_grad`'s, which keeps the buffers). Listed once and again
+        only when the optimizer's groups or the masters change, or any module registered a
+        parameter or a submodule since: a step's zero_grad walks no module tree."""
+        paired = self.masters.model_params if self.masters is not None else None
         key = (
             _structure[0],
             self.models and tuple(map(id, self.models)),
-            masters is not None and (id(masters), len(masters)),
+            paired is not None and (id(paired), len(paired)),
             *((id(g["params"]), len(g["params"])) for g in self.optimizer.param_groups),
         )
         if self.holders[0] != key:
-            tensors = list(paths.stepped_params(self.optimizer)) + list(masters or ())
+            tensors = list(paths.stepped_params(self.optimizer)) + list(paired or ())
             for model in self.models:
                 tensors += model.parameters()
-            self.holders = (key, list({id(t): t for t in tensors}.values()))
+            unique = {id(t): t for t in tensors}
+            for master in self.masters.masters if self.masters is not None else ():
+                unique.pop(id(master), None)
+            self.holders = (key, list(unique.values()))
         return self.holders[1]
 
     def refuse_after_step(self, call: str) -> None:
