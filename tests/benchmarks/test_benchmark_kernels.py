@@ -39,6 +39,8 @@ def test_kernels_benchmark_smoke(tmp_path: Path, capsys):
         "(a) fused kernels (engine, `precision.kernels`=cpp)",
         "(b) stock torch composition",
         "(c) AdamW fused, fp32",
+        "(d) fused kernels, SGD (engine, `precision.kernels`=cpp)",
+        "(e) SGD fused, fp32",
     ):
         assert f"| resnet18 | 11.7M | {label} |" in table
     assert "Verdict:" in table and "Load average" in table and "Command:" in table
@@ -48,12 +50,15 @@ def test_kernels_benchmark_smoke(tmp_path: Path, capsys):
     report = json.loads(out.with_suffix(".json").read_text())
     (result,) = report["results"]
     assert result["params"] == 11689512 and result["tensors"] == 62
-    assert {v["bytes_per_param"] for v in result["variants"].values()} == {30, 48, 28}
+    assert {v["bytes_per_param"] for v in result["variants"].values()} == {30, 48, 28, 22, 20}
     assert report["copy_gb_per_s"] > 0 and result["speedup_a_vs_b"] > 0
     assert result["speedup_a_vs_c"] > 0
+    assert result["speedup_d_vs_c"] > 0 and result["speedup_d_vs_e"] > 0
+    assert "SGD (d)" in report["verdict"] and "(d) >= 1.0x torch's fused AdamW" in report["verdict"]
     host = report["host"]
     assert host["tensors"] == 161 and host["kernels"] == "cpp"
     assert host["variants"]["a_fused"]["median_us"] > 0
+    assert host["variants"]["d_fused_sgd"]["median_us"] > 0
 
 
 def test_kernels_benchmark_refuses_unknown_models_and_a_missing_gpu(capsys):
