@@ -9,12 +9,13 @@ steady step time. Nothing here touches the run's own parts; the caller keeps the
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import logging
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Optional
 
 import torch
@@ -95,18 +96,30 @@ def with_settings(cfg, settings: Mapping[str, Any]):
 
 def measure(plan: RunPlan, settings: Mapping[str, Any], device: torch.device) -> Row:
     """Build the run with `settings` and time its steps on its first batch."""
+    # the candidates' builds and steps say what the run's will say (each build's news, each
+    # first step's layer audit, "What ran where"): only their warnings reach the log
+    with _quiet("runner"):
+        return _measure(plan, settings, device)
+
+
+@contextlib.contextmanager
+def _quiet(name: str) -> Iterator[None]:
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _measure(plan: RunPlan, settings: Mapping[str, Any], device: torch.device) -> Row:
     from runner.run.build import build
     from runner.run.trainer import RunContext, Trainer, trainer_config
 
     cfg = with_settings(plan.cfg, {**settings, "trainer.num_workers": 0})
     candidate = dataclasses.replace(plan, cfg=cfg, resume=None)
-    quiet = logging.getLogger("runner")
-    level = quiet.level
-    quiet.setLevel(logging.WARNING)  # the candidates' builds say what the run's will say
-    try:
-        parts = build(candidate, device, Comm(), wait_for_kernels=False)
-    finally:
-        quiet.setLevel(level)
+    parts = build(candidate, device, Comm(), wait_for_kernels=False)
     try:
         trainer = Trainer(
             trainer_config(cfg.trainer),
@@ -176,8 +189,14 @@ def skipped_note(kind: str, expected: float, left: float) -> str:
     """A candidate's note where `expected` seconds do not fit the `left` of the budget."""
     what = {"eager": "measuring it", "compile": "compiling"}.get(kind)
     what = what or "compiling with max-autotune"
-    left = max(left, 0.0)
-    return f"skipped: {what} would take ~{expected:.0f} s, over the {left:.0f} s {BUDGET_NOTE}"
+    return f"skipped: {what} would take ~{_secs(expected)}, over the {_secs(left)} {BUDGET_NOTE}"
+
+
+def _secs(seconds: float) -> str:
+    """Seconds as a note says them: a decimal under 10 s ("~0.4 s, over the 0.2 s left", where
+    whole seconds would read "~0 s, over the 0 s left"), whole seconds above."""
+    seconds = max(seconds, 0.0)
+    return f"{seconds:.1f} s" if seconds < 10 else f"{seconds:.0f} s"
 
 
 def effective_ms(row: Row, steps: Optional[int]) -> float:

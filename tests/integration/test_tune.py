@@ -4,6 +4,7 @@ what the user gave."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 import time
@@ -279,6 +280,19 @@ def test_a_candidate_that_cannot_fit_the_budget_is_skipped_saying_why(given, ste
     assert tuning.seconds < 0.01 + 5 * one + 5.0  # (the one measured; a colder process, a load)
 
 
+def test_the_candidates_keep_their_news_out_of_the_log(caplog):
+    """Each candidate builds the run and takes steps: its build's news and its first step's layer
+    audit ("What ran where", the run's own to say) stay out of the log; the skipped candidates'
+    notes give seconds a decimal under 10 (not "~0 s, over the 0 s left")."""
+    caplog.set_level("INFO", logger="runner")
+    overrides = [*ON, "trainer.tune_budget_s=0.01"]
+    _, tuning = tune.tuned(make_plan(compose_config(*overrides)), Comm(), CPU, overrides)
+    assert "trainer.tune" in caplog.text and "What ran where" not in caplog.text
+    assert logging.getLogger("runner").level == logging.INFO  # (given back as it was)
+    notes = [r.note for r in tuning.rows if r.note]
+    assert notes and all(re.search(r"~\d+\.\d s, over the 0\.0 s left", n) for n in notes), notes
+
+
 def test_a_decision_cut_short_by_its_budget_is_measured_again_with_more(cache, caplog):
     """The cache keeps the budget its rows were measured within: the same budget reuses them,
     a larger one measures the skipped candidates."""
@@ -314,7 +328,7 @@ def test_max_autotune_is_estimated_from_the_default_compile_and_the_layers():
         "skipped: compiling would take ~266 s, over the 100 s left of trainer.tune_budget_s"
     )
     assert tune_measure.skipped_note("autotune", 266.4, -3.0).startswith(
-        "skipped: compiling with max-autotune would take ~266 s, over the 0 s left"
+        "skipped: compiling with max-autotune would take ~266 s, over the 0.0 s left"
     )
 
 
