@@ -266,7 +266,7 @@ class TimingInstrument(Instrument):
         if not self._warmup_logged and self.session_steps >= self.warmup_steps:
             out[WARMUP_TIME_S] = self.warmup_s
             self._warmup_logged = True
-        self._findings(epoch, out)
+        self._findings(epoch, out, epoch_s)
         return out
 
     def _rates(self) -> Optional[tuple[float, float]]:
@@ -292,12 +292,12 @@ class TimingInstrument(Instrument):
         return {TFLOPS: tflops, MFU: tflops / (self.peak * self.world_size)}
 
     # ---- what is said, once per session --------------------------------------------------------
-    def _say_once(self, key: str, message: str, *args: Any) -> None:
+    def _say_once(self, key: str, message: str, *args: Any, level: int = logging.WARNING) -> None:
         if key not in self._said:
             self._said.add(key)
-            self.log.warning(message, *args)
+            self.log.log(level, message, *args)
 
-    def _findings(self, epoch: int, out: dict[str, float]) -> None:
+    def _findings(self, epoch: int, out: dict[str, float], epoch_s: float) -> None:
         if SAMPLES_PER_S not in out and self.steps:
             self._say_once(
                 "no-steady",
@@ -332,7 +332,26 @@ class TimingInstrument(Instrument):
                 out.get(DATA_WAIT_FRAC, math.nan),
             )
         wait = out.get(DATA_WAIT_FRAC)
-        if wait is not None and wait > DATA_WAIT_LIMIT:
+        # the wait after the epoch's first batch: a loader that only starts slowly (worker
+        # processes, a dataset opening its files) is no pipeline that sets the pace
+        later_s = max(self.wait_s - self.first_wait_s, 0.0)
+        later = later_s / (epoch_s - self.first_wait_s) if epoch_s > self.first_wait_s else 0.0
+        if wait is not None and wait > DATA_WAIT_LIMIT and later <= DATA_WAIT_LIMIT:
+            self._say_once(
+                "data-start",
+                "Epoch %d: the loop waited for its next batch %.0f%% of the training time "
+                "(data_wait_frac %.2f), nearly all of it (%.2f s) for the epoch's first batch: "
+                "the loader starting (worker processes, a dataset opening its files). After it "
+                "the wait was %.0f%%: the input pipeline keeps pace, and longer epochs amortise "
+                "the start.",
+                epoch,
+                100 * wait,
+                wait,
+                self.first_wait_s,
+                100 * later,
+                level=logging.INFO,
+            )
+        elif wait is not None and wait > DATA_WAIT_LIMIT:
             start_up = (
                 " Most of it came before the epoch's first batch (the loader starting: worker "
                 "processes, a dataset opening its files), which longer epochs amortise."

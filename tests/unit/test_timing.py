@@ -142,6 +142,27 @@ def test_stragglers_and_the_data_wait_are_said_once(caplog):
     assert len(waits) == 1 and "75%" in waits[0] and "trainer.num_workers" in waits[0]
 
 
+def test_a_loader_that_only_starts_slowly_is_said_as_such_not_as_the_pace(caplog):
+    """Half a second for the first batch (workers starting), then none: the epoch's data wait is
+    high, but the pipeline keeps pace after the start; the run says that (INFO), not that the
+    input pipeline sets the pace (WARNING). A wait that goes on after the start is the warning."""
+    loop = Loop(warmup_steps=0, data_advice="Raise trainer.num_workers (now 0).")
+    with caplog.at_level(logging.INFO):
+        out = loop.epoch(1, [(0.5, 0.01)] + [(0.0, 0.01)] * 9)
+    assert out[DATA_WAIT_FRAC] == pytest.approx(0.5 / 0.6)
+    said = [r for r in caplog.records if "waited for its next batch" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.INFO
+    text = said[0].getMessage()
+    assert "first batch" in text and "(0.50 s)" in text and "wait was 0%" in text
+    assert "sets the pace" not in text and "num_workers" not in text
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        loop.epoch(2, [(0.5, 0.01)] + [(0.03, 0.01)] * 9)  # and then waiting at every step
+    (warned,) = [r for r in caplog.records if "waited for its next batch" in r.getMessage()]
+    assert warned.levelno == logging.WARNING and "sets the pace" in warned.getMessage()
+
+
 def test_flops_give_tflops_and_mfu_against_the_peak_of_every_rank():
     """1 GFLOP a sample at 1600 samples/s is 1.6 TFLOP/s; two ranks (the sum a collective
     would give: twice this rank's) do 3.2 against twice the peak."""
