@@ -201,10 +201,20 @@ def resolve_task(cfg: DictConfig, specs: Mapping[str, Optional[options.Spec]]) -
             "model.name",
             f"{_option(cfg, 'model')} is {_MODEL_KINDS[model_task]}"
             f", but the run's task is {task} ({_option(cfg, 'data')})",
-            "a model of the data's task (language models: gpt, gpt_tiny, "
-            "gpt2_small, hf; image classifiers: tiny, resnet18, vit_tiny, ...)",
+            f"{_MODELS_FOR[task]}, or {_DATA_FOR[model_task]}",
         )
     return task
+
+
+# What a task mismatch allows: the models of the data's task, or the data of the model's
+_MODELS_FOR = {
+    options.CLASSIFICATION: "an image classifier (model=tiny, resnet18, vit_tiny, ...)",
+    options.LANGUAGE_MODEL: "a language model (model=gpt_tiny, gpt, gpt2_small, hf)",
+}
+_DATA_FOR = {
+    options.CLASSIFICATION: "an image dataset (data=synthetic, cifar10, imagefolder, ...)",
+    options.LANGUAGE_MODEL: "text (data=synthetic_text, text, tokens)",
+}
 
 
 _DATA_KINDS = {

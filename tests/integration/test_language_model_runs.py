@@ -422,7 +422,10 @@ def test_a_hugging_face_llama_trains_one_epoch(tracking_uri):
             "context holds 32",
         ),
         (["model=tiny", "data=synthetic_text"], "model.name", "is an image classifier"),
+        (["model=tiny", "data=synthetic_text"], "model.name", "or an image dataset (data=synth"),
         (["model=gpt_tiny", "data=synthetic"], "model.name", "is a language model"),
+        # the data for the model named too: a language model's first run forgets the data
+        (["model=gpt_tiny"], "model.name", "or text (data=synthetic_text, text, tokens)"),
         (
             ["model=tiny", "data=synthetic", "task=language_model"],
             "task.name",
