@@ -28,6 +28,21 @@ class DataError(RunnerError):
     """A dataset cannot be found or read; the message names the config key to change."""
 
 
+class UnreadableFile(DataError):
+    """A file of the dataset cannot be read as a sample (corrupted, truncated, not what it should
+    be), met while training: the message names the file and what to do.
+
+    Raised in a DataLoader worker, it reaches the training loop rebuilt by torch from its name and
+    a message holding the worker's whole traceback; the message is cut back to this error's own
+    (the traceback's last line), so the run still says one line."""
+
+    def __init__(self, message: str):
+        marker = f"{type(self).__name__}: "
+        if message.startswith("Caught ") and marker in message:
+            message = message.rsplit(marker, 1)[1].strip()
+        super().__init__(message)
+
+
 class DivergenceError(RunnerError):
     """Training diverged: the loss stayed inf/NaN, or every step was skipped, for
     `trainer.max_bad_steps` consecutive steps; the message says which and at which step."""

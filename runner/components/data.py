@@ -27,7 +27,7 @@ from torch.utils.data import Dataset
 from runner.config import options, targets
 from runner.config.options import DATASET_NAMES
 from runner.config.schema import CLASSIFICATION, LANGUAGE_MODEL  # the tasks a dataset serves
-from runner.errors import ConfigError, DataError
+from runner.errors import ConfigError, DataError, UnreadableFile
 
 # Per-channel statistics of the training sets (the values the literature normalises with).
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
@@ -311,7 +311,7 @@ def build_imagefolder(cfg: Any) -> DataBundle:
                 f"fix data.root or data.{key}"
             )
         try:
-            splits[key] = datasets.ImageFolder(path, transform=tf)
+            splits[key] = datasets.ImageFolder(path, transform=tf, loader=read_image)
         except (FileNotFoundError, OSError) as exc:
             raise DataError(
                 f"data.root={root}: cannot read {path} as an ImageFolder: {exc}"
@@ -333,6 +333,24 @@ def build_imagefolder(cfg: Any) -> DataBundle:
             allowed=f"{found} or null",
         )
     return DataBundle(train, val, found, image_size, "imagefolder")
+
+
+def read_image(path: str) -> Any:
+    """An ImageFolder's sample as torchvision reads it (PIL, RGB), where a file that is not a
+    readable image (corrupted, truncated, empty, not an image, a decompression bomb, gone) stops
+    the run naming it (`UnreadableFile`), never a sample made of it nor a traceback from PIL."""
+    from PIL import Image
+
+    try:
+        with open(path, "rb") as f:
+            return Image.open(f).convert("RGB")
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
+        # (PIL's UnidentifiedImageError and "image file is truncated" are OSErrors; a broken
+        # chunk can be a SyntaxError or a ValueError)
+        raise UnreadableFile(
+            f"data.root: {path} is not a readable image ({type(exc).__name__}: {exc}); "
+            "remove or replace the file"
+        ) from None
 
 
 # ---- the user's own: data._target_ -------------------------------------------------------------

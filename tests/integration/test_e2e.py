@@ -19,7 +19,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from runner.errors import ConfigError
+from runner.errors import ConfigError, DataError
 from runner.run import app
 from tests.helpers.runs import FAST, REPO, compose_config, read_until, run_cli, start_cli
 from tests.helpers.store import EPOCH_METRICS, FINAL_METRICS, all_runs, only_run
@@ -252,7 +252,7 @@ def test_failure_mid_run_marks_the_run_failed(tmp_path, tracking_uri):
         "trainer.max_epochs=1",
         f"mlflow.tracking_uri={tracking_uri}",
     )
-    with pytest.raises(OSError, match="9.png"):  # PIL's UnidentifiedImageError
+    with pytest.raises(DataError, match="9.png is not a readable image"):
         app.run(cfg)
     _, run = only_run(tracking_uri)
     assert run.info.status == "FAILED"

@@ -243,6 +243,34 @@ def test_imagefolder_class_mismatch(tmp_path):
         build_datasets(folder_cfg(tmp_path, image_size=32))
 
 
+@pytest.mark.parametrize(
+    "bad",
+    ["not an image", "truncated", "empty"],
+)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_unreadable_image_stops_the_loader_naming_the_file(tmp_path, bad, workers):
+    """A corrupted file among the images (not an image, a PNG cut short, an empty file): the
+    loader stops with a DataError naming the file and what to do, in one line, whether the
+    sample was read in the training process or in a worker (whose error torch rebuilds from a
+    message holding the worker's traceback); never a tensor made of it."""
+    write_image_folder(tmp_path)
+    target = tmp_path / "train" / "dog" / "1.png"
+    whole = target.read_bytes()
+    target.write_bytes(
+        {"not an image": b"garbage", "truncated": whole[: len(whole) // 2]}.get(bad, b"")
+    )
+    bundle = build_datasets(folder_cfg(tmp_path, image_size=32, augment=False))
+    loader = torch.utils.data.DataLoader(bundle.train, batch_size=3, num_workers=workers)
+    with pytest.raises(DataError) as info:
+        list(loader)
+    message = str(info.value)
+    assert message.startswith(f"data.root: {target} is not a readable image (")
+    assert message.endswith("remove or replace the file") and "\n" not in message
+    assert "Traceback" not in message and "Caught" not in message
+    first, second = bundle.train[0], bundle.train[1]  # (the good files still read)
+    assert first[0].shape == second[0].shape == (3, 32, 32)
+
+
 # ---- synthetic -----------------------------------------------------------------------------
 def synth_cfg(**kw):
     base = dict(name="synthetic", num_train=200, num_val=50, num_classes=10, image_size=32)
