@@ -316,6 +316,30 @@ def test_text_with_a_tokenizer_gives_its_ids_of_the_joined_text(tmp_path, bpe_to
     assert meta["dtype"] == "uint16"
 
 
+def test_a_file_that_is_not_utf8_is_named_at_every_run(tmp_path, bpe_tokenizer, caplog):
+    """A Latin-1 file among the corpus's: the tokenizer reads its bad bytes as U+FFFD (as
+    before), but the run says which file, when it tokenises and when it reads the cache; bytes
+    (no tokenizer) need no decoding and say nothing."""
+    corpus, path, tok = bpe_tokenizer
+    (corpus / "latin1.txt").write_bytes("caf\u00e9 cr\u00e8me\n".encode("latin-1"))
+    cfg = text_node(tmp_path, corpus, tokenizer=str(path), block_size=4, val_fraction=0.2)
+    for run in ("tokenises", "reads the cache"):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="runner"):
+            bundle = build_text(cfg)
+        said = [r.getMessage() for r in caplog.records if "not UTF-8" in r.getMessage()]
+        assert len(said) == 1 and "1 of the corpus's files" in said[0], (run, caplog.text)
+        assert "(latin1.txt)" in said[0] and "data.exclude" in said[0]
+    stream = np.concatenate([bundle.train.tokens(), bundle.val.tokens()]).tolist()
+    names = ["a.txt", "latin1.txt", "sub/b.txt", "sub/deeper/c.txt"]  # (relative-path order)
+    read = [(corpus / n).read_bytes().decode("utf-8", errors="replace") for n in names]
+    assert stream == tok.encode("\n\n".join(read)).ids
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="runner"):
+        build_text(text_node(tmp_path, corpus, block_size=4))
+    assert "not UTF-8" not in caplog.text
+
+
 def test_a_large_corpus_is_encoded_in_pieces_with_the_same_ids(
     tmp_path, bpe_tokenizer, monkeypatch
 ):

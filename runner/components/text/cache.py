@@ -86,6 +86,22 @@ def verify(bin_path: str, meta_path: str, key: str) -> tuple[Optional[dict], Opt
     return meta, None
 
 
+def say_not_utf8(meta: dict, root: str) -> None:
+    """A warning, at every run that reads these tokens, naming the corpus files a tokenizer read
+    with U+FFFD in place of bytes that are not UTF-8 (binary files, another encoding)."""
+    bad = meta.get("not_utf8") or []
+    if bad:
+        shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+        log.warning(
+            "%d of the corpus's files under data.path=%s are not UTF-8 (%s): the tokenizer read "
+            "their undecodable bytes as U+FFFD. Convert them, or leave them out with data.glob "
+            "or data.exclude",
+            len(bad),
+            root,
+            shown,
+        )
+
+
 def locked(path: str) -> AbstractContextManager[None]:
     """An exclusive lock on `path` (a lock file in the cache folder): the first run tokenises, a
     concurrent one waits here and then finds the cache written."""
@@ -120,8 +136,10 @@ def write_cache(
         "bytes" if tokenizer is None else f"tokenizer {tok_path}",
         bin_path,
     )
+    not_utf8: list[str] = []
     with atomic_path(bin_path) as tmp:
-        count, sha = tokenise([path for _, path in files], tokenizer, dtype, str(tmp))
+        count, sha = tokenise([path for _, path in files], tokenizer, dtype, str(tmp), not_utf8)
+    names = dict((path, name) for name, path in files)
     meta = {
         "format": FORMAT_VERSION,
         "key": key,
@@ -132,6 +150,7 @@ def write_cache(
         "root": root,
         "files": [list(s) for s in stats],
         "sha256": sha,
+        "not_utf8": [names.get(path, path) for path in not_utf8],
     }
     # after the .bin: a sidecar always describes its file
     write_atomic(meta_path, json.dumps(meta, indent=1))

@@ -23,6 +23,7 @@ from runner.components.text.cache import (
     cache_dir,
     cache_key,
     locked,
+    say_not_utf8,
     verify,
     write_cache,
 )
@@ -227,7 +228,9 @@ def tokenised_corpus(node: Any) -> tuple[str, dict]:
                     bin_path,
                     meta_path,
                 )
+                say_not_utf8(meta, root)
                 return bin_path, meta
+    say_not_utf8(meta, root)
     log.info(
         "Loading %d tokens (%s) of %d files from the token cache %s",
         meta["num_tokens"],

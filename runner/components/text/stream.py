@@ -53,9 +53,12 @@ def _bytes_chunks(paths: Sequence[str]) -> Iterator[bytes]:
             yield from iter(lambda: f.read(READ_CHUNK), b"")
 
 
-def _tokenizer_chunks(paths: Sequence[str], tokenizer: Any, dtype: str) -> Iterator[np.ndarray]:
+def _tokenizer_chunks(
+    paths: Sequence[str], tokenizer: Any, dtype: str, not_utf8: list[str]
+) -> Iterator[np.ndarray]:
     """Token ids of the documents, each followed by the separator (but the last), encoded without
-    special tokens, a batch of pieces at a time (tokenizers encodes a batch in parallel)."""
+    special tokens, a batch of pieces at a time (tokenizers encodes a batch in parallel). A file
+    that is not UTF-8 is read with U+FFFD for its bad bytes and its path added to `not_utf8`."""
     encode_batch = getattr(tokenizer, "encode_batch_fast", None) or tokenizer.encode_batch
 
     def encode(pieces: list[str]) -> Iterator[np.ndarray]:
@@ -65,8 +68,13 @@ def _tokenizer_chunks(paths: Sequence[str], tokenizer: Any, dtype: str) -> Itera
     batch: list[str] = []
     chars = 0
     for i, path in enumerate(paths):
-        with open(path, encoding="utf-8", errors="replace", newline="") as f:
-            text = f.read()
+        with open(path, "rb") as f:
+            raw = f.read()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            text = raw.decode("utf-8", errors="replace")
+            not_utf8.append(path)
         if i < len(paths) - 1:
             text += SEPARATOR
         for piece in pieces(text):
@@ -80,9 +88,14 @@ def _tokenizer_chunks(paths: Sequence[str], tokenizer: Any, dtype: str) -> Itera
 
 
 def tokenise(
-    paths: Sequence[str], tokenizer: Optional[Any], dtype: str, out: str
+    paths: Sequence[str],
+    tokenizer: Optional[Any],
+    dtype: str,
+    out: str,
+    not_utf8: Optional[list[str]] = None,
 ) -> tuple[int, str]:
-    """Write the corpus's token stream to `out`; (number of tokens, SHA-256 of the file)."""
+    """Write the corpus's token stream to `out`; (number of tokens, SHA-256 of the file). With a
+    tokenizer, the files that are not UTF-8 are added to `not_utf8` (bytes need no decoding)."""
     digest, count = hashlib.sha256(), 0
     with open(out, "wb") as f:
         if tokenizer is None:
@@ -90,7 +103,9 @@ def tokenise(
                 np.frombuffer(b, dtype=np.uint8).astype(dtype) for b in _bytes_chunks(paths)
             )
         else:
-            chunks = _tokenizer_chunks(paths, tokenizer, dtype)
+            chunks = _tokenizer_chunks(
+                paths, tokenizer, dtype, [] if not_utf8 is None else not_utf8
+            )
         for ids in chunks:
             data = ids.astype(np.dtype(dtype).newbyteorder("<"), copy=False).tobytes()
             f.write(data)
