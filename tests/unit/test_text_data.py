@@ -455,6 +455,36 @@ def test_tokens_round_trip(tmp_path, dtype, high):
     assert_same_items(all_items(pickle.loads(pickle.dumps(bundle.val))), all_items(bundle.val))
 
 
+def test_a_stray_large_token_id_is_said_before_it_sizes_the_model(tmp_path, caplog):
+    """Ids below 300 and one stray 65535 (a corrupted token): vocab_size=null still takes the
+    largest id + 1, as documented, but the run warns that one rare id sets it, naming the file;
+    a real corpus whose largest id is as common as the others, or a vocabulary given, is quiet."""
+    rng = np.random.default_rng(2)
+    train = rng.integers(0, 300, size=20_000).astype(np.uint16)
+    train[5] = 65_535
+    train.tofile(tmp_path / "train.bin")
+    rng.integers(0, 300, size=3000).astype(np.uint16).tofile(tmp_path / "val.bin")
+    cfg = node(
+        name="tokens",
+        train=str(tmp_path / "train.bin"),
+        val=str(tmp_path / "val.bin"),
+        dtype="uint16",
+        vocab_size=None,
+        block_size=32,
+    )
+    with caplog.at_level("WARNING", logger="runner"):
+        assert build_tokens(cfg).num_classes == 65_536
+    (said,) = [r.getMessage() for r in caplog.records if "data.vocab_size=null" in r.getMessage()]
+    assert "id 65535 appears only 1 time(s)" in said and "next largest id is 299" in said
+    assert f"data.train={tmp_path / 'train.bin'}" in said
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="runner"):
+        build_tokens(node(**{**cfg, "vocab_size": 70_000}))
+        rng.integers(0, 300, size=20_000).astype(np.uint16).tofile(tmp_path / "train.bin")
+        assert build_tokens(cfg).num_classes == 300
+    assert "data.vocab_size=null" not in caplog.text
+
+
 def test_tokens_errors(tmp_path):
     train = np.arange(1000, dtype=np.uint16)
     train.tofile(tmp_path / "train.bin")

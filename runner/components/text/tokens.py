@@ -3,6 +3,7 @@ memory-mapped as they are."""
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Optional
 
@@ -13,6 +14,11 @@ from runner.components.text import keys
 from runner.components.text.stream import READ_CHUNK
 from runner.components.text.windows import DTYPES, TokenWindows
 from runner.errors import ConfigError
+
+log = logging.getLogger(__name__)
+# A largest id this rare (at most this share of the tokens, or RARE_COUNT of them) and over twice
+# the next largest + 1 makes a vocabulary found from the files suspect (a corrupted token)
+RARE_SHARE, RARE_COUNT = 1e-4, 10
 
 
 def _tokens_dtype(node: Any) -> str:
@@ -71,6 +77,46 @@ def _max_id(tokens: np.ndarray) -> int:
     return max(int(tokens[i : i + step].max()) for i in range(0, len(tokens), step))
 
 
+def _below(tokens: np.ndarray, top: int) -> tuple[int, int]:
+    """(how many tokens are `top`, the largest id below it; -1: none)."""
+    step = READ_CHUNK // tokens.itemsize
+    count, below = 0, -1
+    for i in range(0, len(tokens), step):
+        chunk = tokens[i : i + step]
+        count += int(np.count_nonzero(chunk == top))
+        rest = chunk[chunk < top]
+        if rest.size:
+            below = max(below, int(rest.max()))
+    return count, below
+
+
+def _say_if_suspect(splits: dict, top: int) -> None:
+    """A warning where the vocabulary found from the files (the largest id + 1) rests on a few
+    tokens far above all the others: a corrupted token, or a file of another dtype, would give
+    the model's embedding and output layers that many rows, silently."""
+    counts = {key: _below(ds.tokens(), top) for key, ds in splits.items()}
+    count = sum(c for c, _ in counts.values())
+    below = max(b for _, b in counts.values())
+    total = sum(len(ds.tokens()) for ds in splits.values())
+    if count <= max(RARE_COUNT, RARE_SHARE * total) and top + 1 > 2 * (below + 1):
+        where = ", ".join(
+            f"{n} in data.{key}={splits[key].path}" for key, (n, _) in counts.items() if n
+        )
+        log.warning(
+            "data.vocab_size=null makes the vocabulary %d (the largest token id + 1), but id %d "
+            "appears only %d time(s) (%s) and the next largest id is %d: a corrupted token, or a "
+            "file of another data.dtype? The model gets %d embedding rows where %d would hold "
+            "every other id. Fix the file, or set data.vocab_size to the tokenizer's own",
+            top + 1,
+            top,
+            count,
+            where,
+            below,
+            top + 1,
+            below + 1,
+        )
+
+
 def build_tokens(cfg: Any) -> DataBundle:
     """`data=tokens`: already tokenised flat files (`data.train`, `data.val`, nanoGPT's layout),
     memory-mapped; the vocabulary is `data.vocab_size`, or the largest id in the files + 1."""
@@ -92,6 +138,8 @@ def build_tokens(cfg: Any) -> DataBundle:
             f"{splits[top_key].path} holds token id {top} (the largest id found)",
             f"an integer >= {top + 1}, or null (= {top + 1})",
         )
+    if declared is None:
+        _say_if_suspect(splits, top)
     vocab = declared if declared is not None else top + 1
     return DataBundle(
         splits["train"],
