@@ -28,8 +28,10 @@ from runner.config import (
 )
 from runner.config.schema import RunConfig
 from runner.config.values import (  # noqa: F401  (the predicates, where they were before)
+    BARE_DATABASE_PATH,
     SEED_RANGE,
     Rule,
+    bare_database_path,
     finite,
     non_negative,
     one_of,
@@ -102,6 +104,11 @@ def _rules(
         ),
         ("tracking.name", one_of(TRACKERS), ", ".join(TRACKERS)),
         ("mlflow.tracking_uri", lambda v: bool(v and v.strip()), "a non-empty MLflow URI"),
+        (
+            "mlflow.tracking_uri",
+            lambda v: not bare_database_path(v),
+            BARE_DATABASE_PATH,
+        ),
         ("mlflow.experiment_name", lambda v: bool(v and v.strip()), "a non-empty name"),
         ("mlflow.heartbeat_s", lambda v: finite(v) and v >= 1, "a number of seconds >= 1"),
         (

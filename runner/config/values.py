@@ -24,6 +24,19 @@ def positive(v: Any) -> bool:
     return finite(v) and v > 0
 
 
+BARE_DATABASE_PATH = (
+    "a URI with its scheme: a database file is sqlite:///relative/mlflow.db or "
+    "sqlite:////absolute/mlflow.db (a bare path is read by MLflow as a folder store)"
+)
+
+
+def bare_database_path(uri: Any) -> bool:
+    """A tracking URI that is a path to a database file without `sqlite:///` in front: MLflow
+    would take it for a folder store, which it refuses or keeps in maintenance mode."""
+    uri = str(uri).strip()
+    return "://" not in uri and uri.lower().endswith((".db", ".sqlite", ".sqlite3"))
+
+
 def non_negative(v: Any) -> bool:
     return finite(v) and v >= 0
 

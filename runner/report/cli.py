@@ -69,7 +69,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=Path("report"),
         help="folder for the table and figures (default: ./report)",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    from runner.config.values import BARE_DATABASE_PATH, bare_database_path
+
+    if bare_database_path(args.tracking_uri):
+        parser.error(f"--tracking-uri: got {args.tracking_uri!r} (allowed: {BARE_DATABASE_PATH})")
+    return args
 
 
 def diff_runs(reader: Reader, run_a: str, run_b: str) -> str:

@@ -211,6 +211,16 @@ def test_a_missing_store_is_not_created(tmp_path, capsys):
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "r").exists()
 
 
+def test_a_database_path_without_its_scheme_is_refused_with_the_uri_to_type(tmp_path, capsys):
+    """`--tracking-uri mlflow.db` (a path, no sqlite:///): MLflow would open it as a folder store
+    and raise; the report refuses it at once, exit 2, with the URI forms, no traceback."""
+    with pytest.raises(SystemExit) as info:
+        report_main(["--tracking-uri", str(tmp_path / "mlflow.db"), "--out", str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "sqlite:////absolute/mlflow.db" in err
+    assert "Traceback" not in err and not (tmp_path / "r").exists()
+
+
 @pytest.mark.parametrize(
     "args,needle",
     [
