@@ -9,6 +9,8 @@ from __future__ import annotations
 import atexit
 import itertools
 import logging
+import multiprocessing
+import multiprocessing.context
 import signal
 import weakref
 from typing import Optional
@@ -110,6 +112,20 @@ def _track_workers(*loaders: DataLoader) -> None:
         _EXIT_HOOK = True
 
 
+def worker_context() -> Optional[multiprocessing.context.BaseContext]:
+    """How the loaders start their workers: torch's default (None) in a plain process. In a
+    process whose default start method is another library's (a sweep job under
+    hydra/launcher=joblib or parallel runs in one of joblib's loky workers, whose default context
+    is loky's), the platform's own default method (fork on Linux): loky's process starter
+    expects loky's own Process objects and fails on the loader's workers
+    ("'Process' object has no attribute 'env'")."""
+    method = multiprocessing.get_start_method(allow_none=True)
+    standard = multiprocessing.get_all_start_methods()
+    if method is None or method in standard:
+        return None
+    return multiprocessing.get_context(standard[0])
+
+
 def build_loaders(
     bundle: DataBundle,
     batch_size: int,
@@ -132,6 +148,7 @@ def build_loaders(
         persistent_workers=int(num_workers) > 0,
         drop_last=False,
         worker_init_fn=_ignore_stop_signals if int(num_workers) > 0 else None,
+        multiprocessing_context=worker_context() if int(num_workers) > 0 else None,
     )
     train_sampler = EpochSampler(
         bundle.train,

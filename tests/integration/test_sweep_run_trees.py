@@ -108,6 +108,34 @@ def test_parallel_sweep_records_a_failing_job_and_goes_on(tmp_path):
     assert all(math.isfinite(ok.data.metrics[m]) for m in [*EPOCH_METRICS, *FINAL_METRICS])
 
 
+@pytest.mark.slow
+def test_a_joblib_sweep_runs_with_loader_workers_and_progress_bars(tmp_path):
+    """A parallel sweep as users run it, the defaults on: each job, in one of joblib's loky
+    worker processes, starts its DataLoader's two workers and shows its progress bar. Loky's
+    default start method there made every job fail at its first batch ('Process' object has no
+    attribute 'env'): the loaders now start their workers the platform's own way."""
+    pytest.importorskip("hydra_plugins.hydra_joblib_launcher", reason="pip install '.[joblib]'")
+    own = ("trainer.num_workers", "trainer.progress_bar", "trainer.max_epochs")
+    result = run_cli(
+        "-m",
+        "hydra/launcher=joblib",
+        "hydra.launcher.n_jobs=2",
+        *[o for o in FAST if not o.startswith(own)],
+        "trainer.num_workers=2",
+        "trainer.max_epochs=1",
+        "precision=o0,o2_bf16",
+        cwd=tmp_path,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    assert "Sweep finished: 2 jobs, none failed" in output and "batch/s" in output
+    _, parent, children = sweep_tree(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert parent.data.tags["sweep.launcher"] == "JoblibLauncher"
+    assert sorted(children) == ["tiny-O0", "tiny-O2-bf16"]
+    assert all(c.info.status == "FINISHED" for c in children.values())
+    assert all(c.data.params["trainer.num_workers"] == "2" for c in children.values())
+
+
 # ---- in this process, through the CLI ------------------------------------------------------------
 def test_jobs_in_one_process_do_not_leak_into_each_other(tmp_path):
     """Two identical jobs run one after the other in this process give identical results: seeds,
