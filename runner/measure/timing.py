@@ -340,10 +340,10 @@ class TimingInstrument(Instrument):
             self._say_once(
                 "data-start",
                 "Epoch %d: the loop waited for its next batch %.0f%% of the training time "
-                "(data_wait_frac %.2f), nearly all of it (%.2f s) for the epoch's first batch: "
-                "the loader starting (worker processes, a dataset opening its files). After it "
-                "the wait was %.0f%%: the input pipeline keeps pace, and longer epochs amortise "
-                "the start.",
+                "(data_wait_frac %.2f), %.2f s of it for the epoch's first batch: the loader "
+                "starting (worker processes, a dataset opening its files). After it the wait "
+                "was %.0f%%, within the 10%% a finding needs: the input pipeline keeps pace, and "
+                "longer epochs amortise the start.",
                 epoch,
                 100 * wait,
                 wait,
