@@ -35,6 +35,14 @@ class Finding:
         text = f"[{self.level}] {self.key}: {self.message}"
         return f"{text} ({self.hint})" if self.hint else text
 
+    def told(self) -> str:
+        """The message with its hint, as a sentence of its own ("... implementation. Hint: use
+        ..."), the way the findings table and a refused run say it."""
+        if not self.hint:
+            return self.message
+        stop = "" if self.message.rstrip().endswith((".", "!", "?")) else "."
+        return f"{self.message.rstrip()}{stop} Hint: {self.hint}"
+
 
 _OTHER_GROUPS = ("model", "data", "optimizer", "scheduler", "trainer")
 
@@ -73,8 +81,7 @@ class Resolution:
         w = max(len("property"), *(len(f.key) for f in self.findings))
         lines = [f"{'level':<8} {'property':<{w}}  message"]
         for f in self.findings:
-            hint = f" Hint: {f.hint}" if f.hint else ""
-            lines.append(f"{f.level:<8} {f.key:<{w}}  {f.message}{hint}")
+            lines.append(f"{f.level:<8} {f.key:<{w}}  {f.told()}")
         return "\n".join(lines)
 
 

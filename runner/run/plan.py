@@ -305,8 +305,7 @@ def resolve_precision(
         findings = [strict_finding(f) for f in findings]
     resolution = Resolution(resolution.properties, [*resolution.findings, *findings])
     for finding in resolution.errors:
-        hint = f" Hint: {finding.hint}" if finding.hint else ""
-        raise ConfigError(finding.key, finding.message + hint)
+        raise ConfigError(finding.key, finding.told())
     return resolution, rules
 
 

@@ -35,6 +35,17 @@ def found(level: str, overrides: dict | None = None, **kw) -> list[tuple[str, st
 
 
 # ---- property combinations -------------------------------------------------------------------
+def test_a_finding_says_its_hint_as_a_sentence_of_its_own():
+    """A message and its hint read as two sentences (the refusal of a low-bit state with SGD
+    read "... has no int8 implementation Hint: use ..."); a message with its own stop keeps it."""
+    told = Finding("error", "optimizer_state", "sgd has no int8 implementation", "use adam").told()
+    assert told == "sgd has no int8 implementation. Hint: use adam"
+    assert (
+        Finding("warning", "loss_scale", "too big.", "lower it").told() == "too big. Hint: lower it"
+    )
+    assert Finding("info", "loss_scale", "fine").told() == "fine"
+
+
 def test_clean_presets_have_no_findings_without_a_device():
     for level in ("O0", "O1", "O2", "O3"):
         assert found(level) == [], level
