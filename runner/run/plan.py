@@ -18,7 +18,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -193,37 +193,41 @@ def resolve_task(cfg: DictConfig, specs: Mapping[str, Optional[options.Spec]]) -
         if data_task is not None and data_task != task:
             raise ConfigError(
                 "task.name",
-                f"task={task}, but {_option(cfg, 'data')} is {_DATA_KINDS[data_task]}",
+                f"task={task}, but {_option(cfg, 'data')} is {_TASK_WORDS[data_task].data}",
                 f"task=auto or task={data_task} (or another dataset)",
             )
     if model_task is not None and model_task != task:
         raise ConfigError(
             "model.name",
-            f"{_option(cfg, 'model')} is {_MODEL_KINDS[model_task]}"
+            f"{_option(cfg, 'model')} is {_TASK_WORDS[model_task].model}"
             f", but the run's task is {task} ({_option(cfg, 'data')})",
-            f"{_MODELS_FOR[task]}, or {_DATA_FOR[model_task]}",
+            f"{_TASK_WORDS[task].models}, or {_TASK_WORDS[model_task].datasets}",
         )
     return task
 
 
-# What a task mismatch allows: the models of the data's task, or the data of the model's
-_MODELS_FOR = {
-    options.CLASSIFICATION: "an image classifier (model=tiny, resnet18, vit_tiny, ...)",
-    options.LANGUAGE_MODEL: "a language model (model=gpt_tiny, gpt, gpt2_small, hf)",
-}
-_DATA_FOR = {
-    options.CLASSIFICATION: "an image dataset (data=synthetic, cifar10, imagefolder, ...)",
-    options.LANGUAGE_MODEL: "text (data=synthetic_text, text, tokens)",
-}
+class _TaskWords(NamedTuple):
+    """How a task mismatch names a task's data and models, and what it offers instead."""
+
+    data: str  # what a dataset of the task is
+    model: str  # what a model of the task is
+    models: str  # the models to pick for data of this task
+    datasets: str  # the data to pick for a model of this task
 
 
-_DATA_KINDS = {
-    options.CLASSIFICATION: "a classification dataset",
-    options.LANGUAGE_MODEL: "a text (language-model) dataset",
-}
-_MODEL_KINDS = {
-    options.CLASSIFICATION: "an image classifier",
-    options.LANGUAGE_MODEL: "a language model",
+_TASK_WORDS = {
+    options.CLASSIFICATION: _TaskWords(
+        "a classification dataset",
+        "an image classifier",
+        "an image classifier (model=tiny, resnet18, vit_tiny, ...)",
+        "an image dataset (data=synthetic, cifar10, imagefolder, ...)",
+    ),
+    options.LANGUAGE_MODEL: _TaskWords(
+        "a text (language-model) dataset",
+        "a language model",
+        "a language model (model=gpt_tiny, gpt, gpt2_small, hf)",
+        "text (data=synthetic_text, text, tokens)",
+    ),
 }
 
 
