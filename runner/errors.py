@@ -23,6 +23,9 @@ class ConfigError(RunnerError):
             message += f" (allowed: {allowed})"
         super().__init__(message)
 
+    def __reduce__(self):  # (pickled whole: an error crossing to another process)
+        return type(self), (self.key, self.problem, self.allowed)
+
 
 class DataError(RunnerError):
     """A dataset cannot be found or read; the message names the config key to change."""

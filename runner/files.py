@@ -140,6 +140,9 @@ class LockBusy(TimeoutError):
         self.path, self.timeout_s = Path(path), timeout_s
         super().__init__(f"{path} stayed locked by another process for {timeout_s:g} s")
 
+    def __reduce__(self):  # (pickled whole: an error crossing to another process)
+        return type(self), (self.path, self.timeout_s)
+
 
 class HeldLock:
     """An exclusive lock held on a lock file, until `release()` (or `close()`, or the end of a

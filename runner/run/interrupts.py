@@ -26,6 +26,9 @@ class RunInterrupted(KeyboardInterrupt):
         where = f"; checkpoint {checkpoint} (resume=auto continues)" if checkpoint else ""
         super().__init__(f"interrupted by {signal.Signals(signum).name}{where}")
 
+    def __reduce__(self):  # (pickled whole: a sweep job's, sent back by joblib's workers)
+        return type(self), (self.signum, self.checkpoint)
+
 
 class StopRequest:
     """Records the first SIGINT/SIGTERM instead of dying, for the training loop to act on between

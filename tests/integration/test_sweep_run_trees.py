@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import _thread
 import math
+import signal
 import threading
 import time
 from pathlib import Path
@@ -134,6 +135,28 @@ def test_a_joblib_sweep_runs_with_loader_workers_and_progress_bars(tmp_path):
     assert sorted(children) == ["tiny-O0", "tiny-O2-bf16"]
     assert all(c.info.status == "FINISHED" for c in children.values())
     assert all(c.data.params["trainer.num_workers"] == "2" for c in children.values())
+
+
+def _stopped_job(signum: int) -> None:
+    """A sweep job that a signal stopped after its checkpoint, as runner.run.app raises it."""
+    from runner.run.interrupts import RunInterrupted
+
+    raise RunInterrupted(signum, "/ck/last.pt")
+
+
+def test_a_jobs_interruption_reaches_a_joblib_sweep_whole():
+    """A job that Ctrl-C stopped raises RunInterrupted in its loky worker; joblib pickles it back
+    to the sweep, which marks its parent KILLED and exits with its exit code. The error did not
+    survive the trip (its constructor takes a signal number): the sweep crashed with
+    BrokenProcessPool and its parent was FAILED."""
+    joblib = pytest.importorskip("joblib")
+    from runner.run.interrupts import RunInterrupted
+
+    with pytest.raises(RunInterrupted) as info:
+        joblib.Parallel(n_jobs=2, backend="loky")(
+            joblib.delayed(_stopped_job)(signal.SIGINT) for _ in range(2)
+        )
+    assert info.value.exit_code == 130 and "checkpoint /ck/last.pt" in str(info.value)
 
 
 # ---- in this process, through the CLI ------------------------------------------------------------

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -117,3 +118,23 @@ def test_a_waiting_lock_is_taken_when_the_holder_ends_however_it_ends(tmp_path):
     again = try_lock(path)
     assert again is not None
     again.release()
+
+
+def test_the_runners_errors_cross_processes_whole():
+    """A sweep job's error goes back to the sweep through joblib's pickling: the errors whose
+    constructor takes more than a message come back as they left (RunInterrupted's exit code,
+    ConfigError's key), not as a TypeError in the parent."""
+    import pickle
+
+    from runner.errors import ConfigError
+    from runner.run.interrupts import RunInterrupted
+
+    for error in (
+        RunInterrupted(15, "/ck/last.pt"),
+        ConfigError("optimizer.lr", "got -1", "a number > 0"),
+        LockBusy(Path("/tmp/x.lock"), 2.5),
+    ):
+        back = pickle.loads(pickle.dumps(error))
+        assert type(back) is type(error) and str(back) == str(error)
+        assert vars(back) == vars(error)
+    assert pickle.loads(pickle.dumps(RunInterrupted(2))).exit_code == 130
