@@ -332,39 +332,42 @@ class TimingInstrument(Instrument):
                 out.get(DATA_WAIT_FRAC, math.nan),
             )
         wait = out.get(DATA_WAIT_FRAC)
+        if wait is None or wait <= DATA_WAIT_LIMIT:
+            return
         # the wait after the epoch's first batch: a loader that only starts slowly (worker
         # processes, a dataset opening its files) is no pipeline that sets the pace
         later_s = max(self.wait_s - self.first_wait_s, 0.0)
         later = later_s / (epoch_s - self.first_wait_s) if epoch_s > self.first_wait_s else 0.0
-        if wait is not None and wait > DATA_WAIT_LIMIT and later <= DATA_WAIT_LIMIT:
+        if later <= DATA_WAIT_LIMIT:
             self._say_once(
                 "data-start",
                 "Epoch %d: the loop waited for its next batch %.0f%% of the training time "
                 "(data_wait_frac %.2f), %.2f s of it for the epoch's first batch: the loader "
                 "starting (worker processes, a dataset opening its files). After it the wait "
-                "was %.0f%%, within the 10%% a finding needs: the input pipeline keeps pace, and "
-                "longer epochs amortise the start.",
+                "was %.0f%%, within the %.0f%% a finding needs: the input pipeline keeps pace, "
+                "and longer epochs amortise the start.",
                 epoch,
                 100 * wait,
                 wait,
                 self.first_wait_s,
                 100 * later,
+                100 * DATA_WAIT_LIMIT,
                 level=logging.INFO,
             )
-        elif wait is not None and wait > DATA_WAIT_LIMIT:
-            start_up = (
-                " Most of it came before the epoch's first batch (the loader starting: worker "
-                "processes, a dataset opening its files), which longer epochs amortise."
-                if self.first_wait_s > self.wait_s / 2
-                else ""
-            )
-            self._say_once(
-                "data-wait",
-                "Epoch %d: the loop waited for its next batch %.0f%% of the training time "
-                "(data_wait_frac %.2f): the input pipeline, not the model, sets the pace.%s %s",
-                epoch,
-                100 * wait,
-                wait,
-                start_up,
-                self.data_advice,
-            )
+            return
+        start_up = (
+            " Most of it came before the epoch's first batch (the loader starting: worker "
+            "processes, a dataset opening its files), which longer epochs amortise."
+            if self.first_wait_s > self.wait_s / 2
+            else ""
+        )
+        self._say_once(
+            "data-wait",
+            "Epoch %d: the loop waited for its next batch %.0f%% of the training time "
+            "(data_wait_frac %.2f): the input pipeline, not the model, sets the pace.%s %s",
+            epoch,
+            100 * wait,
+            wait,
+            start_up,
+            self.data_advice,
+        )

@@ -139,7 +139,7 @@ def write_cache(
     not_utf8: list[str] = []
     with atomic_path(bin_path) as tmp:
         count, sha = tokenise([path for _, path in files], tokenizer, dtype, str(tmp), not_utf8)
-    names = dict((path, name) for name, path in files)
+    names = {path: name for name, path in files}
     meta = {
         "format": FORMAT_VERSION,
         "key": key,
@@ -150,7 +150,7 @@ def write_cache(
         "root": root,
         "files": [list(s) for s in stats],
         "sha256": sha,
-        "not_utf8": [names.get(path, path) for path in not_utf8],
+        "not_utf8": [names[path] for path in not_utf8],
     }
     # after the .bin: a sidecar always describes its file
     write_atomic(meta_path, json.dumps(meta, indent=1))
