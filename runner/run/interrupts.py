@@ -33,7 +33,13 @@ class RunInterrupted(KeyboardInterrupt):
 class StopRequest:
     """Records the first SIGINT/SIGTERM instead of dying, for the training loop to act on between
     steps (`requested`). Installed as a context manager, in the main thread only (elsewhere
-    Python cannot take signals, and the defaults stay)."""
+    Python cannot take signals, and the defaults stay).
+
+    The first signal stands: a second Ctrl-C stops at once, a SIGTERM after it changes nothing
+    (a sweep passes its stop on to its jobs as a SIGTERM, which a job that had the terminal's
+    Ctrl-C already must not take for a second one). Entered while another request holds the
+    process's signals (a sweep's worker process between jobs, `runner.sweep.stop`), it takes
+    over a signal that one got first: the run then stops after its first step."""
 
     def __init__(self) -> None:
         self.signum: Optional[int] = None
@@ -44,9 +50,15 @@ class StopRequest:
         return self.signum is not None
 
     def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
-        if self.signum is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # the second Ctrl-C: now
+        if self.signum is not None:
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt  # the second Ctrl-C: now
+            return  # a SIGTERM after the first signal: the first one stands
         self.signum = signum
+        self._first(signum)
+
+    def _first(self, signum: int) -> None:
+        """What the first signal does besides being recorded: says so."""
         log.warning(
             "%s received: stopping after this step with a checkpoint (Ctrl-C again to "
             "stop at once)",
@@ -55,6 +67,9 @@ class StopRequest:
 
     def __enter__(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():
+            outer = holding()
+            if outer is not None and outer.signum is not None:
+                self.signum, outer.signum = outer.signum, None  # it came before this run
             for sig in SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
@@ -63,3 +78,10 @@ class StopRequest:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+
+
+def holding() -> Optional[StopRequest]:
+    """The stop request that holds this process's signals now, if any."""
+    handler = signal.getsignal(signal.SIGINT)
+    owner = getattr(handler, "__self__", None)
+    return owner if isinstance(owner, StopRequest) else None

@@ -6,18 +6,22 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import gc
 import logging
+import os
+import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from runner.errors import RunnerError
 from runner.files import HeldLock
+from runner.sweep import stop
 from runner.sweep.gpus import claim_gpu, gpu_count
 from runner.sweep.jobs import (
     _resuming,
@@ -48,11 +52,15 @@ class MlflowSweepCallback(Callback):
         self._parent_run: Any = None  # the launching process's open parent (a tracking Run)
         self._sweep_dir: Path | None = None
         self._gpu: tuple[int, HeldLock] | None = None
+        self._jobs: int | None = None  # the sweep's job count, when known before it starts
+        self._stop: stop.SweepStop | None = None  # the sweep's process, under joblib
+        self._launching_pid: int | None = None  # that process's id, under joblib
 
     def __getstate__(self) -> dict:
         """What a launcher ships to its worker processes (joblib pickles the callback): the
-        parent's address; the open run and a claimed GPU stay with the process that holds them."""
-        return {**self.__dict__, "_parent_run": None, "_gpu": None}
+        parent's address; the open run, a claimed GPU and the signal handling stay with the
+        process that holds them."""
+        return {**self.__dict__, "_parent_run": None, "_gpu": None, "_stop": None}
 
     # launching process
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
@@ -73,6 +81,11 @@ class MlflowSweepCallback(Callback):
             raise SystemExit(2) from error
         tracker.reap()  # the experiment's RUNNING runs whose process is gone end KILLED
         launcher = str(OmegaConf.select(config, "hydra.launcher._target_") or "")
+        if launcher == JOBLIB_LAUNCHER:
+            cap = stop.cap_workers(OmegaConf.select(config, "hydra.launcher.n_jobs"), jobs)
+            if cap is not None:  # (the launcher is made from this config after this call)
+                with read_write(config.hydra.launcher), open_dict(config.hydra.launcher):
+                    config.hydra.launcher.n_jobs = cap
         self._warn_shared_device(config, launcher)
         earlier = None
         if _resuming(config):
@@ -110,6 +123,11 @@ class MlflowSweepCallback(Callback):
         )
         self.parent.save(sweep_dir)
         self._sweep_dir = sweep_dir
+        self._jobs = jobs
+        if launcher == JOBLIB_LAUNCHER:  # Ctrl-C: see runner.sweep.stop
+            stop.forget_workers(sweep_dir)
+            self._launching_pid = os.getpid()
+            self._stop = stop.SweepStop(sweep_dir, self._mark_stopped).__enter__()
         scope = _SCOPE.get()
         if scope is not None:
             scope.adopt(self)
@@ -130,6 +148,7 @@ class MlflowSweepCallback(Callback):
 
         tracker = self.parent.open()
         children = self.parent.children(tracker)
+        signum = self._release_stop()
         failed = [c for c in children if c.status != FINISHED]
         parent, self._parent_run = self._parent_run, None
         SweepParent.forget(self._sweep_dir)
@@ -138,6 +157,8 @@ class MlflowSweepCallback(Callback):
             tag.FAILED_JOBS,
             "; ".join(f"{c.run_name} ({end_state(c)})" for c in failed) or "none",
         )
+        if signum is not None:
+            self._end_stopped(parent, signum, children)
         parent.end(FINISHED)
         failures = (
             f", {len(failed)} failed: "
@@ -162,10 +183,48 @@ class MlflowSweepCallback(Callback):
         if failed:
             raise SystemExit(1)  # Hydra swallows a callback's exceptions, not SystemExit
 
+    def _mark_stopped(self, signum: int) -> None:
+        """The sweep's process had a signal: jobs that start from now on do not run."""
+        if self.parent is not None and self._sweep_dir is not None:
+            self.parent = dataclasses.replace(self.parent, stopped=signal.Signals(signum).name)
+            self.parent.save(self._sweep_dir)
+
+    def _release_stop(self) -> int | None:
+        """The signal handling of the sweep's process ends; returns the signal it held."""
+        held, self._stop = self._stop, None
+        if held is None:
+            return None
+        held.__exit__(None, None, None)
+        return held.signum
+
+    def _end_stopped(self, parent: Any, signum: int, children: list[Any]) -> None:
+        """The end of a sweep that a signal stopped: its parent run ends KILLED, the log says
+        which jobs stopped and how to go on, and the sweep exits as a run would (130, 143)."""
+        from runner.run.interrupts import RunInterrupted
+        from runner.tracking.base import FINISHED, KILLED
+
+        name = signal.Signals(signum).name
+        parent.end(KILLED, f"interrupted by {name}")
+        stopped = [c.run_name for c in children if c.status == KILLED]
+        finished = sum(c.status == FINISHED for c in children)
+        waiting = "" if self._jobs is None else f", {self._jobs - len(children)} not started"
+        log.warning(
+            "Sweep stopped by %s: %d job(s) stopped with a checkpoint (%s), %d finished%s. "
+            "To go on: the same command with resume=auto hydra.sweep.dir=%s",
+            name,
+            len(stopped),
+            ", ".join(stopped) or "none",
+            finished,
+            waiting,
+            self._sweep_dir,
+        )
+        raise RunInterrupted(signum)
+
     def end_early(self, status: str, reason: str) -> None:
         """End the parent run if the sweep stopped before `on_multirun_end` (see LaunchScope):
         its `error` tag is `reason` and, when jobs failed, which ones and why (a sweeper such as
         Optuna stops at a failed trial by its `max_failure_rate`)."""
+        self._release_stop()
         parent, self._parent_run = self._parent_run, None
         if parent is None:
             return
@@ -197,6 +256,8 @@ class MlflowSweepCallback(Callback):
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         if self.parent is None:
             return  # a single run, or a dry-run sweep
+        if self._launching_pid not in (None, os.getpid()):  # a joblib worker process
+            stop.hold_in_worker(Path(config.hydra.sweep.dir))
         end_fluent_runs()
         gc.collect()  # the previous in-process job's model and optimizer
         count = gpu_count()

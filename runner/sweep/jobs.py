@@ -218,13 +218,25 @@ def run_job(
     callback). Under any other `sweeper` (Optuna's) it raises `SweepJobFailed`: the sweeper sees a
     failed job (Optuna tells the trial FAIL and counts it against
     `hydra.sweeper.max_failure_rate`), where a NaN objective would crash Optuna's study; a job
-    that finishes without a finite objective raises there too."""
+    that finishes without a finite objective raises there too.
+
+    In a worker process of the joblib launcher (runner.sweep.stop), a job that starts after the
+    sweep was stopped does not run, and one that a signal stopped (its run KILLED, with its
+    checkpoint) returns NaN rather than raise: joblib would end the other jobs' processes at
+    once; the sweep's process ends the sweep."""
     from runner.run.app import run
+    from runner.run.interrupts import RunInterrupted
     from runner.run.plan import default_run_name
+    from runner.sweep import stop
 
     tags = {tag.PARENT_RUN: parent.run_id, tag.JOB_NUM: str(job_num)}
     raises = bool(sweeper) and sweeper != BASIC_SWEEPER
     apart = job_label(overrides, parent.varying.split(), job_num, sweeper)
+    if parent.stopped:
+        log.warning(
+            "Sweep job #%d not started: the sweep was stopped (%s)", job_num, parent.stopped
+        )
+        return math.nan
     try:
         same_store(cfg, parent.tracker, parent.location, parent.experiment_name)
         if _resuming(cfg):
@@ -232,6 +244,11 @@ def run_job(
             if done is not None:
                 return done
         best = run(cfg, overrides=overrides, output_dir=output_dir, extra_tags=tags, apart=apart)
+    except RunInterrupted as interrupted:
+        if not stop.in_worker():
+            raise  # the sweep's own process: the sweep stops here
+        log.warning("Sweep job #%d stopped: %s", job_num, interrupted)
+        return math.nan
     except Exception as error:  # noqa: BLE001  (recorded and counted; the sweep goes on)
         if isinstance(error, RunnerError):
             log.error("Sweep job #%d failed: %s", job_num, error)

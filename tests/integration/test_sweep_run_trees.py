@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import _thread
 import math
+import os
 import signal
 import threading
 import time
@@ -19,7 +20,14 @@ from mlflow.tracking import MlflowClient
 from runner.sweep.gpus import claim_gpu
 from runner.tracking.store import retry_when_locked
 from runner.tracking.tags import PARENT_RUN as PARENT_RUN_TAG
-from tests.helpers.runs import FAST, compose_config, run_cli, run_in_process
+from tests.helpers.runs import (
+    FAST,
+    compose_config,
+    read_until,
+    run_cli,
+    run_in_process,
+    start_cli,
+)
 from tests.helpers.store import EPOCH_METRICS, FINAL_METRICS
 
 
@@ -135,6 +143,88 @@ def test_a_joblib_sweep_runs_with_loader_workers_and_progress_bars(tmp_path):
     assert sorted(children) == ["tiny-O0", "tiny-O2-bf16"]
     assert all(c.info.status == "FINISHED" for c in children.values())
     assert all(c.data.params["trainer.num_workers"] == "2" for c in children.values())
+
+
+def _joblib_sweep_training(tmp_path, *args: str, running: int):
+    """A joblib sweep of long jobs started in its own process group, once `running` of its jobs
+    train (each has opened its run and logged a step); (the process, what it printed)."""
+    pytest.importorskip("hydra_plugins.hydra_joblib_launcher", reason="pip install '.[joblib]'")
+    proc = start_cli(
+        "-m",
+        "hydra/launcher=joblib",
+        *[o for o in FAST if not o.startswith(("trainer.num_workers", "trainer.max_epochs"))],
+        "data.num_train=100000",
+        "trainer.max_epochs=1",
+        "trainer.log_every_n_steps=1",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        *args,
+        cwd=tmp_path,
+        new_session=True,
+    )
+    seen = []
+    for _ in range(running):
+        seen += read_until(proc, "MLflow run '")
+    time.sleep(4)  # (past the runs' first steps)
+    return proc, seen
+
+
+def _checkpoints(tmp_path) -> list[Path]:
+    return sorted(tmp_path.rglob("last.pt"))
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_every_job_of_a_joblib_sweep_with_its_checkpoint(tmp_path):
+    """A terminal's Ctrl-C reaches the sweep's process and joblib's workers at once. Each job
+    stops after its step with its checkpoint and the sweep ends KILLED with 130, as one run does.
+    It ended the jobs before their checkpoint: the sweep's process raised KeyboardInterrupt, or
+    joblib ended the other workers on the first job that came back interrupted; and with more
+    workers than jobs (n_jobs=4 for 2 jobs), the idle ones died of the signal and broke joblib's
+    pool. The jobs run with their DataLoader workers, as users run them."""
+    proc, seen = _joblib_sweep_training(
+        tmp_path,
+        "hydra.launcher.n_jobs=4",
+        "trainer.num_workers=2",
+        "precision=o0,o2_bf16",
+        running=2,
+    )
+    os.killpg(proc.pid, signal.SIGINT)
+    rest, _ = proc.communicate(timeout=240)
+    output = "".join(seen) + rest
+    assert proc.returncode == 130, output[-4000:]
+    assert "Traceback" not in output and "BrokenProcessPool" not in output, output[-4000:]
+    _, parent, children = sweep_tree(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert sorted(children) == ["tiny-O0", "tiny-O2-bf16"]
+    assert {n: c.info.status for n, c in children.items()} == {n: "KILLED" for n in children}
+    assert len(_checkpoints(tmp_path)) == 2, output[-4000:]
+    assert parent.info.status == "KILLED" and parent.data.tags["error"] == "interrupted by SIGINT"
+    assert "Sweep stopped by SIGINT: 2 job(s) stopped with a checkpoint" in output
+    assert "resume=auto hydra.sweep.dir=" in output
+
+
+@pytest.mark.slow
+def test_a_sigterm_to_a_joblib_sweeps_process_alone_reaches_its_jobs(tmp_path):
+    """A SIGTERM to the sweep's process only (a container's stop): the sweep passes it on to
+    its workers, the running jobs stop after their step with their checkpoints, the jobs that
+    had not started do not start, and the sweep exits 143. The jobs ran on to their end, or
+    were killed with the pool."""
+    proc, seen = _joblib_sweep_training(
+        tmp_path,
+        "hydra.launcher.n_jobs=2",
+        "precision=o0,o2_bf16",
+        "trainer.seed=1,2",
+        running=2,
+    )
+    os.kill(proc.pid, signal.SIGTERM)
+    rest, _ = proc.communicate(timeout=240)
+    output = "".join(seen) + rest
+    assert proc.returncode == 143, output[-4000:]
+    assert "Traceback" not in output, output[-4000:]
+    assert "2 job(s) stopped with a checkpoint" in output and "2 not started" in output
+    assert output.count("not started: the sweep was stopped (SIGTERM)") == 2
+    _, parent, children = sweep_tree(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert parent.info.status == "KILLED"
+    assert len(children) == 2 and all(c.info.status == "KILLED" for c in children.values())
+    assert len(_checkpoints(tmp_path)) == 2
 
 
 def _stopped_job(signum: int) -> None:

@@ -1,0 +1,125 @@
+"""Ctrl-C on a sweep whose jobs run in worker processes (the joblib launcher: `hydra/launcher=
+joblib` or `parallel`): each job that runs stops after its step with a checkpoint, no job starts
+after it, and the sweep ends KILLED with the exit status of the signal (130 for Ctrl-C).
+
+A terminal's Ctrl-C reaches the whole process group: the sweep's own process and joblib's worker
+processes at once. Left to Python's defaults, the sweep's process raised KeyboardInterrupt while
+joblib waited for the jobs, and joblib, on that or on the first job that came back interrupted,
+ended every other worker at once, before its checkpoint (their runs stayed RUNNING); a worker
+without a job died of the signal, which broke joblib's pool. So:
+
+- the sweep's process holds the first signal while the jobs run (`SweepStop`): it marks the sweep
+  stopped in its folder (`SweepParent.stopped`: a job that starts after that does not run), and a
+  moment later passes a SIGTERM on to the worker processes that hold their signals, for a signal
+  sent to the sweep's process alone (a container's stop); a second Ctrl-C stops at once;
+- each worker process holds its signals between jobs (`hold_in_worker`), and a job there that a
+  signal stopped returns (its run KILLED, with its checkpoint) instead of raising, so that joblib
+  waits for the other jobs;
+- the end of the sweep ends the parent run KILLED and exits as a run would.
+
+A worker process that has not yet run a job cannot hold its signals: the sweep starts no more
+workers than it has jobs (`cap_workers`), so each gets one within seconds of the start.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Optional
+
+from runner.run.interrupts import StopRequest
+
+log = logging.getLogger(__name__)
+
+WORKERS = ".amp-runner-workers"  # in the sweep's folder: one empty file per holding worker's pid
+FORWARD_AFTER_S = 1.0  # a Ctrl-C reaches the workers itself within this; a SIGTERM follows
+
+_worker: Optional[StopRequest] = None  # this process's hold, when it is a sweep's worker
+
+
+class SweepStop(StopRequest):
+    """The sweep's own process while its jobs run in worker processes: the first SIGINT/SIGTERM
+    calls `on_stop(signum)` (which marks the sweep stopped), says what happens, and after
+    `FORWARD_AFTER_S` sends a SIGTERM to each worker process registered in `sweep_dir` (the
+    workers that had the signal already keep their first one)."""
+
+    def __init__(self, sweep_dir: Path, on_stop: Callable[[int], None]) -> None:
+        super().__init__()
+        self._workers = Path(sweep_dir) / WORKERS
+        self._on_stop = on_stop
+        self._timer: Optional[threading.Timer] = None
+
+    def _first(self, signum: int) -> None:
+        self._on_stop(signum)
+        log.warning(
+            "%s received: the sweep stops; each running job stops after its step with a "
+            "checkpoint, and no further job starts (Ctrl-C again to stop at once)",
+            signal.Signals(signum).name,
+        )
+        self._timer = threading.Timer(FORWARD_AFTER_S, self.forward)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def forward(self) -> list[int]:
+        """SIGTERM to each live worker process that holds its signals; returns their pids."""
+        sent = []
+        for child in multiprocessing.active_children():
+            if (self._workers / str(child.pid)).exists():
+                try:
+                    os.kill(child.pid, signal.SIGTERM)
+                    sent.append(child.pid)
+                except ProcessLookupError:
+                    pass
+        return sent
+
+    def __exit__(self, *exc: object) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        super().__exit__(*exc)
+
+
+class _WorkerHold(StopRequest):
+    def _first(self, signum: int) -> None:  # the sweep's process says what happens
+        log.debug("%s received between sweep jobs", signal.Signals(signum).name)
+
+
+def hold_in_worker(sweep_dir: Path) -> None:
+    """In a sweep's worker process, from its first job on: the signals are held between jobs
+    (a run's own request takes over one that came first), and the process is registered in
+    `sweep_dir` for the sweep's process to pass its stop on to."""
+    global _worker
+    if _worker is not None or threading.current_thread() is not threading.main_thread():
+        return
+    _worker = _WorkerHold().__enter__()
+    folder = Path(sweep_dir) / WORKERS
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / str(os.getpid())).touch()
+
+
+def in_worker() -> bool:
+    """Whether this process is a sweep's worker process (its jobs return when interrupted)."""
+    return _worker is not None
+
+
+def forget_workers(sweep_dir: Path) -> None:
+    """The registrations of an earlier sweep in the same folder."""
+    folder = Path(sweep_dir) / WORKERS
+    if folder.is_dir():
+        for entry in folder.iterdir():
+            entry.unlink(missing_ok=True)
+
+
+def cap_workers(n_jobs: Optional[int], jobs: Optional[int]) -> Optional[int]:
+    """The number of worker processes for `jobs` jobs when the launcher's `n_jobs` asks for
+    more (joblib starts them all at once, and one without a job dies of a Ctrl-C); None when it
+    does not, or the count is not known before the sweep (an optimising sweeper)."""
+    if not jobs or n_jobs is None:
+        return None
+    from joblib import effective_n_jobs
+
+    return jobs if effective_n_jobs(n_jobs) > jobs else None

@@ -1,0 +1,112 @@
+"""Signals, as the process gets them (os.kill on itself): a run's stop request keeps the first
+signal, a run takes over one that its sweep worker held between jobs, and a sweep's process
+passes its stop on to the worker processes that hold their signals (runner.sweep.stop)."""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+from omegaconf import OmegaConf
+
+from runner.run.interrupts import StopRequest, holding
+from runner.sweep import stop
+from runner.sweep.jobs import run_job
+from runner.sweep.parent import SweepParent
+from runner.sweep.stop import FORWARD_AFTER_S
+
+
+def _signal_self(signum: int) -> None:
+    os.kill(os.getpid(), signum)
+    time.sleep(0.01)  # (Python runs the handler between bytecodes of the main thread)
+
+
+def test_the_first_signal_stands_and_a_second_ctrl_c_stops_at_once():
+    """A SIGTERM after a Ctrl-C is what a sweep's process passes on to a job that had the
+    terminal's Ctrl-C already: it must neither replace the first signal (the exit status) nor
+    count as the second Ctrl-C."""
+    before = signal.getsignal(signal.SIGINT)
+    with StopRequest() as request:
+        assert holding() is request
+        _signal_self(signal.SIGINT)
+        assert request.signum == signal.SIGINT
+        _signal_self(signal.SIGTERM)
+        assert request.signum == signal.SIGINT
+        with pytest.raises(KeyboardInterrupt):
+            _signal_self(signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is before and holding() is None
+
+
+def test_a_run_takes_over_a_signal_held_before_it_started():
+    with StopRequest() as worker:
+        _signal_self(signal.SIGTERM)
+        with StopRequest() as run:
+            assert run.signum == signal.SIGTERM and worker.signum is None
+        assert holding() is worker
+        with StopRequest() as next_run:  # the signal stopped one run, not every later one
+            assert next_run.signum is None
+
+
+def _wait_for_sigterm(ready) -> None:
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(15))
+    ready.set()
+    time.sleep(60)
+    os._exit(0)
+
+
+def test_the_sweep_passes_its_stop_on_to_registered_workers_only(tmp_path):
+    """Only the worker processes that hold their signals get the SIGTERM: a worker that has not
+    run a job yet would die of it and break joblib's pool."""
+    ctx = multiprocessing.get_context("fork")
+    events = [ctx.Event(), ctx.Event()]
+    workers = [ctx.Process(target=_wait_for_sigterm, args=(e,), daemon=True) for e in events]
+    for worker, ready in zip(workers, events):
+        worker.start()
+        assert ready.wait(30)
+    registered, other = workers
+    folder = tmp_path / stop.WORKERS
+    folder.mkdir()
+    (folder / str(registered.pid)).touch()
+    try:
+        assert stop.SweepStop(tmp_path, lambda s: None).forward() == [registered.pid]
+        registered.join(30)
+        assert registered.exitcode == 15 and other.is_alive()
+    finally:
+        other.kill()
+        other.join(30)
+    stop.forget_workers(tmp_path)
+    assert not list(folder.iterdir())
+
+
+def test_the_sweeps_first_signal_marks_it_stopped_and_the_second_stops_at_once(tmp_path):
+    marked = []
+    with stop.SweepStop(tmp_path, marked.append) as sweep:
+        _signal_self(signal.SIGINT)
+        assert marked == [signal.SIGINT] and sweep.signum == signal.SIGINT
+        assert sweep._timer is not None and sweep._timer.daemon
+        with pytest.raises(KeyboardInterrupt):
+            _signal_self(signal.SIGINT)
+    sweep._timer.join(FORWARD_AFTER_S / 2)  # cancelled with the sweep's end: done at once
+    assert not sweep._timer.is_alive()
+
+
+@pytest.mark.parametrize(
+    ("n_jobs", "jobs", "cap"),
+    [(4, 2, 2), (2, 2, None), (1, 3, None), (-1, 1000, None), (None, 2, None), (4, None, None)],
+)
+def test_a_sweep_starts_no_more_workers_than_jobs(n_jobs, jobs, cap):
+    assert stop.cap_workers(n_jobs, jobs) == cap
+
+
+def test_a_job_of_a_stopped_sweep_does_not_start(tmp_path, caplog):
+    parent = SweepParent("mlflow", "sqlite:///nowhere/x.db", "e", "1", "abc", stopped="SIGINT")
+    parent.save(tmp_path)
+    assert SweepParent.load(tmp_path).stopped == "SIGINT"
+    value = run_job(OmegaConf.create({}), parent, overrides=[], output_dir=str(tmp_path), job_num=3)
+    assert math.isnan(value)
+    assert "Sweep job #3 not started: the sweep was stopped (SIGINT)" in caplog.text
+    assert not (tmp_path / "nowhere").exists()
