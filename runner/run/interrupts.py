@@ -65,11 +65,16 @@ class StopRequest:
             signal.Signals(signum).name,
         )
 
+    def handed_over(self) -> None:
+        """A run entered inside this request took its signal over: it stops that run only."""
+        self.signum = None
+
     def __enter__(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():
             outer = holding()
-            if outer is not None and outer.signum is not None:
-                self.signum, outer.signum = outer.signum, None  # it came before this run
+            if outer is not None and outer.signum is not None:  # it came before this run
+                self.signum = outer.signum
+                outer.handed_over()
             for sig in SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self

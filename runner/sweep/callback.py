@@ -195,6 +195,8 @@ class MlflowSweepCallback(Callback):
         if held is None:
             return None
         held.__exit__(None, None, None)
+        if self._sweep_dir is not None:
+            stop.forget_workers(self._sweep_dir)
         return held.signum
 
     def _end_stopped(self, parent: Any, signum: int, children: list[Any]) -> None:

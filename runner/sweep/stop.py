@@ -23,6 +23,7 @@ workers than it has jobs (`cap_workers`), so each gets one within seconds of the
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -65,6 +66,9 @@ class SweepStop(StopRequest):
         self._timer.daemon = True
         self._timer.start()
 
+    def handed_over(self) -> None:
+        """(A job in this process took the signal over: the sweep stays stopped.)"""
+
     def forward(self) -> list[int]:
         """SIGTERM to each live worker process that holds its signals; returns their pids."""
         sent = []
@@ -93,9 +97,10 @@ def hold_in_worker(sweep_dir: Path) -> None:
     (a run's own request takes over one that came first), and the process is registered in
     `sweep_dir` for the sweep's process to pass its stop on to."""
     global _worker
-    if _worker is not None or threading.current_thread() is not threading.main_thread():
+    if threading.current_thread() is not threading.main_thread():
         return
-    _worker = _WorkerHold().__enter__()
+    if _worker is None:
+        _worker = _WorkerHold().__enter__()
     folder = Path(sweep_dir) / WORKERS
     folder.mkdir(parents=True, exist_ok=True)
     (folder / str(os.getpid())).touch()
@@ -107,11 +112,13 @@ def in_worker() -> bool:
 
 
 def forget_workers(sweep_dir: Path) -> None:
-    """The registrations of an earlier sweep in the same folder."""
+    """The workers' registrations in the sweep's folder (at its start: an earlier sweep's)."""
     folder = Path(sweep_dir) / WORKERS
     if folder.is_dir():
         for entry in folder.iterdir():
             entry.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # (a worker that registers at this moment)
+            folder.rmdir()
 
 
 def cap_workers(n_jobs: Optional[int], jobs: Optional[int]) -> Optional[int]:

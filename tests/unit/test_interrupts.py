@@ -79,7 +79,17 @@ def test_the_sweep_passes_its_stop_on_to_registered_workers_only(tmp_path):
         other.kill()
         other.join(30)
     stop.forget_workers(tmp_path)
-    assert not list(folder.iterdir())
+    assert not folder.exists()
+
+
+def test_a_job_in_the_sweeps_own_process_leaves_the_sweep_stopped(tmp_path):
+    """(joblib runs the jobs in the sweep's process when it has one worker): a job that takes
+    over the sweep's signal stops, and the sweep stays stopped."""
+    with stop.SweepStop(tmp_path, lambda s: None) as sweep:
+        sweep.signum = signal.SIGINT  # as its handler sets it
+        with StopRequest() as run:
+            assert run.signum == signal.SIGINT
+        assert sweep.signum == signal.SIGINT
 
 
 def test_the_sweeps_first_signal_marks_it_stopped_and_the_second_stops_at_once(tmp_path):
