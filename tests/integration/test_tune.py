@@ -407,12 +407,14 @@ def test_a_compile_skipped_as_not_repaid_is_tried_only_by_a_longer_run():
 def test_the_processs_one_time_work_is_charged_to_no_candidate(monkeypatch):
     """On a GPU the process's one-time work (its first CUDA work, cuDNN's search) falls on the
     first run it times: ResNet-50's untuned settings took 17-21 s on an H200. Here the first
-    run's first step is made 3 s slower: that run is untimed, the untuned settings are timed
+    run's first step is made 5 s slower: that run is untimed, the untuned settings are timed
     after it, warm, and the candidates that redo none of the one-time work are expected to take
     the warm time and are measured within the budget. (Charged the cold time, with as much kept
-    to time the untuned settings again, every candidate was skipped.)"""
+    to time the untuned settings again, every candidate was skipped.) On a loaded machine (the
+    full suite on 2 cores) the two untuned runs can spend the budget whatever it charges: then a
+    candidate without a layout search must have been expected to take under the delay."""
     real = tune.measure
-    slow = 3.0
+    slow = 5.0
 
     def cold_first(plan, settings, device):
         row = real(plan, settings, device)
@@ -427,6 +429,9 @@ def test_the_processs_one_time_work_is_charged_to_no_candidate(monkeypatch):
     _, tuning = tuned(*ON, f"trainer.tune_budget_s={slow + 5.0}")
     base, *rest = tuning.rows
     measured = [r for r in rest if r.steady_ms is not None]
-    assert measured, tuning.table()
+    if not measured:  # what each was expected to take: the warm time
+        (kernels,) = [r for r in rest if "precision.kernels" in r.settings]
+        expected = re.search(r"would take ~([\d.]+) s", kernels.note)
+        assert expected is not None and float(expected[1]) < slow, tuning.table()
     assert base.warmup_s < slow and all(r.warmup_s < slow for r in measured)
     assert cold_first.calls[:2] == [{}, {}] and len(cold_first.calls) == 2 + len(measured)
