@@ -97,8 +97,13 @@ def mistakes_reported() -> Iterator[None]:
     explained and exits 2 first. The error is Hydra's own, from its one composition: no second
     composition, nothing added on the happy path. Errors of a run, and every error under
     HYDRA_FULL_ERROR=1, take Hydra's path as before. `--help` and `--info` compose outside that
-    reporter: their composition errors are caught as they leave Hydra."""
+    reporter: their composition errors are caught as they leave Hydra.
+
+    An error that ends a sweep a signal had stopped (an optimising sweeper raising on the jobs
+    the stop failed) is that interruption, not Hydra's report: KILLED, exit 130 or 143."""
     from hydra._internal import utils
+
+    from runner.run.interrupts import RunInterrupted
 
     reporter: Callable[[Callable[[], Any]], Any] = utils.run_and_report
 
@@ -107,6 +112,9 @@ def mistakes_reported() -> Iterator[None]:
             try:
                 return func()
             except Exception as error:
+                signum = callback.stopped_sweep()
+                if signum is not None:
+                    raise RunInterrupted(signum) from error
                 if not _mistake(error):
                     raise
                 _refuse(error)

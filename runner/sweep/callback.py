@@ -328,6 +328,13 @@ class LaunchScope:
     def adopt(self, callback: MlflowSweepCallback) -> None:
         self._callbacks.append(callback)
 
+    def stopped_by(self) -> int | None:
+        """The signal that stopped one of the sweeps while its jobs ran, if any."""
+        for callback in self._callbacks:
+            if callback._stop is not None and callback._stop.signum is not None:
+                return callback._stop.signum
+        return None
+
     def close_open(self, status: str, reason: str) -> None:
         """End every parent still open: KILLED or FAILED, with the reason as its `error` tag."""
         for callback in self._callbacks:
@@ -337,6 +344,12 @@ class LaunchScope:
 _SCOPE: contextvars.ContextVar[LaunchScope | None] = contextvars.ContextVar(
     "amp_runner_launch_scope", default=None
 )
+
+
+def stopped_sweep() -> int | None:
+    """The signal that stopped a sweep of the CLI's scope while its jobs ran (see LaunchScope)."""
+    scope = _SCOPE.get()
+    return scope.stopped_by() if scope is not None else None
 
 
 @contextlib.contextmanager

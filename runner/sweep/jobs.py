@@ -222,8 +222,8 @@ def run_job(
 
     In a worker process of the joblib launcher (runner.sweep.stop), a job that starts after the
     sweep was stopped does not run, and one that a signal stopped (its run KILLED, with its
-    checkpoint) returns NaN rather than raise: joblib would end the other jobs' processes at
-    once; the sweep's process ends the sweep."""
+    checkpoint) is a failed job (NaN, or `SweepJobFailed`) rather than an interruption: joblib
+    would end the other jobs' processes at once; the sweep's process ends the sweep."""
     from runner.run.app import run
     from runner.run.interrupts import RunInterrupted
     from runner.run.plan import default_run_name
@@ -233,10 +233,9 @@ def run_job(
     raises = bool(sweeper) and sweeper != BASIC_SWEEPER
     apart = job_label(overrides, parent.varying.split(), job_num, sweeper)
     if parent.stopped:
-        log.warning(
-            "Sweep job #%d not started: the sweep was stopped (%s)", job_num, parent.stopped
+        return _not_run(
+            f"job #{job_num} not started: the sweep was stopped ({parent.stopped})", raises
         )
-        return math.nan
     try:
         same_store(cfg, parent.tracker, parent.location, parent.experiment_name)
         if _resuming(cfg):
@@ -247,8 +246,7 @@ def run_job(
     except RunInterrupted as interrupted:
         if not stop.in_worker():
             raise  # the sweep's own process: the sweep stops here
-        log.warning("Sweep job #%d stopped: %s", job_num, interrupted)
-        return math.nan
+        return _not_run(f"job #{job_num} stopped: {interrupted}", raises)
     except Exception as error:  # noqa: BLE001  (recorded and counted; the sweep goes on)
         if isinstance(error, RunnerError):
             log.error("Sweep job #%d failed: %s", job_num, error)
@@ -278,6 +276,14 @@ def run_job(
             )
         return math.nan
     return best
+
+
+def _not_run(what: str, raises: bool) -> float:
+    """A job that a signal kept from its end: said, then NaN or (`raises`) `SweepJobFailed`."""
+    log.warning("Sweep %s", what)
+    if raises:
+        raise SweepJobFailed(f"sweep {what}")
+    return math.nan
 
 
 def _resume_job(

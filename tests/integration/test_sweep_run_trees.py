@@ -227,6 +227,35 @@ def test_a_sigterm_to_a_joblib_sweeps_process_alone_reaches_its_jobs(tmp_path):
     assert len(_checkpoints(tmp_path)) == 2
 
 
+@pytest.mark.slow
+def test_ctrl_c_ends_an_optuna_study_on_joblib_killed(tmp_path):
+    """Under Optuna the stopped jobs are failed trials (a NaN objective crashed its study), the
+    sweeper raises on them, and that error is the interruption: exit 130, the parent KILLED. It
+    printed Optuna's traceback and ended the parent FAILED with exit 1."""
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="pip install '.[dev]'")
+    proc, seen = _joblib_sweep_training(
+        tmp_path,
+        "hydra/sweeper=optuna",
+        "hydra/sweeper/sampler=random",
+        "hydra.sweeper.n_trials=4",
+        "hydra.sweeper.n_jobs=2",
+        "hydra.sweeper.direction=maximize",
+        "optimizer.lr=choice(0.05,0.02)",
+        "hydra.launcher.n_jobs=2",
+        running=2,
+    )
+    os.killpg(proc.pid, signal.SIGINT)
+    rest, _ = proc.communicate(timeout=240)
+    output = "".join(seen) + rest
+    assert proc.returncode == 130, output[-4000:]
+    assert "Traceback" not in output and "Interrupted: interrupted by SIGINT" in output
+    _, parent, children = sweep_tree(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert parent.info.status == "KILLED", parent.data.tags.get("error")
+    assert sorted(children) == ["tiny-O0 trial 0", "tiny-O0 trial 1"]  # no trial after the stop
+    assert all(c.info.status == "KILLED" for c in children.values())
+    assert len(_checkpoints(tmp_path)) == 2
+
+
 def _stopped_job(signum: int) -> None:
     """A sweep job that a signal stopped after its checkpoint, as runner.run.app raises it."""
     from runner.run.interrupts import RunInterrupted
