@@ -145,9 +145,11 @@ def test_a_joblib_sweep_runs_with_loader_workers_and_progress_bars(tmp_path):
     assert all(c.data.params["trainer.num_workers"] == "2" for c in children.values())
 
 
-def _joblib_sweep_training(tmp_path, *args: str, running: int):
-    """A joblib sweep of long jobs started in its own process group, once `running` of its jobs
-    train (each has opened its run and logged a step); (the process, what it printed)."""
+def _stopped_joblib_sweep(tmp_path, *args: str, signum: int, group: bool = True):
+    """A joblib sweep of long jobs, in its own process group, sent `signum` (to the group, as a
+    terminal's Ctrl-C, or to the sweep's process alone) once two of its jobs train; asserts what
+    every stopped sweep shows: the signal's exit status, no traceback, the two jobs KILLED with
+    their checkpoints. Returns (what it printed, the parent run, the children by name)."""
     pytest.importorskip("hydra_plugins.hydra_joblib_launcher", reason="pip install '.[joblib]'")
     proc = start_cli(
         "-m",
@@ -161,15 +163,18 @@ def _joblib_sweep_training(tmp_path, *args: str, running: int):
         cwd=tmp_path,
         new_session=True,
     )
-    seen = []
-    for _ in range(running):
-        seen += read_until(proc, "MLflow run '")
+    seen = read_until(proc, "MLflow run '") + read_until(proc, "MLflow run '")  # (each job's)
     time.sleep(4)  # (past the runs' first steps)
-    return proc, seen
-
-
-def _checkpoints(tmp_path) -> list[Path]:
-    return sorted(tmp_path.rglob("last.pt"))
+    (os.killpg if group else os.kill)(proc.pid, signum)
+    rest, _ = proc.communicate(timeout=240)
+    output = "".join(seen) + rest
+    assert proc.returncode == 128 + signum, output[-4000:]
+    assert "Traceback" not in output and "BrokenProcessPool" not in output, output[-4000:]
+    _, parent, children = sweep_tree(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert {n: c.info.status for n, c in children.items()} == {n: "KILLED" for n in children}
+    assert len(children) == 2 and len(list(tmp_path.rglob("last.pt"))) == 2, output[-4000:]
+    assert parent.info.status == "KILLED", parent.data.tags.get("error")
+    return output, parent, children
 
 
 @pytest.mark.slow
@@ -180,23 +185,15 @@ def test_ctrl_c_stops_every_job_of_a_joblib_sweep_with_its_checkpoint(tmp_path):
     joblib ended the other workers on the first job that came back interrupted; and with more
     workers than jobs (n_jobs=4 for 2 jobs), the idle ones died of the signal and broke joblib's
     pool. The jobs run with their DataLoader workers, as users run them."""
-    proc, seen = _joblib_sweep_training(
+    output, parent, children = _stopped_joblib_sweep(
         tmp_path,
         "hydra.launcher.n_jobs=4",
         "trainer.num_workers=2",
         "precision=o0,o2_bf16",
-        running=2,
+        signum=signal.SIGINT,
     )
-    os.killpg(proc.pid, signal.SIGINT)
-    rest, _ = proc.communicate(timeout=240)
-    output = "".join(seen) + rest
-    assert proc.returncode == 130, output[-4000:]
-    assert "Traceback" not in output and "BrokenProcessPool" not in output, output[-4000:]
-    _, parent, children = sweep_tree(f"sqlite:///{tmp_path / 'mlflow.db'}")
     assert sorted(children) == ["tiny-O0", "tiny-O2-bf16"]
-    assert {n: c.info.status for n, c in children.items()} == {n: "KILLED" for n in children}
-    assert len(_checkpoints(tmp_path)) == 2, output[-4000:]
-    assert parent.info.status == "KILLED" and parent.data.tags["error"] == "interrupted by SIGINT"
+    assert parent.data.tags["error"] == "interrupted by SIGINT"
     assert "Sweep stopped by SIGINT: 2 job(s) stopped with a checkpoint" in output
     assert "resume=auto hydra.sweep.dir=" in output
 
@@ -207,24 +204,16 @@ def test_a_sigterm_to_a_joblib_sweeps_process_alone_reaches_its_jobs(tmp_path):
     its workers, the running jobs stop after their step with their checkpoints, the jobs that
     had not started do not start, and the sweep exits 143. The jobs ran on to their end, or
     were killed with the pool."""
-    proc, seen = _joblib_sweep_training(
+    output, _, _ = _stopped_joblib_sweep(
         tmp_path,
         "hydra.launcher.n_jobs=2",
         "precision=o0,o2_bf16",
         "trainer.seed=1,2",
-        running=2,
+        signum=signal.SIGTERM,
+        group=False,
     )
-    os.kill(proc.pid, signal.SIGTERM)
-    rest, _ = proc.communicate(timeout=240)
-    output = "".join(seen) + rest
-    assert proc.returncode == 143, output[-4000:]
-    assert "Traceback" not in output, output[-4000:]
     assert "2 job(s) stopped with a checkpoint" in output and "2 not started" in output
     assert output.count("not started: the sweep was stopped (SIGTERM)") == 2
-    _, parent, children = sweep_tree(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    assert parent.info.status == "KILLED"
-    assert len(children) == 2 and all(c.info.status == "KILLED" for c in children.values())
-    assert len(_checkpoints(tmp_path)) == 2
 
 
 @pytest.mark.slow
@@ -233,7 +222,7 @@ def test_ctrl_c_ends_an_optuna_study_on_joblib_killed(tmp_path):
     sweeper raises on them, and that error is the interruption: exit 130, the parent KILLED. It
     printed Optuna's traceback and ended the parent FAILED with exit 1."""
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="pip install '.[dev]'")
-    proc, seen = _joblib_sweep_training(
+    output, _, children = _stopped_joblib_sweep(
         tmp_path,
         "hydra/sweeper=optuna",
         "hydra/sweeper/sampler=random",
@@ -242,18 +231,10 @@ def test_ctrl_c_ends_an_optuna_study_on_joblib_killed(tmp_path):
         "hydra.sweeper.direction=maximize",
         "optimizer.lr=choice(0.05,0.02)",
         "hydra.launcher.n_jobs=2",
-        running=2,
+        signum=signal.SIGINT,
     )
-    os.killpg(proc.pid, signal.SIGINT)
-    rest, _ = proc.communicate(timeout=240)
-    output = "".join(seen) + rest
-    assert proc.returncode == 130, output[-4000:]
-    assert "Traceback" not in output and "Interrupted: interrupted by SIGINT" in output
-    _, parent, children = sweep_tree(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    assert parent.info.status == "KILLED", parent.data.tags.get("error")
+    assert "Interrupted: interrupted by SIGINT" in output
     assert sorted(children) == ["tiny-O0 trial 0", "tiny-O0 trial 1"]  # no trial after the stop
-    assert all(c.info.status == "KILLED" for c in children.values())
-    assert len(_checkpoints(tmp_path)) == 2
 
 
 def _stopped_job(signum: int) -> None:
