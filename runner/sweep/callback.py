@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 
 JOBLIB_LAUNCHER = "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher"
 SUBMITIT_LOCAL_LAUNCHER = "hydra_plugins.hydra_submitit_launcher.submitit_launcher.LocalLauncher"
+# the launchers whose jobs run in processes of their own on this machine, in the sweep's process
+# group: a Ctrl-C reaches them all (runner.sweep.stop)
+LOCAL_PROCESS_LAUNCHERS = (JOBLIB_LAUNCHER, SUBMITIT_LOCAL_LAUNCHER)
 MAX_RUN_NAME = 200
 
 
@@ -53,8 +56,8 @@ class MlflowSweepCallback(Callback):
         self._sweep_dir: Path | None = None
         self._gpu: tuple[int, HeldLock] | None = None
         self._jobs: int | None = None  # the sweep's job count, when known before it starts
-        self._stop: stop.SweepStop | None = None  # the sweep's process, under joblib
-        self._launching_pid: int | None = None  # that process's id, under joblib
+        self._stop: stop.SweepStop | None = None  # the sweep's process (joblib, submitit_local)
+        self._launching_pid: int | None = None  # that process's id, under those
 
     def __getstate__(self) -> dict:
         """What a launcher ships to its worker processes (joblib pickles the callback): the
@@ -124,7 +127,7 @@ class MlflowSweepCallback(Callback):
         self.parent.save(sweep_dir)
         self._sweep_dir = sweep_dir
         self._jobs = jobs
-        if launcher == JOBLIB_LAUNCHER:  # Ctrl-C: see runner.sweep.stop
+        if launcher in LOCAL_PROCESS_LAUNCHERS:  # Ctrl-C: see runner.sweep.stop
             stop.forget_workers(sweep_dir)
             self._launching_pid = os.getpid()
             self._stop = stop.SweepStop(sweep_dir, self._mark_stopped).__enter__()
@@ -258,7 +261,7 @@ class MlflowSweepCallback(Callback):
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         if self.parent is None:
             return  # a single run, or a dry-run sweep
-        if self._launching_pid not in (None, os.getpid()):  # a joblib worker process
+        if self._launching_pid not in (None, os.getpid()):  # a job's own process
             stop.hold_in_worker(Path(config.hydra.sweep.dir))
         end_fluent_runs()
         gc.collect()  # the previous in-process job's model and optimizer

@@ -1,23 +1,25 @@
-"""Ctrl-C on a sweep whose jobs run in worker processes (the joblib launcher: `hydra/launcher=
-joblib` or `parallel`): each job that runs stops after its step with a checkpoint, no job starts
-after it, and the sweep ends KILLED with the exit status of the signal (130 for Ctrl-C).
+"""Ctrl-C on a sweep whose jobs run in processes of their own on this machine (the joblib
+launcher: `hydra/launcher=joblib` or `parallel`; submitit's local launcher): each job that runs
+stops after its step with a checkpoint, no job starts after it, and the sweep ends KILLED with
+the exit status of the signal (130 for Ctrl-C).
 
-A terminal's Ctrl-C reaches the whole process group: the sweep's own process and joblib's worker
+A terminal's Ctrl-C reaches the whole process group: the sweep's own process and the jobs'
 processes at once. Left to Python's defaults, the sweep's process raised KeyboardInterrupt while
 joblib waited for the jobs, and joblib, on that or on the first job that came back interrupted,
 ended every other worker at once, before its checkpoint (their runs stayed RUNNING); a worker
-without a job died of the signal, which broke joblib's pool. So:
+without a job died of the signal, which broke joblib's pool; under submitit a job that came back
+interrupted left no result, and the sweep ended FAILED with submitit's traceback. So:
 
 - the sweep's process holds the first signal while the jobs run (`SweepStop`): it marks the sweep
   stopped in its folder (`SweepParent.stopped`: a job that starts after that does not run), and a
-  moment later passes a SIGTERM on to the worker processes that hold their signals, for a signal
+  moment later passes a SIGTERM on to the jobs' processes that hold their signals, for a signal
   sent to the sweep's process alone (a container's stop); a second Ctrl-C stops at once;
-- each worker process holds its signals between jobs (`hold_in_worker`), and a job there that a
-  signal stopped returns (its run KILLED, with its checkpoint) instead of raising, so that joblib
-  waits for the other jobs;
+- each job's process holds its signals between jobs (`hold_in_worker`), and a job there that a
+  signal stopped returns (its run KILLED, with its checkpoint) instead of raising, so that the
+  launcher waits for the other jobs;
 - the end of the sweep ends the parent run KILLED and exits as a run would.
 
-A worker process that has not yet run a job cannot hold its signals: the sweep starts no more
+A joblib worker that has not yet run a job cannot hold its signals: the sweep starts no more
 workers than it has jobs (`cap_workers`), so each gets one within seconds of the start.
 """
 
@@ -25,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import multiprocessing
 import os
 import signal
 import threading
@@ -70,15 +71,13 @@ class SweepStop(StopRequest):
         """(A job in this process took the signal over: the sweep stays stopped.)"""
 
     def forward(self) -> list[int]:
-        """SIGTERM to each live worker process that holds its signals; returns their pids."""
+        """SIGTERM to each live job process that holds its signals; returns their pids."""
         sent = []
-        for child in multiprocessing.active_children():
-            if (self._workers / str(child.pid)).exists():
-                try:
-                    os.kill(child.pid, signal.SIGTERM)
-                    sent.append(child.pid)
-                except ProcessLookupError:
-                    pass
+        for entry in sorted(self._workers.glob("*")) if self._workers.is_dir() else []:
+            if entry.name.isdigit() and int(entry.name) != os.getpid():
+                with contextlib.suppress(ProcessLookupError):  # (its job has ended)
+                    os.kill(int(entry.name), signal.SIGTERM)
+                    sent.append(int(entry.name))
         return sent
 
     def __exit__(self, *exc: object) -> None:
@@ -93,9 +92,10 @@ class _WorkerHold(StopRequest):
 
 
 def hold_in_worker(sweep_dir: Path) -> None:
-    """In a sweep's worker process, from its first job on: the signals are held between jobs
-    (a run's own request takes over one that came first), and the process is registered in
-    `sweep_dir` for the sweep's process to pass its stop on to."""
+    """In a process that runs a sweep's jobs (a joblib worker, a submitit job), from its first
+    job on: the signals are held between jobs (a run's own request takes over one that came
+    first), and the process is registered in `sweep_dir` for the sweep's process to pass its
+    stop on to."""
     global _worker
     if threading.current_thread() is not threading.main_thread():
         return
@@ -107,7 +107,8 @@ def hold_in_worker(sweep_dir: Path) -> None:
 
 
 def in_worker() -> bool:
-    """Whether this process is a sweep's worker process (its jobs return when interrupted)."""
+    """Whether this process runs a sweep's jobs apart from the sweep's own process (its jobs
+    return when interrupted)."""
     return _worker is not None
 
 

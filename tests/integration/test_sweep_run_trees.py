@@ -145,15 +145,17 @@ def test_a_joblib_sweep_runs_with_loader_workers_and_progress_bars(tmp_path):
     assert all(c.data.params["trainer.num_workers"] == "2" for c in children.values())
 
 
-def _stopped_joblib_sweep(tmp_path, *args: str, signum: int, group: bool = True):
-    """A joblib sweep of long jobs, in its own process group, sent `signum` (to the group, as a
-    terminal's Ctrl-C, or to the sweep's process alone) once two of its jobs train; asserts what
-    every stopped sweep shows: the signal's exit status, no traceback, the two jobs KILLED with
-    their checkpoints. Returns (what it printed, the parent run, the children by name)."""
-    pytest.importorskip("hydra_plugins.hydra_joblib_launcher", reason="pip install '.[joblib]'")
+def _stopped_sweep(tmp_path, *args: str, signum: int, group: bool = True, launcher: str = "joblib"):
+    """A sweep of long jobs in processes of their own (joblib's by default), in its own process
+    group, sent `signum` (to the group, as a terminal's Ctrl-C, or to the sweep's process alone)
+    once two of its jobs train; asserts what every stopped sweep shows: the signal's exit
+    status, no traceback, the two jobs KILLED with their checkpoints. Returns (what it printed,
+    the parent run, the children by name)."""
+    plugin = {"joblib": "hydra_joblib_launcher", "submitit_local": "hydra_submitit_launcher"}
+    pytest.importorskip(f"hydra_plugins.{plugin[launcher]}", reason="pip install '.[dev]'")
     proc = start_cli(
         "-m",
-        "hydra/launcher=joblib",
+        f"hydra/launcher={launcher}",
         *[o for o in FAST if not o.startswith(("trainer.num_workers", "trainer.max_epochs"))],
         "data.num_train=100000",
         "trainer.max_epochs=1",
@@ -163,13 +165,24 @@ def _stopped_joblib_sweep(tmp_path, *args: str, signum: int, group: bool = True)
         cwd=tmp_path,
         new_session=True,
     )
-    seen = read_until(proc, "MLflow run '") + read_until(proc, "MLflow run '")  # (each job's)
+    if launcher == "submitit_local":  # (its jobs write to files of their own)
+        deadline = time.monotonic() + 240
+        logs = tmp_path / "sweep" / ".submitit"
+        while sum("MLflow run '" in f.read_text() for f in logs.rglob("*_log.out")) < 2:
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read()
+            time.sleep(0.5)
+        seen = []
+    else:
+        seen = read_until(proc, "MLflow run '") + read_until(proc, "MLflow run '")  # each job's
     time.sleep(4)  # (past the runs' first steps)
     (os.killpg if group else os.kill)(proc.pid, signum)
     rest, _ = proc.communicate(timeout=240)
     output = "".join(seen) + rest
     assert proc.returncode == 128 + signum, output[-4000:]
-    assert "Traceback" not in output and "BrokenProcessPool" not in output, output[-4000:]
+    # (submitit's local launcher runs each job under a controller process of its own, which a
+    # Ctrl-C ends with its traceback: submitit's, printed as it dies, not the sweep's)
+    ours = output.count("Traceback") - output.count('submitit/local/_local.py", line')
+    assert ours == 0 and "BrokenProcessPool" not in output, output[-4000:]
     _, parent, children = sweep_tree(f"sqlite:///{tmp_path / 'mlflow.db'}")
     assert {n: c.info.status for n, c in children.items()} == {n: "KILLED" for n in children}
     assert len(children) == 2 and len(list(tmp_path.rglob("last.pt"))) == 2, output[-4000:]
@@ -185,7 +198,7 @@ def test_ctrl_c_stops_every_job_of_a_joblib_sweep_with_its_checkpoint(tmp_path):
     joblib ended the other workers on the first job that came back interrupted; and with more
     workers than jobs (n_jobs=4 for 2 jobs), the idle ones died of the signal and broke joblib's
     pool. The jobs run with their DataLoader workers, as users run them."""
-    output, parent, children = _stopped_joblib_sweep(
+    output, parent, children = _stopped_sweep(
         tmp_path,
         "hydra.launcher.n_jobs=4",
         "trainer.num_workers=2",
@@ -204,7 +217,7 @@ def test_a_sigterm_to_a_joblib_sweeps_process_alone_reaches_its_jobs(tmp_path):
     its workers, the running jobs stop after their step with their checkpoints, the jobs that
     had not started do not start, and the sweep exits 143. The jobs ran on to their end, or
     were killed with the pool."""
-    output, _, _ = _stopped_joblib_sweep(
+    output, _, _ = _stopped_sweep(
         tmp_path,
         "hydra.launcher.n_jobs=2",
         "precision=o0,o2_bf16",
@@ -222,7 +235,7 @@ def test_ctrl_c_ends_an_optuna_study_on_joblib_killed(tmp_path):
     sweeper raises on them, and that error is the interruption: exit 130, the parent KILLED. It
     printed Optuna's traceback and ended the parent FAILED with exit 1."""
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="pip install '.[dev]'")
-    output, _, children = _stopped_joblib_sweep(
+    output, _, children = _stopped_sweep(
         tmp_path,
         "hydra/sweeper=optuna",
         "hydra/sweeper/sampler=random",
@@ -235,6 +248,19 @@ def test_ctrl_c_ends_an_optuna_study_on_joblib_killed(tmp_path):
     )
     assert "Interrupted: interrupted by SIGINT" in output
     assert sorted(children) == ["tiny-O0 trial 0", "tiny-O0 trial 1"]  # no trial after the stop
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_jobs_of_submitits_local_launcher_with_their_checkpoints(tmp_path):
+    """Each job (a process of submitit's) stops after its step with its checkpoint and returns;
+    the sweep ends KILLED with 130. A job that raised the interruption left submitit no result:
+    the sweep failed on submitit's UncompletedJobError, with its traceback, FAILED with 1."""
+    output, parent, children = _stopped_sweep(
+        tmp_path, "precision=o0,o2_bf16", signum=signal.SIGINT, launcher="submitit_local"
+    )
+    assert sorted(children) == ["tiny-O0", "tiny-O2-bf16"]
+    assert "Sweep stopped by SIGINT: 2 job(s) stopped with a checkpoint" in output
+    assert "UncompletedJobError" not in output
 
 
 def _stopped_job(signum: int) -> None:
