@@ -20,8 +20,9 @@ its worker processes.
   its checkpoint (KILLED, FAILED) or replaced (no checkpoint).
 - Sweep end: the parent ends FINISHED with the number of failed children; the process exits 1 if
   any job failed. Ctrl-C or a crash of the sweep machinery ends the parent KILLED or FAILED
-  (`callback.LaunchScope`, held by the CLI). With joblib's worker processes, Ctrl-C stops every
-  running job after its step with a checkpoint and starts no further job (`stop`).
+  (`callback.LaunchScope`, held by the CLI). With jobs in processes of their own (joblib,
+  submitit_local), Ctrl-C stops every running job after its step with a checkpoint and starts no
+  further job (`stop`).
 - One GPU per job with the joblib launcher (`gpus`).
 
 The runs go through the tracking seam (runner.tracking.base): under `tracking=none` the parent is a

@@ -192,6 +192,10 @@ class MlflowSweepCallback(Callback):
             self.parent = dataclasses.replace(self.parent, stopped=signal.Signals(signum).name)
             self.parent.save(self._sweep_dir)
 
+    def held_signal(self) -> int | None:
+        """The signal the sweep's process holds while its jobs run, if it had one."""
+        return self._stop.signum if self._stop is not None else None
+
     def _release_stop(self) -> int | None:
         """The signal handling of the sweep's process ends; returns the signal it held."""
         held, self._stop = self._stop, None
@@ -333,10 +337,7 @@ class LaunchScope:
 
     def stopped_by(self) -> int | None:
         """The signal that stopped one of the sweeps while its jobs ran, if any."""
-        for callback in self._callbacks:
-            if callback._stop is not None and callback._stop.signum is not None:
-                return callback._stop.signum
-        return None
+        return next((s for c in self._callbacks if (s := c.held_signal()) is not None), None)
 
     def close_open(self, status: str, reason: str) -> None:
         """End every parent still open: KILLED or FAILED, with the reason as its `error` tag."""

@@ -220,10 +220,11 @@ def run_job(
     `hydra.sweeper.max_failure_rate`), where a NaN objective would crash Optuna's study; a job
     that finishes without a finite objective raises there too.
 
-    In a worker process of the joblib launcher (runner.sweep.stop), a job that starts after the
-    sweep was stopped does not run, and one that a signal stopped (its run KILLED, with its
-    checkpoint) is a failed job (NaN, or `SweepJobFailed`) rather than an interruption: joblib
-    would end the other jobs' processes at once; the sweep's process ends the sweep."""
+    In a process apart from the sweep's (a joblib worker, a submitit job: runner.sweep.stop), a
+    job that starts after the sweep was stopped does not run, and one that a signal stopped (its
+    run KILLED, with its checkpoint) is a failed job (NaN, or `SweepJobFailed`) rather than an
+    interruption (joblib would end the other jobs' processes at once, submitit would find no
+    result); the sweep's process ends the sweep."""
     from runner.run.app import run
     from runner.run.interrupts import RunInterrupted
     from runner.run.plan import default_run_name
