@@ -89,6 +89,10 @@ class MlflowSweepCallback(Callback):
             if cap is not None:  # (the launcher is made from this config after this call)
                 with read_write(config.hydra.launcher), open_dict(config.hydra.launcher):
                     config.hydra.launcher.n_jobs = cap
+        elif launcher == SUBMITIT_LOCAL_LAUNCHER:  # its job controllers: deaf to Ctrl-C
+            setup = stop.submitit_setup(OmegaConf.select(config, "hydra.launcher.setup"))
+            with read_write(config.hydra.launcher), open_dict(config.hydra.launcher):
+                config.hydra.launcher.setup = setup
         self._warn_shared_device(config, launcher)
         earlier = None
         if _resuming(config):

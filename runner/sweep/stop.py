@@ -21,6 +21,14 @@ interrupted left no result, and the sweep ended FAILED with submitit's traceback
 
 A joblib worker that has not yet run a job cannot hold its signals: the sweep starts no more
 workers than it has jobs (`cap_workers`), so each gets one within seconds of the start.
+
+submitit's local launcher runs each job under a controller process of submitit's, which a
+Ctrl-C ended with a traceback; ending, it killed its job (SIGKILL, a second after a SIGINT),
+often before the job's checkpoint, and the sweep took the job's missing result for its end and
+exited while the job was still running. The launcher's `setup` commands (submitit's own
+parameter) run in the shell that starts the controller: `SUBMITIT_SETUP` there leaves the
+controller deaf to Ctrl-C (`submitit_setup`), so it waits for its job as it does for one that
+finishes.
 """
 
 from __future__ import annotations
@@ -120,6 +128,20 @@ def forget_workers(sweep_dir: Path) -> None:
             entry.unlink(missing_ok=True)
         with contextlib.suppress(OSError):  # (a worker that registers at this moment)
             folder.rmdir()
+
+
+# (a signal ignored stays ignored across exec, and Python keeps it so: the controller inherits
+# the shell's SIG_IGN for SIGINT and sets its own SIGTERM handler, which passes SIGTERM on to its
+# job; the shell itself must not die of a SIGTERM either, or the launcher takes the job for
+# ended. A job's process sets its own handlers from its first job on: `hold_in_worker`.)
+SUBMITIT_SETUP = "trap '' INT TERM"
+
+
+def submitit_setup(setup: Optional[list[str]]) -> list[str]:
+    """submitit's local launcher's `setup` commands for a sweep that stops on Ctrl-C: `setup`
+    (the user's, if any) after `SUBMITIT_SETUP`."""
+    setup = list(setup or [])
+    return setup if SUBMITIT_SETUP in setup else [SUBMITIT_SETUP, *setup]
 
 
 def cap_workers(n_jobs: Optional[int], jobs: Optional[int]) -> Optional[int]:

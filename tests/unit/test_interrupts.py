@@ -7,7 +7,10 @@ from __future__ import annotations
 import math
 import multiprocessing
 import os
+import shlex
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -110,6 +113,21 @@ def test_the_sweeps_first_signal_marks_it_stopped_and_the_second_stops_at_once(t
 )
 def test_a_sweep_starts_no_more_workers_than_jobs(n_jobs, jobs, cap):
     assert stop.cap_workers(n_jobs, jobs) == cap
+
+
+def test_submitits_job_controllers_start_deaf_to_ctrl_c():
+    """submitit's local launcher runs its `setup` commands and then its job's controller in one
+    shell: the controller starts with SIGINT and SIGTERM ignored (Python keeps an inherited
+    SIG_IGN), after the user's own setup, which still runs."""
+    setup = stop.submitit_setup(["export AMP_PROBE=1"])
+    assert stop.submitit_setup(setup) == setup  # (once, for a config that has it already)
+    probe = (
+        "import os, signal as s; "
+        "print(s.getsignal(s.SIGINT), s.getsignal(s.SIGTERM), os.environ['AMP_PROBE'])"
+    )
+    command = " && ".join([*setup, shlex.join([sys.executable, "-c", probe])])
+    done = subprocess.run(command, shell=True, capture_output=True, text=True, check=True)
+    assert done.stdout.split() == [str(signal.SIG_IGN), str(signal.SIG_IGN), "1"]
 
 
 def test_a_job_of_a_stopped_sweep_does_not_start(tmp_path, caplog):
