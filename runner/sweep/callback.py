@@ -270,7 +270,7 @@ class MlflowSweepCallback(Callback):
         if self.parent is None:
             return  # a single run, or a dry-run sweep
         if self._launching_pid not in (None, os.getpid()):  # a job's own process
-            stop.hold_in_worker(Path(config.hydra.sweep.dir))
+            stop.hold_in_worker(Path(config.hydra.sweep.dir), self._launching_pid)
         end_fluent_runs()
         gc.collect()  # the previous in-process job's model and optimizer
         count = gpu_count()
@@ -290,6 +290,7 @@ class MlflowSweepCallback(Callback):
     def on_job_end(self, config: DictConfig, job_return: Any = None, **kwargs: Any) -> None:
         if self.parent is None:
             return
+        stop.job_ended()
         end_fluent_runs()
         if self._gpu is not None:
             self._gpu[1].close()

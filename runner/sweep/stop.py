@@ -29,6 +29,9 @@ exited while the job was still running. The launcher's `setup` commands (submiti
 parameter) run in the shell that starts the controller: `SUBMITIT_SETUP` there leaves the
 controller deaf to Ctrl-C (`submitit_setup`), so it waits for its job as it does for one that
 finishes.
+
+A sweep's process killed outright (SIGKILL, the OOM killer) passes nothing on: each job's
+process watches it (`_watch_sweep`), stops its job and exits when it is gone.
 """
 
 from __future__ import annotations
@@ -36,8 +39,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import select
 import signal
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Optional
@@ -50,6 +55,8 @@ WORKERS = ".amp-runner-workers"  # in the sweep's folder: one empty file per hol
 FORWARD_AFTER_S = 1.0  # a Ctrl-C reaches the workers itself within this; a SIGTERM follows
 
 _worker: Optional[StopRequest] = None  # this process's hold, when it is a sweep's worker
+_job_running = threading.Event()  # (in a worker: between a job's start and its end)
+_watching: Optional[threading.Thread] = None  # (in a worker: `_watch_sweep`)
 
 
 class SweepStop(StopRequest):
@@ -99,12 +106,12 @@ class _WorkerHold(StopRequest):
         log.debug("%s received between sweep jobs", signal.Signals(signum).name)
 
 
-def hold_in_worker(sweep_dir: Path) -> None:
-    """In a process that runs a sweep's jobs (a joblib worker, a submitit job), from its first
-    job on: the signals are held between jobs (a run's own request takes over one that came
+def hold_in_worker(sweep_dir: Path, sweep_pid: Optional[int] = None) -> None:
+    """In a process that runs a sweep's jobs (a joblib worker, a submitit job), at each job's
+    start: the signals are held between jobs (a run's own request takes over one that came
     first), and the process is registered in `sweep_dir` for the sweep's process to pass its
-    stop on to."""
-    global _worker
+    stop on to. With `sweep_pid`, the sweep's process, a thread watches it (`_watch_sweep`)."""
+    global _worker, _watching
     if threading.current_thread() is not threading.main_thread():
         return
     if _worker is None:
@@ -112,6 +119,60 @@ def hold_in_worker(sweep_dir: Path) -> None:
     folder = Path(sweep_dir) / WORKERS
     folder.mkdir(parents=True, exist_ok=True)
     (folder / str(os.getpid())).touch()
+    _job_running.set()
+    if sweep_pid is not None and _watching is None:
+        _watching = threading.Thread(
+            target=_watch_sweep, args=(sweep_pid,), name="amp-runner-sweep-watch", daemon=True
+        )
+        _watching.start()
+
+
+def job_ended() -> None:
+    """(In a worker: its job has returned.)"""
+    _job_running.clear()
+
+
+def _watch_sweep(pid: int, poll_s: float = 2.0) -> None:
+    """A worker's watch on its sweep's process. Killed outright (SIGKILL, the OOM killer), that
+    one ends nothing else: its workers trained on as orphans (a run then RUNNING in the store
+    that `resume=auto` would start a second time beside it), and idled after their job, holding
+    their memory (a GPU's too), until the machine restarted. So when it is gone, the job that
+    runs here stops as on a SIGTERM (after its step, with its checkpoint, KILLED), and the
+    process exits once no job runs."""
+    _wait_for_exit(pid, poll_s)
+    if _job_running.is_set():
+        log.warning(
+            "The sweep's process (%d) is gone: this job stops after its step with a checkpoint "
+            "(resume=auto goes on from it)",
+            pid,
+        )
+        os.kill(os.getpid(), signal.SIGTERM)
+        while _job_running.is_set():
+            time.sleep(poll_s / 4)
+    logging.shutdown()
+    os._exit(0)
+
+
+def _wait_for_exit(pid: int, poll_s: float) -> None:
+    """Returns once process `pid` has exited (a pidfd where the system has one: no mistaking a
+    later process that reuses the number)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    except (AttributeError, OSError):  # (no pidfd: poll the number)
+        while True:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+            except PermissionError:
+                pass
+            time.sleep(poll_s)
+    try:
+        select.select([fd], [], [])
+    finally:
+        os.close(fd)
 
 
 def in_worker() -> bool:

@@ -267,6 +267,58 @@ def test_ctrl_c_stops_the_jobs_of_submitits_local_launcher_with_their_checkpoint
     assert "Sweep stopped by SIGINT: 2 job(s) stopped with a checkpoint" in output
 
 
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie that nobody reaps has ended)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+@pytest.mark.slow
+def test_the_workers_of_a_killed_sweep_stop_their_jobs_and_exit(tmp_path):
+    """The sweep's process killed outright (SIGKILL: the OOM killer, `kill -9`) ends nothing
+    else: each joblib worker stops its job after its step with a checkpoint (KILLED, for
+    resume=auto) and exits. They trained on as orphans (a RUNNING run that resume=auto would
+    start a second time beside it), then idled, holding their memory, for hours."""
+    pytest.importorskip("hydra_plugins.hydra_joblib_launcher", reason="pip install '.[dev]'")
+    proc = start_cli(
+        "-m",
+        "hydra/launcher=joblib",
+        *[o for o in FAST if not o.startswith("trainer.max_epochs")],
+        "data.num_train=100000",
+        "trainer.max_epochs=1",
+        "trainer.log_every_n_steps=1",
+        "hydra.launcher.n_jobs=2",
+        "precision=o0,o2_bf16",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        cwd=tmp_path,
+        new_session=True,
+    )
+    seen = read_until(proc, "MLflow run '") + read_until(proc, "MLflow run '")
+    time.sleep(4)  # (past the runs' first steps)
+    workers = [int(p.name) for p in (tmp_path / "sweep" / ".amp-runner-workers").iterdir()]
+    assert len(workers) == 2, "".join(seen)
+    proc.kill()
+    rest: list[str] = []
+    drain = threading.Thread(target=lambda: rest.append(proc.stdout.read()), daemon=True)
+    drain.start()  # (the workers write to the same pipe)
+    deadline = time.monotonic() + 120
+    while any(_alive(w) for w in workers):
+        assert time.monotonic() < deadline, f"workers still running: {workers}"
+        time.sleep(0.5)
+    drain.join(timeout=10)
+    output = "".join(seen + rest)
+    assert output.count("The sweep's process") == 2, output[-3000:]
+    _, parent, children = sweep_tree(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert {n: c.info.status for n, c in children.items()} == {
+        "tiny-O0": "KILLED",
+        "tiny-O2-bf16": "KILLED",
+    }
+    assert len(list(tmp_path.rglob("last.pt"))) == 2
+    assert parent.info.status == "RUNNING"  # (its process is gone: the next start reaps it)
+
+
 def _stopped_job(signum: int) -> None:
     """A sweep job that a signal stopped after its checkpoint, as runner.run.app raises it."""
     from runner.run.interrupts import RunInterrupted
