@@ -55,7 +55,9 @@ WORKERS = ".amp-runner-workers"  # in the sweep's folder: one empty file per hol
 FORWARD_AFTER_S = 1.0  # a Ctrl-C reaches the workers itself within this; a SIGTERM follows
 
 _worker: Optional[StopRequest] = None  # this process's hold, when it is a sweep's worker
-_job_running = threading.Event()  # (in a worker: between a job's start and its end)
+_job_idle = threading.Event()  # (in a worker: cleared from a job's start to its end)
+_job_idle.set()
+ORPHAN_STOP_LIMIT_S = 600.0  # a job of a sweep that is gone: its time to stop before its exit
 _watching: Optional[threading.Thread] = None  # (in a worker: `_watch_sweep`)
 
 
@@ -119,7 +121,7 @@ def hold_in_worker(sweep_dir: Path, sweep_pid: Optional[int] = None) -> None:
     folder = Path(sweep_dir) / WORKERS
     folder.mkdir(parents=True, exist_ok=True)
     (folder / str(os.getpid())).touch()
-    _job_running.set()
+    _job_idle.clear()
     if sweep_pid is not None and _watching is None:
         _watching = threading.Thread(
             target=_watch_sweep, args=(sweep_pid,), name="amp-runner-sweep-watch", daemon=True
@@ -129,7 +131,7 @@ def hold_in_worker(sweep_dir: Path, sweep_pid: Optional[int] = None) -> None:
 
 def job_ended() -> None:
     """(In a worker: its job has returned.)"""
-    _job_running.clear()
+    _job_idle.set()
 
 
 def _watch_sweep(pid: int, poll_s: float = 2.0) -> None:
@@ -138,17 +140,17 @@ def _watch_sweep(pid: int, poll_s: float = 2.0) -> None:
     that `resume=auto` would start a second time beside it), and idled after their job, holding
     their memory (a GPU's too), until the machine restarted. So when it is gone, the job that
     runs here stops as on a SIGTERM (after its step, with its checkpoint, KILLED), and the
-    process exits once no job runs."""
+    process exits once no job runs (or after `ORPHAN_STOP_LIMIT_S`: a job that raised past its
+    end, say)."""
     _wait_for_exit(pid, poll_s)
-    if _job_running.is_set():
+    if not _job_idle.is_set():
         log.warning(
             "The sweep's process (%d) is gone: this job stops after its step with a checkpoint "
             "(resume=auto goes on from it)",
             pid,
         )
         os.kill(os.getpid(), signal.SIGTERM)
-        while _job_running.is_set():
-            time.sleep(poll_s / 4)
+        _job_idle.wait(ORPHAN_STOP_LIMIT_S)
     logging.shutdown()
     os._exit(0)
 

@@ -85,6 +85,42 @@ def test_the_sweep_passes_its_stop_on_to_registered_workers_only(tmp_path):
     assert not folder.exists()
 
 
+def _worker_of(sweep_pid: int, sweep_dir, job: bool, stopped) -> None:
+    """A forked sweep worker: with `job`, one whose job runs until a signal stops it; then idle,
+    as a joblib worker waits for its next job."""
+    stop.hold_in_worker(sweep_dir, sweep_pid)
+    if job:
+        with StopRequest() as run:
+            while not run.requested:
+                time.sleep(0.01)
+            stopped.set()
+    stop.job_ended()
+    time.sleep(60)
+    os._exit(1)
+
+
+@pytest.mark.parametrize("job", [False, True], ids=["idle", "running a job"])
+def test_a_worker_whose_sweep_is_gone_stops_its_job_and_exits(tmp_path, job):
+    """The sweep's process killed outright: its worker's job stops as on a SIGTERM, and the
+    worker exits; an idle one exits at once (they trained on and idled as orphans)."""
+    ctx = multiprocessing.get_context("fork")
+    sweep = ctx.Process(target=time.sleep, args=(60,), daemon=True)
+    sweep.start()
+    stopped = ctx.Event()
+    worker = ctx.Process(target=_worker_of, args=(sweep.pid, tmp_path, job, stopped), daemon=True)
+    worker.start()
+    try:
+        time.sleep(1)  # (the worker's job runs)
+        assert worker.is_alive() and not stopped.is_set()
+        sweep.kill()
+        worker.join(30)
+        assert worker.exitcode == 0 and stopped.is_set() == job
+    finally:
+        for process in (sweep, worker):
+            process.kill()
+            process.join(30)
+
+
 def test_a_job_in_the_sweeps_own_process_leaves_the_sweep_stopped(tmp_path):
     """(joblib runs the jobs in the sweep's process when it has one worker): a job that takes
     over the sweep's signal stops, and the sweep stays stopped."""
