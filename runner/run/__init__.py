@@ -5,5 +5,5 @@ autoplan.md), the settings tuned by measuring them (tune.py, tune_measure.py, tu
 build of its parts (build.py), the training loop (trainer.py), its checkpoints
 and resuming (checkpoint/, resume.py, rng.py), a clean stop on a signal (interrupts.py), an
 unexpected error's traceback kept in the run's log and record (failure.py), data-parallel and
-sharded runs (distributed.py, fsdp.py), and app.py, which does them in order for `python -m
-runner`."""
+sharded runs (distributed.py, fsdp.py), a folder of its own for each launch (output_folder.py),
+and app.py, which does them in order for `python -m runner`."""

@@ -19,8 +19,8 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from runner.errors import RunnerError
-from runner.files import HeldLock
+from runner.errors import ConfigError, RunnerError
+from runner.files import HeldLock, try_lock
 from runner.sweep import stop
 from runner.sweep.gpus import claim_gpu, gpu_count
 from runner.sweep.jobs import (
@@ -45,6 +45,7 @@ SUBMITIT_LOCAL_LAUNCHER = "hydra_plugins.hydra_submitit_launcher.submitit_launch
 # group: a Ctrl-C reaches them all (runner.sweep.stop)
 LOCAL_PROCESS_LAUNCHERS = (JOBLIB_LAUNCHER, SUBMITIT_LOCAL_LAUNCHER)
 MAX_RUN_NAME = 200
+FOLDER_LOCK = ".amp-runner-sweep.lock"  # in the sweep's folder, held while the sweep runs
 
 
 class MlflowSweepCallback(Callback):
@@ -58,28 +59,37 @@ class MlflowSweepCallback(Callback):
         self._jobs: int | None = None  # the sweep's job count, when known before it starts
         self._stop: stop.SweepStop | None = None  # the sweep's process (joblib, submitit_local)
         self._launching_pid: int | None = None  # that process's id, under those
+        self._folder: HeldLock | None = None  # the sweep's folder, its own while it runs
 
     def __getstate__(self) -> dict:
         """What a launcher ships to its worker processes (joblib pickles the callback): the
         parent's address; the open run, a claimed GPU and the signal handling stay with the
         process that holds them."""
-        return {**self.__dict__, "_parent_run": None, "_gpu": None, "_stop": None}
+        return {**self.__dict__, "_parent_run": None, "_gpu": None, "_stop": None, "_folder": None}
 
     # launching process
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        sweep_dir = Path(config.hydra.sweep.dir)
-        SweepParent.forget(sweep_dir)  # an earlier sweep's leftover must not adopt these jobs
         if config.dry_run:
             return  # a dry run creates no run, in a sweep too
         import runner
+        from runner.run.output_folder import claim_sweep
         from runner.tracking.base import MLFLOW
         from runner.tracking.trackers import kind, open_tracker
 
         try:  # (under tracking=none there is no store, and MLflow is not even imported)
             tracking_uri = resolved(config.mlflow.tracking_uri) if kind(config) == MLFLOW else ""
             jobs = preflight(config, kwargs.get("config_name"), tracking_uri)
+        except RunnerError as error:
+            log.error("%s", error)
+            raise SystemExit(2) from error
+        claim_sweep(config)  # (one named by the time: this sweep's own)
+        sweep_dir = Path(config.hydra.sweep.dir)
+        self._folder = _hold_folder(sweep_dir)
+        SweepParent.forget(sweep_dir)  # an earlier sweep's leftover must not adopt these jobs
+        try:
             tracker = open_tracker(config, sweep_dir)
         except RunnerError as error:
+            self._release_folder()
             log.error("%s", error)
             raise SystemExit(2) from error
         tracker.reap()  # the experiment's RUNNING runs whose process is gone end KILLED
@@ -149,6 +159,12 @@ class MlflowSweepCallback(Callback):
         )
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        try:
+            self._end()
+        finally:
+            self._release_folder()
+
+    def _end(self) -> None:
         if self.parent is None or self._parent_run is None:
             return
         from runner.tracking.base import FINISHED, MLFLOW, end_state
@@ -210,6 +226,11 @@ class MlflowSweepCallback(Callback):
             stop.forget_workers(self._sweep_dir)
         return held.signum
 
+    def _release_folder(self) -> None:
+        held, self._folder = self._folder, None
+        if held is not None:
+            held.release()
+
     def _end_stopped(self, parent: Any, signum: int, children: list[Any]) -> None:
         """The end of a sweep that a signal stopped: its parent run ends KILLED, the log says
         which jobs stopped and how to go on, and the sweep exits as a run would (130, 143)."""
@@ -238,6 +259,7 @@ class MlflowSweepCallback(Callback):
         its `error` tag is `reason` and, when jobs failed, which ones and why (a sweeper such as
         Optuna stops at a failed trial by its `max_failure_rate`)."""
         self._release_stop()
+        self._release_folder()
         parent, self._parent_run = self._parent_run, None
         if parent is None:
             return
@@ -326,6 +348,27 @@ class MlflowSweepCallback(Callback):
                 n_jobs,
                 devices,
             )
+
+
+def _hold_folder(sweep_dir: Path) -> HeldLock:
+    """The lock on the sweep's folder for as long as the sweep runs: a second sweep started there
+    meanwhile (the same command twice, a `resume=auto` while the sweep still runs) stops before
+    it starts, instead of sharing its parent run and running its jobs a second time."""
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    held = try_lock(sweep_dir / FOLDER_LOCK)
+    if held is None:
+        other = SweepParent.load(sweep_dir)
+        log.error(
+            "%s",
+            ConfigError(
+                "hydra.sweep.dir",
+                f"{sweep_dir} is in use by a sweep that is running"
+                + (f" (its parent run {other.run_id})" if other is not None else ""),
+                "wait for it to end (or stop it), or give this sweep a folder of its own",
+            ),
+        )
+        raise SystemExit(2)
+    return held
 
 
 class LaunchScope:

@@ -427,12 +427,14 @@ def test_jobs_are_named_by_the_values_that_vary_and_the_report_lists_failed_ones
 )
 def test_bad_input_in_any_job_stops_the_sweep_before_it_starts(sweep, needles, tmp_path, capsys):
     uri = f"sqlite:///{tmp_path / 'never.db'}"
-    status = run_in_process("-m", *FAST, sweep, f"mlflow.tracking_uri={uri}")
+    folder = f"hydra.sweep.dir={tmp_path / 'multirun'}/${{now:%H-%M-%S}}"
+    status = run_in_process("-m", *FAST, sweep, f"mlflow.tracking_uri={uri}", folder)
     assert status == 2
     output = "".join(capsys.readouterr())
     assert all(needle in output for needle in needles), output[-2000:]
     assert "Traceback" not in output and "UserWarning" not in output
     assert not (tmp_path / "never.db").exists()  # no store, no parent, no job ran
+    assert not (tmp_path / "multirun").exists()  # nor the sweep's folder
 
 
 def test_the_tracking_store_cannot_be_swept(tmp_path, capsys):

@@ -1,0 +1,72 @@
+"""A folder of its own for each launch. Hydra names a run's folder and a sweep's by the second it
+starts (`outputs/DATE/TIME`, `multirun/DATE/TIME`): runs or sweeps started in the same second
+(a script's loop, a job array on a shared disk) shared one. Their logs went into one
+`runner.log`, attached to each run's record, and two sweeps' jobs found one parent: two sweeps
+of two jobs started together ended as a parent with three children and one with one.
+
+So a folder named by the time (its setting holds `${now:...}`, as Hydra's defaults do) is
+claimed as the launch starts (`OutputFolder`): created where it does not exist yet, else the
+next free `<name>-1`, `<name>-2`, ... A folder the user names outright is theirs to reuse (a
+sweep's `resume=auto` does); a sweep holds a lock on its folder while it runs
+(runner.sweep.callback), so that a second one there stops before it starts."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+
+log = logging.getLogger(__name__)
+
+TIMED = "${now:"  # a folder setting that names the folder by the time of the start
+MAX_SUFFIX = 10_000
+
+
+class OutputFolder(Callback):
+    """Hydra callback: a run's folder (`hydra.run.dir`), claimed for it when named by the time
+    (see the module's docstring), before Hydra writes into it. A sweep's is claimed by the
+    sweep's own callback once its jobs are checked (`claim_sweep`): a sweep refused for bad
+    input leaves no folder behind."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        claim(config, "run")
+
+
+def claim_sweep(config: DictConfig) -> None:
+    """`hydra.sweep.dir` claimed for this sweep when named by the time (`claim`); the jobs'
+    configs, composed again from the overrides, are told the folder it took."""
+    moved = claim(config, "sweep")
+    if moved is not None:
+        with read_write(config.hydra.overrides), open_dict(config.hydra.overrides):
+            config.hydra.overrides.hydra.append(f"hydra.sweep.dir={_quoted(moved)}")
+
+
+def claim(config: DictConfig, mode: str) -> Optional[str]:
+    """Claims `hydra.<mode>.dir` for this launch when it is named by the time; returns the
+    folder when it had to take another name than the one Hydra gave, else None."""
+    node = OmegaConf.select(config, f"hydra.{mode}")
+    if node is None or TIMED not in str(OmegaConf.to_container(node, resolve=False).get("dir")):
+        return None
+    named = Path(str(node.dir))
+    named.parent.mkdir(parents=True, exist_ok=True)
+    for suffix in range(MAX_SUFFIX):
+        folder = named if suffix == 0 else named.with_name(f"{named.name}-{suffix}")
+        try:
+            folder.mkdir()
+        except FileExistsError:
+            continue
+        if suffix == 0:
+            return None
+        log.info("%s is taken (a launch in the same second): this one uses %s", named, folder)
+        with read_write(node), open_dict(node):
+            node.dir = str(folder)
+        return str(folder)
+    return None  # (ten thousand launches in one second: Hydra's folder, shared, as before)
+
+
+def _quoted(value: str) -> str:
+    """`value` as a quoted value of Hydra's override grammar."""
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"

@@ -1,0 +1,103 @@
+"""Launches started together get folders of their own (runner.run.output_folder): Hydra names
+them by the second, so two runs or sweeps started in the same second shared one. A folder named
+by the time is given here by the day (`${now:%Y-%m-%d}`), so that the launches always meet."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+
+import pytest
+
+from tests.helpers.runs import FAST, read_until, run_cli, run_in_process, start_cli
+from tests.integration.test_sweep_run_trees import sweep_tree
+
+BY_THE_DAY = "${now:%Y-%m-%d}"
+
+
+def _today() -> str:
+    return datetime.date.today().isoformat()
+
+
+@pytest.mark.slow
+def test_two_sweeps_started_together_each_get_a_folder_and_a_parent(tmp_path):
+    """Two sweeps of two jobs, started at once into a folder named by the time: each has its
+    own folder and its own parent run with its two children. They shared one folder, and the
+    second sweep's jobs found the first one's parent: one parent of three children, one of one."""
+    sweeps = [
+        start_cli(
+            "-m",
+            *FAST,
+            "precision=o0,o2_bf16",
+            f"trainer.seed={seed}",
+            f"hydra.sweep.dir=multirun/{BY_THE_DAY}",
+            f"mlflow.sweep_name=seed {seed}",
+            cwd=tmp_path,
+        )
+        for seed in (1, 2)
+    ]
+    outputs = [sweep.communicate(timeout=600)[0] for sweep in sweeps]
+    assert [sweep.returncode for sweep in sweeps] == [0, 0], outputs
+    day = tmp_path / "multirun" / _today()
+    folders = {day, day.with_name(day.name + "-1")}
+    assert {p for p in day.parent.iterdir()} == folders
+    assert sum("is taken (a launch in the same second)" in out for out in outputs) == 1
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("amp-runner")
+    runs = client.search_runs([experiment.experiment_id])
+    parents = {r.info.run_id: r for r in runs if "mlflow.parentRunId" not in r.data.tags}
+    assert sorted(p.info.run_name for p in parents.values()) == ["seed 1", "seed 2"]
+    for parent in parents.values():
+        children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+        seed = parent.info.run_name.split()[1]
+        assert len(children) == 2 and all(c.data.params["trainer.seed"] == seed for c in children)
+    for folder in folders:  # each job's log holds its own run alone
+        logs = [(folder / str(job) / "runner.log").read_text() for job in (0, 1)]
+        assert all(log.count("MLflow run '") == 1 for log in logs), logs
+
+
+def test_two_runs_in_a_folder_named_by_the_time_do_not_share_it(tmp_path, monkeypatch):
+    """A run whose folder, named by the time, exists already (a run of the same second) takes
+    the next free name: each run's runner.log, attached to its record, holds that run alone."""
+    monkeypatch.chdir(tmp_path)
+    args = [*FAST, "trainer.max_epochs=1", f"hydra.run.dir=outputs/{BY_THE_DAY}"]
+    assert run_in_process(*args, "trainer.seed=1") == 0
+    assert run_in_process(*args, "trainer.seed=2") == 0
+    day = tmp_path / "outputs" / _today()
+    logs = [(day / "runner.log").read_text(), (day.parent / f"{day.name}-1" / "runner.log")]
+    assert logs[0].count("MLflow run '") == 1
+    assert logs[1].read_text().count("MLflow run '") == 1
+
+
+@pytest.mark.slow
+def test_a_sweep_into_the_folder_of_a_running_sweep_stops_before_it_starts(tmp_path):
+    """A folder the user names is theirs to reuse (resume=auto does), but not by two sweeps at
+    once: the second (the same command twice, a resume while the first still runs) exits 2 with
+    what to do, creating no run; it shared the first one's parent and ran its jobs again."""
+    folder = tmp_path / "sweep"
+    first = start_cli(
+        "-m",
+        *[o for o in FAST if not o.startswith("trainer.max_epochs")],
+        "data.num_train=100000",
+        "trainer.max_epochs=1",
+        "precision=o0,o2_bf16",
+        f"hydra.sweep.dir={folder}",
+        cwd=tmp_path,
+        new_session=True,
+    )
+    try:
+        seen = read_until(first, "MLflow run '")
+        second = run_cli("-m", *FAST, "precision=o0", f"hydra.sweep.dir={folder}", cwd=tmp_path)
+        assert second.returncode == 2, second.stderr[-3000:]
+        message = second.stdout + second.stderr
+        assert f"hydra.sweep.dir: {folder} is in use by a sweep that is running" in message
+        assert "give this sweep a folder of its own" in message and "Traceback" not in message
+        _, parent, children = sweep_tree(f"sqlite:///{tmp_path / 'mlflow.db'}")
+        assert len(children) == 1 and parent.info.status == "RUNNING", "".join(seen)
+    finally:
+        os.killpg(first.pid, signal.SIGINT)
+        first.communicate(timeout=240)
+    assert first.returncode == 130
