@@ -6,13 +6,15 @@ of two jobs started together ended as a parent with three children and one with 
 
 So a folder named by the time (its setting holds `${now:...}`, as Hydra's defaults do) is
 claimed as the launch starts (`OutputFolder`): created where it does not exist yet, else the
-next free `<name>-1`, `<name>-2`, ... A folder the user names outright is theirs to reuse (a
-sweep's `resume=auto` does); a sweep holds a lock on its folder while it runs
-(runner.sweep.callback), so that a second one there stops before it starts."""
+next free `<name>-1`, `<name>-2`, ... The ranks of one torchrun launch share theirs, as before.
+A folder the user names outright is theirs to reuse (a sweep's `resume=auto` does); a sweep
+holds a lock on its folder while it runs (runner.sweep.callback), so that a second one there
+stops before it starts."""
 
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any, Optional
 
@@ -50,6 +52,8 @@ def claim(config: DictConfig, mode: str) -> Optional[str]:
     node = OmegaConf.select(config, f"hydra.{mode}")
     if node is None or TIMED not in str(OmegaConf.to_container(node, resolve=False).get("dir")):
         return None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return None  # the ranks of one torchrun launch: one run, one folder
     named = Path(str(node.dir))
     named.parent.mkdir(parents=True, exist_ok=True)
     for suffix in range(MAX_SUFFIX):

@@ -87,6 +87,8 @@ def test_two_gloo_processes_train_like_one_with_the_global_batch(tmp_path, prese
         two,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    # the ranks share the run's output folder (Hydra's, by the second): none took one of its own
+    assert not list((two / "outputs").glob("*/*-1")), list((two / "outputs").glob("*/*"))
 
     run_name = default_run_name(reference)
     a, b = _weights(one, run_name), _weights(two, run_name)
