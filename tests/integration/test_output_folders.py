@@ -29,6 +29,7 @@ def test_two_sweeps_started_together_each_get_a_folder_and_a_parent(tmp_path):
         start_cli(
             "-m",
             *FAST,
+            "trainer.max_epochs=1",
             "precision=o0,o2_bf16",
             f"trainer.seed={seed}",
             f"hydra.sweep.dir=multirun/{BY_THE_DAY}",
