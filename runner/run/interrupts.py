@@ -1,11 +1,16 @@
 """SIGINT and SIGTERM stop a run cleanly: the current step finishes, a checkpoint is written, the
 MLflow run is marked KILLED and the process exits 128 + the signal's number (130 for Ctrl-C, 143
 for SIGTERM, what schedulers such as SLURM send before they kill a job). A second Ctrl-C stops
-at once (the run is still marked KILLED, but no checkpoint is written)."""
+at once (the run is still marked KILLED, but no checkpoint is written).
+
+In a job of submitit's (`hydra/launcher=slurm`, `submitit_local`) its time-limit and preemption
+signal (SIGUSR2, sent `signal_delay_s` before the job's time limit) stops the run the same way;
+the job is then requeued and continues from the checkpoint (runner.sweep.jobs)."""
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from types import FrameType
@@ -14,6 +19,21 @@ from typing import Optional
 log = logging.getLogger(__name__)
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def preemption_signal() -> Optional[int]:
+    """In a job of submitit's, the signal it stands for a time limit or a preemption with
+    (SIGUSR2, unless SUBMITIT_PREEMPT_SIGNAL names another); None elsewhere."""
+    if not os.environ.get("SUBMITIT_EXECUTOR"):
+        return None
+    found = getattr(signal, "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2"), None)
+    return None if found in SIGNALS else found
+
+
+def stop_signals() -> tuple[int, ...]:
+    """The signals that stop a run after its step with a checkpoint."""
+    preempt = preemption_signal()
+    return SIGNALS if preempt is None else (*SIGNALS, preempt)
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -60,10 +80,17 @@ class StopRequest:
     def _first(self, signum: int) -> None:
         """What the first signal does besides being recorded: says so."""
         log.warning(
-            "%s received: stopping after this step with a checkpoint (Ctrl-C again to "
+            "%s received%s: stopping after this step with a checkpoint (Ctrl-C again to "
             "stop at once)",
             signal.Signals(signum).name,
+            " (the job's time limit is near, or it is preempted)"
+            if signum == preemption_signal()
+            else "",
         )
+
+    def previous_handler(self, signum: int) -> object:
+        """The handler of `signum` before this request took it (None when it did not)."""
+        return self._previous.get(signum)
 
     def handed_over(self) -> None:
         """A run entered inside this request took its signal over: it stops that run only."""
@@ -75,7 +102,7 @@ class StopRequest:
             if outer is not None and outer.signum is not None:  # it came before this run
                 self.signum = outer.signum
                 outer.handed_over()
-            for sig in SIGNALS:
+            for sig in stop_signals():
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -226,7 +227,7 @@ def run_job(
     interruption (joblib would end the other jobs' processes at once, submitit would find no
     result); the sweep's process ends the sweep."""
     from runner.run.app import run
-    from runner.run.interrupts import RunInterrupted
+    from runner.run.interrupts import RunInterrupted, preemption_signal
     from runner.run.plan import default_run_name
     from runner.sweep import stop
 
@@ -239,7 +240,7 @@ def run_job(
         )
     try:
         same_store(cfg, parent.tracker, parent.location, parent.experiment_name)
-        if _resuming(cfg):
+        if _resuming(cfg) or _requeued(parent, job_num):
             done, cfg = _resume_job(cfg, parent, job_num)
             if done is not None:
                 return done
@@ -247,6 +248,8 @@ def run_job(
     except RunInterrupted as interrupted:
         if not stop.in_worker():
             raise  # the sweep's own process: the sweep stops here
+        if interrupted.signum == preemption_signal():
+            stop.requeue(interrupted.signum)  # (exits, when submitit requeues the job)
         return _not_run(f"job #{job_num} stopped: {interrupted}", raises)
     except Exception as error:  # noqa: BLE001  (recorded and counted; the sweep goes on)
         if isinstance(error, RunnerError):
@@ -285,6 +288,14 @@ def _not_run(what: str, raises: bool) -> float:
     if raises:
         raise SweepJobFailed(f"sweep {what}")
     return math.nan
+
+
+def _requeued(parent: SweepParent, job_num: int) -> bool:
+    """Whether this job ran before in this sweep: submitit requeued it (its time limit, a
+    preemption), and it continues its run as a resumed sweep's job does."""
+    return bool(os.environ.get("SUBMITIT_EXECUTOR")) and bool(
+        parent.children(parent.open(), job_num)
+    )
 
 
 def _resume_job(

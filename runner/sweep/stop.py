@@ -129,6 +129,19 @@ def hold_in_worker(sweep_dir: Path, sweep_pid: Optional[int] = None) -> None:
         _watching.start()
 
 
+def requeue(signum: int) -> None:
+    """In a job of submitit's stopped by its time-limit or preemption signal, once the run has
+    its checkpoint: submitit's own handling of that signal, held until now, which requeues the
+    job (the same job again: it continues that run, runner.sweep.jobs) and exits the process; it
+    raises when it will not requeue (too many time-outs), and the job ends as stopped."""
+    handler = _worker.previous_handler(signum) if _worker is not None else None
+    if callable(handler):
+        try:
+            handler(signum, None)
+        except Exception as error:  # noqa: BLE001  (submitit's "not requeued because ...")
+            log.warning("%s: resume=auto continues the run from its checkpoint", error)
+
+
 def job_ended() -> None:
     """(In a worker: its job has returned.)"""
     _job_idle.set()

@@ -267,6 +267,44 @@ def test_ctrl_c_stops_the_jobs_of_submitits_local_launcher_with_their_checkpoint
     assert "Sweep stopped by SIGINT: 2 job(s) stopped with a checkpoint" in output
 
 
+@pytest.mark.slow
+def test_a_submitit_job_at_its_time_limit_checkpoints_is_requeued_and_continues(tmp_path):
+    """submitit's time-limit and preemption signal (SIGUSR2: SLURM sends it `signal_delay_s`
+    before the limit; submitit's local controller too) reaches a job: its run stops after the
+    step with its checkpoint, submitit requeues the job, and the job continues the same run from
+    there to its end. submitit's own handler ran inside the training loop: the run FAILED with
+    no checkpoint and each requeue started the job afresh, until submitit gave up (four FAILED
+    runs for one job, seen with `timeout_min=1`)."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="pip install '.[dev]'")
+    proc = start_cli(
+        "-m",
+        "hydra/launcher=submitit_local",
+        *[o for o in FAST if not o.startswith(("trainer.max_epochs", "trainer.log_every"))],
+        "data.num_train=60000",
+        "trainer.max_epochs=1",
+        "trainer.log_every_n_steps=25",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        cwd=tmp_path,
+    )
+    logs = tmp_path / "sweep" / ".submitit"
+    deadline = time.monotonic() + 240
+    while not any("MLflow run '" in f.read_text() for f in logs.rglob("*_log.out")):
+        assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read()
+        time.sleep(0.5)
+    time.sleep(1)  # (past the run's first steps)
+    (job,) = [int(p.name) for p in (tmp_path / "sweep" / ".amp-runner-workers").iterdir()]
+    os.kill(job, signal.SIGUSR2)
+    output, _ = proc.communicate(timeout=300)
+    job_log = "".join(f.read_text() for f in logs.rglob("*_log.out"))
+    assert proc.returncode == 0, output[-3000:] + job_log[-3000:]
+    assert "Requeued job" in job_log and "Sweep job #0 resumes its run" in job_log, job_log
+    client, parent, children = sweep_tree(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (child,) = children.values()  # one run, continued
+    assert child.info.status == parent.info.status == "FINISHED"
+    steps = [m.step for m in client.get_metric_history(child.info.run_id, "train_loss")]
+    assert set(steps) == set(range(25, 60000 // 32 + 1, 25))  # every logged step, to the end
+
+
 def _alive(pid: int) -> bool:
     """Whether process `pid` runs (a zombie that nobody reaps has ended)."""
     try:

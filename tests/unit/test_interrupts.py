@@ -44,6 +44,27 @@ def test_the_first_signal_stands_and_a_second_ctrl_c_stops_at_once():
     assert signal.getsignal(signal.SIGINT) is before and holding() is None
 
 
+def test_in_a_submitit_job_its_time_limit_signal_stops_the_run_too(monkeypatch):
+    """submitit's time-limit and preemption signal (SIGUSR2) is held like SIGTERM in its jobs,
+    its own handler kept for the requeue; elsewhere it is left alone."""
+    seen = []
+    previous = signal.signal(signal.SIGUSR2, lambda s, f: seen.append(s))  # (submitit's, here)
+    try:
+        with StopRequest():
+            _signal_self(signal.SIGUSR2)
+        assert seen == [signal.SIGUSR2]  # not a submitit job: the handler before stands
+        monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
+        with StopRequest() as run:
+            _signal_self(signal.SIGUSR2)
+            assert run.signum == signal.SIGUSR2 and seen == [signal.SIGUSR2]
+            _signal_self(signal.SIGTERM)  # (the first signal stands)
+            assert run.signum == signal.SIGUSR2
+            handler = run.previous_handler(signal.SIGUSR2)
+        assert callable(handler) and signal.getsignal(signal.SIGUSR2) is handler
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+
+
 def test_a_run_takes_over_a_signal_held_before_it_started():
     with StopRequest() as worker:
         _signal_self(signal.SIGTERM)
