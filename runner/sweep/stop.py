@@ -132,8 +132,8 @@ def hold_in_worker(sweep_dir: Path, sweep_pid: Optional[int] = None) -> None:
 def requeue(signum: int) -> None:
     """In a job of submitit's stopped by its time-limit or preemption signal, once the run has
     its checkpoint: submitit's own handling of that signal, held until now, which requeues the
-    job (the same job again: it continues that run, runner.sweep.jobs) and exits the process; it
-    raises when it will not requeue (too many time-outs), and the job ends as stopped."""
+    job (the same job again: it continues that run, runner.sweep.jobs) and exits the process.
+    Where submitit will not requeue (too many time-outs), the job ends as stopped."""
     handler = _worker.previous_handler(signum) if _worker is not None else None
     if callable(handler):
         try:
@@ -151,7 +151,7 @@ def _watch_sweep(pid: int, poll_s: float = 2.0) -> None:
     """A worker's watch on its sweep's process. Killed outright (SIGKILL, the OOM killer), that
     one ends nothing else: its workers trained on as orphans (a run then RUNNING in the store
     that `resume=auto` would start a second time beside it), and idled after their job, holding
-    their memory (a GPU's too), until the machine restarted. So when it is gone, the job that
+    their memory (a GPU's too), for hours. So when it is gone, the job that
     runs here stops as on a SIGTERM (after its step, with its checkpoint, KILLED), and the
     process exits once no job runs (or after `ORPHAN_STOP_LIMIT_S`: a job that raised past its
     end, say)."""
