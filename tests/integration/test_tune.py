@@ -412,15 +412,18 @@ def test_the_processs_one_time_work_is_charged_to_no_candidate(monkeypatch):
     the warm time and are measured within the budget. (Charged the cold time, with as much kept
     to time the untuned settings again, every candidate was skipped.) On a loaded machine (the
     full suite on 2 cores) the two untuned runs can spend the budget whatever it charges: then a
-    candidate without a layout search must have been expected to take under the delay."""
+    candidate without a layout search must have been expected to take well under the cold run
+    (the warm time; the cold one is the delay longer)."""
     real = tune.measure
     slow = 5.0
 
     def cold_first(plan, settings, device):
+        start = time.perf_counter()
         row = real(plan, settings, device)
         if not cold_first.calls:
             time.sleep(slow)
             row.warmup_s += slow
+            cold_first.cold_s = time.perf_counter() - start
         cold_first.calls.append(dict(settings))
         return row
 
@@ -432,6 +435,8 @@ def test_the_processs_one_time_work_is_charged_to_no_candidate(monkeypatch):
     if not measured:  # what each was expected to take: the warm time
         (kernels,) = [r for r in rest if "precision.kernels" in r.settings]
         expected = re.search(r"would take ~([\d.]+) s", kernels.note)
-        assert expected is not None and float(expected[1]) < slow, tuning.table()
+        assert expected is not None, tuning.table()
+        cold = cold_first.cold_s
+        assert float(expected[1]) < cold - slow / 2, (cold, tuning.table())
     assert base.warmup_s < slow and all(r.warmup_s < slow for r in measured)
     assert cold_first.calls[:2] == [{}, {}] and len(cold_first.calls) == 2 + len(measured)
