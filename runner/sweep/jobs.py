@@ -240,8 +240,9 @@ def run_job(
         )
     try:
         same_store(cfg, parent.tracker, parent.location, parent.experiment_name)
-        if _resuming(cfg) or _requeued(parent, job_num):
-            done, cfg = _resume_job(cfg, parent, job_num)
+        requeue = not _resuming(cfg) and bool(os.environ.get("SUBMITIT_EXECUTOR"))
+        if _resuming(cfg) or requeue:
+            done, cfg = _resume_job(cfg, parent, job_num, requeue=requeue)
             if done is not None:
                 return done
         best = run(cfg, overrides=overrides, output_dir=output_dir, extra_tags=tags, apart=apart)
@@ -290,28 +291,24 @@ def _not_run(what: str, raises: bool) -> float:
     return math.nan
 
 
-def _requeued(parent: SweepParent, job_num: int) -> bool:
-    """Whether this job ran before in this sweep: submitit requeued it (its time limit, a
-    preemption), and it continues its run as a resumed sweep's job does."""
-    return bool(os.environ.get("SUBMITIT_EXECUTOR")) and bool(
-        parent.children(parent.open(), job_num)
-    )
-
-
 def _resume_job(
-    cfg: DictConfig, parent: SweepParent, job_num: int
+    cfg: DictConfig, parent: SweepParent, job_num: int, requeue: bool = False
 ) -> tuple[float | None, DictConfig]:
     """A job of a resumed sweep (`resume=auto`): (its objective, when its earlier run finished
     and is kept; else None, and the config to run it with). An earlier run that did not finish
     resumes from its checkpoint in the same run; one without a checkpoint is deleted and the job
     starts afresh (so the tree holds one child per job); a job that never ran starts afresh (not
-    from another sweep's run of the same name)."""
+    from another sweep's run of the same name). With `requeue`, a job of submitit's, which ran
+    before in this sweep when submitit requeued it (its time limit, a preemption): it continues
+    its run the same way, and a job that never ran keeps its config as given."""
     from runner.run import checkpoint
     from runner.tracking.base import FINISHED
 
     tracker = parent.open()
     runs = parent.children(tracker, job_num)
     earlier = runs[0] if runs else None  # this job's child run from an earlier session
+    if earlier is None and requeue:
+        return None, cfg
     cfg = cfg.copy()
     OmegaConf.set_struct(cfg, False)
     cfg.resume = None
