@@ -71,10 +71,9 @@ class MlflowSweepCallback(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         if config.dry_run:
             return  # a dry run creates no run, in a sweep too
-        import runner
         from runner.run.output_folder import claim_sweep
         from runner.tracking.base import MLFLOW
-        from runner.tracking.trackers import kind, open_tracker
+        from runner.tracking.trackers import kind
 
         try:  # (under tracking=none there is no store, and MLflow is not even imported)
             tracking_uri = resolved(config.mlflow.tracking_uri) if kind(config) == MLFLOW else ""
@@ -85,11 +84,22 @@ class MlflowSweepCallback(Callback):
         claim_sweep(config)  # (one named by the time: this sweep's own)
         sweep_dir = Path(config.hydra.sweep.dir)
         self._folder = _hold_folder(sweep_dir)
+        try:
+            self._open_parent(config, sweep_dir, jobs)
+        except BaseException:
+            self._release_folder()  # (a sweep that does not start leaves its folder free)
+            raise
+
+    def _open_parent(self, config: DictConfig, sweep_dir: Path, jobs: int | None) -> None:
+        """The sweep's parent run, opened (or reopened by `resume=auto`) in its store, and what
+        the launcher's jobs are told of it."""
+        import runner
+        from runner.tracking.trackers import kind, open_tracker
+
         SweepParent.forget(sweep_dir)  # an earlier sweep's leftover must not adopt these jobs
         try:
             tracker = open_tracker(config, sweep_dir)
         except RunnerError as error:
-            self._release_folder()
             log.error("%s", error)
             raise SystemExit(2) from error
         tracker.reap()  # the experiment's RUNNING runs whose process is gone end KILLED

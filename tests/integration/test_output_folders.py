@@ -102,3 +102,16 @@ def test_a_sweep_into_the_folder_of_a_running_sweep_stops_before_it_starts(tmp_p
         os.killpg(first.pid, signal.SIGINT)
         first.communicate(timeout=240)
     assert first.returncode == 130
+
+
+def test_a_sweep_that_does_not_start_leaves_its_folder_free(tmp_path, monkeypatch, capsys):
+    """A sweep refused after it took its folder's lock (here `resume=auto` with other
+    overrides than the sweep it would continue) lets go of it: the right command, in the same
+    process, then runs there. The lock stayed held until the process ended: 'in use'."""
+    monkeypatch.chdir(tmp_path)
+    args = ["-m", *FAST, "trainer.max_epochs=1", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+    assert run_in_process(*args, "precision=o0") == 0
+    assert run_in_process(*args, "precision=o0,o2_bf16", "resume=auto") == 2
+    assert "was run with other overrides" in "".join(capsys.readouterr())
+    assert run_in_process(*args, "precision=o0", "resume=auto") == 0
+    assert "is in use" not in "".join(capsys.readouterr())
