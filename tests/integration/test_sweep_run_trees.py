@@ -145,6 +145,30 @@ def test_a_joblib_sweep_runs_with_loader_workers_and_progress_bars(tmp_path):
     assert all(c.data.params["trainer.num_workers"] == "2" for c in children.values())
 
 
+def _long_sweep(tmp_path, *args: str, new_session: bool = False):
+    """A sweep of jobs that train for a while (one epoch of 100,000 samples, unless `args` say
+    otherwise), started in the background in `tmp_path`, its folder `tmp_path`/sweep."""
+    defaults = [
+        *FAST,
+        "data.num_train=100000",
+        "trainer.max_epochs=1",
+        "trainer.log_every_n_steps=1",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+    ]
+    given = {a.split("=", 1)[0] for a in args}
+    latest = {d.split("=", 1)[0]: d for d in defaults if d.split("=", 1)[0] not in given}
+    return start_cli("-m", *latest.values(), *args, cwd=tmp_path, new_session=new_session)
+
+
+def _wait_for_submitit_runs(tmp_path, proc, count: int) -> None:
+    """Until `count` jobs of submitit's (which write to files of their own) have their run."""
+    deadline = time.monotonic() + 240
+    logs = tmp_path / "sweep" / ".submitit"
+    while sum("MLflow run '" in f.read_text() for f in logs.rglob("*_log.out")) < count:
+        assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read()
+        time.sleep(0.5)
+
+
 def _stopped_sweep(tmp_path, *args: str, signum: int, group: bool = True, launcher: str = "joblib"):
     """A sweep of long jobs in processes of their own (joblib's by default), in its own process
     group, sent `signum` (to the group, as a terminal's Ctrl-C, or to the sweep's process alone)
@@ -153,24 +177,9 @@ def _stopped_sweep(tmp_path, *args: str, signum: int, group: bool = True, launch
     the parent run, the children by name)."""
     plugin = {"joblib": "hydra_joblib_launcher", "submitit_local": "hydra_submitit_launcher"}
     pytest.importorskip(f"hydra_plugins.{plugin[launcher]}", reason="pip install '.[dev]'")
-    proc = start_cli(
-        "-m",
-        f"hydra/launcher={launcher}",
-        *[o for o in FAST if not o.startswith(("trainer.num_workers", "trainer.max_epochs"))],
-        "data.num_train=100000",
-        "trainer.max_epochs=1",
-        "trainer.log_every_n_steps=1",
-        f"hydra.sweep.dir={tmp_path / 'sweep'}",
-        *args,
-        cwd=tmp_path,
-        new_session=True,
-    )
+    proc = _long_sweep(tmp_path, f"hydra/launcher={launcher}", *args, new_session=True)
     if launcher == "submitit_local":  # (its jobs write to files of their own)
-        deadline = time.monotonic() + 240
-        logs = tmp_path / "sweep" / ".submitit"
-        while sum("MLflow run '" in f.read_text() for f in logs.rglob("*_log.out")) < 2:
-            assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read()
-            time.sleep(0.5)
+        _wait_for_submitit_runs(tmp_path, proc, 2)
         seen = []
     else:
         seen = read_until(proc, "MLflow run '") + read_until(proc, "MLflow run '")  # each job's
@@ -276,21 +285,14 @@ def test_a_submitit_job_at_its_time_limit_checkpoints_is_requeued_and_continues(
     no checkpoint and each requeue started the job afresh, until submitit gave up (four FAILED
     runs for one job, seen with `timeout_min=1`)."""
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="pip install '.[dev]'")
-    proc = start_cli(
-        "-m",
+    proc = _long_sweep(
+        tmp_path,
         "hydra/launcher=submitit_local",
-        *[o for o in FAST if not o.startswith(("trainer.max_epochs", "trainer.log_every"))],
         "data.num_train=60000",
-        "trainer.max_epochs=1",
         "trainer.log_every_n_steps=25",
-        f"hydra.sweep.dir={tmp_path / 'sweep'}",
-        cwd=tmp_path,
     )
+    _wait_for_submitit_runs(tmp_path, proc, 1)
     logs = tmp_path / "sweep" / ".submitit"
-    deadline = time.monotonic() + 240
-    while not any("MLflow run '" in f.read_text() for f in logs.rglob("*_log.out")):
-        assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read()
-        time.sleep(0.5)
     time.sleep(1)  # (past the run's first steps)
     (job,) = [int(p.name) for p in (tmp_path / "sweep" / ".amp-runner-workers").iterdir()]
     os.kill(job, signal.SIGUSR2)
@@ -320,17 +322,11 @@ def test_the_workers_of_a_killed_sweep_stop_their_jobs_and_exit(tmp_path):
     resume=auto) and exits. They trained on as orphans (a RUNNING run that resume=auto would
     start a second time beside it), then idled, holding their memory, for hours."""
     pytest.importorskip("hydra_plugins.hydra_joblib_launcher", reason="pip install '.[dev]'")
-    proc = start_cli(
-        "-m",
+    proc = _long_sweep(
+        tmp_path,
         "hydra/launcher=joblib",
-        *[o for o in FAST if not o.startswith("trainer.max_epochs")],
-        "data.num_train=100000",
-        "trainer.max_epochs=1",
-        "trainer.log_every_n_steps=1",
         "hydra.launcher.n_jobs=2",
         "precision=o0,o2_bf16",
-        f"hydra.sweep.dir={tmp_path / 'sweep'}",
-        cwd=tmp_path,
         new_session=True,
     )
     seen = read_until(proc, "MLflow run '") + read_until(proc, "MLflow run '")
