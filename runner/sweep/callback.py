@@ -25,6 +25,7 @@ from runner.sweep import stop
 from runner.sweep.gpus import claim_gpu, gpu_count
 from runner.sweep.jobs import (
     _resuming,
+    check_launcher,
     earlier_sweep,
     preflight,
     resolved,
@@ -69,6 +70,11 @@ class MlflowSweepCallback(Callback):
 
     # launching process
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        try:
+            check_launcher(config)  # (a dry run too: the launcher still starts its jobs)
+        except RunnerError as error:
+            log.error("%s", error)
+            raise SystemExit(2) from error
         if config.dry_run:
             return  # a dry run creates no run, in a sweep too
         from runner.run.output_folder import claim_sweep

@@ -129,6 +129,38 @@ def preflight(config: DictConfig, config_name: str | None, tracking_uri: str) ->
     return len(jobs)
 
 
+SUBMITIT_LAUNCHERS = "hydra_plugins.hydra_submitit_launcher.submitit_launcher."
+
+
+def check_launcher(config: DictConfig) -> None:
+    """submitit's launchers (`hydra/launcher=slurm`, `submitit_local`) take any key and hand it
+    to submitit only as they launch, after the sweep's parent run is open: a key submitit does
+    not know (`+hydra.launcher.signal_delay_s=45` under submitit_local, where only SLURM has it)
+    ended in submitit's NameError traceback. A ConfigError naming the key, before anything
+    starts, where submitit would refuse it."""
+    target = str(OmegaConf.select(config, "hydra.launcher._target_") or "")
+    if not target.startswith(SUBMITIT_LAUNCHERS):
+        return
+    from hydra.utils import get_class
+    from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
+    from submitit import AutoExecutor
+    from submitit.core.plugins import get_executors
+
+    executor = get_class(target)._EXECUTOR
+    # what Hydra's launcher hands over as it is (its own keys, the shared queue keys) and what
+    # it hands over as `<executor>_<key>`, which submitit checks against the executor's own keys
+    allowed = {"_target_", "submitit_folder", "max_num_timeout"}
+    allowed |= set(OmegaConf.structured(BaseQueueConf).keys())
+    allowed |= AutoExecutor._valid_parameters() | get_executors()[executor]._valid_parameters()
+    unknown = [key for key in config.hydra.launcher if key not in allowed]
+    if unknown:
+        raise ConfigError(
+            f"hydra.launcher.{unknown[0]}",
+            f"submitit's {executor!r} executor has no such parameter",
+            sorted(allowed - {"_target_"}),
+        )
+
+
 def same_store(cfg: DictConfig, tracker: str, tracking_uri: str, experiment_name: str) -> None:
     """A child run must live beside its parent: the tracker (`tracking.name`), the store (an
     MLflow parent's `tracking_uri`) and the experiment cannot vary in a sweep."""

@@ -456,13 +456,20 @@ def test_jobs_are_named_by_the_values_that_vary_and_the_report_lists_failed_ones
             "trainer.max_epoch=1,2",
             ["sweep job #0 (", "trainer.max_epoch: unknown key; did you mean trainer.max_epochs?"],
         ),
+        (  # a key submitit's local executor does not take (SLURM's executor does)
+            "hydra/launcher=submitit_local +hydra.launcher.signal_delay_s=45 precision=o0,o1",
+            [
+                "hydra.launcher.signal_delay_s: submitit's 'local' executor has no such ",
+                "(allowed: cpus_per_task, gpus_per_node, max_num_timeout,",
+            ],
+        ),
     ],
-    ids=["bad-value", "typo-key"],
+    ids=["bad-value", "typo-key", "launcher-key"],
 )
 def test_bad_input_in_any_job_stops_the_sweep_before_it_starts(sweep, needles, tmp_path, capsys):
     uri = f"sqlite:///{tmp_path / 'never.db'}"
     folder = f"hydra.sweep.dir={tmp_path / 'multirun'}/${{now:%H-%M-%S}}"
-    status = run_in_process("-m", *FAST, sweep, f"mlflow.tracking_uri={uri}", folder)
+    status = run_in_process("-m", *FAST, *sweep.split(), f"mlflow.tracking_uri={uri}", folder)
     assert status == 2
     output = "".join(capsys.readouterr())
     assert all(needle in output for needle in needles), output[-2000:]
