@@ -146,12 +146,15 @@ def check_launcher(config: DictConfig) -> None:
     from submitit import AutoExecutor
     from submitit.core.plugins import get_executors
 
-    executor = get_class(target)._EXECUTOR
+    executor = getattr(get_class(target), "_EXECUTOR", None)
+    executors = get_executors()
+    if executor not in executors:
+        return  # (Hydra's abstract base launcher: submitit says what it thinks of it)
     # what Hydra's launcher hands over as it is (its own keys, the shared queue keys) and what
     # it hands over as `<executor>_<key>`, which submitit checks against the executor's own keys
     allowed = {"_target_", "submitit_folder", "max_num_timeout"}
     allowed |= set(OmegaConf.structured(BaseQueueConf).keys())
-    allowed |= AutoExecutor._valid_parameters() | get_executors()[executor]._valid_parameters()
+    allowed |= AutoExecutor._valid_parameters() | executors[executor]._valid_parameters()
     unknown = [key for key in config.hydra.launcher if key not in allowed]
     if unknown:
         raise ConfigError(

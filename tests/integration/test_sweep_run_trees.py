@@ -569,6 +569,27 @@ def test_parallel_launcher_runs_one_job_per_gpu_or_one_on_cpu():
     )
 
 
+@pytest.mark.parametrize("launcher", ["slurm", "submitit_slurm", "submitit_local"])
+def test_submitits_launchers_keys_are_checked_against_submitit(launcher):
+    """Each submitit launcher as shipped passes the check (no key of it is refused); a key its
+    executor does not take is refused by name, one it takes (beyond Hydra's own keys) is not."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="pip install '.[slurm]'")
+    from runner.errors import ConfigError
+    from runner.sweep.jobs import check_launcher
+
+    check_launcher(compose_config(f"hydra/launcher={launcher}", return_hydra_config=True))
+    for key, slurm_takes_it in (
+        ("+hydra.launcher.mail_user", True),
+        ("+hydra.launcher.gpu", False),
+    ):
+        cfg = compose_config(f"hydra/launcher={launcher}", f"{key}=x", return_hydra_config=True)
+        if slurm_takes_it and launcher != "submitit_local":
+            check_launcher(cfg)
+            continue
+        with pytest.raises(ConfigError, match=f"^{key[1:]}: submitit's '(slurm|local)' executor"):
+            check_launcher(cfg)
+
+
 def test_each_parallel_job_gets_a_gpu_of_its_own(tmp_path):
     first, second = claim_gpu(tmp_path, 2), claim_gpu(tmp_path, 2)
     assert first[0] == 0 and second[0] == 1
