@@ -28,6 +28,7 @@ from omegaconf import OmegaConf
 import runner
 from runner import csrc
 from runner.config import options
+from runner.errors import ConfigError
 from runner.measure import audit as layer_audit
 from runner.precision import Resolution, layers
 from runner.precision.checks import DeviceInfo, state_findings
@@ -191,6 +192,25 @@ def run_folder(plan: RunPlan, launch: Launch) -> Path:
     return launch.output_dir if launch.output_dir is not None else plan.checkpoint_folder
 
 
+def own_folder(tracker, plan: RunPlan, launch: Launch):
+    """`tracker`, once the run's folder is checked to be free for this run's record (a ConfigError
+    naming the setting of that folder where it holds another run's: Tracker.folder_taken)."""
+    folder = run_folder(plan, launch)
+    taken = tracker.folder_taken(folder, plan.resume.run_id if plan.resume is not None else None)
+    if taken is None:
+        return tracker
+    if launch.output_dir is None:  # (a run started from Python: its checkpoint folder)
+        key = "trainer.checkpoint_dir"
+    else:
+        key = "hydra.sweep.dir" if tag.PARENT_RUN in launch.extra_tags else "hydra.run.dir"
+    raise ConfigError(
+        key,
+        taken,
+        "a folder of its own for this run (Hydra's default, named by the time); to continue "
+        "that run, its own command with resume=auto",
+    )
+
+
 # ---- a run ---------------------------------------------------------------------------------------
 def print_dry_run(plan: RunPlan) -> None:
     """What `dry_run=true` shows: the config, the properties, every finding (the model's Tensor
@@ -283,7 +303,9 @@ def train(plan: RunPlan, comm: Comm, device: torch.device, launch: Launch) -> fl
 
     cfg = plan.cfg
     # only rank 0 talks to the store; its failure (an unreachable server) stops every rank
-    tracker = comm.on_main(lambda: open_tracker(cfg, run_folder(plan, launch)))
+    tracker = comm.on_main(
+        lambda: own_folder(open_tracker(cfg, run_folder(plan, launch)), plan, launch)
+    )
     if comm.is_main:
         tracker.reap()  # the experiment's RUNNING runs whose process is gone end KILLED
     if plan.properties.layer_plan == layers.AUTO:  # the pre-flight plans each layer's format

@@ -127,6 +127,18 @@ class MlflowSweepCallback(Callback):
             except RunnerError as error:
                 log.error("%s", error)
                 raise SystemExit(2) from error
+        taken = tracker.folder_taken(sweep_dir, earlier.run_id if earlier is not None else None)
+        if taken is not None:  # (tracking=none: an earlier sweep's records are there)
+            log.error(
+                "%s",
+                ConfigError(
+                    "hydra.sweep.dir",
+                    taken,
+                    "a folder of its own for this sweep (Hydra's default, named by the time); "
+                    "to continue that sweep, its own command with resume=auto",
+                ),
+            )
+            raise SystemExit(2)
         name = config.mlflow.sweep_name or " ".join(["sweep", *sweep_overrides(config)])
         tags = {
             tag.SWEEP_DIR: str(sweep_dir.resolve()),

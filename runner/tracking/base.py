@@ -209,6 +209,12 @@ class Tracker(ABC):
         """End as KILLED the RUNNING runs of this experiment whose process is gone; their ids."""
         return []
 
+    def folder_taken(self, folder: str | os.PathLike, run_id: str | None) -> str | None:
+        """Why a run (`run_id`: the run it resumes; None: a new one) cannot be recorded with
+        `folder` as its own, else None. A store keeps any number of runs; `tracking=none` keeps
+        one run's record a folder (runner.tracking.json_file)."""
+        return None
+
     @abstractmethod
     def hint(self) -> str:
         """Where a person sees this experiment's runs."""

@@ -276,6 +276,18 @@ class JsonTracker(Tracker):
         record["tags"][tag.RESUME_COUNT] = str(count)
         return JsonRun(Path(folder) if folder is not None else self.root, record)
 
+    def folder_taken(self, folder: str | os.PathLike, run_id: str | None) -> str | None:
+        """A folder holds one run's record: another run's there would be replaced, and with it
+        that run's only record (a folder named outright, used again: `hydra.run.dir=out`)."""
+        record = read_record(Path(folder) / FILE)
+        if record is None or record["run_id"] == run_id:
+            return None
+        return (
+            f"{folder} holds the record of the run {record.get('run_name', '')!r} "
+            f"({record['run_id']}, {record.get('status', '?')}), which this run's would "
+            "replace (tracking=none keeps one run a folder)"
+        )
+
     def hint(self) -> str:
         path = self.root / FILE
         if path.is_file():

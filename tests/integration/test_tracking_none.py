@@ -118,6 +118,39 @@ def test_a_sweep_records_its_parent_and_each_job_and_the_report_refuses_it(tmp_p
     assert not (tmp_path / "report").exists()
 
 
+def test_a_folder_that_holds_a_runs_record_takes_no_other_run(tmp_path, capsys):
+    """tracking=none keeps a run's only record in its folder: a second run or sweep given a
+    folder that holds another's (named outright, used again) stops before it builds anything,
+    exit 2, the record kept; the run itself goes on there with resume=auto. The second
+    replaced the first's record and artifacts without a word."""
+    out, sweep = tmp_path / "run", tmp_path / "sweep"
+    assert run_in_process(*FAST, "tracking=none", f"hydra.run.dir={out}") == 0
+    first = record(out)
+    capsys.readouterr()
+    assert run_in_process(*FAST, "tracking=none", "precision=o1_bf16", f"hydra.run.dir={out}") == 2
+    said = "".join(capsys.readouterr())
+    assert f"hydra.run.dir: {out} holds the record of the run 'tiny-O0' ({first['run_id']}" in said
+    assert "Traceback" not in said and "MLflow run" not in said
+    assert record(out) == first  # kept whole
+    more = ("trainer.max_epochs=3", "resume=auto", f"hydra.run.dir={out}")
+    assert run_in_process(*FAST, "tracking=none", *more) == 0  # the same run, one epoch more
+    rec = record(out)
+    assert rec["run_id"] == first["run_id"] and rec["tags"][tag.RESUME_COUNT] == "1"
+    assert steps(rec, "val_acc") == [1, 2, 3]
+
+    sweep_args = (*FAST, "data.num_train=32", "tracking=none", f"hydra.sweep.dir={sweep}")
+    assert run_in_process("-m", *sweep_args, "precision=o0,o3_bf16") == 0
+    parent = record(sweep)
+    capsys.readouterr()
+    assert run_in_process("-m", *sweep_args, "precision=o0,o1_bf16") == 2
+    said = "".join(capsys.readouterr())
+    assert (
+        f"hydra.sweep.dir: {sweep} holds the record of the run 'sweep precision=o0,o3_bf16'" in said
+    )
+    assert "Traceback" not in said and "#0 :" not in said  # no job launched
+    assert record(sweep) == parent and record(sweep / "1")["run_name"] == "tiny-O3-bf16"
+
+
 def test_the_tracker_cannot_be_swept(tmp_path, capsys):
     assert run_in_process("-m", *FAST, "tracking=mlflow,none", f"hydra.sweep.dir={tmp_path}") == 2
     out = "".join(capsys.readouterr())
