@@ -109,17 +109,6 @@ class MlflowSweepCallback(Callback):
             log.error("%s", error)
             raise SystemExit(2) from error
         tracker.reap()  # the experiment's RUNNING runs whose process is gone end KILLED
-        launcher = str(OmegaConf.select(config, "hydra.launcher._target_") or "")
-        if launcher == JOBLIB_LAUNCHER:
-            cap = stop.cap_workers(OmegaConf.select(config, "hydra.launcher.n_jobs"), jobs)
-            if cap is not None:  # (the launcher is made from this config after this call)
-                with read_write(config.hydra.launcher), open_dict(config.hydra.launcher):
-                    config.hydra.launcher.n_jobs = cap
-        elif launcher == SUBMITIT_LOCAL_LAUNCHER:  # its job controllers: deaf to Ctrl-C
-            setup = stop.submitit_setup(OmegaConf.select(config, "hydra.launcher.setup"))
-            with read_write(config.hydra.launcher), open_dict(config.hydra.launcher):
-                config.hydra.launcher.setup = setup
-        self._warn_shared_device(config, launcher)
         earlier = None
         if _resuming(config):
             try:
@@ -139,6 +128,17 @@ class MlflowSweepCallback(Callback):
                 ),
             )
             raise SystemExit(2)
+        launcher = str(OmegaConf.select(config, "hydra.launcher._target_") or "")
+        if launcher == JOBLIB_LAUNCHER:
+            cap = stop.cap_workers(OmegaConf.select(config, "hydra.launcher.n_jobs"), jobs)
+            if cap is not None:  # (the launcher is made from this config after this call)
+                with read_write(config.hydra.launcher), open_dict(config.hydra.launcher):
+                    config.hydra.launcher.n_jobs = cap
+        elif launcher == SUBMITIT_LOCAL_LAUNCHER:  # its job controllers: deaf to Ctrl-C
+            setup = stop.submitit_setup(OmegaConf.select(config, "hydra.launcher.setup"))
+            with read_write(config.hydra.launcher), open_dict(config.hydra.launcher):
+                config.hydra.launcher.setup = setup
+        self._warn_shared_device(config, launcher)
         name = config.mlflow.sweep_name or " ".join(["sweep", *sweep_overrides(config)])
         tags = {
             tag.SWEEP_DIR: str(sweep_dir.resolve()),
