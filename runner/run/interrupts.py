@@ -21,10 +21,15 @@ log = logging.getLogger(__name__)
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
+def submitit_job() -> bool:
+    """Whether this process runs a job of submitit's (its executor sets SUBMITIT_EXECUTOR)."""
+    return bool(os.environ.get("SUBMITIT_EXECUTOR"))
+
+
 def preemption_signal() -> Optional[int]:
     """In a job of submitit's, the signal it stands for a time limit or a preemption with
     (SIGUSR2, unless SUBMITIT_PREEMPT_SIGNAL names another); None elsewhere."""
-    if not os.environ.get("SUBMITIT_EXECUTOR"):
+    if not submitit_job():
         return None
     found = getattr(signal, "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2"), None)
     return None if found in SIGNALS else found

@@ -110,24 +110,20 @@ class MlflowSweepCallback(Callback):
             raise SystemExit(2) from error
         tracker.reap()  # the experiment's RUNNING runs whose process is gone end KILLED
         earlier = None
-        if _resuming(config):
-            try:
+        try:
+            if _resuming(config):
                 earlier = earlier_sweep(tracker, sweep_dir, list(config.hydra.overrides.task))
-            except RunnerError as error:
-                log.error("%s", error)
-                raise SystemExit(2) from error
-        taken = tracker.folder_taken(sweep_dir, earlier.run_id if earlier is not None else None)
-        if taken is not None:  # (tracking=none: an earlier sweep's records are there)
-            log.error(
-                "%s",
-                ConfigError(
+            taken = tracker.folder_taken(sweep_dir, None if earlier is None else earlier.run_id)
+            if taken is not None:  # (tracking=none: an earlier sweep's records are there)
+                raise ConfigError(
                     "hydra.sweep.dir",
                     taken,
                     "a folder of its own for this sweep (Hydra's default, named by the time); "
                     "to continue that sweep, its own command with resume=auto",
-                ),
-            )
-            raise SystemExit(2)
+                )
+        except RunnerError as error:
+            log.error("%s", error)
+            raise SystemExit(2) from error
         launcher = str(OmegaConf.select(config, "hydra.launcher._target_") or "")
         if launcher == JOBLIB_LAUNCHER:
             cap = stop.cap_workers(OmegaConf.select(config, "hydra.launcher.n_jobs"), jobs)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -262,7 +261,7 @@ def run_job(
     interruption (joblib would end the other jobs' processes at once, submitit would find no
     result); the sweep's process ends the sweep."""
     from runner.run.app import run
-    from runner.run.interrupts import RunInterrupted, preemption_signal
+    from runner.run.interrupts import RunInterrupted, preemption_signal, submitit_job
     from runner.run.plan import default_run_name
     from runner.sweep import stop
 
@@ -275,7 +274,7 @@ def run_job(
         )
     try:
         same_store(cfg, parent.tracker, parent.location, parent.experiment_name)
-        requeue = not _resuming(cfg) and bool(os.environ.get("SUBMITIT_EXECUTOR"))
+        requeue = not _resuming(cfg) and submitit_job()
         if _resuming(cfg) or requeue:
             done, cfg = _resume_job(cfg, parent, job_num, requeue=requeue)
             if done is not None:
