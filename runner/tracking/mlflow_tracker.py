@@ -71,12 +71,6 @@ class MlflowTracker(Tracker):
         self.experiment_name = experiment_name
         self.heartbeat_s = heartbeat_s
         self.stale_after_s = stale_after_s
-        if self.tracking_uri.startswith(("http://", "https://")):
-            # MLflow's own retries would block a call for minutes while a server is away; the
-            # runner buffers and retries metrics itself, and a server that does not answer at
-            # the start is an error at once (user settings of these variables win)
-            os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-            os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
         try:
             database = sqlite_path(self.tracking_uri)
             if database is not None:

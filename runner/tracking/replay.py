@@ -24,6 +24,7 @@ from mlflow.tracking import MlflowClient
 
 from runner.config.schema import DEFAULT_EXPERIMENT
 from runner.tracking import tags as tag
+from runner.tracking.store import RetryingClient
 
 DB = "mlflow.db"
 
@@ -85,7 +86,7 @@ def replay(folder: Path, to: str | None = None) -> list[str]:
             continue
         target_uri = to or tags[tag.REPLAY_TARGET_URI]
         target_id = tags[tag.REPLAY_TARGET_RUN]
-        server = MlflowClient(target_uri)
+        server = RetryingClient(target_uri)  # (fails at once while the server is away)
         server.get_run(target_id)  # the run must exist there: raises with MLflow's message
         metrics = [
             m for key in run.data.metrics for m in local.get_metric_history(run.info.run_id, key)

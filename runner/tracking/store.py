@@ -67,10 +67,21 @@ def retry_when_locked(call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     raise AssertionError("unreachable")
 
 
+def fail_fast_over_http(tracking_uri: str) -> None:
+    """MLflow's own retries would block a call to a server that is away for minutes (7 retries,
+    backing off to 2 minutes): the runner buffers and retries metrics itself, a server that does
+    not answer at a run's start is an error at once, and the report and the replay say that it is
+    away. So no HTTP retries and a 10 s timeout for this process, where the user set neither."""
+    if tracking_uri.startswith(("http://", "https://")):
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+
+
 class RetryingClient:
     """An MlflowClient whose every call goes through `retry_when_locked`."""
 
     def __init__(self, tracking_uri: str):
+        fail_fast_over_http(tracking_uri)
         self._client = MlflowClient(tracking_uri)
 
     def __getattr__(self, name: str) -> Any:

@@ -22,6 +22,30 @@ from tests.helpers.runs import FAST, REPO, compose_config, read_until, start_cli
 from tests.helpers.server import free_port
 
 
+def without_mlflow_http_settings(**extra: str) -> dict[str, str]:
+    """This process's environment less MLflow's HTTP retry settings, which a tracker made in this
+    pytest process sets: a child process must set them itself (with MLflow's default retries, a
+    call to a server that is away blocks for minutes)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_HTTP_REQUEST_")}
+    return {**env, **extra}
+
+
+def test_the_report_says_at_once_that_a_server_is_away(tmp_path):
+    uri = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "runner.report", "--tracking-uri", uri, "--out", str(tmp_path)],
+        env=without_mlflow_http_settings(PYTHONPATH=str(REPO)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert time.monotonic() - started < 60, "MLflow's own retries"
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.startswith(f"Cannot read the runs from {uri}: ")
+    assert "Start the server, or set --tracking-uri" in result.stderr
+
+
 def test_an_unreachable_server_at_start_stops_the_run_before_any_training(tmp_path):
     uri = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     cfg = compose_config(
@@ -124,7 +148,7 @@ def test_a_run_that_ends_while_the_server_is_away_is_saved_offline_and_replayed(
     def replay_cli() -> subprocess.CompletedProcess:
         return subprocess.run(
             [sys.executable, "-m", "runner.replay", str(folder)],
-            env=dict(os.environ, PYTHONPATH=str(REPO)),
+            env=without_mlflow_http_settings(PYTHONPATH=str(REPO)),
             capture_output=True,
             text=True,
             timeout=120,
