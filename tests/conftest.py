@@ -4,6 +4,7 @@ temporary folder, and `gpu` tests skipped without CUDA."""
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 
@@ -36,6 +37,27 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def _store_template(tmp_path_factory) -> Path:
+    """A new MLflow SQLite store, made by MLflow once per test process."""
+    from mlflow.tracking import MlflowClient
+
+    path = tmp_path_factory.mktemp("store-template") / "mlflow.db"
+    MlflowClient(f"sqlite:///{path}").search_experiments()
+    return path
+
+
+@pytest.fixture(autouse=True)
+def _a_store_in_the_folder(request, tmp_path: Path, _store_template: Path):
+    """Each test's folder starts with `mlflow.db`, the runs' default store there, as a copy of a
+    store MLflow made: as after a user's first run (MLflow's creation of a store, its ~50 schema
+    migrations, takes 1-2 s, paid once by a user and once per test here: a tenth of the suite's
+    time). A test marked `new_store` starts in an empty folder: a run that creates the store, or
+    a check that nothing (no store) was created."""
+    if "new_store" not in request.keywords:
+        shutil.copyfile(_store_template, tmp_path / "mlflow.db")
 
 
 @pytest.fixture(autouse=True)

@@ -397,6 +397,7 @@ def test_ctrl_c_marks_the_run_killed(tmp_path, workers):
     assert "marked KILLED" in rest and "mlflow ui --backend-store-uri sqlite:///" in rest
 
 
+@pytest.mark.new_store  # checks that nothing, no store, is created
 @pytest.mark.slow
 def test_cli_sweep_composes_bf16_presets(tmp_path):
     result = run_cli(

@@ -38,6 +38,7 @@ def created(folder: Path) -> list[str]:
     return sorted(str(p.relative_to(folder)) for p in folder.iterdir() if p.name != "outputs")
 
 
+@pytest.mark.new_store  # checks that nothing, no store, is created
 @pytest.mark.parametrize("mistake", MISTAKES)
 def test_a_mistake_exits_2_with_the_nearest_right_spelling(mistake, tmp_path):
     result = run_cli(mistake, cwd=tmp_path, timeout=300)
@@ -129,6 +130,7 @@ SHORT_TABLE = (
 )
 
 
+@pytest.mark.new_store  # checks that nothing, no store, is created
 @pytest.mark.parametrize("given", [[], ["+model.context=16"]], ids=["default", "given"])
 def test_a_language_model_s_short_context_is_refused_in_planning(given, tmp_path):
     """The table's size is the model's own default or an argument of any name: planning finds it
