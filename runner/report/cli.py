@@ -9,8 +9,6 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from mlflow.exceptions import MlflowException
-
 from runner.report.analysis import EXPERIMENT, add_baseline_ratios
 from runner.report.plots import plot_bars, plot_curves, plot_memory
 from runner.report.runs import NothingToReport, read_run, select_runs, to_row
@@ -25,7 +23,7 @@ from runner.report.tables import (
     write_csv,
 )
 from runner.tracking import metrics as m
-from runner.tracking.base import Reader
+from runner.tracking.base import Reader, StoreUnreadable
 from runner.tracking.trackers import open_reader
 
 
@@ -134,13 +132,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except NothingToReport as reason:
         print(f"Nothing to report: {reason}", file=sys.stderr)
         return 1
-    except MlflowException as error:  # a server that is away, a store that cannot be read
+    except StoreUnreadable as error:  # a server that is away, a store that cannot be read
         fix = (
             " Start the server, or set --tracking-uri to the runs' mlflow.tracking_uri."
             if sqlite_path(uri) is None
             else ""
         )
-        print(f"Cannot read the runs from {uri}: {error.message}{fix}", file=sys.stderr)
+        print(f"Cannot read the runs from {error}{fix}", file=sys.stderr)
         return 1
     rows = [to_row(reader, run) for run in runs]
     add_baseline_ratios(rows)

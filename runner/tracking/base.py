@@ -40,6 +40,11 @@ class RunNotFound(LookupError):
     """No run of that id in the store: the message is the store's own."""
 
 
+class StoreUnreadable(RuntimeError):
+    """The store does not answer (a server that is away) or cannot be read: the message says
+    where, and the store's own reason."""
+
+
 @dataclass(frozen=True)
 class RunRecord:
     """One run as a `Reader` reads it back: `metrics` holds each metric's latest value (the

@@ -9,7 +9,7 @@ from typing import Any
 
 from mlflow.exceptions import MlflowException
 
-from runner.tracking.base import Reader, RunNotFound, RunRecord
+from runner.tracking.base import Reader, RunNotFound, RunRecord, StoreUnreadable
 from runner.tracking.store import RetryingClient, resolve_tracking_uri, ui_hint
 
 PAGE = 1000  # runs per search request (MLflow's default and most)
@@ -49,8 +49,14 @@ class MlflowReader(Reader):
 
     @classmethod
     def open(cls, location: str) -> MlflowReader:
+        """A reader of the store at `location`, which has answered (else StoreUnreadable)."""
         uri = resolve_tracking_uri(location)
-        return cls(RetryingClient(uri), uri)
+        client = RetryingClient(uri)
+        try:
+            client.search_experiments(max_results=1)
+        except MlflowException as error:
+            raise StoreUnreadable(f"{uri}: {error.message}") from None
+        return cls(client, uri)
 
     def experiment_id(self, name: str) -> str | None:
         experiment = self.client.get_experiment_by_name(name)
