@@ -453,6 +453,7 @@ def test_a_malformed_value_is_refused_naming_its_key(tmp_path, base, key):
     assert e.value.key == "resume" and f"{key}:" in str(e.value) and str(path) in str(e.value)
 
 
+@pytest.mark.new_store  # checks that nothing, no store, is created
 def test_save_never_writes_what_load_would_refuse(tmp_path, base):
     state = {k: v for k, v in base["state"].items() if k != "format"}
     with pytest.raises(TypeError, match="history"):

@@ -56,6 +56,7 @@ def test_every_experiment_states_its_command_and_needs():
 @pytest.mark.parametrize(
     "name,jobs", [_experiment(name, jobs) for name, jobs in EXPERIMENTS.items()]
 )
+@pytest.mark.new_store  # checks that nothing, no store, is created
 def test_dry_run_resolves_every_job_of_the_sweep(name, jobs, capsys, tmp_path):
     assert (
         run_in_process(

@@ -447,6 +447,7 @@ def test_bad_language_model_input_names_the_key(overrides, key, words):
     assert words in str(info.value)
 
 
+@pytest.mark.new_store  # checks that nothing, no store, is created
 def test_a_bad_corpus_or_tokenizer_stops_the_cli_before_any_run(tmp_path, capsys):
     """An empty corpus folder, and a tokenizer file that does not parse: exit 2, the key named,
     no traceback, no MLflow run."""

@@ -205,6 +205,7 @@ def test_runs_lacking_metrics_are_reported_not_fatal(tracking_uri, tmp_path, cap
     assert {p.name for p in out.iterdir()} == REPORT_FILES
 
 
+@pytest.mark.new_store  # checks that nothing, no store, is created
 def test_a_missing_store_is_not_created(tmp_path, capsys):
     assert report_main(["--out", str(tmp_path / "r")]) == 1  # ./mlflow.db, the default
     assert "no MLflow store at sqlite:///" in capsys.readouterr().err

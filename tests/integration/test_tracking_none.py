@@ -24,6 +24,8 @@ from runner.tracking.json_file import FILE, JsonTracker
 from tests.helpers.runs import FAST, REPO, compose_config, run_cli, run_in_process
 from tests.helpers.store import EPOCH_METRICS, FINAL_METRICS, runs_by_name
 
+pytestmark = pytest.mark.new_store  # no store anywhere, and none created
+
 DIVERGING = ["precision=o3", "precision.loss_scale=1e10", "trainer.max_bad_steps=2"]
 STORE_FILES = ("mlflow.db", "mlruns", "mlartifacts")
 

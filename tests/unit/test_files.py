@@ -23,6 +23,8 @@ from runner.files import (
     write_atomic,
 )
 
+pytestmark = pytest.mark.new_store  # the tests list their folders: no store in them
+
 HOLD = (
     "import fcntl, sys, time\n"
     "f = open(sys.argv[1], 'a+'); fcntl.flock(f, fcntl.LOCK_EX)\n"
