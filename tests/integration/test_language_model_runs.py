@@ -180,11 +180,9 @@ def test_a_users_gpt_package_and_the_builtin_gpt_train_on_text(tmp_path):
     )
     assert own.returncode == 0, own.stdout + own.stderr
     assert "the run is a language model's (task=language_model)" in own.stdout + own.stderr
+    builtin = ["model=gpt_tiny", "data=text", f"data.path={text_dir}", "data.block_size=32"]
     done = run_cli(
-        "model=gpt_tiny",
-        "data=text",
-        f"data.path={text_dir}",
-        "data.block_size=32",
+        *builtin,
         "precision=o2_bf16",
         "trainer.num_workers=0",
         "trainer.progress_bar=false",
@@ -192,17 +190,7 @@ def test_a_users_gpt_package_and_the_builtin_gpt_train_on_text(tmp_path):
         cwd=tmp_path,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    swept = run_cli(
-        "-m",
-        "model=gpt_tiny",
-        "data=text",
-        f"data.path={text_dir}",
-        "data.block_size=32",
-        "precision=o0,o1_bf16",
-        *common,
-        cwd=tmp_path,
-        timeout=900,
-    )
+    swept = run_cli("-m", *builtin, "precision=o0,o1_bf16", *common, cwd=tmp_path, timeout=900)
     assert swept.returncode == 0, swept.stdout + swept.stderr
 
     runs = {
