@@ -171,7 +171,10 @@ def _color(label: str) -> str:
 
 def plot(path: Path, rows: Sequence[Mapping[str, Any]], title: str, max_rows: int = 400) -> Path:
     """One row per layer: the planned format beside the observed one, coloured by format, a
-    layer that ran off plan marked; at most `max_rows` layers (the off-plan ones first)."""
+    layer that ran off plan marked and its two formats written out; at most `max_rows` layers
+    (the off-plan ones first). Drawn in few calls (two bar sets; names, formats and notes as
+    text, not ticks; no tight_layout): drawn row by row, DenseNet-161's 322 layers took 4 s
+    here and 7 s on a GPU machine, inside the run's first step."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -183,14 +186,17 @@ def plot(path: Path, rows: Sequence[Mapping[str, Any]], title: str, max_rows: in
         off = [r for r in shown if r["off_plan"]]
         shown = (off + [r for r in shown if not r["off_plan"]])[:max_rows]
     n = max(len(shown), 1)
-    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.22 * n))
-    for i, row in enumerate(shown):
-        y = n - 1 - i
-        ax.barh(y, 1, left=0, color=_color(str(row["planned"])), edgecolor="white")
-        ax.barh(y, 1, left=1, color=_color(str(row["observed"])), edgecolor="white")
-        ax.text(0.5, y, str(row["planned"]), ha="center", va="center", fontsize=7)
-        ax.text(1.5, y, str(row["observed"]), ha="center", va="center", fontsize=7)
+    labels = [f"{r['layer']} ({r['module']})" for r in reversed(shown)] or [""]
+    height = 1.2 + 0.22 * n
+    fig, ax = plt.subplots(figsize=(9, height))
+    ys = [n - 1 - i for i in range(len(shown))]
+    for left, key in ((0, "planned"), (1, "observed")):
+        colors = [_color(str(r[key])) for r in shown]
+        ax.barh(ys, 1, left=left, color=colors, edgecolor="white")
+    for y, row in zip(ys, shown):
         if row["off_plan"]:
+            ax.text(0.5, y, str(row["planned"]), ha="center", va="center", fontsize=7)
+            ax.text(1.5, y, str(row["observed"]), ha="center", va="center", fontsize=7)
             ax.text(
                 2.05,
                 y,
@@ -199,10 +205,10 @@ def plot(path: Path, rows: Sequence[Mapping[str, Any]], title: str, max_rows: in
                 fontsize=7,
                 color="#C44E52",
             )
-    ax.set_yticks(range(n))
-    ax.set_yticklabels(
-        [f"{r['layer']} ({r['module']})" for r in reversed(shown)] or [""], fontsize=7
-    )
+    # the names as plain text, not tick labels: axis ticks cost about 5 ms each to draw
+    for y, label in enumerate(labels):
+        ax.text(-0.05, y, label, ha="right", va="center", fontsize=7)
+    ax.set_yticks([])
     ax.set_xticks([0.5, 1.5])
     ax.set_xticklabels(["planned", "observed"])
     ax.set_xlim(0, 4.5)
@@ -210,12 +216,15 @@ def plot(path: Path, rows: Sequence[Mapping[str, Any]], title: str, max_rows: in
     for spine in ("top", "right", "bottom"):
         ax.spines[spine].set_visible(False)
     off = sum(1 for r in rows if r["off_plan"])
-    ax.set_title(f"{title}: {len(rows)} layers, {off} off plan", fontsize=9)
+    fig.suptitle(f"{title}: {len(rows)} layers, {off} off plan", fontsize=9)
     handles = [Patch(color=c, label=k) for k, c in COLORS.items()] + [
         Patch(color=_OTHER, label="other / not called")
     ]
     ax.legend(handles=handles, fontsize=7, loc="upper right", frameon=False)
-    fig.tight_layout()
+    # the margins by hand: room on the left for the longest name (7-pt characters are about
+    # 0.055 inch wide), half an inch below the axes and above them for the title
+    left = min(0.7, (0.3 + 0.055 * max(len(s) for s in labels)) / 9)
+    fig.subplots_adjust(left=left, right=0.98, bottom=0.5 / height, top=1 - 0.45 / height)
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
