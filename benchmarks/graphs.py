@@ -21,7 +21,7 @@ Cases and what is expected of them (the verdict):
                      one contiguous copy of its bytes, the replay no slower on the device than
                      the eager step (5% and 0.05 ms).
 
-    python benchmarks/graphs.py                        # CUDA: the three cases, about a minute
+    python benchmarks/graphs.py                        # CUDA: the three cases, about 2 minutes
     python benchmarks/graphs.py --cases gpu_rn50_o2 --rounds 20
     python benchmarks/graphs.py --device cpu           # a CPU: the eager step only (16 px,
                                                        # batch 2); planning refuses the graphs
@@ -420,29 +420,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{args.steps}-step blocks; load average {load_start}",
         flush=True,
     )
-    results = [run_case(args, name) for name in args.cases]
-    for cell in results:
+    results = []
+
+    def report() -> dict:
+        return {
+            "benchmark": "graphs",
+            "device": args.device,
+            "steps": args.steps,
+            "rounds": args.rounds,
+            "reps": args.reps,
+            "warmup": warmup_steps(args) + args.steps,
+            "refusals": sorted({c["refused"] for c in results if c.get("refused")}),
+            "results": results,
+            "machine": machine(args.device),
+            "command": command("graphs.py", argv),
+            "date": now(),
+            "load_start": load_start,
+            "load_end": load_average(),
+            "wall_s": time.perf_counter() - started,
+            "overrides": {name: case_overrides(args, name, True) for name in args.cases},
+        }
+
+    # the table after every case, so that a GPU lease's piece stopped at its limit keeps the
+    # cases that ran
+    for name in args.cases:
+        cell = run_case(args, name)
         cell["checks"] = [{"expected": what, "met": ok} for what, ok in judge(cell)]
-    report = {
-        "benchmark": "graphs",
-        "device": args.device,
-        "steps": args.steps,
-        "rounds": args.rounds,
-        "reps": args.reps,
-        "warmup": warmup_steps(args) + args.steps,
-        "refusals": sorted({c["refused"] for c in results if c.get("refused")}),
-        "results": results,
-        "machine": machine(args.device),
-        "command": command("graphs.py", argv),
-        "date": now(),
-        "load_start": load_start,
-        "load_end": load_average(),
-        "wall_s": time.perf_counter() - started,
-        "overrides": {name: case_overrides(args, name, True) for name in args.cases},
-    }
-    paths = write_results(args.out, render(report), results, CSV_FIELDS, report)
+        results.append(cell)
+        final = report()
+        paths = write_results(args.out, render(final), results, CSV_FIELDS, final)
     print()
-    print(render(report))
+    print(render(final))
     print("Wrote " + ", ".join(str(p) for p in paths))
     return 1 if any(c["status"] != "ok" for c in results) else 0
 

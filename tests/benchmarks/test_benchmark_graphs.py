@@ -13,24 +13,38 @@ import pytest
 from tests.helpers.benchmarks import load_benchmark
 
 
-def test_graphs_benchmark_on_a_cpu_times_the_eager_step_and_says_the_refusal(tmp_path: Path):
+def test_graphs_benchmark_on_a_cpu_times_the_eager_step_and_says_the_refusal(
+    tmp_path: Path, monkeypatch
+):
     bench = load_benchmark("graphs")
     out = tmp_path / "results" / "graphs.md"
-    argv = ["--device", "cpu", "--cases", "gpu_rn50_o2_bf16", "--image-size", "8"]
+    argv = ["--device", "cpu", "--cases", "host_rn18_o2,gpu_rn50_o2_bf16", "--image-size", "8"]
     argv += ["--batch-size", "2", "--steps", "1", "--rounds", "1", "--reps", "1"]
+    # a piece stopped at its limit keeps the cases that ran: the table is written after each
+    written = []
+    run_case = bench.run_case
+
+    def after_the_last_write(args, name):
+        written.append(out.read_text() if out.exists() else None)
+        return run_case(args, name)
+
+    monkeypatch.setattr(bench, "run_case", after_the_last_write)
     assert bench.main([*argv, "--out", str(out)]) == 0
+    assert written[0] is None and "| host_rn18_o2 |" in written[1]
+    assert "gpu_rn50_o2_bf16" not in written[1].split("## Setup")[0]
     table = out.read_text()
     assert "| gpu_rn50_o2_bf16 | resnet50 | 8 | 2 | o2_bf16 |" in table
     assert "refused (below)" in table and "a CUDA graph needs a CUDA device" in table
     assert "`gpu_rn50_o2_bf16`: not judged, planning refused the graphs here" in table
     assert "Load average" in table and "Command:" in table
     report = json.loads(out.with_suffix(".json").read_text())
-    (cell,) = report["results"]
-    assert cell["status"] == "ok" and cell["eager_ms"] > 0 and cell["checks"] == []
-    assert "graphed_ms" not in cell
+    assert [c["case"] for c in report["results"]] == ["host_rn18_o2", "gpu_rn50_o2_bf16"]
+    for cell in report["results"]:
+        assert cell["status"] == "ok" and cell["eager_ms"] > 0 and cell["checks"] == []
+        assert "graphed_ms" not in cell
     assert "trainer.cuda_graphs=true" in report["overrides"]["gpu_rn50_o2_bf16"]
     with out.with_suffix(".csv").open() as f:
-        assert [r["case"] for r in csv.DictReader(f)] == ["gpu_rn50_o2_bf16"]
+        assert [r["case"] for r in csv.DictReader(f)] == ["host_rn18_o2", "gpu_rn50_o2_bf16"]
 
 
 def _cell(bound: str, eager: float, graphed: float, **device: float) -> dict:

@@ -12,12 +12,26 @@ import pytest
 from tests.helpers.benchmarks import load_benchmark
 
 
-def test_steady_smoke(tmp_path: Path):
+def test_steady_smoke(tmp_path: Path, monkeypatch):
     bench = load_benchmark("steady")
     out = tmp_path / "steady.md"
     argv = ["--device", "cpu", "--model", "tiny", "--image-size", "8", "--batch-size", "8"]
     argv += ["--steps", "6", "--levels", "o0,o1_bf16", "--work", str(tmp_path / "work")]
+    # what a piece stopped inside levels.py keeps: the runs' figures, written before it starts
+    seen = {}
+    run_levels_py = bench.run_levels_py
+
+    def kept_then_run(args, work):
+        seen["text"] = out.read_text()
+        seen["rows"] = json.loads(out.with_suffix(".json").read_text())["rows"]
+        return run_levels_py(args, work)
+
+    monkeypatch.setattr(bench, "run_levels_py", kept_then_run)
     assert bench.main([*argv, "--out", str(out)]) == 0
+    assert [r["level"] for r in seen["rows"]] == ["o0", "o1_bf16"]
+    assert all(r["samples_per_s"] > 0 and r["levels_samples_per_s"] is None for r in seen["rows"])
+    assert "No verdict: levels.py has no figures" in seen["text"]
+    assert "o1_bf16 / o0: logged steady" in seen["text"]
     report = json.loads(out.with_suffix(".json").read_text())
     rows = {r["level"]: r for r in report["rows"]}
     for row in rows.values():
