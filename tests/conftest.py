@@ -4,6 +4,7 @@ temporary folder, and `gpu` tests skipped without CUDA."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -66,11 +67,21 @@ def _launch_in_tmp_dir(tmp_path: Path, monkeypatch):
     test's files in its own temporary folder, never in the checkout. Modules a run imported from
     that folder (a user's `my_pkg`, also as a namespace package) are forgotten afterwards, so the
     next test's `my_pkg` is its own, as in a fresh process. trainer.tune's cache of decisions
-    is the test's own too (a decision measured by another test is never reused)."""
+    is the test's own too (a decision measured by another test is never reused), and the
+    environment is restored after the test."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("AMP_RUNNER_TUNE_CACHE", str(tmp_path / "tune-cache"))
     before = set(sys.modules)
+    environment = dict(os.environ)
     yield
+    # what the code under test set in os.environ (MLflow's HTTP settings, which a tracker sets
+    # where the user has not) goes with the test: a later test's child processes inherit only
+    # what a user's shell would give them (one such leak once hid a hang of the replay)
+    for key in set(os.environ) - set(environment):
+        del os.environ[key]
+    for key, value in environment.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
     folder = str(tmp_path)
     for name in set(sys.modules) - before:
         module = sys.modules[name]

@@ -424,14 +424,13 @@ def pages_beside_the_code() -> list[Path]:
 @pytest.fixture
 def page_folder(tmp_path, monkeypatch):
     """The page's folder: the launch directory of its commands, with its own caches (modules it
-    adds, a model of the reader's own, are forgotten by conftest's `_launch_in_tmp_dir`)."""
+    adds, a model of the reader's own, and what its runs set in the environment are forgotten
+    by conftest's `_launch_in_tmp_dir`)."""
     monkeypatch.setenv("AMP_RUNNER_TOKEN_CACHE", str(tmp_path / "token-cache"))
     monkeypatch.setenv("PYTHONUNBUFFERED", "1")
-    path, environ = sys.path[:], dict(os.environ)
+    path = sys.path[:]
     yield tmp_path
     sys.path[:] = path
-    os.environ.clear()  # what a run set for itself (MLflow's HTTP retries) goes with the page
-    os.environ.update(environ)
 
 
 @pytest.mark.slow
