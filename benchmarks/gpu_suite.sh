@@ -270,15 +270,23 @@ elif [[ "$PART" == lease2 ]]; then
   # sizes from the H200 lease of 2026-11-27: GPT-2 small's o0, o1_bf16 and o2_bf16 cells 46 s
   # with the priming, its eager o1_fp8 cell over 14 s; torchtitan's float8 peer over 90 s;
   # a DenseNet-161 cell about a minute (its first steps' cuDNN search over ~160 shapes)
+  # first, why O2 trained DenseNet-161 no faster than O0 on the H200 of 2026-11-28 (103 ms a
+  # step each at batch 64, the loader idle): where each level's step spends its time, and
+  # whether the GPU waits for the host (profile_step.py), then its levels beside the hand
+  # autocast loop (torch_amp)
+  PROF=(--model densenet161 --levels o0,o2)
+  [[ "$DRY" == 1 ]] && PROF+=(--image-size 16 --batch-size 2 --warmup 1 --steps 1)
+  piece profile_densenet 150 "$PY" benchmarks/profile_step.py --device "$DEV" "${PROF[@]}" \
+    --out "$RES/profile_step_densenet_$TAG.md"
+  piece bench_levels_densenet 240 "$PY" benchmarks/levels.py --device "$DEV" \
+    --models densenet161 --levels o0,o1,o2,torch_amp "${LV[@]}" \
+    --out "$RES/levels_densenet_$TAG.md"
   GOUT=$RES/levels_gpt_$TAG.md
   piece bench_levels_gpt 120 "$PY" benchmarks/levels.py --device "$DEV" --models gpt2_small \
     "${GPT[@]}" --levels o0,o1_bf16,o2_bf16,o1_fp8 "${LV[@]:0:4}" --out "$GOUT"
   piece bench_peers_gpt 150 "$PY" benchmarks/peers.py --device "$DEV" --model gpt2_small \
     "${GPT[@]}" --peers titan:float8,hand:o1_bf16,lightning:bf16-mixed "${PEER[@]:0:6}" \
     --out "$RES/peers_gpt_$TAG.md"
-  piece bench_levels_densenet 240 "$PY" benchmarks/levels.py --device "$DEV" \
-    --models densenet161 --levels o0,o1,o2,torch_amp "${LV[@]}" \
-    --out "$RES/levels_densenet_$TAG.md"
   # fp16 accuracy parity: O1 and O2 within 1 point of O0, as many seeds as fit (each run is
   # written when it ends: a piece stopped at its limit keeps the seeds it finished)
   ACC=(--levels o0,o1,o2 --seeds "$(small 0,1,2,3,4 0)" --epochs "$(small 10 1)")
