@@ -87,6 +87,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--extra",
         nargs="+",
+        action="extend",
         default=[],
         metavar="KEY=VALUE",
         help="more Hydra overrides, e.g. trainer.channels_last=true",
