@@ -135,11 +135,14 @@ def split(events: Iterable, on_gpu: bool) -> tuple[dict[str, float], dict[str, f
     """(microseconds by kind, by outermost operator, the device's total) of profiled `events`
     (torch.profiler's FunctionEvents). On a GPU: every device event's time is the total; the
     kernels each CPU event launched are charged to its outermost operator, the rest to OUTSIDE.
-    On a CPU: each ATen operator's own CPU time, charged to its outermost operator."""
+    On a CPU: each ATen operator's own CPU time, charged to its outermost operator. User
+    annotations (record_function ranges, mirrored on the GPU's timeline) are left out."""
     kinds: dict[str, float] = {}
     ops: dict[str, float] = {}
     total = 0.0
     for event in events:
+        if getattr(event, "is_user_annotation", False):
+            continue  # a record_function range (and its GPU span), not work: as torch's tables
         if on_gpu:
             if event.device_type.name != "CPU":
                 total += event.time_range.elapsed_us()

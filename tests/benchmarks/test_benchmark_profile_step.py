@@ -43,8 +43,9 @@ def test_bad_arguments_are_refused(capsys):
     assert stop.value.code == 2 and "--steps" in capsys.readouterr().err
 
 
-def _event(name, parent=None, kernels=(), device="CPU", us=0.0):
+def _event(name, parent=None, kernels=(), device="CPU", us=0.0, annotation=False):
     return SimpleNamespace(
+        is_user_annotation=annotation,
         name=name,
         cpu_parent=parent,
         kernels=[SimpleNamespace(duration=d) for d in kernels],
@@ -63,8 +64,11 @@ def test_gpu_kernels_are_charged_to_the_outermost_operator():
     cat = _event("aten::cat", kernels=[40.0])
     launch = _event("cudaLaunchKernel", kernels=[10.0])  # the runner's kernel: no operator
     device = [_event(f"k{i}", device="CUDA", us=us) for i, us in enumerate([300, 75, 40, 10, 5])]
+    # a record_function range and its span on the GPU's timeline: not work of their own
+    step = _event("Optimizer.step#SGD.step", kernels=[60.0], annotation=True)
+    device.append(_event("Optimizer.step#SGD.step", device="CUDA", us=60.0, annotation=True))
     kinds, ops, total = bench.split(
-        [conv2d, conv, cudnn, autograd, bn_back, cat, launch, *device], True
+        [conv2d, conv, cudnn, autograd, bn_back, cat, launch, step, *device], True
     )
     assert total == 430.0  # every device event, a memcpy's 5 us of no CPU event included
     assert ops == {
