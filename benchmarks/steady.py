@@ -306,7 +306,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # the runs' figures first, so that a piece stopped inside levels.py (a GPU lease's time
     # limit: DenseNet-161's cells take a minute each) keeps them; then again with levels.py's
-    write_results(args.out, render(report({})), rows, FIELDS, report({}))
+    first = report({})
+    write_results(args.out, render(first), rows, FIELDS, first)
     print(f"Wrote the runs' figures to {args.out}; now levels.py", flush=True)
     try:
         measured = run_levels_py(args, work)
