@@ -59,6 +59,7 @@ from common import (  # noqa: E402
     REPO,
     STATE_CHECKED,
     STATE_MEMORY_TARGETS,
+    add_device_option,
     add_run_options,
     compare_state,
     compose,
@@ -246,7 +247,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="comma-separated trainer.seed values (default 0,1,2); the dataset "
         "(data.seed) stays fixed",
     )
-    parser.add_argument("--device", choices=["cpu", "cuda", "auto"], default="auto")
+    add_device_option(parser)
     parser.add_argument(
         "--epochs",
         type=int,

@@ -55,6 +55,33 @@ def now() -> str:
     return _dt.datetime.now().astimezone().isoformat(timespec="seconds")
 
 
+def add_device_option(parser, auto: bool = True) -> None:
+    """`--device`: cpu or cuda; with `auto` (then the default) cuda where there is one."""
+    choices = ["auto", "cpu", "cuda"] if auto else ["cpu", "cuda"]
+    parser.add_argument("--device", choices=choices, default=choices[0])
+
+
+def add_out_option(parser, name: str, beside: str = ".csv and .json", default: str = "") -> None:
+    """`--out`: the Markdown results, the other formats beside it (default
+    benchmarks/results/<name>_<device>.md unless `default` says otherwise)."""
+    where = default or f"benchmarks/results/{name}_<device>.md"
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help=f"Markdown results; {beside} beside (default {where})"
+        if beside
+        else f"Markdown results (default {where})",
+    )
+
+
+def add_extra_option(parser, help: str = "more Hydra overrides, applied last") -> None:
+    """`--extra KEY=VALUE ...`: more Hydra overrides; given twice, the lists add up."""
+    parser.add_argument(
+        "--extra", nargs="+", action="extend", default=[], metavar="KEY=VALUE", help=help
+    )
+
+
 def add_threads_option(parser) -> None:
     parser.add_argument(
         "--threads",
@@ -245,13 +272,7 @@ def add_run_options(
     """The options every training-run benchmark (accuracy, rounding, lm_parity) takes: where the
     results go (`--out`), the MLflow store and experiment, more overrides, and the runner's
     log."""
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help=f"the Markdown table; the {beside} go beside it (default "
-        f"benchmarks/results/{name}_<cpu|cuda>.md)",
-    )
+    add_out_option(parser, name, beside)
     parser.add_argument(
         "--tracking-uri",
         default=None,
@@ -260,9 +281,7 @@ def add_run_options(
     parser.add_argument(
         "--experiment", default=experiment, help=f"MLflow experiment name (default {experiment})"
     )
-    parser.add_argument(
-        "--extra", nargs="+", action="extend", default=[], metavar="KEY=VALUE", help=extra_help
-    )
+    add_extra_option(parser, extra_help)
     parser.add_argument("--verbose", "-v", action="store_true", help="show the runner's log")
 
 

@@ -35,6 +35,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from common import (  # noqa: E402
     REPO,
+    add_device_option,
+    add_extra_option,
+    add_out_option,
     add_threads_option,
     apply_threads,
     build_runner,
@@ -58,7 +61,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         description="The cost of range diagnostics (and of the memory meter) per training step, "
         "against the same step without them; writes Markdown, CSV and JSON.",
     )
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    add_device_option(p, auto=False)
     p.add_argument(
         "--models",
         type=csv_list,
@@ -83,21 +86,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=["1", "50", "100"],
         help="diagnose_every_n_steps values to amortise over (default 1,50,100)",
     )
-    p.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="Markdown results; .csv and .json beside (default "
-        "benchmarks/results/diagnostics_cost_<device>.md)",
-    )
-    p.add_argument(
-        "--extra",
-        nargs="+",
-        action="extend",
-        default=[],
-        metavar="KEY=VALUE",
-        help="more Hydra overrides, applied last",
-    )
+    add_out_option(p, "diagnostics_cost")
+    add_extra_option(p, "more Hydra overrides, applied last")
     add_threads_option(p)
     args = p.parse_args(argv)
     apply_threads(p, args)

@@ -45,6 +45,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from common import (  # noqa: E402
     REPO,
+    add_device_option,
+    add_out_option,
     build_runner,
     check_at_least_one,
     command,
@@ -81,7 +83,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "interleaved in one process, with the device-time split of the optimizer step; "
         "writes Markdown, CSV and JSON.",
     )
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    add_device_option(p)
     p.add_argument(
         "--cases",
         type=csv_list,
@@ -107,13 +109,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--reps", type=int, default=20, help="device-time samples of each part (default 20)"
     )
-    p.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="Markdown results; .csv and .json beside (default "
-        "benchmarks/results/graphs_<device>.md)",
-    )
+    add_out_option(p, "graphs")
     args = p.parse_args(argv)
     args.device = resolve_device(p, args.device)
     unknown = [c for c in args.cases if c not in CASES]

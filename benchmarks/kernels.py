@@ -50,6 +50,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 import torch  # noqa: E402
 from common import (  # noqa: E402
     REPO,
+    add_device_option,
+    add_out_option,
     add_threads_option,
     apply_threads,
     command,
@@ -80,7 +82,7 @@ LOSS_SCALE = 1024.0
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    add_device_option(p)
     p.add_argument(
         "--models",
         default=",".join(MODELS),
@@ -100,12 +102,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="interleaved steps per variant of the host-cost rows (0 skips them; default 301)",
     )
     add_threads_option(p)
-    p.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="Markdown results (default benchmarks/results/kernels_<device>.md)",
-    )
+    add_out_option(p, "kernels", beside="")
     args = p.parse_args(argv)
     apply_threads(p, args)
     if args.device == "auto":

@@ -31,6 +31,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from common import (  # noqa: E402
     REPO,
+    add_device_option,
+    add_out_option,
     add_threads_option,
     apply_threads,
     build_runner,
@@ -63,7 +65,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         description="The cost of a layer plan (a head kept in fp32) and of the layer audit per "
         "training step, against the level's own step; writes Markdown, CSV and JSON.",
     )
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    add_device_option(p, auto=False)
     p.add_argument(
         "--models",
         type=csv_list,
@@ -88,13 +90,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--rounds", type=int, default=3, help="rounds, each one block per variant (default 3)"
     )
-    p.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="Markdown results; .csv and .json beside (default "
-        "benchmarks/results/layer_plan_cost_<device>.md)",
-    )
+    add_out_option(p, "layer_plan_cost")
     add_threads_option(p)
     args = p.parse_args(argv)
     apply_threads(p, args)

@@ -63,6 +63,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from common import (  # noqa: E402
     COMPILE_SUFFIX,
     REPO,
+    add_device_option,
+    add_extra_option,
+    add_out_option,
     add_threads_option,
     apply_threads,
     build_runner,
@@ -153,7 +156,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         description="Per-level table: throughput, step time and peak memory of each precision "
         "level per model, on the runner's real training step; Markdown, CSV, JSON and a PNG.",
     )
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    add_device_option(p)
     p.add_argument(
         "--models",
         type=csv_list,
@@ -207,13 +210,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="allow TF32 for fp32 matmuls/convolutions on CUDA (default off: O0 is true fp32)",
     )
-    p.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="Markdown table; .csv, .json and .png beside (default "
-        "benchmarks/results/levels_<device>.md)",
-    )
+    add_out_option(p, "levels", beside=".csv, .json and .png")
     p.add_argument(
         "--merge",
         action="store_true",
@@ -229,14 +226,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="measure nothing: merge these results files (later ones win per cell) "
         "and write the table and figure to --out",
     )
-    p.add_argument(
-        "--extra",
-        nargs="+",
-        action="extend",
-        default=[],
-        metavar="KEY=VALUE",
-        help="more Hydra overrides for every cell, applied last",
-    )
+    add_extra_option(p, "more Hydra overrides for every cell, applied last")
     p.add_argument(
         "--no-prime",
         dest="prime",

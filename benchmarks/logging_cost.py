@@ -38,6 +38,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from common import (  # noqa: E402
     REPO,
+    add_device_option,
+    add_extra_option,
+    add_out_option,
     add_threads_option,
     apply_threads,
     build_runner,
@@ -85,7 +88,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         description="MLflow logging cost per training step, at log_every_n_steps=1 and the "
         "default, on a real run with a SQLite store; writes Markdown, CSV and JSON.",
     )
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    add_device_option(p, auto=False)
     p.add_argument("--model", default="tiny", help="model config option (default tiny)")
     p.add_argument("--image-size", type=int, default=32, help="synthetic image side (default 32)")
     p.add_argument("--batch-size", type=int, default=128, help="batch size (default 128)")
@@ -110,21 +113,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=None,
         help="MLflow store (default: sqlite:///<a new temporary folder>/mlflow.db)",
     )
-    p.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="Markdown results; .csv and .json beside (default "
-        "benchmarks/results/logging_cost_<device>.md)",
-    )
-    p.add_argument(
-        "--extra",
-        nargs="+",
-        action="extend",
-        default=[],
-        metavar="KEY=VALUE",
-        help="more Hydra overrides, applied last",
-    )
+    add_out_option(p, "logging_cost")
+    add_extra_option(p, "more Hydra overrides, applied last")
     add_threads_option(p)
     args = p.parse_args(argv)
     apply_threads(p, args)

@@ -45,6 +45,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from common import (  # noqa: E402
     REPO,
+    add_device_option,
+    add_extra_option,
+    add_out_option,
     add_threads_option,
     apply_threads,
     build_runner,
@@ -247,7 +250,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         description="Runner overhead: Trainer.train_step against a hand-written PyTorch loop "
         "doing the same work, interleaved, per precision level; writes Markdown, CSV and JSON.",
     )
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    add_device_option(p)
     p.add_argument(
         "--levels",
         type=csv_list,
@@ -282,20 +285,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="trainer.channels_last=true (model and inputs channels-last, both sides)",
     )
-    p.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="Markdown results; .csv and .json beside (default "
-        "benchmarks/results/overhead_<device>.md)",
-    )
-    p.add_argument(
-        "--extra",
-        nargs="+",
-        action="extend",
-        default=[],
-        metavar="KEY=VALUE",
-        help="more Hydra overrides for the runner's config, applied last "
+    add_out_option(p, "overhead")
+    add_extra_option(
+        p,
+        "more Hydra overrides for the runner's config, applied last "
         "(e.g. optimizer=adamw); the hand-written loop takes the same settings",
     )
     p.add_argument(

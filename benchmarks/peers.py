@@ -66,6 +66,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from common import (  # noqa: E402
     REPO,
+    add_device_option,
+    add_extra_option,
+    add_out_option,
     add_threads_option,
     apply_threads,
     build_runner,
@@ -138,7 +141,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         description="The runner's training step against Lightning's precision plugins and a "
         "hand-written autocast loop on the same model, data and weights; Markdown, CSV, JSON.",
     )
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    add_device_option(p)
     p.add_argument(
         "--model",
         default=None,
@@ -156,14 +159,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="timed steps a block")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps before each block")
     p.add_argument("--rounds", type=int, default=None, help="timed blocks a side")
-    p.add_argument(
-        "--extra",
-        nargs="+",
-        action="extend",
-        default=[],
-        metavar="KEY=VALUE",
-        help="more Hydra overrides for both sides' config (e.g. optimizer=adamw)",
-    )
+    add_extra_option(p, "more Hydra overrides for both sides' config (e.g. optimizer=adamw)")
     p.add_argument(
         "--titan-filter",
         type=csv_list,
@@ -203,12 +199,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "level (default the runner's: 120 s under trainer.tune=on); a candidate that would "
         "not fit is skipped",
     )
-    p.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="Markdown path (default benchmarks/results/peers_<device>.md, with --tuned "
-        "peers_tuned_<device>.md; .csv and .json beside it)",
+    add_out_option(
+        p,
+        "peers",
+        default="benchmarks/results/peers_<device>.md, with --tuned peers_tuned_<device>.md",
     )
     add_threads_option(p)
     args = p.parse_args(argv)

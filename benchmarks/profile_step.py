@@ -36,6 +36,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from common import (  # noqa: E402
     REPO,
+    add_device_option,
+    add_extra_option,
+    add_out_option,
     build_runner,
     check_presets,
     command,
@@ -77,28 +80,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "runner's step, device time by kind of work, and the device's busy share; writes "
         "Markdown, CSV and JSON.",
     )
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    add_device_option(p)
     p.add_argument("--model", default=None, help="model config option (CUDA densenet161)")
     p.add_argument("--image-size", type=int, default=None, help="(CUDA 224, CPU 32)")
     p.add_argument("--batch-size", type=int, default=None, help="(CUDA 64, CPU 16)")
     p.add_argument("--levels", type=csv_list, default=None, help="presets (CUDA o0,o2)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (CUDA 10)")
     p.add_argument("--steps", type=int, default=None, help="profiled steps (CUDA 10, CPU 3)")
-    p.add_argument(
-        "--extra",
-        nargs="+",
-        action="extend",
-        default=[],
-        metavar="KEY=VALUE",
-        help="more Hydra overrides, e.g. trainer.channels_last=true",
-    )
-    p.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="Markdown results; .csv and .json beside (default "
-        "benchmarks/results/profile_step_<device>.md)",
-    )
+    add_extra_option(p, "more Hydra overrides, e.g. trainer.channels_last=true")
+    add_out_option(p, "profile_step")
     args = p.parse_args(argv)
     args.device = resolve_device(p, args.device)
     model, size, batch, levels, warmup, steps = DEFAULTS[args.device]

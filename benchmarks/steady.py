@@ -33,6 +33,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from common import (  # noqa: E402
     REPO,
+    add_device_option,
+    add_out_option,
     check_presets,
     command,
     csv_list,
@@ -68,7 +70,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         description="The runner's logged steady samples_per_s per level against levels.py's "
         "timed steps: the ratio between two levels, both ways; Markdown, CSV and JSON.",
     )
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    add_device_option(p)
     p.add_argument("--model", default=None, help="model option (default densenet161; CPU tiny)")
     p.add_argument("--image-size", type=int, default=None, help="(default 224; CPU 16)")
     p.add_argument("--batch-size", type=int, default=None, help="(default 64; CPU 16)")
@@ -80,13 +82,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="two presets, the baseline first (default o0,o2; CPU o0,o1_bf16)",
     )
     p.add_argument("--workers", type=int, default=None, help="trainer.num_workers (8; CPU 0)")
-    p.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="Markdown results; .csv and .json beside (default benchmarks/results/"
-        "steady_<device>.md)",
-    )
+    add_out_option(p, "steady")
     p.add_argument("--work", type=Path, default=None, help="the runs' folder (default: a temp)")
     args = p.parse_args(argv)
     args.device = resolve_device(p, args.device)
