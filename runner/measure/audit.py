@@ -257,6 +257,17 @@ def summary(rows: Sequence[Mapping[str, Any]]) -> Optional[str]:
     )
 
 
+def worth_a_figure(rows: Iterable[Mapping[str, Any]]) -> bool:
+    """Whether the figure shows more than the log line and the metrics say: some layer ran off
+    plan, or the layers were planned or ran in more than one format (a layer not called counts
+    as one). A run whose every layer ran as planned in one format (an O0 run: all fp32) gets
+    none: two bars of one colour per layer, drawn in its first step (1 to 2 s with matplotlib's
+    import, more for hundreds of layers), would say nothing more."""
+    rows = list(rows)
+    formats = {str(r["planned"]) for r in rows} | {str(r["observed"]) for r in rows}
+    return any(r["off_plan"] for r in rows) or len(formats) > 1
+
+
 # ---- inside a run --------------------------------------------------------------------------------
 
 
@@ -269,10 +280,10 @@ class AuditInstrument(Instrument):
     `compare` and `strict`): the run's first step (`first`; a compiled run audits an eager step
     instead) and every step `also` names (the diagnosed ones). Each audited step sends
     `layers_off_plan` and the layers per observed format to `on_metrics`, appends its rows to
-    `layers_ran.csv` in `folder` (where `writes`: rank 0), draws the figure and hands both to
-    `on_artifact` (the session's first audit at once, later ones at their epoch's end), warns
-    once per layer that ran off plan (to `logger`), and raises `error` for it when the plan is
-    strict."""
+    `layers_ran.csv` in `folder` (where `writes`: rank 0), draws the figure where it shows
+    something (`worth_a_figure`) and hands the files to `on_artifact` (the session's first audit
+    at once, later ones at their epoch's end), warns once per layer that ran off plan (to
+    `logger`), and raises `error` for it when the plan is strict."""
 
     def __init__(
         self,
@@ -377,7 +388,9 @@ class AuditInstrument(Instrument):
         rows, step = self._last
         self._last = None
         folder = self.folder
-        figure = plot(folder / LAYERS_RAN_PNG, rows, f"What ran where at step {step}")
+        paths = [folder / LAYERS_RAN_CSV]
+        if worth_a_figure(rows):
+            paths.append(plot(folder / LAYERS_RAN_PNG, rows, f"What ran where at step {step}"))
         if self.on_artifact is not None:
-            for path in (folder / LAYERS_RAN_CSV, figure):
+            for path in paths:
                 self.on_artifact(path, ARTIFACT_DIR)

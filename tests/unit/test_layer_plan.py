@@ -416,6 +416,17 @@ def test_the_audit_sees_each_layers_dtypes_and_flags_what_ran_off_plan():
     assert layer_audit.counts(rows.values()) == {"fp32": 1, "bf16": 1, "fp16": 0, "fp8": 0}
 
 
+def test_the_figure_is_worth_drawing_only_where_it_shows_more_than_one_colour():
+    def row(planned, observed, off_plan=False):
+        return {"planned": planned, "observed": observed, "off_plan": off_plan}
+
+    assert not layer_audit.worth_a_figure([row("float32", "float32")] * 3)
+    assert not layer_audit.worth_a_figure([row("float16", "float16")] * 3)
+    assert layer_audit.worth_a_figure([row("float32", "float32"), row("bfloat16", "bfloat16")])
+    assert layer_audit.worth_a_figure([row("float32", "float32"), row("float32", "not called")])
+    assert layer_audit.worth_a_figure([row("float32", "float32", off_plan=True)])
+
+
 def test_a_layer_whose_forward_never_runs_is_named_when_an_entry_planned_it():
     mha = nn.Sequential(nn.MultiheadAttention(16, 2, batch_first=True))
     engine, _ = prepared(mha, "O1", [("0.out_proj", "float32")])
@@ -449,6 +460,7 @@ def test_strict_stops_a_run_whose_layer_ran_off_plan(tmp_path, caplog):
     ]
     app.run(compose_config(*base, "mlflow.run_name=warned"))
     assert "sneaky (Upcasting) ran off plan" in caplog.text
+    app.run(compose_config(*base, "precision=o0", "mlflow.run_name=uniform"))
     with pytest.raises(LayerPlanError, match="sneaky.*computed in float32, planned bfloat16"):
         app.run(compose_config(*base, "precision.strict=true", "mlflow.run_name=strict"))
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
@@ -458,6 +470,16 @@ def test_strict_stops_a_run_whose_layer_ran_off_plan(tmp_path, caplog):
     }
     assert runs["warned"].info.status == "FINISHED"
     assert runs["warned"].data.metrics["layers_off_plan"] == 1
+
+    def layer_files(name: str) -> set[str]:
+        return {a.path for a in client.list_artifacts(runs[name].info.run_id, "layers")}
+
+    # the figure where it shows something (a layer off plan), not where every layer ran as
+    # planned in one format (O0: all fp32); the table in both
+    assert {"layers/layers_ran.csv", "layers/layers_ran.png"} <= layer_files("warned")
+    assert runs["uniform"].data.metrics["layers_fp32"] == 2
+    assert "layers/layers_ran.csv" in layer_files("uniform")
+    assert "layers/layers_ran.png" not in layer_files("uniform")
     assert (
         runs["strict"].info.status == "FAILED"
         and "ran off plan" in runs["strict"].data.tags["error"]
