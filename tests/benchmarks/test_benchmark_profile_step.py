@@ -24,12 +24,16 @@ def test_a_cpu_profile_splits_each_levels_step_and_writes_after_each(tmp_path: P
     assert list(rows) == ["o0", "o2_bf16"]
     for row in rows.values():
         assert row["status"] == "ok" and 0 < row["busy_ms"] <= row["wall_ms"]
+        # the step timed without the profiler too; on a CPU busy is the operators' share of
+        # the profiled wall (on a GPU, the kernels' share of the plain step)
+        assert row["plain_ms"] > 0
+        assert row["busy_share"] == pytest.approx(row["busy_ms"] / row["wall_ms"], rel=1e-6)
         # on a CPU the kinds are the operators' own time plus what no operator holds: the wall
         assert sum(row["kinds"].values()) == pytest.approx(row["wall_ms"], rel=1e-6)
         assert row["kinds"]["convolution"] > 0
         assert all(op.startswith("aten::") for op, _ in row["top_ops"])
     text = out.read_text()
-    assert "| kind of work | o0 | o2_bf16 |" in text and "o2_bf16 / o0: wall" in text
+    assert "| kind of work | o0 | o2_bf16 |" in text and "o2_bf16 / o0: plain step time" in text
     assert "## Setup" in text and "Command:" in text
 
 
