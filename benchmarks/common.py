@@ -139,6 +139,14 @@ def resolve_device(parser, device: str) -> str:
     return device
 
 
+def fill_defaults(args, defaults: dict[str, Any]) -> None:
+    """Each option of `defaults` (attribute names) left unset (None) takes its value there: the
+    per-device defaults of a benchmark (a 0 given is kept, for the checks to refuse)."""
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+
+
 def check_at_least_one(parser, args, names: Sequence[str]) -> None:
     """The parser's error `--<name> must be at least 1` for the first of the integer options
     `names` (attribute names, `image_size` for `--image-size`) below 1; None (an option left to a

@@ -76,6 +76,7 @@ from common import (  # noqa: E402
     command,
     compose,
     csv_list,
+    fill_defaults,
     interleaved_medians,
     is_language_model,
     load_average,
@@ -208,9 +209,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     apply_threads(p, args)
     args.device = resolve_device(p, args.device)
-    for key, value in DEFAULTS[args.device].items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    fill_defaults(args, DEFAULTS[args.device])
     check_at_least_one(p, args, ("image_size", "batch_size", "steps", "rounds"))
     if args.warmup < 0:
         p.error("--warmup must be >= 0")

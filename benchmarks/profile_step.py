@@ -43,10 +43,12 @@ from common import (  # noqa: E402
     add_extra_option,
     add_out_option,
     build_runner,
+    check_at_least_one,
     check_presets,
     command,
     compose,
     csv_list,
+    fill_defaults,
     load_average,
     machine,
     now,
@@ -56,9 +58,13 @@ from common import (  # noqa: E402
     write_results,
 )
 
-DEFAULTS = {  # model, image size, batch, levels, warm-up steps, profiled steps
-    "cuda": ("densenet161", 224, 64, ["o0", "o2"], 10, 10),
-    "cpu": ("resnet18", 32, 16, ["o0", "o2_bf16"], 2, 3),
+DEFAULTS = {
+    "cuda": dict(
+        model="densenet161", image_size=224, batch_size=64, levels=["o0", "o2"], warmup=10, steps=10
+    ),
+    "cpu": dict(
+        model="resnet18", image_size=32, batch_size=16, levels=["o0", "o2_bf16"], warmup=2, steps=3
+    ),
 }
 # a kind of work: the first whose pattern the outermost operator's name matches
 KINDS = [
@@ -94,15 +100,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add_out_option(p, "profile_step")
     args = p.parse_args(argv)
     args.device = resolve_device(p, args.device)
-    model, size, batch, levels, warmup, steps = DEFAULTS[args.device]
-    args.model = args.model or model
-    args.image_size = args.image_size or size
-    args.batch_size = args.batch_size or batch
-    args.levels = args.levels or levels
-    args.warmup = warmup if args.warmup is None else args.warmup
-    args.steps = steps if args.steps is None else args.steps
-    if args.image_size < 1 or args.batch_size < 1 or args.steps < 1 or args.warmup < 0:
-        p.error("--image-size, --batch-size and --steps must be positive, --warmup at least 0")
+    fill_defaults(args, DEFAULTS[args.device])
+    check_at_least_one(p, args, ("image_size", "batch_size", "steps"))
+    if args.warmup < 0:
+        p.error("--warmup must be at least 0")
     check_presets(p, args.levels)
     args.out = args.out or REPO / "benchmarks" / "results" / f"profile_step_{args.device}.md"
     return args

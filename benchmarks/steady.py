@@ -35,9 +35,11 @@ from common import (  # noqa: E402
     REPO,
     add_device_option,
     add_out_option,
+    check_at_least_one,
     check_presets,
     command,
     csv_list,
+    fill_defaults,
     load_average,
     machine,
     now,
@@ -47,9 +49,13 @@ from common import (  # noqa: E402
 )
 
 TOLERANCE = 0.10  # the logged ratio within 10% of levels.py's
-DEFAULTS = {  # model, image size, batch, steps, levels, workers
-    "cuda": ("densenet161", 224, 64, 60, ["o0", "o2"], 8),
-    "cpu": ("tiny", 16, 16, 12, ["o0", "o1_bf16"], 0),
+DEFAULTS = {
+    "cuda": dict(
+        model="densenet161", image_size=224, batch_size=64, steps=60, levels=["o0", "o2"], workers=8
+    ),
+    "cpu": dict(
+        model="tiny", image_size=16, batch_size=16, steps=12, levels=["o0", "o1_bf16"], workers=0
+    ),
 }
 FIELDS = [
     "level",
@@ -86,13 +92,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--work", type=Path, default=None, help="the runs' folder (default: a temp)")
     args = p.parse_args(argv)
     args.device = resolve_device(p, args.device)
-    model, size, batch, steps, levels, workers = DEFAULTS[args.device]
-    args.model = args.model or model
-    args.image_size = args.image_size or size
-    args.batch_size = args.batch_size or batch
-    args.steps = args.steps or steps
-    args.levels = args.levels or levels
-    args.workers = workers if args.workers is None else args.workers
+    fill_defaults(args, DEFAULTS[args.device])
+    check_at_least_one(p, args, ("image_size", "batch_size", "steps"))
     if len(args.levels) != 2:
         p.error("--levels: two presets, the baseline first")
     check_presets(p, args.levels)

@@ -45,6 +45,9 @@ def test_bad_arguments_are_refused(capsys):
     with pytest.raises(SystemExit) as stop:
         bench.parse_args(["--device", "cpu", "--steps", "-1"])
     assert stop.value.code == 2 and "--steps" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:  # 0 is refused, not taken for the default
+        bench.parse_args(["--device", "cpu", "--image-size", "0"])
+    assert stop.value.code == 2 and "--image-size must be at least 1" in capsys.readouterr().err
 
 
 def _event(name, parent=None, kernels=(), device="CPU", us=0.0, annotation=False):

@@ -52,3 +52,8 @@ def test_steady_wants_two_levels(tmp_path: Path, capsys):
     with pytest.raises(SystemExit) as stop:
         bench.main(["--device", "cpu", "--levels", "o0"])
     assert stop.value.code == 2 and "two presets" in capsys.readouterr().err
+    # a size or count of 0 is refused, not taken for "the default"
+    for option in ("--image-size", "--batch-size", "--steps"):
+        with pytest.raises(SystemExit) as stop:
+            bench.parse_args(["--device", "cpu", option, "0"])
+        assert stop.value.code == 2 and f"{option} must be at least 1" in capsys.readouterr().err
