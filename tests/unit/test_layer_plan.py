@@ -422,6 +422,7 @@ def test_the_figure_is_worth_drawing_only_where_it_shows_more_than_one_colour():
 
     assert not layer_audit.worth_a_figure([row("float32", "float32")] * 3)
     assert not layer_audit.worth_a_figure([row("float16", "float16")] * 3)
+    assert not layer_audit.worth_a_figure([row("bfloat16 (autocast)", "bfloat16")] * 3)
     assert layer_audit.worth_a_figure([row("float32", "float32"), row("bfloat16", "bfloat16")])
     assert layer_audit.worth_a_figure([row("float32", "float32"), row("float32", "not called")])
     assert layer_audit.worth_a_figure([row("float32", "float32", off_plan=True)])
