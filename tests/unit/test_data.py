@@ -24,7 +24,7 @@ from runner.components.data import (
     DataBundle,
     build_datasets,
 )
-from runner.components.loaders import build_loaders
+from runner.components.loaders import build_loaders, shutdown_workers
 from runner.components.models import build_model
 from runner.config import CifarConfig, ImageFolderConfig, SyntheticConfig, TinyModelConfig
 from runner.errors import ConfigError, DataError
@@ -260,9 +260,16 @@ def test_an_unreadable_image_stops_the_loader_naming_the_file(tmp_path, bad, wor
         {"not an image": b"garbage", "truncated": whole[: len(whole) // 2]}.get(bad, b"")
     )
     bundle = build_datasets(folder_cfg(tmp_path, image_size=32, augment=False))
-    loader = torch.utils.data.DataLoader(bundle.train, batch_size=3, num_workers=workers)
-    with pytest.raises(DataError) as info:
-        list(loader)
+    loader = torch.utils.data.DataLoader(
+        bundle.train, batch_size=3, num_workers=workers, persistent_workers=workers > 0
+    )
+    try:
+        with pytest.raises(DataError) as info:
+            list(loader)
+    finally:
+        # as a run ends its workers: at once (left to the garbage collector, a failed loader's
+        # workers took torch 5 s each to join, in whichever test came next)
+        shutdown_workers(loader)
     message = str(info.value)
     assert message.startswith(f"data.root: {target} is not a readable image (")
     assert message.endswith("remove or replace the file") and "\n" not in message
