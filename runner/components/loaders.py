@@ -52,12 +52,34 @@ class ShardSampler(Sampler[int]):
         return len(self.indices)
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
 def _ignore_stop_signals(worker_id: int) -> None:
     """DataLoader workers leave SIGINT/SIGTERM to the main process: a terminal's Ctrl-C and a
     scheduler's SIGTERM reach the whole process group, and the main process alone stops the run
-    (after its step, with a checkpoint) and then shuts the workers down."""
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    (after its step, with a checkpoint) and then shuts the workers down. A worker starts with
+    these signals blocked (`WorkerLoader`): one that came before this is dropped here."""
+    for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+class WorkerLoader(DataLoader):
+    """A DataLoader whose worker processes start with SIGINT/SIGTERM blocked, until they ignore
+    them (`_ignore_stop_signals`). A forked worker inherits the main process's handlers: a
+    Ctrl-C between its start and its init function ran the run's stop handler there too (a
+    second "SIGINT received"), and a worker of another start method would have died of it.
+    The main process takes a signal that came meanwhile once its workers have started."""
+
+    def _get_iterator(self):
+        if self.num_workers == 0:
+            return super()._get_iterator()
+        before = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            return super()._get_iterator()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 # Every loader with worker processes this process built: at exit, whatever is still alive of them
@@ -158,8 +180,10 @@ def build_loaders(
         seed=int(seed),
         drop_last=False,
     )
-    train = DataLoader(bundle.train, sampler=train_sampler, **common)
-    val = DataLoader(bundle.val, sampler=ShardSampler(len(bundle.val), rank, world_size), **common)
+    train = WorkerLoader(bundle.train, sampler=train_sampler, **common)
+    val = WorkerLoader(
+        bundle.val, sampler=ShardSampler(len(bundle.val), rank, world_size), **common
+    )
     if int(num_workers) > 0:
         _track_workers(train, val)
     return train, val

@@ -208,6 +208,52 @@ def test_the_exit_hook_ends_workers_a_reference_cycle_kept(tmp_path):
     assert out.returncode == 0 and "workers started" in out.stdout, out.stderr
 
 
+def test_a_stop_signal_as_the_workers_start_reaches_the_main_process_alone(tmp_path):
+    """A Ctrl-C sent to the process group just as the loader's workers are forked (the moment a
+    run's first epoch starts): the workers, which inherit the main process's handler, must not
+    run it (a second "SIGINT received") before they ignore the signal; the main process takes
+    it once its workers have started. Each worker's start here is followed at once by a SIGINT
+    to the group, before the worker can reach its init function."""
+    script = textwrap.dedent("""
+        import multiprocessing.context as mp, os, signal
+        from omegaconf import OmegaConf
+        from runner.components import loaders
+        from runner.components.data import build_datasets
+
+        class Process(mp.ForkProcess):
+            def start(self):
+                super().start()
+                os.killpg(0, signal.SIGINT)
+
+        class Context(mp.ForkContext):
+            Process = Process
+
+        signal.signal(signal.SIGINT, lambda *_: print("SIGINT in", os.getpid(), flush=True))
+        loaders.worker_context = Context
+        bundle = build_datasets(OmegaConf.create(dict(
+            name="synthetic", num_classes=10, image_size=8, num_train=64, num_val=16, seed=0,
+            noise=1.0)))
+        train, val = loaders.build_loaders(bundle, 8, 2, "cpu", seed=0)
+        assert sum(len(y) for _, y in train) == 64
+        loaders.shutdown_workers(train, val)
+        print("main", os.getpid(), flush=True)
+    """)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        start_new_session=True,  # (the script's SIGINTs reach its own process group alone)
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    main = out.stdout.split("main ")[-1].strip()
+    handled = [line.split()[-1] for line in out.stdout.splitlines() if line.startswith("SIGINT")]
+    assert handled and set(handled) == {main}, out.stdout
+
+
 @pytest.mark.parametrize(
     "code, status, printed",
     [
