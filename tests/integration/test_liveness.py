@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -30,6 +31,7 @@ from runner.tracking import tags as tag
 from runner.tracking.base import end_state
 from runner.tracking.liveness import ProcessIdentity, now_iso, parse_iso, process_state, vanished
 from runner.tracking.mlflow_reader import record
+from runner.tracking.mlflow_run import MlflowRun
 from runner.tracking.mlflow_tracker import MlflowTracker
 from tests.helpers.runs import FAST, read_until, run_cli, start_cli
 
@@ -69,9 +71,11 @@ def test_the_process_table_tells_this_process_a_dead_one_and_a_reused_pid_apart(
     assert process_state(dead_pid(), None) == "gone"
     zombie = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     os.kill(zombie.pid, signal.SIGKILL)
-    time.sleep(0.5)  # killed, not yet waited for: a zombie, still in the process table
+    deadline = time.monotonic() + 10  # killed, not waited for: a zombie, in the process table
     try:
-        assert process_state(zombie.pid, None) == "gone"
+        while process_state(zombie.pid, None) != "gone":
+            assert time.monotonic() < deadline, "a killed (zombie) process is taken for alive"
+            time.sleep(0.05)
     finally:
         zombie.wait()
     assert ProcessIdentity.from_tags(me.tags()) == me
@@ -201,16 +205,22 @@ def test_the_heartbeat_goes_on_until_the_end(tracking_uri):
     assert tags()[tag.HEARTBEAT] == last  # stopped with the run
 
 
-def test_a_live_run_ended_by_a_reaper_elsewhere_comes_back(tracking_uri, caplog):
+def test_a_live_run_ended_by_a_reaper_elsewhere_comes_back(tracking_uri, caplog, monkeypatch):
     """A reaper on another host that could not see the heartbeat for longer than its
     stale_after_s (a store out of reach, this process suspended) ends a live run: its next
     heartbeat makes it RUNNING again, and it ends FINISHED without the reaper's error."""
+    suspended = threading.Event()  # (set: the heartbeat goes on)
+    beat = MlflowRun._beat
+    monkeypatch.setattr(MlflowRun, "_beat", lambda run: suspended.wait(30) and beat(run))
     tracker = MlflowTracker(tracking_uri, "amp-runner", heartbeat_s=0.2)
     tracked = tracker.create_run("suspended", {})
     reaper = MlflowTracker(tracking_uri, "amp-runner", stale_after_s=600)
     far_away = ProcessIdentity("gpu-node-17", 1)
+    # (a beat between the reaper's search and its end would change the heartbeat tag, and the
+    # reaper rightly leave the run alone; one after the end would undo it before it is read)
     assert reaper.reap(here=far_away, now=time.time() + 3600) == [tracked.run_id]
     assert tracker.client.get_run(tracked.run_id).info.status == "KILLED"
+    suspended.set()
     deadline = time.monotonic() + 10
 
     def said_so() -> bool:  # the heartbeat thread warns after it has set RUNNING
