@@ -14,7 +14,6 @@ RUNNING; no temporary checkpoint file left behind.
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import time
@@ -24,7 +23,7 @@ from mlflow.tracking import MlflowClient
 
 from runner.run import checkpoint
 from runner.tracking import tags as tag
-from tests.helpers.runs import read_until, run_cli, start_cli
+from tests.helpers.runs import epoch_seconds, read_until, run_cli, start_cli
 from tests.helpers.store import metric_history
 
 EPOCHS = 3
@@ -46,11 +45,14 @@ CONFIG = [
 
 
 # metrics that depend on the clock or the machine's memory, not on the training
-def kill(proc: subprocess.Popen, after: str, seen: list[str], delay: float = 0.0) -> None:
+def kill(proc: subprocess.Popen, after: str, seen: list[str], epoch_s: float = 0.0) -> None:
+    """SIGKILL `proc` once it has printed `after`, or with `epoch_s` a third of an epoch later
+    (the shorter of `epoch_s` and the epoch `proc` has just run)."""
     lines = read_until(proc, after)
     seen.extend(lines)
     assert lines and after in lines[-1], "".join(seen)[-3000:]
-    time.sleep(delay)
+    if epoch_s:
+        time.sleep(min([epoch_s, *epoch_seconds("".join(lines))]) / 3)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL, "".join(seen)[-3000:]
@@ -62,15 +64,11 @@ def test_a_run_killed_three_times_resumes_to_the_uninterrupted_history(tmp_path)
     args = [*CONFIG, f"mlflow.tracking_uri={uri}"]
     reference = run_cli(*args, "mlflow.run_name=reference", cwd=tmp_path)
     assert reference.returncode == 0, (reference.stdout + reference.stderr)[-3000:]
-    # the shortest epoch of the uninterrupted run (the first one includes warm-up): a third of it
-    # after epoch 1's checkpoint is well inside epoch 2 even when the machine is busier or idler
-    # than it was for the reference (half of epoch 1's time overshot epoch 2 on a loaded CPU)
-    epoch_s = min(
-        float(t)
-        for t in re.findall(
-            r"epoch \d+/\d+: .*?  ([\d.]+) s  ", reference.stdout + reference.stderr
-        )
-    )
+    # a third of an epoch after epoch 1's checkpoint is well inside epoch 2, even when the
+    # machine is busier or idler than it was for the reference (half of epoch 1's time overshot
+    # epoch 2 on a loaded CPU): the shortest of the uninterrupted run's epochs (the first one
+    # includes warm-up) or of this run's first, whichever is shorter (an idler machine now)
+    epoch_s = min(epoch_seconds(reference.stdout + reference.stderr))
 
     chaos = [*args, "mlflow.run_name=chaos", "resume=auto"]
     folder = tmp_path / "checkpoints" / "amp-runner" / "chaos"
@@ -81,7 +79,7 @@ def test_a_run_killed_three_times_resumes_to_the_uninterrupted_history(tmp_path)
     assert not list(folder.glob("*/last.pt")), "the first kill came after a checkpoint"
 
     # 2. mid-epoch 2: a third of an epoch after epoch 1's checkpoint
-    kill(start_cli(*chaos, cwd=tmp_path), "(after epoch 1)", seen, delay=epoch_s / 3)
+    kill(start_cli(*chaos, cwd=tmp_path), "(after epoch 1)", seen, epoch_s=epoch_s)
     (path,) = folder.glob("*/last.pt")
     assert checkpoint.load(path)["epoch"] == 1, "the second kill missed epoch 2"
 
