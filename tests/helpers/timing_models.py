@@ -23,7 +23,7 @@ class SleepyFirstStep(nn.Module):
         num_classes: int = 10,
         image_size: int = 8,
         first_s: float = 3.0,
-        later_s: float = 0.02,
+        later_s: float = 0.05,
     ):
         super().__init__()
         self.fc = nn.Linear(3 * image_size * image_size, num_classes)
