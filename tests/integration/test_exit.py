@@ -177,34 +177,44 @@ def test_sigterm_stops_a_run_with_workers_cleanly(tmp_path):
     assert list((tmp_path / "checkpoints").rglob("last.pt")), output
 
 
+# (a script's first lines: a small synthetic dataset, as build_datasets makes it)
+SYNTHETIC_BUNDLE = textwrap.dedent("""
+    from omegaconf import OmegaConf
+    from runner.components.data import build_datasets
+    BUNDLE = build_datasets(OmegaConf.create(dict(
+        name="synthetic", num_classes=10, image_size=8, num_train=64, num_val=16, seed=0,
+        noise=1.0)))
+""")
+
+
+def _python(script: str, cwd, timeout: float, **popen) -> subprocess.CompletedProcess:
+    """`script` (after SYNTHETIC_BUNDLE) run by this Python with the repository importable."""
+    return subprocess.run(
+        [sys.executable, "-c", SYNTHETIC_BUNDLE + script],
+        cwd=cwd,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **popen,
+    )
+
+
 def test_the_exit_hook_ends_workers_a_reference_cycle_kept(tmp_path):
     """Below the run: loaders built by build_loaders, iterated (their workers started), then
     kept alive by a reference cycle with the cyclic collector off: the interpreter still exits."""
     script = textwrap.dedent("""
         import gc
-        from omegaconf import OmegaConf
-        from runner.components.data import build_datasets
         from runner.components.loaders import build_loaders
         gc.disable()
-        bundle = build_datasets(OmegaConf.create(dict(
-            name="synthetic", num_classes=10, image_size=8, num_train=64, num_val=16, seed=0,
-            noise=1.0)))
-        train, val = build_loaders(bundle, 8, 2, "cpu", seed=0)
+        train, val = build_loaders(BUNDLE, 8, 2, "cpu", seed=0)
         next(iter(train)); next(iter(val))
         cycle = {"loaders": (train, val)}
         cycle["self"] = cycle
         del train, val, cycle
         print("workers started", flush=True)
     """)
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    out = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=EXIT_BOUND_S + 60,
-    )
+    out = _python(script, tmp_path, timeout=EXIT_BOUND_S + 60)
     assert out.returncode == 0 and "workers started" in out.stdout, out.stderr
 
 
@@ -216,9 +226,7 @@ def test_a_stop_signal_as_the_workers_start_reaches_the_main_process_alone(tmp_p
     to the group, before the worker can reach its init function."""
     script = textwrap.dedent("""
         import multiprocessing.context as mp, os, signal
-        from omegaconf import OmegaConf
         from runner.components import loaders
-        from runner.components.data import build_datasets
 
         class Process(mp.ForkProcess):
             def start(self):
@@ -230,24 +238,13 @@ def test_a_stop_signal_as_the_workers_start_reaches_the_main_process_alone(tmp_p
 
         signal.signal(signal.SIGINT, lambda *_: print("SIGINT in", os.getpid(), flush=True))
         loaders.worker_context = Context
-        bundle = build_datasets(OmegaConf.create(dict(
-            name="synthetic", num_classes=10, image_size=8, num_train=64, num_val=16, seed=0,
-            noise=1.0)))
-        train, val = loaders.build_loaders(bundle, 8, 2, "cpu", seed=0)
+        train, val = loaders.build_loaders(BUNDLE, 8, 2, "cpu", seed=0)
         assert sum(len(y) for _, y in train) == 64
         loaders.shutdown_workers(train, val)
         print("main", os.getpid(), flush=True)
     """)
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    out = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        start_new_session=True,  # (the script's SIGINTs reach its own process group alone)
-    )
+    # (in a session of its own: the script's SIGINTs reach its own process group alone)
+    out = _python(script, tmp_path, timeout=120, start_new_session=True)
     assert out.returncode == 0, out.stdout + out.stderr
     main = out.stdout.split("main ")[-1].strip()
     handled = [line.split()[-1] for line in out.stdout.splitlines() if line.startswith("SIGINT")]
