@@ -220,13 +220,13 @@ def test_a_live_run_ended_by_a_reaper_elsewhere_comes_back(tracking_uri, caplog,
     # reaper rightly leave the run alone; one after the end would undo it before it is read)
     assert reaper.reap(here=far_away, now=time.time() + 3600) == [tracked.run_id]
     assert tracker.client.get_run(tracked.run_id).info.status == "KILLED"
-    suspended.set()
     deadline = time.monotonic() + 10
 
     def said_so() -> bool:  # the heartbeat thread warns after it has set RUNNING
         return any("RUNNING again" in r.getMessage() for r in caplog.records)
 
     with caplog.at_level(logging.WARNING, logger="runner.tracking"):
+        suspended.set()
         while tracker.client.get_run(tracked.run_id).info.status != "RUNNING" or not said_so():
             assert time.monotonic() < deadline, "the live run stayed KILLED, or nothing said so"
             time.sleep(0.1)
