@@ -1,6 +1,7 @@
 """Launches started together get folders of their own (runner.run.output_folder): Hydra names
 them by the second, so two runs or sweeps started in the same second shared one. A folder named
-by the time is given here by the day (`${now:%Y-%m-%d}`), so that the launches always meet."""
+by the time is given here by the year (`${now:%Y}`), so that the launches always meet (by the
+day, a test that ran across midnight put its launches in two folders)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ import pytest
 from tests.helpers.runs import FAST, read_until, run_cli, run_in_process, start_cli
 from tests.integration.test_sweep_run_trees import sweep_tree
 
-BY_THE_DAY = "${now:%Y-%m-%d}"
+BY_THE_YEAR = "${now:%Y}"
 
 
-def _today() -> str:
-    return datetime.date.today().isoformat()
+def _this_year() -> str:
+    return str(datetime.date.today().year)
 
 
 @pytest.mark.slow
@@ -32,7 +33,7 @@ def test_two_sweeps_started_together_each_get_a_folder_and_a_parent(tmp_path):
             "trainer.max_epochs=1",
             "precision=o0,o2_bf16",
             f"trainer.seed={seed}",
-            f"hydra.sweep.dir=multirun/{BY_THE_DAY}",
+            f"hydra.sweep.dir=multirun/{BY_THE_YEAR}",
             f"mlflow.sweep_name=seed {seed}",
             cwd=tmp_path,
         )
@@ -40,9 +41,9 @@ def test_two_sweeps_started_together_each_get_a_folder_and_a_parent(tmp_path):
     ]
     outputs = [sweep.communicate(timeout=600)[0] for sweep in sweeps]
     assert [sweep.returncode for sweep in sweeps] == [0, 0], outputs
-    day = tmp_path / "multirun" / _today()
-    folders = {day, day.with_name(day.name + "-1")}
-    assert {p for p in day.parent.iterdir()} == folders
+    year = tmp_path / "multirun" / _this_year()
+    folders = {year, year.with_name(year.name + "-1")}
+    assert {p for p in year.parent.iterdir()} == folders
     assert sum("is taken (a launch in the same second)" in out for out in outputs) == 1
     from mlflow.tracking import MlflowClient
 
@@ -64,11 +65,11 @@ def test_two_runs_in_a_folder_named_by_the_time_do_not_share_it(tmp_path, monkey
     """A run whose folder, named by the time, exists already (a run of the same second) takes
     the next free name: each run's runner.log, attached to its record, holds that run alone."""
     monkeypatch.chdir(tmp_path)
-    args = [*FAST, "trainer.max_epochs=1", f"hydra.run.dir=outputs/{BY_THE_DAY}"]
+    args = [*FAST, "trainer.max_epochs=1", f"hydra.run.dir=outputs/{BY_THE_YEAR}"]
     assert run_in_process(*args, "trainer.seed=1") == 0
     assert run_in_process(*args, "trainer.seed=2") == 0
-    day = tmp_path / "outputs" / _today()
-    logs = [(day / "runner.log").read_text(), (day.parent / f"{day.name}-1" / "runner.log")]
+    year = tmp_path / "outputs" / _this_year()
+    logs = [(year / "runner.log").read_text(), (year.parent / f"{year.name}-1" / "runner.log")]
     assert logs[0].count("MLflow run '") == 1
     assert logs[1].read_text().count("MLflow run '") == 1
 
