@@ -151,8 +151,9 @@ small() { if [[ "$DRY" == 1 ]]; then echo "$2"; else echo "$1"; fi; }
 
 if [[ "$LIST" == 0 ]]; then
   echo "== $PART on $(hostname), budget ${BUDGET}s$( [[ $DRY == 1 ]] && echo ', dry: CPU, tiny sizes')"
-  # 1. The packages the image lacks, from the carried wheels (../shared/device/README.md).
-  if compgen -G ".whl/*.whl" > /dev/null; then
+  # 1. The packages the image lacks, from the carried wheels (../shared/device/README.md); not
+  # in a dry run, which uses this machine's packages (the wheels are for the GPU's Python).
+  if [[ "$DRY" == 0 ]] && compgen -G ".whl/*.whl" > /dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/site .whl/*.whl || { echo "installing the carried wheels failed" >&2; exit 1; }
     export PYTHONPATH=/tmp/site:$ROOT
