@@ -42,16 +42,34 @@ from runner.tracking import tags as tag
 
 log = logging.getLogger(__name__)
 
+RUN_LOG = "runner.log"  # Hydra's log of a launch in its output folder (hydra.job.name: runner)
+
+
+def _size(path: Path) -> int:
+    """The size of the file at `path` in bytes; 0 where there is none."""
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
 
 # ---- what the MLflow run records -----------------------------------------------------------------
 @dataclass(frozen=True)
 class Launch:
     """How this run was started: the command-line overrides, Hydra's output folder (its log is
-    attached to the run) and extra tags (a sweep job's parent run)."""
+    attached to the run), extra tags (a sweep job's parent run) and where in the folder's log
+    this launch's lines start (`log_from`, in bytes: a folder the user names, run in again,
+    appends to the log of the runs before)."""
 
     overrides: tuple[str, ...] = ()
     output_dir: Optional[Path] = None
     extra_tags: Mapping[str, str] = field(default_factory=dict)
+    log_from: int = 0
+
+    @property
+    def run_log(self) -> Optional[Path]:
+        """Hydra's log of the launch (None: a run started from Python)."""
+        return self.output_dir / RUN_LOG if self.output_dir is not None else None
 
 
 def environment_tags(device: torch.device) -> dict[str, str]:
@@ -268,6 +286,7 @@ def run(
     `apart` to its default name (a sweep job's swept values: runner.run.plan.default_run_name).
     Under torchrun this is one rank of a DistributedDataParallel run (see
     runner.run.distributed)."""
+    log_from = _size(Path(output_dir) / RUN_LOG) if output_dir is not None else 0
     plan = make_plan(cfg, apart)
     if cfg.dry_run:
         print_dry_run(plan)
@@ -287,6 +306,7 @@ def run(
         tuple(overrides),
         Path(output_dir) if output_dir is not None else None,
         dict(extra_tags or {}),
+        log_from,
     )
     comm, device = distributed.setup(plan.device)
     if not comm.is_main:  # one console story: rank 0's (the others still say what goes wrong)
@@ -384,8 +404,7 @@ def train_parts(
             if comm.is_main
             else null_run()
         )
-        run_log = launch.output_dir / "runner.log" if launch.output_dir is not None else None
-        with tracked_run as tracked, failure.kept_in(tracked, run_log):
+        with tracked_run as tracked, failure.kept_in(tracked, launch.run_log, launch.log_from):
             if comm.is_main:
                 log.info(
                     "%s run %r (%s) in %s",

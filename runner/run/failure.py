@@ -124,10 +124,11 @@ def told(error: BaseException) -> str:
 
 
 @contextmanager
-def kept_in(tracked: Any, run_log: Optional[os.PathLike]) -> Iterator[None]:
+def kept_in(tracked: Any, run_log: Optional[os.PathLike], since: int = 0) -> Iterator[None]:
     """Around a tracked run's body: an unexpected error's traceback is kept (`keep`: the log
     files, the run's artifact), then, whatever happened, `run_log` (the job's `runner.log`;
-    None: none) is attached to the run under `logs/`."""
+    None: none), this launch's part of it from byte `since` on, is attached to the run under
+    `logs/` (`attach_log`)."""
     try:
         yield
     except Exception as error:
@@ -138,4 +139,25 @@ def kept_in(tracked: Any, run_log: Optional[os.PathLike]) -> Iterator[None]:
         raise
     finally:
         if run_log is not None:
-            tracked.log_file(run_log, "logs")
+            attach_log(tracked, Path(run_log), since)
+
+
+def attach_log(tracked: Any, run_log: Path, since: int = 0) -> None:
+    """The lines of this launch in `run_log` attached to the run under `logs/`: from byte
+    `since` on (runs before it in the same folder, one the user names and runs in again, wrote
+    theirs first; all of it where `since` is past the file's end: a file replaced meanwhile).
+    A new run's as `runner.log`, a resumed run's as `runner.resume-<N>.log`, beside the ones
+    of the sessions before it (it replaced them, and a resume in another folder lost them)."""
+    if not run_log.is_file():
+        return
+    resumes = tracked.resumes
+    name = run_log.name if not resumes else f"{run_log.stem}.resume-{resumes}{run_log.suffix}"
+    if run_log.stat().st_size < since:
+        since = 0
+    if since <= 0 and name == run_log.name:
+        tracked.log_file(run_log, "logs")
+        return
+    with run_log.open("rb") as file:
+        file.seek(since)
+        text = file.read().decode("utf-8", errors="replace")
+    tracked.log_text(text, f"logs/{name}")

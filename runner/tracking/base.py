@@ -72,6 +72,7 @@ class Run(ABC):
     """One run in progress (rank 0's; the other ranks log into a `NullRun`)."""
 
     run_id: str | None
+    resumes: int = 0  # the sessions before this one (its `resume.count` tag; 0: a new run)
 
     @abstractmethod
     def log_params(self, params: Mapping[str, str]) -> None: ...

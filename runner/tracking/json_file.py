@@ -274,7 +274,9 @@ class JsonTracker(Tracker):
         count = int(record["tags"].get(tag.RESUME_COUNT, "0")) + 1
         record["tags"].update({str(k): str(v) for k, v in tags.items()})
         record["tags"][tag.RESUME_COUNT] = str(count)
-        return JsonRun(Path(folder) if folder is not None else self.root, record)
+        resumed = JsonRun(Path(folder) if folder is not None else self.root, record)
+        resumed.resumes = count
+        return resumed
 
     def folder_taken(self, folder: str | os.PathLike, run_id: str | None) -> str | None:
         """A folder holds one run's record: another run's there would be replaced, and with it

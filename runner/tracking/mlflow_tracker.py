@@ -178,6 +178,7 @@ class MlflowTracker(Tracker):
         count = int(run.data.tags.get(tag.RESUME_COUNT, "0")) + 1
         for key, value in {**tags, tag.RESUME_COUNT: str(count)}.items():
             tracked.set_tag(key, value)
+        tracked.resumes = count
         return tracked
 
     def hint(self) -> str:

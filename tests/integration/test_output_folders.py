@@ -116,3 +116,52 @@ def test_a_sweep_that_does_not_start_leaves_its_folder_free(tmp_path, monkeypatc
     assert "was run with other overrides" in "".join(capsys.readouterr())
     assert run_in_process(*args, "precision=o0", "resume=auto") == 0
     assert "is in use" not in "".join(capsys.readouterr())
+
+
+def _attached(tmp_path, name: str) -> dict[str, str]:
+    """Each run's attached log `name` (under logs/), by run id; a run without one is left out."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("amp-runner")
+    logs = {}
+    for run in client.search_runs([experiment.experiment_id]):
+        paths = {a.path for a in client.list_artifacts(run.info.run_id, "logs")}
+        if f"logs/{name}" in paths:
+            local = client.download_artifacts(run.info.run_id, f"logs/{name}", str(tmp_path))
+            logs[run.info.run_id] = open(local).read()
+    return logs
+
+
+def test_runs_in_a_folder_named_outright_each_attach_their_own_lines(tmp_path, monkeypatch):
+    """A folder the user names is theirs to run in again: its runner.log holds each run's lines
+    in turn, and each MLflow run is attached its own, not those of the runs before it."""
+    monkeypatch.chdir(tmp_path)
+    args = [*FAST, "trainer.max_epochs=1", "hydra.run.dir=out"]
+    for seed in (1, 2, 3):
+        assert run_in_process(*args, f"trainer.seed={seed}") == 0
+    assert (tmp_path / "out" / "runner.log").read_text().count("MLflow run '") == 3
+    logs = _attached(tmp_path, "runner.log")
+    assert len(logs) == 3
+    for run_id, text in logs.items():
+        assert text.count("MLflow run '") == 1 and f"({run_id})" in text, text
+        assert text.startswith("[") and "Precision (Apex O0, resolved)" in text
+
+
+def test_a_resumed_run_keeps_the_log_of_each_session(tmp_path, monkeypatch):
+    """A resumed run, in a folder of its own (Hydra's, by the time) or in the folder of its
+    first session, adds its session's log beside the first's: it replaced it, and the first
+    session's lines were lost from the record where the resume ran in another folder."""
+    monkeypatch.chdir(tmp_path)
+    args = [*FAST, "mlflow.run_name=long"]
+    assert run_in_process(*args, "trainer.max_epochs=1", "hydra.run.dir=first") == 0
+    assert run_in_process(*args, "trainer.max_epochs=2", "resume=auto") == 0
+    assert run_in_process(*args, "trainer.max_epochs=3", "resume=auto", "hydra.run.dir=first") == 0
+    [(run_id, first)] = _attached(tmp_path, "runner.log").items()
+    assert _attached(tmp_path, "runner.resume-1.log").keys() == {run_id}
+    second = _attached(tmp_path, "runner.resume-1.log")[run_id]
+    third = _attached(tmp_path, "runner.resume-2.log")[run_id]
+    assert "epoch 1/1:" in first and "epoch 2/2:" not in first
+    assert "epoch 2/2:" in second and "epoch 1/1:" not in second and "epoch 3/3" not in second
+    assert "epoch 3/3:" in third and "epoch 1/1:" not in third, third
+    assert all(text.count(f"({run_id})") == 1 for text in (first, second, third))
