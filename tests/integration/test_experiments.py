@@ -24,20 +24,6 @@ EXPERIMENTS = {
 # what an experiment needs on the command line: gpt_precisions' corpus (a folder of the
 # standard library's sources, as its command takes the whole library)
 NEEDS = {"gpt_precisions": [f"data.path={os.path.join(os.path.dirname(os.__file__), 'json')}"]}
-# modern_precisions trains torchvision's ViT-B/16 (model=torchvision model.arch=vit_b_16): its
-# composing tests wait for that model option (the open-model work) and run once it exists
-NEEDS_ZOO = pytest.mark.skipif(
-    not (config_dir() / "model" / "torchvision.yaml").exists(),
-    reason="waits for the model option model=torchvision (model.arch=vit_b_16)",
-)
-
-
-def _experiment(name, *values):
-    return (
-        pytest.param(name, *values, marks=NEEDS_ZOO)
-        if name == "modern_precisions"
-        else (name, *values)
-    )
 
 
 def test_every_experiment_states_its_command_and_needs():
@@ -53,9 +39,7 @@ def test_every_experiment_states_its_command_and_needs():
         assert f"`{name}`" in readme or f"`{name}.yaml`" in readme
 
 
-@pytest.mark.parametrize(
-    "name,jobs", [_experiment(name, jobs) for name, jobs in EXPERIMENTS.items()]
-)
+@pytest.mark.parametrize("name,jobs", list(EXPERIMENTS.items()))
 @pytest.mark.new_store  # checks that nothing, no store, is created
 def test_dry_run_resolves_every_job_of_the_sweep(name, jobs, capsys, tmp_path):
     assert (
@@ -104,7 +88,7 @@ def test_cifar10_comparison_uses_the_published_batch_sizes_and_epochs():
         # one of its precisions at its shape (ViT-B/16, 224 px): fp8, which converts the ViT's
         # Linear layers (o3_bf16_sr trains and resumes on the tiny models in test_modern_precisions;
         # one o3_bf16_sr step of ViT-B/16 here took 54 s of emulated bf16 on a 2-core CPU)
-        _experiment("modern_precisions", ["precision=o1_fp8", "trainer.compile=false"]),
+        ("modern_precisions", ["precision=o1_fp8", "trainer.compile=false"]),
     ],
 )
 def test_experiment_trains_on_synthetic_data_of_its_shape(name, overrides, tracking_uri):
