@@ -34,7 +34,32 @@ class OutputFolder(Callback):
     input leaves no folder behind."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from runner.errors import RunnerError
+
+        try:
+            check_working_dir(config)
+        except RunnerError as error:
+            log.error("%s", error)
+            raise SystemExit(2) from error
         claim(config, "run")
+
+
+def check_working_dir(config: DictConfig) -> None:
+    """`hydra.job.chdir=true` refused before anything starts (a ConfigError): the runner reads
+    its relative paths (the MLflow store, the data, the checkpoints) from the folder the user
+    launched from, as its docs say. Hydra changed into each job's output folder first, so each
+    job of a sweep opened a store of its own there (the sweep's parent, in the launch folder,
+    ended with no child and "Sweep finished: 0 jobs") and would fetch its dataset again."""
+    from runner.errors import ConfigError
+
+    if OmegaConf.select(config, "hydra.job.chdir") is True:
+        raise ConfigError(
+            "hydra.job.chdir",
+            "true is not supported: the runner reads its relative paths (mlflow.tracking_uri, "
+            "data.root, trainer.checkpoint_dir, ...) from the folder you launch from; a job "
+            "run in its own output folder would open an MLflow store of its own there",
+            "false, Hydra's default: each run's log is in its output folder all the same",
+        )
 
 
 def claim_sweep(config: DictConfig) -> None:

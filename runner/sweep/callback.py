@@ -70,7 +70,10 @@ class MlflowSweepCallback(Callback):
 
     # launching process
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from runner.run.output_folder import check_working_dir
+
         try:
+            check_working_dir(config)
             check_launcher(config)  # (a dry run too: the launcher still starts its jobs)
         except RunnerError as error:
             log.error("%s", error)

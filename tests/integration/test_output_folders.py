@@ -165,3 +165,21 @@ def test_a_resumed_run_keeps_the_log_of_each_session(tmp_path, monkeypatch):
     assert "epoch 2/2:" in second and "epoch 1/1:" not in second and "epoch 3/3" not in second
     assert "epoch 3/3:" in third and "epoch 1/1:" not in third, third
     assert all(text.count(f"({run_id})") == 1 for text in (first, second, third))
+
+
+@pytest.mark.parametrize("sweep", [False, True])
+@pytest.mark.new_store  # checks that nothing, no store, is created
+def test_a_launch_into_its_output_folder_is_refused_before_it_starts(
+    sweep, tmp_path, monkeypatch, capsys
+):
+    """`hydra.job.chdir=true` ran each job in its output folder, where the relative store opened
+    a database of its own: a sweep's children went there, and its parent, in the launch folder,
+    ended with none ("Sweep finished: 0 jobs"). Refused, naming the key, before any folder,
+    store or run exists."""
+    monkeypatch.chdir(tmp_path)
+    args = [*FAST, "trainer.max_epochs=1", "hydra.job.chdir=true"]
+    args = ["-m", *args, "precision=o0,o2_bf16"] if sweep else args
+    assert run_in_process(*args) == 2
+    told = "".join(capsys.readouterr())
+    assert "hydra.job.chdir: true is not supported" in told and "Traceback" not in told
+    assert list(tmp_path.iterdir()) == []
