@@ -42,13 +42,11 @@ from runner.tracking import tags as tag
 
 log = logging.getLogger(__name__)
 
-RUN_LOG = "runner.log"  # Hydra's log of a launch in its output folder (hydra.job.name: runner)
 
-
-def _size(path: Path) -> int:
+def _size(path: Optional[Path]) -> int:
     """The size of the file at `path` in bytes; 0 where there is none."""
     try:
-        return path.stat().st_size
+        return path.stat().st_size if path is not None else 0
     except OSError:
         return 0
 
@@ -56,20 +54,17 @@ def _size(path: Path) -> int:
 # ---- what the MLflow run records -----------------------------------------------------------------
 @dataclass(frozen=True)
 class Launch:
-    """How this run was started: the command-line overrides, Hydra's output folder (its log is
-    attached to the run), extra tags (a sweep job's parent run) and where in the folder's log
-    this launch's lines start (`log_from`, in bytes: a folder the user names, run in again,
-    appends to the log of the runs before)."""
+    """How this run was started: the command-line overrides, Hydra's output folder, extra tags
+    (a sweep job's parent run), the log file Hydra writes there (`run_log`, attached to the run;
+    `<hydra.job.name>.log`, runner.log by default; None: a run started from Python) and where
+    this launch's lines in it start (`log_from`, in bytes: a folder the user names, run in
+    again, appends to the log of the runs before)."""
 
     overrides: tuple[str, ...] = ()
     output_dir: Optional[Path] = None
     extra_tags: Mapping[str, str] = field(default_factory=dict)
+    run_log: Optional[Path] = None
     log_from: int = 0
-
-    @property
-    def run_log(self) -> Optional[Path]:
-        """Hydra's log of the launch (None: a run started from Python)."""
-        return self.output_dir / RUN_LOG if self.output_dir is not None else None
 
 
 def environment_tags(device: torch.device) -> dict[str, str]:
@@ -286,7 +281,8 @@ def run(
     `apart` to its default name (a sweep job's swept values: runner.run.plan.default_run_name).
     Under torchrun this is one rank of a DistributedDataParallel run (see
     runner.run.distributed)."""
-    log_from = _size(Path(output_dir) / RUN_LOG) if output_dir is not None else 0
+    run_log = failure.job_log(output_dir)
+    log_from = _size(run_log)
     plan = make_plan(cfg, apart)
     if cfg.dry_run:
         print_dry_run(plan)
@@ -306,6 +302,7 @@ def run(
         tuple(overrides),
         Path(output_dir) if output_dir is not None else None,
         dict(extra_tags or {}),
+        run_log,
         log_from,
     )
     comm, device = distributed.setup(plan.device)

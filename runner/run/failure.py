@@ -58,6 +58,16 @@ def log_files() -> list[Path]:
     ]
 
 
+def job_log(output_dir: Optional[os.PathLike]) -> Optional[Path]:
+    """The log file the root logger writes in `output_dir` (Hydra's job log, named after
+    `hydra.job.name`: runner.log by default); None where it writes none there (logging
+    turned off, a run started from Python)."""
+    if output_dir is None:
+        return None
+    folder = Path(output_dir).resolve()
+    return next((f for f in log_files() if f.resolve().parent == folder), None)
+
+
 def keep(
     error: BaseException, tracked: Any = None, outer: Sequence[traceback.FrameSummary] = ()
 ) -> None:

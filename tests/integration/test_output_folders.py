@@ -148,6 +148,15 @@ def test_runs_in_a_folder_named_outright_each_attach_their_own_lines(tmp_path, m
         assert text.startswith("[") and "Precision (Apex O0, resolved)" in text
 
 
+def test_a_job_log_of_another_name_is_attached_under_its_name(tmp_path, monkeypatch):
+    """Hydra names the job's log after `hydra.job.name` (`runner.log` by default): the run is
+    attached the log Hydra writes, whatever its name; it was attached nothing."""
+    monkeypatch.chdir(tmp_path)
+    assert run_in_process(*FAST, "trainer.max_epochs=1", "hydra.job.name=exp") == 0
+    [text] = _attached(tmp_path, "exp.log").values()
+    assert text.count("MLflow run '") == 1 and "epoch 1/1:" in text
+
+
 def test_a_resumed_run_keeps_the_log_of_each_session(tmp_path, monkeypatch):
     """A resumed run, in a folder of its own (Hydra's, by the time) or in the folder of its
     first session, adds its session's log beside the first's: it replaced it, and the first
