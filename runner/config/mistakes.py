@@ -188,3 +188,39 @@ def _hydra_text(error: BaseException) -> str:
     if isinstance(error.__cause__, OmegaConfBaseException):
         text += f": {_first_line(error.__cause__)}"
     return text or type(error).__name__
+
+
+# groups that may sensibly select several options at once (an experiment's own sub-groups, the
+# user's own groups of a --config-dir: not the runner's); Hydra's own and the schemas are apart
+_ONE_OPTION_EXCEPT = ("experiment", "hydra", "schema")
+
+
+def several_options(overrides: Sequence[str]) -> Optional[ConfigError]:
+    """A group of the runner's given a list (`precision=[o1,o2]`): Hydra composes each option in
+    turn, the last one winning where they set the same keys, so `[o1,o2]` ran O2 and named no
+    O1 anywhere, where the user meant a sweep. The ConfigError that says so; None otherwise."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from runner.config.finder import config_dir
+
+    groups = {
+        p.name for p in config_dir().iterdir() if p.is_dir() and p.name not in _ONE_OPTION_EXCEPT
+    }
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except OverrideParseException:
+        return None  # (Hydra refuses it with its own message)
+    for override in parsed:
+        if override.key_or_group not in groups or override.is_delete():
+            continue
+        value = override.value()
+        if isinstance(value, list):
+            options = [str(v) for v in value]
+            return ConfigError(
+                override.key_or_group,
+                f"got a list [{', '.join(options)}]: Hydra would merge these options, the "
+                "last one winning, and run one",
+                f"one option; to run each in turn, a sweep: "
+                f"-m {override.key_or_group}={','.join(options)}",
+            )
+    return None

@@ -27,7 +27,7 @@ from omegaconf import OmegaConf
 
 import runner
 from runner import csrc
-from runner.config import options
+from runner.config import mistakes, options
 from runner.errors import ConfigError
 from runner.measure import audit as layer_audit
 from runner.precision import Resolution, layers
@@ -281,6 +281,9 @@ def run(
     `apart` to its default name (a sweep job's swept values: runner.run.plan.default_run_name).
     Under torchrun this is one rank of a DistributedDataParallel run (see
     runner.run.distributed)."""
+    several = mistakes.several_options(overrides)
+    if several is not None:
+        raise several
     run_log = failure.job_log(output_dir)
     log_from = _size(run_log)
     plan = make_plan(cfg, apart)

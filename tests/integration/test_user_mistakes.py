@@ -3,7 +3,8 @@ with or without `+`, at the top level too; a value of the wrong type) exit 2 wit
 the group or key, what was given and the nearest right spellings, closest first: no traceback, no
 Hydra search path, nothing created. HYDRA_FULL_ERROR=1 still shows Hydra's own error. `--help`
 lists the groups a user picks from and the launchers and sweepers installed. A language model
-whose positional table is shorter than the data's sequences is refused in planning the same way."""
+whose positional table is shorter than the data's sequences is refused in planning the same way, and
+so is a list of options for one of the runner's groups (`precision=[o1,o2]`: Hydra merges them)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,11 @@ MISTAKES = {
     "+lr=0.5": "lr: unknown key at the top level; did you mean optimizer.lr?",
     "+epochs=3": "epochs: unknown key (allowed: model, data, loss, task, optimizer, scheduler,",
     "trainer.max_epochs=abc": "trainer.max_epochs: got 'abc', expected an integer",
+    # a list selects each option and merges them, the last winning: O2 ran, named nowhere as such
+    "precision=[o1,o2]": (
+        "precision: got a list [o1, o2]: Hydra would merge these options, the last one winning, "
+        "and run one (allowed: one option; to run each in turn, a sweep: -m precision=o1,o2)"
+    ),
 }
 
 
@@ -60,6 +66,17 @@ def test_a_mistake_in_a_sweep_names_the_job(tmp_path, capsys):
     assert status == 2, output[-3000:]
     assert "sweep job #1 (" in output and MISTAKES["precision=o7"] in output
     assert "Traceback" not in output and "Config search path" not in output
+    assert not (tmp_path / "never.db").exists() and not (tmp_path / "mlruns").exists()
+
+
+def test_a_list_of_options_in_a_sweep_names_the_job(tmp_path, capsys):
+    uri = f"sqlite:///{tmp_path / 'never.db'}"
+    args = ["-m", *FAST, "precision=[o0,o2_bf16]", "trainer.seed=1,2"]
+    status = run_in_process(*args, f"mlflow.tracking_uri={uri}")
+    output = "".join(capsys.readouterr())
+    assert status == 2, output[-3000:]
+    assert "precision: got a list [o0, o2_bf16]: Hydra would merge" in output
+    assert "(in sweep job #0: " in output and "Traceback" not in output
     assert not (tmp_path / "never.db").exists() and not (tmp_path / "mlruns").exists()
 
 
