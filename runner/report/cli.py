@@ -154,8 +154,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         + f"; written {_dt.datetime.now().isoformat(timespec='seconds')}."
     )
     markdown = render_markdown(rows, title, source)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / TABLE_MD).write_text(markdown)
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / TABLE_MD).write_text(markdown)
+    except OSError as error:  # (a folder that cannot be made, a file of that name, no rights)
+        print(
+            f"Cannot write the report to {args.out}: {error.strerror or error}; set --out to a "
+            "folder you can write",
+            file=sys.stderr,
+        )
+        return 2
     write_csv(rows, args.out / TABLE_CSV)
     plot_bars(rows, args.out / BARS_PNG)
     plot_curves(rows, args.out / CURVES_PNG)

@@ -205,6 +205,24 @@ def test_runs_lacking_metrics_are_reported_not_fatal(tracking_uri, tmp_path, cap
     assert {p.name for p in out.iterdir()} == REPORT_FILES
 
 
+def test_an_out_that_cannot_be_a_folder_is_refused_without_a_traceback(
+    tracking_uri, tmp_path, capsys
+):
+    """--out naming a file (or a folder inside one) ended in mkdir's traceback; it is refused
+    with the reason, exit 2, and the file is left as it was."""
+    tracker = MlflowTracker(tracking_uri, "amp-runner")
+    with tracker.start_run("tiny-O0", {"precision.opt_level": "O0"}, {}) as run:
+        run.log_metrics({"best_val_acc": 0.5}, 1)
+    taken = tmp_path / "report"
+    taken.write_text("a file of that name")
+    for out in (taken, taken / "inside"):
+        assert report_main(["--tracking-uri", tracking_uri, "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert f"Cannot write the report to {out}: " in err and "Traceback" not in err
+        assert "set --out to a folder you can write" in err
+    assert taken.read_text() == "a file of that name"
+
+
 @pytest.mark.new_store  # checks that nothing, no store, is created
 def test_a_missing_store_is_not_created(tmp_path, capsys):
     assert report_main(["--out", str(tmp_path / "r")]) == 1  # ./mlflow.db, the default
