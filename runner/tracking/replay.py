@@ -126,7 +126,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    folder = args.folder if args.folder.is_dir() else args.folder.parent
+    # the folder, or its database named outright (not any file: its folder may hold another store)
+    folder = args.folder.parent if args.folder.name == DB and args.folder.is_file() else args.folder
     if not (folder / DB).is_file():
         print(f"No offline store in {folder} (expected {folder / DB})", file=sys.stderr)
         return 2

@@ -204,3 +204,16 @@ def test_offline_replay_into_a_store(tmp_path):
     assert sorted((m.step, m.value) for m in history) == [(1, 0.5), (2, 0.25)]
     assert replay.replay(folder) == []
     tracked.end("FAILED")  # (stops its sender thread)
+
+
+def test_replay_is_given_the_offline_store_or_its_database(tmp_path, capsys):
+    """`python -m runner.replay PATH`: PATH is the offline store's folder or its database. Any
+    other file stood for its folder: a file beside the user's own ./mlflow.db replayed that
+    store as if it were an offline one; a missing folder was told as its parent."""
+    (tmp_path / replay.DB).write_text("")  # (the user's own store, say)
+    other = tmp_path / "notes.txt"
+    other.write_text("")
+    for path in (other, tmp_path / "gone"):
+        assert replay.main([str(path)]) == 2
+        told = capsys.readouterr().err
+        assert f"No offline store in {path} (expected {path / replay.DB})" in told
