@@ -223,8 +223,9 @@ class MlflowSweepCallback(Callback):
             else ""  # the report reads an MLflow store
         )
         log.info(
-            "Sweep finished: %d jobs%s.\n%s%s%s",
+            "Sweep finished: %d job%s%s.\n%s%s%s",
             len(children),
+            "" if len(children) == 1 else "s",
             failures,
             speed_summary(children),
             compare,

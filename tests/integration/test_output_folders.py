@@ -115,7 +115,8 @@ def test_a_sweep_that_does_not_start_leaves_its_folder_free(tmp_path, monkeypatc
     assert run_in_process(*args, "precision=o0,o2_bf16", "resume=auto") == 2
     assert "was run with other overrides" in "".join(capsys.readouterr())
     assert run_in_process(*args, "precision=o0", "resume=auto") == 0
-    assert "is in use" not in "".join(capsys.readouterr())
+    told = "".join(capsys.readouterr())
+    assert "is in use" not in told and "Sweep finished: 1 job, none failed." in told
 
 
 def _attached(tmp_path, name: str) -> dict[str, str]:
