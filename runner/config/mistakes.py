@@ -195,10 +195,10 @@ def _hydra_text(error: BaseException) -> str:
 _ONE_OPTION_EXCEPT = ("experiment", "hydra", "schema")
 
 
-def several_options(overrides: Sequence[str]) -> Optional[ConfigError]:
-    """A group of the runner's given a list (`precision=[o1,o2]`): Hydra composes each option in
-    turn, the last one winning where they set the same keys, so `[o1,o2]` ran O2 and named no
-    O1 anywhere, where the user meant a sweep. The ConfigError that says so; None otherwise."""
+def check_one_option(overrides: Sequence[str]) -> None:
+    """A group of the runner's given a list (`precision=[o1,o2]`) is refused (a ConfigError):
+    Hydra composes each option in turn, the last one winning where they set the same keys, so
+    `[o1,o2]` ran O2 and named no O1 anywhere, where the user meant a sweep."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     from runner.config.finder import config_dir
@@ -209,18 +209,17 @@ def several_options(overrides: Sequence[str]) -> Optional[ConfigError]:
     try:
         parsed = OverridesParser.create().parse_overrides(list(overrides))
     except OverrideParseException:
-        return None  # (Hydra refuses it with its own message)
+        return  # (Hydra refuses it with its own message)
     for override in parsed:
         if override.key_or_group not in groups or override.is_delete():
             continue
         value = override.value()
         if isinstance(value, list):
             options = [str(v) for v in value]
-            return ConfigError(
+            raise ConfigError(
                 override.key_or_group,
                 f"got a list [{', '.join(options)}]: Hydra would merge these options, the "
                 "last one winning, and run one",
                 f"one option; to run each in turn, a sweep: "
                 f"-m {override.key_or_group}={','.join(options)}",
             )
-    return None

@@ -281,9 +281,7 @@ def run(
     `apart` to its default name (a sweep job's swept values: runner.run.plan.default_run_name).
     Under torchrun this is one rank of a DistributedDataParallel run (see
     runner.run.distributed)."""
-    several = mistakes.several_options(overrides)
-    if several is not None:
-        raise several
+    mistakes.check_one_option(overrides)
     run_log = failure.job_log(output_dir)
     log_from = _size(run_log)
     plan = make_plan(cfg, apart)

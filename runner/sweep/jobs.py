@@ -117,9 +117,7 @@ def preflight(config: DictConfig, config_name: str | None, tracking_uri: str) ->
             OmegaConf.set_struct(cfg, False)
             cfg.resume = None
         try:
-            several = mistakes.several_options(overrides)
-            if several is not None:
-                raise several
+            mistakes.check_one_option(overrides)
             make_plan(cfg)
             same_store(cfg, kind(config), tracking_uri, config.mlflow.experiment_name)
         except ConfigError as error:
