@@ -37,18 +37,11 @@ from runner.run.build import Parts, build, shape_findings, sharded  # noqa: F401
 from runner.run.distributed import Comm
 from runner.run.interrupts import StopRequest
 from runner.run.plan import RunPlan, make_plan
+from runner.tracking import job_log
 from runner.tracking import metrics as m
 from runner.tracking import tags as tag
 
 log = logging.getLogger(__name__)
-
-
-def _size(path: Optional[Path]) -> int:
-    """The size of the file at `path` in bytes; 0 where there is none."""
-    try:
-        return path.stat().st_size if path is not None else 0
-    except OSError:
-        return 0
 
 
 # ---- what the MLflow run records -----------------------------------------------------------------
@@ -58,13 +51,15 @@ class Launch:
     (a sweep job's parent run), the log file Hydra writes there (`run_log`, attached to the run;
     `<hydra.job.name>.log`, runner.log by default; None: a run started from Python) and where
     this launch's lines in it start (`log_from`, in bytes: a folder the user names, run in
-    again, appends to the log of the runs before)."""
+    again, appends to the log of the runs before), and a digest of its first line (`log_head`:
+    runner.tracking.job_log)."""
 
     overrides: tuple[str, ...] = ()
     output_dir: Optional[Path] = None
     extra_tags: Mapping[str, str] = field(default_factory=dict)
     run_log: Optional[Path] = None
     log_from: int = 0
+    log_head: Optional[str] = None
 
 
 def environment_tags(device: torch.device) -> dict[str, str]:
@@ -176,6 +171,8 @@ def run_record(
         tags[tag.LAYER_PLAN_HASH] = parts.engine.layer_plan.digest()
     tags.update({str(k): str(v) for k, v in cfg.mlflow.tags.items()})
     tags.update(launch.extra_tags)
+    # where this session's log is, for a reaper to attach should the process die
+    tags.update(job_log.tags(launch.run_log, launch.log_from, launch.log_head))
     if plan.resume is not None:
         tags.update(plan.resume.tags(cfg.trainer.max_epochs))
     return params, tags
@@ -282,8 +279,8 @@ def run(
     Under torchrun this is one rank of a DistributedDataParallel run (see
     runner.run.distributed)."""
     mistakes.check_one_option(overrides)
-    run_log = failure.job_log(output_dir)
-    log_from = _size(run_log)
+    run_log = job_log.find(output_dir)
+    log_from = job_log.size(run_log)
     plan = make_plan(cfg, apart)
     if cfg.dry_run:
         print_dry_run(plan)
@@ -305,6 +302,7 @@ def run(
         dict(extra_tags or {}),
         run_log,
         log_from,
+        job_log.head(run_log, log_from),  # (the precision table's first line, logged above)
     )
     comm, device = distributed.setup(plan.device)
     if not comm.is_main:  # one console story: rank 0's (the others still say what goes wrong)
@@ -324,8 +322,8 @@ def train(plan: RunPlan, comm: Comm, device: torch.device, launch: Launch) -> fl
     tracker = comm.on_main(
         lambda: own_folder(open_tracker(cfg, run_folder(plan, launch)), plan, launch)
     )
-    if comm.is_main:
-        tracker.reap()  # the experiment's RUNNING runs whose process is gone end KILLED
+    if comm.is_main:  # the experiment's RUNNING runs whose process is gone end KILLED
+        tracker.reap(own_log=(launch.run_log, launch.log_from) if launch.run_log else None)
     if plan.properties.layer_plan == layers.AUTO:  # the pre-flight plans each layer's format
         from runner.run import autoplan
 

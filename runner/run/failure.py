@@ -25,6 +25,7 @@ from types import FrameType
 from typing import Any, Optional
 
 from runner.errors import RunnerError
+from runner.tracking import job_log
 
 log = logging.getLogger(__name__)
 
@@ -47,25 +48,6 @@ def _frames_above(frame: Optional[FrameType]) -> list[traceback.FrameSummary]:
     while frame is not None and frame.f_code.co_filename == contextlib.__file__:
         frame = frame.f_back
     return list(traceback.extract_stack(frame.f_back)) if frame is not None else []
-
-
-def log_files() -> list[Path]:
-    """The files the root logger writes to (a Hydra job's `<output dir>/runner.log`)."""
-    return [
-        Path(h.baseFilename)
-        for h in logging.getLogger().handlers
-        if isinstance(h, logging.FileHandler)
-    ]
-
-
-def job_log(output_dir: Optional[os.PathLike]) -> Optional[Path]:
-    """The log file the root logger writes in `output_dir` (Hydra's job log, named after
-    `hydra.job.name`: runner.log by default); None where it writes none there (logging
-    turned off, a run started from Python)."""
-    if output_dir is None:
-        return None
-    folder = Path(output_dir).resolve()
-    return next((f for f in log_files() if f.resolve().parent == folder), None)
 
 
 def keep(
@@ -160,14 +142,10 @@ def attach_log(tracked: Any, run_log: Path, since: int = 0) -> None:
     of the sessions before it (it replaced them, and a resume in another folder lost them)."""
     if not run_log.is_file():
         return
-    resumes = tracked.resumes
-    name = run_log.name if not resumes else f"{run_log.stem}.resume-{resumes}{run_log.suffix}"
+    name = job_log.name(run_log, tracked.resumes)
     if run_log.stat().st_size < since:
         since = 0
     if since <= 0 and name == run_log.name:
         tracked.log_file(run_log, "logs")
         return
-    with run_log.open("rb") as file:
-        file.seek(since)
-        text = file.read().decode("utf-8", errors="replace")
-    tracked.log_text(text, f"logs/{name}")
+    tracked.log_text(job_log.part(run_log, since), f"logs/{name}")

@@ -24,6 +24,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from runner.tracking import tags as tag
@@ -211,8 +212,9 @@ class Tracker(ABC):
         `tags` are added, and `resume.count` counts the sessions. `run_name`: the run's name,
         for a tracker that no longer holds the run's record."""
 
-    def reap(self) -> list[str]:
-        """End as KILLED the RUNNING runs of this experiment whose process is gone; their ids."""
+    def reap(self, own_log: tuple[Path, int] | None = None) -> list[str]:
+        """End as KILLED the RUNNING runs of this experiment whose process is gone; their ids.
+        `own_log`: this process's job log and the byte its lines begin at."""
         return []
 
     def folder_taken(self, folder: str | os.PathLike, run_id: str | None) -> str | None:

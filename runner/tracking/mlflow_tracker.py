@@ -23,7 +23,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, ErrorCode
 
 from runner.errors import ConfigError, RunnerError
-from runner.tracking import liveness
+from runner.tracking import job_log, liveness
 from runner.tracking import tags as tag
 from runner.tracking.base import KILLED, RUNNING, RunRecord, Tracker
 from runner.tracking.liveness import LIVENESS_TAGS, ProcessIdentity, now_iso, parse_iso
@@ -172,8 +172,10 @@ class MlflowTracker(Tracker):
                 run_id, tags=[RunTag(k, v) for k, v in self._liveness_tags().items()]
             )
             self.client.update_run(run_id, status=RUNNING)
-        if tag.ERROR in run.data.tags:  # why the last session ended: not true of a running run
-            self.client.delete_tag(run_id, tag.ERROR)
+        # why the last session ended, and where its log was: not true of this session
+        for stale in (tag.ERROR, *job_log.TAGS):
+            if stale in run.data.tags and stale not in tags:
+                self.client.delete_tag(run_id, stale)
         tracked = self._run(run_id, folder)
         count = int(run.data.tags.get(tag.RESUME_COUNT, "0")) + 1
         for key, value in {**tags, tag.RESUME_COUNT: str(count)}.items():
@@ -231,26 +233,57 @@ class MlflowTracker(Tracker):
             self.client.set_terminated(run_id, status=KILLED, end_time=end_ms)
         return True
 
-    def reap(self, here: ProcessIdentity | None = None, now: float | None = None) -> list[str]:
+    def reap(
+        self,
+        here: ProcessIdentity | None = None,
+        now: float | None = None,
+        own_log: tuple[Path, int] | None = None,
+    ) -> list[str]:
         """End as KILLED every RUNNING run of this experiment whose process is gone (on this
         host: its pid is dead or another process; elsewhere: no heartbeat for `stale_after_s`),
-        with the `error` tag "process vanished: no heartbeat since <time> (host <h>, pid <p>)";
-        one warning line per run ended. Live runs and runs without liveness tags are never
-        touched. Returns the ids of the runs ended here. A store that fails meanwhile is only
-        reported: reaping is housekeeping, never a reason not to train."""
+        with the `error` tag "process vanished: no heartbeat since <time> (host <h>, pid <p>)",
+        and its session's job log attached where it is on this host (runner.tracking.job_log;
+        `own_log`: this process's job log and where its lines begin, which ends a dead run's part
+        in the same file); one warning line per run ended. Live runs and runs without liveness
+        tags are never touched. Returns the ids of the runs ended here. A store that fails
+        meanwhile is only reported: reaping is housekeeping, never a reason not to train."""
         here = here or ProcessIdentity.current()
         ended = []
         try:
             for run in self.running_runs():
                 reason = self.vanished(run, here, now)
                 if reason is not None and self.end_vanished(run, reason):
-                    log.warning("Ended run %r (%s) as KILLED: %s", run.run_name, run.run_id, reason)
+                    log.warning(
+                        "Ended run %r (%s) as KILLED: %s%s",
+                        run.run_name,
+                        run.run_id,
+                        reason,
+                        self._attach_vanished_log(run, here, own_log),
+                    )
                     ended.append(run.run_id)
         except Exception as error:  # noqa: BLE001  (see the docstring)
             log.warning(
                 "Could not look for runs whose process vanished in %s: %s", self.tracking_uri, error
             )
         return ended
+
+    def _attach_vanished_log(
+        self, run: RunRecord, here: ProcessIdentity, own_log: tuple[Path, int] | None
+    ) -> str:
+        """The job log of a run whose process vanished attached to it (`job_log.of_vanished`);
+        what to add to the line that says it was ended: where its log is."""
+        path = run.tags.get(tag.LOG_FILE)
+        if not path:
+            return ""
+        found = job_log.of_vanished(run.tags, here, own_log)
+        if found is None:
+            return f"; its log: {run.tags.get(tag.HOST, '?')}:{path}"
+        name, text = found
+        try:
+            self.client.log_text(run.run_id, text, f"logs/{name}")
+        except Exception as error:  # noqa: BLE001  (housekeeping: see reap)
+            return f"; its log {path} could not be attached: {error}"
+        return f"; its log attached (logs/{name})"
 
     def latest_run(self, run_name: str) -> RunRecord | None:
         """The most recently started run named `run_name` in this experiment (any status), or

@@ -30,6 +30,10 @@ PID = "runner.pid"
 PID_START = "runner.pid_start"  # the process's start time, clock ticks since boot (Linux)
 PID_SPACE = "runner.pid_space"  # "<boot id>:<PID namespace>": where the pid is that process
 HEARTBEAT = "runner.heartbeat"  # ISO 8601 UTC time of the last heartbeat (mlflow.heartbeat_s)
+# the job log this session writes, for a reaper to attach (runner.tracking.job_log)
+LOG_FILE = "runner.log_file"  # its absolute path
+LOG_FROM = "runner.log_from"  # the byte this session's lines begin at
+LOG_HEAD = "runner.log_head"  # a digest of its first line: a file replaced since is not attached
 
 # ---- a resumed run ----------------------------------------------------------------------------
 RESUME_COUNT = "resume.count"

@@ -27,6 +27,7 @@ from mlflow.tracking import MlflowClient
 
 from runner.errors import RunnerError
 from runner.report.cli import main as report_main
+from runner.tracking import job_log
 from runner.tracking import tags as tag
 from runner.tracking.base import end_state
 from runner.tracking.liveness import ProcessIdentity, now_iso, parse_iso, process_state, vanished
@@ -169,6 +170,96 @@ def test_a_run_reopened_after_it_was_judged_is_not_ended(tracking_uri):
     assert run.info.status == "RUNNING" and tag.ERROR not in run.data.tags
     assert run.data.tags[tag.PID] == str(os.getpid())  # its new owner
     reopened.end("FINISHED")
+
+
+def test_a_reaped_run_gets_the_part_of_its_job_log_it_wrote(tracking_uri, tmp_path, caplog):
+    """A process killed outright cannot attach its log: the reaper attaches the lines its session
+    wrote (from the byte its tags name; up to where the reaper's own begin, in a folder run in
+    again), named as the run would have (a resumed session's `runner.resume-<N>.log`). Never a
+    file that is not the one the run wrote: gone, replaced meanwhile, or on another host (the
+    warning names where it is then)."""
+    tracker = MlflowTracker(tracking_uri, "amp-runner")
+    client = MlflowClient(tracking_uri)
+    here = ProcessIdentity.current()
+
+    def dead(name: str, run_log, since: int, **more: str) -> str:
+        log_tags = job_log.tags(run_log, since, job_log.head(run_log, since))
+        assert log_tags
+        owner = {**here.tags(), tag.PID: str(dead_pid()), tag.HEARTBEAT: now_iso()}
+        return fake_run(tracker, name, **owner, **log_tags, **more)
+
+    shared = tmp_path / "out" / "runner.log"  # hydra.run.dir=out, run in again
+    shared.parent.mkdir()
+    shared.write_text("an earlier run's lines\n")
+    since = shared.stat().st_size
+    with shared.open("a") as file:
+        file.write("first: epoch 1/9\n")
+    first = dead("first", shared, since, **{tag.RESUME_COUNT: "2"})
+    with shared.open("a") as file:
+        file.write("first: epoch 2/9\n")
+    own_from = shared.stat().st_size  # where the reaper's own lines begin, in the same file
+    with shared.open("a") as file:
+        file.write("the reaper's own lines\n")
+    own = tmp_path / "own" / "runner.log"
+    own.parent.mkdir()
+    own.write_text("whole: precision\n")
+    whole = dead("whole", own, 0)  # its own folder: everything in it, to the end
+    with own.open("a") as file:
+        file.write("whole: epoch 3/9\n")
+    replaced = tmp_path / "replaced" / "runner.log"
+    replaced.parent.mkdir()
+    replaced.write_text("the dead run's lines\n")
+    swapped = dead("swapped", replaced, 0)
+    replaced.unlink()
+    replaced.write_text("a later run's lines, in a file of its own (perhaps at the same inode)\n")
+    gone = tmp_path / "gone" / "runner.log"
+    gone.parent.mkdir()
+    gone.write_text("lines\n")
+    removed = dead("removed", gone, 0)
+    gone.unlink()
+    far = tmp_path / "far" / "runner.log"
+    far.parent.mkdir()
+    far.write_text("another host's file of that name\n")
+    log_tags = job_log.tags(far, 0, job_log.head(far, 0))
+    elsewhere_run = fake_run(tracker, "elsewhere", **elsewhere(STALE), **log_tags)
+    untagged = fake_run(
+        tracker, "untagged", **{**here.tags(), tag.PID: str(dead_pid()), tag.HEARTBEAT: now_iso()}
+    )
+
+    with caplog.at_level(logging.WARNING, logger="runner.tracking"):
+        ended = tracker.reap(own_log=(shared, own_from))
+    assert sorted(ended) == sorted([first, whole, swapped, removed, elsewhere_run, untagged])
+
+    def logs(run_id: str) -> dict[str, str]:
+        found = {}
+        for item in client.list_artifacts(run_id, "logs"):
+            with open(client.download_artifacts(run_id, item.path)) as file:
+                found[item.path] = file.read()
+        return found
+
+    assert logs(first) == {"logs/runner.resume-2.log": "first: epoch 1/9\nfirst: epoch 2/9\n"}
+    assert logs(whole) == {"logs/runner.log": "whole: precision\nwhole: epoch 3/9\n"}
+    for run_id in (swapped, removed, elsewhere_run, untagged):
+        assert logs(run_id) == {}
+    lines = {r.getMessage().split("'")[1]: r.getMessage() for r in caplog.records}
+    assert lines["first"].endswith("; its log attached (logs/runner.resume-2.log)")
+    assert lines["swapped"].endswith(f"; its log: {here.host}:{replaced.resolve()}")
+    assert lines["elsewhere"].endswith(f"; its log: gpu-node-17:{far.resolve()}")
+    assert lines["untagged"].endswith(f"pid {client.get_run(untagged).data.tags[tag.PID]})")
+
+
+def test_a_resumed_session_without_a_log_drops_the_last_sessions_log_tags(tracking_uri, tmp_path):
+    """The log tags say where the running session writes: a session that writes none (a run
+    started from Python) must not leave a reaper the last session's file to attach as its own."""
+    tracker = MlflowTracker(tracking_uri, "amp-runner")
+    run_log = tmp_path / "runner.log"
+    run_log.write_text("the first session\n")
+    first = tracker.create_run("resumed", job_log.tags(run_log, 0, job_log.head(run_log, 0)))
+    first.end("KILLED")
+    second = tracker.reopen_run(first.run_id, {})
+    tags = tracker.client.get_run(first.run_id).data.tags
+    assert not set(job_log.TAGS) & set(tags), tags
+    second.end("FINISHED")
 
 
 @pytest.mark.parametrize("name", ["tiny-O2", 'it\'s "quoted"'])
@@ -381,6 +472,11 @@ def test_a_starting_run_ends_a_sigkilled_run_and_leaves_a_live_one_alone(tmp_pat
         )
         ended = [line for line in output.splitlines() if "as KILLED" in line]
         assert len(ended) == 1 and dead.info.run_id in ended[0], output[-3000:]
+        # its own folder's log, as far as it got: attached to it by the reaper
+        assert ended[0].endswith("; its log attached (logs/runner.log)"), ended[0]
+        with open(client.download_artifacts(dead.info.run_id, "logs/runner.log")) as file:
+            kept = file.read()
+        assert "epoch 1/" in kept and dead.info.run_id in kept and "'next'" not in kept
         assert runs["next"].info.status == "FINISHED"
         assert runs["live"].info.status == "RUNNING" and tag.ERROR not in runs["live"].data.tags
     finally:

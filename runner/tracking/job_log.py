@@ -1,0 +1,123 @@
+"""A run's job log (Hydra's `<output dir>/runner.log`): the part one launch wrote, the name it is
+attached under, and what lets the next run attach the log of a run whose process died.
+
+A run attaches its own log as it ends (runner.run.failure.attach_log). A process killed outright
+(SIGKILL, the OOM killer) cannot: its lines stay on disk, and the run the reaper ends KILLED would
+hold none. So every run records, as tags, which file its session writes and where its lines begin
+(`tags`); the reaper on the same host attaches that part (`of_vanished`). The file must still be
+the one the run wrote (its first line, timed to the millisecond, where the tags say): a folder
+cleaned and run in again holds another run's log.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Optional
+
+from runner.tracking import tags as tag
+from runner.tracking.liveness import ProcessIdentity
+
+TAGS = (tag.LOG_FILE, tag.LOG_FROM, tag.LOG_HEAD)
+HEAD_BYTES = 4096  # the most of a session's first line that `head` reads
+
+
+def find(output_dir: Optional[os.PathLike]) -> Optional[Path]:
+    """The log file the root logger writes in `output_dir` (Hydra's job log, named after
+    `hydra.job.name`: runner.log by default); None where it writes none there (logging
+    turned off, a run started from Python)."""
+    if output_dir is None:
+        return None
+    folder = Path(output_dir).resolve()
+    files = [
+        Path(h.baseFilename)
+        for h in logging.getLogger().handlers
+        if isinstance(h, logging.FileHandler)
+    ]
+    return next((f for f in files if f.resolve().parent == folder), None)
+
+
+def name(run_log: Path, resumes: int) -> str:
+    """The artifact name of a session's log: `runner.log` for a new run, `runner.resume-<N>.log`
+    for its N-th resumed session (beside the ones before it)."""
+    if not resumes:
+        return run_log.name
+    return f"{run_log.stem}.resume-{resumes}{run_log.suffix}"
+
+
+def part(run_log: Path, since: int = 0, until: Optional[int] = None) -> str:
+    """The text of `run_log` from byte `since` up to byte `until` (None: its end)."""
+    with run_log.open("rb") as file:
+        file.seek(since)
+        data = file.read() if until is None else file.read(max(until - since, 0))
+    return data.decode("utf-8", errors="replace")
+
+
+def size(run_log: Optional[Path]) -> int:
+    """The size of the log file at `run_log` in bytes: where a launch's lines will begin; 0 where
+    there is none."""
+    try:
+        return run_log.stat().st_size if run_log is not None else 0
+    except OSError:
+        return 0
+
+
+def head(run_log: Optional[Path], since: int) -> Optional[str]:
+    """A digest of the first line of `run_log` from byte `since` (a session's first line: its
+    time to the millisecond), by which a reaper knows the file is still the one the session
+    wrote; None before that line is there."""
+    if run_log is None:
+        return None
+    try:
+        with run_log.open("rb") as file:
+            file.seek(since)
+            line = file.readline(HEAD_BYTES)
+    except OSError:
+        return None
+    return hashlib.sha256(line).hexdigest()[:16] if line.endswith(b"\n") else None
+
+
+def tags(run_log: Optional[Path], since: int, first_line: Optional[str]) -> dict[str, str]:
+    """The tags that tell a reaper where a session's lines are: the log's absolute path, the
+    byte they begin at and the digest of their first line (`head`). None without a log (logging
+    off, a run started from Python) or before its first line."""
+    if run_log is None or first_line is None:
+        return {}
+    return {
+        tag.LOG_FILE: str(run_log.resolve()),
+        tag.LOG_FROM: str(since),
+        tag.LOG_HEAD: first_line,
+    }
+
+
+def of_vanished(
+    run_tags: Mapping[str, str],
+    here: ProcessIdentity,
+    own: Optional[tuple[Path, int]] = None,
+) -> Optional[tuple[str, str]]:
+    """(artifact name, text) of the log a run whose process vanished wrote, or None where it
+    cannot be told for sure: no log tags, another host (its path names a file there: the tag says
+    where), a file gone or replaced (its first line is not where and what the tags say).
+    `own`: the reaper's own job log and where its lines begin; the part ends there when the run
+    wrote into the same file (a folder named outright and run in again)."""
+    owner = ProcessIdentity.from_tags(run_tags)
+    path, since, first_line = (run_tags.get(k, "") for k in TAGS)
+    if owner is None or owner.host != here.host or not path or not since.isdigit():
+        return None
+    run_log, since_byte = Path(path), int(since)
+    if not run_log.is_file() or head(run_log, since_byte) != first_line:
+        return None
+    until = None
+    if own is not None:
+        own_log, own_from = own
+        try:
+            if os.path.samefile(own_log, run_log) and own_from >= since_byte:
+                until = own_from
+        except OSError:
+            pass
+    count = run_tags.get(tag.RESUME_COUNT, "0")
+    resumes = int(count) if count.isdigit() else 0
+    return name(run_log, resumes), part(run_log, since_byte, until)
