@@ -28,6 +28,7 @@ from runner.precision.checks import DeviceInfo, state_findings, tensor_core_find
 from runner.precision.state import build_low_bit
 from runner.run import cuda_graphs, distributed, fsdp
 from runner.run.distributed import Comm
+from runner.run.model_checks import MetaModel
 from runner.run.parts import Parts
 from runner.run.plan import RunPlan
 from runner.run.trainer import limit_batches
@@ -89,15 +90,21 @@ def build(
     # the data and the tracking store live in host memory: on a CPU the baseline is taken after
     # the datasets, the store and the kernels are in memory
     if plan.declared is None:
-        # only the dataset could tell its shape (and, with task=auto, its task): check now
+        # only the dataset could tell its shape (and, with task=auto, its task): check now, on
+        # a meta model of the loaded data's input, which then counts the FLOPs
         sample = bundle.train[0][0]
         task = task_for(infer_task(plan, sample))
-        check_output(cfg.model, bundle.num_classes, tuple(sample.shape), task=task)
-    flops = plan.flops_per_sample()  # (on the meta device: before the memory baseline)
+        meta = MetaModel(
+            cfg.model, plan.specs.get("model"), (bundle.num_classes, tuple(sample.shape))
+        )
+        check_output(cfg.model, *meta.declared, task=task, build=meta.build)
+        flops = meta.flops_per_sample(task.input_dtype)
+    else:
+        flops = plan.flops_per_sample()  # (on the meta device: before the memory baseline)
     if flops is None:
         log.info(
-            "FLOPs per sample not counted (the data does not declare its input's shape, or "
-            "the meta device cannot run the model): no tflops or mfu for this run"
+            "FLOPs per sample not counted (the meta device cannot run the model): no tflops or "
+            "mfu for this run"
         )
     memory = MemoryProbe(device)
     memory.reset()

@@ -149,3 +149,33 @@ def test_the_flops_are_counted_once_on_the_plans_meta_model(counted, monkeypatch
         assert parts.flops_per_sample == flops and counts == {"meta": 1, "flops": 1}
     finally:
         parts.close()
+
+
+def test_data_that_declares_no_shape_gets_its_flops_counted_on_the_loaded_input(counted, tmp_path):
+    """Token files of no declared vocabulary: only the loaded data tells the model's sizes, so
+    the build makes one meta model of them, for the output check and the FLOPs alike; the count
+    is the one the same data declared gets when planned."""
+    import numpy as np
+
+    for name, size in (("train.bin", 4096), ("val.bin", 1024)):
+        (np.arange(size) % 97).astype(np.uint16).tofile(tmp_path / name)
+    tokens = [
+        "model=gpt_tiny",
+        "data=tokens",
+        f"data.train={tmp_path / 'train.bin'}",
+        f"data.val={tmp_path / 'val.bin'}",
+        "data.block_size=32",
+        "trainer.batch_size=8",
+        "trainer.num_workers=0",
+    ]
+    counts, _ = counted
+    plan = make_plan(compose_config(*tokens))
+    assert plan.declared is None and plan.flops_per_sample() is None and counts == {}
+    parts = build.build(plan)
+    try:
+        assert counts == {"meta": 1}  # the output check's model counted the FLOPs
+        declared = make_plan(compose_config(*tokens, "data.vocab_size=97"))
+        assert parts.flops_per_sample is not None
+        assert parts.flops_per_sample == declared.flops_per_sample() > 0
+    finally:
+        parts.close()
