@@ -14,3 +14,19 @@ The package is a house of rooms, imports pointing down only (a test holds it so)
 """
 
 __version__ = "0.1.0"
+
+
+def version_line() -> str:
+    """What `--version` prints: this package's version and those of what it runs on, read from
+    the installed packages' metadata (nothing imported: torch alone takes seconds)."""
+    import platform
+    from importlib import metadata
+
+    found = []
+    for package, name in (("torch", "torch"), ("hydra-core", "Hydra"), ("mlflow", "MLflow")):
+        try:
+            found.append(f"{name} {metadata.version(package)}")
+        except metadata.PackageNotFoundError:
+            pass
+    found.append(f"Python {platform.python_version()}")
+    return f"amp-runner {__version__} ({', '.join(found)})"

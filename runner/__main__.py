@@ -15,6 +15,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+import runner
 import runner.config  # noqa: F401  (registers the schemas before Hydra composes)
 from runner.config import mistakes
 from runner.config.finder import config_dir
@@ -198,6 +199,9 @@ def cli() -> None:
     """Console-script entry (`amp-runner ...`); Ctrl-C exits 130 and SIGTERM 143 after the run
     (and a sweep's parent run) is marked KILLED (and, from a first signal, checkpointed); a sweep
     that stops early leaves no RUNNING parent behind."""
+    if "--version" in sys.argv[1:]:  # (Hydra's own would print Hydra's version)
+        print(runner.version_line())
+        return
     gpus.register_resolvers()
     OmegaConf.register_new_resolver("runner.help_groups", help_groups, replace=True)
     OmegaConf.register_new_resolver("runner.help_launchers", help_launchers, replace=True)

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
 
+import runner
 from runner.config import options
 from runner.diagnose.analysis import Preflight, analyse, render
 from runner.errors import RunnerError
@@ -66,6 +67,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "(underflow, overflow), the fp16 loss scale that keeps the gradients in range, and "
         "which preset to try first. Takes the same overrides as python -m runner.",
     )
+    parser.add_argument("--version", action="version", version=runner.version_line())
     parser.add_argument(
         "--steps",
         type=int,

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import runner
 from runner.report.analysis import EXPERIMENT, add_baseline_ratios
 from runner.report.plots import plot_bars, plot_curves, plot_memory
 from runner.report.runs import NothingToReport, read_run, select_runs, to_row
@@ -36,6 +37,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "in each run's folder, no store) cannot be reported; run them with tracking=mlflow, the "
         "default.",
     )
+    parser.add_argument("--version", action="version", version=runner.version_line())
     parser.add_argument(
         "--tracking-uri",
         default="sqlite:///mlflow.db",

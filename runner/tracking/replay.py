@@ -22,6 +22,7 @@ from typing import Any
 from mlflow.entities import Metric, RunStatus
 from mlflow.tracking import MlflowClient
 
+import runner
 from runner.config.schema import DEFAULT_EXPERIMENT
 from runner.tracking import tags as tag
 from runner.tracking.store import RetryingClient
@@ -115,6 +116,7 @@ def replay(folder: Path, to: str | None = None) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m runner.replay", description=__doc__)
+    parser.add_argument("--version", action="version", version=runner.version_line())
     parser.add_argument(
         "folder",
         type=Path,

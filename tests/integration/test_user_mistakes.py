@@ -9,12 +9,15 @@ so is a list of options for one of the runner's groups (`precision=[o1,o2]`: Hyd
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from hydra.errors import MissingConfigException
 
-from tests.helpers.runs import FAST, run_cli, run_in_process
+from tests.helpers.runs import FAST, REPO, run_cli, run_in_process
 
 UNKNOWN_KEY = "trainer.max_epoch: unknown key; did you mean trainer.max_epochs? (allowed: "
 MISTAKES = {
@@ -121,6 +124,32 @@ def test_help_lists_what_a_user_picks(tmp_path):
     for plugin, (line, options) in installed.items():
         present = importlib.util.find_spec(f"hydra_plugins.{plugin}") is not None
         assert all((option in line) == present for option in options), (plugin, line)
+
+
+@pytest.mark.new_store  # checks that nothing, no store, is created
+def test_version_names_the_runner_and_what_it_runs_on(tmp_path):
+    """`--version` of every command a user types: amp-runner's version (Hydra's own `--version`
+    printed Hydra's alone), with torch's, Hydra's, MLflow's and Python's; nothing created."""
+    from importlib import metadata
+
+    import runner
+
+    expected = (
+        f"amp-runner {runner.__version__} (torch {metadata.version('torch')}, "
+        f"Hydra {metadata.version('hydra-core')}, MLflow {metadata.version('mlflow')}, Python "
+    )
+    for module in ("runner", "runner.report", "runner.diagnose", "runner.replay"):
+        result = subprocess.run(
+            [sys.executable, "-m", module, "model=tiny", "--version"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=dict(os.environ, PYTHONPATH=str(REPO)),
+        )
+        assert result.returncode == 0, (module, result.stderr[-3000:])
+        assert result.stdout.startswith(expected) and result.stdout.count("\n") == 1, module
+    assert list(tmp_path.iterdir()) == []
 
 
 # a user's language model whose positional table holds `context` positions, whatever the data's
