@@ -51,6 +51,11 @@ class DivergenceError(RunnerError):
     `trainer.max_bad_steps` consecutive steps; the message says which and at which step."""
 
 
+class OutOfMemory(RunnerError):
+    """The run does not fit its device's memory: the message says where it ran out, at which
+    sizes, and what to change (runner.run.out_of_memory)."""
+
+
 class LayerPlanError(RunnerError):
     """A layer ran in another format than its layer plan (or the level) says, with
     precision.strict=true: the message names each layer, what it ran in and what was planned."""

@@ -20,7 +20,7 @@ import platform
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from omegaconf import OmegaConf
@@ -32,7 +32,7 @@ from runner.errors import ConfigError
 from runner.measure import audit as layer_audit
 from runner.precision import Resolution, layers
 from runner.precision.checks import DeviceInfo, state_findings
-from runner.run import checkpoint, distributed, failure, tune
+from runner.run import checkpoint, distributed, failure, out_of_memory, tune
 from runner.run.build import Parts, build, shape_findings, sharded  # noqa: F401  (Parts: the run's parts)
 from runner.run.distributed import Comm
 from runner.run.interrupts import StopRequest
@@ -176,6 +176,24 @@ def run_record(
     if plan.resume is not None:
         tags.update(plan.resume.tags(cfg.trainer.max_epochs))
     return params, tags
+
+
+def sizes(plan: RunPlan, trainer: Any = None) -> str:
+    """What an out-of-memory message says of the run's sizes: the model, the level, the batch
+    and (`trainer`: the run's) how far it got."""
+    cfg = plan.cfg
+    text = (
+        f"{options.label(cfg.model)} at {plan.properties.opt_level}, "
+        f"trainer.batch_size={cfg.trainer.batch_size}"
+    )
+    if "block_size" in cfg.data:
+        text += f", data.block_size={cfg.data.block_size}"
+    if trainer is not None:
+        done = trainer.global_step
+        text += (
+            f", after {done} training step{'' if done == 1 else 's'}" if done else ", at the start"
+        )
+    return text
 
 
 def log_layer_plan(tracked, plan: RunPlan, parts: Parts) -> None:
@@ -324,16 +342,23 @@ def train(plan: RunPlan, comm: Comm, device: torch.device, launch: Launch) -> fl
     )
     if comm.is_main:  # the experiment's RUNNING runs whose process is gone end KILLED
         tracker.reap(own_log=(launch.run_log, launch.log_from) if launch.run_log else None)
-    if plan.properties.layer_plan == layers.AUTO:  # the pre-flight plans each layer's format
-        from runner.run import autoplan
 
-        plan = autoplan.planned(plan, comm, device, launch.output_dir)
-    # trainer.tune: the settings left at their defaults, measured on copies (runner.run.tune)
-    plan, tuning = tune.tuned(plan, comm, device, launch.overrides)
-    # a single run does not wait for a first build of the kernels (torch's ops this once); a
-    # sweep's jobs and a distributed run's ranks wait, so that they all step the same way
-    parts = build(
-        plan, device, comm, wait_for_kernels=comm.active or tag.PARENT_RUN in launch.extra_tags
+    def prepared() -> tuple[RunPlan, Optional[tune.Tuning], Parts]:
+        ready = plan
+        if ready.properties.layer_plan == layers.AUTO:  # the pre-flight plans each layer's format
+            from runner.run import autoplan
+
+            ready = autoplan.planned(ready, comm, device, launch.output_dir)
+        # trainer.tune: the settings left at their defaults, measured on copies (runner.run.tune)
+        ready, tuning = tune.tuned(ready, comm, device, launch.overrides)
+        # a single run does not wait for a first build of the kernels (torch's ops this once); a
+        # sweep's jobs and a distributed run's ranks wait, so that they all step the same way
+        wait = comm.active or tag.PARENT_RUN in launch.extra_tags
+        return ready, tuning, build(ready, device, comm, wait_for_kernels=wait)
+
+    # a model too large for the device is said in one line, before its MLflow run exists
+    plan, tuning, parts = out_of_memory.guarded(
+        prepared, device, plan.properties.opt_level, lambda: sizes(plan)
     )
     try:
         return train_parts(plan, comm, device, launch, tracker, parts, tuning)
@@ -479,7 +504,10 @@ def train_parts(
             )
             if resume is not None:
                 resume.restore(trainer, cfg, plan.run_name)
-            result = trainer.fit()
+            # running out of memory: one line, the run FAILED with it (runner.run.out_of_memory)
+            result = out_of_memory.guarded(
+                trainer.fit, device, plan.properties.opt_level, lambda: sizes(plan, trainer)
+            )
     if comm.is_main:
         unit = "tokens" if parts.task.items_metric else "samples"
         log.info(

@@ -38,12 +38,23 @@ def compose_config(*overrides: str, return_hydra_config: bool = False):
 
 
 def run_cli(
-    *args: str, cwd: Path, timeout: float = 600, python_flags: tuple[str, ...] = ()
+    *args: str,
+    cwd: Path,
+    timeout: float = 600,
+    python_flags: tuple[str, ...] = (),
+    address_limit: int | None = None,
 ) -> subprocess.CompletedProcess:
     """`python -m runner ARGS` in a real subprocess, as a user would type it (`python_flags`:
-    interpreter options such as `-X importtime`)."""
+    interpreter options such as `-X importtime`; `address_limit`: its address space in bytes,
+    as `ulimit -v` sets it, so that an allocation beyond it fails at once)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+
+    def limited() -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (address_limit, address_limit))
+
     return subprocess.run(
         [sys.executable, *python_flags, "-m", "runner", *args],
         cwd=cwd,
@@ -51,6 +62,7 @@ def run_cli(
         capture_output=True,
         text=True,
         timeout=timeout,
+        preexec_fn=limited if address_limit is not None else None,
     )
 
 

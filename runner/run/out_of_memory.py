@@ -1,0 +1,161 @@
+"""A run that does not fit its device's memory, said in one line instead of the allocator's
+traceback: where it ran out (building, a training step, validation), at which sizes (the model,
+the level, the batch), how much it asked for against what the device has, and what to change.
+
+PyTorch raises `torch.OutOfMemoryError` on a GPU; on a CPU its allocator raises a RuntimeError
+("DefaultCPUAllocator: can't allocate memory"), where the operating system refuses (a request
+larger than the machine, a process limit). A CPU that promises memory it does not have leaves
+the process to the kernel's OOM killer instead: nothing can be said then, and the next run ends
+the run KILLED with its log (runner.tracking.job_log).
+
+`guarded` runs a part of the run and turns its out-of-memory error into `OutOfMemory`, raised
+once the failed step's frames are gone: the tensors they held are freed (and, on a GPU, handed
+back to the device) before anything else runs, so that the next job of a sweep starts with the
+device's memory free.
+"""
+
+from __future__ import annotations
+
+import gc
+import re
+from collections.abc import Callable
+from types import TracebackType
+from typing import Optional, TypeVar
+
+import torch
+
+from runner.errors import OutOfMemory
+
+T = TypeVar("T")
+GIB = 1024**3
+
+# where in the run an error was raised, by the functions its traceback passes through (the
+# innermost that matches names it)
+PHASES = {
+    "train_step": "a training step",
+    "evaluate": "validation",
+    "compile_warmup": "torch.compile's warm-up",
+    "_save": "writing a checkpoint",
+    "build_model": "building the model",
+    "build_optimizer": "building the optimizer",
+    "build_datasets": "loading the data",
+}
+_CPU_REFUSED = re.compile(r"can't allocate memory: you tried to allocate (\d+) bytes")
+# torch's CUDA message, up to what it says of the device (the rest: its allocator's detail)
+_CUDA_HEAD = re.compile(r"^(.*? is free\.)", re.S)
+_RESERVED = re.compile(r"([\d.]+) (GiB|MiB) is reserved by PyTorch but unallocated")
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether `error` is an allocator's refusal: torch's OutOfMemoryError (a GPU), or the CPU
+    allocator's RuntimeError."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    return isinstance(error, RuntimeError) and "DefaultCPUAllocator: can't allocate" in str(error)
+
+
+def phase(traceback: Optional[TracebackType]) -> str:
+    """Where the run was when `traceback` was raised (`PHASES`); "the run" where none matches."""
+    found = "the run"
+    while traceback is not None:
+        found = PHASES.get(traceback.tb_frame.f_code.co_name, found)
+        traceback = traceback.tb_next
+    return found
+
+
+def _gib(count: float) -> str:
+    return f"{count / GIB:.1f} GiB"
+
+
+def _machine_bytes() -> Optional[int]:
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().total)
+    except Exception:  # noqa: BLE001  (a figure for the message only)
+        return None
+
+
+def _address_limit() -> Optional[int]:
+    """The process's address-space limit (`ulimit -v`), None where there is none."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    except (ImportError, OSError, ValueError):
+        return None
+    return None if soft == resource.RLIM_INFINITY else int(soft)
+
+
+def what_happened(error: BaseException, device: torch.device) -> str:
+    """The allocator's own account, short: how much was asked for, what the device has."""
+    text = str(error)
+    refused = _CPU_REFUSED.search(text)
+    if refused is not None:
+        asked = int(refused.group(1))
+        total = _machine_bytes()
+        has = [f"the machine has {_gib(total)}"] if total else []
+        limit = _address_limit()
+        if limit is not None:
+            has.append(f"this process may address {_gib(limit)}: ulimit -v")
+        return f"the CPU allocator could not get {_gib(asked)}" + (
+            f" ({'; '.join(has)})" if has else ""
+        )
+    head = _CUDA_HEAD.match(text)
+    said = head.group(1) if head is not None else text.splitlines()[0] if text else "no message"
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+        said += f" The run's peak so far: {_gib(peak)} allocated."
+        reserved = _RESERVED.search(text)
+        if reserved is not None:
+            amount = float(reserved.group(1)) * (GIB if reserved.group(2) == "GiB" else 1024**2)
+            total = torch.cuda.get_device_properties(device).total_memory
+            if amount > 0.05 * total:  # fragmentation torch's own advice is about
+                said += (
+                    f" {_gib(amount)} is reserved but unallocated (fragmented): "
+                    "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True may be enough."
+                )
+    return said
+
+
+def advice(device: torch.device, opt_level: str) -> str:
+    """What to change to fit."""
+    steps = ["a smaller trainer.batch_size (activations grow with it)"]
+    if opt_level in ("O0", "O1"):
+        level = "precision=o2_bf16" if device.type == "cpu" else "precision=o2 or o2_bf16"
+        steps.append(
+            f"a 16-bit level ({level}: weights, gradients and activations in half the bytes)"
+        )
+    steps.append("Adam's moments in 8 bits (precision.optimizer_state=int8)")
+    if device.type == "cuda":
+        steps.append("trainer.strategy=fsdp over several GPUs (the state sharded)")
+    return "To fit: " + "; ".join(steps) + "."
+
+
+def release(device: torch.device) -> None:
+    """What a failed step held, freed: cycles collected, a GPU's cached blocks handed back."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def guarded(
+    call: Callable[[], T], device: torch.device, opt_level: str, sizes: Callable[[], str]
+) -> T:
+    """`call()`, whose out-of-memory error becomes `OutOfMemory`: "Out of memory on <device> in
+    <phase> (<sizes()>): <what happened>. To fit: ...". Raised after the failed call's frames
+    are released (see the module's docstring); any other error passes unchanged."""
+    message = None
+    try:
+        return call()
+    except Exception as error:
+        if not is_out_of_memory(error):
+            raise
+        happened = what_happened(error, device).rstrip(".")
+        message = (
+            f"Out of memory on {device} in {phase(error.__traceback__)} ({sizes()}): "
+            f"{happened}. {advice(device, opt_level)}"
+        )
+    # (here the error, its traceback and the frames holding the step's tensors are gone)
+    release(device)
+    raise OutOfMemory(message)
