@@ -29,6 +29,7 @@ import torch
 from omegaconf import OmegaConf
 
 from runner.config import TUNABLE, tunable_defaults
+from runner.config.options import LANGUAGE_MODEL
 from runner.run import rng, tune_cache, tune_data, tune_given
 from runner.run.distributed import Comm
 from runner.run.plan import RunPlan
@@ -136,6 +137,9 @@ def estimated_steps(plan: RunPlan, load: bool = False) -> Optional[int]:
     cfg = plan.cfg
     per_epoch = cfg.trainer.limit_train_batches
     size = OmegaConf.select(cfg, "data.num_train", default=None)
+    block = OmegaConf.select(cfg, "data.block_size", default=None)
+    if isinstance(size, int) and plan.task == LANGUAGE_MODEL:  # tokens, cut into sequences
+        size = (size - 1) // block if isinstance(block, int) and block > 0 else None
     if not isinstance(size, int) and per_epoch is None and load:
         from runner.components.data import build_datasets
 

@@ -121,6 +121,24 @@ def test_auto_skips_a_short_run_with_a_message(caplog):
     assert "trainer.tune=auto: not tuned: 6 training steps are too few" in caplog.text
 
 
+def test_auto_counts_a_language_models_steps_in_sequences_not_tokens(caplog):
+    """data=synthetic_text's num_train counts tokens: 70,000 of them in sequences of 1,024 make
+    68 sequences, 2 steps of 64 (not 70,000 samples, 1,094 steps, worth tuning)."""
+    caplog.set_level("INFO", logger="runner.run.tune")
+    text = [
+        "model=gpt_tiny",
+        "data=synthetic_text",
+        "data.num_train=70000",
+        "data.block_size=1024",
+        "trainer.batch_size=64",
+        "trainer.max_epochs=1",
+    ]
+    plan = make_plan(compose_config(*text))
+    assert tune.estimated_steps(plan) == 2 == math.ceil(((70_000 - 1) // 1024) / 64)
+    assert tuned(*text)[1] is None
+    assert "trainer.tune=auto: not tuned: 2 training steps are too few" in caplog.text
+
+
 @pytest.mark.parametrize("data", ["synthetic", "files"])
 def test_a_tuned_run_trains_as_the_run_given_its_settings_by_hand(tmp_path, monkeypatch, data):
     """The tuning steps leave no trace: the same losses, metrics and data order as a run given
