@@ -54,13 +54,23 @@ def is_out_of_memory(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and "DefaultCPUAllocator: can't allocate" in str(error)
 
 
+# what the run was doing around that phase, by the outermost function that matches
+PURPOSES = {
+    "tuned": "trainer.tune's measurements",
+    "planned": "the layer plan's pre-flight",
+}
+
+
 def phase(traceback: Optional[TracebackType]) -> str:
-    """Where the run was when `traceback` was raised (`PHASES`); "the run" where none matches."""
-    found = "the run"
+    """Where the run was when `traceback` was raised (`PHASES`), and what for (`PURPOSES`);
+    "the run" where nothing matches."""
+    found, purpose = "the run", None
     while traceback is not None:
-        found = PHASES.get(traceback.tb_frame.f_code.co_name, found)
+        name = traceback.tb_frame.f_code.co_name
+        found = PHASES.get(name, found)
+        purpose = purpose or PURPOSES.get(name)
         traceback = traceback.tb_next
-    return found
+    return found if purpose is None else f"{found} of {purpose}"
 
 
 def _gib(count: float) -> str:

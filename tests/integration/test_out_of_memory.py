@@ -13,19 +13,19 @@ from mlflow.tracking import MlflowClient
 from tests.helpers.runs import run_cli
 
 LIMIT = 6 * 1024**3  # a tiny run needs under 4 GiB of address space (measured)
-# gpt_tiny over a vocabulary of 2^20 tokens: 16 x 256 x 2^20 fp32 logits are 16 GiB, one tensor
+# gpt_tiny over a vocabulary of 2^16 tokens: 64 x 1024 x 2^16 fp32 logits are 16 GiB, one tensor
 TOO_BIG = [
     "model=gpt_tiny",
     "data=synthetic_text",
-    "data.block_size=256",
-    "data.num_train=4200",
-    "data.num_val=600",
-    "trainer.batch_size=16",
+    "data.block_size=1024",
+    "data.num_train=70000",
+    "data.num_val=2100",
+    "trainer.batch_size=64",
     "trainer.max_epochs=1",
 ]
 SAID = (
     "Out of memory on {device} in a training step (gpt_tiny at O0, trainer.batch_size={batch}, "
-    "data.block_size={block}, at the start): "
+    "data.block_size=1024, at the start): "
 )
 
 
@@ -42,7 +42,7 @@ def test_a_step_too_big_for_the_machine_is_one_line_and_a_failed_run(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     result = run_cli(
         *TOO_BIG,
-        "data.vocab_size=1048576",
+        "data.vocab_size=65536",
         f"mlflow.tracking_uri={uri}",
         cwd=tmp_path,
         address_limit=LIMIT,
@@ -52,7 +52,7 @@ def test_a_step_too_big_for_the_machine_is_one_line_and_a_failed_run(tmp_path):
     assert "Traceback" not in output
     (line,) = [line for line in output.splitlines() if "Out of memory" in line]
     told = line.split("[ERROR] - ", 1)[1]
-    assert told.startswith(SAID.format(device="cpu", batch=16, block=256)), told
+    assert told.startswith(SAID.format(device="cpu", batch=64)), told
     assert "the CPU allocator could not get 16.0 GiB (the machine has " in told
     assert "this process may address 6.0 GiB: ulimit -v)" in told
     assert told.endswith(
@@ -72,49 +72,44 @@ def test_a_sweep_records_the_job_that_ran_out_and_goes_on(tmp_path):
     result = run_cli(
         "-m",
         *TOO_BIG,
-        "data.vocab_size=1048576,64",
+        "data.vocab_size=65536,64",
         f"mlflow.tracking_uri={uri}",
         cwd=tmp_path,
         address_limit=LIMIT,
     )
     output = result.stdout + result.stderr
     assert "Traceback" not in output, output[-3000:]
-    assert "Sweep job #0 failed: " + SAID.format(device="cpu", batch=16, block=256) in output, (
-        output[-3000:]
-    )
+    assert "Sweep job #0 failed: " + SAID.format(device="cpu", batch=64) in output, output[-3000:]
     runs = _runs(uri)
-    assert runs["1048576"].info.status == "FAILED"
+    assert runs["65536"].info.status == "FAILED"
     assert runs["64"].info.status == "FINISHED"  # the next job ran, its memory free
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_step_too_big_for_the_gpu_is_one_line_and_the_memory_is_handed_back(tmp_path):
-    """The same on a GPU: 128 x 512 x 2^20 fp32 logits are 256 GiB. The next job of the sweep,
-    in the same process, trains on the memory the failed step held."""
+    """The same on a GPU: 1024 x 1024 x 2^16 fp32 logits are 256 GiB. The next job of the
+    sweep, in the same process, trains on the memory the failed step held."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     result = run_cli(
         "-m",
         *TOO_BIG,
         "trainer.device=cuda",
-        "trainer.batch_size=128",
-        "data.block_size=512",
-        "data.num_train=70000",
-        "data.vocab_size=1048576,64",
+        "trainer.batch_size=1024",
+        "data.num_train=1100000",
+        "data.vocab_size=65536,64",
         f"mlflow.tracking_uri={uri}",
         cwd=tmp_path,
     )
     output = result.stdout + result.stderr
     assert "Traceback" not in output, output[-3000:]
     said = [
-        "Sweep job #0 failed: "
-        + SAID.format(device=device, batch=128, block=512)
-        + "CUDA out of memory."
+        "Sweep job #0 failed: " + SAID.format(device=device, batch=1024) + "CUDA out of memory."
         for device in ("cuda:0", "cuda")
     ]
     assert any(line in output for line in said), output[-3000:]
     assert "To fit: a smaller trainer.batch_size" in output
     assert "trainer.strategy=fsdp over several GPUs" in output
     runs = _runs(uri)
-    assert runs["1048576"].info.status == "FAILED"
+    assert runs["65536"].info.status == "FAILED"
     assert runs["64"].info.status == "FINISHED"
