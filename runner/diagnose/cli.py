@@ -154,7 +154,7 @@ def run(
     import contextlib
 
     from runner.measure.memory import MemoryInstrument
-    from runner.run import app
+    from runner.run import app, out_of_memory
     from runner.run.plan import make_plan
     from runner.run.trainer import RunContext, Trainer, trainer_config
     from runner.tracking import tags as tag
@@ -164,7 +164,12 @@ def run(
     device = plan.device
     tracker = open_tracker(cfg, out)
     measured = plan.in_fp32()  # the same run, in fp32 (no layer plan)
-    with contextlib.closing(app.build(measured)) as parts:  # its workers end with it
+
+    def guarded(call):  # running out of memory: one line (runner.run.out_of_memory)
+        # (the pre-flight measures in fp32 whatever the level: no 16-bit level to advise)
+        return out_of_memory.guarded(call, device, "fp32", lambda: app.sizes(measured))
+
+    with contextlib.closing(guarded(lambda: app.build(measured))) as parts:  # workers end with it
         target = str(cfg.precision.preset)
         params = app.config_params(measured)
         params["diagnose.steps"] = str(steps)
@@ -192,8 +197,10 @@ def run(
                 f"{options.label(cfg.data)}, batch {cfg.trainer.batch_size}, {steps} fp32 "
                 f"training steps on {device.type} (asked for precision={target})"
             )
-            result, text, paths = preflight(
-                trainer, steps, out, title, device.type, for_plan=plan_path is not None
+            result, text, paths = guarded(
+                lambda: preflight(
+                    trainer, steps, out, title, device.type, for_plan=plan_path is not None
+                )
             )
             print()
             print(text, end="")

@@ -43,10 +43,12 @@ def run_cli(
     timeout: float = 600,
     python_flags: tuple[str, ...] = (),
     address_limit: int | None = None,
+    module: str = "runner",
 ) -> subprocess.CompletedProcess:
     """`python -m runner ARGS` in a real subprocess, as a user would type it (`python_flags`:
     interpreter options such as `-X importtime`; `address_limit`: its address space in bytes,
-    as `ulimit -v` sets it, so that an allocation beyond it fails at once)."""
+    as `ulimit -v` sets it, so that an allocation beyond it fails at once; `module`: another
+    command, such as runner.diagnose)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
 
@@ -56,7 +58,7 @@ def run_cli(
         resource.setrlimit(resource.RLIMIT_AS, (address_limit, address_limit))
 
     return subprocess.run(
-        [sys.executable, *python_flags, "-m", "runner", *args],
+        [sys.executable, *python_flags, "-m", module, *args],
         cwd=cwd,
         env=env,
         capture_output=True,

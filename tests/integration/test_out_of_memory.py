@@ -85,6 +85,24 @@ def test_a_sweep_records_the_job_that_ran_out_and_goes_on(tmp_path):
     assert runs["64"].info.status == "FINISHED"  # the next job ran, its memory free
 
 
+def test_the_range_preflight_says_so_too(tmp_path):
+    """python -m runner.diagnose trains a few fp32 steps of the run: the same line, exit 2."""
+    result = run_cli(
+        *TOO_BIG,
+        "data.vocab_size=65536",
+        f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+        cwd=tmp_path,
+        address_limit=LIMIT,
+        module="runner.diagnose",
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output[-3000:]
+    assert "Traceback" not in output
+    said = "Error: " + SAID.format(device="cpu", batch=64).replace(", at the start", "")
+    assert said in output, output[-3000:]
+    assert "a 16-bit level" not in output  # (the pre-flight is fp32 whatever the level)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_step_too_big_for_the_gpu_is_one_line_and_the_memory_is_handed_back(tmp_path):
