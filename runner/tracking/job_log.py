@@ -6,7 +6,9 @@ A run attaches its own log as it ends (runner.run.failure.attach_log). A process
 hold none. So every run records, as tags, which file its session writes and where its lines begin
 (`tags`); the reaper on the same host attaches that part (`of_vanished`). The file must still be
 the one the run wrote (its first line, timed to the millisecond, where the tags say): a folder
-cleaned and run in again holds another run's log.
+cleaned and run in again holds another run's log. And it must be a job log at all: the tags come
+from the store, which other people may write, and a path there is not trusted to name a file for
+the reaper to upload.
 """
 
 from __future__ import annotations
@@ -93,6 +95,19 @@ def tags(run_log: Optional[Path], since: int, first_line: Optional[str]) -> dict
     }
 
 
+def is_job_log(path: Path) -> bool:
+    """Whether `path` can be a run's job log: an absolute path to a regular `.log` file, not a
+    link, in a Hydra output folder (beside its `.hydra/`). A store's tags are not trusted to
+    name a file for the reaper to upload (a secret whose first line is known, a link to one)."""
+    return (
+        path.is_absolute()
+        and path.suffix == ".log"
+        and not path.is_symlink()
+        and path.is_file()
+        and (path.parent / ".hydra").is_dir()
+    )
+
+
 def of_vanished(
     run_tags: Mapping[str, str],
     here: ProcessIdentity,
@@ -100,7 +115,8 @@ def of_vanished(
 ) -> Optional[tuple[str, str]]:
     """(artifact name, text) of the log a run whose process vanished wrote, or None where it
     cannot be told for sure: no log tags, another host (its path names a file there: the tag says
-    where), a file gone or replaced (its first line is not where and what the tags say).
+    where), a file gone or replaced (its first line is not where and what the tags say), or one
+    that is not a job log (`is_job_log`).
     `own`: the reaper's own job log and where its lines begin; the part ends there when the run
     wrote into the same file (a folder named outright and run in again)."""
     owner = ProcessIdentity.from_tags(run_tags)
@@ -108,7 +124,7 @@ def of_vanished(
     if owner is None or owner.host != here.host or not path or not since.isdigit():
         return None
     run_log, since_byte = Path(path), int(since)
-    if not run_log.is_file() or head(run_log, since_byte) != first_line:
+    if not is_job_log(run_log) or head(run_log, since_byte) != first_line:
         return None
     until = None
     if own is not None:

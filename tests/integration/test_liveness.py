@@ -176,8 +176,8 @@ def test_a_reaped_run_gets_the_part_of_its_job_log_it_wrote(tracking_uri, tmp_pa
     """A process killed outright cannot attach its log: the reaper attaches the lines its session
     wrote (from the byte its tags name; up to where the reaper's own begin, in a folder run in
     again), named as the run would have (a resumed session's `runner.resume-<N>.log`). Never a
-    file that is not the one the run wrote: gone, replaced meanwhile, or on another host (the
-    warning names where it is then)."""
+    file that is not the one the run wrote: gone, replaced meanwhile, on another host (the
+    warning names where it is then), or no job log at all (the tags come from the store)."""
     tracker = MlflowTracker(tracking_uri, "amp-runner")
     client = MlflowClient(tracking_uri)
     here = ProcessIdentity.current()
@@ -188,8 +188,11 @@ def test_a_reaped_run_gets_the_part_of_its_job_log_it_wrote(tracking_uri, tmp_pa
         owner = {**here.tags(), tag.PID: str(dead_pid()), tag.HEARTBEAT: now_iso()}
         return fake_run(tracker, name, **owner, **log_tags, **more)
 
-    shared = tmp_path / "out" / "runner.log"  # hydra.run.dir=out, run in again
-    shared.parent.mkdir()
+    def job_folder(name: str):  # a Hydra output folder, as the runner's jobs have
+        (tmp_path / name / ".hydra").mkdir(parents=True)
+        return tmp_path / name / "runner.log"
+
+    shared = job_folder("out")  # hydra.run.dir=out, run in again
     shared.write_text("an earlier run's lines\n")
     since = shared.stat().st_size
     with shared.open("a") as file:
@@ -200,35 +203,41 @@ def test_a_reaped_run_gets_the_part_of_its_job_log_it_wrote(tracking_uri, tmp_pa
     own_from = shared.stat().st_size  # where the reaper's own lines begin, in the same file
     with shared.open("a") as file:
         file.write("the reaper's own lines\n")
-    own = tmp_path / "own" / "runner.log"
-    own.parent.mkdir()
+    own = job_folder("own")
     own.write_text("whole: precision\n")
     whole = dead("whole", own, 0)  # its own folder: everything in it, to the end
     with own.open("a") as file:
         file.write("whole: epoch 3/9\n")
-    replaced = tmp_path / "replaced" / "runner.log"
-    replaced.parent.mkdir()
+    replaced = job_folder("replaced")
     replaced.write_text("the dead run's lines\n")
     swapped = dead("swapped", replaced, 0)
     replaced.unlink()
     replaced.write_text("a later run's lines, in a file of its own (perhaps at the same inode)\n")
-    gone = tmp_path / "gone" / "runner.log"
-    gone.parent.mkdir()
+    gone = job_folder("gone")
     gone.write_text("lines\n")
     removed = dead("removed", gone, 0)
     gone.unlink()
-    far = tmp_path / "far" / "runner.log"
-    far.parent.mkdir()
+    far = job_folder("far")
     far.write_text("another host's file of that name\n")
     log_tags = job_log.tags(far, 0, job_log.head(far, 0))
     elsewhere_run = fake_run(tracker, "elsewhere", **elsewhere(STALE), **log_tags)
     untagged = fake_run(
         tracker, "untagged", **{**here.tags(), tag.PID: str(dead_pid()), tag.HEARTBEAT: now_iso()}
     )
+    # tags naming a file that is no job log (a store others write): never uploaded
+    secret = tmp_path / "keys" / "id_rsa"
+    secret.parent.mkdir()
+    secret.write_text("-----BEGIN OPENSSH PRIVATE KEY-----\nsecret\n")
+    not_a_log = dead("not-a-log", secret, 0)
+    link = job_folder("linked").parent / "runner.log"
+    link.symlink_to(secret)
+    linked = dead("linked", link, 0)
 
     with caplog.at_level(logging.WARNING, logger="runner.tracking"):
         ended = tracker.reap(own_log=(shared, own_from))
-    assert sorted(ended) == sorted([first, whole, swapped, removed, elsewhere_run, untagged])
+    assert sorted(ended) == sorted(
+        [first, whole, swapped, removed, elsewhere_run, untagged, not_a_log, linked]
+    )
 
     def logs(run_id: str) -> dict[str, str]:
         found = {}
@@ -239,7 +248,7 @@ def test_a_reaped_run_gets_the_part_of_its_job_log_it_wrote(tracking_uri, tmp_pa
 
     assert logs(first) == {"logs/runner.resume-2.log": "first: epoch 1/9\nfirst: epoch 2/9\n"}
     assert logs(whole) == {"logs/runner.log": "whole: precision\nwhole: epoch 3/9\n"}
-    for run_id in (swapped, removed, elsewhere_run, untagged):
+    for run_id in (swapped, removed, elsewhere_run, untagged, not_a_log, linked):
         assert logs(run_id) == {}
     lines = {r.getMessage().split("'")[1]: r.getMessage() for r in caplog.records}
     assert lines["first"].endswith("; its log attached (logs/runner.resume-2.log)")
