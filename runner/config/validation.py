@@ -68,7 +68,12 @@ def _rules(
         ("trainer.seed", seed, SEED_RANGE),
         ("trainer.max_epochs", lambda v: v >= 1, "an integer >= 1"),
         ("trainer.batch_size", lambda v: v >= 1, "an integer >= 1"),
-        ("trainer.device", one_of(DEVICES), ", ".join(DEVICES)),
+        (
+            "trainer.device",
+            one_of(DEVICES),
+            ", ".join(DEVICES) + " (one GPU of several: CUDA_VISIBLE_DEVICES=3 python -m runner "
+            "...; a sweep's jobs each on a GPU of their own: hydra/launcher=parallel)",
+        ),
         ("trainer.strategy", one_of(STRATEGIES), ", ".join(STRATEGIES)),
         ("trainer.fsdp_checkpoint", one_of(FSDP_CHECKPOINTS), ", ".join(FSDP_CHECKPOINTS)),
         (

@@ -141,6 +141,19 @@ def test_out_of_range_values_fail_before_anything_naming_the_key(existing, overr
     assert path.read_bytes() == before  # the checkpoint is untouched
 
 
+def test_a_numbered_gpu_is_refused_saying_how_to_pick_one():
+    """trainer.device=cuda:1 (torch's spelling) is not a value: the runner takes the first GPU
+    it sees, so the message says how to make it see the one meant."""
+    from runner.run.plan import make_plan
+
+    with pytest.raises(ConfigError) as refused:
+        make_plan(compose_config(*FAST, "trainer.device=cuda:1"))
+    assert refused.value.key == "trainer.device"
+    assert refused.value.problem == "got 'cuda:1'"
+    assert "CUDA_VISIBLE_DEVICES=3 python -m runner" in refused.value.allowed
+    assert "hydra/launcher=parallel" in refused.value.allowed
+
+
 def test_a_data_root_that_is_a_file_is_refused(existing, tmp_path):
     _, uri, path, before = existing
     a_file = tmp_path / "cifar.tar"
