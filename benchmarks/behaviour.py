@@ -78,6 +78,7 @@ VARIABLE_TAGS = (
     "started",
     "command",
     "liveness",
+    "runner.log_",  # where the session's job log is (its path and first line: a time)
 )
 VARIABLE_PARAMS = ("trainer.checkpoint_dir", "mlflow.tracking_uri")
 
