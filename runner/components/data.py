@@ -311,6 +311,7 @@ def build_imagefolder(cfg: Any) -> DataBundle:
                 f"fix data.root or data.{key}"
             )
         try:
+            check_folders_once(path, root)
             splits[key] = datasets.ImageFolder(path, transform=tf, loader=read_image)
         except (FileNotFoundError, OSError) as exc:
             raise DataError(
@@ -333,6 +334,30 @@ def build_imagefolder(cfg: Any) -> DataBundle:
             allowed=f"{found} or null",
         )
     return DataBundle(train, val, found, image_size, "imagefolder")
+
+
+def check_folders_once(path: str, root: str) -> None:
+    """Every folder under `path` reached once: torchvision's ImageFolder follows links to
+    folders, so a link back to a folder above it (a loop) or a second link to one folder would
+    count its images many times over (a loop: until the path is too long), silently. Raises
+    DataError naming the link."""
+    seen: dict[str, str] = {}
+    stack = [path]
+    while stack:
+        folder = stack.pop()
+        real = os.path.realpath(folder)
+        if real in seen:
+            raise DataError(
+                f"data.root={root}: {seen[real]} and {folder} are one folder, {real} (a link to "
+                "a folder read already: a loop, or a second link to it), so its images would "
+                "count more than once; remove the link"
+            )
+        seen[real] = folder
+        try:
+            with os.scandir(folder) as entries:
+                stack.extend(e.path for e in entries if e.is_dir(follow_symlinks=True))
+        except OSError:
+            continue  # (unreadable: ImageFolder says what it cannot read)
 
 
 def read_image(path: str) -> Any:

@@ -236,6 +236,30 @@ def test_imagefolder_root_not_set():
         build_datasets(OmegaConf.structured(ImageFolderConfig(name="imagefolder")))  # root: ???
 
 
+@pytest.mark.parametrize(
+    "link, target",
+    [
+        ("train/cat/loop", ".."),  # back to train/: a loop, followed until the path is too long
+        ("train/cat/again", "../dog"),  # a second way into dog/: its images counted twice
+    ],
+)
+def test_an_imagefolder_that_reaches_a_folder_twice_is_refused(tmp_path, link, target):
+    """torchvision's ImageFolder follows links to folders: a loop made 12 images 492 samples,
+    silently. A link to a folder elsewhere (a dataset assembled from links) is fine."""
+    write_image_folder(tmp_path / "data")
+    write_image_folder(tmp_path / "store", classes=("eel",), per_class={"train": 2, "val": 1})
+    for split in ("train", "val"):  # each split's class eel/: a link into the shared store
+        (tmp_path / "data" / split / "eel").symlink_to(tmp_path / "store" / split / "eel")
+    bundle = build_datasets(folder_cfg(tmp_path / "data", image_size=32))
+    assert len(bundle.train) == 9 + 2 and bundle.train.classes == ["cat", "dog", "eel", "fish"]
+    (tmp_path / "data" / link).symlink_to(target)
+    with pytest.raises(DataError) as refused:
+        build_datasets(folder_cfg(tmp_path / "data", image_size=32))
+    said = str(refused.value)
+    assert f" are one folder, {(tmp_path / 'data' / link).resolve()} " in said
+    assert str(tmp_path / "data" / link) in said and said.endswith("; remove the link")
+
+
 def test_imagefolder_class_mismatch(tmp_path):
     write_image_folder(tmp_path, per_class={"train": 1})
     write_image_folder(tmp_path, classes=("cat", "dog"), per_class={"val": 1})
