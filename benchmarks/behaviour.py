@@ -79,6 +79,7 @@ VARIABLE_TAGS = (
     "command",
     "liveness",
     "runner.log_",  # where the session's job log is (its path and first line: a time)
+    "oom_kills",  # the machine's count of OOM-killed processes
 )
 VARIABLE_PARAMS = ("trainer.checkpoint_dir", "mlflow.tracking_uri")
 

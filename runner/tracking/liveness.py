@@ -146,12 +146,64 @@ def process_state(pid: int, start: str | None) -> str:
     return "unknown"
 
 
-def vanished_reason(tags: Mapping[str, str]) -> str:
-    """The `error` tag of a run whose process vanished (what a reaper writes)."""
-    return (
+def oom_kills() -> int | None:
+    """How many processes the kernel's OOM killer has ended on this machine since it booted
+    (Linux 4.13+: `oom_kill` in /proc/vmstat, which any user reads, whatever container it is
+    in); None where it cannot be read."""
+    try:
+        for line in (_PROC / "vmstat").read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value)
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def heartbeat_tags() -> dict[str, str]:
+    """What a heartbeat writes: the time, and the machine's OOM-kill count (`oom_kills`), by
+    which a reaper can tell the OOM killer was at work after it."""
+    beat = {tag.HEARTBEAT: now_iso()}
+    count = oom_kills()
+    if count is not None:
+        beat[tag.OOM_KILLS] = str(count)
+    return beat
+
+
+def oom_killed_since(
+    tags: Mapping[str, str], here: ProcessIdentity, count: int | None = None
+) -> int:
+    """How many processes the OOM killer ended on this machine since the run's last heartbeat
+    (`tag.OOM_KILLS`, the count it saw then; `count`: the count now, default `oom_kills`),
+    where the run ran on this machine in this boot (the boot id of its pid space); 0 where that
+    cannot be told."""
+    owner = ProcessIdentity.from_tags(tags)
+    then = tags.get(tag.OOM_KILLS, "")
+    if owner is None or owner.space is None or here.space is None or not then.isdigit():
+        return 0
+    if owner.space.split(":", 1)[0] != here.space.split(":", 1)[0]:  # another machine or boot
+        return 0
+    now = oom_kills() if count is None else count
+    return max(now - int(then), 0) if now is not None else 0
+
+
+def vanished_reason(
+    tags: Mapping[str, str], here: ProcessIdentity | None = None, count: int | None = None
+) -> str:
+    """The `error` tag of a run whose process vanished (what a reaper writes), with the likely
+    cause where the judge (`here`) can see it: the kernel's OOM killer at work since
+    (`oom_killed_since`)."""
+    reason = (
         f"{VANISHED}: no heartbeat since {tags.get(tag.HEARTBEAT, '?')} "
         f"(host {tags.get(tag.HOST, '?')}, pid {tags.get(tag.PID, '?')})"
     )
+    killed = oom_killed_since(tags, here, count) if here is not None else 0
+    if killed:
+        reason += (
+            f"; the kernel's OOM killer ended {killed} process{'es' if killed > 1 else ''} on "
+            "this machine after that heartbeat: most likely this one, out of memory"
+        )
+    return reason
 
 
 def vanished(
@@ -171,11 +223,11 @@ def vanished(
     if owner.shares_pids_with(here):
         state = process_state(owner.pid, owner.start)
         if state in ("gone", "other"):
-            return vanished_reason(tags)
+            return vanished_reason(tags, here)
         if state == "same":
             return None
     now = _dt.datetime.now(_dt.timezone.utc).timestamp() if now is None else now
-    return vanished_reason(tags) if now - beat > stale_after_s else None
+    return vanished_reason(tags, here) if now - beat > stale_after_s else None
 
 
 def was_reaped(tags: Mapping[str, str]) -> bool:

@@ -18,12 +18,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from mlflow.entities import Metric, Param, RunStatus
+from mlflow.entities import Metric, Param, RunStatus, RunTag
 
 from runner.errors import RunnerError
 from runner.tracking import tags as tag
 from runner.tracking.base import Run
-from runner.tracking.liveness import now_iso, was_reaped
+from runner.tracking.liveness import heartbeat_tags, was_reaped
 from runner.tracking.store import (
     MAX_PARAM_LENGTH,
     MAX_PARAMS_PER_BATCH,
@@ -236,7 +236,8 @@ class MlflowRun(Run):
         """Set the heartbeat tag, and undo a reaper's verdict on this live run. Errors are not
         reported: the metric sender already says when the store is away."""
         try:
-            self.client.set_tag(self.run_id, tag.HEARTBEAT, now_iso())
+            beat = heartbeat_tags()
+            self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in beat.items()])
             self._undo_reap()
         except Exception as error:  # noqa: BLE001  (a missed beat; the next one may go)
             log.debug("Heartbeat of run %s not delivered: %s", self.run_id, error)

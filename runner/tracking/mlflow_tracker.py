@@ -26,7 +26,7 @@ from runner.errors import ConfigError, RunnerError
 from runner.tracking import job_log, liveness
 from runner.tracking import tags as tag
 from runner.tracking.base import KILLED, RUNNING, RunRecord, Tracker
-from runner.tracking.liveness import LIVENESS_TAGS, ProcessIdentity, now_iso, parse_iso
+from runner.tracking.liveness import LIVENESS_TAGS, ProcessIdentity, heartbeat_tags, parse_iso
 from runner.tracking.mlflow_reader import MlflowReader, record
 from runner.tracking.mlflow_run import MlflowRun
 from runner.tracking.store import (
@@ -117,7 +117,7 @@ class MlflowTracker(Tracker):
         return experiment_id
 
     def _liveness_tags(self) -> dict[str, str]:
-        return {**ProcessIdentity.current().tags(), tag.HEARTBEAT: now_iso()}
+        return {**ProcessIdentity.current().tags(), **heartbeat_tags()}
 
     def _run(self, run_id: str, folder: str | os.PathLike | None) -> MlflowRun:
         """The run `run_id` in progress in this process; what the store cannot take by its end

@@ -30,6 +30,7 @@ PID = "runner.pid"
 PID_START = "runner.pid_start"  # the process's start time, clock ticks since boot (Linux)
 PID_SPACE = "runner.pid_space"  # "<boot id>:<PID namespace>": where the pid is that process
 HEARTBEAT = "runner.heartbeat"  # ISO 8601 UTC time of the last heartbeat (mlflow.heartbeat_s)
+OOM_KILLS = "runner.oom_kills"  # the machine's count of OOM-killed processes at that heartbeat
 # the job log this session writes, for a reaper to attach (runner.tracking.job_log)
 LOG_FILE = "runner.log_file"  # its absolute path
 LOG_FROM = "runner.log_from"  # the byte this session's lines begin at
