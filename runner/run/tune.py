@@ -30,7 +30,7 @@ from omegaconf import OmegaConf
 
 from runner.config import TUNABLE, tunable_defaults
 from runner.config.options import LANGUAGE_MODEL
-from runner.run import rng, tune_cache, tune_data, tune_given
+from runner.run import out_of_memory, rng, tune_cache, tune_data, tune_given
 from runner.run.distributed import Comm
 from runner.run.plan import RunPlan
 from runner.run.tune_measure import (
@@ -55,6 +55,7 @@ AUTO_MIN_STEPS = 300  # trainer.tune=auto: fewer steps than this do not repay tu
 BUDGET_SHARE, BUDGET_CAP_S = 0.05, 120.0  # tune_budget_s=null: this share of the run, capped
 COMPILE_GAIN = 0.15  # compile is tried where this share of the run's time repays the guess
 REPAID = "steps repay"  # (the end of a row's note: the run would not repay its compile)
+OUT_OF_MEMORY = "refused: out of memory"  # (a candidate's note: the untuned settings fit)
 DEFAULTS = tunable_defaults()
 
 
@@ -369,13 +370,29 @@ def _measure_all(
             rows.append(Row(trial, note=note))
             continue
         start = time.perf_counter()
-        row = measure(plan, trial, device)
+        row = _measured(plan, trial, device)
+        if row.note:  # (it ran out of memory)
+            log.info("trainer.tune: %s %s", _named(trial), row.note)
+            rows.append(row)
+            continue
         took = time.perf_counter() - start
         took -= row.warmup_s if kind == "eager" and search else 0.0  # (its layout's search)
         costs[kind] = max(costs.get(kind, 0.0), took)
         refuse_if_loss_differs(row, base.loss, tol)
         rows.append(row)
     return rows, budget
+
+
+def _measured(plan: RunPlan, trial: Mapping[str, Any], device: torch.device) -> Row:
+    """`measure`, where a candidate that runs out of memory is refused (the untuned settings,
+    measured first, fit: its layout or its compile needs more); its memory is freed first."""
+    try:
+        return measure(plan, trial, device)
+    except Exception as error:
+        if not out_of_memory.is_out_of_memory(error):
+            raise
+    out_of_memory.release(device)  # (the failed step's frames are gone here)
+    return Row(dict(trial), note=OUT_OF_MEMORY)
 
 
 def _budget_s(plan: RunPlan, steps: Optional[int], base: Row) -> float:
@@ -446,6 +463,8 @@ def _decision(
             reasons[key] = f"tuned: {speedup:.2f}x the untuned steady step"
         elif not tried:
             reasons[key] = "kept: not a candidate for this run"
+        elif any(r.note == OUT_OF_MEMORY for r in tried):
+            reasons[key] = "kept: the other value ran out of memory (refused)"
         elif any(r.note.startswith("refused") for r in tried):
             reasons[key] = "kept: the other value changed the loss (refused)"
         elif any(not r.note for r in tried):

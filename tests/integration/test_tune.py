@@ -113,6 +113,23 @@ def test_a_candidate_that_changes_the_loss_is_refused():
     assert "refused" in tuning.table()
 
 
+def test_a_candidate_that_runs_out_of_memory_is_refused_and_the_run_goes_on(caplog):
+    """The untuned settings fit (measured first); a candidate that needs more memory than there
+    is (here channels_last, for a model that asks beyond the machine in that layout) is refused
+    with the reason, and the run keeps the setting that fits."""
+    caplog.set_level("INFO", logger="runner.run.tune")
+    model = ["model=custom", "model._target_=tests.helpers.tune_models.LayoutHog"]
+    plan, tuning = tuned(*ON, *model, "precision.kernels=torch")
+    (row,) = [r for r in tuning.rows if r.settings.get("trainer.channels_last")]
+    assert row.note == "refused: out of memory" and row.steady_ms is None
+    assert plan.cfg.trainer.channels_last is False
+    assert (
+        tuning.reasons["trainer.channels_last"]
+        == "kept: the other value ran out of memory (refused)"
+    )
+    assert "trainer.channels_last=true refused: out of memory" in caplog.text
+
+
 def test_auto_skips_a_short_run_with_a_message(caplog):
     caplog.set_level("INFO", logger="runner.run.tune")
     plan, tuning = tuned(*FAST)
