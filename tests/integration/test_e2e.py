@@ -294,6 +294,37 @@ def test_cpu_peak_memory_counts_the_training_state_not_the_data(tmp_path):
 
 # ---- what a user sees from the command line ---------------------------------------------------
 @pytest.mark.slow
+def test_the_progress_bar_written_to_a_pipe_draws_at_most_twice_an_epoch(tmp_path):
+    """On a terminal tqdm redraws every 0.1 s; written to a file or a pipe (a SLURM job's
+    output), each redraw stays, so there it redraws every 30 s: an epoch of a few seconds
+    leaves its first and last state only. On a terminal the interval stays tqdm's."""
+    from runner.run.trainer import NON_TERMINAL_BAR_S, bar_interval_s
+
+    result = run_cli(
+        *FAST,
+        "trainer.progress_bar=true",
+        "data.num_train=4096",
+        "trainer.max_epochs=2",
+        f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    draws = [d for d in result.stderr.replace("\n", "\r").split("\r") if "batch/s" in d]
+    for epoch in (1, 2):
+        mine = [d for d in draws if f"epoch {epoch}/2:" in d]
+        assert 2 <= len(mine) <= 3, mine  # (0/128, 128/128; a third at most on a slow machine)
+        assert "128/128" in mine[-1]
+    assert bar_interval_s() == NON_TERMINAL_BAR_S  # (pytest's stderr is no terminal)
+    leader, follower = os.openpty()  # a terminal
+    try:
+        with open(follower, "w", closefd=False) as tty, pytest.MonkeyPatch.context() as patch:
+            patch.setattr("sys.stderr", tty)
+            assert bar_interval_s() == 0.1
+    finally:
+        os.close(leader)
+        os.close(follower)
+
+
 def test_cli_run_finishes_and_attaches_config_and_log(tmp_path):
     result = run_cli(*FAST, "precision=o2", "trainer.max_epochs=1", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
