@@ -19,7 +19,11 @@ in another container is not mistaken for it), plus a heartbeat, the time refresh
 - a run without these tags (written by an older runner, or by another tool in the same
   experiment) is never judged gone: nothing tells how long it may legitimately run.
 
-Pure functions of tags and the local process table: nothing here talks to MLflow.
+A vanished run's reason adds the likely cause where this machine can tell it: the kernel's OOM
+killer, whose kills /proc/vmstat counts (`oom_kill`), at work after the run's last heartbeat (each
+heartbeat records the count).
+
+Functions of tags, the local process table and /proc/vmstat: nothing here talks to MLflow.
 """
 
 from __future__ import annotations
