@@ -46,8 +46,6 @@ from runner.tracking import metrics as m
 
 log = logging.getLogger(__name__)
 
-# PyTorch warns when a scheduler steps before the optimizer ever did; a skipped first step (an
-# overflow at the initial loss scale) is expected, and the schedule must still advance.
 NON_TERMINAL_BAR_S = 30.0  # a progress bar written to a file or pipe: a line at most this often
 
 
@@ -62,6 +60,8 @@ def bar_interval_s() -> float:
         return NON_TERMINAL_BAR_S
 
 
+# PyTorch warns when a scheduler steps before the optimizer ever did; a skipped first step (an
+# overflow at the initial loss scale) is expected, and the schedule must still advance.
 _SCHEDULER_ORDER_WARNING = r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`"
 
 
