@@ -9,6 +9,7 @@ option live with its spec (`runner.config.options`); those of the other groups a
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
 from typing import Optional
 
@@ -174,8 +175,30 @@ def validate(cfg: DictConfig, specs: Mapping[str, Optional[options.Spec]] | None
         except TypeError:
             good = False
         if not good:
+            source = _interpolated_from(cfg, parent, leaf)
+            if source is not None:  # (model.block_size: ${oc.select:data.block_size,256})
+                raise ConfigError(source, f"got {value!r}, which {key} takes", allowed)
             raise ConfigError(key, f"got {value!r}", allowed)
     _check_combinations(cfg)
+
+
+_INTERPOLATION = re.compile(r"^\$\{(?:oc\.select:)?\s*([A-Za-z_][\w.]*)\s*(?:,[^}]*)?\}$")
+
+
+def _interpolated_from(cfg: DictConfig, parent: DictConfig, leaf: str) -> Optional[str]:
+    """The key whose value `parent.leaf` takes by interpolation (`${data.block_size}` or
+    `${oc.select:data.block_size,256}` with that key present), else None: a bad value the user
+    gave there is named where they gave it, not at the key that copies it."""
+    raw = OmegaConf.to_container(parent, resolve=False).get(leaf)
+    match = _INTERPOLATION.match(raw) if isinstance(raw, str) else None
+    if match is None:
+        return None
+    source = match.group(1)
+    section, _, key = source.rpartition(".")
+    node = OmegaConf.select(cfg, section) if section else cfg
+    if not isinstance(node, DictConfig) or key not in node:
+        return None
+    return source
 
 
 def _check_combinations(cfg: DictConfig) -> None:

@@ -313,6 +313,27 @@ def test_every_value_rule_has_a_failing_case(overrides):
     assert rules - covered == set()
 
 
+@pytest.mark.parametrize(
+    "overrides,given,taker",
+    [
+        (["model=gpt_tiny", "data=synthetic_text", "data.block_size=0"], "data", "model"),
+        (["model=vit_tiny", "data=synthetic", "data.image_size=0"], "data", "model"),
+        (["model=gpt_tiny", "data=synthetic_text", "model.block_size=0"], "model", None),
+    ],
+)
+def test_a_bad_value_is_named_where_it_was_given_not_where_it_is_copied(overrides, given, taker):
+    """model.block_size is `${oc.select:data.block_size,256}`: `data.block_size=0` broke the
+    model's rule first and was reported as model.block_size, a key the user never typed."""
+    cfg = compose_config(*overrides)
+    with pytest.raises(ConfigError) as info:
+        validate(cfg)
+    leaf = overrides[-1].split("=")[0].rpartition(".")[2]
+    assert info.value.key == f"{given}.{leaf}"
+    if taker is not None:
+        assert f"which {taker}.{leaf} takes" in str(info.value)
+    assert info.value.allowed
+
+
 def test_cifar_root_that_is_a_file_is_refused(tmp_path: Path):
     a_file = tmp_path / "not-a-folder"
     a_file.write_text("x")
