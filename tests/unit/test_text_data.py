@@ -522,6 +522,32 @@ def test_tokens_errors(tmp_path):
     assert err.key == "data.block_size" and "only 200 tokens" in str(err)
 
 
+def test_a_file_of_the_other_width_is_refused_before_any_work(tmp_path):
+    """GPT-2's ids written as uint32 and read as uint16 trained on every second token 0; ids
+    written as uint16 and read as uint32 made a vocabulary of millions and ran out of memory in
+    the first step (598 GiB of logits). Both are refused at plan time, naming the file; files
+    of the right width, a real uint32 vocabulary over 65,536 included, pass."""
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, 50_257, size=4000)
+    ids.astype(np.uint16).tofile(tmp_path / "u16.bin")
+    ids.astype(np.uint32).tofile(tmp_path / "u32.bin")
+    rng.integers(0, 200_000, size=4000).astype(np.uint32).tofile(tmp_path / "big32.bin")
+    both16 = dict(train=str(tmp_path / "u16.bin"), val=str(tmp_path / "u16.bin"))
+    base = dict(name="tokens", dtype="uint16", vocab_size=None, block_size=16, **both16)
+
+    err = check_error(check_tokens, node(**{**base, "val": str(tmp_path / "u32.bin")}))
+    assert err.key == "data.val" and "u32.bin" in str(err)
+    assert "every second token of its first 8000" in str(err) and "uint32" in str(err)
+    err = check_error(check_tokens, node(**{**base, "dtype": "uint32"}))
+    assert err.key == "data.train" and "u16.bin" in str(err)
+    assert f"largest id is {ids.max()}:" in str(err) and "2-byte (uint16) ids" in str(err)
+
+    check_tokens(node(**base))
+    for name in ("u32.bin", "big32.bin"):
+        path = str(tmp_path / name)
+        check_tokens(node(**{**base, "dtype": "uint32", "train": path, "val": path}))
+
+
 # ---- data=synthetic_text -----------------------------------------------------------------------
 def conditional_entropy(tokens: np.ndarray, vocab: int) -> float:
     """The empirical entropy (nats) of a token given the two before it."""

@@ -19,6 +19,9 @@ log = logging.getLogger(__name__)
 # A largest id this rare (at most this share of the tokens, or RARE_COUNT of them) and over twice
 # the next largest + 1 makes a vocabulary found from the files suspect (a corrupted token)
 RARE_SHARE, RARE_COUNT = 1e-4, 10
+# The head of each file read at plan time to tell a file of the other dtype (tokens), and the
+# least of it that makes the tell certain; no tokenizer's vocabulary reaches 2**24 ids
+SNIFF_TOKENS, SNIFF_LEAST, HUGE_ID = 1 << 16, 256, 1 << 24
 
 
 def _tokens_dtype(node: Any) -> str:
@@ -64,6 +67,36 @@ def check_tokens(node: Any) -> None:
                 f"only {size // itemsize} tokens (a window needs block_size + 1)",
                 f"an integer <= {size // itemsize - 1}",
             )
+        _check_width(key, path, dtype, vocab)
+
+
+def _check_width(key: str, path: str, dtype: str, vocab: Optional[int]) -> None:
+    """Refuse a file whose head reads as tokens of the other width: 4-byte ids read as uint16
+    leave every second token 0 (the high halves); 2-byte ids read as uint32 pair two tokens into
+    ids of millions, a vocabulary (embedding and output rows) no tokenizer has, which ran out of
+    memory in the first step (598 GiB of logits) rather than saying what was wrong."""
+    head = np.fromfile(path, dtype=dtype, count=SNIFF_TOKENS)
+    if len(head) < SNIFF_LEAST:
+        return
+    if dtype == "uint16" and not head[1::2].any() and head[0::2].any():
+        raise ConfigError(
+            f"data.{key}",
+            f"{path} read as uint16 has 0 for every second token of its first {len(head)}: "
+            "it holds 4-byte (uint32) ids",
+            "files of data.dtype's width: data.dtype=uint32 if both files are uint32, "
+            "else write this one as uint16",
+        )
+    top = int(head.max())
+    if dtype == "uint32" and top >= HUGE_ID and (vocab is None or vocab <= top):
+        halves = head.view(np.uint16)
+        raise ConfigError(
+            f"data.{key}",
+            f"{path} read as uint32 holds token id {top} (a vocabulary of {top + 1:,}, which no "
+            f"tokenizer has); read as uint16 its largest id is {int(halves.max())}: it holds "
+            "2-byte (uint16) ids",
+            "files of data.dtype's width: data.dtype=uint16 if both files are uint16, "
+            "else write this one as uint32",
+        )
 
 
 def tokens_vocab_size(node: Any) -> Optional[int]:
