@@ -152,20 +152,49 @@ DERIVED_PARAMS = (
     "mlflow.run_name",
 )
 SEED_PARAMS = ("trainer.seed", "data.seed")
+# trainer.tune's decisions (runner.run.tune: `tune.<key>`, "<value> (<why>)", and `tune.source`):
+# the runner's, per run, not an axis the user swept; a key it decided is not one either
+TUNE_PREFIX, TUNE_GIVEN = "tune.", "kept: given"
+
+
+def tuned_keys(rows: Sequence[Row]) -> set[str]:
+    """The config keys whose value trainer.tune decided in at least one of the runs (tuned, or
+    kept after measuring, rather than given by the user)."""
+    return {
+        k[len(TUNE_PREFIX) :]
+        for r in rows
+        for k, why in r.params.items()
+        if k.startswith(TUNE_PREFIX) and k != "tune.source" and TUNE_GIVEN not in str(why)
+    }
+
+
+def tuned_settings(row: Row) -> str:
+    """What trainer.tune changed in this run ("channels_last=true, kernels=torch"), "" if
+    nothing: the `tune.<key>` params whose reason is "tuned: ..."."""
+    changed = []
+    for key, text in sorted(row.params.items()):
+        value, _, why = str(text).partition(" (")
+        if key.startswith(TUNE_PREFIX) and why.startswith("tuned:"):
+            changed.append(f"{key.rpartition('.')[2]}={value}")
+    return ", ".join(changed)
 
 
 def varying_params(rows: Sequence[Row]) -> list[str]:
     """The params whose values differ between the runs (only those: "what differs"), apart from
-    those the table shows anyway; runs that logged no params (a job that failed before its run
-    began) do not count."""
+    those the table shows anyway and trainer.tune's decisions (a tuned level's channels_last is
+    part of its result, not a different experiment: grouped by it, a tuned sweep's O2 had no O0
+    to compare with); runs that logged no params (a job that failed before its run began) do
+    not count."""
     logged = [r for r in rows if r.params]
     keys = sorted({k for r in logged for k in r.params})
+    tuned = tuned_keys(logged)
     return [
         k
         for k in keys
         if k not in SHOWN_PARAMS
         and k not in DERIVED_PARAMS
-        and not k.startswith(SHOWN_PREFIXES)
+        and not k.startswith((*SHOWN_PREFIXES, TUNE_PREFIX))
+        and k not in tuned
         and len({r.params.get(k) for r in logged}) > 1
     ]
 

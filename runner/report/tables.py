@@ -23,6 +23,8 @@ from runner.report.analysis import (
     display_names,
     seed_groups,
     seeds_vary,
+    tuned_keys,
+    tuned_settings,
     varying_params,
 )
 from runner.tracking import metrics as m
@@ -141,6 +143,9 @@ _TIMING = [
 _MEMORY_TITLES = COLUMNS[COLUMNS.index("weights (MB)") : COLUMNS.index("state total (MB)") + 1]
 
 
+TUNED_TITLE = "tuned (trainer.tune)"
+
+
 def _param_cell(key: str):
     """A column of a param's value (`-` where the run has none)."""
     return lambda r: r.params.get(key, "-")
@@ -160,6 +165,8 @@ def columns(rows: Sequence[Row]) -> list[tuple[str, Any]]:
     speed = ([_SAMPLES] if cls or not rows else []) + ([_TOKENS] if lm else [])
     names = display_names(rows)
     varying = [(key, _param_cell(key)) for key in varying_params(rows)]
+    if tuned_keys(rows):
+        varying.append((TUNED_TITLE, lambda r: tuned_settings(r) or "-"))
     return [
         ("run", lambda r: names.get(r.run_id, r.run_name)),
         *varying,
@@ -192,7 +199,8 @@ def table_cells(row: Row, rows: Sequence[Row] | None = None) -> list[str]:
 
 def render_markdown(rows: Sequence[Row], title: str, source: str) -> str:
     titles = [title for title, _ in columns(rows)]
-    text = 8 + len(varying_params(rows))  # left-aligned columns: run, what varies, model ... status
+    # left-aligned columns: run, what varies (and what trainer.tune changed), model ... status
+    text = 8 + len(varying_params(rows)) + bool(tuned_keys(rows))
     lines = [
         f"# {title}",
         "",
@@ -215,7 +223,15 @@ def render_markdown(rows: Sequence[Row], title: str, source: str) -> str:
             else ""
         )
         + " (the same seed where there is one), named in the last column. The columns "
-        "between run and model are the params that differ between these runs. Throughput is "
+        "between run and model are the params that differ between these runs"
+        + (
+            "; what trainer.tune chose for a run is part of its result, not a difference in "
+            f"what is compared: `{TUNED_TITLE}` lists what it changed (`tune.md` and the "
+            "`tune.*` params of each run say why)"
+            if tuned_keys(rows)
+            else ""
+        )
+        + ". Throughput is "
         "the steady figure (`samples_per_s`, a language model's `tokens_per_s`: the steps "
         "after each session's `trainer.warmup_steps` that compiled nothing), the mean over the "
         "epochs that logged one (runs made before it: the epoch's own figure, the mean over the "
@@ -279,11 +295,13 @@ def write_csv(rows: Sequence[Row], path: Path) -> None:
         writer = csv.writer(f)
         lm = [k for k in LM_METRICS if k not in METRICS] if any(r.is_lm for r in rows) else []
         varying = varying_params(rows)
+        tuned = ["tuned"] if tuned_keys(rows) else []
         writer.writerow(
             [
                 "run_id",
                 "run_name",
                 *varying,
+                *tuned,
                 "model",
                 "level",
                 "dtype",
@@ -308,6 +326,7 @@ def write_csv(rows: Sequence[Row], path: Path) -> None:
                     r.run_id,
                     r.run_name,
                     *(r.params.get(k) for k in varying),
+                    *(tuned_settings(r) for _ in tuned),
                     r.model,
                     r.level,
                     r.dtype,

@@ -433,6 +433,48 @@ def test_a_group_without_an_o0_run_gets_no_ratio(tracking_uri, tmp_path):
     assert rows["O2"]["baseline_run"] == ""
 
 
+def test_a_tuned_sweep_compares_each_level_with_its_o0(tracking_uri, tmp_path):
+    """trainer.tune decides per run (channels_last for O0 only, the kernels kept for O2 after
+    measuring, one run's decisions from the cache): the report grouped runs by those `tune.*`
+    params and the settings, so a tuned sweep's O2 had no O0 and no speedup. What tune decided
+    is a run's result, shown in one column; what the user swept still groups."""
+    tracker = MlflowTracker(tracking_uri, "amp-runner")
+    parent = tracker.create_run("sweep", {SWEEP_DIR_TAG: str(tmp_path)})
+    kept = "false (kept: the default measured as fast or faster)"
+    runs = {
+        ("O0", "0.1"): ("true", "true (tuned: 1.49x the untuned steady step)", "cache", 10.0),
+        ("O2", "0.1"): ("false", kept, "measured", 4.0),
+        ("O0", "0.2"): ("false", "kept: given", "measured", 9.0),
+        ("O2", "0.2"): ("true", "kept: given", "measured", 3.0),
+    }
+    for (level, lr), (channels_last, why, source, time) in runs.items():
+        params = {
+            "model.name": "tiny",
+            "precision.opt_level": level,
+            "optimizer.lr": lr,
+            "trainer.channels_last": channels_last,
+            "tune.trainer.channels_last": why,
+            "tune.source": source,
+        }
+        with tracker.start_run(f"tiny-{level}", params, {PARENT_RUN_TAG: parent.run_id}) as run:
+            run.log_metrics({"train_time_s": time, "best_val_acc": 0.5, "peak_mem_mb": 1.0}, 1)
+    parent.end("FINISHED")
+    out = tmp_path / "report"
+    assert report_main(["--tracking-uri", tracking_uri, "--out", str(out)]) == 0
+    rows = {(r["level"], r["optimizer.lr"]): r for r in read_csv(out / "comparison.csv")}
+    assert float(rows[("O2", "0.1")]["speedup_vs_o0"]) == 2.5  # against the tuned O0
+    assert rows[("O0", "0.1")]["tuned"] == "channels_last=true"
+    assert rows[("O2", "0.1")]["tuned"] == ""  # kept after measuring: nothing changed
+    # given by the user at lr=0.2 but decided by tune at lr=0.1: not an axis of this sweep
+    assert float(rows[("O2", "0.2")]["speedup_vs_o0"]) == 3.0
+    header = list(next(iter(rows.values())))
+    assert not [k for k in header if k.startswith("tune.")]
+    assert "trainer.channels_last" not in header
+    markdown = (out / "comparison.md").read_text()
+    assert "| run | optimizer.lr | tuned (trainer.tune) | model |" in markdown
+    assert "what trainer.tune chose for a run is part of its result" in markdown
+
+
 def test_diff_prints_the_params_that_differ(tracking_uri, tmp_path, capsys):
     ids = _axes_sweep(tracking_uri, tmp_path)
     a, b = ids[("0.1", "O0", "1")], ids[("0.01", "O2", "1")]
