@@ -109,6 +109,23 @@ def fsync_folder(folder: PathLike) -> None:
         os.close(fd)
 
 
+def folder_problem(folder: PathLike) -> Optional[str]:
+    """Why `folder` cannot be made and written (None: it can): a file (or a dangling link) in
+    the way, or no right to write where it would be made. Checked before a run's work, for a
+    folder first written late (checkpoints at an epoch's end); nothing is created."""
+    path = os.path.abspath(folder)
+    existing = path
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"{existing} is not a folder" + (
+            " (a file is in the way)" if existing != path else ""
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable" + (f" (to make {path} in)" if existing != path else "")
+    return None
+
+
 def remove_stale_temporaries(folder: PathLike) -> None:
     """Remove the temporary files (`.<name>.<pid>[.<thread>].tmp`) of processes that no longer
     exist (killed while writing); another live process's, or this one's, stay."""

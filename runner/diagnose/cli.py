@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 import runner
+from runner import files
 from runner.config import options
 from runner.diagnose.analysis import Preflight, analyse, render
 from runner.errors import RunnerError
@@ -161,6 +162,7 @@ def run(
     from runner.tracking.trackers import open_tracker
 
     plan = make_plan(cfg)  # the run as asked for must be valid
+    check_outputs(out, plan_path)
     device = plan.device
     tracker = open_tracker(cfg, out)
     measured = plan.in_fp32()  # the same run, in fp32 (no layer plan)
@@ -236,6 +238,26 @@ def run(
             f"{name!r} ({tracked.run_id}).\n{tracker.hint()}"
         )
     return result
+
+
+def check_outputs(out: Path, plan_path: Optional[Path]) -> None:
+    """Refuse, before anything is built, an --out or --plan that cannot be written (found
+    after the steps, it cost the measurement and ended in a traceback)."""
+    problem = files.folder_problem(out)
+    if problem is not None:
+        raise RunnerError(
+            f"Cannot write the diagnostics to {out}: {problem}; set --out to a folder you can write"
+        )
+    if plan_path is None:
+        return
+    if plan_path.is_dir():
+        raise RunnerError(f"--plan {plan_path} is a folder; give the plan file's name (PLAN.yaml)")
+    problem = files.folder_problem(plan_path.parent)
+    if problem is not None:
+        raise RunnerError(
+            f"Cannot write the layer plan to {plan_path}: {problem}; set --plan to a file in a "
+            "folder you can write"
+        )
 
 
 def write_plan(

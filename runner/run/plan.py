@@ -23,6 +23,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from runner import files
 from runner.config import options
 from runner.config.finder import config_dir
 from runner.config.precision import run_name_suffixes
@@ -108,6 +109,14 @@ def make_plan(cfg: DictConfig, apart: str = "") -> RunPlan:
     checked = check_config(cfg)
     run_name = default_run_name(cfg, checked.resolution.properties, apart)
     folder = checkpoint.run_folder(cfg.trainer.checkpoint_dir, cfg.mlflow.experiment_name, run_name)
+    problem = files.folder_problem(folder)
+    if problem is not None:  # (else found at the first epoch's end, the epoch lost)
+        raise ConfigError(
+            "trainer.checkpoint_dir",
+            f"checkpoints cannot be written under {cfg.trainer.checkpoint_dir}: {problem}",
+            "a folder you can write (checkpoints go to "
+            "<checkpoint_dir>/<experiment>/<run name>/<run id>/)",
+        )
     config_tree = OmegaConf.to_container(cfg, resolve=True)
     resume = Resume.decide(cfg.resume, folder, config_tree)
     return RunPlan(

@@ -172,6 +172,25 @@ def test_a_data_root_that_is_a_file_is_refused(existing, tmp_path):
     assert len(_runs(uri)) == 1 and path.read_bytes() == before
 
 
+@pytest.mark.parametrize("under", ["", "sub"])
+def test_a_checkpoint_dir_that_cannot_be_made_is_refused_before_any_work(existing, tmp_path, under):
+    """A file where the checkpoint folder would be: found when the first epoch's checkpoint was
+    written, the epoch trained and lost, and a traceback (exit 1)."""
+    _, uri, path, before = existing
+    a_file = tmp_path / "checkpoints"
+    a_file.write_text("not a folder")
+    with pytest.raises(ConfigError) as e:
+        app.run(
+            compose_config(
+                *FAST, f"mlflow.tracking_uri={uri}", f"trainer.checkpoint_dir={a_file / under}"
+            )
+        )
+    assert e.value.key == "trainer.checkpoint_dir"
+    assert f"{a_file} is not a folder (a file is in the way)" in str(e.value)
+    assert "a folder you can write" in e.value.allowed
+    assert len(_runs(uri)) == 1 and path.read_bytes() == before
+
+
 def test_unknown_model_and_dataset_options_list_what_exists():
     for override, option in (("model=resnet1000", "resnet18"), ("data=mnist", "cifar10")):
         with pytest.raises(ConfigCompositionException) as e:

@@ -482,3 +482,27 @@ def test_bad_overrides_exit_2_without_a_traceback_or_a_run(tmp_path, args, needl
     output = result.stdout + result.stderr
     assert result.returncode == 2 and needle in output and "Traceback" not in output
     assert not (tmp_path / "m.db").exists()
+
+
+@pytest.mark.parametrize(
+    "flags,says",
+    [
+        (["--out", "taken"], "Cannot write the diagnostics to taken: "),
+        (["--out", "taken/sub"], "is not a folder (a file is in the way)"),
+        (["--plan", "folder", "precision=o2"], "--plan folder is a folder; give the plan file's"),
+        (["--plan", "taken/plan.yaml", "precision=o2"], "Cannot write the layer plan to taken/"),
+    ],
+)
+def test_outputs_that_cannot_be_written_are_refused_before_the_steps(
+    tmp_path, monkeypatch, capsys, flags, says
+):
+    """Found after the measured steps, an --out that is a file or a --plan that is a folder
+    cost the measurement and ended in a traceback (exit 1)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "taken").write_text("a file")
+    (tmp_path / "folder").mkdir()
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    assert cli.main([*flags, *FAST, f"mlflow.tracking_uri={uri}"]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err
+    assert not (tmp_path / "m.db").exists()

@@ -30,6 +30,7 @@ from runner.components.text.cache import (
 from runner.components.text.stream import SEPARATOR, sha256_file
 from runner.components.text.windows import TokenWindows, dtype_for
 from runner.errors import ConfigError
+from runner.files import folder_problem
 
 log = logging.getLogger(__name__)
 
@@ -167,13 +168,11 @@ def check_text(node: Any) -> None:
         total = sum(size for _, size, _ in sizes) + len(SEPARATOR) * (len(files) - 1)
         _split_sizes(total, block_size, fraction)
     folder = cache_dir(node)
-    existing = folder
-    while not os.path.exists(existing):  # the folder is created when the corpus is tokenised
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+    problem = folder_problem(folder)  # (made when the corpus is tokenised)
+    if problem is not None:
         raise ConfigError(
             "data.cache_dir",
-            f"{folder} cannot be written ({existing} is not a writable folder)",
+            f"{folder} cannot be written: {problem}",
             f"a writable folder (or set ${CACHE_ENV})",
         )
 
