@@ -81,6 +81,30 @@ def _mistake(error: BaseException) -> bool:
     return not _verbose() and mistakes.is_composition_error(error) and not _in_task(error)
 
 
+def _output_folder_error(error: BaseException) -> bool:
+    """An OSError on a path outside the task function: Hydra making or writing the run's output
+    folder (hydra.run.dir, a sweep's hydra.sweep.dir) where it cannot: a file in the way, no
+    rights, a read-only launch folder."""
+    return (
+        isinstance(error, OSError)
+        and error.filename is not None
+        and not _verbose()
+        and not _in_task(error)
+    )
+
+
+def _refuse_output(error: OSError) -> NoReturn:
+    multirun = any(a in ("-m", "--multirun") for a in sys.argv[1:])
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    problem = f"{error.strerror or type(error).__name__}: {os.fsdecode(error.filename)}"
+    print(
+        f"{key}: cannot make or write the output folder ({problem}); set {key} to a folder you "
+        "can write, or launch from one",
+        file=sys.stderr,
+    )
+    raise SystemExit(2) from None
+
+
 def _refuse(error: BaseException) -> NoReturn:
     """Print the one-line explanation of a composition error and exit 2."""
     overrides = [a for a in sys.argv[1:] if "=" in a and not a.startswith("-")]
@@ -116,6 +140,8 @@ def mistakes_reported() -> Iterator[None]:
                 signum = callback.stopped_sweep()
                 if signum is not None:
                     raise RunInterrupted(signum) from error
+                if _output_folder_error(error):
+                    _refuse_output(error)
                 if not _mistake(error):
                     raise
                 _refuse(error)

@@ -37,11 +37,29 @@ class OutputFolder(Callback):
         from runner.errors import RunnerError
 
         try:
-            check_working_dir(config)
+            check_output_folder(config, "run")
         except RunnerError as error:
             log.error("%s", error)
             raise SystemExit(2) from error
         claim(config, "run")
+
+
+def check_output_folder(config: DictConfig, mode: str) -> None:
+    """`hydra.<mode>.dir` (mode: run or sweep) that cannot be made or written (a file in the way,
+    no rights, a read-only launch folder) refused before anything starts, a sweep before its
+    jobs are checked (a ConfigError); `check_working_dir` too."""
+    from runner.errors import ConfigError
+    from runner.files import folder_problem
+
+    check_working_dir(config)
+    folder = OmegaConf.select(config, f"hydra.{mode}.dir")
+    problem = folder_problem(str(folder)) if folder else None
+    if problem is not None:
+        raise ConfigError(
+            f"hydra.{mode}.dir",
+            f"the output folder {folder} cannot be made: {problem}",
+            "a folder you can write (or launch from one: the default is relative to it)",
+        )
 
 
 def check_working_dir(config: DictConfig) -> None:

@@ -70,10 +70,10 @@ class MlflowSweepCallback(Callback):
 
     # launching process
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        from runner.run.output_folder import check_working_dir
+        from runner.run.output_folder import check_output_folder
 
         try:
-            check_working_dir(config)
+            check_output_folder(config, "sweep")
             check_launcher(config)  # (a dry run too: the launcher still starts its jobs)
         except RunnerError as error:
             log.error("%s", error)
@@ -90,9 +90,18 @@ class MlflowSweepCallback(Callback):
         except RunnerError as error:
             log.error("%s", error)
             raise SystemExit(2) from error
-        claim_sweep(config)  # (one named by the time: this sweep's own)
-        sweep_dir = Path(config.hydra.sweep.dir)
-        self._folder = _hold_folder(sweep_dir)
+        try:
+            claim_sweep(config)  # (one named by the time: this sweep's own)
+            sweep_dir = Path(config.hydra.sweep.dir)
+            self._folder = _hold_folder(sweep_dir)
+        except OSError as error:  # (what the check above cannot see: /proc, a full disk)
+            log.error(
+                "hydra.sweep.dir: the output folder %s cannot be made: %s (allowed: a folder "
+                "you can write)",
+                config.hydra.sweep.dir,
+                f"{error.strerror or error}: {error.filename}",
+            )
+            raise SystemExit(2) from error
         try:
             self._open_parent(config, sweep_dir, jobs)
         except BaseException:

@@ -193,3 +193,23 @@ def test_a_launch_into_its_output_folder_is_refused_before_it_starts(
     told = "".join(capsys.readouterr())
     assert "hydra.job.chdir: true is not supported" in told and "Traceback" not in told
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("sweep", [False, True])
+@pytest.mark.parametrize("where", ["taken/run", "/proc/amp-runner-output"])
+@pytest.mark.new_store  # checks that nothing, no store, is created
+def test_an_output_folder_that_cannot_be_made_is_refused_naming_its_key(
+    sweep, where, tmp_path, monkeypatch, capsys
+):
+    """An output folder behind a file (or where nothing can be made, /proc) ended in Hydra's
+    report, exit 1 (a sweep: after every job was checked, with a callback's warning). Refused
+    with exit 2, naming hydra.run.dir or hydra.sweep.dir, before any store or run exists."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "taken").write_text("a file, not a folder")
+    key = "hydra.sweep.dir" if sweep else "hydra.run.dir"
+    args = [*FAST, "trainer.max_epochs=1", f"{key}={where}"]
+    args = ["-m", *args, "precision=o0,o2_bf16"] if sweep else args
+    assert run_in_process(*args) == 2
+    told = "".join(capsys.readouterr())
+    assert f"{key}: " in told and "a folder you can write" in told and "Traceback" not in told
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
