@@ -56,6 +56,11 @@ class OutOfMemory(RunnerError):
     sizes, and what to change (runner.run.out_of_memory)."""
 
 
+class CheckpointUnwritable(RunnerError):
+    """A checkpoint could not be written (a full disk, its folder removed or made read-only while
+    the run trained): the message names the file, the cause, the room left and what is kept."""
+
+
 class LayerPlanError(RunnerError):
     """A layer ran in another format than its layer plan (or the level) says, with
     precision.strict=true: the message names each layer, what it ran in and what was planned."""

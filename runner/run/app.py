@@ -470,17 +470,23 @@ def train_parts(
                 # the metrics the checkpoint covers reach the store first: a process killed
                 # after the write has lost none of them, and its resume logs none of them again
                 tracked.deliver()
-                if shards:  # a collective: every rank writes its shards, rank 0 the rest
-                    return str(
-                        checkpoint.sharded.save(
-                            path.parent,
-                            {**static, **trainer_state},
-                            parts.model,
-                            parts.optimizer,
-                            comm,
+                try:
+                    if shards:  # a collective: every rank writes its shards, rank 0 the rest
+                        return str(
+                            checkpoint.sharded.save(
+                                path.parent,
+                                {**static, **trainer_state},
+                                parts.model,
+                                parts.optimizer,
+                                comm,
+                            )
                         )
-                    )
-                checkpoint.save(path, {**static, **trainer_state})
+                    checkpoint.save(path, {**static, **trainer_state})
+                except Exception as error:  # (a full disk: one line, not a traceback)
+                    refused = checkpoint.unwritable(path, error)
+                    if refused is None:
+                        raise
+                    raise refused from error
                 return str(path)
 
             trainer = Trainer(

@@ -44,18 +44,23 @@ def run_cli(
     python_flags: tuple[str, ...] = (),
     address_limit: int | None = None,
     module: str = "runner",
+    file_limit: int | None = None,
 ) -> subprocess.CompletedProcess:
     """`python -m runner ARGS` in a real subprocess, as a user would type it (`python_flags`:
     interpreter options such as `-X importtime`; `address_limit`: its address space in bytes,
     as `ulimit -v` sets it, so that an allocation beyond it fails at once; `module`: another
-    command, such as runner.diagnose)."""
+    command, such as runner.diagnose; `file_limit`: the largest file it may write, in bytes, as
+    `ulimit -f` sets it: a write past it fails as on a full disk, with EFBIG)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
 
     def limited() -> None:
         import resource
 
-        resource.setrlimit(resource.RLIMIT_AS, (address_limit, address_limit))
+        if address_limit is not None:
+            resource.setrlimit(resource.RLIMIT_AS, (address_limit, address_limit))
+        if file_limit is not None:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (file_limit, file_limit))
 
     return subprocess.run(
         [sys.executable, *python_flags, "-m", module, *args],
@@ -64,7 +69,7 @@ def run_cli(
         capture_output=True,
         text=True,
         timeout=timeout,
-        preexec_fn=limited if address_limit is not None else None,
+        preexec_fn=limited if address_limit is not None or file_limit is not None else None,
     )
 
 

@@ -14,8 +14,10 @@ writer. Tolerance: none; a loaded state is compared bit for bit with the origina
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import io
+import json
 import logging
 import math
 import os
@@ -532,6 +534,54 @@ def test_a_format_1_checkpoint_still_resumes_with_the_warning(tmp_path, caplog):
 
 
 # ---- 5. durability and leftovers -----------------------------------------------------------------
+@pytest.mark.slow
+def test_a_checkpoint_the_disk_refuses_stops_the_run_in_one_line_keeping_the_last(tmp_path):
+    """A write the file system refuses (here past `ulimit -f`, EFBIG, as a full disk refuses
+    with ENOSPC; torch.save reports either as "unexpected pos") ended in a traceback, exit 1.
+    Now one line names the file, the cause and what is kept: the checkpoint before stays whole
+    (the write is atomic) and resume=auto continues from it once the disk has room."""
+    args = [
+        *FAST,
+        "tracking=none",
+        "precision.kernels=torch",  # (nothing compiled: no file but the checkpoint's is large)
+    ]
+    first = run_cli(*args, "trainer.max_epochs=1", cwd=tmp_path, timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    (path,) = tmp_path.glob("checkpoints/amp-runner/tiny-O0/*/last.pt")
+    before = path.read_bytes()
+    limit = len(before) // 2  # room for every other file, not for the checkpoint
+    refused = run_cli(
+        *args, "trainer.max_epochs=2", "resume=auto", cwd=tmp_path, timeout=300, file_limit=limit
+    )
+    told = refused.stdout + refused.stderr
+    assert refused.returncode == 2 and "Traceback" not in told, told[-3000:]
+    assert f"Cannot write the checkpoint {path}: File too large" in told
+    assert "the checkpoint written before is kept there: fix that, then resume=auto" in told
+    assert path.read_bytes() == before and not list(path.parent.glob(".*.tmp"))
+    (record,) = [
+        json.loads(p.read_text())
+        for p in tmp_path.glob("outputs/*/*/tracking.json")
+        if json.loads(p.read_text())["status"] == "FAILED"
+    ]
+    assert "Cannot write the checkpoint" in record["tags"]["error"]
+    again = run_cli(*args, "trainer.max_epochs=2", "resume=auto", cwd=tmp_path, timeout=300)
+    assert again.returncode == 0 and "Resuming tiny-O0" in again.stdout + again.stderr
+    assert checkpoint.load(path)["epoch"] == 2
+
+
+def test_a_write_error_that_is_not_the_file_systems_stays_a_bug(tmp_path):
+    """Only an OSError (raised, or under torch.save's RuntimeError) is the disk's; any other
+    error of a save is a bug and keeps its traceback."""
+    full = OSError(errno.ENOSPC, "No space left on device")
+    wrapped = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1 vs 2")
+    wrapped.__context__ = full
+    said = str(checkpoint.unwritable(tmp_path / "a" / "last.pt", wrapped))
+    assert said.startswith(f"Cannot write the checkpoint {tmp_path / 'a' / 'last.pt'}: No space")
+    assert "MB free there)" in said and "no checkpoint of this run was written before" in said
+    assert "on a disk with room" in said
+    assert checkpoint.unwritable(tmp_path / "last.pt", TypeError("a bug")) is None
+
+
 def test_save_flushes_the_folder_after_the_rename(tmp_path, base, monkeypatch):
     synced = []
     real_fsync = os.fsync

@@ -147,6 +147,23 @@ def test_resume_refuses_a_changed_config_naming_every_key(tmp_path):
         app.run(compose_config(*settings(tmp_path, f"resume={tmp_path / 'nope.pt'}")))
 
 
+def test_checkpoints_moved_to_another_disk_resume_from_there(tmp_path):
+    """A disk full at a checkpoint: the user moves the checkpoints to a disk with room and
+    resumes with trainer.checkpoint_dir set there; it was refused as a changed config
+    ("trainer.checkpoint_dir: ... -> ..."), though where checkpoints live trains nothing."""
+    app.run(compose_config(*settings(tmp_path, "trainer.max_epochs=1")))
+    moved = tmp_path / "bigger-disk"
+    (tmp_path / "checkpoints").rename(moved)
+    resumed = settings(
+        tmp_path, "trainer.max_epochs=2", "resume=auto", f"trainer.checkpoint_dir={moved}"
+    )
+    app.run(compose_config(*resumed, "trainer.progress_bar=true"))
+    (path,) = moved.rglob("last.pt")
+    assert checkpoint.load(path)["epoch"] == 2
+    (run,) = runs_by_name(f"sqlite:///{tmp_path / 'mlflow.db'}").values()
+    assert run.info.status == "FINISHED" and run.data.tags["resume.count"] == "1"
+
+
 def test_resume_auto_without_a_checkpoint_starts_fresh(tmp_path):
     app.run(compose_config(*settings(tmp_path, "trainer.max_epochs=1", "resume=auto")))
     (run,) = runs_by_name(f"sqlite:///{tmp_path / 'mlflow.db'}").values()

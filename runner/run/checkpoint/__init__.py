@@ -39,16 +39,17 @@ What loading checks, in this order (each refusal a ConfigError naming the file, 
 3. contents (`load`): every key known, the trainer's keys present, each value of its type
    (tensors where tensors belong, plain numbers and strings elsewhere), the RNG states accepted by
    fresh generators of their kind, every loss scaler's entry valid.
-A sharded run (trainer.strategy=fsdp) writes `<run id>/last.dcp/` instead: its shards through
-torch.distributed.checkpoint and `trainer.pt` in the format above, listing every shard file's
-SHA-256 (`runner.run.checkpoint.sharded`).
-
 4. the run (`check_resumable`, `check_structure`): the config is the checkpoint's (but a grown
    `trainer.max_epochs`); the model state has this run's keys, shapes and dtypes; the optimizer
    has this run's number of parameter groups and parameters and is of its kind; the engine has one
    loss scaler per loss of this run (a static scale equal to this run's); the scheduler is of this
    run's kind (or both none); the world size is this run's. Each difference names the key, the
    checkpoint's side and this run's.
+
+A sharded run (trainer.strategy=fsdp) writes `<run id>/last.dcp/` instead: its shards through
+torch.distributed.checkpoint and `trainer.pt` in the format above, listing every shard file's
+SHA-256 (`runner.run.checkpoint.sharded`). A write that fails (a full disk, the folder gone) stops
+the run with one line (`unwritable`: the file, the cause, the room left, what is kept).
 
 Modules: folders.py (where a run's checkpoint lives), format.py (the file: digest, atomic write,
 safe read), contents.py (the schema of what a checkpoint holds), fit.py (whether it fits the run
@@ -67,5 +68,5 @@ from runner.run.checkpoint.fit import (  # noqa: F401
     config_differences,
 )
 from runner.run.checkpoint.folders import FILENAME, find, path_for, run_folder  # noqa: F401
-from runner.run.checkpoint.format import FORMAT, LEGACY_FORMAT, save  # noqa: F401
+from runner.run.checkpoint.format import FORMAT, LEGACY_FORMAT, save, unwritable  # noqa: F401
 from runner.run.checkpoint.loading import load  # noqa: F401

@@ -16,11 +16,14 @@ from runner.errors import ConfigError
 from runner.precision.state import state_format_differences
 from runner.run.checkpoint.contents import ALLOWED, RUN_KEYS, is_real, show
 
-# (where the run is recorded is no training setting: tracking.name may change too)
+# (where the run is recorded or its checkpoints kept is no training setting: tracking.name and
+# trainer.checkpoint_dir may change too, checkpoints moved to a disk with room; nor is the bar)
 RESUMABLE_CHANGES = (
     "trainer.max_epochs",
     "resume",
     "tracking.name",
+    "trainer.checkpoint_dir",
+    "trainer.progress_bar",
     "trainer.tune",  # a resumed run tunes nothing: it keeps the checkpoint's settings
     "trainer.tune_budget_s",
 )
@@ -92,7 +95,9 @@ def check_resumable(state: Mapping[str, Any], config: Mapping[str, Any], path: P
             "resume",
             f"the config differs from the checkpoint's ({path}) in "
             f"{len(differences)} key(s): " + "; ".join(differences),
-            "the checkpoint's config; only trainer.max_epochs may change (grow)",
+            "the checkpoint's config; only trainer.max_epochs may change (grow), and what "
+            "does not change the training: "
+            + ", ".join(k for k in RESUMABLE_CHANGES if k not in ("trainer.max_epochs", "resume")),
         )
     done = int(state["epoch"])
     wanted = int(config["trainer"]["max_epochs"])

@@ -7,19 +7,21 @@ comment holds the SHA-256 of every byte before it) and the order of the checks o
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import logging
 import os
 import pickle
 import re
+import shutil
 import struct
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
-from runner.errors import ConfigError
+from runner.errors import CheckpointUnwritable, ConfigError
 from runner.files import atomic_write, remove_stale_temporaries
 from runner.run.checkpoint.contents import ALLOWED, content_problems
 from runner.run.rng import upgrade_legacy_rng
@@ -52,6 +54,42 @@ def save(path: Path, state: Mapping[str, Any]) -> None:
     with atomic_write(path, "w+b") as handle:
         torch.save(full, handle)
         _append_digest(handle)
+
+
+def unwritable(path: Path, error: BaseException) -> Optional[CheckpointUnwritable]:
+    """What a checkpoint write that failed with `error` (`save`, or a sharded one into `path`'s
+    folder) is, where the cause is the file system's (an OSError, raised or under torch.save's
+    RuntimeError: "unexpected pos"): the file, the cause, the room left on its disk, and whether
+    an earlier checkpoint is kept (the write is atomic: a failed one leaves the last one whole).
+    None for any other error (a bug: its traceback). The run stops: training on without
+    checkpoints would lose more the next time the process dies."""
+    cause: Optional[BaseException] = error
+    while cause is not None and not isinstance(cause, OSError):
+        cause = cause.__cause__ or cause.__context__
+    if cause is None:
+        return None
+    path = Path(path)
+    where = path.parent
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        free = f" ({shutil.disk_usage(where).free / 2**20:.1f} MB free there)"
+    except OSError:
+        free = ""
+    full = getattr(cause, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
+    fix = "free some space" if full else "fix that"
+    kept = (
+        f"the checkpoint written before is kept there: {fix}, then resume=auto continues from it"
+        if path.exists()
+        else f"no checkpoint of this run was written before: {fix}, or set "
+        "trainer.checkpoint_dir to a folder "
+        + ("on a disk with room" if full else "you can write")
+        + ", and run it again"
+    )
+    return CheckpointUnwritable(
+        f"Cannot write the checkpoint {path}: {cause.strerror or cause}{free}. The run stops "
+        f"here (its metrics so far are logged); {kept}"
+    )
 
 
 def _append_digest(handle) -> None:
