@@ -369,6 +369,31 @@ def check_error(check, cfg) -> ConfigError:
     return err.value
 
 
+def test_a_token_cache_the_disk_refuses_names_data_cache_dir(tmp_path):
+    """A full disk while tokenising (here a file size limit, `ulimit -f`: EFBIG where a full
+    disk says ENOSPC) ended in a traceback without the file; now a ConfigError names
+    data.cache_dir, the file, the cause and the room the corpus needs, and leaves no part file.
+    A corpus file that cannot be read is still the corpus's error, not the cache's."""
+    import resource
+
+    corpus = write_corpus(tmp_path / "corpus", {"big.txt": "x" * 60_000})
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (50_000, hard))  # the tokens take 120,000 bytes
+    try:
+        err = check_error(build_text, text_node(tmp_path, corpus))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert err.key == "data.cache_dir" and "cannot write the token cache" in str(err)
+    assert "File too large" in str(err) and "the corpus needs up to 0.1 MB" in str(err)
+    assert [p.suffix for p in (tmp_path / "cache").iterdir()] == [".lock"]
+
+    (corpus / "big.txt").chmod(0)
+    if os.access(corpus / "big.txt", os.R_OK):  # (root reads it all the same)
+        return
+    with pytest.raises(PermissionError):
+        build_text(text_node(tmp_path, corpus))
+
+
 def test_check_text_errors(tmp_path):
     corpus = write_corpus(tmp_path / "corpus")
     check_text(text_node(tmp_path, corpus))  # a good corpus passes

@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Optional
@@ -23,6 +24,7 @@ import numpy as np
 from runner.components.text import keys
 from runner.components.text.stream import sha256_file, tokenise
 from runner.components.text.windows import DTYPES
+from runner.errors import ConfigError
 from runner.files import atomic_path, file_lock, write_atomic
 
 log = logging.getLogger(__name__)
@@ -137,8 +139,14 @@ def write_cache(
         bin_path,
     )
     not_utf8: list[str] = []
-    with atomic_path(bin_path) as tmp:
-        count, sha = tokenise([path for _, path in files], tokenizer, dtype, str(tmp), not_utf8)
+    paths = [path for _, path in files]
+    try:
+        with atomic_path(bin_path) as tmp:
+            count, sha = tokenise(paths, tokenizer, dtype, str(tmp), not_utf8)
+    except OSError as error:  # (a full disk: the cache's fault, not the corpus's)
+        if error.filename is not None and os.fsdecode(error.filename) in paths:
+            raise
+        raise _unwritable(bin_path, error, total * np.dtype(dtype).itemsize) from error
     names = {path: name for name, path in files}
     meta = {
         "format": FORMAT_VERSION,
@@ -153,5 +161,23 @@ def write_cache(
         "not_utf8": [names[path] for path in not_utf8],
     }
     # after the .bin: a sidecar always describes its file
-    write_atomic(meta_path, json.dumps(meta, indent=1))
+    try:
+        write_atomic(meta_path, json.dumps(meta, indent=1))
+    except OSError as error:
+        raise _unwritable(meta_path, error, 0) from error
     return meta
+
+
+def _unwritable(path: str, error: OSError, most: int) -> ConfigError:
+    """A token cache file the file system refused (a full disk, a folder made read-only): the
+    file, the cause, the room left and the room a corpus of `most` bytes' tokens can take."""
+    try:
+        free = f"; {shutil.disk_usage(os.path.dirname(path)).free / 1e6:.1f} MB free there"
+    except OSError:
+        free = ""
+    need = f", the corpus needs up to {most / 1e6:.1f} MB" if most else ""
+    return ConfigError(
+        "data.cache_dir",
+        f"cannot write the token cache {path}: {error.strerror or error}{free}{need}",
+        f"a folder with room (or set ${CACHE_ENV})",
+    )
