@@ -61,6 +61,11 @@ class CheckpointUnwritable(RunnerError):
     the run trained): the message names the file, the cause, the room left and what is kept."""
 
 
+class WorkerKilled(RunnerError):
+    """A DataLoader worker was ended by memory (the OOM killer, or shared memory run out): the
+    message says which and what to change (runner.run.out_of_memory)."""
+
+
 class LayerPlanError(RunnerError):
     """A layer ran in another format than its layer plan (or the level) says, with
     precision.strict=true: the message names each layer, what it ran in and what was planned."""

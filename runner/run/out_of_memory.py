@@ -12,19 +12,28 @@ the run KILLED with its log (runner.tracking.job_log).
 once the failed step's frames are gone: the tensors they held are freed (and, on a GPU, handed
 back to the device) before anything else runs, so that the next job of a sweep starts with the
 device's memory free.
+
+A DataLoader worker is a process of its own, with its own memory: the OOM killer may end it
+alone, and torch then raises "DataLoader worker (pid N) is killed by signal: Killed", a
+traceback that says nothing of memory. `guarded` turns that into `WorkerKilled` where the
+machine's count of OOM kills (/proc/vmstat) grew during the call, and a worker's bus error
+(the shared memory the workers hand their batches over, /dev/shm, run out: a container's
+default is 64 MB) likewise; a worker that crashed any other way is left as it is (a bug).
 """
 
 from __future__ import annotations
 
 import gc
 import re
+import shutil
 from collections.abc import Callable
 from types import TracebackType
 from typing import Optional, TypeVar
 
 import torch
 
-from runner.errors import OutOfMemory
+from runner.errors import OutOfMemory, WorkerKilled
+from runner.tracking.liveness import oom_kills
 
 T = TypeVar("T")
 GIB = 1024**3
@@ -149,23 +158,74 @@ def release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+# torch's words for a DataLoader worker that died (its C++ SIGCHLD check, or its queue's)
+_WORKER_DIED = re.compile(
+    r"DataLoader worker \(pid(?:\(s\))? ([\d, ]+)\) "
+    r"(?:is killed by signal: ([^.]+)\.|exited unexpectedly)"
+)
+SHM = "/dev/shm"
+
+
+def worker_killed(error: BaseException, oom_kills_since: int) -> Optional[str]:
+    """What a DataLoader worker's death (`error`, torch's RuntimeError) was, where memory ended
+    it: the OOM killer (`oom_kills_since`: processes it ended on this machine during the call)
+    or a bus error (shared memory run out); None for any other error or death."""
+    found = _WORKER_DIED.search(str(error)) if isinstance(error, RuntimeError) else None
+    if found is None:
+        return None
+    pids, signal = found.group(1).strip(), found.group(2)
+    worker = f"A DataLoader worker (pid {pids})"
+    if signal == "Bus error":  # (what /dev/shm held at the crash is freed by now: its size)
+        try:
+            room = f" ({SHM} holds {shutil.disk_usage(SHM).total / 2**20:.0f} MB in all)"
+        except OSError:
+            room = ""
+        return (
+            f"{worker} crashed with a bus error, in a worker most often the shared memory the "
+            f"workers hand their batches over in running out{room}. Give it more room (a "
+            "container: docker run --shm-size=8g), or fewer workers (trainer.num_workers; 0 "
+            "loads in this process); where it is large, a file the dataset maps into memory "
+            "may have shrunk while it was read"
+        )
+    if (signal is None or signal == "Killed") and oom_kills_since > 0:
+        how = "was killed (SIGKILL)" if signal else "exited unexpectedly"
+        return (
+            f"{worker} {how}: the kernel's OOM killer ended {oom_kills_since} process(es) on "
+            "this machine during the run, most likely this worker, out of memory. Each of the "
+            "trainer.num_workers workers is a process with memory of its own (what the dataset "
+            "holds, its batches in flight): fewer workers, a smaller trainer.batch_size, or a "
+            "machine with more memory"
+        )
+    return None
+
+
 def guarded(
     call: Callable[[], T], device: torch.device, opt_level: str, sizes: Callable[[], str]
 ) -> T:
     """`call()`, whose out-of-memory error becomes `OutOfMemory`: "Out of memory on <device> in
-    <phase> (<sizes()>): <what happened>. To fit: ...". Raised after the failed call's frames
-    are released (see the module's docstring); any other error passes unchanged."""
-    message = None
+    <phase> (<sizes()>): <what happened>. To fit: ...", and a DataLoader worker ended by memory
+    `WorkerKilled` (`worker_killed`). Raised after the failed call's frames are released (see
+    the module's docstring); any other error passes unchanged."""
+    message, kind = None, OutOfMemory
+    kills = oom_kills()
     try:
         return call()
     except Exception as error:
-        if not is_out_of_memory(error):
-            raise
-        happened = what_happened(error, device).rstrip(".")
-        message = (
-            f"Out of memory on {device} in {phase(error.__traceback__)} ({sizes()}): "
-            f"{happened}. {advice(device, opt_level)}"
-        )
+        if is_out_of_memory(error):
+            happened = what_happened(error, device).rstrip(".")
+            message = (
+                f"Out of memory on {device} in {phase(error.__traceback__)} ({sizes()}): "
+                f"{happened}. {advice(device, opt_level)}"
+            )
+        else:
+            now = oom_kills()
+            since = now - kills if now is not None and kills is not None else 0
+            killed = worker_killed(error, since)
+            if killed is None:
+                raise
+            where = phase(error.__traceback__)  # (a batch is waited for in no named phase)
+            within = f"in {where}: " if where != "the run" else ""
+            message, kind = f"{killed} ({within}{sizes()}).", WorkerKilled
     # (here the error, its traceback and the frames holding the step's tensors are gone)
     release(device)
-    raise OutOfMemory(message)
+    raise kind(message)

@@ -6,11 +6,14 @@ GPU torch raises its OutOfMemoryError."""
 
 from __future__ import annotations
 
+import signal
+
+import psutil
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from tests.helpers.runs import run_cli
+from tests.helpers.runs import FAST, read_until, run_cli, start_cli
 
 LIMIT = 6 * 1024**3  # a tiny run needs under 4 GiB of address space (measured)
 # gpt_tiny over a vocabulary of 2^16 tokens: 64 x 1024 x 2^16 fp32 logits are 16 GiB, one tensor
@@ -131,3 +134,28 @@ def test_a_step_too_big_for_the_gpu_is_one_line_and_the_memory_is_handed_back(tm
     runs = _runs(uri)
     assert runs["65536"].info.status == "FAILED"
     assert runs["64"].info.status == "FINISHED"
+
+
+@pytest.mark.slow
+def test_a_worker_whose_shared_memory_ran_out_is_one_line_and_a_failed_run(tmp_path):
+    """A DataLoader worker that dies of a bus error (what a container's 64 MB /dev/shm gives when
+    the batches in flight outgrow it; here a real SIGBUS to a real worker) ended the run with
+    torch's "killed by signal: Bus error" and a traceback, exit 1. Now one line says what it
+    most likely is and what to change; the run is FAILED with it, exit 2."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    args = [*FAST, "data.num_train=20000", "trainer.num_workers=2", f"mlflow.tracking_uri={uri}"]
+    proc = start_cli(*args, "trainer.max_epochs=1", cwd=tmp_path)
+    seen = read_until(proc, "What ran where, step 1")  # the workers are up and feeding
+    workers = psutil.Process(proc.pid).children()
+    assert workers, "".join(seen)
+    workers[0].send_signal(signal.SIGBUS)
+    rest, _ = proc.communicate(timeout=180)
+    output = "".join(seen) + rest
+    assert proc.returncode == 2, output[-3000:]
+    said = f"A DataLoader worker (pid {workers[0].pid}) crashed with a bus error"
+    assert said in output and "--shm-size" in output and "Traceback" not in output
+    assert "while it was read (tiny at O0, trainer.batch_size=32, after " in output
+    (run,) = MlflowClient(uri).search_runs(["1"])
+    assert run.info.status == "FAILED" and run.data.tags["error"].startswith(
+        f"WorkerKilled: {said}"
+    )

@@ -63,3 +63,40 @@ def test_any_other_error_passes_unchanged():
     with pytest.raises(ValueError, match="a bug"):
         out_of_memory.guarded(broken, CPU, "O0", lambda: "")
     assert out_of_memory.guarded(lambda: 7, CPU, "O0", lambda: "") == 7
+
+
+KILLED = "DataLoader worker (pid 4242) is killed by signal: Killed. "
+GONE = "DataLoader worker (pid(s) 4242, 4243) exited unexpectedly"
+
+
+@pytest.mark.parametrize(
+    "text, oom_kills, said",
+    [
+        (KILLED, 1, "A DataLoader worker (pid 4242) was killed (SIGKILL): the kernel's OOM killer"),
+        (GONE, 2, "A DataLoader worker (pid 4242, 4243) exited unexpectedly: the kernel's OOM"),
+        (
+            "DataLoader worker (pid 7) is killed by signal: Bus error. ",
+            0,
+            "A DataLoader worker (pid 7) crashed with a bus error",
+        ),
+        (KILLED, 0, None),  # a kill -9 from outside, not memory: the error as it is
+        (GONE, 0, None),
+        ("DataLoader worker (pid 7) is killed by signal: Segmentation fault. ", 3, None),  # a bug
+        ("mat1 and mat2 shapes cannot be multiplied", 3, None),
+    ],
+)
+def test_a_worker_ended_by_memory_is_told_apart(text, oom_kills, said):
+    """torch's words for a worker that died, by what memory did to it: the OOM killer (its
+    machine-wide count grew meanwhile) or shared memory run out (a bus error); any other death
+    keeps torch's error and traceback."""
+    found = out_of_memory.worker_killed(RuntimeError(text), oom_kills)
+    if said is None:
+        assert found is None
+        return
+    assert found.startswith(said)
+    if oom_kills:
+        assert f"ended {oom_kills} process(es) on this machine during the run" in found
+        assert "fewer workers, a smaller trainer.batch_size" in found
+    else:
+        assert "--shm-size" in found and "trainer.num_workers" in found
+    assert out_of_memory.worker_killed(ValueError(text), oom_kills) is None  # torch's own only
