@@ -11,6 +11,7 @@ or KILLED, with its config, precision table and log attached.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -412,8 +413,11 @@ def train_parts(
     if tuning is not None and plan.resume is None:
         params.update(tuning.params())
 
-    with StopRequest() as stop:
+    with StopRequest() as stop, contextlib.ExitStack() as owned:
         resume = plan.resume
+        if resume is not None and comm.is_main:  # (one process a resumed run: its lock)
+            writes = checkpoint.path_for(plan.checkpoint_folder, resume.run_id).parent
+            owned.enter_context(checkpoint.own(writes, resume.run_id))
         tracked_run = (
             tracker.start_run(
                 plan.run_name,

@@ -234,6 +234,18 @@ def vanished(
     return vanished_reason(tags, here) if now - beat > stale_after_s else None
 
 
+def owner_alive(tags: Mapping[str, str], stale_after_s: float) -> str | None:
+    """Who still runs a RUNNING run ("pid 123 on host-a, heartbeat 40 s ago"), where its tags
+    say it is alive (the same process on this machine, or a fresh heartbeat from another); None
+    where it is gone, or where no tags tell (an older runner's run: never judged alive)."""
+    owner = ProcessIdentity.from_tags(tags)
+    beat = parse_iso(tags.get(tag.HEARTBEAT, ""))
+    if owner is None or beat is None or vanished(tags, stale_after_s) is not None:
+        return None
+    age = _dt.datetime.now(_dt.timezone.utc).timestamp() - beat
+    return f"pid {owner.pid} on {owner.host}, heartbeat {max(age, 0):.0f} s ago"
+
+
 def was_reaped(tags: Mapping[str, str]) -> bool:
     """Whether a run was ended by a reaper (its `error` tag says its process vanished)."""
     return tags.get(tag.ERROR, "").startswith(VANISHED)

@@ -166,8 +166,22 @@ class MlflowTracker(Tracker):
                 f"experiment {run.info.experiment_id}, not {self.experiment_id}",
                 "the experiment_name the checkpointed run used",
             )
-        # the new owner first, then the status, as one step against `end_vanished`
+        # the new owner first, then the status, as one step against `end_vanished` and against
+        # another process resuming it at the same time
         with store_lock(self.tracking_uri):
+            now = self.client.get_run(run_id)
+            owner = (
+                liveness.owner_alive(now.data.tags, self.stale_after_s)
+                if now.info.status == RUNNING
+                else None
+            )
+            if owner is not None:  # (two processes would log into one run, one checkpoint)
+                raise ConfigError(
+                    "resume",
+                    f"the run {run_id} is still running ({owner}): another process trains it",
+                    "wait for it to end, or stop it, then resume=auto (a run whose process died "
+                    "is ended KILLED by the next run, and can be resumed then)",
+                )
             self.client.log_batch(
                 run_id, tags=[RunTag(k, v) for k, v in self._liveness_tags().items()]
             )

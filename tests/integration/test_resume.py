@@ -164,6 +164,48 @@ def test_checkpoints_moved_to_another_disk_resume_from_there(tmp_path):
     assert run.info.status == "FINISHED" and run.data.tags["resume.count"] == "1"
 
 
+def test_a_run_another_process_resumes_is_not_resumed_twice(tmp_path):
+    """Two `resume=auto` started together both trained the run: every metric logged twice into
+    one MLflow run, one checkpoint written by both. The resuming process holds a lock on the
+    run's checkpoint folder (here held by this test, as another resumer would): the second is
+    refused before the run is reopened, and the run goes on once the lock is free."""
+    from runner.files import try_lock
+
+    app.run(compose_config(*settings(tmp_path, "trainer.max_epochs=1")))
+    (path,) = (tmp_path / "checkpoints").rglob("last.pt")
+    before = path.read_bytes()
+    cfg = compose_config(*settings(tmp_path, "trainer.max_epochs=2", "resume=auto"))
+    with try_lock(path.parent / checkpoint.folders.RESUMED_LOCK):
+        with pytest.raises(ConfigError) as refused:
+            app.run(cfg)
+    assert refused.value.key == "resume" and "is being resumed by another process" in str(
+        refused.value
+    )
+    assert path.read_bytes() == before
+    (run,) = runs_by_name(f"sqlite:///{tmp_path / 'mlflow.db'}").values()
+    assert run.info.status == "FINISHED" and "resume.count" not in run.data.tags
+    app.run(cfg)  # the other process is done: it resumes
+    assert checkpoint.load(path)["epoch"] == 2
+
+
+@pytest.mark.slow
+def test_a_run_whose_first_session_still_trains_is_not_resumed(tmp_path):
+    """`resume=auto` while the run's own first session still trains (its epoch-1 checkpoint
+    written): refused, naming the live process, instead of a second process training the run."""
+    args = settings(tmp_path, "data.num_train=30000", "trainer.max_epochs=3")
+    first = start_cli(*args, cwd=tmp_path)
+    try:
+        seen = read_until(first, "Checkpoint: ")
+        assert any("Checkpoint: " in line for line in seen), "".join(seen)[-3000:]
+        with pytest.raises(ConfigError) as refused:
+            app.run(compose_config(*args, "resume=auto"))
+        said = str(refused.value)
+        assert f"is still running (pid {first.pid} on " in said and "heartbeat " in said
+    finally:
+        first.kill()
+        first.wait(timeout=60)
+
+
 def test_resume_auto_without_a_checkpoint_starts_fresh(tmp_path):
     app.run(compose_config(*settings(tmp_path, "trainer.max_epochs=1", "resume=auto")))
     (run,) = runs_by_name(f"sqlite:///{tmp_path / 'mlflow.db'}").values()

@@ -67,6 +67,6 @@ from runner.run.checkpoint.fit import (  # noqa: F401
     check_structure,
     config_differences,
 )
-from runner.run.checkpoint.folders import FILENAME, find, path_for, run_folder  # noqa: F401
+from runner.run.checkpoint.folders import FILENAME, find, own, path_for, run_folder  # noqa: F401
 from runner.run.checkpoint.format import FORMAT, LEGACY_FORMAT, save, unwritable  # noqa: F401
 from runner.run.checkpoint.loading import load  # noqa: F401

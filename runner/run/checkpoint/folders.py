@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Optional
 
 from runner.errors import ConfigError
+from runner.files import HeldLock, try_lock
 
 FILENAME = "last.pt"
 # a sharded run's checkpoint (runner.run.checkpoint.sharded): a folder of shards and trainer.pt
@@ -27,6 +28,27 @@ def run_folder(root: str | os.PathLike, experiment: str, run_name: str) -> Path:
 
 def path_for(folder: Path, run_id: str) -> Path:
     return folder / _safe(run_id) / FILENAME
+
+
+RESUMED_LOCK = ".resumed.lock"  # held in a run id's folder by the process resuming that run
+
+
+def own(folder: Path, run_id: str) -> HeldLock:
+    """The lock a process resuming run `run_id` holds on its checkpoint's folder until it ends
+    (the kernel releases it however the process ends): a second process resuming the same run
+    at the same time is refused here, on any tracker, rather than log into one run and write
+    one checkpoint with the first (two resumes a second apart both trained it, each metric
+    logged twice). The store's own check (a RUNNING run whose owner lives) covers other hosts."""
+    folder.mkdir(parents=True, exist_ok=True)
+    held = try_lock(folder / RESUMED_LOCK)
+    if held is None:
+        raise ConfigError(
+            "resume",
+            f"the run {run_id} is being resumed by another process now ({folder / RESUMED_LOCK} "
+            "is held): two processes would train one run",
+            "wait for it to end, or stop it, then resume=auto",
+        )
+    return held
 
 
 def find(resume: Optional[str], folder: Path) -> Optional[Path]:
