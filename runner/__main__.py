@@ -81,16 +81,25 @@ def _mistake(error: BaseException) -> bool:
     return not _verbose() and mistakes.is_composition_error(error) and not _in_task(error)
 
 
+# Hydra's functions that make and write the output folders (hydra.core.utils.run_job and
+# _save_config; the basic sweeper's and launcher's mkdir of the sweep's folder)
+_HYDRA_WRITERS = ("run_job", "_save_config", "sweep", "launch")
+
+
 def _output_folder_error(error: BaseException) -> bool:
-    """An OSError on a path outside the task function: Hydra making or writing the run's output
-    folder (hydra.run.dir, a sweep's hydra.sweep.dir) where it cannot: a file in the way, no
-    rights, a read-only launch folder."""
-    return (
-        isinstance(error, OSError)
-        and error.filename is not None
-        and not _verbose()
-        and not _in_task(error)
-    )
+    """An OSError on a path raised in Hydra's own code outside the task function: Hydra making
+    or writing the run's output folder (hydra.run.dir, a sweep's hydra.sweep.dir) where it
+    cannot: a file in the way, no rights, a read-only launch folder."""
+    if not isinstance(error, OSError) or error.filename is None or _verbose() or _in_task(error):
+        return False
+    innermost = None  # the last of Hydra's frames the error passed through
+    frame = error.__traceback__
+    while frame is not None:
+        code = frame.tb_frame.f_code
+        if f"{os.sep}hydra{os.sep}" in code.co_filename:
+            innermost = code.co_name
+        frame = frame.tb_next
+    return innermost in _HYDRA_WRITERS
 
 
 def _refuse_output(error: OSError) -> NoReturn:
