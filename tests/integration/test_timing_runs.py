@@ -53,7 +53,10 @@ def test_a_slow_first_step_stays_out_of_the_steady_throughput(tmp_path):
     assert len(starts) == 30  # 480 samples in batches of 16
     periods = [b - a for a, b in zip(starts[3:], starts[4:])]  # the steady steps' own period
     assert steady == pytest.approx(16 / statistics.mean(periods), rel=0.10)
-    assert warmup >= 3.0 and epoch < steady / 2
+    # the epoch's figure counts the 3 s stall: its 480 samples took at least the stall and the
+    # other 29 steps (26 counted, for slack) at the steady period, however loaded the machine
+    # (steady / 2 was that bound on an idle one: a loaded one, steps twice as long, missed it)
+    assert warmup >= 3.0 and epoch < 480 / (3.0 + 26 * 16 / steady) < steady
     ((_, p50),) = values(rec, "step_time_ms_p50")
     assert p50 == pytest.approx(1e3 * statistics.median(periods), rel=0.10)
     log = (out / "runner.log").read_text()
