@@ -4,7 +4,8 @@ A configuration is keyed by what its step time depends on: the model's config, t
 the data's input), the precision level's resolved properties, the optimizer, the device's name,
 torch's version and which settings were left to tune (`key`). The file holds the measured rows
 (runner.run.tune_measure.Row) and is written atomically (runner.files); a file that does not read
-back as such rows is ignored with a warning. The folder is `$AMP_RUNNER_TUNE_CACHE`, else
+back as such rows (each setting a tunable key with a value it may take) is ignored with a
+warning, and measured again. The folder is `$AMP_RUNNER_TUNE_CACHE`, else
 `$XDG_CACHE_HOME/amp-runner/tune` (`~/.cache/amp-runner/tune`).
 """
 
@@ -14,12 +15,13 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
+from runner.config import COMPILE_MODES, KERNEL_CHOICES, TUNABLE
 from runner.files import HeldLock, file_lock, write_atomic
 
 log = logging.getLogger(__name__)
@@ -73,10 +75,35 @@ def read(digest: str) -> Optional[list[dict[str, Any]]]:
     return rows
 
 
+def _is_bool(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
+# each tunable key's values a row may hold: a cache file is input like any other (a shared
+# cache folder, a damaged file): a row that set precision.kernels=evil was applied, and the run
+# ended in an unexpected error; an unknown key is never a setting
+SETTING_OK: dict[str, Callable[[Any], bool]] = {
+    "trainer.channels_last": _is_bool,
+    "trainer.cudnn_benchmark": _is_bool,
+    "trainer.compile": _is_bool,
+    "trainer.compile_mode": lambda v: isinstance(v, str) and v in COMPILE_MODES,
+    "precision.kernels": lambda v: isinstance(v, str) and v in KERNEL_CHOICES,
+    "trainer.num_workers": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+    "trainer.pin_memory": lambda v: v is None or isinstance(v, bool),
+}
+assert set(SETTING_OK) == set(TUNABLE)
+
+
+def _settings_ok(settings: Any) -> bool:
+    return isinstance(settings, dict) and all(
+        key in SETTING_OK and SETTING_OK[key](value) for key, value in settings.items()
+    )
+
+
 def _rows_ok(rows: Any) -> bool:
     return isinstance(rows, list) and all(
         isinstance(r, dict)
-        and isinstance(r.get("settings"), dict)
+        and _settings_ok(r.get("settings"))
         and isinstance(r.get("steady_ms"), (int, float, type(None)))
         and isinstance(r.get("compile_s"), (int, float))
         and isinstance(r.get("loss"), (int, float, type(None)))

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
+from omegaconf import OmegaConf
 
-from runner.run import tune, tune_data, tune_measure
+from runner.run import tune, tune_cache, tune_data, tune_measure
 from runner.run.distributed import Comm
 from runner.run.plan import make_plan
 from tests.helpers.images import write_image_folder
@@ -101,6 +102,36 @@ def test_a_corrupted_cache_file_is_ignored_with_a_warning(cache, caplog):
     _, again = tuned(*ON)
     assert again.source == "measured"
     assert "ignoring the unreadable cache file" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"precision.kernels": "evil"},
+        {"trainer.channels_last": "yes please"},
+        {"trainer.num_workers": True},
+        {"model._target_": "builtins.print"},
+    ],
+)
+def test_a_cache_row_setting_what_no_run_may_is_never_applied(cache, caplog, settings):
+    """A cache file is input like any other (a damaged file, a shared folder): a row whose
+    settings hold a value the key cannot take, made fastest, was chosen and applied
+    (precision.kernels=evil: an unexpected error at the build). The file is ignored, measured
+    again, and the run keeps values it may have."""
+    first_plan, _ = tuned(*ON)
+    (path,) = cache.glob("*.json")
+    data = json.loads(path.read_text())
+    data["rows"].append({**data["rows"][0], "settings": settings, "steady_ms": 1e-3})
+    path.write_text(json.dumps(data))
+    plan, again = tuned(*ON)
+    assert again.source == "measured" and "ignoring the unreadable cache file" in caplog.text
+    for key, bad in settings.items():
+        value = OmegaConf.select(plan.cfg, key)
+        assert value != bad or type(value) is not type(bad)
+        if key in tune_cache.SETTING_OK:  # (measured again: whichever value was fastest)
+            assert tune_cache.SETTING_OK[key](value)
+        else:
+            assert value == OmegaConf.select(first_plan.cfg, key)
 
 
 def test_a_candidate_that_changes_the_loss_is_refused():
