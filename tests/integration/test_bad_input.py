@@ -154,40 +154,33 @@ def test_a_numbered_gpu_is_refused_saying_how_to_pick_one():
     assert "hydra/launcher=parallel" in refused.value.allowed
 
 
-def test_a_data_root_that_is_a_file_is_refused(existing, tmp_path):
+@pytest.mark.parametrize(
+    "base, key, under, says",
+    [
+        (["model=tiny", "data=cifar10"], "data.root", "", "a folder"),
+        (FAST, "trainer.checkpoint_dir", "", "is not a folder (a file is in the way)"),
+        (FAST, "trainer.checkpoint_dir", "sub", "is not a folder (a file is in the way)"),
+    ],
+)
+def test_a_file_where_a_folder_belongs_is_refused_before_any_work(
+    existing, tmp_path, base, key, under, says
+):
+    """data.root, or a trainer.checkpoint_dir (found, before, when the first epoch's checkpoint
+    was written: the epoch trained and lost, then a traceback), that is a file, or lies under
+    one: refused naming the key, before any run or checkpoint is touched."""
     _, uri, path, before = existing
-    a_file = tmp_path / "cifar.tar"
+    a_file = tmp_path / "a-file"
     a_file.write_text("not a folder")
+    checkpoints = (
+        [] if key == "trainer.checkpoint_dir" else [f"trainer.checkpoint_dir={path.parents[3]}"]
+    )
     with pytest.raises(ConfigError) as e:
         app.run(
             compose_config(
-                "model=tiny",
-                "data=cifar10",
-                f"data.root={a_file}",
-                f"mlflow.tracking_uri={uri}",
-                f"trainer.checkpoint_dir={path.parents[3]}",
+                *base, f"mlflow.tracking_uri={uri}", *checkpoints, f"{key}={a_file / under}"
             )
         )
-    assert e.value.key == "data.root" and "a folder" in str(e.value)
-    assert len(_runs(uri)) == 1 and path.read_bytes() == before
-
-
-@pytest.mark.parametrize("under", ["", "sub"])
-def test_a_checkpoint_dir_that_cannot_be_made_is_refused_before_any_work(existing, tmp_path, under):
-    """A file where the checkpoint folder would be: found when the first epoch's checkpoint was
-    written, the epoch trained and lost, and a traceback (exit 1)."""
-    _, uri, path, before = existing
-    a_file = tmp_path / "checkpoints"
-    a_file.write_text("not a folder")
-    with pytest.raises(ConfigError) as e:
-        app.run(
-            compose_config(
-                *FAST, f"mlflow.tracking_uri={uri}", f"trainer.checkpoint_dir={a_file / under}"
-            )
-        )
-    assert e.value.key == "trainer.checkpoint_dir"
-    assert f"{a_file} is not a folder (a file is in the way)" in str(e.value)
-    assert "a folder you can write" in e.value.allowed
+    assert e.value.key == key and says in str(e.value) and e.value.allowed
     assert len(_runs(uri)) == 1 and path.read_bytes() == before
 
 
