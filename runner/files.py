@@ -26,6 +26,7 @@ import contextlib
 import fcntl
 import os
 import re
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -124,6 +125,18 @@ def folder_problem(folder: PathLike) -> Optional[str]:
     if not os.access(existing, os.W_OK | os.X_OK):
         return f"{existing} is not writable" + (f" (to make {path} in)" if existing != path else "")
     return None
+
+
+def free_space(path: PathLike) -> Optional[int]:
+    """The bytes free on the disk that holds (or would hold) `path`: its nearest folder that
+    exists; None where that cannot be read. For messages about a write the disk refused."""
+    where = os.path.abspath(path)
+    while not os.path.isdir(where) and os.path.dirname(where) != where:
+        where = os.path.dirname(where)
+    try:
+        return shutil.disk_usage(where).free
+    except OSError:
+        return None
 
 
 def remove_stale_temporaries(folder: PathLike) -> None:

@@ -14,7 +14,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Optional
@@ -25,7 +24,7 @@ from runner.components.text import keys
 from runner.components.text.stream import sha256_file, tokenise
 from runner.components.text.windows import DTYPES
 from runner.errors import ConfigError
-from runner.files import atomic_path, file_lock, write_atomic
+from runner.files import atomic_path, file_lock, free_space, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -171,11 +170,9 @@ def write_cache(
 def _unwritable(path: str, error: OSError, most: int) -> ConfigError:
     """A token cache file the file system refused (a full disk, a folder made read-only): the
     file, the cause, the room left and the room a corpus of `most` bytes' tokens can take."""
-    try:
-        free = f"; {shutil.disk_usage(os.path.dirname(path)).free / 1e6:.1f} MB free there"
-    except OSError:
-        free = ""
-    need = f", the corpus needs up to {most / 1e6:.1f} MB" if most else ""
+    room = free_space(os.path.dirname(path))
+    free = f"; {room / 2**20:.1f} MB free there" if room is not None else ""
+    need = f", the corpus needs up to {most / 2**20:.1f} MB" if most else ""
     return ConfigError(
         "data.cache_dir",
         f"cannot write the token cache {path}: {error.strerror or error}{free}{need}",

@@ -13,7 +13,6 @@ import logging
 import os
 import pickle
 import re
-import shutil
 import struct
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -22,7 +21,7 @@ from typing import Any, Optional
 import torch
 
 from runner.errors import CheckpointUnwritable, ConfigError
-from runner.files import atomic_write, remove_stale_temporaries
+from runner.files import atomic_write, free_space, remove_stale_temporaries
 from runner.run.checkpoint.contents import ALLOWED, content_problems
 from runner.run.rng import upgrade_legacy_rng
 
@@ -69,13 +68,8 @@ def unwritable(path: Path, error: BaseException) -> Optional[CheckpointUnwritabl
     if cause is None:
         return None
     path = Path(path)
-    where = path.parent
-    while not where.exists() and where != where.parent:
-        where = where.parent
-    try:
-        free = f" ({shutil.disk_usage(where).free / 2**20:.1f} MB free there)"
-    except OSError:
-        free = ""
+    room = free_space(path.parent)
+    free = f" ({room / 2**20:.1f} MB free there)" if room is not None else ""
     full = getattr(cause, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
     fix = "free some space" if full else "fix that"
     kept = (
