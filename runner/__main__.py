@@ -103,14 +103,11 @@ def _output_folder_error(error: BaseException) -> bool:
 
 
 def _refuse_output(error: OSError) -> NoReturn:
-    multirun = any(a in ("-m", "--multirun") for a in sys.argv[1:])
-    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
-    problem = f"{error.strerror or type(error).__name__}: {os.fsdecode(error.filename)}"
-    print(
-        f"{key}: cannot make or write the output folder ({problem}); set {key} to a folder you "
-        "can write, or launch from one",
-        file=sys.stderr,
-    )
+    from runner.run.output_folder import unmade
+
+    mode = "sweep" if any(a in ("-m", "--multirun") for a in sys.argv[1:]) else "run"
+    failed = os.fsdecode(error.filename)
+    print(unmade(mode, failed, error.strerror or type(error).__name__), file=sys.stderr)
     raise SystemExit(2) from None
 
 

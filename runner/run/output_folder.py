@@ -21,6 +21,8 @@ from typing import Any, Optional
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
+from runner.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 TIMED = "${now:"  # a folder setting that names the folder by the time of the start
@@ -48,18 +50,23 @@ def check_output_folder(config: DictConfig, mode: str) -> None:
     """`hydra.<mode>.dir` (mode: run or sweep) that cannot be made or written (a file in the way,
     no rights, a read-only launch folder) refused before anything starts, a sweep before its
     jobs are checked (a ConfigError); `check_working_dir` too."""
-    from runner.errors import ConfigError
     from runner.files import folder_problem
 
     check_working_dir(config)
     folder = OmegaConf.select(config, f"hydra.{mode}.dir")
     problem = folder_problem(str(folder)) if folder else None
     if problem is not None:
-        raise ConfigError(
-            f"hydra.{mode}.dir",
-            f"the output folder {folder} cannot be made: {problem}",
-            "a folder you can write (or launch from one: the default is relative to it)",
-        )
+        raise unmade(mode, folder, problem)
+
+
+def unmade(mode: str, folder: Any, problem: str) -> ConfigError:
+    """`hydra.<mode>.dir`'s output folder that cannot be made, as a ConfigError: what the check
+    above finds, or (its OSError's `problem`) what only the attempt does (/proc, a full disk)."""
+    return ConfigError(
+        f"hydra.{mode}.dir",
+        f"the output folder {folder} cannot be made: {problem}",
+        "a folder you can write (or launch from one: the default is relative to it)",
+    )
 
 
 def check_working_dir(config: DictConfig) -> None:

@@ -70,7 +70,7 @@ class MlflowSweepCallback(Callback):
 
     # launching process
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        from runner.run.output_folder import check_output_folder
+        from runner.run.output_folder import check_output_folder, unmade
 
         try:
             check_output_folder(config, "sweep")
@@ -95,12 +95,8 @@ class MlflowSweepCallback(Callback):
             sweep_dir = Path(config.hydra.sweep.dir)
             self._folder = _hold_folder(sweep_dir)
         except OSError as error:  # (what the check above cannot see: /proc, a full disk)
-            log.error(
-                "hydra.sweep.dir: the output folder %s cannot be made: %s (allowed: a folder "
-                "you can write)",
-                config.hydra.sweep.dir,
-                f"{error.strerror or error}: {error.filename}",
-            )
+            problem = f"{error.strerror or error}: {error.filename}"
+            log.error("%s", unmade("sweep", config.hydra.sweep.dir, problem))
             raise SystemExit(2) from error
         try:
             self._open_parent(config, sweep_dir, jobs)
