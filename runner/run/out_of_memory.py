@@ -199,6 +199,21 @@ def worker_killed(error: BaseException, oom_kills_since: int) -> Optional[str]:
     return None
 
 
+def _worker_death(error: BaseException) -> BaseException:
+    """`error`, or where a DataLoader worker died while its batch was being received (the error
+    then a broken connection, torch's own word pending in its SIGCHLD handler), torch's error
+    for that death, from the check its handler makes."""
+    if _WORKER_DIED.search(str(error)):
+        return error
+    from torch.utils.data._utils.signal_handling import _error_if_any_worker_fails
+
+    try:
+        _error_if_any_worker_fails()
+    except RuntimeError as died:
+        return died
+    return error
+
+
 def guarded(
     call: Callable[[], T], device: torch.device, opt_level: str, sizes: Callable[[], str]
 ) -> T:
@@ -220,12 +235,11 @@ def guarded(
         else:
             now = oom_kills()
             since = now - kills if now is not None and kills is not None else 0
-            killed = worker_killed(error, since)
+            killed = worker_killed(_worker_death(error), since)
             if killed is None:
                 raise
-            where = phase(error.__traceback__)  # (a batch is waited for in no named phase)
-            within = f"in {where}: " if where != "the run" else ""
-            message, kind = f"{killed} ({within}{sizes()}).", WorkerKilled
+            # (no phase: torch's SIGCHLD handler raises wherever the main process then is)
+            message, kind = f"{killed} ({sizes()}).", WorkerKilled
     # (here the error, its traceback and the frames holding the step's tensors are gone)
     release(device)
     raise kind(message)
