@@ -26,13 +26,16 @@ from __future__ import annotations
 import gc
 import re
 import shutil
-from collections.abc import Callable
+import signal
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from types import TracebackType
 from typing import Optional, TypeVar
 
 import torch
 
-from runner.errors import OutOfMemory, WorkerKilled
+from runner.errors import OutOfMemory, RunnerError, WorkerKilled
 from runner.tracking.liveness import oom_kills
 
 T = TypeVar("T")
@@ -173,9 +176,9 @@ def worker_killed(error: BaseException, oom_kills_since: int) -> Optional[str]:
     found = _WORKER_DIED.search(str(error)) if isinstance(error, RuntimeError) else None
     if found is None:
         return None
-    pids, signal = found.group(1).strip(), found.group(2)
+    pids, by = found.group(1).strip(), found.group(2)
     worker = f"A DataLoader worker (pid {pids})"
-    if signal == "Bus error":  # (what /dev/shm held at the crash is freed by now: its size)
+    if by == "Bus error":  # (what /dev/shm held at the crash is freed by now: its size)
         try:
             room = f" ({SHM} holds {shutil.disk_usage(SHM).total / 2**20:.0f} MB in all)"
         except OSError:
@@ -187,8 +190,8 @@ def worker_killed(error: BaseException, oom_kills_since: int) -> Optional[str]:
             "loads in this process); where it is large, a file the dataset maps into memory "
             "may have shrunk while it was read"
         )
-    if (signal is None or signal == "Killed") and oom_kills_since > 0:
-        how = "was killed (SIGKILL)" if signal else "exited unexpectedly"
+    if (by is None or by == "Killed") and oom_kills_since > 0:
+        how = "was killed (SIGKILL)" if by else "exited unexpectedly"
         return (
             f"{worker} {how}: the kernel's OOM killer ended {oom_kills_since} process(es) on "
             "this machine during the run, most likely this worker, out of memory. Each of the "
@@ -199,19 +202,113 @@ def worker_killed(error: BaseException, oom_kills_since: int) -> Optional[str]:
     return None
 
 
-def _worker_death(error: BaseException) -> BaseException:
-    """`error`, or where a DataLoader worker died while its batch was being received (the error
-    then a broken connection, torch's own word pending in its SIGCHLD handler), torch's error
-    for that death, from the check its handler makes."""
+WORKER_GRACE_S = 3.0  # how long a broken connection to a worker waits for its death to show
+
+
+def _chain(error: Optional[BaseException]) -> Iterator[BaseException]:
+    """`error` and those it was raised from or during, latest first."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = error.__cause__ or error.__context__
+
+
+def _signal_told(error: BaseException) -> Optional[BaseException]:
+    """torch's "exited unexpectedly" (`error`: its check of the workers after a failed receive,
+    which reaps the dead one, so that the signal is lost to its SIGCHLD check) made whole: the
+    signal that ended the worker, read from the worker's process object in the frames the error
+    came through; None where it is not there."""
+    found = _WORKER_DIED.search(str(error))
+    if found is None or found.group(2) is not None:
+        return None
+    pids = {int(pid) for pid in found.group(1).split(",")}
+    frame = error.__traceback__
+    while frame is not None:
+        workers = getattr(frame.tb_frame.f_locals.get("self"), "_workers", None)
+        for worker in workers if isinstance(workers, list) else ():
+            code = getattr(worker, "exitcode", None)
+            if getattr(worker, "pid", None) in pids and isinstance(code, int) and code < 0:
+                name = signal.strsignal(-code) or f"signal {-code}"
+                return RuntimeError(
+                    f"DataLoader worker (pid {worker.pid}) is killed by signal: {name}."
+                )
+        frame = frame.tb_next
+    return None
+
+
+@contextmanager
+def _sigchld_held() -> Iterator[None]:
+    """torch's SIGCHLD handler (which raises a worker's death wherever the main process is) held
+    off while a failure is looked at, `_worker_death` making its check instead: the death is then
+    told once, as the failure's cause, not raised in the middle of its report. (The main thread
+    only sets handlers: elsewhere the handler stays.)"""
+    try:
+        before = signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # (not SIG_IGN: that reaps)
+    except ValueError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL if before is None else before)
+
+
+def _worker_death(error: BaseException, grace_s: float = WORKER_GRACE_S) -> BaseException:
+    """`error`, or where a DataLoader worker died, torch's error for that death with its signal.
+    torch tells a death three ways, by chance of timing: its SIGCHLD handler's check ("is killed
+    by signal: Bus error"), raised wherever the main process is, perhaps inside the receive
+    whose failure is then chained on; its check after a failed receive ("exited unexpectedly",
+    no signal: `_signal_told`); or nothing yet, the receive broken as soon as the dying worker's
+    sockets closed, before the kernel shows it dead (not yet a zombie): for such an error the
+    check is made again for up to `grace_s` seconds. torch tells a death once (its check forgets
+    the worker): told here, its handler does not raise it again later, in this one's report."""
+    for link in _chain(error):
+        found = _WORKER_DIED.search(str(link)) if isinstance(link, RuntimeError) else None
+        if found is not None and found.group(2) is not None:
+            return link
+    for link in _chain(error):
+        told = _signal_told(link)
+        if told is not None:
+            return told
     if _WORKER_DIED.search(str(error)):
         return error
     from torch.utils.data._utils.signal_handling import _error_if_any_worker_fails
 
-    try:
-        _error_if_any_worker_fails()
-    except RuntimeError as died:
-        return died
-    return error
+    broken = any(isinstance(link, (ConnectionError, EOFError)) for link in _chain(error))
+    deadline = time.monotonic() + (grace_s if broken else 0.0)
+    while True:
+        try:  # (torch's SIGCHLD handler may make the same check, and raise, in the sleep)
+            _error_if_any_worker_fails()
+            if time.monotonic() >= deadline:
+                return error
+            time.sleep(0.02)
+        except RuntimeError as died:
+            return died
+
+
+def _told(
+    error: BaseException,
+    device: torch.device,
+    opt_level: str,
+    sizes: Callable[[], str],
+    kills: Optional[int],
+) -> Optional[tuple[str, type[RunnerError]]]:
+    """What `guarded` raises for `error` (`kills`: the OOM-kill count before the call), or None
+    where it is neither out of memory nor a worker ended by memory."""
+    if is_out_of_memory(error):
+        happened = what_happened(error, device).rstrip(".")
+        return (
+            f"Out of memory on {device} in {phase(error.__traceback__)} ({sizes()}): "
+            f"{happened}. {advice(device, opt_level)}",
+            OutOfMemory,
+        )
+    with _sigchld_held():
+        now = oom_kills()
+        since = now - kills if now is not None and kills is not None else 0
+        killed = worker_killed(_worker_death(error), since)
+        # (no phase: torch's SIGCHLD handler raises wherever the main process then is)
+        return None if killed is None else (f"{killed} ({sizes()}).", WorkerKilled)
 
 
 def guarded(
@@ -221,25 +318,19 @@ def guarded(
     <phase> (<sizes()>): <what happened>. To fit: ...", and a DataLoader worker ended by memory
     `WorkerKilled` (`worker_killed`). Raised after the failed call's frames are released (see
     the module's docstring); any other error passes unchanged."""
-    message, kind = None, OutOfMemory
     kills = oom_kills()
     try:
         return call()
     except Exception as error:
-        if is_out_of_memory(error):
-            happened = what_happened(error, device).rstrip(".")
-            message = (
-                f"Out of memory on {device} in {phase(error.__traceback__)} ({sizes()}): "
-                f"{happened}. {advice(device, opt_level)}"
-            )
-        else:
-            now = oom_kills()
-            since = now - kills if now is not None and kills is not None else 0
-            killed = worker_killed(_worker_death(error), since)
-            if killed is None:
+        try:
+            told = _told(error, device, opt_level, sizes, kills)
+        except RuntimeError as late:  # torch's SIGCHLD handler, before `_told` held it off
+            if _WORKER_DIED.search(str(late)) is None:
                 raise
-            # (no phase: torch's SIGCHLD handler raises wherever the main process then is)
-            message, kind = f"{killed} ({sizes()}).", WorkerKilled
+            told = _told(late, device, opt_level, sizes, kills)
+        if told is None:
+            raise
     # (here the error, its traceback and the frames holding the step's tensors are gone)
     release(device)
+    message, kind = told
     raise kind(message)
