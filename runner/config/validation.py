@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import typing
 from collections.abc import Mapping
-from typing import Optional
+from typing import Any, Optional
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, ValidationError
 
 from runner.config import (
     COMPILE_MODES,
@@ -61,7 +62,12 @@ def _rules(
         spec = specs.get(group)
         if spec is not None:
             rules += [(f"{group}.{key}", ok, allowed) for key, ok, allowed in spec.rules]
-    rules += [
+    return rules + _fixed_rules()
+
+
+def _fixed_rules() -> list[Rule]:
+    """The rules of the keys outside the groups' options (trainer, precision, mlflow, ...)."""
+    return [
         ("task.name", one_of(TASK_CHOICES), ", ".join(TASK_CHOICES)),
         ("loss.label_smoothing", lambda v: finite(v) and 0 <= v < 1, "a number in [0, 1)"),
         ("precision.kernels", one_of(KERNEL_CHOICES), ", ".join(KERNEL_CHOICES)),
@@ -128,7 +134,48 @@ def _rules(
             "0 (off) or a number of seconds >= 0.1",
         ),
     ]
-    return rules
+
+
+def setting_problem(key: str, value: Any) -> Optional[str]:
+    """Why `value` may not be set at `key`, a key of a typed section of the run's config
+    (trainer.num_workers, precision.kernels), as `validate` says it ("got 'evil' (allowed:
+    ...)"); None where it may. For a value that comes from outside the composed config (a tune
+    cache's row): its type is the schema's own, not one OmegaConf would convert ("true", 1)."""
+    section, _, leaf = key.partition(".")
+    schema = typing.get_type_hints(RunConfig).get(section)
+    names = {f.name for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else ()
+    if leaf not in names:
+        return f"{key} is not a key of a typed section of the run's config"
+    node = OmegaConf.structured(schema)
+    try:
+        node[leaf] = value
+        kept = node[leaf]
+    except (ValidationError, ValueError, TypeError):
+        kept = _REFUSED
+    if kept is _REFUSED or (value is not None and type(kept) is not type(value)):
+        wanted = typing.get_type_hints(schema)[leaf]
+        return f"{key}: got {value!r} (allowed: a value of type {_type_name(wanted)})"
+    for rule_key, ok, allowed in _fixed_rules():
+        if rule_key != key:
+            continue
+        try:
+            good = ok(value)
+        except TypeError:
+            good = False
+        if not good:
+            return f"{key}: got {value!r} (allowed: {allowed})"
+    return None
+
+
+_REFUSED = object()
+
+
+def _type_name(hint: Any) -> str:
+    """`Optional[bool]` as "bool or null", `int` as "int"."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is typing.Union and len(args) == 1:
+        return f"{_type_name(args[0])} or null"
+    return getattr(hint, "__name__", str(hint))
 
 
 def _check_known_keys(cfg: DictConfig) -> None:

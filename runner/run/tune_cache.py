@@ -15,13 +15,13 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-from runner.config import COMPILE_MODES, KERNEL_CHOICES, TUNABLE
+from runner.config import TUNABLE, validation
 from runner.files import HeldLock, file_lock, write_atomic
 
 log = logging.getLogger(__name__)
@@ -67,48 +67,41 @@ def read(digest: str) -> Optional[list[dict[str, Any]]]:
     try:
         data = json.loads(path.read_text())
         rows = data["rows"]
-        if data.get("format") != FORMAT or not _rows_ok(rows):
-            raise ValueError("not the rows of a tuning")
+        problem = "another format" if data.get("format") != FORMAT else _rows_problem(rows)
+        if problem is not None:
+            raise ValueError(f"not the rows of a tuning: {problem}")
     except (OSError, ValueError, KeyError, TypeError) as error:
         log.warning("trainer.tune: ignoring the unreadable cache file %s (%s)", path, error)
         return None
     return rows
 
 
-def _is_bool(value: Any) -> bool:
-    return isinstance(value, bool)
+def setting_problem(key: str, value: Any) -> Optional[str]:
+    """Why a row may not set `key` to `value`: only a tunable key, to a value the run's config
+    may hold there (its type and rule: `validation.setting_problem`); None where it may."""
+    if key not in TUNABLE:
+        return f"{key} is not a tunable key"
+    return validation.setting_problem(key, value)
 
 
-# each tunable key's values a row may hold: a cache file is input like any other (a shared
-# cache folder, a damaged file): a row that set precision.kernels=evil was applied, and the run
-# ended in an unexpected error; an unknown key is never a setting
-SETTING_OK: dict[str, Callable[[Any], bool]] = {
-    "trainer.channels_last": _is_bool,
-    "trainer.cudnn_benchmark": _is_bool,
-    "trainer.compile": _is_bool,
-    "trainer.compile_mode": lambda v: isinstance(v, str) and v in COMPILE_MODES,
-    "precision.kernels": lambda v: isinstance(v, str) and v in KERNEL_CHOICES,
-    "trainer.num_workers": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
-    "trainer.pin_memory": lambda v: v is None or isinstance(v, bool),
-}
-assert set(SETTING_OK) == set(TUNABLE)
-
-
-def _settings_ok(settings: Any) -> bool:
-    return isinstance(settings, dict) and all(
-        key in SETTING_OK and SETTING_OK[key](value) for key, value in settings.items()
-    )
-
-
-def _rows_ok(rows: Any) -> bool:
-    return isinstance(rows, list) and all(
-        isinstance(r, dict)
-        and _settings_ok(r.get("settings"))
-        and isinstance(r.get("steady_ms"), (int, float, type(None)))
-        and isinstance(r.get("compile_s"), (int, float))
-        and isinstance(r.get("loss"), (int, float, type(None)))
-        for r in rows
-    )
+def _rows_problem(rows: Any) -> Optional[str]:
+    """Why `rows` are not the rows of a tuning (each setting checked), or None."""
+    if not isinstance(rows, list):
+        return "not a list of rows"
+    for row in rows:
+        if not isinstance(row, dict) or not isinstance(row.get("settings"), dict):
+            return "a row without its settings"
+        if not (
+            isinstance(row.get("steady_ms"), (int, float, type(None)))
+            and isinstance(row.get("compile_s"), (int, float))
+            and isinstance(row.get("loss"), (int, float, type(None)))
+        ):
+            return "a row without its measurements"
+        for key, value in row["settings"].items():
+            problem = setting_problem(key, value)
+            if problem is not None:
+                return f"a row's setting {problem}"
+    return None
 
 
 def write(digest: str, rows: Sequence[Mapping[str, Any]], facts: Mapping[str, Any]) -> None:

@@ -15,6 +15,7 @@ import torch
 from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
+from runner.config import TUNABLE
 from runner.run import tune, tune_cache, tune_data, tune_measure
 from runner.run.distributed import Comm
 from runner.run.plan import make_plan
@@ -105,19 +106,28 @@ def test_a_corrupted_cache_file_is_ignored_with_a_warning(cache, caplog):
 
 
 @pytest.mark.parametrize(
-    "settings",
+    ("settings", "said"),
     [
-        {"precision.kernels": "evil"},
-        {"trainer.channels_last": "yes please"},
-        {"trainer.num_workers": True},
-        {"model._target_": "builtins.print"},
+        ({"precision.kernels": "evil"}, "precision.kernels: got 'evil' (allowed: auto, fused"),
+        (
+            {"trainer.channels_last": "yes please"},
+            "trainer.channels_last: got 'yes please' (allowed: a value of type bool)",
+        ),
+        ({"trainer.num_workers": True}, "trainer.num_workers: got True"),
+        ({"trainer.num_workers": -2}, "trainer.num_workers: got -2 (allowed: an integer >= 0)"),
+        (
+            {"trainer.pin_memory": "true"},
+            "trainer.pin_memory: got 'true' (allowed: a value of type bool or null)",
+        ),
+        ({"model._target_": "builtins.print"}, "model._target_ is not a tunable key"),
     ],
 )
-def test_a_cache_row_setting_what_no_run_may_is_never_applied(cache, caplog, settings):
+def test_a_cache_row_setting_what_no_run_may_is_never_applied(cache, caplog, settings, said):
     """A cache file is input like any other (a damaged file, a shared folder): a row whose
     settings hold a value the key cannot take, made fastest, was chosen and applied
-    (precision.kernels=evil: an unexpected error at the build). The file is ignored, measured
-    again, and the run keeps values it may have."""
+    (precision.kernels=evil: an unexpected error at the build). The file is ignored, with the
+    warning naming the setting and what the key allows (the config's own type and rule),
+    measured again, and the run keeps values it may have."""
     first_plan, _ = tuned(*ON)
     (path,) = cache.glob("*.json")
     data = json.loads(path.read_text())
@@ -125,11 +135,12 @@ def test_a_cache_row_setting_what_no_run_may_is_never_applied(cache, caplog, set
     path.write_text(json.dumps(data))
     plan, again = tuned(*ON)
     assert again.source == "measured" and "ignoring the unreadable cache file" in caplog.text
+    assert f"a row's setting {said}" in caplog.text, caplog.text
     for key, bad in settings.items():
         value = OmegaConf.select(plan.cfg, key)
         assert value != bad or type(value) is not type(bad)
-        if key in tune_cache.SETTING_OK:  # (measured again: whichever value was fastest)
-            assert tune_cache.SETTING_OK[key](value)
+        if key in TUNABLE:  # (measured again: whichever value was fastest)
+            assert tune_cache.setting_problem(key, value) is None
         else:
             assert value == OmegaConf.select(first_plan.cfg, key)
 

@@ -13,7 +13,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from runner.config import DATASET_NAMES, MODEL_NAMES, OPTIMIZER_NAMES, SCHEDULER_NAMES
 from runner.config.finder import config_dir
-from runner.config.validation import _rules, validate
+from runner.config.validation import _rules, setting_problem, validate
 from runner.errors import ConfigError
 from tests.helpers.runs import compose_config
 
@@ -350,3 +350,37 @@ def test_valid_values_pass():
     ):
         validate(compose_config(*overrides))
     assert not math.isnan(compose_config().optimizer.lr)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "said"),
+    [
+        ("trainer.num_workers", 3, None),
+        ("trainer.num_workers", -1, "trainer.num_workers: got -1 (allowed: an integer >= 0)"),
+        ("trainer.num_workers", "3", "trainer.num_workers: got '3' (allowed: a value of type int)"),
+        ("trainer.compile", 1, "trainer.compile: got 1 (allowed: a value of type bool)"),
+        ("trainer.pin_memory", None, None),
+        ("trainer.compile_mode", "max-autotune", None),
+        (
+            "precision.kernels",
+            "fast",
+            "precision.kernels: got 'fast' (allowed: auto, fused, torch)",
+        ),
+        ("precision.kernels", "torch", None),
+        ("model._target_", "os.system", "model._target_ is not a key of a typed section"),
+        ("trainer.nope", 1, "trainer.nope is not a key of a typed section"),
+    ],
+)
+def test_a_value_from_outside_the_config_is_checked_as_the_config_would_be(key, value, said):
+    """A value that does not come through Hydra (a tune cache's row) gets the schema's type,
+    exactly (OmegaConf would turn "3" into 3 at a typed int), and the key's rule: the one
+    account of what a key may hold, in words `validate` uses."""
+    found = setting_problem(key, value)
+    if said is None:
+        assert found is None
+    else:
+        assert found is not None and found.startswith(said), found
+    if said is None:  # what is allowed here passes validate too, set on a composed config
+        cfg = compose_config()
+        OmegaConf.update(cfg, key, value, merge=False)
+        validate(cfg)
