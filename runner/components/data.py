@@ -230,12 +230,49 @@ def _check_root(cfg: Any) -> str:
     return root
 
 
+def _refuse_missing(name: str, cls: type, root: str, download_error: Optional[str]) -> None:
+    """Raise DataError where `root` lacks a file of the CIFAR set `cls` (`download_error`: why
+    the download failed, where one was tried), naming the files and what to change."""
+    missing = missing_cifar_files(cls, root)
+    if not missing:
+        return
+    folder = os.path.join(root, cls.base_folder)
+    if download_error:  # asking for data.download=true again would not help
+        why = f"downloading {cls.url} failed ({download_error})"
+        fixes = (
+            f"point data.root at a folder that already contains {cls.base_folder} "
+            f"(copied from a machine with network), or use data=synthetic"
+        )
+    else:
+        why = "data.download is false"
+        fixes = (
+            f"point data.root at the folder that contains {cls.base_folder}, "
+            f"set data.download=true (needs network), or use data=synthetic"
+        )
+    raise DataError(
+        f"{name} not found under data.root={root}: expected {folder} "
+        f"(missing: {', '.join(missing)}); {why}. To fix: {fixes}."
+    )
+
+
+def check_cifar(cfg: Any) -> None:
+    """The plan's check of a CIFAR set: its files, where they are not to be downloaded, are all
+    there before anything is built or tracked (a download is tried when the data is built)."""
+    root = _check_root(cfg)
+    if not bool(getattr(cfg, "download", False)):
+        name = str(cfg.name)
+        _refuse_missing(name, _checked(_CLASS_OF[name]), root, None)
+
+
+_CLASS_OF = {"cifar10": "CheckedCIFAR10", "cifar100": "CheckedCIFAR100"}
+
+
 def build_cifar(cfg: Any) -> DataBundle:
     name = str(cfg.name)
     root = _check_root(cfg)
     from torchvision import transforms as T
 
-    cls = _checked("CheckedCIFAR10" if name == "cifar10" else "CheckedCIFAR100")
+    cls = _checked(_CLASS_OF[name])
     mean, std = (CIFAR10_MEAN, CIFAR10_STD) if name == "cifar10" else (CIFAR100_MEAN, CIFAR100_STD)
     image_size = int(getattr(cfg, "image_size", 32))
     download = bool(getattr(cfg, "download", False))
@@ -252,25 +289,7 @@ def build_cifar(cfg: Any) -> DataBundle:
             cls(root, train=True, download=True)
         except Exception as exc:  # URLError/OSError without network, RuntimeError on a bad md5
             download_error = f"{type(exc).__name__}: {exc}"
-    missing = missing_cifar_files(cls, root)
-    if missing:
-        folder = os.path.join(root, cls.base_folder)
-        if download_error:  # asking for data.download=true again would not help
-            why = f"downloading {cls.url} failed ({download_error})"
-            fixes = (
-                f"point data.root at a folder that already contains {cls.base_folder} "
-                f"(copied from a machine with network), or use data=synthetic"
-            )
-        else:
-            why = "data.download is false"
-            fixes = (
-                f"point data.root at the folder that contains {cls.base_folder}, "
-                f"set data.download=true (needs network), or use data=synthetic"
-            )
-        raise DataError(
-            f"{name} not found under data.root={root}: expected {folder} "
-            f"(missing: {', '.join(missing)}); {why}. To fix: {fixes}."
-        )
+    _refuse_missing(name, cls, root, download_error)
     try:
         train = cls(root, train=True, transform=train_tf)
         val = cls(root, train=False, transform=val_tf)

@@ -239,6 +239,7 @@ SPECS: tuple[Spec, ...] = (
         CifarConfig,
         _DATA_RULES + _CIFAR_RULES,
         classes=lambda node: 10,
+        check="runner.components.data:check_cifar",
     ),
     Spec(
         "data",
@@ -248,6 +249,7 @@ SPECS: tuple[Spec, ...] = (
         CifarConfig,
         _DATA_RULES + _CIFAR_RULES,
         classes=lambda node: 100,
+        check="runner.components.data:check_cifar",
     ),
     Spec(
         "data",

@@ -394,12 +394,17 @@ def test_a_config_error_stops_before_torch_is_imported(tmp_path, args):
     assert not {m for m in imported if m.split(".")[0] in ("torch", "torchvision", "mlflow")}
 
 
+@pytest.mark.new_store  # checks that nothing, no store, is created
 @pytest.mark.slow
 def test_cli_missing_cifar_says_how_to_fix_it(tmp_path):
+    """CIFAR's files that are missing and not to be downloaded are refused by the plan: before
+    anything is built or tracked (the MLflow store was made first, then the data refused)."""
     result = run_cli("data=cifar10", "data.download=false", "data.root=nowhere", cwd=tmp_path)
     output = result.stdout + result.stderr
-    assert result.returncode != 0
+    assert result.returncode == 2, output[-3000:]
     assert "data.root" in output and "data=synthetic" in output
+    assert "cifar10 not found under data.root=" in output and "Traceback" not in output
+    assert not list(tmp_path.rglob("mlflow.db")) and not (tmp_path / "mlruns").exists()
 
 
 @pytest.mark.slow
