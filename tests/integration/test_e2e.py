@@ -405,6 +405,18 @@ def test_cli_missing_cifar_says_how_to_fix_it(tmp_path):
     assert "data.root" in output and "data=synthetic" in output
     assert "cifar10 not found under data.root=" in output and "Traceback" not in output
     assert not list(tmp_path.rglob("mlflow.db")) and not (tmp_path / "mlruns").exists()
+    # a sweep: refused before its first job, no parent run
+    sweep = run_cli(
+        "-m",
+        "data=cifar10",
+        "data.download=false",
+        "data.root=nowhere",
+        "precision=o0,o2_bf16",
+        cwd=tmp_path,
+    )
+    output = sweep.stdout + sweep.stderr
+    assert sweep.returncode == 2 and "cifar10 not found under data.root=" in output, output
+    assert not list(tmp_path.rglob("mlflow.db")) and not (tmp_path / "mlruns").exists()
 
 
 @pytest.mark.slow

@@ -487,16 +487,21 @@ def test_the_tracking_store_cannot_be_swept(tmp_path, capsys):
 
 
 def test_a_job_failing_before_its_run_exists_is_still_recorded(tmp_path):
-    """A missing dataset fails the job before its MLflow run is created: the sweep records a FAILED
-    child with the error, ends the parent with the failure counted, and exits 1."""
+    """A dataset that cannot be read fails the job before its MLflow run is created (the files are
+    all there, as the plan checks, but damaged): the sweep records a FAILED child with the error,
+    ends the parent with the failure counted, and exits 1."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     other = [o for o in FAST if not o.startswith("data")]
+    damaged = tmp_path / "damaged" / "cifar-10-batches-py"
+    damaged.mkdir(parents=True)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch", "batches.meta"]:
+        (damaged / name).write_bytes(b"not a pickle")
     status = run_in_process(
         "-m",
         *other,
         "data=cifar10",
         "data.download=false",
-        f"data.root={tmp_path / 'nowhere'}",
+        f"data.root={damaged.parent}",
         "precision=o0,o2",
         f"mlflow.tracking_uri={uri}",
     )
