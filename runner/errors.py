@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from typing import Optional
 
 
 class RunnerError(Exception):
@@ -69,3 +70,13 @@ class WorkerKilled(RunnerError):
 class LayerPlanError(RunnerError):
     """A layer ran in another format than its layer plan (or the level) says, with
     precision.strict=true: the message names each layer, what it ran in and what was planned."""
+
+
+def chain(error: Optional[BaseException]) -> Iterator[BaseException]:
+    """`error` and those it was raised from or during (`__cause__`, else `__context__`), latest
+    first; each once, however they loop."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = error.__cause__ or error.__context__

@@ -35,7 +35,7 @@ from typing import Optional, TypeVar
 
 import torch
 
-from runner.errors import OutOfMemory, RunnerError, WorkerKilled
+from runner.errors import OutOfMemory, RunnerError, WorkerKilled, chain
 from runner.tracking.liveness import oom_kills
 
 T = TypeVar("T")
@@ -205,15 +205,6 @@ def worker_killed(error: BaseException, oom_kills_since: int) -> Optional[str]:
 WORKER_GRACE_S = 3.0  # how long a broken connection to a worker waits for its death to show
 
 
-def _chain(error: Optional[BaseException]) -> Iterator[BaseException]:
-    """`error` and those it was raised from or during, latest first."""
-    seen: set[int] = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        yield error
-        error = error.__cause__ or error.__context__
-
-
 def _signal_told(error: BaseException) -> Optional[BaseException]:
     """torch's "exited unexpectedly" (`error`: its check of the workers after a failed receive,
     which reaps the dead one, so that the signal is lost to its SIGCHLD check) made whole: the
@@ -263,11 +254,11 @@ def _worker_death(error: BaseException, grace_s: float = WORKER_GRACE_S) -> Base
     sockets closed, before the kernel shows it dead (not yet a zombie): for such an error the
     check is made again for up to `grace_s` seconds. torch tells a death once (its check forgets
     the worker): told here, its handler does not raise it again later, in this one's report."""
-    for link in _chain(error):
+    for link in chain(error):
         found = _WORKER_DIED.search(str(link)) if isinstance(link, RuntimeError) else None
         if found is not None and found.group(2) is not None:
             return link
-    for link in _chain(error):
+    for link in chain(error):
         told = _signal_told(link)
         if told is not None:
             return told
@@ -275,7 +266,7 @@ def _worker_death(error: BaseException, grace_s: float = WORKER_GRACE_S) -> Base
         return error
     from torch.utils.data._utils.signal_handling import _error_if_any_worker_fails
 
-    broken = any(isinstance(link, (ConnectionError, EOFError)) for link in _chain(error))
+    broken = any(isinstance(link, (ConnectionError, EOFError)) for link in chain(error))
     deadline = time.monotonic() + (grace_s if broken else 0.0)
     while True:
         try:  # (torch's SIGCHLD handler may make the same check, and raise, in the sleep)

@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 import torch
 
-from runner.errors import CheckpointUnwritable, ConfigError
+from runner.errors import CheckpointUnwritable, ConfigError, chain
 from runner.files import atomic_write, free_space, remove_stale_temporaries
 from runner.run.checkpoint.contents import ALLOWED, content_problems
 from runner.run.rng import upgrade_legacy_rng
@@ -62,9 +62,7 @@ def unwritable(path: Path, error: BaseException) -> Optional[CheckpointUnwritabl
     an earlier checkpoint is kept (the write is atomic: a failed one leaves the last one whole).
     None for any other error (a bug: its traceback). The run stops: training on without
     checkpoints would lose more the next time the process dies."""
-    cause: Optional[BaseException] = error
-    while cause is not None and not isinstance(cause, OSError):
-        cause = cause.__cause__ or cause.__context__
+    cause = next((link for link in chain(error) if isinstance(link, OSError)), None)
     if cause is None:
         return None
     path = Path(path)
