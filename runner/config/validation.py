@@ -8,7 +8,9 @@ option live with its spec (`runner.config.options`); those of the other groups a
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import re
 import typing
 from collections.abc import Mapping
@@ -142,32 +144,41 @@ def setting_problem(key: str, value: Any) -> Optional[str]:
     ...)"); None where it may. For a value that comes from outside the composed config (a tune
     cache's row): its type is the schema's own, not one OmegaConf would convert ("true", 1)."""
     section, _, leaf = key.partition(".")
-    schema = typing.get_type_hints(RunConfig).get(section)
-    names = {f.name for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else ()
-    if leaf not in names:
+    node = _typed_section(section)
+    if node is None or leaf not in node.keys():  # (`in` is False for ??? values)
         return f"{key} is not a key of a typed section of the run's config"
-    node = OmegaConf.structured(schema)
+    probe = copy.deepcopy(node)
     try:
-        node[leaf] = value
-        kept = node[leaf]
+        probe[leaf] = value
+        kept = probe[leaf]
     except (ValidationError, ValueError, TypeError):
         kept = _REFUSED
     if kept is _REFUSED or (value is not None and type(kept) is not type(value)):
-        wanted = typing.get_type_hints(schema)[leaf]
+        wanted = typing.get_type_hints(OmegaConf.get_type(node))[leaf]
         return f"{key}: got {value!r} (allowed: a value of type {_type_name(wanted)})"
     for rule_key, ok, allowed in _fixed_rules():
-        if rule_key != key:
-            continue
-        try:
-            good = ok(value)
-        except TypeError:
-            good = False
-        if not good:
+        if rule_key == key and not _holds(ok, value):
             return f"{key}: got {value!r} (allowed: {allowed})"
     return None
 
 
 _REFUSED = object()
+
+
+@functools.cache
+def _typed_section(section: str) -> Optional[DictConfig]:
+    """The typed node of the run config's `section` (trainer, precision: a dataclass schema),
+    with its defaults, built once; None for a section without one (model, data: an option's)."""
+    schema = typing.get_type_hints(RunConfig).get(section)
+    return OmegaConf.structured(schema) if dataclasses.is_dataclass(schema) else None
+
+
+def _holds(ok: Any, value: Any) -> bool:
+    """Whether `value` passes the rule `ok` (a value of a type the rule cannot take does not)."""
+    try:
+        return bool(ok(value))
+    except TypeError:
+        return False
 
 
 def _type_name(hint: Any) -> str:
@@ -217,11 +228,7 @@ def validate(cfg: DictConfig, specs: Mapping[str, Optional[options.Spec]] | None
         if OmegaConf.is_missing(parent, leaf):
             raise ConfigError(key, "is required but not set", allowed)
         value = parent[leaf]
-        try:
-            good = ok(value)
-        except TypeError:
-            good = False
-        if not good:
+        if not _holds(ok, value):
             source = _interpolated_from(cfg, parent, leaf)
             if source is not None:  # (model.block_size: ${oc.select:data.block_size,256})
                 raise ConfigError(source, f"got {value!r}, which {key} takes", allowed)
