@@ -298,6 +298,7 @@ def run(
     Under torchrun this is one rank of a DistributedDataParallel run (see
     runner.run.distributed)."""
     mistakes.check_one_option(overrides)
+    job_log.bear_write_errors()  # (a full disk: one line, not a traceback a line logged)
     run_log = job_log.find(output_dir)
     log_from = job_log.size(run_log)
     plan = make_plan(cfg, apart)

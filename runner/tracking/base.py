@@ -273,15 +273,28 @@ class Tracker(ABC):
                 run.log_params(params)
             yield run
         except KeyboardInterrupt as interrupt:
-            run.end(KILLED, str(interrupt) or "interrupted by the user (Ctrl-C)")
-            log.warning("Run %r (%s) marked KILLED.\n%s", run_name, run.run_id, self.hint())
+            self._end_unfinished(
+                run, run_name, KILLED, str(interrupt) or "interrupted by the user (Ctrl-C)"
+            )
             raise
         except BaseException as error:
-            run.end(FAILED, f"{type(error).__name__}: {error}")
-            log.warning("Run %r (%s) marked FAILED.\n%s", run_name, run.run_id, self.hint())
+            self._end_unfinished(run, run_name, FAILED, f"{type(error).__name__}: {error}")
             raise
         else:
             run.end(FINISHED)
+
+    def _end_unfinished(self, run: Run, run_name: str, status: str, error: str) -> None:
+        """End a run that did not finish, its own error on its way up: a store that cannot
+        take the end (a full disk refusing the store and the offline one) is told in a line,
+        and the run's error stays the one reported."""
+        try:
+            run.end(status, error)
+        except Exception as refused:  # noqa: BLE001  (the run's own error goes on)
+            log.error(
+                "Run %r (%s) could not be marked %s: %s", run_name, run.run_id, status, refused
+            )
+            return
+        log.warning("Run %r (%s) marked %s.\n%s", run_name, run.run_id, status, self.hint())
 
 
 def end_fluent_runs() -> None:

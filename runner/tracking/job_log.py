@@ -16,9 +16,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from runner.tracking import tags as tag
 from runner.tracking.liveness import ProcessIdentity
@@ -40,6 +41,37 @@ def find(output_dir: Optional[os.PathLike]) -> Optional[Path]:
         if isinstance(h, logging.FileHandler)
     ]
     return next((f for f in files if f.resolve().parent == folder), None)
+
+
+def bear_write_errors() -> None:
+    """A log file the disk stops taking (full, gone, over quota) is told once on the console,
+    not by Python's "--- Logging error ---" and a traceback for every line logged from then on:
+    the run goes on, its lines still reach the console, and the file takes them again once it
+    can. An error that is not the file's (a log call with wrong arguments) is reported as
+    Python reports it. For every file handler of the root logger (Hydra's job log); once each."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler) and not hasattr(handler, _TOLD):
+            setattr(handler, _TOLD, False)
+            handler.handleError = _told_once(handler, handler.handleError)  # type: ignore[method-assign]
+
+
+_TOLD = "_runner_write_error_told"
+
+
+def _told_once(handler: logging.FileHandler, report: Any) -> Any:
+    def handle_error(record: logging.LogRecord) -> None:
+        error = sys.exc_info()[1]
+        if not isinstance(error, OSError):
+            report(record)
+            return
+        if not getattr(handler, _TOLD):
+            setattr(handler, _TOLD, True)
+            sys.stderr.write(
+                f"Cannot write the log file {handler.baseFilename} "
+                f"({error.strerror or error}): the lines it misses are on the console only\n"
+            )
+
+    return handle_error
 
 
 def name(run_log: Path, resumes: int) -> str:

@@ -33,6 +33,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from runner.errors import RunnerError
 from runner.files import write_atomic
 from runner.tracking import tags as tag
 from runner.tracking.base import RUNNING, Reader, Run, RunNotFound, RunRecord, Tracker
@@ -97,12 +98,33 @@ class JsonRun(Run):
         self.run_id = record["run_id"]
         self._lock = threading.Lock()
         self._written = 0.0
-        self._write()
-
-    def _write(self) -> None:
-        with self._lock:
+        self._refused: str | None = None  # why the disk does not take the record, while so
+        with self._lock:  # (a run that cannot write its record at the start does not start)
             write_record(self.path, self.record)
             self._written = time.monotonic()
+
+    def _write(self) -> bool:
+        """The record written; False where the disk refuses it (full, say): it stays in memory,
+        told once, and the next write tries again (training goes on, as under a store that does
+        not answer)."""
+        with self._lock:
+            self._written = time.monotonic()
+            try:
+                write_record(self.path, self.record)
+            except OSError as error:
+                if self._refused is None:
+                    log.warning(
+                        "Cannot write the run's record %s (%s): it is kept in memory and "
+                        "written again with the next metrics; training goes on",
+                        self.path,
+                        error.strerror or error,
+                    )
+                self._refused = str(error.strerror or error)
+                return False
+            if self._refused is not None:
+                log.warning("The run's record %s is written again", self.path)
+                self._refused = None
+            return True
 
     def log_params(self, params: Mapping[str, str]) -> None:
         self.record["params"].update({str(k): str(v) for k, v in params.items()})
@@ -130,29 +152,49 @@ class JsonRun(Run):
         return target
 
     def log_text(self, text: str, artifact_file: str) -> None:
-        self._artifact(artifact_file).write_text(text)
+        try:
+            self._artifact(artifact_file).write_text(text)
+        except OSError as error:
+            self._lost(artifact_file, error)
 
     def log_file(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
         source = Path(path)
         if not source.is_file():
             return
         name = f"{artifact_path}/{source.name}" if artifact_path else source.name
-        shutil.copyfile(source, self._artifact(name))
+        try:
+            shutil.copyfile(source, self._artifact(name))
+        except OSError as error:
+            self._lost(name, error)
+
+    def _lost(self, artifact_file: str, error: OSError) -> None:
+        """An artifact the disk refuses (full, say) is told, and the run goes on: as under a
+        store that does not take it, it is not worth the training."""
+        log.warning(
+            "Could not keep the artifact %s in %s (%s)",
+            artifact_file,
+            self.folder / ARTIFACTS,
+            error.strerror or error,
+        )
 
     def log_datasets(self, datasets: Sequence[Mapping[str, Any]]) -> None:
         self.record["datasets"] = [dict(d) for d in datasets]
         self._write()
 
     def deliver(self, timeout: float = 10.0) -> bool:
-        self._write()
-        return True
+        return self._write()
 
     def end(self, status: str, error: str | None = None) -> None:
         if error:
             self.record["tags"][tag.ERROR] = error
         self.record["status"] = status
         self.record["end_time"] = _now_ms()
-        self._write()
+        if not self._write():
+            raise RunnerError(
+                f"tracking=none: cannot write the run's record {self.path} ({self._refused}): "
+                f"it is left as last written, without its final status {status} and what the "
+                "run logged since"
+            )
 
 
 class JsonReader(Reader):

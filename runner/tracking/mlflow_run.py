@@ -29,6 +29,7 @@ from runner.tracking.store import (
     MAX_PARAMS_PER_BATCH,
     MAX_TAG_LENGTH,
     RetryingClient,
+    said,
 )
 
 log = logging.getLogger(__name__)
@@ -198,9 +199,9 @@ class MlflowRun(Run):
                         "The tracking store %s does not take metrics (%s): buffering "
                         "them and retrying; training goes on",
                         self.tracking_uri,
-                        error,
+                        said(error),
                     )
-                self._outage = f"{type(error).__name__}: {error}"
+                self._outage = said(error)
                 return False
             with self._lock:
                 del self._buffer[: len(batch)]
@@ -315,7 +316,7 @@ class MlflowRun(Run):
                 self.client.set_terminated(self.run_id, status=status)
                 return
             except Exception as failure:  # noqa: BLE001  (retried, then written offline)
-                self._outage = f"{type(failure).__name__}: {failure}"
+                self._outage = said(failure)
                 if time.monotonic() + pause > deadline:
                     break
                 time.sleep(pause)
@@ -330,7 +331,19 @@ class MlflowRun(Run):
             )
         from runner.tracking.replay import write_offline
 
-        where = write_offline(self.offline_dir, self, status, error, self._buffer, self._artifacts)
+        try:
+            where = write_offline(
+                self.offline_dir, self, status, error, self._buffer, self._artifacts
+            )
+        except Exception as failure:  # noqa: BLE001  (a full disk refuses both stores)
+            raise RunnerError(
+                f"the tracking store {self.tracking_uri} did not take run {self.run_id}'s last "
+                f"{self._pending()} metrics and final status {status} ({self._outage}), and "
+                f"neither did the offline store in {self.offline_dir} "
+                f"({said(failure)}). The run stays RUNNING "
+                "there until the next run of its experiment, which ends it KILLED (its "
+                "process gone)"
+            ) from failure
         log.error(
             "The tracking store %s is unreachable (%s): run %s's last %d metrics and its "
             "final status %s are saved in %s. When the store is back, replay them with:\n"

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from runner.errors import RunnerError
+from runner.errors import RunnerError, chain
 from runner.files import LockBusy, file_lock
 
 log = logging.getLogger(__name__)
@@ -67,6 +67,18 @@ def retry_when_locked(call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     raise AssertionError("unreachable")
 
 
+def said(error: BaseException) -> str:
+    """A store's error in one line: the database's own words where MLflow wraps SQLAlchemy's
+    error (SQLite's "OperationalError: database or disk is full", not SQLAlchemy's note on
+    autoflush, the statement, its parameters and a link), else the error's first line."""
+    for link in chain(error):
+        database = getattr(link, "orig", None)  # (sqlalchemy.exc.DBAPIError: the driver's error)
+        if isinstance(database, BaseException):
+            return f"{type(database).__name__}: {database}"
+    lines = str(getattr(error, "message", None) or error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+
+
 def fail_fast_over_http(tracking_uri: str) -> None:
     """MLflow's own retries would block a call to a server that is away for minutes (7 retries,
     backing off to 2 minutes): the runner buffers and retries metrics itself, a server that does
@@ -77,11 +89,35 @@ def fail_fast_over_http(tracking_uri: str) -> None:
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
 
 
+class _ToldByTheCaller(logging.Filter):
+    """MLflow logs every SQLAlchemy OperationalError of its SQL store at ERROR with the whole
+    traceback (the statement and its parameters: a thousand metrics), then raises it. The
+    runner tells each one itself, once and in a line (a busy store's retry, a store that does
+    not take metrics, one it cannot end a run in): a full disk or a crowded sweep printed a
+    screen of MLflow's traceback for every batch the store refused."""
+
+    PREFIX = "SQLAlchemy database error"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.PREFIX)
+
+
+_STORE_LOG = "mlflow.store.db.utils"  # (the module that logs them)
+
+
+def quiet_store_errors() -> None:
+    """Leave the store errors the runner tells itself to the runner (`_ToldByTheCaller`)."""
+    logger = logging.getLogger(_STORE_LOG)
+    if not any(isinstance(f, _ToldByTheCaller) for f in logger.filters):
+        logger.addFilter(_ToldByTheCaller())
+
+
 class RetryingClient:
     """An MlflowClient whose every call goes through `retry_when_locked`."""
 
     def __init__(self, tracking_uri: str):
         fail_fast_over_http(tracking_uri)
+        quiet_store_errors()
         self._client = MlflowClient(tracking_uri)
 
     def __getattr__(self, name: str) -> Any:

@@ -1,0 +1,150 @@
+"""A disk that stops taking writes in the middle of a run (full, over quota): the run's files,
+its record and its store each refuse, for real. A write the kernel refuses here comes from
+/dev/full (ENOSPC) or from a file size limit set on this process (`ulimit -f`: EFBIG, as
+SQLite's and Python's writes see a full disk), lifted again at the end of each test.
+
+Before: a full disk under the SQLite store printed MLflow's traceback (the statement and a
+thousand metrics' parameters) for every batch it refused, Python's "--- Logging error ---" for
+every line the job log missed, and ended in an "unexpected error" of the offline store's own
+write (exit 1) in place of the run's error. Now each is a line, and the run's error is the one
+told (runner.tracking)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import resource
+import signal
+from collections.abc import Iterator
+
+import pytest
+
+from runner.errors import RunnerError
+from runner.tracking import job_log
+from runner.tracking.json_file import FILE, JsonTracker
+from runner.tracking.mlflow_run import MlflowRun
+from runner.tracking.mlflow_tracker import MlflowTracker
+
+
+@contextlib.contextmanager
+def file_size_limit(limit: int) -> Iterator[None]:
+    """No file of this process grows past `limit` bytes while inside (a write past it fails
+    with EFBIG; SIGXFSZ, which would kill the process, ignored meanwhile)."""
+    before = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, before[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, before)
+        signal.signal(signal.SIGXFSZ, handler)
+
+
+def metrics(count: int) -> Iterator[tuple[dict[str, float], int]]:
+    for step in range(1, count + 1):
+        yield {"train_loss": 1.0 / step, "lr": 0.1}, step
+
+
+# ---- the job log ---------------------------------------------------------------------------------
+def test_a_log_file_the_disk_refuses_is_told_once_not_a_traceback_a_line(capfd):
+    """Hydra's file handler on a full disk (/dev/full: every write ENOSPC). Python's default
+    printed "--- Logging error ---" with a traceback and the record for every line logged."""
+    root = logging.getLogger()
+    handler = logging.FileHandler("/dev/full")
+    root.addHandler(handler)
+    try:
+        job_log.bear_write_errors()
+        job_log.bear_write_errors()  # (once: a second call changes nothing)
+        said = logging.getLogger("runner.test_full_disk")
+        for i in range(3):
+            said.warning("line %d", i)
+        told = capfd.readouterr().err
+        assert told.count("Cannot write the log file /dev/full (No space left on device)") == 1
+        assert "Logging error" not in told and "Traceback" not in told
+        # an error that is not the file's (a log call's wrong arguments) is Python's report
+        record = said.makeRecord(said.name, logging.WARNING, __file__, 0, "%d", ("x",), None)
+        try:
+            record.getMessage()
+        except TypeError:
+            handler.handleError(record)
+        assert "--- Logging error ---" in capfd.readouterr().err
+    finally:
+        root.removeHandler(handler)
+        with contextlib.suppress(OSError):  # (its last flush: as logging.shutdown does)
+            handler.close()
+
+
+# ---- tracking=none: the run's record -------------------------------------------------------------
+def test_a_record_the_disk_refuses_stays_in_memory_and_its_end_is_told(tmp_path, caplog):
+    tracked = JsonTracker(tmp_path, "amp-runner").create_run("r", {}, tmp_path / "run")
+    record = tmp_path / "run" / FILE
+    caplog.set_level(logging.WARNING)
+    with file_size_limit(record.stat().st_size):  # the record cannot grow
+        for values, step in metrics(200):
+            tracked.log_metrics(values, step)
+        assert tracked.deliver() is False and tracked.deliver() is False
+        tracked.log_text("x" * 100_000, "notes.txt")  # an artifact refused: told, not raised
+        with pytest.raises(RunnerError) as ended:
+            tracked.end("FAILED", "ValueError: the run's own")
+    said = str(ended.value)
+    assert said.startswith(f"tracking=none: cannot write the run's record {record} (File too")
+    assert "without its final status FAILED and what the run logged since" in said
+    assert caplog.text.count("Cannot write the run's record") == 1
+    assert "Could not keep the artifact notes.txt" in caplog.text
+    assert json.loads(record.read_text())["status"] == "RUNNING"  # as last written, whole
+    # the disk takes it again: the next write has everything the run logged
+    assert tracked.deliver() is True and "is written again" in caplog.text
+    kept = json.loads(record.read_text())
+    assert kept["status"] == "FAILED" and len(kept["metrics"]["train_loss"]) == 200
+
+
+# ---- MLflow: the store and the offline store -----------------------------------------------------
+@pytest.fixture
+def quick_end(monkeypatch):
+    monkeypatch.setattr(MlflowRun, "END_TIMEOUT_S", 1.0)
+
+
+def test_a_store_and_an_offline_store_the_disk_refuses_end_in_one_error(
+    tmp_path, quick_end, caplog
+):
+    """The SQLite store cannot grow: its writes fail (SQLite: "disk I/O error"), and the
+    offline store, a new database, cannot be made either. The end names both, once each."""
+    database = tmp_path / "mlflow.db"
+    tracker = MlflowTracker(f"sqlite:///{database}", "amp-runner")
+    tracked = tracker.create_run("r", {}, tmp_path / "run")
+    caplog.set_level(logging.INFO)
+    with file_size_limit(database.stat().st_size):
+        for values, step in metrics(3000):
+            tracked.log_metrics(values, step)
+        assert tracked.flush(timeout=1) is False
+        with pytest.raises(RunnerError) as ended:
+            tracked.end("FINISHED")
+    said = str(ended.value)
+    assert said.startswith(f"the tracking store sqlite:///{database} did not take run ")
+    assert "final status FINISHED (OperationalError: disk I/O error), and neither" in said
+    assert f"the offline store in {tmp_path / 'run' / 'mlflow-offline'}" in said
+    assert "until the next run of its experiment, which ends it KILLED" in said
+    assert "\n" not in said
+    # the store's refusal told once, in a line: not MLflow's traceback of every batch
+    assert caplog.text.count("does not take metrics (OperationalError: disk I/O error)") == 1
+    assert "SQLAlchemy database error" not in caplog.text and "Traceback" not in caplog.text
+    assert tracker.client.get_run(tracked.run_id).info.status == "RUNNING"
+
+
+def test_a_run_that_cannot_be_marked_failed_keeps_its_own_error(tmp_path, quick_end, caplog):
+    """The run's error, not the store's refusal to take its end, is what goes on up (it was
+    replaced by the offline store's OSError: an "unexpected error" in place of the run's)."""
+    database = tmp_path / "mlflow.db"
+    tracker = MlflowTracker(f"sqlite:///{database}", "amp-runner")
+    full = contextlib.ExitStack()  # (the disk stays full until the run has been ended)
+    with pytest.raises(ValueError, match="the run's own"), full:
+        with tracker.start_run("r", {}, {}, folder=tmp_path / "run") as tracked:
+            full.enter_context(file_size_limit(database.stat().st_size))
+            for values, step in metrics(3000):
+                tracked.log_metrics(values, step)
+            raise ValueError("the run's own")
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(said) == 1 and said[0].startswith(f"Run 'r' ({tracked.run_id}) could not be marked")
+    assert "FAILED: the tracking store" in said[0] and "neither did the offline store" in said[0]
+    assert "marked FAILED.\n" not in caplog.text
