@@ -86,27 +86,31 @@ def _mistake(error: BaseException) -> bool:
 _HYDRA_WRITERS = ("run_job", "_save_config", "sweep", "launch")
 
 
-def _output_folder_error(error: BaseException) -> bool:
-    """An OSError on a path raised in Hydra's own code outside the task function: Hydra making
-    or writing the run's output folder (hydra.run.dir, a sweep's hydra.sweep.dir) where it
-    cannot: a file in the way, no rights, a read-only launch folder."""
-    if not isinstance(error, OSError) or error.filename is None or _verbose() or _in_task(error):
-        return False
-    innermost = None  # the last of Hydra's frames the error passed through
+def _output_folder_failure(error: BaseException) -> str | None:
+    """The path of an OSError raised in Hydra's own code outside the task function, making or
+    writing the run's output folder where it cannot (a file in the way, no rights, a read-only
+    launch folder, a full disk); None for any other error. A write the disk refuses names no
+    file: the path is then the output folder of the job Hydra was writing (`run_job`'s)."""
+    if not isinstance(error, OSError) or _verbose() or _in_task(error):
+        return None
+    innermost, writing = None, None  # the last of Hydra's frames the error passed through
     frame = error.__traceback__
     while frame is not None:
         code = frame.tb_frame.f_code
         if f"{os.sep}hydra{os.sep}" in code.co_filename:
             innermost = code.co_name
+            if writing is None and "output_dir" in frame.tb_frame.f_locals:
+                writing = str(frame.tb_frame.f_locals["output_dir"])  # (run_job's: the job's)
         frame = frame.tb_next
-    return innermost in _HYDRA_WRITERS
+    if innermost not in _HYDRA_WRITERS:
+        return None
+    return os.fsdecode(error.filename) if error.filename is not None else writing
 
 
-def _refuse_output(error: OSError) -> NoReturn:
+def _refuse_output(error: OSError, failed: str) -> NoReturn:
     from runner.run.output_folder import unmade
 
     mode = "sweep" if any(a in ("-m", "--multirun") for a in sys.argv[1:]) else "run"
-    failed = os.fsdecode(error.filename)
     print(unmade(mode, failed, error.strerror or type(error).__name__), file=sys.stderr)
     raise SystemExit(2) from None
 
@@ -146,8 +150,9 @@ def mistakes_reported() -> Iterator[None]:
                 signum = callback.stopped_sweep()
                 if signum is not None:
                     raise RunInterrupted(signum) from error
-                if _output_folder_error(error):
-                    _refuse_output(error)
+                failed = _output_folder_failure(error)
+                if failed is not None:
+                    _refuse_output(error, failed)
                 if not _mistake(error):
                     raise
                 _refuse(error)

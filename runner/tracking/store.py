@@ -190,11 +190,7 @@ def prepare_sqlite_file(path: Path) -> None:
 
 def startup_error(tracking_uri: str, error: BaseException) -> RunnerError:
     """What a store that cannot be used at the start is: the URI, the cause and a fix."""
-    cause = (
-        f"{type(error).__name__}: {error}"
-        if not isinstance(error, MlflowException)
-        else str(error.message)
-    )
+    cause = said(error)
     path = sqlite_path(tracking_uri)
     if path is None:
         fix = "Start the server, fix the URI, or use the default sqlite:///mlflow.db."
@@ -208,8 +204,8 @@ def startup_error(tracking_uri: str, error: BaseException) -> RunnerError:
         fix = "Upgrade the store as said above (a backup first), or use another store."
     else:
         fix = (
-            f"Make sure the folder {path.parent} exists (or can be created) and is writable, "
-            "and that the file is an MLflow database, or set mlflow.tracking_uri to "
+            f"Make sure the folder {path.parent} exists (or can be created), is writable and "
+            "has room, and that the file is an MLflow database, or set mlflow.tracking_uri to "
             "another store."
         )
     return RunnerError(

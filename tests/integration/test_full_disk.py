@@ -25,6 +25,7 @@ from runner.tracking import job_log
 from runner.tracking.json_file import FILE, JsonTracker
 from runner.tracking.mlflow_run import MlflowRun
 from runner.tracking.mlflow_tracker import MlflowTracker
+from tests.helpers.runs import FAST, run_cli
 
 
 @contextlib.contextmanager
@@ -148,3 +149,29 @@ def test_a_run_that_cannot_be_marked_failed_keeps_its_own_error(tmp_path, quick_
     assert len(said) == 1 and said[0].startswith(f"Run 'r' ({tracked.run_id}) could not be marked")
     assert "FAILED: the tracking store" in said[0] and "neither did the offline store" in said[0]
     assert "marked FAILED.\n" not in caplog.text
+
+
+# ---- a disk full before the run starts -----------------------------------------------------------
+@pytest.mark.new_store
+def test_a_new_store_on_a_full_disk_is_refused_in_one_line(tmp_path):
+    """MLflow's message for it held the statement it failed on (a CREATE TABLE of 12 lines)."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    with file_size_limit(4096), pytest.raises(RunnerError) as refused:
+        MlflowTracker(uri, "amp-runner")
+    said = str(refused.value)
+    assert said.startswith(f"mlflow.tracking_uri: cannot use the tracking store {uri!r}: ")
+    assert "OperationalError: disk I/O error. Make sure the folder" in said, said
+    assert "has room" in said and "\n" not in said
+
+
+@pytest.mark.slow
+@pytest.mark.new_store  # checks that nothing, no store, is created
+def test_an_output_folder_on_a_full_disk_is_refused_naming_its_key(tmp_path):
+    """Hydra's write of the job's config (`.hydra/config.yaml`) refused by the disk names no
+    file: Hydra's report and traceback, exit 1. Now the output folder's key, exit 2."""
+    result = run_cli(*FAST, cwd=tmp_path, file_limit=100, timeout=300)
+    told = result.stdout + result.stderr
+    assert result.returncode == 2 and "Traceback" not in told, told[-3000:]
+    assert "hydra.run.dir: the output folder outputs/" in told
+    assert "cannot be made: File too large (allowed: a folder you can write" in told
+    assert not (tmp_path / "mlflow.db").exists()
