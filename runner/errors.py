@@ -80,3 +80,16 @@ def chain(error: Optional[BaseException]) -> Iterator[BaseException]:
         seen.add(id(error))
         yield error
         error = error.__cause__ or error.__context__
+
+
+def said(error: BaseException) -> str:
+    """An error in one line, as a store's is told: the database's own words where MLflow wraps
+    SQLAlchemy's error (SQLite's "OperationalError: database or disk is full", not SQLAlchemy's
+    note on autoflush, the statement, its parameters and a link), else the error's first
+    line."""
+    for link in chain(error):
+        database = getattr(link, "orig", None)  # (sqlalchemy.exc.DBAPIError: the driver's error)
+        if isinstance(database, BaseException):
+            return f"{type(database).__name__}: {database}"
+    lines = str(getattr(error, "message", None) or error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}".rstrip(": ")

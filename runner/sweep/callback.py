@@ -19,7 +19,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from runner.errors import ConfigError, RunnerError
+from runner.errors import ConfigError, RunnerError, said
 from runner.files import HeldLock, try_lock
 from runner.sweep import stop
 from runner.sweep.gpus import claim_gpu, gpu_count
@@ -199,7 +199,7 @@ class MlflowSweepCallback(Callback):
     def _end(self) -> None:
         if self.parent is None or self._parent_run is None:
             return
-        from runner.tracking.base import FINISHED, MLFLOW, end_state
+        from runner.tracking.base import FINISHED, KILLED, MLFLOW, end_state
 
         tracker = self.parent.open()
         children = self.parent.children(tracker)
@@ -207,14 +207,30 @@ class MlflowSweepCallback(Callback):
         failed = [c for c in children if c.status != FINISHED]
         parent, self._parent_run = self._parent_run, None
         SweepParent.forget(self._sweep_dir)
-        parent.log_metrics({"jobs": len(children), "failed_jobs": len(failed)}, 0)
-        parent.set_tag(
-            tag.FAILED_JOBS,
-            "; ".join(f"{c.run_name} ({end_state(c)})" for c in failed) or "none",
-        )
+        status, reason = FINISHED, None
         if signum is not None:
-            self._end_stopped(parent, signum, children)
-        parent.end(FINISHED)
+            status, reason = KILLED, f"interrupted by {signal.Signals(signum).name}"
+        try:
+            parent.log_metrics({"jobs": len(children), "failed_jobs": len(failed)}, 0)
+            parent.set_tag(
+                tag.FAILED_JOBS,
+                "; ".join(f"{c.run_name} ({end_state(c)})" for c in failed) or "none",
+            )
+            parent.end(status, reason)
+            recorded = True
+        except Exception as refused:  # noqa: BLE001  (a full disk: the sweep's end is still told)
+            log.error(
+                "The sweep's parent run %s could not be marked %s: %s%s",
+                parent.run_id,
+                status,
+                said(refused),
+                ""
+                if isinstance(refused, RunnerError)  # (it says what becomes of the run)
+                else ". It stays RUNNING until the next run in its experiment ends it KILLED",
+            )
+            recorded = False
+        if signum is not None:
+            self._end_stopped(signum, children)
         failures = (
             f", {len(failed)} failed: "
             + ", ".join(f"{c.run_name} ({end_state(c)})" for c in failed)
@@ -236,7 +252,7 @@ class MlflowSweepCallback(Callback):
             compare,
             tracker.hint(),
         )
-        if failed:
+        if failed or not recorded:
             raise SystemExit(1)  # Hydra swallows a callback's exceptions, not SystemExit
 
     def _mark_stopped(self, signum: int) -> None:
@@ -264,14 +280,13 @@ class MlflowSweepCallback(Callback):
         if held is not None:
             held.release()
 
-    def _end_stopped(self, parent: Any, signum: int, children: list[Any]) -> None:
-        """The end of a sweep that a signal stopped: its parent run ends KILLED, the log says
+    def _end_stopped(self, signum: int, children: list[Any]) -> None:
+        """The end of a sweep that a signal stopped (its parent run ended KILLED): the log says
         which jobs stopped and how to go on, and the sweep exits as a run would (130, 143)."""
         from runner.run.interrupts import RunInterrupted
         from runner.tracking.base import FINISHED, KILLED
 
         name = signal.Signals(signum).name
-        parent.end(KILLED, f"interrupted by {name}")
         stopped = [c.run_name for c in children if c.status == KILLED]
         finished = sum(c.status == FINISHED for c in children)
         waiting = "" if self._jobs is None else f", {self._jobs - len(children)} not started"

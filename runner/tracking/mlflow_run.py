@@ -20,7 +20,7 @@ from typing import Any
 
 from mlflow.entities import Metric, Param, RunStatus, RunTag
 
-from runner.errors import RunnerError
+from runner.errors import RunnerError, said
 from runner.tracking import tags as tag
 from runner.tracking.base import Run
 from runner.tracking.liveness import heartbeat_tags, was_reaped
@@ -29,7 +29,6 @@ from runner.tracking.store import (
     MAX_PARAMS_PER_BATCH,
     MAX_TAG_LENGTH,
     RetryingClient,
-    said,
 )
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from runner.errors import RunnerError, chain
+from runner.errors import RunnerError, said
 from runner.files import LockBusy, file_lock
 
 log = logging.getLogger(__name__)
@@ -65,18 +65,6 @@ def retry_when_locked(call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
             time.sleep(delay * (1 + random.random()))
             delay = min(2 * delay, 2.0)
     raise AssertionError("unreachable")
-
-
-def said(error: BaseException) -> str:
-    """A store's error in one line: the database's own words where MLflow wraps SQLAlchemy's
-    error (SQLite's "OperationalError: database or disk is full", not SQLAlchemy's note on
-    autoflush, the statement, its parameters and a link), else the error's first line."""
-    for link in chain(error):
-        database = getattr(link, "orig", None)  # (sqlalchemy.exc.DBAPIError: the driver's error)
-        if isinstance(database, BaseException):
-            return f"{type(database).__name__}: {database}"
-    lines = str(getattr(error, "message", None) or error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0] if lines else ''}".rstrip(": ")
 
 
 def fail_fast_over_http(tracking_uri: str) -> None:

@@ -19,13 +19,14 @@ import signal
 from collections.abc import Iterator
 
 import pytest
+from hydra.experimental.callback import Callback
 
 from runner.errors import RunnerError
 from runner.tracking import job_log
 from runner.tracking.json_file import FILE, JsonTracker
 from runner.tracking.mlflow_run import MlflowRun
 from runner.tracking.mlflow_tracker import MlflowTracker
-from tests.helpers.runs import FAST, run_cli
+from tests.helpers.runs import FAST, run_cli, run_in_process
 
 
 @contextlib.contextmanager
@@ -175,3 +176,38 @@ def test_an_output_folder_on_a_full_disk_is_refused_naming_its_key(tmp_path):
     assert "hydra.run.dir: the output folder outputs/" in told
     assert "cannot be made: File too large (allowed: a folder you can write" in told
     assert not (tmp_path / "mlflow.db").exists()
+
+
+# ---- a sweep -------------------------------------------------------------------------------------
+class DiskFullAtTheEnd(Callback):
+    """A Hydra callback: the disk is full once the sweep's last job has ended (Hydra ends its
+    callbacks in reverse order: this one, added after the runner's, before the runner's). The
+    limit stays on until the test lifts it (`file_size_limit` of its own)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+
+    def on_multirun_end(self, config, **kwargs) -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (self.limit, resource.RLIM_INFINITY))
+
+
+def test_a_sweep_whose_parent_the_store_cannot_end_says_so_and_exits_1(tmp_path, capsys):
+    """The parent's end refused by the store (a full disk) was a warning of Hydra's with MLflow's
+    SQL in it, and the sweep exited 0 without its summary. Now: one line, the summary, exit 1."""
+    target = f"{DiskFullAtTheEnd.__module__}.{DiskFullAtTheEnd.__qualname__}"
+    with file_size_limit(resource.RLIM_INFINITY):  # (restores the limit the callback sets)
+        status = run_in_process(
+            "-m",
+            *FAST,
+            "trainer.max_epochs=1",
+            "precision=o0,o1_bf16",
+            f"+hydra.callbacks.disk_full._target_={target}",
+            "+hydra.callbacks.disk_full.limit=512",  # (no page of the store can be written)
+        )
+    told = "".join(capsys.readouterr())
+    assert status == 1, told[-3000:]
+    assert "Sweep finished: 2 jobs, none failed." in told
+    (line,) = [t for t in told.splitlines() if "The sweep's parent run" in t]
+    assert "could not be marked FINISHED: " in line and "I/O error" in line, line
+    assert "UserWarning" not in told and "[SQL:" not in told
