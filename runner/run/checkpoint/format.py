@@ -80,7 +80,7 @@ def unwritable(path: Path, error: BaseException) -> Optional[CheckpointUnwritabl
     )
     return CheckpointUnwritable(
         f"Cannot write the checkpoint {path}: {cause.strerror or cause}{free}. The run stops "
-        f"here (its metrics so far are logged); {kept}"
+        f"here; {kept}"
     )
 
 
