@@ -420,6 +420,23 @@ def test_cli_missing_cifar_says_how_to_fix_it(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("logging_preset", ["default", "stdout", "none", "disabled"])
+def test_a_refusal_is_told_under_each_of_hydras_job_logging_presets(tmp_path, logging_preset):
+    """`hydra/job_logging=disabled` (root level ERROR, every existing logger disabled) silenced
+    the runner's loggers too: a refused run exited 2 without a word."""
+    result = run_cli(
+        "data=cifar10",
+        "data.download=false",
+        "data.root=nowhere",
+        f"hydra/job_logging={logging_preset}",
+        cwd=tmp_path,
+        timeout=300,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 2 and "cifar10 not found under data.root=" in output, output
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [0, 2])
 def test_ctrl_c_marks_the_run_killed(tmp_path, workers):
     """Ctrl-C as a terminal sends it: to the whole process group, DataLoader workers included;
