@@ -21,6 +21,7 @@ from runner.config import mistakes
 from runner.config.finder import config_dir
 from runner.errors import RunnerError
 from runner.sweep import callback, gpus, jobs, parent
+from runner.tracking import job_log
 
 log = logging.getLogger("runner")
 
@@ -31,7 +32,7 @@ def main(cfg: DictConfig) -> float | None:
     sweeper such as Optuna maximises). A failing single run exits non-zero; a failing sweep job is
     recorded and, under Hydra's basic sweeper, returns NaN so that the sweep goes on; under any
     other sweeper it raises, so the sweeper sees a failed job (runner.sweep)."""
-    _own_loggers_on()
+    job_log.own_loggers_on()  # (hydra/job_logging=disabled: errors are still told)
     hydra_cfg = HydraConfig.get()
     job = {"overrides": list(hydra_cfg.overrides.task), "output_dir": hydra_cfg.runtime.output_dir}
     sweep_parent = parent.job_parent()
@@ -59,16 +60,6 @@ def main(cfg: DictConfig) -> float | None:
         failure.keep(error)  # (once: a run that existed has kept it already)
         log.error("The run failed with an unexpected error.\n%s", failure.told(error))
         sys.exit(1)
-
-
-def _own_loggers_on() -> None:
-    """Hydra's `hydra/job_logging=disabled` sets the root level to ERROR and disables every
-    logger that exists as it configures a job (`disable_existing_loggers`): the runner's among
-    them, so a refused run exited 2 without a word (the refusal is logged). Its loggers are
-    enabled again; the levels stay the user's (that preset shows errors only, on stderr)."""
-    for name, logger in logging.root.manager.loggerDict.items():
-        if isinstance(logger, logging.Logger) and (name == "runner" or name.startswith("runner.")):
-            logger.disabled = False
 
 
 # ---- a config that does not compose: one line, exit 2 -------------------------------------------

@@ -34,6 +34,7 @@ from runner.sweep.jobs import (
     varying_keys,
 )
 from runner.sweep.parent import SweepParent
+from runner.tracking import job_log
 from runner.tracking import tags as tag
 from runner.tracking.base import end_fluent_runs
 from runner.tracking.record import typed_command
@@ -72,6 +73,7 @@ class MlflowSweepCallback(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         from runner.run.output_folder import check_output_folder, unmade
 
+        job_log.own_loggers_on()  # (hydra/hydra_logging=disabled: a refusal is still told)
         try:
             check_output_folder(config, "sweep")
             check_launcher(config)  # (a dry run too: the launcher still starts its jobs)

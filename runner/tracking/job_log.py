@@ -43,6 +43,17 @@ def find(output_dir: Optional[os.PathLike]) -> Optional[Path]:
     return next((f for f in files if f.resolve().parent == folder), None)
 
 
+def own_loggers_on() -> None:
+    """Hydra's `disabled` logging presets (`hydra/job_logging`, `hydra/hydra_logging`) set the
+    root level to ERROR and disable every logger that exists as they are applied
+    (`disable_existing_loggers`): the runner's among them, so a refused run or sweep exited 2
+    without a word (the refusal is logged). Its loggers are enabled again; the levels stay the
+    user's (those presets show errors only, on stderr)."""
+    for name, logger in logging.root.manager.loggerDict.items():
+        if isinstance(logger, logging.Logger) and (name == "runner" or name.startswith("runner.")):
+            logger.disabled = False
+
+
 def bear_write_errors() -> None:
     """A log file the disk stops taking (full, gone, over quota) is told once on the console,
     not by Python's "--- Logging error ---" and a traceback for every line logged from then on:

@@ -420,15 +420,23 @@ def test_cli_missing_cifar_says_how_to_fix_it(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("logging_preset", ["default", "stdout", "none", "disabled"])
-def test_a_refusal_is_told_under_each_of_hydras_job_logging_presets(tmp_path, logging_preset):
-    """`hydra/job_logging=disabled` (root level ERROR, every existing logger disabled) silenced
-    the runner's loggers too: a refused run exited 2 without a word."""
+@pytest.mark.parametrize(
+    "launch",
+    [
+        *[[f"hydra/job_logging={p}"] for p in ("default", "stdout", "none", "disabled")],
+        ["-m", "precision=o0,o2_bf16", "hydra/hydra_logging=disabled"],  # (a sweep's parent)
+    ],
+    ids=lambda launch: launch[-1].split("/")[-1],
+)
+def test_a_refusal_is_told_under_each_of_hydras_logging_presets(tmp_path, launch):
+    """Hydra's `disabled` presets (root level ERROR, every existing logger disabled) silenced
+    the runner's loggers too: a refused run or sweep exited 2 without a word."""
     result = run_cli(
+        *launch[:-1],
         "data=cifar10",
         "data.download=false",
         "data.root=nowhere",
-        f"hydra/job_logging={logging_preset}",
+        launch[-1],
         cwd=tmp_path,
         timeout=300,
     )
