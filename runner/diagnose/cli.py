@@ -123,21 +123,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def compose(overrides: Sequence[str]):
     """The run's config, composed as `python -m runner` composes it; a bad override raises
-    RunnerError with Hydra's message."""
+    the RunnerError `python -m runner` says for it (runner.config.mistakes: the key or group,
+    what was given, the closest choices), not Hydra's message of several lines."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
 
     import runner.config  # noqa: F401  (registers the schemas)
+    from runner.config import mistakes
     from runner.config.finder import config_dir
 
     try:
         with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
             return hydra_compose("config", overrides=list(overrides))
-    except (HydraException, OmegaConfBaseException) as error:
-        cause = f": {error.__cause__}" if error.__cause__ else ""
-        raise RunnerError(f"{error}{cause}") from error
+    except Exception as error:
+        if not mistakes.is_composition_error(error):
+            raise
+        raise mistakes.explain(error, overrides) from error
 
 
 def run(

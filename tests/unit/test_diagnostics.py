@@ -471,7 +471,9 @@ def test_the_pre_flight_of_a_gpt_names_every_transformer_layer(tmp_path):
     "args,needle",
     [
         (["trainer.batch_size=0"], "trainer.batch_size"),
-        (["trainer.max_epoch=2"], "max_epoch"),
+        # said as `python -m runner` says them (they were Hydra's messages, of several lines)
+        (["trainer.max_epoch=2"], "trainer.max_epoch: unknown key; did you mean trainer.max_e"),
+        (["model=resnet1000"], "model: unknown option 'resnet1000'; did you mean resnet18"),
         (["trainer.diagnose_every_n_steps=-1"], "trainer.diagnose_every_n_steps"),
     ],
 )
