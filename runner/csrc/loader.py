@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 
 from runner.config import KERNEL_CHOICES
+from runner.errors import RunnerError
 from runner.files import file_lock, try_lock, write_atomic
 
 log = logging.getLogger(__name__)
@@ -39,8 +40,31 @@ BACKENDS = tuple(SOURCES)
 CHOICES = KERNEL_CHOICES
 
 
-class KernelBuildError(RuntimeError):
-    """The kernels could not be compiled or loaded; the message says why and how to fix it."""
+class KernelBuildError(RunnerError, RuntimeError):
+    """The kernels could not be compiled or loaded; the message says why, `fix` what to do
+    where it is not the compiler's (None: install one, see the full log)."""
+
+    def __init__(self, reason: str, fix: Optional[str] = None):
+        super().__init__(reason)
+        self.fix = fix
+
+
+CACHE_FIX = (
+    "set AMP_RUNNER_KERNEL_CACHE to a folder you can write (the default is "
+    "~/.cache/amp-runner/kernels, under $XDG_CACHE_HOME where set)"
+)
+
+
+def _made(directory: Path) -> Path:
+    """A build folder of the cache, made if it is not there; KernelBuildError where it cannot
+    be (a read-only home on a cluster's nodes, a cache path through a file)."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise KernelBuildError(
+            f"the kernel cache {directory} cannot be made ({error.strerror or error})", CACHE_FIX
+        ) from error
+    return directory
 
 
 @dataclass(frozen=True)
@@ -145,11 +169,21 @@ def build(backend: str, verbose: bool = False) -> Kernels:
     if backend in _LOADED:
         return _LOADED[backend]
     name = _module_name(backend)
-    directory = cache_dir(backend) / name
-    directory.mkdir(parents=True, exist_ok=True)
+    directory = _made(cache_dir(backend) / name)
     try:
-        with _folder_lock(directory):
-            module = _load_built(name, directory) or _compile(backend, name, directory, verbose)
+        try:
+            held = _folder_lock(directory)
+        except OSError as error:  # a folder this user cannot write: a complete build loads
+            module = _load_built(name, directory)
+            if module is None:
+                raise KernelBuildError(
+                    f"the kernel cache {directory} is not writable ({error.strerror or error}) "
+                    "and holds no complete build",
+                    CACHE_FIX,
+                ) from error
+        else:
+            with held:
+                module = _load_built(name, directory) or _compile(backend, name, directory, verbose)
     except KernelBuildError:
         raise
     except Exception as error:  # compiler missing, compile error, ninja missing, ...
@@ -297,31 +331,44 @@ def load(
     backend = backend_for(device)
     if backend in _FAILED and choice == "auto":
         return None
-    if choice == "auto" and not wait and backend not in _LOADED:
-        ready = _load_if_built(backend)
-        if ready is None:
-            return None
     try:
+        if choice == "auto" and not wait and backend not in _LOADED:
+            if _load_if_built(backend) is None:
+                return None
         return build(backend)
     except KernelBuildError as error:
         if choice == "fused":
-            raise
-        _warn_failed(backend, str(error))
+            raise KernelBuildError(
+                f"precision.kernels=fused: amp-runner's fused {backend} kernels could not be "
+                f"built. Why:\n{error}\nTo fix: {_fix(backend, error.fix)}; or "
+                "precision.kernels=auto, which steps with torch's ops where they cannot be built",
+                error.fix,
+            ) from error
+        _warn_failed(backend, str(error), error.fix)
         return None
 
 
-def _warn_failed(backend: str, reason: str) -> None:
+def _fix(backend: str, fix: Optional[str] = None) -> str:
+    """What to do about a failed build: `fix` where the reason has one of its own (the cache),
+    else the compiler's."""
+    if fix is not None:
+        return fix
+    cuda = " and point CUDA_HOME at the CUDA toolkit (the folder holding bin/nvcc)"
+    return (
+        f"install a C++ compiler and ninja{cuda if backend == 'cuda' else ''}, then run "
+        "`python -m runner.csrc build` to see the full log"
+    )
+
+
+def _warn_failed(backend: str, reason: str, fix: Optional[str] = None) -> None:
     _FAILED[backend] = reason
     log.warning(
         "amp-runner's fused %s kernels could not be built, so the engine uses torch's own "
-        "ops (slower: more passes over the parameters). Why:\n%s\nTo fix: install a C++ "
-        "compiler and ninja%s, then run `python -m runner.csrc build` to see the full log; "
+        "ops (slower: more passes over the parameters). Why:\n%s\nTo fix: %s; "
         "precision.kernels=torch silences this.",
         backend,
         reason,
-        " and point CUDA_HOME at the CUDA toolkit (the folder holding bin/nvcc)"
-        if backend == "cuda"
-        else "",
+        _fix(backend, fix),
     )
 
 
@@ -330,9 +377,11 @@ def _load_if_built(backend: str) -> Optional[Kernels]:
     otherwise None, having started a background build, or found one running, or found why the
     last one failed (warned once)."""
     name = _module_name(backend)
-    directory = cache_dir(backend) / name
-    directory.mkdir(parents=True, exist_ok=True)
-    lock = try_lock(directory / ".lock")
+    directory = _made(cache_dir(backend) / name)
+    try:
+        lock = try_lock(directory / ".lock")
+    except OSError:  # a folder this user cannot write: `build` loads a complete build, or says
+        return build(backend)
     if lock is None:
         log.info(
             "amp-runner's %s kernels are being built by another process (%s); this run "

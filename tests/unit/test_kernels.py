@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
 from runner import csrc
 from runner.csrc import loader
+from runner.errors import RunnerError
 from tests.helpers.kernel_cases import ADAM_CASES, SCALE_BOUNDED, SGD_CASES
 
 SIZES = [1, 7, 65535, 65536, 65537, 3 * 65536 + 5]  # odd, chunk edges, several chunks
@@ -754,6 +756,60 @@ def test_a_failed_build_falls_back_to_torch_with_the_reason(tmp_path, monkeypatc
     assert csrc.load("cpu", "torch") is None
     assert csrc.name_of(None) == "torch"
     shutil.rmtree(tmp_path / "cache", ignore_errors=True)
+
+
+def test_a_cache_that_cannot_be_made_says_so_and_what_to_set(tmp_path, monkeypatch, caplog):
+    """A cache path that cannot be made (a read-only home on a cluster's nodes; here a file in
+    the way) ended the run with an "unexpected error" and a traceback, at any kernels choice
+    (exit 1). Now `auto` warns once, with the variable to set, and steps with torch's ops;
+    `fused` is refused in a message (a RunnerError: exit 2) that names both ways out."""
+    monkeypatch.setattr(loader, "_LOADED", {})
+    monkeypatch.setattr(loader, "_FAILED", {})
+    (tmp_path / "file").write_text("a file where the cache should be")
+    monkeypatch.setenv("AMP_RUNNER_KERNEL_CACHE", str(tmp_path / "file" / "cache"))
+    with pytest.raises(RunnerError) as refused:
+        csrc.load("cpu", "fused")
+    said = str(refused.value)
+    assert said.startswith("precision.kernels=fused: amp-runner's fused cpp kernels could not")
+    assert f"the kernel cache {tmp_path / 'file' / 'cache'}/" in said
+    assert "cannot be made (Not a directory)" in said
+    assert "To fix: set AMP_RUNNER_KERNEL_CACHE to a folder you can write" in said
+    assert "or precision.kernels=auto" in said and "install a C++ compiler" not in said
+    with caplog.at_level("WARNING", logger="runner.csrc"):
+        assert csrc.load("cpu", "auto", wait=False) is None  # (a single run's first look)
+        assert csrc.load("cpu", "auto") is None
+    (warning,) = [r.getMessage() for r in caplog.records if r.name == "runner.csrc.loader"]
+    assert "uses torch's own ops" in warning and "set AMP_RUNNER_KERNEL_CACHE" in warning
+
+
+LOAD_PROBE = """
+from runner import csrc
+print(csrc.load("cpu", "fused").name, csrc.load("cpu", "auto", wait=False).name)
+"""
+
+
+@pytest.mark.slow
+def test_a_complete_build_loads_from_a_cache_it_cannot_lock(tmp_path):
+    """A shared cache this user cannot write (its lock file cannot be opened: here a folder in
+    its place) failed every run ("unexpected error") although its build was complete; the
+    build loads without the lock (its mark is written last, atomically), in a fresh process."""
+    import subprocess
+    import sys
+
+    built = Path(csrc.build("cpp").ops.__file__).parent
+    copy = tmp_path / "cache" / built.parent.parent.name / built.parent.name / built.name
+    shutil.copytree(built, copy, ignore=shutil.ignore_patterns(".lock", "build.log"))
+    (copy / ".lock").mkdir()  # (no lock can be opened there, even by root)
+    result = subprocess.run(
+        [sys.executable, "-c", LOAD_PROBE],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "AMP_RUNNER_KERNEL_CACHE": str(tmp_path / "cache")},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["cpp", "cpp"]
+    assert not (copy / "build.log").exists()  # (nothing built, nothing started)
 
 
 def test_unknown_choice_is_refused():
