@@ -49,6 +49,9 @@ def main(cfg: DictConfig) -> float | None:
 
     try:
         return run(cfg, **job)
+    except BrokenPipeError:  # stdout closed by its reader (`dry_run=true | head`): no more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (nor at the flush)
+        sys.exit(1)
     except RunnerError as error:
         log.error("%s", error)
         sys.exit(2)

@@ -55,13 +55,15 @@ def own_loggers_on() -> None:
 
 
 def bear_write_errors() -> None:
-    """A log file the disk stops taking (full, gone, over quota) is told once on the console,
-    not by Python's "--- Logging error ---" and a traceback for every line logged from then on:
-    the run goes on, its lines still reach the console, and the file takes them again once it
-    can. An error that is not the file's (a log call with wrong arguments) is reported as
-    Python reports it. For every file handler of the root logger (Hydra's job log); once each."""
+    """A log stream that stops taking lines is told once on stderr, not by Python's "---
+    Logging error ---" and a traceback for every line logged from then on, and the run goes on:
+    a log file on a disk that filled (its lines still reach the console; the file takes them
+    again once it can), or the console itself closed (`python -m runner ... | head`: a broken
+    pipe; the lines are in the job log). An error that is not the stream's (a log call with
+    wrong arguments) is reported as Python reports it. For every stream handler of the root
+    logger (Hydra's console and job log); once each."""
     for handler in logging.getLogger().handlers:
-        if isinstance(handler, logging.FileHandler) and not hasattr(handler, _TOLD):
+        if isinstance(handler, logging.StreamHandler) and not hasattr(handler, _TOLD):
             setattr(handler, _TOLD, False)
             handler.handleError = _told_once(handler, handler.handleError)  # type: ignore[method-assign]
 
@@ -69,20 +71,35 @@ def bear_write_errors() -> None:
 _TOLD = "_runner_write_error_told"
 
 
-def _told_once(handler: logging.FileHandler, report: Any) -> Any:
+def _told_once(handler: logging.StreamHandler, report: Any) -> Any:
     def handle_error(record: logging.LogRecord) -> None:
         error = sys.exc_info()[1]
         if not isinstance(error, OSError):
             report(record)
             return
-        if not getattr(handler, _TOLD):
-            setattr(handler, _TOLD, True)
-            sys.stderr.write(
-                f"Cannot write the log file {handler.baseFilename} "
-                f"({error.strerror or error}): the lines it misses are on the console only\n"
+        if getattr(handler, _TOLD):
+            return
+        setattr(handler, _TOLD, True)
+        reason = error.strerror or str(error)
+        if isinstance(handler, logging.FileHandler):
+            said = (
+                f"Cannot write the log file {handler.baseFilename} ({reason}): the lines it "
+                "misses are on the console only"
             )
+        else:
+            stream = getattr(handler.stream, "name", "the console")
+            said = f"Cannot write the log to {stream} ({reason}): the run goes on; its lines "
+            said += "are in its job log" if _has_file() else "are not kept"
+        try:
+            sys.stderr.write(said + "\n")
+        except OSError:  # (stderr is the stream that is gone)
+            pass
 
     return handle_error
+
+
+def _has_file() -> bool:
+    return any(isinstance(h, logging.FileHandler) for h in logging.getLogger().handlers)
 
 
 def name(run_log: Path, resumes: int) -> str:

@@ -1,5 +1,6 @@
 """A disk that stops taking writes in the middle of a run (full, over quota): the run's files,
-its record and its store each refuse, for real. A write the kernel refuses here comes from
+its record and its store each refuse, for real; and a console that is closed on the run (`|
+head`). A write the kernel refuses here comes from
 /dev/full (ENOSPC) or from a file size limit set on this process (`ulimit -f`: EFBIG, as
 SQLite's and Python's writes see a full disk), lifted again at the end of each test.
 
@@ -14,9 +15,13 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import resource
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from hydra.experimental.callback import Callback
@@ -26,7 +31,7 @@ from runner.tracking import job_log
 from runner.tracking.json_file import FILE, JsonTracker
 from runner.tracking.mlflow_run import MlflowRun
 from runner.tracking.mlflow_tracker import MlflowTracker
-from tests.helpers.runs import FAST, run_cli, run_in_process
+from tests.helpers.runs import FAST, REPO, run_cli, run_in_process
 
 
 @contextlib.contextmanager
@@ -211,3 +216,45 @@ def test_a_sweep_whose_parent_the_store_cannot_end_says_so_and_exits_1(tmp_path,
     (line,) = [t for t in told.splitlines() if "The sweep's parent run" in t]
     assert "could not be marked FINISHED: " in line and "I/O error" in line, line
     assert "UserWarning" not in told and "[SQL:" not in told
+
+
+# ---- the console closed ----------------------------------------------------------------------
+def read_a_line_then_close(*args: str, cwd: Path, lines: int = 1) -> tuple[int, str]:
+    """`python -m runner ARGS | head -1` (`lines`: 0, the reader gone before the first line):
+    the pipe closed after that; the exit status and stderr."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "runner", *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    for _ in range(lines):
+        assert proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read()
+    return proc.wait(timeout=300), err
+
+
+@pytest.mark.slow
+def test_a_run_whose_console_is_closed_goes_on_and_says_so_once(tmp_path):
+    """`python -m runner ... | head`: Python's "--- Logging error ---" and a traceback for each
+    of the run's later lines (14, 683 lines of stderr for a tiny run). Now one line; the run
+    finishes, its lines in its job log."""
+    status, err = read_a_line_then_close(*FAST, "tracking=none", cwd=tmp_path)
+    assert status == 0, err[-3000:]
+    assert err.count("Cannot write the log to <stdout> (Broken pipe): the run goes on; its") == 1
+    assert "Logging error" not in err and "Traceback" not in err
+    (log,) = tmp_path.glob("outputs/*/*/runner.log")
+    assert "Finished tiny-O0" in log.read_text()
+
+
+@pytest.mark.slow
+def test_a_dry_run_read_in_part_ends_quietly(tmp_path):
+    """`dry_run=true | head`: the print that met the closed pipe was an "unexpected error".
+    (Its reader goes before its first line: the config fits in the pipe's buffer, and a close
+    after a line could come after the whole of it.)"""
+    status, err = read_a_line_then_close("model=tiny", "dry_run=true", cwd=tmp_path, lines=0)
+    assert status == 1 and err == "", err[-3000:]
