@@ -102,11 +102,16 @@ LEVELS_SWEEP = [*FAST, "data.num_train=64", "precision=o0,o1,o2,o3"]
 
 
 def start_cli(
-    *args: str, cwd: Path, env: dict | None = None, new_session: bool = False
+    *args: str,
+    cwd: Path,
+    env: dict | None = None,
+    new_session: bool = False,
+    stderr_apart: bool = False,
 ) -> subprocess.Popen:
-    """`python -m runner ARGS` started in the background (stdout and stderr merged, line by line),
-    for tests that act on a run while it trains (signals, a server going away). `new_session`:
-    its own process group, which `os.killpg` signals as a terminal's Ctrl-C would."""
+    """`python -m runner ARGS` started in the background (stdout and stderr merged, line by line;
+    `stderr_apart`: a pipe of its own), for tests that act on a run while it trains (signals, a
+    server going away, its reader leaving). `new_session`: its own process group, which
+    `os.killpg` signals as a terminal's Ctrl-C would."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     return subprocess.Popen(
@@ -114,7 +119,7 @@ def start_cli(
         cwd=cwd,
         env=env,
         stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
+        stderr=subprocess.PIPE if stderr_apart else subprocess.STDOUT,
         text=True,
         start_new_session=new_session,
     )

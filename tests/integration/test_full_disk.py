@@ -15,11 +15,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import resource
 import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,7 +28,7 @@ from runner.tracking import job_log
 from runner.tracking.json_file import FILE, JsonTracker
 from runner.tracking.mlflow_run import MlflowRun
 from runner.tracking.mlflow_tracker import MlflowTracker
-from tests.helpers.runs import FAST, REPO, run_cli, run_in_process
+from tests.helpers.runs import FAST, run_cli, run_in_process, start_cli
 
 
 @contextlib.contextmanager
@@ -222,15 +219,7 @@ def test_a_sweep_whose_parent_the_store_cannot_end_says_so_and_exits_1(tmp_path,
 def read_a_line_then_close(*args: str, cwd: Path, lines: int = 1) -> tuple[int, str]:
     """`python -m runner ARGS | head -1` (`lines`: 0, the reader gone before the first line):
     the pipe closed after that; the exit status and stderr."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "runner", *args],
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start_cli(*args, cwd=cwd, stderr_apart=True)
     for _ in range(lines):
         assert proc.stdout.readline()
     proc.stdout.close()

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -674,19 +676,22 @@ def _static_libstdcxx() -> bool:
     return os.path.isabs(found) and os.path.isfile(found)
 
 
+def probe(code: str, cache: Path, timeout: float) -> subprocess.CompletedProcess:
+    """`python -c CODE` in a fresh process (no kernels loaded yet) with its kernel cache at
+    `cache`."""
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "AMP_RUNNER_KERNEL_CACHE": str(cache)},
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not _static_libstdcxx(), reason="no static libstdc++ (libstdc++.a) to link")
 def test_messages_are_whole_with_a_statically_linked_libstdcxx(tmp_path):
-    import subprocess
-    import sys
-
-    result = subprocess.run(
-        [sys.executable, "-c", STATIC_PROBE],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "AMP_RUNNER_KERNEL_CACHE": str(tmp_path / "cache")},
-    )
+    result = probe(STATIC_PROBE, tmp_path / "cache", timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.splitlines() == [
         "copy_scale: dst has 1 tensors, src has 2",
@@ -793,20 +798,11 @@ def test_a_complete_build_loads_from_a_cache_it_cannot_lock(tmp_path):
     """A shared cache this user cannot write (its lock file cannot be opened: here a folder in
     its place) failed every run ("unexpected error") although its build was complete; the
     build loads without the lock (its mark is written last, atomically), in a fresh process."""
-    import subprocess
-    import sys
-
     built = Path(csrc.build("cpp").ops.__file__).parent
     copy = tmp_path / "cache" / built.parent.parent.name / built.parent.name / built.name
     shutil.copytree(built, copy, ignore=shutil.ignore_patterns(".lock", "build.log"))
     (copy / ".lock").mkdir()  # (no lock can be opened there, even by root)
-    result = subprocess.run(
-        [sys.executable, "-c", LOAD_PROBE],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "AMP_RUNNER_KERNEL_CACHE": str(tmp_path / "cache")},
-    )
+    result = probe(LOAD_PROBE, tmp_path / "cache", timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split() == ["cpp", "cpp"]
     assert not (copy / "build.log").exists()  # (nothing built, nothing started)
