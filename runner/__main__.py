@@ -19,7 +19,7 @@ import runner
 import runner.config  # noqa: F401  (registers the schemas before Hydra composes)
 from runner.config import mistakes
 from runner.config.finder import config_dir
-from runner.errors import RunnerError
+from runner.errors import PeersLost, RunnerError, said
 from runner.sweep import callback, gpus, jobs, parent
 from runner.tracking import job_log
 
@@ -45,6 +45,7 @@ def main(cfg: DictConfig) -> float | None:
             **job,
         )
 
+    from runner.run import distributed
     from runner.run.app import run
 
     try:
@@ -54,6 +55,8 @@ def main(cfg: DictConfig) -> float | None:
         sys.exit(1)
     except RunnerError as error:
         log.error("%s", error)
+        if not isinstance(error, PeersLost):  # (torchrun's summary: the rank that failed first)
+            distributed.tell_torchrun(str(error))
         sys.exit(2)
     except Exception as error:
         if _verbose():  # HYDRA_FULL_ERROR=1: Hydra prints the whole traceback
@@ -62,6 +65,7 @@ def main(cfg: DictConfig) -> float | None:
 
         failure.keep(error)  # (once: a run that existed has kept it already)
         log.error("The run failed with an unexpected error.\n%s", failure.told(error))
+        distributed.tell_torchrun(f"The run failed with an unexpected error: {said(error)}")
         sys.exit(1)
 
 

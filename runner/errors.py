@@ -67,6 +67,12 @@ class WorkerKilled(RunnerError):
     message says which and what to change (runner.run.out_of_memory)."""
 
 
+class PeersLost(RunnerError):
+    """A collective operation of a distributed run failed on this rank: most likely another rank
+    ended or cannot be reached, and the run cannot go on without it. The message says the
+    backend's error in a line and what is kept (runner.run.distributed.peers_told)."""
+
+
 class LayerPlanError(RunnerError):
     """A layer ran in another format than its layer plan (or the level) says, with
     precision.strict=true: the message names each layer, what it ran in and what was planned."""

@@ -297,6 +297,7 @@ def run(
     `apart` to its default name (a sweep job's swept values: runner.run.plan.default_run_name).
     Under torchrun this is one rank of a DistributedDataParallel run (see
     runner.run.distributed)."""
+    distributed.set_other_ranks_apart()  # (torchrun: rank 0 tells the run, the others errors)
     mistakes.check_one_option(overrides)
     job_log.bear_write_errors()  # (a full disk: one line, not a traceback a line logged)
     run_log = job_log.find(output_dir)
@@ -325,10 +326,9 @@ def run(
         job_log.head(run_log, log_from),  # (the precision table's first line, logged above)
     )
     comm, device = distributed.setup(plan.device)
-    if not comm.is_main:  # one console story: rank 0's (the others still say what goes wrong)
-        logging.getLogger("runner").setLevel(logging.WARNING)
     try:
-        return train(plan, comm, device, launch)
+        with distributed.peers_told(comm):  # (a rank gone: one line, not gloo's traceback)
+            return train(plan, comm, device, launch)
     finally:
         comm.close()
 
@@ -430,7 +430,26 @@ def train_parts(
             if comm.is_main
             else null_run()
         )
-        with tracked_run as tracked, failure.kept_in(tracked, launch.run_log, launch.log_from):
+        written: dict[str, Any] = {}  # the last checkpoint of this run: where, after what
+        if resume is not None:
+            written.update(where=resume.path, epoch=resume.state["epoch"])
+            written.update(batch=resume.state.get("batch", 0))
+
+        def kept() -> str:  # (a rank gone: what this one keeps)
+            if not written:
+                return "No checkpoint was written yet." if comm.is_main else ""
+            batches = written["batch"]
+            after = f"epoch {written['epoch']}" + (f" and {batches} batches" if batches else "")
+            return (
+                f"The checkpoint after {after} is kept ({written['where']}): the same torchrun "
+                "command with resume=auto continues from it."
+            )
+
+        with (
+            tracked_run as tracked,
+            failure.kept_in(tracked, launch.run_log, launch.log_from),
+            distributed.peers_told(comm, kept),
+        ):
             if comm.is_main:
                 log.info(
                     "%s run %r (%s) in %s",
@@ -477,22 +496,25 @@ def train_parts(
                 tracked.deliver()
                 try:
                     if shards:  # a collective: every rank writes its shards, rank 0 the rest
-                        return str(
-                            checkpoint.sharded.save(
-                                path.parent,
-                                {**static, **trainer_state},
-                                parts.model,
-                                parts.optimizer,
-                                comm,
-                            )
+                        where = checkpoint.sharded.save(
+                            path.parent,
+                            {**static, **trainer_state},
+                            parts.model,
+                            parts.optimizer,
+                            comm,
                         )
-                    checkpoint.save(path, {**static, **trainer_state})
+                    else:
+                        checkpoint.save(path, {**static, **trainer_state})
+                        where = path
                 except Exception as error:  # (a full disk: one line, not a traceback)
                     refused = checkpoint.unwritable(path, error)
                     if refused is None:
                         raise
                     raise refused from error
-                return str(path)
+                written.update(
+                    where=where, epoch=trainer_state["epoch"], batch=trainer_state["batch"]
+                )
+                return str(where)
 
             trainer = Trainer(
                 trainer_config(cfg.trainer),

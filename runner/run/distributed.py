@@ -6,20 +6,31 @@ WORLD_SIZE set; each joins the process group (NCCL on GPUs, Gloo on CPUs), takes
 trains its shard of every batch with DistributedDataParallel, and only rank 0 talks to MLflow and
 writes checkpoints. Multi-node runs work the same through torchrun's rendezvous. Without torchrun
 `Comm()` is one process and every collective is a no-op.
+
+When a rank dies (killed, out of memory, an error), the others meet it in their next collective:
+Gloo's connection to it breaks, NCCL's watchdog or torchrun's SIGTERM ends the wait. `peers_told`
+turns that failure into `PeersLost`, one line that says what is kept, instead of an unexpected
+error with the backend's traceback; `tell_torchrun` gives torchrun's failure summary each rank's
+own line (its error file) instead of a link to torch's documentation.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
+import logging
 import os
-from collections.abc import Callable
+import re
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from runner.errors import ConfigError
+from runner.errors import ConfigError, PeersLost, chain
 
 T = TypeVar("T")
 
@@ -145,3 +156,110 @@ def flag_reducer(comm: Comm) -> Optional[Callable[[torch.Tensor], None]]:
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The model inside a DistributedDataParallel wrapper (or the model itself)."""
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
+# Gloo's errors are RuntimeErrors that start with the source file that raised them:
+# "[.../gloo/transport/tcp/pair.cc:545] Read error [127.0.0.1]:55494: Connection reset by peer.
+# This is typically caused by a remote worker hanging or bugs in the application. ..."
+_GLOO_SOURCE = re.compile(r"^\[[^\]]*/gloo/[^\]]*\]\s*")
+_GLOO_ADVICE = " This is typically caused"
+
+
+def collective_failure(error: BaseException) -> Optional[str]:
+    """The failed collective in `error`'s chain, in one line: torch.distributed's own errors
+    (`DistError`: NCCL's, the rendezvous store's, the network's) and Gloo's (without its source
+    file and its advice); None for any other error."""
+    for link in chain(error):
+        text = str(link).strip()
+        gloo = isinstance(link, RuntimeError) and _GLOO_SOURCE.match(text) is not None
+        if not gloo and not isinstance(link, dist.DistError):
+            continue
+        lines = _GLOO_SOURCE.sub("", text).splitlines()
+        line = lines[0].split(_GLOO_ADVICE)[0].rstrip(". ") if lines else ""
+        return f"{'Gloo' if gloo else type(link).__name__}: {line}".rstrip(": ")
+    return None
+
+
+@contextmanager
+def peers_told(comm: Comm, kept: Callable[[], str] = lambda: "") -> Iterator[None]:
+    """Around a part of a distributed run: a collective that fails (another rank gone) becomes
+    `PeersLost`: what failed, what most likely happened, where to look, and `kept()` (what this
+    rank keeps: its last checkpoint), instead of an unexpected error with the backend's
+    traceback. Anything else passes unchanged, as does everything in a single process."""
+    try:
+        yield
+    except PeersLost:
+        raise
+    except Exception as error:
+        failed = collective_failure(error) if comm.active else None
+        if failed is None:
+            raise
+        more = kept()
+        raise PeersLost(
+            f"A collective operation of the {comm.world_size} ranks failed ({failed}): most "
+            "likely another rank ended (an error, out of memory, killed) or cannot be reached, "
+            "and the run cannot go on without it. torchrun's summary names the rank that failed "
+            "first and how; that rank's own lines say why." + (f" {more}" if more else "")
+        ) from None
+
+
+def _rank_and_world() -> tuple[int, int]:
+    """This process's rank and the world size, from the environment (torchrun's variables, a
+    SLURM job's tasks), before any process group; (0, 1) in a single process."""
+    if launched_by_torchrun():
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if will_join_a_group():
+        return int(os.environ.get("SLURM_PROCID", "0")), int(os.environ["SLURM_NTASKS"])
+    return 0, 1
+
+
+def rank_label() -> str:
+    """The start of a line on a rank other than 0 of a distributed run: "rank R of W: "; "" on
+    rank 0 (the run's story, unlabelled) and in a single process."""
+    rank, world = _rank_and_world()
+    return f"rank {rank} of {world}: " if rank != 0 else ""
+
+
+class _RankLabel(logging.Filter):
+    """Starts each runner record's message with the rank's label, once (a record goes through
+    every handler)."""
+
+    def __init__(self, label: str):
+        super().__init__()
+        self.label = label
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name.split(".")[0] == "runner" and not getattr(record, "_rank_label", False):
+            record.msg = f"{self.label}{record.msg}"
+            record._rank_label = True
+        return True
+
+
+def set_other_ranks_apart() -> None:
+    """One console story, rank 0's: on the other ranks of a distributed run the runner's lines
+    are its warnings and errors only, each labelled with the rank (`rank_label`) on every
+    handler of the root logger (the console, the job log): each rank measures its own data
+    wait, and a rank's error is told by that rank."""
+    label = rank_label()
+    if not label:
+        return
+    logging.getLogger("runner").setLevel(logging.WARNING)
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, _RankLabel) for f in handler.filters):
+            handler.addFilter(_RankLabel(label))
+
+
+def tell_torchrun(message: str) -> None:
+    """`message`, this rank's error in a line, into torchrun's error file for it
+    (TORCHELASTIC_ERROR_FILE, set by torchrun): its failure summary then shows the line, where it
+    shows a link to torch's documentation for a rank that wrote none. Nothing outside torchrun;
+    a file that cannot be written changes nothing (the line is on the console already)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    try:
+        with open(path, "w", encoding="utf-8") as file:  # (the form torch's `record` writes)
+            info = {"py_callstack": message, "timestamp": str(int(time.time()))}
+            json.dump({"message": {"message": message, "extraInfo": info}}, file)
+    except OSError:
+        pass

@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
@@ -38,22 +41,23 @@ def _weights(folder: Path, run_name: str) -> dict[str, torch.Tensor]:
     return checkpoint.load(checkpoint.find("auto", root))["model"]
 
 
-def torchrun(nproc: int, args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+def torchrun_env() -> dict[str, str]:
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
+
+def torchrun_command(nproc: int, *entry: str) -> list[str]:
+    """torchrun (its module) starting `entry` (a script and its arguments) `nproc` times."""
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    return [*run, f"--nproc_per_node={nproc}", *entry]
+
+
+def torchrun(nproc: int, args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={nproc}",
-            "-m",
-            "runner",
-            *args,
-        ],
+        torchrun_command(nproc, "-m", "runner", *args),
         cwd=cwd,
-        env=env,
+        env=torchrun_env(),
         capture_output=True,
         text=True,
         timeout=600,
@@ -125,24 +129,13 @@ def test_two_gloo_processes_train_like_one_with_the_global_batch(tmp_path, prese
 def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path, kernels):
     """tests/helpers/ddp_flag_probe.py under torchrun: rank 1 alone puts an inf into its gradients
     at step 2; both ranks skip that step, halve the scale, and end with identical masters."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     for attempt in (1, 2, 3):
         for stale in tmp_path.glob("rank*.json"):
             stale.unlink()
         result = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc_per_node=2",
-                str(HELPERS / "ddp_flag_probe.py"),
-                str(tmp_path),
-                kernels,
-            ],
+            torchrun_command(2, str(HELPERS / "ddp_flag_probe.py"), str(tmp_path), kernels),
             cwd=tmp_path,
-            env=env,
+            env=torchrun_env(),
             capture_output=True,
             text=True,
             timeout=600,
@@ -310,3 +303,72 @@ def test_rank_0_tunes_and_the_other_ranks_take_its_decision(tmp_path):
     assert run.data.params["tune.source"] == "measured"
     assert "tune_time_s" in run.data.metrics
     assert len(list((tmp_path / "tune-cache").glob("*.json"))) == 1
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_run_fails_the_run_in_one_line_and_resume_goes_on(tmp_path):
+    """Rank 1 killed (SIGKILL: the OOM killer, a lost node) while the run trains: rank 0 meets it
+    in its next collective (Gloo's connection reset) and ends the run FAILED in one line (what
+    failed, where to look, the checkpoint it keeps), not as an unexpected error with Gloo's
+    traceback; the same command with resume=auto then continues from that checkpoint."""
+    args = [*COMMON, "data.num_train=640", "trainer.log_every_n_steps=5"]
+    out = tmp_path / "torchrun.log"
+    with out.open("w") as sink:
+        started = subprocess.Popen(
+            torchrun_command(2, "-m", "runner", *args, "trainer.max_epochs=1000"),
+            cwd=tmp_path,
+            env=torchrun_env(),
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
+        agent = psutil.Process(started.pid)
+        try:
+            deadline = time.monotonic() + 300
+            while "Checkpoint: " not in out.read_text(errors="replace"):  # (after epoch 1)
+                assert started.poll() is None, out.read_text(errors="replace")[-3000:]
+                assert time.monotonic() < deadline, "no checkpoint in 300 s"
+                time.sleep(0.2)
+            ranks = {p.environ().get("RANK"): p for p in agent.children()}
+            ranks["1"].kill()
+            started.wait(timeout=120)
+        finally:
+            for left in [*agent.children(recursive=True), agent] if agent.is_running() else []:
+                left.kill()
+    told = out.read_text(errors="replace")
+    assert started.returncode != 0
+    assert "A collective operation of the 2 ranks failed (Gloo: " in told, told[-3000:]
+    assert "unexpected error" not in told and "GLHF" not in told and "pair.cc" not in told
+    assert "rank      : 1 (local_rank: 1)\n  exitcode  : -9" in told  # (torchrun's root cause)
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    (run,) = client.search_runs([client.get_experiment_by_name("amp-runner").experiment_id])
+    assert run.info.status == "FAILED"
+    error = run.data.tags["error"]
+    assert error.startswith("PeersLost: A collective operation of the 2 ranks failed (Gloo: ")
+    kept = re.search(
+        r"The checkpoint after epoch (\d+) is kept \((.+?)\): the same torchrun ", error
+    )
+    assert kept is not None, error
+    epochs = int(kept[1])
+    assert checkpoint.load(Path(kept[2]))["epoch"] == epochs >= 1
+
+    resumed = torchrun(2, [*args, f"trainer.max_epochs={epochs + 1}", "resume=auto"], tmp_path)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    (run,) = client.search_runs([run.info.experiment_id])
+    assert run.info.status == "FINISHED"
+    assert checkpoint.load(Path(kept[2]))["epoch"] == epochs + 1
+
+
+@pytest.mark.new_store
+def test_torchrun_s_summary_says_each_rank_s_error(tmp_path):
+    """A rank's error reaches torchrun's failure summary in the rank's own words (its error
+    file), not as a link to torch's documentation; a rank other than 0 labels its lines."""
+    result = torchrun(2, [*COMMON, "optimizer.lr=-1"], tmp_path)
+    told = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "traceback : optimizer.lr: got -1.0 (allowed: a finite number > 0)" in told, told
+    assert "To enable traceback see" not in told.split("Root Cause")[1]
+    lines = [line for line in told.splitlines() if "[runner]" in line]
+    assert lines, told
+    for line in lines:  # (the first rank to fail ends the others: either may tell it)
+        assert re.search(r"\[ERROR\] - (rank 1 of 2: )?optimizer.lr: got -1.0", line), line
+    assert not (tmp_path / "mlflow.db").exists()
