@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 import runner
-from runner import files
+from runner import files, shell
 from runner.config import options
 from runner.diagnose.analysis import Preflight, analyse, render
 from runner.errors import RunnerError
@@ -292,7 +292,7 @@ def write_plan(
     )
     print(
         f"Wrote the plan to {path}; train with it: python -m runner precision={preset} "
-        f"precision.layer_plan={path} ..."
+        f"{shell.override('precision.layer_plan', str(path))} ..."
     )
     return path
 

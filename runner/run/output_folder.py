@@ -21,6 +21,7 @@ from typing import Any, Optional
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
+from runner import shell
 from runner.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -93,7 +94,7 @@ def claim_sweep(config: DictConfig) -> None:
     moved = claim(config, "sweep")
     if moved is not None:
         with read_write(config.hydra.overrides), open_dict(config.hydra.overrides):
-            config.hydra.overrides.hydra.append(f"hydra.sweep.dir={_quoted(moved)}")
+            config.hydra.overrides.hydra.append(f"hydra.sweep.dir={shell.hydra_value(moved)}")
 
 
 def claim(config: DictConfig, mode: str) -> Optional[str]:
@@ -119,8 +120,3 @@ def claim(config: DictConfig, mode: str) -> Optional[str]:
             node.dir = str(folder)
         return str(folder)
     return None  # (ten thousand launches in one second: Hydra's folder, shared, as before)
-
-
-def _quoted(value: str) -> str:
-    """`value` as a quoted value of Hydra's override grammar."""
-    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"

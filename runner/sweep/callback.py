@@ -19,6 +19,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
+from runner import shell
 from runner.errors import ConfigError, RunnerError, said
 from runner.files import HeldLock, try_lock
 from runner.sweep import stop
@@ -240,8 +241,12 @@ class MlflowSweepCallback(Callback):
             else ", none failed"
         )
         compare = (
-            f"Compare them:  python -m runner.report --tracking-uri {tracker.location} "
-            f"--experiment {self.parent.experiment_name} --parent {self.parent.run_id}\n"
+            "Compare them:  "
+            + shell.join(
+                ["python", "-m", "runner.report", "--tracking-uri", tracker.location]
+                + ["--experiment", self.parent.experiment_name, "--parent", self.parent.run_id]
+            )
+            + "\n"
             if self.parent.tracker == MLFLOW
             else ""  # the report reads an MLflow store
         )
@@ -294,13 +299,13 @@ class MlflowSweepCallback(Callback):
         waiting = "" if self._jobs is None else f", {self._jobs - len(children)} not started"
         log.warning(
             "Sweep stopped by %s: %d job(s) stopped with a checkpoint (%s), %d finished%s. "
-            "To go on: the same command with resume=auto hydra.sweep.dir=%s",
+            "To go on: the same command with resume=auto %s",
             name,
             len(stopped),
             ", ".join(stopped) or "none",
             finished,
             waiting,
-            self._sweep_dir,
+            shell.override("hydra.sweep.dir", str(self._sweep_dir)),
         )
         raise RunInterrupted(signum)
 

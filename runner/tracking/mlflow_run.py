@@ -20,6 +20,7 @@ from typing import Any
 
 from mlflow.entities import Metric, Param, RunStatus, RunTag
 
+from runner import shell
 from runner.errors import RunnerError, said
 from runner.tracking import tags as tag
 from runner.tracking.base import Run
@@ -353,5 +354,5 @@ class MlflowRun(Run):
             len(self._buffer),
             status,
             where,
-            where,
+            shell.word(str(where)),
         )

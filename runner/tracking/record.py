@@ -10,6 +10,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from runner import shell
+
 
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
     """Nested config -> {"a.b.c": "value"} for MLflow params."""
@@ -50,5 +52,5 @@ def typed_command(argv: Sequence[str] | None = None) -> str:
     if first.name == "__main__.py" and spec is not None:
         module = spec.name.removesuffix(".__main__")
         interpreter = (getattr(sys, "orig_argv", None) or [sys.executable])[0]
-        return " ".join([Path(interpreter).name, "-m", module, *argv[1:]])
-    return " ".join([first.name, *argv[1:]])
+        return shell.join([Path(interpreter).name, "-m", module, *argv[1:]])
+    return shell.join([first.name, *argv[1:]])

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
+from runner import shell
 from runner.errors import RunnerError, said
 from runner.files import LockBusy, file_lock
 
@@ -186,7 +187,7 @@ def startup_error(tracking_uri: str, error: BaseException) -> RunnerError:
         fix = (
             "Another process keeps the database locked: try again, or for many runs at once "
             "log to an MLflow server (mlflow server --backend-store-uri "
-            f"{tracking_uri}, then mlflow.tracking_uri=http://host:5000)."
+            f"{shell.word(tracking_uri)}, then mlflow.tracking_uri=http://host:5000)."
         )
     elif "out-of-date database schema" in cause:
         fix = "Upgrade the store as said above (a backup first), or use another store."
@@ -218,6 +219,6 @@ def ui_hint(tracking_uri: str, experiment_id: str) -> str:
     if tracking_uri.startswith(("http://", "https://")):
         return f"Open {tracking_uri.rstrip('/')}/{page}"
     return (
-        f"See the runs with:  mlflow ui --backend-store-uri {tracking_uri}\n"
+        f"See the runs with:  mlflow ui --backend-store-uri {shell.word(tracking_uri)}\n"
         f"then open http://127.0.0.1:5000/{page}"
     )

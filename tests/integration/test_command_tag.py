@@ -44,3 +44,26 @@ def test_the_console_script_is_recorded_as_typed_in_a_sweep(tmp_path):
     typed = " ".join(["amp-runner", *args])
     assert command_of(tmp_path / "s") == typed  # the sweep's parent run
     assert command_of(tmp_path / "s" / "0") == typed  # its one job
+
+
+def test_a_command_with_quoted_values_pastes_back_as_typed(tmp_path):
+    """Words the shell would split or change (a Hydra value quoted for its space and its
+    non-ASCII letter, brackets) are recorded quoted: the tag, pasted into bash, gives the run
+    the very arguments it had."""
+    folder = tmp_path / "a run ü"
+    args = [
+        *FAST,
+        "trainer.max_epochs=1",
+        "tracking=none",
+        f"hydra.run.dir='{folder}'",
+        "optimizer=adam",
+        "optimizer.betas=[0.9, 0.99]",
+    ]
+    result = run_cli(*args, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    typed = command_of(folder)
+    assert f"\"hydra.run.dir='{folder}'\"" in typed and "'optimizer.betas=[0.9, 0.99]'" in typed
+    pasted = subprocess.run(
+        ["bash", "-c", f"printf '%s\\0' {typed}"], capture_output=True, check=True
+    ).stdout
+    assert pasted.decode().split("\0")[:-1] == [Path(sys.executable).name, "-m", "runner", *args]

@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, ...]] = [  # the first: the entry points users type (rep
     ("components", "tracking", "measure", "precision"),  # independent of one another
     ("csrc",),  # the precision engine's kernels
     ("config",),  # never imports torch
-    ("runner.errors", "runner.files", "runner"),  # the bottom floor
+    ("runner.errors", "runner.files", "runner.shell", "runner"),  # the bottom floor
 ]
 ENTRY_POINTS = LAYERS[0]
 ROOMS = (
