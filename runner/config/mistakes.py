@@ -167,7 +167,7 @@ def explain(error: BaseException, overrides: Sequence[str] = ()) -> RunnerError:
             value = merged.group(1) if merged else None
         return wrong_type(str(full_key), value, words or _first_line(cause))
     if isinstance(error, OverrideParseException):
-        return RunnerError(f"{error.override}: {_one_line(str(error))}")
+        return unreadable_override(error)
     appended = re.match(r"Could not override '([^']+)'\. No match in the defaults list", str(error))
     if appended:
         group = appended.group(1)
@@ -176,6 +176,43 @@ def explain(error: BaseException, overrides: Sequence[str] = ()) -> RunnerError:
             group, f"not in the defaults list; to add it: +{group}={value or 'OPTION'}"
         )
     return RunnerError(_hydra_text(error))
+
+
+_GRAMMAR = "https://hydra.cc/docs/1.2/advanced/override_grammar/basic"
+_LEXER = "LexerNoViableAltException: "
+
+
+def unreadable_override(error: OverrideParseException) -> RunnerError:
+    """An override Hydra's grammar cannot read, in one line: the character it stopped at and,
+    where the value is a plain value (not a list, a dict or a sweep function) that reads once
+    quoted, the override quoted as the shell and Hydra both take it: `data.root=ü data` ->
+    "data.root='ü data'"."""
+    override, lines = str(error.override), str(error).splitlines()
+    stop = re.match(r"mismatched input '(.+)' expecting", lines[0]) if lines else None
+    if lines and lines[0].startswith(_LEXER) and len(lines) > 1 and "^" in lines[1]:
+        at = lines[1].index("^") - len(_LEXER)
+        what = f"it cannot take {override[at]!r} there" if 0 <= at < len(override) else ""
+    elif stop is not None:
+        what = f"it cannot take {stop.group(1)!r} there"
+    else:
+        what = ""
+    what = what or (lines[0] if lines else "")
+    key, equals, value = override.partition("=")
+    if equals and value and value[0] not in "[{'\"" and "(" not in value:
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        from runner import shell
+
+        try:
+            OverridesParser.create().parse_override(f"{key}={shell.hydra_value(value)}")
+        except OverrideParseException:
+            pass
+        else:
+            return RunnerError(
+                f"{override}: Hydra's override grammar cannot read this value unquoted ({what}); "
+                f"quote it: {shell.override(key, value)}"
+            )
+    return RunnerError(f"{override}: Hydra's override grammar cannot read it ({what}); {_GRAMMAR}")
 
 
 def _one_line(text: str) -> str:

@@ -8,6 +8,8 @@ every group option gets a value of the wrong type, so a key added later is cover
 
 from __future__ import annotations
 
+import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -208,3 +210,19 @@ def test_the_command_line_exits_2_with_the_key_and_no_traceback(tmp_path, args, 
     assert result.returncode != 0 and needle in output and "Traceback" not in output
     assert not (tmp_path / "mlflow.db").exists() or not _runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
     assert not list(tmp_path.rglob("last.pt"))  # nothing was trained
+
+
+def test_a_value_hydra_reads_only_quoted_is_told_how_to_quote_it(tmp_path):
+    """An unquoted non-ASCII letter stops Hydra's override grammar ("LexerNoViableAltException"
+    and a caret, exit 1 in Hydra's words): the runner says the character and the override
+    quoted, and that quoted override, pasted as it is, runs."""
+    folder = tmp_path / "runs ü"
+    refused = run_cli(f"hydra.run.dir={folder}", "dry_run=true", cwd=tmp_path, timeout=300)
+    told = refused.stdout + refused.stderr
+    assert refused.returncode == 2 and "Traceback" not in told, told
+    quoted = re.search(r"cannot take 'ü' there\); quote it: (.+)$", told.strip())
+    assert quoted is not None, told
+    (override,) = shlex.split(quoted[1])  # (as a shell reads it)
+    ran = run_cli(override, "dry_run=true", cwd=tmp_path, timeout=300)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert (folder / ".hydra" / "config.yaml").is_file()

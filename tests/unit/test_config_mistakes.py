@@ -49,7 +49,18 @@ def test_closest_spellings_come_first():
         # a `_target_`'s arguments are open: a new one takes `+`, as Hydra says
         (["model=custom", "model.depth=3"], "model.depth: unknown key; to add it: +model.depth=3"),
         (["experiment=cpu_demo"], "experiment: not in the defaults list; to add it: +experiment="),
-        (["trainer.max_epochs=[1"], "trainer.max_epochs=[1: no viable alternative"),
+        (
+            ["trainer.max_epochs=[1"],
+            "trainer.max_epochs=[1: Hydra's override grammar cannot read it (no viable "
+            "alternative at input '[1'); https://hydra.cc/",
+        ),
+        # a plain value Hydra reads only quoted: the character, and the override quoted
+        (
+            ["data.root=ü data/my set"],
+            "data.root=ü data/my set: Hydra's override grammar cannot read this value unquoted "
+            "(it cannot take 'ü' there); quote it: \"data.root='ü data/my set'\"",
+        ),
+        (["hydra.run.dir=a=b"], "(it cannot take '=' there); quote it: \"hydra.run.dir='a=b'\""),
     ],
 )
 def test_each_kind_of_mistake_is_one_line(overrides, message):
