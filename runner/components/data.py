@@ -25,7 +25,7 @@ from omegaconf.errors import MissingMandatoryValue
 from torch.utils.data import Dataset
 
 from runner.config import options, targets
-from runner.config.options import DATASET_NAMES
+from runner.config.options import DATASET_NAMES, image_classes
 from runner.config.schema import CLASSIFICATION, LANGUAGE_MODEL  # the tasks a dataset serves
 from runner.errors import ConfigError, DataError, UnreadableFile
 
@@ -207,6 +207,8 @@ def _checked(name: str) -> type:
 def __getattr__(name: str) -> Any:
     if name in ("CheckedCIFAR10", "CheckedCIFAR100"):
         return _checked(name)
+    if name == "VisibleImageFolder":
+        return _image_folder()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -302,14 +304,99 @@ def build_cifar(cfg: Any) -> DataBundle:
 
 
 # ---- ImageFolder ---------------------------------------------------------------------------
-def build_imagefolder(cfg: Any) -> DataBundle:
+_SPLIT_KEYS = {"train_dir": "train", "val_dir": "val"}
+
+
+def _has_image(folder: str) -> bool:
+    """Whether `folder` holds an image ImageFolder would read, at any depth (links followed)."""
+    from torchvision.datasets.folder import IMG_EXTENSIONS
+
+    for _, dirs, files in os.walk(folder, followlinks=True):
+        dirs[:] = [d for d in dirs if not options.hidden(d)]
+        if any(_is_image(name, IMG_EXTENSIONS) for name in files):
+            return True
+    return False
+
+
+def _is_image(name: str, extensions: tuple[str, ...]) -> bool:
+    return not options.hidden(os.path.basename(name)) and name.lower().endswith(extensions)
+
+
+def check_imagefolder(cfg: Any) -> dict[str, str]:
+    """The plan's check of an ImageFolder tree, before anything is built or tracked: the root,
+    its train and val folders, their class folders (hidden ones are not classes), the same in
+    both, each with an image, and `data.num_classes` where set. Returns the splits' folders by
+    key (train_dir, val_dir). Raises DataError (ConfigError for num_classes) naming what to fix."""
     root = _check_root(cfg)
     if not os.path.isdir(root):
         raise DataError(
             f"data.root={root} does not exist (expected {root}/<split>/<class>/<image>)"
         )
-    from torchvision import datasets
+    paths, classes = {}, {}
+    for key, default in _SPLIT_KEYS.items():
+        sub = str(getattr(cfg, key, default))
+        path = paths[key] = os.path.join(root, sub)
+        if not os.path.isdir(path):
+            raise DataError(
+                f"data.root={root} has no folder {sub!r} (expected {path}/<class>/<image>); "
+                f"fix data.root or data.{key}"
+            )
+        try:
+            classes[key] = image_classes(path)
+        except OSError as exc:
+            raise DataError(f"data.root={root}: cannot read {path}: {exc}") from exc
+        if not classes[key]:
+            raise DataError(
+                f"data.root={root}: {path} has no class folders (expected {path}/<class>/<image>)"
+            )
+        empty = [c for c in classes[key] if not _has_image(os.path.join(path, c))]
+        if empty:
+            from torchvision.datasets.folder import IMG_EXTENSIONS
+
+            raise DataError(
+                f"data.root={root}: no image in {len(empty)} class folder(s) of {path}: "
+                f"{', '.join(empty[:5])}{', ...' if len(empty) > 5 else ''} (an image is a "
+                f"file ending {', '.join(IMG_EXTENSIONS)}; hidden files are left out); add "
+                "images or remove the folder"
+            )
+    train, val = classes["train_dir"], classes["val_dir"]
+    if train != val:
+        only_train = sorted(set(train) - set(val))
+        only_val = sorted(set(val) - set(train))
+        raise DataError(
+            f"data.root={root}: train and val class folders differ "
+            f"(only in train: {only_train or '-'}; only in val: {only_val or '-'})"
+        )
+    wanted = getattr(cfg, "num_classes", None)
+    if wanted is not None and int(wanted) != len(train):
+        raise ConfigError(
+            "data.num_classes",
+            f"is {wanted} but data.root={root} has {len(train)} class folders",
+            allowed=f"{len(train)} or null",
+        )
+    return paths
+
+
+@functools.cache
+def _image_folder() -> type:
+    """torchvision's ImageFolder whose classes and images leave hidden files and folders out
+    (`runner.config.options.hidden`); torchvision is imported only by runs that read images."""
+    from torchvision.datasets import ImageFolder
+
+    def find_classes(self: Any, directory: str) -> tuple[list[str], dict[str, int]]:
+        classes = image_classes(directory)
+        return classes, {name: index for index, name in enumerate(classes)}
+
+    return type(
+        "VisibleImageFolder", (ImageFolder,), {"__module__": __name__, "find_classes": find_classes}
+    )
+
+
+def build_imagefolder(cfg: Any) -> DataBundle:
+    paths = check_imagefolder(cfg)
+    root = _check_root(cfg)
     from torchvision import transforms as T
+    from torchvision.datasets.folder import IMG_EXTENSIONS
 
     image_size = int(getattr(cfg, "image_size", 224))
     norm = [T.ToTensor(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
@@ -322,37 +409,21 @@ def build_imagefolder(cfg: Any) -> DataBundle:
 
     splits = {}
     for key, tf in (("train_dir", train_tf), ("val_dir", val_tf)):
-        sub = str(getattr(cfg, key, "train" if key == "train_dir" else "val"))
-        path = os.path.join(root, sub)
-        if not os.path.isdir(path):
-            raise DataError(
-                f"data.root={root} has no folder {sub!r} (expected {path}/<class>/<image>); "
-                f"fix data.root or data.{key}"
-            )
+        path = paths[key]
         try:
             check_folders_once(path, root)
-            splits[key] = datasets.ImageFolder(path, transform=tf, loader=read_image)
+            splits[key] = _image_folder()(
+                path,
+                transform=tf,
+                loader=read_image,
+                is_valid_file=functools.partial(_is_image, extensions=IMG_EXTENSIONS),
+            )
         except (FileNotFoundError, OSError) as exc:
             raise DataError(
                 f"data.root={root}: cannot read {path} as an ImageFolder: {exc}"
             ) from exc
     train, val = splits["train_dir"], splits["val_dir"]
-    if train.classes != val.classes:
-        only_train = sorted(set(train.classes) - set(val.classes))
-        only_val = sorted(set(val.classes) - set(train.classes))
-        raise DataError(
-            f"data.root={root}: train and val class folders differ "
-            f"(only in train: {only_train or '-'}; only in val: {only_val or '-'})"
-        )
-    found = len(train.classes)
-    wanted = getattr(cfg, "num_classes", None)
-    if wanted is not None and int(wanted) != found:
-        raise ConfigError(
-            "data.num_classes",
-            f"is {wanted} but data.root={root} has {found} class folders",
-            allowed=f"{found} or null",
-        )
-    return DataBundle(train, val, found, image_size, "imagefolder")
+    return DataBundle(train, val, len(train.classes), image_size, "imagefolder")
 
 
 def check_folders_once(path: str, root: str) -> None:

@@ -130,13 +130,26 @@ def _synthetic_classes(node: Any) -> Optional[int]:
     return int(node.get("num_classes", 10))
 
 
+def hidden(name: str) -> bool:
+    """A hidden file or folder of a dataset, never data: `.ipynb_checkpoints` (Jupyter), `.git`,
+    `.DS_Store`, the `._<name>` resource forks macOS writes beside every image copied from it."""
+    return name.startswith(".")
+
+
+def image_classes(split: str) -> list[str]:
+    """The class folders of an ImageFolder split (`root/<split>`): its sub-folders, hidden ones
+    left out, sorted (a class's index is its place here, as torchvision's ImageFolder says)."""
+    with os.scandir(split) as entries:
+        return sorted(e.name for e in entries if e.is_dir() and not hidden(e.name))
+
+
 def _imagefolder_classes(node: Any) -> Optional[int]:
     wanted = node.get("num_classes")
     if wanted is not None:
         return int(wanted)
     train = os.path.join(str(node.get("root", "")), str(node.get("train_dir", "train")))
     if os.path.isdir(train):
-        return sum(entry.is_dir() for entry in os.scandir(train)) or None
+        return len(image_classes(train)) or None
     return None
 
 
@@ -263,6 +276,7 @@ SPECS: tuple[Spec, ...] = (
             ("num_classes", optional(integer_at_least(2)), "null or an integer >= 2"),
         ),
         classes=_imagefolder_classes,
+        check="runner.components.data:check_imagefolder",
     ),
     Spec(
         "data",

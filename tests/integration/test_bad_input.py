@@ -19,6 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from runner.errors import ConfigError
 from runner.run import app
+from tests.helpers.images import write_image_folder
 from tests.helpers.runs import FAST, compose_config, run_cli
 
 OPTIONS = [
@@ -226,3 +227,27 @@ def test_a_value_hydra_reads_only_quoted_is_told_how_to_quote_it(tmp_path):
     ran = run_cli(override, "dry_run=true", cwd=tmp_path, timeout=300)
     assert ran.returncode == 0, ran.stderr[-3000:]
     assert (folder / ".hydra" / "config.yaml").is_file()
+
+
+@pytest.mark.new_store
+def test_an_image_folder_with_an_empty_class_is_refused_before_the_store(tmp_path):
+    """An ImageFolder's class folder with no image (here only a resource fork, `._0.png`, which
+    torchvision took for an image) is refused by the plan: exit 2, one line naming the folder,
+    no store made and no run, where the run failed at its first read of the fork."""
+    write_image_folder(tmp_path / "data", size=16)
+    for split in ("train", "val"):
+        (tmp_path / "data" / split / "c").mkdir()
+        (tmp_path / "data" / split / "c" / "._0.png").write_bytes(b"\x00\x05\x16\x07Mac OS X")
+    result = run_cli(
+        "model=tiny",
+        "data=imagefolder",
+        f"data.root={tmp_path / 'data'}",
+        "data.image_size=16",
+        "trainer.max_epochs=1",
+        cwd=tmp_path,
+        timeout=300,
+    )
+    told = result.stdout + result.stderr
+    assert result.returncode == 2 and "Traceback" not in told, told[-3000:]
+    assert f"no image in 1 class folder(s) of {tmp_path / 'data' / 'train'}: c (" in told
+    assert not (tmp_path / "mlflow.db").exists()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 from collections import Counter
 
 import numpy as np
@@ -26,7 +27,7 @@ from runner.components.data import (
 )
 from runner.components.loaders import build_loaders, shutdown_workers
 from runner.components.models import build_model
-from runner.config import CifarConfig, ImageFolderConfig, SyntheticConfig, TinyModelConfig
+from runner.config import CifarConfig, ImageFolderConfig, SyntheticConfig, TinyModelConfig, options
 from runner.errors import ConfigError, DataError
 from tests.helpers.cifar import Py2Str, dump_py2, make_batch, write_cifar10
 from tests.helpers.runs import REPO
@@ -258,6 +259,32 @@ def test_an_imagefolder_that_reaches_a_folder_twice_is_refused(tmp_path, link, t
     said = str(refused.value)
     assert f" are one folder, {(tmp_path / 'data' / link).resolve()} " in said
     assert str(tmp_path / "data" / link) in said and said.endswith("; remove the link")
+
+
+def test_hidden_files_and_folders_are_not_data(tmp_path):
+    """What opening a dataset in Jupyter or copying it from a Mac leaves beside the images:
+    `.ipynb_checkpoints/` (here with an image in it), `._<name>.png` resource forks (not images,
+    with an image's ending) and `.DS_Store`. All are left out: torchvision took the folder for a
+    class (a 4th class, or a refusal: "Found no valid file") and a fork for an image."""
+    write_image_folder(tmp_path)
+    fork = b"\x00\x05\x16\x07\x00\x02\x00\x00Mac OS X        "
+    for split in ("train", "val"):
+        (tmp_path / split / ".ipynb_checkpoints").mkdir()
+        shutil.copy(tmp_path / split / "cat" / "0.png", tmp_path / split / ".ipynb_checkpoints")
+        for cls in ("cat", "dog", "fish"):
+            (tmp_path / split / cls / "._0.png").write_bytes(fork)
+            (tmp_path / split / cls / ".DS_Store").write_bytes(b"\x00\x00\x00\x01Bud1")
+    bundle = build_datasets(folder_cfg(tmp_path, image_size=32))
+    assert bundle.train.classes == ["cat", "dog", "fish"] and bundle.num_classes == 3
+    assert len(bundle.train) == 9 and len(bundle.val) == 6
+    for split in (bundle.train, bundle.val):
+        assert [split[i][1] for i in range(len(split))] == sorted(split.targets)  # all read
+    assert options.spec_for("data", folder_cfg(tmp_path)).classes(folder_cfg(tmp_path)) == 3
+    # a class whose only "images" are hidden has none: refused, naming it
+    (tmp_path / "train" / "eel").mkdir()
+    (tmp_path / "train" / "eel" / "._0.png").write_bytes(fork)
+    with pytest.raises(DataError, match=r"no image in 1 class folder\(s\) of .*train: eel \("):
+        build_datasets(folder_cfg(tmp_path, image_size=32))
 
 
 def test_imagefolder_class_mismatch(tmp_path):

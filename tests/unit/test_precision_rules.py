@@ -20,6 +20,7 @@ from runner.precision import Finding, resolve
 from runner.precision.checks import DeviceInfo, tensor_core_findings
 from runner.precision.scaler import LossScaler
 from runner.run.plan import check_opt_level, resolve_precision
+from tests.helpers.images import write_image_folder
 from tests.helpers.runs import compose_config
 
 CPU = DeviceInfo("cpu", None, "test cpu")
@@ -268,8 +269,7 @@ def test_dry_run_shape_findings_come_from_a_meta_model(tmp_path):
     (finding,) = build.shape_findings(cfg, p, AMPERE)
     assert "fc (out_features 100)" in finding.message and "batch size" not in finding.message
     assert build.shape_findings(cfg, p, CPU) == []  # not a CUDA device: nothing built at all
-    for name in ("a", "b", "c"):
-        (tmp_path / "train" / name).mkdir(parents=True)
+    write_image_folder(tmp_path, classes=("a", "b", "c"), per_class={"train": 1, "val": 1}, size=8)
     folder = compose_config(
         "model=tiny",
         "precision=o2_bf16",
