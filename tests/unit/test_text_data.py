@@ -679,3 +679,18 @@ def test_exclude_leaves_files_out_of_the_corpus(tmp_path):
     assert [rel for rel, _ in kept] == ["os.py"]
     with pytest.raises(ConfigError, match="less data.exclude"):
         text.corpus_files(node(**base, exclude=["*.py"]))
+
+
+def test_hidden_files_are_not_part_of_the_corpus(tmp_path):
+    """Jupyter's `.ipynb_checkpoints/` holds a copy of each file opened (the text twice, some of
+    it in both the training and the validation part), macOS leaves `._<name>` forks (binary) and
+    `.git/` its objects: all left out, unless the glob itself names a hidden part."""
+    (tmp_path / "corpus" / ".ipynb_checkpoints").mkdir(parents=True)
+    (tmp_path / "corpus" / "a.txt").write_text("alpha\n")
+    (tmp_path / "corpus" / ".ipynb_checkpoints" / "a-checkpoint.txt").write_text("alpha\n")
+    (tmp_path / "corpus" / "._a.txt").write_bytes(b"\x00\x05\x16\x07Mac OS X")
+    _, files = text.corpus_files(node(path=str(tmp_path / "corpus"), glob="**/*.txt"))
+    assert [rel for rel, _ in files] == ["a.txt"]
+    named = node(path=str(tmp_path / "corpus"), glob=".ipynb_checkpoints/*.txt")
+    _, files = text.corpus_files(named)
+    assert [rel for rel, _ in files] == [".ipynb_checkpoints/a-checkpoint.txt"]

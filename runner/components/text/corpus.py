@@ -29,6 +29,7 @@ from runner.components.text.cache import (
 )
 from runner.components.text.stream import SEPARATOR, sha256_file
 from runner.components.text.windows import TokenWindows, dtype_for
+from runner.config import options
 from runner.errors import ConfigError
 from runner.files import folder_problem
 
@@ -62,11 +63,15 @@ def corpus_files(node: Any) -> tuple[str, list[tuple[str, str]]]:
         ) from exc
     # data.exclude: shell patterns on the relative path ("*" crosses folders): "site-packages/*"
     excluded = [str(e) for e in (keys.get(node, "exclude", None) or [])]
+    # hidden files and folders are not text (Jupyter's .ipynb_checkpoints/ copies of each file,
+    # .git/, macOS's ._<name> forks) unless the glob itself names a hidden part
+    hidden_too = any(options.hidden(part) for part in Path(pattern).parts)
     files = sorted(
         (rel, str(p))
         for p in found
         for rel in [p.relative_to(root).as_posix()]
         if not any(fnmatch.fnmatch(rel, e) for e in excluded)
+        and (hidden_too or not any(options.hidden(part) for part in rel.split("/")))
     )
     if not files:
         but = f" (less data.exclude={excluded})" if excluded else ""
