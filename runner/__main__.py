@@ -6,6 +6,7 @@ import atexit
 import contextlib
 import logging
 import os
+import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -256,10 +257,13 @@ def cli() -> None:
             with mistakes_reported():
                 main()
         except KeyboardInterrupt as interrupt:  # Ctrl-C, or SIGTERM after its checkpoint
-            launched.close_open("KILLED", str(interrupt) or "interrupted by the user (Ctrl-C)")
-            print(
-                f"Interrupted: {interrupt}" if str(interrupt) else "Interrupted.", file=sys.stderr
-            )
+            signum = getattr(interrupt, "signum", signal.SIGINT)
+            reason = str(interrupt) or "interrupted by the user (Ctrl-C)"
+            if not launched.close_open("KILLED", reason, signum):  # (a sweep's says its own)
+                print(
+                    f"Interrupted: {interrupt}" if str(interrupt) else "Interrupted.",
+                    file=sys.stderr,
+                )
             sys.exit(getattr(interrupt, "exit_code", 130))
         except SystemExit as stop:
             if stop.code not in (0, None):

@@ -291,6 +291,12 @@ class MlflowSweepCallback(Callback):
         """The end of a sweep that a signal stopped (its parent run ended KILLED): the log says
         which jobs stopped and how to go on, and the sweep exits as a run would (130, 143)."""
         from runner.run.interrupts import RunInterrupted
+
+        self._tell_stopped(signum, children)
+        raise RunInterrupted(signum)
+
+    def _tell_stopped(self, signum: int, children: list[Any]) -> None:
+        """Which jobs a signal stopped, and the command that goes on."""
         from runner.tracking.base import FINISHED, KILLED
 
         name = signal.Signals(signum).name
@@ -307,17 +313,19 @@ class MlflowSweepCallback(Callback):
             waiting,
             shell.override("hydra.sweep.dir", str(self._sweep_dir)),
         )
-        raise RunInterrupted(signum)
 
-    def end_early(self, status: str, reason: str) -> None:
+    def end_early(self, status: str, reason: str, signum: int | None = None) -> bool:
         """End the parent run if the sweep stopped before `on_multirun_end` (see LaunchScope):
         its `error` tag is `reason` and, when jobs failed, which ones and why (a sweeper such as
-        Optuna stops at a failed trial by its `max_failure_rate`)."""
+        Optuna stops at a failed trial by its `max_failure_rate`). Stopped by a signal
+        (`signum`: the default launcher's jobs run in the CLI's process, so its Ctrl-C ends the
+        sweep here), the log says which jobs stopped and the command that goes on, as
+        `_end_stopped` does for parallel jobs. Whether a parent was open."""
         self._release_stop()
         self._release_folder()
         parent, self._parent_run = self._parent_run, None
         if parent is None:
-            return
+            return False
         if self._sweep_dir is not None:
             SweepParent.forget(self._sweep_dir)
         try:
@@ -326,8 +334,11 @@ class MlflowSweepCallback(Callback):
                 reason += "; failed: " + "; ".join(failed)
                 parent.set_tag(tag.FAILED_JOBS, "; ".join(failed))
             parent.end(status, reason)
+            if signum is not None and self.parent is not None:
+                self._tell_stopped(signum, self.parent.children(self.parent.open()))
         except Exception:  # noqa: BLE001  (exiting anyway; say so)
             log.exception("Could not end the sweep's parent run %s", parent.run_id)
+        return True
 
     def _failed_children(self) -> list[str]:
         """ "<run name> (#<job>): <its error>" for each child that did not finish."""
@@ -442,10 +453,10 @@ class LaunchScope:
         """The signal that stopped one of the sweeps while its jobs ran, if any."""
         return next((s for c in self._callbacks if (s := c.held_signal()) is not None), None)
 
-    def close_open(self, status: str, reason: str) -> None:
-        """End every parent still open: KILLED or FAILED, with the reason as its `error` tag."""
-        for callback in self._callbacks:
-            callback.end_early(status, reason)
+    def close_open(self, status: str, reason: str, signum: int | None = None) -> bool:
+        """End every parent still open: KILLED or FAILED, with the reason as its `error` tag
+        (`signum`: the signal that stopped it). Whether any was open."""
+        return any([callback.end_early(status, reason, signum) for callback in self._callbacks])
 
 
 _SCOPE: contextvars.ContextVar[LaunchScope | None] = contextvars.ContextVar(

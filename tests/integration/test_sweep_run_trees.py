@@ -8,6 +8,7 @@ from __future__ import annotations
 import _thread
 import math
 import os
+import re
 import signal
 import threading
 import time
@@ -252,7 +253,8 @@ def test_ctrl_c_ends_an_optuna_study_on_joblib_killed(tmp_path):
         "hydra.launcher.n_jobs=2",
         signum=signal.SIGINT,
     )
-    assert "Interrupted: interrupted by SIGINT" in output
+    assert "Sweep stopped by SIGINT: 2 job(s) stopped with a checkpoint" in output
+    assert "To go on: the same command with resume=auto hydra.sweep.dir=" in output
     assert sorted(children) == ["tiny-O0 trial 0", "tiny-O0 trial 1"]  # no trial after the stop
 
 
@@ -517,7 +519,11 @@ def test_a_job_failing_before_its_run_exists_is_still_recorded(tmp_path):
     assert parent.info.status == "FINISHED" and parent.data.metrics["failed_jobs"] == 2
 
 
-def test_ctrl_c_during_a_sweep_marks_the_job_and_the_parent_killed(tmp_path):
+def test_ctrl_c_during_a_sweep_marks_the_job_and_the_parent_killed(tmp_path, capfd):
+    """The default launcher's jobs run in the sweep's process: a Ctrl-C stops the job after its
+    step, ends the parent KILLED and says, as for parallel jobs, which job stopped and the
+    command that goes on (it said the job's "resume=auto continues", which without the sweep's
+    folder starts a new sweep)."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(uri)
 
@@ -556,6 +562,15 @@ def test_ctrl_c_during_a_sweep_marks_the_job_and_the_parent_killed(tmp_path):
     assert list(children) == ["tiny-O0"]  # the sweep stopped: the second job never started
     assert children["tiny-O0"].info.status == "KILLED"
     assert parent.info.status == "KILLED" and "interrupted" in parent.data.tags["error"]
+    told = "".join(capfd.readouterr())
+    said = re.search(
+        r"Sweep stopped by SIGINT: 1 job\(s\) stopped with a checkpoint \(tiny-O0\), 0 finished, "
+        r"1 not started\. To go on: the same command with resume=auto hydra\.sweep\.dir=(\S+)\n",
+        told,
+    )
+    assert said is not None, told[-3000:]
+    assert (tmp_path / said[1]).resolve() == Path(parent.data.tags["sweep.dir"]).resolve()
+    assert "Interrupted:" not in told
 
 
 # ---- building blocks -----------------------------------------------------------------------------
