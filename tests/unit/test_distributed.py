@@ -6,6 +6,8 @@ test_distributed.py."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch.distributed as dist
@@ -73,9 +75,11 @@ def test_a_rank_gone_is_peers_lost_with_what_is_kept():
             raise RuntimeError(GLOO)
 
 
-@pytest.fixture
-def own_root_handlers():
-    """Two handlers of the root logger's own, in place of pytest's, restored afterwards."""
+@contextmanager
+def own_root_handlers() -> Iterator[list[list[str]]]:
+    """Two handlers of the root logger's own, in place of every other (pytest's capture handlers
+    live as long as the test session: a filter added to them would label later tests' lines),
+    all restored afterwards; what each handler was given."""
     root, runner_log = logging.getLogger(), logging.getLogger("runner")
     saved, level = root.handlers[:], runner_log.level
     seen: list[list[str]] = [[], []]
@@ -108,23 +112,24 @@ def own_root_handlers():
         ({}, ""),
     ],
 )
-def test_the_other_ranks_lines_say_their_rank(monkeypatch, own_root_handlers, env, label):
+def test_the_other_ranks_lines_say_their_rank(monkeypatch, env, label):
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SUBMITIT_EXECUTOR", "SLURM_NTASKS"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    logging.getLogger("runner").setLevel(logging.INFO)
-    distributed.set_other_ranks_apart()
-    distributed.set_other_ranks_apart()  # (twice: one label)
-    logging.getLogger("runner.run.trainer").info("epoch 1/2")
-    logging.getLogger("runner.run.trainer").warning("Epoch 1: the loop waited")
-    logging.getLogger("runner").error("optimizer.lr: got -1.0")
-    logging.getLogger("a.library").warning("not the runner's")
+    with own_root_handlers() as seen:
+        logging.getLogger("runner").setLevel(logging.INFO)
+        distributed.set_other_ranks_apart()
+        distributed.set_other_ranks_apart()  # (twice: one label)
+        logging.getLogger("runner.run.trainer").info("epoch 1/2")
+        logging.getLogger("runner.run.trainer").warning("Epoch 1: the loop waited")
+        logging.getLogger("runner").error("optimizer.lr: got -1.0")
+        logging.getLogger("a.library").warning("not the runner's")
     told = ["Epoch 1: the loop waited", "optimizer.lr: got -1.0"]
     if not label:  # rank 0 and a single process: the whole story, unlabelled
         told.insert(0, "epoch 1/2")
     expected = [label + line for line in told] + ["not the runner's"]
-    assert own_root_handlers == [expected, expected]
+    assert seen == [expected, expected]
 
 
 def test_torchrun_s_error_file_takes_the_rank_s_line(tmp_path, monkeypatch):
