@@ -19,8 +19,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -32,36 +32,13 @@ from mlflow.tracking import MlflowClient
 from runner.errors import ConfigError
 from runner.run import app, checkpoint
 from runner.run.plan import default_run_name, make_plan
-from tests.helpers.distributed import COMMON
-from tests.helpers.runs import HELPERS, REPO, compose_config
+from tests.helpers.distributed import COMMON, start_torchrun, torchrun
+from tests.helpers.runs import HELPERS, compose_config
 
 
 def _weights(folder: Path, run_name: str) -> dict[str, torch.Tensor]:
     root = checkpoint.run_folder(folder / "checkpoints", "amp-runner", run_name)
     return checkpoint.load(checkpoint.find("auto", root))["model"]
-
-
-def torchrun_env() -> dict[str, str]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    return env
-
-
-def torchrun_command(nproc: int, *entry: str) -> list[str]:
-    """torchrun (its module) starting `entry` (a script and its arguments) `nproc` times."""
-    run = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    return [*run, f"--nproc_per_node={nproc}", *entry]
-
-
-def torchrun(nproc: int, args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        torchrun_command(nproc, "-m", "runner", *args),
-        cwd=cwd,
-        env=torchrun_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
 
 
 @pytest.mark.slow
@@ -132,12 +109,11 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path, kernels)
     for attempt in (1, 2, 3):
         for stale in tmp_path.glob("rank*.json"):
             stale.unlink()
-        result = subprocess.run(
-            torchrun_command(2, str(HELPERS / "ddp_flag_probe.py"), str(tmp_path), kernels),
-            cwd=tmp_path,
-            env=torchrun_env(),
-            capture_output=True,
-            text=True,
+        result = torchrun(
+            2,
+            [str(tmp_path), kernels],
+            tmp_path,
+            script=str(HELPERS / "ddp_flag_probe.py"),
             timeout=600,
         )
         # Seen in full-suite runs, never alone (20 runs): one rank aborting with "terminate
@@ -314,26 +290,21 @@ def test_a_rank_killed_mid_run_fails_the_run_in_one_line_and_resume_goes_on(tmp_
     args = [*COMMON, "data.num_train=640", "trainer.log_every_n_steps=5"]
     out = tmp_path / "torchrun.log"
     with out.open("w") as sink:
-        started = subprocess.Popen(
-            torchrun_command(2, "-m", "runner", *args, "trainer.max_epochs=1000"),
-            cwd=tmp_path,
-            env=torchrun_env(),
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-        )
-        agent = psutil.Process(started.pid)
+        args_long = [*args, "trainer.max_epochs=1000"]
+        started = start_torchrun(2, args_long, tmp_path, stdout=sink, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 300
             while "Checkpoint: " not in out.read_text(errors="replace"):  # (after epoch 1)
                 assert started.poll() is None, out.read_text(errors="replace")[-3000:]
                 assert time.monotonic() < deadline, "no checkpoint in 300 s"
                 time.sleep(0.2)
-            ranks = {p.environ().get("RANK"): p for p in agent.children()}
+            ranks = {p.environ().get("RANK"): p for p in psutil.Process(started.pid).children()}
             ranks["1"].kill()
             started.wait(timeout=120)
         finally:
-            for left in [*agent.children(recursive=True), agent] if agent.is_running() else []:
-                left.kill()
+            if started.poll() is None:
+                os.killpg(started.pid, signal.SIGKILL)
+                started.wait()
     told = out.read_text(errors="replace")
     assert started.returncode != 0
     assert "A collective operation of the 2 ranks failed (Gloo: " in told, told[-3000:]

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -30,8 +29,8 @@ from runner.components.models import TinyCNN
 from runner.errors import ConfigError
 from runner.run import app, fsdp
 from runner.run.plan import default_run_name, make_plan
-from tests.helpers.distributed import COMMON
-from tests.helpers.runs import HELPERS, REPO, compose_config, epoch_seconds
+from tests.helpers.distributed import COMMON, start_torchrun, torchrun
+from tests.helpers.runs import HELPERS, compose_config, epoch_seconds
 
 TORCHRUN_ENV = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
 
@@ -58,43 +57,6 @@ def _weights(folder: Path, run_name: str) -> dict[str, torch.Tensor]:
     out = path.parent.parent / "whole.pt"
     dcp_to_torch_save(path.parent, out)
     return torch.load(out, weights_only=False)["model"]
-
-
-def torchrun(
-    nproc: int, args: list[str], cwd: Path, script: str | None = None, timeout: float = 300
-) -> subprocess.CompletedProcess:
-    """`torchrun --nproc_per_node=nproc -m runner ARGS` (or a script) in a session of its own:
-    a rank left waiting on a collective is killed with the whole group when time is up, not
-    left behind."""
-    import signal
-
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    target = [script] if script else ["-m", "runner"]
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={nproc}",
-            *target,
-            *args,
-        ],
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, err = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        out, err = process.communicate()
-        pytest.fail(f"torchrun did not end within {timeout} s:\n{out[-3000:]}{err[-3000:]}")
-    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
 
 
 # ---- before any work ---------------------------------------------------------------------------
@@ -454,27 +416,8 @@ def test_a_rank_killed_mid_epoch_resumes_to_the_uninterrupted_history(tmp_path):
     assert reference.returncode == 0, reference.stdout[-3000:] + reference.stderr[-3000:]
     epoch_s = min(epoch_seconds(reference.stdout + reference.stderr))
 
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     chaos = [*base, "mlflow.run_name=chaos", "resume=auto"]
-    agent = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            "-m",
-            "runner",
-            *chaos,
-        ],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    agent = start_torchrun(2, chaos, tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         seen = []
         for line in agent.stdout:
