@@ -55,6 +55,17 @@ def check_output_folder(config: DictConfig, mode: str) -> None:
 
     check_working_dir(config)
     folder = OmegaConf.select(config, f"hydra.{mode}.dir")
+    if folder and str(folder).startswith("~"):
+        home = os.path.expanduser(str(folder))
+        raise ConfigError(
+            f"hydra.{mode}.dir",
+            f"{folder} starts with '~', which Hydra does not expand: it would make a folder "
+            "named '~' in the launch folder (which `rm -r ~` does not remove: it removes your "
+            "home)",
+            f"the full path, e.g. {shell.override(f'hydra.{mode}.dir', home)}"
+            if home != str(folder)
+            else "the full path",
+        )
     problem = folder_problem(str(folder)) if folder else None
     if problem is not None:
         raise unmade(mode, folder, problem)

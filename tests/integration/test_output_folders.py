@@ -213,3 +213,23 @@ def test_an_output_folder_that_cannot_be_made_is_refused_naming_its_key(
     told = "".join(capsys.readouterr())
     assert f"{key}: " in told and "a folder you can write" in told and "Traceback" not in told
     assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
+
+
+@pytest.mark.parametrize("sweep", [False, True])
+@pytest.mark.new_store  # checks that nothing, no store, is created
+def test_an_output_folder_under_a_tilde_is_refused_with_the_full_path(
+    sweep, tmp_path, monkeypatch, capsys
+):
+    """`"hydra.run.dir='~/runs'"` (quoted: Hydra's grammar refuses a bare `~`): Hydra does not
+    expand the `~` and made a folder named `~` in the launch folder, one the shell's `rm -r ~`
+    does not remove. Refused (exit 2), saying the full path, before anything is made."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    key = "hydra.sweep.dir" if sweep else "hydra.run.dir"
+    args = [*FAST, "trainer.max_epochs=1", f"{key}='~/runs'"]
+    args = ["-m", *args, "precision=o0,o2_bf16"] if sweep else args
+    assert run_in_process(*args) == 2
+    told = "".join(capsys.readouterr())
+    assert f"{key}: ~/runs starts with '~', which Hydra does not expand" in told, told
+    assert f"(allowed: the full path, e.g. {key}={tmp_path / 'home' / 'runs'})" in told
+    assert list(tmp_path.iterdir()) == []
