@@ -118,8 +118,11 @@ class RetryingClient:
 
 def resolve_tracking_uri(uri: str, base_dir: str | os.PathLike | None = None) -> str:
     """Make a relative SQLite URI absolute against the launch directory (Hydra does not chdir,
-    but the printed `mlflow ui` command must work from anywhere)."""
+    but the printed `mlflow ui` command must work from anywhere); a leading `~` is the home, as
+    in the runner's other paths (SQLAlchemy would make a folder named `~`)."""
     prefix = SQLITE
+    if uri.startswith(prefix + "~"):
+        uri = prefix + os.path.expanduser(uri[len(prefix) :])
     if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
         path = Path(base_dir or os.getcwd()) / uri[len(prefix) :]
         return prefix + str(path.resolve())

@@ -233,3 +233,15 @@ def test_an_output_folder_under_a_tilde_is_refused_with_the_full_path(
     assert f"{key}: ~/runs starts with '~', which Hydra does not expand" in told, told
     assert f"(allowed: the full path, e.g. {key}={tmp_path / 'home' / 'runs'})" in told
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.new_store
+def test_a_store_under_a_tilde_is_in_the_home(tmp_path, monkeypatch):
+    """`"mlflow.tracking_uri='sqlite:///~/runs.db'"`: SQLAlchemy took `~` for a folder of the
+    launch folder (and made it); the store is the home's, as the runner's other paths are."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+    args = [*FAST, "trainer.max_epochs=1", "mlflow.tracking_uri='sqlite:///~/runs.db'"]
+    assert run_in_process(*args) == 0
+    assert (tmp_path / "home" / "runs.db").is_file() and not (tmp_path / "~").exists()
