@@ -440,9 +440,10 @@ def train_parts(
                 return "No checkpoint was written yet." if comm.is_main else ""
             batches = written["batch"]
             after = f"epoch {written['epoch']}" + (f" and {batches} batches" if batches else "")
+            command = "torchrun command" if distributed.under_torchrun() else "command"
             return (
-                f"The checkpoint after {after} is kept ({written['where']}): the same torchrun "
-                "command with resume=auto continues from it."
+                f"The checkpoint after {after} is kept ({written['where']}): the same {command} "
+                "with resume=auto continues from it."
             )
 
         with (

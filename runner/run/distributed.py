@@ -195,12 +195,22 @@ def peers_told(comm: Comm, kept: Callable[[], str] = lambda: "") -> Iterator[Non
         if failed is None:
             raise
         more = kept()
+        where = (  # (torchrun's agent sets TORCHELASTIC_RUN_ID; a SLURM job's tasks have none)
+            "torchrun's summary names the rank that failed first and how; that rank's own "
+            "lines say why."
+            if under_torchrun()
+            else "Each rank's own lines (its task's log) say which ended and why."
+        )
         raise PeersLost(
             f"A collective operation of the {comm.world_size} ranks failed ({failed}): most "
             "likely another rank ended (an error, out of memory, killed) or cannot be reached, "
-            "and the run cannot go on without it. torchrun's summary names the rank that failed "
-            "first and how; that rank's own lines say why." + (f" {more}" if more else "")
+            f"and the run cannot go on without it. {where}" + (f" {more}" if more else "")
         ) from None
+
+
+def under_torchrun() -> bool:
+    """Whether torchrun's agent started this process (and writes a failure summary)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
 
 
 def _rank_and_world() -> tuple[int, int]:

@@ -50,7 +50,17 @@ def test_a_failed_collective_is_said_in_one_line():
         assert distributed.collective_failure(other) is None
 
 
-def test_a_rank_gone_is_peers_lost_with_what_is_kept():
+@pytest.mark.parametrize(
+    "agent,where",
+    [
+        ("run-1", "torchrun's summary names the rank that failed first and how; that rank's "),
+        (None, "Each rank's own lines (its task's log) say which ended and why. "),  # SLURM's
+    ],
+)
+def test_a_rank_gone_is_peers_lost_with_what_is_kept(monkeypatch, agent, where):
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    if agent is not None:
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", agent)
     pair = Comm(rank=0, world_size=2, active=True)
     with pytest.raises(PeersLost) as lost:
         with distributed.peers_told(pair, lambda: "The checkpoint after epoch 3 is kept (x)."):
@@ -60,11 +70,7 @@ def test_a_rank_gone_is_peers_lost_with_what_is_kept():
         "A collective operation of the 2 ranks failed (Gloo: Read error [127.0.0.1]:55494: "
         "Connection reset by peer): most likely another rank ended"
     )
-    assert message.endswith(
-        "torchrun's summary names the rank that failed first and how; "
-        "that rank's own lines say why. The checkpoint after epoch 3 is "
-        "kept (x)."
-    )
+    assert where in message and message.endswith(" The checkpoint after epoch 3 is kept (x).")
     assert lost.value.__cause__ is None and lost.value.__suppress_context__
     # anything else passes unchanged, and so does a single process's error
     with pytest.raises(ValueError, match="boom"):
