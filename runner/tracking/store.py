@@ -184,7 +184,9 @@ def startup_error(tracking_uri: str, error: BaseException) -> RunnerError:
     """What a store that cannot be used at the start is: the URI, the cause and a fix."""
     cause = said(error)
     path = sqlite_path(tracking_uri)
-    if path is None:
+    if path is None and "MLFLOW_ALLOW_FILE_STORE" in cause:  # (a file store: MLflow says how)
+        fix = "Use a database store (the default sqlite:///mlflow.db), or opt out as it says."
+    elif path is None:
         fix = "Start the server, fix the URI, or use the default sqlite:///mlflow.db."
     elif is_database_locked(error):
         fix = (
@@ -202,7 +204,7 @@ def startup_error(tracking_uri: str, error: BaseException) -> RunnerError:
         )
     return RunnerError(
         f"mlflow.tracking_uri: cannot use the tracking store {tracking_uri!r}: "
-        f"{cause.strip()}. {fix}"
+        f"{cause.strip().rstrip('.')}. {fix}"
     )
 
 

@@ -60,6 +60,24 @@ def test_an_unreachable_server_at_start_stops_the_run_before_any_training(tmp_pa
     assert not (tmp_path / "checkpoints").exists()  # nothing was trained
 
 
+@pytest.mark.new_store
+def test_a_file_store_refused_by_mlflow_is_told_how_to_go_on(tmp_path, monkeypatch):
+    """MLflow 3 refuses a new file store (`file:./mlruns`) with its own way out
+    (MLFLOW_ALLOW_FILE_STORE); the runner's fix said "Start the server" (a server's)."""
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    cfg = compose_config(*FAST, "mlflow.tracking_uri=file:./mlruns")
+    with pytest.raises(RunnerError) as e:
+        app.run(cfg)
+    said = str(e.value)
+    if "MLFLOW_ALLOW_FILE_STORE" not in said:
+        pytest.skip(f"this MLflow takes a file store: {said}")
+    assert said.startswith("mlflow.tracking_uri: cannot use the tracking store 'file:./mlruns'")
+    assert said.endswith(
+        ". Use a database store (the default sqlite:///mlflow.db), or opt out as it says."
+    )
+    assert ".." not in said and "Start the server" not in said
+
+
 @pytest.mark.slow
 def test_metrics_logged_while_the_server_is_away_arrive_when_it_is_back(mlflow_server):
     server = mlflow_server.start()
