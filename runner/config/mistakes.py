@@ -188,15 +188,14 @@ def unreadable_override(error: OverrideParseException) -> RunnerError:
     quoted, the override quoted as the shell and Hydra both take it: `data.root=ü data` ->
     "data.root='ü data'"."""
     override, lines = str(error.override), str(error).splitlines()
-    stop = re.match(r"mismatched input '(.+)' expecting", lines[0]) if lines else None
-    if lines and lines[0].startswith(_LEXER) and len(lines) > 1 and "^" in lines[1]:
+    what = lines[0] if lines else ""  # (Hydra's words, where no character is found)
+    stop = re.match(r"mismatched input '(.+)' expecting", what)
+    if what.startswith(_LEXER) and len(lines) > 1 and "^" in lines[1]:
         at = lines[1].index("^") - len(_LEXER)
-        what = f"it cannot take {override[at]!r} there" if 0 <= at < len(override) else ""
+        if 0 <= at < len(override):
+            what = f"it cannot take {override[at]!r} there"
     elif stop is not None:
         what = f"it cannot take {stop.group(1)!r} there"
-    else:
-        what = ""
-    what = what or (lines[0] if lines else "")
     key, equals, value = override.partition("=")
     if equals and value and value[0] not in "[{'\"" and "(" not in value:
         from hydra.core.override_parser.overrides_parser import OverridesParser

@@ -329,29 +329,17 @@ class MlflowSweepCallback(Callback):
         if self._sweep_dir is not None:
             SweepParent.forget(self._sweep_dir)
         try:
-            failed = self._failed_children()
+            children = self.parent.children(self.parent.open()) if self.parent is not None else []
+            failed = _failed(children)
             if failed:
                 reason += "; failed: " + "; ".join(failed)
                 parent.set_tag(tag.FAILED_JOBS, "; ".join(failed))
             parent.end(status, reason)
-            if signum is not None and self.parent is not None:
-                self._tell_stopped(signum, self.parent.children(self.parent.open()))
+            if signum is not None:
+                self._tell_stopped(signum, children)
         except Exception:  # noqa: BLE001  (exiting anyway; say so)
             log.exception("Could not end the sweep's parent run %s", parent.run_id)
         return True
-
-    def _failed_children(self) -> list[str]:
-        """ "<run name> (#<job>): <its error>" for each child that did not finish."""
-        from runner.tracking.base import FINISHED, RUNNING
-
-        if self.parent is None:
-            return []
-        children = self.parent.children(self.parent.open())
-        return [
-            f"{c.run_name} (#{c.tags.get(tag.JOB_NUM, '?')}): {c.tags.get(tag.ERROR, c.status)}"
-            for c in sorted(children, key=lambda c: int(c.tags.get(tag.JOB_NUM, 0)))
-            if c.status not in (FINISHED, RUNNING)
-        ]
 
     # each job's process
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
@@ -414,6 +402,18 @@ class MlflowSweepCallback(Callback):
                 n_jobs,
                 devices,
             )
+
+
+def _failed(children: list[Any]) -> list[str]:
+    """ "<run name> (#<job>): <its error>" for each of a sweep's `children` that did not
+    finish."""
+    from runner.tracking.base import FINISHED, RUNNING
+
+    return [
+        f"{c.run_name} (#{c.tags.get(tag.JOB_NUM, '?')}): {c.tags.get(tag.ERROR, c.status)}"
+        for c in sorted(children, key=lambda c: int(c.tags.get(tag.JOB_NUM, 0)))
+        if c.status not in (FINISHED, RUNNING)
+    ]
 
 
 def _hold_folder(sweep_dir: Path) -> HeldLock:
