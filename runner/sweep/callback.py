@@ -28,6 +28,7 @@ from runner.sweep.jobs import (
     _resuming,
     check_launcher,
     earlier_sweep,
+    overrides_tag,
     preflight,
     resolved,
     speed_summary,
@@ -149,7 +150,7 @@ class MlflowSweepCallback(Callback):
         name = config.mlflow.sweep_name or " ".join(["sweep", *sweep_overrides(config)])
         tags = {
             tag.SWEEP_DIR: str(sweep_dir.resolve()),
-            tag.SWEEP_OVERRIDES: " ".join(config.hydra.overrides.task),
+            tag.SWEEP_OVERRIDES: overrides_tag(config.hydra.overrides.task),
             tag.SWEEP_LAUNCHER: launcher.rsplit(".", 1)[-1],
             "runner_version": runner.__version__,
             tag.COMMAND: typed_command(),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+import shlex
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from runner import shell
 from runner.config import mistakes
 from runner.errors import ConfigError, RunnerError
 from runner.sweep.parent import SweepParent
@@ -210,6 +212,24 @@ def _sweep_tokens(overrides: Sequence[str]) -> set[str]:
     return {o for o in overrides if not o.split("=", 1)[0].lstrip("+~").startswith("resume")}
 
 
+def overrides_tag(overrides: Sequence[str]) -> str:
+    """A sweep's overrides as its parent's `sweep.overrides` tag: a command line's words, each
+    quoted as the shell needs (`"data.root='/data/my set'"` stays one override)."""
+    return shell.join(overrides)
+
+
+def _tagged_overrides(text: str, now: Sequence[str]) -> set[str]:
+    """The overrides of a `sweep.overrides` tag, as `_sweep_tokens` of them. A tag written before
+    its words were quoted (joined with spaces: an override with a space in it split in two) reads
+    as `now` where it is `now` so joined."""
+    if set(text.split()) == set(" ".join(now).split()):
+        return _sweep_tokens(now)
+    try:
+        return _sweep_tokens(shlex.split(text))
+    except ValueError:  # (an unbalanced quote: an old tag's words)
+        return _sweep_tokens(text.split())
+
+
 def earlier_sweep(tracker: Any, sweep_dir: Path, overrides: Sequence[str]) -> Any:
     """The parent run of the sweep run before in `sweep_dir` (the newest, if several), or None;
     a ConfigError when its overrides differ from `overrides` (naming what differs), since its
@@ -219,16 +239,16 @@ def earlier_sweep(tracker: Any, sweep_dir: Path, overrides: Sequence[str]) -> An
     if not runs:
         return None
     parent = runs[0]
-    before = _sweep_tokens(parent.tags.get(tag.SWEEP_OVERRIDES, "").split())
+    before = _tagged_overrides(parent.tags.get(tag.SWEEP_OVERRIDES, ""), overrides)
     now = _sweep_tokens(overrides)
     if before != now:
         differs = [f"-{o}" for o in sorted(before - now)] + [f"+{o}" for o in sorted(now - before)]
         raise ConfigError(
             "resume",
             f"the sweep in {folder} (parent run {parent.run_id}) "
-            f"was run with other overrides: {' '.join(differs)} (- then, + now); "
+            f"was run with other overrides: {shell.join(differs)} (- then, + now); "
             "its finished jobs would not be this sweep's",
-            f"the same overrides as then ({' '.join(sorted(before))}) with "
+            f"the same overrides as then ({shell.join(sorted(before))}) with "
             "resume=auto, or another hydra.sweep.dir for a new sweep",
         )
     return parent

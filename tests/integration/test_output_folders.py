@@ -119,6 +119,26 @@ def test_a_sweep_that_does_not_start_leaves_its_folder_free(tmp_path, monkeypatc
     assert "is in use" not in told and "Sweep finished: 1 job, none failed." in told
 
 
+def test_a_sweep_with_a_space_in_a_value_resumes(tmp_path, monkeypatch, capsys):
+    """An override whose value holds a space (a path such as `data.root='/data/my set'`) stays
+    one override in the parent's `sweep.overrides` tag, so `resume=auto` with the same command
+    continues the sweep. The tag's words were joined with spaces and read back split in two:
+    the sweep was refused as run with other overrides."""
+    import shlex
+
+    monkeypatch.chdir(tmp_path)
+    args = ["-m", *FAST, "trainer.max_epochs=1", "precision=o0"]
+    args += ["+mlflow.tags.note='a b'", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+    assert run_in_process(*args) == 0
+    capsys.readouterr()
+    assert run_in_process(*args, "resume=auto") == 0
+    told = "".join(capsys.readouterr())
+    assert "other overrides" not in told and "Resuming the sweep of" in told, told
+    _, parent, children = sweep_tree(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert len(children) == 1
+    assert "+mlflow.tags.note='a b'" in shlex.split(parent.data.tags["sweep.overrides"])
+
+
 def _attached(tmp_path, name: str) -> dict[str, str]:
     """Each run's attached log `name` (under logs/), by run id; a run without one is left out."""
     from mlflow.tracking import MlflowClient

@@ -64,3 +64,17 @@ def test_the_mlflow_ui_command_names_the_store_whatever_its_path():
     uri = "sqlite:////tmp/my runs/store ü/mlflow.db"
     command = ui_hint(uri, "1").splitlines()[0].removeprefix("See the runs with:  ")
     assert bash_words(command) == ["mlflow", "ui", "--backend-store-uri", uri]
+
+
+def test_a_sweeps_overrides_come_back_from_its_tag():
+    """A sweep parent's `sweep.overrides` tag gives back the overrides it was written from, one
+    with a space in its value included (what `resume=auto` compares); a tag written before its
+    words were quoted (joined with spaces) still reads as the same overrides."""
+    from runner.sweep.jobs import _tagged_overrides, overrides_tag
+
+    overrides = ["precision=o0,o2", "data.root='/data/my set'", "+mlflow.tags.note='a, b'"]
+    tag = overrides_tag(overrides)
+    assert _tagged_overrides(tag, overrides) == set(overrides)
+    assert _tagged_overrides(tag, overrides[:1]) == set(overrides)  # (what it says, not `now`)
+    assert _tagged_overrides(" ".join(overrides), overrides) == set(overrides)
+    assert _tagged_overrides("resume=auto precision=o0", ["precision=o0"]) == {"precision=o0"}
