@@ -160,6 +160,7 @@ def run(
     from runner.run.plan import make_plan
     from runner.run.trainer import RunContext, Trainer, trainer_config
     from runner.tracking import tags as tag
+    from runner.tracking.record import typed_command
     from runner.tracking.trackers import open_tracker
 
     plan = make_plan(cfg)  # the run as asked for must be valid
@@ -182,7 +183,7 @@ def run(
                 tag.DIAGNOSE: "true",
                 tag.DIAGNOSE_TARGET: target,
                 tag.OVERRIDES: " ".join(overrides),
-                tag.COMMAND: " ".join(["python -m runner.diagnose", *sys.argv[1:]]),
+                tag.COMMAND: typed_command(),
             }
         )
         tags.update({str(k): str(v) for k, v in cfg.mlflow.tags.items()})

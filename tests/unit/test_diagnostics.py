@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import csv
 import math
+import shlex
 from pathlib import Path
 
 import pytest
@@ -407,9 +408,8 @@ def _run_diagnose(*args: str, cwd: Path):
 @pytest.mark.slow
 def test_the_command_prints_its_table_and_logs_a_diagnose_run(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    result = _run_diagnose(
-        *FAST, "precision=o2", f"mlflow.tracking_uri={uri}", "--steps", "2", cwd=tmp_path
-    )
+    args = [*FAST, "precision=o2", f"mlflow.tracking_uri={uri}", "+mlflow.tags.note='a b'"]
+    result = _run_diagnose(*args, "--steps", "2", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert "asked for precision=o2" in out and "Recommendation: precision=" in out
@@ -420,6 +420,9 @@ def test_the_command_prints_its_table_and_logs_a_diagnose_run(tmp_path):
     assert run.info.status == "FINISHED" and run.info.run_name == "tiny-diagnose"
     assert run.data.tags["diagnose"] == "true" and run.data.tags["diagnose.target_preset"] == "o2"
     assert run.data.params["precision.opt_level"] == "O0"  # measured in fp32
+    # the command as typed, each word as the shell gave it (a value with a space: one word)
+    typed = shlex.split(run.data.tags["command"])
+    assert typed[1:] == ["-m", "runner.diagnose", *args, "--steps", "2"], typed
     assert "diag_grad_underflow_frac" in run.data.metrics
     assert run.data.metrics["mem_total_mb"] > 0
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "diagnostics")}
