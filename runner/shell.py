@@ -7,12 +7,17 @@ such as `/data/my runs/ü` pastes back as one word; a plain word stays as it is.
 An override's value is quoted for Hydra's override grammar first where Hydra would not read it
 unquoted (a space, a letter outside ASCII, `=`, a bracket: Hydra's "LexerNoViableAltException"),
 then the whole override for the shell: "hydra.sweep.dir='multirun/ü 1'".
+
+`say` prints a command's own output (a report's table, the pre-flight's) to a reader that may
+have gone: `python -m runner.report | head` reads what it wants and closes the pipe.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import sys
 from collections.abc import Iterable
 
 _HYDRA_PLAIN = re.compile(r"[A-Za-z0-9_./:+@%-]+")  # (a value Hydra reads unquoted, as it is)
@@ -53,3 +58,13 @@ def override(key: str, value: str) -> str:
     """`key=value` as one shell word that sets the string `value` (a path) through Hydra's
     grammar."""
     return word(f"{key}={hydra_value(value)}")
+
+
+def say(text: str = "", end: str = "\n") -> None:
+    """Print `text` to stdout. Where its reader has gone (`| head` read what it wanted), stdout is
+    pointed at /dev/null and the caller goes on: what it writes and logs after is written and
+    logged, and no BrokenPipeError traceback ends it (nor one at the exit's flush)."""
+    try:
+        print(text, end=end, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -206,8 +206,8 @@ def run(
                     trainer, steps, out, title, device.type, for_plan=plan_path is not None
                 )
             )
-            print()
-            print(text, end="")
+            shell.say()
+            shell.say(text, end="")
             if plan_path is not None:
                 paths.append(
                     write_plan(
@@ -235,7 +235,7 @@ def run(
             tracked.set_tag(tag.DIAGNOSE_KEEP_FP32, ", ".join(result.keep_fp32) or "none")
             for path in paths:
                 tracked.log_file(path, "diagnostics")
-        print(
+        shell.say(
             f"\nWrote {', '.join(str(p) for p in paths)}; logged them on {tracker.label} run "
             f"{name!r} ({tracked.run_id}).\n{tracker.hint()}"
         )
@@ -287,11 +287,11 @@ def write_plan(
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, auto.yaml())  # a plan file a run may be reading
     counts = ", ".join(f"{n} {fmt}" for fmt, n in auto.counts().items())
-    print(
+    shell.say(
         f"\nLayer plan for precision={preset} ({counts}; {len(auto.rules)} entries differ "
         f"from the level); {auto.scale_note}:\n{auto.table()}\n"
     )
-    print(
+    shell.say(
         f"Wrote the plan to {path}; train with it: python -m runner precision={preset} "
         f"{shell.override('precision.layer_plan', str(path))} ..."
     )

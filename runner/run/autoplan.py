@@ -19,6 +19,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from runner import shell
 from runner.measure import diagnostics as diag
 from runner.measure.run_diagnostics import RunDiagnostics
 from runner.precision import Properties
@@ -267,7 +268,7 @@ def measure(
         trainer.global_step += 1
         records += diagnostics.last
         if echo:
-            print(f"step {trainer.global_step}/{steps}: loss {float(loss):.4f}", flush=True)
+            shell.say(f"step {trainer.global_step}/{steps}: loss {float(loss):.4f}")
         else:
             log.info(
                 "layer plan pre-flight: step %d/%d, loss %.4f",

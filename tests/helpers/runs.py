@@ -45,12 +45,15 @@ def run_cli(
     address_limit: int | None = None,
     module: str = "runner",
     file_limit: int | None = None,
+    reader_gone: bool = False,
 ) -> subprocess.CompletedProcess:
     """`python -m runner ARGS` in a real subprocess, as a user would type it (`python_flags`:
     interpreter options such as `-X importtime`; `address_limit`: its address space in bytes,
     as `ulimit -v` sets it, so that an allocation beyond it fails at once; `module`: another
     command, such as runner.diagnose; `file_limit`: the largest file it may write, in bytes, as
-    `ulimit -f` sets it: a write past it fails as on a full disk, with EFBIG)."""
+    `ulimit -f` sets it: a write past it fails as on a full disk, with EFBIG; `reader_gone`: its
+    stdout a pipe whose reader has gone, as after `| head` read what it wanted: each write to it
+    fails with EPIPE, and the result's stdout is empty)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
 
@@ -62,15 +65,24 @@ def run_cli(
         if file_limit is not None:
             resource.setrlimit(resource.RLIMIT_FSIZE, (file_limit, file_limit))
 
-    return subprocess.run(
-        [sys.executable, *python_flags, "-m", module, *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        preexec_fn=limited if address_limit is not None or file_limit is not None else None,
-    )
+    stdout: int = subprocess.PIPE
+    if reader_gone:
+        read, stdout = os.pipe()
+        os.close(read)
+    try:
+        return subprocess.run(
+            [sys.executable, *python_flags, "-m", module, *args],
+            cwd=cwd,
+            env=env,
+            stdout=stdout,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=timeout,
+            preexec_fn=limited if address_limit is not None or file_limit is not None else None,
+        )
+    finally:
+        if reader_gone:
+            os.close(stdout)
 
 
 def run_in_process(*args: str) -> int:

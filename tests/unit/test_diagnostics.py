@@ -36,7 +36,7 @@ from runner.measure.diagnostics import (
 )
 from runner.measure.run_diagnostics import RangeInstrument, RunDiagnostics
 from runner.precision import AmpEngine, resolve
-from tests.helpers.runs import FAST, REPO
+from tests.helpers.runs import FAST, REPO, run_cli
 from tests.helpers.trainer import make_trainer
 
 CPU = torch.device("cpu")
@@ -431,6 +431,24 @@ def test_the_command_prints_its_table_and_logs_a_diagnose_run(tmp_path):
         for n in ("layers.csv", "exponents.csv", "grad_exponents.png", "report.txt")
     }
     assert (tmp_path / "diagnostics" / "report.txt").read_text() in out
+
+
+@pytest.mark.slow
+def test_a_reader_that_has_gone_does_not_stop_the_pre_flight(tmp_path):
+    """`python -m runner.diagnose ... --plan plan.yaml | head`: once the reader has gone, the
+    pre-flight still writes its files and its plan and ends its run FINISHED, exit 0, no
+    BrokenPipeError traceback (the first print ended it: the run FAILED, no plan)."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    plan = tmp_path / "plan.yaml"
+    result = run_cli(
+        *FAST, "precision=o2_bf16", f"mlflow.tracking_uri={uri}", "--steps", "2",
+        "--plan", str(plan), module="runner.diagnose", cwd=tmp_path, reader_gone=True,
+    )  # fmt: skip
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert plan.is_file() and (tmp_path / "diagnostics" / "report.txt").is_file()
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("amp-runner").experiment_id])
+    assert run.info.status == "FINISHED"
 
 
 @pytest.mark.slow
