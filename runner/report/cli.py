@@ -10,9 +10,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import runner
+from runner import shell
 from runner.report.analysis import EXPERIMENT, add_baseline_ratios
 from runner.report.plots import plot_bars, plot_curves, plot_memory
-from runner.report.runs import NothingToReport, read_run, select_runs, to_row
+from runner.report.runs import NothingToReport, find_run, select_runs, to_row
 from runner.report.tables import (
     ARTIFACT_DIR,
     BARS_PNG,
@@ -50,8 +51,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     which = parser.add_mutually_exclusive_group()
     which.add_argument(
         "--parent",
-        metavar="RUN_ID",
-        help="the sweep's parent run id (printed at the end of the sweep)",
+        metavar="RUN",
+        help="the sweep's parent run: its id (printed at the end of the sweep), the start of "
+        "one, or its name",
     )
     which.add_argument(
         "--sweep",
@@ -62,8 +64,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--diff",
         nargs=2,
         metavar=("RUN_A", "RUN_B"),
-        help="print the params that differ between two runs (by run id) and "
-        "their status and objective; writes nothing",
+        help="print the params that differ between two runs and their status and objective; "
+        "writes nothing. A run by id, the start of one (8 characters), or name (tiny-O2: the "
+        "newest run of that name in --experiment)",
     )
     parser.add_argument(
         "--out",
@@ -79,14 +82,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def diff_runs(reader: Reader, run_a: str, run_b: str) -> str:
+def diff_runs(reader: Reader, experiment_name: str, run_a: str, run_b: str) -> str:
     """The params whose values differ between two runs (a param one of them lacks shows `-`),
-    then each run's status and objective, as a Markdown table."""
-    runs = [read_run(reader, run_id) for run_id in (run_a, run_b)]
+    then each run's status and objective, as a Markdown table. Each run by id, the start of one
+    or name (in `experiment_name`: runner.report.runs.find_run)."""
+    runs = []
+    for key in (run_a, run_b):
+        run, told = find_run(reader, experiment_name, key)
+        if told:
+            print(told, file=sys.stderr)
+        runs.append(run)
     a, b = (r.params for r in runs)
     keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
     head = [
-        f"| param | {runs[0].run_name} ({run_a[:8]}) | {runs[1].run_name} ({run_b[:8]}) |",
+        f"| param | {runs[0].run_name} ({runs[0].run_id[:8]}) | "
+        f"{runs[1].run_name} ({runs[1].run_id[:8]}) |",
         "|---|---|---|",
     ]
     body = [f"| {k} | {a.get(k, '-')} | {b.get(k, '-')} |" for k in keys]
@@ -128,9 +138,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         reader = open_reader(uri)
         if args.diff:
-            print(diff_runs(reader, *args.diff))
+            shell.say(diff_runs(reader, args.experiment, *args.diff))
             return 0
-        parent, runs = select_runs(reader, args.experiment, args.parent, args.sweep)
+        parent = None
+        if args.parent:
+            parent, told = find_run(reader, args.experiment, args.parent)
+            if told:
+                print(told, file=sys.stderr)
+        parent, runs = select_runs(reader, args.experiment, parent, args.sweep)
     except NothingToReport as reason:
         print(f"Nothing to report: {reason}", file=sys.stderr)
         return 1
@@ -171,17 +186,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     plot_curves(rows, args.out / CURVES_PNG)
     plot_memory(rows, args.out / MEMORY_PNG)
 
-    print(markdown)
+    shell.say(markdown)
     written = (TABLE_MD, TABLE_CSV, BARS_PNG, MEMORY_PNG, CURVES_PNG)
-    print(f"Wrote {', '.join(str(args.out / n) for n in written)}")
+    shell.say(f"Wrote {', '.join(str(args.out / n) for n in written)}")
     if parent is not None:
         reader.log_artifacts(parent.run_id, args.out, ARTIFACT_DIR)
-        print(
+        shell.say(
             f"Logged them on the sweep's parent run {parent.run_id} "
             f"(artifacts/{ARTIFACT_DIR}). " + reader.hint(parent.experiment_id)
         )
     else:
-        print("No sweep parent run: the files were not logged to MLflow.")
+        shell.say("No sweep parent run: the files were not logged to MLflow.")
     return 0
 
 

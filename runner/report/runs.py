@@ -26,11 +26,11 @@ class NothingToReport(Exception):
 
 
 def select_runs(
-    reader: Reader, experiment_name: str, parent_id: str | None, sweep: str | None
+    reader: Reader, experiment_name: str, parent: RunRecord | None, sweep: str | None
 ) -> tuple[RunRecord | None, list[RunRecord]]:
-    """(parent run or None, its runs): the children of `parent_id`, of the newest sweep whose
-    parent is named `sweep` or whose folder ends with it, or of the newest sweep; in an experiment
-    without sweeps, every run of the experiment."""
+    """(parent run or None, its runs): the children of `parent` (a run `find_run` found), of the
+    newest sweep whose parent is named `sweep` or whose folder ends with it, or of the newest
+    sweep; in an experiment without sweeps, every run of the experiment but the pre-flights."""
     experiment_id = reader.experiment_id(experiment_name)
     if experiment_id is None:
         raise NothingToReport(
@@ -38,10 +38,7 @@ def select_runs(
             "set --experiment (the runs' mlflow.experiment_name)"
         )
     ids = [experiment_id]
-    parent = None
-    if parent_id:
-        parent = read_run(reader, parent_id)
-    else:
+    if parent is None:
         sweeps = reader.runs(ids, having=[tag.SWEEP_DIR], newest_first=True)
         if sweep:
             sweeps = [
@@ -56,8 +53,12 @@ def select_runs(
                     f"experiment {experiment_name!r} of {reader.location}"
                 )
         parent = sweeps[0] if sweeps else None
-    if parent is None:
-        runs = [r for r in reader.runs(ids) if tag.PARENT_RUN not in r.tags]
+    if parent is None:  # (not a range pre-flight's run: it trains nothing to compare)
+        runs = [
+            r
+            for r in reader.runs(ids)
+            if tag.PARENT_RUN not in r.tags and r.tags.get(tag.DIAGNOSE) != "true"
+        ]
     else:
         runs = reader.runs([parent.experiment_id], tags={tag.PARENT_RUN: parent.run_id})
     if not runs:
@@ -73,12 +74,48 @@ def select_runs(
     return parent, sorted(runs, key=lambda r: r.start_time)
 
 
-def read_run(reader: Reader, run_id: str) -> RunRecord:
-    """The run `run_id`; NothingToReport (with the store's message) when there is none."""
+def find_run(reader: Reader, experiment_name: str, key: str) -> tuple[RunRecord, str | None]:
+    """(the run `key` names, a line to tell or None): the run of that id (in any experiment);
+    else, in experiment `experiment_name`, the run of that name (the newest where several share
+    it, as a sweep's runs do from one sweep to the next: the line says so) or the one run whose
+    id starts with it (the 8 characters a report shows). NothingToReport, naming the experiment's
+    newest runs, when none or several match."""
     try:
-        return reader.run(run_id)
-    except RunNotFound as error:
-        raise NothingToReport(f"no run {run_id!r} in {reader.location}: {error}") from None
+        return reader.run(key), None
+    except RunNotFound:
+        pass
+    experiment_id = reader.experiment_id(experiment_name)
+    if experiment_id is None:
+        raise NothingToReport(
+            f"no run {key!r} in {reader.location}, and no experiment {experiment_name!r} to look "
+            "for a run of that name in; set --experiment (the runs' mlflow.experiment_name)"
+        )
+    runs = reader.runs([experiment_id], newest_first=True)
+    named = [r for r in runs if r.run_name == key]
+    if named:
+        told = None
+        if len(named) > 1:
+            told = (
+                f"{len(named)} runs are named {key!r} in experiment {experiment_name!r}: took the "
+                f"newest, {named[0].run_id} (the others: {', '.join(r.run_id for r in named[1:4])}"
+                f"{', ...' if len(named) > 4 else ''}); give a run id to take another"
+            )
+        return named[0], told
+    starting = [r for r in runs if key and r.run_id.startswith(key.lower())]
+    if len(starting) == 1:
+        return starting[0], None
+    if starting:
+        raise NothingToReport(
+            f"{len(starting)} runs' ids start with {key!r} in experiment {experiment_name!r}: "
+            + ", ".join(f"{r.run_name} ({r.run_id})" for r in starting[:5])
+            + "; give more of the id"
+        )
+    newest = ", ".join(f"{r.run_name} ({r.run_id[:8]})" for r in runs[:5])
+    raise NothingToReport(
+        f"no run {key!r} in {reader.location}: no run has that id, the start of one or that "
+        f"name in experiment {experiment_name!r}"
+        + (f" (its newest: {newest})" if newest else " (it has no runs)")
+    )
 
 
 def to_row(reader: Reader, run: RunRecord) -> Row:

@@ -21,6 +21,7 @@ from runner.tracking.mlflow_tracker import MlflowTracker
 from runner.tracking.tags import PARENT_RUN as PARENT_RUN_TAG
 from runner.tracking.tags import SWEEP_DIR as SWEEP_DIR_TAG
 from runner.tracking.trackers import open_reader
+from tests.helpers.runs import run_cli
 from tests.helpers.server import MlflowServer
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -492,6 +493,90 @@ def test_diff_prints_the_params_that_differ(tracking_uri, tmp_path, capsys):
     assert not (tmp_path / "report").exists()  # writes nothing
     assert report_main(["--tracking-uri", tracking_uri, "--diff", a, "no-such-run"]) == 1
     assert "no run 'no-such-run'" in capsys.readouterr().err
+
+
+def test_a_run_is_named_by_id_its_start_or_its_name(tracking_uri, tmp_path, capsys):
+    """--diff and --parent take what a user sees: a run's name (the sweep's summary prints names;
+    the newest of that name, said on stderr when several share it) or the 8 characters of its id
+    a diff shows. A start that fits several ids, or nothing, is refused naming what there is."""
+    ids = _axes_sweep(tracking_uri, tmp_path)
+    newest = {"tiny-O0": ids[("0.01", "O0", "2")], "tiny-O2": ids[("0.01", "O2", "2")]}
+    args = ["--tracking-uri", tracking_uri]
+    assert report_main([*args, "--diff", "tiny-O0", "tiny-O2"]) == 0
+    out, err = capsys.readouterr()
+    assert (
+        f"| param | tiny-O0 ({newest['tiny-O0'][:8]}) | tiny-O2 ({newest['tiny-O2'][:8]}) |" in out
+    )
+    assert "1 params differ:" in out and "| precision.opt_level | O0 | O2 |" in out
+    assert "4 runs are named 'tiny-O0' in experiment 'amp-runner': took the newest, " in err
+    assert newest["tiny-O0"] in err and "give a run id to take another" in err
+
+    a, b = ids[("0.1", "O0", "1")], ids[("0.01", "O2", "1")]
+    assert report_main([*args, "--diff", a[:8], b[:8]]) == 0
+    out, err = capsys.readouterr()
+    assert "| optimizer.lr | 0.1 | 0.01 |" in out and err == ""
+
+    assert report_main([*args, "--diff", "", b]) == 1
+    assert "no run ''" in capsys.readouterr().err
+    assert report_main([*args, "--diff", "tiny-O3", b]) == 1
+    err = capsys.readouterr().err
+    assert "no run 'tiny-O3' in sqlite:///" in err and "its newest: tiny-O2 (" in err
+
+    parent = MlflowClient(tracking_uri).get_run(a).data.tags[PARENT_RUN_TAG]
+    out_dir = tmp_path / "report"
+    assert report_main([*args, "--parent", parent[:8], "--out", str(out_dir)]) == 0
+    assert len(read_csv(out_dir / "comparison.csv")) == 8
+
+
+def test_an_ambiguous_start_of_an_id_is_refused(tracking_uri, capsys):
+    """Runs whose ids share their start: that start names none of them, and they are listed.
+    (Ids are random: of 17 runs, two share their first character.)"""
+    tracker = MlflowTracker(tracking_uri, "amp-runner")
+    by_start: dict[str, list[str]] = {}
+    while max(map(len, by_start.values()), default=0) < 2:
+        with tracker.start_run("tiny-O0", {"precision.opt_level": "O0"}, {}) as run:
+            by_start.setdefault(run.run_id[0], []).append(run.run_id)
+    shared, both = next((k, v) for k, v in by_start.items() if len(v) == 2)
+    assert report_main(["--tracking-uri", tracking_uri, "--diff", shared, both[0]]) == 1
+    err = capsys.readouterr().err
+    assert f"2 runs' ids start with {shared!r} in experiment 'amp-runner': " in err
+    assert all(f"tiny-O0 ({run_id})" in err for run_id in both) and "give more of the id" in err
+
+
+def test_an_experiment_without_sweeps_reports_its_runs_not_its_preflights(tracking_uri, tmp_path):
+    """A range pre-flight (python -m runner.diagnose) logs a run, tagged `diagnose`, into the
+    experiment; it trains nothing to compare and is not a row of the experiment's report."""
+    tracker = MlflowTracker(tracking_uri, "amp-runner")
+    with tracker.start_run("tiny-O0", {"precision.opt_level": "O0"}, {}) as run:
+        run.log_metrics({"best_val_acc": 0.5, "train_time_s": 2.0}, 1)
+    with tracker.start_run("tiny-diagnose", {"diagnose.steps": "3"}, {"diagnose": "true"}):
+        pass
+    out = tmp_path / "report"
+    assert report_main(["--tracking-uri", tracking_uri, "--out", str(out)]) == 0
+    assert [r["run_name"] for r in read_csv(out / "comparison.csv")] == ["tiny-O0"]
+    assert "diagnose" not in (out / "comparison.md").read_text()
+
+
+def test_a_reader_that_has_gone_does_not_stop_the_report(tracking_uri, tmp_path):
+    """`python -m runner.report | head -3`: once the reader has gone, the report still writes its
+    files and logs them on the parent run, exit 0, no BrokenPipeError traceback (the first
+    print ended it: nothing written after it, nothing logged)."""
+    _axes_sweep(tracking_uri, tmp_path)
+    out = tmp_path / "report"
+    result = run_cli(
+        "--tracking-uri",
+        tracking_uri,
+        "--out",
+        str(out),
+        module="runner.report",
+        cwd=tmp_path,
+        reader_gone=True,
+    )
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    assert {p.name for p in out.iterdir()} == REPORT_FILES
+    client, parent = sweep_parent(tracking_uri)
+    logged = {a.path for a in client.list_artifacts(parent.info.run_id, "report")}
+    assert "report/comparison.md" in logged
 
 
 def test_seed_statistics_are_the_sample_mean_and_std():
