@@ -37,6 +37,7 @@ HEARTBEAT_S = 60.0  # mlflow.heartbeat_s's default
 STALE_AFTER_S = 600.0  # mlflow.stale_after_s's default
 STORE_LOCK_TIMEOUT_S = 120.0  # how long a start waits for another process creating the store
 SQLITE = "sqlite:///"
+FILE = "file:"  # a folder store (MLflow 3 refuses a new one unless told)
 SQLITE_HEADER = b"SQLite format 3\x00"
 
 T = TypeVar("T")
@@ -119,13 +120,17 @@ class RetryingClient:
 def resolve_tracking_uri(uri: str, base_dir: str | os.PathLike | None = None) -> str:
     """Make a relative SQLite URI absolute against the launch directory (Hydra does not chdir,
     but the printed `mlflow ui` command must work from anywhere); a leading `~` is the home, as
-    in the runner's other paths (SQLAlchemy would make a folder named `~`)."""
+    in the runner's other paths (SQLAlchemy would make a folder named `~`). A relative file store
+    (`file:./mlruns`, where MLflow still takes one) is made absolute as well."""
     prefix = SQLITE
     if uri.startswith(prefix + "~"):
         uri = prefix + os.path.expanduser(uri[len(prefix) :])
     if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
         path = Path(base_dir or os.getcwd()) / uri[len(prefix) :]
         return prefix + str(path.resolve())
+    if uri.startswith(FILE) and not uri.startswith(FILE + "/"):
+        path = Path(base_dir or os.getcwd()) / os.path.expanduser(uri[len(FILE) :])
+        return path.resolve().as_uri()
     return uri
 
 

@@ -265,3 +265,19 @@ def test_a_store_under_a_tilde_is_in_the_home(tmp_path, monkeypatch):
     args = [*FAST, "trainer.max_epochs=1", "mlflow.tracking_uri='sqlite:///~/runs.db'"]
     assert run_in_process(*args) == 0
     assert (tmp_path / "home" / "runs.db").is_file() and not (tmp_path / "~").exists()
+
+
+@pytest.mark.new_store
+def test_a_relative_file_store_is_printed_absolute(tmp_path, monkeypatch, capsys):
+    """`mlflow.tracking_uri=file:./mlruns` (a folder store, where MLflow is told to take one):
+    the printed `mlflow ui` command named `file:./mlruns`, a folder of wherever it is pasted;
+    it names the launch folder's now, in a form MLflow reads (a space as %20)."""
+    launch = tmp_path / "my runs"
+    launch.mkdir()
+    monkeypatch.chdir(launch)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    assert run_in_process(*FAST, "trainer.max_epochs=1", "mlflow.tracking_uri=file:./mlruns") == 0
+    told = "".join(capsys.readouterr())
+    uri = (launch / "mlruns").as_uri()
+    assert f"mlflow ui --backend-store-uri {uri}\n" in told and "%20" in uri
+    assert (launch / "mlruns").is_dir()

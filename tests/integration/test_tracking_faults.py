@@ -71,7 +71,9 @@ def test_a_file_store_refused_by_mlflow_is_told_how_to_go_on(tmp_path, monkeypat
     said = str(e.value)
     if "MLFLOW_ALLOW_FILE_STORE" not in said:
         pytest.skip(f"this MLflow takes a file store: {said}")
-    assert said.startswith("mlflow.tracking_uri: cannot use the tracking store 'file:./mlruns'")
+    # (the store named by its absolute URI: the launch folder's mlruns/)
+    assert said.startswith("mlflow.tracking_uri: cannot use the tracking store 'file:///")
+    assert f"{Path.cwd().resolve().as_uri()}/mlruns'" in said
     assert said.endswith(
         ". Use a database store (the default sqlite:///mlflow.db), or opt out as it says."
     )
