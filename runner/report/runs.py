@@ -3,7 +3,9 @@ sweep's children, or an experiment's runs, each as a `Row`."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
+from pathlib import Path, PurePath
 
 from runner.config.schema import CLASSIFICATION
 from runner.measure.audit import FORMAT_METRIC as LAYERS_IN
@@ -41,16 +43,14 @@ def select_runs(
     if parent is None:
         sweeps = reader.runs(ids, having=[tag.SWEEP_DIR], newest_first=True)
         if sweep:
-            sweeps = [
-                r
-                for r in sweeps
-                if r.run_name == sweep
-                or r.tags[tag.SWEEP_DIR].rstrip("/").endswith(sweep.rstrip("/"))
-            ]
+            every = sweeps
+            sweeps = [r for r in sweeps if r.run_name == sweep or _in_folder(r, sweep)]
             if not sweeps:
+                newest = "; ".join(f"{r.run_name!r} in {r.tags[tag.SWEEP_DIR]}" for r in every[:3])
                 raise NothingToReport(
                     f"no sweep named {sweep!r} or in a folder ending with it in "
                     f"experiment {experiment_name!r} of {reader.location}"
+                    + (f" (its newest: {newest})" if newest else " (it has no sweeps)")
                 )
         parent = sweeps[0] if sweeps else None
     if parent is None:  # (not a range pre-flight's run: it trains nothing to compare)
@@ -72,6 +72,17 @@ def select_runs(
             "e.g. python -m runner -m precision=o0,o1,o2,o3"
         )
     return parent, sorted(runs, key=lambda r: r.start_time)
+
+
+def _in_folder(parent: RunRecord, folder: str) -> bool:
+    """Whether the sweep of `parent` ran in `folder`: that folder (a path from here: `./sw`,
+    `../runs/multirun/...`), or the end of the sweep's folder (`08-00-00`, `2026-11-29/08-00-00`:
+    whole folder names)."""
+    ran_in = PurePath(parent.tags[tag.SWEEP_DIR])
+    if os.path.isdir(folder) and Path(folder).resolve() == ran_in:
+        return True
+    end = PurePath(os.path.normpath(folder)).parts
+    return bool(end) and ran_in.parts[-len(end) :] == end
 
 
 def find_run(reader: Reader, experiment_name: str, key: str) -> tuple[RunRecord, str | None]:

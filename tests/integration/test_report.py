@@ -557,6 +557,33 @@ def test_an_experiment_without_sweeps_reports_its_runs_not_its_preflights(tracki
     assert "diagnose" not in (out / "comparison.md").read_text()
 
 
+def test_a_sweep_is_found_by_its_folder_as_a_path_or_its_end(
+    tracking_uri, tmp_path, monkeypatch, capsys
+):
+    """--sweep takes the sweep's folder as a path from here (`./multirun/...`, `../...`, what a
+    shell completes) or its end, whole folder names (`10-00-00`); a part of a name is no end
+    (`00` named any sweep at a full hour). A miss names the experiment's newest sweeps."""
+    folder = tmp_path / "multirun" / "2026-01-01" / "10-00-00"
+    folder.mkdir(parents=True)
+    tracker = MlflowTracker(tracking_uri, "amp-runner")
+    parent = tracker.create_run("sweep precision=o0,o2", {SWEEP_DIR_TAG: str(folder)})
+    with tracker.start_run(
+        "tiny-O0", {"precision.opt_level": "O0"}, {PARENT_RUN_TAG: parent.run_id}
+    ):
+        pass
+    parent.end("FINISHED")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    for sweep in ("../multirun/2026-01-01/10-00-00/", str(folder), "2026-01-01/10-00-00"):
+        assert report_main(["--tracking-uri", tracking_uri, "--sweep", sweep]) == 0, sweep
+        assert f"parent run `{parent.run_id}`" in capsys.readouterr().out
+    assert report_main(["--tracking-uri", tracking_uri, "--sweep", "00"]) == 1
+    assert (
+        f"no sweep named '00' or in a folder ending with it in experiment 'amp-runner' of "
+        f"{tracking_uri} (its newest: 'sweep precision=o0,o2' in {folder})"
+    ) in capsys.readouterr().err
+
+
 def test_a_reader_that_has_gone_does_not_stop_the_report(tracking_uri, tmp_path):
     """`python -m runner.report | head -3`: once the reader has gone, the report still writes its
     files and logs them on the parent run, exit 0, no BrokenPipeError traceback (the first
