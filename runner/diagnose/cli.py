@@ -182,7 +182,7 @@ def run(
             {
                 tag.DIAGNOSE: "true",
                 tag.DIAGNOSE_TARGET: target,
-                tag.OVERRIDES: " ".join(overrides),
+                tag.OVERRIDES: shell.join(overrides),
                 tag.COMMAND: typed_command(),
             }
         )

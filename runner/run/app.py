@@ -27,7 +27,7 @@ import torch
 from omegaconf import OmegaConf
 
 import runner
-from runner import csrc
+from runner import csrc, shell
 from runner.config import mistakes, options
 from runner.errors import ConfigError
 from runner.measure import audit as layer_audit
@@ -161,7 +161,7 @@ def run_record(
             tag.OPT_LEVEL: plan.properties.opt_level,
             tag.MODEL: options.label(cfg.model),
             tag.MODEL_CLASS: f"{type(parts.model).__module__}.{type(parts.model).__qualname__}",
-            tag.OVERRIDES: " ".join(launch.overrides),
+            tag.OVERRIDES: shell.join(launch.overrides),
             tag.PEAK_MEM_KIND: parts.memory.kind,
             tag.FINDINGS: resolution.summary(),
             tag.FINDINGS_LIST: resolution.compact() or "none",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -67,3 +68,6 @@ def test_a_command_with_quoted_values_pastes_back_as_typed(tmp_path):
         ["bash", "-c", f"printf '%s\\0' {typed}"], capture_output=True, check=True
     ).stdout
     assert pasted.decode().split("\0")[:-1] == [Path(sys.executable).name, "-m", "runner", *args]
+    # the `overrides` tag (a sweep job's own: what reruns the job alone) is quoted the same way
+    overrides = json.loads((folder / FILE).read_text())["tags"][tag.OVERRIDES]
+    assert shlex.split(overrides) == [a for a in args if not a.startswith("hydra.")]

@@ -423,6 +423,7 @@ def test_the_command_prints_its_table_and_logs_a_diagnose_run(tmp_path):
     # the command as typed, each word as the shell gave it (a value with a space: one word)
     typed = shlex.split(run.data.tags["command"])
     assert typed[1:] == ["-m", "runner.diagnose", *args, "--steps", "2"], typed
+    assert shlex.split(run.data.tags["overrides"]) == args
     assert "diag_grad_underflow_frac" in run.data.metrics
     assert run.data.metrics["mem_total_mb"] > 0
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "diagnostics")}
