@@ -249,6 +249,9 @@ def cli() -> None:
     if "--version" in sys.argv[1:]:  # (Hydra's own would print Hydra's version)
         print(runner.version_line())
         return
+    if "--info" in sys.argv[1:]:  # (Hydra logs it to stdout: a reader gone says nothing)
+        logging.raiseExceptions = False
+    job_log.bear_write_errors()  # (`... | head`: one line, not a traceback a line logged)
     gpus.register_resolvers()
     OmegaConf.register_new_resolver("runner.help_groups", help_groups, replace=True)
     OmegaConf.register_new_resolver("runner.help_launchers", help_launchers, replace=True)
@@ -265,6 +268,9 @@ def cli() -> None:
                     file=sys.stderr,
                 )
             sys.exit(getattr(interrupt, "exit_code", 130))
+        except BrokenPipeError:  # stdout's reader has gone (`--help | head`): nothing left to say
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (nor at the flush)
+            sys.exit(1)
         except SystemExit as stop:
             if stop.code not in (0, None):
                 launched.close_open("FAILED", f"the sweep stopped early (exit status {stop.code})")

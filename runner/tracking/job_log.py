@@ -17,6 +17,7 @@ import hashlib
 import logging
 import os
 import sys
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional
@@ -60,26 +61,22 @@ def bear_write_errors() -> None:
     a log file on a disk that filled (its lines still reach the console; the file takes them
     again once it can), or the console itself closed (`python -m runner ... | head`: a broken
     pipe; the lines are in the job log). An error that is not the stream's (a log call with
-    wrong arguments) is reported as Python reports it. For every stream handler of the root
-    logger (Hydra's console and job log); once each."""
-    for handler in logging.getLogger().handlers:
-        if isinstance(handler, logging.StreamHandler) and not hasattr(handler, _TOLD):
-            setattr(handler, _TOLD, False)
-            handler.handleError = _told_once(handler, handler.handleError)  # type: ignore[method-assign]
+    wrong arguments) is reported as Python reports it. For every stream handler of the process:
+    Hydra makes its handlers anew for a sweep, for each of its jobs and after each, so they are
+    borne by their class (`logging.StreamHandler`, a file's handler's too); told once a stream
+    (a sweep and its jobs write to the one console through handlers of their own). Where
+    `logging.raiseExceptions` is off, nothing is told, as Python's own handler does."""
+    if getattr(logging.StreamHandler.handleError, _BORNE, False):
+        return
+    report = logging.StreamHandler.handleError
 
-
-_TOLD = "_runner_write_error_told"
-
-
-def _told_once(handler: logging.StreamHandler, report: Any) -> Any:
-    def handle_error(record: logging.LogRecord) -> None:
+    def handle_error(handler: logging.StreamHandler, record: logging.LogRecord) -> None:
         error = sys.exc_info()[1]
         if not isinstance(error, OSError):
-            report(record)
+            report(handler, record)
             return
-        if getattr(handler, _TOLD):
+        if not logging.raiseExceptions or _told_before(handler):
             return
-        setattr(handler, _TOLD, True)
         reason = error.strerror or str(error)
         if isinstance(handler, logging.FileHandler):
             said = (
@@ -95,7 +92,25 @@ def _told_once(handler: logging.StreamHandler, report: Any) -> Any:
         except OSError:  # (stderr is the stream that is gone)
             pass
 
-    return handle_error
+    setattr(handle_error, _BORNE, True)
+    logging.StreamHandler.handleError = handle_error  # type: ignore[method-assign]
+
+
+_BORNE = "_runner_write_errors_borne"
+_told: weakref.WeakSet[Any] = weakref.WeakSet()  # the streams whose write error was told
+
+
+def _told_before(handler: logging.StreamHandler) -> bool:
+    """Whether a write error of `handler`'s stream was told (and, from now on, that it was)."""
+    try:
+        if handler.stream in _told:
+            return True
+        _told.add(handler.stream)
+    except TypeError:  # (a stream that takes no weak reference: told once by this handler)
+        if getattr(handler, _BORNE, False):
+            return True
+        setattr(handler, _BORNE, True)
+    return False
 
 
 def _has_file() -> bool:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 from hydra.experimental.callback import Callback
+from mlflow.tracking import MlflowClient
 
 from runner.errors import RunnerError
 from runner.tracking import job_log
@@ -247,3 +248,29 @@ def test_a_dry_run_read_in_part_ends_quietly(tmp_path):
     after a line could come after the whole of it.)"""
     status, err = read_a_line_then_close("model=tiny", "dry_run=true", cwd=tmp_path, lines=0)
     assert status == 1 and err == "", err[-3000:]
+
+
+@pytest.mark.slow
+def test_a_sweep_whose_console_is_closed_goes_on_and_says_so_once(tmp_path):
+    """`python -m runner -m ... | head`: Hydra makes the sweep's log handlers anew before its
+    jobs, for each job and after each, so the lines it logs itself ("Launching 2 jobs", each
+    job's overrides, the sweep's summary) each printed "--- Logging error ---" and a traceback;
+    each job said its own line. Now one line; both jobs finish."""
+    args = ["-m", *FAST, "trainer.max_epochs=1", "precision=o0,o2_bf16"]
+    status, err = read_a_line_then_close(*args, cwd=tmp_path)
+    assert status == 0, err[-3000:]
+    assert err.count("Cannot write the log to <stdout> (Broken pipe)") == 1, err[-3000:]
+    assert "Logging error" not in err and "Traceback" not in err
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("amp-runner").experiment_id])
+    assert sorted(r.info.status for r in runs) == ["FINISHED"] * 3
+
+
+@pytest.mark.parametrize("option,status", [("--help", 1), ("--hydra-help", 1), ("--info", 0)])
+def test_help_read_in_part_ends_quietly(option, status, tmp_path):
+    """`python -m runner --help | head -1`: the print that met the closed pipe ended in a
+    BrokenPipeError traceback (--info: a "--- Logging error ---" and a traceback a line). Its
+    reader gone before the first line: a print ends the command (1, as `dry_run=true` does),
+    Hydra's log lines of --info are let go."""
+    result = run_cli(option, cwd=tmp_path, reader_gone=True)
+    assert result.returncode == status and result.stderr == "", result.stderr[-3000:]
