@@ -47,10 +47,11 @@ def join(words: Iterable[str]) -> str:
 def hydra_value(value: str) -> str:
     """`value`, a string, as Hydra's override grammar reads it back: as it is where Hydra reads
     it unquoted as that string, else in single quotes (a quote escaped, and the backslashes
-    before one or at the end: Hydra's only escapes)."""
+    before one or at the end: Hydra's only escapes). A `${` is escaped for OmegaConf, which
+    would take it for an interpolation when the config is read."""
     if _HYDRA_PLAIN.fullmatch(value) and not _HYDRA_TYPED.fullmatch(value):
         return value
-    escaped = re.sub(r"(\\*)'", lambda m: m[1] * 2 + "\\'", value)
+    escaped = re.sub(r"(\\*)'", lambda m: m[1] * 2 + "\\'", value.replace("${", "\\${"))
     return "'" + re.sub(r"(\\+)$", lambda m: m[1] * 2, escaped) + "'"
 
 

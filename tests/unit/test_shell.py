@@ -7,6 +7,7 @@ import subprocess
 
 import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import OmegaConf
 
 from runner import shell
 from runner.tracking.store import ui_hint
@@ -17,6 +18,7 @@ AWKWARD = [
     "it's",
     'say "hi"',
     "$HOME and `date` and !1",
+    "/data/${oc.env:HOME}/${x}",
     "a\\b",
     "a\\",
     "a\\'b",
@@ -57,7 +59,9 @@ def test_an_override_sets_the_string_it_was_given(value):
     (word,) = bash_words(shell.override("hydra.sweep.dir", value))
     parsed = OverridesParser.create().parse_override(word)
     assert parsed.key_or_group == "hydra.sweep.dir"
-    assert parsed.value() == value  # (a string: "10" is not read back as the number 10)
+    # (a string: "10" is not read back as the number 10; `${` is no interpolation)
+    config = OmegaConf.create({"value": parsed.value()})
+    assert isinstance(config.value, str) and config.value == value
 
 
 def test_the_mlflow_ui_command_names_the_store_whatever_its_path():
