@@ -188,7 +188,10 @@ def run(
         )
         tags.update({str(k): str(v) for k, v in cfg.mlflow.tags.items()})
         name = cfg.mlflow.run_name or f"{options.label(cfg.model)}-diagnose"
-        out.mkdir(parents=True, exist_ok=True)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as error:  # (what check_outputs could not foresee: /proc, a race)
+            raise _unwritable("the diagnostics", out, error, "--out to a folder") from None
         with tracker.start_run(name, params, tags) as tracked:
             trainer = Trainer(
                 trainer_config(cfg.trainer),
@@ -262,6 +265,12 @@ def check_outputs(out: Path, plan_path: Optional[Path]) -> None:
         )
 
 
+def _unwritable(what: str, path: Path, error: OSError, fix: str) -> RunnerError:
+    return RunnerError(
+        f"Cannot write {what} to {path}: {error.strerror or error}; set {fix} you can write"
+    )
+
+
 def write_plan(
     plan,
     model,
@@ -284,8 +293,11 @@ def write_plan(
     auto = autoplan.decide(
         model, records, autoplan.weight_stats(model), plan.properties, thresholds, preset, steps
     )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, auto.yaml())  # a plan file a run may be reading
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, auto.yaml())  # a plan file a run may be reading
+    except OSError as error:  # (a disk that filled while it measured)
+        raise _unwritable("the layer plan", path, error, "--plan to a file in a folder") from None
     counts = ", ".join(f"{n} {fmt}" for fmt, n in auto.counts().items())
     shell.say(
         f"\nLayer plan for precision={preset} ({counts}; {len(auto.rules)} entries differ "

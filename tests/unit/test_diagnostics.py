@@ -530,3 +530,20 @@ def test_outputs_that_cannot_be_written_are_refused_before_the_steps(
     err = capsys.readouterr().err
     assert says in err and "Traceback" not in err
     assert not (tmp_path / "m.db").exists()
+
+
+def test_an_out_that_cannot_be_made_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    """A folder the checks cannot foresee failing (under /proc, where even root makes none:
+    the check passes for root, and mkdir fails) ended in mkdir's traceback (exit 1); it is
+    refused like the others, before the run is tracked."""
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    out = "/proc/amp-runner-diagnostics"
+    assert cli.main(["--out", out, *FAST, f"mlflow.tracking_uri={uri}"]) == 2
+    err = capsys.readouterr().err
+    assert f"Cannot write the diagnostics to {out}: " in err and "Traceback" not in err
+    assert "you can write" in err
+    if (tmp_path / "m.db").exists():  # (root: refused after the store was opened, no run)
+        client = MlflowClient(uri)
+        experiment = client.get_experiment_by_name("amp-runner")
+        assert experiment is None or not client.search_runs([experiment.experiment_id])
