@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import runner
 import runner.config  # noqa: F401  (registers the schemas before Hydra composes)
+from runner import shell
 from runner.config import mistakes
 from runner.config.finder import config_dir
 from runner.errors import PeersLost, RunnerError, said
@@ -52,7 +53,7 @@ def main(cfg: DictConfig) -> float | None:
     try:
         return run(cfg, **job)
     except BrokenPipeError:  # stdout closed by its reader (`dry_run=true | head`): no more to say
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (nor at the flush)
+        shell.reader_gone()
         sys.exit(1)
     except RunnerError as error:
         log.error("%s", error)
@@ -269,7 +270,7 @@ def cli() -> None:
                 )
             sys.exit(getattr(interrupt, "exit_code", 130))
         except BrokenPipeError:  # stdout's reader has gone (`--help | head`): nothing left to say
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (nor at the flush)
+            shell.reader_gone()
             sys.exit(1)
         except SystemExit as stop:
             if stop.code not in (0, None):

@@ -68,4 +68,10 @@ def say(text: str = "", end: str = "\n") -> None:
     try:
         print(text, end=end, flush=True)
     except BrokenPipeError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        reader_gone()
+
+
+def reader_gone() -> None:
+    """Point stdout at /dev/null, its reader gone (a BrokenPipeError met): nothing written to it
+    from now on, the exit's flush included, fails."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
