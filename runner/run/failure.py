@@ -72,8 +72,10 @@ def keep(
     places = []
     for handler in logging.getLogger().handlers:
         if isinstance(handler, logging.FileHandler) and record.levelno >= handler.level:
-            handler.handle(record)
-            places.append(str(handler.baseFilename))
+            before = _size(handler.baseFilename)
+            handler.handle(record)  # (flushed; a disk that is full keeps nothing: not named)
+            if _size(handler.baseFilename) > before:
+                places.append(str(handler.baseFilename))
     run_id = getattr(tracked, "run_id", None)
     if run_id is not None:
         try:
@@ -82,6 +84,13 @@ def keep(
         except Exception as failure:  # noqa: BLE001  (the store failing too: the log keeps it)
             log.debug("The traceback could not be logged to run %s: %s", run_id, failure)
     setattr(error, _KEPT, places)
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return -1
 
 
 _LIBRARIES = tuple(

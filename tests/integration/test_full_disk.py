@@ -80,6 +80,32 @@ def test_a_log_file_the_disk_refuses_is_told_once_not_a_traceback_a_line(capfd):
             handler.close()
 
 
+def test_a_traceback_the_disk_refused_is_not_said_to_be_in_that_log(tmp_path, capfd):
+    """An unexpected error's console lines end with where its full traceback is: they named a
+    log file on a full disk, which kept none of it. Only a log that took it is named."""
+    from runner.run import failure
+
+    root = logging.getLogger()
+    full, kept = logging.FileHandler("/dev/full"), logging.FileHandler(tmp_path / "runner.log")
+    for handler in (full, kept):
+        root.addHandler(handler)
+    try:
+        job_log.bear_write_errors()
+        try:
+            raise ValueError("a bug")
+        except ValueError as error:
+            failure.keep(error)
+            said = failure.told(error)
+        assert said.endswith(f"The full traceback: {tmp_path / 'runner.log'}"), said
+        assert "ValueError: a bug" in (tmp_path / "runner.log").read_text()
+        assert "Cannot write the log file /dev/full" in capfd.readouterr().err
+    finally:
+        for handler in (full, kept):
+            root.removeHandler(handler)
+            with contextlib.suppress(OSError):
+                handler.close()
+
+
 # ---- tracking=none: the run's record -------------------------------------------------------------
 def test_a_record_the_disk_refuses_stays_in_memory_and_its_end_is_told(tmp_path, caplog):
     tracked = JsonTracker(tmp_path, "amp-runner").create_run("r", {}, tmp_path / "run")
