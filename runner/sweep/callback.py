@@ -256,7 +256,7 @@ class MlflowSweepCallback(Callback):
             len(children),
             "" if len(children) == 1 else "s",
             failures,
-            speed_summary(children),
+            speed_summary(children, tracker.reader.history),
             compare,
             tracker.hint(),
         )

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import math
 import shlex
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -405,10 +405,14 @@ def _resume_job(
     return None, cfg
 
 
-def speed_summary(children: Sequence[Any]) -> str:
+def speed_summary(
+    children: Sequence[Any], history: Callable[[str, str], Sequence[tuple[int, float]]]
+) -> str:
     """The sweep's jobs side by side at the speed that compares, one line each in job order:
-    the steady throughput of each finished job's last epoch (`tokens_per_s` for a language
-    model, else `samples_per_s`: runner.measure.timing) and its ratio to the first such job's."""
+    each finished job's steady throughput (`tokens_per_s` for a language model, else
+    `samples_per_s`: runner.measure.timing), the mean over its epochs that logged one, as its
+    "Finished" line and the report give it, and its ratio to the first such job's. `history`:
+    a metric's (step, value) points of a run (runner.tracking.base.Reader.history)."""
     from runner.measure.timing import SAMPLES_PER_S, TOKENS_PER_S
     from runner.tracking.base import FINISHED
 
@@ -417,10 +421,11 @@ def speed_summary(children: Sequence[Any]) -> str:
         if child.status != FINISHED:
             continue
         metric = TOKENS_PER_S if TOKENS_PER_S in child.metrics else SAMPLES_PER_S
-        rate = child.metrics.get(metric)
-        if rate is None or not math.isfinite(rate):
+        rates = [v for _, v in history(child.run_id, metric) if math.isfinite(v)]
+        if not rates:
             lines.append(f"  {child.run_name}: no steady throughput (every step was warm-up)")
             continue
+        rate = sum(rates) / len(rates)
         first = first or (child.run_name, rate)
         unit = metric.removesuffix("_per_s")
         lines.append(
