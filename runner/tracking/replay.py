@@ -24,6 +24,7 @@ from mlflow.tracking import MlflowClient
 
 import runner
 from runner.config.schema import DEFAULT_EXPERIMENT
+from runner.errors import said
 from runner.tracking import tags as tag
 from runner.tracking.store import RetryingClient
 
@@ -73,15 +74,18 @@ def write_offline(
     return folder
 
 
+def offline_runs(local: MlflowClient) -> list[Any]:
+    """The runs of a local store saved for a server that was away (replayed or not)."""
+    experiments = [e.experiment_id for e in local.search_experiments()]
+    return local.search_runs(experiments, filter_string=f"tags.`{tag.REPLAY_TARGET_RUN}` != ''")
+
+
 def replay(folder: Path, to: str | None = None) -> list[str]:
     """Send every not-yet-replayed run of the local store in `folder`; returns the server run ids
     it completed. Raises (nothing is marked replayed) when the server does not take them."""
     local = MlflowClient(local_uri(folder))
     done = []
-    experiments = [e.experiment_id for e in local.search_experiments()]
-    for run in local.search_runs(
-        experiments, filter_string=f"tags.`{tag.REPLAY_TARGET_RUN}` != ''"
-    ):
+    for run in offline_runs(local):
         tags = run.data.tags
         if tag.REPLAY_DONE in tags:
             continue
@@ -132,6 +136,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     folder = args.folder.parent if args.folder.name == DB and args.folder.is_file() else args.folder
     if not (folder / DB).is_file():
         print(f"No offline store in {folder} (expected {folder / DB})", file=sys.stderr)
+        return 2
+    try:
+        saved = offline_runs(MlflowClient(local_uri(folder)))
+    except Exception as error:  # noqa: BLE001  (not an MLflow store at all)
+        print(
+            f"No offline store in {folder}: {folder / DB} cannot be read ({said(error)})",
+            file=sys.stderr,
+        )
+        return 2
+    if not saved:  # (a run's own store, say ./mlflow.db: nothing in it is for a server)
+        print(
+            f"No offline run in {folder / DB}: it holds no run saved while a tracking server "
+            "was away (a run that saved one names its mlflow-offline/ folder)",
+            file=sys.stderr,
+        )
         return 2
     try:
         done = replay(folder, args.to)

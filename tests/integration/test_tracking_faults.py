@@ -226,6 +226,25 @@ def test_offline_replay_into_a_store(tmp_path):
     tracked.end("FAILED")  # (stops its sender thread)
 
 
+def test_replay_of_a_store_with_no_offline_run_says_so(tmp_path, capsys):
+    """`python -m runner.replay .` beside a run's own ./mlflow.db said "Replayed 0 run(s)
+    (nothing left to replay)", as if an offline store were done; a file that is no database
+    ended in SQLAlchemy's error. Both are refused, naming what the folder holds, exit 2."""
+    own, junk = tmp_path / "own", tmp_path / "junk"
+    tracker = MlflowTracker(f"sqlite:///{own / replay.DB}", "amp-runner")
+    with tracker.start_run("tiny-O0", {}, {}):
+        pass
+    junk.mkdir()
+    (junk / replay.DB).write_text("not a database")
+    assert replay.main([str(own)]) == 2
+    told = capsys.readouterr().err
+    assert f"No offline run in {own / replay.DB}: it holds no run saved while a tracking " in told
+    assert replay.main([str(junk)]) == 2
+    told = capsys.readouterr().err
+    assert f"No offline store in {junk}: {junk / replay.DB} cannot be read (" in told
+    assert "[SQL:" not in told and "Traceback" not in told
+
+
 def test_replay_is_given_the_offline_store_or_its_database(tmp_path, capsys):
     """`python -m runner.replay PATH`: PATH is the offline store's folder or its database. Any
     other file stood for its folder: a file beside the user's own ./mlflow.db replayed that
