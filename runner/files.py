@@ -110,6 +110,12 @@ def fsync_folder(folder: PathLike) -> None:
         os.close(fd)
 
 
+def user_path(text: str) -> Path:
+    """A path a user typed on a command line (argparse's `type`), its leading `~` the home's:
+    the shell leaves `--out=~/reports` as it is, and a folder named `~` would be made here."""
+    return Path(os.path.expanduser(text))
+
+
 def folder_problem(folder: PathLike) -> Optional[str]:
     """Why `folder` cannot be made and written (None: it can): a file (or a dangling link) in
     the way, or no right to write where it would be made. Checked before a run's work, for a

@@ -77,13 +77,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--out",
-        type=Path,
+        type=files.user_path,
         default=Path("diagnostics"),
         help="folder for the CSV files, the figure and the text (default ./diagnostics)",
     )
     parser.add_argument(
         "--plan",
-        type=Path,
+        type=files.user_path,
         default=None,
         metavar="PLAN.yaml",
         help="also write a layer plan for the asked level (precision=...): each "

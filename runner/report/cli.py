@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import runner
-from runner import shell
+from runner import files, shell
 from runner.report.analysis import EXPERIMENT, add_baseline_ratios
 from runner.report.plots import plot_bars, plot_curves, plot_memory
 from runner.report.runs import NothingToReport, find_run, select_runs, to_row
@@ -70,7 +70,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--out",
-        type=Path,
+        type=files.user_path,
         default=Path("report"),
         help="folder for the table and figures (default: ./report)",
     )

@@ -23,6 +23,7 @@ from mlflow.entities import Metric, RunStatus
 from mlflow.tracking import MlflowClient
 
 import runner
+from runner import files
 from runner.config.schema import DEFAULT_EXPERIMENT
 from runner.errors import said
 from runner.tracking import tags as tag
@@ -123,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=runner.version_line())
     parser.add_argument(
         "folder",
-        type=Path,
+        type=files.user_path,
         help="the offline store's folder (mlflow-offline/ "
         "in the run's output folder; the run's log names it)",
     )

@@ -225,6 +225,19 @@ def test_an_out_that_cannot_be_a_folder_is_refused_without_a_traceback(
 
 
 @pytest.mark.new_store  # checks that nothing, no store, is created
+def test_an_out_under_a_tilde_is_in_the_home(tracking_uri, tmp_path, monkeypatch, capsys):
+    """`--out=~/reports`: the shell leaves a `~` after `=` as it is, and the report made a folder
+    named `~` where it was run; the folder is the home's, as the runner's other paths are."""
+    tracker = MlflowTracker(tracking_uri, "amp-runner")
+    with tracker.start_run("tiny-O0", {"precision.opt_level": "O0"}, {}) as run:
+        run.log_metrics({"best_val_acc": 0.5}, 1)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    assert report_main(["--tracking-uri", tracking_uri, "--out=~/reports"]) == 0
+    assert {p.name for p in (tmp_path / "home" / "reports").iterdir()} == REPORT_FILES
+    assert not (tmp_path / "~").exists()
+
+
 def test_a_missing_store_is_not_created(tmp_path, capsys):
     assert report_main(["--out", str(tmp_path / "r")]) == 1  # ./mlflow.db, the default
     assert "no MLflow store at sqlite:///" in capsys.readouterr().err

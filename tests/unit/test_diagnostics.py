@@ -547,3 +547,11 @@ def test_an_out_that_cannot_be_made_is_refused_in_one_line(tmp_path, monkeypatch
         client = MlflowClient(uri)
         experiment = client.get_experiment_by_name("amp-runner")
         assert experiment is None or not client.search_runs([experiment.experiment_id])
+
+
+def test_an_out_and_a_plan_under_a_tilde_are_in_the_home(monkeypatch):
+    """`--out=~/d --plan=~/p.yaml`: the shell leaves a `~` after `=` as it is (a folder named `~`
+    was made); both are the home's."""
+    monkeypatch.setenv("HOME", "/home/someone")
+    args = cli.parse_args(["--out=~/d", "--plan=~/plans/p.yaml", "precision=o2"])
+    assert args.out == Path("/home/someone/d") and args.plan == Path("/home/someone/plans/p.yaml")
