@@ -53,7 +53,7 @@ def run_cli(
     command, such as runner.diagnose; `file_limit`: the largest file it may write, in bytes, as
     `ulimit -f` sets it: a write past it fails as on a full disk, with EFBIG; `reader_gone`: its
     stdout a pipe whose reader has gone, as after `| head` read what it wanted: each write to it
-    fails with EPIPE, and the result's stdout is empty)."""
+    fails with EPIPE, and the result has no stdout: None)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", HYDRA_FULL_ERROR="0")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
 
