@@ -224,7 +224,6 @@ def test_an_out_that_cannot_be_a_folder_is_refused_without_a_traceback(
     assert taken.read_text() == "a file of that name"
 
 
-@pytest.mark.new_store  # checks that nothing, no store, is created
 def test_an_out_under_a_tilde_is_in_the_home(tracking_uri, tmp_path, monkeypatch, capsys):
     """`--out=~/reports`: the shell leaves a `~` after `=` as it is, and the report made a folder
     named `~` where it was run; the folder is the home's, as the runner's other paths are."""
@@ -238,6 +237,7 @@ def test_an_out_under_a_tilde_is_in_the_home(tracking_uri, tmp_path, monkeypatch
     assert not (tmp_path / "~").exists()
 
 
+@pytest.mark.new_store  # checks that nothing, no store, is created
 def test_a_missing_store_is_not_created(tmp_path, capsys):
     assert report_main(["--out", str(tmp_path / "r")]) == 1  # ./mlflow.db, the default
     assert "no MLflow store at sqlite:///" in capsys.readouterr().err
