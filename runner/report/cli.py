@@ -25,7 +25,7 @@ from runner.report.tables import (
     write_csv,
 )
 from runner.tracking import metrics as m
-from runner.tracking.base import Reader, StoreUnreadable
+from runner.tracking.base import Reader, RunRecord, StoreUnreadable
 from runner.tracking.trackers import open_reader
 
 
@@ -82,16 +82,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+def _run(reader: Reader, experiment_name: str, key: str) -> RunRecord:
+    """The run `key` names (runner.report.runs.find_run), its line, if any, told on stderr."""
+    run, told = find_run(reader, experiment_name, key)
+    if told:
+        print(told, file=sys.stderr)
+    return run
+
+
 def diff_runs(reader: Reader, experiment_name: str, run_a: str, run_b: str) -> str:
     """The params whose values differ between two runs (a param one of them lacks shows `-`),
     then each run's status and objective, as a Markdown table. Each run by id, the start of one
     or name (in `experiment_name`: runner.report.runs.find_run)."""
-    runs = []
-    for key in (run_a, run_b):
-        run, told = find_run(reader, experiment_name, key)
-        if told:
-            print(told, file=sys.stderr)
-        runs.append(run)
+    runs = [_run(reader, experiment_name, key) for key in (run_a, run_b)]
     a, b = (r.params for r in runs)
     keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
     head = [
@@ -140,11 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.diff:
             shell.say(diff_runs(reader, args.experiment, *args.diff))
             return 0
-        parent = None
-        if args.parent:
-            parent, told = find_run(reader, args.experiment, args.parent)
-            if told:
-                print(told, file=sys.stderr)
+        parent = _run(reader, args.experiment, args.parent) if args.parent else None
         parent, runs = select_runs(reader, args.experiment, parent, args.sweep)
     except NothingToReport as reason:
         print(f"Nothing to report: {reason}", file=sys.stderr)
