@@ -147,6 +147,28 @@ def test_resume_refuses_a_changed_config_naming_every_key(tmp_path):
         app.run(compose_config(*settings(tmp_path, f"resume={tmp_path / 'nope.pt'}")))
 
 
+def test_a_folder_above_the_checkpoints_names_them(tmp_path):
+    """`resume=checkpoints/amp-runner/tiny-O0` (what `ls` shows: the run name's folder, its run
+    id folders below) said only "no checkpoint at ...". The error names the checkpoints below a
+    folder, newest first, as `resume=` takes them; `resume=true` (read as 'True') names
+    resume=auto. Nothing is reopened or trained."""
+    app.run(compose_config(*settings(tmp_path, "trainer.max_epochs=1")))
+    (path,) = (tmp_path / "checkpoints").rglob("last.pt")
+    for above in (path.parent.parent, tmp_path / "checkpoints"):
+        with pytest.raises(ConfigError) as e:
+            app.run(compose_config(*settings(tmp_path, "trainer.max_epochs=2", f"resume={above}")))
+        assert e.value.key == "resume"
+        assert f"the folder holds none of its own, one below it: resume={path.parent}" in str(
+            e.value
+        )
+    assert checkpoint.load(path)["epoch"] == 1  # untouched
+    with pytest.raises(ConfigError, match="to continue this run's newest checkpoint, resume=auto"):
+        app.run(compose_config(*settings(tmp_path, "resume=true")))
+    (tmp_path / "empty" / "a").mkdir(parents=True)
+    with pytest.raises(ConfigError, match="nor the three levels of folders below it hold one"):
+        app.run(compose_config(*settings(tmp_path, f"resume={tmp_path / 'empty'}")))
+
+
 def test_checkpoints_moved_to_another_disk_resume_from_there(tmp_path):
     """A disk full at a checkpoint: the user moves the checkpoints to a disk with room and
     resumes with trainer.checkpoint_dir set there; it was refused as a changed config

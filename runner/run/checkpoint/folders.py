@@ -68,11 +68,44 @@ def find(resume: Optional[str], folder: Path) -> Optional[Path]:
     if not path.is_file():
         raise ConfigError(
             "resume",
-            f"no checkpoint at {str(resume)!r}",
+            _missing(str(resume), Path(resume).expanduser()),
             f"auto, or a checkpoint file ({FILENAME}), a sharded checkpoint's "
             f"folder ({SHARDED_FOLDER}), or the folder holding either",
         )
     return path.resolve()
+
+
+def _missing(resume: str, path: Path) -> str:
+    """Why `resume` names no checkpoint, with the ones a user most likely meant: `resume=true`
+    (YAML's boolean, read as 'True') means resume=auto; a folder above a run id's (the root's,
+    the experiment's or the run name's, what `ls checkpoints` shows) names the checkpoints in
+    the run id folders below it."""
+    said = f"no checkpoint at {resume!r}"
+    if resume.lower() in ("true", "yes", "on") and not path.exists():
+        return f"{said}: to continue this run's newest checkpoint, resume=auto"
+    if not path.is_dir():
+        return said
+    below = [
+        found
+        for depth in ("*", "*/*", "*/*/*")
+        for name in (FILENAME, f"{SHARDED_FOLDER}/{SHARDED_TRAINER}")
+        for found in path.glob(f"{depth}/{name}")
+    ]
+    if not below:
+        return f"{said}: neither the folder nor the three levels of folders below it hold one"
+    below.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+    named = ", ".join(f"resume={_holder(p)}" for p in below[:3])
+    if len(below) == 1:
+        return f"{said}: the folder holds none of its own, one below it: {named}"
+    more = f" (and {len(below) - 3} older)" if len(below) > 3 else ""
+    return f"{said}: the folder holds none of its own, {len(below)} below it, newest first: " + (
+        named + more
+    )
+
+
+def _holder(found: Path) -> Path:
+    """The run id folder of a checkpoint file found below a folder (what `resume=` takes)."""
+    return found.parent.parent if found.name == SHARDED_TRAINER else found.parent
 
 
 def _sharded(folder: Path) -> list[Path]:
