@@ -52,7 +52,7 @@ def closest(given: str, choices: Sequence[str], limit: int = SUGGESTIONS) -> lis
     return [choice for ratio, choice in ranked[:limit] if ratio >= floor]
 
 
-def _did_you_mean(given: str, choices: Sequence[str], prefix: str = "") -> str:
+def did_you_mean(given: str, choices: Sequence[str], prefix: str = "") -> str:
     """'; did you mean a, b or c?' (each with `prefix`), or '' when nothing is close."""
     same = [c for c in choices if c.lower() == given.lower() and c != given]
     if same:
@@ -68,7 +68,7 @@ def _did_you_mean(given: str, choices: Sequence[str], prefix: str = "") -> str:
 def unknown_option(group: str, given: str, options: Sequence[str], where: str = "") -> ConfigError:
     """`group=given` names no config of the group (`where`: the config whose defaults list does)."""
     within = f" (in the defaults of {where})" if where else ""
-    problem = f"unknown option {given!r}{within}{_did_you_mean(given, options)}"
+    problem = f"unknown option {given!r}{within}{did_you_mean(given, options)}"
     return ConfigError(group, problem, list(options) or "no options: the group is empty")
 
 
@@ -80,7 +80,7 @@ def unknown_key(
     arguments) takes new keys with `+`."""
     full = f"{section}.{key}" if section else key
     prefix = f"{section}." if section else ""
-    problem = "unknown key" + _did_you_mean(key, keys, prefix)
+    problem = "unknown key" + did_you_mean(key, keys, prefix)
     if typed:
         return ConfigError(full, problem, list(keys))
     if problem == "unknown key":

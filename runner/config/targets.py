@@ -14,6 +14,7 @@ import importlib
 import inspect
 import logging
 import os
+import pkgutil
 import re
 import sys
 from collections.abc import Iterable, Mapping
@@ -21,6 +22,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from runner.config.mistakes import did_you_mean
 from runner.errors import ConfigError
 
 TARGET = "_target_"
@@ -55,14 +57,24 @@ def _why_not(path: str) -> str:
         for depth, attr in enumerate(parts[end:]):
             if not hasattr(found, attr):
                 owner = ".".join(parts[: end + depth])
+                near = did_you_mean(attr, _names(found), prefix=f"{owner}.")
                 return (
-                    f"module {owner!r} has no attribute {attr!r}"
+                    f"module {owner!r} has no attribute {attr!r}{near}"
                     if depth == 0
-                    else f"{owner!r} has no attribute {attr!r}"
+                    else f"{owner!r} has no attribute {attr!r}{near}"
                 )
             found = getattr(found, attr)
         return f"{path!r} cannot be imported"
     return f"no module named {parts[0]!r} (is its package installed, or in the launch directory?)"
+
+
+def _names(found: Any) -> list[str]:
+    """What a dotted path may go on with after `found`: its public attributes and, for a
+    package, its modules not yet imported."""
+    names = [name for name in dir(found) if not name.startswith("_")]
+    if inspect.ismodule(found) and hasattr(found, "__path__"):
+        names += [m.name for m in pkgutil.iter_modules(found.__path__) if m.name not in names]
+    return names
 
 
 def resolve(key: str, path: Any) -> Any:
@@ -123,7 +135,9 @@ def check_arguments(group: str, path: str, target: Any, kwargs: Mapping[str, Any
         unknown = [k for k in kwargs if k not in signature.parameters]
         if unknown and not any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values()):
             raise ConfigError(
-                f"{group}.{unknown[0]}", f"{path} takes no argument {unknown[0]!r}", names
+                f"{group}.{unknown[0]}",
+                f"{path} takes no argument {unknown[0]!r}{did_you_mean(unknown[0], names)}",
+                names,
             ) from None
         missing = [
             n

@@ -314,6 +314,22 @@ BAD = [
         "model.colour",
         "takes no argument 'colour'",
     ),
+    # a misspelt part of the path or argument: the nearest names (each a test of its own)
+    (
+        ["model=custom", "model._target_=my_pkg.nets.MyNett"],
+        "model._target_",
+        "module 'my_pkg.nets' has no attribute 'MyNett'; did you mean my_pkg.nets.MyNet?",
+    ),
+    (
+        ["model=custom", "model._target_=my_pkg.netz.MyNet"],
+        "model._target_",
+        "module 'my_pkg' has no attribute 'netz'; did you mean my_pkg.nets?",
+    ),
+    (
+        ["model=custom", "model._target_=my_pkg.nets.MyNet", "+model.widht=4"],
+        "model.widht",
+        "takes no argument 'widht'; did you mean width?",
+    ),
     (
         ["model=custom", "model._target_=my_pkg.nets.Head"],
         "model.n_out",
@@ -373,7 +389,8 @@ BAD = [
     (
         ["loss=custom", "loss._target_=torch.nn.CrossEntropyLos"],
         "loss._target_",
-        "module 'torch.nn' has no attribute 'CrossEntropyLos'",
+        "module 'torch.nn' has no attribute 'CrossEntropyLos'; did you mean "
+        "torch.nn.CrossEntropyLoss",
     ),
     (["loss.label_smoothing=1.5"], "loss.label_smoothing", "got 1.5"),
 ]
