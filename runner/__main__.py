@@ -49,7 +49,11 @@ def main(cfg: DictConfig) -> float | None:
 
     from runner.run import distributed
     from runner.run.app import run
+    from runner.tracking.record import typed_command
 
+    unswept = jobs.unswept(hydra_cfg, cfg, typed_command([sys.argv[0], "-m", *sys.argv[1:]]))
+    if unswept and os.environ.get("RANK", "0") == "0":  # (under torchrun: said once)
+        log.warning("%s", unswept)
     try:
         return run(cfg, **job)
     except BrokenPipeError:  # stdout closed by its reader (`dry_run=true | head`): no more to say

@@ -52,6 +52,32 @@ def sweep_overrides(config: DictConfig) -> list[str]:
     ]
 
 
+def unswept(hydra_config: DictConfig, cfg: DictConfig, command: str) -> str | None:
+    """What to say where the config defines a sweep (`hydra.sweeper.params`: an experiment
+    file's) but the command has no `-m`: Hydra then runs one job with the config's own values,
+    silently (`+experiment=gpt_precisions` trained O0 alone). None where it defines none.
+    `command`: the command line with `-m` added, to paste."""
+    params = OmegaConf.select(hydra_config, "sweeper.params") or {}
+    if not params:
+        return None
+    choices = OmegaConf.select(hydra_config, "runtime.choices") or {}
+    swept, runs = [], []
+    for key, values in params.items():
+        swept.append(f"{key} over {values}")
+        name = str(key).lstrip("+~")
+        value = choices[name] if name in choices else OmegaConf.select(cfg, name, default=None)
+        if value is None and str(key).startswith("+"):  # (a group or key the sweep adds)
+            runs.append(f"without {key}")
+        else:
+            runs.append(f"{name}={'null' if value is None else value}")
+    jobs = sweep_jobs(OmegaConf.create({"hydra": hydra_config}))
+    count = f" ({len(jobs)} jobs)" if jobs else ""
+    return (
+        f"The config defines a sweep{count}: {'; '.join(swept)} (hydra.sweeper.params), but "
+        f"without -m Hydra runs one job, {', '.join(runs)}. To run the sweep: {command}"
+    )
+
+
 # the keys a run's name tells already (`<model>-<level>`): not repeated after it
 NAMED_KEYS = ("model", "model._target_", "model.arch", "model.name", "precision")
 

@@ -54,6 +54,31 @@ def test_dry_run_resolves_every_job_of_the_sweep(name, jobs, capsys, tmp_path):
     assert not (tmp_path / "mlflow.db").exists()
 
 
+@pytest.mark.parametrize(
+    "name,one_job",
+    [
+        ("gpt_precisions", "precision=o0"),
+        # a group the sweep adds is not in the one job
+        ("cifar10_opt_levels", "model=densenet161, without +experiment/cifar10_optimizer, "),
+    ],
+)
+def test_an_experiment_s_sweep_without_m_says_it_runs_one_job(name, one_job, capsys):
+    """`python -m runner +experiment=gpt_precisions` (no -m) trained O0 alone and said nothing of
+    the other five: Hydra ignores `hydra.sweeper.params` outside a multirun. It runs one job still,
+    saying so with the command that runs the sweep; a config without sweep params says nothing."""
+    args = [f"+experiment={name}", "dry_run=true", "trainer.device=cpu", *NEEDS.get(name, [])]
+    assert run_in_process(*args) == 0
+    out = capsys.readouterr().out
+    assert out.count("  opt_level: O") == 1
+    told = [line for line in out.splitlines() if "The config defines a sweep" in line]
+    assert len(told) == 1, out[-3000:]
+    assert f"a sweep ({EXPERIMENTS[name]} jobs): " in told[0]
+    assert f"without -m Hydra runs one job, {one_job}" in told[0]
+    assert told[0].endswith(f" -m {' '.join(args)}")
+    assert run_in_process("dry_run=true", "trainer.device=cpu") == 0
+    assert "defines a sweep" not in capsys.readouterr().out
+
+
 def test_cifar10_comparison_uses_the_published_batch_sizes_and_epochs():
     for level, batch, epochs in [
         ("o0", 512, 25),
