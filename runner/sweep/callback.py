@@ -25,8 +25,11 @@ from runner.files import HeldLock, try_lock
 from runner.sweep import stop
 from runner.sweep.gpus import claim_gpu, gpu_count
 from runner.sweep.jobs import (
+    BASIC_SWEEPER,
     _resuming,
+    check_direction,
     check_launcher,
+    dry_run_drawn,
     earlier_sweep,
     overrides_tag,
     preflight,
@@ -79,11 +82,18 @@ class MlflowSweepCallback(Callback):
         try:
             check_output_folder(config, "sweep")
             check_launcher(config)  # (a dry run too: the launcher still starts its jobs)
+            check_direction(config)  # (Optuna's: the default minimises a classifier's accuracy)
         except RunnerError as error:
             log.error("%s", error)
             raise SystemExit(2) from error
-        if config.dry_run:
-            return  # a dry run creates no run, in a sweep too
+        if config.dry_run:  # a dry run creates no run, in a sweep too
+            if OmegaConf.select(config, "hydra.sweeper._target_") != BASIC_SWEEPER:
+                try:
+                    dry_run_drawn(config)  # (exits: Optuna's jobs are drawn as they run)
+                except RunnerError as error:
+                    log.error("%s", error)
+                    raise SystemExit(2) from error
+            return
         from runner.run.output_folder import claim_sweep
         from runner.tracking.base import MLFLOW
         from runner.tracking.trackers import kind

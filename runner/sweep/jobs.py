@@ -13,7 +13,7 @@ from typing import Any
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from runner import shell
@@ -158,6 +158,70 @@ def preflight(config: DictConfig, config_name: str | None, tracking_uri: str) ->
 
 
 SUBMITIT_LAUNCHERS = "hydra_plugins.hydra_submitit_launcher.submitit_launcher."
+
+
+OPTUNA_SWEEPER = "hydra_plugins.hydra_optuna_sweeper.optuna_sweeper.OptunaSweeper"
+
+
+def check_direction(config: DictConfig) -> None:
+    """Optuna minimises unless told otherwise (`hydra.sweeper.direction`, default minimize), and
+    a classifier's objective is its best accuracy: a study left at the default searched for the
+    worst settings, all night, without a word. A ConfigError where the direction is the
+    opposite of the task's (a classifier maximises `best_val_acc`, a language model minimises
+    `best_val_loss`), before anything starts; a multi-objective direction is Optuna's to refuse
+    (a run returns one value)."""
+    if OmegaConf.select(config, "hydra.sweeper._target_") != OPTUNA_SWEEPER:
+        return
+    direction = OmegaConf.select(config, "hydra.sweeper.direction", default="minimize")
+    if isinstance(direction, ListConfig):
+        if len(direction) != 1:
+            return
+        direction = direction[0]
+    given = str(getattr(direction, "name", direction)).lower()
+    from runner.config import options
+    from runner.run.plan import resolve_task
+    from runner.tasks import task_for
+
+    try:
+        task = task_for(resolve_task(config, options.specs_of(config)))
+    except ConfigError:
+        return  # (the job's own check says what is wrong)
+    wanted = "maximize" if task.maximize else "minimize"
+    if given != wanted:
+        whose = "a classifier's" if task.maximize else "a language model's"
+        raise ConfigError(
+            "hydra.sweeper.direction",
+            f"{given} would have Optuna search for the "
+            f"{'lowest' if task.maximize else 'highest'} {task.objective}, {whose} objective "
+            f"({'higher' if task.maximize else 'lower'} is better): add "
+            f"hydra.sweeper.direction={wanted}",
+            wanted,
+        )
+
+
+def dry_run_drawn(config: DictConfig) -> None:
+    """A dry run under a sweeper that draws its jobs as it goes (Optuna's): its jobs are not
+    known before they run, and each returned no objective, so the study failed on every trial
+    and ended in a traceback (a study in `hydra.sweeper.storage` kept the failed trials). Shows
+    the config every job starts from (checked, as a single dry run shows it) and what the
+    sweeper varies, and ends the command (exit 0) before any study exists."""
+    from runner.run.app import print_dry_run
+    from runner.run.plan import make_plan
+
+    cfg = OmegaConf.masked_copy(config, [key for key in config if key != "hydra"])
+    print_dry_run(make_plan(cfg))
+    sweeper = str(OmegaConf.select(config, "hydra.sweeper._target_") or "").rsplit(".", 1)[-1]
+    params = OmegaConf.select(config, "hydra.sweeper.params") or {}
+    varied = [f"{key}={value}" for key, value in params.items()] + sweep_overrides(config)
+    trials = OmegaConf.select(config, "hydra.sweeper.n_trials", default=None)
+    drawn = " ".join(varied) if varied else "values"
+    print(
+        f"Dry run of a sweep{' by ' + sweeper if sweeper else ''}"
+        + (f" ({trials} trials)" if trials is not None else "")
+        + f", whose jobs are drawn as it runs: above is the config each job starts from; the "
+        f"sweeper draws each job's {drawn}. Nothing was run and no study was made."
+    )
+    raise SystemExit(0)
 
 
 def check_launcher(config: DictConfig) -> None:

@@ -88,6 +88,73 @@ def test_an_optuna_study_stopped_by_a_failed_trial_names_it_on_the_parent(optuna
     ]
 
 
+@pytest.mark.new_store  # checks that nothing, no store, is created
+@pytest.mark.parametrize(
+    "task,given,wanted",
+    [
+        ([], [], "minimize would have Optuna search for the lowest best_val_acc, a classifier's"),
+        (
+            ["model=gpt_tiny", "data=synthetic_text"],
+            ["hydra.sweeper.direction=maximize"],
+            "maximize would have Optuna search for the highest best_val_loss, a language model's",
+        ),
+    ],
+)
+def test_an_optuna_direction_against_the_objective_is_refused(
+    optuna, tmp_path, capfd, task, given, wanted
+):
+    """Optuna minimises by default, and a classifier's objective is its accuracy: a study left at
+    the default searched for the worst settings without a word. Refused before anything starts
+    (exit 2, the key, the fix), as is maximising a language model's loss; the right direction
+    passes (a dry run: the check runs there too)."""
+    args = ["-m", *OPTUNA[:4], "optimizer.lr=choice(0.05,0.02)", *(task or BUDGET)]
+    status = run_in_process(*args, *given, f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    out = "".join(capfd.readouterr())
+    assert status == 2, out[-3000:]
+    assert f"hydra.sweeper.direction: {wanted}" in out, out[-3000:]
+    assert "Traceback" not in out and sorted(p.name for p in tmp_path.iterdir()) == []
+    right = "maximize" if not task else "minimize"
+    assert f"add hydra.sweeper.direction={right}" in out
+    status = run_in_process(*args, f"hydra.sweeper.direction={right}", "dry_run=true")
+    out = "".join(capfd.readouterr())
+    assert status == 0, out[-3000:]
+    assert "Dry run of a sweep by OptunaSweeper (2 trials)" in out
+
+
+@pytest.mark.new_store  # checks that nothing, no store, is created
+def test_a_dry_run_of_an_optuna_sweep_shows_its_base_config_and_makes_no_study(
+    optuna, tmp_path, capfd
+):
+    """Each dry-run job returned no objective, so Optuna failed every trial and the command
+    ended in "ValueError: No trials are completed yet." (exit 1; a study in
+    `hydra.sweeper.storage` kept the failed trials). The dry run shows the config each job
+    starts from, checked, and what Optuna draws, and no study exists: exit 0. A bad value in
+    that config is refused as a single dry run refuses it (exit 2)."""
+    study = tmp_path / "optuna.db"
+    args = [
+        "-m",
+        *OPTUNA[:5],
+        "optimizer.lr=tag(log, interval(1e-4, 1e-1))",
+        *BUDGET,
+        "dry_run=true",
+        f"hydra.sweeper.storage=sqlite:///{study}",
+        "hydra.sweeper.study_name=lr",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+    ]
+    status = run_in_process(*args)
+    out = "".join(capfd.readouterr())
+    assert status == 0, out[-3000:]
+    assert out.count("  opt_level: O") == 1 and "Traceback" not in out
+    assert (
+        "Dry run of a sweep by OptunaSweeper (2 trials), whose jobs are drawn as it runs: above "
+        "is the config each job starts from; the sweeper draws each job's "
+        "optimizer.lr=tag(log, interval(1e-4, 1e-1)). Nothing was run and no study was made."
+    ) in out
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no study, no sweep folder
+    assert run_in_process(*args, "optimizer.momentum=-3") == 2
+    assert "optimizer.momentum: got -3.0" in "".join(capfd.readouterr())
+
+
 def test_submitit_local_warns_that_its_jobs_run_at_once(tmp_path, capfd):
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="pip install '.[dev]'")
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
