@@ -168,6 +168,11 @@ def explain(error: BaseException, overrides: Sequence[str] = ()) -> RunnerError:
         return wrong_type(str(full_key), value, words or _first_line(cause))
     if isinstance(error, OverrideParseException):
         return unreadable_override(error)
+    swept = re.match(
+        r"(?:Ambiguous value for argument|Sweep parameters) '([^']+)'", str(error).strip()
+    )
+    if swept:
+        return sweep_without_m(swept.group(1))
     appended = re.match(r"Could not override '([^']+)'\. No match in the defaults list", str(error))
     if appended:
         group = appended.group(1)
@@ -231,17 +236,43 @@ def _hydra_text(error: BaseException) -> str:
 _ONE_OPTION_EXCEPT = ("experiment", "hydra", "schema")
 
 
+def sweep_without_m(override: str) -> ConfigError:
+    """`precision=o0,o2` (or `optimizer.lr=range(...)`) without `-m`: Hydra's message listed a
+    list, a quoted string and `--multirun` (with the shell's `\\'` in its example) and named no
+    key. The key, what it was given, and the sweep that runs each value in turn; for a key that
+    is not a group, the quoted string too (a value that holds a comma)."""
+    from runner import shell
+
+    key, _, value = override.partition("=")
+    name = key.lstrip("+~")
+    string = ""
+    numbers = all(re.fullmatch(r"[-+]?[\d.]+(e[-+]?\d+)?", v.strip()) for v in value.split(","))
+    if name not in _groups() and not re.match(r"\w+\(", value) and not numbers:
+        string = f"; a value that holds a comma, quoted: {shell.override(key, value)}"
+    return ConfigError(
+        name,
+        f"got {value}, the values of a sweep, but the command runs once (it has no -m)",
+        f"one value; to run each in turn, a sweep: python -m runner -m ... "
+        f"{shell.word(override)}{string}",
+    )
+
+
+def _groups() -> set[str]:
+    """The runner's config groups that take one option (`precision`, `model`, ...)."""
+    from runner.config.finder import config_dir
+
+    return {
+        p.name for p in config_dir().iterdir() if p.is_dir() and p.name not in _ONE_OPTION_EXCEPT
+    }
+
+
 def check_one_option(overrides: Sequence[str]) -> None:
     """A group of the runner's given a list (`precision=[o1,o2]`) is refused (a ConfigError):
     Hydra composes each option in turn, the last one winning where they set the same keys, so
     `[o1,o2]` ran O2 and named no O1 anywhere, where the user meant a sweep."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from runner.config.finder import config_dir
-
-    groups = {
-        p.name for p in config_dir().iterdir() if p.is_dir() and p.name not in _ONE_OPTION_EXCEPT
-    }
+    groups = _groups()
     try:
         parsed = OverridesParser.create().parse_overrides(list(overrides))
     except OverrideParseException:

@@ -34,6 +34,15 @@ MISTAKES = {
     "+lr=0.5": "lr: unknown key at the top level; did you mean optimizer.lr?",
     "+epochs=3": "epochs: unknown key (allowed: model, data, loss, task, optimizer, scheduler,",
     "trainer.max_epochs=abc": "trainer.max_epochs: got 'abc', expected an integer",
+    # a sweep's values without -m: Hydra's three-way message named no key (and showed `\'`)
+    "precision=o0,o2": (
+        "precision: got o0,o2, the values of a sweep, but the command runs once (it has no -m) "
+        "(allowed: one value; to run each in turn, a sweep: python -m runner -m ... "
+        "precision=o0,o2)"
+    ),
+    "optimizer.lr=0.1,2e-3": "to run each in turn, a sweep: python -m runner -m ... optimizer.lr=",
+    "+mlflow.tags.note=a,b": "a value that holds a comma, quoted: \"+mlflow.tags.note='a,b'\")",
+    "trainer.seed=range(1,3)": "sweep: python -m runner -m ... 'trainer.seed=range(1,3)')",
     # a list selects each option and merges them, the last winning: O2 ran, named nowhere as such
     "precision=[o1,o2]": (
         "precision: got a list [o1, o2]: Hydra would merge these options, the last one winning, "

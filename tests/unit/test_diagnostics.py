@@ -497,6 +497,7 @@ def test_the_pre_flight_of_a_gpt_names_every_transformer_layer(tmp_path):
         (["trainer.max_epoch=2"], "trainer.max_epoch: unknown key; did you mean trainer.max_e"),
         (["model=resnet1000"], "model: unknown option 'resnet1000'; did you mean resnet18"),
         (["trainer.diagnose_every_n_steps=-1"], "trainer.diagnose_every_n_steps"),
+        (["precision=o0,o2"], "precision: got o0,o2, the values of a sweep, but the command runs"),
     ],
 )
 def test_bad_overrides_exit_2_without_a_traceback_or_a_run(tmp_path, args, needle):
