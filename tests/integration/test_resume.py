@@ -169,6 +169,28 @@ def test_a_folder_above_the_checkpoints_names_them(tmp_path):
         app.run(compose_config(*settings(tmp_path, f"resume={tmp_path / 'empty'}")))
 
 
+def test_a_run_name_too_long_for_a_folder_name_checkpoints_and_resumes(tmp_path):
+    """`mlflow.run_name` of 300 characters (or a sweep job's name holding long swept values)
+    failed at the first checkpoint, "File name too long", the run FAILED. Its folder keeps the
+    name's start and a digest of the whole: two long names alike but at the end keep their own
+    folders, and resume=auto finds its own."""
+    names = ["x" * 300 + "-a", "x" * 300 + "-b"]
+    for name in names:
+        app.run(
+            compose_config(*settings(tmp_path, "trainer.max_epochs=1", f"mlflow.run_name={name}"))
+        )
+    folders = sorted((tmp_path / "checkpoints" / "amp-runner").iterdir())
+    assert len(folders) == 2 and all(len(f.name) == 255 for f in folders)
+    assert all(f.name.startswith("x" * 200) for f in folders)
+    resumed = settings(tmp_path, "trainer.max_epochs=2", f"mlflow.run_name={names[0]}")
+    app.run(compose_config(*resumed, "resume=auto"))
+    epochs = {name: last_checkpoint(tmp_path, name)["epoch"] for name in names}
+    assert epochs == {names[0]: 2, names[1]: 1}
+    runs = runs_by_name(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert {n: r.info.status for n, r in runs.items()} == {n: "FINISHED" for n in names}
+    assert runs[names[0]].data.tags["resume.count"] == "1"
+
+
 def test_checkpoints_moved_to_another_disk_resume_from_there(tmp_path):
     """A disk full at a checkpoint: the user moves the checkpoints to a disk with room and
     resumes with trainer.checkpoint_dir set there; it was refused as a changed config

@@ -3,6 +3,7 @@ and which one `resume` names."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from pathlib import Path
@@ -16,9 +17,21 @@ FILENAME = "last.pt"
 SHARDED_FOLDER, SHARDED_TRAINER, SHARDED_OLD = "last.dcp", "trainer.pt", ".last.dcp.old"
 
 
+# a folder name's most characters (ASCII, so bytes): what file systems take (NAME_MAX); a sweep
+# job's name holds its swept values (a long data.root, several keys), or a user's mlflow.run_name
+NAME_MAX = 255
+
+
 def _safe(name: str) -> str:
-    """A folder name from an experiment or run name (no separators, nothing hidden)."""
-    return re.sub(r"[^A-Za-z0-9._=+-]+", "_", name).strip("._") or "_"
+    """A folder name from an experiment or run name (no separators, nothing hidden). A name
+    longer than NAME_MAX keeps its start and ends in a digest of the whole (a run of a 300-
+    character name failed at its first checkpoint: "File name too long"); two long names that
+    begin alike keep folders of their own."""
+    safe = re.sub(r"[^A-Za-z0-9._=+-]+", "_", name).strip("._") or "_"
+    if len(safe) <= NAME_MAX:
+        return safe
+    digest = hashlib.sha256(name.encode()).hexdigest()[:12]
+    return f"{safe[: NAME_MAX - len(digest) - 1]}-{digest}"
 
 
 def run_folder(root: str | os.PathLike, experiment: str, run_name: str) -> Path:
