@@ -25,6 +25,27 @@ from runner.tracking import tags as tag
 log = logging.getLogger(__name__)
 
 
+def _own(folder: Path, config: Mapping[str, Any]) -> Optional[tuple[Path, Mapping[str, Any]]]:
+    """resume=auto: (path, state) of the most recent checkpoint under the run name's folder that
+    is this name's, None where there is none. Names that differ only where a folder name cannot
+    follow them (`my run`, `my_run`) share a folder: a checkpoint whose `mlflow.run_name` is
+    another's is passed over (it was refused as a changed config, so `my_run` could not start),
+    and its run stays its own."""
+    name = config.get("mlflow", {}).get("run_name")
+    for path in checkpoint.folders.newest_first(folder):
+        state = checkpoint.load(path)
+        theirs = state.get("config", {}).get("mlflow", {}).get("run_name")
+        if theirs == name:
+            return path, state
+        log.info(
+            "resume=auto: passed over %s, the checkpoint of the run named %r (its folder's name is "
+            "this run's too)",
+            path,
+            theirs,
+        )
+    return None
+
+
 @dataclass(frozen=True)
 class Resume:
     """A checkpoint this run continues from, already checked against the run's config."""
@@ -39,10 +60,16 @@ class Resume:
         """The checkpoint `resume` (the config's value) names under the run's `folder`, loaded
         and checked against `config` (the resolved config tree); None for a fresh run. Raises
         ConfigError for a missing path, an unreadable file or a config that differs."""
-        path = checkpoint.find(resume, folder)
-        if path is None:
-            return None
-        state = checkpoint.load(path)
+        if checkpoint.folders.is_auto(resume):
+            found = _own(folder, config)
+            if found is None:
+                return None
+            path, state = found
+        else:
+            path = checkpoint.find(resume, folder)
+            if path is None:
+                return None
+            state = checkpoint.load(path)
         checkpoint.check_resumable(state, config, path)
         return cls(path, state)
 

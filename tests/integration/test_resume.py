@@ -191,6 +191,34 @@ def test_a_run_name_too_long_for_a_folder_name_checkpoints_and_resumes(tmp_path)
     assert runs[names[0]].data.tags["resume.count"] == "1"
 
 
+def test_names_that_share_a_folder_resume_their_own_checkpoints(tmp_path):
+    """`my run` and `my_run` share a checkpoint folder (a folder name takes no space). A first
+    `my_run` with resume=auto found `my run`'s checkpoint and was refused ("the config differs
+    from the checkpoint's ... mlflow.run_name"): it could not start. Each now starts, and
+    resumes, from its own."""
+    first, second = "'my run'", "my_run"
+    for name in (first, second):
+        app.run(
+            compose_config(
+                *settings(tmp_path, "trainer.max_epochs=1", f"mlflow.run_name={name}"),
+                "resume=auto",
+            )
+        )
+    (folder,) = (tmp_path / "checkpoints" / "amp-runner").iterdir()
+    assert folder.name == "my_run" and len(list(folder.iterdir())) == 2
+    again = settings(tmp_path, "trainer.max_epochs=2", f"mlflow.run_name={first}", "resume=auto")
+    app.run(compose_config(*again))  # its own, though my_run's checkpoint is newer
+    runs = runs_by_name(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert {n: r.info.status for n, r in runs.items()} == {
+        "my run": "FINISHED",
+        "my_run": "FINISHED",
+    }
+    assert runs["my run"].data.tags["resume.count"] == "1"
+    assert "resume.count" not in runs["my_run"].data.tags
+    saved = {p.parent.name: checkpoint.load(p)["epoch"] for p in folder.glob("*/last.pt")}
+    assert saved == {runs["my run"].info.run_id: 2, runs["my_run"].info.run_id: 1}
+
+
 def test_checkpoints_moved_to_another_disk_resume_from_there(tmp_path):
     """A disk full at a checkpoint: the user moves the checkpoints to a disk with room and
     resumes with trainer.checkpoint_dir set there; it was refused as a changed config

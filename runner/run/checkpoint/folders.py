@@ -64,16 +64,26 @@ def own(folder: Path, run_id: str) -> HeldLock:
     return held
 
 
+def is_auto(resume: Optional[str]) -> bool:
+    return resume is not None and str(resume).strip().lower() == "auto"
+
+
+def newest_first(folder: Path) -> list[Path]:
+    """Every checkpoint under a run name's folder (one per run id: a `last.pt`, or a sharded
+    checkpoint's `trainer.pt`), the most recent first."""
+    found = [*folder.glob(f"*/{FILENAME}"), *_sharded(folder)]
+    return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
+
+
 def find(resume: Optional[str], folder: Path) -> Optional[Path]:
     """The checkpoint `resume` names: None for a fresh run; "auto": the most recent `last.pt`
     under the run's folder (None when there is none yet, so the run starts fresh); anything else
     a checkpoint file, or a folder holding one. A missing path is a ConfigError."""
     if resume is None or str(resume).strip() == "":
         return None
-    if str(resume).strip().lower() == "auto":
-        found = [*folder.glob(f"*/{FILENAME}"), *_sharded(folder)]
-        found.sort(key=lambda p: p.stat().st_mtime)
-        return found[-1] if found else None
+    if is_auto(resume):
+        found = newest_first(folder)
+        return found[0] if found else None
     path = Path(resume).expanduser()
     if path.is_dir():
         inside = [path / FILENAME, path / SHARDED_FOLDER / SHARDED_TRAINER, path / SHARDED_TRAINER]
