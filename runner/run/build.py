@@ -71,9 +71,11 @@ def build(
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = cfg.trainer.cudnn_benchmark
     task = task_for(plan.task)
-    bundle = build_datasets(
-        cfg.data, plan.specs.get("data")
-    )  # a missing dataset stops here, before any run exists
+    # (loaded already where trainer.tune counted the run's steps); a missing dataset stops
+    # here, before any run exists
+    bundle = plan.loaded.take()
+    if bundle is None:
+        bundle = build_datasets(cfg.data, plan.specs.get("data"))
     train_loader, val_loader = build_loaders(
         bundle,
         cfg.trainer.batch_size,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple, Optional
@@ -44,6 +44,25 @@ from runner.run.model_checks import (
 from runner.run.resume import Resume
 
 
+class LoadedData:
+    """The datasets loaded once before the run's build needs them, handed to one build."""
+
+    def __init__(self) -> None:
+        self._bundle: Any = None
+
+    def get(self, load: Callable[[], Any]) -> Any:
+        """The datasets: kept from an earlier call, else loaded by `load` and kept."""
+        if self._bundle is None:
+            self._bundle = load()
+        return self._bundle
+
+    def take(self) -> Any:
+        """The datasets kept (None: none were loaded), given up: one build has them, a later
+        one loads its own."""
+        bundle, self._bundle = self._bundle, None
+        return bundle
+
+
 @dataclass(frozen=True)
 class RunPlan:
     """What one run will be, decided once from its config."""
@@ -64,6 +83,9 @@ class RunPlan:
     meta: Optional[MetaModel] = None  # the model on the meta device, built once on first use
     layer_check: Optional[LayerPlan] = None  # layer_rules on the meta model's layers (a dry run's)
     shards: bool = False  # trainer.strategy=fsdp, checked: FSDP2 shards the model over the ranks
+    # the datasets, where something before the build loaded them (trainer.tune counting a run's
+    # steps): the build takes them rather than load them again (a plan replaced shares it)
+    loaded: LoadedData = dataclasses.field(default_factory=LoadedData, compare=False)
 
     @property
     def properties(self) -> Properties:

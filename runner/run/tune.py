@@ -144,7 +144,8 @@ def estimated_steps(plan: RunPlan, load: bool = False) -> Optional[int]:
     if not isinstance(size, int) and per_epoch is None and load:
         from runner.components.data import build_datasets
 
-        size = len(build_datasets(cfg.data, plan.specs.get("data")).train)
+        loaded = plan.loaded.get(lambda: build_datasets(cfg.data, plan.specs.get("data")))
+        size = len(loaded.train)  # (the build takes these datasets: not loaded twice)
     if isinstance(size, int):
         batches = math.ceil(size / cfg.trainer.batch_size)
         per_epoch = batches if per_epoch is None else min(per_epoch, batches)

@@ -179,3 +179,51 @@ def test_data_that_declares_no_shape_gets_its_flops_counted_on_the_loaded_input(
         assert parts.flops_per_sample == declared.flops_per_sample() > 0
     finally:
         parts.close()
+
+
+def test_data_counted_for_tuning_is_the_data_the_run_trains_on(monkeypatch, tmp_path):
+    """trainer.tune=auto counts a run's steps where only the dataset knows them (token files, a
+    corpus, CIFAR, an ImageFolder tree): it loaded the datasets, and the build loaded them
+    again (a corpus said "Loading N tokens" twice; a large ImageFolder tree was walked twice).
+    The build takes the counted datasets; a second build of the same plan loads its own."""
+    import numpy as np
+
+    from runner.components import data
+    from runner.run import tune
+
+    for name, size in (("train.bin", 4096), ("val.bin", 1024)):
+        (np.arange(size) % 97).astype(np.uint16).tofile(tmp_path / name)
+    loads: list[object] = []
+    real = data.build_datasets
+
+    def build_datasets(*args, **kwargs):
+        loads.append(real(*args, **kwargs))
+        return loads[-1]
+
+    monkeypatch.setattr(data, "build_datasets", build_datasets)
+    monkeypatch.setattr(build, "build_datasets", build_datasets)
+    plan = make_plan(
+        compose_config(
+            "model=gpt_tiny",
+            "data=tokens",
+            f"data.train={tmp_path / 'train.bin'}",
+            f"data.val={tmp_path / 'val.bin'}",
+            "data.block_size=32",
+            "trainer.batch_size=8",
+            "trainer.num_workers=0",
+            "trainer.tune=auto",
+        )
+    )
+    steps = tune.estimated_steps(plan, load=True)
+    assert len(loads) == 1
+    assert steps == -(-len(loads[0].train) // 8) * plan.cfg.trainer.max_epochs > 0
+    parts = build.build(plan)
+    try:
+        assert len(loads) == 1 and parts.bundle is loads[0]
+    finally:
+        parts.close()
+    again = build.build(plan)
+    try:
+        assert len(loads) == 2 and again.bundle is loads[1]
+    finally:
+        again.close()
