@@ -37,6 +37,14 @@ def bare_database_path(uri: Any) -> bool:
     return "://" not in uri and uri.lower().endswith((".db", ".sqlite", ".sqlite3"))
 
 
+def database_uri(path: Any) -> str:
+    """The `sqlite:///` URI of a database file given as a bare path (absolute: the launch folder's
+    where relative, the home's for a leading ~), for a refusal to name as its fix."""
+    import os
+
+    return "sqlite:///" + os.path.abspath(os.path.expanduser(str(path).strip()))
+
+
 def non_negative(v: Any) -> bool:
     return finite(v) and v >= 0
 

@@ -251,6 +251,7 @@ def test_a_database_path_without_its_scheme_is_refused_with_the_uri_to_type(tmp_
         report_main(["--tracking-uri", str(tmp_path / "mlflow.db"), "--out", str(tmp_path / "r")])
     err = capsys.readouterr().err
     assert info.value.code == 2 and "sqlite:////absolute/mlflow.db" in err
+    assert f"a path; its URI: sqlite:///{tmp_path / 'mlflow.db'} (" in err  # to paste
     assert "Traceback" not in err and not (tmp_path / "r").exists()
 
 

@@ -293,6 +293,27 @@ def test_value_rules_name_the_key(overrides, key):
 
 
 @pytest.mark.parametrize(
+    "given,uri",
+    [
+        ("/data/runs/mlflow.db", "sqlite:////data/runs/mlflow.db"),
+        ("runs/m.db", None),
+        ("~/m.db", None),
+    ],
+)
+def test_a_database_path_is_refused_with_its_own_uri(given, uri, monkeypatch, tmp_path):
+    """A bare path to a database file (MLflow reads it as a folder store) is refused with the URI
+    forms and, to paste, that file's own URI: the launch folder's or the home's, absolute."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    uri = uri or "sqlite:///" + str(tmp_path / given.replace("~", "home"))
+    with pytest.raises(ConfigError) as info:
+        validate(compose_config(f"mlflow.tracking_uri='{given}'"))  # (quoted: Hydra's ~)
+    assert str(info.value).startswith(
+        f"mlflow.tracking_uri: got {given!r}, a path; its URI: {uri} ("
+    )
+
+
+@pytest.mark.parametrize(
     "overrides",
     [
         ["data=synthetic"],
