@@ -57,8 +57,10 @@ def unswept(hydra_config: DictConfig, cfg: DictConfig, command: str) -> str | No
     file's) but the command has no `-m`: Hydra then runs one job with the config's own values,
     silently (`+experiment=gpt_precisions` trained O0 alone). None where it defines none.
     `command`: the command line with `-m` added, to paste."""
+    from hydra.types import RunMode
+
     params = OmegaConf.select(hydra_config, "sweeper.params") or {}
-    if not params:
+    if not params or hydra_config.mode != RunMode.RUN:  # (a job of a sweep: -m was given)
         return None
     choices = OmegaConf.select(hydra_config, "runtime.choices") or {}
     swept, runs = [], []

@@ -51,6 +51,7 @@ def test_dry_run_resolves_every_job_of_the_sweep(name, jobs, capsys, tmp_path):
     out = capsys.readouterr().out
     assert out.count("  opt_level: O") == jobs  # one resolved config per job
     assert f"name: {name}" in out  # the experiment's own settings
+    assert "defines a sweep" not in out  # (what a command without -m is told)
     assert not (tmp_path / "mlflow.db").exists()
 
 
