@@ -643,6 +643,10 @@ def test_synthetic_text_errors():
     with pytest.raises(ConfigError) as err:
         synthetic(num_train=10)
     assert err.value.key == "data.num_train"
+    # the minimum says what sets it (a bare ">= 65" left the user to guess)
+    assert err.value.allowed == (
+        "an integer >= 33 (tokens: one sequence of data.block_size=32, and the token after it)"
+    )
 
 
 # ---- the YAML options ------------------------------------------------------------------------

@@ -25,12 +25,14 @@ def get(node: Any, key: str, default: Any = None) -> Any:
     return default if value is None or (isinstance(value, str) and value == "???") else value
 
 
-def int_key(node: Any, key: str, default: Any, minimum: int) -> int:
+def int_key(node: Any, key: str, default: Any, minimum: int, why: str = "") -> int:
+    """data.`key`, an integer >= `minimum` (`why`: what sets the minimum, told with it)."""
     value = get(node, f"{key}", default)
+    allowed = f"an integer >= {minimum}" + (f" ({why})" if why else "")
     if value is None:
-        raise ConfigError(f"data.{key}", "is not set", f"an integer >= {minimum}")
+        raise ConfigError(f"data.{key}", "is not set", allowed)
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ConfigError(f"data.{key}", f"is {value!r}", f"an integer >= {minimum}")
+        raise ConfigError(f"data.{key}", f"is {value!r}", allowed)
     return int(value)
 
 

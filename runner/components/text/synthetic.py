@@ -81,8 +81,9 @@ def build_synthetic_text(cfg: Any) -> DataBundle:
     stream, val the `num_val` after them (in memory; nothing on disk)."""
     vocab = synthetic_text_vocab_size(cfg)
     block_size = keys.block_size(cfg, 64)
-    num_train = keys.int_key(cfg, "num_train", 200_000, block_size + 1)
-    num_val = keys.int_key(cfg, "num_val", 20_000, block_size + 1)
+    window = f"tokens: one sequence of data.block_size={block_size}, and the token after it"
+    num_train = keys.int_key(cfg, "num_train", 200_000, block_size + 1, window)
+    num_val = keys.int_key(cfg, "num_val", 20_000, block_size + 1, window)
     language = SyntheticLanguage(
         vocab, keys.int_key(cfg, "branching", 4, 1), keys.int_key(cfg, "seed", 0, 0)
     )
