@@ -27,7 +27,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from runner.config import TrainerConfig
-from runner.errors import LayerPlanError
+from runner.errors import DataError, LayerPlanError
 from runner.measure.audit import AuditInstrument, never
 from runner.measure.diagnostics import run_formats
 from runner.measure.instruments import ArtifactSink, Instruments, MetricsSink
@@ -42,6 +42,7 @@ from runner.run.interrupts import RunInterrupted, StopRequest
 from runner.run.parts import Parts
 from runner.run.step_timing import timing_instrument
 from runner.run.trainer_state import CheckpointState
+from runner.tasks.base import class_indices, target_problem
 from runner.tracking import metrics as m
 
 log = logging.getLogger(__name__)
@@ -136,6 +137,8 @@ class Trainer(CheckpointState, CompileWarmup):
         # what a step uses: the precision engine, the optimizer and its schedule, task and loss
         self.engine, self.optimizer, self.scheduler = parts.engine, parts.optimizer, parts.scheduler
         self.task, self.criterion = parts.task, parts.criterion
+        # what a batch's targets may be (class indices of the model's outputs), read on the host
+        self.indices = class_indices(self.criterion, getattr(parts.bundle, "num_classes", None))
         # the data, and the batches per epoch after trainer.limit_*_batches
         self.train_loader, self.val_loader = parts.train_loader, parts.val_loader
         self.train_batches = limit_batches(len(self.train_loader), cfg.limit_train_batches)
@@ -225,6 +228,9 @@ class Trainer(CheckpointState, CompileWarmup):
         return self.guard.after_step(loss, stepped)
 
     def _to_device(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        problem = target_problem(y, self.indices)
+        if problem is not None:
+            raise DataError(problem)
         x = x.to(self.device, non_blocking=True)
         if self.cfg.channels_last and x.dim() == 4:
             x = x.contiguous(memory_format=torch.channels_last)

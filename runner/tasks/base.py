@@ -21,6 +21,39 @@ class EvalSums:
     count: int  # items (samples or tokens)
 
 
+def class_indices(criterion: torch.nn.Module, num_outputs: Optional[int]) -> Optional[tuple]:
+    """(outputs, ignore_index) where `criterion` takes class indices (torch's cross-entropy and
+    NLL losses: a classifier's labels, a language model's next tokens) and the model's outputs
+    are known; None otherwise (a criterion of the user's takes what it takes)."""
+    if num_outputs is None or not isinstance(
+        criterion, (torch.nn.CrossEntropyLoss, torch.nn.NLLLoss)
+    ):
+        return None
+    return int(num_outputs), int(criterion.ignore_index)
+
+
+def target_problem(target: torch.Tensor, indices: Optional[tuple]) -> Optional[str]:
+    """Why a batch's integer targets, still on the host, are no class indices of the model's
+    outputs (`indices`: `class_indices`'), or None. Found by the criterion, such a target was
+    an IndexError traceback ("Target 5 is out of bounds"), and on a GPU a device-side assert
+    that ends the process's CUDA context; read on the host before the copy, no device waits."""
+    if indices is None or target.device.type != "cpu" or target.is_floating_point():
+        return None
+    if target.numel() == 0:
+        return None
+    low, high = (int(v) for v in torch.aminmax(target))
+    outputs, ignored = indices
+    if high < outputs and (low >= 0 or low == ignored):
+        return None
+    bad = high if high >= outputs else low
+    return (
+        f"a batch of the data holds the target {bad}, but the model has {outputs} outputs (one "
+        f"per class, or per token of a language model's vocabulary): a target must be in "
+        f"[0, {outputs}) (or {ignored}, which the loss ignores); count every class of the data "
+        f"in data.num_classes"
+    )
+
+
 class Task:
     """The interface the trainer and the plan use; see the package docstring (runner.tasks)."""
 

@@ -428,6 +428,37 @@ def test_a_dataset_without_classes_or_a_pair_is_refused_before_any_run(project: 
     assert not all_runs(uri)
 
 
+@pytest.mark.parametrize("stage", ["training", "validation"])
+def test_a_label_outside_the_classes_stops_the_run_naming_it(project: Path, capfd, stage):
+    """data.num_classes=2 on data of 3 classes (labels 0, 1, 2): the model's output fits the
+    classes it is told of, and cross-entropy met label 2 as "IndexError: Target 2 is out of
+    bounds" (an unexpected error, its traceback; on a GPU a device-side assert that ends the
+    process's CUDA context). The batch's labels are read on the host before the copy: one line,
+    exit 2, the run FAILED with it. A validation set's labels are read the same way."""
+    uri = f"sqlite:///{project / 'mlflow.db'}"
+    (project / "my_pkg" / "labels.py").write_text(
+        "from my_pkg.data import Blobs\n\n\n"
+        "def datasets(stage):\n"
+        "    train, val = Blobs(48, 16, 0), Blobs(16, 16, 1)\n"
+        "    (train if stage == 'training' else val).y[5] = 7\n"
+        "    return train, val\n"
+    )
+    code = run_in_process(
+        "model=tiny",
+        "data=custom",
+        "data._target_=my_pkg.labels.datasets",
+        f"+data.stage={stage}",
+        "data.num_classes=3",
+        *QUICK,
+        f"mlflow.tracking_uri={uri}",
+    )
+    err = printed(capfd)
+    said = "a batch of the data holds the target 7, but the model has 3 outputs (one per class"
+    assert code == 2 and said in err and "Traceback" not in err, err[-3000:]
+    (run,) = all_runs(uri)
+    assert run.info.status == "FAILED" and said in run.data.tags["error"]
+
+
 def test_a_model_output_that_only_the_dataset_can_check_is_refused_before_any_run(
     project: Path, capfd
 ):

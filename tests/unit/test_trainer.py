@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 import torch
+from torch import nn
 
 from runner.measure.instruments import IDLE
 from runner.run.trainer import Trainer
@@ -145,3 +146,23 @@ def test_a_step_that_fails_leaves_no_hook_behind():
         trainer.train_step(x, y)
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in trainer.module.modules())
     assert not torch._C._autograd._top_saved_tensors_default_hooks(False)  # the meter's gone
+
+
+def test_targets_are_read_as_class_indices_of_the_model_s_outputs():
+    """Only torch's class-index losses are checked, on the host: labels in [0, outputs) and
+    the loss's ignore_index pass; any other integer is named; soft (floating) targets and a
+    criterion of the user's are theirs."""
+    from runner.tasks.base import class_indices, target_problem
+
+    indices = class_indices(nn.CrossEntropyLoss(), 4)
+    assert indices == (4, -100)
+    assert target_problem(torch.tensor([0, 3, -100, 2]), indices) is None
+    assert "holds the target 4, but the model has 4 outputs" in target_problem(
+        torch.tensor([0, 4]), indices
+    )
+    assert "holds the target -1" in target_problem(torch.tensor([[-1, 2]]), indices)
+    lm = class_indices(nn.CrossEntropyLoss(ignore_index=0), 256)
+    assert target_problem(torch.tensor([[0, 255]]), lm) is None
+    assert target_problem(torch.rand(2, 4), indices) is None  # probabilities: soft targets
+    assert class_indices(nn.MSELoss(), 4) is None and class_indices(nn.NLLLoss(), None) is None
+    assert target_problem(torch.tensor([9]), None) is None
