@@ -37,12 +37,19 @@ def target_problem(target: torch.Tensor, indices: Optional[tuple]) -> Optional[s
     outputs (`indices`: `class_indices`'), or None. Found by the criterion, such a target was
     an IndexError traceback ("Target 5 is out of bounds"), and on a GPU a device-side assert
     that ends the process's CUDA context; read on the host before the copy, no device waits."""
-    if indices is None or target.device.type != "cpu" or target.is_floating_point():
+    if indices is None or target.device.type != "cpu" or target.numel() == 0:
         return None
-    if target.numel() == 0:
-        return None
-    low, high = (int(v) for v in torch.aminmax(target))
     outputs, ignored = indices
+    if target.is_floating_point():  # class probabilities: a last dimension of one per output
+        if target.dim() >= 2 and target.shape[-1] == outputs:
+            return None
+        return (
+            f"a batch of the data holds targets of {target.dtype} and shape "
+            f"{tuple(target.shape)}: cross-entropy takes class indices (integers) or class "
+            f"probabilities (a last dimension of {outputs}, one per output); give the labels as "
+            "integers"
+        )
+    low, high = (int(v) for v in torch.aminmax(target))
     if high < outputs and (low >= 0 or low == ignored):
         return None
     bad = high if high >= outputs else low

@@ -164,5 +164,8 @@ def test_targets_are_read_as_class_indices_of_the_model_s_outputs():
     lm = class_indices(nn.CrossEntropyLoss(ignore_index=0), 256)
     assert target_problem(torch.tensor([[0, 255]]), lm) is None
     assert target_problem(torch.rand(2, 4), indices) is None  # probabilities: soft targets
+    assert "targets of torch.float32 and shape (2,): cross-entropy takes class indices" in (
+        target_problem(torch.tensor([1.0, 2.0]), indices)  # ("expected target dtype Long")
+    )
     assert class_indices(nn.MSELoss(), 4) is None and class_indices(nn.NLLLoss(), None) is None
     assert target_problem(torch.tensor([9]), None) is None
