@@ -286,7 +286,8 @@ class MlflowConfig:
     experiment_name: str = DEFAULT_EXPERIMENT
     run_name: Optional[str] = None  # null = "<model>-<opt_level>", e.g. densenet161-O2
     sweep_name: Optional[str] = None  # a sweep's parent run; null = "sweep <swept overrides>"
-    tags: dict[str, str] = field(default_factory=dict)
+    # the user's own tags; nested keys are a dotted name (runner.tracking.tags.user_tags)
+    tags: dict[str, Any] = field(default_factory=dict)
     # liveness (runner.tracking.liveness): a run's heartbeat period, and how old the heartbeat of a
     # RUNNING run on another host must be for a starting run to end it as KILLED
     heartbeat_s: float = 60.0

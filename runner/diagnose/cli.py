@@ -186,7 +186,7 @@ def run(
                 tag.COMMAND: typed_command(),
             }
         )
-        tags.update({str(k): str(v) for k, v in cfg.mlflow.tags.items()})
+        tags.update(tag.user_tags(cfg.mlflow.tags))
         name = cfg.mlflow.run_name or f"{options.label(cfg.model)}-diagnose"
         try:
             out.mkdir(parents=True, exist_ok=True)

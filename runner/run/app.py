@@ -170,7 +170,7 @@ def run_record(
     )
     if parts.engine.layer_plan is not None:  # runs planned alike share it (runner.precision.layers)
         tags[tag.LAYER_PLAN_HASH] = parts.engine.layer_plan.digest()
-    tags.update({str(k): str(v) for k, v in cfg.mlflow.tags.items()})
+    tags.update(tag.user_tags(cfg.mlflow.tags))
     tags.update(launch.extra_tags)
     # where this session's log is, for a reaper to attach should the process die
     tags.update(job_log.tags(launch.run_log, launch.log_from, launch.log_head))

@@ -42,6 +42,7 @@ from runner.run.model_checks import (
     check_strategy,
 )
 from runner.run.resume import Resume
+from runner.tracking.tags import user_tags
 
 
 class LoadedData:
@@ -180,6 +181,7 @@ def check_config(cfg: DictConfig) -> Checked:
     check_opt_level(cfg)
     specs = options.specs_of(cfg)
     validate(cfg, specs)
+    user_tags(cfg.mlflow.tags)  # (a list value, a tag the runner writes itself: refused)
     task = resolve_task(cfg, specs)
     device = select_device(cfg.trainer.device)
     if cfg.trainer.sync_batchnorm and device.type != "cuda":

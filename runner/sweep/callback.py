@@ -83,6 +83,7 @@ class MlflowSweepCallback(Callback):
             check_output_folder(config, "sweep")
             check_launcher(config)  # (a dry run too: the launcher still starts its jobs)
             check_direction(config)  # (Optuna's: the default minimises a classifier's accuracy)
+            tag.user_tags(config.mlflow.tags)  # (a list, a name of the runner's: refused)
         except RunnerError as error:
             log.error("%s", error)
             raise SystemExit(2) from error
@@ -164,7 +165,7 @@ class MlflowSweepCallback(Callback):
             tag.SWEEP_LAUNCHER: launcher.rsplit(".", 1)[-1],
             "runner_version": runner.__version__,
             tag.COMMAND: typed_command(),
-            **{str(k): str(v) for k, v in config.mlflow.tags.items()},
+            **tag.user_tags(config.mlflow.tags),
         }
         if earlier is not None:  # resume=auto: the same parent goes on, with its children
             self._parent_run = tracker.reopen_run(earlier.run_id, {tag.COMMAND: tags[tag.COMMAND]})

@@ -6,6 +6,11 @@ script a user writes against the store; a name used in two modules is defined he
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from runner.errors import ConfigError
+
 # ---- MLflow's own ---------------------------------------------------------------------------
 PARENT_RUN = "mlflow.parentRunId"  # what the MLflow UI nests a sweep's child runs by
 # MLflow 3.x opens GenAI experiments on an overview page; this kind shows the training-runs view
@@ -58,3 +63,51 @@ REPLAY_TARGET_RUN = "replay.target_run_id"  # the server run the offline run bel
 REPLAY_TARGET_URI = "replay.target_uri"
 REPLAY_STATUS = "replay.status"  # the status the server run ends with
 REPLAY_DONE = "replay.done"  # set once delivered (replaying twice sends nothing twice)
+
+
+# ---- the user's own (mlflow.tags) ---------------------------------------------------------------
+# what `mlflow.tags` may not name: the tags above (the report, the liveness checks, a sweep's tree
+# and a resume read them), every `runner.` tag, and MLflow's own that the runner sets (its
+# other `mlflow.` tags, e.g. mlflow.note.content, the run's description, are the user's to set)
+OWN = frozenset(
+    value
+    for name, value in dict(globals()).items()
+    if name.isupper() and isinstance(value, str) and name != "OWN"
+) | {"mlflow.runName", "runner_version"}
+OWN_PREFIXES = ("runner.", "sweep.", "replay.")
+
+
+def user_tags(tags: Any) -> dict[str, str]:
+    """`mlflow.tags` as MLflow tags: nested keys joined by dots (`+mlflow.tags.mlflow.note.
+    content=...`: Hydra reads each dot of a key as a level, and the tag was refused as "Cannot
+    convert 'dict' to string"), each value a string. ConfigError for a value that is a list,
+    and for a name the runner writes itself (its run would say what the user wrote there: a
+    model the report groups by, a pid the liveness check reads)."""
+    out: dict[str, str] = {}
+
+    def walk(node: Mapping, prefix: str) -> None:
+        for key, value in node.items():
+            name = f"{prefix}{key}"
+            if isinstance(value, Mapping):
+                walk(value, f"{name}.")
+                continue
+            if isinstance(value, Sequence) and not isinstance(value, str):
+                listed = f"[{', '.join(str(v) for v in value)}]"
+                raise ConfigError(
+                    f"mlflow.tags.{name}",
+                    f"got a list {listed}: a tag's value is one string",
+                    f"a string; brackets in quotes: '+mlflow.tags.{name}=\"{listed}\"'",
+                )
+            if name in OWN or name.startswith(OWN_PREFIXES):
+                raise ConfigError(
+                    f"mlflow.tags.{name}",
+                    "is a tag the runner writes itself (the report, resumes and the liveness "
+                    "checks read the runner's tags), so it cannot be set",
+                    "another name (not one of the runner's tags, nor one beginning "
+                    + ", ".join(OWN_PREFIXES)
+                    + ")",
+                )
+            out[name] = "null" if value is None else str(value)
+
+    walk(tags if isinstance(tags, Mapping) else {}, "")
+    return out

@@ -101,6 +101,9 @@ def test_each_level_trains_and_logs_the_contract(level, tracking_uri):
             "scheduler.step_epochs=1",
             "mlflow.run_name=bf16-autocast",
             "+mlflow.tags.team=vision",
+            # a dotted tag (MLflow's run description): Hydra reads its dots as levels, and it
+            # was refused as "Cannot convert 'dict' to string"
+            "+mlflow.tags.mlflow.note.content=fp16 autocast on bf16",
         ],
         [
             "precision=o3",
@@ -124,6 +127,7 @@ def test_option_combinations_finish(overrides, tracking_uri):
     if "mlflow.run_name=bf16-autocast" in overrides:
         assert run.info.run_name == "bf16-autocast"
         assert run.data.tags["team"] == "vision"
+        assert run.data.tags["mlflow.note.content"] == "fp16 autocast on bf16"
         assert run.data.params["precision.autocast_dtype"] == "bfloat16"
 
 

@@ -43,6 +43,10 @@ MISTAKES = {
     "optimizer.lr=0.1,2e-3": "to run each in turn, a sweep: python -m runner -m ... optimizer.lr=",
     "+mlflow.tags.note=a,b": "a value that holds a comma, quoted: \"+mlflow.tags.note='a,b'\")",
     "trainer.seed=range(1,3)": "sweep: python -m runner -m ... 'trainer.seed=range(1,3)')",
+    # a tag of the runner's own (the liveness check reads it), and a tag's value a list
+    "+mlflow.tags.runner.pid=5": "mlflow.tags.runner.pid: is a tag the runner writes itself",
+    "+mlflow.tags.model=x": "mlflow.tags.model: is a tag the runner writes itself",
+    "+mlflow.tags.k=[1,2]": "mlflow.tags.k: got a list [1, 2]: a tag's value is one string",
     # a list selects each option and merges them, the last winning: O2 ran, named nowhere as such
     "precision=[o1,o2]": (
         "precision: got a list [o1, o2]: Hydra would merge these options, the last one winning, "
