@@ -29,13 +29,14 @@ def _own(folder: Path, config: Mapping[str, Any]) -> Optional[tuple[Path, Mappin
     """resume=auto: (path, state) of the most recent checkpoint under the run name's folder that
     is this name's, None where there is none. Names that differ only where a folder name cannot
     follow them (`my run`, `my_run`) share a folder: a checkpoint whose `mlflow.run_name` is
-    another's is passed over (it was refused as a changed config, so `my_run` could not start),
-    and its run stays its own."""
+    another name given is passed over (it was refused as a changed config, so `my_run` could
+    not start), and its run stays its own. Where either name is the default (null), the
+    checkpoint is taken, and a different config refused naming the difference, as before."""
     name = config.get("mlflow", {}).get("run_name")
     for path in checkpoint.folders.newest_first(folder):
         state = checkpoint.load(path)
         theirs = state.get("config", {}).get("mlflow", {}).get("run_name")
-        if theirs == name:
+        if theirs == name or theirs is None or name is None:
             return path, state
         log.info(
             "resume=auto: passed over %s, the checkpoint of the run named %r (its folder's name is "

@@ -217,6 +217,12 @@ def test_names_that_share_a_folder_resume_their_own_checkpoints(tmp_path):
     assert "resume.count" not in runs["my_run"].data.tags
     saved = {p.parent.name: checkpoint.load(p)["epoch"] for p in folder.glob("*/last.pt")}
     assert saved == {runs["my run"].info.run_id: 2, runs["my_run"].info.run_id: 1}
+    # a name given where the checkpoint's was the default (or the other way): the same folder by
+    # the same name, so the checkpoint is taken, and the difference refused as before
+    app.run(compose_config(*settings(tmp_path, "trainer.max_epochs=1")))  # tiny-O0, by default
+    named = settings(tmp_path, "trainer.max_epochs=2", "mlflow.run_name=tiny-O0", "resume=auto")
+    with pytest.raises(ConfigError, match="mlflow.run_name: None -> 'tiny-O0'"):
+        app.run(compose_config(*named))
 
 
 def test_checkpoints_moved_to_another_disk_resume_from_there(tmp_path):
