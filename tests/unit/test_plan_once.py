@@ -33,6 +33,24 @@ COMMON = [
 TORCHRUN_ENV = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
 
 
+def token_files(folder: Path) -> list[str]:
+    """Token files of 97 ids in `folder` (train 4096 tokens, val 1024), no vocabulary declared,
+    and the overrides of a small GPT on them."""
+    import numpy as np
+
+    for name, size in (("train.bin", 4096), ("val.bin", 1024)):
+        (np.arange(size) % 97).astype(np.uint16).tofile(folder / name)
+    return [
+        "model=gpt_tiny",
+        "data=tokens",
+        f"data.train={folder / 'train.bin'}",
+        f"data.val={folder / 'val.bin'}",
+        "data.block_size=32",
+        "trainer.batch_size=8",
+        "trainer.num_workers=0",
+    ]
+
+
 @pytest.fixture
 def counted(monkeypatch, tmp_path) -> tuple[Counter, Path]:
     """(the counts, a plan file): `meta` counts models built on the meta device (through the
@@ -155,19 +173,7 @@ def test_data_that_declares_no_shape_gets_its_flops_counted_on_the_loaded_input(
     """Token files of no declared vocabulary: only the loaded data tells the model's sizes, so
     the build makes one meta model of them, for the output check and the FLOPs alike; the count
     is the one the same data declared gets when planned."""
-    import numpy as np
-
-    for name, size in (("train.bin", 4096), ("val.bin", 1024)):
-        (np.arange(size) % 97).astype(np.uint16).tofile(tmp_path / name)
-    tokens = [
-        "model=gpt_tiny",
-        "data=tokens",
-        f"data.train={tmp_path / 'train.bin'}",
-        f"data.val={tmp_path / 'val.bin'}",
-        "data.block_size=32",
-        "trainer.batch_size=8",
-        "trainer.num_workers=0",
-    ]
+    tokens = token_files(tmp_path)
     counts, _ = counted
     plan = make_plan(compose_config(*tokens))
     assert plan.declared is None and plan.flops_per_sample() is None and counts == {}
@@ -186,13 +192,10 @@ def test_data_counted_for_tuning_is_the_data_the_run_trains_on(monkeypatch, tmp_
     corpus, CIFAR, an ImageFolder tree): it loaded the datasets, and the build loaded them
     again (a corpus said "Loading N tokens" twice; a large ImageFolder tree was walked twice).
     The build takes the counted datasets; a second build of the same plan loads its own."""
-    import numpy as np
 
     from runner.components import data
     from runner.run import tune
 
-    for name, size in (("train.bin", 4096), ("val.bin", 1024)):
-        (np.arange(size) % 97).astype(np.uint16).tofile(tmp_path / name)
     loads: list[object] = []
     real = data.build_datasets
 
@@ -202,18 +205,7 @@ def test_data_counted_for_tuning_is_the_data_the_run_trains_on(monkeypatch, tmp_
 
     monkeypatch.setattr(data, "build_datasets", build_datasets)
     monkeypatch.setattr(build, "build_datasets", build_datasets)
-    plan = make_plan(
-        compose_config(
-            "model=gpt_tiny",
-            "data=tokens",
-            f"data.train={tmp_path / 'train.bin'}",
-            f"data.val={tmp_path / 'val.bin'}",
-            "data.block_size=32",
-            "trainer.batch_size=8",
-            "trainer.num_workers=0",
-            "trainer.tune=auto",
-        )
-    )
+    plan = make_plan(compose_config(*token_files(tmp_path), "trainer.tune=auto"))
     steps = tune.estimated_steps(plan, load=True)
     assert len(loads) == 1
     assert steps == -(-len(loads[0].train) // 8) * plan.cfg.trainer.max_epochs > 0
