@@ -180,6 +180,15 @@ def build_loaders(
         seed=int(seed),
         drop_last=False,
     )
+    if len(train_sampler) < int(batch_size):  # (a typo'd size, or a subset meant for a test)
+        log.warning(
+            "trainer.batch_size=%d is more than the %d training samples%s: each epoch is one "
+            "step, of %d samples",
+            int(batch_size),
+            len(train_sampler),
+            " of this process" if world_size > 1 else "",
+            len(train_sampler),
+        )
     train = WorkerLoader(bundle.train, sampler=train_sampler, **common)
     val = WorkerLoader(
         bundle.val, sampler=ShardSampler(len(bundle.val), rank, world_size), **common

@@ -374,6 +374,19 @@ def test_synthetic_same_items_in_worker_processes():
         assert torch.equal(x0, x1) and torch.equal(y0, y1)
 
 
+def test_a_batch_larger_than_the_training_set_is_said(caplog):
+    """trainer.batch_size=128 on 40 samples trained one step an epoch without a word."""
+    bundle = build_datasets(synth_cfg(num_train=40, num_val=8))
+    with caplog.at_level("WARNING", logger="runner.components.loaders"):
+        train, _ = build_loaders(bundle, batch_size=128, num_workers=0, device_type="cpu", seed=0)
+        build_loaders(bundle, batch_size=40, num_workers=0, device_type="cpu", seed=0)
+    assert [r.getMessage() for r in caplog.records] == [
+        "trainer.batch_size=128 is more than the 40 training samples: each epoch is one step, "
+        "of 40 samples"
+    ]
+    assert len(train) == 1
+
+
 def test_synthetic_labels_are_balanced():
     bundle = build_datasets(synth_cfg(num_train=1000, num_val=95))
     assert Counter(bundle.train.targets) == {c: 100 for c in range(10)}
