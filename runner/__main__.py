@@ -247,6 +247,13 @@ def help_launchers() -> str:
     return "\n".join(lines)
 
 
+# `-m ... --cfg job` (or --info): Hydra refused it with a ValueError traceback
+FLAGS_TOGETHER = (
+    "to see each job of a sweep, -m ... dry_run=true (every job's config, checked); --cfg job "
+    "shows one job's config, without -m"
+)
+
+
 def cli() -> None:
     """Console-script entry (`amp-runner ...`); Ctrl-C exits 130 and SIGTERM 143 after the run
     (and a sweep's parent run) is marked KILLED (and, from a first signal, checkpointed); a sweep
@@ -276,6 +283,11 @@ def cli() -> None:
         except BrokenPipeError:  # stdout's reader has gone (`--help | head`): nothing left to say
             shell.reader_gone()
             sys.exit(1)
+        except ValueError as error:  # Hydra's check of its flags, before anything: one line
+            if not str(error).startswith("Only one of --run, --multirun"):
+                raise
+            print(f"{error}: {FLAGS_TOGETHER}", file=sys.stderr)
+            sys.exit(2)
         except SystemExit as stop:
             if stop.code not in (0, None):
                 launched.close_open("FAILED", f"the sweep stopped early (exit status {stop.code})")

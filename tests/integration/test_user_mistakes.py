@@ -75,6 +75,18 @@ def test_a_mistake_exits_2_with_the_nearest_right_spelling(mistake, tmp_path):
     assert not list(tmp_path.rglob("mlflow.db")) and not list(tmp_path.rglob("checkpoints"))
 
 
+@pytest.mark.new_store  # checks that nothing, no store, is created
+def test_a_sweep_and_cfg_together_say_how_to_see_a_sweep_s_jobs(tmp_path):
+    """`-m ... --cfg job`: Hydra refused it with a ValueError traceback, exit 1."""
+    result = run_cli("-m", "+experiment=cpu_demo", "--cfg", "job", cwd=tmp_path, timeout=300)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.strip().endswith(
+        "can be specified: to see each job of a sweep, -m ... dry_run=true (every job's config, "
+        "checked); --cfg job shows one job's config, without -m"
+    )
+    assert result.stdout == "" and created(tmp_path) == []
+
+
 def test_a_mistake_in_a_sweep_names_the_job(tmp_path, capsys):
     uri = f"sqlite:///{tmp_path / 'never.db'}"
     status = run_in_process("-m", *FAST, "precision=o0,o7", f"mlflow.tracking_uri={uri}")
