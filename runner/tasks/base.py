@@ -33,10 +33,11 @@ def class_indices(criterion: torch.nn.Module, num_outputs: Optional[int]) -> Opt
 
 
 def target_problem(target: torch.Tensor, indices: Optional[tuple]) -> Optional[str]:
-    """Why a batch's integer targets, still on the host, are no class indices of the model's
-    outputs (`indices`: `class_indices`'), or None. Found by the criterion, such a target was
-    an IndexError traceback ("Target 5 is out of bounds"), and on a GPU a device-side assert
-    that ends the process's CUDA context; read on the host before the copy, no device waits."""
+    """Why a batch's targets, still on the host, are neither class indices of the model's
+    outputs nor class probabilities (`indices`: `class_indices`'), or None. Found by the
+    criterion, an index out of range was an IndexError traceback ("Target 5 is out of bounds"),
+    on a GPU a device-side assert that ends the process's CUDA context, and a float label
+    "expected target dtype to be Long"; read on the host before the copy, no device waits."""
     if indices is None or target.device.type != "cpu" or target.numel() == 0:
         return None
     outputs, ignored = indices
