@@ -503,24 +503,43 @@ def speed_summary(
     """The sweep's jobs side by side at the speed that compares, one line each in job order:
     each finished job's steady throughput (`tokens_per_s` for a language model, else
     `samples_per_s`: runner.measure.timing), the mean over its epochs that logged one, as its
-    "Finished" line and the report give it, and its ratio to the first such job's. `history`:
-    a metric's (step, value) points of a run (runner.tracking.base.Reader.history)."""
+    "Finished" line and the report give it, and its ratio to its baseline, named: the first O0
+    job of the same model, as the report compares (else the model's first job, else the
+    sweep's). It was the sweep's first job for all, so `-m precision=o2,o0` called O0 the
+    slower one, where the report gives O2 against O0. `history`: a metric's (step, value)
+    points of a run (runner.tracking.base.Reader.history)."""
     from runner.measure.timing import SAMPLES_PER_S, TOKENS_PER_S
     from runner.tracking.base import FINISHED
 
-    lines, first = [], None
+    lines, rated = [], []
     for child in sorted(children, key=lambda c: int(c.tags.get(tag.JOB_NUM, 0))):
         if child.status != FINISHED:
             continue
         metric = TOKENS_PER_S if TOKENS_PER_S in child.metrics else SAMPLES_PER_S
         rates = [v for _, v in history(child.run_id, metric) if math.isfinite(v)]
         if not rates:
-            lines.append(f"  {child.run_name}: no steady throughput (every step was warm-up)")
+            lines.append((child, None, ""))
             continue
         rate = sum(rates) / len(rates)
-        first = first or (child.run_name, rate)
-        unit = metric.removesuffix("_per_s")
-        lines.append(
-            f"  {child.run_name}: {rate:,.0f} {unit}/s steady ({rate / first[1]:.2f}x {first[0]})"
+        rated.append((child, rate))
+        lines.append((child, rate, metric.removesuffix("_per_s")))
+
+    def model(child: Any) -> Any:
+        return child.tags.get(tag.MODEL) or child.params.get("model.name")
+
+    def baseline(child: Any) -> tuple[Any, float]:
+        same = [(c, r) for c, r in rated if model(c) == model(child)]
+        o0 = [(c, r) for c, r in same if c.params.get("precision.opt_level") == "O0"]
+        return (o0 or same or rated)[0]
+
+    out = []
+    for child, rate, unit in lines:
+        if rate is None:
+            out.append(f"  {child.run_name}: no steady throughput (every step was warm-up)")
+            continue
+        base, base_rate = baseline(child)
+        out.append(
+            f"  {child.run_name}: {rate:,.0f} {unit}/s steady ({rate / base_rate:.2f}x "
+            f"{base.run_name})"
         )
-    return "".join(line + "\n" for line in lines)
+    return "".join(line + "\n" for line in out)

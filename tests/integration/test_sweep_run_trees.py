@@ -71,6 +71,43 @@ def test_the_sweep_summary_gives_each_job_its_mean_steady_throughput():
     )
 
 
+def test_the_sweep_summary_compares_each_job_with_the_o0_of_its_model():
+    """`-m precision=o2,o0 model=tiny,resnet18`: the summary compared every job with the sweep's
+    first (tiny-O2), where the report compares each with the O0 run of its model: the two said
+    different things of one sweep. It names the O0 job of the job's model now (else the model's
+    first job)."""
+    from runner.sweep.jobs import speed_summary
+    from runner.tracking.base import RunRecord
+
+    def job(num: int, model: str, level: str, rate: float) -> RunRecord:
+        return RunRecord(
+            f"id{num}",
+            f"{model}-{level}",
+            "1",
+            "FINISHED",
+            params={"precision.opt_level": level, "model.name": model},
+            tags={"sweep.job_num": str(num), "model": model},
+            metrics={"samples_per_s": rate},
+        )
+
+    children = [
+        job(0, "tiny", "O2", 300.0),
+        job(1, "tiny", "O0", 100.0),
+        job(2, "resnet18", "O2", 90.0),
+        job(3, "resnet18", "O0", 30.0),
+        job(4, "vit", "O2", 50.0),  # (no O0 of its model: its model's first job)
+    ]
+    rates = {c.run_id: [(1, c.metrics["samples_per_s"])] for c in children}
+    said = speed_summary(children, lambda run_id, metric: rates[run_id])
+    assert said == (
+        "  tiny-O2: 300 samples/s steady (3.00x tiny-O0)\n"
+        "  tiny-O0: 100 samples/s steady (1.00x tiny-O0)\n"
+        "  resnet18-O2: 90 samples/s steady (3.00x resnet18-O0)\n"
+        "  resnet18-O0: 30 samples/s steady (1.00x resnet18-O0)\n"
+        "  vit-O2: 50 samples/s steady (1.00x vit-O2)\n"
+    )
+
+
 # ---- the default launcher: O0-O3 in one process --------------------------------------------------
 @pytest.mark.slow
 def test_level_sweep_is_one_parent_with_a_child_per_level(levels_sweep):
