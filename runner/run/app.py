@@ -68,7 +68,7 @@ def environment_tags(device: torch.device) -> dict[str, str]:
     from runner.tracking.record import git_commit
 
     tags = {
-        "runner_version": runner.__version__,
+        tag.RUNNER_VERSION: runner.__version__,
         "python_version": platform.python_version(),
         "torch_version": torch.__version__,
         "cuda_version": str(torch.version.cuda),

@@ -163,7 +163,7 @@ class MlflowSweepCallback(Callback):
             tag.SWEEP_DIR: str(sweep_dir.resolve()),
             tag.SWEEP_OVERRIDES: overrides_tag(config.hydra.overrides.task),
             tag.SWEEP_LAUNCHER: launcher.rsplit(".", 1)[-1],
-            "runner_version": runner.__version__,
+            tag.RUNNER_VERSION: runner.__version__,
             tag.COMMAND: typed_command(),
             **tag.user_tags(config.mlflow.tags),
         }

@@ -13,6 +13,7 @@ from runner.errors import ConfigError
 
 # ---- MLflow's own ---------------------------------------------------------------------------
 PARENT_RUN = "mlflow.parentRunId"  # what the MLflow UI nests a sweep's child runs by
+RUN_NAME = "mlflow.runName"  # the run's name, as MLflow keeps it (set as the name, not a tag)
 # MLflow 3.x opens GenAI experiments on an overview page; this kind shows the training-runs view
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 
@@ -27,6 +28,7 @@ PEAK_MEM_KIND = "peak_mem_kind"  # what peak_mem_mb measures on this device
 FINDINGS = "precision.findings"  # "0 error, 2 warning, 1 info"
 FINDINGS_LIST = "precision.findings_list"  # "warning precision.master_weights; info model"
 GIT_COMMIT = "git_commit"
+RUNNER_VERSION = "runner_version"
 LAYER_PLAN_HASH = "precision.layer_plan_hash"  # every layer's planned format, hashed
 
 # ---- liveness (runner.tracking.liveness): who runs a RUNNING run, and its last sign of life ------
@@ -73,7 +75,7 @@ OWN = frozenset(
     value
     for name, value in dict(globals()).items()
     if name.isupper() and isinstance(value, str) and name != "OWN"
-) | {"mlflow.runName", "runner_version"}
+)
 OWN_PREFIXES = ("runner.", "sweep.", "replay.")
 
 
