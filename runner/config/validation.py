@@ -36,7 +36,7 @@ from runner.config.values import (  # noqa: F401  (the predicates, where they we
     SEED_RANGE,
     Rule,
     bare_database_path,
-    database_uri,
+    bare_database_refusal,
     finite,
     non_negative,
     one_of,
@@ -234,9 +234,7 @@ def validate(cfg: DictConfig, specs: Mapping[str, Optional[options.Spec]] | None
             if source is not None:  # (model.block_size: ${oc.select:data.block_size,256})
                 raise ConfigError(source, f"got {value!r}, which {key} takes", allowed)
             if key == "mlflow.tracking_uri" and bare_database_path(value):  # (the fix, pasted)
-                raise ConfigError(
-                    key, f"got {value!r}, a path; its URI: {database_uri(value)}", allowed
-                )
+                raise ConfigError(key, bare_database_refusal(value), allowed)
             raise ConfigError(key, f"got {value!r}", allowed)
     _check_combinations(cfg)
 

@@ -37,12 +37,14 @@ def bare_database_path(uri: Any) -> bool:
     return "://" not in uri and uri.lower().endswith((".db", ".sqlite", ".sqlite3"))
 
 
-def database_uri(path: Any) -> str:
-    """The `sqlite:///` URI of a database file given as a bare path (absolute: the launch folder's
-    where relative, the home's for a leading ~), for a refusal to name as its fix."""
+def bare_database_refusal(path: Any) -> str:
+    """What a refusal of a bare database path says (`mlflow.tracking_uri`, the report's
+    `--tracking-uri`): the path, and its own `sqlite:///` URI to paste (absolute: the launch
+    folder's where relative, the home's for a leading ~)."""
     import os
 
-    return "sqlite:///" + os.path.abspath(os.path.expanduser(str(path).strip()))
+    uri = "sqlite:///" + os.path.abspath(os.path.expanduser(str(path).strip()))
+    return f"got {path!r}, a path; its URI: {uri}"
 
 
 def non_negative(v: Any) -> bool:

@@ -75,13 +75,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="folder for the table and figures (default: ./report)",
     )
     args = parser.parse_args(argv)
-    from runner.config.values import BARE_DATABASE_PATH, bare_database_path, database_uri
+    from runner.config.values import BARE_DATABASE_PATH, bare_database_path, bare_database_refusal
 
     if bare_database_path(args.tracking_uri):
-        parser.error(
-            f"--tracking-uri: got {args.tracking_uri!r}, a path; its URI: "
-            f"{database_uri(args.tracking_uri)} (allowed: {BARE_DATABASE_PATH})"
-        )
+        refusal = bare_database_refusal(args.tracking_uri)
+        parser.error(f"--tracking-uri: {refusal} (allowed: {BARE_DATABASE_PATH})")
     return args
 
 
