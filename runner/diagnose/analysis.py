@@ -264,8 +264,9 @@ def render(result: Preflight, title: str) -> str:
             lines += ["  no layer underflows (>= 1%) or overflows", ""]
             continue
         width = max(len("layer"), *(len(layer.name) for layer in affected))
+        mwidth = max(len("module"), *(len(layer.module) for layer in affected))
         head = (
-            f"  {'layer':<{width}}  {'module':<12}  {'act under':>9}  {'act over':>9}  "
+            f"  {'layer':<{width}}  {'module':<{mwidth}}  {'act under':>9}  {'act over':>9}  "
             f"{'a-grad under':>12}  {'a-grad over':>11}  {'w-grad under':>12}  "
             f"{'w-grad over':>11}"
         )
@@ -285,7 +286,7 @@ def render(result: Preflight, title: str) -> str:
                         _percent(stats.overflow_frac(fmt.name)),
                     ]
             lines.append(
-                f"  {layer.name:<{width}}  {layer.module:<12}  {cells[0]:>9}  "
+                f"  {layer.name:<{width}}  {layer.module:<{mwidth}}  {cells[0]:>9}  "
                 f"{cells[1]:>9}  {cells[2]:>12}  {cells[3]:>11}  {cells[4]:>12}  "
                 f"{cells[5]:>11}"
             )

@@ -353,6 +353,23 @@ def test_the_preflight_names_the_layer_that_overflows_fp16(tmp_path):
     assert all(p.is_file() for p in paths)
 
 
+class AmplifyingLinearWithALongClassName(nn.Linear):
+    """A layer whose class name is longer than the table's `module` header."""
+
+
+def test_the_preflights_table_keeps_its_columns_for_long_module_names(tmp_path):
+    model = Overflowing()
+    long = AmplifyingLinearWithALongClassName(8, 8)
+    long.load_state_dict(model.amplifier.state_dict())
+    model.amplifier = long
+    _, text, _ = cli.preflight(_fp32_trainer(model), 2, tmp_path, "t")
+    lines = text.splitlines()
+    head = next(i for i, line in enumerate(lines) if "act under" in line)
+    table = lines[head : lines.index("", head)]
+    assert any("AmplifyingLinearWithALongClassName" in line for line in table)
+    assert {len(line) for line in table} == {len(lines[head])}  # every cell under its heading
+
+
 def test_the_preflight_recommends_loss_scaling_for_small_gradients(tmp_path):
     torch.manual_seed(0)
     result, text, _ = cli.preflight(
