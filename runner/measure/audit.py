@@ -134,7 +134,11 @@ class DtypeAudit:
         obs.outputs = [dtype_label(t.dtype) for t in _tensors_in(output)]
 
     def observe_grads(self) -> None:
+        """The gradients' types, and the weights' of a layer whose forward was not called (its
+        parent computed with them: an attention's out_proj)."""
         for name, module in self.layers:
+            if not self._obs[name].called:
+                self._weights(name, module, ())
             self._obs[name].grads = [
                 dtype_label(p.grad.dtype) if p.grad is not None else "none"
                 for p in module.parameters(recurse=False)

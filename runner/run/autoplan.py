@@ -149,14 +149,20 @@ def decide(
         level = level_expect(p, layer.module)[0].compute
         module = type(layer.module).__name__
         if not layer.observed:
+            # its parent computes with its weights (an attention's out_proj): its parent's
+            # format, which is what it runs in (a plan that split the two is refused)
+            around = next(
+                (d for d in reversed(decisions) if layer.name.startswith(d.name + ".")), None
+            )
             decisions.append(
                 Decision(
                     layer.name,
                     module,
+                    around.format if around is not None else level,
                     level,
-                    level,
-                    "not seen in the pre-flight (its forward did not run: its "
-                    "parent uses its weights); the level's",
+                    "not seen in the pre-flight (its forward did not run: its parent uses its "
+                    "weights); "
+                    + (f"{around.name}'s, the layer around it" if around else "the level's"),
                 )
             )
             continue

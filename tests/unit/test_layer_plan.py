@@ -261,6 +261,59 @@ def test_tied_weights_must_keep_one_type():
     L.assign(Tied(), [L.LayerRule("*", "float32")], props("O2"))  # both fp32: fine
 
 
+class Attending(nn.Module):
+    """A projection, torch's attention (whose forward computes with out_proj's weights without
+    calling out_proj) and a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 16)
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x):
+        h = self.proj(x)
+        return self.head(self.attn(h, h, h)[0].mean(1))
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_an_attentions_out_proj_cannot_be_planned_apart_from_the_attention(level):
+    p = props(level)
+    with pytest.raises(ConfigError) as bad:
+        L.assign(Attending(), [L.LayerRule("attn.out_proj", "float32")], p)
+    assert bad.value.key == "precision.layers.attn.out_proj"
+    assert "MultiheadAttention computes with out_proj's weights in its own forward" in str(
+        bad.value
+    )
+    assert "an entry 'attn'" in str(bad.value)
+    with pytest.raises(ConfigError, match="attn.out_proj as bfloat16.* and attn as float32"):
+        L.assign(
+            Attending(),
+            [L.LayerRule("attn", "float32"), L.LayerRule("attn.out_proj", "bfloat16")],
+            p,
+        )
+    plan = L.assign(Attending(), [L.LayerRule("attn", "float32")], p)  # the whole attention
+    assert plan.get("attn.out_proj").expect.compute == "float32"
+    assert plan.get("attn.out_proj").inside == "attn" and plan.get("head").inside == ""
+
+
+def test_an_attention_planned_whole_runs_on_plan_in_a_cast_model():
+    model = Attending()
+    engine, opt = prepared(model, "O2", [("attn", "float32")])
+    audit = layer_audit.DtypeAudit(
+        [(layer.name, model.get_submodule(layer.name)) for layer in engine.layer_plan]
+    )
+    with audit:
+        loss = model(torch.randn(2, 5, 8)).float().sum()
+        engine.backward(loss)
+        audit.observe_grads()
+    rows = {r["layer"]: r for r in engine.layer_plan.compare(audit.read())}
+    inner = rows["attn.out_proj"]
+    assert not inner["off_plan"] and inner["weights"] == "float32"
+    assert "computed inside attn's forward" in inner["note"]
+    assert not any(r["off_plan"] for r in rows.values())
+
+
 def test_a_later_entry_wins_and_a_module_gives_its_format_to_everything_inside():
     model = TinyNet()
     p = props("O2")
@@ -428,18 +481,30 @@ def test_the_figure_is_worth_drawing_only_where_it_shows_more_than_one_colour():
     assert layer_audit.worth_a_figure([row("float32", "float32", off_plan=True)])
 
 
+class UsesInnerWeights(nn.Module):
+    """A layer of the user's whose forward computes with its child's weights without calling
+    the child (which the plan cannot know of beforehand)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(16))
+        self.inner = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return nn.functional.linear(x * self.scale, self.inner.weight, self.inner.bias)
+
+
 def test_a_layer_whose_forward_never_runs_is_named_when_an_entry_planned_it():
-    mha = nn.Sequential(nn.MultiheadAttention(16, 2, batch_first=True))
-    engine, _ = prepared(mha, "O1", [("0.out_proj", "float32")])
+    model = nn.Sequential(UsesInnerWeights())
+    engine, _ = prepared(model, "O1", [("0.inner", "float32")])
     audit = layer_audit.DtypeAudit(
-        [(layer.name, mha.get_submodule(layer.name)) for layer in engine.layer_plan]
+        [(layer.name, model.get_submodule(layer.name)) for layer in engine.layer_plan]
     )
     with audit, engine.autocast():
-        x = torch.randn(2, 5, 16)
-        mha[0](x, x, x)
+        model(torch.randn(2, 16))
     rows = {r["layer"]: r for r in engine.layer_plan.compare(audit.read())}
-    assert rows["0.out_proj"]["observed"] == "not called" and rows["0.out_proj"]["off_plan"]
-    assert "never ran" in rows["0.out_proj"]["note"]
+    assert rows["0.inner"]["observed"] == "not called" and rows["0.inner"]["off_plan"]
+    assert "never ran" in rows["0.inner"]["note"]
 
 
 def test_strict_stops_a_run_whose_layer_ran_off_plan(tmp_path, caplog):
@@ -685,6 +750,28 @@ def test_a_layer_with_huge_gradients_goes_to_fp32_so_the_others_keep_a_high_scal
     assert auto.scale >= 2.0**10 and "2 of 3" in auto.scale_note
     assert [(r.pattern, r.format) for r in auto.rules] == [("1", "float32")]
     assert "of its gradients overflow fp16 at loss scale" in auto.decisions[1].why
+
+
+def test_a_layer_the_pre_flight_did_not_see_takes_the_format_of_the_layer_around_it():
+    model = Attending()
+    p = resolve("O2").properties
+    fine, hot = _stats([1.0] * 10), _stats([1e6] * 10)  # hot overflows fp16
+    records = [
+        diag.LayerRecord(1, name, "x", kind, stats)
+        for name, act in (("proj", fine), ("attn", hot), ("head", fine))  # (out_proj: not run)
+        for kind, stats in (("input", fine), ("activation", act), ("activation_grad", fine))
+    ]
+    auto = autoplan.decide(model, records, {}, p, layer_ranges.Thresholds(0.01, 0.0), "o2", 3)
+    got = {d.name: d.format for d in auto.decisions}
+    assert got == {
+        "proj": "float16",
+        "attn": "float32",
+        "attn.out_proj": "float32",
+        "head": "float16",
+    }
+    assert "attn's, the layer around it" in auto.decisions[2].why
+    assert [(r.pattern, r.format) for r in auto.rules] == [("attn", "float32")]
+    L.assign(model, auto.rules, p)  # a plan the run takes
 
 
 def test_fp8_only_where_torchaos_shape_rule_and_the_ranges_allow_it():

@@ -125,6 +125,7 @@ class PlannedLayer:
     level_why: str
     rule: Optional[LayerRule] = None
     expect: Expect = None  # type: ignore[assignment]  (set by assign)
+    inside: str = ""  # the layer whose forward computes with this one's weights (set by assign)
 
     @property
     def label(self) -> str:
@@ -270,6 +271,11 @@ def _off_plan(layer: PlannedLayer, obs: Any, weights_only: bool = False) -> tupl
     if obs is None:
         return False, "not observed"
     if not obs.called:
+        if layer.inside:  # (its parent's forward computed with its weights, in the same plan)
+            wrong = sorted({w for w in obs.weights if w != expect.weights})
+            if wrong:
+                return True, f"weights in {', '.join(wrong)}, planned {expect.weights}"
+            return False, f"computed inside {_label(layer.inside)}'s forward, with its weights"
         if layer.rule is not None and expect != layer.level:
             return True, (
                 f"its forward never ran (its parent uses its weights directly), so the "
@@ -392,7 +398,48 @@ def assign(model: nn.Module, rules: Sequence[LayerRule], p: Properties) -> Layer
                     "entry",
                 )
     _check_tied(model, layers)
+    _mark_inner(model, layers)
     return LayerPlan(layers, tuple(rules), regions)
+
+
+# modules whose forward computes with a child layer's weights without calling the child
+# (torch's attention reads `out_proj.weight` in F.multi_head_attention_forward)
+USES_CHILD_WEIGHTS: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
+
+
+def _mark_inner(model: nn.Module, layers: Sequence[PlannedLayer]) -> None:
+    """A layer whose parent computes with its weights without calling it (`out_proj` of an
+    nn.MultiheadAttention) runs in its parent's format whatever an entry says: mark it (`inside`:
+    the audit judges it by its weights) and refuse a plan that gives the two different formats (a
+    cast level would stop at the first step on two weight types in one matmul; under autocast
+    the entry would do nothing)."""
+    by_name = {layer.name: layer for layer in layers}
+    for name, parent in model.named_modules():
+        if not isinstance(parent, USES_CHILD_WEIGHTS):
+            continue
+        outer = by_name.get(name)
+        for child, _ in parent.named_children():
+            inner = by_name.get(f"{name}.{child}" if name else child)
+            if inner is None or outer is None:
+                continue
+            inner.inside = outer.name
+            if inner.expect == outer.expect:
+                continue
+            culprit = inner if inner.rule is not None else outer
+            rule = culprit.rule
+            whole = (  # the entry's own glob for the attention, where it names the child
+                rule.pattern.removesuffix(f".{child}")
+                if rule is not None and rule.pattern.endswith(f".{child}")
+                else exact_glob(outer.name)
+            )
+            raise ConfigError(
+                rule.key if rule is not None else LAYERS_KEY,
+                (f"'{rule.pattern}' ({rule.where()}) plans " if rule is not None else "")
+                + f"{inner.label} as {inner.expect.label()} and {outer.label} as "
+                f"{outer.expect.label()}, but {type(parent).__name__} computes with {child}'s "
+                f"weights in its own forward ({child}'s forward never runs): they cannot differ",
+                f"one format for {outer.label} and all in it: an entry '{whole}'",
+            )
 
 
 def _check_tied(model: nn.Module, layers: Sequence[PlannedLayer]) -> None:
