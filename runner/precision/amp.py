@@ -291,15 +291,21 @@ def scale_loss(
     accepted for Apex compatibility and ignored. While amp is disabled (the latest `initialize`
     said `enabled=False`) the loss passes through unchanged whatever earlier calls set up, as in
     Apex: no engine scales, unscales or checks anything."""
-    disabled = getattr(_amp_state, "opt_properties", None)
-    if disabled is not None and not disabled.enabled:
+    props = getattr(_amp_state, "opt_properties", None)
+    if props is None:  # Apex's error: a script that forgot initialize is not left unscaled
+        raise RuntimeError(
+            "Invoked 'with amp.scale_loss', but internal Amp state has not been initialized: "
+            "model, optimizer = amp.initialize(model, optimizer, opt_level=...) must be called "
+            "before 'with amp.scale_loss'"
+        )
+    if not props.enabled:
         yield loss
         return
     opts, _ = _as_list(optimizers)
     inits = [_init_of(o) if isinstance(o, torch.optim.Optimizer) else None for o in opts]
     if not any(inits):
         if _amp_state.engine is None:
-            yield loss  # before initialize: nothing to scale
+            yield loss  # after amp.deinitialize(): nothing to scale
             return
         raise RuntimeError(
             "amp.scale_loss: the optimizer(s) given were not returned by "

@@ -800,6 +800,22 @@ def test_disable_casts_runs_a_matmul_inside_forward_in_fp32():
     assert seen["before"] == torch.float16  # and casting is back after the block
 
 
+def test_scale_loss_before_initialize_is_apexs_error_not_an_unscaled_backward():
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = batch()
+    with pytest.raises(RuntimeError, match="amp.initialize.*must be called before"):
+        with amp.scale_loss(ce(model, x, y), opt):
+            pass
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    with amp.scale_loss(ce(model, x, y), opt) as scaled:
+        scaled.backward()
+    amp.deinitialize()  # (the runner's own undo: amp is off again, the loss passes through)
+    loss = ce(model.float(), x, y)
+    with amp.scale_loss(loss, opt) as scaled:
+        assert scaled is loss
+
+
 def test_amp_state_loss_scalers_report_the_current_scale():
     assert amp._amp_state.loss_scalers == []  # before initialize
     model = net()
