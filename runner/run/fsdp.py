@@ -52,6 +52,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from runner.config.mistakes import did_you_mean
 from runner.errors import ConfigError
 from runner.precision import Properties
 from runner.precision.state import local_shard as local  # noqa: F401  (a DTensor's shard)
@@ -112,12 +113,17 @@ def units_for(model: nn.Module, wrap: Optional[Sequence[str]]) -> list[str]:
             matched = by_class or by_name
             if not matched:
                 top = ", ".join(n for n, _ in model.named_children())
+                classes = sorted({type(m).__name__ for _, m in model.named_modules()})
+                a_name = any(c in entry for c in ".*?")  # a module name's glob, not a class
+                near = (
+                    did_you_mean(entry, names) if a_name else did_you_mean(entry, classes)
+                ) or did_you_mean(entry, classes if a_name else names)
                 raise ConfigError(
                     WRAP_KEY,
                     f"'{entry}' matches no module of "
                     f"{type(model).__name__} (by class name, or by a module-name "
                     f"glob whose * stays within one name); its top-level modules: "
-                    f"{top}",
+                    f"{top}{near}",
                     "class names (Block) or globs (blocks.*, layer?)",
                 )
             chosen += [n for n in matched if n not in chosen]

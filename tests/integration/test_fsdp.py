@@ -116,6 +116,10 @@ def test_the_default_units_are_the_repeated_blocks():
     ]
     with pytest.raises(ConfigError, match="trainer.fsdp_wrap.*'blocks.x' matches no module"):
         fsdp.units_for(GPT(64, 32, 2, 2, 32), ["blocks.x"])
+    with pytest.raises(ConfigError, match="'Blok' matches no module .*; did you mean Block\\?"):
+        fsdp.units_for(GPT(64, 32, 2, 2, 32), ["Blok"])
+    with pytest.raises(ConfigError, match="did you mean blocks.0"):
+        fsdp.units_for(GPT(64, 32, 2, 2, 32), ["blocks.0x"])
 
 
 # ---- training, against one process ------------------------------------------------------------
