@@ -442,6 +442,27 @@ def test_check_text_tokenizer_errors(tmp_path, monkeypatch):
     assert err.key == "data.tokenizer" and 'pip install "amp-runner[hf]"' in str(err)
 
 
+def test_a_tokenizer_folder_or_a_wrong_json_file_is_told_in_the_readers_terms(
+    tmp_path, bpe_tokenizer
+):
+    corpus, path, tok = bpe_tokenizer  # tmp_path/tokenizer.json
+    # a Hugging Face model's folder: its tokenizer.json
+    assert text_vocab_size(text_node(tmp_path, corpus, tokenizer=str(tmp_path))) == (
+        tok.get_vocab_size()
+    )
+    err = check_error(check_text, text_node(tmp_path, corpus, tokenizer=str(corpus)))
+    assert err.key == "data.tokenizer" and "is a folder without a tokenizer.json" in str(err)
+    # the folder's other JSON files: the tokenizer.json beside them named
+    config = tmp_path / "tokenizer_config.json"
+    config.write_text('{"model_max_length": 1024}')
+    err = check_error(check_text, text_node(tmp_path, corpus, tokenizer=str(config)))
+    assert "JSON of another kind: a tokenizer.json has a 'model' entry" in str(err)
+    assert f"the tokenizer.json beside it is {path}" in str(err)
+    config.write_text("model_max_length: 1024\n")
+    err = check_error(check_text, text_node(tmp_path, corpus, tokenizer=str(config)))
+    assert "not JSON: Expecting value at line 1, column 1" in str(err)
+
+
 def test_text_vocab_size_is_256_for_bytes(tmp_path):
     assert text_vocab_size(text_node(tmp_path, tmp_path)) == 256
 

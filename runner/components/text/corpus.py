@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+import json
 import logging
 import os
 from collections.abc import Sequence
@@ -111,10 +112,32 @@ def _tokenizer_at(path: str, size: int, mtime_ns: int) -> tuple[Any, str]:
     except Exception as exc:  # tokenizers raises a bare Exception on a malformed file
         raise ConfigError(
             "data.tokenizer",
-            f"{path} cannot be read as a Hugging Face tokenizer.json ({type(exc).__name__}: {exc})",
+            f"{path} cannot be read as a Hugging Face tokenizer.json ({_why_not(path, exc)})",
             "the path of a tokenizer.json saved by `tokenizers`, or null for bytes",
         ) from exc
     return tokenizer, sha256_file(path)
+
+
+def _why_not(path: str, exc: Exception) -> str:
+    """Why `tokenizers` refused the file, in the reader's terms: not JSON (where), JSON of
+    another kind (a Hugging Face folder's tokenizer_config.json or vocab.json: its
+    tokenizer.json beside it named), else tokenizers' own message."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError) as err:
+        return f"{type(err).__name__}: {err}"
+    except json.JSONDecodeError as err:
+        return f"not JSON: {err.msg} at line {err.lineno}, column {err.colno}"
+    if isinstance(data, dict) and "model" in data:
+        return f"{type(exc).__name__}: {exc}"
+    beside = os.path.join(os.path.dirname(path), "tokenizer.json")
+    hint = (
+        f"; the tokenizer.json beside it is {beside}"
+        if os.path.basename(path) != "tokenizer.json" and os.path.isfile(beside)
+        else ""
+    )
+    return f"JSON of another kind: a tokenizer.json has a 'model' entry at its top{hint}"
 
 
 def load_tokenizer(node: Any) -> Optional[tuple[Any, str, str]]:
@@ -122,6 +145,15 @@ def load_tokenizer(node: Any) -> Optional[tuple[Any, str, str]]:
     if keys.get(node, "tokenizer") is None:
         return None
     path = keys.path(node, "tokenizer", "the path of a tokenizer.json, or null for bytes")
+    if os.path.isdir(path):  # a Hugging Face model's folder: its tokenizer.json
+        inside = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(inside):
+            raise ConfigError(
+                "data.tokenizer",
+                f"{path} is a folder without a tokenizer.json",
+                "the path of a tokenizer.json (or of a folder holding one), or null for bytes",
+            )
+        path = inside
     if not os.path.isfile(path):
         raise ConfigError(
             "data.tokenizer",
