@@ -12,6 +12,7 @@ The DataLoaders over them: `runner.components.loaders`.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import pickle
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ from runner.config import options, targets
 from runner.config.options import DATASET_NAMES, image_classes
 from runner.config.schema import CLASSIFICATION, LANGUAGE_MODEL  # the tasks a dataset serves
 from runner.errors import ConfigError, DataError, UnreadableFile
+
+log = logging.getLogger(__name__)
 
 # Per-channel statistics of the training sets (the values the literature normalises with).
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
@@ -423,7 +426,23 @@ def build_imagefolder(cfg: Any) -> DataBundle:
                 f"data.root={root}: cannot read {path} as an ImageFolder: {exc}"
             ) from exc
     train, val = splits["train_dir"], splits["val_dir"]
+    say_if_one_split(("data.train_dir", paths["train_dir"]), ("data.val_dir", paths["val_dir"]))
     return DataBundle(train, val, len(train.classes), image_size, "imagefolder")
+
+
+def say_if_one_split(train: tuple[str, str], val: tuple[str, str]) -> None:
+    """Warn where the training and the validation data are one file or folder ((key, path)
+    each): the validation figures then measure the training data (an overfitting check may mean
+    it; a run comparing levels does not)."""
+    (train_key, train_path), (val_key, val_path) = train, val
+    if os.path.realpath(train_path) == os.path.realpath(val_path):
+        log.warning(
+            "%s and %s are the same (%s): validation measures the training data, so "
+            "best_val_* says how well the model fits it, not how it generalises",
+            train_key,
+            val_key,
+            os.path.realpath(train_path),
+        )
 
 
 def check_folders_once(path: str, root: str) -> None:

@@ -213,6 +213,20 @@ def test_imagefolder(tmp_path, augment):
         assert label == 2
 
 
+def test_imagefolder_whose_val_is_its_train_folder_says_so(tmp_path, caplog):
+    write_image_folder(tmp_path)
+    with caplog.at_level("WARNING", logger="runner.components.data"):
+        build_datasets(folder_cfg(tmp_path, image_size=32))
+    assert "validation measures the training data" not in caplog.text
+    with caplog.at_level("WARNING", logger="runner.components.data"):
+        bundle = build_datasets(folder_cfg(tmp_path, image_size=32, val_dir="./train"))
+    assert len(bundle.val) == len(bundle.train) == 9
+    assert (
+        f"data.train_dir and data.val_dir are the same ({tmp_path / 'train'}): validation "
+        "measures the training data" in caplog.text
+    )
+
+
 def test_imagefolder_num_classes(tmp_path):
     write_image_folder(tmp_path)
     assert build_datasets(folder_cfg(tmp_path, image_size=32, num_classes=3)).num_classes == 3

@@ -468,6 +468,19 @@ def test_text_vocab_size_is_256_for_bytes(tmp_path):
 
 
 # ---- data=tokens -------------------------------------------------------------------------------
+def test_tokens_whose_val_is_their_train_file_say_so(tmp_path, caplog):
+    np.arange(2000, dtype=np.uint16).tofile(tmp_path / "train.bin")
+    cfg = dict(name="tokens", train=str(tmp_path / "train.bin"), dtype="uint16", block_size=32)
+    with caplog.at_level("WARNING"):
+        build_tokens(node(**cfg, val=str(tmp_path / "train.bin"), vocab_size=None))
+    assert "data.train and data.val are the same" in caplog.text
+    caplog.clear()
+    np.arange(200, dtype=np.uint16).tofile(tmp_path / "val.bin")
+    with caplog.at_level("WARNING"):
+        build_tokens(node(**cfg, val=str(tmp_path / "val.bin"), vocab_size=None))
+    assert "are the same" not in caplog.text
+
+
 @pytest.mark.parametrize("dtype,high", [("uint16", 50_257), ("uint32", 100_000)])
 def test_tokens_round_trip(tmp_path, dtype, high):
     rng = np.random.default_rng(1)

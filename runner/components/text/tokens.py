@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from runner.components.data import LANGUAGE_MODEL, DataBundle
+from runner.components.data import LANGUAGE_MODEL, DataBundle, say_if_one_split
 from runner.components.text import keys
 from runner.components.text.stream import READ_CHUNK
 from runner.components.text.windows import DTYPES, TokenWindows
@@ -160,6 +160,7 @@ def build_tokens(cfg: Any) -> DataBundle:
         key: TokenWindows.from_file(keys.path(cfg, key, ""), dtype, block_size)
         for key in ("train", "val")
     }
+    say_if_one_split(*((f"data.{key}", keys.path(cfg, key, "")) for key in ("train", "val")))
     largest = {key: _max_id(ds.tokens()) for key, ds in splits.items()}
     top_key = max(largest, key=largest.get)
     top = largest[top_key]
