@@ -523,8 +523,9 @@ def build_target(cfg: Any) -> DataBundle:
     ):
         raise ConfigError(
             "data._target_",
-            f"{path} returned a {type(pair).__name__}, not a "
-            "(train, val) pair of map-style datasets",
+            f"{path} returned {_returned(pair)}",
+            "a (train, val) pair of map-style datasets (torch.utils.data.Dataset: __len__ and "
+            "__getitem__)",
         )
     train, val = pair
     if len(train) == 0 or len(val) == 0:
@@ -551,11 +552,44 @@ def build_target(cfg: Any) -> DataBundle:
     ):
         raise ConfigError(
             "data._target_",
-            f"the training set of {path} yields a "
-            f"{type(sample).__name__}, not an (input tensor, target) pair",
+            f"the training set of {path} yields {_yielded(sample)}, not an (input tensor, "
+            "target) pair",
+            "__getitem__ returning (x, y), x a torch.Tensor",
         )
     name = str(cfg.get("name") or path.rsplit(".", 1)[-1])
     return DataBundle(train, val, int(num_classes), int(sample[0].shape[-1]), name)
+
+
+def _returned(pair: Any) -> str:
+    """What a data `_target_` returned instead of two map-style datasets, in a reader's terms."""
+    if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+        size = f" of {len(pair)}" if isinstance(pair, (tuple, list)) else ""
+        return f"a {type(pair).__name__}{size}, not a (train, val) pair"
+    kinds = " and ".join(dict.fromkeys(type(d).__name__ for d in pair))
+    if any(isinstance(d, torch.utils.data.DataLoader) for d in pair):
+        return (
+            f"a pair of {kinds}: return their datasets (the runner makes the loaders, from "
+            "trainer.batch_size and trainer.num_workers)"
+        )
+    if any(isinstance(d, torch.utils.data.IterableDataset) for d in pair):
+        return (
+            f"a pair of {kinds}, iterable datasets: they have no length and no indexing, which "
+            "the runner shuffles, shards and counts its steps by"
+        )
+    return f"a pair of {kinds}, without __len__ or __getitem__"
+
+
+def _yielded(sample: Any) -> str:
+    """What a dataset's item is, where it is not an (input tensor, target) pair."""
+    if isinstance(sample, dict):
+        return f"a dict (keys {', '.join(map(str, list(sample)[:6]))})"
+    if isinstance(sample, (tuple, list)) and len(sample) == 2:
+        what = type(sample[0])
+        hint = " (torch.from_numpy(x))" if what.__module__ == "numpy" else ""
+        return f"a pair whose input is a {what.__module__}.{what.__name__}{hint}"
+    if isinstance(sample, (tuple, list)):
+        return f"a {type(sample).__name__} of {len(sample)} items"
+    return f"a {type(sample).__name__}"
 
 
 # ---- entry points --------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from runner.components.data import (
     CheckedCIFAR10,
     DataBundle,
     build_datasets,
+    build_target,
 )
 from runner.components.loaders import build_loaders, shutdown_workers
 from runner.components.models import build_model
@@ -181,6 +182,64 @@ def test_root_that_is_a_file(tmp_path):
 def test_unknown_dataset_name():
     with pytest.raises(ConfigError, match="data.name"):
         build_datasets(OmegaConf.create({"name": "mnist"}))
+
+
+# ---- data of one's own (data._target_) ----------------------------------------------------------
+class _Items(torch.utils.data.Dataset):
+    def __init__(self, item):
+        self.item = item
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return self.item
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        yield torch.zeros(3, 4, 4), 0
+
+
+def loaders_pair():
+    data = _Items((torch.zeros(3, 4, 4), 0))
+    return torch.utils.data.DataLoader(data), torch.utils.data.DataLoader(data)
+
+
+def streams_pair():
+    return _Stream(), _Stream()
+
+
+def dicts_pair():
+    return _Items({"image": torch.zeros(3, 4, 4), "label": 0}), _Items({"image": 0, "label": 0})
+
+
+def numpy_pair():
+    item = (np.zeros((3, 4, 4), dtype=np.float32), np.int64(0))
+    return _Items(item), _Items(item)
+
+
+def triples_pair():
+    return _Items((torch.zeros(3, 4, 4), 0, 7)), _Items((torch.zeros(3, 4, 4), 0, 7))
+
+
+@pytest.mark.parametrize(
+    "target,needle",
+    [
+        ("loaders_pair", "returned a pair of DataLoader: return their datasets"),
+        ("streams_pair", "returned a pair of _Stream, iterable datasets: they have no length"),
+        ("dicts_pair", "yields a dict (keys image, label), not an (input tensor, target) pair"),
+        ("numpy_pair", "yields a pair whose input is a numpy.ndarray (torch.from_numpy(x))"),
+        ("triples_pair", "yields a tuple of 3 items, not an (input tensor, target) pair"),
+    ],
+)
+def test_data_of_ones_own_in_another_shape_is_named_as_it_is(target, needle):
+    cfg = OmegaConf.create(
+        {"name": "custom", "_target_": f"tests.unit.test_data.{target}", "num_classes": 2}
+    )
+    with pytest.raises(ConfigError) as bad:
+        build_target(cfg)
+    assert bad.value.key == "data._target_" and needle in str(bad.value)
 
 
 # ---- ImageFolder ---------------------------------------------------------------------------
