@@ -1,11 +1,20 @@
-"""The loss: the criterion `loss._target_` names (cross-entropy by default)."""
+"""The loss: the criterion `loss._target_` names (cross-entropy by default), and the check of what
+a criterion of one's own returns (`check_criterion`, in planning)."""
 
 from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any
 
 import torch
 
 from runner.config import targets
 from runner.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+TARGET_KEY = "loss._target_"
 
 
 def build_loss(cfg) -> torch.nn.Module:
@@ -16,8 +25,91 @@ def build_loss(cfg) -> torch.nn.Module:
     criterion = targets.call("loss", cfg.loss)
     if not isinstance(criterion, torch.nn.Module):
         raise ConfigError(
-            "loss._target_",
+            TARGET_KEY,
             f"{cfg.loss._target_} returned a "
             f"{type(criterion).__name__}, not an nn.Module (a criterion)",
         )
     return criterion
+
+
+def check_criterion(criterion: torch.nn.Module, path: str, task: Any, num_outputs: int) -> None:
+    """Call `criterion` once, as the task calls it, on a small batch of random outputs (with a
+    gradient) and class targets on the CPU, and refuse what training cannot take: a forward that
+    takes other arguments than (outputs, targets), and a result that is not one floating value
+    with a gradient to the outputs (a tuple, `reduction='none'`, an integer count, a detached
+    value). Each was an unexpected error at the first step, after the run had started. A
+    criterion that raises on these inputs is not judged (it may want targets of another kind:
+    the first step tells)."""
+    outputs, labels = _probe(task, num_outputs)
+    forward = getattr(criterion, "forward", criterion)
+    try:
+        inspect.signature(forward).bind(outputs, labels)
+    except TypeError as exc:
+        raise ConfigError(
+            TARGET_KEY,
+            f"{path} takes {_arguments(forward)}, but the runner calls it as "
+            f"criterion(outputs, targets) ({exc})",
+            "a criterion whose forward takes (outputs, targets)",
+        ) from None
+    except ValueError:  # no signature to read
+        pass
+    try:
+        with torch.enable_grad():
+            loss = task.loss(criterion, outputs, labels)
+    except Exception as exc:  # (its inputs may not be what it takes: not judged here)
+        log.debug("%s not checked on class targets: %s: %s", path, type(exc).__name__, exc)
+        return
+    problem = _loss_problem(loss)
+    if problem:
+        raise ConfigError(
+            TARGET_KEY,
+            f"{path} returns {problem}",
+            "a criterion returning the batch's loss: one floating value, with a gradient "
+            "(e.g. reduction='mean')",
+        )
+
+
+def _probe(task: Any, num_outputs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random outputs and class targets of the task's shapes: (4, classes) and (4,), or a
+    language model's (2, 2, vocabulary) and (2, 2)."""
+    from runner.config.schema import LANGUAGE_MODEL
+
+    g = torch.Generator().manual_seed(0)  # (the run's own random state is left alone)
+    batch = (2, 2) if task.name == LANGUAGE_MODEL else (4,)
+    outputs = torch.randn(*batch, num_outputs, generator=g).requires_grad_()
+    return outputs, torch.randint(0, num_outputs, batch, generator=g)
+
+
+def _arguments(forward: Any) -> str:
+    try:
+        names = [
+            n
+            for n, p in inspect.signature(forward).parameters.items()
+            if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        ]
+    except (TypeError, ValueError):
+        return "other arguments"
+    return f"({', '.join(names)})" if names else "no arguments"
+
+
+def _loss_problem(loss: Any) -> str:
+    """What is wrong with a criterion's result for a backward, or '' where nothing is."""
+    if isinstance(loss, (tuple, list)):
+        return f"a {type(loss).__name__} of {len(loss)} (the runner takes the loss alone)"
+    if not isinstance(loss, torch.Tensor):
+        return f"a {type(loss).__name__}, not a tensor"
+    if loss.numel() != 1:
+        return (
+            f"a tensor of shape {tuple(loss.shape)}, not one value (a loss per item, as "
+            "reduction='none' gives)"
+        )
+    if not loss.is_floating_point():
+        name = str(loss.dtype).replace("torch.", "")
+        article = "an" if name[0] in "aeiou" else "a"
+        return f"{article} {name} tensor (a count, not a loss to descend)"
+    if not loss.requires_grad:
+        return (
+            "a value without a gradient to the model's outputs (detached, or computed from "
+            "argmax or .item())"
+        )
+    return ""

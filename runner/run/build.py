@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from runner import csrc
 from runner.components.data import build_datasets, declared_num_classes
 from runner.components.loaders import build_loaders
-from runner.components.losses import build_loss
+from runner.components.losses import build_loss, check_criterion
 from runner.components.models import build_model, check_output
 from runner.components.optim import build_optimizer, build_scheduler
 from runner.measure.probes import MemoryProbe
@@ -184,7 +184,10 @@ def build(
         cfg.trainer.max_epochs,
         plan.specs.get("scheduler"),
     )
-    criterion = build_loss(cfg).to(device)
+    criterion = build_loss(cfg)
+    if plan.declared is None and "loss" in cfg:  # (else planning checked it)
+        check_criterion(criterion, str(cfg.loss._target_), task, bundle.num_classes)
+    criterion = criterion.to(device)
     return Parts(
         bundle,
         train_loader,

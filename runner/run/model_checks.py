@@ -106,7 +106,19 @@ def check_parts(
         check_output(cfg.model, *declared, task=task_for(task), build=meta.build)
         if task == options.LANGUAGE_MODEL:
             check_positions(cfg, meta)
+        check_loss(cfg, task, declared[0])
     return meta
+
+
+def check_loss(cfg: DictConfig, task: Any, num_outputs: int) -> None:
+    """The criterion (`loss._target_`), built and called once on a small batch of random
+    outputs (`runner.components.losses.check_criterion`)."""
+    from runner.components.losses import build_loss, check_criterion
+    from runner.tasks import task_for
+
+    if "loss" not in cfg:
+        return
+    check_criterion(build_loss(cfg), str(cfg.loss._target_), task_for(task), num_outputs)
 
 
 def check_vocabulary(cfg: DictConfig, vocab_size: int) -> None:

@@ -393,6 +393,11 @@ BAD = [
         "torch.nn.CrossEntropyLoss",
     ),
     (["loss.label_smoothing=1.5"], "loss.label_smoothing", "got 1.5"),
+    (
+        ["loss=custom", "loss._target_=torch.nn.CrossEntropyLoss", "+loss.reduction=none"],
+        "loss._target_",
+        "torch.nn.CrossEntropyLoss returns a tensor of shape (4,), not one value",
+    ),
 ]
 
 
@@ -425,6 +430,26 @@ def test_a_dataset_without_classes_or_a_pair_is_refused_before_any_run(project: 
         and "data._target_: my_pkg.data.not_a_pair returned a Blobs, not a (train, val) pair" in err
         and "Traceback" not in err
     )
+    assert not all_runs(uri)
+
+
+def test_a_criterion_on_data_of_ones_own_is_checked_once_the_data_is_loaded(project: Path, capfd):
+    """Data of one's own declares no shape: the criterion is called once the datasets exist,
+    still before any run."""
+    uri = f"sqlite:///{project / 'mlflow.db'}"
+    code = run_in_process(
+        "model=tiny",
+        "data=custom",
+        "data._target_=my_pkg.data.make_datasets",
+        "loss=custom",
+        "loss._target_=torch.nn.CrossEntropyLoss",
+        "+loss.reduction=none",
+        *QUICK,
+        f"mlflow.tracking_uri={uri}",
+    )
+    err = printed(capfd)
+    assert code == 2 and "Traceback" not in err, err[-2000:]
+    assert "loss._target_: torch.nn.CrossEntropyLoss returns a tensor of shape (4,)" in err
     assert not all_runs(uri)
 
 
