@@ -3,11 +3,14 @@ a criterion of one's own returns (`check_criterion`, in planning)."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch
+from omegaconf import OmegaConf
 
 from runner.config import targets
 from runner.errors import ConfigError
@@ -17,11 +20,66 @@ log = logging.getLogger(__name__)
 TARGET_KEY = "loss._target_"
 
 
+class FunctionLoss(torch.nn.Module):
+    """A loss function (`loss._target_=torch.nn.functional.cross_entropy`) as a criterion:
+    `fn(outputs, targets, **kwargs)`, the node's other keys its keyword arguments."""
+
+    def __init__(self, fn: Callable[..., torch.Tensor], kwargs: dict[str, Any]):
+        super().__init__()
+        self.fn, self.kwargs = fn, kwargs
+
+    def forward(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.fn(outputs, targets, **self.kwargs)
+
+    def extra_repr(self) -> str:
+        return f"{getattr(self.fn, '__qualname__', self.fn)}, {self.kwargs}"
+
+
+def loss_function(node: Any) -> Optional[Callable[..., torch.Tensor]]:
+    """`loss._target_` where it names a loss function itself, not a criterion's class or a
+    function that builds one: a function whose first two parameters are positional, required
+    and not set by the node (F.cross_entropy's input and target). None otherwise."""
+    target = targets.resolve(TARGET_KEY, node[targets.TARGET])
+    if inspect.isclass(target):
+        return None
+    try:
+        params = list(inspect.signature(target).parameters.values())[:2]
+    except (TypeError, ValueError):
+        return None
+    given = targets.arguments(node)
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if len(params) == 2 and all(
+        p.kind in positional and p.default is p.empty and p.name not in given for p in params
+    ):
+        return target
+    return None
+
+
+def check_target(node: Any) -> None:
+    """Planning's check of `loss._target_`: imported, its arguments bound (a loss function's
+    after the outputs and targets it is called with)."""
+    if OmegaConf.is_missing(node, targets.TARGET):
+        targets.check("loss", node)  # (says how to set it)
+    fn = loss_function(node)
+    if fn is None:
+        targets.check("loss", node)
+        return
+    path = str(node[targets.TARGET])
+    targets.check_arguments(
+        "loss", path, functools.partial(fn, None, None), targets.arguments(node)
+    )
+
+
 def build_loss(cfg) -> torch.nn.Module:
     """The criterion `loss._target_` names (torch.nn.CrossEntropyLoss by default, and for a
-    config without a loss group), called as criterion(logits, targets)."""
+    config without a loss group), called as criterion(logits, targets); a loss function
+    (`loss_function`) is wrapped as one (`FunctionLoss`)."""
     if "loss" not in cfg:
         return torch.nn.CrossEntropyLoss()
+    fn = loss_function(cfg.loss)
+    if fn is not None:
+        check_target(cfg.loss)
+        return FunctionLoss(fn, targets.arguments(cfg.loss))
     criterion = targets.call("loss", cfg.loss)
     if not isinstance(criterion, torch.nn.Module):
         raise ConfigError(

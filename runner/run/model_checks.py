@@ -13,7 +13,7 @@ from typing import Any, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from runner.config import options, targets
+from runner.config import options
 from runner.errors import ConfigError
 from runner.precision import Properties, layers
 from runner.precision.layers import LayerPlan, LayerRule
@@ -95,7 +95,9 @@ def check_parts(
         if specs.get(group) is not None:
             specs[group].run_check(cfg[group])
     if "loss" in cfg:
-        targets.check("loss", cfg.loss)
+        from runner.components.losses import check_target
+
+        check_target(cfg.loss)
     declared = declared_input(cfg.data, specs.get("data"))
     if task == options.LANGUAGE_MODEL:
         check_context(cfg)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+import torch.nn.functional as F
 
 from runner.measure.timing import MFU, SAMPLES_PER_S
 
@@ -25,11 +26,14 @@ def class_indices(criterion: torch.nn.Module, num_outputs: Optional[int]) -> Opt
     """(outputs, ignore_index) where `criterion` takes class indices (torch's cross-entropy and
     NLL losses: a classifier's labels, a language model's next tokens) and the model's outputs
     are known; None otherwise (a criterion of the user's takes what it takes)."""
-    if num_outputs is None or not isinstance(
-        criterion, (torch.nn.CrossEntropyLoss, torch.nn.NLLLoss)
-    ):
+    if num_outputs is None:
         return None
-    return int(num_outputs), int(criterion.ignore_index)
+    if isinstance(criterion, (torch.nn.CrossEntropyLoss, torch.nn.NLLLoss)):
+        return int(num_outputs), int(criterion.ignore_index)
+    fn = getattr(criterion, "fn", None)  # their functions, as loss._target_ (FunctionLoss)
+    if fn in (F.cross_entropy, F.nll_loss):
+        return int(num_outputs), int(criterion.kwargs.get("ignore_index", -100))
+    return None
 
 
 def target_problem(target: torch.Tensor, indices: Optional[tuple]) -> Optional[str]:

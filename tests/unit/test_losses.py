@@ -6,11 +6,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from runner.components.losses import check_criterion
+from runner.components.losses import (
+    FunctionLoss,
+    build_loss,
+    check_criterion,
+    check_target,
+    loss_function,
+)
 from runner.errors import ConfigError
 from runner.tasks import task_for
+from runner.tasks.base import class_indices
 
 
 class PerItem(nn.Module):
@@ -72,3 +80,46 @@ def test_criteria_training_can_take_pass_and_the_run_s_random_state_is_left_alon
     # a criterion that wants other targets (one-hot floats) is not judged on class indices
     check_criterion(nn.BCEWithLogitsLoss(), "x", task_for("classification"), 10)
     assert torch.equal(torch.rand(3), expected)
+
+
+# ---- a loss function as loss._target_ ------------------------------------------------------------
+def focal(gamma: float = 2.0):
+    """A function that builds a criterion (not a loss function itself)."""
+    return FocalLoss()
+
+
+def loss_cfg(target: str, **kwargs) -> DictConfig:
+    return OmegaConf.create({"loss": {"_target_": target, **kwargs}})
+
+
+def test_a_loss_function_is_a_criterion_with_the_nodes_keys_as_its_arguments():
+    cfg = loss_cfg("torch.nn.functional.cross_entropy", label_smoothing=0.1)
+    check_target(cfg.loss)
+    criterion = build_loss(cfg)
+    assert isinstance(criterion, FunctionLoss) and criterion.kwargs == {"label_smoothing": 0.1}
+    logits, labels = torch.randn(6, 10), torch.randint(0, 10, (6,))
+    expected = nn.CrossEntropyLoss(label_smoothing=0.1)(logits, labels)
+    assert torch.equal(criterion(logits, labels), expected)
+    check_criterion(criterion, "x", task_for("classification"), 10)
+    # the labels are checked against the classes as for torch's own criterion
+    assert class_indices(criterion, 10) == (10, -100)
+    assert class_indices(
+        build_loss(loss_cfg("torch.nn.functional.nll_loss", ignore_index=3)), 7
+    ) == (
+        7,
+        3,
+    )
+    # a misspelt argument is named as for any _target_
+    with pytest.raises(ConfigError) as bad:
+        check_target(loss_cfg("torch.nn.functional.cross_entropy", label_smoothin=0.1).loss)
+    assert bad.value.key == "loss.label_smoothin" and "did you mean label_smoothing" in str(
+        bad.value
+    )
+
+
+def test_a_function_that_builds_a_criterion_is_called_as_before():
+    cfg = loss_cfg("tests.unit.test_losses.focal", gamma=3.0)
+    check_target(cfg.loss)
+    assert loss_function(cfg.loss) is None and isinstance(build_loss(cfg), FocalLoss)
+    assert loss_function(loss_cfg("torch.nn.CrossEntropyLoss").loss) is None  # a class
+    assert class_indices(build_loss(cfg), 10) is None  # a criterion of the user's
