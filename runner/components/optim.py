@@ -7,6 +7,7 @@ attempt, skipped steps included: the schedule stays aligned with the data at eve
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Iterable
 from typing import Optional
@@ -15,6 +16,8 @@ import torch
 from torch.optim.lr_scheduler import LRScheduler
 
 from runner.config import options
+
+log = logging.getLogger(__name__)
 
 
 def build_optimizer(
@@ -89,6 +92,15 @@ def build_cosine(cfg, optimizer, steps_per_epoch: int, max_epochs: int) -> LRSch
 
 
 def build_step(cfg, optimizer, steps_per_epoch: int, max_epochs: int) -> LRScheduler:
+    if cfg.step_epochs >= max_epochs:
+        log.warning(
+            "scheduler.step_epochs=%d with trainer.max_epochs=%d: the learning rate never "
+            "decays in this run (scheduler=step multiplies it by gamma=%g every step_epochs "
+            "epochs)",
+            cfg.step_epochs,
+            max_epochs,
+            cfg.gamma,
+        )
     return torch.optim.lr_scheduler.StepLR(
         optimizer, step_size=max(1, cfg.step_epochs * steps_per_epoch), gamma=cfg.gamma
     )

@@ -270,6 +270,14 @@ def _check_combinations(cfg: DictConfig) -> None:
             f"a number >= {2 * tracking.heartbeat_s:g} (2 x mlflow.heartbeat_s)",
         )
     opt = cfg.optimizer
+    sched = cfg.get("scheduler")
+    if sched is not None and sched.get("name") == "cosine" and sched.eta_min > opt.lr:
+        raise ConfigError(
+            "scheduler.eta_min",
+            f"{sched.eta_min:g} is above optimizer.lr={opt.lr:g}: cosine annealing would raise "
+            "the learning rate to it over the run, not lower it",
+            f"a number in [0, {opt.lr:g}] (the lr the schedule ends at)",
+        )
     if opt.get("nesterov") and (opt.momentum <= 0 or opt.dampening != 0):
         raise ConfigError(
             "optimizer.nesterov",

@@ -221,6 +221,7 @@ VALUE_CASES = [
     (["+optimizer.eps=1e-4"], "optimizer.eps"),
     (["optimizer.dampening=1"], "optimizer.dampening"),
     (["scheduler=cosine", "scheduler.eta_min=-1e-3"], "scheduler.eta_min"),
+    (["scheduler=cosine", "scheduler.eta_min=1", "optimizer.lr=0.1"], "scheduler.eta_min"),
     (["scheduler=step", "scheduler.step_epochs=0"], "scheduler.step_epochs"),
     (["scheduler=onecycle", "scheduler.max_lr=0"], "scheduler.max_lr"),
     (["scheduler=onecycle", "scheduler.div_factor=0"], "scheduler.div_factor"),

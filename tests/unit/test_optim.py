@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runner.components.optim import build_optimizer
+from runner.components.optim import build_optimizer, build_scheduler
 from tests.helpers.runs import compose_config
 
 
@@ -58,3 +58,18 @@ def test_adamw_decays_decoupled_while_adam_adds_an_l2_gradient():
         results[option] = w.item()
     assert results["adamw"] == pytest.approx(0.99, abs=1e-6)
     assert results["adam"] == pytest.approx(0.9, abs=1e-6)
+
+
+def test_a_step_schedule_that_never_decays_in_the_run_says_so(caplog):
+    opt, _ = _build()
+    cfg = compose_config("scheduler=step", "scheduler.step_epochs=3").scheduler
+    with caplog.at_level("WARNING", logger="runner.components.optim"):
+        build_scheduler(cfg, opt, steps_per_epoch=5, max_epochs=4)
+    assert "learning rate never decays" not in caplog.text  # it decays after epoch 3
+    with caplog.at_level("WARNING", logger="runner.components.optim"):
+        scheduler = build_scheduler(cfg, opt, steps_per_epoch=5, max_epochs=3)
+    assert (
+        "scheduler.step_epochs=3 with trainer.max_epochs=3: the learning rate never decays"
+        in caplog.text
+    )
+    assert scheduler.step_size == 15  # (still the schedule asked for)
