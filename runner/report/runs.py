@@ -7,6 +7,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path, PurePath
 
+from runner.config.mistakes import did_you_mean
 from runner.config.schema import CLASSIFICATION
 from runner.measure.audit import FORMAT_METRIC as LAYERS_IN
 from runner.measure.timing import MFU, SAMPLES_PER_S, TOKENS_PER_S, WARMUP_TIME_S
@@ -27,6 +28,16 @@ class NothingToReport(Exception):
     """No experiment, sweep or run matched: the message says what was looked for, and where."""
 
 
+def _experiments(reader: Reader, name: str) -> tuple[str, str]:
+    """(' (its experiments: a, b)', '; did you mean --experiment a?') for an experiment name
+    that matched none."""
+    names = reader.experiment_names()
+    if not names:
+        return " (it has no experiments)", ""
+    listed = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    return f" (its experiments: {listed})", did_you_mean(name, names, prefix="--experiment ")
+
+
 def select_runs(
     reader: Reader, experiment_name: str, parent: RunRecord | None, sweep: str | None
 ) -> tuple[RunRecord | None, list[RunRecord]]:
@@ -35,9 +46,10 @@ def select_runs(
     sweep; in an experiment without sweeps, every run of the experiment but the pre-flights."""
     experiment_id = reader.experiment_id(experiment_name)
     if experiment_id is None:
+        listed, near = _experiments(reader, experiment_name)
         raise NothingToReport(
-            f"no experiment {experiment_name!r} in {reader.location}; "
-            "set --experiment (the runs' mlflow.experiment_name)"
+            f"no experiment {experiment_name!r} in {reader.location}{listed}; "
+            f"set --experiment (the runs' mlflow.experiment_name){near}"
         )
     ids = [experiment_id]
     if parent is None:
@@ -97,9 +109,11 @@ def find_run(reader: Reader, experiment_name: str, key: str) -> tuple[RunRecord,
         pass
     experiment_id = reader.experiment_id(experiment_name)
     if experiment_id is None:
+        listed, near = _experiments(reader, experiment_name)
         raise NothingToReport(
             f"no run {key!r} in {reader.location}, and no experiment {experiment_name!r} to look "
-            "for a run of that name in; set --experiment (the runs' mlflow.experiment_name)"
+            f"for a run of that name in{listed}; set --experiment (the runs' "
+            f"mlflow.experiment_name){near}"
         )
     runs = reader.runs([experiment_id], newest_first=True)
     named = [r for r in runs if r.run_name == key]

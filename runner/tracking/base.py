@@ -150,6 +150,10 @@ class Reader(ABC):
         """The id of the experiment `name`; None when the store has none of that name."""
 
     @abstractmethod
+    def experiment_names(self) -> list[str]:
+        """The names of the store's experiments (for a name that matched none)."""
+
+    @abstractmethod
     def run(self, run_id: str) -> RunRecord:
         """The run `run_id`; RunNotFound when the store has none."""
 

@@ -221,6 +221,9 @@ class JsonReader(Reader):
     def experiment_id(self, name: str) -> str | None:
         return name if any(r.get("experiment") == name for _, r in self.paths()) else None
 
+    def experiment_names(self) -> list[str]:
+        return sorted({str(r.get("experiment")) for _, r in self.paths() if r.get("experiment")})
+
     def run(self, run_id: str) -> RunRecord:
         return as_run_record(self.find(run_id)[1])
 

@@ -62,6 +62,9 @@ class MlflowReader(Reader):
         experiment = self.client.get_experiment_by_name(name)
         return None if experiment is None else experiment.experiment_id
 
+    def experiment_names(self) -> list[str]:
+        return sorted(e.name for e in self.client.search_experiments())
+
     def run(self, run_id: str) -> RunRecord:
         try:
             return record(self.client.get_run(run_id))

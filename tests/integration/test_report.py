@@ -259,6 +259,11 @@ def test_a_database_path_without_its_scheme_is_refused_with_the_uri_to_type(tmp_
     "args,needle",
     [
         (["--experiment", "nope"], "no experiment 'nope'"),
+        (
+            ["--experiment", "amp-runer"],
+            "amp-runner); set --experiment (the runs' mlflow.experiment_name); did you mean "
+            "--experiment amp-runner?",
+        ),
         ([], "no runs in experiment 'amp-runner'"),
         (["--parent", "0123456789abcdef"], "no run '0123456789abcdef'"),
         (["--sweep", "multirun/never"], "no sweep named 'multirun/never'"),
@@ -270,6 +275,15 @@ def test_nothing_to_report_says_why(args, needle, tracking_uri, tmp_path, capsys
     err = capsys.readouterr().err
     assert "Nothing to report: " in err and needle in err and "Traceback" not in err
     assert not (tmp_path / "r").exists()
+
+
+def test_both_stores_list_their_experiments(tracking_uri, tmp_path):
+    from runner.tracking.json_file import JsonTracker
+
+    assert "amp-runner" in MlflowTracker(tracking_uri, "amp-runner").reader.experiment_names()
+    records = JsonTracker(tmp_path / "none", "mine")
+    records.create_run("r", {}, tmp_path / "none" / "run")
+    assert records.reader.experiment_names() == ["mine"]
 
 
 def test_speed_is_compared_at_the_steady_throughput(tracking_uri, tmp_path):
