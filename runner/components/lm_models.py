@@ -21,6 +21,7 @@ from __future__ import annotations
 import difflib
 import functools
 import inspect
+import logging
 import math
 import os
 import re
@@ -32,6 +33,8 @@ from torch.nn import functional as F
 
 from runner.config import targets
 from runner.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 # ---- the runner's GPT ------------------------------------------------------------------------
@@ -428,6 +431,14 @@ def check_hf(cfg: Any) -> None:
                 f"Hugging Face {config_class.__name__} ({arch}) has no setting {key!r}{hint}",
                 f"a keyword of {config_class.__name__}",
             )
+    for key in _causal_settings(arch, config_class):
+        if key in kwargs and not kwargs[key]:
+            raise ConfigError(
+                f"model.{key}",
+                f"got {kwargs[key]!r}: {arch}'s causal LM head then attends both ways and sees "
+                "the tokens it predicts",
+                "true (the default here), or leave it out",
+            )
     vocab = kwargs.get("vocab_size")
     if vocab is not None and (not isinstance(vocab, int) or vocab < 2):
         raise ConfigError(
@@ -485,5 +496,56 @@ def build_hf(cfg: Any, num_classes: int, small_input: bool = False) -> HFCausalL
         ids = getattr(default, key, None)
         if key not in kwargs and any(i >= kwargs["vocab_size"] for i in _ids(ids)):
             kwargs[key] = None
+    made_causal = [key for key in _causal_settings(arch, config_class) if key not in kwargs]
+    if made_causal:
+        kwargs.update({key: True for key in made_causal})
+        said = log.debug if torch.empty(0).is_meta else log.info  # (planning's build: quiet)
+        said(
+            "model.arch=%s is an encoder with a causal LM head: built with %s, so that it does "
+            "not see the tokens it predicts",
+            arch,
+            " and ".join(f"{key}=true" for key in made_causal),
+        )
     config = _hf_config(arch, kwargs)
     return HFCausalLM(AutoModelForCausalLM.from_config(config))
+
+
+def _causal_settings(arch: str, config_class: Any) -> list[str]:
+    """The settings that make a model type's causal LM attend only backwards: `is_decoder` for
+    an encoder's type (one with a masked LM: BERT, RoBERTa, ELECTRA, ... attend both ways
+    without it), and XLM's own `causal`."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    keys = ["is_decoder"] if arch in MODEL_FOR_MASKED_LM_MAPPING_NAMES else []
+    return keys + (["causal"] if "causal" in _settings(config_class) else [])
+
+
+def sees_ahead(model: nn.Module, vocab_size: int, block_size: int) -> bool:
+    """Whether a language model's outputs at earlier positions change with a later token (it
+    attends forwards, so it would see the tokens it predicts): two forwards, in eval mode and
+    without gradients, of one sequence of up to 16 random tokens and of the same with its last
+    token changed, on the model's device. False where the model cannot run them (the first
+    step will tell why)."""
+    length = min(int(block_size), 16)
+    if length < 2 or vocab_size < 2:
+        return False
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)  # (the run's own random state is left alone)
+    tokens = torch.randint(0, vocab_size, (1, length), generator=g)
+    changed = tokens.clone()
+    changed[0, -1] = (tokens[0, -1] + 1) % vocab_size
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            outputs = [model(t.to(device)) for t in (tokens, changed)]
+    except Exception:  # noqa: BLE001
+        return False
+    finally:
+        model.train(training)
+    first, second = (o if isinstance(o, torch.Tensor) else o[0] for o in outputs)
+    before = slice(0, length - 1)
+    scale = first[:, before].abs().max().clamp_min(1.0)
+    return not torch.allclose(
+        first[:, before].float(), second[:, before].float(), rtol=1e-4, atol=1e-5 * float(scale)
+    )

@@ -18,10 +18,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner import csrc
 from runner.components.data import build_datasets, declared_num_classes
+from runner.components.lm_models import sees_ahead
 from runner.components.loaders import build_loaders
 from runner.components.losses import build_loss, check_criterion
 from runner.components.models import build_model, check_output
 from runner.components.optim import build_optimizer, build_scheduler
+from runner.config import options
+from runner.config.options import LANGUAGE_MODEL
+from runner.errors import ConfigError
 from runner.measure.probes import MemoryProbe
 from runner.precision import AmpEngine, Finding, Properties
 from runner.precision.checks import DeviceInfo, state_findings, tensor_core_findings
@@ -113,6 +117,17 @@ def build(
     model = build_model(
         cfg.model, bundle.num_classes, bundle.image_size, plan.specs.get("model")
     ).to(device)
+    if task.name == LANGUAGE_MODEL and sees_ahead(
+        model, bundle.num_classes, bundle.block_size or bundle.image_size
+    ):
+        raise ConfigError(
+            "model",
+            f"{options.label(cfg.model)} sees the tokens it predicts: its outputs at earlier "
+            "positions change with a later token, so next-token training would teach it to "
+            "copy; a language model attends backwards only",
+            "a causal model (a causal mask in its attention; model=hf encoders: "
+            "model.is_decoder=true)",
+        )
     if cfg.trainer.sync_batchnorm:  # before the cast: keep_batchnorm_fp32 still applies
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if cfg.trainer.channels_last:
@@ -227,7 +242,6 @@ def infer_task(plan: RunPlan, sample: torch.Tensor) -> str:
     """The task of a run whose dataset is the user's own: the plan's, except that with
     `task=auto` a dataset whose inputs are sequences of integer token ids is a language model's
     (the plan could not tell before the data existed)."""
-    from runner.config.options import LANGUAGE_MODEL
 
     auto = OmegaConf.select(plan.cfg, "task.name", default="auto") == "auto"
     data = plan.specs.get("data")

@@ -154,6 +154,12 @@ def check_context(cfg: DictConfig) -> None:
             )
 
 
+# the tables of a segment's id (Hugging Face's token_type_embeddings, BERT's "segment"), looked
+# up over every position as positions are, but with a few ids only: the meta device cannot tell
+# them from positions by their values, so they are known by name
+SEGMENT_TABLES = ("token_type", "segment")
+
+
 def check_positions(cfg: DictConfig, meta: MetaModel) -> None:
     """A language model's positional table must hold the data's sequences, whatever the model
     calls its size: one forward of a sequence of `data.block_size` tokens on the meta model
@@ -172,6 +178,8 @@ def check_positions(cfg: DictConfig, meta: MetaModel) -> None:
         index = args[0] if args else None
         if not isinstance(index, torch.Tensor) or index is tokens or index._base is tokens:
             return  # the token ids: the vocabulary's table (check_vocabulary)
+        if any(word in name.rsplit(".", 1)[-1] for word in SEGMENT_TABLES):
+            return  # a segment's table (BERT's token types: zeros), not positions
         if index.ndim and index.shape[-1] == block and table.num_embeddings < block:
             short.append((name, table))
 

@@ -461,6 +461,55 @@ def test_a_bad_corpus_or_tokenizer_stops_the_cli_before_any_run(tmp_path, capsys
     assert not (tmp_path / "mlflow.db").exists()
 
 
+class SeesAhead(torch.nn.Module):
+    """A language model of one's own without a causal mask: each position sees the mean of the
+    whole sequence."""
+
+    def __init__(self, num_classes: int):
+        super().__init__()
+        self.emb = torch.nn.Embedding(num_classes, 16)
+        self.head = torch.nn.Linear(16, num_classes)
+
+    def forward(self, idx):
+        h = self.emb(idx)
+        return self.head(h + h.mean(dim=1, keepdim=True))
+
+
+def test_a_segment_table_is_not_taken_for_a_short_positional_one():
+    """BERT looks up its token types (2 rows, all zeros) over every position as it looks up the
+    positions: planning took it for a positional table of 2 and refused data.block_size=64."""
+    pytest.importorskip("transformers")
+    tiny = ["+model.num_hidden_layers=1", "+model.hidden_size=32", "+model.num_attention_heads=2"]
+    make_plan(compose_config("model=hf", "model.arch=bert", *tiny, "data=synthetic_text"))
+    with pytest.raises(ConfigError, match="the model.s context holds 32"):
+        make_plan(
+            compose_config(
+                "model=hf",
+                "model.arch=bert",
+                *tiny,
+                "+model.max_position_embeddings=32",
+                "data=synthetic_text",
+            )
+        )
+
+
+def test_a_model_that_sees_the_tokens_it_predicts_is_refused_before_any_run(tracking_uri, capsys):
+    """Next-token training of a model that attends forwards teaches it to copy: its loss falls
+    to nothing and means nothing. Two forwards of 16 tokens of the built model tell, before any
+    run."""
+    code = run_in_process(
+        "model=custom",
+        "model._target_=tests.integration.test_language_model_runs.SeesAhead",
+        "data=synthetic_text",
+        "trainer.device=cpu",
+        f"mlflow.tracking_uri={tracking_uri}",
+    )
+    output = "".join(capsys.readouterr())
+    assert code == 2 and "Traceback" not in output, output[-2000:]
+    assert "model: SeesAhead sees the tokens it predicts" in output
+    assert not all_runs(tracking_uri)
+
+
 def test_the_dry_run_checks_the_gpt_on_the_meta_device(capsys):
     """A dry run builds the GPT on the meta device and feeds it integer token ids: a (B, T, V)
     output passes, and the resolved task is printed with the config."""

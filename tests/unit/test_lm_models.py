@@ -302,3 +302,47 @@ def test_check_hf_refuses_downloads(transformers, key, value):
 def test_check_hf_reports_values_the_config_rejects(transformers):
     with pytest.raises(ConfigError, match="not a multiple"):
         lm_models.check_hf(_hf("llama", hidden_size=63, num_attention_heads=4))
+
+
+# ---- causality -----------------------------------------------------------------------------------
+class Bidirectional(nn.Module):
+    """A "language model" whose every position sees the mean of the whole sequence."""
+
+    def __init__(self, vocab: int = 64):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, 16)
+        self.head = nn.Linear(16, vocab)
+
+    def forward(self, idx):
+        h = self.emb(idx)
+        return self.head(h + h.mean(dim=1, keepdim=True))
+
+
+def test_a_model_that_sees_later_tokens_is_told_from_a_causal_one():
+    gpt, both = _gpt().train(), Bidirectional()
+    torch.manual_seed(0)
+    expected = torch.rand(2)
+    torch.manual_seed(0)
+    assert not lm_models.sees_ahead(gpt, 256, 32) and gpt.training  # mode given back
+    assert lm_models.sees_ahead(both, 64, 32)
+    assert not lm_models.sees_ahead(both, 64, 1)  # one position: nothing to see
+    assert torch.equal(torch.rand(2), expected)  # the run's random state is left alone
+
+
+BERT = dict(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=64)
+
+
+def test_an_encoders_causal_lm_head_is_built_as_a_decoder(transformers, caplog):
+    """transformers' BertLMHeadModel attends both ways unless its config says is_decoder: a
+    run on next-token prediction would see the tokens it predicts."""
+    with caplog.at_level("INFO", logger="runner.components.lm_models"):
+        model = lm_models.build_hf(_hf("bert", **BERT), num_classes=64, small_input=False)
+    assert model.model.config.is_decoder and not lm_models.sees_ahead(model, 64, 32)
+    assert "model.arch=bert is an encoder with a causal LM head: built with is_decoder=true" in (
+        caplog.text
+    )
+    with pytest.raises(ConfigError) as bad:  # said so: refused in planning
+        lm_models.check_hf(_hf("bert", is_decoder=False, **BERT))
+    assert bad.value.key == "model.is_decoder" and "sees the tokens it predicts" in str(bad.value)
+    gpt2 = lm_models.build_hf(_hf("gpt2", n_embd=32, n_layer=1, n_head=2), 64, False)
+    assert not getattr(gpt2.model.config, "is_decoder", False)  # a decoder's type: as it is
