@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import math
 from collections.abc import Callable
 from typing import Any, Optional
@@ -322,6 +323,38 @@ def _output_key(node: Any) -> str:
     return "model.arch" if "arch" in node else "model.name"
 
 
+def _shown(out: Any) -> str:
+    """A model's output as a message shows it: a shape, or a tuple with its items' shapes."""
+    if isinstance(out, torch.Tensor):
+        return str(tuple(out.shape))
+    if isinstance(out, (tuple, list)):
+        items = ", ".join(
+            str(tuple(o.shape)) if isinstance(o, torch.Tensor) else type(o).__name__
+            for o in out[:4]
+        )
+        if type(out) in (tuple, list):
+            return f"a {type(out).__name__} of {len(out)} ({items})"
+        return f"{type(out).__name__} (a tuple of {len(out)}: {items})"
+    return type(out).__name__
+
+
+def _aux_hint(model: nn.Module, out: Any) -> str:
+    """'; ...+model.aux_logits=false...' for a model that returns auxiliary logits beside its
+    own in training (torchvision's GoogLeNet and Inception v3), where its class takes the switch."""
+    if not isinstance(out, (tuple, list)) or isinstance(out, torch.Tensor):
+        return ""
+    try:
+        takes = "aux_logits" in inspect.signature(type(model).__init__).parameters
+    except (TypeError, ValueError):
+        return ""
+    if not takes:
+        return ""
+    return (
+        f": {type(model).__name__} returns auxiliary classifiers' logits beside its own while it "
+        "trains; +model.aux_logits=false leaves its logits alone"
+    )
+
+
 def check_output(
     node: Any,
     num_classes: int,
@@ -379,8 +412,8 @@ def check_output(
         what = "classes" if dtype.is_floating_point else "tokens"
         raise ConfigError(
             _output_key(node),
-            f"{label} outputs {got} for a batch of shape "
-            f"{batch}, but the data has {num_classes} {what}",
+            f"{label} outputs {_shown(out)} for a batch of shape "
+            f"{batch}, but the data has {num_classes} {what}{_aux_hint(model, out)}",
             task.output_description(num_classes),
         )
     _CHECKED_OUTPUTS.add(memo)

@@ -109,3 +109,32 @@ def test_unknown_name_is_a_config_error():
     message = str(info.value)
     assert "model.name" in message and "resnet1000" in message
     assert all(name in message for name in MODEL_NAMES)
+
+
+class WithAuxiliary(nn.Module):
+    """A classifier that returns auxiliary logits beside its own while it trains, as
+    torchvision's GoogLeNet and Inception v3 do (and take `aux_logits` to stop it)."""
+
+    def __init__(self, num_classes: int = 10, aux_logits: bool = True):
+        super().__init__()
+        self.head = nn.Linear(3, num_classes)
+        self.aux = nn.Linear(3, num_classes) if aux_logits else None
+
+    def forward(self, x):
+        h = x.mean(dim=(2, 3))
+        return (self.head(h), self.aux(h)) if self.aux is not None else self.head(h)
+
+
+def test_an_output_with_auxiliary_logits_says_how_to_leave_them_out():
+    from runner.components.models import check_output
+    from runner.tasks import task_for
+
+    node = OmegaConf.create({"name": "custom", "_target_": "tests.unit.test_models.WithAuxiliary"})
+    with pytest.raises(ConfigError) as bad:
+        check_output(node, 10, (3, 8, 8), task_for("classification"))
+    message = str(bad.value)
+    assert "outputs a tuple of 2 ((2, 10), (2, 10)) for a batch of shape (2, 3, 8, 8)" in message
+    assert "+model.aux_logits=false leaves its logits alone" in message
+    check_output(
+        OmegaConf.merge(node, {"aux_logits": False}), 10, (3, 8, 8), task_for("classification")
+    )
