@@ -461,7 +461,9 @@ def _decision(
         elif key not in free:
             reasons[key] = "not tuned: nothing to measure on this device"
         elif key in best.settings and best is not rows[0]:
-            reasons[key] = f"tuned: {speedup:.2f}x the untuned steady step"
+            others = [f"{k}={str(v).lower()}" for k, v in best.settings.items() if k != key]
+            together = f" (together with {', '.join(others)})" if others else ""
+            reasons[key] = f"tuned: {speedup:.2f}x the untuned steady step{together}"
         elif not tried:
             reasons[key] = "kept: not a candidate for this run"
         elif any(r.note == OUT_OF_MEMORY for r in tried):

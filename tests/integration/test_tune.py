@@ -145,6 +145,26 @@ def test_a_cache_row_setting_what_no_run_may_is_never_applied(cache, caplog, set
             assert value == OmegaConf.select(first_plan.cfg, key)
 
 
+def test_settings_chosen_together_say_so():
+    """The fastest row may set two keys: each key's reason names the other, since the gain is
+    theirs together (it read as if each alone gave it)."""
+    plan = make_plan(compose_config(*ON))
+    rows = [
+        tune_measure.Row({}, steady_ms=16.0),
+        tune_measure.Row({"trainer.channels_last": True}, steady_ms=14.0),
+        tune_measure.Row({"trainer.channels_last": True, "precision.kernels": "torch"}, 10.0),
+    ]
+    free = ["trainer.channels_last", "precision.kernels"]
+    tuning = tune._decision(plan, rows, free, set(), 1000, "measured")
+    assert tuning.chosen == 2
+    assert tuning.reasons["trainer.channels_last"] == (
+        "tuned: 1.60x the untuned steady step (together with precision.kernels=torch)"
+    )
+    assert tuning.reasons["precision.kernels"] == (
+        "tuned: 1.60x the untuned steady step (together with trainer.channels_last=true)"
+    )
+
+
 def test_a_candidate_that_changes_the_loss_is_refused():
     model = ["model=custom", "model._target_=tests.helpers.tune_models.LayoutBug"]
     plan, tuning = tuned(*ON, *model, "precision.kernels=torch")
