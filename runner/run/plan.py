@@ -297,6 +297,8 @@ def check_opt_level(cfg: DictConfig) -> None:
     node = cfg.precision
     preset = node.preset if not OmegaConf.is_missing(node, "preset") else None
     declared = preset_level(preset)
+    if preset is None:
+        _check_own_preset(node)
     if declared is None:
         return  # a preset outside the o<N>[_...] convention: nothing to compare with
     if OmegaConf.is_missing(node, "opt_level") or node.opt_level is None:
@@ -313,6 +315,39 @@ def check_opt_level(cfg: DictConfig) -> None:
         f"({declared}); a level is a preset of all its properties, so choose it as one: "
         f"{instead}",
         [f"precision={o}" for o in preset_options()],
+    )
+
+
+def _check_own_preset(node: DictConfig) -> None:
+    """A precision file of one's own that names a level without taking its properties (no
+    `defaults: [o2, _self_]`: every built-in preset sets `preset`, so it is missing) keeps the
+    schema's defaults where it says nothing: `opt_level: O2` and a loss scale made an O2 that
+    casts nothing and keeps no masters, logged as O2. Refuse a level whose properties the file
+    left at the schema's default where the level's differ, naming them and the defaults list."""
+    from runner.config.levels import LEVEL_VALUES
+    from runner.config.precision import property_for
+
+    if OmegaConf.is_missing(node, "opt_level") or node.opt_level is None:
+        return
+    level = parse_opt_level(node.opt_level)
+    left = [
+        f"{name}={_shown(node.get(name))} (the level's: {_shown(value)})"
+        for name, value in LEVEL_VALUES[level].items()
+        if node.get(name) == property_for(name).default and value != property_for(name).default
+    ]
+    if left:
+        raise ConfigError(
+            "precision.opt_level",
+            f"{level} is named but its properties are not taken: {', '.join(left)} are the "
+            "schema's defaults, so the run would not be the level it is logged as",
+            f"a precision file of your own starting 'defaults: [{level.lower()}, _self_]' (the "
+            f"preset, or /schema/precision/level/{level}@_here_), then what differs",
+        )
+
+
+def _shown(value: Any) -> str:
+    return (
+        "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
     )
 
 

@@ -415,6 +415,27 @@ def test_bad_input_exits_2_naming_the_key_before_any_run(project: Path, capfd, a
     assert dry == 2 and needle in printed(capfd)
 
 
+def test_a_precision_file_of_ones_own_takes_its_levels_properties_or_is_refused(
+    project: Path, capfd
+):
+    """`opt_level: O2` and a loss scale, without the level in the defaults list: the other
+    properties were the schema's (no cast, no masters), the run logged as O2 without a word."""
+    precision = project / "my_conf" / "precision"
+    precision.mkdir()
+    (precision / "bare.yaml").write_text("opt_level: O2\nloss_scale: 512\n")
+    (precision / "mine.yaml").write_text(
+        "defaults:\n  - /schema/precision/level/O2@_here_\n  - _self_\n\nloss_scale: 512\n"
+    )
+    args = ["--config-dir", "my_conf", *SYNTHETIC, "dry_run=true"]
+    assert run_in_process(*args, "precision=bare") == 2
+    err = printed(capfd)
+    assert "precision.opt_level: O2 is named but its properties are not taken: " in err
+    assert "cast_model_type=null (the level's: float16)" in err and "Traceback" not in err
+    assert run_in_process(*args, "precision=mine") == 0
+    out = printed(capfd)
+    assert "cast_model_type        float16" in out and "loss_scale             512.0" in out
+
+
 def test_a_dataset_without_classes_or_a_pair_is_refused_before_any_run(project: Path, capfd):
     uri = f"sqlite:///{project / 'mlflow.db'}"
     code = run_in_process(
