@@ -166,6 +166,14 @@ def explain(error: BaseException, overrides: Sequence[str] = ()) -> RunnerError:
             merged = re.search(r"override \S+?=(.*)$", str(error).splitlines()[0])
             value = merged.group(1) if merged else None
         return wrong_type(str(full_key), value, words or _first_line(cause))
+    in_file = _FILE_KEY.search(str(error))
+    if in_file:  # a key of an option file of one's own that its schema does not have
+        file, key, schema, full_key = in_file.groups()
+        keys = _schema_keys(schema)
+        if keys is not None:
+            section = full_key.rpartition(".")[0]
+            named = unknown_key(section, key, keys)
+            return ConfigError(named.key, f"{named.problem} (in {file}.yaml)", named.allowed)
     if isinstance(error, OverrideParseException):
         return unreadable_override(error)
     swept = re.match(
@@ -181,6 +189,21 @@ def explain(error: BaseException, overrides: Sequence[str] = ()) -> RunnerError:
             group, f"not in the defaults list; to add it: +{group}={value or 'OPTION'}"
         )
     return RunnerError(_hydra_text(error))
+
+
+_FILE_KEY = re.compile(
+    r"In '([^']+)': ConfigKeyError raised while composing config:\s*Key '([^']+)' not in "
+    r"'(\w+)'\s*full_key: (\S+)"
+)
+
+
+def _schema_keys(name: str) -> Optional[list[str]]:
+    """The fields of the schema dataclass `name` (TrainerConfig, PrecisionConfig, ...)."""
+    from runner.config import schema
+    from runner.config.precision import precision_schema
+
+    found = precision_schema() if name == "PrecisionConfig" else getattr(schema, name, None)
+    return [f.name for f in dataclasses.fields(found)] if dataclasses.is_dataclass(found) else None
 
 
 _GRAMMAR = "https://hydra.cc/docs/1.2/advanced/override_grammar/basic"

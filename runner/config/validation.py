@@ -217,10 +217,27 @@ def _check_known_keys(cfg: DictConfig) -> None:
                 raise mistakes.unknown_key(str(section), str(key), declared)
 
 
+def _check_untyped_options(cfg: DictConfig, specs: Mapping[str, Optional[options.Spec]]) -> None:
+    """An option file of one's own that names a built-in option (`name: tiny`) without its
+    schema in the defaults list is untyped: a misspelt key in it (`widht: 8`) was kept and never
+    read. Its keys are checked against the option's schema as a typed node's are."""
+    for group, spec in specs.items():
+        node = cfg.get(group)
+        if spec is None or spec.schema is None or not isinstance(node, DictConfig):
+            continue
+        if dataclasses.is_dataclass(OmegaConf.get_type(node)):
+            continue  # (typed: _check_known_keys)
+        declared = [f.name for f in dataclasses.fields(spec.schema)]
+        for key in node:
+            if key not in declared:
+                raise mistakes.unknown_key(str(group), str(key), declared)
+
+
 def validate(cfg: DictConfig, specs: Mapping[str, Optional[options.Spec]] | None = None) -> None:
     """Raise ConfigError for the first key whose value breaks its rule (`specs`: each group's
     option spec, `options.specs_of(cfg)`, where the caller has them)."""
     _check_known_keys(cfg)
+    _check_untyped_options(cfg, specs if specs is not None else options.specs_of(cfg))
     for key, ok, allowed in _rules(cfg, specs):
         section, _, leaf = key.rpartition(".")
         parent = OmegaConf.select(cfg, section)

@@ -436,6 +436,37 @@ def test_a_precision_file_of_ones_own_takes_its_levels_properties_or_is_refused(
     assert "cast_model_type        float16" in out and "loss_scale             512.0" in out
 
 
+@pytest.mark.parametrize(
+    "group,text,needle",
+    [
+        (
+            "trainer",
+            "defaults:\n  - /schema/trainer/default@_here_\n  - _self_\n\nmax_epoch: 3\n",
+            "trainer.max_epoch: unknown key; did you mean trainer.max_epochs? (in "
+            "trainer/mine.yaml)",
+        ),
+        (
+            "precision",
+            "defaults:\n  - o2\n  - _self_\n\nloss_scal: 512\n",
+            "precision.loss_scal: unknown key; did you mean precision.loss_scale",
+        ),
+        # no schema in the defaults list: an untyped node, checked against tiny's schema
+        ("model", "name: tiny\nwidht: 8\n", "model.widht: unknown key; did you mean model.width?"),
+    ],
+)
+def test_a_misspelt_key_in_an_option_file_of_ones_own_is_named(
+    project: Path, capfd, group, text, needle
+):
+    """Hydra said "In 'trainer/mine': ConfigKeyError raised while composing config: Key
+    'max_epoch' not in 'TrainerConfig' full_key: ... reference_type=..." for a typed file, and
+    an untyped one kept its misspelt key, never read."""
+    (project / "my_conf" / group).mkdir(exist_ok=True)
+    (project / "my_conf" / group / "mine.yaml").write_text(text)
+    code = run_in_process("--config-dir", "my_conf", f"{group}=mine", *SYNTHETIC, "dry_run=true")
+    err = printed(capfd)
+    assert code == 2 and needle in err and "Traceback" not in err, err[-2000:]
+
+
 def test_a_dataset_without_classes_or_a_pair_is_refused_before_any_run(project: Path, capfd):
     uri = f"sqlite:///{project / 'mlflow.db'}"
     code = run_in_process(
