@@ -312,8 +312,9 @@ def run(
         return plan.resume.best()
     properties = plan.properties
     log.info("Precision (Apex %s, resolved):\n%s", properties.opt_level, properties.table())
-    if plan.resolution.findings:
-        log.warning("Precision findings:\n%s", plan.resolution.findings_table())
+    if plan.resolution.findings:  # (a warning where one of them is; notes alone are info)
+        said = log.warning if plan.resolution.warnings or plan.resolution.errors else log.info
+        said("Precision findings:\n%s", plan.resolution.findings_table())
     else:
         log.info("%s", plan.resolution.findings_table())
 

@@ -170,6 +170,23 @@ def test_findings_are_tagged_and_attached(tracking_uri):
     assert run.data.params["trainer.max_bad_steps"] == "50"
 
 
+def test_findings_that_are_notes_only_are_logged_as_info(tracking_uri, caplog):
+    """bf16 with dynamic loss scaling is an info finding (unneeded, harmless): the block of
+    findings was logged as a WARNING all the same."""
+    overrides = ["precision=o2_bf16", "precision.loss_scale=dynamic", "trainer.max_epochs=1"]
+    cfg = compose_config(*FAST, *overrides, f"mlflow.tracking_uri={tracking_uri}")
+    with caplog.at_level("INFO", logger="runner.run.app"):
+        app.run(cfg, overrides=overrides)
+    (record,) = [r for r in caplog.records if r.getMessage().startswith("Precision findings:")]
+    assert record.levelname == "INFO" and "dynamic loss scaling is unneeded" in record.getMessage()
+    caplog.clear()
+    overrides = ["precision=o2", "precision.master_weights=false", "trainer.max_epochs=1"]
+    with caplog.at_level("INFO", logger="runner.run.app"):
+        app.run(compose_config(*FAST, *overrides, f"mlflow.tracking_uri={tracking_uri}"))
+    (record,) = [r for r in caplog.records if r.getMessage().startswith("Precision findings:")]
+    assert record.levelname == "WARNING"
+
+
 def test_strict_refuses_before_a_run_exists(tmp_path):
     uri = f"sqlite:///{tmp_path / 'never.db'}"
     cfg = compose_config(
