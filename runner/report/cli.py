@@ -34,9 +34,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         prog="python -m runner.report",
         description="Compare the runs of a sweep (precision levels, models, batch sizes) from "
         "MLflow: a Markdown and CSV table and PNG figures, also logged on the sweep's parent run.",
-        epilog="The report reads an MLflow store: runs recorded with tracking=none (a JSON file "
-        "in each run's folder, no store) cannot be reported; run them with tracking=mlflow, the "
-        "default.",
+        epilog="The report reads an MLflow store, or the records of a sweep run with "
+        "tracking=none (a JSON file in its folder and in each job's): --sweep <its folder>.",
     )
     parser.add_argument("--version", action="version", version=runner.version_line())
     parser.add_argument(
@@ -128,12 +127,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     uri = resolve_tracking_uri(args.tracking_uri)
     try:
-        if args.sweep and is_record_folder(args.sweep):
-            raise NothingToReport(
-                f"the sweep in {args.sweep} was recorded with tracking=none (a JSON file in its "
-                "folder and in each job's, no store): the report reads an MLflow store; run the "
-                "sweep with tracking=mlflow (the default)"
-            )
+        if args.sweep and is_record_folder(args.sweep):  # tracking=none: its records
+            reader, parent, runs = records_of(Path(args.sweep))
+            uri, args.experiment = reader.location, parent.experiment_id
+            return _write(args, reader, uri, parent, runs)
         database = sqlite_path(uri)
         if database is not None and not database.is_file():
             raise NothingToReport(
@@ -157,6 +154,39 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         print(f"Cannot read the runs from {error}{fix}", file=sys.stderr)
         return 1
+    return _write(args, reader, uri, parent, runs)
+
+
+def records_of(folder: Path) -> tuple[Reader, RunRecord, list[RunRecord]]:
+    """The reader of a tracking=none sweep's records under `folder` (the sweep's folder, its
+    parent's record in it), its parent and its jobs' runs; NothingToReport for the folder of a
+    single run."""
+    from runner.tracking import tags as tag
+    from runner.tracking.json_file import FILE, JsonReader, as_run_record, read_record
+
+    record = read_record(folder / FILE)
+    if record is None:
+        raise NothingToReport(f"{folder / FILE} is not a run's record")
+    parent = as_run_record(record)
+    if tag.SWEEP_DIR not in parent.tags:
+        raise NothingToReport(
+            f"{folder} holds the record of one run ({parent.run_name!r}), not a sweep's: there "
+            "is nothing to compare it with; --sweep takes a sweep's folder (multirun/<date>/"
+            "<time>)"
+        )
+    reader = JsonReader(folder)
+    reader.location = f"the records (tracking=none) under {folder.resolve()}"
+    return (reader, *select_runs(reader, parent.experiment_id, parent, None))
+
+
+def _write(
+    args: argparse.Namespace,
+    reader: Reader,
+    uri: str,
+    parent: RunRecord | None,
+    runs: list[RunRecord],
+) -> int:
+    """The table and figures of `runs` into `args.out`, printed, and logged on `parent`."""
     rows = [to_row(reader, run) for run in runs]
     add_baseline_ratios(rows)
 

@@ -252,16 +252,13 @@ class MlflowSweepCallback(Callback):
             if failed
             else ", none failed"
         )
-        compare = (
-            "Compare them:  "
-            + shell.join(
-                ["python", "-m", "runner.report", "--tracking-uri", tracker.location]
-                + ["--experiment", self.parent.experiment_name, "--parent", self.parent.run_id]
-            )
-            + "\n"
+        where = (  # an MLflow store, or (tracking=none) the records in the sweep's folder
+            ["--tracking-uri", tracker.location]
+            + ["--experiment", self.parent.experiment_name, "--parent", self.parent.run_id]
             if self.parent.tracker == MLFLOW
-            else ""  # the report reads an MLflow store
+            else ["--sweep", tracker.location]
         )
+        compare = "Compare them:  " + shell.join(["python", "-m", "runner.report", *where]) + "\n"
         log.info(
             "Sweep finished: %d job%s%s.\n%s%s%s",
             len(children),

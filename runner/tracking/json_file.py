@@ -16,8 +16,9 @@ file whole (a reader never sees half of it). Metrics are also logged to the cons
 
 The records under a folder are a tiny store of their own (`JsonReader`): a sweep finds its jobs'
 runs (tagged with the parent's id, as under MLflow) in the job folders under the sweep's folder,
-and a resumed sweep job finds its earlier run in its folder. What needs a real store refuses:
-the report reads an MLflow store; nothing is reaped (no other process shares these records).
+and a resumed sweep job finds its earlier run in its folder, and the report reads a sweep's
+records (`python -m runner.report --sweep <its folder>`). Nothing is reaped (no other process
+shares these records).
 """
 
 from __future__ import annotations

@@ -84,7 +84,7 @@ def test_a_failed_run_is_recorded_failed_with_its_error(tmp_path):
     assert not [p for p in tmp_path.rglob("*") if p.name in STORE_FILES]
 
 
-def test_a_sweep_records_its_parent_and_each_job_and_the_report_refuses_it(tmp_path, capsys):
+def test_a_sweep_records_its_parent_and_each_job_and_the_report_reads_them(tmp_path, capsys):
     sweep = tmp_path / "sweep"
     status = run_in_process(
         "-m",
@@ -112,12 +112,24 @@ def test_a_sweep_records_its_parent_and_each_job_and_the_report_refuses_it(tmp_p
         assert job["tags"][tag.PARENT_RUN] == parent["run_id"]
         assert job["tags"][tag.JOB_NUM] == str(number)
     assert not [p for p in tmp_path.rglob("*") if p.name in STORE_FILES]
-    capsys.readouterr()
+    said = "".join(capsys.readouterr())
+    assert f"Compare them:  python -m runner.report --sweep {sweep}" in said
 
-    assert report_main(["--sweep", str(sweep), "--out", str(tmp_path / "report")]) == 1
+    # the report reads the sweep's records, and keeps its files with the parent's
+    assert report_main(["--sweep", str(sweep), "--out", str(tmp_path / "report")]) == 0
+    out = capsys.readouterr().out
+    table = (tmp_path / "report" / "comparison.md").read_text()
+    assert "# Precision comparison: sweep precision=o0,o3" in table
+    assert f"2 runs from `the records (tracking=none) under {sweep.resolve()}`" in table
+    assert "| tiny-O0 |" in table and "| tiny-O3 |" in table and "| FAILED |" in table
+    assert "Logged them on the sweep's parent run" in out
+    assert (sweep / "artifacts" / "report" / "comparison.md").read_text() == table
+    assert "report/comparison.md" in record(sweep)["artifacts"]
+    # a run's folder is not a sweep's: nothing to compare
+    assert report_main(["--sweep", str(sweep / "0"), "--out", str(tmp_path / "r2")]) == 1
     err = capsys.readouterr().err
-    assert "recorded with tracking=none" in err and "reads an MLflow store" in err
-    assert not (tmp_path / "report").exists()
+    assert "holds the record of one run ('tiny-O0'), not a sweep's" in err
+    assert not (tmp_path / "r2").exists()
 
 
 def test_a_folder_that_holds_a_runs_record_takes_no_other_run(tmp_path, capsys):
@@ -161,7 +173,7 @@ def test_the_tracker_cannot_be_swept(tmp_path, capsys):
 
 def test_help_says_what_tracking_none_does(tmp_path, capsys):
     result = run_cli("--help", cwd=tmp_path)
-    assert "tracking=none" in result.stdout and "no report" in result.stdout
+    assert "tracking=none" in result.stdout and "report: --sweep DIR" in result.stdout
     assert "tracking: mlflow, none" in result.stdout  # the group's options
     with pytest.raises(SystemExit):
         report_main(["--help"])
