@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from torch.utils.data import default_collate
 
 from runner import csrc
 from runner.components.data import build_datasets, declared_num_classes
@@ -25,7 +26,7 @@ from runner.components.models import build_model, check_output
 from runner.components.optim import build_optimizer, build_scheduler
 from runner.config import options
 from runner.config.options import LANGUAGE_MODEL
-from runner.errors import ConfigError
+from runner.errors import ConfigError, DataError
 from runner.measure.probes import MemoryProbe
 from runner.precision import AmpEngine, Finding, Properties
 from runner.precision.checks import DeviceInfo, state_findings, tensor_core_findings
@@ -37,6 +38,7 @@ from runner.run.parts import Parts
 from runner.run.plan import RunPlan
 from runner.run.trainer import limit_batches
 from runner.tasks import task_for
+from runner.tasks.base import class_indices, target_problem
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +100,7 @@ def build(
     if plan.declared is None:
         # only the dataset could tell its shape (and, with task=auto, its task): check now, on
         # a meta model of the loaded data's input, which then counts the FLOPs
-        sample = bundle.train[0][0]
+        sample, target = bundle.train[0][:2]
         task = task_for(infer_task(plan, sample))
         meta = MetaModel(
             cfg.model, plan.specs.get("model"), (bundle.num_classes, tuple(sample.shape))
@@ -200,8 +202,15 @@ def build(
         plan.specs.get("scheduler"),
     )
     criterion = build_loss(cfg)
-    if plan.declared is None and "loss" in cfg:  # (else planning checked it)
-        check_criterion(criterion, str(cfg.loss._target_), task, bundle.num_classes)
+    if plan.declared is None:  # data of one's own: (else planning checked them)
+        if "loss" in cfg:
+            check_criterion(criterion, str(cfg.loss._target_), task, bundle.num_classes)
+        # its first target, as a batch of one: what the training loop checks of every batch,
+        # before any run exists
+        indices = class_indices(criterion, bundle.num_classes)
+        problem = target_problem(default_collate([target]), indices, task.target_dims)
+        if problem is not None:
+            raise DataError(problem)
     criterion = criterion.to(device)
     return Parts(
         bundle,

@@ -228,7 +228,7 @@ class Trainer(CheckpointState, CompileWarmup):
         return self.guard.after_step(loss, stepped)
 
     def _to_device(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        problem = target_problem(y, self.indices)
+        problem = target_problem(y, self.indices, self.task.target_dims)
         if problem is not None:
             raise DataError(problem)
         x = x.to(self.device, non_blocking=True)

@@ -36,15 +36,35 @@ def class_indices(criterion: torch.nn.Module, num_outputs: Optional[int]) -> Opt
     return None
 
 
-def target_problem(target: torch.Tensor, indices: Optional[tuple]) -> Optional[str]:
+def target_problem(
+    target: Any, indices: Optional[tuple], dims: Optional[int] = None
+) -> Optional[str]:
     """Why a batch's targets, still on the host, are neither class indices of the model's
-    outputs nor class probabilities (`indices`: `class_indices`'), or None. Found by the
-    criterion, an index out of range was an IndexError traceback ("Target 5 is out of bounds"),
-    on a GPU a device-side assert that ends the process's CUDA context, and a float label
-    "expected target dtype to be Long"; read on the host before the copy, no device waits."""
+    outputs nor class probabilities (`indices`: `class_indices`'; `dims`: the dimensions of a
+    batch of class indices, the task's `target_dims`), or None. Found by the criterion, an index
+    out of range was an IndexError traceback ("Target 5 is out of bounds"), on a GPU a
+    device-side assert that ends the process's CUDA context, a float label "expected target
+    dtype to be Long", a label kept in a list of one "multi-target not supported"; read on the
+    host before the copy, no device waits. Targets that are no tensor at all (strings: a list
+    of them after collation) are named whatever the criterion."""
+    if not isinstance(target, torch.Tensor):
+        items = list(target)[:3] if isinstance(target, (list, tuple)) else [target]
+        kinds = ", ".join(dict.fromkeys(type(t).__name__ for t in items))
+        return (
+            f"a batch of the data holds targets that are no tensor ({type(target).__name__} of "
+            f"{kinds}: {', '.join(repr(t) for t in items)}, ...): give each label as its class "
+            "index, an int (a dataset's classes list maps names to indices)"
+        )
     if indices is None or target.device.type != "cpu" or target.numel() == 0:
         return None
     outputs, ignored = indices
+    if not target.is_floating_point() and dims is not None and target.dim() != dims:
+        one = "one class index per input" if dims == 1 else "one class index per position"
+        return (
+            f"a batch of the data holds class indices of shape {tuple(target.shape)}, where "
+            f"cross-entropy takes {dims} dimension{'s' if dims > 1 else ''} ({one}): a label "
+            "kept as a tensor of one item gives (batch, 1); give it as an int, or y.squeeze(-1)"
+        )
     if target.is_floating_point():  # class probabilities: a last dimension of one per output
         if target.dim() >= 2 and target.shape[-1] == outputs:
             return None
@@ -73,6 +93,7 @@ class Task:
     objective: str = ""  # the metric a run returns and a sweep optimises
     maximize: bool = True
     input_dtype: torch.dtype = torch.float32  # of the model-output check's batch
+    target_dims: int = 1  # the dimensions of a batch of class indices (a language model's: 2)
     # the steady rate of the task's items beside samples_per_s (runner.measure.timing), and the
     # figure that compares speed (the epoch line, the summaries, the report)
     items_metric: Optional[str] = None
@@ -103,8 +124,11 @@ class Task:
     ) -> EvalSums:
         loss = self.loss(criterion, output.float(), target).double()
         predicted = output.argmax(dim=-1)
-        n = self.items(target)
-        return EvalSums(loss * n, (predicted == target).sum().double(), n)
+        # class probabilities (soft or one-hot targets): the class they put most on is right
+        soft = target.is_floating_point() and target.dim() == output.dim()
+        truth = target.argmax(dim=-1) if soft else target
+        n = self.items(truth)
+        return EvalSums(loss * n, (predicted == truth).sum().double(), n)
 
     def epoch_metrics(
         self, val_loss: float, val_accuracy: float, seconds: float, samples: int, items: int

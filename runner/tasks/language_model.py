@@ -18,6 +18,7 @@ class LanguageModel(Task):
     objective = m.BEST_VAL_LOSS
     maximize = False
     input_dtype = torch.int64
+    target_dims = 2  # (batch, tokens): the next token of every position
     items_metric = TOKENS_PER_S
     throughput_metric = TOKENS_PER_S
 

@@ -505,6 +505,49 @@ def test_a_criterion_on_data_of_ones_own_is_checked_once_the_data_is_loaded(proj
     assert not all_runs(uri)
 
 
+@pytest.mark.parametrize(
+    "kind,needle",
+    [
+        ("column", "holds class indices of shape (1, 1), where cross-entropy takes 1 dimension"),
+        ("names", "holds targets that are no tensor (list of str: 'cat', ...)"),
+    ],
+)
+def test_labels_that_cross_entropy_cannot_take_are_named_before_any_run(
+    project: Path, capfd, kind, needle
+):
+    """A label kept as a tensor of one item (torch.tensor([3]): batches of shape (B, 1)) ended
+    in "0D or 1D target tensor expected, multi-target not supported", a label kept as its name
+    in "'tuple' object has no attribute 'device'", each an unexpected error after the run had
+    started. The first target is read as a batch of one once the data is loaded."""
+    uri = f"sqlite:///{project / 'mlflow.db'}"
+    (project / "my_pkg" / "odd_labels.py").write_text(
+        "import torch\n\n\n"
+        "class Odd(torch.utils.data.Dataset):\n"
+        "    def __init__(self, kind):\n"
+        "        self.kind = kind\n\n"
+        "    def __len__(self):\n"
+        "        return 16\n\n"
+        "    def __getitem__(self, i):\n"
+        "        column = self.kind == 'column'\n"
+        "        label = torch.tensor([i % 2]) if column else ['cat', 'dog'][i % 2]\n"
+        "        return torch.zeros(3, 32, 32), label\n\n\n"
+        "def datasets(kind):\n"
+        "    return Odd(kind), Odd(kind)\n"
+    )
+    code = run_in_process(
+        "model=tiny",
+        "data=custom",
+        "data._target_=my_pkg.odd_labels.datasets",
+        f"+data.kind={kind}",
+        "data.num_classes=2",
+        *QUICK,
+        f"mlflow.tracking_uri={uri}",
+    )
+    err = printed(capfd)
+    assert code == 2 and needle in err and "Traceback" not in err, err[-2000:]
+    assert not all_runs(uri)
+
+
 @pytest.mark.parametrize("stage", ["training", "validation"])
 def test_a_label_outside_the_classes_stops_the_run_naming_it(project: Path, capfd, stage):
     """data.num_classes=2 on data of 3 classes (labels 0, 1, 2): the model's output fits the

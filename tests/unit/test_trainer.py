@@ -169,3 +169,26 @@ def test_targets_are_read_as_class_indices_of_the_model_s_outputs():
     )
     assert class_indices(nn.MSELoss(), 4) is None and class_indices(nn.NLLLoss(), None) is None
     assert target_problem(torch.tensor([9]), None) is None
+    # a label kept as a tensor of one item: (batch, 1) ("multi-target not supported")
+    assert "class indices of shape (3, 1), where cross-entropy takes 1 dimension" in (
+        target_problem(torch.tensor([[0], [1], [2]]), indices, dims=1)
+    )
+    assert target_problem(torch.tensor([[0, 1], [2, 3]]), indices, dims=2) is None  # (B, T)
+    assert target_problem(torch.tensor([[0], [1]]), None, dims=1) is None  # the user's loss
+    # strings are no targets, whatever the criterion
+    assert "targets that are no tensor (list of str: 'cat', 'dog', ...)" in (
+        target_problem(["cat", "dog"], None, dims=1)
+    )
+
+
+def test_accuracy_against_class_probabilities_takes_the_class_they_favour():
+    from runner.tasks import task_for
+
+    output = torch.tensor([[2.0, 0.0, 0.0], [0.0, 3.0, 0.0], [0.0, 0.0, 1.0]])
+    soft = torch.tensor([[0.9, 0.1, 0.0], [0.7, 0.2, 0.1], [0.0, 0.0, 1.0]])
+    sums = task_for("classification").eval_sums(nn.CrossEntropyLoss(), output, soft)
+    assert sums.count == 3 and float(sums.correct) == 2.0  # the second favours class 0
+    hard = task_for("classification").eval_sums(nn.CrossEntropyLoss(), output, soft.argmax(-1))
+    assert float(hard.correct) == 2.0 and torch.allclose(
+        hard.loss_sum, nn.CrossEntropyLoss()(output, soft.argmax(-1)).double() * 3
+    )
