@@ -247,6 +247,16 @@ def help_launchers() -> str:
     return "\n".join(lines)
 
 
+# `torchrun --nproc_per_node=N -m runner -m ...`: each rank ran the whole sweep on its own, the
+# ranks meeting in one sweep folder (the second refused as "in use by a sweep that is running")
+SWEEP_UNDER_TORCHRUN = (
+    "-m (a sweep) under torchrun (WORLD_SIZE={world}): every rank would run the whole sweep on "
+    "its own; run the sweep without torchrun (-m hydra/launcher=parallel runs a job per GPU; "
+    "hydra/launcher=slurm with hydra.launcher.gpus_per_node for a job over several), or torchrun "
+    "one run at a time"
+)
+
+
 # `-m ... --cfg job` (or --info): Hydra refused it with a ValueError traceback
 FLAGS_TOGETHER = (
     "to see each job of a sweep, -m ... dry_run=true (every job's config, checked); --cfg job "
@@ -263,6 +273,15 @@ def cli() -> None:
         return
     if "--info" in sys.argv[1:]:  # (Hydra logs it to stdout: a reader gone says nothing)
         logging.raiseExceptions = False
+    world = os.environ.get("WORLD_SIZE", "1")
+    if any(a in ("-m", "--multirun") for a in sys.argv[1:]) and world.isdigit() and int(world) > 1:
+        from runner.run.distributed import tell_torchrun
+
+        message = SWEEP_UNDER_TORCHRUN.format(world=world)
+        tell_torchrun(message)  # (its failure summary: each rank's own words)
+        if os.environ.get("RANK", "0") == "0":  # (every rank stops; one says why)
+            print(message, file=sys.stderr)
+        sys.exit(2)
     job_log.bear_write_errors()  # (`... | head`: one line, not a traceback a line logged)
     gpus.register_resolvers()
     OmegaConf.register_new_resolver("runner.help_groups", help_groups, replace=True)

@@ -343,3 +343,20 @@ def test_torchrun_s_summary_says_each_rank_s_error(tmp_path):
     for line in lines:  # (the first rank to fail ends the others: either may tell it)
         assert re.search(r"\[ERROR\] - (rank 1 of 2: )?optimizer.lr: got -1.0", line), line
     assert not (tmp_path / "mlflow.db").exists()
+
+
+@pytest.mark.new_store  # checks that nothing, no store, is created
+def test_a_sweep_under_torchrun_is_refused_in_one_line(tmp_path):
+    """`torchrun --nproc_per_node=2 -m runner -m ...`: each rank ran the whole sweep on its own,
+    the second refused as "in use by a sweep that is running" while the first waited for it in
+    its first job's process group. Every rank stops at once, saying why in its error file."""
+    result = torchrun(2, ["-m", *COMMON, "precision=o0,o2_bf16"], tmp_path)
+    told = result.stdout + result.stderr
+    assert result.returncode != 0
+    said = "-m (a sweep) under torchrun (WORLD_SIZE=2): every rank would run the whole sweep"
+    # torchrun's summary, in the rank's own words (the first rank to stop ends the other, so
+    # rank 0's own line may not come)
+    assert f"traceback : {said}" in told
+    assert "hydra/launcher=parallel" in told and "To enable traceback see" not in told
+    assert not (tmp_path / "mlflow.db").exists(), sorted(p.name for p in tmp_path.iterdir())
+    assert not (tmp_path / "multirun").exists()
