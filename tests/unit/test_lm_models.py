@@ -326,6 +326,9 @@ def test_a_model_that_sees_later_tokens_is_told_from_a_causal_one():
     assert not lm_models.sees_ahead(gpt, 256, 32) and gpt.training  # mode given back
     assert lm_models.sees_ahead(both, 64, 32)
     assert not lm_models.sees_ahead(both, 64, 1)  # one position: nothing to see
+    dict_out = nn.Module()
+    dict_out.forward = lambda idx: {"logits": both(idx)}  # (not judged: the output check tells)
+    assert not lm_models.sees_ahead(dict_out, 64, 32)
     assert torch.equal(torch.rand(2), expected)  # the run's random state is left alone
 
 
