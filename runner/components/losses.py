@@ -128,12 +128,10 @@ def check_criterion(criterion: torch.nn.Module, path: str, task: Any, num_output
 
 
 def _probe(task: Any, num_outputs: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random outputs and class targets of the task's shapes: (4, classes) and (4,), or a
-    language model's (2, 2, vocabulary) and (2, 2)."""
-    from runner.config.schema import LANGUAGE_MODEL
-
+    """Random outputs and class targets of the task's shapes (its `target_dims`): (4, classes)
+    and (4,), or a language model's (2, 2, vocabulary) and (2, 2)."""
     g = torch.Generator().manual_seed(0)  # (the run's own random state is left alone)
-    batch = (2, 2) if task.name == LANGUAGE_MODEL else (4,)
+    batch = (2, 2) if task.target_dims == 2 else (4,)
     outputs = torch.randn(*batch, num_outputs, generator=g).requires_grad_()
     return outputs, torch.randint(0, num_outputs, batch, generator=g)
 

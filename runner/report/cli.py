@@ -130,19 +130,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.sweep and is_record_folder(args.sweep):  # tracking=none: its records
             reader, parent, runs = records_of(Path(args.sweep))
             uri, args.experiment = reader.location, parent.experiment_id
-            return _write(args, reader, uri, parent, runs)
-        database = sqlite_path(uri)
-        if database is not None and not database.is_file():
-            raise NothingToReport(
-                f"no MLflow store at {uri} (opening it would create an empty "
-                "one); set --tracking-uri to the runs' mlflow.tracking_uri"
-            )
-        reader = open_reader(uri)
-        if args.diff:
-            shell.say(diff_runs(reader, args.experiment, *args.diff))
-            return 0
-        parent = _run(reader, args.experiment, args.parent) if args.parent else None
-        parent, runs = select_runs(reader, args.experiment, parent, args.sweep)
+        else:
+            database = sqlite_path(uri)
+            if database is not None and not database.is_file():
+                raise NothingToReport(
+                    f"no MLflow store at {uri} (opening it would create an empty "
+                    "one); set --tracking-uri to the runs' mlflow.tracking_uri"
+                )
+            reader = open_reader(uri)
+            if args.diff:
+                shell.say(diff_runs(reader, args.experiment, *args.diff))
+                return 0
+            parent = _run(reader, args.experiment, args.parent) if args.parent else None
+            parent, runs = select_runs(reader, args.experiment, parent, args.sweep)
     except NothingToReport as reason:
         print(f"Nothing to report: {reason}", file=sys.stderr)
         return 1

@@ -251,7 +251,6 @@ def infer_task(plan: RunPlan, sample: torch.Tensor) -> str:
     """The task of a run whose dataset is the user's own: the plan's, except that with
     `task=auto` a dataset whose inputs are sequences of integer token ids is a language model's
     (the plan could not tell before the data existed)."""
-
     auto = OmegaConf.select(plan.cfg, "task.name", default="auto") == "auto"
     data = plan.specs.get("data")
     if (
