@@ -141,16 +141,45 @@ def build_torchvision_named(cfg: Any, num_classes: int, small_input: bool) -> nn
     return _torchvision(str(cfg.name), num_classes, small_input)
 
 
-def build_vit_tiny(cfg: Any, num_classes: int, small_input: bool) -> nn.Module:
-    """torchvision's VisionTransformer at the sizes of `VitTinyConfig` (vit_tiny.yaml)."""
-    from torchvision.models import VisionTransformer
-
-    sizes = {
+def _vit_sizes(cfg: Any) -> dict[str, int]:
+    return {
         f.name: int(getattr(cfg, f.name, f.default))
         for f in dataclasses.fields(options.VitTinyConfig)
         if f.name != "name"
     }
-    return VisionTransformer(**sizes, num_classes=num_classes)
+
+
+def check_vit_tiny(cfg: Any) -> None:
+    """ConfigError for sizes torchvision's VisionTransformer asserts on ("Input shape indivisible
+    by patch size!", "embed_dim must be divisible by num_heads"), naming the key and the sizes
+    that fit, before any data or run exists."""
+    sizes = _vit_sizes(cfg)
+    image, patch = sizes["image_size"], sizes["patch_size"]
+    if image % patch:
+        fits = [d for d in range(1, image + 1) if image % d == 0]
+        raise ConfigError(
+            "model.patch_size",
+            f"{patch} does not divide the images' {image} px (model.image_size, the data's "
+            "data.image_size by default): a ViT cuts each image into whole patches",
+            f"a divisor of {image} ({', '.join(map(str, fits[:12]))}), or an image size that "
+            f"{patch} divides",
+        )
+    width, heads = sizes["hidden_dim"], sizes["num_heads"]
+    if width % heads:
+        fits = [d for d in range(1, width + 1) if width % d == 0]
+        raise ConfigError(
+            "model.num_heads",
+            f"the width hidden_dim={width} is split into num_heads={heads} heads, which does not "
+            "divide it",
+            [str(d) for d in fits if d <= 64],
+        )
+
+
+def build_vit_tiny(cfg: Any, num_classes: int, small_input: bool) -> nn.Module:
+    """torchvision's VisionTransformer at the sizes of `VitTinyConfig` (vit_tiny.yaml)."""
+    from torchvision.models import VisionTransformer
+
+    return VisionTransformer(**_vit_sizes(cfg), num_classes=num_classes)
 
 
 # ---- the zoos: torchvision and timm by name -----------------------------------------------

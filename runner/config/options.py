@@ -180,6 +180,7 @@ SPECS: tuple[Spec, ...] = (
         "vit_tiny",
         VitTinyConfig,
         _VIT_RULES,
+        check="runner.components.models:check_vit_tiny",
     ),
     Spec(
         "model",

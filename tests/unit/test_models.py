@@ -138,3 +138,22 @@ def test_an_output_with_auxiliary_logits_says_how_to_leave_them_out():
     check_output(
         OmegaConf.merge(node, {"aux_logits": False}), 10, (3, 8, 8), task_for("classification")
     )
+
+
+@pytest.mark.parametrize(
+    "overrides,key,needle",
+    [
+        (["data.image_size=30"], "model.patch_size", "4 does not divide the images' 30 px"),
+        (["model.num_heads=3"], "model.num_heads", "hidden_dim=128 is split into num_heads=3"),
+    ],
+)
+def test_vit_sizes_torchvision_asserts_on_are_named_in_planning(overrides, key, needle):
+    """torchvision's VisionTransformer asserts ("Input shape indivisible by patch size!"): the
+    refusal named model.name and torchvision's words."""
+    from runner.run.plan import make_plan
+    from tests.helpers.runs import compose_config
+
+    with pytest.raises(ConfigError) as bad:
+        make_plan(compose_config("model=vit_tiny", "data=synthetic", *overrides))
+    assert bad.value.key == key and needle in str(bad.value) and bad.value.allowed
+    make_plan(compose_config("model=vit_tiny", "data=synthetic", "data.image_size=36"))  # 4 | 36
