@@ -352,6 +352,17 @@ def _output_key(node: Any) -> str:
     return "model.arch" if "arch" in node else "model.name"
 
 
+def _size_hint(exc: BaseException, shape: tuple[int, ...]) -> str:
+    """How to build a model made for one image size at the data's (torchvision's ViTs assert
+    "Wrong image height! Expected 224 but got 32!"), where the error says so."""
+    if "Wrong image height" in str(exc) or "Wrong image width" in str(exc):
+        return (
+            f"; it is built for one image size: +model.image_size={shape[-1]} builds it for the "
+            "data's"
+        )
+    return ""
+
+
 def _shown(out: Any) -> str:
     """A model's output as a message shows it: a shape, or a tuple with its items' shapes."""
     if isinstance(out, torch.Tensor):
@@ -434,7 +445,8 @@ def check_output(
         what = "integer token ids" if not dtype.is_floating_point else "the data's"
         raise ConfigError(
             _output_key(node),
-            f"{label} fails on a batch of shape {batch} ({what}): {type(exc).__name__}: {exc}",
+            f"{label} fails on a batch of shape {batch} ({what}): {type(exc).__name__}: {exc}"
+            + _size_hint(exc, shape),
         ) from None
     got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
     if not task.output_fits(got, batch, num_classes):

@@ -157,3 +157,14 @@ def test_vit_sizes_torchvision_asserts_on_are_named_in_planning(overrides, key, 
         make_plan(compose_config("model=vit_tiny", "data=synthetic", *overrides))
     assert bad.value.key == key and needle in str(bad.value) and bad.value.allowed
     make_plan(compose_config("model=vit_tiny", "data=synthetic", "data.image_size=36"))  # 4 | 36
+
+
+def test_a_zoo_vit_built_for_another_image_size_says_how_to_build_it_for_the_datas():
+    from runner.components.models import check_output
+    from runner.tasks import task_for
+
+    node = OmegaConf.create({"name": "torchvision", "arch": "vit_b_16"})
+    with pytest.raises(ConfigError) as bad:
+        check_output(node, 10, (3, 32, 32), task_for("classification"))
+    assert "Wrong image height! Expected 224 but got 32!" in str(bad.value)
+    assert "+model.image_size=32 builds it for the data's" in str(bad.value)
