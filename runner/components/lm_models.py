@@ -32,6 +32,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from runner.config import targets
+from runner.config.values import heads_refusal
 from runner.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -224,13 +225,7 @@ def check_gpt(cfg: Any) -> None:
         if sizes[key] < 1:
             raise ConfigError(f"model.{key}", f"must be at least 1, got {sizes[key]}")
     if sizes["n_embd"] % sizes["n_head"]:
-        divisors = [d for d in range(1, sizes["n_embd"] + 1) if sizes["n_embd"] % d == 0]
-        raise ConfigError(
-            "model.n_head",
-            f"the width n_embd={sizes['n_embd']} is split into "
-            f"n_head={sizes['n_head']} heads, which does not divide it",
-            [str(d) for d in divisors if d <= 64],
-        )
+        raise heads_refusal("n_embd", sizes["n_embd"], "n_head", sizes["n_head"])
     if not 0.0 <= sizes["dropout"] < 1.0:
         raise ConfigError("model.dropout", f"got {sizes['dropout']}", "a number in [0, 1)")
 

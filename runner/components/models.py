@@ -32,6 +32,7 @@ from torch.nn.modules.lazy import LazyModuleMixin
 
 from runner.config import options, targets
 from runner.config.options import MODEL_NAMES, NORMS  # noqa: F401  (NORMS: where it was before)
+from runner.config.values import divisors, heads_refusal
 from runner.errors import ConfigError
 
 # Largest image side for which `small_input: null` picks the small stem.
@@ -156,23 +157,15 @@ def check_vit_tiny(cfg: Any) -> None:
     sizes = _vit_sizes(cfg)
     image, patch = sizes["image_size"], sizes["patch_size"]
     if image % patch:
-        fits = [d for d in range(1, image + 1) if image % d == 0]
+        fits = ", ".join(map(str, divisors(image)[:12]))
         raise ConfigError(
             "model.patch_size",
             f"{patch} does not divide the images' {image} px (model.image_size, the data's "
             "data.image_size by default): a ViT cuts each image into whole patches",
-            f"a divisor of {image} ({', '.join(map(str, fits[:12]))}), or an image size that "
-            f"{patch} divides",
+            f"a divisor of {image} ({fits}), or an image size that {patch} divides",
         )
-    width, heads = sizes["hidden_dim"], sizes["num_heads"]
-    if width % heads:
-        fits = [d for d in range(1, width + 1) if width % d == 0]
-        raise ConfigError(
-            "model.num_heads",
-            f"the width hidden_dim={width} is split into num_heads={heads} heads, which does not "
-            "divide it",
-            [str(d) for d in fits if d <= 64],
-        )
+    if sizes["hidden_dim"] % sizes["num_heads"]:
+        raise heads_refusal("hidden_dim", sizes["hidden_dim"], "num_heads", sizes["num_heads"])
 
 
 def build_vit_tiny(cfg: Any, num_classes: int, small_input: bool) -> nn.Module:

@@ -47,6 +47,23 @@ def bare_database_refusal(path: Any) -> str:
     return f"got {path!r}, a path; its URI: {uri}"
 
 
+def divisors(n: int) -> list[int]:
+    """The positive divisors of `n`, ascending: the sizes that split it evenly."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def heads_refusal(width_key: str, width: int, heads_key: str, heads: int) -> ConfigError:
+    """`model.<heads_key>`: an attention splits the width `<width_key>`=`width` into `heads`
+    heads, which does not divide it (the GPT's n_embd / n_head, the ViT's hidden_dim /
+    num_heads); the heads that do, up to 64."""
+    return ConfigError(
+        f"model.{heads_key}",
+        f"the width {width_key}={width} is split into {heads_key}={heads} heads, which does not "
+        "divide it",
+        [str(d) for d in divisors(width) if d <= 64],
+    )
+
+
 def non_negative(v: Any) -> bool:
     return finite(v) and v >= 0
 
