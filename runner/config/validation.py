@@ -190,9 +190,12 @@ def _type_name(hint: Any) -> str:
     return getattr(hint, "__name__", str(hint))
 
 
-def _check_known_keys(cfg: DictConfig) -> None:
+def _check_known_keys(cfg: DictConfig, specs: Mapping[str, Optional[options.Spec]]) -> None:
     """Hydra's `+key=value` appends even to typed nodes, and to the root; a key no schema declares
-    is a typo (`+lr=0.1` for `optimizer.lr=0.1`) that would otherwise change nothing, silently."""
+    is a typo (`+lr=0.1` for `optimizer.lr=0.1`) that would otherwise change nothing, silently.
+    An option file of one's own that names a built-in option (`name: tiny`) without its schema in
+    the defaults list is untyped: its keys are checked against the option's schema (`specs`), so
+    a misspelt one (`widht: 8`) is not kept unread."""
     root = [f.name for f in dataclasses.fields(RunConfig)]
     for key in cfg:
         if key in root or key == "hydra":  # (hydra: Hydra's own, where a caller kept it)
@@ -208,7 +211,11 @@ def _check_known_keys(cfg: DictConfig) -> None:
         raise mistakes.unknown_key("", str(key), root)
     for section in cfg:
         node = cfg[section]
-        schema = OmegaConf.get_type(node) if isinstance(node, DictConfig) else None
+        if not isinstance(node, DictConfig):
+            continue
+        schema = OmegaConf.get_type(node)
+        if not dataclasses.is_dataclass(schema) and specs.get(section) is not None:
+            schema = specs[section].schema  # (an untyped option file of one's own)
         if not dataclasses.is_dataclass(schema):
             continue
         declared = [f.name for f in dataclasses.fields(schema)]
@@ -217,27 +224,11 @@ def _check_known_keys(cfg: DictConfig) -> None:
                 raise mistakes.unknown_key(str(section), str(key), declared)
 
 
-def _check_untyped_options(cfg: DictConfig, specs: Mapping[str, Optional[options.Spec]]) -> None:
-    """An option file of one's own that names a built-in option (`name: tiny`) without its
-    schema in the defaults list is untyped: a misspelt key in it (`widht: 8`) was kept and never
-    read. Its keys are checked against the option's schema as a typed node's are."""
-    for group, spec in specs.items():
-        node = cfg.get(group)
-        if spec is None or spec.schema is None or not isinstance(node, DictConfig):
-            continue
-        if dataclasses.is_dataclass(OmegaConf.get_type(node)):
-            continue  # (typed: _check_known_keys)
-        declared = [f.name for f in dataclasses.fields(spec.schema)]
-        for key in node:
-            if key not in declared:
-                raise mistakes.unknown_key(str(group), str(key), declared)
-
-
 def validate(cfg: DictConfig, specs: Mapping[str, Optional[options.Spec]] | None = None) -> None:
     """Raise ConfigError for the first key whose value breaks its rule (`specs`: each group's
     option spec, `options.specs_of(cfg)`, where the caller has them)."""
-    _check_known_keys(cfg)
-    _check_untyped_options(cfg, specs if specs is not None else options.specs_of(cfg))
+    specs = options.specs_of(cfg) if specs is None else specs
+    _check_known_keys(cfg, specs)
     for key, ok, allowed in _rules(cfg, specs):
         section, _, leaf = key.rpartition(".")
         parent = OmegaConf.select(cfg, section)
