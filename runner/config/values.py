@@ -47,6 +47,13 @@ def bare_database_refusal(path: Any) -> str:
     return f"got {path!r}, a path; its URI: {uri}"
 
 
+def override_text(value: Any) -> str:
+    """A config value as an override writes it: true/false, null, else its text."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    return "null" if value is None else str(value)
+
+
 def divisors(n: int) -> list[int]:
     """The positive divisors of `n`, ascending: the sizes that split it evenly."""
     return [d for d in range(1, n + 1) if n % d == 0]

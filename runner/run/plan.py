@@ -28,6 +28,7 @@ from runner.config import options
 from runner.config.finder import config_dir
 from runner.config.precision import run_name_suffixes
 from runner.config.validation import validate
+from runner.config.values import override_text
 from runner.errors import ConfigError
 from runner.precision import Finding, Properties, Resolution, layers, resolve
 from runner.precision.checks import DeviceInfo, concrete_device
@@ -331,7 +332,7 @@ def _check_own_preset(node: DictConfig) -> None:
         return
     level = parse_opt_level(node.opt_level)
     left = [
-        f"{name}={_shown(node.get(name))} (the level's: {_shown(value)})"
+        f"{name}={override_text(node.get(name))} (the level's: {override_text(value)})"
         for name, value in LEVEL_VALUES[level].items()
         if node.get(name) == property_for(name).default and value != property_for(name).default
     ]
@@ -343,12 +344,6 @@ def _check_own_preset(node: DictConfig) -> None:
             f"a precision file of your own starting 'defaults: [{level.lower()}, _self_]' (the "
             f"preset, or /schema/precision/level/{level}@_here_), then what differs",
         )
-
-
-def _shown(value: Any) -> str:
-    return (
-        "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
-    )
 
 
 def resolve_precision(

@@ -30,6 +30,7 @@ from omegaconf import OmegaConf
 
 from runner.config import TUNABLE, tunable_defaults
 from runner.config.options import LANGUAGE_MODEL
+from runner.config.values import override_text
 from runner.run import out_of_memory, rng, tune_cache, tune_data, tune_given
 from runner.run.distributed import Comm
 from runner.run.plan import RunPlan
@@ -76,7 +77,9 @@ class Tuning:
     def params(self) -> dict[str, str]:
         """`tune.<key>`: each tunable setting's value and why it has it; `tune.source`."""
         out = {
-            f"tune.{key}": f"{_show(self.settings[key])} ({why})" if key in self.settings else why
+            f"tune.{key}": f"{override_text(self.settings[key])} ({why})"
+            if key in self.settings
+            else why
             for key, why in self.reasons.items()
         }
         out["tune.source"] = self.source
@@ -104,7 +107,7 @@ class Tuning:
         lines += tune_data.table(self.loader, self.settings)
         lines += [
             f"- {key}"
-            + (f"={_show(self.settings[key])}" if key in self.settings else "")
+            + (f"={override_text(self.settings[key])}" if key in self.settings else "")
             + f": {why}"
             for key, why in self.reasons.items()
         ]
@@ -114,12 +117,6 @@ class Tuning:
         """The decisions' artifact and the time tuning took (metric tune_time_s)."""
         tracked.log_text(self.table(), "tune.md")
         tracked.log_metrics({m.TUNE_TIME_S: self.seconds}, 0)
-
-
-def _show(value: Any) -> str:
-    return (
-        str(value).lower() if isinstance(value, bool) else "null" if value is None else str(value)
-    )
 
 
 # ---- what may be tuned -----------------------------------------------------------------------
@@ -408,7 +405,7 @@ def _budget_s(plan: RunPlan, steps: Optional[int], base: Row) -> float:
 
 
 def _named(settings: Mapping[str, Any]) -> str:
-    return ", ".join(f"{k}={_show(v)}" for k, v in settings.items()) or "defaults"
+    return ", ".join(f"{k}={override_text(v)}" for k, v in settings.items()) or "defaults"
 
 
 def _alternatives(
@@ -461,7 +458,7 @@ def _decision(
         elif key not in free:
             reasons[key] = "not tuned: nothing to measure on this device"
         elif key in best.settings and best is not rows[0]:
-            others = [f"{k}={str(v).lower()}" for k, v in best.settings.items() if k != key]
+            others = [f"{k}={override_text(v)}" for k, v in best.settings.items() if k != key]
             together = f" (together with {', '.join(others)})" if others else ""
             reasons[key] = f"tuned: {speedup:.2f}x the untuned steady step{together}"
         elif not tried:
