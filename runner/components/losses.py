@@ -58,16 +58,18 @@ def loss_function(node: Any) -> Optional[Callable[..., torch.Tensor]]:
 def check_target(node: Any) -> None:
     """Planning's check of `loss._target_`: imported, its arguments bound (a loss function's
     after the outputs and targets it is called with)."""
-    if OmegaConf.is_missing(node, targets.TARGET):
-        targets.check("loss", node)  # (says how to set it)
-    fn = loss_function(node)
+    fn = None if OmegaConf.is_missing(node, targets.TARGET) else loss_function(node)
     if fn is None:
-        targets.check("loss", node)
-        return
+        targets.check("loss", node)  # (a missing one: says how to set it)
+    else:
+        _bind(fn, node)
+
+
+def _bind(fn: Callable[..., torch.Tensor], node: Any) -> None:
+    """A loss function's keyword arguments bound after the outputs and targets it is called with."""
     path = str(node[targets.TARGET])
-    targets.check_arguments(
-        "loss", path, functools.partial(fn, None, None), targets.arguments(node)
-    )
+    partial = functools.partial(fn, None, None)
+    targets.check_arguments("loss", path, partial, targets.arguments(node))
 
 
 def build_loss(cfg) -> torch.nn.Module:
@@ -78,7 +80,7 @@ def build_loss(cfg) -> torch.nn.Module:
         return torch.nn.CrossEntropyLoss()
     fn = loss_function(cfg.loss)
     if fn is not None:
-        check_target(cfg.loss)
+        _bind(fn, cfg.loss)
         return FunctionLoss(fn, targets.arguments(cfg.loss))
     criterion = targets.call("loss", cfg.loss)
     if not isinstance(criterion, torch.nn.Module):
@@ -138,11 +140,7 @@ def _probe(task: Any, num_outputs: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _arguments(forward: Any) -> str:
     try:
-        names = [
-            n
-            for n, p in inspect.signature(forward).parameters.items()
-            if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-        ]
+        names = targets.parameter_names(inspect.signature(forward))
     except (TypeError, ValueError):
         return "other arguments"
     return f"({', '.join(names)})" if names else "no arguments"

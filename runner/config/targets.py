@@ -118,6 +118,15 @@ def accepts(target: Any, name: str) -> bool:
     )
 
 
+def parameter_names(signature: inspect.Signature) -> list[str]:
+    """The names a callable's arguments go by (not its *args and **kwargs)."""
+    return [
+        n
+        for n, p in signature.parameters.items()
+        if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
+
+
 def check_arguments(group: str, path: str, target: Any, kwargs: Mapping[str, Any]) -> None:
     """Bind `kwargs` to `target`'s signature; ConfigError naming the argument it rejects."""
     try:
@@ -127,11 +136,7 @@ def check_arguments(group: str, path: str, target: Any, kwargs: Mapping[str, Any
     try:
         signature.bind(**kwargs)
     except TypeError as exc:
-        names = [
-            n
-            for n, p in signature.parameters.items()
-            if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-        ]
+        names = parameter_names(signature)
         unknown = [k for k in kwargs if k not in signature.parameters]
         if unknown and not any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values()):
             raise ConfigError(
