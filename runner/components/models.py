@@ -374,7 +374,7 @@ def _shown(out: Any) -> str:
 def _aux_hint(model: nn.Module, out: Any) -> str:
     """'; ...+model.aux_logits=false...' for a model that returns auxiliary logits beside its
     own in training (torchvision's GoogLeNet and Inception v3), where its class takes the switch."""
-    if not isinstance(out, (tuple, list)) or isinstance(out, torch.Tensor):
+    if not isinstance(out, (tuple, list)):
         return ""
     try:
         takes = "aux_logits" in inspect.signature(type(model).__init__).parameters

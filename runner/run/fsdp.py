@@ -114,10 +114,11 @@ def units_for(model: nn.Module, wrap: Optional[Sequence[str]]) -> list[str]:
             if not matched:
                 top = ", ".join(n for n, _ in model.named_children())
                 classes = sorted({type(m).__name__ for _, m in model.named_modules()})
-                a_name = any(c in entry for c in ".*?")  # a module name's glob, not a class
-                near = (
-                    did_you_mean(entry, names) if a_name else did_you_mean(entry, classes)
-                ) or did_you_mean(entry, classes if a_name else names)
+                # a module name's glob is told names first, a class name classes first
+                first, then = (
+                    (names, classes) if any(c in entry for c in ".*?") else (classes, names)
+                )
+                near = did_you_mean(entry, first) or did_you_mean(entry, then)
                 raise ConfigError(
                     WRAP_KEY,
                     f"'{entry}' matches no module of "
