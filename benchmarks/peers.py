@@ -464,13 +464,7 @@ def tuned_config(cfg, overrides: Sequence[str], run_steps: int) -> tuple:
     plan, tuning = tune.tuned(plan, Comm(), plan.device, overrides, steps=run_steps)
     if tuning is None:
         return plan.cfg, "nothing to tune", 0.0
-    defaults = tune.DEFAULTS
-    picked = [
-        f"{key.split('.')[-1]}={tune._show(value)}"
-        for key, value in tuning.settings.items()
-        if value != defaults[key]
-    ]
-    return plan.cfg, ", ".join(picked) or "the defaults", tuning.seconds
+    return plan.cfg, tuning.picked(), tuning.seconds
 
 
 def measure(args, peer: str) -> dict:

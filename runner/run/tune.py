@@ -85,6 +85,16 @@ class Tuning:
         out["tune.source"] = self.source
         return out
 
+    def picked(self) -> str:
+        """What tuning changed from the defaults, by the keys' last names (`channels_last=true,
+        compile=true`); "the defaults" when it changed nothing."""
+        changed = [
+            f"{key.split('.')[-1]}={override_text(value)}"
+            for key, value in self.settings.items()
+            if value != DEFAULTS[key]
+        ]
+        return ", ".join(changed) or "the defaults"
+
     def table(self) -> str:
         """tune.md: the candidates (settings, steady ms/step, compile s, loss delta, chosen),
         then every decision."""

@@ -165,6 +165,21 @@ def test_settings_chosen_together_say_so():
     )
 
 
+def test_what_tuning_changed_is_named_short_and_the_defaults_are_left_out():
+    """benchmarks/peers.py's "trainer.tune picked" column: the settings tuning changed, by
+    their keys' last names, as an override writes them."""
+    plan = make_plan(compose_config(*ON))
+    rows = [
+        tune_measure.Row({}, steady_ms=16.0),
+        tune_measure.Row({"trainer.channels_last": True, "precision.kernels": "torch"}, 10.0),
+    ]
+    free = ["trainer.channels_last", "precision.kernels"]
+    tuning = tune._decision(plan, rows, free, set(), 1000, "measured")
+    assert set(tuning.picked().split(", ")) == {"channels_last=true", "kernels=torch"}
+    kept = tune._decision(plan, rows[:1], free, set(), 1000, "measured")
+    assert kept.picked() == "the defaults"
+
+
 def test_a_candidate_that_changes_the_loss_is_refused():
     model = ["model=custom", "model._target_=tests.helpers.tune_models.LayoutBug"]
     plan, tuning = tuned(*ON, *model, "precision.kernels=torch")
