@@ -22,7 +22,7 @@ import copy
 import dataclasses
 import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Optional
 
 import torch
@@ -345,15 +345,32 @@ def _output_key(node: Any) -> str:
     return "model.arch" if "arch" in node else "model.name"
 
 
-def _size_hint(exc: BaseException, shape: tuple[int, ...]) -> str:
-    """How to build a model made for one image size at the data's (torchvision's ViTs assert
-    "Wrong image height! Expected 224 but got 32!"), where the error says so."""
-    if "Wrong image height" in str(exc) or "Wrong image width" in str(exc):
-        return (
-            f"; it is built for one image size: +model.image_size={shape[-1]} builds it for the "
-            "data's"
-        )
+_SIZE_MISMATCH = ("Wrong image height", "Wrong image width", "doesn't match model")
+_SIZE_KEYWORDS = ("image_size", "img_size")  # (torchvision's ViTs; timm's)
+
+
+def _size_hint(model: nn.Module, exc: BaseException, shape: tuple[int, ...]) -> str:
+    """How to build a model made for one image size at the data's, where the error says so
+    (torchvision's ViTs assert "Wrong image height! Expected 224 but got 32!", timm's "Input
+    height (32) doesn't match model (224)") and the model's class takes the size by a keyword
+    it is known by."""
+    if not any(words in str(exc) for words in _SIZE_MISMATCH):
+        return ""
+    for keyword in _SIZE_KEYWORDS:
+        if keyword in _init_parameters(model):
+            return (
+                f"; it is built for one image size: +model.{keyword}={shape[-1]} builds it for "
+                "the data's"
+            )
     return ""
+
+
+def _init_parameters(model: nn.Module) -> Mapping[str, Any]:
+    """The keywords `model`'s class takes ({} where its signature cannot be read)."""
+    try:
+        return inspect.signature(type(model).__init__).parameters
+    except (TypeError, ValueError):
+        return {}
 
 
 def _shown(out: Any) -> str:
@@ -374,13 +391,7 @@ def _shown(out: Any) -> str:
 def _aux_hint(model: nn.Module, out: Any) -> str:
     """'; ...+model.aux_logits=false...' for a model that returns auxiliary logits beside its
     own in training (torchvision's GoogLeNet and Inception v3), where its class takes the switch."""
-    if not isinstance(out, (tuple, list)):
-        return ""
-    try:
-        takes = "aux_logits" in inspect.signature(type(model).__init__).parameters
-    except (TypeError, ValueError):
-        return ""
-    if not takes:
+    if not isinstance(out, (tuple, list)) or "aux_logits" not in _init_parameters(model):
         return ""
     return (
         f": {type(model).__name__} returns auxiliary classifiers' logits beside its own while it "
@@ -439,7 +450,7 @@ def check_output(
         raise ConfigError(
             _output_key(node),
             f"{label} fails on a batch of shape {batch} ({what}): {type(exc).__name__}: {exc}"
-            + _size_hint(exc, shape),
+            + _size_hint(model, exc, shape),
         ) from None
     got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
     if not task.output_fits(got, batch, num_classes):

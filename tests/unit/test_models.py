@@ -168,3 +168,18 @@ def test_a_zoo_vit_built_for_another_image_size_says_how_to_build_it_for_the_dat
         check_output(node, 10, (3, 32, 32), task_for("classification"))
     assert "Wrong image height! Expected 224 but got 32!" in str(bad.value)
     assert "+model.image_size=32 builds it for the data's" in str(bad.value)
+
+
+def test_a_timm_vit_built_for_another_image_size_says_timms_keyword():
+    """timm's ViTs take the size as img_size and assert in their own words."""
+    pytest.importorskip("timm")
+    from runner.components.models import check_output
+    from runner.tasks import task_for
+
+    node = OmegaConf.create({"name": "timm", "arch": "vit_tiny_patch16_224", "pretrained": False})
+    with pytest.raises(ConfigError) as bad:
+        check_output(node, 10, (3, 32, 32), task_for("classification"))
+    assert "Input height (32) doesn't match model (224)" in str(bad.value)
+    assert "+model.img_size=32 builds it for the data's" in str(bad.value)
+    node.img_size = 32
+    check_output(node, 10, (3, 32, 32), task_for("classification"))
