@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import io
 import logging
 import os
 import signal
@@ -264,6 +265,31 @@ FLAGS_TOGETHER = (
 )
 
 
+def overrides_together(argv: list[str]) -> list[str]:
+    """`argv` (without the program) with its overrides in one group, first: Hydra's parser
+    (argparse) takes the overrides as one positional group and refuses any after a flag
+    (`python -m runner model=tiny -m precision=o0,o1` or `+experiment=mine --config-dir conf
+    dry_run=true`: "unrecognized arguments: ..."; hydra#3053). Hydra's own parser decides which
+    tokens are overrides, so an option's value (`--config-dir conf`) stays with its option. A
+    command it refuses for another reason (an unknown flag, a bad choice) is left as it is:
+    Hydra reports it."""
+    from hydra._internal.utils import get_args_parser
+
+    try:
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+            parsed, rest = get_args_parser().parse_known_args(argv)
+    except SystemExit:
+        return argv
+    if not rest or any(token.startswith("-") for token in rest):
+        return argv
+    others = list(argv)
+    for token in reversed(rest):  # (the later group: from the end)
+        del others[len(others) - 1 - others[::-1].index(token)]
+    for token in parsed.overrides:  # (the first group: from the start)
+        others.remove(token)
+    return [*parsed.overrides, *rest, *others]
+
+
 def cli() -> None:
     """Console-script entry (`amp-runner ...`); Ctrl-C exits 130 and SIGTERM 143 after the run
     (and a sweep's parent run) is marked KILLED (and, from a first signal, checkpointed); a sweep
@@ -282,6 +308,7 @@ def cli() -> None:
         if os.environ.get("RANK", "0") == "0":  # (every rank stops; one says why)
             print(message, file=sys.stderr)
         sys.exit(2)
+    sys.argv[1:] = overrides_together(sys.argv[1:])
     job_log.bear_write_errors()  # (`... | head`: one line, not a traceback a line logged)
     gpus.register_resolvers()
     OmegaConf.register_new_resolver("runner.help_groups", help_groups, replace=True)

@@ -116,6 +116,43 @@ def test_the_choices_include_a_config_dir_s_own(tmp_path, capsys):
     assert status == 2 and "model: unknown option 'my_nett'; did you mean my_net?" in output
 
 
+@pytest.mark.parametrize(
+    "argv, together",
+    [
+        (["a=1", "-m", "b=2,3"], ["a=1", "b=2,3", "-m"]),
+        (
+            ["+experiment=x", "--config-dir", "conf", "c=1"],
+            ["+experiment=x", "c=1", "--config-dir", "conf"],
+        ),
+        (["a=1", "--cfg", "job", "b=2"], ["a=1", "b=2", "--cfg", "job"]),
+        (["-m", "a=1", "b=2"], ["-m", "a=1", "b=2"]),  # (one group already: as it was)
+        (["a=1", "--cfg", "jobb", "b=2"], ["a=1", "--cfg", "jobb", "b=2"]),  # (Hydra refuses it)
+        (["a=1", "--info", "defaults", "b=2"], ["a=1", "b=2", "--info", "defaults"]),
+    ],
+)
+def test_overrides_on_both_sides_of_a_flag_are_taken_together(argv, together):
+    """Hydra's parser took the overrides before a flag and refused those after it
+    ("unrecognized arguments"; hydra#3053)."""
+    from runner.__main__ import overrides_together
+
+    assert overrides_together(argv) == together
+
+
+@pytest.mark.new_store  # checks that nothing, no store, is created
+def test_a_sweep_with_overrides_after_its_m_and_its_config_dir_runs(tmp_path, capsys):
+    (tmp_path / "conf" / "experiment").mkdir(parents=True)
+    (tmp_path / "conf" / "experiment" / "mine.yaml").write_text(
+        "# @package _global_\ntrainer:\n  max_epochs: 3\n"
+    )
+    args = ["--config-dir", str(tmp_path / "conf"), "precision=o0,o1_bf16", "dry_run=true"]
+    status = run_in_process("+experiment=mine", *FAST[:2], "-m", *args)
+    output = "".join(capsys.readouterr())
+    assert status == 0, output[-3000:]
+    assert "#0 : +experiment=mine model=tiny data=synthetic precision=o0 dry_run=True" in output
+    assert "#1 : +experiment=mine model=tiny data=synthetic precision=o1_bf16" in output
+    assert output.count("  max_epochs: 3") == 2  # (the file's, in each job's config)
+
+
 def test_hydra_full_error_shows_hydra_s_own_error(monkeypatch):
     monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
     with pytest.raises(MissingConfigException, match="Config search path"):
