@@ -181,6 +181,16 @@ def explain(error: BaseException, overrides: Sequence[str] = ()) -> RunnerError:
     )
     if swept:
         return sweep_without_m(swept.group(1))
+    placed = _PLACED.search(str(error))
+    if placed:  # (an option file of a group that overrides the run's groups, not global)
+        file, group, package = placed.groups()
+        where = package.rpartition(".")[0] or package
+        return ConfigError(
+            where,
+            f"{file}.yaml overrides /{group} in its defaults list, but the file's keys are placed "
+            f"under {where!r}, its group: a file that sets the run's groups and keys starts with "
+            "the line `# @package _global_`",
+        )
     appended = re.match(r"Could not override '([^']+)'\. No match in the defaults list", str(error))
     if appended:
         group = appended.group(1)
@@ -190,6 +200,13 @@ def explain(error: BaseException, overrides: Sequence[str] = ()) -> RunnerError:
         )
     return RunnerError(_hydra_text(error))
 
+
+_PLACED = re.compile(r"In '([^']+)': Could not override '([^'@]+)@([^']+)'\.\s+Did you mean")
+NOT_GLOBAL = (
+    "an experiment file's setting of {0} was placed under experiment (its own free-form "
+    "settings), where nothing reads it: the file's first line must be `# @package _global_` "
+    "(experiments/README.md); a setting of its own takes another name than the run's sections"
+)
 
 _FILE_KEY = re.compile(
     r"In '([^']+)': ConfigKeyError raised while composing config:\s*Key '([^']+)' not in "

@@ -209,6 +209,10 @@ def _check_known_keys(cfg: DictConfig, specs: Mapping[str, Optional[options.Spec
             listed = " or ".join(homes)
             raise ConfigError(str(key), f"unknown key at the top level; did you mean {listed}?")
         raise mistakes.unknown_key("", str(key), root)
+    own = cfg.get("experiment")
+    misplaced = [k for k in own if k in root or k == "hydra"] if isinstance(own, DictConfig) else []
+    if misplaced:  # (an experiment file without its package line: its keys, all unread)
+        raise ConfigError(f"experiment.{misplaced[0]}", mistakes.NOT_GLOBAL.format(misplaced[0]))
     for section in cfg:
         node = cfg[section]
         if not isinstance(node, DictConfig):

@@ -153,6 +153,38 @@ def test_a_sweep_with_overrides_after_its_m_and_its_config_dir_runs(tmp_path, ca
     assert output.count("  max_epochs: 3") == 2  # (the file's, in each job's config)
 
 
+@pytest.mark.new_store  # checks that nothing, no store, is created
+@pytest.mark.parametrize(
+    "body, said",
+    [
+        (
+            "defaults:\n  - override /model: tiny\n",
+            "experiment: experiment/mine.yaml overrides /model in its defaults list, but the "
+            "file's keys are placed under 'experiment', its group: a file that sets the run's "
+            "groups and keys starts with the line `# @package _global_`",
+        ),
+        (
+            "trainer:\n  max_epochs: 1\nhydra:\n  sweeper:\n    params:\n      precision: o0,o2\n",
+            "experiment.trainer: an experiment file's setting of trainer was placed under "
+            "experiment (its own free-form settings), where nothing reads it: the file's first "
+            "line must be `# @package _global_`",
+        ),
+    ],
+)
+def test_an_experiment_file_without_its_package_line_is_refused(body, said, tmp_path, capsys):
+    """Without `# @package _global_` an experiment file's keys land under `experiment`: its
+    defaults' overrides failed in Hydra's words, and its settings (a sweep's params included)
+    were kept there unread: the run trained at the defaults."""
+    (tmp_path / "conf" / "experiment").mkdir(parents=True)
+    (tmp_path / "conf" / "experiment" / "mine.yaml").write_text(body)
+    uri = f"sqlite:///{tmp_path / 'never.db'}"
+    args = ["--config-dir", str(tmp_path / "conf"), "+experiment=mine", *FAST]
+    status = run_in_process(*args, f"mlflow.tracking_uri={uri}")
+    output = "".join(capsys.readouterr())
+    assert status == 2 and said in output, output[-3000:]
+    assert "Traceback" not in output and not (tmp_path / "never.db").exists()
+
+
 def test_hydra_full_error_shows_hydra_s_own_error(monkeypatch):
     monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
     with pytest.raises(MissingConfigException, match="Config search path"):
