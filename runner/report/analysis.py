@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 from runner.config.formats import stepped_dtype_name
 from runner.config.schema import CLASSIFICATION, DEFAULT_EXPERIMENT, LANGUAGE_MODEL
@@ -56,9 +56,10 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def describe_dtype(precision: Mapping[str, Any]) -> str:
+def describe_dtype(precision: Mapping[str, Any], batchnorm_layers: Optional[int] = None) -> str:
     """What a level computes in, from its precision properties: a config node (`cfg.precision`) or
-    a run's `precision.*` params without the prefix."""
+    a run's `precision.*` params without the prefix. `batchnorm_layers`: the model's count (the
+    run's `model.batchnorm_layers`), where known: a model without BatchNorm keeps none in fp32."""
     get = lambda key: _plain(precision.get(key))  # noqa: E731
     cast = get("cast_model_type")
     fp8 = get("fp8_linear")
@@ -78,12 +79,12 @@ def describe_dtype(precision: Mapping[str, Any]) -> str:
         return f"float32 weights, autocast {get('autocast_dtype')}" + extra
     extras = [
         label
-        for key, label in (
-            ("keep_batchnorm_fp32", "fp32 BatchNorm"),
-            ("master_weights", "fp32 master weights"),
-            ("stochastic_rounding", "stochastic rounding"),
+        for on, label in (
+            (get("keep_batchnorm_fp32") and batchnorm_layers != 0, "fp32 BatchNorm"),
+            (get("master_weights"), "fp32 master weights"),
+            (get("stochastic_rounding"), "stochastic rounding"),
         )
-        if get(key)
+        if on
     ]
     return str(cast) + (f" ({', '.join(extras)})" if extras else "") + extra
 
@@ -145,6 +146,7 @@ SHOWN_PARAMS = ("model.name", "model.arch", "optimizer.name", "trainer.batch_siz
 SHOWN_PREFIXES = ("precision.",)
 DERIVED_PARAMS = (
     "model.num_parameters",
+    m.BATCHNORM_LAYERS,
     m.FLOPS_PER_SAMPLE,
     "trainer.global_batch_size",
     "data.train_size",

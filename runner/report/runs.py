@@ -143,13 +143,18 @@ def find_run(reader: Reader, experiment_name: str, key: str) -> tuple[RunRecord,
     )
 
 
+def _count(param: str | None) -> int | None:
+    """A count a run logged as a param; None where it did not (runs made before it)."""
+    return int(param) if param is not None and param.isdigit() else None
+
+
 def to_row(reader: Reader, run: RunRecord) -> Row:
     """A run's line of the comparison, its curves read from `reader`."""
     params = run.params
     precision = {
         k.removeprefix("precision."): v for k, v in params.items() if k.startswith("precision.")
     }
-    batch = params.get("trainer.batch_size")
+    batchnorm = _count(params.get(m.BATCHNORM_LAYERS))
     row = Row(
         run_id=run.run_id,
         run_name=run.run_name,
@@ -158,8 +163,8 @@ def to_row(reader: Reader, run: RunRecord) -> Row:
         model=run.tags.get(tag.MODEL) or params.get("model.name", "?"),
         optimizer=params.get("optimizer.name", "?"),
         level=params.get("precision.opt_level", "?"),
-        dtype=describe_dtype(precision) if precision else "?",
-        batch_size=int(batch) if batch and batch.isdigit() else None,
+        dtype=describe_dtype(precision, batchnorm) if precision else "?",
+        batch_size=_count(params.get("trainer.batch_size")),
         metrics={
             k: v
             for k, v in run.metrics.items()

@@ -25,6 +25,7 @@ from typing import Any, Optional
 
 import torch
 from omegaconf import OmegaConf
+from torch.nn.modules.batchnorm import _BatchNorm
 
 import runner
 from runner import csrc, shell
@@ -151,6 +152,7 @@ def run_record(
     params["data.train_size"] = str(len(parts.bundle.train))
     params["data.val_size"] = str(len(parts.bundle.val))
     params["model.num_parameters"] = str(sum(p.numel() for p in parts.model.parameters()))
+    params[m.BATCHNORM_LAYERS] = str(sum(isinstance(x, _BatchNorm) for x in parts.model.modules()))
     if parts.flops_per_sample is not None:  # counted in planning (runner.measure.flops)
         params[m.FLOPS_PER_SAMPLE] = str(round(parts.flops_per_sample))
     params["distributed.world_size"] = str(world_size)

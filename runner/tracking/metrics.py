@@ -30,6 +30,7 @@ RSS_GROWTH_MB = "rss_growth_mb"  # on a CPU: the process's resident-memory growt
 # once per run
 COMPILE_TIME_S = "compile_time_s"  # torch.compile's first step (not in epoch_time_s)
 TUNE_TIME_S = "tune_time_s"  # trainer.tune's measuring before the run built its parts (step 0)
+BATCHNORM_LAYERS = "model.batchnorm_layers"  # a param: the model's BatchNorm layers, counted once
 FLOPS_PER_SAMPLE = "model.flops_per_sample"  # a param: training FLOPs per sample, counted once
 BEST_VAL_ACC = "best_val_acc"  # a classifier's objective, maximised (step = max_epochs)
 BEST_VAL_LOSS = "best_val_loss"  # a language model's objective, minimised (step = max_epochs)

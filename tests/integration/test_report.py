@@ -694,3 +694,27 @@ def test_the_report_of_a_real_lr_level_seed_sweep(tmp_path):
         )
     markdown = (out / "comparison.md").read_text()
     assert markdown.count("| tiny | O2 bf16 lr=") == 2 and "| 2 |" in markdown  # 2 seeds each
+
+
+def test_a_model_without_batchnorm_keeps_none_in_fp32(tmp_path):
+    """O2's keep_batchnorm_fp32 is the level's property: the dtype column said "fp32 BatchNorm"
+    of models that have none (a GroupNorm CNN, a transformer). A run logs its model's count of
+    BatchNorm layers; the report names them where there are some, or where a run did not count
+    them (a run made before the count)."""
+    from tests.helpers.runs import FAST, run_in_process
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    args = ["-m", *FAST, "model=tiny,tiny_gn", "precision=o2_bf16", "trainer.max_epochs=1"]
+    sweep = [f"hydra.sweep.dir={tmp_path / 'sweep'}", "trainer.progress_bar=false"]
+    assert run_in_process(*args, *sweep, f"mlflow.tracking_uri={uri}") == 0
+    out = tmp_path / "report"
+    assert report_main(["--tracking-uri", uri, "--out", str(out)]) == 0
+    rows = {r["model.norm"]: r for r in read_csv(out / "comparison.csv")}  # (tiny_gn: group)
+    assert rows["batch"]["dtype"] == "bfloat16 (fp32 BatchNorm, fp32 master weights)"
+    assert rows["group"]["dtype"] == "bfloat16 (fp32 master weights)"
+    reader = open_reader(uri)
+    counts = {
+        norm: reader.run(r["run_id"]).params["model.batchnorm_layers"] for norm, r in rows.items()
+    }
+    assert counts == {"batch": "3", "group": "0"}
+    assert "model.batchnorm_layers" not in list(read_csv(out / "comparison.csv")[0])  # (derived)
