@@ -177,13 +177,90 @@ def build_synthetic(cfg: Any) -> DataBundle:
 
 
 # ---- CIFAR ---------------------------------------------------------------------------------
+# What a CIFAR file may name: numpy's array and dtype and how they rebuild (numpy 1's and 2's
+# module names; protocol 5's buffers), and the codec a Python 3 pickle of bytes calls.
+_CIFAR_GLOBALS = {
+    ("numpy", "ndarray"),
+    ("numpy", "dtype"),
+    ("numpy.core.multiarray", "_reconstruct"),
+    ("numpy._core.multiarray", "_reconstruct"),
+    ("numpy.core.numeric", "_frombuffer"),
+    ("numpy._core.numeric", "_frombuffer"),
+    ("numpy.core.multiarray", "scalar"),  # (a label written as a numpy integer)
+    ("numpy._core.multiarray", "scalar"),
+    ("_codecs", "encode"),
+}
+
+
+class _CifarUnpickler(pickle.Unpickler):
+    """CIFAR's files are pickles: loaded as pickle does, one may call any function it names (a
+    folder from elsewhere runs its code). This one names only what CIFAR's files hold."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _CIFAR_GLOBALS:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(
+            f"it names {module}.{name}, which no CIFAR file holds (only numpy arrays, lists, "
+            "numbers and strings): not loaded"
+        )
+
+
+def read_cifar_file(path: str) -> Any:
+    """A CIFAR batch or meta file (Python 2 pickles: str as latin-1), code it names never run."""
+    with open(path, "rb") as f:
+        try:
+            return _CifarUnpickler(f, encoding="latin1").load()
+        except pickle.UnpicklingError as exc:
+            raise pickle.UnpicklingError(f"{os.path.basename(path)}: {exc}") from None
+
+
+def _class_index(label: Any, classes: int) -> bool:
+    """Whether `label` is an integer (Python's or numpy's, not a bool) in [0, classes)."""
+    integer = isinstance(label, (int, np.integer)) and not isinstance(label, (bool, np.bool_))
+    return integer and 0 <= label < classes
+
+
 class _PresenceCheck:
-    """Accept any dataset in the real on-disk format, not only the byte-exact original.
+    """Accept any dataset in the real on-disk format, not only the byte-exact original, and read
+    it without running what it names.
 
     torchvision md5s every extracted file (`_check_integrity`, `_load_meta`), so a small dataset
     written in the same format (tests, subsets) is refused as "corrupted"; here the files only have
     to exist. Downloads lose nothing: `download()` still checks the archive's md5 before extracting.
-    """
+    torchvision unpickles the files as they are; here `read_cifar_file` reads them, and what they
+    hold is checked (uint8 images of 3x32x32, one integer label each, within the classes)."""
+
+    def __init__(
+        self, root: str, train: bool = True, transform: Any = None, download: bool = False
+    ):
+        from torchvision.datasets.vision import VisionDataset
+
+        VisionDataset.__init__(self, root, transform=transform)
+        self.train = train
+        if download:
+            self.download()
+        entries = [
+            read_cifar_file(self._path(name))
+            for name, _ in (self.train_list if train else self.test_list)
+        ]
+        self._load_meta()
+        self.data = np.vstack([e["data"] for e in entries]).reshape(-1, 3, 32, 32)
+        self.data = self.data.transpose((0, 2, 3, 1))  # (N, H, W, C), as torchvision keeps it
+        self.targets = [t for e in entries for t in e.get("labels", e.get("fine_labels", []))]
+        self._check_contents()
+
+    def _check_contents(self) -> None:
+        if self.data.dtype != np.uint8:
+            raise ValueError(f"its images are {self.data.dtype}, not uint8")
+        if len(self.targets) != len(self.data):
+            raise ValueError(f"{len(self.data)} images but {len(self.targets)} labels")
+        bad = [t for t in self.targets if not _class_index(t, len(self.classes))]
+        if bad:
+            raise ValueError(
+                f"{len(bad)} labels are not class indices 0-{len(self.classes) - 1} "
+                f"(the first: {bad[0]!r})"
+            )
+        self.targets = [int(t) for t in self.targets]
 
     def _path(self, name: str) -> str:
         return os.path.join(self.root, self.base_folder, name)
@@ -192,8 +269,7 @@ class _PresenceCheck:
         return not missing_cifar_files(type(self), self.root)
 
     def _load_meta(self) -> None:
-        with open(self._path(self.meta["filename"]), "rb") as f:
-            self.classes = pickle.load(f, encoding="latin1")[self.meta["key"]]
+        self.classes = read_cifar_file(self._path(self.meta["filename"]))[self.meta["key"]]
         self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
 
 
@@ -298,7 +374,7 @@ def build_cifar(cfg: Any) -> DataBundle:
     try:
         train = cls(root, train=True, transform=train_tf)
         val = cls(root, train=False, transform=val_tf)
-    except (OSError, EOFError, KeyError, ValueError, pickle.UnpicklingError) as exc:
+    except (OSError, EOFError, KeyError, ValueError, TypeError, pickle.UnpicklingError) as exc:
         raise DataError(
             f"{name} under data.root={root} cannot be read ({type(exc).__name__}: {exc}); "
             f"delete {os.path.join(root, cls.base_folder)} and {_SUGGESTION}."

@@ -159,6 +159,77 @@ def test_failed_download_says_so_and_does_not_suggest_downloading(tmp_path, monk
     assert "data.download=true" not in message  # it was true: repeating it would not help
 
 
+class _Opens:
+    """A pickle that, loaded as pickle loads it, creates the file it names (any call would do)."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+@pytest.mark.parametrize("file", ["data_batch_2", "batches.meta", "test_batch"])
+def test_a_cifar_file_that_names_code_is_refused_without_running_it(file, tmp_path):
+    """CIFAR's files are pickles: torchvision loads them as they are, so a dataset folder from
+    elsewhere ran any call its files named. Only numpy arrays, lists, numbers and strings load."""
+    write_cifar10(tmp_path)
+    marker = tmp_path / "ran"
+    with open(tmp_path / "cifar-10-batches-py" / file, "wb") as f:
+        pickle.dump({"data": _Opens(marker), "labels": [], "label_names": _Opens(marker)}, f)
+    with pytest.raises(DataError) as refused:
+        build_datasets(cifar_cfg("cifar10", tmp_path))
+    said = str(refused.value)
+    assert f"(UnpicklingError: {file}: it names io.open, which no CIFAR file holds" in said
+    assert "cifar-10-batches-py" in said and not marker.exists()
+
+
+@pytest.mark.parametrize(
+    "labels, said",
+    [
+        ([0, 1, 12, 3], "1 labels are not class indices 0-9 (the first: 12)"),
+        ([0, 1, -1, 3], "(the first: -1)"),
+        ([0, 1, 2.5, 3], "(the first: 2.5)"),
+        ([0, 1, 2], "20 images but 19 labels"),
+        ([0, True, 2, 3], "(the first: True)"),
+    ],
+)
+def test_cifar_labels_that_are_no_class_are_refused_before_training(labels, said, tmp_path):
+    """A label out of range failed at the step that met it (a CUDA device-side assert on a GPU);
+    a missing one shifted every later image's label."""
+    write_cifar10(tmp_path)
+    batch = make_batch(np.random.default_rng(0), 4, 10, b"labels", b"training batch 1 of 5")
+    batch[Py2Str(b"labels")] = labels
+    dump_py2(batch, tmp_path / "cifar-10-batches-py" / "data_batch_1")
+    with pytest.raises(DataError, match="cannot be read") as refused:
+        build_datasets(cifar_cfg("cifar10", tmp_path))
+    assert said in str(refused.value)
+
+
+def test_cifar_written_by_python_3_loads_too(tmp_path):
+    """Files pickled by Python 3 and numpy 2 (protocol 5: numpy's buffers) read as the originals."""
+
+    def plain(obj):  # (Python 3's str: keys and names)
+        if isinstance(obj, Py2Str):
+            return bytes(obj).decode("latin1")
+        if isinstance(obj, dict):
+            return {plain(k): plain(v) for k, v in obj.items()}
+        return [plain(x) for x in obj] if isinstance(obj, list) else obj
+
+    def dump(obj, path):
+        with open(path, "wb") as f:
+            pickle.dump(plain(obj), f, protocol=5)
+
+    train, _ = write_cifar10(tmp_path, dump=dump)
+    first = make_batch(np.random.default_rng(0), 4, 10, b"labels", b"training batch 1 of 5")
+    first[Py2Str(b"labels")] = list(np.array(first[Py2Str(b"labels")]))  # (numpy integers)
+    dump(first, tmp_path / "cifar-10-batches-py" / "data_batch_1")
+    bundle = build_datasets(cifar_cfg("cifar10", tmp_path, augment=False))
+    assert len(bundle.train) == 20 and bundle.train.targets[:4] == first[b"labels"]
+    assert bundle.train.targets[4:8] == train[1][b"labels"]
+    assert all(type(label) is int for label in bundle.train.targets)
+
+
 def test_incomplete_cifar_lists_missing_files(tmp_path):
     write_cifar10(tmp_path)
     os.remove(tmp_path / "cifar-10-batches-py" / "data_batch_3")
