@@ -14,6 +14,7 @@ from runner.measure.memory import TOTAL_METRIC
 from runner.measure.memory import metric_name as memory_metric
 from runner.measure.timing import MFU, SAMPLES_PER_S, TOKENS_PER_S, WARMUP_TIME_S
 from runner.tracking import metrics as m
+from runner.tracking.varying import SEED_PARAMS, TUNE_PREFIX, baseline_keys, varying_params
 
 EXPERIMENT = DEFAULT_EXPERIMENT  # the report reads this experiment unless told another
 BASELINE_LEVEL = "O0"
@@ -139,37 +140,6 @@ class Row:
         return [m for m in (LM_METRICS if self.is_lm else METRICS) if self.get(m) is None]
 
 
-# Params the table shows in columns of their own (model, level and dtype, optimizer, batch size)
-# or that follow from others (a model's parameter count, the global batch, the dataset's sizes):
-# never listed as what varies between runs.
-SHOWN_PARAMS = ("model.name", "model.arch", "optimizer.name", "trainer.batch_size", "task.name")
-SHOWN_PREFIXES = ("precision.",)
-DERIVED_PARAMS = (
-    "model.num_parameters",
-    m.BATCHNORM_LAYERS,
-    m.FLOPS_PER_SAMPLE,
-    "trainer.global_batch_size",
-    "data.train_size",
-    "data.val_size",
-    "mlflow.run_name",
-)
-SEED_PARAMS = ("trainer.seed", "data.seed")
-# trainer.tune's decisions (runner.run.tune: `tune.<key>`, "<value> (<why>)", and `tune.source`):
-# the runner's, per run, not an axis the user swept; a key it decided is not one either
-TUNE_PREFIX, TUNE_GIVEN = "tune.", "kept: given"
-
-
-def tuned_keys(rows: Sequence[Row]) -> set[str]:
-    """The config keys whose value trainer.tune decided in at least one of the runs (tuned, or
-    kept after measuring, rather than given by the user)."""
-    return {
-        k[len(TUNE_PREFIX) :]
-        for r in rows
-        for k, why in r.params.items()
-        if k.startswith(TUNE_PREFIX) and k != "tune.source" and TUNE_GIVEN not in str(why)
-    }
-
-
 def tuned_settings(row: Row) -> str:
     """What trainer.tune changed in this run ("channels_last=true, kernels=torch"), "" if
     nothing: the `tune.<key>` params whose reason is "tuned: ..."."""
@@ -179,26 +149,6 @@ def tuned_settings(row: Row) -> str:
         if key.startswith(TUNE_PREFIX) and why.startswith("tuned:"):
             changed.append(f"{key.rpartition('.')[2]}={value}")
     return ", ".join(changed)
-
-
-def varying_params(rows: Sequence[Row]) -> list[str]:
-    """The params whose values differ between the runs (only those: "what differs"), apart from
-    those the table shows anyway and trainer.tune's decisions (a tuned level's channels_last is
-    part of its result, not a different experiment: grouped by it, a tuned sweep's O2 had no O0
-    to compare with); runs that logged no params (a job that failed before its run began) do
-    not count."""
-    logged = [r for r in rows if r.params]
-    keys = sorted({k for r in logged for k in r.params})
-    tuned = tuned_keys(logged)
-    return [
-        k
-        for k in keys
-        if k not in SHOWN_PARAMS
-        and k not in DERIVED_PARAMS
-        and not k.startswith((*SHOWN_PREFIXES, TUNE_PREFIX))
-        and k not in tuned
-        and len({r.params.get(k) for r in logged}) > 1
-    ]
 
 
 def display_names(rows: Sequence[Row]) -> dict[str, str]:
@@ -219,8 +169,7 @@ def add_baseline_ratios(rows: Sequence[Row]) -> None:
     group has no O0 run gets no ratio (a different lr's O0 is not its baseline). The speedup is
     the ratio of the steady throughputs where both runs logged one, else (runs made before the
     steady figure) the baseline's train time over the run's."""
-    varying = varying_params(rows)
-    group_keys = [k for k in varying if k not in SEED_PARAMS]
+    group_keys = baseline_keys(rows)
     names = display_names(rows)
 
     def group(r: Row) -> tuple:
@@ -284,7 +233,7 @@ def seeds_vary(rows: Sequence[Row]) -> bool:
 
 def seed_groups(rows: Sequence[Row]) -> list[SeedGroup]:
     """The runs grouped by model, level, dtype and every varying param but the seeds."""
-    keys = [k for k in varying_params(rows) if k not in SEED_PARAMS]
+    keys = baseline_keys(rows)
     groups: dict[tuple, SeedGroup] = {}
     for r in rows:
         label = (

@@ -16,9 +16,9 @@ from runner.report.analysis import (
     SeedGroup,
     seed_groups,
     seeds_vary,
-    varying_params,
 )
 from runner.tracking import metrics as m
+from runner.tracking.varying import varying_params
 
 
 def bar_labels(rows: Sequence[Row]) -> list[str]:

@@ -17,17 +17,15 @@ from runner.report.analysis import (
     MEMORY_METRICS,
     MEMORY_TOTAL,
     METRICS,
-    SEED_PARAMS,
     TIMING_METRICS,
     Row,
     display_names,
     seed_groups,
     seeds_vary,
-    tuned_keys,
     tuned_settings,
-    varying_params,
 )
 from runner.tracking import metrics as m
+from runner.tracking.varying import SEED_PARAMS, tuned_keys, varying_params
 
 ARTIFACT_DIR = "report"
 TABLE_MD, TABLE_CSV = "comparison.md", "comparison.csv"

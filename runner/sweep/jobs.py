@@ -21,6 +21,7 @@ from runner.config import mistakes
 from runner.errors import ConfigError, RunnerError
 from runner.sweep.parent import SweepParent
 from runner.tracking import tags as tag
+from runner.tracking.varying import SEED_PARAMS, baseline_keys
 
 log = logging.getLogger(__name__)
 
@@ -503,10 +504,12 @@ def speed_summary(
     """The sweep's jobs side by side at the speed that compares, one line each in job order:
     each finished job's steady throughput (`tokens_per_s` for a language model, else
     `samples_per_s`: runner.measure.timing), the mean over its epochs that logged one, as its
-    "Finished" line and the report give it, and its ratio to its baseline, named: the first O0
-    job of the same model, as the report compares (else the model's first job, else the
-    sweep's). It was the sweep's first job for all, so `-m precision=o2,o0` called O0 the
-    slower one, where the report gives O2 against O0. `history`: a metric's (step, value)
+    "Finished" line and the report give it, and its ratio to its baseline, named: the O0 job of
+    the same model and the same values of what else the sweep varies, seeds apart (the same seed
+    first), as the report compares (`runner.tracking.varying`; else that group's first job, else
+    the sweep's). It was the sweep's first job for all, so `-m precision=o2,o0` called O0 the
+    slower one, where the report gives O2 against O0; and an lr's O2 was compared with another
+    lr's O0. `history`: a metric's (step, value)
     points of a run (runner.tracking.base.Reader.history)."""
     from runner.measure.timing import SAMPLES_PER_S, TOKENS_PER_S
     from runner.tracking.base import FINISHED
@@ -524,12 +527,16 @@ def speed_summary(
         rated.append((child, rate))
         lines.append((child, rate, metric.removesuffix("_per_s")))
 
-    def model(child: Any) -> Any:
-        return child.tags.get(tag.MODEL) or child.params.get("model.name")
+    keys = baseline_keys([c for c, _ in rated])
+
+    def group(child: Any) -> tuple:
+        model = child.tags.get(tag.MODEL) or child.params.get("model.name")
+        return (model, *(child.params.get(k) for k in keys))
 
     def baseline(child: Any) -> tuple[Any, float]:
-        same = [(c, r) for c, r in rated if model(c) == model(child)]
+        same = [(c, r) for c, r in rated if group(c) == group(child)]
         o0 = [(c, r) for c, r in same if c.params.get("precision.opt_level") == "O0"]
+        o0.sort(key=lambda cr: any(cr[0].params.get(k) != child.params.get(k) for k in SEED_PARAMS))
         return (o0 or same or rated)[0]
 
     out = []

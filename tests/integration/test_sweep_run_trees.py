@@ -108,6 +108,35 @@ def test_the_sweep_summary_compares_each_job_with_the_o0_of_its_model():
     )
 
 
+def test_the_sweep_summary_compares_each_job_with_the_o0_the_report_gives_it():
+    """`-m optimizer.lr=0.1,0.2 precision=o0,o2 trainer.seed=1,2`: the summary compared every
+    O2 with the model's first O0 (lr 0.1, seed 1), where the report compares each with the O0
+    of its lr, of its seed where that ran. Both read what varies from runner.tracking.varying."""
+    from runner.sweep.jobs import speed_summary
+    from runner.tracking.base import RunRecord
+
+    children, rates = [], {}
+    for lr, seed, level, rate in [
+        ("0.1", "1", "O0", 100.0),
+        ("0.1", "2", "O0", 110.0),
+        ("0.2", "1", "O0", 50.0),
+        ("0.2", "2", "O0", 55.0),
+        ("0.1", "1", "O2", 300.0),
+        ("0.2", "2", "O2", 220.0),
+    ]:
+        params = {"precision.opt_level": level, "model.name": "tiny", "optimizer.lr": lr}
+        params |= {"trainer.seed": seed, "mlflow.run_name": f"{level} {lr} {seed}"}
+        tags = {"sweep.job_num": str(len(children)), "model": "tiny"}
+        name = f"tiny-{level} lr={lr} seed={seed}"
+        record = RunRecord(f"id{len(children)}", name, "1", "FINISHED", params=params, tags=tags)
+        children.append(record)
+        rates[record.run_id] = rate
+    said = speed_summary(children, lambda run_id, metric: [(1, rates[run_id])])
+    assert "  tiny-O2 lr=0.1 seed=1: 300 samples/s steady (3.00x tiny-O0 lr=0.1 seed=1)\n" in said
+    assert "  tiny-O2 lr=0.2 seed=2: 220 samples/s steady (4.00x tiny-O0 lr=0.2 seed=2)\n" in said
+    assert "  tiny-O0 lr=0.2 seed=1: 50 samples/s steady (1.00x tiny-O0 lr=0.2 seed=1)\n" in said
+
+
 # ---- the default launcher: O0-O3 in one process --------------------------------------------------
 @pytest.mark.slow
 def test_level_sweep_is_one_parent_with_a_child_per_level(levels_sweep):

@@ -1,0 +1,67 @@
+"""Which params differ between runs, and so which runs compare: the report's columns of "what
+differs" and the O0 baseline of each run (the report's table, the sweep's closing summary) are
+read from here, so that both compare a run with the same baseline."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from runner.tracking import metrics as m
+
+# Params the report's table shows in columns of their own (model, level and dtype, optimizer,
+# batch size) or that follow from others (a model's parameter count, the global batch, the
+# dataset's sizes): never listed as what varies between runs.
+SHOWN_PARAMS = ("model.name", "model.arch", "optimizer.name", "trainer.batch_size", "task.name")
+SHOWN_PREFIXES = ("precision.",)
+DERIVED_PARAMS = (
+    "model.num_parameters",
+    m.BATCHNORM_LAYERS,
+    m.FLOPS_PER_SAMPLE,
+    "trainer.global_batch_size",
+    "data.train_size",
+    "data.val_size",
+    "mlflow.run_name",
+)
+SEED_PARAMS = ("trainer.seed", "data.seed")
+# trainer.tune's decisions (runner.run.tune: `tune.<key>`, "<value> (<why>)", and `tune.source`):
+# the runner's, per run, not an axis the user swept; a key it decided is not one either
+TUNE_PREFIX, TUNE_GIVEN = "tune.", "kept: given"
+
+
+def tuned_keys(runs: Sequence[Any]) -> set[str]:
+    """The config keys whose value trainer.tune decided in at least one of the runs (tuned, or
+    kept after measuring, rather than given by the user)."""
+    return {
+        k[len(TUNE_PREFIX) :]
+        for r in runs
+        for k, why in r.params.items()
+        if k.startswith(TUNE_PREFIX) and k != "tune.source" and TUNE_GIVEN not in str(why)
+    }
+
+
+def varying_params(runs: Sequence[Any]) -> list[str]:
+    """The params whose values differ between the runs (only those: "what differs"), apart from
+    those the table shows anyway and trainer.tune's decisions (a tuned level's channels_last is
+    part of its result, not a different experiment: grouped by it, a tuned sweep's O2 had no O0
+    to compare with); runs that logged no params (a job that failed before its run began) do
+    not count. `runs`: anything with the run's `params` (a report's rows, a reader's records)."""
+    logged = [r for r in runs if r.params]
+    keys = sorted({k for r in logged for k in r.params})
+    tuned = tuned_keys(logged)
+    return [
+        k
+        for k in keys
+        if k not in SHOWN_PARAMS
+        and k not in DERIVED_PARAMS
+        and not k.startswith((*SHOWN_PREFIXES, TUNE_PREFIX))
+        and k not in tuned
+        and len({r.params.get(k) for r in logged}) > 1
+    ]
+
+
+def baseline_keys(runs: Sequence[Any]) -> list[str]:
+    """The params a run shares with its O0 baseline, besides its model: those that vary between
+    `runs`, seeds apart (an lr's O2 is compared with the O0 of its lr; a seed's with any seed's
+    where the same seed did not run)."""
+    return [k for k in varying_params(runs) if k not in SEED_PARAMS]
