@@ -210,13 +210,40 @@ def analyse(records, steps: int, device_type: str = "cpu") -> Preflight:
         )
     else:
         advice.append("bf16: no layer's activations or gradients under- or overflow.")
-    advice.append(
-        f"fp8 (no runner preset; it needs per-tensor scaling): e4m3 activations overflow in "
-        f"{len(fp8.act_overflow)} and underflow in {len(fp8.act_underflow)} layers, e5m2 "
-        f"gradients overflow in {len(fp8.grad_overflow)} and underflow in "
-        f"{len(fp8.grad_underflow)} layers (of {len(layers)}), unscaled."
-    )
+    advice.append(_fp8_advice(layers, fp8))
     return Preflight(layers, steps, judgements, grads, acts, scale, under_at, preset, keep, advice)
+
+
+def _fp8_advice(layers: Sequence[Layer], fp8: Judgement) -> str:
+    """What fp8 would do: under the fp8 presets' per-tensor scaling, to the Linear layers'
+    output gradients (e5m2: exactly what their GEMMs take), and unscaled, to every layer."""
+    from runner.measure.diagnostics import FP8_E5M2
+    from runner.run.layer_ranges import scaled_underflow_share
+
+    linear = [layer for layer in layers if layer.module.endswith("Linear")]
+    lost = [
+        layer.name
+        for layer in linear
+        if scaled_underflow_share(layer.activation_grad, FP8_E5M2) >= NOTABLE_UNDERFLOW
+    ]
+    unscaled = (
+        f"Unscaled, e4m3 activations overflow in {len(fp8.act_overflow)} and underflow in "
+        f"{len(fp8.act_underflow)} layers, e5m2 gradients overflow in {len(fp8.grad_overflow)} "
+        f"and underflow in {len(fp8.grad_underflow)} (of {len(layers)})."
+    )
+    if not linear:
+        return (
+            "fp8 (precision=o1_fp8 / o2_fp8 run the Linear layers' GEMMs in fp8): this model "
+            f"has no Linear layer. {unscaled}"
+        )
+    where = f" ({_names(lost)})" if lost else ""
+    return (
+        "fp8 (precision=o1_fp8 / o2_fp8 run the Linear layers' GEMMs in fp8, each tensor scaled "
+        f"to its own max): so scaled, the e5m2 output gradients of {len(lost)} of the "
+        f"{len(linear)} Linear layers lose 1% or more to underflow{where}; --plan FILE with "
+        "precision=o2_fp8 judges their inputs and weights (e4m3) too and picks the layers worth "
+        f"it. {unscaled}"
+    )
 
 
 def _layer(layers: Sequence[Layer], name: str) -> Layer:

@@ -392,6 +392,41 @@ def test_the_preflight_recommends_loss_scaling_for_small_gradients(tmp_path):
     assert f"precision.loss_scale={result.loss_scale:g}" in text
 
 
+class WideGradients(nn.Module):
+    """A CNN whose `wide` Linear layer's output gradients span 2^40: half of them are 1e-12 of
+    the others, below e5m2's range (30 binades) even with the tensor scaled to its own max."""
+
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Conv2d(3, 8, 3, padding=1)
+        self.wide = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 10)
+        self.register_buffer("spread", torch.tensor([1.0, 1e-12] * 4))
+
+    def forward(self, x):
+        h = torch.relu(self.features(x)).mean((2, 3))
+        return self.head(self.wide(h) * self.spread)
+
+
+def test_the_preflight_judges_fp8_as_the_fp8_presets_scale_it(tmp_path):
+    """It said "fp8 (no runner preset ...)" beside o1_fp8 and o2_fp8, and judged fp8 unscaled
+    alone: those presets scale each tensor of a Linear layer's GEMM to its own max."""
+    torch.manual_seed(0)
+    _, text, _ = cli.preflight(_fp32_trainer(WideGradients()), 2, tmp_path, "t")
+    assert "no runner preset" not in text
+    assert (
+        "fp8 (precision=o1_fp8 / o2_fp8 run the Linear layers' GEMMs in fp8, each tensor scaled "
+        "to its own max): so scaled, the e5m2 output gradients of 1 of the 2 Linear layers lose "
+        "1% or more to underflow (wide); --plan FILE with precision=o2_fp8 judges" in text
+    )
+    convolutional = nn.Sequential(nn.Conv2d(3, 10, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+    _, text, _ = cli.preflight(_fp32_trainer(convolutional), 2, tmp_path, "t")
+    assert (
+        "fp8 (precision=o1_fp8 / o2_fp8 run the Linear layers' GEMMs in fp8): this model has no "
+        "Linear layer. Unscaled, e4m3 activations overflow in 0" in text
+    )
+
+
 def test_recommended_scale_keeps_gradients_below_half_of_fp16_max():
     def stats(top: int) -> TensorStats:
         s = TensorStats(1.0, [0] * 254, 0, 0, 0, 0)
