@@ -132,6 +132,42 @@ def _override_value(full_key: str, overrides: Sequence[str]) -> Optional[str]:
     return found
 
 
+def _set_whole(full_key: str, overrides: Sequence[str]) -> Optional[tuple[str, str]]:
+    """(key, value) of an override without + that set a mapping above `full_key` whole
+    (`precision.layers={head: float32}`), the last one; None where none did."""
+    for text in reversed(overrides):
+        key, sign, value = text.partition("=")
+        if sign and key[:1] not in "+~" and full_key.startswith(f"{key}.") and value[:1] == "{":
+            return key, value
+    return None
+
+
+def _split_key(cause: Any, full_key: str, overrides: Sequence[str]) -> Optional[ConfigError]:
+    """Where an override's path went through a key of a mapping of plain values
+    (`+precision.layers.blocks.0=fp8`: the path splits at every dot, and `blocks` cannot be a
+    mapping), the override to write: the key whole, inside braces."""
+    node = getattr(cause, "parent_node", None)
+    if (
+        not isinstance(cause, ValidationError)
+        or node is None
+        or OmegaConf.get_type(node) is not dict
+    ):
+        return None
+    mapping = full_key.rpartition(".")[0]
+    for text in reversed(overrides):
+        key, sign, value = text.partition("=")
+        bare = key.lstrip("+~")
+        if sign and mapping and bare.startswith(f"{full_key}."):
+            name = bare[len(mapping) + 1 :]
+            return ConfigError(
+                mapping,
+                f"the key {name!r} holds dots, where an override's path splits (it made "
+                f"{full_key} a mapping); give the key whole inside braces: "
+                f"'+{mapping}={{{name}: {value}}}'",
+            )
+    return None
+
+
 def _first_line(error: BaseException) -> str:
     message = getattr(error, "msg", None) or str(error)
     return message.strip().splitlines()[0] if message.strip() else type(error).__name__
@@ -158,7 +194,19 @@ def explain(error: BaseException, overrides: Sequence[str] = ()) -> RunnerError:
         section, _, key = str(full_key).rpartition(".")
         keys = [str(k) for k in node.keys() if section or k != "hydra"]
         typed = dataclasses.is_dataclass(OmegaConf.get_type(node))
+        whole = None if typed else _set_whole(str(full_key), overrides)
+        if whole:  # (`precision.layers={head: float32}`: a mapping's new keys need +)
+            mapping, value = whole
+            name = str(full_key)[len(mapping) + 1 :]
+            return ConfigError(
+                mapping,
+                f"{name!r} is a new key of {mapping}, which an override merges in with +: "
+                f"'+{mapping}={value}'",
+            )
         return unknown_key(section, key, keys, typed, _override_value(str(full_key), overrides))
+    through = _split_key(cause, str(full_key or ""), overrides)
+    if through:  # (`+precision.layers.blocks.0=fp8`: a key with a dot, split into a path)
+        return through
     if isinstance(cause, ValidationError) and full_key:
         words = _field_type(getattr(cause, "object_type", None), str(getattr(cause, "key", "")))
         value = _override_value(str(full_key), overrides)

@@ -200,7 +200,7 @@ PROPERTIES: list[Property] = [
         "layers",
         "layers",
         {},
-        dict[str, str],
+        dict[Any, str],  # (Any: a name Hydra reads as a number, 5, is a key too)
         "module-name glob -> float32 | bfloat16 | float16 | fp8, in order (a later entry "
         "wins); e.g. +precision.layers.head=float32",
         param=lambda v: layers_string(v),
@@ -365,6 +365,14 @@ def parse_layer_format(key: str, value: Any) -> str:
     raise ConfigError(key, f"unknown layer format {value!r}", LAYER_FORMATS)
 
 
+_NUMBER_NAME = (
+    "the module name {0!r} arrived as a number: Hydra reads a name such as 0.1 as one and drops "
+    "its zeros (1.10 becomes 1.1, another module); give it as text in a plan file, "
+    'precision.layer_plan=FILE with the name quoted (layers: {{"1.10": float32}}), or as a glob '
+    "Hydra reads as text ('+precision.layers={{1.10*: float32}}')"
+)
+
+
 def parse_layers(value: Any, key: str = "precision.layers") -> tuple[tuple[str, str], ...]:
     """An ordered mapping of module-name globs to formats (a dict, or (glob, format) pairs) ->
     a tuple of (glob, format name) pairs, in order; ConfigError naming `<key>.<glob>`."""
@@ -384,14 +392,26 @@ def parse_layers(value: Any, key: str = "precision.layers") -> tuple[tuple[str, 
         )
     out = []
     for pattern, fmt in items:
-        if not isinstance(pattern, str) or not pattern.strip():
-            raise ConfigError(
-                key,
-                f"a module-name glob must be a non-empty string, got {pattern!r}",
-                ["head", "blocks.*.attn.*", "*norm*"],
-            )
-        out.append((pattern.strip(), parse_layer_format(f"{key}.{pattern.strip()}", fmt)))
+        name = layer_glob(pattern, key)
+        out.append((name, parse_layer_format(f"{key}.{name}", fmt)))
     return tuple(out)
+
+
+def layer_glob(pattern: Any, key: str, where: str = "") -> str:
+    """A module-name glob as a layer plan's key gives it: an int is the name it reads as (`{5:
+    float32}`: Hydra and YAML read the name 5 as a number); a float has lost its text and is
+    refused, as is anything but a non-empty string (`where`: the file it came from)."""
+    if type(pattern) is int:
+        return str(pattern)
+    if type(pattern) is float:
+        raise ConfigError(key, where + _NUMBER_NAME.format(pattern))
+    if not isinstance(pattern, str) or not pattern.strip():
+        raise ConfigError(
+            key,
+            f"{where}a module-name glob must be a non-empty string, got {pattern!r}",
+            ["head", "blocks.*.attn.*", "*norm*"],
+        )
+    return pattern.strip()
 
 
 def layers_string(layers: tuple[tuple[str, str], ...], limit: int = 400) -> str:

@@ -48,6 +48,16 @@ MISTAKES = {
     "+mlflow.tags.model=x": "mlflow.tags.model: is a tag the runner writes itself",
     "+mlflow.tags.k=[1,2]": "mlflow.tags.k: got a list [1, 2]: a tag's value is one string",
     # a list selects each option and merges them, the last winning: O2 ran, named nowhere as such
+    # a mapping's new keys are merged in with +; a key with dots, split by a path, goes in braces
+    "precision.layers={features.9: float32}": (
+        "precision.layers: 'features.9' is a new key of precision.layers, which an override "
+        "merges in with +: '+precision.layers={features.9: float32}'"
+    ),
+    "+precision.layers.features.9=float32": (
+        "precision.layers: the key 'features.9' holds dots, where an override's path splits (it "
+        "made precision.layers.features a mapping); give the key whole inside braces: "
+        "'+precision.layers={features.9: float32}'"
+    ),
     "precision=[o1,o2]": (
         "precision: got a list [o1, o2]: Hydra would merge these options, the last one winning, "
         "and run one (allowed: one option; to run each in turn, a sweep: -m precision=o1,o2)"

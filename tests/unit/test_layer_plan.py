@@ -95,6 +95,33 @@ def test_layers_from_the_command_line_name_the_run_and_log_one_param():
     assert len(long) <= 400 and long.endswith("(200 entries)}")
 
 
+def test_a_module_name_hydra_reads_as_a_number(tmp_path):
+    """A Sequential's modules are named 5, 0.1: Hydra reads `{5: float32}` with the key 5, an
+    int, which the schema refused ("Key 5 (int) is incompatible with (str)", a dead end). An int
+    is its name; a float has lost its text (1.10 is 1.1, another module): refused, saying how."""
+    cfg = compose_config(*FAST, "precision=o2_bf16", "+precision.layers={5: float32}")
+    plan = make_plan(cfg)
+    assert app.config_params(plan)["precision.layers"] == "{5: float32}"
+    with pytest.raises(ConfigError) as bad:
+        make_plan(compose_config(*FAST, "precision=o2_bf16", "+precision.layers={1.10: float32}"))
+    assert bad.value.key == "precision.layers"
+    assert "the module name 1.1 arrived as a number: Hydra reads a name such as 0.1" in str(
+        bad.value
+    )
+    assert "('+precision.layers={1.10*: float32}')" in str(bad.value)
+    with_glob = compose_config(*FAST, "precision=o2_bf16", "+precision.layers={0.1*: float32}")
+    assert app.config_params(make_plan(with_glob))["precision.layers"] == "{0.1*: float32}"
+    plan_file = tmp_path / "plan.yaml"  # (YAML reads them so too, unquoted)
+    plan_file.write_text("5: float32\n'0.1': float32\n")
+    assert [(r.pattern, r.format) for r in L.load_plan_file(plan_file)] == [
+        ("5", "float32"),
+        ("0.1", "float32"),
+    ]
+    plan_file.write_text("1.10: float32\n")
+    with pytest.raises(ConfigError, match=f"the plan file {plan_file}: the module name 1.1 arr"):
+        L.load_plan_file(plan_file)
+
+
 # ---- plan files ---------------------------------------------------------------------------------
 def test_a_plan_file_in_either_form_reads_back_in_order(tmp_path):
     short = tmp_path / "short.yaml"

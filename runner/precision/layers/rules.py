@@ -129,12 +129,8 @@ def parse_plan(data: Any, source: str) -> list[LayerRule]:
     if not layers and "layers" not in data:  # (`layers: {}` says it: the level everywhere)
         raise ConfigError(PLAN_KEY, f"{where} names no layer", "at least one 'glob: format' entry")
     rules = []
-    for pattern, fmt in layers.items():
-        if not isinstance(pattern, str) or not pattern.strip():
-            raise ConfigError(
-                PLAN_KEY, f"{where}: a module-name glob must be a non-empty string, got {pattern!r}"
-            )
-        pattern = pattern.strip()
+    for key, fmt in layers.items():
+        pattern = ptable.layer_glob(key, PLAN_KEY, f"{where}: ")
         try:
             fmt = ptable.parse_layer_format(PLAN_KEY, fmt)
         except ConfigError as error:
