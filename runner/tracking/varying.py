@@ -45,7 +45,9 @@ def varying_params(runs: Sequence[Any]) -> list[str]:
     those the table shows anyway and trainer.tune's decisions (a tuned level's channels_last is
     part of its result, not a different experiment: grouped by it, a tuned sweep's O2 had no O0
     to compare with); runs that logged no params (a job that failed before its run began) do
-    not count. `runs`: anything with the run's `params` (a report's rows, a reader's records)."""
+    not count; nor the keys of one option that other runs did not pick (a GPT's `model.n_embd`
+    beside a CNN). `runs`: anything with the run's `params` (a report's rows, a reader's
+    records)."""
     logged = [r for r in runs if r.params]
     keys = sorted({k for r in logged for k in r.params})
     tuned = tuned_keys(logged)
@@ -57,7 +59,22 @@ def varying_params(runs: Sequence[Any]) -> list[str]:
         and not k.startswith((*SHOWN_PREFIXES, TUNE_PREFIX))
         and k not in tuned
         and len({r.params.get(k) for r in logged}) > 1
+        and not _of_an_option(k, logged)
     ]
+
+
+def _of_an_option(key: str, logged: Sequence[Any]) -> bool:
+    """Whether `key` is a key of one option of its group that some runs did not pick: some runs
+    lack it, and the group's option differs between the runs (`model.width`: tiny's, which a
+    GPT does not have; `optimizer.momentum`: SGD's). It is part of that option, which its own
+    column names, not an axis of its own; a key one run added to the same option is."""
+    if all(key in r.params for r in logged):
+        return False
+    section = key.partition(".")[0]
+    return any(
+        len({r.params.get(f"{section}.{name}") for r in logged}) > 1
+        for name in ("name", "arch", "_target_")
+    )
 
 
 def baseline_keys(runs: Sequence[Any]) -> list[str]:

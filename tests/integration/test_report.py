@@ -446,6 +446,26 @@ def test_the_report_has_a_column_per_varying_param_and_baselines_per_group(track
     assert len(set(labels)) == 8 and "O2 lr=0.1 seed=2" in labels
 
 
+def test_the_keys_of_an_option_other_runs_did_not_pick_are_no_column():
+    """A CNN beside a GPT (or SGD beside Adam): each model's own keys (model.width, model.n_embd,
+    data.block_size, optimizer.momentum) were columns of "what differs", twenty of them for two
+    runs, though the model, data and optimizer columns already tell the runs apart. A key one
+    run added to the same option still is one."""
+    from runner.tracking.base import RunRecord
+    from runner.tracking.varying import varying_params
+
+    def run(**params: str) -> RunRecord:
+        return RunRecord("id", "name", "1", "FINISHED", params=params)
+
+    cnn = {"model.name": "tiny", "model.width": "16", "data.name": "synthetic"}
+    cnn |= {"data.image_size": "32", "optimizer.name": "sgd", "optimizer.momentum": "0.9"}
+    gpt = {"model.name": "gpt", "model.n_embd": "64", "data.name": "synthetic_text"}
+    gpt |= {"data.block_size": "64", "optimizer.name": "adam", "optimizer.eps": "1e-8"}
+    assert varying_params([run(**cnn), run(**gpt)]) == ["data.name"]
+    wider = {**cnn, "model.small_input": "false"}  # (added to one run of the same model)
+    assert varying_params([run(**cnn), run(**wider)]) == ["model.small_input"]
+
+
 def test_a_group_without_an_o0_run_gets_no_ratio(tracking_uri, tmp_path):
     """A different lr's O0 is not a baseline (the old report took "the first O0 run")."""
     tracker = MlflowTracker(tracking_uri, "amp-runner")
