@@ -655,13 +655,19 @@ def _returned(pair: Any) -> str:
     return f"a pair of {kinds}, without __len__ or __getitem__"
 
 
+_TO_TENSOR = {  # how an input of these packages becomes a tensor, by the package's name
+    "numpy": " (torch.from_numpy(x))",
+    "PIL": " (torchvision.transforms.ToTensor()(x): floats in [0, 1], channels first)",
+}
+
+
 def _yielded(sample: Any) -> str:
     """What a dataset's item is, where it is not an (input tensor, target) pair."""
     if isinstance(sample, dict):
         return f"a dict (keys {', '.join(map(str, list(sample)[:6]))})"
     if isinstance(sample, (tuple, list)) and len(sample) == 2:
         what = type(sample[0])
-        hint = " (torch.from_numpy(x))" if what.__module__ == "numpy" else ""
+        hint = _TO_TENSOR.get(what.__module__.partition(".")[0], "")
         return f"a pair whose input is a {what.__module__}.{what.__name__}{hint}"
     if isinstance(sample, (tuple, list)):
         return f"a {type(sample).__name__} of {len(sample)} items"

@@ -290,6 +290,11 @@ def numpy_pair():
     return _Items(item), _Items(item)
 
 
+def pil_pair():
+    item = (Image.new("RGB", (4, 4)), 0)
+    return _Items(item), _Items(item)
+
+
 def triples_pair():
     return _Items((torch.zeros(3, 4, 4), 0, 7)), _Items((torch.zeros(3, 4, 4), 0, 7))
 
@@ -301,6 +306,7 @@ def triples_pair():
         ("streams_pair", "returned a pair of _Stream, iterable datasets: they have no length"),
         ("dicts_pair", "yields a dict (keys image, label), not an (input tensor, target) pair"),
         ("numpy_pair", "yields a pair whose input is a numpy.ndarray (torch.from_numpy(x))"),
+        ("pil_pair", "input is a PIL.Image.Image (torchvision.transforms.ToTensor()(x): floats"),
         ("triples_pair", "yields a tuple of 3 items, not an (input tensor, target) pair"),
     ],
 )
