@@ -231,8 +231,9 @@ def check_launcher(config: DictConfig) -> None:
     """submitit's launchers (`hydra/launcher=slurm`, `submitit_local`) take any key and hand it
     to submitit only as they launch, after the sweep's parent run is open: a key submitit does
     not know (`+hydra.launcher.signal_delay_s=45` under submitit_local, where only SLURM has it)
-    ended in submitit's NameError traceback. A ConfigError naming the key, before anything
-    starts, where submitit would refuse it."""
+    ended in submitit's NameError traceback; SLURM's launcher on a machine without SLURM, in
+    its RuntimeError traceback. A ConfigError naming the key, before anything starts, where
+    submitit would refuse it."""
     target = str(OmegaConf.select(config, "hydra.launcher._target_") or "")
     if not target.startswith(SUBMITIT_LAUNCHERS):
         return
@@ -245,6 +246,14 @@ def check_launcher(config: DictConfig) -> None:
     executors = get_executors()
     if executor not in executors:
         return  # (Hydra's abstract base launcher: submitit says what it thinks of it)
+    if executors[executor].affinity() < 0:  # (SLURM's, where no srun is on the PATH)
+        raise ConfigError(
+            "hydra/launcher",
+            f"submitit's {executor!r} executor cannot run on this machine (its command, srun, "
+            "is not on the PATH: a SLURM sweep is started on the cluster's login node)",
+            "here: hydra/launcher=submitit_local (a process a job), parallel (a job a GPU) or "
+            "joblib",
+        )
     # what Hydra's launcher hands over as it is (its own keys, the shared queue keys) and what
     # it hands over as `<executor>_<key>`, which submitit checks against the executor's own keys
     allowed = {"_target_", "submitit_folder", "max_num_timeout"}

@@ -9,6 +9,7 @@ import _thread
 import math
 import os
 import re
+import shutil
 import signal
 import threading
 import time
@@ -564,8 +565,17 @@ def test_jobs_are_named_by_the_values_that_vary_and_the_report_lists_failed_ones
                 "(allowed: cpus_per_task, gpus_per_node, max_num_timeout,",
             ],
         ),
+        pytest.param(  # SLURM's launcher where there is no SLURM (its traceback, a parent run)
+            "hydra/launcher=slurm precision=o0,o1",
+            [
+                "hydra/launcher: submitit's 'slurm' executor cannot run on this machine (its "
+                "command, srun, is not on the PATH",
+                "(allowed: here: hydra/launcher=submitit_local",
+            ],
+            marks=pytest.mark.skipif(shutil.which("srun") is not None, reason="SLURM is here"),
+        ),
     ],
-    ids=["bad-value", "typo-key", "launcher-key"],
+    ids=["bad-value", "typo-key", "launcher-key", "slurm-absent"],
 )
 def test_bad_input_in_any_job_stops_the_sweep_before_it_starts(sweep, needles, tmp_path, capsys):
     uri = f"sqlite:///{tmp_path / 'never.db'}"
