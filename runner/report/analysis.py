@@ -227,6 +227,11 @@ class SeedGroup:
         return mean, std, len(values)
 
 
+def all_lm(rows: Sequence[Row]) -> bool:
+    """Whether every run is a language model's: the figures then draw its loss, not accuracy."""
+    return bool(rows) and all(r.is_lm for r in rows)
+
+
 def seeds_vary(rows: Sequence[Row]) -> bool:
     return any(k in SEED_PARAMS for k in varying_params(rows))
 

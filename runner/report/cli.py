@@ -16,11 +16,10 @@ from runner.report.plots import plot_bars, plot_curves, plot_memory
 from runner.report.runs import NothingToReport, find_run, select_runs, to_row
 from runner.report.tables import (
     ARTIFACT_DIR,
-    BARS_PNG,
-    CURVES_PNG,
     MEMORY_PNG,
     TABLE_CSV,
     TABLE_MD,
+    figure_files,
     render_markdown,
     write_csv,
 )
@@ -212,12 +211,13 @@ def _write(
         )
         return 2
     write_csv(rows, args.out / TABLE_CSV)
-    plot_bars(rows, args.out / BARS_PNG)
-    plot_curves(rows, args.out / CURVES_PNG)
+    bars, curves = figure_files(rows)
+    plot_bars(rows, args.out / bars)
+    plot_curves(rows, args.out / curves)
     plot_memory(rows, args.out / MEMORY_PNG)
 
     shell.say(markdown)
-    written = (TABLE_MD, TABLE_CSV, BARS_PNG, MEMORY_PNG, CURVES_PNG)
+    written = (TABLE_MD, TABLE_CSV, bars, MEMORY_PNG, curves)
     shell.say(f"Wrote {', '.join(str(args.out / n) for n in written)}")
     if parent is not None:
         reader.log_artifacts(parent.run_id, args.out, ARTIFACT_DIR)

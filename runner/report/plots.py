@@ -14,6 +14,7 @@ from runner.report.analysis import (
     MEMORY_METRICS,
     Row,
     SeedGroup,
+    all_lm,
     seed_groups,
     seeds_vary,
 )
@@ -78,7 +79,7 @@ def plot_bars(rows: Sequence[Row], path: Path) -> None:
             for r, label in zip(rows, bar_labels(rows))
         ]
     series = list(dict.fromkeys(label for _, label, _ in groups))
-    lm = bool(rows) and all(r.is_lm for r in rows)
+    lm = all_lm(rows)
     quality = (
         (m.BEST_VAL_LOSS, "best val loss (nats/token)", 1.0)
         if lm
@@ -151,7 +152,7 @@ def plot_curves(rows: Sequence[Row], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    lm = bool(rows) and all(r.is_lm for r in rows)  # language models: the loss per epoch
+    lm = all_lm(rows)  # language models: the loss per epoch
     fig, ax = plt.subplots(figsize=(8, 5))
     for r in rows:
         curve, scale = (r.val_loss, 1.0) if lm else (r.val_acc, 100.0)

@@ -19,6 +19,7 @@ from runner.report.analysis import (
     METRICS,
     TIMING_METRICS,
     Row,
+    all_lm,
     display_names,
     seed_groups,
     seeds_vary,
@@ -29,8 +30,15 @@ from runner.tracking.varying import SEED_PARAMS, tuned_keys, varying_params
 
 ARTIFACT_DIR = "report"
 TABLE_MD, TABLE_CSV = "comparison.md", "comparison.csv"
-BARS_PNG, CURVES_PNG = "time_memory_accuracy.png", "val_acc_curves.png"
 MEMORY_PNG = "memory_by_kind.png"
+
+
+def figure_files(rows: Sequence[Row]) -> tuple[str, str]:
+    """The file names of the bars (throughput, memory, quality) and of the curves: of the loss
+    where every run is a language model (what the figures draw then), else of the accuracy."""
+    if all_lm(rows):
+        return "time_memory_loss.png", "val_loss_curves.png"
+    return "time_memory_accuracy.png", "val_acc_curves.png"
 
 
 def _mean_std(stats: tuple[float, float, int] | None, spec: str, scale: float = 1.0) -> str:
@@ -269,7 +277,8 @@ def render_markdown(rows: Sequence[Row], title: str, source: str) -> str:
         lines.append("")
     if not any(r.baseline for r in rows):
         lines += ["No finished O0 run to compare with: speedup and memory ratio are empty.", ""]
-    quality = "loss" if rows and all(r.is_lm for r in rows) else "accuracy"
+    quality = "loss" if all_lm(rows) else "accuracy"
+    bars, curves = figure_files(rows)
     if any(r.is_lm for r in rows):
         lines += [
             "Language models: best val loss is the mean token cross-entropy on the "
@@ -278,11 +287,11 @@ def render_markdown(rows: Sequence[Row], title: str, source: str) -> str:
             "",
         ]
     lines += [
-        f"![steady throughput, memory and {quality} per level]({BARS_PNG})",
+        f"![steady throughput, memory and {quality} per level]({bars})",
         "",
         f"![memory by kind per level]({MEMORY_PNG})",
         "",
-        f"![validation {quality} per epoch]({CURVES_PNG})",
+        f"![validation {quality} per epoch]({curves})",
         "",
     ]
     return "\n".join(lines)

@@ -211,6 +211,10 @@ def test_a_users_gpt_package_and_the_builtin_gpt_train_on_text(tmp_path):
     report = run_in_process_report(uri, tmp_path / "report")
     assert "best val loss (nats/token)" in report and "perplexity" in report
     assert "throughput (tokens/s)" in report and "best val acc" not in report
+    # the figures draw the loss, and their files say so (they were named for accuracy)
+    figures = {p.name for p in (tmp_path / "report").glob("*.png")}
+    assert figures == {"time_memory_loss.png", "memory_by_kind.png", "val_loss_curves.png"}
+    assert "](val_loss_curves.png)" in report and "](time_memory_loss.png)" in report
 
 
 def run_in_process_report(uri: str, out: Path) -> str:
