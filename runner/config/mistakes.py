@@ -249,13 +249,8 @@ def explain(error: BaseException, overrides: Sequence[str] = ()) -> RunnerError:
     return RunnerError(_hydra_text(error))
 
 
+# an option file that overrides the run's groups in its defaults list from its own package
 _PLACED = re.compile(r"In '([^']+)': Could not override '([^'@]+)@([^']+)'\.\s+Did you mean")
-NOT_GLOBAL = (
-    "an experiment file's setting of {0} was placed under experiment (its own free-form "
-    "settings), where nothing reads it: the file's first line must be `# @package _global_` "
-    "(experiments/README.md); a setting of its own takes another name than the run's sections"
-)
-
 _FILE_KEY = re.compile(
     r"In '([^']+)': ConfigKeyError raised while composing config:\s*Key '([^']+)' not in "
     r"'(\w+)'\s*full_key: (\S+)"

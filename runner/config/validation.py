@@ -190,6 +190,13 @@ def _type_name(hint: Any) -> str:
     return getattr(hint, "__name__", str(hint))
 
 
+_NOT_GLOBAL = (
+    "an experiment file's setting of {0} was placed under experiment (its own free-form "
+    "settings), where nothing reads it: the file's first line must be `# @package _global_` "
+    "(experiments/README.md); a setting of its own takes another name than the run's sections"
+)
+
+
 def _check_known_keys(cfg: DictConfig, specs: Mapping[str, Optional[options.Spec]]) -> None:
     """Hydra's `+key=value` appends even to typed nodes, and to the root; a key no schema declares
     is a typo (`+lr=0.1` for `optimizer.lr=0.1`) that would otherwise change nothing, silently.
@@ -212,7 +219,7 @@ def _check_known_keys(cfg: DictConfig, specs: Mapping[str, Optional[options.Spec
     own = cfg.get("experiment")
     misplaced = [k for k in own if k in root or k == "hydra"] if isinstance(own, DictConfig) else []
     if misplaced:  # (an experiment file without its package line: its keys, all unread)
-        raise ConfigError(f"experiment.{misplaced[0]}", mistakes.NOT_GLOBAL.format(misplaced[0]))
+        raise ConfigError(f"experiment.{misplaced[0]}", _NOT_GLOBAL.format(misplaced[0]))
     for section in cfg:
         node = cfg[section]
         if not isinstance(node, DictConfig):
