@@ -24,7 +24,7 @@ from runner.config import mistakes
 from runner.config.finder import config_dir
 from runner.errors import PeersLost, RunnerError, said
 from runner.sweep import callback, gpus, jobs, parent
-from runner.tracking import job_log
+from runner.tracking import job_log, record
 
 log = logging.getLogger("runner")
 
@@ -308,6 +308,7 @@ def cli() -> None:
         if os.environ.get("RANK", "0") == "0":  # (every rank stops; one says why)
             print(message, file=sys.stderr)
         sys.exit(2)
+    record.keep_typed(sys.argv)  # (the `command` tag: as typed)
     sys.argv[1:] = overrides_together(sys.argv[1:])
     job_log.bear_write_errors()  # (`... | head`: one line, not a traceback a line logged)
     gpus.register_resolvers()

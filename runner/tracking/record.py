@@ -39,12 +39,23 @@ def git_commit(directory: str | os.PathLike) -> str | None:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
+_typed_argv: list[str] = []  # sys.argv before the entry point put its overrides together
+
+
+def keep_typed(argv: Sequence[str]) -> None:
+    """`argv` as typed, for `typed_command`: the entry point reorders sys.argv for Hydra's parser
+    (runner.__main__.overrides_together)."""
+    _typed_argv[:] = argv
+
+
 def typed_command(argv: Sequence[str] | None = None) -> str:
     """The command line as the user typed it (the `command` tag): `python -m runner ARGS` when
     Python ran a package as a module (its argv[0] is then the path of the package's
     `__main__.py`; the interpreter as it was named, the module from `__main__`'s spec), else
-    the script's name and its arguments (`amp-runner ARGS`). `argv`: sys.argv."""
-    argv = list(sys.argv if argv is None else argv)
+    the script's name and its arguments (`amp-runner ARGS`). `argv`: sys.argv as typed."""
+    if argv is None:  # (the typed order, where it is that of these arguments)
+        argv = _typed_argv if sorted(_typed_argv) == sorted(sys.argv) else sys.argv
+    argv = list(argv)
     if not argv:
         return ""
     first = Path(argv[0])

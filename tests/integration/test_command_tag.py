@@ -47,6 +47,17 @@ def test_the_console_script_is_recorded_as_typed_in_a_sweep(tmp_path):
     assert command_of(tmp_path / "s" / "0") == typed  # its one job
 
 
+def test_a_sweep_with_overrides_after_its_m_is_recorded_as_typed(tmp_path):
+    """The entry point puts the overrides together for Hydra's parser (`model=tiny -m
+    precision=...`); the tag keeps them where they were typed."""
+    args = [*FAST[:2], "-m", *FAST[2:], "trainer.max_epochs=1", "tracking=none"]
+    args.append(f"hydra.sweep.dir={tmp_path}/s")
+    result = run_cli(*args, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    typed = " ".join([Path(sys.executable).name, "-m", "runner", *args])
+    assert command_of(tmp_path / "s") == typed and command_of(tmp_path / "s" / "0") == typed
+
+
 def test_a_command_with_quoted_values_pastes_back_as_typed(tmp_path):
     """Words the shell would split or change (a Hydra value quoted for its space and its
     non-ASCII letter, brackets) are recorded quoted: the tag, pasted into bash, gives the run
