@@ -53,6 +53,7 @@ SUBMITIT_LOCAL_LAUNCHER = "hydra_plugins.hydra_submitit_launcher.submitit_launch
 LOCAL_PROCESS_LAUNCHERS = (JOBLIB_LAUNCHER, SUBMITIT_LOCAL_LAUNCHER)
 MAX_RUN_NAME = 200
 FOLDER_LOCK = ".amp-runner-sweep.lock"  # in the sweep's folder, held while the sweep runs
+SUMMARY_TXT = "sweep_summary.txt"  # the closing lines, an artifact of the parent run
 
 
 class MlflowSweepCallback(Callback):
@@ -225,12 +226,32 @@ class MlflowSweepCallback(Callback):
         status, reason = FINISHED, None
         if signum is not None:
             status, reason = KILLED, f"interrupted by {signal.Signals(signum).name}"
+        failures = (
+            f", {len(failed)} failed: "
+            + ", ".join(f"{c.run_name} ({end_state(c)})" for c in failed)
+            if failed
+            else ", none failed"
+        )
+        where = (  # an MLflow store, or (tracking=none) the records in the sweep's folder
+            ["--tracking-uri", tracker.location]
+            + ["--experiment", self.parent.experiment_name, "--parent", self.parent.run_id]
+            if self.parent.tracker == MLFLOW
+            else ["--sweep", tracker.location]
+        )
+        summary = (
+            f"Sweep finished: {len(children)} job{'' if len(children) == 1 else 's'}{failures}.\n"
+            + speed_summary(children, tracker.reader.history)
+            + "Compare them:  "
+            + shell.join(["python", "-m", "runner.report", *where])
+            + "\n"
+        )
         try:
             parent.log_metrics({"jobs": len(children), "failed_jobs": len(failed)}, 0)
             parent.set_tag(
                 tag.FAILED_JOBS,
                 "; ".join(f"{c.run_name} ({end_state(c)})" for c in failed) or "none",
             )
+            parent.log_text(summary, SUMMARY_TXT)  # (kept where no console is: nohup, ssh gone)
             parent.end(status, reason)
             recorded = True
         except Exception as refused:  # noqa: BLE001  (a full disk: the sweep's end is still told)
@@ -246,28 +267,7 @@ class MlflowSweepCallback(Callback):
             recorded = False
         if signum is not None:
             self._end_stopped(signum, children)
-        failures = (
-            f", {len(failed)} failed: "
-            + ", ".join(f"{c.run_name} ({end_state(c)})" for c in failed)
-            if failed
-            else ", none failed"
-        )
-        where = (  # an MLflow store, or (tracking=none) the records in the sweep's folder
-            ["--tracking-uri", tracker.location]
-            + ["--experiment", self.parent.experiment_name, "--parent", self.parent.run_id]
-            if self.parent.tracker == MLFLOW
-            else ["--sweep", tracker.location]
-        )
-        compare = "Compare them:  " + shell.join(["python", "-m", "runner.report", *where]) + "\n"
-        log.info(
-            "Sweep finished: %d job%s%s.\n%s%s%s",
-            len(children),
-            "" if len(children) == 1 else "s",
-            failures,
-            speed_summary(children, tracker.reader.history),
-            compare,
-            tracker.hint(),
-        )
+        log.info("%s%s", summary, tracker.hint())
         if failed or not recorded:
             raise SystemExit(1)  # Hydra swallows a callback's exceptions, not SystemExit
 

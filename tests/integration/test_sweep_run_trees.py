@@ -211,6 +211,13 @@ def test_parallel_sweep_records_a_failing_job_and_goes_on(tmp_path):
     assert parent.data.tags["sweep.launcher"] == "JoblibLauncher"
     assert parent.data.metrics["jobs"] == 2 and parent.data.metrics["failed_jobs"] == 1
     assert parent.data.tags["sweep.failed_jobs"] == "tiny-O3 (FAILED)"
+    # the closing lines, kept on the parent where no console may be (nohup, a closed ssh)
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    kept = Path(client.download_artifacts(parent.info.run_id, "sweep_summary.txt", str(tmp_path)))
+    told = kept.read_text()
+    assert told.startswith("Sweep finished: 2 jobs, 1 failed: tiny-O3 (FAILED).\n")
+    assert "  tiny-O0: " in told and told.splitlines()[-1] in output
+    assert told.splitlines()[-1].startswith("Compare them:  python -m runner.report --tracking-uri")
     assert children["tiny-O3"].info.status == "FAILED"
     assert children["tiny-O3"].data.tags["error"].startswith("DivergenceError: training diverged")
     ok = children["tiny-O0"]

@@ -114,6 +114,9 @@ def test_a_sweep_records_its_parent_and_each_job_and_the_report_reads_them(tmp_p
     assert not [p for p in tmp_path.rglob("*") if p.name in STORE_FILES]
     said = "".join(capsys.readouterr())
     assert f"Compare them:  python -m runner.report --sweep {sweep}" in said
+    kept = (sweep / "artifacts" / "sweep_summary.txt").read_text()  # (the closing lines, kept)
+    assert kept.startswith("Sweep finished: 2 jobs, 1 failed: tiny-O3 (FAILED).\n")
+    assert kept.endswith(f"Compare them:  python -m runner.report --sweep {sweep}\n")
 
     # the report reads the sweep's records, and keeps its files with the parent's
     assert report_main(["--sweep", str(sweep), "--out", str(tmp_path / "report")]) == 0
