@@ -515,15 +515,9 @@ def _causal_settings(arch: str, config_class: Any) -> list[str]:
     return keys + (["causal"] if "causal" in _settings(config_class) else [])
 
 
-def sees_ahead(model: nn.Module, vocab_size: int, block_size: int) -> bool:
-    """Whether a language model's outputs at earlier positions change with a later token (it
-    attends forwards, so it would see the tokens it predicts): two forwards, in eval mode and
-    without gradients, of one sequence of up to 16 random tokens and of the same with its last
-    token changed, on the model's device. False where the model cannot run them (the first
-    step will tell why)."""
-    length = min(int(block_size), 16)
-    if length < 2 or vocab_size < 2:
-        return False
+def _two_forwards(model: nn.Module, vocab_size: int, length: int) -> Optional[list]:
+    """The model's outputs for `length` random tokens and for the same with the last changed;
+    None where it cannot run them."""
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     g = torch.Generator().manual_seed(0)  # (the run's own random state is left alone)
     tokens = torch.randint(0, vocab_size, (1, length), generator=g)
@@ -533,11 +527,24 @@ def sees_ahead(model: nn.Module, vocab_size: int, block_size: int) -> bool:
     model.eval()
     try:
         with torch.no_grad():
-            outputs = [model(t.to(device)) for t in (tokens, changed)]
+            return [model(t.to(device)) for t in (tokens, changed)]
     except Exception:  # noqa: BLE001
-        return False
+        return None
     finally:
         model.train(training)
+
+
+def sees_ahead(model: nn.Module, vocab_size: int, block_size: int) -> bool:
+    """Whether a language model's outputs at earlier positions change with a later token (it
+    attends forwards, so it would see the tokens it predicts): two forwards, in eval mode and
+    without gradients, of one sequence of up to 16 random tokens and of the same with its last
+    token changed, on the model's device; of `block_size` tokens where the model runs only its
+    whole context. False where the model cannot run them (the first step will tell why)."""
+    lengths = [n for n in dict.fromkeys((min(int(block_size), 16), int(block_size))) if n >= 2]
+    ran = ((n, _two_forwards(model, vocab_size, n)) for n in lengths if vocab_size >= 2)
+    length, outputs = next(((n, out) for n, out in ran if out is not None), (0, None))
+    if outputs is None:
+        return False
     try:
         first, second = (o if isinstance(o, torch.Tensor) else o[0] for o in outputs)
         before = slice(0, length - 1)

@@ -497,20 +497,32 @@ def test_a_segment_table_is_not_taken_for_a_short_positional_one():
         )
 
 
-def test_a_model_that_sees_the_tokens_it_predicts_is_refused_before_any_run(tracking_uri, capsys):
+class SeesAheadOverItsWholeContext(SeesAhead):
+    """SeesAhead, which runs its whole context only (data.block_size=64), as a model with a
+    learned position table of exactly that size may."""
+
+    def forward(self, idx):
+        assert idx.shape[1] == 64, "a sequence of the whole context"
+        return super().forward(idx)
+
+
+@pytest.mark.parametrize("model", ["SeesAhead", "SeesAheadOverItsWholeContext"])
+def test_a_model_that_sees_the_tokens_it_predicts_is_refused_before_any_run(
+    model, tracking_uri, capsys
+):
     """Next-token training of a model that attends forwards teaches it to copy: its loss falls
     to nothing and means nothing. Two forwards of 16 tokens of the built model tell, before any
-    run."""
+    run; of the whole context where the model runs no other length (it was not judged)."""
     code = run_in_process(
         "model=custom",
-        "model._target_=tests.integration.test_language_model_runs.SeesAhead",
+        f"model._target_=tests.integration.test_language_model_runs.{model}",
         "data=synthetic_text",
         "trainer.device=cpu",
         f"mlflow.tracking_uri={tracking_uri}",
     )
     output = "".join(capsys.readouterr())
     assert code == 2 and "Traceback" not in output, output[-2000:]
-    assert "model: SeesAhead sees the tokens it predicts" in output
+    assert f"model: {model} sees the tokens it predicts" in output
     assert not all_runs(tracking_uri)
 
 
