@@ -4,6 +4,7 @@ device, read at the trainer's periodic reads) or a collapsed dynamic loss scale 
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -12,6 +13,8 @@ from runner.config import TrainerConfig
 from runner.config.formats import SHORT_NAMES
 from runner.errors import DivergenceError
 from runner.precision.level_rules import level_preset
+
+log = logging.getLogger(__name__)
 
 
 class DivergenceGuard:
@@ -27,6 +30,10 @@ class DivergenceGuard:
         # the trainer's periodic reads
         self.skips = torch.zeros((), dtype=torch.int64, device=device)
         self.bad_loss_streak = torch.zeros((), dtype=torch.int64, device=device)
+        # training batches whose inputs held inf/NaN (the data itself), counted on the device;
+        # `bad_inputs_read`: the count the last periodic read found
+        self.bad_inputs = torch.zeros((), dtype=torch.int64, device=device)
+        self.bad_inputs_read = 0
 
     @property
     def skip_streak(self) -> int:
@@ -36,6 +43,32 @@ class DivergenceGuard:
     @skip_streak.setter
     def skip_streak(self, value: int) -> None:
         self.skips.fill_(int(value))
+
+    def watch_inputs(self, x: torch.Tensor) -> None:
+        """Count a training batch whose floating inputs hold inf/NaN (on the device, no sync)."""
+        if x.is_floating_point():
+            self.bad_inputs.add_(~torch.isfinite(x).all())
+
+    def inputs_read(self, count: int, step: int) -> None:
+        """At a periodic read: the count of batches with inf/NaN inputs so far; a warning where
+        it grew since the last read (each step that meets one has a NaN loss)."""
+        if count > self.bad_inputs_read:
+            log.warning(
+                "Up to step %d, %s held inf/NaN inputs: %s", step, _batches(count), _DATA_NOT_FINITE
+            )
+        self.bad_inputs_read = count
+
+    def check_weights(self, finite: bool, epoch: int, step: int) -> None:
+        """At an epoch's end (`finite`: whether the model's weights are): weights that became
+        inf/NaN stop the run, whatever the streaks (every later step starts from them: a short
+        run ended FINISHED with a NaN model, its accuracy chance's)."""
+        if finite:
+            return
+        raise DivergenceError(
+            f"training diverged: the model's weights are inf/NaN after epoch {epoch} (step "
+            f"{step}), and every later step would start from them; the last checkpoint, if any, "
+            f"is the last good state: {self._why()}"
+        )
 
     def after_step(self, loss: torch.Tensor, stepped: bool | torch.Tensor) -> torch.Tensor:
         """Count the step into the streaks (`stepped`: the engine's verdict, a bool or a device
@@ -114,23 +147,19 @@ class DivergenceGuard:
         limit = first + self.max_bad_steps - 1
         steps = f"step {first}" if limit == first else f"steps {first} to {limit}"
         read = f"; found at step {step}, when the loss was read" if limit < step else ""
-        formats = narrow_formats(self.engine)
-        if not formats:
-            cause = "the training itself produces non-finite values"
-        else:
-            cause = (
-                f"in {' and '.join(formats)} the model produces non-finite values (a forward "
-                "that overflows fp16's range, or the model itself)"
-                if "fp16" in formats
-                else f"the model produces non-finite values (in {' and '.join(formats)}, whose "
-                "range is fp32's: rather the model itself or its coarser rounding)"
-            )
         raise DivergenceError(
             f"training diverged: the loss was inf/NaN for {self.max_bad_steps} consecutive "
             f"{'step' if self.max_bad_steps == 1 else 'steps'}, {steps} "
-            f"(trainer.max_bad_steps={self.max_bad_steps}{read}): {cause}; "
-            f"{advice(self.engine, formats)}"
+            f"(trainer.max_bad_steps={self.max_bad_steps}{read}): {self._why()}"
         )
+
+    def _why(self) -> str:
+        """Why values are non-finite and what to try: the data, where batches held inf/NaN
+        inputs; else by the formats the run computes in."""
+        if self.bad_inputs_read:
+            return f"{_batches(self.bad_inputs_read)} held inf/NaN inputs: {_DATA_NOT_FINITE}"
+        formats = narrow_formats(self.engine)
+        return f"{_cause(formats)}; {advice(self.engine, formats)}"
 
     def state(self) -> dict[str, int]:
         """The streaks, as a checkpoint keeps them (one host read)."""
@@ -140,6 +169,31 @@ class DivergenceGuard:
     def restore(self, state: dict) -> None:
         self.skips.fill_(int(state["skip_streak"]))
         self.bad_loss_streak.fill_(int(state["bad_loss_streak"]))
+
+
+_DATA_NOT_FINITE = (
+    "the data itself is not finite (a NaN in a sample, a transform that divides by zero); find "
+    "them with torch.isfinite(x).all() over the dataset's items, and fix or leave them out"
+)
+
+
+def _batches(count: int) -> str:
+    return f"{count} training batch{'' if count == 1 else 'es'}"
+
+
+def _cause(formats: list[str]) -> str:
+    """What produces non-finite values, by the formats the run computes in."""
+    if not formats:
+        return "the training itself produces non-finite values"
+    if "fp16" in formats:
+        return (
+            f"in {' and '.join(formats)} the model produces non-finite values (a forward that "
+            "overflows fp16's range, or the model itself)"
+        )
+    return (
+        f"the model produces non-finite values (in {' and '.join(formats)}, whose range is "
+        "fp32's: rather the model itself or its coarser rounding)"
+    )
 
 
 # ---- what to try, by what the run computes in ---------------------------------------------------

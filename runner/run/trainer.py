@@ -211,6 +211,7 @@ class Trainer(CheckpointState, CompileWarmup):
         """One training step, watched by the instruments due at it; returns the loss (fp32,
         detached, on the device). With `trainer.cuda_graphs` the clip and step are a replayed
         graph's (runner.run.cuda_graphs)."""
+        self.guard.watch_inputs(x)
         with self.instruments.step(self.global_step + 1) as watch:
             with self.engine.autocast():
                 loss = self.task.loss(self.criterion, self.model(x), y)
@@ -264,10 +265,12 @@ class Trainer(CheckpointState, CompileWarmup):
                     guard.bad_loss_streak.to(window.dtype),
                     guard.skips.to(window.dtype),
                     self._stop_flag().to(window.dtype),
+                    guard.bad_inputs.to(window.dtype),
                 ]
             )
         )
-        value, bad_losses, skips, stop = torch.cat([mean.reshape(1), flags]).tolist()
+        value, bad_losses, skips, stop, bad_inputs = torch.cat([mean.reshape(1), flags]).tolist()
+        guard.inputs_read(int(bad_inputs), self.global_step)
         guard.check_skips(self.global_step, int(skips))
         guard.check_losses(bad_losses, self.global_step)
         lr = float(self.optimizer.param_groups[0]["lr"])  # (a tensor in torchao's optimizers)
@@ -444,6 +447,7 @@ class Trainer(CheckpointState, CompileWarmup):
                 metrics[m.LOSS_SCALE],
                 self.engine.skipped_steps,
             )
+            self.guard.check_weights(self._healthy(), epoch, self.global_step)
             last = epoch == self.cfg.max_epochs
             stop = bool(self.comm.max_(self._stop_flag()).item())
             if stop and not last:

@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 from mlflow.tracking import MlflowClient
 
 from runner.tracking.json_file import FILE
@@ -111,3 +112,57 @@ def test_a_sweep_job_says_the_same_and_the_sweep_goes_on(project):
         assert all(needle in text for needle in FULL)
         assert f"{sweep / job / 'runner.log'} and the artifact traceback.txt" in output
     assert "in train_step" not in output and "Traceback (most recent call last)" not in output
+
+
+# ---- data that is not finite ---------------------------------------------------------------------
+class _WithNaN(torch.utils.data.Dataset):
+    """Random 8-px images, two of them with a NaN pixel (a corrupt sample, a bad transform)."""
+
+    classes = [str(i) for i in range(10)]
+
+    def __init__(self, n: int, bad: tuple[int, ...] = ()):
+        self.n, self.bad = n, set(bad)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        x = torch.randn(3, 8, 8, generator=torch.Generator().manual_seed(i))
+        if i in self.bad:
+            x[0, 0, 0] = float("nan")
+        return x, i % 10
+
+
+def nan_data():
+    return _WithNaN(128, bad=(5, 77)), _WithNaN(32)
+
+
+def test_inputs_that_are_not_finite_are_named_and_the_nan_model_fails(tmp_path, capsys):
+    """Two samples with a NaN pixel made the O0 weights NaN; the run went on with NaN losses
+    (fewer than trainer.max_bad_steps) and ended FINISHED, its accuracy chance's, saying nothing
+    of the data. The batches' inputs are watched on the device and read with the loss: a warning
+    names the data, and weights gone NaN stop the run at the epoch's end, FAILED."""
+    from tests.helpers.runs import run_in_process
+
+    code = run_in_process(
+        "model=tiny",
+        "data=custom",
+        "data._target_=tests.integration.test_run_failures.nan_data",
+        "trainer.batch_size=32",
+        "trainer.max_epochs=2",
+        "trainer.num_workers=0",
+        "tracking=none",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    )
+    said = "".join(capsys.readouterr())
+    assert code == 2, said[-3000:]
+    held = r"(1 training batch|2 training batches) held inf/NaN inputs: the data itself is not "
+    assert re.search(f"Up to step 4, {held}", said)
+    record = json.loads((tmp_path / "run" / FILE).read_text())
+    assert record["status"] == "FAILED"
+    assert re.match(
+        r"DivergenceError: training diverged: the model's weights are inf/NaN after epoch 1 "
+        r"\(step 4\), and every later step would start from them; the last checkpoint, if any, "
+        f"is the last good state: {held}",
+        record["tags"]["error"],
+    )

@@ -60,21 +60,37 @@ FP32_ADVICE = (
 
 def test_an_fp32_run_is_told_the_learning_rate_initialisation_and_data():
     """O0 computes in fp32: no loss scale, 16-bit type or level is the cause. The count is
-    `max_bad_steps` (5), however long the streak is by the read that finds it (step 8: the end of
-    epoch 2; the loss is inf/NaN from step 2 on, 7 steps by then)."""
-    trainer, _ = make_trainer("O0", {}, max_bad_steps=5, scheduler="none", log_every_n_steps=50)
+    `max_bad_steps` (2), however long the streak is by the read that finds it (step 4: the end of
+    epoch 1; the loss is inf/NaN from step 2 on, 3 steps by then)."""
+    trainer, _ = make_trainer("O0", {}, max_bad_steps=2, scheduler="none", log_every_n_steps=50)
     trainer.optimizer.param_groups[0]["lr"] = 1e30
     with pytest.raises(DivergenceError) as e:
         trainer.fit()
     msg = str(e.value)
-    assert trainer.global_step == 8
+    assert trainer.global_step == 4
     assert msg == (
-        "training diverged: the loss was inf/NaN for 5 consecutive steps, steps 2 to 6 "
-        "(trainer.max_bad_steps=5; found at step 8, when the loss was read): the training "
+        "training diverged: the loss was inf/NaN for 2 consecutive steps, steps 2 to 3 "
+        "(trainer.max_bad_steps=2; found at step 4, when the loss was read): the training "
         f"itself produces non-finite values; {FP32_ADVICE}"
     )
     for wrong in ("loss scale", "fp16", "bf16", "precision=o"):
         assert wrong not in msg
+
+
+def test_weights_gone_inf_nan_stop_the_run_at_the_epochs_end():
+    """A streak shorter than trainer.max_bad_steps (50) by the run's end: the run ended FINISHED
+    with inf/NaN weights, their accuracy chance's. Every later step starts from them: the epoch's
+    end stops the run."""
+    trainer, _ = make_trainer("O0", {}, scheduler="none", log_every_n_steps=50)
+    trainer.optimizer.param_groups[0]["lr"] = 1e30
+    with pytest.raises(DivergenceError) as e:
+        trainer.fit()
+    assert trainer.global_step == 4 and trainer.guard.max_bad_steps == 50
+    assert str(e.value) == (
+        "training diverged: the model's weights are inf/NaN after epoch 1 (step 4), and every "
+        "later step would start from them; the last checkpoint, if any, is the last good state: "
+        f"the training itself produces non-finite values; {FP32_ADVICE}"
+    )
 
 
 @pytest.mark.parametrize(
