@@ -59,15 +59,18 @@ class DivergenceGuard:
         self.bad_inputs_read = count
 
     def check_weights(self, finite: bool, epoch: int, step: int) -> None:
-        """At an epoch's end (`finite`: whether the model's weights are): weights that became
-        inf/NaN stop the run, whatever the streaks (every later step starts from them: a short
-        run ended FINISHED with a NaN model, its accuracy chance's)."""
+        """At an epoch's end (`finite`: whether the model's weights and buffers are): values
+        that became inf/NaN stop the run, whatever the streaks (every later step starts from
+        them: a short run ended FINISHED with a NaN model, its accuracy chance's; a batch with
+        a NaN input whose step the loss scaler skipped still puts it in BatchNorm's running
+        statistics)."""
         if finite:
             return
         raise DivergenceError(
-            f"training diverged: the model's weights are inf/NaN after epoch {epoch} (step "
-            f"{step}), and every later step would start from them; the last checkpoint, if any, "
-            f"is the last good state: {self._why()}"
+            f"training diverged: the model's weights or buffers (a BatchNorm's running "
+            f"statistics) are inf/NaN after epoch {epoch} (step {step}), and every later step "
+            "would start from them; the last checkpoint, if any, is the last good state: "
+            f"{self._why()}"
         )
 
     def after_step(self, loss: torch.Tensor, stepped: bool | torch.Tensor) -> torch.Tensor:

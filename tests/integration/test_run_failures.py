@@ -161,8 +161,8 @@ def test_inputs_that_are_not_finite_are_named_and_the_nan_model_fails(tmp_path, 
     record = json.loads((tmp_path / "run" / FILE).read_text())
     assert record["status"] == "FAILED"
     assert re.match(
-        r"DivergenceError: training diverged: the model's weights are inf/NaN after epoch 1 "
-        r"\(step 4\), and every later step would start from them; the last checkpoint, if any, "
-        f"is the last good state: {held}",
+        r"DivergenceError: training diverged: the model's weights or buffers \(a BatchNorm's "
+        r"running statistics\) are inf/NaN after epoch 1 \(step 4\), and every later step would "
+        f"start from them; the last checkpoint, if any, is the last good state: {held}",
         record["tags"]["error"],
     )

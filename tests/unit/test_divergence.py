@@ -87,9 +87,10 @@ def test_weights_gone_inf_nan_stop_the_run_at_the_epochs_end():
         trainer.fit()
     assert trainer.global_step == 4 and trainer.guard.max_bad_steps == 50
     assert str(e.value) == (
-        "training diverged: the model's weights are inf/NaN after epoch 1 (step 4), and every "
-        "later step would start from them; the last checkpoint, if any, is the last good state: "
-        f"the training itself produces non-finite values; {FP32_ADVICE}"
+        "training diverged: the model's weights or buffers (a BatchNorm's running statistics) "
+        "are inf/NaN after epoch 1 (step 4), and every later step would start from them; the "
+        "last checkpoint, if any, is the last good state: the training itself produces "
+        f"non-finite values; {FP32_ADVICE}"
     )
 
 
