@@ -67,7 +67,7 @@ class DivergenceGuard:
         if finite:
             return
         raise DivergenceError(
-            f"training diverged: the model's weights or buffers (a BatchNorm's running "
+            "training diverged: the model's weights or buffers (a BatchNorm's running "
             f"statistics) are inf/NaN after epoch {epoch} (step {step}), and every later step "
             "would start from them; the last checkpoint, if any, is the last good state: "
             f"{self._why()}"
