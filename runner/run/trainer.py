@@ -211,7 +211,6 @@ class Trainer(CheckpointState, CompileWarmup):
         """One training step, watched by the instruments due at it; returns the loss (fp32,
         detached, on the device). With `trainer.cuda_graphs` the clip and step are a replayed
         graph's (runner.run.cuda_graphs)."""
-        self.guard.watch_inputs(x)
         with self.instruments.step(self.global_step + 1) as watch:
             with self.engine.autocast():
                 loss = self.task.loss(self.criterion, self.model(x), y)
@@ -318,6 +317,7 @@ class Trainer(CheckpointState, CompileWarmup):
                 if index >= self.train_batches:
                     break
                 x, y = self._to_device(x, y)
+                self.guard.watch_inputs(x)  # (inf/NaN in the data: counted on the device)
                 window += self.train_step(x, y)
                 count += 1
                 n, k = y.shape[0], self.task.items(y)

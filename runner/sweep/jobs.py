@@ -246,14 +246,6 @@ def check_launcher(config: DictConfig) -> None:
     executors = get_executors()
     if executor not in executors:
         return  # (Hydra's abstract base launcher: submitit says what it thinks of it)
-    if executors[executor].affinity() < 0:  # (SLURM's, where no srun is on the PATH)
-        raise ConfigError(
-            "hydra/launcher",
-            f"submitit's {executor!r} executor cannot run on this machine (its command, srun, "
-            "is not on the PATH: a SLURM sweep is started on the cluster's login node)",
-            "here: hydra/launcher=submitit_local (a process a job), parallel (a job a GPU) or "
-            "joblib",
-        )
     # what Hydra's launcher hands over as it is (its own keys, the shared queue keys) and what
     # it hands over as `<executor>_<key>`, which submitit checks against the executor's own keys
     allowed = {"_target_", "submitit_folder", "max_num_timeout"}
@@ -265,6 +257,14 @@ def check_launcher(config: DictConfig) -> None:
             f"hydra.launcher.{unknown[0]}",
             f"submitit's {executor!r} executor has no such parameter",
             sorted(allowed - {"_target_"}),
+        )
+    if executors[executor].affinity() < 0:  # (SLURM's, where no srun is on the PATH)
+        raise ConfigError(
+            "hydra/launcher",
+            f"submitit's {executor!r} executor cannot run on this machine (its command, srun, "
+            "is not on the PATH: a SLURM sweep is started on the cluster's login node)",
+            "here: hydra/launcher=submitit_local (a process a job), parallel (a job a GPU) or "
+            "joblib",
         )
 
 

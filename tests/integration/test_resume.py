@@ -382,14 +382,17 @@ def test_weights_blown_up_before_the_guard_stops_the_run_are_never_checkpointed(
 def test_a_collapsed_dynamic_loss_scale_stops_the_run(tmp_path):
     """Weights blown up to inf: every step overflows at every scale; the dynamic scale halves
     each time and the run stops once it is below trainer.collapsed_loss_scale (2^-14), before the
-    max_bad_steps limit (1000 here) would."""
+    max_bad_steps limit (1000 here) would, and within the epoch (40 steps: its end stops a model
+    whose weights are inf anyway)."""
     cfg = compose_config(
         *settings(
             tmp_path,
             "precision=o2",
             "trainer.max_bad_steps=1000",
             "scheduler=none",
-            "trainer.max_epochs=20",
+            "data.num_train=320",
+            "trainer.batch_size=8",
+            "trainer.max_epochs=1",
         )
     )
     trainer = _trainer(cfg, on_metrics=lambda m, s: None)
