@@ -41,6 +41,7 @@
 # /tmp/gpu_suite_<part>), PYTHON (default python3), GPU_SUITE_BUDGET_S (default 540 for lease,
 # 280 for lease2, 560 for parts 1-4: no piece runs past this many seconds after the start),
 # GPU_SUITE_SKIP (pieces by name, comma-separated, not to run: e.g. rows an earlier lease measured),
+# GPU_SUITE_XDIST (the CUDA tests' pytest-xdist workers, default 4),
 # CUDA_HOME (found from nvcc when unset), AMP_RUNNER_KERNEL_CACHE (default /tmp/amp-runner-kernels).
 # The lease's pieces add up to more than its budget (on the H200 of 2026-11-28 the build took
 # 125 s, the CUDA tests 174 s, Apex's 33 s, kernels.py 17 s of a 505 s budget, which left 126 s
@@ -209,7 +210,9 @@ EAGER=$BASE,o1_fp8,o2_fp8
 COMPILED=o0+compile,o1_bf16+compile,o2_bf16+compile,o1_fp8+compile,o2_fp8+compile
 VIT=torchvision:vit_b_16
 XDIST=()
-"$PY" -c "import xdist" 2> /dev/null && [[ "$DRY" == 0 ]] && XDIST=(-n 4)  # a crashed worker restarts
+# a crashed worker restarts; GPU_SUITE_XDIST workers (default 4; 8 on 16 cores takes the tests
+# from ~170 s to about the longest test's minute plus the rest spread)
+"$PY" -c "import xdist" 2> /dev/null && [[ "$DRY" == 0 ]] && XDIST=(-n "${GPU_SUITE_XDIST:-4}")
 # The CUDA tests; dry: collected only (their imports and fixtures), as they skip without CUDA.
 GPU_TESTS=(-m pytest -q -p no:cacheprovider -rfE --durations=30 -m gpu tests)
 [[ "$DRY" == 1 ]] && GPU_TESTS+=(--collect-only)
