@@ -8,17 +8,20 @@
 #                                         # after the machine's start, the kernels' build
 #                                         # included: the CUDA tests (the no-sync and
 #                                         # captured-step ones among them), Apex's tests on
-#                                         # CUDA, kernels.py, graphs.py (trainer.cuda_graphs
-#                                         # against the eager step), peers.py on ResNet-50 tuned by
-#                                         # trainer.tune against Lightning 16-mixed /
-#                                         # bf16-mixed, the mission's command at O0 and O2 on
-#                                         # densenet161 (steady.py: 224 px, 60 steps)
+#                                         # CUDA, kernels.py, the mission's command at O0 and
+#                                         # O2 on densenet161 (steady.py: 224 px, 60 steps),
+#                                         # graphs.py (trainer.cuda_graphs against the eager
+#                                         # step), peers.py on ResNet-50 tuned by trainer.tune
+#                                         # against Lightning 16-mixed / bf16-mixed
 #   bash benchmarks/gpu_suite.sh lease2   # its second call on the same warm machine, in the
 #                                         # ~300 s a 15-minute lease has left (budget 280 s):
-#                                         # GPT-2 small eager / fp8, torchtitan's float8 peer,
-#                                         # densenet161's levels, then fp16 accuracy parity,
-#                                         # GPT-2 compiled, the ViT's compiled fp8 rows, the
-#                                         # layer-plan cost, densenet161 tuned, as time allows
+#                                         # densenet161's profile and levels, GPT-2 small
+#                                         # eager / fp8, torchtitan's float8 peer, then fp16
+#                                         # accuracy parity, GPT-2 compiled, the ViT's
+#                                         # compiled fp8 rows, the layer-plan cost,
+#                                         # densenet161 tuned, as time allows
+#                                         # (both parts skip what earlier leases measured on
+#                                         # unchanged code: GPU_SUITE_SKIP below)
 #   bash benchmarks/gpu_suite.sh 1|2|3|4  # the whole GPU table in four calls of under 10
 #                                         # minutes (levels of five models, compiled rows,
 #                                         # accuracy, GPT-2 small, lm_parity, FSDP)
@@ -40,7 +43,9 @@
 # Environment: OUT (required: where the three files go), GPU_SUITE_WORK (default
 # /tmp/gpu_suite_<part>), PYTHON (default python3), GPU_SUITE_BUDGET_S (default 540 for lease,
 # 280 for lease2, 560 for parts 1-4: no piece runs past this many seconds after the start),
-# GPU_SUITE_SKIP (pieces by name, comma-separated, not to run: e.g. rows an earlier lease measured),
+# GPU_SUITE_SKIP (pieces by name, comma-separated, not to run: e.g. rows an earlier lease measured;
+# unset, the lease parts skip what the H200 of 2026-11-29 or 11-28 measured on code unchanged
+# since, named in the call's first lines; GPU_SUITE_SKIP= runs every piece),
 # GPU_SUITE_XDIST (the CUDA tests' pytest-xdist workers, default 4),
 # CUDA_HOME (found from nvcc when unset), AMP_RUNNER_KERNEL_CACHE (default /tmp/amp-runner-kernels).
 # The lease's pieces add up to more than its budget (on the H200 of 2026-11-28 the build took
@@ -150,8 +155,19 @@ piece() {
 # small VALUE_ON_GPU VALUE_DRY: the GPU's value, or the dry run's.
 small() { if [[ "$DRY" == 1 ]]; then echo "$2"; else echo "$1"; fi; }
 
+# What earlier leases measured on code unchanged since, skipped unless GPU_SUITE_SKIP is set (a
+# dry run checks every piece): kernels.py (2026-11-28: the kernels unchanged since), the tuned
+# ResNet-50 peers, DenseNet-161's profile, fp16 accuracy parity and the layer-plan cost
+# (2026-11-29)
+if [[ -z "${GPU_SUITE_SKIP+set}" && "$DRY" == 0 ]]; then
+  [[ "$PART" == lease ]] && GPU_SUITE_SKIP=bench_kernels,bench_peers_tuned_rn50
+  [[ "$PART" == lease2 ]] && GPU_SUITE_SKIP=profile_densenet,bench_accuracy_fp16,bench_layer_plan
+fi
+
+[[ "$LIST" == 1 && -n "${GPU_SUITE_SKIP:-}" ]] && echo "# skipped (GPU_SUITE_SKIP): $GPU_SUITE_SKIP"
 if [[ "$LIST" == 0 ]]; then
   echo "== $PART on $(hostname), budget ${BUDGET}s$( [[ $DRY == 1 ]] && echo ', dry: CPU, tiny sizes')"
+  [[ -n "${GPU_SUITE_SKIP:-}" ]] && echo "== skipping (GPU_SUITE_SKIP): $GPU_SUITE_SKIP"
   # 1. The packages the image lacks, from the carried wheels (../shared/device/README.md); not
   # in a dry run, which uses this machine's packages (the wheels are for the GPU's Python).
   if [[ "$DRY" == 0 ]] && compgen -G ".whl/*.whl" > /dev/null; then
@@ -257,10 +273,6 @@ if [[ "$PART" == lease ]]; then
   fi
   piece bench_kernels 45 "$PY" benchmarks/kernels.py --device "$DEV" \
     --iters "$(small 50 2)" --warmup "$(small 2 1)" --out "$RES/kernels_$TAG.md"
-  piece bench_graphs 150 "$PY" benchmarks/graphs.py --device "$DEV" "${GRAPHS[@]}" \
-    --out "$RES/graphs_$TAG.md"
-  piece bench_peers_tuned_rn50 200 "$PY" benchmarks/peers.py "${TUNED[@]}" --model resnet50 \
-    --out "$RES/peers_tuned_rn50_$TAG.md"
   # the mission's command as a user types it, O0 and O2, one process each; its logged steady
   # samples_per_s ratio against levels.py's for the same model and batch (within 10%). On the
   # H200 of 2026-11-28 the two runs took 82 s and 66 s, and levels.py's two DenseNet-161 cells
@@ -269,6 +281,10 @@ if [[ "$PART" == lease ]]; then
   [[ "$DRY" == 1 ]] && STEADY+=(--image-size 32 --batch-size 2 --workers 0 --levels o0,o2)
   piece steady_densenet 300 "$PY" benchmarks/steady.py --device "$DEV" "${STEADY[@]}" \
     --work "$WORK/steady" --out "$RES/steady_$TAG.md"
+  piece bench_graphs 150 "$PY" benchmarks/graphs.py --device "$DEV" "${GRAPHS[@]}" \
+    --out "$RES/graphs_$TAG.md"
+  piece bench_peers_tuned_rn50 200 "$PY" benchmarks/peers.py "${TUNED[@]}" --model resnet50 \
+    --out "$RES/peers_tuned_rn50_$TAG.md"
 elif [[ "$PART" == lease2 ]]; then
   # what never ran on a GPU, in what is left of the lease after the first call (about 300 s);
   # sizes from the H200 lease of 2026-11-27: GPT-2 small's o0, o1_bf16 and o2_bf16 cells 46 s

@@ -17,20 +17,31 @@ REPO = Path(__file__).resolve().parents[2]
 SUITE = REPO / "benchmarks" / "gpu_suite.sh"
 
 
-def listed(part: str, *options: str) -> list[tuple[str, int, list[str]]]:
-    """(name, limit in seconds, command) of each piece of `part`."""
-    out = subprocess.run(
+def _list(part: str, *options: str, env: dict[str, str] | None = None) -> list[str]:
+    env = {k: v for k, v in os.environ.items() if k != "GPU_SUITE_SKIP"} | (env or {})
+    return subprocess.run(
         ["bash", str(SUITE), part, "--list", *options],
         capture_output=True,
         text=True,
         check=True,
-        env={**os.environ, "PYTHON": "python3"},
-    ).stdout
+        env={**env, "PYTHON": "python3"},
+    ).stdout.splitlines()
+
+
+def listed(part: str, *options: str) -> list[tuple[str, int, list[str]]]:
+    """(name, limit in seconds, command) of each piece of `part`."""
     pieces = []
-    for line in out.splitlines():
-        name, cap, command = line.split("\t")
-        pieces.append((name, int(cap), shlex.split(command)))
+    for line in _list(part, *options):
+        if not line.startswith("#"):
+            name, cap, command = line.split("\t")
+            pieces.append((name, int(cap), shlex.split(command)))
     return pieces
+
+
+def skipped(part: str, *options: str, env: dict[str, str] | None = None) -> set[str]:
+    """The pieces `part` would skip (GPU_SUITE_SKIP, or the part's own default)."""
+    lines = [line for line in _list(part, *options, env=env) if line.startswith("# skipped")]
+    return set(lines[0].split(": ", 1)[1].split(",")) if lines else set()
 
 
 @pytest.mark.parametrize("part", ["lease", "lease2"])
@@ -53,11 +64,22 @@ def test_each_piece_of_a_lease_is_accepted_by_its_benchmark(part: str, tmp_path:
 
 def test_the_first_lease_runs_its_pieces_in_order_of_priority():
     names = [name for name, _, _ in listed("lease")]
-    order = ["tests_gpu", "bench_kernels", "bench_graphs", "bench_peers_tuned_rn50"]
-    order += ["steady_densenet"]
+    order = ["tests_gpu", "bench_kernels", "steady_densenet", "bench_graphs"]
+    order += ["bench_peers_tuned_rn50"]
     assert [n for n in names if n in order] == order
     gpu_tests = next(cmd for name, _, cmd in listed("lease") if name == "tests_gpu")
     assert "-m" in gpu_tests and "gpu" in gpu_tests
+
+
+@pytest.mark.parametrize("part", ["lease", "lease2"])
+def test_a_lease_skips_what_earlier_leases_measured_unless_told(part: str):
+    names = {name for name, _, _ in listed(part)}
+    default = skipped(part)
+    # each a piece of this part (a misspelt name would skip nothing), never the tests or the build
+    assert default and default <= names - {"kernels_build", "tests_gpu"}
+    assert skipped(part, env={"GPU_SUITE_SKIP": ""}) == set()  # set empty: every piece runs
+    assert skipped(part, env={"GPU_SUITE_SKIP": "bench_graphs"}) == {"bench_graphs"}
+    assert skipped(part, "--dry") == set()  # a dry run checks every piece
 
 
 def test_the_dry_run_lists_cpu_commands_at_tiny_sizes():
