@@ -139,9 +139,10 @@ def given_keys(cfg, overrides: Sequence[str]) -> set[str]:
     return {key for key in TUNABLE if key in typed or OmegaConf.select(cfg, key) != DEFAULTS[key]}
 
 
-def estimated_steps(plan: RunPlan, load: bool = False) -> Optional[int]:
+def estimated_steps(plan: RunPlan, load: bool = False, world_size: int = 1) -> Optional[int]:
     """The run's training steps as its config tells them (None: only the dataset knows; with
-    `load`, the dataset is loaded to count them)."""
+    `load`, the dataset is loaded to count them), for each of `world_size` ranks: each trains
+    on its share of the samples (DistributedSampler's, padded to equal shares)."""
     cfg = plan.cfg
     per_epoch = cfg.trainer.limit_train_batches
     size = OmegaConf.select(cfg, "data.num_train", default=None)
@@ -154,7 +155,7 @@ def estimated_steps(plan: RunPlan, load: bool = False) -> Optional[int]:
         loaded = plan.loaded.get(lambda: build_datasets(cfg.data, plan.specs.get("data")))
         size = len(loaded.train)  # (the build takes these datasets: not loaded twice)
     if isinstance(size, int):
-        batches = math.ceil(size / cfg.trainer.batch_size)
+        batches = math.ceil(math.ceil(size / world_size) / cfg.trainer.batch_size)
         per_epoch = batches if per_epoch is None else min(per_epoch, batches)
     return None if per_epoch is None else per_epoch * cfg.trainer.max_epochs
 
@@ -192,7 +193,7 @@ def tuned(
         log.info("trainer.tune: not tuned: a sharded run (trainer.strategy=fsdp) is not measured")
         return plan, None
     given = given_keys(plan.cfg, overrides)
-    tuning = comm.on_main(lambda: _kept_apart(plan, device, given, steps))
+    tuning = comm.on_main(lambda: _kept_apart(plan, device, given, steps, comm.world_size))
     tuning = comm.from_main(tuning)
     if tuning is None:
         return plan, None
@@ -200,23 +201,23 @@ def tuned(
 
 
 def _kept_apart(
-    plan: RunPlan, device: torch.device, given: set[str], steps: Optional[int]
+    plan: RunPlan, device: torch.device, given: set[str], steps: Optional[int], world_size: int
 ) -> Optional[Tuning]:
     """`_decide`, with every random generator and cuDNN's flag put back afterwards."""
     state, benchmark = rng.rng_state(), torch.backends.cudnn.benchmark
     try:
-        return _decide(plan, device, given, steps)
+        return _decide(plan, device, given, steps, world_size)
     finally:
         rng.restore_rng(state)
         torch.backends.cudnn.benchmark = benchmark
 
 
 def _decide(
-    plan: RunPlan, device: torch.device, given: set[str], steps: Optional[int]
+    plan: RunPlan, device: torch.device, given: set[str], steps: Optional[int], world_size: int
 ) -> Optional[Tuning]:
     mode = plan.cfg.trainer.tune
     if steps is None:
-        steps = estimated_steps(plan, load=mode == "auto")
+        steps = estimated_steps(plan, load=mode == "auto", world_size=world_size)
     if mode == "auto" and steps is not None and steps < AUTO_MIN_STEPS:
         log.info(
             "trainer.tune=auto: not tuned: %d training steps are too few to repay tuning "

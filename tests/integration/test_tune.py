@@ -233,6 +233,21 @@ def test_auto_counts_a_language_models_steps_in_sequences_not_tokens(caplog):
     assert "trainer.tune=auto: not tuned: 2 training steps are too few" in caplog.text
 
 
+def test_auto_counts_the_steps_of_one_rank_under_torchrun(caplog):
+    """Under torchrun each rank trains on its share of the samples (DistributedSampler's, padded
+    to equal shares): 401 samples at batch 1 are 401 steps for one process, 201 for each of two,
+    too few to repay tuning (it said 401 for each rank of two)."""
+    caplog.set_level("INFO", logger="runner.run.tune")
+    text = ["model=tiny", "data=synthetic", "data.num_train=401", "trainer.batch_size=1"]
+    text += ["trainer.max_epochs=1"]
+    plan = make_plan(compose_config(*text))
+    assert tune.estimated_steps(plan) == 401
+    assert tune.estimated_steps(plan, world_size=2) == 201
+    ranks = Comm(rank=0, world_size=2)  # (rank 0 of two, no process group: tuning's own part)
+    assert tune.tuned(plan, ranks, CPU, text)[1] is None
+    assert "trainer.tune=auto: not tuned: 201 training steps are too few" in caplog.text
+
+
 @pytest.mark.parametrize("data", ["synthetic", "files"])
 def test_a_tuned_run_trains_as_the_run_given_its_settings_by_hand(tmp_path, monkeypatch, data):
     """The tuning steps leave no trace: the same losses, metrics and data order as a run given
