@@ -22,6 +22,7 @@ from runner.report.analysis import (
 from runner.tracking import metrics as m
 from runner.tracking import tags as tag
 from runner.tracking.base import Reader, RunNotFound, RunRecord
+from runner.tracking.varying import params_of
 
 
 class NothingToReport(Exception):
@@ -178,7 +179,7 @@ def to_row(reader: Reader, run: RunRecord) -> Row:
         peak_mem_kind=run.tags.get(tag.PEAK_MEM_KIND, "?"),
         task=params.get("task.name", CLASSIFICATION),
         reason=end_reason(run.status, run.tags),
-        params=dict(params),
+        params=dict(params_of(run)),  # (the machine it trained on among them)
     )
     if row.is_lm:
         row.val_loss = reader.history(run.run_id, m.VAL_LOSS)

@@ -74,7 +74,7 @@ def environment_tags(device: torch.device) -> dict[str, str]:
         "torch_version": torch.__version__,
         "cuda_version": str(torch.version.cuda),
         "device": device.type,
-        "device_name": DeviceInfo.from_torch(device).name,
+        tag.DEVICE_NAME: DeviceInfo.from_torch(device).name,
         "num_threads": str(torch.get_num_threads()),
     }
     commit = git_commit(Path(runner.__file__).parent) or git_commit(os.getcwd())

@@ -21,7 +21,7 @@ from runner.config import mistakes
 from runner.errors import ConfigError, RunnerError
 from runner.sweep.parent import SweepParent
 from runner.tracking import tags as tag
-from runner.tracking.varying import SEED_PARAMS, baseline_keys
+from runner.tracking.varying import SEED_PARAMS, baseline_keys, params_of
 
 log = logging.getLogger(__name__)
 
@@ -540,7 +540,7 @@ def speed_summary(
 
     def group(child: Any) -> tuple:
         model = child.tags.get(tag.MODEL) or child.params.get("model.name")
-        return (model, *(child.params.get(k) for k in keys))
+        return (model, *(params_of(child).get(k) for k in keys))
 
     def baseline(child: Any) -> tuple[Any, float]:
         same = [(c, r) for c, r in rated if group(c) == group(child)]

@@ -24,6 +24,7 @@ MODEL = "model"  # what the run name calls the model: a zoo's arch, a _target_'s
 MODEL_CLASS = "model.class"  # the built model's class, module-qualified (my_pkg.nets.MyNet)
 OVERRIDES = "overrides"  # the command-line overrides of the job
 COMMAND = "command"  # the whole command line
+DEVICE_NAME = "device_name"  # the GPU or CPU a run trained on ("NVIDIA H200", "AMD EPYC")
 PEAK_MEM_KIND = "peak_mem_kind"  # what peak_mem_mb measures on this device
 FINDINGS = "precision.findings"  # "0 error, 2 warning, 1 info"
 FINDINGS_LIST = "precision.findings_list"  # "warning precision.master_weights; info model"

@@ -4,10 +4,11 @@ read from here, so that both compare a run with the same baseline."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from runner.tracking import metrics as m
+from runner.tracking import tags as tag
 
 # Params the report's table shows in columns of their own (model, level and dtype, optimizer,
 # batch size) or that follow from others (a model's parameter count, the global batch, the
@@ -24,6 +25,10 @@ DERIVED_PARAMS = (
     "mlflow.run_name",
 )
 SEED_PARAMS = ("trainer.seed", "data.seed")
+# The machine a run trained on (its `device_name` tag: a GPU's name, or the CPU's), an axis like
+# a param: an O2 run on an H200 is not compared with an O0 run on a laptop's CPU, nor with one on
+# an A100 (`trainer.device` logs `auto` on both). Runs that did not tag it count on no machine.
+MACHINE = "machine"
 # trainer.tune's decisions (runner.run.tune: `tune.<key>`, "<value> (<why>)", and `tune.source`):
 # the runner's, per run, not an axis the user swept; a key it decided is not one either
 TUNE_PREFIX, TUNE_GIVEN = "tune.", "kept: given"
@@ -40,6 +45,15 @@ def tuned_keys(runs: Sequence[Any]) -> set[str]:
     }
 
 
+def params_of(run: Any) -> Mapping[str, Any]:
+    """A run's params, with the machine it trained on (MACHINE, from its tags where it has them:
+    a reader's record; a report's row carries it among its params already)."""
+    params, tags = run.params, getattr(run, "tags", None) or {}
+    if MACHINE in params or not tags.get(tag.DEVICE_NAME):
+        return params
+    return {**params, MACHINE: tags[tag.DEVICE_NAME]}
+
+
 def varying_params(runs: Sequence[Any]) -> list[str]:
     """The params whose values differ between the runs (only those: "what differs"), apart from
     those the table shows anyway and trainer.tune's decisions (a tuned level's channels_last is
@@ -48,9 +62,9 @@ def varying_params(runs: Sequence[Any]) -> list[str]:
     not count; nor the keys of one option that other runs did not pick (a GPT's `model.n_embd`
     beside a CNN). `runs`: anything with the run's `params` (a report's rows, a reader's
     records)."""
-    logged = [r for r in runs if r.params]
-    keys = sorted({k for r in logged for k in r.params})
-    tuned = tuned_keys(logged)
+    logged = [params_of(r) for r in runs if r.params]
+    keys = sorted({k for params in logged for k in params})
+    tuned = tuned_keys(runs)
     return [
         k
         for k in keys
@@ -58,21 +72,21 @@ def varying_params(runs: Sequence[Any]) -> list[str]:
         and k not in DERIVED_PARAMS
         and not k.startswith((*SHOWN_PREFIXES, TUNE_PREFIX))
         and k not in tuned
-        and len({r.params.get(k) for r in logged}) > 1
+        and len({p.get(k) for p in logged if k != MACHINE or k in p}) > 1
         and not _of_an_option(k, logged)
     ]
 
 
-def _of_an_option(key: str, logged: Sequence[Any]) -> bool:
+def _of_an_option(key: str, logged: Sequence[Mapping[str, Any]]) -> bool:
     """Whether `key` is a key of one option of its group that some runs did not pick: some runs
     lack it, and the group's option differs between the runs (`model.width`: tiny's, which a
     GPT does not have; `optimizer.momentum`: SGD's). It is part of that option, which its own
     column names, not an axis of its own; a key one run added to the same option is."""
-    if all(key in r.params for r in logged):
+    if key == MACHINE or all(key in params for params in logged):
         return False
     section = key.partition(".")[0]
     return any(
-        len({r.params.get(f"{section}.{name}") for r in logged}) > 1
+        len({params.get(f"{section}.{name}") for params in logged}) > 1
         for name in ("name", "arch", "_target_")
     )
 

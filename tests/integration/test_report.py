@@ -482,6 +482,41 @@ def test_a_group_without_an_o0_run_gets_no_ratio(tracking_uri, tmp_path):
     assert rows["O2"]["baseline_run"] == ""
 
 
+def test_runs_on_two_machines_compare_each_with_the_o0_of_its_machine(tracking_uri, tmp_path):
+    """One tracking server, runs from two machines (a sweep's SLURM jobs on two GPU types, or
+    an O0 rerun on a laptop): trainer.device logs `auto` on both, so an O2 on an H100 was given
+    against an O0 on an A100. The machine (the runs' `device_name` tag) is an axis: a column
+    where it differs, and each run's baseline is an O0 of its own machine."""
+    tracker = MlflowTracker(tracking_uri, "amp-runner")
+    parent = tracker.create_run("sweep", {SWEEP_DIR_TAG: str(tmp_path)})
+    a100, h100 = "NVIDIA A100-SXM4-80GB", "NVIDIA H100 80GB HBM3"
+    times = {("O0", a100): 12.0, ("O2", a100): 4.0, ("O0", h100): 6.0, ("O2", h100): 1.5}
+    for (level, machine), time in times.items():
+        params = {"model.name": "tiny", "precision.opt_level": level, "trainer.device": "auto"}
+        tags = {PARENT_RUN_TAG: parent.run_id, "device_name": machine}
+        with tracker.start_run(f"tiny-{level}", params, tags) as run:
+            run.log_metrics({"train_time_s": time, "best_val_acc": 0.5, "peak_mem_mb": 1.0}, 1)
+    parent.end("FINISHED")
+    out = tmp_path / "report"
+    assert report_main(["--tracking-uri", tracking_uri, "--out", str(out)]) == 0
+    rows = {(r["level"], r["machine"]): r for r in read_csv(out / "comparison.csv")}
+    assert float(rows[("O2", a100)]["speedup_vs_o0"]) == 3.0  # 12 s / 4 s, not 6 s / 4 s
+    assert float(rows[("O2", h100)]["speedup_vs_o0"]) == 4.0
+    assert float(rows[("O0", h100)]["speedup_vs_o0"]) == 1.0
+    assert "| machine |" in (out / "comparison.md").read_text()
+    # the sweep's closing summary groups alike (runner.tracking.varying, both)
+    from runner.sweep.jobs import speed_summary
+
+    reader = open_reader(tracking_uri)
+    children = reader.runs([parent.experiment_id], tags={PARENT_RUN_TAG: parent.run_id})
+    rate = {
+        c.run_id: 100.0 / times[(c.params["precision.opt_level"], c.tags["device_name"])]
+        for c in children
+    }
+    said = speed_summary(children, lambda run_id, metric: [(1, rate[run_id])])
+    assert said.count("(3.00x tiny-O0)") == 1 and said.count("(4.00x tiny-O0)") == 1, said
+
+
 def test_a_tuned_sweep_compares_each_level_with_its_o0(tracking_uri, tmp_path):
     """trainer.tune decides per run (channels_last for O0 only, the kernels kept for O2 after
     measuring, one run's decisions from the cache): the report grouped runs by those `tune.*`
