@@ -26,6 +26,7 @@ from runner.report.tables import (
 from runner.tracking import metrics as m
 from runner.tracking.base import Reader, RunRecord, StoreUnreadable
 from runner.tracking.trackers import open_reader
+from runner.tracking.varying import params_of
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -94,7 +95,7 @@ def diff_runs(reader: Reader, experiment_name: str, run_a: str, run_b: str) -> s
     then each run's status and objective, as a Markdown table. Each run by id, the start of one
     or name (in `experiment_name`: runner.report.runs.find_run)."""
     runs = [_run(reader, experiment_name, key) for key in (run_a, run_b)]
-    a, b = (r.params for r in runs)
+    a, b = (params_of(r) for r in runs)  # (the machine each trained on among them)
     keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
     head = [
         f"| param | {runs[0].run_name} ({runs[0].run_id[:8]}) | "

@@ -482,7 +482,9 @@ def test_a_group_without_an_o0_run_gets_no_ratio(tracking_uri, tmp_path):
     assert rows["O2"]["baseline_run"] == ""
 
 
-def test_runs_on_two_machines_compare_each_with_the_o0_of_its_machine(tracking_uri, tmp_path):
+def test_runs_on_two_machines_compare_each_with_the_o0_of_its_machine(
+    tracking_uri, tmp_path, capsys
+):
     """One tracking server, runs from two machines (a sweep's SLURM jobs on two GPU types, or
     an O0 rerun on a laptop): trainer.device logs `auto` on both, so an O2 on an H100 was given
     against an O0 on an A100. The machine (the runs' `device_name` tag) is an axis: a column
@@ -515,6 +517,12 @@ def test_runs_on_two_machines_compare_each_with_the_o0_of_its_machine(tracking_u
     }
     said = speed_summary(children, lambda run_id, metric: [(1, rate[run_id])])
     assert said.count("(3.00x tiny-O0)") == 1 and said.count("(4.00x tiny-O0)") == 1, said
+    # and --diff of two runs configured alike names the machine (it said "No param differs")
+    o2 = {c.tags["device_name"]: c.run_id for c in children if "O2" in c.run_name}
+    capsys.readouterr()
+    assert report_main(["--tracking-uri", tracking_uri, "--diff", o2[a100], o2[h100]]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("1 params differ:") and f"| machine | {a100} | {h100} |" in out
 
 
 def test_a_tuned_sweep_compares_each_level_with_its_o0(tracking_uri, tmp_path):
