@@ -15,7 +15,8 @@
 #                                         # against Lightning 16-mixed / bf16-mixed
 #   bash benchmarks/gpu_suite.sh lease2   # its second call on the same warm machine, in the
 #                                         # ~300 s a 15-minute lease has left (budget 280 s):
-#                                         # densenet161's profile and levels, GPT-2 small
+#                                         # densenet161's profile (224 px, and 32 px as the
+#                                         # mission's command trains) and levels, GPT-2 small
 #                                         # eager / fp8, torchtitan's float8 peer, then fp16
 #                                         # accuracy parity, GPT-2 compiled, the ViT's
 #                                         # compiled fp8 rows, the layer-plan cost,
@@ -298,6 +299,13 @@ elif [[ "$PART" == lease2 ]]; then
   [[ "$DRY" == 1 ]] && PROF+=(--image-size 16 --batch-size 2 --warmup 1 --steps 1)
   piece profile_densenet 150 "$PY" benchmarks/profile_step.py --device "$DEV" "${PROF[@]}" \
     --out "$RES/profile_step_densenet_$TAG.md"
+  # the mission's command at its own size (CIFAR-10's 32 px, the default batch of 128): at
+  # 224 px and batch 64 the host bounded O2's step on the H200 of 2026-11-29 (the GPU busy 56%);
+  # at 32 px the GPU's share of each step is far smaller, so O2 may gain nothing there at all
+  CIFAR=(--model densenet161 --levels o0,o2 --image-size 32 --batch-size "$(small 128 2)")
+  [[ "$DRY" == 1 ]] && CIFAR+=(--warmup 1 --steps 1)
+  piece profile_densenet_cifar 100 "$PY" benchmarks/profile_step.py --device "$DEV" \
+    "${CIFAR[@]}" --out "$RES/profile_step_densenet_cifar_$TAG.md"
   piece bench_levels_densenet 240 "$PY" benchmarks/levels.py --device "$DEV" \
     --models densenet161 --levels o0,o1,o2,torch_amp "${LV[@]}" \
     --out "$RES/levels_densenet_$TAG.md"
