@@ -14,7 +14,13 @@ from runner.measure.memory import TOTAL_METRIC
 from runner.measure.memory import metric_name as memory_metric
 from runner.measure.timing import MFU, SAMPLES_PER_S, TOKENS_PER_S, WARMUP_TIME_S
 from runner.tracking import metrics as m
-from runner.tracking.varying import SEED_PARAMS, TUNE_PREFIX, baseline_keys, varying_params
+from runner.tracking.varying import (
+    SEED_PARAMS,
+    TUNE_PREFIX,
+    baseline_keys,
+    display_names,
+    varying_params,
+)
 
 EXPERIMENT = DEFAULT_EXPERIMENT  # the report reads this experiment unless told another
 BASELINE_LEVEL = "O0"
@@ -149,17 +155,6 @@ def tuned_settings(row: Row) -> str:
         if key.startswith(TUNE_PREFIX) and why.startswith("tuned:"):
             changed.append(f"{key.rpartition('.')[2]}={value}")
     return ", ".join(changed)
-
-
-def display_names(rows: Sequence[Row]) -> dict[str, str]:
-    """run id -> the run's name, with the start of its id where several runs share the name."""
-    counts: dict[str, int] = {}
-    for r in rows:
-        counts[r.run_name] = counts.get(r.run_name, 0) + 1
-    return {
-        r.run_id: r.run_name if counts[r.run_name] == 1 else f"{r.run_name} ({r.run_id[:8]})"
-        for r in rows
-    }
 
 
 def add_baseline_ratios(rows: Sequence[Row]) -> None:

@@ -20,13 +20,12 @@ from runner.report.analysis import (
     TIMING_METRICS,
     Row,
     all_lm,
-    display_names,
     seed_groups,
     seeds_vary,
     tuned_settings,
 )
 from runner.tracking import metrics as m
-from runner.tracking.varying import SEED_PARAMS, tuned_keys, varying_params
+from runner.tracking.varying import SEED_PARAMS, display_names, tuned_keys, varying_params
 
 ARTIFACT_DIR = "report"
 TABLE_MD, TABLE_CSV = "comparison.md", "comparison.csv"

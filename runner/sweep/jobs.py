@@ -21,7 +21,7 @@ from runner.config import mistakes
 from runner.errors import ConfigError, RunnerError
 from runner.sweep.parent import SweepParent
 from runner.tracking import tags as tag
-from runner.tracking.varying import SEED_PARAMS, baseline_keys, params_of
+from runner.tracking.varying import SEED_PARAMS, baseline_keys, display_names, params_of
 
 log = logging.getLogger(__name__)
 
@@ -537,6 +537,7 @@ def speed_summary(
         lines.append((child, rate, metric.removesuffix("_per_s")))
 
     keys = baseline_keys([c for c, _ in rated])
+    names = display_names([c for c, _, _ in lines])  # (ids where names repeat: two machines)
 
     def group(child: Any) -> tuple:
         model = child.tags.get(tag.MODEL) or child.params.get("model.name")
@@ -551,11 +552,11 @@ def speed_summary(
     out = []
     for child, rate, unit in lines:
         if rate is None:
-            out.append(f"  {child.run_name}: no steady throughput (every step was warm-up)")
+            out.append(f"  {names[child.run_id]}: no steady throughput (every step was warm-up)")
             continue
         base, base_rate = baseline(child)
         out.append(
-            f"  {child.run_name}: {rate:,.0f} {unit}/s steady ({rate / base_rate:.2f}x "
-            f"{base.run_name})"
+            f"  {names[child.run_id]}: {rate:,.0f} {unit}/s steady ({rate / base_rate:.2f}x "
+            f"{names[base.run_id]})"
         )
     return "".join(line + "\n" for line in out)

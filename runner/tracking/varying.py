@@ -96,3 +96,15 @@ def baseline_keys(runs: Sequence[Any]) -> list[str]:
     `runs`, seeds apart (an lr's O2 is compared with the O0 of its lr; a seed's with any seed's
     where the same seed did not run)."""
     return [k for k in varying_params(runs) if k not in SEED_PARAMS]
+
+
+def display_names(runs: Sequence[Any]) -> dict[str, str]:
+    """run id -> the run's name, with the start of its id where several runs share the name (a
+    sweep's jobs on two machines, a name given twice): the report's rows, the sweep's summary."""
+    counts: dict[str, int] = {}
+    for r in runs:
+        counts[r.run_name] = counts.get(r.run_name, 0) + 1
+    return {
+        r.run_id: r.run_name if counts[r.run_name] == 1 else f"{r.run_name} ({r.run_id[:8]})"
+        for r in runs
+    }

@@ -516,7 +516,11 @@ def test_runs_on_two_machines_compare_each_with_the_o0_of_its_machine(
         for c in children
     }
     said = speed_summary(children, lambda run_id, metric: [(1, rate[run_id])])
-    assert said.count("(3.00x tiny-O0)") == 1 and said.count("(4.00x tiny-O0)") == 1, said
+    ids = {(c.params["precision.opt_level"], c.tags["device_name"]): c.run_id for c in children}
+    for machine, o2_rate, ratio in ((a100, 25, "3.00"), (h100, 67, "4.00")):  # (100 / time)
+        o2, o0 = ids[("O2", machine)][:8], ids[("O0", machine)][:8]  # named apart by their ids
+        line = f"  tiny-O2 ({o2}): {o2_rate} samples/s steady ({ratio}x tiny-O0 ({o0}))\n"
+        assert line in said, said
     # and --diff of two runs configured alike names the machine (it said "No param differs")
     o2 = {c.tags["device_name"]: c.run_id for c in children if "O2" in c.run_name}
     capsys.readouterr()
