@@ -540,10 +540,13 @@ def sees_ahead(model: nn.Module, vocab_size: int, block_size: int) -> bool:
     without gradients, of one sequence of up to 16 random tokens and of the same with its last
     token changed, on the model's device; of `block_size` tokens where the model runs only its
     whole context. False where the model cannot run them (the first step will tell why)."""
-    lengths = [n for n in dict.fromkeys((min(int(block_size), 16), int(block_size))) if n >= 2]
-    ran = ((n, _two_forwards(model, vocab_size, n)) for n in lengths if vocab_size >= 2)
-    length, outputs = next(((n, out) for n, out in ran if out is not None), (0, None))
-    if outputs is None:
+    if vocab_size < 2:
+        return False
+    for length in dict.fromkeys((min(int(block_size), 16), int(block_size))):
+        outputs = _two_forwards(model, vocab_size, length) if length >= 2 else None
+        if outputs is not None:
+            break
+    else:
         return False
     try:
         first, second = (o if isinstance(o, torch.Tensor) else o[0] for o in outputs)

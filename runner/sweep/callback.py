@@ -226,12 +226,8 @@ class MlflowSweepCallback(Callback):
         status, reason = FINISHED, None
         if signum is not None:
             status, reason = KILLED, f"interrupted by {signal.Signals(signum).name}"
-        failures = (
-            f", {len(failed)} failed: "
-            + ", ".join(f"{c.run_name} ({end_state(c)})" for c in failed)
-            if failed
-            else ", none failed"
-        )
+        ended = [f"{c.run_name} ({end_state(c)})" for c in failed]
+        failures = f", {len(failed)} failed: " + ", ".join(ended) if failed else ", none failed"
         where = (  # an MLflow store, or (tracking=none) the records in the sweep's folder
             ["--tracking-uri", tracker.location]
             + ["--experiment", self.parent.experiment_name, "--parent", self.parent.run_id]
@@ -247,10 +243,7 @@ class MlflowSweepCallback(Callback):
         )
         try:
             parent.log_metrics({"jobs": len(children), "failed_jobs": len(failed)}, 0)
-            parent.set_tag(
-                tag.FAILED_JOBS,
-                "; ".join(f"{c.run_name} ({end_state(c)})" for c in failed) or "none",
-            )
+            parent.set_tag(tag.FAILED_JOBS, "; ".join(ended) or "none")
             parent.log_text(summary, SUMMARY_TXT)  # (kept where no console is: nohup, ssh gone)
             parent.end(status, reason)
             recorded = True

@@ -541,10 +541,13 @@ def speed_summary(
 
     def group(child: Any) -> tuple:
         model = child.tags.get(tag.MODEL) or child.params.get("model.name")
-        return (model, *(params_of(child).get(k) for k in keys))
+        params = params_of(child)
+        return (model, *(params.get(k) for k in keys))
+
+    groups = {c.run_id: group(c) for c, _ in rated}  # (once a job: baseline compares them all)
 
     def baseline(child: Any) -> tuple[Any, float]:
-        same = [(c, r) for c, r in rated if group(c) == group(child)]
+        same = [(c, r) for c, r in rated if groups[c.run_id] == groups[child.run_id]]
         o0 = [(c, r) for c, r in same if c.params.get("precision.opt_level") == "O0"]
         o0.sort(key=lambda cr: any(cr[0].params.get(k) != child.params.get(k) for k in SEED_PARAMS))
         return (o0 or same or rated)[0]
