@@ -34,7 +34,7 @@ from runner.measure.instruments import ArtifactSink, Instruments, MetricsSink
 from runner.measure.memory import MB, MemoryInstrument
 from runner.measure.probes import Stopwatch
 from runner.measure.run_diagnostics import RangeInstrument, RunDiagnostics
-from runner.run import cuda_graphs, fsdp, rng
+from runner.run import cuda_graphs, fsdp, rng, time_left
 from runner.run.compile_warmup import CompileWarmup
 from runner.run.distributed import Comm, unwrap
 from runner.run.divergence import DivergenceGuard
@@ -419,9 +419,12 @@ class Trainer(CheckpointState, CompileWarmup):
             if self.global_step == 0:
                 self.audit_eager()
         every = self.cfg.checkpoint_every_n_epochs
+        save_s = 0.0  # the last checkpoint's write, part of an epoch's pace
         for epoch in range(self.epochs_done + 1, self.cfg.max_epochs + 1):
             skip, self.batches_done = self.batches_done, 0
+            started = time.perf_counter()
             seconds, samples, items = self.train_epoch(epoch, skip)
+            trained = time.perf_counter()
             val_loss, val_acc = self.evaluate()
             peak = self.comm.max_(torch.tensor(self.memory.peak_mb(), device=self.device)).item()
             metrics = {
@@ -438,14 +441,22 @@ class Trainer(CheckpointState, CompileWarmup):
             value = val_acc if self.task.maximize else val_loss
             if self.task.better(value, self.best):
                 self.best = value
+            pace = time_left.epoch_seconds(
+                trained - started,
+                time.perf_counter() - trained,
+                save_s,
+                self.train_batches - skip,
+                self.train_batches,
+            )
             log.info(
-                "epoch %d/%d: %s  peak mem %.0f MB  loss scale %g  skipped %d",
+                "epoch %d/%d: %s  peak mem %.0f MB  loss scale %g  skipped %d%s",
                 epoch,
                 self.cfg.max_epochs,
                 self.task.epoch_summary(metrics),
                 metrics[m.PEAK_MEM_MB],
                 metrics[m.LOSS_SCALE],
                 self.engine.skipped_steps,
+                time_left.time_left(pace, self.cfg.max_epochs - epoch),
             )
             self.guard.check_weights(self._healthy(), epoch, self.global_step)
             last = epoch == self.cfg.max_epochs
@@ -453,7 +464,9 @@ class Trainer(CheckpointState, CompileWarmup):
             if stop and not last:
                 raise self._interrupted(epoch, 0)
             if every and (epoch % every == 0 or last):
+                saving = time.perf_counter()
                 self._save(epoch, 0)
+                save_s = time.perf_counter() - saving
         if self.step_graph is not None:
             log.info(self.step_graph.summary())
         train_time = self.elapsed_before + time.perf_counter() - self._started
