@@ -251,11 +251,20 @@ class Trainer(CheckpointState, CompileWarmup):
         stop = self.context.stop
         return torch.tensor(float(stop is not None and stop.requested), device=self.device)
 
-    def _log_train_loss(self, window: torch.Tensor, count: int, bar) -> bool:
+    def _lr(self) -> float | torch.Tensor:
+        """The first parameter group's learning rate now: read before a logging step, it is the
+        rate that step trains with (the schedule moves on after the step). A tensor in torchao's
+        optimizers, which a scheduler fills in place: copied on its device, not read (a sync)."""
+        lr = self.optimizer.param_groups[0]["lr"]
+        return lr.detach().clone() if torch.is_tensor(lr) else float(lr)
+
+    def _log_train_loss(
+        self, window: torch.Tensor, count: int, bar, lr: float | torch.Tensor | None = None
+    ) -> bool:
         """The periodic host read: the mean loss (over the ranks), the non-finite-loss and
         skipped-step streaks and the stop request (their maxima over the ranks, so that all ranks
-        act alike), in one transfer; the divergence guard checks them here. Returns whether the
-        run is asked to stop."""
+        act alike), in one transfer; the divergence guard checks them here; `lr` is the logging
+        step's own rate (`_lr` before it). Returns whether the run is asked to stop."""
         mean = self.comm.sum_(window / count) / self.comm.world_size
         guard = self.guard
         flags = self.comm.max_(
@@ -272,7 +281,7 @@ class Trainer(CheckpointState, CompileWarmup):
         guard.inputs_read(int(bad_inputs), self.global_step)
         guard.check_skips(self.global_step, int(skips))
         guard.check_losses(bad_losses, self.global_step)
-        lr = float(self.optimizer.param_groups[0]["lr"])  # (a tensor in torchao's optimizers)
+        lr = float(self._lr() if lr is None else lr)
         self.context.on_metrics({m.TRAIN_LOSS: value, m.LR: lr}, self.global_step)
         bar.set_postfix(loss=f"{value:.4f}", scale=f"{self.engine.loss_scale:g}", refresh=False)
         return stop > 0
@@ -301,6 +310,7 @@ class Trainer(CheckpointState, CompileWarmup):
             sampler.skip = skip * (self.train_loader.batch_size or 1)
         window = torch.zeros((), device=self.device)
         count = samples = items = 0
+        every, lr = self.cfg.log_every_n_steps, None
         bar = tqdm(
             total=self.train_batches,
             initial=skip,
@@ -318,6 +328,8 @@ class Trainer(CheckpointState, CompileWarmup):
                     break
                 x, y = self._to_device(x, y)
                 self.guard.watch_inputs(x)  # (inf/NaN in the data: counted on the device)
+                if (self.global_step + 1) % every == 0 or index + 1 == self.train_batches:
+                    lr = self._lr()  # a logging step's own rate, before the schedule moves on
                 window += self.train_step(x, y)
                 count += 1
                 n, k = y.shape[0], self.task.items(y)
@@ -325,15 +337,15 @@ class Trainer(CheckpointState, CompileWarmup):
                 self.global_step += 1
                 self.instruments.counted(self.global_step, n, k)
                 stop = False
-                if self.global_step % self.cfg.log_every_n_steps == 0:
-                    stop = self._log_train_loss(window, count, bar)
+                if self.global_step % every == 0:
+                    stop = self._log_train_loss(window, count, bar, lr)
                     window.zero_()
                     count = 0
                 bar.update()
                 if (stop or self._stop_requested_now()) and index + 1 < self.train_batches:
                     raise self._interrupted(epoch - 1, index + 1)
             if count:  # short epochs still report their loss
-                self._log_train_loss(window, count, bar)
+                self._log_train_loss(window, count, bar, lr)
         self.instruments.steps_done()
         seconds = self.clock.stop()
         totals = self.comm.sum_(torch.tensor([float(samples), float(items)], device=self.device))

@@ -61,7 +61,7 @@ def test_two_epochs_straight_equal_one_then_resume_one_more(tmp_path, level):
 def test_a_grown_budget_stretches_a_step_count_schedule(tmp_path):
     """One-cycle over 1 epoch, resumed to 2: the schedule is rebuilt for 2 epochs at the step
     reached (stepping the old one past its end would raise), so epoch 2's learning rates are a
-    2-epoch one-cycle schedule's."""
+    2-epoch one-cycle schedule's (each logged at the step that trained with it)."""
     common = settings(tmp_path, "scheduler=onecycle", "trainer.log_every_n_steps=1")
     app.run(compose_config(*common, "trainer.max_epochs=1"))
     app.run(compose_config(*common, "trainer.max_epochs=2", "resume=auto"))
@@ -81,9 +81,9 @@ def test_a_grown_budget_stretches_a_step_count_schedule(tmp_path):
     )
     want = {}
     for step in range(1, 2 * steps_per_epoch + 1):
+        want[step] = ref.param_groups[0]["lr"]  # the rate step `step` trains with
         ref.step()
         sched.step()
-        want[step] = ref.param_groups[0]["lr"]
     for step in range(steps_per_epoch + 1, 2 * steps_per_epoch + 1):
         assert lrs[step] == pytest.approx(want[step], rel=1e-9), step
 

@@ -76,6 +76,27 @@ def test_fit_logs_every_n_steps_and_each_epoch():
     assert final["train_time_s"] >= sum(e["epoch_time_s"] for e in result.epochs)
 
 
+@pytest.mark.parametrize("scheduler", ["onecycle", "cosine"])
+def test_the_logged_lr_is_the_rate_its_step_trained_with(scheduler):
+    """`lr` at step N is the rate step N trained with, not the next step's (the schedule moves
+    on after each step, and these change it at every step): 8 steps over 2 epochs, logged at
+    3, the first epoch's remainder at 4, then 6 and 8."""
+    trainer, logged = make_trainer("O0", {}, scheduler=scheduler)
+    used: dict[int, float] = {}
+    step = trainer.train_step
+
+    def watched(x, y):
+        used[trainer.global_step + 1] = trainer.optimizer.param_groups[0]["lr"]
+        return step(x, y)
+
+    trainer.train_step = watched
+    trainer.fit()
+    lrs = {s: metrics["lr"] for metrics, s in logged if "lr" in metrics}
+    assert sorted(lrs) == [3, 4, 6, 8]
+    assert lrs == {s: used[s] for s in lrs}
+    assert len(set(used.values())) == 8  # (so the next step's rate would differ)
+
+
 def test_grad_clipping_bounds_the_update():
     """With clipping at 1e-3, one SGD step (lr 0.1, no momentum yet) moves the fp32 masters by at
     most lr * 1e-3 in L2 norm, whatever the loss scale (clipping sees unscaled gradients)."""
