@@ -93,6 +93,22 @@ def _in_task(error: BaseException) -> bool:
     return False
 
 
+# Hydra's --shell-completion (-sc) takes one subcommand, for a shell it has a plugin for
+COMPLETION = (
+    "give one of install=SHELL, uninstall=SHELL or query=SHELL, SHELL one of bash, fish or zsh "
+    '(e.g. eval "$(python -m runner --shell-completion install=bash)")'
+)
+
+
+def _completion_misused(error: BaseException) -> bool:
+    """Hydra's refusal of `--shell-completion` without one subcommand, or for a shell it has
+    no plugin for: a ValueError and its traceback, exit 1."""
+    said = str(error)
+    return isinstance(error, ValueError) and (
+        said.startswith("Expecting one subcommand from") or "No completion plugin for" in said
+    )
+
+
 def _mistake(error: BaseException) -> bool:
     return not _verbose() and mistakes.is_composition_error(error) and not _in_task(error)
 
@@ -166,9 +182,16 @@ def mistakes_reported() -> Iterator[None]:
                 signum = callback.stopped_sweep()
                 if signum is not None:
                     raise RunInterrupted(signum) from error
+                if isinstance(error, BrokenPipeError):  # (`-sc install=bash | head`: as --help)
+                    shell.reader_gone()
+                    raise SystemExit(1) from None
                 failed = _output_folder_failure(error)
                 if failed is not None:
                     _refuse_output(error, failed)
+                if _completion_misused(error):
+                    said = str(error).split(", available")[0].splitlines()[0]  # (one line)
+                    print(f"--shell-completion: {said}; {COMPLETION}", file=sys.stderr)
+                    raise SystemExit(2) from None
                 if not _mistake(error):
                     raise
                 _refuse(error)

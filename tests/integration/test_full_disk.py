@@ -292,11 +292,14 @@ def test_a_sweep_whose_console_is_closed_goes_on_and_says_so_once(tmp_path):
     assert sorted(r.info.status for r in runs) == ["FINISHED"] * 3
 
 
-@pytest.mark.parametrize("option,status", [("--help", 1), ("--hydra-help", 1), ("--info", 0)])
+@pytest.mark.parametrize(
+    "option,status",
+    [("--help", 1), ("--hydra-help", 1), ("--info", 0), ("--shell-completion install=bash", 1)],
+)
 def test_help_read_in_part_ends_quietly(option, status, tmp_path):
     """`python -m runner --help | head -1`: the print that met the closed pipe ended in a
     BrokenPipeError traceback (--info: a "--- Logging error ---" and a traceback a line). Its
     reader gone before the first line: a print ends the command (1, as `dry_run=true` does),
     Hydra's log lines of --info are let go."""
-    result = run_cli(option, cwd=tmp_path, reader_gone=True)
+    result = run_cli(*option.split(), cwd=tmp_path, reader_gone=True)
     assert result.returncode == status and result.stderr == "", result.stderr[-3000:]

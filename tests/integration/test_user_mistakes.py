@@ -97,6 +97,28 @@ def test_a_sweep_and_cfg_together_say_how_to_see_a_sweep_s_jobs(tmp_path):
     assert result.stdout == "" and created(tmp_path) == []
 
 
+@pytest.mark.new_store  # checks that nothing, no store, is created
+@pytest.mark.parametrize(
+    "args,said",
+    [
+        ([], "Expecting one subcommand from ['install', 'uninstall', 'query'] to be set"),
+        (["install=tcsh"], "No completion plugin for 'tcsh' found"),
+    ],
+    ids=["no-subcommand", "unknown-shell"],
+)
+def test_shell_completion_without_a_shell_says_how_to_install_it(args, said, tmp_path):
+    """`--shell-completion` without install/uninstall/query, or for a shell Hydra has no plugin
+    for: Hydra's ValueError and its traceback, exit 1; now one line, exit 2."""
+    result = run_cli("--shell-completion", *args, cwd=tmp_path, timeout=300)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr == (
+        f"--shell-completion: {said}; give one of install=SHELL, uninstall=SHELL or query=SHELL, "
+        'SHELL one of bash, fish or zsh (e.g. eval "$(python -m runner --shell-completion '
+        'install=bash)")\n'
+    )
+    assert result.stdout == "" and created(tmp_path) == []
+
+
 def test_a_mistake_in_a_sweep_names_the_job(tmp_path, capsys):
     uri = f"sqlite:///{tmp_path / 'never.db'}"
     status = run_in_process("-m", *FAST, "precision=o0,o7", f"mlflow.tracking_uri={uri}")
