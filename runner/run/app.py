@@ -34,7 +34,7 @@ from runner.errors import ConfigError
 from runner.measure import audit as layer_audit
 from runner.precision import Resolution, layers
 from runner.precision.checks import DeviceInfo, state_findings
-from runner.run import checkpoint, distributed, failure, out_of_memory, tune
+from runner.run import checkpoint, distributed, failure, out_of_memory, time_left, tune
 from runner.run.build import Parts, build, shape_findings, sharded  # noqa: F401  (Parts: the run's parts)
 from runner.run.distributed import Comm
 from runner.run.interrupts import StopRequest
@@ -548,11 +548,11 @@ def train_parts(
     if comm.is_main:
         unit = "tokens" if parts.task.items_metric else "samples"
         log.info(
-            "Finished %s: %s %.4f in %.1f s%s.\n%s",
+            "Finished %s: %s %.4f in %s%s.\n%s",
             plan.run_name,
             result.objective.replace("_", " ", 1),
             result.best,
-            result.train_time_s,
+            time_left.took(result.train_time_s),
             f", {result.throughput:.0f} {unit}/s steady"
             if math.isfinite(result.throughput)
             else " (no steady step: see the warm-up above)",

@@ -37,6 +37,12 @@ def duration(seconds: float) -> str:
     return f"{days} d {hours} h"
 
 
+def took(seconds: float) -> str:
+    """How long something took, as the run's last line says it: "10.4 s" under a minute and a
+    half, then as `duration` ("3 h 05 min", not "11100.0 s")."""
+    return f"{seconds:.1f} s" if seconds < 90 else duration(seconds)
+
+
 def time_left(per_epoch_s: float, epochs_left: int, now: Optional[float] = None) -> str:
     """The epoch line's last words: "  about 42 min left, until 14:05" (a date before the time
     where the end is on another day; no clock under a minute and a half: "  about 40 s left"),

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from runner.run.time_left import duration, epoch_seconds, time_left
+from runner.run.time_left import duration, epoch_seconds, time_left, took
 from tests.helpers.trainer import make_trainer
 
 
@@ -31,6 +31,11 @@ from tests.helpers.trainer import make_trainer
 )
 def test_a_duration_is_said_in_the_unit_a_person_would_use(seconds, said):
     assert duration(seconds) == said
+
+
+def test_the_run_s_last_line_says_a_long_run_s_time_in_hours():
+    assert took(10.44) == "10.4 s"
+    assert took(3 * 3600 + 5 * 60 + 2) == "3 h 05 min"  # (not "11102.0 s")
 
 
 def test_an_epoch_resumed_in_its_middle_is_scaled_up_to_a_whole_one():
