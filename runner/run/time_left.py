@@ -1,9 +1,9 @@
 """How long a run has left, said at the end of each epoch's line ("about 42 min left, until
 14:05"): the epochs still to train at the pace of the last one, its training, its validation and
-the checkpoint written after the epoch before it. The last epoch is the best guess of the next:
-the first one's warm-up (cuDNN's autotuning, the loader's start) is not repeated, and a run
-resumed in the middle of an epoch has its part scaled up to a whole one. A guess, said as one:
-rounded, and only where an epoch gave a pace."""
+its share of the last checkpoint's write (one every `trainer.checkpoint_every_n_epochs`). The
+last epoch is the best guess of the next: the first one's warm-up (cuDNN's autotuning, the
+loader's start) is not repeated, and a run resumed in the middle of an epoch has its part scaled
+up to a whole one. A guess, said as one: rounded, and only where an epoch gave a pace."""
 
 from __future__ import annotations
 

@@ -431,7 +431,7 @@ class Trainer(CheckpointState, CompileWarmup):
             if self.global_step == 0:
                 self.audit_eager()
         every = self.cfg.checkpoint_every_n_epochs
-        save_s = 0.0  # the last checkpoint's write, part of an epoch's pace
+        save_s = 0.0  # an epoch's share of the last checkpoint's write, part of its pace
         for epoch in range(self.epochs_done + 1, self.cfg.max_epochs + 1):
             skip, self.batches_done = self.batches_done, 0
             started = time.perf_counter()
@@ -478,7 +478,7 @@ class Trainer(CheckpointState, CompileWarmup):
             if every and (epoch % every == 0 or last):
                 saving = time.perf_counter()
                 self._save(epoch, 0)
-                save_s = time.perf_counter() - saving
+                save_s = (time.perf_counter() - saving) / every  # (an epoch's share of it)
         if self.step_graph is not None:
             log.info(self.step_graph.summary())
         train_time = self.elapsed_before + time.perf_counter() - self._started
