@@ -11,6 +11,8 @@ import math
 import time
 from typing import Optional
 
+SAID_IN_SECONDS = 90.0  # a time under a minute and a half is said in seconds (and with no clock)
+
 
 def epoch_seconds(
     train_s: float, val_s: float, save_s: float, batches_trained: int, batches: int
@@ -25,7 +27,7 @@ def epoch_seconds(
 def duration(seconds: float) -> str:
     """Seconds as a person says them: "40 s", "12 min", "3 h 05 min", "2 d 4 h"."""
     seconds = max(0.0, seconds)
-    if seconds < 90:
+    if seconds < SAID_IN_SECONDS:
         return f"{seconds:.0f} s"
     minutes = round(seconds / 60)
     if minutes < 90:
@@ -40,7 +42,7 @@ def duration(seconds: float) -> str:
 def took(seconds: float) -> str:
     """How long something took, as the run's last line says it: "10.4 s" under a minute and a
     half, then as `duration` ("3 h 05 min", not "11100.0 s")."""
-    return f"{seconds:.1f} s" if seconds < 90 else duration(seconds)
+    return f"{seconds:.1f} s" if seconds < SAID_IN_SECONDS else duration(seconds)
 
 
 def time_left(per_epoch_s: float, epochs_left: int, now: Optional[float] = None) -> str:
@@ -51,7 +53,7 @@ def time_left(per_epoch_s: float, epochs_left: int, now: Optional[float] = None)
         return ""
     now = time.time() if now is None else now
     seconds = per_epoch_s * epochs_left
-    if seconds < 90:
+    if seconds < SAID_IN_SECONDS:
         return f"  about {duration(seconds)} left"
     end = time.localtime(now + seconds)
     same_day = time.localtime(now)[:3] == end[:3]

@@ -434,7 +434,6 @@ class Trainer(CheckpointState, CompileWarmup):
         save_s = 0.0  # an epoch's share of the last checkpoint's write, part of its pace
         for epoch in range(self.epochs_done + 1, self.cfg.max_epochs + 1):
             skip, self.batches_done = self.batches_done, 0
-            started = time.perf_counter()
             seconds, samples, items = self.train_epoch(epoch, skip)
             trained = time.perf_counter()
             val_loss, val_acc = self.evaluate()
@@ -454,7 +453,7 @@ class Trainer(CheckpointState, CompileWarmup):
             if self.task.better(value, self.best):
                 self.best = value
             pace = time_left.epoch_seconds(
-                trained - started,
+                seconds,  # (the epoch's training, wall-clock)
                 time.perf_counter() - trained,
                 save_s,
                 self.train_batches - skip,
