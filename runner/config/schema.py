@@ -233,6 +233,9 @@ class TrainerConfig:
     channels_last: bool = False
     cudnn_benchmark: bool = True
     grad_clip_norm: Optional[float] = None  # max L2 norm of the unscaled fp32 gradients
+    # gradient accumulation: one optimizer step per this many batches, their gradients summed
+    # (in fp32 at levels whose gradients are 16-bit); the effective batch is batch_size times it
+    accumulate_grad_batches: int = 1
     limit_train_batches: Optional[int] = None
     limit_val_batches: Optional[int] = None
     log_every_n_steps: int = 50

@@ -93,6 +93,11 @@ def _fixed_rules() -> list[Rule]:
         ),
         ("trainer.num_workers", lambda v: v >= 0, "an integer >= 0"),
         ("trainer.grad_clip_norm", optional(positive), "null or a finite number > 0"),
+        (
+            "trainer.accumulate_grad_batches",
+            lambda v: v >= 1,
+            "an integer >= 1 (batches whose gradients are summed into one optimizer step)",
+        ),
         ("trainer.limit_train_batches", optional(lambda v: v >= 1), "null or an integer >= 1"),
         ("trainer.limit_val_batches", optional(lambda v: v >= 1), "null or an integer >= 1"),
         ("trainer.log_every_n_steps", lambda v: v >= 1, "an integer >= 1"),

@@ -156,7 +156,9 @@ def run_record(
     if parts.flops_per_sample is not None:  # counted in planning (runner.measure.flops)
         params[m.FLOPS_PER_SAMPLE] = str(round(parts.flops_per_sample))
     params["distributed.world_size"] = str(world_size)
-    params["trainer.global_batch_size"] = str(cfg.trainer.batch_size * world_size)
+    params["trainer.global_batch_size"] = str(
+        cfg.trainer.batch_size * world_size * cfg.trainer.accumulate_grad_batches
+    )
     tags = dict(environment)
     tags.update(
         {

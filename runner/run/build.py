@@ -9,6 +9,7 @@ output against a dataset whose shape only the loaded data tells (`components.mod
 from __future__ import annotations
 
 import logging
+import math
 import random
 from collections.abc import Callable
 from typing import Any, Optional
@@ -193,7 +194,8 @@ def build(
         # would otherwise fill its per-function recompile limit and run the later ones eager
         torch._dynamo.reset()
         model.compile(**compile_arguments(cuda_graphs.compile_mode(cfg), engine.fp8))
-    steps_per_epoch = limit_batches(len(train_loader), cfg.trainer.limit_train_batches)
+    batches = limit_batches(len(train_loader), cfg.trainer.limit_train_batches)
+    steps_per_epoch = math.ceil(batches / cfg.trainer.accumulate_grad_batches)  # optimizer steps
     scheduler = build_scheduler(
         cfg.scheduler,
         optimizer,

@@ -58,7 +58,8 @@ ALLOWED = (
     "false, or true for one process on a CUDA GPU at a level whose step keeps its state on the "
     "device (O0-O3 and their bf16 presets; where the loss is scaled, the runner's kernels with "
     "sgd, adam or adamw), without fp8 layers, per-layer formats, stochastic rounding, low-bit "
-    "optimizer state, scheduler=onecycle, or scheduler=cosine where torch's own optimizer steps"
+    "optimizer state, gradient accumulation, scheduler=onecycle, or scheduler=cosine where "
+    "torch's own optimizer steps"
 )
 
 
@@ -109,6 +110,13 @@ def refusals(cfg: DictConfig, properties: Any, task: str, device: torch.device) 
         found.append(
             f"precision.optimizer_state={properties.optimizer_state}: torchao's low-bit "
             "optimizers compile their own step, which a CUDA graph does not capture"
+        )
+    accumulate = cfg.trainer.accumulate_grad_batches
+    if accumulate > 1:
+        found.append(
+            f"trainer.accumulate_grad_batches={accumulate}: the captured step reads the "
+            "gradients of one backward where they stand, and accumulation moves them (summed in "
+            "fp32 between the batches of a step at a 16-bit level)"
         )
     found += _host_verdicts(cfg, properties)
     schedule = OmegaConf.select(cfg, "scheduler.name")

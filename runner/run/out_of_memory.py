@@ -142,7 +142,10 @@ def what_happened(error: BaseException, device: torch.device) -> str:
 
 def advice(device: torch.device, opt_level: str) -> str:
     """What to change to fit."""
-    steps = ["a smaller trainer.batch_size (activations grow with it)"]
+    steps = [
+        "a smaller trainer.batch_size (activations grow with it; trainer.accumulate_grad_batches "
+        "raised as much keeps the samples a step learns from)"
+    ]
     if opt_level in ("O0", "O1"):
         level = "precision=o2_bf16" if device.type == "cpu" else "precision=o2 or o2_bf16"
         steps.append(

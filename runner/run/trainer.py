@@ -1,6 +1,7 @@
 """The training loop: train, then validate, each epoch; measures what the MLflow contract names.
 
-A step is forward, backward, clip, step, schedule, zero_grad, watched by `runner.measure`'s
+A step is forward, backward, clip, step, schedule, zero_grad (with `trainer.accumulate_grad_batches`
+k, forward and backward over k batches before the step), watched by `runner.measure`'s
 instruments (entered once per step); the hot path holds no MLflow call and no host sync beyond
 the engine's found-inf read: losses accumulate on the device and are read every
 `log_every_n_steps` steps. The trainer's other jobs have their own modules: the divergence guard
@@ -10,13 +11,14 @@ README.md beside this file tells the whole story.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import signal
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -30,7 +32,7 @@ from runner.config import TrainerConfig
 from runner.errors import DataError, LayerPlanError
 from runner.measure.audit import AuditInstrument, never
 from runner.measure.diagnostics import run_formats
-from runner.measure.instruments import ArtifactSink, Instruments, MetricsSink
+from runner.measure.instruments import ArtifactSink, Instruments, MetricsSink, Watch
 from runner.measure.memory import MB, MemoryInstrument
 from runner.measure.probes import Stopwatch
 from runner.measure.run_diagnostics import RangeInstrument, RunDiagnostics
@@ -143,6 +145,25 @@ class Trainer(CheckpointState, CompileWarmup):
         self.train_loader, self.val_loader = parts.train_loader, parts.val_loader
         self.train_batches = limit_batches(len(self.train_loader), cfg.limit_train_batches)
         self.val_batches = limit_batches(len(self.val_loader), cfg.limit_val_batches)
+        # gradient accumulation: 16-bit gradients are unscaled into fp32 after each batch of a
+        # step but its last (summed there, not in the half type), so each batch's are reduced
+        # over the ranks; fp32 ones add up in place, reduced once, at the step's last batch
+        self.half_grads = any(
+            p.dtype not in (torch.float32, torch.float64)
+            for p in self.module.parameters()
+            if p.requires_grad
+        )
+        ddp = isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
+        self.defer_sync = ddp and not self.half_grads
+        accumulate = cfg.accumulate_grad_batches
+        if accumulate > self.train_batches and self.comm.is_main:
+            log.warning(
+                "trainer.accumulate_grad_batches=%d is more than an epoch's %d batches: each "
+                "epoch is one step, of %d",
+                accumulate,
+                self.train_batches,
+                self.train_batches,
+            )
         # progress: where training starts (a resumed run's: restore()), the best, the epochs'
         self.epochs_done = self.batches_done = self.global_step = 0
         self.best = self.task.worst
@@ -207,15 +228,23 @@ class Trainer(CheckpointState, CompileWarmup):
         return Instruments(timing, memory, ranges, layers)
 
     # ---- one step ---------------------------------------------------------------------------
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """One training step, watched by the instruments due at it; returns the loss (fp32,
-        detached, on the device). With `trainer.cuda_graphs` the clip and step are a replayed
-        graph's (runner.run.cuda_graphs)."""
+    def train_step(
+        self, x: torch.Tensor, y: torch.Tensor, *more: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        """One training step on the batch (x, y), and with gradient accumulation the step's
+        `more` batches, each loss divided by their count so that the gradients are those of
+        their mean; watched by the instruments due at it (which observe the first batch's
+        forward and backward). Returns the loss (the mean over the batches; fp32, detached, on
+        the device). With `trainer.cuda_graphs` the clip and step are a replayed graph's
+        (runner.run.cuda_graphs)."""
         with self.instruments.step(self.global_step + 1) as watch:
-            with self.engine.autocast():
-                loss = self.task.loss(self.criterion, self.model(x), y)
-            self.engine.backward(loss)
-            watch.after_backward()
+            batches, losses = ((x, y), *more), []
+            for x, y in batches:  # (accumulating: several, each loss a share of their mean)
+                with self._accumulating(len(losses), len(batches), watch):
+                    with self.engine.autocast():
+                        loss = self.task.loss(self.criterion, self.model(x), y)
+                    self.engine.backward(loss / len(batches) if more else loss)
+                losses.append(loss.detach().float())
             if self.step_graph is not None:  # clip and step, replayed (runner.run.cuda_graphs)
                 stepped = self.step_graph()
             else:
@@ -225,7 +254,22 @@ class Trainer(CheckpointState, CompileWarmup):
             watch.after_step(stepped)
             self._step_scheduler(stepped)
             self.engine.zero_grad(self.optimizer)
+        loss = torch.stack(losses).mean() if more else losses[0]
         return self.guard.after_step(loss, stepped)
+
+    @contextlib.contextmanager
+    def _accumulating(self, index: int, count: int, watch: Watch) -> Iterator[None]:
+        """Around the forward and backward of batch `index` of a step's `count`: the instruments
+        observe the first (its hooks removed after its backward); before the last, the gradients
+        are kept from DDP's all-reduce where they add up in place (fp32: reduced once, with the
+        last), or else unscaled into the fp32 sum the engine keeps (16-bit gradients)."""
+        last = index + 1 == count
+        with self.model.no_sync() if self.defer_sync and not last else contextlib.nullcontext():
+            yield
+        if index == 0:
+            watch.after_backward()
+        if not last and self.half_grads:
+            self.engine.unscale_(self.optimizer)
 
     def _to_device(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         problem = target_problem(y, self.indices, self.task.target_dims)
@@ -323,16 +367,16 @@ class Trainer(CheckpointState, CompileWarmup):
         self.clock.start()
         self.instruments.start_epoch(epoch)
         with bar:
-            for index, (x, y) in enumerate(self.train_loader, start=skip):
-                if index >= self.train_batches:
-                    break
-                x, y = self._to_device(x, y)
-                self.guard.watch_inputs(x)  # (inf/NaN in the data: counted on the device)
-                if (self.global_step + 1) % every == 0 or index + 1 == self.train_batches:
+            for done, group in self._step_batches(skip):
+                batches = [self._to_device(x, y) for x, y in group]
+                for x, _ in batches:
+                    self.guard.watch_inputs(x)  # (inf/NaN in the data: counted on the device)
+                if (self.global_step + 1) % every == 0 or done == self.train_batches:
                     lr = self._lr()  # a logging step's own rate, before the schedule moves on
-                window += self.train_step(x, y)
+                window += self.train_step(*batches[0], *batches[1:])
                 count += 1
-                n, k = y.shape[0], self.task.items(y)
+                n = sum(y.shape[0] for _, y in batches)
+                k = sum(self.task.items(y) for _, y in batches)
                 samples, items = samples + n, items + k
                 self.global_step += 1
                 self.instruments.counted(self.global_step, n, k)
@@ -341,9 +385,9 @@ class Trainer(CheckpointState, CompileWarmup):
                     stop = self._log_train_loss(window, count, bar, lr)
                     window.zero_()
                     count = 0
-                bar.update()
-                if (stop or self._stop_requested_now()) and index + 1 < self.train_batches:
-                    raise self._interrupted(epoch - 1, index + 1)
+                bar.update(len(batches))
+                if (stop or self._stop_requested_now()) and done < self.train_batches:
+                    raise self._interrupted(epoch - 1, done)
             if count:  # short epochs still report their loss
                 self._log_train_loss(window, count, bar, lr)
         self.instruments.steps_done()
@@ -351,6 +395,22 @@ class Trainer(CheckpointState, CompileWarmup):
         totals = self.comm.sum_(torch.tensor([float(samples), float(items)], device=self.device))
         samples_total, items_total = totals.tolist()
         return seconds, int(samples_total), int(items_total)
+
+    def _step_batches(self, skip: int) -> Iterator[tuple[int, list]]:
+        """The epoch's training batches after the first `skip`, in the groups a step trains on
+        (`trainer.accumulate_grad_batches` batches, counted from the epoch's first; the last may
+        be fewer), each with the count of the epoch's batches done after it (an interrupt
+        between steps saves it, so a resumed run starts at a group's first batch)."""
+        every, group, done = self.cfg.accumulate_grad_batches, [], skip
+        for done, batch in enumerate(self.train_loader, start=skip + 1):
+            if done > self.train_batches:
+                return
+            group.append(batch)
+            if done % every == 0 or done == self.train_batches:
+                yield done, group
+                group = []
+        if group:  # (a loader that ran out before the batches it counted)
+            yield done, group
 
     @torch.no_grad()
     def evaluate(self) -> tuple[float, float]:

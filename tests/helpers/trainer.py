@@ -23,21 +23,35 @@ from tests.helpers.runs import compose_config
 CPU = torch.device("cpu")
 
 
-def make_trainer(level: str, precision_overrides: dict, scheduler: str = "cosine", **trainer_kw):
+def make_trainer(
+    level: str,
+    precision_overrides: dict,
+    scheduler: str = "cosine",
+    *,
+    batch_size: int = 16,
+    norm: str = "batch",
+    kernels: str = "torch",
+    **trainer_kw,
+):
+    """A Trainer of the tiny CNN (`norm`: batch or group) on 64 synthetic 8-px images in batches
+    of `batch_size` (shuffled alike whatever the size), SGD, at `level` (with `kernels`)."""
     cfg = compose_config("optimizer=sgd", f"scheduler={scheduler}")
     data = build_datasets(
         OmegaConf.structured(
             SyntheticConfig(name="synthetic", num_train=64, num_val=16, image_size=8)
         )
     )
-    train_loader, val_loader = build_loaders(data, 16, 0, "cpu", seed=0)
-    model = build_model(OmegaConf.structured(TinyModelConfig(name="tiny", width=4)), 10, 8)
+    train_loader, val_loader = build_loaders(data, batch_size, 0, "cpu", seed=0)
+    tiny = TinyModelConfig(name="tiny", width=4, norm=norm)
+    model = build_model(OmegaConf.structured(tiny), 10, 8)
     optimizer = build_optimizer(cfg.optimizer, model.parameters())
-    engine = AmpEngine(resolve(level, precision_overrides, device=CPU).properties, CPU)
+    properties = resolve(level, precision_overrides, device=CPU).properties
+    engine = AmpEngine(properties, CPU, kernels=kernels)
     model, optimizer = engine.prepare(model, optimizer)
     settings = {"max_epochs": 2, "progress_bar": False, "log_every_n_steps": 3, **trainer_kw}
     trainer_cfg = TrainerConfig(**settings)
-    scheduler = build_scheduler(cfg.scheduler, optimizer, len(train_loader), trainer_cfg.max_epochs)
+    steps = -(-len(train_loader) // trainer_cfg.accumulate_grad_batches)
+    scheduler = build_scheduler(cfg.scheduler, optimizer, steps, trainer_cfg.max_epochs)
     logged: list[tuple[dict, int]] = []
     parts = Parts(
         data, train_loader, val_loader, model, optimizer, engine, scheduler, MemoryProbe(CPU)

@@ -62,6 +62,11 @@ def test_a_cpu_is_refused_with_what_is_allowed():
             "optimizer=adamw at O1 (no master weights, no loss scale: no precision work for the "
             "runner's kernels): the update is torch's own Adam",
         ),
+        (
+            ["trainer.accumulate_grad_batches=2"],
+            "trainer.accumulate_grad_batches=2: the captured step reads the gradients of one "
+            "backward where they stand",
+        ),
         (["scheduler=cosine"], "scheduler=cosine sets a new learning rate at every step"),
         (["scheduler=onecycle"], "scheduler=onecycle sets a new learning rate at every step"),
     ],

@@ -42,8 +42,14 @@ def _weights(folder: Path, run_name: str) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("accumulate", [1, 2])
 @pytest.mark.parametrize("preset,rtol,atol", [("o0", 1e-5, 1e-6), ("o2_bf16", 0.0, 5e-3)])
-def test_two_gloo_processes_train_like_one_with_the_global_batch(tmp_path, preset, rtol, atol):
+def test_two_gloo_processes_train_like_one_with_the_global_batch(
+    tmp_path, preset, rtol, atol, accumulate
+):
+    """With `accumulate` 2, each process's 16 images are two batches of 8 a step: fp32
+    gradients add up under DDP's no_sync and are all-reduced once, bfloat16 ones are all-reduced
+    per batch and summed in fp32; either way the ranks step as one process with 32 does."""
     one, two = tmp_path / "one", tmp_path / "two"
     one.mkdir()
     two.mkdir()
@@ -61,7 +67,8 @@ def test_two_gloo_processes_train_like_one_with_the_global_batch(tmp_path, prese
         [
             *COMMON,
             f"precision={preset}",
-            "trainer.batch_size=16",
+            f"trainer.batch_size={16 // accumulate}",
+            f"trainer.accumulate_grad_batches={accumulate}",
             store.format(two),
             f"trainer.checkpoint_dir={two}/checkpoints",
         ],

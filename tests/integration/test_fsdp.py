@@ -123,7 +123,11 @@ def test_the_default_units_are_the_repeated_blocks():
 
 
 # ---- training, against one process ------------------------------------------------------------
-def _one_and_two(tmp_path: Path, *extra: str) -> tuple[Path, Path, str]:
+def _one_and_two(
+    tmp_path: Path, *extra: str, ranks: tuple[str, ...] = ()
+) -> tuple[Path, Path, str]:
+    """One process with batch 32 and two sharded ranks with 16 each (`ranks`: more overrides of
+    theirs); returns their folders and the run's name."""
     one, two = tmp_path / "one", tmp_path / "two"
     one.mkdir()
     two.mkdir()
@@ -143,6 +147,7 @@ def _one_and_two(tmp_path: Path, *extra: str) -> tuple[Path, Path, str]:
             *extra,
             "trainer.batch_size=16",
             "trainer.strategy=fsdp",
+            *ranks,
             store.format(two),
             f"trainer.checkpoint_dir={two}/checkpoints",
         ],
@@ -199,6 +204,30 @@ def test_two_sharded_ranks_train_like_one_process(tmp_path, preset, rtol, atol):
     gathered = run.data.metrics["mem_allgather_mb"]
     assert 0 < gathered < width * 2 * half
     assert run.data.metrics["layers_off_plan"] == 0  # each layer computed as the level says
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset, atol", [("o2_bf16", 5e-3), ("o3_bf16_sr", 1.6e-2)])
+def test_sharded_ranks_accumulating_two_batches_train_like_one_process(tmp_path, preset, atol):
+    """Each rank's 16 images as two batches of 8 a step: o2_bf16's fp32 shards add up each
+    batch's reduce-scattered gradients; o3_bf16_sr's bf16 ones are unscaled into an fp32 sum
+    between the batches. Either way, the weights of one process with 32 (tolerances as above)."""
+    ranks = ("trainer.batch_size=8", "trainer.accumulate_grad_batches=2")
+    one, two, run_name = _one_and_two(tmp_path, f"precision={preset}", ranks=ranks)
+    a, b = _weights(one, run_name), _weights(two, run_name)
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(
+            b[key].float(),
+            a[key].float(),
+            rtol=0.0,
+            atol=atol,
+            msg=lambda m, key=key: f"{key}: {m}",
+        )
+    client, run = _run(two)
+    assert run.data.params["trainer.global_batch_size"] == "32"
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")]
+    assert steps == list(range(1, 11))  # 5 steps an epoch, of 2 batches each
 
 
 @pytest.mark.slow

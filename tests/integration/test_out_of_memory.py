@@ -59,7 +59,9 @@ def test_a_step_too_big_for_the_machine_is_one_line_and_a_failed_run(tmp_path):
     assert "the CPU allocator could not get 16.0 GiB (the machine has " in told
     assert "this process may address 6.0 GiB: ulimit -v)" in told
     assert told.endswith(
-        "To fit: a smaller trainer.batch_size (activations grow with it); a 16-bit level "
+        "To fit: a smaller trainer.batch_size (activations grow with it; "
+        "trainer.accumulate_grad_batches raised as much keeps the samples a step learns from); "
+        "a 16-bit level "
         "(precision=o2_bf16: weights, gradients and activations in half the bytes); Adam's "
         "moments in 8 bits (precision.optimizer_state=int8)."
     )

@@ -297,12 +297,20 @@ def _trainer(cfg, **kw) -> Trainer:
     return Trainer(trainer_config(cfg.trainer), parts, RunContext(**kw), device=plan.device)
 
 
-def test_a_stop_mid_epoch_resumes_at_its_step_exactly(tmp_path):
-    """A stop request (what SIGINT/SIGTERM set) after step 7 of 10 (epoch 2 of 2, batch 2):
-    the checkpoint says so, and a fresh trainer restored from it ends bit for bit where the
-    uninterrupted one does: the skipped batches are the ones already trained on."""
+@pytest.mark.parametrize("accumulate,stop_at,steps", [(1, 7, 10), (2, 4, 6)])
+def test_a_stop_mid_epoch_resumes_at_its_step_exactly(tmp_path, accumulate, stop_at, steps):
+    """A stop request (what SIGINT/SIGTERM set) after step 7 of 10 (epoch 2 of 2, batch 2), or
+    with two batches a step (5 batches an epoch: steps of 2, 2 and 1) after step 4 of 6 (the
+    same batch): the checkpoint says so, and a fresh trainer restored from it ends bit for bit
+    where the uninterrupted one does: the skipped batches are the ones already trained on."""
     cfg = compose_config(
-        *settings(tmp_path, "precision=o2", "trainer.max_epochs=2", "trainer.log_every_n_steps=1")
+        *settings(
+            tmp_path,
+            "precision=o2",
+            "trainer.max_epochs=2",
+            "trainer.log_every_n_steps=1",
+            f"trainer.accumulate_grad_batches={accumulate}",
+        )
     )
     straight = _trainer(cfg, on_metrics=lambda m, s: None)
     straight.fit()
@@ -311,7 +319,7 @@ def test_a_stop_mid_epoch_resumes_at_its_step_exactly(tmp_path):
     path = tmp_path / "ckpt.pt"
 
     def sink(metrics, step):
-        if step == 7 and "train_loss" in metrics:
+        if step == stop_at and "train_loss" in metrics:
             stop.signum = signal.SIGTERM  # as the signal handler would
 
     def save(state):
@@ -323,12 +331,12 @@ def test_a_stop_mid_epoch_resumes_at_its_step_exactly(tmp_path):
         interrupted.fit()
     assert e.value.exit_code == 143 and str(path) in str(e.value)
     state = checkpoint.load(path)
-    assert (state["epoch"], state["batch"], state["global_step"]) == (1, 2, 7)
+    assert (state["epoch"], state["batch"], state["global_step"]) == (1, 2, stop_at)
 
     resumed = _trainer(cfg, on_metrics=lambda m, s: None)
     resumed.restore(state)
     resumed.fit()
-    assert resumed.global_step == straight.global_step == 10
+    assert resumed.global_step == straight.global_step == steps
     for (name, p), q in zip(straight.module.named_parameters(), resumed.module.parameters()):
         assert torch.equal(p, q), name
     for p, q in zip(

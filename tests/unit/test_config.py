@@ -202,6 +202,7 @@ VALUE_CASES = [
     (["trainer.log_every_n_steps=0"], "trainer.log_every_n_steps"),
     (["trainer.max_bad_steps=0"], "trainer.max_bad_steps"),
     (["trainer.limit_train_batches=0"], "trainer.limit_train_batches"),
+    (["trainer.accumulate_grad_batches=0"], "trainer.accumulate_grad_batches"),
     (["trainer.grad_clip_norm=-1"], "trainer.grad_clip_norm"),
     (["trainer.device=tpu"], "trainer.device"),
     (["precision.kernels=fast"], "precision.kernels"),

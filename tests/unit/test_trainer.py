@@ -115,10 +115,11 @@ def test_grad_clipping_bounds_the_update():
 # ---- what watches a step ---------------------------------------------------------------------
 def test_the_step_is_six_calls_on_one_screen():
     """forward, backward, clip, step, schedule, zero_grad: what watches the step is the
-    instruments' business, not the step's."""
+    instruments' business, not the step's (the loop over a step's batches is gradient
+    accumulation's)."""
     source = inspect.getsource(Trainer.train_step)
     body = source.split('"""')[2].strip().splitlines()  # after the docstring
-    assert len(body) <= 15, source
+    assert len(body) <= 20, source
     calls = ["self.model(x)", "backward(", "clip_grad_norm_(", "self.engine.step(", "scheduler("]
     assert all(call in source for call in calls) and "zero_grad(" in source
 
