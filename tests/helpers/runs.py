@@ -18,12 +18,17 @@ REPO = Path(__file__).resolve().parents[2]
 HELPERS = Path(__file__).resolve().parent  # the probe scripts, apex_l0.sh, preset_values.json
 
 # Settings that make a real run take seconds on a CPU: tiny model, small synthetic images.
-FAST = [
+# the tiny CNN on 96 + 32 synthetic 16-px images: a run of seconds
+TINY = [
     "model=tiny",
     "data=synthetic",
     "data.num_train=96",
     "data.num_val=32",
     "data.image_size=16",
+]
+# ... with no loader workers and no progress bar (the defaults on: TINY alone)
+FAST = [
+    *TINY,
     "trainer.batch_size=32",
     "trainer.max_epochs=2",
     "trainer.num_workers=0",

@@ -7,18 +7,14 @@ from __future__ import annotations
 
 from mlflow.tracking import MlflowClient
 
-from tests.helpers.runs import run_cli
+from tests.helpers.runs import TINY, run_cli
 from tests.helpers.store import runs_by_name
 
 
 def test_a_run_steps_once_per_three_batches_and_logs_the_batch_a_step_learns_from(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     result = run_cli(
-        "model=tiny",
-        "data=synthetic",
-        "data.num_train=96",
-        "data.num_val=32",
-        "data.image_size=16",
+        *TINY,
         "precision=o2_bf16",
         "trainer.batch_size=16",
         "trainer.accumulate_grad_batches=3",

@@ -25,7 +25,7 @@ from runner.precision import AmpEngine, resolve
 from runner.precision import layers as L
 from runner.run import app, autoplan, layer_ranges
 from runner.run.plan import default_run_name, make_plan
-from tests.helpers.runs import FAST, compose_config, run_cli
+from tests.helpers.runs import FAST, TINY, compose_config, run_cli
 
 
 def props(level: str = "O2", **overrides):
@@ -590,11 +590,7 @@ def test_a_plan_file_keeps_the_tiny_cnns_head_and_norms_in_fp32_and_the_run_says
     plan.write_text("'*.1': float32   # every BatchNorm\n")
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     result = run_cli(
-        "model=tiny",
-        "data=synthetic",
-        "data.num_train=96",
-        "data.num_val=32",
-        "data.image_size=16",
+        *TINY,
         "trainer.batch_size=32",
         "trainer.max_epochs=1",
         "precision=o2_bf16",
