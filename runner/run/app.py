@@ -191,6 +191,8 @@ def sizes(plan: RunPlan, trainer: Any = None) -> str:
         f"{options.label(cfg.model)} at {plan.properties.opt_level}, "
         f"trainer.batch_size={cfg.trainer.batch_size}"
     )
+    if cfg.trainer.accumulate_grad_batches > 1:  # (the batch in memory is still one of them)
+        text += f" (x trainer.accumulate_grad_batches={cfg.trainer.accumulate_grad_batches})"
     if "block_size" in cfg.data:
         text += f", data.block_size={cfg.data.block_size}"
     if trainer is not None:

@@ -15,8 +15,10 @@ import signal
 import pytest
 import torch
 
+from runner.run import app
 from runner.run.interrupts import RunInterrupted, StopRequest
-from tests.helpers.runs import compose_config
+from runner.run.plan import make_plan
+from tests.helpers.runs import FAST, compose_config
 from tests.helpers.trainer import make_trainer, planned_trainer
 
 
@@ -170,3 +172,10 @@ def test_more_batches_to_a_step_than_an_epoch_has_is_said(caplog):
     assert said + "one step, of 4" in caplog.text
     trainer.train_epoch(1)
     assert trainer.global_step == 1 and trainer.scheduler.last_epoch == 1
+
+
+def test_an_out_of_memory_message_says_the_batches_a_step_sums():
+    plan = make_plan(compose_config(*FAST, "trainer.accumulate_grad_batches=4"))
+    said = "tiny at O0, trainer.batch_size=32 (x trainer.accumulate_grad_batches=4)"
+    assert app.sizes(plan) == said
+    assert "accumulate" not in app.sizes(make_plan(compose_config(*FAST)))
