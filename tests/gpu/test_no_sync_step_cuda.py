@@ -75,6 +75,21 @@ def test_an_optimizers_own_step_never_syncs_between_logging_steps(level, optimiz
         assert not any(g["capturable"] for g in trainer.optimizer.param_groups)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("level", ["o1", "o2", "o3_bf16"])
+def test_steps_of_two_batches_never_sync_between_logging_steps(level):
+    """Gradient accumulation: O1's fp32 gradients add up in place; O2's and O3's 16-bit ones are
+    unscaled into the engine's fp32 sum between a step's batches, their flags kept on the
+    device for the step's verdict."""
+    _twenty_steps(
+        level,
+        "sgd",
+        "precision.kernels=fused",
+        f"data.num_train={2 * 32 * STEPS}",  # (40 batches: 20 steps of 2)
+        "trainer.accumulate_grad_batches=2",
+    )
+
+
 def _twenty_steps(level: str, optimizer: str, *overrides: str):
     """20 steps of the real trainer at `level`, every step past the warm-up (and not measured
     by a sometimes-due instrument) under the sync debug mode "error"; returns the trainer."""
