@@ -15,10 +15,12 @@ from runner.measure.memory import metric_name as memory_metric
 from runner.measure.timing import MFU, SAMPLES_PER_S, TOKENS_PER_S, WARMUP_TIME_S
 from runner.tracking import metrics as m
 from runner.tracking.varying import (
+    ACCUMULATE,
     SEED_PARAMS,
     TUNE_PREFIX,
     baseline_keys,
     display_names,
+    distance,
     varying_params,
 )
 
@@ -137,6 +139,24 @@ class Row:
         return self.task == LANGUAGE_MODEL
 
     @property
+    def accumulate(self) -> int:
+        """The batches a step of the run summed (`trainer.accumulate_grad_batches`; 1 for runs
+        made before it)."""
+        value = self.params.get(ACCUMULATE)
+        return int(value) if value is not None and str(value).isdigit() else 1
+
+    @property
+    def batch(self) -> str:
+        """The batch size as the table shows it: "64", or "64 x 4" where a step summed 4."""
+        if self.batch_size is None:
+            return "-"
+        return (
+            f"{self.batch_size} x {self.accumulate}"
+            if self.accumulate > 1
+            else str(self.batch_size)
+        )
+
+    @property
     def throughput(self) -> float | None:
         """The run's throughput: tokens/s for a language model, else samples/s."""
         return self.get(TOKENS_PER_S if self.is_lm else SAMPLES_PER_S)
@@ -160,7 +180,9 @@ def tuned_settings(row: Row) -> str:
 def add_baseline_ratios(rows: Sequence[Row]) -> None:
     """Speedup and memory ratio against the O0 run of the same group: the same model and the same
     values of every param that varies between the runs (lr, schedule, data, ...), seeds apart;
-    of those, one with the same seed, optimizer and batch size when there is one. A run whose
+    of those, one with the same seed, optimizer, batch size and batches a step (gradient
+    accumulation) when there is one: an O2 run of batch 256 compares with an O0 run of 64 x 4
+    where that is the O0 that fits. A run whose
     group has no O0 run gets no ratio (a different lr's O0 is not its baseline). The speedup is
     the ratio of the steady throughputs where both runs logged one, else (runs made before the
     steady figure) the baseline's train time over the run's."""
@@ -180,14 +202,7 @@ def add_baseline_ratios(rows: Sequence[Row]) -> None:
         ]
         if not candidates:
             continue
-        base = min(
-            candidates,
-            key=lambda b: (
-                any(b.params.get(k) != row.params.get(k) for k in SEED_PARAMS),
-                b.optimizer != row.optimizer,
-                b.batch_size != row.batch_size,
-            ),
-        )
+        base = min(candidates, key=lambda b: distance(b.params, row.params))
         row.baseline = names[base.run_id]
         rate, base_rate = row.throughput, base.throughput
         time, base_time = row.get(m.TRAIN_TIME_S), base.get(m.TRAIN_TIME_S)
@@ -247,6 +262,7 @@ def seed_groups(rows: Sequence[Row]) -> list[SeedGroup]:
             r.dtype,
             r.optimizer,
             r.batch_size,
+            r.accumulate,
             *(r.params.get(k) for k in keys),
         )
         groups.setdefault(key, SeedGroup(label, r.model, [])).rows.append(r)

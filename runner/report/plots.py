@@ -26,15 +26,16 @@ def bar_labels(rows: Sequence[Row]) -> list[str]:
     """Each run's label within its model: the level, plus whatever else varies (dtype, batch size,
     optimizer, the params that differ, as `lr=0.05`), so that two runs never share a bar; where
     two runs still look alike, the start of their run ids."""
-    varies = {key: len({getattr(r, key) for r in rows}) > 1 for key in ("optimizer", "batch_size")}
+    keys = ("optimizer", "batch_size", "accumulate")
+    varies = {key: len({getattr(r, key) for r in rows}) > 1 for key in keys}
     varying = varying_params(rows)
     labels = []
     for r in rows:
         label = r.level + (" bf16" if "bfloat16" in r.dtype else "")
         if varies["optimizer"]:
             label += f" {r.optimizer}"
-        if varies["batch_size"]:
-            label += f" b{r.batch_size}"
+        if varies["batch_size"] or varies["accumulate"]:
+            label += f" b{r.batch_size}" + (f"x{r.accumulate}" if r.accumulate > 1 else "")
         for key in varying:
             label += f" {key.rsplit('.', 1)[-1]}={r.params.get(key, '-')}"
         labels.append(label)

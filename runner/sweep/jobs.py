@@ -21,7 +21,7 @@ from runner.config import mistakes
 from runner.errors import ConfigError, RunnerError
 from runner.sweep.parent import SweepParent
 from runner.tracking import tags as tag
-from runner.tracking.varying import SEED_PARAMS, baseline_keys, display_names, params_of
+from runner.tracking.varying import baseline_keys, display_names, distance, params_of
 
 log = logging.getLogger(__name__)
 
@@ -514,8 +514,9 @@ def speed_summary(
     each finished job's steady throughput (`tokens_per_s` for a language model, else
     `samples_per_s`: runner.measure.timing), the mean over its epochs that logged one, as its
     "Finished" line and the report give it, and its ratio to its baseline, named: the O0 job of
-    the same model and the same values of what else the sweep varies, seeds apart (the same seed
-    first), as the report compares (`runner.tracking.varying`; else that group's first job, else
+    the same model and the same values of what else the sweep varies, seeds apart (the same
+    seed, optimizer, batch size and batches a step first: `varying.distance`), as the report
+    compares (`runner.tracking.varying`; else that group's first job, else
     the sweep's). It was the sweep's first job for all, so `-m precision=o2,o0` called O0 the
     slower one, where the report gives O2 against O0; and an lr's O2 was compared with another
     lr's O0. `history`: a metric's (step, value)
@@ -549,7 +550,7 @@ def speed_summary(
     def baseline(child: Any) -> tuple[Any, float]:
         same = [(c, r) for c, r in rated if groups[c.run_id] == groups[child.run_id]]
         o0 = [(c, r) for c, r in same if c.params.get("precision.opt_level") == "O0"]
-        o0.sort(key=lambda cr: any(cr[0].params.get(k) != child.params.get(k) for k in SEED_PARAMS))
+        o0.sort(key=lambda cr: distance(cr[0].params, child.params))
         return (o0 or same or rated)[0]
 
     out = []

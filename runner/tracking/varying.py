@@ -4,16 +4,26 @@ read from here, so that both compare a run with the same baseline."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Optional
 
 from runner.tracking import metrics as m
 from runner.tracking import tags as tag
 
 # Params the report's table shows in columns of their own (model, level and dtype, optimizer,
-# batch size) or that follow from others (a model's parameter count, the global batch, the
-# dataset's sizes): never listed as what varies between runs.
-SHOWN_PARAMS = ("model.name", "model.arch", "optimizer.name", "trainer.batch_size", "task.name")
+# batch size, with the batches a step accumulates: "64 x 4") or that follow from others (a
+# model's parameter count, the global batch, the dataset's sizes): never listed as what varies
+# between runs.
+ACCUMULATE = "trainer.accumulate_grad_batches"
+SHOWN_PARAMS = (
+    "model.name",
+    "model.arch",
+    "optimizer.name",
+    "trainer.batch_size",
+    ACCUMULATE,
+    "task.name",
+)
 SHOWN_PREFIXES = ("precision.",)
 DERIVED_PARAMS = (
     "model.num_parameters",
@@ -96,6 +106,31 @@ def baseline_keys(runs: Sequence[Any]) -> list[str]:
     `runs`, seeds apart (an lr's O2 is compared with the O0 of its lr; a seed's with any seed's
     where the same seed did not run)."""
     return [k for k in varying_params(runs) if k not in SEED_PARAMS]
+
+
+def distance(base: Mapping[str, Any], run: Mapping[str, Any]) -> tuple[bool, ...]:
+    """How far an O0 run of `run`'s group (params `base`) is from its baseline, to sort them
+    (False, the same, first): whether its seeds differ, then its optimizer, the samples a step
+    learns from (`trainer.global_batch_size`), its batch size, the batches a step sums. An O2 run
+    of batch 256 compares with an O0 of 256 where one ran, else with the O0 of 64 x 4 that fit."""
+    return (
+        any(base.get(k) != run.get(k) for k in SEED_PARAMS),
+        base.get("optimizer.name") != run.get("optimizer.name"),
+        _step_samples(base) != _step_samples(run),
+        base.get("trainer.batch_size") != run.get("trainer.batch_size"),
+        str(base.get(ACCUMULATE, 1)) != str(run.get(ACCUMULATE, 1)),
+    )
+
+
+def _step_samples(params: Mapping[str, Any]) -> Optional[int]:
+    """The samples a step of a run learns from: its batch size x the batches a step sums x its
+    processes (None: it logged no batch size)."""
+    try:
+        factors = [params["trainer.batch_size"], params.get(ACCUMULATE, 1)]
+        factors.append(params.get("distributed.world_size", 1))
+        return math.prod(int(f) for f in factors)
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def display_names(runs: Sequence[Any]) -> dict[str, str]:

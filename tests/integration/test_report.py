@@ -785,3 +785,54 @@ def test_a_model_without_batchnorm_keeps_none_in_fp32(tmp_path):
     }
     assert counts == {"batch": "3", "group": "0"}
     assert "model.batchnorm_layers" not in list(read_csv(out / "comparison.csv")[0])  # (derived)
+
+
+def test_an_o2_batch_compares_with_the_o0_that_accumulated_it(tracking_uri, tmp_path):
+    """`precision=o0 trainer.batch_size=64 trainer.accumulate_grad_batches=4` beside
+    `precision=o2 trainer.batch_size=256` (the O0 of 256 did not fit): the O2 run's baseline is
+    that O0, of the same samples a step (the batches a step sums are shown with the batch, not an
+    axis that would leave O2 without an O0), not the O0 of 64 alone; the batch column says
+    "64 x 4". The O2 of 64 compares with the O0 of 64. The report and the sweep's summary alike."""
+    tracker = MlflowTracker(tracking_uri, "amp-runner")
+    parent = tracker.create_run("sweep", {SWEEP_DIR_TAG: str(tmp_path)})
+    times = {("O0", 64, 4): 8.0, ("O2", 256, 1): 2.0, ("O0", 64, 1): 3.0, ("O2", 64, 1): 1.0}
+    for (level, batch, accumulate), time in times.items():
+        params = {
+            "model.name": "tiny",
+            "precision.opt_level": level,
+            "trainer.batch_size": str(batch),
+            "trainer.accumulate_grad_batches": str(accumulate),
+        }
+        name = f"tiny-{level}-{batch}" + (f"x{accumulate}" if accumulate > 1 else "")
+        with tracker.start_run(name, params, {PARENT_RUN_TAG: parent.run_id}) as run:
+            run.log_metrics({"train_time_s": time, "best_val_acc": 0.5, "peak_mem_mb": 1.0}, 1)
+    parent.end("FINISHED")
+    out = tmp_path / "report"
+    assert report_main(["--tracking-uri", tracking_uri, "--out", str(out)]) == 0
+    rows = {r["run_name"]: r for r in read_csv(out / "comparison.csv")}
+    assert rows["tiny-O2-256"]["baseline_run"] == "tiny-O0-64x4"
+    assert float(rows["tiny-O2-256"]["speedup_vs_o0"]) == 4.0  # 8 s / 2 s
+    assert rows["tiny-O2-64"]["baseline_run"] == "tiny-O0-64"
+    assert float(rows["tiny-O2-64"]["speedup_vs_o0"]) == 3.0
+    assert rows["tiny-O0-64x4"]["accumulate_grad_batches"] == "4"
+    table = (out / "comparison.md").read_text()
+    assert "| 64 x 4 |" in table and "| 256 |" in table
+    assert "accumulate_grad_batches" not in table.splitlines()[0]  # (not a column of its own)
+    from runner.sweep.jobs import speed_summary
+
+    children = open_reader(tracking_uri).runs(
+        [parent.experiment_id], tags={PARENT_RUN_TAG: parent.run_id}
+    )
+    rate = {c.run_id: 100.0 / times[_config(c)] for c in children}
+    said = speed_summary(children, lambda run_id, metric: [(1, rate[run_id])])
+    assert "tiny-O2-256: 50 samples/s steady (4.00x tiny-O0-64x4)" in said, said
+    assert "tiny-O2-64: 100 samples/s steady (3.00x tiny-O0-64)" in said, said
+
+
+def _config(run) -> tuple[str, int, int]:
+    p = run.params
+    return (
+        p["precision.opt_level"],
+        int(p["trainer.batch_size"]),
+        int(p["trainer.accumulate_grad_batches"]),
+    )
