@@ -227,7 +227,8 @@ def render_markdown(rows: Sequence[Row], title: str, source: str) -> str:
             if any(k not in SEED_PARAMS for k in varying)
             else ""
         )
-        + " (the same seed where there is one), named in the last column. The columns "
+        + " (of those, one of the same seed, optimizer, samples a step and batch size where"
+        " there is one), named in the last column. The columns "
         "between run and model are the params that differ between these runs"
         + (
             "; what trainer.tune chose for a run is part of its result, not a difference in "
