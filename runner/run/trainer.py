@@ -155,15 +155,6 @@ class Trainer(CheckpointState, CompileWarmup):
         )
         ddp = isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
         self.defer_sync = ddp and not self.half_grads
-        accumulate = cfg.accumulate_grad_batches
-        if accumulate > self.train_batches and self.comm.is_main:
-            log.warning(
-                "trainer.accumulate_grad_batches=%d is more than an epoch's %d batches: each "
-                "epoch is one step, of %d",
-                accumulate,
-                self.train_batches,
-                self.train_batches,
-            )
         # progress: where training starts (a resumed run's: restore()), the best, the epochs'
         self.epochs_done = self.batches_done = self.global_step = 0
         self.best = self.task.worst
@@ -478,6 +469,15 @@ class Trainer(CheckpointState, CompileWarmup):
 
     def fit(self) -> FitResult:
         self._started = time.perf_counter()
+        accumulate = self.cfg.accumulate_grad_batches
+        if accumulate > self.train_batches and self.comm.is_main:  # (said by the run alone)
+            log.warning(
+                "trainer.accumulate_grad_batches=%d is more than an epoch's %d batches: each "
+                "epoch is one step, of %d",
+                accumulate,
+                self.train_batches,
+                self.train_batches,
+            )
         if self._rng_at_start is not None:  # a resumed run draws what the uninterrupted one would
             rng.restore_rng(self._rng_at_start)
         if self.cfg.compile:
