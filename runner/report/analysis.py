@@ -179,13 +179,12 @@ def tuned_settings(row: Row) -> str:
 
 def add_baseline_ratios(rows: Sequence[Row]) -> None:
     """Speedup and memory ratio against the O0 run of the same group: the same model and the same
-    values of every param that varies between the runs (lr, schedule, data, ...), seeds apart;
-    of those, one with the same seed, optimizer, batch size and batches a step (gradient
-    accumulation) when there is one: an O2 run of batch 256 compares with an O0 run of 64 x 4
-    where that is the O0 that fits. A run whose
-    group has no O0 run gets no ratio (a different lr's O0 is not its baseline). The speedup is
-    the ratio of the steady throughputs where both runs logged one, else (runs made before the
-    steady figure) the baseline's train time over the run's."""
+    values of every param that varies between the runs (lr, schedule, data, ...), seeds apart; of
+    those, the nearest (`varying.distance`: the same seed, optimizer, samples a step, batch size and
+    batches a step, in that order), so that an O2 run of batch 256 compares with the O0 of 64 x 4
+    that fit. A run whose group has no O0 run gets no ratio (a different lr's O0 is not its
+    baseline). The speedup is the ratio of the steady throughputs where both runs logged one, else
+    (runs made before the steady figure) the baseline's train time over the run's."""
     group_keys = baseline_keys(rows)
     names = display_names(rows)
 

@@ -510,17 +510,15 @@ def _resume_job(
 def speed_summary(
     children: Sequence[Any], history: Callable[[str, str], Sequence[tuple[int, float]]]
 ) -> str:
-    """The sweep's jobs side by side at the speed that compares, one line each in job order:
-    each finished job's steady throughput (`tokens_per_s` for a language model, else
-    `samples_per_s`: runner.measure.timing), the mean over its epochs that logged one, as its
-    "Finished" line and the report give it, and its ratio to its baseline, named: the O0 job of
-    the same model and the same values of what else the sweep varies, seeds apart (the same
-    seed, optimizer, batch size and batches a step first: `varying.distance`), as the report
-    compares (`runner.tracking.varying`; else that group's first job, else
-    the sweep's). It was the sweep's first job for all, so `-m precision=o2,o0` called O0 the
-    slower one, where the report gives O2 against O0; and an lr's O2 was compared with another
-    lr's O0. `history`: a metric's (step, value)
-    points of a run (runner.tracking.base.Reader.history)."""
+    """The sweep's jobs side by side at the speed that compares, one line each in job order: each
+    finished job's steady throughput (`tokens_per_s` for a language model, else `samples_per_s`:
+    runner.measure.timing), the mean over its epochs that logged one, as its "Finished" line and the
+    report give it, and its ratio to its baseline, named: the O0 job of the same model and the same
+    values of what else the sweep varies, seeds apart (the nearest of them: `varying.distance`), as
+    the report compares (`runner.tracking.varying`; else that group's first job, else the sweep's).
+    It was the sweep's first job for all, so `-m precision=o2,o0` called O0 the slower one, where
+    the report gives O2 against O0; and an lr's O2 was compared with another lr's O0. `history`: a
+    metric's (step, value) points of a run (runner.tracking.base.Reader.history)."""
     from runner.measure.timing import SAMPLES_PER_S, TOKENS_PER_S
     from runner.tracking.base import FINISHED
 

@@ -111,8 +111,9 @@ def baseline_keys(runs: Sequence[Any]) -> list[str]:
 def distance(base: Mapping[str, Any], run: Mapping[str, Any]) -> tuple[bool, ...]:
     """How far an O0 run of `run`'s group (params `base`) is from its baseline, to sort them
     (False, the same, first): whether its seeds differ, then its optimizer, the samples a step
-    learns from (`trainer.global_batch_size`), its batch size, the batches a step sums. An O2 run
-    of batch 256 compares with an O0 of 256 where one ran, else with the O0 of 64 x 4 that fit."""
+    learns from (as `trainer.global_batch_size` counts them), its batch size, the batches a step
+    sums. An O2 run of batch 256 compares with an O0 of 256 where one ran, else with the O0 of
+    64 x 4 that fit."""
     return (
         any(base.get(k) != run.get(k) for k in SEED_PARAMS),
         base.get("optimizer.name") != run.get("optimizer.name"),
