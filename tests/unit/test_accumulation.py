@@ -40,8 +40,11 @@ def test_two_batches_of_eight_step_as_one_batch_of_sixteen():
             accumulate_grad_batches=accumulate,
             log_every_n_steps=1,
         )
+        start = _masters(trainer)
         _, samples, _ = trainer.train_epoch(1)
         assert (trainer.global_step, samples, trainer.scheduler.last_epoch) == (4, 64, 4)
+        moved = max((a - b).abs().max().item() for a, b in zip(_masters(trainer), start))
+        assert moved > 1e-3  # (the comparison below is not vacuous)
         ends.append(_masters(trainer))
         losses.append([metrics["train_loss"] for metrics, _ in logged if "train_loss" in metrics])
     for one, accumulated in zip(*ends):
