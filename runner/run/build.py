@@ -9,7 +9,6 @@ output against a dataset whose shape only the loaded data tells (`components.mod
 from __future__ import annotations
 
 import logging
-import math
 import random
 from collections.abc import Callable
 from typing import Any, Optional
@@ -37,7 +36,7 @@ from runner.run.distributed import Comm
 from runner.run.model_checks import MetaModel
 from runner.run.parts import Parts
 from runner.run.plan import RunPlan
-from runner.run.trainer import limit_batches
+from runner.run.trainer import limit_batches, optimizer_steps
 from runner.tasks import task_for
 from runner.tasks.base import class_indices, target_problem
 
@@ -195,7 +194,7 @@ def build(
         torch._dynamo.reset()
         model.compile(**compile_arguments(cuda_graphs.compile_mode(cfg), engine.fp8))
     batches = limit_batches(len(train_loader), cfg.trainer.limit_train_batches)
-    steps_per_epoch = math.ceil(batches / cfg.trainer.accumulate_grad_batches)  # optimizer steps
+    steps_per_epoch = optimizer_steps(batches, cfg.trainer.accumulate_grad_batches)
     scheduler = build_scheduler(
         cfg.scheduler,
         optimizer,

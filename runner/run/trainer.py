@@ -90,6 +90,12 @@ def limit_batches(n_batches: int, limit: int | None) -> int:
     return n_batches if limit is None else min(n_batches, limit)
 
 
+def optimizer_steps(batches: int, accumulate: int) -> int:
+    """An epoch's optimizer steps over its `batches`, `trainer.accumulate_grad_batches` a step
+    (the last step takes the batches left)."""
+    return math.ceil(batches / accumulate)
+
+
 Checkpointer = Callable[[dict], str]  # writes a checkpoint state, returns where
 
 

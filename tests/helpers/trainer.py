@@ -17,7 +17,7 @@ from runner.precision import AmpEngine, resolve
 from runner.run.build import build
 from runner.run.parts import Parts
 from runner.run.plan import make_plan
-from runner.run.trainer import RunContext, Trainer, trainer_config
+from runner.run.trainer import RunContext, Trainer, optimizer_steps, trainer_config
 from tests.helpers.runs import compose_config
 
 CPU = torch.device("cpu")
@@ -50,7 +50,7 @@ def make_trainer(
     model, optimizer = engine.prepare(model, optimizer)
     settings = {"max_epochs": 2, "progress_bar": False, "log_every_n_steps": 3, **trainer_kw}
     trainer_cfg = TrainerConfig(**settings)
-    steps = -(-len(train_loader) // trainer_cfg.accumulate_grad_batches)
+    steps = optimizer_steps(len(train_loader), trainer_cfg.accumulate_grad_batches)
     scheduler = build_scheduler(cfg.scheduler, optimizer, steps, trainer_cfg.max_epochs)
     logged: list[tuple[dict, int]] = []
     parts = Parts(
