@@ -15,7 +15,6 @@ from runner.measure.memory import metric_name as memory_metric
 from runner.measure.timing import MFU, SAMPLES_PER_S, TOKENS_PER_S, WARMUP_TIME_S
 from runner.tracking import metrics as m
 from runner.tracking.varying import (
-    ACCUMULATE,
     SEED_PARAMS,
     TUNE_PREFIX,
     baseline_keys,
@@ -126,6 +125,8 @@ class Row:
     # RUNNING, its last heartbeat
     reason: str | None = None
     params: dict[str, str] = field(default_factory=dict)  # every param the run logged
+    # the batches a step summed (`trainer.accumulate_grad_batches`; 1 for runs made before it)
+    accumulate: int = 1
     # whether its throughput is the steady figure (a run made before it logged the epoch's own
     # figure under that name: its throughput is then the mean over the epochs after the first)
     steady: bool = False
@@ -137,13 +138,6 @@ class Row:
     @property
     def is_lm(self) -> bool:
         return self.task == LANGUAGE_MODEL
-
-    @property
-    def accumulate(self) -> int:
-        """The batches a step of the run summed (`trainer.accumulate_grad_batches`; 1 for runs
-        made before it)."""
-        value = self.params.get(ACCUMULATE)
-        return int(value) if value is not None and str(value).isdigit() else 1
 
     @property
     def batch(self) -> str:

@@ -22,7 +22,7 @@ from runner.report.analysis import (
 from runner.tracking import metrics as m
 from runner.tracking import tags as tag
 from runner.tracking.base import Reader, RunNotFound, RunRecord
-from runner.tracking.varying import params_of
+from runner.tracking.varying import ACCUMULATE, params_of
 
 
 class NothingToReport(Exception):
@@ -166,6 +166,7 @@ def to_row(reader: Reader, run: RunRecord) -> Row:
         level=params.get("precision.opt_level", "?"),
         dtype=describe_dtype(precision, batchnorm) if precision else "?",
         batch_size=_count(params.get("trainer.batch_size")),
+        accumulate=_count(params.get(ACCUMULATE)) or 1,
         metrics={
             k: v
             for k, v in run.metrics.items()
