@@ -42,6 +42,7 @@ from runner.run.plan import RunPlan, make_plan
 from runner.tracking import job_log
 from runner.tracking import metrics as m
 from runner.tracking import tags as tag
+from runner.tracking.varying import GLOBAL_BATCH
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +157,7 @@ def run_record(
     if parts.flops_per_sample is not None:  # counted in planning (runner.measure.flops)
         params[m.FLOPS_PER_SAMPLE] = str(round(parts.flops_per_sample))
     params["distributed.world_size"] = str(world_size)
-    params["trainer.global_batch_size"] = str(
+    params[GLOBAL_BATCH] = str(
         cfg.trainer.batch_size * world_size * cfg.trainer.accumulate_grad_batches
     )
     tags = dict(environment)

@@ -4,9 +4,8 @@ read from here, so that both compare a run with the same baseline."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
-from typing import Any, Optional
+from typing import Any
 
 from runner.tracking import metrics as m
 from runner.tracking import tags as tag
@@ -16,6 +15,7 @@ from runner.tracking import tags as tag
 # model's parameter count, the global batch, the dataset's sizes): never listed as what varies
 # between runs.
 ACCUMULATE = "trainer.accumulate_grad_batches"
+GLOBAL_BATCH = "trainer.global_batch_size"  # (logged by the run: runner.run.app.run_record)
 SHOWN_PARAMS = (
     "model.name",
     "model.arch",
@@ -29,7 +29,7 @@ DERIVED_PARAMS = (
     "model.num_parameters",
     m.BATCHNORM_LAYERS,
     m.FLOPS_PER_SAMPLE,
-    "trainer.global_batch_size",
+    GLOBAL_BATCH,
     "data.train_size",
     "data.val_size",
     "mlflow.run_name",
@@ -109,29 +109,18 @@ def baseline_keys(runs: Sequence[Any]) -> list[str]:
 
 
 def distance(base: Mapping[str, Any], run: Mapping[str, Any]) -> tuple[bool, ...]:
-    """How far an O0 run of `run`'s group (params `base`) is from its baseline, to sort them
-    (False, the same, first): whether its seeds differ, then its optimizer, the samples a step
-    learns from (as `trainer.global_batch_size` counts them), its batch size, the batches a step
-    sums. An O2 run of batch 256 compares with an O0 of 256 where one ran, else with the O0 of
-    64 x 4 that fit."""
+    """How far an O0 run of `run`'s group (params `base`) is from its baseline, to sort them (False,
+    the same, first): whether its seeds differ, then its optimizer, the samples a step learns from
+    (the logged `trainer.global_batch_size`: batch size x batches a step x processes), its batch
+    size, the batches a step sums. An O2 run of batch 256 compares with an O0 of 256 where one ran,
+    else with the O0 of 64 x 4 that fit."""
     return (
         any(base.get(k) != run.get(k) for k in SEED_PARAMS),
         base.get("optimizer.name") != run.get("optimizer.name"),
-        _step_samples(base) != _step_samples(run),
+        base.get(GLOBAL_BATCH) != run.get(GLOBAL_BATCH),
         base.get("trainer.batch_size") != run.get("trainer.batch_size"),
         str(base.get(ACCUMULATE, 1)) != str(run.get(ACCUMULATE, 1)),
     )
-
-
-def _step_samples(params: Mapping[str, Any]) -> Optional[int]:
-    """The samples a step of a run learns from: its batch size x the batches a step sums x its
-    processes (None: it logged no batch size)."""
-    try:
-        factors = [params["trainer.batch_size"], params.get(ACCUMULATE, 1)]
-        factors.append(params.get("distributed.world_size", 1))
-        return math.prod(int(f) for f in factors)
-    except (KeyError, TypeError, ValueError):
-        return None
 
 
 def display_names(runs: Sequence[Any]) -> dict[str, str]:

@@ -802,6 +802,7 @@ def test_an_o2_batch_compares_with_the_o0_that_accumulated_it(tracking_uri, tmp_
             "precision.opt_level": level,
             "trainer.batch_size": str(batch),
             "trainer.accumulate_grad_batches": str(accumulate),
+            "trainer.global_batch_size": str(batch * accumulate),  # (as a run logs it)
         }
         name = f"tiny-{level}-{batch}" + (f"x{accumulate}" if accumulate > 1 else "")
         with tracker.start_run(name, params, {PARENT_RUN_TAG: parent.run_id}) as run:
