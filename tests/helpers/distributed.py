@@ -45,15 +45,21 @@ def torchrun_command(nproc: int, *entry: str) -> list[str]:
 
 
 def start_torchrun(
-    nproc: int, args: list[str], cwd: Path, script: str | None = None, **streams: Any
+    nproc: int,
+    args: list[str],
+    cwd: Path,
+    script: str | None = None,
+    env: dict[str, str] | None = None,
+    **streams: Any,
 ) -> subprocess.Popen:
     """`torchrun --nproc_per_node=nproc -m runner ARGS` (or a script) started, not waited for,
-    in a session of its own (`os.killpg` ends it all); `streams`: Popen's stdout and stderr."""
+    in a session of its own (`os.killpg` ends it all); `env`: variables added to its
+    environment; `streams`: Popen's stdout and stderr."""
     target = [script] if script else ["-m", "runner"]
     return subprocess.Popen(
         torchrun_command(nproc, *target, *args),
         cwd=cwd,
-        env=torchrun_env(),
+        env=dict(torchrun_env(), **(env or {})),
         text=True,
         start_new_session=True,
         **streams,

@@ -154,10 +154,3 @@ def read_until(proc: subprocess.Popen, text: str, timeout: float = 240) -> list[
         if text in line or time.monotonic() > deadline:
             break
     return seen
-
-
-def epoch_seconds(output: str) -> list[float]:
-    """Each epoch's training time, from a run's log lines (`epoch 2/3: ...  1.84 s  ...`)."""
-    import re
-
-    return [float(t) for t in re.findall(r"epoch \d+/\d+: .*?  ([\d.]+) s  ", output)]

@@ -3,6 +3,9 @@ it had never been interrupted.
 
 The three kills: (1) once its MLflow run exists, before the first checkpoint; (2) in the middle of
 epoch 2 (its last checkpoint is epoch 1's); (3) right after the checkpoint of epoch 2 is written.
+Each kill comes while the process is held at a known sample (tests.helpers.held_data), not after
+a guessed sleep: an epoch is half a second, and a third of one overshot epoch 2 on a loaded CI
+machine.
 After the last resume: every metric of the run has the history of an uninterrupted run with the
 same config, point for point (a resumed epoch logs again the steps the killed process had already
 sent, with the same values: CPU, `num_workers=0`, so bit for bit); exactly one FINISHED run of
@@ -15,24 +18,23 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import time
 
 import pytest
 from mlflow.tracking import MlflowClient
 
 from runner.run import checkpoint
 from runner.tracking import tags as tag
-from tests.helpers.runs import epoch_seconds, read_until, run_cli, start_cli
+from tests.helpers.held_data import HELD, HOLD_AFTER
+from tests.helpers.runs import read_until, run_cli, start_cli
 from tests.helpers.store import metric_history
 
 EPOCHS = 3
+SAMPLES = 1536  # an epoch's
 CONFIG = [
     "model=tiny",
-    "data=synthetic",
-    "data.num_train=1536",
-    "data.num_val=64",
-    "data.image_size=16",
+    "data=custom",
+    "data._target_=tests.helpers.held_data.held_datasets",
+    f"+data.num_train={SAMPLES}",
     "trainer.batch_size=32",
     f"trainer.max_epochs={EPOCHS}",
     "trainer.num_workers=0",
@@ -44,15 +46,14 @@ CONFIG = [
 ]
 
 
-# metrics that depend on the clock or the machine's memory, not on the training
-def kill(proc: subprocess.Popen, after: str, seen: list[str], epoch_s: float = 0.0) -> None:
-    """SIGKILL `proc` once it has printed `after`, or with `epoch_s` a third of an epoch later
-    (the shorter of `epoch_s` and the epoch `proc` has just run)."""
-    lines = read_until(proc, after)
+def kill_held(args: list[str], cwd, at: int, after: str, seen: list[str]) -> None:
+    """Start the run, and SIGKILL it while its dataset holds it at training sample `at` (counted
+    in this process), once it has printed `after` before that."""
+    proc = start_cli(*args, cwd=cwd, env={HOLD_AFTER: str(at)})
+    lines = read_until(proc, HELD)
     seen.extend(lines)
-    assert lines and after in lines[-1], "".join(seen)[-3000:]
-    if epoch_s:
-        time.sleep(min([epoch_s, *epoch_seconds("".join(lines))]) / 3)
+    said = "".join(lines)
+    assert lines and HELD in lines[-1] and after in said, "".join(seen)[-3000:]
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL, "".join(seen)[-3000:]
@@ -64,27 +65,22 @@ def test_a_run_killed_three_times_resumes_to_the_uninterrupted_history(tmp_path)
     args = [*CONFIG, f"mlflow.tracking_uri={uri}"]
     reference = run_cli(*args, "mlflow.run_name=reference", cwd=tmp_path)
     assert reference.returncode == 0, (reference.stdout + reference.stderr)[-3000:]
-    # a third of an epoch after epoch 1's checkpoint is well inside epoch 2, even when the
-    # machine is busier or idler than it was for the reference (half of epoch 1's time overshot
-    # epoch 2 on a loaded CPU): the shortest of the uninterrupted run's epochs (the first one
-    # includes warm-up) or of this run's first, whichever is shorter (an idler machine now)
-    epoch_s = min(epoch_seconds(reference.stdout + reference.stderr))
 
     chaos = [*args, "mlflow.run_name=chaos", "resume=auto"]
     folder = tmp_path / "checkpoints" / "amp-runner" / "chaos"
     seen: list[str] = []
 
-    # 1. the MLflow run exists, no checkpoint yet
-    kill(start_cli(*chaos, cwd=tmp_path), "MLflow run", seen)
+    # 1. the MLflow run exists, no checkpoint yet: held at epoch 1's 100th sample
+    kill_held(chaos, tmp_path, 100, "MLflow run", seen)
     assert not list(folder.glob("*/last.pt")), "the first kill came after a checkpoint"
 
-    # 2. mid-epoch 2: a third of an epoch after epoch 1's checkpoint
-    kill(start_cli(*chaos, cwd=tmp_path), "(after epoch 1)", seen, epoch_s=epoch_s)
+    # 2. mid-epoch 2 (this process trains from the start): a third into it
+    kill_held(chaos, tmp_path, SAMPLES + SAMPLES // 3, "(after epoch 1)", seen)
     (path,) = folder.glob("*/last.pt")
     assert checkpoint.load(path)["epoch"] == 1, "the second kill missed epoch 2"
 
-    # 3. right after epoch 2's checkpoint
-    kill(start_cli(*chaos, cwd=tmp_path), "(after epoch 2)", seen)
+    # 3. right after epoch 2's checkpoint (this process resumes at epoch 2): epoch 3's 10th sample
+    kill_held(chaos, tmp_path, SAMPLES + 10, "(after epoch 2)", seen)
     assert checkpoint.load(path)["epoch"] == 2
 
     last = run_cli(*chaos, cwd=tmp_path)
@@ -109,6 +105,6 @@ def test_a_run_killed_three_times_resumes_to_the_uninterrupted_history(tmp_path)
     want = metric_history(client, straight)
     assert {"train_loss", "val_acc", "val_loss"} <= set(want)
     assert metric_history(client, finished) == want
-    assert max(want["train_loss"]) == EPOCHS * 1536 // 32  # every step of every epoch is there
+    assert max(want["train_loss"]) == EPOCHS * SAMPLES // 32  # every step of every epoch is there
     assert not [p for p in tmp_path.rglob("*.tmp")], "a temporary checkpoint was left behind"
     assert os.path.getsize(path) > 0

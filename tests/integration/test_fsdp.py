@@ -30,7 +30,7 @@ from runner.errors import ConfigError
 from runner.run import app, fsdp
 from runner.run.plan import default_run_name, make_plan
 from tests.helpers.distributed import COMMON, start_torchrun, torchrun
-from tests.helpers.runs import HELPERS, compose_config, epoch_seconds
+from tests.helpers.runs import HELPERS, compose_config
 
 TORCHRUN_ENV = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
 
@@ -420,21 +420,23 @@ def test_transformers_shard_their_blocks_and_train_like_one_process(tmp_path, na
 def test_a_rank_killed_mid_epoch_resumes_to_the_uninterrupted_history(tmp_path):
     """kill -9 of rank 1 in the middle of epoch 2 (torchrun then ends the other rank); resume=auto
     continues from epoch 1's checkpoint, and the run's metric history is the uninterrupted run's,
-    point for point (a step logged twice holds the same value both times)."""
+    point for point (a step logged twice holds the same value both times). The kill comes while
+    the ranks' datasets hold them a third into epoch 2 (tests.helpers.held_data), not after a
+    guessed sleep."""
     import signal
-    import time
 
     import psutil
 
+    from tests.helpers.held_data import HELD, HOLD_AFTER
     from tests.helpers.store import metric_history
 
     store = f"mlflow.tracking_uri=sqlite:///{tmp_path}/mlflow.db"
+    per_rank = 1024 // 2  # a rank's samples an epoch
     base = [
         "model=tiny_gn",
-        "data=synthetic",
-        "data.num_train=1024",
-        "data.num_val=64",
-        "data.image_size=16",
+        "data=custom",
+        "data._target_=tests.helpers.held_data.held_datasets",
+        "+data.num_train=1024",
         "trainer.batch_size=16",
         "trainer.max_epochs=3",
         "trainer.num_workers=0",
@@ -447,20 +449,20 @@ def test_a_rank_killed_mid_epoch_resumes_to_the_uninterrupted_history(tmp_path):
     ]
     reference = torchrun(2, [*base, "mlflow.run_name=reference"], tmp_path)
     assert reference.returncode == 0, reference.stdout[-3000:] + reference.stderr[-3000:]
-    epoch_s = min(epoch_seconds(reference.stdout + reference.stderr))
 
     chaos = [*base, "mlflow.run_name=chaos", "resume=auto"]
-    agent = start_torchrun(2, chaos, tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    hold = {HOLD_AFTER: str(per_rank + per_rank // 3)}
+    agent = start_torchrun(
+        2, chaos, tmp_path, env=hold, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
     try:
         seen = []
         for line in agent.stdout:
             seen.append(line)
-            if "(after epoch 1)" in line:
+            if HELD in line:
                 break
-        assert "(after epoch 1)" in "".join(seen), "".join(seen)[-3000:]
-        # (a third of an epoch into epoch 2: of the reference's shortest or of this run's first,
-        # whichever is shorter, so that a machine idler now than then is still inside it)
-        time.sleep(min([epoch_s, *epoch_seconds("".join(seen))]) / 3)
+        said = "".join(seen)
+        assert HELD in said and "(after epoch 1)" in said, said[-3000:]
         ranks = [
             p
             for p in psutil.Process(agent.pid).children(recursive=True)

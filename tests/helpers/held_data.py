@@ -1,0 +1,60 @@
+"""A dataset that stops a run at a chosen sample, so that a test kills it at a known point of its
+training instead of after a guessed sleep (a third of an epoch of half a second overshot the
+epoch on a loaded CI machine).
+
+`data=custom data._target_=tests.helpers.held_data.held_datasets`; with `AMP_TEST_HOLD_AFTER=N`
+in a process's environment its training set, at its N-th read in that process, prints
+`HELD` (and N) and blocks until the process is killed. Without the variable it is an ordinary
+dataset: the reference run and the resumed ones read the same samples, so histories compare.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+from torch.utils.data import Dataset
+
+HOLD_AFTER = "AMP_TEST_HOLD_AFTER"
+HELD = "held after training sample"  # what a held process prints
+HOLD_AT_MOST_S = 600.0  # a test that never kills it does not leave the process behind forever
+
+
+class HeldSamples(Dataset):
+    """`n` 3 x size x size images of `num_classes` classes (a class's own pattern plus noise:
+    learnable; the same patterns in every split, the samples drawn with `seed`), each read
+    counted in this process."""
+
+    def __init__(self, n: int, size: int, num_classes: int, seed: int, hold_after: int | None):
+        patterns = torch.randn(
+            num_classes, 3, size, size, generator=torch.Generator().manual_seed(0)
+        )
+        generator = torch.Generator().manual_seed(seed)
+        self.y = torch.randint(0, num_classes, (n,), generator=generator)
+        self.x = patterns[self.y] + torch.randn(n, 3, size, size, generator=generator)
+        self.classes = [str(c) for c in range(num_classes)]
+        self.hold_after = hold_after
+        self.reads = 0
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, index: int):
+        self.reads += 1
+        if self.reads == self.hold_after:
+            print(f"{HELD} {self.reads}", flush=True)
+            time.sleep(HOLD_AT_MOST_S)
+            raise RuntimeError(f"held {HOLD_AT_MOST_S:.0f} s and not killed")
+        return self.x[index], self.y[index]
+
+
+def held_datasets(
+    num_train: int = 1536, num_val: int = 64, image_size: int = 16, num_classes: int = 10
+):
+    """(train, val); the training set holds at the read `AMP_TEST_HOLD_AFTER` names, if set."""
+    hold = os.environ.get(HOLD_AFTER)
+    return (
+        HeldSamples(num_train, image_size, num_classes, 1, int(hold) if hold else None),
+        HeldSamples(num_val, image_size, num_classes, 2, None),
+    )
