@@ -261,16 +261,21 @@ def measure(
     """`steps` training steps of `trainer` (fp32: an O0 engine), every one diagnosed in every
     format (`inputs`: the layers' inputs too; `layers`: model -> the layers to probe, default
     the leaves with parameters); returns their layer records (scale 1: the gradients as an fp32
-    run stores them)."""
+    run stores them). A step is the run's: with `trainer.accumulate_grad_batches` k, k batches,
+    the first observed, its gradients those of its loss divided by k as the run's are (k times
+    smaller than one batch's alone, so k times nearer underflow)."""
     diagnostics = RunDiagnostics(
         1, list(diag.FORMATS.values()), folder, inputs=inputs, layers=layers
     )
     trainer.instruments = trainer.instrument(diagnostics, audit=False)  # (fp32: no audit)
     trainer.model.train()
     records = []
-    for x, y in islice(iter(trainer.train_loader), steps):
-        x, y = trainer._to_device(x, y)
-        loss = trainer.train_step(x, y)
+    batches, k = iter(trainer.train_loader), trainer.cfg.accumulate_grad_batches
+    for _ in range(steps):
+        group = [trainer._to_device(x, y) for x, y in islice(batches, k)]
+        if not group:
+            break
+        loss = trainer.train_step(*group[0], *group[1:])
         trainer.global_step += 1
         records += diagnostics.last
         if echo:

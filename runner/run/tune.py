@@ -219,10 +219,14 @@ def _decide(
     if steps is None:
         steps = estimated_steps(plan, load=mode == "auto", world_size=world_size)
     if mode == "auto" and steps is not None and steps < AUTO_MIN_STEPS:
+        # (it times steps of one batch: a step that accumulates several counts each)
+        k = plan.cfg.trainer.accumulate_grad_batches
+        counted = "steps" if k == 1 else f"batches ({k} a step, trainer.accumulate_grad_batches)"
         log.info(
-            "trainer.tune=auto: not tuned: %d training steps are too few to repay tuning "
+            "trainer.tune=auto: not tuned: %d training %s are too few to repay tuning "
             "(it needs %d; trainer.tune=on tunes anyway)",
             steps,
+            counted,
             AUTO_MIN_STEPS,
         )
         return None

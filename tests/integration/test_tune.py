@@ -215,6 +215,16 @@ def test_auto_skips_a_short_run_with_a_message(caplog):
     assert "trainer.tune=auto: not tuned: 6 training steps are too few" in caplog.text
 
 
+def test_auto_counts_batches_where_a_step_accumulates_several(caplog):
+    """With trainer.accumulate_grad_batches=2 the run's 6 batches are 3 steps; tuning times
+    steps of one batch, so it weighs the 6 and says that they are batches (it said "6 training
+    steps")."""
+    caplog.set_level("INFO", logger="runner.run.tune")
+    assert tuned(*FAST, "trainer.accumulate_grad_batches=2")[1] is None
+    said = "not tuned: 6 training batches (2 a step, trainer.accumulate_grad_batches) are too few"
+    assert said in caplog.text
+
+
 def test_auto_counts_a_language_models_steps_in_sequences_not_tokens(caplog):
     """data=synthetic_text's num_train counts tokens: 70,000 of them in sequences of 1,024 make
     68 sequences, 2 steps of 64 (not 70,000 samples, 1,094 steps, worth tuning)."""

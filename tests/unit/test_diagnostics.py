@@ -392,6 +392,30 @@ def test_the_preflight_recommends_loss_scaling_for_small_gradients(tmp_path):
     assert f"precision.loss_scale={result.loss_scale:g}" in text
 
 
+def test_a_step_of_accumulated_batches_is_measured_as_the_run_divides_its_loss(tmp_path):
+    """With trainer.accumulate_grad_batches=2 a run's step is two batches, each loss halved
+    before its backward: the gradients the half type holds are half of one batch's alone. The
+    pre-flight measured one batch's undivided loss, a binade (a factor k) farther from underflow
+    than the run stands."""
+    from runner.run import autoplan
+
+    def first_step(k: int) -> dict:
+        torch.manual_seed(0)
+        trainer, _ = make_trainer("O0", {}, batch_size=8, accumulate_grad_batches=k)
+        folder = tmp_path / str(k)
+        folder.mkdir()
+        records = autoplan.measure(trainer, 1, folder, echo=False)
+        assert trainer.global_step == 1
+        grads = (ACTIVATION_GRAD, WEIGHT_GRAD)
+        return {(r.layer, r.kind): r.stats for r in records if r.kind in grads}
+
+    alone, halved = first_step(1), first_step(2)
+    assert alone and alone.keys() == halved.keys()
+    for key, stats in alone.items():  # (x 0.5 is exact: every value one binade lower)
+        assert halved[key].bins[:-1] == stats.bins[1:], key
+        assert sum(halved[key].bins) + halved[key].below == sum(stats.bins) + stats.below, key
+
+
 class WideGradients(nn.Module):
     """A CNN whose `wide` Linear layer's output gradients span 2^40: half of them are 1e-12 of
     the others, below e5m2's range (30 binades) even with the tensor scaled to its own max."""
