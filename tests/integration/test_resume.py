@@ -20,6 +20,7 @@ from runner.run import app, checkpoint
 from runner.run.interrupts import RunInterrupted, StopRequest
 from runner.run.plan import make_plan
 from runner.run.trainer import RunContext, Trainer, trainer_config
+from tests.helpers.held_data import HELD, HOLD_AFTER
 from tests.helpers.resume import last_checkpoint, settings, straight_and_resumed
 from tests.helpers.runs import compose_config, read_until, run_cli, start_cli
 from tests.helpers.store import history, runs_by_name
@@ -269,12 +270,26 @@ def test_a_run_another_process_resumes_is_not_resumed_twice(tmp_path):
 @pytest.mark.slow
 def test_a_run_whose_first_session_still_trains_is_not_resumed(tmp_path):
     """`resume=auto` while the run's own first session still trains (its epoch-1 checkpoint
-    written): refused, naming the live process, instead of a second process training the run."""
-    args = settings(tmp_path, "data.num_train=30000", "trainer.max_epochs=3")
-    first = start_cli(*args, cwd=tmp_path)
+    written): refused, naming the live process, instead of a second process training the run.
+    The first session is held in epoch 2 by its dataset (tests.helpers.held_data): it was an
+    epoch of 30,000 samples, 100 s on a loaded machine."""
+    args = [
+        "model=tiny",
+        "data=custom",
+        "data._target_=tests.helpers.held_data.held_datasets",
+        "+data.num_train=256",
+        "trainer.batch_size=32",
+        "trainer.max_epochs=3",
+        "trainer.num_workers=0",
+        "trainer.progress_bar=false",
+        f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+        f"trainer.checkpoint_dir={tmp_path / 'checkpoints'}",
+    ]
+    first = start_cli(*args, cwd=tmp_path, env={HOLD_AFTER: str(256 + 10)})
     try:
-        seen = read_until(first, "Checkpoint: ")
-        assert any("Checkpoint: " in line for line in seen), "".join(seen)[-3000:]
+        seen = read_until(first, HELD)
+        said = "".join(seen)
+        assert HELD in said and "Checkpoint: " in said, said[-3000:]
         with pytest.raises(ConfigError) as refused:
             app.run(compose_config(*args, "resume=auto"))
         said = str(refused.value)
