@@ -63,8 +63,8 @@ class CheckpointUnwritable(RunnerError):
 
 
 class WorkerKilled(RunnerError):
-    """A DataLoader worker was ended by memory (the OOM killer, or shared memory run out): the
-    message says which and what to change (runner.run.out_of_memory)."""
+    """A DataLoader worker was ended by memory (the OOM killer, or shared memory run out) or by
+    another process: the message says which and what to do (runner.run.out_of_memory)."""
 
 
 class PeersLost(RunnerError):

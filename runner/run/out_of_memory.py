@@ -18,7 +18,8 @@ alone, and torch then raises "DataLoader worker (pid N) is killed by signal: Kil
 traceback that says nothing of memory. `guarded` turns that into `WorkerKilled` where the
 machine's count of OOM kills (/proc/vmstat) grew during the call, and a worker's bus error
 (the shared memory the workers hand their batches over, /dev/shm, run out: a container's
-default is 64 MB) likewise; a worker that crashed any other way is left as it is (a bug).
+default is 64 MB) likewise; a SIGKILL or SIGTERM without an OOM kill counted is said to come
+from outside the run. A worker that crashed any other way is left as it is (a bug).
 """
 
 from __future__ import annotations
@@ -170,12 +171,16 @@ _WORKER_DIED = re.compile(
     r"(?:is killed by signal: ([^.]+)\.|exited unexpectedly)"
 )
 SHM = "/dev/shm"
+# the signals only another process sends a worker, by torch's (strsignal's) name for them
+OUTSIDE = {"Killed": "SIGKILL", "Terminated": "SIGTERM"}
 
 
 def worker_killed(error: BaseException, oom_kills_since: int) -> Optional[str]:
     """What a DataLoader worker's death (`error`, torch's RuntimeError) was, where memory ended
     it: the OOM killer (`oom_kills_since`: processes it ended on this machine during the call)
-    or a bus error (shared memory run out); None for any other error or death."""
+    or a bus error (shared memory run out); or where another process did (SIGKILL or SIGTERM,
+    no OOM kill counted). None for any other error or death (a crash of the worker's own: a
+    segmentation fault, an abort)."""
     found = _WORKER_DIED.search(str(error)) if isinstance(error, RuntimeError) else None
     if found is None:
         return None
@@ -201,6 +206,14 @@ def worker_killed(error: BaseException, oom_kills_since: int) -> Optional[str]:
             "trainer.num_workers workers is a process with memory of its own (what the dataset "
             "holds, its batches in flight): fewer workers, a smaller trainer.batch_size, or a "
             "machine with more memory"
+        )
+    if by in OUTSIDE:  # (no bug of the run's: its traceback would say nothing)
+        return (
+            f"{worker} was killed ({OUTSIDE[by]}) from outside the run: the kernel's OOM killer "
+            "ended no process on this machine meanwhile, so another process sent it (a kill, a "
+            "job scheduler, a container's memory limit the machine's count does not show). "
+            "Were it memory: fewer workers (trainer.num_workers), a smaller "
+            "trainer.batch_size. resume=auto continues the run from its last checkpoint"
         )
     return None
 

@@ -139,25 +139,36 @@ def test_a_step_too_big_for_the_gpu_is_one_line_and_the_memory_is_handed_back(tm
 
 
 @pytest.mark.slow
-def test_a_worker_whose_shared_memory_ran_out_is_one_line_and_a_failed_run(tmp_path):
+@pytest.mark.parametrize(
+    "signum, said, advice",
+    [
+        (signal.SIGBUS, "crashed with a bus error", "--shm-size"),
+        (signal.SIGKILL, "was killed (SIGKILL) from outside the run", "resume=auto continues"),
+    ],
+)
+def test_a_worker_killed_or_out_of_shared_memory_is_one_line_and_a_failed_run(
+    tmp_path, signum, said, advice
+):
     """A DataLoader worker that dies of a bus error (what a container's 64 MB /dev/shm gives when
     the batches in flight outgrow it; here a real SIGBUS to a real worker) ended the run with
-    torch's "killed by signal: Bus error" and a traceback, exit 1. Now one line says what it
-    most likely is and what to change; the run is FAILED with it, exit 2."""
+    torch's "killed by signal: Bus error" and a traceback, exit 1; one killed by another process
+    (kill -9, no OOM kill counted) with "The run failed with an unexpected error" and a
+    traceback. Now one line says what it most likely is and what to do; the run is FAILED with
+    it, exit 2."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     args = [*FAST, "data.num_train=20000", "trainer.num_workers=2", f"mlflow.tracking_uri={uri}"]
     proc = start_cli(*args, "trainer.max_epochs=1", cwd=tmp_path)
     seen = read_until(proc, "What ran where, step 1")  # the workers are up and feeding
     workers = psutil.Process(proc.pid).children()
     assert workers, "".join(seen)
-    workers[0].send_signal(signal.SIGBUS)
+    workers[0].send_signal(signum)
     rest, _ = proc.communicate(timeout=180)
     output = "".join(seen) + rest
     assert proc.returncode == 2, output[-3000:]
-    said = f"A DataLoader worker (pid {workers[0].pid}) crashed with a bus error"
-    assert said in output and "--shm-size" in output and "Traceback" not in output
-    # (after step 1 or, where the death is seen inside it, "at the start")
-    assert "while it was read (tiny at O0, trainer.batch_size=32, " in output
+    said = f"A DataLoader worker (pid {workers[0].pid}) {said}"
+    assert said in output and advice in output and "Traceback" not in output, output[-3000:]
+    # the sizes it ran at (after step 1 or, where the death is seen inside it, "at the start")
+    assert " (tiny at O0, trainer.batch_size=32, " in output
     (run,) = MlflowClient(uri).search_runs(["1"])
     assert run.info.status == "FAILED" and run.data.tags["error"].startswith(
         f"WorkerKilled: {said}"

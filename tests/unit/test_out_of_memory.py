@@ -86,22 +86,31 @@ GONE = "DataLoader worker (pid(s) 4242, 4243) exited unexpectedly"
             0,
             "A DataLoader worker (pid 7) crashed with a bus error",
         ),
-        (KILLED, 0, None),  # a kill -9 from outside, not memory: the error as it is
-        (GONE, 0, None),
+        (KILLED, 0, "A DataLoader worker (pid 4242) was killed (SIGKILL) from outside the run"),
+        (
+            "DataLoader worker (pid 7) is killed by signal: Terminated. ",
+            0,
+            "A DataLoader worker (pid 7) was killed (SIGTERM) from outside the run",
+        ),
+        (GONE, 0, None),  # (no signal known, no OOM kill: nothing to say of it)
         ("DataLoader worker (pid 7) is killed by signal: Segmentation fault. ", 3, None),  # a bug
         ("mat1 and mat2 shapes cannot be multiplied", 3, None),
     ],
 )
 def test_a_worker_ended_by_memory_is_told_apart(text, oom_kills, said):
     """torch's words for a worker that died, by what memory did to it: the OOM killer (its
-    machine-wide count grew meanwhile) or shared memory run out (a bus error); any other death
-    keeps torch's error and traceback."""
+    machine-wide count grew meanwhile) or shared memory run out (a bus error); a kill from
+    outside without an OOM kill (it raised torch's error with a traceback, "an unexpected
+    error"); a crash of the worker's own keeps torch's error and traceback."""
     found = out_of_memory.worker_killed(RuntimeError(text), oom_kills)
     if said is None:
         assert found is None
         return
     assert found.startswith(said)
-    if oom_kills:
+    if "from outside" in said:
+        assert "the kernel's OOM killer ended no process" in found
+        assert "resume=auto continues the run" in found
+    elif oom_kills:
         assert f"ended {oom_kills} process(es) on this machine during the run" in found
         assert "fewer workers, a smaller trainer.batch_size" in found
     else:
