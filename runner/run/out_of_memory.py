@@ -175,12 +175,12 @@ SHM = "/dev/shm"
 OUTSIDE = {"Killed": "SIGKILL", "Terminated": "SIGTERM"}
 
 
-def worker_killed(error: BaseException, oom_kills_since: int) -> Optional[str]:
+def worker_killed(error: BaseException, oom_kills_since: Optional[int]) -> Optional[str]:
     """What a DataLoader worker's death (`error`, torch's RuntimeError) was, where memory ended
-    it: the OOM killer (`oom_kills_since`: processes it ended on this machine during the call)
-    or a bus error (shared memory run out); or where another process did (SIGKILL or SIGTERM,
-    no OOM kill counted). None for any other error or death (a crash of the worker's own: a
-    segmentation fault, an abort)."""
+    it: the OOM killer (`oom_kills_since`: processes it ended on this machine during the call;
+    None where the machine does not show its count) or a bus error (shared memory run out); or
+    where another process did (SIGKILL or SIGTERM, no OOM kill counted). None for any other
+    error or death (a crash of the worker's own: a segmentation fault, an abort)."""
     found = _WORKER_DIED.search(str(error)) if isinstance(error, RuntimeError) else None
     if found is None:
         return None
@@ -198,7 +198,7 @@ def worker_killed(error: BaseException, oom_kills_since: int) -> Optional[str]:
             "loads in this process); where it is large, a file the dataset maps into memory "
             "may have shrunk while it was read"
         )
-    if (by is None or by == "Killed") and oom_kills_since > 0:
+    if (by is None or by == "Killed") and (oom_kills_since or 0) > 0:
         how = "was killed (SIGKILL)" if by else "exited unexpectedly"
         return (
             f"{worker} {how}: the kernel's OOM killer ended {oom_kills_since} process(es) on "
@@ -208,11 +208,21 @@ def worker_killed(error: BaseException, oom_kills_since: int) -> Optional[str]:
             "machine with more memory"
         )
     if by in OUTSIDE:  # (no bug of the run's: its traceback would say nothing)
+        if oom_kills_since is None:  # (no /proc/vmstat to read)
+            who = (
+                f"{worker} was killed ({OUTSIDE[by]}): by the kernel's OOM killer, out of "
+                "memory, or by another process (a kill, a job scheduler); this machine does not "
+                "show its count of OOM kills"
+            )
+        else:
+            who = (
+                f"{worker} was killed ({OUTSIDE[by]}) from outside the run: the kernel's OOM "
+                "killer ended no process on this machine meanwhile, so another process sent it "
+                "(a kill, a job scheduler, a container's memory limit the machine's count does "
+                "not show)"
+            )
         return (
-            f"{worker} was killed ({OUTSIDE[by]}) from outside the run: the kernel's OOM killer "
-            "ended no process on this machine meanwhile, so another process sent it (a kill, a "
-            "job scheduler, a container's memory limit the machine's count does not show). "
-            "Were it memory: fewer workers (trainer.num_workers), a smaller "
+            f"{who}. Were it memory: fewer workers (trainer.num_workers), a smaller "
             "trainer.batch_size. resume=auto continues the run from its last checkpoint"
         )
     return None
@@ -312,7 +322,7 @@ def _told(
         )
     with _sigchld_held():
         now = oom_kills()
-        since = now - kills if now is not None and kills is not None else 0
+        since = now - kills if now is not None and kills is not None else None
         killed = worker_killed(_worker_death(error), since)
         # (no phase: torch's SIGCHLD handler raises wherever the main process then is)
         return None if killed is None else (f"{killed} ({sizes()}).", WorkerKilled)

@@ -92,7 +92,9 @@ GONE = "DataLoader worker (pid(s) 4242, 4243) exited unexpectedly"
             0,
             "A DataLoader worker (pid 7) was killed (SIGTERM) from outside the run",
         ),
+        (KILLED, None, "A DataLoader worker (pid 4242) was killed (SIGKILL): by the kernel's"),
         (GONE, 0, None),  # (no signal known, no OOM kill: nothing to say of it)
+        (GONE, None, None),
         ("DataLoader worker (pid 7) is killed by signal: Segmentation fault. ", 3, None),  # a bug
         ("mat1 and mat2 shapes cannot be multiplied", 3, None),
     ],
@@ -109,6 +111,9 @@ def test_a_worker_ended_by_memory_is_told_apart(text, oom_kills, said):
     assert found.startswith(said)
     if "from outside" in said:
         assert "the kernel's OOM killer ended no process" in found
+        assert "resume=auto continues the run" in found
+    elif oom_kills is None:  # (no /proc/vmstat: either may have killed it)
+        assert "or by another process" in found and "does not show its count" in found
         assert "resume=auto continues the run" in found
     elif oom_kills:
         assert f"ended {oom_kills} process(es) on this machine during the run" in found
