@@ -355,11 +355,20 @@ def _measure_all(
     ones look faster and each expected to take as long. A candidate that changes the memory
     layout (channels_last) is expected to pay cuDNN's search again."""
     started = time.perf_counter()
+    log.info(
+        "trainer.tune: timing the untuned settings on a copy of the run, then candidates for %s",
+        ", ".join(free),
+    )
     prime = measure(plan, {}, device)
     start = time.perf_counter()
     base = measure(plan, {}, device)
     rows = [base]
     budget = _budget_s(plan, steps, base)
+    log.info(
+        "trainer.tune: untuned: %s; the candidates within %.0f s (trainer.tune_budget_s)",
+        _timed(base),
+        budget,
+    )
     # the longest a candidate took, by kind; the search a new layout costs (over-estimated by
     # the process's first work, which the first step of the untimed run also held)
     costs = {"eager": time.perf_counter() - start}
@@ -392,8 +401,18 @@ def _measure_all(
         took -= row.warmup_s if kind == "eager" and search else 0.0  # (its layout's search)
         costs[kind] = max(costs.get(kind, 0.0), took)
         refuse_if_loss_differs(row, base.loss, tol)
+        if row.note:  # (refused: its first-step loss differs)
+            log.info("trainer.tune: %s %s", _named(trial), row.note)
+        else:
+            log.info("trainer.tune: %s: %s", _named(trial), _timed(row))
         rows.append(row)
     return rows, budget
+
+
+def _timed(row: Row) -> str:
+    """A measured row in a progress line: its steady step, and its compile where it had one."""
+    said = f"{row.steady_ms:.1f} ms a steady step" if row.steady_ms is not None else "not timed"
+    return said + (f" (compiled in {row.compile_s:.1f} s)" if row.compile_s else "")
 
 
 def _measured(plan: RunPlan, trial: Mapping[str, Any], device: torch.device) -> Row:

@@ -28,6 +28,7 @@ fetches here draw the base seed from torch's generator, which the caller puts ba
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
@@ -40,6 +41,8 @@ from omegaconf import OmegaConf
 from runner.measure.probes import synchronize
 from runner.run.plan import RunPlan
 from runner.run.tune_measure import BUDGET_NOTE, MARGIN, Row
+
+log = logging.getLogger(__name__)
 
 WORKERS, PIN = "trainer.num_workers", "trainer.pin_memory"
 KEYS = (WORKERS, PIN)  # the tunable keys this module decides
@@ -108,6 +111,8 @@ def measure(
         return []
     from runner.components.data import build_datasets
 
+    keys = [key for key, tried in ((WORKERS, workers), (PIN, pin)) if tried]
+    log.info("trainer.tune: timing the data loader for %s", ", ".join(keys))
     bundle = build_datasets(plan.cfg.data, plan.specs.get("data"))
 
     def timed(settings: dict[str, Any]) -> Row:

@@ -67,6 +67,28 @@ def test_a_given_setting_is_kept_and_a_second_run_reuses_the_decision(cache):
     assert third.source == "measured"
 
 
+def test_measuring_says_what_it_times_as_it_goes(tmp_path, cache, caplog):
+    """Tuning took a minute on ResNet-18 (CPU) without a word between the precision table and
+    its decision: it says what it times, then each candidate's step as it is measured."""
+    caplog.set_level("INFO", logger="runner.run")
+    _, tuning = tuned(*images(tmp_path), "trainer.tune=on")
+    said = caplog.text
+    assert (
+        "trainer.tune: timing the untuned settings on a copy of the run, then candidates for "
+        in said
+    )
+    assert f"trainer.tune: untuned: {tuning.rows[0].steady_ms:.1f} ms a steady step" in said
+    assert said.index("trainer.tune: untuned:") < said.index("trainer.tune (measured")
+    candidates = tuning.rows[1:]
+    assert candidates
+    for row in candidates:  # (one skipped or refused says why, as before)
+        told = f" {row.note}" if row.note else f": {row.steady_ms:.1f} ms a steady step"
+        assert f"trainer.tune: {tune._named(row.settings)}{told}" in said
+    assert "trainer.tune: timing the data loader for trainer.num_workers" in said
+    _, again = tuned(*images(tmp_path), "trainer.tune=on")  # from the cache: nothing timed
+    assert again.source == "cache" and caplog.text.count("trainer.tune: untuned:") == 1
+
+
 def test_the_loader_workers_are_measured_where_the_run_reads_files(tmp_path, cache):
     plan, tuning = tuned(*images(tmp_path), "trainer.tune=on")
     assert [r.settings[WORKERS] for r in tuning.loader] == tune_data.counts(2, tune_data.cpus())
