@@ -388,23 +388,18 @@ def _measure_all(
             note = f"skipped: compiling with max-autotune would take ~{expected:.0f} s, more "
             note += f"than {steps} {REPAID}"
         if note:
-            log.info("trainer.tune: %s %s", _named(trial), note)
-            rows.append(Row(trial, note=note))
-            continue
-        start = time.perf_counter()
-        row = _measured(plan, trial, device)
-        if row.note:  # (it ran out of memory)
-            log.info("trainer.tune: %s %s", _named(trial), row.note)
-            rows.append(row)
-            continue
-        took = time.perf_counter() - start
-        took -= row.warmup_s if kind == "eager" and search else 0.0  # (its layout's search)
-        costs[kind] = max(costs.get(kind, 0.0), took)
-        refuse_if_loss_differs(row, base.loss, tol)
-        if row.note:  # (refused: its first-step loss differs)
-            log.info("trainer.tune: %s %s", _named(trial), row.note)
+            row = Row(trial, note=note)
         else:
-            log.info("trainer.tune: %s: %s", _named(trial), _timed(row))
+            start = time.perf_counter()
+            row = _measured(plan, trial, device)
+            if not row.note:  # (else it ran out of memory)
+                took = time.perf_counter() - start
+                took -= row.warmup_s if kind == "eager" and search else 0.0  # (its layout's search)
+                costs[kind] = max(costs.get(kind, 0.0), took)
+                refuse_if_loss_differs(row, base.loss, tol)
+        # skipped, refused (out of memory, another first-step loss): why; else its step
+        said = f" {row.note}" if row.note else f": {_timed(row)}"
+        log.info("trainer.tune: %s%s", _named(trial), said)
         rows.append(row)
     return rows, budget
 
