@@ -2,10 +2,11 @@
 training instead of after a guessed sleep (a third of an epoch of half a second overshot the
 epoch on a loaded CI machine).
 
-`data=custom data._target_=tests.helpers.held_data.held_datasets`; with `AMP_TEST_HOLD_AFTER=N`
-in a process's environment its training set, at its N-th read in that process, prints
-`HELD` (and N) and blocks until the process is killed. Without the variable it is an ordinary
-dataset: the reference run and the resumed ones read the same samples, so histories compare.
+`HELD_DATA` (data=custom, its `_target_` this module's `held_datasets`); with
+`AMP_TEST_HOLD_AFTER=N` in a process's environment its training set, at its N-th read in that
+process, prints `HELD` (and N) and blocks until the process is killed. Without the variable it is
+an ordinary dataset: the reference run and the resumed ones read the same samples, so histories
+compare.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import time
 import torch
 from torch.utils.data import Dataset
 
+# the overrides that train on it
+HELD_DATA = ["data=custom", f"data._target_={__name__}.held_datasets"]
 HOLD_AFTER = "AMP_TEST_HOLD_AFTER"
 HELD = "held after training sample"  # what a held process prints
 HOLD_AT_MOST_S = 600.0  # a test that never kills it does not leave the process behind forever

@@ -24,7 +24,7 @@ from mlflow.tracking import MlflowClient
 
 from runner.run import checkpoint
 from runner.tracking import tags as tag
-from tests.helpers.held_data import HELD, HOLD_AFTER
+from tests.helpers.held_data import HELD, HELD_DATA, HOLD_AFTER
 from tests.helpers.runs import read_until, run_cli, start_cli
 from tests.helpers.store import metric_history
 
@@ -32,8 +32,7 @@ EPOCHS = 3
 SAMPLES = 1536  # an epoch's
 CONFIG = [
     "model=tiny",
-    "data=custom",
-    "data._target_=tests.helpers.held_data.held_datasets",
+    *HELD_DATA,
     f"+data.num_train={SAMPLES}",
     "trainer.batch_size=32",
     f"trainer.max_epochs={EPOCHS}",

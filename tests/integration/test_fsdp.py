@@ -427,15 +427,14 @@ def test_a_rank_killed_mid_epoch_resumes_to_the_uninterrupted_history(tmp_path):
 
     import psutil
 
-    from tests.helpers.held_data import HELD, HOLD_AFTER
+    from tests.helpers.held_data import HELD, HELD_DATA, HOLD_AFTER
     from tests.helpers.store import metric_history
 
     store = f"mlflow.tracking_uri=sqlite:///{tmp_path}/mlflow.db"
     per_rank = 1024 // 2  # a rank's samples an epoch
     base = [
         "model=tiny_gn",
-        "data=custom",
-        "data._target_=tests.helpers.held_data.held_datasets",
+        *HELD_DATA,
         "+data.num_train=1024",
         "trainer.batch_size=16",
         "trainer.max_epochs=3",

@@ -20,7 +20,7 @@ from runner.run import app, checkpoint
 from runner.run.interrupts import RunInterrupted, StopRequest
 from runner.run.plan import make_plan
 from runner.run.trainer import RunContext, Trainer, trainer_config
-from tests.helpers.held_data import HELD, HOLD_AFTER
+from tests.helpers.held_data import HELD, HELD_DATA, HOLD_AFTER
 from tests.helpers.resume import last_checkpoint, settings, straight_and_resumed
 from tests.helpers.runs import compose_config, read_until, run_cli, start_cli
 from tests.helpers.store import history, runs_by_name
@@ -275,8 +275,7 @@ def test_a_run_whose_first_session_still_trains_is_not_resumed(tmp_path):
     epoch of 30,000 samples, 100 s on a loaded machine."""
     args = [
         "model=tiny",
-        "data=custom",
-        "data._target_=tests.helpers.held_data.held_datasets",
+        *HELD_DATA,
         "+data.num_train=256",
         "trainer.batch_size=32",
         "trainer.max_epochs=3",
