@@ -185,7 +185,8 @@ def test_text_reads_the_cache_and_a_new_corpus_gets_a_new_file(tmp_path, caplog)
     cfg = text_node(tmp_path, corpus)
     caplog.set_level(logging.INFO, logger=LOGGER)
     first = build_text(cfg)
-    assert "Tokenising 3 files" in caplog.text and "with bytes into" in caplog.text
+    size = sum((corpus / name).stat().st_size for name in TXT) / 1e3  # a small corpus: in kB
+    assert f"Tokenising 3 files ({size:.1f} kB) with bytes into" in caplog.text
     (bin_path,) = (tmp_path / "cache").glob("*.bin")
     stamp = bin_path.stat().st_mtime_ns
     caplog.clear()

@@ -131,9 +131,9 @@ def write_cache(
     write its sidecar `meta_path`; returns the sidecar."""
     total = sum(size for _, size, _ in stats)
     log.info(
-        "Tokenising %d files (%.1f MB) with %s into %s (once)",
+        "Tokenising %d files (%s) with %s into %s (once)",
         len(files),
-        total / 1e6,
+        f"{total / 1e6:.1f} MB" if total >= 100_000 else f"{total / 1e3:.1f} kB",
         "bytes" if tokenizer is None else f"tokenizer {tok_path}",
         bin_path,
     )
