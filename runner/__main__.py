@@ -23,6 +23,7 @@ from runner import shell
 from runner.config import mistakes
 from runner.config.finder import config_dir
 from runner.errors import PeersLost, RunnerError, said
+from runner.run import interrupts
 from runner.sweep import callback, gpus, jobs, parent
 from runner.tracking import job_log, record
 
@@ -339,7 +340,7 @@ def cli() -> None:
     OmegaConf.register_new_resolver("runner.help_launchers", help_launchers, replace=True)
     with callback.launch_scope() as launched:
         try:
-            with mistakes_reported():
+            with mistakes_reported(), interrupts.terminate_interrupts():
                 main()
         except KeyboardInterrupt as interrupt:  # Ctrl-C, or SIGTERM after its checkpoint
             signum = getattr(interrupt, "signum", signal.SIGINT)

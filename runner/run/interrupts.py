@@ -9,10 +9,12 @@ the job is then requeued and continues from the checkpoint (runner.sweep.jobs)."
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import threading
+from collections.abc import Iterator
 from types import FrameType
 from typing import Optional
 
@@ -115,6 +117,32 @@ class StopRequest:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+
+
+@contextlib.contextmanager
+def terminate_interrupts() -> Iterator[None]:
+    """Outside a run's training loop (composing, planning, the pre-flight, `trainer.tune`'s
+    measurements, building the kernels) a SIGTERM stops the process as Ctrl-C does there: it
+    raises `RunInterrupted`, which the entry point reports in one line and turns into exit 143,
+    where Python's default would end the process without a word. Nothing is lost: no MLflow run
+    or checkpoint exists yet (a run's own `StopRequest` takes the signal over while it trains).
+    A SIGTERM ignored by whoever started the process (submitit's job controllers) stays ignored.
+    """
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    ):
+        yield
+        return
+
+    def interrupt(signum: int, frame: Optional[FrameType]) -> None:
+        raise RunInterrupted(signum)
+
+    signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def holding() -> Optional[StopRequest]:

@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import re
+import signal
 import time
 from pathlib import Path
 
@@ -19,9 +20,10 @@ from runner.config import TUNABLE
 from runner.run import tune, tune_cache, tune_data, tune_measure
 from runner.run.distributed import Comm
 from runner.run.plan import make_plan
+from tests.helpers.held_data import HELD, HELD_DATA, HOLD_AFTER
 from tests.helpers.images import write_image_folder
 from tests.helpers.resume import last_checkpoint, settings
-from tests.helpers.runs import FAST, compose_config, run_in_process
+from tests.helpers.runs import FAST, compose_config, read_until, run_in_process, start_cli
 from tests.helpers.store import all_runs, history, runs_by_name
 
 CPU = torch.device("cpu")
@@ -605,3 +607,24 @@ def test_the_processs_one_time_work_is_charged_to_no_candidate(monkeypatch):
         assert float(expected[1]) <= warm * 1.05 + 0.1, (cold_first.took, tuning.table())
     assert base.warmup_s < slow and all(r.warmup_s < slow for r in measured)
     assert cold_first.calls[:2] == [{}, {}] and len(cold_first.calls) == 2 + len(measured)
+
+
+def test_a_sigterm_while_tuning_says_so_and_exits_143(tmp_path):
+    """A scheduler's SIGTERM while trainer.tune measures (before the run's MLflow run exists)
+    ends the process in one line with 143, as Ctrl-C would with 130, not silently; no run is
+    recorded."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    proc = start_cli(
+        *[o for o in ON if not o.startswith("data")],
+        *HELD_DATA,
+        f"mlflow.tracking_uri={uri}",
+        cwd=tmp_path,
+        env={HOLD_AFTER: "1"},  # (tuning reads the first training sample: held there)
+    )
+    seen = "".join(read_until(proc, HELD, timeout=300))
+    assert HELD in seen and "trainer.tune: timing" in seen, seen
+    proc.send_signal(signal.SIGTERM)
+    rest, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 143, seen + rest
+    assert rest.strip() == "Interrupted: interrupted by SIGTERM", seen + rest
+    assert not all_runs(uri)

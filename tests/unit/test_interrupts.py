@@ -16,7 +16,7 @@ import time
 import pytest
 from omegaconf import OmegaConf
 
-from runner.run.interrupts import StopRequest, holding
+from runner.run.interrupts import RunInterrupted, StopRequest, holding, terminate_interrupts
 from runner.sweep import stop
 from runner.sweep.jobs import run_job
 from runner.sweep.parent import SweepParent
@@ -42,6 +42,28 @@ def test_the_first_signal_stands_and_a_second_ctrl_c_stops_at_once():
         with pytest.raises(KeyboardInterrupt):
             _signal_self(signal.SIGINT)
     assert signal.getsignal(signal.SIGINT) is before and holding() is None
+
+
+def test_a_sigterm_outside_a_run_interrupts_unless_it_was_ignored():
+    """Outside a run's loop a SIGTERM raises as Ctrl-C does (exit 143 at the entry point) where it
+    would end the process unsaid; a run's stop request takes it over while it trains; an ignored
+    SIGTERM (submitit's job controllers) stays ignored."""
+    before = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        with terminate_interrupts():
+            with pytest.raises(RunInterrupted) as raised:
+                _signal_self(signal.SIGTERM)
+            assert raised.value.exit_code == 143 and str(raised.value) == "interrupted by SIGTERM"
+            with StopRequest() as request:
+                _signal_self(signal.SIGTERM)
+                assert request.signum == signal.SIGTERM
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        with terminate_interrupts():
+            assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def test_in_a_submitit_job_its_time_limit_signal_stops_the_run_too(monkeypatch):
