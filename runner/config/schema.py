@@ -236,8 +236,11 @@ class TrainerConfig:
     # gradient accumulation: one optimizer step per this many batches, their gradients summed
     # (in fp32 at levels whose gradients are 16-bit); the effective batch is batch_size times it
     accumulate_grad_batches: int = 1
-    limit_train_batches: Optional[int] = None
-    limit_val_batches: Optional[int] = None
+    # at most this many batches an epoch (an integer), or this share of them (a number in (0, 1],
+    # as Lightning's: 0.25 = a quarter of the epoch, at least one batch); typed Any, since
+    # OmegaConf 2.3 fails on a Union field inside a merged structured config (its rule checks it)
+    limit_train_batches: Any = None
+    limit_val_batches: Any = None
     log_every_n_steps: int = 50
     # the first steps of each session (a resumed run starts a new one) left out of the steady
     # samples_per_s, with any step that compiled (runner.measure.timing)

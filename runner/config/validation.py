@@ -33,10 +33,12 @@ from runner.config import (
 from runner.config.schema import RunConfig
 from runner.config.values import (  # noqa: F401  (the predicates, where they were before)
     BARE_DATABASE_PATH,
+    BATCH_LIMIT,
     SEED_RANGE,
     Rule,
     bare_database_path,
     bare_database_refusal,
+    batch_limit,
     finite,
     non_negative,
     one_of,
@@ -98,8 +100,8 @@ def _fixed_rules() -> list[Rule]:
             lambda v: v >= 1,
             "an integer >= 1 (batches whose gradients are summed into one optimizer step)",
         ),
-        ("trainer.limit_train_batches", optional(lambda v: v >= 1), "null or an integer >= 1"),
-        ("trainer.limit_val_batches", optional(lambda v: v >= 1), "null or an integer >= 1"),
+        ("trainer.limit_train_batches", optional(batch_limit), BATCH_LIMIT),
+        ("trainer.limit_val_batches", optional(batch_limit), BATCH_LIMIT),
         ("trainer.log_every_n_steps", lambda v: v >= 1, "an integer >= 1"),
         (
             "trainer.warmup_steps",

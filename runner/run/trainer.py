@@ -85,9 +85,14 @@ class FitResult:
         return self.best_val_loss if self.objective == m.BEST_VAL_LOSS else self.best_val_acc
 
 
-def limit_batches(n_batches: int, limit: int | None) -> int:
-    """Batches per epoch after `trainer.limit_*_batches` (None: all)."""
-    return n_batches if limit is None else min(n_batches, limit)
+def limit_batches(n_batches: int, limit: int | float | None) -> int:
+    """Batches per epoch after `trainer.limit_*_batches`: None all, an integer at most that many,
+    a number in (0, 1] that share of them (rounded down, as Lightning's, but at least one)."""
+    if limit is None:
+        return n_batches
+    if isinstance(limit, float):
+        return min(n_batches, max(1, int(n_batches * limit)))
+    return min(n_batches, limit)
 
 
 def optimizer_steps(batches: int, accumulate: int) -> int:

@@ -144,7 +144,8 @@ def estimated_steps(plan: RunPlan, load: bool = False, world_size: int = 1) -> O
     `load`, the dataset is loaded to count them), for each of `world_size` ranks: each trains
     on its share of the samples (DistributedSampler's, padded to equal shares)."""
     cfg = plan.cfg
-    per_epoch = cfg.trainer.limit_train_batches
+    limit = cfg.trainer.limit_train_batches
+    per_epoch = limit if isinstance(limit, int) else None  # (a share: of a count to be known)
     size = OmegaConf.select(cfg, "data.num_train", default=None)
     block = OmegaConf.select(cfg, "data.block_size", default=None)
     if isinstance(size, int) and plan.task == LANGUAGE_MODEL:  # tokens, cut into sequences
@@ -156,7 +157,9 @@ def estimated_steps(plan: RunPlan, load: bool = False, world_size: int = 1) -> O
         size = len(loaded.train)  # (the build takes these datasets: not loaded twice)
     if isinstance(size, int):
         batches = math.ceil(math.ceil(size / world_size) / cfg.trainer.batch_size)
-        per_epoch = batches if per_epoch is None else min(per_epoch, batches)
+        from runner.run.trainer import limit_batches
+
+        per_epoch = limit_batches(batches, limit)
     return None if per_epoch is None else per_epoch * cfg.trainer.max_epochs
 
 

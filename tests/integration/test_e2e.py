@@ -21,7 +21,18 @@ from mlflow.tracking import MlflowClient
 
 from runner.errors import ConfigError, DataError
 from runner.run import app
-from tests.helpers.runs import FAST, REPO, compose_config, read_until, run_cli, start_cli
+from runner.run.plan import make_plan
+from runner.run.tune import estimated_steps
+from tests.helpers.resume import last_checkpoint, settings
+from tests.helpers.runs import (
+    FAST,
+    REPO,
+    compose_config,
+    read_until,
+    run_cli,
+    run_in_process,
+    start_cli,
+)
 from tests.helpers.store import EPOCH_METRICS, FINAL_METRICS, all_runs, only_run
 
 PRECISION_KEYS = [
@@ -278,6 +289,23 @@ def test_failure_mid_run_marks_the_run_failed(tmp_path, tracking_uri):
     _, run = only_run(tracking_uri)
     assert run.info.status == "FAILED"
     assert "UnidentifiedImageError" in run.data.tags["error"] and "9.png" in run.data.tags["error"]
+
+
+def test_a_share_of_the_epoch_limits_its_batches(tmp_path):
+    """trainer.limit_train_batches=0.5, as Lightning's: half of the epoch's 5 batches, rounded
+    down (2 steps an epoch), through the CLI; the tuner's estimate counts the same steps; 1.0
+    takes every batch (validation's one)."""
+    args = settings(
+        tmp_path,
+        "trainer.limit_train_batches=0.5",
+        "trainer.limit_val_batches=1.0",
+        "mlflow.run_name=share",
+    )
+    assert estimated_steps(make_plan(compose_config(*args))) == 4  # (160 samples, batch 32)
+    assert run_in_process(*args) == 0
+    assert last_checkpoint(tmp_path, "share")["global_step"] == 4
+    (run,) = all_runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert run.info.status == "FINISHED" and math.isfinite(run.data.metrics["val_acc"])
 
 
 # ---- peak memory on a CPU ---------------------------------------------------------------------
