@@ -8,7 +8,7 @@
 #                                         # after the machine's start, the kernels' build
 #                                         # included: the CUDA tests (the no-sync and
 #                                         # captured-step ones among them), Apex's tests on
-#                                         # CUDA, kernels.py, the mission's command at O0 and
+#                                         # CUDA, fused_step.py, the mission's command at O0 and
 #                                         # O2 on densenet161 (steady.py: 224 px, 60 steps),
 #                                         # graphs.py (trainer.cuda_graphs against the eager
 #                                         # step), peers.py on ResNet-50 tuned by trainer.tune
@@ -50,13 +50,13 @@
 # GPU_SUITE_XDIST (the CUDA tests' pytest-xdist workers, default 4),
 # CUDA_HOME (found from nvcc when unset), AMP_RUNNER_KERNEL_CACHE (default /tmp/amp-runner-kernels).
 # The lease's pieces add up to more than its budget (on the H200 of 2026-11-28 the build took
-# 125 s, the CUDA tests 174 s, Apex's 33 s, kernels.py 17 s of a 505 s budget, which left 126 s
+# 125 s, the CUDA tests 174 s, Apex's 33 s, fused_step.py 17 s of a 505 s budget, which left 126 s
 # for graphs.py, stopped at its 90 s, and the tuned peers, at 35 s): skip the pieces an earlier
 # lease ran on code that has not changed since, to reach the later ones, e.g.
 # GPU_SUITE_SKIP=tests_apex_l0_cuda,bench_kernels.
 #
 # Parts 1-4 (sizes from the first runs on an H200: kernels build 68 s, CUDA tests with 4 workers
-# 108 s, kernels.py 9 s, ResNet-50's eager rows 84 s, peers 49 s, the ViT's two compiled rows
+# 108 s, fused_step.py 9 s, ResNet-50's eager rows 84 s, peers 49 s, the ViT's two compiled rows
 # 84 s): part 3 holds the compiled rows, since compiling a 224-px model takes tens of seconds per
 # cell. Between them, copy the previous part's results/levels_cuda.json into benchmarks/results/
 # so that the next part's `levels.py --merge` completes the same table, or combine them later
@@ -157,7 +157,7 @@ piece() {
 small() { if [[ "$DRY" == 1 ]]; then echo "$2"; else echo "$1"; fi; }
 
 # What earlier leases measured on code unchanged since, skipped unless GPU_SUITE_SKIP is set (a
-# dry run checks every piece): kernels.py (2026-11-28: the kernels unchanged since), the tuned
+# dry run checks every piece): fused_step.py (2026-11-28: the kernels unchanged since), the tuned
 # ResNet-50 peers, DenseNet-161's profile, fp16 accuracy parity and the layer-plan cost
 # (2026-11-29)
 if [[ -z "${GPU_SUITE_SKIP+set}" && "$DRY" == 0 ]]; then
@@ -272,7 +272,7 @@ if [[ "$PART" == lease ]]; then
   if [[ -n "${APEX_GIT:-}" && "$DRY" == 0 ]]; then
     APEX_DEVICE=cuda PYTHON="$PY" piece tests_apex_l0_cuda 60 bash tests/helpers/apex_l0.sh
   fi
-  piece bench_kernels 45 "$PY" benchmarks/kernels.py --device "$DEV" \
+  piece bench_kernels 45 "$PY" benchmarks/fused_step.py --device "$DEV" \
     --iters "$(small 50 2)" --warmup "$(small 2 1)" --out "$RES/kernels_$TAG.md"
   # the mission's command as a user types it, O0 and O2, one process each; its logged steady
   # samples_per_s ratio against levels.py's for the same model and batch (within 10%). On the
@@ -343,7 +343,7 @@ elif [[ "$PART" == lease2 ]]; then
 elif [[ "$PART" == 1 ]]; then
   piece tests_gpu 180 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests
   piece tests_kernels 120 "$PY" -m pytest -q -p no:cacheprovider -m "not gpu" tests/unit/test_kernels.py
-  piece bench_kernels 120 "$PY" benchmarks/kernels.py --device "$DEV"
+  piece bench_kernels 120 "$PY" benchmarks/fused_step.py --device "$DEV"
   piece bench_overhead 120 "$PY" benchmarks/overhead.py --device "$DEV"
   piece bench_levels_1 300 "$PY" benchmarks/levels.py --device "$DEV" --models resnet18,resnet50 \
     --levels "$EAGER"

@@ -202,3 +202,27 @@ def test_config_imports_no_torch(module):
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", f"{module} imported {out.stdout.strip()}"
+
+
+def test_no_script_folder_hides_an_installed_package():
+    """A script run out of benchmarks/ or tests/helpers/ has its folder first on sys.path, and a
+    test process that loaded a benchmark keeps benchmarks/ there: a module of those folders (or a
+    package at the repository's root) named as an installed package hides that package from
+    everything imported after it. benchmarks/kernels.py hid Hugging Face's `kernels`, which
+    transformers 5.25 imports: every Hugging Face model failed to build."""
+    import importlib.metadata
+
+    installed = {
+        name: dists
+        for name, dists in importlib.metadata.packages_distributions().items()
+        if "amp-runner" not in dists  # (this project's own `runner`)
+    }
+    repo = PACKAGE.parent
+    ours = {p.stem: p for d in ("benchmarks", "tests/helpers") for p in (repo / d).glob("*.py")}
+    ours |= {p.name: p for p in repo.iterdir() if (p / "__init__.py").is_file()}
+    clashes = {
+        name: (str(path.relative_to(repo)), installed[name])
+        for name, path in ours.items()
+        if name in installed
+    }
+    assert not clashes, f"rename these: {clashes}"

@@ -1,4 +1,4 @@
-"""Smoke test of benchmarks/kernels.py: a small model's parameter list, one step per variant, the
+"""Smoke test of benchmarks/fused_step.py: a small model's parameter list, one step per variant, the
 result files with the expected structure (no timing assertions)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from tests.helpers.benchmarks import load_benchmark
 
 
 def test_kernels_benchmark_smoke(tmp_path: Path, capsys):
-    bench = load_benchmark("kernels")
+    bench = load_benchmark("fused_step")
     out = tmp_path / "results" / "kernels.md"
     assert (
         bench.main(
@@ -62,7 +62,7 @@ def test_kernels_benchmark_smoke(tmp_path: Path, capsys):
 
 
 def test_kernels_benchmark_refuses_unknown_models_and_a_missing_gpu(capsys):
-    bench = load_benchmark("kernels")
+    bench = load_benchmark("fused_step")
     with pytest.raises(SystemExit) as e:
         bench.parse_args(["--device", "cpu", "--models", "resnet1000"])
     assert e.value.code == 2 and "resnet1000" in capsys.readouterr().err

@@ -21,9 +21,9 @@ Host cost: the same three variants over ResNet-50's tensor count (161) of 16 ele
 the arithmetic is negligible and the time is what a step costs the host (Python, dispatch, the
 kernels' call overhead); median microseconds of --host-iters interleaved steps.
 
-    python benchmarks/kernels.py --device cpu           # ResNet-50 and VGG-16, one run
-    python benchmarks/kernels.py --device cuda --iters 50
-    python benchmarks/kernels.py --models resnet50 --iters 5 --threads 1
+    python benchmarks/fused_step.py --device cpu           # ResNet-50 and VGG-16, one run
+    python benchmarks/fused_step.py --device cuda --iters 50
+    python benchmarks/fused_step.py --models resnet50 --iters 5 --threads 1
 
 Targets: (a) at least as fast as (c) (torch's fused AdamW, >= 1.0x) and >= 1.3x faster than (b),
 on every model; (d) at least as fast as (c) too (the fused-step issue asks it of the C++ Adam and
@@ -525,7 +525,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "host": host,
         "verdict": verdict(args.device, results, host),
         "machine": machine(args.device),
-        "command": command("kernels.py", argv),
+        "command": command("fused_step.py", argv),
         "date": now(),
         "load_average": {"start": load_at_start, "end": load_average()},
     }
