@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import platform
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -525,6 +526,11 @@ def train_parts(
                 )
                 return str(where)
 
+            files = launch.output_dir
+            if files is None:  # (started without Hydra's output folder: the diagnostics' and
+                # the layer audit's files in a temporary one, removed once the run has ended and
+                # its store, or the offline store, took them)
+                files = Path(owned.enter_context(tempfile.TemporaryDirectory(prefix="amp-run-")))
             trainer = Trainer(
                 trainer_config(cfg.trainer),
                 parts,
@@ -536,12 +542,8 @@ def train_parts(
                     checkpointer=save if comm.is_main or shards else None,
                     stop=stop,
                     on_artifact=tracked.log_file if comm.is_main else None,
-                    artifact_dir=(
-                        launch.output_dir / "diagnostics" if launch.output_dir is not None else None
-                    ),
-                    layers_dir=(
-                        launch.output_dir / "layers" if launch.output_dir is not None else None
-                    ),
+                    artifact_dir=files / "diagnostics",
+                    layers_dir=files / "layers",
                 ),
             )
             if resume is not None:

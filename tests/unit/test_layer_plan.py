@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import math
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -534,7 +535,13 @@ def test_a_layer_whose_forward_never_runs_is_named_when_an_entry_planned_it():
     assert "never ran" in rows["0.inner"]["note"]
 
 
-def test_strict_stops_a_run_whose_layer_ran_off_plan(tmp_path, caplog):
+def test_strict_stops_a_run_whose_layer_ran_off_plan(tmp_path, caplog, monkeypatch):
+    """A layer that computes off its plan is warned of, or with precision.strict stops the run
+    (FAILED). A run started without Hydra's output folder (as here) keeps its audit's files in a
+    temporary folder only until its store took them: none is left behind, finished or failed."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # (this process's temporary folders)
     base = [
         "model=custom",
         "model._target_=tests.unit.test_layer_plan.WithUpcast",
@@ -577,6 +584,7 @@ def test_strict_stops_a_run_whose_layer_ran_off_plan(tmp_path, caplog):
         runs["strict"].info.status == "FAILED"
         and "ran off plan" in runs["strict"].data.tags["error"]
     )
+    assert not [p.name for p in scratch.iterdir() if p.name.startswith("amp-")]
 
 
 # ---- end to end, as users run it -----------------------------------------------------------------
