@@ -95,11 +95,7 @@ BATCH_LIMIT = "null, an integer >= 1 (batches an epoch) or a number in (0, 1] (a
 
 def batch_limit(value: Any) -> bool:
     """`trainer.limit_*_batches`: a count of batches, or a share of the epoch's (Lightning's)."""
-    if isinstance(value, bool):
-        return False
-    if isinstance(value, int):
-        return value >= 1
-    return isinstance(value, float) and 0.0 < value <= 1.0
+    return integer_at_least(1)(value) or (isinstance(value, float) and 0.0 < value <= 1.0)
 
 
 def one_of(choices: tuple[str, ...]) -> Callable[[Any], bool]:
