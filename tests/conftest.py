@@ -51,6 +51,18 @@ def _store_template(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(autouse=True)
+def _cpu_bf16_as_fast_as_fp32(request, monkeypatch):
+    """A run in the test process reads its CPU as one with bfloat16 instructions (a bf16 matrix
+    product as fast as an fp32 one), so that its findings, and a strict run's refusal, do not
+    depend on the machine the suite runs on. The warning for a slow CPU is tested with
+    `DeviceInfo`'s ratio given; a test marked `real_cpu_speed` measures this CPU's."""
+    if "real_cpu_speed" not in request.keywords:
+        from runner.precision import checks
+
+        monkeypatch.setattr(checks, "cpu_bf16_matmul_ratio", lambda: 1.0)
+
+
+@pytest.fixture(autouse=True)
 def _a_store_in_the_folder(request, tmp_path: Path, _store_template: Path):
     """Each test's folder starts with `mlflow.db`, the runs' default store there, as a copy of a
     store MLflow made: as after a user's first run (MLflow's creation of a store, its ~50 schema

@@ -5,6 +5,9 @@ testable on any machine: `DeviceInfo("cuda", (6, 1), "Tesla P100")` describes a 
 laptop without a GPU. `DeviceInfo.from_torch(device)` describes the device a run uses.
 
 - fp16 on a CPU: emulated, far slower than bfloat16 (warning).
+- bfloat16 on a CPU whose bf16 matrix products are measured at least `BF16_SLOW_RATIO` times
+  slower than fp32 ones (a CPU without AVX512_BF16 or AMX): the level trains slower than O0
+  (warning).
 - fp16 on a CUDA GPU below compute capability 7.0: no Tensor Cores, so fp16 saves memory but
   brings no speed-up (warning).
 - bfloat16 on a CUDA GPU below compute capability 8.0: not supported in hardware (error).
@@ -19,7 +22,9 @@ laptop without a GPU. `DeviceInfo.from_torch(device)` describes the device a run
 
 from __future__ import annotations
 
+import functools
 import platform
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +62,9 @@ class DeviceInfo:
     type: Literal["cpu", "cuda"] | str
     capability: Optional[tuple[int, int]] = None  # CUDA (major, minor); None: CPU or unknown
     name: str = ""
+    # a CPU's: how many times as long a bfloat16 matrix product takes as an fp32 one
+    # (`cpu_bf16_matmul_ratio`); None: not measured
+    bf16_matmul_ratio: Optional[float] = None
 
     @classmethod
     def from_torch(cls, device: torch.device | str) -> DeviceInfo:
@@ -67,7 +75,9 @@ class DeviceInfo:
             index = concrete_device(device).index
             major, minor = torch.cuda.get_device_capability(index)
             return cls("cuda", (major, minor), torch.cuda.get_device_name(index))
-        return cls(device.type, None, _cpu_name() if device.type == "cpu" else device.type)
+        if device.type == "cpu":
+            return cls("cpu", None, _cpu_name(), cpu_bf16_matmul_ratio())
+        return cls(device.type, None, device.type)
 
     def describe(self) -> str:
         if self.capability is None:
@@ -88,6 +98,34 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or "cpu"
+
+
+# From this ratio on, a bf16 level cannot train faster than fp32 on a CPU. Measured: 21x (128 x 128)
+# and a 3 x 3 convolution 52x on an AVX2 AMD EPYC, which has neither AVX512_BF16 nor AMX (oneDNN
+# takes a reference path there); below 1 where the CPU has them (an Intel Xeon trained ResNet-50
+# 1.9x faster in bf16 than in fp32: benchmarks/results/levels_cpu.md).
+BF16_SLOW_RATIO = 3.0
+
+
+@functools.cache
+def cpu_bf16_matmul_ratio(size: int = 128, repeats: int = 5) -> float:
+    """How many times as long a `size` x `size` bfloat16 matrix product takes as an fp32 one on
+    this CPU, with torch's threads: the best of `repeats` timings each, after one untimed
+    product. Measured once per process (about 10 ms where bf16 is slow, less where it is not)."""
+
+    def best(dtype: torch.dtype) -> float:
+        generator = torch.Generator().manual_seed(0)
+        a = torch.randn(size, size, generator=generator).to(dtype)
+        b = torch.randn(size, size, generator=generator).to(dtype)
+        torch.mm(a, b)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            torch.mm(a, b)
+            times.append(time.perf_counter() - start)
+        return max(min(times), 1e-9)
+
+    return best(torch.bfloat16) / best(torch.float32)
 
 
 def _dtype_users(p: Properties) -> list[tuple[str, torch.dtype]]:
@@ -121,6 +159,30 @@ def _fp16_on_cpu(p: Properties, ctx: Context) -> Iterable[Finding]:
             "fp16 is emulated on CPU and far slower than bfloat16 (autocast with float16)",
             "autocast with autocast_dtype=bfloat16 on CPU (precision=o1_bf16)",
         )
+
+
+@DEVICE_RULES
+def _bf16_on_a_slow_cpu(p: Properties, ctx: Context) -> Iterable[Finding]:
+    """bfloat16 on a CPU that computes it slowly: a CPU without bf16 instructions (AVX512_BF16,
+    AMX) runs bf16 matrix products and convolutions on a slow path, 20-50x fp32's time."""
+    device = ctx.device
+    if device is None or device.type != "cpu" or device.bf16_matmul_ratio is None:
+        return
+    if device.bf16_matmul_ratio < BF16_SLOW_RATIO:
+        return
+    users = [prop for prop, dtype in _dtype_users(p) if dtype == torch.bfloat16]
+    if not users:
+        return
+    yield Finding(
+        "warning",
+        users[0],
+        f"bfloat16 on {device.describe()}: a bfloat16 matrix product took "
+        f"{device.bf16_matmul_ratio:.0f}x as long as an fp32 one here (measured at start), so "
+        "this level trains slower than precision=o0 (it still saves memory); a CPU without "
+        "AVX512_BF16 or AMX instructions computes bf16 on a slow path",
+        "use precision=o0 for speed on this CPU; bf16 is faster than fp32 on CPUs with "
+        "AVX512_BF16 or AMX (Intel Cooper Lake, Sapphire Rapids and newer; AMD Zen 4 and newer)",
+    )
 
 
 @DEVICE_RULES

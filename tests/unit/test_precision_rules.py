@@ -16,7 +16,7 @@ from torch import nn
 
 from runner.config.levels import SCALER_DEFAULTS
 from runner.errors import ConfigError
-from runner.precision import Finding, resolve
+from runner.precision import Finding, checks, resolve
 from runner.precision.checks import DeviceInfo, tensor_core_findings
 from runner.precision.scaler import LossScaler
 from runner.run.plan import check_opt_level, resolve_precision
@@ -127,6 +127,65 @@ def test_fp16_on_cpu_warns_emulated():
     assert found("O1", device=CPU) == [("warning", "patch_torch_functions")]
     assert "emulated" in resolve("O3", device=CPU).findings[0].message
     assert found("O2", {"cast_model_type": "bfloat16", "loss_scale": 1.0}, device=CPU) == []
+
+
+SLOW_BF16_CPU = DeviceInfo("cpu", None, "AMD EPYC", bf16_matmul_ratio=21.0)
+
+
+def test_bf16_on_a_cpu_that_computes_it_slowly_warns_to_use_o0():
+    """An AVX2 AMD EPYC took 21x as long for a bf16 matrix product as for an fp32 one (and a
+    bf16 ViT step 14x): a bf16 level trains slower than O0 there, whichever way it computes in
+    bf16; fp32 levels and fp16 ones (their own warning) say nothing of it."""
+    bf16 = {"cast_model_type": "bfloat16", "loss_scale": 1.0}
+    (finding,) = resolve("O2", bf16, device=SLOW_BF16_CPU).findings
+    assert (finding.level, finding.key) == ("warning", "precision.cast_model_type")
+    assert "bfloat16 on AMD EPYC: a bfloat16 matrix product took 21x" in finding.message
+    assert "slower than precision=o0" in finding.message and "AVX512_BF16" in finding.message
+    assert "use precision=o0 for speed on this CPU" in finding.hint
+    autocast = {"autocast_dtype": "bfloat16", "loss_scale": 1.0}
+    assert found("O1", autocast, device=SLOW_BF16_CPU) == [("warning", "autocast_dtype")]
+    assert found("O0", device=SLOW_BF16_CPU) == []
+    assert found("O1", device=SLOW_BF16_CPU) == [("warning", "patch_torch_functions")]
+    # strict refuses it, as every warning
+    assert [f.level for f in resolve("O2", bf16, SLOW_BF16_CPU, strict=True).findings] == ["error"]
+    # below the ratio, or not measured (a description without it): nothing
+    for ratio in (0.6, 2.9, None):
+        cpu = DeviceInfo("cpu", None, "a CPU", bf16_matmul_ratio=ratio)
+        assert found("O2", bf16, device=cpu) == [], ratio
+
+
+@pytest.mark.real_cpu_speed
+def test_the_cpu_s_bf16_speed_is_measured_as_a_larger_product_finds_it():
+    """DeviceInfo.from_torch measures the CPU's bf16 matrix products against fp32's (128 x
+    128); a larger product (256 x 256, timed here) puts this CPU on the same side of the warning's
+    ratio wherever it is clearly on one side, and the warning is given exactly where the measured
+    ratio reaches it."""
+    import time
+
+    def best(dtype: torch.dtype) -> float:
+        a, b = torch.randn(256, 256).to(dtype), torch.randn(256, 256).to(dtype)
+        torch.mm(a, b)
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            torch.mm(a, b)
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    device = DeviceInfo.from_torch("cpu")
+    measured = device.bf16_matmul_ratio
+    assert measured is not None and measured > 0
+    assert DeviceInfo.from_torch("cpu").bf16_matmul_ratio == measured  # once per process
+    larger = best(torch.bfloat16) / best(torch.float32)
+    if larger > 2 * checks.BF16_SLOW_RATIO or larger < checks.BF16_SLOW_RATIO / 2:
+        assert (measured >= checks.BF16_SLOW_RATIO) == (larger >= checks.BF16_SLOW_RATIO), (
+            measured,
+            larger,
+        )
+    warned = found("O2", {"cast_model_type": "bfloat16", "loss_scale": 1.0}, device="cpu")
+    assert warned == (
+        [("warning", "cast_model_type")] if measured >= checks.BF16_SLOW_RATIO else []
+    )
 
 
 def test_fp16_below_volta_warns_memory_only():
