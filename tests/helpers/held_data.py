@@ -4,15 +4,19 @@ epoch on a loaded CI machine).
 
 `HELD_DATA` (data=custom, its `_target_` this module's `held_datasets`); with
 `AMP_TEST_HOLD_AFTER=N` in a process's environment its training set, at its N-th read in that
-process, prints `HELD` (and N) and blocks until the process is killed. Without the variable it is
-an ordinary dataset: the reference run and the resumed ones read the same samples, so histories
-compare.
+process, prints `HELD` (and N) and blocks until the process is killed; with `AMP_TEST_RELEASE`
+naming a file as well, it blocks until that file exists and then goes on (a process started
+where the file exists already does not stop: a resumed or requeued run trains through), so that
+a test acts on a run held at a known step (a signal, a server taken away) and lets it go on.
+Without the variables it is an ordinary dataset: the reference run and the resumed ones read the
+same samples, so histories compare.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import torch
 from torch.utils.data import Dataset
@@ -20,6 +24,7 @@ from torch.utils.data import Dataset
 # the overrides that train on it
 HELD_DATA = ["data=custom", f"data._target_={__name__}.held_datasets"]
 HOLD_AFTER = "AMP_TEST_HOLD_AFTER"
+RELEASE = "AMP_TEST_RELEASE"
 HELD = "held after training sample"  # what a held process prints
 HOLD_AT_MOST_S = 600.0  # a test that never kills it does not leave the process behind forever
 
@@ -29,7 +34,15 @@ class HeldSamples(Dataset):
     learnable; the same patterns in every split, the samples drawn with `seed`), each read
     counted in this process."""
 
-    def __init__(self, n: int, size: int, num_classes: int, seed: int, hold_after: int | None):
+    def __init__(
+        self,
+        n: int,
+        size: int,
+        num_classes: int,
+        seed: int,
+        hold_after: int | None,
+        release: Path | None = None,
+    ):
         patterns = torch.randn(
             num_classes, 3, size, size, generator=torch.Generator().manual_seed(0)
         )
@@ -38,6 +51,7 @@ class HeldSamples(Dataset):
         self.x = patterns[self.y] + torch.randn(n, 3, size, size, generator=generator)
         self.classes = [str(c) for c in range(num_classes)]
         self.hold_after = hold_after
+        self.release = release
         self.reads = 0
 
     def __len__(self) -> int:
@@ -45,19 +59,31 @@ class HeldSamples(Dataset):
 
     def __getitem__(self, index: int):
         self.reads += 1
-        if self.reads == self.hold_after:
+        if self.reads == self.hold_after and not (self.release and self.release.exists()):
             print(f"{HELD} {self.reads}", flush=True)
-            time.sleep(HOLD_AT_MOST_S)
-            raise RuntimeError(f"held {HOLD_AT_MOST_S:.0f} s and not killed")
+            deadline = time.monotonic() + HOLD_AT_MOST_S
+            while time.monotonic() < deadline:
+                if self.release and self.release.exists():
+                    return self.x[index], self.y[index]
+                time.sleep(0.05 if self.release else HOLD_AT_MOST_S)
+            raise RuntimeError(f"held {HOLD_AT_MOST_S:.0f} s and not killed (or released)")
         return self.x[index], self.y[index]
 
 
 def held_datasets(
     num_train: int = 1536, num_val: int = 64, image_size: int = 16, num_classes: int = 10
 ):
-    """(train, val); the training set holds at the read `AMP_TEST_HOLD_AFTER` names, if set."""
-    hold = os.environ.get(HOLD_AFTER)
+    """(train, val); the training set holds at the read `AMP_TEST_HOLD_AFTER` names, if set
+    (until the file `AMP_TEST_RELEASE` names exists, if that is set)."""
+    hold, release = os.environ.get(HOLD_AFTER), os.environ.get(RELEASE)
     return (
-        HeldSamples(num_train, image_size, num_classes, 1, int(hold) if hold else None),
+        HeldSamples(
+            num_train,
+            image_size,
+            num_classes,
+            1,
+            int(hold) if hold else None,
+            Path(release) if release else None,
+        ),
         HeldSamples(num_val, image_size, num_classes, 2, None),
     )
