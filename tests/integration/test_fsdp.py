@@ -431,11 +431,11 @@ def test_a_rank_killed_mid_epoch_resumes_to_the_uninterrupted_history(tmp_path):
     from tests.helpers.store import metric_history
 
     store = f"mlflow.tracking_uri=sqlite:///{tmp_path}/mlflow.db"
-    per_rank = 1024 // 2  # a rank's samples an epoch
+    per_rank = 512 // 2  # a rank's samples an epoch (16 steps)
     base = [
         "model=tiny_gn",
         *HELD_DATA,
-        "+data.num_train=1024",
+        "+data.num_train=512",
         "trainer.batch_size=16",
         "trainer.max_epochs=3",
         "trainer.num_workers=0",
