@@ -16,6 +16,16 @@ from tests.helpers.runs import LEVELS_SWEEP, run_cli
 from tests.helpers.server import MlflowServer
 
 
+def pytest_configure(config):
+    """Under pytest-xdist each worker computes on one thread, and so does every process a test
+    starts (OMP_NUM_THREADS, unless set): `-n auto` runs a worker per core, and torch's default
+    of a thread per core in each made every parallel region wait for a core the other worker
+    held (the tiny GPT's 200 steps: 1.0 s alone, 6.1 s beside a busy process on 2 threads, 2.5 s
+    on 1). The fused kernels' tests split their work over two threads themselves."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(int(os.environ.setdefault("OMP_NUM_THREADS", "1")))
+
+
 @pytest.fixture
 def tracking_uri(tmp_path: Path) -> str:
     return f"sqlite:///{tmp_path / 'mlflow.db'}"

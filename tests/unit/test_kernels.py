@@ -31,6 +31,17 @@ LARGE = (1 << 22) + 3  # 4M elements: many chunks, an odd tail
 HALF = (torch.float16, torch.bfloat16)
 
 
+@pytest.fixture(autouse=True)
+def _two_threads_at_least():
+    """The C++ kernels share a call's spans among torch's threads (at::parallel_for): these tests
+    run them on two at least, as a run on a multi-core machine does, whatever the suite's workers
+    use (one: tests/conftest.py)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(2, threads))
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(params=["cpp", pytest.param("cuda", marks=pytest.mark.gpu)], scope="module")
 def backend(request):
     kernels = csrc.build(request.param)
