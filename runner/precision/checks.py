@@ -100,10 +100,10 @@ def _cpu_name() -> str:
     return platform.processor() or "cpu"
 
 
-# From this ratio on, a bf16 level cannot train faster than fp32 on a CPU. Measured: 21x (128 x 128)
-# and a 3 x 3 convolution 52x on an AVX2 AMD EPYC, which has neither AVX512_BF16 nor AMX (oneDNN
-# takes a reference path there); below 1 where the CPU has them (an Intel Xeon trained ResNet-50
-# 1.9x faster in bf16 than in fp32: benchmarks/results/levels_cpu.md).
+# From this ratio on, a bf16 level cannot train faster than fp32 on a CPU. Measured: 21-50x (128 x
+# 128) and a 3 x 3 convolution 52x on an AVX2 AMD EPYC, which has neither AVX512_BF16 nor AMX
+# (oneDNN takes a reference path there); below 1 where the CPU has them (an Intel Xeon trained
+# ResNet-50 1.9x faster in bf16 than in fp32: benchmarks/results/levels_cpu.md).
 BF16_SLOW_RATIO = 3.0
 
 
@@ -111,7 +111,7 @@ BF16_SLOW_RATIO = 3.0
 def cpu_bf16_matmul_ratio(size: int = 128, repeats: int = 5) -> float:
     """How many times as long a `size` x `size` bfloat16 matrix product takes as an fp32 one on
     this CPU, with torch's threads: the best of `repeats` timings each, after one untimed
-    product. Measured once per process (about 10 ms where bf16 is slow, less where it is not)."""
+    product. Measured once per process (10-30 ms where bf16 is slow, less where it is not)."""
 
     def best(dtype: torch.dtype) -> float:
         generator = torch.Generator().manual_seed(0)
