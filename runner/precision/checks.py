@@ -110,8 +110,11 @@ BF16_SLOW_RATIO = 3.0
 @functools.cache
 def cpu_bf16_matmul_ratio(size: int = 128, repeats: int = 5) -> float:
     """How many times as long a `size` x `size` bfloat16 matrix product takes as an fp32 one on
-    this CPU, with torch's threads: the best of `repeats` timings each, after one untimed
-    product. Measured once per process (10-30 ms where bf16 is slow, less where it is not)."""
+    this CPU, on one thread: the best of `repeats` timings each, after one untimed product.
+    Measured once per process (10-30 ms where bf16 is slow, less where it is not). One thread,
+    since on torch's threads a busy machine stalls fp32's parallel product and not bf16's slow
+    one: with another process computing on this 2-core machine the ratio read 0.1, against 28 on
+    one thread, busy or not."""
 
     def best(dtype: torch.dtype) -> float:
         generator = torch.Generator().manual_seed(0)
@@ -125,7 +128,12 @@ def cpu_bf16_matmul_ratio(size: int = 128, repeats: int = 5) -> float:
             times.append(time.perf_counter() - start)
         return max(min(times), 1e-9)
 
-    return best(torch.bfloat16) / best(torch.float32)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return best(torch.bfloat16) / best(torch.float32)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _dtype_users(p: Properties) -> list[tuple[str, torch.dtype]]:

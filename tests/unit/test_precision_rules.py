@@ -155,11 +155,12 @@ def test_bf16_on_a_cpu_that_computes_it_slowly_warns_to_use_o0():
 
 
 @pytest.mark.real_cpu_speed
-def test_the_cpu_s_bf16_speed_is_measured_as_a_larger_product_finds_it():
+def test_the_cpu_s_bf16_speed_is_measured_as_a_larger_product_finds_it(monkeypatch):
     """DeviceInfo.from_torch measures the CPU's bf16 matrix products against fp32's (128 x
     128); a larger product (256 x 256, timed here) puts this CPU on the same side of the warning's
     ratio wherever it is clearly on one side, and the warning is given exactly where the measured
-    ratio reaches it."""
+    ratio reaches it. Both on one thread (on two, a busy machine stalls fp32's product: 0.1), and
+    the measurement leaves torch's thread count as it found it."""
     import time
 
     def best(dtype: torch.dtype) -> float:
@@ -172,11 +173,24 @@ def test_the_cpu_s_bf16_speed_is_measured_as_a_larger_product_finds_it():
             times.append(time.perf_counter() - start)
         return min(times)
 
-    device = DeviceInfo.from_torch("cpu")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # whatever the suite's workers use: the measurement takes one
+    try:
+        device = DeviceInfo.from_torch("cpu")
+        seen, mm = [], torch.mm
+        monkeypatch.setattr(
+            torch, "mm", lambda a, b: seen.append(torch.get_num_threads()) or mm(a, b)
+        )
+        checks.cpu_bf16_matmul_ratio.__wrapped__()  # (uncached)
+        monkeypatch.setattr(torch, "mm", mm)
+        assert set(seen) == {1} and len(seen) == 12 and torch.get_num_threads() == 2
+        torch.set_num_threads(1)
+        larger = best(torch.bfloat16) / best(torch.float32)
+    finally:
+        torch.set_num_threads(threads)
     measured = device.bf16_matmul_ratio
     assert measured is not None and measured > 0
     assert DeviceInfo.from_torch("cpu").bf16_matmul_ratio == measured  # once per process
-    larger = best(torch.bfloat16) / best(torch.float32)
     if larger > 2 * checks.BF16_SLOW_RATIO or larger < checks.BF16_SLOW_RATIO / 2:
         assert (measured >= checks.BF16_SLOW_RATIO) == (larger >= checks.BF16_SLOW_RATIO), (
             measured,
