@@ -19,7 +19,7 @@ from runner.run import app, checkpoint
 from runner.run.interrupts import RunInterrupted, StopRequest
 from runner.run.plan import make_plan
 from runner.run.trainer import RunContext, Trainer, trainer_config
-from tests.helpers.held_data import HELD, HELD_DATA, HOLD_AFTER, RELEASE
+from tests.helpers.held_data import HELD, HELD_DATA, HELD_RUN, HOLD_AFTER, hold_in_step
 from tests.helpers.resume import last_checkpoint, settings, straight_and_resumed
 from tests.helpers.runs import compose_config, read_until, run_cli, start_cli
 from tests.helpers.store import history, runs_by_name
@@ -433,18 +433,13 @@ def test_sigterm_checkpoints_marks_killed_and_resumes(tmp_path):
     step logged twice. (It was an epoch of 20,000 samples signalled 2 s in.)"""
     release = tmp_path / "release"
     args = [
-        "model=tiny",
-        *HELD_DATA,
-        "+data.num_train=640",  # 20 steps an epoch
-        "trainer.batch_size=32",
+        *HELD_RUN,  # 20 steps an epoch
         "trainer.max_epochs=2",
-        "trainer.num_workers=0",
-        "trainer.progress_bar=false",
         "trainer.log_every_n_steps=1",
         f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
         f"trainer.checkpoint_dir={tmp_path / 'checkpoints'}",
     ]
-    proc = start_cli(*args, cwd=tmp_path, env={HOLD_AFTER: str(5 * 32 + 1), RELEASE: str(release)})
+    proc = start_cli(*args, cwd=tmp_path, env=hold_in_step(6, release))
     seen = read_until(proc, HELD)
     proc.send_signal(signal.SIGTERM)
     release.touch()

@@ -394,7 +394,7 @@ def test_a_submitit_job_at_its_time_limit_checkpoints_is_requeued_and_continues(
     no checkpoint and each requeue started the job afresh, until submitit gave up (four FAILED
     runs for one job, seen with `timeout_min=1`)."""
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="pip install '.[dev]'")
-    from tests.helpers.held_data import HELD, HELD_DATA, HOLD_AFTER, RELEASE
+    from tests.helpers.held_data import HELD, HELD_RUN, hold_in_step
 
     # the job is held by its dataset in its sixth step (tests.helpers.held_data), signalled
     # there, then let go; the requeued job (the file made) trains through (it was an epoch of
@@ -402,18 +402,13 @@ def test_a_submitit_job_at_its_time_limit_checkpoints_is_requeued_and_continues(
     release = tmp_path / "release"
     proc = start_cli(
         "-m",
-        "model=tiny",
-        *HELD_DATA,
-        "+data.num_train=640",  # 20 steps
-        "trainer.batch_size=32",
+        *HELD_RUN,  # 20 steps
         "trainer.max_epochs=1",
-        "trainer.num_workers=0",
-        "trainer.progress_bar=false",
         "trainer.log_every_n_steps=2",
         f"hydra.sweep.dir={tmp_path / 'sweep'}",
         "hydra/launcher=submitit_local",
         cwd=tmp_path,
-        env={HOLD_AFTER: str(5 * 32 + 1), RELEASE: str(release)},
+        env=hold_in_step(6, release),
     )
     logs = tmp_path / "sweep" / ".submitit"
     deadline = time.monotonic() + 240

@@ -18,7 +18,7 @@ from runner.run import app
 from runner.tracking import replay
 from runner.tracking.mlflow_run import MlflowRun
 from runner.tracking.mlflow_tracker import MlflowTracker
-from tests.helpers.held_data import HELD, HELD_DATA, HOLD_AFTER, RELEASE
+from tests.helpers.held_data import HELD, HELD_RUN, hold_in_step
 from tests.helpers.runs import FAST, REPO, compose_config, read_until, start_cli
 from tests.helpers.server import free_port
 
@@ -113,18 +113,12 @@ def _held_run(tmp_path: Path, server_url: str, **env: str):
     work.mkdir()
     release = tmp_path / "release"
     args = [
-        "model=tiny",
-        *HELD_DATA,
-        "+data.num_train=640",
-        "trainer.batch_size=32",
+        *HELD_RUN,
         "trainer.max_epochs=2",
-        "trainer.num_workers=0",
-        "trainer.progress_bar=false",
         "trainer.log_every_n_steps=1",
         f"mlflow.tracking_uri={server_url}",
     ]
-    env = {HOLD_AFTER: str(5 * 32 + 1), RELEASE: str(release), **env}
-    proc = start_cli(*args, cwd=work, env=env)
+    proc = start_cli(*args, cwd=work, env={**hold_in_step(6, release), **env})
     seen = read_until(proc, HELD)  # the run exists on the server, and trains
     assert "MLflow run" in "".join(seen), "".join(seen)
     return proc, seen, release
