@@ -63,8 +63,11 @@ class DeviceInfo:
     capability: Optional[tuple[int, int]] = None  # CUDA (major, minor); None: CPU or unknown
     name: str = ""
     # a CPU's: how many times as long a bfloat16 matrix product takes as an fp32 one
-    # (`cpu_bf16_matmul_ratio`); None: not measured
+    # (`cpu_bf16_matmul_ratio`); None: not given (see `bf16_ratio`)
     bf16_matmul_ratio: Optional[float] = None
+    # where no ratio is given: measure this CPU's when a rule first asks (`from_torch`'s CPU), so
+    # that a level that computes nothing in bf16 costs no measurement
+    measure_bf16: bool = False
 
     @classmethod
     def from_torch(cls, device: torch.device | str) -> DeviceInfo:
@@ -76,8 +79,17 @@ class DeviceInfo:
             major, minor = torch.cuda.get_device_capability(index)
             return cls("cuda", (major, minor), torch.cuda.get_device_name(index))
         if device.type == "cpu":
-            return cls("cpu", None, _cpu_name(), cpu_bf16_matmul_ratio())
+            return cls("cpu", None, _cpu_name(), measure_bf16=True)
         return cls(device.type, None, device.type)
+
+    def bf16_ratio(self) -> Optional[float]:
+        """The CPU's bf16 matrix product time over fp32's: the one given, else this CPU's measured
+        (once per process) where `measure_bf16`, else None (unknown)."""
+        if self.bf16_matmul_ratio is not None:
+            return self.bf16_matmul_ratio
+        if self.measure_bf16 and self.type == "cpu":
+            return cpu_bf16_matmul_ratio()
+        return None
 
     def describe(self) -> str:
         if self.capability is None:
@@ -174,18 +186,19 @@ def _bf16_on_a_slow_cpu(p: Properties, ctx: Context) -> Iterable[Finding]:
     """bfloat16 on a CPU that computes it slowly: a CPU without bf16 instructions (AVX512_BF16,
     AMX) runs bf16 matrix products and convolutions on a slow path, 20-50x fp32's time."""
     device = ctx.device
-    if device is None or device.type != "cpu" or device.bf16_matmul_ratio is None:
-        return
-    if device.bf16_matmul_ratio < BF16_SLOW_RATIO:
+    if device is None or device.type != "cpu":
         return
     users = [prop for prop, dtype in _dtype_users(p) if dtype == torch.bfloat16]
     if not users:
+        return
+    ratio = device.bf16_ratio()  # measured here, where a level computes in bf16
+    if ratio is None or ratio < BF16_SLOW_RATIO:
         return
     yield Finding(
         "warning",
         users[0],
         f"bfloat16 on {device.describe()}: a bfloat16 matrix product took "
-        f"{device.bf16_matmul_ratio:.0f}x as long as an fp32 one here (measured at start), so "
+        f"{ratio:.0f}x as long as an fp32 one here (measured at start), so "
         "this level trains slower than precision=o0 (it still saves memory); a CPU without "
         "AVX512_BF16 or AMX instructions computes bf16 on a slow path",
         "use precision=o0 for speed on this CPU; bf16 is faster than fp32 on CPUs with "

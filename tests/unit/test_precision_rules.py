@@ -154,6 +154,22 @@ def test_bf16_on_a_cpu_that_computes_it_slowly_warns_to_use_o0():
         assert found("O2", bf16, device=cpu) == [], ratio
 
 
+def test_the_cpu_s_bf16_speed_is_measured_only_where_a_level_computes_in_bf16(monkeypatch):
+    """A run's description of its CPU measures nothing itself: the rule asks for the ratio only
+    where the level computes in bf16 (an O0 or fp16 run pays no measurement), and a ratio given
+    is never replaced by a measurement."""
+    calls = []
+    monkeypatch.setattr(checks, "cpu_bf16_matmul_ratio", lambda: calls.append(1) or 21.0)
+    cpu = DeviceInfo.from_torch("cpu")
+    assert cpu.measure_bf16 and cpu.bf16_matmul_ratio is None and calls == []
+    assert found("O0", device=cpu) == [] and found("O2", device=cpu)[0][1] == "cast_model_type"
+    assert calls == []  # O0, and O2's fp16 (its own warning): nothing measured
+    bf16 = {"cast_model_type": "bfloat16", "loss_scale": 1.0}
+    assert found("O2", bf16, device=cpu) == [("warning", "cast_model_type")] and calls == [1]
+    given = DeviceInfo("cpu", None, "a CPU", bf16_matmul_ratio=0.6, measure_bf16=True)
+    assert found("O2", bf16, device=given) == [] and calls == [1]
+
+
 @pytest.mark.real_cpu_speed
 def test_the_cpu_s_bf16_speed_is_measured_as_a_larger_product_finds_it(monkeypatch):
     """DeviceInfo.from_torch measures the CPU's bf16 matrix products against fp32's (128 x
@@ -188,9 +204,9 @@ def test_the_cpu_s_bf16_speed_is_measured_as_a_larger_product_finds_it(monkeypat
         larger = best(torch.bfloat16) / best(torch.float32)
     finally:
         torch.set_num_threads(threads)
-    measured = device.bf16_matmul_ratio
+    measured = device.bf16_ratio()
     assert measured is not None and measured > 0
-    assert DeviceInfo.from_torch("cpu").bf16_matmul_ratio == measured  # once per process
+    assert DeviceInfo.from_torch("cpu").bf16_ratio() == measured  # once per process
     if larger > 2 * checks.BF16_SLOW_RATIO or larger < checks.BF16_SLOW_RATIO / 2:
         assert (measured >= checks.BF16_SLOW_RATIO) == (larger >= checks.BF16_SLOW_RATIO), (
             measured,
