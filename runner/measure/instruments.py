@@ -5,6 +5,9 @@ no device read (README.md beside this file)."""
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -15,10 +18,25 @@ ArtifactSink = Callable[[Path, str], None]  # (local file, artifact folder), e.g
 
 
 def output_folder(folder: Optional[Path], prefix: str) -> Path:
-    """`folder`, made if missing (None: a new temporary folder, its name starting `prefix`)."""
-    path = Path(tempfile.mkdtemp(prefix=prefix)) if folder is None else folder
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    """`folder`, made if missing; None: a new temporary folder, its name starting `prefix`,
+    removed when this process exits (a run always names its folders: a temporary one serves a
+    Trainer built without them, whose files would otherwise pile up under /tmp)."""
+    if folder is None:
+        folder = Path(tempfile.mkdtemp(prefix=prefix))
+        _remove_at_exit(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def _remove_at_exit(folder: Path) -> None:
+    """Remove `folder` when the process that made it exits (not a forked child of it)."""
+    owner = os.getpid()
+
+    def remove() -> None:
+        if os.getpid() == owner:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    atexit.register(remove)
 
 
 class Instrument:

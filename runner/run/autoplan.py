@@ -21,6 +21,7 @@ from torch import nn
 
 from runner import shell
 from runner.measure import diagnostics as diag
+from runner.measure.instruments import output_folder
 from runner.measure.run_diagnostics import RunDiagnostics
 from runner.precision import Properties
 from runner.precision.layers import (
@@ -341,10 +342,7 @@ def planned(plan: Any, comm: Any, device: torch.device, output_dir: Optional[Pat
         folder = (output_dir / "layers" / "preflight") if output_dir is not None else None
 
         def measure_and_decide() -> tuple[list[list[str]], str]:
-            import tempfile
-
-            where = folder or Path(tempfile.mkdtemp(prefix="amp-runner-preflight-"))
-            where.mkdir(parents=True, exist_ok=True)
+            where = output_folder(folder, "amp-runner-preflight-")
             log.info(
                 "Layer plan: auto; a pre-flight of %d fp32 steps measures each layer's "
                 "ranges first",

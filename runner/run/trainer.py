@@ -110,7 +110,7 @@ class RunContext:
     (e.g. Run.log_metrics, runner.tracking.base), the process group, the checkpoint writer
     (None: this rank writes none), the stop request (SIGINT/SIGTERM), and the sink for the files
     it writes (the diagnostics; e.g. Run.log_file), written under `artifact_dir` (None: a
-    temporary folder)."""
+    temporary folder, removed when the process exits; a run names its own)."""
 
     on_metrics: MetricsSink
     comm: Comm = field(default_factory=Comm)
@@ -118,7 +118,8 @@ class RunContext:
     stop: Optional[StopRequest] = None
     on_artifact: Optional[ArtifactSink] = None
     artifact_dir: Optional[Path] = None
-    layers_dir: Optional[Path] = None  # the audit's files (layers_ran.csv); None: a temporary one
+    # the audit's files (layers_ran.csv); None: a temporary folder, removed when the process exits
+    layers_dir: Optional[Path] = None
 
 
 def trainer_config(node) -> TrainerConfig:

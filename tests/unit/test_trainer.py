@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -214,3 +215,55 @@ def test_accuracy_against_class_probabilities_takes_the_class_they_favour():
     assert float(hard.correct) == 2.0 and torch.allclose(
         hard.loss_sum, nn.CrossEntropyLoss()(output, soft.argmax(-1)).double() * 3
     )
+
+
+def test_a_trainer_built_without_folders_leaves_none_behind(tmp_path):
+    """A Trainer built without a run's folders (the Python API, the benchmarks, these tests)
+    writes its layer audit and diagnostics into temporary folders, there while the process
+    lives and removed when it exits: they piled up under /tmp by the thousand. A forked child
+    (a DataLoader worker) exiting removes nothing of its parent's; a folder given is kept."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers.runs import REPO
+
+    code = """
+import atexit, os, sys
+from pathlib import Path
+from runner.measure.instruments import Instruments, output_folder
+from tests.helpers.trainer import make_trainer
+trainer, _ = make_trainer("O1", {"autocast_dtype": "bfloat16"}, diagnose_every_n_steps=1)
+x, y = next(iter(trainer.train_loader))
+trainer.train_step(x, y)
+folders = [i.folder for i in trainer.instruments.all if hasattr(i, "folder")]
+folders += [i.diagnostics.folder for i in trainer.instruments.all if hasattr(i, "diagnostics")]
+given = output_folder(Path(sys.argv[1]), "unused-")
+assert all(any(f.iterdir()) for f in folders), folders  # the files are there while it runs
+child = os.fork()
+if child == 0:  # a forked worker's exit, its atexit functions run
+    atexit._run_exitfuncs()
+    os._exit(0)
+os.waitpid(child, 0)
+assert all(f.is_dir() for f in folders), folders
+print("\\n".join(str(f) for f in folders))
+"""
+    given = tmp_path / "given"
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(given)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    folders = [Path(line) for line in done.stdout.split()]
+    assert {f.name.rsplit("-", 1)[0] for f in folders} == {
+        "amp-runner-layers",
+        "amp-runner-diagnostics",
+    }
+    assert not [f for f in folders if f.exists()]
+    assert given.is_dir()
