@@ -175,6 +175,7 @@ def to_row(reader: Reader, run: RunRecord) -> Row:
             or k in MEMORY_METRICS
             or k == MEMORY_TOTAL
             or k.startswith(LAYERS_IN)
+            or k in (m.EPOCH_SAMPLES_PER_S, m.EPOCH_TOKENS_PER_S)  # (why a steady one is missing)
         },
         val_acc=reader.history(run.run_id, m.VAL_ACC),
         peak_mem_kind=run.tags.get(tag.PEAK_MEM_KIND, "?"),

@@ -202,6 +202,22 @@ def table_cells(row: Row, rows: Sequence[Row] | None = None) -> list[str]:
     return [cell(row) for _, cell in columns(rows if rows is not None else [row])]
 
 
+def no_steady_step(row: Row) -> str:
+    """Why a run that trained lacks its steady throughput, where it is known: every step it
+    took was warm-up (the first `trainer.warmup_steps` of a session, or a step that compiled),
+    which the epoch's own figure counts and the steady figure leaves out; "" otherwise."""
+    steady = TOKENS_PER_S if row.is_lm else SAMPLES_PER_S
+    epoch = m.EPOCH_TOKENS_PER_S if row.is_lm else m.EPOCH_SAMPLES_PER_S
+    if row.get(steady) is not None or row.get(epoch) is None:
+        return ""
+    warmup = row.params.get("trainer.warmup_steps", "?")
+    return (
+        f" (no steady step: every step was warm-up, the first trainer.warmup_steps={warmup} "
+        f"of a session or a step that compiled; {epoch}, which counts them, is "
+        f"{row.get(epoch):.0f}; train more steps for the steady figure)"
+    )
+
+
 def render_markdown(rows: Sequence[Row], title: str, source: str) -> str:
     titles = [title for title, _ in columns(rows)]
     # left-aligned columns: run, what varies (and what trainer.tune changed), model ... status
@@ -264,6 +280,7 @@ def render_markdown(rows: Sequence[Row], title: str, source: str) -> str:
         lines += ["Runs lacking metrics (shown as -):", ""]
         lines += [
             f"- {names[r.run_id]} (run {r.run_id}, {r.status}): no {', '.join(r.missing)}"
+            + no_steady_step(r)
             for r in missing
         ]
         lines.append("")

@@ -206,6 +206,29 @@ def test_runs_lacking_metrics_are_reported_not_fatal(tracking_uri, tmp_path, cap
     assert {p.name for p in out.iterdir()} == REPORT_FILES
 
 
+def test_a_run_with_no_steady_step_is_told_why(tracking_uri, tmp_path):
+    """A run shorter than its warm-up (2 steps, trainer.warmup_steps=3) logs only the epoch's own
+    throughput: the report says why its steady figure is missing and what to do, with the epoch
+    figure; a run lacking both is listed as before, without the reason."""
+    tracker = MlflowTracker(tracking_uri, "amp-runner")
+    params = {"model.name": "tiny", "precision.opt_level": "O1", "trainer.warmup_steps": "3"}
+    with tracker.start_run("tiny-O1", params, {}) as run:
+        run.log_metrics({"val_acc": 0.4, "epoch_samples_per_s": 53.2, "peak_mem_mb": 15.0}, 1)
+        run.log_metrics({"best_val_acc": 0.4, "train_time_s": 5.0, "skipped_steps": 0.0}, 1)
+    with tracker.start_run("tiny-O0", {"precision.opt_level": "O0"}, {}) as bare:
+        bare.log_metrics({"best_val_acc": 0.5}, 1)
+    out = tmp_path / "report"
+    assert report_main(["--tracking-uri", tracking_uri, "--out", str(out)]) == 0
+    markdown = (out / "comparison.md").read_text()
+    assert (
+        f"- tiny-O1 (run {run.run_id}, FINISHED): no samples_per_s (no steady step: every step "
+        "was warm-up, the first trainer.warmup_steps=3 of a session or a step that compiled; "
+        "epoch_samples_per_s, which counts them, is 53; train more steps for the steady figure)"
+    ) in markdown
+    (bare_line,) = [ln for ln in markdown.splitlines() if ln.startswith("- tiny-O0 (run")]
+    assert bare_line.endswith("no train_time_s, samples_per_s, peak_mem_mb, skipped_steps")
+
+
 def test_an_out_that_cannot_be_a_folder_is_refused_without_a_traceback(
     tracking_uri, tmp_path, capsys
 ):
