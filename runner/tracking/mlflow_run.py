@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -71,6 +72,8 @@ class MlflowRun(Run):
         self.offline_dir = Path(offline_dir) if offline_dir is not None else None
         self._buffer: list[Metric] = []
         self._artifacts: list[tuple[str, str | None]] = []  # not delivered: for the offline store
+        # the folders `log_text` wrote such artifacts into: removed once they are delivered
+        self._scratch: list[Path] = []
         self._lock = threading.Lock()
         self._sending = threading.Lock()  # one sender at a time: the thread, flush, end
         self._wake = threading.Event()
@@ -159,7 +162,9 @@ class MlflowRun(Run):
         try:
             self.client.log_text(self.run_id, text, artifact_file)
         except Exception as error:  # noqa: BLE001  (kept, like log_file)
-            kept = Path(tempfile.mkdtemp(prefix="amp-runner-artifact-")) / Path(artifact_file).name
+            scratch = Path(tempfile.mkdtemp(prefix="amp-runner-artifact-"))
+            self._scratch.append(scratch)
+            kept = scratch / Path(artifact_file).name
             kept.write_text(text)
             self._keep(
                 kept, str(Path(artifact_file).parent) if "/" in artifact_file else None, error
@@ -314,6 +319,7 @@ class MlflowRun(Run):
                 if error:
                     self.set_tag(tag.ERROR, error)
                 self.client.set_terminated(self.run_id, status=status)
+                self._drop_scratch()
                 return
             except Exception as failure:  # noqa: BLE001  (retried, then written offline)
                 self._outage = said(failure)
@@ -322,6 +328,13 @@ class MlflowRun(Run):
                 time.sleep(pause)
                 pause = min(2 * pause, 5.0)
         self._write_offline(status, error)
+        self._drop_scratch()  # (kept where neither store took them: _write_offline raised)
+
+    def _drop_scratch(self) -> None:
+        """Remove the folders of `log_text`'s kept artifacts: delivered, or in the offline
+        store."""
+        while self._scratch:
+            shutil.rmtree(self._scratch.pop(), ignore_errors=True)
 
     def _write_offline(self, status: str, error: str | None) -> None:
         if self.offline_dir is None:

@@ -96,6 +96,9 @@ def test_metrics_logged_while_the_server_is_away_arrive_when_it_is_back(mlflow_s
         # MLflow's own retries to a closed port take seconds; 0.5 s leaves room for a loaded
         # machine (the suite runs a test process a core) and still fails on any retry
         assert time.monotonic() - started < 0.5
+    tracked.log_text("layer plan", "layers/layer_plan.txt")  # kept in a scratch folder
+    (scratch,) = tracked._scratch
+    assert (scratch / "layer_plan.txt").read_text() == "layer plan"
     time.sleep(2)  # the sender tries, fails and keeps the metrics
     server.start()
     tracked.end("FINISHED")
@@ -103,6 +106,11 @@ def test_metrics_logged_while_the_server_is_away_arrive_when_it_is_back(mlflow_s
     history = client.get_metric_history(tracked.run_id, "train_loss")
     assert sorted(m.step for m in history) == [1, 2, 3, 4, 5, 6]
     assert client.get_run(tracked.run_id).info.status == "FINISHED"
+    # the kept text arrived at the end, and its scratch folder went with it
+    assert [a.path for a in client.list_artifacts(tracked.run_id, "layers")] == [
+        "layers/layer_plan.txt"
+    ]
+    assert not scratch.exists()
 
 
 def _held_run(tmp_path: Path, server_url: str, **env: str):
