@@ -112,10 +112,11 @@ def _cpu_name() -> str:
     return platform.processor() or "cpu"
 
 
-# From this ratio on, a bf16 level cannot train faster than fp32 on a CPU. Measured: 21-50x (128 x
-# 128) and a 3 x 3 convolution 52x on an AVX2 AMD EPYC, which has neither AVX512_BF16 nor AMX
-# (oneDNN takes a reference path there); below 1 where the CPU has them (an Intel Xeon trained
-# ResNet-50 1.9x faster in bf16 than in fp32: benchmarks/results/levels_cpu.md).
+# From this ratio on, a bf16 level cannot train faster than fp32 on a CPU. Measured on an AVX2 AMD
+# EPYC, which has neither AVX512_BF16 nor AMX (oneDNN takes a reference path there): products
+# 24-72x, a 3 x 3 convolution 73x, the tiny CNN's step 8x (benchmarks/results/cpu_bf16_cpu.md);
+# below 1 where the CPU has them (an Intel Xeon trained ResNet-50 1.9x faster in bf16 than in
+# fp32: benchmarks/results/levels_cpu.md).
 BF16_SLOW_RATIO = 3.0
 
 
