@@ -34,6 +34,7 @@ import argparse
 import datetime as _dt
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -220,6 +221,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RuntimeError as error:
         print(error, file=sys.stderr)
         return 1
+    finally:  # its store, checkpoints and the first runs' kernel caches
+        shutil.rmtree(work, ignore_errors=True)
     runner_median = statistics.median(times["runner"])
     hand_median = statistics.median(times["hand"])
     gaps = [r - h for r, h in zip(times["runner"], times["hand"])]

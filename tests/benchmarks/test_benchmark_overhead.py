@@ -83,13 +83,17 @@ def test_overhead_benchmark_rejects_bad_arguments(capsys):
 def test_startup_benchmark_smoke(tmp_path: Path, capsys):
     """`overhead.py --startup` times whole processes: both sides ran (one pair after a warm-up
     each), the runner's phases add up to its wall time, every file has its structure (no timing
-    assertion)."""
+    assertion), and its scratch folder (the runs' store and checkpoints) is gone."""
+    import tempfile
+
     bench = load_benchmark("overhead")
     out = tmp_path / "results" / "startup.md"
+    scratch = set(Path(tempfile.gettempdir()).glob("amp-runner-startup-*"))
     code = bench.main(
         ["--startup", "--pairs", "1", "--cold", "0", "--import-repeats", "1", "--out", str(out)]
     )
     assert code == 0, capsys.readouterr()
+    assert set(Path(tempfile.gettempdir()).glob("amp-runner-startup-*")) == scratch
     table = out.read_text()
     assert "| runner |" in table and "| hand-written loop |" in table
     assert "runner - hand" in table and "Target: runner - hand <= 1.5 s" in table
