@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -247,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
             json.dumps({"commits": commits, "runs": report}, indent=2)
         )
         (args.out / "behaviour_cpu.md").write_text(markdown(commits, report))
+    failed = any(d.startswith("a side failed") for r in report.values() for d in r["differences"])
+    if not failed:  # (a failed side's logs and store are kept to read, the folder named)
+        shutil.rmtree(work, ignore_errors=True)
     return 0 if all(not r["differences"] for r in report.values()) else 1
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import shutil
 import sys
 import tempfile
 import time
@@ -134,6 +135,7 @@ def run_cell(args, model: str, level: str, batches: dict) -> dict:
     from runner.measure.run_diagnostics import RunDiagnostics
 
     cell = {"model": model, "level": level, "status": "ok", "error": None}
+    scratch: list[Path] = []
     gc.collect()
     try:
         cfg = compose(cell_overrides(args, model, level))
@@ -143,6 +145,7 @@ def run_cell(args, model: str, level: str, batches: dict) -> dict:
         trainer, batch, device = parts.trainer, parts.batch, parts.device
         formats = run_formats(parts.properties.compute_dtypes)
         folder = Path(tempfile.mkdtemp(prefix="diagnostics-cost-"))
+        scratch.append(folder)  # (removed when the cell is done)
         diagnosed = RunDiagnostics(1, formats, folder)
         # the layer audit that a run's diagnosed steps carry too is measured on its own
         # (benchmarks/layer_plan_cost.py): this is the range probe's cost
@@ -196,6 +199,9 @@ def run_cell(args, model: str, level: str, batches: dict) -> dict:
     except Exception as error:  # noqa: BLE001  (reported; the exit status says so)
         cell["status"], cell["error"] = "crashed", f"{type(error).__name__}: {error}"
         traceback.print_exc()
+    finally:
+        for folder in scratch:
+            shutil.rmtree(folder, ignore_errors=True)
     return cell
 
 

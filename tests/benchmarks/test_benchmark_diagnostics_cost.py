@@ -12,9 +12,13 @@ import pytest
 from tests.helpers.benchmarks import load_benchmark
 
 
-def test_diagnostics_cost_benchmark_smoke(tmp_path: Path, capsys):
+def test_diagnostics_cost_benchmark_smoke(tmp_path: Path, capsys, monkeypatch):
+    import tempfile
+
     bench = load_benchmark("diagnostics_cost")
     out = tmp_path / "results" / "diagnostics_cost.md"
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # its own /tmp
+    (tmp_path / "tmp").mkdir()
     code = bench.main(
         [
             "--models",
@@ -38,6 +42,7 @@ def test_diagnostics_cost_benchmark_smoke(tmp_path: Path, capsys):
         ]
     )
     assert code == 0
+    assert not list((tmp_path / "tmp").glob("diagnostics-cost-*"))  # removed
     table = out.read_text()
     assert "| tiny | o0 (fp16) |" in table and "| tiny | o2_bf16 (bf16) |" in table
     assert "Load average" in table and "Command:" in table

@@ -80,7 +80,7 @@ def test_overhead_benchmark_rejects_bad_arguments(capsys):
 
 
 @pytest.mark.slow  # five short processes: the runner's and the hand-written loop's, twice each
-def test_startup_benchmark_smoke(tmp_path: Path, capsys):
+def test_startup_benchmark_smoke(tmp_path: Path, capsys, monkeypatch):
     """`overhead.py --startup` times whole processes: both sides ran (one pair after a warm-up
     each), the runner's phases add up to its wall time, every file has its structure (no timing
     assertion), and its scratch folder (the runs' store and checkpoints) is gone."""
@@ -88,12 +88,13 @@ def test_startup_benchmark_smoke(tmp_path: Path, capsys):
 
     bench = load_benchmark("overhead")
     out = tmp_path / "results" / "startup.md"
-    scratch = set(Path(tempfile.gettempdir()).glob("amp-runner-startup-*"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # its own /tmp
+    (tmp_path / "tmp").mkdir()
     code = bench.main(
         ["--startup", "--pairs", "1", "--cold", "0", "--import-repeats", "1", "--out", str(out)]
     )
     assert code == 0, capsys.readouterr()
-    assert set(Path(tempfile.gettempdir()).glob("amp-runner-startup-*")) == scratch
+    assert not list((tmp_path / "tmp").glob("amp-runner-startup-*"))
     table = out.read_text()
     assert "| runner |" in table and "| hand-written loop |" in table
     assert "runner - hand" in table and "Target: runner - hand <= 1.5 s" in table
