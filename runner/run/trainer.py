@@ -223,7 +223,9 @@ class Trainer(CheckpointState, CompileWarmup):
                 error=LayerPlanError,
                 first=not self.cfg.compile,  # (a compiled run audits an eager step: audit_eager)
                 also=ranges.due if ranges is not None else never,
-                writes=self.comm.is_main,
+                # files only where they go somewhere (a tuning trial or a pre-flight: nowhere)
+                writes=self.comm.is_main
+                and (self.context.layers_dir is not None or self.context.on_artifact is not None),
                 folder=self.context.layers_dir,
                 on_artifact=self.context.on_artifact,
                 logger=log,

@@ -4,6 +4,8 @@ build (`planned_trainer`)."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from omegaconf import OmegaConf
 
@@ -31,10 +33,12 @@ def make_trainer(
     batch_size: int = 16,
     norm: str = "batch",
     kernels: str = "torch",
+    artifacts: Optional[list] = None,
     **trainer_kw,
 ):
     """A Trainer of the tiny CNN (`norm`: batch or group) on 64 synthetic 8-px images in batches
-    of `batch_size` (shuffled alike whatever the size), SGD, at `level` (with `kernels`)."""
+    of `batch_size` (shuffled alike whatever the size), SGD, at `level` (with `kernels`); the
+    files it hands on, (path, artifact folder), appended to `artifacts` where given."""
     cfg = compose_config("optimizer=sgd", f"scheduler={scheduler}")
     data = build_datasets(
         OmegaConf.structured(
@@ -59,7 +63,10 @@ def make_trainer(
     trainer = Trainer(
         trainer_cfg,
         parts,
-        RunContext(on_metrics=lambda m, s: logged.append((dict(m), s))),
+        RunContext(
+            on_metrics=lambda m, s: logged.append((dict(m), s)),
+            on_artifact=None if artifacts is None else lambda p, d: artifacts.append((p, d)),
+        ),
         device=CPU,
     )
     return trainer, logged

@@ -219,9 +219,11 @@ def test_accuracy_against_class_probabilities_takes_the_class_they_favour():
 
 def test_a_trainer_built_without_folders_leaves_none_behind(tmp_path):
     """A Trainer built without a run's folders (the Python API, the benchmarks, these tests)
-    writes its layer audit and diagnostics into temporary folders, there while the process
-    lives and removed when it exits: they piled up under /tmp by the thousand. A forked child
-    (a DataLoader worker) exiting removes nothing of its parent's; a folder given is kept."""
+    that hands its files on writes its layer audit and diagnostics into temporary folders,
+    there while the process lives and removed when it exits: they piled up under /tmp by the
+    thousand. A forked child (a DataLoader worker) exiting removes nothing of its parent's; a
+    folder given is kept. One whose files go nowhere (a tuning trial, a pre-flight) writes
+    no audit file at all."""
     import os
     import subprocess
     import sys
@@ -233,9 +235,17 @@ import atexit, os, sys
 from pathlib import Path
 from runner.measure.instruments import Instruments, output_folder
 from tests.helpers.trainer import make_trainer
-trainer, _ = make_trainer("O1", {"autocast_dtype": "bfloat16"}, diagnose_every_n_steps=1)
+nowhere, _ = make_trainer("O1", {"autocast_dtype": "bfloat16"})
+nowhere.train_step(*next(iter(nowhere.train_loader)))
+(audit,) = [i for i in nowhere.instruments.all if hasattr(i, "plan")]
+assert audit.audited and audit._folder is None  # audited, and wrote nowhere
+handed = []
+trainer, _ = make_trainer(
+    "O1", {"autocast_dtype": "bfloat16"}, diagnose_every_n_steps=1, artifacts=handed
+)
 x, y = next(iter(trainer.train_loader))
 trainer.train_step(x, y)
+assert handed, "the audit's first files go to the sink at once"
 folders = [i.folder for i in trainer.instruments.all if hasattr(i, "folder")]
 folders += [i.diagnostics.folder for i in trainer.instruments.all if hasattr(i, "diagnostics")]
 given = output_folder(Path(sys.argv[1]), "unused-")
