@@ -528,6 +528,16 @@ def model_overrides(model: str) -> list[str]:
     return [f"model={zoo}", f"model.arch={arch}"] if colon else [f"model={model}"]
 
 
+def model_problem(model: str) -> str | None:
+    """Why `model` (an option, or `<zoo>:<arch>`) does not compose with the config tree, or None:
+    the composition error's first line."""
+    try:
+        compose(model_overrides(model))
+    except Exception as error:  # noqa: BLE001  (Hydra's own errors: reported as the reason)
+        return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return None
+
+
 def model_label(model: str) -> str:
     """The short name of a benchmark's model: the zoo's architecture name for `<zoo>:<arch>`."""
     return model.partition(":")[2] or model

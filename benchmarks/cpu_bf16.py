@@ -44,6 +44,7 @@ from common import (  # noqa: E402
     interleaved_medians,
     load_average,
     machine,
+    model_problem,
     now,
     one_batch_task,
     setup_lines,
@@ -225,6 +226,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if min(args.rounds, args.steps, args.step_rounds) < 1:
         p.error("--rounds, --steps and --step-rounds must be at least 1")
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    for model in args.models if args.train else ():
+        problem = model_problem(model)
+        if problem:
+            p.error(f"unknown model {model!r}: {problem}")
     if args.out is None:
         args.out = REPO / "benchmarks" / "results" / "cpu_bf16_cpu.md"
     return args

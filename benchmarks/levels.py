@@ -79,6 +79,7 @@ from common import (  # noqa: E402
     load_average,
     machine,
     model_label,
+    model_problem,
     now,
     one_batch_task,
     parse_level,
@@ -295,18 +296,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                 f"results, not {args.device}"
             )
     return args
-
-
-def model_problem(model: str) -> str | None:
-    """Why `model` (an option, or `<zoo>:<arch>`) does not compose with the config tree, or None:
-    the composition error's first line."""
-    from common import model_overrides
-
-    try:
-        compose(model_overrides(model))
-    except Exception as error:  # noqa: BLE001  (Hydra's own errors: reported as the reason)
-        return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    return None
 
 
 def cell_overrides(args, model: str, level: str) -> list[str]:

@@ -54,3 +54,7 @@ def test_cpu_bf16_benchmark_refuses_a_zero_count(capsys):
         bench.main(["--rounds", "0"])
     assert exit.value.code == 2
     assert "--rounds, --steps and --step-rounds must be at least 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit:
+        bench.main(["--models", "tiny,resnet5"])
+    assert exit.value.code == 2
+    assert "unknown model 'resnet5': " in capsys.readouterr().err
