@@ -185,7 +185,7 @@ def _fp16_on_cpu(p: Properties, ctx: Context) -> Iterable[Finding]:
 @DEVICE_RULES
 def _bf16_on_a_slow_cpu(p: Properties, ctx: Context) -> Iterable[Finding]:
     """bfloat16 on a CPU that computes it slowly: a CPU without bf16 instructions (AVX512_BF16,
-    AMX) runs bf16 matrix products and convolutions on a slow path, 20-50x fp32's time."""
+    AMX) runs bf16 matrix products and convolutions on a slow path, 20-70x fp32's time."""
     device = ctx.device
     if device is None or device.type != "cpu":
         return

@@ -118,7 +118,8 @@ class RunContext:
     stop: Optional[StopRequest] = None
     on_artifact: Optional[ArtifactSink] = None
     artifact_dir: Optional[Path] = None
-    # the audit's files (layers_ran.csv); None: a temporary folder, removed when the process exits
+    # the audit's files (layers_ran.csv); None: a temporary folder, removed when the process exits,
+    # where `on_artifact` takes the files, else none are written
     layers_dir: Optional[Path] = None
 
 
