@@ -124,6 +124,9 @@ class Row:
     # for a run whose process was killed outright, ended KILLED by a later run); for a run still
     # RUNNING, its last heartbeat
     reason: str | None = None
+    # the precision findings it started with, as its tag lists them ("warning precision.x; info
+    # model"; "" for runs made before the tag)
+    findings: str = ""
     params: dict[str, str] = field(default_factory=dict)  # every param the run logged
     # the batches a step summed (`trainer.accumulate_grad_batches`; 1 for runs made before it)
     accumulate: int = 1

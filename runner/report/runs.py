@@ -181,6 +181,7 @@ def to_row(reader: Reader, run: RunRecord) -> Row:
         peak_mem_kind=run.tags.get(tag.PEAK_MEM_KIND, "?"),
         task=params.get("task.name", CLASSIFICATION),
         reason=end_reason(run.status, run.tags),
+        findings=run.tags.get(tag.FINDINGS_LIST, ""),
         params=dict(params_of(run)),  # (the machine it trained on among them)
     )
     if row.is_lm:

@@ -202,6 +202,13 @@ def table_cells(row: Row, rows: Sequence[Row] | None = None) -> list[str]:
     return [cell(row) for _, cell in columns(rows if rows is not None else [row])]
 
 
+def warnings_of(row: Row) -> list[str]:
+    """The warnings and errors among the precision findings a run started with ("warning
+    precision.autocast_dtype"), from its findings tag; info findings are left out."""
+    entries = [e.strip() for e in row.findings.split(";")]
+    return [e for e in entries if e.partition(" ")[0] in ("warning", "error")]
+
+
 def no_steady_step(row: Row) -> str:
     """Why a run that trained lacks its steady throughput, where it is known: every step it
     took was warm-up (the first `trainer.warmup_steps` of a session, or a step that compiled),
@@ -283,6 +290,16 @@ def render_markdown(rows: Sequence[Row], title: str, source: str) -> str:
             + no_steady_step(r)
             for r in missing
         ]
+        lines.append("")
+    warned = [(r, warnings_of(r)) for r in rows]
+    warned = [(r, w) for r, w in warned if w]
+    if warned:
+        lines += [
+            "Runs that started with precision warnings (each message, with its hint, is in the "
+            "run's `precision.txt` artifact; they can explain a level's speed or accuracy):",
+            "",
+        ]
+        lines += [f"- {names[r.run_id]} (run {r.run_id}): {'; '.join(w)}" for r, w in warned]
         lines.append("")
     unfinished = [r for r in rows if r.status != "FINISHED"]
     if unfinished:

@@ -229,6 +229,38 @@ def test_a_run_with_no_steady_step_is_told_why(tracking_uri, tmp_path):
     assert bare_line.endswith("no train_time_s, samples_per_s, peak_mem_mb, skipped_steps")
 
 
+def test_the_runs_precision_warnings_are_listed_under_the_table(tracking_uri, tmp_path):
+    """A level slower than O0 may have been warned about at start (bf16 on a CPU without bf16
+    instructions): the report lists each run's warnings and errors from its findings tag, with
+    where the messages are; info findings, and runs without warnings, are not listed."""
+    from runner.tracking.tags import FINDINGS_LIST
+
+    tracker = MlflowTracker(tracking_uri, "amp-runner")
+    listed = {
+        "tiny-O1-bf16": "warning precision.autocast_dtype; info model",
+        "tiny-O0": "none",
+        "tiny-O2": "info precision.loss_scale",
+    }
+    ids = {}
+    for name, findings in listed.items():
+        level = name.split("-")[1]
+        with tracker.start_run(
+            name, {"precision.opt_level": level}, {FINDINGS_LIST: findings}
+        ) as run:
+            run.log_metrics({"best_val_acc": 0.5}, 1)
+        ids[name] = run.run_id
+    out = tmp_path / "report"
+    assert report_main(["--tracking-uri", tracking_uri, "--out", str(out)]) == 0
+    markdown = (out / "comparison.md").read_text()
+    assert (
+        "Runs that started with precision warnings (each message, with its hint, is in " in markdown
+    )
+    warned = [ln for ln in markdown.splitlines() if ln.startswith("- ") and "warning" in ln]
+    assert warned == [
+        f"- tiny-O1-bf16 (run {ids['tiny-O1-bf16']}): warning precision.autocast_dtype"
+    ]
+
+
 def test_an_out_that_cannot_be_a_folder_is_refused_without_a_traceback(
     tracking_uri, tmp_path, capsys
 ):
