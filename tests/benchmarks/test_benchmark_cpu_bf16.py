@@ -48,13 +48,17 @@ def test_cpu_bf16_benchmark_smoke(tmp_path: Path, capsys):
     assert "## Setup" in table and "Verdict:" in capsys.readouterr().out
 
 
-def test_cpu_bf16_benchmark_refuses_a_zero_count(capsys):
+def test_cpu_bf16_benchmark_refuses_a_zero_count(tmp_path: Path, capsys):
+    """Bad arguments are refused before anything is timed (an --out of the test's own, so that a
+    refusal that broke could not overwrite the committed results)."""
     bench = load_benchmark("cpu_bf16")
+    out = ["--out", str(tmp_path / "results" / "cpu_bf16.md")]
     with pytest.raises(SystemExit) as exit:
-        bench.main(["--rounds", "0"])
+        bench.main(["--rounds", "0", *out])
     assert exit.value.code == 2
     assert "--rounds, --steps and --step-rounds must be at least 1" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit:
-        bench.main(["--models", "tiny,resnet5"])
+        bench.main(["--models", "tiny,resnet5", *out])
     assert exit.value.code == 2
     assert "unknown model 'resnet5': " in capsys.readouterr().err
+    assert not (tmp_path / "results").exists()  # nothing was timed or written
