@@ -28,11 +28,12 @@ RELEASE = "AMP_TEST_RELEASE"
 HELD = "held after training sample"  # what a held process prints
 HOLD_AT_MOST_S = 600.0  # a test that never kills it does not leave the process behind forever
 # a short run on it: 640 samples, batch 32 (20 steps an epoch), no loader workers, no progress bar
+HELD_BATCH = 32
 HELD_RUN = [
     "model=tiny",
     *HELD_DATA,
     "+data.num_train=640",
-    "trainer.batch_size=32",
+    f"trainer.batch_size={HELD_BATCH}",
     "trainer.num_workers=0",
     "trainer.progress_bar=false",
 ]
@@ -41,7 +42,7 @@ HELD_RUN = [
 def hold_in_step(step: int, release: Path) -> dict[str, str]:
     """The environment that holds a `HELD_RUN` process at the first read of its training step
     `step` until the file `release` exists."""
-    return {HOLD_AFTER: str((step - 1) * 32 + 1), RELEASE: str(release)}
+    return {HOLD_AFTER: str((step - 1) * HELD_BATCH + 1), RELEASE: str(release)}
 
 
 class HeldSamples(Dataset):
