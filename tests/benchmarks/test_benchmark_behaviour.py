@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tests.helpers.benchmarks import REPO, load_benchmark
+from tests.helpers.benchmarks import REPO, load_benchmark, own_tempdir
 
 
 def record(**changes):
@@ -54,15 +54,12 @@ def test_the_comparison_finds_what_changed_and_ignores_time():
 def test_a_checkout_behaves_as_itself(tmp_path, monkeypatch):
     """Both sides run the same command alike; their scratch folder (the two runs' stores) is
     removed, as nothing failed."""
-    import tempfile
-
     bench = load_benchmark("behaviour")
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # its own /tmp
-    (tmp_path / "tmp").mkdir()
+    scratch = own_tempdir(tmp_path, monkeypatch)
     status = bench.main(
         ["--before", str(REPO), "--after", str(REPO), "--only", "o0", "--out", str(tmp_path)]
     )
-    assert not list((tmp_path / "tmp").glob("behaviour-*"))
+    assert not list(scratch.glob("behaviour-*"))
     report = json.loads((tmp_path / "behaviour_cpu.json").read_text())
     assert status == 0 and report["runs"]["o0"]["differences"] == []
     assert report["runs"]["o0"]["params"] > 50 and report["runs"]["o0"]["metric_points"] > 10

@@ -9,16 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.benchmarks import load_benchmark
+from tests.helpers.benchmarks import load_benchmark, own_tempdir
 
 
 def test_diagnostics_cost_benchmark_smoke(tmp_path: Path, capsys, monkeypatch):
-    import tempfile
-
     bench = load_benchmark("diagnostics_cost")
     out = tmp_path / "results" / "diagnostics_cost.md"
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # its own /tmp
-    (tmp_path / "tmp").mkdir()
+    scratch = own_tempdir(tmp_path, monkeypatch)
     code = bench.main(
         [
             "--models",
@@ -42,7 +39,7 @@ def test_diagnostics_cost_benchmark_smoke(tmp_path: Path, capsys, monkeypatch):
         ]
     )
     assert code == 0
-    assert not list((tmp_path / "tmp").glob("diagnostics-cost-*"))  # removed
+    assert not list(scratch.glob("diagnostics-cost-*"))  # removed
     table = out.read_text()
     assert "| tiny | o0 (fp16) |" in table and "| tiny | o2_bf16 (bf16) |" in table
     assert "Load average" in table and "Command:" in table

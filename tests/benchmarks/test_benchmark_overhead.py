@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.benchmarks import load_benchmark
+from tests.helpers.benchmarks import load_benchmark, own_tempdir
 
 
 def test_overhead_benchmark_smoke(tmp_path: Path, capsys):
@@ -84,17 +84,14 @@ def test_startup_benchmark_smoke(tmp_path: Path, capsys, monkeypatch):
     """`overhead.py --startup` times whole processes: both sides ran (one pair after a warm-up
     each), the runner's phases add up to its wall time, every file has its structure (no timing
     assertion), and its scratch folder (the runs' store and checkpoints) is gone."""
-    import tempfile
-
     bench = load_benchmark("overhead")
     out = tmp_path / "results" / "startup.md"
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # its own /tmp
-    (tmp_path / "tmp").mkdir()
+    scratch = own_tempdir(tmp_path, monkeypatch)
     code = bench.main(
         ["--startup", "--pairs", "1", "--cold", "0", "--import-repeats", "1", "--out", str(out)]
     )
     assert code == 0, capsys.readouterr()
-    assert not list((tmp_path / "tmp").glob("amp-runner-startup-*"))
+    assert not list(scratch.glob("amp-runner-startup-*"))
     table = out.read_text()
     assert "| runner |" in table and "| hand-written loop |" in table
     assert "runner - hand" in table and "Target: runner - hand <= 1.5 s" in table

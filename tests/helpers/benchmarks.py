@@ -17,3 +17,15 @@ def load_benchmark(name: str):
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+def own_tempdir(tmp_path: Path, monkeypatch) -> Path:
+    """A temporary folder of the test's own for the benchmark's `tempfile` calls (its scratch
+    folders land there, not in /tmp), so that a test can check they were removed, whatever else
+    runs beside it."""
+    import tempfile
+
+    folder = tmp_path / "tmp"
+    folder.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    return folder
