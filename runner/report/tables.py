@@ -213,9 +213,8 @@ def no_steady_step(row: Row) -> str:
     """Why a run that trained lacks its steady throughput, where it is known: every step it
     took was warm-up (the first `trainer.warmup_steps` of a session, or a step that compiled),
     which the epoch's own figure counts and the steady figure leaves out; "" otherwise."""
-    steady = TOKENS_PER_S if row.is_lm else SAMPLES_PER_S
     epoch = m.EPOCH_TOKENS_PER_S if row.is_lm else m.EPOCH_SAMPLES_PER_S
-    if row.get(steady) is not None or row.get(epoch) is None:
+    if row.throughput is not None or row.get(epoch) is None:
         return ""
     warmup = row.params.get("trainer.warmup_steps", "?")
     return (
@@ -291,8 +290,7 @@ def render_markdown(rows: Sequence[Row], title: str, source: str) -> str:
             for r in missing
         ]
         lines.append("")
-    warned = [(r, warnings_of(r)) for r in rows]
-    warned = [(r, w) for r, w in warned if w]
+    warned = [(r, w) for r in rows if (w := warnings_of(r))]
     if warned:
         lines += [
             "Runs that started with precision warnings (each message, with its hint, is in the "
