@@ -56,7 +56,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from common import (  # noqa: E402
-    REPO,
+    RESULTS,
     STATE_CHECKED,
     STATE_MEMORY_TARGETS,
     add_device_option,
@@ -304,7 +304,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.levels = list(dict.fromkeys(levels))  # unique, in order
     if args.out is None:
         suite = "_state" if state_suite else ""
-        args.out = REPO / "benchmarks" / "results" / f"accuracy{suite}_{args.device}.md"
+        args.out = RESULTS / f"accuracy{suite}_{args.device}.md"
     return args
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results"  # where a benchmark writes when given no --out
 if str(REPO) not in sys.path:  # `python benchmarks/<name>.py` from a checkout
     sys.path.insert(0, str(REPO))
 

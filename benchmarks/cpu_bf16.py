@@ -36,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from common import (  # noqa: E402
-    REPO,
+    RESULTS,
     add_out_option,
     build_runner,
     command,
@@ -231,7 +231,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         if problem:
             p.error(f"unknown model {model!r}: {problem}")
     if args.out is None:
-        args.out = REPO / "benchmarks" / "results" / "cpu_bf16_cpu.md"
+        args.out = RESULTS / "cpu_bf16_cpu.md"
     return args
 
 

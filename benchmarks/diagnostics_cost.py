@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from common import (  # noqa: E402
-    REPO,
+    RESULTS,
     add_device_option,
     add_extra_option,
     add_out_option,
@@ -104,7 +104,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if not args.intervals or any(v < 1 for v in args.intervals):
         p.error("--intervals must be at least 1")
     args.levels = args.levels or (["o0", "o2_bf16"] if args.device == "cpu" else ["o0", "o2"])
-    args.out = args.out or REPO / "benchmarks" / "results" / f"diagnostics_cost_{args.device}.md"
+    args.out = args.out or RESULTS / f"diagnostics_cost_{args.device}.md"
     return args
 
 

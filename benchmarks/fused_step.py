@@ -49,7 +49,7 @@ from typing import Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 import torch  # noqa: E402
 from common import (  # noqa: E402
-    REPO,
+    RESULTS,
     add_device_option,
     add_out_option,
     add_threads_option,
@@ -114,7 +114,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown torchvision model(s): {', '.join(unknown)}")
     args.iters = args.iters or (50 if args.device == "cuda" else 31)
-    args.out = args.out or REPO / "benchmarks" / "results" / f"kernels_{args.device}.md"
+    args.out = args.out or RESULTS / f"kernels_{args.device}.md"
     return args
 
 

@@ -44,7 +44,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from common import (  # noqa: E402
-    REPO,
+    RESULTS,
     add_device_option,
     add_out_option,
     build_runner,
@@ -119,7 +119,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.device == "cpu":
         args.image_size = args.image_size or CPU_SIZE[0]
         args.batch_size = args.batch_size or CPU_SIZE[1]
-    args.out = args.out or REPO / "benchmarks" / "results" / f"graphs_{args.device}.md"
+    args.out = args.out or RESULTS / f"graphs_{args.device}.md"
     return args
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from common import (  # noqa: E402
-    REPO,
+    RESULTS,
     add_device_option,
     add_out_option,
     add_threads_option,
@@ -100,7 +100,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error(f"unknown model(s) {unknown}; choose from {', '.join(HEADS)}")
     check_at_least_one(p, args, ("image_size", "batch_size", "steps", "rounds"))
     args.levels = args.levels or (["o1_bf16", "o2_bf16"] if args.device == "cpu" else ["o1", "o2"])
-    args.out = args.out or REPO / "benchmarks" / "results" / f"layer_plan_cost_{args.device}.md"
+    args.out = args.out or RESULTS / f"layer_plan_cost_{args.device}.md"
     return args
 
 

@@ -62,7 +62,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from common import (  # noqa: E402
     COMPILE_SUFFIX,
-    REPO,
+    RESULTS,
     add_device_option,
     add_extra_option,
     add_out_option,
@@ -248,7 +248,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         if len(devices) != 1:
             p.error(f"--from-json: the files are from different devices ({devices})")
         args.device = devices.pop()
-        args.out = args.out or REPO / "benchmarks" / "results" / f"levels_{args.device}.md"
+        args.out = args.out or RESULTS / f"levels_{args.device}.md"
         return args
 
     from runner.run.plan import preset_options
@@ -287,7 +287,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                 "state; the only suffix here is +compile"
             )
     args.levels = levels  # per model
-    args.out = args.out or REPO / "benchmarks" / "results" / f"levels_{args.device}.md"
+    args.out = args.out or RESULTS / f"levels_{args.device}.md"
     if args.merge and args.out.with_suffix(".json").is_file():
         previous = json.loads(args.out.with_suffix(".json").read_text())
         if previous.get("device") != args.device:

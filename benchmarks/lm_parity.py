@@ -75,7 +75,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from common import (  # noqa: E402
-    REPO,
+    RESULTS,
     STATE_CHECKED,
     STATE_MEMORY_TARGETS,
     add_run_options,
@@ -349,7 +349,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         )
     args.overhead_levels = list(dict.fromkeys(overhead_levels))
     if args.out is None:
-        args.out = REPO / "benchmarks" / "results" / f"lm_parity_{args.device}.md"
+        args.out = RESULTS / f"lm_parity_{args.device}.md"
     return args
 
 

@@ -37,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from common import (  # noqa: E402
-    REPO,
+    RESULTS,
     add_device_option,
     add_extra_option,
     add_out_option,
@@ -131,7 +131,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--intervals must be at least 1")
     args.intervals = list(dict.fromkeys(intervals))
     args.default_interval = default
-    args.out = args.out or REPO / "benchmarks" / "results" / f"logging_cost_{args.device}.md"
+    args.out = args.out or RESULTS / f"logging_cost_{args.device}.md"
     return args
 
 

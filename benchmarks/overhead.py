@@ -44,7 +44,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from common import (  # noqa: E402
-    REPO,
+    RESULTS,
     add_device_option,
     add_extra_option,
     add_out_option,
@@ -336,7 +336,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         )
     args.levels = list(dict.fromkeys(levels))
     name = "overhead_instruments" if args.instruments else "overhead"
-    args.out = args.out or REPO / "benchmarks" / "results" / f"{name}_{args.device}.md"
+    args.out = args.out or RESULTS / f"{name}_{args.device}.md"
     return args
 
 

@@ -65,7 +65,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from common import (  # noqa: E402
-    REPO,
+    RESULTS,
     add_device_option,
     add_extra_option,
     add_out_option,
@@ -253,7 +253,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.tuned and "titan:float8" in args.peers:
         p.error("--tuned compares the runner's defaults with a peer's: not titan:float8")
     name = f"peers_tuned_{args.device}.md" if args.tuned else f"peers_{args.device}.md"
-    args.out = args.out or REPO / "benchmarks" / "results" / name
+    args.out = args.out or RESULTS / name
     return args
 
 

@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from common import (  # noqa: E402
-    REPO,
+    RESULTS,
     add_device_option,
     add_extra_option,
     add_out_option,
@@ -105,7 +105,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.warmup < 0:
         p.error("--warmup must be at least 0")
     check_presets(p, args.levels)
-    args.out = args.out or REPO / "benchmarks" / "results" / f"profile_step_{args.device}.md"
+    args.out = args.out or RESULTS / f"profile_step_{args.device}.md"
     return args
 
 

@@ -43,7 +43,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from accuracy import read_run  # noqa: E402
 from common import (  # noqa: E402
-    REPO,
+    RESULTS,
     add_run_options,
     add_threads_option,
     apply_threads,
@@ -188,7 +188,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     check_presets(parser, levels)
     args.levels = list(dict.fromkeys(levels))
     if args.out is None:
-        args.out = REPO / "benchmarks" / "results" / f"rounding_{args.device}.md"
+        args.out = RESULTS / f"rounding_{args.device}.md"
     return args
 
 

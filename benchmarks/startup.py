@@ -45,7 +45,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
-from common import REPO, command, load_average, machine, now, setup_lines, write_results  # noqa: E402
+from common import REPO, RESULTS, command, load_average, machine, now, setup_lines, write_results  # noqa: E402
 
 TARGET_GAP_S = 1.5
 TARGET_COLD_S = 10.0
@@ -143,7 +143,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=3,
         help="times each library's import is timed alone (default 3; 0: not timed)",
     )
-    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "startup_cpu.md")
+    p.add_argument("--out", type=Path, default=RESULTS / "startup_cpu.md")
     args = p.parse_args(argv)
     if args.pairs < 1 or args.cold < 0 or args.import_repeats < 0:
         p.error("--pairs must be >= 1, --cold and --import-repeats >= 0")

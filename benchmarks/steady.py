@@ -33,6 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
 from common import (  # noqa: E402
     REPO,
+    RESULTS,
     add_device_option,
     add_out_option,
     check_at_least_one,
@@ -97,7 +98,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if len(args.levels) != 2:
         p.error("--levels: two presets, the baseline first")
     check_presets(p, args.levels)
-    args.out = args.out or REPO / "benchmarks" / "results" / f"steady_{args.device}.md"
+    args.out = args.out or RESULTS / f"steady_{args.device}.md"
     return args
 
 
