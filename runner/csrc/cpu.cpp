@@ -9,10 +9,12 @@
 // step_math.h's. The other ops convert 16-bit inputs block by block into small fp32 buffers (F16C
 // for fp16 where the build has it, bit shifts for bf16) and run step_math.h's arithmetic in plain
 // loops the compiler vectorises. 16-bit outputs are rounded to nearest even, as torch does.
-// ATen and the Python bindings' type casters only: torch/extension.h adds torch's C++ frontend
-// (torch::nn, torch::optim), unused here, and 7-18 s to a build of the file (g++ -O3)
-#include <ATen/ATen.h>
-#include <torch/python.h>
+// The tensor, the one operator used (at::empty) and pybind11 with torch's type casters only:
+// ATen/ATen.h (every operator) and torch/python.h (torch's C++ frontend) cost a build of this file
+// 10 s of its 52 (g++ -O3, 2 cores), torch/extension.h more
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>

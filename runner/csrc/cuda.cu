@@ -4,7 +4,9 @@
 // runs one multi-tensor-apply pass per group. Flags stay on the device: the step kernels read
 // found_inf themselves and return at once when it is set, so the host never waits for a verdict
 // it does not need. The element math is step_math.h's, shared with the C++ backend.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 

@@ -1,8 +1,8 @@
 // Python bindings of the CUDA backend (compiled by the host compiler; the kernels are in cuda.cu).
-// ATen and the Python bindings' type casters only: torch/extension.h adds torch's C++ frontend
-// (torch::nn, torch::optim), unused here, and 7-18 s to a build of the file (g++ -O3)
-#include <ATen/ATen.h>
-#include <torch/python.h>
+// The tensor and pybind11 with torch's type casters only (ATen/ATen.h and torch/python.h would
+// add every operator and torch's C++ frontend, seconds of compile time, unused here)
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include "ops.h"
 

@@ -9,7 +9,7 @@
 // multi_tensor_apply_tagged also carries one 32-bit word per tensor (a stochastic-rounding key).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>

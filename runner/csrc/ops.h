@@ -12,7 +12,7 @@
 // multiplier computed on the GPU (a clipping coefficient) needs no host round trip.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <optional>
 #include <string>
