@@ -6,6 +6,7 @@ same batch with the same optimizer, so after the same number of steps the losses
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 import math
 from pathlib import Path
@@ -14,7 +15,11 @@ import pytest
 
 from tests.helpers.benchmarks import load_benchmark
 
-pytest.importorskip("lightning")
+# skipped without Lightning, found without importing it: its import takes 4 s, which every test
+# process would pay at collection (the benchmark imports it where a peer needs it)
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("lightning") is None, reason="no Lightning (pip install '.[dev]')"
+)
 
 
 def test_peers_benchmark_trains_the_same_thing_on_each_side(tmp_path: Path, capsys):
