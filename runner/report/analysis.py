@@ -55,6 +55,9 @@ MEMORY_TOTAL = TOTAL_METRIC
 # the step timer's (runner.measure.timing): reported where a run logged them, never listed as
 # missing (runs made before them, a CPU run's mfu)
 TIMING_METRICS = {MFU: "mfu", WARMUP_TIME_S: "warm-up"}
+# how far from its O0 run's best a run's validation counts as reaching it (`--target-gap`):
+# accuracy points below (0.01: one point), or a language model's nats per token above
+TARGET_GAP = 0.01
 
 
 def _plain(value: Any) -> Any:
@@ -97,6 +100,16 @@ def describe_dtype(precision: Mapping[str, Any], batchnorm_layers: Optional[int]
     return str(cast) + (f" ({', '.join(extras)})" if extras else "") + extra
 
 
+@dataclass(frozen=True)
+class Reach:
+    """A run's way to a validation target: the first epoch that reached it and its training
+    time to the end of that epoch (None: not reached, or no time logged)."""
+
+    target: float
+    epoch: int | None
+    seconds: float | None
+
+
 @dataclass
 class Row:
     """One run's line of the comparison."""
@@ -133,6 +146,10 @@ class Row:
     # whether its throughput is the steady figure (a run made before it logged the epoch's own
     # figure under that name: its throughput is then the mean over the epochs after the first)
     steady: bool = False
+    epoch_times: list[tuple[int, float]] = field(default_factory=list)  # (epoch, training s)
+    # reaching its O0 run's quality (add_baseline_ratios): where a baseline has a validation
+    reach: Reach | None = None
+    reach_speedup: float | None = None  # the baseline's time to the target / this run's
 
     def get(self, metric: str) -> float | None:
         value = self.metrics.get(metric)
@@ -162,6 +179,33 @@ class Row:
     def missing(self) -> list[str]:
         return [m for m in (LM_METRICS if self.is_lm else METRICS) if self.get(m) is None]
 
+    @property
+    def quality(self) -> dict[int, float]:
+        """Its validation by epoch: accuracy, or a language model's loss (an epoch a resumed
+        session logged again: the last value)."""
+        return dict(self.val_loss if self.is_lm else self.val_acc)
+
+    def best_quality(self) -> float | None:
+        """Its best validation: the highest accuracy, or a language model's lowest loss."""
+        values = [v for v in self.quality.values() if not math.isnan(v)]
+        if not values:
+            return None
+        return min(values) if self.is_lm else max(values)
+
+    def reaching(self, target: float) -> Reach:
+        """When its validation first reached `target` (an accuracy at or above it, a language
+        model's loss at or below it), and the training time to the end of that epoch: its
+        `epoch_time_s` summed over the epochs up to it (validation excluded, warm-up included).
+        Not reached: epoch None; reached in an epoch without a time (a run made before the
+        metric): seconds None."""
+        times = dict(self.epoch_times)
+        for epoch, value in sorted(self.quality.items()):
+            if value <= target if self.is_lm else value >= target:
+                known = epoch in times and all(e in times for e in self.quality if e < epoch)
+                seconds = sum(t for e, t in times.items() if e <= epoch) if known else None
+                return Reach(target, epoch, seconds)
+        return Reach(target, None, None)
+
 
 def tuned_settings(row: Row) -> str:
     """What trainer.tune changed in this run ("channels_last=true, kernels=torch"), "" if
@@ -174,14 +218,16 @@ def tuned_settings(row: Row) -> str:
     return ", ".join(changed)
 
 
-def add_baseline_ratios(rows: Sequence[Row]) -> None:
+def add_baseline_ratios(rows: Sequence[Row], target_gap: float = TARGET_GAP) -> None:
     """Speedup and memory ratio against the O0 run of the same group: the same model and the same
     values of every param that varies between the runs (lr, schedule, data, ...), seeds apart; of
     those, the nearest (`varying.distance`: the same seed, optimizer, samples a step, batch size and
     batches a step, in that order), so that an O2 run of batch 256 compares with the O0 of 64 x 4
     that fit. A run whose group has no O0 run gets no ratio (a different lr's O0 is not its
     baseline). The speedup is the ratio of the steady throughputs where both runs logged one, else
-    (runs made before the steady figure) the baseline's train time over the run's."""
+    (runs made before the steady figure) the baseline's train time over the run's. And the time
+    to the baseline's quality: the training time each of the two took to come within
+    `target_gap` of the baseline's best validation (Row.reaching), and their ratio."""
     group_keys = baseline_keys(rows)
     names = display_names(rows)
 
@@ -209,6 +255,12 @@ def add_baseline_ratios(rows: Sequence[Row]) -> None:
         memory, base_memory = row.get(m.PEAK_MEM_MB), base.get(m.PEAK_MEM_MB)
         if memory is not None and base_memory:
             row.memory_ratio = memory / base_memory
+        best = base.best_quality()
+        if best is not None:
+            target = best + target_gap if base.is_lm else best - target_gap
+            row.reach, base_reach = row.reaching(target), base.reaching(target)
+            if row.reach.seconds and base_reach.seconds:
+                row.reach_speedup = base_reach.seconds / row.reach.seconds
 
 
 @dataclass

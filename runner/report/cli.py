@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import runner
 from runner import files, shell
-from runner.report.analysis import EXPERIMENT, add_baseline_ratios
+from runner.report.analysis import EXPERIMENT, TARGET_GAP, add_baseline_ratios
 from runner.report.plots import plot_bars, plot_curves, plot_memory
 from runner.report.runs import NothingToReport, find_run, select_runs, to_row
 from runner.report.tables import (
@@ -73,7 +74,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=Path("report"),
         help="folder for the table and figures (default: ./report)",
     )
+    parser.add_argument(
+        "--target-gap",
+        type=float,
+        default=TARGET_GAP,
+        metavar="GAP",
+        help="how close to its O0 run's best validation a run counts as reaching it, for the "
+        "time-to columns: accuracy points below (0.01: one point), a language model's nats "
+        f"above (default: {TARGET_GAP})",
+    )
     args = parser.parse_args(argv)
+    if not (args.target_gap >= 0 and math.isfinite(args.target_gap)):
+        parser.error(f"--target-gap: {args.target_gap} (allowed: a number >= 0, e.g. 0.01)")
     from runner.config.values import BARE_DATABASE_PATH, bare_database_path, bare_database_refusal
 
     if bare_database_path(args.tracking_uri):
@@ -188,7 +200,7 @@ def _write(
 ) -> int:
     """The table and figures of `runs` into `args.out`, printed, and logged on `parent`."""
     rows = [to_row(reader, run) for run in runs]
-    add_baseline_ratios(rows)
+    add_baseline_ratios(rows, args.target_gap)
 
     title = (
         f"Precision comparison: {parent.run_name}"
@@ -200,7 +212,7 @@ def _write(
         + (f", parent run `{parent.run_id}`" if parent else "")
         + f"; written {_dt.datetime.now().isoformat(timespec='seconds')}."
     )
-    markdown = render_markdown(rows, title, source)
+    markdown = render_markdown(rows, title, source, args.target_gap)
     try:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / TABLE_MD).write_text(markdown)

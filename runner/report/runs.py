@@ -186,6 +186,7 @@ def to_row(reader: Reader, run: RunRecord) -> Row:
     )
     if row.is_lm:
         row.val_loss = reader.history(run.run_id, m.VAL_LOSS)
+    row.epoch_times = reader.history(run.run_id, m.EPOCH_TIME_S)  # (its time to a quality)
     row.steady = m.EPOCH_SAMPLES_PER_S in run.metrics
     for metric in (SAMPLES_PER_S, TOKENS_PER_S):
         row.metrics.pop(metric, None)

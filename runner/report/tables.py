@@ -17,6 +17,7 @@ from runner.report.analysis import (
     MEMORY_METRICS,
     MEMORY_TOTAL,
     METRICS,
+    TARGET_GAP,
     TIMING_METRICS,
     Row,
     all_lm,
@@ -63,8 +64,8 @@ def render_seed_table(rows: Sequence[Row]) -> list[str]:
         "in " + ", ".join(f"`{k}`" for k in SEED_PARAMS if k in varying_params(rows)) + "):",
         "",
         f"| model | configuration | seeds | {title} | train time (s) | "
-        "peak memory (MB) | speedup vs O0 | memory vs O0 |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "peak memory (MB) | speedup vs O0 | memory vs O0 | speedup to O0's best |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for g in seed_groups(rows):
         lines.append(
@@ -79,6 +80,7 @@ def render_seed_table(rows: Sequence[Row]) -> list[str]:
                     _mean_std(g.stats(lambda r: r.get(m.PEAK_MEM_MB)), ".0f"),
                     _mean_std(g.stats(lambda r: r.speedup), ".2f"),
                     _mean_std(g.stats(lambda r: r.memory_ratio), ".2f"),
+                    _mean_std(g.stats(lambda r: r.reach_speedup), ".2f"),
                 ]
             )
             + " |"
@@ -113,6 +115,8 @@ COLUMNS = [
     "state total (MB)",
     "speedup vs O0",
     "memory vs O0",
+    "time to O0's best (s)",
+    "speedup to O0's best",
 ]
 
 
@@ -127,6 +131,20 @@ def layer_counts(row: Row) -> str:
 
 def _fmt(value: float | None, spec: str, scale: float = 1.0) -> str:
     return "-" if value is None else format(value * scale, spec)
+
+
+def reach_cell(row: Row) -> str:
+    """The training time the run took to come within the target gap of its O0 run's best
+    validation, and the epoch: "41.2 (epoch 3)"; "not reached"; "epoch 3" where it logged no
+    epoch times; "-" without a baseline."""
+    reach = row.reach
+    if reach is None:
+        return "-"
+    if reach.epoch is None:
+        return "not reached"
+    if reach.seconds is None:
+        return f"epoch {reach.epoch}"
+    return f"{reach.seconds:.1f} (epoch {reach.epoch})"
 
 
 def _perplexity(loss: float | None) -> float | None:
@@ -194,6 +212,8 @@ def columns(rows: Sequence[Row]) -> list[tuple[str, Any]]:
         ),
         ("speedup vs O0", lambda r: _fmt(r.speedup, ".2f")),
         ("memory vs O0", lambda r: _fmt(r.memory_ratio, ".2f")),
+        ("time to O0's best (s)", reach_cell),
+        ("speedup to O0's best", lambda r: _fmt(r.reach_speedup, ".2f")),
         ("baseline (O0)", lambda r: r.baseline or "-"),
     ]
 
@@ -224,7 +244,25 @@ def no_steady_step(row: Row) -> str:
     )
 
 
-def render_markdown(rows: Sequence[Row], title: str, source: str) -> str:
+def reach_note(rows: Sequence[Row], target_gap: float) -> str:
+    """What the time to O0's best means, with each baseline's target ("" without baselines)."""
+    targets = sorted({(r.baseline, r.reach.target) for r in rows if r.reach is not None})
+    if not targets:
+        return ""
+    return (
+        " Time to O0's best: the training time (the epochs' `epoch_time_s` summed, validation "
+        "excluded, warm-up included) to the end of the first epoch whose validation came within "
+        "the target gap of the baseline's best (accuracy that many points below it, a language "
+        f"model's loss that many nats above: `--target-gap` {target_gap:g}), "
+        '"not reached" where no epoch did; its speedup: the baseline\'s own time to that '
+        "target / the run's. A level that steps faster but needs more epochs to get there shows it "
+        "here. Targets: " + ", ".join(f"{name} {target:.4g}" for name, target in targets) + "."
+    )
+
+
+def render_markdown(
+    rows: Sequence[Row], title: str, source: str, target_gap: float = TARGET_GAP
+) -> str:
     titles = [title for title, _ in columns(rows)]
     # left-aligned columns: run, what varies (and what trainer.tune changed), model ... status
     text = 8 + len(varying_params(rows)) + bool(tuned_keys(rows))
@@ -275,7 +313,7 @@ def render_markdown(rows: Sequence[Row], title: str, source: str) -> str:
         "(activations: the bytes saved for backward); state total is their sum. Layers "
         "fp32/bf16/fp16/fp8: how many layers (modules with weights of their own) computed "
         "in each format at the first step, as the layer audit saw them "
-        "(`layers/layers_ran.csv` of each run).",
+        "(`layers/layers_ran.csv` of each run)." + reach_note(rows, target_gap),
         "",
     ]
     lines += render_seed_table(rows)
@@ -355,6 +393,10 @@ def write_csv(rows: Sequence[Row], path: Path) -> None:
                 MEMORY_TOTAL,
                 "speedup_vs_o0",
                 "memory_vs_o0",
+                "target",
+                "epoch_to_target",
+                "time_to_target_s",
+                "speedup_to_target",
                 "baseline_run",
                 "reason",
                 *lm,
@@ -380,6 +422,12 @@ def write_csv(rows: Sequence[Row], path: Path) -> None:
                     *(r.get(m) for m in (*MEMORY_METRICS, MEMORY_TOTAL)),
                     r.speedup,
                     r.memory_ratio,
+                    *(
+                        (r.reach.target, r.reach.epoch, r.reach.seconds)
+                        if r.reach
+                        else (None, None, None)
+                    ),
+                    r.reach_speedup,
                     r.baseline,
                     r.reason,
                     *(r.get(k) for k in lm),

@@ -383,6 +383,84 @@ def test_speed_is_compared_at_the_steady_throughput(tracking_uri, tmp_path):
     assert "Runs lacking metrics" not in markdown
 
 
+def test_each_run_is_timed_to_its_o0_runs_best_accuracy(tracking_uri, tmp_path, capsys):
+    """O2 steps faster and gets within the target gap (0.01) of O0's best (0.82) an epoch sooner:
+    its time to that accuracy is its first three epochs' training time, 14 s against O0's four,
+    34 s (2.43x); O3 never gets there. A wider gap (0.2: 0.62) is reached sooner by both and
+    not by O3's 0.6; a negative gap is refused."""
+    tracker = MlflowTracker(tracking_uri, "amp-runner")
+    parent = tracker.create_run("sweep precision=o0,o2,o3", {SWEEP_DIR_TAG: str(tmp_path)})
+    curves = {
+        "O0": ([0.5, 0.7, 0.805, 0.82], [10.0, 8.0, 8.0, 8.0]),
+        "O2": ([0.6, 0.79, 0.815, 0.80], [6.0, 4.0, 4.0, 4.0]),
+        "O3": ([0.3, 0.4, 0.5, 0.6], [5.0, 3.0, 3.0, 3.0]),
+    }
+    for level, (accuracy, seconds) in curves.items():
+        params = {
+            "model.name": "tiny",
+            "optimizer.name": "sgd",
+            "trainer.batch_size": "32",
+            "precision.opt_level": level,
+        }
+        with tracker.start_run(f"tiny-{level}", params, {PARENT_RUN_TAG: parent.run_id}) as run:
+            for epoch, (acc, s) in enumerate(zip(accuracy, seconds), 1):
+                run.log_metrics({"val_acc": acc, "epoch_time_s": s, "peak_mem_mb": 10.0}, epoch)
+            summary = {"best_val_acc": max(accuracy), "train_time_s": sum(seconds) + 4}
+            run.log_metrics(summary, 4)
+    parent.end("FINISHED")
+
+    out = tmp_path / "report"
+    assert report_main(["--tracking-uri", tracking_uri, "--out", str(out)]) == 0
+    rows = {r["level"]: r for r in read_csv(out / "comparison.csv")}
+    assert {level: float(rows[level]["target"]) for level in rows} == pytest.approx(
+        {"O0": 0.81, "O2": 0.81, "O3": 0.81}
+    )
+    assert (rows["O0"]["epoch_to_target"], rows["O2"]["epoch_to_target"]) == ("4", "3")
+    assert float(rows["O0"]["time_to_target_s"]) == 34.0
+    assert float(rows["O2"]["time_to_target_s"]) == 14.0
+    assert float(rows["O2"]["speedup_to_target"]) == pytest.approx(34 / 14)
+    assert float(rows["O0"]["speedup_to_target"]) == 1.0
+    assert rows["O3"]["epoch_to_target"] == rows["O3"]["speedup_to_target"] == ""
+    markdown = (out / "comparison.md").read_text()
+    assert "| time to O0's best (s) | speedup to O0's best |" in markdown
+    line = next(x for x in markdown.splitlines() if x.startswith("| tiny-O2 "))
+    assert "| 14.0 (epoch 3) | 2.43 | tiny-O0 |" in line
+    line = next(x for x in markdown.splitlines() if x.startswith("| tiny-O3 "))
+    assert "| not reached | - | tiny-O0 |" in line
+    assert "`--target-gap` 0.01" in markdown and "Targets: tiny-O0 0.81." in markdown
+
+    wide = tmp_path / "wide"
+    assert (
+        report_main(["--tracking-uri", tracking_uri, "--out", str(wide), "--target-gap", "0.2"])
+        == 0
+    )
+    rows = {r["level"]: r for r in read_csv(wide / "comparison.csv")}
+    assert (rows["O0"]["time_to_target_s"], rows["O2"]["time_to_target_s"]) == ("18.0", "10.0")
+    assert float(rows["O2"]["speedup_to_target"]) == pytest.approx(1.8)
+    assert rows["O3"]["epoch_to_target"] == ""  # 0.6 < 0.62
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as refused:
+        report_main(["--tracking-uri", tracking_uri, "--target-gap", "-0.1"])
+    assert refused.value.code == 2
+    assert "--target-gap: -0.1 (allowed: a number >= 0" in capsys.readouterr().err
+
+
+def test_a_language_model_reaches_a_loss_and_an_epoch_logged_twice_counts_once():
+    """A language model's target is a loss to get down to; a resumed session that logged an
+    epoch again counts its last value once; a run that logged no epoch times tells the epoch."""
+    from runner.config.schema import LANGUAGE_MODEL
+
+    row = Row("r", "gpt-O1", "FINISHED", "gpt", "adamw", "O1", "float32", 8, task=LANGUAGE_MODEL)
+    row.val_loss = [(1, 3.0), (2, 2.7), (2, 2.55), (3, 2.4)]
+    row.epoch_times = [(1, 5.0), (2, 6.0), (2, 6.0), (3, 5.0)]
+    reach = row.reaching(2.6)
+    assert (reach.epoch, reach.seconds) == (2, 11.0)
+    assert row.best_quality() == 2.4
+    assert row.reaching(2.0).epoch is None
+    row.epoch_times = []
+    assert (row.reaching(2.6).epoch, row.reaching(2.6).seconds) == (2, None)
+
+
 def test_memory_by_kind_columns_and_stacked_bars(tracking_uri, tmp_path):
     """Runs that logged mem_*_mb get them in the table and CSV and a stacked bar each; a run
     without them (made before they existed) shows - and is not listed as lacking metrics."""
@@ -424,7 +502,7 @@ def test_memory_by_kind_columns_and_stacked_bars(tracking_uri, tmp_path):
     markdown = (out / "comparison.md").read_text()
     line = next(x for x in markdown.splitlines() if x.startswith("| tiny-O2 "))
     cells = line.strip("| ").split(" | ")
-    assert cells[-9:-3] == ["2.00", "4.00", "2.00", "4.00", "10.00", "22.00"]
+    assert cells[-11:-5] == ["2.00", "4.00", "2.00", "4.00", "10.00", "22.00"]
     assert cells[-1] == "tiny-O0"  # the baseline each ratio uses
     assert "Runs lacking metrics" not in markdown and "memory_by_kind.png" in markdown
     assert_png(out / "memory_by_kind.png", 600, 500)
