@@ -147,6 +147,10 @@ def plot_memory(rows: Sequence[Row], path: Path) -> None:
 
 
 def plot_curves(rows: Sequence[Row], path: Path) -> None:
+    """Each run's validation (accuracy, or every run a language model's: loss) per epoch, and the
+    same against its training time so far (the epochs' `epoch_time_s` summed: where a level's
+    faster steps get it to an accuracy sooner), with each O0 baseline's target (the time to O0's
+    best columns) as a dashed line."""
     import matplotlib
     import matplotlib.ticker
 
@@ -154,21 +158,47 @@ def plot_curves(rows: Sequence[Row], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     lm = all_lm(rows)  # language models: the loss per epoch
-    fig, ax = plt.subplots(figsize=(8, 5))
+    scale = 1.0 if lm else 100.0
+    fig, (by_epoch, by_time) = plt.subplots(1, 2, figsize=(14, 5))
+    timed = 0  # the runs drawn against their training time
     for r in rows:
-        curve, scale = (r.val_loss, 1.0) if lm else (r.val_acc, 100.0)
-        if curve:
-            epochs, values = zip(*curve)
-            ax.plot(
-                epochs,
-                [scale * v for v in values],
-                marker="o",
-                label=f"{r.run_name} ({r.status})" if r.status != "FINISHED" else r.run_name,
-            )
-    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-    ax.set_xlabel("epoch")
-    ax.set_ylabel("validation loss (nats/token)" if lm else "validation accuracy (%)")
-    ax.set_title("Validation loss per run" if lm else "Validation accuracy per run")
-    ax.grid(alpha=0.3)
-    _legend_or_note(ax, bool(ax.lines), "no run logged val_loss" if lm else "no run logged val_acc")
+        curve = dict(r.val_loss if lm else r.val_acc)  # (an epoch logged again: its last value)
+        if not curve:
+            continue
+        epochs = sorted(curve)
+        values = [scale * curve[e] for e in epochs]
+        label = f"{r.run_name} ({r.status})" if r.status != "FINISHED" else r.run_name
+        (line,) = by_epoch.plot(epochs, values, marker="o", label=label)
+        times = dict(r.epoch_times)
+        if all(e in times for e in epochs):
+            elapsed = [sum(t for k, t in times.items() if k <= e) for e in epochs]
+            by_time.plot(elapsed, values, marker="o", color=line.get_color(), label=label)
+            timed += 1
+    targets = sorted({(r.baseline, r.reach.target) for r in rows if r.reach is not None})
+    for name, target in targets:
+        for ax in (by_epoch, by_time):
+            ax.axhline(scale * target, linestyle="--", color="gray", linewidth=1)
+        by_time.annotate(
+            f"target ({name})",
+            (0, scale * target),
+            xycoords=("axes fraction", "data"),
+            xytext=(4, 3),
+            textcoords="offset points",
+            fontsize=8,
+            color="gray",
+        )
+    quality = "validation loss (nats/token)" if lm else "validation accuracy (%)"
+    by_epoch.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    by_epoch.set_xlabel("epoch")
+    by_time.set_xlabel("training time (s, the epochs' epoch_time_s summed)")
+    by_time.set_xlim(left=0)
+    for ax in (by_epoch, by_time):
+        ax.set_ylabel(quality)
+        ax.grid(alpha=0.3)
+    by_epoch.set_title("Validation loss per epoch" if lm else "Validation accuracy per epoch")
+    by_time.set_title("... against training time")
+    missing = "no run logged val_loss" if lm else "no run logged val_acc"
+    drawn = any(dict(r.val_loss if lm else r.val_acc) for r in rows)
+    _legend_or_note(by_epoch, drawn, missing)
+    _legend_or_note(by_time, timed > 0, "no run logged epoch_time_s for its epochs")
     _save(fig, path)

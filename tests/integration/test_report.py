@@ -105,7 +105,7 @@ def test_report_compares_the_levels_and_logs_itself_on_the_parent(levels_sweep, 
     assert table[0].strip("| ").split(" | ")[-2] == "1.00"  # O0's speedup against itself
     assert "speedup vs O0" in markdown and "Runs lacking metrics" not in markdown
     assert_png(out / "time_memory_accuracy.png", 1500, 450)
-    assert_png(out / "val_acc_curves.png", 800, 500)
+    assert_png(out / "val_acc_curves.png", 1400, 500)
 
     logged = {a.path for a in client.list_artifacts(parent.info.run_id, "report")}
     assert logged == {f"report/{name}" for name in REPORT_FILES}
