@@ -20,6 +20,7 @@ from runner.report.analysis import (
     TARGET_GAP,
     TIMING_METRICS,
     Row,
+    SeedGroup,
     all_lm,
     seed_groups,
     seeds_vary,
@@ -46,6 +47,15 @@ def _mean_std(stats: tuple[float, float, int] | None, spec: str, scale: float = 
         return "-"
     mean, std, _ = stats
     return f"{format(mean * scale, spec)} ± {format(std * scale, spec)}"
+
+
+def _reach_stats(group: SeedGroup) -> str:
+    """The seeds' speedup to O0's best, saying how many of them got there where some did not
+    (a seed that never reached the target has no speedup to average)."""
+    tried = [r.reach for r in group.rows if r.reach is not None]
+    reached = sum(reach.epoch is not None for reach in tried)
+    cell = _mean_std(group.stats(lambda r: r.reach_speedup), ".2f")
+    return cell + (f" ({reached} of {len(tried)} reached)" if reached < len(tried) else "")
 
 
 def render_seed_table(rows: Sequence[Row]) -> list[str]:
@@ -80,7 +90,7 @@ def render_seed_table(rows: Sequence[Row]) -> list[str]:
                     _mean_std(g.stats(lambda r: r.get(m.PEAK_MEM_MB)), ".0f"),
                     _mean_std(g.stats(lambda r: r.speedup), ".2f"),
                     _mean_std(g.stats(lambda r: r.memory_ratio), ".2f"),
-                    _mean_std(g.stats(lambda r: r.reach_speedup), ".2f"),
+                    _reach_stats(g),
                 ]
             )
             + " |"

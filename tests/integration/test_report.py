@@ -461,6 +461,34 @@ def test_a_language_model_reaches_a_loss_and_an_epoch_logged_twice_counts_once()
     assert (row.reaching(2.6).epoch, row.reaching(2.6).seconds) == (2, None)
 
 
+def test_the_seeds_table_says_how_many_seeds_reached_o0s_best():
+    """Two seeds a level: both O2 seeds have a speedup to O0's best only where they reached it;
+    the seeds' table averages the one that did and says 1 of 2 reached."""
+    from runner.report.analysis import add_baseline_ratios
+    from runner.report.tables import render_seed_table
+
+    def row(level: str, seed: str, accuracy: list[float]) -> Row:
+        r = Row(f"{level}{seed}", f"tiny-{level}", "FINISHED", "tiny", "sgd", level, "float32", 32)
+        r.params = {"trainer.seed": seed}
+        r.metrics = {"train_time_s": 10.0, "peak_mem_mb": 1.0, "best_val_acc": max(accuracy)}
+        r.val_acc = list(enumerate(accuracy, 1))
+        r.epoch_times = [(e, 5.0 if level == "O0" else 2.0) for e in (1, 2)]
+        return r
+
+    rows = [
+        row("O0", "1", [0.5, 0.8]),
+        row("O0", "2", [0.5, 0.8]),
+        row("O2", "1", [0.8, 0.8]),
+        row("O2", "2", [0.5, 0.6]),
+    ]
+    add_baseline_ratios(rows)
+    assert [r.reach_speedup for r in rows] == [1.0, 1.0, 5.0, None]
+    line = next(x for x in render_seed_table(rows) if x.startswith("| tiny | O2 "))
+    assert line.endswith("| 5.00 ± 0.00 (1 of 2 reached) |"), line
+    line = next(x for x in render_seed_table(rows) if x.startswith("| tiny | O0 "))
+    assert line.endswith("| 1.00 ± 0.00 |"), line
+
+
 def test_memory_by_kind_columns_and_stacked_bars(tracking_uri, tmp_path):
     """Runs that logged mem_*_mb get them in the table and CSV and a stacked bar each; a run
     without them (made before they existed) shows - and is not listed as lacking metrics."""
