@@ -263,6 +263,11 @@ def add_baseline_ratios(rows: Sequence[Row], target_gap: float = TARGET_GAP) -> 
                 row.reach_speedup = base_reach.seconds / row.reach.seconds
 
 
+def timed_targets(rows: Sequence[Row]) -> list[tuple[str, float]]:
+    """(baseline's name, target) of each baseline whose best the runs were timed to."""
+    return sorted({(r.baseline, r.reach.target) for r in rows if r.baseline and r.reach})
+
+
 @dataclass
 class SeedGroup:
     """The runs of one configuration that differ only in their seeds."""

@@ -17,6 +17,7 @@ from runner.report.analysis import (
     all_lm,
     seed_groups,
     seeds_vary,
+    timed_targets,
 )
 from runner.tracking import metrics as m
 from runner.tracking.varying import varying_params
@@ -174,7 +175,7 @@ def plot_curves(rows: Sequence[Row], path: Path) -> None:
             elapsed = [sum(t for k, t in times.items() if k <= e) for e in epochs]
             by_time.plot(elapsed, values, marker="o", color=line.get_color(), label=label)
             timed += 1
-    targets = sorted({(r.baseline, r.reach.target) for r in rows if r.reach is not None})
+    targets = timed_targets(rows)
     for name, target in targets:
         for ax in (by_epoch, by_time):
             ax.axhline(scale * target, linestyle="--", color="gray", linewidth=1)

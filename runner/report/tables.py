@@ -24,6 +24,7 @@ from runner.report.analysis import (
     all_lm,
     seed_groups,
     seeds_vary,
+    timed_targets,
     tuned_settings,
 )
 from runner.tracking import metrics as m
@@ -256,7 +257,7 @@ def no_steady_step(row: Row) -> str:
 
 def reach_note(rows: Sequence[Row], target_gap: float) -> str:
     """What the time to O0's best means, with each baseline's target ("" without baselines)."""
-    targets = sorted({(r.baseline, r.reach.target) for r in rows if r.reach is not None})
+    targets = timed_targets(rows)
     if not targets:
         return ""
     return (
