@@ -198,13 +198,19 @@ class Row:
         `epoch_time_s` summed over the epochs up to it (validation excluded, warm-up included).
         Not reached: epoch None; reached in an epoch without a time (a run made before the
         metric): seconds None."""
-        times = dict(self.epoch_times)
         for epoch, value in sorted(self.quality.items()):
             if value <= target if self.is_lm else value >= target:
-                known = epoch in times and all(e in times for e in self.quality if e < epoch)
-                seconds = sum(t for e, t in times.items() if e <= epoch) if known else None
-                return Reach(target, epoch, seconds)
+                return Reach(target, epoch, self.training_time_to(epoch))
         return Reach(target, None, None)
+
+    def training_time_to(self, epoch: int) -> float | None:
+        """Its training time to the end of `epoch`: `epoch_time_s` summed over the epochs up to
+        it; None where one of its validated epochs up to it has no time (a run made before the
+        metric)."""
+        times = dict(self.epoch_times)
+        if any(e not in times for e in self.quality if e <= epoch) or epoch not in times:
+            return None
+        return sum(t for e, t in times.items() if e <= epoch)
 
 
 def tuned_settings(row: Row) -> str:

@@ -170,9 +170,8 @@ def plot_curves(rows: Sequence[Row], path: Path) -> None:
         values = [scale * curve[e] for e in epochs]
         label = f"{r.run_name} ({r.status})" if r.status != "FINISHED" else r.run_name
         (line,) = by_epoch.plot(epochs, values, marker="o", label=label)
-        times = dict(r.epoch_times)
-        if all(e in times for e in epochs):
-            elapsed = [sum(t for k, t in times.items() if k <= e) for e in epochs]
+        elapsed = [r.training_time_to(e) for e in epochs]
+        if None not in elapsed:
             by_time.plot(elapsed, values, marker="o", color=line.get_color(), label=label)
             timed += 1
     targets = timed_targets(rows)
