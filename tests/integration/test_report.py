@@ -47,6 +47,18 @@ def sweep_parent(uri: str):
     return client, parents[0]
 
 
+def tiny_params(level: str, **more: str) -> dict[str, str]:
+    """The params of a tiny-model run at `level` (SGD, batch 32), as the runner logs them, and
+    `more` (keys with their dots: `**{"optimizer.lr": "0.1"}`)."""
+    return {
+        "model.name": "tiny",
+        "optimizer.name": "sgd",
+        "trainer.batch_size": "32",
+        "precision.opt_level": level,
+        **more,
+    }
+
+
 def assert_png(path: Path, width: int, height: int) -> None:
     import matplotlib.image
 
@@ -169,13 +181,7 @@ def test_runs_lacking_metrics_are_reported_not_fatal(tracking_uri, tmp_path, cap
     tracker = MlflowTracker(tracking_uri, "amp-runner")
     parent = tracker.create_run("sweep precision=o0,o3", {SWEEP_DIR_TAG: str(tmp_path)})
     child_tags = {PARENT_RUN_TAG: parent.run_id}
-    params = {
-        "model.name": "tiny",
-        "optimizer.name": "sgd",
-        "trainer.batch_size": "32",
-        "precision.opt_level": "O0",
-        "precision.cast_model_type": "float32",
-    }
+    params = tiny_params("O0", **{"precision.cast_model_type": "float32"})
     with tracker.start_run("tiny-O0", params, child_tags) as run:
         for epoch, acc in [(1, 0.5), (2, 0.7)]:
             run.log_metrics(
@@ -348,12 +354,7 @@ def test_speed_is_compared_at_the_steady_throughput(tracking_uri, tmp_path):
     tracker = MlflowTracker(tracking_uri, "amp-runner")
     parent = tracker.create_run("sweep precision=o0,o2", {SWEEP_DIR_TAG: str(tmp_path)})
     for level, steady, warmup, mfu in (("O0", 100.0, 1.0, 0.2), ("O2", 200.0, 30.0, 0.1)):
-        params = {
-            "model.name": "tiny",
-            "optimizer.name": "sgd",
-            "trainer.batch_size": "32",
-            "precision.opt_level": level,
-        }
+        params = tiny_params(level)
         with tracker.start_run(f"tiny-{level}", params, {PARENT_RUN_TAG: parent.run_id}) as run:
             for epoch in (1, 2):
                 epoch_metrics = {
@@ -396,12 +397,7 @@ def test_each_run_is_timed_to_its_o0_runs_best_accuracy(tracking_uri, tmp_path, 
         "O3": ([0.3, 0.4, 0.5, 0.6], [5.0, 3.0, 3.0, 3.0]),
     }
     for level, (accuracy, seconds) in curves.items():
-        params = {
-            "model.name": "tiny",
-            "optimizer.name": "sgd",
-            "trainer.batch_size": "32",
-            "precision.opt_level": level,
-        }
+        params = tiny_params(level)
         with tracker.start_run(f"tiny-{level}", params, {PARENT_RUN_TAG: parent.run_id}) as run:
             for epoch, (acc, s) in enumerate(zip(accuracy, seconds), 1):
                 run.log_metrics({"val_acc": acc, "epoch_time_s": s, "peak_mem_mb": 10.0}, epoch)
@@ -496,12 +492,7 @@ def test_memory_by_kind_columns_and_stacked_bars(tracking_uri, tmp_path):
     parent = tracker.create_run("sweep precision=o0,o2", {SWEEP_DIR_TAG: str(tmp_path)})
     parts = {"O0": (4.0, 0.0, 4.0, 4.0, 20.0), "O2": (2.0, 4.0, 2.0, 4.0, 10.0)}
     for level in ("O0", "O2", "O3"):
-        params = {
-            "model.name": "tiny",
-            "optimizer.name": "sgd",
-            "trainer.batch_size": "32",
-            "precision.opt_level": level,
-        }
+        params = tiny_params(level)
         with tracker.start_run(f"tiny-{level}", params, {PARENT_RUN_TAG: parent.run_id}) as run:
             memory = dict(zip(MEMORY_METRICS, parts.get(level, ())))
             if memory:
@@ -546,16 +537,15 @@ def _axes_sweep(tracking_uri, tmp_path):
     for lr, o0_time in (("0.1", 8.0), ("0.01", 4.0)):
         for level in ("O0", "O2"):
             for seed in ("1", "2"):
-                params = {
-                    "model.name": "tiny",
-                    "optimizer.name": "sgd",
-                    "trainer.batch_size": "32",
-                    "precision.opt_level": level,
-                    "optimizer.lr": lr,
-                    "trainer.seed": seed,
-                    "model.num_parameters": "1000",
-                    "mlflow.tracking_uri": tracking_uri,
-                }
+                params = tiny_params(
+                    level,
+                    **{
+                        "optimizer.lr": lr,
+                        "trainer.seed": seed,
+                        "model.num_parameters": "1000",
+                        "mlflow.tracking_uri": tracking_uri,
+                    },
+                )
                 time = o0_time if level == "O0" else o0_time / 2
                 with tracker.start_run(
                     f"tiny-{level}", params, {PARENT_RUN_TAG: parent.run_id}
