@@ -174,8 +174,8 @@ def plot_curves(rows: Sequence[Row], path: Path) -> None:
         if None not in elapsed:
             by_time.plot(elapsed, values, marker="o", color=line.get_color(), label=label)
             timed += 1
-    targets = timed_targets(rows)
-    for name, target in targets:
+    # (the targets of the runs drawn: a language model's loss is no accuracy)
+    for name, target in timed_targets([r for r in rows if r.is_lm == lm]):
         for ax in (by_epoch, by_time):
             ax.axhline(scale * target, linestyle="--", color="gray", linewidth=1)
         by_time.annotate(
