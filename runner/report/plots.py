@@ -161,7 +161,7 @@ def plot_curves(rows: Sequence[Row], path: Path) -> None:
     lm = all_lm(rows)  # language models: the loss per epoch
     scale = 1.0 if lm else 100.0
     fig, (by_epoch, by_time) = plt.subplots(1, 2, figsize=(14, 5))
-    timed = 0  # the runs drawn against their training time
+    drawn = timed = 0  # the runs drawn per epoch, and against their training time
     for r in rows:
         curve = dict(r.val_loss if lm else r.val_acc)  # (an epoch logged again: its last value)
         if not curve:
@@ -170,6 +170,7 @@ def plot_curves(rows: Sequence[Row], path: Path) -> None:
         values = [scale * curve[e] for e in epochs]
         label = f"{r.run_name} ({r.status})" if r.status != "FINISHED" else r.run_name
         (line,) = by_epoch.plot(epochs, values, marker="o", label=label)
+        drawn += 1
         elapsed = [r.training_time_to(e) for e in epochs]
         if None not in elapsed:
             by_time.plot(elapsed, values, marker="o", color=line.get_color(), label=label)
@@ -198,7 +199,6 @@ def plot_curves(rows: Sequence[Row], path: Path) -> None:
     by_epoch.set_title("Validation loss per epoch" if lm else "Validation accuracy per epoch")
     by_time.set_title("... against training time")
     missing = "no run logged val_loss" if lm else "no run logged val_acc"
-    drawn = any(dict(r.val_loss if lm else r.val_acc) for r in rows)
-    _legend_or_note(by_epoch, drawn, missing)
+    _legend_or_note(by_epoch, drawn > 0, missing)
     _legend_or_note(by_time, timed > 0, "no run logged epoch_time_s for its epochs")
     _save(fig, path)
