@@ -4,11 +4,11 @@ in benchmarks/results/. Each test here fails if any file there changed while it 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+from tests.helpers.benchmarks import load_benchmark
+
+RESULTS = load_benchmark("common").RESULTS  # where the benchmarks write without an --out
 
 
 def _files() -> dict[str, tuple[int, int]]:
