@@ -418,16 +418,17 @@ def test_transformers_shard_their_blocks_and_train_like_one_process(tmp_path, na
 
 @pytest.mark.slow  # three torchrun jobs of 2 ranks
 def test_a_rank_killed_mid_epoch_resumes_to_the_uninterrupted_history(tmp_path):
-    """kill -9 of rank 1 in the middle of epoch 2 (torchrun then ends the other rank); resume=auto
-    continues from epoch 1's checkpoint, and the run's metric history is the uninterrupted run's,
-    point for point (a step logged twice holds the same value both times). The kill comes while
-    the ranks' datasets hold them a third into epoch 2 (tests.helpers.held_data), not after a
-    guessed sleep."""
+    """kill -9 of rank 1 in the middle of epoch 2; resume=auto continues from epoch 1's
+    checkpoint, and the run's metric history is the uninterrupted run's, point for point (a step
+    logged twice holds the same value both times). The kill comes while the ranks' datasets hold
+    them a third into epoch 2 (tests.helpers.held_data), not after a guessed sleep; then rank 0
+    is let go, meets its lost peer at its next collective and ends at once (held, it outlasted
+    torchrun's SIGTERM until the SIGKILL 30 s later)."""
     import signal
 
     import psutil
 
-    from tests.helpers.held_data import HELD, HELD_DATA, HOLD_AFTER
+    from tests.helpers.held_data import HELD, HELD_DATA, HOLD_AFTER, RELEASE
     from tests.helpers.store import metric_history
 
     store = f"mlflow.tracking_uri=sqlite:///{tmp_path}/mlflow.db"
@@ -450,7 +451,8 @@ def test_a_rank_killed_mid_epoch_resumes_to_the_uninterrupted_history(tmp_path):
     assert reference.returncode == 0, reference.stdout[-3000:] + reference.stderr[-3000:]
 
     chaos = [*base, "mlflow.run_name=chaos", "resume=auto"]
-    hold = {HOLD_AFTER: str(per_rank + per_rank // 3)}
+    release = tmp_path / "release"
+    hold = {HOLD_AFTER: str(per_rank + per_rank // 3), RELEASE: str(release)}
     agent = start_torchrun(
         2, chaos, tmp_path, env=hold, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
@@ -469,13 +471,16 @@ def test_a_rank_killed_mid_epoch_resumes_to_the_uninterrupted_history(tmp_path):
         ]
         assert ranks, "".join(seen)[-3000:]
         ranks[0].send_signal(signal.SIGKILL)
+        release.touch()
         seen += agent.stdout.readlines()
         agent.wait(timeout=120)
     finally:
         if agent.poll() is None:
             os.killpg(agent.pid, signal.SIGKILL)
             agent.wait()
-    assert agent.returncode != 0, "".join(seen)[-3000:]
+    said = "".join(seen)
+    assert agent.returncode != 0, said[-3000:]
+    assert "A collective operation of the 2 ranks failed" in said, said[-3000:]
     from runner.run import checkpoint
 
     path = _checkpoint(tmp_path, "chaos")  # the sharded checkpoint of epoch 1
