@@ -10,6 +10,12 @@ Variants, timed interleaved in one process (a, b, c, a, b, c, ...), medians:
       torch.optim.Adam(fused=True) on the masters (28), torch._foreach_copy_ of the masters into
       the fp16 model (6): 48 B/param.
   (c) torch.optim.AdamW(fused=True) on plain fp32 parameters: 28 B/param (no mixed precision).
+  (f) the same AdamW under torch.amp.GradScaler, stepping from loss-scaled fp32 gradients: (a)'s
+      job (unscale, overflow check, the step skipped on an overflow) as torch does it for fp32
+      parameters, without a host read: the scaler's check rewrites every gradient (x 1.0: read
+      4, write 4), then the fused AdamW unscales as it steps and writes the unscaled gradients
+      back (read grad 4, param 4, m 4, v 4; write all four): 40 B/param. The scaled gradients
+      are put back between its steps, untimed, as the next backward would leave them.
 The SGD half of the same question, SGD with momentum 0.9:
   (d) fused: the engine (O2, SGD) from the scaled fp16 gradients: the check pass (2), one fused
       pass (read grad 2, master 4, momentum 4; write master 4, momentum 4, fp16 copy 2): 22.
@@ -68,6 +74,7 @@ BYTES_PER_PARAM = {
     "c_adamw_fp32": 28,
     "d_fused_sgd": 22,
     "e_sgd_fp32": 20,
+    "f_adamw_scaler": 40,
 }
 MOMENTUM = 0.9
 # (a) over (b), (a) over (c), and the copy-bandwidth fraction with the models it applies to
@@ -246,6 +253,28 @@ def variant_adamw_fp32(shapes, grads, device):
     return opt.step, None
 
 
+def variant_adamw_scaler(shapes, grads, device):
+    """(f) AdamW(fused=True) on fp32 parameters under torch.amp.GradScaler: torch's own
+    loss-scaled step (GradScaler hands the fused optimizer its scale and overflow flag: no host
+    read), the same job as (a) without the fp16 model. The step leaves the gradients unscaled;
+    `step.reset` (untimed) puts the scaled ones back, as the next backward would."""
+    params = list(Params(shapes, torch.float32, device).parameters())
+    scaled = [g.float() for g in grads]  # scaled by LOSS_SCALE, as backward of a scaled loss
+    for p, g in zip(params, scaled):
+        p.grad = g.clone()
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    scaler = torch.amp.GradScaler(device.type, init_scale=LOSS_SCALE, growth_interval=10**9)
+    scaler.scale(torch.zeros((), device=device))  # (the scaler's scale, made by its first use)
+
+    def step():
+        scaler.step(opt)
+        scaler.update()
+
+    step.reset = lambda: torch._foreach_copy_([p.grad for p in params], scaled)
+    step.optimizer = opt
+    return step, None
+
+
 def variant_fused_sgd(shapes, grads, device):
     """(d) The runner's engine: O2, SGD with momentum, dynamic loss scale."""
     return variant_fused(shapes, grads, device, optimizer="sgd")
@@ -266,6 +295,7 @@ VARIANTS = {
     "c_adamw_fp32": variant_adamw_fp32,
     "d_fused_sgd": variant_fused_sgd,
     "e_sgd_fp32": variant_sgd_fp32,
+    "f_adamw_scaler": variant_adamw_scaler,
 }
 
 
@@ -283,22 +313,25 @@ def interleaved(shapes, device, iters: int, warmup: int) -> tuple[dict, Optional
             kernels = csrc.name_of(engine.kernels)
     for _ in range(warmup):
         for fn in steps.values():
+            getattr(fn, "reset", lambda: None)()
             fn()
     times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(iters):  # interleaved: every variant sees the same conditions
         for name, fn in steps.items():
+            getattr(fn, "reset", lambda: None)()  # (untimed: what the step needs done first)
             times[name].append(timed(fn, device))
     return times, kernels
 
 
 def ratios(rows: dict, key: str) -> dict:
-    """The report's speedups: (b)'s and (c)'s time over (a)'s, (c)'s and (e)'s over (d)'s (above
-    1, (a) or (d) is faster)."""
+    """The report's speedups: (b)'s, (c)'s and (f)'s time over (a)'s, (c)'s and (e)'s over (d)'s
+    (above 1, (a) or (d) is faster)."""
     a = rows["a_fused"][key]
     d = rows["d_fused_sgd"][key]
     return {
         "speedup_a_vs_b": rows["b_stock"][key] / a,
         "speedup_a_vs_c": rows["c_adamw_fp32"][key] / a,
+        "speedup_a_vs_f": rows["f_adamw_scaler"][key] / a,
         "speedup_d_vs_c": rows["c_adamw_fp32"][key] / d,
         "speedup_d_vs_e": rows["e_sgd_fp32"][key] / d,
     }
@@ -397,6 +430,7 @@ LABELS = {
     "c_adamw_fp32": "(c) AdamW fused, fp32",
     "d_fused_sgd": "(d) fused kernels, SGD (engine, `precision.kernels`={k})",
     "e_sgd_fp32": "(e) SGD fused, fp32",
+    "f_adamw_scaler": "(f) AdamW fused, fp32, under GradScaler",
 }
 
 
@@ -406,6 +440,7 @@ def faster_by(r: dict, name: str) -> str:
         "b_stock": [("a", "speedup_a_vs_b")],
         "c_adamw_fp32": [("a", "speedup_a_vs_c"), ("d", "speedup_d_vs_c")],
         "e_sgd_fp32": [("d", "speedup_d_vs_e")],
+        "f_adamw_scaler": [("a", "speedup_a_vs_f")],
     }.get(name, [])
     return ", ".join(f"({v}) {r[key]:.2f}x" for v, key in parts if key in r)
 
@@ -417,7 +452,8 @@ def render(report: dict) -> str:
         "",
         "Unscale + overflow check + Adam step on fp32 masters + copy back into the fp16 model, "
         "for a torchvision model's parameter list; (d) and (e) are the same with SGD (momentum "
-        f"{MOMENTUM}). Median of "
+        f"{MOMENTUM}); (f) is (c) under torch's GradScaler, stepping from loss-scaled "
+        "gradients: torch's own loss-scaled step, for fp32 parameters. Median of "
         f"{report['iters']} interleaved steps per variant (after {report['warmup']} warm-up "
         "steps; the variants take turns, so a busy spell of the machine falls on all of them). "
         "Bytes are what each variant must move per step; GB/s is bytes / median time; "
@@ -447,6 +483,9 @@ def render(report: dict) -> str:
         + ", ".join(f"{r['model']} {r['speedup_d_vs_c']:.2f}x" for r in report["results"])
         + " and against (e), torch's fused SGD: "
         + ", ".join(f"{r['model']} {r['speedup_d_vs_e']:.2f}x" for r in report["results"])
+        + "; (a) against (f), torch's fused AdamW under GradScaler (the same loss-scaled, "
+        "overflow-checked step, on fp32 parameters): "
+        + ", ".join(f"{r['model']} {r['speedup_a_vs_f']:.2f}x" for r in report["results"])
         + " (above 1: the fused step is faster).",
     ]
     host = report.get("host")
