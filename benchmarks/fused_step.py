@@ -23,7 +23,7 @@ The SGD half of the same question, SGD with momentum 0.9:
 Achieved GB/s = bytes / median time, also as a fraction of a copy-bandwidth measurement taken in
 the same run (a 1 GiB fp32 copy: read + write).
 
-Host cost: the same three variants over ResNet-50's tensor count (161) of 16 elements each, where
+Host cost: the same variants over ResNet-50's tensor count (161) of 16 elements each, where
 the arithmetic is negligible and the time is what a step costs the host (Python, dispatch, the
 kernels' call overhead); median microseconds of --host-iters interleaved steps.
 
@@ -299,6 +299,13 @@ VARIANTS = {
 }
 
 
+def prepare(step: Callable[[], None]) -> None:
+    """What a variant's step needs done before it, untimed (`step.reset`, where it has one)."""
+    reset = getattr(step, "reset", None)
+    if reset is not None:
+        reset()
+
+
 def interleaved(shapes, device, iters: int, warmup: int) -> tuple[dict, Optional[str]]:
     """Every variant's step times over the same rounds (a, b, c, a, b, c, ...), and the kernels
     the engine of (a) stepped with."""
@@ -313,12 +320,12 @@ def interleaved(shapes, device, iters: int, warmup: int) -> tuple[dict, Optional
             kernels = csrc.name_of(engine.kernels)
     for _ in range(warmup):
         for fn in steps.values():
-            getattr(fn, "reset", lambda: None)()
+            prepare(fn)
             fn()
     times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(iters):  # interleaved: every variant sees the same conditions
         for name, fn in steps.items():
-            getattr(fn, "reset", lambda: None)()  # (untimed: what the step needs done first)
+            prepare(fn)  # (untimed)
             times[name].append(timed(fn, device))
     return times, kernels
 
