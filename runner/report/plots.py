@@ -162,8 +162,9 @@ def plot_curves(rows: Sequence[Row], path: Path) -> None:
     scale = 1.0 if lm else 100.0
     fig, (by_epoch, by_time) = plt.subplots(1, 2, figsize=(14, 5))
     drawn = timed = 0  # the runs drawn per epoch, and against their training time
-    for r in rows:
-        curve = dict(r.val_loss if lm else r.val_acc)  # (an epoch logged again: its last value)
+    shown = [r for r in rows if r.is_lm == lm]  # (a language model's loss is no accuracy)
+    for r in shown:
+        curve = r.quality  # (an epoch logged again: its last value)
         if not curve:
             continue
         epochs = sorted(curve)
@@ -175,8 +176,7 @@ def plot_curves(rows: Sequence[Row], path: Path) -> None:
         if None not in elapsed:
             by_time.plot(elapsed, values, marker="o", color=line.get_color(), label=label)
             timed += 1
-    # (the targets of the runs drawn: a language model's loss is no accuracy)
-    for name, target in timed_targets([r for r in rows if r.is_lm == lm]):
+    for name, target in timed_targets(shown):
         for ax in (by_epoch, by_time):
             ax.axhline(scale * target, linestyle="--", color="gray", linewidth=1)
         by_time.annotate(
