@@ -623,7 +623,7 @@ def build_runner(
         device=device,
     )
     x, y = cpu_batch if cpu_batch is not None else next(iter(parts.train_loader))
-    batch = trainer._to_device(x, y)
+    batch = trainer.to_device(x, y)
     return RunnerParts(
         cfg=cfg,
         device=device,

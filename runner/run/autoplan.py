@@ -273,7 +273,7 @@ def measure(
     records = []
     batches, k = iter(trainer.train_loader), trainer.cfg.accumulate_grad_batches
     for _ in range(steps):
-        group = [trainer._to_device(x, y) for x, y in islice(batches, k)]
+        group = [trainer.to_device(x, y) for x, y in islice(batches, k)]
         if not group:
             break
         loss = trainer.train_step(*group[0], *group[1:])

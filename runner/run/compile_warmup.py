@@ -16,7 +16,7 @@ from runner.run import rng
 
 class CompileWarmup:
     """The compile half of `runner.run.trainer.Trainer`: steps its model on its first training
-    batch (moved by its `_to_device`) and puts back the gradients, the model's buffers and
+    batch (moved by its `to_device`) and puts back the gradients, the model's buffers and
     every random generator."""
 
     model: torch.nn.Module  # the model trained through (compiled, maybe DDP-wrapped)
@@ -69,7 +69,7 @@ class CompileWarmup:
         try:
             self.model.train()
             x, y = next(iter(self.train_loader))
-            x, y = self._to_device(x, y)
+            x, y = self.to_device(x, y)
             self.clock.start()  # (the batch is fetched: only compiling is timed)
             for size in self._first_batch_shapes():
                 with self.engine.autocast():
@@ -93,7 +93,7 @@ class CompileWarmup:
         try:
             self.model.train()
             x, y = next(iter(self.train_loader))
-            x, y = self._to_device(x, y)
+            x, y = self.to_device(x, y)
             call = getattr(self.module, "_call_impl", self.module)  # eager, compiled or not
             with audit:
                 with self.engine.autocast():

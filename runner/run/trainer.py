@@ -277,7 +277,9 @@ class Trainer(CheckpointState, CompileWarmup):
         if not last and self.half_grads:
             self.engine.unscale_(self.optimizer)
 
-    def _to_device(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def to_device(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch (x, y) on the trainer's device as a step takes it (its targets checked first:
+        DataError; channels_last images where the run asks for it)."""
         problem = target_problem(y, self.indices, self.task.target_dims)
         if problem is not None:
             raise DataError(problem)
@@ -374,7 +376,7 @@ class Trainer(CheckpointState, CompileWarmup):
         self.instruments.start_epoch(epoch)
         with bar:
             for done, group in self._step_batches(skip):
-                batches = [self._to_device(x, y) for x, y in group]
+                batches = [self.to_device(x, y) for x, y in group]
                 for x, _ in batches:
                     self.guard.watch_inputs(x)  # (inf/NaN in the data: counted on the device)
                 if (self.global_step + 1) % every == 0 or done == self.train_batches:
@@ -439,7 +441,7 @@ class Trainer(CheckpointState, CompileWarmup):
         for index, (x, y) in enumerate(self.val_loader):
             if index >= self.val_batches:
                 break
-            x, y = self._to_device(x, y)
+            x, y = self.to_device(x, y)
             last = x
             with self.engine.autocast():
                 logits = self.module(x)
@@ -469,7 +471,7 @@ class Trainer(CheckpointState, CompileWarmup):
         where it had none): a sharded model's forward is a collective (each unit gathers its
         parameters from all ranks), and the ranks' validation shares differ by a sample."""
         if last is None:
-            last, _ = self._to_device(*next(iter(self.train_loader)))
+            last, _ = self.to_device(*next(iter(self.train_loader)))
         with self.engine.autocast():
             self.module(last)
 

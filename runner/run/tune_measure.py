@@ -127,7 +127,7 @@ def _measure(plan: RunPlan, settings: Mapping[str, Any], device: torch.device) -
             RunContext(on_metrics=lambda metrics, step: None),
             device=device,
         )
-        x, y = trainer._to_device(*next(iter(parts.train_loader)))
+        x, y = trainer.to_device(*next(iter(parts.train_loader)))
         trainer.model.train()
         times, first = [], math.nan
         for index in range(WARM_STEPS + TIMED_STEPS):

@@ -164,7 +164,7 @@ def _pair(overrides: tuple[str, ...]) -> list[tuple]:
             *overrides,
         )
         trainer, _, parts = planned_trainer(cfg)
-        runs.append((trainer, parts, trainer._to_device(*next(iter(trainer.train_loader)))))
+        runs.append((trainer, parts, trainer.to_device(*next(iter(trainer.train_loader)))))
     return runs
 
 

@@ -65,7 +65,7 @@ def test_bfloat16_gradients_of_a_step_sum_in_fp32():
         norm="group",
         accumulate_grad_batches=2,
     )
-    batches = [trainer._to_device(x, y) for x, y in list(trainer.train_loader)[:2]]
+    batches = [trainer.to_device(x, y) for x, y in list(trainer.train_loader)[:2]]
     copy_ = copy.deepcopy(trainer.module)
     each = []
     for x, y in batches:
@@ -102,7 +102,7 @@ def test_an_overflow_in_any_batch_of_a_step_skips_it_once(poisoned, kernels):
     trainer, _ = make_trainer(
         "O2", {}, batch_size=8, norm="group", kernels=kernels, accumulate_grad_batches=3
     )
-    batches = [trainer._to_device(x, y) for x, y in list(trainer.train_loader)[:3]]
+    batches = [trainer.to_device(x, y) for x, y in list(trainer.train_loader)[:3]]
     x, y = batches[poisoned]
     batches[poisoned] = (torch.full_like(x, math.inf), y)
     before, scale = _masters(trainer), trainer.engine.loss_scale

@@ -236,7 +236,7 @@ def test_in_run_metrics_match_a_count_by_hand():
     trainer, logged = make_trainer("O0", {}, diagnose_every_n_steps=100)
     torch.manual_seed(0)
     twin, _ = make_trainer("O0", {})
-    x, y = trainer._to_device(*next(iter(trainer.train_loader)))
+    x, y = trainer.to_device(*next(iter(trainer.train_loader)))
     trainer.train_step(x, y)
 
     outputs, grads = [], []

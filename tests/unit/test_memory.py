@@ -43,7 +43,7 @@ def first_step(*overrides: str) -> Trainer:
         RunContext(on_metrics=lambda m, s: None),
         device=plan.device,
     )
-    x, y = trainer._to_device(*next(iter(parts.train_loader)))
+    x, y = trainer.to_device(*next(iter(parts.train_loader)))
     trainer.train_step(x, y)
     assert by_kind(trainer) is not None and trainer.engine.skipped_steps == 0
     return trainer

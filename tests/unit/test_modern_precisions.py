@@ -512,7 +512,7 @@ def first_step_loss(*overrides: str) -> float:
         device=plan.device,
     )
     x, y = next(iter(parts.train_loader))
-    return float(trainer.train_step(*trainer._to_device(x, y)))
+    return float(trainer.train_step(*trainer.to_device(x, y)))
 
 
 def test_a_compiled_rowwise_fp8_model_computes_what_the_eager_one_does():
