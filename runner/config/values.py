@@ -8,7 +8,7 @@ property table's parsers (`runner.config.precision`) use them.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Optional
 
 from runner.errors import ConfigError
@@ -45,6 +45,20 @@ def bare_database_refusal(path: Any) -> str:
 
     uri = "sqlite:///" + os.path.abspath(os.path.expanduser(str(path).strip()))
     return f"got {path!r}, a path; its URI: {uri}"
+
+
+def with_values(cfg: Any, settings: Mapping[str, Any]) -> Any:
+    """A copy of the config `cfg` with `settings` (dotted keys) set, as command-line overrides
+    would set them (trainer.tune's chosen settings, a tuning candidate's)."""
+    import copy
+
+    from omegaconf import OmegaConf, read_write
+
+    out = copy.deepcopy(cfg)
+    with read_write(out):
+        for key, value in settings.items():
+            OmegaConf.update(out, key, value, merge=False)
+    return out
 
 
 def override_text(value: Any) -> str:

@@ -156,9 +156,11 @@ def run(
     import contextlib
 
     from runner.measure.memory import MemoryInstrument
-    from runner.run import app, out_of_memory
+    from runner.run import out_of_memory, recorded
+    from runner.run.build import build
+    from runner.run.context import RunContext
     from runner.run.plan import make_plan
-    from runner.run.trainer import RunContext, Trainer, trainer_config
+    from runner.run.trainer import Trainer, trainer_config
     from runner.tracking import tags as tag
     from runner.tracking.record import typed_command
     from runner.tracking.trackers import open_tracker
@@ -171,13 +173,13 @@ def run(
 
     def guarded(call):  # running out of memory: one line (runner.run.out_of_memory)
         # (the pre-flight measures in fp32 whatever the level: no 16-bit level to advise)
-        return out_of_memory.guarded(call, device, "fp32", lambda: app.sizes(measured))
+        return out_of_memory.guarded(call, device, "fp32", lambda: recorded.sizes(measured))
 
-    with contextlib.closing(guarded(lambda: app.build(measured))) as parts:  # workers end with it
+    with contextlib.closing(guarded(lambda: build(measured))) as parts:  # workers end with it
         target = str(cfg.precision.preset)
-        params = app.config_params(measured)
+        params = recorded.config_params(measured)
         params["diagnose.steps"] = str(steps)
-        tags = app.environment_tags(device)
+        tags = recorded.environment_tags(device)
         tags.update(
             {
                 tag.DIAGNOSE: "true",

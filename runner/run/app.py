@@ -1,254 +1,328 @@
-"""One run, start to finish: plan, build, record, train, clean up.
+"""One run, start to finish: plan -> tracker -> trainer -> fit.
 
-A run is three steps. `runner.run.plan.make_plan(cfg)` checks everything that can be wrong with the
-input and decides the run (device, precision properties and findings, name, checkpoint folder,
-resume) before anything exists, so a bad config never leaves a RUNNING run behind.
-`build(plan)` builds the data, model, optimizer, precision engine and scheduler, returning them
-with its own findings (the model's Tensor Core shapes). `run_record(...)`, a pure function, gives
-the MLflow params and tags of the run. Once the MLflow run exists it always ends FINISHED, FAILED
-or KILLED, with its config, precision table and log attached.
+`run(cfg)` reads top-down. The config as given is planned first (`make_plan`: every check, before
+anything exists, so a bad config leaves no run behind; `dry_run=true` prints this plan). Then, on
+each rank: the tracker (rank 0 talks to the store), what is measured before the run's own plan
+(the auto layer plan's pre-flight, trainer.tune: runner.run.measured) and that plan, made once
+with it; the parts built from it (runner.run.build); the MLflow run started with what it records
+(runner.run.recorded); and the trainer's fit, its checkpointer (runner.run.checkpointer) writing
+as it goes. Once the MLflow run exists it always ends FINISHED, FAILED or KILLED, with its config,
+precision table and log attached.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import logging
 import math
 import os
-import platform
 import tempfile
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 from omegaconf import OmegaConf
-from torch.nn.modules.batchnorm import _BatchNorm
 
-import runner
-from runner import csrc, shell
-from runner.config import mistakes, options
-from runner.errors import ConfigError
-from runner.measure import audit as layer_audit
+from runner import csrc
+from runner.config import mistakes
 from runner.precision import Resolution, layers
 from runner.precision.checks import DeviceInfo, state_findings
-from runner.run import checkpoint, distributed, failure, out_of_memory, time_left, tune
-from runner.run.build import Parts, build, shape_findings, sharded  # noqa: F401  (Parts: the run's parts)
+from runner.run import distributed, failure, out_of_memory, time_left, tune
+from runner.run.build import build, shape_findings, sharded
+from runner.run.checkpointer import Checkpointer
+from runner.run.context import RunContext
 from runner.run.distributed import Comm
 from runner.run.interrupts import StopRequest
+from runner.run.measured import measured_plan
+from runner.run.parts import Parts
 from runner.run.plan import RunPlan, make_plan
+from runner.run.recorded import (
+    Launch,
+    environment_tags,
+    own_folder,
+    record_start,
+    run_folder,
+    run_record,
+    sizes,
+)
+from runner.run.trainer import Trainer
 from runner.tracking import job_log
-from runner.tracking import metrics as m
 from runner.tracking import tags as tag
-from runner.tracking.varying import GLOBAL_BATCH
 
 log = logging.getLogger(__name__)
 
 
-# ---- what the MLflow run records -----------------------------------------------------------------
-@dataclass(frozen=True)
-class Launch:
-    """How this run was started: the command-line overrides, Hydra's output folder, extra tags
-    (a sweep job's parent run), the log file Hydra writes there (`run_log`, attached to the run;
-    `<hydra.job.name>.log`, runner.log by default; None: a run started from Python) and where
-    this launch's lines in it start (`log_from`, in bytes: a folder the user names, run in
-    again, appends to the log of the runs before), and a digest of its first line (`log_head`:
-    runner.tracking.job_log)."""
-
-    overrides: tuple[str, ...] = ()
-    output_dir: Optional[Path] = None
-    extra_tags: Mapping[str, str] = field(default_factory=dict)
-    run_log: Optional[Path] = None
-    log_from: int = 0
-    log_head: Optional[str] = None
-
-
-def environment_tags(device: torch.device) -> dict[str, str]:
-    """Versions, the device and the code's commit: what the run ran on."""
-    from runner.tracking.record import git_commit
-
-    tags = {
-        tag.RUNNER_VERSION: runner.__version__,
-        "python_version": platform.python_version(),
-        "torch_version": torch.__version__,
-        "cuda_version": str(torch.version.cuda),
-        "device": device.type,
-        tag.DEVICE_NAME: DeviceInfo.from_torch(device).name,
-        "num_threads": str(torch.get_num_threads()),
-    }
-    commit = git_commit(Path(runner.__file__).parent) or git_commit(os.getcwd())
-    if commit:
-        tags[tag.GIT_COMMIT] = commit
-    return tags
-
-
-def config_params(plan: RunPlan) -> dict[str, str]:
-    """The params every run of `plan` logs first: the resolved config flattened, and every
-    resolved precision property (`precision.<name>`). Where the run is recorded (`tracking`) is
-    said by the record itself, not by a param."""
-    from runner.tracking.record import flatten
-
-    params = {
-        k: v
-        for k, v in flatten(plan.config_tree).items()
-        if not k.startswith(("precision.layers.", "tracking."))
-    }  # (globs are no param names: one param)
-    params["task.name"] = plan.task  # task=auto resolved: classification or language_model
-    params.update({f"precision.{k}": v for k, v in plan.properties.as_params().items()})
-    return params
+def run(
+    cfg,
+    *,
+    overrides: Sequence[str] = (),
+    output_dir: str | os.PathLike | None = None,
+    extra_tags: Mapping[str, str] | None = None,
+    apart: str = "",
+) -> float | None:
+    """Train once as `cfg` says; returns the task's objective (runner.tasks): a classifier's
+    best validation accuracy, a language model's best validation loss (None for a dry run).
+    `extra_tags` are added to the run's own (a sweep job passes its parent run's id this way),
+    `apart` to its default name (a sweep job's swept values: runner.run.plan.default_run_name).
+    Under torchrun this is one rank of a DistributedDataParallel run (see
+    runner.run.distributed)."""
+    distributed.set_other_ranks_apart()  # (torchrun: rank 0 tells the run, the others errors)
+    mistakes.check_one_option(overrides)
+    job_log.bear_write_errors()  # (a full disk: one line, not a traceback a line logged)
+    run_log = job_log.find(output_dir)
+    launch = Launch(
+        tuple(overrides),
+        apart,
+        Path(output_dir) if output_dir is not None else None,
+        dict(extra_tags or {}),
+        run_log,
+        job_log.size(run_log),
+    )
+    given = make_plan(cfg, apart)  # the config as given, checked: bad input stops here
+    if cfg.dry_run:
+        print_dry_run(given)
+        return None
+    if finished(given):
+        return given.resume.best()
+    comm, device = distributed.setup(given.device)
+    try:
+        with distributed.peers_told(comm):  # (a rank gone: one line, not gloo's traceback)
+            return train(given, comm, device, launch)
+    finally:
+        comm.close()
 
 
-def dataset_record(plan: RunPlan, parts: Parts) -> list[dict[str, str]]:
-    """What `Run.log_datasets` logs: the training and validation splits, named by the
-    data option (`cfg.data.name`, or its `_target_`), with a digest of the resolved data config
-    and the split's size (the same data settings give the same digest in every run), and the
-    config itself as the source."""
-    data = OmegaConf.to_container(plan.cfg.data, resolve=True)
-    name = str(data.get("name") or data.get("_target_") or "data")
-    source = json.dumps(data, sort_keys=True, default=str)
-    out = []
-    for split, dataset, context in (
-        ("train", parts.bundle.train, "training"),
-        ("val", parts.bundle.val, "evaluation"),
-    ):
-        size = len(dataset)
-        digest = hashlib.sha256(f"{source}|{split}|{size}".encode()).hexdigest()[:16]
-        out.append(
-            {
-                "name": f"{name}/{split}",
-                "digest": digest,
-                "source_type": "runner_config",
-                "source": source,
-                "context": context,
-                "profile": json.dumps({"num_rows": size, "num_classes": parts.bundle.num_classes}),
-            }
-        )
-    return out
+def finished(plan: RunPlan) -> bool:
+    """Whether `plan` resumes a run that met its epoch budget: said, and its MLflow run stays as
+    it ended (resume=auto run again)."""
+    if plan.resume is None or not plan.resume.finished(plan.cfg.trainer.max_epochs):
+        return False
+    log.info("%s %s", plan.run_name, plan.resume.finished_message())
+    return True
 
 
-def run_record(
+def train(given: RunPlan, comm: Comm, device: torch.device, launch: Launch) -> float:
+    """`run`'s second half on this rank's `device`: the tracker (rank 0: an unreachable store
+    stops every rank), the run's plan and parts (`prepare`), then `fit`."""
+    tracker = comm.on_main(partial(open_tracker, given, launch))
+    if comm.is_main:  # the experiment's RUNNING runs whose process is gone end KILLED
+        tracker.reap(own_log=(launch.run_log, launch.log_from) if launch.run_log else None)
+    # a model too large for the device is said in one line, before its MLflow run exists
+    plan, tuning, parts = out_of_memory.guarded(
+        partial(prepare, given, comm, device, launch),
+        device,
+        given.properties.opt_level,
+        partial(sizes, given),
+    )
+    if parts is None:
+        return plan.resume.best()
+    try:
+        return fit(plan, comm, device, launch, tracker, parts, tuning)
+    finally:
+        # the loaders' worker processes end with the run, whatever may still hold the loaders
+        # (a reference cycle, an exception's traceback): see components.loaders.shutdown_workers
+        parts.close()
+
+
+def open_tracker(plan: RunPlan, launch: Launch) -> Any:
+    """The run's tracker (runner.tracking), once its folder is checked to be free for it."""
+    from runner.tracking.trackers import open_tracker as opened
+
+    return own_folder(opened(plan.cfg, run_folder(plan, launch)), plan, launch)
+
+
+def prepare(
+    given: RunPlan, comm: Comm, device: torch.device, launch: Launch
+) -> tuple[RunPlan, Optional[tune.Tuning], Optional[Parts]]:
+    """The run's plan, made once with what is measured before it (runner.run.measured), and its
+    parts built from it (None: a resumed run that had nothing left to train, found once the
+    measured settings named it)."""
+    datasets = None
+    if tune.counts_on_data(given, comm):  # (loaded once: tuning counts the steps, build trains)
+        from runner.components.data import build_datasets
+
+        datasets = build_datasets(given.cfg.data, given.specs.get("data"))
+    plan, tuning = measured_plan(given, comm, device, launch, datasets)
+    if plan is not given and finished(plan):
+        return plan, tuning, None
+    log_precision(plan)
+    # a single run does not wait for a first build of the kernels (torch's ops this once); a
+    # sweep's jobs and a distributed run's ranks wait, so that they all step the same way
+    wait = comm.active or tag.PARENT_RUN in launch.extra_tags
+    return plan, tuning, build(plan, device, comm, datasets=datasets, wait_for_kernels=wait)
+
+
+def log_precision(plan: RunPlan) -> None:
+    """The resolved precision table and the plan's findings (a warning where one of them is;
+    notes alone are info)."""
+    properties = plan.properties
+    log.info("Precision (Apex %s, resolved):\n%s", properties.opt_level, properties.table())
+    if plan.resolution.findings:
+        said = log.warning if plan.resolution.warnings or plan.resolution.errors else log.info
+        said("Precision findings:\n%s", plan.resolution.findings_table())
+    else:
+        log.info("%s", plan.resolution.findings_table())
+
+
+def fit(
     plan: RunPlan,
+    comm: Comm,
+    device: torch.device,
+    launch: Launch,
+    tracker: Any,
+    parts: Parts,
+    tuning: Optional[tune.Tuning] = None,
+) -> float:
+    """Record, track (rank 0) and train the run of `plan` on its built `parts`: its MLflow run
+    exists from here on and ends FINISHED, FAILED or KILLED. `tuning`: what trainer.tune
+    decided (its params, tune.md and tune_time_s)."""
+    if plan.resume is not None:  # the checkpoint must fit what was built, before its run reopens
+        plan.resume.check_fits(parts, comm.world_size)
+    resolution = Resolution(plan.properties, [*plan.resolution.findings, *parts.findings])
+    if parts.findings:  # info only: never stops the run
+        log.info(
+            "Precision findings about the model:\n%s",
+            Resolution(plan.properties, parts.findings).findings_table(),
+        )
+    model = data_parallel(plan, comm, device, parts.model)
+    params, tags = record(plan, comm, device, launch, parts, resolution, tuning)
+    checkpointer = Checkpointer(plan, comm, parts)
+    with (
+        StopRequest() as stop,
+        checkpointer.lock(),
+        files_folder(launch) as files,
+        tracked_run(tracker, plan, comm, launch, params, tags) as tracked,
+        failure.kept_in(tracked, launch.run_log, launch.log_from),
+        distributed.peers_told(comm, checkpointer.kept),
+    ):
+        checkpointer.start(tracked)
+        if comm.is_main:
+            started(tracker, tracked, plan, parts, resolution, launch, tuning)
+        context = RunContext(
+            on_metrics=tracked.log_metrics,
+            comm=comm,
+            checkpointer=checkpointer,
+            stop=stop,
+            on_artifact=tracked.log_file if comm.is_main else None,
+            artifact_dir=files / "diagnostics",
+            layers_dir=files / "layers",
+        )
+        trainer = Trainer(plan.cfg.trainer, parts, context, device=device, model=model)
+        checkpointer.restore(trainer)
+        # running out of memory: one line, the run FAILED with it (runner.run.out_of_memory)
+        result = out_of_memory.guarded(
+            trainer.fit, device, plan.properties.opt_level, partial(sizes, plan, trainer)
+        )
+    if comm.is_main:
+        unit = "tokens" if parts.task.items_metric else "samples"
+        log.info(
+            "Finished %s: %s %.4f in %s%s.\n%s",
+            plan.run_name,
+            result.objective.replace("_", " ", 1),
+            result.best,
+            time_left.took(result.train_time_s),
+            f", {result.throughput:.0f} {unit}/s steady"
+            if math.isfinite(result.throughput)
+            else " (no steady step: see the warm-up above)",
+            tracker.hint(),
+        )
+    return result.best
+
+
+def data_parallel(
+    plan: RunPlan, comm: Comm, device: torch.device, model: torch.nn.Module
+) -> torch.nn.Module:
+    """The model a distributed run trains through: DDP-wrapped (a sharded model is FSDP2's
+    already); a single process's own."""
+    if not comm.active or sharded(plan, comm):
+        return model
+    return torch.nn.parallel.DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None
+    )
+
+
+def record(
+    plan: RunPlan,
+    comm: Comm,
+    device: torch.device,
+    launch: Launch,
     parts: Parts,
     resolution: Resolution,
-    *,
-    world_size: int,
-    launch: Launch,
-    environment: Mapping[str, str],
-    kernels: str,
-    command: str,
+    tuning: Optional[tune.Tuning],
 ) -> tuple[dict[str, str], dict[str, str]]:
-    """(params, tags) of the MLflow run: the resolved config flattened, every resolved precision
-    property, what was built; the environment, the findings (`resolution`: the plan's and the
-    build's), how it was launched, the user's own tags, and what a resume changes. Pure: the
-    same inputs give the same record."""
-    cfg = plan.cfg
-    params = config_params(plan)
-    params["task.name"] = parts.task.name  # a user's dataset can tell it only once loaded
-    params["precision.kernels"] = kernels  # the backend in use: cuda | cpp | torch
-    if parts.engine.fp8 is not None:  # how many Linear layers run in fp8 (listed in fp8_layers.txt)
-        params["precision.fp8_layers"] = str(len(parts.engine.fp8.converted))
-    params["data.num_classes"] = str(parts.bundle.num_classes)
-    params["data.train_size"] = str(len(parts.bundle.train))
-    params["data.val_size"] = str(len(parts.bundle.val))
-    params["model.num_parameters"] = str(sum(p.numel() for p in parts.model.parameters()))
-    params[m.BATCHNORM_LAYERS] = str(sum(isinstance(x, _BatchNorm) for x in parts.model.modules()))
-    if parts.flops_per_sample is not None:  # counted in planning (runner.measure.flops)
-        params[m.FLOPS_PER_SAMPLE] = str(round(parts.flops_per_sample))
-    params["distributed.world_size"] = str(world_size)
-    params[GLOBAL_BATCH] = str(
-        cfg.trainer.batch_size * world_size * cfg.trainer.accumulate_grad_batches
+    """The MLflow run's params and tags (runner.run.recorded.run_record), with trainer.tune's
+    decision for a new run."""
+    from runner.tracking.record import typed_command
+
+    kernels = csrc.name_of(parts.engine.kernels)
+    log.info("Kernels: %s (precision.kernels=%s)", kernels, plan.cfg.precision.kernels)
+    params, tags = run_record(
+        plan,
+        parts,
+        resolution,
+        world_size=comm.world_size,
+        launch=launch,
+        environment=environment_tags(device),
+        kernels=kernels,
+        command=typed_command(),
+        log_head=job_log.head(launch.run_log, launch.log_from),
     )
-    tags = dict(environment)
-    tags.update(
-        {
-            tag.OPT_LEVEL: plan.properties.opt_level,
-            tag.MODEL: options.label(cfg.model),
-            tag.MODEL_CLASS: f"{type(parts.model).__module__}.{type(parts.model).__qualname__}",
-            tag.OVERRIDES: shell.join(launch.overrides),
-            tag.PEAK_MEM_KIND: parts.memory.kind,
-            tag.FINDINGS: resolution.summary(),
-            tag.FINDINGS_LIST: resolution.compact() or "none",
-            tag.COMMAND: command,  # as typed (runner.tracking.record.typed_command)
-        }
-    )
-    if parts.engine.layer_plan is not None:  # runs planned alike share it (runner.precision.layers)
-        tags[tag.LAYER_PLAN_HASH] = parts.engine.layer_plan.digest()
-    tags.update(tag.user_tags(cfg.mlflow.tags))
-    tags.update(launch.extra_tags)
-    # where this session's log is, for a reaper to attach should the process die
-    tags.update(job_log.tags(launch.run_log, launch.log_from, launch.log_head))
-    if plan.resume is not None:
-        tags.update(plan.resume.tags(cfg.trainer.max_epochs))
+    if tuning is not None and plan.resume is None:
+        params.update(tuning.params())
     return params, tags
 
 
-def sizes(plan: RunPlan, trainer: Any = None) -> str:
-    """What an out-of-memory message says of the run's sizes: the model, the level, the batch
-    and (`trainer`: the run's) how far it got."""
-    cfg = plan.cfg
-    text = (
-        f"{options.label(cfg.model)} at {plan.properties.opt_level}, "
-        f"trainer.batch_size={cfg.trainer.batch_size}"
+def tracked_run(
+    tracker: Any, plan: RunPlan, comm: Comm, launch: Launch, params: dict, tags: dict
+) -> Any:
+    """The run's MLflow run (rank 0; the other ranks' record nothing): a new one, or the resumed
+    run's own, reopened."""
+    from runner.tracking.base import null_run
+
+    if not comm.is_main:
+        return null_run()
+    return tracker.start_run(
+        plan.run_name,
+        params,
+        tags,
+        resume_run_id=plan.resume.run_id if plan.resume is not None else None,
+        folder=run_folder(plan, launch),
     )
-    if cfg.trainer.accumulate_grad_batches > 1:  # (the batch in memory is still one of them)
-        text += f" (x trainer.accumulate_grad_batches={cfg.trainer.accumulate_grad_batches})"
-    if "block_size" in cfg.data:
-        text += f", data.block_size={cfg.data.block_size}"
-    if trainer is not None:
-        done = trainer.global_step
-        text += (
-            f", after {done} training step{'' if done == 1 else 's'}" if done else ", at the start"
-        )
-    return text
 
 
-def log_layer_plan(tracked, plan: RunPlan, parts: Parts) -> None:
-    """The layer plan as artifacts under `layers/`: the table of every layer (planned format and
-    why) and, where entries decide layers, the plan file that reproduces them."""
-    layer_plan = parts.engine.layer_plan
-    if layer_plan is None:
+@contextlib.contextmanager
+def files_folder(launch: Launch) -> Iterator[Path]:
+    """Where the run writes its diagnostics' and layer audit's files: Hydra's output folder, or
+    (a run started from Python) a temporary one, removed once the run has ended and its store,
+    or the offline store, took them."""
+    if launch.output_dir is not None:
+        yield launch.output_dir
         return
-    tracked.log_text(layer_plan.table() + "\n", f"layers/{layer_audit.PLAN_TXT}")
-    if plan.layer_rules:
-        header = [
-            f"amp-runner layer plan of {plan.run_name} (precision={plan.cfg.precision.preset}"
-            f", {plan.properties.opt_level}), digest {layer_plan.digest()}"
-        ]
-        tracked.log_text(layer_plan.yaml(header), f"layers/{layer_audit.PLAN_YAML}")
-    if plan.auto_plan:  # the pre-flight's choice for every layer, and why
-        tracked.log_text(plan.auto_plan, f"layers/{layer_audit.AUTO_PLAN_YAML}")
+    with tempfile.TemporaryDirectory(prefix="amp-run-") as folder:
+        yield Path(folder)
 
 
-def run_folder(plan: RunPlan, launch: Launch) -> Path:
-    """The run's own folder, where its tracker keeps files (an MLflow run's offline store of what
-    the store could not take, runner.tracking.replay; the record of a run under tracking=none):
-    Hydra's output folder, else the run's checkpoint folder."""
-    return launch.output_dir if launch.output_dir is not None else plan.checkpoint_folder
+def started(
+    tracker: Any,
+    tracked: Any,
+    plan: RunPlan,
+    parts: Parts,
+    resolution: Resolution,
+    launch: Launch,
+    tuning: Optional[tune.Tuning],
+) -> None:
+    """Rank 0, once the MLflow run exists: where it is, the system metrics' sampling, and for a
+    new run what it records at the start (runner.run.recorded.record_start)."""
+    cfg = plan.cfg
+    log.info("%s run %r (%s) in %s", tracker.label, plan.run_name, tracked.run_id, tracker.location)
+    if cfg.mlflow.system_metrics_s > 0:
+        tracked.sample_system(cfg.mlflow.system_metrics_s, resumed=plan.resume is not None)
+    if plan.resume is None:
+        record_start(tracked, plan, parts, resolution, launch, tuning)
 
 
-def own_folder(tracker, plan: RunPlan, launch: Launch):
-    """`tracker`, once the run's folder is checked to be free for this run's record (a ConfigError
-    naming the setting of that folder where it holds another run's: Tracker.folder_taken)."""
-    folder = run_folder(plan, launch)
-    taken = tracker.folder_taken(folder, plan.resume.run_id if plan.resume is not None else None)
-    if taken is None:
-        return tracker
-    if launch.output_dir is None:  # (a run started from Python: its checkpoint folder)
-        key = "trainer.checkpoint_dir"
-    else:
-        key = "hydra.sweep.dir" if tag.PARENT_RUN in launch.extra_tags else "hydra.run.dir"
-    raise ConfigError(
-        key,
-        taken,
-        "a folder of its own for this run (Hydra's default, named by the time); to continue "
-        "that run, its own command with resume=auto",
-    )
-
-
-# ---- a run ---------------------------------------------------------------------------------------
 def print_dry_run(plan: RunPlan) -> None:
     """What `dry_run=true` shows: the config, the properties, every finding (the model's Tensor
     Core shapes and, with low-bit optimizer state, the parameters that keep plain state, from a
@@ -289,280 +363,3 @@ def print_dry_run(plan: RunPlan) -> None:
         print(f"Would do nothing: {plan.run_name} {plan.resume.finished_message()}")
     elif plan.resume is not None:
         print(f"Would resume from {plan.resume.path} ({plan.resume.position()})")
-
-
-def run(
-    cfg,
-    *,
-    overrides: Sequence[str] = (),
-    output_dir: str | os.PathLike | None = None,
-    extra_tags: Mapping[str, str] | None = None,
-    apart: str = "",
-) -> float | None:
-    """Train once as `cfg` says; returns the task's objective (runner.tasks): a classifier's
-    best validation accuracy, a language model's best validation loss (None for a dry run).
-    `extra_tags` are added to the run's own (a sweep job passes its parent run's id this way),
-    `apart` to its default name (a sweep job's swept values: runner.run.plan.default_run_name).
-    Under torchrun this is one rank of a DistributedDataParallel run (see
-    runner.run.distributed)."""
-    distributed.set_other_ranks_apart()  # (torchrun: rank 0 tells the run, the others errors)
-    mistakes.check_one_option(overrides)
-    job_log.bear_write_errors()  # (a full disk: one line, not a traceback a line logged)
-    run_log = job_log.find(output_dir)
-    log_from = job_log.size(run_log)
-    plan = make_plan(cfg, apart)
-    if cfg.dry_run:
-        print_dry_run(plan)
-        return None
-    if plan.resume is not None and plan.resume.finished(cfg.trainer.max_epochs):
-        # resume=auto of a run that met its epoch budget: its MLflow run stays as it ended
-        log.info("%s %s", plan.run_name, plan.resume.finished_message())
-        return plan.resume.best()
-    properties = plan.properties
-    log.info("Precision (Apex %s, resolved):\n%s", properties.opt_level, properties.table())
-    if plan.resolution.findings:  # (a warning where one of them is; notes alone are info)
-        said = log.warning if plan.resolution.warnings or plan.resolution.errors else log.info
-        said("Precision findings:\n%s", plan.resolution.findings_table())
-    else:
-        log.info("%s", plan.resolution.findings_table())
-
-    launch = Launch(
-        tuple(overrides),
-        Path(output_dir) if output_dir is not None else None,
-        dict(extra_tags or {}),
-        run_log,
-        log_from,
-        job_log.head(run_log, log_from),  # (the precision table's first line, logged above)
-    )
-    comm, device = distributed.setup(plan.device)
-    try:
-        with distributed.peers_told(comm):  # (a rank gone: one line, not gloo's traceback)
-            return train(plan, comm, device, launch)
-    finally:
-        comm.close()
-
-
-def train(plan: RunPlan, comm: Comm, device: torch.device, launch: Launch) -> float:
-    """`run`'s second half on this rank's `device`: build, record and track (rank 0), train."""
-    from runner.tracking.trackers import open_tracker
-
-    cfg = plan.cfg
-    # only rank 0 talks to the store; its failure (an unreachable server) stops every rank
-    tracker = comm.on_main(
-        lambda: own_folder(open_tracker(cfg, run_folder(plan, launch)), plan, launch)
-    )
-    if comm.is_main:  # the experiment's RUNNING runs whose process is gone end KILLED
-        tracker.reap(own_log=(launch.run_log, launch.log_from) if launch.run_log else None)
-
-    def prepared() -> tuple[RunPlan, Optional[tune.Tuning], Parts]:
-        ready = plan
-        if ready.properties.layer_plan == layers.AUTO:  # the pre-flight plans each layer's format
-            from runner.run import autoplan
-
-            ready = autoplan.planned(ready, comm, device, launch.output_dir)
-        # trainer.tune: the settings left at their defaults, measured on copies (runner.run.tune)
-        ready, tuning = tune.tuned(ready, comm, device, launch.overrides)
-        # a single run does not wait for a first build of the kernels (torch's ops this once); a
-        # sweep's jobs and a distributed run's ranks wait, so that they all step the same way
-        wait = comm.active or tag.PARENT_RUN in launch.extra_tags
-        return ready, tuning, build(ready, device, comm, wait_for_kernels=wait)
-
-    # a model too large for the device is said in one line, before its MLflow run exists
-    plan, tuning, parts = out_of_memory.guarded(
-        prepared, device, plan.properties.opt_level, lambda: sizes(plan)
-    )
-    try:
-        return train_parts(plan, comm, device, launch, tracker, parts, tuning)
-    finally:
-        # the loaders' worker processes end with the run, whatever may still hold the loaders
-        # (a reference cycle, an exception's traceback): see components.loaders.shutdown_workers
-        parts.close()
-
-
-def train_parts(
-    plan: RunPlan,
-    comm: Comm,
-    device: torch.device,
-    launch: Launch,
-    tracker,
-    parts: Parts,
-    tuning: Optional[tune.Tuning] = None,
-) -> float:
-    """`train` once the parts are built: record, track (rank 0) and fit. `tuning`: what
-    trainer.tune decided (logged with the run's params, tune.md and tune_time_s)."""
-    from runner.run.trainer import RunContext, Trainer, trainer_config
-    from runner.tracking.base import null_run
-    from runner.tracking.record import typed_command
-
-    cfg = plan.cfg
-    if plan.resume is not None:  # the checkpoint must fit what was built, before its run reopens
-        plan.resume.check_fits(parts, comm.world_size)
-    resolution = Resolution(plan.properties, [*plan.resolution.findings, *parts.findings])
-    if parts.findings:  # info only: never stops the run
-        log.info(
-            "Precision findings about the model:\n%s",
-            Resolution(plan.properties, parts.findings).findings_table(),
-        )
-    model = parts.model
-    if comm.active and not sharded(plan, comm):  # (a sharded model is FSDP2's already)
-        model = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None
-        )
-    kernels = csrc.name_of(parts.engine.kernels)
-    log.info("Kernels: %s (precision.kernels=%s)", kernels, cfg.precision.kernels)
-    params, tags = run_record(
-        plan,
-        parts,
-        resolution,
-        world_size=comm.world_size,
-        launch=launch,
-        environment=environment_tags(device),
-        kernels=kernels,
-        command=typed_command(),
-    )
-    if tuning is not None and plan.resume is None:
-        params.update(tuning.params())
-
-    with StopRequest() as stop, contextlib.ExitStack() as owned:
-        resume = plan.resume
-        if resume is not None and comm.is_main:  # (one process a resumed run: its lock)
-            writes = checkpoint.path_for(plan.checkpoint_folder, resume.run_id).parent
-            owned.enter_context(checkpoint.own(writes, resume.run_id))
-        tracked_run = (
-            tracker.start_run(
-                plan.run_name,
-                params,
-                tags,
-                resume_run_id=resume.run_id if resume else None,
-                folder=run_folder(plan, launch),
-            )
-            if comm.is_main
-            else null_run()
-        )
-        written: dict[str, Any] = {}  # the last checkpoint of this run: where, after what
-        if resume is not None:
-            written.update(where=resume.path, epoch=resume.state["epoch"])
-            written.update(batch=resume.state.get("batch", 0))
-
-        def kept() -> str:  # (a rank gone: what this one keeps)
-            if not written:
-                return "No checkpoint was written yet." if comm.is_main else ""
-            batches = written["batch"]
-            after = f"epoch {written['epoch']}" + (f" and {batches} batches" if batches else "")
-            command = "torchrun command" if distributed.under_torchrun() else "command"
-            return (
-                f"The checkpoint after {after} is kept ({written['where']}): the same {command} "
-                "with resume=auto continues from it."
-            )
-
-        with (
-            tracked_run as tracked,
-            failure.kept_in(tracked, launch.run_log, launch.log_from),
-            distributed.peers_told(comm, kept),
-        ):
-            if comm.is_main:
-                log.info(
-                    "%s run %r (%s) in %s",
-                    tracker.label,
-                    plan.run_name,
-                    tracked.run_id,
-                    tracker.location,
-                )
-                if cfg.mlflow.system_metrics_s > 0:
-                    tracked.sample_system(cfg.mlflow.system_metrics_s, resumed=resume is not None)
-                if resume is None:
-                    tracked.log_datasets(dataset_record(plan, parts))
-                    tracked.log_text(OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
-                    tracked.log_text(
-                        OmegaConf.to_yaml(OmegaConf.create(list(launch.overrides))),
-                        "overrides.yaml",
-                    )
-                    tracked.log_text(
-                        plan.properties.table() + "\n\n" + resolution.findings_table(),
-                        "precision.txt",
-                    )
-                    if parts.engine.fp8 is not None:
-                        tracked.log_text(parts.engine.fp8.listing(), "fp8_layers.txt")
-                    log_layer_plan(tracked, plan, parts)
-                    if tuning is not None:
-                        tuning.log_to(tracked)
-            # a sharded run's ranks all write (their shards) into rank 0's run's folder
-            shards = sharded(plan, comm) and cfg.trainer.fsdp_checkpoint == "sharded"
-            run_id = comm.from_main(tracked.run_id) if shards else tracked.run_id
-            path = (
-                checkpoint.path_for(plan.checkpoint_folder, run_id)
-                if comm.is_main or shards
-                else None
-            )
-            static = {
-                "mlflow_run_id": tracked.run_id,
-                "config": dict(plan.config_tree),
-                "world_size": comm.world_size,
-            }
-
-            def save(trainer_state: dict) -> str:
-                # the metrics the checkpoint covers reach the store first: a process killed
-                # after the write has lost none of them, and its resume logs none of them again
-                tracked.deliver()
-                try:
-                    if shards:  # a collective: every rank writes its shards, rank 0 the rest
-                        where = checkpoint.sharded.save(
-                            path.parent,
-                            {**static, **trainer_state},
-                            parts.model,
-                            parts.optimizer,
-                            comm,
-                        )
-                    else:
-                        checkpoint.save(path, {**static, **trainer_state})
-                        where = path
-                except Exception as error:  # (a full disk: one line, not a traceback)
-                    refused = checkpoint.unwritable(path, error)
-                    if refused is None:
-                        raise
-                    raise refused from error
-                written.update(
-                    where=where, epoch=trainer_state["epoch"], batch=trainer_state["batch"]
-                )
-                return str(where)
-
-            files = launch.output_dir
-            if files is None:  # (started without Hydra's output folder: the diagnostics' and
-                # the layer audit's files in a temporary one, removed once the run has ended and
-                # its store, or the offline store, took them)
-                files = Path(owned.enter_context(tempfile.TemporaryDirectory(prefix="amp-run-")))
-            trainer = Trainer(
-                trainer_config(cfg.trainer),
-                parts,
-                device=device,
-                model=model,
-                context=RunContext(
-                    on_metrics=tracked.log_metrics,
-                    comm=comm,
-                    checkpointer=save if comm.is_main or shards else None,
-                    stop=stop,
-                    on_artifact=tracked.log_file if comm.is_main else None,
-                    artifact_dir=files / "diagnostics",
-                    layers_dir=files / "layers",
-                ),
-            )
-            if resume is not None:
-                resume.restore(trainer, cfg, plan.run_name)
-            # running out of memory: one line, the run FAILED with it (runner.run.out_of_memory)
-            result = out_of_memory.guarded(
-                trainer.fit, device, plan.properties.opt_level, lambda: sizes(plan, trainer)
-            )
-    if comm.is_main:
-        unit = "tokens" if parts.task.items_metric else "samples"
-        log.info(
-            "Finished %s: %s %.4f in %s%s.\n%s",
-            plan.run_name,
-            result.objective.replace("_", " ", 1),
-            result.best,
-            time_left.took(result.train_time_s),
-            f", {result.throughput:.0f} {unit}/s steady"
-            if math.isfinite(result.throughput)
-            else " (no steady step: see the warm-up above)",
-            tracker.hint(),
-        )
-    return result.best

@@ -2,16 +2,16 @@
 from measured ranges. The pre-flight (`preflight`, `measure`: the run's own model and data trained
 a few steps in fp32 with every layer probed), each layer's choice from what it measured (`decide`:
 fp8, else the level's 16-bit type, else float32; the shares it judges by: runner.run.layer_ranges),
-and the run's plan made concrete with it (`planned`). The rules in full: autoplan.md beside
+and the entries the run's plan is made with (`entries`). The rules in full: autoplan.md beside
 this file."""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from itertools import islice
 from pathlib import Path
 from typing import Any, Optional
@@ -38,6 +38,7 @@ from runner.precision.layers import (
     text_table,
 )
 from runner.precision.properties import dtype_name
+from runner.run import watch
 from runner.run.layer_ranges import (
     Thresholds,
     choose_scale,
@@ -268,7 +269,7 @@ def measure(
     diagnostics = RunDiagnostics(
         1, list(diag.FORMATS.values()), folder, inputs=inputs, layers=layers
     )
-    trainer.instruments = trainer.instrument(diagnostics, audit=False)  # (fp32: no audit)
+    trainer.instruments = watch.instruments(trainer, diagnostics, audit=False)  # (fp32: no audit)
     trainer.model.train()
     records = []
     batches, k = iter(trainer.train_loader), trainer.cfg.accumulate_grad_batches
@@ -313,56 +314,52 @@ def preflight(
     steps with every layer probed; returns the records, the model and its layers' weight
     statistics (after the steps). Nothing is tracked."""
     from runner.run.build import build
-    from runner.run.trainer import RunContext, Trainer, trainer_config
+    from runner.run.trainer import Trainer
 
     with contextlib.closing(build(plan.in_fp32(device), device, wait_for_kernels=False)) as parts:
-        trainer = Trainer(
-            trainer_config(plan.cfg.trainer),
-            parts,
-            RunContext(on_metrics=lambda metrics, step: None),
-            device=device,
-        )
+        trainer = Trainer(plan.cfg.trainer, parts, device=device)
         records = measure(trainer, steps, folder, inputs=True, layers=plan_layers, echo=echo)
         return records, parts.model, weight_stats(parts.model)
 
 
-def planned(plan: Any, comm: Any, device: torch.device, output_dir: Optional[Path]) -> Any:
-    """`plan` with `layer_plan=auto` made concrete: the pre-flight's entries (measured on rank 0,
-    the same on every rank), then `precision.layers`' on top (the plan's rules: with
-    `layer_plan=auto`, those alone). A resumed run takes the entries its checkpoint was trained
-    with instead of measuring again."""
+def entries(
+    plan: Any, comm: Any, device: torch.device, output_dir: Optional[Path]
+) -> tuple[tuple[LayerRule, ...], str]:
+    """The entries `layer_plan=auto` makes for the run of `plan` (planned from its config, before
+    them), and the plan file with every layer's choice: the pre-flight's (measured on rank 0, the
+    same on every rank). A resumed run takes the entries its checkpoint was trained with instead
+    of measuring again (and no file). The run's plan is then made with them
+    (runner.run.plan.Measured), `precision.layers`' entries on top."""
     saved = plan.resume.state.get("layer_plan") if plan.resume is not None else None
     if saved is not None:
         rules = [LayerRule.from_list(r) for r in saved["rules"] if r[2] == AUTO]
         log.info("Layer plan: auto, as the checkpoint was trained (%d entries)", len(rules))
-        text = ""
-    else:
-        cfg = plan.cfg
-        steps = int(cfg.precision.layer_plan_steps)
-        folder = (output_dir / "layers" / "preflight") if output_dir is not None else None
+        return tuple(rules), ""
+    folder = (output_dir / "layers" / "preflight") if output_dir is not None else None
+    lists, text = comm.from_main(comm.on_main(partial(_measure_and_decide, plan, device, folder)))
+    return tuple(LayerRule.from_list(r) for r in lists), text
 
-        def measure_and_decide() -> tuple[list[list[str]], str]:
-            where = output_folder(folder, "amp-runner-preflight-")
-            log.info(
-                "Layer plan: auto; a pre-flight of %d fp32 steps measures each layer's "
-                "ranges first",
-                steps,
-            )
-            records, model, weights = preflight(plan, device, steps, where)
-            auto = decide(
-                model,
-                records,
-                weights,
-                plan.properties,
-                Thresholds.from_config(cfg.precision),
-                str(cfg.precision.preset),
-                steps,
-            )
-            log.info("Layer plan (auto), %s:\n%s", auto.scale_note, auto.table())
-            return [r.as_list() for r in auto.rules], auto.yaml()
 
-        lists, text = comm.from_main(comm.on_main(measure_and_decide))
-        rules = [LayerRule.from_list(r) for r in lists]
-    return dataclasses.replace(
-        plan, layer_rules=(*rules, *plan.layer_rules), auto_plan=text, layer_check=None
+def _measure_and_decide(
+    plan: Any, device: torch.device, folder: Optional[Path]
+) -> tuple[list[list[str]], str]:
+    """The pre-flight of `plan` and the plan `decide` makes of it: (its entries as lists, the
+    plan file)."""
+    cfg = plan.cfg
+    steps = int(cfg.precision.layer_plan_steps)
+    where = output_folder(folder, "amp-runner-preflight-")
+    log.info(
+        "Layer plan: auto; a pre-flight of %d fp32 steps measures each layer's ranges first", steps
     )
+    records, model, weights = preflight(plan, device, steps, where)
+    auto = decide(
+        model,
+        records,
+        weights,
+        plan.properties,
+        Thresholds.from_config(cfg.precision),
+        str(cfg.precision.preset),
+        steps,
+    )
+    log.info("Layer plan (auto), %s:\n%s", auto.scale_note, auto.table())
+    return [r.as_list() for r in auto.rules], auto.yaml()

@@ -32,12 +32,12 @@ from runner.precision import AmpEngine, Finding, Properties
 from runner.precision.checks import DeviceInfo, state_findings, tensor_core_findings
 from runner.precision.state import build_low_bit
 from runner.run import cuda_graphs, distributed, fsdp
+from runner.run.batches import limit_batches, optimizer_steps
 from runner.run.distributed import Comm
 from runner.run.model_checks import MetaModel
 from runner.run.parts import Parts
 from runner.run.plan import RunPlan
-from runner.run.trainer import limit_batches, optimizer_steps
-from runner.tasks import task_for
+from runner.tasks import Task, task_for
 from runner.tasks.base import class_indices, target_problem
 
 log = logging.getLogger(__name__)
@@ -58,17 +58,17 @@ def build(
     plan: RunPlan,
     device: Optional[torch.device] = None,
     comm: Optional[Comm] = None,
-    on_model: Optional[Callable[[torch.nn.Module], None]] = None,
     *,
+    datasets: Any = None,
     wait_for_kernels: bool = True,
 ) -> Parts:
     """Data, model, optimizer, engine and scheduler as `plan` says, on `device` (default: the
     plan's; a torchrun rank passes its own GPU). Seeds first, so every rank of a distributed run
-    builds the same initial weights. `on_model` sees the freshly built model before the engine
-    casts it (a benchmark keeps an fp32 copy of the same weights this way). Without
-    `wait_for_kernels`, kernels not built yet are built in the background while this run uses
-    torch's ops (`csrc.load`): for a single run, not for the jobs of a sweep or the ranks of a
-    distributed run, which must all step the same way."""
+    builds the same initial weights. `datasets`: the run's, where they were loaded before (for
+    trainer.tune to count the run's steps: runner.run.app). Without `wait_for_kernels`, kernels
+    not built yet are built in the background while this run uses torch's ops (`csrc.load`):
+    for a single run, not for the jobs of a sweep or the ranks of a distributed run, which must
+    all step the same way."""
     cfg = plan.cfg
     device = device or plan.device
     comm = comm or Comm()
@@ -76,12 +76,8 @@ def build(
     seed_everything(cfg.trainer.seed)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = cfg.trainer.cudnn_benchmark
-    task = task_for(plan.task)
-    # (loaded already where trainer.tune counted the run's steps); a missing dataset stops
-    # here, before any run exists
-    bundle = plan.loaded.take()
-    if bundle is None:
-        bundle = build_datasets(cfg.data, plan.specs.get("data"))
+    # a missing dataset stops here, before any run exists
+    bundle = datasets if datasets is not None else build_datasets(cfg.data, plan.specs.get("data"))
     train_loader, val_loader = build_loaders(
         bundle,
         cfg.trainer.batch_size,
@@ -94,14 +90,54 @@ def build(
     )
     # built or loaded now, so not counted below (a sharded run steps with torch's ops)
     kernels = csrc.load(device, "torch" if shards else cfg.precision.kernels, wait=wait_for_kernels)
+    task, flops = checked_task(plan, bundle)
     # peak_mem_mb counts the training state (model, optimizer, activations), as on a GPU, where
     # the data and the tracking store live in host memory: on a CPU the baseline is taken after
     # the datasets, the store and the kernels are in memory
+    memory = MemoryProbe(device)
+    memory.reset()
+    model = built_model(plan, bundle, task, device)
+    findings = shape_findings(cfg, plan.properties, DeviceInfo.from_torch(device), model)
+    findings += state_findings(model, plan.properties)
+    if shards:
+        model, optimizer, engine = sharded_parts(plan, model, device, comm)
+    else:
+        optimizer = built_optimizer(plan, model)
+        engine = precision_engine(plan, device, comm, "torch" if kernels is None else None)
+        # the layer plan (a glob matching no module: ConfigError, before any run exists), cast
+        # and masters, before any DDP wrap
+        model, optimizer = engine.prepare(model, optimizer)
+    engine.layer_plan.strict = bool(cfg.precision.strict)
+    if engine.fp8 is not None:
+        findings += engine.fp8.findings()
+    if cfg.trainer.compile:  # in place: the module and its state-dict keys stay as they are
+        # a run starts with torch.compile's caches empty: the jobs of a sweep in one process
+        # would otherwise fill its per-function recompile limit and run the later ones eager
+        torch._dynamo.reset()
+        model.compile(**compile_arguments(cuda_graphs.compile_mode(cfg), engine.fp8))
+    batches = limit_batches(len(train_loader), cfg.trainer.limit_train_batches)
+    scheduler = build_scheduler(
+        cfg.scheduler,
+        optimizer,
+        optimizer_steps(batches, cfg.trainer.accumulate_grad_batches),
+        cfg.trainer.max_epochs,
+        plan.specs.get("scheduler"),
+    )
+    criterion = checked_criterion(plan, bundle, task).to(device)
+    parts = (bundle, train_loader, val_loader, model, optimizer, engine, scheduler, memory)
+    return Parts(*parts, findings, criterion, task, flops)
+
+
+def checked_task(plan: RunPlan, bundle: Any) -> tuple[Task, Optional[float]]:
+    """The run's task and the model's training FLOPs per sample (None: not countable). Where
+    only the loaded dataset can tell its shape (and, with task=auto, its task), the model's
+    output is checked now, on a meta model of the data's input, which then counts the FLOPs;
+    else planning did, on its own meta model."""
+    task = task_for(plan.task)
     if plan.declared is None:
-        # only the dataset could tell its shape (and, with task=auto, its task): check now, on
-        # a meta model of the loaded data's input, which then counts the FLOPs
-        sample, target = bundle.train[0][:2]
+        sample = bundle.train[0][0]
         task = task_for(infer_task(plan, sample))
+        cfg = plan.cfg
         meta = MetaModel(
             cfg.model, plan.specs.get("model"), (bundle.num_classes, tuple(sample.shape))
         )
@@ -114,8 +150,14 @@ def build(
             "FLOPs per sample not counted (the meta device cannot run the model): no tflops or "
             "mfu for this run"
         )
-    memory = MemoryProbe(device)
-    memory.reset()
+    return task, flops
+
+
+def built_model(plan: RunPlan, bundle: Any, task: Task, device: torch.device) -> torch.nn.Module:
+    """The model on `device`, checked to see only backwards where it is a language model, with
+    SyncBatchNorm and the channels-last layout where the run asks for them (before the cast:
+    keep_batchnorm_fp32 still applies)."""
+    cfg = plan.cfg
     model = build_model(
         cfg.model, bundle.num_classes, bundle.image_size, plan.specs.get("model")
     ).to(device)
@@ -130,103 +172,88 @@ def build(
             "a causal model (a causal mask in its attention; model=hf encoders: "
             "model.is_decoder=true)",
         )
-    if cfg.trainer.sync_batchnorm:  # before the cast: keep_batchnorm_fp32 still applies
+    if cfg.trainer.sync_batchnorm:
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if cfg.trainer.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    if on_model is not None:
-        on_model(model)
-    findings = shape_findings(cfg, plan.properties, DeviceInfo.from_torch(device), model)
-    findings += state_findings(model, plan.properties)
-    if shards:  # FSDP2: cast, shard, then the optimizer over the shards
-        engine = AmpEngine(
-            plan.properties,
-            device,
-            kernels="torch",
-            flag_reducer=distributed.flag_reducer(comm),
-            seed=cfg.trainer.seed,
-            layer_rules=plan.layer_rules,
-            sharded=True,
-        )
-        engine.cast(model)
-        units = fsdp.shard(model, plan.properties, cfg.trainer.fsdp_wrap)
-        log.info(
-            "FSDP2: %d units sharded over %d ranks (%s), then the model",
-            len(units),
-            comm.world_size,
-            ", ".join(units[:8]) + (" ..." if len(units) > 8 else ""),
-        )
-        optimizer = build_optimizer(cfg.optimizer, model.parameters(), plan.specs.get("optimizer"))
-        engine.add_optimizer(optimizer, [model])
-    elif plan.properties.low_bit_state:  # torchao's low-bit Adam/AdamW (the plan checked which)
-        optimizer = build_low_bit(
-            cfg.optimizer,
-            list(model.parameters()),
-            plan.properties.state_format,
-            stochastic_rounding=plan.properties.stochastic_rounding,
-        )
-        log.info(
-            "Optimizer: torchao's %s with %s state; its update is compiled per parameter "
-            "shape on the first step (cached on disk for later runs)",
-            type(optimizer).__name__,
-            plan.properties.state_format,
-        )
-    else:
-        optimizer = build_optimizer(cfg.optimizer, model.parameters(), plan.specs.get("optimizer"))
-    if not shards:
-        engine = AmpEngine(
-            plan.properties,
-            device,
-            kernels=cfg.precision.kernels if kernels is not None else "torch",
-            flag_reducer=distributed.flag_reducer(comm),
-            seed=cfg.trainer.seed,
-            layer_rules=plan.layer_rules,
-        )
-        # the layer plan (a glob matching no module: ConfigError, before any run exists), cast
-        # and masters, before any DDP wrap
-        model, optimizer = engine.prepare(model, optimizer)
-    engine.layer_plan.strict = bool(cfg.precision.strict)
-    if engine.fp8 is not None:
-        findings += engine.fp8.findings()
-    if cfg.trainer.compile:  # in place: the module and its state-dict keys stay as they are
-        # a run starts with torch.compile's caches empty: the jobs of a sweep in one process
-        # would otherwise fill its per-function recompile limit and run the later ones eager
-        torch._dynamo.reset()
-        model.compile(**compile_arguments(cuda_graphs.compile_mode(cfg), engine.fp8))
-    batches = limit_batches(len(train_loader), cfg.trainer.limit_train_batches)
-    steps_per_epoch = optimizer_steps(batches, cfg.trainer.accumulate_grad_batches)
-    scheduler = build_scheduler(
-        cfg.scheduler,
-        optimizer,
-        steps_per_epoch,
-        cfg.trainer.max_epochs,
-        plan.specs.get("scheduler"),
+    return model
+
+
+def built_optimizer(plan: RunPlan, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """The config's optimizer over `model`'s parameters: torchao's low-bit Adam/AdamW where the
+    level keeps low-bit state (the plan checked which), else the optimizer group's."""
+    cfg, properties = plan.cfg, plan.properties
+    if not properties.low_bit_state:
+        return build_optimizer(cfg.optimizer, model.parameters(), plan.specs.get("optimizer"))
+    optimizer = build_low_bit(
+        cfg.optimizer,
+        list(model.parameters()),
+        properties.state_format,
+        stochastic_rounding=properties.stochastic_rounding,
     )
+    log.info(
+        "Optimizer: torchao's %s with %s state; its update is compiled per parameter shape on "
+        "the first step (cached on disk for later runs)",
+        type(optimizer).__name__,
+        properties.state_format,
+    )
+    return optimizer
+
+
+def precision_engine(
+    plan: RunPlan, device: torch.device, comm: Comm, kernels: Optional[str], shards: bool = False
+) -> AmpEngine:
+    """The run's precision engine (runner.precision): its properties and layer rules, the
+    overflow flag summed over the ranks, the seed of stochastic rounding. `kernels`: the
+    backend to step with (None: precision.kernels; "torch" where the kernels are not built);
+    `shards`: the model is sharded with FSDP2 after its cast."""
+    cfg = plan.cfg
+    return AmpEngine(
+        plan.properties,
+        device,
+        kernels=kernels or cfg.precision.kernels,
+        flag_reducer=distributed.flag_reducer(comm),
+        seed=cfg.trainer.seed,
+        layer_rules=plan.layer_rules,
+        sharded=shards,
+    )
+
+
+def sharded_parts(
+    plan: RunPlan, model: torch.nn.Module, device: torch.device, comm: Comm
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, AmpEngine]:
+    """FSDP2 (trainer.strategy=fsdp under torchrun): the model cast, then sharded over the
+    ranks, then the optimizer over the shards (a sharded run steps with torch's ops)."""
+    engine = precision_engine(plan, device, comm, "torch", shards=True)
+    engine.cast(model)
+    units = fsdp.shard(model, plan.properties, plan.cfg.trainer.fsdp_wrap)
+    log.info(
+        "FSDP2: %d units sharded over %d ranks (%s), then the model",
+        len(units),
+        comm.world_size,
+        ", ".join(units[:8]) + (" ..." if len(units) > 8 else ""),
+    )
+    optimizer = build_optimizer(plan.cfg.optimizer, model.parameters(), plan.specs.get("optimizer"))
+    engine.add_optimizer(optimizer, [model])
+    return model, optimizer, engine
+
+
+def checked_criterion(plan: RunPlan, bundle: Any, task: Task) -> torch.nn.Module:
+    """The loss. With data of one's own (whose shape planning could not know): the criterion
+    checked against the task and the classes, and the first target, as a batch of one, checked
+    as the training loop checks every batch, before any run exists."""
+    cfg = plan.cfg
     criterion = build_loss(cfg)
-    if plan.declared is None:  # data of one's own: (else planning checked them)
-        if "loss" in cfg:
-            check_criterion(criterion, str(cfg.loss._target_), task, bundle.num_classes)
-        # its first target, as a batch of one: what the training loop checks of every batch,
-        # before any run exists
-        indices = class_indices(criterion, bundle.num_classes)
-        problem = target_problem(default_collate([target]), indices, task.target_dims)
-        if problem is not None:
-            raise DataError(problem)
-    criterion = criterion.to(device)
-    return Parts(
-        bundle,
-        train_loader,
-        val_loader,
-        model,
-        optimizer,
-        engine,
-        scheduler,
-        memory,
-        findings,
-        criterion,
-        task,
-        flops,
-    )
+    if plan.declared is not None:  # (planning checked them)
+        return criterion
+    if "loss" in cfg:
+        check_criterion(criterion, str(cfg.loss._target_), task, bundle.num_classes)
+    target = bundle.train[0][1]
+    indices = class_indices(criterion, bundle.num_classes)
+    problem = target_problem(default_collate([target]), indices, task.target_dims)
+    if problem is not None:
+        raise DataError(problem)
+    return criterion
 
 
 def compile_arguments(mode: str, fp8: Any = None) -> dict[str, Any]:

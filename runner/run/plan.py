@@ -5,7 +5,7 @@ precision properties and their findings), names the run, finds its checkpoint fo
 whether it resumes (and from which checkpoint, checked against the config). It builds nothing,
 logs nothing and creates no MLflow run, so a bad config stops here with a `ConfigError` naming the
 key. The resulting `RunPlan` is frozen and is what a run, a dry run, a sweep's up-front check of
-every job and the benchmarks all work from (`runner.run.app.build(plan)` builds the parts). What
+every job and the benchmarks all work from (`runner.run.build.build(plan)` builds the parts). What
 planning computes (the layer rules, the declared input, the model on the meta device, the task,
 the sharding decision, the properties) it computes once and carries on the plan: plan.md beside
 this file.
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple, Optional
@@ -28,7 +28,7 @@ from runner.config import options
 from runner.config.finder import config_dir
 from runner.config.precision import run_name_suffixes
 from runner.config.validation import validate
-from runner.config.values import override_text
+from runner.config.values import override_text, with_values
 from runner.errors import ConfigError
 from runner.precision import Finding, Properties, Resolution, layers, resolve
 from runner.precision.checks import DeviceInfo, concrete_device
@@ -46,23 +46,18 @@ from runner.run.resume import Resume
 from runner.tracking.tags import user_tags
 
 
-class LoadedData:
-    """The datasets loaded once before the run's build needs them, handed to one build."""
+@dataclass(frozen=True)
+class Measured:
+    """What was measured before the run was planned, given to `make_plan` as its input like an
+    override: `settings`, the config keys trainer.tune chose (set on the config exactly as the
+    command line would set them: runner.run.tune), and `layer_entries`, the entries the layer
+    plan's pre-flight chose for `precision.layer_plan=auto` (runner.run.autoplan), with its plan
+    file (`auto_plan`: every layer's choice, and why). The plan made with them is the run's one
+    plan: its name, params, findings and precision table are those of the config as trained."""
 
-    def __init__(self) -> None:
-        self._bundle: Any = None
-
-    def get(self, load: Callable[[], Any]) -> Any:
-        """The datasets: kept from an earlier call, else loaded by `load` and kept."""
-        if self._bundle is None:
-            self._bundle = load()
-        return self._bundle
-
-    def take(self) -> Any:
-        """The datasets kept (None: none were loaded), given up: one build has them, a later
-        one loads its own."""
-        bundle, self._bundle = self._bundle, None
-        return bundle
+    settings: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    layer_entries: tuple[LayerRule, ...] = ()
+    auto_plan: str = ""
 
 
 @dataclass(frozen=True)
@@ -78,16 +73,13 @@ class RunPlan:
     resume: Optional[Resume]  # the checkpoint this run continues from, checked; None: fresh
     specs: Mapping[str, Optional[options.Spec]]  # each option group's spec, looked up once
     task: str = options.CLASSIFICATION  # task=auto resolved (runner.tasks): what a batch is
-    # precision per layer (runner.precision.layers): the plan file's entries, then
-    # precision.layers' (with layer_plan=auto, the pre-flight's replace the file's at run time)
+    # precision per layer (runner.precision.layers): the plan file's entries (with
+    # layer_plan=auto, the pre-flight's: Measured.layer_entries), then precision.layers'
     layer_rules: tuple[LayerRule, ...] = ()
-    auto_plan: str = ""  # layer_plan=auto: the pre-flight's plan file (every layer's choice)
+    auto_plan: str = ""  # layer_plan=auto: the pre-flight's plan file (Measured.auto_plan)
     meta: Optional[MetaModel] = None  # the model on the meta device, built once on first use
     layer_check: Optional[LayerPlan] = None  # layer_rules on the meta model's layers (a dry run's)
     shards: bool = False  # trainer.strategy=fsdp, checked: FSDP2 shards the model over the ranks
-    # the datasets, where something before the build loaded them (trainer.tune counting a run's
-    # steps): the build takes them rather than load them again (a plan replaced shares it)
-    loaded: LoadedData = dataclasses.field(default_factory=LoadedData, compare=False)
 
     @property
     def properties(self) -> Properties:
@@ -126,11 +118,16 @@ class RunPlan:
         )
 
 
-def make_plan(cfg: DictConfig, apart: str = "") -> RunPlan:
+def make_plan(cfg: DictConfig, apart: str = "", measured: Optional[Measured] = None) -> RunPlan:
     """Check everything about `cfg` and decide the run (see the module docstring); raises
     ConfigError naming the key for any bad input, before anything is built. `apart`: what sets
-    a sweep job apart from the sweep's other jobs, added to its default name."""
-    checked = check_config(cfg)
+    a sweep job apart from the sweep's other jobs, added to its default name; `measured`: what
+    was measured before planning (trainer.tune's settings, the auto layer plan's entries), taken
+    as given."""
+    measured = measured or Measured()
+    if measured.settings:
+        cfg = with_values(cfg, measured.settings)
+    checked = check_config(cfg, measured.layer_entries)
     run_name = default_run_name(cfg, checked.resolution.properties, apart)
     folder = checkpoint.run_folder(cfg.trainer.checkpoint_dir, cfg.mlflow.experiment_name, run_name)
     problem = files.folder_problem(folder)
@@ -154,6 +151,7 @@ def make_plan(cfg: DictConfig, apart: str = "") -> RunPlan:
         checked.specs,
         checked.task,
         checked.layer_rules,
+        measured.auto_plan,
         meta=checked.meta,
         layer_check=checked.layer_check,
         shards=checked.shards,
@@ -174,11 +172,12 @@ class Checked:
     shards: bool
 
 
-def check_config(cfg: DictConfig) -> Checked:
+def check_config(cfg: DictConfig, entries: tuple[LayerRule, ...] = ()) -> Checked:
     """The checks of `make_plan` before the run is named: the preset's level, the value rules,
-    the device, the precision properties and the layer rules (the plan file read once), the parts
-    the config names, the layer plan and the strategy against the model (built once on the meta
-    device, where the data declares its input); raises ConfigError naming the key."""
+    the device, the precision properties and the layer rules (the plan file read once, or the
+    auto plan's measured `entries`), the parts the config names, the layer plan and the strategy
+    against the model (built once on the meta device, where the data declares its input); raises
+    ConfigError naming the key."""
     check_opt_level(cfg)
     specs = options.specs_of(cfg)
     validate(cfg, specs)
@@ -192,7 +191,7 @@ def check_config(cfg: DictConfig) -> Checked:
             f"no implementation on {device.type} (Gloo)",
             "false on a CPU",
         )
-    resolution, rules = resolve_precision(cfg, device)
+    resolution, rules = resolve_precision(cfg, device, entries)
     cuda_graphs.check(cfg, resolution.properties, task, device)
     meta = check_parts(cfg, specs, task)
     layer_check = check_layers(rules, meta, resolution.properties)
@@ -347,11 +346,12 @@ def _check_own_preset(node: DictConfig) -> None:
 
 
 def resolve_precision(
-    cfg: DictConfig, device: torch.device | DeviceInfo
+    cfg: DictConfig, device: torch.device | DeviceInfo, entries: tuple[LayerRule, ...] = ()
 ) -> tuple[Resolution, tuple[LayerRule, ...]]:
     """The resolved Apex properties and findings (about the device and the optimizer too), and
-    the run's layer rules (`layer_rules`: the plan file read here, once); an error finding (every
-    warning with precision.strict=true) stops the run before anything is built."""
+    the run's layer rules (`layer_rules`: the plan file read here, once; with layer_plan=auto,
+    the pre-flight's `entries`); an error finding (every warning with precision.strict=true)
+    stops the run before anything is built."""
     values = OmegaConf.to_container(cfg.precision, resolve=True)
     opt_level = values.pop("opt_level")
     device_info = device if isinstance(device, DeviceInfo) else DeviceInfo.from_torch(device)
@@ -362,7 +362,7 @@ def resolve_precision(
     )
     check_plan_settings(cfg)
     findings = kernel_findings(cfg, resolution.properties)
-    rules = layer_rules(resolution.properties)
+    rules = (*entries, *layer_rules(resolution.properties))
     findings += layers.rule_findings(
         resolution.properties,
         rules,
@@ -427,10 +427,10 @@ def kernel_findings(cfg: DictConfig, properties: Properties) -> list[Finding]:
 
 # ---- precision per layer ---------------------------------------------------------------------
 def layer_rules(properties: Properties) -> tuple[LayerRule, ...]:
-    """The entries of the run's layer plan: a plan file's (`precision.layer_plan`: a path, read
-    and checked here; ConfigError naming the key for a missing or malformed file), then
-    `precision.layers`' (a later entry wins). With `layer_plan=auto` only `precision.layers`' are
-    known before the pre-flight (runner.run.autoplan) has measured."""
+    """The entries of the run's layer plan the config gives: a plan file's
+    (`precision.layer_plan`: a path, read and checked here; ConfigError naming the key for a
+    missing or malformed file), then `precision.layers`' (a later entry wins). With
+    `layer_plan=auto` the pre-flight's entries (runner.run.autoplan) come before these."""
     path = properties.layer_plan
     from_file = layers.load_plan_file(path) if path not in (None, layers.AUTO) else []
     return (*from_file, *layers.config_rules(properties))

@@ -3,10 +3,9 @@
 `Resume.decide` is part of planning a run (runner.run.plan): `resume=auto` takes the most recent
 checkpoint of the same experiment and run name (none yet: a fresh run), `resume=PATH` a given
 one; the checkpoint must have been written with the same config, except a different
-`trainer.max_epochs` (not below the epochs it already trained). Everything a resumed run changes
-is done here: the tags it adds to its MLflow run, and the restore of the trainer, with the
-learning-rate schedule rebuilt for a new epoch budget (a cosine or one-cycle schedule of the old
-length would turn back up, or refuse to step, past its end).
+`trainer.max_epochs` (not below the epochs it already trained). What a resumed run changes in its
+record is said here (the tags it adds to its MLflow run); its trainer's restore is the
+checkpointer's (runner.run.checkpointer).
 """
 
 from __future__ import annotations
@@ -16,8 +15,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
-
-from omegaconf import DictConfig
 
 from runner.run import checkpoint
 from runner.tracking import tags as tag
@@ -156,29 +153,4 @@ class Resume:
             path=self.path,
             reshardable=is_sharded(parts.model),
             tensors="sharded" not in self.state,
-        )
-
-    def restore(self, trainer: Any, cfg: DictConfig, run_name: str) -> None:
-        """Put the checkpoint's state into `trainer` (built for `cfg`); with a new epoch budget,
-        rebuild the schedule of the new length at the step reached instead of loading it."""
-        from runner.components.optim import rebuild_scheduler_at
-
-        changed = self.budget_changed(cfg.trainer.max_epochs)
-        trainer.restore(self.state, scheduler=not changed, source=self.path)
-        if changed:
-            trainer.scheduler = rebuild_scheduler_at(
-                cfg.scheduler,
-                trainer.optimizer,
-                trainer.train_batches,
-                cfg.trainer.max_epochs,
-                trainer.global_step,
-                cfg.optimizer.lr,
-            )
-        log.info(
-            "Resuming %s from %s: after epoch %d and %d batches of the next (step %d)",
-            run_name,
-            self.path,
-            self.state["epoch"],
-            self.state["batch"],
-            self.state["global_step"],
         )

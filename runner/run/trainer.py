@@ -5,7 +5,7 @@ k, forward and backward over k batches before the step), watched by `runner.meas
 instruments (entered once per step); the hot path holds no MLflow call and no host sync beyond
 the engine's found-inf read: losses accumulate on the device and are read every
 `log_every_n_steps` steps. The trainer's other jobs have their own modules: the divergence guard
-(`divergence`), the checkpoint state (`trainer_state`), the compile warm-up (`compile_warmup`).
+(`divergence`), the checkpoints (`checkpointer`), the compile warm-up (`compile_warmup`).
 README.md beside this file tells the whole story.
 """
 
@@ -18,10 +18,8 @@ import signal
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Optional
+from collections.abc import Iterator
+from typing import Any, Optional
 
 import torch
 from omegaconf import OmegaConf
@@ -29,21 +27,19 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from runner.config import TrainerConfig
-from runner.errors import DataError, LayerPlanError
-from runner.measure.audit import AuditInstrument, never
-from runner.measure.diagnostics import run_formats
-from runner.measure.instruments import ArtifactSink, Instruments, MetricsSink, Watch
-from runner.measure.memory import MB, MemoryInstrument
+from runner.errors import DataError
+from runner.measure.instruments import Watch
 from runner.measure.probes import Stopwatch
-from runner.measure.run_diagnostics import RangeInstrument, RunDiagnostics
-from runner.run import cuda_graphs, fsdp, rng, time_left
-from runner.run.compile_warmup import CompileWarmup
-from runner.run.distributed import Comm, unwrap
+from runner.run import cuda_graphs, fsdp, rng, time_left, watch
+from runner.run.batches import limit_batches
+from runner.run.checkpointer import trainer_state
+from runner.run.compile_warmup import audit_eager, compile_warmup
+from runner.run.context import FitResult, RunContext
+from runner.run.distributed import unwrap
 from runner.run.divergence import DivergenceGuard
-from runner.run.interrupts import RunInterrupted, StopRequest
+from runner.run.interrupts import RunInterrupted
 from runner.run.parts import Parts
-from runner.run.step_timing import timing_instrument
-from runner.run.trainer_state import CheckpointState
+from runner.run.validation import evaluate
 from runner.tasks.base import class_indices, target_problem
 from runner.tracking import metrics as m
 
@@ -68,61 +64,6 @@ def bar_interval_s() -> float:
 _SCHEDULER_ORDER_WARNING = r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`"
 
 
-@dataclass
-class FitResult:
-    best_val_acc: float  # a classifier's (nan for a language model)
-    train_time_s: float
-    epochs: list[dict[str, float]] = field(default_factory=list)
-    best_val_loss: float = math.nan  # a language model's (nan for a classifier)
-    objective: str = m.BEST_VAL_ACC  # the task's: what `best` is, and a sweep optimises
-    # the steady throughput (samples/s, a language model's tokens/s), the mean over the epochs
-    # that logged one (nan: none did)
-    throughput: float = math.nan
-
-    @property
-    def best(self) -> float:
-        """The task's objective: best_val_acc (maximised) or best_val_loss (minimised)."""
-        return self.best_val_loss if self.objective == m.BEST_VAL_LOSS else self.best_val_acc
-
-
-def limit_batches(n_batches: int, limit: int | float | None) -> int:
-    """Batches per epoch after `trainer.limit_*_batches`: None all, an integer at most that many,
-    a number in (0, 1] that share of them (rounded down, as Lightning's, but at least one)."""
-    if limit is None:
-        return n_batches
-    if isinstance(limit, float):
-        return min(n_batches, max(1, int(n_batches * limit)))
-    return min(n_batches, limit)
-
-
-def optimizer_steps(batches: int, accumulate: int) -> int:
-    """An epoch's optimizer steps over its `batches`, `trainer.accumulate_grad_batches` a step
-    (the last step takes the batches left)."""
-    return math.ceil(batches / accumulate)
-
-
-Checkpointer = Callable[[dict], str]  # writes a checkpoint state, returns where
-
-
-@dataclass
-class RunContext:
-    """Where the trainer's results go and what it answers to, in one object: the metrics sink
-    (e.g. Run.log_metrics, runner.tracking.base), the process group, the checkpoint writer
-    (None: this rank writes none), the stop request (SIGINT/SIGTERM), and the sink for the files
-    it writes (the diagnostics; e.g. Run.log_file), written under `artifact_dir` (None: a
-    temporary folder, removed when the process exits; a run names its own)."""
-
-    on_metrics: MetricsSink
-    comm: Comm = field(default_factory=Comm)
-    checkpointer: Optional[Checkpointer] = None
-    stop: Optional[StopRequest] = None
-    on_artifact: Optional[ArtifactSink] = None
-    artifact_dir: Optional[Path] = None
-    # the audit's files (layers_ran.csv); None: a temporary folder, removed when the process exits,
-    # where `on_artifact` takes the files, else none are written
-    layers_dir: Optional[Path] = None
-
-
 def trainer_config(node) -> TrainerConfig:
     """The typed trainer settings from the composed `trainer` node (or a TrainerConfig): the
     schema's defaults are the only ones."""
@@ -131,20 +72,24 @@ def trainer_config(node) -> TrainerConfig:
     return TrainerConfig(**OmegaConf.to_container(node, resolve=True))
 
 
-class Trainer(CheckpointState, CompileWarmup):
-    """Trains `parts` as `cfg` says on `device`, its results sent where `context` says. `model`:
-    the model to train through (e.g. DDP-wrapped; default: the parts' own)."""
+class Trainer:
+    """Trains `parts` as `cfg` (the config's `trainer` node, or its TrainerConfig) says on
+    `device`, its results sent where `context` says (None: metrics and files nowhere, no
+    checkpoints). `model`: the model to train through (e.g. DDP-wrapped; default: the parts')."""
 
     def __init__(
         self,
-        cfg: TrainerConfig,
+        cfg: TrainerConfig | Any,
         parts: Parts,
-        context: RunContext,
+        context: Optional[RunContext] = None,
         *,
         device: torch.device,
         model: Optional[nn.Module] = None,
     ):
-        self.cfg, self.context, self.device, self.comm = cfg, context, device, context.comm
+        self.cfg = cfg = trainer_config(cfg)
+        self.device = device
+        self.context = context if context is not None else RunContext()
+        self.comm = self.context.comm
         # the model trained through, and the model itself (evaluation, checkpoints; FSDP2 or not)
         self.model = model if model is not None else parts.model
         self.module = unwrap(self.model)
@@ -173,7 +118,8 @@ class Trainer(CheckpointState, CompileWarmup):
         self.best = self.task.worst
         self.history: list[dict[str, float]] = []
         self.elapsed_before = 0.0  # training seconds of earlier sessions of this run
-        self._rng_at_start: Optional[dict] = None  # a resumed run's RNG at the start
+        self.fit_started = time.perf_counter()  # (fit's own start, once it starts)
+        self.rng_at_start: Optional[dict] = None  # a resumed run's RNG at the start
         # the epoch clock (device-synchronised) and the peak-memory probe
         self.clock, self.memory = Stopwatch(device), parts.memory
         # the divergence guard: skipped steps, non-finite losses, a collapsed loss scale
@@ -181,57 +127,9 @@ class Trainer(CheckpointState, CompileWarmup):
         # what watches a step: its time, memory by kind, the range probe, the layer audit
         self.layer_plan = getattr(self.engine, "layer_plan", None)
         self.flops_per_sample = parts.flops_per_sample  # counted in planning (None: unknown)
-        self.instruments = self.instrument(self._diagnostics(), audit=True)
+        self.instruments = watch.instruments(self, watch.diagnostics(self), audit=True)
         # trainer.cuda_graphs: the clip and step captured once, then replayed (None: eager)
         self.step_graph = cuda_graphs.step_graph(cfg, self.engine, self.optimizer, self.module)
-
-    def _diagnostics(self) -> Optional[RunDiagnostics]:
-        """The range diagnostics of `trainer.diagnose_every_n_steps` (None when 0: no probe)."""
-        every = self.cfg.diagnose_every_n_steps
-        if every <= 0:
-            return None
-        formats = run_formats(self.engine.properties.compute_dtypes)
-        return RunDiagnostics(every, formats, self.context.artifact_dir, self.context.on_artifact)
-
-    def instrument(self, diagnostics: Optional[RunDiagnostics], audit: bool) -> Instruments:
-        """The instruments that watch this trainer's steps, in the order they start: the step
-        timer (every step), memory by kind (until a step that stepped was measured), the range
-        probe on the steps `diagnostics` diagnoses (None: none), and with `audit` and a layer
-        plan the layer audit (the first step unless compiled, and the diagnosed ones)."""
-        on_metrics = self.context.on_metrics
-        timing = timing_instrument(
-            self.cfg,
-            self.device,
-            task=self.task,
-            engine=self.engine,
-            model=self.module,
-            loader=self.train_loader,
-            comm=self.comm,
-            flops_per_sample=self.flops_per_sample,
-            logger=log,
-        )
-        extra = self._allgather_mb if self.sharded else None
-        memory = MemoryInstrument(self.module, self.optimizer, self.engine, self.memory, extra)
-        ranges = None
-        if diagnostics is not None:
-            ranges = RangeInstrument(diagnostics, self.module, self.engine, on_metrics)
-        layers = None
-        if audit and self.layer_plan is not None:
-            layers = AuditInstrument(
-                self.layer_plan,
-                self.module,
-                on_metrics,
-                error=LayerPlanError,
-                first=not self.cfg.compile,  # (a compiled run audits an eager step: audit_eager)
-                also=ranges.due if ranges is not None else never,
-                # files only where they go somewhere (a tuning trial or a pre-flight: nowhere)
-                writes=self.comm.is_main
-                and (self.context.layers_dir is not None or self.context.on_artifact is not None),
-                folder=self.context.layers_dir,
-                on_artifact=self.context.on_artifact,
-                logger=log,
-            )
-        return Instruments(timing, memory, ranges, layers)
 
     # ---- one step ---------------------------------------------------------------------------
     def train_step(
@@ -420,72 +318,24 @@ class Trainer(CheckpointState, CompileWarmup):
         if group:  # (a loader that ran out before the batches it counted)
             yield done, group
 
-    @torch.no_grad()
-    def evaluate(self) -> tuple[float, float]:
-        """Returns (mean loss, accuracy) over the validation batches of all ranks (each rank
-        evaluates its own share with the model itself: no collective inside the loop): per
-        sample for a classifier, per token for a language model (runner.tasks)."""
-        self.module.eval()
-        loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
-        correct = torch.zeros((), device=self.device, dtype=torch.float64)
-        seen = 0
-        last = None
-        batches = min(len(self.val_loader), self.val_batches)
-        # a sharded model's forward is a collective: every rank runs as many as the one with
-        # the most batches (decided before the first forward)
-        most = (
-            int(self.comm.max_(torch.tensor(float(batches), device=self.device)).item())
-            if self.sharded
-            else batches
-        )
-        for index, (x, y) in enumerate(self.val_loader):
-            if index >= self.val_batches:
-                break
-            x, y = self.to_device(x, y)
-            last = x
-            with self.engine.autocast():
-                logits = self.module(x)
-            # the training criterion, as a sum over the items (it returns their mean)
-            sums = self.task.eval_sums(self.criterion, logits, y)
-            loss_sum += sums.loss_sum
-            correct += sums.correct
-            seen += sums.count
-        for _ in range(most - batches):  # (sharded: this rank's share is a batch short)
-            self._forward_in_step(last)
-        totals = self.comm.sum_(
-            torch.stack(
-                [
-                    loss_sum,
-                    correct,
-                    torch.tensor(float(seen), device=self.device, dtype=torch.float64),
-                ]
-            )
-        )
-        loss_total, correct_total, seen_total = totals.tolist()
-        if seen_total == 0:
-            return math.nan, math.nan
-        return loss_total / seen_total, correct_total / seen_total
-
-    def _forward_in_step(self, last: Optional[torch.Tensor]) -> None:
-        """A forward counted nowhere, on this rank's last validation batch (or a training batch
-        where it had none): a sharded model's forward is a collective (each unit gathers its
-        parameters from all ranks), and the ranks' validation shares differ by a sample."""
-        if last is None:
-            last, _ = self.to_device(*next(iter(self.train_loader)))
-        with self.engine.autocast():
-            self.module(last)
-
-    def _allgather_mb(self) -> dict[str, float]:
-        """A sharded run's memory beside the shards: what one unit's all-gather holds."""
-        return {m.MEM_ALLGATHER_MB: fsdp.allgather_bytes(self.module) / MB}
-
     def _rss(self) -> dict[str, float]:
         """On a CPU: `rss_growth_mb`, the process's resident-memory growth."""
         rss = self.memory.rss_growth_mb()
         return {} if rss is None else {m.RSS_GROWTH_MB: rss}
 
     def fit(self) -> FitResult:
-        self._started = time.perf_counter()
+        """Train the epochs left (a resumed run's, from where it stopped), each validated,
+        measured, logged and checkpointed; then the task's best and the run's training time."""
+        self._start()
+        save_s = 0.0  # an epoch's share of the last checkpoint's write, part of its pace
+        for epoch in range(self.epochs_done + 1, self.cfg.max_epochs + 1):
+            save_s = self._epoch(epoch, save_s)
+        return self._finish()
+
+    def _start(self) -> None:
+        """Before the first epoch: the clock, a resumed run's random state, the compile warm-up
+        (and a compiled run's eager layer audit)."""
+        self.fit_started = time.perf_counter()
         accumulate = self.cfg.accumulate_grad_batches
         if accumulate > self.train_batches and self.comm.is_main:  # (said by the run alone)
             log.warning(
@@ -495,10 +345,10 @@ class Trainer(CheckpointState, CompileWarmup):
                 self.train_batches,
                 self.train_batches,
             )
-        if self._rng_at_start is not None:  # a resumed run draws what the uninterrupted one would
-            rng.restore_rng(self._rng_at_start)
+        if self.rng_at_start is not None:  # a resumed run draws what the uninterrupted one would
+            rng.restore_rng(self.rng_at_start)
         if self.cfg.compile:
-            seconds = self.compile_warmup()
+            seconds = compile_warmup(self)
             log.info(
                 "torch.compile: the training step compiled in %.1f s (compile_time_s, not "
                 "counted in epoch_time_s)",
@@ -506,58 +356,72 @@ class Trainer(CheckpointState, CompileWarmup):
             )
             self.context.on_metrics({m.COMPILE_TIME_S: seconds}, self.global_step)
             if self.global_step == 0:
-                self.audit_eager()
+                audit_eager(self)
+
+    def _epoch(self, epoch: int, save_s: float) -> float:
+        """Epoch `epoch`: train, validate, log its metrics and line, check the weights, stop if
+        asked, checkpoint when due. Returns its share of the checkpoint's write time (`save_s`:
+        the last one's, part of the pace the time left is told at)."""
+        skip, self.batches_done = self.batches_done, 0
+        seconds, samples, items = self.train_epoch(epoch, skip)
+        trained = time.perf_counter()
+        val_loss, val_acc = evaluate(self)
+        metrics = self._epoch_metrics(val_loss, val_acc, seconds, samples, items)
+        self.context.on_metrics(metrics, epoch)
+        self.instruments.end_epoch()  # the diagnostics' and the audit's files
+        self.history.append(metrics)
+        value = val_acc if self.task.maximize else val_loss
+        if self.task.better(value, self.best):
+            self.best = value
+        pace = time_left.epoch_seconds(
+            seconds,  # (the epoch's training, wall-clock)
+            time.perf_counter() - trained,
+            save_s,
+            self.train_batches - skip,
+            self.train_batches,
+        )
+        log.info(
+            "epoch %d/%d: %s  peak mem %.0f MB  loss scale %g  skipped %d%s",
+            epoch,
+            self.cfg.max_epochs,
+            self.task.epoch_summary(metrics),
+            metrics[m.PEAK_MEM_MB],
+            metrics[m.LOSS_SCALE],
+            self.engine.skipped_steps,
+            time_left.time_left(pace, self.cfg.max_epochs - epoch),
+        )
+        self.guard.check_weights(self.weights_finite(), epoch, self.global_step)
+        last = epoch == self.cfg.max_epochs
+        if bool(self.comm.max_(self._stop_flag()).item()) and not last:
+            raise self._interrupted(epoch, 0)
         every = self.cfg.checkpoint_every_n_epochs
-        save_s = 0.0  # an epoch's share of the last checkpoint's write, part of its pace
-        for epoch in range(self.epochs_done + 1, self.cfg.max_epochs + 1):
-            skip, self.batches_done = self.batches_done, 0
-            seconds, samples, items = self.train_epoch(epoch, skip)
-            trained = time.perf_counter()
-            val_loss, val_acc = self.evaluate()
-            peak = self.comm.max_(torch.tensor(self.memory.peak_mb(), device=self.device)).item()
-            metrics = {
-                **self.task.epoch_metrics(val_loss, val_acc, seconds, samples, items),
-                m.PEAK_MEM_MB: peak,
-                m.LOSS_SCALE: self.engine.loss_scale,
-                m.SKIPPED_STEPS: float(self.engine.skipped_steps),
-                **self.instruments.epoch_metrics(),  # memory by kind, once per measurement
-                **self._rss(),
-            }
-            self.context.on_metrics(metrics, epoch)
-            self.instruments.end_epoch()  # the diagnostics' and the audit's files
-            self.history.append(metrics)
-            value = val_acc if self.task.maximize else val_loss
-            if self.task.better(value, self.best):
-                self.best = value
-            pace = time_left.epoch_seconds(
-                seconds,  # (the epoch's training, wall-clock)
-                time.perf_counter() - trained,
-                save_s,
-                self.train_batches - skip,
-                self.train_batches,
-            )
-            log.info(
-                "epoch %d/%d: %s  peak mem %.0f MB  loss scale %g  skipped %d%s",
-                epoch,
-                self.cfg.max_epochs,
-                self.task.epoch_summary(metrics),
-                metrics[m.PEAK_MEM_MB],
-                metrics[m.LOSS_SCALE],
-                self.engine.skipped_steps,
-                time_left.time_left(pace, self.cfg.max_epochs - epoch),
-            )
-            self.guard.check_weights(self._healthy(), epoch, self.global_step)
-            last = epoch == self.cfg.max_epochs
-            stop = bool(self.comm.max_(self._stop_flag()).item())
-            if stop and not last:
-                raise self._interrupted(epoch, 0)
-            if every and (epoch % every == 0 or last):
-                saving = time.perf_counter()
-                self._save(epoch, 0)
-                save_s = (time.perf_counter() - saving) / every  # (an epoch's share of it)
+        if every and (epoch % every == 0 or last):
+            saving = time.perf_counter()
+            self._save(epoch, 0)
+            save_s = (time.perf_counter() - saving) / every  # (an epoch's share of it)
+        return save_s
+
+    def _epoch_metrics(
+        self, val_loss: float, val_acc: float, seconds: float, samples: int, items: int
+    ) -> dict[str, float]:
+        """An epoch's metrics: the task's (validation, throughput), peak memory over the ranks,
+        the loss scale and skipped steps, the instruments' (memory by kind), the RSS growth."""
+        peak = self.comm.max_(torch.tensor(self.memory.peak_mb(), device=self.device)).item()
+        return {
+            **self.task.epoch_metrics(val_loss, val_acc, seconds, samples, items),
+            m.PEAK_MEM_MB: peak,
+            m.LOSS_SCALE: self.engine.loss_scale,
+            m.SKIPPED_STEPS: float(self.engine.skipped_steps),
+            **self.instruments.epoch_metrics(),  # memory by kind, once per measurement
+            **self._rss(),
+        }
+
+    def _finish(self) -> FitResult:
+        """After the last epoch: the task's best and the training time logged, and returned
+        with the epochs' history and the mean steady throughput."""
         if self.step_graph is not None:
             log.info(self.step_graph.summary())
-        train_time = self.elapsed_before + time.perf_counter() - self._started
+        train_time = self.elapsed_before + time.perf_counter() - self.fit_started
         best = self.best if not math.isinf(self.best) else math.nan
         self.context.on_metrics(
             {self.task.objective: best, m.TRAIN_TIME_S: train_time}, self.cfg.max_epochs
@@ -572,3 +436,48 @@ class Trainer(CheckpointState, CompileWarmup):
             objective=self.task.objective,
             throughput=sum(steady) / len(steady) if steady else math.nan,
         )
+
+    # ---- checkpoints ------------------------------------------------------------------------
+    def weights_finite(self) -> bool:
+        """Whether every floating parameter and buffer of the model is finite (one host read).
+        A non-finite loss reaches the weights before the divergence guard's next read (O0 and
+        the bf16 presets skip no step), and such weights must never replace the last good
+        checkpoint."""
+        tensors = [
+            fsdp.local(t.detach())
+            for t in (*self.module.parameters(), *self.module.buffers())
+            if t.is_floating_point() and t.numel()
+        ]
+        finite = (
+            torch.stack([torch.isfinite(t).all() for t in tensors if t.numel()]).all()
+            if tensors
+            else torch.tensor(True)
+        )
+        if self.sharded:  # every rank's shards: one verdict for all (all take part in the save)
+            finite = (
+                self.comm.max_((~finite).to(torch.float32, copy=True).to(self.device).reshape(1))
+                == 0
+            )
+        return bool(finite.all().item())
+
+    def _save(self, epochs_done: int, batches_done: int) -> str | None:
+        """The state to the checkpoints after `epochs_done` epochs and `batches_done` batches of
+        the next (every rank of a sharded run takes part); where it went, or None."""
+        checkpoints = self.context.checkpointer
+        writes = checkpoints is not None and checkpoints.writes
+        if not writes and not self.sharded:
+            return None  # (a sharded run's ranks all gather the state rank 0 writes)
+        after = f"epoch {epochs_done}" + (f" and {batches_done} batches" if batches_done else "")
+        if not self.weights_finite():
+            log.warning(
+                "No checkpoint written after %s: the model's weights are inf/NaN (the run "
+                "is diverging); the last checkpoint, if any, is the last good state",
+                after,
+            )
+            return None
+        state = trainer_state(self, epochs_done, batches_done)
+        if not writes:
+            return None
+        where = checkpoints.save(state)
+        log.info("Checkpoint: %s (after %s)", where, after)
+        return where

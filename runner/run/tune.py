@@ -1,13 +1,15 @@
 """`trainer.tune`: the settings the user left at their defaults, chosen by measuring them.
 
-After the plan is checked and before the run builds its parts, `tuned(plan, ...)` times candidates
-on the run's own model, batch, device and level (runner.run.tune_measure): channels_last (models
-with convolutions), cudnn.benchmark (CUDA), the fused kernels or torch's ops (where the kernels are
-built), torch.compile, default then max-autotune (where the run's steps repay its compile time).
+After the config is checked (its plan made) and before the run's plan is made, `tuned(plan, ...)`
+times candidates on the run's own model, batch, device and level (runner.run.tune_measure):
+channels_last (models with convolutions), cudnn.benchmark (CUDA), the fused kernels or torch's ops
+(where the kernels are built), torch.compile, default then max-autotune (where the run's steps
+repay its compile time).
 Each is tried on top of the fastest so far, where what it is expected to take fits what is left of
 `trainer.tune_budget_s` (a compile cannot be stopped once started); the fastest whose first-step
-loss is within the level's tolerance of the untuned one wins. The run then goes on with the
-chosen settings in its config, exactly as a run given them by hand: the candidates are built apart
+loss is within the level's tolerance of the untuned one wins. The chosen settings are the input
+of the run's one plan (runner.run.plan.Measured), set on its config as overrides are: the run is
+named, recorded and explained exactly as a run given them by hand. The candidates are built apart
 from the run, and every random generator is put back.
 
 What the user gave (the command line, a sweep's values, an experiment or config file: a value
@@ -23,6 +25,7 @@ import logging
 import math
 import time
 from collections.abc import Mapping, Sequence
+from functools import partial
 from typing import Any, Optional
 
 import torch
@@ -46,7 +49,6 @@ from runner.run.tune_measure import (
     refuse_if_loss_differs,
     skipped_note,
     tolerance,
-    with_settings,
 )
 from runner.tracking import metrics as m
 
@@ -139,10 +141,12 @@ def given_keys(cfg, overrides: Sequence[str]) -> set[str]:
     return {key for key in TUNABLE if key in typed or OmegaConf.select(cfg, key) != DEFAULTS[key]}
 
 
-def estimated_steps(plan: RunPlan, load: bool = False, world_size: int = 1) -> Optional[int]:
-    """The run's training steps as its config tells them (None: only the dataset knows; with
-    `load`, the dataset is loaded to count them), for each of `world_size` ranks: each trains
-    on its share of the samples (DistributedSampler's, padded to equal shares)."""
+def estimated_steps(
+    plan: RunPlan, datasets: Optional[Any] = None, world_size: int = 1
+) -> Optional[int]:
+    """The run's training steps as its config tells them (None: only the dataset knows; given
+    the loaded `datasets`, they are counted), for each of `world_size` ranks: each trains on its
+    share of the samples (DistributedSampler's, padded to equal shares)."""
     cfg = plan.cfg
     limit = cfg.trainer.limit_train_batches
     per_epoch = limit if isinstance(limit, int) else None  # (a share: of a count to be known)
@@ -150,24 +154,26 @@ def estimated_steps(plan: RunPlan, load: bool = False, world_size: int = 1) -> O
     block = OmegaConf.select(cfg, "data.block_size", default=None)
     if isinstance(size, int) and plan.task == LANGUAGE_MODEL:  # tokens, cut into sequences
         size = (size - 1) // block if isinstance(block, int) and block > 0 else None
-    if not isinstance(size, int) and per_epoch is None and load:
-        from runner.components.data import build_datasets
-
-        loaded = plan.loaded.get(lambda: build_datasets(cfg.data, plan.specs.get("data")))
-        size = len(loaded.train)  # (the build takes these datasets: not loaded twice)
+    if not isinstance(size, int) and per_epoch is None and datasets is not None:
+        size = len(datasets.train)
     if isinstance(size, int):
         batches = math.ceil(math.ceil(size / world_size) / cfg.trainer.batch_size)
-        from runner.run.trainer import limit_batches
+        from runner.run.batches import limit_batches
 
         per_epoch = limit_batches(batches, limit)
     return None if per_epoch is None else per_epoch * cfg.trainer.max_epochs
 
 
-def _apply(plan: RunPlan, settings: Mapping[str, Any]) -> RunPlan:
-    if not settings:
-        return plan
-    cfg = with_settings(plan.cfg, settings)
-    return dataclasses.replace(plan, cfg=cfg, config_tree=OmegaConf.to_container(cfg, resolve=True))
+def counts_on_data(plan: RunPlan, comm: Comm) -> bool:
+    """Whether tuning the run of `plan` needs its datasets loaded to count its steps:
+    trainer.tune=auto (which skips a run too short to repay it) where the config does not
+    tell the count, on a run tuning measures (not resumed, not sharded)."""
+    return (
+        plan.cfg.trainer.tune == "auto"
+        and plan.resume is None
+        and not (plan.shards and comm.active)
+        and estimated_steps(plan) is None
+    )
 
 
 # ---- the entry point -------------------------------------------------------------------------
@@ -176,51 +182,48 @@ def tuned(
     comm: Comm,
     device: torch.device,
     overrides: Sequence[str] = (),
-    steps: Optional[int] = None,
-) -> tuple[RunPlan, Optional[Tuning]]:
-    """`plan` with the settings tuning chose, and what it decided (None: it did not tune).
-    `overrides`: the command line's (what it names is given); `steps`: the training steps to
-    repay tuning and compiling (default: the run's, as its config and data tell them; a
-    benchmark timing a few steps names the run it stands for)."""
+    datasets: Optional[Any] = None,
+) -> Optional[Tuning]:
+    """What tuning decided for the run of `plan` (the config as given; None: it did not tune):
+    its `settings` are config keys and values, which the run's plan is then made with, as
+    overrides (runner.run.plan.Measured). `overrides`: the command line's (what it names is
+    given); `datasets`: the run's, loaded (trainer.tune=auto counts the run's steps on them
+    where only the data can tell; else their count is unknown)."""
     mode = plan.cfg.trainer.tune
     if mode == "off":
-        return plan, None
+        return None
     if plan.resume is not None:  # (the plan checked that what is given now is the checkpoint's)
         saved = plan.resume.state["config"]
         settings = {k: tree_value(saved, k) for k in TUNABLE}
         settings = {k: v for k, v in settings.items() if v is not None}
         log.info("trainer.tune: a resumed run keeps its checkpoint's settings")
         kept = {k: "kept from the checkpoint" for k in settings}
-        return _apply(plan, settings), Tuning(settings, kept, source="checkpoint")
+        return Tuning(settings, kept, source="checkpoint")
     if plan.shards and comm.active:  # one rank cannot build the whole model to time it
         log.info("trainer.tune: not tuned: a sharded run (trainer.strategy=fsdp) is not measured")
-        return plan, None
+        return None
     given = given_keys(plan.cfg, overrides)
-    tuning = comm.on_main(lambda: _kept_apart(plan, device, given, steps, comm.world_size))
-    tuning = comm.from_main(tuning)
-    if tuning is None:
-        return plan, None
-    return _apply(plan, tuning.settings), tuning
+    steps = estimated_steps(plan, datasets if mode == "auto" else None, comm.world_size)
+    tuning = comm.on_main(partial(_kept_apart, plan, device, given, steps))
+    return comm.from_main(tuning)
 
 
 def _kept_apart(
-    plan: RunPlan, device: torch.device, given: set[str], steps: Optional[int], world_size: int
+    plan: RunPlan, device: torch.device, given: set[str], steps: Optional[int]
 ) -> Optional[Tuning]:
     """`_decide`, with every random generator and cuDNN's flag put back afterwards."""
     state, benchmark = rng.rng_state(), torch.backends.cudnn.benchmark
     try:
-        return _decide(plan, device, given, steps, world_size)
+        return _decide(plan, device, given, steps)
     finally:
         rng.restore_rng(state)
         torch.backends.cudnn.benchmark = benchmark
 
 
 def _decide(
-    plan: RunPlan, device: torch.device, given: set[str], steps: Optional[int], world_size: int
+    plan: RunPlan, device: torch.device, given: set[str], steps: Optional[int]
 ) -> Optional[Tuning]:
     mode = plan.cfg.trainer.tune
-    if steps is None:
-        steps = estimated_steps(plan, load=mode == "auto", world_size=world_size)
     if mode == "auto" and steps is not None and steps < AUTO_MIN_STEPS:
         # (it times steps of one batch: a step that accumulates several counts each)
         k = plan.cfg.trainer.accumulate_grad_batches

@@ -10,7 +10,6 @@ steady step time. Nothing here touches the run's own parts; the caller keeps the
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import logging
 import math
@@ -19,8 +18,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Optional
 
 import torch
-from omegaconf import OmegaConf, read_write
 
+from runner.config.values import with_values
 from runner.measure.probes import synchronize
 from runner.run.distributed import Comm
 from runner.run.plan import RunPlan
@@ -85,15 +84,6 @@ def tolerance(compute_dtypes: Sequence[Any]) -> float:
     return max([TOLERANCE.get(n, TOLERANCE["float16"]) for n in names] or [TOLERANCE["float32"]])
 
 
-def with_settings(cfg, settings: Mapping[str, Any]):
-    """A copy of the config `cfg` with `settings` (config keys) set."""
-    out = copy.deepcopy(cfg)
-    with read_write(out):
-        for k, v in settings.items():
-            OmegaConf.update(out, k, v, merge=False)
-    return out
-
-
 def measure(plan: RunPlan, settings: Mapping[str, Any], device: torch.device) -> Row:
     """Build the run with `settings` and time its steps on its first batch."""
     # the candidates' builds and steps say what the run's will say (each build's news, each
@@ -115,18 +105,13 @@ def _quiet(name: str) -> Iterator[None]:
 
 def _measure(plan: RunPlan, settings: Mapping[str, Any], device: torch.device) -> Row:
     from runner.run.build import build
-    from runner.run.trainer import RunContext, Trainer, trainer_config
+    from runner.run.trainer import Trainer
 
-    cfg = with_settings(plan.cfg, {**settings, "trainer.num_workers": 0})
+    cfg = with_values(plan.cfg, {**settings, "trainer.num_workers": 0})
     candidate = dataclasses.replace(plan, cfg=cfg, resume=None)
     parts = build(candidate, device, Comm(), wait_for_kernels=False)
     try:
-        trainer = Trainer(
-            trainer_config(cfg.trainer),
-            parts,
-            RunContext(on_metrics=lambda metrics, step: None),
-            device=device,
-        )
+        trainer = Trainer(cfg.trainer, parts, device=device)
         x, y = trainer.to_device(*next(iter(parts.train_loader)))
         trainer.model.train()
         times, first = [], math.nan

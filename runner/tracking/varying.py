@@ -15,7 +15,7 @@ from runner.tracking import tags as tag
 # model's parameter count, the global batch, the dataset's sizes): never listed as what varies
 # between runs.
 ACCUMULATE = "trainer.accumulate_grad_batches"
-GLOBAL_BATCH = "trainer.global_batch_size"  # (logged by the run: runner.run.app.run_record)
+GLOBAL_BATCH = "trainer.global_batch_size"  # (logged by the run: runner.run.recorded.run_record)
 SHOWN_PARAMS = (
     "model.name",
     "model.arch",

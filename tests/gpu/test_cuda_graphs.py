@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from runner.run import cuda_graphs
+from runner.run.compile_warmup import compile_warmup
 from tests.helpers.runs import FAST, compose_config
 from tests.helpers.trainer import planned_trainer
 
@@ -37,7 +38,7 @@ def _train(level: str, graphs: bool, *overrides: str, epochs: int = 1):
     trainer, logged, parts = planned_trainer(cfg)
     try:
         if cfg.trainer.compile:
-            trainer.compile_warmup()
+            compile_warmup(trainer)
         for epoch in range(1, epochs + 1):
             trainer.train_epoch(epoch)
     finally:

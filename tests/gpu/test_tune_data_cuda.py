@@ -6,9 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runner.run import tune, tune_data
+from runner.run import tune_data
 from runner.run.distributed import Comm
+from runner.run.measured import measured_plan
 from runner.run.plan import make_plan
+from runner.run.recorded import Launch
 from tests.helpers.runs import FAST, compose_config
 
 W, PIN = tune_data.WORKERS, tune_data.PIN
@@ -17,8 +19,8 @@ W, PIN = tune_data.WORKERS, tune_data.PIN
 @pytest.mark.gpu
 def test_pinned_memory_is_measured_on_a_gpu():
     overrides = [*FAST, "trainer.tune=on", "trainer.device=cuda"]  # (FAST gives 0 workers)
-    plan = make_plan(compose_config(*overrides))
-    plan, tuning = tune.tuned(plan, Comm(), torch.device("cuda"), overrides)
+    given = make_plan(compose_config(*overrides))
+    plan, tuning = measured_plan(given, Comm(), torch.device("cuda"), Launch(tuple(overrides)))
     assert [r.settings for r in tuning.loader] == [{W: 0}, {W: 0, PIN: False}]
     assert all(r.steady_ms > 0 and not r.note for r in tuning.loader)
     assert tuning.reasons[W] == "kept: given"

@@ -16,10 +16,12 @@ from runner.components.optim import build_optimizer, build_scheduler
 from runner.config import SyntheticConfig, TinyModelConfig, TrainerConfig
 from runner.measure.probes import MemoryProbe
 from runner.precision import AmpEngine, resolve
+from runner.run.batches import optimizer_steps
 from runner.run.build import build
+from runner.run.context import RunContext
 from runner.run.parts import Parts
 from runner.run.plan import make_plan
-from runner.run.trainer import RunContext, Trainer, optimizer_steps, trainer_config
+from runner.run.trainer import Trainer, trainer_config
 from tests.helpers.runs import compose_config
 
 CPU = torch.device("cpu")

@@ -40,8 +40,11 @@ from runner.components.models import build_model
 from runner.errors import ConfigError
 from runner.precision import AmpEngine, amp, resolve
 from runner.run import app, checkpoint, rng
+from runner.run.build import build
+from runner.run.checkpointer import restore_trainer
+from runner.run.context import RunContext
 from runner.run.plan import make_plan
-from runner.run.trainer import RunContext, Trainer, trainer_config
+from runner.run.trainer import Trainer, trainer_config
 from tests.helpers.runs import FAST, compose_config, run_cli
 
 TRAILER_PREFIX = b"amp-runner checkpoint format 2 sha256:"
@@ -169,7 +172,7 @@ def base(tmp_path_factory):
 def parts(base):
     """The parts a resumed run builds for the base config (the other side of check_structure)."""
     cfg = compose_config(*base["args"])
-    return cfg, app.build(make_plan(cfg))
+    return cfg, build(make_plan(cfg))
 
 
 def check(state, parts, **overrides):
@@ -305,7 +308,7 @@ def test_flips_behind_a_valid_checksum_never_escape_as_another_error(tmp_path, b
             assert error.key == "resume" and (str(path) in str(error) or "ckpt.pt" in str(error))
             outcomes["refused"] += 1
             continue
-        trainer.restore(state)
+        restore_trainer(trainer, state)
         outcomes["restored"] += 1
     assert outcomes["refused"] > 0 and sum(outcomes.values()) == 150
 

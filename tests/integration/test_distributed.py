@@ -31,6 +31,7 @@ from mlflow.tracking import MlflowClient
 
 from runner.errors import ConfigError
 from runner.run import app, checkpoint
+from runner.run.build import build
 from runner.run.plan import default_run_name, make_plan
 from tests.helpers.distributed import COMMON, start_torchrun, torchrun
 from tests.helpers.runs import HELPERS, compose_config
@@ -85,7 +86,7 @@ def test_two_gloo_processes_train_like_one_with_the_global_batch(
         torch.testing.assert_close(
             b[key], a[key], rtol=rtol, atol=atol, msg=lambda m, key=key: f"{key}: {m}"
         )
-    start = app.build(make_plan(reference)).model.state_dict()  # the initial weights
+    start = build(make_plan(reference)).model.state_dict()  # the initial weights
     moved = max((a[k] - start[k]).abs().max().item() for k in a)
     assert moved > 10 * max(atol, 1e-5), moved  # the comparison is not vacuous
 

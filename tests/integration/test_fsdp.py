@@ -28,6 +28,7 @@ from runner.components.lm_models import GPT
 from runner.components.models import TinyCNN
 from runner.errors import ConfigError
 from runner.run import app, fsdp
+from runner.run.build import build
 from runner.run.plan import default_run_name, make_plan
 from tests.helpers.distributed import COMMON, start_torchrun, torchrun
 from tests.helpers.runs import HELPERS, compose_config
@@ -185,7 +186,7 @@ def test_two_sharded_ranks_train_like_one_process(tmp_path, preset, rtol, atol):
             atol=atol,
             msg=lambda m, key=key: f"{key}: {m}",
         )
-    start = app.build(make_plan(compose_config(*COMMON, f"precision={preset}"))).model
+    start = build(make_plan(compose_config(*COMMON, f"precision={preset}"))).model
     moved = max((a[k].float() - start.state_dict()[k].float()).abs().max().item() for k in a)
     assert moved > 4 * max(atol, 1e-5), moved
     _, run1 = _run(one)

@@ -9,6 +9,8 @@ metric are compared bit for bit.
 from __future__ import annotations
 
 import signal
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -16,9 +18,12 @@ from mlflow.tracking import MlflowClient
 
 from runner.errors import ConfigError, DivergenceError
 from runner.run import app, checkpoint
+from runner.run.build import build
+from runner.run.checkpointer import restore_trainer
+from runner.run.context import RunContext
 from runner.run.interrupts import RunInterrupted, StopRequest
 from runner.run.plan import make_plan
-from runner.run.trainer import RunContext, Trainer, trainer_config
+from runner.run.trainer import Trainer, trainer_config
 from tests.helpers.held_data import HELD, HELD_DATA, HELD_RUN, HOLD_AFTER, hold_in_step
 from tests.helpers.resume import last_checkpoint, settings, straight_and_resumed
 from tests.helpers.runs import compose_config, read_until, run_cli, start_cli
@@ -304,9 +309,17 @@ def test_resume_auto_without_a_checkpoint_starts_fresh(tmp_path):
 
 
 # ---- a run stopped mid-epoch continues at its step -----------------------------------------------
+@dataclass
+class Checkpoints:
+    """A trainer's checkpoints outside a run (runner.run.context.Checkpoints): `save(state)`."""
+
+    save: Callable[[dict], str]
+    writes: bool = True
+
+
 def _trainer(cfg, **kw) -> Trainer:
     plan = make_plan(cfg)
-    parts = app.build(plan)
+    parts = build(plan)
     return Trainer(trainer_config(cfg.trainer), parts, RunContext(**kw), device=plan.device)
 
 
@@ -339,7 +352,7 @@ def test_a_stop_mid_epoch_resumes_at_its_step_exactly(tmp_path, accumulate, stop
         checkpoint.save(path, state)
         return str(path)
 
-    interrupted = _trainer(cfg, on_metrics=sink, stop=stop, checkpointer=save)
+    interrupted = _trainer(cfg, on_metrics=sink, stop=stop, checkpointer=Checkpoints(save))
     with pytest.raises(RunInterrupted) as e:
         interrupted.fit()
     assert e.value.exit_code == 143 and str(path) in str(e.value)
@@ -347,7 +360,7 @@ def test_a_stop_mid_epoch_resumes_at_its_step_exactly(tmp_path, accumulate, stop
     assert (state["epoch"], state["batch"], state["global_step"]) == (1, 2, stop_at)
 
     resumed = _trainer(cfg, on_metrics=lambda m, s: None)
-    resumed.restore(state)
+    restore_trainer(resumed, state)
     resumed.fit()
     assert resumed.global_step == straight.global_step == steps
     for (name, p), q in zip(straight.module.named_parameters(), resumed.module.parameters()):
@@ -372,7 +385,7 @@ def test_divergence_keeps_the_last_good_checkpoint(tmp_path):
         trainer.optimizer.param_groups[0]["lr"] = 1e30  # epoch 2 blows the weights up
         return "memory"
 
-    trainer = _trainer(cfg, on_metrics=lambda m, s: None, checkpointer=save)
+    trainer = _trainer(cfg, on_metrics=lambda m, s: None, checkpointer=Checkpoints(save))
     with pytest.raises(DivergenceError, match="inf/NaN"):
         trainer.fit()
     assert saved == [1]  # no checkpoint of the diverged state

@@ -17,9 +17,12 @@ from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
 from runner.config import TUNABLE
-from runner.run import tune, tune_cache, tune_data, tune_measure
+from runner.precision.checks import DeviceInfo
+from runner.run import recorded, tune, tune_cache, tune_data, tune_measure
 from runner.run.distributed import Comm
+from runner.run.measured import measured_plan
 from runner.run.plan import make_plan
+from runner.run.recorded import Launch
 from tests.helpers.held_data import HELD, HELD_DATA, HOLD_AFTER
 from tests.helpers.images import write_image_folder
 from tests.helpers.resume import last_checkpoint, settings
@@ -48,7 +51,15 @@ def cache(tmp_path):
 
 
 def tuned(*overrides: str):
-    return tune.tuned(make_plan(compose_config(*overrides)), Comm(), CPU, overrides)
+    """(the run's plan, what tuning decided) for the command `overrides`, as a run makes them."""
+    given = make_plan(compose_config(*overrides))
+    return measured_plan(given, Comm(), CPU, Launch(tuple(overrides)))
+
+
+def lasting(steps: int) -> list[str]:
+    """The overrides of a run of `steps` training steps (one batch an epoch), for tuning to weigh
+    what a compile repays."""
+    return ["trainer.limit_train_batches=1", f"trainer.max_epochs={steps}"]
 
 
 def test_a_given_setting_is_kept_and_a_second_run_reuses_the_decision(cache):
@@ -278,7 +289,7 @@ def test_auto_counts_the_steps_of_one_rank_under_torchrun(caplog):
     assert tune.estimated_steps(plan) == 401
     assert tune.estimated_steps(plan, world_size=2) == 201
     ranks = Comm(rank=0, world_size=2)  # (rank 0 of two, no process group: tuning's own part)
-    assert tune.tuned(plan, ranks, CPU, text)[1] is None
+    assert tune.tuned(plan, ranks, CPU, text) is None
     assert "trainer.tune=auto: not tuned: 201 training steps are too few" in caplog.text
 
 
@@ -421,9 +432,9 @@ def test_a_candidate_that_cannot_fit_the_budget_is_skipped_saying_why(given, ste
     long enough to repay it) and tune.md and the log say why; tuning takes the budget and
     one candidate's time at most."""
     caplog.set_level("INFO", logger="runner.run.tune")
-    overrides = [*FAST, *given]
+    overrides = [*FAST, *given, *lasting(steps)]
     plan = make_plan(compose_config(*overrides))
-    _, tuning = tune.tuned(plan, Comm(), CPU, overrides, steps=steps)
+    tuning = tune.tuned(plan, Comm(), CPU, overrides)
     base, *rest = tuning.rows
     assert base.steady_ms is not None and rest
     assert all(r.steady_ms is None and r.note.startswith("skipped: ") for r in rest)
@@ -447,7 +458,7 @@ def test_the_candidates_keep_their_news_out_of_the_log(caplog):
     notes give seconds a decimal under 10 (not "~0 s, over the 0 s left")."""
     caplog.set_level("INFO", logger="runner")
     overrides = [*ON, "trainer.tune_budget_s=0.01"]
-    _, tuning = tune.tuned(make_plan(compose_config(*overrides)), Comm(), CPU, overrides)
+    tuning = tune.tuned(make_plan(compose_config(*overrides)), Comm(), CPU, overrides)
     assert "trainer.tune" in caplog.text and "What ran where" not in caplog.text
     assert logging.getLogger("runner").level == logging.INFO  # (given back as it was)
     notes = [r.note for r in tuning.rows if r.note]
@@ -532,10 +543,9 @@ def test_a_longer_run_measures_again_what_a_shorter_one_did_not_try(cache, caplo
     """A compile is tried only by a run long enough to repay it: a short run's cached decision
     (no compile row) is measured again for a long run, which then keeps its own rows."""
     overrides = [*ON, "trainer.tune_budget_s=0.01"]  # (the compile is then skipped, not built)
-    plan = make_plan(compose_config(*overrides))
 
     def decide(steps):
-        return tune.tuned(plan, Comm(), CPU, overrides, steps=steps)[1]
+        return tuned(*overrides, *lasting(steps))[1]
 
     # (compile is offered where 15% of the run's time, its steps at the measured step time,
     # exceeds the compile's guess, 30 s on a CPU: for 40 steps, steps of 5 s; a 400-step run
@@ -628,3 +638,37 @@ def test_a_sigterm_while_tuning_says_so_and_exits_143(tmp_path):
     assert proc.returncode == 143, seen + rest
     assert rest.strip() == "Interrupted: interrupted by SIGTERM", seen + rest
     assert not all_runs(uri)
+
+
+def test_a_tuned_run_is_planned_as_the_run_given_its_settings_by_hand(cache, monkeypatch):
+    """Plan once: trainer.tune's choice is the input of the run's one plan. A run whose tuning
+    (a decision in the cache, seeded here) picks torch.compile is named `-compiled` and has the
+    params, findings and precision table of the run given trainer.compile=true by hand. With fp8
+    layers on a GPU that runs them (planning's view of the device: a Hopper), the untuned
+    config's warning "fp8 without torch.compile" is gone from both."""
+    hopper = DeviceInfo("cuda", (9, 0), "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(DeviceInfo, "from_torch", classmethod(lambda cls, device: hopper))
+    command = [*ON, "precision=o1_fp8", *lasting(10**5)]
+    given = make_plan(compose_config(*command))
+    assert given.run_name == "tiny-O1-fp8"
+    assert any("without torch.compile" in f.message for f in given.resolution.findings)
+    # the cached decision: compile is ten times faster, the other candidates gain nothing
+    free = [k for k in TUNABLE if k not in tune.given_keys(given.cfg, command)]
+    free = [k for k in free if k not in ("trainer.cudnn_benchmark", tune_data.PIN)]  # (a CPU)
+    facts = tune._facts(given, CPU, free)
+    candidates = [{}, {"trainer.channels_last": True}, {"precision.kernels": "torch"}]
+    rows = [tune_measure.Row(c, steady_ms=100.0, loss=2.3) for c in candidates]
+    rows.append(tune_measure.Row({"trainer.compile": True}, 10.0, compile_s=1.0, loss=2.3))
+    kept = [{**row.as_dict(), "budget_s": 120.0, "steps": 10**5} for row in rows]
+    tune_cache.write(tune_cache.key(facts), kept, facts)
+
+    plan, tuning = tuned(*command)
+    assert tuning.source == "cache" and tuning.settings["trainer.compile"] is True
+    by_hand = make_plan(compose_config(*command, "trainer.compile=true"))
+    assert plan.run_name == by_hand.run_name == "tiny-O1-fp8-compiled"
+    assert plan.resolution.findings == by_hand.resolution.findings
+    assert not any("without torch.compile" in f.message for f in plan.resolution.findings)
+    assert plan.resolution.findings_table() == by_hand.resolution.findings_table()
+    assert plan.properties.table() == by_hand.properties.table()
+    assert recorded.config_params(plan) == recorded.config_params(by_hand)
+    assert plan.checkpoint_folder == by_hand.checkpoint_folder

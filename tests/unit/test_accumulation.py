@@ -15,7 +15,7 @@ import signal
 import pytest
 import torch
 
-from runner.run import app
+from runner.run import recorded
 from runner.run.interrupts import RunInterrupted, StopRequest
 from runner.run.plan import make_plan
 from tests.helpers.runs import FAST, compose_config
@@ -183,5 +183,5 @@ def test_more_batches_to_a_step_than_an_epoch_has_is_said(caplog):
 def test_an_out_of_memory_message_says_the_batches_a_step_sums():
     plan = make_plan(compose_config(*FAST, "trainer.accumulate_grad_batches=4"))
     said = "tiny at O0, trainer.batch_size=32 (x trainer.accumulate_grad_batches=4)"
-    assert app.sizes(plan) == said
-    assert "accumulate" not in app.sizes(make_plan(compose_config(*FAST)))
+    assert recorded.sizes(plan) == said
+    assert "accumulate" not in recorded.sizes(make_plan(compose_config(*FAST)))

@@ -36,6 +36,7 @@ from runner.measure.diagnostics import (
 )
 from runner.measure.run_diagnostics import RangeInstrument, RunDiagnostics
 from runner.precision import AmpEngine, resolve
+from runner.run import watch
 from tests.helpers.runs import FAST, REPO, run_cli
 from tests.helpers.trainer import make_trainer
 
@@ -270,7 +271,7 @@ def test_an_fp16_run_judges_its_stored_scaled_gradients(tmp_path):
     diagnostics = RunDiagnostics(
         2, formats, tmp_path, lambda path, folder: handed.append((path.name, folder))
     )
-    trainer.instruments = trainer.instrument(diagnostics, audit=True)
+    trainer.instruments = watch.instruments(trainer, diagnostics, audit=True)
     trainer.fit()
     metrics = [m for m, s in logged if "diag_grad_overflow_frac" in m]
     assert len(metrics) == 4  # steps 1, 3, 5, 7

@@ -24,7 +24,7 @@ from runner.measure import audit as layer_audit
 from runner.measure import diagnostics as diag
 from runner.precision import AmpEngine, resolve
 from runner.precision import layers as L
-from runner.run import app, autoplan, layer_ranges
+from runner.run import app, autoplan, layer_ranges, recorded
 from runner.run.plan import default_run_name, make_plan
 from tests.helpers.runs import FAST, TINY, compose_config, run_cli
 
@@ -85,7 +85,7 @@ def test_layers_from_the_command_line_name_the_run_and_log_one_param():
     assert list(cfg.precision.layers.items()) == [("5", "float32"), ("0.*", "float32")]
     plan = make_plan(cfg)
     assert plan.run_name == "tiny-O2-bf16-plan"
-    params = app.config_params(plan)
+    params = recorded.config_params(plan)
     assert params["precision.layers"] == "{5: float32, 0.*: float32}"
     assert not any(k.startswith("precision.layers.") for k in params)  # (a glob: no param name)
     assert (
@@ -102,7 +102,7 @@ def test_a_module_name_hydra_reads_as_a_number(tmp_path):
     is its name; a float has lost its text (1.10 is 1.1, another module): refused, saying how."""
     cfg = compose_config(*FAST, "precision=o2_bf16", "+precision.layers={5: float32}")
     plan = make_plan(cfg)
-    assert app.config_params(plan)["precision.layers"] == "{5: float32}"
+    assert recorded.config_params(plan)["precision.layers"] == "{5: float32}"
     with pytest.raises(ConfigError) as bad:
         make_plan(compose_config(*FAST, "precision=o2_bf16", "+precision.layers={1.10: float32}"))
     assert bad.value.key == "precision.layers"
@@ -111,7 +111,7 @@ def test_a_module_name_hydra_reads_as_a_number(tmp_path):
     )
     assert "('+precision.layers={1.10*: float32}')" in str(bad.value)
     with_glob = compose_config(*FAST, "precision=o2_bf16", "+precision.layers={0.1*: float32}")
-    assert app.config_params(make_plan(with_glob))["precision.layers"] == "{0.1*: float32}"
+    assert recorded.config_params(make_plan(with_glob))["precision.layers"] == "{0.1*: float32}"
     plan_file = tmp_path / "plan.yaml"  # (YAML reads them so too, unquoted)
     plan_file.write_text("5: float32\n'0.1': float32\n")
     assert [(r.pattern, r.format) for r in L.load_plan_file(plan_file)] == [

@@ -24,19 +24,21 @@ from runner.measure.memory import (
 )
 from runner.measure.probes import MemoryProbe
 from runner.run import app
+from runner.run.build import build
+from runner.run.context import RunContext
 from runner.run.plan import make_plan
-from runner.run.trainer import RunContext, Trainer, trainer_config
+from runner.run.trainer import Trainer, trainer_config
 from tests.helpers.runs import FAST, REPO, compose_config, run_in_process
 
 CPU = torch.device("cpu")
 
 
 def first_step(*overrides: str) -> Trainer:
-    """The runner's own objects for FAST + `overrides` (app.build, as a run builds them), one
+    """The runner's own objects for FAST + `overrides` (build_parts, as a run builds them), one
     training step taken: the trainer holds its memory by kind."""
     cfg = compose_config(*FAST, "trainer.device=cpu", *overrides)
     plan = make_plan(cfg)
-    parts = app.build(plan)
+    parts = build(plan)
     trainer = Trainer(
         trainer_config(cfg.trainer),
         parts,

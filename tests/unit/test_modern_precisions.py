@@ -20,6 +20,7 @@ from runner.errors import ConfigError
 from runner.precision import AmpEngine, amp, resolve
 from runner.precision.checks import DeviceInfo
 from runner.run import app
+from runner.run.build import build
 from runner.run.plan import default_run_name, make_plan
 from tests.helpers.resume import last_checkpoint, settings, straight_and_resumed
 from tests.helpers.runs import compose_config
@@ -488,7 +489,8 @@ def test_compiled_training_matches_eager(tmp_path, level, tolerance):
 def first_step_loss(*overrides: str) -> float:
     """The loss of the runner's first training step (`Trainer.train_step` on the objects a run
     builds) for a GPT wide enough that inductor's fused casts show (width 256), on one batch."""
-    from runner.run.trainer import RunContext, Trainer, trainer_config
+    from runner.run.context import RunContext
+    from runner.run.trainer import Trainer, trainer_config
 
     cfg = compose_config(
         "model=gpt_tiny",
@@ -504,7 +506,7 @@ def first_step_loss(*overrides: str) -> float:
         *overrides,
     )
     plan = make_plan(cfg)
-    parts = app.build(plan)
+    parts = build(plan)
     trainer = Trainer(
         trainer_config(cfg.trainer),
         parts,

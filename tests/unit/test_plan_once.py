@@ -17,7 +17,9 @@ import torch
 from runner.components import models
 from runner.errors import ConfigError
 from runner.run import app, build
+from runner.run.distributed import Comm
 from runner.run.plan import make_plan
+from runner.run.recorded import Launch
 from tests.helpers.runs import compose_config
 
 COMMON = [
@@ -191,7 +193,8 @@ def test_data_counted_for_tuning_is_the_data_the_run_trains_on(monkeypatch, tmp_
     """trainer.tune=auto counts a run's steps where only the dataset knows them (token files, a
     corpus, CIFAR, an ImageFolder tree): it loaded the datasets, and the build loaded them
     again (a corpus said "Loading N tokens" twice; a large ImageFolder tree was walked twice).
-    The build takes the counted datasets; a second build of the same plan loads its own."""
+    The run loads them once, before tuning, and its build takes them; a build of the plan
+    alone loads its own."""
 
     from runner.components import data
     from runner.run import tune
@@ -205,13 +208,14 @@ def test_data_counted_for_tuning_is_the_data_the_run_trains_on(monkeypatch, tmp_
 
     monkeypatch.setattr(data, "build_datasets", build_datasets)
     monkeypatch.setattr(build, "build_datasets", build_datasets)
-    plan = make_plan(compose_config(*token_files(tmp_path), "trainer.tune=auto"))
-    steps = tune.estimated_steps(plan, load=True)
-    assert len(loads) == 1
-    assert steps == -(-len(loads[0].train) // 8) * plan.cfg.trainer.max_epochs > 0
-    parts = build.build(plan)
+    given = make_plan(compose_config(*token_files(tmp_path), "trainer.tune=auto"))
+    assert tune.estimated_steps(given) is None and tune.counts_on_data(given, Comm())
+    plan, tuning, parts = app.prepare(given, Comm(), torch.device("cpu"), Launch())
     try:
         assert len(loads) == 1 and parts.bundle is loads[0]
+        steps = tune.estimated_steps(plan, loads[0])
+        assert steps == -(-len(loads[0].train) // 8) * plan.cfg.trainer.max_epochs > 0
+        assert tuning is None  # (too few steps to repay tuning: counted, then not tuned)
     finally:
         parts.close()
     again = build.build(plan)
