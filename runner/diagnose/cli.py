@@ -9,7 +9,7 @@ import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import runner
 from runner import files, shell
@@ -155,14 +155,12 @@ def run(
     asked level is written there too (runner.run.autoplan)."""
     import contextlib
 
-    from runner.measure.memory import MemoryInstrument
     from runner.run import out_of_memory, recorded
     from runner.run.build import build
     from runner.run.context import RunContext
     from runner.run.plan import make_plan
     from runner.run.trainer import Trainer, trainer_config
     from runner.tracking import tags as tag
-    from runner.tracking.record import typed_command
     from runner.tracking.trackers import open_tracker
 
     plan = make_plan(cfg)  # the run as asked for must be valid
@@ -177,19 +175,7 @@ def run(
 
     with contextlib.closing(guarded(lambda: build(measured))) as parts:  # workers end with it
         target = str(cfg.precision.preset)
-        params = recorded.config_params(measured)
-        params["diagnose.steps"] = str(steps)
-        tags = recorded.environment_tags(device)
-        tags.update(
-            {
-                tag.DIAGNOSE: "true",
-                tag.DIAGNOSE_TARGET: target,
-                tag.OVERRIDES: shell.join(overrides),
-                tag.COMMAND: typed_command(),
-            }
-        )
-        tags.update(tag.user_tags(cfg.mlflow.tags))
-        name = cfg.mlflow.run_name or f"{options.label(cfg.model)}-diagnose"
+        name, params, tags = _record(measured, overrides, steps)
         try:
             out.mkdir(parents=True, exist_ok=True)
         except OSError as error:  # (what check_outputs could not foresee: /proc, a race)
@@ -225,17 +211,7 @@ def run(
                         max_overflow,
                     )
                 )
-            underflow = result.underflow_at_scale
-            summary = {
-                "diagnose_fp16_loss_scale": result.loss_scale or math.nan,
-                "diagnose_fp16_grad_underflow_frac_at_scale": math.nan
-                if underflow is None
-                else underflow,
-            }
-            memory = trainer.instruments.find(MemoryInstrument).parts
-            if memory is not None:
-                summary.update(memory.metrics())
-            tracked.log_metrics(summary, steps)
+            tracked.log_metrics(_summary(result, trainer), steps)
             tracked.set_tag(tag.DIAGNOSE_RECOMMENDED, result.preset)
             tracked.set_tag(tag.DIAGNOSE_KEEP_FP32, ", ".join(result.keep_fp32) or "none")
             for path in paths:
@@ -245,6 +221,45 @@ def run(
             f"{name!r} ({tracked.run_id}).\n{tracker.hint()}"
         )
     return result
+
+
+def _record(measured: Any, overrides: Sequence[str], steps: int) -> tuple[str, dict, dict]:
+    """(name, params, tags) of the pre-flight's MLflow run of the fp32 plan `measured`: the run's
+    params with its steps, its environment, the `diagnose` tags, the user's own tags."""
+    from runner.run import recorded
+    from runner.tracking import tags as tag
+    from runner.tracking.record import typed_command
+
+    cfg = measured.cfg
+    params = recorded.config_params(measured)
+    params["diagnose.steps"] = str(steps)
+    tags = recorded.environment_tags(measured.device)
+    tags.update(
+        {
+            tag.DIAGNOSE: "true",
+            tag.DIAGNOSE_TARGET: str(cfg.precision.preset),
+            tag.OVERRIDES: shell.join(overrides),
+            tag.COMMAND: typed_command(),
+        }
+    )
+    tags.update(tag.user_tags(cfg.mlflow.tags))
+    return cfg.mlflow.run_name or f"{options.label(cfg.model)}-diagnose", params, tags
+
+
+def _summary(result: Preflight, trainer: Any) -> dict[str, float]:
+    """The pre-flight's metrics: the fp16 loss scale it recommends, the gradients' underflow at
+    it, and the model's memory by kind."""
+    from runner.measure.memory import MemoryInstrument
+
+    underflow = result.underflow_at_scale
+    summary = {
+        "diagnose_fp16_loss_scale": result.loss_scale or math.nan,
+        "diagnose_fp16_grad_underflow_frac_at_scale": math.nan if underflow is None else underflow,
+    }
+    memory = trainer.instruments.find(MemoryInstrument).parts
+    if memory is not None:
+        summary.update(memory.metrics())
+    return summary
 
 
 def check_outputs(out: Path, plan_path: Optional[Path]) -> None:

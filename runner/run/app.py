@@ -48,6 +48,7 @@ from runner.run.recorded import (
     sizes,
 )
 from runner.run.trainer import Trainer
+from runner.run.tune_decision import Tuning
 from runner.tracking import job_log
 from runner.tracking import tags as tag
 
@@ -135,7 +136,7 @@ def open_tracker(plan: RunPlan, launch: Launch) -> Any:
 
 def prepare(
     given: RunPlan, comm: Comm, device: torch.device, launch: Launch
-) -> tuple[RunPlan, Optional[tune.Tuning], Optional[Parts]]:
+) -> tuple[RunPlan, Optional[Tuning], Optional[Parts]]:
     """The run's plan, made once with what is measured before it (runner.run.measured), and its
     parts built from it (None: a resumed run that had nothing left to train, found once the
     measured settings named it)."""
@@ -173,7 +174,7 @@ def fit(
     launch: Launch,
     tracker: Any,
     parts: Parts,
-    tuning: Optional[tune.Tuning] = None,
+    tuning: Optional[Tuning] = None,
 ) -> float:
     """Record, track (rank 0) and train the run of `plan` on its built `parts`: its MLflow run
     exists from here on and ends FINISHED, FAILED or KILLED. `tuning`: what trainer.tune
@@ -250,7 +251,7 @@ def record(
     launch: Launch,
     parts: Parts,
     resolution: Resolution,
-    tuning: Optional[tune.Tuning],
+    tuning: Optional[Tuning],
 ) -> tuple[dict[str, str], dict[str, str]]:
     """The MLflow run's params and tags (runner.run.recorded.run_record), with trainer.tune's
     decision for a new run."""
@@ -311,7 +312,7 @@ def started(
     parts: Parts,
     resolution: Resolution,
     launch: Launch,
-    tuning: Optional[tune.Tuning],
+    tuning: Optional[Tuning],
 ) -> None:
     """Rank 0, once the MLflow run exists: where it is, the system metrics' sampling, and for a
     new run what it records at the start (runner.run.recorded.record_start)."""

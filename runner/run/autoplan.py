@@ -144,87 +144,13 @@ def decide(
         if fmt16 is not None
         else (None, "no 16-bit format at this level: every layer in fp32")
     )
-    fp8_ok = p.fp8_linear is not None and fp8_refusal(p) is None
-    recipe = p.fp8_linear or "tensorwise"
+    judge = _Judge(p, fmt16, half, scale, thresholds)
     decisions: list[Decision] = []
     for layer in layers:
-        level = level_expect(p, layer.module)[0].compute
-        module = type(layer.module).__name__
-        if not layer.observed:
-            # its parent computes with its weights (an attention's out_proj): its parent's
-            # format, which is what it runs in (a plan that split the two is refused)
-            around = next(
-                (d for d in reversed(decisions) if layer.name.startswith(d.name + ".")), None
-            )
-            decisions.append(
-                Decision(
-                    layer.name,
-                    module,
-                    around.format if around is not None else level,
-                    level,
-                    "not seen in the pre-flight (its forward did not run: its parent uses its "
-                    "weights); "
-                    + (f"{around.name}'s, the layer around it" if around else "the level's"),
-                )
-            )
-            continue
-        if fmt16 is None:
-            decisions.append(
-                Decision(layer.name, module, "float32", level, f"{p.opt_level} computes in fp32")
-            )
-            continue
-        fp8_why = None
-        if fp8_ok:
-            fp8_why = (
-                fp8_ineligible(layer.module)
-                or fp8_shape_refusal(layer.module, recipe)
-                or fp8_holds(layer, thresholds)
-            )
-            if fp8_why is None:
-                decisions.append(
-                    Decision(
-                        layer.name,
-                        module,
-                        FP8,
-                        level,
-                        "fp8 holds its inputs, weights and output gradients "
-                        "with per-tensor scaling, and its shape passes "
-                        f"torchao's {recipe} rule",
-                    )
-                )
-                continue
-        half_why = holds_16(layer, fmt16, scale, thresholds)
-        name16 = dtype_name(half)
-        if half_why is None:
-            grads = layer.grads
-            held = (
-                f"{name16} holds its inputs, outputs and gradients (gradient underflow "
-                f"{pct(underflow_share(grads, fmt16, scale))} at loss scale "
-                f"{scale_text(scale)}, no overflow)"
-            )
-            decisions.append(
-                Decision(
-                    layer.name,
-                    module,
-                    name16,
-                    level,
-                    held + (f"; not fp8: {fp8_why}" if fp8_why else ""),
-                )
-            )
-        else:
-            decisions.append(
-                Decision(
-                    layer.name,
-                    module,
-                    "float32",
-                    level,
-                    half_why + (f"; not fp8: {fp8_why}" if fp8_why else ""),
-                )
-            )
-    rules = _entries(decisions)
+        decisions.append(judge.decision(layer, decisions))
     return AutoPlan(
         decisions,
-        rules,
+        _entries(decisions),
         preset,
         dtype_name(half) if half else "float32",
         scale,
@@ -232,6 +158,70 @@ def decide(
         thresholds,
         steps,
     )
+
+
+@dataclass
+class _Judge:
+    """What decides a layer's format: the level (`p`), its 16-bit format (`fmt16`, `half`: None
+    at a level without one), the loss scale the gradients are judged at, the thresholds."""
+
+    p: Properties
+    fmt16: Any
+    half: Optional[torch.dtype]
+    scale: Optional[float]
+    thresholds: Thresholds
+
+    def decision(self, layer: Any, before: Sequence[Decision]) -> Decision:
+        """`layer`'s format and why: the parent's where the pre-flight did not see it (the
+        decisions `before` it hold its parent's), fp32 at a level computing in fp32, else fp8
+        where it holds, else the level's 16-bit format where it holds, else fp32."""
+        p = self.p
+        level = level_expect(p, layer.module)[0].compute
+        module = type(layer.module).__name__
+        if not layer.observed:
+            # its parent computes with its weights (an attention's out_proj): its parent's
+            # format, which is what it runs in (a plan that split the two is refused)
+            around = next(
+                (d for d in reversed(before) if layer.name.startswith(d.name + ".")), None
+            )
+            why = "not seen in the pre-flight (its forward did not run: its parent uses its "
+            why += "weights); " + (
+                f"{around.name}'s, the layer around it" if around else "the level's"
+            )
+            return Decision(layer.name, module, around.format if around else level, level, why)
+        if self.fmt16 is None:
+            return Decision(layer.name, module, "float32", level, f"{p.opt_level} computes in fp32")
+        fp8_why = self._fp8_refusal(layer)
+        if fp8_why is None:
+            recipe = p.fp8_linear or "tensorwise"
+            why = "fp8 holds its inputs, weights and output gradients with per-tensor scaling, "
+            why += f"and its shape passes torchao's {recipe} rule"
+            return Decision(layer.name, module, FP8, level, why)
+        not_fp8 = f"; not fp8: {fp8_why}" if fp8_why != _NO_FP8 else ""
+        half_why = holds_16(layer, self.fmt16, self.scale, self.thresholds)
+        if half_why is not None:
+            return Decision(layer.name, module, "float32", level, half_why + not_fp8)
+        held = (
+            f"{dtype_name(self.half)} holds its inputs, outputs and gradients (gradient underflow "
+            f"{pct(underflow_share(layer.grads, self.fmt16, self.scale))} at loss scale "
+            f"{scale_text(self.scale)}, no overflow)"
+        )
+        return Decision(layer.name, module, dtype_name(self.half), level, held + not_fp8)
+
+    def _fp8_refusal(self, layer: Any) -> Optional[str]:
+        """Why `layer` does not run in fp8 (None: it does); `_NO_FP8` where the level has no
+        fp8 (nothing to say about it)."""
+        p = self.p
+        if p.fp8_linear is None or fp8_refusal(p) is not None:
+            return _NO_FP8
+        return (
+            fp8_ineligible(layer.module)
+            or fp8_shape_refusal(layer.module, p.fp8_linear or "tensorwise")
+            or fp8_holds(layer, self.thresholds)
+        )
+
+
+_NO_FP8 = ""  # (a level without fp8: no layer's reason names it)
 
 
 def _entries(decisions: Sequence[Decision]) -> list[LayerRule]:

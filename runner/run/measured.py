@@ -22,7 +22,7 @@ from runner.run import autoplan, tune
 from runner.run.distributed import Comm
 from runner.run.plan import Measured, RunPlan, make_plan
 from runner.run.recorded import Launch
-from runner.run.tune import Tuning
+from runner.run.tune_decision import Tuning
 
 
 def measured_plan(

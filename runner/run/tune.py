@@ -20,7 +20,6 @@ checkpoint's settings. Rank 0 decides, the other ranks take its decision.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
@@ -31,12 +30,13 @@ from typing import Any, Optional
 import torch
 from omegaconf import OmegaConf
 
-from runner.config import TUNABLE, tunable_defaults
+from runner.config import TUNABLE
 from runner.config.options import LANGUAGE_MODEL
 from runner.config.values import override_text
 from runner.run import out_of_memory, rng, tune_cache, tune_data, tune_given
 from runner.run.distributed import Comm
 from runner.run.plan import RunPlan
+from runner.run.tune_decision import DEFAULTS, Tuning, named
 from runner.run.tune_measure import (
     BUDGET_NOTE,
     COMPILE_GUESS_S,
@@ -50,7 +50,6 @@ from runner.run.tune_measure import (
     skipped_note,
     tolerance,
 )
-from runner.tracking import metrics as m
 
 log = logging.getLogger(__name__)
 
@@ -59,76 +58,6 @@ BUDGET_SHARE, BUDGET_CAP_S = 0.05, 120.0  # tune_budget_s=null: this share of th
 COMPILE_GAIN = 0.15  # compile is tried where this share of the run's time repays the guess
 REPAID = "steps repay"  # (the end of a row's note: the run would not repay its compile)
 OUT_OF_MEMORY = "refused: out of memory"  # (a candidate's note: the untuned settings fit)
-DEFAULTS = tunable_defaults()
-
-
-@dataclasses.dataclass
-class Tuning:
-    """What tuning decided and why: the settings (config keys) it set, the reasons per key, the
-    candidates' rows, how the decision was reached (measured, cache, checkpoint) and the seconds
-    it took."""
-
-    settings: dict[str, Any]
-    reasons: dict[str, str]
-    rows: list[Row] = dataclasses.field(default_factory=list)
-    source: str = "measured"
-    seconds: float = 0.0
-    chosen: int = 0  # the row chosen
-    loader: list[Row] = dataclasses.field(default_factory=list)  # the worker counts' rows
-
-    def params(self) -> dict[str, str]:
-        """`tune.<key>`: each tunable setting's value and why it has it; `tune.source`."""
-        out = {
-            f"tune.{key}": f"{override_text(self.settings[key])} ({why})"
-            if key in self.settings
-            else why
-            for key, why in self.reasons.items()
-        }
-        out["tune.source"] = self.source
-        return out
-
-    def picked(self) -> str:
-        """What tuning changed from the defaults, by the keys' last names (`channels_last=true,
-        compile=true`); "the defaults" when it changed nothing."""
-        changed = [
-            f"{key.split('.')[-1]}={override_text(value)}"
-            for key, value in self.settings.items()
-            if value != DEFAULTS[key]
-        ]
-        return ", ".join(changed) or "the defaults"
-
-    def table(self) -> str:
-        """tune.md: the candidates (settings, steady ms/step, compile s, loss delta, chosen),
-        then every decision."""
-        lines = [f"# trainer.tune ({self.source}, {self.seconds:.1f} s)", ""]
-        if self.rows:
-            base = self.rows[0].loss
-            lines += [
-                "| candidate | steady ms/step | compile s | loss delta | chosen |",
-                "|---|---|---|---|---|",
-            ]
-            for index, row in enumerate(self.rows):
-                name = _named(row.settings)
-                ms = f"{row.steady_ms:.1f}" if row.steady_ms is not None else "-"
-                delta = (
-                    f"{row.loss - base:+.2e}" if row.loss is not None and base is not None else "-"
-                )
-                chosen = "yes" if index == self.chosen else row.note
-                lines.append(f"| {name} | {ms} | {row.compile_s:.1f} | {delta} | {chosen} |")
-            lines.append("")
-        lines += tune_data.table(self.loader, self.settings)
-        lines += [
-            f"- {key}"
-            + (f"={override_text(self.settings[key])}" if key in self.settings else "")
-            + f": {why}"
-            for key, why in self.reasons.items()
-        ]
-        return "\n".join(lines) + "\n"
-
-    def log_to(self, tracked) -> None:
-        """The decisions' artifact and the time tuning took (metric tune_time_s)."""
-        tracked.log_text(self.table(), "tune.md")
-        tracked.log_metrics({m.TUNE_TIME_S: self.seconds}, 0)
 
 
 # ---- what may be tuned -----------------------------------------------------------------------
@@ -316,7 +245,7 @@ def _untried(
             log.info(
                 "trainer.tune: measuring again: the cached decision, made for a shorter run, "
                 "did not try %s",
-                _named(settings),
+                named(settings),
             )
             return True
     return False
@@ -405,7 +334,7 @@ def _measure_all(
                 refuse_if_loss_differs(row, base.loss, tol)
         # skipped, refused (out of memory, another first-step loss): why; else its step
         said = f" {row.note}" if row.note else f": {_timed(row)}"
-        log.info("trainer.tune: %s%s", _named(trial), said)
+        log.info("trainer.tune: %s%s", named(trial), said)
         rows.append(row)
     return rows, budget
 
@@ -437,10 +366,6 @@ def _budget_s(plan: RunPlan, steps: Optional[int], base: Row) -> float:
     if plan.cfg.trainer.tune == "auto" and steps and base.steady_ms is not None:
         return min(BUDGET_CAP_S, BUDGET_SHARE * steps * base.steady_ms / 1e3)
     return BUDGET_CAP_S
-
-
-def _named(settings: Mapping[str, Any]) -> str:
-    return ", ".join(f"{k}={override_text(v)}" for k, v in settings.items()) or "defaults"
 
 
 def _alternatives(

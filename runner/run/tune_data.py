@@ -202,7 +202,7 @@ def decide(
     step_ms: Optional[float],
     steps: Optional[int],
 ) -> None:
-    """Set the data keys' values and reasons on `tuning` (runner.run.tune.Tuning) from the
+    """Set the data keys' values and reasons on `tuning` (runner.run.tune_decision.Tuning) from the
     loader's `rows`, against the chosen model settings' steady `step_ms`."""
     tuning.loader = list(rows)
     counted = [r for r in rows if PIN not in r.settings]

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 
 from runner.config import TUNABLE
 from runner.precision.checks import DeviceInfo
-from runner.run import recorded, tune, tune_cache, tune_data, tune_measure
+from runner.run import recorded, tune, tune_cache, tune_data, tune_decision, tune_measure
 from runner.run.distributed import Comm
 from runner.run.measured import measured_plan
 from runner.run.plan import make_plan
@@ -96,7 +96,7 @@ def test_measuring_says_what_it_times_as_it_goes(tmp_path, cache, caplog):
     assert candidates
     for row in candidates:  # (one skipped or refused says why, as before)
         told = f" {row.note}" if row.note else f": {row.steady_ms:.1f} ms a steady step"
-        assert f"trainer.tune: {tune._named(row.settings)}{told}" in said
+        assert f"trainer.tune: {tune_decision.named(row.settings)}{told}" in said
     assert "trainer.tune: timing the data loader for trainer.num_workers" in said
     _, again = tuned(*images(tmp_path), "trainer.tune=on")  # from the cache: nothing timed
     assert again.source == "cache" and caplog.text.count("trainer.tune: untuned:") == 1

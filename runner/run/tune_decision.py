@@ -1,0 +1,91 @@
+"""What `trainer.tune` decided (`Tuning`): the settings it set and why, the candidates' rows, how
+it was reached; what the run logs of it (its params, tune.md, tune_time_s)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from runner.config import tunable_defaults
+from runner.config.values import override_text
+from runner.run import tune_data
+from runner.run.tune_measure import Row
+from runner.tracking import metrics as m
+
+DEFAULTS = tunable_defaults()
+
+
+def named(settings: Mapping[str, Any]) -> str:
+    """Settings (config keys) as a line says them (`trainer.channels_last=true`); "defaults"
+    for none."""
+    return ", ".join(f"{k}={override_text(v)}" for k, v in settings.items()) or "defaults"
+
+
+@dataclasses.dataclass
+class Tuning:
+    """What tuning decided and why: the settings (config keys) it set, the reasons per key, the
+    candidates' rows, how the decision was reached (measured, cache, checkpoint) and the seconds
+    it took."""
+
+    settings: dict[str, Any]
+    reasons: dict[str, str]
+    rows: list[Row] = dataclasses.field(default_factory=list)
+    source: str = "measured"
+    seconds: float = 0.0
+    chosen: int = 0  # the row chosen
+    loader: list[Row] = dataclasses.field(default_factory=list)  # the worker counts' rows
+
+    def params(self) -> dict[str, str]:
+        """`tune.<key>`: each tunable setting's value and why it has it; `tune.source`."""
+        out = {
+            f"tune.{key}": f"{override_text(self.settings[key])} ({why})"
+            if key in self.settings
+            else why
+            for key, why in self.reasons.items()
+        }
+        out["tune.source"] = self.source
+        return out
+
+    def picked(self) -> str:
+        """What tuning changed from the defaults, by the keys' last names (`channels_last=true,
+        compile=true`); "the defaults" when it changed nothing."""
+        changed = [
+            f"{key.split('.')[-1]}={override_text(value)}"
+            for key, value in self.settings.items()
+            if value != DEFAULTS[key]
+        ]
+        return ", ".join(changed) or "the defaults"
+
+    def table(self) -> str:
+        """tune.md: the candidates (settings, steady ms/step, compile s, loss delta, chosen),
+        then every decision."""
+        lines = [f"# trainer.tune ({self.source}, {self.seconds:.1f} s)", ""]
+        if self.rows:
+            base = self.rows[0].loss
+            lines += [
+                "| candidate | steady ms/step | compile s | loss delta | chosen |",
+                "|---|---|---|---|---|",
+            ]
+            for index, row in enumerate(self.rows):
+                name = named(row.settings)
+                ms = f"{row.steady_ms:.1f}" if row.steady_ms is not None else "-"
+                delta = (
+                    f"{row.loss - base:+.2e}" if row.loss is not None and base is not None else "-"
+                )
+                chosen = "yes" if index == self.chosen else row.note
+                lines.append(f"| {name} | {ms} | {row.compile_s:.1f} | {delta} | {chosen} |")
+            lines.append("")
+        lines += tune_data.table(self.loader, self.settings)
+        lines += [
+            f"- {key}"
+            + (f"={override_text(self.settings[key])}" if key in self.settings else "")
+            + f": {why}"
+            for key, why in self.reasons.items()
+        ]
+        return "\n".join(lines) + "\n"
+
+    def log_to(self, tracked) -> None:
+        """The decisions' artifact and the time tuning took (metric tune_time_s)."""
+        tracked.log_text(self.table(), "tune.md")
+        tracked.log_metrics({m.TUNE_TIME_S: self.seconds}, 0)
