@@ -233,7 +233,7 @@ SPECS: tuple[Spec, ...] = (
     Spec(
         "data",
         "synthetic",
-        "runner.components.data:build_synthetic",
+        "runner.components.images.synthetic:build_synthetic",
         "synthetic",
         SyntheticConfig,
         _DATA_RULES
@@ -248,27 +248,27 @@ SPECS: tuple[Spec, ...] = (
     Spec(
         "data",
         "cifar10",
-        "runner.components.data:build_cifar",
+        "runner.components.images.cifar:build_cifar",
         "cifar",
         CifarConfig,
         _DATA_RULES + _CIFAR_RULES,
         classes=lambda node: 10,
-        check="runner.components.data:check_cifar",
+        check="runner.components.images.cifar:check_cifar",
     ),
     Spec(
         "data",
         "cifar100",
-        "runner.components.data:build_cifar",
+        "runner.components.images.cifar:build_cifar",
         "cifar",
         CifarConfig,
         _DATA_RULES + _CIFAR_RULES,
         classes=lambda node: 100,
-        check="runner.components.data:check_cifar",
+        check="runner.components.images.cifar:check_cifar",
     ),
     Spec(
         "data",
         "imagefolder",
-        "runner.components.data:build_imagefolder",
+        "runner.components.images.folders:build_imagefolder",
         "imagefolder",
         ImageFolderConfig,
         _DATA_RULES
@@ -277,7 +277,7 @@ SPECS: tuple[Spec, ...] = (
             ("num_classes", optional(integer_at_least(2)), "null or an integer >= 2"),
         ),
         classes=_imagefolder_classes,
-        check="runner.components.data:check_imagefolder",
+        check="runner.components.images.folders:check_imagefolder",
     ),
     Spec(
         "data",

@@ -16,15 +16,13 @@ import torch
 from omegaconf import OmegaConf
 from PIL import Image
 
-from runner.components.data import (
+from runner.components.data import DataBundle, build_datasets, build_target
+from runner.components.images.cifar import (
     CIFAR10_MEAN,
     CIFAR10_STD,
     CIFAR100_MEAN,
     CIFAR100_STD,
     CheckedCIFAR10,
-    DataBundle,
-    build_datasets,
-    build_target,
 )
 from runner.components.loaders import build_loaders, shutdown_workers
 from runner.components.models import build_model
