@@ -223,10 +223,10 @@ SPECS: tuple[Spec, ...] = (
     Spec(
         "model",
         "hf",
-        "runner.components.lm_models:build_hf",
+        "runner.components.hf_models:build_hf",
         rules=_ZOO_RULES,
         by_name=False,
-        check="runner.components.lm_models:check_hf",
+        check="runner.components.hf_models:check_hf",
         task=LANGUAGE_MODEL,
     ),
     # data

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from torch import nn
 from torch.nn import functional as F
 
-from runner.components import lm_models
+from runner.components import hf_models, lm_models
 from runner.components.lm_models import GPT, build_gpt
 from runner.errors import ConfigError
 
@@ -216,7 +216,7 @@ LLAMA = dict(
 def test_hf_without_transformers_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # import fails
     with pytest.raises(ConfigError, match="needs transformers") as err:
-        lm_models.check_hf(_hf("llama"))
+        hf_models.check_hf(_hf("llama"))
     assert err.value.key == "model" and "amp-runner[hf]" in err.value.allowed
 
 
@@ -231,7 +231,7 @@ def _hf(arch, **keys):
 
 def test_hf_llama_builds_offline_with_the_datas_vocabulary(transformers):
     torch.manual_seed(0)
-    model = lm_models.build_hf(_hf("llama", **LLAMA), num_classes=96, small_input=False)
+    model = hf_models.build_hf(_hf("llama", **LLAMA), num_classes=96, small_input=False)
     assert os.environ["HF_HUB_OFFLINE"] and os.environ["TRANSFORMERS_OFFLINE"]
     assert isinstance(model, lm_models.HFCausalLM)
     assert isinstance(model.model, transformers.LlamaForCausalLM)
@@ -246,11 +246,11 @@ def test_hf_llama_builds_offline_with_the_datas_vocabulary(transformers):
 
 def test_hf_gpt2_builds_with_its_own_key_names(transformers):
     node = _hf("gpt2", n_embd=64, n_layer=2, n_head=4, n_positions=128)
-    lm_models.check_hf(node)
-    model = lm_models.build_hf(node, num_classes=40, small_input=False)
+    hf_models.check_hf(node)
+    model = hf_models.build_hf(node, num_classes=40, small_input=False)
     assert isinstance(model.model, transformers.GPT2LMHeadModel)
     assert model(_tokens(3, 10, vocab=40)).shape == (3, 10, 40)
-    declared = lm_models.build_hf(
+    declared = hf_models.build_hf(
         _hf("gpt2", n_embd=32, n_layer=1, n_head=2, vocab_size=64), 40, False
     )
     assert declared(_tokens(1, 5, vocab=40)).shape == (1, 5, 64)
@@ -258,7 +258,7 @@ def test_hf_gpt2_builds_with_its_own_key_names(transformers):
 
 def test_hf_refuses_a_vocabulary_smaller_than_the_datas(transformers):
     with pytest.raises(ConfigError) as err:
-        lm_models.build_hf(_hf("gpt2", n_embd=32, n_layer=1, n_head=2, vocab_size=10), 40, False)
+        hf_models.build_hf(_hf("gpt2", n_embd=32, n_layer=1, n_head=2, vocab_size=10), 40, False)
     assert err.value.key == "model.vocab_size"
 
 
@@ -266,13 +266,13 @@ def test_check_hf_suggests_the_model_type(transformers):
     with pytest.raises(
         ConfigError, match="unknown Hugging Face model type 'lama'; closest: llama"
     ) as err:
-        lm_models.check_hf(_hf("lama", **LLAMA))
+        hf_models.check_hf(_hf("lama", **LLAMA))
     assert err.value.key == "model.arch"
 
 
 def test_check_hf_refuses_a_type_without_a_causal_lm(transformers):
     with pytest.raises(ConfigError, match="'vit'.*no causal language model") as err:
-        lm_models.check_hf(_hf("vit"))
+        hf_models.check_hf(_hf("vit"))
     assert err.value.key == "model.arch"
 
 
@@ -280,7 +280,7 @@ def test_check_hf_refuses_an_unknown_setting(transformers):
     with pytest.raises(
         ConfigError, match="has no setting 'hiden_size'; closest: hidden_size"
     ) as err:
-        lm_models.check_hf(_hf("llama", hiden_size=64))
+        hf_models.check_hf(_hf("llama", hiden_size=64))
     assert err.value.key == "model.hiden_size"
 
 
@@ -295,13 +295,13 @@ def test_check_hf_refuses_an_unknown_setting(transformers):
 )
 def test_check_hf_refuses_downloads(transformers, key, value):
     with pytest.raises(ConfigError, match="nothing may be downloaded") as err:
-        lm_models.check_hf(_hf("llama", **{key: value}))
+        hf_models.check_hf(_hf("llama", **{key: value}))
     assert err.value.key == f"model.{key}"
 
 
 def test_check_hf_reports_values_the_config_rejects(transformers):
     with pytest.raises(ConfigError, match="not a multiple"):
-        lm_models.check_hf(_hf("llama", hidden_size=63, num_attention_heads=4))
+        hf_models.check_hf(_hf("llama", hidden_size=63, num_attention_heads=4))
 
 
 # ---- causality -----------------------------------------------------------------------------------
@@ -338,14 +338,14 @@ BERT = dict(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermed
 def test_an_encoders_causal_lm_head_is_built_as_a_decoder(transformers, caplog):
     """transformers' BertLMHeadModel attends both ways unless its config says is_decoder: a
     run on next-token prediction would see the tokens it predicts."""
-    with caplog.at_level("INFO", logger="runner.components.lm_models"):
-        model = lm_models.build_hf(_hf("bert", **BERT), num_classes=64, small_input=False)
+    with caplog.at_level("INFO", logger="runner.components.hf_models"):
+        model = hf_models.build_hf(_hf("bert", **BERT), num_classes=64, small_input=False)
     assert model.model.config.is_decoder and not lm_models.sees_ahead(model, 64, 32)
     assert "model.arch=bert is an encoder with a causal LM head: built with is_decoder=true" in (
         caplog.text
     )
     with pytest.raises(ConfigError) as bad:  # said so: refused in planning
-        lm_models.check_hf(_hf("bert", is_decoder=False, **BERT))
+        hf_models.check_hf(_hf("bert", is_decoder=False, **BERT))
     assert bad.value.key == "model.is_decoder" and "sees the tokens it predicts" in str(bad.value)
-    gpt2 = lm_models.build_hf(_hf("gpt2", n_embd=32, n_layer=1, n_head=2), 64, False)
+    gpt2 = hf_models.build_hf(_hf("gpt2", n_embd=32, n_layer=1, n_head=2), 64, False)
     assert not getattr(gpt2.model.config, "is_decoder", False)  # a decoder's type: as it is
