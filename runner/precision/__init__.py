@@ -3,7 +3,8 @@ the properties, then run them around a plain training step with `AmpEngine`.
 
 What it holds, by job:
 - the properties: `recipe` (`Properties`), `properties` (a level and overrides resolved into
-  them), `findings`, `level_rules` and `checks` (the rules), `resolver` (`resolve`: both sets);
+  them), `findings`, `level_rules`, `checks` and `optimizer_rules` (the rules), `resolver`
+  (`resolve`: every set);
 - the engine: `engine` (its set-up), `engine_step` (a step's calls), `engine_rounds` (each
   optimizer's stage), `paths` and `fused` (torch's ops or the kernels), `rates` (learning
   rates the kernels read on the device), `device_skip` (an optimizer's own step undone on the

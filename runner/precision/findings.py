@@ -2,7 +2,8 @@
 properties, the `Context` a rule may look at, and `RuleSet`, the ordered list of rules.
 
 The rules themselves live in `runner.precision.level_rules` (the combination of properties) and
-`runner.precision.checks` (the machine, the optimizer, the model).
+`runner.precision.checks` (the machine, the model) and `runner.precision.optimizer_rules` (the
+optimizer and its state).
 """
 
 from __future__ import annotations

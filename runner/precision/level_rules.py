@@ -1,8 +1,8 @@
 """`LEVEL_RULES`: the rules about the combination of properties (Apex's refusals as warnings,
 the meaningless or harmful mixes as errors), and `level_preset`, the preset a hint names.
 
-`runner.precision.resolver.resolve` runs these, then the hardware and optimizer rules of
-`runner.precision.checks`.
+`runner.precision.resolver.resolve` runs these, then the hardware rules of
+`runner.precision.checks` and the optimizer rules of `runner.precision.optimizer_rules`.
 """
 
 from __future__ import annotations

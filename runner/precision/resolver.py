@@ -1,8 +1,9 @@
 """`resolve`: a level and overrides in, the properties to run with and every finding about them out.
 
 The rules run in a fixed order: those about the combination of properties
-(`properties.LEVEL_RULES`), then those about the machine and the optimizer
-(`checks.DEVICE_RULES`). This module sits above both, so neither imports the other's rules.
+(`properties.LEVEL_RULES`), then those about the machine (`checks.DEVICE_RULES`), then those
+about the optimizer (`optimizer_rules.OPTIMIZER_RULES`). This module sits above them, so none
+imports another's rules.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any, Optional
 
 from runner.precision.checks import DEVICE_RULES, DeviceInfo
+from runner.precision.optimizer_rules import OPTIMIZER_RULES
 from runner.precision.properties import (
     LEVEL_RULES,
     Context,
@@ -19,7 +21,7 @@ from runner.precision.properties import (
     strict_finding,
 )
 
-RULES = (*LEVEL_RULES, *DEVICE_RULES)
+RULES = (*LEVEL_RULES, *DEVICE_RULES, *OPTIMIZER_RULES)
 
 
 def resolve(
