@@ -24,7 +24,7 @@ from runner.config import mistakes
 from runner.config.finder import config_dir
 from runner.errors import PeersLost, RunnerError, said
 from runner.run import interrupts
-from runner.sweep import callback, gpus, jobs, parent
+from runner.sweep import callback, expansion, gpus, jobs, parent
 from runner.tracking import job_log, record
 
 log = logging.getLogger("runner")
@@ -53,7 +53,7 @@ def main(cfg: DictConfig) -> float | None:
     from runner.run.app import run
     from runner.tracking.record import typed_command
 
-    unswept = jobs.unswept(hydra_cfg, cfg, typed_command([sys.argv[0], "-m", *sys.argv[1:]]))
+    unswept = expansion.unswept(hydra_cfg, cfg, typed_command([sys.argv[0], "-m", *sys.argv[1:]]))
     if unswept and os.environ.get("RANK", "0") == "0":  # (under torchrun: said once)
         log.warning("%s", unswept)
     try:

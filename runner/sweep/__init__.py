@@ -5,7 +5,7 @@ conf/config.yaml) in the launching process when a sweep starts and ends, and in 
 process around each job; the joblib launcher pickles the callback, parent run id included, into
 its worker processes.
 
-- Sweep start: every job's config is checked (basic sweeper: `jobs.preflight`), then the store,
+- Sweep start: every job's config is checked (basic sweeper: `preflight.preflight`), then the store,
   the experiment and the parent run are created, all before the first job, so a bad value stops
   the sweep at once and parallel jobs never race to create the SQLite schema.
 - Each job: a child run (tagged `mlflow.parentRunId`, which the MLflow UI nests by). The job finds
@@ -17,7 +17,7 @@ its worker processes.
   failed trial (a NaN objective crashes Optuna's study) (`jobs.run_job`).
 - `resume=auto` on a sweep continues the sweep run before in the same folder (refused when its
   overrides differ): the same parent run, each job's earlier child kept (FINISHED), resumed from
-  its checkpoint (KILLED, FAILED) or replaced (no checkpoint).
+  its checkpoint (KILLED, FAILED) or replaced (no checkpoint) (`resume`).
 - Sweep end: the parent ends FINISHED with the number of failed children; the process exits 1 if
   any job failed. Ctrl-C or a crash of the sweep machinery ends the parent KILLED or FAILED
   (`callback.LaunchScope`, held by the CLI). With jobs in processes of their own (joblib,

@@ -23,22 +23,18 @@ from runner import shell
 from runner.errors import ConfigError, RunnerError, said
 from runner.files import HeldLock, try_lock
 from runner.sweep import stop
+from runner.sweep.expansion import BASIC_SWEEPER, sweep_overrides, varying_keys
 from runner.sweep.gpus import claim_gpu, gpu_count
-from runner.sweep.jobs import (
-    BASIC_SWEEPER,
-    _resuming,
+from runner.sweep.parent import SweepParent
+from runner.sweep.preflight import (
     check_direction,
     check_launcher,
     dry_run_drawn,
-    earlier_sweep,
-    overrides_tag,
     preflight,
     resolved,
-    speed_summary,
-    sweep_overrides,
-    varying_keys,
 )
-from runner.sweep.parent import SweepParent
+from runner.sweep.resume import earlier_sweep, overrides_tag, resuming
+from runner.sweep.speed import speed_summary
 from runner.tracking import job_log
 from runner.tracking import tags as tag
 from runner.tracking.base import end_fluent_runs
@@ -135,7 +131,7 @@ class MlflowSweepCallback(Callback):
         tracker.reap()  # the experiment's RUNNING runs whose process is gone end KILLED
         earlier = None
         try:
-            if _resuming(config):
+            if resuming(config):
                 earlier = earlier_sweep(tracker, sweep_dir, list(config.hydra.overrides.task))
             taken = tracker.folder_taken(sweep_dir, None if earlier is None else earlier.run_id)
             if taken is not None:  # (tracking=none: an earlier sweep's records are there)

@@ -26,7 +26,7 @@ class SweepParent:
     experiment_id: str
     run_id: str
     # the keys whose values differ between the jobs (space-separated), for the jobs' run names
-    # (runner.sweep.jobs.job_label); empty when the sweeper decides the jobs as it goes
+    # (runner.sweep.expansion.job_label); empty when the sweeper decides the jobs as it goes
     varying: str = ""
     # the signal that stopped the sweep (its name), set by the sweep's process when it had one:
     # a job that starts after it does not run (runner.sweep.stop)

@@ -658,7 +658,7 @@ def test_runs_on_two_machines_compare_each_with_the_o0_of_its_machine(
     assert float(rows[("O0", h100)]["speedup_vs_o0"]) == 1.0
     assert "| machine |" in (out / "comparison.md").read_text()
     # the sweep's closing summary groups alike (runner.tracking.varying, both)
-    from runner.sweep.jobs import speed_summary
+    from runner.sweep.speed import speed_summary
 
     reader = open_reader(tracking_uri)
     children = reader.runs([parent.experiment_id], tags={PARENT_RUN_TAG: parent.run_id})
@@ -970,7 +970,7 @@ def test_an_o2_batch_compares_with_the_o0_that_accumulated_it(tracking_uri, tmp_
     table = (out / "comparison.md").read_text()
     assert "| 64 x 4 |" in table and "| 256 |" in table
     assert "accumulate_grad_batches" not in table.splitlines()[0]  # (not a column of its own)
-    from runner.sweep.jobs import speed_summary
+    from runner.sweep.speed import speed_summary
 
     children = open_reader(tracking_uri).runs(
         [parent.experiment_id], tags={PARENT_RUN_TAG: parent.run_id}

@@ -51,7 +51,7 @@ def test_the_sweep_summary_gives_each_job_its_mean_steady_throughput():
     """The summary's figure is the mean over a job's epochs that logged a steady throughput, the
     figure of its "Finished" line and of the report; it gave the last epoch's, so that on a busy
     machine a sweep said 2.12x where the report said 0.97x."""
-    from runner.sweep.jobs import speed_summary
+    from runner.sweep.speed import speed_summary
     from runner.tracking.base import RunRecord
 
     def job(num: int, name: str, status: str = "FINISHED") -> RunRecord:
@@ -77,7 +77,7 @@ def test_the_sweep_summary_compares_each_job_with_the_o0_of_its_model():
     first (tiny-O2), where the report compares each with the O0 run of its model: the two said
     different things of one sweep. It names the O0 job of the job's model now (else the model's
     first job)."""
-    from runner.sweep.jobs import speed_summary
+    from runner.sweep.speed import speed_summary
     from runner.tracking.base import RunRecord
 
     def job(num: int, model: str, level: str, rate: float) -> RunRecord:
@@ -113,7 +113,7 @@ def test_the_sweep_summary_compares_each_job_with_the_o0_the_report_gives_it():
     """`-m optimizer.lr=0.1,0.2 precision=o0,o2 trainer.seed=1,2`: the summary compared every
     O2 with the model's first O0 (lr 0.1, seed 1), where the report compares each with the O0
     of its lr, of its seed where that ran. Both read what varies from runner.tracking.varying."""
-    from runner.sweep.jobs import speed_summary
+    from runner.sweep.speed import speed_summary
     from runner.tracking.base import RunRecord
 
     children, rates = [], {}
@@ -724,7 +724,7 @@ def test_submitits_launchers_keys_are_checked_against_submitit(launcher):
     executor does not take is refused by name, one it takes (beyond Hydra's own keys) is not."""
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="pip install '.[slurm]'")
     from runner.errors import ConfigError
-    from runner.sweep.jobs import check_launcher
+    from runner.sweep.preflight import check_launcher
 
     def passes(cfg) -> None:  # (SLURM's launchers, where SLURM is not here: that refusal only)
         try:

@@ -74,7 +74,7 @@ def test_a_sweeps_overrides_come_back_from_its_tag():
     """A sweep parent's `sweep.overrides` tag gives back the overrides it was written from, one
     with a space in its value included (what `resume=auto` compares); a tag written before its
     words were quoted (joined with spaces) still reads as the same overrides."""
-    from runner.sweep.jobs import _tagged_overrides, overrides_tag
+    from runner.sweep.resume import _tagged_overrides, overrides_tag
 
     overrides = ["precision=o0,o2", "data.root='/data/my set'", "+mlflow.tags.note='a, b'"]
     tag = overrides_tag(overrides)
