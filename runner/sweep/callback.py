@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+from omegaconf import DictConfig, OmegaConf
 
 from runner import shell
 from runner.errors import ConfigError, RunnerError, said
 from runner.files import HeldLock, try_lock
-from runner.sweep import stop
+from runner.sweep import launchers, stop
 from runner.sweep.expansion import BASIC_SWEEPER, sweep_overrides, varying_keys
 from runner.sweep.gpus import claim_gpu, gpu_count
 from runner.sweep.parent import SweepParent
@@ -42,11 +42,6 @@ from runner.tracking.record import typed_command
 
 log = logging.getLogger(__name__)
 
-JOBLIB_LAUNCHER = "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher"
-SUBMITIT_LOCAL_LAUNCHER = "hydra_plugins.hydra_submitit_launcher.submitit_launcher.LocalLauncher"
-# the launchers whose jobs run in processes of their own on this machine, in the sweep's process
-# group: a Ctrl-C reaches them all (runner.sweep.stop)
-LOCAL_PROCESS_LAUNCHERS = (JOBLIB_LAUNCHER, SUBMITIT_LOCAL_LAUNCHER)
 MAX_RUN_NAME = 200
 FOLDER_LOCK = ".amp-runner-sweep.lock"  # in the sweep's folder, held while the sweep runs
 SUMMARY_TXT = "sweep_summary.txt"  # the closing lines, an artifact of the parent run
@@ -119,61 +114,13 @@ class MlflowSweepCallback(Callback):
     def _open_parent(self, config: DictConfig, sweep_dir: Path, jobs: int | None) -> None:
         """The sweep's parent run, opened (or reopened by `resume=auto`) in its store, and what
         the launcher's jobs are told of it."""
-        import runner
-        from runner.tracking.trackers import kind, open_tracker
+        from runner.tracking.trackers import kind
 
-        SweepParent.forget(sweep_dir)  # an earlier sweep's leftover must not adopt these jobs
-        try:
-            tracker = open_tracker(config, sweep_dir)
-        except RunnerError as error:
-            log.error("%s", error)
-            raise SystemExit(2) from error
-        tracker.reap()  # the experiment's RUNNING runs whose process is gone end KILLED
-        earlier = None
-        try:
-            if resuming(config):
-                earlier = earlier_sweep(tracker, sweep_dir, list(config.hydra.overrides.task))
-            taken = tracker.folder_taken(sweep_dir, None if earlier is None else earlier.run_id)
-            if taken is not None:  # (tracking=none: an earlier sweep's records are there)
-                raise ConfigError(
-                    "hydra.sweep.dir",
-                    taken,
-                    "a folder of its own for this sweep (Hydra's default, named by the time); "
-                    "to continue that sweep, its own command with resume=auto",
-                )
-        except RunnerError as error:
-            log.error("%s", error)
-            raise SystemExit(2) from error
-        launcher = str(OmegaConf.select(config, "hydra.launcher._target_") or "")
-        if launcher == JOBLIB_LAUNCHER:
-            cap = stop.cap_workers(OmegaConf.select(config, "hydra.launcher.n_jobs"), jobs)
-            if cap is not None:  # (the launcher is made from this config after this call)
-                with read_write(config.hydra.launcher), open_dict(config.hydra.launcher):
-                    config.hydra.launcher.n_jobs = cap
-        elif launcher == SUBMITIT_LOCAL_LAUNCHER:  # its job controllers: deaf to Ctrl-C
-            setup = stop.submitit_setup(OmegaConf.select(config, "hydra.launcher.setup"))
-            with read_write(config.hydra.launcher), open_dict(config.hydra.launcher):
-                config.hydra.launcher.setup = setup
-        self._warn_shared_device(config, launcher)
+        tracker, earlier = _open_store(config, sweep_dir)
+        launcher = launchers.fit_launcher(config, jobs)
+        launchers.warn_shared_device(config, launcher)
         name = config.mlflow.sweep_name or " ".join(["sweep", *sweep_overrides(config)])
-        tags = {
-            tag.SWEEP_DIR: str(sweep_dir.resolve()),
-            tag.SWEEP_OVERRIDES: overrides_tag(config.hydra.overrides.task),
-            tag.SWEEP_LAUNCHER: launcher.rsplit(".", 1)[-1],
-            tag.RUNNER_VERSION: runner.__version__,
-            tag.COMMAND: typed_command(),
-            **tag.user_tags(config.mlflow.tags),
-        }
-        if earlier is not None:  # resume=auto: the same parent goes on, with its children
-            self._parent_run = tracker.reopen_run(earlier.run_id, {tag.COMMAND: tags[tag.COMMAND]})
-            log.info(
-                "Resuming the sweep of %s: its parent run %s (%s), finished jobs are kept",
-                sweep_dir,
-                earlier.run_name,
-                earlier.run_id,
-            )
-        else:
-            self._parent_run = tracker.create_run(name[:MAX_RUN_NAME], tags)
+        self._parent_run = _start_parent_run(tracker, config, sweep_dir, launcher, name, earlier)
         self.parent = SweepParent(
             kind(config),
             tracker.location,
@@ -185,7 +132,7 @@ class MlflowSweepCallback(Callback):
         self.parent.save(sweep_dir)
         self._sweep_dir = sweep_dir
         self._jobs = jobs
-        if launcher in LOCAL_PROCESS_LAUNCHERS:  # Ctrl-C: see runner.sweep.stop
+        if launcher in launchers.LOCAL_PROCESS_LAUNCHERS:  # Ctrl-C: see runner.sweep.stop
             stop.forget_workers(sweep_dir)
             self._launching_pid = os.getpid()
             self._stop = stop.SweepStop(sweep_dir, self._mark_stopped).__enter__()
@@ -375,31 +322,64 @@ class MlflowSweepCallback(Callback):
             if torch.cuda.is_initialized():
                 torch.cuda.empty_cache()
 
-    @staticmethod
-    def _warn_shared_device(config: DictConfig, launcher: str) -> None:
-        """Parallel jobs on one device spoil each other's timings and memory figures."""
-        if launcher == SUBMITIT_LOCAL_LAUNCHER:
-            devices = max(1, gpu_count())
-            log.warning(
-                "submitit's local launcher starts the sweep's jobs at once, on this machine's %d "
-                "device(s): jobs that share a device spoil each other's timings and peak memory. "
-                "hydra/launcher=parallel runs one job per GPU (one at a time on a CPU); "
-                "hydra/launcher=slurm spreads them over a cluster.",
-                devices,
+
+def _open_store(config: DictConfig, sweep_dir: Path) -> tuple[Any, Any]:
+    """(the sweep's tracker, the parent run of the sweep `resume=auto` continues or None): the
+    store opened and reaped, and the folder refused where another sweep's records hold it.
+    A refusal is told and exits 2."""
+    from runner.tracking.trackers import open_tracker
+
+    SweepParent.forget(sweep_dir)  # an earlier sweep's leftover must not adopt these jobs
+    try:
+        tracker = open_tracker(config, sweep_dir)
+    except RunnerError as error:
+        log.error("%s", error)
+        raise SystemExit(2) from error
+    tracker.reap()  # the experiment's RUNNING runs whose process is gone end KILLED
+    earlier = None
+    try:
+        if resuming(config):
+            earlier = earlier_sweep(tracker, sweep_dir, list(config.hydra.overrides.task))
+        taken = tracker.folder_taken(sweep_dir, None if earlier is None else earlier.run_id)
+        if taken is not None:  # (tracking=none: an earlier sweep's records are there)
+            raise ConfigError(
+                "hydra.sweep.dir",
+                taken,
+                "a folder of its own for this sweep (Hydra's default, named by the time); "
+                "to continue that sweep, its own command with resume=auto",
             )
-            return
-        if launcher != JOBLIB_LAUNCHER:
-            return
-        n_jobs = OmegaConf.select(config, "hydra.launcher.n_jobs")
-        devices = max(1, gpu_count())
-        if n_jobs is not None and (n_jobs < 0 or n_jobs > devices):
-            log.warning(
-                "hydra.launcher.n_jobs=%s runs more jobs at once than there are devices (%d): "
-                "their timings and peak memory are not comparable. hydra/launcher=parallel runs "
-                "one job per GPU (one at a time on a CPU).",
-                n_jobs,
-                devices,
-            )
+    except RunnerError as error:
+        log.error("%s", error)
+        raise SystemExit(2) from error
+    return tracker, earlier
+
+
+def _start_parent_run(
+    tracker: Any, config: DictConfig, sweep_dir: Path, launcher: str, name: str, earlier: Any
+) -> Any:
+    """The parent run, tagged with the sweep's folder, overrides, launcher and command: a new
+    one named `name`, or `earlier` reopened (resume=auto: the same parent goes on, with its
+    children)."""
+    import runner
+
+    tags = {
+        tag.SWEEP_DIR: str(sweep_dir.resolve()),
+        tag.SWEEP_OVERRIDES: overrides_tag(config.hydra.overrides.task),
+        tag.SWEEP_LAUNCHER: launcher.rsplit(".", 1)[-1],
+        tag.RUNNER_VERSION: runner.__version__,
+        tag.COMMAND: typed_command(),
+        **tag.user_tags(config.mlflow.tags),
+    }
+    if earlier is None:
+        return tracker.create_run(name[:MAX_RUN_NAME], tags)
+    parent_run = tracker.reopen_run(earlier.run_id, {tag.COMMAND: tags[tag.COMMAND]})
+    log.info(
+        "Resuming the sweep of %s: its parent run %s (%s), finished jobs are kept",
+        sweep_dir,
+        earlier.run_name,
+        earlier.run_id,
+    )
+    return parent_run
 
 
 def _failed(children: list[Any]) -> list[str]:
