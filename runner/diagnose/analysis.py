@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from runner.config.levels import SCALER_DEFAULTS
 
@@ -133,85 +133,116 @@ def analyse(records, steps: int, device_type: str = "cpu") -> Preflight:
         if scale is not None and grads.nonzero
         else None
     )
-    advice: list[str] = []
-    keep: list[str] = []
+    advice = _fp32_advice(grads, acts)
+    preset, keep, said = _fp16_advice(layers, fp16, grads, scale, under_at, device_type)
+    advice += [*said, _bf16_advice(bf16), _fp8_advice(layers, fp8)]
+    return Preflight(layers, steps, judgements, grads, acts, scale, under_at, preset, keep, advice)
+
+
+def _fp32_advice(grads: Any, acts: Any) -> list[str]:
+    """What to fix first where fp32 itself produced inf/NaN values ([] where it did not)."""
     if (
         grads is not None
         and (grads.infs or grads.nans)
         or acts is not None
         and (acts.infs or acts.nans)
     ):
-        advice.append(
+        return [
             "Even fp32 produced inf/NaN values in these steps: the model or the "
             "learning rate diverges whatever the precision; fix that first "
             "(a lower optimizer.lr, gradient clipping)."
-        )
+        ]
+    return []
+
+
+def _fp16_advice(
+    layers: Sequence[Layer],
+    fp16: Judgement,
+    grads: Any,
+    scale: Optional[float],
+    under_at: Optional[float],
+    device_type: str,
+) -> tuple[str, list[str], list[str]]:
+    """(the preset to try first, the layers to keep in fp32, what to say) from what fp16 does to
+    these values: activations that overflow, gradients that overflow unscaled or span more than
+    its range (bf16 first), else the loss scale that keeps them (fp16 first)."""
     if fp16.act_overflow:
         keep = list(fp16.act_overflow)
         tops = ", ".join(
             f"{n} (max |activation| >= 2^{_layer(layers, n).activation.max_log2})"
             for n in fp16.act_overflow[:6]
         )
-        advice.append(
-            f"fp16 OVERFLOWS in the forward pass: the activations of {tops} exceed fp16's max "
-            "65504 and would become inf. Loss scaling cannot help (it scales gradients, not "
-            "activations)."
+        return (
+            "o2_bf16",
+            keep,
+            [
+                f"fp16 OVERFLOWS in the forward pass: the activations of {tops} exceed fp16's "
+                "max 65504 and would become inf. Loss scaling cannot help (it scales gradients, "
+                "not activations).",
+                "Try precision=o2_bf16 first (bfloat16 has fp32's range; precision=o1_bf16 if "
+                "the model needs fp32 weights), on hardware with bf16 (a CPU, or a GPU of compute "
+                f"capability 8.0 or newer). To stay in fp16, keep {_names(keep)} in fp32 (e.g. "
+                "run them outside autocast under O1, or scale their inputs down).",
+            ],
         )
-        preset = "o2_bf16"
-        advice.append(
-            "Try precision=o2_bf16 first (bfloat16 has fp32's range; precision=o1_bf16 if the "
-            "model needs fp32 weights), on hardware with bf16 (a CPU, or a GPU of compute "
-            f"capability 8.0 or newer). To stay in fp16, keep {_names(keep)} in fp32 (e.g. run "
-            "them outside autocast under O1, or scale their inputs down)."
+    if scale is not None and scale < 1:
+        return (
+            "o2_bf16",
+            list(fp16.grad_overflow),
+            [
+                f"fp16 OVERFLOWS in the gradients even unscaled (in {_names(fp16.grad_overflow)}"
+                f"): only a loss scale below 1 ({scale:g}) keeps them in range. Try "
+                f"precision=o2_bf16 first, or precision=o2 precision.loss_scale={scale:g}."
+            ],
         )
-    elif scale is not None and scale < 1:
-        preset = "o2_bf16"
-        keep = list(fp16.grad_overflow)
-        advice.append(
-            f"fp16 OVERFLOWS in the gradients even unscaled (in {_names(fp16.grad_overflow)}): "
-            f"only a loss scale below 1 ({scale:g}) keeps them in range. Try precision=o2_bf16 "
-            f"first, or precision=o2 precision.loss_scale={scale:g}."
+    if under_at is not None and under_at >= NOTABLE_UNDERFLOW:
+        return (
+            "o2_bf16",
+            [],
+            [
+                f"The gradients span more than fp16's range: at the largest safe loss scale "
+                f"({scale:g}) {_percent(under_at)} of them still underflow. Try precision=o2_bf16 "
+                "first (bfloat16 keeps fp32's range; no loss scaling needed)."
+            ],
         )
-    elif under_at is not None and under_at >= NOTABLE_UNDERFLOW:
-        preset = "o2_bf16"
-        advice.append(
-            f"The gradients span more than fp16's range: at the largest safe loss scale "
-            f"({scale:g}) {_percent(under_at)} of them still underflow. Try precision=o2_bf16 "
-            "first (bfloat16 keeps fp32's range; no loss scaling needed)."
-        )
+    return "o2", [], _scaled_fp16_advice(fp16, grads, scale, under_at, device_type)
+
+
+def _scaled_fp16_advice(
+    fp16: Judgement, grads: Any, scale: Any, under_at: Any, device_type: str
+) -> list[str]:
+    """What to say where fp16 holds the gradients, scaled or not: how much a loss scale saves,
+    the presets to try, and on a CPU that fp16 is emulated there."""
+    if fp16.grad_underflow:
+        advice = [
+            f"fp16 needs loss scaling: unscaled, {_percent(_frac(grads, 'fp16'))} of the "
+            f"gradients underflow (in {len(fp16.grad_underflow)} layers). At loss scale "
+            f"{scale:g}, {_percent(under_at)} underflow and none overflows."
+        ]
     else:
-        preset = "o2"
-        if fp16.grad_underflow:
-            advice.append(
-                f"fp16 needs loss scaling: unscaled, {_percent(_frac(grads, 'fp16'))} of the "
-                f"gradients underflow (in {len(fp16.grad_underflow)} layers). At loss scale "
-                f"{scale:g}, {_percent(under_at)} underflow and none overflows."
-            )
-        else:
-            advice.append(
-                "fp16 holds these gradients even unscaled (no layer underflows by 1% or more)."
-            )
+        advice = ["fp16 holds these gradients even unscaled (no layer underflows by 1% or more)."]
+    advice.append(
+        f"Try precision=o2 first (fp16 with fp32 masters and dynamic loss scaling: it "
+        f"starts at {SCALER_DEFAULTS['init_scale']:g}, and these gradients overflow above "
+        f"about {2 * scale:g}), or a "
+        f"static precision.loss_scale={scale:g}; precision=o2_bf16 needs no scaling at all."
+    )
+    if device_type == "cpu":
         advice.append(
-            f"Try precision=o2 first (fp16 with fp32 masters and dynamic loss scaling: it "
-            f"starts at {SCALER_DEFAULTS['init_scale']:g}, and these gradients overflow above "
-            f"about {2 * scale:g}), or a "
-            f"static precision.loss_scale={scale:g}; precision=o2_bf16 needs no scaling at all."
+            "On a CPU fp16 is emulated and slow: there, precision=o2_bf16 is the practical choice."
         )
-        if device_type == "cpu":
-            advice.append(
-                "On a CPU fp16 is emulated and slow: there, precision=o2_bf16 is the "
-                "practical choice."
-            )
+    return advice
+
+
+def _bf16_advice(bf16: Judgement) -> str:
+    """What bf16 loses, where it loses anything."""
     if bf16.act_overflow or bf16.grad_overflow or bf16.grad_underflow:
-        advice.append(
+        return (
             "bf16 loses values too: overflow in "
             f"{_names(bf16.act_overflow + bf16.grad_overflow) or 'no layer'}, "
             f"gradient underflow in {_names(bf16.grad_underflow) or 'no layer'}."
         )
-    else:
-        advice.append("bf16: no layer's activations or gradients under- or overflow.")
-    advice.append(_fp8_advice(layers, fp8))
-    return Preflight(layers, steps, judgements, grads, acts, scale, under_at, preset, keep, advice)
+    return "bf16: no layer's activations or gradients under- or overflow."
 
 
 def _fp8_advice(layers: Sequence[Layer], fp8: Judgement) -> str:

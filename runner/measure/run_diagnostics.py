@@ -115,6 +115,37 @@ def plot_exponents(
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(14, 5))
+    drawn, lo, hi = _draw_histograms(ax, records)
+    if formats:
+        _draw_first_range(ax, formats[0], lo, hi, loss_scale)
+        _draw_other_limits(ax, formats[1:], lo, hi)
+    ax.set_xlim(lo, hi)
+    if drawn:
+        ax.set_yscale("log")
+    else:
+        ax.text(
+            0.5,
+            0.5,
+            "no finite non-zero gradient (see the legend)",
+            ha="center",
+            va="center",
+            transform=ax.transAxes,
+        )
+    ax.set_xlabel("log2 |value|")
+    ax.set_ylabel("% of values")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _draw_histograms(ax: Any, records: Sequence[LayerRecord]) -> tuple[bool, float, float]:
+    """The activation and the weight gradients' log2|value| histograms, as bars in % of each
+    kind's values (zeros, infs and NaNs told in the legend): (whether any bar was drawn, the
+    x range that shows them)."""
     lows, highs = [-30], [20]
     drawn = False
     for kind, label, color in (
@@ -145,60 +176,47 @@ def plot_exponents(
             label=f"{label} ({stats.count:,} values{special})",
         )
         drawn = drawn or bool(xs)
-    lo, hi = max(min(lows), LOG2_MIN - 2), min(max(highs), LOG2_MAX + 2)
-    if formats:
-        f = formats[0]
-        sub, tiny, top = math.log2(f.min_subnormal), math.log2(f.tiny), math.log2(f.max)
+    return drawn, max(min(lows), LOG2_MIN - 2), min(max(highs), LOG2_MAX + 2)
+
+
+def _draw_first_range(
+    ax: Any, f: Format, lo: float, hi: float, loss_scale: Optional[float]
+) -> None:
+    """The first format's range shaded: lost below its smallest subnormal (red), subnormal
+    (yellow), normal (green), overflow (red); at `loss_scale`, its range shifted by the scale
+    outlined (the unscaled values it holds)."""
+    sub, tiny, top = math.log2(f.min_subnormal), math.log2(f.tiny), math.log2(f.max)
+    ax.axvspan(
+        lo,
+        sub,
+        color="tab:red",
+        alpha=0.10,
+        label=f"below {f.name}'s smallest subnormal: lost (0 or 2^{sub:.0f})",
+    )
+    ax.axvspan(sub, tiny, color="gold", alpha=0.20, label=f"{f.name} subnormal")
+    ax.axvspan(tiny, min(top, hi), color="tab:green", alpha=0.10, label=f"{f.name} normal range")
+    if top < hi:
+        ax.axvspan(top, hi, color="tab:red", alpha=0.20, label=f"overflow in {f.name}")
+    if loss_scale:
+        shift = math.log2(loss_scale)
         ax.axvspan(
-            lo,
-            sub,
-            color="tab:red",
-            alpha=0.10,
-            label=f"below {f.name}'s smallest subnormal: lost (0 or 2^{sub:.0f})",
+            sub - shift,
+            top - shift,
+            fill=False,
+            hatch="//",
+            edgecolor="tab:green",
+            label=f"{f.name} range at loss scale {loss_scale:g} (unscaled values)",
         )
-        ax.axvspan(sub, tiny, color="gold", alpha=0.20, label=f"{f.name} subnormal")
-        ax.axvspan(
-            tiny, min(top, hi), color="tab:green", alpha=0.10, label=f"{f.name} normal range"
-        )
-        if top < hi:
-            ax.axvspan(top, hi, color="tab:red", alpha=0.20, label=f"overflow in {f.name}")
-        if loss_scale:
-            shift = math.log2(loss_scale)
-            ax.axvspan(
-                sub - shift,
-                top - shift,
-                fill=False,
-                hatch="//",
-                edgecolor="tab:green",
-                label=f"{f.name} range at loss scale {loss_scale:g} (unscaled values)",
-            )
-        styles = ["--", ":", "-."]
-        for g, style in zip(formats[1:], styles):
-            for value in (math.log2(g.tiny), math.log2(g.max)):
-                if lo <= value <= hi:
-                    ax.axvline(value, color="0.3", linestyle=style, linewidth=1)
-            ax.plot([], [], color="0.3", linestyle=style, label=f"{g.name} tiny / max")
-    ax.set_xlim(lo, hi)
-    if drawn:
-        ax.set_yscale("log")
-    else:
-        ax.text(
-            0.5,
-            0.5,
-            "no finite non-zero gradient (see the legend)",
-            ha="center",
-            va="center",
-            transform=ax.transAxes,
-        )
-    ax.set_xlabel("log2 |value|")
-    ax.set_ylabel("% of values")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+
+
+def _draw_other_limits(ax: Any, others: Sequence[Format], lo: float, hi: float) -> None:
+    """The other formats' smallest normal and largest values as lines, one style each."""
+    styles = ["--", ":", "-."]
+    for g, style in zip(others, styles):
+        for value in (math.log2(g.tiny), math.log2(g.max)):
+            if lo <= value <= hi:
+                ax.axvline(value, color="0.3", linestyle=style, linewidth=1)
+        ax.plot([], [], color="0.3", linestyle=style, label=f"{g.name} tiny / max")
 
 
 # ---- diagnostics inside a run --------------------------------------------------------------------

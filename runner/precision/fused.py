@@ -411,42 +411,8 @@ def _adam(
     g = gp.group
     beta1, beta2 = (float(b) for b in g["betas"])
     decoupled = bool(g.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)))
-    kept = gp.kept.get("adam") if gp.kept is not None else None
-    counters: Optional[torch.Tensor] = None  # the group's counters in one tensor, where kept
-    if kept is not None and _still(kept, optimizer, gp.params):
-        exp_avgs, exp_avg_sqs, counters = kept[0]
-    else:
-        exp_avgs, exp_avg_sqs, steps = [], [], []
-        for p in gp.params:
-            state = optimizer.state[p]
-            if len(state) == 0:  # torch's lazy initialisation, same keys; the counter on the device
-                state["step"] = torch.zeros((), dtype=_scalar_dtype(), device=p.device)
-                dtype = state_dtype or p.dtype
-                state["exp_avg"] = torch.zeros_like(
-                    p, dtype=dtype, memory_format=torch.preserve_format
-                )
-                state["exp_avg_sq"] = torch.zeros_like(
-                    p, dtype=dtype, memory_format=torch.preserve_format
-                )
-            elif state["step"].device != p.device:  # torch's CPU counter (its own step, a resume)
-                state["step"] = state["step"].to(p.device)
-            exp_avgs.append(state["exp_avg"])
-            exp_avg_sqs.append(state["exp_avg_sq"])
-            steps.append(state["step"])
-        if gp.kept is not None:
-            counters = _counters(optimizer, gp.params, steps)
-            gp.kept["adam"] = _keep(optimizer, gp.params, (exp_avgs, exp_avg_sqs, counters))
-    if counters is not None:  # (a skipped step adds 0)
-        counters.add_(1 if found_inf is None else found_inf.eq(0))
-        numbers = counters if counters.dtype == torch.float32 else counters.to(torch.float32)
-    else:  # (a list, whose CPU kernel reads no scalar)
-        advance = (
-            torch.ones((), dtype=torch.float32, device=steps[0].device)
-            if found_inf is None
-            else found_inf.reshape(()).eq(0).to(torch.float32)
-        )
-        torch._foreach_add_(steps, [advance] * len(steps))
-        numbers = torch.stack(steps).to(torch.float32)  # read by the kernels, on the device
+    exp_avgs, exp_avg_sqs, counters, steps = _adam_state(optimizer, gp, state_dtype)
+    numbers = _advance_steps(counters, steps, found_inf)
     hyper = (
         float(g["lr"]),
         beta1,
@@ -484,3 +450,49 @@ def _adam(
             [rounding.ids[id(p)] for p in gp.params],
             steps=numbers,
         )
+
+
+def _adam_state(
+    optimizer, gp: GroupPlan, state_dtype: Optional[torch.dtype]
+) -> tuple[list, list, Optional[torch.Tensor], list]:
+    """(exp_avgs, exp_avg_sqs, counters, steps): kept from the step before where they still hold
+    (the step counters in one tensor), else the optimizer's state, made as torch makes it where a
+    parameter has none (its counter on the device) and kept where the group keeps any."""
+    kept = gp.kept.get("adam") if gp.kept is not None else None
+    if kept is not None and _still(kept, optimizer, gp.params):
+        exp_avgs, exp_avg_sqs, counters = kept[0]
+        return exp_avgs, exp_avg_sqs, counters, []
+    exp_avgs, exp_avg_sqs, steps = [], [], []
+    for p in gp.params:
+        state = optimizer.state[p]
+        if len(state) == 0:  # torch's lazy initialisation, same keys; the counter on the device
+            state["step"] = torch.zeros((), dtype=_scalar_dtype(), device=p.device)
+            dtype = state_dtype or p.dtype
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[key] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+        elif state["step"].device != p.device:  # torch's CPU counter (its own step, a resume)
+            state["step"] = state["step"].to(p.device)
+        exp_avgs.append(state["exp_avg"])
+        exp_avg_sqs.append(state["exp_avg_sq"])
+        steps.append(state["step"])
+    counters = _counters(optimizer, gp.params, steps) if gp.kept is not None else None
+    if counters is not None:  # (the group's counters in one tensor)
+        gp.kept["adam"] = _keep(optimizer, gp.params, (exp_avgs, exp_avg_sqs, counters))
+    return exp_avgs, exp_avg_sqs, counters, steps
+
+
+def _advance_steps(
+    counters: Optional[torch.Tensor], steps: list, found_inf: Optional[torch.Tensor]
+) -> torch.Tensor:
+    """The step counters (`counters`, else each of `steps`) advanced by one on the device (by 0 on
+    a step `found_inf` flags), as the fp32 the kernels read their bias corrections from."""
+    if counters is not None:  # (a skipped step adds 0)
+        counters.add_(1 if found_inf is None else found_inf.eq(0))
+        return counters if counters.dtype == torch.float32 else counters.to(torch.float32)
+    advance = (  # (a list, whose CPU kernel reads no scalar)
+        torch.ones((), dtype=torch.float32, device=steps[0].device)
+        if found_inf is None
+        else found_inf.reshape(()).eq(0).to(torch.float32)
+    )
+    torch._foreach_add_(steps, [advance] * len(steps))
+    return torch.stack(steps).to(torch.float32)  # read by the kernels, on the device

@@ -167,70 +167,105 @@ def step_in_fp32(
                 if p.grad is None or not select(p):
                     continue
                 if is_dtensor(p) and p.dtype != torch.float32:
-                    # a DTensor's type cannot change under it (`.data =` keeps bf16): an fp32
-                    # stand-in takes its place, its gradient and its state for the step
-                    stand_in = torch.nn.Parameter(
-                        p.detach().to(torch.float32), requires_grad=p.requires_grad
-                    )
-                    stand_in.grad = p.grad.to(torch.float32)
-                    originals = {}
-                    state = optimizer.state.pop(p, None)
-                    if state is not None:
-                        for key, value in state.items():
-                            if param_shaped(key, value, p) and value.dtype != torch.float32:
-                                originals[key] = value
-                                state[key] = value.to(torch.float32)
-                        optimizer.state[stand_in] = state
-                    group["params"][index] = stand_in
-                    replaced.append((group, index, p, stand_in, originals))
-                    continue
-                data, grad = p.data, p.grad
-                originals: dict = {}
-                own = None
-                if p.dtype != torch.float32:
-                    own = (data, grad)
-                    p.grad = None
-                    p.data = data.to(torch.float32)
-                    p.grad = grad.to(torch.float32)
-                swapped.append((p, own, originals))
-                state = optimizer.state.get(p)
-                for key, value in (state or {}).items():
-                    if param_shaped(key, value, p) and value.dtype != torch.float32:
-                        originals[key] = value
-                        state[key] = value.to(torch.float32)
+                    _stand_in(optimizer, group, index, p, replaced)
+                else:
+                    _swap_in_fp32(optimizer, p, swapped)
         (step_fn or optimizer.step)()
         done = True
     finally:
         for group, index, p, stand_in, originals in replaced:
-            group["params"][index] = p
-            state = optimizer.state.pop(stand_in, None)
-            if state is not None:
-                optimizer.state[p] = state
-            if done:
-                with torch.no_grad():
-                    store(p, p.detach(), stand_in.detach())
+            _put_back_stand_in(optimizer, group, index, p, stand_in, done, store)
             swapped.append((p, None, originals))
         for p, own, originals in swapped:
-            if own is not None:
-                data, grad = own
-                if done:
-                    store(p, data, p.data)
-                p.grad = None
-                p.data = data
-                p.grad = grad
-            state: Optional[dict] = optimizer.state.get(p)
-            if state is None:
-                continue
-            for key, value in list(state.items()):
-                if key in originals:
-                    original = originals[key]
-                    if done and value is not original:
-                        original.copy_(_stored(p, key, value, original.dtype, round_state))
-                    state[key] = original
-                elif done and param_shaped(key, value, p):
-                    dtype = state_dtype or p.dtype
-                    if value.dtype != dtype:
-                        state[key] = _stored(p, key, value, dtype, round_state)
+            _put_back(optimizer, p, own, originals, done, store, state_dtype, round_state)
+
+
+def _stand_in(optimizer, group: dict, index: int, p: torch.Tensor, replaced: list) -> None:
+    """A DTensor's type cannot change under it (`.data =` keeps bf16): an fp32 stand-in takes
+    its place in `group`, its gradient and its state for the step (noted in `replaced`)."""
+    stand_in = torch.nn.Parameter(p.detach().to(torch.float32), requires_grad=p.requires_grad)
+    stand_in.grad = p.grad.to(torch.float32)
+    originals: dict = {}
+    state = optimizer.state.pop(p, None)
+    if state is not None:
+        _state_in_fp32(state, p, originals)
+        optimizer.state[stand_in] = state
+    group["params"][index] = stand_in
+    replaced.append((group, index, p, stand_in, originals))
+
+
+def _swap_in_fp32(optimizer, p: torch.Tensor, swapped: list) -> None:
+    """A 16-bit param's data and gradient replaced by fp32 copies (the param object stays), and
+    its param-shaped state; noted in `swapped` before its state is, so that a failure half-way
+    is undone."""
+    data, grad = p.data, p.grad
+    originals: dict = {}
+    own = None
+    if p.dtype != torch.float32:
+        own = (data, grad)
+        p.grad = None
+        p.data = data.to(torch.float32)
+        p.grad = grad.to(torch.float32)
+    swapped.append((p, own, originals))
+    _state_in_fp32(optimizer.state.get(p), p, originals)
+
+
+def _state_in_fp32(state: Optional[dict], p: torch.Tensor, originals: dict) -> None:
+    """`p`'s param-shaped state tensors that are not fp32 replaced by fp32 copies, the originals
+    kept in `originals` by key (`step` and fp32 state are left as they are)."""
+    for key, value in (state or {}).items():
+        if param_shaped(key, value, p) and value.dtype != torch.float32:
+            originals[key] = value
+            state[key] = value.to(torch.float32)
+
+
+def _put_back_stand_in(
+    optimizer, group: dict, index: int, p: torch.Tensor, stand_in, done: bool, store: Callable
+) -> None:
+    """The DTensor back in its place with its state, the stand-in's fp32 result stored into it
+    where the step ran (`done`)."""
+    group["params"][index] = p
+    state = optimizer.state.pop(stand_in, None)
+    if state is not None:
+        optimizer.state[p] = state
+    if done:
+        with torch.no_grad():
+            store(p, p.detach(), stand_in.detach())
+
+
+def _put_back(
+    optimizer,
+    p: torch.Tensor,
+    own: Optional[tuple],
+    originals: dict,
+    done: bool,
+    store: Callable,
+    state_dtype: Optional[torch.dtype],
+    round_state: Optional[Callable],
+) -> None:
+    """A swapped param's own data and gradient back (its fp32 result stored into the data where
+    the step ran), and its state written back into its own tensors in their own types; state the
+    step created, stored in `state_dtype` (None: the param's)."""
+    if own is not None:
+        data, grad = own
+        if done:
+            store(p, data, p.data)
+        p.grad = None
+        p.data = data
+        p.grad = grad
+    state: Optional[dict] = optimizer.state.get(p)
+    if state is None:
+        return
+    for key, value in list(state.items()):
+        if key in originals:
+            original = originals[key]
+            if done and value is not original:
+                original.copy_(_stored(p, key, value, original.dtype, round_state))
+            state[key] = original
+        elif done and param_shaped(key, value, p):
+            dtype = state_dtype or p.dtype
+            if value.dtype != dtype:
+                state[key] = _stored(p, key, value, dtype, round_state)
 
 
 def _stored(
