@@ -183,7 +183,9 @@ def check_hf(cfg: Any) -> None:
     """ConfigError, before any data or run exists, for model=hf settings that cannot work:
     transformers missing, a model type that is unknown or has no causal LM, a setting that would
     download or load weights (or set the dtype), one the config class does not have, or values
-    the config class rejects. Builds the config only (cheap), not the model."""
+    the config class rejects. Builds the config only (cheap), not the model. A value's own range
+    (`vocab_size`) is a value rule of the option's spec (`runner.config.options`), checked
+    before this."""
     _transformers()
     arch = cfg.get("arch")
     config_class = _config_class(arch)
@@ -207,11 +209,6 @@ def check_hf(cfg: Any) -> None:
                 "the tokens it predicts",
                 "true (the default here), or leave it out",
             )
-    vocab = kwargs.get("vocab_size")
-    if vocab is not None and (not isinstance(vocab, int) or vocab < 2):
-        raise ConfigError(
-            "model.vocab_size", f"got {vocab!r}", "null (the data's) or an integer >= 2"
-        )
     _hf_config(arch, kwargs)
 
 

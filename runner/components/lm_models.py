@@ -213,15 +213,12 @@ def gpt_sizes(cfg: Any) -> dict[str, Any]:
 
 
 def check_gpt(cfg: Any) -> None:
-    """ConfigError for sizes the GPT cannot be built with (before any data or run exists)."""
+    """ConfigError, before any data or run exists, where the GPT's sizes do not fit together:
+    n_head must divide n_embd. Each size's own range (n_layer >= 1, dropout in [0, 1), ...) is a
+    value rule of the option's spec (`runner.config.options`), checked before this one."""
     sizes = gpt_sizes(cfg)
-    for key in ("n_layer", "n_head", "n_embd", "block_size"):
-        if sizes[key] < 1:
-            raise ConfigError(f"model.{key}", f"must be at least 1, got {sizes[key]}")
-    if sizes["n_embd"] % sizes["n_head"]:
+    if sizes["n_head"] >= 1 and sizes["n_embd"] % sizes["n_head"]:
         raise heads_refusal("n_embd", sizes["n_embd"], "n_head", sizes["n_head"])
-    if not 0.0 <= sizes["dropout"] < 1.0:
-        raise ConfigError("model.dropout", f"got {sizes['dropout']}", "a number in [0, 1)")
 
 
 def vocab_size_for(declared: Optional[int], num_classes: int) -> int:

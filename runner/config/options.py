@@ -95,9 +95,10 @@ _VIT_RULES = tuple(
     (k, *_INT_1)
     for k in ("image_size", "patch_size", "num_layers", "num_heads", "hidden_dim", "mlp_dim")
 )
+_VOCAB_RULE = ("vocab_size", optional(integer_at_least(2)), "null (the data's) or an integer >= 2")
 _GPT_RULES = (
     *((k, *_INT_1) for k in ("n_layer", "n_head", "n_embd", "block_size")),
-    ("vocab_size", optional(integer_at_least(2)), "null (the data's) or an integer >= 2"),
+    _VOCAB_RULE,
     ("dropout", lambda v: finite(v) and 0 <= v < 1, "a number in [0, 1)"),
 )
 _ZOO_RULES = (("arch", lambda v: isinstance(v, str) and bool(v.strip()), "a model name"),)
@@ -224,7 +225,7 @@ SPECS: tuple[Spec, ...] = (
         "model",
         "hf",
         "runner.components.hf_models:build_hf",
-        rules=_ZOO_RULES,
+        rules=(*_ZOO_RULES, _VOCAB_RULE),
         by_name=False,
         check="runner.components.hf_models:check_hf",
         task=LANGUAGE_MODEL,

@@ -40,6 +40,7 @@ from runner.config.values import (  # noqa: F401  (the predicates, where they we
     bare_database_refusal,
     batch_limit,
     finite,
+    integer_at_least,
     non_negative,
     one_of,
     optional,
@@ -76,6 +77,10 @@ def _fixed_rules() -> list[Rule]:
         ("task.name", one_of(TASK_CHOICES), ", ".join(TASK_CHOICES)),
         ("loss.label_smoothing", lambda v: finite(v) and 0 <= v < 1, "a number in [0, 1)"),
         ("precision.kernels", one_of(KERNEL_CHOICES), ", ".join(KERNEL_CHOICES)),
+        # precision.layer_plan=auto: its pre-flight's steps and the shares a format may lose
+        ("precision.layer_plan_steps", integer_at_least(1), "an integer >= 1"),
+        ("precision.layer_plan_max_underflow", unit_interval, "a share in [0, 1)"),
+        ("precision.layer_plan_max_overflow", unit_interval, "a share in [0, 1)"),
         ("data.seed", seed, SEED_RANGE),
         ("trainer.seed", seed, SEED_RANGE),
         ("trainer.max_epochs", lambda v: v >= 1, "an integer >= 1"),

@@ -360,7 +360,6 @@ def resolve_precision(
     resolution = resolve(
         opt_level, values, device=device_info, optimizer=optimizer, compiled=compiled
     )
-    check_plan_settings(cfg)
     findings = kernel_findings(cfg, resolution.properties)
     rules = (*entries, *layer_rules(resolution.properties))
     findings += layers.rule_findings(
@@ -434,18 +433,3 @@ def layer_rules(properties: Properties) -> tuple[LayerRule, ...]:
     path = properties.layer_plan
     from_file = layers.load_plan_file(path) if path not in (None, layers.AUTO) else []
     return (*from_file, *layers.config_rules(properties))
-
-
-_PLAN_SETTINGS = (
-    ("layer_plan_steps", lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
-    ("layer_plan_max_underflow", lambda v: 0 <= v < 1, "a share in [0, 1)"),
-    ("layer_plan_max_overflow", lambda v: 0 <= v < 1, "a share in [0, 1)"),
-)
-
-
-def check_plan_settings(cfg: DictConfig) -> None:
-    """The auto plan's settings: its pre-flight's steps and the shares a format may lose."""
-    for key, ok, allowed in _PLAN_SETTINGS:
-        value = OmegaConf.select(cfg, f"precision.{key}")
-        if value is None or isinstance(value, bool) or not ok(value):
-            raise ConfigError(f"precision.{key}", f"got {value!r}", allowed)

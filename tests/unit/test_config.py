@@ -286,7 +286,31 @@ VALUE_CASES = [
     (["model=gpt_tiny", "model.block_size=0"], "model.block_size"),
     (["model=gpt_tiny", "model.vocab_size=1"], "model.vocab_size"),
     (["model=gpt_tiny", "model.dropout=1.0"], "model.dropout"),
+    (["precision.layer_plan_steps=0"], "precision.layer_plan_steps"),
+    (["precision.layer_plan_max_underflow=1.0"], "precision.layer_plan_max_underflow"),
+    (["precision.layer_plan_max_overflow=-0.5"], "precision.layer_plan_max_overflow"),
+    (["precision.layer_plan_max_overflow=nan"], "precision.layer_plan_max_overflow"),
+    (["model=hf", "model.arch=llama", "+model.vocab_size=1"], "model.vocab_size"),
 ]
+
+
+def test_the_auto_plan_settings_are_rules_of_the_one_table():
+    """precision.layer_plan_steps / _max_underflow / _max_overflow are value rules like every
+    other (the plan held a second table of them), said as that table said them."""
+    for overrides, said in (
+        ("precision.layer_plan_steps=0", "layer_plan_steps: got 0 (allowed: an integer >= 1)"),
+        (
+            "precision.layer_plan_max_underflow=1.0",
+            "layer_plan_max_underflow: got 1.0 (allowed: a share in [0, 1))",
+        ),
+    ):
+        with pytest.raises(ConfigError) as info:
+            validate(compose_config(overrides))
+        assert str(info.value) == f"precision.{said}"
+    assert setting_problem("precision.layer_plan_steps", True) == (
+        "precision.layer_plan_steps: got True (allowed: a value of type int)"
+    )
+    validate(compose_config("precision.layer_plan_max_overflow=0.5"))  # (in range: passes)
 
 
 @pytest.mark.parametrize("overrides,key", VALUE_CASES)
