@@ -4,8 +4,9 @@ A typo'd key, a wrong type or an unknown group choice stops a run at compose tim
 data or models are imported. The model, data, optimizer and scheduler options are typed by their
 option's own dataclass (named by its spec in `runner.config.options`); the precision node is
 derived from the property table (`runner.config.precision`); the trainer's, the task's, MLflow's
-and the tracker's nodes and the root (`RunConfig`) are declared here, each default once (a group's
-YAML file in conf/ may restate a default only as it is: a test holds them equal).
+and the tracker's nodes and the root (`RunConfig`) are declared here. Each default is stated once,
+in its dataclass: a group's YAML file in conf/ sets only what differs from its schema (a test
+fails on a restated default), so the comments here are where a setting is explained.
 `runner.config.store` registers them in Hydra's ConfigStore. Torch-free: it runs on every
 invocation, dry runs included.
 """
@@ -91,8 +92,8 @@ class DataConfig:
 @dataclass
 class CifarConfig(DataConfig):
     root: str = "data"
-    download: bool = True
-    augment: bool = True
+    download: bool = True  # into root on first use, where the files are not there
+    augment: bool = True  # random crop (pad 4) + horizontal flip on the training set
 
 
 @dataclass
@@ -101,7 +102,7 @@ class ImageFolderConfig(DataConfig):
     train_dir: str = "train"
     val_dir: str = "val"
     num_classes: Optional[int] = None  # null = the number of class folders found
-    augment: bool = True
+    augment: bool = True  # random resized crop + horizontal flip on the training set
     image_size: int = 224
 
 
@@ -136,7 +137,8 @@ class TextConfig:
     name: str = MISSING
     path: str = MISSING  # a text file, or a folder of them
     glob: str = "**/*.txt"  # in a folder: the files to read (recursive, sorted)
-    # in a folder: relative paths to leave out, shell patterns ("*" crosses folders)
+    # in a folder: relative paths to leave out, shell patterns ("*" crosses folders), e.g.
+    # ["site-packages/*"]
     exclude: list[str] = field(default_factory=list)
     tokenizer: Optional[str] = None  # null = UTF-8 bytes (vocabulary 256); else a tokenizer.json
     block_size: int = 256  # tokens per training sequence
@@ -235,6 +237,7 @@ class TrainerConfig:
     grad_clip_norm: Optional[float] = None  # max L2 norm of the unscaled fp32 gradients
     # gradient accumulation: one optimizer step per this many batches, their gradients summed
     # (in fp32 at levels whose gradients are 16-bit); the effective batch is batch_size times it
+    # (docs/accumulation.md)
     accumulate_grad_batches: int = 1
     # at most this many batches an epoch (an integer), or this share of them (a number in (0, 1],
     # as Lightning's: 0.25 = a quarter of the epoch, at least one batch); typed Any, since
@@ -254,8 +257,9 @@ class TrainerConfig:
     checkpoint_dir: str = "checkpoints"
     checkpoint_every_n_epochs: int = 1  # 0: only when interrupted
     sync_batchnorm: bool = False  # SyncBatchNorm under torchrun (GPUs with NCCL only)
-    compile: bool = False  # the model's forward (and backward) through torch.compile
-    compile_mode: str = "default"  # one of COMPILE_MODES
+    # the model's forward (and backward) through torch.compile (the engine's step stays eager)
+    compile: bool = False
+    compile_mode: str = "default"  # torch.compile's mode: one of COMPILE_MODES
     # the optimizer step captured in a CUDA graph and replayed (with compile: forward and backward
     # too, compile_mode default -> reduce-overhead); one CUDA GPU only (runner.run.cuda_graphs)
     cuda_graphs: bool = False
@@ -272,7 +276,8 @@ class TrainerConfig:
     # whole state gathered to rank 0, one file)
     fsdp_checkpoint: str = "sharded"
     # measure the settings left at their defaults on this run's model, batch, device and level
-    # before training, and train with the fastest (runner.run.tune): auto | on | off | refresh
+    # before training, and train with the fastest (runner.run.tune, docs/tuning.md): auto | on |
+    # off | refresh
     tune: str = "auto"
     # the seconds tuning may take; null: 5% of the run's estimated time, at most 120
     tune_budget_s: Optional[float] = None
@@ -286,9 +291,8 @@ class TaskConfig:
 
 @dataclass
 class MlflowConfig:
-    tracking_uri: str = (
-        "sqlite:///mlflow.db"  # relative paths: the directory the user launched from
-    )
+    # any MLflow URI; a relative SQLite path is relative to the directory the user launched from
+    tracking_uri: str = "sqlite:///mlflow.db"
     experiment_name: str = DEFAULT_EXPERIMENT
     run_name: Optional[str] = None  # null = "<model>-<opt_level>", e.g. densenet161-O2
     sweep_name: Optional[str] = None  # a sweep's parent run; null = "sweep <swept overrides>"

@@ -1,14 +1,15 @@
-"""Each fact is declared once: a default, a name, a dtype's spelling, a bound. Where a second copy
-must stand (a YAML file users read, a module that may import nothing of the runner), these tests
-hold it equal to the first, key by key."""
+"""Each fact is declared once: a default, a name, a dtype's spelling, a bound. A group file in
+conf/ restates no default of its schema; where a second copy must stand (a module that may import
+nothing of the runner), these tests hold it equal to the first, key by key."""
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from runner.config import formats, schema
@@ -25,26 +26,52 @@ from runner.report.tables import LAYER_FORMATS
 from runner.tasks import TASK_CLASSES
 from tests.helpers.runs import compose_config
 
-# Each group file whose keys restate its schema's defaults, with that schema.
-RESTATED = {
-    "trainer/default.yaml": schema.TrainerConfig,
-    "mlflow/default.yaml": schema.MlflowConfig,
-    "task/auto.yaml": schema.TaskConfig,
-    "tracking/mlflow.yaml": schema.TrackingConfig,
-}
+
+def _restated(path: Path) -> list[str] | None:
+    """The keys a group file sets to the value its schema already gives them: the dataclass's
+    default, or (a precision preset) its level's. None where the file has no schema (`_target_`
+    options, whose keys are a callable's arguments). A required key (`???`) sets no value."""
+    stated = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    schemas = [
+        d.split("@")[0].lstrip("/") + ".yaml"
+        for d in stated.pop("defaults", None) or []
+        if isinstance(d, str) and d.startswith("/schema/")
+    ]
+    if not schemas:
+        return None
+    store = ConfigStore.instance()
+    given = OmegaConf.to_container(
+        OmegaConf.merge(*(store.load(s).node for s in schemas)), resolve=False
+    )
+    return [k for k, v in stated.items() if k in given and v == given[k] and v != "???"]
 
 
-@pytest.mark.parametrize("path", sorted(RESTATED))
-def test_a_group_file_states_its_schema_defaults_as_they_are(path):
-    """The dataclass is the source; the YAML (what users read and copy) may only repeat it."""
-    stated = OmegaConf.to_container(OmegaConf.load(config_dir() / path))
-    stated.pop("defaults")
-    defaults = {f.name: f for f in dataclasses.fields(RESTATED[path])}
-    unknown = sorted(set(stated) - set(defaults))
-    assert unknown == [], f"{path} states keys its schema lacks: {unknown}"
-    source = OmegaConf.to_container(OmegaConf.structured(RESTATED[path]))
-    differ = {k: (v, source[k]) for k, v in stated.items() if v != source[k]}
-    assert differ == {}, f"{path}: (YAML, dataclass) where they differ: {differ}"
+GROUP_FILES = sorted(p.relative_to(config_dir()) for p in config_dir().glob("*/*.yaml"))
+
+
+@pytest.mark.parametrize("path", GROUP_FILES, ids=str)
+def test_no_group_file_restates_its_schemas_defaults(path):
+    """A default lives in its dataclass only (Hydra's structured config): a group file sets what
+    differs from it (its name, its own values), never a copy of a default."""
+    assert not _restated(config_dir() / path), f"{path} restates its schema's defaults"
+
+
+def test_the_restated_check_finds_a_restated_default(tmp_path):
+    """Not vacuous: every typed file is read against its schema, and a default restated in one,
+    a level's value restated in a preset, are found; a value of the file's own is not."""
+    typed = [p for p in GROUP_FILES if _restated(config_dir() / p) is not None]
+    assert {p.parts[0] for p in typed} >= {"trainer", "mlflow", "data", "model", "precision"}
+    trainer = tmp_path / "trainer.yaml"
+    trainer.write_text(
+        "defaults:\n  - /schema/trainer/default@_here_\n  - _self_\n\nbatch_size: 128\nseed: 7\n"
+    )
+    assert _restated(trainer) == ["batch_size"]
+    preset = tmp_path / "preset.yaml"
+    preset.write_text(
+        "defaults:\n  - /schema/precision/apex@_here_\n  - /schema/precision/level/O2@_here_\n"
+        "  - _self_\n\npreset: mine\nloss_scale: dynamic\ncast_model_type: bfloat16\n"
+    )
+    assert _restated(preset) == ["loss_scale"]  # O2's own; bfloat16 is the preset's
 
 
 def test_the_composed_defaults_are_the_dataclasses():
