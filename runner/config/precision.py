@@ -5,7 +5,8 @@ and the values allowed), its default, how it is logged (the MLflow param `precis
 how it shows in a run's name. From `PROPERTIES` derive:
 - the schema's precision node (`precision_schema()`, registered in Hydra's ConfigStore),
 - the parsers (`parse(name, value)`, which raise `ConfigError` naming `precision.<name>`),
-- the resolved `runner.precision.properties.Properties` and its params (`as_params`),
+- the resolved `runner.precision.properties.Properties`: its fields and their types
+  (`runner.precision.recipe.property_types`, by each row's kind) and its params (`as_params`),
 - the run name's suffixes (`run_name_suffixes`).
 Adding a property = one row here + its rule(s) in `runner.precision`.
 

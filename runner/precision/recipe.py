@@ -1,6 +1,9 @@
 """`Properties`: the resolved precision recipe the engine executes, one value per row of the
 property table (`runner.config.precision.PROPERTIES`), a dtype as a torch.dtype.
 
+The table is the only place a property is declared: `Properties` takes its fields from it, and
+their types from each row's kind (`field_type`: a dtype's name becomes a torch.dtype, the
+layers' mapping an ordered tuple of pairs), since the table itself may not import torch.
 Resolving a level and overrides into `Properties` is `runner.precision.properties`'s job.
 """
 
@@ -16,33 +19,35 @@ from runner.precision.dtypes import HALF_DTYPES, TORCH_DTYPES, dtype_name
 
 LossScale = Union[float, Literal["dynamic"]]
 
+# The type of a row's value in `Properties`, by the row's kind (a "number" row: int or float, as
+# its `integer` says); a nullable row's is Optional.
+KIND_TYPES: dict[str, Any] = {
+    "dtype": torch.dtype,
+    "bool": bool,
+    "choice": str,
+    "loss_scale": LossScale,
+    "layers": tuple[tuple[str, str], ...],
+    "layer_plan": str,
+}
+
+
+def field_type(row: ptable.Property) -> Any:
+    """The type of `row`'s value in `Properties`, from its kind."""
+    base = (int if row.integer else float) if row.kind == "number" else KIND_TYPES[row.kind]
+    return Optional[base] if row.allow_none else base
+
+
+def property_types() -> dict[str, Any]:
+    """{property: its type in `Properties`}, one per row of the table, in the table's order."""
+    return {row.name: field_type(row) for row in ptable.PROPERTIES}
+
 
 class Properties:
     """The resolved precision recipe the engine executes: the level and one value per property
     of `runner.config.precision.PROPERTIES` (a dtype as a torch.dtype); immutable, so it can be
-    logged once. Read a property as an attribute: `props.cast_model_type`."""
-
-    # The table's rows spelled out for readers and type checkers. The values live in `_values`,
-    # keyed by the table itself; tests/unit/test_property_table.py holds these fields to the table
-    # (name, order, type, and every default a value of its type).
-    cast_model_type: Optional[torch.dtype]
-    patch_torch_functions: bool
-    keep_batchnorm_fp32: Optional[bool]
-    master_weights: Optional[bool]
-    loss_scale: LossScale
-    autocast_dtype: torch.dtype
-    fp8_linear: Optional[str]  # torchao's float8 recipe for the Linear layers' GEMMs
-    stochastic_rounding: bool  # a bf16 model's weights rounded at random at each update
-    optimizer_state: Optional[str]  # the state's format (None: the stepped weights' own type)
-    layers: tuple[tuple[str, str], ...]  # (module-name glob, format) per layer, in order
-    layer_plan: Optional[str]  # a plan file's path, "auto", or None
-    init_scale: float  # dynamic loss scaling (runner.precision.scaler.LossScaler)
-    growth_factor: float
-    backoff_factor: float
-    growth_interval: int
-    hysteresis: int
-    min_loss_scale: Optional[float]
-    max_loss_scale: float
+    logged once. Read a property as an attribute: `props.cast_model_type`. Its fields and their
+    types are the table's rows (`property_types()`, set as its annotations below); the values
+    live in `_values`, keyed by the table at run time."""
 
     __slots__ = ("opt_level", "_values")
 
@@ -162,6 +167,10 @@ class Properties:
         lines = [f"{'property':<{w}}  {'value':<{v}}".rstrip(), f"{'-' * w}  {'-' * v}"]
         lines += [f"{k:<{w}}  {val}" for k, val in rows]
         return "\n".join(lines)
+
+
+# The fields, for readers and `typing.get_type_hints`: the table's rows, not a copy of them.
+Properties.__annotations__ = property_types()
 
 
 def _rebuild_properties(opt_level: str, values: dict[str, Any]) -> Properties:

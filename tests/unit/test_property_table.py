@@ -4,8 +4,10 @@ with the key named), resolved into Properties, logged as a param and shown in th
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import typing
+from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import pytest
@@ -14,8 +16,9 @@ from hydra.errors import ConfigCompositionException
 
 import runner.config
 from runner.config import precision as table
+from runner.config.levels import LEVEL_VALUES, SCALER_DEFAULTS
 from runner.errors import ConfigError
-from runner.precision import resolve
+from runner.precision import recipe, resolve
 from runner.precision.properties import (
     LEVELS,
     LossScale,
@@ -93,10 +96,10 @@ def test_the_schema_is_back_without_the_row():
 
 
 # ---- Properties' fields are the table's rows --------------------------------------------------
-# `Properties` spells its fields out (readers and type checkers see them; its values are keyed by
-# the table at run time, so a row added to the table is resolved even before its field is
-# written). These tests hold the spelled-out fields to the table: name by name, in order, type by
-# type, and every default (the table's and each level's) a value of its field's type.
+# `Properties` takes its fields from the table (`recipe.property_types()`: each row's type from its
+# kind; its values are keyed by the table at run time). These tests hold the fields to the table:
+# name by name, in order, type by type, every default (the table's and each level's) a value of
+# its field's type, and no property declared anywhere but in the table.
 
 
 def _field_type(row: table.Property) -> Any:
@@ -143,6 +146,30 @@ def test_properties_fields_are_the_tables_rows():
     assert list(fields) == list(table.property_names())  # name by name, in the table's order
     for row in table.PROPERTIES:
         assert fields[row.name] == _field_type(row), row.name
+
+
+def test_a_property_is_declared_in_the_table_alone():
+    """The table is the one declaration of a property: `Properties` spells none out in its body
+    (its fields are the rows'), every kind a row may have is parsed and typed, and each level's
+    values and the loss scaler's defaults name rows of the table. A property (or a kind) written
+    in one of these places and not in the other fails here."""
+    tree = ast.parse(Path(recipe.__file__).read_text())
+    (body,) = [n.body for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Properties"]
+    targets = [n.target for n in body if isinstance(n, ast.AnnAssign)]
+    targets += [t for n in body if isinstance(n, ast.Assign) for t in n.targets]
+    spelled = {t.id for t in targets if isinstance(t, ast.Name)}
+    assert spelled & set(table.property_names()) == set()
+    kinds = set(typing.get_args(table.Kind))
+    assert set(table._PARSERS) == kinds
+    assert set(recipe.KIND_TYPES) == kinds - {"number"}  # (a number: int or float, by its row)
+    for level, values in LEVEL_VALUES.items():
+        assert set(values) <= set(table.property_names()), level
+    assert set(SCALER_DEFAULTS) <= set(table.property_names())
+
+
+def test_a_new_row_is_a_field_of_properties(dummy_property):
+    assert recipe.property_types()["dummy_knob"] is float
+    assert list(recipe.property_types())[-1] == "dummy_knob"
 
 
 def test_every_default_is_a_value_of_its_field():
