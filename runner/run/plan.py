@@ -383,7 +383,7 @@ def default_run_name(
     from the other runs of a sweep: each property's suffix (runner.config.precision: `-bf16`
     where it computes in bfloat16, `-fp8` with fp8 Linear layers instead, `-sr` with stochastic
     rounding), then `-compiled` through torch.compile, then a sweep job's `apart` (its swept
-    values, `lr=0.1 seed=2`, or its trial: runner.sweep.jobs.job_label) after a space.
+    values, `lr=0.1 seed=2`, or its trial: runner.sweep.expansion.job_label) after a space.
     `properties`: the resolved ones, when the caller has them (else resolved here)."""
     if cfg.mlflow.run_name:
         return cfg.mlflow.run_name
