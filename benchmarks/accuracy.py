@@ -18,10 +18,10 @@ user's ./mlflow.db). The seeds vary `trainer.seed` (weight init and shuffling or
 (`data.seed`) stays fixed, so every run is validated on the very same images and the levels are
 compared on equal terms.
 
-    python benchmarks/accuracy.py                   # CPU: o0, bf16 presets, o1_fp8, 2 compiled
-    python benchmarks/accuracy.py --device cuda     # GPU: o0-o3, bf16, fp8, 3 compiled
-    python benchmarks/accuracy.py --levels o0,o2_bf16,o2_bf16+compile --seeds 0 --epochs 2
-    python benchmarks/accuracy.py --suite state     # optimizer state: vit_tiny, AdamW
+    python -m benchmarks.accuracy                   # CPU: o0, bf16 presets, o1_fp8, 2 compiled
+    python -m benchmarks.accuracy --device cuda     # GPU: o0-o3, bf16, fp8, 3 compiled
+    python -m benchmarks.accuracy --levels o0,o2_bf16,o2_bf16+compile --seeds 0 --epochs 2
+    python -m benchmarks.accuracy --suite state     # optimizer state: vit_tiny, AdamW
 
 Optimizer-state rows (`--suite state`, or any level written `<preset>+<format>state`, e.g.
 `o2_bf16+int4state`, and the presets with int8 state): each is checked against the same level with
@@ -54,8 +54,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
-from common import (  # noqa: E402
+from benchmarks.common import (
     RESULTS,
     STATE_CHECKED,
     STATE_MEMORY_TARGETS,
@@ -227,7 +226,7 @@ class LevelSummary:
 # ---- arguments ----------------------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python benchmarks/accuracy.py",
+        prog="python -m benchmarks.accuracy",
         description="Accuracy parity of the precision levels against O0 (fp32): real training "
         "runs over several seeds; writes a Markdown table, a CSV and a JSON.",
     )
@@ -815,7 +814,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         },
         "compile_cache": compile_cache,
         "overrides": task_overrides(args),
-        **run_report_fields("accuracy.py", argv, args),
+        **run_report_fields("accuracy", argv, args),
     }
     started = time.perf_counter()
     results: list[RunResult] = report["_results"]

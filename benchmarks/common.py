@@ -20,8 +20,6 @@ from typing import Any, Optional
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"  # where a benchmark writes when given no --out
-if str(REPO) not in sys.path:  # `python benchmarks/<name>.py` from a checkout
-    sys.path.insert(0, str(REPO))
 
 
 def machine(device: str) -> dict[str, str]:
@@ -45,11 +43,9 @@ def machine(device: str) -> dict[str, str]:
     return info
 
 
-def command(script: str, argv: Sequence[str]) -> str:
-    """The command line that reproduces this run."""
-    return (
-        f"python benchmarks/{script} " + shlex.join(argv) if argv else f"python benchmarks/{script}"
-    )
+def command(name: str, argv: Sequence[str]) -> str:
+    """The command line that reproduces this run of benchmark `name` (`levels`)."""
+    return " ".join([f"python -m benchmarks.{name}", *([shlex.join(argv)] if argv else [])])
 
 
 def now() -> str:
@@ -697,7 +693,7 @@ def run_cells(
         **extra,
         "results": results,
         "machine": machine(args.device),
-        "command": command(f"{name}.py", argv),
+        "command": command(name, argv),
         "date": now(),
         "load_start": load_start,
         "load_end": load_average(),

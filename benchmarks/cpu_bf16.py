@@ -17,8 +17,8 @@ a bf16 level trains slower than O0; the runner measures this at the start of a b
 3. What the runner measures at start (`cpu_bf16_matmul_ratio`, 128 x 128 on one thread) and
    whether its finding fires; the CPU's flags and torch's CPU capability.
 
-    python benchmarks/cpu_bf16.py                        # results/cpu_bf16_cpu.md
-    python benchmarks/cpu_bf16.py --rounds 3 --no-steps  # the operations only, quicker
+    python -m benchmarks.cpu_bf16                        # results/cpu_bf16_cpu.md
+    python -m benchmarks.cpu_bf16 --rounds 3 --no-steps  # the operations only, quicker
 
 No targets: the figures say which side of fp32 this CPU's bf16 is on (verdict line). Exit 0
 whatever they say; 1 if a training step crashed; 2 for bad arguments.
@@ -34,8 +34,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
-from common import (  # noqa: E402
+from benchmarks.common import (
     RESULTS,
     add_out_option,
     build_runner,
@@ -206,7 +205,7 @@ def time_steps(models: Sequence[str], steps: int, rounds: int) -> tuple[list[dic
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python benchmarks/cpu_bf16.py", description=__doc__.split("\n\n")[0]
+        prog="python -m benchmarks.cpu_bf16", description=__doc__.split("\n\n")[0]
     )
     p.add_argument("--rounds", type=int, default=7, help="timed rounds per operation (default 7)")
     p.add_argument(
@@ -265,7 +264,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "load_end": load_average(),
         "date": now(),
         "wall_s": time.perf_counter() - started,
-        "command": command("cpu_bf16.py", argv),
+        "command": command("cpu_bf16", argv),
     }
     paths = write_results(args.out, render(report), rows, FIELDS, report)
     print()

@@ -15,8 +15,8 @@ Figures: the median step time per variant, the extra time of a diagnosed step ov
 `--intervals` (diagnose_every_n_steps=n diagnoses one step in n), and the values observed per
 diagnosed step.
 
-    python benchmarks/diagnostics_cost.py                     # CPU: tiny and ResNet-18, ~3 min
-    python benchmarks/diagnostics_cost.py --models resnet18 --levels o0 --steps 3 --rounds 2
+    python -m benchmarks.diagnostics_cost                     # CPU: tiny and ResNet-18, ~3 min
+    python -m benchmarks.diagnostics_cost --models resnet18 --levels o0 --steps 3 --rounds 2
 
 Measures; does not gate. Exit 0 whatever the numbers, 1 if a cell crashed, 2 for bad arguments.
 """
@@ -33,8 +33,7 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
-from common import (  # noqa: E402
+from benchmarks.common import (
     RESULTS,
     add_device_option,
     add_extra_option,
@@ -58,7 +57,7 @@ VARIANTS = ("off", "diagnosed", "memory meter")
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python benchmarks/diagnostics_cost.py",
+        prog="python -m benchmarks.diagnostics_cost",
         description="The cost of range diagnostics (and of the memory meter) per training step, "
         "against the same step without them; writes Markdown, CSV and JSON.",
     )

@@ -27,9 +27,9 @@ Host cost: the same variants over ResNet-50's tensor count (161) of 16 elements 
 the arithmetic is negligible and the time is what a step costs the host (Python, dispatch, the
 kernels' call overhead); median microseconds of --host-iters interleaved steps.
 
-    python benchmarks/fused_step.py --device cpu           # ResNet-50 and VGG-16, one run
-    python benchmarks/fused_step.py --device cuda --iters 50
-    python benchmarks/fused_step.py --models resnet50 --iters 5 --threads 1
+    python -m benchmarks.fused_step --device cpu           # ResNet-50 and VGG-16, one run
+    python -m benchmarks.fused_step --device cuda --iters 50
+    python -m benchmarks.fused_step --models resnet50 --iters 5 --threads 1
 
 Targets: (a) at least as fast as (c) (torch's fused AdamW, >= 1.0x) and >= 1.3x faster than (b),
 on every model; (d) at least as fast as (c) too (the fused-step issue asks it of the C++ Adam and
@@ -49,12 +49,12 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
-import torch  # noqa: E402
-from common import (  # noqa: E402
+import torch
+from torch import nn
+
+from benchmarks.common import (
     RESULTS,
     add_device_option,
     add_out_option,
@@ -65,7 +65,6 @@ from common import (  # noqa: E402
     machine,
     now,
 )
-from torch import nn  # noqa: E402
 
 MODELS = ("resnet50", "vgg16")
 BYTES_PER_PARAM = {
@@ -571,7 +570,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "host": host,
         "verdict": verdict(args.device, results, host),
         "machine": machine(args.device),
-        "command": command("fused_step.py", argv),
+        "command": command("fused_step", argv),
         "date": now(),
         "load_average": {"start": load_at_start, "end": load_average()},
     }

@@ -60,7 +60,7 @@
 # 84 s): part 3 holds the compiled rows, since compiling a 224-px model takes tens of seconds per
 # cell. Between them, copy the previous part's results/levels_cuda.json into benchmarks/results/
 # so that the next part's `levels.py --merge` completes the same table, or combine them later
-# with `python benchmarks/levels.py --from-json part1/levels_cuda.json part2/... part3/...`
+# with `python -m benchmarks.levels --from-json part1/levels_cuda.json part2/... part3/...`
 # (also the way to draw the figure where the GPU machine has no matplotlib).
 set -uo pipefail
 
@@ -272,7 +272,7 @@ if [[ "$PART" == lease ]]; then
   if [[ -n "${APEX_GIT:-}" && "$DRY" == 0 ]]; then
     APEX_DEVICE=cuda PYTHON="$PY" piece tests_apex_l0_cuda 60 bash tests/helpers/apex_l0.sh
   fi
-  piece bench_kernels 45 "$PY" benchmarks/fused_step.py --device "$DEV" \
+  piece bench_kernels 45 "$PY" -m benchmarks.fused_step --device "$DEV" \
     --iters "$(small 50 2)" --warmup "$(small 2 1)" --out "$RES/kernels_$TAG.md"
   # the mission's command as a user types it, O0 and O2, one process each; its logged steady
   # samples_per_s ratio against levels.py's for the same model and batch (within 10%). On the
@@ -280,11 +280,11 @@ if [[ "$PART" == lease ]]; then
   # about a minute each; steady.py writes the runs' figures before levels.py starts
   STEADY=(--model densenet161 --steps "$(small 60 4)")
   [[ "$DRY" == 1 ]] && STEADY+=(--image-size 32 --batch-size 2 --workers 0 --levels o0,o2)
-  piece steady_densenet 300 "$PY" benchmarks/steady.py --device "$DEV" "${STEADY[@]}" \
+  piece steady_densenet 300 "$PY" -m benchmarks.steady --device "$DEV" "${STEADY[@]}" \
     --work "$WORK/steady" --out "$RES/steady_$TAG.md"
-  piece bench_graphs 150 "$PY" benchmarks/graphs.py --device "$DEV" "${GRAPHS[@]}" \
+  piece bench_graphs 150 "$PY" -m benchmarks.graphs --device "$DEV" "${GRAPHS[@]}" \
     --out "$RES/graphs_$TAG.md"
-  piece bench_peers_tuned_rn50 200 "$PY" benchmarks/peers.py "${TUNED[@]}" --model resnet50 \
+  piece bench_peers_tuned_rn50 200 "$PY" -m benchmarks.peers "${TUNED[@]}" --model resnet50 \
     --out "$RES/peers_tuned_rn50_$TAG.md"
 elif [[ "$PART" == lease2 ]]; then
   # what never ran on a GPU, in what is left of the lease after the first call (about 300 s);
@@ -297,22 +297,22 @@ elif [[ "$PART" == lease2 ]]; then
   # autocast loop (torch_amp)
   PROF=(--model densenet161 --levels o0,o2)
   [[ "$DRY" == 1 ]] && PROF+=(--image-size 16 --batch-size 2 --warmup 1 --steps 1)
-  piece profile_densenet 150 "$PY" benchmarks/profile_step.py --device "$DEV" "${PROF[@]}" \
+  piece profile_densenet 150 "$PY" -m benchmarks.profile_step --device "$DEV" "${PROF[@]}" \
     --out "$RES/profile_step_densenet_$TAG.md"
   # the mission's command at its own size (CIFAR-10's 32 px, the default batch of 128): at
   # 224 px and batch 64 the host bounded O2's step on the H200 of 2026-11-29 (the GPU busy 56%);
   # at 32 px the GPU's share of each step is far smaller, so O2 may gain nothing there at all
   CIFAR=(--model densenet161 --levels o0,o2 --image-size 32 --batch-size "$(small 128 2)")
   [[ "$DRY" == 1 ]] && CIFAR+=(--warmup 1 --steps 1)
-  piece profile_densenet_cifar 100 "$PY" benchmarks/profile_step.py --device "$DEV" \
+  piece profile_densenet_cifar 100 "$PY" -m benchmarks.profile_step --device "$DEV" \
     "${CIFAR[@]}" --out "$RES/profile_step_densenet_cifar_$TAG.md"
-  piece bench_levels_densenet 240 "$PY" benchmarks/levels.py --device "$DEV" \
+  piece bench_levels_densenet 240 "$PY" -m benchmarks.levels --device "$DEV" \
     --models densenet161 --levels o0,o1,o2,torch_amp "${LV[@]}" \
     --out "$RES/levels_densenet_$TAG.md"
   GOUT=$RES/levels_gpt_$TAG.md
-  piece bench_levels_gpt 120 "$PY" benchmarks/levels.py --device "$DEV" --models gpt2_small \
+  piece bench_levels_gpt 120 "$PY" -m benchmarks.levels --device "$DEV" --models gpt2_small \
     "${GPT[@]}" --levels o0,o1_bf16,o2_bf16,o1_fp8 "${LV[@]:0:4}" --out "$GOUT"
-  piece bench_peers_gpt 150 "$PY" benchmarks/peers.py --device "$DEV" --model gpt2_small \
+  piece bench_peers_gpt 150 "$PY" -m benchmarks.peers --device "$DEV" --model gpt2_small \
     "${GPT[@]}" --peers titan:float8,hand:o1_bf16,lightning:bf16-mixed "${PEER[@]:0:6}" \
     --out "$RES/peers_gpt_$TAG.md"
   # fp16 accuracy parity: O1 and O2 within 1 point of O0, as many seeds as fit (each run is
@@ -320,53 +320,53 @@ elif [[ "$PART" == lease2 ]]; then
   ACC=(--levels o0,o1,o2 --seeds "$(small 0,1,2,3,4 0)" --epochs "$(small 10 1)")
   [[ "$DRY" == 0 ]] && ACC+=(--extra trainer.num_workers=8)
   [[ "$DRY" == 1 ]] && ACC+=(--extra data.num_train=64 data.num_val=32)
-  piece bench_accuracy_fp16 270 "$PY" benchmarks/accuracy.py --device "$DEV" "${ACC[@]}" \
+  piece bench_accuracy_fp16 270 "$PY" -m benchmarks.accuracy --device "$DEV" "${ACC[@]}" \
     --out "$RES/accuracy_fp16_$TAG.md"
-  piece bench_levels_gpt_compiled 90 "$PY" benchmarks/levels.py --device "$DEV" \
+  piece bench_levels_gpt_compiled 90 "$PY" -m benchmarks.levels --device "$DEV" \
     --models gpt2_small "${GPT[@]}" --levels o1_bf16+compile,o1_fp8+compile "${LV[@]:0:4}" \
     --merge --out "$GOUT"
   VIT_SIZE=()
   # (torchvision's ViT-B/16 takes 224-px images only)
   [[ "$DRY" == 1 ]] && VIT_SIZE=(--steps 1 --warmup 1 --image-size 224 --batch-size 1 --no-prime)
-  piece bench_levels_vit_compiled 180 "$PY" benchmarks/levels.py --device "$DEV" \
+  piece bench_levels_vit_compiled 180 "$PY" -m benchmarks.levels --device "$DEV" \
     --models "$VIT" --levels o1_bf16+compile,o1_fp8+compile,o2_fp8+compile "${VIT_SIZE[@]}" \
     --out "$RES/levels_vit_$TAG.md"
   LP=(--models resnet50,gpt_tiny --levels o1,o2)
   [[ "$DRY" == 1 ]] && LP+=(--image-size 16 --batch-size 2 --steps 1 --rounds 1)
   [[ "$DRY" == 0 ]] && LP+=(--image-size 224 --batch-size 64)
-  piece bench_layer_plan 80 "$PY" benchmarks/layer_plan_cost.py --device "$DEV" "${LP[@]}" \
+  piece bench_layer_plan 80 "$PY" -m benchmarks.layer_plan_cost --device "$DEV" "${LP[@]}" \
     --out "$RES/layer_plan_cost_$TAG.md"
   DENSE=()
   [[ "$DRY" == 0 ]] && DENSE=(--batch-size 64)
-  piece bench_peers_tuned_densenet 240 "$PY" benchmarks/peers.py "${TUNED[@]}" "${DENSE[@]}" \
+  piece bench_peers_tuned_densenet 240 "$PY" -m benchmarks.peers "${TUNED[@]}" "${DENSE[@]}" \
     --model densenet161 --out "$RES/peers_tuned_densenet_$TAG.md"
 elif [[ "$PART" == 1 ]]; then
   piece tests_gpu 180 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests
   piece tests_kernels 120 "$PY" -m pytest -q -p no:cacheprovider -m "not gpu" tests/unit/test_kernels.py
-  piece bench_kernels 120 "$PY" benchmarks/fused_step.py --device "$DEV"
-  piece bench_overhead 120 "$PY" benchmarks/overhead.py --device "$DEV"
-  piece bench_levels_1 300 "$PY" benchmarks/levels.py --device "$DEV" --models resnet18,resnet50 \
+  piece bench_kernels 120 "$PY" -m benchmarks.fused_step --device "$DEV"
+  piece bench_overhead 120 "$PY" -m benchmarks.overhead --device "$DEV"
+  piece bench_levels_1 300 "$PY" -m benchmarks.levels --device "$DEV" --models resnet18,resnet50 \
     --levels "$EAGER"
 elif [[ "$PART" == 2 ]]; then
-  piece bench_levels_vit 180 "$PY" benchmarks/levels.py --device "$DEV" --models "$VIT" \
+  piece bench_levels_vit 180 "$PY" -m benchmarks.levels --device "$DEV" --models "$VIT" \
     --levels "$EAGER" --merge
   # DenseNet-161 has no Linear layer fp8 could take here (its head has 10 outputs): no fp8 rows;
   # VGG-16-BN's two 4096-wide classifier layers run in fp8
-  piece bench_levels_2 200 "$PY" benchmarks/levels.py --device "$DEV" --models densenet161 \
+  piece bench_levels_2 200 "$PY" -m benchmarks.levels --device "$DEV" --models densenet161 \
     --levels "$BASE" --merge
-  piece bench_levels_2b 200 "$PY" benchmarks/levels.py --device "$DEV" --models vgg16_bn \
+  piece bench_levels_2b 200 "$PY" -m benchmarks.levels --device "$DEV" --models vgg16_bn \
     --levels "$EAGER" --merge
 elif [[ "$PART" == 4 ]]; then
   # a language model: sizes are tokens per sequence (1024); GPT-2's vocabulary padded to 50304
   # (a multiple of 64, as nanoGPT does) over the synthetic language's ids
   GPT=(--models gpt2_small --image-size 1024 --batch-size 8 --extra model.vocab_size=50304)
-  piece bench_levels_gpt 180 "$PY" benchmarks/levels.py --device "$DEV" "${GPT[@]}" \
+  piece bench_levels_gpt 180 "$PY" -m benchmarks.levels --device "$DEV" "${GPT[@]}" \
     --levels o0,o1_bf16,o2_bf16,o3_bf16_sr,o1_fp8,o2_fp8 --merge
-  piece bench_levels_gpt_compiled 180 "$PY" benchmarks/levels.py --device "$DEV" "${GPT[@]}" \
+  piece bench_levels_gpt_compiled 180 "$PY" -m benchmarks.levels --device "$DEV" "${GPT[@]}" \
     --levels o1_bf16+compile,o2_bf16+compile,o1_fp8+compile --merge
   # language-model parity where a step costs milliseconds: 2000 steps a run (the CPU table's
   # 400 leave the seeds' spread wider than the targets)
-  piece bench_lm_parity 180 "$PY" benchmarks/lm_parity.py --device "$DEV" --steps 2000 \
+  piece bench_lm_parity 180 "$PY" -m benchmarks.lm_parity --device "$DEV" --steps 2000 \
     --levels o0,o1_bf16,o2_bf16,o3_bf16_sr,o1_fp8 --overhead-rounds 10
   # sharded runs (FSDP2) where the machine has several GPUs: GPT-2 small over all of them at
   # o2_bf16 and o1_fp8, tokens/s and memory by kind per rank in an MLflow store under results/
@@ -382,15 +382,15 @@ elif [[ "$PART" == 4 ]]; then
     done
   fi
   # precision per layer: a head kept in fp32 (input casts on every layer at O2), the audit's step
-  piece bench_layer_plan 60 "$PY" benchmarks/layer_plan_cost.py --device "$DEV" \
+  piece bench_layer_plan 60 "$PY" -m benchmarks.layer_plan_cost --device "$DEV" \
     --models resnet50,gpt_tiny --levels o1,o2 --image-size 224 --batch-size 64
 else
-  piece bench_levels_compiled 330 "$PY" benchmarks/levels.py --device "$DEV" \
+  piece bench_levels_compiled 330 "$PY" -m benchmarks.levels --device "$DEV" \
     --models "$VIT",resnet50 --levels "$COMPILED" --merge
   # the new presets and the fp16 levels first (a piece stopped early keeps the runs it finished);
   # no fp8 or compiled rows: the tiny CNN has no fp8-able layer, and compiling changes no
   # accuracy that the CPU table does not already show
-  piece bench_accuracy 240 "$PY" benchmarks/accuracy.py --device "$DEV" \
+  piece bench_accuracy 240 "$PY" -m benchmarks.accuracy --device "$DEV" \
     --levels o0,o1,o2,o2_bf16,o3_bf16_sr,o3,o1_bf16,o3_bf16 --extra trainer.num_workers=8
 fi
 

@@ -21,9 +21,9 @@ Cases and what is expected of them (the verdict):
                      one contiguous copy of its bytes, the replay no slower on the device than
                      the eager step (5% and 0.05 ms).
 
-    python benchmarks/graphs.py                        # CUDA: the three cases, about 2 minutes
-    python benchmarks/graphs.py --cases gpu_rn50_o2 --rounds 20
-    python benchmarks/graphs.py --device cpu           # a CPU: the eager step only (16 px,
+    python -m benchmarks.graphs                        # CUDA: the three cases, about 2 minutes
+    python -m benchmarks.graphs --cases gpu_rn50_o2 --rounds 20
+    python -m benchmarks.graphs --device cpu           # a CPU: the eager step only (16 px,
                                                        # batch 2); planning refuses the graphs
 
 On a CPU `trainer.cuda_graphs=true` is refused in planning: the eager step is timed (a check of
@@ -40,10 +40,8 @@ import sys
 import time
 import traceback
 from collections.abc import Sequence
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
-from common import (  # noqa: E402
+from benchmarks.common import (
     RESULTS,
     add_device_option,
     add_out_option,
@@ -78,7 +76,7 @@ VARIANTS = ("eager", "graphed")
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python benchmarks/graphs.py",
+        prog="python -m benchmarks.graphs",
         description="The trainer's step with trainer.cuda_graphs against the eager step, "
         "interleaved in one process, with the device-time split of the optimizer step; "
         "writes Markdown, CSV and JSON.",
@@ -429,7 +427,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "refusals": sorted({c["refused"] for c in results if c.get("refused")}),
             "results": results,
             "machine": machine(args.device),
-            "command": command("graphs.py", argv),
+            "command": command("graphs", argv),
             "date": now(),
             "load_start": load_start,
             "load_end": load_average(),

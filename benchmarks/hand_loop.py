@@ -1,4 +1,4 @@
-"""The hand-written loop of the start-up benchmark (`python benchmarks/overhead.py --startup`): what
+"""The hand-written loop of the start-up benchmark (`python -m benchmarks.overhead --startup`): what
 a user writes with stock PyTorch for the runner's tiny smoke run, as one process.
 
 It does the work of `python -m runner model=tiny data=synthetic trainer.max_epochs=1

@@ -12,8 +12,8 @@ batch held in memory; blocks of `--steps` steps alternate, round after round, be
            diagnosed step of a run carry).
 Figures: median step times, the plan's extra time per step and the audit's per audited step.
 
-    python benchmarks/layer_plan_cost.py                  # CPU: tiny, resnet18, gpt_tiny; ~3 min
-    python benchmarks/layer_plan_cost.py --models resnet18 --levels o2_bf16 --rounds 2
+    python -m benchmarks.layer_plan_cost                  # CPU: tiny, resnet18, gpt_tiny; ~3 min
+    python -m benchmarks.layer_plan_cost --models resnet18 --levels o2_bf16 --rounds 2
 
 Measures; does not gate. Exit 0 whatever the numbers, 1 if a cell crashed, 2 for bad arguments.
 """
@@ -26,10 +26,8 @@ import sys
 import time
 import traceback
 from collections.abc import Sequence
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
-from common import (  # noqa: E402
+from benchmarks.common import (
     RESULTS,
     add_device_option,
     add_out_option,
@@ -61,7 +59,7 @@ HEADS = {
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python benchmarks/layer_plan_cost.py",
+        prog="python -m benchmarks.layer_plan_cost",
         description="The cost of a layer plan (a head kept in fp32) and of the layer audit per "
         "training step, against the level's own step; writes Markdown, CSV and JSON.",
     )

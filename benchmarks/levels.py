@@ -28,11 +28,11 @@ device (COMPILE_MODELS: ResNet-18 on CPU, ResNet-50 and ViT-B/16 on CUDA): compi
 takes tens of seconds to minutes. A model is a model config option or `<zoo>:<arch>`
 (`torchvision:vit_b_16` -> `model=torchvision model.arch=vit_b_16`).
 
-    python benchmarks/levels.py                     # CPU: 32 px, O0 + bf16, 2 compiled cells
-    python benchmarks/levels.py --device cuda --models resnet18,resnet50
-    python benchmarks/levels.py --device cuda --models densenet161,vgg16_bn --merge
-    python benchmarks/levels.py --device cuda --models torchvision:vit_b_16 --merge
-    python benchmarks/levels.py --from-json a.json b.json --out results/levels_cuda.md
+    python -m benchmarks.levels                     # CPU: 32 px, O0 + bf16, 2 compiled cells
+    python -m benchmarks.levels --device cuda --models resnet18,resnet50
+    python -m benchmarks.levels --device cuda --models densenet161,vgg16_bn --merge
+    python -m benchmarks.levels --device cuda --models torchvision:vit_b_16 --merge
+    python -m benchmarks.levels --from-json a.json b.json --out results/levels_cuda.md
 
 (gpu_suite.sh splits the GPU table into commands that each fit a 10-minute device call.)
 
@@ -59,8 +59,7 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
-from common import (  # noqa: E402
+from benchmarks.common import (
     COMPILE_SUFFIX,
     RESULTS,
     add_device_option,
@@ -87,7 +86,7 @@ from common import (  # noqa: E402
     save_figure,
     write_results,
 )
-from overhead import handwritten_step, timed_block  # noqa: E402
+from benchmarks.overhead import handwritten_step, timed_block
 
 MODELS = ["resnet18", "resnet50", "densenet161", "vgg16_bn"]
 VIT = "torchvision:vit_b_16"  # the ViT of the GPU table (model=torchvision model.arch=vit_b_16)
@@ -153,7 +152,7 @@ def handwritten_preset(device: str) -> str:
 # ---- arguments ----------------------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python benchmarks/levels.py",
+        prog="python -m benchmarks.levels",
         description="Per-level table: throughput, step time and peak memory of each precision "
         "level per model, on the runner's real training step; Markdown, CSV, JSON and a PNG.",
     )
@@ -842,7 +841,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     every_level = list(dict.fromkeys(lvl for lvls in args.levels.values() for lvl in lvls))
     compiling = [lvl for lvl in every_level if lvl.endswith(COMPILE_SUFFIX)]
     run = {
-        "command": command("levels.py", argv),
+        "command": command("levels", argv),
         "date": now(),
         "machine": machine(args.device),
         "load_start": load_average(),

@@ -42,9 +42,9 @@ in memory): the runner's `Trainer.train_step` against a hand-written nanoGPT-sty
 same initial weights, blocks interleaved, for o0, o1_bf16, o2_bf16 (CUDA: o0, o1, o2). Target:
 runner / hand-written median step time <= 1.03 (O2: < 1, the runner faster).
 
-    python benchmarks/lm_parity.py                  # CPU: 5 levels x 3 seeds, about 15 minutes
-    python benchmarks/lm_parity.py --seeds 0 --steps 50 --levels o0,o2_bf16 --overhead-rounds 3
-    python benchmarks/lm_parity.py --device cuda    # -> benchmarks/results/lm_parity_cuda.md
+    python -m benchmarks.lm_parity                  # CPU: 5 levels x 3 seeds, about 15 minutes
+    python -m benchmarks.lm_parity --seeds 0 --steps 50 --levels o0,o2_bf16 --overhead-rounds 3
+    python -m benchmarks.lm_parity --device cuda    # -> benchmarks/results/lm_parity_cuda.md
 
 Writes a Markdown report (also printed), a CSV with one row per run and a JSON with everything
 to benchmarks/results/lm_parity_<device>.* (`--out`), after every run (a run stopped at a time
@@ -73,8 +73,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
-from common import (  # noqa: E402
+from benchmarks.common import (
     RESULTS,
     STATE_CHECKED,
     STATE_MEMORY_TARGETS,
@@ -227,7 +226,7 @@ def fp8_unavailable(device: str) -> str | None:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python benchmarks/lm_parity.py",
+        prog="python -m benchmarks.lm_parity",
         description="Language-model parity: each precision level's best validation loss on "
         "gpt_tiny trained on real text against fp32's, over several seeds, and the runner's "
         "training step against a hand-written loop; writes Markdown, CSV and JSON.",
@@ -463,8 +462,7 @@ def run_name(level: str, seed: int) -> str:
 
 def run_one(args: argparse.Namespace, level: str, seed: int, session: str) -> RunResult:
     """One real run of `level` at `seed`, then its metrics and params read back from the store."""
-    from accuracy import StoredRun, read_run
-
+    from benchmarks.accuracy import StoredRun, read_run
     from runner.errors import DivergenceError
     from runner.run.app import run
 
@@ -701,7 +699,7 @@ def overhead_argv(args: argparse.Namespace, cfg: Any) -> list[str]:
 def measure_overhead(args: argparse.Namespace, cfg: Any) -> dict:
     """overhead.py's `Level`s built, warmed up and stepped in interleaved rounds, exactly as
     overhead.py's main does; returns its results, settings and verdict."""
-    import overhead
+    from benchmarks import overhead
 
     oargs = overhead.parse_args(overhead_argv(args, cfg))
     load_start = load_average()
@@ -747,7 +745,7 @@ def overhead_lines(report: dict | None, rounds: int) -> list[str]:
         return ["## Step overhead", "", "Not measured yet (it runs after the parity runs).", ""]
     if "error" in report:
         return ["## Step overhead", "", f"**Crashed**: {report['error']}", ""]
-    import overhead
+    from benchmarks import overhead
 
     t = report["task"]
     lines = [
@@ -1042,7 +1040,7 @@ def _main(argv: list[str], args: argparse.Namespace) -> int:
         "overhead": None,
         "load_start": load_start,
         "versions": versions(),
-        **run_report_fields("lm_parity.py", argv, args),
+        **run_report_fields("lm_parity", argv, args),
     }
     session = uuid.uuid4().hex[:12]
     total = len(args.levels) * len(args.seeds)

@@ -18,8 +18,8 @@ the block that queued it. Two figures per interval:
               amortises the per-call end-to-end cost measured at every step (one call per step)
               over the default interval instead; the directly measured difference is reported.
 
-    python benchmarks/logging_cost.py                 # CPU, tiny model, ~2 minutes
-    python benchmarks/logging_cost.py --rounds 4 --steps 50
+    python -m benchmarks.logging_cost                 # CPU, tiny model, ~2 minutes
+    python -m benchmarks.logging_cost --rounds 4 --steps 50
 
 Target: under 1% of the step time at the default interval. Exit 0 whatever the verdict,
 1 if the run crashed, 2 for bad arguments.
@@ -35,8 +35,7 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
-from common import (  # noqa: E402
+from benchmarks.common import (
     RESULTS,
     add_device_option,
     add_extra_option,
@@ -84,7 +83,7 @@ class Sink:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python benchmarks/logging_cost.py",
+        prog="python -m benchmarks.logging_cost",
         description="MLflow logging cost per training step, at log_every_n_steps=1 and the "
         "default, on a real run with a SQLite store; writes Markdown, CSV and JSON.",
     )
@@ -391,7 +390,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "mlflow": mlflow.__version__,
         "overrides": task_overrides(args),
         "machine": machine(args.device),
-        "command": command("logging_cost.py", argv),
+        "command": command("logging_cost", argv),
         "date": now(),
         "load_start": load_start,
         "load_end": load_average(),

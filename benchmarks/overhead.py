@@ -19,11 +19,11 @@ Blocks of steps alternate between the two (the order flips every round) for ever
 load drift on a shared machine hits both sides alike; the figure is the median step time of each
 side and their ratio, runner / hand-written.
 
-    python benchmarks/overhead.py                       # CPU: o0, o1_bf16, o2_bf16
-    python benchmarks/overhead.py --device cuda         # GPU: o0, o1, o2 (fp16)
-    python benchmarks/overhead.py --levels o0 --rounds 5 --model tiny
-    python benchmarks/overhead.py --startup             # start-up: whole processes (startup.py)
-    python benchmarks/overhead.py --instruments         # the instruments' cost at a usual step
+    python -m benchmarks.overhead                       # CPU: o0, o1_bf16, o2_bf16
+    python -m benchmarks.overhead --device cuda         # GPU: o0, o1, o2 (fp16)
+    python -m benchmarks.overhead --levels o0 --rounds 5 --model tiny
+    python -m benchmarks.overhead --startup             # start-up: whole processes (startup.py)
+    python -m benchmarks.overhead --instruments         # the instruments' cost at a usual step
 
 Targets: ratio <= 1.03 for O0 and O1 (bf16 on CPU), ResNet-18 on 32x32 inputs at batch
 64, CPU and GPU; O2: the runner faster than the stock loop (ratio < 1). Exit 0 whatever the
@@ -42,8 +42,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
-from common import (  # noqa: E402
+from benchmarks.common import (
     RESULTS,
     add_device_option,
     add_extra_option,
@@ -246,7 +245,7 @@ def handwritten_step(model, cfg, properties, batch) -> Callable[[], object]:
 # ---- arguments ----------------------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python benchmarks/overhead.py",
+        prog="python -m benchmarks.overhead",
         description="Runner overhead: Trainer.train_step against a hand-written PyTorch loop "
         "doing the same work, interleaved, per precision level; writes Markdown, CSV and JSON.",
     )
@@ -737,7 +736,7 @@ def provenance(args, argv: Sequence[str], load_start: list[float], started: floa
     """Where, how and when a result was measured (called once the measuring is done)."""
     return {
         "machine": machine(args.device),
-        "command": command("overhead.py", argv),
+        "command": command("overhead", argv),
         "date": now(),
         "load_start": load_start,
         "load_end": load_average(),
@@ -748,7 +747,7 @@ def provenance(args, argv: Sequence[str], load_start: list[float], started: floa
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--startup" in argv:  # whole processes instead of steps: benchmarks/startup.py
-        import startup
+        from benchmarks import startup
 
         return startup.main([a for a in argv if a != "--startup"])
     args = parse_args(argv)

@@ -23,11 +23,11 @@ same way. Blocks of `--steps` steps (after `--warmup` untimed ones; each Lightni
 `fit`) alternate between the runner and the peer, the order flipping every round, so drift hits
 both alike; a side's figure is the median of its blocks' median step times.
 
-    python benchmarks/peers.py --device cuda            # ResNet-50, 224 px, batch 128
-    python benchmarks/peers.py                          # CPU: ResNet-18, 32 px, bf16 peers only
-    python benchmarks/peers.py --device cuda --model torchvision:vit_b_16 --peers
+    python -m benchmarks.peers --device cuda            # ResNet-50, 224 px, batch 128
+    python -m benchmarks.peers                          # CPU: ResNet-18, 32 px, bf16 peers only
+    python -m benchmarks.peers --device cuda --model torchvision:vit_b_16 --peers
     lightning:bf16-mixed
-    python benchmarks/peers.py --device cuda --model gpt2_small --image-size 1024 --batch-size 8 \
+    python -m benchmarks.peers --device cuda --model gpt2_small --image-size 1024 --batch-size 8 \
         --extra model.vocab_size=50304 --peers titan:float8,hand:o1_bf16
 
 torchtitan's float8 recipe is applied here as torchtitan 0.3 applies it on one GPU, with torchao
@@ -61,10 +61,8 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
-from common import (  # noqa: E402
+from benchmarks.common import (
     RESULTS,
     add_device_option,
     add_extra_option,
@@ -87,7 +85,7 @@ from common import (  # noqa: E402
     resolve_device,
     write_results,
 )
-from overhead import handwritten_step, timed_block  # noqa: E402
+from benchmarks.overhead import handwritten_step, timed_block
 
 # peer -> the runner level doing the same work
 PAIRS = {
@@ -138,7 +136,7 @@ FIELDS = [
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python benchmarks/peers.py",
+        prog="python -m benchmarks.peers",
         description="The runner's training step against Lightning's precision plugins and a "
         "hand-written autocast loop on the same model, data and weights; Markdown, CSV, JSON.",
     )
@@ -668,7 +666,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "lightning": lightning_version,
         "rows": rows,
         "machine": machine(args.device),
-        "command": command("peers.py", argv),
+        "command": command("peers", argv),
         "date": now(),
         "load_start": load_start,
         "load_end": load_average(),

@@ -2,9 +2,9 @@
 objects a run builds, one batch kept in memory) under torch.profiler, its device time by kind of
 work, and how much of the step's wall time the device is busy.
 
-    python benchmarks/profile_step.py --device cuda   # densenet161, 224 px, batch 64, o0 and o2
-    python benchmarks/profile_step.py --device cuda --extra trainer.channels_last=true
-    python benchmarks/profile_step.py --device cpu --model tiny --image-size 16 --batch-size 8
+    python -m benchmarks.profile_step --device cuda   # densenet161, 224 px, batch 64, o0 and o2
+    python -m benchmarks.profile_step --device cuda --extra trainer.channels_last=true
+    python -m benchmarks.profile_step --device cpu --model tiny --image-size 16 --batch-size 8
 
 Why: on an H200 (2026-11-28) DenseNet-161 trained no faster at O2 than at O0 (103 ms a step
 each, the loader idle), where ResNet-50's O2 is 5x O0. Either the host bounds the step (the GPU
@@ -34,10 +34,8 @@ import sys
 import time
 import traceback
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
-from common import (  # noqa: E402
+from benchmarks.common import (
     RESULTS,
     add_device_option,
     add_extra_option,
@@ -84,7 +82,7 @@ FIELDS = ["level", "status", "plain_ms", "wall_ms", "busy_ms", "busy_share", "ke
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python benchmarks/profile_step.py",
+        prog="python -m benchmarks.profile_step",
         description="Where one training step's time goes per level: torch.profiler over the "
         "runner's step, device time by kind of work, and the device's busy share; writes "
         "Markdown, CSV and JSON.",
@@ -288,7 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "extra": args.extra,
             "rows": rows,
             "machine": machine(args.device),
-            "command": command("profile_step.py", argv),
+            "command": command("profile_step", argv),
             "date": now(),
             "load_start": load_start,
             "load_end": load_average(),

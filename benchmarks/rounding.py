@@ -16,9 +16,9 @@ logged to an MLflow store (by default a fresh SQLite store in a temporary folder
 CSV (one row per run and epoch), a JSON with everything, and a PNG figure (train loss and
 validation accuracy per epoch, mean over the seeds with a min-max band).
 
-    python benchmarks/rounding.py                          # 3 levels x 3 seeds, 10 epochs, CPU
-    python benchmarks/rounding.py --seeds 0 --epochs 3
-    python benchmarks/rounding.py --lr 0.03 --seeds 0      # a larger lr: no stall
+    python -m benchmarks.rounding                          # 3 levels x 3 seeds, 10 epochs, CPU
+    python -m benchmarks.rounding --seeds 0 --epochs 3
+    python -m benchmarks.rounding --lr 0.03 --seeds 0      # a larger lr: no stall
 
 Verdict: the stall is shown when `o3_bf16`'s mean best validation accuracy is at least
 STALL_POINTS below `o2_bf16`'s while `o3_bf16_sr`'s is within SR_POINTS of it. Exit status: 0
@@ -40,9 +40,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
-from accuracy import read_run  # noqa: E402
-from common import (  # noqa: E402
+from benchmarks.accuracy import read_run
+from benchmarks.common import (
     RESULTS,
     add_run_options,
     add_threads_option,
@@ -140,7 +139,7 @@ class LevelSummary:
 # ---- arguments ----------------------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python benchmarks/rounding.py",
+        prog="python -m benchmarks.rounding",
         description="The stall case: o2_bf16 (fp32 masters), o3_bf16 (round to nearest) and "
         "o3_bf16_sr (stochastic rounding) at a learning rate small enough that bf16 loses most "
         "updates; real runs over several seeds; Markdown, CSV, JSON and a PNG figure.",
@@ -600,7 +599,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "lr": args.lr,
         "num_classes": int(composed.data.get("num_classes", 0) or 0),
         "overrides": overrides,
-        **run_report_fields("rounding.py", argv, args),
+        **run_report_fields("rounding", argv, args),
     }
     started = time.perf_counter()
     results: list[RunResult] = report["_results"]

@@ -1,8 +1,8 @@
 """Start-up: the whole-process wall time of a tiny runner run against a hand-written loop doing
 the same work (`benchmarks/hand_loop.py`), as a user types them, each in a fresh process.
 
-    python benchmarks/overhead.py --startup          # the same as: python benchmarks/startup.py
-    python benchmarks/startup.py --pairs 5 --cold 2
+    python -m benchmarks.overhead --startup          # the same as: python -m benchmarks.startup
+    python -m benchmarks.startup --pairs 5 --cold 2
 
 The task: `python -m runner model=tiny data=synthetic trainer.max_epochs=1
 trainer.limit_train_batches=3 trainer.limit_val_batches=1 trainer.device=cpu` with the defaults
@@ -44,8 +44,16 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
-from common import REPO, RESULTS, command, load_average, machine, now, setup_lines, write_results  # noqa: E402
+from benchmarks.common import (
+    REPO,
+    RESULTS,
+    command,
+    load_average,
+    machine,
+    now,
+    setup_lines,
+    write_results,
+)
 
 TARGET_GAP_S = 1.5
 TARGET_COLD_S = 10.0
@@ -128,7 +136,7 @@ def import_costs(repeats: int) -> dict[str, float]:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python benchmarks/startup.py", description=__doc__.split("\n\n")[0]
+        prog="python -m benchmarks.startup", description=__doc__.split("\n\n")[0]
     )
     p.add_argument("--pairs", type=int, default=5, help="timed runner/hand pairs (default 5)")
     p.add_argument(
@@ -253,7 +261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "load_end": load_average(),
         "date": now(),
         "wall_s": time.perf_counter() - started,
-        "command": command("startup.py", argv),
+        "command": command("startup", argv),
     }
     rows = [
         {"side": side, "pair": i + 1, "wall_s": round(t, 3)}

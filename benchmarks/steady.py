@@ -9,8 +9,8 @@ its own, its logged `samples_per_s` (steady: the steps after the warm-up) and
 warm-up steps, on one batch kept in memory). The verdict: the ratio of the last level's logged
 `samples_per_s` to the first's is within 10% of levels.py's ratio for the same two levels.
 
-    python benchmarks/steady.py --device cuda        # densenet161, 224 px, batch 64, O0 and O2
-    python benchmarks/steady.py --device cpu --model tiny --image-size 16 --batch-size 16 \\
+    python -m benchmarks.steady --device cuda        # densenet161, 224 px, batch 64, O0 and O2
+    python -m benchmarks.steady --device cpu --model tiny --image-size 16 --batch-size 16 \\
         --steps 12 --levels o0,o1_bf16               # the same check at a CPU's size
 
 levels.py runs with the runner's defaults (channels-last off; on CUDA TF32 on, as torch allows
@@ -30,8 +30,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/common.py
-from common import (  # noqa: E402
+from benchmarks.common import (
     REPO,
     RESULTS,
     add_device_option,
@@ -73,7 +72,7 @@ FIELDS = [
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python benchmarks/steady.py",
+        prog="python -m benchmarks.steady",
         description="The runner's logged steady samples_per_s per level against levels.py's "
         "timed steps: the ratio between two levels, both ways; Markdown, CSV and JSON.",
     )
@@ -295,7 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "rows": rows,
             "verdict": verdict(rows, args.levels),
             "machine": machine(args.device),
-            "command": command("steady.py", argv),
+            "command": command("steady", argv),
             "date": now(),
             "load_start": load_start,
             "load_end": load_average(),

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.benchmarks import load_benchmark
-
-RESULTS = load_benchmark("common").RESULTS  # where the benchmarks write without an --out
+from benchmarks.common import RESULTS  # where the benchmarks write without an --out
 
 
 def _files() -> dict[str, tuple[int, int]]:

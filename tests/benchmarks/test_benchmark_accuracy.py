@@ -8,16 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.benchmarks import load_benchmark
-
-
-def _load_benchmark():
-    return load_benchmark("accuracy")
+from benchmarks import accuracy as bench
 
 
 @pytest.mark.slow  # two real runs and a fresh MLflow store: about 10-15 s on 2 cores
 def test_accuracy_benchmark_smoke(tmp_path: Path, capsys):
-    bench = _load_benchmark()
     out = tmp_path / "results" / "accuracy.md"
     code = bench.main(
         [
@@ -66,7 +61,6 @@ def test_accuracy_benchmark_smoke(tmp_path: Path, capsys):
 
 
 def test_accuracy_benchmark_adds_the_baseline_and_rejects_unknown_levels(capsys):
-    bench = _load_benchmark()
     args = bench.parse_args(["--levels", "o3_bf16", "--device", "cpu"])
     assert args.levels == ["o0", "o3_bf16"]
     assert args.seeds == [0, 1, 2]
@@ -82,7 +76,6 @@ def test_accuracy_benchmark_adds_the_baseline_and_rejects_unknown_levels(capsys)
 @pytest.mark.slow  # four real runs (torchao's import: a few seconds); the compiled rows' real
 # compile is tested once, in test_benchmark_levels (a cold CPU compile takes 15-30 s)
 def test_accuracy_benchmark_sr_and_fp8_rows(tmp_path: Path):
-    bench = _load_benchmark()
     out = tmp_path / "accuracy.md"
     code = bench.main(
         [
@@ -148,7 +141,6 @@ def test_accuracy_benchmark_sr_and_fp8_rows(tmp_path: Path):
 
 
 def test_accuracy_level_specs_and_the_sr_check(capsys):
-    bench = _load_benchmark()
     args = bench.parse_args(["--levels", "o2_bf16+compile,o3_bf16_sr", "--device", "cpu"])
     assert args.levels == ["o0", "o2_bf16+compile", "o3_bf16_sr"]
     assert bench.parse_args(["--device", "cpu"]).levels == bench.CPU_LEVELS
@@ -185,7 +177,6 @@ def test_accuracy_level_specs_and_the_sr_check(capsys):
 
 
 def test_accuracy_compiled_rows_are_checked_and_show_their_compile_times():
-    bench = _load_benchmark()
     runs = [
         bench.RunResult(
             "o0",
@@ -249,7 +240,6 @@ def test_accuracy_compiled_rows_are_checked_and_show_their_compile_times():
 
 
 def test_accuracy_state_rows_parse_and_are_checked_against_their_own_level():
-    bench = _load_benchmark()
     args = bench.parse_args(["--suite", "state", "--device", "cpu"])
     assert args.levels == ["o0", *bench.STATE_LEVELS] and args.model == "vit_tiny"
     assert args.epochs == bench.STATE_EPOCHS and "optimizer=adamw" in bench.task_overrides(args)
@@ -328,7 +318,6 @@ def test_accuracy_benchmark_state_suite_smoke(tmp_path: Path, monkeypatch):
     import torchao.optim.adam as adam
 
     monkeypatch.setattr(adam.torch, "compile", lambda fn, **kwargs: fn)
-    bench = _load_benchmark()
     out = tmp_path / "accuracy_state.md"
     code = bench.main(
         [

@@ -11,11 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.benchmarks import load_benchmark
+from benchmarks import cpu_bf16 as bench
 
 
 def test_cpu_bf16_benchmark_smoke(tmp_path: Path, capsys):
-    bench = load_benchmark("cpu_bf16")
     out = tmp_path / "results" / "cpu_bf16.md"
     argv = ["--rounds", "1", "--steps", "1", "--step-rounds", "1", "--models", "tiny"]
     assert bench.main([*argv, "--out", str(out)]) == 0
@@ -38,7 +37,7 @@ def test_cpu_bf16_benchmark_smoke(tmp_path: Path, capsys):
     report = json.loads(out.with_suffix(".json").read_text())
     assert report["finding_fires"] == (report["runner_ratio"] >= report["slow_ratio"])
     assert set(report["flags"]) <= set(bench.FLAGS) and report["cpu_capability"]
-    assert report["errors"] == [] and "cpu_bf16.py --rounds 1" in report["command"]
+    assert report["errors"] == [] and "benchmarks.cpu_bf16 --rounds 1" in report["command"]
     table = out.read_text()
     side = "SLOWER" if "SLOWER" in table else "FASTER"
     assert f"Verdict: bf16 computes {side} than fp32 on this CPU" in table
@@ -51,7 +50,6 @@ def test_cpu_bf16_benchmark_smoke(tmp_path: Path, capsys):
 def test_cpu_bf16_benchmark_refuses_a_zero_count(tmp_path: Path, capsys):
     """Bad arguments are refused before anything is timed (an --out of the test's own, so that a
     refusal that broke could not overwrite the committed results)."""
-    bench = load_benchmark("cpu_bf16")
     out = ["--out", str(tmp_path / "results" / "cpu_bf16.md")]
     with pytest.raises(SystemExit) as exit:
         bench.main(["--rounds", "0", *out])

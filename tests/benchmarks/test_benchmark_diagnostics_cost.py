@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.benchmarks import load_benchmark, own_tempdir
+from benchmarks import diagnostics_cost as bench
+from tests.helpers.benchmarks import own_tempdir
 
 
 def test_diagnostics_cost_benchmark_smoke(tmp_path: Path, capsys, monkeypatch):
-    bench = load_benchmark("diagnostics_cost")
     out = tmp_path / "results" / "diagnostics_cost.md"
     scratch = own_tempdir(tmp_path, monkeypatch)
     code = bench.main(
@@ -58,7 +58,6 @@ def test_diagnostics_cost_benchmark_smoke(tmp_path: Path, capsys, monkeypatch):
 
 
 def test_diagnostics_cost_bad_arguments(capsys):
-    bench = load_benchmark("diagnostics_cost")
     assert bench.parse_args([]).levels == ["o0", "o2_bf16"]
     for argv, message in [
         (["--intervals", "0"], "--intervals must be at least 1"),

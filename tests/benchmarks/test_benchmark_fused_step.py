@@ -9,11 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.benchmarks import load_benchmark
+from benchmarks import fused_step as bench
 
 
 def test_kernels_benchmark_smoke(tmp_path: Path, capsys):
-    bench = load_benchmark("fused_step")
     out = tmp_path / "results" / "kernels.md"
     assert (
         bench.main(
@@ -67,7 +66,6 @@ def test_the_gradscaler_variant_steps_as_adamw_on_the_unscaled_gradients():
     """(f) times torch's loss-scaled step: its update is AdamW's on the gradients divided by the
     loss scale (fp32, to rounding), step after step (its `reset` puts back the scaled gradients,
     which the step leaves unscaled), and an inf gradient skips the whole step."""
-    bench = load_benchmark("fused_step")
     shapes = [torch.Size([3, 5]), torch.Size([7])]
     device = torch.device("cpu")
     grads = bench.scaled_grads(shapes, device)
@@ -95,7 +93,6 @@ def test_the_gradscaler_variant_steps_as_adamw_on_the_unscaled_gradients():
 
 
 def test_kernels_benchmark_refuses_unknown_models_and_a_missing_gpu(capsys):
-    bench = load_benchmark("fused_step")
     with pytest.raises(SystemExit) as e:
         bench.parse_args(["--device", "cpu", "--models", "resnet1000"])
     assert e.value.code == 2 and "resnet1000" in capsys.readouterr().err

@@ -10,13 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.benchmarks import load_benchmark
+from benchmarks import graphs as bench
 
 
 def test_graphs_benchmark_on_a_cpu_times_the_eager_step_and_says_the_refusal(
     tmp_path: Path, monkeypatch
 ):
-    bench = load_benchmark("graphs")
     out = tmp_path / "results" / "graphs.md"
     argv = ["--device", "cpu", "--cases", "host_rn18_o2,gpu_rn50_o2_bf16", "--image-size", "8"]
     argv += ["--batch-size", "2", "--steps", "1", "--rounds", "1", "--reps", "1"]
@@ -54,7 +53,6 @@ def _cell(bound: str, eager: float, graphed: float, **device: float) -> dict:
 
 
 def test_the_verdict_holds_each_case_to_its_expectation():
-    bench = load_benchmark("graphs")
     assert bench.judge(_cell("host", 10.0, 8.0)) == [
         ("the replayed step faster than the eager one", True)
     ]
@@ -68,7 +66,6 @@ def test_the_verdict_holds_each_case_to_its_expectation():
 
 
 def test_graphs_bad_arguments(capsys):
-    bench = load_benchmark("graphs")
     args = bench.parse_args(["--device", "cpu"])
     assert args.cases == list(bench.CASES) and (args.image_size, args.batch_size) == (16, 2)
     for argv, message in [

@@ -10,11 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.benchmarks import load_benchmark
+from benchmarks import layer_plan_cost as bench
 
 
 def test_layer_plan_cost_benchmark_smoke(tmp_path: Path, capsys):
-    bench = load_benchmark("layer_plan_cost")
     out = tmp_path / "results" / "layer_plan_cost.md"
     code = bench.main(
         [
@@ -50,7 +49,6 @@ def test_layer_plan_cost_benchmark_smoke(tmp_path: Path, capsys):
 
 
 def test_layer_plan_cost_bad_arguments(capsys):
-    bench = load_benchmark("layer_plan_cost")
     assert bench.parse_args([]).levels == ["o1_bf16", "o2_bf16"]
     for argv, message in [
         (["--models", "densenet161"], "unknown model"),

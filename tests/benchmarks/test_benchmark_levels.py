@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.benchmarks import load_benchmark
+from benchmarks import common
+from benchmarks import levels as bench
 
 TINY = [
     "--device",
@@ -29,7 +30,6 @@ TINY = [
 
 
 def test_levels_benchmark_smoke_and_merge(tmp_path: Path, capsys):
-    bench = load_benchmark("levels")
     out = tmp_path / "results" / "levels.md"
     assert bench.main([*TINY, "--levels", "o0,o2_bf16", "--out", str(out)]) == 0
     # a second command adds cells to the same table
@@ -53,7 +53,8 @@ def test_levels_benchmark_smoke_and_merge(tmp_path: Path, capsys):
         assert c["samples_per_s"] > 0 and c["step_ms"] > 0 and c["peak_mem_mb"] >= 0
     assert cells[0]["speedup_vs_o0"] == pytest.approx(1.0)
     for run in report["runs"]:
-        assert len(run["load_start"]) == 3 and run["command"].startswith("python benchmarks/")
+        assert len(run["load_start"]) == 3
+        assert run["command"].startswith("python -m benchmarks.levels ")
 
     with out.with_suffix(".csv").open() as f:
         rows = list(csv.DictReader(f))
@@ -71,7 +72,6 @@ def test_a_language_models_table_is_primed_with_the_tiny_gpt(tmp_path: Path, cap
     """GPT-2 small's GPU rows pass `--extra model.vocab_size=50304`: the throwaway pass must
     run a language model (the tiny CNN has no vocab_size, and its failures would leave one-time
     start-up in the first cell), and the padded vocabulary must be accepted."""
-    bench = load_benchmark("levels")
     out = tmp_path / "levels.md"
     assert (
         bench.main(
@@ -109,7 +109,6 @@ def test_a_language_models_table_is_primed_with_the_tiny_gpt(tmp_path: Path, cap
 def test_levels_benchmark_compiled_and_fp8_rows(tmp_path: Path, monkeypatch):
     # torch.compile's cache in this test's folder (the benchmark keeps a cache that is set)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    bench = load_benchmark("levels")
     out = tmp_path / "levels.md"
     assert (
         bench.main(
@@ -168,7 +167,6 @@ def test_levels_benchmark_compiled_and_fp8_rows(tmp_path: Path, monkeypatch):
 
 
 def test_levels_default_compiled_rows_are_for_one_model_per_device():
-    bench = load_benchmark("levels")
     args = bench.parse_args(["--device", "cpu"])
     assert args.levels["resnet18"] == [*bench.CPU_LEVELS, "o0+compile", "o2_bf16+compile"]
     for model in ("resnet50", "densenet161", "vgg16_bn"):
@@ -181,13 +179,11 @@ def test_levels_default_compiled_rows_are_for_one_model_per_device():
         ["--device", "cpu", "--models", "tiny", "--levels", "o2_bf16+compile,torch_amp"]
     )
     assert args.levels == {"tiny": ["o2_bf16+compile", "torch_amp"]}
-    common = load_benchmark("common")
     assert common.model_overrides(bench.VIT) == ["model=torchvision", "model.arch=vit_b_16"]
     assert common.model_overrides("resnet50") == ["model=resnet50"]
 
 
 def test_levels_benchmark_rejects_bad_arguments(tmp_path: Path, capsys):
-    bench = load_benchmark("levels")
     for argv, message in [
         (["--levels", "o9"], "unknown level"),
         (["--levels", "o2_bf16+fast"], "the suffixes are +compile"),
@@ -206,7 +202,6 @@ def test_levels_benchmark_rejects_bad_arguments(tmp_path: Path, capsys):
 def test_the_fp8_target_is_judged_from_the_vits_compiled_cells():
     """The fp8 target: compiled o1_fp8 at least 1.2x compiled o1_bf16 on ViT-B/16, judged
     wherever both cells were measured (with or without ResNet-50's cells), silent otherwise."""
-    bench = load_benchmark("levels")
 
     def cell(level, samples_per_s, status="ok"):
         return {

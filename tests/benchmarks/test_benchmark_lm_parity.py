@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.benchmarks import load_benchmark
+from benchmarks import lm_parity as bench
 
 HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
 
@@ -37,7 +37,6 @@ def _write_corpus(folder: Path) -> Path:
 
 @pytest.mark.slow  # three real runs, torchao's import and an overhead round: 20-40 s on 2 cores
 def test_lm_parity_benchmark_smoke(tmp_path: Path, capsys):
-    bench = load_benchmark("lm_parity")
     corpus = _write_corpus(tmp_path / "corpus")
     out = tmp_path / "results" / "lm_parity.md"
     code = bench.main(
@@ -83,7 +82,7 @@ def test_lm_parity_benchmark_smoke(tmp_path: Path, capsys):
     assert "## Step overhead" in table and "Overhead verdict: " in table
     assert "| O0 | `o0` | plain fp32 loop |" in table
     assert "| O2 | `o2_bf16` | 16-bit model + fp32 masters" in table
-    assert "Command: `python benchmarks/lm_parity.py --corpus" in table
+    assert "Command: `python -m benchmarks.lm_parity --corpus" in table
     assert "Load average" in table and "Versions: " in table
     if HAS_TORCHAO:
         assert (
@@ -168,7 +167,6 @@ def _results(bench, margins: dict[str, float], fp8_layers: int = 13):
 
 
 def test_lm_parity_targets_just_inside_and_just_outside():
-    bench = load_benchmark("lm_parity")
     inside = {
         "o1_bf16": 0.019,
         "o2_bf16": -0.019,
@@ -216,7 +214,6 @@ def test_lm_parity_targets_just_inside_and_just_outside():
 
 
 def test_lm_parity_unjudged_levels_and_unfinished_runs():
-    bench = load_benchmark("lm_parity")
     # o1_fp8 without o1_bf16; o2_bf16 with a crashed seed; o3_bf16 reported against o0
     results = [
         *_runs(bench, "o0", 1.5),
@@ -283,7 +280,6 @@ def test_lm_parity_unjudged_levels_and_unfinished_runs():
 
 
 def test_lm_parity_arguments(monkeypatch, capsys):
-    bench = load_benchmark("lm_parity")
     args = bench.parse_args(["--levels", "o2_bf16"])
     assert args.levels == ["o0", "o2_bf16"] and args.seeds == [0, 1, 2]
     assert args.device == "cpu" and args.steps == 400 and args.val_batches == 50
@@ -311,7 +307,6 @@ def test_lm_parity_optimizer_state_levels_against_their_own_level():
     """bf16 and int8 state are checked within 0.02 nats of the same level with its own state,
     int4 is reported; each state row's memory ratio to that level is judged where it has a
     target (int8 0.3x, int4 0.2x)."""
-    bench = load_benchmark("lm_parity")
     assert bench.target_of("o2_bf16_int8state") == ("o2_bf16", 0.02, "int8", "o2_bf16")
     assert bench.target_of("o2_bf16+bf16state") == ("o2_bf16", 0.02, "bf16", "o2_bf16")
     assert bench.target_of("o2_bf16+int4state") == (None, None, "int4", "o2_bf16")

@@ -10,11 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.benchmarks import load_benchmark
+from benchmarks import logging_cost as bench
 
 
 def test_logging_cost_benchmark_smoke(tmp_path: Path, capsys):
-    bench = load_benchmark("logging_cost")
     out = tmp_path / "results" / "logging_cost.md"
     code = bench.main(
         [
@@ -57,7 +56,6 @@ def test_logging_cost_benchmark_smoke(tmp_path: Path, capsys):
 
 
 def test_logging_cost_defaults_and_bad_arguments(capsys):
-    bench = load_benchmark("logging_cost")
     assert bench.parse_args([]).intervals == [1, 50]  # 50: the runner's default interval
     for argv, message in [
         (["--intervals", "0"], "--intervals must be at least 1"),

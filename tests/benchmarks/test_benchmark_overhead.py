@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.benchmarks import load_benchmark, own_tempdir
+from benchmarks import overhead as bench
+from benchmarks import startup
+from tests.helpers.benchmarks import own_tempdir
 
 
 def test_overhead_benchmark_smoke(tmp_path: Path, capsys):
-    bench = load_benchmark("overhead")
     out = tmp_path / "results" / "overhead.md"
     code = bench.main(
         [
@@ -66,7 +67,6 @@ def test_overhead_benchmark_smoke(tmp_path: Path, capsys):
 
 
 def test_overhead_benchmark_rejects_bad_arguments(capsys):
-    bench = load_benchmark("overhead")
     for argv, message in [
         (["--levels", "o3_bf16"], "no hand-written counterpart"),
         (["--levels", "o9"], "unknown level"),
@@ -84,7 +84,6 @@ def test_startup_benchmark_smoke(tmp_path: Path, capsys, monkeypatch):
     """`overhead.py --startup` times whole processes: both sides ran (one pair after a warm-up
     each), the runner's phases add up to its wall time, every file has its structure (no timing
     assertion), and its scratch folder (the runs' store and checkpoints) is gone."""
-    bench = load_benchmark("overhead")
     out = tmp_path / "results" / "startup.md"
     scratch = own_tempdir(tmp_path, monkeypatch)
     code = bench.main(
@@ -98,7 +97,7 @@ def test_startup_benchmark_smoke(tmp_path: Path, capsys, monkeypatch):
     assert (
         "## Where the runner's time goes" in table and "| mlflow (client, SQLite store) |" in table
     )
-    assert "Command: `python benchmarks/startup.py --pairs 1" in table
+    assert "Command: `python -m benchmarks.startup --pairs 1" in table
     with out.with_suffix(".csv").open() as f:
         rows = list(csv.DictReader(f))
     assert [(r["side"], r["pair"]) for r in rows] == [("runner", "1"), ("hand", "1")]
@@ -114,7 +113,6 @@ def test_startup_phases_from_the_log_timestamps():
     zero and the next one takes its time."""
     import datetime as dt
 
-    startup = load_benchmark("startup")
     start = dt.datetime(2026, 1, 1, 12, 0, 0).timestamp()
     log = "\n".join(
         [
@@ -132,7 +130,6 @@ def test_overhead_instruments_smoke(tmp_path: Path):
     """--instruments: the trainer's instruments at a usual step (the step timer alone) keep
     nothing per step, read no device value and hold no hook (the timings themselves are not
     asserted)."""
-    bench = load_benchmark("overhead")
     out = tmp_path / "instruments.md"
     argv = ["--instruments", "--device", "cpu", "--model", "tiny", "--image-size", "16"]
     argv += ["--batch-size", "8", "--levels", "o0", "--rounds", "2", "--calls", "1000"]

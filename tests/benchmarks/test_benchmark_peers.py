@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.benchmarks import load_benchmark
+from benchmarks import peers as bench
 
 # skipped without Lightning, found without importing it: its import takes 4 s, which every test
 # process would pay at collection (the benchmark imports it where a peer needs it)
@@ -23,7 +23,6 @@ pytestmark = pytest.mark.skipif(
 
 
 def test_peers_benchmark_trains_the_same_thing_on_each_side(tmp_path: Path, capsys):
-    bench = load_benchmark("peers")
     out = tmp_path / "results" / "peers.md"
     code = bench.main(
         [
@@ -76,7 +75,6 @@ def test_peers_benchmark_trains_the_same_thing_on_each_side(tmp_path: Path, caps
 
 
 def test_peers_benchmark_refuses_an_unknown_peer(capsys):
-    bench = load_benchmark("peers")
     with pytest.raises(SystemExit) as stop:
         bench.main(["--device", "cpu", "--peers", "lightning:fp8-true"])
     assert stop.value.code == 2
@@ -91,7 +89,6 @@ def test_the_torchtitan_float8_peer_trains_the_same_fp8_layers(tmp_path: Path):
     fp8 on both sides (the runner's by a layer plan); --titan-compile runs the GPU's code path
     (the peer's blocks compiled fullgraph, the runner's model compiled) to the same loss."""
     pytest.importorskip("torchao")
-    bench = load_benchmark("peers")
     for name, extra in (
         ("all", []),
         ("filtered", ["--titan-filter", "head"]),
@@ -147,7 +144,6 @@ def test_the_torchtitan_float8_peer_trains_the_same_fp8_layers(tmp_path: Path):
 
 
 def test_the_torchtitan_peer_needs_a_language_model(capsys):
-    bench = load_benchmark("peers")
     with pytest.raises(SystemExit) as stop:
         bench.main(["--device", "cpu", "--model", "tiny", "--peers", "titan:float8"])
     assert stop.value.code == 2
@@ -165,7 +161,6 @@ def test_the_tuned_rows_name_what_the_runner_picked(tmp_path: Path):
     """--tuned: the runner at its defaults with trainer.tune=on, within the tuning budget
     given, the peer at its own; both still train the same thing (a layout or kernel choice
     leaves the loss as it is). A budget without --tuned is refused."""
-    bench = load_benchmark("peers")
     out = tmp_path / "peers_tuned.md"
     small = ["--image-size", "16", "--batch-size", "8", "--steps", "1", "--rounds", "1"]
     args = ["--device", "cpu", "--model", "tiny", "--tuned", "--peers", "hand:o1_bf16", *small]

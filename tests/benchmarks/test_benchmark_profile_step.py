@@ -10,11 +10,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.helpers.benchmarks import load_benchmark
+from benchmarks import profile_step as bench
 
 
 def test_a_cpu_profile_splits_each_levels_step_and_writes_after_each(tmp_path: Path):
-    bench = load_benchmark("profile_step")
     out = tmp_path / "profile.md"
     argv = ["--device", "cpu", "--model", "tiny", "--image-size", "8", "--batch-size", "4"]
     argv += ["--levels", "o0,o2_bf16", "--warmup", "1", "--steps", "2", "--out", str(out)]
@@ -38,7 +37,6 @@ def test_a_cpu_profile_splits_each_levels_step_and_writes_after_each(tmp_path: P
 
 
 def test_bad_arguments_are_refused(capsys):
-    bench = load_benchmark("profile_step")
     with pytest.raises(SystemExit) as stop:
         bench.parse_args(["--device", "cpu", "--levels", "o9"])
     assert stop.value.code == 2
@@ -62,7 +60,6 @@ def _event(name, parent=None, kernels=(), device="CPU", us=0.0, annotation=False
 
 
 def test_gpu_kernels_are_charged_to_the_outermost_operator():
-    bench = load_benchmark("profile_step")
     conv2d = _event("aten::conv2d")
     conv = _event("aten::convolution", conv2d)
     cudnn = _event("aten::cudnn_convolution", conv, kernels=[300.0])

@@ -11,14 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.benchmarks import load_benchmark
+from benchmarks import rounding as bench
 
 LEVELS = ["o2_bf16", "o3_bf16", "o3_bf16_sr"]
 
 
 @pytest.mark.slow  # three real runs of two epochs and a fresh MLflow store: about 10-15 s
 def test_rounding_benchmark_smoke(tmp_path: Path, capsys):
-    bench = load_benchmark("rounding")
     out = tmp_path / "results" / "rounding.md"
     code = bench.main(
         [
@@ -77,7 +76,6 @@ def test_rounding_benchmark_smoke(tmp_path: Path, capsys):
 
 
 def test_epoch_means_weights_each_logged_value_by_the_steps_it_covers():
-    bench = load_benchmark("rounding")
     # 3 steps per epoch, logged at steps 2 and 3 (epoch 1: 2 steps then 1), 5 and 6 (epoch 2:
     # 2 then 1), and nothing in epoch 3
     history = [(2, 1.0), (3, 4.0), (5, 2.0), (6, 5.0)]
@@ -87,7 +85,6 @@ def test_epoch_means_weights_each_logged_value_by_the_steps_it_covers():
 
 
 def test_rounding_benchmark_rejects_bad_arguments(capsys):
-    bench = load_benchmark("rounding")
     for argv, message in [
         (["--levels", "o9"], "unknown level"),
         (["--epochs", "0"], "--epochs must be at least 1"),

@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.benchmarks import load_benchmark
+from benchmarks import steady as bench
 
 
 def test_steady_smoke(tmp_path: Path, monkeypatch):
-    bench = load_benchmark("steady")
     out = tmp_path / "steady.md"
     argv = ["--device", "cpu", "--model", "tiny", "--image-size", "8", "--batch-size", "8"]
     argv += ["--steps", "6", "--levels", "o0,o1_bf16", "--work", str(tmp_path / "work")]
@@ -48,7 +47,6 @@ def test_steady_smoke(tmp_path: Path, monkeypatch):
 
 
 def test_steady_wants_two_levels(tmp_path: Path, capsys):
-    bench = load_benchmark("steady")
     with pytest.raises(SystemExit) as stop:
         bench.main(["--device", "cpu", "--levels", "o0"])
     assert stop.value.code == 2 and "two presets" in capsys.readouterr().err

@@ -205,11 +205,11 @@ def test_config_imports_no_torch(module):
 
 
 def test_no_script_folder_hides_an_installed_package():
-    """A script run out of benchmarks/ or tests/helpers/ has its folder first on sys.path, and a
-    test process that loaded a benchmark keeps benchmarks/ there: a module of those folders (or a
-    package at the repository's root) named as an installed package hides that package from
-    everything imported after it. benchmarks/kernels.py hid Hugging Face's `kernels`, which
-    transformers 5.25 imports: every Hugging Face model failed to build."""
+    """A script run out of tests/helpers/ has its folder first on sys.path: a module of that folder
+    (or a package at the repository's root: benchmarks, tools) named as an installed package hides
+    that package from everything imported after it. benchmarks/kernels.py, when benchmarks/ was a
+    folder of scripts, hid Hugging Face's `kernels`, which transformers 5.25 imports: every
+    Hugging Face model failed to build."""
     import importlib.metadata
 
     installed = {
@@ -218,7 +218,7 @@ def test_no_script_folder_hides_an_installed_package():
         if "amp-runner" not in dists  # (this project's own `runner`)
     }
     repo = PACKAGE.parent
-    ours = {p.stem: p for d in ("benchmarks", "tests/helpers") for p in (repo / d).glob("*.py")}
+    ours = {p.stem: p for p in (repo / "tests" / "helpers").glob("*.py")}
     ours |= {p.name: p for p in repo.iterdir() if (p / "__init__.py").is_file()}
     clashes = {
         name: (str(path.relative_to(repo)), installed[name])

@@ -1,4 +1,4 @@
-"""Smoke test of benchmarks/behaviour.py: one command run by the same checkout on both sides (no
+"""Smoke test of tools/behaviour.py: one command run by the same checkout on both sides (no
 difference may be found), and the comparison itself on hand-made stores (a changed metric value,
 param or artifact is found; time and process tags are not)."""
 
@@ -8,7 +8,9 @@ import json
 
 import pytest
 
-from tests.helpers.benchmarks import REPO, load_benchmark, own_tempdir
+from tests.helpers.benchmarks import own_tempdir
+from tests.helpers.runs import REPO
+from tools import behaviour as bench
 
 
 def record(**changes):
@@ -25,7 +27,6 @@ def record(**changes):
 
 
 def test_the_comparison_finds_what_changed_and_ignores_time():
-    bench = load_benchmark("behaviour")
     same = record(
         params={"trainer.checkpoint_dir": "/b"},
         tags={"runner.pid": "2", "runner.heartbeat": "t1"},
@@ -54,7 +55,6 @@ def test_the_comparison_finds_what_changed_and_ignores_time():
 def test_a_checkout_behaves_as_itself(tmp_path, monkeypatch):
     """Both sides run the same command alike; their scratch folder (the two runs' stores) is
     removed, as nothing failed."""
-    bench = load_benchmark("behaviour")
     scratch = own_tempdir(tmp_path, monkeypatch)
     status = bench.main(
         ["--before", str(REPO), "--after", str(REPO), "--only", "o0", "--out", str(tmp_path)]

@@ -2,7 +2,7 @@
 runner, each into its own SQLite MLflow store, compared param by param, tag by tag and metric by
 metric (deterministic metrics identical; timing and machine figures only present in both).
 
-    python benchmarks/behaviour.py --before /path/to/old/checkout --after . --out benchmarks/results
+    python -m tools.behaviour --before /path/to/old/checkout --after . --out benchmarks/results/cpu
 
 Each checkout runs as `python -m runner ...` with PYTHONPATH at that checkout, in a folder of its
 own, so the two never share a store, a checkpoint folder or a cache.
@@ -191,7 +191,7 @@ def markdown(commits: dict, report: dict) -> str:
         "status, every param, every tag (not time, process, host or commit tags; the overrides "
         "tag with each side's folder masked), every metric history (timing metrics by their steps "
         "only, `system/*` not at all), and the artifact list. Command: "
-        "`python benchmarks/behaviour.py --before OLD --after NEW --out benchmarks/results`.",
+        "`python -m tools.behaviour --before OLD --after NEW --out benchmarks/results/cpu`.",
         "",
         "| command | params | tags | metric points | artifacts | differences |",
         "|---|---:|---:|---:|---:|---|",

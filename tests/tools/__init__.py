@@ -1,0 +1,1 @@
+"""Tests of the tools in tools/ (the runner's own development tools)."""
