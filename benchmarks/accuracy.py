@@ -43,43 +43,24 @@ bad arguments.
 from __future__ import annotations
 
 import argparse
-import logging
 import math
-import statistics
 import sys
-import time
-import traceback
-import uuid
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from benchmarks import harness
 from benchmarks.common import (
     RESULTS,
-    STATE_CHECKED,
-    STATE_MEMORY_TARGETS,
     add_device_option,
-    add_run_options,
-    compare_state,
     compose,
-    crash_status,
-    csv_list,
-    describe_level,
     fresh_compile_cache,
     model_label,
     model_overrides,
-    parse_level,
-    parse_seeds,
-    prepare_store,
     resolve_device,
-    run_overrides,
-    run_report_fields,
-    run_setup_lines,
-    state_reference,
-    store_uri,
-    unfinished_lines,
     write_results,
 )
+from benchmarks.harness import STATE_CHECKED, STATE_MEMORY_TARGETS
 
 EXPERIMENT = "accuracy-parity"
 TARGET_POINTS = 1.0  # a checked level's mean must be within this many points of O0's mean
@@ -162,18 +143,12 @@ TASK_OVERRIDES = [
     "trainer.checkpoint_every_n_epochs=0",  # no checkpoint files (only an interrupt writes one)
 ]
 
-log = logging.getLogger("benchmarks.accuracy")
-
 
 @dataclass
-class RunResult:
-    level: str  # the level spec: a preset, or <preset>+compile
-    seed: int
-    opt_level: str = ""
-    dtype: str = ""
+class RunResult(harness.Run):
+    OBJECTIVE = ("best_val_acc", "accuracy")
+
     compiled: bool = False
-    fp8: str | None = None  # precision.fp8_linear (tensorwise | rowwise) where the preset has fp8
-    status: str = "finished"  # finished | diverged | crashed
     best_val_acc: float | None = None
     train_time_s: float | None = None  # the run's train_time_s: training, validation, compiling
     epochs_time_s: float | None = None  # the sum of its epoch_time_s: training only
@@ -182,9 +157,6 @@ class RunResult:
     skipped_steps: float | None = None
     optimizer_state: str | None = None  # the precision.optimizer_state param (the state's format)
     state_mb: float | None = None  # mem_optimizer_state_mb: the state's stored bytes, in MiB
-    wall_s: float | None = None
-    run_id: str | None = None
-    error: str | None = None
 
 
 @dataclass
@@ -230,22 +202,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         description="Accuracy parity of the precision levels against O0 (fp32): real training "
         "runs over several seeds; writes a Markdown table, a CSV and a JSON.",
     )
-    parser.add_argument(
-        "--levels",
-        type=csv_list,
-        default=None,
-        help="comma-separated precision presets, each optionally with +compile "
-        "(trainer.compile=true) (default: on CPU "
-        f"{','.join(CPU_LEVELS)}; on CUDA {','.join(CUDA_LEVELS)}); o0, the "
-        "baseline, is added when missing",
-    )
-    parser.add_argument(
-        "--seeds",
-        type=csv_list,
-        default=None,
-        help="comma-separated trainer.seed values (default 0,1,2); the dataset "
-        "(data.seed) stays fixed",
-    )
     add_device_option(parser)
     parser.add_argument(
         "--epochs",
@@ -268,10 +224,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         f"{','.join(STATE_LEVELS)}) on {STATE_MODEL} with AdamW, "
         f"{STATE_EPOCHS} epochs unless --epochs says otherwise",
     )
-    add_run_options(
+    harness.add_options(
         parser,
         EXPERIMENT,
         "accuracy",
+        levels_help="comma-separated precision presets, each optionally with +compile "
+        "(trainer.compile=true) (default: on CPU "
+        f"{','.join(CPU_LEVELS)}; on CUDA {','.join(CUDA_LEVELS)}); o0, the "
+        "baseline, is added when missing",
+        fixed="the dataset (data.seed)",
         extra_help="more Hydra overrides, applied "
         "after the benchmark's own, e.g. --extra data.num_train=64 data.num_val=64",
     )
@@ -285,22 +246,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.suite_task = STATE_TASK if state_suite else []
     if args.epochs < 1:
         parser.error("--epochs must be at least 1")
-    args.seeds = parse_seeds(parser, args.seeds, DEFAULT_SEEDS)
+    args.seeds = harness.parse_seeds(parser, args.seeds, DEFAULT_SEEDS)
     args.device = resolve_device(parser, args.device)
-
-    from runner.run.plan import preset_options
-
-    known = preset_options()
     levels = args.levels or (
         STATE_LEVELS if state_suite else CUDA_LEVELS if args.device == "cuda" else CPU_LEVELS
     )
-    try:
-        levels = [parse_level(lvl, known).name for lvl in levels]
-    except ValueError as error:
-        parser.error(str(error))
-    if BASELINE not in levels:
-        levels = [BASELINE, *levels]
-    args.levels = list(dict.fromkeys(levels))  # unique, in order
+    args.levels = harness.parse_levels(parser, levels, BASELINE)
     if args.out is None:
         suite = "_state" if state_suite else ""
         args.out = RESULTS / f"accuracy{suite}_{args.device}.md"
@@ -319,93 +270,18 @@ def task_overrides(args: argparse.Namespace) -> list[str]:
     ]
 
 
-@dataclass
-class StoredRun:
-    """What a benchmark reads back from the MLflow store about one of its runs."""
-
-    run_id: str | None = None
-    metrics: dict[str, float] = field(default_factory=dict)  # the latest value of each
-    params: dict[str, str] = field(default_factory=dict)
-    histories: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # (step, value)
-
-
-def read_run(
-    tracking_uri: str, experiment: str, key: str, histories: Sequence[str] = ()
-) -> StoredRun:
-    """The run tagged `benchmark_key=<key>`: its latest metric values, its params, and the whole
-    history of each metric named in `histories`, by step. An empty StoredRun when there is none.
-    Read through the runner's tracking seam (runner.tracking.trackers.open_reader)."""
-    from runner.tracking.trackers import open_reader
-
-    reader = open_reader(tracking_uri)
-    experiment_id = reader.experiment_id(experiment)
-    if experiment_id is None:
-        return StoredRun()
-    runs = reader.runs([experiment_id], tags={"benchmark_key": key})
-    if not runs:
-        return StoredRun()
-    run = runs[0]
-    stored = StoredRun(run.run_id, dict(run.metrics), dict(run.params))
-    for name in histories:
-        stored.histories[name] = [(int(s), float(v)) for s, v in reader.history(run.run_id, name)]
-    return stored
-
-
 def run_name(model: str, level: str, seed: int) -> str:
     """`<model>-<preset>[-<format>state][-compiled]-seed<seed>` (the runner's own suffix for a
     compiled run)."""
     return f"{model}-{level.replace('+compile', '-compiled').replace('+', '-')}-seed{seed}"
 
 
-def state_of(level: str) -> tuple[str | None, str | None]:
-    """An optimizer-state row's (reference level, state format), or (None, None)
-    (`common.state_reference`)."""
-    from runner.run.plan import preset_options
-
-    return state_reference(level, preset_options())
-
-
-def run_one(args, level: str, seed: int, session: str) -> RunResult:
-    from runner.errors import DivergenceError
-    from runner.run.app import run
-    from runner.run.plan import preset_options
-
-    spec = parse_level(level, preset_options())
-    key = f"{session}/{level}/s{seed}"
-    overrides = run_overrides(
-        task_overrides(args),
-        spec.overrides(),
-        seed,
-        args,
-        run_name(model_label(args.model), level, seed),
-        EXPERIMENT,
-        key,
-    )
-    result = RunResult(level=level, seed=seed, compiled=spec.compile)
-    if spec.compile:  # compiled from scratch: no code of an earlier run reused in memory
-        import torch
-
-        torch._dynamo.reset()
-    started = time.perf_counter()
-    try:
-        cfg = compose(overrides)
-        result.opt_level = str(cfg.precision.opt_level)
-        result.dtype = describe_level(cfg.precision, spec.compile)
-        result.fp8 = cfg.precision.get("fp8_linear") or None
-        result.best_val_acc = run(cfg, overrides=overrides)
-    except DivergenceError as error:  # an outcome (O3 may do this), not a crash
-        result.status, result.error = "diverged", str(error)
-    except Exception as error:  # noqa: BLE001  (reported, and the exit status says so)
-        result.status, result.error = "crashed", f"{type(error).__name__}: {error}"
-        log.debug("%s", traceback.format_exc())
-        print(traceback.format_exc(), file=sys.stderr)
-    result.wall_s = time.perf_counter() - started
-    try:
-        stored = read_run(args.tracking_uri, args.experiment, key, histories=["epoch_time_s"])
-    except Exception as error:  # noqa: BLE001
-        stored = StoredRun()
-        log.warning("could not read the run's metrics back: %s", error)
-    result.run_id = stored.run_id
+def run_one(args, level: str, seed: int) -> RunResult:
+    """One real run of `level` at `seed`, then its times, fp8 layers and optimizer state read
+    back from the store."""
+    result = RunResult(level, seed, compiled=level.endswith("+compile"))
+    name = run_name(model_label(args.model), level, seed)
+    stored = harness.train(args, result, task_overrides(args), name, ["epoch_time_s"])
     result.train_time_s = stored.metrics.get("train_time_s")
     result.skipped_steps = stored.metrics.get("skipped_steps")
     result.compile_time_s = stored.metrics.get("compile_time_s")
@@ -415,22 +291,16 @@ def run_one(args, level: str, seed: int, session: str) -> RunResult:
         result.fp8_layers = int(stored.params["precision.fp8_layers"])
     result.optimizer_state = stored.params.get("precision.optimizer_state")
     result.state_mb = stored.metrics.get("mem_optimizer_state_mb")
-    if result.best_val_acc is None and result.status == "finished":
-        result.status, result.error = "crashed", "the run returned no accuracy"
     return result
 
 
 # ---- summary ------------------------------------------------------------------------------------
-def _finite(values) -> list[float]:
-    return [float(v) for v in values if v is not None and not math.isnan(float(v))]
-
-
 def summarise(results: list[RunResult], levels: list[str], seeds: list[int]) -> list[LevelSummary]:
     rows: list[LevelSummary] = []
     for level in levels:
         mine = [r for r in results if r.level == level]
         first = mine[0] if mine else RunResult(level, 0)
-        reference, fmt = state_of(level)
+        reference, fmt = harness.state_reference(level)
         summary = LevelSummary(
             level=level,
             opt_level=first.opt_level,
@@ -442,7 +312,7 @@ def summarise(results: list[RunResult], levels: list[str], seeds: list[int]) -> 
             compiled=first.compiled,
             fp8=first.fp8,
             sr_checked=level == SR_LEVEL,
-            accs={r.seed: r.best_val_acc if r.status == "finished" else None for r in mine},
+            accs=harness.by_seed(mine, "best_val_acc"),
             compile_times_s=[
                 r.compile_time_s
                 for r in sorted(mine, key=lambda r: r.seed)
@@ -451,18 +321,12 @@ def summarise(results: list[RunResult], levels: list[str], seeds: list[int]) -> 
             fp8_layers=[r.fp8_layers for r in mine if r.fp8_layers is not None],
             statuses=[r.status for r in mine],
         )
-        accs = _finite(summary.accs.get(s) for s in seeds)
-        if accs and len(accs) == len(seeds):
-            summary.mean = statistics.fmean(accs)
-            summary.std = statistics.stdev(accs) if len(accs) > 1 else 0.0
-        skipped = _finite(r.skipped_steps for r in mine)
+        summary.mean, summary.std = harness.seed_stats(summary.accs, seeds)
+        skipped = harness.finite(r.skipped_steps for r in mine)
         summary.skipped_steps = sum(skipped) if skipped else None
-        times = _finite(r.train_time_s for r in mine)
-        summary.mean_train_time_s = statistics.fmean(times) if times else None
-        times = _finite(r.epochs_time_s for r in mine)
-        summary.mean_epochs_time_s = statistics.fmean(times) if times else None
-        state = _finite(r.state_mb for r in mine)
-        summary.state_mb = statistics.fmean(state) if state else None
+        summary.mean_train_time_s = harness.mean(r.train_time_s for r in mine)
+        summary.mean_epochs_time_s = harness.mean(r.epochs_time_s for r in mine)
+        summary.state_mb = harness.mean(r.state_mb for r in mine)
         summary.state_type = next((r.optimizer_state for r in mine if r.optimizer_state), None)
         rows.append(summary)
     base = next((r for r in rows if r.level == BASELINE), None)
@@ -475,16 +339,11 @@ def summarise(results: list[RunResult], levels: list[str], seeds: list[int]) -> 
         if ref is not None:
             if ref.mean is not None and row.mean is not None:
                 row.vs_state_points = 100.0 * (row.mean - ref.mean)
-            compare_state(row, ref)
+            harness.compare_state(row, ref)
             if row.state_format in STATE_CHECKED:
                 row.within_state_target = (
                     row.vs_state_points is not None
                     and abs(row.vs_state_points) <= STATE_TARGET_POINTS
-                )
-            if row.state_format in STATE_MEMORY_TARGETS:
-                row.within_memory_target = (
-                    row.state_memory_ratio is not None
-                    and row.state_memory_ratio <= STATE_MEMORY_TARGETS[row.state_format]
                 )
         if row.checked:
             row.within_target = (
@@ -671,17 +530,7 @@ def render_markdown(report: dict, rows: list[LevelSummary]) -> str:
         "|---|---|---|" + "---:|" * len(seeds) + "---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        accs = []
-        for s in seeds:
-            value = r.accs.get(s)
-            if value is None:
-                status = next(
-                    (x.status for x in report["_results"] if x.level == r.level and x.seed == s),
-                    "missing",
-                )
-                accs.append(status)
-            else:
-                accs.append(_pct(value))
+        accs = harness.seed_cells(r.accs, r.level, report, _pct)
         mean = "-" if r.mean is None else f"{100 * r.mean:.2f} ± {100 * (r.std or 0):.2f}"
         diff = "-" if r.diff_points is None else f"{r.diff_points:+.2f}"
         if r.level == BASELINE:
@@ -739,13 +588,13 @@ def render_markdown(report: dict, rows: list[LevelSummary]) -> str:
     lines += [
         "## Setup",
         "",
-        *run_setup_lines(report),
+        *harness.setup_lines(report),
         "- Task (Hydra overrides, then `precision=<preset> trainer.seed=<seed>`, and "
         "`trainer.compile=true` for a `+compile` level): "
         + " ".join(f"`{o}`" for o in report["overrides"]),
         "",
     ]
-    lines += unfinished_lines(report["_results"])
+    lines += harness.unfinished_lines(report["_results"])
     return "\n".join(lines)
 
 
@@ -777,21 +626,24 @@ def write_outputs(out: Path, report: dict, rows: list[LevelSummary]) -> list[Pat
 
 
 # ---- entry point --------------------------------------------------------------------------------
+def said(result: RunResult) -> str:
+    """The line printed after a run."""
+    acc = "-" if result.best_val_acc is None else f"{100 * result.best_val_acc:.2f}%"
+    took = result.compile_time_s
+    compiled = "" if took is None else f", compiled in {took:.1f} s"
+    return (
+        f"{result.status}: best val acc {acc}, skipped {result.skipped_steps}"
+        f"{compiled}, {result.wall_s:.0f} s"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(levelname)s %(name)s: %(message)s",
-    )
-    args.tracking_uri = store_uri(args.tracking_uri, "accuracy-parity-")
-    prepare_store(args.tracking_uri, args.experiment)
-
+    harness.open_store(args, "accuracy-parity-")
     compile_cache = (
         fresh_compile_cache() if any(lvl.endswith("+compile") for lvl in args.levels) else None
     )
-    session = uuid.uuid4().hex[:12]
-    total = len(args.levels) * len(args.seeds)
     print(
         f"Accuracy parity: {len(args.levels)} levels x {len(args.seeds)} seeds on "
         f"{args.device}, {args.epochs} epochs; MLflow store {args.tracking_uri}",
@@ -814,36 +666,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         },
         "compile_cache": compile_cache,
         "overrides": task_overrides(args),
-        **run_report_fields("accuracy", argv, args),
+        **harness.report_fields("accuracy", argv, args),
     }
-    started = time.perf_counter()
-    results: list[RunResult] = report["_results"]
-    for level in args.levels:
-        for seed in args.seeds:
-            print(f"[{len(results) + 1}/{total}] {level} seed {seed} ...", end=" ", flush=True)
-            result = run_one(args, level, seed, session)
-            results.append(result)
-            acc = "-" if result.best_val_acc is None else f"{100 * result.best_val_acc:.2f}%"
-            extra = (
-                ""
-                if result.compile_time_s is None
-                else f", compiled in {result.compile_time_s:.1f} s"
-            )
-            print(
-                f"{result.status}: best val acc {acc}, skipped {result.skipped_steps}"
-                f"{extra}, {result.wall_s:.0f} s",
-                flush=True,
-            )
-            # the results so far after every run: a command stopped at a time limit keeps them
-            report["runs"] = [asdict(r) for r in results]
-            report["total_wall_s"] = time.perf_counter() - started
-            paths = write_outputs(args.out, report, summarise(results, args.levels, args.seeds))
+
+    def save() -> list[Path]:
+        rows = summarise(report["_results"], args.levels, args.seeds)
+        return write_outputs(args.out, report, rows)
+
+    results = harness.run_all(args, report, lambda lv, s: run_one(args, lv, s), said, save)
     rows = summarise(results, args.levels, args.seeds)
-    paths = write_outputs(args.out, report, rows)
-    print()
-    print(render_markdown(report, rows))
-    print("Wrote " + ", ".join(str(p) for p in paths))
-    return crash_status(results)
+    return harness.finish(render_markdown(report, rows), save(), results)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ import json
 import os
 import platform
 import shlex
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -115,15 +114,6 @@ def int_list(parser, option: str, values: Sequence[Any]) -> list[int]:
         parser.error(f"--{option} must be integers, got {values}")
 
 
-def parse_seeds(parser, seeds: Optional[Sequence[str]], default: Sequence[int]) -> list[int]:
-    """`--seeds` (its parts, or None) as integers, `default` where none were given; the parser's
-    error where one is not an integer or none are left."""
-    seeds = int_list(parser, "seeds", seeds or default)
-    if not seeds:
-        parser.error("--seeds is empty")
-    return seeds
-
-
 def resolve_device(parser, device: str) -> str:
     """`--device`: `auto` is cuda where a CUDA device is available, cpu otherwise; `cuda` where
     none is available is the parser's error."""
@@ -181,64 +171,6 @@ def setup_lines(report: dict, versions: str = "") -> list[str]:
     ]
 
 
-def unfinished_lines(results: Sequence[Any]) -> list[str]:
-    """A training-run benchmark's Markdown section on the runs whose status is not "finished"
-    (level, seed, status, error); no lines where every run finished."""
-    unfinished = [r for r in results if r.status != "finished"]
-    if not unfinished:
-        return []
-    return [
-        "## Runs that did not finish",
-        "",
-        *(f"- `{r.level}` seed {r.seed}: {r.status}: {r.error}" for r in unfinished),
-        "",
-    ]
-
-
-def crash_status(results: Sequence[Any]) -> int:
-    """A training-run benchmark's exit status: 1, with the crashed runs (level, seed, error) on
-    stderr, where a run's status is "crashed"; 0 otherwise."""
-    crashed = [r for r in results if r.status == "crashed"]
-    if crashed:
-        print(
-            f"{len(crashed)} run(s) crashed: "
-            + "; ".join(f"{r.level} seed {r.seed}: {r.error}" for r in crashed),
-            file=sys.stderr,
-        )
-        return 1
-    return 0
-
-
-def run_report_fields(script: str, argv: Sequence[str], args) -> dict:
-    """The fields every run-based benchmark's report (accuracy, rounding) ends with, in the
-    order their JSON results list them; `run_setup_lines` reads them back."""
-    return {
-        "command": command(script, argv),
-        "date": now(),
-        "total_wall_s": 0.0,
-        "tracking_uri": args.tracking_uri,
-        "experiment": args.experiment,
-        "machine": machine(args.device),
-        "runs": [],
-        "_results": [],
-    }
-
-
-def run_setup_lines(report: dict) -> list[str]:
-    """A training-run benchmark's Setup lines: the machine, the date, the command, the total wall
-    time over its runs, the MLflow experiment and store."""
-    m = report["machine"]
-    return [
-        f"- Machine: {m['cpu']}, {m['cores']} cores (torch uses {m['torch_threads']} threads)"
-        + (f", GPU {m['gpu']} (CUDA {m['cuda']})" if "gpu" in m else "")
-        + f"; torch {m['torch']}, Python {m['python']}, {m['platform']}",
-        f"- Date: {report['date']}",
-        f"- Command: `{report['command']}`",
-        f"- Total wall time: {report['total_wall_s'] / 60:.1f} min for {len(report['runs'])} runs",
-        f"- MLflow: experiment `{report['experiment']}` in `{report['tracking_uri']}`",
-    ]
-
-
 def save_figure(fig, path: Path) -> Path:
     """A benchmark's figure: laid out, written to `path` (its folder made) at 110 dpi, closed."""
     import matplotlib.pyplot as plt
@@ -265,53 +197,6 @@ def write_results(
         writer.writerows(rows)
     json_path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
     return [out, csv_path, json_path]
-
-
-def add_run_options(
-    parser,
-    experiment: str,
-    name: str,
-    beside: str = ".csv and .json",
-    extra_help: str = "more Hydra overrides, applied after the benchmark's own",
-) -> None:
-    """The options every training-run benchmark (accuracy, rounding, lm_parity) takes: where the
-    results go (`--out`), the MLflow store and experiment, more overrides, and the runner's
-    log."""
-    add_out_option(parser, name, beside)
-    parser.add_argument(
-        "--tracking-uri",
-        default=None,
-        help="MLflow store (default: sqlite:///<a new temporary folder>/mlflow.db)",
-    )
-    parser.add_argument(
-        "--experiment", default=experiment, help=f"MLflow experiment name (default {experiment})"
-    )
-    add_extra_option(parser, extra_help)
-    parser.add_argument("--verbose", "-v", action="store_true", help="show the runner's log")
-
-
-def run_overrides(
-    task: Sequence[str],
-    level_overrides: Sequence[str],
-    seed: int,
-    args,
-    run_name: str,
-    benchmark: str,
-    key: str,
-) -> list[str]:
-    """One benchmark run's Hydra overrides: its task, its level, its seed, the benchmark's store
-    and experiment, its run name, and the tags a later read finds it by (`benchmark_key`)."""
-    return [
-        *task,
-        *level_overrides,
-        f"trainer.seed={seed}",
-        f"mlflow.tracking_uri={args.tracking_uri}",
-        f"mlflow.experiment_name={args.experiment}",
-        f"mlflow.run_name={run_name}",
-        f"+mlflow.tags.benchmark={benchmark}",
-        f"+mlflow.tags.benchmark_key={key}",
-        f"+mlflow.tags.benchmark_seed={seed}",
-    ]
 
 
 def load_average() -> list[float]:
@@ -360,64 +245,6 @@ _SUFFIXES_SAID = (
     f"{COMPILE_SUFFIX} (trainer.compile=true) and +<format>state "
     f"(precision.optimizer_state; format: {', '.join(STATE_SUFFIXES)})"
 )
-
-
-# the optimizer-state rows' targets, shared by accuracy.py and lm_parity.py: the formats
-# whose accuracy is checked against their level's own state (int4 and fp8 are reported), and the
-# largest optimizer-state memory, as a fraction of that level's, per format
-STATE_CHECKED = ("bf16", "int8")
-STATE_MEMORY_TARGETS = {"int8": 0.3, "int4": 0.2}
-# bytes an element of plain optimizer state, by its `precision.optimizer_state` param
-PLAIN_STATE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-def fp32_state_ratio(
-    state_mb: float | None, reference_mb: float | None, reference_type: str | None
-) -> float | None:
-    """A state's memory as a fraction of fp32 state for the same parameters, the basis of
-    STATE_MEMORY_TARGETS ("of fp32 state"): the reference level's measured plain state
-    scaled to 4 bytes an element. The basis differs from the reference itself where that keeps its
-    state in the weights' 16-bit type (O3: `o3_bf16_sr`'s state is bf16, half of fp32's). None
-    where a figure or the reference's type is unknown."""
-    size = PLAIN_STATE_BYTES.get(reference_type or "")
-    if state_mb is None or not reference_mb or size is None:
-        return None
-    return state_mb / (reference_mb * 4 / size)
-
-
-def compare_state(row: Any, ref: Any) -> None:
-    """An optimizer-state row's memory against its reference level's (both a benchmark's level
-    summary, with `state_mb` and `state_type`), where both were measured: `state_vs_reference`,
-    the reference's `reference_state_type`, and `state_memory_ratio`, the fraction of fp32 state
-    that the targets judge."""
-    if ref is None or not ref.state_mb or row.state_mb is None:
-        return
-    row.state_vs_reference = row.state_mb / ref.state_mb
-    row.reference_state_type = ref.state_type
-    row.state_memory_ratio = fp32_state_ratio(row.state_mb, ref.state_mb, ref.state_type)
-
-
-# the presets whose optimizer state is not their level's own: preset -> (its level's preset, format)
-STATE_PRESETS = {
-    "o2_bf16_int8state": ("o2_bf16", "int8"),
-    "o3_bf16_sr_int8state": ("o3_bf16_sr", "int8"),
-}
-
-
-def state_reference(level: str, known: Sequence[str]) -> tuple[str | None, str | None]:
-    """An optimizer-state level's (reference level, state format), or (None, None): the same
-    level without the state suffix (`o2_bf16+int8state` -> `o2_bf16`), or the level's preset for
-    a preset with int8 state (`o2_bf16_int8state` -> `o2_bf16`); a compiled row's reference is
-    compiled too."""
-    import dataclasses
-
-    spec = parse_level(level, known)
-    if spec.state is not None:
-        return dataclasses.replace(spec, state=None).name, spec.state
-    if spec.preset in STATE_PRESETS:
-        base, fmt = STATE_PRESETS[spec.preset]
-        return dataclasses.replace(spec, preset=base).name, fmt
-    return None, None
 
 
 def parse_level(text: str, known: Sequence[str]) -> LevelSpec:

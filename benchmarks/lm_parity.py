@@ -58,45 +58,30 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import importlib.util
-import logging
 import math
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
 import traceback
-import uuid
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks import harness
 from benchmarks.common import (
     RESULTS,
-    STATE_CHECKED,
-    STATE_MEMORY_TARGETS,
-    add_run_options,
     check_presets,
-    compare_state,
     compose,
-    crash_status,
     csv_list,
-    describe_level,
     load_average,
-    parse_level,
-    parse_seeds,
-    prepare_store,
     resolve_device,
-    run_overrides,
-    run_report_fields,
-    run_setup_lines,
-    state_reference,
     store_uri,
-    unfinished_lines,
     write_results,
 )
+from benchmarks.harness import STATE_CHECKED, STATE_MEMORY_TARGETS
 
 EXPERIMENT = "lm-parity"
 MODEL = "gpt_tiny"
@@ -138,8 +123,6 @@ OPTIMIZER = [
     "scheduler=cosine",
 ]
 
-log = logging.getLogger("benchmarks.lm_parity")
-
 
 def stdlib_folder() -> str:
     """The Python standard library's folder: real text on every machine, no download."""
@@ -147,14 +130,10 @@ def stdlib_folder() -> str:
 
 
 @dataclass
-class RunResult:
-    level: str
-    seed: int
-    opt_level: str = ""
-    dtype: str = ""
-    fp8: str | None = None  # precision.fp8_linear where the preset has fp8
-    status: str = "finished"  # finished | diverged | crashed
-    best_val_loss: float | None = None  # nats per token: what app.run returns
+class RunResult(harness.Run):
+    OBJECTIVE = ("best_val_loss", "validation loss")  # nats per token: what app.run returns
+
+    best_val_loss: float | None = None
     val_perplexity: float | None = None  # of the last epoch (one epoch: the best)
     val_token_acc: float | None = None
     tokens_per_s: float | None = None
@@ -165,9 +144,6 @@ class RunResult:
     optimizer_state: str | None = None  # the precision.optimizer_state param (the state's format)
     train_windows: int | None = None  # the data.train_size / data.val_size params
     val_windows: int | None = None
-    wall_s: float | None = None
-    run_id: str | None = None
-    error: str | None = None
 
 
 @dataclass
@@ -232,21 +208,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "training step against a hand-written loop; writes Markdown, CSV and JSON.",
     )
     parser.add_argument(
-        "--levels",
-        type=csv_list,
-        default=None,
-        help=f"comma-separated precision presets (default: CPU "
-        f"{','.join(CPU_LEVELS)}; CUDA {','.join(CUDA_LEVELS)}); o0, the "
-        "baseline, is added when missing; fp8 levels are skipped without torchao",
-    )
-    parser.add_argument(
-        "--seeds",
-        type=csv_list,
-        default=None,
-        help="comma-separated trainer.seed values (default 0,1,2); the corpus "
-        "and its validation tail stay fixed",
-    )
-    parser.add_argument(
         "--device",
         choices=["cpu", "cuda", "auto"],
         default="cpu",
@@ -305,10 +266,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help=f"presets for the overhead (default: CPU "
         f"{','.join(CPU_OVERHEAD_LEVELS)}; CUDA {','.join(CUDA_OVERHEAD_LEVELS)})",
     )
-    add_run_options(
+    harness.add_options(
         parser,
         EXPERIMENT,
         "lm_parity",
+        levels_help=f"comma-separated precision presets (default: CPU "
+        f"{','.join(CPU_LEVELS)}; CUDA {','.join(CUDA_LEVELS)}); o0, the "
+        "baseline, is added when missing; fp8 levels are skipped without torchao",
+        fixed="the corpus and its validation tail",
         extra_help="more Hydra overrides for the "
         "parity runs, applied last (e.g. data.val_fraction=0.05)",
     )
@@ -319,17 +284,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.overhead_rounds < 0:
         parser.error("--overhead-rounds must be >= 0")
-    args.seeds = parse_seeds(parser, args.seeds, DEFAULT_SEEDS)
+    args.seeds = harness.parse_seeds(parser, args.seeds, DEFAULT_SEEDS)
     args.device = resolve_device(parser, args.device)
     args.corpus = (args.corpus or Path(stdlib_folder())).expanduser().resolve()
     if not args.corpus.exists():
         parser.error(f"--corpus {args.corpus} does not exist")
 
     levels = args.levels or (CUDA_LEVELS if args.device == "cuda" else CPU_LEVELS)
-    check_levels(parser, levels)
-    if BASELINE not in levels:
-        levels = [BASELINE, *levels]
-    levels = list(dict.fromkeys(levels))
+    levels = harness.parse_levels(parser, levels, BASELINE, compiled=False)
     args.skipped = {}  # level -> why it was not run
     reason = fp8_unavailable(args.device) if any("fp8" in lvl for lvl in levels) else None
     if reason:
@@ -422,34 +384,11 @@ def describe_corpus(cfg: Any) -> dict:
 
 
 # ---- running ------------------------------------------------------------------------------------
-def check_levels(parser, levels: Sequence[str]) -> None:
-    """The parser's error where a level is neither a preset nor `<preset>+<format>state` (no
-    compiled rows here)."""
-    from runner.run.plan import preset_options
-
-    for level in levels:
-        try:
-            spec = parse_level(level, preset_options())
-        except ValueError as error:
-            parser.error(str(error))
-        if spec.compile:
-            parser.error(f"{level}: this benchmark has no compiled rows (+compile)")
-
-
-def level_overrides(level: str) -> list[str]:
-    """`precision=<preset>`, and `precision.optimizer_state=<format>` for `+<format>state`."""
-    from runner.run.plan import preset_options
-
-    return parse_level(level, preset_options()).overrides()
-
-
 def target_of(level: str) -> tuple[str | None, float | None, str | None, str | None]:
     """(reference, tolerance, state format, state reference) of a level: TARGETS' entry; an
     optimizer-state level is checked against its level with its own state where its format is
     bf16 or int8 (within STATE_TOLERANCE), else reported against o0."""
-    from runner.run.plan import preset_options
-
-    state_ref, fmt = state_reference(level, preset_options())
+    state_ref, fmt = harness.state_reference(level)
     reference, tolerance = TARGETS.get(level, (None, None))
     if fmt in STATE_CHECKED and reference is None:
         reference, tolerance = state_ref, STATE_TOLERANCE
@@ -460,43 +399,10 @@ def run_name(level: str, seed: int) -> str:
     return f"{MODEL}-{level.replace('+', '-')}-seed{seed}"
 
 
-def run_one(args: argparse.Namespace, level: str, seed: int, session: str) -> RunResult:
+def run_one(args: argparse.Namespace, level: str, seed: int) -> RunResult:
     """One real run of `level` at `seed`, then its metrics and params read back from the store."""
-    from benchmarks.accuracy import StoredRun, read_run
-    from runner.errors import DivergenceError
-    from runner.run.app import run
-
-    key = f"{session}/{level}/s{seed}"
-    overrides = run_overrides(
-        task_overrides(args),
-        level_overrides(level),
-        seed,
-        args,
-        run_name(level, seed),
-        EXPERIMENT,
-        key,
-    )
-    result = RunResult(level=level, seed=seed)
-    started = time.perf_counter()
-    try:
-        cfg = compose(overrides)
-        result.opt_level = str(cfg.precision.opt_level)
-        result.dtype = describe_level(cfg.precision)
-        result.fp8 = cfg.precision.get("fp8_linear") or None
-        loss = run(cfg, overrides=overrides)
-        result.best_val_loss = None if loss is None else float(loss)
-    except DivergenceError as error:  # an outcome (pure 16-bit may do this), not a crash
-        result.status, result.error = "diverged", str(error)
-    except Exception as error:  # noqa: BLE001  (reported, and the exit status says so)
-        result.status, result.error = "crashed", f"{type(error).__name__}: {error}"
-        print(traceback.format_exc(), file=sys.stderr)
-    result.wall_s = time.perf_counter() - started
-    try:
-        stored = read_run(args.tracking_uri, args.experiment, key)
-    except Exception as error:  # noqa: BLE001
-        stored = StoredRun()
-        log.warning("could not read the run's metrics back: %s", error)
-    result.run_id = stored.run_id
+    result = RunResult(level, seed)
+    stored = harness.train(args, result, task_overrides(args), run_name(level, seed))
     for name in (
         "val_perplexity",
         "val_token_acc",
@@ -513,21 +419,10 @@ def run_one(args: argparse.Namespace, level: str, seed: int, session: str) -> Ru
     if "data.train_size" in params:
         result.train_windows = int(params["data.train_size"])
         result.val_windows = int(params["data.val_size"])
-    if result.best_val_loss is None and result.status == "finished":
-        result.status, result.error = "crashed", "the run returned no validation loss"
     return result
 
 
 # ---- summary ------------------------------------------------------------------------------------
-def _finite(values) -> list[float]:
-    return [float(v) for v in values if v is not None and math.isfinite(float(v))]
-
-
-def _mean(values) -> float | None:
-    values = _finite(values)
-    return statistics.fmean(values) if values else None
-
-
 def summarise(
     results: Sequence[RunResult], levels: Sequence[str], seeds: Sequence[int]
 ) -> list[LevelSummary]:
@@ -547,30 +442,24 @@ def summarise(
             tolerance=tolerance,
             state_format=fmt,
             state_reference=state_ref,
-            state_mb=_mean(r.state_mb for r in mine),
+            state_mb=harness.mean(r.state_mb for r in mine),
             state_type=next((r.optimizer_state for r in mine if r.optimizer_state), None),
-            losses={r.seed: r.best_val_loss if r.status == "finished" else None for r in mine},
-            mean_token_acc=_mean(r.val_token_acc for r in mine if r.status == "finished"),
-            mean_tokens_per_s=_mean(r.tokens_per_s for r in mine if r.status == "finished"),
+            losses=harness.by_seed(mine, "best_val_loss"),
+            mean_token_acc=harness.mean(r.val_token_acc for r in mine if r.status == "finished"),
+            mean_tokens_per_s=harness.mean(r.tokens_per_s for r in mine if r.status == "finished"),
             fp8_layers=[r.fp8_layers for r in mine if r.fp8_layers is not None],
             statuses=[r.status for r in mine],
         )
-        losses = _finite(row.losses.get(s) for s in seeds)
-        if losses and len(losses) == len(seeds):
-            row.mean = statistics.fmean(losses)
-            row.std = statistics.stdev(losses) if len(losses) > 1 else 0.0
+        row.mean, row.std = harness.seed_stats(row.losses, seeds)
+        if row.mean is not None:
             row.perplexity = math.exp(row.mean) if row.mean < 700 else math.inf
-        skipped = _finite(r.skipped_steps for r in mine)
+        skipped = harness.finite(r.skipped_steps for r in mine)
         row.skipped_steps = sum(skipped) if skipped else None
         rows.append(row)
     means = {r.level: r.mean for r in rows}
     by_level = {r.level: r for r in rows}
     for row in rows:
-        compare_state(row, by_level.get(row.state_reference or ""))
-        if row.state_memory_ratio is not None and row.state_format in STATE_MEMORY_TARGETS:
-            row.within_memory_target = (
-                row.state_memory_ratio <= STATE_MEMORY_TARGETS[row.state_format]
-            )
+        harness.compare_state(row, by_level.get(row.state_reference or ""))
         if row.mean is not None and means.get(BASELINE) is not None:
             row.diff_vs_o0 = row.mean - means[BASELINE]
         if row.checked and row.mean is not None and means.get(row.reference) is not None:
@@ -717,25 +606,15 @@ def measure_overhead(args: argparse.Namespace, cfg: Any) -> dict:
         "rounds": oargs.rounds,
         "block": oargs.block,
         "warmup": oargs.warmup,
-        "dynamic_levels": [lv.level for lv in levels if lv.engine.scalers[0].dynamic],
+        "dynamic_levels": [lv.level for lv in levels if lv.dynamic],
         "overrides": overhead.task_overrides(oargs, "<level>"),
         "results": results,
         "load_start": load_start,
         "load_end": load_average(),
         "wall_s": time.perf_counter() - started,
     }
-    report["verdict"] = overhead_verdict(results)
+    report["verdict"] = overhead.ratio_verdict(results)
     return report
-
-
-def overhead_verdict(results: Sequence[dict]) -> str:
-    parts = [
-        f"{r['opt_level']} (`{r['level']}`) {r['ratio']:.3f} (target {r['target']}: "
-        f"{'meets' if r['meets_target'] else 'misses'})"
-        for r in results
-    ]
-    head = "PASS" if all(r["meets_target"] for r in results) else "MISS"
-    return f"{head}: runner / hand-written median step time: " + "; ".join(parts) + "."
 
 
 def overhead_lines(report: dict | None, rounds: int) -> list[str]:
@@ -826,22 +705,7 @@ def render_markdown(report: dict, rows: Sequence[LevelSummary]) -> str:
         + "---:|---:|---|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        cells = []
-        for s in seeds:
-            value = r.losses.get(s)
-            if value is None:
-                cells.append(
-                    next(
-                        (
-                            x.status
-                            for x in report["_results"]
-                            if x.level == r.level and x.seed == s
-                        ),
-                        "missing",
-                    )
-                )
-            else:
-                cells.append(f"{value:.4f}")
+        cells = harness.seed_cells(r.losses, r.level, report, lambda v: f"{v:.4f}")
         mean = "-" if r.mean is None else f"{r.mean:.4f} ± {r.std or 0:.4f}"
         if r.level == BASELINE:
             reference, target, meets = "-", "-", "baseline"
@@ -897,7 +761,7 @@ def render_markdown(report: dict, rows: Sequence[LevelSummary]) -> str:
     lines += [
         "## Setup",
         "",
-        *run_setup_lines(report),
+        *harness.setup_lines(report),
         f"- Load average (1, 5, 15 min): {report['load_start']} at start, "
         f"{report.get('load_end', '-')} at end",
         f"- Versions: {report['versions']}",
@@ -905,7 +769,7 @@ def render_markdown(report: dict, rows: Sequence[LevelSummary]) -> str:
         + " ".join(f"`{o}`" for o in report["overrides"]),
         "",
     ]
-    lines += unfinished_lines(report["_results"])
+    lines += harness.unfinished_lines(report["_results"])
     return "\n".join(lines)
 
 
@@ -967,10 +831,6 @@ def versions() -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(levelname)s %(name)s: %(message)s",
-    )
     # the benchmark's temporary folder: the MLflow store and the token cache, unless given
     own_cache = args.token_cache is None
     folder = (
@@ -1018,7 +878,7 @@ def _main(argv: list[str], args: argparse.Namespace) -> int:
         f"{corpus['tokenise_s']:.1f} s",
         flush=True,
     )
-    prepare_store(args.tracking_uri, args.experiment)
+    harness.open_store(args, "lm-parity-")
     report = {
         "benchmark": EXPERIMENT,
         "device": args.device,
@@ -1040,30 +900,23 @@ def _main(argv: list[str], args: argparse.Namespace) -> int:
         "overhead": None,
         "load_start": load_start,
         "versions": versions(),
-        **run_report_fields("lm_parity", argv, args),
+        **harness.report_fields("lm_parity", argv, args),
     }
-    session = uuid.uuid4().hex[:12]
-    total = len(args.levels) * len(args.seeds)
-    results: list[RunResult] = report["_results"]
 
     def save() -> list[Path]:
-        report["runs"] = [asdict(r) for r in results]
         report["total_wall_s"] = time.perf_counter() - started
         report["load_end"] = load_average()
         return write_outputs(args.out, report, summarise(results, args.levels, args.seeds))
 
-    for level in args.levels:
-        for seed in args.seeds:
-            print(f"[{len(results) + 1}/{total}] {level} seed {seed} ...", end=" ", flush=True)
-            result = run_one(args, level, seed, session)
-            results.append(result)
-            print(
-                f"{result.status}: best val loss {_num(result.best_val_loss, '.4f')}, "
-                f"{_num(result.tokens_per_s, ',.0f')} tokens/s, {result.wall_s:.0f} s",
-                flush=True,
-            )
-            save()  # after every run: a command stopped at a time limit keeps what it finished
-    status = crash_status(results)
+    def said(result: RunResult) -> str:
+        return (
+            f"{result.status}: best val loss {_num(result.best_val_loss, '.4f')}, "
+            f"{_num(result.tokens_per_s, ',.0f')} tokens/s, {result.wall_s:.0f} s"
+        )
+
+    results = report["_results"]
+    harness.run_all(args, report, lambda level, seed: run_one(args, level, seed), said, save)
+    status = 0
     if args.overhead_rounds:
         try:
             report["overhead"] = measure_overhead(args, cfg)
@@ -1071,11 +924,8 @@ def _main(argv: list[str], args: argparse.Namespace) -> int:
             traceback.print_exc()
             report["overhead"] = {"error": f"{type(error).__name__}: {error}"}
             status = 1
-    paths = save()
-    print()
-    print(render_markdown(report, summarise(results, args.levels, args.seeds)))
-    print("Wrote " + ", ".join(str(p) for p in paths))
-    return status
+    text = render_markdown(report, summarise(results, args.levels, args.seeds))
+    return max(status, harness.finish(text, save(), results))
 
 
 if __name__ == "__main__":

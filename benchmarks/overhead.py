@@ -404,6 +404,7 @@ class Level:
         self.kind = handwritten_kind(parts.properties)
         self.kernels = parts.kernels
         self.engine = parts.engine
+        self.dynamic = parts.properties.dynamic_loss_scale  # a loss scaler of its own
         trainer, batch = parts.trainer, parts.batch
         self.sides: dict[str, Callable[[], object]] = {
             "runner": lambda: trainer.train_step(*batch),
@@ -467,16 +468,20 @@ def handwritten_label(row: dict, dynamic: bool) -> str:
     )
 
 
-def verdict(report: dict) -> str:
-    rows = report["results"]
-    task = report["task"]
+def ratio_verdict(rows: Sequence[dict]) -> str:
+    """PASS or MISS, and each level's ratio against its target (lm_parity.py's too)."""
     parts = [
         f"{r['opt_level']} (`{r['level']}`) {r['ratio']:.3f} (target {r['target']}: "
         f"{'meets' if r['meets_target'] else 'misses'})"
         for r in rows
     ]
     head = "PASS" if all(r["meets_target"] for r in rows) else "MISS"
-    text = f"{head}: runner / hand-written median step time: " + "; ".join(parts) + "."
+    return f"{head}: runner / hand-written median step time: " + "; ".join(parts) + "."
+
+
+def verdict(report: dict) -> str:
+    task = report["task"]
+    text = ratio_verdict(report["results"])
     if any(task[k] != v for k, v in TARGET_TASK.items()):
         text += (
             " (The targets are set for resnet18 on 32x32 inputs at batch 64; this task "
@@ -783,10 +788,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         traceback.print_exc()
         return 1
     results = [lv.result() for lv in levels]
-    dynamic = []
-    for lv in levels:
-        if lv.engine.scalers[0].dynamic:
-            dynamic.append(lv.level)
     report = {
         "benchmark": "overhead",
         "device": args.device,
@@ -800,7 +801,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "rounds": args.rounds,
         "block": args.block,
         "warmup": args.warmup,
-        "dynamic_levels": dynamic,
+        "dynamic_levels": [lv.level for lv in levels if lv.dynamic],
         "results": results,
         "overrides": task_overrides(args, "<level>"),
         **provenance(args, argv, load_start, started),

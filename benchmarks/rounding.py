@@ -29,37 +29,20 @@ outcome); 2 for bad arguments.
 from __future__ import annotations
 
 import argparse
-import logging
 import math
-import statistics
 import sys
-import time
-import traceback
-import uuid
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from benchmarks.accuracy import read_run
+from benchmarks import harness
 from benchmarks.common import (
     RESULTS,
-    add_run_options,
     add_threads_option,
     apply_threads,
-    check_presets,
     compose,
-    crash_status,
-    csv_list,
-    describe_level,
-    parse_seeds,
-    prepare_store,
     resolve_device,
-    run_overrides,
-    run_report_fields,
-    run_setup_lines,
     save_figure,
-    store_uri,
-    unfinished_lines,
     write_results,
 )
 
@@ -101,23 +84,16 @@ STYLES = {
     ROUNDS: {"color": "tab:green", "linewidth": 1.6, "marker": "s", "markersize": 3},
 }
 
-log = logging.getLogger("benchmarks.rounding")
-
 
 @dataclass
-class RunResult:
-    level: str
-    seed: int
-    dtype: str = ""
-    status: str = "finished"  # finished | diverged | crashed
+class RunResult(harness.Run):
+    OBJECTIVE = ("best_val_acc", "accuracy")
+
     best_val_acc: float | None = None
     final_val_acc: float | None = None
     final_train_loss: float | None = None
     val_acc: list[float | None] = field(default_factory=list)  # per epoch, from the store
     train_loss: list[float | None] = field(default_factory=list)  # per epoch (its mean)
-    wall_s: float | None = None
-    run_id: str | None = None
-    error: str | None = None
 
 
 @dataclass
@@ -145,19 +121,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "updates; real runs over several seeds; Markdown, CSV, JSON and a PNG figure.",
     )
     parser.add_argument(
-        "--levels",
-        type=csv_list,
-        default=None,
-        help=f"comma-separated presets (default {','.join(LEVELS)}; the verdict needs those three)",
-    )
-    parser.add_argument(
-        "--seeds",
-        type=csv_list,
-        default=None,
-        help="comma-separated trainer.seed values (default 0,1,2); the dataset "
-        "(data.seed) stays fixed",
-    )
-    parser.add_argument(
         "--epochs",
         type=int,
         default=DEFAULT_EPOCHS,
@@ -172,7 +135,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default="cpu",
         help="default cpu (the committed results are a CPU run)",
     )
-    add_run_options(parser, EXPERIMENT, "rounding", beside=".csv, .json and .png")
+    harness.add_options(
+        parser,
+        EXPERIMENT,
+        "rounding",
+        levels_help=f"comma-separated presets (default {','.join(LEVELS)}; the verdict needs "
+        "those three)",
+        fixed="the dataset (data.seed)",
+        beside=".csv, .json and .png",
+    )
     add_threads_option(parser)
     args = parser.parse_args(argv)
     apply_threads(parser, args)
@@ -181,11 +152,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--epochs must be at least 1")
     if not (args.lr > 0 and math.isfinite(args.lr)):
         parser.error(f"--lr must be a positive number, got {args.lr}")
-    args.seeds = parse_seeds(parser, args.seeds, DEFAULT_SEEDS)
+    args.seeds = harness.parse_seeds(parser, args.seeds, DEFAULT_SEEDS)
     args.device = resolve_device(parser, args.device)
-    levels = args.levels or LEVELS
-    check_presets(parser, levels)
-    args.levels = list(dict.fromkeys(levels))
+    args.levels = harness.parse_levels(parser, args.levels or LEVELS, compiled=False)
     if args.out is None:
         args.out = RESULTS / f"rounding_{args.device}.md"
     return args
@@ -231,42 +200,14 @@ def epoch_means(
     return [s / w if w else None for s, w in zip(sums, weights)]
 
 
-def run_one(args, level: str, seed: int, session: str, overrides_task: list[str]) -> RunResult:
-    from runner.errors import DivergenceError
-    from runner.run.app import run
-
-    key = f"{session}/{level}/s{seed}"
-    overrides = run_overrides(
-        overrides_task,
-        [f"precision={level}"],
-        seed,
-        args,
-        f"tiny-{level}-lr{args.lr:g}-seed{seed}",
-        EXPERIMENT,
-        key,
-    )
-    result = RunResult(level=level, seed=seed)
-    started = time.perf_counter()
-    cfg = None
-    try:
-        cfg = compose(overrides)
-        result.dtype = describe_level(cfg.precision)
-        result.best_val_acc = run(cfg, overrides=overrides)
-    except DivergenceError as error:  # an outcome, not a crash
-        result.status, result.error = "diverged", str(error)
-    except Exception as error:  # noqa: BLE001  (reported, and the exit status says so)
-        result.status, result.error = "crashed", f"{type(error).__name__}: {error}"
-        print(traceback.format_exc(), file=sys.stderr)
-    result.wall_s = time.perf_counter() - started
-    try:
-        stored = read_run(
-            args.tracking_uri, args.experiment, key, histories=["val_acc", "train_loss"]
-        )
-    except Exception as error:  # noqa: BLE001
-        log.warning("could not read the run's metrics back: %s", error)
-        return result
-    result.run_id = stored.run_id
-    if cfg is not None and stored.run_id is not None:
+def run_one(args, level: str, seed: int, task: list[str]) -> RunResult:
+    """One real run of `level` at `seed`, then its per-epoch validation accuracy and training
+    loss read back from the store."""
+    result = RunResult(level, seed)
+    name = f"tiny-{level}-lr{args.lr:g}-seed{seed}"
+    stored = harness.train(args, result, task, name, ["val_acc", "train_loss"])
+    if stored.run_id is not None:
+        cfg = compose(task)
         steps = math.ceil(int(cfg.data.num_train) / int(cfg.trainer.batch_size))
         result.val_acc = per_epoch(stored.histories.get("val_acc", []), args.epochs)
         result.train_loss = epoch_means(stored.histories.get("train_loss", []), steps, args.epochs)
@@ -274,22 +215,16 @@ def run_one(args, level: str, seed: int, session: str, overrides_task: list[str]
         result.final_val_acc = done[-1] if done else None
         losses = [v for v in result.train_loss if v is not None]
         result.final_train_loss = losses[-1] if losses else None
-    if result.best_val_acc is None and result.status == "finished":
-        result.status, result.error = "crashed", "the run returned no accuracy"
     return result
 
 
 # ---- summary ------------------------------------------------------------------------------------
-def _finite(values) -> list[float]:
-    return [float(v) for v in values if v is not None and not math.isnan(float(v))]
-
-
 def _band(series: list[list[float | None]], epochs: int) -> dict[str, list[float | None]]:
     """Per epoch: mean, min and max over the seeds that have a finite value there."""
     band: dict[str, list[float | None]] = {"mean": [], "min": [], "max": []}
     for i in range(epochs):
-        values = _finite(s[i] for s in series if i < len(s))
-        band["mean"].append(statistics.fmean(values) if values else None)
+        values = harness.finite(s[i] for s in series if i < len(s))
+        band["mean"].append(harness.mean(values))
         band["min"].append(min(values) if values else None)
         band["max"].append(max(values) if values else None)
     return band
@@ -304,17 +239,12 @@ def summarise(
         row = LevelSummary(
             level=level,
             dtype=mine[0].dtype if mine else "",
-            best={r.seed: r.best_val_acc if r.status == "finished" else None for r in mine},
+            best=harness.by_seed(mine, "best_val_acc"),
             statuses=[r.status for r in mine],
         )
-        best = _finite(row.best.get(s) for s in seeds)
-        if best and len(best) == len(seeds):
-            row.mean = statistics.fmean(best)
-            row.std = statistics.stdev(best) if len(best) > 1 else 0.0
-        finals = _finite(r.final_val_acc for r in mine)
-        row.final_val_acc = statistics.fmean(finals) if finals else None
-        losses = _finite(r.final_train_loss for r in mine)
-        row.final_train_loss = statistics.fmean(losses) if losses else None
+        row.mean, row.std = harness.seed_stats(row.best, seeds)
+        row.final_val_acc = harness.mean(r.final_val_acc for r in mine)
+        row.final_train_loss = harness.mean(r.final_train_loss for r in mine)
         row.val_acc = _band([r.val_acc for r in mine], epochs)
         row.train_loss = _band([r.train_loss for r in mine], epochs)
         rows.append(row)
@@ -374,22 +304,7 @@ def render_markdown(report: dict, rows: list[LevelSummary], figure_name: str | N
         "|---|---|" + "---:|" * len(seeds) + "---:|---:|---:|---:|",
     ]
     for r in rows:
-        accs = []
-        for s in seeds:
-            value = r.best.get(s)
-            if value is None:
-                accs.append(
-                    next(
-                        (
-                            x.status
-                            for x in report["_results"]
-                            if x.level == r.level and x.seed == s
-                        ),
-                        "missing",
-                    )
-                )
-            else:
-                accs.append(_pct(value))
+        accs = harness.seed_cells(r.best, r.level, report, _pct)
         mean = "-" if r.mean is None else f"{100 * r.mean:.2f} ± {100 * (r.std or 0):.2f}"
         diff = (
             "reference"
@@ -438,7 +353,7 @@ def render_markdown(report: dict, rows: list[LevelSummary], figure_name: str | N
     lines += [
         "## Setup",
         "",
-        *run_setup_lines(report),
+        *harness.setup_lines(report),
         f"- Verdict thresholds: `{STALLS}` at least {STALL_POINTS:g} points below `{REFERENCE}`,"
         f" `{ROUNDS}` within {SR_POINTS:g} points of it (means of the best validation accuracy "
         "over the seeds)",
@@ -446,7 +361,7 @@ def render_markdown(report: dict, rows: list[LevelSummary], figure_name: str | N
         + " ".join(f"`{o}`" for o in report["overrides"]),
         "",
     ]
-    lines += unfinished_lines(report["_results"])
+    lines += harness.unfinished_lines(report["_results"])
     return "\n".join(lines)
 
 
@@ -571,20 +486,21 @@ def write_outputs(
 
 
 # ---- entry point --------------------------------------------------------------------------------
+def said(result: RunResult) -> str:
+    """The line printed after a run."""
+    loss = result.final_train_loss
+    return (
+        f"{result.status}: best val acc {_pct(result.best_val_acc)}%, last train loss "
+        f"{'-' if loss is None else f'{loss:.3f}'}, {result.wall_s:.0f} s"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(levelname)s %(name)s: %(message)s",
-    )
-    args.tracking_uri = store_uri(args.tracking_uri, "rounding-stall-")
-    prepare_store(args.tracking_uri, args.experiment)
+    harness.open_store(args, "rounding-stall-")
     overrides = task_overrides(args)
     composed = compose(overrides)
-
-    session = uuid.uuid4().hex[:12]
-    total = len(args.levels) * len(args.seeds)
     print(
         f"Rounding stall: {len(args.levels)} levels x {len(args.seeds)} seeds on {args.device}, "
         f"{args.epochs} epochs at lr {args.lr:g}; MLflow store {args.tracking_uri}",
@@ -599,35 +515,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         "lr": args.lr,
         "num_classes": int(composed.data.get("num_classes", 0) or 0),
         "overrides": overrides,
-        **run_report_fields("rounding", argv, args),
+        **harness.report_fields("rounding", argv, args),
     }
-    started = time.perf_counter()
-    results: list[RunResult] = report["_results"]
-    for seed in args.seeds:  # seed-major: a run stopped early leaves every level compared
-        for level in args.levels:
-            print(f"[{len(results) + 1}/{total}] {level} seed {seed} ...", end=" ", flush=True)
-            result = run_one(args, level, seed, session, overrides)
-            results.append(result)
-            print(
-                f"{result.status}: best val acc {_pct(result.best_val_acc)}%, last train loss "
-                f"{'-' if result.final_train_loss is None else f'{result.final_train_loss:.3f}'}"
-                f", {result.wall_s:.0f} s",
-                flush=True,
-            )
-            report["runs"] = [asdict(r) for r in results]
-            report["total_wall_s"] = time.perf_counter() - started
-            write_outputs(
-                args.out,
-                report,
-                summarise(results, args.levels, args.seeds, args.epochs),
-                with_figure=False,
-            )
-    rows = summarise(results, args.levels, args.seeds, args.epochs)
-    paths = write_outputs(args.out, report, rows)
-    print()
-    print(render_markdown(report, rows, None))
-    print("Wrote " + ", ".join(str(p) for p in paths))
-    return crash_status(results)
+
+    def rows() -> list[LevelSummary]:
+        return summarise(report["_results"], args.levels, args.seeds, args.epochs)
+
+    results = harness.run_all(
+        args,
+        report,
+        lambda level, seed: run_one(args, level, seed, overrides),
+        said,
+        lambda: write_outputs(args.out, report, rows(), with_figure=False),
+        seed_major=True,  # a command stopped early leaves every level compared
+    )
+    paths = write_outputs(args.out, report, rows())
+    return harness.finish(render_markdown(report, rows(), None), paths, results)
 
 
 if __name__ == "__main__":

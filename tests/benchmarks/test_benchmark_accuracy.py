@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import accuracy as bench
+from benchmarks import harness
 
 
 @pytest.mark.slow  # two real runs and a fresh MLflow store: about 10-15 s on 2 cores
@@ -244,10 +245,17 @@ def test_accuracy_state_rows_parse_and_are_checked_against_their_own_level():
     assert args.levels == ["o0", *bench.STATE_LEVELS] and args.model == "vit_tiny"
     assert args.epochs == bench.STATE_EPOCHS and "optimizer=adamw" in bench.task_overrides(args)
     assert args.out.name == "accuracy_state_cpu.md"
-    assert bench.state_of("o2_bf16+int4state") == ("o2_bf16", "int4")
-    assert bench.state_of("o2_bf16+int8state+compile") == ("o2_bf16+compile", "int8")
-    assert bench.state_of("o3_bf16_sr_int8state") == ("o3_bf16_sr", "int8")
-    assert bench.state_of("o2_bf16") == (None, None)
+    assert harness.state_reference("o2_bf16+int4state") == ("o2_bf16", "int4")
+    assert harness.state_reference("o2_bf16+int8state+compile") == ("o2_bf16+compile", "int8")
+    assert harness.state_reference("o3_bf16_sr_int8state") == ("o3_bf16_sr", "int8")
+    assert harness.state_reference("o2_bf16") == (None, None)
+    run = bench.RunResult("o2_bf16+int4state", 3)
+    args.tracking_uri, args.experiment = "sqlite:///m.db", "e"
+    assert harness.run_overrides([], run, args, "name", "key")[:3] == [
+        "precision=o2_bf16",
+        "precision.optimizer_state=int4",
+        "trainer.seed=3",
+    ]
     assert bench.run_name("vit_tiny", "o2_bf16+bf16state", 0) == "vit_tiny-o2_bf16-bf16state-seed0"
 
     def results(level, accs, opt_level, state_mb, state):

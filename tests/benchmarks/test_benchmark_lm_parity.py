@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import harness
 from benchmarks import lm_parity as bench
 
 HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
@@ -271,7 +272,7 @@ def test_lm_parity_unjudged_levels_and_unfinished_runs():
     assert "## Runs that did not finish" in table
     assert "- `o2_bf16` seed 1: crashed: RuntimeError: boom" in table
     assert "Skipped (`--overhead-rounds 0`)." in table
-    assert bench.crash_status(results) == 1
+    assert harness.finish("", [], results) == 1  # a crashed run: exit status 1
 
     base_crashed = _runs(bench, "o0", 1.5, "crashed") + _runs(bench, "o1_bf16", 1.5)
     assert bench.verdict(bench.summarise(base_crashed, ["o0", "o1_bf16"], [0, 1])).startswith(
@@ -311,10 +312,6 @@ def test_lm_parity_optimizer_state_levels_against_their_own_level():
     assert bench.target_of("o2_bf16+bf16state") == ("o2_bf16", 0.02, "bf16", "o2_bf16")
     assert bench.target_of("o2_bf16+int4state") == (None, None, "int4", "o2_bf16")
     assert bench.target_of("o3_bf16_sr") == ("o2_bf16", 0.03, None, None)
-    assert bench.level_overrides("o2_bf16+int4state") == [
-        "precision=o2_bf16",
-        "precision.optimizer_state=int4",
-    ]
     assert bench.run_name("o2_bf16+int4state", 1) == "gpt_tiny-o2_bf16-int4state-seed1"
 
     def runs(level, loss, state_mb, state):
