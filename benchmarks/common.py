@@ -342,7 +342,6 @@ class RunnerParts:
     batch: tuple
     cpu_batch: tuple  # the same batch as the loader gave it (host memory), for reuse
     kernels: str
-    fp32_model: Any = None  # a copy of the model before the engine cast it (same weights)
 
 
 def model_overrides(model: str) -> list[str]:
@@ -409,59 +408,65 @@ def one_batch_task(model: str, image_size: int, batch_size: int, device: str) ->
 
 
 def build_runner(
-    cfg,
-    on_metrics: Optional[Callable] = None,
-    keep_fp32_copy: bool = False,
-    cpu_batch: Optional[tuple] = None,
+    cfg, on_metrics: Optional[Callable] = None, cpu_batch: Optional[tuple] = None
 ) -> RunnerParts:
-    """The runner's own objects for `cfg`, built by `runner.run.app.build` exactly as a run builds
-    them (without the MLflow run), a Trainer over them, then one batch of the training data moved
-    to the device the trainer's way. A benchmark times `parts.trainer.train_step(*parts.batch)`:
-    the runner's step.
+    """The runner's own objects for `cfg`, built by `runner.run.build.build` exactly as a run
+    builds them (without the MLflow run), a Trainer over them, then one batch of the training
+    data moved to the device the trainer's way. A benchmark times
+    `parts.trainer.train_step(*parts.batch)`: the runner's step.
 
     The memory probe is reset where a run resets it (once the data is in memory), so
     `parts.memory.peak_mb()` counts weights, masters, optimizer state and activations.
-    `keep_fp32_copy` keeps a copy of the freshly initialised fp32 model (before the engine cast
-    it) for a hand-written comparison loop that must start from the same weights. `cpu_batch` (a
-    previous build's `cpu_batch`, for the same data config) skips drawing the batch again:
-    synthetic 224-px images take seconds."""
-    import copy
-
+    `cpu_batch` (a previous build's `cpu_batch`, for the same data config) skips drawing the
+    batch again: synthetic 224-px images take seconds."""
     from runner import csrc
-    from runner.run import app
+    from runner.run.build import build
     from runner.run.plan import make_plan
     from runner.run.trainer import RunContext, Trainer, trainer_config
 
     plan = make_plan(cfg)
-    device, resolution = plan.device, plan.resolution
-    copies: list = []
-    parts = app.build(
-        plan,
-        on_model=(lambda model: copies.append(copy.deepcopy(model))) if keep_fp32_copy else None,
-    )
+    parts = build(plan)
     trainer = Trainer(
         trainer_config(cfg.trainer),
         parts,
         RunContext(on_metrics=on_metrics or (lambda metrics, step: None)),
-        device=device,
+        device=plan.device,
     )
     x, y = cpu_batch if cpu_batch is not None else next(iter(parts.train_loader))
-    batch = trainer.to_device(x, y)
     return RunnerParts(
         cfg=cfg,
-        device=device,
-        properties=resolution.properties,
+        device=plan.device,
+        properties=plan.resolution.properties,
         model=parts.model,
         optimizer=parts.optimizer,
         scheduler=parts.scheduler,
         engine=parts.engine,
         trainer=trainer,
         memory=parts.memory,
-        batch=batch,
+        batch=trainer.to_device(x, y),
         cpu_batch=(x, y),
         kernels=csrc.name_of(parts.engine.kernels),
-        fp32_model=copies[0] if copies else None,
     )
+
+
+def fp32_model(cfg):
+    """The model a run of `cfg` starts from, in fp32: built by that run's own O0 plan (the same
+    config with the `o0` preset's precision and no torch.compile), whose build seeds with the same
+    `trainer.seed` and draws the same data before the model, so its initial weights are the run's,
+    on its device and in its memory format, before any cast, fp8 conversion or layer plan. What a
+    hand-written loop or a peer starts from, to do the runner's work from the same weights."""
+    import copy
+
+    from omegaconf import OmegaConf, read_write
+
+    from runner.run.build import build
+    from runner.run.plan import make_plan
+
+    o0 = copy.deepcopy(cfg)
+    with read_write(o0):
+        OmegaConf.update(o0, "precision", compose(["precision=o0"]).precision, merge=False)
+        o0.trainer.compile = False
+    return build(make_plan(o0)).model
 
 
 def interleaved_medians(

@@ -55,6 +55,7 @@ from benchmarks.common import (
     command,
     compose,
     csv_list,
+    fp32_model,
     load_average,
     machine,
     now,
@@ -397,7 +398,8 @@ class Level:
 
     def __init__(self, args, level: str):
         cfg = compose(task_overrides(args, level))
-        parts = build_runner(cfg, keep_fp32_copy=True)
+        start = fp32_model(cfg)  # the weights the runner's model starts from, in fp32
+        parts = build_runner(cfg)
         self.level = level
         self.device = parts.device
         self.opt_level = parts.properties.opt_level
@@ -408,9 +410,8 @@ class Level:
         trainer, batch = parts.trainer, parts.batch
         self.sides: dict[str, Callable[[], object]] = {
             "runner": lambda: trainer.train_step(*batch),
-            "handwritten": handwritten_step(parts.fp32_model, cfg, parts.properties, batch),
+            "handwritten": handwritten_step(start, cfg, parts.properties, batch),
         }
-        parts.fp32_model = None  # the hand-written step holds it now
         self.first_loss = {name: float(step()) for name, step in self.sides.items()}
         self.times: dict[str, list[float]] = {name: [] for name in self.sides}
 

@@ -75,6 +75,7 @@ from benchmarks.common import (
     compose,
     csv_list,
     fill_defaults,
+    fp32_model,
     interleaved_medians,
     is_language_model,
     load_average,
@@ -451,18 +452,22 @@ def titan_float8_model(model, device, skip: Sequence[str] = (), compile: bool = 
     return converted
 
 
-def tuned_config(cfg, overrides: Sequence[str], run_steps: int) -> tuple:
-    """`cfg` with what trainer.tune picks for a run of `run_steps` steps: (the config, the
-    picked settings as the table names them, the seconds tuning took)."""
+def tuned_config(overrides: Sequence[str], run_steps: int) -> tuple:
+    """The config of `overrides` with what trainer.tune picks for the run it stands for: the same
+    task (one batch an epoch) for `run_steps` epochs, so `run_steps` steps to repay tuning and
+    compiling. Returns (the config, the picked settings as the table names them, the seconds
+    tuning took)."""
+    from runner.config.values import override_text
     from runner.run import tune
     from runner.run.distributed import Comm
     from runner.run.plan import make_plan
 
-    plan = make_plan(cfg)
-    plan, tuning = tune.tuned(plan, Comm(), plan.device, overrides, steps=run_steps)
+    stands_for = make_plan(compose([*overrides, f"trainer.max_epochs={run_steps}"]))
+    _, tuning = tune.tuned(stands_for, Comm(), stands_for.device, overrides)
     if tuning is None:
-        return plan.cfg, "nothing to tune", 0.0
-    return plan.cfg, tuning.picked(), tuning.seconds
+        return compose(overrides), "nothing to tune", 0.0
+    chosen = [f"{key}={override_text(value)}" for key, value in tuning.settings.items()]
+    return compose([*overrides, *chosen]), tuning.picked(), tuning.seconds
 
 
 def measure(args, peer: str) -> dict:
@@ -477,26 +482,25 @@ def measure(args, peer: str) -> dict:
         overrides = task_overrides(args, peer)
         cfg = compose(overrides)
         if args.tuned:
-            cfg, row["picked"], row["tune_s"] = tuned_config(cfg, overrides, args.run_steps)
-        parts = build_runner(cfg, keep_fp32_copy=True)
+            cfg, row["picked"], row["tune_s"] = tuned_config(overrides, args.run_steps)
+        start = fp32_model(cfg)  # the weights the runner's model starts from, in fp32
+        parts = build_runner(cfg)
         device, trainer, batch = parts.device, parts.trainer, parts.batch
         peer_batch = batch
         if args.tuned:  # the peer at its defaults: a contiguous model and batch
-            parts.fp32_model = parts.fp32_model.to(memory_format=torch.contiguous_format)
+            start = start.to(memory_format=torch.contiguous_format)
             peer_batch = (batch[0].contiguous(), batch[1])
         kind, _, name = peer.partition(":")
         if kind in ("hand", "titan"):
             if kind == "titan":
-                fp8 = titan_float8_model(
-                    parts.fp32_model, device, args.titan_filter, args.titan_compile
-                )
+                fp8 = titan_float8_model(start, device, args.titan_filter, args.titan_compile)
                 ours = set(parts.engine.fp8.converted if parts.engine.fp8 else ())
                 if ours != set(fp8):  # the same GEMMs in fp8 on both sides, or no comparison
                     raise RuntimeError(
                         f"the runner converted {sorted(ours)} to fp8, torchtitan's "
                         f"recipe {sorted(fp8)}"
                     )
-            hand = handwritten_step(parts.fp32_model, cfg, parts.properties, peer_batch)
+            hand = handwritten_step(start, cfg, parts.properties, peer_batch)
             state = {"peer_loss": float("nan")}
 
             def peer_block() -> float:
@@ -504,12 +508,11 @@ def measure(args, peer: str) -> dict:
                 state["peer_loss"] = float(loss)
                 return seconds
         else:
-            lightning = LightningSide(parts.fp32_model, cfg, peer_batch, name, device)
+            lightning = LightningSide(start, cfg, peer_batch, name, device)
 
             def peer_block() -> float:
                 return lightning.block(args.steps, args.warmup)
 
-        parts.fp32_model = None  # the peer holds it now
         runner_state = {"loss": float("nan")}
 
         def runner_block() -> float:

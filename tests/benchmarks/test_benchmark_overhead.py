@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import common, startup
 from benchmarks import overhead as bench
-from benchmarks import startup
 from tests.helpers.benchmarks import own_tempdir
 
 
@@ -64,6 +64,23 @@ def test_overhead_benchmark_smoke(tmp_path: Path, capsys):
         assert row["ratio"] > 0
         # both sides start from the same weights and batch: the same first loss
         assert row["first_loss_runner"] == pytest.approx(row["first_loss_handwritten"], rel=1e-2)
+
+
+@pytest.mark.parametrize(
+    "level,model", [("o1_bf16", "tiny"), ("o2_bf16", "tiny"), ("o2_bf16", "gpt_tiny")]
+)
+def test_the_fp32_model_is_the_weights_the_runner_starts_from(level, model):
+    """common.fp32_model builds the run's own O0 plan: the same initial weights as the runner's
+    model, which O1 keeps in fp32 (equal) and O2 casts to bf16 (equal once cast)."""
+    import torch
+
+    cfg = common.compose([*common.one_batch_task(model, 16, 4, "cpu"), f"precision={level}"])
+    start = common.fp32_model(cfg)
+    runner = common.build_runner(cfg).model.state_dict()
+    weights = {k: v for k, v in start.state_dict().items() if v.is_floating_point()}
+    assert weights and {p.dtype for p in start.parameters()} == {torch.float32}
+    for key, value in weights.items():
+        assert torch.equal(value.to(runner[key].dtype), runner[key]), key
 
 
 def test_overhead_benchmark_rejects_bad_arguments(capsys):
