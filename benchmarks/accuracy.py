@@ -51,13 +51,13 @@ from pathlib import Path
 
 from benchmarks import harness
 from benchmarks.common import (
-    RESULTS,
     add_device_option,
     compose,
     fresh_compile_cache,
     model_label,
     model_overrides,
     resolve_device,
+    results_path,
     write_results,
 )
 from benchmarks.harness import STATE_CHECKED, STATE_MEMORY_TARGETS
@@ -254,7 +254,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.levels = harness.parse_levels(parser, levels, BASELINE)
     if args.out is None:
         suite = "_state" if state_suite else ""
-        args.out = RESULTS / f"accuracy{suite}_{args.device}.md"
+        args.out = results_path(f"accuracy{suite}_{args.device}.md", args.device)
     return args
 
 

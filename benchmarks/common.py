@@ -10,6 +10,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import re
 import shlex
 import time
 from collections.abc import Callable, Sequence
@@ -18,7 +19,23 @@ from pathlib import Path
 from typing import Any, Optional
 
 REPO = Path(__file__).resolve().parent.parent
-RESULTS = REPO / "benchmarks" / "results"  # where a benchmark writes when given no --out
+RESULTS = REPO / "benchmarks" / "results"  # one folder a machine: cpu/, h100/, h200/
+
+
+def results_path(name: str, device: str, gpu: Optional[str] = None) -> Path:
+    """Where a benchmark writes `name` given no --out: benchmarks/results/<machine>/, the machine
+    being `cpu` or the GPU's model (`h100` from "NVIDIA H100 80GB HBM3", `cuda` where its name
+    holds none): the folder its committed results are found in. `gpu`: the GPU's name, where it
+    is not this machine's (results measured elsewhere, merged here)."""
+    folder = "cpu"
+    if device == "cuda":
+        if gpu is None:
+            import torch
+
+            gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+        model = re.search(r"\b([A-Z]\d{2,4})\b", gpu)
+        folder = model.group(1).lower() if model else "cuda"
+    return RESULTS / folder / name
 
 
 def machine(device: str) -> dict[str, str]:
@@ -59,8 +76,8 @@ def add_device_option(parser, auto: bool = True) -> None:
 
 def add_out_option(parser, name: str, beside: str = ".csv and .json", default: str = "") -> None:
     """`--out`: the Markdown results, the other formats beside it (default
-    benchmarks/results/<name>_<device>.md unless `default` says otherwise)."""
-    where = default or f"benchmarks/results/{name}_<device>.md"
+    benchmarks/results/<machine>/<name>_<device>.md unless `default` says otherwise)."""
+    where = default or f"benchmarks/results/<machine>/{name}_<device>.md"
     parser.add_argument(
         "--out",
         type=Path,

@@ -35,7 +35,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from benchmarks.common import (
-    RESULTS,
     add_out_option,
     build_runner,
     command,
@@ -46,6 +45,7 @@ from benchmarks.common import (
     model_problem,
     now,
     one_batch_task,
+    results_path,
     setup_lines,
     write_results,
 )
@@ -220,7 +220,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=",".join(STEP_MODELS),
         help=f"models whose training step is timed (default {','.join(STEP_MODELS)})",
     )
-    add_out_option(p, "cpu_bf16", default="benchmarks/results/cpu_bf16_cpu.md")
+    add_out_option(p, "cpu_bf16", default="benchmarks/results/cpu/cpu_bf16_cpu.md")
     args = p.parse_args(argv)
     if min(args.rounds, args.steps, args.step_rounds) < 1:
         p.error("--rounds, --steps and --step-rounds must be at least 1")
@@ -230,7 +230,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         if problem:
             p.error(f"unknown model {model!r}: {problem}")
     if args.out is None:
-        args.out = RESULTS / "cpu_bf16_cpu.md"
+        args.out = results_path("cpu_bf16_cpu.md", "cpu")
     return args
 
 

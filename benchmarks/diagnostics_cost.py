@@ -34,7 +34,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from benchmarks.common import (
-    RESULTS,
     add_device_option,
     add_extra_option,
     add_out_option,
@@ -48,6 +47,7 @@ from benchmarks.common import (
     interleaved_medians,
     one_batch_task,
     resolve_device,
+    results_path,
     run_cells,
     setup_lines,
 )
@@ -103,7 +103,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if not args.intervals or any(v < 1 for v in args.intervals):
         p.error("--intervals must be at least 1")
     args.levels = args.levels or (["o0", "o2_bf16"] if args.device == "cpu" else ["o0", "o2"])
-    args.out = args.out or RESULTS / f"diagnostics_cost_{args.device}.md"
+    args.out = args.out or results_path(f"diagnostics_cost_{args.device}.md", args.device)
     return args
 
 

@@ -55,7 +55,6 @@ import torch
 from torch import nn
 
 from benchmarks.common import (
-    RESULTS,
     add_device_option,
     add_out_option,
     add_threads_option,
@@ -64,6 +63,7 @@ from benchmarks.common import (
     load_average,
     machine,
     now,
+    results_path,
 )
 
 MODELS = ("resnet50", "vgg16")
@@ -120,7 +120,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown torchvision model(s): {', '.join(unknown)}")
     args.iters = args.iters or (50 if args.device == "cuda" else 31)
-    args.out = args.out or RESULTS / f"kernels_{args.device}.md"
+    args.out = args.out or results_path(f"kernels_{args.device}.md", args.device)
     return args
 
 

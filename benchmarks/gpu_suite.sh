@@ -37,9 +37,10 @@
 # for Apex's tests on CUDA), e.g. `bash benchmarks/gpu_suite.sh lease`. $OUT receives three
 # files: environment.txt, summary_<part>.txt (each piece's exit status and time) and
 # <part>.tar.gz with logs/<piece>.log and results/ (the lease parts write their results there
-# directly, named *_cuda.*; parts 1-4 copy benchmarks/results/*_cuda.*). Unpack it, rename the
-# files for the GPU (e.g. kernels_h100.md) and commit them with the command, commit and
-# versions (benchmarks/results/README or gpu_run_<gpu>.md).
+# directly, named *_cuda.*; parts 1-4 copy benchmarks/results/<gpu>/*_cuda.*). Unpack it,
+# rename the files for the GPU (e.g. kernels_h100.md) and commit them in
+# benchmarks/results/<gpu>/ with the command, commit and versions (gpu_run_<gpu>.md), and list
+# each in benchmarks/results/README.md.
 #
 # Environment: OUT (required: where the three files go), GPU_SUITE_WORK (default
 # /tmp/gpu_suite_<part>), PYTHON (default python3), GPU_SUITE_BUDGET_S (default 540 for lease,
@@ -58,9 +59,10 @@
 # Parts 1-4 (sizes from the first runs on an H200: kernels build 68 s, CUDA tests with 4 workers
 # 108 s, fused_step.py 9 s, ResNet-50's eager rows 84 s, peers 49 s, the ViT's two compiled rows
 # 84 s): part 3 holds the compiled rows, since compiling a 224-px model takes tens of seconds per
-# cell. Between them, copy the previous part's results/levels_cuda.json into benchmarks/results/
-# so that the next part's `levels.py --merge` completes the same table, or combine them later
-# with `python -m benchmarks.levels --from-json part1/levels_cuda.json part2/... part3/...`
+# cell. Between them, copy the previous part's results/levels_cuda.json into
+# benchmarks/results/<gpu>/ so that the next part's `levels --merge` completes the same table, or
+# combine them later with
+# `python -m benchmarks.levels --from-json part1/levels_cuda.json part2/... part3/...`
 # (also the way to draw the figure where the GPU machine has no matplotlib).
 set -uo pipefail
 
@@ -114,7 +116,7 @@ fi
 
 # pack: the logs and the results so far into $OUT/<part>.tar.gz (one file back, not dozens).
 pack() {
-  [[ "$PART" == lease* ]] || cp -f benchmarks/results/*_cuda.* "$RES/" 2>/dev/null
+  [[ "$PART" == lease* ]] || cp -f benchmarks/results/*/*_cuda.* "$RES/" 2>/dev/null
   cp -f "$OUT/environment.txt" "$WORK/" 2>/dev/null
   tar -czf "$OUT/$PART.tar.gz" -C "$WORK" . || echo "packing $WORK into $OUT failed" >&2
 }

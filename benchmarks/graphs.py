@@ -42,7 +42,6 @@ import traceback
 from collections.abc import Sequence
 
 from benchmarks.common import (
-    RESULTS,
     add_device_option,
     add_out_option,
     build_runner,
@@ -56,6 +55,7 @@ from benchmarks.common import (
     now,
     one_batch_task,
     resolve_device,
+    results_path,
     setup_lines,
     write_results,
 )
@@ -117,7 +117,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.device == "cpu":
         args.image_size = args.image_size or CPU_SIZE[0]
         args.batch_size = args.batch_size or CPU_SIZE[1]
-    args.out = args.out or RESULTS / f"graphs_{args.device}.md"
+    args.out = args.out or results_path(f"graphs_{args.device}.md", args.device)
     return args
 
 

@@ -28,7 +28,6 @@ import traceback
 from collections.abc import Sequence
 
 from benchmarks.common import (
-    RESULTS,
     add_device_option,
     add_out_option,
     add_threads_option,
@@ -40,6 +39,7 @@ from benchmarks.common import (
     interleaved_medians,
     one_batch_task,
     resolve_device,
+    results_path,
     run_cells,
     setup_lines,
 )
@@ -98,7 +98,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error(f"unknown model(s) {unknown}; choose from {', '.join(HEADS)}")
     check_at_least_one(p, args, ("image_size", "batch_size", "steps", "rounds"))
     args.levels = args.levels or (["o1_bf16", "o2_bf16"] if args.device == "cpu" else ["o1", "o2"])
-    args.out = args.out or RESULTS / f"layer_plan_cost_{args.device}.md"
+    args.out = args.out or results_path(f"layer_plan_cost_{args.device}.md", args.device)
     return args
 
 

@@ -61,7 +61,6 @@ from pathlib import Path
 
 from benchmarks.common import (
     COMPILE_SUFFIX,
-    RESULTS,
     add_device_option,
     add_extra_option,
     add_out_option,
@@ -83,6 +82,7 @@ from benchmarks.common import (
     one_batch_task,
     parse_level,
     resolve_device,
+    results_path,
     save_figure,
     write_results,
 )
@@ -243,11 +243,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         missing = [str(f) for f in args.from_json if not f.is_file()]
         if missing:
             p.error(f"--from-json: no such file: {', '.join(missing)}")
-        devices = {json.loads(f.read_text()).get("device") for f in args.from_json}
+        files = [json.loads(f.read_text()) for f in args.from_json]
+        devices = {d.get("device") for d in files}
         if len(devices) != 1:
             p.error(f"--from-json: the files are from different devices ({devices})")
         args.device = devices.pop()
-        args.out = args.out or RESULTS / f"levels_{args.device}.md"
+        gpu = next((r["machine"].get("gpu", "") for d in files for r in d.get("runs", [])), "")
+        args.out = args.out or results_path(f"levels_{args.device}.md", args.device, gpu)
         return args
 
     from runner.run.plan import preset_options
@@ -286,7 +288,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                 "state; the only suffix here is +compile"
             )
     args.levels = levels  # per model
-    args.out = args.out or RESULTS / f"levels_{args.device}.md"
+    args.out = args.out or results_path(f"levels_{args.device}.md", args.device)
     if args.merge and args.out.with_suffix(".json").is_file():
         previous = json.loads(args.out.with_suffix(".json").read_text())
         if previous.get("device") != args.device:

@@ -44,13 +44,13 @@ runner / hand-written median step time <= 1.03 (O2: < 1, the runner faster).
 
     python -m benchmarks.lm_parity                  # CPU: 5 levels x 3 seeds, about 15 minutes
     python -m benchmarks.lm_parity --seeds 0 --steps 50 --levels o0,o2_bf16 --overhead-rounds 3
-    python -m benchmarks.lm_parity --device cuda    # -> benchmarks/results/lm_parity_cuda.md
+    python -m benchmarks.lm_parity --device cuda    # -> benchmarks/results/<gpu>/lm_parity_cuda.md
 
 Writes a Markdown report (also printed), a CSV with one row per run and a JSON with everything
-to benchmarks/results/lm_parity_<device>.* (`--out`), after every run (a run stopped at a time
-limit keeps what it finished). Exit status: 0 when every run finished, whatever the verdict (a
-benchmark, not a test); 1 when a run or the overhead measurement crashed (the runner's divergence
-stop is an outcome, not a crash); 2 for bad arguments.
+to benchmarks/results/<machine>/lm_parity_<device>.* (`--out`), after every run (a run stopped at
+a time limit keeps what it finished). Exit status: 0 when every run finished, whatever the verdict
+(a benchmark, not a test); 1 when a run or the overhead measurement crashed (the runner's
+divergence stop is an outcome, not a crash); 2 for bad arguments.
 """
 
 from __future__ import annotations
@@ -72,12 +72,12 @@ from typing import Any
 
 from benchmarks import harness
 from benchmarks.common import (
-    RESULTS,
     check_presets,
     compose,
     csv_list,
     load_average,
     resolve_device,
+    results_path,
     store_uri,
     write_results,
 )
@@ -310,7 +310,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         )
     args.overhead_levels = list(dict.fromkeys(overhead_levels))
     if args.out is None:
-        args.out = RESULTS / f"lm_parity_{args.device}.md"
+        args.out = results_path(f"lm_parity_{args.device}.md", args.device)
     return args
 
 

@@ -36,7 +36,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from benchmarks.common import (
-    RESULTS,
     add_device_option,
     add_extra_option,
     add_out_option,
@@ -54,6 +53,7 @@ from benchmarks.common import (
     one_batch_task,
     prepare_store,
     resolve_device,
+    results_path,
     setup_lines,
     store_uri,
     write_results,
@@ -130,7 +130,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--intervals must be at least 1")
     args.intervals = list(dict.fromkeys(intervals))
     args.default_interval = default
-    args.out = args.out or RESULTS / f"logging_cost_{args.device}.md"
+    args.out = args.out or results_path(f"logging_cost_{args.device}.md", args.device)
     return args
 
 

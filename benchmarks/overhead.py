@@ -43,7 +43,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from benchmarks.common import (
-    RESULTS,
     add_device_option,
     add_extra_option,
     add_out_option,
@@ -61,6 +60,7 @@ from benchmarks.common import (
     now,
     one_batch_task,
     resolve_device,
+    results_path,
     setup_lines,
     write_results,
 )
@@ -336,7 +336,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         )
     args.levels = list(dict.fromkeys(levels))
     name = "overhead_instruments" if args.instruments else "overhead"
-    args.out = args.out or RESULTS / f"{name}_{args.device}.md"
+    args.out = args.out or results_path(f"{name}_{args.device}.md", args.device)
     return args
 
 

@@ -63,7 +63,6 @@ import warnings
 from collections.abc import Callable, Sequence
 
 from benchmarks.common import (
-    RESULTS,
     add_device_option,
     add_extra_option,
     add_out_option,
@@ -84,6 +83,7 @@ from benchmarks.common import (
     now,
     one_batch_task,
     resolve_device,
+    results_path,
     write_results,
 )
 from benchmarks.overhead import handwritten_step, timed_block
@@ -202,7 +202,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add_out_option(
         p,
         "peers",
-        default="benchmarks/results/peers_<device>.md, with --tuned peers_tuned_<device>.md",
+        default="benchmarks/results/<machine>/peers_<device>.md, with --tuned "
+        "peers_tuned_<device>.md",
     )
     add_threads_option(p)
     args = p.parse_args(argv)
@@ -252,7 +253,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.tuned and "titan:float8" in args.peers:
         p.error("--tuned compares the runner's defaults with a peer's: not titan:float8")
     name = f"peers_tuned_{args.device}.md" if args.tuned else f"peers_{args.device}.md"
-    args.out = args.out or RESULTS / name
+    args.out = args.out or results_path(name, args.device)
     return args
 
 

@@ -36,7 +36,6 @@ import traceback
 from collections.abc import Iterable, Sequence
 
 from benchmarks.common import (
-    RESULTS,
     add_device_option,
     add_extra_option,
     add_out_option,
@@ -52,6 +51,7 @@ from benchmarks.common import (
     now,
     one_batch_task,
     resolve_device,
+    results_path,
     setup_lines,
     write_results,
 )
@@ -103,7 +103,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.warmup < 0:
         p.error("--warmup must be at least 0")
     check_presets(p, args.levels)
-    args.out = args.out or RESULTS / f"profile_step_{args.device}.md"
+    args.out = args.out or results_path(f"profile_step_{args.device}.md", args.device)
     return args
 
 

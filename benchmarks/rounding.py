@@ -37,11 +37,11 @@ from pathlib import Path
 
 from benchmarks import harness
 from benchmarks.common import (
-    RESULTS,
     add_threads_option,
     apply_threads,
     compose,
     resolve_device,
+    results_path,
     save_figure,
     write_results,
 )
@@ -156,7 +156,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.device = resolve_device(parser, args.device)
     args.levels = harness.parse_levels(parser, args.levels or LEVELS, compiled=False)
     if args.out is None:
-        args.out = RESULTS / f"rounding_{args.device}.md"
+        args.out = results_path(f"rounding_{args.device}.md", args.device)
     return args
 
 

@@ -46,11 +46,11 @@ from pathlib import Path
 
 from benchmarks.common import (
     REPO,
-    RESULTS,
     command,
     load_average,
     machine,
     now,
+    results_path,
     setup_lines,
     write_results,
 )
@@ -151,7 +151,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=3,
         help="times each library's import is timed alone (default 3; 0: not timed)",
     )
-    p.add_argument("--out", type=Path, default=RESULTS / "startup_cpu.md")
+    p.add_argument("--out", type=Path, default=results_path("startup_cpu.md", "cpu"))
     args = p.parse_args(argv)
     if args.pairs < 1 or args.cold < 0 or args.import_repeats < 0:
         p.error("--pairs must be >= 1, --cold and --import-repeats >= 0")

@@ -32,7 +32,6 @@ from pathlib import Path
 
 from benchmarks.common import (
     REPO,
-    RESULTS,
     add_device_option,
     add_out_option,
     check_at_least_one,
@@ -44,6 +43,7 @@ from benchmarks.common import (
     machine,
     now,
     resolve_device,
+    results_path,
     setup_lines,
     write_results,
 )
@@ -97,7 +97,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if len(args.levels) != 2:
         p.error("--levels: two presets, the baseline first")
     check_presets(p, args.levels)
-    args.out = args.out or RESULTS / f"steady_{args.device}.md"
+    args.out = args.out or results_path(f"steady_{args.device}.md", args.device)
     return args
 
 
