@@ -5,7 +5,12 @@ metric (deterministic metrics identical; timing and machine figures only present
     python -m tools.behaviour --before /path/to/old/checkout --after . --out benchmarks/results/cpu
 
 Each checkout runs as `python -m runner ...` with PYTHONPATH at that checkout, in a folder of its
-own, so the two never share a store, a checkpoint folder or a cache.
+own, so the two never share a store, a checkpoint folder or a cache. The commands: O0; the three
+bf16 levels with range diagnostics; a language model; a layer plan; a run tuned by
+`trainer.tune=on`; and a run resumed (`resume=auto` with `trainer.max_epochs` raised after its
+first session ended). Tuning times its candidates, so two runs would choose by the machine's noise:
+the tuned command runs once first with the `before` checkout (untimed, not compared) into a tuning
+cache of its own, which both sides then read (a decision from the cache, the same on both).
 """
 
 from __future__ import annotations
@@ -21,35 +26,43 @@ import tempfile
 import time
 from pathlib import Path
 
-# Seconds to minutes on a 2-core CPU: tiny models, the defaults a user has (workers, progress bar).
+# Seconds to a minute each on a 2-core CPU: tiny models, the defaults a user has (workers, progress
+# bar, an epoch checkpoint).
 COMMON = [
     "data.num_train=96",
     "data.num_val=32",
-    "trainer.max_epochs=2",
     "trainer.num_workers=2",
     "trainer.batch_size=16",
     "trainer.log_every_n_steps=2",
 ]
-IMAGES = ["model=tiny", "data=synthetic", "data.image_size=16"]
+IMAGES = ["model=tiny", "data=synthetic", "data.image_size=16", *COMMON]
 TEXT = [
     "model=gpt_tiny",
     "data=synthetic_text",
     "data.block_size=32",
-    "trainer.max_epochs=2",
     "trainer.num_workers=2",
     "trainer.batch_size=16",
     "trainer.log_every_n_steps=2",
     "trainer.limit_train_batches=6",
     "trainer.limit_val_batches=2",
 ]
-COMMANDS = {
-    "o0": [*IMAGES, *COMMON, "precision=o0"],
-    "o1_bf16": [*IMAGES, *COMMON, "precision=o1_bf16"],
-    "o2_bf16": [*IMAGES, *COMMON, "precision=o2_bf16", "trainer.diagnose_every_n_steps=3"],
-    "o3_bf16": [*IMAGES, *COMMON, "precision=o3_bf16"],
-    "language_model": [*TEXT, "precision=o1_bf16"],
-    "layer_plan": [*TEXT, "precision=o2_bf16", "+precision.layers.head=float32"],
+TWO = "trainer.max_epochs=2"
+DIAGNOSED = "trainer.diagnose_every_n_steps=3"
+# name -> the sessions of the command, each a `python -m runner` into the same folder and store
+COMMANDS: dict[str, list[list[str]]] = {
+    "o0": [[*IMAGES, TWO, "precision=o0"]],
+    "o1_bf16": [[*IMAGES, TWO, "precision=o1_bf16", DIAGNOSED]],
+    "o2_bf16": [[*IMAGES, TWO, "precision=o2_bf16", DIAGNOSED]],
+    "o3_bf16": [[*IMAGES, TWO, "precision=o3_bf16", DIAGNOSED]],
+    "language_model": [[*TEXT, TWO, "precision=o1_bf16"]],
+    "layer_plan": [[*TEXT, TWO, "precision=o2_bf16", "+precision.layers.head=float32"]],
+    "tuned": [[*IMAGES, TWO, "precision=o2_bf16", "trainer.tune=on", "trainer.tune_budget_s=20"]],
+    "resumed": [
+        [*IMAGES, "trainer.max_epochs=1", "precision=o2_bf16"],
+        [*IMAGES, TWO, "precision=o2_bf16", "resume=auto"],
+    ],
 }
+PRIMED = {"tuned"}  # run once first with the before checkout: both sides read its tuning cache
 
 # Values that differ between any two runs (time, machine, folders, the code's own version).
 TIMING_METRICS = (
@@ -67,6 +80,7 @@ TIMING_METRICS = (
     "mfu",
     "epoch_samples_per_s",
     "epoch_tokens_per_s",
+    "tune_time_s",
 )
 VARIABLE_TAGS = (
     "mlflow.",
@@ -85,29 +99,38 @@ VARIABLE_TAGS = (
 VARIABLE_PARAMS = ("trainer.checkpoint_dir", "mlflow.tracking_uri")
 
 
-def run(checkout: Path, name: str, args: list[str], folder: Path) -> tuple[int, float, str]:
+def run(
+    checkout: Path, name: str, sessions: list[list[str]], folder: Path, cache: Path
+) -> tuple[int, float]:
+    """The command's sessions run by `checkout`, one after another, in `folder` (the same store,
+    checkpoint folder and run name), `cache` its tuning cache; the first failing session's exit
+    status (0: all ran) and the seconds they took."""
     folder.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PYTHONPATH=str(checkout), PYTHONUNBUFFERED="1")
-    uri = f"sqlite:///{folder / 'mlflow.db'}"
-    started = time.perf_counter()
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "runner",
-            *args,
-            f"mlflow.tracking_uri={uri}",
-            f"mlflow.run_name={name}",
-            f"trainer.checkpoint_dir={folder / 'checkpoints'}",
-        ],
-        cwd=folder,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1800,
+    env = dict(
+        os.environ, PYTHONPATH=str(checkout), PYTHONUNBUFFERED="1", AMP_RUNNER_TUNE_CACHE=str(cache)
     )
-    (folder / "output.txt").write_text(proc.stdout + proc.stderr)
-    return proc.returncode, time.perf_counter() - started, uri
+    started = time.perf_counter()
+    for index, args in enumerate(sessions):
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "runner",
+                *args,
+                f"mlflow.tracking_uri=sqlite:///{folder / 'mlflow.db'}",
+                f"mlflow.run_name={name}",
+                f"trainer.checkpoint_dir={folder / 'checkpoints'}",
+            ],
+            cwd=folder,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=1800,
+        )
+        (folder / f"output{index}.txt").write_text(proc.stdout + proc.stderr)
+        if proc.returncode:
+            return proc.returncode, time.perf_counter() - started
+    return 0, time.perf_counter() - started
 
 
 def read_store(db: Path) -> dict:
@@ -131,12 +154,22 @@ def read_store(db: Path) -> dict:
         root = db.parent / root
     artifacts = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
     return {
+        "run_id": run_uuid,
         "status": status,
         "params": params,
         "tags": tags,
         "metrics": metrics,
         "artifacts": artifacts,
     }
+
+
+def masked(value, run_id: str = ""):
+    """A param's or tag's value with each side's own folder (`.../before/...`, `.../after/...`)
+    and its run's id (in a resumed run's checkpoint path) written alike."""
+    if not isinstance(value, str):
+        return value
+    value = value.replace("/before/", "/SIDE/").replace("/after/", "/SIDE/")
+    return value.replace(run_id, "<run id>") if run_id else value
 
 
 def compare(a: dict, b: dict) -> list[str]:
@@ -149,11 +182,8 @@ def compare(a: dict, b: dict) -> list[str]:
         for key in sorted(keys):
             if any(word in key for word in skip):
                 continue
-            va, vb = (side[what].get(key) for side in (a, b))
-            if key == "overrides" and va and vb:  # the store's and checkpoints' folders differ
-                va, vb = (
-                    v.replace("/before/", "/SIDE/").replace("/after/", "/SIDE/") for v in (va, vb)
-                )
+            # (each side's folder masked: the stores, checkpoints and resumed paths differ)
+            va, vb = (masked(side[what].get(key), side.get("run_id", "")) for side in (a, b))
             if va != vb:
                 out.append(f"{what[:-1]} {key}: {va!r} vs {vb!r}")
     for key in sorted(set(a["metrics"]) | set(b["metrics"])):
@@ -187,10 +217,12 @@ def markdown(commits: dict, report: dict) -> str:
         "# Same behaviour: the same commands on two commits",
         "",
         f"Before: `{commits['before']}`; after: `{commits['after']}`. Each command ran as "
-        "`python -m runner ...` with each checkout's code, into its own SQLite store; compared: "
-        "status, every param, every tag (not time, process, host or commit tags; the overrides "
-        "tag with each side's folder masked), every metric history (timing metrics by their steps "
-        "only, `system/*` not at all), and the artifact list. Command: "
+        "`python -m runner ...` with each checkout's code, into its own SQLite store (a resumed "
+        "command: its sessions one after the other, into the same store and checkpoint folder; "
+        "a tuned one: from a tuning cache its first run with the before checkout filled, the "
+        "same for both sides); compared: status, every param, every tag (not time, process, host "
+        "or commit tags; each side's folder masked in the values), every metric history (timing "
+        "metrics by their steps only, `system/*` not at all), and the artifact list. Command: "
         "`python -m tools.behaviour --before OLD --after NEW --out benchmarks/results/cpu`.",
         "",
         "| command | params | tags | metric points | artifacts | differences |",
@@ -198,46 +230,63 @@ def markdown(commits: dict, report: dict) -> str:
     ]
     for name, row in report.items():
         diffs = "; ".join(row["differences"]) or "none"
+        said = " then ".join(f"`{' '.join(session)}`" for session in row["command"])
         lines.append(
-            f"| {name}: `{' '.join(row['command'])}` | {row.get('params', '-')} | "
-            f"{row.get('tags', '-')} | {row.get('metric_points', '-')} | "
-            f"{row.get('artifacts', '-')} | {diffs} |"
+            f"| {name}: {said} | {row.get('params', '-')} | {row.get('tags', '-')} | "
+            f"{row.get('metric_points', '-')} | {row.get('artifacts', '-')} | {diffs} |"
         )
     return "\n".join(lines) + "\n"
 
 
+def compare_command(name: str, sessions: list[list[str]], before: Path, after: Path, work: Path):
+    """The command run by both checkouts (a primed one after its first run, whose tuning cache
+    each side starts from) and their stores compared: its row of the report."""
+    primed = work / "primed" / name / "tune-cache"
+    if name in PRIMED:
+        code, seconds = run(before, name, sessions, work / "primed" / name, primed)
+        print(f"{name} primed: exit {code} in {seconds:.0f} s", flush=True)
+    stores = {}
+    for side, checkout in (("before", before), ("after", after)):
+        folder = work / side / name
+        cache = folder / "tune-cache"
+        if primed.is_dir():
+            shutil.copytree(primed, cache)
+        code, seconds = run(checkout, name, sessions, folder, cache)
+        print(f"{name} {side}: exit {code} in {seconds:.0f} s", flush=True)
+        stores[side] = read_store(folder / "mlflow.db") if code == 0 else None
+    if stores["before"] is None or stores["after"] is None:
+        return {"command": sessions, "differences": ["a side failed: see " + str(work)]}
+    kept = stores["after"]
+    return {
+        "command": sessions,
+        "differences": compare(stores["before"], kept),
+        "params": len(kept["params"]),
+        "tags": len(kept["tags"]),
+        "metric_points": sum(len(v) for v in kept["metrics"].values()),
+        "artifacts": len(kept["artifacts"]),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--before", type=Path, required=True)
-    parser.add_argument("--after", type=Path, required=True)
-    parser.add_argument("--out", type=Path, default=None, help="folder for behaviour.md/.json")
-    parser.add_argument("--only", nargs="*", default=None, help="command names to run")
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.behaviour", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--before", type=Path, required=True, help="the old checkout")
+    parser.add_argument("--after", type=Path, required=True, help="the new checkout")
+    parser.add_argument("--out", type=Path, default=None, help="folder for behaviour_cpu.md/.json")
+    parser.add_argument(
+        "--only", nargs="*", default=None, choices=list(COMMANDS), help="command names to run"
+    )
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="behaviour-"))
     report = {}
-    for name, command in COMMANDS.items():
+    for name, sessions in COMMANDS.items():
         if args.only and name not in args.only:
             continue
-        stores = {}
-        for side, checkout in (("before", args.before), ("after", args.after)):
-            code, seconds, _ = run(checkout.resolve(), name, command, work / side / name)
-            print(f"{name} {side}: exit {code} in {seconds:.0f} s", flush=True)
-            stores[side] = read_store(work / side / name / "mlflow.db") if code == 0 else None
-        if stores["before"] is None or stores["after"] is None:
-            diffs = ["a side failed: see " + str(work)]
-        else:
-            diffs = compare(stores["before"], stores["after"])
-        counts = (
-            {
-                "params": len(stores["after"]["params"]),
-                "tags": len(stores["after"]["tags"]),
-                "metric_points": sum(len(v) for v in stores["after"]["metrics"].values()),
-                "artifacts": len(stores["after"]["artifacts"]),
-            }
-            if stores["after"]
-            else {}
+        report[name] = compare_command(
+            name, sessions, args.before.resolve(), args.after.resolve(), work
         )
-        report[name] = {"command": command, "differences": diffs, **counts}
+        diffs = report[name]["differences"]
         print(f"{name}: {len(diffs)} differences", *diffs, sep="\n  ", flush=True)
     if args.out:
         commits = {
