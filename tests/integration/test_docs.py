@@ -464,7 +464,8 @@ def test_every_page_is_linked_and_every_link_leads_somewhere():
     linked: set[Path] = set()
     for page in pages():
         text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
-        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        inline = re.findall(r"\]\(([^)\s]+)\)", text)
+        for target in inline + re.findall(r"^\[[^\]]+\]:\s+(\S+)", text, flags=re.M):
             if re.match(r"[a-z]+:", target):
                 continue
             path, _, anchor = target.partition("#")
@@ -474,6 +475,18 @@ def test_every_page_is_linked_and_every_link_leads_somewhere():
             if anchor and file.suffix == ".md":
                 assert anchor in anchors(file), f"{page.relative_to(REPO)}: no #{anchor} in {path}"
     assert not set(DOCS.glob("*.md")) - linked, "pages no other page links to"
+
+
+def test_the_readmes_measured_figures_are_in_the_results_they_link_to():
+    """The front page's table of GPU results: each figure links (by a reference) to a committed
+    result of an H100 or an H200 that holds that number."""
+    text = README.read_text()
+    refs = dict(re.findall(r"^\[([^\]]+)\]:\s+(\S+)", text, flags=re.M))
+    figures = re.findall(r"\[([^\]]*\d[^\]]*)\]\[([^\]]+)\]", text)
+    assert {Path(refs[ref]).parent.name for _, ref in figures} == {"h100", "h200"}
+    for figure, ref in figures:
+        number = re.search(r"[-+]?\d+(?:\.\d+)?", figure).group(0)
+        assert number in (REPO / refs[ref]).read_text(), f"{figure} is not in {refs[ref]}"
 
 
 def anchors(page: Path) -> set[str]:
