@@ -216,6 +216,26 @@ def write_results(
     return [out, csv_path, json_path]
 
 
+def show(text: str, paths: Sequence[Path]) -> None:
+    """The results printed, and the files they were written to named."""
+    print()
+    print(text)
+    print("Wrote " + ", ".join(str(p) for p in paths))
+
+
+def provenance(name: str, argv: Sequence[str], device: str, load_start: list, started: float):
+    """Where, how and when a timing benchmark measured (called once the measuring is done): the
+    machine, the command, the date, the load averages at start and end, the wall time."""
+    return {
+        "machine": machine(device),
+        "command": command(name, argv),
+        "date": now(),
+        "load_start": load_start,
+        "load_end": load_average(),
+        "wall_s": time.perf_counter() - started,
+    }
+
+
 def load_average() -> list[float]:
     """1-, 5- and 15-minute load averages: timings on a shared machine are only as good as its
     quiet, so every timing benchmark records them at its start and end."""
@@ -541,16 +561,9 @@ def run_cells(
         "rounds": args.rounds,
         **extra,
         "results": results,
-        "machine": machine(args.device),
-        "command": command(name, argv),
-        "date": now(),
-        "load_start": load_start,
-        "load_end": load_average(),
-        "wall_s": time.perf_counter() - started,
+        **provenance(name, argv, args.device, load_start, started),
         "overrides": {f"{m}/{lv}": overrides(m, lv) for m in args.models for lv in args.levels},
     }
     paths = write_results(args.out, render(report), results, fields, report)
-    print()
-    print(render(report))
-    print("Wrote " + ", ".join(str(p) for p in paths))
+    show(render(report), paths)
     return 1 if any(c["status"] != "ok" for c in results) else 0

@@ -37,16 +37,15 @@ from pathlib import Path
 from benchmarks.common import (
     add_out_option,
     build_runner,
-    command,
     compose,
     interleaved_medians,
     load_average,
-    machine,
     model_problem,
-    now,
     one_batch_task,
+    provenance,
     results_path,
     setup_lines,
+    show,
     write_results,
 )
 
@@ -259,17 +258,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "finding_fires": ratio >= checks.BF16_SLOW_RATIO,
         "flags": cpu_flags(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "machine": machine("cpu"),
-        "load_start": load_start,
-        "load_end": load_average(),
-        "date": now(),
-        "wall_s": time.perf_counter() - started,
-        "command": command("cpu_bf16", argv),
+        **provenance("cpu_bf16", argv, "cpu", load_start, started),
     }
     paths = write_results(args.out, render(report), rows, FIELDS, report)
-    print()
-    print(render(report))
-    print("Wrote " + ", ".join(str(p) for p in paths))
+    show(render(report), paths)
     if errors:
         print("Crashed: " + "; ".join(errors), file=sys.stderr)
     return 1 if errors else 0

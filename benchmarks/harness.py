@@ -41,6 +41,7 @@ from benchmarks.common import (
     now,
     parse_level,
     prepare_store,
+    show,
     store_uri,
 )
 
@@ -287,9 +288,7 @@ def run_all(
 def finish(text: str, paths: Sequence[Path], results: Sequence[Run]) -> int:
     """The table printed, the files written named; the exit status: 1, with the crashed runs
     (level, seed, error) on stderr, where a run crashed; 0 otherwise."""
-    print()
-    print(text)
-    print("Wrote " + ", ".join(str(p) for p in paths))
+    show(text, paths)
     crashed = [r for r in results if r.status == "crashed"]
     if crashed:
         print(
@@ -326,9 +325,9 @@ def seed_stats(values: dict[int, float | None], seeds: Sequence[int]) -> tuple:
 
 
 def seed_cells(
-    values: dict[int, float | None], level: str, report: dict, show: Callable[[float], str]
+    values: dict[int, float | None], level: str, report: dict, written: Callable[[float], str]
 ) -> list[str]:
-    """A level's table cells, one a seed: its value as `show` writes it, or where there is none
+    """A level's table cells, one a seed: its value as `written` writes it, or where there is none
     the run's status ("missing" where it never ran)."""
     cells = []
     for seed in report["seeds"]:
@@ -337,7 +336,7 @@ def seed_cells(
             status = (r.status for r in report["_results"] if r.level == level and r.seed == seed)
             cells.append(next(status, "missing"))
         else:
-            cells.append(show(value))
+            cells.append(written(value))
     return cells
 
 

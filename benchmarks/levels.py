@@ -84,6 +84,7 @@ from benchmarks.common import (
     resolve_device,
     results_path,
     save_figure,
+    show,
     write_results,
 )
 from benchmarks.overhead import handwritten_step, timed_block
@@ -827,8 +828,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.from_json:
         report = merge([json.loads(f.read_text()) for f in args.from_json])
         paths = write_outputs(args.out, report)
-        print(render(report))
-        print("Wrote " + ", ".join(str(p) for p in paths))
+        show(render(report), paths)
         return 0
 
     import torch
@@ -925,9 +925,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             report = merge([*previous, {"device": args.device, "runs": [run], "cells": cells}])
             write_outputs(args.out, report, with_figure=False)
     paths = write_outputs(args.out, report)
-    print()
-    print(render(report))
-    print("Wrote " + ", ".join(str(p) for p in paths))
+    show(render(report), paths)
     return 1 if any(c["status"] == "crashed" for c in cells) else 0
 
 

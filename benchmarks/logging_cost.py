@@ -43,18 +43,17 @@ from benchmarks.common import (
     apply_threads,
     build_runner,
     check_at_least_one,
-    command,
     compose,
     csv_list,
     int_list,
     load_average,
-    machine,
-    now,
     one_batch_task,
     prepare_store,
+    provenance,
     resolve_device,
     results_path,
     setup_lines,
+    show,
     store_uri,
     write_results,
 )
@@ -389,17 +388,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "tracking_uri": args.tracking_uri,
         "mlflow": mlflow.__version__,
         "overrides": task_overrides(args),
-        "machine": machine(args.device),
-        "command": command("logging_cost", argv),
-        "date": now(),
-        "load_start": load_start,
-        "load_end": load_average(),
-        "wall_s": time.perf_counter() - started,
+        **provenance("logging_cost", argv, args.device, load_start, started),
     }
     paths = write_outputs(args.out, report)
-    print()
-    print(render(report))
-    print("Wrote " + ", ".join(str(p) for p in paths))
+    show(render(report), paths)
     return 0
 
 

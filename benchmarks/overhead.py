@@ -51,17 +51,16 @@ from benchmarks.common import (
     build_runner,
     check_at_least_one,
     check_presets,
-    command,
     compose,
     csv_list,
     fp32_model,
     load_average,
-    machine,
-    now,
     one_batch_task,
+    provenance,
     resolve_device,
     results_path,
     setup_lines,
+    show,
     write_results,
 )
 
@@ -738,18 +737,6 @@ def render_instruments(report: dict) -> str:
     )
 
 
-def provenance(args, argv: Sequence[str], load_start: list[float], started: float) -> dict:
-    """Where, how and when a result was measured (called once the measuring is done)."""
-    return {
-        "machine": machine(args.device),
-        "command": command("overhead", argv),
-        "date": now(),
-        "load_start": load_start,
-        "load_end": load_average(),
-        "wall_s": time.perf_counter() - started,
-    }
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--startup" in argv:  # whole processes instead of steps: benchmarks/startup.py
@@ -770,12 +757,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             },
             "rounds": args.rounds,
             "result": idle_instruments(args),
-            **provenance(args, argv, load_start, started),
+            **provenance("overhead", argv, args.device, load_start, started),
         }
         text = render_instruments(report)
         paths = write_results(args.out, text, [report["result"]], list(report["result"]), report)
-        print(text)
-        print("Wrote " + ", ".join(str(p) for p in paths))
+        show(text, paths)
         return 0
     print(
         f"Runner overhead on {args.device}: {args.model} {args.image_size}px batch "
@@ -805,13 +791,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "dynamic_levels": [lv.level for lv in levels if lv.dynamic],
         "results": results,
         "overrides": task_overrides(args, "<level>"),
-        **provenance(args, argv, load_start, started),
+        **provenance("overhead", argv, args.device, load_start, started),
     }
     report["verdict"] = verdict(report)
     paths = write_outputs(args.out, report)
-    print()
-    print(render(report))
-    print("Wrote " + ", ".join(str(p) for p in paths))
+    show(render(report), paths)
     return 0
 
 

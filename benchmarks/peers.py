@@ -13,9 +13,10 @@ against the runner level that does the same work, timed interleaved in one proce
 
 The runner's side is its real step (`Trainer.train_step` over the objects a run builds:
 common.build_runner). Lightning's side is a `lightning.Trainer` fitting a LightningModule that
-wraps a copy of the runner's freshly initialised fp32 model (same device, memory format and
-weights) with the optimizer and scheduler the runner's `build_optimizer`/`build_scheduler` make
-from the same config, over a DataLoader that hands it the runner's batch, already on the device.
+wraps the runner's freshly initialised model in fp32 (`common.fp32_model`: same device, memory
+format and weights) with the optimizer and scheduler the runner's `build_optimizer` and
+`build_scheduler` make from the same config, over a DataLoader that hands it the runner's batch,
+already on the device.
 A Lightning step is timed from its `on_train_batch_start` to its `on_train_batch_end` hook, the
 device synchronised at both (its training_step, backward, scaler and optimizer step, zero_grad:
 what the runner's train_step does); the runner's and the hand loop's steps are synchronised the
@@ -70,7 +71,6 @@ from benchmarks.common import (
     apply_threads,
     build_runner,
     check_at_least_one,
-    command,
     compose,
     csv_list,
     fill_defaults,
@@ -78,12 +78,12 @@ from benchmarks.common import (
     interleaved_medians,
     is_language_model,
     load_average,
-    machine,
     model_label,
-    now,
     one_batch_task,
+    provenance,
     resolve_device,
     results_path,
+    show,
     write_results,
 )
 from benchmarks.overhead import handwritten_step, timed_block
@@ -669,19 +669,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "tune_budget_s": args.tune_budget_s,
         "lightning": lightning_version,
         "rows": rows,
-        "machine": machine(args.device),
-        "command": command("peers", argv),
-        "date": now(),
-        "load_start": load_start,
-        "load_end": load_average(),
-        "wall_s": time.perf_counter() - started,
+        **provenance("peers", argv, args.device, load_start, started),
         "overrides": {peer: task_overrides(args, peer) for peer in args.peers},
     }
     markdown = render(report)
     paths = write_results(args.out, markdown, rows, FIELDS, report)
-    print()
-    print(markdown)
-    print("Wrote " + ", ".join(str(p) for p in paths))
+    show(markdown, paths)
     return 1 if any(r["status"] != "ok" for r in rows) else 0
 
 

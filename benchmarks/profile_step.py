@@ -42,17 +42,16 @@ from benchmarks.common import (
     build_runner,
     check_at_least_one,
     check_presets,
-    command,
     compose,
     csv_list,
     fill_defaults,
     load_average,
-    machine,
-    now,
     one_batch_task,
+    provenance,
     resolve_device,
     results_path,
     setup_lines,
+    show,
     write_results,
 )
 
@@ -285,17 +284,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             "steps": args.steps,
             "extra": args.extra,
             "rows": rows,
-            "machine": machine(args.device),
-            "command": command("profile_step", argv),
-            "date": now(),
-            "load_start": load_start,
-            "load_end": load_average(),
-            "wall_s": time.perf_counter() - started,
+            **provenance("profile_step", argv, args.device, load_start, started),
         }
         paths = write_results(args.out, render(report), rows, FIELDS, report)  # after each level
         print(f"  {level}: {rows[-1].get('plain_ms', 0):.1f} ms a step", flush=True)
-    print(render(report))
-    print("Wrote " + ", ".join(str(p) for p in paths))
+    show(render(report), paths)
     return 0 if all(r["status"] == "ok" for r in rows) else 1
 
 

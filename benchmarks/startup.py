@@ -46,12 +46,11 @@ from pathlib import Path
 
 from benchmarks.common import (
     REPO,
-    command,
     load_average,
-    machine,
-    now,
+    provenance,
     results_path,
     setup_lines,
+    show,
     write_results,
 )
 
@@ -256,12 +255,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "cold_over_warm_s": [c["wall_s"] - runner_median for c in cold],
         "cold_target_s": TARGET_COLD_S,
         "meets_cold": all(c["wall_s"] - runner_median <= TARGET_COLD_S for c in cold),
-        "machine": machine("cpu"),
-        "load_start": load_start,
-        "load_end": load_average(),
-        "date": now(),
-        "wall_s": time.perf_counter() - started,
-        "command": command("startup", argv),
+        **provenance("startup", argv, "cpu", load_start, started),
     }
     rows = [
         {"side": side, "pair": i + 1, "wall_s": round(t, 3)}
@@ -269,8 +263,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for i, t in enumerate(times[side])
     ]
     paths = write_results(args.out, render(report), rows, ["side", "pair", "wall_s"], report)
-    print(render(report))
-    print("Wrote " + ", ".join(str(p) for p in paths))
+    show(render(report), paths)
     return 0
 
 

@@ -36,15 +36,14 @@ from benchmarks.common import (
     add_out_option,
     check_at_least_one,
     check_presets,
-    command,
     csv_list,
     fill_defaults,
     load_average,
-    machine,
-    now,
+    provenance,
     resolve_device,
     results_path,
     setup_lines,
+    show,
     write_results,
 )
 
@@ -293,12 +292,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "workers": args.workers,
             "rows": rows,
             "verdict": verdict(rows, args.levels),
-            "machine": machine(args.device),
-            "command": command("steady", argv),
-            "date": now(),
-            "load_start": load_start,
-            "load_end": load_average(),
-            "wall_s": time.perf_counter() - started,
+            **provenance("steady", argv, args.device, load_start, started),
         }
 
     # the runs' figures first, so that a piece stopped inside levels.py (a GPU lease's time
@@ -314,8 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     final = report(measured)
     text = render(final)
     paths = write_results(args.out, text, rows, FIELDS, final)
-    print(text)
-    print("Wrote " + ", ".join(str(p) for p in paths))
+    show(text, paths)
     return 0 if all(r["status"] == "ok" for r in rows) and measured else 1
 
 
