@@ -459,16 +459,13 @@ def build_runner(
     from runner import csrc
     from runner.run.build import build
     from runner.run.plan import make_plan
-    from runner.run.trainer import RunContext, Trainer, trainer_config
+    from runner.run.context import RunContext
+    from runner.run.trainer import Trainer
 
     plan = make_plan(cfg)
     parts = build(plan)
-    trainer = Trainer(
-        trainer_config(cfg.trainer),
-        parts,
-        RunContext(on_metrics=on_metrics or (lambda metrics, step: None)),
-        device=plan.device,
-    )
+    context = RunContext(on_metrics=on_metrics) if on_metrics is not None else None
+    trainer = Trainer(cfg.trainer, parts, context, device=plan.device)
     x, y = cpu_batch if cpu_batch is not None else next(iter(parts.train_loader))
     return RunnerParts(
         cfg=cfg,

@@ -132,6 +132,7 @@ def run_cell(args, model: str, level: str, batches: dict) -> dict:
     from runner.measure.memory import MemoryInstrument
     from runner.measure.probes import synchronize
     from runner.measure.run_diagnostics import RunDiagnostics
+    from runner.run import watch
 
     cell = {"model": model, "level": level, "status": "ok", "error": None}
     scratch: list[Path] = []
@@ -148,8 +149,8 @@ def run_cell(args, model: str, level: str, batches: dict) -> dict:
         diagnosed = RunDiagnostics(1, formats, folder)
         # the layer audit that a run's diagnosed steps carry too is measured on its own
         # (benchmarks/layer_plan_cost.py): this is the range probe's cost
-        off = trainer.instrument(None, audit=False)
-        watched = {"off": off, "diagnosed": trainer.instrument(diagnosed, audit=False)}
+        off = watch.instruments(trainer, None, audit=False)
+        watched = {"off": off, "diagnosed": watch.instruments(trainer, diagnosed, audit=False)}
         cell["formats"] = ",".join(f.name for f in formats)
         hooks = {"off": [], "diagnosed": []}
         criterion = trainer.criterion

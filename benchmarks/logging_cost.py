@@ -144,9 +144,11 @@ def task_overrides(args) -> list[str]:
 
 def run_blocks(args, parts, tracked, sink: Sink) -> dict:
     """Interleaved blocks of the trainer's epoch loop, per (interval, sink on/off)."""
+    from runner.run import watch
+
     trainer = parts.trainer
     # no layer audit (the first step's logs once: not the loss logging)
-    trainer.instruments = trainer.instrument(None, audit=False)
+    trainer.instruments = watch.instruments(trainer, None, audit=False)
     trainer.train_loader = [parts.cpu_batch] * args.steps  # one epoch = `steps` steps, in memory
     trainer.train_batches = args.steps
     variants = [(every, live) for every in args.intervals for live in (True, False)]

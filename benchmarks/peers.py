@@ -464,7 +464,7 @@ def tuned_config(overrides: Sequence[str], run_steps: int) -> tuple:
     from runner.run.plan import make_plan
 
     stands_for = make_plan(compose([*overrides, f"trainer.max_epochs={run_steps}"]))
-    _, tuning = tune.tuned(stands_for, Comm(), stands_for.device, overrides)
+    tuning = tune.tuned(stands_for, Comm(), stands_for.device, overrides)
     if tuning is None:
         return compose(overrides), "nothing to tune", 0.0
     chosen = [f"{key}={override_text(value)}" for key, value in tuning.settings.items()]

@@ -114,9 +114,9 @@ def _cpu_name() -> str:
 
 # From this ratio on, a bf16 level cannot train faster than fp32 on a CPU. Measured on an AVX2 AMD
 # EPYC, which has neither AVX512_BF16 nor AMX (oneDNN takes a reference path there): products
-# 24-72x, a 3 x 3 convolution 73x, the tiny CNN's step 8x (benchmarks/results/cpu_bf16_cpu.md);
+# 24-72x, a 3 x 3 convolution 73x, the tiny CNN's step 8x (benchmarks/results/cpu/cpu_bf16_cpu.md);
 # below 1 where the CPU has them (an Intel Xeon trained ResNet-50 1.9x faster in bf16 than in
-# fp32: benchmarks/results/levels_cpu.md).
+# fp32: benchmarks/results/cpu/levels_cpu.md).
 BF16_SLOW_RATIO = 3.0
 
 
