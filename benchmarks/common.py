@@ -458,8 +458,8 @@ def build_runner(
     batch again: synthetic 224-px images take seconds."""
     from runner import csrc
     from runner.run.build import build
-    from runner.run.plan import make_plan
     from runner.run.context import RunContext
+    from runner.run.plan import make_plan
     from runner.run.trainer import Trainer
 
     plan = make_plan(cfg)
