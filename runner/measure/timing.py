@@ -6,11 +6,18 @@ once finished), on a CPU with the wall clock. A step's time runs from the end of
 it (or the epoch's start) to its own end: the wait for its batch (the loader, the copy to the
 device, the periodic loss read) and its own work. From these, per epoch:
 
-- `samples_per_s` (and a language model's `tokens_per_s`): the steady steps' samples over their
-  time, summed over the ranks. Steady: not among the first `warmup_steps` steps of the session
-  (a resumed run is a new session) and not a step that compiled or recompiled;
+- `samples_per_s` (and a language model's `tokens_per_s`): the median steady step's rate, the
+  steady steps' samples a step over their median time, summed over the ranks; with its spread,
+  `samples_per_s_p10` and `_p90`: the same at the steps' 90th and 10th percentile times (the
+  slow and the fast steps). Steady: not among the first `warmup_steps` steps of the session (a
+  resumed run is a new session) and not a step that compiled or recompiled. The median, not
+  the steps' mean: a step that another process on the machine held up (a straggler) moves it
+  little, and the spread says how much the steps vary;
 - `step_time_ms_p50`, `step_time_ms_p90` over the steady steps (a finding, once, when p90 > 1.5x
   p50: stragglers);
+- the steady steps' times in order, a file an epoch among the run's artifacts where files go
+  (`timing/steps_<epoch>.json`, runner.measure.step_trace): what a speed-up's interval is
+  drawn from (runner.measure.spread);
 - `data_wait_frac`: the share of the epoch's training time spent between steps, waiting for the
   next batch (a finding, once, at the end of the first epoch over 10%);
 - `tflops` (the model's FLOPs per sample times the steady rate) and `mfu` (that over the
@@ -27,16 +34,25 @@ import math
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-from runner.measure.instruments import Instrument
+from runner.measure import step_trace
+from runner.measure.instruments import ArtifactSink, Instrument, output_folder
+from runner.measure.step_trace import StepTrace
 
 log = logging.getLogger(__name__)
 
-SAMPLES_PER_S = "samples_per_s"  # steady training throughput, every rank's samples
+SAMPLES_PER_S = "samples_per_s"  # the median steady step's rate, every rank's samples
 TOKENS_PER_S = "tokens_per_s"  # a language model's, in tokens
+# the spread: the rate at the steady steps' 90th percentile time (p10: the slow steps) and at
+# their 10th (p90: the fast ones)
+SAMPLES_PER_S_P10 = "samples_per_s_p10"
+SAMPLES_PER_S_P90 = "samples_per_s_p90"
+TOKENS_PER_S_P10 = "tokens_per_s_p10"
+TOKENS_PER_S_P90 = "tokens_per_s_p90"
 STEP_TIME_MS_P50 = "step_time_ms_p50"  # the steady steps' median time
 STEP_TIME_MS_P90 = "step_time_ms_p90"
 DATA_WAIT_FRAC = "data_wait_frac"  # the epoch's share of time between steps (waiting for data)
@@ -45,7 +61,11 @@ TFLOPS = "tflops"  # achieved: FLOPs per sample x steady samples per second, eve
 MFU = "mfu"  # tflops over the devices' dense peak for the level's format
 METRICS = (
     SAMPLES_PER_S,
+    SAMPLES_PER_S_P10,
+    SAMPLES_PER_S_P90,
     TOKENS_PER_S,
+    TOKENS_PER_S_P10,
+    TOKENS_PER_S_P90,
     STEP_TIME_MS_P50,
     STEP_TIME_MS_P90,
     DATA_WAIT_FRAC,
@@ -53,6 +73,12 @@ METRICS = (
     TFLOPS,
     MFU,
 )
+
+
+def spread_names(metric: str) -> tuple[str, str]:
+    """The names of a rate's spread: (`<rate>_p10`, `<rate>_p90`)."""
+    return f"{metric}_p10", f"{metric}_p90"
+
 
 STRAGGLER_RATIO = 1.5  # p90 over p50 above this: some steps straggle
 DATA_WAIT_LIMIT = 0.10  # a data_wait_frac above this after the first epoch: a finding
@@ -109,14 +135,16 @@ def clock_for(device: torch.device) -> HostClock | CudaClock:
     return CudaClock() if device.type == "cuda" else HostClock()
 
 
-def percentile(bins: Counter, q: float) -> float:
-    """The `q` quantile (0-1, nearest rank) of the binned step times, in seconds."""
+def percentile(bins: Counter, q: float, sums: Optional[dict[int, float]] = None) -> float:
+    """The `q` quantile (0-1, nearest rank) of the binned step times, in seconds: the mean time
+    of the bin it falls in where `sums` holds each bin's total (exact when the bin's steps took
+    the same time), else the bin's middle."""
     total = sum(bins.values())
     rank, seen = max(1, math.ceil(q * total)), 0
     for key in sorted(bins):
         seen += bins[key]
         if seen >= rank:
-            return math.exp(key * _BIN)
+            return sums[key] / bins[key] if sums else math.exp(key * _BIN)
     return math.nan
 
 
@@ -128,7 +156,9 @@ class TimingInstrument(Instrument):
     device's dense TFLOP/s in the level's format (None: no mfu; `no_peak` says why, once).
     `reduce`: sums a list of floats over the ranks (a collective every rank calls at the same
     epoch; None: one process). `compiles`: a count that grows when torch.compile compiles (None:
-    nothing compiles). `data_advice`: what to change when the loop waits for data."""
+    nothing compiles). `data_advice`: what to change when the loop waits for data. `on_artifact`:
+    where the epochs' traces of steady step times go (runner.measure.step_trace; None: none are
+    written), written in `folder` (None: a temporary folder)."""
 
     every_step = True
 
@@ -146,6 +176,8 @@ class TimingInstrument(Instrument):
         compiles: Optional[Callable[[], int]] = None,
         data_advice: str = "",
         logger: logging.Logger = log,
+        on_artifact: Optional[ArtifactSink] = None,
+        folder: Optional[Path] = None,
     ):
         self.clock = clock_for(device)
         self.warmup_steps = warmup_steps
@@ -157,6 +189,8 @@ class TimingInstrument(Instrument):
         self.compiles = compiles
         self.data_advice = data_advice
         self.log = logger
+        self.on_artifact, self.folder = on_artifact, folder
+        self._trace_out: Optional[tuple] = None  # the epoch's trace, to write at its end
         self.session_steps = 0  # steps of this session (a resumed run starts a new one)
         self.warmup_s = 0.0  # the session's warm-up steps' time so far
         self._warmup_logged = False
@@ -173,6 +207,8 @@ class TimingInstrument(Instrument):
         self.steady_s = self.wait_s = self.first_wait_s = 0.0
         self.steady_samples = self.steady_items = 0
         self.bins: Counter = Counter()
+        self.bin_s: dict[int, float] = {}  # each bin's steps' seconds, summed
+        self.trace = StepTrace()
 
     # ---- the epoch ----------------------------------------------------------------------------
     def start_epoch(self, epoch: int) -> None:
@@ -231,7 +267,10 @@ class TimingInstrument(Instrument):
             else:
                 self.steady_steps += 1
                 self.steady_s += seconds
-                self.bins[round(math.log(max(seconds, 1e-9)) / _BIN)] += 1
+                key = round(math.log(max(seconds, 1e-9)) / _BIN)
+                self.bins[key] += 1
+                self.bin_s[key] = self.bin_s.get(key, 0.0) + seconds
+                self.trace.add(seconds)
             if prev is not self._start:
                 self.clock.release(prev)
             self.clock.release(entry)
@@ -255,12 +294,12 @@ class TimingInstrument(Instrument):
         out: dict[str, float] = {}
         rates = self._rates()
         if rates is not None:
-            out[SAMPLES_PER_S] = rates[0]
-            if self.items_metric:
-                out[self.items_metric] = rates[1]
-            out.update(self._flops(rates[0]))
-            out[STEP_TIME_MS_P50] = 1e3 * percentile(self.bins, 0.5)
-            out[STEP_TIME_MS_P90] = 1e3 * percentile(self.bins, 0.9)
+            out.update(rates)
+            out.update(self._flops(rates[SAMPLES_PER_S]))
+            out[STEP_TIME_MS_P50] = 1e3 * percentile(self.bins, 0.5, self.bin_s)
+            out[STEP_TIME_MS_P90] = 1e3 * percentile(self.bins, 0.9, self.bin_s)
+            if self.on_artifact is not None and len(self.trace):
+                self._trace_out = (epoch, self.trace, self.steady_steps, *self._per_step())
         if epoch_s > 0:
             out[DATA_WAIT_FRAC] = self.wait_s / epoch_s
         if not self._warmup_logged and self.session_steps >= self.warmup_steps:
@@ -269,17 +308,37 @@ class TimingInstrument(Instrument):
         self._findings(epoch, out, epoch_s)
         return out
 
-    def _rates(self) -> Optional[tuple[float, float]]:
-        """(samples/s, items/s) of the steady steps, summed over the ranks; None unless every
-        rank had a steady step this epoch."""
+    def _per_step(self) -> tuple[float, float]:
+        """(samples, items) a steady step of this process, their mean."""
+        return self.steady_samples / self.steady_steps, self.steady_items / self.steady_steps
+
+    def _rates(self) -> Optional[dict[str, float]]:
+        """The steady rates, summed over the ranks: samples/s (and the task's items/s) at the
+        median step time, and their spread at the 90th and 10th percentile times; None unless
+        every rank had a steady step this epoch."""
         steady = self.steady_steps > 0 and self.steady_s > 0
-        local = [
-            self.steady_samples / self.steady_s if steady else 0.0,
-            self.steady_items / self.steady_s if steady else 0.0,
-            1.0 if steady else 0.0,
-        ]
+        local = [0.0] * 7
+        if steady:
+            times = [percentile(self.bins, q, self.bin_s) for q in (0.5, 0.9, 0.1)]
+            samples, items = self._per_step()
+            local = [samples / t for t in times] + [items / t for t in times] + [1.0]
         total = list(self.reduce(local)) if self.reduce is not None else local
-        return (total[0], total[1]) if total[2] >= self.world_size else None
+        if total[6] < self.world_size:
+            return None
+        out = dict(zip((SAMPLES_PER_S, *spread_names(SAMPLES_PER_S)), total[0:3]))
+        if self.items_metric:
+            out.update(zip((self.items_metric, *spread_names(self.items_metric)), total[3:6]))
+        return out
+
+    def end_epoch(self) -> None:
+        """The epoch's trace of steady step times to the artifact sink (where there is one)."""
+        if self._trace_out is None:
+            return
+        (epoch, trace, steady, samples, items), self._trace_out = self._trace_out, None
+        if self.folder is None:
+            self.folder = output_folder(None, "amp-timing-")
+        path = step_trace.write(self.folder, epoch, trace, steady, samples, items, self.world_size)
+        self.on_artifact(path, step_trace.ARTIFACT_DIR)
 
     def _flops(self, samples_per_s: float) -> dict[str, float]:
         if not self.flops_per_sample:

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
 from runner.measure import peaks
+from runner.measure.instruments import ArtifactSink
+from runner.measure.step_trace import ARTIFACT_DIR
 from runner.measure.timing import TimingInstrument
 
 
@@ -80,8 +83,13 @@ def timing_instrument(
     comm: Any,
     flops_per_sample: Optional[float],
     logger: Any,
+    on_artifact: Optional[ArtifactSink] = None,
+    artifact_dir: Optional[Path] = None,
 ) -> TimingInstrument:
-    """The step timer of a trainer (`cfg`: its TrainerConfig; `model`: the model itself)."""
+    """The step timer of a trainer (`cfg`: its TrainerConfig; `model`: the model itself).
+    `on_artifact`: where its traces of steady step times go (None: none are written: a tuning
+    trial, a pre-flight, a rank that writes no files), written beside the diagnostics' folder
+    `artifact_dir` (its sibling `timing/`; None: a temporary folder)."""
     fp8 = getattr(engine, "fp8", None)
     fmt = peaks.compute_format(
         engine.properties.compute_dtypes, fp8 is not None and bool(fp8.converted), model
@@ -103,4 +111,6 @@ def timing_instrument(
         compiles=compile_count if cfg.compile else None,
         data_advice=data_advice(loader, device),
         logger=logger,
+        on_artifact=on_artifact,
+        folder=None if artifact_dir is None else Path(artifact_dir).parent / ARTIFACT_DIR,
     )

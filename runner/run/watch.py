@@ -53,6 +53,8 @@ def instruments(trainer: Any, ranges: Optional[RunDiagnostics], audit: bool) -> 
         comm=trainer.comm,
         flops_per_sample=trainer.flops_per_sample,
         logger=log,
+        on_artifact=context.on_artifact,  # (the steady step times: speed-up intervals)
+        artifact_dir=context.artifact_dir,
     )
     extra = (
         (lambda: {m.MEM_ALLGATHER_MB: fsdp.allgather_bytes(module) / MB})

@@ -177,6 +177,12 @@ class Reader(ABC):
     def log_artifacts(self, run_id: str, folder: str | os.PathLike, artifact_path: str) -> None:
         """The files of `folder` as artifacts of a finished run, under `artifact_path`."""
 
+    def artifact_texts(self, run_id: str, folder: str) -> dict[str, str]:
+        """The text of each file in the run's artifact folder `folder` (not below it), by file
+        name; {} where it has none or the store does not give them (a reader of a store without
+        artifacts)."""
+        return {}
+
     @abstractmethod
     def delete_run(self, run_id: str) -> None: ...
 

@@ -261,6 +261,19 @@ class JsonReader(Reader):
                     record["artifacts"].append(name)
         write_record(path, record)
 
+    def artifact_texts(self, run_id: str, folder: str) -> dict[str, str]:
+        path, record = self.find(run_id)
+        prefix = folder.strip("/") + "/"
+        texts = {}
+        for name in record.get("artifacts", []):
+            rest = name[len(prefix) :] if name.startswith(prefix) else ""
+            if rest and "/" not in rest:
+                try:
+                    texts[rest] = (path.parent / ARTIFACTS / name).read_text()
+                except (OSError, UnicodeDecodeError):
+                    continue  # (a file the disk lost: its figure is left out)
+        return texts
+
     def delete_run(self, run_id: str) -> None:
         self.find(run_id)[0].unlink()
 

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from mlflow.exceptions import MlflowException
@@ -109,6 +111,16 @@ class MlflowReader(Reader):
 
     def log_artifacts(self, run_id: str, folder: str | os.PathLike, artifact_path: str) -> None:
         self.client.log_artifacts(run_id, str(folder), artifact_path)
+
+    def artifact_texts(self, run_id: str, folder: str) -> dict[str, str]:
+        try:
+            if not any(not f.is_dir for f in self.client.list_artifacts(run_id, folder)):
+                return {}
+            with tempfile.TemporaryDirectory(prefix="amp-report-") as local:
+                got = Path(self.client.download_artifacts(run_id, folder, local))
+                return {p.name: p.read_text() for p in sorted(got.iterdir()) if p.is_file()}
+        except (MlflowException, OSError, UnicodeDecodeError):
+            return {}  # (an artifact store away or refusing: the figures that need them are left)
 
     def delete_run(self, run_id: str) -> None:
         self.client.delete_run(run_id)

@@ -9,6 +9,8 @@ import statistics
 
 import pytest
 
+from runner.measure import spread, step_trace
+from runner.measure.spread import number
 from runner.tracking.json_file import FILE
 from tests.helpers import timing_models
 from tests.helpers.runs import run_in_process
@@ -59,8 +61,19 @@ def test_a_slow_first_step_stays_out_of_the_steady_throughput(tmp_path):
     assert warmup >= 3.0 and epoch < 480 / (3.0 + 26 * 16 / steady) < steady
     ((_, p50),) = values(rec, "step_time_ms_p50")
     assert p50 == pytest.approx(1e3 * statistics.median(periods), rel=0.10)
+    # the spread: the rates at the steps' 90th and 10th percentile times, around the median's
+    ((_, p10),), ((_, p90),) = values(rec, "samples_per_s_p10"), values(rec, "samples_per_s_p90")
+    assert p10 <= steady <= p90
     log = (out / "runner.log").read_text()
-    assert f"{steady:.0f} samples/s steady" in log  # the epoch's line and the run's summary
+    said = f"steady {number(steady)} samples/s (p10-p90 {number(p10)}-{number(p90)})"
+    assert log.count(said) == 2  # the epoch's line and the run's summary
+    # the steady steps' times in order, the run's artifact (what a speed-up's interval is from)
+    (trace,) = step_trace.read_all(
+        {p.name: p.read_text() for p in (out / "artifacts" / "timing").iterdir()}
+    )
+    assert len(trace.step_time_s) == 27 and trace.samples_per_step == 16  # 30 steps, 3 warm
+    assert spread.epoch_rate(trace) == pytest.approx(steady, rel=0.005)
+    assert "timing/steps_0001.json" in rec["artifacts"]
 
 
 def test_a_slow_dataset_is_the_data_wait_and_a_finding(tmp_path):

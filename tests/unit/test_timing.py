@@ -18,10 +18,14 @@ from runner.measure.timing import (
     FOLD_EVERY,
     MFU,
     SAMPLES_PER_S,
+    SAMPLES_PER_S_P10,
+    SAMPLES_PER_S_P90,
     STEP_TIME_MS_P50,
     STEP_TIME_MS_P90,
     TFLOPS,
     TOKENS_PER_S,
+    TOKENS_PER_S_P10,
+    TOKENS_PER_S_P90,
     WARMUP_TIME_S,
     HostClock,
     TimingInstrument,
@@ -126,6 +130,9 @@ def test_stragglers_and_the_data_wait_are_said_once(caplog):
         loop.epoch(2, steps)
     assert out[STEP_TIME_MS_P50] == pytest.approx(10.0, rel=0.005)
     assert out[STEP_TIME_MS_P90] == pytest.approx(50.0, rel=0.005)
+    # the rate is the median step's: two stragglers of ten leave it, and show in its spread
+    assert out[SAMPLES_PER_S] == pytest.approx(1600.0)  # (the steps' mean time: 1000)
+    assert out[SAMPLES_PER_S_P10] == pytest.approx(320.0) and out[SAMPLES_PER_S_P90] == 1600.0
     said = [r.getMessage() for r in caplog.records]
     assert len([s for s in said if "straggle" in s]) == 1
     assert not [s for s in said if "waited for its next batch" in s]
@@ -178,6 +185,7 @@ def test_flops_give_tflops_and_mfu_against_the_peak_of_every_rank():
     )
     out = two.epoch(1, [(0.0, 0.01)] * 4)
     assert out[SAMPLES_PER_S] == pytest.approx(3200.0)
+    assert out[SAMPLES_PER_S_P10] == out[SAMPLES_PER_S_P90] == pytest.approx(3200.0)
     assert out[TFLOPS] == pytest.approx(3.2) and out[MFU] == pytest.approx(0.16)
     # another rank without a steady step: no rate from any
     lonely = Loop(warmup_steps=0, world_size=2, reduce=lambda values: values)
@@ -198,6 +206,7 @@ def test_a_language_model_counts_tokens():
     out = loop.epoch(1, [(0.0, 0.01)] * 3, samples=4, items=4 * 128)
     assert out[SAMPLES_PER_S] == pytest.approx(400.0)
     assert out[TOKENS_PER_S] == pytest.approx(51200.0)
+    assert out[TOKENS_PER_S_P10] == out[TOKENS_PER_S_P90] == pytest.approx(51200.0)
 
 
 def test_a_long_epoch_keeps_a_bounded_state():
