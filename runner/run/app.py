@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
@@ -217,16 +216,14 @@ def fit(
             trainer.fit, device, plan.properties.opt_level, partial(sizes, plan, trainer)
         )
     if comm.is_main:
-        unit = "tokens" if parts.task.items_metric else "samples"
+        speed = parts.task.run_speed(result.epochs)  # (the epochs' means, with their spread)
         log.info(
             "Finished %s: %s %.4f in %s%s.\n%s",
             plan.run_name,
             result.objective.replace("_", " ", 1),
             result.best,
             time_left.took(result.train_time_s),
-            f", {result.throughput:.0f} {unit}/s steady"
-            if math.isfinite(result.throughput)
-            else " (no steady step: see the warm-up above)",
+            f", {speed}" if speed else " (no steady step: see the warm-up above)",
             tracker.hint(),
         )
     return result.best

@@ -4,13 +4,15 @@ validation batch adds up (`EvalSums`)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 
-from runner.measure.timing import MFU, SAMPLES_PER_S
+from runner.measure.spread import rate_text
+from runner.measure.timing import MFU, SAMPLES_PER_S, TOKENS_PER_S, spread_names
 
 
 @dataclass(frozen=True)
@@ -149,11 +151,42 @@ class Task:
     def epoch_summary(self, metrics: dict[str, float]) -> str:
         raise NotImplementedError
 
-    def throughput_summary(self, metrics: dict[str, float], epoch_metric: str, unit: str) -> str:
-        """The epoch line's speed: the steady figure (and the MFU where known), or the epoch's
-        own where it has no steady step."""
+    @property
+    def unit(self) -> str:
+        """What its throughput counts: "tokens" or "samples"."""
+        return "tokens" if self.throughput_metric == TOKENS_PER_S else "samples"
+
+    def speed(self, metrics: Mapping[str, float]) -> str:
+        """The steady rate with its spread, "steady 1,045 samples/s (p10-p90 980-1,090)" (and
+        the MFU where known), from an epoch's metrics; "" where it had no steady step."""
         steady = metrics.get(self.throughput_metric)
-        if steady is None:
-            return f"{metrics[epoch_metric]:.0f} {unit}/s over the epoch (no steady step)"
+        if steady is None or not math.isfinite(steady):
+            return ""
+        p10, p90 = (metrics.get(k) for k in spread_names(self.throughput_metric))
         mfu = metrics.get(MFU)
-        return f"{steady:.0f} {unit}/s steady" + (f" (mfu {mfu:.1%})" if mfu is not None else "")
+        return (
+            "steady "
+            + rate_text(steady, p10, p90, self.unit)
+            + (f" (mfu {mfu:.1%})" if mfu is not None else "")
+        )
+
+    def run_speed(self, epochs: Sequence[Mapping[str, float]]) -> str:
+        """A run's steady rate and spread, each the mean over the epochs that logged one (as
+        the report and a sweep's summary average them); "" where none did."""
+        metric = self.throughput_metric
+        steady = [e for e in epochs if math.isfinite(e.get(metric, math.nan))]
+        if not steady:
+            return ""
+        names = (metric, *spread_names(metric), MFU)
+        mean = {
+            k: sum(e[k] for e in steady) / len(steady) for k in names if all(k in e for e in steady)
+        }
+        return self.speed(mean)
+
+    def throughput_summary(self, metrics: dict[str, float], epoch_metric: str, unit: str) -> str:
+        """The epoch line's speed: the steady figure with its spread (and the MFU where known),
+        or the epoch's own where it has no steady step."""
+        return (
+            self.speed(metrics)
+            or f"{metrics[epoch_metric]:.0f} {unit}/s over the epoch (no steady step)"
+        )
