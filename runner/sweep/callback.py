@@ -179,7 +179,7 @@ class MlflowSweepCallback(Callback):
         )
         summary = (
             f"Sweep finished: {len(children)} job{'' if len(children) == 1 else 's'}{failures}.\n"
-            + speed_summary(children, tracker.reader.history)
+            + speed_summary(children, tracker.reader.history, _traces(tracker.reader))
             + "Compare them:  "
             + shell.join(["python", "-m", "runner.report", *where])
             + "\n"
@@ -380,6 +380,15 @@ def _start_parent_run(
         earlier.run_id,
     )
     return parent_run
+
+
+def _traces(reader: Any) -> Any:
+    """A run's traces of steady step times, read from `reader` (runner.measure.step_trace)."""
+    from runner.measure import step_trace
+
+    return lambda run_id: step_trace.read_all(
+        reader.artifact_texts(run_id, step_trace.ARTIFACT_DIR)
+    )
 
 
 def _failed(children: list[Any]) -> list[str]:

@@ -64,12 +64,19 @@ def test_the_sweep_summary_gives_each_job_its_mean_steady_throughput():
         "id2": [],
     }
     children = [job(1, "b"), job(0, "a"), job(2, "c"), job(3, "d", status="FAILED")]
+    spreads = {"samples_per_s_p10": [(1, 80.0), (2, 240.0)], "samples_per_s_p90": [(2, 330.0)]}
+
+    def history(run_id: str, metric: str) -> list[tuple[int, float]]:
+        return histories[run_id] if metric == "samples_per_s" else spreads.get(metric, [])
+
     said = speed_summary(children, lambda run_id, metric: histories[run_id])
     assert said == (
-        "  a: 200 samples/s steady (1.00x a)\n"
-        "  b: 400 samples/s steady (2.00x a)\n"
+        "  a: 200 samples/s (p10-p90 200-200) steady, the baseline\n"
+        "  b: 400 samples/s (p10-p90 400-400) steady, 2.00x vs a\n"
         "  c: no steady throughput (every step was warm-up)\n"
     )
+    said = speed_summary(children, history)  # the spread: the epochs' p10 and p90, averaged
+    assert said.splitlines()[0] == "  a: 200 samples/s (p10-p90 160-330) steady, the baseline"
 
 
 def test_the_sweep_summary_compares_each_job_with_the_o0_of_its_model():
@@ -99,13 +106,15 @@ def test_the_sweep_summary_compares_each_job_with_the_o0_of_its_model():
         job(4, "vit", "O2", 50.0),  # (no O0 of its model: its model's first job)
     ]
     rates = {c.run_id: [(1, c.metrics["samples_per_s"])] for c in children}
-    said = speed_summary(children, lambda run_id, metric: rates[run_id])
+    said = speed_summary(
+        children, lambda run_id, metric: rates[run_id] if metric == "samples_per_s" else []
+    )
     assert said == (
-        "  tiny-O2: 300 samples/s steady (3.00x tiny-O0)\n"
-        "  tiny-O0: 100 samples/s steady (1.00x tiny-O0)\n"
-        "  resnet18-O2: 90 samples/s steady (3.00x resnet18-O0)\n"
-        "  resnet18-O0: 30 samples/s steady (1.00x resnet18-O0)\n"
-        "  vit-O2: 50 samples/s steady (1.00x vit-O2)\n"
+        "  tiny-O2: 300 samples/s steady, 3.00x vs tiny-O0\n"
+        "  tiny-O0: 100 samples/s steady, the baseline\n"
+        "  resnet18-O2: 90 samples/s steady, 3.00x vs resnet18-O0\n"
+        "  resnet18-O0: 30 samples/s steady, the baseline\n"
+        "  vit-O2: 50 samples/s steady, the baseline\n"
     )
 
 
@@ -132,10 +141,12 @@ def test_the_sweep_summary_compares_each_job_with_the_o0_the_report_gives_it():
         record = RunRecord(f"id{len(children)}", name, "1", "FINISHED", params=params, tags=tags)
         children.append(record)
         rates[record.run_id] = rate
-    said = speed_summary(children, lambda run_id, metric: [(1, rates[run_id])])
-    assert "  tiny-O2 lr=0.1 seed=1: 300 samples/s steady (3.00x tiny-O0 lr=0.1 seed=1)\n" in said
-    assert "  tiny-O2 lr=0.2 seed=2: 220 samples/s steady (4.00x tiny-O0 lr=0.2 seed=2)\n" in said
-    assert "  tiny-O0 lr=0.2 seed=1: 50 samples/s steady (1.00x tiny-O0 lr=0.2 seed=1)\n" in said
+    said = speed_summary(
+        children, lambda run_id, metric: [(1, rates[run_id])] if metric == "samples_per_s" else []
+    )
+    assert "  tiny-O2 lr=0.1 seed=1: 300 samples/s steady, 3.00x vs tiny-O0 lr=0.1 seed=1\n" in said
+    assert "  tiny-O2 lr=0.2 seed=2: 220 samples/s steady, 4.00x vs tiny-O0 lr=0.2 seed=2\n" in said
+    assert "  tiny-O0 lr=0.2 seed=1: 50 samples/s steady, the baseline\n" in said
 
 
 # ---- the default launcher: O0-O3 in one process --------------------------------------------------
