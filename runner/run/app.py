@@ -215,6 +215,9 @@ def fit(
         result = out_of_memory.guarded(
             trainer.fit, device, plan.properties.opt_level, partial(sizes, plan, trainer)
         )
+        if comm.is_main:  # the headline figures, side by side in MLflow's UI (summary/)
+            headline = parts.task.summary_metrics(result.epochs, result.best, result.train_time_s)
+            tracked.log_metrics(headline, plan.cfg.trainer.max_epochs)
     if comm.is_main:
         speed = parts.task.run_speed(result.epochs)  # (the epochs' means, with their spread)
         log.info(

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from runner.measure.spread import rate_text
 from runner.measure.timing import MFU, SAMPLES_PER_S, TOKENS_PER_S, spread_names
+from runner.tracking import metrics as m
 
 
 @dataclass(frozen=True)
@@ -182,6 +183,23 @@ class Task:
             k: sum(e[k] for e in steady) / len(steady) for k in names if all(k in e for e in steady)
         }
         return self.speed(mean)
+
+    def summary_metrics(
+        self, epochs: Sequence[Mapping[str, float]], best: float, train_time_s: float
+    ) -> dict[str, float]:
+        """The run's headline figures under `summary/` (runner.tracking.metrics): its objective
+        `best`, `train_time_s`, the highest epoch's peak memory, and each steady rate with its
+        spread, the means over the epochs that logged them (none without a steady epoch)."""
+        out = {m.summary(self.objective): best, m.summary(m.TRAIN_TIME_S): train_time_s}
+        peaks = [e[m.PEAK_MEM_MB] for e in epochs if m.PEAK_MEM_MB in e]
+        if peaks:
+            out[m.summary(m.PEAK_MEM_MB)] = max(peaks)
+        for rate in dict.fromkeys((SAMPLES_PER_S, self.throughput_metric)):
+            for name in (rate, *spread_names(rate)):
+                values = [e[name] for e in epochs if math.isfinite(e.get(name, math.nan))]
+                if values:
+                    out[m.summary(name)] = sum(values) / len(values)
+        return {k: v for k, v in out.items() if math.isfinite(v)}
 
     def throughput_summary(self, metrics: dict[str, float], epoch_metric: str, unit: str) -> str:
         """The epoch line's speed: the steady figure with its spread (and the MFU where known),

@@ -36,5 +36,20 @@ BEST_VAL_ACC = "best_val_acc"  # a classifier's objective, maximised (step = max
 BEST_VAL_LOSS = "best_val_loss"  # a language model's objective, minimised (step = max_epochs)
 TRAIN_TIME_S = "train_time_s"  # training time over every session of the run
 
+# once per run, at its end (step = max_epochs): the headline figures again, under one prefix,
+# so that MLflow's runs page (its columns listed by name, with a search box) and its compare
+# view put them side by side: `summary/` and the name of the metric each is made from:
+# summary/best_val_acc (a language model's summary/best_val_loss), summary/train_time_s,
+# summary/peak_mem_mb (the highest epoch's), summary/samples_per_s with summary/samples_per_s_p10
+# and _p90 (a language model's tokens_per_s too: the epochs' means, as the report averages them).
+# The names they repeat are logged as before: nothing that reads them changes.
+SUMMARY_PREFIX = "summary/"
+
+
+def summary(metric: str) -> str:
+    """The headline name of `metric`: `summary/<metric>`."""
+    return SUMMARY_PREFIX + metric
+
+
 # a sharded run (runner.run.fsdp), with the memory by kind: the largest unit's gathered parameters
 MEM_ALLGATHER_MB = "mem_allgather_mb"
