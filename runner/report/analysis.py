@@ -10,9 +10,12 @@ from typing import Any, Optional
 
 from runner.config.formats import stepped_dtype_name
 from runner.config.schema import CLASSIFICATION, DEFAULT_EXPERIMENT, LANGUAGE_MODEL
+from runner.measure import spread
 from runner.measure.memory import TOTAL_METRIC
 from runner.measure.memory import metric_name as memory_metric
-from runner.measure.timing import MFU, SAMPLES_PER_S, TOKENS_PER_S, WARMUP_TIME_S
+from runner.measure.spread import Ratio
+from runner.measure.step_trace import EpochTrace
+from runner.measure.timing import MFU, SAMPLES_PER_S, TOKENS_PER_S, WARMUP_TIME_S, spread_names
 from runner.tracking import metrics as m
 from runner.tracking.varying import (
     SEED_PARAMS,
@@ -55,6 +58,8 @@ MEMORY_TOTAL = TOTAL_METRIC
 # the step timer's (runner.measure.timing): reported where a run logged them, never listed as
 # missing (runs made before them, a CPU run's mfu)
 TIMING_METRICS = {MFU: "mfu", WARMUP_TIME_S: "warm-up"}
+# how busy the (first) GPU was: MLflow's system metric, the mean over the run's samples
+DEVICE_BUSY = "system/gpu_0_utilization_percentage"
 # how far from its O0 run's best a run's validation counts as reaching it (`--target-gap`):
 # accuracy points below (0.01: one point), or a language model's nats per token above
 TARGET_GAP = 0.01
@@ -150,6 +155,10 @@ class Row:
     # reaching its O0 run's quality (add_baseline_ratios): where a baseline has a validation
     reach: Reach | None = None
     reach_speedup: float | None = None  # the baseline's time to the target / this run's
+    # its steady steps' times, an epoch each (runner.measure.step_trace; runs made before: none)
+    traces: list[EpochTrace] = field(default_factory=list, repr=False, compare=False)
+    base: Optional[Row] = field(default=None, repr=False, compare=False)  # its baseline's row
+    speedup_ratio: Optional[Ratio] = None  # the speedup with its interval, where both have traces
 
     def get(self, metric: str) -> float | None:
         value = self.metrics.get(metric)
@@ -174,6 +183,12 @@ class Row:
     def throughput(self) -> float | None:
         """The run's throughput: tokens/s for a language model, else samples/s."""
         return self.get(TOKENS_PER_S if self.is_lm else SAMPLES_PER_S)
+
+    @property
+    def spread(self) -> tuple[float | None, float | None]:
+        """Its throughput's spread: the rates of its slow and fast steps (p10, p90)."""
+        p10, p90 = spread_names(TOKENS_PER_S if self.is_lm else SAMPLES_PER_S)
+        return self.get(p10), self.get(p90)
 
     @property
     def missing(self) -> list[str]:
@@ -230,8 +245,9 @@ def add_baseline_ratios(rows: Sequence[Row], target_gap: float = TARGET_GAP) -> 
     those, the nearest (`varying.distance`: the same seed, optimizer, samples a step, batch size and
     batches a step, in that order), so that an O2 run of batch 256 compares with the O0 of 64 x 4
     that fit. A run whose group has no O0 run gets no ratio (a different lr's O0 is not its
-    baseline). The speedup is the ratio of the steady throughputs where both runs logged one, else
-    (runs made before the steady figure) the baseline's train time over the run's. And the time
+    baseline). The speedup is the ratio of the steady throughputs where both runs logged one (with
+    its 95% interval from their traces of step times: runner.measure.spread), else (runs made
+    before the steady figure) the baseline's train time over the run's. And the time
     to the baseline's quality: the training time each of the two took to come within
     `target_gap` of the baseline's best validation (Row.reaching), and their ratio."""
     group_keys = baseline_keys(rows)
@@ -251,11 +267,15 @@ def add_baseline_ratios(rows: Sequence[Row], target_gap: float = TARGET_GAP) -> 
         if not candidates:
             continue
         base = min(candidates, key=lambda b: distance(b.params, row.params))
-        row.baseline = names[base.run_id]
+        row.baseline, row.base = names[base.run_id], base
         rate, base_rate = row.throughput, base.throughput
         time, base_time = row.get(m.TRAIN_TIME_S), base.get(m.TRAIN_TIME_S)
         if row.steady and base.steady and rate and base_rate:
             row.speedup = rate / base_rate
+            if base is not row:  # (its interval: runner.measure.spread)
+                row.speedup_ratio = spread.speedup(
+                    [row.traces], [base.traces], row.is_lm, value=row.speedup
+                )
         elif time and base_time:
             row.speedup = base_time / time
         memory, base_memory = row.get(m.PEAK_MEM_MB), base.get(m.PEAK_MEM_MB)

@@ -9,9 +9,11 @@ from pathlib import Path, PurePath
 
 from runner.config.mistakes import did_you_mean
 from runner.config.schema import CLASSIFICATION
+from runner.measure import step_trace
 from runner.measure.audit import FORMAT_METRIC as LAYERS_IN
-from runner.measure.timing import MFU, SAMPLES_PER_S, TOKENS_PER_S, WARMUP_TIME_S
+from runner.measure.timing import MFU, SAMPLES_PER_S, TOKENS_PER_S, WARMUP_TIME_S, spread_names
 from runner.report.analysis import (
+    DEVICE_BUSY,
     LM_METRICS,
     MEMORY_METRICS,
     MEMORY_TOTAL,
@@ -195,6 +197,15 @@ def to_row(reader: Reader, run: RunRecord) -> Row:
             values = values[1:] if len(values) > 1 else values
         if values:  # the steady figure: the mean over the epochs that logged one
             row.metrics[metric] = sum(values) / len(values)
+        for name in spread_names(metric):  # its spread, averaged alike (runs made before: none)
+            if name in run.metrics:
+                spread = [v for _, v in reader.history(run.run_id, name)]
+                row.metrics[name] = sum(spread) / len(spread)
+    if row.steady:  # the steady steps' times (runs made before the traces: none, no interval)
+        row.traces = step_trace.read_all(reader.artifact_texts(run.run_id, step_trace.ARTIFACT_DIR))
+    if DEVICE_BUSY in run.metrics:  # how busy the GPU was, over the run's samples
+        busy = [v for _, v in reader.history(run.run_id, DEVICE_BUSY)]
+        row.metrics[DEVICE_BUSY] = sum(busy) / len(busy)
     if MFU in run.metrics:  # the mean over the epochs; the warm-up summed over the sessions
         mfu = [v for _, v in reader.history(run.run_id, MFU)]
         row.metrics[MFU] = sum(mfu) / len(mfu)

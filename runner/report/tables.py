@@ -1,5 +1,5 @@
-"""The comparison as text: the Markdown table (with the notes under it and the seeds' table) and
-the CSV file."""
+"""The comparison as text: the Markdown page (the headline, every column a row per run, the seeds'
+table, the notes, the figures) and the CSV file."""
 
 from __future__ import annotations
 
@@ -10,9 +10,12 @@ from pathlib import Path
 from typing import Any
 
 from runner.config.formats import SHORT_NAMES
+from runner.measure import spread
 from runner.measure.audit import FORMAT_METRIC as LAYERS_IN
-from runner.measure.timing import MFU, SAMPLES_PER_S, TOKENS_PER_S, WARMUP_TIME_S
+from runner.measure.timing import MFU, SAMPLES_PER_S, TOKENS_PER_S, WARMUP_TIME_S, spread_names
+from runner.report import headline
 from runner.report.analysis import (
+    DEVICE_BUSY,
     LM_METRICS,
     MEMORY_METRICS,
     MEMORY_TOTAL,
@@ -24,8 +27,15 @@ from runner.report.analysis import (
     all_lm,
     seed_groups,
     seeds_vary,
-    timed_targets,
     tuned_settings,
+)
+from runner.report.headline import reach_cell
+from runner.report.notes import (
+    TUNED_TITLE,
+    clip,
+    headline_notes,
+    run_lists,
+    table_notes,
 )
 from runner.tracking import metrics as m
 from runner.tracking.varying import SEED_PARAMS, display_names, tuned_keys, varying_params
@@ -144,20 +154,6 @@ def _fmt(value: float | None, spec: str, scale: float = 1.0) -> str:
     return "-" if value is None else format(value * scale, spec)
 
 
-def reach_cell(row: Row) -> str:
-    """The training time the run took to come within the target gap of its O0 run's best
-    validation, and the epoch: "41.2 (epoch 3)"; "not reached"; "epoch 3" where it logged no
-    epoch times; "-" without a baseline."""
-    reach = row.reach
-    if reach is None:
-        return "-"
-    if reach.epoch is None:
-        return "not reached"
-    if reach.seconds is None:
-        return f"epoch {reach.epoch}"
-    return f"{reach.seconds:.1f} (epoch {reach.epoch})"
-
-
 def _perplexity(loss: float | None) -> float | None:
     return None if loss is None else math.exp(min(loss, 700.0))
 
@@ -168,16 +164,34 @@ _LM_QUALITY = [
     ("best val loss (nats/token)", lambda r: _fmt(r.get(m.BEST_VAL_LOSS), ".4f")),
     ("perplexity", lambda r: _fmt(_perplexity(r.get(m.BEST_VAL_LOSS)), ".2f")),
 ]
-_SAMPLES = ("throughput (samples/s)", lambda r: _fmt(r.get(SAMPLES_PER_S), ".0f"))
-_TOKENS = ("throughput (tokens/s)", lambda r: _fmt(r.get(TOKENS_PER_S), ".0f"))
+
+
+def _rate(row: Row, metric: str) -> str:
+    """A steady rate with its spread where the run logged one: "417 (213-781)"."""
+    rate = row.get(metric)
+    if rate is None:
+        return "-"
+    low, high = (row.get(name) for name in spread_names(metric))
+    if low is None or high is None:
+        return f"{rate:.0f}"
+    return f"{spread.number(rate)} ({spread.number(low)}-{spread.number(high)})"
+
+
+def _speedup(row: Row) -> str:
+    """The speedup, with its 95% interval where both runs have traces: "4.36 [4.10, 4.60]"."""
+    ratio = row.speedup_ratio
+    if ratio is None:
+        return _fmt(row.speedup, ".2f")
+    return spread.ratio_text(ratio).replace("x", "", 1)
+
+
+_SAMPLES = ("throughput (samples/s)", lambda r: _rate(r, SAMPLES_PER_S))
+_TOKENS = ("throughput (tokens/s)", lambda r: _rate(r, TOKENS_PER_S))
 _TIMING = [
     ("mfu (%)", lambda r: _fmt(r.get(MFU), ".1f", 100)),
     ("warm-up (s)", lambda r: _fmt(r.get(WARMUP_TIME_S), ".1f")),
 ]
 _MEMORY_TITLES = COLUMNS[COLUMNS.index("weights (MB)") : COLUMNS.index("state total (MB)") + 1]
-
-
-TUNED_TITLE = "tuned (trainer.tune)"
 
 
 def _param_cell(key: str):
@@ -221,7 +235,7 @@ def columns(rows: Sequence[Row]) -> list[tuple[str, Any]]:
             (title, _metric_cell(key, ".2f"))
             for key, title in zip((*MEMORY_METRICS, MEMORY_TOTAL), _MEMORY_TITLES)
         ),
-        ("speedup vs O0", lambda r: _fmt(r.speedup, ".2f")),
+        ("speedup vs O0", _speedup),
         ("memory vs O0", lambda r: _fmt(r.memory_ratio, ".2f")),
         ("time to O0's best (s)", reach_cell),
         ("speedup to O0's best", lambda r: _fmt(r.reach_speedup, ".2f")),
@@ -233,141 +247,40 @@ def table_cells(row: Row, rows: Sequence[Row] | None = None) -> list[str]:
     return [cell(row) for _, cell in columns(rows if rows is not None else [row])]
 
 
-def warnings_of(row: Row) -> list[str]:
-    """The warnings and errors among the precision findings a run started with ("warning
-    precision.autocast_dtype"), from its findings tag; info findings are left out."""
-    entries = [e.strip() for e in row.findings.split(";")]
-    return [e for e in entries if e.partition(" ")[0] in ("warning", "error")]
-
-
-def no_steady_step(row: Row) -> str:
-    """Why a run that trained lacks its steady throughput, where it is known: every step it
-    took was warm-up (the first `trainer.warmup_steps` of a session, or a step that compiled),
-    which the epoch's own figure counts and the steady figure leaves out; "" otherwise."""
-    epoch = m.EPOCH_TOKENS_PER_S if row.is_lm else m.EPOCH_SAMPLES_PER_S
-    if row.throughput is not None or row.get(epoch) is None:
-        return ""
-    warmup = row.params.get("trainer.warmup_steps", "?")
-    return (
-        f" (no steady step: every step was warm-up, the first trainer.warmup_steps={warmup} "
-        f"of a session or a step that compiled; {epoch}, which counts them, is "
-        f"{row.get(epoch):.0f}; train more steps for the steady figure)"
-    )
-
-
-def reach_note(rows: Sequence[Row], target_gap: float) -> str:
-    """What the time to O0's best means, with each baseline's target ("" without baselines)."""
-    targets = timed_targets(rows)
-    if not targets:
-        return ""
-    return (
-        " Time to O0's best: the training time (the epochs' `epoch_time_s` summed, validation "
-        "excluded, warm-up included) to the end of the first epoch whose validation came within "
-        "the target gap of the baseline's best (accuracy that many points below it, a language "
-        f"model's loss that many nats above: `--target-gap` {target_gap:g}), "
-        '"not reached" where no epoch did; its speedup: the baseline\'s own time to that '
-        "target / the run's. A level that steps faster but needs more epochs to get there shows it "
-        "here. Targets: " + ", ".join(f"{name} {target:.4g}" for name, target in targets) + "."
-    )
-
-
 def render_markdown(
     rows: Sequence[Row], title: str, source: str, target_gap: float = TARGET_GAP
 ) -> str:
+    """The comparison: the headline table (at most ten columns) and how to read it, then every
+    column, the seeds' table, the notes and the runs to look at, and the figures; every prose
+    line a bullet of at most MAX_LINE characters."""
     titles = [title for title, _ in columns(rows)]
     # left-aligned columns: run, what varies (and what trainer.tune changed), model ... status
     text = 8 + len(varying_params(rows)) + bool(tuned_keys(rows))
+    quality = "loss" if all_lm(rows) else "accuracy"
+    bars, curves = figure_files(rows)
     lines = [
         f"# {title}",
         "",
         source,
         "",
+        *headline.render(rows),
+        "",
+        *(clip(f"- {note}") for note in headline_notes(rows)),
+        "",
+        "## Every column",
+        "",
         "| " + " | ".join(titles) + " |",
         "|" + "---|" * text + "---:|" * (len(titles) - text - 1) + "---|",
-    ]
-    lines += ["| " + " | ".join(table_cells(r, rows)) + " |" for r in rows]
-    varying = varying_params(rows)
-    lines += [
+        *("| " + " | ".join(table_cells(r, rows)) + " |" for r in rows),
         "",
-        "Speedup: the run's steady throughput / the baseline's (above 1 is faster; runs made "
-        "before the steady figure: the baseline's train time / the run's); memory: the "
-        "run's peak memory / the baseline's (below 1 is less). The baseline is the O0 run "
-        "of the same model"
-        + (
-            " with the same " + ", ".join(f"`{k}`" for k in varying if k not in SEED_PARAMS)
-            if any(k not in SEED_PARAMS for k in varying)
-            else ""
-        )
-        + " (of those, one of the same seed, optimizer, samples a step and batch size where"
-        " there is one), named in the last column. The columns "
-        "between run and model are the params that differ between these runs"
-        + (
-            "; what trainer.tune chose for a run is part of its result, not a difference in "
-            f"what is compared: `{TUNED_TITLE}` lists what it changed (`tune.md` and the "
-            "`tune.*` params of each run say why)"
-            if tuned_keys(rows)
-            else ""
-        )
-        + ". Throughput is "
-        "the steady figure (`samples_per_s`, a language model's `tokens_per_s`: the steps "
-        "after each session's `trainer.warmup_steps` that compiled nothing), the mean over the "
-        "epochs that logged one (runs made before it: the epoch's own figure, the mean over the "
-        "epochs after the first). mfu: the achieved FLOP/s over the GPU's dense peak for the "
-        "level's format, the mean over the epochs (a GPU in the peak table only). Warm-up: "
-        "the time of the warm-up steps, summed over the run's sessions. Train time covers all "
-        "epochs, validation and warm-up included. Peak memory: "
-        + ", ".join(sorted({r.peak_mem_kind for r in rows}))
-        + " (the runs' `peak_mem_kind`:"
-        " CUDA's max allocated memory, or on a CPU the training state counted from the "
-        "tensors). Weights, masters, grads, optimizer state and activations: the memory of "
-        "each kind of tensor in one training step, counted from the tensors themselves "
-        "(activations: the bytes saved for backward); state total is their sum. Layers "
-        "fp32/bf16/fp16/fp8: how many layers (modules with weights of their own) computed "
-        "in each format at the first step, as the layer audit saw them "
-        "(`layers/layers_ran.csv` of each run)." + reach_note(rows, target_gap),
+        *render_seed_table(rows),
+        "## Notes",
         "",
-    ]
-    lines += render_seed_table(rows)
-    # each run as its row names it, with its id (to find it in the store)
-    names = display_names(rows)
-    missing = [r for r in rows if r.missing]
-    if missing:
-        lines += ["Runs lacking metrics (shown as -):", ""]
-        lines += [
-            f"- {names[r.run_id]} (run {r.run_id}, {r.status}): no {', '.join(r.missing)}"
-            + no_steady_step(r)
-            for r in missing
-        ]
-        lines.append("")
-    warned = [(r, w) for r in rows if (w := warnings_of(r))]
-    if warned:
-        lines += [
-            "Runs that started with precision warnings (each message, with its hint, is in the "
-            "run's `precision.txt` artifact; they can explain a level's speed or accuracy):",
-            "",
-        ]
-        lines += [f"- {names[r.run_id]} (run {r.run_id}): {'; '.join(w)}" for r, w in warned]
-        lines.append("")
-    unfinished = [r for r in rows if r.status != "FINISHED"]
-    if unfinished:
-        lines += ["Runs that did not finish:", ""]
-        lines += [
-            f"- {names[r.run_id]} (run {r.run_id}, {r.status}): {r.reason or 'no reason recorded'}"
-            for r in unfinished
-        ]
-        lines.append("")
-    if not any(r.baseline for r in rows):
-        lines += ["No finished O0 run to compare with: speedup and memory ratio are empty.", ""]
-    quality = "loss" if all_lm(rows) else "accuracy"
-    bars, curves = figure_files(rows)
-    if any(r.is_lm for r in rows):
-        lines += [
-            "Language models: best val loss is the mean token cross-entropy on the "
-            "validation tokens (nats per token), perplexity its exponential; throughput in "
-            "training tokens per second.",
-            "",
-        ]
-    lines += [
+        *(clip(f"- {note}") for note in table_notes(rows, target_gap)),
+        "",
+        *run_lists(rows),
+        "## Figures",
+        "",
         f"![steady throughput, memory and {quality} per level]({bars})",
         "",
         f"![memory by kind per level]({MEMORY_PNG})",
@@ -378,12 +291,22 @@ def render_markdown(
     return "\n".join(lines)
 
 
+def _noise_cells(row: Row) -> tuple:
+    """The CSV's speedup_low, speedup_high, speedup_within_noise and device_busy_pct."""
+    ratio = row.speedup_ratio
+    interval = (ratio.low, ratio.high, ratio.noise) if ratio else (None, None, None)
+    return (*interval, row.get(DEVICE_BUSY))
+
+
 def write_csv(rows: Sequence[Row], path: Path) -> None:
     with path.open("w", newline="") as f:
         writer = csv.writer(f)
         lm = [k for k in LM_METRICS if k not in METRICS] if any(r.is_lm for r in rows) else []
         varying = varying_params(rows)
         tuned = ["tuned"] if tuned_keys(rows) else []
+        # the steady rates' spread (p10, p90), the speedup's 95% interval: new columns go last
+        rates = (SAMPLES_PER_S, TOKENS_PER_S) if any(r.is_lm for r in rows) else (SAMPLES_PER_S,)
+        spreads = [name for rate in rates for name in spread_names(rate)]
         writer.writerow(
             [
                 "run_id",
@@ -411,6 +334,11 @@ def write_csv(rows: Sequence[Row], path: Path) -> None:
                 "baseline_run",
                 "reason",
                 *lm,
+                *spreads,
+                "speedup_low",
+                "speedup_high",
+                "speedup_within_noise",
+                "device_busy_pct",
             ]
         )
         for r in rows:
@@ -442,5 +370,7 @@ def write_csv(rows: Sequence[Row], path: Path) -> None:
                     r.baseline,
                     r.reason,
                     *(r.get(k) for k in lm),
+                    *(r.get(k) for k in spreads),
+                    *_noise_cells(r),
                 ]
             )

@@ -143,7 +143,8 @@ def test_too_few_steps_give_no_interval_and_no_trace_no_ratio():
     short = [[_trace([0.01, 0.011, 0.012])]]
     ratio = spread.speedup(short, short)
     assert ratio.value == pytest.approx(1.0) and ratio.low is None and ratio.noise is None
-    assert spread.ratio_text(ratio) == "1.00x"
+    assert spread.ratio_text(ratio) == "1.00x (under 8 steady steps: no interval)"
+    assert spread.ratio_text(spread.Ratio(1.07)) == "1.07x"  # (runs made before the traces)
     assert spread.speedup([], short) is None and spread.rate_interval([[]]) is None
 
 
