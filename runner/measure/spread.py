@@ -85,9 +85,16 @@ def ratio_text(ratio: Ratio) -> str:
 
 
 # ---- rates and their bootstrap -------------------------------------------------------------------
+def median(times: np.ndarray, axis: Optional[int] = None) -> np.ndarray:
+    """The nearest-rank median (the ceil(n/2)-th smallest), as the step timer's percentiles
+    take it: of an even count, one of the steps, not the mean of the middle two (on a busy
+    machine two middle steps can be a third apart)."""
+    return np.quantile(times, 0.5, axis=axis, method="inverted_cdf")
+
+
 def epoch_rate(trace: EpochTrace, items: bool = False) -> float:
     """The epoch's median-step rate: what a step trained on over the median step time."""
-    return trace.per_step(items) / float(np.median(trace.step_time_s))
+    return trace.per_step(items) / float(median(np.asarray(trace.step_time_s)))
 
 
 def run_rate(run: Sequence[EpochTrace], items: bool = False) -> float:
@@ -107,7 +114,7 @@ def _block_medians(times: np.ndarray, draws: int, rng: np.random.Generator) -> n
     blocks = math.ceil(n / block)
     starts = rng.integers(0, n, size=(draws, blocks))
     index = (starts[:, :, None] + np.arange(block)) % n
-    return np.median(times[index.reshape(draws, -1)[:, :n]], axis=1)
+    return median(times[index.reshape(draws, -1)[:, :n]], axis=1)
 
 
 def _run_draws(

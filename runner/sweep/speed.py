@@ -83,7 +83,9 @@ def speed_summary(
         ratio = None
         if traces is not None:
             items = TOKENS_PER_S in child.metrics
-            ratio = spread.speedup([traces(child.run_id)], [traces(base.run_id)], items)
+            ratio = spread.speedup(
+                [traces(child.run_id)], [traces(base.run_id)], items, value=rate / base_rate
+            )
         ratio = ratio or spread.Ratio(rate / base_rate)
         out.append(
             f"  {names[child.run_id]}: {text} steady, {spread.ratio_text(ratio)} vs "

@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from mlflow.environment_variables import MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR
 from mlflow.exceptions import MlflowException
 
 from runner.tracking.base import Reader, RunNotFound, RunRecord, StoreUnreadable
@@ -40,6 +42,21 @@ def _literal(value: str) -> str | None:
         if quote not in value:
             return f"{quote}{value}{quote}"
     return None
+
+
+@contextlib.contextmanager
+def _no_progress_bar() -> Iterator[None]:
+    """MLflow's download without its progress bar (a line a run on the report's console)."""
+    key = MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR.name
+    saved = os.environ.get(key)
+    os.environ[key] = "false"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = saved
 
 
 class MlflowReader(Reader):
@@ -116,7 +133,7 @@ class MlflowReader(Reader):
         try:
             if not any(not f.is_dir for f in self.client.list_artifacts(run_id, folder)):
                 return {}
-            with tempfile.TemporaryDirectory(prefix="amp-report-") as local:
+            with tempfile.TemporaryDirectory(prefix="amp-report-") as local, _no_progress_bar():
                 got = Path(self.client.download_artifacts(run_id, folder, local))
                 return {p.name: p.read_text() for p in sorted(got.iterdir()) if p.is_file()}
         except (MlflowException, OSError, UnicodeDecodeError):
