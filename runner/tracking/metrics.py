@@ -41,7 +41,8 @@ TRAIN_TIME_S = "train_time_s"  # training time over every session of the run
 # view put them side by side: `summary/` and the name of the metric each is made from:
 # summary/best_val_acc (a language model's summary/best_val_loss), summary/train_time_s,
 # summary/peak_mem_mb (the highest epoch's), summary/samples_per_s with summary/samples_per_s_p10
-# and _p90 (a language model's tokens_per_s too: the epochs' means, as the report averages them).
+# and _p90 (a language model's tokens_per_s too: the epochs' means, as the report averages them),
+# at four significant digits (MLflow's table shows them whole).
 # The names they repeat are logged as before: nothing that reads them changes.
 SUMMARY_PREFIX = "summary/"
 

@@ -175,3 +175,31 @@ def test_a_long_epoch_keeps_an_even_bounded_sample_in_order():
         trace.add(float(step))
     assert len(trace) < 8 and trace.every == 16
     assert list(trace.times) == [float(s) for s in range(0, 100, 16)]
+
+
+def test_the_headline_metrics_sort_together_and_read_whole():
+    """A run's headline figures again under summary/ (one search in MLflow's column picker finds
+    them), each the figure the report gives: the objective, the train time, the highest peak
+    memory, the steady rate and its spread averaged over the epochs that logged one; at four
+    significant digits."""
+    from runner.tasks import Classification, LanguageModel
+
+    epochs = [
+        {"peak_mem_mb": 15.097827911376953, "val_acc": 0.4},  # (an epoch of warm-up only)
+        {"samples_per_s": 300.0, "samples_per_s_p10": 100.0, "samples_per_s_p90": 400.0},
+        {"samples_per_s": 343.5347, "samples_per_s_p10": 120.0, "samples_per_s_p90": 500.0},
+    ]
+    epochs[1]["peak_mem_mb"] = epochs[2]["peak_mem_mb"] = 14.0
+    assert Classification().summary_metrics(epochs, 0.458984375, 44.61234) == {
+        "summary/best_val_acc": 0.459,
+        "summary/train_time_s": 44.61,
+        "summary/peak_mem_mb": 15.1,
+        "summary/samples_per_s": 321.8,
+        "summary/samples_per_s_p10": 110.0,
+        "summary/samples_per_s_p90": 450.0,
+    }
+    lm = LanguageModel().summary_metrics([{"tokens_per_s": 5e4, "samples_per_s": 50.0}], 3.2, 1.0)
+    assert lm["summary/best_val_loss"] == 3.2 and lm["summary/tokens_per_s"] == 5e4
+    assert lm["summary/samples_per_s"] == 50.0 and "summary/best_val_acc" not in lm
+    assert Classification().speed(epochs[2]) == "steady 344 samples/s (p10-p90 120-500)"
+    assert Classification().run_speed(epochs) == "steady 322 samples/s (p10-p90 110-450)"
