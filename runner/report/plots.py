@@ -107,8 +107,14 @@ def _speed(group: SeedGroup, lm: bool) -> tuple[float, float, float, str]:
     down = up = 0.0
     if all(v is not None for v in (*low, *high)):
         down, up = max(rate - _mean(low), 0.0), max(_mean(high) - rate, 0.0)
-    ratios = [r.speedup for r in group.rows if r.speedup is not None]
-    text = spread.number(rate) + (f"\n{_mean(ratios):.2f}x" if ratios else "")
+    # its speed-up as the headline gives it: its mean rate over its baselines' (their seeds')
+    bases = list({id(r.base): r.base for r in group.rows if r.base is not None}.values())
+    base_rates = [b.throughput for b in bases if b.throughput is not None]
+    if base_rates and len(base_rates) == len(bases) and all(r.steady for r in group.rows):
+        text = spread.number(rate) + f"\n{rate / _mean(base_rates):.2f}x"
+    else:  # (runs made before the steady figure: their train times' ratios)
+        ratios = [r.speedup for r in group.rows if r.speedup is not None]
+        text = spread.number(rate) + (f"\n{_mean(ratios):.2f}x" if ratios else "")
     return rate, down, up, text
 
 
