@@ -355,6 +355,8 @@ def test_a_gpt_run_resumes_bit_for_bit(tmp_path):
         history(uri, runs["straight"].info.run_id),
     )
     assert got.pop("best_val_loss")[-1] == want.pop("best_val_loss")[-1] == (2, best)
+    # (its headline copy too: each session logs it at its end, the last is the run's)
+    assert got.pop("summary/best_val_loss")[-1] == want.pop("summary/best_val_loss")[-1]
     for name in list(want):  # timings, memory by kind (measured once per session), the load
         if VARIABLE.search(name):
             got.pop(name, None), want.pop(name)
