@@ -7,14 +7,11 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
-from runner.measure import spread
-from runner.measure.step_trace import EpochTrace
-from runner.measure.timing import SAMPLES_PER_S, TOKENS_PER_S, spread_names
 from runner.tracking import tags as tag
 from runner.tracking.varying import baseline_keys, display_names, distance, params_of
 
 History = Callable[[str, str], Sequence[tuple[int, float]]]
-Traces = Callable[[str], Sequence[EpochTrace]]
+Traces = Callable[[str], Sequence[Any]]  # a run's EpochTraces (runner.measure.step_trace)
 
 
 def _mean(history: History, run_id: str, metric: str) -> Optional[float]:
@@ -39,6 +36,10 @@ def speed_summary(
     that of the two runs' median steps with its 95% interval, "within noise" where it holds 1.0
     (runner.measure.spread). `history`: a metric's (step, value) points of a run
     (runner.tracking.base.Reader.history)."""
+    # (here, not at the top: the sweep's callback imports this module where a bad config must
+    # stop before torch is imported, and the timer's names come with it)
+    from runner.measure import spread
+    from runner.measure.timing import SAMPLES_PER_S, TOKENS_PER_S, spread_names
     from runner.tracking.base import FINISHED
 
     lines, rated = [], []
