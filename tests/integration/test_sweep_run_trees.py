@@ -19,6 +19,7 @@ import pytest
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
+from runner.measure import spread
 from runner.sweep.gpus import claim_gpu
 from runner.tracking.store import retry_when_locked
 from runner.tracking.tags import PARENT_RUN as PARENT_RUN_TAG
@@ -162,20 +163,30 @@ def test_level_sweep_is_one_parent_with_a_child_per_level(levels_sweep):
         assert child.data.params["precision.opt_level"] == name[-2:]
         assert [m.step for m in client.get_metric_history(child.info.run_id, "val_acc")] == [1, 2]
     assert sorted(c.data.tags["sweep.job_num"] for c in children.values()) == ["0", "1", "2", "3"]
-    # the sweep's summary: each job's steady throughput, the mean over its epochs as the report
-    # and its "Finished" line give it (not its last epoch's), against the first job's
+    # the sweep's summary: each job's steady throughput and its spread, the means over its
+    # epochs as the report and its "Finished" line give them (not its last epoch's), against
+    # the O0 job's (an interval only from 8 steady steps: this sweep's jobs take one each)
     output = result.stdout + result.stderr
 
-    def steady(child) -> float:
-        rates = [m.value for m in client.get_metric_history(child.info.run_id, "samples_per_s")]
+    def steady(child, metric: str = "samples_per_s") -> float:
+        rates = [m.value for m in client.get_metric_history(child.info.run_id, metric)]
         return sum(rates) / len(rates)
 
     first = steady(children["tiny-O0"])
     for name, child in children.items():
-        rate = steady(child)
-        assert f"  {name}: {rate:,.0f} samples/s steady ({rate / first:.2f}x tiny-O0)" in output
+        rate, p10, p90 = (
+            steady(child, m) for m in ("samples_per_s", "samples_per_s_p10", "samples_per_s_p90")
+        )
+        said = f"  {name}: {spread.rate_text(rate, p10, p90, 'samples')} steady, "
+        if name == "tiny-O0":
+            assert said + "the baseline\n" in output
+        else:
+            assert (
+                said + f"{rate / first:.2f}x (under 8 steady steps: no interval) vs tiny-O0\n"
+                in output
+            )
         assert f"Finished {name}: best val_acc " in output
-        assert f", {rate:.0f} samples/s steady." in output
+        assert f", steady {spread.rate_text(rate, p10, p90, 'samples')}." in output
 
     assert parent.info.status == "FINISHED"
     assert parent.info.run_name == "sweep precision=o0,o1,o2,o3"
