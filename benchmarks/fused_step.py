@@ -190,7 +190,7 @@ def variant_fused(shapes, grads, device, optimizer: str = "adam"):
     engine = AmpEngine(
         resolve("O2", {"keep_batchnorm_fp32": False}).properties, device, kernels="fused"
     )
-    engine.scalers[0].load_state_dict({"loss_scale": LOSS_SCALE})
+    engine.scaler.load_state_dict({"loss_scale": LOSS_SCALE})
     engine.prepare(model, opt)
     for p, g in zip(model.parameters(), grads):
         p.grad = g

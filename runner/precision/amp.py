@@ -1,4 +1,4 @@
-"""Apex-compatible `amp` front end over `AmpEngine`: port an Apex script by changing one import.
+"""Apex-compatible `amp` front end over `ApexEngine`: port an Apex script by changing one import.
 
     from runner.precision import amp          # was: from apex import amp
     model, optimizer = amp.initialize(model, optimizer, opt_level="O1")
@@ -7,7 +7,8 @@
     optimizer.step()
 
 This module holds Apex's public calls (`initialize`, `scale_loss`, `init`, `master_params`,
-`state_dict`, `load_state_dict`, `deinitialize`, ...); `_amp_state` and the handles live in
+`state_dict`, `load_state_dict`, `deinitialize`, ...); the engine of each `initialize` call (several
+losses and optimizers) is `apex_engine.ApexEngine`, `_amp_state` and the handles live in
 `amp_state`, what `initialize` installs on models and optimizers in `amp_wrappers`, and the
 registered casts and decorators in `autocast`, all importable from here. How Apex's behaviour is
 reproduced on modern PyTorch: README.md beside this file.
@@ -45,6 +46,7 @@ from runner.precision.amp_wrappers import (
     _teardown,
     _wrap_forward,
 )
+from runner.precision.apex_engine import ApexEngine
 from runner.precision.autocast import (
     float_function,
     half_function,
@@ -53,7 +55,6 @@ from runner.precision.autocast import (
     register_half_function,
     register_promote_function,
 )
-from runner.precision.engine import AmpEngine
 from runner.precision.properties import LEVEL_DESCRIPTIONS
 from runner.precision.resolver import resolve
 from runner.precision.scaler import state_dict_problems
@@ -181,13 +182,7 @@ def initialize(
         return models if optimizers is None else (models, optimizers)
     model_list, models_listed = _as_list(models)
     opt_list, opts_listed = ([], False) if optimizers is None else _as_list(optimizers)
-    for m in model_list:
-        if not isinstance(m, nn.Module):
-            raise TypeError(f"amp.initialize expects torch.nn.Module models, got {type(m)!r}")
-    for o in opt_list:
-        if not isinstance(o, torch.optim.Optimizer):
-            raise TypeError(f"amp.initialize expects torch.optim.Optimizer, got {type(o)!r}")
-
+    _check_types(model_list, opt_list)
     no_cast = cast_model_type is False  # Apex: "leave the model's types as they are"
     overrides = {
         k: v
@@ -209,37 +204,61 @@ def initialize(
             "amp.initialize: inconsistent precision properties\n" + resolution.findings_table()
         )
     props = resolution.properties
-    new_models = _replace_earlier(model_list, opt_list)
-    _check_params_fp32(new_models)
-    output_dtype = cast_model_outputs
-    if output_dtype is None and props.patch_torch_functions:
-        output_dtype = torch.float32  # O1: the loss outside forward runs in fp32 (see module doc)
-
-    eng = AmpEngine(
+    _check_params_fp32(_replace_earlier(model_list, opt_list))
+    if cast_model_outputs is None and props.patch_torch_functions:
+        cast_model_outputs = torch.float32  # O1: the loss outside forward runs in fp32 (README)
+    eng = ApexEngine(
         props,
         device,
         num_losses=num_losses,
         min_loss_scale=min_loss_scale,
         max_loss_scale=max_loss_scale,
-        cast_model_outputs=output_dtype,
-        patch_functions=True,
+        cast_model_outputs=cast_model_outputs,
         masters_for_half_params=bool(no_cast and props.master_weights),
     )
-    init = _Init(eng, model_list, opt_list)
+    init = _prepare(eng, model_list, opt_list)
+    _amp_state.inits = [weakref.ref(i) for i in _amp_state.live()] + [weakref.ref(init)]
+    _amp_state.latest = init
+    _amp_state.opt_properties = _OptProperties(True, props, cast_model_type)
+    if props.patch_torch_functions:
+        _amp_state.handle = AmpHandle(
+            props.loss_scale, verbose=verbosity == 2, on_deactivate=init.unwrap_forwards
+        )
+    if verbosity >= 1:
+        _say_level(resolution, no_cast)
+    out_models = model_list if models_listed else model_list[0]
+    if optimizers is None:
+        return out_models
+    return out_models, (opt_list if opts_listed else opt_list[0])
+
+
+def _check_types(models: list, optimizers: list) -> None:
+    for m in models:
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"amp.initialize expects torch.nn.Module models, got {type(m)!r}")
+    for o in optimizers:
+        if not isinstance(o, torch.optim.Optimizer):
+            raise TypeError(f"amp.initialize expects torch.optim.Optimizer, got {type(o)!r}")
+
+
+def _prepare(eng: ApexEngine, models: list[nn.Module], optimizers: list) -> _Init:
+    """`eng` casts the models (O1: their forwards wrapped in Apex's O1 region) and prepares the
+    optimizers (masters, the wrappers on each instance); returns the call's `_Init`."""
+    init = _Init(eng, models, optimizers)
     # the fp32 values the model comes with (e.g. a checkpoint's masters loaded before this call)
     # seed the masters, not their 16-bit casts: held by reference, the cast makes new tensors
     fp32_values = (
-        {id(p): p.data for m in model_list for p in m.parameters() if p.dtype == torch.float32}
-        if props.uses_master_weights
+        {id(p): p.data for m in models for p in m.parameters() if p.dtype == torch.float32}
+        if eng.properties.uses_master_weights
         else {}
     )
-    for m in model_list:
+    for m in models:
         eng.cast(m)
-        if props.patch_torch_functions:
+        if eng.properties.patch_torch_functions:
             _wrap_forward(m, init)
-    for o in opt_list:
+    for o in optimizers:
         ids = {id(p) for g in o.param_groups for p in g["params"]}
-        owners = [m for m in model_list if any(id(p) in ids for p in m.parameters())]
+        owners = [m for m in models if any(id(p) in ids for p in m.parameters())]
         eng.add_optimizer(o, owners)
         masters = eng.masters(o)
         if masters is not None:
@@ -250,30 +269,19 @@ def initialize(
                         master.copy_(value)
         _install_optimizer(o)
         o.__dict__["_amp_init"] = init
-    del fp32_values
-    _amp_state.inits = [weakref.ref(i) for i in _amp_state.live()] + [weakref.ref(init)]
-    _amp_state.latest = init
-    _amp_state.opt_properties = _OptProperties(True, props, cast_model_type)
-    if props.patch_torch_functions:
-        _amp_state.handle = AmpHandle(
-            props.loss_scale, verbose=verbosity == 2, on_deactivate=init.unwrap_forwards
-        )
+    return init
 
-    if verbosity >= 1:
-        print(
-            f"Selected optimization level {props.opt_level}: "
-            f"{LEVEL_DESCRIPTIONS.get(props.opt_level, '')}"
-        )
-        print(props.table())
-        for f in resolution.findings:
-            if no_cast and f.property == "master_weights":
-                continue  # with cast_model_type=False the model's own 16-bit params get masters
-            print(f)
 
-    out_models = model_list if models_listed else model_list[0]
-    if optimizers is None:
-        return out_models
-    return out_models, (opt_list if opts_listed else opt_list[0])
+def _say_level(resolution: Any, no_cast: bool) -> None:
+    """Apex's print of the level, with the properties' table and the findings."""
+    props = resolution.properties
+    description = LEVEL_DESCRIPTIONS.get(props.opt_level, "")
+    print(f"Selected optimization level {props.opt_level}: {description}")
+    print(props.table())
+    for f in resolution.findings:
+        if no_cast and f.property == "master_weights":
+            continue  # with cast_model_type=False the model's own 16-bit params get masters
+        print(f)
 
 
 @contextlib.contextmanager

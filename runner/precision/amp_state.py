@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from runner.precision import apex_o1
+from runner.precision.apex_engine import ApexEngine
 from runner.precision.autocast import casts_disabled, function_patches
-from runner.precision.engine import AmpEngine
 from runner.precision.recipe import Properties
 from runner.precision.scaler import LossScaler
 
@@ -99,7 +99,7 @@ class _Init:
     the earlier one off)."""
 
     def __init__(
-        self, engine: AmpEngine, models: list[nn.Module], optimizers: list[torch.optim.Optimizer]
+        self, engine: ApexEngine, models: list[nn.Module], optimizers: list[torch.optim.Optimizer]
     ) -> None:
         self.engine = engine
         self.models = models
@@ -236,7 +236,7 @@ class _AmpState:
         self.inits: list[weakref.ref] = []  # every live initialize, oldest first
 
     @property
-    def engine(self) -> Optional[AmpEngine]:
+    def engine(self) -> Optional[ApexEngine]:
         return self.latest.engine if self.latest is not None and self.latest.alive else None
 
     @property
@@ -259,7 +259,7 @@ class _AmpState:
 _amp_state = _AmpState()
 
 
-def engine() -> Optional[AmpEngine]:
+def engine() -> Optional[ApexEngine]:
     """The engine behind the latest `initialize` (None before it, or when disabled)."""
     return _amp_state.engine
 

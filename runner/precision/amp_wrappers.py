@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from runner.precision.amp_state import _MISSING, _Init, disable_casts
+from runner.precision.apex_engine import ApexEngine
 from runner.precision.autocast import autocast_context
-from runner.precision.engine import AmpEngine
 from runner.precision.recipe import Properties
 
 
@@ -25,7 +25,7 @@ def _init_of(opt: torch.optim.Optimizer) -> Optional[_Init]:
     return init if init is not None and init.alive else None
 
 
-def _managed(opt: torch.optim.Optimizer) -> Optional[AmpEngine]:
+def _managed(opt: torch.optim.Optimizer) -> Optional[ApexEngine]:
     init = _init_of(opt)
     return None if init is None else init.engine
 

@@ -96,7 +96,7 @@ class DivergenceGuard:
         streak = self.skip_streak if skips is None else int(skips)
         if streak == 0:
             return
-        scaler = self.engine.scalers[0]
+        scaler = self.engine.scaler
         floor = self.collapsed_loss_scale
         if scaler.dynamic and scaler.scale < floor:
             formats = narrow_formats(self.engine)
@@ -113,7 +113,7 @@ class DivergenceGuard:
         # Failing anyway: one read tells whether the loss itself was non-finite.
         self.check_losses(int(self.bad_loss_streak.item()), step)
         scale = self.engine.loss_scale
-        dynamic = self.engine.scalers[0].dynamic
+        dynamic = self.engine.scaler.dynamic
         formats = narrow_formats(self.engine)
         if not formats and (dynamic or scale <= 1):  # fp32: no 16-bit range to overflow
             cause = f"the gradients are inf/NaN in fp32 (at loss scale {scale:g})"
@@ -214,10 +214,10 @@ def narrow_formats(engine: Any) -> list[str]:
 
 
 def _lr(engine: Any) -> str:
-    """' (now 0.1)': the learning rate of the engine's first optimizer, where it has one."""
-    for optimizer in getattr(engine, "optimizers", []):
-        for group in optimizer.param_groups:
-            return f" (now {float(group['lr']):g})"
+    """' (now 0.1)': the learning rate of the engine's optimizer, where it has one."""
+    optimizer = getattr(engine, "optimizer", None)
+    for group in optimizer.param_groups if optimizer is not None else ():
+        return f" (now {float(group['lr']):g})"
     return ""
 
 

@@ -10,8 +10,9 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from runner.precision import AmpEngine, Properties, amp, resolve
+from runner.precision import Properties, amp, resolve
 from runner.precision import autocast as ac
+from runner.precision.apex_engine import ApexEngine
 
 
 def props(level: str, **overrides) -> Properties:
@@ -42,15 +43,17 @@ def ce(model, x, y):
 
 
 def two_optimizers():
-    """One engine (O0, dynamic loss scale, CPU) over two Linear layers meant to run in a row,
-    4 -> 4 -> 2 (weights from seed 0), each prepared with its own SGD (lr 0.1): a loss over both
-    is one loss over two optimizers. Returns engine, a, b, a's optimizer, b's optimizer."""
+    """One Apex facade engine (`ApexEngine`: O0, dynamic loss scale, CPU) over two Linear layers
+    meant to run in a row, 4 -> 4 -> 2 (weights from seed 0), each with its own SGD (lr 0.1): a
+    loss over both is one loss over two optimizers. Returns engine, a, b, a's optimizer, b's
+    optimizer."""
     torch.manual_seed(0)
     a, b = nn.Linear(4, 4), nn.Linear(4, 2)
     oa, ob = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
-    engine = AmpEngine(props("O0", loss_scale="dynamic"), torch.device("cpu"))
-    engine.prepare(a, oa)
-    engine.prepare(b, ob)
+    engine = ApexEngine(props("O0", loss_scale="dynamic"), torch.device("cpu"))
+    for model, opt in ((a, oa), (b, ob)):
+        engine.cast(model)
+        engine.add_optimizer(opt, [model])
     return engine, a, b, oa, ob
 
 

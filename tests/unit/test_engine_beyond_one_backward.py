@@ -1,7 +1,8 @@
-"""AmpEngine semantics beyond one loss and one backward per step, on CPU with real tensors:
-several losses with their own scales, gradient accumulation, fp32 state dicts of a half model,
-add_param_group after prepare, zero_grad, and the O1 function registration API (with the
-binary_cross_entropy ban).
+"""AmpEngine semantics beyond one backward per step, on CPU with real tensors: gradient
+accumulation (scaled, or unscaled into the fp32 stash), fp32 state dicts of a half model,
+add_param_group after prepare, zero_grad, one optimizer over two models, and the O1 function
+registration API of the Apex facade's engine (with the binary_cross_entropy ban). Several losses
+and optimizers: test_apex_engine.py.
 
 Tolerances: scaling by a power of two and unscaling is exact in fp32 (no overflow/underflow at
 these magnitudes), so fp32-model paths are compared bit for bit; fp16 paths are compared with
@@ -18,14 +19,17 @@ from torch import nn
 
 from runner.precision import AmpEngine
 from runner.precision import autocast as ac
-from tests.helpers.precision import KernelSpy, OpRecorder, batch, net, props, two_optimizers
+from runner.precision.apex_engine import ApexEngine
+from tests.helpers.precision import KernelSpy, OpRecorder, batch, net, props
 
 CPU = torch.device("cpu")
 
 
-def two_losses(model, x, y):
-    """Two losses over two forwards (separate graphs, so each can run its own backward)."""
-    return (nn.functional.cross_entropy(model(x).float(), y), model(x).float().square().mean())
+def _fp32_grads(model, losses_fn, x, y):
+    ref = copy.deepcopy(model)
+    for loss in losses_fn(ref, x, y):
+        loss.backward()
+    return [p.grad.clone() for p in ref.parameters()]
 
 
 @pytest.fixture(autouse=True)
@@ -35,90 +39,11 @@ def _clean_registry():
     ac.clear_registrations()
 
 
-# ---- several losses, each with its own scale -----------------------------------------------
-def _fp32_grads(model, losses_fn, x, y):
-    ref = copy.deepcopy(model)
-    for loss in losses_fn(ref, x, y):
-        loss.backward()
-    return [p.grad.clone() for p in ref.parameters()]
-
-
-def test_two_losses_with_different_scales_sum_exactly_like_fp32():
-    model = net()
-    x, y = batch()
-    want = _fp32_grads(model, two_losses, x, y)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    engine = AmpEngine(props("O0", loss_scale="dynamic"), CPU, num_losses=2)
-    engine.prepare(model, opt)
-    engine.scalers[0].load_state_dict({"loss_scale": 2.0**10})
-    engine.scalers[1].load_state_dict({"loss_scale": 2.0**3})
-    la, lb = two_losses(model, x, y)
-    engine.backward(la, loss_id=0)
-    engine.backward(lb, loss_id=1)
-    engine.unscale_(opt)
-    for p, g in zip(model.parameters(), want):
-        assert torch.equal(p.grad, g)  # power-of-two scales: exact
-    assert engine.step(opt)
-    assert engine.scalers[0].scale == 2.0**10 and engine.scalers[1].scale == 2.0**3
-    assert [s.state_dict()["unskipped"] for s in engine.scalers] == [1, 1]
-
-
-@pytest.mark.parametrize("poisoned", [0, 1])
-def test_only_the_overflowing_loss_backs_off(poisoned):
-    model = net()
-    x, y = batch()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    engine = AmpEngine(props("O0", loss_scale="dynamic"), CPU, num_losses=2)
-    engine.prepare(model, opt)
-    engine.scalers[0].load_state_dict({"loss_scale": 2.0**10})
-    engine.scalers[1].load_state_dict({"loss_scale": 2.0**3})
-    before = {k: v.detach().clone() for k, v in model.named_parameters()}
-    la, lb = two_losses(model, x, y)
-    for loss_id, loss in enumerate((la, lb)):
-        engine.backward(loss, loss_id=loss_id)
-        if loss_id == poisoned:
-            model[0].weight.grad.view(-1)[3] = float("inf")
-    assert not engine.step(opt)
-    scales = [s.scale for s in engine.scalers]
-    expected = [2.0**10, 2.0**3]
-    expected[poisoned] /= 2
-    assert scales == expected
-    for k, v in model.named_parameters():
-        assert torch.equal(v, before[k]), k
-    engine.zero_grad(opt)
-    assert all(p.grad is None for p in model.parameters())
-    la, lb = two_losses(model, x, y)
-    engine.backward(la, 0)
-    engine.backward(lb, 1)
-    assert engine.step(opt)
-
-
-def test_two_losses_o2_fp16_masters_match_fp32_reference():
-    model = net()
-    x, y = batch()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    engine = AmpEngine(props("O2"), CPU, num_losses=2)
-    engine.prepare(model, opt)
-    engine.scalers[1].load_state_dict({"loss_scale": 2.0**5})
-    ref = net()
-    with torch.no_grad():
-        for r, p in zip(ref.parameters(), model.parameters()):
-            r.copy_(p.float())
-    want = _fp32_grads(ref, two_losses, x, y)
-    la, lb = two_losses(model, x, y)
-    engine.backward(la, 0)
-    engine.backward(lb, 1)
-    engine.unscale_(opt)
-    got = [p.grad for p in engine.master_params(opt)]
-    assert all(g.dtype == torch.float32 for g in got)
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-3)  # fp16 forward/backward
-    assert engine.step(opt)
-
-
+# ---- a backward after unscale_ --------------------------------------------------------------
 def test_backward_after_unscale_accumulates_in_fp32():
-    """Apex allowed scale_loss twice before one step (each exit unscales): the second backward
-    stashes the unscaled gradients first."""
+    """The trainer's accumulation of 16-bit gradients (`unscale_` between its batches; Apex's
+    scale_loss twice before one step): the second backward stashes the unscaled gradients
+    first, and they add up in fp32."""
     model = net()
     x, y = batch()
     want = _fp32_grads(model, lambda m, x, y: [nn.functional.cross_entropy(m(x), y)], x, y)
@@ -130,44 +55,6 @@ def test_backward_after_unscale_accumulates_in_fp32():
         engine.unscale_(opt)
     for p, g in zip(model.parameters(), want):
         torch.testing.assert_close(p.grad, 2 * g, rtol=1e-6, atol=1e-7)
-
-
-def test_one_loss_over_two_optimizers_updates_its_scaler_once_per_round():
-    engine, a, b, oa, ob = two_optimizers()
-    engine.scalers[0].load_state_dict({"loss_scale": 64.0})
-    x = torch.randn(3, 4)
-    engine.backward(b(a(x)).square().mean())
-    assert engine.step(oa) and engine.step(ob)
-    assert engine.scalers[0].state_dict()["unskipped"] == 1 and engine.loss_scale == 64.0
-    engine.zero_grad(oa), engine.zero_grad(ob)
-    engine.backward(b(a(x)).square().mean())
-    b.weight.grad.view(-1)[0] = float("inf")
-    a_before = a.weight.detach().clone()
-    # one decision for the loss (as Apex's scale_loss over [oa, ob]): a's gradients are finite,
-    # but the loss overflowed in b's, so a skips as well; the scale backs off once
-    assert not engine.step(oa)
-    assert not engine.step(ob)
-    assert torch.equal(a.weight, a_before)
-    assert engine.loss_scale == 32.0 and engine.skipped_steps == 2
-    # the next round is a fresh decision: both step
-    engine.zero_grad(oa), engine.zero_grad(ob)
-    engine.backward(b(a(x)).square().mean())
-    assert engine.step(ob) and engine.step(oa)
-
-
-def test_two_losses_each_over_its_own_optimizer_skip_on_their_own():
-    """Apex's rule is per scale_loss call, not per loss id: two backward calls with the same
-    loss id but different optimizers decide apart (test_2models2losses2optimizers)."""
-    engine, a, b, oa, ob = two_optimizers()
-    x = torch.randn(3, 4)
-    engine.scale_loss(a(x).square().mean(), 0, [oa]).backward()
-    a.weight.grad.view(-1)[0] = float("inf")
-    engine.settle_all([oa])
-    engine.scale_loss(b(x).square().mean(), 0, [ob]).backward()
-    b_before = b.weight.detach().clone()
-    assert engine.settle_all([ob]) is False
-    assert not engine.step(oa) and engine.step(ob)
-    assert not torch.equal(b.weight, b_before)
 
 
 # ---- gradient accumulation -----------------------------------------------------------------
@@ -205,7 +92,7 @@ def test_gradient_accumulation_unscales_once(level, kernels):
         else:
             torch.testing.assert_close(g, r.grad, rtol=2e-2, atol=2e-3)
     assert engine.step(opt)
-    assert engine.scalers[0].state_dict()["unskipped"] == 1
+    assert engine.scaler.state_dict()["unskipped"] == 1
 
 
 # ---- O2 state dicts ------------------------------------------------------------------------
@@ -322,7 +209,7 @@ class Funcs:
 
 def _o1_engine(dtype="bfloat16"):
     """An O1 engine with Apex's function patches, as the facade (`amp.initialize`) makes it."""
-    return AmpEngine(props("O1", autocast_dtype=dtype), CPU, patch_functions=True)
+    return ApexEngine(props("O1", autocast_dtype=dtype), CPU)
 
 
 def test_register_float_function_runs_fp32_inside_the_region_only():
@@ -371,7 +258,7 @@ def test_register_torch_function_and_reentrancy():
             _ = 1 / 0
     assert torch.matmul is original  # restored after an exception too
     # not an O1 engine: no region, nothing patched
-    with AmpEngine(props("O2"), CPU).autocast():
+    with ApexEngine(props("O2"), CPU).autocast():
         assert torch.matmul is original
 
 

@@ -175,7 +175,7 @@ def test_trainer_steps_between_logging_steps_read_nothing():
     trainer, logged = make_trainer("O2", {}, log_every_n_steps=50)
     batches = list(trainer.train_loader)
     trainer.train_step(*batches[0])  # (the memory probe measures the first step that stepped)
-    trainer.engine.scalers[0].scale = 2.0**40  # the next steps overflow fp16's gradients
+    trainer.engine.scaler.scale = 2.0**40  # the next steps overflow fp16's gradients
     with CountReads() as counted:
         for x, y in batches[1:]:
             trainer.train_step(x, y)
@@ -196,7 +196,7 @@ def test_trainer_on_torchs_ops_reads_nothing_between_logging_steps():
     opt = trainer.optimizer
     kept = [t.detach().clone() for t in trainer.engine.master_params(opt)]
     kept += [s["momentum_buffer"].clone() for s in opt.state.values()]
-    trainer.engine.scalers[0].scale = 2.0**40
+    trainer.engine.scaler.scale = 2.0**40
     with CountReads() as counted:
         for x, y in batches[1:]:
             trainer.train_step(x, y)

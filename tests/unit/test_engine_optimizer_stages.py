@@ -18,16 +18,17 @@ from torch import nn
 
 from runner.precision import AmpEngine, amp
 from runner.precision import autocast as ac
+from runner.precision.apex_engine import ApexEngine
 from runner.precision.engine import Stage
-from tests.helpers.precision import OpRecorder, batch, ce, fresh_amp, net, props, two_optimizers  # noqa: F401 (autouse)
+from tests.helpers.precision import OpRecorder, batch, ce, fresh_amp, net, props  # noqa: F401 (autouse)
 
 CPU = torch.device("cpu")
 
 
-def prepared(level="O2", kernels="auto", num_losses=1):
+def prepared(level="O2", kernels="auto"):
     model = net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    engine = AmpEngine(props(level), CPU, kernels=kernels, num_losses=num_losses)
+    engine = AmpEngine(props(level), CPU, kernels=kernels)
     engine.prepare(model, opt)
     return model, opt, engine
 
@@ -50,7 +51,7 @@ def test_step_twice_without_a_backward_is_refused_and_changes_nothing(kernels):
     for k, v in model.named_parameters():  # the refused step touched nothing
         assert torch.equal(v, after[k]), k
     assert all(torch.equal(m, b) for m, b in zip(engine.master_params(opt), masters))
-    assert engine.scalers[0].state_dict()["unskipped"] == 1 and engine.skipped_steps == 0
+    assert engine.scaler.state_dict()["unskipped"] == 1 and engine.skipped_steps == 0
     engine.zero_grad(opt)
     engine.backward(ce(model, x, y))
     assert engine.step(opt)  # the next round goes through
@@ -64,7 +65,6 @@ def test_step_twice_without_a_backward_is_refused_and_changes_nothing(kernels):
             "clip_grad_norm_() called after step()",
         ),
         (lambda engine, opt: engine.unscale_(opt), "unscale_() called after step()"),
-        (lambda engine, opt: engine.settle(opt), "settle() called after step()"),
     ],
 )
 def test_gradient_work_after_the_step_is_refused(call, message):
@@ -95,17 +95,16 @@ def test_backward_after_clip_is_refused_until_the_step():
     assert engine.stage(opt) is Stage.ACCUMULATING
 
 
-def test_a_refused_backward_moves_no_optimizer():
-    """One loss over two optimizers, one of them clipped: the backward is refused before the
-    other optimizer's gradients are touched."""
-    engine, a, b, oa, ob = two_optimizers()
-    x = torch.randn(3, 4)
-    engine.backward(b(a(x)).square().mean())
-    engine.unscale_(oa)
-    engine.clip_grad_norm_(1.0, ob)
-    with pytest.raises(RuntimeError, match="before step"):
-        engine.backward(b(a(x)).square().mean())
-    assert engine.stage(oa) is Stage.UNSCALED and engine.stage(ob) is Stage.CLIPPED
+def test_a_second_optimizer_is_refused_with_what_to_use():
+    """The trainer's engine steps one optimizer; several (each with its losses) are the Apex
+    facade's engine's (test_apex_engine.py)."""
+    model, opt, engine = prepared()
+    other = torch.optim.SGD(net().parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="AmpEngine steps one optimizer, and a SGD was prepared"):
+        engine.add_optimizer(other)
+    with pytest.raises(RuntimeError, match="this optimizer was not passed to AmpEngine.prepare"):
+        engine.step(other)
+    engine.add_optimizer(opt, [net()])  # the same optimizer again, with one more model: fine
 
 
 def test_optimizer_step_twice_through_the_apex_facade_is_refused():
@@ -135,15 +134,17 @@ def test_unscale_twice_is_a_no_op():
 
 
 @pytest.mark.parametrize("kernels", ["torch", "auto"])
-def test_stages_through_a_round_with_two_losses_accumulation_and_clipping(kernels):
-    model, opt, engine = prepared(kernels=kernels, num_losses=2)
-    engine.scalers[1].load_state_dict({"loss_scale": 2.0**4})
+def test_stages_through_a_round_with_accumulation_unscale_and_clipping(kernels):
+    """The trainer's round with 16-bit gradients accumulated over three batches (unscaled into
+    the fp32 stash between them), then clipped."""
+    model, opt, engine = prepared(kernels=kernels)
     assert engine.stage(opt) is Stage.READY
-    for seed in (1, 2):  # gradient accumulation of loss 0
-        engine.backward(ce(model, *batch(seed)), loss_id=0)
+    for seed in (1, 2, 3):
+        engine.backward(ce(model, *batch(seed)))
         assert engine.stage(opt) is Stage.ACCUMULATING
-    engine.backward(model(batch(3)[0]).float().square().mean(), loss_id=1)
-    assert engine.stage(opt) is Stage.ACCUMULATING
+        if seed < 3:
+            engine.unscale_(opt)
+            assert engine.stage(opt) is Stage.UNSCALED
     norm = engine.clip_grad_norm_(0.5, opt)
     assert torch.isfinite(norm) and engine.stage(opt) is Stage.CLIPPED
     engine.clip_grad_norm_(0.5, opt)  # clipping again is allowed
@@ -151,7 +152,7 @@ def test_stages_through_a_round_with_two_losses_accumulation_and_clipping(kernel
     assert engine.stage(opt) is Stage.CLIPPED
     assert engine.step(opt)
     assert engine.stage(opt) is Stage.STEPPED
-    assert [s.state_dict()["unskipped"] for s in engine.scalers] == [1, 1]
+    assert engine.scaler.state_dict()["unskipped"] == 1
     engine.zero_grad(opt)
     assert engine.stage(opt) is Stage.READY
 
@@ -172,18 +173,6 @@ def test_backward_again_after_a_step_without_zero_grad_accumulates_as_plain_torc
         assert torch.equal(p, r)
 
 
-def test_settle_then_step_as_the_facade_does():
-    model, opt, engine = prepared(kernels="torch")
-    x, y = batch()
-    engine.scale_loss(ce(model, x, y), 0, [opt]).backward()
-    assert engine.settle(opt) is False
-    assert engine.stage(opt) is Stage.UNSCALED
-    assert engine.settle(opt) is False  # settled again: the same verdict, no second update
-    assert engine.scalers[0].state_dict()["unskipped"] == 1
-    assert engine.step(opt)
-    assert engine.scalers[0].state_dict()["unskipped"] == 1  # updated once per round
-
-
 def test_step_with_no_gradients_is_allowed_and_changes_nothing():
     """As in plain torch: a step after zero_grad (no backward) finds no gradients to apply."""
     model, opt, engine = prepared()
@@ -191,7 +180,7 @@ def test_step_with_no_gradients_is_allowed_and_changes_nothing():
     assert engine.step(opt)
     for k, v in model.named_parameters():
         assert torch.equal(v, before[k]), k
-    assert engine.scalers[0].state_dict()["unskipped"] == 0  # no loss, no scaler update
+    assert engine.scaler.state_dict()["unskipped"] == 0  # no loss, no scaler update
 
 
 def test_zero_grad_abandons_a_clipped_round():
@@ -253,7 +242,7 @@ def test_the_runners_o1_is_plain_autocast_without_function_patches():
         bce = nn.functional.binary_cross_entropy(p.half(), t.half())  # not banned
     # autocast's own policy for this op: fp32, on the inputs as rounded to fp16
     assert torch.equal(bce, nn.functional.binary_cross_entropy(p.half().float(), t.half().float()))
-    with AmpEngine(props("O1"), CPU, patch_functions=True).autocast():  # the facade's engine
+    with ApexEngine(props("O1"), CPU).autocast():  # the facade's engine
         assert torch.matmul is not original and torch.matmul(a, b).dtype == torch.float32
         with pytest.raises(RuntimeError, match="BCEWithLogitsLoss"):
             nn.functional.binary_cross_entropy(p.half(), t.half())

@@ -52,7 +52,7 @@ def _train(device: str, kernels: str, optimizer: str) -> list[tuple]:
         engine.zero_grad(opt)
         seen.append(
             (
-                engine.scalers[0].state_dict(),
+                engine.scaler.state_dict(),
                 engine.skipped_steps,
                 [float(s["step"]) for s in opt.state.values() if "step" in s],
                 [m.detach().cpu().clone() for m in engine.master_params(opt)],

@@ -451,7 +451,7 @@ def test_dynamic_scaler_skips_inf_step_and_backs_off(level):
     model = make_model()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     engine = AmpEngine(props(level, loss_scale="dynamic"), CPU)
-    engine.scalers[0].load_state_dict({"loss_scale": 128.0})  # small start: no real overflow
+    engine.scaler.load_state_dict({"loss_scale": 128.0})  # small start: no real overflow
     engine.prepare(model, opt)
     x, y = make_batch()
     assert _one_step(engine, model, opt, x, y)  # creates Adam state
@@ -493,8 +493,8 @@ def test_dynamic_scale_growth_and_bounds():
 
 def test_engine_scale_grows_after_growth_interval_clean_steps():
     model, opt, engine = sgd_engine(props("O1", autocast_dtype="bfloat16"), lr=0.01)
-    engine.scalers[0].growth_interval = 3
-    engine.scalers[0].load_state_dict({"loss_scale": 4.0})
+    engine.scaler.growth_interval = 3
+    engine.scaler.load_state_dict({"loss_scale": 4.0})
     x, y = make_batch()
     for _ in range(3):
         assert _one_step(engine, model, opt, x, y)
@@ -536,7 +536,7 @@ def test_checked_steps_sync_exactly_once(kernels):
     for p in (props("O2"), props("O3", loss_scale=8.0)):
         model, opt, engine = sgd_engine(p, kernels=kernels)
         spy = KernelSpy(engine) if kernels == "auto" else None
-        engine.scalers[0].load_state_dict({"loss_scale": 8.0})
+        engine.scaler.load_state_dict({"loss_scale": 8.0})
         x, y = make_batch()
         engine.backward(nn.functional.cross_entropy(model(x), y))
         with OpRecorder() as rec:
@@ -557,7 +557,7 @@ def test_fused_step_checks_and_syncs_once_without_fp32_master_grads():
     spy = KernelSpy(engine)
     x, y = make_batch()
     masters = engine.masters(opt)
-    engine.scalers[0].load_state_dict({"loss_scale": 1024.0})
+    engine.scaler.load_state_dict({"loss_scale": 1024.0})
     engine.backward(nn.functional.cross_entropy(model(x), y))
     unscaled = {
         id(m): p.grad.float() / 1024.0 for p, m in zip(masters.model_params, masters.masters)
@@ -638,7 +638,7 @@ def test_clip_grad_norm_exact_on_unscaled_fp32_grads(kernels):
 def test_clip_grad_norm_o2_clips_fp32_masters(kernels):
     x, y = make_batch()
     model, opt, engine = sgd_engine(props("O2"), kernels=kernels)
-    engine.scalers[0].load_state_dict({"loss_scale": 1024.0})
+    engine.scaler.load_state_dict({"loss_scale": 1024.0})
     # fp32 reference with the same (fp16-rounded) weights
     ref = make_model()
     with torch.no_grad():
@@ -697,24 +697,20 @@ def test_lr_scheduler_created_before_prepare_drives_master_groups():
 
 
 def test_state_dict_round_trip():
-    model, opt, engine = sgd_engine(props("O2", cast_model_type="bfloat16"), num_losses=2)
+    """Apex's layout for the one loss (`loss_scaler0`) and the skipped-step count: the format
+    every checkpoint was written in."""
+    model, opt, engine = sgd_engine(props("O2", cast_model_type="bfloat16"))
     x, y = make_batch()
     _one_step(engine, model, opt, x, y, poison=True)
     _one_step(engine, model, opt, x, y)
     sd = engine.state_dict()
+    assert list(sd) == ["loss_scaler0", "skipped_steps"]
     assert sd["skipped_steps"] == 1 and sd["loss_scaler0"]["loss_scale"] == 2.0**15
-    assert sd["loss_scaler0"]["unskipped"] == 1 and "loss_scaler1" in sd
-    fresh = AmpEngine(props("O2", cast_model_type="bfloat16"), CPU, num_losses=2)
+    assert sd["loss_scaler0"]["unskipped"] == 1
+    fresh = AmpEngine(props("O2", cast_model_type="bfloat16"), CPU)
     fresh.load_state_dict(copy.deepcopy(sd))
     assert fresh.state_dict() == sd
     assert fresh.loss_scale == 2.0**15 and fresh.skipped_steps == 1
-
-
-def test_num_losses_gives_one_scaler_per_loss():
-    engine = AmpEngine(props("O1"), CPU, num_losses=3)
-    assert len(engine.scalers) == 3 and len({id(s) for s in engine.scalers}) == 3
-    with pytest.raises(ValueError):
-        engine.backward(torch.ones((), requires_grad=True), loss_id=3)
 
 
 def test_backward_between_unscale_and_step_is_refused():

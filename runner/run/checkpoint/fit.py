@@ -263,8 +263,8 @@ def _optimizer_differences(saved: Mapping[str, Any], optimizer: torch.optim.Opti
 
 
 def _engine_differences(saved: Mapping[str, Any], engine: Any) -> list[str]:
-    scalers = engine.scalers
-    wanted = [f"loss_scaler{i}" for i in range(len(scalers))]
+    current = engine.state_dict()
+    wanted = [k for k in current if k.startswith("loss_scaler")]
     have = sorted(
         (k for k in saved if k.startswith("loss_scaler")),
         key=lambda k: int(k[len("loss_scaler") :]),
@@ -275,19 +275,20 @@ def _engine_differences(saved: Mapping[str, Any], engine: Any) -> list[str]:
             f"({', '.join(wanted)})"
         ]
     out = []
-    rounding = "rounding_steps" in engine.state_dict()
+    rounding = "rounding_steps" in current
     if ("rounding_steps" in saved) != rounding:
         out.append(
             f"engine.rounding_steps: {'present' if 'rounding_steps' in saved else 'absent'}"
             f" -> {'present' if rounding else 'absent'} (stochastic rounding "
             f"{'on' if rounding else 'off'} in this run)"
         )
-    for key, scaler in zip(wanted, scalers):
-        scale = saved[key]["loss_scale"]
-        if not scaler.dynamic and scale != scaler.scale:
-            out.append(
-                f"engine.{key}.loss_scale: {scale!r} -> {scaler.scale!r} (this run's static scale)"
-            )
+    scaler = engine.scaler
+    scale = saved["loss_scaler0"]["loss_scale"]
+    if not scaler.dynamic and scale != scaler.scale:
+        out.append(
+            f"engine.loss_scaler0.loss_scale: {scale!r} -> {scaler.scale!r} (this run's static "
+            "scale)"
+        )
     return out
 
 
