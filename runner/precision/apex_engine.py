@@ -219,10 +219,6 @@ class ApexEngine:
         return [self._prepared(o) for o in optimizers]
 
     @property
-    def optimizers(self) -> list[torch.optim.Optimizer]:
-        return [prepared.stepper.optimizer for prepared in self._optimizers.values()]
-
-    @property
     def fp8(self) -> Optional[fp8.Conversion]:
         """Which Linear layers run in fp8, once a model is cast (None: no fp8)."""
         return self.model_cast.fp8
