@@ -62,7 +62,7 @@ def main(cfg: DictConfig) -> float | None:
         shell.reader_gone()
         sys.exit(1)
     except RunnerError as error:
-        log.error("%s", error)
+        _refusal(error, distributed.rank_label())
         if not isinstance(error, PeersLost):  # (torchrun's summary: the rank that failed first)
             distributed.tell_torchrun(str(error))
         sys.exit(2)
@@ -75,6 +75,22 @@ def main(cfg: DictConfig) -> float | None:
         log.error("The run failed with an unexpected error.\n%s", failure.told(error))
         distributed.tell_torchrun(f"The run failed with an unexpected error: {said(error)}")
         sys.exit(1)
+
+
+def _refusal(error: RunnerError, label: str = "") -> None:
+    """A run's refusal or stop (`RunnerError`: bad input the planner found, a divergence, out of
+    memory) in the one format of every refusal: a plain line on stderr, as a config that does
+    not compose is told (no logging prefix; `label`: a rank's, under torchrun), and the same
+    line in the job log's file (runner.log), as an error."""
+    message = f"{label}{error}"
+    try:
+        print(message, file=sys.stderr)
+    except OSError:  # (stderr is gone: the job log still has it)
+        pass
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, "%s", (error,), None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler) and record.levelno >= handler.level:
+            handler.handle(record)
 
 
 # ---- a config that does not compose: one line, exit 2 -------------------------------------------

@@ -253,3 +253,22 @@ def test_an_image_folder_with_an_empty_class_is_refused_before_the_store(tmp_pat
     assert result.returncode == 2 and "Traceback" not in told, told[-3000:]
     assert f"no image in 1 class folder(s) of {tmp_path / 'data' / 'train'}: c (" in told
     assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_every_refusal_is_one_plain_line_whichever_layer_refuses(tmp_path):
+    """A value the planner refuses (optimizer.lr=-1) and an option Hydra's layer refuses (a
+    misspelt dataset) are told in one format: exit 2, the first line of stderr the key and what
+    was wrong, no logging prefix; the planner's refusal is in the job log too."""
+    folder = tmp_path / "run"
+    planner = run_cli("optimizer.lr=-1", f"hydra.run.dir={folder}", cwd=tmp_path, timeout=300)
+    hydra = run_cli("data=synthetc", cwd=tmp_path, timeout=300)
+    for result, start in ((planner, "optimizer.lr: got -1.0"), (hydra, "data: unknown option")):
+        assert result.returncode == 2, result.stderr[-2000:]
+        first = result.stderr.splitlines()[0]
+        assert first.startswith(start) and "[ERROR]" not in first, first
+        assert "Traceback" not in result.stderr
+    assert "did you mean synthetic" in hydra.stderr
+    assert (
+        "optimizer.lr: got -1.0 (allowed: a finite number > 0)"
+        in (folder / "runner.log").read_text()
+    )

@@ -53,8 +53,7 @@ def test_a_step_too_big_for_the_machine_is_one_line_and_a_failed_run(tmp_path):
     output = result.stdout + result.stderr
     assert result.returncode == 2, output[-3000:]
     assert "Traceback" not in output
-    (line,) = [line for line in output.splitlines() if "Out of memory" in line]
-    told = line.split("[ERROR] - ", 1)[1]
+    (told,) = [line for line in output.splitlines() if "Out of memory" in line]  # (plain)
     assert told.startswith(SAID.format(device="cpu", batch=64)), told
     assert "the CPU allocator could not get 16.0 GiB (the machine has " in told
     assert "this process may address 6.0 GiB: ulimit -v)" in told
