@@ -33,7 +33,7 @@ from runner.run.build import build, shape_findings, sharded
 from runner.run.checkpointer import Checkpointer
 from runner.run.context import RunContext
 from runner.run.distributed import Comm
-from runner.run.interrupts import StopRequest
+from runner.run.interrupts import StoppedAtOnce, StopRequest
 from runner.run.measured import measured_plan
 from runner.run.parts import Parts
 from runner.run.plan import RunPlan, make_plan
@@ -198,6 +198,8 @@ def fit(
         distributed.peers_told(comm, checkpointer.kept),
     ):
         checkpointer.start(tracked)
+        # a second signal where the loop cannot take it: the record ends KILLED at once
+        stop.at_once = partial(stopped_at_once, tracked, launch.run_log, launch.log_from)
         if comm.is_main:
             started(tracker, tracked, plan, parts, resolution, launch, tuning)
         context = RunContext(
@@ -364,3 +366,9 @@ def print_dry_run(plan: RunPlan) -> None:
         print(f"Would do nothing: {plan.run_name} {plan.resume.finished_message()}")
     elif plan.resume is not None:
         print(f"Would resume from {plan.resume.path} ({plan.resume.position()})")
+
+
+def stopped_at_once(tracked: Any, run_log: Optional[Path], since: int, signum: int) -> None:
+    """`StopRequest.at_once` of a run: its record ended KILLED, stopped at once by `signum`,
+    its log attached (runner.run.failure.stopped_at_once)."""
+    failure.stopped_at_once(tracked, run_log, since, StoppedAtOnce(signum))

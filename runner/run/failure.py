@@ -158,3 +158,18 @@ def attach_log(tracked: Any, run_log: Path, since: int = 0) -> None:
         tracked.log_file(run_log, "logs")
         return
     tracked.log_text(job_log.part(run_log, since), f"logs/{name}")
+
+
+def stopped_at_once(
+    tracked: Any, run_log: Optional[os.PathLike], since: int, error: BaseException
+) -> None:
+    """A run stopped at once (a second signal while its loop is inside one long operation: the
+    process ends now, without unwinding): its log attached as `kept_in` would, and its record
+    ended KILLED with `error`'s words."""
+    from runner.tracking.base import KILLED
+
+    try:
+        if run_log is not None:
+            attach_log(tracked, Path(run_log), since)
+    finally:
+        tracked.end(KILLED, str(error))

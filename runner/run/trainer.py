@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 from runner.config import TrainerConfig
 from runner.errors import DataError
 from runner.measure.instruments import Watch
+from runner.measure.memory import MemoryInstrument
 from runner.measure.probes import Stopwatch
 from runner.run import cuda_graphs, fsdp, rng, time_left, watch
 from runner.run.batches import limit_batches
@@ -214,7 +215,8 @@ class Trainer:
         """The periodic host read: the mean loss (over the ranks), the non-finite-loss and
         skipped-step streaks and the stop request (their maxima over the ranks, so that all ranks
         act alike), in one transfer; the divergence guard checks them here; `lr` is the logging
-        step's own rate (`_lr` before it). Returns whether the run is asked to stop."""
+        step's own rate (`_lr` before it). The first read logs the memory by kind of the step
+        measured (once). Returns whether the run is asked to stop."""
         mean = self.comm.sum_(window / count) / self.comm.world_size
         guard = self.guard
         flags = self.comm.max_(
@@ -232,9 +234,17 @@ class Trainer:
         guard.check_skips(self.global_step, int(skips))
         guard.check_losses(bad_losses, self.global_step)
         lr = float(self._lr() if lr is None else lr)
-        self.context.on_metrics({m.TRAIN_LOSS: value, m.LR: lr}, self.global_step)
+        memory = self.instruments.find(MemoryInstrument)  # (memory by kind: once measured)
+        measured = memory.epoch_metrics() if memory is not None else {}
+        self.context.on_metrics({m.TRAIN_LOSS: value, m.LR: lr, **measured}, self.global_step)
         bar.set_postfix(loss=f"{value:.4f}", scale=f"{self.engine.loss_scale:g}", refresh=False)
         return stop > 0
+
+    def _reads_at(self, step: int) -> bool:
+        """Whether the periodic host read follows step `step`: every `log_every_n_steps`
+        steps, and after the first step, so that a run stopped or killed early (a slow step on
+        a CPU, a dead node) has its loss and memory by kind from its first step on."""
+        return step % self.cfg.log_every_n_steps == 0 or step == 1
 
     def _stop_requested_now(self) -> bool:
         """Between periodic reads: a single process acts on a signal at the next step; ranks of
@@ -260,7 +270,7 @@ class Trainer:
             sampler.skip = skip * (self.train_loader.batch_size or 1)
         window = torch.zeros((), device=self.device)
         count = samples = items = 0
-        every, lr = self.cfg.log_every_n_steps, None
+        lr = None
         bar = tqdm(
             total=self.train_batches,
             initial=skip,
@@ -277,7 +287,7 @@ class Trainer:
                 batches = [self.to_device(x, y) for x, y in group]
                 for x, _ in batches:
                     self.guard.watch_inputs(x)  # (inf/NaN in the data: counted on the device)
-                if (self.global_step + 1) % every == 0 or done == self.train_batches:
+                if self._reads_at(self.global_step + 1) or done == self.train_batches:
                     lr = self._lr()  # a logging step's own rate, before the schedule moves on
                 window += self.train_step(*batches[0], *batches[1:])
                 count += 1
@@ -287,12 +297,16 @@ class Trainer:
                 self.global_step += 1
                 self.instruments.counted(self.global_step, n, k)
                 stop = False
-                if self.global_step % every == 0:
+                if self._reads_at(self.global_step):
                     stop = self._log_train_loss(window, count, bar, lr)
                     window.zero_()
                     count = 0
                 bar.update(len(batches))
                 if (stop or self._stop_requested_now()) and done < self.train_batches:
+                    if count:  # (a single process stops between reads: their loss is kept)
+                        self._log_train_loss(window, count, bar)
+                    # what the epoch measured so far (its step times), kept with the run
+                    self.context.on_metrics(self.instruments.epoch_metrics(), epoch)
                     raise self._interrupted(epoch - 1, done)
             if count:  # short epochs still report their loss
                 self._log_train_loss(window, count, bar, lr)

@@ -67,6 +67,8 @@ class SweepStop(StopRequest):
     `FORWARD_AFTER_S` sends a SIGTERM to each worker process registered in `sweep_dir` (the
     workers that had the signal already keep their first one)."""
 
+    watches = False  # (its main thread waits on the jobs: the handler says it at once)
+
     def __init__(self, sweep_dir: Path, on_stop: Callable[[int], None]) -> None:
         super().__init__()
         self._workers = Path(sweep_dir) / WORKERS
@@ -104,6 +106,8 @@ class SweepStop(StopRequest):
 
 
 class _WorkerHold(StopRequest):
+    watches = False  # (between jobs: a job's run watches its own)
+
     def _first(self, signum: int) -> None:  # the sweep's process says what happens
         log.debug("%s received between sweep jobs", signal.Signals(signum).name)
 

@@ -9,6 +9,7 @@ metric are compared bit for bit.
 from __future__ import annotations
 
 import signal
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,7 +25,18 @@ from runner.run.context import RunContext
 from runner.run.interrupts import RunInterrupted, StopRequest
 from runner.run.plan import make_plan
 from runner.run.trainer import Trainer, trainer_config
-from tests.helpers.held_data import HELD, HELD_DATA, HELD_RUN, HOLD_AFTER, hold_in_step
+from tests.helpers.held_data import (
+    BUSY,
+    BUSY_AT,
+    BUSY_DONE,
+    BUSY_S,
+    HELD,
+    HELD_BATCH,
+    HELD_DATA,
+    HELD_RUN,
+    HOLD_AFTER,
+    hold_in_step,
+)
 from tests.helpers.resume import last_checkpoint, settings, straight_and_resumed
 from tests.helpers.runs import compose_config, read_until, run_cli, start_cli
 from tests.helpers.store import history, runs_by_name
@@ -459,7 +471,7 @@ def test_sigterm_checkpoints_marks_killed_and_resumes(tmp_path):
     rest, _ = proc.communicate(timeout=120)
     output = "".join(seen) + rest
     assert proc.returncode == 143, output
-    assert "SIGTERM received: stopping after this step" in output
+    assert "SIGTERM received: stopping after the step in progress, with a checkpoint" in output
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     (run,) = runs_by_name(uri).values()
     assert run.info.status == "KILLED"
@@ -473,6 +485,70 @@ def test_sigterm_checkpoints_marks_killed_and_resumes(tmp_path):
     assert run.info.status == "FINISHED" and run.data.tags["resume.count"] == "1"
     steps = [m.step for m in MlflowClient(uri).get_metric_history(run.info.run_id, "train_loss")]
     assert steps == list(range(1, 21))  # one epoch, no step twice, none lost
+
+
+def _busy_run(tmp_path, step: int, seconds: float, *more: str) -> tuple[list[str], list]:
+    """A run of `HELD_RUN` whose step `step` spends about `seconds` inside one long operation
+    (tests.helpers.held_data.busy): started, and read up to that operation's start; (the lines
+    so far, its arguments)."""
+    args = [
+        *HELD_RUN,
+        "trainer.max_epochs=1",
+        f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+        f"trainer.checkpoint_dir={tmp_path / 'checkpoints'}",
+        *more,
+    ]
+    env = {BUSY_AT: str((step - 1) * HELD_BATCH + 1), BUSY_S: str(seconds)}
+    proc = start_cli(*args, cwd=tmp_path, env=env)
+    return proc, read_until(proc, BUSY)
+
+
+@pytest.mark.slow
+def test_a_sigterm_in_a_slow_step_is_said_at_once_and_the_run_keeps_what_it_measured(tmp_path):
+    """A SIGTERM while step 3 is inside one long operation (as a 200-s emulated fp16 step is):
+    the run says so as it comes, not when the step ends, in SIGTERM's words; it stops after the
+    step with a checkpoint, within 20 s, and its KILLED run holds the loss from the first step
+    (not only every log_every_n_steps=50) and the memory by kind."""
+    proc, seen = _busy_run(tmp_path, 3, 8.0)
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    said = read_until(proc, "SIGTERM received")
+    assert BUSY_DONE not in "".join(said)  # (said while the operation still ran)
+    assert "Ctrl-C" in said[-1] and "kill -INT" in said[-1] and "again" not in said[-1]
+    rest, _ = proc.communicate(timeout=120)
+    output = "".join(seen + said) + rest
+    assert proc.returncode == 143, output[-3000:]
+    assert time.monotonic() - sent < 20, output[-3000:]
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    (run,) = runs_by_name(uri).values()
+    assert run.info.status == "KILLED"
+    losses = MlflowClient(uri).get_metric_history(run.info.run_id, "train_loss")
+    stopped = last_checkpoint(tmp_path, "tiny-O0")["global_step"]
+    assert [m.step for m in losses] == [1, stopped] and stopped > 1  # (the first read; the stop)
+    assert run.data.metrics["mem_weights_mb"] > 0 and "mem_activations_mb" in run.data.metrics
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_in_a_slow_step_stops_at_once_and_says_so(tmp_path):
+    """Ctrl-C, then Ctrl-C again, while step 3 is inside a long operation: the second stops the
+    run at once (not when the operation returns), exit 130, and its run ends KILLED saying it
+    was stopped at once, without a checkpoint of that step."""
+    proc, seen = _busy_run(tmp_path, 3, 60.0)
+    proc.send_signal(signal.SIGINT)
+    said = read_until(proc, "Ctrl-C (SIGINT) received")
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    rest, _ = proc.communicate(timeout=60)
+    output = "".join(seen + said) + rest
+    assert proc.returncode == 130, output[-3000:]
+    assert time.monotonic() - sent < 15 and BUSY_DONE not in output, output[-3000:]
+    assert "Ctrl-C (SIGINT) again: stopping at once" in output
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    (run,) = runs_by_name(uri).values()
+    assert run.info.status == "KILLED"
+    assert run.data.tags["error"].startswith("stopped at once by a second Ctrl-C (SIGINT)")
+    folder = checkpoint.run_folder(tmp_path / "checkpoints", "amp-runner", "tiny-O0")
+    assert checkpoint.find("auto", folder) is None  # (the step in progress: none written)
 
 
 def test_resume_auto_of_a_finished_run_says_so_and_changes_nothing(tmp_path, caplog):

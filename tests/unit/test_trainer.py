@@ -68,8 +68,9 @@ def test_fit_logs_every_n_steps_and_each_epoch():
     trainer, logged = make_trainer("O0", {})
     result = trainer.fit()
     loss_steps = [s for m, s in logged if "train_loss" in m]
-    # 4 steps per epoch, log every 3: step 3, the epoch's remainder at 4, then 6 and 8.
-    assert loss_steps == [3, 4, 6, 8]
+    # 4 steps per epoch, log every 3: the first step (a run stopped early has its loss), step
+    # 3, the epoch's remainder at 4, then 6 and 8.
+    assert loss_steps == [1, 3, 4, 6, 8]
     epoch_steps = [s for m, s in logged if "val_acc" in m]
     assert epoch_steps == [1, 2]
     final = [m for m, s in logged if "best_val_acc" in m][0]
@@ -81,7 +82,7 @@ def test_fit_logs_every_n_steps_and_each_epoch():
 def test_the_logged_lr_is_the_rate_its_step_trained_with(scheduler):
     """`lr` at step N is the rate step N trained with, not the next step's (the schedule moves
     on after each step, and these change it at every step): 8 steps over 2 epochs, logged at
-    3, the first epoch's remainder at 4, then 6 and 8."""
+    the first, 3, the first epoch's remainder at 4, then 6 and 8."""
     trainer, logged = make_trainer("O0", {}, scheduler=scheduler)
     used: dict[int, float] = {}
     step = trainer.train_step
@@ -93,7 +94,7 @@ def test_the_logged_lr_is_the_rate_its_step_trained_with(scheduler):
     trainer.train_step = watched
     trainer.fit()
     lrs = {s: metrics["lr"] for metrics, s in logged if "lr" in metrics}
-    assert sorted(lrs) == [3, 4, 6, 8]
+    assert sorted(lrs) == [1, 3, 4, 6, 8]
     assert lrs == {s: used[s] for s in lrs}
     assert len(set(used.values())) == 8  # (so the next step's rate would differ)
 
