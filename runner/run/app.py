@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
@@ -26,6 +27,7 @@ from omegaconf import OmegaConf
 
 from runner import csrc
 from runner.config import mistakes
+from runner.measure.timing import SAMPLES_PER_S
 from runner.precision import Resolution, layers
 from runner.precision.checks import DeviceInfo, state_findings
 from runner.run import distributed, failure, out_of_memory, time_left, tune
@@ -220,6 +222,8 @@ def fit(
         if comm.is_main:  # the headline figures, side by side in MLflow's UI (summary/)
             headline = parts.task.summary_metrics(result.epochs, result.best, result.train_time_s)
             tracked.log_metrics(headline, plan.cfg.trainer.max_epochs)
+        if comm.is_main and tuning is not None and tuning.rows and plan.resume is None:
+            record_tuning(tracked, plan, comm, tuning, result.epochs)
     if comm.is_main:
         speed = parts.task.run_speed(result.epochs)  # (the epochs' means, with their spread)
         log.info(
@@ -366,6 +370,20 @@ def print_dry_run(plan: RunPlan) -> None:
         print(f"Would do nothing: {plan.run_name} {plan.resume.finished_message()}")
     elif plan.resume is not None:
         print(f"Would resume from {plan.resume.path} ({plan.resume.position()})")
+
+
+def record_tuning(
+    tracked: Any, plan: RunPlan, comm: Comm, tuning: Tuning, epochs: Sequence[Mapping]
+) -> None:
+    """tune.md again, once the run has trained: the run's steady step (its last epoch's
+    samples_per_s, a batch of each rank's) beside the step the tuner measured."""
+    rates = [e[SAMPLES_PER_S] for e in epochs if math.isfinite(e.get(SAMPLES_PER_S, math.nan))]
+    batch = plan.cfg.trainer.batch_size
+    run_ms = 1e3 * batch * comm.world_size / rates[-1] if rates and rates[-1] > 0 else None
+    said = tuning.against_run(run_ms, batch)
+    if said:
+        log.info("trainer.tune: %s", said.rstrip())
+        tracked.log_text(tuning.table() + "\n" + said, "tune.md")
 
 
 def stopped_at_once(tracked: Any, run_log: Optional[Path], since: int, signum: int) -> None:

@@ -48,6 +48,7 @@ from runner.run.tune_measure import (
     measure,
     refuse_if_loss_differs,
     skipped_note,
+    step_counts,
     tolerance,
 )
 
@@ -55,6 +56,8 @@ log = logging.getLogger(__name__)
 
 AUTO_MIN_STEPS = 300  # trainer.tune=auto: fewer steps than this do not repay tuning
 BUDGET_SHARE, BUDGET_CAP_S = 0.05, 120.0  # tune_budget_s=null: this share of the run, capped
+# under on and refresh (the run tunes whatever its length): a quarter of the run, at least 15 s
+ON_SHARE, ON_LEAST_S = 0.25, 15.0
 COMPILE_GAIN = 0.15  # compile is tried where this share of the run's time repays the guess
 REPAID = "steps repay"  # (the end of a row's note: the run would not repay its compile)
 OUT_OF_MEMORY = "refused: out of memory"  # (a candidate's note: the untuned settings fit)
@@ -183,7 +186,11 @@ def _decide(
             rows = None
         source = "cache"
         if rows is None:
-            measured, budget = _measure_all(plan, device, free, steps)
+            try:
+                measured, budget = _measure_all(plan, device, free, steps)
+            except _CannotFit as cannot:
+                log.info("trainer.tune: not tuned: %s", cannot)
+                return None
             step_ms = choose(measured, steps).steady_ms
             measured += tune_data.measure(plan, device, free, (budget, started), step_ms, steps)
             rows = [{**r.as_dict(), "budget_s": budget, "steps": steps} for r in measured]
@@ -284,21 +291,24 @@ def _measure_all(
     far) fits what is left of the budget; once over the budget, the rest are skipped. The total
     is the budget and at most one candidate's misestimate. Returns the rows and the budget.
 
-    Before them, the untuned settings run once untimed: the process's one-time work (its first
-    CUDA work, cuDNN's search for the model's shapes: timing ResNet-50's untuned settings first
-    took 17-21 s on an H200) would otherwise fall on the first candidate timed, making the later
-    ones look faster and each expected to take as long. A candidate that changes the memory
-    layout (channels_last) is expected to pay cuDNN's search again."""
+    Before them, the untuned settings run once untimed, two steps (`_first_estimate`): the
+    process's one-time work (its first CUDA work, cuDNN's search for the model's shapes: timing
+    ResNet-50's untuned settings first took 17-21 s on an H200) would otherwise fall on the
+    first candidate timed, making the later ones look faster and each expected to take as
+    long; and its second step says how many steps a candidate is timed for (a slow step, fewer:
+    tune_measure.step_counts) and whether any candidate fits the budget. A candidate that
+    changes the memory layout (channels_last) is expected to pay cuDNN's search again."""
     started = time.perf_counter()
     log.info(
         "trainer.tune: timing the untuned settings on a copy of the run, then candidates for %s",
         ", ".join(free),
     )
-    prime = measure(plan, {}, device)
+    prime, budget, _ = _first_estimate(plan, device, steps, started)
+    counts = step_counts((prime.steady_ms or 0.0) / 1e3)
     start = time.perf_counter()
-    base = measure(plan, {}, device)
+    base = measure(plan, {}, device, counts)
     rows = [base]
-    budget = _budget_s(plan, steps, base)
+    counts = step_counts((base.steady_ms or 0.0) / 1e3)  # (a timed step: a better estimate)
     log.info(
         "trainer.tune: untuned: %s; the candidates within %.0f s (trainer.tune_budget_s)",
         _timed(base),
@@ -326,7 +336,7 @@ def _measure_all(
             row = Row(trial, note=note)
         else:
             start = time.perf_counter()
-            row = _measured(plan, trial, device)
+            row = _measured(plan, trial, device, counts)
             if not row.note:  # (else it ran out of memory)
                 took = time.perf_counter() - start
                 took -= row.warmup_s if kind == "eager" and search else 0.0  # (its layout's search)
@@ -345,11 +355,13 @@ def _timed(row: Row) -> str:
     return said + (f" (compiled in {row.compile_s:.1f} s)" if row.compile_s else "")
 
 
-def _measured(plan: RunPlan, trial: Mapping[str, Any], device: torch.device) -> Row:
+def _measured(
+    plan: RunPlan, trial: Mapping[str, Any], device: torch.device, counts: tuple[int, int]
+) -> Row:
     """`measure`, where a candidate that runs out of memory is refused (the untuned settings,
     measured first, fit: its layout or its compile needs more); its memory is freed first."""
     try:
-        return measure(plan, trial, device)
+        return measure(plan, trial, device, counts)
     except Exception as error:
         if not out_of_memory.is_out_of_memory(error):
             raise
@@ -358,14 +370,49 @@ def _measured(plan: RunPlan, trial: Mapping[str, Any], device: torch.device) -> 
 
 
 def _budget_s(plan: RunPlan, steps: Optional[int], base: Row) -> float:
-    """trainer.tune_budget_s, or where null: under auto, BUDGET_SHARE of the run's estimated
-    time (its steps at the untuned steady step), capped; under on and refresh, the cap."""
+    """trainer.tune_budget_s, or where null, from the run's estimated time (its steps at the
+    untuned step, as the run takes it: its loader, threads and layout): under auto
+    BUDGET_SHARE of it, under on and refresh ON_SHARE of it but at least ON_LEAST_S; capped at
+    BUDGET_CAP_S (the cap alone where the run's length is unknown). Tuning pays for itself: a
+    10-step run of 7.6-s steps spent 112 s tuning, measured nothing, and trained 85 s."""
     budget = plan.cfg.trainer.tune_budget_s
     if budget is not None:
         return float(budget)
-    if plan.cfg.trainer.tune == "auto" and steps and base.steady_ms is not None:
-        return min(BUDGET_CAP_S, BUDGET_SHARE * steps * base.steady_ms / 1e3)
-    return BUDGET_CAP_S
+    if not steps or base.steady_ms is None:
+        return BUDGET_CAP_S
+    run_s = steps * base.steady_ms / 1e3
+    if plan.cfg.trainer.tune == "auto":
+        return min(BUDGET_CAP_S, BUDGET_SHARE * run_s)
+    return min(BUDGET_CAP_S, max(ON_LEAST_S, ON_SHARE * run_s))
+
+
+class _CannotFit(Exception):
+    """No candidate can be measured within the budget: the message says why."""
+
+
+def _first_estimate(
+    plan: RunPlan, device: torch.device, steps: Optional[int], started: float
+) -> tuple[Row, float, float]:
+    """The untuned settings once, untimed (two steps: the process's one-time work, then one
+    step), so that what tuning would take is known before it is spent: (that row, the budget,
+    what measuring one candidate is expected to take). `_CannotFit` where the untuned settings
+    and one candidate together cannot be measured within what is left of the budget: said at
+    once, rather than timing the defaults alone."""
+    prime = measure(plan, {}, device, (1, 1))
+    took = time.perf_counter() - started
+    step_s = (prime.steady_ms or 0.0) / 1e3
+    budget = _budget_s(plan, steps, prime)
+    build_s = max(took - 2 * step_s - prime.warmup_s, 0.0)  # (a candidate's build)
+    one = build_s + sum(step_counts(step_s)) * step_s
+    left = budget - took
+    if 2 * one > left:
+        raise _CannotFit(
+            f"a step takes ~{step_s:.2g} s here, so timing the untuned settings and one "
+            f"candidate would take ~{2 * one:.0f} s, over the {max(left, 0.0):.0f} s left of "
+            f"trainer.tune_budget_s ({budget:.0f} s); a larger trainer.tune_budget_s measures "
+            "them"
+        )
+    return prime, budget, one
 
 
 def _alternatives(

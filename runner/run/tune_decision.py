@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Optional
 
 from runner.config import tunable_defaults
 from runner.config.values import override_text
@@ -64,12 +64,12 @@ class Tuning:
         if self.rows:
             base = self.rows[0].loss
             lines += [
-                "| candidate | steady ms/step | compile s | loss delta | chosen |",
+                "| candidate | steady ms/step (spread, timed) | compile s | loss delta | chosen |",
                 "|---|---|---|---|---|",
             ]
             for index, row in enumerate(self.rows):
                 name = named(row.settings)
-                ms = f"{row.steady_ms:.1f}" if row.steady_ms is not None else "-"
+                ms = row.steady()
                 delta = (
                     f"{row.loss - base:+.2e}" if row.loss is not None and base is not None else "-"
                 )
@@ -89,3 +89,25 @@ class Tuning:
         """The decisions' artifact and the time tuning took (metric tune_time_s)."""
         tracked.log_text(self.table(), "tune.md")
         tracked.log_metrics({m.TUNE_TIME_S: self.seconds}, 0)
+
+    def against_run(self, run_ms: Optional[float], batch: int) -> str:
+        """What tune.md adds once the run has trained: its steady step (`run_ms`, a batch of
+        `batch` samples) beside the step the tuner measured for the chosen settings, and how far
+        apart they are (on a quiet machine within 20%: both take the run's batches through its
+        loader, threads and layout); "" where either is unknown."""
+        measured = self.rows[self.chosen].steady_ms if self.rows else None
+        if run_ms is None or measured is None or measured <= 0:
+            return ""
+        apart = run_ms / measured - 1
+        verdict = "within 20%" if abs(apart) <= 0.2 else "more than 20% apart"
+        why = (
+            ""
+            if abs(apart) <= 0.2
+            else ": the machine's load differed between tuning and training, or the run's "
+            "loader waited for data the tuner's steps did not (data_wait_frac says which)"
+        )
+        return (
+            f"The run's steady step: {run_ms:.1f} ms a batch of {batch} (its samples_per_s); the "
+            f"tuner measured {measured:.1f} ms for the chosen settings: {apart:+.0%}, {verdict}"
+            f"{why}.\n"
+        )

@@ -28,6 +28,9 @@ log = logging.getLogger(__name__)
 
 WARM_STEPS = 2  # steps left out of the steady time (the first one compiles, where compiled)
 TIMED_STEPS = 5
+# a slow step needs fewer samples for the same precision (its noise is a smaller share of it):
+# from SLOW_STEP_S a step on, one warm step, and timed steps for about TIMED_S, at least MIN_TIMED
+SLOW_STEP_S, TIMED_S, MIN_TIMED = 0.25, 1.0, 2
 # a candidate replaces the fastest so far only when this much faster (noise is not a gain)
 MARGIN = 0.03
 # the first-step loss a candidate may differ by, relative, per the narrowest compute format
@@ -58,6 +61,8 @@ class Row:
     loss: Optional[float] = None
     note: str = ""
     warmup_s: float = 0.0
+    spread: float = 0.0  # the timed steps' (slowest - fastest) / fastest
+    timed: int = 0  # how many steps were timed
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -71,7 +76,15 @@ class Row:
             data.get("loss"),
             str(data.get("note", "")),
             float(data.get("warmup_s", 0.0)),
+            float(data.get("spread", 0.0)),
+            int(data.get("timed", 0)),
         )
+
+    def steady(self) -> str:
+        """Its steady step as tune.md says it: ms, and the timed steps' spread and count."""
+        if self.steady_ms is None:
+            return "-"
+        return f"{self.steady_ms:.1f} (+{100 * self.spread:.0f}%, {self.timed} steps)"
 
 
 def tolerance(compute_dtypes: Sequence[Any]) -> float:
@@ -84,12 +97,28 @@ def tolerance(compute_dtypes: Sequence[Any]) -> float:
     return max([TOLERANCE.get(n, TOLERANCE["float16"]) for n in names] or [TOLERANCE["float32"]])
 
 
-def measure(plan: RunPlan, settings: Mapping[str, Any], device: torch.device) -> Row:
-    """Build the run with `settings` and time its steps on its first batch."""
+def step_counts(step_s: Optional[float]) -> tuple[int, int]:
+    """(warm steps, timed steps) for a candidate whose step is expected to take `step_s` (None:
+    unknown): a slow step needs fewer samples for the same precision, so the budget buys
+    measurements of more candidates (a 7.6-s step timed 7 times a candidate left no candidate
+    within 120 s)."""
+    if step_s is None or step_s < SLOW_STEP_S:
+        return WARM_STEPS, TIMED_STEPS
+    return 1, max(MIN_TIMED, min(TIMED_STEPS, math.ceil(TIMED_S / step_s)))
+
+
+def measure(
+    plan: RunPlan,
+    settings: Mapping[str, Any],
+    device: torch.device,
+    counts: tuple[int, int] = (WARM_STEPS, TIMED_STEPS),
+) -> Row:
+    """Build the run with `settings` and time its steps (`counts`: warm, then timed) as the run
+    will take them: its training loader's batches, its workers and threads as configured."""
     # the candidates' builds and steps say what the run's will say (each build's news, each
     # first step's layer audit, "What ran where"): only their warnings reach the log
     with _quiet("runner"):
-        return _measure(plan, settings, device)
+        return _measure(plan, settings, device, counts)
 
 
 @contextlib.contextmanager
@@ -103,34 +132,45 @@ def _quiet(name: str) -> Iterator[None]:
         logger.setLevel(level)
 
 
-def _measure(plan: RunPlan, settings: Mapping[str, Any], device: torch.device) -> Row:
+def _measure(
+    plan: RunPlan, settings: Mapping[str, Any], device: torch.device, counts: tuple[int, int]
+) -> Row:
     from runner.run.build import build
     from runner.run.trainer import Trainer
 
-    cfg = with_values(plan.cfg, {**settings, "trainer.num_workers": 0})
+    warm, timed = counts
+    cfg = with_values(plan.cfg, settings)
     candidate = dataclasses.replace(plan, cfg=cfg, resume=None)
     parts = build(candidate, device, Comm(), wait_for_kernels=False)
     try:
         trainer = Trainer(cfg.trainer, parts, device=device)
-        x, y = trainer.to_device(*next(iter(parts.train_loader)))
         trainer.model.train()
-        times, first = [], math.nan
-        for index in range(WARM_STEPS + TIMED_STEPS):
+        times, first, batches = [], math.nan, _batches(parts.train_loader)
+        for index in range(warm + timed):
             synchronize(device)
-            start = time.perf_counter()
-            loss = trainer.train_step(x, y)
+            start = time.perf_counter()  # (a step as the run takes it: its batch fetched too)
+            loss = trainer.train_step(*trainer.to_device(*next(batches)))
             synchronize(device)
             times.append(time.perf_counter() - start)
             if index == 0:
                 first = float(loss)
         # the fastest timed step: what the candidate does on its own (a machine shared with
         # other work only ever adds time to a step, and noise is no property of the settings)
-        steady = min(times[WARM_STEPS:])
+        steady = min(times[warm:])
+        spread = (max(times[warm:]) - steady) / steady if steady > 0 else 0.0
         warmup_s = max(times[0] - steady, 0.0)
         compile_s = warmup_s if cfg.trainer.compile else 0.0
-        return Row(dict(settings), steady * 1e3, compile_s, first, warmup_s=warmup_s)
+        return Row(dict(settings), steady * 1e3, compile_s, first, "", warmup_s, spread, timed)
     finally:
         parts.close()
+
+
+def _batches(loader: Any) -> Iterator[Any]:
+    """The training loader's batches, from its first, again from the start where it has fewer
+    than a measurement takes (a candidate's first batch is the same for every candidate: the
+    order comes from the seed and the epoch)."""
+    while True:
+        yield from loader
 
 
 def gemm_layers(model: Optional[torch.nn.Module]) -> Optional[int]:

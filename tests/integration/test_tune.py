@@ -421,59 +421,91 @@ def test_a_file_is_read_at_its_package(tmp_path):
     ]
 
 
+@pytest.fixture
+def paced(monkeypatch):
+    """trainer.tune's measurements made instant and paced: each takes PACE_S (a sleep) and
+    returns a row of a 10-ms step (the first, the untimed one, a step as slow with no one-time
+    work), so what fits a budget is known; the settings each was called with are listed."""
+    calls: list[dict] = []
+
+    def measure(plan, settings, device, counts=(2, 5)):
+        calls.append(dict(settings))
+        time.sleep(PACE_S)
+        return tune_measure.Row(dict(settings), 10.0, loss=2.3, spread=0.01, timed=counts[1])
+
+    monkeypatch.setattr(tune, "measure", measure)
+    return calls
+
+
+PACE_S = 0.3  # what one paced measurement takes
+
+
 @pytest.mark.parametrize(
     "given,steps",
     [(["trainer.tune=on", "trainer.tune_budget_s=0.01"], 10**7), (["trainer.tune=auto"], 400)],
     ids=["given", "auto-share"],
 )
-def test_a_candidate_that_cannot_fit_the_budget_is_skipped_saying_why(given, steps, caplog):
-    """A budget given, or auto's (5% of 400 steps of a tiny model: milliseconds): the untuned
-    settings are measured, every other candidate is skipped (compile too, where the run is
-    long enough to repay it) and tune.md and the log say why; tuning takes the budget and
-    one candidate's time at most."""
+def test_a_budget_no_candidate_fits_is_said_at_once(given, steps, caplog):
+    """A budget given, or auto's (5% of 400 steps of a tiny model: a fraction of a second), that
+    cannot hold the untuned settings' timing and one candidate's: tuning says so after one
+    untimed pair of steps, rather than time the defaults alone, and the run keeps its
+    defaults."""
     caplog.set_level("INFO", logger="runner.run.tune")
     overrides = [*FAST, *given, *lasting(steps)]
     plan = make_plan(compose_config(*overrides))
-    tuning = tune.tuned(plan, Comm(), CPU, overrides)
-    base, *rest = tuning.rows
-    assert base.steady_ms is not None and rest
-    assert all(r.steady_ms is None and r.note.startswith("skipped: ") for r in rest)
-    assert all("left of trainer.tune_budget_s" in r.note for r in rest)
-    compiled = [r for r in rest if r.settings.get("trainer.compile")]
-    if steps > 10**6:  # (long enough to repay a compile; a CPU has no max-autotune candidate)
-        assert len(compiled) == 1
-    for row in compiled:
-        assert row.note.startswith("skipped: compiling would take ~")
-        assert row.note in tuning.table() and row.note in caplog.text
-    assert tuning.chosen == 0 and "over the budget" in tuning.reasons["trainer.channels_last"]
     started = time.perf_counter()
-    tune_measure.measure(plan, {}, CPU)
-    one = time.perf_counter() - started
-    assert tuning.seconds < 0.01 + 5 * one + 5.0  # (the one measured; a colder process, a load)
+    assert tune.tuned(plan, Comm(), CPU, overrides) is None
+    took = time.perf_counter() - started
+    said = caplog.text
+    assert "trainer.tune: not tuned: a step takes ~" in said
+    assert "over the" in said and "left of trainer.tune_budget_s" in said
+    assert "untuned: " not in said  # (the defaults were not timed)
+    started = time.perf_counter()
+    tune_measure.measure(plan, {}, CPU, (1, 1))
+    assert took < 3 * (time.perf_counter() - started) + 5.0  # (the untimed steps, a load)
+
+
+def test_a_candidate_that_cannot_fit_what_is_left_is_skipped_saying_why(paced, caplog):
+    """Where the budget holds the untuned settings and some candidates but not a compile (30 s
+    guessed before one was measured), the compile is skipped, and tune.md and the log say why;
+    the candidates that fit are measured."""
+    caplog.set_level("INFO", logger="runner.run.tune")
+    tuning = tuned(*ON, "trainer.tune_budget_s=6", *lasting(10**7))[1]
+    base, *rest = tuning.rows
+    assert base.steady_ms is not None and any(r.steady_ms is not None for r in rest)
+    (compiled,) = [r for r in rest if r.settings.get("trainer.compile")]
+    assert compiled.steady_ms is None and compiled.note.startswith("skipped: compiling would")
+    assert "left of trainer.tune_budget_s" in compiled.note
+    assert compiled.note in tuning.table() and compiled.note in caplog.text
+    assert "over the budget" in tuning.reasons["trainer.compile"]
 
 
 def test_the_candidates_keep_their_news_out_of_the_log(caplog):
     """Each candidate builds the run and takes steps: its build's news and its first step's layer
-    audit ("What ran where", the run's own to say) stay out of the log; the skipped candidates'
-    notes give seconds a decimal under 10 (not "~0 s, over the 0 s left")."""
+    audit ("What ran where", the run's own to say) stay out of the log; a skipped candidate's
+    note gives seconds a decimal under 10 (not "~0 s, over the 0 s left")."""
     caplog.set_level("INFO", logger="runner")
-    overrides = [*ON, "trainer.tune_budget_s=0.01"]
+    overrides = [*ON, "trainer.tune_budget_s=60"]
     tuning = tune.tuned(make_plan(compose_config(*overrides)), Comm(), CPU, overrides)
     assert "trainer.tune" in caplog.text and "What ran where" not in caplog.text
     assert logging.getLogger("runner").level == logging.INFO  # (given back as it was)
-    notes = [r.note for r in tuning.rows if r.note]
-    assert notes and all(re.search(r"~\d+\.\d s, over the 0\.0 s left", n) for n in notes), notes
+    assert len([r for r in tuning.rows if r.steady_ms is not None]) >= 2
+    note = tune_measure.skipped_note("eager", 0.44, -0.2)
+    assert re.search(r"~0\.4 s, over the 0\.0 s left", note), note
 
 
-def test_a_decision_cut_short_by_its_budget_is_measured_again_with_more(cache, caplog):
+def test_a_decision_cut_short_by_its_budget_is_measured_again_with_more(cache, caplog, paced):
     """The cache keeps the budget its rows were measured within: the same budget reuses them,
     a larger one measures the skipped candidates."""
     caplog.set_level("INFO", logger="runner.run.tune")
-    _, tight = tuned(*ON, "trainer.tune_budget_s=0.01")
-    assert tight.source == "measured" and tight.rows[1].note.startswith("skipped: ")
-    _, again = tuned(*ON, "trainer.tune_budget_s=0.01")
+    # (the untimed pair, the defaults and a candidate fit; a compile, guessed at 30 s, does not)
+    tight = [*ON, "trainer.tune_budget_s=1.2", *lasting(10**7)]
+    _, first = tuned(*tight)
+    assert first.source == "measured"
+    assert any(r.note.startswith("skipped: ") for r in first.rows), first.table()
+    _, again = tuned(*tight)
     assert again.source == "cache"
-    _, roomy = tuned(*ON, "trainer.tune_budget_s=600")
+    _, roomy = tuned(*ON, "trainer.tune_budget_s=600", *lasting(10**7))
     assert roomy.source == "measured" and "measuring again" in caplog.text
     assert all(row.steady_ms is not None for row in roomy.rows)
     assert len(list(cache.glob("*.json"))) == 1
@@ -532,24 +564,24 @@ def test_each_level_and_task_is_tuned_then_trains(tmp_path, case):
     path = MlflowClient(uri).download_artifacts(run.info.run_id, "tune.md", str(tmp_path))
     table = Path(path).read_text()
     cells = [[c.strip() for c in line.split("|")[1:-1]] for line in table.splitlines()]
-    candidates = [c for c in cells if len(c) == 5 and re.fullmatch(r"\d+\.\d", c[1])]
+    timed = r"\d+\.\d \(\+\d+%, \d steps\)"  # (ms, the spread of the steps timed, their count)
+    candidates = [c for c in cells if len(c) == 5 and re.fullmatch(timed, c[1])]
     assert len(candidates) >= 2, table  # the defaults and at least one candidate, timed
     for name, _, _, delta, note in candidates:  # each started from the defaults' loss
         assert abs(float(delta)) < 0.1 and not note.startswith("refused"), (name, table)
     assert math.isfinite(run.data.metrics["train_loss"])
 
 
-def test_a_longer_run_measures_again_what_a_shorter_one_did_not_try(cache, caplog):
+def test_a_longer_run_measures_again_what_a_shorter_one_did_not_try(cache, caplog, paced):
     """A compile is tried only by a run long enough to repay it: a short run's cached decision
     (no compile row) is measured again for a long run, which then keeps its own rows."""
-    overrides = [*ON, "trainer.tune_budget_s=0.01"]  # (the compile is then skipped, not built)
+    overrides = [*ON, "trainer.tune_budget_s=6"]  # (the compile is then skipped, not built)
 
     def decide(steps):
         return tuned(*overrides, *lasting(steps))[1]
 
     # (compile is offered where 15% of the run's time, its steps at the measured step time,
-    # exceeds the compile's guess, 30 s on a CPU: for 40 steps, steps of 5 s; a 400-step run
-    # was offered it once, its steps measured at over 0.5 s on a machine busy with other tests)
+    # exceeds the compile's guess, 30 s on a CPU: 40 steps of 10 ms do not, 10**7 do)
     short = decide(40)
     assert short.source == "measured"
     assert not any("trainer.compile" in row.settings for row in short.rows)
@@ -594,9 +626,9 @@ def test_the_processs_one_time_work_is_charged_to_no_candidate(monkeypatch):
     real = tune.measure
     slow = 5.0
 
-    def cold_first(plan, settings, device):
+    def cold_first(plan, settings, device, counts=(2, 5)):
         start = time.perf_counter()
-        row = real(plan, settings, device)
+        row = real(plan, settings, device, counts)
         if not cold_first.calls:
             time.sleep(slow)
             row.warmup_s += slow
