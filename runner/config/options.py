@@ -75,6 +75,9 @@ class Spec:
     # the task a model or dataset serves (runner.tasks): classification or language_model;
     # None: it depends on what the user's callable or zoo model is (not known before building)
     task: Optional[str] = CLASSIFICATION
+    # data: its training samples without loading anything (a function of the data node; None:
+    # only the loaded dataset can tell, or `num_train` says them)
+    train_size: Optional[Callable[[Any], Optional[int]]] = None
 
     def build(self) -> Callable[..., Any]:
         return _load(self.builder)
@@ -90,6 +93,7 @@ def _load(path: str) -> Callable[..., Any]:
 
 
 _INT_1 = (integer_at_least(1), "an integer >= 1")
+CIFAR_TRAIN_SIZE = 50_000  # CIFAR-10's and CIFAR-100's training images (five batches' worth)
 _TINY_RULES = (("width", *_INT_1), ("norm", one_of(NORMS), ", ".join(NORMS)))
 _VIT_RULES = tuple(
     (k, *_INT_1)
@@ -255,6 +259,7 @@ SPECS: tuple[Spec, ...] = (
         _DATA_RULES + _CIFAR_RULES,
         classes=lambda node: 10,
         check="runner.components.images.cifar:check_cifar",
+        train_size=lambda node: CIFAR_TRAIN_SIZE,
     ),
     Spec(
         "data",
@@ -265,6 +270,7 @@ SPECS: tuple[Spec, ...] = (
         _DATA_RULES + _CIFAR_RULES,
         classes=lambda node: 100,
         check="runner.components.images.cifar:check_cifar",
+        train_size=lambda node: CIFAR_TRAIN_SIZE,
     ),
     Spec(
         "data",

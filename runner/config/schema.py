@@ -279,8 +279,12 @@ class TrainerConfig:
     # before training, and train with the fastest (runner.run.tune, docs/tuning.md): auto | on |
     # off | refresh
     tune: str = "auto"
-    # the seconds tuning may take; null: 5% of the run's estimated time, at most 120
+    # the seconds tuning may take; null: from the run's estimated time, at most 120 (auto: 5% of
+    # it; on and refresh: a quarter, at least 15)
     tune_budget_s: Optional[float] = None
+    # an fp16 level on a CPU (emulated, ~100x slower than bfloat16) whose run is estimated to take
+    # over an hour is refused in planning (runner.run.cpu_fp16); true runs it anyway
+    allow_slow_fp16: bool = False
 
 
 @dataclass

@@ -16,6 +16,7 @@ worker processes are not counted on CPU.
 
 from __future__ import annotations
 
+import functools
 import math
 import resource
 import time
@@ -104,3 +105,27 @@ class Stopwatch:
     def stop(self) -> float:
         synchronize(self.device)
         return time.perf_counter() - self._t0
+
+
+@functools.cache
+def training_rate(dtype: torch.dtype, repeats: int = 2) -> float:
+    """This CPU's FLOP rate training a convolution in `dtype` (FLOP/s): a 3x3 convolution's
+    forward and backward on a small batch (4 x 32 channels x 16 x 16), on torch's threads as a
+    run uses them, the best of `repeats` after one untimed; measured once per process (fp16,
+    which a CPU emulates: about 0.1-0.3 s; the others a few ms). What a run's steps take in
+    that format is its FLOPs at about this rate."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 32, 16, 16, generator=generator).to(dtype).requires_grad_()
+    w = torch.randn(32, 32, 3, 3, generator=generator).to(dtype).requires_grad_()
+    flops = 3 * 2 * 4 * 32 * 32 * 9 * 16 * 16  # (forward, and the backward's two products)
+
+    def step() -> None:
+        torch.nn.functional.conv2d(x, w, padding=1).sum().backward()
+
+    step()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return flops / max(min(times), 1e-9)

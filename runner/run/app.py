@@ -38,7 +38,7 @@ from runner.run.distributed import Comm
 from runner.run.interrupts import StoppedAtOnce, StopRequest
 from runner.run.measured import measured_plan
 from runner.run.parts import Parts
-from runner.run.plan import RunPlan, make_plan
+from runner.run.plan import RunPlan, make_plan, slow_fp16
 from runner.run.recorded import (
     Launch,
     environment_tags,
@@ -366,7 +366,10 @@ def print_dry_run(plan: RunPlan) -> None:
                 else "(checked against the model once its data is loaded)"
             )
         )
-    if plan.resume is not None and plan.resume.finished(plan.cfg.trainer.max_epochs):
+    slow = slow_fp16(plan.cfg, plan.properties, plan.device, plan.meta, plan.specs, plan.task)
+    if slow is not None:
+        print(f"Would refuse: {slow}")
+    elif plan.resume is not None and plan.resume.finished(plan.cfg.trainer.max_epochs):
         print(f"Would do nothing: {plan.run_name} {plan.resume.finished_message()}")
     elif plan.resume is not None:
         print(f"Would resume from {plan.resume.path} ({plan.resume.position()})")

@@ -5,6 +5,11 @@ count them alike)."""
 from __future__ import annotations
 
 import math
+from typing import Any, Optional
+
+from omegaconf import OmegaConf
+
+from runner.config.options import LANGUAGE_MODEL, Spec
 
 
 def limit_batches(n_batches: int, limit: int | float | None) -> int:
@@ -21,3 +26,32 @@ def optimizer_steps(batches: int, accumulate: int) -> int:
     """An epoch's optimizer steps over its `batches`, `trainer.accumulate_grad_batches` a step
     (the last step takes the batches left)."""
     return math.ceil(batches / accumulate)
+
+
+def estimated_steps(
+    cfg: Any,
+    task: str,
+    data: Optional[Spec] = None,
+    datasets: Any = None,
+    world_size: int = 1,
+) -> Optional[int]:
+    """A run's training steps (its batches: one an optimizer step with no accumulation) as its
+    config tells them, for each of `world_size` ranks (each trains on its share of the samples,
+    DistributedSampler's, padded to equal shares): from `trainer.limit_train_batches`, the
+    data's option (`data`: its spec's `train_size`, or `data.num_train`; a language model's
+    tokens cut into sequences of `data.block_size`), or the loaded `datasets`; None where only
+    the data can tell and none are given."""
+    limit = cfg.trainer.limit_train_batches
+    per_epoch = limit if isinstance(limit, int) else None  # (a share: of a count to be known)
+    size = data.train_size(cfg.data) if data is not None and data.train_size else None
+    if size is None:
+        size = OmegaConf.select(cfg, "data.num_train", default=None)
+        block = OmegaConf.select(cfg, "data.block_size", default=None)
+        if isinstance(size, int) and task == LANGUAGE_MODEL:  # tokens, cut into sequences
+            size = (size - 1) // block if isinstance(block, int) and block > 0 else None
+    if not isinstance(size, int) and per_epoch is None and datasets is not None:
+        size = len(datasets.train)
+    if isinstance(size, int):
+        batches = math.ceil(math.ceil(size / world_size) / cfg.trainer.batch_size)
+        per_epoch = limit_batches(batches, limit)
+    return None if per_epoch is None else per_epoch * cfg.trainer.max_epochs

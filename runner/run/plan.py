@@ -34,7 +34,7 @@ from runner.precision import Finding, Properties, Resolution, layers, resolve
 from runner.precision.checks import DeviceInfo, concrete_device
 from runner.precision.layers import LayerPlan, LayerRule
 from runner.precision.properties import Context, level_preset, parse_opt_level, strict_finding
-from runner.run import checkpoint, cuda_graphs
+from runner.run import batches, checkpoint, cpu_fp16, cuda_graphs
 from runner.run.model_checks import (
     Declared,
     MetaModel,
@@ -94,6 +94,13 @@ class RunPlan:
         """The run's model on the meta device (built now if no check has built it yet); None
         where the data does not declare its input or the model cannot be made there."""
         return self.meta.get() if self.meta is not None else None
+
+    def estimated_steps(self, datasets: Any = None, world_size: int = 1) -> Optional[int]:
+        """The run's training steps for each of `world_size` ranks, as its config (or its loaded
+        `datasets`) tells them; None where only the data can tell (runner.run.batches)."""
+        return batches.estimated_steps(
+            self.cfg, self.task, self.specs.get("data"), datasets, world_size
+        )
 
     def flops_per_sample(self) -> Optional[float]:
         """The model's training FLOPs per sample (forward and backward), counted once on the
@@ -196,7 +203,30 @@ def check_config(cfg: DictConfig, entries: tuple[LayerRule, ...] = ()) -> Checke
     meta = check_parts(cfg, specs, task)
     layer_check = check_layers(rules, meta, resolution.properties)
     shards = check_strategy(cfg, resolution.properties, rules, meta)
+    if not cfg.dry_run:  # (a dry run says it instead: runner.run.app.print_dry_run)
+        refused = slow_fp16(cfg, resolution.properties, device, meta, specs, task)
+        if refused is not None:
+            raise refused
     return Checked(device, resolution, specs, task, rules, meta, layer_check, shards)
+
+
+def slow_fp16(
+    cfg: DictConfig,
+    properties: Properties,
+    device: torch.device,
+    meta: Optional[MetaModel],
+    specs: Mapping[str, Optional[options.Spec]],
+    task: str,
+) -> Optional[ConfigError]:
+    """An fp16 level on a CPU whose run would take too long (runner.run.cpu_fp16): estimated
+    from the meta model's FLOPs and the steps the config tells; None where it may run."""
+    if device.type != "cpu" or torch.float16 not in properties.compute_dtypes or meta is None:
+        return None
+    from runner.tasks import task_for
+
+    flops = meta.flops_per_sample(task_for(task).input_dtype)
+    steps = batches.estimated_steps(cfg, task, specs.get("data"))
+    return cpu_fp16.refusal(cfg, properties, device, flops, steps)
 
 
 # ---- the task ---------------------------------------------------------------------------------

@@ -21,7 +21,6 @@ checkpoint's settings. Rank 0 decides, the other ranks take its decision.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Mapping, Sequence
 from functools import partial
@@ -31,7 +30,6 @@ import torch
 from omegaconf import OmegaConf
 
 from runner.config import TUNABLE
-from runner.config.options import LANGUAGE_MODEL
 from runner.config.values import override_text
 from runner.run import out_of_memory, rng, tune_cache, tune_data, tune_given
 from runner.run.distributed import Comm
@@ -73,29 +71,6 @@ def given_keys(cfg, overrides: Sequence[str]) -> set[str]:
     return {key for key in TUNABLE if key in typed or OmegaConf.select(cfg, key) != DEFAULTS[key]}
 
 
-def estimated_steps(
-    plan: RunPlan, datasets: Optional[Any] = None, world_size: int = 1
-) -> Optional[int]:
-    """The run's training steps as its config tells them (None: only the dataset knows; given
-    the loaded `datasets`, they are counted), for each of `world_size` ranks: each trains on its
-    share of the samples (DistributedSampler's, padded to equal shares)."""
-    cfg = plan.cfg
-    limit = cfg.trainer.limit_train_batches
-    per_epoch = limit if isinstance(limit, int) else None  # (a share: of a count to be known)
-    size = OmegaConf.select(cfg, "data.num_train", default=None)
-    block = OmegaConf.select(cfg, "data.block_size", default=None)
-    if isinstance(size, int) and plan.task == LANGUAGE_MODEL:  # tokens, cut into sequences
-        size = (size - 1) // block if isinstance(block, int) and block > 0 else None
-    if not isinstance(size, int) and per_epoch is None and datasets is not None:
-        size = len(datasets.train)
-    if isinstance(size, int):
-        batches = math.ceil(math.ceil(size / world_size) / cfg.trainer.batch_size)
-        from runner.run.batches import limit_batches
-
-        per_epoch = limit_batches(batches, limit)
-    return None if per_epoch is None else per_epoch * cfg.trainer.max_epochs
-
-
 def counts_on_data(plan: RunPlan, comm: Comm) -> bool:
     """Whether tuning the run of `plan` needs its datasets loaded to count its steps:
     trainer.tune=auto (which skips a run too short to repay it) where the config does not
@@ -104,7 +79,7 @@ def counts_on_data(plan: RunPlan, comm: Comm) -> bool:
         plan.cfg.trainer.tune == "auto"
         and plan.resume is None
         and not (plan.shards and comm.active)
-        and estimated_steps(plan) is None
+        and plan.estimated_steps() is None
     )
 
 
@@ -135,7 +110,7 @@ def tuned(
         log.info("trainer.tune: not tuned: a sharded run (trainer.strategy=fsdp) is not measured")
         return None
     given = given_keys(plan.cfg, overrides)
-    steps = estimated_steps(plan, datasets if mode == "auto" else None, comm.world_size)
+    steps = plan.estimated_steps(datasets if mode == "auto" else None, comm.world_size)
     tuning = comm.on_main(partial(_kept_apart, plan, device, given, steps))
     return comm.from_main(tuning)
 

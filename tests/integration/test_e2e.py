@@ -22,7 +22,6 @@ from mlflow.tracking import MlflowClient
 from runner.errors import ConfigError, DataError
 from runner.run import app
 from runner.run.plan import make_plan
-from runner.run.tune import estimated_steps
 from tests.helpers.resume import last_checkpoint, settings
 from tests.helpers.runs import (
     FAST,
@@ -301,7 +300,7 @@ def test_a_share_of_the_epoch_limits_its_batches(tmp_path):
         "trainer.limit_val_batches=1.0",
         "mlflow.run_name=share",
     )
-    assert estimated_steps(make_plan(compose_config(*args))) == 4  # (160 samples, batch 32)
+    assert make_plan(compose_config(*args)).estimated_steps() == 4  # (160 samples, batch 32)
     assert run_in_process(*args) == 0
     assert last_checkpoint(tmp_path, "share")["global_step"] == 4
     (run,) = all_runs(f"sqlite:///{tmp_path / 'mlflow.db'}")

@@ -273,7 +273,7 @@ def test_auto_counts_a_language_models_steps_in_sequences_not_tokens(caplog):
         "trainer.max_epochs=1",
     ]
     plan = make_plan(compose_config(*text))
-    assert tune.estimated_steps(plan) == 2 == math.ceil(((70_000 - 1) // 1024) / 64)
+    assert plan.estimated_steps() == 2 == math.ceil(((70_000 - 1) // 1024) / 64)
     assert tuned(*text)[1] is None
     assert "trainer.tune=auto: not tuned: 2 training steps are too few" in caplog.text
 
@@ -286,8 +286,8 @@ def test_auto_counts_the_steps_of_one_rank_under_torchrun(caplog):
     text = ["model=tiny", "data=synthetic", "data.num_train=401", "trainer.batch_size=1"]
     text += ["trainer.max_epochs=1"]
     plan = make_plan(compose_config(*text))
-    assert tune.estimated_steps(plan) == 401
-    assert tune.estimated_steps(plan, world_size=2) == 201
+    assert plan.estimated_steps() == 401
+    assert plan.estimated_steps(world_size=2) == 201
     ranks = Comm(rank=0, world_size=2)  # (rank 0 of two, no process group: tuning's own part)
     assert tune.tuned(plan, ranks, CPU, text) is None
     assert "trainer.tune=auto: not tuned: 201 training steps are too few" in caplog.text

@@ -209,11 +209,11 @@ def test_data_counted_for_tuning_is_the_data_the_run_trains_on(monkeypatch, tmp_
     monkeypatch.setattr(data, "build_datasets", build_datasets)
     monkeypatch.setattr(build, "build_datasets", build_datasets)
     given = make_plan(compose_config(*token_files(tmp_path), "trainer.tune=auto"))
-    assert tune.estimated_steps(given) is None and tune.counts_on_data(given, Comm())
+    assert given.estimated_steps() is None and tune.counts_on_data(given, Comm())
     plan, tuning, parts = app.prepare(given, Comm(), torch.device("cpu"), Launch())
     try:
         assert len(loads) == 1 and parts.bundle is loads[0]
-        steps = tune.estimated_steps(plan, loads[0])
+        steps = plan.estimated_steps(loads[0])
         assert steps == -(-len(loads[0].train) // 8) * plan.cfg.trainer.max_epochs > 0
         assert tuning is None  # (too few steps to repay tuning: counted, then not tuned)
     finally:
