@@ -35,8 +35,18 @@ def compile_count() -> int:
 
 def data_advice(loader: Any, device: torch.device) -> str:
     """What to change when the training loop waits for its batches, from the loader's own
-    settings."""
+    settings. Data in memory whose items are slices (`in_memory`: the tokens of
+    data=synthetic_text) costs no worker's time: what waits there is the batch's collation and
+    its copy, or another process on the machine; the advice says so, not to add workers (which
+    trainer.tune says gain nothing)."""
     workers = int(getattr(loader, "num_workers", 0) or 0)
+    if getattr(getattr(loader, "dataset", None), "in_memory", False):
+        copy = " and its copy to the GPU (pinned memory helps)" if device.type == "cuda" else ""
+        return (
+            "The data is in memory (each item a slice): what waits is the batch's collation"
+            f"{copy}, or other processes on this machine taking its CPUs (its load); more "
+            "trainer.num_workers gain nothing here."
+        )
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     advice = [
         f"Raise trainer.num_workers (now {workers}; this machine gives the run {cpus} CPUs)"

@@ -1,8 +1,9 @@
 """`trainer.tune`'s data candidates: the DataLoader's worker processes (`trainer.num_workers`)
 and, on CUDA, pinned host memory (`trainer.pin_memory`).
 
-Where the run reads its data (files: CIFAR, an ImageFolder, token files, the user's own dataset;
-not the runner's generated `synthetic` data, which workers have nothing to read for), the
+Where a sample costs something to make (files read: CIFAR, an ImageFolder, token files, the
+user's own dataset; the runner's `synthetic` images, each drawn and upsampled; not
+`synthetic_text`, whose items are slices of tokens in memory: workers have nothing to overlap), the
 training loader is built as the run builds it (`runner.components.loaders.build_loaders`: the
 same sampler, batch size, pinned memory on CUDA, persistent workers) for a few worker counts,
 and a few batches are fetched from each. A row per count: the steady ms per batch (the batches
@@ -46,8 +47,9 @@ log = logging.getLogger(__name__)
 
 WORKERS, PIN = "trainer.num_workers", "trainer.pin_memory"
 KEYS = (WORKERS, PIN)  # the tunable keys this module decides
-# the data sources the runner generates in memory: nothing read, nothing for workers to overlap
-GENERATED = ("synthetic", "synthetic_text")
+# the data sources held in memory whose items are slices (a batch costs its collation alone):
+# nothing for workers to overlap (data=synthetic draws and upsamples each image: a candidate)
+IN_MEMORY = ("synthetic_text",)
 COUNTS = (0, 2, 4, 8)  # worker counts tried (with the config's and the CPUs' own, at most 8)
 TIMED_ROUNDS = 2  # batches timed per count: this many per worker (at least 3 without workers)
 LOADERS = 2  # loaders whose workers start once per run: training and validation
@@ -71,8 +73,11 @@ def facts(free: Sequence[str]) -> dict[str, Any]:
 def not_read(plan: RunPlan) -> Optional[str]:
     """Why the loader's workers are no candidate for this run's data (None: they are)."""
     name = OmegaConf.select(plan.cfg, "data.name", default=None)
-    if OmegaConf.select(plan.cfg, "data._target_", default=None) is None and name in GENERATED:
-        return f"kept: data={name} is generated in memory, not read (workers gain nothing)"
+    if OmegaConf.select(plan.cfg, "data._target_", default=None) is None and name in IN_MEMORY:
+        return (
+            f"kept: data={name} is sliced from tokens in memory: a batch costs its collation "
+            "alone (workers gain nothing)"
+        )
     return None
 
 

@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 from runner.config import TUNABLE
 from runner.precision.checks import DeviceInfo
 from runner.run import recorded, tune, tune_cache, tune_data, tune_decision, tune_measure
+from runner.run.build import build
 from runner.run.distributed import Comm
 from runner.run.measured import measured_plan
 from runner.run.plan import make_plan
@@ -124,11 +125,27 @@ def test_the_loader_workers_are_measured_where_the_run_reads_files(tmp_path, cac
     assert other.source == "measured"  # other data (data.root): another configuration
 
 
-def test_generated_data_keeps_its_workers_with_the_reason():
-    overrides = [o for o in ON if not o.startswith(WORKERS)]
+def test_data_in_memory_keeps_its_workers_with_the_reason_the_data_wait_advice_gives():
+    """Tokens in memory (data=synthetic_text): a batch is its collation alone, so the workers
+    are no candidate, and the data-wait advice says what waits instead of adding workers; the
+    synthetic images, each drawn and upsampled, are a candidate."""
+    from runner.run.step_timing import data_advice
+
+    text = ["model=gpt_tiny", "data=synthetic_text", "data.block_size=32", "data.num_train=4097"]
+    overrides = [o for o in ON if not o.startswith((WORKERS, "data", "model"))] + text
     plan, tuning = tuned(*overrides)
-    assert tuning.reasons[WORKERS].startswith("kept: data=synthetic is generated in memory")
+    assert tuning.reasons[WORKERS].startswith("kept: data=synthetic_text is sliced from tokens")
+    assert "workers gain nothing" in tuning.reasons[WORKERS]
     assert plan.cfg.trainer.num_workers == 2 and tuning.loader == []
+    parts = build(plan)
+    try:
+        advice = data_advice(parts.train_loader, CPU)
+    finally:
+        parts.close()
+    assert "collation" in advice and "gain nothing" in advice and "Raise" not in advice
+    images = [o for o in ON if not o.startswith(WORKERS)]
+    _, tuning = tuned(*images)  # (data=synthetic: each image made, so workers are measured)
+    assert tuning.loader and not tuning.reasons[WORKERS].startswith("kept: data=")
 
 
 def test_a_corrupted_cache_file_is_ignored_with_a_warning(cache, caplog):

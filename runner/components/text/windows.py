@@ -48,6 +48,12 @@ class TokenWindows(Dataset):
         self.offset = _file_offset(tokens) + start * tokens.itemsize if self.path else 0
         self._tokens: Optional[np.ndarray] = tokens[start:stop]
 
+    @property
+    def in_memory(self) -> bool:
+        """Whether its tokens are an array in memory (not a file's): an item is a slice, a batch
+        costs its collation alone, and loader workers have nothing to overlap."""
+        return self.path is None
+
     @classmethod
     def from_file(
         cls, path: str, dtype: str, block_size: int, start: int = 0, stop: Optional[int] = None
