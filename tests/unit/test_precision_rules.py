@@ -351,8 +351,12 @@ def test_dry_run_shape_findings_come_from_a_meta_model(tmp_path):
     head sized from the data config (CIFAR-100: 100 classes; an ImageFolder: its class folders)."""
     from runner.run import build, plan
 
-    cfg = compose_config(
-        "model=resnet50", "precision=o2", "data=cifar100", "trainer.batch_size=128"
+    cfg = compose_config(  # (on a CPU, planned for its shapes alone: fp16's time is no matter)
+        "model=resnet50",
+        "precision=o2",
+        "data=cifar100",
+        "trainer.batch_size=128",
+        "trainer.allow_slow_fp16=true",
     )
     p = plan.check_config(cfg).resolution.properties
     (finding,) = build.shape_findings(cfg, p, AMPERE)
