@@ -25,6 +25,7 @@ from runner.config.options import (
 )
 from runner.config.schema import (
     COMPILE_MODES,
+    CUDA_GRAPHS,
     DEVICES,
     FSDP_CHECKPOINTS,
     KERNEL_CHOICES,
@@ -63,6 +64,7 @@ from runner.config.store import SCHEMAS, PrecisionConfig, register_configs
 __all__ = [
     "BUILT_IN_MODELS",
     "COMPILE_MODES",
+    "CUDA_GRAPHS",
     "DATASET_NAMES",
     "DEVICES",
     "FSDP_CHECKPOINTS",

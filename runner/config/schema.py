@@ -44,7 +44,11 @@ TUNABLE = (
     "precision.kernels",
     "trainer.num_workers",
     "trainer.pin_memory",
+    "trainer.cuda_graphs",
 )
+# trainer.cuda_graphs: false (eager), optimizer (the optimizer step replayed; true says it too) or
+# step (the whole training step replayed: runner.run.whole_step)
+CUDA_GRAPHS = ("false", "optimizer", "step")
 # What `precision.kernels` accepts (runner.csrc): auto (the device's kernels, torch's ops if they
 # cannot be built), fused (the device's kernels or an error), torch (never build; torch's own ops).
 KERNEL_CHOICES = ("auto", "fused", "torch")
@@ -260,9 +264,12 @@ class TrainerConfig:
     # the model's forward (and backward) through torch.compile (the engine's step stays eager)
     compile: bool = False
     compile_mode: str = "default"  # torch.compile's mode: one of COMPILE_MODES
-    # the optimizer step captured in a CUDA graph and replayed (with compile: forward and backward
-    # too, compile_mode default -> reduce-overhead); one CUDA GPU only (runner.run.cuda_graphs)
-    cuda_graphs: bool = False
+    # CUDA graphs, one CUDA GPU only (runner.run.cuda_graphs): false; optimizer (or true): the
+    # optimizer step captured and replayed (with compile: forward and backward too, compile_mode
+    # default -> reduce-overhead); step: the whole training step (forward, backward, clip, step)
+    # captured once and replayed. Typed Any: Hydra gives true/false as bools and step as a string,
+    # and OmegaConf 2.3 fails on a Union field inside a merged structured config (its rule checks)
+    cuda_graphs: Any = False
     # range diagnostics (runner.measure.diagnostics) on steps 1, 1+n, 1+2n, ...; 0 = off (no hooks
     # at all)
     diagnose_every_n_steps: int = 0

@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf, ValidationError
 
 from runner.config import (
     COMPILE_MODES,
+    CUDA_GRAPHS,
     DEVICES,
     FSDP_CHECKPOINTS,
     KERNEL_CHOICES,
@@ -122,6 +123,11 @@ def _fixed_rules() -> list[Rule]:
         ),
         ("trainer.checkpoint_dir", lambda v: bool(v and v.strip()), "a folder path"),
         ("trainer.compile_mode", one_of(COMPILE_MODES), ", ".join(COMPILE_MODES)),
+        (
+            "trainer.cuda_graphs",
+            lambda v: isinstance(v, bool) or v in CUDA_GRAPHS[1:],
+            ", ".join(CUDA_GRAPHS) + " (true: optimizer)",
+        ),
         ("trainer.tune", one_of(TUNE_CHOICES), ", ".join(TUNE_CHOICES)),
         ("trainer.tune_budget_s", optional(positive), "null or a finite number of seconds > 0"),
         (

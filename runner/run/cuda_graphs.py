@@ -1,6 +1,7 @@
-"""`trainer.cuda_graphs`: the optimizer step captured once in a CUDA graph and replayed at every
-later step, and forward and backward through torch.compile's CUDA graphs where the model is
-compiled.
+"""`trainer.cuda_graphs`: `optimizer` (or `true`), the optimizer step captured once in a CUDA graph
+and replayed at every later step, and forward and backward through torch.compile's CUDA graphs
+where the model is compiled; `step`, the whole training step captured (runner.run.whole_step,
+which this module's planning checks too: `refusals` holds both modes' reasons).
 
 What is captured is the engine's public step as the trainer calls it: the clip (where
 `trainer.grad_clip_norm` asks for one) and `engine.step` (unscale, overflow check, the update or
@@ -54,30 +55,50 @@ FUSED_OPTIMIZERS = ("sgd", "adam", "adamw")  # what the runner's kernels step (p
 PER_STEP_SCHEDULES = ("cosine", "onecycle")
 # of those, what sets only the learning rate, which the runner's kernels read from the device
 RATE_ONLY_SCHEDULES = ("cosine",)
-ALLOWED = (
-    "false, or true for one process on a CUDA GPU at a level whose step keeps its state on the "
-    "device (O0-O3 and their bf16 presets; where the loss is scaled, the runner's kernels with "
-    "sgd, adam or adamw), without fp8 layers, per-layer formats, stochastic rounding, low-bit "
-    "optimizer state, gradient accumulation, scheduler=onecycle, or scheduler=cosine where "
-    "torch's own optimizer steps"
+OFF, OPTIMIZER, STEP = "false", "optimizer", "step"  # the modes (runner.config.CUDA_GRAPHS)
+_WITHOUT = (
+    "without fp8 layers, per-layer formats, stochastic rounding, low-bit optimizer state, "
+    "gradient accumulation, scheduler=onecycle, or scheduler=cosine where torch's own optimizer "
+    "steps"
 )
+_LEVELS = (
+    "at a level whose step keeps its state on the device (O0-O3 and their bf16 presets; where "
+    "the loss is scaled, the runner's kernels with sgd, adam or adamw)"
+)
+ALLOWED = f"false, or true for one process on a CUDA GPU {_LEVELS}, {_WITHOUT}"
+ALLOWED_STEP = (
+    f"false, or step for one process on a CUDA GPU {_LEVELS}, {_WITHOUT}, without "
+    "trainer.compile, range diagnostics or a language model's own dataset"
+)
+
+
+def mode(value: Any) -> str:
+    """`trainer.cuda_graphs`'s mode from its value (a TrainerConfig's, or a config): false (off),
+    optimizer (true says it too) or step."""
+    if isinstance(value, DictConfig):
+        value = OmegaConf.select(value, KEY, default=False)
+    if value is True or value == OPTIMIZER:
+        return OPTIMIZER
+    return STEP if value == STEP else OFF
 
 
 def compile_mode(cfg: DictConfig) -> str:
     """torch.compile's mode for the model: `trainer.compile_mode`, except that with
-    `trainer.cuda_graphs` the default mode becomes `reduce-overhead` (forward and backward
-    replayed as CUDA graphs; `max-autotune` already uses them)."""
-    mode = str(OmegaConf.select(cfg, "trainer.compile_mode", default="default"))
-    if OmegaConf.select(cfg, KEY, default=False) and mode == "default":
+    `trainer.cuda_graphs=optimizer` the default mode becomes `reduce-overhead` (forward and
+    backward replayed as CUDA graphs; `max-autotune` already uses them)."""
+    compiled = str(OmegaConf.select(cfg, "trainer.compile_mode", default="default"))
+    if mode(cfg) == OPTIMIZER and compiled == "default":
         return "reduce-overhead"
-    return mode
+    return compiled
 
 
 # ---- planning -----------------------------------------------------------------------------
 def refusals(cfg: DictConfig, properties: Any, task: str, device: torch.device) -> list[str]:
-    """What keeps `trainer.cuda_graphs=true` from holding for this run, each said with the key to
-    change (empty: nothing does, or the key is off)."""
-    if not OmegaConf.select(cfg, KEY, default=False):
+    """What keeps `trainer.cuda_graphs` (optimizer or step) from holding for this run, each said
+    with the key to change (empty: nothing does, or the key is off). The whole step holds the
+    optimizer step, so `step` is refused for every reason `optimizer` is, and a few of its own
+    (`_step_refusals`)."""
+    if mode(cfg) == OFF:
         return []
     found = []
     if device.type != "cuda":
@@ -133,11 +154,39 @@ def refusals(cfg: DictConfig, properties: Any, task: str, device: torch.device) 
             "(betas) too, which a captured step holds as captured (it would be captured again "
             "every step)"
         )
+    if mode(cfg) == STEP:
+        return found + _step_refusals(cfg, task)
     if cfg.trainer.compile and task == options.LANGUAGE_MODEL and options.has_target(cfg.data):
         found.append(
             "trainer.compile=true replays forward and backward as CUDA graphs, one per input "
             "shape, and a language model's own dataset (data._target_) may yield sequences of "
             "any length (the runner's text datasets cut block_size tokens)"
+        )
+    return found
+
+
+def _step_refusals(cfg: DictConfig, task: str) -> list[str]:
+    """What only the whole step's capture cannot hold: a compiled model (torch.compile's
+    reduce-overhead mode is the other route to the same graphs), hooks that act on chosen steps'
+    forward and backward, inputs whose shapes vary."""
+    found = []
+    if cfg.trainer.compile:
+        found.append(
+            "trainer.compile=true: torch.compile replays forward and backward as CUDA graphs of "
+            "its own (compile_mode=reduce-overhead, the other route to a replayed step), which a "
+            "capture of the whole step cannot hold (trainer.cuda_graphs=optimizer goes with it)"
+        )
+    every = cfg.trainer.diagnose_every_n_steps
+    if every > 0:
+        found.append(
+            f"trainer.diagnose_every_n_steps={every}: the range diagnostics hook the forward and "
+            "backward of the steps they diagnose, which a replayed step runs without its Python"
+        )
+    if task == options.LANGUAGE_MODEL and options.has_target(cfg.data):
+        found.append(
+            "a language model's own dataset (data._target_) may yield sequences of any length, "
+            "and a captured step holds one shape (each other shape would run eagerly; the "
+            "runner's text datasets cut block_size tokens)"
         )
     return found
 
@@ -199,7 +248,10 @@ def check(cfg: DictConfig, properties: Any, task: str, device: torch.device) -> 
     for this run, and what is allowed."""
     found = refusals(cfg, properties, task, device)
     if found:
-        raise ConfigError(KEY, "true, but " + "; ".join(found), ALLOWED)
+        value = OmegaConf.select(cfg, KEY)
+        said = str(value).lower() if isinstance(value, bool) else str(value)
+        allowed = ALLOWED_STEP if mode(cfg) == STEP else ALLOWED
+        raise ConfigError(KEY, f"{said}, but " + "; ".join(found), allowed)
 
 
 # ---- the run ------------------------------------------------------------------------------
@@ -416,8 +468,8 @@ def step_graph(
     cfg: Any, engine: Any, optimizer: torch.optim.Optimizer, model: torch.nn.Module
 ) -> Optional[StepGraph]:
     """The trainer's StepGraph for its settings `cfg` (a TrainerConfig); None with
-    `trainer.cuda_graphs=false`: eager steps."""
-    if not cfg.cuda_graphs:
+    `trainer.cuda_graphs=false` or `step` (runner.run.whole_step's): eager optimizer steps."""
+    if mode(cfg.cuda_graphs) != OPTIMIZER:
         return None
     return StepGraph(
         engine, optimizer, list(model.parameters()), cfg.grad_clip_norm, compiled=cfg.compile

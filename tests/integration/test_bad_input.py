@@ -92,6 +92,8 @@ RANGE = [
     (["precision=o2", "precision.growth_factor=1"], "precision.growth_factor"),
     (["precision=o2", "precision.min_loss_scale=1e9"], "precision.min_loss_scale"),
     (["precision.kernels=fast"], "precision.kernels"),
+    (["trainer.cuda_graphs=maybe"], "trainer.cuda_graphs"),  # (typed Any: true/false or a mode)
+    (["trainer.cuda_graphs=step"], "trainer.cuda_graphs"),  # (no CUDA device here)
     (["precision.layer_plan_steps=0"], "precision.layer_plan_steps"),
     (["precision.layer_plan_max_underflow=1.5"], "precision.layer_plan_max_underflow"),
     (["model.name=resnet1000"], "model.name"),

@@ -256,6 +256,8 @@ VALUE_CASES = [
     (["mlflow.stale_after_s=0"], "mlflow.stale_after_s"),
     (["mlflow.heartbeat_s=60", "mlflow.stale_after_s=100"], "mlflow.stale_after_s"),
     (["trainer.compile_mode=fastest"], "trainer.compile_mode"),
+    (["trainer.cuda_graphs=whole"], "trainer.cuda_graphs"),
+    (["trainer.cuda_graphs=1"], "trainer.cuda_graphs"),
     (["trainer.tune=always"], "trainer.tune"),
     (["trainer.tune_budget_s=0"], "trainer.tune_budget_s"),
     (["trainer.strategy=zero3"], "trainer.strategy"),
@@ -413,6 +415,13 @@ def test_valid_values_pass():
         ("trainer.compile", 1, "trainer.compile: got 1 (allowed: a value of type bool)"),
         ("trainer.pin_memory", None, None),
         ("trainer.compile_mode", "max-autotune", None),
+        ("trainer.cuda_graphs", "step", None),
+        ("trainer.cuda_graphs", True, None),
+        (
+            "trainer.cuda_graphs",
+            "whole",
+            "trainer.cuda_graphs: got 'whole' (allowed: false, optimizer, step (true: optimizer))",
+        ),
         (
             "precision.kernels",
             "fast",
