@@ -52,9 +52,13 @@ class Instrument:
     before its first batch is fetched and `steps_done()` after its last step (before
     validation); at its end `epoch_metrics()` (what goes out with the epoch's metrics), then
     `end_epoch()` (files to the artifact sink). Every method does nothing unless overridden. An
-    instrument with `every_step` is due at every step (its `due` is never asked)."""
+    instrument with `every_step` is due at every step (its `due` is never asked). A step may
+    be replayed from a CUDA graph (`trainer.cuda_graphs=step`) only where every instrument due
+    at it is an every-step one (which takes no hook) or `replayable` (it hooks nothing of the
+    step's Python); the others' steps run eagerly."""
 
     every_step = False
+    replayable = False
 
     def due(self, step: int) -> bool:
         """Whether (1-based) training step `step` is watched (asked once per step, first)."""

@@ -1,17 +1,19 @@
 """The step timer on a scripted clock: steady throughput without the warm-up and compiled steps,
 step-time percentiles, the data wait, FLOPs and MFU, what it says once; the peak table's
-lookups and the level's compute format."""
+lookups and the level's compute format; the device's busy share (its arithmetic, its finding, its
+window of steps, profiled on the CPU here)."""
 
 from __future__ import annotations
 
 import logging
 import math
+import time
 
 import pytest
 import torch
 from torch import nn
 
-from runner.measure import peaks
+from runner.measure import busy, peaks
 from runner.measure.instruments import Instruments
 from runner.measure.timing import (
     DATA_WAIT_FRAC,
@@ -310,3 +312,107 @@ def test_the_compile_count_grows_when_torch_compile_compiles():
     reused = compile_count()
     double(torch.ones(3))
     assert compiled > before and reused == compiled and compile_count() > reused
+
+
+# ---- device_busy_frac (runner.measure.busy) --------------------------------------------------
+@pytest.mark.parametrize(
+    "intervals,length",
+    [
+        ([], 0.0),
+        ([(0.0, 1.0)], 1.0),
+        ([(0.0, 1.0), (2.0, 3.0)], 2.0),  # a gap between: both
+        ([(0.0, 2.0), (1.0, 3.0)], 3.0),  # overlapping (two streams): once
+        ([(0.0, 4.0), (1.0, 2.0)], 4.0),  # one inside another
+        ([(2.0, 3.0), (0.0, 1.0), (0.5, 2.5)], 3.0),  # out of order, chained
+        ([(0.0, 1.0), (1.0, 2.0)], 2.0),  # touching
+        ([(1.0, 1.0), (3.0, 2.0)], 0.0),  # empty and reversed: nothing
+    ],
+)
+def test_the_busy_time_is_the_union_of_the_intervals(intervals, length):
+    assert busy.union_length(intervals) == pytest.approx(length)
+
+
+def test_the_busy_share_is_the_union_over_the_wall_time():
+    kernels = [(0.0, 30.0), (10.0, 40.0), (60.0, 70.0)]  # µs: 50 busy of 100
+    assert busy.busy_fraction(kernels, 100.0) == pytest.approx(0.5)
+    assert busy.busy_fraction(kernels, 40.0) == 1.0  # (clocks a little apart: at most 1)
+    assert math.isnan(busy.busy_fraction(kernels, 0.0))
+
+
+def test_a_host_bound_step_is_a_finding_that_names_the_levers_and_their_gain():
+    said = busy.busy_finding(0.25, 5)
+    assert said.startswith(
+        "The GPU was busy 25% of 5 steps after the warm-up (device_busy_frac 0.25, below 0.8): "
+        "the host, launching the step's kernels one by one, sets the pace, not the GPU"
+    )
+    assert "At most 4.0x is to be had here (the step at the GPU's own pace)" in said
+    assert "trainer.cuda_graphs=step (the whole step replayed as one CUDA graph, its launches " in (
+        said
+    )
+    assert "1.2-3x on launch-bound steps, per NVIDIA's CUDA graphs guide" in said
+    assert "trainer.compile=true (fewer, fused kernels" in said
+    assert "trainer.batch_size (a larger one: more work per launch" in said
+    # a lever already on is not named again; a busy device is no finding
+    on = busy.busy_finding(0.5, 5, on=[busy.GRAPHS])
+    assert "trainer.cuda_graphs=step" not in on and "trainer.compile=true" in on
+    assert busy.busy_finding(0.8, 5) is None and busy.busy_finding(0.95, 5) is None
+    assert busy.busy_finding(math.nan, 5) is None
+
+
+def _profiled_steps(instrument, steps: int, work, epoch_end_at: int = 0) -> Instruments:
+    """`steps` training steps (each `work()`) watched by `instrument` alone, the epoch's steps
+    done after `epoch_end_at` of them where given."""
+    instruments = Instruments(instrument)
+    for step in range(1, steps + 1):
+        with instruments.step(step):
+            work()
+        if step == epoch_end_at:
+            instruments.steps_done()
+    return instruments
+
+
+def _matmuls() -> None:
+    a = torch.randn(192, 192)
+    for _ in range(10):
+        a = torch.tanh(a @ a)  # (~7 ms on one thread)
+
+
+@pytest.mark.parametrize("idle,low", [(0.0, False), (0.05, True)])
+def test_the_busy_share_is_measured_once_on_its_window_of_steps(idle, low, caplog):
+    """On a CPU the same instrument profiles the CPU's ops (a CUDA device's kernels in a run):
+    steps 3 to 5 of 8, once; steps that compute without a pause keep the device busy, steps that
+    also wait 50 ms for nothing leave it idle most of the time, a finding."""
+    reported: list[tuple[float, int]] = []
+    instrument = busy.BusyInstrument(
+        CPU,
+        3,
+        lambda frac, step: reported.append((frac, step)),
+        steps=3,
+        activity=torch.profiler.ProfilerActivity.CPU,
+        kind=torch.autograd.DeviceType.CPU,
+    )
+
+    def step():
+        _matmuls()
+        time.sleep(idle)
+
+    with caplog.at_level(logging.INFO, logger="runner.measure.busy"):
+        _profiled_steps(instrument, 8, step)
+    ((frac, at),) = reported
+    assert at == 5 and instrument.measured == 3 and instrument.frac == frac
+    assert (frac < 0.5) if low else (frac > 0.5), frac
+    assert ("below 0.8" in caplog.text) == (frac < busy.BUSY_LIMIT)
+    assert "0.8 (" not in caplog.text  # (said at most as 0.79 where below the limit)
+
+
+def test_an_epoch_that_ends_inside_the_window_ends_the_measurement():
+    reported: list[tuple[float, int]] = []
+    instrument = busy.BusyInstrument(
+        CPU,
+        2,
+        lambda frac, step: reported.append((frac, step)),
+        activity=torch.profiler.ProfilerActivity.CPU,
+        kind=torch.autograd.DeviceType.CPU,
+    )
+    _profiled_steps(instrument, 6, _matmuls, epoch_end_at=3)
+    assert [step for _, step in reported] == [3] and instrument.measured == 2
