@@ -281,15 +281,22 @@ def _o1_region(device_type: str, dtype: torch.dtype) -> Iterator[None]:
 
 
 def autocast_context(
-    properties: Properties, device: torch.device | str, patch_functions: bool = False
+    properties: Properties,
+    device: torch.device | str,
+    patch_functions: bool = False,
+    cache_enabled: bool = True,
 ) -> ContextManager:
     """Under patch_torch_functions, `torch.autocast(<device type>, dtype=autocast_dtype)`; with
     `patch_functions` (the Apex facade) Apex's own O1 instead: its function lists, the
     registered functions, the BCE ban (`function_patches`). Without patch_torch_functions, a no-op
-    context."""
+    context. `cache_enabled=False`: autocast casts each weight at every use instead of once per
+    region (the same values): a forward captured in a CUDA graph must not keep cast copies
+    that outlive the capture (torch's CUDA graphs notes)."""
     if not properties.patch_torch_functions:
         return contextlib.nullcontext()
     device_type = torch.device(device).type
     if not patch_functions:
-        return torch.autocast(device_type, dtype=properties.autocast_dtype)
+        return torch.autocast(
+            device_type, dtype=properties.autocast_dtype, cache_enabled=cache_enabled
+        )
     return _o1_region(device_type, properties.autocast_dtype)

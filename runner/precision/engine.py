@@ -178,10 +178,11 @@ class AmpEngine:
         return self._prepared(optimizer).sync_param_groups()
 
     # ---- per step --------------------------------------------------------------------------
-    def autocast(self) -> ContextManager:
+    def autocast(self, cache_enabled: bool = True) -> ContextManager:
         """Context for forward and loss: `torch.autocast` under O1-style properties, else
-        no-op."""
-        return autocast_context(self.properties, self.device)
+        no-op. `cache_enabled=False`: no cast copies kept across the region (a forward captured
+        in a CUDA graph: runner.run.whole_step)."""
+        return autocast_context(self.properties, self.device, cache_enabled=cache_enabled)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """`loss.float() * scale`, ready for `.backward()`; the optimizer's gradients made ready

@@ -6,7 +6,7 @@ what to change when the loop waits for data (README.md beside this file)."""
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
@@ -95,11 +95,15 @@ def timing_instrument(
     logger: Any,
     on_artifact: Optional[ArtifactSink] = None,
     artifact_dir: Optional[Path] = None,
+    captures: Optional[Callable[[], int]] = None,
 ) -> TimingInstrument:
     """The step timer of a trainer (`cfg`: its TrainerConfig; `model`: the model itself).
     `on_artifact`: where its traces of steady step times go (None: none are written: a tuning
     trial, a pre-flight, a rank that writes no files), written beside the diagnostics' folder
-    `artifact_dir` (its sibling `timing/`; None: a temporary folder)."""
+    `artifact_dir` (its sibling `timing/`; None: a temporary folder). `captures`: how many times
+    the whole step was captured in a CUDA graph so far (`trainer.cuda_graphs=step`): a step that
+    captured is left out of the steady figures as a compiling one is (its capture is charged as
+    a compile)."""
     fp8 = getattr(engine, "fp8", None)
     fmt = peaks.compute_format(
         engine.properties.compute_dtypes, fp8 is not None and bool(fp8.converted), model
@@ -118,9 +122,17 @@ def timing_instrument(
         no_peak=no_peak,
         world_size=comm.world_size,
         reduce=reduce if comm.active else None,
-        compiles=compile_count if cfg.compile else None,
+        compiles=_counting(compile_count if cfg.compile else None, captures),
         data_advice=data_advice(loader, device),
         logger=logger,
         on_artifact=on_artifact,
         folder=None if artifact_dir is None else Path(artifact_dir).parent / ARTIFACT_DIR,
     )
+
+
+def _counting(*counts: Optional[Callable[[], int]]) -> Optional[Callable[[], int]]:
+    """One count that grows when any of `counts` (None: not counted) grows."""
+    kept = [count for count in counts if count is not None]
+    if not kept:
+        return None
+    return kept[0] if len(kept) == 1 else lambda: sum(count() for count in kept)

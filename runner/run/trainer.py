@@ -31,7 +31,7 @@ from runner.errors import DataError
 from runner.measure.instruments import Watch
 from runner.measure.memory import MemoryInstrument
 from runner.measure.probes import Stopwatch
-from runner.run import cuda_graphs, fsdp, rng, time_left, watch
+from runner.run import cuda_graphs, fsdp, rng, time_left, watch, whole_step
 from runner.run.batches import limit_batches
 from runner.run.checkpointer import trainer_state
 from runner.run.compile_warmup import audit_eager, compile_warmup
@@ -129,8 +129,9 @@ class Trainer:
         self.layer_plan = getattr(self.engine, "layer_plan", None)
         self.flops_per_sample = parts.flops_per_sample  # counted in planning (None: unknown)
         self.instruments = watch.instruments(self, watch.diagnostics(self), audit=True)
-        # trainer.cuda_graphs: the clip and step captured once, then replayed (None: eager)
+        # trainer.cuda_graphs: the clip and step (optimizer), the whole step (step), replayed
         self.step_graph = cuda_graphs.step_graph(cfg, self.engine, self.optimizer, self.module)
+        self.whole_step = whole_step.whole_step(self)
 
     # ---- one step ---------------------------------------------------------------------------
     def train_step(
@@ -140,27 +141,41 @@ class Trainer:
         `more` batches, each loss divided by their count so that the gradients are those of
         their mean; watched by the instruments due at it (which observe the first batch's
         forward and backward). Returns the loss (the mean over the batches; fp32, detached, on
-        the device). With `trainer.cuda_graphs` the clip and step are a replayed graph's
-        (runner.run.cuda_graphs)."""
+        the device). With `trainer.cuda_graphs=optimizer` the clip and step are replayed
+        (runner.run.cuda_graphs); with `step` the whole step, where runner.run.whole_step can."""
         with self.instruments.step(self.global_step + 1) as watch:
-            batches, losses = ((x, y), *more), []
-            for x, y in batches:  # (accumulating: several, each loss a share of their mean)
-                with self._accumulating(len(losses), len(batches), watch):
-                    with self.engine.autocast():
-                        loss = self.task.loss(self.criterion, self.model(x), y)
-                    self.engine.backward(loss / len(batches) if more else loss)
-                losses.append(loss.detach().float())
-            if self.step_graph is not None:  # clip and step, replayed (runner.run.cuda_graphs)
-                stepped = self.step_graph()
+            graph = self.whole_step
+            taken = graph(x, y, watch) if graph is not None and not more else None
+            if taken is None:
+                loss, stepped = self._eager_step(((x, y), *more), watch)
             else:
-                if self.cfg.grad_clip_norm:
-                    self.engine.clip_grad_norm_(self.cfg.grad_clip_norm, self.optimizer)
-                stepped = self.engine.step(self.optimizer, wait=False)  # (a device verdict)
+                loss, stepped = taken
+                watch.after_backward()
             watch.after_step(stepped)
             self._step_scheduler(stepped)
-            self.engine.zero_grad(self.optimizer)
-        loss = torch.stack(losses).mean() if more else losses[0]
+            if taken is None:  # (a graph's gradients are its own: refilled by each replay)
+                self.engine.zero_grad(self.optimizer)
         return self.guard.after_step(loss, stepped)
+
+    def _eager_step(
+        self, batches: tuple[tuple[torch.Tensor, torch.Tensor], ...], watch: Watch
+    ) -> tuple[torch.Tensor, bool | torch.Tensor]:
+        """Forward and backward over the step's batches (accumulating: several, each loss a
+        share of their mean), then clip and step: (the loss, the engine's verdict)."""
+        losses = []
+        for x, y in batches:
+            with self._accumulating(len(losses), len(batches), watch):
+                with self.engine.autocast():
+                    loss = self.task.loss(self.criterion, self.model(x), y)
+                self.engine.backward(loss / len(batches) if len(batches) > 1 else loss)
+            losses.append(loss.detach().float())
+        if self.step_graph is not None:  # clip and step, replayed (runner.run.cuda_graphs)
+            stepped = self.step_graph()
+        else:
+            if self.cfg.grad_clip_norm:
+                self.engine.clip_grad_norm_(self.cfg.grad_clip_norm, self.optimizer)
+            stepped = self.engine.step(self.optimizer, wait=False)  # (a device verdict)
+        return (torch.stack(losses).mean() if len(losses) > 1 else losses[0]), stepped
 
     @contextlib.contextmanager
     def _accumulating(self, index: int, count: int, watch: Watch) -> Iterator[None]:
@@ -190,11 +205,9 @@ class Trainer:
     def _step_scheduler(self, stepped: bool | torch.Tensor) -> None:
         if self.scheduler is None:
             return
-        if stepped is True:  # (a device verdict is not read: the warning is muted either way)
-            self.scheduler.step()
-            return
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=_SCHEDULER_ORDER_WARNING)
+            if stepped is not True:  # (a device verdict is not read: muted either way)
+                warnings.filterwarnings("ignore", message=_SCHEDULER_ORDER_WARNING)
             self.scheduler.step()
 
     # ---- epochs -----------------------------------------------------------------------------
@@ -219,16 +232,8 @@ class Trainer:
         measured (once). Returns whether the run is asked to stop."""
         mean = self.comm.sum_(window / count) / self.comm.world_size
         guard = self.guard
-        flags = self.comm.max_(
-            torch.stack(
-                [
-                    guard.bad_loss_streak.to(window.dtype),
-                    guard.skips.to(window.dtype),
-                    self._stop_flag().to(window.dtype),
-                    guard.bad_inputs.to(window.dtype),
-                ]
-            )
-        )
+        read = (guard.bad_loss_streak, guard.skips, self._stop_flag(), guard.bad_inputs)
+        flags = self.comm.max_(torch.stack([t.to(window.dtype) for t in read]))
         value, bad_losses, skips, stop, bad_inputs = torch.cat([mean.reshape(1), flags]).tolist()
         guard.inputs_read(int(bad_inputs), self.global_step)
         guard.check_skips(self.global_step, int(skips))
@@ -332,11 +337,6 @@ class Trainer:
         if group:  # (a loader that ran out before the batches it counted)
             yield done, group
 
-    def _rss(self) -> dict[str, float]:
-        """On a CPU: `rss_growth_mb`, the process's resident-memory growth."""
-        rss = self.memory.rss_growth_mb()
-        return {} if rss is None else {m.RSS_GROWTH_MB: rss}
-
     def fit(self) -> FitResult:
         """Train the epochs left (a resumed run's, from where it stopped), each validated,
         measured, logged and checkpointed; then the task's best and the run's training time."""
@@ -427,14 +427,16 @@ class Trainer:
             m.LOSS_SCALE: self.engine.loss_scale,
             m.SKIPPED_STEPS: float(self.engine.skipped_steps),
             **self.instruments.epoch_metrics(),  # memory by kind, once per measurement
-            **self._rss(),
+            # on a CPU: `rss_growth_mb`, the process's resident-memory growth
+            **({} if (rss := self.memory.rss_growth_mb()) is None else {m.RSS_GROWTH_MB: rss}),
         }
 
     def _finish(self) -> FitResult:
         """After the last epoch: the task's best and the training time logged, and returned
         with the epochs' history and the mean steady throughput."""
-        if self.step_graph is not None:
-            log.info(self.step_graph.summary())
+        graphs = self.step_graph or self.whole_step
+        if graphs is not None:
+            log.info(graphs.summary())
         train_time = self.elapsed_before + time.perf_counter() - self.fit_started
         best = self.best if not math.isinf(self.best) else math.nan
         self.context.on_metrics(

@@ -7,6 +7,7 @@ diagnosed ones)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any, Optional
 
 from runner.errors import LayerPlanError
@@ -15,7 +16,7 @@ from runner.measure.diagnostics import run_formats
 from runner.measure.instruments import Instruments
 from runner.measure.memory import MB, MemoryInstrument
 from runner.measure.run_diagnostics import RangeInstrument, RunDiagnostics
-from runner.run import fsdp
+from runner.run import cuda_graphs, fsdp
 from runner.run.step_timing import timing_instrument
 from runner.tracking import metrics as m
 
@@ -55,6 +56,7 @@ def instruments(trainer: Any, ranges: Optional[RunDiagnostics], audit: bool) -> 
         logger=log,
         on_artifact=context.on_artifact,  # (the steady step times: speed-up intervals)
         artifact_dir=context.artifact_dir,
+        captures=_captures(trainer),
     )
     extra = (
         (lambda: {m.MEM_ALLGATHER_MB: fsdp.allgather_bytes(module) / MB})
@@ -82,3 +84,11 @@ def instruments(trainer: Any, ranges: Optional[RunDiagnostics], audit: bool) -> 
             logger=log,
         )
     return Instruments(timing, memory, probe, layers)
+
+
+def _captures(trainer: Any) -> Optional[Callable[[], int]]:
+    """With `trainer.cuda_graphs=step`: how many times the whole step was captured so far (the
+    trainer's graph, read at each step: it is made after the instruments)."""
+    if cuda_graphs.mode(trainer.cfg.cuda_graphs) != cuda_graphs.STEP:
+        return None
+    return lambda: trainer.whole_step.captures if trainer.whole_step is not None else 0

@@ -10,8 +10,11 @@ import pytest
 import torch
 from torch import nn
 
-from runner.measure.instruments import IDLE
+from runner.measure.busy import BusyInstrument
+from runner.measure.instruments import IDLE, Watch
+from runner.measure.memory import MemoryInstrument
 from runner.run.trainer import Trainer
+from runner.run.whole_step import WholeStepGraph
 from tests.helpers.trainer import make_trainer
 
 
@@ -122,8 +125,56 @@ def test_the_step_is_six_calls_on_one_screen():
     source = inspect.getsource(Trainer.train_step)
     body = source.split('"""')[2].strip().splitlines()  # after the docstring
     assert len(body) <= 20, source
+    # (the forward, backward, clip and step of an eager step: beside a whole-step graph's)
+    source += inspect.getsource(Trainer._eager_step)
     calls = ["self.model(x)", "backward(", "clip_grad_norm_(", "self.engine.step(", "scheduler("]
     assert all(call in source for call in calls) and "zero_grad(" in source
+
+
+# ---- trainer.cuda_graphs=step: which steps the graph takes (the replay itself: tests/gpu) ----
+def test_the_whole_step_graph_is_made_only_for_its_mode():
+    for value in (False, True, "optimizer"):
+        trainer, _ = make_trainer("O0", {}, cuda_graphs=value)
+        assert trainer.whole_step is None
+    trainer, _ = make_trainer("O0", {}, cuda_graphs="step", grad_clip_norm=1.0)
+    graph = trainer.whole_step
+    assert isinstance(graph, WholeStepGraph) and trainer.step_graph is None
+    assert (graph.batch_size, graph.clip_norm, graph.model) == (16, 1.0, trainer.model)
+
+
+def test_a_watched_step_and_another_shape_run_eagerly_beside_the_graph():
+    """The graph takes a full batch at a step only instruments that hook nothing watch (the
+    step timer, the busy share); a step the memory meter watches (its hooks and saved-tensor
+    meter would see no replay), and the epoch's last, partial batch, run eagerly: on a CPU the
+    eager path is all there is to run, and counts as beside the graph."""
+    trainer, _ = make_trainer("O0", {}, cuda_graphs="step")
+    graph = trainer.whole_step
+    x, y = next(iter(trainer.train_loader))
+    first = trainer.instruments.step(1)
+    assert any(isinstance(i, MemoryInstrument) for i in first.instruments)
+    assert not graph.takes(x, y, first)
+    loss = trainer.train_step(x, y)  # (eager: the meter watches it)
+    assert torch.isfinite(loss) and (graph.beside, graph.eager_steps, graph.replays) == (1, 0, 0)
+    usual = trainer.instruments.step(2)  # (the step timer alone: it marks, hooks nothing)
+    assert [type(i).__name__ for i in usual.instruments] == ["TimingInstrument"]
+    assert graph.takes(x, y, usual)
+    assert not graph.takes(x[:5], y[:5], usual)  # (a partial batch: another shape)
+    busy = BusyInstrument(torch.device("cpu"), 1, lambda frac, step: None)
+    assert graph.takes(x, y, Watch(2, [*usual.instruments, busy]))  # (replayable)
+    memory = trainer.instruments.find(MemoryInstrument)
+    assert not graph.takes(x, y, Watch(2, [*usual.instruments, memory]))
+
+
+def test_once_captured_the_graph_takes_batches_laid_out_as_the_captured_one():
+    trainer, _ = make_trainer("O0", {}, cuda_graphs="step")
+    graph = trainer.whole_step
+    x, y = next(iter(trainer.train_loader))
+    graph.inputs, graph.graph = (x.clone(), y.clone()), object()  # (as a capture leaves them)
+    usual = Watch(2, trainer.instruments.all[:1])  # (the step timer alone)
+    assert graph.takes(x.clone(), y.clone(), usual)
+    assert not graph.takes(x.contiguous(memory_format=torch.channels_last), y, usual)
+    assert not graph.takes(x.double(), y, usual)
+    assert not graph.takes(x, y[:-1], usual)
 
 
 def test_instruments_are_due_only_on_their_steps_and_a_usual_step_costs_a_shared_watch():
