@@ -30,7 +30,7 @@ from runner.config import mistakes
 from runner.measure.timing import SAMPLES_PER_S
 from runner.precision import Resolution, layers
 from runner.precision.checks import DeviceInfo, state_findings
-from runner.run import distributed, failure, out_of_memory, time_left, tune
+from runner.run import distributed, failure, out_of_memory, time_left, tune, watch
 from runner.run.build import build, shape_findings, sharded
 from runner.run.checkpointer import Checkpointer
 from runner.run.context import RunContext
@@ -226,13 +226,15 @@ def fit(
             record_tuning(tracked, plan, comm, tuning, result.epochs)
     if comm.is_main:
         speed = parts.task.run_speed(result.epochs)  # (the epochs' means, with their spread)
+        busy = watch.busy_frac(trainer)  # (a CUDA device's busy share; None elsewhere)
         log.info(
-            "Finished %s: %s %.4f in %s%s.\n%s",
+            "Finished %s: %s %.4f in %s%s%s.\n%s",
             plan.run_name,
             result.objective.replace("_", " ", 1),
             result.best,
             time_left.took(result.train_time_s),
             f", {speed}" if speed else " (no steady step: see the warm-up above)",
+            "" if busy is None else f", device busy {busy:.0%}",
             tracker.hint(),
         )
     return result.best

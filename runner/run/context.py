@@ -24,6 +24,11 @@ class Checkpoints(Protocol):
     def save(self, state: dict) -> Optional[str]: ...
 
 
+def nowhere(metrics, step) -> None:
+    """The metrics sink of a trainer whose metrics go nowhere (a tuning trial, a pre-flight):
+    what only a run's record would show (the device's busy share) is not measured for it."""
+
+
 @dataclass
 class RunContext:
     """Where the trainer's results go and what it answers to, in one object: the metrics sink
@@ -32,7 +37,7 @@ class RunContext:
     it writes (the diagnostics; e.g. Run.log_file), written under `artifact_dir` (None: a
     temporary folder, removed when the process exits; a run names its own)."""
 
-    on_metrics: MetricsSink = field(default=lambda metrics, step: None)  # (nowhere)
+    on_metrics: MetricsSink = field(default=nowhere)
     comm: Comm = field(default_factory=Comm)
     checkpointer: Optional[Checkpoints] = None
     stop: Optional[StopRequest] = None

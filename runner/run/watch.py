@@ -1,8 +1,9 @@
 """What watches a trainer's steps: the instruments of runner.measure (entered once a step), given
 what the trainer knows. The step timer (every step: runner.run.step_timing), memory by kind (until
 a step that stepped was measured), the range probe of `trainer.diagnose_every_n_steps` (on the
-steps it diagnoses) and, with a layer plan, the layer audit (the first step unless compiled, and the
-diagnosed ones)."""
+steps it diagnoses), with a layer plan the layer audit (the first step unless compiled, and the
+diagnosed ones) and, on a CUDA device, the device's busy share (a few steps after the warm-up,
+once: `device_busy_frac`)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 from runner.errors import LayerPlanError
+from runner.measure import busy
 from runner.measure.audit import AuditInstrument, never
 from runner.measure.diagnostics import run_formats
 from runner.measure.instruments import Instruments
 from runner.measure.memory import MB, MemoryInstrument
 from runner.measure.run_diagnostics import RangeInstrument, RunDiagnostics
 from runner.run import cuda_graphs, fsdp
+from runner.run.context import nowhere
 from runner.run.step_timing import timing_instrument
 from runner.tracking import metrics as m
 
@@ -83,7 +86,7 @@ def instruments(trainer: Any, ranges: Optional[RunDiagnostics], audit: bool) -> 
             on_artifact=context.on_artifact,
             logger=log,
         )
-    return Instruments(timing, memory, probe, layers)
+    return Instruments(timing, memory, probe, layers, busy_instrument(trainer))
 
 
 def _captures(trainer: Any) -> Optional[Callable[[], int]]:
@@ -92,3 +95,26 @@ def _captures(trainer: Any) -> Optional[Callable[[], int]]:
     if cuda_graphs.mode(trainer.cfg.cuda_graphs) != cuda_graphs.STEP:
         return None
     return lambda: trainer.whole_step.captures if trainer.whole_step is not None else 0
+
+
+def busy_instrument(trainer: Any) -> Optional[busy.BusyInstrument]:
+    """On a CUDA device, where the run's metrics go somewhere (not a tuning trial's), on its
+    main process: the device's busy share of a few steps after the session's warm-up (and the
+    whole step's capture, `trainer.cuda_graphs=step`), logged once as `device_busy_frac`."""
+    context, cfg = trainer.context, trainer.cfg
+    if trainer.device.type != "cuda" or context.on_metrics is nowhere or not trainer.comm.is_main:
+        return None
+    on = [busy.GRAPHS] if cuda_graphs.mode(cfg.cuda_graphs) == cuda_graphs.STEP else []
+    on += [busy.COMPILE] if cfg.compile else []
+    first = max(cfg.warmup_steps, cuda_graphs.WARMUP_STEPS + 1) + 2
+
+    def report(frac: float, step: int) -> None:
+        context.on_metrics({m.DEVICE_BUSY_FRAC: frac}, step)
+
+    return busy.BusyInstrument(trainer.device, first, report, on=on, logger=log)
+
+
+def busy_frac(trainer: Any) -> Optional[float]:
+    """The device's busy share `trainer` measured (None: not measured, or not yet)."""
+    found = trainer.instruments.find(busy.BusyInstrument)
+    return None if found is None else found.frac

@@ -29,6 +29,9 @@ RSS_GROWTH_MB = "rss_growth_mb"  # on a CPU: the process's resident-memory growt
 
 # once per run
 COMPILE_TIME_S = "compile_time_s"  # torch.compile's first step (not in epoch_time_s)
+# on a CUDA device: the share of a few steps after the warm-up in which the GPU ran anything
+# (runner.measure.busy; below 0.8 the host's launches bound the step: a finding names the levers)
+DEVICE_BUSY_FRAC = "device_busy_frac"
 TUNE_TIME_S = "tune_time_s"  # trainer.tune's measuring before the run built its parts (step 0)
 BATCHNORM_LAYERS = "model.batchnorm_layers"  # a param: the model's BatchNorm layers, counted once
 FLOPS_PER_SAMPLE = "model.flops_per_sample"  # a param: training FLOPs per sample, counted once

@@ -33,6 +33,7 @@ from runner.measure.timing import (
     TimingInstrument,
     percentile,
 )
+from runner.tracking import metrics as m
 
 CPU = torch.device("cpu")
 
@@ -434,3 +435,21 @@ def test_an_epoch_that_ends_inside_the_window_ends_the_measurement():
     )
     _profiled_steps(instrument, 6, _matmuls, epoch_end_at=3)
     assert [step for _, step in reported] == [3] and instrument.measured == 2
+
+
+def test_a_cpu_run_measures_no_busy_share_and_logs_none(tmp_path, capsys):
+    """The busy share is a CUDA device's: a CPU run has no such instrument, logs no
+    device_busy_frac and says none in its summary line."""
+    from tests.helpers.runs import FAST, run_in_process
+    from tests.helpers.store import only_run
+    from tests.helpers.trainer import make_trainer
+
+    trainer, _ = make_trainer("O0", {})
+    assert trainer.instruments.find(busy.BusyInstrument) is None
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert run_in_process(*FAST, f"mlflow.tracking_uri={uri}") == 0
+    _, run = only_run(uri)
+    assert "samples_per_s" in run.data.metrics and m.DEVICE_BUSY_FRAC not in run.data.metrics
+    output = "".join(capsys.readouterr()).splitlines()
+    (finished,) = [line for line in output if " - Finished tiny-O0: " in line]
+    assert "samples/s steady" in finished and "device busy" not in finished
