@@ -4,7 +4,8 @@ After the config is checked (its plan made) and before the run's plan is made, `
 times candidates on the run's own model, batch, device and level (runner.run.tune_measure):
 channels_last (models with convolutions), cudnn.benchmark (CUDA), the fused kernels or torch's ops
 (where the kernels are built), torch.compile, default then max-autotune (where the run's steps
-repay its compile time).
+repay its compile time), the whole step replayed as a CUDA graph (CUDA, where planning's refusals
+allow it for the run; its capture charged as a compile).
 Each is tried on top of the fastest so far, where what it is expected to take fits what is left of
 `trainer.tune_budget_s` (a compile cannot be stopped once started); the fastest whose first-step
 loss is within the level's tolerance of the untuned one wins. The chosen settings are the input
@@ -30,8 +31,9 @@ import torch
 from omegaconf import OmegaConf
 
 from runner.config import TUNABLE
-from runner.config.values import override_text
-from runner.run import out_of_memory, rng, tune_cache, tune_data, tune_given
+from runner.config.values import override_text, with_values
+from runner.errors import ConfigError
+from runner.run import cuda_graphs, out_of_memory, rng, tune_cache, tune_data, tune_given
 from runner.run.distributed import Comm
 from runner.run.plan import RunPlan
 from runner.run.tune_decision import DEFAULTS, Tuning, named
@@ -59,6 +61,9 @@ ON_SHARE, ON_LEAST_S = 0.25, 15.0
 COMPILE_GAIN = 0.15  # compile is tried where this share of the run's time repays the guess
 REPAID = "steps repay"  # (the end of a row's note: the run would not repay its compile)
 OUT_OF_MEMORY = "refused: out of memory"  # (a candidate's note: the untuned settings fit)
+GRAPHS = "trainer.cuda_graphs"
+STEP_GRAPH = {GRAPHS: cuda_graphs.STEP}  # the candidate: the whole step replayed
+NOT_CAPTURED = "refused: cannot be captured"  # (a graph candidate's note: a refusal's reasons)
 
 
 # ---- what may be tuned -----------------------------------------------------------------------
@@ -144,9 +149,9 @@ def _decide(
         )
         return None
     free = [k for k in TUNABLE if k not in given]
-    for key in ("trainer.cudnn_benchmark", tune_data.PIN):
+    for key in ("trainer.cudnn_benchmark", tune_data.PIN, GRAPHS):
         if device.type != "cuda" and key in free:
-            free.remove(key)  # (no cuDNN, no copy to a GPU: nothing to measure)
+            free.remove(key)  # (no cuDNN, no copy to a GPU, no CUDA graph: nothing to measure)
     if not free:
         log.info("trainer.tune: nothing to tune: every tunable setting was given")
         return None
@@ -307,6 +312,8 @@ def _measure_all(
         if not note and kind == "autotune" and repays is not None and expected > repays:
             note = f"skipped: compiling with max-autotune would take ~{expected:.0f} s, more "
             note += f"than {steps} {REPAID}"
+        refused = _graph_refusals(plan, device, trial)
+        note = f"{NOT_CAPTURED}: {'; '.join(refused)}" if refused else note
         if note:
             row = Row(trial, note=note)
         else:
@@ -337,6 +344,10 @@ def _measured(
     measured first, fit: its layout or its compile needs more); its memory is freed first."""
     try:
         return measure(plan, trial, device, counts)
+    except ConfigError as error:  # (a step the capture found it cannot hold: a host read)
+        if error.key != GRAPHS:
+            raise
+        return Row(dict(trial), note=f"{NOT_CAPTURED}: {error.problem}")
     except Exception as error:
         if not out_of_memory.is_out_of_memory(error):
             raise
@@ -417,7 +428,22 @@ def _alternatives(
             if "trainer.compile_mode" in free and device.type == "cuda" and not graphs:
                 autotune = {"trainer.compile": True, "trainer.compile_mode": MAX_AUTOTUNE}
                 out.append((autotune, guess))
+    # the whole step replayed: last, instead of a compile (the other route to its graphs)
+    graph = {**STEP_GRAPH, **({"trainer.compile": False} if "trainer.compile" in free else {})}
+    if GRAPHS in free and device.type == "cuda" and not _graph_refusals(plan, device, graph):
+        steps_s = (base.steady_ms or 0.0) / 1e3  # (its warm-up's and capture's extra steps)
+        out.append((graph, (cuda_graphs.WARMUP_STEPS + 1) * steps_s))
     return out
+
+
+def _graph_refusals(plan: RunPlan, device: torch.device, settings: Mapping[str, Any]) -> list:
+    """Why planning would refuse `trainer.cuda_graphs` for the run with `settings` (a
+    candidate's, on top of the fastest so far), as it refuses a run given them by hand; empty
+    where they hold none (or no graph)."""
+    if cuda_graphs.mode(settings.get(GRAPHS, False)) == cuda_graphs.OFF:
+        return []
+    cfg = with_values(plan.cfg, settings)
+    return cuda_graphs.refusals(cfg, plan.properties, plan.task, device)
 
 
 def _decision(
@@ -445,6 +471,8 @@ def _decision(
             reasons[key] = f"tuned: {speedup:.2f}x the untuned steady step{together}"
         elif not tried:
             reasons[key] = "kept: not a candidate for this run"
+        elif any(r.note.startswith(NOT_CAPTURED) for r in tried):
+            reasons[key] = "kept: the step cannot be captured in a CUDA graph here (refused)"
         elif any(r.note == OUT_OF_MEMORY for r in tried):
             reasons[key] = "kept: the other value ran out of memory (refused)"
         elif any(r.note.startswith("refused") for r in tried):

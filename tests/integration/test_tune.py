@@ -627,6 +627,67 @@ def test_a_compile_skipped_as_not_repaid_is_tried_only_by_a_longer_run():
     assert tune._untried(plan, cuda, free, rows, 10**8)
 
 
+# ---- trainer.cuda_graphs=step: a candidate on CUDA, where planning would allow it -----------
+GRAPH = {"trainer.cuda_graphs": "step", "trainer.compile": False}
+
+
+def _graph_offered(device: torch.device, *overrides: str) -> bool:
+    """Whether tuning the run of `overrides` on `device` tries the whole step as a CUDA graph
+    (the candidate list only: nothing runs on the device)."""
+    plan = make_plan(compose_config(*ON, *overrides))
+    free = [k for k in TUNABLE if k not in tune.given_keys(plan.cfg, list(overrides))]
+    base = tune_measure.Row({}, steady_ms=10.0)
+    return any(
+        tune.GRAPHS in settings
+        for settings, _ in tune._alternatives(plan, device, free, 10**6, base)
+    )
+
+
+def test_the_whole_step_graph_is_no_candidate_on_a_cpu(caplog):
+    """No CUDA graph on a CPU: the key is not tuned there (nothing to measure), as cuDNN's."""
+    assert not _graph_offered(CPU, "scheduler=none")
+    _, tuning = tuned(*ON)
+    assert tuning.reasons[tune.GRAPHS] == "not tuned: nothing to measure on this device"
+    assert not any(tune.GRAPHS in row.settings for row in tuning.rows)
+
+
+def test_planning_s_refusals_gate_the_whole_step_candidate_on_cuda():
+    """On CUDA the candidate is tried, instead of a compile, only where planning would take the
+    run given `trainer.cuda_graphs=step` by hand: not with a schedule that sets a new rate at
+    every step for torch's own optimizer (O0's SGD), with accumulation, or with a given
+    compile."""
+    cuda = torch.device("cuda")
+    assert _graph_offered(cuda, "scheduler=none")
+    assert _graph_offered(cuda, "precision=o2", "scheduler=cosine")  # (the kernels read it)
+    assert not _graph_offered(cuda, "scheduler=cosine")  # (O0: torch's SGD holds the rate)
+    assert not _graph_offered(cuda, "scheduler=none", "trainer.accumulate_grad_batches=2")
+    assert not _graph_offered(cuda, "scheduler=none", "trainer.compile=true")
+    plan = make_plan(compose_config(*ON, "precision=o2", "scheduler=none"))
+    given = [k for k in TUNABLE if k != tune.GRAPHS]  # (the user gave trainer.cuda_graphs)
+    base = tune_measure.Row({}, steady_ms=10.0)
+    assert not any(tune.GRAPHS in c for c, _ in tune._alternatives(plan, cuda, given, 10**6, base))
+    on_top = {**GRAPH, "precision.kernels": "torch"}  # (over the fastest so far: torch's ops)
+    assert tune._graph_refusals(plan, cuda, GRAPH) == []
+    (reason,) = tune._graph_refusals(plan, cuda, on_top)
+    assert "torch's own optimizer step waits for the overflow flag on the host" in reason
+
+
+def test_a_graph_candidate_that_cannot_be_captured_keeps_the_default_saying_why():
+    plan = make_plan(compose_config(*ON))
+    rows = [
+        tune_measure.Row({}, steady_ms=16.0),
+        tune_measure.Row(GRAPH, note=f"{tune.NOT_CAPTURED}: the model reads a value on the host"),
+    ]
+    tuning = tune._decision(plan, rows, [tune.GRAPHS, "trainer.compile"], set(), 1000, "measured")
+    assert tuning.chosen == 0
+    assert tuning.reasons[tune.GRAPHS] == (
+        "kept: the step cannot be captured in a CUDA graph here (refused)"
+    )
+    faster = [rows[0], tune_measure.Row(GRAPH, steady_ms=8.0, compile_s=0.5, loss=2.3)]
+    chosen = tune._decision(plan, faster, [tune.GRAPHS, "trainer.compile"], set(), 1000, "m")
+    assert chosen.settings[tune.GRAPHS] == "step" and chosen.picked() == "cuda_graphs=step"
+
+
 def test_the_processs_one_time_work_is_charged_to_no_candidate(monkeypatch):
     """On a GPU the process's one-time work (its first CUDA work, cuDNN's search) falls on the
     first run it times: ResNet-50's untuned settings took 17-21 s on an H200. Here the first
@@ -703,7 +764,7 @@ def test_a_tuned_run_is_planned_as_the_run_given_its_settings_by_hand(cache, mon
     assert any("without torch.compile" in f.message for f in given.resolution.findings)
     # the cached decision: compile is ten times faster, the other candidates gain nothing
     free = [k for k in TUNABLE if k not in tune.given_keys(given.cfg, command)]
-    free = [k for k in free if k not in ("trainer.cudnn_benchmark", tune_data.PIN)]  # (a CPU)
+    free = [k for k in free if k not in ("trainer.cudnn_benchmark", tune_data.PIN, tune.GRAPHS)]
     facts = tune._facts(given, CPU, free)
     candidates = [{}, {"trainer.channels_last": True}, {"precision.kernels": "torch"}]
     rows = [tune_measure.Row(c, steady_ms=100.0, loss=2.3) for c in candidates]
