@@ -123,11 +123,7 @@ def _fixed_rules() -> list[Rule]:
         ),
         ("trainer.checkpoint_dir", lambda v: bool(v and v.strip()), "a folder path"),
         ("trainer.compile_mode", one_of(COMPILE_MODES), ", ".join(COMPILE_MODES)),
-        (
-            "trainer.cuda_graphs",
-            lambda v: isinstance(v, bool) or v in CUDA_GRAPHS[1:],
-            ", ".join(CUDA_GRAPHS) + " (true: optimizer)",
-        ),
+        ("trainer.cuda_graphs", _graphs_mode, ", ".join(CUDA_GRAPHS) + " (true: optimizer)"),
         ("trainer.tune", one_of(TUNE_CHOICES), ", ".join(TUNE_CHOICES)),
         ("trainer.tune_budget_s", optional(positive), "null or a finite number of seconds > 0"),
         (
@@ -155,6 +151,11 @@ def _fixed_rules() -> list[Rule]:
             "0 (off) or a number of seconds >= 0.1",
         ),
     ]
+
+
+def _graphs_mode(value: Any) -> bool:
+    """trainer.cuda_graphs: a bool as Hydra reads true/false (true: optimizer), or a mode."""
+    return isinstance(value, bool) or value in CUDA_GRAPHS[1:]
 
 
 def setting_problem(key: str, value: Any) -> Optional[str]:
