@@ -127,7 +127,7 @@ def test_overflowing_steps_are_skipped_inside_the_graph_as_eagerly():
     counters = [float(s["step"]) for s in trainer.optimizer.state.values() if "step" in s]
     eager_counters = [float(s["step"]) for s in eager_trainer.optimizer.state.values()]
     assert counters == eager_counters and counters[0] == STEPS - skipped
-    assert graph.replays >= STEPS - 12, graph.summary()
+    assert graph.replays >= STEPS - 20, graph.summary()  # (the first overflows: eager, watched)
 
 
 @pytest.mark.gpu
