@@ -58,8 +58,11 @@ MEMORY_TOTAL = TOTAL_METRIC
 # the step timer's (runner.measure.timing): reported where a run logged them, never listed as
 # missing (runs made before them, a CPU run's mfu)
 TIMING_METRICS = {MFU: "mfu", WARMUP_TIME_S: "warm-up"}
-# how busy the (first) GPU was: MLflow's system metric, the mean over the run's samples
-DEVICE_BUSY = "system/gpu_0_utilization_percentage"
+# how busy the (first) GPU was, in percent: the run's `device_busy_frac` (its profiled steps:
+# runner.measure.busy) where it logged one, else MLflow's system metric, the mean over the run's
+# samples (NVML's share of time a kernel ran)
+DEVICE_BUSY = "device_busy_pct"
+SYSTEM_GPU_BUSY = "system/gpu_0_utilization_percentage"
 # how far from its O0 run's best a run's validation counts as reaching it (`--target-gap`):
 # accuracy points below (0.01: one point), or a language model's nats per token above
 TARGET_GAP = 0.01

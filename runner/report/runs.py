@@ -18,12 +18,14 @@ from runner.report.analysis import (
     MEMORY_METRICS,
     MEMORY_TOTAL,
     METRICS,
+    SYSTEM_GPU_BUSY,
     Row,
     describe_dtype,
 )
 from runner.tracking import metrics as m
 from runner.tracking import tags as tag
 from runner.tracking.base import Reader, RunNotFound, RunRecord
+from runner.tracking.metrics import DEVICE_BUSY_FRAC
 from runner.tracking.varying import ACCUMULATE, params_of
 
 
@@ -203,8 +205,10 @@ def to_row(reader: Reader, run: RunRecord) -> Row:
                 row.metrics[name] = sum(spread) / len(spread)
     if row.steady:  # the steady steps' times (runs made before the traces: none, no interval)
         row.traces = step_trace.read_all(reader.artifact_texts(run.run_id, step_trace.ARTIFACT_DIR))
-    if DEVICE_BUSY in run.metrics:  # how busy the GPU was, over the run's samples
-        busy = [v for _, v in reader.history(run.run_id, DEVICE_BUSY)]
+    if DEVICE_BUSY_FRAC in run.metrics:  # the run's own measure (profiled steps), in percent
+        row.metrics[DEVICE_BUSY] = 100 * run.metrics[DEVICE_BUSY_FRAC]
+    elif SYSTEM_GPU_BUSY in run.metrics:  # else NVML's, over the run's samples
+        busy = [v for _, v in reader.history(run.run_id, SYSTEM_GPU_BUSY)]
         row.metrics[DEVICE_BUSY] = sum(busy) / len(busy)
     if MFU in run.metrics:  # the mean over the epochs; the warm-up summed over the sessions
         mfu = [v for _, v in reader.history(run.run_id, MFU)]

@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 from runner.tracking import tags as tag
+from runner.tracking.metrics import DEVICE_BUSY_FRAC
 from runner.tracking.varying import baseline_keys, display_names, distance, params_of
 
 History = Callable[[str, str], Sequence[tuple[int, float]]]
@@ -34,7 +35,8 @@ def speed_summary(
     where the report gives O2 against O0; and an lr's O2 was compared with another lr's O0.
     With `traces` (a run's traces of steady step times: runner.measure.step_trace), the ratio is
     that of the two runs' median steps with its 95% interval, "within noise" where it holds 1.0
-    (runner.measure.spread). `history`: a metric's (step, value) points of a run
+    (runner.measure.spread). A job that measured its device's busy share (`device_busy_frac`, on
+    a GPU) says it. `history`: a metric's (step, value) points of a run
     (runner.tracking.base.Reader.history)."""
     # (here, not at the top: the sweep's callback imports this module where a bad config must
     # stop before torch is imported, and the timer's names come with it)
@@ -54,7 +56,9 @@ def speed_summary(
         p10, p90 = (_mean(history, child.run_id, k) for k in spread_names(metric))
         rated.append((child, rate))
         unit = metric.removesuffix("_per_s")
-        lines.append((child, rate, spread.rate_text(rate, p10, p90, unit)))
+        busy = child.metrics.get(DEVICE_BUSY_FRAC)  # (measured on a GPU: the run's own figure)
+        said = spread.rate_text(rate, p10, p90, unit) + " steady"
+        lines.append((child, rate, said + (f", device busy {busy:.0%}" if busy else "")))
 
     keys = baseline_keys([c for c, _ in rated])
     names = display_names([c for c, _, _ in lines])  # (ids where names repeat: two machines)
@@ -79,7 +83,7 @@ def speed_summary(
             continue
         base, base_rate = baseline(child)
         if base is child:
-            out.append(f"  {names[child.run_id]}: {text} steady, the baseline")
+            out.append(f"  {names[child.run_id]}: {text}, the baseline")
             continue
         ratio = None
         if traces is not None:
@@ -89,7 +93,6 @@ def speed_summary(
             )
         ratio = ratio or spread.Ratio(rate / base_rate)
         out.append(
-            f"  {names[child.run_id]}: {text} steady, {spread.ratio_text(ratio)} vs "
-            f"{names[base.run_id]}"
+            f"  {names[child.run_id]}: {text}, {spread.ratio_text(ratio)} vs {names[base.run_id]}"
         )
     return "".join(line + "\n" for line in out)

@@ -1005,3 +1005,35 @@ def _config(run) -> tuple[str, int, int]:
         int(p["trainer.batch_size"]),
         int(p["trainer.accumulate_grad_batches"]),
     )
+
+
+def test_the_devices_busy_share_is_in_the_headline_and_the_sweeps_summary(tracking_uri, tmp_path):
+    """A GPU run logs `device_busy_frac` (its profiled steps, runner.measure.busy): the report's
+    headline gives it in percent ("GPU busy (%)", the CSV's device_busy_pct) and the sweep's
+    summary on the job's line; a run without it falls back to NVML's utilization."""
+    from runner.sweep.speed import speed_summary
+
+    tracker = MlflowTracker(tracking_uri, "amp-runner")
+    parent = tracker.create_run("sweep", {SWEEP_DIR_TAG: str(tmp_path)})
+    runs = {"O0": ({"device_busy_frac": 0.98}, 10.0), "O2": ({}, 5.0)}
+    for level, (busy, time) in runs.items():
+        tags = {PARENT_RUN_TAG: parent.run_id}
+        with tracker.start_run(f"tiny-{level}", tiny_params(level), tags) as run:
+            metrics = {"train_time_s": time, "best_val_acc": 0.5, "peak_mem_mb": 1.0}
+            metrics.update({"samples_per_s": 320.0 / time, **busy})
+            run.log_metrics(metrics, 1)
+            if not busy:
+                run.log_metrics({"system/gpu_0_utilization_percentage": 40.0}, 1)
+    parent.end("FINISHED")
+    out = tmp_path / "report"
+    assert report_main(["--tracking-uri", tracking_uri, "--out", str(out)]) == 0
+    rows = {r["level"]: r for r in read_csv(out / "comparison.csv")}
+    assert float(rows["O0"]["device_busy_pct"]) == pytest.approx(98.0)
+    assert float(rows["O2"]["device_busy_pct"]) == pytest.approx(40.0)
+    title, *cells = headline((out / "comparison.md").read_text())
+    assert "GPU busy (%)" in title
+    reader = open_reader(tracking_uri)
+    children = reader.runs([parent.experiment_id], tags={PARENT_RUN_TAG: parent.run_id})
+    said = speed_summary(children, reader.history)
+    assert "tiny-O0: 32 samples/s steady, device busy 98%, the baseline" in said, said
+    assert "tiny-O2: 64 samples/s steady, 2.00x vs tiny-O0" in said, said
