@@ -72,7 +72,7 @@ def main(cfg: DictConfig) -> float | None:
         from runner.run import failure
 
         failure.keep(error)  # (once: a run that existed has kept it already)
-        log.error("The run failed with an unexpected error.\n%s", failure.told(error))
+        log.error("The run failed with an unexpected error.\n%s", failure.short_traceback(error))
         distributed.tell_torchrun(f"The run failed with an unexpected error: {said(error)}")
         sys.exit(1)
 
@@ -157,10 +157,10 @@ def _output_folder_failure(error: BaseException) -> str | None:
 
 
 def _refuse_output(error: OSError, failed: str) -> NoReturn:
-    from runner.run.output_folder import unmade
+    from runner.run.output_folder import cannot_create
 
     mode = "sweep" if any(a in ("-m", "--multirun") for a in sys.argv[1:]) else "run"
-    print(unmade(mode, failed, error.strerror or type(error).__name__), file=sys.stderr)
+    print(cannot_create(mode, failed, error.strerror or type(error).__name__), file=sys.stderr)
     raise SystemExit(2) from None
 
 
@@ -350,7 +350,7 @@ def cli() -> None:
         sys.exit(2)
     record.keep_typed(sys.argv)  # (the `command` tag: as typed)
     sys.argv[1:] = overrides_together(sys.argv[1:])
-    job_log.bear_write_errors()  # (`... | head`: one line, not a traceback a line logged)
+    job_log.tolerate_write_errors()  # (`... | head`: one line, not a traceback a line logged)
     gpus.register_resolvers()
     OmegaConf.register_new_resolver("runner.help_groups", help_groups, replace=True)
     OmegaConf.register_new_resolver("runner.help_launchers", help_launchers, replace=True)

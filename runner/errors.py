@@ -70,7 +70,7 @@ class WorkerKilled(RunnerError):
 class PeersLost(RunnerError):
     """A collective operation of a distributed run failed on this rank: most likely another rank
     ended or cannot be reached, and the run cannot go on without it. The message says the
-    backend's error in a line and what is kept (runner.run.distributed.peers_told)."""
+    backend's error in a line and what is kept (runner.run.distributed.catch_lost_peers)."""
 
 
 class LayerPlanError(RunnerError):

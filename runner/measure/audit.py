@@ -322,7 +322,7 @@ class AuditInstrument(Instrument):
         self.audited = False  # some step was audited (the first step's audit is done)
         self._files = False  # layers_ran.csv was started by this instrument
         self._last: Optional[tuple[list, int]] = None  # (rows, step) not drawn and logged yet
-        self._told: set[str] = set()
+        self._reported: set[str] = set()
         self._audit: Optional[DtypeAudit] = None
 
     def due(self, step: int) -> bool:
@@ -371,8 +371,8 @@ class AuditInstrument(Instrument):
             self._last = (rows, step)
             if first:  # the figure now; later audits' at the end of their epoch
                 self.write()
-        new = [r for r in off if r["layer"] not in self._told]
-        self._told.update(r["layer"] for r in new)
+        new = [r for r in off if r["layer"] not in self._reported]
+        self._reported.update(r["layer"] for r in new)
         if new:
             text = summary(new)
             if self.plan.strict:

@@ -36,7 +36,7 @@ class Finding:
         text = f"[{self.level}] {self.key}: {self.message}"
         return f"{text} ({self.hint})" if self.hint else text
 
-    def told(self) -> str:
+    def describe(self) -> str:
         """The message with its hint, as a sentence of its own ("... implementation. Hint: use
         ..."), the way the findings table and a refused run say it."""
         if not self.hint:
@@ -82,7 +82,7 @@ class Resolution:
         w = max(len("property"), *(len(f.key) for f in self.findings))
         lines = [f"{'level':<8} {'property':<{w}}  message"]
         for f in self.findings:
-            lines.append(f"{f.level:<8} {f.key:<{w}}  {f.told()}")
+            lines.append(f"{f.level:<8} {f.key:<{w}}  {f.describe()}")
         return "\n".join(lines)
 
 

@@ -70,9 +70,9 @@ def run(
     `apart` to its default name (a sweep job's swept values: runner.run.plan.default_run_name).
     Under torchrun this is one rank of a DistributedDataParallel run (see
     runner.run.distributed)."""
-    distributed.set_other_ranks_apart()  # (torchrun: rank 0 tells the run, the others errors)
+    distributed.rank_zero_logging()  # (torchrun: rank 0 tells the run, the others errors)
     mistakes.check_one_option(overrides)
-    job_log.bear_write_errors()  # (a full disk: one line, not a traceback a line logged)
+    job_log.tolerate_write_errors()  # (a full disk: one line, not a traceback a line logged)
     run_log = job_log.find(output_dir)
     launch = Launch(
         tuple(overrides),
@@ -90,7 +90,7 @@ def run(
         return given.resume.best()
     comm, device = distributed.setup(given.device)
     try:
-        with distributed.peers_told(comm):  # (a rank gone: one line, not gloo's traceback)
+        with distributed.catch_lost_peers(comm):  # (a rank gone: one line, not gloo's traceback)
             return train(given, comm, device, launch)
     finally:
         comm.close()
@@ -196,8 +196,8 @@ def fit(
         checkpointer.lock(),
         files_folder(launch) as files,
         tracked_run(tracker, plan, comm, launch, params, tags) as tracked,
-        failure.kept_in(tracked, launch.run_log, launch.log_from),
-        distributed.peers_told(comm, checkpointer.kept),
+        failure.record_errors(tracked, launch.run_log, launch.log_from),
+        distributed.catch_lost_peers(comm, checkpointer.kept),
     ):
         checkpointer.start(tracked)
         # a second signal where the loop cannot take it: the record ends KILLED at once

@@ -8,10 +8,10 @@ writes checkpoints. Multi-node runs work the same through torchrun's rendezvous.
 `Comm()` is one process and every collective is a no-op.
 
 When a rank dies (killed, out of memory, an error), the others meet it in their next collective:
-Gloo's connection to it breaks, NCCL's watchdog or torchrun's SIGTERM ends the wait. `peers_told`
-turns that failure into `PeersLost`, one line that says what is kept, instead of an unexpected
-error with the backend's traceback; `tell_torchrun` gives torchrun's failure summary each rank's
-own line (its error file) instead of a link to torch's documentation.
+Gloo's connection to it breaks, NCCL's watchdog or torchrun's SIGTERM ends the wait.
+`catch_lost_peers` turns that failure into `PeersLost`, one line that says what is kept, instead
+of an unexpected error with the backend's traceback; `tell_torchrun` gives torchrun's failure
+summary each rank's own line (its error file) instead of a link to torch's documentation.
 """
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ def collective_failure(error: BaseException) -> Optional[str]:
 
 
 @contextmanager
-def peers_told(comm: Comm, kept: Callable[[], str] = lambda: "") -> Iterator[None]:
+def catch_lost_peers(comm: Comm, kept: Callable[[], str] = lambda: "") -> Iterator[None]:
     """Around a part of a distributed run: a collective that fails (another rank gone) becomes
     `PeersLost`: what failed, what most likely happened, where to look, and `kept()` (what this
     rank keeps: its last checkpoint), instead of an unexpected error with the backend's
@@ -245,7 +245,7 @@ class _RankLabel(logging.Filter):
         return True
 
 
-def set_other_ranks_apart() -> None:
+def rank_zero_logging() -> None:
     """One console story, rank 0's: on the other ranks of a distributed run the runner's lines
     are its warnings and errors only, each labelled with the rank (`rank_label`) on every
     handler of the root logger (the console, the job log): each rank measures its own data

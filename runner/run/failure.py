@@ -6,7 +6,7 @@ and keep no traceback. Any other exception is kept by `keep`: its full traceback
 files (the run's `runner.log`, Hydra's file handler; not the console) and, once the tracked run
 exists, into the run as the artifact `traceback.txt` (MLflow's FAILED run, or the record of a
 `tracking=none` run). `told` is what the console shows instead: the error, its last frames and
-where the full traceback is. `kept_in` wraps a tracked run's body: an unexpected error is kept
+where the full traceback is. `record_errors` wraps a tracked run's body: an unexpected error is kept
 before the run's log is attached, so that the attached `runner.log` holds the traceback too.
 """
 
@@ -38,7 +38,7 @@ def full_traceback(error: BaseException, outer: Sequence[traceback.FrameSummary]
     """The traceback as Python prints it (chained exceptions included), below the `outer` frames
     (those the error has not unwound through yet, where it is caught on its way)."""
     report = traceback.TracebackException(type(error), error, error.__traceback__)
-    inner = [f for f in report.stack if (f.filename, f.name) != (__file__, kept_in.__name__)]
+    inner = [f for f in report.stack if (f.filename, f.name) != (__file__, record_errors.__name__)]
     report.stack = traceback.StackSummary.from_list([*outer, *inner])
     return "".join(report.format())
 
@@ -104,7 +104,7 @@ def _installed(filename: str) -> bool:
     return filename.startswith("<") or str(Path(filename).resolve()).startswith(_LIBRARIES)
 
 
-def told(error: BaseException) -> str:
+def short_traceback(error: BaseException) -> str:
     """What the console shows of an unexpected error: its last frames (from the last one in the
     user's own code, that is outside Python's library and the installed packages, and at least
     `LAST_FRAMES`), the error and where the full traceback is (`keep`'s places)."""
@@ -125,7 +125,7 @@ def told(error: BaseException) -> str:
 
 
 @contextmanager
-def kept_in(tracked: Any, run_log: Optional[os.PathLike], since: int = 0) -> Iterator[None]:
+def record_errors(tracked: Any, run_log: Optional[os.PathLike], since: int = 0) -> Iterator[None]:
     """Around a tracked run's body: an unexpected error's traceback is kept (`keep`: the log
     files, the run's artifact), then, whatever happened, `run_log` (the job's `runner.log`;
     None: none), this launch's part of it from byte `since` on, is attached to the run under
@@ -164,7 +164,7 @@ def stopped_at_once(
     tracked: Any, run_log: Optional[os.PathLike], since: int, error: BaseException
 ) -> None:
     """A run stopped at once (a second signal while its loop is inside one long operation: the
-    process ends now, without unwinding): its log attached as `kept_in` would, and its record
+    process ends now, without unwinding): its log attached as `record_errors` would, and its record
     ended KILLED with `error`'s words."""
     from runner.tracking.base import KILLED
 

@@ -118,7 +118,8 @@ class StopRequest:
         # what a second signal does where the loop cannot take it: the run's record ended
         # KILLED (set by the run once its record exists; None: the loop's own error ends it)
         self.at_once: Optional[Callable[[int], None]] = None
-        self._told = threading.Lock()  # (the first signal is said once, by whoever hears it first)
+        # (the first signal is said once, by whoever hears it first)
+        self._saying = threading.Lock()
         self._said = False
         self._taken = threading.Event()  # the loop took the second signal
         self._watcher: Optional[_Watcher] = None
@@ -138,7 +139,7 @@ class StopRequest:
 
     def _say(self, signum: int) -> None:
         """`_first`, once: by the watcher as the signal arrives, or by the handler."""
-        with self._told:
+        with self._saying:
             if self._said:
                 return
             self._said = True

@@ -231,7 +231,7 @@ def worker_killed(error: BaseException, oom_kills_since: Optional[int]) -> Optio
 WORKER_GRACE_S = 3.0  # how long a broken connection to a worker waits for its death to show
 
 
-def _signal_told(error: BaseException) -> Optional[BaseException]:
+def _signal_described(error: BaseException) -> Optional[BaseException]:
     """torch's "exited unexpectedly" (`error`: its check of the workers after a failed receive,
     which reaps the dead one, so that the signal is lost to its SIGCHLD check) made whole: the
     signal that ended the worker, read from the worker's process object in the frames the error
@@ -276,16 +276,17 @@ def _worker_death(error: BaseException, grace_s: float = WORKER_GRACE_S) -> Base
     torch tells a death three ways, by chance of timing: its SIGCHLD handler's check ("is killed
     by signal: Bus error"), raised wherever the main process is, perhaps inside the receive
     whose failure is then chained on; its check after a failed receive ("exited unexpectedly",
-    no signal: `_signal_told`); or nothing yet, the receive broken as soon as the dying worker's
-    sockets closed, before the kernel shows it dead (not yet a zombie): for such an error the
-    check is made again for up to `grace_s` seconds. torch tells a death once (its check forgets
-    the worker): told here, its handler does not raise it again later, in this one's report."""
+    no signal: `_signal_described`); or nothing yet, the receive broken as soon as the dying
+    worker's sockets closed, before the kernel shows it dead (not yet a zombie): for such an
+    error the check is made again for up to `grace_s` seconds. torch tells a death once (its
+    check forgets the worker): told here, its handler does not raise it again later, in this
+    one's report."""
     for link in chain(error):
         found = _WORKER_DIED.search(str(link)) if isinstance(link, RuntimeError) else None
         if found is not None and found.group(2) is not None:
             return link
     for link in chain(error):
-        told = _signal_told(link)
+        told = _signal_described(link)
         if told is not None:
             return told
     if _WORKER_DIED.search(str(error)):
@@ -304,7 +305,7 @@ def _worker_death(error: BaseException, grace_s: float = WORKER_GRACE_S) -> Base
             return died
 
 
-def _told(
+def _described(
     error: BaseException,
     device: torch.device,
     opt_level: str,
@@ -340,11 +341,11 @@ def guarded(
         return call()
     except Exception as error:
         try:
-            told = _told(error, device, opt_level, sizes, kills)
-        except RuntimeError as late:  # torch's SIGCHLD handler, before `_told` held it off
+            told = _described(error, device, opt_level, sizes, kills)
+        except RuntimeError as late:  # torch's SIGCHLD handler, before `_described` held it off
             if _WORKER_DIED.search(str(late)) is None:
                 raise
-            told = _told(late, device, opt_level, sizes, kills)
+            told = _described(late, device, opt_level, sizes, kills)
         if told is None:
             raise
     # (here the error, its traceback and the frames holding the step's tensors are gone)

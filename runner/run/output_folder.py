@@ -68,10 +68,10 @@ def check_output_folder(config: DictConfig, mode: str) -> None:
         )
     problem = folder_problem(str(folder)) if folder else None
     if problem is not None:
-        raise unmade(mode, folder, problem)
+        raise cannot_create(mode, folder, problem)
 
 
-def unmade(mode: str, folder: Any, problem: str) -> ConfigError:
+def cannot_create(mode: str, folder: Any, problem: str) -> ConfigError:
     """`hydra.<mode>.dir`'s output folder that cannot be made, as a ConfigError: what the check
     above finds, or (its OSError's `problem`) what only the attempt does (/proc, a full disk)."""
     return ConfigError(

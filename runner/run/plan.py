@@ -401,7 +401,7 @@ def resolve_precision(
         findings = [strict_finding(f) for f in findings]
     resolution = Resolution(resolution.properties, [*resolution.findings, *findings])
     for finding in resolution.errors:
-        raise ConfigError(finding.key, finding.told())
+        raise ConfigError(finding.key, finding.describe())
     return resolution, rules
 
 

@@ -68,7 +68,7 @@ class MlflowSweepCallback(Callback):
 
     # launching process
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        from runner.run.output_folder import check_output_folder, unmade
+        from runner.run.output_folder import cannot_create, check_output_folder
 
         job_log.own_loggers_on()  # (hydra/hydra_logging=disabled: a refusal is still told)
         try:
@@ -103,7 +103,7 @@ class MlflowSweepCallback(Callback):
             self._folder = _hold_folder(sweep_dir)
         except OSError as error:  # (what the check above cannot see: /proc, a full disk)
             problem = f"{error.strerror or error}: {error.filename}"
-            log.error("%s", unmade("sweep", config.hydra.sweep.dir, problem))
+            log.error("%s", cannot_create("sweep", config.hydra.sweep.dir, problem))
             raise SystemExit(2) from error
         try:
             self._open_parent(config, sweep_dir, jobs)

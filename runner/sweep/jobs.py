@@ -81,7 +81,9 @@ def run_job(
 
             failure.keep(error)  # (once: a run that existed has kept it already)
             log.error(
-                "Sweep job #%d failed with an unexpected error.\n%s", job_num, failure.told(error)
+                "Sweep job #%d failed with an unexpected error.\n%s",
+                job_num,
+                failure.short_traceback(error),
             )
         try:
             tracker = parent.open()

@@ -55,7 +55,7 @@ def own_loggers_on() -> None:
             logger.disabled = False
 
 
-def bear_write_errors() -> None:
+def tolerate_write_errors() -> None:
     """A log stream that stops taking lines is told once on stderr, not by Python's "---
     Logging error ---" and a traceback for every line logged from then on, and the run goes on:
     a log file on a disk that filled (its lines still reach the console; the file takes them
@@ -75,7 +75,7 @@ def bear_write_errors() -> None:
         if not isinstance(error, OSError):
             report(handler, record)
             return
-        if not logging.raiseExceptions or _told_before(handler):
+        if not logging.raiseExceptions or _reported_before(handler):
             return
         reason = error.strerror or str(error)
         if isinstance(handler, logging.FileHandler):
@@ -97,15 +97,15 @@ def bear_write_errors() -> None:
 
 
 _BORNE = "_runner_write_errors_borne"
-_told: weakref.WeakSet[Any] = weakref.WeakSet()  # the streams whose write error was told
+_reported: weakref.WeakSet[Any] = weakref.WeakSet()  # the streams whose write error was told
 
 
-def _told_before(handler: logging.StreamHandler) -> bool:
+def _reported_before(handler: logging.StreamHandler) -> bool:
     """Whether a write error of `handler`'s stream was told (and, from now on, that it was)."""
     try:
-        if handler.stream in _told:
+        if handler.stream in _reported:
             return True
-        _told.add(handler.stream)
+        _reported.add(handler.stream)
     except TypeError:  # (a stream that takes no weak reference: told once by this handler)
         if getattr(handler, _BORNE, False):
             return True

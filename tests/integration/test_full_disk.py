@@ -59,8 +59,8 @@ def test_a_log_file_the_disk_refuses_is_told_once_not_a_traceback_a_line(capfd):
     handler = logging.FileHandler("/dev/full")
     root.addHandler(handler)
     try:
-        job_log.bear_write_errors()
-        job_log.bear_write_errors()  # (once: a second call changes nothing)
+        job_log.tolerate_write_errors()
+        job_log.tolerate_write_errors()  # (once: a second call changes nothing)
         said = logging.getLogger("runner.test_full_disk")
         for i in range(3):
             said.warning("line %d", i)
@@ -90,12 +90,12 @@ def test_a_traceback_the_disk_refused_is_not_said_to_be_in_that_log(tmp_path, ca
     for handler in (full, kept):
         root.addHandler(handler)
     try:
-        job_log.bear_write_errors()
+        job_log.tolerate_write_errors()
         try:
             raise ValueError("a bug")
         except ValueError as error:
             failure.keep(error)
-            said = failure.told(error)
+            said = failure.short_traceback(error)
         assert said.endswith(f"The full traceback: {tmp_path / 'runner.log'}"), said
         assert "ValueError: a bug" in (tmp_path / "runner.log").read_text()
         assert "Cannot write the log file /dev/full" in capfd.readouterr().err

@@ -63,7 +63,9 @@ def test_a_rank_gone_is_peers_lost_with_what_is_kept(monkeypatch, agent, where):
         monkeypatch.setenv("TORCHELASTIC_RUN_ID", agent)
     pair = Comm(rank=0, world_size=2, active=True)
     with pytest.raises(PeersLost) as lost:
-        with distributed.peers_told(pair, lambda: "The checkpoint after epoch 3 is kept (x)."):
+        with distributed.catch_lost_peers(
+            pair, lambda: "The checkpoint after epoch 3 is kept (x)."
+        ):
             raise RuntimeError(GLOO)
     message = str(lost.value)
     assert message.startswith(
@@ -74,10 +76,10 @@ def test_a_rank_gone_is_peers_lost_with_what_is_kept(monkeypatch, agent, where):
     assert lost.value.__cause__ is None and lost.value.__suppress_context__
     # anything else passes unchanged, and so does a single process's error
     with pytest.raises(ValueError, match="boom"):
-        with distributed.peers_told(pair):
+        with distributed.catch_lost_peers(pair):
             raise ValueError("boom")
     with pytest.raises(RuntimeError, match="GLHF"):
-        with distributed.peers_told(Comm()):
+        with distributed.catch_lost_peers(Comm()):
             raise RuntimeError(GLOO)
 
 
@@ -125,8 +127,8 @@ def test_the_other_ranks_lines_say_their_rank(monkeypatch, env, label):
         monkeypatch.setenv(name, value)
     with own_root_handlers() as seen:
         logging.getLogger("runner").setLevel(logging.INFO)
-        distributed.set_other_ranks_apart()
-        distributed.set_other_ranks_apart()  # (twice: one label)
+        distributed.rank_zero_logging()
+        distributed.rank_zero_logging()  # (twice: one label)
         logging.getLogger("runner.run.trainer").info("epoch 1/2")
         logging.getLogger("runner.run.trainer").warning("Epoch 1: the loop waited")
         logging.getLogger("runner").error("optimizer.lr: got -1.0")

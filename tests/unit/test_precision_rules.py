@@ -39,12 +39,15 @@ def found(level: str, overrides: dict | None = None, **kw) -> list[tuple[str, st
 def test_a_finding_says_its_hint_as_a_sentence_of_its_own():
     """A message and its hint read as two sentences (the refusal of a low-bit state with SGD
     read "... has no int8 implementation Hint: use ..."); a message with its own stop keeps it."""
-    told = Finding("error", "optimizer_state", "sgd has no int8 implementation", "use adam").told()
+    told = Finding(
+        "error", "optimizer_state", "sgd has no int8 implementation", "use adam"
+    ).describe()
     assert told == "sgd has no int8 implementation. Hint: use adam"
     assert (
-        Finding("warning", "loss_scale", "too big.", "lower it").told() == "too big. Hint: lower it"
+        Finding("warning", "loss_scale", "too big.", "lower it").describe()
+        == "too big. Hint: lower it"
     )
-    assert Finding("info", "loss_scale", "fine").told() == "fine"
+    assert Finding("info", "loss_scale", "fine").describe() == "fine"
 
 
 def test_clean_presets_have_no_findings_without_a_device():
