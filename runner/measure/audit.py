@@ -23,6 +23,7 @@ from torch import nn
 
 from runner.measure.diagnostics import _tensors_in
 from runner.measure.instruments import ArtifactSink, Instrument, MetricsSink, output_folder
+from runner.metrics import LAYERS_IN, LAYERS_OFF_PLAN
 
 log = logging.getLogger(__name__)
 
@@ -30,9 +31,6 @@ ARTIFACT_DIR = "layers"
 LAYERS_RAN_CSV, LAYERS_RAN_PNG = "layers_ran.csv", "layers_ran.png"
 PLAN_YAML, PLAN_TXT = "layer_plan.yaml", "layer_plan.txt"
 AUTO_PLAN_YAML = "auto_plan.yaml"  # layer_plan=auto: the pre-flight's choice for every layer
-# the metrics of an audited step
-OFF_PLAN_METRIC = "layers_off_plan"  # layers whose observed format differs from the plan's
-FORMAT_METRIC = "layers_"  # + fp32 | bf16 | fp16 | fp8: how many layers computed in each format
 FIELDS = [
     "step",
     "layer",
@@ -362,8 +360,8 @@ class AuditInstrument(Instrument):
         self.audited = True
         rows = self.plan.compare(audit.read())
         off = [r for r in rows if r["off_plan"]]
-        metrics = {OFF_PLAN_METRIC: float(len(off))}
-        metrics.update({f"{FORMAT_METRIC}{k}": float(v) for k, v in counts(rows).items()})
+        metrics = {LAYERS_OFF_PLAN: float(len(off))}
+        metrics.update({f"{LAYERS_IN}{k}": float(v) for k, v in counts(rows).items()})
         self.on_metrics(metrics, step)
         if self.writes:
             write_csv(self.folder / LAYERS_RAN_CSV, rows, step, append=self._files)

@@ -19,6 +19,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from runner.metrics import DIAG_ACT, DIAG_GRAD
+
 ACTIVATION, ACTIVATION_GRAD, WEIGHT_GRAD = "activation", "activation_grad", "weight_grad"
 INPUT = "input"  # a layer's floating inputs (only a probe made with inputs=True: a layer plan's)
 KINDS = (INPUT, ACTIVATION, ACTIVATION_GRAD, WEIGHT_GRAD)
@@ -379,7 +381,7 @@ def model_metrics(records: Sequence[LayerRecord], fmt: Format) -> dict[str, floa
     grads = total(r.stats for r in records if r.kind in GRADIENT_KINDS)
     acts = total(r.stats for r in records if r.kind == ACTIVATION)
     out = {}
-    for prefix, stats in (("diag_grad", grads), ("diag_act", acts)):
+    for prefix, stats in ((DIAG_GRAD, grads), (DIAG_ACT, acts)):
         if stats is not None:
             out[f"{prefix}_underflow_frac"] = stats.underflow_frac(fmt.name)
             out[f"{prefix}_overflow_frac"] = stats.overflow_frac(fmt.name)

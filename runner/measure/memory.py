@@ -16,15 +16,9 @@ import torch
 from torch import nn
 
 from runner.measure.instruments import Instrument
+from runner.metrics import MEM_TOTAL_MB, MEMORY_KINDS, memory_metric
 
 MB = 2**20
-KINDS = ("weights", "master_weights", "grads", "optimizer_state", "activations")
-TOTAL_METRIC = "mem_total_mb"
-
-
-def metric_name(kind: str) -> str:
-    """The metric of one kind: `mem_<kind>_mb` (the names the report reads)."""
-    return f"mem_{kind}_mb"
 
 
 def storage_key(t: torch.Tensor) -> tuple[Any, int]:
@@ -83,8 +77,8 @@ class MemoryByKind:
 
     def metrics(self) -> dict[str, float]:
         """`mem_<kind>_mb` for the five kinds and `mem_total_mb`, in MiB (2^20 bytes)."""
-        out = {metric_name(kind): getattr(self, kind) / MB for kind in KINDS}
-        out[TOTAL_METRIC] = self.total / MB
+        out = {memory_metric(kind): getattr(self, kind) / MB for kind in MEMORY_KINDS}
+        out[MEM_TOTAL_MB] = self.total / MB
         return out
 
 

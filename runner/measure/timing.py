@@ -42,43 +42,18 @@ import torch
 from runner.measure import step_trace
 from runner.measure.instruments import ArtifactSink, Instrument, output_folder
 from runner.measure.step_trace import StepTrace
-
-log = logging.getLogger(__name__)
-
-SAMPLES_PER_S = "samples_per_s"  # the median steady step's rate, every rank's samples
-TOKENS_PER_S = "tokens_per_s"  # a language model's, in tokens
-# the spread: the rate at the steady steps' 90th percentile time (p10: the slow steps) and at
-# their 10th (p90: the fast ones)
-SAMPLES_PER_S_P10 = "samples_per_s_p10"
-SAMPLES_PER_S_P90 = "samples_per_s_p90"
-TOKENS_PER_S_P10 = "tokens_per_s_p10"
-TOKENS_PER_S_P90 = "tokens_per_s_p90"
-STEP_TIME_MS_P50 = "step_time_ms_p50"  # the steady steps' median time
-STEP_TIME_MS_P90 = "step_time_ms_p90"
-DATA_WAIT_FRAC = "data_wait_frac"  # the epoch's share of time between steps (waiting for data)
-WARMUP_TIME_S = "warmup_time_s"  # once per session: its first warmup_steps steps
-TFLOPS = "tflops"  # achieved: FLOPs per sample x steady samples per second, every rank's
-MFU = "mfu"  # tflops over the devices' dense peak for the level's format
-METRICS = (
+from runner.metrics import (
+    DATA_WAIT_FRAC,
+    MFU,
     SAMPLES_PER_S,
-    SAMPLES_PER_S_P10,
-    SAMPLES_PER_S_P90,
-    TOKENS_PER_S,
-    TOKENS_PER_S_P10,
-    TOKENS_PER_S_P90,
     STEP_TIME_MS_P50,
     STEP_TIME_MS_P90,
-    DATA_WAIT_FRAC,
-    WARMUP_TIME_S,
     TFLOPS,
-    MFU,
+    WARMUP_TIME_S,
+    spread_names,
 )
 
-
-def spread_names(metric: str) -> tuple[str, str]:
-    """The names of a rate's spread: (`<rate>_p10`, `<rate>_p90`)."""
-    return f"{metric}_p10", f"{metric}_p90"
-
+log = logging.getLogger(__name__)
 
 STRAGGLER_RATIO = 1.5  # p90 over p50 above this: some steps straggle
 DATA_WAIT_LIMIT = 0.10  # a data_wait_frac above this after the first epoch: a finding

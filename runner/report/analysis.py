@@ -8,15 +8,21 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from runner import metrics as m
 from runner.config.formats import stepped_dtype_name
 from runner.config.schema import CLASSIFICATION, DEFAULT_EXPERIMENT, LANGUAGE_MODEL
 from runner.measure import spread
-from runner.measure.memory import TOTAL_METRIC
-from runner.measure.memory import metric_name as memory_metric
 from runner.measure.spread import Ratio
 from runner.measure.step_trace import EpochTrace
-from runner.measure.timing import MFU, SAMPLES_PER_S, TOKENS_PER_S, WARMUP_TIME_S, spread_names
-from runner.tracking import metrics as m
+from runner.metrics import (
+    MEM_TOTAL_MB,
+    MFU,
+    SAMPLES_PER_S,
+    TOKENS_PER_S,
+    WARMUP_TIME_S,
+    memory_metric,
+    spread_names,
+)
 from runner.tracking.varying import (
     SEED_PARAMS,
     TUNE_PREFIX,
@@ -54,7 +60,7 @@ MEMORY_METRICS = {
     memory_metric("optimizer_state"): "optimizer state",
     memory_metric("activations"): "activations",
 }
-MEMORY_TOTAL = TOTAL_METRIC
+MEMORY_TOTAL = MEM_TOTAL_MB
 # the step timer's (runner.measure.timing): reported where a run logged them, never listed as
 # missing (runs made before them, a CPU run's mfu)
 TIMING_METRICS = {MFU: "mfu", WARMUP_TIME_S: "warm-up"}

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import runner
 from runner import files, shell
+from runner import metrics as m
 from runner.report.analysis import EXPERIMENT, TARGET_GAP, add_baseline_ratios
 from runner.report.plots import plot_bars, plot_curves, plot_memory
 from runner.report.runs import NothingToReport, find_run, select_runs, to_row
@@ -24,7 +25,6 @@ from runner.report.tables import (
     render_markdown,
     write_csv,
 )
-from runner.tracking import metrics as m
 from runner.tracking.base import Reader, RunRecord, StoreUnreadable
 from runner.tracking.trackers import open_reader
 from runner.tracking.varying import params_of

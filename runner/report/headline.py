@@ -10,10 +10,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
+from runner import metrics as m
 from runner.measure import spread
 from runner.measure.spread import Difference, Ratio
 from runner.report.analysis import DEVICE_BUSY, Row, SeedGroup, all_lm, seed_groups, seeds_vary
-from runner.tracking import metrics as m
 from runner.tracking.varying import display_names
 
 MAX_COLUMNS = 10

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from runner import metrics as m
 from runner.report.analysis import Row, seeds_vary, timed_targets
-from runner.tracking import metrics as m
 from runner.tracking.varying import SEED_PARAMS, display_names, tuned_keys, varying_params
 
 TUNED_TITLE = "tuned (trainer.tune)"

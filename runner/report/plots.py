@@ -9,6 +9,7 @@ import operator
 from collections.abc import Sequence
 from pathlib import Path
 
+from runner import metrics as m
 from runner.measure import spread
 from runner.report.analysis import (
     MEMORY_METRICS,
@@ -19,7 +20,6 @@ from runner.report.analysis import (
     seeds_vary,
     timed_targets,
 )
-from runner.tracking import metrics as m
 from runner.tracking.varying import varying_params
 
 

@@ -7,11 +7,19 @@ import os
 from collections.abc import Mapping
 from pathlib import Path, PurePath
 
+from runner import metrics as m
 from runner.config.mistakes import did_you_mean
 from runner.config.schema import CLASSIFICATION
 from runner.measure import step_trace
-from runner.measure.audit import FORMAT_METRIC as LAYERS_IN
-from runner.measure.timing import MFU, SAMPLES_PER_S, TOKENS_PER_S, WARMUP_TIME_S, spread_names
+from runner.metrics import (
+    DEVICE_BUSY_FRAC,
+    LAYERS_IN,
+    MFU,
+    SAMPLES_PER_S,
+    TOKENS_PER_S,
+    WARMUP_TIME_S,
+    spread_names,
+)
 from runner.report.analysis import (
     DEVICE_BUSY,
     LM_METRICS,
@@ -22,10 +30,8 @@ from runner.report.analysis import (
     Row,
     describe_dtype,
 )
-from runner.tracking import metrics as m
 from runner.tracking import tags as tag
 from runner.tracking.base import Reader, RunNotFound, RunRecord
-from runner.tracking.metrics import DEVICE_BUSY_FRAC
 from runner.tracking.varying import ACCUMULATE, params_of
 
 

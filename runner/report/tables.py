@@ -9,10 +9,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from runner import metrics as m
 from runner.config.formats import SHORT_NAMES
 from runner.measure import spread
-from runner.measure.audit import FORMAT_METRIC as LAYERS_IN
-from runner.measure.timing import MFU, SAMPLES_PER_S, TOKENS_PER_S, WARMUP_TIME_S, spread_names
+from runner.metrics import LAYERS_IN, MFU, SAMPLES_PER_S, TOKENS_PER_S, WARMUP_TIME_S, spread_names
 from runner.report import headline
 from runner.report.analysis import (
     DEVICE_BUSY,
@@ -37,7 +37,6 @@ from runner.report.notes import (
     run_lists,
     table_notes,
 )
-from runner.tracking import metrics as m
 from runner.tracking.varying import SEED_PARAMS, display_names, tuned_keys, varying_params
 
 ARTIFACT_DIR = "report"

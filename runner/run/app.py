@@ -27,7 +27,7 @@ from omegaconf import OmegaConf
 
 from runner import csrc
 from runner.config import mistakes
-from runner.measure.timing import SAMPLES_PER_S
+from runner.metrics import SAMPLES_PER_S
 from runner.precision import Resolution, layers
 from runner.precision.checks import DeviceInfo, state_findings
 from runner.run import distributed, failure, out_of_memory, time_left, tune, watch

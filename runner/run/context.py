@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Protocol
 
+from runner import metrics as m
 from runner.measure.instruments import ArtifactSink, MetricsSink
 from runner.run.distributed import Comm
 from runner.run.interrupts import StopRequest
-from runner.tracking import metrics as m
 
 
 class Checkpoints(Protocol):

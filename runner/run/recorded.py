@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 from torch.nn.modules.batchnorm import _BatchNorm
 
 import runner
+from runner import metrics as m
 from runner import shell
 from runner.config import options
 from runner.errors import ConfigError
@@ -29,7 +30,6 @@ from runner.precision.checks import DeviceInfo
 from runner.run.parts import Parts
 from runner.run.plan import RunPlan
 from runner.tracking import job_log
-from runner.tracking import metrics as m
 from runner.tracking import tags as tag
 from runner.tracking.varying import GLOBAL_BATCH
 

@@ -26,6 +26,7 @@ from omegaconf import OmegaConf
 from torch import nn
 from tqdm.auto import tqdm
 
+from runner import metrics as m
 from runner.config import TrainerConfig
 from runner.errors import DataError
 from runner.measure.instruments import Watch
@@ -42,7 +43,6 @@ from runner.run.interrupts import RunInterrupted
 from runner.run.parts import Parts
 from runner.run.validation import evaluate
 from runner.tasks.base import class_indices, target_problem
-from runner.tracking import metrics as m
 
 log = logging.getLogger(__name__)
 

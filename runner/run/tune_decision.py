@@ -7,11 +7,11 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, Optional
 
+from runner import metrics as m
 from runner.config import tunable_defaults
 from runner.config.values import override_text
 from runner.run import tune_data
 from runner.run.tune_measure import Row
-from runner.tracking import metrics as m
 
 DEFAULTS = tunable_defaults()
 

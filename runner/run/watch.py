@@ -11,6 +11,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, Optional
 
+from runner import metrics as m
 from runner.errors import LayerPlanError
 from runner.measure import busy
 from runner.measure.audit import AuditInstrument, never
@@ -21,7 +22,6 @@ from runner.measure.run_diagnostics import RangeInstrument, RunDiagnostics
 from runner.run import cuda_graphs, fsdp
 from runner.run.context import nowhere
 from runner.run.step_timing import timing_instrument
-from runner.tracking import metrics as m
 
 log = logging.getLogger("runner.run.trainer")  # (the trainer's lines: they say what it measured)
 

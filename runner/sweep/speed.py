@@ -7,8 +7,8 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
+from runner.metrics import DEVICE_BUSY_FRAC
 from runner.tracking import tags as tag
-from runner.tracking.metrics import DEVICE_BUSY_FRAC
 from runner.tracking.varying import baseline_keys, display_names, distance, params_of
 
 History = Callable[[str, str], Sequence[tuple[int, float]]]
@@ -41,7 +41,7 @@ def speed_summary(
     # (here, not at the top: the sweep's callback imports this module where a bad config must
     # stop before torch is imported, and the timer's names come with it)
     from runner.measure import spread
-    from runner.measure.timing import SAMPLES_PER_S, TOKENS_PER_S, spread_names
+    from runner.metrics import SAMPLES_PER_S, TOKENS_PER_S, spread_names
     from runner.tracking.base import FINISHED
 
     lines, rated = [], []

@@ -11,9 +11,9 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
+from runner import metrics as m
 from runner.measure.spread import rate_text
-from runner.measure.timing import MFU, SAMPLES_PER_S, TOKENS_PER_S, spread_names
-from runner.tracking import metrics as m
+from runner.metrics import MFU, SAMPLES_PER_S, TOKENS_PER_S, spread_names
 
 
 @dataclass(frozen=True)
@@ -187,7 +187,7 @@ class Task:
     def summary_metrics(
         self, epochs: Sequence[Mapping[str, float]], best: float, train_time_s: float
     ) -> dict[str, float]:
-        """The run's headline figures under `summary/` (runner.tracking.metrics): its objective
+        """The run's headline figures under `summary/` (runner.metrics): its objective
         `best`, `train_time_s`, the highest epoch's peak memory, and each steady rate with its
         spread, the means over the epochs that logged them (none without a steady epoch); at
         four significant digits, which MLflow's table shows whole (15.1, not 15.097827911376953:

@@ -7,9 +7,9 @@ import math
 
 import torch
 
+from runner import metrics as m
 from runner.config.schema import CLASSIFICATION
 from runner.tasks.base import Task
-from runner.tracking import metrics as m
 
 
 class Classification(Task):

@@ -7,10 +7,10 @@ import math
 
 import torch
 
+from runner import metrics as m
 from runner.config.schema import LANGUAGE_MODEL
-from runner.measure.timing import TOKENS_PER_S
+from runner.metrics import TOKENS_PER_S
 from runner.tasks.base import Task
-from runner.tracking import metrics as m
 
 
 class LanguageModel(Task):

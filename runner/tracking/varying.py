@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from runner.tracking import metrics as m
+from runner import metrics as m
 from runner.tracking import tags as tag
 
 # Params the report's table shows in columns of their own (model, level and dtype, optimizer,

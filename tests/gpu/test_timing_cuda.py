@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from runner.measure.instruments import Instrument, Instruments
-from runner.measure.timing import DATA_WAIT_FRAC, SAMPLES_PER_S, STEP_TIME_MS_P50, CudaClock
+from runner.measure.timing import CudaClock
+from runner.metrics import DATA_WAIT_FRAC, SAMPLES_PER_S, STEP_TIME_MS_P50
 from tests.helpers.runs import FAST, compose_config
 from tests.helpers.trainer import planned_trainer
 

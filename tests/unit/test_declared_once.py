@@ -152,3 +152,24 @@ def test_the_scaler_bounds_are_the_scalers():
     tiny_gradients = SimpleNamespace(max_log2=-60)  # what diagnose reads of the gradient ranges
     assert diagnose.recommended_scale(tiny_gradients) == SCALER_DEFAULTS["max_loss_scale"]
     assert table.property_for("max_loss_scale").default == SCALER_DEFAULTS["max_loss_scale"]
+
+
+def test_every_metric_name_is_in_the_registry_and_its_docs():
+    """Every metric name a run logs is declared once, in runner.metrics, which the writers (the
+    trainer, the instruments), the report and the sweep's summary import; docs/results.md's
+    list of what is logged names each of them (a name added to the registry without its line
+    there fails here)."""
+    from runner import metrics
+    from tests.helpers.runs import REPO
+
+    names = {v for k, v in vars(metrics).items() if k.isupper() and isinstance(v, str)}
+    names.discard(metrics.SUMMARY_PREFIX)
+    names -= {metrics.LAYERS_IN, metrics.DIAG_GRAD, metrics.DIAG_ACT}  # (prefixes, below)
+    names |= set(metrics.TIMING) | {metrics.memory_metric(k) for k in metrics.MEMORY_KINDS}
+    names |= {f"{metrics.LAYERS_IN}{f}" for f in ("fp32", "bf16", "fp16", "fp8")}
+    text = (REPO / "docs" / "results.md").read_text()
+    missing = sorted(n for n in names if f"`{n}`" not in text and not n.startswith("model."))
+    assert missing == [], missing
+    assert f"`{metrics.SUMMARY_PREFIX}`" in text
+    for prefix in (metrics.DIAG_GRAD, metrics.DIAG_ACT):
+        assert f"`{prefix}_" in text

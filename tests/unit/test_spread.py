@@ -15,14 +15,8 @@ import torch
 from runner.measure import spread, step_trace
 from runner.measure.instruments import Instruments
 from runner.measure.step_trace import EpochTrace, StepTrace
-from runner.measure.timing import (
-    SAMPLES_PER_S,
-    SAMPLES_PER_S_P10,
-    SAMPLES_PER_S_P90,
-    TOKENS_PER_S,
-    HostClock,
-    TimingInstrument,
-)
+from runner.measure.timing import HostClock, TimingInstrument
+from runner.metrics import SAMPLES_PER_S, SAMPLES_PER_S_P10, SAMPLES_PER_S_P90, TOKENS_PER_S
 
 CPU = torch.device("cpu")
 BATCH = 16

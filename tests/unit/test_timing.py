@@ -13,11 +13,12 @@ import pytest
 import torch
 from torch import nn
 
+from runner import metrics as m
 from runner.measure import busy, peaks
 from runner.measure.instruments import Instruments
-from runner.measure.timing import (
+from runner.measure.timing import FOLD_EVERY, HostClock, TimingInstrument, percentile
+from runner.metrics import (
     DATA_WAIT_FRAC,
-    FOLD_EVERY,
     MFU,
     SAMPLES_PER_S,
     SAMPLES_PER_S_P10,
@@ -29,11 +30,7 @@ from runner.measure.timing import (
     TOKENS_PER_S_P10,
     TOKENS_PER_S_P90,
     WARMUP_TIME_S,
-    HostClock,
-    TimingInstrument,
-    percentile,
 )
-from runner.tracking import metrics as m
 
 CPU = torch.device("cpu")
 

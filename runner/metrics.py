@@ -1,9 +1,7 @@
-"""Every metric name a run logs, once (as `tags.py` does for tags): the trainer logs them, the
-report, the sweep and the benchmarks read them. The memory-by-kind figures (`mem_<kind>_mb`) are
-named by `runner.measure.memory`, the range diagnostics (`diag_*`) by `runner.measure.diagnostics`,
-the layer audit's (`layers_off_plan`, `layers_<format>`) by `runner.measure.audit`, the step
-timer's (the steady `samples_per_s` and `tokens_per_s`, `step_time_ms_p50/p90`, `data_wait_frac`,
-`warmup_time_s`, `tflops`, `mfu`) by `runner.measure.timing`.
+"""Every metric name a run logs, once (as `runner.tracking.tags` does for tags): the trainer and
+its instruments log them (runner.measure), the report, the sweep's summary, the benchmarks and the
+docs read them. A bottom-floor module: the instruments, which import nothing else of the runner,
+take their names from here too.
 """
 
 from __future__ import annotations
@@ -57,3 +55,56 @@ def summary(metric: str) -> str:
 
 # a sharded run (runner.run.fsdp), with the memory by kind: the largest unit's gathered parameters
 MEM_ALLGATHER_MB = "mem_allgather_mb"
+
+# the step timer (runner.measure.timing), per epoch: the steady figures, warm-up apart
+SAMPLES_PER_S = "samples_per_s"  # the median steady step's rate, every rank's samples
+TOKENS_PER_S = "tokens_per_s"  # a language model's, in tokens
+# the spread: the rate at the steady steps' 90th percentile time (p10: the slow steps) and at
+# their 10th (p90: the fast ones)
+SAMPLES_PER_S_P10 = "samples_per_s_p10"
+SAMPLES_PER_S_P90 = "samples_per_s_p90"
+TOKENS_PER_S_P10 = "tokens_per_s_p10"
+TOKENS_PER_S_P90 = "tokens_per_s_p90"
+STEP_TIME_MS_P50 = "step_time_ms_p50"  # the steady steps' median time
+STEP_TIME_MS_P90 = "step_time_ms_p90"
+DATA_WAIT_FRAC = "data_wait_frac"  # the epoch's share of time between steps (waiting for data)
+WARMUP_TIME_S = "warmup_time_s"  # once per session: its first warmup_steps steps
+TFLOPS = "tflops"  # achieved: FLOPs per sample x steady samples per second, every rank's
+MFU = "mfu"  # tflops over the devices' dense peak for the level's format
+TIMING = (
+    SAMPLES_PER_S,
+    SAMPLES_PER_S_P10,
+    SAMPLES_PER_S_P90,
+    TOKENS_PER_S,
+    TOKENS_PER_S_P10,
+    TOKENS_PER_S_P90,
+    STEP_TIME_MS_P50,
+    STEP_TIME_MS_P90,
+    DATA_WAIT_FRAC,
+    WARMUP_TIME_S,
+    TFLOPS,
+    MFU,
+)
+
+
+def spread_names(metric: str) -> tuple[str, str]:
+    """The names of a rate's spread: (`<rate>_p10`, `<rate>_p90`)."""
+    return f"{metric}_p10", f"{metric}_p90"
+
+
+# memory by kind (runner.measure.memory), once per measurement, in MiB
+MEMORY_KINDS = ("weights", "master_weights", "grads", "optimizer_state", "activations")
+MEM_TOTAL_MB = "mem_total_mb"
+
+
+def memory_metric(kind: str) -> str:
+    """The metric of one kind: `mem_<kind>_mb`."""
+    return f"mem_{kind}_mb"
+
+
+# the layer audit (runner.measure.audit), at each audited step
+LAYERS_OFF_PLAN = "layers_off_plan"  # layers whose observed format differs from the plan's
+LAYERS_IN = "layers_"  # + fp32 | bf16 | fp16 | fp8: how many layers computed in each format
+# the range diagnostics (runner.measure.diagnostics), at each diagnosed step: these prefixes, then
+# what each figure is of (`diag_grad_underflow_frac_fp16`, ...)
+DIAG_GRAD, DIAG_ACT = "diag_grad", "diag_act"
