@@ -55,9 +55,6 @@ class FitResult:
     epochs: list[dict[str, float]] = field(default_factory=list)
     best_val_loss: float = math.nan  # a language model's (nan for a classifier)
     objective: str = m.BEST_VAL_ACC  # the task's: what `best` is, and a sweep optimises
-    # the steady throughput (samples/s, a language model's tokens/s), the mean over the epochs
-    # that logged one (nan: none did)
-    throughput: float = math.nan
 
     @property
     def best(self) -> float:

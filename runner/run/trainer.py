@@ -433,7 +433,7 @@ class Trainer:
 
     def _finish(self) -> FitResult:
         """After the last epoch: the task's best and the training time logged, and returned
-        with the epochs' history and the mean steady throughput."""
+        with the epochs' history (their rates: the task's run_speed says them)."""
         graphs = self.step_graph or self.whole_step
         if graphs is not None:
             log.info(graphs.summary())
@@ -442,15 +442,12 @@ class Trainer:
         self.context.on_metrics(
             {self.task.objective: best, m.TRAIN_TIME_S: train_time}, self.cfg.max_epochs
         )
-        metric = self.task.throughput_metric
-        steady = [e[metric] for e in self.history if math.isfinite(e.get(metric, math.nan))]
         return FitResult(
             best_val_acc=best if self.task.maximize else math.nan,
             train_time_s=train_time,
             epochs=self.history,
             best_val_loss=math.nan if self.task.maximize else best,
             objective=self.task.objective,
-            throughput=sum(steady) / len(steady) if steady else math.nan,
         )
 
     # ---- checkpoints ------------------------------------------------------------------------
