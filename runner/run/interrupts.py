@@ -18,6 +18,7 @@ the job is then requeued and continues from the checkpoint (runner.sweep.jobs)."
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -206,6 +207,20 @@ class StopRequest:
         self._previous.clear()
 
 
+@functools.cache
+def _forks_hear_nothing() -> None:
+    """A process forked from this one (a DataLoader's worker) gives the wakeup fd up at once: it
+    shares the watcher's socket, and a signal sent to the whole process group (a terminal's
+    Ctrl-C) would write one more byte into it from each worker, which the watcher would take
+    for a second Ctrl-C."""
+    os.register_at_fork(after_in_child=_no_wakeup_fd)
+
+
+def _no_wakeup_fd() -> None:
+    with contextlib.suppress(ValueError):  # (forked from another thread: nothing was set there)
+        signal.set_wakeup_fd(-1)
+
+
 class _Watcher:
     """Hears the stop signals as they arrive, on a thread of its own: Python's C-level handler
     writes each signal's number to the wakeup fd at once (`signal.set_wakeup_fd`), whatever the
@@ -214,6 +229,7 @@ class _Watcher:
 
     def __init__(self, request: StopRequest) -> None:
         self.request = request
+        _forks_hear_nothing()
         self._read, self._write = socket.socketpair()
         self._write.setblocking(False)
         self._previous = signal.set_wakeup_fd(self._write.fileno(), warn_on_full_buffer=False)

@@ -12,7 +12,6 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
 
 from runner.config import TRACKERS
 from runner.errors import DivergenceError
@@ -185,8 +184,8 @@ def test_help_says_what_tracking_none_does(tmp_path, capsys):
 
 def test_the_trackers_are_named_once_in_the_config_and_its_group():
     assert set(TRACKERS) == {MLFLOW, NONE}
-    options = {
-        path.stem: yaml.safe_load(path.read_text())["name"]
+    options = {  # (each option as composed: a file restates no schema default, mlflow's name)
+        path.stem: compose_config(f"tracking={path.stem}").tracking.name
         for path in (REPO / "conf" / "tracking").glob("*.yaml")
     }
     assert options == {name: name for name in TRACKERS}

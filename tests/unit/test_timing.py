@@ -449,4 +449,4 @@ def test_a_cpu_run_measures_no_busy_share_and_logs_none(tmp_path, capsys):
     assert "samples_per_s" in run.data.metrics and m.DEVICE_BUSY_FRAC not in run.data.metrics
     output = "".join(capsys.readouterr()).splitlines()
     (finished,) = [line for line in output if " - Finished tiny-O0: " in line]
-    assert "samples/s steady" in finished and "device busy" not in finished
+    assert "samples/s (p10-p90" in finished and "device busy" not in finished
