@@ -308,9 +308,11 @@ def synced_step_times(step: Callable[[], object], steps: int, warmup: int, devic
 
 class LightningSide:
     """A LightningModule over `model` with the runner's optimizer and scheduler for `cfg`,
-    fitted by a fresh `lightning.Trainer` for each block, its steps timed by a callback."""
+    fitted by a fresh `lightning.Trainer` for each block, its steps timed by a callback.
+    `benchmark`: Lightning's `benchmark` (torch.backends.cudnn.benchmark, set at each fit), true
+    as the runner's `trainer.cudnn_benchmark` defaults to."""
 
-    def __init__(self, model, cfg, batch, precision: str, device):
+    def __init__(self, model, cfg, batch, precision: str, device, benchmark: bool = True):
         import lightning as L
         import torch
 
@@ -321,7 +323,7 @@ class LightningSide:
         # is not this benchmark's output
         for name in ("lightning", "lightning.pytorch", "lightning.fabric", "pytorch_lightning"):
             logging.getLogger(name).setLevel(logging.ERROR)
-        self.device, self.precision, self.times = device, precision, []
+        self.device, self.precision, self.benchmark, self.times = device, precision, benchmark, []
         self.last_loss = float("nan")
         side = self
         criterion = torch.nn.CrossEntropyLoss()
@@ -378,17 +380,16 @@ class LightningSide:
 
         self._L, self._module, self._timer, self._data = L, Module(), StepTimer(), OneBatch
 
-    def block(self, steps: int, warmup: int) -> float:
-        """One `fit` of warmup + steps steps; the median of the timed steps' seconds."""
+    def fit(self, steps: int, callbacks: Sequence = ()) -> None:
+        """One `fit` of a fresh `lightning.Trainer` for `steps` steps on the batch, watched by
+        `callbacks` (Lightning's: a step timer, a busy window)."""
         import torch
 
-        self.times = []
-        total = warmup + steps
         trainer = self._L.Trainer(
             accelerator="gpu" if self.device.type == "cuda" else "cpu",
             devices=1,
             precision=self.precision,
-            max_steps=total,
+            max_steps=steps,
             max_epochs=1,
             logger=False,
             enable_checkpointing=False,
@@ -396,16 +397,21 @@ class LightningSide:
             enable_model_summary=False,
             num_sanity_val_steps=0,
             limit_val_batches=0,
-            benchmark=True,
-            callbacks=[self._timer],
+            benchmark=self.benchmark,
+            callbacks=list(callbacks),
         )
-        loader = torch.utils.data.DataLoader(self._data(total), batch_size=None, shuffle=False)
+        loader = torch.utils.data.DataLoader(self._data(steps), batch_size=None, shuffle=False)
         with warnings.catch_warnings():  # few workers, a scheduler step before the first, ...
             warnings.simplefilter("ignore")
             trainer.fit(self._module, train_dataloaders=loader)
+
+    def block(self, steps: int, warmup: int) -> float:
+        """One `fit` of warmup + steps steps; the median of the timed steps' seconds."""
+        self.times = []
+        self.fit(warmup + steps, [self._timer])
         timed = self.times[warmup:]
         if len(timed) != steps:
-            raise RuntimeError(f"Lightning ran {len(self.times)} steps, not {total}")
+            raise RuntimeError(f"Lightning ran {len(self.times)} steps, not {warmup + steps}")
         return statistics.median(timed)
 
 
