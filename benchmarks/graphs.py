@@ -1,404 +1,646 @@
-"""`trainer.cuda_graphs`, its speed: the trainer's step with the optimizer step replayed from a
-CUDA graph against the same step taken eagerly, side by side in one process.
+"""`trainer.cuda_graphs=step`, its speed: DenseNet-161's training step replayed as one CUDA graph
+against the same step taken eagerly, beside a hand-written loop and Lightning `16-mixed`, with
+the share of each step the GPU was busy.
 
-For each case the runner's objects are built twice (`common.build_runner`), with
-`trainer.cuda_graphs=false` and `=true`, from the same seed and on the same batch held in memory;
-both are warmed up (the graphed trainer through its eager steps and its capture), then blocks of
-`--steps` steps of the trainer's own `Trainer.train_step` alternate over `--rounds` rounds, each
-block device-synchronised at its start and end, so that the GPU's clocks, its temperature and
-any other load hit both alike. Figures: the median step time of each, their ratio, and the
-device-time split of what follows the backward (CUDA events, median over `--reps`): the eager
-trainer's `engine.step`, and the graphed trainer's gradient copy into the graph's tensors and
-its replay; beside them, one contiguous copy of the gradients' bytes (what the copy costs at the
-GPU's bandwidth).
+Why this model: DenseNet-161 launches thousands of small kernels a step, and on an H200 the host's
+launches (~100 ms a step) hid O2's gain: the GPU did 0.70x of O0's work and the step took 0.99x
+(`results/h200/profile_step_densenet_h200.md`). At the mission's own shape (CIFAR-10's 32 px,
+batch 128) the device's work a step is smaller still and the launches the same, so every level,
+the runner's, a hand loop's and Lightning's alike, runs at the host's pace. The whole step
+captured (runner.run.whole_step) launches one graph a step: what is left is the GPU's own time,
+and the levels' difference shows.
 
-Cases and what is expected of them (the verdict):
-  host_rn18_o2       ResNet-18, 16 px, batch 8, O2, Adam: the host bounds the step (the GPU
-                     waits for its launches): the replayed step is faster than the eager one.
-  gpu_rn50_o2        ResNet-50, 224 px, batch 64, channels_last, O2 and o2_bf16: the GPU bounds
-  gpu_rn50_o2_bf16   the step and the launches hide behind the backward, so the replay cannot
-                     pay: its step is no more than 2% slower, the gradient copy at most twice
-                     one contiguous copy of its bytes, the replay no slower on the device than
-                     the eager step (5% and 0.05 ms).
+For each shape (`--shapes`, images px x batch) and level (`--levels`), one group of sides built
+from the same config (one synthetic batch held in memory, `scheduler=none`: the step alone; O0's
+update is torch's own SGD, whose captured step holds a learning rate as captured) and timed
+interleaved in one process, so that clocks, temperature and other load hit them alike:
+  eager      the runner's `Trainer.train_step`, `trainer.cuda_graphs=false`
+  optimizer  the same with `trainer.cuda_graphs=optimizer` (the clip and step alone replayed: it
+             paid nothing on ResNet-18/50; one row, at the first shape's first level)
+  step       the same with `trainer.cuda_graphs=step` (the whole step replayed)
+  hand       the hand-written eager loop of the same level (`overhead.handwritten_step`: stock
+             PyTorch, fp32 at O0; at O2 a 16-bit model, fp32 masters and BatchNorm, dynamic scale)
+  lightning  Lightning's `16-mixed` (`peers.LightningSide`: the same fp32 weights, optimizer and
+             batch; on a CPU `bf16-mixed`, Lightning's fp16 autocast being GPU-only), once a
+             shape, in its first level's group
+Each side is warmed up (`--warmup` steps; a captured side until its graph replays), then blocks
+of `--steps` steps alternate over `--rounds` rounds (`common.interleaved_medians`), each block
+device-synchronised at both ends and nothing between (the GPU may run behind the host, as in
+training); a Lightning block is one `fit`, timed from its first timed step's
+`on_train_batch_start` to its last's `on_train_batch_end` after `--warmup` untimed steps. The
+figure is the median block's ms a step. Then each side's device busy share over `--busy-steps`
+consecutive steps, measured as a run measures `device_busy_frac`: by runner.measure.busy's own
+`BusyInstrument` (torch.profiler's CUDA activity, the union of the kernels' intervals over the
+steps' wall time between two synchronisations), driven around the hand loop's steps and inside
+Lightning's fit the same way as around the runner's.
 
-    python -m benchmarks.graphs                        # CUDA: the three cases, about 2 minutes
-    python -m benchmarks.graphs --cases gpu_rn50_o2 --rounds 20
-    python -m benchmarks.graphs --device cpu           # a CPU: the eager step only (16 px,
-                                                       # batch 2); planning refuses the graphs
+Targets (issue 72, DenseNet-161 on a CUDA GPU): at 32 px, batch 128, O2's whole step captured
+>= 2x its own eager step, >= 1.3x O0 captured, the device busy >= 0.9 captured, and >= 2x
+Lightning `16-mixed`; at 224 px, batch 64, O2 captured >= 1.3x O0 captured (eagerly 0.99x).
 
-On a CPU `trainer.cuda_graphs=true` is refused in planning: the eager step is timed (a check of
-the cases' configs and of this script, not a figure) and the table says what planning said.
-Measures; does not gate. Exit 0 whatever the numbers, 1 if a case crashed, 2 for bad arguments.
+    python -m benchmarks.graphs                        # CUDA: 32 px b128 and 224 px b64, O2, O0
+    python -m benchmarks.graphs --shapes 32x128 --rounds 10
+    python -m benchmarks.graphs --device cpu           # a CPU's check: 32 px, batch 2, 1 step
+
+On a CPU planning refuses `trainer.cuda_graphs` (a CUDA graph needs a CUDA device): the eager
+sides are timed at tiny sizes (a check of the configs and of this script, not a figure), the
+busy share is the CPU operators' (the profiler's CPU activity), and the table says what planning
+said. Measures; does not gate. Exit 0 whatever the numbers, 1 if a side crashed, 2 for bad
+arguments (or Lightning missing where a Lightning side is asked for).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import statistics
+import logging
+import math
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from benchmarks.common import (
     add_device_option,
     add_out_option,
     build_runner,
     check_at_least_one,
-    command,
+    check_presets,
     compose,
     csv_list,
+    fill_defaults,
+    fp32_model,
     interleaved_medians,
     load_average,
-    machine,
-    now,
+    model_label,
+    model_problem,
     one_batch_task,
+    provenance,
     resolve_device,
     results_path,
     setup_lines,
+    show,
     write_results,
 )
 
-HOST, GPU = "host", "gpu"
-# name: (what bounds the step, model, image size, batch size, level, more overrides)
-CASES = {
-    "host_rn18_o2": (HOST, "resnet18", 16, 8, "o2", ("optimizer=adam",)),
-    "gpu_rn50_o2": (GPU, "resnet50", 224, 64, "o2", ("trainer.channels_last=true",)),
-    "gpu_rn50_o2_bf16": (GPU, "resnet50", 224, 64, "o2_bf16", ("trainer.channels_last=true",)),
+MODEL = "densenet161"
+SHAPES = {"cuda": "32x128,224x64", "cpu": "32x2"}  # images px x batch
+LEVELS = "o2,o0"  # the first: the optimizer graph's and Lightning's group
+SIDES = ("eager", "optimizer", "step", "hand", "lightning")
+MODES = {"eager": "false", "optimizer": "optimizer", "step": "step"}  # trainer.cuda_graphs
+LIGHTNING = {"cuda": "16-mixed", "cpu": "bf16-mixed"}  # Lightning's fp16 autocast: GPU only
+DEFAULTS = {
+    "cuda": {"steps": 10, "rounds": 5, "warmup": 5, "busy_steps": 5},
+    "cpu": {"steps": 1, "rounds": 1, "warmup": 1, "busy_steps": 2},
 }
-CPU_SIZE = (16, 2)  # a CPU's image size and batch where none is given: a check, not a figure
-SLOWER = 1.02  # where the GPU bounds the step: the replayed step at most 2% slower
-COPY_FACTOR = 2.0  # the gradient copy at most twice one contiguous copy of the same bytes
-REPLAY = (1.05, 0.05)  # the replay on the device at most 5% and 0.05 ms over the eager step
-VARIANTS = ("eager", "graphed")
+# what the hand-written loop does (overhead.handwritten_kind's names)
+HAND_KINDS = {"fp32": "fp32", "autocast": "autocast + GradScaler", "o2": "16-bit, fp32 masters"}
+REPLAY_WAIT = 30  # more warm-up steps at most, until a captured side replays (skipped steps)
+# (name, shape, what, threshold): the targets of issue 72, DenseNet-161 on a CUDA GPU
+TARGETS = (
+    ("step_vs_eager", (32, 128), "O2 captured / its own eager step", 2.0),
+    ("o2_vs_o0", (32, 128), "O2 captured / O0 captured", 1.3),
+    ("busy", (32, 128), "device busy, O2 captured", 0.9),
+    ("vs_lightning", (32, 128), "O2 captured / Lightning 16-mixed", 2.0),
+    ("o2_vs_o0", (224, 64), "O2 captured / O0 captured", 1.3),
+)
+QUIET = logging.getLogger(__name__ + ".busy")  # (the busy finding: the table says it)
+QUIET.setLevel(logging.ERROR)
+
+
+def shape(text: str) -> tuple[int, int]:
+    """`32x128` -> (32, 128): images px, batch."""
+    px, x, batch = text.lower().partition("x")
+    if not (x and px.isdigit() and batch.isdigit() and int(px) > 0 and int(batch) > 0):
+        raise ValueError(text)
+    return int(px), int(batch)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.graphs",
-        description="The trainer's step with trainer.cuda_graphs against the eager step, "
-        "interleaved in one process, with the device-time split of the optimizer step; "
-        "writes Markdown, CSV and JSON.",
+        description="The runner's step with trainer.cuda_graphs=step against the eager step, "
+        "a hand-written loop and Lightning 16-mixed, interleaved in one process, with the "
+        "device's busy share; writes Markdown, CSV and JSON.",
     )
     add_device_option(p)
+    p.add_argument("--model", default=MODEL, help=f"a model option (default {MODEL})")
     p.add_argument(
-        "--cases",
+        "--shapes",
         type=csv_list,
-        default=list(CASES),
-        help=f"comma-separated cases ({', '.join(CASES)}; default all)",
+        default=None,
+        help=f"images px x batch, comma-separated (default CUDA {SHAPES['cuda']}; CPU "
+        f"{SHAPES['cpu']})",
     )
+    p.add_argument("--levels", type=csv_list, default=csv_list(LEVELS), help=f"default {LEVELS}")
     p.add_argument(
-        "--image-size",
+        "--sides",
+        type=csv_list,
+        default=list(SIDES),
+        help=f"from {', '.join(SIDES)} (default all; optimizer at the first shape's first level "
+        "only, lightning at each shape's first level)",
+    )
+    p.add_argument("--steps", type=int, default=None, help="steps a block (CUDA 10, CPU 1)")
+    p.add_argument("--rounds", type=int, default=None, help="blocks a side (CUDA 5, CPU 1)")
+    p.add_argument(
+        "--warmup",
         type=int,
         default=None,
-        help=f"every case's image side (default each case's own; on a CPU {CPU_SIZE[0]})",
+        help="untimed steps of each side before its blocks, and of each Lightning fit (CUDA 5, "
+        "CPU 1); a captured side steps on until its graph replays",
     )
     p.add_argument(
-        "--batch-size",
+        "--busy-steps",
         type=int,
         default=None,
-        help=f"every case's batch (default each case's own; on a CPU {CPU_SIZE[1]})",
-    )
-    p.add_argument("--steps", type=int, default=20, help="steps per block (default 20)")
-    p.add_argument(
-        "--rounds", type=int, default=10, help="rounds, one block per variant each (default 10)"
-    )
-    p.add_argument(
-        "--reps", type=int, default=20, help="device-time samples of each part (default 20)"
+        help="the steps the device's busy share is measured over, each side (CUDA 5, CPU 2)",
     )
     add_out_option(p, "graphs")
     args = p.parse_args(argv)
     args.device = resolve_device(p, args.device)
-    unknown = [c for c in args.cases if c not in CASES]
-    if unknown or not args.cases:
-        p.error(f"unknown case(s) {unknown}; choose from {', '.join(CASES)}")
-    check_at_least_one(p, args, ("image_size", "batch_size", "steps", "rounds", "reps"))
-    if args.device == "cpu":
-        args.image_size = args.image_size or CPU_SIZE[0]
-        args.batch_size = args.batch_size or CPU_SIZE[1]
+    fill_defaults(args, DEFAULTS[args.device])
+    check_at_least_one(p, args, ("steps", "rounds", "busy_steps"))
+    if args.warmup < 0:
+        p.error("--warmup must be >= 0")
+    try:
+        args.shapes = [shape(s) for s in (args.shapes or csv_list(SHAPES[args.device]))]
+    except ValueError as error:
+        p.error(f"--shapes: {str(error)!r} is not <px>x<batch> (e.g. 32x128), both at least 1")
+    if not args.levels:
+        p.error("--levels: name at least one preset")
+    check_presets(p, args.levels)
+    unknown = [side for side in args.sides if side not in SIDES]
+    if unknown or not args.sides:
+        p.error(f"--sides: unknown {unknown}; choose from {', '.join(SIDES)}")
+    problem = model_problem(args.model)
+    if problem:
+        p.error(f"--model {args.model}: {problem}")
+    if "lightning" in args.sides:
+        try:
+            import lightning  # noqa: F401
+        except ImportError:
+            print(
+                "graphs.py: the Lightning side needs the `lightning` package (pip install "
+                "lightning), or leave it out of --sides",
+                file=sys.stderr,
+            )
+            sys.exit(2)
     args.out = args.out or results_path(f"graphs_{args.device}.md", args.device)
     return args
 
 
-def case_overrides(args, name: str, graphs: bool) -> list[str]:
-    _, model, size, batch, level, extra = CASES[name]
+def overrides(args, px: int, batch: int, level: str, mode: str = "false") -> list[str]:
     return [
-        *one_batch_task(model, args.image_size or size, args.batch_size or batch, args.device),
+        *one_batch_task(args.model, px, batch, args.device),
         f"precision={level}",
-        "scheduler=none",  # (the step alone: no schedule's rate set before each step)
-        *extra,
-        f"trainer.cuda_graphs={str(graphs).lower()}",
+        "scheduler=none",  # (the step alone; O0's torch SGD captured holds its rate)
+        f"trainer.cuda_graphs={mode}",
     ]
 
 
-def _refusal(args, name: str) -> str | None:
-    """What planning says of the graphed run (None: it plans)."""
+def refusal(cfg) -> str | None:
+    """What planning says of a config (None: it plans): ConfigError's first line."""
     from runner.errors import ConfigError
     from runner.run.plan import make_plan
 
     try:
-        make_plan(compose(case_overrides(args, name, True)))
+        make_plan(cfg)
     except ConfigError as error:
         return str(error).splitlines()[0]
     return None
 
 
-def warmup_steps(args) -> int:
-    """Steps each trainer takes before the timed blocks' own warm-up block: on CUDA the graphed
-    trainer's eager steps and its capture, and two replays; none where there is no graph."""
-    from runner.run import cuda_graphs
+# ---- the device's busy share: runner.measure.busy's instrument, around any side's steps -------
+def busy_meter(device, steps: int):
+    """A `BusyInstrument` over the next `steps` steps it is told of (its window from the first),
+    reporting nowhere: on a CUDA device the kernels' share of the steps' wall time, as a run
+    measures `device_busy_frac`; on a CPU the operators' (the profiler's CPU activity), a check
+    of the window, not a figure."""
+    from runner.measure.busy import BusyInstrument
 
-    return cuda_graphs.WARMUP_STEPS + 2 if args.device == "cuda" else 0
+    kinds = {}
+    if device.type != "cuda":
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity
 
-
-def _steps(parts, count: int) -> None:
-    for _ in range(count):
-        parts.trainer.train_step(*parts.batch)
-        parts.trainer.global_step += 1
-
-
-def device_ms(runs: dict, reps: int) -> dict[str, float]:
-    """The GPU time (ms, CUDA events, median of `reps`) of what follows the backward: the eager
-    trainer's step (its clip, where one is set, and `engine.step`), and the graphed trainer's
-    gradient copy and replay. Each is enqueued while the GPU still runs the backward, so the
-    events time kernels, not the host's launches."""
-    import torch
-
-    times: dict[str, list[float]] = {"eager_step": [], "copy": [], "replay": []}
-    for _ in range(reps):
-        for variant, parts in runs.items():
-            trainer = parts.trainer
-            x, y = parts.batch
-            with trainer.engine.autocast():
-                loss = trainer.task.loss(trainer.criterion, trainer.model(x), y)
-            trainer.engine.backward(loss)
-            marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-            marks[0].record()
-            graph = trainer.step_graph
-            if variant == "eager":
-                if trainer.cfg.grad_clip_norm:
-                    trainer.engine.clip_grad_norm_(trainer.cfg.grad_clip_norm, trainer.optimizer)
-                trainer.engine.step(trainer.optimizer, wait=False)
-            else:
-                graph._feed()
-            marks[1].record()
-            if variant == "graphed":
-                graph.graph.replay()
-            marks[2].record()
-            trainer.engine.zero_grad(trainer.optimizer)
-            torch.cuda.synchronize()
-            if variant == "eager":
-                times["eager_step"].append(marks[0].elapsed_time(marks[1]))
-            else:
-                times["copy"].append(marks[0].elapsed_time(marks[1]))
-                times["replay"].append(marks[1].elapsed_time(marks[2]))
-    return {name: statistics.median(values) for name, values in times.items()}
+        kinds = {"activity": ProfilerActivity.CPU, "kind": DeviceType.CPU}
+    return BusyInstrument(device, 1, lambda frac, step: None, steps=steps, logger=QUIET, **kinds)
 
 
-def flat_copy_ms(nbytes: int, dtype, reps: int) -> float:
-    """One contiguous copy of `nbytes` bytes (CUDA events, median of `reps`): the gradient
-    copy's cost at the GPU's bandwidth, measured in the same run."""
-    import torch
-
-    numel = nbytes // torch.empty((), dtype=dtype).element_size()
-    src = torch.empty(numel, dtype=dtype, device="cuda")
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    samples = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        torch.cuda.synchronize()
-        samples.append(start.elapsed_time(end))
-    return statistics.median(samples)
+def busy_share(step: Callable[[], object], device, steps: int) -> float:
+    """The busy share of `steps` consecutive calls of `step`."""
+    meter = busy_meter(device, steps)
+    for index in range(1, steps + 1):
+        meter.due(index)
+        meter.start(index)
+        step()
+        meter.close()
+    return math.nan if meter.frac is None else meter.frac
 
 
-def run_case(args, name: str) -> dict:
-    """One case: the eager and graphed trainers, stepped in interleaved blocks."""
-    from runner.measure.memory import MemoryInstrument
-    from runner.measure.probes import synchronize
-    from runner.run import cuda_graphs
+# ---- the sides ----------------------------------------------------------------------------------
+class Stepped:
+    """A side stepped by a Python function (the runner's trainer, the hand loop)."""
 
-    bound, model, size, batch, level, _ = CASES[name]
-    cell = {
-        "case": name,
-        "bound": bound,
-        "model": model,
-        "image_size": args.image_size or size,
-        "batch_size": args.batch_size or batch,
-        "level": level,
-        "status": "ok",
-        "error": None,
-        "refused": None,
-    }
-    gc.collect()
-    try:
-        cell["refused"] = _refusal(args, name)
-        variants = VARIANTS if cell["refused"] is None else VARIANTS[:1]
-        runs: dict = {}
-        for variant in variants:
-            cpu_batch = runs["eager"].cpu_batch if runs else None
-            overrides = case_overrides(args, name, variant == "graphed")
-            runs[variant] = build_runner(compose(overrides), cpu_batch=cpu_batch)
-            runs[variant].trainer.instruments.find(MemoryInstrument).final = True  # (unmetered)
-        device = runs["eager"].device
-        warmup = warmup_steps(args)
-        for parts in runs.values():
-            _steps(parts, warmup)
+    def __init__(self, step: Callable[[], object], device, graph=None):
+        self.step, self.device, self.graph = step, device, graph
+        self.loss = math.nan
 
-        def block(variant: str) -> float:
-            synchronize(device)
-            started = time.perf_counter()
-            _steps(runs[variant], args.steps)
-            synchronize(device)
-            return (time.perf_counter() - started) / args.steps
+    def warm_up(self, steps: int) -> None:
+        for _ in range(steps):
+            self.step()
+        for _ in range(REPLAY_WAIT if self.graph is not None else 0):
+            if self.graph.replays >= 2:  # (captured, and replayed since)
+                break
+            self.step()
 
-        medians = interleaved_medians(variants, block, args.rounds, name)
-        cell["eager_ms"] = 1e3 * medians["eager"]
-        if "graphed" in runs:
-            graph = runs["graphed"].trainer.step_graph
-            stepped = warmup + (args.rounds + 1) * args.steps
-            cell["graphed_ms"] = 1e3 * medians["graphed"]
-            cell["ratio"] = medians["graphed"] / medians["eager"]
-            cell["graph"] = {
-                "steps": stepped,
-                "eager_steps": graph.eager_steps,
-                "captures": graph.captures,
-                "replays": graph.replays,
-            }
-            cell["replays_every_step"] = graph.captures == 1 and graph.replays == stepped - (
-                cuda_graphs.WARMUP_STEPS
-            )
-            cell.update(device_ms(runs, args.reps))
-            nbytes = sum(t.numel() * t.element_size() for t in graph.static)
-            cell["grad_mb"] = nbytes / 2**20
-            cell["flat_copy_ms"] = flat_copy_ms(nbytes, graph.static[0].dtype, args.reps)
-        runs = None  # (frees them before the next case)
-    except Exception as error:  # noqa: BLE001  (reported; the exit status says so)
-        cell["status"], cell["error"] = "crashed", f"{type(error).__name__}: {error}"
-        traceback.print_exc()
-    return cell
+    def block(self, steps: int) -> float:
+        from benchmarks.overhead import timed_block
+
+        seconds, loss = timed_block(self.step, steps, self.device)
+        self.loss = float(loss)
+        return seconds
+
+    def busy(self, steps: int) -> float:
+        return busy_share(self.step, self.device, steps)
 
 
-def judge(cell: dict) -> list[tuple[str, bool]]:
-    """The case's checks against the stated expectations: (what is expected, whether met)."""
-    if cell["status"] != "ok" or "graphed_ms" not in cell:
-        return []
-    if cell["bound"] == HOST:
-        return [("the replayed step faster than the eager one", cell["ratio"] < 1.0)]
-    factor, slack = REPLAY
+def runner_side(parts) -> Stepped:
+    trainer, batch = parts.trainer, parts.batch
+
+    def step():
+        loss = trainer.train_step(*batch)
+        trainer.global_step += 1  # (as the fit loop counts them: the instruments' steps)
+        return loss
+
+    return Stepped(step, parts.device, trainer.whole_step or trainer.step_graph)
+
+
+class LightningRun:
+    """The Lightning side: each block one `fit` of `warmup` + `steps` steps, timed from the first
+    timed step's start to the last's end (its loop between the steps included: its DataLoader
+    handing over the batch already on the device), device-synchronised at both."""
+
+    def __init__(self, side, device, warmup: int):
+        self.side, self.device, self.warmup = side, device, warmup
+        self.loss = math.nan
+
+    def _window(self, first: int, count: int, start: Callable, end: Callable):
+        import lightning as L
+
+        class Window(L.Callback):
+            def on_train_batch_start(self, trainer, module, batch, index):
+                if first <= index < first + count:
+                    start(index - first)
+
+            def on_train_batch_end(self, trainer, module, outputs, batch, index):
+                if first <= index < first + count:
+                    end(index - first)
+
+        return Window()
+
+    def warm_up(self, steps: int) -> None:
+        self.side.fit(max(steps, 1))
+
+    def block(self, steps: int) -> float:
+        from runner.measure.probes import synchronize
+
+        clock = {}
+
+        def start(i):
+            if i == 0:
+                synchronize(self.device)
+                clock["start"] = time.perf_counter()
+
+        def end(i):
+            if i == steps - 1:
+                synchronize(self.device)
+                clock["end"] = time.perf_counter()
+
+        self.side.fit(self.warmup + steps, [self._window(self.warmup, steps, start, end)])
+        self.loss = float(self.side.last_loss)
+        return (clock["end"] - clock["start"]) / steps
+
+    def busy(self, steps: int) -> float:
+        meter = busy_meter(self.device, steps)
+
+        def start(i):
+            meter.due(i + 1)
+            meter.start(i + 1)
+
+        self.side.fit(
+            self.warmup + steps, [self._window(self.warmup, steps, start, lambda i: meter.close())]
+        )
+        return math.nan if meter.frac is None else meter.frac
+
+
+def sides_of(args, first_shape: bool, first_level: bool) -> list[str]:
+    """The sides of a group: optimizer at the first shape's first level, lightning at each
+    shape's first level."""
     return [
-        (f"the step at most {100 * (SLOWER - 1):.0f}% slower", cell["ratio"] <= SLOWER),
-        (
-            f"the gradient copy at most {COPY_FACTOR:g}x one contiguous copy of its bytes",
-            cell["copy"] <= COPY_FACTOR * cell["flat_copy_ms"],
-        ),
-        (
-            f"the replay on the device at most {100 * (factor - 1):.0f}% + {slack} ms over the "
-            "eager step",
-            cell["replay"] <= factor * cell["eager_step"] + slack,
-        ),
+        s
+        for s in args.sides
+        if (s != "optimizer" or (first_shape and first_level)) and (s != "lightning" or first_level)
     ]
 
 
-def verdict_lines(report: dict) -> list[str]:
-    lines = []
-    for c in report["results"]:
-        if c["status"] != "ok":
-            lines.append(f"- `{c['case']}`: not judged, it crashed ({c['error']})")
-        elif c["refused"]:
-            lines.append(f"- `{c['case']}`: not judged, planning refused the graphs here")
+def build_sides(args, px, batch, level, names, rows) -> dict:
+    """The group's sides, built; a side planning refuses (a CPU's graphs) or without a
+    hand-written loop (O3) gets its row's status and no side."""
+    from benchmarks.overhead import handwritten_kind, handwritten_step
+    from benchmarks.peers import LightningSide
+
+    built: dict = {}
+    eager = build_runner(compose(overrides(args, px, batch, level)))
+    for name in names:
+        row = rows[name]
+        if name in MODES:
+            if name == "eager":
+                built[name] = runner_side(eager)
+                continue
+            cfg = compose(overrides(args, px, batch, level, MODES[name]))
+            row["refused"] = refusal(cfg)
+            if row["refused"]:
+                row["status"] = "refused"
+                continue
+            built[name] = runner_side(build_runner(cfg, cpu_batch=eager.cpu_batch))
+        elif name == "hand":
+            try:
+                row["mode"] = HAND_KINDS[handwritten_kind(eager.properties)]
+            except ValueError as error:
+                row["status"], row["error"] = "n/a", str(error)
+                continue
+            step = handwritten_step(fp32_model(eager.cfg), eager.cfg, eager.properties, eager.batch)
+            built[name] = Stepped(step, eager.device)
         else:
-            checks = judge(c)
-            said = "; ".join(f"{what}: {'met' if ok else 'NOT met'}" for what, ok in checks)
-            graph = "" if c["replays_every_step"] else " (the graph did NOT replay every step)"
-            lines.append(
-                f"- `{c['case']}` ({c['bound']}-bound): {said}: "
-                f"**{'met' if all(ok for _, ok in checks) else 'not met'}**{graph}"
+            side = LightningSide(
+                fp32_model(eager.cfg),
+                eager.cfg,
+                eager.batch,
+                LIGHTNING[args.device],
+                eager.device,
+                benchmark=bool(eager.cfg.trainer.cudnn_benchmark),
             )
-    return lines
+            built[name] = LightningRun(side, eager.device, args.warmup)
+    return built
 
 
-def _ms(cell: dict, key: str, digits: int = 2) -> str:
-    return "-" if cell.get(key) is None else f"{cell[key]:.{digits}f}"
+def run_group(args, px: int, batch: int, level: str, names: list[str]) -> list[dict]:
+    """One shape and level: its sides built, warmed up, timed interleaved, their busy share."""
+    rows = {
+        name: {
+            "model": args.model,
+            "image_size": px,
+            "batch_size": batch,
+            "level": level,
+            "side": name,
+            "mode": MODES.get(name, LIGHTNING[args.device] if name == "lightning" else "-"),
+            "status": "ok",
+            "error": None,
+            "refused": None,
+        }
+        for name in names
+    }
+    gc.collect()
+    label = f"{model_label(args.model)} {px} px b{batch} {level}"
+    try:
+        sides = build_sides(args, px, batch, level, names, rows)
+        for side in sides.values():
+            side.warm_up(args.warmup)
+        replays = {n: s.graph.replays for n, s in sides.items() if getattr(s, "graph", None)}
+        medians = interleaved_medians(
+            list(sides), lambda n: sides[n].block(args.steps), args.rounds, label
+        )
+        timed = (args.rounds + 1) * args.steps  # (interleaved_medians' warm-up block too)
+        for name, side in sides.items():
+            row = rows[name]
+            row["ms"] = 1e3 * medians[name]
+            row["samples_per_s"] = batch / medians[name]
+            row["loss"] = side.loss
+            if name in replays:
+                graph = side.graph
+                row["captures"], row["replays"] = graph.captures, graph.replays
+                row["replayed_every_timed_step"] = graph.replays - replays[name] == timed
+            row["busy"] = side.busy(args.busy_steps)
+        sides = None  # (frees the group before the next: a captured step holds its memory)
+    except Exception as error:  # noqa: BLE001  (reported; the exit status says so)
+        for row in rows.values():
+            if row["status"] == "ok":
+                row["status"], row["error"] = "crashed", f"{type(error).__name__}: {error}"
+        traceback.print_exc()
+    _release()
+    return list(rows.values())
+
+
+def _release() -> None:
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# ---- the figures and the verdict ----------------------------------------------------------------
+def find(rows, px, batch, level, side) -> dict | None:
+    for r in rows:
+        key = (r["image_size"], r["batch_size"], r["level"], r["side"])
+        if key == (px, batch, level, side) and r["status"] == "ok":
+            return r
+    return None
+
+
+def lightning_row(rows, px, batch) -> dict | None:
+    """The Lightning side's row at a shape (whatever its group's level)."""
+    for r in rows:
+        if r["side"] == "lightning" and (r["image_size"], r["batch_size"]) == (px, batch):
+            return r if r["status"] == "ok" else None
+    return None
+
+
+def _ratio(reference: dict | None, row: dict | None) -> float | None:
+    """reference's ms over row's: row's speed-up over reference (None: one is missing)."""
+    return None if reference is None or row is None else reference["ms"] / row["ms"]
+
+
+def speedups(rows: list[dict]) -> None:
+    """Each row's speed-ups, in place: over the runner's eager step at its level (`vs_eager`),
+    over the same side at O0 (`vs_o0`), over Lightning at its shape (`vs_lightning`)."""
+    for r in rows:
+        if r["status"] != "ok":
+            continue
+        px, batch = r["image_size"], r["batch_size"]
+        lightning = lightning_row(rows, px, batch)
+        r["vs_lightning"] = _ratio(lightning, r) if r["side"] != "lightning" else None
+        if r["side"] == "lightning":
+            r["vs_eager"] = r["vs_o0"] = None
+            continue
+        r["vs_eager"] = _ratio(find(rows, px, batch, r["level"], "eager"), r)
+        r["vs_o0"] = _ratio(find(rows, px, batch, "o0", r["side"]), r)
+
+
+def target_value(rows: list[dict], name: str, px: int, batch: int) -> float | None:
+    o2_step = find(rows, px, batch, "o2", "step")
+    if o2_step is None:
+        return None
+    if name == "step_vs_eager":
+        return _ratio(find(rows, px, batch, "o2", "eager"), o2_step)
+    if name == "o2_vs_o0":
+        return _ratio(find(rows, px, batch, "o0", "step"), o2_step)
+    if name == "vs_lightning":
+        return _ratio(lightning_row(rows, px, batch), o2_step)
+    busy = o2_step.get("busy")
+    return None if busy is None or not math.isfinite(busy) else busy
+
+
+def judged(report: dict) -> list[dict]:
+    """Each target: what, where, the measured value, met (None: not measured)."""
+    out = []
+    for name, (px, batch), what, threshold in TARGETS:
+        value = target_value(report["results"], name, px, batch)
+        met = None if value is None else value >= threshold
+        out.append(
+            {
+                "target": name,
+                "shape": f"{px} px, batch {batch}",
+                "what": what,
+                "threshold": threshold,
+                "value": value,
+                "met": met,
+            }
+        )
+    return out
+
+
+def verdict(report: dict) -> list[str]:
+    rows = report["results"]
+    if report["device"] != "cuda" or report["model"] != MODEL:
+        refused = sorted({r["side"] for r in rows if r["status"] == "refused"})
+        why = (
+            "a CPU: planning refuses the graphs"
+            + (f" (refused: {', '.join(refused)})" if refused else "")
+            if report["device"] != "cuda"
+            else f"{report['model']}: the targets are DenseNet-161's"
+        )
+        return [
+            f"Verdict: **NO TARGET** on {why}; the targets are DenseNet-161's on a CUDA GPU "
+            "(the rows above check the sides' configs and this script, not the GPU's figures)."
+        ]
+    checks = judged(report)
+    lines = []
+    for c in checks:
+        state = {True: "met", False: "MISSED", None: "NOT MEASURED"}[c["met"]]
+        unit = "" if c["target"] == "busy" else "x"
+        value = "-" if c["value"] is None else f"{c['value']:.2f}{unit}"
+        lines.append(
+            f"- {c['shape']}: {c['what']} {value} (target >= {c['threshold']:g}{unit}): **{state}**"
+        )
+    missed = [c for c in checks if c["met"] is False]
+    unmeasured = [c for c in checks if c["met"] is None]
+    state = "MISSED" if missed else ("INCOMPLETE" if unmeasured else "MET")
+    said = f"{sum(c['met'] is True for c in checks)} of {len(checks)} targets met"
+    said += f", {len(missed)} missed" if missed else ""
+    if unmeasured:
+        said += f", {len(unmeasured)} not measured (a side crashed, was refused or did not run)"
+    return [f"Verdict: **{state}**: {said}.", "", *lines]
+
+
+def _f(value, spec: str) -> str:
+    missing = value is None or (isinstance(value, float) and math.isnan(value))
+    return "-" if missing else format(value, spec)
+
+
+SIDE_LABELS = {
+    "eager": "runner, eager",
+    "optimizer": "runner, optimizer graph",
+    "step": "runner, whole step captured",
+    "hand": "hand-written loop",
+    "lightning": "Lightning",
+}
 
 
 def render(report: dict) -> str:
+    cuda = report["device"] == "cuda"
     lines = [
-        f"# CUDA graphs: the replayed step against the eager one ({report['device']})",
+        f"# The whole training step as one CUDA graph: {model_label(report['model'])} "
+        f"({report['device']})",
         "",
-        "The trainer's own step (`Trainer.train_step`) with `trainer.cuda_graphs=false` and "
-        "`=true`, built from the same seed, on one synthetic batch held in memory; after "
-        f"{report['warmup']} warm-up steps each (on CUDA the graphed trainer's eager steps and "
-        f"its capture among them), blocks of {report['steps']} steps alternate over "
-        f"{report['rounds']} rounds, each block device-synchronised at both ends. Medians over "
-        "the blocks. Device times (CUDA events, median of "
-        f"{report['reps']}): what follows the backward, enqueued while the GPU still runs it: "
-        "the eager `engine.step`, the graphed trainer's gradient copy and its replay; and one "
-        "contiguous copy of the gradients' bytes (the copy at the GPU's bandwidth).",
+        "Per shape and level, the runner's `Trainer.train_step` with `trainer.cuda_graphs=false`, "
+        "`optimizer` and `step`, the hand-written eager loop of the same level and Lightning "
+        f"`{LIGHTNING[report['device']]}`, on the same model, weights, optimizer (SGD, "
+        "`scheduler=none`) and synthetic batch held in memory; each side warmed up "
+        f"({report['warmup']} steps; a captured one until it replays), then {report['rounds']} "
+        f"interleaved rounds of {report['steps']}-step blocks, each block device-synchronised at "
+        "both ends (a Lightning block: one `fit`, after "
+        f"{report['warmup']} untimed steps). ms a step: the median block's. Device busy: the "
+        f"share of {report['busy_steps']} consecutive steps' wall time the "
+        + ("GPU ran a kernel or copy" if cuda else "CPU ran an operator (a CPU's check)")
+        + ", measured by `runner.measure.busy`'s `BusyInstrument` as a run's "
+        "`device_busy_frac`. Speed-ups: a reference's ms a step over the row's.",
         "",
-        "| case | model | px | batch | level | eager step ms | graphed step ms | graphed / eager "
-        "| device: eager step ms | copy ms | replay ms | gradients MB | contiguous copy ms | "
-        "graph: captures / replays of steps |",
-        "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| px | batch | level | side | `cuda_graphs` / precision | ms a step | samples/s | "
+        "device busy | x runner eager | x same side at O0 | x Lightning | graph captures / "
+        "replays | last loss |",
+        "|---:|---:|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
-    for c in report["results"]:
+    for r in report["results"]:
         head = (
-            f"| {c['case']} | {c['model']} | {c['image_size']} | {c['batch_size']} | {c['level']}"
+            f"| {r['image_size']} | {r['batch_size']} | {r['level']} | "
+            f"{SIDE_LABELS[r['side']]} | {r['mode']}"
         )
-        if c["status"] != "ok":
-            lines.append(f"{head} | {c['status']}: {c['error']} |")
+        if r["status"] != "ok":
+            said = "refused in planning (below)" if r["status"] == "refused" else r["error"]
+            said = said if r["status"] == "refused" else f"{r['status']}: {said}"
+            lines.append(f"{head} | {said} | | | | | | | |")
             continue
-        if c["refused"]:
-            lines.append(f"{head} | {_ms(c, 'eager_ms')} | refused (below) |")
-            continue
-        g = c["graph"]
+        graph = "-"
+        if "captures" in r:
+            graph = f"{r['captures']} / {r['replays']}" + (
+                "" if r["replayed_every_timed_step"] else " (NOT every timed step)"
+            )
         lines.append(
-            f"{head} | {_ms(c, 'eager_ms')} | {_ms(c, 'graphed_ms')} | {c['ratio']:.3f} | "
-            f"{_ms(c, 'eager_step', 3)} | {_ms(c, 'copy', 3)} | {_ms(c, 'replay', 3)} | "
-            f"{c['grad_mb']:.1f} | {_ms(c, 'flat_copy_ms', 3)} | "
-            f"{g['captures']} / {g['replays']} of {g['steps']} |"
+            f"{head} | {_f(r['ms'], '.2f')} | {_f(r['samples_per_s'], '.0f')} | "
+            f"{_f(r.get('busy'), '.2f')} | {_f(r.get('vs_eager'), '.2f')} | "
+            f"{_f(r.get('vs_o0'), '.2f')} | {_f(r.get('vs_lightning'), '.2f')} | {graph} | "
+            f"{_f(r.get('loss'), '.4g')} |"
         )
     lines += [f"\nRefused in planning: {said}" for said in report["refusals"]]
     lines += [
         "",
         "## Verdict",
         "",
-        "Where the host bounds the step (the GPU waits for the launches) the replay saves the "
-        "host the step's Python and kernel calls and should pay; where the GPU bounds it the "
-        "launches already hide behind the backward, and the replay adds one read and write of "
-        "every gradient: the step at most 2% slower, that copy near its bandwidth cost.",
+        "Issue 72's targets, DenseNet-161 on a CUDA GPU: at 32 px, batch 128 (the mission's "
+        "shape), O2's whole step captured >= 2x its own eager step, >= 1.3x O0 captured, the "
+        "device busy >= 0.9 captured, >= 2x Lightning `16-mixed`; at 224 px, batch 64, O2 "
+        "captured >= 1.3x O0 captured (eagerly 0.99x on the H200 of 2026-11-29).",
         "",
-        *verdict_lines(report),
+        *verdict(report),
         "",
         "## Setup",
         "",
-        *setup_lines(report),
+        *setup_lines(report, f"Lightning {report.get('lightning') or '-'}, "),
         "",
     ]
     return "\n".join(lines)
 
 
-CSV_FIELDS = [
-    "case",
-    "bound",
+FIELDS = [
     "model",
     "image_size",
     "batch_size",
     "level",
+    "side",
+    "mode",
     "status",
-    "eager_ms",
-    "graphed_ms",
-    "ratio",
-    "eager_step",
-    "copy",
-    "replay",
-    "grad_mb",
-    "flat_copy_ms",
-    "replays_every_step",
+    "ms",
+    "samples_per_s",
+    "busy",
+    "vs_eager",
+    "vs_o0",
+    "vs_lightning",
+    "captures",
+    "replays",
+    "replayed_every_timed_step",
+    "loss",
     "refused",
     "error",
 ]
@@ -407,46 +649,50 @@ CSV_FIELDS = [
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    load_start = load_average()
-    started = time.perf_counter()
+    load_start, started = load_average(), time.perf_counter()
+    shapes = ", ".join(f"{px} px b{batch}" for px, batch in args.shapes)
     print(
-        f"CUDA graphs on {args.device}: {', '.join(args.cases)}, {args.rounds} rounds of "
-        f"{args.steps}-step blocks; load average {load_start}",
+        f"CUDA graphs on {args.device}: {model_label(args.model)} at {shapes}, levels "
+        f"{', '.join(args.levels)}, {args.rounds} rounds of {args.steps}-step blocks; load "
+        f"average {load_start}",
         flush=True,
     )
-    results = []
+    try:
+        import lightning
 
-    def report() -> dict:
-        return {
-            "benchmark": "graphs",
-            "device": args.device,
-            "steps": args.steps,
-            "rounds": args.rounds,
-            "reps": args.reps,
-            "warmup": warmup_steps(args) + args.steps,
-            "refusals": sorted({c["refused"] for c in results if c.get("refused")}),
-            "results": results,
-            "machine": machine(args.device),
-            "command": command("graphs", argv),
-            "date": now(),
-            "load_start": load_start,
-            "load_end": load_average(),
-            "wall_s": time.perf_counter() - started,
-            "overrides": {name: case_overrides(args, name, True) for name in args.cases},
-        }
-
-    # the table after every case, so that a GPU lease's piece stopped at its limit keeps the
-    # cases that ran
-    for name in args.cases:
-        cell = run_case(args, name)
-        cell["checks"] = [{"expected": what, "met": ok} for what, ok in judge(cell)]
-        results.append(cell)
-        final = report()
-        paths = write_results(args.out, render(final), results, CSV_FIELDS, final)
-    print()
-    print(render(final))
-    print("Wrote " + ", ".join(str(p) for p in paths))
-    return 1 if any(c["status"] != "ok" for c in results) else 0
+        lightning_version = lightning.__version__
+    except ImportError:
+        lightning_version = None
+    results: list[dict] = []
+    # the table after every group, so that a GPU lease's piece stopped at its limit keeps the
+    # groups that ran (the mission's shape first)
+    for i, (px, batch) in enumerate(args.shapes):
+        for j, level in enumerate(args.levels):
+            results += run_group(args, px, batch, level, sides_of(args, i == 0, j == 0))
+            speedups(results)
+            report = {
+                "benchmark": "graphs",
+                "device": args.device,
+                "model": args.model,
+                "steps": args.steps,
+                "rounds": args.rounds,
+                "warmup": args.warmup,
+                "busy_steps": args.busy_steps,
+                "lightning": lightning_version,
+                "refusals": sorted({r["refused"] for r in results if r.get("refused")}),
+                "results": results,
+                **provenance("graphs", argv, args.device, load_start, started),
+                "overrides": {
+                    f"{px}x{batch}/{lv}/{mode}": overrides(args, px, batch, lv, mode)
+                    for px, batch in args.shapes
+                    for lv in args.levels
+                    for mode in ("false", "step")
+                },
+            }
+            report["targets"] = judged(report) if args.device == "cuda" else []
+            paths = write_results(args.out, render(report), results, FIELDS, report)
+    show(render(report), paths)
+    return 1 if any(r["status"] == "crashed" for r in results) else 0
 
 
 if __name__ == "__main__":
