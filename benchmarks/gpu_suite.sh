@@ -7,11 +7,13 @@
 #   bash benchmarks/gpu_suite.sh lease    # the next lease's first call, 9 minutes on an H100
 #                                         # after the machine's start, the kernels' build
 #                                         # included: the CUDA tests (the no-sync and
-#                                         # captured-step ones among them), Apex's tests on
-#                                         # CUDA, fused_step.py, the mission's command at O0 and
-#                                         # O2 on densenet161 (steady.py: 224 px, 60 steps),
-#                                         # graphs.py (trainer.cuda_graphs against the eager
-#                                         # step), peers.py on ResNet-50 tuned by trainer.tune
+#                                         # captured-step ones among them), graphs.py (the
+#                                         # whole step as one CUDA graph on densenet161, 32 and
+#                                         # 224 px, O2 and O0, beside the hand loop and
+#                                         # Lightning 16-mixed), Apex's tests on CUDA,
+#                                         # fused_step.py, the mission's command at O0 and O2
+#                                         # on densenet161 (steady.py: 224 px, 60 steps),
+#                                         # peers.py on ResNet-50 tuned by trainer.tune
 #                                         # against Lightning 16-mixed / bf16-mixed
 #   bash benchmarks/gpu_suite.sh lease2   # its second call on the same warm machine, in the
 #                                         # ~300 s a 15-minute lease has left (budget 280 s):
@@ -52,9 +54,9 @@
 # CUDA_HOME (found from nvcc when unset), AMP_RUNNER_KERNEL_CACHE (default /tmp/amp-runner-kernels).
 # The lease's pieces add up to more than its budget (on the H200 of 2026-11-28 the build took
 # 125 s, the CUDA tests 174 s, Apex's 33 s, fused_step.py 17 s of a 505 s budget, which left 126 s
-# for graphs.py, stopped at its 90 s, and the tuned peers, at 35 s): skip the pieces an earlier
-# lease ran on code that has not changed since, to reach the later ones, e.g.
-# GPU_SUITE_SKIP=tests_apex_l0_cuda,bench_kernels.
+# for graphs.py, stopped at its 90 s, and the tuned peers, at 35 s; graphs.py now follows the
+# tests, with the ~240 s they leave): skip the pieces an earlier lease ran on code that has not
+# changed since, to reach the later ones, e.g. GPU_SUITE_SKIP=tests_apex_l0_cuda,bench_kernels.
 #
 # Parts 1-4 (sizes from the first runs on an H200: kernels build 68 s, CUDA tests with 4 workers
 # 108 s, fused_step.py 9 s, ResNet-50's eager rows 84 s, peers 49 s, the ViT's two compiled rows
@@ -254,19 +256,25 @@ export AMP_RUNNER_TUNE_CACHE=$WORK/tune-cache
 TUNED=(--device "$DEV" --tuned --run-steps "$(small 20000 50)" --tune-budget-s 60)
 TUNED+=(--peers lightning:16-mixed,lightning:bf16-mixed "${PEER[@]}")
 
-# trainer.cuda_graphs: the replayed step against the eager one, interleaved in one process
-# (graphs.py: ResNet-18 where the host bounds the step, ResNet-50 at O2 and o2_bf16 where the GPU
-# does, with the device-time split; the first two cases took 75 s on the H200 of 2026-11-28, and
-# it writes its table after each case). Dry: the eager step only (a CPU refuses the capture in
-# planning, and the table says so)
-GRAPHS=(--steps "$(small 20 1)" --rounds "$(small 10 1)" --reps "$(small 20 1)")
-[[ "$DRY" == 1 ]] && GRAPHS+=(--image-size 16 --batch-size 2)
+# trainer.cuda_graphs=step, the whole step replayed as one CUDA graph, against the eager step,
+# the hand-written loop and Lightning 16-mixed (graphs.py, issue 72's targets): DenseNet-161 at
+# 32 px, batch 128 (the mission's shape) then 224 px, batch 64, O2 then O0, each group's sides
+# interleaved, the table written after each group. Its size, estimated from the H200's DenseNet-161
+# steps (~100 ms eager at either shape, host-bound; 57-81 ms of device work at 224 px) and the
+# cuDNN autotuning of each shape and dtype (tens of seconds at 224 px): about 45 s and 25 s at
+# 32 px, 75 s and 65 s at 224 px; a limit that stops the last group keeps the others. Dry: the
+# eager sides at 32 px, batch 2 (a CPU refuses the capture in planning, and the table says so)
+GRAPHS=(--shapes "$(small 32x128,224x64 32x2)" --steps "$(small 10 1)" --rounds "$(small 3 1)")
+GRAPHS+=(--warmup "$(small 5 1)" --busy-steps "$(small 5 2)")
 
 if [[ "$PART" == lease ]]; then
   # correctness first: the CUDA tests (the fused step's no-sync tests, the step timer's, the
   # captured step's), then what changed since the last lease or never ran there, in order of
   # priority (ResNet-50's levels and peers met their targets on an H100 on 2026-11-27: parts 1-4)
   piece tests_gpu 240 "$PY" "${GPU_TESTS[@]}" "${XDIST[@]}"
+  # the whole-step graph's benchmark first: every target of issue 72 rests on it
+  piece bench_graphs 240 "$PY" -m benchmarks.graphs --device "$DEV" "${GRAPHS[@]}" \
+    --out "$RES/graphs_$TAG.md"
   # Apex's own amp tests on CUDA, where .apex/ (a git repo of Apex's tests/L0/run_amp) is carried
   if [[ -z "${APEX_GIT:-}" && -d .apex/.git ]]; then
     export APEX_GIT=$ROOT/.apex APEX_COMMIT=${APEX_COMMIT:-HEAD}
@@ -284,8 +292,6 @@ if [[ "$PART" == lease ]]; then
   [[ "$DRY" == 1 ]] && STEADY+=(--image-size 32 --batch-size 2 --workers 0 --levels o0,o2)
   piece steady_densenet 300 "$PY" -m benchmarks.steady --device "$DEV" "${STEADY[@]}" \
     --work "$WORK/steady" --out "$RES/steady_$TAG.md"
-  piece bench_graphs 150 "$PY" -m benchmarks.graphs --device "$DEV" "${GRAPHS[@]}" \
-    --out "$RES/graphs_$TAG.md"
   piece bench_peers_tuned_rn50 200 "$PY" -m benchmarks.peers "${TUNED[@]}" --model resnet50 \
     --out "$RES/peers_tuned_rn50_$TAG.md"
 elif [[ "$PART" == lease2 ]]; then

@@ -63,11 +63,24 @@ def test_each_piece_of_a_lease_is_accepted_by_its_benchmark(part: str, tmp_path:
 
 def test_the_first_lease_runs_its_pieces_in_order_of_priority():
     names = [name for name, _, _ in listed("lease")]
-    order = ["tests_gpu", "bench_kernels", "steady_densenet", "bench_graphs"]
+    order = ["tests_gpu", "bench_graphs", "bench_kernels", "steady_densenet"]
     order += ["bench_peers_tuned_rn50"]
     assert [n for n in names if n in order] == order
+    # the whole-step graph's benchmark (issue 72's targets) straight after the CUDA tests
+    assert names.index("bench_graphs") == names.index("tests_gpu") + 1
     gpu_tests = next(cmd for name, _, cmd in listed("lease") if name == "tests_gpu")
     assert "-m" in gpu_tests and "gpu" in gpu_tests
+
+
+def test_the_lease_measures_the_whole_step_graph_at_the_issues_shapes():
+    from benchmarks import graphs
+
+    command = next(cmd for name, _, cmd in listed("lease") if name == "bench_graphs")
+    args = graphs.parse_args(["cpu" if a == "cuda" else a for a in command[3:]])
+    assert args.model == "densenet161" and args.shapes == [(32, 128), (224, 64)]
+    assert args.levels == ["o2", "o0"] and set(args.sides) == set(graphs.SIDES)
+    dry = next(cmd for name, _, cmd in listed("lease", "--dry") if name == "bench_graphs")
+    assert graphs.parse_args(dry[3:]).shapes == [(32, 2)]  # (DenseNet-161's least: 32 px)
 
 
 @pytest.mark.parametrize("part", ["lease", "lease2"])
