@@ -161,11 +161,11 @@ piece() {
 small() { if [[ "$DRY" == 1 ]]; then echo "$2"; else echo "$1"; fi; }
 
 # What earlier leases measured on code unchanged since, skipped unless GPU_SUITE_SKIP is set (a
-# dry run checks every piece): fused_step.py (2026-11-28: the kernels unchanged since), the tuned
-# ResNet-50 peers, DenseNet-161's profile, fp16 accuracy parity and the layer-plan cost
-# (2026-11-29)
+# dry run checks every piece): the tuned ResNet-50 peers, DenseNet-161's profile, fp16 accuracy
+# parity and the layer-plan cost (2026-11-29). fused_step.py runs again: its row (f), torch's
+# fused AdamW under its GradScaler, is newer than the last lease.
 if [[ -z "${GPU_SUITE_SKIP+set}" && "$DRY" == 0 ]]; then
-  [[ "$PART" == lease ]] && GPU_SUITE_SKIP=bench_kernels,bench_peers_tuned_rn50
+  [[ "$PART" == lease ]] && GPU_SUITE_SKIP=bench_peers_tuned_rn50
   [[ "$PART" == lease2 ]] && GPU_SUITE_SKIP=profile_densenet,bench_accuracy_fp16,bench_layer_plan
 fi
 
