@@ -232,6 +232,22 @@ def test_what_tuning_changed_is_named_short_and_the_defaults_are_left_out():
     assert kept.picked() == "the defaults"
 
 
+def test_tune_md_sets_the_runs_steady_step_beside_the_tuners():
+    """Once the run has trained, tune.md says its steady step beside the one the tuner measured
+    for the chosen settings, within 20% or apart with where to look; nothing where either is
+    unknown."""
+    rows = [tune_measure.Row({}, steady_ms=20.0), tune_measure.Row({"x": 1}, steady_ms=10.0)]
+    tuning = tune_decision.Tuning({}, {}, rows, chosen=1)
+    near = tuning.against_run(11.5, 32)
+    assert "11.5 ms a batch of 32" in near and "10.0 ms" in near and "+15%, within 20%" in near
+    far = tuning.against_run(7.0, 32)
+    assert "-30%, more than 20% apart" in far and "data_wait_frac" in far
+    assert tuning.against_run(None, 32) == ""
+    assert tune_decision.Tuning({}, {}).against_run(10.0, 32) == ""  # nothing measured (cache)
+    unmeasured = tune_decision.Tuning({}, {}, [tune_measure.Row({}, steady_ms=None)])
+    assert unmeasured.against_run(10.0, 32) == ""
+
+
 def test_a_candidate_that_changes_the_loss_is_refused():
     model = ["model=custom", "model._target_=tests.helpers.tune_models.LayoutBug"]
     plan, tuning = tuned(*ON, *model, "precision.kernels=torch")
