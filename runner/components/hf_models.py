@@ -142,15 +142,8 @@ def _hf_kwargs(cfg: Any) -> dict[str, Any]:
 
 
 def _refuse_hf_downloads(kwargs: dict[str, Any]) -> None:
-    for key in HF_DOWNLOADS:
-        value = kwargs.get(key)
-        if value not in (None, False, ""):
-            raise ConfigError(
-                f"model.{key}",
-                f"got {value!r}: models are trained from random "
-                "init here and nothing may be downloaded or loaded",
-                "null (or leave it out)",
-            )
+    why = "models are trained from random init here and nothing may be downloaded or loaded"
+    targets.refuse_given("model", kwargs, HF_DOWNLOADS, why)
     for key in HF_DTYPES:
         if kwargs.get(key) is not None:
             raise ConfigError(

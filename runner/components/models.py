@@ -191,17 +191,9 @@ def _zoo_kwargs(zoo: str, cfg: Any) -> dict[str, Any]:
 
 
 def _refuse_downloads(zoo: str, cfg: Any) -> None:
-    for key in DOWNLOADS:
-        if key in ZOO_KEYS[zoo]:
-            continue
-        value = _zoo_kwargs(zoo, cfg).get(key)
-        if value not in (None, False, ""):
-            raise ConfigError(
-                f"model.{key}",
-                f"got {value!r}: models are trained from random "
-                "init here and nothing may be downloaded",
-                "null (or leave it out)",
-            )
+    keys = [key for key in DOWNLOADS if key not in ZOO_KEYS[zoo]]
+    why = "models are trained from random init here and nothing may be downloaded"
+    targets.refuse_given("model", _zoo_kwargs(zoo, cfg), keys, why)
 
 
 def _unknown_arch(zoo: str, arch: Any, known: list[str], listing: str) -> ConfigError:

@@ -107,6 +107,15 @@ def arguments(node: Any, runner_keys: Iterable[str] = ()) -> dict[str, Any]:
     return {k: v for k, v in values.items() if k not in skip}
 
 
+def refuse_given(group: str, kwargs: Mapping[str, Any], keys: Iterable[str], why: str) -> None:
+    """A ConfigError for the first of `keys` that `kwargs` gives a value (not None, False or ""):
+    `group.key`, what it got and `why` no value is allowed."""
+    for key in keys:
+        value = kwargs.get(key)
+        if value not in (None, False, ""):
+            raise ConfigError(f"{group}.{key}", f"got {value!r}: {why}", "null (or leave it out)")
+
+
 def accepts(target: Any, name: str) -> bool:
     """Whether `target` takes a keyword argument `name` (or any, via **kwargs)."""
     try:
