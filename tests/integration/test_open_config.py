@@ -434,6 +434,10 @@ def test_a_precision_file_of_ones_own_takes_its_levels_properties_or_is_refused(
     assert run_in_process(*args, "precision=mine") == 0
     out = printed(capfd)
     assert "cast_model_type        float16" in out and "loss_scale             512.0" in out
+    # its fp16 on a CPU, too long a run, is refused by its level's name (the file has no preset)
+    mission = ["--config-dir", "my_conf", "data=synthetic", "model=densenet161", "precision=mine"]
+    assert run_in_process(*mission, "trainer.device=cpu") == 2
+    assert "precision.opt_level=O2 computes in fp16" in printed(capfd)
 
 
 @pytest.mark.parametrize(
