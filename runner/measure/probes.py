@@ -108,12 +108,14 @@ class Stopwatch:
 
 
 @functools.cache
-def training_rate(dtype: torch.dtype, repeats: int = 2) -> float:
+def training_rate(dtype: torch.dtype, repeats: int = 2, least_s: float = 0.05) -> float:
     """This CPU's FLOP rate training a convolution in `dtype` (FLOP/s): a 3x3 convolution's
     forward and backward on a small batch (4 x 32 channels x 16 x 16), on torch's threads as a
-    run uses them, the best of `repeats` after one untimed; measured once per process (fp16,
-    which a CPU emulates: about 0.1-0.3 s; the others a few ms). What a run's steps take in
-    that format is its FLOPs at about this rate."""
+    run uses them, the fastest of at least `repeats` timed steps after one untimed, repeated
+    until they add up to `least_s` (a step of a few ms, timed twice on a busy machine, was up to
+    15x off: the fastest of many is the machine's rate between its other work); measured once
+    per process (fp16, which a CPU emulates: about 0.1-0.3 s; the others about `least_s`). What
+    a run's steps take in that format is its FLOPs at about this rate."""
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(4, 32, 16, 16, generator=generator).to(dtype).requires_grad_()
     w = torch.randn(32, 32, 3, 3, generator=generator).to(dtype).requires_grad_()
@@ -123,8 +125,8 @@ def training_rate(dtype: torch.dtype, repeats: int = 2) -> float:
         torch.nn.functional.conv2d(x, w, padding=1).sum().backward()
 
     step()
-    times = []
-    for _ in range(repeats):
+    times: list[float] = []
+    while len(times) < repeats or (sum(times) < least_s and len(times) < 1000):
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)

@@ -28,6 +28,21 @@ def optimizer_steps(batches: int, accumulate: int) -> int:
     return math.ceil(batches / accumulate)
 
 
+def _train_size(cfg: Any, task: str, data: Optional[Spec], datasets: Any) -> Optional[int]:
+    """The training samples as the config tells them (`data`: its spec's `train_size`, or
+    `data.num_train`; a language model's tokens cut into sequences of `data.block_size`), else
+    the loaded `datasets`' (None where neither tells)."""
+    size = data.train_size(cfg.data) if data is not None and data.train_size else None
+    if size is None:
+        size = OmegaConf.select(cfg, "data.num_train", default=None)
+        block = OmegaConf.select(cfg, "data.block_size", default=None)
+        if isinstance(size, int) and task == LANGUAGE_MODEL:  # tokens, cut into sequences
+            size = (size - 1) // block if isinstance(block, int) and block > 0 else None
+    if not isinstance(size, int) and datasets is not None:
+        size = len(datasets.train)
+    return size if isinstance(size, int) else None
+
+
 def estimated_steps(
     cfg: Any,
     task: str,
@@ -38,20 +53,25 @@ def estimated_steps(
     """A run's training steps (its batches: one an optimizer step with no accumulation) as its
     config tells them, for each of `world_size` ranks (each trains on its share of the samples,
     DistributedSampler's, padded to equal shares): from `trainer.limit_train_batches`, the
-    data's option (`data`: its spec's `train_size`, or `data.num_train`; a language model's
-    tokens cut into sequences of `data.block_size`), or the loaded `datasets`; None where only
-    the data can tell and none are given."""
+    data's size (`_train_size`), or the loaded `datasets`; None where only the data can tell and
+    none are given."""
     limit = cfg.trainer.limit_train_batches
     per_epoch = limit if isinstance(limit, int) else None  # (a share: of a count to be known)
-    size = data.train_size(cfg.data) if data is not None and data.train_size else None
-    if size is None:
-        size = OmegaConf.select(cfg, "data.num_train", default=None)
-        block = OmegaConf.select(cfg, "data.block_size", default=None)
-        if isinstance(size, int) and task == LANGUAGE_MODEL:  # tokens, cut into sequences
-            size = (size - 1) // block if isinstance(block, int) and block > 0 else None
-    if not isinstance(size, int) and per_epoch is None and datasets is not None:
-        size = len(datasets.train)
-    if isinstance(size, int):
+    size = _train_size(cfg, task, data, datasets if per_epoch is None else None)
+    if size is not None:
         batches = math.ceil(math.ceil(size / world_size) / cfg.trainer.batch_size)
         per_epoch = limit_batches(batches, limit)
     return None if per_epoch is None else per_epoch * cfg.trainer.max_epochs
+
+
+def estimated_samples(cfg: Any, task: str, data: Optional[Spec] = None) -> Optional[int]:
+    """The samples a run trains on over its epochs (`estimated_steps`' batches, the last of an
+    epoch as short as the data leaves it: 16 samples make one batch of 16, not of
+    trainer.batch_size); None where the steps are unknown."""
+    steps = estimated_steps(cfg, task, data)
+    if steps is None:
+        return None
+    epochs = cfg.trainer.max_epochs
+    per_epoch = steps // epochs * cfg.trainer.batch_size
+    size = _train_size(cfg, task, data, None)
+    return (per_epoch if size is None else min(per_epoch, size)) * epochs

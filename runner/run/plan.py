@@ -225,8 +225,12 @@ def slow_fp16(
     from runner.tasks import task_for
 
     flops = meta.flops_per_sample(task_for(task).input_dtype)
-    steps = batches.estimated_steps(cfg, task, specs.get("data"))
-    return cpu_fp16.refusal(cfg, properties, device, flops, steps)
+    data = specs.get("data")
+    steps, samples = (
+        batches.estimated_steps(cfg, task, data),
+        batches.estimated_samples(cfg, task, data),
+    )
+    return cpu_fp16.refusal(cfg, properties, device, flops, steps, samples)
 
 
 # ---- the task ---------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from mlflow.tracking import MlflowClient
 
 from runner.errors import ConfigError
 from runner.measure.probes import training_rate
-from runner.run import app, cpu_fp16
+from runner.run import app, batches, cpu_fp16
 from runner.run.plan import make_plan
 from tests.helpers.runs import FAST, compose_config, run_cli
 
@@ -40,10 +40,26 @@ def test_the_estimate_is_the_runs_flops_at_this_cpus_measured_rate():
     plan = make_plan(compose_config(*MISSION, "precision=o0"))  # (the same model and steps)
     flops, steps = plan.flops_per_sample(), plan.estimated_steps()
     assert steps == 790 and flops > 1e9
-    fp16 = cpu_fp16.estimate_s(steps, 128, flops, torch.float16)
-    assert fp16 == pytest.approx(790 * 128 * flops / training_rate(torch.float16))
+    fp16 = cpu_fp16.estimate_s(10_000 * 10, flops, torch.float16)  # (10 epochs of 10,000)
+    assert fp16 == pytest.approx(100_000 * flops / training_rate(torch.float16))
     assert fp16 > cpu_fp16.MAX_RUN_S
     assert training_rate(torch.float16) < training_rate(torch.float32)  # (emulated)
+
+
+@pytest.mark.parametrize(
+    "overrides,samples",
+    [
+        ([], 100_000),  # 10 epochs of 10,000: the last batch of each 16, not 128
+        (["data.num_train=16"], 160),  # one batch of 16 an epoch
+        (["trainer.limit_train_batches=2"], 2 * 128 * 10),
+        (["trainer.max_epochs=1", "data.num_train=200", "trainer.batch_size=64"], 200),
+    ],
+)
+def test_the_estimate_counts_the_samples_the_run_trains_on(overrides, samples):
+    """A smoke test on 16 images trains on 16 a step, not a batch of 128: its estimate is 8x
+    shorter than 10 full batches'."""
+    plan = make_plan(compose_config(*MISSION, "precision=o0", *overrides))
+    assert batches.estimated_samples(plan.cfg, plan.task, plan.specs["data"]) == samples
 
 
 def test_the_key_runs_it_anyway_and_a_small_run_plans_as_before():
