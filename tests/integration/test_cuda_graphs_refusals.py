@@ -127,16 +127,20 @@ def test_what_only_the_whole_step_cannot_hold_is_refused(overrides, reason):
     assert optimizer.problem == f"true, but {CPU_REASON}"
 
 
-def test_a_language_models_own_dataset_is_refused_for_the_whole_step_compiled_or_not():
+# a language model on its own dataset (a `_target_`): sequences of any length
+LM_OWN_DATA = [
+    "model=gpt_tiny",
+    "data=custom",
+    "data._target_=tests.helpers.timing_models.sleepy_datasets",
+    "data.num_classes=64",
+    "task=language_model",
+    "scheduler=none",
+]
+
+
+def test_a_language_models_own_dataset_is_refused_for_the_whole_step():
     """Its sequences may be of any length: each other shape would run eagerly."""
-    lm = [
-        "model=gpt_tiny",
-        "data=custom",
-        "data._target_=tests.helpers.timing_models.sleepy_datasets",
-        "data.num_classes=64",
-        "task=language_model",
-        "scheduler=none",
-    ]
+    lm = LM_OWN_DATA
     with pytest.raises(ConfigError) as e:
         make_plan(compose_config(*lm, STEP))
     assert "a language model's own dataset (data._target_) may yield sequences of any length, " in (
@@ -180,16 +184,7 @@ def test_the_modes_of_the_option(value, mode):
 
 def test_a_compiled_language_model_on_its_own_dataset_is_refused():
     """Its sequences may be of any length, and a compiled step's graphs hold one shape each."""
-    cfg = compose_config(
-        "model=gpt_tiny",
-        "data=custom",
-        "data._target_=tests.helpers.timing_models.sleepy_datasets",
-        "data.num_classes=64",
-        "task=language_model",
-        "scheduler=none",
-        "trainer.compile=true",
-        ON,
-    )
+    cfg = compose_config(*LM_OWN_DATA, "trainer.compile=true", ON)
     with pytest.raises(ConfigError) as e:
         make_plan(cfg)
     error = e.value
