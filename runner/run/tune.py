@@ -36,9 +36,10 @@ from runner.errors import ConfigError
 from runner.run import cuda_graphs, out_of_memory, rng, tune_cache, tune_data, tune_given
 from runner.run.distributed import Comm
 from runner.run.plan import RunPlan
-from runner.run.tune_decision import DEFAULTS, Tuning, named
+from runner.run.tune_decision import DEFAULTS, Tuning, named, not_tried
 from runner.run.tune_measure import (
     BUDGET_NOTE,
+    COMPILE_GAIN,
     COMPILE_GUESS_S,
     MAX_AUTOTUNE,
     Row,
@@ -58,7 +59,6 @@ AUTO_MIN_STEPS = 300  # trainer.tune=auto: fewer steps than this do not repay tu
 BUDGET_SHARE, BUDGET_CAP_S = 0.05, 120.0  # tune_budget_s=null: this share of the run, capped
 # under on and refresh (the run tunes whatever its length): a quarter of the run, at least 15 s
 ON_SHARE, ON_LEAST_S = 0.25, 15.0
-COMPILE_GAIN = 0.15  # compile is tried where this share of the run's time repays the guess
 REPAID = "steps repay"  # (the end of a row's note: the run would not repay its compile)
 OUT_OF_MEMORY = "refused: out of memory"  # (a candidate's note: the untuned settings fit)
 GRAPHS = "trainer.cuda_graphs"
@@ -470,7 +470,7 @@ def _decision(
             together = f" (together with {', '.join(others)})" if others else ""
             reasons[key] = f"tuned: {speedup:.2f}x the untuned steady step{together}"
         elif not tried:
-            reasons[key] = "kept: not a candidate for this run"
+            reasons[key] = not_tried(key, steps, rows[0], plan.device)
         elif any(r.note.startswith(NOT_CAPTURED) for r in tried):
             reasons[key] = "kept: the step cannot be captured in a CUDA graph here (refused)"
         elif any(r.note == OUT_OF_MEMORY for r in tried):

@@ -7,11 +7,13 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, Optional
 
+import torch
+
 from runner import metrics as m
 from runner.config import tunable_defaults
 from runner.config.values import override_text
 from runner.run import tune_data
-from runner.run.tune_measure import Row
+from runner.run.tune_measure import COMPILE_GAIN, COMPILE_GUESS_S, Row
 
 DEFAULTS = tunable_defaults()
 
@@ -20,6 +22,25 @@ def named(settings: Mapping[str, Any]) -> str:
     """Settings (config keys) as a line says them (`trainer.channels_last=true`); "defaults"
     for none."""
     return ", ".join(f"{k}={override_text(v)}" for k, v in settings.items()) or "defaults"
+
+
+def not_tried(key: str, steps: Optional[int], base: Row, device: torch.device) -> str:
+    """Why a key left to tune had no candidate: a compile the run's `steps` at the untuned step
+    (`base`) would not repay (runner.run.tune's rule), max-autotune off CUDA, channels_last
+    without a convolution."""
+    guess = COMPILE_GUESS_S["cuda" if device.type == "cuda" else "cpu"]
+    if key == "trainer.compile_mode" and device.type != "cuda":
+        return "kept: max-autotune is tried on a CUDA GPU only"
+    if key in ("trainer.compile", "trainer.compile_mode") and steps and base.steady_ms:
+        run_s = steps * base.steady_ms / 1e3
+        return (
+            f"kept: not tried: {steps} steps of {base.steady_ms:.0f} ms (~{run_s:.0f} s) would "
+            f"not repay a compile (~{guess:.0f} s; tried where {COMPILE_GAIN:.0%} of the run's "
+            "time exceeds it)"
+        )
+    if key == "trainer.channels_last":
+        return "kept: the model has no convolution to lay out"
+    return "kept: not a candidate for this run"
 
 
 @dataclasses.dataclass

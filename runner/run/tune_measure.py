@@ -38,6 +38,7 @@ MARGIN = 0.03
 TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 1e-2, "fp8": 5e-2}
 # the least a compile may be guessed to take before it is measured (s): CPU, CUDA
 COMPILE_GUESS_S = {"cpu": 30.0, "cuda": 60.0}
+COMPILE_GAIN = 0.15  # compile is tried where this share of the run's time repays the guess
 MAX_AUTOTUNE = "max-autotune-no-cudagraphs"  # the compile mode tried after the default one
 BUDGET_NOTE = "left of trainer.tune_budget_s"  # the end of a candidate skipped for the budget
 # max-autotune's compile, estimated from the default compile's measured time: it compiles what

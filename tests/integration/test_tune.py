@@ -248,6 +248,22 @@ def test_tune_md_sets_the_runs_steady_step_beside_the_tuners():
     assert unmeasured.against_run(10.0, 32) == ""
 
 
+def test_a_key_without_a_candidate_says_why():
+    """A compile a short run would not repay, max-autotune on a CPU: each key's reason says why
+    it had no candidate (it read "not a candidate for this run")."""
+    plan = make_plan(compose_config(*ON))
+    free = ["trainer.compile", "trainer.compile_mode"]
+    rows = [tune_measure.Row({}, steady_ms=300.0)]
+    reasons = tune._decision(plan, rows, free, set(), 100, "measured").reasons
+    assert reasons["trainer.compile"] == (
+        "kept: not tried: 100 steps of 300 ms (~30 s) would not repay a compile (~30 s; tried "
+        "where 15% of the run's time exceeds it)"
+    )
+    assert reasons["trainer.compile_mode"] == "kept: max-autotune is tried on a CUDA GPU only"
+    unknown = tune._decision(plan, rows, free, set(), None, "measured").reasons
+    assert unknown["trainer.compile"] == "kept: not a candidate for this run"  # (steps unknown)
+
+
 def test_a_candidate_that_changes_the_loss_is_refused():
     model = ["model=custom", "model._target_=tests.helpers.tune_models.LayoutBug"]
     plan, tuning = tuned(*ON, *model, "precision.kernels=torch")
