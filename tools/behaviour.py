@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks import common
+
 # Seconds to a minute each on a 2-core CPU: tiny models, the defaults a user has (workers, progress
 # bar, an epoch checkpoint).
 COMMON = [
@@ -218,9 +220,12 @@ def commit(checkout: Path) -> str:
     return found.stdout.strip() or str(checkout)
 
 
-def markdown(commits: dict, report: dict) -> str:
+def markdown(commits: dict, report: dict, machine: dict, date: str) -> str:
     lines = [
         "# Same behaviour: the same commands on two commits",
+        "",
+        f"Machine: {machine['cpu']}, {machine['cores']} cores; torch {machine['torch']}, "
+        f"Python {machine['python']}, {machine['platform']}. Date: {date}.",
         "",
         f"Before: `{commits['before']}`; after: `{commits['after']}`. Each command ran as "
         "`python -m runner ...` with each checkout's code, into its own SQLite store (a resumed "
@@ -299,10 +304,13 @@ def main(argv: list[str] | None = None) -> int:
             side: commit(path) for side, path in (("before", args.before), ("after", args.after))
         }
         args.out.mkdir(parents=True, exist_ok=True)
+        host, date = common.machine("cpu"), common.now()
         (args.out / "behaviour_cpu.json").write_text(
-            json.dumps({"commits": commits, "runs": report}, indent=2)
+            json.dumps(
+                {"commits": commits, "machine": host, "date": date, "runs": report}, indent=2
+            )
         )
-        (args.out / "behaviour_cpu.md").write_text(markdown(commits, report))
+        (args.out / "behaviour_cpu.md").write_text(markdown(commits, report, host, date))
     failed = any(d.startswith("a side failed") for r in report.values() for d in r["differences"])
     if not failed:  # (a failed side's logs and store are kept to read, the folder named)
         shutil.rmtree(work, ignore_errors=True)

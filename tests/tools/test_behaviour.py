@@ -87,4 +87,6 @@ def test_a_checkout_behaves_as_itself(tmp_path, monkeypatch):
     resumed = report["runs"]["resumed"]
     assert status == 0 and resumed["differences"] == []
     assert resumed["params"] > 50 and resumed["metric_points"] > 10
-    assert "| resumed: `model=tiny" in (tmp_path / "behaviour_cpu.md").read_text()
+    said = (tmp_path / "behaviour_cpu.md").read_text()
+    assert "| resumed: `model=tiny" in said
+    assert f"{report['machine']['cores']} cores" in said and report["date"][:10] in said
