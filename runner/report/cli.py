@@ -95,10 +95,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def _run(reader: Reader, experiment_name: str, key: str) -> RunRecord:
-    """The run `key` names (runner.report.runs.find_run), its line, if any, told on stderr."""
-    run, told = find_run(reader, experiment_name, key)
-    if told:
-        print(told, file=sys.stderr)
+    """The run `key` names (runner.report.runs.find_run), its warning, if any, on stderr."""
+    run, warning = find_run(reader, experiment_name, key)
+    if warning:
+        print(warning, file=sys.stderr)
     return run
 
 

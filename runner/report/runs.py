@@ -109,7 +109,7 @@ def _in_folder(parent: RunRecord, folder: str) -> bool:
 
 
 def find_run(reader: Reader, experiment_name: str, key: str) -> tuple[RunRecord, str | None]:
-    """(the run `key` names, a line to tell or None): the run of that id (in any experiment);
+    """(the run `key` names, a warning to print or None): the run of that id (in any experiment);
     else, in experiment `experiment_name`, the run of that name (the newest where several share
     it, as a sweep's runs do from one sweep to the next: the line says so) or the one run whose
     id starts with it (the 8 characters a report shows). NothingToReport, naming the experiment's
@@ -129,14 +129,14 @@ def find_run(reader: Reader, experiment_name: str, key: str) -> tuple[RunRecord,
     runs = reader.runs([experiment_id], newest_first=True)
     named = [r for r in runs if r.run_name == key]
     if named:
-        told = None
+        warning = None
         if len(named) > 1:
-            told = (
+            warning = (
                 f"{len(named)} runs are named {key!r} in experiment {experiment_name!r}: took the "
                 f"newest, {named[0].run_id} (the others: {', '.join(r.run_id for r in named[1:4])}"
                 f"{', ...' if len(named) > 4 else ''}); give a run id to take another"
             )
-        return named[0], told
+        return named[0], warning
     starting = [r for r in runs if key and r.run_id.startswith(key.lower())]
     if len(starting) == 1:
         return starting[0], None

@@ -223,10 +223,10 @@ def test_a_value_hydra_reads_only_quoted_is_told_how_to_quote_it(tmp_path):
     quoted, and that quoted override, pasted as it is, runs."""
     folder = tmp_path / "runs ü"
     refused = run_cli(f"hydra.run.dir={folder}", "dry_run=true", cwd=tmp_path, timeout=300)
-    told = refused.stdout + refused.stderr
-    assert refused.returncode == 2 and "Traceback" not in told, told
-    quoted = re.search(r"cannot take 'ü' there\); quote it: (.+)$", told.strip())
-    assert quoted is not None, told
+    said = refused.stdout + refused.stderr
+    assert refused.returncode == 2 and "Traceback" not in said, said
+    quoted = re.search(r"cannot take 'ü' there\); quote it: (.+)$", said.strip())
+    assert quoted is not None, said
     (override,) = shlex.split(quoted[1])  # (as a shell reads it)
     ran = run_cli(override, "dry_run=true", cwd=tmp_path, timeout=300)
     assert ran.returncode == 0, ran.stderr[-3000:]
@@ -251,9 +251,9 @@ def test_an_image_folder_with_an_empty_class_is_refused_before_the_store(tmp_pat
         cwd=tmp_path,
         timeout=300,
     )
-    told = result.stdout + result.stderr
-    assert result.returncode == 2 and "Traceback" not in told, told[-3000:]
-    assert f"no image in 1 class folder(s) of {tmp_path / 'data' / 'train'}: c (" in told
+    said = result.stdout + result.stderr
+    assert result.returncode == 2 and "Traceback" not in said, said[-3000:]
+    assert f"no image in 1 class folder(s) of {tmp_path / 'data' / 'train'}: c (" in said
     assert not (tmp_path / "mlflow.db").exists()
 
 
