@@ -12,7 +12,7 @@ import torch
 from runner.run import cuda_graphs
 from runner.run.compile_warmup import compile_warmup
 from tests.helpers.runs import FAST, compose_config
-from tests.helpers.trainer import planned_trainer
+from tests.helpers.trainer import assert_same_losses, planned_trainer, trained_losses
 
 STEPS = 12  # a batch of 32 from 384 samples: 3 eager warm-up steps, a capture, 9 replays
 # how far the losses of two runs may drift apart through the convolutions' nondeterministic
@@ -35,20 +35,7 @@ def _train(level: str, graphs: bool, *overrides: str, epochs: int = 1):
         f"trainer.cuda_graphs={str(graphs).lower()}",
         *overrides,
     )
-    trainer, logged, parts = planned_trainer(cfg)
-    try:
-        if cfg.trainer.compile:
-            compile_warmup(trainer)
-        for epoch in range(1, epochs + 1):
-            trainer.train_epoch(epoch)
-    finally:
-        parts.close()
-    return [m["train_loss"] for m in logged if "train_loss" in m], trainer
-
-
-def _same_losses(eager: list[float], graphed: list[float], rtol: float) -> None:
-    assert len(eager) == len(graphed) and all(map(torch.isfinite, torch.tensor(graphed)))
-    torch.testing.assert_close(torch.tensor(graphed), torch.tensor(eager), rtol=rtol, atol=rtol)
+    return trained_losses(cfg, epochs, compile_warmup if cfg.trainer.compile else None)
 
 
 @pytest.mark.gpu
@@ -59,7 +46,7 @@ def _same_losses(eager: list[float], graphed: list[float], rtol: float) -> None:
 def test_a_replayed_step_trains_as_the_eager_step(level, optimizer):
     eager, _ = _train(level, False, f"optimizer={optimizer}")
     graphed, trainer = _train(level, True, f"optimizer={optimizer}")
-    _same_losses(eager, graphed, RTOL[level])
+    assert_same_losses(eager, graphed, RTOL[level])
     graph = trainer.step_graph
     assert (graph.eager_steps, graph.captures) == (cuda_graphs.WARMUP_STEPS, 1)
     assert graph.replays == STEPS - cuda_graphs.WARMUP_STEPS  # the captured step's too
@@ -77,7 +64,7 @@ def test_skips_and_the_loss_scale_replay_as_the_eager_step_takes_them():
     scaled = ("optimizer=adam", "precision.init_scale=16777216", "precision.growth_interval=2")
     eager, eager_trainer = _train("o2", False, *scaled)
     graphed, trainer = _train("o2", True, *scaled)
-    _same_losses(eager, graphed, RTOL["o2"])
+    assert_same_losses(eager, graphed, RTOL["o2"])
     engine, eager_engine = trainer.engine, eager_trainer.engine
     assert float(engine.loss_scale) == float(eager_engine.loss_scale)
     assert int(engine.skipped_steps) == int(eager_engine.skipped_steps) >= 1
@@ -89,7 +76,7 @@ def test_skips_and_the_loss_scale_replay_as_the_eager_step_takes_them():
 def test_the_clip_is_captured_with_the_step():
     eager, _ = _train("o2", False, "trainer.grad_clip_norm=0.5")
     graphed, trainer = _train("o2", True, "trainer.grad_clip_norm=0.5")
-    _same_losses(eager, graphed, RTOL["o2"])
+    assert_same_losses(eager, graphed, RTOL["o2"])
     assert trainer.step_graph.replays == STEPS - cuda_graphs.WARMUP_STEPS
 
 
@@ -103,7 +90,7 @@ def test_a_new_learning_rate_replays_the_same_graph_where_the_kernels_step():
     as the eager step."""
     eager, _ = _train("o2_bf16", False, *DECAY, epochs=2)
     graphed, trainer = _train("o2_bf16", True, *DECAY, epochs=2)
-    _same_losses(eager, graphed, RTOL["o2_bf16"])
+    assert_same_losses(eager, graphed, RTOL["o2_bf16"])
     graph = trainer.step_graph
     assert graph.captures == 1 and graph.rates.covers()
     assert graph.replays == 2 * STEPS - cuda_graphs.WARMUP_STEPS
@@ -115,7 +102,7 @@ def test_torchs_own_step_is_captured_again_with_a_new_learning_rate():
     the capture holds, and the decay captures the step again."""
     eager, _ = _train("o1_bf16", False, "optimizer=sgd", *DECAY, epochs=2)
     graphed, trainer = _train("o1_bf16", True, "optimizer=sgd", *DECAY, epochs=2)
-    _same_losses(eager, graphed, RTOL["o1_bf16"])
+    assert_same_losses(eager, graphed, RTOL["o1_bf16"])
     graph = trainer.step_graph
     assert graph.captures == 2 and not graph.rates.covers()
     assert graph.replays == 2 * STEPS - cuda_graphs.WARMUP_STEPS
@@ -129,7 +116,7 @@ def test_a_cosine_schedule_replays_one_graph_with_each_steps_rate(level, optimiz
     cosine = (f"optimizer={optimizer}", "scheduler=cosine")
     eager, eager_trainer = _train(level, False, *cosine)
     graphed, trainer = _train(level, True, *cosine)
-    _same_losses(eager, graphed, RTOL[level])
+    assert_same_losses(eager, graphed, RTOL[level])
     graph = trainer.step_graph
     assert graph.captures == 1
     assert graph.replays == STEPS - cuda_graphs.WARMUP_STEPS
@@ -146,7 +133,7 @@ def test_compiled_forward_and_backward_replay_as_graphs_too():
     beside the captured step, and trains as the compiled eager-step run."""
     eager, _ = _train("o2_bf16", False, "trainer.compile=true")
     graphed, trainer = _train("o2_bf16", True, "trainer.compile=true")
-    _same_losses(eager, graphed, RTOL["o2_bf16"])
+    assert_same_losses(eager, graphed, RTOL["o2_bf16"])
     assert trainer.step_graph.replays == STEPS - cuda_graphs.WARMUP_STEPS
 
 
@@ -201,7 +188,7 @@ def test_the_benchmarks_runs_replay_every_step_as_the_eager_step_trains(level, o
     finally:
         for _, parts, _ in runs:
             parts.close()
-    _same_losses(losses[0], losses[1], RTOL[level])
+    assert_same_losses(losses[0], losses[1], RTOL[level])
     graph = runs[1][0].step_graph
     assert (graph.eager_steps, graph.captures) == (cuda_graphs.WARMUP_STEPS, 1)
     assert graph.replays == steps - cuda_graphs.WARMUP_STEPS

@@ -18,7 +18,7 @@ from runner.run import app, whole_step
 from tests.helpers.resume import settings
 from tests.helpers.runs import FAST, compose_config
 from tests.helpers.store import history, runs_by_name
-from tests.helpers.trainer import planned_trainer
+from tests.helpers.trainer import assert_same_losses, trained_losses
 
 STEPS = 50  # a batch of 32 from 1600 samples: warm-up, a capture, replays
 LEVELS = ["o0", "o1", "o2", "o3", "o1_bf16", "o2_bf16"]
@@ -48,23 +48,12 @@ def _config(level: str, graphs: bool, *overrides: str, samples: int = 32 * STEPS
 def _train(level: str, graphs: bool, *overrides: str, epochs: int = 1, **kw):
     """The per-step losses of `epochs` epochs, and the trainer (its parts closed)."""
     cfg = _config(level, graphs, f"trainer.max_epochs={epochs}", *overrides, **kw)
-    trainer, logged, parts = planned_trainer(cfg)
-    try:
-        for epoch in range(1, epochs + 1):
-            trainer.train_epoch(epoch)
-    finally:
-        parts.close()
-    return [m["train_loss"] for m in logged if "train_loss" in m], trainer
+    return trained_losses(cfg, epochs)
 
 
 def _state(trainer) -> dict[str, torch.Tensor]:
     """The model's weights and buffers (BatchNorm's running statistics and batch counts)."""
     return {k: v.detach().float().cpu() for k, v in trainer.module.state_dict().items()}
-
-
-def _same(eager: list[float], graphed: list[float], rtol: float) -> None:
-    assert len(eager) == len(graphed) and all(map(torch.isfinite, torch.tensor(graphed)))
-    torch.testing.assert_close(torch.tensor(graphed), torch.tensor(eager), rtol=rtol, atol=rtol)
 
 
 def _replayed(graph: whole_step.WholeStepGraph, steps: int) -> None:
@@ -82,7 +71,7 @@ def test_a_captured_step_trains_as_the_eager_step_at_every_level(level):
     weights and running statistics after them, within the level's format."""
     eager, eager_trainer = _train(level, False)
     graphed, trainer = _train(level, True)
-    _same(eager, graphed, RTOL[level])
+    assert_same_losses(eager, graphed, RTOL[level])
     _replayed(trainer.whole_step, STEPS)
     want, got = _state(eager_trainer), _state(trainer)
     for key in want:
@@ -116,7 +105,7 @@ def test_overflowing_steps_are_skipped_inside_the_graph_as_eagerly():
     scaled = ("optimizer=adam", "precision.init_scale=16777216", "precision.growth_interval=2")
     eager, eager_trainer = _train("o2", False, *scaled)
     graphed, trainer = _train("o2", True, *scaled)
-    _same(eager, graphed, RTOL["o2"])
+    assert_same_losses(eager, graphed, RTOL["o2"])
     engine, eager_engine = trainer.engine, eager_trainer.engine
     assert float(engine.loss_scale) == float(eager_engine.loss_scale)
     graph = trainer.whole_step
@@ -137,7 +126,7 @@ def test_the_epochs_last_partial_batch_runs_eagerly_beside_the_graph():
     epoch), and the losses are the eager run's."""
     eager, _ = _train("o2", False, epochs=2, samples=32 * STEPS + 8)
     graphed, trainer = _train("o2", True, epochs=2, samples=32 * STEPS + 8)
-    _same(eager, graphed, RTOL["o2"])
+    assert_same_losses(eager, graphed, RTOL["o2"])
     graph = trainer.whole_step
     assert graph.beside >= 2 and graph.captures == 1
     _replayed(graph, 2 * (STEPS + 1))
@@ -171,7 +160,7 @@ def test_a_resumed_graph_run_trains_as_the_resumed_eager_run(tmp_path, level):
     for metric, points in eager.items():
         steps = [s for s, _ in points]
         assert [s for s, _ in graphed[metric]] == steps, metric
-        _same([v for _, v in points], [v for _, v in graphed[metric]], RTOL[level])
+        assert_same_losses([v for _, v in points], [v for _, v in graphed[metric]], RTOL[level])
 
 
 @pytest.mark.gpu

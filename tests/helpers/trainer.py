@@ -4,6 +4,7 @@ build (`planned_trainer`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Optional
 
 import torch
@@ -87,3 +88,25 @@ def planned_trainer(cfg) -> tuple[Trainer, list[dict], Parts]:
         device=plan.device,
     )
     return trainer, logged, parts
+
+
+def trained_losses(
+    cfg, epochs: int, before: Optional[Callable[[Trainer], None]] = None
+) -> tuple[list[float], Trainer]:
+    """The train losses logged over `epochs` epochs of the trainer a run of `cfg` would train
+    with (`before`: called on it first, e.g. compile's warm-up), and the trainer (parts closed)."""
+    trainer, logged, parts = planned_trainer(cfg)
+    try:
+        if before is not None:
+            before(trainer)
+        for epoch in range(1, epochs + 1):
+            trainer.train_epoch(epoch)
+    finally:
+        parts.close()
+    return [m["train_loss"] for m in logged if "train_loss" in m], trainer
+
+
+def assert_same_losses(want: list[float], got: list[float], rtol: float) -> None:
+    """As many losses, all finite, each within `rtol` (relative and absolute) of its twin."""
+    assert len(want) == len(got) and all(map(torch.isfinite, torch.tensor(got)))
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=rtol, atol=rtol)
