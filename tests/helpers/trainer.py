@@ -110,3 +110,20 @@ def assert_same_losses(want: list[float], got: list[float], rtol: float) -> None
     """As many losses, all finite, each within `rtol` (relative and absolute) of its twin."""
     assert len(want) == len(got) and all(map(torch.isfinite, torch.tensor(got)))
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=rtol, atol=rtol)
+
+
+OVERFLOWING = ("optimizer=adam", "precision.init_scale=16777216", "precision.growth_interval=2")
+"""O2 overrides whose loss scale (2^24) overflows fp16 at first and grows back every 2 good
+steps: steps are skipped and the scale changes after a graph's capture too."""
+
+
+def overflowing_runs(
+    train: Callable[..., tuple[list[float], Trainer]], rtol: float
+) -> tuple[Trainer, Trainer]:
+    """`train(level, graphs, *overrides)` at O2 with OVERFLOWING, eagerly and graphed: their
+    losses within `rtol` and the same final loss scale; (the graphed trainer, the eager one)."""
+    eager, eager_trainer = train("o2", False, *OVERFLOWING)
+    graphed, trainer = train("o2", True, *OVERFLOWING)
+    assert_same_losses(eager, graphed, rtol)
+    assert float(trainer.engine.loss_scale) == float(eager_trainer.engine.loss_scale)
+    return trainer, eager_trainer
