@@ -7,7 +7,6 @@ optimizer does; with torch.compile, forward and backward replayed as graphs too.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from runner.run import cuda_graphs
 from runner.run.compile_warmup import compile_warmup
@@ -16,6 +15,7 @@ from tests.helpers.trainer import (
     assert_same_losses,
     overflowing_runs,
     planned_trainer,
+    step_counters,
     trained_losses,
 )
 
@@ -57,10 +57,6 @@ def test_a_replayed_step_trains_as_the_eager_step(level, optimizer):
     assert graph.replays == STEPS - cuda_graphs.WARMUP_STEPS  # the captured step's too
 
 
-def _counters(optimizer: torch.optim.Optimizer) -> list[float]:
-    return [float(state["step"]) for state in optimizer.state.values() if "step" in state]
-
-
 @pytest.mark.gpu
 def test_skips_and_the_loss_scale_replay_as_the_eager_step_takes_them():
     """A loss scale of 2^24 in fp16 overflows at first, and grows back every 2 good steps: steps
@@ -69,7 +65,7 @@ def test_skips_and_the_loss_scale_replay_as_the_eager_step_takes_them():
     trainer, eager_trainer = overflowing_runs(_train, RTOL["o2"])
     engine, eager_engine = trainer.engine, eager_trainer.engine
     assert int(engine.skipped_steps) == int(eager_engine.skipped_steps) >= 1
-    assert _counters(trainer.optimizer) == _counters(eager_trainer.optimizer)
+    assert step_counters(trainer.optimizer) == step_counters(eager_trainer.optimizer)
     assert trainer.step_graph.replays == STEPS - cuda_graphs.WARMUP_STEPS
 
 

@@ -18,7 +18,12 @@ from runner.run import app, whole_step
 from tests.helpers.resume import settings
 from tests.helpers.runs import FAST, compose_config
 from tests.helpers.store import history, runs_by_name
-from tests.helpers.trainer import assert_same_losses, overflowing_runs, trained_losses
+from tests.helpers.trainer import (
+    assert_same_losses,
+    overflowing_runs,
+    step_counters,
+    trained_losses,
+)
 
 STEPS = 50  # a batch of 32 from 1600 samples: warm-up, a capture, replays
 LEVELS = ["o0", "o1", "o2", "o3", "o1_bf16", "o2_bf16"]
@@ -109,8 +114,8 @@ def test_overflowing_steps_are_skipped_inside_the_graph_as_eagerly():
     assert skipped == int(eager_engine.skipped_steps)
     assert skipped > graph.eager_steps + graph.beside  # (some skipped inside replays)
     assert trainer.guard.skip_streak == eager_trainer.guard.skip_streak
-    counters = [float(s["step"]) for s in trainer.optimizer.state.values() if "step" in s]
-    eager_counters = [float(s["step"]) for s in eager_trainer.optimizer.state.values()]
+    counters = step_counters(trainer.optimizer)
+    eager_counters = step_counters(eager_trainer.optimizer)
     assert counters == eager_counters and counters[0] == STEPS - skipped
     assert graph.replays >= STEPS - 20, graph.summary()  # (the first overflows: eager, watched)
 

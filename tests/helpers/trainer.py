@@ -127,3 +127,8 @@ def overflowing_runs(
     assert_same_losses(eager, graphed, rtol)
     assert float(trainer.engine.loss_scale) == float(eager_trainer.engine.loss_scale)
     return trainer, eager_trainer
+
+
+def step_counters(optimizer: torch.optim.Optimizer) -> list[float]:
+    """Each parameter's step counter in `optimizer`'s state (Adam's; a skipped step leaves it)."""
+    return [float(state["step"]) for state in optimizer.state.values() if "step" in state]
